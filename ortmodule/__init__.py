@@ -1,0 +1,7 @@
+"""ortmodule: Hugging Face-style causal LMs over ONNX GenAI packages, zero-copy through DLPack."""
+
+from .modeling import OrtModelForCausalLM, load_tokenizer
+from .package import PackageError, read_package
+
+__all__ = ["OrtModelForCausalLM", "PackageError", "load_tokenizer", "read_package"]
+__version__ = "0.1.0"

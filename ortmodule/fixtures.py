@@ -1,0 +1,208 @@
+"""Tiny random-weight models exported as GenAI packages: the test bed of the tests, the demo and
+the benchmarks.
+
+`build(FixtureSpec("llama"))` makes a Hugging Face checkpoint (random weights, a byte-level BPE
+tokenizer trained on local text) and exports it with `python -m onnxruntime_genai.models.builder`.
+Both land in a cache folder keyed by the spec, so a second call returns at once. Nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FIXTURE_VERSION = "1"
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+ONNX Runtime runs machine learning models fast on many kinds of hardware, from phones to data centres.
+Language models predict the next token of a text; scoring asks how likely a continuation is.
+Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of Italy.
+Water boils at one hundred degrees Celsius at sea level, and freezes at zero degrees.
+She sold sea shells by the sea shore, and the shells she sold were surely sea shells.
+In 1969 the first people walked on the Moon; the mission was called Apollo eleven.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 100 1000.
+Question: what colour is the sky on a clear day? Answer: blue. Question: what is two plus two? Answer: four.
+"""
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
+
+# Hugging Face config class, architecture name, and the fields each family needs.
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        # Every other layer slides over an 8-token window, so 10+ token inputs exercise it.
+        {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16, "layer_types": None},
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"original_max_position_embeddings": None}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    arch: str = "llama"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    vocab_size: int = 512  # the model's; the tokenizer has at most TOKENIZER_VOCAB entries of it
+    context_length: int = 256
+    precision: str = "fp32"
+    seed: int = 0
+    initializer_range: float = 0.1  # wider than HF's 0.02, so logits have clear maxima
+    extra_options: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # for the builder
+
+    @property
+    def name(self) -> str:
+        return f"{self.arch}-h{self.hidden_size}-l{self.num_layers}-v{self.vocab_size}-{self.precision}"
+
+    def key(self) -> str:
+        import onnxruntime_genai
+        import transformers
+
+        text = json.dumps(
+            [dataclasses.asdict(self), FIXTURE_VERSION, onnxruntime_genai.__version__, transformers.__version__],
+            sort_keys=True,
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+TOKENIZER_VOCAB = 512
+
+
+@dataclass(frozen=True)
+class Fixture:
+    spec: FixtureSpec
+    hf_dir: Path  # transformers checkpoint + tokenizer
+    package_dir: Path  # GenAI package
+
+
+def cache_root() -> Path:
+    base = os.environ.get("ORTMODULE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortmodule"
+    )
+    return Path(base) / "fixtures"
+
+
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
+    """A byte-level BPE tokenizer trained on `CORPUS`, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS.splitlines() * 4, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
+    """A random-weight transformers checkpoint with its tokenizer, saved to `out`."""
+    import torch
+    import transformers
+
+    config_class, architecture, fields = ARCHITECTURES[spec.arch]
+    tokenizer = train_tokenizer(min(TOKENIZER_VOCAB, spec.vocab_size))
+    fields = dict(fields)
+    if "layer_types" in fields:  # alternate sliding and full attention
+        fields["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
+        ]
+    if "original_max_position_embeddings" in fields:
+        fields["original_max_position_embeddings"] = spec.context_length
+    config = getattr(transformers, config_class)(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.context_length,
+        initializer_range=spec.initializer_range,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        architectures=[architecture],
+        **fields,
+    )
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, architecture)(config)
+    model.save_pretrained(out)
+    tokenizer.model_max_length = spec.context_length
+    tokenizer.save_pretrained(out)
+
+
+# The builder 0.18 reads Gemma 3's RoPE settings in the flat form of transformers 4 (`rope_parameters`
+# for full attention, `rope_local_base_freq` for sliding layers); transformers 5 nests them per layer
+# type. Its Gemma 4 path flattens them itself; this does the same for Gemma 3, then runs the builder.
+_BUILDER = """
+import runpy, sys, transformers
+load = transformers.AutoConfig.from_pretrained
+def flat_rope(*args, **kwargs):
+    config = load(*args, **kwargs)
+    rope = getattr(config, "rope_parameters", None)
+    if getattr(config, "model_type", "") == "gemma3_text" and isinstance(rope, dict) and "full_attention" in rope:
+        config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+        config.rope_parameters = dict(rope["full_attention"])
+    return config
+transformers.AutoConfig.from_pretrained = flat_rope
+sys.argv[0] = "builder"
+runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+"""
+
+
+def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=()) -> None:
+    """Export a checkpoint with onnxruntime-genai's model builder for the CPU."""
+    command = [sys.executable, "-c", _BUILDER, "-i", str(hf_dir), "-o", str(out)]
+    command += ["-p", precision, "-e", "cpu", "-c", str(out.parent / "builder-cache")]
+    if extra_options:
+        command += ["--extra_options", *[f"{k}={v}" for k, v in extra_options]]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"model builder failed ({' '.join(command)}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+
+
+def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
+    """Build (or find in the cache) the checkpoint and the GenAI package for `spec`."""
+    root = Path(root) if root is not None else cache_root()
+    final = root / f"{spec.name}-{spec.key()}"
+    if not (final / "package" / "genai_config.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=root))
+        try:
+            make_checkpoint(spec, work / "hf")
+            export(work / "hf", work / "package", spec.precision, spec.extra_options)
+            shutil.rmtree(work / "builder-cache", ignore_errors=True)
+            if final.exists():  # another process finished first
+                shutil.rmtree(work)
+            else:
+                work.rename(final)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+    return Fixture(spec, final / "hf", final / "package")

@@ -1,0 +1,123 @@
+"""Rewrites of a decoder graph: the LM head applied only to the positions asked for.
+
+The builder's decoders compute `logits [batch, seq, vocab]` for every position. Scoring reads a
+handful of them, and on a large vocabulary the LM head is most of the model's work. The rewrite
+adds an input `ortmodule_logits_indices` (int64 `[n]`, flat indices into `batch * seq`), gathers
+those rows of the final hidden states just before the LM head, and returns `logits [n, vocab]`.
+
+The rewritten graph references the package's own external weight file (no copy of the weights)
+and is cached as graph bytes keyed by the source file's identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+logger = logging.getLogger("ortmodule")
+
+LOGITS_INDICES = "ortmodule_logits_indices"
+REWRITE_VERSION = "1"
+
+# Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
+_ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}
+_LM_HEADS = {"MatMul", "MatMulNBits", "Gemm"}
+
+
+class RewriteSkipped(Exception):
+    """The graph does not match the pattern; the reason is the message."""
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("ORTMODULE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortmodule"
+    )
+    return Path(base) / "graphs"
+
+
+def _is_constant(value: ir.Value) -> bool:
+    if value.const_value is not None or value.is_initializer():
+        return True
+    producer = value.producer()
+    return producer is not None and producer.op_type == "Constant"
+
+
+def _find_lm_head(graph: ir.Graph, logits_name: str) -> tuple[ir.Node, list[ir.Node]]:
+    """The node computing the logits from hidden states, and the elementwise nodes after it."""
+    output = next((o for o in graph.outputs if o.name == logits_name), None)
+    if output is None:
+        raise RewriteSkipped(f"no graph output named '{logits_name}'")
+    chain = []
+    node = output.producer()
+    while node is not None and node.domain in ("", "ai.onnx") and node.op_type in _ELEMENTWISE:
+        variable = [v for v in node.inputs if v is not None and not _is_constant(v)]
+        if len(variable) != 1:
+            raise RewriteSkipped(f"'{node.name}' ({node.op_type}) after the LM head mixes two variable inputs")
+        chain.append(node)
+        node = variable[0].producer()
+    if node is None or node.op_type not in _LM_HEADS:
+        found = "a graph input" if node is None else f"'{node.name}' ({node.op_type})"
+        raise RewriteSkipped(f"the logits come from {found}, not a MatMul, MatMulNBits or Gemm LM head")
+    if len(node.inputs) < 2 or node.inputs[1] is None or not _is_constant(node.inputs[1]):
+        raise RewriteSkipped(f"LM head '{node.name}' has no constant weight")
+    hidden = node.inputs[0]
+    if hidden.shape is not None and hidden.shape.rank() != 3:
+        raise RewriteSkipped(f"LM head '{node.name}' input has rank {hidden.shape.rank()}, expected 3")
+    return node, chain
+
+
+def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str) -> onnx.ModelProto:
+    """Return the graph with the LM head applied only at `ortmodule_logits_indices`.
+
+    Raises `RewriteSkipped` when the graph does not match; the input proto is left unchanged.
+    """
+    model = ir.serde.deserialize_model(proto)
+    graph = model.graph
+    head, chain = _find_lm_head(graph, logits_name)
+    indices = ir.Value(name=LOGITS_INDICES, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["num_logits"]))
+    graph.inputs.append(indices)
+    flatten = ir.node("Flatten", [head.inputs[0]], attributes={"axis": 2}, name="/ortmodule/Flatten")
+    gather = ir.node("Gather", [flatten.outputs[0], indices], attributes={"axis": 0}, name="/ortmodule/Gather")
+    graph.insert_before(head, [flatten, gather])
+    head.replace_input_with(0, gather.outputs[0])
+    # Shapes recorded for [batch, seq, vocab] no longer hold between the head and the output.
+    vocab = graph.outputs[[o.name for o in graph.outputs].index(logits_name)].shape
+    vocab_dim = vocab[2] if vocab is not None and vocab.rank() == 3 else "vocab_size"
+    for node in [head, *chain]:
+        for value in node.outputs:
+            value.shape = ir.Shape(["num_logits", vocab_dim])
+    return ir.serde.serialize_model(model)
+
+
+def _cache_key(path: Path) -> str:
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{REWRITE_VERSION}|{ir.__version__}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:24]
+
+
+def keep_positions_graph(decoder_path: Path, logits_name: str, cache_dir: Path | None = None) -> bytes | None:
+    """Bytes of the rewritten decoder graph (weights stay in the package's files), or None with a
+    logged reason when the graph does not match. Built once per source file, then read from the cache."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cached = cache_dir / f"{decoder_path.stem}-{_cache_key(decoder_path)}.onnx"
+    if cached.is_file():
+        return cached.read_bytes()
+    proto = onnx.load(str(decoder_path), load_external_data=False)
+    try:
+        data = rewrite_keep_positions(proto, logits_name).SerializeToString()
+    except RewriteSkipped as reason:
+        logger.warning("ortmodule: computing logits for every position of %s: %s", decoder_path, reason)
+        return None
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(data)
+        partial.replace(cached)
+    except OSError as e:  # a read-only cache costs a rewrite per load, nothing else
+        logger.info("ortmodule: could not cache the rewritten graph in %s: %s", cache_dir, e)
+    return data

@@ -1,0 +1,350 @@
+"""`OrtModelForCausalLM`: a torch.nn.Module over an ONNX Runtime decoder session.
+
+Forward is prefill only: right-padded rows run as they are; left-padded rows (or any row whose
+ones form one contiguous run) are rolled to the right-padded layout first, because the builder's
+GroupQueryAttention graphs get left padding wrong. The logits come back for the positions asked
+for, in the caller's layout, through the LM-head rewrite in `graph.py` when it applies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import onnxruntime as ort
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from . import graph, runtime
+from .package import Package, PackageError, read_package
+
+logger = logging.getLogger("ortmodule")
+
+
+def load_tokenizer(path: str | Path, **kwargs):
+    """The package's Hugging Face fast tokenizer, read from its own files (never the network)."""
+    root = Path(path)
+    if not (root / "tokenizer.json").is_file():
+        raise PackageError(f"{root}: no tokenizer.json in the package folder")
+    return AutoTokenizer.from_pretrained(root, local_files_only=True, **kwargs)
+
+
+def build_config(package: Package) -> PretrainedConfig:
+    """The package's config.json when present, else a config built from genai_config.json."""
+    config_file = package.root / "config.json"
+    if config_file.is_file():
+        try:
+            return AutoConfig.from_pretrained(package.root, local_files_only=True)
+        except (ValueError, KeyError):  # a model type this transformers does not know
+            return PretrainedConfig.from_dict(json.loads(config_file.read_text()))
+    decoder = package.genai_config["model"]["decoder"]
+    fields = dict(
+        vocab_size=package.vocab_size,
+        hidden_size=package.hidden_size,
+        num_hidden_layers=len(package.decoder.layers),
+        num_attention_heads=package.num_attention_heads,
+        num_key_value_heads=decoder.get("num_key_value_heads", package.num_attention_heads),
+        head_dim=decoder["head_size"],
+        max_position_embeddings=package.context_length,
+        bos_token_id=package.bos_token_id,
+        eos_token_id=package.eos_token_id,
+        pad_token_id=package.pad_token_id,
+    )
+    try:
+        config = AutoConfig.for_model(package.model_type, **fields)
+    except (ValueError, KeyError, TypeError):
+        config = PretrainedConfig(**fields)
+    config._name_or_path = str(package.root)
+    return config
+
+
+def build_generation_config(package: Package) -> GenerationConfig:
+    search = package.search
+    return GenerationConfig(
+        bos_token_id=package.bos_token_id,
+        eos_token_id=package.eos_token_id,
+        pad_token_id=package.pad_token_id,
+        do_sample=search.get("do_sample", False),
+        temperature=search.get("temperature", 1.0),
+        top_k=search.get("top_k", 50),
+        top_p=search.get("top_p", 1.0),
+    )
+
+
+class OrtModelForCausalLM(torch.nn.Module):
+    """A causal LM over an ONNX GenAI package with the Hugging Face model surface.
+
+    `model(input_ids, attention_mask, cont_len=k).logits` is a torch tensor on `model.device`,
+    `[B, k, V]` for the last k positions of the padded input (`[B, T, V]` when k is None or 0).
+    """
+
+    main_input_name = "input_ids"
+    _is_stateful = False
+
+    def __init__(
+        self,
+        package: Package,
+        device: str | torch.device = "cpu",
+        session_options: ort.SessionOptions | None = None,
+        provider_options: dict | None = None,
+        rewrite_lm_head: bool = True,
+        cache_dir: str | Path | None = None,
+    ):
+        super().__init__()
+        self.package = package
+        self.config = build_config(package)
+        self.generation_config = build_generation_config(package)
+        self.name_or_path = str(package.root)
+        self._session_options = session_options
+        self._provider_options = provider_options
+        decoder = package.decoder
+        self._graph_bytes = (
+            graph.keep_positions_graph(decoder.path, decoder.logits, cache_dir) if rewrite_lm_head else None
+        )
+        self._id_dtype = runtime.torch_dtype(decoder.id_type)
+        self._mask_dtype = runtime.torch_dtype(decoder.mask_type) if decoder.mask_type else None
+        self._position_dtype = runtime.torch_dtype(decoder.position_type) if decoder.position_type else None
+        self._kv_dtype = runtime.torch_dtype(decoder.kv_type)
+        self._logits_dtype = runtime.torch_dtype(decoder.logits_type)
+        self._load(runtime.parse_device(device))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        provider_options: dict | None = None,
+        session_options: ort.SessionOptions | None = None,
+        rewrite_lm_head: bool = True,
+        cache_dir: str | Path | None = None,
+    ) -> "OrtModelForCausalLM":
+        """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N')."""
+        return cls(read_package(path), device, session_options, provider_options, rewrite_lm_head, cache_dir)
+
+    def _load(self, device: torch.device) -> None:
+        decoder = self.package.decoder
+        if self._graph_bytes is not None:
+            source, folder = self._graph_bytes, decoder.path.parent
+        else:
+            source, folder = decoder.path, None
+        self.session = runtime.make_session(source, device, folder, self._session_options, self._provider_options)
+        self._device = device
+
+    # ---- the Hugging Face surface -------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._kv_dtype
+
+    @property
+    def keeps_positions(self) -> bool:
+        """True when the LM head runs only at the positions asked for (the graph rewrite applied)."""
+        return self._graph_bytes is not None
+
+    def to(self, *args, **kwargs) -> "OrtModelForCausalLM":
+        """Move the sessions to another device. The dtype is fixed by the exported package."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None and dtype != self.dtype:
+            raise TypeError(
+                f"cannot convert an ONNX package to {dtype}: it was exported as {self.dtype}; "
+                "export the model again with the precision you need"
+            )
+        if device is not None:
+            device = runtime.parse_device(device)
+            if device != self._device:
+                self._load(device)
+        return self
+
+    def cuda(self, device: int | None = None) -> "OrtModelForCausalLM":
+        return self.to("cuda" if device is None else f"cuda:{device}")
+
+    def cpu(self) -> "OrtModelForCausalLM":
+        return self.to("cpu")
+
+    def tie_weights(self) -> None:
+        """Nothing to tie: the weights live in the ONNX graph."""
+
+    def can_generate(self) -> bool:
+        return True
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """The number of weights in the decoder graph (its initializers)."""
+        return self.package.decoder.num_parameters
+
+    def extra_repr(self) -> str:
+        return f"path={self.name_or_path}, device={self.device}, dtype={self.dtype}"
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cont_len: int | None = None,
+        logits_to_keep: int | torch.Tensor | None = None,
+        return_dict: bool = True,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        unsupported = {k for k, v in kwargs.items() if v is not None and v is not False} - {"use_cache"}
+        if unsupported:
+            raise TypeError(f"OrtModelForCausalLM.forward does not support {', '.join(sorted(unsupported))}")
+        ids, shift = self._checked_inputs(input_ids, attention_mask)
+        keep = cont_len if cont_len is not None else logits_to_keep
+        positions = self._positions(keep, ids.shape[1])
+        logits = self._logits(ids, shift, positions)
+        loss = None
+        if labels is not None:
+            if positions is not None:
+                raise ValueError("labels need the logits of every position: drop cont_len/logits_to_keep")
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels.to(logits.device)[:, 1:].flatten(), ignore_index=-100
+            )
+        if not return_dict:
+            return (logits,) if loss is None else (loss, logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _checked_inputs(self, input_ids, attention_mask):
+        """Validate on the device, with one host sync; return the ids in the right-padded layout and
+        the per-row shift that took each row there (None when the batch was right-padded already)."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, sequence], got shape {tuple(input_ids.shape)}")
+        batch, length = input_ids.shape
+        if batch == 0 or length == 0:
+            raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+        if length > self.package.context_length:
+            raise ValueError(
+                f"input length {length} exceeds the model's context length {self.package.context_length}"
+            )
+        ids = input_ids.to(self.device, torch.int64)
+        if attention_mask is None:
+            mask = torch.ones_like(ids)
+        else:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} does not match "
+                    f"input_ids shape {tuple(input_ids.shape)}"
+                )
+            mask = attention_mask.to(self.device)
+            if not ((mask == 0) | (mask == 1)).all():
+                raise ValueError("attention_mask must hold only 0 and 1")
+            mask = mask.to(torch.int64)
+        counts = mask.sum(1)
+        lead = mask.argmax(1)  # index of each row's first 1
+        steps = torch.arange(length, device=self.device)
+        contiguous = mask == ((steps >= lead[:, None]) & (steps < (lead + counts)[:, None]))
+        bad_ids = (ids < 0) | (ids >= self.package.vocab_size)
+        flags = torch.stack([bad_ids.any(), (counts == 0).any(), ~contiguous.all(), (lead > 0).any()]).tolist()
+        if flags[0]:
+            row, col = bad_ids.nonzero()[0].tolist()
+            raise ValueError(
+                f"token id {ids[row, col].item()} at input_ids[{row}, {col}] is outside the vocabulary "
+                f"[0, {self.package.vocab_size})"
+            )
+        if flags[1]:
+            raise ValueError(f"attention_mask row {(counts == 0).nonzero()[0].item()} has no tokens")
+        if flags[2]:
+            row = (~contiguous).any(1).nonzero()[0].item()
+            raise ValueError(
+                f"attention_mask row {row} has gaps: each row's ones must be one contiguous run "
+                "(left- or right-padded)"
+            )
+        if not flags[3]:
+            return ids, None
+        # Roll every row so that it starts at position 0 (right-padded layout).
+        order = (steps[None, :] + lead[:, None]) % length
+        return ids.gather(1, order), lead
+
+    def _positions(self, keep, length: int) -> torch.Tensor | None:
+        """Positions of the padded input to return logits for, or None for all of them."""
+        if keep is None:
+            return None
+        if isinstance(keep, torch.Tensor):
+            if keep.dim() != 1 or keep.is_floating_point():
+                raise ValueError("logits_to_keep as a tensor must be 1-D integer positions")
+            keep = keep.to(self.device, torch.int64)
+            if ((keep < 0) | (keep >= length)).any():
+                raise ValueError(f"logits_to_keep positions must lie in [0, {length})")
+            return keep
+        if isinstance(keep, bool) or not isinstance(keep, int):
+            raise TypeError(f"cont_len must be an int, got {type(keep).__name__}")
+        if keep < 0:
+            raise ValueError(f"cont_len must be >= 0, got {keep}")
+        if keep == 0 or keep >= length:
+            return None
+        return torch.arange(length - keep, length, device=self.device)
+
+    def _logits(self, ids, shift, positions) -> torch.Tensor:
+        batch, length = ids.shape
+        decoder = self.package.decoder
+        binding = self.session.io_binding()
+        runtime.bind_input(binding, decoder.input_ids, ids.to(self._id_dtype).contiguous())
+        # Rows are right-padded now, and attention is causal: no real position sees the padding
+        # after it, so an all-ones mask gives exact logits for the real positions, and spares the
+        # attention kernels the padded rows they mishandle (sliding windows, left padding).
+        if decoder.attention_mask:
+            runtime.bind_input(binding, decoder.attention_mask, torch.ones_like(ids, dtype=self._mask_dtype))
+        if decoder.position_ids:
+            steps = torch.arange(length, device=self.device, dtype=self._position_dtype)
+            runtime.bind_input(binding, decoder.position_ids, steps.expand(batch, -1).contiguous())
+        self._bind_prefill_cache(binding, batch, length)
+
+        if positions is None and shift is None:
+            flat = None if not self.keeps_positions else torch.arange(batch * length, device=self.device)
+        else:
+            cols = torch.arange(length, device=self.device) if positions is None else positions
+            cols = cols.expand(batch, -1)
+            if shift is not None:
+                cols = (cols - shift[:, None]) % length
+            flat = (cols + length * torch.arange(batch, device=self.device)[:, None]).flatten()
+        kept = length if positions is None else positions.numel()
+
+        if self.keeps_positions:
+            runtime.bind_input(binding, graph.LOGITS_INDICES, flat)
+            logits = torch.empty(batch * kept, self.package.vocab_size, dtype=self._logits_dtype, device=self.device)
+        else:
+            logits = torch.empty(batch, length, self.package.vocab_size, dtype=self._logits_dtype, device=self.device)
+        runtime.bind_output(binding, decoder.logits, logits)
+        runtime.run(self.session, binding)
+
+        if self.keeps_positions:
+            return logits.view(batch, kept, -1)
+        if flat is None:
+            return logits
+        return logits.view(batch * length, -1).index_select(0, flat).view(batch, kept, -1)
+
+    def _bind_prefill_cache(self, binding: ort.IOBinding, batch: int, length: int) -> None:
+        """An empty past for every layer; the present is written into one reused scratch buffer."""
+        layers = self.package.decoder.layers
+        sizes = [0 if kv.window else batch * kv.num_kv_heads * length * kv.head_size for kv in layers]
+        needed = 2 * sum(sizes)
+        scratch = getattr(self, "_scratch", None)
+        if scratch is None or scratch.numel() < needed or scratch.device != self.device:
+            scratch = self._scratch = torch.empty(needed, dtype=self._kv_dtype, device=self.device)
+        offset = 0
+        for kv, size in zip(layers, sizes):
+            if kv.window:  # ORT's sliding-window attention wants a window-sized buffer shared by past and present
+                for name_in, name_out in ((kv.past_key, kv.present_key), (kv.past_value, kv.present_value)):
+                    ring = torch.zeros(batch, kv.num_kv_heads, kv.window, kv.head_size, dtype=self._kv_dtype, device=self.device)
+                    runtime.bind_input(binding, name_in, ring)
+                    runtime.bind_output(binding, name_out, ring)
+                continue
+            empty = torch.empty(batch, kv.num_kv_heads, 0, kv.head_size, dtype=self._kv_dtype, device=self.device)
+            runtime.bind_input(binding, kv.past_key, empty)
+            runtime.bind_input(binding, kv.past_value, empty)
+            shape = (batch, kv.num_kv_heads, length, kv.head_size)
+            runtime.bind_output(binding, kv.present_key, scratch[offset : offset + size].view(shape))
+            runtime.bind_output(binding, kv.present_value, scratch[offset + size : offset + 2 * size].view(shape))
+            offset += 2 * size

@@ -1,0 +1,239 @@
+"""Read an ONNX GenAI package folder into plain, typed data. No sessions here.
+
+A package is the folder that onnxruntime-genai's model builder writes: `genai_config.json`, the
+decoder graph (`model.onnx`, weights usually in `model.onnx.data`), tokenizer files, and for
+multimodal models more graphs beside the decoder. Every problem is a `PackageError` that names
+the folder, the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+CONFIG_FILE = "genai_config.json"
+
+
+class PackageError(ValueError):
+    """A GenAI package folder is missing something or holds something ortmodule cannot use."""
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Names and shape of one layer's KV cache (layers may differ in heads and head size)."""
+
+    past_key: str
+    past_value: str
+    present_key: str
+    present_value: str
+    num_kv_heads: int
+    head_size: int
+    window: int | None = None  # sliding-window layers keep a cache of this many positions
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """The decoder graph: where it is and what it takes and returns."""
+
+    path: Path
+    input_ids: str
+    attention_mask: str | None
+    position_ids: str | None
+    logits: str
+    layers: tuple[LayerKV, ...]
+    id_type: int  # ONNX TensorProto element type of input_ids
+    mask_type: int | None
+    position_type: int | None
+    kv_type: int
+    logits_type: int
+    num_parameters: int
+
+
+@dataclass(frozen=True)
+class Package:
+    """Everything ortmodule needs to know about a GenAI package, read once."""
+
+    root: Path
+    genai_config: dict
+    decoder: Decoder
+    model_type: str
+    vocab_size: int
+    context_length: int
+    hidden_size: int
+    num_attention_heads: int
+    bos_token_id: int | list[int] | None
+    eos_token_id: int | list[int] | None
+    pad_token_id: int | None
+    search: dict
+
+
+def _get(section: dict, key: str, where: str, file: Path):
+    if key not in section:
+        raise PackageError(f"{file}: missing key '{where}{key}'")
+    return section[key]
+
+
+def _dims(value_info: onnx.ValueInfoProto) -> list[int | str | None]:
+    dims = []
+    for d in value_info.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(d.dim_value)
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return dims
+
+
+def _elem_type(value_info: onnx.ValueInfoProto) -> int:
+    return value_info.type.tensor_type.elem_type
+
+
+def _count_parameters(graph: onnx.GraphProto) -> int:
+    return sum(math.prod(t.dims) for t in graph.initializer)
+
+
+def read_package(path: str | Path) -> Package:
+    """Read and check a GenAI package folder; raise `PackageError` naming what is wrong."""
+    root = Path(path)
+    if not root.exists():
+        raise PackageError(f"package folder not found: {root}")
+    if not root.is_dir():
+        raise PackageError(f"not a folder: {root} (expected a GenAI package folder)")
+    config_path = root / CONFIG_FILE
+    if not config_path.is_file():
+        raise PackageError(f"{root}: no {CONFIG_FILE} in the folder; is this a GenAI package?")
+    try:
+        genai = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise PackageError(f"{config_path}: not valid JSON ({e})") from None
+
+    model = _get(genai, "model", "", config_path)
+    dec = _get(model, "decoder", "model.", config_path)
+    filename = _get(dec, "filename", "model.decoder.", config_path)
+    decoder_path = root / filename
+    if not decoder_path.is_file():
+        raise PackageError(
+            f"{config_path}: model.decoder.filename is '{filename}' but {decoder_path} does not exist"
+        )
+    num_layers = _get(dec, "num_hidden_layers", "model.decoder.", config_path)
+    head_size = _get(dec, "head_size", "model.decoder.", config_path)
+    num_heads = _get(dec, "num_attention_heads", "model.decoder.", config_path)
+    num_kv_heads = dec.get("num_key_value_heads", num_heads)
+    names_in = _get(dec, "inputs", "model.decoder.", config_path)
+    names_out = _get(dec, "outputs", "model.decoder.", config_path)
+
+    graph = onnx.load(str(decoder_path), load_external_data=False).graph
+    graph_inputs = {i.name: i for i in graph.input}
+    graph_outputs = {o.name: o for o in graph.output}
+
+    def input_named(key: str, required: bool) -> str | None:
+        name = names_in.get(key, key)
+        if name not in graph_inputs:
+            if required:
+                raise PackageError(
+                    f"{config_path}: model.decoder.inputs.{key} is '{name}', which is not an input "
+                    f"of {decoder_path.name} (inputs: {', '.join(graph_inputs)})"
+                )
+            return None
+        return name
+
+    if "inputs_embeds" in graph_inputs and "input_ids" not in graph_inputs:
+        raise PackageError(
+            f"{decoder_path}: the decoder takes inputs_embeds, not input_ids (a multimodal package); "
+            "ortmodule does not support embedding models yet"
+        )
+    input_ids = input_named("input_ids", required=True)
+    attention_mask = input_named("attention_mask", required=False)
+    position_ids = input_named("position_ids", required=False)
+
+    logits = names_out.get("logits", "logits")
+    if logits not in graph_outputs:
+        raise PackageError(
+            f"{config_path}: model.decoder.outputs.logits is '{logits}', which is not an output of "
+            f"{decoder_path.name} (outputs: {', '.join(graph_outputs)})"
+        )
+    logits_dims = _dims(graph_outputs[logits])
+    if len(logits_dims) != 3 or logits_dims[1] == 1:
+        raise PackageError(
+            f"{decoder_path}: output '{logits}' has shape {logits_dims}; its logits are pruned to the "
+            "last position, so continuations cannot be scored. Re-export without prune_lm_head."
+        )
+    vocab_size = model.get("vocab_size")
+    if vocab_size is None:
+        vocab_size = logits_dims[2] if isinstance(logits_dims[2], int) else None
+    if not isinstance(vocab_size, int):
+        raise PackageError(f"{config_path}: missing key 'model.vocab_size'")
+
+    sliding = dec.get("sliding_window") or {}
+    sliding_layers = set(sliding.get("layers", range(num_layers))) if sliding else set()
+    layers = []
+    templates = {
+        key: _get(table, key, f"model.decoder.{section}.", config_path)
+        for table, section, key in [
+            (names_in, "inputs", "past_key_names"),
+            (names_in, "inputs", "past_value_names"),
+            (names_out, "outputs", "present_key_names"),
+            (names_out, "outputs", "present_value_names"),
+        ]
+    }
+    for i in range(num_layers):
+        names = {}
+        for key, template in templates.items():
+            name = template % i
+            table = graph_inputs if key.startswith("past") else graph_outputs
+            if name not in table:
+                section = "inputs" if key.startswith("past") else "outputs"
+                raise PackageError(
+                    f"{config_path}: model.decoder.{section}.{key} '{template}' gives '{name}' for "
+                    f"layer {i}, which is not an {section[:-1]} of {decoder_path.name}"
+                )
+            names[key] = name
+        dims = _dims(graph_inputs[names["past_key_names"]])
+        if len(dims) != 4:
+            raise PackageError(
+                f"{decoder_path}: KV input '{names['past_key_names']}' has rank {len(dims)}, expected 4 "
+                "[batch, kv_heads, past_length, head_size]"
+            )
+        heads = dims[1] if isinstance(dims[1], int) else num_kv_heads
+        size = dims[3] if isinstance(dims[3], int) else head_size  # builder 0.18 writes 'kv_cache_dim'
+        layers.append(
+            LayerKV(
+                names["past_key_names"], names["past_value_names"],
+                names["present_key_names"], names["present_value_names"], heads, size,
+                sliding.get("window_size") if i in sliding_layers else None,
+            )
+        )
+
+    decoder = Decoder(
+        path=decoder_path,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits=logits,
+        layers=tuple(layers),
+        id_type=_elem_type(graph_inputs[input_ids]),
+        mask_type=_elem_type(graph_inputs[attention_mask]) if attention_mask else None,
+        position_type=_elem_type(graph_inputs[position_ids]) if position_ids else None,
+        kv_type=_elem_type(graph_inputs[layers[0].past_key]) if layers else onnx.TensorProto.FLOAT,
+        logits_type=_elem_type(graph_outputs[logits]),
+        num_parameters=_count_parameters(graph),
+    )
+    return Package(
+        root=root,
+        genai_config=genai,
+        decoder=decoder,
+        model_type=model.get("type", ""),
+        vocab_size=vocab_size,
+        context_length=_get(model, "context_length", "model.", config_path),
+        hidden_size=dec.get("hidden_size", num_heads * head_size),
+        num_attention_heads=num_heads,
+        bos_token_id=model.get("bos_token_id"),
+        eos_token_id=model.get("eos_token_id"),
+        pad_token_id=model.get("pad_token_id"),
+        search=genai.get("search", {}),
+    )

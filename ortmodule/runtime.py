@@ -1,0 +1,124 @@
+"""ONNX Runtime glue: devices, sessions, dtypes, and zero-copy binding of torch tensors.
+
+The only module that knows ONNX Runtime's API. Tensors cross in both directions without copies:
+inputs are wrapped with `OrtValue.from_dlpack`, outputs are preallocated torch tensors whose
+memory ONNX Runtime writes into.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import torch
+
+TORCH_DTYPE = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.INT32: torch.int32,
+    onnx.TensorProto.INT8: torch.int8,
+    onnx.TensorProto.UINT8: torch.uint8,
+    onnx.TensorProto.BOOL: torch.bool,
+}
+ONNX_TYPE = {v: k for k, v in TORCH_DTYPE.items()}
+
+# Where external weights live when a graph is loaded from bytes (a rewritten graph).
+EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+def torch_dtype(onnx_type: int) -> torch.dtype:
+    if onnx_type not in TORCH_DTYPE:
+        raise TypeError(f"ONNX element type {onnx.TensorProto.DataType.Name(onnx_type)} has no torch dtype")
+    return TORCH_DTYPE[onnx_type]
+
+
+def parse_device(device: str | torch.device | int | None) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or an index -> a torch.device with an explicit index for CUDA."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {device} asked for, but torch sees no CUDA device")
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    elif device.type != "cpu":
+        raise ValueError(f"unsupported device '{device}': use 'cpu', 'cuda' or 'cuda:N'")
+    return device
+
+
+def providers(device: torch.device, provider_options: dict | None = None) -> list:
+    """Execution providers for a torch device. On CUDA, ONNX Runtime runs on torch's current stream
+    of that device, so work queued by torch before and after a call is ordered without a sync."""
+    if device.type == "cpu":
+        return [("CPUExecutionProvider", dict(provider_options or {}))]
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise RuntimeError(
+            "CUDA asked for, but this onnxruntime build has no CUDAExecutionProvider; install onnxruntime-gpu"
+        )
+    options = {
+        "device_id": str(device.index),
+        "user_compute_stream": str(torch.cuda.current_stream(device).cuda_stream),
+    }
+    options.update({k: str(v) for k, v in (provider_options or {}).items()})
+    return [("CUDAExecutionProvider", options), ("CPUExecutionProvider", {})]
+
+
+def make_session(
+    model: Path | bytes,
+    device: torch.device,
+    external_data_folder: Path | None = None,
+    session_options: ort.SessionOptions | None = None,
+    provider_options: dict | None = None,
+) -> ort.InferenceSession:
+    """A session for a graph file, or for graph bytes whose weights live in `external_data_folder`."""
+    options = session_options or ort.SessionOptions()
+    if session_options is None:
+        options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
+    if external_data_folder is not None:
+        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.fspath(Path(external_data_folder).resolve()))
+    source = model if isinstance(model, bytes) else os.fspath(model)
+    try:
+        return ort.InferenceSession(source, options, providers=providers(device, provider_options))
+    except Exception as e:  # ORT raises its own exception types for every load failure
+        raise_if_out_of_memory(e)
+        raise
+
+
+def bind_input(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
+    """Bind a contiguous torch tensor as an input, sharing its memory."""
+    binding.bind_ortvalue_input(name, ort.OrtValue.from_dlpack(tensor))
+
+
+def bind_output(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
+    """Bind a preallocated contiguous torch tensor as an output: ONNX Runtime writes into it."""
+    device = tensor.device
+    binding.bind_output(
+        name,
+        device.type,
+        device.index or 0,
+        ONNX_TYPE[tensor.dtype],
+        list(tensor.shape),
+        tensor.data_ptr(),
+    )
+
+
+def run(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
+    try:
+        session.run_with_iobinding(binding)
+    except Exception as e:
+        raise_if_out_of_memory(e)
+        raise
+
+
+_OOM_MARKERS = ("failed to allocate memory", "bad_alloc", "out of memory", "cudaerrormemoryallocation")
+
+
+def raise_if_out_of_memory(error: Exception) -> None:
+    """Re-raise an ONNX Runtime allocation failure as the RuntimeError that accelerate's batch-size
+    search (and lm-eval's --batch_size auto) recognises: its message contains 'out of memory.'."""
+    text = str(error).lower()
+    if any(marker in text for marker in _OOM_MARKERS):
+        raise RuntimeError(f"ONNX Runtime ran out of memory. ({error})") from error
