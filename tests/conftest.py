@@ -1,0 +1,56 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ortmodule import OrtModelForCausalLM, fixtures
+
+# Architectures every parity test runs on (Gemma 3 alternates sliding-window and full layers).
+ARCHES = ["llama", "qwen3", "gemma3", "phi3", "mistral", "qwen2"]
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="session")
+def build():
+    """Build (or fetch from the cache) a fixture package: `build(arch, **spec_fields)`."""
+    def _build(arch="llama", **fields):
+        return fixtures.build(fixtures.FixtureSpec(arch, **fields))
+    return _build
+
+
+_models = {}
+
+
+def load_pair(fixture, device="cpu"):
+    """The ortmodule model and the transformers reference on the same weights (cached per session)."""
+    key = (fixture.package_dir, device)
+    if key not in _models:
+        ort_model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
+        hf_model = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+        _models[key] = (ort_model, hf_model)
+    return _models[key]
+
+
+@pytest.fixture(scope="session", params=ARCHES)
+def arch_pair(request, build):
+    return load_pair(build(request.param))
+
+
+@pytest.fixture(scope="session")
+def llama(build):
+    return build("llama")
+
+
+def right_padded_batch(lengths, vocab=512, seed=0, pad_id=2):
+    """Random ids (above the special tokens) with a right-padded mask."""
+    gen = torch.Generator().manual_seed(seed)
+    length = max(lengths)
+    ids = torch.randint(4, vocab, (len(lengths), length), generator=gen)
+    mask = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return ids.masked_fill(mask == 0, pad_id), mask

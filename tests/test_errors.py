@@ -1,0 +1,137 @@
+"""Bad input and bad packages get clear errors, raised before ONNX Runtime runs."""
+
+import json
+import shutil
+
+import onnx
+import pytest
+import torch
+from conftest import load_pair
+
+from ortmodule import OrtModelForCausalLM, PackageError, load_tokenizer, read_package
+
+
+@pytest.fixture(scope="module")
+def model(llama):
+    return load_pair(llama)[0]
+
+
+def test_out_of_vocabulary_id_is_named(model):
+    ids = torch.tensor([[5, 6, 7, 512, 8]])
+    with pytest.raises(ValueError, match=r"token id 512 at input_ids\[0, 3\].*\[0, 512\)"):
+        model(ids)
+
+
+def test_negative_id_is_named(model):
+    with pytest.raises(ValueError, match="token id -3"):
+        model(torch.tensor([[5, -3, 7]]))
+
+
+def test_too_long_names_both_lengths(model):
+    with pytest.raises(ValueError, match="input length 300 exceeds the model's context length 256"):
+        model(torch.full((1, 300), 5))
+
+
+def test_float_ids_are_a_type_error(model):
+    with pytest.raises(TypeError, match="integer token ids"):
+        model(torch.ones(1, 4))
+
+
+def test_ids_of_the_wrong_rank(model):
+    with pytest.raises(ValueError, match="2-D"):
+        model(torch.tensor([5, 6, 7]))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        model([[5, 6, 7]])
+
+
+def test_mask_shape_mismatch(model):
+    with pytest.raises(ValueError, match=r"attention_mask shape \(1, 2\) does not match input_ids shape \(1, 3\)"):
+        model(torch.tensor([[5, 6, 7]]), attention_mask=torch.ones(1, 2, dtype=torch.long))
+
+
+def test_mask_with_gaps_or_other_values(model):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="row 0 has gaps"):
+        model(ids, attention_mask=torch.tensor([[1, 0, 1, 1]]))
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        model(ids, attention_mask=torch.tensor([[1, 2, 1, 1]]))
+    with pytest.raises(ValueError, match="row 1 has no tokens"):
+        model(ids.repeat(2, 1), attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]]))
+
+
+def test_bad_cont_len(model):
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="cont_len must be >= 0"):
+        model(ids, cont_len=-1)
+    with pytest.raises(TypeError, match="cont_len must be an int"):
+        model(ids, cont_len=1.5)
+
+
+def test_unsupported_arguments_are_named(model):
+    with pytest.raises(TypeError, match="inputs_embeds"):
+        model(torch.tensor([[5, 6]]), inputs_embeds=torch.zeros(1, 2, 64))
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(PackageError, match="package folder not found"):
+        OrtModelForCausalLM.from_pretrained(tmp_path / "nowhere")
+
+
+def test_folder_without_genai_config_names_it(tmp_path):
+    with pytest.raises(PackageError, match=rf"{tmp_path}: no genai_config.json"):
+        OrtModelForCausalLM.from_pretrained(tmp_path)
+
+
+def copy_package(llama, tmp_path):
+    package = tmp_path / "pkg"
+    shutil.copytree(llama.package_dir, package)
+    return package, json.loads((package / "genai_config.json").read_text())
+
+
+def write_config(package, config):
+    (package / "genai_config.json").write_text(json.dumps(config))
+
+
+def test_missing_decoder_file(llama, tmp_path):
+    package, config = copy_package(llama, tmp_path)
+    (package / "model.onnx").unlink()
+    with pytest.raises(PackageError, match=r"model.decoder.filename is 'model.onnx' but .*model.onnx does not exist"):
+        read_package(package)
+
+
+def test_missing_key_is_named(llama, tmp_path):
+    package, config = copy_package(llama, tmp_path)
+    del config["model"]["decoder"]["head_size"]
+    write_config(package, config)
+    with pytest.raises(PackageError, match=r"genai_config.json: missing key 'model.decoder.head_size'"):
+        read_package(package)
+
+
+def test_kv_template_matching_no_input(llama, tmp_path):
+    package, config = copy_package(llama, tmp_path)
+    config["model"]["decoder"]["inputs"]["past_key_names"] = "past.%d.k"
+    write_config(package, config)
+    with pytest.raises(PackageError, match=r"past_key_names 'past.%d.k' gives 'past.0.k' for layer 0"):
+        read_package(package)
+
+
+def test_logits_pruned_to_the_last_position(llama, tmp_path):
+    package, _ = copy_package(llama, tmp_path)
+    proto = onnx.load(str(package / "model.onnx"), load_external_data=False)
+    logits = next(o for o in proto.graph.output if o.name == "logits")
+    logits.type.tensor_type.shape.dim[1].Clear()
+    logits.type.tensor_type.shape.dim[1].dim_value = 1
+    onnx.save(proto, str(package / "model.onnx"))
+    with pytest.raises(PackageError, match="pruned to the last position"):
+        read_package(package)
+
+
+def test_invalid_json(tmp_path):
+    (tmp_path / "genai_config.json").write_text("{not json")
+    with pytest.raises(PackageError, match="not valid JSON"):
+        read_package(tmp_path)
+
+
+def test_missing_tokenizer(tmp_path):
+    with pytest.raises(PackageError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)

@@ -1,0 +1,209 @@
+"""OrtModelForCausalLM against transformers on the same weights."""
+
+import onnxruntime as ort
+import pytest
+import torch
+from conftest import cuda, load_pair, right_padded_batch
+from transformers import PretrainedConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
+
+FP32_TOL = 1e-4
+
+
+def reference(hf_model, ids, mask):
+    with torch.no_grad():
+        return hf_model(ids, attention_mask=mask).logits
+
+
+def max_diff_on_real(a, b, mask):
+    return max((a[i][mask[i].bool()] - b[i][mask[i].bool()]).abs().max().item() for i in range(len(mask)))
+
+
+def test_single_row_matches_transformers(arch_pair):
+    model, hf = arch_pair
+    ids, mask = right_padded_batch([17], seed=1)
+    out = model(ids)
+    assert isinstance(out, CausalLMOutputWithPast)
+    assert out.logits.shape == (1, 17, model.config.vocab_size)
+    assert out.logits.device == model.device
+    assert (out.logits - reference(hf, ids, mask)).abs().max().item() < FP32_TOL
+
+
+def test_right_padded_batch_matches_transformers(arch_pair):
+    model, hf = arch_pair
+    ids, mask = right_padded_batch([20, 12, 5], seed=2)
+    logits = model(ids, attention_mask=mask).logits
+    assert logits.shape == (3, 20, model.config.vocab_size)
+    assert max_diff_on_real(logits, reference(hf, ids, mask), mask) < FP32_TOL
+
+
+def test_left_padded_batch_matches_transformers(arch_pair):
+    model, hf = arch_pair
+    ids, mask = right_padded_batch([20, 12, 5], seed=3)
+    left = torch.flip(mask, [1])  # the same lengths, padded on the left
+    logits = model(ids, attention_mask=left).logits
+    assert max_diff_on_real(logits, reference(hf, ids, left), left) < FP32_TOL
+
+
+def test_cont_len_is_the_tail_of_the_full_logits(arch_pair):
+    model, _ = arch_pair
+    ids, mask = right_padded_batch([20, 12, 5], seed=4)
+    full = model(ids, attention_mask=mask).logits
+    tail = model(ids, attention_mask=mask, cont_len=5).logits
+    assert tail.shape == (3, 5, model.config.vocab_size)
+    assert torch.equal(tail, full[:, -5:])
+    assert torch.equal(model(ids, attention_mask=mask, logits_to_keep=5).logits, tail)
+    assert torch.equal(model.forward(ids, mask, 5).logits, tail)  # positional
+    assert model(ids, attention_mask=mask, cont_len=0).logits.shape == full.shape
+
+
+def test_cont_len_with_left_padding(llama):
+    model, _ = load_pair(llama)
+    ids, mask = right_padded_batch([20, 12, 5], seed=5)
+    left = torch.flip(mask, [1])
+    full = model(ids, attention_mask=left).logits
+    assert torch.equal(model(ids, attention_mask=left, cont_len=4).logits, full[:, -4:])
+
+
+def test_logits_to_keep_tensor_selects_positions(llama):
+    model, _ = load_pair(llama)
+    ids, mask = right_padded_batch([12, 9], seed=6)
+    full = model(ids, attention_mask=mask).logits
+    picked = model(ids, attention_mask=mask, logits_to_keep=torch.tensor([0, 3, 8])).logits
+    assert torch.equal(picked, full[:, [0, 3, 8]])
+
+
+def test_rewrite_off_gives_the_same_logits(llama):
+    model, hf = load_pair(llama)
+    plain = OrtModelForCausalLM.from_pretrained(llama.package_dir, rewrite_lm_head=False)
+    assert model.keeps_positions and not plain.keeps_positions
+    ids, mask = right_padded_batch([15, 7], seed=7)
+    assert torch.allclose(plain(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, atol=1e-6)
+    left = torch.flip(mask, [1])
+    assert torch.allclose(
+        plain(ids, attention_mask=left, cont_len=3).logits, model(ids, attention_mask=left, cont_len=3).logits, atol=1e-6
+    )
+
+
+def test_int32_ids_and_bool_mask(llama):
+    model, hf = load_pair(llama)
+    ids, mask = right_padded_batch([9, 6], seed=8)
+    logits = model(ids.int(), attention_mask=mask.bool()).logits
+    assert max_diff_on_real(logits, reference(hf, ids, mask), mask) < FP32_TOL
+
+
+def test_labels_give_the_transformers_loss(llama):
+    model, hf = load_pair(llama)
+    ids, _ = right_padded_batch([16], seed=9)
+    with torch.no_grad():
+        expected = hf(ids, labels=ids).loss
+    assert abs(model(ids, labels=ids).loss.item() - expected.item()) < 1e-5
+
+
+def test_fp16_package_matches_within_half_precision(build):
+    fixture = build("llama", precision="fp16")
+    model, hf = load_pair(fixture)
+    assert model.dtype == torch.float16
+    ids, mask = right_padded_batch([20, 11], seed=10)
+    logits = model(ids, attention_mask=mask).logits
+    assert logits.dtype == torch.float16
+    assert max_diff_on_real(logits.float(), reference(hf, ids, mask), mask) < 2e-2
+
+
+def test_zero_copy_binding(llama, monkeypatch):
+    """Inputs are bound to the caller's memory and logits are written in place: no numpy, no copies."""
+    model, _ = load_pair(llama)
+    bound_inputs, bound_outputs = {}, {}
+    from_dlpack = ort.OrtValue.from_dlpack
+
+    def spy_input(binding, name, tensor):
+        value = from_dlpack(tensor)
+        bound_inputs[name] = (tensor.data_ptr(), value.data_ptr())
+        binding.bind_ortvalue_input(name, value)
+
+    real_bind_output = runtime.bind_output
+
+    def spy_output(binding, name, tensor):
+        bound_outputs[name] = tensor.data_ptr()
+        real_bind_output(binding, name, tensor)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a host copy through numpy")
+
+    monkeypatch.setattr(runtime, "bind_input", spy_input)
+    monkeypatch.setattr(runtime, "bind_output", spy_output)
+    monkeypatch.setattr(ort.OrtValue, "numpy", forbidden)
+    monkeypatch.setattr(ort.IOBinding, "copy_outputs_to_cpu", forbidden)
+    ids = torch.randint(4, 512, (2, 10))
+    logits = model(ids, cont_len=3).logits
+    torch_ptr, ort_ptr = bound_inputs[model.package.decoder.input_ids]
+    assert torch_ptr == ids.data_ptr() == ort_ptr  # the caller's int64 CPU tensor itself
+    assert logits.data_ptr() == bound_outputs[model.package.decoder.logits]
+
+
+def test_hf_surface(llama):
+    model, hf = load_pair(llama)
+    assert isinstance(model, torch.nn.Module)
+    assert isinstance(model.config, PretrainedConfig)
+    for field in ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]:
+        assert getattr(model.config, field) == getattr(hf.config, field), field
+    assert model.config.max_position_embeddings == hf.config.max_position_embeddings
+    assert model.config.model_type == "llama"
+    assert model.generation_config.eos_token_id == hf.config.eos_token_id
+    assert model.generation_config.pad_token_id == hf.config.pad_token_id
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+    assert model.name_or_path == str(llama.package_dir)
+    assert model.main_input_name == "input_ids"
+    assert model.eval() is model and model.to("cpu") is model and model.cpu() is model
+    assert model.can_generate()
+    assert model.tie_weights() is None
+    # The graph's initializers: transformers' weights plus the rotary cos/sin tables.
+    rotary = 2 * model.config.max_position_embeddings * model.config.head_dim // 2
+    assert model.num_parameters() == hf.num_parameters() + rotary
+    with pytest.raises(TypeError, match="exported as torch.float32"):
+        model.to(torch.float16)
+
+
+def test_config_json_in_package_is_used(llama, tmp_path):
+    import shutil
+
+    package = tmp_path / "pkg"
+    shutil.copytree(llama.package_dir, package)
+    shutil.copy(llama.hf_dir / "config.json", package / "config.json")
+    model = OrtModelForCausalLM.from_pretrained(package)
+    assert type(model.config).__name__ == "LlamaConfig"
+    assert model.config.initializer_range == llama.spec.initializer_range  # only config.json has it
+
+
+def test_load_tokenizer_matches_the_checkpoint(llama):
+    from transformers import AutoTokenizer
+
+    ours = load_tokenizer(llama.package_dir)
+    theirs = AutoTokenizer.from_pretrained(llama.hf_dir)
+    text = "The capital of France is Paris. ONNX Runtime runs fast."
+    assert ours(text).input_ids == theirs(text).input_ids
+    assert ours.eos_token_id == theirs.eos_token_id
+
+
+@cuda
+def test_cuda_matches_transformers(llama):
+    model, hf = load_pair(llama, device="cuda")
+    ids, mask = right_padded_batch([20, 12, 5], seed=11)
+    logits = model(ids, attention_mask=mask, cont_len=4).logits  # CPU inputs, CUDA outputs
+    assert logits.device.type == "cuda"
+    ref = reference(hf, ids, mask)[:, -4:]
+    assert torch.allclose(logits.cpu()[0], ref[0], atol=FP32_TOL)
+    cuda_ids = ids.cuda()
+    assert torch.equal(model(cuda_ids, attention_mask=mask.cuda(), cont_len=4).logits, logits)
+
+
+@cuda
+def test_to_moves_the_sessions(llama):
+    model = OrtModelForCausalLM.from_pretrained(llama.package_dir)
+    ids = torch.randint(4, 512, (2, 8))
+    cpu_logits = model(ids).logits
+    model.to("cuda")
+    assert model.device.type == "cuda"
+    assert torch.allclose(model(ids).logits.cpu(), cpu_logits, atol=1e-5)
