@@ -198,7 +198,12 @@ class OrtModelForCausalLM(torch.nn.Module):
         ids, shift = self._checked_inputs(input_ids, attention_mask)
         keep = cont_len if cont_len is not None else logits_to_keep
         positions = self._positions(keep, ids.shape[1])
-        logits = self._logits(ids, shift, positions)
+        if positions is None:
+            logits = self._logits(ids, shift)
+        else:
+            batch, kept = ids.shape[0], positions.numel()
+            rows = torch.arange(batch, device=self.device).repeat_interleave(kept)
+            logits = self._logits(ids, shift, rows, positions.repeat(batch)).view(batch, kept, -1)
         loss = None
         if labels is not None:
             if positions is not None:
@@ -286,7 +291,24 @@ class OrtModelForCausalLM(torch.nn.Module):
             return None
         return torch.arange(length - keep, length, device=self.device)
 
-    def _logits(self, ids, shift, positions) -> torch.Tensor:
+    def logits_at(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor, cols: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits `[n, V]` at the n positions `(rows[i], cols[i])` of the padded input, in the
+        caller's layout. With the graph rewrite, only those n positions reach the LM head."""
+        ids, shift = self._checked_inputs(input_ids, attention_mask)
+        batch, length = ids.shape
+        rows = torch.as_tensor(rows, device=self.device, dtype=torch.int64)
+        cols = torch.as_tensor(cols, device=self.device, dtype=torch.int64)
+        if rows.shape != cols.shape or rows.dim() != 1:
+            raise ValueError(f"rows and cols must be 1-D of one length, got {tuple(rows.shape)} and {tuple(cols.shape)}")
+        if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
+            raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
+        return self._logits(ids, shift, rows, cols)
+
+    def _logits(self, ids, shift, rows=None, cols=None) -> torch.Tensor:
+        """Run the decoder on right-padded `ids`; logits at flat positions `rows * T + cols` of the
+        caller's layout (`shift` rolls them to where the rows now are), or at every position."""
         batch, length = ids.shape
         decoder = self.package.decoder
         binding = self.session.io_binding()
@@ -301,29 +323,30 @@ class OrtModelForCausalLM(torch.nn.Module):
             runtime.bind_input(binding, decoder.position_ids, steps.expand(batch, -1).contiguous())
         self._bind_prefill_cache(binding, batch, length)
 
-        if positions is None and shift is None:
-            flat = None if not self.keeps_positions else torch.arange(batch * length, device=self.device)
-        else:
-            cols = torch.arange(length, device=self.device) if positions is None else positions
-            cols = cols.expand(batch, -1)
+        flat = None
+        if rows is not None:
             if shift is not None:
-                cols = (cols - shift[:, None]) % length
-            flat = (cols + length * torch.arange(batch, device=self.device)[:, None]).flatten()
-        kept = length if positions is None else positions.numel()
-
+                cols = (cols - shift[rows]) % length
+            flat = rows * length + cols
+        elif shift is not None or self.keeps_positions:
+            flat = torch.arange(batch * length, device=self.device)
+            if shift is not None:
+                flat = flat.view(batch, length)
+                flat = (flat - shift[:, None]) % length + length * torch.arange(batch, device=self.device)[:, None]
+                flat = flat.flatten()
+        vocab = self.package.vocab_size
         if self.keeps_positions:
             runtime.bind_input(binding, graph.LOGITS_INDICES, flat)
-            logits = torch.empty(batch * kept, self.package.vocab_size, dtype=self._logits_dtype, device=self.device)
+            logits = torch.empty(flat.numel(), vocab, dtype=self._logits_dtype, device=self.device)
         else:
-            logits = torch.empty(batch, length, self.package.vocab_size, dtype=self._logits_dtype, device=self.device)
+            logits = torch.empty(batch, length, vocab, dtype=self._logits_dtype, device=self.device)
         runtime.bind_output(binding, decoder.logits, logits)
         runtime.run(self.session, binding)
-
-        if self.keeps_positions:
-            return logits.view(batch, kept, -1)
-        if flat is None:
-            return logits
-        return logits.view(batch * length, -1).index_select(0, flat).view(batch, kept, -1)
+        if rows is None and shift is None:
+            return logits.view(batch, length, vocab)
+        if not self.keeps_positions:
+            logits = logits.view(batch * length, vocab).index_select(0, flat)
+        return logits if rows is not None else logits.view(batch, length, vocab)
 
     def _bind_prefill_cache(self, binding: ort.IOBinding, batch: int, length: int) -> None:
         """An empty past for every layer; the present is written into one reused scratch buffer."""

@@ -1,0 +1,81 @@
+"""The LM-head rewrite and the loglikelihood primitive against independent references."""
+
+import pytest
+import torch
+from conftest import ARCHES, load_pair, right_padded_batch
+
+import ortmodule
+from ortmodule import OrtModelForCausalLM
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_rewritten_graph_equals_the_unmodified_graph(build, arch):
+    fixture = build(arch)
+    rewritten = load_pair(fixture)[0]
+    plain = OrtModelForCausalLM.from_pretrained(fixture.package_dir, rewrite_lm_head=False)
+    assert rewritten.keeps_positions and not plain.keeps_positions
+    ids, mask = right_padded_batch([24, 17, 9], seed=20)
+    full = plain(ids, attention_mask=mask).logits
+    for k in (1, 5):
+        assert (rewritten(ids, attention_mask=mask, cont_len=k).logits - full[:, -k:]).abs().max().item() < 1e-5
+
+
+def test_rewritten_fp16_graph_equals_the_unmodified_graph(build):
+    fixture = build("llama", precision="fp16")
+    rewritten = load_pair(fixture)[0]
+    plain = OrtModelForCausalLM.from_pretrained(fixture.package_dir, rewrite_lm_head=False)
+    ids, mask = right_padded_batch([24, 9], seed=21)
+    tail = rewritten(ids, attention_mask=mask, cont_len=4).logits.float()
+    assert (tail - plain(ids, attention_mask=mask).logits[:, -4:].float()).abs().max().item() < 1e-3
+
+
+def reference_loglikelihood(hf, ids, mask, starts, targets):
+    """Per row, from transformers' full logits: sum log_softmax at the target positions."""
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(ids, attention_mask=mask).logits.double(), dim=-1)
+    out = []
+    for row, (start, target) in enumerate(zip(starts, targets)):
+        positions = torch.arange(start, start + len(target))
+        picked = logprobs[row, positions, torch.tensor(target)]
+        greedy = bool((logprobs[row, positions].argmax(-1) == torch.tensor(target)).all())
+        out.append((picked.sum().item(), greedy))
+    return out
+
+
+@pytest.mark.parametrize("left_padded", [False, True])
+def test_loglikelihood_matches_transformers(arch_pair, left_padded):
+    model, hf = arch_pair
+    ids, mask = right_padded_batch([20, 12, 7], seed=22)
+    lengths = mask.sum(1).tolist()
+    # Score each row's last 4 tokens given what comes before them.
+    starts = [n - 5 for n in lengths]
+    targets = [ids[i, n - 4 : n].tolist() for i, n in enumerate(lengths)]
+    # Make row 1's continuation the greedy one, so both flag values are tested.
+    with torch.no_grad():
+        greedy_ids = ids.clone()
+        for j in range(4):
+            pos = lengths[1] - 5 + j
+            greedy_ids[1, pos + 1] = hf(greedy_ids[1:2, : pos + 1]).logits[0, -1].argmax()
+    targets[1] = greedy_ids[1, lengths[1] - 4 : lengths[1]].tolist()
+    expected = reference_loglikelihood(hf, greedy_ids, mask, starts, targets)
+    if left_padded:
+        shift = [ids.shape[1] - n for n in lengths]
+        greedy_ids = torch.stack([torch.roll(r, s) for r, s in zip(greedy_ids, shift)])
+        mask = torch.flip(mask, [1])
+        starts = [s + d for s, d in zip(starts, shift)]
+    got = ortmodule.loglikelihood(model, greedy_ids, mask, starts, targets)
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(got, expected):
+        assert abs(lp - ref_lp) < 1e-4
+        assert greedy == ref_greedy
+    assert got[1][1] is True
+
+
+def test_loglikelihood_errors(llama):
+    model = load_pair(llama)[0]
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="target token id 9999"):
+        ortmodule.loglikelihood(model, ids, None, [1], [[9999]])
+    with pytest.raises(ValueError, match="row 0 has no target tokens"):
+        ortmodule.loglikelihood(model, ids, None, [1], [[]])
+    with pytest.raises(ValueError, match="positions must lie inside"):
+        ortmodule.loglikelihood(model, ids, None, [3], [[5, 6]])
