@@ -1,0 +1,49 @@
+"""Turn pytest-benchmark JSON into docs/benchmarks.md: one table per workload, with ratios to
+transformers on the same weights, the machine, and the command that reproduces it.
+
+python benchmarks/report.py results.json [more.json ...] > docs/benchmarks.md
+"""
+
+import json
+import re
+import sys
+from collections import defaultdict
+
+COMMAND = "pytest benchmarks --bench-size cpu --benchmark-json=results.json && python benchmarks/report.py results.json"
+
+
+def case(name: str) -> tuple[str, str]:
+    """'test_ortmodule_forward[cont_len]' -> ('ortmodule', 'cont_len')."""
+    match = re.match(r"test_([a-z0-9_]+?)_[a-z]+(?:\[(.*)\])?$", name)
+    return (match.group(1), match.group(2) or "") if match else (name, "")
+
+
+def main(paths: list[str]) -> None:
+    runs = [json.load(open(p)) for p in paths]
+    machine = runs[0]["machine_info"]
+    print("# Benchmarks\n")
+    print(f"Machine: {machine.get('cpu', {}).get('brand_raw', machine.get('processor'))}, "
+          f"{machine.get('cpu', {}).get('count', '?')} logical CPUs, Python {machine['python_version']}; "
+          f"run {runs[0]['datetime'][:10]}. Every row of a table was measured in the same run.\n")
+    print(f"Reproduce: `{COMMAND}`\n")
+    groups = defaultdict(list)
+    for run in runs:
+        for bench in run["benchmarks"]:
+            groups[bench["group"]].append(bench)
+    for group, benches in groups.items():
+        reference = {case(b["name"])[1]: b["stats"]["mean"] for b in benches if case(b["name"])[0] == "transformers"}
+        extra_keys = sorted({k for b in benches for k in b["extra_info"]})
+        print(f"## {group}\n")
+        print("| backend | case | mean ms | x transformers | " + " | ".join(extra_keys) + " |")
+        print("|---|---|---|---|" + "---|" * len(extra_keys))
+        for b in sorted(benches, key=lambda b: (case(b["name"])[1], b["stats"]["mean"])):
+            backend, variant = case(b["name"])
+            mean = b["stats"]["mean"]
+            ratio = f"{reference[variant] / mean:.2f}x faster" if variant in reference else ""
+            extras = " | ".join(str(b["extra_info"].get(k, "")) for k in extra_keys)
+            print(f"| {backend} | {variant} | {mean * 1e3:.1f} | {ratio} | {extras} |")
+        print()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
