@@ -1,0 +1,100 @@
+"""The `ortmodule` lm-eval backend against lm-eval's own `hf` backend on the same weights."""
+
+import math
+
+import lm_eval
+import pytest
+from lm_eval.tasks import TaskManager
+
+import ortmodule.lm_eval  # noqa: F401  (registers the backend)
+from ortmodule import tasks
+
+ARCHES_LM_EVAL = ["llama", "gemma3"]
+
+
+def evaluate(model, model_args, batch_size=8):
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=tasks.TASKS,
+        task_manager=TaskManager(include_path=tasks.TASK_DIR),
+        batch_size=batch_size,
+        device="cpu",
+        log_samples=True,
+    )
+
+
+def loglikelihoods(result, task):
+    """Every request's (loglikelihood, is_greedy), or rolling loglikelihood, in document order."""
+    samples = sorted(result["samples"][task], key=lambda s: s["doc_id"])
+    return [r for s in samples for r in s["filtered_resps"]]
+
+
+@pytest.fixture(scope="module", params=ARCHES_LM_EVAL)
+def both(request, build):
+    fixture = build(request.param)
+    ours = evaluate("ortmodule", f"pretrained={fixture.package_dir}")
+    theirs = evaluate("hf", f"pretrained={fixture.hf_dir},dtype=float32")
+    return ours, theirs
+
+
+def test_multiple_choice_matches_hf(both):
+    ours, theirs = both
+    task = "ortmodule_arithmetic_mc"
+    for metric in ("acc,none", "acc_norm,none"):
+        assert ours["results"][task][metric] == theirs["results"][task][metric]
+    a, b = loglikelihoods(ours, task), loglikelihoods(theirs, task)
+    assert len(a) == len(b) == 160  # 40 questions x 4 choices
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(a, b):
+        assert abs(lp - ref_lp) < 1e-4
+        assert greedy == ref_greedy
+
+
+def test_rolling_perplexity_matches_hf(both):
+    ours, theirs = both
+    task = "ortmodule_sentences_ppl"
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert math.isclose(ours["results"][task][metric], theirs["results"][task][metric], rel_tol=1e-4)
+    for a, b in zip(loglikelihoods(ours, task), loglikelihoods(theirs, task)):
+        assert math.isclose(a, b, rel_tol=1e-5)
+
+
+def test_batch_size_one_equals_batch_size_eight(build):
+    fixture = build("llama")
+    one = evaluate("ortmodule", f"pretrained={fixture.package_dir}", batch_size=1)
+    eight = evaluate("ortmodule", f"pretrained={fixture.package_dir}", batch_size=8)
+    for a, b in zip(loglikelihoods(one, "ortmodule_arithmetic_mc"), loglikelihoods(eight, "ortmodule_arithmetic_mc")):
+        assert abs(a[0] - b[0]) < 1e-5 and a[1] == b[1]
+
+
+def test_hflm_accepts_a_loaded_model(build):
+    """`OrtModuleLM(pretrained=<OrtModelForCausalLM>, tokenizer=...)` as with HFLM and a PreTrainedModel."""
+    from ortmodule import OrtModelForCausalLM, load_tokenizer
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    lm = OrtModuleLM(pretrained=model, tokenizer=load_tokenizer(fixture.package_dir), batch_size=4)
+    assert lm.max_length == model.package.context_length
+    by_path = evaluate("ortmodule", f"pretrained={fixture.package_dir}")
+    result = lm_eval.simple_evaluate(model=lm, tasks=["ortmodule_arithmetic_mc"],
+                                     task_manager=TaskManager(include_path=tasks.TASK_DIR), log_samples=True)
+    for a, b in zip(loglikelihoods(result, "ortmodule_arithmetic_mc"), loglikelihoods(by_path, "ortmodule_arithmetic_mc")):
+        assert abs(a[0] - b[0]) < 1e-5
+
+
+def test_console_script_runs(build, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    fixture = build("llama")
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, "-m", "ortmodule.cli", "--model", "ortmodule", "--model_args", f"pretrained={fixture.package_dir}",
+         "--device", "cpu", "--tasks", "ortmodule_arithmetic_mc", "--include_path", tasks.TASK_DIR,
+         "--batch_size", "8", "--output_path", str(out)],
+        check=True, capture_output=True, text=True,
+    )
+    result = json.loads(next(out.rglob("results_*.json")).read_text())
+    assert "acc,none" in result["results"]["ortmodule_arithmetic_mc"]
