@@ -108,6 +108,7 @@ class OrtModelForCausalLM(torch.nn.Module):
         self._position_dtype = runtime.torch_dtype(decoder.position_type) if decoder.position_type else None
         self._kv_dtype = runtime.torch_dtype(decoder.kv_type)
         self._logits_dtype = runtime.torch_dtype(decoder.logits_type)
+        self._scratch = None  # the prefill's present KV, which forward discards; grown as needed
         self._load(runtime.parse_device(device))
 
     @classmethod
@@ -353,7 +354,7 @@ class OrtModelForCausalLM(torch.nn.Module):
         layers = self.package.decoder.layers
         sizes = [0 if kv.window else batch * kv.num_kv_heads * length * kv.head_size for kv in layers]
         needed = 2 * sum(sizes)
-        scratch = getattr(self, "_scratch", None)
+        scratch = self._scratch
         if scratch is None or scratch.numel() < needed or scratch.device != self.device:
             scratch = self._scratch = torch.empty(needed, dtype=self._kv_dtype, device=self.device)
         offset = 0

@@ -60,6 +60,7 @@ def providers(device: torch.device, provider_options: dict | None = None) -> lis
         )
     options = {
         "device_id": str(device.index),
+        "has_user_compute_stream": "1",
         "user_compute_stream": str(torch.cuda.current_stream(device).cuda_stream),
     }
     options.update({k: str(v) for k, v in (provider_options or {}).items()})
