@@ -93,10 +93,9 @@ class Fixture:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("ORTMODULE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortmodule"
-    )
-    return Path(base) / "fixtures"
+    from .graph import cache_home
+
+    return cache_home() / "fixtures"
 
 
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):

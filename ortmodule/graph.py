@@ -33,11 +33,15 @@ class RewriteSkipped(Exception):
     """The graph does not match the pattern; the reason is the message."""
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("ORTMODULE_CACHE") or os.path.join(
+def cache_home() -> Path:
+    """ortmodule's cache folder: $ORTMODULE_CACHE, else $XDG_CACHE_HOME/ortmodule, else ~/.cache/ortmodule."""
+    return Path(os.environ.get("ORTMODULE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortmodule"
-    )
-    return Path(base) / "graphs"
+    ))
+
+
+def default_cache_dir() -> Path:
+    return cache_home() / "graphs"
 
 
 def _is_constant(value: ir.Value) -> bool:

@@ -244,30 +244,33 @@ class OrtModelForCausalLM(torch.nn.Module):
                     f"input_ids shape {tuple(input_ids.shape)}"
                 )
             mask = attention_mask.to(self.device)
-            if not ((mask == 0) | (mask == 1)).all():
-                raise ValueError("attention_mask must hold only 0 and 1")
-            mask = mask.to(torch.int64)
+        not_binary = ((mask != 0) & (mask != 1)).any()
+        mask = mask.to(torch.int64)
         counts = mask.sum(1)
         lead = mask.argmax(1)  # index of each row's first 1
         steps = torch.arange(length, device=self.device)
         contiguous = mask == ((steps >= lead[:, None]) & (steps < (lead + counts)[:, None]))
         bad_ids = (ids < 0) | (ids >= self.package.vocab_size)
-        flags = torch.stack([bad_ids.any(), (counts == 0).any(), ~contiguous.all(), (lead > 0).any()]).tolist()
+        flags = torch.stack(
+            [not_binary, bad_ids.any(), (counts == 0).any(), ~contiguous.all(), (lead > 0).any()]
+        ).tolist()  # the one host sync of the checks
         if flags[0]:
+            raise ValueError("attention_mask must hold only 0 and 1")
+        if flags[1]:
             row, col = bad_ids.nonzero()[0].tolist()
             raise ValueError(
                 f"token id {ids[row, col].item()} at input_ids[{row}, {col}] is outside the vocabulary "
                 f"[0, {self.package.vocab_size})"
             )
-        if flags[1]:
-            raise ValueError(f"attention_mask row {(counts == 0).nonzero()[0].item()} has no tokens")
         if flags[2]:
+            raise ValueError(f"attention_mask row {(counts == 0).nonzero()[0].item()} has no tokens")
+        if flags[3]:
             row = (~contiguous).any(1).nonzero()[0].item()
             raise ValueError(
                 f"attention_mask row {row} has gaps: each row's ones must be one contiguous run "
                 "(left- or right-padded)"
             )
-        if not flags[3]:
+        if not flags[4]:
             return ids, None
         # Roll every row so that it starts at position 0 (right-padded layout).
         order = (steps[None, :] + lead[:, None]) % length
