@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import onnxruntime as ort
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import graph, runtime
+from . import generation, graph, runtime
+from .generation import KVCache
 from .package import Package, PackageError, read_package
 
 logger = logging.getLogger("ortmodule")
@@ -71,6 +73,15 @@ def build_generation_config(package: Package) -> GenerationConfig:
         top_k=search.get("top_k", 50),
         top_p=search.get("top_p", 1.0),
     )
+
+
+class Batch(NamedTuple):
+    """A checked input batch in the right-padded layout."""
+
+    ids: torch.Tensor  # [B, T] int64 on the model's device, each row's tokens starting at column 0
+    shift: torch.Tensor | None  # how far each row was rolled left to get there (None: not at all)
+    lengths: torch.Tensor  # [B] real tokens per row
+    longest: int  # max(lengths), on the host
 
 
 class OrtModelForCausalLM(torch.nn.Module):
@@ -191,34 +202,124 @@ class OrtModelForCausalLM(torch.nn.Module):
         logits_to_keep: int | torch.Tensor | None = None,
         return_dict: bool = True,
         labels: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool | None = None,
         **kwargs,
     ):
-        unsupported = {k for k, v in kwargs.items() if v is not None and v is not False} - {"use_cache"}
+        """Logits of `input_ids` (and the loss when `labels` are given).
+
+        With `use_cache=True` the output carries `past_key_values`, a `KVCache` on the device; pass
+        it back with the next tokens (`input_ids` [B, s]: s new tokens for every row) to continue.
+        """
+        unsupported = {k for k, v in kwargs.items() if v is not None and v is not False}
         if unsupported:
             raise TypeError(f"OrtModelForCausalLM.forward does not support {', '.join(sorted(unsupported))}")
-        ids, shift = self._checked_inputs(input_ids, attention_mask)
         keep = cont_len if cont_len is not None else logits_to_keep
-        positions = self._positions(keep, ids.shape[1])
-        if positions is None:
-            logits = self._logits(ids, shift)
+        if past_key_values is not None:
+            logits = self._step(input_ids, attention_mask, past_key_values, keep)
+            cache = past_key_values
         else:
-            batch, kept = ids.shape[0], positions.numel()
-            rows = torch.arange(batch, device=self.device).repeat_interleave(kept)
-            logits = self._logits(ids, shift, rows, positions.repeat(batch)).view(batch, kept, -1)
+            ids, shift, lengths, longest = self._checked_inputs(input_ids, attention_mask)
+            cache = KVCache(self, ids.shape[0], ids.shape[1]) if use_cache else None
+            positions = self._positions(keep, ids.shape[1])
+            if positions is None:
+                logits = self._logits(ids, shift, cache=cache)
+            else:
+                batch, kept = ids.shape[0], positions.numel()
+                rows = torch.arange(batch, device=self.device).repeat_interleave(kept)
+                logits = self._logits(ids, shift, rows, positions.repeat(batch), cache).view(batch, kept, -1)
+            if cache is not None:
+                cache.lengths.copy_(lengths)
+                cache.advance(0, ids.shape[1])
+                cache.longest = longest
         loss = None
         if labels is not None:
-            if positions is not None:
+            if keep is not None and not (isinstance(keep, int) and keep == 0):
                 raise ValueError("labels need the logits of every position: drop cont_len/logits_to_keep")
             loss = torch.nn.functional.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels.to(logits.device)[:, 1:].flatten(), ignore_index=-100
             )
+        if not use_cache:
+            cache = None
         if not return_dict:
-            return (logits,) if loss is None else (loss, logits)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+            return tuple(x for x in (loss, logits, cache) if x is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
-    def _checked_inputs(self, input_ids, attention_mask):
-        """Validate on the device, with one host sync; return the ids in the right-padded layout and
-        the per-row shift that took each row there (None when the batch was right-padded already)."""
+    def _step(self, input_ids, attention_mask, cache, keep) -> torch.Tensor:
+        """Append `input_ids` [B, s] to every row of `cache`; logits `[B, s, V]` (or the kept ones)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(
+                f"past_key_values must be the KVCache this model returned (out.past_key_values), "
+                f"got {type(cache).__name__}"
+            )
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError("input_ids must be a 2-D integer tensor [batch, new tokens]")
+        batch, new = input_ids.shape
+        if batch != cache.batch_size or new == 0:
+            raise ValueError(
+                f"input_ids of shape {tuple(input_ids.shape)} does not continue a cache of {cache.batch_size} rows"
+            )
+        if new > 1 and batch > 1:
+            raise ValueError(
+                "a step of several tokens over a cache works for batch 1 only (ONNX Runtime's "
+                "GroupQueryAttention refuses it for batches); feed the tokens one at a time"
+            )
+        if cache.longest + new > self.package.context_length:
+            raise ValueError(
+                f"{cache.longest} cached + {new} new tokens exceeds the model's context length "
+                f"{self.package.context_length}"
+            )
+        ids = input_ids.to(self.device, torch.int64)
+        checks = [((ids < 0) | (ids >= self.package.vocab_size)).any()]
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+            expected = (batch, cache.seen + new)
+            if tuple(attention_mask.shape) != expected:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} does not match the cache and the new "
+                    f"tokens: expected {expected}"
+                )
+            checks.append((attention_mask[:, -new:] != 1).any().to(self.device))
+        flags = torch.stack(checks).tolist()  # the one host sync of the checks
+        if flags[0]:
+            row, col = ((ids < 0) | (ids >= self.package.vocab_size)).nonzero()[0].tolist()
+            raise ValueError(
+                f"token id {ids[row, col].item()} at input_ids[{row}, {col}] is outside the vocabulary "
+                f"[0, {self.package.vocab_size})"
+            )
+        if len(flags) > 1 and flags[1]:
+            raise ValueError("attention_mask must be 1 at every new token: a step appends to every row")
+        cache.reserve(cache.longest + new, self.package.context_length)
+        positions = cache.lengths[:, None] + torch.arange(new, device=self.device)
+        kept = self._positions(keep, new)
+        flat = None
+        if kept is not None:
+            flat = (torch.arange(batch, device=self.device)[:, None] * new + kept[None, :]).flatten()
+        binding = self.session.io_binding()
+        cache.bind(binding)
+        logits = self._run(binding, ids, flat, mask=cache.step_mask(new, self._mask_dtype), positions=positions)
+        cache.advance(new, new)
+        return logits.view(batch, -1, logits.shape[-1])
+
+    def generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig | None = None, **kwargs):
+        """Greedy decoding or sampling with transformers' semantics; the KV cache stays on the device.
+
+        Takes transformers' arguments (`attention_mask`, `max_new_tokens`, `max_length`, `do_sample`,
+        `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `no_repeat_ngram_size`,
+        `min_new_tokens`, `eos_token_id`, `pad_token_id`, `stop_strings` with `tokenizer`,
+        `stopping_criteria`, `logits_processor`, `streamer`, `return_dict_in_generate`,
+        `output_scores`, `output_logits`) plus `generator`, a `torch.Generator` for sampling.
+        Returns the prompts as given followed by the new tokens, padded with `pad_token_id` after
+        a row's end-of-sequence token.
+        """
+        return generation.generate(self, input_ids, generation_config, **kwargs)
+
+    def _decode_step(self, cache: KVCache) -> generation.DecodeStep:
+        return generation.DecodeStep(self, cache)
+
+    def _checked_inputs(self, input_ids, attention_mask) -> "Batch":
+        """Validate on the device, with one host sync; return the batch in the right-padded layout."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -252,7 +353,7 @@ class OrtModelForCausalLM(torch.nn.Module):
         contiguous = mask == ((steps >= lead[:, None]) & (steps < (lead + counts)[:, None]))
         bad_ids = (ids < 0) | (ids >= self.package.vocab_size)
         flags = torch.stack(
-            [not_binary, bad_ids.any(), (counts == 0).any(), ~contiguous.all(), (lead > 0).any()]
+            [not_binary, bad_ids.any(), (counts == 0).any(), ~contiguous.all(), (lead > 0).any(), counts.max()]
         ).tolist()  # the one host sync of the checks
         if flags[0]:
             raise ValueError("attention_mask must hold only 0 and 1")
@@ -271,10 +372,10 @@ class OrtModelForCausalLM(torch.nn.Module):
                 "(left- or right-padded)"
             )
         if not flags[4]:
-            return ids, None
+            return Batch(ids, None, counts, flags[5])
         # Roll every row so that it starts at position 0 (right-padded layout).
         order = (steps[None, :] + lead[:, None]) % length
-        return ids.gather(1, order), lead
+        return Batch(ids.gather(1, order), lead, counts, flags[5])
 
     def _positions(self, keep, length: int) -> torch.Tensor | None:
         """Positions of the padded input to return logits for, or None for all of them."""
@@ -300,7 +401,7 @@ class OrtModelForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """Logits `[n, V]` at the n positions `(rows[i], cols[i])` of the padded input, in the
         caller's layout. With the graph rewrite, only those n positions reach the LM head."""
-        ids, shift = self._checked_inputs(input_ids, attention_mask)
+        ids, shift, _, _ = self._checked_inputs(input_ids, attention_mask)
         batch, length = ids.shape
         rows = torch.as_tensor(rows, device=self.device, dtype=torch.int64)
         cols = torch.as_tensor(cols, device=self.device, dtype=torch.int64)
@@ -310,47 +411,60 @@ class OrtModelForCausalLM(torch.nn.Module):
             raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
         return self._logits(ids, shift, rows, cols)
 
-    def _logits(self, ids, shift, rows=None, cols=None) -> torch.Tensor:
-        """Run the decoder on right-padded `ids`; logits at flat positions `rows * T + cols` of the
-        caller's layout (`shift` rolls them to where the rows now are), or at every position."""
+    def _logits(self, ids, shift, rows=None, cols=None, cache=None) -> torch.Tensor:
+        """Prefill right-padded `ids`; logits at flat positions `rows * T + cols` of the caller's
+        layout (`shift` rolls them to where the rows now are), or at every position. The present KV
+        goes into `cache` when given, else into a scratch buffer."""
         batch, length = ids.shape
-        decoder = self.package.decoder
-        binding = self.session.io_binding()
-        runtime.bind_input(binding, decoder.input_ids, ids.to(self._id_dtype).contiguous())
-        # Rows are right-padded now, and attention is causal: no real position sees the padding
-        # after it, so an all-ones mask gives exact logits for the real positions, and spares the
-        # attention kernels the padded rows they mishandle (sliding windows, left padding).
-        if decoder.attention_mask:
-            runtime.bind_input(binding, decoder.attention_mask, torch.ones_like(ids, dtype=self._mask_dtype))
-        if decoder.position_ids:
-            steps = torch.arange(length, device=self.device, dtype=self._position_dtype)
-            runtime.bind_input(binding, decoder.position_ids, steps.expand(batch, -1).contiguous())
-        self._bind_prefill_cache(binding, batch, length)
-
         flat = None
         if rows is not None:
             if shift is not None:
                 cols = (cols - shift[rows]) % length
             flat = rows * length + cols
-        elif shift is not None or self.keeps_positions:
-            flat = torch.arange(batch * length, device=self.device)
-            if shift is not None:
-                flat = flat.view(batch, length)
-                flat = (flat - shift[:, None]) % length + length * torch.arange(batch, device=self.device)[:, None]
-                flat = flat.flatten()
+        elif shift is not None:
+            steps = torch.arange(length, device=self.device)
+            flat = ((steps[None, :] - shift[:, None]) % length + length * torch.arange(batch, device=self.device)[:, None]).flatten()
+        binding = self.session.io_binding()
+        if cache is None:
+            self._bind_prefill_cache(binding, batch, length)
+        else:
+            cache.bind(binding)
+        logits = self._run(binding, ids, flat, prefill=True)
+        return logits if rows is not None or shift is None else logits.view(batch, length, -1)
+
+    def _run(self, binding, ids, flat=None, prefill=False, mask=None, positions=None) -> torch.Tensor:
+        """Bind `ids` and run: logits `[n, V]` at the flat positions `flat` of `ids`, or `[B, T, V]`.
+
+        A prefill binds an all-ones mask and positions 0..T-1: rows are right-padded, and attention
+        is causal, so no real position sees the padding after it; the logits of the real positions
+        are exact, and the attention kernels are spared the padded rows they mishandle (sliding
+        windows, left padding). A step over a cache passes its own `mask` and `positions`.
+        """
+        batch, length = ids.shape
+        decoder = self.package.decoder
+        runtime.bind_input(binding, decoder.input_ids, ids.to(self._id_dtype).contiguous())
+        if prefill:
+            mask = torch.ones_like(ids, dtype=self._mask_dtype) if decoder.attention_mask else None
+            positions = torch.arange(length, device=self.device).expand(batch, -1) if decoder.position_ids else None
+        if decoder.attention_mask:
+            runtime.bind_input(binding, decoder.attention_mask, mask.to(self._mask_dtype).contiguous())
+        if decoder.position_ids:
+            runtime.bind_input(binding, decoder.position_ids, positions.to(self._position_dtype).contiguous())
         vocab = self.package.vocab_size
         if self.keeps_positions:
+            if flat is None:
+                flat = torch.arange(batch * length, device=self.device)
             runtime.bind_input(binding, graph.LOGITS_INDICES, flat)
             logits = torch.empty(flat.numel(), vocab, dtype=self._logits_dtype, device=self.device)
         else:
             logits = torch.empty(batch, length, vocab, dtype=self._logits_dtype, device=self.device)
         runtime.bind_output(binding, decoder.logits, logits)
         runtime.run(self.session, binding)
-        if rows is None and shift is None:
+        if flat is None:
             return logits.view(batch, length, vocab)
         if not self.keeps_positions:
             logits = logits.view(batch * length, vocab).index_select(0, flat)
-        return logits if rows is not None else logits.view(batch, length, vocab)
+        return logits
 
     def _bind_prefill_cache(self, binding: ort.IOBinding, batch: int, length: int) -> None:
         """An empty past for every layer; the present is written into one reused scratch buffer."""

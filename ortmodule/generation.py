@@ -1,0 +1,363 @@
+"""Decoding with the KV cache kept on the device.
+
+`KVCache` holds one key and one value buffer per layer, `[batch, kv_heads, capacity, head_size]`
+with each layer's own heads and head size, bound as both the past and the present of every step:
+ONNX Runtime's GroupQueryAttention writes the new entries in place (the packages'
+`past_present_share_buffer` layout), so the cache never moves and never passes through the host.
+
+Rows are kept right-padded: row b's tokens fill positions `[0, lengths[b])`, and each step writes
+row b's new entries at `lengths[b]` (the attention mask tells GroupQueryAttention each row's
+length). A prompt batch prefills with an all-ones mask, which is exact because attention is
+causal; the entries the padding leaves behind lie past each row's length and are overwritten.
+
+`generate` follows transformers' sampling loop (`GenerationMixin._sample`) step for step, with
+transformers' own logits processors and stopping criteria, so its tokens equal transformers'.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+import onnxruntime as ort
+import torch
+from transformers import GenerationConfig
+from transformers.generation import (
+    EosTokenCriteria,
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from . import graph, runtime
+
+if TYPE_CHECKING:
+    from .modeling import OrtModelForCausalLM
+
+
+class KVCache:
+    """The KV cache of one batch on the model's device, returned as `past_key_values`.
+
+    Rows are right-padded: `cache[i]` is layer i's `(key, value)`, each `[B, kv_heads, T, head_size]`
+    with T the longest row; row b's entries past `lengths[b]` are not part of its sequence.
+    """
+
+    def __init__(self, model: OrtModelForCausalLM, batch: int, capacity: int):
+        self.layers = model.package.decoder.layers
+        # Sliding-window attention in ONNX Runtime wants a buffer of at least the window.
+        capacity = max([capacity] + [kv.window or 0 for kv in self.layers])
+        self.keys, self.values = [], []
+        for kv in self.layers:
+            shape = (batch, kv.num_kv_heads, capacity, kv.head_size)
+            self.keys.append(torch.zeros(shape, dtype=model.dtype, device=model.device))
+            self.values.append(torch.zeros(shape, dtype=model.dtype, device=model.device))
+        self.lengths = torch.zeros(batch, dtype=torch.int64, device=model.device)  # tokens held per row
+        self.longest = 0  # max(lengths), kept on the host
+        self.seen = 0  # columns of the caller's input_ids (padding included) this cache has taken in
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reserve(self, needed: int, limit: int) -> None:
+        """Grow every buffer to hold `needed` positions (doubling, up to `limit`), copying on the device."""
+        if needed <= self.capacity:
+            return
+        capacity = min(max(needed, 2 * self.capacity), limit)
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+                new[:, :, : old.shape[2]] = old
+                buffers[i] = new
+
+    def bind(self, binding: ort.IOBinding) -> None:
+        """Bind every layer's buffers as its past and its present: ONNX Runtime writes in place."""
+        for kv, key, value in zip(self.layers, self.keys, self.values):
+            runtime.bind_input(binding, kv.past_key, key)
+            runtime.bind_output(binding, kv.present_key, key)
+            runtime.bind_input(binding, kv.past_value, value)
+            runtime.bind_output(binding, kv.present_value, value)
+
+    def step_mask(self, new: int, dtype: torch.dtype) -> torch.Tensor:
+        """The attention mask of a step that appends `new` tokens to every row: right-padded."""
+        steps = torch.arange(self.longest + new, device=self.lengths.device)
+        return (steps[None, :] < (self.lengths + new)[:, None]).to(dtype)
+
+    def advance(self, new: int, columns: int) -> None:
+        self.lengths += new
+        self.longest += new
+        self.seen += columns
+
+    # The parts of transformers' Cache interface that user code reads.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer][:, :, : self.longest], self.values[layer][:, :, : self.longest]
+
+    def __repr__(self) -> str:
+        return f"KVCache(batch={self.batch_size}, layers={len(self)}, longest={self.longest}, capacity={self.capacity})"
+
+
+# Options of transformers' GenerationConfig that generate() carries out, with their neutral values.
+_NEUTRAL = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "num_beam_groups": 1,
+    "penalty_alpha": None,
+    "guidance_scale": 1.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+    "encoder_repetition_penalty": 1.0,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+    "max_time": None,
+    "watermarking_config": None,
+    "prompt_lookup_num_tokens": None,
+    "dola_layers": None,
+    "constraints": None,
+}
+
+# Arguments of generate() that are not GenerationConfig fields.
+_CALL_ARGUMENTS = {"attention_mask", "stopping_criteria", "logits_processor", "tokenizer", "generator", "streamer"}
+
+
+def resolve_config(model: OrtModelForCausalLM, generation_config: GenerationConfig | None, kwargs: dict):
+    """transformers' merge: the model's generation config (or the one given), updated by kwargs.
+    Returns the config and the call arguments that are not config fields."""
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    rest = config.update(**kwargs)
+    rest.pop("use_cache", None)  # the cache is always used
+    unknown = sorted(set(rest) - _CALL_ARGUMENTS)
+    if unknown:
+        raise ValueError(f"generate() got arguments it does not use: {', '.join(unknown)}")
+    unsupported = [
+        f"{name}={getattr(config, name)!r}"
+        for name, neutral in _NEUTRAL.items()
+        if getattr(config, name, None) not in (None, neutral)
+    ]
+    if unsupported:
+        raise ValueError(
+            f"generate() does greedy decoding and sampling only; not supported: {', '.join(unsupported)}"
+        )
+    return config, rest
+
+
+def _value(config: GenerationConfig, name: str, default):
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def _eos_ids(config: GenerationConfig) -> list[int]:
+    eos = config.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else eos if isinstance(eos, list) else [eos])]
+
+
+def logits_processors(config: GenerationConfig, prompt_length: int, mask, eos, extra, device):
+    """transformers' processors for the options set, in transformers' order (warpers last)."""
+    processors = LogitsProcessorList()
+    penalty = _value(config, "repetition_penalty", 1.0)
+    if penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=(mask != 0).int().argmax(1)))
+    if _value(config, "no_repeat_ngram_size", 0) > 0:
+        processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+    if eos is not None and _value(config, "min_length", 0) > 0:
+        processors.append(MinLengthLogitsProcessor(config.min_length, eos, device=device))
+    if eos is not None and _value(config, "min_new_tokens", 0) > 0:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos, device=device))
+    for custom in extra or []:
+        processors = LogitsProcessorList([p for p in processors if type(p) is not type(custom)] + [custom])
+    if _value(config, "do_sample", False):
+        temperature = _value(config, "temperature", 1.0)
+        if temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        top_k = _value(config, "top_k", 50)
+        if top_k != 0:
+            processors.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+        top_p = _value(config, "top_p", 1.0)
+        if top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+        if config.min_p is not None:
+            processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
+    return processors
+
+
+def stopping_criteria(config: GenerationConfig, eos, tokenizer, extra) -> StoppingCriteriaList:
+    """Stop strings, end-of-sequence ids and the caller's criteria (the length limit is the loop's)."""
+    criteria = StoppingCriteriaList()
+    if config.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass tokenizer=... to generate()")
+        criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
+    if eos is not None:
+        criteria.append(EosTokenCriteria(eos_token_id=eos))
+    criteria.extend(extra or [])
+    return criteria
+
+
+@torch.inference_mode()
+def generate(
+    model: OrtModelForCausalLM,
+    input_ids: torch.Tensor,
+    generation_config: GenerationConfig | None = None,
+    **kwargs,
+):
+    config, call = resolve_config(model, generation_config, kwargs)
+    device = model.device
+    batch = model._checked_inputs(input_ids, call.get("attention_mask"))
+    size, width = batch.ids.shape
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    else:
+        max_new = _value(config, "max_length", 20) - width
+    if max_new < 1:
+        raise ValueError(
+            f"nothing to generate: max_length {config.max_length} is not above the prompt length {width}; "
+            "set max_new_tokens"
+        )
+    if batch.longest + max_new > model.package.context_length:
+        raise ValueError(
+            f"prompt of {batch.longest} tokens + {max_new} new tokens exceeds the model's context length "
+            f"{model.package.context_length}"
+        )
+    generator = call.get("generator")
+    if generator is not None and torch.device(generator.device).type != device.type:
+        raise ValueError(f"generator is on {generator.device}, the model on {device}")
+
+    eos_ids = _eos_ids(config)
+    eos = torch.tensor(eos_ids, device=device) if eos_ids else None
+    pad_id = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
+    mask = call.get("attention_mask")
+    mask = torch.ones_like(batch.ids) if mask is None else mask.to(device)
+    processors = logits_processors(config, width, mask, eos, call.get("logits_processor"), device)
+    criteria = stopping_criteria(config, eos, call.get("tokenizer"), call.get("stopping_criteria"))
+    do_sample = bool(_value(config, "do_sample", False))
+    streamer = call.get("streamer")
+    keep_scores = bool(config.return_dict_in_generate and config.output_scores)
+    keep_logits = bool(config.return_dict_in_generate and config.output_logits)
+
+    # The output in the caller's layout: the prompt as given, then one column per step.
+    sequences = torch.empty(size, width + max_new, dtype=torch.int64, device=device)
+    sequences[:, :width] = input_ids.to(device)
+    if streamer is not None:
+        streamer.put(sequences[:, :width].cpu())
+
+    cache = KVCache(model, size, batch.longest + max_new)
+    step = model._decode_step(cache)
+    logits = step.prefill(batch)
+    unfinished = torch.ones(size, dtype=torch.bool, device=device)
+    scores, raw = [], []
+    length = width
+    while True:
+        next_scores = processors(sequences[:, :length], logits.float())
+        if keep_scores:
+            scores.append(next_scores)
+        if keep_logits:
+            raw.append(logits.float().clone())
+        if do_sample:
+            probs = torch.softmax(next_scores, dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            tokens = next_scores.argmax(-1)
+        if eos is not None:
+            tokens = torch.where(unfinished, tokens, pad_id)
+        sequences[:, length] = tokens
+        length += 1
+        if streamer is not None:
+            streamer.put(tokens.cpu())
+        if length == width + max_new:
+            break
+        if len(criteria):
+            unfinished &= ~criteria(sequences[:, :length], next_scores)
+            if not unfinished.any():  # the one host sync of a step
+                break
+        logits = step.decode(tokens)
+    if streamer is not None:
+        streamer.end()
+    sequences = sequences[:, :length]
+    if config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=tuple(scores) if keep_scores else None,
+            logits=tuple(raw) if keep_logits else None,
+        )
+    return sequences
+
+
+class DecodeStep:
+    """Runs the decoder over a KVCache, one binding reused for every step: the cache, the token,
+    position and logits buffers are bound once; each step rebinds only the attention mask."""
+
+    def __init__(self, model: OrtModelForCausalLM, cache: KVCache):
+        self.model = model
+        self.cache = cache
+        self.decoder = model.package.decoder
+        self.binding = model.session.io_binding()
+        cache.bind(self.binding)
+
+    def prefill(self, batch) -> torch.Tensor:
+        """Run the right-padded prompts; return each row's last logits `[B, V]`."""
+        model, cache = self.model, self.cache
+        size, width = batch.ids.shape
+        last = torch.arange(size, device=model.device) * width + batch.lengths - 1
+        logits = model._run(self.binding, batch.ids, last, prefill=True)
+        cache.lengths.copy_(batch.lengths)
+        cache.longest = batch.longest
+        cache.seen = batch.ids.shape[1]
+        self._bind_decode_buffers()
+        return logits
+
+    def _bind_decode_buffers(self) -> None:
+        model, size, binding, decoder = self.model, self.cache.batch_size, self.binding, self.decoder
+        self.tokens = torch.empty(size, 1, dtype=model._id_dtype, device=model.device)
+        runtime.bind_input(binding, decoder.input_ids, self.tokens)
+        self.positions = None
+        if decoder.position_ids:
+            self.positions = torch.empty(size, 1, dtype=model._position_dtype, device=model.device)
+            runtime.bind_input(binding, decoder.position_ids, self.positions)
+        if model.keeps_positions:
+            runtime.bind_input(binding, graph.LOGITS_INDICES, torch.arange(size, device=model.device))
+            self.logits = torch.empty(size, model.package.vocab_size, dtype=model._logits_dtype, device=model.device)
+        else:
+            self.logits = torch.empty(size, 1, model.package.vocab_size, dtype=model._logits_dtype, device=model.device)
+        runtime.bind_output(binding, decoder.logits, self.logits)
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token to every row; return the next logits `[B, V]`."""
+        cache, decoder = self.cache, self.decoder
+        self.tokens.copy_(tokens[:, None])
+        if self.positions is not None:
+            self.positions.copy_(cache.lengths[:, None])
+        if decoder.attention_mask:
+            runtime.bind_input(self.binding, decoder.attention_mask, cache.step_mask(1, self.model._mask_dtype))
+        runtime.run(self.model.session, self.binding)
+        cache.advance(1, 1)
+        return self.logits.view(cache.batch_size, -1)
