@@ -452,10 +452,9 @@ class OrtModelForCausalLM(torch.nn.Module):
             runtime.bind_input(binding, decoder.position_ids, positions.to(self._position_dtype).contiguous())
         vocab = self.package.vocab_size
         if self.keeps_positions:
-            if flat is None:
-                flat = torch.arange(batch * length, device=self.device)
-            runtime.bind_input(binding, graph.LOGITS_INDICES, flat)
-            logits = torch.empty(flat.numel(), vocab, dtype=self._logits_dtype, device=self.device)
+            kept = flat if flat is not None else torch.arange(batch * length, device=self.device)
+            runtime.bind_input(binding, graph.LOGITS_INDICES, kept)
+            logits = torch.empty(kept.numel(), vocab, dtype=self._logits_dtype, device=self.device)
         else:
             logits = torch.empty(batch, length, vocab, dtype=self._logits_dtype, device=self.device)
         runtime.bind_output(binding, decoder.logits, logits)

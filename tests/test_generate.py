@@ -1,0 +1,248 @@
+"""generate() and the KV cache against transformers' generate on the same weights."""
+
+import onnxruntime as ort
+import pytest
+import torch
+from conftest import ARCHES, load_pair
+
+from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
+from ortmodule.generation import KVCache
+
+NEW_TOKENS = 32
+
+
+def left_padded_prompts(lengths, vocab=512, seed=0, pad_id=2):
+    """Random ids (above the special tokens) with a left-padded mask, as HF tokenizers give for generate."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(4, vocab, (len(lengths), width), generator=gen)
+    mask = (torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]).long()
+    return ids.masked_fill(mask == 0, pad_id), mask
+
+
+def hf_generate(hf_model, ids, mask, **kwargs):
+    with torch.inference_mode():
+        return hf_model.generate(ids, attention_mask=mask, pad_token_id=2, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llama_pair(llama):
+    return load_pair(llama)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_greedy_equals_transformers(build, arch):
+    model, hf = load_pair(build(arch))
+    ids, mask = left_padded_prompts([6, 13], seed=3)  # 13 > Gemma 3's 8-token window
+    expected = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    assert tokens.device == model.device
+    assert tokens.shape == expected.shape == (2, 13 + NEW_TOKENS)
+    assert torch.equal(tokens, expected)
+
+
+def test_end_of_sequence_pads_the_row_like_transformers(llama_pair):
+    model, hf = llama_pair
+    ids, mask = left_padded_prompts([5, 11], seed=1)
+    free = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    eos = int(free[0, 11 + 4])  # the token row 0 emits at step 4 becomes the end of sequence
+    expected = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos)
+    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=2)
+    assert torch.equal(tokens, expected)
+    assert (tokens[0, 11 + 5 :] == 2).all()  # padded after its end, while row 1 goes on
+
+
+def test_stops_when_every_row_has_ended(llama_pair):
+    model, hf = llama_pair
+    ids, mask = left_padded_prompts([7], seed=2)
+    free = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    eos = int(free[0, 7 + 3])
+    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=2)
+    assert torch.equal(tokens, hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos))
+    assert tokens.shape[1] < 7 + NEW_TOKENS
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(do_sample=True),
+        dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9),
+        dict(do_sample=True, min_p=0.05, temperature=1.3),
+        dict(repetition_penalty=1.3, no_repeat_ngram_size=2),
+    ],
+    ids=["sample", "temperature-top_k-top_p", "min_p", "repetition"],
+)
+def test_sampling_and_processors_equal_transformers(llama_pair, options):
+    """transformers samples with torch's global generator: the same seed draws the same tokens."""
+    model, hf = llama_pair
+    ids, mask = left_padded_prompts([4, 9], seed=4)
+    torch.manual_seed(11)
+    expected = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS, **options)
+    torch.manual_seed(11)
+    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=2, **options)
+    assert torch.equal(tokens, expected)
+
+
+def test_generator_seed_reproduces_a_sample(llama_pair):
+    model, _ = llama_pair
+    ids, mask = left_padded_prompts([4, 9], seed=4)
+
+    def sample(seed):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True,
+                              generator=torch.Generator().manual_seed(seed))
+
+    first = sample(5)
+    assert torch.equal(first, sample(5))
+    assert not torch.equal(first, sample(6))
+
+
+def test_stop_strings_equal_transformers(llama_pair, llama):
+    model, hf = llama_pair
+    tokenizer = load_tokenizer(llama.package_dir)
+    batch = tokenizer(["The quick brown", "Paris is the capital of"], return_tensors="pt", padding=True,
+                      padding_side="left")
+    free = hf_generate(hf, batch.input_ids, batch.attention_mask, max_new_tokens=NEW_TOKENS)
+    width = batch.input_ids.shape[1]
+
+    def first_new_word(row, after):
+        """The first token of the row's generation, from step `after` on, whose text is a word not seen before."""
+        texts = [tokenizer.decode(t) for t in free[row, width:]]
+        return next(t for i, t in enumerate(texts) if i >= after and t.strip().isalpha() and t not in "".join(texts[:i]))
+
+    stops = [first_new_word(0, 3), first_new_word(1, 3)]
+    expected = hf_generate(hf, batch.input_ids, batch.attention_mask, max_new_tokens=NEW_TOKENS,
+                           stop_strings=stops, tokenizer=tokenizer)
+    tokens = model.generate(**batch, max_new_tokens=NEW_TOKENS, stop_strings=stops, tokenizer=tokenizer,
+                            pad_token_id=2)
+    assert torch.equal(tokens, expected)
+    assert tokens.shape[1] < width + NEW_TOKENS
+
+
+def test_max_length_and_generation_config(llama_pair):
+    model, hf = llama_pair
+    ids, mask = left_padded_prompts([5, 8], seed=6)
+    expected = hf_generate(hf, ids, mask, max_length=20)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_length=20, pad_token_id=2), expected)
+    config = model.generation_config
+    config = type(config)(**{**config.to_dict(), "max_new_tokens": 5, "pad_token_id": 2})
+    assert model.generate(ids, attention_mask=mask, generation_config=config).shape == (2, 13)
+
+
+def test_scores_and_logits_come_back_on_request(llama_pair):
+    model, hf = llama_pair
+    ids, mask = left_padded_prompts([5, 8], seed=6)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True,
+                         output_scores=True, output_logits=True, pad_token_id=2)
+    with torch.inference_mode():
+        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True,
+                          output_scores=True, output_logits=True, pad_token_id=2)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(out.logits) == 6
+    for mine, theirs in zip(out.logits, ref.logits):
+        assert (mine - theirs).abs().max().item() < 1e-4
+
+
+def test_without_the_lm_head_rewrite(llama):
+    model = OrtModelForCausalLM.from_pretrained(llama.package_dir, rewrite_lm_head=False)
+    _, hf = load_pair(llama)
+    ids, mask = left_padded_prompts([6, 13], seed=3)
+    expected = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=2), expected)
+
+
+def test_the_cache_is_bound_once_and_never_copied_to_the_host(llama_pair, monkeypatch):
+    """The KV buffers are bound as past and present once per generate call, and nothing of the
+    decode loop (KV, logits, tokens) is copied to the host: no eos, no criteria, no host sync."""
+    model, hf = llama_pair
+    ids, mask = left_padded_prompts([6, 13], seed=3)
+    layers = model.package.decoder.layers
+    kv_names = {name for kv in layers for name in (kv.past_key, kv.past_value, kv.present_key, kv.present_value)}
+    bound = []
+    bind_input, bind_output = runtime.bind_input, runtime.bind_output
+    monkeypatch.setattr(runtime, "bind_input", lambda b, n, t: (bound.append((n, t.data_ptr())), bind_input(b, n, t)))
+    monkeypatch.setattr(runtime, "bind_output", lambda b, n, t: (bound.append((n, t.data_ptr())), bind_output(b, n, t)))
+    runs = []
+    run = runtime.run
+    monkeypatch.setattr(runtime, "run", lambda s, b: (runs.append(1), run(s, b)))
+    expected = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host copy in the decode loop")
+
+    checked = model._checked_inputs(ids, mask)  # the input checks' one host sync, taken before the patches
+    with monkeypatch.context() as patch:
+        patch.setattr(type(model), "_checked_inputs", lambda self, i, m: checked)
+        for name in ("numpy", "tolist", "item", "cpu", "__bool__"):
+            patch.setattr(torch.Tensor, name, refuse)
+        patch.setattr(ort.OrtValue, "numpy", refuse)
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                                pad_token_id=2)
+    assert torch.equal(tokens, expected)
+    assert len(runs) == NEW_TOKENS  # one prefill and one run per further token
+    kv_binds = [(n, p) for n, p in bound if n in kv_names]
+    assert len(kv_binds) == 4 * len(layers)  # once each
+    assert {p for n, p in kv_binds if "past" in n} == {p for n, p in kv_binds if "present" in n}  # shared
+
+
+def test_stepping_forward_with_the_cache_equals_generate(llama_pair):
+    model, hf = llama_pair
+    ids, mask = left_padded_prompts([6, 13], seed=3)
+    expected = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS)
+    out = model(ids, attention_mask=mask, use_cache=True)
+    assert isinstance(out.past_key_values, KVCache)
+    tokens = [out.logits[:, -1].argmax(-1)]
+    for _ in range(NEW_TOKENS - 1):
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        out = model(tokens[-1][:, None], attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(out.logits[:, -1].argmax(-1))
+    assert torch.equal(torch.stack(tokens, 1), expected[:, 13:])
+    cache = out.past_key_values
+    assert cache.get_seq_length() == 13 + NEW_TOKENS - 1 and len(cache) == len(model.package.decoder.layers)
+    key, value = cache[0]
+    assert key.shape == value.shape == (2, 2, 13 + NEW_TOKENS - 1, 16)
+
+
+def test_a_multi_token_step_matches_the_full_forward(llama_pair):
+    model, _ = llama_pair
+    ids, _ = left_padded_prompts([20], seed=8)
+    first = model(ids[:, :7], use_cache=True)
+    rest = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True)
+    full = model(ids).logits
+    assert (rest.logits - full[:, 7:]).abs().max().item() < 1e-4
+    assert (first.logits - full[:, :7]).abs().max().item() < 1e-4
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+def test_generation_past_the_context_is_refused(llama_pair):
+    model, _ = llama_pair
+    with pytest.raises(ValueError, match="prompt of 250 tokens \\+ 10 new tokens exceeds the model's context length 256"):
+        model.generate(torch.full((1, 250), 5), max_new_tokens=10)
+
+
+def test_unsupported_generation_options_are_named(llama_pair):
+    model, _ = llama_pair
+    ids = torch.full((1, 4), 5)
+    with pytest.raises(ValueError, match="not supported: num_beams=4"):
+        model.generate(ids, max_new_tokens=3, num_beams=4)
+    with pytest.raises(ValueError, match="arguments it does not use: frobnicate"):
+        model.generate(ids, max_new_tokens=3, frobnicate=True)
+    with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
+        model.generate(ids, max_new_tokens=3, stop_strings=["x"])
+    with pytest.raises(ValueError, match="max_length 4 is not above the prompt length 4"):
+        model.generate(ids, max_length=4)
+
+
+def test_bad_cache_steps_are_refused(llama_pair):
+    model, _ = llama_pair
+    ids, mask = left_padded_prompts([3, 5], seed=1)
+    out = model(ids, attention_mask=mask, use_cache=True)
+    with pytest.raises(TypeError, match="past_key_values must be the KVCache this model returned"):
+        model(ids[:, :1], past_key_values=((torch.zeros(1),),))
+    with pytest.raises(ValueError, match=r"attention_mask shape \(2, 5\) does not match .* expected \(2, 6\)"):
+        model(ids[:, :1], attention_mask=mask, past_key_values=out.past_key_values)
+    with pytest.raises(ValueError, match="several tokens over a cache works for batch 1 only"):
+        model(ids[:, :2], past_key_values=out.past_key_values)
+    with pytest.raises(ValueError, match="token id 600"):
+        model(torch.tensor([[5], [600]]), past_key_values=out.past_key_values)
