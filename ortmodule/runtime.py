@@ -78,6 +78,9 @@ def make_session(
     options = session_options or ort.SessionOptions()
     if session_options is None:
         options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
+        # Idle ONNX Runtime workers spinning between runs starve the torch ops of a decode step
+        # (sampling, stop checks): measured 1.8x slower decoding on CPU, and no faster forwards.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if external_data_folder is not None:
         options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.fspath(Path(external_data_folder).resolve()))
     source = model if isinstance(model, bytes) else os.fspath(model)
