@@ -17,10 +17,16 @@ SIZES = {
         large_vocab=fixtures.FixtureSpec("llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
                                          intermediate_size=512, vocab_size=65536, context_length=1024),
         batch=8, length=512, keep=4,
+        # The 51.7M-parameter Llama of the lm-eval workloads: hidden 512, 6 layers, 32,000 tokens.
+        decoder=fixtures.FixtureSpec("llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
+                                     intermediate_size=1376, vocab_size=32000, context_length=1024),
+        generate=dict(batch=4, prompt_lengths=(32, 128), new_tokens=64),
     ),
     "smoke": dict(
         large_vocab=fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256),
         batch=2, length=32, keep=4,
+        decoder=fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256),
+        generate=dict(batch=2, prompt_lengths=(4, 9), new_tokens=4),
     ),
 }
 

@@ -31,17 +31,17 @@ def main(paths: list[str]) -> None:
         for bench in run["benchmarks"]:
             groups[bench["group"]].append(bench)
     for group, benches in groups.items():
-        reference = {case(b["name"])[1]: b["stats"]["mean"] for b in benches if case(b["name"])[0] == "transformers"}
+        reference = {case(b["name"])[1]: b["stats"]["median"] for b in benches if case(b["name"])[0] == "transformers"}
         extra_keys = sorted({k for b in benches for k in b["extra_info"]})
         print(f"## {group}\n")
-        print("| backend | case | mean ms | x transformers | " + " | ".join(extra_keys) + " |")
+        print("| backend | case | median ms | x transformers | " + " | ".join(extra_keys) + " |")
         print("|---|---|---|---|" + "---|" * len(extra_keys))
-        for b in sorted(benches, key=lambda b: (case(b["name"])[1], b["stats"]["mean"])):
+        for b in sorted(benches, key=lambda b: (case(b["name"])[1], b["stats"]["median"])):
             backend, variant = case(b["name"])
-            mean = b["stats"]["mean"]
-            ratio = f"{reference[variant] / mean:.2f}x faster" if variant in reference else ""
+            median = b["stats"]["median"]
+            ratio = f"{reference[variant] / median:.2f}x faster" if variant in reference else ""
             extras = " | ".join(str(b["extra_info"].get(k, "")) for k in extra_keys)
-            print(f"| {backend} | {variant} | {mean * 1e3:.1f} | {ratio} | {extras} |")
+            print(f"| {backend} | {variant} | {median * 1e3:.1f} | {ratio} | {extras} |")
         print()
 
 
