@@ -9,7 +9,7 @@ from lm_eval.tasks import TaskManager
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
 from ortmodule import tasks
 
-ARCHES_LM_EVAL = ["llama", "gemma3"]
+from conftest import ARCHES
 
 
 def evaluate(model, model_args, batch_size=8):
@@ -30,7 +30,7 @@ def loglikelihoods(result, task):
     return [r for s in samples for r in s["filtered_resps"]]
 
 
-@pytest.fixture(scope="module", params=ARCHES_LM_EVAL)
+@pytest.fixture(scope="module", params=ARCHES)
 def both(request, build):
     fixture = build(request.param)
     ours = evaluate("ortmodule", f"pretrained={fixture.package_dir}")
@@ -48,6 +48,17 @@ def test_multiple_choice_matches_hf(both):
     for (lp, greedy), (ref_lp, ref_greedy) in zip(a, b):
         assert abs(lp - ref_lp) < 1e-4
         assert greedy == ref_greedy
+
+
+def test_generations_match_hf(both):
+    """generate_until: greedy decoding with lm-eval's stop sequences, batched and left-padded."""
+    ours, theirs = both
+    task = "ortmodule_arithmetic_gen"
+    assert ours["results"][task]["exact_match,none"] == theirs["results"][task]["exact_match,none"]
+    a, b = loglikelihoods(ours, task), loglikelihoods(theirs, task)
+    assert len(a) == len(b) == 40
+    assert a == b
+    assert len(set(a)) > 1  # the generations are not all one string
 
 
 def test_rolling_perplexity_matches_hf(both):
@@ -98,3 +109,41 @@ def test_console_script_runs(build, tmp_path):
     )
     result = json.loads(next(out.rglob("results_*.json")).read_text())
     assert "acc,none" in result["results"]["ortmodule_arithmetic_mc"]
+
+
+def test_batch_size_auto_backs_off_on_onnx_runtime_out_of_memory(build, monkeypatch):
+    """ONNX Runtime's allocation failure (simulated above 16 rows: a CPU run cannot be made to
+    run out of memory on purpose) becomes the "out of memory." RuntimeError that accelerate's
+    batch-size search halves on; the search settles at or below 16 and the scores equal batch 8's."""
+    import onnxruntime as ort
+
+    from ortmodule import runtime
+
+    fixture = build("llama")
+    rows = {}
+    bind_input, run = runtime.bind_input, ort.InferenceSession.run_with_iobinding
+
+    def recording_bind_input(binding, name, tensor):
+        if name == "input_ids":
+            rows[id(binding)] = tensor.shape[0]
+        bind_input(binding, name, tensor)
+
+    def limited_run(session, binding, run_options=None):
+        if rows.get(id(binding), 0) > 16:
+            raise ort.capi.onnxruntime_pybind11_state.RuntimeException(
+                "Failed to allocate memory for requested buffer of size 123456789"
+            )
+        return run(session, binding, run_options)
+
+    monkeypatch.setattr(runtime, "bind_input", recording_bind_input)
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", limited_run)
+    auto = lm_eval.simple_evaluate(
+        model="ortmodule", model_args=f"pretrained={fixture.package_dir}", tasks=["ortmodule_arithmetic_mc"],
+        task_manager=TaskManager(include_path=tasks.TASK_DIR), batch_size="auto", device="cpu", log_samples=True,
+    )
+    monkeypatch.undo()
+    (found,) = auto["config"]["batch_sizes"]
+    assert 8 < found <= 16  # backed off from 64 to the largest size that fits (accelerate steps by 0.9x)
+    eight = evaluate("ortmodule", f"pretrained={fixture.package_dir}")
+    for a, b in zip(loglikelihoods(auto, "ortmodule_arithmetic_mc"), loglikelihoods(eight, "ortmodule_arithmetic_mc")):
+        assert abs(a[0] - b[0]) < 1e-5 and a[1] == b[1]
