@@ -42,6 +42,12 @@ class OrtModuleLM(HFLM):
             pretrained = str(pretrained)
         kwargs.setdefault("backend", "causal")
         super().__init__(pretrained=pretrained, device=device, **kwargs)
+        # HFLM splits requests across `accelerate launch` processes only when it counts several
+        # GPUs; ortmodule's sessions run anywhere, so N CPU processes split the work too.
+        accelerator = getattr(self, "accelerator", None)
+        if accelerator is not None and accelerator.num_processes > 1 and self._world_size == 1:
+            self._rank = accelerator.process_index
+            self._world_size = accelerator.num_processes
 
     def _get_config(self, pretrained: str, **kwargs) -> None:
         self._package = read_package(pretrained)

@@ -44,7 +44,9 @@ def parse_device(device: str | torch.device | int | None) -> torch.device:
         if not torch.cuda.is_available():
             raise RuntimeError(f"device {device} asked for, but torch sees no CUDA device")
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    elif device.type != "cpu":
+    elif device.type == "cpu":
+        device = torch.device("cpu")  # accelerate names it cpu:0
+    else:
         raise ValueError(f"unsupported device '{device}': use 'cpu', 'cuda' or 'cuda:N'")
     return device
 

@@ -1,5 +1,6 @@
 """The `ortmodule` lm-eval backend against lm-eval's own `hf` backend on the same weights."""
 
+import json
 import math
 
 import lm_eval
@@ -147,3 +148,40 @@ def test_batch_size_auto_backs_off_on_onnx_runtime_out_of_memory(build, monkeypa
     eight = evaluate("ortmodule", f"pretrained={fixture.package_dir}")
     for a, b in zip(loglikelihoods(auto, "ortmodule_arithmetic_mc"), loglikelihoods(eight, "ortmodule_arithmetic_mc")):
         assert abs(a[0] - b[0]) < 1e-5 and a[1] == b[1]
+
+
+def run_cli(launcher, fixture, out, env=None):
+    import os
+    import subprocess
+    import sys
+
+    command = launcher + [
+        "--model", "ortmodule", "--model_args", f"pretrained={fixture.package_dir}", "--device", "cpu",
+        "--tasks", "ortmodule_arithmetic_mc,ortmodule_arithmetic_gen", "--include_path", tasks.TASK_DIR,
+        "--batch_size", "8", "--output_path", str(out), "--log_samples",
+    ]
+    done = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return done.stderr, {path.name.split("_2")[0]: sorted(map(json.loads, path.read_text().splitlines()), key=lambda s: s["doc_id"])
+            for path in out.rglob("samples_*.jsonl")}
+
+
+def test_data_parallel_with_two_cpu_processes_equals_one(build, tmp_path):
+    """`accelerate launch` with 2 CPU processes: each scores half the requests, results as one process."""
+    import sys
+
+    fixture = build("llama")
+    _, single = run_cli([sys.executable, "-m", "ortmodule.cli"], fixture, tmp_path / "one")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "ortmodule.cli"]
+    log, double = run_cli(launch, fixture, tmp_path / "two", env={"ACCELERATE_USE_CPU": "1"})
+    assert "on rank 1" in log and "0/80" in log  # two ranks, 80 of the 160 loglikelihood requests each
+    assert sorted(single) == sorted(double) == ["samples_ortmodule_arithmetic_gen", "samples_ortmodule_arithmetic_mc"]
+    for task in single:
+        assert len(single[task]) == len(double[task]) == 40
+        for a, b in zip(single[task], double[task]):
+            assert a["doc_id"] == b["doc_id"]
+            if task.endswith("_gen"):
+                assert a["filtered_resps"] == b["filtered_resps"]
+            else:
+                for (lp, greedy), (ref_lp, ref_greedy) in zip(a["filtered_resps"], b["filtered_resps"]):
+                    assert abs(float(lp) - float(ref_lp)) < 1e-5 and greedy == ref_greedy
