@@ -21,12 +21,14 @@ SIZES = {
         decoder=fixtures.FixtureSpec("llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
                                      intermediate_size=1376, vocab_size=32000, context_length=1024),
         generate=dict(batch=4, prompt_lengths=(32, 128), new_tokens=64),
+        lm_eval=dict(limit=None, batch_size=8),  # all 200 questions: 800 loglikelihood requests
     ),
     "smoke": dict(
         large_vocab=fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256),
         batch=2, length=32, keep=4,
         decoder=fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256),
         generate=dict(batch=2, prompt_lengths=(4, 9), new_tokens=4),
+        lm_eval=dict(limit=3, batch_size=8),
     ),
 }
 

@@ -12,10 +12,14 @@ from collections import defaultdict
 COMMAND = "pytest benchmarks --bench-size cpu --benchmark-json=results.json && python benchmarks/report.py results.json"
 
 
-def case(name: str) -> tuple[str, str]:
-    """'test_ortmodule_forward[cont_len]' -> ('ortmodule', 'cont_len')."""
-    match = re.match(r"test_([a-z0-9_]+?)_[a-z]+(?:\[(.*)\])?$", name)
-    return (match.group(1), match.group(2) or "") if match else (name, "")
+def case(bench: dict) -> tuple[str, str]:
+    """'test_ortmodule_forward[cont_len]' -> ('ortmodule', 'cont_len'); a benchmark that records
+    its backend in extra_info (lm-eval's 'hf' is transformers) has no case."""
+    if "backend" in bench["extra_info"]:
+        backend = bench["extra_info"]["backend"]
+        return ("transformers" if backend == "hf" else backend), ""
+    match = re.match(r"test_([a-z0-9_]+?)_[a-z]+(?:\[(.*)\])?$", bench["name"])
+    return (match.group(1), match.group(2) or "") if match else (bench["name"], "")
 
 
 def main(paths: list[str]) -> None:
@@ -31,13 +35,13 @@ def main(paths: list[str]) -> None:
         for bench in run["benchmarks"]:
             groups[bench["group"]].append(bench)
     for group, benches in groups.items():
-        reference = {case(b["name"])[1]: b["stats"]["median"] for b in benches if case(b["name"])[0] == "transformers"}
-        extra_keys = sorted({k for b in benches for k in b["extra_info"]})
+        reference = {case(b)[1]: b["stats"]["median"] for b in benches if case(b)[0] == "transformers"}
+        extra_keys = sorted({k for b in benches for k in b["extra_info"]} - {"backend"})
         print(f"## {group}\n")
         print("| backend | case | median ms | x transformers | " + " | ".join(extra_keys) + " |")
         print("|---|---|---|---|" + "---|" * len(extra_keys))
-        for b in sorted(benches, key=lambda b: (case(b["name"])[1], b["stats"]["median"])):
-            backend, variant = case(b["name"])
+        for b in sorted(benches, key=lambda b: (case(b)[1], b["stats"]["median"])):
+            backend, variant = case(b)
             median = b["stats"]["median"]
             ratio = f"{reference[variant] / median:.2f}x faster" if variant in reference else ""
             extras = " | ".join(str(b["extra_info"].get(k, "")) for k in extra_keys)
