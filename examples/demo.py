@@ -1,67 +1,78 @@
-"""Score sentences with ortmodule beside transformers on the same weights.
+"""lm-eval through ortmodule and through transformers, on the same weights, side by side.
 
-Builds (once, then cached) a small random-weight Llama and its GenAI package with
-onnxruntime-genai's model builder, then computes each sentence's log-likelihood both ways.
-Run: python examples/demo.py [path/to/genai_package path/to/hf_checkpoint]
+The model is examples/arithmetic_model: a tiny Llama trained here to add numbers in words
+(examples/train_arithmetic.py). The demo exports it to an ONNX GenAI package with
+onnxruntime-genai's model builder (once, then cached), runs ortmodule's shipped arithmetic tasks
+(multiple choice and generation) through lm-eval's `ortmodule` backend on the package and its
+`hf` backend on the PyTorch checkpoint, and prints both result tables and the speed ratio.
+
+Run: python examples/demo.py [--batch_size 8] [--model path/to/hf_checkpoint]
 """
 
+import argparse
+import hashlib
 import os
-import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch
-from transformers import AutoModelForCausalLM
+import lm_eval
+from lm_eval.api.registry import get_model
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import make_table
 
-import ortmodule
-from ortmodule import fixtures
+import ortmodule.lm_eval  # noqa: F401  (registers the ortmodule backend)
+from ortmodule import fixtures, tasks
+from ortmodule.graph import cache_home
 
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paris is the capital of France.",
-    "Water boils at one hundred degrees Celsius at sea level.",
-    "ONNX Runtime runs machine learning models fast.",
-]
+MODEL = Path(__file__).parent / "arithmetic_model"
+TASKS = ["ortmodule_arithmetic_mc", "ortmodule_arithmetic_gen"]
 
 
-def sentence_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of log p(token | prefix) over each row's real tokens after the first."""
-    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logprobs.gather(2, ids[:, 1:, None]).squeeze(2)
-    return (picked * mask[:, 1:]).sum(1)
+def package_for(checkpoint: Path) -> Path:
+    """The checkpoint exported by the model builder, cached under a hash of its weights."""
+    digest = hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest()[:16]
+    package = cache_home() / "demo" / f"{checkpoint.name}-{digest}"
+    if not (package / "genai_config.json").is_file():
+        print(f"Exporting {checkpoint} with onnxruntime-genai's model builder -> {package}", flush=True)
+        fixtures.export(checkpoint, package)
+    return package
+
+
+def evaluate(lm) -> tuple[dict, float]:
+    start = time.perf_counter()
+    results = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=tasks.TASK_DIR),
+                                      verbosity="ERROR")
+    return results, time.perf_counter() - start
 
 
 def main() -> None:
-    if len(sys.argv) == 3:
-        package_dir, hf_dir = sys.argv[1], sys.argv[2]
-    else:
-        print("building the demo model (cached after the first run) ...", flush=True)
-        spec = fixtures.FixtureSpec("llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                                    intermediate_size=768, vocab_size=32000, context_length=512)
-        fixture = fixtures.build(spec)
-        package_dir, hf_dir = fixture.package_dir, fixture.hf_dir
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=MODEL, help="a transformers checkpoint folder")
+    parser.add_argument("--batch_size", type=int, default=8)
+    args = parser.parse_args()
 
-    tokenizer = ortmodule.load_tokenizer(package_dir)
-    model = ortmodule.OrtModelForCausalLM.from_pretrained(package_dir, device="cpu")
-    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)  # right-padded
-    ids, mask = batch.input_ids, batch.attention_mask
+    package = package_for(args.model)
+    ours = get_model("ortmodule")(pretrained=str(package), device="cpu", batch_size=args.batch_size)
+    theirs = get_model("hf")(pretrained=str(args.model), dtype="float32", device="cpu", batch_size=args.batch_size)
+    evaluate(ours), evaluate(theirs)  # warm-up: first-call costs stay out of the timing
+    ours_results, ours_time = evaluate(ours)
+    theirs_results, theirs_time = evaluate(theirs)
 
-    start = time.perf_counter()
-    ours = sentence_logprobs(model(ids, attention_mask=mask).logits, ids, mask)
-    ort_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    with torch.no_grad():
-        theirs = sentence_logprobs(reference(ids, attention_mask=mask).logits, ids, mask)
-    hf_seconds = time.perf_counter() - start
-
-    print(f"\npackage: {package_dir} ({model.num_parameters():,} parameters, {model.config.vocab_size} vocab)")
-    print(f"{'sentence':60s} {'ortmodule':>12s} {'transformers':>12s}")
-    for text, a, b in zip(SENTENCES, ours.tolist(), theirs.tolist()):
-        print(f"{text[:60]:60s} {a:12.5f} {b:12.5f}")
-    print(f"max |difference|: {(ours - theirs).abs().max().item():.2e}")
-    print(f"one forward over the batch: ortmodule {ort_seconds * 1e3:.1f} ms, transformers {hf_seconds * 1e3:.1f} ms")
+    print(f"\nlm-eval --model ortmodule (ONNX GenAI package {package}):")
+    print(make_table(ours_results))
+    print(f"lm-eval --model hf (the same weights in PyTorch, {args.model}):")
+    print(make_table(theirs_results))
+    same = all(
+        ours_results["results"][task][metric] == theirs_results["results"][task][metric]
+        for task in TASKS for metric in theirs_results["results"][task] if metric.endswith(",none") and "stderr" not in metric
+    )
+    print(f"Same scores: {'yes' if same else 'NO'}")
+    print(f"Time for both tasks: ortmodule {ours_time:.2f} s, hf {theirs_time:.2f} s: "
+          f"ortmodule is {theirs_time / ours_time:.2f}x the speed of hf (batch {args.batch_size}, CPU)")
 
 
 if __name__ == "__main__":
