@@ -96,6 +96,12 @@ class KVCache:
         steps = torch.arange(self.longest + new, device=self.lengths.device)
         return (steps[None, :] < (self.lengths + new)[:, None]).to(dtype)
 
+    def start(self, lengths: torch.Tensor, longest: int, columns: int) -> None:
+        """Record a prefilled prompt batch: per-row lengths, the longest, the caller's width."""
+        self.lengths.copy_(lengths)
+        self.longest = longest
+        self.seen = columns
+
     def advance(self, new: int, columns: int) -> None:
         self.lengths += new
         self.longest += new
@@ -329,9 +335,7 @@ class DecodeStep:
         size, width = batch.ids.shape
         last = torch.arange(size, device=model.device) * width + batch.lengths - 1
         logits = model._run(self.binding, batch.ids, last, prefill=True)
-        cache.lengths.copy_(batch.lengths)
-        cache.longest = batch.longest
-        cache.seen = batch.ids.shape[1]
+        cache.start(batch.lengths, batch.longest, width)
         self._bind_decode_buffers()
         return logits
 

@@ -229,9 +229,7 @@ class OrtModelForCausalLM(torch.nn.Module):
                 rows = torch.arange(batch, device=self.device).repeat_interleave(kept)
                 logits = self._logits(ids, shift, rows, positions.repeat(batch), cache).view(batch, kept, -1)
             if cache is not None:
-                cache.lengths.copy_(lengths)
-                cache.advance(0, ids.shape[1])
-                cache.longest = longest
+                cache.start(lengths, longest, ids.shape[1])
         loss = None
         if labels is not None:
             if keep is not None and not (isinstance(keep, int) and keep == 0):
@@ -283,11 +281,7 @@ class OrtModelForCausalLM(torch.nn.Module):
             checks.append((attention_mask[:, -new:] != 1).any().to(self.device))
         flags = torch.stack(checks).tolist()  # the one host sync of the checks
         if flags[0]:
-            row, col = ((ids < 0) | (ids >= self.package.vocab_size)).nonzero()[0].tolist()
-            raise ValueError(
-                f"token id {ids[row, col].item()} at input_ids[{row}, {col}] is outside the vocabulary "
-                f"[0, {self.package.vocab_size})"
-            )
+            self._raise_bad_id(ids)
         if len(flags) > 1 and flags[1]:
             raise ValueError("attention_mask must be 1 at every new token: a step appends to every row")
         cache.reserve(cache.longest + new, self.package.context_length)
@@ -358,11 +352,7 @@ class OrtModelForCausalLM(torch.nn.Module):
         if flags[0]:
             raise ValueError("attention_mask must hold only 0 and 1")
         if flags[1]:
-            row, col = bad_ids.nonzero()[0].tolist()
-            raise ValueError(
-                f"token id {ids[row, col].item()} at input_ids[{row}, {col}] is outside the vocabulary "
-                f"[0, {self.package.vocab_size})"
-            )
+            self._raise_bad_id(ids)
         if flags[2]:
             raise ValueError(f"attention_mask row {(counts == 0).nonzero()[0].item()} has no tokens")
         if flags[3]:
@@ -376,6 +366,14 @@ class OrtModelForCausalLM(torch.nn.Module):
         # Roll every row so that it starts at position 0 (right-padded layout).
         order = (steps[None, :] + lead[:, None]) % length
         return Batch(ids.gather(1, order), lead, counts, flags[5])
+
+    def _raise_bad_id(self, ids: torch.Tensor) -> None:
+        """Name the first token id outside the vocabulary (the error path of the checks)."""
+        row, col = ((ids < 0) | (ids >= self.package.vocab_size)).nonzero()[0].tolist()
+        raise ValueError(
+            f"token id {ids[row, col].item()} at input_ids[{row}, {col}] is outside the vocabulary "
+            f"[0, {self.package.vocab_size})"
+        )
 
     def _positions(self, keep, length: int) -> torch.Tensor | None:
         """Positions of the padded input to return logits for, or None for all of them."""
