@@ -2,7 +2,7 @@
 
 from .modeling import OrtModelForCausalLM, load_tokenizer
 from .package import PackageError, read_package
-from .scoring import loglikelihood
+from .scoring import loglikelihood, score
 
-__all__ = ["OrtModelForCausalLM", "PackageError", "load_tokenizer", "loglikelihood", "read_package"]
+__all__ = ["OrtModelForCausalLM", "PackageError", "load_tokenizer", "loglikelihood", "read_package", "score"]
 __version__ = "0.1.0"

@@ -1,5 +1,12 @@
-"""`ortmodule-eval`: lm-eval's command line with the `ortmodule` model registered
-(lm-eval discovers no plugins, so the registration has to happen in the same process)."""
+"""Command lines.
+
+`ortmodule-eval`: lm-eval's command line with the `ortmodule` model registered (lm-eval discovers
+no plugins, so the registration has to happen in the same process).
+`ortmodule serve PATH`: the `/v1/score` server (ortmodule/server.py).
+"""
+
+import argparse
+import logging
 
 
 def main() -> None:
@@ -8,6 +15,26 @@ def main() -> None:
     from . import lm_eval  # noqa: F401  (registers --model ortmodule)
 
     cli_evaluate()
+
+
+def ortmodule(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ortmodule", description="ortmodule command line")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve SGLang's /v1/score over a GenAI package (FastAPI + uvicorn)")
+    serve.add_argument("path", help="the GenAI package folder (genai_config.json, model.onnx, tokenizer)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    serve.add_argument("--name", default=None, help="the model name reported and accepted (default: the path)")
+    serve.add_argument("--token-budget", type=int, default=8192, help="padded tokens per forward")
+    serve.add_argument("--window-ms", type=float, default=5.0, help="how long a group waits for more requests")
+    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 503")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .server import serve as run
+
+    run(args.path, host=args.host, port=args.port, device=args.device, name=args.name,
+        token_budget=args.token_budget, window_ms=args.window_ms, max_queue=args.max_queue)
 
 
 if __name__ == "__main__":

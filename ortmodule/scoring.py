@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .generation import KVCache
 from .modeling import OrtModelForCausalLM
 
 
@@ -50,3 +51,194 @@ def loglikelihood(
     missed = torch.zeros(batch, device=device).index_add_(0, rows, misses)
     summary = torch.stack([sums, missed]).cpu()  # the one device-to-host copy
     return [(s, m == 0) for s, m in zip(summary[0].tolist(), summary[1].tolist())]
+
+
+Ids = list[int]
+
+
+@torch.inference_mode()
+def score(
+    model: OrtModelForCausalLM,
+    tokenizer,
+    query: str | Ids,
+    items: Sequence[str] | Sequence[Ids],
+    label_token_ids: Sequence[int],
+    apply_softmax: bool = False,
+    item_first: bool = False,
+    token_budget: int = 8192,
+    reuse_prefix: bool | None = None,
+) -> list[list[float]]:
+    """SGLang's Generative Score API: per item, the probability of each label token right after
+    the prompt `query + item` (`item + query` with `item_first`), in label order.
+
+    Text is joined first and then tokenized (with the tokenizer's special tokens); token ids are
+    concatenated. Without `apply_softmax` a score is the full-vocabulary probability; with it,
+    a softmax over the labels' log-probabilities only. Prefill only: the prompts run right-padded
+    in batches of at most `token_budget` tokens, the LM head only at each prompt's last token,
+    log-softmax and gather on the device, one copy to the host at the end.
+
+    `reuse_prefix` runs the prompts' shared first tokens once and the rest over a copy of its
+    KV cache; None decides by the work saved (see `_worth_reusing`).
+    """
+    prompts = prompts_of(tokenizer, query, items, item_first)
+    labels = checked_labels(label_token_ids, model.package.vocab_size)
+    check_lengths(prompts, model.package.context_length)
+    logprobs = label_logprobs(model, prompts, labels, token_budget, reuse_prefix)
+    scores = torch.softmax(logprobs, dim=-1) if apply_softmax else logprobs.exp()
+    return scores.cpu().tolist()  # the one device-to-host copy
+
+
+def check_lengths(prompts: list[Ids], limit: int) -> None:
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > limit:
+            raise ValueError(f"item {i}: the prompt has {len(prompt)} tokens, over the model's context length {limit}")
+
+
+def label_logprobs(
+    model: OrtModelForCausalLM, prompts: list[Ids], labels: Ids, token_budget: int, reuse_prefix: bool | None
+) -> torch.Tensor:
+    """log p(label | prompt) for every prompt and label, `[prompts, labels]` float32 on the device."""
+    if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+        raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
+    prefix = _shared_prefix(prompts)
+    if reuse_prefix is None:
+        reuse_prefix = _worth_reusing(prompts, prefix)
+    if reuse_prefix and prefix:
+        return _prefix_logprobs(model, prompts, prefix, labels, token_budget)
+    return _batched_logprobs(model, prompts, labels, token_budget)
+
+
+def prompts_of(tokenizer, query, items, item_first: bool) -> list[Ids]:
+    """Token ids of every prompt; text is joined before tokenizing, as SGLang does."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(f"items must be a list of strings or of token id lists, got {type(items).__name__}")
+    if len(items) == 0:
+        raise ValueError("items is empty: give at least one item to score")
+    if isinstance(query, str):
+        bad = next((i for i, item in enumerate(items) if not isinstance(item, str)), None)
+        if bad is not None:
+            raise TypeError(f"query is text, so every item must be text too: item {bad} is {type(items[bad]).__name__}")
+        if tokenizer is None:
+            raise ValueError("text query and items need a tokenizer")
+        texts = [item + query if item_first else query + item for item in items]
+        prompts = [list(ids) for ids in tokenizer(texts)["input_ids"]]
+    else:
+        query = _token_ids(query, "query")
+        bad = next((i for i, item in enumerate(items) if isinstance(item, str)), None)
+        if bad is not None:
+            raise TypeError(f"query is token ids, so every item must be token ids too: item {bad} is text")
+        items = [_token_ids(item, f"item {i}") for i, item in enumerate(items)]
+        prompts = [item + query if item_first else query + item for item in items]
+    empty = next((i for i, p in enumerate(prompts) if not p), None)
+    if empty is not None:
+        raise ValueError(f"item {empty}: the prompt has no tokens")
+    return prompts
+
+
+def _token_ids(value, name: str) -> Ids:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of token ids, got {type(value).__name__}")
+    bad = next((v for v in value if isinstance(v, bool) or not isinstance(v, int)), None)
+    if bad is not None:
+        raise TypeError(f"{name} must hold integer token ids, got {bad!r}")
+    return list(value)
+
+
+def checked_labels(label_token_ids, vocab: int) -> Ids:
+    labels = _token_ids(label_token_ids, "label_token_ids")
+    if not labels:
+        raise ValueError("label_token_ids is empty: give the token ids to score")
+    bad = next((t for t in labels if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"label token id {bad} is outside the vocabulary [0, {vocab})")
+    return labels
+
+
+def _batches(lengths: Sequence[int], width: int, budget: int):
+    """Indices of the prompts in batches, longest first, each at most `budget` padded tokens
+    (a lone prompt longer than the budget gets a batch of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batch: list[int] = []
+    for i in order:
+        longest = lengths[batch[0]] + width if batch else lengths[i] + width
+        if batch and (len(batch) + 1) * longest > budget:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def _gather(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1).index_select(1, labels)
+
+
+def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> torch.Tensor:
+    """Label log-probabilities `[items, labels]` on the device: one prefill per batch."""
+    device = model.device
+    label_ids = torch.tensor(labels, device=device)
+    out = torch.empty(len(prompts), len(labels), device=device)
+    for batch in _batches([len(p) for p in prompts], 0, budget):
+        rows = [prompts[i] for i in batch]
+        longest = len(rows[0])
+        ids = torch.zeros(len(rows), longest, dtype=torch.int64)
+        for r, prompt in enumerate(rows):
+            ids[r, : len(prompt)] = torch.tensor(prompt)
+        ids = ids.to(device)
+        lengths = torch.tensor([len(p) for p in rows], device=device)
+        batch_rows = torch.arange(len(rows), device=device)
+        mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None]).to(torch.int64)
+        logits = model.logits_at(ids, mask, batch_rows, lengths - 1)
+        out[torch.tensor(batch, device=device)] = _gather(logits, label_ids)
+    return out
+
+
+def _shared_prefix(prompts: list[Ids]) -> int:
+    """How many first tokens every prompt shares, leaving each at least one token of its own."""
+    first, limit = prompts[0], min(len(p) for p in prompts) - 1
+    shared = 0
+    while shared < limit and all(p[shared] == first[shared] for p in prompts):
+        shared += 1
+    return shared
+
+
+def _worth_reusing(prompts: list[Ids], prefix: int) -> bool:
+    """Reuse the shared prefix when it saves most of the work: several items, and a prefix at
+    least twice the longest rest (each rest token costs one decode step over the batch)."""
+    rest = max(len(p) for p in prompts) - prefix
+    return len(prompts) > 1 and prefix >= 2 * rest
+
+
+def _prefix_logprobs(model, prompts: list[Ids], prefix: int, labels: Ids, budget: int) -> torch.Tensor:
+    """Label log-probabilities with the shared prefix run once: its KV cache is copied to every
+    row of a batch, and the rest of the prompts go through one decode step per token, the LM
+    head only at the rows whose prompt ends at that step."""
+    device = model.device
+    label_ids = torch.tensor(labels, device=device)
+    out = torch.empty(len(prompts), len(labels), device=device)
+    shared = model(torch.tensor([prompts[0][:prefix]]), cont_len=1, use_cache=True).past_key_values
+    rests = [p[prefix:] for p in prompts]
+    for batch in _batches([len(r) for r in rests], prefix, budget):
+        steps = len(rests[batch[0]])
+        cache = KVCache(model, len(batch), prefix + steps)
+        for mine, theirs in zip(cache.keys + cache.values, shared.keys + shared.values):
+            mine[:, :, :prefix] = theirs[:, :, :prefix]
+        cache.start(torch.full((len(batch),), prefix, device=device), prefix, prefix)
+        tokens = torch.zeros(len(batch), steps, dtype=torch.int64)
+        for r, i in enumerate(batch):
+            tokens[r, : len(rests[i])] = torch.tensor(rests[i])
+        tokens = tokens.to(device)
+        for step in range(steps):
+            ending = [r for r, i in enumerate(batch) if len(rests[i]) == step + 1]
+            binding = model.session.io_binding()
+            cache.bind(binding)
+            flat = torch.tensor(ending or [0], device=device)
+            mask = cache.step_mask(1, model._mask_dtype) if model._mask_dtype else None
+            logits = model._run(binding, tokens[:, step : step + 1], flat, mask=mask, positions=cache.lengths[:, None])
+            cache.advance(1, 1)
+            if ending:
+                rows = torch.tensor([batch[r] for r in ending], device=device)
+                out[rows] = _gather(logits, label_ids)
+    return out

@@ -1,0 +1,249 @@
+"""`ortmodule serve PATH`: SGLang's `/v1/score` endpoint over one OrtModelForCausalLM.
+
+Requests are checked and tokenized as they arrive (a bad one gets HTTP 400 and touches nothing
+else), then queued. One worker takes the queue in groups: the first waiting request, plus every
+request that arrives within `window_ms`, up to `group_tokens` prompt tokens. A group is scored as
+one list of prompts (`scoring.label_logprobs`: batched prefill, or one shared prefix run once when
+the clients send the same query), on a single thread, so the event loop keeps answering while
+ONNX Runtime works. A full queue answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from . import scoring
+from .modeling import OrtModelForCausalLM
+
+log = logging.getLogger("ortmodule.server")
+
+
+class ScoreRequest(BaseModel):
+    """SGLang's scoring request."""
+
+    query: str | list[int]
+    items: str | list[str] | list[list[int]]
+    label_token_ids: list[int]
+    apply_softmax: bool = False
+    item_first: bool = False
+    model: str | None = None
+
+
+@dataclass
+class _Pending:
+    prompts: list[list[int]]
+    labels: list[int]
+    apply_softmax: bool
+    done: asyncio.Future
+    tokens: int = field(init=False)
+
+    def __post_init__(self):
+        self.tokens = sum(len(p) for p in self.prompts)
+
+
+@dataclass
+class Stats:
+    """What the server has done; `GET /metrics` returns it."""
+
+    requests: int = 0
+    items: int = 0
+    groups: int = 0
+    largest_group: int = 0  # requests scored together in one group
+    rejected_bad: int = 0
+    rejected_busy: int = 0
+    failed: int = 0
+    group_sizes: dict[int, int] = field(default_factory=dict)  # requests per group -> how many groups
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class ScoreServer:
+    """The queue, the batching worker and the scoring of a group."""
+
+    def __init__(self, model, tokenizer, name, token_budget=8192, window_ms=5.0, group_tokens=None, max_queue=256):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.token_budget = token_budget
+        self.window = window_ms / 1000
+        self.group_tokens = group_tokens or 4 * token_budget
+        self.queue: asyncio.Queue[_Pending] = asyncio.Queue(max_queue)
+        self.stats = Stats()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ortmodule-score")
+        self._worker: asyncio.Task | None = None
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def check(self, request: ScoreRequest) -> tuple[list[list[int]], list[int]]:
+        """The request's prompts and labels, or BadRequest naming what is wrong."""
+        if request.model not in (None, "", self.name):
+            raise BadRequest(f"model {request.model!r} is not served here; this server serves {self.name!r}")
+        items = [request.items] if isinstance(request.items, str) else request.items
+        try:
+            prompts = scoring.prompts_of(self.tokenizer, request.query, items, request.item_first)
+            labels = scoring.checked_labels(request.label_token_ids, self.model.package.vocab_size)
+            for prompt in prompts:
+                bad = next((t for t in prompt if not 0 <= t < self.model.package.vocab_size), None)
+                if bad is not None:
+                    raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.model.package.vocab_size})")
+            scoring.check_lengths(prompts, self.model.package.context_length)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(str(e)) from None
+        return prompts, labels
+
+    async def score(self, request: ScoreRequest) -> dict:
+        prompts, labels = self.check(request)
+        pending = _Pending(prompts, labels, request.apply_softmax, asyncio.get_running_loop().create_future())
+        self.queue.put_nowait(pending)  # asyncio.QueueFull when the queue is full: 503
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._work())
+        scores = await pending.done
+        return {
+            "scores": scores,
+            "model": self.name,
+            "usage": {"prompt_tokens": pending.tokens, "completion_tokens": 0, "total_tokens": pending.tokens},
+            "object": "scoring",
+        }
+
+    # ---- the worker ---------------------------------------------------------------------------
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            group = [await self.queue.get()]
+            tokens, deadline = group[0].tokens, loop.time() + self.window
+            while tokens < self.group_tokens:
+                try:
+                    more = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    break
+                group.append(more)
+                tokens += more.tokens
+            start = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self._executor, self._score_group, group)
+            except Exception as e:  # one failed group answers 500; the server goes on
+                log.exception("scoring a group of %d requests failed", len(group))
+                self.stats.failed += len(group)
+                for pending in group:
+                    if not pending.done.done():
+                        pending.done.set_exception(e)
+                continue
+            self._record(group, tokens, time.perf_counter() - start)
+            for pending, scores in zip(group, results):
+                if not pending.done.done():
+                    pending.done.set_result(scores)
+
+    def _score_group(self, group: list[_Pending]) -> list[list[list[float]]]:
+        """Score every request of the group in one call; one device-to-host copy."""
+        prompts = [p for pending in group for p in pending.prompts]
+        labels = sorted({t for pending in group for t in pending.labels})
+        column = {t: i for i, t in enumerate(labels)}
+        with torch.inference_mode():
+            logprobs = scoring.label_logprobs(self.model, prompts, labels, self.token_budget, None)
+            parts, row = [], 0
+            for pending in group:
+                mine = logprobs[row : row + len(pending.prompts), [column[t] for t in pending.labels]]
+                parts.append(torch.softmax(mine, -1) if pending.apply_softmax else mine.exp())
+                row += len(pending.prompts)
+            flat = torch.cat(parts).cpu().tolist()
+        out, row = [], 0
+        for pending in group:
+            out.append(flat[row : row + len(pending.prompts)])
+            row += len(pending.prompts)
+        return out
+
+    def _record(self, group: list[_Pending], tokens: int, seconds: float) -> None:
+        stats = self.stats
+        items = sum(len(p.prompts) for p in group)
+        stats.requests += len(group)
+        stats.items += items
+        stats.groups += 1
+        stats.largest_group = max(stats.largest_group, len(group))
+        stats.group_sizes[len(group)] = stats.group_sizes.get(len(group), 0) + 1
+        log.info("scored %d requests together: %d items, %d tokens, %.1f ms", len(group), items, tokens, 1000 * seconds)
+
+
+def create_app(
+    model: OrtModelForCausalLM,
+    tokenizer,
+    name: str | None = None,
+    token_budget: int = 8192,
+    window_ms: float = 5.0,
+    max_queue: int = 256,
+) -> FastAPI:
+    """The FastAPI app: `POST /v1/score`, `GET /health`, `GET /v1/models`, `GET /metrics`."""
+    name = name or model.name_or_path
+    server = ScoreServer(model, tokenizer, name, token_budget, window_ms, max_queue=max_queue)
+    app = FastAPI(title="ortmodule", description="SGLang-compatible scoring over an ONNX GenAI package")
+    app.state.server = server
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"object": "error", "message": message, "code": status}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_schema(request: Request, exc: RequestValidationError):
+        server.stats.rejected_bad += 1
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        return error(400, f"invalid request: {problems}")
+
+    @app.post("/v1/score")
+    async def score(request: ScoreRequest):
+        try:
+            return await server.score(request)
+        except BadRequest as e:
+            server.stats.rejected_bad += 1
+            return error(400, str(e))
+        except asyncio.QueueFull:
+            server.stats.rejected_busy += 1
+            return error(503, f"the server is busy: {server.queue.maxsize} requests are waiting; retry later")
+        except Exception as e:
+            return error(500, f"scoring failed: {type(e).__name__}: {e}")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "owned_by": "ortmodule",
+                    "max_model_len": model.package.context_length,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        stats = server.stats
+        return {**stats.__dict__, "queued": server.queue.qsize()}
+
+    return app
+
+
+def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", **options) -> None:
+    """Load the package at `path` and serve it until interrupted."""
+    import uvicorn
+
+    from .modeling import load_tokenizer
+
+    model = OrtModelForCausalLM.from_pretrained(path, device=device)
+    app = create_app(model, load_tokenizer(path), **options)
+    uvicorn.run(app, host=host, port=port, log_level="info")

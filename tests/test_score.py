@@ -1,0 +1,107 @@
+"""ortmodule.score (SGLang's Generative Score API) against transformers on the same weights."""
+
+import pytest
+import torch
+from conftest import ARCHES, load_pair
+
+import ortmodule
+from ortmodule import load_tokenizer, scoring
+
+QUERY = "the quick brown fox jumps over the lazy dog, and then it asks which of these"
+ITEMS = [" a cat", " is it true", " dog", " zebra crossing the road today at noon"]
+
+
+def reference(hf, tokenizer, query, items, labels, apply_softmax, item_first):
+    """SGLang's own check: one transformers forward per prompt, the last position's logits."""
+    out = []
+    for item in items:
+        if isinstance(query, str):
+            ids = tokenizer(item + query if item_first else query + item, return_tensors="pt").input_ids
+        else:
+            ids = torch.tensor([item + query if item_first else query + item])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(ids).logits[0, -1].double(), -1)[labels]
+        out.append(torch.softmax(logprobs, -1) if apply_softmax else logprobs.exp())
+    return torch.stack(out)
+
+
+def labels_for(tokenizer):
+    return [tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c")] + [5, 300]
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("apply_softmax", [False, True])
+@pytest.mark.parametrize("item_first", [False, True])
+def test_text_scores_match_transformers(build, arch, apply_softmax, item_first):
+    fixture = build(arch)
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    labels = labels_for(tokenizer)
+    expected = reference(hf, tokenizer, QUERY, ITEMS, labels, apply_softmax, item_first)
+    for reuse in (False, True):
+        got = ortmodule.score(model, tokenizer, QUERY, ITEMS, labels, apply_softmax, item_first, reuse_prefix=reuse)
+        assert len(got) == len(ITEMS) and all(len(row) == len(labels) for row in got)
+        assert (torch.tensor(got, dtype=torch.float64) - expected).abs().max().item() < 1e-5, reuse
+    if apply_softmax:
+        assert torch.allclose(torch.tensor(got).sum(-1), torch.ones(len(ITEMS)), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("item_first", [False, True])
+def test_token_scores_match_transformers_in_small_batches(build, arch, item_first):
+    fixture = build(arch)
+    model, hf = load_pair(fixture)
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randint(4, 512, (30,), generator=gen).tolist()
+    items = [torch.randint(4, 512, (n,), generator=gen).tolist() for n in (1, 7, 3, 12, 5, 2)]
+    labels = [7, 8, 9, 100]
+    for apply_softmax in (False, True):
+        expected = reference(hf, None, query, items, labels, apply_softmax, item_first)
+        # A budget this small splits the items over several batches (longest first, order kept).
+        for reuse in (None, False, True):
+            got = ortmodule.score(model, None, query, items, labels, apply_softmax, item_first,
+                                  token_budget=60, reuse_prefix=reuse)
+            assert (torch.tensor(got, dtype=torch.float64) - expected).abs().max().item() < 1e-5
+
+
+def test_shared_prefix_reuse_is_chosen_only_where_it_saves_work():
+    long_query = list(range(100, 160))
+    assert scoring._shared_prefix([long_query + [1, 2], long_query + [1, 3]]) == 61
+    assert scoring._worth_reusing([long_query + [1, 2], long_query + [3]], 60)
+    assert not scoring._worth_reusing([long_query + [1, 2]], 61)  # one item: nothing to share
+    assert not scoring._worth_reusing([[5, 1, 2, 3], [5, 4, 5, 6]], 1)  # item_first: only BOS shared
+
+
+def test_the_scores_leave_the_device_once(llama, monkeypatch):
+    """Three batches (a budget of 4 tokens), one copy to the host: [items, labels] at the end."""
+    model, _ = load_pair(llama)
+    copies = []
+    original = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(tuple(self.shape)) or original(self, *a, **k))
+    ortmodule.score(model, None, [5, 6, 7], [[8], [9, 10], [11]], [1, 2], token_budget=4)
+    assert copies == [(3, 2)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(items=[]), ValueError, "items is empty"),
+        (dict(items="a single string"), TypeError, "items must be a list"),
+        (dict(label_token_ids=[]), ValueError, "label_token_ids is empty"),
+        (dict(label_token_ids=[3, 512]), ValueError, "label token id 512 is outside the vocabulary"),
+        (dict(label_token_ids=[-1]), ValueError, "label token id -1"),
+        (dict(label_token_ids=[1.5]), TypeError, "integer token ids"),
+        (dict(items=[[5, 6], "text"]), TypeError, "item 1 is text"),
+        (dict(query="text", items=[[5, 6]]), TypeError, "item 0 is list"),
+        (dict(items=[[5, 999]]), ValueError, "token id 999"),
+        (dict(items=[[5] * 300]), ValueError, "item 0: the prompt has 303 tokens, over the model's context length 256"),
+        (dict(query=[], items=[[]]), ValueError, "item 0: the prompt has no tokens"),
+        (dict(token_budget=0), ValueError, "token_budget must be a positive int"),
+    ],
+)
+def test_bad_requests_get_errors_that_name_the_problem(llama, kwargs, error, message):
+    model, _ = load_pair(llama)
+    args = dict(query=[4, 5, 6], items=[[7], [8, 9]], label_token_ids=[1, 2])
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        ortmodule.score(model, None, **args)
