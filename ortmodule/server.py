@@ -154,13 +154,14 @@ class ScoreServer:
             parts, row = [], 0
             for pending in group:
                 mine = logprobs[row : row + len(pending.prompts), [column[t] for t in pending.labels]]
-                parts.append(torch.softmax(mine, -1) if pending.apply_softmax else mine.exp())
+                parts.append((torch.softmax(mine, -1) if pending.apply_softmax else mine.exp()).flatten())
                 row += len(pending.prompts)
             flat = torch.cat(parts).cpu().tolist()
-        out, row = [], 0
+        out, start = [], 0
         for pending in group:
-            out.append(flat[row : row + len(pending.prompts)])
-            row += len(pending.prompts)
+            width = len(pending.labels)
+            out.append([flat[start + i * width : start + (i + 1) * width] for i in range(len(pending.prompts))])
+            start += width * len(pending.prompts)
         return out
 
     def _record(self, group: list[_Pending], tokens: int, seconds: float) -> None:

@@ -1,0 +1,199 @@
+"""`/v1/score` over real HTTP on 127.0.0.1: answers, 400s, batching of concurrent clients, 503."""
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from conftest import load_pair
+from test_score import ITEMS, QUERY, labels_for, reference
+
+from ortmodule import load_tokenizer
+from ortmodule.server import create_app
+
+
+class LiveServer:
+    """uvicorn in a thread on a free port of 127.0.0.1."""
+
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.app = app
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def stop(self):
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def setup(build):
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    live = LiveServer(create_app(model, tokenizer, name="tiny-llama", window_ms=50))
+    yield live, hf, tokenizer
+    live.stop()
+
+
+def test_health_and_models(setup):
+    live, _, _ = setup
+    assert live.client.get("/health").json() == {"status": "ok"}
+    models = live.client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny-llama" and models["data"][0]["max_model_len"] == 256
+
+
+@pytest.mark.parametrize("apply_softmax", [False, True])
+@pytest.mark.parametrize("item_first", [False, True])
+def test_text_and_token_requests_match_transformers(setup, apply_softmax, item_first):
+    live, hf, tokenizer = setup
+    labels = labels_for(tokenizer)
+    token_query, token_items = [10, 11, 12, 13, 14, 15], [[20], [21, 22, 23]]
+    for query, items in ((QUERY, ITEMS), (token_query, token_items)):
+        body = dict(query=query, items=items, label_token_ids=labels, apply_softmax=apply_softmax,
+                    item_first=item_first, model="tiny-llama")
+        response = live.client.post("/v1/score", json=body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["object"] == "scoring" and answer["model"] == "tiny-llama"
+        expected = reference(hf, tokenizer, query, items, labels, apply_softmax, item_first)
+        assert (torch.tensor(answer["scores"], dtype=torch.float64) - expected).abs().max().item() < 1e-5
+        prompt_tokens = sum(len(tokenizer(item + query if item_first else query + item).input_ids) for item in items) \
+            if isinstance(query, str) else sum(len(query) + len(item) for item in items)
+        assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+
+
+BAD_REQUESTS = [
+    (dict(label_token_ids=None), "label_token_ids"),
+    (dict(label_token_ids=[]), "label_token_ids is empty"),
+    (dict(label_token_ids=[1, 512]), "label token id 512 is outside the vocabulary"),
+    (dict(items=[]), "items is empty"),
+    (dict(items=[[5, 6], [7]]), "item 0 is list"),
+    (dict(query=[5, 6], items=["text"]), "item 0 is text"),
+    (dict(query=[5, 70000], items=[[6]]), "token id 70000 is outside the vocabulary"),
+    (dict(query="word " * 300), "over the model's context length 256"),
+    (dict(query=42), "query"),
+    (dict(label_token_ids="abc"), "label_token_ids"),
+    (dict(apply_softmax="maybe"), "apply_softmax"),
+    (dict(model="another-model"), "model 'another-model' is not served here"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD_REQUESTS)
+def test_a_bad_request_gets_400_and_the_next_good_one_succeeds(setup, change, message):
+    live, _, _ = setup
+    body = dict(query=QUERY, items=ITEMS, label_token_ids=[5, 6])
+    body.update(change)
+    body = {k: v for k, v in body.items() if v is not None}
+    response = live.client.post("/v1/score", json=body)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["message"]
+    good = live.client.post("/v1/score", json=dict(query=QUERY, items=ITEMS, label_token_ids=[5, 6]))
+    assert good.status_code == 200 and len(good.json()["scores"]) == len(ITEMS)
+
+
+def test_malformed_json_gets_400(setup):
+    live, _, _ = setup
+    response = live.client.post("/v1/score", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+
+
+def test_concurrent_clients_are_scored_together(setup):
+    live, hf, tokenizer = setup
+    groups_before = dict(live.client.get("/metrics").json()["group_sizes"])
+    queries = [QUERY, "a different question entirely", QUERY, "short"] * 2
+    labels = [[5, 6], [7], [5, 6, 8], [9, 10]] * 2
+
+    def ask(i):
+        body = dict(query=queries[i], items=ITEMS[: 1 + i % 4], label_token_ids=labels[i], apply_softmax=i % 2 == 1)
+        return httpx.post(live.url + "/v1/score", json=body, timeout=60)
+
+    with ThreadPoolExecutor(len(queries)) as pool:
+        answers = list(pool.map(ask, range(len(queries))))
+    for i, response in enumerate(answers):
+        assert response.status_code == 200, response.text
+        expected = reference(hf, tokenizer, queries[i], ITEMS[: 1 + i % 4], labels[i], i % 2 == 1, False)
+        assert (torch.tensor(response.json()["scores"], dtype=torch.float64) - expected).abs().max().item() < 1e-5
+    groups = live.client.get("/metrics").json()["group_sizes"]
+    new_groups = {int(k): v - groups_before.get(k, 0) for k, v in groups.items() if v - groups_before.get(k, 0)}
+    assert sum(k * v for k, v in new_groups.items()) == len(queries)
+    assert max(new_groups) > 1, f"every request was scored alone: {new_groups}"
+
+
+def test_a_full_queue_answers_503_and_the_server_recovers(build):
+    fixture = build("llama")
+    model, _ = load_pair(fixture)
+    app = create_app(model, load_tokenizer(fixture.package_dir), max_queue=1, window_ms=0)
+    server = app.state.server
+    release, started = threading.Event(), threading.Event()
+    score_group = server._score_group
+
+    def held(group):  # the worker blocks on the first group until the test releases it
+        started.set()
+        release.wait(30)
+        return score_group(group)
+
+    server._score_group = held
+    live = LiveServer(app)
+    try:
+        body = dict(query=[5, 6, 7], items=[[8]], label_token_ids=[1])
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(live.client.post, "/v1/score", json=body)
+            assert started.wait(30)  # the worker holds request 1
+            second = pool.submit(live.client.post, "/v1/score", json=body)
+            deadline = time.monotonic() + 30
+            while live.client.get("/metrics").json()["queued"] < 1:  # request 2 waits in the queue
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            third = live.client.post("/v1/score", json=body)
+            assert third.status_code == 503 and "busy" in third.json()["message"]
+            release.set()
+            assert first.result().status_code == 200 and second.result().status_code == 200
+        assert live.client.post("/v1/score", json=body).status_code == 200
+        assert live.client.get("/metrics").json()["rejected_busy"] == 1
+    finally:
+        release.set()
+        live.stop()
+
+
+def test_the_console_command_serves_a_package(llama):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(Path(sys.executable).parent / "ortmodule"), "serve", str(llama.package_dir), "--port", str(port), "--name", "tiny"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "ortmodule serve did not come up"
+            time.sleep(0.2)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/score",
+                            json=dict(query=[5, 6], items=[[7], [8]], label_token_ids=[1, 2], apply_softmax=True))
+        assert answer.status_code == 200 and answer.json()["model"] == "tiny"
+        assert [round(sum(row), 5) for row in answer.json()["scores"]] == [1.0, 1.0]
+    finally:
+        process.terminate()
+        process.wait(30)
