@@ -83,7 +83,7 @@ def score(
     prompts = prompts_of(tokenizer, query, items, item_first)
     labels = checked_labels(label_token_ids, model.package.vocab_size)
     check_lengths(prompts, model.package.context_length)
-    logprobs = label_logprobs(model, prompts, labels, token_budget, reuse_prefix)
+    logprobs = label_logprobs(model, [prompts], labels, token_budget, reuse_prefix)
     scores = torch.softmax(logprobs, dim=-1) if apply_softmax else logprobs.exp()
     return scores.cpu().tolist()  # the one device-to-host copy
 
@@ -95,17 +95,28 @@ def check_lengths(prompts: list[Ids], limit: int) -> None:
 
 
 def label_logprobs(
-    model: OrtModelForCausalLM, prompts: list[Ids], labels: Ids, token_budget: int, reuse_prefix: bool | None
+    model: OrtModelForCausalLM, requests: list[list[Ids]], labels: Ids, token_budget: int, reuse_prefix: bool | None
 ) -> torch.Tensor:
-    """log p(label | prompt) for every prompt and label, `[prompts, labels]` float32 on the device."""
+    """log p(label | prompt) for every prompt of every request, in order: `[prompts, labels]`
+    float32 on the device. A request whose prompts share a prefix worth reusing runs it once;
+    the prompts of all the other requests go through batched prefills together."""
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
-    prefix = _shared_prefix(prompts)
-    if reuse_prefix is None:
-        reuse_prefix = _worth_reusing(prompts, prefix)
-    if reuse_prefix and prefix:
-        return _prefix_logprobs(model, prompts, prefix, labels, token_budget)
-    return _batched_logprobs(model, prompts, labels, token_budget)
+    out = torch.empty(sum(len(r) for r in requests), len(labels), device=model.device)
+    batched, start = [], 0
+    for prompts in requests:
+        rows = slice(start, start + len(prompts))
+        start += len(prompts)
+        prefix = _shared_prefix(prompts)
+        reuse = _worth_reusing(prompts, prefix) if reuse_prefix is None else reuse_prefix
+        if reuse and prefix:
+            out[rows] = _prefix_logprobs(model, prompts, prefix, labels, token_budget)
+        else:
+            batched += [(i, p) for i, p in enumerate(prompts, rows.start)]
+    if batched:
+        rows = torch.tensor([i for i, _ in batched], device=model.device)
+        out[rows] = _batched_logprobs(model, [p for _, p in batched], labels, token_budget)
+    return out
 
 
 def prompts_of(tokenizer, query, items, item_first: bool) -> list[Ids]:

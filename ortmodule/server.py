@@ -3,8 +3,8 @@
 Requests are checked and tokenized as they arrive (a bad one gets HTTP 400 and touches nothing
 else), then queued. One worker takes the queue in groups: the first waiting request, plus every
 request that arrives within `window_ms`, up to `group_tokens` prompt tokens. A group is scored as
-one list of prompts (`scoring.label_logprobs`: batched prefill, or one shared prefix run once when
-the clients send the same query), on a single thread, so the event loop keeps answering while
+one call of `scoring.label_logprobs`: a request whose items share a long query runs it once
+and its items over a copy of its KV cache; the other requests' prompts share batched prefills, on a single thread, so the event loop keeps answering while
 ONNX Runtime works. A full queue answers 503.
 """
 
@@ -146,11 +146,10 @@ class ScoreServer:
 
     def _score_group(self, group: list[_Pending]) -> list[list[list[float]]]:
         """Score every request of the group in one call; one device-to-host copy."""
-        prompts = [p for pending in group for p in pending.prompts]
         labels = sorted({t for pending in group for t in pending.labels})
         column = {t: i for i, t in enumerate(labels)}
         with torch.inference_mode():
-            logprobs = scoring.label_logprobs(self.model, prompts, labels, self.token_budget, None)
+            logprobs = scoring.label_logprobs(self.model, [p.prompts for p in group], labels, self.token_budget, None)
             parts, row = [], 0
             for pending in group:
                 mine = logprobs[row : row + len(pending.prompts), [column[t] for t in pending.labels]]
@@ -227,6 +226,7 @@ def create_app(
                     "object": "model",
                     "owned_by": "ortmodule",
                     "max_model_len": model.package.context_length,
+                    "vocab_size": model.package.vocab_size,
                 }
             ],
         }
