@@ -22,6 +22,9 @@ SIZES = {
                                      intermediate_size=1376, vocab_size=32000, context_length=1024),
         generate=dict(batch=4, prompt_lengths=(32, 128), new_tokens=64),
         lm_eval=dict(limit=None, batch_size=8),  # all 200 questions: 800 loglikelihood requests
+        # score(): requests of one query and many short items; the server's load at a steady rate.
+        score=dict(requests=4, query_tokens=120, items=16, item_tokens=20, labels=4),
+        server=dict(rate=4.0, duration=20.0, items=10),
     ),
     "smoke": dict(
         large_vocab=fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256),
@@ -29,6 +32,8 @@ SIZES = {
         decoder=fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256),
         generate=dict(batch=2, prompt_lengths=(4, 9), new_tokens=4),
         lm_eval=dict(limit=3, batch_size=8),
+        score=dict(requests=2, query_tokens=12, items=3, item_tokens=4, labels=2),
+        server=dict(rate=4.0, duration=1.0, items=2),
     ),
 }
 

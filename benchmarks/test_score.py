@@ -1,0 +1,118 @@
+"""score(): items/s of SGLang-style scoring requests (one query, many short items, a few label
+tokens), ortmodule beside transformers on the same weights and onnxruntime-genai's Generator on
+the same package; and the `/v1/score` server under open-loop load (benchmarks/bench_score.py)."""
+
+import asyncio
+
+import numpy as np
+import onnxruntime_genai as og
+import pytest
+import torch
+from bench_score import LocalServer, make_requests, run_load
+from transformers import AutoModelForCausalLM
+
+import ortmodule
+from ortmodule import OrtModelForCausalLM, fixtures
+
+
+@pytest.fixture(scope="module")
+def workload(size):
+    fixture = fixtures.build(size["decoder"])
+    shape = size["score"]
+    requests = list(make_requests(shape["requests"], fixture.spec.vocab_size, shape["query_tokens"], shape["items"],
+                                  shape["item_tokens"], shape["labels"], seed=0))
+    return fixture, requests
+
+
+def record(benchmark, fn, items):
+    out = fn()  # warm-up; also the output checked below
+    benchmark.pedantic(fn, rounds=3, iterations=1, warmup_rounds=0)
+    if benchmark.stats:  # None under --benchmark-disable
+        benchmark.extra_info["items_per_s"] = round(items / benchmark.stats.stats.median, 1)
+    return out
+
+
+def count(requests):
+    return sum(len(r["items"]) for r in requests)
+
+
+def reference(hf, request):
+    """What a transformers user writes: the items left-padded in one batch, logits_to_keep=1."""
+    prompts = [request["query"] + item for item in request["items"]]
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    logits = hf(ids, attention_mask=mask, logits_to_keep=1).logits[:, -1]
+    return torch.softmax(torch.log_softmax(logits.float(), -1)[:, request["label_token_ids"]], -1).tolist()
+
+
+@pytest.mark.benchmark(group="score")
+@pytest.mark.parametrize("reuse", ["auto", "no_reuse"])
+def test_ortmodule_score(benchmark, workload, reuse):
+    fixture, requests = workload
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    option = None if reuse == "auto" else False
+
+    def score():
+        return [ortmodule.score(model, None, r["query"], r["items"], r["label_token_ids"], apply_softmax=True,
+                                reuse_prefix=option) for r in requests]
+
+    out = record(benchmark, score, count(requests))
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = reference(hf, requests[0])
+    assert np.abs(np.array(out[0]) - np.array(expected)).max() < 1e-4
+
+
+@pytest.mark.benchmark(group="score")
+def test_transformers_score(benchmark, workload):
+    fixture, requests = workload
+    model = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+
+    def score():
+        with torch.inference_mode():
+            return [reference(model, r) for r in requests]
+
+    record(benchmark, score, count(requests))
+
+
+@pytest.mark.benchmark(group="score")
+def test_genai_score(benchmark, workload):
+    """onnxruntime-genai's Generator: one per item (its batches cannot hold prompts of different
+    lengths without padding them), the last position's logits copied to numpy."""
+    fixture, requests = workload
+    model = og.Model(str(fixture.package_dir))
+
+    def score():
+        out = []
+        for r in requests:
+            for item in r["items"]:
+                params = og.GeneratorParams(model)
+                params.set_search_options(max_length=len(r["query"]) + len(item) + 1)
+                generator = og.Generator(model, params)
+                generator.append_tokens(np.array([r["query"] + item], dtype=np.int32))
+                logits = generator.get_logits()[0, -1].astype(np.float64)
+                logprobs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+                picked = np.exp(logprobs[r["label_token_ids"]])
+                out.append(picked / picked.sum())
+        return out
+
+    record(benchmark, score, count(requests))
+
+
+@pytest.mark.benchmark(group="score server")
+def test_ortmodule_server_load(benchmark, workload, size):
+    """Open-loop Poisson arrivals against `ortmodule serve` in its own process: latency percentiles."""
+    fixture, _ = workload
+    load = size["server"]
+    shape = size["score"]
+    with LocalServer(fixture.package_dir) as server:
+        bodies = make_requests(int(load["rate"] * load["duration"] * 3) + 10, fixture.spec.vocab_size,
+                               shape["query_tokens"], load["items"], shape["item_tokens"], shape["labels"], seed=1)
+        result = benchmark.pedantic(lambda: asyncio.run(run_load(server.url, load["rate"], load["duration"], bodies)),
+                                    rounds=1, iterations=1)
+        groups = server.metrics()
+    assert result["ok"] == result["sent"] > 0, result
+    for key in ("target_rate", "p50_ms", "p90_ms", "p99_ms", "items_per_s"):
+        benchmark.extra_info[key] = result[key]
+    benchmark.extra_info["largest_group"] = groups["largest_group"]
