@@ -53,13 +53,21 @@ class KVCache:
 
     def __init__(self, model: OrtModelForCausalLM, batch: int, capacity: int):
         self.layers = model.package.decoder.layers
-        # Sliding-window attention in ONNX Runtime wants a buffer of at least the window.
-        capacity = max([capacity] + [kv.window or 0 for kv in self.layers])
+        self.shared = model.package.decoder.shares_kv_buffer
+        if self.shared:
+            # Sliding-window attention in ONNX Runtime wants a buffer of at least the window.
+            capacity = max([capacity] + [kv.window or 0 for kv in self.layers])
+        else:
+            # Attention that concatenates past and new entries into a new present: the buffers
+            # hold exactly the columns taken in, and `valid` marks the padding among them.
+            capacity = 0
+            self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=model.device)
         self.keys, self.values = [], []
         for kv in self.layers:
             shape = (batch, kv.num_kv_heads, capacity, kv.head_size)
             self.keys.append(torch.zeros(shape, dtype=model.dtype, device=model.device))
             self.values.append(torch.zeros(shape, dtype=model.dtype, device=model.device))
+        self._next: tuple[list, list] | None = None  # the presents being written (concatenating attention)
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=model.device)  # tokens held per row
         self.longest = 0  # max(lengths), kept on the host
         self.seen = 0  # columns of the caller's input_ids (padding included) this cache has taken in
@@ -74,7 +82,7 @@ class KVCache:
 
     def reserve(self, needed: int, limit: int) -> None:
         """Grow every buffer to hold `needed` positions (doubling, up to `limit`), copying on the device."""
-        if needed <= self.capacity:
+        if not self.shared or needed <= self.capacity:
             return
         capacity = min(max(needed, 2 * self.capacity), limit)
         for buffers in (self.keys, self.values):
@@ -83,16 +91,27 @@ class KVCache:
                 new[:, :, : old.shape[2]] = old
                 buffers[i] = new
 
-    def bind(self, binding: ort.IOBinding) -> None:
-        """Bind every layer's buffers as its past and its present: ONNX Runtime writes in place."""
+    def bind(self, binding: ort.IOBinding, new: int) -> None:
+        """Bind every layer's past and present for a run that adds `new` columns. A shared buffer
+        is both (ONNX Runtime writes in place); otherwise the presents go to new buffers."""
+        if not self.shared:
+            self._next = ([], [])
         for kv, key, value in zip(self.layers, self.keys, self.values):
             runtime.bind_input(binding, kv.past_key, key)
-            runtime.bind_output(binding, kv.present_key, key)
             runtime.bind_input(binding, kv.past_value, value)
-            runtime.bind_output(binding, kv.present_value, value)
+            if self.shared:
+                runtime.bind_output(binding, kv.present_key, key)
+                runtime.bind_output(binding, kv.present_value, value)
+                continue
+            shape = (*key.shape[:2], key.shape[2] + new, key.shape[3])
+            for name, buffers in ((kv.present_key, self._next[0]), (kv.present_value, self._next[1])):
+                buffers.append(key.new_empty(shape))
+                runtime.bind_output(binding, name, buffers[-1])
 
     def step_mask(self, new: int, dtype: torch.dtype) -> torch.Tensor:
-        """The attention mask of a step that appends `new` tokens to every row: right-padded."""
+        """The attention mask of a step that appends `new` tokens to every row."""
+        if not self.shared:
+            return torch.cat([self.valid, self.valid.new_ones(self.batch_size, new)], 1).to(dtype)
         steps = torch.arange(self.longest + new, device=self.lengths.device)
         return (steps[None, :] < (self.lengths + new)[:, None]).to(dtype)
 
@@ -101,11 +120,38 @@ class KVCache:
         self.lengths.copy_(lengths)
         self.longest = longest
         self.seen = columns
+        if not self.shared:
+            self._take_presents()
+            self.valid = torch.arange(columns, device=lengths.device)[None, :] < lengths[:, None]
+
+    def start_from(self, source: "KVCache", length: int) -> None:
+        """Start every row as the first `length` entries of `source`'s row 0 (a shared prefix)."""
+        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+            for i, buffer in enumerate(theirs):
+                prefix = buffer[:1, :, :length]
+                if self.shared:
+                    mine[i][:, :, :length] = prefix
+                else:
+                    mine[i] = prefix.expand(self.batch_size, -1, -1, -1).contiguous()
+        if not self.shared:
+            self.valid = self.valid.new_ones(self.batch_size, length)
+        self.lengths.fill_(length)
+        self.longest = self.seen = length
 
     def advance(self, new: int, columns: int) -> None:
         self.lengths += new
         self.longest += new
         self.seen += columns
+        if not self.shared:
+            self._take_presents()
+            self.valid = torch.cat([self.valid, self.valid.new_ones(self.batch_size, new)], 1)
+
+    def _take_presents(self) -> None:
+        self.keys, self.values = self._next
+        self._next = None
+
+    def _span(self) -> int:
+        return self.longest if self.shared else self.capacity
 
     # The parts of transformers' Cache interface that user code reads.
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -115,7 +161,7 @@ class KVCache:
         return len(self.layers)
 
     def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer][:, :, : self.longest], self.values[layer][:, :, : self.longest]
+        return self.keys[layer][:, :, : self._span()], self.values[layer][:, :, : self._span()]
 
     def __repr__(self) -> str:
         return f"KVCache(batch={self.batch_size}, layers={len(self)}, longest={self.longest}, capacity={self.capacity})"
@@ -327,13 +373,13 @@ class DecodeStep:
         self.cache = cache
         self.decoder = model.package.decoder
         self.binding = model.session.io_binding()
-        cache.bind(self.binding)
 
     def prefill(self, batch) -> torch.Tensor:
         """Run the right-padded prompts; return each row's last logits `[B, V]`."""
         model, cache = self.model, self.cache
         size, width = batch.ids.shape
         last = torch.arange(size, device=model.device) * width + batch.lengths - 1
+        cache.bind(self.binding, width)
         logits = model._run(self.binding, batch.ids, last, prefill=True)
         cache.start(batch.lengths, batch.longest, width)
         self._bind_decode_buffers()
@@ -342,10 +388,11 @@ class DecodeStep:
     def _bind_decode_buffers(self) -> None:
         model, size, binding, decoder = self.model, self.cache.batch_size, self.binding, self.decoder
         self.tokens = torch.empty(size, 1, dtype=model._id_dtype, device=model.device)
-        runtime.bind_input(binding, decoder.input_ids, self.tokens)
+        if decoder.input_ids:
+            runtime.bind_input(binding, decoder.input_ids, self.tokens)
         self.positions = None
         if decoder.position_ids:
-            self.positions = torch.empty(size, 1, dtype=model._position_dtype, device=model.device)
+            self.positions = model.position_input(torch.zeros(size, 1, dtype=torch.int64, device=model.device))
             runtime.bind_input(binding, decoder.position_ids, self.positions)
         if model.keeps_positions:
             runtime.bind_input(binding, graph.LOGITS_INDICES, torch.arange(size, device=model.device))
@@ -358,10 +405,14 @@ class DecodeStep:
         """Append one token to every row; return the next logits `[B, V]`."""
         cache, decoder = self.cache, self.decoder
         self.tokens.copy_(tokens[:, None])
+        if not decoder.input_ids:  # the embedding model turns the tokens into the decoder's inputs
+            self.model.bind_tokens(self.binding, self.tokens)
         if self.positions is not None:
-            self.positions.copy_(cache.lengths[:, None])
+            self.positions.copy_(self.model.position_input(cache.lengths[:, None]))
         if decoder.attention_mask:
             runtime.bind_input(self.binding, decoder.attention_mask, cache.step_mask(1, self.model._mask_dtype))
+        if not cache.shared:
+            cache.bind(self.binding, 1)
         runtime.run(self.model.session, self.binding)
         cache.advance(1, 1)
         return self.logits.view(cache.batch_size, -1)

@@ -143,6 +143,16 @@ class OrtModelForCausalLM(torch.nn.Module):
             source, folder = decoder.path, None
         self.session = runtime.make_session(source, device, folder, self._session_options, self._provider_options)
         self._device = device
+        embedding = self.package.embedding
+        self.embedding_session = None
+        if embedding is not None:  # text only: the vision and speech models are never loaded
+            self.embedding_session = runtime.make_session(
+                embedding.path, device, None, self._session_options, self._provider_options
+            )
+            self._no_media = [
+                (name, torch.zeros(shape, dtype=runtime.torch_dtype(kind), device=device))
+                for name, kind, shape in embedding.empty_inputs
+            ]
 
     # ---- the Hugging Face surface -------------------------------------------------------------
 
@@ -291,7 +301,7 @@ class OrtModelForCausalLM(torch.nn.Module):
         if kept is not None:
             flat = (torch.arange(batch, device=self.device)[:, None] * new + kept[None, :]).flatten()
         binding = self.session.io_binding()
-        cache.bind(binding)
+        cache.bind(binding, new)
         logits = self._run(binding, ids, flat, mask=cache.step_mask(new, self._mask_dtype), positions=positions)
         cache.advance(new, new)
         return logits.view(batch, -1, logits.shape[-1])
@@ -426,7 +436,7 @@ class OrtModelForCausalLM(torch.nn.Module):
         if cache is None:
             self._bind_prefill_cache(binding, batch, length)
         else:
-            cache.bind(binding)
+            cache.bind(binding, length)
         logits = self._run(binding, ids, flat, prefill=True)
         return logits if rows is not None or shift is None else logits.view(batch, length, -1)
 
@@ -440,14 +450,14 @@ class OrtModelForCausalLM(torch.nn.Module):
         """
         batch, length = ids.shape
         decoder = self.package.decoder
-        runtime.bind_input(binding, decoder.input_ids, ids.to(self._id_dtype).contiguous())
+        self.bind_tokens(binding, ids)
         if prefill:
             mask = torch.ones_like(ids, dtype=self._mask_dtype) if decoder.attention_mask else None
             positions = torch.arange(length, device=self.device).expand(batch, -1) if decoder.position_ids else None
         if decoder.attention_mask:
             runtime.bind_input(binding, decoder.attention_mask, mask.to(self._mask_dtype).contiguous())
         if decoder.position_ids:
-            runtime.bind_input(binding, decoder.position_ids, positions.to(self._position_dtype).contiguous())
+            runtime.bind_input(binding, decoder.position_ids, self.position_input(positions))
         vocab = self.package.vocab_size
         if self.keeps_positions:
             kept = flat if flat is not None else torch.arange(batch * length, device=self.device)
@@ -462,6 +472,31 @@ class OrtModelForCausalLM(torch.nn.Module):
         if not self.keeps_positions:
             logits = logits.view(batch * length, vocab).index_select(0, flat)
         return logits
+
+    def bind_tokens(self, binding: ort.IOBinding, ids: torch.Tensor) -> None:
+        """Bind the decoder's token input: the ids, or what the embedding model makes of them
+        (its outputs stay on the device and are bound to the decoder as they are)."""
+        if self.embedding_session is None:
+            runtime.bind_input(binding, self.package.decoder.input_ids, ids.to(self._id_dtype).contiguous())
+            return
+        embedding = self.package.embedding
+        embed = self.embedding_session.io_binding()
+        runtime.bind_input(embed, embedding.input_ids, ids.to(self._id_dtype).contiguous())
+        for name, empty in self._no_media:
+            runtime.bind_input(embed, name, empty)
+        for output, _ in embedding.feeds:
+            runtime.bind_output_to(embed, output, self.device)
+        runtime.run(self.embedding_session, embed)
+        for (_, decoder_input), value in zip(embedding.feeds, embed.get_outputs()):
+            binding.bind_ortvalue_input(decoder_input, value)
+
+    def position_input(self, positions: torch.Tensor) -> torch.Tensor:
+        """`[B, S]` positions in the decoder's dtype and rank (mRoPE decoders take `[3, B, S]`:
+        for text, the temporal, height and width positions are all the token's position)."""
+        positions = positions.to(self._position_dtype)
+        if self.package.decoder.position_rank == 3:
+            positions = positions.expand(3, *positions.shape)
+        return positions.contiguous()
 
     def _bind_prefill_cache(self, binding: ort.IOBinding, batch: int, length: int) -> None:
         """An empty past for every layer; the present is written into one reused scratch buffer."""

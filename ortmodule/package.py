@@ -36,11 +36,27 @@ class LayerKV:
 
 
 @dataclass(frozen=True)
+class Embedding:
+    """The embedding model of a multimodal package: token ids in, the decoder's inputs out.
+
+    Text runs it with empty media features: every input but the ids gets a tensor of its rank and
+    dtype with 0 in each dimension the graph leaves open. Its outputs feed the decoder inputs of
+    the same role (`inputs_embeds`, `per_layer_inputs`, ...), device to device.
+    """
+
+    path: Path
+    input_ids: str
+    id_type: int
+    empty_inputs: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, ONNX element type, shape)
+    feeds: tuple[tuple[str, str], ...]  # (embedding output, decoder input)
+
+
+@dataclass(frozen=True)
 class Decoder:
     """The decoder graph: where it is and what it takes and returns."""
 
     path: Path
-    input_ids: str
+    input_ids: str | None  # None when the decoder takes embeddings from the embedding model
     attention_mask: str | None
     position_ids: str | None
     logits: str
@@ -51,6 +67,8 @@ class Decoder:
     kv_type: int
     logits_type: int
     num_parameters: int
+    position_rank: int = 2  # 3 for mRoPE decoders (Qwen-VL): position_ids [3, batch, sequence]
+    shares_kv_buffer: bool = True  # GroupQueryAttention writes the present into the past's buffer
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,7 @@ class Package:
     root: Path
     genai_config: dict
     decoder: Decoder
+    embedding: Embedding | None
     model_type: str
     vocab_size: int
     context_length: int
@@ -142,14 +161,22 @@ def read_package(path: str | Path) -> Package:
             return None
         return name
 
-    if "inputs_embeds" in graph_inputs and "input_ids" not in graph_inputs:
+    embedding = None
+    if input_named("input_ids", required=False) is None and "embedding" in model:
+        embedding = _read_embedding(root, model, config_path, names_in, graph_inputs)
+        input_ids = None
+    elif "inputs_embeds" in graph_inputs and "input_ids" not in graph_inputs:
         raise PackageError(
-            f"{decoder_path}: the decoder takes inputs_embeds, not input_ids (a multimodal package); "
-            "ortmodule does not support embedding models yet"
+            f"{config_path}: the decoder takes inputs_embeds, not input_ids, and there is no "
+            "'model.embedding' section naming the embedding model that makes them"
         )
-    input_ids = input_named("input_ids", required=True)
+    else:
+        input_ids = input_named("input_ids", required=True)
     attention_mask = input_named("attention_mask", required=False)
     position_ids = input_named("position_ids", required=False)
+    position_rank = len(_dims(graph_inputs[position_ids])) if position_ids else 2
+    if position_rank not in (2, 3):
+        raise PackageError(f"{decoder_path}: position_ids has rank {position_rank}; expected 2 or 3 (mRoPE)")
 
     logits = names_out.get("logits", "logits")
     if logits not in graph_outputs:
@@ -209,6 +236,13 @@ def read_package(path: str | Path) -> Package:
             )
         )
 
+    known = {input_ids, attention_mask, position_ids} | {name for kv in layers for name in (kv.past_key, kv.past_value)}
+    known |= {decoder_input for _, decoder_input in embedding.feeds} if embedding else set()
+    unknown = [name for name in graph_inputs if name not in known]
+    if unknown:
+        raise PackageError(
+            f"{decoder_path}: the decoder has inputs ortmodule does not know how to fill: {', '.join(unknown)}"
+        )
     decoder = Decoder(
         path=decoder_path,
         input_ids=input_ids,
@@ -216,17 +250,20 @@ def read_package(path: str | Path) -> Package:
         position_ids=position_ids,
         logits=logits,
         layers=tuple(layers),
-        id_type=_elem_type(graph_inputs[input_ids]),
+        id_type=_elem_type(graph_inputs[input_ids]) if input_ids else embedding.id_type,
         mask_type=_elem_type(graph_inputs[attention_mask]) if attention_mask else None,
         position_type=_elem_type(graph_inputs[position_ids]) if position_ids else None,
         kv_type=_elem_type(graph_inputs[layers[0].past_key]) if layers else onnx.TensorProto.FLOAT,
         logits_type=_elem_type(graph_outputs[logits]),
         num_parameters=_count_parameters(graph),
+        position_rank=position_rank,
+        shares_kv_buffer=any(node.op_type == "GroupQueryAttention" for node in graph.node),
     )
     return Package(
         root=root,
         genai_config=genai,
         decoder=decoder,
+        embedding=embedding,
         model_type=model.get("type", ""),
         vocab_size=vocab_size,
         context_length=_get(model, "context_length", "model.", config_path),
@@ -237,3 +274,40 @@ def read_package(path: str | Path) -> Package:
         pad_token_id=model.get("pad_token_id"),
         search=genai.get("search", {}),
     )
+
+
+def _read_embedding(root: Path, model: dict, config_path: Path, decoder_names: dict, decoder_inputs: dict) -> Embedding:
+    """The `model.embedding` section and its graph (the vision and speech models are not read)."""
+    section = model["embedding"]
+    filename = _get(section, "filename", "model.embedding.", config_path)
+    path = root / filename
+    if not path.is_file():
+        raise PackageError(f"{config_path}: model.embedding.filename is '{filename}' but {path} does not exist")
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inputs = {i.name: i for i in graph.input}
+    outputs = {o.name for o in graph.output}
+    names_in, names_out = section.get("inputs", {}), section.get("outputs", {})
+    ids = names_in.get("input_ids", "input_ids")
+    if ids not in inputs:
+        raise PackageError(
+            f"{config_path}: model.embedding.inputs.input_ids is '{ids}', which is not an input of "
+            f"{filename} (inputs: {', '.join(inputs)})"
+        )
+    empty = []
+    for name, value in inputs.items():
+        if name != ids:
+            shape = tuple(d if isinstance(d, int) else 0 for d in _dims(value))
+            empty.append((name, _elem_type(value), shape))
+    # An output feeds the decoder input of the same role: genai_config's keys first, then names.
+    feeds = []
+    for output in outputs:
+        role = next((key for key, name in names_out.items() if name == output), output)
+        target = decoder_names.get(role, role)
+        if target in decoder_inputs:
+            feeds.append((output, target))
+    if not feeds:
+        raise PackageError(
+            f"{path}: none of the embedding model's outputs ({', '.join(sorted(outputs))}) is an input "
+            f"of the decoder ({', '.join(decoder_inputs)})"
+        )
+    return Embedding(path, ids, _elem_type(inputs[ids]), tuple(empty), tuple(sorted(feeds)))

@@ -111,6 +111,11 @@ def bind_output(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None
     )
 
 
+def bind_output_to(binding: ort.IOBinding, name: str, device: torch.device) -> None:
+    """Bind an output that ONNX Runtime allocates on `device` (read back with `get_outputs`)."""
+    binding.bind_output(name, device.type, device.index or 0)
+
+
 def run(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
     try:
         session.run_with_iobinding(binding)

@@ -234,9 +234,7 @@ def _prefix_logprobs(model, prompts: list[Ids], prefix: int, labels: Ids, budget
     for batch in _batches([len(r) for r in rests], prefix, budget):
         steps = len(rests[batch[0]])
         cache = KVCache(model, len(batch), prefix + steps)
-        for mine, theirs in zip(cache.keys + cache.values, shared.keys + shared.values):
-            mine[:, :, :prefix] = theirs[:, :, :prefix]
-        cache.start(torch.full((len(batch),), prefix, device=device), prefix, prefix)
+        cache.start_from(shared, prefix)
         tokens = torch.zeros(len(batch), steps, dtype=torch.int64)
         for r, i in enumerate(batch):
             tokens[r, : len(rests[i])] = torch.tensor(rests[i])
@@ -244,7 +242,7 @@ def _prefix_logprobs(model, prompts: list[Ids], prefix: int, labels: Ids, budget
         for step in range(steps):
             ending = [r for r, i in enumerate(batch) if len(rests[i]) == step + 1]
             binding = model.session.io_binding()
-            cache.bind(binding)
+            cache.bind(binding, 1)
             flat = torch.tensor(ending or [0], device=device)
             mask = cache.step_mask(1, model._mask_dtype) if model._mask_dtype else None
             logits = model._run(binding, tokens[:, step : step + 1], flat, mask=mask, positions=cache.lengths[:, None])
