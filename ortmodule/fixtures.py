@@ -51,6 +51,17 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
 }
 
+# Gemma 4 packages, each from a multimodal Gemma 4 checkpoint (the text model inside is what runs):
+#   gemma4         the builder's decoder-only package; sliding layers have head size 16, full ones 32
+#   gemma4_embeds  the builder's decoder with exclude_embeds=true (it takes inputs_embeds), plus an
+#                  embedding model written here and a multimodal genai_config.json with a vision
+#                  entry whose file is not a graph (so a test fails if anything loads it)
+#   gemma4_mobius  mobius-onnx's multimodal package: vision encoder, embedding model (inputs_embeds
+#                  and per_layer_inputs), and a decoder of standard Attention ops (no GQA)
+GEMMA4 = {"gemma4": "Gemma4Unified", "gemma4_embeds": "Gemma4Unified", "gemma4_mobius": "Gemma4"}
+MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
+                "eoa_token_index", "audio_token_id"]
+
 
 @dataclass(frozen=True)
 class FixtureSpec:
@@ -123,8 +134,15 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
     import torch
     import transformers
 
+    # Gemma 4 reserves the vocabulary's last ids for image and audio tokens: text never makes them.
+    reserved = len(MEDIA_TOKENS) if spec.arch in GEMMA4 else 0
+    tokenizer = train_tokenizer(min(TOKENIZER_VOCAB, spec.vocab_size - reserved))
+    tokenizer.model_max_length = spec.context_length
+    if spec.arch in GEMMA4:
+        _gemma4_checkpoint(spec, out, tokenizer)
+        tokenizer.save_pretrained(out)
+        return
     config_class, architecture, fields = ARCHITECTURES[spec.arch]
-    tokenizer = train_tokenizer(min(TOKENIZER_VOCAB, spec.vocab_size))
     fields = dict(fields)
     if "layer_types" in fields:  # alternate sliding and full attention
         fields["layer_types"] = [
@@ -151,26 +169,74 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
     torch.manual_seed(spec.seed)
     model = getattr(transformers, architecture)(config)
     model.save_pretrained(out)
-    tokenizer.model_max_length = spec.context_length
     tokenizer.save_pretrained(out)
 
 
-# The builder 0.18 reads Gemma 3's RoPE settings in the flat form of transformers 4 (`rope_parameters`
-# for full attention, `rope_local_base_freq` for sliding layers); transformers 5 nests them per layer
-# type. Its Gemma 4 path flattens them itself; this does the same for Gemma 3, then runs the builder.
-_BUILDER = """
-import runpy, sys, transformers
+def _gemma4_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
+    """A multimodal Gemma 4 checkpoint: sliding layers (head size h, an 8-token window) alternate
+    with full-attention layers (head size 2h), as in Gemma 4 (256 and 512)."""
+    import torch
+    import transformers
+
+    family = GEMMA4[spec.arch]
+    head = spec.hidden_size // spec.num_heads
+    text = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=head, global_head_dim=2 * head, sliding_window=8, max_position_embeddings=spec.context_length,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)],
+        initializer_range=spec.initializer_range, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = None
+    if family == "Gemma4":  # per-layer inputs, and a vision tower to leave alone
+        text.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=spec.vocab_size)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+    media = {name: spec.vocab_size - 1 - i for i, name in enumerate(MEDIA_TOKENS)}
+    config = getattr(transformers, f"{family}Config")(text_config=text, vision_config=vision, audio_config=None, **media)
+    config.architectures = [f"{family}ForConditionalGeneration"]
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config)
+    model.save_pretrained(out)
+
+
+# Exporters written for older transformers configs, brought up to transformers 5 in the exporting
+# process: the builder 0.18 reads Gemma 3's RoPE settings in the flat form of transformers 4
+# (`rope_parameters` for full attention, `rope_local_base_freq` for sliding layers), while
+# transformers 5 nests them per layer type; and Gemma 4's exporters read `global_head_dim` and
+# `head_dim` that transformers 5 now keeps per layer (`per_layer_config`).
+_CONFIG_SHIM = """
+import transformers
 load = transformers.AutoConfig.from_pretrained
-def flat_rope(*args, **kwargs):
+def shimmed(*args, **kwargs):
     config = load(*args, **kwargs)
     rope = getattr(config, "rope_parameters", None)
     if getattr(config, "model_type", "") == "gemma3_text" and isinstance(rope, dict) and "full_attention" in rope:
         config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
         config.rope_parameters = dict(rope["full_attention"])
+    text = getattr(config, "text_config", None)
+    if text is not None and getattr(text, "per_layer_config", None) is not None:
+        for part in (config, text):  # the builder copies text_config's keys to the top level
+            part.allow_global_per_layer_attribute_access = True
+        if "full_attention" in text.layer_types:
+            full = text.per_layer_config[text.layer_types.index("full_attention")]
+            for part in (config, text):
+                part.global_head_dim = full.head_dim
+                part.num_global_key_value_heads = full.num_key_value_heads
     return config
-transformers.AutoConfig.from_pretrained = flat_rope
+transformers.AutoConfig.from_pretrained = shimmed
+"""
+_BUILDER = _CONFIG_SHIM + """
+import runpy, sys
 sys.argv[0] = "builder"
 runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+"""
+_MOBIUS = _CONFIG_SHIM + """
+import sys
+from mobius.__main__ import main
+sys.argv[0] = "mobius"
+main()
 """
 
 
@@ -186,6 +252,59 @@ def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=()) -
         raise RuntimeError(f"model builder failed ({' '.join(command)}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
 
 
+def export_mobius(hf_dir: Path, out: Path) -> None:
+    """Export a checkpoint with mobius-onnx (`mobius build --runtime ort-genai`)."""
+    command = [sys.executable, "-c", _MOBIUS, "build", "--config", str(hf_dir), str(out), "--runtime", "ort-genai"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"mobius failed ({' '.join(command)}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+
+
+def add_embedding_model(hf_dir: Path, package: Path) -> None:
+    """Give a decoder that takes inputs_embeds (builder, exclude_embeds=true) the embedding model
+    of its checkpoint and a multimodal genai_config.json, as a vision-language package has."""
+    import onnx
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+    from transformers import AutoModelForCausalLM
+
+    embed = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).get_input_embeddings()
+    weight = embed.weight.detach().numpy()
+    hidden = weight.shape[1]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["embed_tokens.weight", "input_ids"], ["tokens"]),
+            helper.make_node("Mul", ["tokens", "embed_scale"], ["inputs_embeds"]),
+        ],
+        "embedding",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+            helper.make_tensor_value_info("image_features", TensorProto.FLOAT, ["num_image_tokens", hidden]),
+        ],
+        [helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, ["batch_size", "sequence_length", hidden])],
+        [
+            numpy_helper.from_array(weight, "embed_tokens.weight"),
+            numpy_helper.from_array(embed.embed_scale.to(torch.float32).numpy().reshape(()), "embed_scale"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), package / "embedding.onnx")
+    (package / "vision.onnx").write_text("not a graph: ortmodule must never load the vision model for text\n")
+    config_path = package / "genai_config.json"
+    genai = json.loads(config_path.read_text())
+    genai["model"]["embedding"] = {
+        "filename": "embedding.onnx",
+        "inputs": {"input_ids": "input_ids", "image_features": "image_features"},
+        "outputs": {"inputs_embeds": "inputs_embeds"},
+    }
+    genai["model"]["vision"] = {
+        "filename": "vision.onnx",
+        "inputs": {"pixel_values": "pixel_values"},
+        "outputs": {"image_features": "image_features"},
+    }
+    config_path.write_text(json.dumps(genai, indent=4))
+
+
 def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
     """Build (or find in the cache) the checkpoint and the GenAI package for `spec`."""
     root = Path(root) if root is not None else cache_root()
@@ -195,7 +314,13 @@ def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
         work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=root))
         try:
             make_checkpoint(spec, work / "hf")
-            export(work / "hf", work / "package", spec.precision, spec.extra_options)
+            if spec.arch == "gemma4_mobius":
+                export_mobius(work / "hf", work / "package")
+            elif spec.arch == "gemma4_embeds":
+                export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
+                add_embedding_model(work / "hf", work / "package")
+            else:
+                export(work / "hf", work / "package", spec.precision, spec.extra_options)
             shutil.rmtree(work / "builder-cache", ignore_errors=True)
             if final.exists():  # another process finished first
                 shutil.rmtree(work)

@@ -10,8 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from ortmodule import OrtModelForCausalLM, fixtures
 
-# Architectures every parity test runs on (Gemma 3 alternates sliding-window and full layers).
-ARCHES = ["llama", "qwen3", "gemma3", "phi3", "mistral", "qwen2"]
+# Architectures every parity test runs on (Gemma 3 alternates sliding-window and full layers;
+# the Gemma 4 packages mix KV head sizes per layer, and two of them are multimodal: an embedding
+# model feeds the decoder; see ortmodule/fixtures.py).
+GEMMA4 = ["gemma4", "gemma4_embeds", "gemma4_mobius"]
+ARCHES = ["llama", "qwen3", "gemma3", "phi3", "mistral", "qwen2", *GEMMA4]
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

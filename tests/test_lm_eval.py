@@ -35,7 +35,9 @@ def loglikelihoods(result, task):
 def both(request, build):
     fixture = build(request.param)
     ours = evaluate("ortmodule", f"pretrained={fixture.package_dir}")
-    theirs = evaluate("hf", f"pretrained={fixture.hf_dir},dtype=float32")
+    # The same rolling window for both: HFLM reads max_position_embeddings from the top of the
+    # config, where a multimodal config (Gemma 4) does not have it, and would fall back to 2048.
+    theirs = evaluate("hf", f"pretrained={fixture.hf_dir},dtype=float32,max_length={fixture.spec.context_length}")
     return ours, theirs
 
 
