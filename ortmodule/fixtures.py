@@ -59,6 +59,9 @@ ARCHITECTURES = {
 #   gemma4_mobius  mobius-onnx's multimodal package: vision encoder, embedding model (inputs_embeds
 #                  and per_layer_inputs), and a decoder of standard Attention ops (no GQA)
 GEMMA4 = {"gemma4": "Gemma4Unified", "gemma4_embeds": "Gemma4Unified", "gemma4_mobius": "Gemma4"}
+# Qwen2.5-VL exported by mobius-onnx: vision encoder, embedding model, and a decoder whose
+# position_ids are 3-D (mRoPE: temporal, height, width sections) [3, batch, sequence].
+MOBIUS = {"gemma4_mobius", "qwen2_5_vl"}
 MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
                 "eoa_token_index", "audio_token_id"]
 
@@ -135,11 +138,11 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
     import transformers
 
     # Gemma 4 reserves the vocabulary's last ids for image and audio tokens: text never makes them.
-    reserved = len(MEDIA_TOKENS) if spec.arch in GEMMA4 else 0
+    reserved = len(MEDIA_TOKENS) if spec.arch in GEMMA4 or spec.arch == "qwen2_5_vl" else 0
     tokenizer = train_tokenizer(min(TOKENIZER_VOCAB, spec.vocab_size - reserved))
     tokenizer.model_max_length = spec.context_length
-    if spec.arch in GEMMA4:
-        _gemma4_checkpoint(spec, out, tokenizer)
+    if spec.arch in GEMMA4 or spec.arch == "qwen2_5_vl":
+        (_gemma4_checkpoint if spec.arch in GEMMA4 else _qwen2_5_vl_checkpoint)(spec, out, tokenizer)
         tokenizer.save_pretrained(out)
         return
     config_class, architecture, fields = ARCHITECTURES[spec.arch]
@@ -252,6 +255,30 @@ def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=()) -
         raise RuntimeError(f"model builder failed ({' '.join(command)}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
 
 
+def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
+    """A Qwen2.5-VL checkpoint with a one-block vision tower; its text model uses mRoPE."""
+    import torch
+    import transformers
+
+    head = spec.hidden_size // spec.num_heads
+    text = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=head, max_position_embeddings=spec.context_length, initializer_range=spec.initializer_range,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=spec.hidden_size,
+                  patch_size=4, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0], window_size=16)
+    media = [spec.vocab_size - 1 - i for i in range(4)]
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=media[0], video_token_id=media[1],
+        vision_start_token_id=media[2], vision_end_token_id=media[3],
+    )
+    torch.manual_seed(spec.seed)
+    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+
+
 def export_mobius(hf_dir: Path, out: Path) -> None:
     """Export a checkpoint with mobius-onnx (`mobius build --runtime ort-genai`)."""
     command = [sys.executable, "-c", _MOBIUS, "build", "--config", str(hf_dir), str(out), "--runtime", "ort-genai"]
@@ -314,7 +341,7 @@ def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
         work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=root))
         try:
             make_checkpoint(spec, work / "hf")
-            if spec.arch == "gemma4_mobius":
+            if spec.arch in MOBIUS:
                 export_mobius(work / "hf", work / "package")
             elif spec.arch == "gemma4_embeds":
                 export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))

@@ -6,7 +6,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
 
 from ortmodule import OrtModelForCausalLM, fixtures
 
@@ -15,6 +15,9 @@ from ortmodule import OrtModelForCausalLM, fixtures
 # model feeds the decoder; see ortmodule/fixtures.py).
 GEMMA4 = ["gemma4", "gemma4_embeds", "gemma4_mobius"]
 ARCHES = ["llama", "qwen3", "gemma3", "phi3", "mistral", "qwen2", *GEMMA4]
+# Packages lm-eval's hf backend cannot load as a reference (no AutoModelForCausalLM class):
+# Qwen2.5-VL, whose decoder takes 3-D mRoPE position_ids. The model-level tests cover it.
+MODEL_ARCHES = [*ARCHES, "qwen2_5_vl"]
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -30,17 +33,22 @@ def build():
 _models = {}
 
 
+def reference_class(fixture):
+    """The transformers class of a fixture's checkpoint (Qwen2.5-VL has no causal-LM auto class)."""
+    return Qwen2_5_VLForConditionalGeneration if fixture.spec.arch == "qwen2_5_vl" else AutoModelForCausalLM
+
+
 def load_pair(fixture, device="cpu"):
     """The ortmodule model and the transformers reference on the same weights (cached per session)."""
     key = (fixture.package_dir, device)
     if key not in _models:
         ort_model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
-        hf_model = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+        hf_model = reference_class(fixture).from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
         _models[key] = (ort_model, hf_model)
     return _models[key]
 
 
-@pytest.fixture(scope="session", params=ARCHES)
+@pytest.fixture(scope="session", params=MODEL_ARCHES)
 def arch_pair(request, build):
     return load_pair(build(request.param))
 

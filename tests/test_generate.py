@@ -3,7 +3,7 @@
 import onnxruntime as ort
 import pytest
 import torch
-from conftest import ARCHES, load_pair
+from conftest import MODEL_ARCHES, load_pair
 
 from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
 from ortmodule.generation import KVCache
@@ -30,7 +30,7 @@ def llama_pair(llama):
     return load_pair(llama)
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", MODEL_ARCHES)
 def test_greedy_equals_transformers(build, arch):
     model, hf = load_pair(build(arch))
     ids, mask = left_padded_prompts([6, 13], seed=3)  # 13 > Gemma 3's 8-token window

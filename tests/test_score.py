@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ARCHES, load_pair
+from conftest import MODEL_ARCHES, load_pair
 
 import ortmodule
 from ortmodule import load_tokenizer, scoring
@@ -29,7 +29,7 @@ def labels_for(tokenizer):
     return [tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c")] + [5, 300]
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", MODEL_ARCHES)
 @pytest.mark.parametrize("apply_softmax", [False, True])
 @pytest.mark.parametrize("item_first", [False, True])
 def test_text_scores_match_transformers(build, arch, apply_softmax, item_first):

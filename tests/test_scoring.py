@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from conftest import ARCHES, load_pair, right_padded_batch
+from conftest import MODEL_ARCHES, load_pair, right_padded_batch
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("arch", MODEL_ARCHES)
 def test_rewritten_graph_equals_the_unmodified_graph(build, arch):
     fixture = build(arch)
     rewritten = load_pair(fixture)[0]

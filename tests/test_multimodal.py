@@ -1,0 +1,87 @@
+"""Multimodal and mixed-shape packages: what is read from them, what is loaded, and what is not.
+
+Logits, generation, scoring and lm-eval on these packages are checked against transformers in the
+parity tests (the Gemma 4 and Qwen2.5-VL entries of conftest.ARCHES / MODEL_ARCHES)."""
+
+import json
+import shutil
+
+import onnxruntime as ort
+import pytest
+import torch
+from conftest import load_pair
+
+from ortmodule import OrtModelForCausalLM, PackageError, read_package
+
+
+@pytest.mark.parametrize(
+    "arch, feeds, shared",
+    [
+        ("gemma4_embeds", {("inputs_embeds", "inputs_embeds")}, True),
+        ("gemma4_mobius", {("inputs_embeds", "inputs_embeds"), ("per_layer_inputs", "per_layer_inputs")}, False),
+        ("qwen2_5_vl", {("inputs_embeds", "inputs_embeds")}, False),
+    ],
+)
+def test_the_embedding_model_feeds_the_decoder_inputs_it_declares(build, arch, feeds, shared):
+    package = read_package(build(arch).package_dir)
+    assert package.decoder.input_ids is None
+    assert set(package.embedding.feeds) == feeds
+    # Text runs the embedding model with empty media features of the graph's rank and dtype.
+    assert [(name, shape) for name, _, shape in package.embedding.empty_inputs] == [("image_features", (0, 64))]
+    assert package.decoder.shares_kv_buffer is shared  # GroupQueryAttention (builder) or Attention (mobius)
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4_embeds", "gemma4_mobius"])
+def test_kv_shapes_are_read_per_layer(build, arch):
+    """Gemma 4: sliding layers have head size 16 (and an 8-token window in the builder's
+    packages), full-attention layers 32, as 256 and 512 in the real model."""
+    package = read_package(build(arch).package_dir)
+    assert [kv.head_size for kv in package.decoder.layers] == [16, 32]
+    model, _ = load_pair(build(arch))
+    out = model(torch.tensor([[5, 6, 7, 8]]), use_cache=True)
+    assert [tuple(k.shape) for k, _ in out.past_key_values] == [(1, 2, 4, 16), (1, 2, 4, 32)]
+
+
+def test_qwen_vl_decoder_takes_3d_positions(build):
+    package = read_package(build("qwen2_5_vl").package_dir)
+    assert package.decoder.position_rank == 3
+
+
+@pytest.mark.parametrize("arch", ["gemma4_embeds", "gemma4_mobius", "qwen2_5_vl"])
+def test_text_never_loads_the_vision_model(build, arch, monkeypatch):
+    fixture = build(arch)
+    genai = json.loads((fixture.package_dir / "genai_config.json").read_text())
+    vision = (fixture.package_dir / genai["model"]["vision"]["filename"]).resolve()
+    assert vision.is_file()
+    opened = []
+    original = ort.InferenceSession.__init__
+
+    def spy(self, source, *args, **kwargs):
+        opened.append(source if isinstance(source, bytes) else str(source))
+        original(self, source, *args, **kwargs)
+
+    monkeypatch.setattr(ort.InferenceSession, "__init__", spy)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+    paths = [p for p in opened if isinstance(p, str)]
+    assert len(opened) == 2  # the decoder (rewritten, from bytes or its file) and the embedding model
+    assert str(vision) not in paths and not any("vision" in p for p in paths)
+    assert any(p.endswith(genai["model"]["embedding"]["filename"]) for p in paths)
+
+
+def test_a_decoder_taking_embeddings_needs_an_embedding_section(build, tmp_path):
+    package = tmp_path / "package"
+    shutil.copytree(build("gemma4_embeds").package_dir, package)
+    config = json.loads((package / "genai_config.json").read_text())
+    del config["model"]["embedding"]
+    (package / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(PackageError, match="takes inputs_embeds, not input_ids, and there is no 'model.embedding'"):
+        read_package(package)
+
+
+def test_a_missing_embedding_file_is_named(build, tmp_path):
+    package = tmp_path / "package"
+    shutil.copytree(build("gemma4_embeds").package_dir, package)
+    (package / "embedding.onnx").unlink()
+    with pytest.raises(PackageError, match="model.embedding.filename is 'embedding.onnx' but .* does not exist"):
+        read_package(package)
