@@ -6,7 +6,7 @@ import numpy as np
 import onnxruntime_genai as og
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from conftest import reference_model, synced
 
 from ortmodule import OrtModelForCausalLM, fixtures
 
@@ -21,10 +21,12 @@ def workload(size):
     lengths = torch.linspace(shortest, longest, batch).long()
     ids = torch.randint(4, fixture.spec.vocab_size, (batch, longest), generator=torch.Generator().manual_seed(0))
     mask = (torch.arange(longest)[None, :] >= longest - lengths[:, None]).long()  # left-padded, as HF generates
-    return fixture, ids.masked_fill(mask == 0, PAD), mask, new
+    device = size["device"]
+    return fixture, ids.masked_fill(mask == 0, PAD).to(device), mask.to(device), new
 
 
-def record(benchmark, fn, tokens, rows):
+def record(benchmark, fn, tokens, device):
+    fn = synced(fn, device.type)
     out = fn()  # warm-up; also the output checked below
     benchmark.pedantic(fn, rounds=5, iterations=1, warmup_rounds=0)
     if benchmark.stats:  # None under --benchmark-disable
@@ -35,22 +37,22 @@ def record(benchmark, fn, tokens, rows):
 @pytest.mark.benchmark(group="generate")
 def test_ortmodule_generate(benchmark, workload):
     fixture, ids, mask, new = workload
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device)
     out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
-                                                   pad_token_id=PAD), len(ids) * new, len(ids))
+                                                   pad_token_id=PAD), len(ids) * new, ids.device)
     assert out.shape == (ids.shape[0], ids.shape[1] + new)
 
 
 @pytest.mark.benchmark(group="generate")
 def test_transformers_generate(benchmark, workload):
     fixture, ids, mask, new = workload
-    model = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    model = reference_model(fixture, ids.device)
 
     def generate():
         with torch.inference_mode():
             return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=PAD)
 
-    out = record(benchmark, generate, len(ids) * new, len(ids))
+    out = record(benchmark, generate, len(ids) * new, ids.device)
     assert out.shape == (ids.shape[0], ids.shape[1] + new)
 
 
@@ -59,7 +61,7 @@ def test_genai_generate(benchmark, workload):
     """onnxruntime-genai's Generator, batched: prompts padded with the pad id, as it expects."""
     fixture, ids, _, new = workload
     model = og.Model(str(fixture.package_dir))
-    prompts = ids.numpy().astype(np.int32)
+    prompts = ids.cpu().numpy().astype(np.int32)
     total = ids.shape[1] + new
 
     def generate():
@@ -71,5 +73,5 @@ def test_genai_generate(benchmark, workload):
             generator.generate_next_token()
         return np.stack([generator.get_sequence(i) for i in range(len(prompts))])
 
-    out = record(benchmark, generate, len(ids) * new, len(ids))
+    out = record(benchmark, generate, len(ids) * new, ids.device)
     assert out.shape == (ids.shape[0], total)

@@ -1,20 +1,28 @@
-"""lm-eval throughput: requests/s of the `ortmodule` backend beside lm-eval 0.4.13's `hf` backend
-(PyTorch weights), and its `onnxruntime-genai` and `onnxruntime` backends on the same package,
-on one multiple-choice task (benchmarks/tasks: 200 questions, ~200-token contexts, four ~12-token
-choices). Models are loaded before the clock starts; one round each, the whole task."""
+"""Loglikelihood scoring through lm-eval: requests/s of the `ortmodule` backend beside every other
+way to score the same weights: lm-eval 0.4.13's `hf` backend (PyTorch), its `onnxruntime-genai`
+and `onnxruntime` backends, onnxruntime-genai's Generator stepped one continuation token at a time
+(`genai-stepped`) and a raw InferenceSession returning full logits to numpy (`ort-numpy`), both in
+benchmarks/peers.py. One multiple-choice task (benchmarks/tasks: ~200-token contexts, half the
+questions with ~13-token choices, half with single-token ones). Models are loaded before the
+clock starts; one round each. A peer that fails is recorded as an expected failure with its error.
+"""
 
 from pathlib import Path
 
 import lm_eval
+import peers
 import pytest
+import torch
+from conftest import peak_rss_mb, reset_peak_rss
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
-from ortmodule import fixtures
+from ortmodule import fixtures, scoring
 
 TASK = "ortmodule_bench_mc"
 TASK_DIR = str(Path(__file__).parent / "tasks")
+BACKENDS = ["ortmodule", "hf", "onnxruntime-genai", "onnxruntime", "genai-stepped", "ort-numpy"]
 
 
 @pytest.fixture(scope="module")
@@ -22,31 +30,87 @@ def fixture(size):
     return fixtures.build(size["decoder"])
 
 
-def load(backend, fixture, batch_size):
+def load(backend, fixture, batch_size, device):
     if backend == "ortmodule":
-        return get_model("ortmodule")(pretrained=str(fixture.package_dir), device="cpu", batch_size=batch_size)
+        return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size)
     if backend == "hf":
-        return get_model("hf")(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu", batch_size=batch_size)
-    # lm-eval's ONNX backends run batch 1 only.
-    return get_model(backend)(pretrained=str(fixture.package_dir), execution_provider="cpu")
+        dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[fixture.spec.precision]
+        return get_model("hf")(pretrained=str(fixture.hf_dir), dtype=dtype, device=device, batch_size=batch_size)
+    # lm-eval's ONNX backends, and the two peers built on their base, run batch 1 only.
+    return get_model(backend)(pretrained=str(fixture.package_dir), execution_provider="cuda" if device != "cpu" else "cpu")
 
 
-@pytest.mark.benchmark(group="lm-eval multiple choice")
-@pytest.mark.parametrize("backend", ["ortmodule", "hf", "onnxruntime-genai", "onnxruntime"])
-def test_lm_eval_requests(benchmark, fixture, size, backend):
+class HostBytes:
+    """Bytes of model output handed to the host while scoring: ortmodule's one copy per batch
+    (`Tensor.cpu` in scoring.loglikelihood), the numpy logits of the ONNX peers."""
+
+    def __init__(self, backend, lm, monkeypatch):
+        self.count = None
+        if backend == "ortmodule":
+            self.count = 0
+            original = torch.Tensor.cpu
+
+            def cpu(tensor, *args, **kwargs):
+                self.count += tensor.numel() * tensor.element_size()
+                return original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(scoring.torch.Tensor, "cpu", cpu)
+        elif backend in ("genai-stepped", "ort-numpy"):
+            self.peer = type(lm)
+            self.peer.host_bytes = 0
+        elif backend in ("onnxruntime-genai", "onnxruntime"):
+            self.count = 0
+            forward = lm._forward_logits
+
+            def counted(tokens):
+                logits = forward(tokens)
+                self.count += logits.nbytes
+                return logits
+
+            monkeypatch.setattr(lm, "_forward_logits", counted)
+
+    def total(self):
+        return self.peer.host_bytes if hasattr(self, "peer") else self.count
+
+
+@pytest.mark.benchmark(group="lm-eval loglikelihood")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lm_eval_requests(benchmark, fixture, size, backend, monkeypatch):
     options = size["lm_eval"]
-    lm = load(backend, fixture, options["batch_size"])
+    device = size.get("device", "cpu")
+    lm = load(backend, fixture, options["batch_size"], device)
+    host = HostBytes(backend, lm, monkeypatch)
 
     def evaluate():
         return lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=TaskManager(include_path=TASK_DIR),
                                        limit=options["limit"], verbosity="ERROR")
 
+    benchmark.extra_info["backend"] = backend
+    reset_peak_rss()
     try:
         result = benchmark.pedantic(evaluate, rounds=1, iterations=1, warmup_rounds=0)
     except Exception as error:  # lm-eval's onnxruntime backend cannot run builder 0.18 packages
+        benchmark.extra_info["error"] = f"{type(error).__name__}: {str(error)[:200]}"
         pytest.xfail(f"{backend} fails on this package: {str(error)[:300]}")
     requests = result["n-samples"][TASK]["effective"] * 4
-    benchmark.extra_info["backend"] = backend
     benchmark.extra_info["acc"] = round(result["results"][TASK]["acc,none"], 4)
+    benchmark.extra_info["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    if host.total() is not None:
+        benchmark.extra_info["host_bytes_per_request"] = host.total() // requests
+    benchmark.extra_info["parameters"] = fixture.parameters()
+    benchmark.extra_info["tokens"] = scored_tokens(lm, result, requests)
     if benchmark.stats:
         benchmark.extra_info["requests_per_s"] = round(requests / benchmark.stats.stats.median, 1)
+
+
+def scored_tokens(lm, result, requests) -> int:
+    """Tokens one forward pass over every request takes (context + continuation), for the
+    fraction of the device's peak compute that scoring reaches."""
+    samples = result.get("samples", {}).get(TASK)
+    if not samples:
+        return 0
+    total = 0
+    for sample in samples:
+        for context, continuation in sample["arguments"]:
+            total += len(lm.tok_encode(context + continuation))
+    return total

@@ -9,7 +9,7 @@ import onnxruntime_genai as og
 import pytest
 import torch
 from bench_score import LocalServer, make_requests, run_load
-from transformers import AutoModelForCausalLM
+from conftest import reference_model, synced
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM, fixtures
@@ -21,10 +21,11 @@ def workload(size):
     shape = size["score"]
     requests = list(make_requests(shape["requests"], fixture.spec.vocab_size, shape["query_tokens"], shape["items"],
                                   shape["item_tokens"], shape["labels"], seed=0))
-    return fixture, requests
+    return fixture, requests, size["device"]
 
 
-def record(benchmark, fn, items):
+def record(benchmark, fn, items, device):
+    fn = synced(fn, device)
     out = fn()  # warm-up; also the output checked below
     benchmark.pedantic(fn, rounds=3, iterations=1, warmup_rounds=0)
     if benchmark.stats:  # None under --benchmark-disable
@@ -40,8 +41,8 @@ def reference(hf, request):
     """What a transformers user writes: the items left-padded in one batch, logits_to_keep=1."""
     prompts = [request["query"] + item for item in request["items"]]
     longest = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
     logits = hf(ids, attention_mask=mask, logits_to_keep=1).logits[:, -1]
     return torch.softmax(torch.log_softmax(logits.float(), -1)[:, request["label_token_ids"]], -1).tolist()
 
@@ -49,38 +50,39 @@ def reference(hf, request):
 @pytest.mark.benchmark(group="score")
 @pytest.mark.parametrize("reuse", ["auto", "no_reuse"])
 def test_ortmodule_score(benchmark, workload, reuse):
-    fixture, requests = workload
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    fixture, requests, device = workload
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
     option = None if reuse == "auto" else False
 
     def score():
         return [ortmodule.score(model, None, r["query"], r["items"], r["label_token_ids"], apply_softmax=True,
                                 reuse_prefix=option) for r in requests]
 
-    out = record(benchmark, score, count(requests))
-    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    out = record(benchmark, score, count(requests), device)
+    hf = reference_model(fixture, device)
     with torch.inference_mode():
         expected = reference(hf, requests[0])
-    assert np.abs(np.array(out[0]) - np.array(expected)).max() < 1e-4
+    tolerance = 1e-4 if fixture.spec.precision == "fp32" else 2e-2
+    assert np.abs(np.array(out[0]) - np.array(expected)).max() < tolerance
 
 
 @pytest.mark.benchmark(group="score")
 def test_transformers_score(benchmark, workload):
-    fixture, requests = workload
-    model = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    fixture, requests, device = workload
+    model = reference_model(fixture, device)
 
     def score():
         with torch.inference_mode():
             return [reference(model, r) for r in requests]
 
-    record(benchmark, score, count(requests))
+    record(benchmark, score, count(requests), device)
 
 
 @pytest.mark.benchmark(group="score")
 def test_genai_score(benchmark, workload):
     """onnxruntime-genai's Generator: one per item (its batches cannot hold prompts of different
     lengths without padding them), the last position's logits copied to numpy."""
-    fixture, requests = workload
+    fixture, requests, device = workload
     model = og.Model(str(fixture.package_dir))
 
     def score():
@@ -97,16 +99,16 @@ def test_genai_score(benchmark, workload):
                 out.append(picked / picked.sum())
         return out
 
-    record(benchmark, score, count(requests))
+    record(benchmark, score, count(requests), device)
 
 
 @pytest.mark.benchmark(group="score server")
 def test_ortmodule_server_load(benchmark, workload, size):
     """Open-loop Poisson arrivals against `ortmodule serve` in its own process: latency percentiles."""
-    fixture, _ = workload
+    fixture, _, device = workload
     load = size["server"]
     shape = size["score"]
-    with LocalServer(fixture.package_dir) as server:
+    with LocalServer(fixture.package_dir, device) as server:
         bodies = make_requests(int(load["rate"] * load["duration"] * 3) + 10, fixture.spec.vocab_size,
                                shape["query_tokens"], load["items"], shape["item_tokens"], shape["labels"], seed=1)
         result = benchmark.pedantic(lambda: asyncio.run(run_load(server.url, load["rate"], load["duration"], bodies)),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -80,6 +81,8 @@ class FixtureSpec:
     seed: int = 0
     initializer_range: float = 0.1  # wider than HF's 0.02, so logits have clear maxima
     extra_options: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # for the builder
+    head_dim: int | None = None  # None: the architecture's fixture default
+    execution_provider: str | None = None  # the builder's -e; None: cpu
 
     @property
     def name(self) -> str:
@@ -90,7 +93,9 @@ class FixtureSpec:
         import transformers
 
         text = json.dumps(
-            [dataclasses.asdict(self), FIXTURE_VERSION, onnxruntime_genai.__version__, transformers.__version__],
+            # Fields left at None stay out of the key, so adding one keeps the cache of older specs.
+            [{k: v for k, v in dataclasses.asdict(self).items() if v is not None}, FIXTURE_VERSION,
+             onnxruntime_genai.__version__, transformers.__version__],
             sort_keys=True,
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -104,6 +109,16 @@ class Fixture:
     spec: FixtureSpec
     hf_dir: Path  # transformers checkpoint + tokenizer
     package_dir: Path  # GenAI package
+
+    def parameters(self) -> int:
+        """The checkpoint's number of weights (tied weights once)."""
+        from safetensors import safe_open
+
+        total = 0
+        for shard in self.hf_dir.glob("*.safetensors"):
+            with safe_open(shard, "pt") as f:
+                total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+        return total
 
 
 def cache_root() -> Path:
@@ -151,6 +166,10 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
         fields["layer_types"] = [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
         ]
+    if spec.head_dim is not None:
+        fields["head_dim"] = spec.head_dim
+        if "query_pre_attn_scalar" in fields:
+            fields["query_pre_attn_scalar"] = spec.head_dim
     if "original_max_position_embeddings" in fields:
         fields["original_max_position_embeddings"] = spec.context_length
     config = getattr(transformers, config_class)(
@@ -243,10 +262,10 @@ main()
 """
 
 
-def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=()) -> None:
-    """Export a checkpoint with onnxruntime-genai's model builder for the CPU."""
+def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=(), execution_provider: str = "cpu") -> None:
+    """Export a checkpoint with onnxruntime-genai's model builder (for the CPU by default)."""
     command = [sys.executable, "-c", _BUILDER, "-i", str(hf_dir), "-o", str(out)]
-    command += ["-p", precision, "-e", "cpu", "-c", str(out.parent / "builder-cache")]
+    command += ["-p", precision, "-e", execution_provider, "-c", str(out.parent / "builder-cache")]
     if extra_options:
         command += ["--extra_options", *[f"{k}={v}" for k, v in extra_options]]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
@@ -347,7 +366,8 @@ def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
                 export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
                 add_embedding_model(work / "hf", work / "package")
             else:
-                export(work / "hf", work / "package", spec.precision, spec.extra_options)
+                export(work / "hf", work / "package", spec.precision, spec.extra_options,
+                       spec.execution_provider or "cpu")
             shutil.rmtree(work / "builder-cache", ignore_errors=True)
             if final.exists():  # another process finished first
                 shutil.rmtree(work)
