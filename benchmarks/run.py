@@ -1,0 +1,44 @@
+"""One command for the benchmark suite: run it, keep the JSON, write the page.
+
+    python benchmarks/run.py --size cpu    # -> benchmarks/results-cpu.json, docs/benchmarks.md
+    python benchmarks/run.py --size gpu    # -> benchmarks/results-gpu.json, docs/benchmarks-gpu.md
+
+Extra arguments go to pytest (for example `-k lm_eval` for one workload).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="run the benchmark suite and write its page")
+    parser.add_argument("--size", default="cpu", choices=["cpu", "gpu", "smoke"])
+    parser.add_argument("--json", help="where the pytest-benchmark JSON goes (default benchmarks/results-SIZE.json)")
+    parser.add_argument("--out", help="the page (default docs/benchmarks.md, docs/benchmarks-gpu.md for gpu)")
+    args, pytest_args = parser.parse_known_args()
+    json_path = Path(args.json or ROOT / "benchmarks" / f"results-{args.size}.json")
+    out = Path(args.out or ROOT / "docs" / ("benchmarks-gpu.md" if args.size == "gpu" else "benchmarks.md"))
+    command = [sys.executable, "-m", "pytest", str(ROOT / "benchmarks"), "--benchmark-only", "-q", "-rx",
+               f"--bench-size={args.size}", f"--benchmark-json={json_path}", *pytest_args]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    print(" ".join(command), flush=True)
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=ROOT, env=env)
+    print(f"suite finished in {time.perf_counter() - start:.0f} s (exit {result.returncode})", flush=True)
+    if not json_path.is_file():
+        sys.exit(result.returncode or 1)
+    out.write_text(report.render([__import__("json").loads(json_path.read_text())], args.size) + "\n")
+    print(f"wrote {out}")
+    sys.exit(result.returncode)
+
+
+if __name__ == "__main__":
+    main()
