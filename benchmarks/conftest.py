@@ -115,3 +115,16 @@ def device_name(device: str) -> str:
     import torch
 
     return "cpu" if device == "cpu" else torch.cuda.get_device_name(device)
+
+
+def record_rate(benchmark, fn, units: int, unit: str, device: str, rounds: int):
+    """Time `fn` (one warm-up call, then `rounds`), recording `{unit}_per_s` and the peak memory;
+    return the warm-up's output for the caller to check."""
+    fn = synced(fn, device)
+    out = fn()
+    reset_peak_rss()
+    benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=0)
+    benchmark.extra_info["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    if benchmark.stats:  # None under --benchmark-disable
+        benchmark.extra_info[f"{unit}_per_s"] = round(units / benchmark.stats.stats.median, 1)
+    return out

@@ -6,7 +6,7 @@ import numpy as np
 import onnxruntime_genai as og
 import pytest
 import torch
-from conftest import peak_rss_mb, reference_model, reset_peak_rss, synced
+from conftest import record_rate, reference_model
 
 from ortmodule import OrtModelForCausalLM, fixtures
 
@@ -26,14 +26,7 @@ def workload(size):
 
 
 def record(benchmark, fn, tokens, device):
-    fn = synced(fn, device.type)
-    out = fn()  # warm-up; also the output checked below
-    reset_peak_rss()
-    benchmark.pedantic(fn, rounds=5, iterations=1, warmup_rounds=0)
-    benchmark.extra_info["peak_rss_mb"] = round(peak_rss_mb(), 1)
-    if benchmark.stats:  # None under --benchmark-disable
-        benchmark.extra_info["tokens_per_s"] = round(tokens / benchmark.stats.stats.median, 1)
-    return out
+    return record_rate(benchmark, fn, tokens, "tokens", device.type, rounds=5)
 
 
 @pytest.mark.benchmark(group="generate")

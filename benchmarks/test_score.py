@@ -9,7 +9,7 @@ import onnxruntime_genai as og
 import pytest
 import torch
 from bench_score import LocalServer, make_requests, run_load
-from conftest import peak_rss_mb, reference_model, reset_peak_rss, synced
+from conftest import record_rate, reference_model
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM, fixtures
@@ -25,14 +25,7 @@ def workload(size):
 
 
 def record(benchmark, fn, items, device):
-    fn = synced(fn, device)
-    out = fn()  # warm-up; also the output checked below
-    reset_peak_rss()
-    benchmark.pedantic(fn, rounds=3, iterations=1, warmup_rounds=0)
-    benchmark.extra_info["peak_rss_mb"] = round(peak_rss_mb(), 1)
-    if benchmark.stats:  # None under --benchmark-disable
-        benchmark.extra_info["items_per_s"] = round(items / benchmark.stats.stats.median, 1)
-    return out
+    return record_rate(benchmark, fn, items, "items", device, rounds=3)
 
 
 def count(requests):

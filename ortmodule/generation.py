@@ -124,19 +124,22 @@ class KVCache:
             self._take_presents()
             self.valid = torch.arange(columns, device=lengths.device)[None, :] < lengths[:, None]
 
-    def start_from(self, source: "KVCache", length: int) -> None:
-        """Start every row as the first `length` entries of `source`'s row 0 (a shared prefix)."""
+    def start_from(self, source: "KVCache", rows: torch.Tensor, lengths: torch.Tensor, longest: int) -> None:
+        """Start row i as row `rows[i]` of `source`, holding its first `lengths[i]` entries (prefixes
+        shared by several rows, run once in `source`)."""
+        width = source.longest if source.shared else source.capacity
         for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
             for i, buffer in enumerate(theirs):
-                prefix = buffer[:1, :, :length]
+                picked = buffer.index_select(0, rows)[:, :, :width]
                 if self.shared:
-                    mine[i][:, :, :length] = prefix
+                    mine[i][:, :, :width] = picked
                 else:
-                    mine[i] = prefix.expand(self.batch_size, -1, -1, -1).contiguous()
+                    mine[i] = picked.contiguous()
         if not self.shared:
-            self.valid = self.valid.new_ones(self.batch_size, length)
-        self.lengths.fill_(length)
-        self.longest = self.seen = length
+            self.valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+        self.lengths.copy_(lengths)
+        self.longest = longest
+        self.seen = width
 
     def advance(self, new: int, columns: int) -> None:
         self.lengths += new

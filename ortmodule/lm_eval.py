@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from .modeling import OrtModelForCausalLM, build_config
 from .package import read_package
-from .scoring import loglikelihood
+from .scoring import grouped_loglikelihood, loglikelihood, worth_sharing
 
 
 @register_model("ortmodule")
@@ -73,40 +73,84 @@ class OrtModuleLM(HFLM):
         }
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-        """HFLM's semantics (left truncation to max_length + 1, longest first), scored on the device."""
+        """HFLM's semantics (left truncation to max_length + 1, longest first), scored on the device.
+
+        Requests that share a context (a multiple-choice question's choices) run it once when that
+        saves work (`scoring.worth_sharing`); the others go through batched prefills."""
         if not isinstance(self._model, OrtModelForCausalLM):
             return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
-        reordered = Collator(requests, sort_fn=lambda req: (-len(req[1] + req[2]), tuple(req[1] + req[2])))
+        rows, starts = [], []
+        for _, context, continuation in requests:
+            if not context or not continuation:
+                raise ValueError("a loglikelihood request needs a non-empty context and continuation")
+            if len(continuation) > self.max_length:
+                raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length {self.max_length}")
+            row = (context + continuation)[-(self.max_length + 1):][:-1]
+            rows.append(row)
+            starts.append(len(row) - len(continuation))
+        progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
+                        desc="Running loglikelihood requests")
+        results: list = [None] * len(requests)
+        shared = self._shared_context_groups(requests, rows, starts) if isinstance(self.batch_size, int) else []
+        for batch in self._group_batches(shared):
+            answers = grouped_loglikelihood(
+                self._model, [rows[i] for i, _ in batch], [g for _, g in batch], [starts[i] for i, _ in batch],
+                [requests[i][2] for i, _ in batch],
+            )
+            for (i, _), answer in zip(batch, answers):
+                self._record(requests[i], answer, results, i, progress)
+        done = {i for group in shared for i in group}
+        rest = [i for i in range(len(requests)) if i not in done]
+        self._batched(requests, rows, starts, rest, results, progress, override_bs)
+        progress.close()
+        return results
+
+    def _shared_context_groups(self, requests, rows, starts) -> list[list[int]]:
+        """Requests with the same context whose rows are worth scoring with it run once."""
+        by_context: dict[tuple, list[int]] = {}
+        for i, (_, context, _) in enumerate(requests):
+            by_context.setdefault(tuple(context), []).append(i)
+        return [
+            group for group in by_context.values()
+            if worth_sharing([rows[i] for i in group], [starts[i] for i in group])
+        ]
+
+    def _group_batches(self, groups: list[list[int]]):
+        """(request, group) pairs in batches of about `batch_size` rows, never splitting a group."""
+        batch: list[tuple[int, int]] = []
+        for g, group in enumerate(groups):
+            if batch and len(batch) + len(group) > self.batch_size:
+                yield batch
+                batch = []
+            batch += [(i, g) for i in group]
+        if batch:
+            yield batch
+
+    def _record(self, request, answer, results, index, progress) -> None:
+        results[index] = answer
+        if request[0] is not None:
+            self.cache_hook.add_partial("loglikelihood", request[0], answer)
+        progress.update(1)
+
+    def _batched(self, requests, rows, starts, indices, results, progress, override_bs) -> None:
+        """Right-padded batches, longest first (HFLM's order), one prefill each."""
+        # Items shaped like requests, (key, context, continuation), as HFLM's batch-size search reads them.
+        items = [(i, requests[i][1], requests[i][2]) for i in indices]
+        reordered = Collator(items, sort_fn=lambda item: (-len(rows[item[0]]), tuple(rows[item[0]])))
         auto = self.batch_size == "auto"
         batch_size = self.batch_size if not auto else (override_bs or 0)
         batch_fn = self._batch_scheduler if auto and len(reordered) > 0 and not override_bs else None
         if batch_fn is not None:
             self.batch_sizes = {}
         pad = self.tokenizer.pad_token_id or 0
-        results = []
-        progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
-                        desc="Running loglikelihood requests")
         for chunk in reordered.get_batched(n=batch_size, batch_fn=batch_fn):
-            rows, starts, targets = [], [], []
-            for _, context, continuation in chunk:
-                if not context or not continuation:
-                    raise ValueError("a loglikelihood request needs a non-empty context and continuation")
-                if len(continuation) > self.max_length:
-                    raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length {self.max_length}")
-                row = (context + continuation)[-(self.max_length + 1):][:-1]
-                rows.append(row)
-                starts.append(len(row) - len(continuation))
-                targets.append(continuation)
-            width = max(len(r) for r in rows)
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            chunk = [i for i, _, _ in chunk]
+            width = max(len(rows[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
-            for i, row in enumerate(rows):
-                ids[i, : len(row)] = torch.tensor(row)
-                mask[i, : len(row)] = 1
-            for (request, _, _), answer in zip(chunk, loglikelihood(self._model, ids, mask, starts, targets)):
-                results.append(answer)
-                if request is not None:
-                    self.cache_hook.add_partial("loglikelihood", request, answer)
-                progress.update(1)
-        progress.close()
-        return reordered.get_original(results)
+            for r, i in enumerate(chunk):
+                ids[r, : len(rows[i])] = torch.tensor(rows[i])
+                mask[r, : len(rows[i])] = 1
+            answers = loglikelihood(self._model, ids, mask, [starts[i] for i in chunk], [requests[i][2] for i in chunk])
+            for i, answer in zip(chunk, answers):
+                self._record(requests[i], answer, results, i, progress)

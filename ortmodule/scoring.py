@@ -45,12 +45,50 @@ def loglikelihood(
     target = torch.tensor(flat_targets, device=device)
 
     logits = model.logits_at(input_ids, attention_mask, rows, cols)  # [n, V]
-    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, target[:, None]).squeeze(1)
-    misses = (logits.argmax(-1) != target).float()
-    sums = torch.zeros(batch, device=device).index_add_(0, rows, logprobs)
-    missed = torch.zeros(batch, device=device).index_add_(0, rows, misses)
-    summary = torch.stack([sums, missed]).cpu()  # the one device-to-host copy
-    return [(s, m == 0) for s, m in zip(summary[0].tolist(), summary[1].tolist())]
+    totals = _Totals(batch, device)
+    totals.add(logits, target, rows)
+    return totals.results()
+
+
+class _Totals:
+    """Per row, on the device: the summed log-probability of its targets and how many of them are
+    not the greedy token; `results` makes the one device-to-host copy."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.sums = torch.zeros(rows, device=device)
+        self.missed = torch.zeros(rows, device=device)
+
+    def add(self, logits: torch.Tensor, target: torch.Tensor, rows: torch.Tensor) -> None:
+        self.sums.index_add_(0, rows, torch.log_softmax(logits.float(), dim=-1).gather(1, target[:, None]).squeeze(1))
+        self.missed.index_add_(0, rows, (logits.argmax(-1) != target).float())
+
+    def results(self) -> list[tuple[float, bool]]:
+        summary = torch.stack([self.sums, self.missed]).cpu()
+        return [(s, m == 0) for s, m in zip(summary[0].tolist(), summary[1].tolist())]
+
+
+@torch.inference_mode()
+def grouped_loglikelihood(
+    model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], starts: list[int], targets: list[Ids]
+) -> list[tuple[float, bool]]:
+    """`loglikelihood` for rows whose groups share a prefix (a question's context and its choices):
+    each group's prefix runs once, the rest of each row one decode step per token
+    (`shared_prefix_logits`). Same results as `loglikelihood` on the padded rows."""
+    device = model.device
+    needed = [list(range(start, start + len(target))) for start, target in zip(starts, targets)]
+    flat_targets = torch.tensor([t for target in targets for t in target], device=device)
+    owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(t) for t in targets])).to(device)
+    totals = _Totals(len(rows), device)
+    for pairs, logits in shared_prefix_logits(model, rows, groups, needed):
+        totals.add(logits, flat_targets[pairs], owner[pairs])
+    return totals.results()
+
+
+def worth_sharing(rows: list[Ids], starts: list[int]) -> bool:
+    """Whether rows that start alike are cheaper with their prefix run once: the rule of `score`,
+    with the prefix ending no later than the first position scored."""
+    prefix = min(_common_prefix(rows), min(starts) + 1)
+    return len(rows) > 1 and prefix >= 2 * max(len(row) - prefix for row in rows)
 
 
 Ids = list[int]
@@ -121,7 +159,9 @@ def label_logprobs(
 
 def prompts_of(tokenizer, query, items, item_first: bool) -> list[Ids]:
     """Token ids of every prompt; text is joined before tokenizing, as SGLang does."""
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+    if isinstance(items, str):  # SGLang takes one text item as it is
+        items = [items]
+    if isinstance(items, bytes) or not isinstance(items, Sequence):
         raise TypeError(f"items must be a list of strings or of token id lists, got {type(items).__name__}")
     if len(items) == 0:
         raise ValueError("items is empty: give at least one item to score")
@@ -208,11 +248,7 @@ def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> to
 
 def _shared_prefix(prompts: list[Ids]) -> int:
     """How many first tokens every prompt shares, leaving each at least one token of its own."""
-    first, limit = prompts[0], min(len(p) for p in prompts) - 1
-    shared = 0
-    while shared < limit and all(p[shared] == first[shared] for p in prompts):
-        shared += 1
-    return shared
+    return min(_common_prefix(prompts), min(len(p) for p in prompts) - 1)
 
 
 def _worth_reusing(prompts: list[Ids], prefix: int) -> bool:
@@ -223,31 +259,81 @@ def _worth_reusing(prompts: list[Ids], prefix: int) -> bool:
 
 
 def _prefix_logprobs(model, prompts: list[Ids], prefix: int, labels: Ids, budget: int) -> torch.Tensor:
-    """Label log-probabilities with the shared prefix run once: its KV cache is copied to every
-    row of a batch, and the rest of the prompts go through one decode step per token, the LM
-    head only at the rows whose prompt ends at that step."""
+    """Label log-probabilities at each prompt's last token, the shared prefix run once per batch."""
     device = model.device
     label_ids = torch.tensor(labels, device=device)
     out = torch.empty(len(prompts), len(labels), device=device)
-    shared = model(torch.tensor([prompts[0][:prefix]]), cont_len=1, use_cache=True).past_key_values
-    rests = [p[prefix:] for p in prompts]
-    for batch in _batches([len(r) for r in rests], prefix, budget):
-        steps = len(rests[batch[0]])
-        cache = KVCache(model, len(batch), prefix + steps)
-        cache.start_from(shared, prefix)
-        tokens = torch.zeros(len(batch), steps, dtype=torch.int64)
-        for r, i in enumerate(batch):
-            tokens[r, : len(rests[i])] = torch.tensor(rests[i])
-        tokens = tokens.to(device)
-        for step in range(steps):
-            ending = [r for r, i in enumerate(batch) if len(rests[i]) == step + 1]
-            binding = model.session.io_binding()
-            cache.bind(binding, 1)
-            flat = torch.tensor(ending or [0], device=device)
-            mask = cache.step_mask(1, model._mask_dtype) if model._mask_dtype else None
-            logits = model._run(binding, tokens[:, step : step + 1], flat, mask=mask, positions=cache.lengths[:, None])
-            cache.advance(1, 1)
-            if ending:
-                rows = torch.tensor([batch[r] for r in ending], device=device)
-                out[rows] = _gather(logits, label_ids)
+    for batch in _batches([len(p) - prefix for p in prompts], prefix, budget):
+        rows = [prompts[i] for i in batch]
+        for pairs, logits in shared_prefix_logits(model, rows, [0] * len(rows), [[len(r) - 1] for r in rows]):
+            out[torch.tensor(batch, device=device)[pairs]] = _gather(logits, label_ids)
     return out
+
+
+def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], needed: list[list[int]]):
+    """Logits at chosen positions of rows whose groups share a prefix, each prefix run once.
+
+    Rows with the same group id start with the same tokens. Each group's prefix (as long as the
+    rows share it, and ending no later than the first position asked for) is prefilled once, in one
+    batch with the other groups' prefixes; every row then continues from a copy of its group's
+    KV cache with one decode step per remaining token, the LM head only at the rows that ask for
+    that position. Yields `(pairs, logits)` per run: `logits[k]` belongs to pair `pairs[k]`, the
+    index of (row, position) in the row-major order of `needed`.
+    """
+    device = model.device
+    ids_of = sorted(set(groups))
+    members = {g: [r for r, h in enumerate(groups) if h == g] for g in ids_of}
+    length = {}  # each group's prefix length
+    for g, rs in members.items():
+        shared = _common_prefix([rows[r] for r in rs])
+        length[g] = max(1, min(shared, min(min(needed[r]) for r in rs) + 1))
+    pair, k = {}, 0
+    for r, positions in enumerate(needed):
+        for position in positions:
+            pair[r, position] = k
+            k += 1
+    # The prefixes, right-padded in one batch; their last logits serve the rows that ask for them.
+    width = max(length.values())
+    ids = torch.zeros(len(ids_of), width, dtype=torch.int64)
+    for i, g in enumerate(ids_of):
+        ids[i, : length[g]] = torch.tensor(rows[members[g][0]][: length[g]])
+    prefix_lengths = torch.tensor([length[g] for g in ids_of], device=device)
+    source = KVCache(model, len(ids_of), width)
+    last = model._logits(ids.to(device), None, torch.arange(len(ids_of), device=device), prefix_lengths - 1, source)
+    source.start(prefix_lengths, width, width)
+    index = {g: i for i, g in enumerate(ids_of)}
+    at_prefix = [(r, index[groups[r]]) for r in range(len(rows)) if length[groups[r]] - 1 in needed[r]]
+    if at_prefix:
+        yield (torch.tensor([pair[r, length[groups[r]] - 1] for r, _ in at_prefix], device=device),
+               last.index_select(0, torch.tensor([i for _, i in at_prefix], device=device)))
+    # Every row continues from its group's prefix, one token per step.
+    starts = [length[groups[r]] for r in range(len(rows))]
+    steps = max(len(row) - start for row, start in zip(rows, starts))
+    if steps == 0:
+        return
+    cache = KVCache(model, len(rows), width + steps)
+    owner = torch.tensor([index[g] for g in groups], device=device)
+    cache.start_from(source, owner, prefix_lengths[owner], max(starts))
+    tokens = torch.zeros(len(rows), steps, dtype=torch.int64)
+    for r, (row, start) in enumerate(zip(rows, starts)):
+        tokens[r, : len(row) - start] = torch.tensor(row[start:])
+    tokens = tokens.to(device)
+    wanted = [set(positions) for positions in needed]
+    for step in range(steps):
+        asking = [r for r in range(len(rows)) if starts[r] + step in wanted[r]]
+        binding = model.session.io_binding()
+        cache.bind(binding, 1)
+        mask = cache.step_mask(1, model._mask_dtype) if model._mask_dtype else None
+        flat = torch.tensor(asking or [0], device=device)
+        logits = model._run(binding, tokens[:, step : step + 1], flat, mask=mask, positions=cache.lengths[:, None])
+        cache.advance(1, 1)
+        if asking:
+            yield torch.tensor([pair[r, starts[r] + step] for r in asking], device=device), logits
+
+
+def _common_prefix(rows: list[Ids]) -> int:
+    first, limit = rows[0], min(len(r) for r in rows)
+    shared = 0
+    while shared < limit and all(r[shared] == first[shared] for r in rows):
+        shared += 1
+    return shared

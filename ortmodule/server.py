@@ -88,9 +88,8 @@ class ScoreServer:
         """The request's prompts and labels, or BadRequest naming what is wrong."""
         if request.model not in (None, "", self.name):
             raise BadRequest(f"model {request.model!r} is not served here; this server serves {self.name!r}")
-        items = [request.items] if isinstance(request.items, str) else request.items
         try:
-            prompts = scoring.prompts_of(self.tokenizer, request.query, items, request.item_first)
+            prompts = scoring.prompts_of(self.tokenizer, request.query, request.items, request.item_first)
             labels = scoring.checked_labels(request.label_token_ids, self.model.package.vocab_size)
             for prompt in prompts:
                 bad = next((t for t in prompt if not 0 <= t < self.model.package.vocab_size), None)

@@ -64,6 +64,17 @@ def test_token_scores_match_transformers_in_small_batches(build, arch, item_firs
             assert (torch.tensor(got, dtype=torch.float64) - expected).abs().max().item() < 1e-5
 
 
+def test_one_text_item_may_be_given_as_a_string(llama):
+    """As in SGLang: `items="..."` is one item."""
+    model, hf = load_pair(llama)
+    tokenizer = load_tokenizer(llama.package_dir)
+    labels = labels_for(tokenizer)
+    got = ortmodule.score(model, tokenizer, QUERY, ITEMS[1], labels)
+    assert got == ortmodule.score(model, tokenizer, QUERY, [ITEMS[1]], labels)
+    expected = reference(hf, tokenizer, QUERY, [ITEMS[1]], labels, False, False)
+    assert (torch.tensor(got, dtype=torch.float64) - expected).abs().max().item() < 1e-5
+
+
 def test_shared_prefix_reuse_is_chosen_only_where_it_saves_work():
     long_query = list(range(100, 160))
     assert scoring._shared_prefix([long_query + [1, 2], long_query + [1, 3]]) == 61
@@ -86,7 +97,7 @@ def test_the_scores_leave_the_device_once(llama, monkeypatch):
     "kwargs, error, message",
     [
         (dict(items=[]), ValueError, "items is empty"),
-        (dict(items="a single string"), TypeError, "items must be a list"),
+        (dict(items={"a": 1}), TypeError, "items must be a list"),
         (dict(label_token_ids=[]), ValueError, "label_token_ids is empty"),
         (dict(label_token_ids=[3, 512]), ValueError, "label token id 512 is outside the vocabulary"),
         (dict(label_token_ids=[-1]), ValueError, "label token id -1"),

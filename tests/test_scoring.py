@@ -5,7 +5,7 @@ import torch
 from conftest import MODEL_ARCHES, load_pair, right_padded_batch
 
 import ortmodule
-from ortmodule import OrtModelForCausalLM
+from ortmodule import OrtModelForCausalLM, scoring
 
 
 @pytest.mark.parametrize("arch", MODEL_ARCHES)
@@ -79,3 +79,31 @@ def test_loglikelihood_errors(llama):
         ortmodule.loglikelihood(model, ids, None, [1], [[]])
     with pytest.raises(ValueError, match="positions must lie inside"):
         ortmodule.loglikelihood(model, ids, None, [3], [[5, 6]])
+
+
+@pytest.mark.parametrize("arch", MODEL_ARCHES)
+def test_grouped_loglikelihood_equals_the_padded_batch(build, arch):
+    """Three contexts (24, 17 and 9 tokens; longer than Gemma's 8-token windows), each with
+    continuations of 1 to 5 tokens: the contexts run once, the continuations over copies of their
+    KV caches, and the answers equal one right-padded prefill of every row."""
+    model, _ = load_pair(build(arch))
+    gen = torch.Generator().manual_seed(23)
+    contexts = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (24, 17, 9)]
+    rows, groups, starts, targets = [], [], [], []
+    for g, context in enumerate(contexts):
+        for n in (1, 3, 5, 2):
+            continuation = torch.randint(4, 500, (n,), generator=gen).tolist()
+            rows.append((context + continuation)[:-1])
+            groups.append(g)
+            starts.append(len(context) - 1)
+            targets.append(continuation)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), 2)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    expected = ortmodule.loglikelihood(model, ids, mask, starts, targets)
+    got = scoring.grouped_loglikelihood(model, rows, groups, starts, targets)
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(got, expected):
+        assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
