@@ -30,6 +30,12 @@ def fixture(size):
     return fixtures.build(size["decoder"])
 
 
+@pytest.fixture(scope="module")
+def task_manager():
+    """Built once, outside the clock: indexing lm-eval's task folders takes seconds, for every backend alike."""
+    return TaskManager(include_path=TASK_DIR)
+
+
 def load(backend, fixture, batch_size, device):
     if backend == "ortmodule":
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size)
@@ -75,7 +81,7 @@ class HostBytes:
 
 @pytest.mark.benchmark(group="lm-eval loglikelihood")
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_lm_eval_requests(benchmark, fixture, size, backend, monkeypatch):
+def test_lm_eval_requests(benchmark, fixture, task_manager, size, backend, monkeypatch):
     options = size["lm_eval"]
     device = size.get("device", "cpu")
     lm = load(backend, fixture, options["batch_size"], device)
@@ -83,7 +89,7 @@ def test_lm_eval_requests(benchmark, fixture, size, backend, monkeypatch):
 
     def evaluate():
         try:
-            return lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=TaskManager(include_path=TASK_DIR),
+            return lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager,
                                            limit=options["limit"], verbosity="ERROR")
         except Exception as error:  # lm-eval's onnxruntime backend cannot run builder 0.18 packages
             return error
