@@ -57,7 +57,10 @@ class OrtNumpyLM(_ONNXLMBase):
 
     def _load(self) -> None:
         self.package = read_package(self.model_dir)
-        self.session = ort.InferenceSession(str(self.package.decoder.path), providers=["CPUExecutionProvider"])
+        providers = ["CPUExecutionProvider"]
+        if self.execution_provider == "cuda":
+            providers.insert(0, "CUDAExecutionProvider")
+        self.session = ort.InferenceSession(str(self.package.decoder.path), providers=providers)
 
     def _forward_logits(self, tokens: list[int]) -> np.ndarray:
         decoder = self.package.decoder
