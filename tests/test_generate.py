@@ -184,8 +184,12 @@ def test_the_cache_is_bound_once_and_never_copied_to_the_host(llama_pair, monkey
     assert {p for n, p in kv_binds if "past" in n} == {p for n, p in kv_binds if "present" in n}  # shared
 
 
-def test_stepping_forward_with_the_cache_equals_generate(llama_pair):
-    model, hf = llama_pair
+STEPPING = ["llama", "gemma4", "gemma4_mobius", "qwen2_5_vl"]  # GQA, mixed head sizes, concatenating attention, mRoPE
+
+
+@pytest.mark.parametrize("arch", STEPPING)
+def test_stepping_forward_with_the_cache_equals_generate(build, arch):
+    model, hf = load_pair(build(arch))
     ids, mask = left_padded_prompts([6, 13], seed=3)
     expected = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS)
     out = model(ids, attention_mask=mask, use_cache=True)
@@ -198,12 +202,13 @@ def test_stepping_forward_with_the_cache_equals_generate(llama_pair):
     assert torch.equal(torch.stack(tokens, 1), expected[:, 13:])
     cache = out.past_key_values
     assert cache.get_seq_length() == 13 + NEW_TOKENS - 1 and len(cache) == len(model.package.decoder.layers)
-    key, value = cache[0]
-    assert key.shape == value.shape == (2, 2, 13 + NEW_TOKENS - 1, 16)
+    for (key, value), kv in zip(cache, model.package.decoder.layers):
+        assert key.shape == value.shape == (2, kv.num_kv_heads, 13 + NEW_TOKENS - 1, kv.head_size)
 
 
-def test_a_multi_token_step_matches_the_full_forward(llama_pair):
-    model, _ = llama_pair
+@pytest.mark.parametrize("arch", STEPPING)
+def test_a_multi_token_step_matches_the_full_forward(build, arch):
+    model, _ = load_pair(build(arch))
     ids, _ = left_padded_prompts([20], seed=8)
     first = model(ids[:, :7], use_cache=True)
     rest = model(ids[:, 7:], past_key_values=first.past_key_values, use_cache=True)
