@@ -63,6 +63,7 @@ GEMMA4 = {"gemma4": "Gemma4Unified", "gemma4_embeds": "Gemma4Unified", "gemma4_m
 # Qwen2.5-VL exported by mobius-onnx: vision encoder, embedding model, and a decoder whose
 # position_ids are 3-D (mRoPE: temporal, height, width sections) [3, batch, sequence].
 MOBIUS = {"gemma4_mobius", "qwen2_5_vl"}
+MULTIMODAL = {*GEMMA4, "qwen2_5_vl"}
 MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
                 "eoa_token_index", "audio_token_id"]
 
@@ -152,11 +153,11 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
     import torch
     import transformers
 
-    # Gemma 4 reserves the vocabulary's last ids for image and audio tokens: text never makes them.
-    reserved = len(MEDIA_TOKENS) if spec.arch in GEMMA4 or spec.arch == "qwen2_5_vl" else 0
+    # Multimodal models reserve the vocabulary's last ids for media tokens: text never makes them.
+    reserved = len(MEDIA_TOKENS) if spec.arch in MULTIMODAL else 0
     tokenizer = train_tokenizer(min(TOKENIZER_VOCAB, spec.vocab_size - reserved))
     tokenizer.model_max_length = spec.context_length
-    if spec.arch in GEMMA4 or spec.arch == "qwen2_5_vl":
+    if spec.arch in MULTIMODAL:
         (_gemma4_checkpoint if spec.arch in GEMMA4 else _qwen2_5_vl_checkpoint)(spec, out, tokenizer)
         tokenizer.save_pretrained(out)
         return

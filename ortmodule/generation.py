@@ -411,7 +411,7 @@ class DecodeStep:
         if not decoder.input_ids:  # the embedding model turns the tokens into the decoder's inputs
             self.model.bind_tokens(self.binding, self.tokens)
         if self.positions is not None:
-            self.positions.copy_(self.model.position_input(cache.lengths[:, None]))
+            self.positions.copy_(cache.lengths[:, None])  # broadcast over mRoPE's 3 sections, cast in place
         if decoder.attention_mask:
             runtime.bind_input(self.binding, decoder.attention_mask, cache.step_mask(1, self.model._mask_dtype))
         if not cache.shared:

@@ -85,8 +85,9 @@ def grouped_loglikelihood(
 
 
 def worth_sharing(rows: list[Ids], starts: list[int]) -> bool:
-    """Whether rows that start alike are cheaper with their prefix run once: the rule of `score`,
-    with the prefix ending no later than the first position scored."""
+    """Whether rows that start alike are cheaper with their prefix run once (the prefix ending no
+    later than the first position scored): several rows, and a prefix at least twice the longest
+    remainder, since each remaining token costs one decode step over the batch."""
     prefix = min(_common_prefix(rows), min(starts) + 1)
     return len(rows) > 1 and prefix >= 2 * max(len(row) - prefix for row in rows)
 
@@ -116,20 +117,25 @@ def score(
     log-softmax and gather on the device, one copy to the host at the end.
 
     `reuse_prefix` runs the prompts' shared first tokens once and the rest over a copy of its
-    KV cache; None decides by the work saved (see `_worth_reusing`).
+    KV cache; None decides by the work saved (see `worth_sharing`).
     """
     prompts = prompts_of(tokenizer, query, items, item_first)
     labels = checked_labels(label_token_ids, model.package.vocab_size)
-    check_lengths(prompts, model.package.context_length)
+    check_prompts(prompts, model.package.vocab_size, model.package.context_length)
     logprobs = label_logprobs(model, [prompts], labels, token_budget, reuse_prefix)
     scores = torch.softmax(logprobs, dim=-1) if apply_softmax else logprobs.exp()
     return scores.cpu().tolist()  # the one device-to-host copy
 
 
-def check_lengths(prompts: list[Ids], limit: int) -> None:
+def check_prompts(prompts: list[Ids], vocab: int, limit: int) -> None:
+    """Name the first item whose prompt has a token id outside the vocabulary or is too long."""
     for i, prompt in enumerate(prompts):
         if len(prompt) > limit:
             raise ValueError(f"item {i}: the prompt has {len(prompt)} tokens, over the model's context length {limit}")
+    ids = torch.tensor([t for prompt in prompts for t in prompt])
+    if ((ids < 0) | (ids >= vocab)).any():
+        i, bad = next((i, t) for i, prompt in enumerate(prompts) for t in prompt if not 0 <= t < vocab)
+        raise ValueError(f"item {i}: token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 def label_logprobs(
@@ -145,10 +151,12 @@ def label_logprobs(
     for prompts in requests:
         rows = slice(start, start + len(prompts))
         start += len(prompts)
-        prefix = _shared_prefix(prompts)
-        reuse = _worth_reusing(prompts, prefix) if reuse_prefix is None else reuse_prefix
-        if reuse and prefix:
-            out[rows] = _prefix_logprobs(model, prompts, prefix, labels, token_budget)
+        if reuse_prefix is None:
+            reuse = worth_sharing(prompts, [len(p) - 1 for p in prompts])
+        else:
+            reuse = reuse_prefix and _common_prefix(prompts) > 0
+        if reuse:
+            out[rows] = _prefix_logprobs(model, prompts, labels, token_budget)
         else:
             batched += [(i, p) for i, p in enumerate(prompts, rows.start)]
     if batched:
@@ -246,23 +254,12 @@ def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> to
     return out
 
 
-def _shared_prefix(prompts: list[Ids]) -> int:
-    """How many first tokens every prompt shares, leaving each at least one token of its own."""
-    return min(_common_prefix(prompts), min(len(p) for p in prompts) - 1)
-
-
-def _worth_reusing(prompts: list[Ids], prefix: int) -> bool:
-    """Reuse the shared prefix when it saves most of the work: several items, and a prefix at
-    least twice the longest rest (each rest token costs one decode step over the batch)."""
-    rest = max(len(p) for p in prompts) - prefix
-    return len(prompts) > 1 and prefix >= 2 * rest
-
-
-def _prefix_logprobs(model, prompts: list[Ids], prefix: int, labels: Ids, budget: int) -> torch.Tensor:
+def _prefix_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> torch.Tensor:
     """Label log-probabilities at each prompt's last token, the shared prefix run once per batch."""
     device = model.device
     label_ids = torch.tensor(labels, device=device)
     out = torch.empty(len(prompts), len(labels), device=device)
+    prefix = _common_prefix(prompts)
     for batch in _batches([len(p) - prefix for p in prompts], prefix, budget):
         rows = [prompts[i] for i in batch]
         for pairs, logits in shared_prefix_logits(model, rows, [0] * len(rows), [[len(r) - 1] for r in rows]):
@@ -286,7 +283,9 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     length = {}  # each group's prefix length
     for g, rs in members.items():
         shared = _common_prefix([rows[r] for r in rs])
-        length[g] = max(1, min(shared, min(min(needed[r]) for r in rs) + 1))
+        if shared == 0:
+            raise ValueError(f"the rows of group {g} do not start with the same token")
+        length[g] = min(shared, min(min(needed[r]) for r in rs) + 1)
     pair, k = {}, 0
     for r, positions in enumerate(needed):
         for position in positions:

@@ -90,12 +90,9 @@ class ScoreServer:
             raise BadRequest(f"model {request.model!r} is not served here; this server serves {self.name!r}")
         try:
             prompts = scoring.prompts_of(self.tokenizer, request.query, request.items, request.item_first)
-            labels = scoring.checked_labels(request.label_token_ids, self.model.package.vocab_size)
-            for prompt in prompts:
-                bad = next((t for t in prompt if not 0 <= t < self.model.package.vocab_size), None)
-                if bad is not None:
-                    raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.model.package.vocab_size})")
-            scoring.check_lengths(prompts, self.model.package.context_length)
+            package = self.model.package
+            labels = scoring.checked_labels(request.label_token_ids, package.vocab_size)
+            scoring.check_prompts(prompts, package.vocab_size, package.context_length)
         except (TypeError, ValueError) as e:
             raise BadRequest(str(e)) from None
         return prompts, labels

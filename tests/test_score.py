@@ -77,10 +77,15 @@ def test_one_text_item_may_be_given_as_a_string(llama):
 
 def test_shared_prefix_reuse_is_chosen_only_where_it_saves_work():
     long_query = list(range(100, 160))
-    assert scoring._shared_prefix([long_query + [1, 2], long_query + [1, 3]]) == 61
-    assert scoring._worth_reusing([long_query + [1, 2], long_query + [3]], 60)
-    assert not scoring._worth_reusing([long_query + [1, 2]], 61)  # one item: nothing to share
-    assert not scoring._worth_reusing([[5, 1, 2, 3], [5, 4, 5, 6]], 1)  # item_first: only BOS shared
+    def last(prompts):  # score reads each prompt's last position
+        return [len(p) - 1 for p in prompts]
+
+    assert scoring._common_prefix([long_query + [1, 2], long_query + [1, 3]]) == 61
+    prompts = [long_query + [1, 2], long_query + [3]]
+    assert scoring.worth_sharing(prompts, last(prompts))
+    assert not scoring.worth_sharing([long_query + [1, 2]], [61])  # one item: nothing to share
+    prompts = [[5, 1, 2, 3], [5, 4, 5, 6]]
+    assert not scoring.worth_sharing(prompts, last(prompts))  # item_first: only BOS shared
 
 
 def test_the_scores_leave_the_device_once(llama, monkeypatch):
