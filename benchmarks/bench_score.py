@@ -3,6 +3,7 @@ target rate for a bounded time, reporting latency percentiles and items/s.
 
     python benchmarks/bench_score.py --package PATH --rate 20 --duration 30   # starts `ortmodule serve`
     python benchmarks/bench_score.py --url http://127.0.0.1:30000 --rate 20  # against a running server
+    python benchmarks/bench_score.py --fixture cpu --rate 5 --duration 10    # the suite's 50M CPU decoder
 
 Requests are random token ids (no tokenizer needed): a query of `--query-tokens` and `--items`
 items of 1 to `--item-tokens` tokens each, `--labels` label ids. Open loop: a request is sent at
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server")
     where.add_argument("--package", help="start `ortmodule serve` on this package for the run")
+    where.add_argument("--fixture", choices=["cpu", "gpu", "smoke"],
+                       help="start `ortmodule serve` on the benchmark suite's decoder of this size (built if needed)")
     parser.add_argument("--device", default="cpu", help="with --package: cpu or cuda")
     parser.add_argument("--rate", type=float, default=10.0, help="requests per second (Poisson)")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
@@ -151,6 +154,12 @@ def main(argv: list[str] | None = None) -> None:
         bodies = make_requests(count, vocab, args.query_tokens, args.items, args.item_tokens, args.labels, args.seed)
         return asyncio.run(run_load(url, args.rate, args.duration, bodies))
 
+    if args.fixture:
+        from conftest import SIZES
+
+        from ortmodule import fixtures
+
+        args.package = fixtures.build(SIZES[args.fixture]["decoder"]).package_dir
     if args.url:
         result = measure(args.url)
     else:
