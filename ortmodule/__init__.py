@@ -1,8 +1,9 @@
 """ortmodule: Hugging Face-style causal LMs over ONNX GenAI packages, zero-copy through DLPack."""
 
+from .exporter import ExportError, export
 from .modeling import OrtModelForCausalLM, load_tokenizer
 from .package import PackageError, read_package
 from .scoring import loglikelihood, score
 
-__all__ = ["OrtModelForCausalLM", "PackageError", "load_tokenizer", "loglikelihood", "read_package", "score"]
+__all__ = ["ExportError", "OrtModelForCausalLM", "export", "PackageError", "load_tokenizer", "loglikelihood", "read_package", "score"]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 `ortmodule-eval`: lm-eval's command line with the `ortmodule` model registered (lm-eval discovers
 no plugins, so the registration has to happen in the same process).
+`ortmodule export SRC OUT`: a GenAI package from a Hugging Face folder or a GGUF file (ortmodule/exporter.py).
 `ortmodule serve PATH`: the `/v1/score` server (ortmodule/server.py).
 """
 
@@ -20,6 +21,17 @@ def main() -> None:
 def ortmodule(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ortmodule", description="ortmodule command line")
     commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser(
+        "export", help="export a Hugging Face folder or a GGUF file to a GenAI package (onnxruntime-genai's model builder)"
+    )
+    export.add_argument("source", help="a Hugging Face checkpoint folder (config.json, weights, tokenizer) or a .gguf file")
+    export.add_argument("out", help="the package folder to write")
+    export.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "int4"])
+    export.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the execution provider it is built for")
+    export.add_argument("--extra-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to the builder's --extra_options (repeatable), e.g. int4_block_size=32")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    export.add_argument("--quiet", action="store_true", help="no progress output")
     serve = commands.add_parser("serve", help="serve SGLang's /v1/score over a GenAI package (FastAPI + uvicorn)")
     serve.add_argument("path", help="the GenAI package folder (genai_config.json, model.onnx, tokenizer)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -30,11 +42,29 @@ def ortmodule(argv: list[str] | None = None) -> None:
     serve.add_argument("--window-ms", type=float, default=5.0, help="how long a group waits for more requests")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 503")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        _export(parser, args)
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from .server import serve as run
 
     run(args.path, host=args.host, port=args.port, device=args.device, name=args.name,
         token_budget=args.token_budget, window_ms=args.window_ms, max_queue=args.max_queue)
+
+
+def _export(parser: argparse.ArgumentParser, args) -> None:
+    from .exporter import ExportError, export
+
+    options = {}
+    for item in args.extra_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--extra-option takes KEY=VALUE, got '{item}'")
+        options[key] = value
+    try:
+        export(args.source, args.out, args.precision, args.device, options, args.overwrite, not args.quiet)
+    except ExportError as e:
+        parser.exit(2, f"ortmodule export: error: {e}\n")
 
 
 if __name__ == "__main__":

