@@ -4,4 +4,5 @@ or `TaskManager(include_path=ortmodule.tasks.TASK_DIR)`."""
 from pathlib import Path
 
 TASK_DIR = str(Path(__file__).parent)
-TASKS = ["ortmodule_arithmetic_mc", "ortmodule_sentences_ppl", "ortmodule_arithmetic_gen"]
+TASKS = ["ortmodule_arithmetic_mc", "ortmodule_sentences_ppl", "ortmodule_arithmetic_gen", "ortmodule_knowledge_mc",
+         "ortmodule_knowledge_gen"]

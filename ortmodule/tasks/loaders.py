@@ -17,3 +17,7 @@ def arithmetic_mc(**kwargs) -> dict:
 
 def sentences(**kwargs) -> dict:
     return _load("sentences")
+
+
+def knowledge(**kwargs) -> dict:
+    return _load("knowledge")
