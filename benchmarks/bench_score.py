@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
 
         from ortmodule import fixtures
 
-        args.package = fixtures.build(SIZES[args.fixture]["decoder"]).package_dir
+        args.package = fixtures.build(next(iter(SIZES[args.fixture]["decoders"].values()))).package_dir
     if args.url:
         result = measure(args.url)
     else:

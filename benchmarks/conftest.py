@@ -20,42 +20,161 @@ GEMMA_262K = fixtures.FixtureSpec("gemma3", hidden_size=1152, num_layers=4, num_
                                   intermediate_size=6912, vocab_size=262144, context_length=4096, precision="bf16",
                                   initializer_range=0.02, execution_provider="cuda")
 
+# Exact configs of real models with random weights, exported for the CPU in fp32: throughput does
+# not depend on weight values. Qwen3-0.6B (151,936-token vocabulary, tied embeddings) and
+# Gemma-3-270M (262,144 tokens, five 512-token sliding layers to one full layer).
+QWEN3_0_6B_CPU = fixtures.FixtureSpec("qwen3", hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                                      intermediate_size=3072, vocab_size=151936, context_length=4096,
+                                      initializer_range=0.02, tie_word_embeddings=True)
+GEMMA3_270M_CPU = fixtures.FixtureSpec("gemma3", hidden_size=640, num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,
+                                       intermediate_size=2048, vocab_size=262144, context_length=4096,
+                                       initializer_range=0.02, sliding_window=512, tie_word_embeddings=True)
+TINY = fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256)
+
+# What each model key means on the page.
+MODELS = {
+    "smollm2-fp32": "SmolLM2-135M-Instruct, fp32 package (real trained weights)",
+    "smollm2-int4": "SmolLM2-135M-Instruct, int4 package (real trained weights; transformers runs fp32)",
+    "qwen3-0.6b": "Qwen3-0.6B's config, random weights",
+    "gemma3-270m": "Gemma-3-270M's config, random weights",
+    "gemma-262k": "a Gemma-style 262K-vocabulary config, random weights (synthetic shape)",
+    "qwen3-0.6b-bf16": "Qwen3-0.6B's config, random weights, bf16",
+    "tiny": "tiny Llama (smoke test, synthetic)",
+}
+
 SIZES = {
     "cpu": dict(
         device="cpu",
-        # A 131,072-token vocabulary: the LM head is most of the model's work.
-        large_vocab=fixtures.FixtureSpec("llama", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                                         intermediate_size=512, vocab_size=131072, context_length=1024),
-        batch=4, length=512, keep=4,
-        # The 51.7M-parameter Llama of the lm-eval workloads: hidden 512, 6 layers, 32,000 tokens.
-        decoder=fixtures.FixtureSpec("llama", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
-                                     intermediate_size=1376, vocab_size=32000, context_length=1024),
-        generate=dict(batch=4, prompt_lengths=(32, 128), new_tokens=64),
-        lm_eval=dict(limit=100, batch_size=8),  # 100 questions: 400 loglikelihood requests
+        # forward: model key -> (spec, batch, length); logits for every position, or the last `keep`.
+        forward={"smollm2-fp32": (fixtures.SMOLLM2, 8, 128), "qwen3-0.6b": (QWEN3_0_6B_CPU, 2, 128),
+                 "gemma3-270m": (GEMMA3_270M_CPU, 2, 128)},
+        keep=4,
+        # lm-eval, generate and score: the real model, fp32 and int4 packages.
+        decoders={"smollm2-fp32": fixtures.SMOLLM2, "smollm2-int4": fixtures.SMOLLM2_INT4},
+        generate=dict(batches=(1, 8), prompt_lengths=(32, 128), new_tokens=32),
+        lm_eval=dict(limit=50, batch_size=8),  # 50 questions: 200 loglikelihood requests
         # score(): requests of one query and many short items; the server's load at a steady rate.
         score=dict(requests=4, query_tokens=120, items=16, item_tokens=20, labels=4),
-        server=dict(rate=4.0, duration=20.0, items=10),
+        server=dict(rate=2.0, duration=20.0, items=10),
     ),
     "gpu": dict(
         device="cuda",
-        large_vocab=GEMMA_262K, batch=8, length=1024, keep=4,
-        decoder=QWEN3_0_6B,
-        generate=dict(batch=16, prompt_lengths=(128, 512), new_tokens=128),
+        forward={"gemma-262k": (GEMMA_262K, 8, 1024)}, keep=4,
+        decoders={"qwen3-0.6b-bf16": QWEN3_0_6B},
+        generate=dict(batches=(1, 16), prompt_lengths=(128, 512), new_tokens=128),
         lm_eval=dict(limit=None, batch_size=32),
         score=dict(requests=8, query_tokens=512, items=64, item_tokens=32, labels=4),
         server=dict(rate=20.0, duration=30.0, items=32),
     ),
     "smoke": dict(
         device="cpu",
-        large_vocab=fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256),
-        batch=2, length=32, keep=4,
-        decoder=fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256),
-        generate=dict(batch=2, prompt_lengths=(4, 9), new_tokens=4),
+        forward={"tiny": (TINY, 2, 32)}, keep=4,
+        decoders={"tiny": TINY},
+        generate=dict(batches=(1, 2), prompt_lengths=(4, 9), new_tokens=4),
         lm_eval=dict(limit=3, batch_size=8),
         score=dict(requests=2, query_tokens=12, items=3, item_tokens=4, labels=2),
         server=dict(rate=4.0, duration=1.0, items=2),
     ),
 }
+# Peers that run batch 1 only take minutes on the real model: measured on its fp32 package only.
+SLOW_PEERS_ON = {"smollm2-fp32", "tiny", "qwen3-0.6b-bf16"}
+
+
+def pytest_generate_tests(metafunc):
+    """`forward_key` and `decoder_key` parametrize a workload over the size's models."""
+    size = SIZES[metafunc.config.getoption("--bench-size")]
+    if "forward_key" in metafunc.fixturenames:
+        metafunc.parametrize("forward_key", list(size["forward"]), scope="module")
+    if "decoder_key" in metafunc.fixturenames:
+        metafunc.parametrize("decoder_key", list(size["decoders"]), scope="module")
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """The CPU's peak: theoretical FMA FLOP/s, and measured fp32 matmul FLOP/s and copy bandwidth."""
+    if config.getoption("--bench-size") != "smoke":
+        machine_info["limits"] = cpu_limits()
+
+
+def cpu_limits() -> dict:
+    """FMA peak = cores x clock x fp32 FLOP per cycle (two FMA pipes: Zen 4 runs AVX-512 as two
+    256-bit halves, 32 FLOP/cycle; Zen 5 and Intel AVX-512 cores 64; AVX2 cores 32), beside what
+    torch's fp32 matmul and a large copy reach on this machine."""
+    import time
+
+    import torch
+
+    flags, vendor, family, mhz = set(), "", 0, 0.0
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "flags" and not flags:
+                flags = set(value.split())
+            elif key == "vendor_id":
+                vendor = value
+            elif key == "cpu family":
+                family = int(value)
+            elif key == "cpu MHz" and not mhz:
+                mhz = float(value)
+    if "avx512f" in flags:
+        per_cycle = 32 if vendor == "AuthenticAMD" and family < 26 else 64
+    else:
+        per_cycle = 32 if "fma" in flags else 16
+    cores = os.cpu_count() or 1
+    nominal = cores * mhz * 1e6 * per_cycle
+
+    def best_rate(fn, work: float, repeats: int = 5) -> float:
+        fn()
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            best = max(best, work / (time.perf_counter() - start))
+        return best
+
+    n = 4096
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    sgemm = best_rate(lambda: torch.mm(a, b), 2 * n**3)
+    big = torch.empty(256 * 2**20 // 4)
+    out = torch.empty_like(big)
+    bandwidth = best_rate(lambda: out.copy_(big), 2 * big.numel() * 4)
+    # A VM reports its nominal clock but may run above it: the peak is whichever is higher.
+    return {"cores": cores, "mhz": mhz, "flop_per_cycle": per_cycle, "nominal_fma_flops": nominal,
+            "sgemm_flops": sgemm, "peak_flops": max(nominal, sgemm), "copy_bytes_per_s": bandwidth}
+
+
+def model_label(key: str) -> str:
+    return MODELS.get(key, key)
+
+
+def flop_count(fixture, tokens: int, logit_rows: int) -> int:
+    """Matmul FLOPs of a forward: 2 x body weights x tokens, plus 2 x hidden x vocabulary for each
+    row that reaches the LM head (attention's own products are left out: small at these lengths)."""
+    body, head = weight_counts(fixture)
+    return 2 * body * tokens + 2 * head * logit_rows
+
+
+def weight_counts(fixture) -> tuple[int, int]:
+    """(weights of the transformer body, weights of the LM head) from the checkpoint; the token
+    embedding is a lookup and counts in neither."""
+    from safetensors import safe_open
+
+    body = 0
+    for shard in fixture.hf_dir.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            for key in f.keys():
+                if "embed_tokens" not in key and "lm_head" not in key:
+                    shape = f.get_slice(key).get_shape()
+                    count = 1
+                    for dim in shape:
+                        count *= dim
+                    body += count
+    return body, fixture.spec.hidden_size * fixture.spec.vocab_size
+
+
+def weight_bytes(fixture) -> int:
+    """Bytes of the package's weights: what one decode step streams from memory."""
+    return sum(f.stat().st_size for f in fixture.package_dir.glob("*.onnx*"))
 
 
 def pytest_addoption(parser):
@@ -89,11 +208,12 @@ def measure_peak(fn) -> float:
 
 
 def reference_model(fixture, device: str):
-    """transformers on the fixture's weights, in the package's precision, on `device`."""
+    """transformers on the fixture's weights, in the package's precision (fp32 for int4), on `device`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[fixture.spec.precision]
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int4": torch.float32}[
+        fixture.spec.precision]
     return AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=dtype).to(device).eval()
 
 

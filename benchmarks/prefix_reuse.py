@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--items", type=int, default=32)
     args = parser.parse_args()
-    fixture = fixtures.build(SIZES[args.size]["decoder"])
+    fixture = fixtures.build(next(iter(SIZES[args.size]["decoders"].values())))
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device)
     vocab, rng = fixture.spec.vocab_size, random.Random(0)
     print("| query tokens | item tokens | full prefill | shared prefix | chosen by default |")

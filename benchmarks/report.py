@@ -42,16 +42,20 @@ NOTES = {
 }
 
 COMMAND = "python benchmarks/run.py --size {size}"
+# Real-model workloads first: what users run.
+GROUP_ORDER = {"lm-eval loglikelihood": 0, "generate": 1, "score": 2, "forward": 3, "score server": 4}
 
 
 def case(bench: dict) -> tuple[str, str]:
     """'test_ortmodule_forward[cont_len]' -> ('ortmodule', 'cont_len'); a benchmark that records
-    its backend in extra_info (lm-eval's 'hf' is transformers) has no case."""
-    if "backend" in bench["extra_info"]:
-        backend = bench["extra_info"]["backend"]
-        return ("transformers" if backend == "hf" else backend), ""
+    its backend in extra_info (lm-eval's 'hf' is transformers) or its case uses them."""
+    info = bench["extra_info"]
+    if "backend" in info:
+        backend = info["backend"]
+        return ("transformers" if backend == "hf" else backend), info.get("case", "")
     match = re.match(r"test_([a-z0-9_]+?)_[a-z]+(?:\[(.*)\])?$", bench["name"])
-    return (match.group(1), match.group(2) or "") if match else (bench["name"], "")
+    backend, variant = (match.group(1), match.group(2) or "") if match else (bench["name"], "")
+    return backend, info.get("case", variant)
 
 
 def median(bench: dict) -> float | None:
@@ -69,6 +73,20 @@ def peak_fraction(bench: dict, seconds: float) -> str:
     return f"{100 * 2 * info['parameters'] * info['tokens'] / seconds / peak:.1f}%"
 
 
+def cpu_fractions(bench: dict, seconds: float, limits: dict) -> tuple[str, str]:
+    """(fraction of the CPU's FMA peak, fraction of its measured copy bandwidth) a row reaches:
+    FLOPs per call / time against cores x clock x FLOP per cycle; for decoding, the weight bytes
+    each step streams x steps / time against the bandwidth of a large copy."""
+    info = bench["extra_info"]
+    if not limits or not seconds or "error" in info:
+        return "", ""
+    compute = f"{100 * info['flops'] / seconds / limits['peak_flops']:.0f}%" if info.get("flops") else ""
+    memory = ""
+    if info.get("weight_bytes") and info.get("decode_steps"):
+        memory = f"{100 * info['weight_bytes'] * info['decode_steps'] / seconds / limits['copy_bytes_per_s']:.0f}%"
+    return compute, memory
+
+
 def render(runs: list[dict], size: str) -> str:
     out = []
     machine = runs[0]["machine_info"]
@@ -80,19 +98,35 @@ def render(runs: list[dict], size: str) -> str:
                + f"; Python {machine['python_version']}; run {runs[0]['datetime'][:10]}. "
                "Every row of a table was measured in the same run, so ratios are comparable; "
                "absolute times belong to this machine only.\n")
+    limits = machine.get("limits") or {}
+    if limits:
+        out.append(f"Limits of this machine: fp32 FMA peak at the nominal clock {limits['nominal_fma_flops'] / 1e9:.0f} "
+                   f"GFLOP/s ({limits['cores']} cores x {limits['mhz']:.0f} MHz x {limits['flop_per_cycle']} FLOP/cycle); "
+                   f"torch's fp32 matmul (4096x4096, best of 5) reaches {limits['sgemm_flops'] / 1e9:.0f} GFLOP/s, "
+                   "so the cores run above their nominal clock; the peak used below is the higher of the two, "
+                   f"{limits['peak_flops'] / 1e9:.0f} GFLOP/s. A 256 MB copy moves {limits['copy_bytes_per_s'] / 1e9:.1f} "
+                   "GB/s (read + write). `of peak`: the matmul FLOPs of the work (2 x weights x tokens, the "
+                   "LM head only at the rows computed, attention's own products left out) / time / peak. "
+                   "`of bandwidth`: decoding's weight bytes x steps / time / copy bandwidth (the prefill's "
+                   "time counted in, so a lower bound).\n")
     out.append(f"Reproduce: `{COMMAND.format(size=size)}` (the suite, then this page).\n")
     groups = defaultdict(list)
     for run in runs:
         for bench in run["benchmarks"]:
-            groups[bench["group"]].append(bench)
-    for group, benches in groups.items():
+            groups[(bench["group"], bench["extra_info"].get("model", ""))].append(bench)
+    hidden = {"backend", "error", "device", "parameters", "tokens", "model", "case", "flops", "weight_bytes",
+              "decode_steps"}
+    for (group, model), benches in sorted(groups.items(), key=lambda g: (GROUP_ORDER.get(g[0][0], 9), "real" not in g[0][1], g[0][1])):
         reference = {case(b)[1]: median(b) for b in benches if case(b)[0] == "transformers" and median(b)}
-        keys = sorted({k for b in benches for k in b["extra_info"]} - {"backend", "error", "device", "parameters", "tokens"})
+        keys = sorted({k for b in benches for k in b["extra_info"]} - hidden)
         with_fraction = any(peak_fraction(b, median(b) or 0) for b in benches)
-        out.append(f"## {group}\n")
+        fractions = [cpu_fractions(b, median(b) or 0, limits) for b in benches]
+        with_compute, with_memory = any(f[0] for f in fractions), any(f[1] for f in fractions)
+        out.append(f"## {group}: {model}\n" if model else f"## {group}\n")
         if group in NOTES:
             out.append(NOTES[group] + "\n")
         header = ["backend", "case", "median ms", "speed vs transformers", *keys] + (["of peak bf16"] if with_fraction else [])
+        header += (["of peak"] if with_compute else []) + (["of bandwidth"] if with_memory else [])
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "---|" * len(header))
         errors = []
@@ -109,6 +143,8 @@ def render(runs: list[dict], size: str) -> str:
                        *[str(b["extra_info"].get(k, "")) for k in keys]]
             if with_fraction:
                 row.append(peak_fraction(b, seconds or 0))
+            compute, memory = cpu_fractions(b, seconds or 0, limits)
+            row += ([compute] if with_compute else []) + ([memory] if with_memory else [])
             out.append("| " + " | ".join(row) + " |")
         out.append("")
         for backend, error in errors:

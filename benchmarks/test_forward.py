@@ -1,51 +1,60 @@
-"""Forward latency: every position's logits vs only the last `keep`, ortmodule beside transformers
-on the same weights (a 131,072-token vocabulary at the CPU size, 262,144 at the GPU size)."""
+"""Forward latency (prefill): every position's logits vs only the last `keep`, ortmodule beside
+transformers on the same weights. CPU size: the real SmolLM2-135M-Instruct at batch 8 x 128, and
+random-weight packages with the exact configs of Qwen3-0.6B (151,936-token vocabulary) and
+Gemma-3-270M (262,144) at batch 2 x 128."""
 
 import pytest
 import torch
-from conftest import device_name, measure_peak, reference_model, synced
+from conftest import device_name, flop_count, measure_peak, model_label, reference_model, synced
 
 from ortmodule import OrtModelForCausalLM, fixtures
 
 
 @pytest.fixture(scope="module")
-def setup(size):
-    fixture = fixtures.build(size["large_vocab"])
+def setup(size, forward_key):
+    spec, batch, length = size["forward"][forward_key]
+    fixture = fixtures.build(spec)
     device = size["device"]
     ort_model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
     hf_model = reference_model(fixture, device)
-    ids = torch.randint(4, fixture.spec.vocab_size, (size["batch"], size["length"]), generator=torch.Generator().manual_seed(0))
-    return ort_model, hf_model, ids.to(device), size["keep"]
+    ids = torch.randint(4, min(fixture.spec.vocab_size, 32000), (batch, length), generator=torch.Generator().manual_seed(0))
+    return fixture, ort_model, hf_model, ids.to(device), size["keep"], forward_key
 
 
-def run_case(benchmark, fn, ids):
+def run_case(benchmark, fn, setup, keep):
+    fixture, _, _, ids, k, key = setup
     fn = synced(fn, ids.device.type)
-    batch = len(ids)
+    batch, length = ids.shape
     out = fn()  # warm-up, and the output whose size is recorded
-    benchmark.extra_info["peak_rss_mb"] = round(measure_peak(fn), 1)
-    benchmark.extra_info["device"] = device_name(ids.device.type)
-    benchmark.extra_info["logits_bytes_per_request"] = out.numel() * out.element_size() // batch
-    benchmark.pedantic(fn, rounds=5, iterations=1, warmup_rounds=0)
+    info = benchmark.extra_info
+    info["model"] = model_label(key)
+    info["case"] = keep
+    info["shape"] = f"{batch}x{length}"
+    info["peak_rss_mb"] = round(measure_peak(fn), 1)
+    info["device"] = device_name(ids.device.type)
+    info["logits_bytes_per_request"] = out.numel() * out.element_size() // batch
+    info["flops"] = flop_count(fixture, batch * length, batch * (length if keep == "all" else k))
+    benchmark.pedantic(fn, rounds=3, iterations=1, warmup_rounds=0)
     return out
 
 
 @pytest.mark.benchmark(group="forward")
 @pytest.mark.parametrize("keep", ["all", "cont_len"])
 def test_ortmodule_forward(benchmark, setup, keep):
-    model, _, ids, k = setup
+    _, model, _, ids, k, _ = setup
     kwargs = {} if keep == "all" else {"cont_len": k}
-    out = run_case(benchmark, lambda: model(ids, **kwargs).logits, ids)
+    out = run_case(benchmark, lambda: model(ids, **kwargs).logits, setup, keep)
     assert out.shape[1] == (ids.shape[1] if keep == "all" else k)
 
 
 @pytest.mark.benchmark(group="forward")
 @pytest.mark.parametrize("keep", ["all", "cont_len"])
 def test_transformers_forward(benchmark, setup, keep):
-    _, model, ids, k = setup
+    _, _, model, ids, k, _ = setup
     kwargs = {} if keep == "all" else {"logits_to_keep": k}
 
     def forward():
         with torch.inference_mode():
             return model(ids, **kwargs).logits
 
-    run_case(benchmark, forward, ids)
+    run_case(benchmark, forward, setup, keep)

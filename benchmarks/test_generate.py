@@ -1,60 +1,86 @@
-"""Decoding speed: tokens/s for a batch of prompts of different lengths, ortmodule's generate()
-beside transformers' generate on the same weights and onnxruntime-genai's Generator on the same
-package. Every backend makes exactly `new_tokens` tokens per row (no early end of sequence)."""
+"""Decoding speed: tokens/s for a batch of prompts of different lengths (batch 1 and batch 8 at the
+CPU size), ortmodule's generate() beside transformers' generate on the same weights and
+onnxruntime-genai's Generator on the same package. Every backend makes exactly `new_tokens` tokens
+per row (no early end of sequence)."""
 
 import numpy as np
 import onnxruntime_genai as og
 import pytest
 import torch
-from conftest import record_rate, reference_model
+from conftest import SIZES, model_label, record_rate, reference_model, weight_bytes
 
 from ortmodule import OrtModelForCausalLM, fixtures
 
-PAD = 2
+
+def pytest_generate_tests(metafunc):
+    if "batch" in metafunc.fixturenames:
+        size = SIZES[metafunc.config.getoption("--bench-size")]
+        metafunc.parametrize("batch", size["generate"]["batches"], ids=lambda b: f"b{b}", scope="module")
 
 
 @pytest.fixture(scope="module")
-def workload(size):
-    fixture = fixtures.build(size["decoder"])
+def fixture(size, decoder_key):
+    return fixtures.build(size["decoders"][decoder_key])
+
+
+@pytest.fixture(scope="module")
+def workload(size, fixture, decoder_key, batch):
     shape = size["generate"]
-    batch, (shortest, longest), new = shape["batch"], shape["prompt_lengths"], shape["new_tokens"]
-    lengths = torch.linspace(shortest, longest, batch).long()
-    ids = torch.randint(4, fixture.spec.vocab_size, (batch, longest), generator=torch.Generator().manual_seed(0))
+    (shortest, longest), new = shape["prompt_lengths"], shape["new_tokens"]
+    lengths = torch.linspace(shortest, longest, batch).long() if batch > 1 else torch.tensor([longest])
+    ids = torch.randint(4, min(fixture.spec.vocab_size, 32000), (batch, longest),
+                        generator=torch.Generator().manual_seed(0))
     mask = (torch.arange(longest)[None, :] >= longest - lengths[:, None]).long()  # left-padded, as HF generates
     device = size["device"]
-    return fixture, ids.masked_fill(mask == 0, PAD).to(device), mask.to(device), new
+    pad = fixture_pad(fixture)
+    return fixture, ids.masked_fill(mask == 0, pad).to(device), mask.to(device), new, pad, decoder_key
 
 
-def record(benchmark, fn, tokens, device):
-    return record_rate(benchmark, fn, tokens, "tokens", device.type, rounds=5)
+def fixture_pad(fixture) -> int:
+    from ortmodule import read_package
+
+    pad = read_package(fixture.package_dir).pad_token_id
+    return 2 if pad is None else pad
+
+
+def record(benchmark, fn, workload):
+    fixture, ids, _, new, _, key = workload
+    info = benchmark.extra_info
+    info["model"] = model_label(key)
+    info["case"] = f"batch {len(ids)}"
+    # One decode step streams every weight once: bytes per step x steps/s, against memory bandwidth.
+    info["weight_bytes"] = weight_bytes(fixture)
+    info["decode_steps"] = new
+    return record_rate(benchmark, fn, len(ids) * new, "tokens", ids.device.type, rounds=3)
 
 
 @pytest.mark.benchmark(group="generate")
 def test_ortmodule_generate(benchmark, workload):
-    fixture, ids, mask, new = workload
+    fixture, ids, mask, new, pad, _ = workload
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device)
     out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
-                                                   pad_token_id=PAD), len(ids) * new, ids.device)
+                                                   pad_token_id=pad), workload)
     assert out.shape == (ids.shape[0], ids.shape[1] + new)
 
 
 @pytest.mark.benchmark(group="generate")
 def test_transformers_generate(benchmark, workload):
-    fixture, ids, mask, new = workload
+    fixture, ids, mask, new, pad, _ = workload
     model = reference_model(fixture, ids.device)
 
     def generate():
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=PAD)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=pad,
+                                  do_sample=False)
 
-    out = record(benchmark, generate, len(ids) * new, ids.device)
+    out = record(benchmark, generate, workload)
     assert out.shape == (ids.shape[0], ids.shape[1] + new)
 
 
 @pytest.mark.benchmark(group="generate")
 def test_genai_generate(benchmark, workload):
     """onnxruntime-genai's Generator, batched: prompts padded with the pad id, as it expects."""
-    fixture, ids, _, new = workload
+    fixture, ids, _, new, _, _ = workload
     model = og.Model(str(fixture.package_dir))
     prompts = ids.cpu().numpy().astype(np.int32)
     total = ids.shape[1] + new
@@ -68,5 +94,5 @@ def test_genai_generate(benchmark, workload):
             generator.generate_next_token()
         return np.stack([generator.get_sequence(i) for i in range(len(prompts))])
 
-    out = record(benchmark, generate, len(ids) * new, ids.device)
+    out = record(benchmark, generate, workload)
     assert out.shape == (ids.shape[0], total)

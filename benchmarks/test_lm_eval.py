@@ -13,7 +13,7 @@ import lm_eval
 import peers
 import pytest
 import torch
-from conftest import device_name, peak_rss_mb, reset_peak_rss
+from conftest import SLOW_PEERS_ON, device_name, flop_count, model_label, peak_rss_mb, reset_peak_rss
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
@@ -26,8 +26,8 @@ BACKENDS = ["ortmodule", "hf", "onnxruntime-genai", "onnxruntime", "genai-steppe
 
 
 @pytest.fixture(scope="module")
-def fixture(size):
-    return fixtures.build(size["decoder"])
+def fixture(size, decoder_key):
+    return fixtures.build(size["decoders"][decoder_key])
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,9 @@ class HostBytes:
 
 @pytest.mark.benchmark(group="lm-eval loglikelihood")
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_lm_eval_requests(benchmark, fixture, task_manager, size, backend, monkeypatch):
+def test_lm_eval_requests(benchmark, fixture, decoder_key, task_manager, size, backend, monkeypatch):
+    if backend in ("onnxruntime", "genai-stepped", "ort-numpy") and decoder_key not in SLOW_PEERS_ON:
+        pytest.skip(f"batch-1 peer {backend} measured on the fp32 package only")
     options = size["lm_eval"]
     device = size.get("device", "cpu")
     lm = load(backend, fixture, options["batch_size"], device)
@@ -95,6 +97,7 @@ def test_lm_eval_requests(benchmark, fixture, task_manager, size, backend, monke
             return error
 
     benchmark.extra_info["backend"] = backend
+    benchmark.extra_info["model"] = model_label(decoder_key)
     benchmark.extra_info["device"] = device_name(device)
     reset_peak_rss()
     result = benchmark.pedantic(evaluate, rounds=1, iterations=1, warmup_rounds=0)
@@ -108,6 +111,8 @@ def test_lm_eval_requests(benchmark, fixture, task_manager, size, backend, monke
         benchmark.extra_info["host_bytes_per_request"] = host.total() // requests
     benchmark.extra_info["parameters"] = fixture.parameters()
     benchmark.extra_info["tokens"] = scored_tokens(lm, result, requests)
+    # The transformer body over every request's context and continuation once (the LM head left out).
+    benchmark.extra_info["flops"] = flop_count(fixture, benchmark.extra_info["tokens"], 0)
     if benchmark.stats:
         benchmark.extra_info["requests_per_s"] = round(requests / benchmark.stats.stats.median, 1)
 

@@ -91,6 +91,10 @@ class FixtureSpec:
     extra_options: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # for the builder
     head_dim: int | None = None  # None: the architecture's fixture default
     execution_provider: str | None = None  # the builder's -e; None: cpu
+    # Gemma 3 only: a real model's window, with its pattern of five sliding layers to one full one
+    # (None: the fixture's 8-token window on every other layer, so short inputs exercise it).
+    sliding_window: int | None = None
+    tie_word_embeddings: bool | None = None  # None: untied
 
     @property
     def name(self) -> str:
@@ -210,9 +214,12 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
     config_class, architecture, fields = ARCHITECTURES[spec.arch]
     fields = dict(fields)
     if "layer_types" in fields:  # alternate sliding and full attention
+        period = 2 if spec.sliding_window is None else 6
         fields["layer_types"] = [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
+            "sliding_attention" if i % period != period - 1 else "full_attention" for i in range(spec.num_layers)
         ]
+        if spec.sliding_window is not None:
+            fields["sliding_window"] = spec.sliding_window
     if spec.head_dim is not None:
         fields["head_dim"] = spec.head_dim
         if "query_pre_attn_scalar" in fields:
@@ -231,7 +238,7 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=bool(spec.tie_word_embeddings),
         architectures=[architecture],
         **fields,
     )
