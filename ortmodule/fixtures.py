@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
-import importlib.util
 import shutil
 import subprocess
 import sys
-import zipfile
 import tempfile
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -17,6 +17,7 @@ transformers' own logits processors and stopping criteria, so its tokens equal t
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import onnxruntime as ort
@@ -71,6 +72,9 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=model.device)  # tokens held per row
         self.longest = 0  # max(lengths), kept on the host
         self.seen = 0  # columns of the caller's input_ids (padding included) this cache has taken in
+        # The caller's attention mask so far ([B, seen]), for checking a step's mask; None inside
+        # generate and scoring, which build their own steps.
+        self.caller_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -206,7 +210,17 @@ _CALL_ARGUMENTS = {"attention_mask", "stopping_criteria", "logits_processor", "t
 def resolve_config(model: OrtModelForCausalLM, generation_config: GenerationConfig | None, kwargs: dict):
     """transformers' merge: the model's generation config (or the one given), updated by kwargs.
     Returns the config and the call arguments that are not config fields."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(
+            f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}; "
+            "pass GenerationConfig(**options), or the options themselves as keyword arguments"
+        )
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    # The options given are checked before transformers' update validates them (and fails on a
+    # string count with a raw TypeError); the merged config is checked after.
+    given = {name: kwargs.get(name) for name in _CHECKED}
+    check_config(SimpleNamespace(**given, do_sample=kwargs.get("do_sample", config.do_sample)),
+                 model.package.vocab_size)
     rest = config.update(**kwargs)
     rest.pop("use_cache", None)  # the cache is always used
     unknown = sorted(set(rest) - _CALL_ARGUMENTS)
@@ -221,7 +235,49 @@ def resolve_config(model: OrtModelForCausalLM, generation_config: GenerationConf
         raise ValueError(
             f"generate() does greedy decoding and sampling only; not supported: {', '.join(unsupported)}"
         )
+    check_config(config, model.package.vocab_size)
     return config, rest
+
+
+_CHECKED = ("max_new_tokens", "max_length", "min_new_tokens", "min_length", "top_k", "no_repeat_ngram_size", "top_p",
+            "min_p", "temperature", "repetition_penalty", "pad_token_id", "eos_token_id")
+
+
+def _bad(name: str, value, wanted: str) -> ValueError:
+    return ValueError(f"{name} must be {wanted}, got {value!r}")
+
+
+def check_config(config: GenerationConfig, vocab: int) -> None:
+    """Every option generate() reads, checked before anything runs (a ValueError naming it)."""
+    def integer(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    for name, low in (("max_new_tokens", 1), ("max_length", 1), ("min_new_tokens", 0), ("min_length", 0),
+                      ("top_k", 0), ("no_repeat_ngram_size", 0)):
+        value = getattr(config, name, None)
+        if value is not None and (not integer(value) or value < low):
+            raise _bad(name, value, f"an integer >= {low}")
+    for name, low, high, open_low in (("top_p", 0.0, 1.0, True), ("min_p", 0.0, 1.0, False),
+                                      ("temperature", 0.0, float("inf"), True),
+                                      ("repetition_penalty", 0.0, float("inf"), True)):
+        value = getattr(config, name, None)
+        if value is None or (name == "temperature" and not config.do_sample):  # greedy ignores it (0.0 is common)
+            continue
+        if not number(value) or value != value or value > high or value < low or (open_low and value == low):
+            wanted = f"a number in {'(' if open_low else '['}{low}, {high}]" if high != float("inf") else f"a number > {low}"
+            raise _bad(name, value, wanted)
+    pad = config.pad_token_id
+    if pad is not None and (not integer(pad) or not 0 <= pad < vocab):
+        raise _bad("pad_token_id", pad, f"a token id in [0, {vocab})")
+    eos = config.eos_token_id
+    if eos is not None and not (isinstance(eos, list) and not eos):
+        ids = eos.tolist() if isinstance(eos, torch.Tensor) else eos if isinstance(eos, list) else [eos]
+        for value in ids:
+            if not integer(value) or not 0 <= value < vocab:
+                raise _bad("eos_token_id", eos, f"a token id (or a list of them) in [0, {vocab})")
 
 
 def _value(config: GenerationConfig, name: str, default):

@@ -6,7 +6,8 @@ adds an input `ortmodule_logits_indices` (int64 `[n]`, flat indices into `batch 
 those rows of the final hidden states just before the LM head, and returns `logits [n, vocab]`.
 
 The rewritten graph references the package's own external weight file (no copy of the weights)
-and is cached as graph bytes keyed by the source file's identity.
+and is cached as graph bytes keyed by the source graph's content, each entry checked by its own
+SHA-256 when read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import onnx
@@ -98,30 +100,75 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str) -> onnx.Mod
     return ir.serde.serialize_model(model)
 
 
-def _cache_key(path: Path) -> str:
-    stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{REWRITE_VERSION}|{ir.__version__}"
-    return hashlib.sha256(identity.encode()).hexdigest()[:24]
+# A cache entry is the rewritten graph followed by this marker and the SHA-256 of the graph bytes,
+# so a reader checks what it read in one file (a torn, truncated or foreign file fails the check).
+_TRAILER = b"\nORTMODULE-SHA256:"
+_DIGEST = 64
+
+
+def _cache_key(path: Path, logits_name: str) -> str:
+    """The source graph's content (not its path, size or time: a replaced file with the same size
+    and time gets its own entry), the logits name and the rewrite's version."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    digest.update(f"|{logits_name}|{REWRITE_VERSION}|{ir.__version__}".encode())
+    return digest.hexdigest()[:32]
+
+
+def _read_entry(entry: Path) -> bytes | None:
+    """The graph bytes of a cache entry, or None (with a warning) when it fails its check."""
+    try:
+        data = entry.read_bytes()
+    except OSError as e:
+        logger.warning("ortmodule: cannot read the rewrite cache entry %s (%s); rebuilding it", entry, e)
+        return None
+    body, trailer, digest = data[: -len(_TRAILER) - _DIGEST], data[-len(_TRAILER) - _DIGEST : -_DIGEST], data[-_DIGEST:]
+    if trailer != _TRAILER or hashlib.sha256(body).hexdigest().encode() != digest or LOGITS_INDICES.encode() not in body:
+        logger.warning("ortmodule: the rewrite cache entry %s is damaged or not ortmodule's; rebuilding it", entry)
+        return None
+    return body
+
+
+def _write_entry(entry: Path, data: bytes) -> None:
+    """Write a cache entry atomically (a temporary file renamed into place; removed on failure)."""
+    partial = entry.with_name(f".{entry.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with open(partial, "wb") as f:
+            f.write(data + _TRAILER + hashlib.sha256(data).hexdigest().encode())
+        partial.replace(entry)
+    except OSError as e:  # a read-only or full cache costs a rewrite per load, nothing else
+        partial.unlink(missing_ok=True)
+        _warn_once(entry.parent, e)
+
+
+_warned: set[Path] = set()
+
+
+def _warn_once(folder: Path, error: OSError) -> None:
+    if folder not in _warned:
+        _warned.add(folder)
+        logger.warning("ortmodule: cannot write the rewrite cache in %s (%s); rewriting at every load instead", folder,
+                       error)
 
 
 def keep_positions_graph(decoder_path: Path, logits_name: str, cache_dir: Path | None = None) -> bytes | None:
     """Bytes of the rewritten decoder graph (weights stay in the package's files), or None with a
-    logged reason when the graph does not match. Built once per source file, then read from the cache."""
+    logged reason when the graph does not match. Built once per source graph content, then read
+    from the cache; an entry that fails its check is rebuilt with a warning."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cached = cache_dir / f"{decoder_path.stem}-{_cache_key(decoder_path)}.onnx"
-    if cached.is_file():
-        return cached.read_bytes()
+    entry = cache_dir / f"{decoder_path.stem}-{_cache_key(decoder_path, logits_name)}.onnx"
+    if entry.is_file():
+        data = _read_entry(entry)
+        if data is not None:
+            return data
     proto = onnx.load(str(decoder_path), load_external_data=False)
     try:
         data = rewrite_keep_positions(proto, logits_name).SerializeToString()
     except RewriteSkipped as reason:
         logger.warning("ortmodule: computing logits for every position of %s: %s", decoder_path, reason)
         return None
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_bytes(data)
-        partial.replace(cached)
-    except OSError as e:  # a read-only cache costs a rewrite per load, nothing else
-        logger.info("ortmodule: could not cache the rewritten graph in %s: %s", cache_dir, e)
+    _write_entry(entry, data)
     return data

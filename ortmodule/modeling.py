@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -119,7 +120,9 @@ class OrtModelForCausalLM(torch.nn.Module):
         self._position_dtype = runtime.torch_dtype(decoder.position_type) if decoder.position_type else None
         self._kv_dtype = runtime.torch_dtype(decoder.kv_type)
         self._logits_dtype = runtime.torch_dtype(decoder.logits_type)
-        self._scratch = None  # the prefill's present KV, which forward discards; grown as needed
+        # The prefill's present KV, which forward discards: one buffer per calling thread (grown as
+        # needed), so that concurrent forwards on one model never write into each other's.
+        self._scratch = threading.local()
         self._load(runtime.parse_device(device))
 
     @classmethod
@@ -153,6 +156,28 @@ class OrtModelForCausalLM(torch.nn.Module):
                 (name, torch.zeros(shape, dtype=runtime.torch_dtype(kind), device=device))
                 for name, kind, shape in embedding.empty_inputs
             ]
+        self._check_runs()
+
+    def _check_runs(self) -> None:
+        """Run one token at load, so that a genai_config.json that disagrees with the graph (head
+        size, heads, names) is a PackageError now rather than an ONNX Runtime failure at every call."""
+        try:
+            self._logits(torch.zeros(1, 1, dtype=torch.int64, device=self._device), None)
+        except RuntimeError as e:
+            if "out of memory" in str(e):
+                raise
+            self._check_failed(e)
+        except Exception as e:  # ONNX Runtime's own exception types
+            self._check_failed(e)
+
+    def _check_failed(self, error: Exception) -> None:
+        decoder = self.package.decoder
+        heads = sorted({(kv.num_kv_heads, kv.head_size) for kv in decoder.layers})
+        raise PackageError(
+            f"{self.package.root / 'genai_config.json'}: ONNX Runtime cannot run {decoder.path.name} with this "
+            f"configuration (KV heads and head sizes {heads}, vocab_size {self.package.vocab_size}); "
+            f"is the config from another export? ONNX Runtime said: {' '.join(str(error).split())[:400]}"
+        ) from None
 
     # ---- the Hugging Face surface -------------------------------------------------------------
 
@@ -182,6 +207,18 @@ class OrtModelForCausalLM(torch.nn.Module):
             if device != self._device:
                 self._load(device)
         return self
+
+    def half(self) -> "OrtModelForCausalLM":
+        return self.to(torch.float16)
+
+    def float(self) -> "OrtModelForCausalLM":
+        return self.to(torch.float32)
+
+    def bfloat16(self) -> "OrtModelForCausalLM":
+        return self.to(torch.bfloat16)
+
+    def double(self) -> "OrtModelForCausalLM":
+        return self.to(torch.float64)
 
     def cuda(self, device: int | None = None) -> "OrtModelForCausalLM":
         return self.to("cuda" if device is None else f"cuda:{device}")
@@ -240,6 +277,8 @@ class OrtModelForCausalLM(torch.nn.Module):
                 logits = self._logits(ids, shift, rows, positions.repeat(batch), cache).view(batch, kept, -1)
             if cache is not None:
                 cache.start(lengths, longest, ids.shape[1])
+                given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+                cache.caller_mask = given.to(self.device, torch.int64)
         loss = None
         if labels is not None:
             if keep is not None and not (isinstance(keep, int) and keep == 0):
@@ -262,6 +301,8 @@ class OrtModelForCausalLM(torch.nn.Module):
             )
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             raise ValueError("input_ids must be a 2-D integer tensor [batch, new tokens]")
+        if input_ids.dtype == torch.bool or input_ids.is_complex():
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         batch, new = input_ids.shape
         if batch != cache.batch_size or new == 0:
             raise ValueError(
@@ -288,12 +329,20 @@ class OrtModelForCausalLM(torch.nn.Module):
                     f"attention_mask shape {tuple(attention_mask.shape)} does not match the cache and the new "
                     f"tokens: expected {expected}"
                 )
-            checks.append((attention_mask[:, -new:] != 1).any().to(self.device))
+            mask = attention_mask.to(self.device)
+            checks.append((mask[:, -new:] != 1).any())
+            if cache.caller_mask is not None:
+                checks.append((mask[:, :-new] != cache.caller_mask).any())
         flags = torch.stack(checks).tolist()  # the one host sync of the checks
         if flags[0]:
             self._raise_bad_id(ids)
         if len(flags) > 1 and flags[1]:
             raise ValueError("attention_mask must be 1 at every new token: a step appends to every row")
+        if len(flags) > 2 and flags[2]:
+            raise ValueError(
+                "attention_mask's earlier columns differ from the mask this cache was built with: a step's "
+                "mask is the mask so far followed by ones for the new tokens"
+            )
         cache.reserve(cache.longest + new, self.package.context_length)
         positions = cache.lengths[:, None] + torch.arange(new, device=self.device)
         kept = self._positions(keep, new)
@@ -304,6 +353,8 @@ class OrtModelForCausalLM(torch.nn.Module):
         cache.bind(binding, new)
         logits = self._run(binding, ids, flat, mask=cache.step_mask(new, self._mask_dtype), positions=positions)
         cache.advance(new, new)
+        if cache.caller_mask is not None:
+            cache.caller_mask = torch.cat([cache.caller_mask, cache.caller_mask.new_ones(batch, new)], 1)
         return logits.view(batch, -1, logits.shape[-1])
 
     def generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig | None = None, **kwargs):
@@ -390,8 +441,10 @@ class OrtModelForCausalLM(torch.nn.Module):
         if keep is None:
             return None
         if isinstance(keep, torch.Tensor):
-            if keep.dim() != 1 or keep.is_floating_point():
+            if keep.dim() != 1 or keep.is_floating_point() or keep.is_complex() or keep.dtype == torch.bool:
                 raise ValueError("logits_to_keep as a tensor must be 1-D integer positions")
+            if keep.numel() == 0:
+                raise ValueError("logits_to_keep is an empty tensor: name at least one position")
             keep = keep.to(self.device, torch.int64)
             if ((keep < 0) | (keep >= length)).any():
                 raise ValueError(f"logits_to_keep positions must lie in [0, {length})")
@@ -411,8 +464,11 @@ class OrtModelForCausalLM(torch.nn.Module):
         caller's layout. With the graph rewrite, only those n positions reach the LM head."""
         ids, shift, _, _ = self._checked_inputs(input_ids, attention_mask)
         batch, length = ids.shape
-        rows = torch.as_tensor(rows, device=self.device, dtype=torch.int64)
-        cols = torch.as_tensor(cols, device=self.device, dtype=torch.int64)
+        rows, cols = torch.as_tensor(rows), torch.as_tensor(cols)
+        for name, value in (("rows", rows), ("cols", cols)):
+            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+                raise TypeError(f"{name} must hold integer positions, got dtype {value.dtype}")
+        rows, cols = rows.to(self.device, torch.int64), cols.to(self.device, torch.int64)
         if rows.shape != cols.shape or rows.dim() != 1:
             raise ValueError(f"rows and cols must be 1-D of one length, got {tuple(rows.shape)} and {tuple(cols.shape)}")
         if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
@@ -499,13 +555,13 @@ class OrtModelForCausalLM(torch.nn.Module):
         return positions.contiguous()
 
     def _bind_prefill_cache(self, binding: ort.IOBinding, batch: int, length: int) -> None:
-        """An empty past for every layer; the present is written into one reused scratch buffer."""
+        """An empty past for every layer; the present is written into this thread's reused scratch buffer."""
         layers = self.package.decoder.layers
         sizes = [0 if kv.window else batch * kv.num_kv_heads * length * kv.head_size for kv in layers]
         needed = 2 * sum(sizes)
-        scratch = self._scratch
+        scratch = getattr(self._scratch, "buffer", None)
         if scratch is None or scratch.numel() < needed or scratch.device != self.device:
-            scratch = self._scratch = torch.empty(needed, dtype=self._kv_dtype, device=self.device)
+            scratch = self._scratch.buffer = torch.empty(needed, dtype=self._kv_dtype, device=self.device)
         offset = 0
         for kv, size in zip(layers, sizes):
             if kv.window:  # ORT's sliding-window attention wants a window-sized buffer shared by past and present

@@ -96,6 +96,57 @@ def _get(section: dict, key: str, where: str, file: Path):
     return section[key]
 
 
+def _object(section: dict, key: str, where: str, file: Path, required: bool = True) -> dict:
+    """`section[key]` as a JSON object (an empty one when optional and absent)."""
+    if key not in section and not required:
+        return {}
+    value = _get(section, key, where, file)
+    if not isinstance(value, dict):
+        raise PackageError(f"{file}: '{where}{key}' must be a JSON object, got {json.dumps(value)[:80]}")
+    return value
+
+
+def _string(section: dict, key: str, where: str, file: Path) -> str:
+    value = _get(section, key, where, file)
+    if not isinstance(value, str) or not value:
+        raise PackageError(f"{file}: '{where}{key}' must be a non-empty string, got {json.dumps(value)[:80]}")
+    return value
+
+
+def _positive_int(section: dict, key: str, where: str, file: Path, default=None) -> int:
+    """`section[key]` as an integer >= 1 (`default` when absent, if given)."""
+    if key not in section and default is not None:
+        return default
+    value = _get(section, key, where, file)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PackageError(f"{file}: '{where}{key}' must be a positive integer, got {json.dumps(value)[:80]}")
+    return value
+
+
+def _load_graph(path: Path) -> onnx.GraphProto:
+    """A graph's structure (weights left on disk), after checking that its external weight files
+    exist and are long enough for every tensor they hold."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and others: a truncated or foreign file
+        raise PackageError(f"{path}: not a readable ONNX graph ({type(e).__name__}: {e})") from None
+    needed: dict[str, int] = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            entries = {e.key: e.value for e in tensor.external_data}
+            end = int(entries.get("offset", 0)) + int(entries.get("length", 0))
+            location = entries.get("location", "")
+            needed[location] = max(needed.get(location, 0), end)
+    for location, end in needed.items():
+        data = path.parent / location
+        if not data.is_file():
+            raise PackageError(f"{path}: its weights file {data} does not exist")
+        size = data.stat().st_size
+        if size < end:
+            raise PackageError(f"{data}: truncated ({size} bytes; the graph {path.name} reads up to byte {end})")
+    return model.graph
+
+
 def _dims(value_info: onnx.ValueInfoProto) -> list[int | str | None]:
     dims = []
     for d in value_info.type.tensor_type.shape.dim:
@@ -127,26 +178,32 @@ def read_package(path: str | Path) -> Package:
     if not config_path.is_file():
         raise PackageError(f"{root}: no {CONFIG_FILE} in the folder; is this a GenAI package?")
     try:
-        genai = json.loads(config_path.read_text())
+        genai = json.loads(config_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise PackageError(f"{config_path}: not UTF-8 text ({e})") from None
     except json.JSONDecodeError as e:
         raise PackageError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(genai, dict):
+        raise PackageError(f"{config_path}: must hold a JSON object, got {type(genai).__name__}")
 
-    model = _get(genai, "model", "", config_path)
-    dec = _get(model, "decoder", "model.", config_path)
-    filename = _get(dec, "filename", "model.decoder.", config_path)
+    model = _object(genai, "model", "", config_path)
+    dec = _object(model, "decoder", "model.", config_path)
+    filename = _string(dec, "filename", "model.decoder.", config_path)
     decoder_path = root / filename
     if not decoder_path.is_file():
         raise PackageError(
             f"{config_path}: model.decoder.filename is '{filename}' but {decoder_path} does not exist"
         )
-    num_layers = _get(dec, "num_hidden_layers", "model.decoder.", config_path)
-    head_size = _get(dec, "head_size", "model.decoder.", config_path)
-    num_heads = _get(dec, "num_attention_heads", "model.decoder.", config_path)
-    num_kv_heads = dec.get("num_key_value_heads", num_heads)
-    names_in = _get(dec, "inputs", "model.decoder.", config_path)
-    names_out = _get(dec, "outputs", "model.decoder.", config_path)
+    num_layers = _positive_int(dec, "num_hidden_layers", "model.decoder.", config_path)
+    head_size = _positive_int(dec, "head_size", "model.decoder.", config_path)
+    num_heads = _positive_int(dec, "num_attention_heads", "model.decoder.", config_path)
+    num_kv_heads = _positive_int(dec, "num_key_value_heads", "model.decoder.", config_path, default=num_heads)
+    names_in = _object(dec, "inputs", "model.decoder.", config_path)
+    names_out = _object(dec, "outputs", "model.decoder.", config_path)
+    search = _object(genai, "search", "", config_path, required=False)
+    context_length = _positive_int(model, "context_length", "model.", config_path)
 
-    graph = onnx.load(str(decoder_path), load_external_data=False).graph
+    graph = _load_graph(decoder_path)
     graph_inputs = {i.name: i for i in graph.input}
     graph_outputs = {o.name: o for o in graph.output}
 
@@ -190,11 +247,17 @@ def read_package(path: str | Path) -> Package:
             f"{decoder_path}: output '{logits}' has shape {logits_dims}; its logits are pruned to the "
             "last position, so continuations cannot be scored. Re-export without prune_lm_head."
         )
-    vocab_size = model.get("vocab_size")
-    if vocab_size is None:
-        vocab_size = logits_dims[2] if isinstance(logits_dims[2], int) else None
-    if not isinstance(vocab_size, int):
-        raise PackageError(f"{config_path}: missing key 'model.vocab_size'")
+    graph_vocab = logits_dims[2] if isinstance(logits_dims[2], int) else None
+    if "vocab_size" in model or graph_vocab is None:
+        vocab_size = _positive_int(model, "vocab_size", "model.", config_path)
+    else:
+        vocab_size = graph_vocab
+    if graph_vocab is not None and vocab_size != graph_vocab:
+        raise PackageError(
+            f"{config_path}: model.vocab_size is {vocab_size} but the decoder's '{logits}' output has "
+            f"{graph_vocab} logits per position ({decoder_path.name})"
+        )
+    _check_attention(graph, num_heads, num_kv_heads, decoder_path, config_path)
 
     sliding = dec.get("sliding_window") or {}
     sliding_layers = set(sliding.get("layers", range(num_layers))) if sliding else set()
@@ -266,24 +329,24 @@ def read_package(path: str | Path) -> Package:
         embedding=embedding,
         model_type=model.get("type", ""),
         vocab_size=vocab_size,
-        context_length=_get(model, "context_length", "model.", config_path),
+        context_length=context_length,
         hidden_size=dec.get("hidden_size", num_heads * head_size),
         num_attention_heads=num_heads,
         bos_token_id=model.get("bos_token_id"),
         eos_token_id=model.get("eos_token_id"),
         pad_token_id=model.get("pad_token_id"),
-        search=genai.get("search", {}),
+        search=search,
     )
 
 
 def _read_embedding(root: Path, model: dict, config_path: Path, decoder_names: dict, decoder_inputs: dict) -> Embedding:
     """The `model.embedding` section and its graph (the vision and speech models are not read)."""
-    section = model["embedding"]
-    filename = _get(section, "filename", "model.embedding.", config_path)
+    section = _object(model, "embedding", "model.", config_path)
+    filename = _string(section, "filename", "model.embedding.", config_path)
     path = root / filename
     if not path.is_file():
         raise PackageError(f"{config_path}: model.embedding.filename is '{filename}' but {path} does not exist")
-    graph = onnx.load(str(path), load_external_data=False).graph
+    graph = _load_graph(path)
     inputs = {i.name: i for i in graph.input}
     outputs = {o.name for o in graph.output}
     names_in, names_out = section.get("inputs", {}), section.get("outputs", {})
@@ -311,3 +374,19 @@ def _read_embedding(root: Path, model: dict, config_path: Path, decoder_names: d
             f"of the decoder ({', '.join(decoder_inputs)})"
         )
     return Embedding(path, ids, _elem_type(inputs[ids]), tuple(empty), tuple(sorted(feeds)))
+
+
+def _check_attention(graph: onnx.GraphProto, num_heads: int, num_kv_heads: int, path: Path, config_path: Path) -> None:
+    """genai_config's head counts against the GroupQueryAttention nodes' own attributes."""
+    for node in graph.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        attributes = {a.name: a.i for a in node.attribute if a.name in ("num_heads", "kv_num_heads")}
+        for key, value, attribute in (("num_attention_heads", num_heads, "num_heads"),
+                                      ("num_key_value_heads", num_kv_heads, "kv_num_heads")):
+            if attribute in attributes and attributes[attribute] != value:
+                raise PackageError(
+                    f"{config_path}: model.decoder.{key} is {value} but {path.name}'s attention node "
+                    f"'{node.name}' has {attribute}={attributes[attribute]}"
+                )
+        return

@@ -128,14 +128,16 @@ def score(
 
 
 def check_prompts(prompts: list[Ids], vocab: int, limit: int) -> None:
-    """Name the first item whose prompt has a token id outside the vocabulary or is too long."""
+    """Name the first item whose prompt holds something other than a token id of the vocabulary
+    (a bool, a float, an id out of range however large) or is too long."""
     for i, prompt in enumerate(prompts):
         if len(prompt) > limit:
             raise ValueError(f"item {i}: the prompt has {len(prompt)} tokens, over the model's context length {limit}")
-    ids = torch.tensor([t for prompt in prompts for t in prompt])
-    if ((ids < 0) | (ids >= vocab)).any():
-        i, bad = next((i, t) for i, prompt in enumerate(prompts) for t in prompt if not 0 <= t < vocab)
-        raise ValueError(f"item {i}: token id {bad} is outside the vocabulary [0, {vocab})")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"item {i}: token ids must be integers, got {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"item {i}: token id {t} is outside the vocabulary [0, {vocab})")
 
 
 def label_logprobs(

@@ -3,9 +3,12 @@
 Requests are checked and tokenized as they arrive (a bad one gets HTTP 400 and touches nothing
 else), then queued. One worker takes the queue in groups: the first waiting request, plus every
 request that arrives within `window_ms`, up to `group_tokens` prompt tokens. A group is scored as
-one call of `scoring.label_logprobs`: a request whose items share a long query runs it once
-and its items over a copy of its KV cache; the other requests' prompts share batched prefills, on a single thread, so the event loop keeps answering while
-ONNX Runtime works. A full queue answers 503.
+one call of `scoring.label_logprobs` on a single thread, so the event loop keeps answering while
+ONNX Runtime works: a request whose items share a long query runs it once and its items over a
+copy of its KV cache; the other requests' prompts share batched prefills. A full queue answers 503.
+Types are strict (no string taken for a number or a boolean); every error, malformed JSON included,
+is `{"object": "error", "message": ..., "code": ...}`. A request whose client has gone is dropped
+from the queue, never scored.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from starlette.exceptions import HTTPException
 
 from . import scoring
 from .modeling import OrtModelForCausalLM
@@ -29,14 +33,17 @@ log = logging.getLogger("ortmodule.server")
 
 
 class ScoreRequest(BaseModel):
-    """SGLang's scoring request."""
+    """SGLang's scoring request, strictly typed: `"5"`, `5.0` or `true` is not a token id, `"yes"`
+    not a boolean."""
 
-    query: str | list[int]
-    items: str | list[str] | list[list[int]]
-    label_token_ids: list[int]
-    apply_softmax: bool = False
-    item_first: bool = False
-    model: str | None = None
+    model_config = ConfigDict(strict=True)
+
+    query: StrictStr | list[StrictInt]
+    items: StrictStr | list[StrictStr] | list[list[StrictInt]]
+    label_token_ids: list[StrictInt]
+    apply_softmax: StrictBool = False
+    item_first: StrictBool = False
+    model: StrictStr | None = None
 
 
 @dataclass
@@ -61,6 +68,7 @@ class Stats:
     largest_group: int = 0  # requests scored together in one group
     rejected_bad: int = 0
     rejected_busy: int = 0
+    abandoned: int = 0  # requests whose client went away before their answer; never scored
     failed: int = 0
     group_sizes: dict[int, int] = field(default_factory=dict)  # requests per group -> how many groups
 
@@ -72,11 +80,12 @@ class BadRequest(ValueError):
 class ScoreServer:
     """The queue, the batching worker and the scoring of a group."""
 
-    def __init__(self, model, tokenizer, name, token_budget=8192, window_ms=5.0, group_tokens=None, max_queue=256):
+    def __init__(self, model, tokenizer, name, token_budget=8192, window_ms=5.0, max_queue=256):
+        check_options(token_budget, window_ms, max_queue)
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.token_budget = token_budget
         self.window = window_ms / 1000
-        self.group_tokens = group_tokens or 4 * token_budget
+        self.group_tokens = 4 * token_budget
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue(max_queue)
         self.stats = Stats()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ortmodule-score")
@@ -116,15 +125,19 @@ class ScoreServer:
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            group = [await self.queue.get()]
-            tokens, deadline = group[0].tokens, loop.time() + self.window
+            first = await self.queue.get()
+            if first.done.done():  # its client went away while it waited
+                continue
+            group = [first]
+            tokens, deadline = first.tokens, loop.time() + self.window
             while tokens < self.group_tokens:
                 try:
                     more = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
                     break
-                group.append(more)
-                tokens += more.tokens
+                if not more.done.done():
+                    group.append(more)
+                    tokens += more.tokens
             start = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self._score_group, group)
@@ -170,6 +183,28 @@ class ScoreServer:
         log.info("scored %d requests together: %d items, %d tokens, %.1f ms", len(group), items, tokens, 1000 * seconds)
 
 
+def check_options(token_budget, window_ms, max_queue) -> None:
+    """The server's settings, refused at start when they could only fail later."""
+    if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
+        raise ValueError(f"token_budget must be a positive integer (padded tokens per forward), got {token_budget!r}")
+    if isinstance(window_ms, bool) or not isinstance(window_ms, (int, float)) or not 0 <= window_ms <= 10_000:
+        raise ValueError(f"window_ms must be between 0 and 10000 ms, got {window_ms!r}")
+    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+        raise ValueError(f"max_queue must be a positive integer (waiting requests before 503), got {max_queue!r}")
+
+
+async def _until_answered_or_gone(work: asyncio.Task, request: Request, poll: float = 0.05):
+    """Wait for `work`; if the client disconnects first, cancel it (its queued request is then
+    skipped) and return None."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=poll)
+        if done:
+            return work.result()
+        if await request.is_disconnected():
+            work.cancel()
+            return None
+
+
 def create_app(
     model: OrtModelForCausalLM,
     tokenizer,
@@ -187,6 +222,16 @@ def create_app(
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"object": "error", "message": message, "code": status}, status_code=status)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """Bodies that are not JSON at all (invalid UTF-8, nesting too deep) and unknown routes."""
+        if 400 <= exc.status_code < 500:
+            server.stats.rejected_bad += 1
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "invalid request: the body is not valid JSON (UTF-8 text, at most a few hundred levels deep)"
+        return error(exc.status_code, detail)
+
     @app.exception_handler(RequestValidationError)
     async def bad_schema(request: Request, exc: RequestValidationError):
         server.stats.rejected_bad += 1
@@ -196,9 +241,13 @@ def create_app(
         return error(400, f"invalid request: {problems}")
 
     @app.post("/v1/score")
-    async def score(request: ScoreRequest):
+    async def score(body: ScoreRequest, request: Request):
         try:
-            return await server.score(request)
+            answer = await _until_answered_or_gone(asyncio.ensure_future(server.score(body)), request)
+            if answer is None:
+                server.stats.abandoned += 1
+                return error(499, "the client closed the connection before the answer")
+            return answer
         except BadRequest as e:
             server.stats.rejected_bad += 1
             return error(400, str(e))

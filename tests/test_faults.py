@@ -1,0 +1,343 @@
+"""Faults found in a probe, each a clear error naming the problem, at load or at the call (never
+inside ONNX Runtime, never a raw Python error): the rewrite cache, genai_config.json against the
+graph, the library's arguments, and the server's types, flags, error shape and abandoned requests."""
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+
+import httpx
+import onnx
+import pytest
+import torch
+from conftest import load_pair
+from test_server import LiveServer
+
+import ortmodule
+from ortmodule import OrtModelForCausalLM, PackageError, cli, graph, load_tokenizer, read_package
+from ortmodule.server import create_app
+
+IDS = torch.tensor([[5, 9, 33, 70, 101, 7, 64, 12]])
+
+
+def copy_package(fixture, tmp_path, name="package"):
+    folder = tmp_path / name
+    shutil.copytree(fixture.package_dir, folder)
+    return folder
+
+
+def logits(folder, cache_dir):
+    return OrtModelForCausalLM.from_pretrained(folder, cache_dir=cache_dir)(IDS).logits
+
+
+# ---- the rewrite cache ------------------------------------------------------------------------
+
+
+def cache_entry(cache_dir):
+    (entry,) = [p for p in cache_dir.iterdir() if p.suffix == ".onnx"]
+    return entry
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "unrewritten", "truncated"])
+def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(llama, tmp_path, damage, caplog):
+    cache_dir = tmp_path / "graphs"
+    expected = logits(llama.package_dir, cache_dir)
+    entry = cache_entry(cache_dir)
+    good = entry.read_bytes()
+    entry.write_bytes({"garbage": os.urandom(4096), "empty": b"",
+                       "unrewritten": (llama.package_dir / "model.onnx").read_bytes(),
+                       "truncated": good[: len(good) // 2]}[damage])
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        model = OrtModelForCausalLM.from_pretrained(llama.package_dir, cache_dir=cache_dir)
+    assert model.keeps_positions
+    assert torch.equal(model(IDS).logits, expected)
+    assert any("damaged" in r.message and str(entry) in r.getMessage() for r in caplog.records)
+    assert entry.read_bytes() == good  # rebuilt in place
+
+
+def embedded_copy(fixture, folder):
+    """The package with its weights inside model.onnx: graphs of different weights, one size."""
+    shutil.copytree(fixture.package_dir, folder)
+    model = onnx.load(str(folder / "model.onnx"))
+    (folder / "model.onnx.data").unlink()
+    onnx.save(model, str(folder / "model.onnx"))
+    return folder
+
+
+def test_a_decoder_replaced_with_the_same_size_and_time_gets_its_own_rewrite(llama, build, tmp_path):
+    """`cp -p` of another graph of the same size over the decoder: the key is the content."""
+    other = build("llama", seed=1)
+    mine, theirs = embedded_copy(llama, tmp_path / "a"), embedded_copy(other, tmp_path / "b")
+    assert (mine / "model.onnx").stat().st_size == (theirs / "model.onnx").stat().st_size
+    cache_dir = tmp_path / "graphs"
+    before = logits(mine, cache_dir)
+    expected = logits(theirs, tmp_path / "other-graphs")
+    stat = (mine / "model.onnx").stat()
+    shutil.copyfile(theirs / "model.onnx", mine / "model.onnx")
+    os.utime(mine / "model.onnx", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = logits(mine, cache_dir)
+    assert torch.equal(after, expected) and not torch.equal(after, before)
+
+
+def test_a_full_disk_leaves_no_partial_file_and_warns_once(llama, tmp_path, monkeypatch, caplog):
+    cache_dir = tmp_path / "graphs"
+    real_open = open
+
+    class Full:
+        def __init__(self, path, mode):
+            self.file = real_open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            self.file.write(data[:100])
+            raise OSError(28, "No space left on device")
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        return Full(path, mode) if "w" in mode else real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(graph, "open", fake_open, raising=False)
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        first = logits(llama.package_dir, cache_dir)
+        second = logits(llama.package_dir, cache_dir)
+    assert torch.equal(first, second)
+    assert list(cache_dir.iterdir()) == []  # no entry, no .tmp
+    assert sum("cannot write the rewrite cache" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---- genai_config.json against the graph ------------------------------------------------------
+
+
+def edit_config(folder, change):
+    path = folder / "genai_config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+
+
+def setter(*keys, value):
+    def change(config):
+        section = config
+        for key in keys[:-1]:
+            section = section[key]
+        section[keys[-1]] = value
+    return change
+
+
+CONFIG_FAULTS = [
+    (setter("model", "vocab_size", value=500), "model.vocab_size is 500 but the decoder's 'logits' output has 512"),
+    (setter("model", "vocab_size", value=1000), "model.vocab_size is 1000 but"),
+    (setter("model", "vocab_size", value=0), "'model.vocab_size' must be a positive integer, got 0"),
+    (setter("model", "vocab_size", value=-5), "'model.vocab_size' must be a positive integer, got -5"),
+    (setter("model", "vocab_size", value="700"), "'model.vocab_size' must be a positive integer, got \"700\""),
+    (setter("model", "context_length", value=0), "'model.context_length' must be a positive integer, got 0"),
+    (setter("model", "decoder", "filename", value=None), "'model.decoder.filename' must be a non-empty string"),
+    (setter("model", "decoder", "num_hidden_layers", value="3"), "'model.decoder.num_hidden_layers' must be a positive"),
+    (setter("model", "decoder", "num_key_value_heads", value=4), "num_key_value_heads is 4 but model.onnx's attention"),
+    (setter("model", "decoder", "head_size", value=8), "ONNX Runtime cannot run model.onnx with this configuration"),
+    (setter("search", value="x"), "'search' must be a JSON object"),
+    (setter("model", "decoder", value=[]), "'model.decoder' must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("change, message", CONFIG_FAULTS, ids=[m[:40] for _, m in CONFIG_FAULTS])
+def test_an_inconsistent_config_is_refused_at_load(llama, tmp_path, change, message):
+    folder = copy_package(llama, tmp_path)
+    edit_config(folder, change)
+    with pytest.raises(PackageError, match="genai_config.json") as error:
+        OrtModelForCausalLM.from_pretrained(folder, cache_dir=tmp_path / "graphs")
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(os.urandom(64) + b"\xff\xfe", "not UTF-8 text"), (b"[1, 2, 3]", "must hold a JSON object, got list"),
+     (b"{\"model\": ", "not valid JSON")],
+    ids=["binary", "not-an-object", "cut-short"],
+)
+def test_an_unreadable_config_is_a_package_error(llama, tmp_path, content, message):
+    folder = copy_package(llama, tmp_path)
+    (folder / "genai_config.json").write_bytes(content)
+    with pytest.raises(PackageError, match=message):
+        read_package(folder)
+
+
+@pytest.mark.parametrize("damage", ["truncated-graph", "truncated-weights", "missing-weights"])
+def test_damaged_model_files_are_package_errors_naming_the_file(llama, tmp_path, damage):
+    folder = copy_package(llama, tmp_path)
+    graph_file, weights = folder / "model.onnx", folder / "model.onnx.data"
+    if damage == "truncated-graph":
+        graph_file.write_bytes(graph_file.read_bytes()[:1000])
+        message = f"{graph_file}: not a readable ONNX graph"
+    elif damage == "truncated-weights":
+        weights.write_bytes(weights.read_bytes()[:5000])
+        message = f"{weights}: truncated"
+    else:
+        weights.unlink()
+        message = f"its weights file {weights} does not exist"
+    with pytest.raises(PackageError) as error:
+        OrtModelForCausalLM.from_pretrained(folder, cache_dir=tmp_path / "graphs")
+    assert message in str(error.value)
+
+
+# ---- the library's arguments ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(llama):
+    return load_pair(llama)[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(generation_config={"max_new_tokens": 3}), TypeError, "generation_config must be a transformers.GenerationConfig"),
+        (dict(max_new_tokens=2.5), ValueError, "max_new_tokens must be an integer >= 1, got 2.5"),
+        (dict(max_new_tokens="4"), ValueError, "max_new_tokens must be an integer >= 1, got '4'"),
+        (dict(max_new_tokens=True), ValueError, "max_new_tokens must be an integer"),
+        (dict(max_new_tokens=3, do_sample=True, top_p=1.5), ValueError, "top_p must be a number in (0.0, 1.0]"),
+        (dict(max_new_tokens=3, do_sample=True, temperature=-1.0), ValueError, "temperature must be a number > 0"),
+        (dict(max_new_tokens=3, eos_token_id=-1), ValueError, "eos_token_id must be a token id"),
+        (dict(max_new_tokens=3, eos_token_id=[1, 512]), ValueError, "eos_token_id must be a token id"),
+        (dict(max_new_tokens=3, pad_token_id=10**6), ValueError, "pad_token_id must be a token id in [0, 512)"),
+    ],
+)
+def test_bad_generate_options(model, kwargs, error, message):
+    with pytest.raises(error) as raised:
+        model.generate(IDS, **kwargs)
+    assert message in str(raised.value)
+
+
+def test_bad_forward_and_step_inputs(model):
+    with pytest.raises(ValueError, match="logits_to_keep is an empty tensor"):
+        model(IDS, logits_to_keep=torch.tensor([], dtype=torch.int64))
+    with pytest.raises(ValueError, match="1-D integer positions"):
+        model(IDS, logits_to_keep=torch.tensor([True, False]))
+    with pytest.raises(TypeError, match="rows must hold integer positions"):
+        model.logits_at(IDS, None, torch.tensor([0.7]), torch.tensor([3]))
+    with pytest.raises(TypeError, match="cols must hold integer positions"):
+        model.logits_at(IDS, None, [0], [2.5])
+    out = model(IDS, use_cache=True)
+    with pytest.raises(TypeError, match="integer token ids, got dtype torch.bool"):
+        model(torch.tensor([[True]]), past_key_values=out.past_key_values)
+    wrong = torch.ones(1, IDS.shape[1] + 1, dtype=torch.int64)
+    wrong[0, 2] = 0  # the first call's mask was all ones
+    with pytest.raises(ValueError, match="earlier columns differ"):
+        model(torch.tensor([[5]]), attention_mask=wrong, past_key_values=out.past_key_values)
+    step = model(torch.tensor([[5]]), attention_mask=torch.ones_like(wrong), past_key_values=out.past_key_values,
+                 use_cache=True)
+    assert step.logits.shape == (1, 1, 512)  # the right mask still steps after the refusals
+
+
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "double"])
+def test_converting_the_precision_is_refused(model, convert):
+    with pytest.raises(TypeError, match="cannot convert an ONNX package"):
+        getattr(model, convert)()
+    assert model.float() is model  # the package's own precision is fine
+
+
+def test_a_huge_id_in_a_score_query_names_the_item(model):
+    with pytest.raises(ValueError, match=f"item 1: token id {2**70} is outside the vocabulary"):
+        ortmodule.score(model, None, query=[5, 6], items=[[7], [8, 2**70]], label_token_ids=[1])
+    with pytest.raises(TypeError, match="must hold integer token ids"):
+        ortmodule.score(model, None, query=[5, 6], items=[[7], [8, 9.0]], label_token_ids=[1])
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live(llama):
+    model, _ = load_pair(llama)
+    server = LiveServer(create_app(model, load_tokenizer(llama.package_dir), name="tiny", window_ms=0))
+    yield server
+    server.stop()
+
+
+GOOD = dict(query=[5, 6, 7], items=[[8], [9]], label_token_ids=[1, 2])
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [(dict(label_token_ids=["5"]), "label_token_ids"), (dict(label_token_ids=[5.0]), "label_token_ids"),
+     (dict(label_token_ids=[True]), "label_token_ids"), (dict(apply_softmax="yes"), "apply_softmax"),
+     (dict(item_first=1), "item_first"), (dict(query=[5, "6"]), "query"), (dict(model=3), "model")],
+)
+def test_server_types_are_strict(live, change, field):
+    response = live.client.post("/v1/score", json={**GOOD, **change})
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["object"] == "error" and body["code"] == 400 and field in body["message"]
+
+
+@pytest.mark.parametrize("content", [b'{"query": "\xff\xfe", "items": ["a"], "label_token_ids": [1]}',
+                                     b"[" * 100_000 + b"]" * 100_000], ids=["invalid-utf8", "deeply-nested"])
+def test_unparseable_bodies_get_the_error_object_and_are_counted(live, content):
+    before = live.client.get("/metrics").json()["rejected_bad"]
+    response = live.client.post("/v1/score", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    body = response.json()
+    assert body["object"] == "error" and body["code"] == 400 and "message" in body
+    assert live.client.get("/metrics").json()["rejected_bad"] == before + 1
+    assert live.client.post("/v1/score", json=GOOD).status_code == 200
+
+
+def test_requests_of_clients_that_left_are_not_scored(llama):
+    model, _ = load_pair(llama)
+    app = create_app(model, load_tokenizer(llama.package_dir), window_ms=0)
+    server = app.state.server
+    release, started = threading.Event(), threading.Event()
+    score_group, scored = server._score_group, []
+
+    def held(group):  # the first group blocks until the abandoned requests have queued up
+        scored.append(len(group))
+        started.set()
+        release.wait(30)
+        return score_group(group)
+
+    server._score_group = held
+    live = LiveServer(app)
+    try:
+        first = threading.Thread(target=live.client.post, args=("/v1/score",), kwargs=dict(json=GOOD))
+        first.start()
+        assert started.wait(30)
+        for _ in range(5):  # clients that give up after 0.3 s
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(live.url + "/v1/score", json=GOOD, timeout=0.3)
+        deadline = time.monotonic() + 30
+        while live.client.get("/metrics").json()["abandoned"] < 5:
+            assert time.monotonic() < deadline, live.client.get("/metrics").json()
+            time.sleep(0.05)
+        release.set()
+        first.join(30)
+        assert live.client.post("/v1/score", json=GOOD).status_code == 200
+        metrics = live.client.get("/metrics").json()
+        assert metrics["abandoned"] == 5 and metrics["requests"] == 2  # only the two whose clients waited
+        assert sum(scored) == 2
+    finally:
+        release.set()
+        live.stop()
+
+
+@pytest.mark.parametrize("flag", [["--token-budget", "0"], ["--max-queue", "0"], ["--max-queue", "-1"],
+                                  ["--window-ms", "-5"], ["--token-budget", "lots"]])
+def test_server_flags_are_checked(llama, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.ortmodule(["serve", str(llama.package_dir), *flag])
+    assert exit_info.value.code == 2
+    assert flag[0] in capsys.readouterr().err
+
+
+def test_create_app_checks_its_options(llama):
+    model, _ = load_pair(llama)
+    for options, message in ((dict(token_budget=0), "token_budget"), (dict(max_queue=0), "max_queue"),
+                             (dict(max_queue=-1), "max_queue"), (dict(window_ms=-1), "window_ms")):
+        with pytest.raises(ValueError, match=message):
+            create_app(model, load_tokenizer(llama.package_dir), **options)

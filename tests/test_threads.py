@@ -1,0 +1,44 @@
+"""One model, many threads: forward, generate and score called concurrently give exactly what the
+same calls give one after another (each thread prefills into its own scratch KV buffer; caches of
+generate, score and `use_cache` belong to their call)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from conftest import load_pair
+
+import ortmodule
+
+
+def calls(vocab: int):
+    """A mixed list of calls, each a function of the model returning tensors: mostly prefills of
+    different shapes (long enough for runs on several threads to overlap), some generate and score."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(40):
+        batch, length = 1 + i % 4, 40 + (37 * i) % 200
+        ids = torch.randint(4, vocab, (batch, length), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[0, : i % 4] = 0  # some rows left-padded
+        kind = i % 8
+        if kind in (0, 4, 5, 6):
+            out.append(lambda m, ids=ids, mask=mask: m(ids, attention_mask=mask).logits)
+        elif kind in (1, 7):
+            out.append(lambda m, ids=ids, mask=mask: m(ids, attention_mask=mask, cont_len=2).logits)
+        elif kind == 2:
+            out.append(lambda m, ids=ids, mask=mask: m.generate(ids, attention_mask=mask, max_new_tokens=4,
+                                                                do_sample=False))
+        else:
+            query, items = ids[0].tolist(), [[int(t)] for t in ids[-1, :3]]
+            out.append(lambda m, q=query, it=items: torch.tensor(ortmodule.score(m, None, q, it, [5, 6, 7])))
+    return out
+
+
+def test_concurrent_calls_equal_sequential_ones(llama):
+    model, _ = load_pair(llama)
+    work = calls(model.package.vocab_size) * 3  # 120 calls on 4 threads
+    expected = [fn(model) for fn in work]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda fn: fn(model), work))
+    wrong = [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
+    assert not wrong, f"{len(wrong)} of {len(work)} concurrent results differ from the sequential ones"
