@@ -55,7 +55,7 @@ SIZES = {
         lm_eval=dict(limit=30, batch_size=8),  # 30 questions: 120 loglikelihood requests
         # score(): requests of one query and many short items; the server's load at a steady rate.
         score=dict(requests=2, query_tokens=120, items=16, item_tokens=20, labels=4),
-        server=dict(rate=2.0, duration=20.0, items=10),
+        server=dict(rate=1.0, duration=20.0, items=10),
     ),
     "gpu": dict(
         device="cuda",

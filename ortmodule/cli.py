@@ -43,6 +43,9 @@ def ortmodule(argv: list[str] | None = None) -> None:
                        help="how long a group waits for more requests (>= 0)")
     serve.add_argument("--max-queue", type=_at_least(1, int), default=256,
                        help="waiting requests before answering 503 (>= 1)")
+    serve.add_argument("--max-body-bytes", type=_at_least(1, int), default=8 * 2**20,
+                       help="larger request bodies are refused with 413 before parsing (default 8 MiB)")
+    serve.add_argument("--max-items", type=_at_least(1, int), default=1024, help="items per request (default 1024)")
     args = parser.parse_args(argv)
     if args.command == "export":
         _export(parser, args)
@@ -51,7 +54,8 @@ def ortmodule(argv: list[str] | None = None) -> None:
     from .server import serve as run
 
     run(args.path, host=args.host, port=args.port, device=args.device, name=args.name,
-        token_budget=args.token_budget, window_ms=args.window_ms, max_queue=args.max_queue)
+        token_budget=args.token_budget, window_ms=args.window_ms, max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes, max_items=args.max_items)
 
 
 def _at_least(low, kind):

@@ -381,7 +381,8 @@ def generate(
     if streamer is not None:
         streamer.put(sequences[:, :width].cpu())
 
-    cache = KVCache(model, size, batch.longest + max_new)
+    # The prefill writes every column of the padded prompt, so the cache holds at least that many.
+    cache = KVCache(model, size, max(width, batch.longest + max_new))
     step = model._decode_step(cache)
     logits = step.prefill(batch)
     unfinished = torch.ones(size, dtype=torch.bool, device=device)

@@ -9,6 +9,8 @@ device, with one small copy to the host per batch.
 
 from __future__ import annotations
 
+import functools
+import threading
 from pathlib import Path
 
 import torch
@@ -23,6 +25,25 @@ from .package import read_package
 from .scoring import grouped_loglikelihood, loglikelihood, worth_sharing
 
 
+def _one_evaluation_at_a_time(method):
+    """lm-eval backends keep per-run state (batch-size search, caches): a second thread calling
+    into the same backend while it runs gets a clear error instead of a race."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError(
+                "this OrtModuleLM is already running requests on another thread; use one OrtModuleLM per "
+                "thread (they may share one model: OrtModuleLM(pretrained=model, tokenizer=tokenizer))"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._running.release()
+
+    return run
+
+
 @register_model("ortmodule")
 class OrtModuleLM(HFLM):
     """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR,device=cpu` (or cuda, cuda:N).
@@ -35,6 +56,7 @@ class OrtModuleLM(HFLM):
 
     def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool = True,
                  provider_options: dict | None = None, **kwargs):
+        self._running = threading.RLock()
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options)
@@ -63,6 +85,10 @@ class OrtModuleLM(HFLM):
         if isinstance(self._model, OrtModelForCausalLM):
             return self._model.package.context_length
         return super().max_length
+
+    loglikelihood = _one_evaluation_at_a_time(HFLM.loglikelihood)
+    loglikelihood_rolling = _one_evaluation_at_a_time(HFLM.loglikelihood_rolling)
+    generate_until = _one_evaluation_at_a_time(HFLM.generate_until)
 
     def get_model_info(self) -> dict:
         return {

@@ -31,7 +31,12 @@ def load_tokenizer(path: str | Path, **kwargs):
     root = Path(path)
     if not (root / "tokenizer.json").is_file():
         raise PackageError(f"{root}: no tokenizer.json in the package folder")
-    return AutoTokenizer.from_pretrained(root, local_files_only=True, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(root, local_files_only=True, **kwargs)
+    except Exception as e:  # tokenizers' and transformers' own errors for a damaged file
+        raise PackageError(
+            f"{root}: the tokenizer files cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
+        ) from None
 
 
 def build_config(package: Package) -> PretrainedConfig:
@@ -241,6 +246,7 @@ class OrtModelForCausalLM(torch.nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
 
+    @runtime.out_of_memory_is_runtime_error
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -357,6 +363,7 @@ class OrtModelForCausalLM(torch.nn.Module):
             cache.caller_mask = torch.cat([cache.caller_mask, cache.caller_mask.new_ones(batch, new)], 1)
         return logits.view(batch, -1, logits.shape[-1])
 
+    @runtime.out_of_memory_is_runtime_error
     def generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig | None = None, **kwargs):
         """Greedy decoding or sampling with transformers' semantics; the KV cache stays on the device.
 
@@ -457,6 +464,7 @@ class OrtModelForCausalLM(torch.nn.Module):
             return None
         return torch.arange(length - keep, length, device=self.device)
 
+    @runtime.out_of_memory_is_runtime_error
     def logits_at(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor, cols: torch.Tensor
     ) -> torch.Tensor:

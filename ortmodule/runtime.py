@@ -7,6 +7,7 @@ memory ONNX Runtime writes into.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -133,3 +134,23 @@ def raise_if_out_of_memory(error: Exception) -> None:
     text = str(error).lower()
     if any(marker in text for marker in _OOM_MARKERS):
         raise RuntimeError(f"ONNX Runtime ran out of memory. ({error})") from error
+
+
+def out_of_memory_is_runtime_error(function):
+    """Decorate an entry point so that any allocation failure inside it, torch's included (on the
+    CPU: "DefaultCPUAllocator: can't allocate memory"; Python's MemoryError), is the RuntimeError
+    with "out of memory." that batch-size searches retry on. ONNX Runtime's failures are turned
+    so by `run` already."""
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except MemoryError as e:
+            raise RuntimeError(f"ran out of memory. ({type(e).__name__}: {e})") from e
+        except RuntimeError as e:
+            if "out of memory." not in str(e) and "can't allocate memory" in str(e):
+                raise RuntimeError(f"torch ran out of memory. ({e})") from e
+            raise
+
+    return call

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 
 import torch
 
+from . import runtime
 from .generation import KVCache
 from .modeling import OrtModelForCausalLM
 
 
+@runtime.out_of_memory_is_runtime_error
 @torch.inference_mode()
 def loglikelihood(
     model: OrtModelForCausalLM,
@@ -95,6 +97,7 @@ def worth_sharing(rows: list[Ids], starts: list[int]) -> bool:
 Ids = list[int]
 
 
+@runtime.out_of_memory_is_runtime_error
 @torch.inference_mode()
 def score(
     model: OrtModelForCausalLM,

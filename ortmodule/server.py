@@ -14,6 +14,8 @@ from the queue, never scored.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +38,7 @@ class ScoreRequest(BaseModel):
     """SGLang's scoring request, strictly typed: `"5"`, `5.0` or `true` is not a token id, `"yes"`
     not a boolean."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     query: StrictStr | list[StrictInt]
     items: StrictStr | list[StrictStr] | list[list[StrictInt]]
@@ -77,18 +79,43 @@ class BadRequest(ValueError):
     pass
 
 
+class ServerClosing(RuntimeError):
+    pass
+
+
+# Defaults of the limits checked before anything is tokenized.
+MAX_BODY_BYTES = 8 * 2**20
+MAX_ITEMS = 1024
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes of text one token of the vocabulary can stand for (an upper bound:
+    byte-level vocabularies write a byte as a character of up to 2 bytes)."""
+    if tokenizer is None:
+        return 1
+    return max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=1)
+
+
 class ScoreServer:
     """The queue, the batching worker and the scoring of a group."""
 
-    def __init__(self, model, tokenizer, name, token_budget=8192, window_ms=5.0, max_queue=256):
+    def __init__(self, model, tokenizer, name, token_budget=8192, window_ms=5.0, max_queue=256, max_items=MAX_ITEMS):
         check_options(token_budget, window_ms, max_queue)
+        if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 1:
+            raise ValueError(f"max_items must be a positive integer, got {max_items!r}")
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.max_items = max_items
+        # A text longer than this many bytes cannot fit the context, however it tokenizes.
+        self.max_text_bytes = model.package.context_length * longest_token_bytes(tokenizer)
+        self.closing = False
         self.token_budget = token_budget
         self.window = window_ms / 1000
         self.group_tokens = 4 * token_budget
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue(max_queue)
         self.stats = Stats()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ortmodule-score")
+        # Tokenizing happens here, off the event loop and off the scoring thread.
+        self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="ortmodule-tokenize")
         self._worker: asyncio.Task | None = None
 
     # ---- requests -----------------------------------------------------------------------------
@@ -97,6 +124,20 @@ class ScoreServer:
         """The request's prompts and labels, or BadRequest naming what is wrong."""
         if request.model not in (None, "", self.name):
             raise BadRequest(f"model {request.model!r} is not served here; this server serves {self.name!r}")
+        items = [request.items] if isinstance(request.items, str) else request.items
+        if len(items) > self.max_items:
+            raise BadRequest(f"items has {len(items)} entries; this server takes at most {self.max_items} per request")
+        texts = [("query", request.query)] + [(f"item {i}", item) for i, item in enumerate(items)]
+        for where, text in texts:
+            # A character is at least one byte: only a text near the bound is encoded to count.
+            if not isinstance(text, str) or len(text) * 4 <= self.max_text_bytes:
+                continue
+            size = len(text) if len(text) > self.max_text_bytes else len(text.encode("utf-8", "surrogatepass"))
+            if size > self.max_text_bytes:
+                raise BadRequest(
+                    f"{where} is at least {size} bytes of text, more than fits the model's context of "
+                    f"{self.model.package.context_length} tokens however it tokenizes"
+                )
         try:
             prompts = scoring.prompts_of(self.tokenizer, request.query, request.items, request.item_first)
             package = self.model.package
@@ -106,8 +147,22 @@ class ScoreServer:
             raise BadRequest(str(e)) from None
         return prompts, labels
 
+    def _check_quietly(self, request: ScoreRequest):
+        """`check` on the tokenizing thread, returning the problem rather than raising it: an error
+        raised across the thread pool holds its frames (and the request's text) in a reference cycle
+        until the garbage collector's next full pass."""
+        try:
+            return self.check(request), None
+        except BadRequest as e:
+            return None, str(e)
+
     async def score(self, request: ScoreRequest) -> dict:
-        prompts, labels = self.check(request)
+        if self.closing:
+            raise ServerClosing()
+        checked, problem = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._check_quietly, request)
+        if problem is not None:
+            raise BadRequest(problem)
+        prompts, labels = checked
         pending = _Pending(prompts, labels, request.apply_softmax, asyncio.get_running_loop().create_future())
         self.queue.put_nowait(pending)  # asyncio.QueueFull when the queue is full: 503
         if self._worker is None or self._worker.done():
@@ -183,6 +238,50 @@ class ScoreServer:
         log.info("scored %d requests together: %d items, %d tokens, %.1f ms", len(group), items, tokens, 1000 * seconds)
 
 
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is refused with 413 before the app sees it (from
+    Content-Length when sent, else as the bytes arrive), so it is never parsed or tokenized."""
+
+    def __init__(self, app, limit: int, stats: Stats):
+        self.app, self.limit, self.stats = app, limit, stats
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(send)
+        chunks, received, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received > self.limit:
+                return await self._refuse(send)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():  # the body once, then the client's own messages (a disconnect)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send):
+        self.stats.rejected_bad += 1
+        body = json.dumps({"object": "error", "code": 413,
+                           "message": f"request body over {self.limit} bytes; this server takes at most that"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def check_options(token_budget, window_ms, max_queue) -> None:
     """The server's settings, refused at start when they could only fail later."""
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
@@ -196,13 +295,19 @@ def check_options(token_budget, window_ms, max_queue) -> None:
 async def _until_answered_or_gone(work: asyncio.Task, request: Request, poll: float = 0.05):
     """Wait for `work`; if the client disconnects first, cancel it (its queued request is then
     skipped) and return None."""
-    while True:
-        done, _ = await asyncio.wait({work}, timeout=poll)
-        if done:
-            return work.result()
-        if await request.is_disconnected():
-            work.cancel()
-            return None
+    try:
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=poll)
+            if done:
+                return work.result()
+            if await request.is_disconnected():
+                work.cancel()
+                return None
+    finally:
+        # An error raised from work.result() holds this frame in its traceback, and this frame
+        # holds the task (in `work` and `done`) that holds the error: without this, every refused
+        # request (with its body) would stay in memory until the garbage collector's next full pass.
+        work = done = None
 
 
 def create_app(
@@ -212,12 +317,26 @@ def create_app(
     token_budget: int = 8192,
     window_ms: float = 5.0,
     max_queue: int = 256,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_items: int = MAX_ITEMS,
 ) -> FastAPI:
     """The FastAPI app: `POST /v1/score`, `GET /health`, `GET /v1/models`, `GET /metrics`."""
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     name = name or model.name_or_path
-    server = ScoreServer(model, tokenizer, name, token_budget, window_ms, max_queue=max_queue)
-    app = FastAPI(title="ortmodule", description="SGLang-compatible scoring over an ONNX GenAI package")
+    server = ScoreServer(model, tokenizer, name, token_budget, window_ms, max_queue=max_queue, max_items=max_items)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        # Shutting down: uvicorn has stopped accepting and waits for the open requests, which the
+        # worker keeps answering; anything that still arrives is refused with 503.
+        server.closing = True
+
+    app = FastAPI(title="ortmodule", description="SGLang-compatible scoring over an ONNX GenAI package",
+                  lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=max_body_bytes, stats=server.stats)
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"object": "error", "message": message, "code": status}, status_code=status)
@@ -254,6 +373,9 @@ def create_app(
         except asyncio.QueueFull:
             server.stats.rejected_busy += 1
             return error(503, f"the server is busy: {server.queue.maxsize} requests are waiting; retry later")
+        except ServerClosing:
+            server.stats.rejected_busy += 1
+            return error(503, "the server is shutting down")
         except Exception as e:
             return error(500, f"scoring failed: {type(e).__name__}: {e}")
 
@@ -293,3 +415,4 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     model = OrtModelForCausalLM.from_pretrained(path, device=device)
     app = create_app(model, load_tokenizer(path), **options)
     uvicorn.run(app, host=host, port=port, log_level="info")
+

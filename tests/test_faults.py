@@ -341,3 +341,92 @@ def test_create_app_checks_its_options(llama):
                              (dict(max_queue=-1), "max_queue"), (dict(window_ms=-1), "window_ms")):
         with pytest.raises(ValueError, match=message):
             create_app(model, load_tokenizer(llama.package_dir), **options)
+
+
+# ---- tokenizer files, and two processes loading a package for the first time -------------------
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage", "config-garbage"])
+def test_damaged_tokenizer_files_are_package_errors(llama, tmp_path, damage):
+    folder = copy_package(llama, tmp_path)
+    if damage == "missing":
+        (folder / "tokenizer.json").unlink()
+        message = "no tokenizer.json"
+    elif damage == "garbage":
+        (folder / "tokenizer.json").write_bytes(os.urandom(300))
+        message = "the tokenizer files cannot be read"
+    else:
+        (folder / "tokenizer_config.json").write_text("{not json")
+        message = "the tokenizer files cannot be read"
+    with pytest.raises(PackageError, match=message):
+        load_tokenizer(folder)
+
+
+LOADER = """
+import sys, torch
+from ortmodule import OrtModelForCausalLM
+model = OrtModelForCausalLM.from_pretrained(sys.argv[1], cache_dir=sys.argv[2])
+assert model.keeps_positions
+torch.save(model(torch.tensor([[5, 9, 33, 70, 101, 7, 64, 12]])).logits, sys.argv[3])
+"""
+
+
+def test_processes_loading_a_package_for_the_first_time_at_once(llama, tmp_path):
+    """Four processes race to build the same rewrite cache entry: all load, all agree, and the
+    entry left behind passes its check."""
+    import subprocess
+    import sys
+
+    cache_dir = tmp_path / "graphs"
+    outs = [tmp_path / f"out{i}.pt" for i in range(4)]
+    processes = [subprocess.Popen([sys.executable, "-c", LOADER, str(llama.package_dir), str(cache_dir), str(out)],
+                                  stderr=subprocess.PIPE, text=True) for out in outs]
+    for process in processes:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+    results = [torch.load(out) for out in outs]
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert graph._read_entry(cache_entry(cache_dir)) is not None
+    assert not [p for p in cache_dir.iterdir() if p.suffix == ".tmp"]
+
+
+# ---- out of memory, for real: a process with its address space capped ------------------------
+
+OUT_OF_MEMORY = """
+import resource, sys, torch
+import ortmodule
+from ortmodule import OrtModelForCausalLM
+model = OrtModelForCausalLM.from_pretrained(sys.argv[1], cache_dir=sys.argv[2])
+small = torch.randint(4, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+expected = model(small).logits
+with open("/proc/self/status") as f:
+    size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + 600 * 2**20, resource.RLIM_INFINITY))
+big = torch.randint(4, 500, (1200, 256), generator=torch.Generator().manual_seed(1))
+calls = {
+    "prefill": lambda: model(big, cont_len=1),
+    "generate": lambda: model.generate(big[:, :200], max_new_tokens=40, do_sample=False),
+    "score": lambda: ortmodule.score(model, None, big[0, :100].tolist(), big[:, :150].tolist(), [5], token_budget=10**6),
+}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "no error")
+    except RuntimeError as e:
+        print(name, "out of memory." in str(e), str(e)[:160].replace(chr(10), " "))
+    assert torch.equal(model(small).logits, expected), name  # still usable, same numbers
+print("usable")
+"""
+
+
+def test_allocation_failures_are_out_of_memory_errors_and_the_model_stays_usable(llama, tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", OUT_OF_MEMORY, str(llama.package_dir), str(tmp_path / "graphs")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
+    for name in ("prefill", "generate", "score"):
+        assert lines[name].startswith("True"), result.stdout
+    assert "usable" in result.stdout

@@ -4,6 +4,7 @@ generate, score and `use_cache` belong to their call)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from conftest import load_pair
 
@@ -42,3 +43,39 @@ def test_concurrent_calls_equal_sequential_ones(llama):
         got = list(pool.map(lambda fn: fn(model), work))
     wrong = [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
     assert not wrong, f"{len(wrong)} of {len(work)} concurrent results differ from the sequential ones"
+
+
+def test_one_lm_eval_backend_refuses_a_second_thread_and_two_backends_share_a_model(llama):
+    import threading
+
+    from lm_eval.api.instance import Instance
+
+    from ortmodule import load_tokenizer
+    from ortmodule.lm_eval import OrtModuleLM
+
+    model, _ = load_pair(llama)
+    tokenizer = load_tokenizer(llama.package_dir)
+    first, second = (OrtModuleLM(pretrained=model, tokenizer=tokenizer, batch_size=4) for _ in range(2))
+    requests = [Instance("loglikelihood", {}, ("The quick brown fox", " jumps"), i) for i in range(3)]
+    expected = first.loglikelihood(requests)
+    entered, release = threading.Event(), threading.Event()
+    score = first._loglikelihood_tokens
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return score(*args, **kwargs)
+
+    first._loglikelihood_tokens = held
+    worker = threading.Thread(target=first.loglikelihood, args=(requests,))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(RuntimeError, match="already running requests on another thread"):
+            first.loglikelihood(requests)
+        assert second.loglikelihood(requests) == expected  # another backend on the same model runs meanwhile
+    finally:
+        release.set()
+        worker.join(30)
+    del first._loglikelihood_tokens
+    assert first.loglikelihood(requests) == expected
