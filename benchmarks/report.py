@@ -25,7 +25,7 @@ NOTES = {
     "generate": "Greedy decoding of a left-padded batch of prompts (32 to 128 tokens), 32 new tokens a row; every "
     "backend makes all of them (no early end of sequence). `genai` is onnxruntime-genai's `Generator` "
     "on the same package. transformers runs the fp32 weights beside the int4 package.",
-    "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: 50 "
+    "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: 30 "
     "questions, ~110-word English passages; half the questions with 7-word choices, half with one-word "
     "ones), 4 loglikelihood requests per question, batch 8. `ortmodule` and `transformers` (lm-eval's "
     "`hf`, fp32 weights) run batched; lm-eval's `onnxruntime-genai` and `onnxruntime` backends, "
@@ -34,9 +34,8 @@ NOTES = {
     "all they support (the last three on the fp32 package only). Models load before the clock. "
     "`host_bytes_per_request`: model output handed to the host per request, measured where the "
     "backend has one transfer point. `peak_rss_mb`: the process's peak resident memory during the "
-    "run, model included. `of peak` counts the body's FLOPs over every request's context and "
-    "continuation once.",
-    "score": "`ortmodule.score` (SGLang's score API: 4 requests of a 120-token query and 16 items of 1-20 "
+    "run, model included.",
+    "score": "`ortmodule.score` (SGLang's score API: 2 requests of a 120-token query and 16 items of 1-20 "
     "tokens, 4 labels, softmax) with the shared-prefix reuse chosen automatically (`auto`) or off "
     "(`no_reuse`), beside what a transformers user writes (the items left-padded in one batch, "
     "`logits_to_keep=1`) and onnxruntime-genai's Generator (one per item, last logits to numpy).",
@@ -105,8 +104,9 @@ def render(runs: list[dict], size: str) -> str:
     if limits:
         out.append(f"Limits of this machine: fp32 FMA peak at the nominal clock {limits['nominal_fma_flops'] / 1e9:.0f} "
                    f"GFLOP/s ({limits['cores']} cores x {limits['mhz']:.0f} MHz x {limits['flop_per_cycle']} FLOP/cycle); "
-                   f"fp32 matmul (4096x4096, best of 5) reaches {limits['sgemm_flops'] / 1e9:.0f} GFLOP/s in torch and "
-                   f"{limits.get('onnxruntime_sgemm_flops', 0) / 1e9:.0f} GFLOP/s in ONNX Runtime, so the cores run "
+                   f"fp32 matmul (best of several) reaches {limits['sgemm_flops'] / 1e9:.0f} GFLOP/s in torch (4096 x "
+                   f"4096) and {limits.get('onnxruntime_sgemm_flops', 0) / 1e9:.0f} GFLOP/s in ONNX Runtime (4096 x 4096, "
+                   "and 1024 x 576 x 1536, SmolLM2's MLP shape), so the cores run "
                    "above their nominal clock; the peak used below is the highest of the three, "
                    f"{limits['peak_flops'] / 1e9:.0f} GFLOP/s. A 256 MB copy moves {limits['copy_bytes_per_s'] / 1e9:.1f} "
                    "GB/s (read + write). `of peak`: the matmul FLOPs of the work (2 x weights x tokens, the "

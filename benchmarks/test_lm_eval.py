@@ -13,7 +13,7 @@ import lm_eval
 import peers
 import pytest
 import torch
-from conftest import SLOW_PEERS_ON, device_name, flop_count, model_label, peak_rss_mb, reset_peak_rss
+from conftest import SLOW_PEERS_ON, device_name, model_label, peak_rss_mb, reset_peak_rss
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
@@ -111,8 +111,6 @@ def test_lm_eval_requests(benchmark, fixture, decoder_key, task_manager, size, b
         benchmark.extra_info["host_bytes_per_request"] = host.total() // requests
     benchmark.extra_info["parameters"] = fixture.parameters()
     benchmark.extra_info["tokens"] = scored_tokens(lm, result, requests)
-    # The transformer body over every request's context and continuation once (the LM head left out).
-    benchmark.extra_info["flops"] = flop_count(fixture, benchmark.extra_info["tokens"], 0)
     if benchmark.stats:
         benchmark.extra_info["requests_per_s"] = round(requests / benchmark.stats.stats.median, 1)
 

@@ -24,8 +24,9 @@ def workload(size, decoder_key):
     return fixture, requests, size["device"], decoder_key
 
 
-def record(benchmark, fn, items, workload):
+def record(benchmark, fn, items, workload, case=""):
     benchmark.extra_info["model"] = model_label(workload[3])
+    benchmark.extra_info["case"] = case
     return record_rate(benchmark, fn, items, "items", workload[2], rounds=3)
 
 
@@ -54,7 +55,7 @@ def test_ortmodule_score(benchmark, workload, reuse):
         return [ortmodule.score(model, None, r["query"], r["items"], r["label_token_ids"], apply_softmax=True,
                                 reuse_prefix=option) for r in requests]
 
-    out = record(benchmark, score, count(requests), workload)
+    out = record(benchmark, score, count(requests), workload, reuse)
     if fixture.spec.precision == "int4":
         # The same int4 package through onnxruntime-genai, fed as ortmodule feeds it: ONNX Runtime's
         # int4 kernels give a token stepped alone over a cache other numbers than the same token

@@ -14,7 +14,7 @@ import onnx
 import pytest
 import torch
 from conftest import load_pair
-from test_server import LiveServer
+from test_server import LiveServer, hold_worker
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM, PackageError, cli, graph, load_tokenizer, read_package
@@ -293,16 +293,7 @@ def test_requests_of_clients_that_left_are_not_scored(llama):
     model, _ = load_pair(llama)
     app = create_app(model, load_tokenizer(llama.package_dir), window_ms=0)
     server = app.state.server
-    release, started = threading.Event(), threading.Event()
-    score_group, scored = server._score_group, []
-
-    def held(group):  # the first group blocks until the abandoned requests have queued up
-        scored.append(len(group))
-        started.set()
-        release.wait(30)
-        return score_group(group)
-
-    server._score_group = held
+    started, release, scored = hold_worker(server)  # the first group waits for the abandoned requests
     live = LiveServer(app)
     try:
         first = threading.Thread(target=live.client.post, args=("/v1/score",), kwargs=dict(json=GOOD))

@@ -43,6 +43,22 @@ class LiveServer:
         self.thread.join(10)
 
 
+def hold_worker(server):
+    """Make the server's worker block on every group until `release` is set; returns the events
+    (`started`: a group is held, `release`) and the list of the group sizes scored."""
+    started, release, scored = threading.Event(), threading.Event(), []
+    score_group = server._score_group
+
+    def held(group):
+        scored.append(len(group))
+        started.set()
+        release.wait(30)
+        return score_group(group)
+
+    server._score_group = held
+    return started, release, scored
+
+
 @pytest.fixture(scope="module")
 def setup(build):
     fixture = build("llama")
@@ -142,15 +158,7 @@ def test_a_full_queue_answers_503_and_the_server_recovers(build):
     model, _ = load_pair(fixture)
     app = create_app(model, load_tokenizer(fixture.package_dir), max_queue=1, window_ms=0)
     server = app.state.server
-    release, started = threading.Event(), threading.Event()
-    score_group = server._score_group
-
-    def held(group):  # the worker blocks on the first group until the test releases it
-        started.set()
-        release.wait(30)
-        return score_group(group)
-
-    server._score_group = held
+    started, release, _ = hold_worker(server)  # the worker blocks on the first group until released
     live = LiveServer(app)
     try:
         body = dict(query=[5, 6, 7], items=[[8]], label_token_ids=[1])

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import load_pair
-from test_server import LiveServer
+from test_server import LiveServer, hold_worker
 
 from ortmodule import load_tokenizer
 from ortmodule.server import create_app
@@ -127,15 +127,7 @@ def test_a_graceful_shutdown_answers_what_it_accepted(llama):
     model, _ = load_pair(llama)
     app = create_app(model, load_tokenizer(llama.package_dir), window_ms=0)
     server = app.state.server
-    entered, release = threading.Event(), threading.Event()
-    score_group = server._score_group
-
-    def held(group):
-        entered.set()
-        release.wait(30)
-        return score_group(group)
-
-    server._score_group = held
+    entered, release, _ = hold_worker(server)
     live = LiveServer(app)
     with ThreadPoolExecutor(5) as pool:
         answers = [pool.submit(httpx.post, live.url + "/v1/score", json=GOOD, timeout=60) for _ in range(5)]
