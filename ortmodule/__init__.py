@@ -5,5 +5,6 @@ from .modeling import OrtModelForCausalLM, load_tokenizer
 from .package import PackageError, read_package
 from .scoring import loglikelihood, score
 
-__all__ = ["ExportError", "OrtModelForCausalLM", "export", "PackageError", "load_tokenizer", "loglikelihood", "read_package", "score"]
+__all__ = ["ExportError", "OrtModelForCausalLM", "PackageError", "export", "load_tokenizer", "loglikelihood",
+           "read_package", "score"]
 __version__ = "0.1.0"

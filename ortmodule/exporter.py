@@ -74,7 +74,7 @@ def export(
         else:
             checkpoint = source
         architecture = check_checkpoint(checkpoint, source)
-        check_disk(out.parent, _checkpoint_parameters(checkpoint), precision)
+        check_disk(out.parent, checkpoint_parameters(checkpoint), precision)
         _say(progress, f"exporting {architecture} to {precision} for {device} with onnxruntime-genai's model builder")
         run_builder(checkpoint, work / "package", precision, device, extra_options, progress)
         _check_package(work / "package", checkpoint)
@@ -180,8 +180,9 @@ def check_checkpoint(checkpoint: Path, source: Path) -> str:
     return architecture
 
 
-def _checkpoint_parameters(checkpoint: Path) -> int:
-    """Weights in a checkpoint, from its safetensors headers (or file sizes for other formats)."""
+def checkpoint_parameters(checkpoint: Path) -> int:
+    """Weights in a checkpoint (tied weights once), from its safetensors headers (or file sizes for
+    other formats)."""
     total = 0
     for shard in checkpoint.glob("*.safetensors"):
         with open(shard, "rb") as f:

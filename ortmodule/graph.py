@@ -124,8 +124,10 @@ def _read_entry(entry: Path) -> bytes | None:
     except OSError as e:
         logger.warning("ortmodule: cannot read the rewrite cache entry %s (%s); rebuilding it", entry, e)
         return None
-    body, trailer, digest = data[: -len(_TRAILER) - _DIGEST], data[-len(_TRAILER) - _DIGEST : -_DIGEST], data[-_DIGEST:]
-    if trailer != _TRAILER or hashlib.sha256(body).hexdigest().encode() != digest or LOGITS_INDICES.encode() not in body:
+    framed, digest = data[:-_DIGEST], data[-_DIGEST:]
+    body = framed[: -len(_TRAILER)]
+    intact = framed.endswith(_TRAILER) and hashlib.sha256(body).hexdigest().encode() == digest
+    if not intact or LOGITS_INDICES.encode() not in body:
         logger.warning("ortmodule: the rewrite cache entry %s is damaged or not ortmodule's; rebuilding it", entry)
         return None
     return body

@@ -248,10 +248,7 @@ def read_package(path: str | Path) -> Package:
             "last position, so continuations cannot be scored. Re-export without prune_lm_head."
         )
     graph_vocab = logits_dims[2] if isinstance(logits_dims[2], int) else None
-    if "vocab_size" in model or graph_vocab is None:
-        vocab_size = _positive_int(model, "vocab_size", "model.", config_path)
-    else:
-        vocab_size = graph_vocab
+    vocab_size = _positive_int(model, "vocab_size", "model.", config_path, default=graph_vocab)
     if graph_vocab is not None and vocab_size != graph_vocab:
         raise PackageError(
             f"{config_path}: model.vocab_size is {vocab_size} but the decoder's '{logits}' output has "
@@ -377,16 +374,15 @@ def _read_embedding(root: Path, model: dict, config_path: Path, decoder_names: d
 
 
 def _check_attention(graph: onnx.GraphProto, num_heads: int, num_kv_heads: int, path: Path, config_path: Path) -> None:
-    """genai_config's head counts against the GroupQueryAttention nodes' own attributes."""
-    for node in graph.node:
-        if node.op_type != "GroupQueryAttention":
-            continue
-        attributes = {a.name: a.i for a in node.attribute if a.name in ("num_heads", "kv_num_heads")}
-        for key, value, attribute in (("num_attention_heads", num_heads, "num_heads"),
-                                      ("num_key_value_heads", num_kv_heads, "kv_num_heads")):
-            if attribute in attributes and attributes[attribute] != value:
-                raise PackageError(
-                    f"{config_path}: model.decoder.{key} is {value} but {path.name}'s attention node "
-                    f"'{node.name}' has {attribute}={attributes[attribute]}"
-                )
+    """genai_config's head counts against the first GroupQueryAttention node's own attributes."""
+    node = next((n for n in graph.node if n.op_type == "GroupQueryAttention"), None)
+    if node is None:
         return
+    attributes = {a.name: a.i for a in node.attribute if a.name in ("num_heads", "kv_num_heads")}
+    for key, value, attribute in (("num_attention_heads", num_heads, "num_heads"),
+                                  ("num_key_value_heads", num_kv_heads, "kv_num_heads")):
+        if attribute in attributes and attributes[attribute] != value:
+            raise PackageError(
+                f"{config_path}: model.decoder.{key} is {value} but {path.name}'s attention node "
+                f"'{node.name}' has {attribute}={attributes[attribute]}"
+            )

@@ -14,7 +14,6 @@ from the queue, never scored.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -79,10 +78,6 @@ class BadRequest(ValueError):
     pass
 
 
-class ServerClosing(RuntimeError):
-    pass
-
-
 # Defaults of the limits checked before anything is tokenized.
 MAX_BODY_BYTES = 8 * 2**20
 MAX_ITEMS = 1024
@@ -100,14 +95,11 @@ class ScoreServer:
     """The queue, the batching worker and the scoring of a group."""
 
     def __init__(self, model, tokenizer, name, token_budget=8192, window_ms=5.0, max_queue=256, max_items=MAX_ITEMS):
-        check_options(token_budget, window_ms, max_queue)
-        if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 1:
-            raise ValueError(f"max_items must be a positive integer, got {max_items!r}")
+        check_options(token_budget=token_budget, window_ms=window_ms, max_queue=max_queue, max_items=max_items)
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.max_items = max_items
         # A text longer than this many bytes cannot fit the context, however it tokenizes.
         self.max_text_bytes = model.package.context_length * longest_token_bytes(tokenizer)
-        self.closing = False
         self.token_budget = token_budget
         self.window = window_ms / 1000
         self.group_tokens = 4 * token_budget
@@ -157,9 +149,8 @@ class ScoreServer:
             return None, str(e)
 
     async def score(self, request: ScoreRequest) -> dict:
-        if self.closing:
-            raise ServerClosing()
-        checked, problem = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._check_quietly, request)
+        loop = asyncio.get_running_loop()
+        checked, problem = await loop.run_in_executor(self._tokenizing, self._check_quietly, request)
         if problem is not None:
             raise BadRequest(problem)
         prompts, labels = checked
@@ -282,14 +273,16 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-def check_options(token_budget, window_ms, max_queue) -> None:
-    """The server's settings, refused at start when they could only fail later."""
-    if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
-        raise ValueError(f"token_budget must be a positive integer (padded tokens per forward), got {token_budget!r}")
-    if isinstance(window_ms, bool) or not isinstance(window_ms, (int, float)) or not 0 <= window_ms <= 10_000:
-        raise ValueError(f"window_ms must be between 0 and 10000 ms, got {window_ms!r}")
-    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
-        raise ValueError(f"max_queue must be a positive integer (waiting requests before 503), got {max_queue!r}")
+def check_options(**settings) -> None:
+    """The server's settings, refused at start when they could only fail later: `window_ms` a
+    number of ms in [0, 10000], the others (token_budget, max_queue, max_items, max_body_bytes)
+    positive integers."""
+    for name, value in settings.items():
+        if name == "window_ms":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 10_000:
+                raise ValueError(f"window_ms must be between 0 and 10000 ms, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 async def _until_answered_or_gone(work: asyncio.Task, request: Request, poll: float = 0.05):
@@ -321,20 +314,13 @@ def create_app(
     max_items: int = MAX_ITEMS,
 ) -> FastAPI:
     """The FastAPI app: `POST /v1/score`, `GET /health`, `GET /v1/models`, `GET /metrics`."""
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    check_options(max_body_bytes=max_body_bytes)
     name = name or model.name_or_path
     server = ScoreServer(model, tokenizer, name, token_budget, window_ms, max_queue=max_queue, max_items=max_items)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        # Shutting down: uvicorn has stopped accepting and waits for the open requests, which the
-        # worker keeps answering; anything that still arrives is refused with 503.
-        server.closing = True
-
-    app = FastAPI(title="ortmodule", description="SGLang-compatible scoring over an ONNX GenAI package",
-                  lifespan=lifespan)
+    # On shutdown uvicorn stops accepting and waits for the open requests, which the worker keeps
+    # answering: nothing accepted is dropped.
+    app = FastAPI(title="ortmodule", description="SGLang-compatible scoring over an ONNX GenAI package")
     app.state.server = server
     app.add_middleware(BodyLimit, limit=max_body_bytes, stats=server.stats)
 
@@ -373,9 +359,6 @@ def create_app(
         except asyncio.QueueFull:
             server.stats.rejected_busy += 1
             return error(503, f"the server is busy: {server.queue.maxsize} requests are waiting; retry later")
-        except ServerClosing:
-            server.stats.rejected_busy += 1
-            return error(503, "the server is shutting down")
         except Exception as e:
             return error(500, f"scoring failed: {type(e).__name__}: {e}")
 
