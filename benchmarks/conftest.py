@@ -38,7 +38,8 @@ MODELS = {
     "qwen3-0.6b": "Qwen3-0.6B's config, random weights",
     "gemma3-270m": "Gemma-3-270M's config, random weights",
     "gemma-262k": "a Gemma-style 262K-vocabulary config, random weights (synthetic shape)",
-    "qwen3-0.6b-bf16": "Qwen3-0.6B's config, random weights, bf16",
+    "qwen3-0.6b-bf16": "Qwen3-0.6B's config, random weights, bf16 package exported for CUDA",
+    "smollm2-bf16": "SmolLM2-135M-Instruct, bf16 package exported for CUDA (real trained weights)",
     "tiny": "tiny Llama (smoke test, synthetic)",
 }
 
@@ -59,12 +60,13 @@ SIZES = {
     ),
     "gpu": dict(
         device="cuda",
-        forward={"gemma-262k": (GEMMA_262K, 8, 1024)}, keep=4,
-        decoders={"qwen3-0.6b-bf16": QWEN3_0_6B},
-        generate=dict(batches=(1, 16), prompt_lengths=(128, 512), new_tokens=128),
-        lm_eval=dict(limit=None, batch_size=32),
+        forward={"qwen3-0.6b-bf16": (QWEN3_0_6B, 8, 512), "smollm2-bf16": (fixtures.SMOLLM2_BF16_CUDA, 8, 512),
+                 "gemma-262k": (GEMMA_262K, 8, 1024)}, keep=4,
+        decoders={"qwen3-0.6b-bf16": QWEN3_0_6B, "smollm2-bf16": fixtures.SMOLLM2_BF16_CUDA},
+        generate=dict(batches=(1, 16), prompt_lengths=(128, 512), new_tokens=64),
+        lm_eval=dict(limit=100, batch_size=32),  # 100 questions: 400 loglikelihood requests
         score=dict(requests=8, query_tokens=512, items=64, item_tokens=32, labels=4),
-        server=dict(rate=20.0, duration=30.0, items=32),
+        server=dict(rate=20.0, duration=15.0, items=32),
     ),
     "smoke": dict(
         device="cpu",
@@ -91,8 +93,49 @@ def pytest_generate_tests(metafunc):
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     """The CPU's peak: theoretical FMA FLOP/s, and measured fp32 matmul FLOP/s and copy bandwidth."""
-    if config.getoption("--bench-size") != "smoke":
+    size = config.getoption("--bench-size")
+    if size == "gpu":
+        machine_info["limits"] = gpu_limits()
+    elif size != "smoke":
         machine_info["limits"] = cpu_limits()
+
+
+# Dense bf16 tensor-core peak (no sparsity) and memory bandwidth from the vendor's data sheets.
+GPU_DATASHEET = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.0e12), "L40S": (362e12, 0.864e12)}
+
+
+def gpu_limits() -> dict:
+    """The GPU's data-sheet bf16 peak and memory bandwidth beside what torch measures here: an
+    8192^3 bf16 matmul and a 1 GiB device-to-device copy (bytes read + written)."""
+    import torch
+
+    name = torch.cuda.get_device_name()
+    sheet_flops, sheet_bandwidth = next((v for k, v in GPU_DATASHEET.items() if k in name), (0.0, 0.0))
+
+    def best_rate(fn, work: float, repeats: int = 10) -> float:
+        fn()
+        torch.cuda.synchronize()
+        best = 0.0
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = max(best, work / (start.elapsed_time(end) / 1e3))
+        return best
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    matmul = best_rate(lambda: a @ b, 2 * n**3)
+    big = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(big)
+    copy = best_rate(lambda: out.copy_(big), 2 * 2**30)
+    del a, b, big, out
+    torch.cuda.empty_cache()
+    return {"kind": "gpu", "name": name, "datasheet_bf16_flops": sheet_flops, "datasheet_bytes_per_s": sheet_bandwidth,
+            "bf16_matmul_flops": matmul, "peak_flops": max(sheet_flops, matmul), "copy_bytes_per_s": copy}
 
 
 def cpu_limits() -> dict:

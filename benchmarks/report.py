@@ -101,7 +101,17 @@ def render(runs: list[dict], size: str) -> str:
                "Every row of a table was measured in the same run, so ratios are comparable; "
                "absolute times belong to this machine only.\n")
     limits = machine.get("limits") or {}
-    if limits:
+    if limits.get("kind") == "gpu":
+        out.append(f"Limits of this GPU ({limits['name']}): data sheet dense bf16 peak "
+                   f"{limits['datasheet_bf16_flops'] / 1e12:.0f} TFLOP/s and memory bandwidth "
+                   f"{limits['datasheet_bytes_per_s'] / 1e12:.2f} TB/s; measured here, an 8192^3 bf16 matmul in torch "
+                   f"reaches {limits['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s and a 1 GiB device copy moves "
+                   f"{limits['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write). `of peak`: the matmul FLOPs of the "
+                   "work (2 x weights x tokens, the LM head only at the rows computed, attention's own products "
+                   f"left out) / time / {limits['peak_flops'] / 1e12:.0f} TFLOP/s. `of bandwidth`: decoding's weight "
+                   "bytes x steps / time / the measured copy bandwidth (the prefill's time counted in, so a lower "
+                   "bound).\n")
+    elif limits:
         out.append(f"Limits of this machine: fp32 FMA peak at the nominal clock {limits['nominal_fma_flops'] / 1e9:.0f} "
                    f"GFLOP/s ({limits['cores']} cores x {limits['mhz']:.0f} MHz x {limits['flop_per_cycle']} FLOP/cycle); "
                    f"fp32 matmul (best of several) reaches {limits['sgemm_flops'] / 1e9:.0f} GFLOP/s in torch (4096 x "

@@ -118,6 +118,8 @@ class FixtureSpec:
 SMOLLM2 = FixtureSpec("smollm2", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
                       vocab_size=49152, context_length=8192)
 SMOLLM2_INT4 = dataclasses.replace(SMOLLM2, precision="int4")
+# The same weights in bf16, exported for the CUDA execution provider (GPU tests and benchmarks).
+SMOLLM2_BF16_CUDA = dataclasses.replace(SMOLLM2, precision="bf16", execution_provider="cuda")
 
 TOKENIZER_VOCAB = 512
 

@@ -386,6 +386,10 @@ def generate(
     step = model._decode_step(cache)
     logits = step.prefill(batch)
     unfinished = torch.ones(size, dtype=torch.bool, device=device)
+    # The length at which every row had stopped (0 while one runs), kept on the device and read
+    # every STOP_CHECK_EVERY steps (every step with a streamer): the loop queues steps without
+    # waiting for the device, and the output is cut where transformers' loop would have stopped.
+    stopped_at = torch.zeros((), dtype=torch.int64, device=device)
     scores, raw = [], []
     length = width
     while True:
@@ -409,11 +413,15 @@ def generate(
             break
         if len(criteria):
             unfinished &= ~criteria(sequences[:, :length], next_scores)
-            if not unfinished.any():  # the one host sync of a step
-                break
+            stopped_at = torch.where((stopped_at == 0) & ~unfinished.any(), length, stopped_at)
+            if (streamer is not None or (length - width) % STOP_CHECK_EVERY == 0) and stopped_at.item():
+                break  # the loop's one read from the device, every STOP_CHECK_EVERY steps
         logits = step.decode(tokens)
     if streamer is not None:
         streamer.end()
+    if len(criteria):
+        length = stopped_at.item() or length
+        del scores[length - width :], raw[length - width :]
     sequences = sequences[:, :length]
     if config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(
@@ -422,6 +430,11 @@ def generate(
             logits=tuple(raw) if keep_logits else None,
         )
     return sequences
+
+
+# How many decode steps run between two reads of the stop flag: a read waits for the device to
+# catch up, so reading it every step keeps the host from queueing ahead (transformers' loop does).
+STOP_CHECK_EVERY = 8
 
 
 class DecodeStep:

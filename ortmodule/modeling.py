@@ -393,7 +393,9 @@ class OrtModelForCausalLM(torch.nn.Module):
             raise ValueError(
                 f"input length {length} exceeds the model's context length {self.package.context_length}"
             )
-        ids = input_ids.to(self.device, torch.int64)
+        # The checks run where the caller's ids are: on the host for host tensors (no device-to-host
+        # copy at all), else on the device with one read of a few flags.
+        ids = input_ids.to(torch.int64)
         if attention_mask is None:
             mask = torch.ones_like(ids)
         else:
@@ -404,12 +406,12 @@ class OrtModelForCausalLM(torch.nn.Module):
                     f"attention_mask shape {tuple(attention_mask.shape)} does not match "
                     f"input_ids shape {tuple(input_ids.shape)}"
                 )
-            mask = attention_mask.to(self.device)
+            mask = attention_mask.to(ids.device)
         not_binary = ((mask != 0) & (mask != 1)).any()
         mask = mask.to(torch.int64)
         counts = mask.sum(1)
         lead = mask.argmax(1)  # index of each row's first 1
-        steps = torch.arange(length, device=self.device)
+        steps = torch.arange(length, device=ids.device)
         contiguous = mask == ((steps >= lead[:, None]) & (steps < (lead + counts)[:, None]))
         bad_ids = (ids < 0) | (ids >= self.package.vocab_size)
         flags = torch.stack(
@@ -427,11 +429,14 @@ class OrtModelForCausalLM(torch.nn.Module):
                 f"attention_mask row {row} has gaps: each row's ones must be one contiguous run "
                 "(left- or right-padded)"
             )
+        def up(tensor):  # host tensors are copied up without waiting for the device
+            return tensor.to(self.device, non_blocking=True)
+
         if not flags[4]:
-            return Batch(ids, None, counts, flags[5])
+            return Batch(up(ids), None, up(counts), flags[5])
         # Roll every row so that it starts at position 0 (right-padded layout).
         order = (steps[None, :] + lead[:, None]) % length
-        return Batch(ids.gather(1, order), lead, counts, flags[5])
+        return Batch(up(ids.gather(1, order)), up(lead), up(counts), flags[5])
 
     def _raise_bad_id(self, ids: torch.Tensor) -> None:
         """Name the first token id outside the vocabulary (the error path of the checks)."""

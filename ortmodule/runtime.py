@@ -65,8 +65,13 @@ def providers(device: torch.device, provider_options: dict | None = None) -> lis
         "device_id": str(device.index),
         "has_user_compute_stream": "1",
         "user_compute_stream": str(torch.cuda.current_stream(device).cuda_stream),
+        # fp32 MatMul in fp32, as PyTorch does by default: TF32 changes fp32 logits by ~5e-4.
+        "use_tf32": "0",
     }
-    options.update({k: str(v) for k, v in (provider_options or {}).items()})
+    for key, value in (provider_options or {}).items():
+        if key in ("device_id", "user_compute_stream", "has_user_compute_stream"):
+            raise ValueError(f"provider option {key!r} is set by ortmodule from the device (and torch's stream)")
+        options[key] = str(value)
     return [("CUDAExecutionProvider", options), ("CPUExecutionProvider", {})]
 
 
@@ -88,10 +93,21 @@ def make_session(
         options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.fspath(Path(external_data_folder).resolve()))
     source = model if isinstance(model, bytes) else os.fspath(model)
     try:
-        return ort.InferenceSession(source, options, providers=providers(device, provider_options))
+        session = ort.InferenceSession(source, options, providers=providers(device, provider_options))
     except Exception as e:  # ORT raises its own exception types for every load failure
         raise_if_out_of_memory(e)
         raise
+    session.ortmodule_stream = None
+    session.ortmodule_run_options = None
+    if device.type == "cuda":
+        # The session runs on the torch stream that was current at load (its provider options);
+        # `run` orders it with whatever stream is current at each call. No sync at the end of a
+        # run: the outputs are torch tensors, ordered by that stream like any torch kernel's.
+        session.ortmodule_stream = torch.cuda.current_stream(device)
+        run_options = ort.RunOptions()
+        run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        session.ortmodule_run_options = run_options
+    return session
 
 
 def bind_input(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:
@@ -118,11 +134,21 @@ def bind_output_to(binding: ort.IOBinding, name: str, device: torch.device) -> N
 
 
 def run(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
+    """Run a bound session. On CUDA the run is queued on the session's stream without a host sync;
+    when the caller's current torch stream is another one, the session's stream first waits for
+    the work queued on it, and it waits for the run after (events on the device, no host sync)."""
+    stream = getattr(session, "ortmodule_stream", None)
+    current = torch.cuda.current_stream(stream.device) if stream is not None else None
+    if current is not None and current != stream:
+        stream.wait_stream(current)
     try:
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, getattr(session, "ortmodule_run_options", None))
     except Exception as e:
         raise_if_out_of_memory(e)
         raise
+    finally:
+        if current is not None and current != stream:
+            current.wait_stream(stream)
 
 
 _OOM_MARKERS = ("failed to allocate memory", "bad_alloc", "out of memory", "cudaerrormemoryallocation")

@@ -1,0 +1,83 @@
+"""Where the time of GPU scoring goes: one lm-eval-shaped loglikelihood batch (32 rows of ~200
+tokens, 4 continuation tokens each) through ortmodule and through transformers (bf16, sdpa) on the
+same weights, profiled with torch's profiler, which records ONNX Runtime's kernels as well (CUPTI
+sees every kernel in the process). Prints wall time per batch, the summed kernel time (the rest is
+the host: launches, Python, syncs), and the top kernels of each.
+
+    python benchmarks/profile_gpu.py [--spec qwen3-0.6b-bf16] [--batch 32] [--length 200]
+"""
+
+import argparse
+import time
+
+import torch
+from conftest import SIZES
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM
+
+from ortmodule import OrtModelForCausalLM, fixtures, scoring
+
+
+def timed(fn, repeats=10):
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def kernel_table(fn, rows=12):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0)]
+    total = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 1e3
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
+    return total, table, len(kernels)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", default="qwen3-0.6b-bf16")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=200)
+    args = parser.parse_args()
+    fixture = fixtures.build(SIZES["gpu"]["decoders"][args.spec])
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.to("cuda").eval()
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.length - 40, args.length + 1, (args.batch,), generator=gen)
+    width = int(lengths.max())
+    ids = torch.randint(4, 32000, (args.batch, width), generator=gen)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    starts = [int(n) - 5 for n in lengths]
+    targets = [[int(t) for t in ids[i, s + 1 : s + 5]] for i, s in enumerate(starts)]
+
+    def ours():
+        return scoring.loglikelihood(model, ids, mask, starts, targets)
+
+    @torch.inference_mode()
+    def theirs():
+        logits = hf(input_ids=ids.cuda(), attention_mask=mask.cuda()).logits
+        rows = torch.arange(args.batch).repeat_interleave(4).cuda()
+        cols = torch.tensor([s + i for s in starts for i in range(4)]).cuda()
+        lp = torch.log_softmax(logits[rows, cols].float(), -1)
+        return lp.gather(1, torch.tensor([t for row in targets for t in row]).cuda()[:, None]).sum().item()
+
+    tokens = int(lengths.sum())
+    for name, fn in (("ortmodule", ours), ("transformers", theirs)):
+        seconds = timed(fn)
+        kernel_ms, table, _ = kernel_table(fn)
+        print(f"== {name}: {seconds * 1e3:.2f} ms per batch of {args.batch} rows ({tokens} tokens, "
+              f"{tokens / seconds:.0f} tokens/s); summed device time {kernel_ms:.2f} ms "
+              f"({100 * kernel_ms / (seconds * 1e3):.0f}% of the wall time)")
+        print(table)
+
+
+if __name__ == "__main__":
+    main()

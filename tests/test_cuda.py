@@ -1,0 +1,283 @@
+"""The CUDA path on a real GPU: parity with transformers (fp32, fp16, bf16 packages and the real
+SmolLM2), tensors that stay on the device (device-to-host copies counted with torch's profiler,
+which records every CUDA copy in the process, ONNX Runtime's included), ONNX Runtime ordered on
+torch's current stream without host syncs (also after the caller switches streams), allocation
+failures as the "out of memory." RuntimeError that batch-size searches retry on, and flat device
+memory over 1,000 calls of varying shapes. Skipped where torch sees no GPU (CI)."""
+
+import time
+
+import pytest
+import torch
+from accelerate.utils.memory import should_reduce_batch_size
+from conftest import MODEL_ARCHES, reference_class, right_padded_batch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM
+
+from ortmodule import OrtModelForCausalLM, fixtures, generation, load_tokenizer, scoring
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+FP32_TOL = 1e-4
+
+
+def device_to_host_copies(fn) -> int:
+    """How many device-to-host copies `fn` makes, counted by the CUDA profiler (CUPTI)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if "memcpy" in event.name.lower() and "dtoh" in event.name.lower())
+
+
+def real_positions_diff(logits, expected, mask) -> float:
+    real = mask.bool()
+    return (logits.float().cpu() - expected.float().cpu())[real].abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def llama_cuda(build):
+    fixture = build("llama")
+    return fixture, OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+
+
+def test_profiler_counts_copies():
+    """The counter sees a copy when there is one (so that a zero below means something)."""
+    x = torch.ones(8, device="cuda")
+    assert device_to_host_copies(lambda: x.cpu()) == 1
+    assert device_to_host_copies(lambda: x + 1) == 0
+
+
+@pytest.mark.parametrize("arch", MODEL_ARCHES)
+def test_cpu_export_on_cuda_matches_transformers(build, arch):
+    """Every fixture architecture's fp32 package on CUDA (fp32 MatMul, no TF32), right and left padded."""
+    fixture = build(arch)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda:0")
+    assert model.device == torch.device("cuda", 0)
+    hf = reference_class(fixture).from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    ids, mask = right_padded_batch([20, 12, 5], seed=3)
+    for layout in (mask, mask.flip(1)):
+        with torch.no_grad():
+            expected = hf(input_ids=ids, attention_mask=layout).logits
+        logits = model(ids.cuda(), attention_mask=layout.cuda()).logits
+        assert logits.device == torch.device("cuda", 0)
+        assert real_positions_diff(logits, expected, layout) < FP32_TOL
+
+
+@pytest.mark.parametrize("precision,tolerance", [("fp16", 2e-2), ("bf16", 1e-1)])
+def test_half_precision_packages(build, precision, tolerance):
+    """fp16 and bf16 packages exported for CUDA against transformers in fp32 on the same weights."""
+    fixture = build("llama", precision=precision, execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    assert model.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    ids, mask = right_padded_batch([24, 9], seed=5)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+    logits = model(ids, attention_mask=mask).logits
+    assert logits.device.type == "cuda"
+    assert real_positions_diff(logits, expected, mask) < tolerance * expected.abs().max().item()
+    agree = (logits.float().cpu().argmax(-1) == expected.argmax(-1))[mask.bool()].float().mean().item()
+    assert agree > 0.9
+    prompt = ids[:1, :8]
+    ours = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    with torch.no_grad():
+        theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+    assert ours.device.type == "cuda"
+    assert (ours.cpu() == theirs).float().mean().item() > 0.8
+
+
+@pytest.fixture(scope="module")
+def smollm2_cuda():
+    fixture = fixtures.build(fixtures.SMOLLM2)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    reference = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).to("cuda").eval()
+    return fixture, model, reference, load_tokenizer(fixture.package_dir)
+
+
+def test_real_model_fp32_on_cuda(smollm2_cuda):
+    """SmolLM2-135M's fp32 package on CUDA: logits as transformers' on CUDA, greedy chat identical."""
+    _, model, reference, tokenizer = smollm2_cuda
+    tokenizer.padding_side = "left"
+    texts = ["The capital of France is Paris, and the capital of Germany is", "Water boils at"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True).to("cuda")
+    with torch.no_grad():
+        expected = reference(**batch).logits
+    logits = model(batch.input_ids, attention_mask=batch.attention_mask).logits
+    assert real_positions_diff(logits, expected, batch.attention_mask.cpu()) < 5e-4
+    chats = [[{"role": "user", "content": q}] for q in ["What is the capital of France?", "Name three colors."]]
+    prompt = tokenizer.apply_chat_template(chats, add_generation_prompt=True, return_tensors="pt", padding=True,
+                                           return_dict=True).to("cuda")
+    with torch.no_grad():
+        theirs = reference.generate(**prompt, max_new_tokens=30, do_sample=False)
+    ours = model.generate(prompt["input_ids"], attention_mask=prompt["attention_mask"], max_new_tokens=30,
+                          do_sample=False)
+    assert torch.equal(ours, theirs)
+
+
+def test_real_model_bf16_cuda_export():
+    """SmolLM2-135M exported in bf16 for CUDA: loglikelihoods within bf16 tolerance of transformers
+    in bf16 on the same weights, and the same greedy choice at (nearly) every position."""
+    fixture = fixtures.build(fixtures.SMOLLM2_BF16_CUDA)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    reference = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.bfloat16).to("cuda").eval()
+    tokenizer = load_tokenizer(fixture.package_dir)
+    batch = tokenizer(["Water boils at one hundred degrees Celsius at sea level, and freezes at zero."],
+                      return_tensors="pt").to("cuda")
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(**batch).logits.float(), -1)
+    ours = torch.log_softmax(model(batch.input_ids).logits.float(), -1)
+    targets = batch.input_ids[:, 1:, None]
+    ours_ll, their_ll = ours[:, :-1].gather(2, targets), expected[:, :-1].gather(2, targets)
+    assert (ours_ll - their_ll).abs().max().item() < 0.25  # bf16 logits carry ~3 significant digits
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_forward_makes_no_device_to_host_copy(llama_cuda):
+    """Host inputs: checked on the host, copied up once, logits left on the device: no copy down.
+    Device inputs: the checks' flags are the one small read."""
+    _, model = llama_cuda
+    ids, mask = right_padded_batch([20, 12, 5], seed=1)
+    model(ids, attention_mask=mask, cont_len=4)  # warm
+    assert device_to_host_copies(lambda: model(ids, attention_mask=mask, cont_len=4)) == 0
+    assert device_to_host_copies(lambda: model(ids, attention_mask=mask.flip(1))) == 0
+    on_device = ids.cuda(), mask.cuda()
+    assert device_to_host_copies(lambda: model(on_device[0], attention_mask=on_device[1], cont_len=4)) == 1
+
+
+def test_generate_loop_reads_the_device_rarely(llama_cuda):
+    """No eos: no read at all until the answer; with eos, the stop flag every STOP_CHECK_EVERY steps."""
+    _, model = llama_cuda
+    prompt = torch.randint(4, 512, (2, 8))
+    steps = 32
+    free = device_to_host_copies(lambda: model.generate(prompt, max_new_tokens=steps, eos_token_id=None,
+                                                        pad_token_id=0, do_sample=False))
+    assert free == 0
+    unreachable = 511  # eos id that the greedy path never emits here (checked below)
+    out = model.generate(prompt, max_new_tokens=steps, eos_token_id=unreachable, pad_token_id=0)
+    assert out.shape[1] == 8 + steps and not (out[:, 8:] == unreachable).any()
+    reads = device_to_host_copies(lambda: model.generate(prompt, max_new_tokens=steps, eos_token_id=unreachable,
+                                                         pad_token_id=0))
+    assert reads <= steps // generation.STOP_CHECK_EVERY + 1
+
+
+def test_generate_stops_where_transformers_does(build):
+    """The deferred stop check cuts the output where transformers' per-step check stops."""
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    prompt = torch.randint(4, 512, (1, 6), generator=torch.Generator().manual_seed(7))
+    free = model.generate(prompt, max_new_tokens=20, eos_token_id=None, pad_token_id=0).cpu()
+    eos = int(free[0, 6 + 3])  # the 4th generated token: transformers stops right after it
+    ours = model.generate(prompt, max_new_tokens=20, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True,
+                          output_scores=True)
+    with torch.no_grad():
+        theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, eos_token_id=eos,
+                             pad_token_id=0, do_sample=False)
+    assert torch.equal(ours.sequences.cpu(), theirs)
+    assert len(ours.scores) == theirs.shape[1] - 6
+
+
+def test_score_makes_one_copy_to_the_host(llama_cuda):
+    fixture, model = llama_cuda
+    tokenizer = load_tokenizer(fixture.package_dir)
+    items = ["a b c", "d e", "f g h i"]
+    scoring.score(model, tokenizer, "query text", items, [5, 6, 7])
+    assert device_to_host_copies(lambda: scoring.score(model, tokenizer, "query text", items, [5, 6, 7])) == 1
+    ids, mask = right_padded_batch([12, 9], seed=2)
+    targets = [[int(ids[0, 10]), int(ids[0, 11])], [int(ids[1, 8])]]
+    assert device_to_host_copies(lambda: scoring.loglikelihood(model, ids, mask, [9, 7], targets)) == 1
+
+
+@pytest.mark.parametrize("switch", [False, True], ids=["load-stream", "other-stream"])
+def test_runs_on_torch_stream_without_sync(build, switch):
+    """Work queued before a call (the ids' copy up, behind a ~1 s kernel) is seen by ONNX Runtime,
+    its logits are seen by the torch work after it, and the call returns before the device catches
+    up (no host sync). With `switch`, the caller moves to another stream after loading."""
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    ids_a, mask = right_padded_batch([16, 10], seed=4)
+    ids_b, _ = right_padded_batch([16, 10], seed=5)
+    expected = model(ids_b, attention_mask=mask).logits.clone()
+    model(ids_a, attention_mask=mask).logits.clone()  # A's ids and logits are what stale buffers hold
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream() if switch else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(2e9))
+        start = time.perf_counter()
+        logits = model(ids_b, attention_mask=mask).logits.clone()
+        host_time = time.perf_counter() - start
+        done = torch.cuda.Event()
+        done.record()
+        still_busy = not done.query()
+        torch.cuda.synchronize()
+    assert still_busy and host_time < 0.5, f"the call waited for the device ({host_time:.2f} s)"
+    assert torch.equal(logits, expected)
+
+
+def test_decode_steps_on_another_stream(build):
+    """generate on a stream other than the load stream gives the same tokens as on the load stream."""
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    prompt = torch.randint(4, 512, (3, 10), generator=torch.Generator().manual_seed(9))
+    expected = model.generate(prompt, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(1e9))
+        tokens = model.generate(prompt, max_new_tokens=24, eos_token_id=None, pad_token_id=0).clone()
+    torch.cuda.synchronize()
+    assert torch.equal(tokens, expected)
+
+
+def test_out_of_memory_is_the_error_batch_searches_retry(build):
+    """An ONNX Runtime allocation failure (its arena capped by `gpu_mem_limit`) is a RuntimeError
+    that accelerate's `should_reduce_batch_size` (lm-eval's --batch_size auto) retries on, and the
+    model still answers a smaller batch."""
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda",
+                                                provider_options={"gpu_mem_limit": 24 * 2**20})
+    ids = torch.randint(4, 512, (256, 256))
+    with pytest.raises(RuntimeError, match="out of memory.") as caught:
+        model(ids, cont_len=1)
+    assert should_reduce_batch_size(caught.value)
+    small = torch.randint(4, 512, (2, 16))
+    reference = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    assert torch.allclose(model(small).logits, reference(small).logits, atol=FP32_TOL)
+    # torch's own CUDA allocation failure, from the logits buffer, is one too.
+    with pytest.raises(RuntimeError, match="out of memory.") as caught:
+        model(torch.randint(4, 512, (4096, 256)))  # 4096 x 256 x 512 fp32 logits: 2 TiB
+    assert should_reduce_batch_size(caught.value)
+
+
+def test_no_device_memory_growth_over_1000_calls(build):
+    """1,000 forwards, cached decode steps and scores of varying shapes: the device memory in use
+    (torch's and ONNX Runtime's arenas together, from the driver) does not grow after warm-up."""
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    generator = torch.Generator().manual_seed(0)
+
+    def call(i):
+        batch = int(torch.randint(1, 9, (), generator=generator))
+        length = int(torch.randint(1, 129, (), generator=generator))
+        ids = torch.randint(4, 512, (batch, length), generator=generator)
+        if i % 10 == 0:
+            model.generate(ids, max_new_tokens=4, eos_token_id=None, pad_token_id=0)
+        else:
+            model(ids, cont_len=None if i % 3 else int(torch.randint(1, length + 1, (), generator=generator)))
+
+    model(torch.randint(4, 512, (8, 128)))  # the largest shape first
+    model.generate(torch.randint(4, 512, (8, 128)), max_new_tokens=4, eos_token_id=None, pad_token_id=0)
+    for i in range(100):
+        call(i)
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+    allocated_before = torch.cuda.memory_allocated()
+    for i in range(1000):
+        call(i)
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info()
+    growth = (free_before - free_after) / 2**20
+    print(f"device memory in use grew by {growth:.1f} MiB over 1,000 calls")
+    assert torch.cuda.memory_allocated() == allocated_before
+    assert growth < 16
