@@ -79,7 +79,7 @@ SIZES = {
     ),
 }
 # Peers that run batch 1 only take minutes on the real model: measured on its fp32 package only.
-SLOW_PEERS_ON = {"smollm2-fp32", "tiny", "qwen3-0.6b-bf16"}
+SLOW_PEERS_ON = {"smollm2-fp32", "tiny"}
 
 
 def pytest_generate_tests(metafunc):

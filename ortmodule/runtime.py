@@ -28,6 +28,11 @@ TORCH_DTYPE = {
 }
 ONNX_TYPE = {v: k for k, v in TORCH_DTYPE.items()}
 
+# CUDA sessions run on a stream of their own (False: torch's current stream at load), and a run
+# returns without waiting for the device (True: ONNX Runtime synchronizes its stream after each run).
+DEDICATED_STREAM = True
+SYNC_AFTER_RUN = False
+
 # Where external weights live when a graph is loaded from bytes (a rewritten graph).
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
@@ -52,19 +57,20 @@ def parse_device(device: str | torch.device | int | None) -> torch.device:
     return device
 
 
-def providers(device: torch.device, provider_options: dict | None = None) -> list:
-    """Execution providers for a torch device. On CUDA, ONNX Runtime runs on torch's current stream
-    of that device, so work queued by torch before and after a call is ordered without a sync."""
+def providers(device: torch.device, provider_options: dict | None = None, stream=None) -> list:
+    """Execution providers for a torch device. On CUDA, ONNX Runtime runs on `stream`, a torch
+    stream that `run` orders with the caller's current stream at every call."""
     if device.type == "cpu":
         return [("CPUExecutionProvider", dict(provider_options or {}))]
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise RuntimeError(
             "CUDA asked for, but this onnxruntime build has no CUDAExecutionProvider; install onnxruntime-gpu"
         )
+    stream = stream if stream is not None else torch.cuda.current_stream(device)
     options = {
         "device_id": str(device.index),
         "has_user_compute_stream": "1",
-        "user_compute_stream": str(torch.cuda.current_stream(device).cuda_stream),
+        "user_compute_stream": str(stream.cuda_stream),
         # fp32 MatMul in fp32, as PyTorch does by default: TF32 changes fp32 logits by ~5e-4.
         "use_tf32": "0",
     }
@@ -92,20 +98,25 @@ def make_session(
     if external_data_folder is not None:
         options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.fspath(Path(external_data_folder).resolve()))
     source = model if isinstance(model, bytes) else os.fspath(model)
+    stream = None
+    if device.type == "cuda":
+        # A stream of the session's own, never torch's default one: the default stream's handle is
+        # 0, which ONNX Runtime cannot tell from "no stream given".
+        stream = torch.cuda.Stream(device) if DEDICATED_STREAM else torch.cuda.current_stream(device)
     try:
-        session = ort.InferenceSession(source, options, providers=providers(device, provider_options))
+        session = ort.InferenceSession(source, options, providers=providers(device, provider_options, stream))
     except Exception as e:  # ORT raises its own exception types for every load failure
         raise_if_out_of_memory(e)
         raise
     session.ortmodule_stream = None
     session.ortmodule_run_options = None
     if device.type == "cuda":
-        # The session runs on the torch stream that was current at load (its provider options);
-        # `run` orders it with whatever stream is current at each call. No sync at the end of a
-        # run: the outputs are torch tensors, ordered by that stream like any torch kernel's.
-        session.ortmodule_stream = torch.cuda.current_stream(device)
+        # `run` orders the session's stream with whatever stream is current at each call. No sync
+        # at the end of a run: the outputs are torch tensors, ordered like any torch kernel's.
+        session.ortmodule_stream = stream
         run_options = ort.RunOptions()
-        run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        if not SYNC_AFTER_RUN:
+            run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         session.ortmodule_run_options = run_options
     return session
 
@@ -151,7 +162,10 @@ def run(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
             current.wait_stream(stream)
 
 
-_OOM_MARKERS = ("failed to allocate memory", "bad_alloc", "out of memory", "cudaerrormemoryallocation")
+# How ONNX Runtime words an allocation failure: the CPU allocator, the CUDA driver, and its BFC
+# arena when `gpu_mem_limit` is reached ("Available memory of N is smaller than requested bytes").
+_OOM_MARKERS = ("failed to allocate memory", "bad_alloc", "out of memory", "cudaerrormemoryallocation",
+                "is smaller than requested bytes")
 
 
 def raise_if_out_of_memory(error: Exception) -> None:
