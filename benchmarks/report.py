@@ -22,21 +22,21 @@ NOTES = {
     "or only the last 4 (`cont_len`: `cont_len=4` for ortmodule, `logits_to_keep=4` for transformers). "
     "`logits_bytes_per_request` is the logits one row returns; `peak_rss_mb` the process's peak "
     "resident memory during one call.",
-    "generate": "Greedy decoding of a left-padded batch of prompts (32 to 128 tokens), 32 new tokens a row; every "
+    "generate": "Greedy decoding of a left-padded batch of prompts ({prompt_lo} to {prompt_hi} tokens), {new_tokens} new tokens a row; every "
     "backend makes all of them (no early end of sequence). `genai` is onnxruntime-genai's `Generator` "
-    "on the same package. transformers runs the fp32 weights beside the int4 package.",
-    "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: 30 "
+    "on the same package. transformers runs the package's precision (fp32 beside an int4 package).",
+    "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: {questions} "
     "questions, ~110-word English passages; half the questions with 7-word choices, half with one-word "
-    "ones), 4 loglikelihood requests per question, batch 8. `ortmodule` and `transformers` (lm-eval's "
-    "`hf`, fp32 weights) run batched; lm-eval's `onnxruntime-genai` and `onnxruntime` backends, "
+    "ones), 4 loglikelihood requests per question, batch {batch_size}. `ortmodule` and `transformers` (lm-eval's "
+    "`hf`, the package's precision) run batched; lm-eval's `onnxruntime-genai` and `onnxruntime` backends, "
     "`genai-stepped` (onnxruntime-genai's Generator stepped per continuation token, `get_logits()` "
     "each step) and `ort-numpy` (a raw InferenceSession returning full logits to numpy) run batch 1, "
-    "all they support (the last three on the fp32 package only). Models load before the clock. "
+    "all they support (the last three on {slow_peers} only). Models load before the clock. "
     "`host_bytes_per_request`: model output handed to the host per request, measured where the "
     "backend has one transfer point. `peak_rss_mb`: the process's peak resident memory during the "
     "run, model included.",
-    "score": "`ortmodule.score` (SGLang's score API: 2 requests of a 120-token query and 16 items of 1-20 "
-    "tokens, 4 labels, softmax) with the shared-prefix reuse chosen automatically (`auto`) or off "
+    "score": "`ortmodule.score` (SGLang's score API: {requests} requests of a {query_tokens}-token query and {items} "
+    "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen automatically (`auto`) or off "
     "(`no_reuse`), beside what a transformers user writes (the items left-padded in one batch, "
     "`logits_to_keep=1`) and onnxruntime-genai's Generator (one per item, last logits to numpy).",
     "score server": "benchmarks/bench_score.py against `ortmodule serve` in its own process: open-loop "
@@ -44,6 +44,18 @@ NOTES = {
 }
 
 COMMAND = "python benchmarks/run.py --size {size}"
+
+
+def note_values(size: str) -> dict:
+    """The shapes of a size (benchmarks/conftest.py), for the workload notes."""
+    from conftest import SIZES, SLOW_PEERS_ON, model_label
+
+    shapes = SIZES[size]
+    (lo, hi), limit = shapes["generate"]["prompt_lengths"], shapes["lm_eval"]["limit"]
+    slow = [model_label(key) for key in shapes["decoders"] if key in SLOW_PEERS_ON]
+    return dict(prompt_lo=lo, prompt_hi=hi, new_tokens=shapes["generate"]["new_tokens"],
+                questions=limit or 200, batch_size=shapes["lm_eval"]["batch_size"],
+                slow_peers=", ".join(slow) or "no model of this size", **shapes["score"])
 # Real-model workloads first: what users run.
 GROUP_ORDER = {"lm-eval loglikelihood": 0, "generate": 1, "score": 2, "forward": 3, "score server": 4}
 
@@ -138,7 +150,7 @@ def render(runs: list[dict], size: str) -> str:
         with_compute, with_memory = any(f[0] for f in fractions), any(f[1] for f in fractions)
         out.append(f"## {group}: {model}\n" if model else f"## {group}\n")
         if group in NOTES:
-            out.append(NOTES[group] + "\n")
+            out.append(NOTES[group].format(**note_values(size)) + "\n")
         header = ["backend", "case", "median ms", "speed vs transformers", *keys] + (["of peak bf16"] if with_fraction else [])
         header += (["of peak"] if with_compute else []) + (["of bandwidth"] if with_memory else [])
         out.append("| " + " | ".join(header) + " |")
@@ -179,10 +191,13 @@ FOOTER = """## How to reproduce, and the GPU table
   packages with the exact configs of Qwen3-0.6B and Gemma-3-270M (fp32) at batch 2 x 128 for
   forward. All exported by `ortmodule export`'s builder for the CPU.
 - GPU: on a machine with a CUDA GPU and onnxruntime-gpu, `python benchmarks/run.py --size gpu`
-  writes docs/benchmarks-gpu.md the same way. Shapes: Qwen3-0.6B's config and a Gemma-style
-  262,144-token vocabulary, random weights, bf16, exported by the model builder for CUDA
-  (throughput does not depend on weight values). Its lm-eval table adds the fraction of the GPU's
-  peak dense bf16 throughput that scoring reaches: 2 x parameters x tokens / time.
+  writes docs/benchmarks-gpu.md the same way (docs/gpu.md: `tools/gpu-session bench` runs it
+  workload by workload on the lent GPU machine). Models, all bf16 packages exported for CUDA: the
+  real SmolLM2-135M-Instruct, Qwen3-0.6B's config, and for forward also a Gemma-style
+  262,144-token vocabulary (random weights: throughput does not depend on weight values). The
+  lm-eval table adds the fraction of the GPU's peak dense bf16 throughput that scoring reaches
+  (2 x parameters x tokens / time) and, for each backend, the largest loglikelihood difference
+  from ortmodule's and the share of questions with the same chosen answer.
 - CI runs every workload once with tiny shapes (`pytest benchmarks --benchmark-disable
   --bench-size smoke`) so the suite never rots; those runs time nothing.
 - CPU timings on a small VM vary by about 20% from run to run; compare ratios within one page.

@@ -459,32 +459,44 @@ class DecodeStep:
         return logits
 
     def _bind_decode_buffers(self) -> None:
-        model, size, binding, decoder = self.model, self.cache.batch_size, self.binding, self.decoder
+        model, size = self.model, self.cache.batch_size
         self.tokens = torch.empty(size, 1, dtype=model._id_dtype, device=model.device)
+        self.positions = None
+        if self.decoder.position_ids:
+            self.positions = model.position_input(torch.zeros(size, 1, dtype=torch.int64, device=model.device))
+        self.rows = torch.arange(size, device=model.device) if model.keeps_positions else None
+        vocab = model.package.vocab_size
+        shape = (size, vocab) if model.keeps_positions else (size, 1, vocab)
+        self.logits = torch.empty(shape, dtype=model._logits_dtype, device=model.device)
+        # On the CPU a binding reads its tensors at run time, so the buffers are bound once and
+        # updated in place. On CUDA, ONNX Runtime copies the inputs of nodes it placed on the CPU
+        # (an fp32 GroupQueryAttention) when they are bound, so every step binds them again.
+        self.rebind = model.device.type != "cpu"
+        self._bind_step_buffers()
+
+    def _bind_step_buffers(self) -> None:
+        binding, decoder = self.binding, self.decoder
         if decoder.input_ids:
             runtime.bind_input(binding, decoder.input_ids, self.tokens)
-        self.positions = None
-        if decoder.position_ids:
-            self.positions = model.position_input(torch.zeros(size, 1, dtype=torch.int64, device=model.device))
+        if self.positions is not None:
             runtime.bind_input(binding, decoder.position_ids, self.positions)
-        if model.keeps_positions:
-            runtime.bind_input(binding, graph.LOGITS_INDICES, torch.arange(size, device=model.device))
-            self.logits = torch.empty(size, model.package.vocab_size, dtype=model._logits_dtype, device=model.device)
-        else:
-            self.logits = torch.empty(size, 1, model.package.vocab_size, dtype=model._logits_dtype, device=model.device)
+        if self.rows is not None:
+            runtime.bind_input(binding, graph.LOGITS_INDICES, self.rows)
         runtime.bind_output(binding, decoder.logits, self.logits)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token to every row; return the next logits `[B, V]`."""
         cache, decoder = self.cache, self.decoder
         self.tokens.copy_(tokens[:, None])
-        if not decoder.input_ids:  # the embedding model turns the tokens into the decoder's inputs
-            self.model.bind_tokens(self.binding, self.tokens)
         if self.positions is not None:
             self.positions.copy_(cache.lengths[:, None])  # broadcast over mRoPE's 3 sections, cast in place
+        if self.rebind:
+            self._bind_step_buffers()
+        if not decoder.input_ids:  # the embedding model turns the tokens into the decoder's inputs
+            self.model.bind_tokens(self.binding, self.tokens)
         if decoder.attention_mask:
             runtime.bind_input(self.binding, decoder.attention_mask, cache.step_mask(1, self.model._mask_dtype))
-        if not cache.shared:
+        if self.rebind or not cache.shared:
             cache.bind(self.binding, 1)
         runtime.run(self.model.session, self.binding)
         cache.advance(1, 1)

@@ -25,6 +25,16 @@ from .package import read_package
 from .scoring import grouped_loglikelihood, loglikelihood, worth_sharing
 
 
+def _sharing_choice(value) -> bool | str:
+    """`share_contexts`: "auto" (where `scoring.worth_sharing` says it saves work), or always /
+    never; lm-eval passes model_args as strings ("true", "false", "auto")."""
+    choices = {"auto": "auto", "true": True, "false": False}
+    key = value if isinstance(value, bool) else str(value).strip().lower()
+    if isinstance(key, str) and key not in choices:
+        raise ValueError(f"share_contexts must be auto, true or false, got {value!r}")
+    return key if isinstance(key, bool) else choices[key]
+
+
 def _one_evaluation_at_a_time(method):
     """lm-eval backends keep per-run state (batch-size search, caches): a second thread calling
     into the same backend while it runs gets a clear error instead of a race."""
@@ -48,15 +58,18 @@ def _one_evaluation_at_a_time(method):
 class OrtModuleLM(HFLM):
     """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR,device=cpu` (or cuda, cuda:N).
 
-    Extra model_args: `rewrite_lm_head` (default True), `provider_options` (a dict, from Python).
+    Extra model_args: `rewrite_lm_head` (default True), `provider_options` (a dict, from Python),
+    `share_contexts` (auto, true or false: run a context shared by several requests once; auto
+    where `scoring.worth_sharing` says it saves work).
     `pretrained` may also be an `OrtModelForCausalLM` (then pass `tokenizer=` too).
     """
 
     AUTO_MODEL_CLASS = transformers.AutoModelForCausalLM
 
     def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool = True,
-                 provider_options: dict | None = None, **kwargs):
+                 provider_options: dict | None = None, share_contexts: bool | str = "auto", **kwargs):
         self._running = threading.RLock()
+        self._share = _sharing_choice(share_contexts)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options)
@@ -136,9 +149,12 @@ class OrtModuleLM(HFLM):
         by_context: dict[tuple, list[int]] = {}
         for i, (_, context, _) in enumerate(requests):
             by_context.setdefault(tuple(context), []).append(i)
+        if self._share is False:
+            return []
         return [
             group for group in by_context.values()
-            if worth_sharing([rows[i] for i in group], [starts[i] for i in group])
+            if len(group) > 1 and (self._share is True or worth_sharing([rows[i] for i in group],
+                                                                       [starts[i] for i in group]))
         ]
 
     def _group_batches(self, groups: list[list[int]]):

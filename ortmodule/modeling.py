@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -151,6 +152,13 @@ class OrtModelForCausalLM(torch.nn.Module):
             source, folder = decoder.path, None
         self.session = runtime.make_session(source, device, folder, self._session_options, self._provider_options)
         self._device = device
+        if device.type == "cuda" and self._kv_dtype == torch.float32:
+            warnings.warn(
+                f"{self.package.root} is an fp32 package: ONNX Runtime's CUDA GroupQueryAttention takes fp16 and "
+                "bf16 only, so its attention runs on the CPU, with copies to the host at every layer (right, but "
+                "slow). For the GPU, export with `ortmodule export SRC OUT --precision bf16 --device cuda`.",
+                stacklevel=3,
+            )
         embedding = self.package.embedding
         self.embedding_session = None
         if embedding is not None:  # text only: the vision and speech models are never loaded

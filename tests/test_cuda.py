@@ -66,8 +66,16 @@ def real_positions_diff(logits, expected, mask) -> float:
 
 @pytest.fixture(scope="module")
 def llama_cuda(build):
-    fixture = build("llama")
+    """A package exported for CUDA in fp16, whose every attention node runs on the GPU (ONNX
+    Runtime's CUDA GroupQueryAttention takes fp16 and bf16 only: fp32 attention runs on the CPU)."""
+    fixture = build("llama", precision="fp16", execution_provider="cuda")
     return fixture, OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+
+
+def test_fp32_package_on_cuda_warns(build):
+    fixture = build("llama")
+    with pytest.warns(UserWarning, match="fp32 package.*--precision bf16 --device cuda"):
+        OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
 
 
 def test_counters_see_copies():
@@ -81,6 +89,7 @@ def test_counters_see_copies():
     assert own_host_reads(lambda: x + 1) == 0
 
 
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
 @pytest.mark.parametrize("arch", MODEL_ARCHES)
 def test_cpu_export_on_cuda_matches_transformers(build, arch):
     """Every fixture architecture's fp32 package on CUDA (fp32 MatMul, no TF32), right and left padded."""
@@ -123,11 +132,13 @@ def test_half_precision_packages(build, precision, tolerance):
 @pytest.fixture(scope="module")
 def smollm2_cuda():
     fixture = fixtures.build(fixtures.SMOLLM2)
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    with pytest.warns(UserWarning, match="fp32 package"):
+        model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     reference = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).to("cuda").eval()
     return fixture, model, reference, load_tokenizer(fixture.package_dir)
 
 
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
 def test_real_model_fp32_on_cuda(smollm2_cuda):
     """SmolLM2-135M's fp32 package on CUDA: logits as transformers' on CUDA, greedy chat identical."""
     _, model, reference, tokenizer = smollm2_cuda
@@ -199,8 +210,10 @@ def test_generate_loop_reads_the_device_rarely(llama_cuda):
     print(f"device-to-host copies in a {steps}-step generate, ONNX Runtime's own: {total}")
 
 
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
 def test_generate_stops_where_transformers_does(build):
-    """The deferred stop check cuts the output where transformers' per-step check stops."""
+    """The deferred stop check cuts the output where transformers' per-step check stops (an fp32
+    package: its attention on the CPU, so the decode steps bind their inputs anew each step)."""
     fixture = build("llama")
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
@@ -236,7 +249,7 @@ def test_runs_on_torch_stream_without_sync(build, switch):
     """Work queued before a call (the ids' copy up, behind a ~1 s kernel) is seen by ONNX Runtime,
     its logits are seen by the torch work after it, and the call returns before the device catches
     up (no host sync). With `switch`, the caller moves to another stream after loading."""
-    fixture = build("llama")
+    fixture = build("llama", precision="fp16", execution_provider="cuda")
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     ids_a, mask = right_padded_batch([16, 10], seed=4)
     ids_b, _ = right_padded_batch([16, 10], seed=5)
@@ -254,12 +267,13 @@ def test_runs_on_torch_stream_without_sync(build, switch):
         still_busy = not done.query()
         torch.cuda.synchronize()
     print(f"host time of a forward queued behind a ~1 s kernel: {host_time:.3f} s (device still busy: {still_busy})")
+    assert still_busy and host_time < 0.5, f"the call waited for the device ({host_time:.2f} s)"
     assert torch.equal(logits, expected)
 
 
 def test_decode_steps_on_another_stream(build):
     """generate on a stream other than the load stream gives the same tokens as on the load stream."""
-    fixture = build("llama")
+    fixture = build("llama", precision="fp16", execution_provider="cuda")
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     prompt = torch.randint(4, 512, (3, 10), generator=torch.Generator().manual_seed(9))
     expected = model.generate(prompt, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
@@ -272,6 +286,7 @@ def test_decode_steps_on_another_stream(build):
     assert torch.equal(tokens, expected)
 
 
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
 def test_out_of_memory_is_the_error_batch_searches_retry(build):
     """An ONNX Runtime allocation failure (its arena capped by `gpu_mem_limit`) is a RuntimeError
     that accelerate's `should_reduce_batch_size` (lm-eval's --batch_size auto) retries on, and the
@@ -295,7 +310,7 @@ def test_out_of_memory_is_the_error_batch_searches_retry(build):
 def test_no_device_memory_growth_over_1000_calls(build):
     """1,000 forwards, cached decode steps and scores of varying shapes: the device memory in use
     (torch's and ONNX Runtime's arenas together, from the driver) does not grow after warm-up."""
-    fixture = build("llama")
+    fixture = build("llama", precision="fp16", execution_provider="cuda")
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     generator = torch.Generator().manual_seed(0)
 
