@@ -22,7 +22,10 @@ from ortmodule import fixtures
 
 TASK = "ortmodule_bench_mc"
 TASK_DIR = str(Path(__file__).parent / "tasks")
-BACKENDS = ["ortmodule", "hf", "onnxruntime-genai", "onnxruntime", "genai-stepped", "ort-numpy"]
+BACKENDS = ["ortmodule", "ortmodule-share-off", "ortmodule-share-on", "hf", "onnxruntime-genai", "onnxruntime",
+            "genai-stepped", "ort-numpy"]
+# ortmodule with its context sharing decided from the measured costs (auto), off, and always on.
+SHARING = {"ortmodule": "auto", "ortmodule-share-off": "false", "ortmodule-share-on": "true"}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +40,9 @@ def task_manager():
 
 
 def load(backend, fixture, batch_size, device):
-    if backend == "ortmodule":
-        return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size)
+    if backend in SHARING:
+        return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
+                                      share_contexts=SHARING[backend])
     if backend == "hf":
         dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int4": "float32"}[fixture.spec.precision]
         return get_model("hf")(pretrained=str(fixture.hf_dir), dtype=dtype, device=device, batch_size=batch_size)
@@ -52,7 +56,7 @@ class HostBytes:
 
     def __init__(self, backend, lm, monkeypatch):
         self.count = None
-        if backend == "ortmodule":
+        if backend in SHARING:
             self.count = 0
             original = torch.Tensor.cpu
 

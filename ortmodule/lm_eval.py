@@ -22,12 +22,12 @@ from tqdm import tqdm
 
 from .modeling import OrtModelForCausalLM, build_config
 from .package import read_package
-from .scoring import grouped_loglikelihood, loglikelihood, worth_sharing
+from .scoring import grouped_loglikelihood, loglikelihood, measured_costs, worth_sharing
 
 
 def _sharing_choice(value) -> bool | str:
-    """`share_contexts`: "auto" (where `scoring.worth_sharing` says it saves work), or always /
-    never; lm-eval passes model_args as strings ("true", "false", "auto")."""
+    """`share_contexts`: "auto" (where `scoring.worth_sharing` says it saves time, from this
+    model's measured costs), or always / never; lm-eval passes model_args as strings."""
     choices = {"auto": "auto", "true": True, "false": False}
     key = value if isinstance(value, bool) else str(value).strip().lower()
     if isinstance(key, str) and key not in choices:
@@ -149,13 +149,14 @@ class OrtModuleLM(HFLM):
         by_context: dict[tuple, list[int]] = {}
         for i, (_, context, _) in enumerate(requests):
             by_context.setdefault(tuple(context), []).append(i)
-        if self._share is False:
+        groups = [group for group in by_context.values() if len(group) > 1]
+        if self._share is False or not groups:
             return []
-        return [
-            group for group in by_context.values()
-            if len(group) > 1 and (self._share is True or worth_sharing([rows[i] for i in group],
-                                                                       [starts[i] for i in group]))
-        ]
+        if self._share is True:
+            return groups
+        costs = measured_costs(self._model)
+        return [group for group in groups
+                if worth_sharing([rows[i] for i in group], [starts[i] for i in group], costs)]
 
     def _group_batches(self, groups: list[list[int]]):
         """(request, group) pairs in batches of about `batch_size` rows, never splitting a group."""

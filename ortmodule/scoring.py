@@ -6,7 +6,9 @@ and the gather happen on `model.device`, and one small tensor per batch comes ba
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -86,12 +88,71 @@ def grouped_loglikelihood(
     return totals.results()
 
 
-def worth_sharing(rows: list[Ids], starts: list[int]) -> bool:
+class Costs(NamedTuple):
+    """What this model costs on its device, in seconds: a prefill token (in a batch), and one
+    decode step over a cache (a fixed part, and a part per row)."""
+
+    per_token: float
+    step: float
+    step_per_row: float
+
+
+def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None) -> bool:
     """Whether rows that start alike are cheaper with their prefix run once (the prefix ending no
-    later than the first position scored): several rows, and a prefix at least twice the longest
-    remainder, since each remaining token costs one decode step over the batch."""
+    later than the first position scored), then the rest of every row one decode step at a time
+    over copies of its KV cache, than in one padded prefill.
+
+    With `costs` (`measured_costs(model)`), the two are compared in time: prefix tokens + steps x
+    one step over the rows, against rows x width tokens. Without, a prefix at least twice the
+    longest remainder."""
+    if len(rows) < 2:
+        return False
     prefix = min(_common_prefix(rows), min(starts) + 1)
-    return len(rows) > 1 and prefix >= 2 * max(len(row) - prefix for row in rows)
+    steps = max(len(row) - prefix for row in rows)
+    if costs is None:
+        return prefix >= 2 * steps
+    shared = costs.per_token * prefix + steps * (costs.step + costs.step_per_row * len(rows))
+    return shared < costs.per_token * len(rows) * max(len(row) for row in rows)
+
+
+def measured_costs(model: OrtModelForCausalLM) -> Costs | None:
+    """`Costs` of `model`, measured once (about a second on a small model on the CPU) and kept on
+    it: the best of a few runs of a 4 x 64-token prefill and of decode steps over 1 and 4 rows."""
+    if not hasattr(model, "_sharing_costs"):
+        try:
+            model._sharing_costs = _probe(model)
+        except RuntimeError as e:  # e.g. out of memory on a loaded device: fall back to token counts
+            warnings.warn(f"could not measure the model's costs ({e}); sharing is decided by token counts")
+            model._sharing_costs = None
+    return model._sharing_costs
+
+
+@torch.inference_mode()
+def _probe(model: OrtModelForCausalLM) -> Costs:
+    length = min(64, model.package.context_length - 2)
+    ids = torch.randint(4, model.package.vocab_size, (4, length), generator=torch.Generator().manual_seed(0))
+    per_token = _best_time(lambda: model(ids, cont_len=1), model.device) / ids.numel()
+    step = {}
+    for rows in (1, 4):
+        cache = model(ids[:rows], use_cache=True, cont_len=1).past_key_values
+        token = ids[:rows, :1]
+        step[rows] = _best_time(lambda c=cache, t=token: model(t, past_key_values=c, cont_len=1), model.device)
+    per_row = max(0.0, (step[4] - step[1]) / 3)
+    return Costs(per_token, max(0.0, step[1] - per_row), per_row)
+
+
+def _best_time(fn, device: torch.device, repeats: int = 3) -> float:
+    import time
+
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 Ids = list[int]
@@ -157,7 +218,7 @@ def label_logprobs(
         rows = slice(start, start + len(prompts))
         start += len(prompts)
         if reuse_prefix is None:
-            reuse = worth_sharing(prompts, [len(p) - 1 for p in prompts])
+            reuse = len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], measured_costs(model))
         else:
             reuse = reuse_prefix and _common_prefix(prompts) > 0
         if reuse:

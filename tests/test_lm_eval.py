@@ -81,6 +81,20 @@ def test_batch_size_one_equals_batch_size_eight(build):
         assert abs(a[0] - b[0]) < 1e-5 and a[1] == b[1]
 
 
+def test_context_sharing_on_off_and_auto_agree(build):
+    """share_contexts=true (every multiple-choice context run once), false (every request its own
+    row) and auto give the same loglikelihoods; a bad value is refused."""
+    fixture = build("llama")
+    results = {share: evaluate("ortmodule", f"pretrained={fixture.package_dir},share_contexts={share}")
+               for share in ("true", "false", "auto")}
+    reference = loglikelihoods(results["false"], "ortmodule_arithmetic_mc")
+    for share in ("true", "auto"):
+        for a, b in zip(loglikelihoods(results[share], "ortmodule_arithmetic_mc"), reference):
+            assert abs(a[0] - b[0]) < 1e-4 and a[1] == b[1]
+    with pytest.raises(ValueError, match="share_contexts must be auto, true or false"):
+        evaluate("ortmodule", f"pretrained={fixture.package_dir},share_contexts=sometimes")
+
+
 def test_hflm_accepts_a_loaded_model(build):
     """`OrtModuleLM(pretrained=<OrtModelForCausalLM>, tokenizer=...)` as with HFLM and a PreTrainedModel."""
     from ortmodule import OrtModelForCausalLM, load_tokenizer

@@ -88,6 +88,21 @@ def test_shared_prefix_reuse_is_chosen_only_where_it_saves_work():
     assert not scoring.worth_sharing(prompts, last(prompts))  # item_first: only BOS shared
 
 
+def test_sharing_is_decided_from_the_measured_costs(llama):
+    """A short prefix with long remainders loses when each decode step costs ~20 prefill tokens (a
+    small model on a CPU); a long prefix wins; the costs are measured once per model."""
+    cpu_like = scoring.Costs(per_token=1.2e-3, step=24e-3, step_per_row=3e-3)
+    short = [list(range(100, 120)) + list(range(10 * i, 10 * i + 10)) for i in range(1, 5)]
+    assert not scoring.worth_sharing(short, [len(r) - 10 for r in short], cpu_like)
+    assert scoring.worth_sharing(short, [len(r) - 10 for r in short])  # token counts alone would share
+    long = [list(range(100, 300)) + list(range(10 * i, 10 * i + 13)) for i in range(1, 5)]
+    assert scoring.worth_sharing(long, [len(r) - 13 for r in long], cpu_like)
+    model, _ = load_pair(llama)
+    costs = scoring.measured_costs(model)
+    assert costs.per_token > 0 and costs.step > 0 and costs.step_per_row >= 0
+    assert scoring.measured_costs(model) is costs
+
+
 def test_the_scores_leave_the_device_once(llama, monkeypatch):
     """Three batches (a budget of 4 tokens), one copy to the host: [items, labels] at the end."""
     model, _ = load_pair(llama)
