@@ -44,7 +44,8 @@ def main() -> None:
                 times[reuse].append(time.perf_counter() - start)
         full, shared = min(times[False]), min(times[True])
         prompts = [query + item for item in items]
-        chosen = "shared prefix" if scoring.worth_sharing(prompts, [len(p) - 1 for p in prompts]) else "full prefill"
+        costs = scoring.measured_costs(model)
+        chosen = "shared prefix" if scoring.worth_sharing(prompts, [len(p) - 1 for p in prompts], costs) else "full prefill"
         print(f"| {query_tokens} | 1-{item_tokens} | {1000 * full:.0f} ms | {1000 * shared:.0f} ms | "
               f"{chosen} ({full / shared:.1f}x) |")
 

@@ -156,7 +156,7 @@ class OrtModuleLM(HFLM):
             return groups
         costs = measured_costs(self._model)
         return [group for group in groups
-                if worth_sharing([rows[i] for i in group], [starts[i] for i in group], costs)]
+                if worth_sharing([rows[i] for i in group], [starts[i] for i in group], costs, self.batch_size)]
 
     def _group_batches(self, groups: list[list[int]]):
         """(request, group) pairs in batches of about `batch_size` rows, never splitting a group."""

@@ -97,21 +97,23 @@ class Costs(NamedTuple):
     step_per_row: float
 
 
-def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None) -> bool:
+def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None, batch_rows: int = 0) -> bool:
     """Whether rows that start alike are cheaper with their prefix run once (the prefix ending no
     later than the first position scored), then the rest of every row one decode step at a time
     over copies of its KV cache, than in one padded prefill.
 
     With `costs` (`measured_costs(model)`), the two are compared in time: prefix tokens + steps x
-    one step over the rows, against rows x width tokens. Without, a prefix at least twice the
-    longest remainder."""
+    one step over the rows, against rows x width tokens; when groups run together in batches of
+    `batch_rows` rows (lm-eval's batch size), a step's fixed cost is shared among them. Without
+    costs, a prefix at least twice the longest remainder."""
     if len(rows) < 2:
         return False
     prefix = min(_common_prefix(rows), min(starts) + 1)
     steps = max(len(row) - prefix for row in rows)
     if costs is None:
         return prefix >= 2 * steps
-    shared = costs.per_token * prefix + steps * (costs.step + costs.step_per_row * len(rows))
+    fixed = costs.step * len(rows) / max(batch_rows, len(rows))
+    shared = costs.per_token * prefix + steps * (fixed + costs.step_per_row * len(rows))
     return shared < costs.per_token * len(rows) * max(len(row) for row in rows)
 
 
