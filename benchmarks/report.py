@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 import sys
 from collections import defaultdict
 
@@ -179,6 +180,9 @@ def render(runs: list[dict], size: str) -> str:
             out.append(f"- `{backend}` failed: `{error}`")
         if errors:
             out.append("")
+    tried = Path(__file__).with_name(f"what-was-tried-{size}.md")
+    if tried.is_file():  # hand-written: the changes tried on this size's machine, with their figures
+        out.append(tried.read_text().rstrip() + "\n")
     out.append(FOOTER)
     return "\n".join(out)
 
