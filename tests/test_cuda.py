@@ -43,13 +43,13 @@ class OwnHostReads(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         sources = [a for a in args if isinstance(a, torch.Tensor)]
-        if func is torch.ops.aten._local_scalar_dense.default and sources[0].is_cuda:
-            self.count += 1
-        elif func is torch.ops.aten._to_copy.default and sources[0].is_cuda and isinstance(out, torch.Tensor) \
-                and out.device.type == "cpu":
-            self.count += 1
-        elif func is torch.ops.aten.copy_.default and sources[0].device.type == "cpu" and sources[1].is_cuda:
-            self.count += 1
+        aten = torch.ops.aten
+        reads = (
+            (func is aten._local_scalar_dense.default and sources[0].is_cuda)
+            or (func is aten._to_copy.default and sources[0].is_cuda and out.device.type == "cpu")
+            or (func is aten.copy_.default and sources[0].device.type == "cpu" and sources[1].is_cuda)
+        )
+        self.count += int(reads)
         return out
 
 

@@ -52,7 +52,8 @@ def placement(fixture):
     options.log_severity_level = 3
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", session_options=options)
     model(torch.randint(4, 512, (2, 10)))
-    events = json.load(open(model.session.end_profiling()))
+    with open(model.session.end_profiling()) as f:
+        events = json.load(f)
     nodes = {}
     for e in events:
         args = e.get("args", {})
@@ -67,7 +68,7 @@ if __name__ == "__main__":
     for dedicated, sync in ((True, False), (False, False), (True, True), (False, True)):
         try:
             check(fixture, dedicated, sync)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (ONNX Runtime's own types: a diagnostic reports them all)
             print(f"dedicated_stream={dedicated} sync_after_run={sync}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     runtime.DEDICATED_STREAM, runtime.SYNC_AFTER_RUN = True, False
     placement(fixture)
