@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 import sys
 from collections import defaultdict
-
-# Dense bf16 tensor throughput (FLOP/s) of the GPUs the GPU size runs on (SXM parts, no sparsity).
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+from pathlib import Path
 
 # What each workload measures; the figures come from the run.
 NOTES = {
@@ -80,11 +77,11 @@ def median(bench: dict) -> float | None:
     return stats.get("median")
 
 
-def peak_fraction(bench: dict, seconds: float) -> str:
-    """2 x parameters x tokens / time, over the device's peak bf16 throughput."""
+def peak_fraction(bench: dict, seconds: float, limits: dict) -> str:
+    """2 x parameters x tokens / time, over the GPU's peak bf16 throughput (benchmarks/conftest.py's
+    gpu_limits; nothing on a CPU page)."""
     info = bench["extra_info"]
-    device = info.get("device", "")
-    peak = next((flops for name, flops in PEAK_BF16.items() if name in device), None)
+    peak = limits.get("peak_flops") if limits.get("kind") == "gpu" else None
     if not peak or not info.get("tokens") or not info.get("parameters") or not seconds:
         return ""
     return f"{100 * 2 * info['parameters'] * info['tokens'] / seconds / peak:.1f}%"
@@ -148,7 +145,7 @@ def render(runs: list[dict], size: str) -> str:
     for (group, model), benches in sorted(groups.items(), key=lambda g: (GROUP_ORDER.get(g[0][0], 9), "real" not in g[0][1], g[0][1])):
         reference = {case(b)[1]: median(b) for b in benches if case(b)[0] == "transformers" and median(b)}
         keys = sorted({k for b in benches for k in b["extra_info"]} - hidden)
-        with_fraction = any(peak_fraction(b, median(b) or 0) for b in benches)
+        with_fraction = any(peak_fraction(b, median(b) or 0, limits) for b in benches)
         fractions = [cpu_fractions(b, median(b) or 0, limits) for b in benches]
         with_compute, with_memory = any(f[0] for f in fractions), any(f[1] for f in fractions)
         out.append(f"## {group}: {model}\n" if model else f"## {group}\n")
@@ -171,7 +168,7 @@ def render(runs: list[dict], size: str) -> str:
                 row = [backend, variant, f"{seconds * 1e3:.1f}" if seconds else "", ratio,
                        *[str(b["extra_info"].get(k, "")) for k in keys]]
             if with_fraction:
-                row.append(peak_fraction(b, seconds or 0))
+                row.append(peak_fraction(b, seconds or 0, limits))
             compute, memory = cpu_fractions(b, seconds or 0, limits)
             row += ([compute] if with_compute else []) + ([memory] if with_memory else [])
             out.append("| " + " | ".join(row) + " |")

@@ -386,10 +386,12 @@ def generate(
     step = model._decode_step(cache)
     logits = step.prefill(batch)
     unfinished = torch.ones(size, dtype=torch.bool, device=device)
-    # The length at which every row had stopped (0 while one runs), kept on the device and read
-    # every STOP_CHECK_EVERY steps (every step with a streamer): the loop queues steps without
-    # waiting for the device, and the output is cut where transformers' loop would have stopped.
+    # The length at which every row had stopped (0 while one runs), kept on the device. On a GPU
+    # it is read every STOP_CHECK_EVERY steps, so that the loop queues steps without waiting for
+    # the device; on the CPU (where a read costs nothing) and with a streamer, every step. The
+    # output is cut where transformers' loop would have stopped.
     stopped_at = torch.zeros((), dtype=torch.int64, device=device)
+    check_every = 1 if device.type == "cpu" or streamer is not None else STOP_CHECK_EVERY
     scores, raw = [], []
     length = width
     while True:
@@ -414,8 +416,8 @@ def generate(
         if len(criteria):
             unfinished &= ~criteria(sequences[:, :length], next_scores)
             stopped_at = torch.where((stopped_at == 0) & ~unfinished.any(), length, stopped_at)
-            if (streamer is not None or (length - width) % STOP_CHECK_EVERY == 0) and stopped_at.item():
-                break  # the loop's one read from the device, every STOP_CHECK_EVERY steps
+            if (length - width) % check_every == 0 and stopped_at.item():
+                break  # the loop's one read from the device
         logits = step.decode(tokens)
     if streamer is not None:
         streamer.end()
@@ -432,14 +434,16 @@ def generate(
     return sequences
 
 
-# How many decode steps run between two reads of the stop flag: a read waits for the device to
-# catch up, so reading it every step keeps the host from queueing ahead (transformers' loop does).
+# On a GPU, how many decode steps run between two reads of the stop flag: a read waits for the
+# device to catch up, so reading it every step keeps the host from queueing ahead (transformers'
+# loop does). At most STOP_CHECK_EVERY - 1 steps run after every row has stopped, and are cut.
 STOP_CHECK_EVERY = 8
 
 
 class DecodeStep:
-    """Runs the decoder over a KVCache, one binding reused for every step: the cache, the token,
-    position and logits buffers are bound once; each step rebinds only the attention mask."""
+    """Runs the decoder over a KVCache, one binding reused for every step. On the CPU the cache,
+    token, position and logits buffers are bound once and each step rebinds only the attention
+    mask; on CUDA each step binds them all again (see `_bind_decode_buffers`)."""
 
     def __init__(self, model: OrtModelForCausalLM, cache: KVCache):
         self.model = model

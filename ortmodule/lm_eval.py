@@ -28,11 +28,12 @@ from .scoring import grouped_loglikelihood, loglikelihood, measured_costs, worth
 def _sharing_choice(value) -> bool | str:
     """`share_contexts`: "auto" (where `scoring.worth_sharing` says it saves time, from this
     model's measured costs), or always / never; lm-eval passes model_args as strings."""
-    choices = {"auto": "auto", "true": True, "false": False}
-    key = value if isinstance(value, bool) else str(value).strip().lower()
-    if isinstance(key, str) and key not in choices:
+    if isinstance(value, bool):
+        return value
+    key = str(value).strip().lower()
+    if key not in ("auto", "true", "false"):
         raise ValueError(f"share_contexts must be auto, true or false, got {value!r}")
-    return key if isinstance(key, bool) else choices[key]
+    return "auto" if key == "auto" else key == "true"
 
 
 def _one_evaluation_at_a_time(method):

@@ -148,12 +148,12 @@ def run(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
     """Run a bound session. On CUDA the run is queued on the session's stream without a host sync;
     when the caller's current torch stream is another one, the session's stream first waits for
     the work queued on it, and it waits for the run after (events on the device, no host sync)."""
-    stream = getattr(session, "ortmodule_stream", None)
+    stream = session.ortmodule_stream
     current = torch.cuda.current_stream(stream.device) if stream is not None else None
     if current is not None and current != stream:
         stream.wait_stream(current)
     try:
-        session.run_with_iobinding(binding, getattr(session, "ortmodule_run_options", None))
+        session.run_with_iobinding(binding, session.ortmodule_run_options)
     except Exception as e:
         raise_if_out_of_memory(e)
         raise

@@ -6,6 +6,7 @@ and the gather happen on `model.device`, and one small tensor per batch comes ba
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -144,17 +145,15 @@ def _probe(model: OrtModelForCausalLM) -> Costs:
 
 
 def _best_time(fn, device: torch.device, repeats: int = 3) -> float:
-    import time
-
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
+    def timed() -> float:
         start = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+        return time.perf_counter() - start
+
+    timed()  # warm-up, finished on the device before the first timed run
+    return min(timed() for _ in range(repeats))
 
 
 Ids = list[int]
