@@ -98,7 +98,7 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{port}"
         command = [str(Path(sys.executable).parent / "ortmodule"), "serve", str(package), "--port", str(port),
                    "--device", device, *extra]
-        self.log = tempfile.TemporaryFile("w+")
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  open for the server process's lifetime
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while True:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.fixture:
         from conftest import SIZES
 
-        from ortmodule import fixtures
+        from ortmodule_dev import fixtures
 
         args.package = fixtures.build(next(iter(SIZES[args.fixture]["decoders"].values()))).package_dir
     if args.url:
@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with LocalServer(args.package, args.device) as server:
             result = measure(server.url)
-            result["server"] = {k: v for k, v in server.metrics().items() if k in ("groups", "largest_group", "requests")}
+            result["server"] = {k: v for k, v in server.metrics().items() if k in ("groups", "largest_group",
+                                                                                   "requests")}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -2,6 +2,8 @@
 shapes once so CI keeps the suite working (`pytest benchmarks --benchmark-disable --bench-size smoke`)."""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -9,7 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 
-from ortmodule import fixtures
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
+from ortmodule_dev import fixtures  # noqa: E402
 
 # Qwen3-0.6B's and a Gemma-style 262K-vocabulary config with random weights: throughput does not
 # depend on weight values. Exported by the builder for CUDA in bf16.
@@ -23,10 +26,12 @@ GEMMA_262K = fixtures.FixtureSpec("gemma3", hidden_size=1152, num_layers=4, num_
 # Exact configs of real models with random weights, exported for the CPU in fp32: throughput does
 # not depend on weight values. Qwen3-0.6B (151,936-token vocabulary, tied embeddings) and
 # Gemma-3-270M (262,144 tokens, five 512-token sliding layers to one full layer).
-QWEN3_0_6B_CPU = fixtures.FixtureSpec("qwen3", hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+QWEN3_0_6B_CPU = fixtures.FixtureSpec("qwen3", hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                                      head_dim=128,
                                       intermediate_size=3072, vocab_size=151936, context_length=4096,
                                       initializer_range=0.02, tie_word_embeddings=True)
-GEMMA3_270M_CPU = fixtures.FixtureSpec("gemma3", hidden_size=640, num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256,
+GEMMA3_270M_CPU = fixtures.FixtureSpec("gemma3", hidden_size=640, num_layers=18, num_heads=4, num_kv_heads=1,
+                                       head_dim=256,
                                        intermediate_size=2048, vocab_size=262144, context_length=4096,
                                        initializer_range=0.02, sliding_window=512, tie_word_embeddings=True)
 TINY = fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256)
@@ -101,7 +106,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 
 
 # Dense bf16 tensor-core peak (no sparsity) and memory bandwidth from the vendor's data sheets.
-GPU_DATASHEET = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.0e12), "L40S": (362e12, 0.864e12)}
+GPU_DATASHEET = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.0e12), "L40S": (362e12,
+                                                                                                         0.864e12)}
 
 
 def gpu_limits() -> dict:
@@ -132,7 +138,7 @@ def gpu_limits() -> dict:
     big = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(big)
     copy = best_rate(lambda: out.copy_(big), 2 * 2**30)
-    del a, b, big, out
+    a = b = big = out = None  # freed before the cache is emptied
     torch.cuda.empty_cache()
     return {"kind": "gpu", "name": name, "datasheet_bf16_flops": sheet_flops, "datasheet_bytes_per_s": sheet_bandwidth,
             "bf16_matmul_flops": matmul, "peak_flops": max(sheet_flops, matmul), "copy_bytes_per_s": copy}
@@ -226,7 +232,7 @@ def weight_counts(fixture) -> tuple[int, int]:
     body = 0
     for shard in fixture.hf_dir.glob("*.safetensors"):
         with safe_open(shard, "pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118  a safetensors file, not a dict
                 if "embed_tokens" not in key and "lm_head" not in key:
                     shape = f.get_slice(key).get_shape()
                     count = 1

@@ -6,12 +6,17 @@ query and item lengths, interleaved, best of 3, on the suite's decoder of the ch
 
 import argparse
 import random
+import sys
 import time
+from pathlib import Path
 
 from conftest import SIZES
 
 import ortmodule
-from ortmodule import OrtModelForCausalLM, fixtures, scoring
+from ortmodule import OrtModelForCausalLM, scoring
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
+from ortmodule_dev import fixtures  # noqa: E402
 
 SHAPES = [(200, 5), (200, 20), (60, 20), (20, 20)]  # (query tokens, items of 1 to this many tokens)
 
@@ -45,7 +50,8 @@ def main() -> None:
         full, shared = min(times[False]), min(times[True])
         prompts = [query + item for item in items]
         costs = scoring.measured_costs(model)
-        chosen = "shared prefix" if scoring.worth_sharing(prompts, [len(p) - 1 for p in prompts], costs) else "full prefill"
+        chosen = "shared prefix" if scoring.worth_sharing(prompts, [len(p) - 1 for p in prompts],
+                                                          costs) else "full prefill"
         print(f"| {query_tokens} | 1-{item_tokens} | {1000 * full:.0f} ms | {1000 * shared:.0f} ms | "
               f"{chosen} ({full / shared:.1f}x) |")
 

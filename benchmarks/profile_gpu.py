@@ -8,14 +8,19 @@ the host: launches, Python, syncs), and the top kernels of each.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from conftest import SIZES
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, fixtures, scoring
+from ortmodule import OrtModelForCausalLM, scoring
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
+from ortmodule_dev import fixtures  # noqa: E402
 
 
 def timed(fn, repeats=10):

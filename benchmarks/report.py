@@ -20,7 +20,8 @@ NOTES = {
     "or only the last 4 (`cont_len`: `cont_len=4` for ortmodule, `logits_to_keep=4` for transformers). "
     "`logits_bytes_per_request` is the logits one row returns; `peak_rss_mb` the process's peak "
     "resident memory during one call.",
-    "generate": "Greedy decoding of a left-padded batch of prompts ({prompt_lo} to {prompt_hi} tokens), {new_tokens} new tokens a row; every "
+    "generate": "Greedy decoding of a left-padded batch of prompts ({prompt_lo} to {prompt_hi} tokens), "
+    "{new_tokens} new tokens a row; every "
     "backend makes all of them (no early end of sequence). `genai` is onnxruntime-genai's `Generator` "
     "on the same package. transformers runs the package's precision (fp32 beside an int4 package).",
     "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: {questions} "
@@ -28,7 +29,8 @@ NOTES = {
     "ones), 4 loglikelihood requests per question, batch {batch_size}. `ortmodule` and `transformers` (lm-eval's "
     "`hf`, the package's precision) run batched; `ortmodule` runs a context shared by a question's "
     "choices once where its measured costs say that saves time (`share_contexts=auto`), "
-    "`ortmodule-share-off` never, `ortmodule-share-on` always; lm-eval's `onnxruntime-genai` and `onnxruntime` backends, "
+    "`ortmodule-share-off` never, `ortmodule-share-on` always; lm-eval's `onnxruntime-genai` and "
+    "`onnxruntime` backends, "
     "`genai-stepped` (onnxruntime-genai's Generator stepped per continuation token, `get_logits()` "
     "each step) and `ort-numpy` (a raw InferenceSession returning full logits to numpy) run batch 1, "
     "all they support (the last three on {slow_peers} only). Models load before the clock. "
@@ -36,7 +38,8 @@ NOTES = {
     "backend has one transfer point. `peak_rss_mb`: the process's peak resident memory during the "
     "run, model included.",
     "score": "`ortmodule.score` (SGLang's score API: {requests} requests of a {query_tokens}-token query and {items} "
-    "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen automatically (`auto`) or off "
+    "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen "
+    "automatically (`auto`) or off "
     "(`no_reuse`), beside what a transformers user writes (the items left-padded in one batch, "
     "`logits_to_keep=1`) and onnxruntime-genai's Generator (one per item, last logits to numpy).",
     "score server": "benchmarks/bench_score.py against `ortmodule serve` in its own process: open-loop "
@@ -124,13 +127,16 @@ def render(runs: list[dict], size: str) -> str:
                    "bytes x steps / time / the measured copy bandwidth (the prefill's time counted in, so a lower "
                    "bound).\n")
     elif limits:
-        out.append(f"Limits of this machine: fp32 FMA peak at the nominal clock {limits['nominal_fma_flops'] / 1e9:.0f} "
-                   f"GFLOP/s ({limits['cores']} cores x {limits['mhz']:.0f} MHz x {limits['flop_per_cycle']} FLOP/cycle); "
+        out.append("Limits of this machine: fp32 FMA peak at the nominal clock "
+                   f"{limits['nominal_fma_flops'] / 1e9:.0f} GFLOP/s ({limits['cores']} cores x "
+                   f"{limits['mhz']:.0f} MHz x {limits['flop_per_cycle']} FLOP/cycle); "
                    f"fp32 matmul (best of several) reaches {limits['sgemm_flops'] / 1e9:.0f} GFLOP/s in torch (4096 x "
-                   f"4096) and {limits.get('onnxruntime_sgemm_flops', 0) / 1e9:.0f} GFLOP/s in ONNX Runtime (4096 x 4096, "
+                   f"4096) and {limits.get('onnxruntime_sgemm_flops', 0) / 1e9:.0f} GFLOP/s in ONNX Runtime "
+                   "(4096 x 4096, "
                    "and 1024 x 576 x 1536, SmolLM2's MLP shape), so the cores run "
                    "above their nominal clock; the peak used below is the highest of the three, "
-                   f"{limits['peak_flops'] / 1e9:.0f} GFLOP/s. A 256 MB copy moves {limits['copy_bytes_per_s'] / 1e9:.1f} "
+                   f"{limits['peak_flops'] / 1e9:.0f} GFLOP/s. A 256 MB copy moves "
+                   f"{limits['copy_bytes_per_s'] / 1e9:.1f} "
                    "GB/s (read + write). `of peak`: the matmul FLOPs of the work (2 x weights x tokens, the "
                    "LM head only at the rows computed, attention's own products left out) / time / peak. "
                    "`of bandwidth`: decoding's weight bytes x steps / time / copy bandwidth (the prefill's "
@@ -142,7 +148,11 @@ def render(runs: list[dict], size: str) -> str:
             groups[(bench["group"], bench["extra_info"].get("model", ""))].append(bench)
     hidden = {"backend", "error", "device", "parameters", "tokens", "model", "case", "flops", "weight_bytes",
               "decode_steps"}
-    for (group, model), benches in sorted(groups.items(), key=lambda g: (GROUP_ORDER.get(g[0][0], 9), "real" not in g[0][1], g[0][1])):
+    def order(item):
+        (group, model), _ = item
+        return GROUP_ORDER.get(group, 9), "real" not in model, model
+
+    for (group, model), benches in sorted(groups.items(), key=order):
         reference = {case(b)[1]: median(b) for b in benches if case(b)[0] == "transformers" and median(b)}
         keys = sorted({k for b in benches for k in b["extra_info"]} - hidden)
         with_fraction = any(peak_fraction(b, median(b) or 0, limits) for b in benches)
@@ -151,7 +161,8 @@ def render(runs: list[dict], size: str) -> str:
         out.append(f"## {group}: {model}\n" if model else f"## {group}\n")
         if group in NOTES:
             out.append(NOTES[group].format(**note_values(size)) + "\n")
-        header = ["backend", "case", "median ms", "speed vs transformers", *keys] + (["of peak bf16"] if with_fraction else [])
+        header = ["backend", "case", "median ms", "speed vs transformers", *keys]
+        header += ["of peak bf16"] if with_fraction else []
         header += (["of peak"] if with_compute else []) + (["of bandwidth"] if with_memory else [])
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "---|" * len(header))
@@ -211,7 +222,7 @@ def main(argv: list[str]) -> None:
     size = "cpu"
     if argv[:1] == ["--size"]:
         size, argv = argv[1], argv[2:]
-    print(render([json.load(open(p)) for p in argv], size))
+    print(render([json.loads(Path(p).read_text()) for p in argv], size))
 
 
 if __name__ == "__main__":

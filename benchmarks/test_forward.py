@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import device_name, flop_count, measure_peak, model_label, reference_model, synced
 
-from ortmodule import OrtModelForCausalLM, fixtures
+from ortmodule import OrtModelForCausalLM
+from ortmodule_dev import fixtures
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +18,8 @@ def setup(size, forward_key):
     device = size["device"]
     ort_model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
     hf_model = reference_model(fixture, device)
-    ids = torch.randint(4, min(fixture.spec.vocab_size, 32000), (batch, length), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(4, min(fixture.spec.vocab_size, 32000), (batch, length),
+                        generator=torch.Generator().manual_seed(0))
     return fixture, ort_model, hf_model, ids.to(device), size["keep"], forward_key
 
 

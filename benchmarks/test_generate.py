@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import SIZES, model_label, record_rate, reference_model, weight_bytes
 
-from ortmodule import OrtModelForCausalLM, fixtures
+from ortmodule import OrtModelForCausalLM
+from ortmodule_dev import fixtures
 
 
 def pytest_generate_tests(metafunc):

@@ -10,7 +10,6 @@ clock starts; one round each. A peer that fails is recorded as an expected failu
 from pathlib import Path
 
 import lm_eval
-import peers
 import pytest
 import torch
 from conftest import SLOW_PEERS_ON, device_name, model_label, peak_rss_mb, reset_peak_rss
@@ -18,7 +17,7 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
-from ortmodule import fixtures
+from ortmodule_dev import fixtures
 
 TASK = "ortmodule_bench_mc"
 TASK_DIR = str(Path(__file__).parent / "tasks")
@@ -47,7 +46,8 @@ def load(backend, fixture, batch_size, device):
         dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int4": "float32"}[fixture.spec.precision]
         return get_model("hf")(pretrained=str(fixture.hf_dir), dtype=dtype, device=device, batch_size=batch_size)
     # lm-eval's ONNX backends, and the two peers built on their base, run batch 1 only.
-    return get_model(backend)(pretrained=str(fixture.package_dir), execution_provider="cuda" if device != "cpu" else "cpu")
+    return get_model(backend)(pretrained=str(fixture.package_dir),
+                              execution_provider="cuda" if device != "cpu" else "cpu")
 
 
 class HostBytes:
@@ -97,7 +97,7 @@ def test_lm_eval_requests(benchmark, fixture, decoder_key, task_manager, size, b
         try:
             return lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager,
                                            limit=options["limit"], verbosity="ERROR")
-        except Exception as error:  # lm-eval's onnxruntime backend cannot run builder 0.18 packages
+        except Exception as error:  # noqa: BLE001  lm-eval's onnxruntime backend cannot run builder 0.18 packages
             return error
 
     benchmark.extra_info["backend"] = backend

@@ -12,7 +12,8 @@ from bench_score import LocalServer, make_requests, run_load
 from conftest import SLOW_PEERS_ON, model_label, record_rate, reference_model
 
 import ortmodule
-from ortmodule import OrtModelForCausalLM, fixtures
+from ortmodule import OrtModelForCausalLM
+from ortmodule_dev import fixtures
 
 
 @pytest.fixture(scope="module")

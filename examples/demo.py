@@ -16,7 +16,9 @@ Run: python examples/demo.py [--batch_size 8] [--precision fp32|int4]
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -31,12 +33,16 @@ from transformers import TextStreamer
 
 import ortmodule
 import ortmodule.lm_eval  # noqa: F401  (registers the ortmodule backend)
-from ortmodule import fixtures, tasks
+from ortmodule import tasks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
 from ortmodule.exporter import gguf_to_checkpoint
 from ortmodule.graph import cache_home
+from ortmodule_dev import fixtures  # noqa: E402
 
 TASKS = ["ortmodule_knowledge_mc", "ortmodule_knowledge_gen"]
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue? Answer in one sentence."]
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
+             "Why is the sky blue? Answer in one sentence."]
 REVIEWS = ["I loved this film, the acting was wonderful.", "A boring, painfully slow movie. I want my money back.",
            "The food was delicious and the staff were friendly.", "The room was dirty and the service was terrible."]
 
@@ -87,7 +93,9 @@ def compare_lm_eval(package, checkpoint, batch_size: int) -> None:
     print(make_table(theirs_results))
     same = all(
         ours_results["results"][task][metric] == theirs_results["results"][task][metric]
-        for task in TASKS for metric in theirs_results["results"][task] if metric.endswith(",none") and "stderr" not in metric
+        for task in TASKS
+        for metric in theirs_results["results"][task]
+        if metric.endswith(",none") and "stderr" not in metric
     )
     print(f"Same scores: {'yes' if same else 'no (see the tables)'}")
     print(f"Time for both tasks: ortmodule {ours_time:.1f} s, hf {theirs_time:.1f} s: "

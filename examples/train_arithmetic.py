@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ortmodule import fixtures
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
+from ortmodule_dev import fixtures  # noqa: E402
 
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 OUT = Path(__file__).parent / "arithmetic_model"
@@ -24,7 +25,8 @@ OUT = Path(__file__).parent / "arithmetic_model"
 
 def examples() -> list[str]:
     """Every sum in the tasks' prompt format, answered the way their targets are written."""
-    return [f"Question: what is {a} plus {b}?\nAnswer: {i + j}\n" for i, a in enumerate(NUMBERS) for j, b in enumerate(NUMBERS)]
+    return [f"Question: what is {a} plus {b}?\nAnswer: {i + j}\n" for i, a in enumerate(NUMBERS) for j,
+            b in enumerate(NUMBERS)]
 
 
 def main(out: Path = OUT, steps: int = 600) -> None:

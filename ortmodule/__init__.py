@@ -1,7 +1,8 @@
 """ortmodule: Hugging Face-style causal LMs over ONNX GenAI packages, zero-copy through DLPack."""
 
 from .exporter import ExportError, export
-from .modeling import OrtModelForCausalLM, load_tokenizer
+from .hf import load_tokenizer
+from .modeling import OrtModelForCausalLM
 from .package import PackageError, read_package
 from .scoring import loglikelihood, score
 

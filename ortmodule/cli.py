@@ -22,12 +22,15 @@ def ortmodule(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ortmodule", description="ortmodule command line")
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser(
-        "export", help="export a Hugging Face folder or a GGUF file to a GenAI package (onnxruntime-genai's model builder)"
+        "export", help="export a Hugging Face folder or a GGUF file to a GenAI package (onnxruntime-genai's "
+                       "model builder)"
     )
-    export.add_argument("source", help="a Hugging Face checkpoint folder (config.json, weights, tokenizer) or a .gguf file")
+    export.add_argument("source",
+                        help="a Hugging Face checkpoint folder (config.json, weights, tokenizer) or a .gguf file")
     export.add_argument("out", help="the package folder to write")
     export.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "int4"])
-    export.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the execution provider it is built for")
+    export.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="the execution provider it is built for")
     export.add_argument("--extra-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to the builder's --extra_options (repeatable), e.g. int4_block_size=32")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")

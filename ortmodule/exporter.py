@@ -59,9 +59,8 @@ def export(
         raise ExportError(f"device '{device}' is not one of {', '.join(DEVICES)}")
     source, out = Path(source), Path(out)
     gguf = _gguf_file(source)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        if not overwrite:
-            raise ExportError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise ExportError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}-export-", dir=out.parent))

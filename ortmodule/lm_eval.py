@@ -20,7 +20,9 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import Collator
 from tqdm import tqdm
 
-from .modeling import OrtModelForCausalLM, build_config
+from .hf import build_config
+from .inputs import pad_right
+from .modeling import OrtModelForCausalLM
 from .package import read_package
 from .scoring import grouped_loglikelihood, loglikelihood, measured_costs, worth_sharing
 
@@ -189,12 +191,7 @@ class OrtModuleLM(HFLM):
         pad = self.tokenizer.pad_token_id or 0
         for chunk in reordered.get_batched(n=batch_size, batch_fn=batch_fn):
             chunk = [i for i, _, _ in chunk]
-            width = max(len(rows[i]) for i in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, i in enumerate(chunk):
-                ids[r, : len(rows[i])] = torch.tensor(rows[i])
-                mask[r, : len(rows[i])] = 1
+            ids, mask = pad_right([rows[i] for i in chunk], pad)
             answers = loglikelihood(self._model, ids, mask, [starts[i] for i in chunk], [requests[i][2] for i in chunk])
             for i, answer in zip(chunk, answers):
                 self._record(requests[i], answer, results, i, progress)

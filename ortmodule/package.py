@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import onnx
 
@@ -67,6 +68,7 @@ class Decoder:
     kv_type: int
     logits_type: int
     num_parameters: int
+    embedding_parameters: int  # of num_parameters, the token embedding's (0 when an embedding model makes it)
     position_rank: int = 2  # 3 for mRoPE decoders (Qwen-VL): position_ids [3, batch, sequence]
     shares_kv_buffer: bool = True  # GroupQueryAttention writes the present into the past's buffer
 
@@ -84,6 +86,9 @@ class Package:
     context_length: int
     hidden_size: int
     num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    num_hidden_layers: int
     bos_token_id: int | list[int] | None
     eos_token_id: int | list[int] | None
     pad_token_id: int | None
@@ -128,7 +133,7 @@ def _load_graph(path: Path) -> onnx.GraphProto:
     exist and are long enough for every tensor they hold."""
     try:
         model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # protobuf's DecodeError and others: a truncated or foreign file
+    except Exception as e:  # noqa: BLE001  protobuf's DecodeError and others: a truncated or foreign file
         raise PackageError(f"{path}: not a readable ONNX graph ({type(e).__name__}: {e})") from None
     needed: dict[str, int] = {}
     for tensor in model.graph.initializer:
@@ -167,6 +172,23 @@ def _count_parameters(graph: onnx.GraphProto) -> int:
     return sum(math.prod(t.dims) for t in graph.initializer)
 
 
+def _embedding_parameters(graph: onnx.GraphProto, input_ids: str | None) -> int:
+    """The weights of the Gather (or quantized Gather) that looks the token ids up."""
+    sizes = {t.name: math.prod(t.dims) for t in graph.initializer}
+    lookup = next((n for n in graph.node if n.op_type.startswith("Gather") and input_ids in n.input[1:2]), None)
+    return 0 if lookup is None or input_ids is None else sum(sizes.get(name, 0) for name in lookup.input)
+
+
+class _Shape(NamedTuple):
+    """The decoder's dimensions as genai_config.json gives them."""
+
+    num_layers: int
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    hidden_size: int
+
+
 def read_package(path: str | Path) -> Package:
     """Read and check a GenAI package folder; raise `PackageError` naming what is wrong."""
     root = Path(path)
@@ -174,6 +196,34 @@ def read_package(path: str | Path) -> Package:
         raise PackageError(f"package folder not found: {root}")
     if not root.is_dir():
         raise PackageError(f"not a folder: {root} (expected a GenAI package folder)")
+    config_path, genai = _read_config(root)
+    model = _object(genai, "model", "", config_path)
+    dec = _object(model, "decoder", "model.", config_path)
+    shape = _read_shape(dec, config_path)
+    search = _object(genai, "search", "", config_path, required=False)
+    context_length = _positive_int(model, "context_length", "model.", config_path)
+    decoder, embedding, vocab_size = _read_decoder(root, model, shape, config_path)
+    return Package(
+        root=root,
+        genai_config=genai,
+        decoder=decoder,
+        embedding=embedding,
+        model_type=model.get("type", ""),
+        vocab_size=vocab_size,
+        context_length=context_length,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_size=shape.head_size,
+        num_hidden_layers=shape.num_layers,
+        bos_token_id=model.get("bos_token_id"),
+        eos_token_id=model.get("eos_token_id"),
+        pad_token_id=model.get("pad_token_id"),
+        search=search,
+    )
+
+
+def _read_config(root: Path) -> tuple[Path, dict]:
     config_path = root / CONFIG_FILE
     if not config_path.is_file():
         raise PackageError(f"{root}: no {CONFIG_FILE} in the folder; is this a GenAI package?")
@@ -185,155 +235,156 @@ def read_package(path: str | Path) -> Package:
         raise PackageError(f"{config_path}: not valid JSON ({e})") from None
     if not isinstance(genai, dict):
         raise PackageError(f"{config_path}: must hold a JSON object, got {type(genai).__name__}")
+    return config_path, genai
 
-    model = _object(genai, "model", "", config_path)
-    dec = _object(model, "decoder", "model.", config_path)
-    filename = _string(dec, "filename", "model.decoder.", config_path)
-    decoder_path = root / filename
-    if not decoder_path.is_file():
-        raise PackageError(
-            f"{config_path}: model.decoder.filename is '{filename}' but {decoder_path} does not exist"
-        )
-    num_layers = _positive_int(dec, "num_hidden_layers", "model.decoder.", config_path)
-    head_size = _positive_int(dec, "head_size", "model.decoder.", config_path)
-    num_heads = _positive_int(dec, "num_attention_heads", "model.decoder.", config_path)
-    num_kv_heads = _positive_int(dec, "num_key_value_heads", "model.decoder.", config_path, default=num_heads)
-    names_in = _object(dec, "inputs", "model.decoder.", config_path)
-    names_out = _object(dec, "outputs", "model.decoder.", config_path)
-    search = _object(genai, "search", "", config_path, required=False)
-    context_length = _positive_int(model, "context_length", "model.", config_path)
 
-    graph = _load_graph(decoder_path)
-    graph_inputs = {i.name: i for i in graph.input}
-    graph_outputs = {o.name: o for o in graph.output}
+def _read_shape(dec: dict, config_path: Path) -> _Shape:
+    where = "model.decoder."
+    num_layers = _positive_int(dec, "num_hidden_layers", where, config_path)
+    head_size = _positive_int(dec, "head_size", where, config_path)
+    num_heads = _positive_int(dec, "num_attention_heads", where, config_path)
+    num_kv_heads = _positive_int(dec, "num_key_value_heads", where, config_path, default=num_heads)
+    hidden_size = _positive_int(dec, "hidden_size", where, config_path, default=num_heads * head_size)
+    return _Shape(num_layers, head_size, num_heads, num_kv_heads, hidden_size)
 
-    def input_named(key: str, required: bool) -> str | None:
-        name = names_in.get(key, key)
-        if name not in graph_inputs:
-            if required:
-                raise PackageError(
-                    f"{config_path}: model.decoder.inputs.{key} is '{name}', which is not an input "
-                    f"of {decoder_path.name} (inputs: {', '.join(graph_inputs)})"
-                )
-            return None
-        return name
 
-    embedding = None
-    if input_named("input_ids", required=False) is None and "embedding" in model:
-        embedding = _read_embedding(root, model, config_path, names_in, graph_inputs)
-        input_ids = None
-    elif "inputs_embeds" in graph_inputs and "input_ids" not in graph_inputs:
-        raise PackageError(
-            f"{config_path}: the decoder takes inputs_embeds, not input_ids, and there is no "
-            "'model.embedding' section naming the embedding model that makes them"
-        )
-    else:
-        input_ids = input_named("input_ids", required=True)
-    attention_mask = input_named("attention_mask", required=False)
-    position_ids = input_named("position_ids", required=False)
-    position_rank = len(_dims(graph_inputs[position_ids])) if position_ids else 2
-    if position_rank not in (2, 3):
-        raise PackageError(f"{decoder_path}: position_ids has rank {position_rank}; expected 2 or 3 (mRoPE)")
+class _Graph(NamedTuple):
+    """A decoder graph's file, inputs and outputs, and the config section naming them."""
 
-    logits = names_out.get("logits", "logits")
-    if logits not in graph_outputs:
-        raise PackageError(
-            f"{config_path}: model.decoder.outputs.logits is '{logits}', which is not an output of "
-            f"{decoder_path.name} (outputs: {', '.join(graph_outputs)})"
-        )
-    logits_dims = _dims(graph_outputs[logits])
-    if len(logits_dims) != 3 or logits_dims[1] == 1:
-        raise PackageError(
-            f"{decoder_path}: output '{logits}' has shape {logits_dims}; its logits are pruned to the "
-            "last position, so continuations cannot be scored. Re-export without prune_lm_head."
-        )
-    graph_vocab = logits_dims[2] if isinstance(logits_dims[2], int) else None
-    vocab_size = _positive_int(model, "vocab_size", "model.", config_path, default=graph_vocab)
-    if graph_vocab is not None and vocab_size != graph_vocab:
-        raise PackageError(
-            f"{config_path}: model.vocab_size is {vocab_size} but the decoder's '{logits}' output has "
-            f"{graph_vocab} logits per position ({decoder_path.name})"
-        )
-    _check_attention(graph, num_heads, num_kv_heads, decoder_path, config_path)
+    path: Path
+    proto: onnx.GraphProto
+    inputs: dict
+    outputs: dict
+    names_in: dict
+    names_out: dict
+    config_path: Path
 
-    sliding = dec.get("sliding_window") or {}
-    sliding_layers = set(sliding.get("layers", range(num_layers))) if sliding else set()
-    layers = []
-    templates = {
-        key: _get(table, key, f"model.decoder.{section}.", config_path)
-        for table, section, key in [
-            (names_in, "inputs", "past_key_names"),
-            (names_in, "inputs", "past_value_names"),
-            (names_out, "outputs", "present_key_names"),
-            (names_out, "outputs", "present_value_names"),
-        ]
-    }
-    for i in range(num_layers):
-        names = {}
-        for key, template in templates.items():
-            name = template % i
-            table = graph_inputs if key.startswith("past") else graph_outputs
-            if name not in table:
-                section = "inputs" if key.startswith("past") else "outputs"
-                raise PackageError(
-                    f"{config_path}: model.decoder.{section}.{key} '{template}' gives '{name}' for "
-                    f"layer {i}, which is not an {section[:-1]} of {decoder_path.name}"
-                )
-            names[key] = name
-        dims = _dims(graph_inputs[names["past_key_names"]])
-        if len(dims) != 4:
+    def input_named(self, key: str, required: bool) -> str | None:
+        name = self.names_in.get(key, key)
+        if name in self.inputs:
+            return name
+        if required:
             raise PackageError(
-                f"{decoder_path}: KV input '{names['past_key_names']}' has rank {len(dims)}, expected 4 "
-                "[batch, kv_heads, past_length, head_size]"
+                f"{self.config_path}: model.decoder.inputs.{key} is '{name}', which is not an input "
+                f"of {self.path.name} (inputs: {', '.join(self.inputs)})"
             )
-        heads = dims[1] if isinstance(dims[1], int) else num_kv_heads
-        size = dims[3] if isinstance(dims[3], int) else head_size  # builder 0.18 writes 'kv_cache_dim'
-        layers.append(
-            LayerKV(
-                names["past_key_names"], names["past_value_names"],
-                names["present_key_names"], names["present_value_names"], heads, size,
-                sliding.get("window_size") if i in sliding_layers else None,
-            )
-        )
+        return None
 
+
+def _read_decoder(root: Path, model: dict, shape: _Shape, config_path: Path) -> tuple[Decoder, Embedding | None, int]:
+    """The decoder graph as genai_config.json describes it, its embedding model, the vocabulary size."""
+    dec = model["decoder"]
+    filename = _string(dec, "filename", "model.decoder.", config_path)
+    path = root / filename
+    if not path.is_file():
+        raise PackageError(f"{config_path}: model.decoder.filename is '{filename}' but {path} does not exist")
+    proto = _load_graph(path)
+    graph = _Graph(path, proto, {i.name: i for i in proto.input}, {o.name: o for o in proto.output},
+                   _object(dec, "inputs", "model.decoder.", config_path),
+                   _object(dec, "outputs", "model.decoder.", config_path), config_path)
+    input_ids, embedding = _token_input(root, model, graph)
+    attention_mask = graph.input_named("attention_mask", required=False)
+    position_ids = graph.input_named("position_ids", required=False)
+    position_rank = len(_dims(graph.inputs[position_ids])) if position_ids else 2
+    if position_rank not in (2, 3):
+        raise PackageError(f"{path}: position_ids has rank {position_rank}; expected 2 or 3 (mRoPE)")
+    logits, vocab_size = _read_logits(model, graph)
+    _check_attention(proto, shape.num_heads, shape.num_kv_heads, path, config_path)
+    layers = _read_layers(dec, shape, graph)
     known = {input_ids, attention_mask, position_ids} | {name for kv in layers for name in (kv.past_key, kv.past_value)}
     known |= {decoder_input for _, decoder_input in embedding.feeds} if embedding else set()
-    unknown = [name for name in graph_inputs if name not in known]
+    unknown = [name for name in graph.inputs if name not in known]
     if unknown:
-        raise PackageError(
-            f"{decoder_path}: the decoder has inputs ortmodule does not know how to fill: {', '.join(unknown)}"
-        )
+        raise PackageError(f"{path}: the decoder has inputs ortmodule does not know how to fill: {', '.join(unknown)}")
     decoder = Decoder(
-        path=decoder_path,
+        path=path,
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         logits=logits,
-        layers=tuple(layers),
-        id_type=_elem_type(graph_inputs[input_ids]) if input_ids else embedding.id_type,
-        mask_type=_elem_type(graph_inputs[attention_mask]) if attention_mask else None,
-        position_type=_elem_type(graph_inputs[position_ids]) if position_ids else None,
-        kv_type=_elem_type(graph_inputs[layers[0].past_key]) if layers else onnx.TensorProto.FLOAT,
-        logits_type=_elem_type(graph_outputs[logits]),
-        num_parameters=_count_parameters(graph),
+        layers=layers,
+        id_type=_elem_type(graph.inputs[input_ids]) if input_ids else embedding.id_type,
+        mask_type=_elem_type(graph.inputs[attention_mask]) if attention_mask else None,
+        position_type=_elem_type(graph.inputs[position_ids]) if position_ids else None,
+        kv_type=_elem_type(graph.inputs[layers[0].past_key]) if layers else onnx.TensorProto.FLOAT,
+        logits_type=_elem_type(graph.outputs[logits]),
+        num_parameters=_count_parameters(proto),
+        embedding_parameters=_embedding_parameters(proto, input_ids),
         position_rank=position_rank,
-        shares_kv_buffer=any(node.op_type == "GroupQueryAttention" for node in graph.node),
+        shares_kv_buffer=any(node.op_type == "GroupQueryAttention" for node in proto.node),
     )
-    return Package(
-        root=root,
-        genai_config=genai,
-        decoder=decoder,
-        embedding=embedding,
-        model_type=model.get("type", ""),
-        vocab_size=vocab_size,
-        context_length=context_length,
-        hidden_size=dec.get("hidden_size", num_heads * head_size),
-        num_attention_heads=num_heads,
-        bos_token_id=model.get("bos_token_id"),
-        eos_token_id=model.get("eos_token_id"),
-        pad_token_id=model.get("pad_token_id"),
-        search=search,
-    )
+    return decoder, embedding, vocab_size
+
+
+def _token_input(root: Path, model: dict, graph: _Graph) -> tuple[str | None, Embedding | None]:
+    """The decoder's token-id input, or the embedding model that feeds it instead."""
+    if graph.input_named("input_ids", required=False) is None and "embedding" in model:
+        return None, _read_embedding(root, model, graph.config_path, graph.names_in, graph.inputs)
+    if "inputs_embeds" in graph.inputs and "input_ids" not in graph.inputs:
+        raise PackageError(
+            f"{graph.config_path}: the decoder takes inputs_embeds, not input_ids, and there is no "
+            "'model.embedding' section naming the embedding model that makes them"
+        )
+    return graph.input_named("input_ids", required=True), None
+
+
+def _read_logits(model: dict, graph: _Graph) -> tuple[str, int]:
+    """The logits output's name and the vocabulary size (genai_config's, checked against the graph's)."""
+    logits = graph.names_out.get("logits", "logits")
+    if logits not in graph.outputs:
+        raise PackageError(
+            f"{graph.config_path}: model.decoder.outputs.logits is '{logits}', which is not an output of "
+            f"{graph.path.name} (outputs: {', '.join(graph.outputs)})"
+        )
+    dims = _dims(graph.outputs[logits])
+    if len(dims) != 3 or dims[1] == 1:
+        raise PackageError(
+            f"{graph.path}: output '{logits}' has shape {dims}; its logits are pruned to the "
+            "last position, so continuations cannot be scored. Re-export without prune_lm_head."
+        )
+    graph_vocab = dims[2] if isinstance(dims[2], int) else None
+    vocab_size = _positive_int(model, "vocab_size", "model.", graph.config_path, default=graph_vocab)
+    if graph_vocab is not None and vocab_size != graph_vocab:
+        raise PackageError(
+            f"{graph.config_path}: model.vocab_size is {vocab_size} but the decoder's '{logits}' output has "
+            f"{graph_vocab} logits per position ({graph.path.name})"
+        )
+    return logits, vocab_size
+
+
+_KV_NAMES = [("inputs", "past_key_names"), ("inputs", "past_value_names"),
+             ("outputs", "present_key_names"), ("outputs", "present_value_names")]
+
+
+def _read_layers(dec: dict, shape: _Shape, graph: _Graph) -> tuple[LayerKV, ...]:
+    """Each layer's KV input and output names (from genai_config's templates) and shape."""
+    sliding = dec.get("sliding_window") or {}
+    sliding_layers = set(sliding.get("layers", range(shape.num_layers))) if sliding else set()
+    tables = {"inputs": (graph.names_in, graph.inputs), "outputs": (graph.names_out, graph.outputs)}
+    templates = {key: _get(tables[section][0], key, f"model.decoder.{section}.", graph.config_path)
+                 for section, key in _KV_NAMES}
+    layers = []
+    for i in range(shape.num_layers):
+        names = []
+        for section, key in _KV_NAMES:
+            name = templates[key] % i
+            if name not in tables[section][1]:
+                raise PackageError(
+                    f"{graph.config_path}: model.decoder.{section}.{key} '{templates[key]}' gives '{name}' for "
+                    f"layer {i}, which is not an {section[:-1]} of {graph.path.name}"
+                )
+            names.append(name)
+        dims = _dims(graph.inputs[names[0]])
+        if len(dims) != 4:
+            raise PackageError(
+                f"{graph.path}: KV input '{names[0]}' has rank {len(dims)}, expected 4 "
+                "[batch, kv_heads, past_length, head_size]"
+            )
+        heads = dims[1] if isinstance(dims[1], int) else shape.num_kv_heads
+        size = dims[3] if isinstance(dims[3], int) else shape.head_size  # builder 0.18 writes 'kv_cache_dim'
+        window = sliding.get("window_size") if i in sliding_layers else None
+        layers.append(LayerKV(*names, heads, size, window))
+    return tuple(layers)
 
 
 def _read_embedding(root: Path, model: dict, config_path: Path, decoder_names: dict, decoder_inputs: dict) -> Embedding:

@@ -88,7 +88,12 @@ def make_session(
     session_options: ort.SessionOptions | None = None,
     provider_options: dict | None = None,
 ) -> ort.InferenceSession:
-    """A session for a graph file, or for graph bytes whose weights live in `external_data_folder`."""
+    """A session for a graph file, or for graph bytes whose weights live in `external_data_folder`.
+
+    `session_options` are used as given, with one exception: for graph bytes, ONNX Runtime reads
+    the weights' folder from a config entry of the options (`EXTERNAL_DATA_FOLDER`), so that entry
+    is set on them. ONNX Runtime's SessionOptions can be neither copied nor read back (config
+    entries, dimension overrides, custom ops), so a copy would lose the caller's settings."""
     options = session_options or ort.SessionOptions()
     if session_options is None:
         options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here

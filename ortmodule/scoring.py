@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from . import runtime
-from .generation import KVCache
+from .inputs import Rows, flat_index, pad_right
 from .modeling import OrtModelForCausalLM
 
 
@@ -34,11 +35,12 @@ def loglikelihood(
     """
     batch = input_ids.shape[0]
     if len(starts) != batch or len(targets) != batch:
-        raise ValueError(f"starts and targets need one entry per row: {batch} rows, got {len(starts)} and {len(targets)}")
+        raise ValueError(f"starts and targets need one entry per row: {batch} rows, got {len(starts)} and "
+                         f"{len(targets)}")
     counts = [len(t) for t in targets]
     if min(counts) == 0:
         raise ValueError(f"row {counts.index(0)} has no target tokens")
-    vocab = model.config.vocab_size
+    vocab = model.package.vocab_size
     flat_targets = [t for row in targets for t in row]
     bad = next((t for t in flat_targets if not 0 <= t < vocab), None)
     if bad is not None:
@@ -121,13 +123,17 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
 def measured_costs(model: OrtModelForCausalLM) -> Costs | None:
     """`Costs` of `model`, measured once (about a second on a small model on the CPU) and kept on
     it: the best of a few runs of a 4 x 64-token prefill and of decode steps over 1 and 4 rows."""
-    if not hasattr(model, "_sharing_costs"):
+    if model not in _COSTS:
         try:
-            model._sharing_costs = _probe(model)
+            _COSTS[model] = _probe(model)
         except RuntimeError as e:  # e.g. out of memory on a loaded device: fall back to token counts
-            warnings.warn(f"could not measure the model's costs ({e}); sharing is decided by token counts")
-            model._sharing_costs = None
-    return model._sharing_costs
+            warnings.warn(f"could not measure the model's costs ({e}); sharing is decided by token counts",
+                          stacklevel=2)
+            _COSTS[model] = None
+    return _COSTS[model]
+
+
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured Costs
 
 
 @torch.inference_mode()
@@ -307,16 +313,9 @@ def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> to
     label_ids = torch.tensor(labels, device=device)
     out = torch.empty(len(prompts), len(labels), device=device)
     for batch in _batches([len(p) for p in prompts], 0, budget):
-        rows = [prompts[i] for i in batch]
-        longest = len(rows[0])
-        ids = torch.zeros(len(rows), longest, dtype=torch.int64)
-        for r, prompt in enumerate(rows):
-            ids[r, : len(prompt)] = torch.tensor(prompt)
-        ids = ids.to(device)
-        lengths = torch.tensor([len(p) for p in rows], device=device)
-        batch_rows = torch.arange(len(rows), device=device)
-        mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None]).to(torch.int64)
-        logits = model.logits_at(ids, mask, batch_rows, lengths - 1)
+        ids, mask = pad_right([prompts[i] for i in batch])
+        ids, mask = ids.to(device), mask.to(device)
+        logits = model.logits_at(ids, mask, torch.arange(len(batch), device=device), mask.sum(1) - 1)
         out[torch.tensor(batch, device=device)] = _gather(logits, label_ids)
     return out
 
@@ -334,20 +333,23 @@ def _prefix_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> tor
     return out
 
 
-def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], needed: list[list[int]]):
-    """Logits at chosen positions of rows whose groups share a prefix, each prefix run once.
+class SharingPlan(NamedTuple):
+    """How `shared_prefix_logits` runs rows whose groups share a prefix (`plan_sharing`)."""
 
-    Rows with the same group id start with the same tokens. Each group's prefix (as long as the
-    rows share it, and ending no later than the first position asked for) is prefilled once, in one
-    batch with the other groups' prefixes; every row then continues from a copy of its group's
-    KV cache with one decode step per remaining token, the LM head only at the rows that ask for
-    that position. Yields `(pairs, logits)` per run: `logits[k]` belongs to pair `pairs[k]`, the
-    index of (row, position) in the row-major order of `needed`.
-    """
-    device = model.device
+    prefixes: list[Ids]  # each group's prefix, groups in the order of their ids
+    owner: list[int]  # per row: the index of its group's prefix
+    at_prefix: list[tuple[int, int]]  # (pair, prefix index): pairs answered by a prefix's last logits
+    tokens: list[Ids]  # per row: the tokens after its prefix, one decode step each
+    steps: list[tuple[list[int], list[int]]]  # per step: the rows asking for logits there, and their pairs
+
+
+def plan_sharing(rows: list[Ids], groups: list[int], needed: list[list[int]]) -> SharingPlan:
+    """The plan of `shared_prefix_logits`, without a model: each group's prefix is as long as its
+    rows share (ending no later than the first position a row asks for); every row continues from
+    it one token per step. Pairs are numbered row by row in the order of `needed`."""
     ids_of = sorted(set(groups))
     members = {g: [r for r, h in enumerate(groups) if h == g] for g in ids_of}
-    length = {}  # each group's prefix length
+    length = {}
     for g, rs in members.items():
         shared = _common_prefix([rows[r] for r in rs])
         if shared == 0:
@@ -358,43 +360,49 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
         for position in positions:
             pair[r, position] = k
             k += 1
-    # The prefixes, right-padded in one batch; their last logits serve the rows that ask for them.
-    width = max(length.values())
-    ids = torch.zeros(len(ids_of), width, dtype=torch.int64)
-    for i, g in enumerate(ids_of):
-        ids[i, : length[g]] = torch.tensor(rows[members[g][0]][: length[g]])
-    prefix_lengths = torch.tensor([length[g] for g in ids_of], device=device)
-    source = KVCache(model, len(ids_of), width)
-    last = model._logits(ids.to(device), None, torch.arange(len(ids_of), device=device), prefix_lengths - 1, source)
-    source.start(prefix_lengths, width, width)
     index = {g: i for i, g in enumerate(ids_of)}
-    at_prefix = [(r, index[groups[r]]) for r in range(len(rows)) if length[groups[r]] - 1 in needed[r]]
-    if at_prefix:
-        yield (torch.tensor([pair[r, length[groups[r]] - 1] for r, _ in at_prefix], device=device),
-               last.index_select(0, torch.tensor([i for _, i in at_prefix], device=device)))
-    # Every row continues from its group's prefix, one token per step.
-    starts = [length[groups[r]] for r in range(len(rows))]
-    steps = max(len(row) - start for row, start in zip(rows, starts))
-    if steps == 0:
+    starts = [length[g] for g in groups]
+    at_prefix = [(pair[r, starts[r] - 1], index[groups[r]]) for r in range(len(rows)) if starts[r] - 1 in needed[r]]
+    tokens = [row[start:] for row, start in zip(rows, starts)]
+    steps = []
+    for step in range(max(len(t) for t in tokens)):
+        asking = [r for r in range(len(rows)) if (r, starts[r] + step) in pair]
+        steps.append((asking, [pair[r, starts[r] + step] for r in asking]))
+    return SharingPlan([rows[members[g][0]][: length[g]] for g in ids_of], [index[g] for g in groups],
+                       at_prefix, tokens, steps)
+
+
+def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], needed: list[list[int]]):
+    """Logits at chosen positions of rows whose groups share a prefix, each prefix run once.
+
+    Rows with the same group id start with the same tokens. The groups' prefixes are prefilled in
+    one batch; every row then continues from a copy of its group's KV cache with one decode step
+    per remaining token, the LM head only at the rows that ask for that position (`plan_sharing`).
+    Yields `(pairs, logits)` per run: `logits[k]` belongs to pair `pairs[k]`, the index of
+    (row, position) in the row-major order of `needed`.
+    """
+    plan = plan_sharing(rows, groups, needed)
+    decoder, device = model.decoder, model.device
+    ids, mask = pad_right(plan.prefixes)
+    lengths = mask.sum(1).to(device)
+    width = ids.shape[1]
+    source = decoder.new_cache(len(plan.prefixes), width)
+    prefix_rows = Rows(ids.to(device), None, lengths, width)
+    last = decoder.prefill(prefix_rows, flat_index(width, torch.arange(len(plan.prefixes), device=device), lengths - 1),
+                           source)
+    if plan.at_prefix:
+        yield (torch.tensor([p for p, _ in plan.at_prefix], device=device),
+               last.index_select(0, torch.tensor([i for _, i in plan.at_prefix], device=device)))
+    if not plan.steps:
         return
-    cache = KVCache(model, len(rows), width + steps)
-    owner = torch.tensor([index[g] for g in groups], device=device)
-    cache.start_from(source, owner, prefix_lengths[owner], max(starts))
-    tokens = torch.zeros(len(rows), steps, dtype=torch.int64)
-    for r, (row, start) in enumerate(zip(rows, starts)):
-        tokens[r, : len(row) - start] = torch.tensor(row[start:])
-    tokens = tokens.to(device)
-    wanted = [set(positions) for positions in needed]
-    for step in range(steps):
-        asking = [r for r in range(len(rows)) if starts[r] + step in wanted[r]]
-        binding = model.session.io_binding()
-        cache.bind(binding, 1)
-        mask = cache.step_mask(1, model._mask_dtype) if model._mask_dtype else None
-        flat = torch.tensor(asking or [0], device=device)
-        logits = model._run(binding, tokens[:, step : step + 1], flat, mask=mask, positions=cache.lengths[:, None])
-        cache.advance(1, 1)
+    cache = decoder.new_cache(len(rows), width + len(plan.steps))
+    owner = torch.tensor(plan.owner, device=device)
+    cache.start_from(source, owner, lengths[owner], max(len(p) for p in plan.prefixes))
+    tokens = pad_right(plan.tokens)[0].to(device)
+    for step, (asking, pairs) in enumerate(plan.steps):
+        logits = decoder.step(tokens[:, step : step + 1], cache, torch.tensor(asking or [0], device=device))
         if asking:
-            yield torch.tensor([pair[r, starts[r] + step] for r in asking], device=device), logits
+            yield torch.tensor(pairs, device=device), logits
 
 
 def _common_prefix(rows: list[Ids]) -> int:

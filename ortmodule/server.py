@@ -1,14 +1,14 @@
 """`ortmodule serve PATH`: SGLang's `/v1/score` endpoint over one OrtModelForCausalLM.
 
 Requests are checked and tokenized as they arrive (a bad one gets HTTP 400 and touches nothing
-else), then queued. One worker takes the queue in groups: the first waiting request, plus every
-request that arrives within `window_ms`, up to `group_tokens` prompt tokens. A group is scored as
-one call of `scoring.label_logprobs` on a single thread, so the event loop keeps answering while
-ONNX Runtime works: a request whose items share a long query runs it once and its items over a
-copy of its KV cache; the other requests' prompts share batched prefills. A full queue answers 503.
-Types are strict (no string taken for a number or a boolean); every error, malformed JSON included,
-is `{"object": "error", "message": ..., "code": ...}`. A request whose client has gone is dropped
-from the queue, never scored.
+else), then queued; a full queue answers 503. One worker takes the queue in groups: the first
+waiting request, plus every request that arrives within `window_ms`, up to four times
+`token_budget` prompt tokens. A group is scored as one call of `scoring.label_logprobs` on a
+thread of its own, so the event loop keeps answering while ONNX Runtime works. In that call a
+request whose items share a long query runs it once and its items over a copy of its KV cache;
+the other requests' prompts share batched prefills. A request whose client has gone is dropped
+from the queue, never scored. Types are strict (no string taken for a number or a boolean);
+every error, malformed JSON included, is `{"object": "error", "message": ..., "code": ...}`.
 """
 
 from __future__ import annotations
@@ -303,6 +303,33 @@ async def _until_answered_or_gone(work: asyncio.Task, request: Request, poll: fl
         work = done = None
 
 
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"object": "error", "message": message, "code": status}, status_code=status)
+
+
+def _handle_errors(app: FastAPI, server: ScoreServer) -> None:
+    """Every refusal in the server's error shape: bodies that are not JSON, unknown routes, and
+    requests that do not fit the schema."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """Bodies that are not JSON at all (invalid UTF-8, nesting too deep) and unknown routes."""
+        if 400 <= exc.status_code < 500:
+            server.stats.rejected_bad += 1
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "invalid request: the body is not valid JSON (UTF-8 text, at most a few hundred levels deep)"
+        return _error(exc.status_code, detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_schema(request: Request, exc: RequestValidationError):
+        server.stats.rejected_bad += 1
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        return _error(400, f"invalid request: {problems}")
+
+
 def create_app(
     model: OrtModelForCausalLM,
     tokenizer,
@@ -324,26 +351,7 @@ def create_app(
     app.state.server = server
     app.add_middleware(BodyLimit, limit=max_body_bytes, stats=server.stats)
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"object": "error", "message": message, "code": status}, status_code=status)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        """Bodies that are not JSON at all (invalid UTF-8, nesting too deep) and unknown routes."""
-        if 400 <= exc.status_code < 500:
-            server.stats.rejected_bad += 1
-        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        if exc.status_code == 400 and "parsing the body" in detail:
-            detail = "invalid request: the body is not valid JSON (UTF-8 text, at most a few hundred levels deep)"
-        return error(exc.status_code, detail)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_schema(request: Request, exc: RequestValidationError):
-        server.stats.rejected_bad += 1
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        return error(400, f"invalid request: {problems}")
+    _handle_errors(app, server)
 
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request):
@@ -351,16 +359,16 @@ def create_app(
             answer = await _until_answered_or_gone(asyncio.ensure_future(server.score(body)), request)
             if answer is None:
                 server.stats.abandoned += 1
-                return error(499, "the client closed the connection before the answer")
+                return _error(499, "the client closed the connection before the answer")
             return answer
         except BadRequest as e:
             server.stats.rejected_bad += 1
-            return error(400, str(e))
+            return _error(400, str(e))
         except asyncio.QueueFull:
             server.stats.rejected_busy += 1
-            return error(503, f"the server is busy: {server.queue.maxsize} requests are waiting; retry later")
-        except Exception as e:
-            return error(500, f"scoring failed: {type(e).__name__}: {e}")
+            return _error(503, f"the server is busy: {server.queue.maxsize} requests are waiting; retry later")
+        except Exception as e:  # noqa: BLE001  any failure of the scoring is this request's 500
+            return _error(500, f"scoring failed: {type(e).__name__}: {e}")
 
     @app.get("/health")
     async def health():
@@ -368,18 +376,9 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "owned_by": "ortmodule",
-                    "max_model_len": model.package.context_length,
-                    "vocab_size": model.package.vocab_size,
-                }
-            ],
-        }
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "ortmodule",
+                                            "max_model_len": model.package.context_length,
+                                            "vocab_size": model.package.vocab_size}]}
 
     @app.get("/metrics")
     async def metrics():
@@ -393,7 +392,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     """Load the package at `path` and serve it until interrupted."""
     import uvicorn
 
-    from .modeling import load_tokenizer
+    from .hf import load_tokenizer
 
     model = OrtModelForCausalLM.from_pretrained(path, device=device)
     app = create_app(model, load_tokenizer(path), **options)

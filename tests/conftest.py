@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
 
-from ortmodule import OrtModelForCausalLM, fixtures
+from ortmodule import OrtModelForCausalLM
+from ortmodule_dev import fixtures
 
 # Architectures every parity test runs on (Gemma 3 alternates sliding-window and full layers;
 # the Gemma 4 packages mix KV head sizes per layer, and two of them are multimodal: an embedding
-# model feeds the decoder; see ortmodule/fixtures.py).
+# model feeds the decoder; see ortmodule_dev/fixtures.py).
 GEMMA4 = ["gemma4", "gemma4_embeds", "gemma4_mobius"]
 ARCHES = ["llama", "qwen3", "gemma3", "phi3", "mistral", "qwen2", *GEMMA4]
 # Packages lm-eval's hf backend cannot load as a reference (no AutoModelForCausalLM class):

@@ -15,7 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, fixtures, generation, load_tokenizer, scoring
+from ortmodule import OrtModelForCausalLM, generation, load_tokenizer, scoring
+from ortmodule_dev import fixtures
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -206,7 +207,8 @@ def test_generate_loop_reads_the_device_rarely(llama_cuda):
     reads = own_host_reads(lambda: model.generate(prompt, max_new_tokens=steps, eos_token_id=unreachable,
                                                   pad_token_id=0))
     assert reads <= steps // generation.STOP_CHECK_EVERY + 1
-    total = device_to_host_copies(lambda: model.generate(prompt, max_new_tokens=steps, eos_token_id=None, pad_token_id=0))
+    total = device_to_host_copies(lambda: model.generate(prompt, max_new_tokens=steps, eos_token_id=None,
+                                                         pad_token_id=0))
     print(f"device-to-host copies in a {steps}-step generate, ONNX Runtime's own: {total}")
 
 

@@ -64,7 +64,8 @@ def test_no_disk_space(llama, tmp_path, monkeypatch):
         (lambda tmp: tmp / "nowhere", "source not found"),
         (lambda tmp: tmp.joinpath("weights.bin").write_bytes(b"x") and tmp / "weights.bin", "must be a .gguf file"),
         (lambda tmp: tmp.joinpath("empty").mkdir() or tmp / "empty", "no config.json .* and no .gguf file"),
-        (lambda tmp: tmp.joinpath("bad.gguf").write_bytes(b"not gguf") and tmp / "bad.gguf", "not a readable GGUF file"),
+        (lambda tmp: tmp.joinpath("bad.gguf").write_bytes(b"not gguf") and tmp / "bad.gguf",
+         "not a readable GGUF file"),
     ],
     ids=["missing", "not-gguf", "empty-folder", "garbage-gguf"],
 )

@@ -139,7 +139,8 @@ CONFIG_FAULTS = [
     (setter("model", "vocab_size", value="700"), "'model.vocab_size' must be a positive integer, got \"700\""),
     (setter("model", "context_length", value=0), "'model.context_length' must be a positive integer, got 0"),
     (setter("model", "decoder", "filename", value=None), "'model.decoder.filename' must be a non-empty string"),
-    (setter("model", "decoder", "num_hidden_layers", value="3"), "'model.decoder.num_hidden_layers' must be a positive"),
+    (setter("model", "decoder", "num_hidden_layers", value="3"),
+     "'model.decoder.num_hidden_layers' must be a positive"),
     (setter("model", "decoder", "num_key_value_heads", value=4), "num_key_value_heads is 4 but model.onnx's attention"),
     (setter("model", "decoder", "head_size", value=8), "ONNX Runtime cannot run model.onnx with this configuration"),
     (setter("search", value="x"), "'search' must be a JSON object"),
@@ -198,7 +199,8 @@ def model(llama):
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(generation_config={"max_new_tokens": 3}), TypeError, "generation_config must be a transformers.GenerationConfig"),
+        (dict(generation_config={"max_new_tokens": 3}), TypeError,
+         "generation_config must be a transformers.GenerationConfig"),
         (dict(max_new_tokens=2.5), ValueError, "max_new_tokens must be an integer >= 1, got 2.5"),
         (dict(max_new_tokens="4"), ValueError, "max_new_tokens must be an integer >= 1, got '4'"),
         (dict(max_new_tokens=True), ValueError, "max_new_tokens must be an integer"),
@@ -397,7 +399,8 @@ big = torch.randint(4, 500, (1200, 256), generator=torch.Generator().manual_seed
 calls = {
     "prefill": lambda: model(big, cont_len=1),
     "generate": lambda: model.generate(big[:, :200], max_new_tokens=40, do_sample=False),
-    "score": lambda: ortmodule.score(model, None, big[0, :100].tolist(), big[:, :150].tolist(), [5], token_budget=10**6),
+    "score": lambda: ortmodule.score(model, None, big[0, :100].tolist(), big[:, :150].tolist(), [5],
+                                     token_budget=10**6),
 }
 for name, call in calls.items():
     try:

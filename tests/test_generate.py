@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import MODEL_ARCHES, load_pair
 
-from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
-from ortmodule.generation import KVCache
+from ortmodule import OrtModelForCausalLM, inputs, load_tokenizer, runtime
+from ortmodule.cache import KVCache
 
 NEW_TOKENS = 32
 
@@ -107,7 +107,8 @@ def test_stop_strings_equal_transformers(llama_pair, llama):
     def first_new_word(row, after):
         """The first token of the row's generation, from step `after` on, whose text is a word not seen before."""
         texts = [tokenizer.decode(t) for t in free[row, width:]]
-        return next(t for i, t in enumerate(texts) if i >= after and t.strip().isalpha() and t not in "".join(texts[:i]))
+        return next(t for i,
+                    t in enumerate(texts) if i >= after and t.strip().isalpha() and t not in "".join(texts[:i]))
 
     stops = [first_new_word(0, 3), first_new_word(1, 3)]
     expected = hf_generate(hf, batch.input_ids, batch.attention_mask, max_new_tokens=NEW_TOKENS,
@@ -169,9 +170,10 @@ def test_the_cache_is_bound_once_and_never_copied_to_the_host(llama_pair, monkey
     def refuse(*args, **kwargs):
         raise AssertionError("a host copy in the decode loop")
 
-    checked = model._checked_inputs(ids, mask)  # the input checks' one host sync, taken before the patches
+    # the input checks' one host sync, taken before the patches
+    checked = inputs.check_batch(ids, mask, model.package.vocab_size, model.package.context_length, model.device)
     with monkeypatch.context() as patch:
-        patch.setattr(type(model), "_checked_inputs", lambda self, i, m: checked)
+        patch.setattr(inputs, "check_batch", lambda *args: checked)
         for name in ("numpy", "tolist", "item", "cpu", "__bool__"):
             patch.setattr(torch.Tensor, name, refuse)
         patch.setattr(ort.OrtValue, "numpy", refuse)
@@ -222,7 +224,8 @@ def test_a_multi_token_step_matches_the_full_forward(build, arch):
 
 def test_generation_past_the_context_is_refused(llama_pair):
     model, _ = llama_pair
-    with pytest.raises(ValueError, match="prompt of 250 tokens \\+ 10 new tokens exceeds the model's context length 256"):
+    with pytest.raises(ValueError,
+                       match="prompt of 250 tokens \\+ 10 new tokens exceeds the model's context length 256"):
         model.generate(torch.full((1, 250), 5), max_new_tokens=10)
 
 

@@ -5,12 +5,11 @@ import math
 
 import lm_eval
 import pytest
+from conftest import ARCHES
 from lm_eval.tasks import TaskManager
 
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
 from ortmodule import tasks
-
-from conftest import ARCHES
 
 
 def evaluate(model, model_args, batch_size=8):
@@ -107,7 +106,8 @@ def test_hflm_accepts_a_loaded_model(build):
     by_path = evaluate("ortmodule", f"pretrained={fixture.package_dir}")
     result = lm_eval.simple_evaluate(model=lm, tasks=["ortmodule_arithmetic_mc"],
                                      task_manager=TaskManager(include_path=tasks.TASK_DIR), log_samples=True)
-    for a, b in zip(loglikelihoods(result, "ortmodule_arithmetic_mc"), loglikelihoods(by_path, "ortmodule_arithmetic_mc")):
+    for a, b in zip(loglikelihoods(result, "ortmodule_arithmetic_mc"), loglikelihoods(by_path,
+                                                                                      "ortmodule_arithmetic_mc")):
         assert abs(a[0] - b[0]) < 1e-5
 
 
@@ -119,7 +119,8 @@ def test_console_script_runs(build, tmp_path):
     fixture = build("llama")
     out = tmp_path / "out"
     subprocess.run(
-        [sys.executable, "-m", "ortmodule.cli", "--model", "ortmodule", "--model_args", f"pretrained={fixture.package_dir}",
+        [sys.executable, "-m", "ortmodule.cli", "--model", "ortmodule", "--model_args",
+         f"pretrained={fixture.package_dir}",
          "--device", "cpu", "--tasks", "ortmodule_arithmetic_mc", "--include_path", tasks.TASK_DIR,
          "--batch_size", "8", "--output_path", str(out)],
         check=True, capture_output=True, text=True,
@@ -169,7 +170,6 @@ def test_batch_size_auto_backs_off_on_onnx_runtime_out_of_memory(build, monkeypa
 def run_cli(launcher, fixture, out, env=None):
     import os
     import subprocess
-    import sys
 
     command = launcher + [
         "--model", "ortmodule", "--model_args", f"pretrained={fixture.package_dir}", "--device", "cpu",
@@ -177,7 +177,8 @@ def run_cli(launcher, fixture, out, env=None):
         "--batch_size", "8", "--output_path", str(out), "--log_samples",
     ]
     done = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
-    return done.stderr, {path.name.split("_2")[0]: sorted(map(json.loads, path.read_text().splitlines()), key=lambda s: s["doc_id"])
+    return done.stderr, {path.name.split("_2")[0]: sorted(map(json.loads, path.read_text().splitlines()),
+                                                          key=lambda s: s["doc_id"])
             for path in out.rglob("samples_*.jsonl")}
 
 

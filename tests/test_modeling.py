@@ -83,7 +83,8 @@ def test_rewrite_off_gives_the_same_logits(llama):
     assert torch.allclose(plain(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits, atol=1e-6)
     left = torch.flip(mask, [1])
     assert torch.allclose(
-        plain(ids, attention_mask=left, cont_len=3).logits, model(ids, attention_mask=left, cont_len=3).logits, atol=1e-6
+        plain(ids, attention_mask=left, cont_len=3).logits, model(ids, attention_mask=left,
+                                                                  cont_len=3).logits, atol=1e-6
     )
 
 

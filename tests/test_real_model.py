@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, export, fixtures, load_tokenizer
+from ortmodule import OrtModelForCausalLM, export, load_tokenizer
+from ortmodule_dev import fixtures
 
 TEXTS = [
     "The capital of France is Paris, and the capital of Germany is",

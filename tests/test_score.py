@@ -108,7 +108,11 @@ def test_the_scores_leave_the_device_once(llama, monkeypatch):
     model, _ = load_pair(llama)
     copies = []
     original = torch.Tensor.cpu
-    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(tuple(self.shape)) or original(self, *a, **k))
+    def counted(self, *args, **kwargs):
+        copies.append(tuple(self.shape))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
     ortmodule.score(model, None, [5, 6, 7], [[8], [9, 10], [11]], [1, 2], token_budget=4)
     assert copies == [(3, 2)]
 

@@ -107,3 +107,21 @@ def test_grouped_loglikelihood_equals_the_padded_batch(build, arch):
     got = scoring.grouped_loglikelihood(model, rows, groups, starts, targets)
     for (lp, greedy), (ref_lp, ref_greedy) in zip(got, expected):
         assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
+
+
+def test_the_sharing_plan_without_a_model():
+    """plan_sharing lays out prefixes, the pairs their last logits answer, and the steps after them."""
+    rows = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [7, 8, 9], [7, 8, 10, 11]]
+    groups = [0, 0, 1, 1]
+    needed = [[3, 4], [2, 3], [1, 2], [2, 3]]  # positions whose logits each row asks for
+    plan = scoring.plan_sharing(rows, groups, needed)
+    # group 0 shares [1, 2, 3] but row 1 asks from position 2, so its prefix ends there: [1, 2, 3];
+    # group 1 shares [7, 8] and row 2 asks from position 1: the prefix is [7, 8].
+    assert plan.prefixes == [[1, 2, 3], [7, 8]]
+    assert plan.owner == [0, 0, 1, 1]
+    # pairs are numbered row by row: row 0 -> 0, 1; row 1 -> 2, 3; row 2 -> 4, 5; row 3 -> 6, 7
+    assert plan.at_prefix == [(2, 0), (4, 1)]  # row 1 at position 2, row 2 at position 1
+    assert plan.tokens == [[4, 5], [6], [9], [10, 11]]
+    assert plan.steps == [([0, 1, 2, 3], [0, 3, 5, 6]), ([0, 3], [1, 7])]
+    with pytest.raises(ValueError, match="the rows of group 1 do not start with the same token"):
+        scoring.plan_sharing([[1, 2], [3, 4]], [1, 1], [[1], [1]])

@@ -93,7 +93,8 @@ def test_text_and_token_requests_match_transformers(setup, apply_softmax, item_f
         assert (torch.tensor(answer["scores"], dtype=torch.float64) - expected).abs().max().item() < 1e-5
         prompt_tokens = sum(len(tokenizer(item + query if item_first else query + item).input_ids) for item in items) \
             if isinstance(query, str) else sum(len(query) + len(item) for item in items)
-        assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+        assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                   "total_tokens": prompt_tokens}
 
 
 BAD_REQUESTS = [
@@ -185,7 +186,8 @@ def test_the_console_command_serves_a_package(llama):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [str(Path(sys.executable).parent / "ortmodule"), "serve", str(llama.package_dir), "--port", str(port), "--name", "tiny"]
+    command = [str(Path(sys.executable).parent / "ortmodule"), "serve", str(llama.package_dir), "--port", str(port),
+               "--name", "tiny"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

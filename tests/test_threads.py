@@ -79,3 +79,37 @@ def test_one_lm_eval_backend_refuses_a_second_thread_and_two_backends_share_a_mo
         worker.join(30)
     del first._loglikelihood_tokens
     assert first.loglikelihood(requests) == expected
+
+
+def test_a_cache_run_from_two_threads_at_once_is_refused_not_raced(llama, monkeypatch):
+    """A KVCache holds one batch's sequences: while one thread's step runs over it, another
+    thread's step over the same cache gets a RuntimeError naming the problem, and the first step's
+    result is the one it would have had alone."""
+    import threading
+
+    from ortmodule import runtime
+
+    model, _ = load_pair(llama)
+    ids = torch.randint(4, model.package.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    alone = model(ids, use_cache=True).past_key_values
+    expected = model(ids[:, :1], past_key_values=alone).logits
+    cache = model(ids, use_cache=True).past_key_values
+    entered, release = threading.Event(), threading.Event()
+    run = runtime.run
+
+    def held_run(session, binding):
+        entered.set()
+        release.wait(10)
+        run(session, binding)
+
+    monkeypatch.setattr(runtime, "run", held_run)
+    results = {}
+    first = threading.Thread(target=lambda: results.update(first=model(ids[:, :1], past_key_values=cache).logits))
+    first.start()
+    assert entered.wait(10)
+    with pytest.raises(RuntimeError, match="this KVCache is being run by another thread"):
+        model(ids[:, :1], past_key_values=cache)
+    release.set()
+    first.join(10)
+    assert torch.equal(results["first"], expected)
+    assert cache.longest == 13  # the refused step left the cache as the first step made it

@@ -5,13 +5,18 @@ and how many device-to-host copies one forward makes; then which nodes ONNX Runt
 CPU (its profiler). Run on the GPU machine: python tools/gpu-diagnose.py"""
 
 import json
+import sys
 import time
+from pathlib import Path
 
 import onnxruntime as ort
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ortmodule import OrtModelForCausalLM, fixtures, runtime
+from ortmodule import OrtModelForCausalLM, runtime
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
+from ortmodule_dev import fixtures  # noqa: E402
 
 
 def copies(fn):

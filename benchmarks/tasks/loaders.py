@@ -7,7 +7,7 @@ import random
 
 import datasets
 
-from ortmodule.fixtures import CORPUS, train_tokenizer
+from ortmodule_dev.fixtures import CORPUS, train_tokenizer
 
 
 def bench_mc(**kwargs) -> dict:

@@ -1,5 +1,6 @@
-"""lm-eval tasks shipped with ortmodule: pass `--include_path $(python -c 'import ortmodule.tasks as t; print(t.TASK_DIR)')`
-or `TaskManager(include_path=ortmodule.tasks.TASK_DIR)`."""
+"""lm-eval tasks shipped with ortmodule: pass
+`--include_path $(python -c 'import ortmodule.tasks as t; print(t.TASK_DIR)')` or
+`TaskManager(include_path=ortmodule.tasks.TASK_DIR)`."""
 
 from pathlib import Path
 

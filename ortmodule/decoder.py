@@ -1,0 +1,258 @@
+"""`Decoder`: the ONNX Runtime sessions of one package on one device, and every IOBinding.
+
+Two calls run the model: `prefill(rows, logit_index, cache)` over a right-padded batch, and
+`step(tokens, cache, logit_index)` that appends tokens to every row of a `KVCache`. Both compute
+logits only at `logit_index`, flat indices `row * width + column` of the tokens run (all of them
+when None), through the LM-head rewrite in `graph.py` when it applied, else by selecting rows of
+the full logits. Nothing here is copied to the host.
+
+A prefill binds an all-ones mask and positions 0..T-1: rows are right-padded and attention is
+causal, so no real position sees the padding after it; the logits of the real positions are exact,
+and the attention kernels are spared the padded rows they mishandle (sliding windows, left
+padding). A step passes the cache's mask and each row's next positions.
+
+Threads: any number may prefill at once (each thread has its own scratch buffer for the prefill's
+discarded KV); runs over one `KVCache` are refused while another thread runs over it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from pathlib import Path
+
+import onnxruntime as ort
+import torch
+
+from . import graph, runtime
+from .cache import KVCache
+from .inputs import Rows
+from .package import Package, PackageError
+
+
+class Decoder:
+    """Runs a package's decoder (and its embedding model, for multimodal packages) on one device."""
+
+    def __init__(
+        self,
+        package: Package,
+        device: torch.device,
+        session_options: ort.SessionOptions | None = None,
+        provider_options: dict | None = None,
+        rewrite_lm_head: bool = True,
+        cache_dir: str | Path | None = None,
+    ):
+        self.package = package
+        self.spec = spec = package.decoder
+        self.session_options, self.provider_options = session_options, provider_options
+        self.graph_bytes = graph.keep_positions_graph(spec.path, spec.logits, cache_dir) if rewrite_lm_head else None
+        self.id_dtype = runtime.torch_dtype(spec.id_type)
+        self.mask_dtype = runtime.torch_dtype(spec.mask_type) if spec.mask_type else None
+        self.position_dtype = runtime.torch_dtype(spec.position_type) if spec.position_type else None
+        self.kv_dtype = runtime.torch_dtype(spec.kv_type)
+        self.logits_dtype = runtime.torch_dtype(spec.logits_type)
+        # On the CPU a binding reads its tensors at run time, so a cache's buffers are bound once.
+        # On CUDA, ONNX Runtime copies the inputs of nodes it placed on the CPU (an fp32
+        # GroupQueryAttention) when they are bound, so every run binds them again.
+        self.rebind = False
+        self.scratch = threading.local()  # the prefill's discarded present KV, one buffer per thread
+        self.load(device)
+
+    @property
+    def keeps_positions(self) -> bool:
+        """True when the LM head runs only at the positions asked for (the graph rewrite applied)."""
+        return self.graph_bytes is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.package.vocab_size
+
+    # ---- sessions -----------------------------------------------------------------------------
+
+    def load(self, device: torch.device) -> None:
+        """Create the sessions on `device` and check that the package's config fits its graph."""
+        spec = self.spec
+        source, folder = (self.graph_bytes, spec.path.parent) if self.keeps_positions else (spec.path, None)
+        self.session = runtime.make_session(source, device, folder, self.session_options, self.provider_options)
+        self.device = device
+        self.rebind = device.type != "cpu"
+        if device.type == "cuda" and self.kv_dtype == torch.float32:
+            warnings.warn(
+                f"{self.package.root} is an fp32 package: ONNX Runtime's CUDA GroupQueryAttention takes fp16 and "
+                "bf16 only, so its attention runs on the CPU, with copies to the host at every layer (right, but "
+                "slow). For the GPU, export with `ortmodule export SRC OUT --precision bf16 --device cuda`.",
+                stacklevel=4,
+            )
+        embedding = self.package.embedding
+        self.embedding_session = None
+        if embedding is not None:  # text only: the vision and speech models are never loaded
+            self.embedding_session = runtime.make_session(
+                embedding.path, device, None, self.session_options, self.provider_options
+            )
+            self.no_media = [
+                (name, torch.zeros(shape, dtype=runtime.torch_dtype(kind), device=device))
+                for name, kind, shape in embedding.empty_inputs
+            ]
+        self._check_runs()
+
+    def _check_runs(self) -> None:
+        """Run one token, so that a genai_config.json that disagrees with the graph (head size,
+        heads, names) is a PackageError at load rather than an ONNX Runtime failure at every call."""
+        one = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        try:
+            self.prefill(Rows(one, None, torch.ones(1, dtype=torch.int64, device=self.device), 1))
+        except Exception as e:  # ONNX Runtime's own exception types
+            if "out of memory." in str(e):  # not the config's fault
+                raise
+            heads = sorted({(kv.num_kv_heads, kv.head_size) for kv in self.spec.layers})
+            raise PackageError(
+                f"{self.package.root / 'genai_config.json'}: ONNX Runtime cannot run {self.spec.path.name} with "
+                f"this configuration (KV heads and head sizes {heads}, vocab_size {self.vocab_size}); is the "
+                f"config from another export? ONNX Runtime said: {' '.join(str(e).split())[:400]}"
+            ) from None
+
+    # ---- runs ---------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache of `batch` rows with room for `capacity` positions, on this device."""
+        return KVCache(self.spec, batch, capacity, self.device)
+
+    def prefill(self, rows: Rows, logit_index: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Run right-padded `rows`: logits `[n, V]` at the flat indices `logit_index`, else `[B, T, V]`.
+        The present KV goes into `cache` (which then holds the rows) when given, else is discarded."""
+        batch, width = rows.ids.shape
+        if cache is None:
+            binding = self.session.io_binding()
+            self._bind_scratch(binding, batch, width)
+            return self._run(binding, rows.ids, logit_index, self._prefill_mask(rows.ids),
+                             self._prefill_positions(rows.ids))
+        with self._holding(cache):
+            binding = self._cache_binding(cache, width)
+            logits = self._run(binding, rows.ids, logit_index, self._prefill_mask(rows.ids),
+                               self._prefill_positions(rows.ids))
+            cache.start(rows.lengths, rows.longest, width)
+        return logits
+
+    def step(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None = None,
+             columns: int | None = None) -> torch.Tensor:
+        """Append `tokens` `[B, s]` to every row of `cache`: logits `[n, V]` at the flat indices
+        `logit_index` of the tokens, else `[B, s, V]`. `columns`: of the caller's input taken in
+        (default s)."""
+        batch, new = tokens.shape
+        with self._holding(cache):
+            cache.reserve(cache.longest + new, self.package.context_length)
+            binding = self._cache_binding(cache, new)
+            mask = cache.step_mask(new, self.mask_dtype) if self.mask_dtype is not None else None
+            positions = cache.lengths[:, None] + torch.arange(new, device=self.device)
+            logits = self._run(binding, tokens, logit_index, mask, positions)
+            cache.advance(new, new if columns is None else columns)
+        return logits
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _holding(cache: KVCache):
+        """Hold the cache for one run; a second thread's run over it is refused, not raced."""
+        if not cache.lock.acquire(blocking=False):
+            raise RuntimeError(
+                "this KVCache is being run by another thread: a cache holds one sequence batch and takes one "
+                "run at a time; give each thread its own (model(..., use_cache=True) or generate per thread)"
+            )
+        try:
+            yield
+        finally:
+            cache.lock.release()
+
+    def _cache_binding(self, cache: KVCache, new: int) -> ort.IOBinding:
+        """The cache's own binding, its KV bound again only when stale (new buffers, CUDA)."""
+        if cache.binding is None:
+            cache.binding = (self.session.io_binding(), None)
+        binding, bound = cache.binding
+        if self.rebind or not cache.shared or bound != cache.version:
+            cache.bind(binding, new)
+            cache.binding = (binding, cache.version)
+        return binding
+
+    def _prefill_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
+        return torch.ones_like(ids, dtype=self.mask_dtype) if self.spec.attention_mask else None
+
+    def _prefill_positions(self, ids: torch.Tensor) -> torch.Tensor | None:
+        if not self.spec.position_ids:
+            return None
+        return torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+
+    def _run(self, binding, ids, logit_index, mask, positions) -> torch.Tensor:
+        """Bind the tokens, mask, positions and logits, and run."""
+        spec = self.spec
+        batch, length = ids.shape
+        self.bind_tokens(binding, ids)
+        if spec.attention_mask:
+            runtime.bind_input(binding, spec.attention_mask, mask.to(self.mask_dtype).contiguous())
+        if spec.position_ids:
+            runtime.bind_input(binding, spec.position_ids, self.position_input(positions))
+        vocab = self.vocab_size
+        if self.keeps_positions:
+            kept = logit_index if logit_index is not None else torch.arange(batch * length, device=self.device)
+            runtime.bind_input(binding, graph.LOGITS_INDICES, kept)
+            logits = torch.empty(kept.numel(), vocab, dtype=self.logits_dtype, device=self.device)
+        else:
+            logits = torch.empty(batch, length, vocab, dtype=self.logits_dtype, device=self.device)
+        runtime.bind_output(binding, spec.logits, logits)
+        runtime.run(self.session, binding)
+        if logit_index is None:
+            return logits.view(batch, length, vocab)
+        if not self.keeps_positions:
+            logits = logits.view(batch * length, vocab).index_select(0, logit_index)
+        return logits
+
+    def bind_tokens(self, binding: ort.IOBinding, ids: torch.Tensor) -> None:
+        """Bind the decoder's token input: the ids, or what the embedding model makes of them
+        (its outputs stay on the device and are bound to the decoder as they are)."""
+        if self.embedding_session is None:
+            runtime.bind_input(binding, self.spec.input_ids, ids.to(self.id_dtype).contiguous())
+            return
+        embedding = self.package.embedding
+        embed = self.embedding_session.io_binding()
+        runtime.bind_input(embed, embedding.input_ids, ids.to(self.id_dtype).contiguous())
+        for name, empty in self.no_media:
+            runtime.bind_input(embed, name, empty)
+        for output, _ in embedding.feeds:
+            runtime.bind_output_to(embed, output, self.device)
+        runtime.run(self.embedding_session, embed)
+        for (_, decoder_input), value in zip(embedding.feeds, embed.get_outputs()):
+            binding.bind_ortvalue_input(decoder_input, value)
+
+    def position_input(self, positions: torch.Tensor) -> torch.Tensor:
+        """`[B, S]` positions in the decoder's dtype and rank (mRoPE decoders take `[3, B, S]`:
+        for text, the temporal, height and width positions are all the token's position)."""
+        positions = positions.to(self.position_dtype)
+        if self.spec.position_rank == 3:
+            positions = positions.expand(3, *positions.shape)
+        return positions.contiguous()
+
+    def _bind_scratch(self, binding: ort.IOBinding, batch: int, length: int) -> None:
+        """An empty past for every layer; the present goes into this thread's reused scratch buffer."""
+        layers = self.spec.layers
+        sizes = [0 if kv.window else batch * kv.num_kv_heads * length * kv.head_size for kv in layers]
+        needed = 2 * sum(sizes)
+        scratch = getattr(self.scratch, "buffer", None)
+        if scratch is None or scratch.numel() < needed or scratch.device != self.device:
+            scratch = self.scratch.buffer = torch.empty(needed, dtype=self.kv_dtype, device=self.device)
+        offset = 0
+        for kv, size in zip(layers, sizes):
+            if kv.window:  # ORT's sliding-window attention wants a window-sized buffer shared by past and present
+                for past, present in ((kv.past_key, kv.present_key), (kv.past_value, kv.present_value)):
+                    ring = torch.zeros(batch, kv.num_kv_heads, kv.window, kv.head_size, dtype=self.kv_dtype,
+                                       device=self.device)
+                    runtime.bind_input(binding, past, ring)
+                    runtime.bind_output(binding, present, ring)
+                continue
+            empty = torch.empty(batch, kv.num_kv_heads, 0, kv.head_size, dtype=self.kv_dtype, device=self.device)
+            runtime.bind_input(binding, kv.past_key, empty)
+            runtime.bind_input(binding, kv.past_value, empty)
+            shape = (batch, kv.num_kv_heads, length, kv.head_size)
+            runtime.bind_output(binding, kv.present_key, scratch[offset : offset + size].view(shape))
+            runtime.bind_output(binding, kv.present_value, scratch[offset + size : offset + 2 * size].view(shape))
+            offset += 2 * size
+

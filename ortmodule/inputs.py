@@ -1,0 +1,196 @@
+"""Checking what callers pass, and the one convention for which logits to compute.
+
+Callers speak of positions of their own padded input (`cont_len`, `logits_to_keep`, `(row, col)`
+pairs). The decoder runs rows right-padded (left-padded rows are rolled first) and speaks of flat
+indices, `row * width + column` of the right-padded layout; `flat_index` converts one to the
+other. Every check raises a TypeError or ValueError naming the argument and the bad value.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Rows(NamedTuple):
+    """A checked input batch in the right-padded layout the decoder runs."""
+
+    ids: torch.Tensor  # [B, T] int64 on the device, each row's tokens starting at column 0
+    shift: torch.Tensor | None  # how far each row was rolled left to get there (None: not at all)
+    lengths: torch.Tensor  # [B] real tokens per row
+    longest: int  # max(lengths), on the host
+
+
+def flat_index(width: int, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat indices into a right-padded batch `width` wide of the positions `(rows[i], cols[i])` of
+    the caller's layout (`shift`: how far each row was rolled left to make it right-padded)."""
+    if shift is not None:
+        cols = (cols - shift[rows]) % width
+    return rows * width + cols
+
+
+def every_position(rows: Rows) -> torch.Tensor | None:
+    """Flat indices of every position in the caller's order, or None when that is the decoder's."""
+    if rows.shift is None:
+        return None
+    batch, width = rows.ids.shape
+    steps = torch.arange(width, device=rows.ids.device)
+    return flat_index(width, torch.arange(batch, device=steps.device).repeat_interleave(width),
+                      steps.repeat(batch), rows.shift)
+
+
+def kept_positions(keep, length: int, device: torch.device) -> torch.Tensor | None:
+    """The positions of a `length`-wide input that `cont_len` / `logits_to_keep` asks logits for, or
+    None for all of them."""
+    if keep is None:
+        return None
+    if isinstance(keep, torch.Tensor):
+        if keep.dim() != 1 or keep.is_floating_point() or keep.is_complex() or keep.dtype == torch.bool:
+            raise ValueError("logits_to_keep as a tensor must be 1-D integer positions")
+        if keep.numel() == 0:
+            raise ValueError("logits_to_keep is an empty tensor: name at least one position")
+        keep = keep.to(device, torch.int64)
+        if ((keep < 0) | (keep >= length)).any():
+            raise ValueError(f"logits_to_keep positions must lie in [0, {length})")
+        return keep
+    if isinstance(keep, bool) or not isinstance(keep, int):
+        raise TypeError(f"cont_len must be an int, got {type(keep).__name__}")
+    if keep < 0:
+        raise ValueError(f"cont_len must be >= 0, got {keep}")
+    if keep == 0 or keep >= length:
+        return None
+    return torch.arange(length - keep, length, device=device)
+
+
+def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as a right-padded int64 batch on the host, and its attention mask."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        mask[r, : len(row)] = 1
+    return ids, mask
+
+
+def _check_ids(input_ids, context_length: int) -> None:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2-D [batch, sequence], got shape {tuple(input_ids.shape)}")
+    batch, length = input_ids.shape
+    if batch == 0 or length == 0:
+        raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+    if length > context_length:
+        raise ValueError(f"input length {length} exceeds the model's context length {context_length}")
+
+
+def _check_mask_type(attention_mask, shape: tuple) -> None:
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids shape {tuple(shape)}"
+        )
+
+
+def raise_bad_id(ids: torch.Tensor, vocab: int) -> None:
+    """Name the first token id outside the vocabulary (the error path of the checks)."""
+    row, col = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
+    raise ValueError(f"token id {ids[row, col].item()} at input_ids[{row}, {col}] is outside the vocabulary [0, "
+                     f"{vocab})")
+
+
+def check_batch(input_ids, attention_mask, vocab: int, context_length: int, device: torch.device) -> Rows:
+    """Validate a prompt batch where the caller's ids are (on the host for host tensors: no
+    device-to-host copy at all; else on the device with one read of a few flags) and return it in
+    the right-padded layout on `device`: rows whose ones form one contiguous run are rolled to
+    start at column 0."""
+    _check_ids(input_ids, context_length)
+    ids = input_ids.to(torch.int64)
+    if attention_mask is None:
+        mask = torch.ones_like(ids)
+    else:
+        _check_mask_type(attention_mask, input_ids.shape)
+        mask = attention_mask.to(ids.device)
+    not_binary = ((mask != 0) & (mask != 1)).any()
+    mask = mask.to(torch.int64)
+    counts = mask.sum(1)
+    lead = mask.argmax(1)  # index of each row's first 1
+    steps = torch.arange(ids.shape[1], device=ids.device)
+    contiguous = mask == ((steps >= lead[:, None]) & (steps < (lead + counts)[:, None]))
+    bad_ids = (ids < 0) | (ids >= vocab)
+    flags = torch.stack(
+        [not_binary, bad_ids.any(), (counts == 0).any(), ~contiguous.all(), (lead > 0).any(), counts.max()]
+    ).tolist()  # the one host sync of the checks
+    if flags[0]:
+        raise ValueError("attention_mask must hold only 0 and 1")
+    if flags[1]:
+        raise_bad_id(ids, vocab)
+    if flags[2]:
+        raise ValueError(f"attention_mask row {(counts == 0).nonzero()[0].item()} has no tokens")
+    if flags[3]:
+        row = (~contiguous).any(1).nonzero()[0].item()
+        raise ValueError(
+            f"attention_mask row {row} has gaps: each row's ones must be one contiguous run (left- or right-padded)"
+        )
+
+    def up(tensor):  # host tensors are copied up without waiting for the device
+        return tensor.to(device, non_blocking=True)
+
+    if not flags[4]:
+        return Rows(up(ids), None, up(counts), flags[5])
+    order = (steps[None, :] + lead[:, None]) % ids.shape[1]  # roll every row to start at column 0
+    return Rows(up(ids.gather(1, order)), up(lead), up(counts), flags[5])
+
+
+def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int, device: torch.device) -> torch.Tensor:
+    """Validate tokens `[B, s]` that continue `cache` (and the caller's mask so far, when given);
+    return them as int64 on `device`."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError("input_ids must be a 2-D integer tensor [batch, new tokens]")
+    if input_ids.dtype == torch.bool or input_ids.is_complex():
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    batch, new = input_ids.shape
+    if batch != cache.batch_size or new == 0:
+        raise ValueError(
+            f"input_ids of shape {tuple(input_ids.shape)} does not continue a cache of {cache.batch_size} rows"
+        )
+    if new > 1 and batch > 1:
+        raise ValueError(
+            "a step of several tokens over a cache works for batch 1 only (ONNX Runtime's "
+            "GroupQueryAttention refuses it for batches); feed the tokens one at a time"
+        )
+    if cache.longest + new > context_length:
+        raise ValueError(
+            f"{cache.longest} cached + {new} new tokens exceeds the model's context length {context_length}"
+        )
+    ids = input_ids.to(device, torch.int64)
+    checks = [((ids < 0) | (ids >= vocab)).any()]
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+        expected = (batch, cache.seen + new)
+        if tuple(attention_mask.shape) != expected:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not match the cache and the new "
+                f"tokens: expected {expected}"
+            )
+        mask = attention_mask.to(device)
+        checks.append((mask[:, -new:] != 1).any())
+        if cache.caller_mask is not None:
+            checks.append((mask[:, :-new] != cache.caller_mask).any())
+    flags = torch.stack(checks).tolist()  # the one host sync of the checks
+    if flags[0]:
+        raise_bad_id(ids, vocab)
+    if len(flags) > 1 and flags[1]:
+        raise ValueError("attention_mask must be 1 at every new token: a step appends to every row")
+    if len(flags) > 2 and flags[2]:
+        raise ValueError(
+            "attention_mask's earlier columns differ from the mask this cache was built with: a step's "
+            "mask is the mask so far followed by ones for the new tokens"
+        )
+    return ids

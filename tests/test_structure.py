@@ -1,0 +1,124 @@
+"""The package's structure, read from its source: imports flow one way (no cycle), no module
+reaches into another's private names, no function or class grows past what a reader holds at once,
+and the product imports only what it declares."""
+
+import ast
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ortmodule"
+MODULES = {path.stem: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.glob("*.py"))}
+# Optional parts: what each needs beyond the core dependencies (their extras in pyproject.toml).
+EXTRAS = {"lm_eval": "lmeval", "cli": "lmeval", "server": "serve", "exporter": "export"}
+
+
+def internal_imports(tree: ast.Module) -> dict[str, set[str]]:
+    """Module -> the names imported from it, for every import of a sibling module."""
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.setdefault(node.module.split(".")[0], set()).update(a.name for a in node.names)
+            else:  # from . import a, b
+                for alias in node.names:
+                    found.setdefault(alias.name, set())
+    return {name: names for name, names in found.items() if name in MODULES}
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_imports_form_no_cycle():
+    graph = {name: set(internal_imports(tree)) for name, tree in MODULES.items()}
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for other in graph[name]:
+            assert state.get(other) != "open", f"import cycle: {' -> '.join(path + [name, other])}"
+            if other not in state:
+                visit(other, path + [name])
+        state[name] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name, [])
+
+
+def test_no_module_uses_another_modules_private_names():
+    own = {}  # module -> private names it defines (functions, classes, attributes set on self)
+    for name, tree in MODULES.items():
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and private(node.name):
+                names.add(node.name)
+            is_self = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+            if is_self and private(node.attr) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            if isinstance(node, ast.Name) and private(node.id) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+        own[name] = names
+    problems = []
+    for name, tree in MODULES.items():
+        imported = internal_imports(tree)
+        for module, names in imported.items():
+            problems += [f"{name} imports {module}.{n}" for n in names if private(n)]
+        elsewhere = set().union(*(own[m] for m in MODULES if m != name)) - own[name]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not private(node.attr):
+                continue
+            base = node.value.id if isinstance(node.value, ast.Name) else None
+            if base in imported or (base not in ("self", "cls") and node.attr in elsewhere):
+                problems.append(f"{name}:{node.lineno} uses {ast.unparse(node)}")
+    assert not problems, problems
+
+
+def test_functions_and_classes_stay_short():
+    long = []
+    for name, tree in MODULES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                lines = node.end_lineno - node.lineno + 1
+                limit = 250 if isinstance(node, ast.ClassDef) else 60
+                if lines > limit:
+                    long.append(f"{name}.{node.name}: {lines} lines (limit {limit})")
+    assert not long, long
+
+
+def test_the_product_imports_only_its_declared_dependencies():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    import_names = {"onnxruntime-gpu": "onnxruntime", "onnx-ir": "onnx_ir", "lm-eval": "lm_eval",
+                    "onnxruntime-genai-cuda": "onnxruntime_genai"}
+
+    def names(requirements: list[str]) -> set[str]:
+        out = set()
+        for requirement in requirements:
+            distribution = requirement.split(">")[0].split("=")[0].split("<")[0].strip()
+            out.add(import_names.get(distribution, distribution.replace("-", "_")))
+        return out
+
+    core = names(project["dependencies"])
+    extras = {extra: names(reqs) for extra, reqs in project["optional-dependencies"].items()}
+    # What the declared packages bring themselves (transformers: tqdm; fastapi: pydantic, starlette).
+    brought = {"tqdm", "pydantic", "starlette"}
+    stdlib = __import__("sys").stdlib_module_names
+    problems = []
+    for name, tree in MODULES.items():
+        allowed = core | extras.get(EXTRAS.get(name, ""), set()) | brought
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                tops = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            problems += [f"{name} imports {top}" for top in tops if top not in stdlib and top not in allowed]
+    assert not problems, problems
+    unused = {dep for dep in core if not any(
+        isinstance(n, (ast.Import,
+                       ast.ImportFrom)) and dep in ast.unparse(n) for t in MODULES.values() for n in ast.walk(t)
+    )}
+    assert not unused, f"declared but never imported by ortmodule: {unused}"
