@@ -3,7 +3,8 @@
 `ortmodule-eval`: lm-eval's command line with the `ortmodule` model registered (lm-eval discovers
 no plugins, so the registration has to happen in the same process).
 `ortmodule export SRC OUT`: a GenAI package from a Hugging Face folder or a GGUF file (ortmodule/exporter.py).
-`ortmodule serve PATH`: the `/v1/score` server (ortmodule/server.py).
+`ortmodule serve PATH`: SGLang's `/v1/score`, OpenAI's `/v1/completions` and `/v1/chat/completions`
+(ortmodule/server.py).
 """
 
 import argparse
@@ -35,7 +36,8 @@ def ortmodule(argv: list[str] | None = None) -> None:
                         help="passed to the builder's --extra_options (repeatable), e.g. int4_block_size=32")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress output")
-    serve = commands.add_parser("serve", help="serve SGLang's /v1/score over a GenAI package (FastAPI + uvicorn)")
+    serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, OpenAI's /v1/completions "
+                                              "and /v1/chat/completions (FastAPI + uvicorn)")
     serve.add_argument("path", help="the GenAI package folder (genai_config.json, model.onnx, tokenizer)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)

@@ -1,4 +1,5 @@
-"""`ortmodule serve PATH`: SGLang's `/v1/score` endpoint over one OrtModelForCausalLM.
+"""`ortmodule serve PATH`: SGLang's `/v1/score` and OpenAI's `/v1/completions` and
+`/v1/chat/completions` (openai_server.py) over one OrtModelForCausalLM.
 
 Requests are checked and tokenized as they arrive (a bad one gets HTTP 400 and touches nothing
 else), then queued; a full queue answers 503. One worker takes the queue in groups: the first
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
-from . import scoring
+from . import completions, openai_api, openai_server, scoring
 from .modeling import OrtModelForCausalLM
 
 log = logging.getLogger("ortmodule.server")
@@ -49,14 +50,27 @@ class ScoreRequest(BaseModel):
 
 @dataclass
 class _Pending:
+    """A `/v1/score` request, checked and tokenized."""
+
     prompts: list[list[int]]
     labels: list[int]
     apply_softmax: bool
     done: asyncio.Future
     tokens: int = field(init=False)
+    key = ("score",)  # every score request of a group is scored in one call
 
     def __post_init__(self):
         self.tokens = sum(len(p) for p in self.prompts)
+
+
+def _route(owners: list[tuple], row: int | None, ids: list[int] | None) -> None:
+    """Hand a batch row's new tokens to its request (`push`), or tell every request the end."""
+    if row is None:
+        for job in {id(job): job for job, _ in owners}.values():
+            job.close()
+        return
+    job, index = owners[row]
+    job.push(index, ids)
 
 
 @dataclass
@@ -71,12 +85,16 @@ class Stats:
     rejected_busy: int = 0
     abandoned: int = 0  # requests whose client went away before their answer; never scored
     failed: int = 0
+    completions: int = 0  # /v1/completions and /v1/chat/completions requests answered
     group_sizes: dict[int, int] = field(default_factory=dict)  # requests per group -> how many groups
 
 
 class BadRequest(ValueError):
     pass
 
+
+# Completion requests run together in one batch, at most (a request's prompts all go in its batch).
+MAX_ROWS = 32
 
 # Defaults of the limits checked before anything is tokenized.
 MAX_BODY_BYTES = 8 * 2**20
@@ -107,7 +125,7 @@ class ScoreServer:
         self.stats = Stats()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ortmodule-score")
         # Tokenizing happens here, off the event loop and off the scoring thread.
-        self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="ortmodule-tokenize")
+        self.tokenizing = ThreadPoolExecutor(2, thread_name_prefix="ortmodule-tokenize")
         self._worker: asyncio.Task | None = None
 
     # ---- requests -----------------------------------------------------------------------------
@@ -150,14 +168,12 @@ class ScoreServer:
 
     async def score(self, request: ScoreRequest) -> dict:
         loop = asyncio.get_running_loop()
-        checked, problem = await loop.run_in_executor(self._tokenizing, self._check_quietly, request)
+        checked, problem = await loop.run_in_executor(self.tokenizing, self._check_quietly, request)
         if problem is not None:
             raise BadRequest(problem)
         prompts, labels = checked
         pending = _Pending(prompts, labels, request.apply_softmax, asyncio.get_running_loop().create_future())
-        self.queue.put_nowait(pending)  # asyncio.QueueFull when the queue is full: 503
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._work())
+        self.enqueue(pending)
         scores = await pending.done
         return {
             "scores": scores,
@@ -184,20 +200,74 @@ class ScoreServer:
                 if not more.done.done():
                     group.append(more)
                     tokens += more.tokens
-            start = time.perf_counter()
-            try:
-                results = await loop.run_in_executor(self._executor, self._score_group, group)
-            except Exception as e:  # one failed group answers 500; the server goes on
-                log.exception("scoring a group of %d requests failed", len(group))
-                self.stats.failed += len(group)
-                for pending in group:
-                    if not pending.done.done():
-                        pending.done.set_exception(e)
-                continue
-            self._record(group, tokens, time.perf_counter() - start)
-            for pending, scores in zip(group, results):
-                if not pending.done.done():
-                    pending.done.set_result(scores)
+            parts: dict[tuple, list] = {}
+            for job in group:  # requests of one kind and settings run as one batch
+                parts.setdefault(job.key, []).append(job)
+            for key, part in parts.items():
+                size = len(part) if key[0] == "score" else MAX_ROWS
+                for start in range(0, len(part), size):  # completions: at most MAX_ROWS requests a batch
+                    await self._run_part(key, part[start : start + size])
+
+    async def _run_part(self, key: tuple, part: list) -> None:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        run = self._score_group if key[0] == "score" else self._complete_group
+        try:
+            results = await loop.run_in_executor(self._executor, run, part)
+        except Exception as e:  # noqa: BLE001  one failed group answers 500; the server goes on
+            log.exception("a group of %d %s requests failed", len(part), key[0])
+            self.stats.failed += len(part)
+            for job in part:
+                if not job.done.done():
+                    job.done.set_exception(e)
+                if key[0] != "score":
+                    job.close()  # a stream ends, and reads the failure from `done`
+            return
+        if key[0] == "score":
+            self._record(part, sum(job.tokens for job in part), time.perf_counter() - start)
+        else:
+            self.stats.completions += len(part)
+        for job, result in zip(part, results):
+            if not job.done.done():
+                job.done.set_result(result)
+
+    def _complete_group(self, part: list) -> list[list[tuple]]:
+        """Run completion requests of one kind together; per request, per prompt, its
+        (prompt scores or None, completion or None)."""
+        prompts = [p for job in part for p in job.prompts]
+        owners = [(job, i) for job in part for i in range(len(job.prompts))]
+        sampling = part[0].sampling
+        with torch.inference_mode():
+            top = max((job.prompt_top or 0) for job in part)
+            wants_scores = any(job.prompt_top is not None for job in part)
+            scores = completions.prompt_scores(self.model, prompts, top) if wants_scores else [None] * len(prompts)
+            done = [None] * len(prompts)
+            if sampling is not None and sampling.max_tokens == 1 and sampling.greedy and not part[0].streams:
+                eos = completions.eos_ids(self.model)
+                scores = scores if wants_scores else completions.prompt_scores(self.model, prompts, 1)
+                done = [completions.one_greedy_token(self.tokenizer, s, sampling, eos) for s in scores]
+            elif sampling is not None:
+                streamer = completions.RowStreamer(lambda row, ids: _route(owners, row, ids))
+                flags = [job.cancelled for job, _ in owners]
+                done = completions.generate(self.model, self.tokenizer, prompts, sampling,
+                                            streamer if part[0].streams else None, flags)
+        out, k = [], 0
+        for job in part:
+            out.append([(scores[k + i] if job.prompt_top is not None else None, done[k + i])
+                        for i in range(len(job.prompts))])
+            k += len(job.prompts)
+        return out
+
+    def enqueue(self, job) -> None:
+        """Queue a request for the worker (asyncio.QueueFull when the queue is full: 503)."""
+        self.queue.put_nowait(job)
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._work())
+
+    async def complete(self, job) -> list[tuple]:
+        """Queue a completion request; its per-prompt (prompt scores, completion) when done."""
+        self.enqueue(job)
+        return await job.done
 
     def _score_group(self, group: list[_Pending]) -> list[list[list[float]]]:
         """Score every request of the group in one call; one device-to-host copy."""
@@ -241,7 +311,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await self._refuse(send)
+            return await self._refuse(send, scope.get("path", ""))
         chunks, received, more = [], 0, True
         while more:
             message = await receive()
@@ -250,7 +320,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             received += len(chunk)
             if received > self.limit:
-                return await self._refuse(send)
+                return await self._refuse(send, scope.get("path", ""))
             chunks.append(chunk)
             more = message.get("more_body", False)
         replayed = False
@@ -264,10 +334,13 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send):
+    async def _refuse(self, send, path: str):
         self.stats.rejected_bad += 1
-        body = json.dumps({"object": "error", "code": 413,
-                           "message": f"request body over {self.limit} bytes; this server takes at most that"}).encode()
+        message = f"request body over {self.limit} bytes; this server takes at most that"
+        if path in openai_server.PATHS:
+            body = json.dumps(openai_api.error_body(message)).encode()
+        else:
+            body = json.dumps({"object": "error", "code": 413, "message": message}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -303,7 +376,11 @@ async def _until_answered_or_gone(work: asyncio.Task, request: Request, poll: fl
         work = done = None
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, path: str = "", param: str | None = None) -> JSONResponse:
+    """The error shape of the route: OpenAI's for its routes, SGLang's for the others."""
+    if path in openai_server.PATHS:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse(openai_api.error_body(message, kind, param), status_code=status)
     return JSONResponse({"object": "error", "message": message, "code": status}, status_code=status)
 
 
@@ -319,15 +396,14 @@ def _handle_errors(app: FastAPI, server: ScoreServer) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in detail:
             detail = "invalid request: the body is not valid JSON (UTF-8 text, at most a few hundred levels deep)"
-        return _error(exc.status_code, detail)
+        return _error(exc.status_code, detail, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def bad_schema(request: Request, exc: RequestValidationError):
         server.stats.rejected_bad += 1
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        return _error(400, f"invalid request: {problems}")
+        fields = [".".join(str(p) for p in e["loc"] if p != "body") or "body" for e in exc.errors()]
+        problems = "; ".join(f"{where}: {e['msg']}" for where, e in zip(fields, exc.errors()))
+        return _error(400, f"invalid request: {problems}", request.url.path, fields[0] if fields else None)
 
 
 def create_app(
@@ -376,9 +452,9 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "ortmodule",
-                                            "max_model_len": model.package.context_length,
-                                            "vocab_size": model.package.vocab_size}]}
+        return {"object": "list", "data": [openai_api.model_card(name, model.package)]}
+
+    openai_server.add_routes(app, server)
 
     @app.get("/metrics")
     async def metrics():

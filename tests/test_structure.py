@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ortmodule"
 MODULES = {path.stem: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.glob("*.py"))}
 # Optional parts: what each needs beyond the core dependencies (their extras in pyproject.toml).
-EXTRAS = {"lm_eval": "lmeval", "cli": "lmeval", "server": "serve", "exporter": "export"}
+EXTRAS = {"lm_eval": "lmeval", "cli": "lmeval", "server": "serve", "openai_server": "serve", "openai_api": "serve",
+          "exporter": "export"}
 
 
 def internal_imports(tree: ast.Module) -> dict[str, set[str]]:

@@ -1,0 +1,106 @@
+"""Closed-loop load on `ortmodule serve`: N clients mixing `/v1/score`, `/v1/completions` and
+`/v1/chat/completions` (greedy), each sending its next request when the last is answered, for a
+fixed time; every answer checked against the same request sent alone first.
+
+    python benchmarks/bench_openai.py --package PATH --clients 1 8 32 --seconds 30
+    python benchmarks/bench_openai.py --real --clients 1 8 32     # SmolLM2-135M-Instruct (the demo's package)
+
+Prints P50 / P99 latency and requests/s per kind and overall, for each number of clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import httpx
+from bench_score import LocalServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
+from ortmodule_dev import load  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
+             "Write a haiku about the sea.", "What is two plus two?", "Who wrote Hamlet?"]
+PROMPTS = ["The history of the printing press", "Once upon a time, in a small village,",
+           "The three laws of motion are", "A good breakfast includes"]
+REVIEWS = [" I loved this film.", " The food was cold and bland.", " An average day.", " Best purchase ever!"]
+
+
+def bodies(name: str, label_ids: list[int]) -> list[tuple[str, str, dict]]:
+    out = []
+    for i, question in enumerate(QUESTIONS):
+        out.append(("chat", "/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": question}],
+                                                      "max_tokens": 32, "temperature": 0}))
+        prompt = PROMPTS[i % len(PROMPTS)]
+        out.append(("completions", "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 16,
+                                                       "temperature": 0}))
+        out.append(("score", "/v1/score", {"query": "Review:" + REVIEWS[i % len(REVIEWS)] + " Sentiment:",
+                                           "items": [" positive", " negative"], "label_token_ids": label_ids,
+                                           "model": name}))
+    return out
+
+
+def answer_of(kind: str, body: dict):
+    if kind == "chat":
+        return body["choices"][0]["message"]["content"]
+    if kind == "completions":
+        return body["choices"][0]["text"]
+    return body["scores"]
+
+
+def calls(url: str, name: str, label_ids: list[int]) -> list[load.Call]:
+    """The mix, each request's expected answer taken from the server with nothing else running."""
+    out = []
+    with httpx.Client(base_url=url, timeout=300) as client:
+        for kind, path, body in bodies(name, label_ids):
+            response = client.post(path, json=body)
+            response.raise_for_status()
+            alone = answer_of(kind, response.json())
+
+            def check(answer, kind=kind, alone=alone):
+                got = answer_of(kind, answer)
+                if kind == "score":
+                    close = all(abs(a - b) < 1e-4 for row_a, row_b in zip(got, alone) for a, b in zip(row_a, row_b))
+                    return None if close else f"scores {got} differ from {alone}"
+                return None if got == alone else f"{got!r} differs from the answer alone {alone!r}"
+
+            out.append(load.Call(kind, path, body, check))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--package", help="a GenAI package folder (with a chat template)")
+    where.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct fp32, exported as the demo does")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.real:
+        from conftest import SIZES
+
+        from ortmodule_dev import fixtures
+
+        args.package = fixtures.build(SIZES["cpu"]["decoders"]["smollm2-fp32"]).package_dir
+    from ortmodule import load_tokenizer
+
+    tokenizer = load_tokenizer(args.package)
+    label_ids = [tokenizer(" positive").input_ids[0], tokenizer(" negative").input_ids[0]]
+    results = []
+    with LocalServer(args.package, extra=["--name", "model"]) as server:
+        mix = calls(server.url, "model", label_ids)
+        for clients in args.clients:
+            result = load.run(server.url, mix, clients=clients, seconds=args.seconds)
+            results.append(result)
+            print(json.dumps({k: v for k, v in result.items() if k != "wrong"}), flush=True)
+            if result["wrong"]:
+                print("WRONG:", result["wrong"], flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

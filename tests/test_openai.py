@@ -1,0 +1,216 @@
+"""The OpenAI-compatible routes over real HTTP on 127.0.0.1, against transformers on the same
+weights, `model.generate`, the `openai` client and lm-eval's `local-completions` backend."""
+
+import json
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import load_pair
+from test_server import LiveServer
+
+from ortmodule import load_tokenizer, runtime
+from ortmodule.server import create_app
+
+NAME = "tiny-llama"
+# A chat template for the fixture's tokenizer (the real SmolLM2 package brings its own).
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def setup(build):
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = TEMPLATE
+    live = LiveServer(create_app(model, tokenizer, name=NAME, window_ms=20))
+    yield live, model, hf, tokenizer, fixture
+    live.stop()
+
+
+def hf_greedy(hf, ids: list[int], new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def expected_text(tokenizer, tokens: list[int], stop=()) -> tuple[str, str]:
+    """What a completion of these greedy tokens reads: cut at end-of-sequence, then before a stop."""
+    eos = tokenizer.eos_token_id
+    reason = "length"
+    if eos in tokens:
+        tokens, reason = tokens[: tokens.index(eos)], "stop"
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    cuts = [text.find(s) for s in stop if s in text]
+    if cuts:
+        text, reason = text[: min(cuts)], "stop"
+    return text, reason
+
+
+def test_greedy_completions_equal_transformers(setup):
+    live, _, hf, tokenizer, _ = setup
+    prompts = ["The quick brown fox", "Once upon a time there"]
+    response = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompts, "max_tokens": 12,
+                                                         "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == NAME
+    prompt_tokens, completion_tokens = 0, 0
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer(prompt).input_ids
+        tokens = hf_greedy(hf, ids, 12)
+        text, reason = expected_text(tokenizer, tokens)
+        choice = body["choices"][i]
+        assert choice["index"] == i and choice["text"] == text and choice["finish_reason"] == reason
+        prompt_tokens += len(ids)
+        eos = tokenizer.eos_token_id
+        completion_tokens += tokens.index(eos) + 1 if eos in tokens else len(tokens)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def test_echo_with_logprobs_is_lm_evals_request_and_matches_transformers(setup):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs 1, one greedy token."""
+    live, _, hf, tokenizer, _ = setup
+    prompts = [[5, 17, 99, 3, 250, 41], [7, 8, 9]]
+    response = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompts, "max_tokens": 1,
+                                                         "temperature": 0, "logprobs": 2, "echo": True, "seed": 1234})
+    assert response.status_code == 200, response.text
+    for ids, choice in zip(prompts, response.json()["choices"]):
+        with torch.no_grad():
+            reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+        logprobs = choice["logprobs"]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert len(logprobs["tokens"]) == len(ids) + 1  # the prompt, then the generated token
+        for k in range(1, len(ids)):
+            assert abs(logprobs["token_logprobs"][k] - reference[k - 1, ids[k]].item()) < 1e-4
+            assert len(logprobs["top_logprobs"][k]) <= 2
+            assert abs(max(logprobs["top_logprobs"][k].values()) - reference[k - 1].max().item()) < 1e-4
+        greedy = int(reference[-1].argmax())
+        assert abs(logprobs["token_logprobs"][-1] - reference[-1, greedy].item()) < 1e-4
+        assert choice["text"] == tokenizer.decode(ids) + tokenizer.decode([greedy], skip_special_tokens=True)
+
+
+def test_echo_without_new_tokens_and_stop_strings(setup):
+    live, _, hf, tokenizer, _ = setup
+    ids = tokenizer("Once upon a time").input_ids
+    body = live.client.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 0, "echo": True,
+                                                     "logprobs": 0}).json()
+    assert body["choices"][0]["text"] == tokenizer.decode(ids)
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == len(ids)
+    assert body["usage"]["completion_tokens"] == 0
+    tokens = hf_greedy(hf, ids, 20)
+    full, _ = expected_text(tokenizer, tokens)
+    stop = next(c for c in full[3:] if c.strip())  # a character the greedy text reaches after a few
+    text, reason = expected_text(tokenizer, tokens, (stop,))
+    answer = live.client.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 20,
+                                                       "temperature": 0, "stop": [stop]}).json()["choices"][0]
+    assert (answer["text"], answer["finish_reason"]) == (text, "stop") and stop not in answer["text"]
+
+
+def test_sampling_with_a_seed_equals_model_generate(setup):
+    live, model, _, tokenizer, _ = setup
+    ids = tokenizer("The quick brown fox").input_ids
+    options = {"temperature": 0.8, "top_p": 0.9}
+    answers = [live.client.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 10, "seed": 7,
+                                                         **options}).json()["choices"][0]["text"] for _ in range(2)]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=True, top_k=0, **options,
+                         generator=torch.Generator().manual_seed(7))
+    assert answers[0] == answers[1] == expected_text(tokenizer, out[0, len(ids):].tolist())[0]
+
+
+def chat_reference(hf, tokenizer, messages, new):
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return expected_text(tokenizer, hf_greedy(hf, list(ids), new)), len(ids)
+
+
+def test_chat_completions_and_their_stream(setup):
+    live, _, hf, tokenizer, _ = setup
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    (text, reason), prompt_tokens = chat_reference(hf, tokenizer, messages, 15)
+    request = {"model": NAME, "messages": messages, "max_tokens": 15, "temperature": 0}
+    body = live.client.post("/v1/chat/completions", json=request).json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert body["choices"][0]["finish_reason"] == reason
+    assert body["usage"]["prompt_tokens"] == prompt_tokens
+    events = []
+    with live.client.stream("POST", "/v1/chat/completions",
+                            json={**request, "stream": True, "stream_options": {"include_usage": True}}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert streamed == text
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == reason
+    assert chunks[-1]["usage"] == body["usage"]
+
+
+BAD = [
+    ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": NAME, "prompt": [5, 9000]}, 400, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 400}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "echo": "yes"}, 400, "echo"),
+    ("/v1/completions", {"model": NAME}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+     400, "logprobs"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
+def test_bad_requests_get_openai_errors_naming_the_field(setup, path, body, status, param):
+    live = setup[0]
+    response = live.client.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+def test_models_and_malformed_json(setup):
+    live = setup[0]
+    assert live.client.get(f"/v1/models/{NAME}").json()["id"] == NAME
+    missing = live.client.get("/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    broken = live.client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert broken.status_code == 400 and "error" in broken.json()
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(setup, monkeypatch):
+    """Every decode step is slowed to 20 ms: a 200-token stream would hold the worker for 4 s. The
+    client reads two events and leaves; the next request is answered long before that."""
+    live, _, _, _, _ = setup
+    run = runtime.run
+    monkeypatch.setattr(runtime, "run", lambda s, b: (time.sleep(0.02), run(s, b)))
+    before = live.client.get("/metrics").json()["abandoned"]
+    request = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=live.url, timeout=30) as client, client.stream("POST", "/v1/completions",
+                                                                                json=request) as stream:
+        seen = 0
+        for line in stream.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 2:
+                break
+    start = time.monotonic()
+    answer = live.client.post("/v1/completions", json={"model": NAME, "prompt": "Hello", "max_tokens": 2,
+                                                       "temperature": 0})
+    assert answer.status_code == 200 and time.monotonic() - start < 2.0
+    deadline = time.monotonic() + 5
+    while live.client.get("/metrics").json()["abandoned"] != before + 1:
+        assert time.monotonic() < deadline, "the stream's departure was not recorded"
+        time.sleep(0.05)

@@ -1,0 +1,127 @@
+"""Clients nobody here wrote, against `ortmodule serve`'s OpenAI routes: the `openai` package,
+lm-eval's `local-completions` backend (the same metrics and loglikelihoods as `--model ortmodule`
+in-process), and 32 concurrent clients mixing score, completions and chat."""
+
+import os
+
+import lm_eval
+import pytest
+import torch
+from conftest import load_pair
+from lm_eval.tasks import TaskManager
+from test_openai import NAME, TEMPLATE, expected_text
+from test_server import LiveServer
+
+import ortmodule
+from ortmodule import load_tokenizer, tasks
+from ortmodule.server import create_app
+from ortmodule_dev import load
+
+LOAD_SECONDS = float(os.environ.get("ORTMODULE_LOAD_SECONDS", "30"))
+
+
+@pytest.fixture(scope="module")
+def setup(build):
+    fixture = build("llama")
+    model, _ = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = TEMPLATE
+    live = LiveServer(create_app(model, tokenizer, name=NAME, window_ms=10))
+    yield live, model, tokenizer, fixture
+    live.stop()
+
+
+def generated(model, tokenizer, ids: list[int], **options) -> str:
+    """What `model.generate` makes of a prompt, as a completion's text."""
+    out = model.generate(torch.tensor([ids]), **options)
+    return expected_text(tokenizer, out[0, len(ids):].tolist())[0]
+
+
+def test_the_openai_client_gets_completions_chat_and_a_stream(setup):
+    from openai import OpenAI
+
+    live, model, tokenizer, _ = setup
+    client = OpenAI(base_url=f"{live.url}/v1", api_key="not-needed", max_retries=0)
+    prompt = "The quick brown fox"
+    completion = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0)
+    assert completion.choices[0].text == generated(model, tokenizer, tokenizer(prompt).input_ids, max_new_tokens=10,
+                                                   do_sample=False)
+    sampled = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0.7, top_p=0.95, seed=3)
+    assert sampled.choices[0].text == generated(model, tokenizer, tokenizer(prompt).input_ids, max_new_tokens=10,
+                                                do_sample=True, temperature=0.7, top_p=0.95, top_k=0,
+                                                generator=torch.Generator().manual_seed(3))
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    expected = generated(model, tokenizer, ids, max_new_tokens=12, do_sample=False)
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == expected and chat.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def samples(result: dict, task: str) -> list[dict]:
+    return sorted(result["samples"][task], key=lambda s: s["doc_id"])
+
+
+def test_lm_eval_local_completions_equals_in_process(setup):
+    """The shipped multiple-choice and generation tasks through the server, against
+    `--model ortmodule` in-process on the same package: same metrics, loglikelihoods within 1e-4,
+    the same generated answers."""
+    live, _, _, fixture = setup
+    task_names = ["ortmodule_arithmetic_mc", "ortmodule_arithmetic_gen"]
+    common = dict(tasks=task_names, task_manager=TaskManager(include_path=tasks.TASK_DIR), log_samples=True,
+                  limit=16, verbosity="ERROR")
+    remote = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url={live.url}/v1/completions,model={NAME},tokenizer={fixture.package_dir},"
+                   f"tokenizer_backend=huggingface,tokenized_requests=True,max_length=256,num_concurrent=4",
+        **common)
+    local = lm_eval.simple_evaluate(model="ortmodule", model_args=f"pretrained={fixture.package_dir}",
+                                    batch_size=1, device="cpu", **common)
+    for task in task_names:
+        ours, theirs = local["results"][task], remote["results"][task]
+        assert {k: v for k, v in ours.items() if "stderr" not in k and k != "alias"} == \
+            {k: v for k, v in theirs.items() if "stderr" not in k and k != "alias"}
+    pairs = list(zip(samples(local, "ortmodule_arithmetic_mc"), samples(remote, "ortmodule_arithmetic_mc")))
+    assert pairs
+    for a, b in pairs:
+        for (ll_a, greedy_a), (ll_b, greedy_b) in zip(a["filtered_resps"], b["filtered_resps"]):
+            assert abs(float(ll_a) - float(ll_b)) < 1e-4 and greedy_a == greedy_b
+    for a, b in zip(samples(local, "ortmodule_arithmetic_gen"), samples(remote, "ortmodule_arithmetic_gen")):
+        assert a["resps"] == b["resps"]
+
+
+def mixed_calls(model, tokenizer) -> list[load.Call]:
+    """Score, greedy completions and chat requests with their expected answers, computed in-process."""
+    calls = []
+    for i, prompt in enumerate(["The quick brown fox", "Once upon a time", "In the beginning", "Hello there"]):
+        ids = tokenizer(prompt).input_ids
+        text = generated(model, tokenizer, ids, max_new_tokens=6 + i, do_sample=False)
+        calls.append(load.Call("completions", "/v1/completions",
+                               {"model": NAME, "prompt": prompt, "max_tokens": 6 + i, "temperature": 0},
+                               lambda body, t=text: None if body["choices"][0]["text"] == t else "wrong text"))
+        messages = [{"role": "user", "content": prompt}]
+        chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False))
+        chat_text = generated(model, tokenizer, chat_ids, max_new_tokens=8, do_sample=False)
+        calls.append(load.Call("chat", "/v1/chat/completions",
+                               {"model": NAME, "messages": messages, "max_tokens": 8, "temperature": 0},
+                               lambda body, t=chat_text: None if body["choices"][0]["message"]["content"] == t
+                               else "wrong chat text"))
+        items = [" yes", " no", " maybe"]
+        scores = ortmodule.score(model, tokenizer, prompt, items, [5, 6, 7])
+        calls.append(load.Call("score", "/v1/score", {"query": prompt, "items": items, "label_token_ids": [5, 6, 7]},
+                               lambda body, s=scores: None if torch.allclose(torch.tensor(body["scores"]),
+                                                                             torch.tensor(s), atol=1e-5)
+                               else "wrong scores"))
+    return calls
+
+
+def test_32_clients_mixing_score_completions_and_chat(setup):
+    live, model, tokenizer, _ = setup
+    result = load.run(live.url, mixed_calls(model, tokenizer), clients=32, seconds=LOAD_SECONDS)
+    print({k: v for k, v in result.items() if k != "wrong"})
+    assert result["wrong"] == [] and result["failed"] == 0 and result["refused"] == 0
+    assert result["sent"] == result["answered"] == result["correct"] > 32
+    assert set(result["kinds"]) == {"score", "completions", "chat"}
