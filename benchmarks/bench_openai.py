@@ -93,7 +93,12 @@ def main(argv: list[str] | None = None) -> None:
     with LocalServer(args.package, extra=["--name", "model"]) as server:
         mix = calls(server.url, "model", label_ids)
         for clients in args.clients:
+            before = server.metrics()
             result = load.run(server.url, mix, clients=clients, seconds=args.seconds)
+            after = server.metrics()
+            result["batches"] = {key: after[key] - before[key] for key in ("completions", "completion_batches",
+                                                                            "requests", "groups")}
+            result["batches"]["largest_completion_batch"] = after["largest_completion_batch"]
             results.append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "wrong"}), flush=True)
             if result["wrong"]:

@@ -135,11 +135,9 @@ class Decoder:
             cache.start(rows.lengths, rows.longest, width)
         return logits
 
-    def step(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None = None,
-             columns: int | None = None) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """Append `tokens` `[B, s]` to every row of `cache`: logits `[n, V]` at the flat indices
-        `logit_index` of the tokens, else `[B, s, V]`. `columns`: of the caller's input taken in
-        (default s)."""
+        `logit_index` of the tokens (`row * s + i`), else `[B, s, V]`."""
         batch, new = tokens.shape
         with self._holding(cache):
             cache.reserve(cache.longest + new, self.package.context_length)
@@ -147,7 +145,7 @@ class Decoder:
             mask = cache.step_mask(new, self.mask_dtype) if self.mask_dtype is not None else None
             positions = cache.lengths[:, None] + torch.arange(new, device=self.device)
             logits = self._run(binding, tokens, logit_index, mask, positions)
-            cache.advance(new, new if columns is None else columns)
+            cache.advance(new, new)
         return logits
 
     @staticmethod

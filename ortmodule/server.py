@@ -86,6 +86,8 @@ class Stats:
     abandoned: int = 0  # requests whose client went away before their answer; never scored
     failed: int = 0
     completions: int = 0  # /v1/completions and /v1/chat/completions requests answered
+    completion_batches: int = 0  # model calls that ran them (requests of equal settings share one)
+    largest_completion_batch: int = 0
     group_sizes: dict[int, int] = field(default_factory=dict)  # requests per group -> how many groups
 
 
@@ -227,6 +229,8 @@ class ScoreServer:
             self._record(part, sum(job.tokens for job in part), time.perf_counter() - start)
         else:
             self.stats.completions += len(part)
+            self.stats.completion_batches += 1
+            self.stats.largest_completion_batch = max(self.stats.largest_completion_batch, len(part))
         for job, result in zip(part, results):
             if not job.done.done():
                 job.done.set_result(result)

@@ -36,7 +36,8 @@ def run(url: str, calls: list[Call], clients: int = 32, seconds: float = 30.0) -
         raise ValueError(f"the load generator runs on the loopback interface only, not {url}")
     lock = threading.Lock()
     latencies: dict[str, list[float]] = {}
-    counts = {"sent": 0, "answered": 0, "correct": 0, "refused": 0, "failed": 0}
+    counts = {"sent": 0, "answered": 0, "correct": 0, "refused": 0, "failed": 0, "prompt_tokens": 0,
+              "completion_tokens": 0}
     wrong: list[str] = []
     stop_at = time.monotonic() + seconds
 
@@ -57,8 +58,11 @@ def run(url: str, calls: list[Call], clients: int = 32, seconds: float = 30.0) -
                         wrong.append(f"{call.kind}: {type(e).__name__}: {e}")
                     continue
                 elapsed = time.perf_counter() - start
-                problem = call.check(response.json()) if response.status_code == 200 else None
+                answer = response.json() if response.status_code == 200 else {}
+                problem = call.check(answer) if response.status_code == 200 else None
                 with lock:
+                    for key in ("prompt_tokens", "completion_tokens"):
+                        counts[key] += answer.get("usage", {}).get(key, 0)
                     if response.status_code == 503:
                         counts["refused"] += 1
                         continue
@@ -83,4 +87,5 @@ def run(url: str, calls: list[Call], clients: int = 32, seconds: float = 30.0) -
     every = [x for v in latencies.values() for x in v]
     return {**counts, "clients": clients, "seconds": wall, "wrong": wrong[:20], "kinds": kinds,
             "p50_ms": 1000 * percentile(every, 0.5), "p99_ms": 1000 * percentile(every, 0.99),
-            "per_s": len(every) / wall}
+            "per_s": len(every) / wall, "completion_tokens_per_s": counts["completion_tokens"] / wall,
+            "prompt_tokens_per_s": counts["prompt_tokens"] / wall}

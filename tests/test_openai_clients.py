@@ -13,6 +13,7 @@ from test_openai import NAME, TEMPLATE, expected_text
 from test_server import LiveServer
 
 import ortmodule
+import ortmodule.lm_eval  # noqa: F401  (registers --model ortmodule)
 from ortmodule import load_tokenizer, tasks
 from ortmodule.server import create_app
 from ortmodule_dev import load
