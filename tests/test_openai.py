@@ -214,3 +214,43 @@ def test_a_client_leaving_mid_stream_frees_its_slot(setup, monkeypatch):
     while live.client.get("/metrics").json()["abandoned"] != before + 1:
         assert time.monotonic() < deadline, "the stream's departure was not recorded"
         time.sleep(0.05)
+
+
+def test_a_full_queue_answers_503_in_openai_shape(build):
+    """One request held in the worker, one waiting (`max_queue=1`): the third gets 503, the first
+    two their answers once the worker goes on."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    fixture = build("llama")
+    model, _ = load_pair(fixture)
+    app = create_app(model, load_tokenizer(fixture.package_dir), name=NAME, max_queue=1, window_ms=0)
+    server = app.state.server
+    started, release = threading.Event(), threading.Event()
+    complete_group = server._complete_group
+
+    def held(part):
+        started.set()
+        release.wait(30)
+        return complete_group(part)
+
+    server._complete_group = held
+    live = LiveServer(app)
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
+            assert started.wait(30)
+            second = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 10
+            while live.client.get("/metrics").json()["queued"] < 1:
+                assert time.monotonic() < deadline, "the second request never reached the queue"
+                time.sleep(0.02)
+            busy = live.client.post("/v1/completions", json=body)
+            assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_error"
+            assert "busy" in busy.json()["error"]["message"]
+            release.set()
+            assert first.result().status_code == 200 and second.result().status_code == 200
+    finally:
+        release.set()
+        live.stop()
