@@ -99,12 +99,31 @@ def _check_chat(server, body: ChatRequest) -> tuple[list[list[int]], Sampling, N
     return [prompt], openai_api.sampling_of(body, max_tokens, None), None
 
 
+def _check_size(server, body) -> None:
+    """Texts that cannot fit the context however they tokenize, and too many prompts, are refused
+    before anything is tokenized."""
+    if isinstance(body, CompletionRequest):
+        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(texts) > server.max_items:
+            raise OpenAIError(f"prompt has {len(texts)} entries; this server takes at most {server.max_items}",
+                              "prompt")
+        where = "prompt"
+    else:
+        texts, where = [m.content if isinstance(m.content, str) else "" for m in body.messages], "messages"
+    for text in texts:
+        if isinstance(text, str) and len(text) > server.max_text_bytes:
+            raise OpenAIError(f"{where} holds a text of {len(text)} characters, more than fits the model's context "
+                              f"of {server.model.package.context_length} tokens however it tokenizes", where)
+
+
 def _quietly(check, server, body):
-    """`check` on a tokenizing thread, returning the refusal rather than raising it across threads."""
+    """`check` on a tokenizing thread, returning the refusal rather than raising it across threads
+    (without its traceback, whose frames would keep the request alive)."""
     try:
+        _check_size(server, body)
         return check(server, body), None
     except OpenAIError as e:
-        return None, e
+        return None, e.with_traceback(None)
 
 
 async def _prepare(server, check, body) -> Completion:
@@ -245,7 +264,8 @@ async def _run(server, check, body, request: Request, respond, kind: str):
         return error(OpenAIError(f"the completion failed: {type(e).__name__}: {e}", status=500, kind="server_error"))
     if results is None:
         return error(OpenAIError("the client closed the connection before the answer", status=499))
-    return respond(server, body, job, results)
+    # Decoding texts and token strings happens off the event loop, as tokenizing does.
+    return await asyncio.get_running_loop().run_in_executor(server.tokenizing, respond, server, body, job, results)
 
 
 def _chat_body(server, body: ChatRequest, job: Completion, results: list[tuple]) -> dict:

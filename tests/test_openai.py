@@ -163,6 +163,10 @@ BAD = [
     ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "echo": "yes"}, 400, "echo"),
     ("/v1/completions", {"model": NAME}, 400, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": "x" * 200_000}, 400, "prompt"),  # cannot fit, never tokenized
+    ("/v1/completions", {"model": NAME, "prompt": ["x"] * 1025}, 400, "prompt"),  # over --max-items prompts
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x" * 200_000}]}, 400,
+     "messages"),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages[0].role"),
