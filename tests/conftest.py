@@ -66,3 +66,29 @@ def right_padded_batch(lengths, vocab=512, seed=0, pad_id=2):
     ids = torch.randint(4, vocab, (len(lengths), length), generator=gen)
     mask = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()
     return ids.masked_fill(mask == 0, pad_id), mask
+
+
+OPENAI_NAME = "tiny-llama"
+# A chat template for the fixture's tokenizer (the real SmolLM2 package brings its own).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def openai_live(build):
+    """`ortmodule serve`'s app on the llama fixture, live on 127.0.0.1, with a chat template:
+    (server, model, transformers model, tokenizer, fixture)."""
+    from test_server import LiveServer
+
+    from ortmodule import load_tokenizer
+    from ortmodule.server import create_app
+
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    live = LiveServer(create_app(model, tokenizer, name=OPENAI_NAME, window_ms=20))
+    yield live, model, hf, tokenizer, fixture
+    live.stop()

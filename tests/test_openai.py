@@ -7,29 +7,18 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import load_pair
+from conftest import OPENAI_NAME, load_pair
 from test_server import LiveServer
 
 from ortmodule import load_tokenizer, runtime
 from ortmodule.server import create_app
 
-NAME = "tiny-llama"
-# A chat template for the fixture's tokenizer (the real SmolLM2 package brings its own).
-TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
+NAME = OPENAI_NAME
 
 
 @pytest.fixture(scope="module")
-def setup(build):
-    fixture = build("llama")
-    model, hf = load_pair(fixture)
-    tokenizer = load_tokenizer(fixture.package_dir)
-    tokenizer.chat_template = TEMPLATE
-    live = LiveServer(create_app(model, tokenizer, name=NAME, window_ms=20))
-    yield live, model, hf, tokenizer, fixture
-    live.stop()
+def setup(openai_live):
+    return openai_live
 
 
 def hf_greedy(hf, ids: list[int], new: int) -> list[int]:

@@ -5,31 +5,16 @@ in-process), and 32 concurrent clients mixing score, completions and chat."""
 import os
 
 import lm_eval
-import pytest
 import torch
-from conftest import load_pair
 from lm_eval.tasks import TaskManager
-from test_openai import NAME, TEMPLATE, expected_text
-from test_server import LiveServer
+from test_openai import NAME, expected_text
 
 import ortmodule
 import ortmodule.lm_eval  # noqa: F401  (registers --model ortmodule)
-from ortmodule import load_tokenizer, tasks
-from ortmodule.server import create_app
+from ortmodule import tasks
 from ortmodule_dev import load
 
 LOAD_SECONDS = float(os.environ.get("ORTMODULE_LOAD_SECONDS", "30"))
-
-
-@pytest.fixture(scope="module")
-def setup(build):
-    fixture = build("llama")
-    model, _ = load_pair(fixture)
-    tokenizer = load_tokenizer(fixture.package_dir)
-    tokenizer.chat_template = TEMPLATE
-    live = LiveServer(create_app(model, tokenizer, name=NAME, window_ms=10))
-    yield live, model, tokenizer, fixture
-    live.stop()
 
 
 def generated(model, tokenizer, ids: list[int], **options) -> str:
@@ -38,10 +23,10 @@ def generated(model, tokenizer, ids: list[int], **options) -> str:
     return expected_text(tokenizer, out[0, len(ids):].tolist())[0]
 
 
-def test_the_openai_client_gets_completions_chat_and_a_stream(setup):
+def test_the_openai_client_gets_completions_chat_and_a_stream(openai_live):
     from openai import OpenAI
 
-    live, model, tokenizer, _ = setup
+    live, model, _, tokenizer, _ = openai_live
     client = OpenAI(base_url=f"{live.url}/v1", api_key="not-needed", max_retries=0)
     prompt = "The quick brown fox"
     completion = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0)
@@ -65,11 +50,11 @@ def samples(result: dict, task: str) -> list[dict]:
     return sorted(result["samples"][task], key=lambda s: s["doc_id"])
 
 
-def test_lm_eval_local_completions_equals_in_process(setup):
+def test_lm_eval_local_completions_equals_in_process(openai_live):
     """The shipped multiple-choice and generation tasks through the server, against
     `--model ortmodule` in-process on the same package: same metrics, loglikelihoods within 1e-4,
     the same generated answers."""
-    live, _, _, fixture = setup
+    live, _, _, _, fixture = openai_live
     task_names = ["ortmodule_arithmetic_mc", "ortmodule_arithmetic_gen"]
     common = dict(tasks=task_names, task_manager=TaskManager(include_path=tasks.TASK_DIR), log_samples=True,
                   limit=16, verbosity="ERROR")
@@ -119,8 +104,8 @@ def mixed_calls(model, tokenizer) -> list[load.Call]:
     return calls
 
 
-def test_32_clients_mixing_score_completions_and_chat(setup):
-    live, model, tokenizer, _ = setup
+def test_32_clients_mixing_score_completions_and_chat(openai_live):
+    live, model, _, tokenizer, _ = openai_live
     result = load.run(live.url, mixed_calls(model, tokenizer), clients=32, seconds=LOAD_SECONDS)
     print({k: v for k, v in result.items() if k != "wrong"})
     assert result["wrong"] == [] and result["failed"] == 0 and result["refused"] == 0
