@@ -10,6 +10,7 @@ clock starts; one round each. A peer that fails is recorded as an expected failu
 from pathlib import Path
 
 import lm_eval
+import peers  # noqa: F401  (registers the genai-stepped and ort-numpy backends)
 import pytest
 import torch
 from conftest import SLOW_PEERS_ON, device_name, model_label, peak_rss_mb, reset_peak_rss
