@@ -20,6 +20,7 @@ from transformers import StoppingCriteria
 
 from .inputs import pad_right
 from .modeling import OrtModelForCausalLM
+from .scoring import length_batches
 
 Ids = list[int]
 
@@ -71,20 +72,33 @@ class Generated:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
+def complete(model: OrtModelForCausalLM, tokenizer, prompts: list[Ids], sampling: Sampling | None,
+             top: int | None, streamer=None, cancelled: list[threading.Event] | None = None) -> list[tuple]:
+    """Per prompt, `(PromptScores or None, Generated or None)`: the prompt's log-probabilities with
+    `top` alternatives when `top` is not None, its completion when `sampling` is not None. One
+    greedy token (not streamed) is read from the prompt's own prefill, the others generated."""
+    one_token = sampling is not None and sampling.max_tokens == 1 and sampling.greedy and streamer is None
+    scores = [None] * len(prompts)
+    if top is not None or one_token:
+        scores = prompt_scores(model, prompts, max(top or 0, (sampling.logprobs or 0) if sampling else 0))
+    if sampling is None:
+        done = [None] * len(prompts)
+    elif one_token:
+        eos = eos_ids(model)
+        done = [one_greedy_token(tokenizer, s, sampling, eos) for s in scores]
+    else:
+        done = generate(model, tokenizer, prompts, sampling, streamer, cancelled)
+    return [(s if top is not None else None, d) for s, d in zip(scores, done)]
+
+
 def prompt_scores(model: OrtModelForCausalLM, prompts: list[Ids], top: int) -> list[PromptScores]:
-    """Log-probabilities of every prompt token and of the next token, batched by prompt length."""
-    vocab = model.package.vocab_size
-    budget = max(1, LOGIT_BYTES // (4 * vocab))
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    """Log-probabilities of every prompt token and of the next token, in batches of at most
+    LOGIT_BYTES of logits, longest prompts first."""
+    budget = max(1, LOGIT_BYTES // (4 * model.package.vocab_size))
     out: list[PromptScores | None] = [None] * len(prompts)
-    batch: list[int] = []
-    for i in order + [None]:
-        if batch and (i is None or (len(batch) + 1) * len(prompts[batch[0]]) > budget):
-            for j, scores in zip(batch, _score_batch(model, [prompts[j] for j in batch], max(top, 1))):
-                out[j] = scores
-            batch = []
-        if i is not None:
-            batch.append(i)
+    for batch in length_batches([len(p) for p in prompts], 0, budget):
+        for j, scores in zip(batch, _score_batch(model, [prompts[j] for j in batch], max(top, 1))):
+            out[j] = scores
     return out
 
 
@@ -96,14 +110,14 @@ def _score_batch(model: OrtModelForCausalLM, prompts: list[Ids], top: int) -> li
     cols = torch.cat([torch.arange(n) for n in lengths])
     logprobs = torch.log_softmax(model.logits_at(ids.to(device), mask.to(device), rows, cols).float(), dim=-1)
     targets = torch.cat([torch.tensor(p[1:] + [0]) for p in prompts]).to(device)
-    picked = logprobs.gather(1, targets[:, None]).squeeze(1)
     values, indices = logprobs.topk(min(top, logprobs.shape[1]), dim=-1)
-    picked, values, indices = picked.cpu().tolist(), values.cpu().tolist(), indices.cpu().tolist()  # one copy each
+    values = torch.cat([logprobs.gather(1, targets[:, None]), values], 1).cpu().tolist()  # two host copies a batch
+    indices = indices.cpu().tolist()
     out, start = [], 0
     for n in lengths:
         span = range(start, start + n)
-        top_pairs = [list(zip(indices[k], values[k])) for k in span]
-        out.append(PromptScores([picked[k] for k in span][:-1], top_pairs[:-1], top_pairs[-1], top_pairs[-1][0]))
+        top_pairs = [list(zip(indices[k], values[k][1:])) for k in span]
+        out.append(PromptScores([values[k][0] for k in span][:-1], top_pairs[:-1], top_pairs[-1], top_pairs[-1][0]))
         start += n
     return out
 
@@ -138,11 +152,9 @@ class RowStreamer:
 
 def generate(model: OrtModelForCausalLM, tokenizer, prompts: list[Ids], sampling: Sampling, streamer=None,
              cancelled: list[threading.Event] | None = None) -> list[Generated]:
-    """Generate a completion for every prompt (left-padded into one batch) with `sampling`."""
+    """Generate a completion for every prompt (left-padded into one batch) with `sampling`;
+    `cancelled[row]` stops a row at the next step."""
     eos = eos_ids(model)
-    if sampling.max_tokens == 1 and sampling.greedy and streamer is None:
-        scores = prompt_scores(model, prompts, sampling.logprobs or 1)
-        return [one_greedy_token(tokenizer, s, sampling, eos) for s in scores]
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.int64)
     mask = torch.zeros_like(ids)

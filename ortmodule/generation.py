@@ -269,12 +269,12 @@ class _Generation:
         check_every = 1 if decoder.device.type == "cpu" or self.streamer is not None else STOP_CHECK_EVERY
         length = width
         while True:
-            tokens = self._next_tokens(logits, length, unfinished)
+            tokens, scores = self._next_tokens(logits, length, unfinished)
             length += 1
             if length == width + self.max_new:
                 break
             if len(self.criteria):
-                unfinished &= ~self.criteria(self.sequences[:, :length], self.last_scores)
+                unfinished &= ~self.criteria(self.sequences[:, :length], scores)
                 stopped_at = torch.where((stopped_at == 0) & ~unfinished.any(), length, stopped_at)
                 if (length - width) % check_every == 0 and stopped_at.item():
                     break  # the loop's one read from the device
@@ -283,10 +283,10 @@ class _Generation:
             length = stopped_at.item() or length
         return self._finish(length)
 
-    def _next_tokens(self, logits: torch.Tensor, length: int, unfinished: torch.Tensor) -> torch.Tensor:
-        """Choose every row's next token from its logits and write it at column `length`."""
+    def _next_tokens(self, logits: torch.Tensor, length: int, unfinished: torch.Tensor):
+        """Choose every row's next token from its logits and write it at column `length`; return
+        the tokens and the processed scores they were chosen from."""
         next_scores = self.processors(self.sequences[:, :length], logits.float())
-        self.last_scores = next_scores
         if self.keep_scores:
             self.scores.append(next_scores)
         if self.keep_logits:
@@ -301,7 +301,7 @@ class _Generation:
         self.sequences[:, length] = tokens
         if self.streamer is not None:
             self.streamer.put(tokens.cpu())
-        return tokens
+        return tokens, next_scores
 
     def _finish(self, length: int):
         if self.streamer is not None:

@@ -30,14 +30,18 @@ def flat_index(width: int, rows: torch.Tensor, cols: torch.Tensor, shift: torch.
     return rows * width + cols
 
 
+def each_row(batch: int, width: int, positions: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat indices of the same `positions` of every row, row after row (see `flat_index`)."""
+    owners = torch.arange(batch, device=positions.device).repeat_interleave(positions.numel())
+    return flat_index(width, owners, positions.repeat(batch), shift)
+
+
 def every_position(rows: Rows) -> torch.Tensor | None:
     """Flat indices of every position in the caller's order, or None when that is the decoder's."""
     if rows.shift is None:
         return None
     batch, width = rows.ids.shape
-    steps = torch.arange(width, device=rows.ids.device)
-    return flat_index(width, torch.arange(batch, device=steps.device).repeat_interleave(width),
-                      steps.repeat(batch), rows.shift)
+    return each_row(batch, width, torch.arange(width, device=rows.ids.device), rows.shift)
 
 
 def kept_positions(keep, length: int, device: torch.device) -> torch.Tensor | None:

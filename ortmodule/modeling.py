@@ -191,8 +191,7 @@ class OrtModelForCausalLM(torch.nn.Module):
         if positions is None:
             index = inputs.every_position(rows)
         else:
-            owners = torch.arange(batch, device=self.device).repeat_interleave(positions.numel())
-            index = inputs.flat_index(width, owners, positions.repeat(batch), rows.shift)
+            index = inputs.each_row(batch, width, positions, rows.shift)
         logits = self.decoder.prefill(rows, index, cache).view(batch, -1, self.package.vocab_size)
         if cache is not None:
             given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -211,10 +210,7 @@ class OrtModelForCausalLM(torch.nn.Module):
                                 self.device)
         batch, new = ids.shape
         kept = inputs.kept_positions(keep, new, self.device)
-        index = None
-        if kept is not None:
-            owners = torch.arange(batch, device=self.device).repeat_interleave(kept.numel())
-            index = inputs.flat_index(new, owners, kept.repeat(batch))
+        index = inputs.each_row(batch, new, kept) if kept is not None else None
         logits = self.decoder.step(ids, cache, index)
         if cache.caller_mask is not None:
             cache.caller_mask = torch.cat([cache.caller_mask, cache.caller_mask.new_ones(batch, new)], 1)

@@ -175,26 +175,24 @@ def completion_logprobs(tokenizer, prompt: list[int], scores: PromptScores | Non
                         echo: bool, top: int) -> dict:
     """OpenAI's `logprobs` object: the prompt's tokens first when echoing (the first one's
     log-probability null), then the generated tokens; `top` alternatives at each."""
-    ids, values, tops = [], [], []
+    ids, values, alternatives = [], [], []
     if echo:
         ids += prompt
         values += [None] + scores.token_logprobs
-        tops += [None] + [dict(_named(tokenizer, t[:top])) for t in scores.top]
+        alternatives += [None] + [t[:top] for t in scores.top]
     if done is not None:
         ids += done.tokens
         values += done.logprobs
-        tops += [dict(_named(tokenizer, t[:top])) for t in done.top]
-    strings = token_strings(tokenizer, ids)
+        alternatives += [t[:top] for t in done.top]
+    seen = sorted(set(ids) | {t for pairs in alternatives if pairs for t, _ in pairs})
+    name = dict(zip(seen, token_strings(tokenizer, seen)))  # one decode for every token string
+    strings = [name[t] for t in ids]
+    tops = [None if pairs is None else {name[t]: v for t, v in pairs} for pairs in alternatives]
     offsets, at = [], 0
     for text in strings:
         offsets.append(at)
         at += len(text)
     return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _named(tokenizer, pairs: list[tuple[int, float]]) -> list[tuple[str, float]]:
-    strings = token_strings(tokenizer, [t for t, _ in pairs])
-    return list(zip(strings, (v for _, v in pairs)))
 
 
 def model_card(name: str, package) -> dict:

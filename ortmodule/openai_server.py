@@ -136,21 +136,32 @@ async def _prepare(server, check, body) -> Completion:
                       asyncio.Queue() if body.stream else None)
 
 
-async def _answer(server, job: Completion, request: Request):
-    """The job's results, or None when the client went away first (the job is then dropped)."""
-    work = asyncio.ensure_future(server.complete(job))
+async def until_answered_or_gone(work: asyncio.Task, request: Request, poll: float = 0.05):
+    """Wait for `work`; if the client disconnects first, cancel it (its queued request is then
+    skipped) and return None."""
     try:
         while True:
-            done, _ = await asyncio.wait({work}, timeout=0.05)
+            done, _ = await asyncio.wait({work}, timeout=poll)
             if done:
                 return work.result()
             if await request.is_disconnected():
-                job.cancelled.set()
                 work.cancel()
-                server.stats.abandoned += 1
                 return None
     finally:
-        work = done = None  # no reference cycle through a raised error's frames
+        # An error raised from work.result() holds this frame in its traceback, and this frame
+        # holds the task (in `work` and `done`) that holds the error: without this, every refused
+        # request (with its body) would stay in memory until the garbage collector's next full pass.
+        work = done = None
+
+
+async def _answer(server, job: Completion, request: Request):
+    """The job's results, or None when the client went away first (the job is then dropped, or its
+    rows stopped at the next step)."""
+    results = await until_answered_or_gone(asyncio.ensure_future(server.complete(job)), request)
+    if results is None:
+        job.cancelled.set()
+        server.stats.abandoned += 1
+    return results
 
 
 def _completion_body(server, body: CompletionRequest, job: Completion, results: list[tuple]) -> dict:

@@ -288,7 +288,7 @@ def checked_labels(label_token_ids, vocab: int) -> Ids:
     return labels
 
 
-def _batches(lengths: Sequence[int], width: int, budget: int):
+def length_batches(lengths: Sequence[int], width: int, budget: int):
     """Indices of the prompts in batches, longest first, each at most `budget` padded tokens
     (a lone prompt longer than the budget gets a batch of its own)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -312,7 +312,7 @@ def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> to
     device = model.device
     label_ids = torch.tensor(labels, device=device)
     out = torch.empty(len(prompts), len(labels), device=device)
-    for batch in _batches([len(p) for p in prompts], 0, budget):
+    for batch in length_batches([len(p) for p in prompts], 0, budget):
         ids, mask = pad_right([prompts[i] for i in batch])
         ids, mask = ids.to(device), mask.to(device)
         logits = model.logits_at(ids, mask, torch.arange(len(batch), device=device), mask.sum(1) - 1)
@@ -326,7 +326,7 @@ def _prefix_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> tor
     label_ids = torch.tensor(labels, device=device)
     out = torch.empty(len(prompts), len(labels), device=device)
     prefix = _common_prefix(prompts)
-    for batch in _batches([len(p) - prefix for p in prompts], prefix, budget):
+    for batch in length_batches([len(p) - prefix for p in prompts], prefix, budget):
         rows = [prompts[i] for i in batch]
         for pairs, logits in shared_prefix_logits(model, rows, [0] * len(rows), [[len(r) - 1] for r in rows]):
             out[torch.tensor(batch, device=device)[pairs]] = _gather(logits, label_ids)

@@ -240,25 +240,15 @@ class ScoreServer:
         (prompt scores or None, completion or None)."""
         prompts = [p for job in part for p in job.prompts]
         owners = [(job, i) for job in part for i in range(len(job.prompts))]
-        sampling = part[0].sampling
+        tops = [job.prompt_top for job in part if job.prompt_top is not None]
+        streamer = completions.RowStreamer(lambda row, ids: _route(owners, row, ids)) if part[0].streams else None
         with torch.inference_mode():
-            top = max((job.prompt_top or 0) for job in part)
-            wants_scores = any(job.prompt_top is not None for job in part)
-            scores = completions.prompt_scores(self.model, prompts, top) if wants_scores else [None] * len(prompts)
-            done = [None] * len(prompts)
-            if sampling is not None and sampling.max_tokens == 1 and sampling.greedy and not part[0].streams:
-                eos = completions.eos_ids(self.model)
-                scores = scores if wants_scores else completions.prompt_scores(self.model, prompts, 1)
-                done = [completions.one_greedy_token(self.tokenizer, s, sampling, eos) for s in scores]
-            elif sampling is not None:
-                streamer = completions.RowStreamer(lambda row, ids: _route(owners, row, ids))
-                flags = [job.cancelled for job, _ in owners]
-                done = completions.generate(self.model, self.tokenizer, prompts, sampling,
-                                            streamer if part[0].streams else None, flags)
+            results = completions.complete(self.model, self.tokenizer, prompts, part[0].sampling,
+                                           max(tops) if tops else None, streamer, [job.cancelled for job, _ in owners])
         out, k = [], 0
         for job in part:
-            out.append([(scores[k + i] if job.prompt_top is not None else None, done[k + i])
-                        for i in range(len(job.prompts))])
+            mine = results[k : k + len(job.prompts)]
+            out.append([(scores if job.prompt_top is not None else None, done) for scores, done in mine])
             k += len(job.prompts)
         return out
 
@@ -362,24 +352,6 @@ def check_options(**settings) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-async def _until_answered_or_gone(work: asyncio.Task, request: Request, poll: float = 0.05):
-    """Wait for `work`; if the client disconnects first, cancel it (its queued request is then
-    skipped) and return None."""
-    try:
-        while True:
-            done, _ = await asyncio.wait({work}, timeout=poll)
-            if done:
-                return work.result()
-            if await request.is_disconnected():
-                work.cancel()
-                return None
-    finally:
-        # An error raised from work.result() holds this frame in its traceback, and this frame
-        # holds the task (in `work` and `done`) that holds the error: without this, every refused
-        # request (with its body) would stay in memory until the garbage collector's next full pass.
-        work = done = None
-
-
 def _error(status: int, message: str, path: str = "", param: str | None = None) -> JSONResponse:
     """The error shape of the route: OpenAI's for its routes, SGLang's for the others."""
     if path in openai_server.PATHS:
@@ -436,7 +408,7 @@ def create_app(
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request):
         try:
-            answer = await _until_answered_or_gone(asyncio.ensure_future(server.score(body)), request)
+            answer = await openai_server.until_answered_or_gone(asyncio.ensure_future(server.score(body)), request)
             if answer is None:
                 server.stats.abandoned += 1
                 return _error(499, "the client closed the connection before the answer")
