@@ -121,6 +121,7 @@ def test_lm_eval_requests(benchmark, fixture, decoder_key, task_manager, size, b
     compare_with_ortmodule(benchmark, decoder_key, backend, result)
     if benchmark.stats:
         benchmark.extra_info["requests_per_s"] = round(requests / benchmark.stats.stats.median, 1)
+    compare_with_fp32(benchmark, fixture, decoder_key, task_manager, options, device, result)
 
 
 def scored_tokens(lm, result, requests) -> int:
@@ -158,3 +159,27 @@ def compare_with_ortmodule(benchmark, decoder_key, backend, result) -> None:
     choices = [max(range(4), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(mine)] * 4)]
     ours = [max(range(4), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(theirs)] * 4)]
     benchmark.extra_info["same_choice_as_ortmodule"] = round(sum(a == b for a, b in zip(choices, ours)) / len(ours), 4)
+
+
+# Per-request answers of transformers in fp32 on the same weights, per model: the yardstick for
+# half-precision packages, where every backend's loglikelihoods carry bf16 or fp16 rounding.
+FP32_ANSWERS = {}
+
+
+def compare_with_fp32(benchmark, fixture, decoder_key, task_manager, options, device, result) -> None:
+    """For a bf16 or fp16 package: each backend's largest loglikelihood difference from transformers
+    in fp32 (lm-eval's hf backend, outside the clock) and its share of questions with fp32's choice."""
+    if fixture.spec.precision not in ("bf16", "fp16"):
+        return
+    if decoder_key not in FP32_ANSWERS:
+        reference = get_model("hf")(pretrained=str(fixture.hf_dir), dtype="float32", device=device,
+                                    batch_size=options["batch_size"])
+        FP32_ANSWERS[decoder_key] = answers(lm_eval.simple_evaluate(
+            model=reference, tasks=[TASK], task_manager=task_manager, limit=options["limit"], verbosity="ERROR"))
+        del reference
+    truth, mine = FP32_ANSWERS[decoder_key], answers(result)
+    if len(truth) != len(mine):
+        return
+    benchmark.extra_info["max_ll_diff_vs_fp32"] = round(max(abs(a[0] - b[0]) for a, b in zip(mine, truth)), 4)
+    chosen = [[max(range(4), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(x)] * 4)] for x in (mine, truth)]
+    benchmark.extra_info["same_choice_as_fp32"] = round(sum(a == b for a, b in zip(*chosen)) / len(chosen[0]), 4)

@@ -33,6 +33,13 @@ ONNX_TYPE = {v: k for k, v in TORCH_DTYPE.items()}
 DEDICATED_STREAM = True
 SYNC_AFTER_RUN = False
 
+# The attention kernels ONNX Runtime's CUDA provider may choose (its `sdpa_kernel` bit mask): flash
+# (1), memory-efficient (2) and unfused (16). Left to itself, ONNX Runtime >= 1.31 prefers cuDNN's
+# SDPA (8) on Hopper and newer GPUs, and cuDNN builds an execution graph for every new input shape,
+# a few hundred milliseconds each time: scoring and generation change shape at nearly every call.
+# `provider_options={"sdpa_kernel": 0}` gives ONNX Runtime's own choice back.
+CUDA_ATTENTION_KERNELS = 1 | 2 | 16
+
 # Where external weights live when a graph is loaded from bytes (a rewritten graph).
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
@@ -73,6 +80,7 @@ def providers(device: torch.device, provider_options: dict | None = None, stream
         "user_compute_stream": str(stream.cuda_stream),
         # fp32 MatMul in fp32, as PyTorch does by default: TF32 changes fp32 logits by ~5e-4.
         "use_tf32": "0",
+        "sdpa_kernel": str(CUDA_ATTENTION_KERNELS),
     }
     for key, value in (provider_options or {}).items():
         if key in ("device_id", "user_compute_stream", "has_user_compute_stream"):
