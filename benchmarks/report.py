@@ -36,7 +36,10 @@ NOTES = {
     "all they support (the last three on {slow_peers} only). Models load before the clock. "
     "`host_bytes_per_request`: model output handed to the host per request, measured where the "
     "backend has one transfer point. `peak_rss_mb`: the process's peak resident memory during the "
-    "run, model included.",
+    "run, model included. The time (and `requests_per_s`) is spent inside the backend's "
+    "`loglikelihood` calls, tokenizing and scoring the requests; `end_to_end_s` is `simple_evaluate`'s "
+    "whole wall time, which adds what every backend pays alike (building the task, metrics, and "
+    "lm-eval's environment report, about a second).",
     "score": "`ortmodule.score` (SGLang's score API: {requests} requests of a {query_tokens}-token query and {items} "
     "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen "
     "automatically (`auto`) or off "
@@ -76,6 +79,10 @@ def case(bench: dict) -> tuple[str, str]:
 
 
 def median(bench: dict) -> float | None:
+    """The row's time: for lm-eval, the seconds inside the backend's loglikelihood calls
+    (`requests_s`); otherwise pytest-benchmark's median."""
+    if "requests_s" in bench["extra_info"]:
+        return bench["extra_info"]["requests_s"]
     stats = bench.get("stats") or {}
     return stats.get("median")
 
@@ -147,7 +154,7 @@ def render(runs: list[dict], size: str) -> str:
         for bench in run["benchmarks"]:
             groups[(bench["group"], bench["extra_info"].get("model", ""))].append(bench)
     hidden = {"backend", "error", "device", "parameters", "tokens", "model", "case", "flops", "weight_bytes",
-              "decode_steps"}
+              "decode_steps", "requests_s"}
     def order(item):
         (group, model), _ = item
         return GROUP_ORDER.get(group, 9), "real" not in model, model

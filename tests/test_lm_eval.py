@@ -176,7 +176,8 @@ def run_cli(launcher, fixture, out, env=None):
         "--tasks", "ortmodule_arithmetic_mc,ortmodule_arithmetic_gen", "--include_path", tasks.TASK_DIR,
         "--batch_size", "8", "--output_path", str(out), "--log_samples",
     ]
-    done = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stderr[-4000:]}"
     return done.stderr, {path.name.split("_2")[0]: sorted(map(json.loads, path.read_text().splitlines()),
                                                           key=lambda s: s["doc_id"])
             for path in out.rglob("samples_*.jsonl")}
@@ -190,7 +191,9 @@ def test_data_parallel_with_two_cpu_processes_equals_one(build, tmp_path):
     _, single = run_cli([sys.executable, "-m", "ortmodule.cli"], fixture, tmp_path / "one")
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "ortmodule.cli"]
-    log, double = run_cli(launch, fixture, tmp_path / "two", env={"ACCELERATE_USE_CPU": "1"})
+    # CPU processes: a GPU, if the machine has one, stays out of it (lm-eval would give rank 1 a second GPU).
+    cpu_only = {"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": ""}
+    log, double = run_cli(launch, fixture, tmp_path / "two", env=cpu_only)
     assert "on rank 1" in log and "0/80" in log  # two ranks, 80 of the 160 loglikelihood requests each
     assert sorted(single) == sorted(double) == ["samples_ortmodule_arithmetic_gen", "samples_ortmodule_arithmetic_mc"]
     for task in single:
