@@ -92,8 +92,8 @@ def grouped_loglikelihood(
 
 
 class Costs(NamedTuple):
-    """What this model costs on its device, in seconds: a prefill token (in a batch), and one
-    decode step over a cache (a fixed part, and a part per row)."""
+    """What this model costs on its device, in seconds: one more token in a large prefill batch,
+    and one decode step over a cache (a fixed part, and a part per row)."""
 
     per_token: float
     step: float
@@ -122,7 +122,8 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
 
 def measured_costs(model: OrtModelForCausalLM) -> Costs | None:
     """`Costs` of `model`, measured once (about a second on a small model on the CPU) and kept on
-    it: the best of a few runs of a 4 x 64-token prefill and of decode steps over 1 and 4 rows."""
+    it: the best of a few runs of 64-token prefills over growing batches (`prefill_slope`) and of
+    decode steps over 1 and 4 rows."""
     if model not in _COSTS:
         try:
             _COSTS[model] = _probe(model)
@@ -139,8 +140,8 @@ _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its 
 @torch.inference_mode()
 def _probe(model: OrtModelForCausalLM) -> Costs:
     length = min(64, model.package.context_length - 2)
-    ids = torch.randint(4, model.package.vocab_size, (4, length), generator=torch.Generator().manual_seed(0))
-    per_token = _best_time(lambda: model(ids, cont_len=1), model.device) / ids.numel()
+    ids = torch.randint(4, model.package.vocab_size, (64, length), generator=torch.Generator().manual_seed(0))
+    per_token = prefill_slope(lambda rows: _best_time(lambda: model(ids[:rows], cont_len=1), model.device), length)
     step = {}
     for rows in (1, 4):
         cache = model(ids[:rows], use_cache=True, cont_len=1).past_key_values
@@ -148,6 +149,24 @@ def _probe(model: OrtModelForCausalLM) -> Costs:
         step[rows] = _best_time(lambda c=cache, t=token: model(t, past_key_values=c, cont_len=1), model.device)
     per_row = max(0.0, (step[4] - step[1]) / 3)
     return Costs(per_token, max(0.0, step[1] - per_row), per_row)
+
+
+def prefill_slope(seconds_for_rows, length: int, most_rows: int = 64) -> float:
+    """Seconds per extra token of a prefill, where its time grows with its tokens.
+
+    `seconds_for_rows(r)` times a prefill of r rows of `length` tokens. The rows double from 2
+    until a run takes at least 1.5x the one before (or `most_rows`), and the slope between those
+    two runs is returned. On a CPU that is the first doubling; a GPU runs a few hundred tokens in
+    the time of its kernel launches, so its slope is read where the batch is large enough to cost
+    by the token, as lm-eval's batches do. (The average over a small run overstates a GPU's token
+    cost several times over, and made sharing look worth its decode steps: measured on an H100,
+    lm-eval chose sharing and ran 1.4x slower than without it.)"""
+    rows, before = 2, seconds_for_rows(2)
+    while True:
+        now = seconds_for_rows(2 * rows)
+        if now >= 1.5 * before or 2 * rows >= most_rows:
+            return max(now - before, 0.0) / (rows * length) or 1e-9
+        rows, before = 2 * rows, now
 
 
 def _best_time(fn, device: torch.device, repeats: int = 3) -> float:

@@ -103,6 +103,28 @@ def test_sharing_is_decided_from_the_measured_costs(llama):
     assert scoring.measured_costs(model) is costs
 
 
+def test_prefill_slope_reads_the_cost_of_a_token_where_tokens_cost():
+    """On a CPU-like device (time linear in the tokens) the first doubling gives the cost of a
+    token; on a GPU-like one (a fixed launch cost dominating small batches) the doubling goes on
+    until the tokens show, and the slope is the marginal cost, not the small batch's average."""
+    asked = []
+
+    def cpu(rows):
+        asked.append(rows)
+        return 1e-3 * rows * 64
+
+    assert scoring.prefill_slope(cpu, 64) == pytest.approx(1e-3)
+    assert asked == [2, 4]
+
+    def gpu(rows):  # 5 ms of launches, 2 us a token
+        return 5e-3 + 2e-6 * rows * 64
+
+    slope = scoring.prefill_slope(gpu, 64)
+    assert slope == pytest.approx(2e-6)
+    assert slope * 2 * 64 < gpu(2) / 10  # the average of a 2-row run would overstate it > 10x
+    assert scoring.prefill_slope(lambda rows: 5e-3, 64) > 0  # flat: still a positive cost
+
+
 def test_the_scores_leave_the_device_once(llama, monkeypatch):
     """Three batches (a budget of 4 tokens), one copy to the host: [items, labels] at the end."""
     model, _ = load_pair(llama)
