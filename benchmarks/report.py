@@ -36,10 +36,12 @@ NOTES = {
     "all they support (the last three on {slow_peers} only). Models load before the clock. "
     "`host_bytes_per_request`: model output handed to the host per request, measured where the "
     "backend has one transfer point. `peak_rss_mb`: the process's peak resident memory during the "
-    "run, model included. The time (and `requests_per_s`) is spent inside the backend's "
-    "`loglikelihood` calls, tokenizing and scoring the requests; `end_to_end_s` is `simple_evaluate`'s "
-    "whole wall time, which adds what every backend pays alike (building the task, metrics, and "
-    "lm-eval's environment report, about a second).",
+    "run, model included. In runs that record it (an `end_to_end_s` column), the time (and "
+    "`requests_per_s`) is spent inside the backend's `loglikelihood` calls, tokenizing and scoring the "
+    "requests; `end_to_end_s` is `simple_evaluate`'s whole wall time, which adds what every backend pays "
+    "alike (building the task, metrics, and lm-eval's environment report, about a second). "
+    "`max_ll_diff_vs_fp32` / `same_choice_as_fp32` (half-precision packages): against transformers in "
+    "fp32 on the same weights (lm-eval's `hf`, outside the clock).",
     "score": "`ortmodule.score` (SGLang's score API: {requests} requests of a {query_tokens}-token query and {items} "
     "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen "
     "automatically (`auto`) or off "
@@ -191,6 +193,10 @@ def render(runs: list[dict], size: str) -> str:
             row += ([compute] if with_compute else []) + ([memory] if with_memory else [])
             out.append("| " + " | ".join(row) + " |")
         out.append("")
+        if group == "lm-eval loglikelihood" and any("requests_s" not in b["extra_info"] for b in benches):
+            out.append("This run timed `simple_evaluate` as a whole (it predates the clock on the backend's "
+                       "`loglikelihood` calls): each time includes about a second of lm-eval's own work that "
+                       "every backend pays alike (the task, the metrics, torch's environment report).\n")
         for backend, error in errors:
             out.append(f"- `{backend}` failed: `{error}`")
         if errors:
