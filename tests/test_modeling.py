@@ -208,3 +208,33 @@ def test_to_moves_the_sessions(llama):
     model.to("cuda")
     assert model.device.type == "cuda"
     assert torch.allclose(model(ids).logits.cpu(), cpu_logits, atol=1e-5)
+
+
+def test_cuda_provider_options_pin_the_attention_kernels():
+    """CUDA sessions get ortmodule's attention kernels (no cuDNN SDPA, which builds a graph per new
+    shape) unless the caller names `sdpa_kernel`; the stream and device options stay ortmodule's."""
+    from types import SimpleNamespace
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this onnxruntime build has no CUDA provider")
+    stream = SimpleNamespace(cuda_stream=1234)  # stands for a torch stream: only its handle is read
+    (name, options), _ = runtime.providers(torch.device("cuda", 0), None, stream)
+    assert name == "CUDAExecutionProvider"
+    assert options["sdpa_kernel"] == str(runtime.CUDA_ATTENTION_KERNELS) == "19"  # flash | efficient | unfused
+    assert options["user_compute_stream"] == "1234" and options["use_tf32"] == "0"
+    (_, options), _ = runtime.providers(torch.device("cuda", 0), {"sdpa_kernel": 0}, stream)
+    assert options["sdpa_kernel"] == "0"
+    with pytest.raises(ValueError, match="user_compute_stream"):
+        runtime.providers(torch.device("cuda", 0), {"user_compute_stream": "1"}, stream)
+
+
+@cuda
+def test_cuda_sessions_run_with_the_pinned_attention_kernels(build):
+    fixture = build("llama", precision="fp16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    assert model.session.get_provider_options()["CUDAExecutionProvider"]["sdpa_kernel"] == "19"
+    chosen = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda",
+                                                 provider_options={"sdpa_kernel": 0})
+    assert chosen.session.get_provider_options()["CUDAExecutionProvider"]["sdpa_kernel"] == "0"
+    ids = torch.randint(4, 512, (3, 37))
+    assert (model(ids).logits - chosen(ids).logits).abs().max().item() < 2e-2  # the same numbers in fp16
