@@ -42,14 +42,13 @@ def synced(fn) -> float:
 
 def shapes(model, label: str, device: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    widths = list(range(170, 254, 7))
-    batches = [torch.randint(4, min(30000, model.config.vocab_size), (32, w), generator=gen).to(device) for w in widths]
+    widths, vocab = list(range(170, 254, 7)), min(30000, model.config.vocab_size)
+    batches = [torch.randint(4, vocab, (32, w), generator=gen).to(device) for w in widths]
     synced(lambda: model(batches[0][:, :100], cont_len=4))  # first call of the session off the clock
     for round_ in ("new widths", "same widths again"):
         times = [synced(lambda ids=ids: model(ids, cont_len=4)) for ids in batches]
         print(f"{label}: forward 32 rows x {widths[0]}..{widths[-1]} tokens, {round_}: total {sum(times) * 1e3:.0f} ms,"
               f" per batch min {min(times) * 1e3:.1f} / max {max(times) * 1e3:.1f} ms", flush=True)
-    vocab = min(30000, model.config.vocab_size)
     prompts = [torch.randint(4, vocab, (8, w), generator=gen).to(device) for w in (97, 131, 163)]
     for round_ in ("new widths", "same widths again"):
         total = sum(synced(lambda p=p: model.generate(p, max_new_tokens=16, min_new_tokens=16, do_sample=False,

@@ -177,13 +177,18 @@ def compare_with_ortmodule(benchmark, decoder_key, backend, result) -> None:
     if backend == "ortmodule":
         ORTMODULE_ANSWERS[decoder_key] = mine
         return
-    theirs = ORTMODULE_ANSWERS.get(decoder_key)
+    record_agreement(benchmark, "ortmodule", mine, ORTMODULE_ANSWERS.get(decoder_key))
+
+
+def record_agreement(benchmark, name: str, mine, theirs) -> None:
+    """`max_ll_diff_vs_<name>`: the largest loglikelihood difference between two runs' answers;
+    `same_choice_as_<name>`: the share of questions whose chosen answer (the argmax over the four
+    choices) is the same. Nothing when the runs answered different requests."""
     if not theirs or len(theirs) != len(mine):
         return
-    benchmark.extra_info["max_ll_diff_vs_ortmodule"] = round(max(abs(a[0] - b[0]) for a, b in zip(mine, theirs)), 4)
-    choices = [max(range(4), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(mine)] * 4)]
-    ours = [max(range(4), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(theirs)] * 4)]
-    benchmark.extra_info["same_choice_as_ortmodule"] = round(sum(a == b for a, b in zip(choices, ours)) / len(ours), 4)
+    benchmark.extra_info[f"max_ll_diff_vs_{name}"] = round(max(abs(a[0] - b[0]) for a, b in zip(mine, theirs)), 4)
+    chosen = [[max(range(4), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(x)] * 4)] for x in (mine, theirs)]
+    benchmark.extra_info[f"same_choice_as_{name}"] = round(sum(a == b for a, b in zip(*chosen)) / len(chosen[0]), 4)
 
 
 # Per-request answers of transformers in fp32 on the same weights, per model: the yardstick for
@@ -202,9 +207,4 @@ def compare_with_fp32(benchmark, fixture, decoder_key, task_manager, options, de
         FP32_ANSWERS[decoder_key] = answers(lm_eval.simple_evaluate(
             model=reference, tasks=[TASK], task_manager=task_manager, limit=options["limit"], verbosity="ERROR"))
         del reference
-    truth, mine = FP32_ANSWERS[decoder_key], answers(result)
-    if len(truth) != len(mine):
-        return
-    benchmark.extra_info["max_ll_diff_vs_fp32"] = round(max(abs(a[0] - b[0]) for a, b in zip(mine, truth)), 4)
-    chosen = [[max(range(4), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(x)] * 4)] for x in (mine, truth)]
-    benchmark.extra_info["same_choice_as_fp32"] = round(sum(a == b for a, b in zip(*chosen)) / len(chosen[0]), 4)
+    record_agreement(benchmark, "fp32", answers(result), FP32_ANSWERS[decoder_key])
