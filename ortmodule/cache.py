@@ -17,32 +17,47 @@ import threading
 
 import onnxruntime as ort
 import torch
+from transformers import Cache
 
 from . import runtime
 from .package import Decoder
 
 
-class KVCache:
-    """The KV cache of one batch, returned as `past_key_values`.
+class KVCache(Cache):
+    """The KV cache of one batch, returned as `past_key_values`: a `transformers.Cache`.
 
     `cache[i]` is layer i's `(key, value)`, each `[B, kv_heads, T, head_size]` with T the longest
     row; row b's entries past `lengths[b]` are not part of its sequence. Not for two threads at once
     (the decoder refuses a second concurrent run over one cache).
+
+    Of transformers' `Cache` API it carries what generation code and libraries call, with
+    transformers' semantics, in the caller's column layout: `get_seq_length`, `get_mask_sizes`,
+    `crop`, `reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`, `reset`. Every one
+    works on the device. `update` (a PyTorch attention layer writing its keys) has no meaning here:
+    ONNX Runtime writes this cache.
     """
 
+    is_compileable = False
+    is_croppable = True
+    is_initialized = True
+
     def __init__(self, spec: Decoder, batch: int, capacity: int, device: torch.device):
-        self.layers = spec.layers
+        # Cache.__init__ is not called: its per-layer objects hold PyTorch tensors that a PyTorch
+        # attention fills; here one buffer per layer is written in place by ONNX Runtime.
+        self.specs = spec.layers
+        self.layer_class_to_replicate = None
+        self.offloading = False
         self.shared = spec.shares_kv_buffer
         dtype = runtime.torch_dtype(spec.kv_type)
         if self.shared:
             # Sliding-window attention in ONNX Runtime wants a buffer of at least the window.
-            capacity = max([capacity] + [kv.window or 0 for kv in self.layers])
+            capacity = max([capacity] + [kv.window or 0 for kv in self.specs])
         else:
             # The buffers hold exactly the columns taken in; `valid` marks the padding among them.
             capacity = 0
             self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
         self.keys, self.values = [], []
-        for kv in self.layers:
+        for kv in self.specs:
             shape = (batch, kv.num_kv_heads, capacity, kv.head_size)
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
@@ -87,7 +102,7 @@ class KVCache:
         is both (ONNX Runtime writes in place); otherwise the presents go to new buffers."""
         if not self.shared:
             self.presents = ([], [])
-        for kv, key, value in zip(self.layers, self.keys, self.values):
+        for kv, key, value in zip(self.specs, self.keys, self.values):
             runtime.bind_input(binding, kv.past_key, key)
             runtime.bind_input(binding, kv.past_value, value)
             if self.shared:
@@ -147,15 +162,134 @@ class KVCache:
         self.presents = None
         self.version += 1
 
-    # The parts of transformers' Cache interface that user code reads.
+    # ---- transformers' Cache API --------------------------------------------------------------
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The columns of the caller's input taken in so far (padding included), as transformers counts."""
         return self.seen
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1  # grows on the device up to the model's context, as a DynamicCache grows
+
+    @property
+    def layers(self) -> list:
+        """One `(key, value)` view per layer (transformers' caches hold per-layer objects here)."""
+        return [_LayerView(self, i) for i in range(len(self.specs))]
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [kv.window is not None for kv in self.specs]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.specs)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self.specs)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        raise NotImplementedError(
+            "a KVCache is written by ONNX Runtime inside OrtModelForCausalLM; it cannot take key/value states from "
+            "a PyTorch attention layer. Pass it back to the OrtModelForCausalLM that returned it."
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` columns of the caller's input (transformers 5). A positive
+        value keeps the first `tokens_to_remove` columns, as transformers 4's `crop(max_length)` did
+        (guidance 0.3 calls it so; transformers 5.23's own caches refuse it)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"crop takes an int, got {type(tokens_to_remove).__name__}")
+        keep = self.seen + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self.seen)
+        if keep < 0:
+            raise ValueError(f"cannot crop {-tokens_to_remove} columns from a cache holding {self.seen}")
+        if keep == self.seen:
+            return
+        removed = self.seen - keep
+        # Tokens each row loses: its real tokens among the removed columns of the caller's layout.
+        if self.caller_mask is not None:
+            lost = self.caller_mask[:, keep:].sum(1)
+            self.caller_mask = self.caller_mask[:, :keep]
+        else:
+            lost = torch.full_like(self.lengths, removed)
+        lost = torch.minimum(lost, self.lengths)
+        if not self.shared:
+            # Drop each row's last `lost` valid columns, then the columns no row uses any more.
+            rank = self.valid.flip(1).cumsum(1).flip(1)  # valid columns at or after each column
+            self.valid &= rank > lost[:, None]
+            used = int(self.valid.any(0).nonzero().max().item()) + 1 if bool(self.valid.any()) else 0
+            self.valid = self.valid[:, :used]
+            self.keys = [key[:, :, :used] for key in self.keys]
+            self.values = [value[:, :, :used] for value in self.values]
+            self.version += 1
+        self.lengths -= lost
+        self.longest = int(self.lengths.max().item())
+        self.seen = keep
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Make row i a copy of row `beam_idx[i]` (beam search), on the device."""
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows `indices`."""
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row `repeats` times in place (row i becomes rows i*repeats ... i*repeats+repeats-1)."""
+        self._select_rows(torch.arange(self.batch_size, device=self.lengths.device).repeat_interleave(repeats))
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        rows = torch.as_tensor(rows).to(self.lengths.device, torch.int64)
+        if rows.dim() != 1 or rows.numel() == 0:
+            raise ValueError(f"row indices must be a non-empty 1-D tensor, got shape {tuple(rows.shape)}")
+        if bool(((rows < 0) | (rows >= self.batch_size)).any()):
+            raise ValueError(f"row indices must lie in [0, {self.batch_size})")
+        self.keys = [key.index_select(0, rows) for key in self.keys]
+        self.values = [value.index_select(0, rows) for value in self.values]
+        self.lengths = self.lengths.index_select(0, rows)
+        if not self.shared:
+            self.valid = self.valid.index_select(0, rows)
+        if self.caller_mask is not None:
+            self.caller_mask = self.caller_mask.index_select(0, rows)
+        self.version += 1
+
+    def reset(self) -> None:
+        """Empty every row (the buffers stay allocated)."""
+        self.lengths.zero_()
+        self.longest = self.seen = 0
+        self.caller_mask = None
+        if not self.shared:
+            self.keys = [key[:, :, :0] for key in self.keys]
+            self.values = [value[:, :, :0] for value in self.values]
+            self.valid = self.valid[:, :0]
+            self.version += 1
+
     def __len__(self) -> int:
-        return len(self.layers)
+        return len(self.specs)
 
     def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer][:, :, : self.span], self.values[layer][:, :, : self.span]
 
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
     def __repr__(self) -> str:
         return f"KVCache(batch={self.batch_size}, layers={len(self)}, longest={self.longest}, capacity={self.capacity})"
+
+
+class _LayerView:
+    """Layer i of a KVCache as transformers' per-layer objects show it: `keys`, `values`, `is_sliding`."""
+
+    is_initialized = True
+    is_compileable = False
+
+    def __init__(self, cache: KVCache, index: int):
+        self.keys, self.values = cache[index]
+        self.is_sliding = cache.specs[index].window is not None
+        self._seen = cache.seen
+
+    def get_seq_length(self) -> int:
+        return self._seen

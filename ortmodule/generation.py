@@ -1,100 +1,38 @@
-"""`generate`: greedy decoding and sampling over a `KVCache` kept on the device.
+"""`generate`: transformers' own `generate`, with greedy decoding and sampling run on the device.
 
-It follows transformers' sampling loop (`GenerationMixin._sample`) step for step, with
-transformers' own logits processors and stopping criteria, so its tokens equal transformers'.
-The prompts prefill into the cache (`Decoder.prefill`), then each new token is one
-`Decoder.step`; nothing but the stop flag is read back to the host inside the loop.
+`OrtModelForCausalLM` is a `transformers.GenerationMixin`, so `generate` is transformers' code: it
+merges the generation config, validates it, builds every logits processor and stopping criterion,
+expands rows for `num_return_sequences`, and dispatches by mode. Beam search (and any other mode)
+runs transformers' loop over `forward` and the `KVCache` (a `transformers.Cache`: reordered on the
+device). Greedy decoding and sampling, what nearly every caller runs, replace transformers' `_sample`
+loop with `sample` here: the prompts prefill into the cache (`Decoder.prefill`), each new token is one
+`Decoder.step`, and nothing but the stop flag is read back to the host, with the very processors,
+criteria and token choice of transformers' loop, so its tokens equal transformers'.
+
+Checked before transformers sees them (a ValueError naming the option): the counts and ranges
+generate reads, and arguments that are neither generation options nor inputs it takes.
 """
 
 from __future__ import annotations
 
-import copy
-from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig
-from transformers.generation import (
-    EosTokenCriteria,
-    LogitsProcessorList,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    NoRepeatNGramLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    StoppingCriteriaList,
-    StopStringCriteria,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import GenerationConfig, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import inputs
-from .decoder import Decoder
 
-# Options of transformers' GenerationConfig that generate() carries out, with their neutral values.
-_NEUTRAL = {
-    "num_beams": 1,
-    "num_return_sequences": 1,
-    "num_beam_groups": 1,
-    "penalty_alpha": None,
-    "guidance_scale": 1.0,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "top_h": None,
-    "encoder_repetition_penalty": 1.0,
-    "bad_words_ids": None,
-    "force_words_ids": None,
-    "sequence_bias": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "exponential_decay_length_penalty": None,
-    "renormalize_logits": False,
-    "remove_invalid_values": False,
-    "max_time": None,
-    "watermarking_config": None,
-    "prompt_lookup_num_tokens": None,
-    "dola_layers": None,
-    "constraints": None,
-}
+if TYPE_CHECKING:
+    from .modeling import OrtModelForCausalLM
 
-# Arguments of generate() that are not GenerationConfig fields.
-_CALL_ARGUMENTS = {"attention_mask", "stopping_criteria", "logits_processor", "tokenizer", "generator", "streamer"}
-
-
-def resolve_config(default: GenerationConfig, vocab: int, generation_config: GenerationConfig | None, kwargs: dict):
-    """transformers' merge: the model's generation config `default` (or the one given), updated by
-    kwargs. Returns the config and the call arguments that are not config fields."""
-    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise TypeError(
-            f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}; "
-            "pass GenerationConfig(**options), or the options themselves as keyword arguments"
-        )
-    config = copy.deepcopy(generation_config if generation_config is not None else default)
-    # The options given are checked before transformers' update validates them (and fails on a
-    # string count with a raw TypeError); the merged config is checked after.
-    given = {name: kwargs.get(name) for name in _CHECKED}
-    check_config(SimpleNamespace(**given, do_sample=kwargs.get("do_sample", config.do_sample)), vocab)
-    rest = config.update(**kwargs)
-    rest.pop("use_cache", None)  # the cache is always used
-    unknown = sorted(set(rest) - _CALL_ARGUMENTS)
-    if unknown:
-        raise ValueError(f"generate() got arguments it does not use: {', '.join(unknown)}")
-    unsupported = [
-        f"{name}={getattr(config, name)!r}"
-        for name, neutral in _NEUTRAL.items()
-        if getattr(config, name, None) not in (None, neutral)
-    ]
-    if unsupported:
-        raise ValueError(
-            f"generate() does greedy decoding and sampling only; not supported: {', '.join(unsupported)}"
-        )
-    check_config(config, vocab)
-    return config, rest
-
+# Model inputs generate() takes besides the generation options (`generator`: a torch.Generator
+# for sampling, ortmodule's own).
+MODEL_INPUTS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "generator", "logits_to_keep"}
+# generate()'s own arguments that are not GenerationConfig fields (transformers' signature).
+_CALL_ARGUMENTS = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
+                   "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+                   "custom_generate", "tokenizer", "assistant_tokenizer", "trust_remote_code"}
 
 _CHECKED = ("max_new_tokens", "max_length", "min_new_tokens", "min_length", "top_k", "no_repeat_ngram_size", "top_p",
             "min_p", "temperature", "repetition_penalty", "pad_token_id", "eos_token_id")
@@ -104,8 +42,8 @@ def _bad(name: str, value, wanted: str) -> ValueError:
     return ValueError(f"{name} must be {wanted}, got {value!r}")
 
 
-def check_config(config: GenerationConfig, vocab: int) -> None:
-    """Every option generate() reads, checked before anything runs (a ValueError naming it)."""
+def check_config(config, vocab: int) -> None:
+    """The options generate() reads, checked before anything runs (a ValueError naming it)."""
     def integer(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
@@ -127,10 +65,10 @@ def check_config(config: GenerationConfig, vocab: int) -> None:
             bracket = "(" if open_low else "["
             wanted = f"a number in {bracket}{low}, {high}]" if high != float("inf") else f"a number > {low}"
             raise _bad(name, value, wanted)
-    pad = config.pad_token_id
+    pad = getattr(config, "pad_token_id", None)
     if pad is not None and (not integer(pad) or not 0 <= pad < vocab):
         raise _bad("pad_token_id", pad, f"a token id in [0, {vocab})")
-    eos = config.eos_token_id
+    eos = getattr(config, "eos_token_id", None)
     if eos is not None and not (isinstance(eos, list) and not eos):
         ids = eos.tolist() if isinstance(eos, torch.Tensor) else eos if isinstance(eos, list) else [eos]
         for value in ids:
@@ -138,88 +76,62 @@ def check_config(config: GenerationConfig, vocab: int) -> None:
                 raise _bad("eos_token_id", eos, f"a token id (or a list of them) in [0, {vocab})")
 
 
-def _value(config: GenerationConfig, name: str, default):
-    value = getattr(config, name, None)
-    return default if value is None else value
-
-
-def _eos_ids(config: GenerationConfig) -> list[int]:
-    eos = config.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else eos if isinstance(eos,
-                                                                                                  list) else [eos])]
-
-
-def logits_processors(config: GenerationConfig, prompt_length: int, mask, eos, extra, device):
-    """transformers' processors for the options set, in transformers' order (warpers last)."""
-    processors = LogitsProcessorList()
-    penalty = _value(config, "repetition_penalty", 1.0)
-    if penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=(mask != 0).int().argmax(1)))
-    if _value(config, "no_repeat_ngram_size", 0) > 0:
-        processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
-    if eos is not None and _value(config, "min_length", 0) > 0:
-        processors.append(MinLengthLogitsProcessor(config.min_length, eos, device=device))
-    if eos is not None and _value(config, "min_new_tokens", 0) > 0:
-        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos, device=device))
-    for custom in extra or []:
-        processors = LogitsProcessorList([p for p in processors if type(p) is not type(custom)] + [custom])
-    if _value(config, "do_sample", False):
-        temperature = _value(config, "temperature", 1.0)
-        if temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(temperature))
-        top_k = _value(config, "top_k", 50)
-        if top_k != 0:
-            processors.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
-        top_p = _value(config, "top_p", 1.0)
-        if top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
-        if config.min_p is not None:
-            processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
-    return processors
-
-
-def stopping_criteria(config: GenerationConfig, eos, tokenizer, extra) -> StoppingCriteriaList:
-    """Stop strings, end-of-sequence ids and the caller's criteria (the length limit is the loop's)."""
-    criteria = StoppingCriteriaList()
-    if config.stop_strings is not None:
-        if tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer: pass tokenizer=... to generate()")
-        criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
-    if eos is not None:
-        criteria.append(EosTokenCriteria(eos_token_id=eos))
-    criteria.extend(extra or [])
-    return criteria
+def _merged(model: OrtModelForCausalLM, generation_config, kwargs: dict) -> GenerationConfig:
+    """The generation config this call will run with (transformers' merge, without its warnings)."""
+    config = GenerationConfig(**(generation_config or model.generation_config).to_dict())
+    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+    return config
 
 
 @torch.inference_mode()
-def generate(
-    decoder: Decoder,
-    default: GenerationConfig,
-    input_ids: torch.Tensor,
-    generation_config: GenerationConfig | None = None,
-    **kwargs,
-):
-    """`OrtModelForCausalLM.generate`: `default` is the model's generation config."""
-    config, call = resolve_config(default, decoder.vocab_size, generation_config, kwargs)
-    context = decoder.package.context_length
-    rows = inputs.check_batch(input_ids, call.get("attention_mask"), decoder.vocab_size, context, decoder.device)
-    width = rows.ids.shape[1]
-    max_new = config.max_new_tokens if config.max_new_tokens is not None else _value(config, "max_length", 20) - width
+def generate(model: OrtModelForCausalLM, inputs_ids=None, generation_config=None, **kwargs):
+    """`OrtModelForCausalLM.generate`: ortmodule's checks, then transformers' `generate`."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(
+            f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}; "
+            "pass GenerationConfig(**options), or the options themselves as keyword arguments"
+        )
+    if inputs_ids is None:
+        inputs_ids = kwargs.pop("input_ids", None)
+    if inputs_ids is None:
+        raise ValueError("generate() needs input_ids (the prompts as token ids)")
+    vocab = model.decoder.vocab_size
+    given = {name: kwargs.get(name) for name in _CHECKED}
+    config = _merged(model, generation_config, kwargs)
+    check_config(type("Given", (), {**given, "do_sample": config.do_sample})(), vocab)
+    unknown = sorted(k for k in kwargs if k not in MODEL_INPUTS | _CALL_ARGUMENTS and not hasattr(config, k))
+    if unknown:
+        raise ValueError(f"generate() got arguments it does not use: {', '.join(unknown)}")
+    for name in ("output_attentions", "output_hidden_states"):
+        if getattr(config, name):
+            raise NotImplementedError(
+                f"generate({name}=True): an ONNX GenAI package's graph returns logits and the KV cache only"
+            )
+    if "inputs_embeds" in kwargs:
+        raise NotImplementedError("generate(inputs_embeds=...): pass input_ids; the package embeds them itself")
+    greedy_or_sample = (config.num_beams or 1) == 1 and kwargs.get("assistant_model") is None and \
+        config.prompt_lookup_num_tokens is None
+    if kwargs.get("generator") is not None and not greedy_or_sample:
+        raise ValueError("generator= applies to greedy decoding and sampling (num_beams=1); beam search and assisted "
+                         "decoding draw from torch's global generator, as in transformers")
+    check_config(config, vocab)
+    _check_length(model, inputs_ids, config)
+    return GenerationMixin.generate(model, inputs_ids, generation_config, **kwargs)
+
+
+def _check_length(model: OrtModelForCausalLM, input_ids, config: GenerationConfig) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return  # inputs.check_batch names the problem
+    width = input_ids.shape[1]
+    max_new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 20) - width
     if max_new < 1:
         raise ValueError(
             f"nothing to generate: max_length {config.max_length} is not above the prompt length {width}; "
             "set max_new_tokens"
         )
-    if rows.longest + max_new > context:
-        raise ValueError(
-            f"prompt of {rows.longest} tokens + {max_new} new tokens exceeds the model's context length {context}"
-        )
-    generator = call.get("generator")
-    if generator is not None and torch.device(generator.device).type != decoder.device.type:
-        raise ValueError(f"generator is on {generator.device}, the model on {decoder.device}")
-    return _Generation(decoder, config, call, input_ids, max_new).run(rows)
+    context = model.package.context_length
+    if width + max_new > context:
+        raise ValueError(f"prompt of {width} tokens + {max_new} new tokens exceeds the model's context length {context}")
 
 
 # On a GPU, how many decode steps run between two reads of the stop flag: a read waits for the
@@ -228,34 +140,50 @@ def generate(
 STOP_CHECK_EVERY = 8
 
 
-class _Generation:
-    """One generate call: its processors, criteria and output buffer, and the decoding loop."""
+def sample(model: OrtModelForCausalLM, input_ids, logits_processor, stopping_criteria, generation_config,
+           synced_gpus: bool = False, streamer=None, **model_kwargs):
+    """transformers' `_sample` (greedy decoding and sampling) with the loop on the device."""
+    if model_kwargs.get("past_key_values") is not None:
+        # Continuing from a cache the caller passed: transformers' own loop over forward.
+        if model_kwargs.pop("generator", None) is not None:
+            raise ValueError("generator= cannot be combined with past_key_values in generate()")
+        return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus, streamer, **model_kwargs)
+    return _Sampling(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                     model_kwargs).run()
 
-    def __init__(self, decoder: Decoder, config: GenerationConfig, call: dict, input_ids: torch.Tensor, max_new: int):
+
+class _Sampling:
+    """One greedy or sampled decoding: its output buffer and the loop over `Decoder.step`."""
+
+    def __init__(self, model, input_ids, processors, criteria, config, streamer, model_kwargs):
+        decoder = self.decoder = model.decoder
         device = decoder.device
-        self.decoder, self.config, self.max_new = decoder, config, max_new
+        self.processors, self.config, self.streamer = processors, config, streamer
+        # The length limit is the loop's own; what is left (end of sequence, stop strings, time, the
+        # caller's) is evaluated every step, and without it nothing is read back at all.
+        self.criteria = StoppingCriteriaList(c for c in criteria if not isinstance(c, MaxLengthCriteria))
+        self.mask = model_kwargs.get("attention_mask")
+        self.rows = inputs.check_batch(input_ids, self.mask, decoder.vocab_size, decoder.package.context_length,
+                                       device)
         size, self.width = input_ids.shape
-        eos_ids = _eos_ids(config)
-        self.eos = torch.tensor(eos_ids, device=device) if eos_ids else None
-        self.pad_id = config.pad_token_id if config.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
-        mask = call.get("attention_mask")
-        mask = torch.ones(size, self.width, dtype=torch.int64, device=device) if mask is None else mask.to(device)
-        self.processors = logits_processors(config, self.width, mask, self.eos, call.get("logits_processor"), device)
-        self.criteria = stopping_criteria(config, self.eos, call.get("tokenizer"), call.get("stopping_criteria"))
-        self.do_sample = bool(_value(config, "do_sample", False))
-        self.generator = call.get("generator")
-        self.streamer = call.get("streamer")
+        self.max_new = config.max_length - self.width
+        self.do_sample = bool(config.do_sample)
+        self.generator = model_kwargs.get("generator")
+        if self.generator is not None and torch.device(self.generator.device).type != device.type:
+            raise ValueError(f"generator is on {self.generator.device}, the model on {device}")
+        self.pad = config._pad_token_tensor
+        # As transformers: rows that ended get the pad token when an end-of-sequence criterion runs.
+        self.pads_ended = self.pad is not None and any(hasattr(c, "eos_token_id") for c in self.criteria)
         self.keep_scores = bool(config.return_dict_in_generate and config.output_scores)
         self.keep_logits = bool(config.return_dict_in_generate and config.output_logits)
         # The output in the caller's layout: the prompt as given, then one column per step.
-        self.sequences = torch.empty(size, self.width + max_new, dtype=torch.int64, device=device)
+        self.sequences = torch.empty(size, self.width + self.max_new, dtype=torch.int64, device=device)
         self.sequences[:, : self.width] = input_ids.to(device)
         self.scores, self.raw = [], []
 
-    def run(self, rows: inputs.Rows):
-        decoder, size, width = self.decoder, self.sequences.shape[0], self.width
-        if self.streamer is not None:
-            self.streamer.put(self.sequences[:, :width].cpu())
+    def run(self):
+        decoder, rows, size, width = self.decoder, self.rows, self.sequences.shape[0], self.width
         # The prefill writes every column of the padded prompt, so the cache holds at least that many.
         cache = decoder.new_cache(size, max(width, rows.longest + self.max_new))
         last = torch.arange(size, device=decoder.device) * width + rows.lengths - 1
@@ -281,37 +209,46 @@ class _Generation:
             logits = decoder.step(tokens[:, None], cache).view(size, -1)
         if len(self.criteria):
             length = stopped_at.item() or length
-        return self._finish(length)
+        return self._finish(length, cache)
 
     def _next_tokens(self, logits: torch.Tensor, length: int, unfinished: torch.Tensor):
         """Choose every row's next token from its logits and write it at column `length`; return
         the tokens and the processed scores they were chosen from."""
-        next_scores = self.processors(self.sequences[:, :length], logits.float())
+        logits = logits.float()
+        next_scores = self.processors(self.sequences[:, :length], logits)
         if self.keep_scores:
             self.scores.append(next_scores)
         if self.keep_logits:
-            self.raw.append(logits.float().clone())
+            self.raw.append(logits.clone())
         if self.do_sample:
             probs = torch.softmax(next_scores, dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         else:
             tokens = next_scores.argmax(-1)
-        if self.eos is not None:
-            tokens = torch.where(unfinished, tokens, self.pad_id)
+        if self.pads_ended:
+            tokens = torch.where(unfinished, tokens, self.pad.to(tokens.device))
         self.sequences[:, length] = tokens
         if self.streamer is not None:
             self.streamer.put(tokens.cpu())
         return tokens, next_scores
 
-    def _finish(self, length: int):
+    def _finish(self, length: int, cache):
         if self.streamer is not None:
             self.streamer.end()
         del self.scores[length - self.width :], self.raw[length - self.width :]
         sequences = self.sequences[:, :length]
         if not self.config.return_dict_in_generate:
             return sequences
+        # The cache holds every token but the last, as transformers' does (steps run past the end on
+        # a GPU are cropped); continuing from it needs the caller's mask so far.
+        mask = self.mask if self.mask is not None else torch.ones_like(sequences[:, : self.width])
+        mask = mask.to(sequences.device, torch.int64)
+        cache.caller_mask = torch.cat([mask, mask.new_ones(mask.shape[0], cache.seen - self.width)], 1)
+        if cache.seen > length - 1:
+            cache.crop(length - 1)
         return GenerateDecoderOnlyOutput(
             sequences=sequences,
             scores=tuple(self.scores) if self.keep_scores else None,
             logits=tuple(self.raw) if self.keep_logits else None,
+            past_key_values=cache,
         )

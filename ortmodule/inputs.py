@@ -198,3 +198,64 @@ def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int
             "mask is the mask so far followed by ones for the new tokens"
         )
     return ids
+
+
+def _positions_flag(position_ids, expected: torch.Tensor, real: torch.Tensor | None):
+    """A device flag: do `position_ids` differ from `expected` ([B, S]) at the `real` positions?"""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point():
+        raise TypeError(f"position_ids must be an integer tensor, got {type(position_ids).__name__}")
+    positions = position_ids.to(expected.device)
+    if positions.dim() == 3:  # mRoPE sections [3, B, S]: for text all three are the token's position
+        positions, rest = positions[0], positions[1:]
+        differs = (rest != positions).any()
+    else:
+        differs = torch.zeros((), dtype=torch.bool, device=expected.device)
+    positions = positions.reshape(-1, positions.shape[-1]) if positions.dim() != 2 else positions
+    if positions.shape[-1] != expected.shape[1] or positions.shape[0] not in (1, expected.shape[0]):
+        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match the input "
+                         f"{tuple(expected.shape)}")
+    wrong = positions != expected
+    return differs | (wrong & real).any() if real is not None else differs | wrong.any()
+
+
+def _refuse_positions(what: str) -> None:
+    raise NotImplementedError(
+        f"{what} other than each row's own positions are not supported: the ONNX graph numbers each row's tokens "
+        "0, 1, ... from the attention mask (what transformers computes for left- and right-padded rows); leave "
+        "them out, or pass the attention mask that gives the positions you want"
+    )
+
+
+def check_positions(position_ids, cache_position, input_ids: torch.Tensor, attention_mask) -> None:
+    """`position_ids` / `cache_position` of a prompt batch must be what transformers computes from the mask."""
+    if position_ids is None and cache_position is None:
+        return
+    mask = attention_mask.to(input_ids.device) if attention_mask is not None else torch.ones_like(input_ids)
+    real = mask != 0
+    checks = []
+    if position_ids is not None:
+        checks.append(_positions_flag(position_ids, real.long().cumsum(1) - 1, real))
+    if cache_position is not None:
+        checks.append(_cache_position_flag(cache_position, 0, input_ids.shape[1]))
+    if torch.stack([c.to(input_ids.device) for c in checks]).any().item():
+        _refuse_positions("position_ids or cache_position")
+
+
+def check_step_positions(position_ids, cache_position, cache, new: int) -> None:
+    """`position_ids` / `cache_position` of a cache step must continue each row / the cache's columns."""
+    if position_ids is None and cache_position is None:
+        return
+    device = cache.lengths.device
+    checks = []
+    if position_ids is not None:
+        checks.append(_positions_flag(position_ids, cache.lengths[:, None] + torch.arange(new, device=device), None))
+    if cache_position is not None:
+        checks.append(_cache_position_flag(cache_position, cache.seen, new))
+    if torch.stack([c.to(device) for c in checks]).any().item():
+        _refuse_positions("position_ids or cache_position")
+
+
+def _cache_position_flag(cache_position, start: int, length: int):
+    if not isinstance(cache_position, torch.Tensor) or cache_position.dim() != 1 or cache_position.numel() != length:
+        raise ValueError(f"cache_position must be a 1-D tensor of {length} columns")
+    return (cache_position != torch.arange(start, start + length, device=cache_position.device)).any()

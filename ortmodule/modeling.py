@@ -14,8 +14,9 @@ from pathlib import Path
 
 import onnxruntime as ort
 import torch
-from transformers import GenerationConfig
+from transformers import Cache, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from . import generation, inputs, runtime
 from .cache import KVCache
@@ -23,20 +24,45 @@ from .decoder import Decoder
 from .hf import build_config, build_generation_config, load_tokenizer
 from .package import Package, read_package
 
-__all__ = ["OrtModelForCausalLM", "build_config", "build_generation_config", "load_tokenizer"]
+__all__ = ["OrtModelForCausalLM", "NotSupportedError", "build_config", "build_generation_config", "load_tokenizer"]
 
 
-class OrtModelForCausalLM(torch.nn.Module):
+class NotSupportedError(NotImplementedError, AttributeError):
+    """A part of transformers' model surface that an ONNX package cannot offer. It is an
+    AttributeError too, so that `hasattr(model, name)` and `getattr(model, name, None)` say no."""
+
+
+# transformers' pipelines compare a model's class name with this table and log an error for others.
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("ortmodule", "OrtModelForCausalLM")
+
+# What transformers models have and these do not, with what to do instead.
+_NO_PYTORCH_MODULES = (
+    "the ONNX graph holds the weights, and ortmodule exposes no PyTorch modules or hidden states; for per-token "
+    "log-probabilities use model(input_ids, ...).logits (with cont_len / logits_to_keep for the positions you need) "
+    "or ortmodule.loglikelihood"
+)
+_UNSUPPORTED_ATTRIBUTES = {
+    "base_model": _NO_PYTORCH_MODULES,
+    "model": _NO_PYTORCH_MODULES,
+    "lm_head": _NO_PYTORCH_MODULES,
+}
+
+
+class OrtModelForCausalLM(torch.nn.Module, GenerationMixin):
     """A causal LM over an ONNX GenAI package with the Hugging Face model surface.
 
     `model(input_ids, attention_mask, cont_len=k).logits` is a torch tensor on `model.device`,
     `[B, k, V]` for the last k positions of the padded input (`[B, T, V]` when k is None or 0).
     Forward, `logits_at` and `generate` may run from several threads at once; a `KVCache` takes one
-    run at a time.
+    run at a time. `generate` and its helpers (`compute_transition_scores`, ...) are transformers'
+    own (`GenerationMixin`), with greedy decoding and sampling run on the device (generation.py).
     """
 
     main_input_name = "input_ids"
+    base_model_prefix = "model"
     _is_stateful = False
+    _supports_cache_class = True
+    hf_device_map = None
 
     def __init__(
         self,
@@ -120,6 +146,40 @@ class OrtModelForCausalLM(torch.nn.Module):
     def cpu(self) -> OrtModelForCausalLM:
         return self.to("cpu")
 
+    def __getattr__(self, name: str):
+        if name in _UNSUPPORTED_ATTRIBUTES:
+            raise NotSupportedError(f"OrtModelForCausalLM has no {name}: {_UNSUPPORTED_ATTRIBUTES[name]}")
+        return super().__getattr__(name)
+
+    def get_input_embeddings(self):
+        raise NotSupportedError(f"OrtModelForCausalLM.get_input_embeddings(): {_NO_PYTORCH_MODULES}")
+
+    def get_output_embeddings(self):
+        raise NotSupportedError(f"OrtModelForCausalLM.get_output_embeddings(): {_NO_PYTORCH_MODULES}")
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise NotSupportedError(
+            "OrtModelForCausalLM.resize_token_embeddings(): the vocabulary is fixed by the exported package; add the "
+            "tokens to the PyTorch model and export it again"
+        )
+
+    def is_remote_code(self) -> bool:
+        return False
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # forward makes its own KVCache (a transformers.Cache) on the first run
+
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        model_kwargs.pop("generator", None)  # ortmodule's own argument, taken by its sampling loop
+        GenerationMixin._validate_model_kwargs(self, model_kwargs)
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        """transformers' greedy/sampling loop, run on the device by generation.sample."""
+        return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                 synced_gpus, streamer, **model_kwargs)
+
     def tie_weights(self) -> None:
         """Nothing to tie: the weights live in the ONNX graph."""
 
@@ -142,29 +202,53 @@ class OrtModelForCausalLM(torch.nn.Module):
     @runtime.out_of_memory_is_runtime_error
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cont_len: int | None = None,
         logits_to_keep: int | torch.Tensor | None = None,
-        return_dict: bool = True,
+        return_dict: bool | None = None,
         labels: torch.Tensor | None = None,
-        past_key_values: KVCache | None = None,
+        past_key_values: Cache | None = None,
         use_cache: bool | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache_position: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         **kwargs,
     ):
         """Logits of `input_ids` (and the loss when `labels` are given).
 
-        With `use_cache=True` the output carries `past_key_values`, a `KVCache` on the device; pass
-        it back with the next tokens (`input_ids` [B, s]: s new tokens for every row) to continue.
+        With `use_cache=True` the output carries `past_key_values`, a `KVCache` (a
+        `transformers.Cache`) on the device; pass it back with the next tokens (`input_ids` [B, s]:
+        s new tokens for every row) to continue. `position_ids` and `cache_position` are taken
+        when they are what transformers computes for these rows (the graph derives positions from
+        the attention mask) and refused otherwise.
         """
         unsupported = {k for k, v in kwargs.items() if v is not None and v is not False}
         if unsupported:
             raise TypeError(f"OrtModelForCausalLM.forward does not support {', '.join(sorted(unsupported))}")
+        if inputs_embeds is not None:
+            raise NotSupportedError("OrtModelForCausalLM.forward takes input_ids, not inputs_embeds: the package "
+                                    "embeds tokens itself (a multimodal package through its embedding model)")
+        if input_ids is None:
+            raise ValueError("forward() needs input_ids")
+        for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
+            if value:
+                raise NotSupportedError(f"{name}=True: an ONNX GenAI package's graph returns logits and the KV cache "
+                                        "only")
         keep = cont_len if cont_len is not None else logits_to_keep
+        if isinstance(past_key_values, Cache) and not isinstance(past_key_values, KVCache) \
+                and past_key_values.get_seq_length() == 0:
+            past_key_values, use_cache = None, True  # an empty cache of transformers' (DynamicCache()): start one
         if past_key_values is not None:
-            logits, cache = self._step(input_ids, attention_mask, past_key_values, keep), past_key_values
+            logits = self._forward_step(input_ids, attention_mask, past_key_values, keep, position_ids, cache_position)
+            cache = past_key_values
+            if use_cache is None:
+                use_cache = True
         else:
-            logits, cache = self._prefill(input_ids, attention_mask, keep, bool(use_cache))
+            logits, cache = self._forward_prompt(input_ids, attention_mask, keep, bool(use_cache), position_ids,
+                                                 cache_position)
         loss = None
         if labels is not None:
             if keep is not None and not (isinstance(keep, int) and keep == 0):
@@ -174,7 +258,7 @@ class OrtModelForCausalLM(torch.nn.Module):
             )
         if not use_cache:
             cache = None
-        if not return_dict:
+        if return_dict is False:
             return tuple(x for x in (loss, logits, cache) if x is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
@@ -182,10 +266,12 @@ class OrtModelForCausalLM(torch.nn.Module):
         package = self.package
         return inputs.check_batch(input_ids, attention_mask, package.vocab_size, package.context_length, self.device)
 
-    def _prefill(self, input_ids, attention_mask, keep, use_cache: bool) -> tuple[torch.Tensor, KVCache | None]:
+    def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids=None,
+                        cache_position=None) -> tuple[torch.Tensor, KVCache | None]:
         """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch."""
         rows = self._rows(input_ids, attention_mask)
         batch, width = rows.ids.shape
+        inputs.check_positions(position_ids, cache_position, input_ids, attention_mask)
         cache = self.decoder.new_cache(batch, width) if use_cache else None
         positions = inputs.kept_positions(keep, width, self.device)
         if positions is None:
@@ -198,16 +284,19 @@ class OrtModelForCausalLM(torch.nn.Module):
             cache.caller_mask = given.to(self.device, torch.int64)
         return logits, cache
 
-    def _step(self, input_ids, attention_mask, cache, keep) -> torch.Tensor:
+    def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids=None,
+                      cache_position=None) -> torch.Tensor:
         """Append `input_ids` [B, s] to every row of `cache`; logits `[B, s, V]` (or the kept ones)."""
         if not isinstance(cache, KVCache):
             raise TypeError(
-                f"past_key_values must be the KVCache this model returned (out.past_key_values), "
-                f"got {type(cache).__name__}"
+                f"past_key_values must be the KVCache this model returned (out.past_key_values) or an empty "
+                f"transformers Cache, got {type(cache).__name__}"
+                + (f" holding {cache.get_seq_length()} positions" if isinstance(cache, Cache) else "")
             )
         package = self.package
         ids = inputs.check_step(input_ids, attention_mask, cache, package.vocab_size, package.context_length,
                                 self.device)
+        inputs.check_step_positions(position_ids, cache_position, cache, ids.shape[1])
         batch, new = ids.shape
         kept = inputs.kept_positions(keep, new, self.device)
         index = inputs.each_row(batch, new, kept) if kept is not None else None
@@ -217,18 +306,13 @@ class OrtModelForCausalLM(torch.nn.Module):
         return logits.view(batch, -1, logits.shape[-1])
 
     @runtime.out_of_memory_is_runtime_error
-    def generate(self, input_ids: torch.Tensor, generation_config: GenerationConfig | None = None, **kwargs):
-        """Greedy decoding or sampling with transformers' semantics; the KV cache stays on the device.
-
-        Takes transformers' arguments (`attention_mask`, `max_new_tokens`, `max_length`, `do_sample`,
-        `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `no_repeat_ngram_size`,
-        `min_new_tokens`, `eos_token_id`, `pad_token_id`, `stop_strings` with `tokenizer`,
-        `stopping_criteria`, `logits_processor`, `streamer`, `return_dict_in_generate`,
-        `output_scores`, `output_logits`) plus `generator`, a `torch.Generator` for sampling.
-        Returns the prompts as given followed by the new tokens, padded with `pad_token_id` after
-        a row's end-of-sequence token.
-        """
-        return generation.generate(self.decoder, self.generation_config, input_ids, generation_config, **kwargs)
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
+                 **kwargs):
+        """transformers' `generate` (every option, logits processor, stopping criterion and mode:
+        greedy, sampling, beam search), with greedy decoding and sampling run on the device; plus
+        `generator`, a `torch.Generator` for reproducible sampling. Returns what transformers
+        returns: the prompts as given followed by the new tokens (or a `GenerateOutput`)."""
+        return generation.generate(self, inputs, generation_config, **kwargs)
 
     @runtime.out_of_memory_is_runtime_error
     def logits_at(

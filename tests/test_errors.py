@@ -68,7 +68,7 @@ def test_bad_cont_len(model):
 
 
 def test_unsupported_arguments_are_named(model):
-    with pytest.raises(TypeError, match="inputs_embeds"):
+    with pytest.raises(NotImplementedError, match="inputs_embeds"):
         model(torch.tensor([[5, 6]]), inputs_embeds=torch.zeros(1, 2, 64))
 
 

@@ -170,15 +170,23 @@ def test_the_cache_is_bound_once_and_never_copied_to_the_host(llama_pair, monkey
     def refuse(*args, **kwargs):
         raise AssertionError("a host copy in the decode loop")
 
-    # the input checks' one host sync, taken before the patches
-    checked = inputs.check_batch(ids, mask, model.package.vocab_size, model.package.context_length, model.device)
-    with monkeypatch.context() as patch:
-        patch.setattr(inputs, "check_batch", lambda *args: checked)
+    # transformers' preparation and the input checks read a few flags before the loop; from the
+    # prefill on, nothing may be read back.
+    prefill = model.decoder.prefill
+
+    def prefill_then_refuse(*args, **kwargs):
         for name in ("numpy", "tolist", "item", "cpu", "__bool__"):
-            patch.setattr(torch.Tensor, name, refuse)
-        patch.setattr(ort.OrtValue, "numpy", refuse)
-        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None,
-                                pad_token_id=2)
+            monkeypatch.setattr(torch.Tensor, name, refuse)
+        monkeypatch.setattr(ort.OrtValue, "numpy", refuse)
+        return prefill(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model.decoder, "prefill", prefill_then_refuse)
+        try:
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                                    pad_token_id=2)
+        finally:
+            monkeypatch.undo()
     assert torch.equal(tokens, expected)
     assert len(runs) == NEW_TOKENS  # one prefill and one run per further token
     kv_binds = [(n, p) for n, p in bound if n in kv_names]
@@ -232,11 +240,13 @@ def test_generation_past_the_context_is_refused(llama_pair):
 def test_unsupported_generation_options_are_named(llama_pair):
     model, _ = llama_pair
     ids = torch.full((1, 4), 5)
-    with pytest.raises(ValueError, match="not supported: num_beams=4"):
-        model.generate(ids, max_new_tokens=3, num_beams=4)
+    with pytest.raises(NotImplementedError, match="output_attentions=True"):
+        model.generate(ids, max_new_tokens=3, output_attentions=True, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match="generator= applies to greedy decoding and sampling"):
+        model.generate(ids, max_new_tokens=3, num_beams=2, generator=torch.Generator())
     with pytest.raises(ValueError, match="arguments it does not use: frobnicate"):
         model.generate(ids, max_new_tokens=3, frobnicate=True)
-    with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
+    with pytest.raises(ValueError, match="stop strings.*could not locate a tokenizer"):
         model.generate(ids, max_new_tokens=3, stop_strings=["x"])
     with pytest.raises(ValueError, match="max_length 4 is not above the prompt length 4"):
         model.generate(ids, max_length=4)
