@@ -179,17 +179,9 @@ class KVCache(Cache):
         """One `(key, value)` view per layer (transformers' caches hold per-layer objects here)."""
         return [_LayerView(self, i) for i in range(len(self.specs))]
 
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [kv.window is not None for kv in self.specs]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * len(self.specs)
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * len(self.specs)
+    is_sliding = property(lambda self: [kv.window is not None for kv in self.specs])
+    is_linear = property(lambda self: [False] * len(self.specs))
+    is_dummy = property(lambda self: [False] * len(self.specs))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         raise NotImplementedError(

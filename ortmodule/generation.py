@@ -15,16 +15,11 @@ generate reads, and arguments that are neither generation options nor inputs it 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from transformers import GenerationConfig, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import inputs
-
-if TYPE_CHECKING:
-    from .modeling import OrtModelForCausalLM
 
 # Model inputs generate() takes besides the generation options (`generator`: a torch.Generator
 # for sampling, ortmodule's own).
@@ -76,7 +71,7 @@ def check_config(config, vocab: int) -> None:
                 raise _bad("eos_token_id", eos, f"a token id (or a list of them) in [0, {vocab})")
 
 
-def _merged(model: OrtModelForCausalLM, generation_config, kwargs: dict) -> GenerationConfig:
+def _merged(model, generation_config, kwargs: dict) -> GenerationConfig:
     """The generation config this call will run with (transformers' merge, without its warnings)."""
     config = GenerationConfig(**(generation_config or model.generation_config).to_dict())
     config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
@@ -84,8 +79,8 @@ def _merged(model: OrtModelForCausalLM, generation_config, kwargs: dict) -> Gene
 
 
 @torch.inference_mode()
-def generate(model: OrtModelForCausalLM, inputs_ids=None, generation_config=None, **kwargs):
-    """`OrtModelForCausalLM.generate`: ortmodule's checks, then transformers' `generate`."""
+def generate(model, inputs_ids=None, generation_config=None, **kwargs):
+    """`OrtModelForCausalLM.generate` for `model`: ortmodule's checks, then transformers' `generate`."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise TypeError(
             f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}; "
@@ -96,9 +91,12 @@ def generate(model: OrtModelForCausalLM, inputs_ids=None, generation_config=None
     if inputs_ids is None:
         raise ValueError("generate() needs input_ids (the prompts as token ids)")
     vocab = model.decoder.vocab_size
+    # The options given are checked before transformers' merge validates them (and fails on a
+    # string count with a raw TypeError); the merged config is checked after.
     given = {name: kwargs.get(name) for name in _CHECKED}
+    do_sample = kwargs.get("do_sample", (generation_config or model.generation_config).do_sample)
+    check_config(type("Given", (), {**given, "do_sample": do_sample})(), vocab)
     config = _merged(model, generation_config, kwargs)
-    check_config(type("Given", (), {**given, "do_sample": config.do_sample})(), vocab)
     unknown = sorted(k for k in kwargs if k not in MODEL_INPUTS | _CALL_ARGUMENTS and not hasattr(config, k))
     if unknown:
         raise ValueError(f"generate() got arguments it does not use: {', '.join(unknown)}")
@@ -119,7 +117,7 @@ def generate(model: OrtModelForCausalLM, inputs_ids=None, generation_config=None
     return GenerationMixin.generate(model, inputs_ids, generation_config, **kwargs)
 
 
-def _check_length(model: OrtModelForCausalLM, input_ids, config: GenerationConfig) -> None:
+def _check_length(model, input_ids, config: GenerationConfig) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return  # inputs.check_batch names the problem
     width = input_ids.shape[1]
@@ -129,9 +127,6 @@ def _check_length(model: OrtModelForCausalLM, input_ids, config: GenerationConfi
             f"nothing to generate: max_length {config.max_length} is not above the prompt length {width}; "
             "set max_new_tokens"
         )
-    context = model.package.context_length
-    if width + max_new > context:
-        raise ValueError(f"prompt of {width} tokens + {max_new} new tokens exceeds the model's context length {context}")
 
 
 # On a GPU, how many decode steps run between two reads of the stop flag: a read waits for the
@@ -140,15 +135,9 @@ def _check_length(model: OrtModelForCausalLM, input_ids, config: GenerationConfi
 STOP_CHECK_EVERY = 8
 
 
-def sample(model: OrtModelForCausalLM, input_ids, logits_processor, stopping_criteria, generation_config,
-           synced_gpus: bool = False, streamer=None, **model_kwargs):
-    """transformers' `_sample` (greedy decoding and sampling) with the loop on the device."""
-    if model_kwargs.get("past_key_values") is not None:
-        # Continuing from a cache the caller passed: transformers' own loop over forward.
-        if model_kwargs.pop("generator", None) is not None:
-            raise ValueError("generator= cannot be combined with past_key_values in generate()")
-        return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                       synced_gpus, streamer, **model_kwargs)
+def sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None, **model_kwargs):
+    """transformers' `_sample` (greedy decoding and sampling) for `model` (an OrtModelForCausalLM),
+    with the loop on the device."""
     return _Sampling(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                      model_kwargs).run()
 
@@ -168,6 +157,10 @@ class _Sampling:
                                        device)
         size, self.width = input_ids.shape
         self.max_new = config.max_length - self.width
+        context = decoder.package.context_length
+        if self.rows.longest + self.max_new > context:
+            raise ValueError(f"prompt of {self.rows.longest} tokens + {self.max_new} new tokens exceeds the model's "
+                             f"context length {context}")
         self.do_sample = bool(config.do_sample)
         self.generator = model_kwargs.get("generator")
         if self.generator is not None and torch.device(self.generator.device).type != device.type:

@@ -48,7 +48,54 @@ _UNSUPPORTED_ATTRIBUTES = {
 }
 
 
-class OrtModelForCausalLM(torch.nn.Module, GenerationMixin):
+class HuggingFaceSurface(GenerationMixin):
+    """What transformers' generation code and libraries call on a model beyond forward: transformers'
+    `GenerationMixin` (generate, compute_transition_scores, ...) with its sampling loop on the device,
+    and clear errors for the PyTorch modules an ONNX package does not have."""
+
+    def __getattr__(self, name: str):
+        if name in _UNSUPPORTED_ATTRIBUTES:
+            raise NotSupportedError(f"OrtModelForCausalLM has no {name}: {_UNSUPPORTED_ATTRIBUTES[name]}")
+        return super().__getattr__(name)
+
+    def get_input_embeddings(self):
+        raise NotSupportedError(f"OrtModelForCausalLM.get_input_embeddings(): {_NO_PYTORCH_MODULES}")
+
+    def get_output_embeddings(self):
+        raise NotSupportedError(f"OrtModelForCausalLM.get_output_embeddings(): {_NO_PYTORCH_MODULES}")
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise NotSupportedError(
+            "OrtModelForCausalLM.resize_token_embeddings(): the vocabulary is fixed by the exported package; add the "
+            "tokens to the PyTorch model and export it again"
+        )
+
+    def is_remote_code(self) -> bool:
+        return False
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # forward makes its own KVCache (a transformers.Cache) on the first run
+
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        model_kwargs.pop("generator", None)  # ortmodule's own argument, taken by its sampling loop
+        GenerationMixin._validate_model_kwargs(self, model_kwargs)
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        """transformers' greedy/sampling loop, run on the device by generation.sample; continuing
+        from a cache the caller passed, transformers' own loop over forward."""
+        if model_kwargs.get("past_key_values") is None:
+            return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                                     **model_kwargs)
+        if model_kwargs.pop("generator", None) is not None:
+            raise ValueError("generator= cannot be combined with past_key_values in generate()")
+        return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus, streamer, **model_kwargs)
+
+
+
+class OrtModelForCausalLM(torch.nn.Module, HuggingFaceSurface):
     """A causal LM over an ONNX GenAI package with the Hugging Face model surface.
 
     `model(input_ids, attention_mask, cont_len=k).logits` is a torch tensor on `model.device`,
@@ -146,40 +193,6 @@ class OrtModelForCausalLM(torch.nn.Module, GenerationMixin):
     def cpu(self) -> OrtModelForCausalLM:
         return self.to("cpu")
 
-    def __getattr__(self, name: str):
-        if name in _UNSUPPORTED_ATTRIBUTES:
-            raise NotSupportedError(f"OrtModelForCausalLM has no {name}: {_UNSUPPORTED_ATTRIBUTES[name]}")
-        return super().__getattr__(name)
-
-    def get_input_embeddings(self):
-        raise NotSupportedError(f"OrtModelForCausalLM.get_input_embeddings(): {_NO_PYTORCH_MODULES}")
-
-    def get_output_embeddings(self):
-        raise NotSupportedError(f"OrtModelForCausalLM.get_output_embeddings(): {_NO_PYTORCH_MODULES}")
-
-    def resize_token_embeddings(self, *args, **kwargs):
-        raise NotSupportedError(
-            "OrtModelForCausalLM.resize_token_embeddings(): the vocabulary is fixed by the exported package; add the "
-            "tokens to the PyTorch model and export it again"
-        )
-
-    def is_remote_code(self) -> bool:
-        return False
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # forward makes its own KVCache (a transformers.Cache) on the first run
-
-    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
-        model_kwargs.pop("generator", None)  # ortmodule's own argument, taken by its sampling loop
-        GenerationMixin._validate_model_kwargs(self, model_kwargs)
-
-    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                streamer=None, **model_kwargs):
-        """transformers' greedy/sampling loop, run on the device by generation.sample."""
-        return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                 synced_gpus, streamer, **model_kwargs)
-
     def tie_weights(self) -> None:
         """Nothing to tie: the weights live in the ONNX graph."""
 
@@ -225,18 +238,7 @@ class OrtModelForCausalLM(torch.nn.Module, GenerationMixin):
         when they are what transformers computes for these rows (the graph derives positions from
         the attention mask) and refused otherwise.
         """
-        unsupported = {k for k, v in kwargs.items() if v is not None and v is not False}
-        if unsupported:
-            raise TypeError(f"OrtModelForCausalLM.forward does not support {', '.join(sorted(unsupported))}")
-        if inputs_embeds is not None:
-            raise NotSupportedError("OrtModelForCausalLM.forward takes input_ids, not inputs_embeds: the package "
-                                    "embeds tokens itself (a multimodal package through its embedding model)")
-        if input_ids is None:
-            raise ValueError("forward() needs input_ids")
-        for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
-            if value:
-                raise NotSupportedError(f"{name}=True: an ONNX GenAI package's graph returns logits and the KV cache "
-                                        "only")
+        _refuse_unsupported(input_ids, inputs_embeds, output_attentions, output_hidden_states, kwargs)
         keep = cont_len if cont_len is not None else logits_to_keep
         if isinstance(past_key_values, Cache) and not isinstance(past_key_values, KVCache) \
                 and past_key_values.get_seq_length() == 0:
@@ -249,13 +251,7 @@ class OrtModelForCausalLM(torch.nn.Module, GenerationMixin):
         else:
             logits, cache = self._forward_prompt(input_ids, attention_mask, keep, bool(use_cache), position_ids,
                                                  cache_position)
-        loss = None
-        if labels is not None:
-            if keep is not None and not (isinstance(keep, int) and keep == 0):
-                raise ValueError("labels need the logits of every position: drop cont_len/logits_to_keep")
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels.to(logits.device)[:, 1:].flatten(), ignore_index=-100
-            )
+        loss = _shifted_loss(logits, labels, keep) if labels is not None else None
         if not use_cache:
             cache = None
         if return_dict is False:
@@ -333,3 +329,27 @@ class OrtModelForCausalLM(torch.nn.Module, GenerationMixin):
         if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
             raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
         return self.decoder.prefill(checked, inputs.flat_index(length, rows, cols, checked.shift))
+
+
+def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, output_hidden_states, rest: dict) -> None:
+    """forward's arguments that an ONNX package cannot honour, each refused by name."""
+    unsupported = {k for k, v in rest.items() if v is not None and v is not False}
+    if unsupported:
+        raise TypeError(f"OrtModelForCausalLM.forward does not support {', '.join(sorted(unsupported))}")
+    if inputs_embeds is not None:
+        raise NotSupportedError("OrtModelForCausalLM.forward takes input_ids, not inputs_embeds: the package "
+                                "embeds tokens itself (a multimodal package through its embedding model)")
+    if input_ids is None:
+        raise ValueError("forward() needs input_ids")
+    for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
+        if value:
+            raise NotSupportedError(f"{name}=True: an ONNX GenAI package's graph returns logits and the KV cache only")
+
+
+def _shifted_loss(logits: torch.Tensor, labels: torch.Tensor, keep) -> torch.Tensor:
+    """transformers' causal-LM loss: each position predicts the next label, -100 ignored."""
+    if keep is not None and not (isinstance(keep, int) and keep == 0):
+        raise ValueError("labels need the logits of every position: drop cont_len/logits_to_keep")
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels.to(logits.device)[:, 1:].flatten(), ignore_index=-100
+    )

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import MODEL_ARCHES, load_pair
 
-from ortmodule import OrtModelForCausalLM, inputs, load_tokenizer, runtime
+from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
 from ortmodule.cache import KVCache
 
 NEW_TOKENS = 32

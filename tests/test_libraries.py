@@ -1,0 +1,165 @@
+"""Libraries written for transformers models, run unchanged on OrtModelForCausalLM and on
+transformers with the same weights (the real SmolLM2-135M-Instruct fp32 package): the same strings,
+numbers within 1e-4. Versions pinned in the `libraries` extra (pyproject.toml)."""
+
+import logging
+from typing import Literal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, pipeline
+
+from ortmodule import OrtModelForCausalLM, load_tokenizer
+from ortmodule_dev import fixtures
+
+SENTENCES = [
+    "The keys to the cabinet are on the table.",
+    "The keys to the cabinet is on the table.",
+    "Paris is the capital of France.",
+    "Paris is the capital of Germany.",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(ortmodule model, transformers model, tokenizer) on the same SmolLM2 weights."""
+    fixture = fixtures.build(fixtures.SMOLLM2)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    reference = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    return model, reference, load_tokenizer(fixture.package_dir), fixture
+
+
+def each(pair, run):
+    """`run(model, tokenizer)` for ortmodule's model and for transformers', with a fresh tokenizer each."""
+    model, reference, _, fixture = pair
+    return [run(m, load_tokenizer(fixture.package_dir)) for m in (model, reference)]
+
+
+def test_guidance_gen_select_and_stop(pair):
+    from guidance import gen, models, select
+
+    def run(model, tokenizer):
+        lm = models.Transformers(model, tokenizer)
+        lm += "The capital of France is" + gen("city", max_tokens=8)
+        lm += "\nIs the sky blue? Answer: " + select(["yes", "no"], name="choice")
+        lm += ". Because" + gen("why", max_tokens=10, stop=".")
+        return lm["city"], lm["choice"], lm["why"]
+
+    ours, theirs = each(pair, run)
+    assert ours == theirs
+
+
+def test_guidance_reuses_a_shared_prefix_with_crop(pair, monkeypatch):
+    """Prompts sharing a prefix make guidance 0.3.1 call `cache.crop(n)` with the length to keep,
+    transformers 4's meaning. transformers 5.23's DynamicCache refuses a positive n; ortmodule's
+    KVCache keeps the first n columns. The reference: transformers with 4's `crop` put back."""
+    from guidance import gen, models
+    from transformers.cache_utils import DynamicLayer
+
+    prompts = ["The capital of France is", "The capital of Germany is", "The capital of Italy was"]
+
+    def run(model, tokenizer):
+        shared = models.Transformers(model, tokenizer)
+        return [(shared + prompt + gen("x", max_tokens=6))["x"] for prompt in prompts]
+
+    with pytest.raises(ValueError, match="positive value"):
+        run(pair[1], pair[2])
+
+    def crop_as_in_transformers_4(layer, max_length):
+        if max_length < 0:
+            max_length = layer.get_seq_length() - abs(max_length)
+        if layer.get_seq_length() > max_length:
+            layer.keys, layer.values = layer.keys[..., :max_length, :], layer.values[..., :max_length, :]
+
+    monkeypatch.setattr(DynamicLayer, "crop", crop_as_in_transformers_4)
+    ours, theirs = each(pair, run)
+    assert ours == theirs
+
+
+def test_minicons_sequence_and_token_scores(pair):
+    from minicons import scorer
+
+    def run(model, tokenizer):
+        lm = scorer.IncrementalLMScorer(model, device="cpu", tokenizer=tokenizer)
+        totals = lm.sequence_score(SENTENCES, reduction=lambda x: x.sum(0).item())
+        tokens = lm.token_score(SENTENCES[:2])
+        return totals, tokens
+
+    (ours, our_tokens), (theirs, their_tokens) = each(pair, run)
+    assert ours == pytest.approx(theirs, abs=1e-4)
+    assert ours[0] > ours[1] and ours[2] > ours[3]  # the grammatical / true sentence scores higher
+    for mine, other in zip(our_tokens, their_tokens):
+        assert [t for t, _ in mine] == [t for t, _ in other]
+        assert [s for _, s in mine] == pytest.approx([s for _, s in other], abs=1e-4)
+
+
+def test_outlines_choices_regex_batch_and_beams(pair):
+    import outlines
+    from outlines.types import Regex
+
+    def run(model, tokenizer):
+        generator = outlines.from_transformers(model, tokenizer)
+        return (
+            generator("Is the sky blue? Answer:", Literal[" yes", " no"], max_new_tokens=5),
+            generator("The year the Eiffel tower was built:", Regex(r" [0-9]{4}"), max_new_tokens=8),
+            generator.batch(["The capital of France is", "Two plus two is"], max_new_tokens=6),
+            generator("Count: one, two,", max_new_tokens=6, num_beams=2),
+        )
+
+    ours, theirs = each(pair, run)
+    assert ours == theirs
+
+
+@pytest.fixture
+def lighteval_model(pair, tmp_path, monkeypatch):
+    from lighteval.models.transformers.transformers_model import TransformersModel, TransformersModelConfig
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+
+    def make(model):
+        config = TransformersModelConfig(model_name=str(pair[3].package_dir), batch_size=4, device="cpu")
+        wrapped = TransformersModel.from_model(model, config)
+        wrapped._cache = None  # lighteval's sample cache is keyed by model name: both models share it
+        return wrapped
+
+    return make
+
+
+def test_lighteval_loglikelihood_and_greedy_generation(pair, lighteval_model):
+    from lighteval.tasks.requests import Doc
+
+    docs = [
+        Doc(query="The capital of France is", choices=[" Paris", " Berlin", " Rome"], gold_index=0, task_name="t"),
+        Doc(query="Two plus two is", choices=[" four", " five"], gold_index=0, task_name="t"),
+    ]
+    asks = [Doc(query="Name a color.", choices=[""], gold_index=0, task_name="t", generation_size=12,
+                stop_sequences=["\n"])]
+    results = []
+    for model in pair[:2]:
+        lm = lighteval_model(model)
+        results.append(([r.logprobs for r in lm.loglikelihood(docs)], [r.text for r in lm.greedy_until(asks)]))
+    (ours, our_text), (theirs, their_text) = results
+    for mine, other in zip(ours, theirs):
+        assert mine == pytest.approx(other, abs=1e-4)
+    assert our_text == their_text
+
+
+def test_text_generation_pipeline_logs_no_error(pair, caplog):
+    model, reference, tokenizer, _ = pair
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        ours = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    theirs = pipeline("text-generation", model=reference, tokenizer=tokenizer)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert ours(chat, max_new_tokens=12, do_sample=False) == theirs(chat, max_new_tokens=12, do_sample=False)
+
+
+def test_trl_fused_lm_head_gets_a_clear_error(pair):
+    from trl.trainer.utils import add_fused_lm_head
+
+    model, _, tokenizer, fixture = pair
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)  # add_fused_lm_head patches the object
+    add_fused_lm_head(model)
+    batch = tokenizer(SENTENCES[:2], return_tensors="pt", padding=True)
+    with pytest.raises(NotImplementedError, match="no base_model: .* ortmodule.loglikelihood"):
+        model(**batch, labels=batch.input_ids, fused_lm_head=True)
