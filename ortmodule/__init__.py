@@ -2,10 +2,10 @@
 
 from .exporter import ExportError, export
 from .hf import load_tokenizer
-from .modeling import OrtModelForCausalLM
+from .modeling import NotSupportedError, OrtModelForCausalLM
 from .package import PackageError, read_package
 from .scoring import loglikelihood, score
 
-__all__ = ["ExportError", "OrtModelForCausalLM", "PackageError", "export", "load_tokenizer", "loglikelihood",
-           "read_package", "score"]
+__all__ = ["ExportError", "NotSupportedError", "OrtModelForCausalLM", "PackageError", "export", "load_tokenizer",
+           "loglikelihood", "read_package", "score"]
 __version__ = "0.1.0"

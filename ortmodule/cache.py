@@ -13,6 +13,7 @@ length). Entries a padded prefill leaves behind lie past each row's length and a
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import onnxruntime as ort
@@ -21,6 +22,16 @@ from transformers import Cache
 
 from . import runtime
 from .package import Decoder
+
+
+def _inference_mode(method):
+    """Run a method that updates the cache's tensors in place in inference mode: the cache may have been
+    made inside `torch.inference_mode()` (generate) and be updated outside it, or the other way round."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+    return wrapper
 
 
 class KVCache(Cache):
@@ -121,6 +132,7 @@ class KVCache(Cache):
         steps = torch.arange(self.longest + new, device=self.lengths.device)
         return (steps[None, :] < (self.lengths + new)[:, None]).to(dtype)
 
+    @_inference_mode
     def start(self, lengths: torch.Tensor, longest: int, columns: int) -> None:
         """Record a prefilled prompt batch: per-row lengths, the longest, the caller's width."""
         self.lengths.copy_(lengths)
@@ -130,6 +142,7 @@ class KVCache(Cache):
             self._take_presents()
             self.valid = torch.arange(columns, device=lengths.device)[None, :] < lengths[:, None]
 
+    @_inference_mode
     def start_from(self, source: KVCache, rows: torch.Tensor, lengths: torch.Tensor, longest: int) -> None:
         """Start row i as row `rows[i]` of `source`, holding its first `lengths[i]` entries (prefixes
         shared by several rows, run once in `source`)."""
@@ -148,6 +161,7 @@ class KVCache(Cache):
         self.longest = longest
         self.seen = width
 
+    @_inference_mode
     def advance(self, new: int, columns: int) -> None:
         """Record a run that appended `new` tokens (`columns` of the caller's input) to every row."""
         self.lengths += new
@@ -189,6 +203,7 @@ class KVCache(Cache):
             "a PyTorch attention layer. Pass it back to the OrtModelForCausalLM that returned it."
         )
 
+    @_inference_mode
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` columns of the caller's input (transformers 5). A positive
         value keeps the first `tokens_to_remove` columns, as transformers 4's `crop(max_length)` did
@@ -214,8 +229,8 @@ class KVCache(Cache):
             self.valid &= rank > lost[:, None]
             used = int(self.valid.any(0).nonzero().max().item()) + 1 if bool(self.valid.any()) else 0
             self.valid = self.valid[:, :used]
-            self.keys = [key[:, :, :used] for key in self.keys]
-            self.values = [value[:, :, :used] for value in self.values]
+            self.keys = [key[:, :, :used].contiguous() for key in self.keys]
+            self.values = [value[:, :, :used].contiguous() for value in self.values]
             self.version += 1
         self.lengths -= lost
         self.longest = int(self.lengths.max().item())
@@ -233,6 +248,7 @@ class KVCache(Cache):
         """Repeat every row `repeats` times in place (row i becomes rows i*repeats ... i*repeats+repeats-1)."""
         self._select_rows(torch.arange(self.batch_size, device=self.lengths.device).repeat_interleave(repeats))
 
+    @_inference_mode
     def _select_rows(self, rows: torch.Tensor) -> None:
         rows = torch.as_tensor(rows).to(self.lengths.device, torch.int64)
         if rows.dim() != 1 or rows.numel() == 0:
@@ -248,14 +264,15 @@ class KVCache(Cache):
             self.caller_mask = self.caller_mask.index_select(0, rows)
         self.version += 1
 
+    @_inference_mode
     def reset(self) -> None:
         """Empty every row (the buffers stay allocated)."""
         self.lengths.zero_()
         self.longest = self.seen = 0
         self.caller_mask = None
         if not self.shared:
-            self.keys = [key[:, :, :0] for key in self.keys]
-            self.values = [value[:, :, :0] for value in self.values]
+            self.keys = [key[:, :, :0].contiguous() for key in self.keys]
+            self.values = [value[:, :, :0].contiguous() for value in self.values]
             self.valid = self.valid[:, :0]
             self.version += 1
 

@@ -77,6 +77,9 @@ class HuggingFaceSurface(GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # forward makes its own KVCache (a transformers.Cache) on the first run
 
+    def get_experts_implementation(self) -> dict:
+        return {}  # the graph's kernels are fixed at export: nothing for transformers' decode loop to switch
+
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         model_kwargs.pop("generator", None)  # ortmodule's own argument, taken by its sampling loop
         GenerationMixin._validate_model_kwargs(self, model_kwargs)
@@ -95,7 +98,7 @@ class HuggingFaceSurface(GenerationMixin):
 
 
 
-class OrtModelForCausalLM(torch.nn.Module, HuggingFaceSurface):
+class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     """A causal LM over an ONNX GenAI package with the Hugging Face model surface.
 
     `model(input_ids, attention_mask, cont_len=k).logits` is a torch tensor on `model.device`,
@@ -109,7 +112,6 @@ class OrtModelForCausalLM(torch.nn.Module, HuggingFaceSurface):
     base_model_prefix = "model"
     _is_stateful = False
     _supports_cache_class = True
-    hf_device_map = None
 
     def __init__(
         self,

@@ -69,8 +69,16 @@ def test_stops_when_every_row_has_ended(llama_pair):
         dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9),
         dict(do_sample=True, min_p=0.05, temperature=1.3),
         dict(repetition_penalty=1.3, no_repeat_ngram_size=2),
+        dict(renormalize_logits=True, bad_words_ids=[[7], [9, 10]], suppress_tokens=[5, 6], sequence_bias={(8,): -2.0}),
+        dict(do_sample=True, typical_p=0.8, renormalize_logits=True),
+        dict(do_sample=True, epsilon_cutoff=3e-4, eta_cutoff=1e-3, top_k=0),
+        dict(begin_suppress_tokens=[11, 12], forced_eos_token_id=1, exponential_decay_length_penalty=(4, 1.5),
+             eos_token_id=1),
+        dict(do_sample=True, num_return_sequences=3, top_k=10),
+        dict(encoder_repetition_penalty=1.5, min_new_tokens=5, eos_token_id=1),
     ],
-    ids=["sample", "temperature-top_k-top_p", "min_p", "repetition"],
+    ids=["sample", "temperature-top_k-top_p", "min_p", "repetition", "renormalize-bad_words-suppress-bias",
+         "typical_p", "epsilon-eta", "begin_suppress-forced_eos-decay", "num_return_sequences", "encoder_rep-min_new"],
 )
 def test_sampling_and_processors_equal_transformers(llama_pair, options):
     """transformers samples with torch's global generator: the same seed draws the same tokens."""

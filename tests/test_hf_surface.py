@@ -1,0 +1,196 @@
+"""transformers' model surface beyond forward, against transformers on the same weights: the KV cache
+as a `transformers.Cache` (crop, reorder, batch select, repeat), beam search, GenerationMixin's
+helpers, forward's keywords, and clear errors for what an ONNX package does not have."""
+
+import pytest
+import torch
+from conftest import load_pair
+from transformers import Cache, DynamicCache, GenerationMixin
+
+from ortmodule import NotSupportedError
+from ortmodule.cache import KVCache
+
+CACHES = ["llama", "gemma4_mobius"]  # one buffer written in place (GQA); a concatenating attention
+# Builder packages; on the mobius-onnx Gemma 4 fixture transformers' own batched beams differ from its
+# one-prompt beams (near-tied random weights), so it is no reference there.
+BEAMS = ["llama", "qwen3", "gemma3", "gemma4"]
+
+
+def left_padded(lengths, seed=0, vocab=512, pad=2):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(4, vocab, (len(lengths), width), generator=gen)
+    mask = (torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]).long()
+    return ids.masked_fill(mask == 0, pad), mask
+
+
+class Pair:
+    """ortmodule and transformers stepped side by side, each with its own cache and the caller's mask."""
+
+    def __init__(self, models, ids, mask):
+        self.models, self.mask = models, mask
+        positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # what transformers' generate passes
+        with torch.inference_mode():
+            outs = [m(ids, attention_mask=mask, position_ids=positions, use_cache=True) for m in models]
+        self.caches = [out.past_key_values for out in outs]
+        self.caches[1].activate_past_recording()  # transformers' sliding layers keep what crop needs
+        assert isinstance(self.caches[0], KVCache) and isinstance(self.caches[0], Cache)
+        assert isinstance(self.caches[1], DynamicCache)
+
+    def step(self, tokens):
+        """Append one token per row to both; the logits of each."""
+        self.mask = torch.cat([self.mask, torch.ones(self.mask.shape[0], 1, dtype=self.mask.dtype)], 1)
+        positions = self.mask.cumsum(1)[:, -1:] - 1
+        with torch.inference_mode():
+            return [m(tokens[:, None], attention_mask=self.mask, position_ids=positions, past_key_values=c,
+                      use_cache=True).logits[:, -1] for m, c in zip(self.models, self.caches)]
+
+    def each(self, method, *args):
+        for cache in self.caches:
+            getattr(cache, method)(*args)
+
+    def agree(self, tokens):
+        ours, theirs = self.step(tokens)
+        assert (ours - theirs).abs().max().item() < 1e-4
+        assert self.caches[0].get_seq_length() == self.caches[1].get_seq_length() == self.mask.shape[1]
+
+
+@pytest.mark.parametrize("arch", CACHES)
+def test_cache_operations_equal_transformers(build, arch):
+    """After each Cache operation, the next step's logits equal transformers' on a DynamicCache."""
+    pair = Pair(load_pair(build(arch)), *left_padded([5, 9], seed=1))
+    for token in (20, 21, 22):
+        pair.agree(torch.tensor([token, token + 10]))
+    pair.each("crop", -2)  # transformers 5: a negative count removes that many columns
+    pair.mask = pair.mask[:, :-2]
+    pair.agree(torch.tensor([30, 31]))
+    pair.each("batch_repeat_interleave", 2)
+    pair.mask = pair.mask.repeat_interleave(2, 0)
+    pair.agree(torch.tensor([40, 41, 42, 43]))
+    pair.each("reorder_cache", torch.tensor([3, 3, 0, 1]))
+    pair.mask = pair.mask[torch.tensor([3, 3, 0, 1])]
+    pair.agree(torch.tensor([50, 51, 52, 53]))
+    pair.each("batch_select_indices", torch.tensor([1, 2]))
+    pair.mask = pair.mask[torch.tensor([1, 2])]
+    pair.agree(torch.tensor([60, 61]))
+
+
+def test_crop_to_a_length_as_transformers_4_did(build):
+    """`crop(n)` with n > 0 keeps the first n columns (transformers 4; 5.23's caches refuse it)."""
+    pair = Pair(load_pair(build("llama")), *left_padded([4, 7], seed=2))
+    for token in (20, 21, 22):
+        pair.agree(torch.tensor([token, token]))
+    pair.caches[0].crop(8)
+    pair.caches[1].crop(8 - pair.caches[1].get_seq_length())
+    pair.mask = pair.mask[:, :8]
+    pair.agree(torch.tensor([33, 34]))
+    with pytest.raises(ValueError, match="cannot crop 20 columns from a cache holding 9"):
+        pair.caches[0].crop(-20)
+    pair.caches[0].reset()
+    assert pair.caches[0].get_seq_length() == 0
+
+
+def test_cache_views_and_refusals(build):
+    model, _ = load_pair(build("llama"))
+    ids, mask = left_padded([3, 6], seed=3)
+    cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+    assert cache.get_mask_sizes(1, 0) == (7, 0) and cache.get_max_length() == -1
+    assert not cache.is_compileable and cache.is_croppable and cache.batch_size == 2
+    assert len(cache.layers) == len(cache) and cache.layers[0].keys.shape[2] == 6
+    with pytest.raises(NotImplementedError, match="written by ONNX Runtime"):
+        cache.update(torch.zeros(1), torch.zeros(1), 0)
+    with pytest.raises(ValueError, match=r"row indices must lie in \[0, 2\)"):
+        cache.reorder_cache(torch.tensor([0, 2]))
+
+
+def test_an_empty_transformers_cache_starts_one_and_a_full_one_is_refused(build):
+    model, hf = load_pair(build("llama"))
+    ids, mask = left_padded([5, 5], seed=4)
+    out = model(ids, attention_mask=mask, past_key_values=DynamicCache())
+    assert isinstance(out.past_key_values, KVCache) and out.past_key_values.get_seq_length() == 5
+    full = hf(ids, attention_mask=mask, use_cache=True).past_key_values
+    with pytest.raises(TypeError, match="got DynamicCache holding 5 positions"):
+        model(ids[:, :1], past_key_values=full)
+
+
+@pytest.mark.parametrize("arch", BEAMS)
+def test_beam_search_equals_transformers(build, arch):
+    model, hf = load_pair(build(arch))
+    ids, mask = left_padded([6, 11], seed=5)
+    options = dict(max_new_tokens=12, num_beams=4, num_return_sequences=2, length_penalty=0.7, early_stopping=True,
+                   return_dict_in_generate=True, output_scores=True, pad_token_id=2, eos_token_id=1)
+    with torch.inference_mode():
+        expected = hf.generate(ids, attention_mask=mask, **options)
+        out = model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert torch.equal(out.beam_indices, expected.beam_indices)
+    assert (out.sequences_scores - expected.sequences_scores).abs().max().item() < 1e-4
+    ours = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices)
+    theirs = hf.compute_transition_scores(expected.sequences, expected.scores, expected.beam_indices)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_transition_scores_of_a_greedy_generation(build):
+    model, hf = load_pair(build("llama"))
+    ids, mask = left_padded([4, 8], seed=6)
+    options = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                   output_logits=True, pad_token_id=2)
+    with torch.inference_mode():
+        expected = hf.generate(ids, attention_mask=mask, **options)
+    out = model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(out.sequences, expected.sequences)
+    for normalize in (False, True):
+        ours = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=normalize)
+        theirs = hf.compute_transition_scores(expected.sequences, expected.scores, normalize_logits=normalize)
+        assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_generate_continues_from_a_returned_cache(build):
+    """The cache a generate returns continues like transformers' (transformers' loop over forward)."""
+    model, hf = load_pair(build("llama"))
+    ids, mask = left_padded([5], seed=7)
+    options = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, pad_token_id=2)
+    first = model.generate(ids, attention_mask=mask, **options)
+    assert isinstance(first.past_key_values, KVCache)
+    assert first.past_key_values.get_seq_length() == first.sequences.shape[1] - 1
+    more = torch.cat([first.sequences, torch.tensor([[40, 41]])], 1)
+    mask = torch.ones_like(more)
+    with torch.inference_mode():
+        expected = hf.generate(more, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
+    ours = model.generate(more, attention_mask=mask, past_key_values=first.past_key_values, max_new_tokens=6,
+                          do_sample=False, pad_token_id=2)
+    assert torch.equal(ours, expected)
+
+
+def test_forward_keywords_transformers_passes(build):
+    model, hf = load_pair(build("llama"))
+    ids, mask = left_padded([4, 7], seed=8)
+    positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # what transformers' generate computes
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache_position=torch.arange(7),
+                use_cache=True, return_dict=True, output_attentions=False, output_hidden_states=False)
+    with torch.inference_mode():
+        expected = hf(ids, attention_mask=mask, position_ids=positions).logits
+    real = mask.bool()
+    assert (out.logits - expected)[real].abs().max().item() < 1e-4
+    step = model(torch.tensor([[9], [9]]), attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1),
+                 position_ids=torch.tensor([[4], [7]]), cache_position=torch.tensor([7]),
+                 past_key_values=out.past_key_values)
+    assert step.logits.shape == (2, 1, 512)
+    with pytest.raises(NotImplementedError, match="position_ids or cache_position other than each row's own"):
+        model(ids, attention_mask=mask, position_ids=torch.arange(7).expand(2, 7) + 3)
+    with pytest.raises(NotImplementedError, match="position_ids or cache_position other than each row's own"):
+        model(torch.tensor([[9], [9]]), position_ids=torch.tensor([[0], [0]]), past_key_values=step.past_key_values)
+    with pytest.raises(NotImplementedError, match="output_hidden_states=True"):
+        model(ids, output_hidden_states=True)
+
+
+def test_what_an_onnx_package_lacks_is_a_clear_error(build):
+    model, _ = load_pair(build("llama"))
+    assert isinstance(model, GenerationMixin) and model.can_generate()
+    for name in ("base_model", "lm_head"):
+        assert not hasattr(model, name)
+        with pytest.raises(NotSupportedError, match=f"has no {name}: the ONNX graph holds the weights"):
+            getattr(model, name)
+    for call in (model.get_input_embeddings, model.get_output_embeddings, lambda: model.resize_token_embeddings(9)):
+        with pytest.raises(NotImplementedError, match="ONNX|exported package"):
+            call()
