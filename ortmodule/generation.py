@@ -114,6 +114,12 @@ def generate(model, inputs_ids=None, generation_config=None, **kwargs):
                          "decoding draw from torch's global generator, as in transformers")
     check_config(config, vocab)
     _check_length(model, inputs_ids, config)
+    # transformers builds its criteria's tensors on the prompt's device: bring the inputs to the model's.
+    if isinstance(inputs_ids, torch.Tensor):
+        inputs_ids = inputs_ids.to(model.device, non_blocking=True)
+    for name in ("attention_mask", "position_ids"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            kwargs[name] = kwargs[name].to(model.device, non_blocking=True)
     return GenerationMixin.generate(model, inputs_ids, generation_config, **kwargs)
 
 
