@@ -59,6 +59,7 @@ SIZES = {
         decoders={"smollm2-fp32": fixtures.SMOLLM2, "smollm2-int4": fixtures.SMOLLM2_INT4},
         generate=dict(batches=(1, 8), prompt_lengths=(32, 128), new_tokens=32),
         lm_eval=dict(limit=30, batch_size=8),  # 30 questions: 120 loglikelihood requests
+        minicons=dict(sentences=320, batch_size=16),  # minicons' IncrementalLMScorer.sequence_score
         # score(): requests of one query and many short items; the server's load at a steady rate.
         score=dict(requests=2, query_tokens=120, items=16, item_tokens=20, labels=4),
         server=dict(rate=1.0, duration=20.0, items=10),
@@ -70,6 +71,7 @@ SIZES = {
         decoders={"qwen3-0.6b-bf16": QWEN3_0_6B, "smollm2-bf16": fixtures.SMOLLM2_BF16_CUDA},
         generate=dict(batches=(1, 16), prompt_lengths=(128, 512), new_tokens=64),
         lm_eval=dict(limit=100, batch_size=32),  # 100 questions: 400 loglikelihood requests
+        minicons=dict(sentences=320, batch_size=64),
         score=dict(requests=8, query_tokens=512, items=64, item_tokens=32, labels=4),
         server=dict(rate=20.0, duration=15.0, items=32),
     ),
@@ -79,6 +81,7 @@ SIZES = {
         decoders={"tiny": TINY},
         generate=dict(batches=(1, 2), prompt_lengths=(4, 9), new_tokens=4),
         lm_eval=dict(limit=3, batch_size=8),
+        minicons=dict(sentences=8, batch_size=4),
         score=dict(requests=2, query_tokens=12, items=3, item_tokens=4, labels=2),
         server=dict(rate=4.0, duration=1.0, items=2),
     ),

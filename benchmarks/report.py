@@ -47,6 +47,11 @@ NOTES = {
     "automatically (`auto`) or off "
     "(`no_reuse`), beside what a transformers user writes (the items left-padded in one batch, "
     "`logits_to_keep=1`) and onnxruntime-genai's Generator (one per item, last logits to numpy).",
+    "minicons scoring": "A library driving the model: minicons' `IncrementalLMScorer(model, tokenizer=...)`"
+    ".sequence_score over {minicons_sentences} short English sentences (the shipped knowledge and arithmetic "
+    "tasks' questions with each choice, and the perplexity task's sentences), batch {minicons_batch}, handed "
+    "ortmodule's model or transformers' on the same weights, nothing else changed. `max_diff_vs_transformers`: "
+    "the largest difference of a sentence's summed log-probability.",
     "score server": "benchmarks/bench_score.py against `ortmodule serve` in its own process: open-loop "
     "Poisson arrivals at `target_rate` requests/s; latency percentiles of the answered requests.",
 }
@@ -63,9 +68,12 @@ def note_values(size: str) -> dict:
     slow = [model_label(key) for key in shapes["decoders"] if key in SLOW_PEERS_ON]
     return dict(prompt_lo=lo, prompt_hi=hi, new_tokens=shapes["generate"]["new_tokens"],
                 questions=limit or 200, batch_size=shapes["lm_eval"]["batch_size"],
-                slow_peers=", ".join(slow) or "no model of this size", **shapes["score"])
+                slow_peers=", ".join(slow) or "no model of this size",
+                minicons_sentences=shapes["minicons"]["sentences"], minicons_batch=shapes["minicons"]["batch_size"],
+                **shapes["score"])
 # Real-model workloads first: what users run.
-GROUP_ORDER = {"lm-eval loglikelihood": 0, "generate": 1, "score": 2, "forward": 3, "score server": 4}
+GROUP_ORDER = {"lm-eval loglikelihood": 0, "generate": 1, "score": 2, "minicons scoring": 3, "forward": 4,
+               "score server": 5}
 
 
 def case(bench: dict) -> tuple[str, str]:

@@ -205,12 +205,12 @@ class KVCache(Cache):
 
     @_inference_mode
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last `-tokens_to_remove` columns of the caller's input (transformers 5). A positive
-        value keeps the first `tokens_to_remove` columns, as transformers 4's `crop(max_length)` did
-        (guidance 0.3 calls it so; transformers 5.23's own caches refuse it)."""
+        """Remove the last `-tokens_to_remove` columns of the caller's input (transformers 5; 0 removes
+        nothing). A positive value keeps the first `tokens_to_remove` columns, as transformers 4's
+        `crop(max_length)` did (guidance 0.3 calls it so; transformers 5.23's own caches refuse it)."""
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise TypeError(f"crop takes an int, got {type(tokens_to_remove).__name__}")
-        keep = self.seen + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self.seen)
+        keep = self.seen + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, self.seen)
         if keep < 0:
             raise ValueError(f"cannot crop {-tokens_to_remove} columns from a cache holding {self.seen}")
         if keep == self.seen:

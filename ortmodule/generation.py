@@ -196,12 +196,14 @@ class _Sampling:
         check_every = 1 if decoder.device.type == "cpu" or self.streamer is not None else STOP_CHECK_EVERY
         length = width
         while True:
-            tokens, scores = self._next_tokens(logits, length, unfinished)
+            tokens = self._next_tokens(logits, length, unfinished)
             length += 1
             if length == width + self.max_new:
                 break
             if len(self.criteria):
-                unfinished &= ~self.criteria(self.sequences[:, :length], scores)
+                # As transformers: criteria see the scores kept so far (a tuple, or None when not kept).
+                kept = tuple(self.scores) if self.keep_scores else None
+                unfinished &= ~self.criteria(self.sequences[:, :length], kept)
                 stopped_at = torch.where((stopped_at == 0) & ~unfinished.any(), length, stopped_at)
                 if (length - width) % check_every == 0 and stopped_at.item():
                     break  # the loop's one read from the device
@@ -211,8 +213,7 @@ class _Sampling:
         return self._finish(length, cache)
 
     def _next_tokens(self, logits: torch.Tensor, length: int, unfinished: torch.Tensor):
-        """Choose every row's next token from its logits and write it at column `length`; return
-        the tokens and the processed scores they were chosen from."""
+        """Choose every row's next token from its logits, write it at column `length` and return it."""
         logits = logits.float()
         next_scores = self.processors(self.sequences[:, :length], logits)
         if self.keep_scores:
@@ -229,7 +230,7 @@ class _Sampling:
         self.sequences[:, length] = tokens
         if self.streamer is not None:
             self.streamer.put(tokens.cpu())
-        return tokens, next_scores
+        return tokens
 
     def _finish(self, length: int, cache):
         if self.streamer is not None:

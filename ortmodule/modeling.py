@@ -75,7 +75,7 @@ class HuggingFaceSurface(GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # forward makes its own KVCache (a transformers.Cache) on the first run
+        return True  # transformers makes an empty DynamicCache; forward starts its own KVCache from it
 
     def get_experts_implementation(self) -> dict:
         return {}  # the graph's kernels are fixed at export: nothing for transformers' decode loop to switch
@@ -88,7 +88,9 @@ class HuggingFaceSurface(GenerationMixin):
                 streamer=None, **model_kwargs):
         """transformers' greedy/sampling loop, run on the device by generation.sample; continuing
         from a cache the caller passed, transformers' own loop over forward."""
-        if model_kwargs.get("past_key_values") is None:
+        cache = model_kwargs.get("past_key_values")
+        if cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0):
+            model_kwargs.pop("past_key_values", None)  # the empty DynamicCache transformers made
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                      **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:

@@ -194,3 +194,19 @@ def test_what_an_onnx_package_lacks_is_a_clear_error(build):
     for call in (model.get_input_embeddings, model.get_output_embeddings, lambda: model.resize_token_embeddings(9)):
         with pytest.raises(NotImplementedError, match="ONNX|exported package"):
             call()
+
+
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assistant", "guidance_scale"])
+def test_other_generation_modes_equal_transformers(build, mode):
+    """Prompt lookup and assisted decoding (multi-token steps over the cache, then crop: batch 1, as
+    transformers allows) and classifier-free guidance, through transformers' own loops."""
+    model, hf = load_pair(build("llama"))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+
+    def run(m):
+        extra = {"prompt_lookup": dict(prompt_lookup_num_tokens=3), "assistant": dict(assistant_model=m),
+                 "guidance_scale": dict(guidance_scale=1.5)}[mode]
+        with torch.inference_mode():
+            return m.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=2, **extra)
+
+    assert torch.equal(run(model), run(hf))
