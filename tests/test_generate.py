@@ -4,6 +4,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from conftest import MODEL_ARCHES, load_pair
+from transformers import WatermarkingConfig
 
 from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
 from ortmodule.cache import KVCache
@@ -76,9 +77,13 @@ def test_stops_when_every_row_has_ended(llama_pair):
              eos_token_id=1),
         dict(do_sample=True, num_return_sequences=3, top_k=10),
         dict(encoder_repetition_penalty=1.5, min_new_tokens=5, eos_token_id=1),
+        dict(do_sample=True, top_h=0.5, remove_invalid_values=True),
+        dict(prefix_allowed_tokens_fn=lambda row, tokens: [10 + row, 11, 12 + int(tokens[-1]) % 7]),
+        dict(watermarking_config=WatermarkingConfig(bias=4.0)),
     ],
     ids=["sample", "temperature-top_k-top_p", "min_p", "repetition", "renormalize-bad_words-suppress-bias",
-         "typical_p", "epsilon-eta", "begin_suppress-forced_eos-decay", "num_return_sequences", "encoder_rep-min_new"],
+         "typical_p", "epsilon-eta", "begin_suppress-forced_eos-decay", "num_return_sequences",
+         "encoder_rep-min_new", "top_h", "prefix_allowed_tokens_fn", "watermarking"],
 )
 def test_sampling_and_processors_equal_transformers(llama_pair, options):
     """transformers samples with torch's global generator: the same seed draws the same tokens."""
