@@ -187,7 +187,6 @@ class KVCache(Cache):
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1  # grows on the device up to the model's context, as a DynamicCache grows
-
     @property
     def layers(self) -> list:
         """One `(key, value)` view per layer (transformers' caches hold per-layer objects here)."""
@@ -237,11 +236,9 @@ class KVCache(Cache):
         self.seen = keep
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Make row i a copy of row `beam_idx[i]` (beam search), on the device."""
-        self._select_rows(beam_idx)
+        self._select_rows(beam_idx)  # row i becomes a copy of row beam_idx[i] (beam search)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows `indices`."""
         self._select_rows(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
