@@ -48,9 +48,7 @@ class KVCache(Cache):
     ONNX Runtime writes this cache.
     """
 
-    is_compileable = False
-    is_croppable = True
-    is_initialized = True
+    is_compileable, is_croppable, is_initialized = False, True, True
 
     def __init__(self, spec: Decoder, batch: int, capacity: int, device: torch.device):
         # Cache.__init__ is not called: its per-layer objects hold PyTorch tensors that a PyTorch
@@ -187,6 +185,7 @@ class KVCache(Cache):
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1  # grows on the device up to the model's context, as a DynamicCache grows
+
     @property
     def layers(self) -> list:
         """One `(key, value)` view per layer (transformers' caches hold per-layer objects here)."""
