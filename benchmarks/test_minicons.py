@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import model_label, record_rate, reference_model
+from conftest import flop_count, model_label, record_rate, reference_model
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM, load_tokenizer
@@ -36,8 +36,13 @@ def run_scorer(benchmark, model, workload, backend):
     from minicons import scorer
 
     fixture, texts, size, key = workload
-    lm = scorer.IncrementalLMScorer(model, device=size["device"], tokenizer=load_tokenizer(fixture.package_dir))
+    tokenizer = load_tokenizer(fixture.package_dir)
+    lm = scorer.IncrementalLMScorer(model, device=size["device"], tokenizer=tokenizer)
     batch = size["minicons"]["batch_size"]
+    # minicons asks for every position's logits of each right-padded batch: the LM head at every one.
+    tokens = sum(len(chunk) * max(len(ids) for ids in tokenizer(chunk).input_ids)
+                 for chunk in (texts[start : start + batch] for start in range(0, len(texts), batch)))
+    benchmark.extra_info["flops"] = flop_count(fixture, tokens, tokens)
 
     def score():
         return [total for start in range(0, len(texts), batch)
