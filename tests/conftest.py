@@ -68,6 +68,15 @@ def right_padded_batch(lengths, vocab=512, seed=0, pad_id=2):
     return ids.masked_fill(mask == 0, pad_id), mask
 
 
+def left_padded_batch(lengths, vocab=512, seed=0, pad_id=2):
+    """Random ids (above the special tokens) with a left-padded mask, as HF tokenizers give for generate."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(4, vocab, (len(lengths), width), generator=gen)
+    mask = (torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]).long()
+    return ids.masked_fill(mask == 0, pad_id), mask
+
+
 OPENAI_NAME = "tiny-llama"
 # A chat template for the fixture's tokenizer (the real SmolLM2 package brings its own).
 CHAT_TEMPLATE = (

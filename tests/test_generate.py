@@ -4,21 +4,13 @@ import onnxruntime as ort
 import pytest
 import torch
 from conftest import MODEL_ARCHES, load_pair
+from conftest import left_padded_batch as left_padded_prompts
 from transformers import WatermarkingConfig
 
 from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
 from ortmodule.cache import KVCache
 
 NEW_TOKENS = 32
-
-
-def left_padded_prompts(lengths, vocab=512, seed=0, pad_id=2):
-    """Random ids (above the special tokens) with a left-padded mask, as HF tokenizers give for generate."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(4, vocab, (len(lengths), width), generator=gen)
-    mask = (torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]).long()
-    return ids.masked_fill(mask == 0, pad_id), mask
 
 
 def hf_generate(hf_model, ids, mask, **kwargs):

@@ -4,6 +4,7 @@ helpers, forward's keywords, and clear errors for what an ONNX package does not 
 
 import pytest
 import torch
+from conftest import left_padded_batch as left_padded
 from conftest import load_pair
 from transformers import Cache, DynamicCache, GenerationMixin
 
@@ -14,14 +15,6 @@ CACHES = ["llama", "gemma4_mobius"]  # one buffer written in place (GQA); a conc
 # Builder packages; on the mobius-onnx Gemma 4 fixture transformers' own batched beams differ from its
 # one-prompt beams (near-tied random weights), so it is no reference there.
 BEAMS = ["llama", "qwen3", "gemma3", "gemma4"]
-
-
-def left_padded(lengths, seed=0, vocab=512, pad=2):
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(4, vocab, (len(lengths), width), generator=gen)
-    mask = (torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]).long()
-    return ids.masked_fill(mask == 0, pad), mask
 
 
 class Pair:
