@@ -71,13 +71,6 @@ def check_config(config, vocab: int) -> None:
                 raise _bad("eos_token_id", eos, f"a token id (or a list of them) in [0, {vocab})")
 
 
-def _merged(model, generation_config, kwargs: dict) -> GenerationConfig:
-    """The generation config this call will run with (transformers' merge, without its warnings)."""
-    config = GenerationConfig(**(generation_config or model.generation_config).to_dict())
-    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
-    return config
-
-
 @torch.inference_mode()
 def generate(model, inputs_ids=None, generation_config=None, **kwargs):
     """`OrtModelForCausalLM.generate` for `model`: ortmodule's checks, then transformers' `generate`."""
@@ -96,8 +89,8 @@ def generate(model, inputs_ids=None, generation_config=None, **kwargs):
     given = {name: kwargs.get(name) for name in _CHECKED}
     do_sample = kwargs.get("do_sample", (generation_config or model.generation_config).do_sample)
     check_config(type("Given", (), {**given, "do_sample": do_sample})(), vocab)
-    config = _merged(model, generation_config, kwargs)
-    unknown = sorted(k for k in kwargs if k not in MODEL_INPUTS | _CALL_ARGUMENTS and not hasattr(config, k))
+    config, rest = model._prepare_generation_config(generation_config, **kwargs)  # transformers' merge
+    unknown = sorted(set(rest) - MODEL_INPUTS - _CALL_ARGUMENTS - {"output_attentions", "output_hidden_states"})
     if unknown:
         raise ValueError(f"generate() got arguments it does not use: {', '.join(unknown)}")
     for name in ("output_attentions", "output_hidden_states"):

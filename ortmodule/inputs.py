@@ -108,11 +108,13 @@ def raise_bad_id(ids: torch.Tensor, vocab: int) -> None:
                      f"{vocab})")
 
 
-def check_batch(input_ids, attention_mask, vocab: int, context_length: int, device: torch.device) -> Rows:
+def check_batch(input_ids, attention_mask, vocab: int, context_length: int, device: torch.device,
+                position_ids=None, cache_position=None) -> Rows:
     """Validate a prompt batch where the caller's ids are (on the host for host tensors: no
     device-to-host copy at all; else on the device with one read of a few flags) and return it in
     the right-padded layout on `device`: rows whose ones form one contiguous run are rolled to
-    start at column 0."""
+    start at column 0. `position_ids` / `cache_position`, when given, must be what transformers
+    computes from the mask."""
     _check_ids(input_ids, context_length)
     ids = input_ids.to(torch.int64)
     if attention_mask is None:
@@ -127,8 +129,10 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
     steps = torch.arange(ids.shape[1], device=ids.device)
     contiguous = mask == ((steps >= lead[:, None]) & (steps < (lead + counts)[:, None]))
     bad_ids = (ids < 0) | (ids >= vocab)
+    real = mask != 0
+    positions = _positions_differ(position_ids, cache_position, real.cumsum(1) - 1, real, 0)
     flags = torch.stack(
-        [not_binary, bad_ids.any(), (counts == 0).any(), ~contiguous.all(), (lead > 0).any(), counts.max()]
+        [not_binary, bad_ids.any(), (counts == 0).any(), ~contiguous.all(), (lead > 0).any(), counts.max(), positions]
     ).tolist()  # the one host sync of the checks
     if flags[0]:
         raise ValueError("attention_mask must hold only 0 and 1")
@@ -141,6 +145,8 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
         raise ValueError(
             f"attention_mask row {row} has gaps: each row's ones must be one contiguous run (left- or right-padded)"
         )
+    if flags[6]:
+        _refuse_positions()
 
     def up(tensor):  # host tensors are copied up without waiting for the device
         return tensor.to(device, non_blocking=True)
@@ -151,9 +157,10 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
     return Rows(up(ids.gather(1, order)), up(lead), up(counts), flags[5])
 
 
-def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int, device: torch.device) -> torch.Tensor:
-    """Validate tokens `[B, s]` that continue `cache` (and the caller's mask so far, when given);
-    return them as int64 on `device`."""
+def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int, device: torch.device,
+               position_ids=None, cache_position=None) -> torch.Tensor:
+    """Validate tokens `[B, s]` that continue `cache` (and the caller's mask so far, the positions
+    and cache columns, when given); return them as int64 on `device`."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError("input_ids must be a 2-D integer tensor [batch, new tokens]")
     if input_ids.dtype == torch.bool or input_ids.is_complex():
@@ -173,7 +180,7 @@ def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int
             f"{cache.longest} cached + {new} new tokens exceeds the model's context length {context_length}"
         )
     ids = input_ids.to(device, torch.int64)
-    checks = [((ids < 0) | (ids >= vocab)).any()]
+    checks = {"bad_id": ((ids < 0) | (ids >= vocab)).any()}
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
@@ -184,78 +191,58 @@ def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int
                 f"tokens: expected {expected}"
             )
         mask = attention_mask.to(device)
-        checks.append((mask[:, -new:] != 1).any())
+        checks["new_not_one"] = (mask[:, -new:] != 1).any()
         if cache.caller_mask is not None:
-            checks.append((mask[:, :-new] != cache.caller_mask).any())
-    flags = torch.stack(checks).tolist()  # the one host sync of the checks
-    if flags[0]:
+            checks["mask_differs"] = (mask[:, :-new] != cache.caller_mask).any()
+    checks["positions"] = _positions_differ(position_ids, cache_position,
+                                            cache.lengths[:, None] + torch.arange(new, device=device), None, cache.seen)
+    flags = dict(zip(checks, torch.stack(list(checks.values())).tolist()))  # the one host sync of the checks
+    if flags["bad_id"]:
         raise_bad_id(ids, vocab)
-    if len(flags) > 1 and flags[1]:
+    if flags.get("new_not_one"):
         raise ValueError("attention_mask must be 1 at every new token: a step appends to every row")
-    if len(flags) > 2 and flags[2]:
+    if flags.get("mask_differs"):
         raise ValueError(
             "attention_mask's earlier columns differ from the mask this cache was built with: a step's "
             "mask is the mask so far followed by ones for the new tokens"
         )
+    if flags["positions"]:
+        _refuse_positions()
     return ids
 
 
-def _positions_flag(position_ids, expected: torch.Tensor, real: torch.Tensor | None):
-    """A device flag: do `position_ids` differ from `expected` ([B, S]) at the `real` positions?"""
+def _positions_differ(position_ids, cache_position, expected: torch.Tensor, real: torch.Tensor | None,
+                      first_column: int) -> torch.Tensor:
+    """A device flag: do `position_ids` differ from `expected` ([B, S]) at the `real` positions, or
+    `cache_position` from the columns `first_column`, ... of this input?"""
+    differs = torch.zeros((), dtype=torch.bool, device=expected.device)
+    if cache_position is not None:
+        width = expected.shape[1]
+        if not isinstance(cache_position, torch.Tensor) or cache_position.dim() != 1 or cache_position.numel() != width:
+            raise ValueError(f"cache_position must be a 1-D tensor of {width} columns")
+        columns = torch.arange(first_column, first_column + width, device=expected.device)
+        differs = differs | (cache_position.to(expected.device) != columns).any()
+    if position_ids is None:
+        return differs
     if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point():
         raise TypeError(f"position_ids must be an integer tensor, got {type(position_ids).__name__}")
     positions = position_ids.to(expected.device)
     if positions.dim() == 3:  # mRoPE sections [3, B, S]: for text all three are the token's position
         positions, rest = positions[0], positions[1:]
-        differs = (rest != positions).any()
-    else:
-        differs = torch.zeros((), dtype=torch.bool, device=expected.device)
-    positions = positions.reshape(-1, positions.shape[-1]) if positions.dim() != 2 else positions
-    if positions.shape[-1] != expected.shape[1] or positions.shape[0] not in (1, expected.shape[0]):
+        differs = differs | (rest != positions).any()
+    if positions.dim() == 1:
+        positions = positions[None]
+    rows_ok = positions.dim() == 2 and positions.shape[0] in (1, expected.shape[0])
+    if not rows_ok or positions.shape[-1] != expected.shape[1]:
         raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not match the input "
                          f"{tuple(expected.shape)}")
     wrong = positions != expected
-    return differs | (wrong & real).any() if real is not None else differs | wrong.any()
+    return differs | ((wrong & real).any() if real is not None else wrong.any())
 
 
-def _refuse_positions(what: str) -> None:
+def _refuse_positions() -> None:
     raise NotImplementedError(
-        f"{what} other than each row's own positions are not supported: the ONNX graph numbers each row's tokens "
-        "0, 1, ... from the attention mask (what transformers computes for left- and right-padded rows); leave "
-        "them out, or pass the attention mask that gives the positions you want"
+        "position_ids or cache_position other than each row's own positions are not supported: the ONNX graph "
+        "numbers each row's tokens 0, 1, ... from the attention mask (what transformers computes for left- and "
+        "right-padded rows); leave them out, or pass the attention mask that gives the positions you want"
     )
-
-
-def check_positions(position_ids, cache_position, input_ids: torch.Tensor, attention_mask) -> None:
-    """`position_ids` / `cache_position` of a prompt batch must be what transformers computes from the mask."""
-    if position_ids is None and cache_position is None:
-        return
-    mask = attention_mask.to(input_ids.device) if attention_mask is not None else torch.ones_like(input_ids)
-    real = mask != 0
-    checks = []
-    if position_ids is not None:
-        checks.append(_positions_flag(position_ids, real.long().cumsum(1) - 1, real))
-    if cache_position is not None:
-        checks.append(_cache_position_flag(cache_position, 0, input_ids.shape[1]))
-    if torch.stack([c.to(input_ids.device) for c in checks]).any().item():
-        _refuse_positions("position_ids or cache_position")
-
-
-def check_step_positions(position_ids, cache_position, cache, new: int) -> None:
-    """`position_ids` / `cache_position` of a cache step must continue each row / the cache's columns."""
-    if position_ids is None and cache_position is None:
-        return
-    device = cache.lengths.device
-    checks = []
-    if position_ids is not None:
-        checks.append(_positions_flag(position_ids, cache.lengths[:, None] + torch.arange(new, device=device), None))
-    if cache_position is not None:
-        checks.append(_cache_position_flag(cache_position, cache.seen, new))
-    if torch.stack([c.to(device) for c in checks]).any().item():
-        _refuse_positions("position_ids or cache_position")
-
-
-def _cache_position_flag(cache_position, start: int, length: int):
-    if not isinstance(cache_position, torch.Tensor) or cache_position.dim() != 1 or cache_position.numel() != length:
-        raise ValueError(f"cache_position must be a 1-D tensor of {length} columns")
-    return (cache_position != torch.arange(start, start + length, device=cache_position.device)).any()

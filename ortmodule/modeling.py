@@ -99,7 +99,6 @@ class HuggingFaceSurface(GenerationMixin):
                                        synced_gpus, streamer, **model_kwargs)
 
 
-
 class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     """A causal LM over an ONNX GenAI package with the Hugging Face model surface.
 
@@ -113,7 +112,6 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     main_input_name = "input_ids"
     base_model_prefix = "model"
     _is_stateful = False
-    _supports_cache_class = True
 
     def __init__(
         self,
@@ -262,16 +260,16 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             return tuple(x for x in (loss, logits, cache) if x is not None)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
-    def _rows(self, input_ids, attention_mask) -> inputs.Rows:
+    def _rows(self, input_ids, attention_mask, position_ids=None, cache_position=None) -> inputs.Rows:
         package = self.package
-        return inputs.check_batch(input_ids, attention_mask, package.vocab_size, package.context_length, self.device)
+        return inputs.check_batch(input_ids, attention_mask, package.vocab_size, package.context_length, self.device,
+                                  position_ids, cache_position)
 
     def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids=None,
                         cache_position=None) -> tuple[torch.Tensor, KVCache | None]:
         """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch."""
-        rows = self._rows(input_ids, attention_mask)
+        rows = self._rows(input_ids, attention_mask, position_ids, cache_position)
         batch, width = rows.ids.shape
-        inputs.check_positions(position_ids, cache_position, input_ids, attention_mask)
         cache = self.decoder.new_cache(batch, width) if use_cache else None
         positions = inputs.kept_positions(keep, width, self.device)
         if positions is None:
@@ -295,8 +293,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             )
         package = self.package
         ids = inputs.check_step(input_ids, attention_mask, cache, package.vocab_size, package.context_length,
-                                self.device)
-        inputs.check_step_positions(position_ids, cache_position, cache, ids.shape[1])
+                                self.device, position_ids, cache_position)
         batch, new = ids.shape
         kept = inputs.kept_positions(keep, new, self.device)
         index = inputs.each_row(batch, new, kept) if kept is not None else None
