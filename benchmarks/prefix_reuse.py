@@ -49,7 +49,7 @@ def main() -> None:
                 times[reuse].append(time.perf_counter() - start)
         full, shared = min(times[False]), min(times[True])
         prompts = [query + item for item in items]
-        costs = sharing.measured_costs(model)
+        costs = model.measured_costs()
         chosen = "shared prefix" if sharing.worth_sharing(prompts, [len(p) - 1 for p in prompts],
                                                           costs) else "full prefill"
         print(f"| {query_tokens} | 1-{item_tokens} | {1000 * full:.0f} ms | {1000 * shared:.0f} ms | "

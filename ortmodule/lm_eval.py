@@ -26,7 +26,7 @@ from .inputs import pad_right
 from .modeling import OrtModelForCausalLM
 from .package import read_package
 from .scoring import grouped_loglikelihood, loglikelihood
-from .sharing import measured_costs, worth_sharing
+from .sharing import worth_sharing
 
 
 def _sharing_choice(value) -> bool | str:
@@ -175,7 +175,7 @@ class OrtModuleLM(HFLM):
             return []
         if self._share is True:
             return groups
-        costs = measured_costs(self._model)
+        costs = self._model.measured_costs()
         return [group for group in groups
                 if worth_sharing([rows[i] for i in group], [starts[i] for i in group], costs, self.batch_size)]
 

@@ -13,7 +13,7 @@ import torch
 from . import runtime
 from .inputs import outside_vocabulary, pad_right, vocabulary_message
 from .modeling import OrtModelForCausalLM
-from .sharing import common_prefix, measured_costs, shared_prefix_logits, worth_sharing
+from .sharing import common_prefix, shared_prefix_logits, worth_sharing
 
 
 @runtime.out_of_memory_is_runtime_error
@@ -152,7 +152,7 @@ def label_logprobs(
         rows = slice(start, start + len(prompts))
         start += len(prompts)
         if reuse_prefix is None:
-            reuse = len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], measured_costs(model))
+            reuse = len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], model.measured_costs())
         else:
             reuse = reuse_prefix and common_prefix(prompts) > 0
         if reuse:

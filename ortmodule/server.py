@@ -447,6 +447,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     from .hf import load_tokenizer
 
     model = OrtModelForCausalLM.from_pretrained(path, device=device)
+    model.measured_costs()  # timed now (about a second), not in the first request that shares a query
     app = create_app(model, load_tokenizer(path), **options)
     uvicorn.run(app, host=host, port=port, log_level="info")
 

@@ -1,4 +1,4 @@
-"""Running a shared prefix once: the decision (`worth_sharing`, from a model's measured `Costs`),
+"""Running a shared prefix once: the decision (`worth_sharing`, from a model's measured costs),
 the plan (`plan_sharing`, pure) and the run (`shared_prefix_logits`: each group's prefix prefilled
 once, every row continued from a copy of its KV cache by decode steps). Below scoring.py, which
 uses it for lm-eval's multiple-choice contexts and for score's shared queries.
@@ -6,26 +6,15 @@ uses it for lm-eval's multiple-choice contexts and for score's shared queries.
 
 from __future__ import annotations
 
-import time
-import warnings
-import weakref
 from typing import NamedTuple
 
 import torch
 
+from .costs import Costs
 from .inputs import Rows, flat_index, pad_right
 from .modeling import OrtModelForCausalLM
 
 Ids = list[int]
-
-
-class Costs(NamedTuple):
-    """What this model costs on its device, in seconds: one more token in a large prefill batch,
-    and one decode step over a cache (a fixed part, and a part per row)."""
-
-    per_token: float
-    step: float
-    step_per_row: float
 
 
 def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None, batch_rows: int = 0) -> bool:
@@ -33,7 +22,7 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     later than the first position scored), then the rest of every row one decode step at a time
     over copies of its KV cache, than in one padded prefill.
 
-    With `costs` (`measured_costs(model)`), the two are compared in time: prefix tokens + steps x
+    With `costs` (`model.measured_costs()`), the two are compared in time: prefix tokens + steps x
     one step over the rows, against rows x width tokens; when groups run together in batches of
     `batch_rows` rows (lm-eval's batch size), a step's fixed cost is shared among them. Without
     costs, a prefix at least twice the longest remainder."""
@@ -46,67 +35,6 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     fixed = costs.step * len(rows) / max(batch_rows, len(rows))
     shared = costs.per_token * prefix + steps * (fixed + costs.step_per_row * len(rows))
     return shared < costs.per_token * len(rows) * max(len(row) for row in rows)
-
-
-def measured_costs(model: OrtModelForCausalLM) -> Costs | None:
-    """`Costs` of `model`, measured once (about a second on a small model on the CPU) and kept on
-    it: the best of a few runs of 64-token prefills over growing batches (`prefill_slope`) and of
-    decode steps over 1 and 4 rows."""
-    if model not in _COSTS:
-        try:
-            _COSTS[model] = _probe(model)
-        except RuntimeError as e:  # e.g. out of memory on a loaded device: fall back to token counts
-            warnings.warn(f"could not measure the model's costs ({e}); sharing is decided by token counts",
-                          stacklevel=2)
-            _COSTS[model] = None
-    return _COSTS[model]
-
-
-_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured Costs
-
-
-@torch.inference_mode()
-def _probe(model: OrtModelForCausalLM) -> Costs:
-    length = min(64, model.package.context_length - 2)
-    ids = torch.randint(4, model.package.vocab_size, (64, length), generator=torch.Generator().manual_seed(0))
-    per_token = prefill_slope(lambda rows: _best_time(lambda: model(ids[:rows], cont_len=1), model.device), length)
-    step = {}
-    for rows in (1, 4):
-        cache = model(ids[:rows], use_cache=True, cont_len=1).past_key_values
-        token = ids[:rows, :1]
-        step[rows] = _best_time(lambda c=cache, t=token: model(t, past_key_values=c, cont_len=1), model.device)
-    per_row = max(0.0, (step[4] - step[1]) / 3)
-    return Costs(per_token, max(0.0, step[1] - per_row), per_row)
-
-
-def prefill_slope(seconds_for_rows, length: int, most_rows: int = 64) -> float:
-    """Seconds per extra token of a prefill, where its time grows with its tokens.
-
-    `seconds_for_rows(r)` times a prefill of r rows of `length` tokens. The rows double from 2
-    until a run takes at least 1.5x the one before (or `most_rows`), and the slope between those
-    two runs is returned. On a CPU that is the first doubling; a GPU runs a few hundred tokens in
-    the time of its kernel launches, so its slope is read where the batch is large enough to cost
-    by the token, as lm-eval's batches do. (The average over a small run overstates a GPU's token
-    cost several times over, and made sharing look worth its decode steps: measured on an H100,
-    lm-eval chose sharing and ran 1.4x slower than without it.)"""
-    rows, before = 2, seconds_for_rows(2)
-    while True:
-        now = seconds_for_rows(2 * rows)
-        if now >= 1.5 * before or 2 * rows >= most_rows:
-            return max(now - before, 0.0) / (rows * length) or 1e-9
-        rows, before = 2 * rows, now
-
-
-def _best_time(fn, device: torch.device, repeats: int = 3) -> float:
-    def timed() -> float:
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    timed()  # warm-up, finished on the device before the first timed run
-    return min(timed() for _ in range(repeats))
 
 
 class SharingPlan(NamedTuple):

@@ -8,7 +8,7 @@ from helpers import SCORE_QUERY as QUERY
 from helpers import score_reference as reference
 
 import ortmodule
-from ortmodule import load_tokenizer, sharing
+from ortmodule import costs, load_tokenizer, sharing
 
 
 @pytest.mark.parametrize("arch", MODEL_ARCHES)
@@ -72,17 +72,17 @@ def test_shared_prefix_reuse_is_chosen_only_where_it_saves_work():
 
 def test_sharing_is_decided_from_the_measured_costs(llama):
     """A short prefix with long remainders loses when each decode step costs ~20 prefill tokens (a
-    small model on a CPU); a long prefix wins; the costs are measured once per model."""
-    cpu_like = sharing.Costs(per_token=1.2e-3, step=24e-3, step_per_row=3e-3)
+    small model on a CPU); a long prefix wins; the costs are measured once per device and kept."""
+    cpu_like = costs.Costs(per_token=1.2e-3, step=24e-3, step_per_row=3e-3)
     short = [list(range(100, 120)) + list(range(10 * i, 10 * i + 10)) for i in range(1, 5)]
     assert not sharing.worth_sharing(short, [len(r) - 10 for r in short], cpu_like)
     assert sharing.worth_sharing(short, [len(r) - 10 for r in short])  # token counts alone would share
     long = [list(range(100, 300)) + list(range(10 * i, 10 * i + 13)) for i in range(1, 5)]
     assert sharing.worth_sharing(long, [len(r) - 13 for r in long], cpu_like)
     model, _ = load_pair(llama)
-    costs = sharing.measured_costs(model)
-    assert costs.per_token > 0 and costs.step > 0 and costs.step_per_row >= 0
-    assert sharing.measured_costs(model) is costs
+    measured = model.measured_costs()
+    assert measured.per_token > 0 and measured.step > 0 and measured.step_per_row >= 0
+    assert model.measured_costs() is measured
 
 
 def test_prefill_slope_reads_the_cost_of_a_token_where_tokens_cost():
@@ -95,16 +95,16 @@ def test_prefill_slope_reads_the_cost_of_a_token_where_tokens_cost():
         asked.append(rows)
         return 1e-3 * rows * 64
 
-    assert sharing.prefill_slope(cpu, 64) == pytest.approx(1e-3)
+    assert costs.prefill_slope(cpu, 64) == pytest.approx(1e-3)
     assert asked == [2, 4]
 
     def gpu(rows):  # 5 ms of launches, 2 us a token
         return 5e-3 + 2e-6 * rows * 64
 
-    slope = sharing.prefill_slope(gpu, 64)
+    slope = costs.prefill_slope(gpu, 64)
     assert slope == pytest.approx(2e-6)
     assert slope * 2 * 64 < gpu(2) / 10  # the average of a 2-row run would overstate it > 10x
-    assert sharing.prefill_slope(lambda rows: 5e-3, 64) > 0  # flat: still a positive cost
+    assert costs.prefill_slope(lambda rows: 5e-3, 64) > 0  # flat: still a positive cost
 
 
 def test_the_scores_leave_the_device_once(llama, monkeypatch):

@@ -1,0 +1,88 @@
+"""What a model's runs cost on its device (`Costs`: a prefill token, a decode step), measured by
+timing them (`measure`). Context sharing is decided from these numbers (sharing.worth_sharing);
+modeling keeps one measurement per device (`OrtModelForCausalLM.measured_costs`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from .decoder import Decoder
+from .inputs import Rows
+
+
+class Costs(NamedTuple):
+    """What a model costs on its device, in seconds: one more token in a large prefill batch,
+    and one decode step over a cache (a fixed part, and a part per row)."""
+
+    per_token: float
+    step: float
+    step_per_row: float
+
+
+@torch.inference_mode()
+def measure(decoder: Decoder) -> Costs | None:
+    """Time `decoder`'s runs (about a second on a small model on the CPU): the best of a few
+    64-token prefills over growing batches (`prefill_slope`) and of decode steps over 1 and 4 rows.
+    None, with a warning, where they cannot run (out of memory on a loaded device, say)."""
+    try:
+        return _timed_runs(decoder)
+    except RuntimeError as e:
+        warnings.warn(f"could not measure the model's costs ({e}); sharing is decided by token counts",
+                      stacklevel=3)
+        return None
+
+
+def _timed_runs(decoder: Decoder) -> Costs:
+    device = decoder.device
+    length = min(64, decoder.package.context_length - 2)
+    ids = torch.randint(4, decoder.vocab_size, (64, length), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def prefill(rows: int, cache=None) -> torch.Tensor:
+        batch = Rows(ids[:rows], None, torch.full((rows,), length, device=device), length)
+        last = torch.arange(rows, device=device) * length + length - 1  # the LM head at each row's last token
+        return decoder.prefill(batch, last, cache)
+
+    per_token = prefill_slope(lambda rows: _best_time(lambda: prefill(rows), device), length)
+    step = {}
+    for rows in (1, 4):
+        cache = decoder.new_cache(rows, length + 8)
+        prefill(rows, cache)
+        token, index = ids[:rows, :1], torch.arange(rows, device=device)
+        step[rows] = _best_time(lambda c=cache, t=token, i=index: decoder.step(t, c, i), device)
+    per_row = max(0.0, (step[4] - step[1]) / 3)
+    return Costs(per_token, max(0.0, step[1] - per_row), per_row)
+
+
+def prefill_slope(seconds_for_rows, length: int, most_rows: int = 64) -> float:
+    """Seconds per extra token of a prefill, where its time grows with its tokens.
+
+    `seconds_for_rows(r)` times a prefill of r rows of `length` tokens. The rows double from 2
+    until a run takes at least 1.5x the one before (or `most_rows`), and the slope between those
+    two runs is returned. On a CPU that is the first doubling; a GPU runs a few hundred tokens in
+    the time of its kernel launches, so its slope is read where the batch is large enough to cost
+    by the token, as lm-eval's batches do. (The average over a small run overstates a GPU's token
+    cost several times over, and made sharing look worth its decode steps: measured on an H100,
+    lm-eval chose sharing and ran 1.4x slower than without it.)"""
+    rows, before = 2, seconds_for_rows(2)
+    while True:
+        now = seconds_for_rows(2 * rows)
+        if now >= 1.5 * before or 2 * rows >= most_rows:
+            return max(now - before, 0.0) / (rows * length) or 1e-9
+        rows, before = 2 * rows, now
+
+
+def _best_time(fn, device: torch.device, repeats: int = 3) -> float:
+    def timed() -> float:
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    timed()  # warm-up, finished on the device before the first timed run
+    return min(timed() for _ in range(repeats))
