@@ -27,13 +27,17 @@ from pathlib import Path
 import httpx
 
 
-def make_requests(count: int, vocab: int, query_tokens: int, items: int, item_tokens: int, labels: int, seed: int):
+def make_requests(count: int, vocab: int, query_tokens: int, items: int, item_tokens: int, labels: int, seed: int,
+                  exact: bool = False):
+    """Request bodies: items of 1 to `item_tokens` tokens, or of exactly `item_tokens` (`exact`, as
+    SGLang's bench_score sends them)."""
     rng = random.Random(seed)
     label_ids = rng.sample(range(4, vocab), labels)
     for _ in range(count):
         yield {
             "query": [rng.randrange(4, vocab) for _ in range(query_tokens)],
-            "items": [[rng.randrange(4, vocab) for _ in range(rng.randint(1, item_tokens))] for _ in range(items)],
+            "items": [[rng.randrange(4, vocab) for _ in range(item_tokens if exact else rng.randint(1, item_tokens))]
+                      for _ in range(items)],
             "label_token_ids": label_ids,
             "apply_softmax": True,
         }

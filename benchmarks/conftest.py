@@ -59,10 +59,14 @@ SIZES = {
         decoders={"smollm2-fp32": fixtures.SMOLLM2, "smollm2-int4": fixtures.SMOLLM2_INT4},
         generate=dict(batches=(1, 8), prompt_lengths=(32, 128), new_tokens=32),
         lm_eval=dict(limit=30, batch_size=8),  # 30 questions: 120 loglikelihood requests
+        # The shapes of MMLU (5-shot, 300-900 tokens), HellaSwag and wikitext (2k-8k-token documents).
+        lm_eval_at_scale=dict(limits={"mmlu": 16, "hellaswag": 16, "rolling": 2}, batch_size=8),
         minicons=dict(sentences=320, batch_size=16),  # minicons' IncrementalLMScorer.sequence_score
         # score(): requests of one query and many short items; the server's load at a steady rate.
         score=dict(requests=2, query_tokens=120, items=16, item_tokens=20, labels=4),
-        server=dict(rate=1.0, duration=20.0, items=10),
+        # The server under open-loop load: requests of `items` items (of 1 to item_tokens tokens,
+        # or exactly that many with `exact`) after a query, at each of `rates` requests/s.
+        server=dict(rates=(1.0,), duration=20.0, query_tokens=120, items=10, item_tokens=20, labels=4, exact=False),
     ),
     "gpu": dict(
         device="cuda",
@@ -71,9 +75,14 @@ SIZES = {
         decoders={"qwen3-0.6b-bf16": QWEN3_0_6B, "smollm2-bf16": fixtures.SMOLLM2_BF16_CUDA},
         generate=dict(batches=(1, 16), prompt_lengths=(128, 512), new_tokens=64),
         lm_eval=dict(limit=100, batch_size=32),  # 100 questions: 400 loglikelihood requests
+        # 10,000 MMLU-shaped requests, 4,000 HellaSwag-shaped, 50 documents (about 250,000 tokens).
+        lm_eval_at_scale=dict(limits={"mmlu": 2500, "hellaswag": 1000, "rolling": 50}, batch_size=64),
         minicons=dict(sentences=320, batch_size=64),
         score=dict(requests=8, query_tokens=512, items=64, item_tokens=32, labels=4),
-        server=dict(rate=20.0, duration=15.0, items=32),
+        # SGLang's bench_score shape (a 120-token query, 10 items of 180 tokens, 2 labels), at rates
+        # of 400 to 1,600 items/s.
+        server=dict(rates=(40.0, 80.0, 120.0, 160.0), duration=30.0, query_tokens=120, items=10, item_tokens=180,
+                    labels=2, exact=True),
     ),
     "smoke": dict(
         device="cpu",
@@ -81,9 +90,10 @@ SIZES = {
         decoders={"tiny": TINY},
         generate=dict(batches=(1, 2), prompt_lengths=(4, 9), new_tokens=4),
         lm_eval=dict(limit=3, batch_size=8),
+        lm_eval_at_scale=dict(limits={"mmlu": 2, "hellaswag": 2, "rolling": 1}, batch_size=4),
         minicons=dict(sentences=8, batch_size=4),
         score=dict(requests=2, query_tokens=12, items=3, item_tokens=4, labels=2),
-        server=dict(rate=4.0, duration=1.0, items=2),
+        server=dict(rates=(4.0,), duration=1.0, query_tokens=12, items=2, item_tokens=4, labels=2, exact=False),
     ),
 }
 # Peers that run batch 1 only take minutes on the real model: measured on its fp32 package only.
@@ -97,6 +107,8 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("forward_key", list(size["forward"]), scope="module")
     if "decoder_key" in metafunc.fixturenames:
         metafunc.parametrize("decoder_key", list(size["decoders"]), scope="module")
+    if "server_rate" in metafunc.fixturenames:
+        metafunc.parametrize("server_rate", list(size["server"]["rates"]))
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

@@ -47,6 +47,19 @@ NOTES = {
     "alike (building the task, metrics, and lm-eval's environment report, about a second). "
     "`max_ll_diff_vs_fp32` / `same_choice_as_fp32` (half-precision packages): against transformers in "
     "fp32 on the same weights (lm-eval's `hf`, outside the clock).",
+    "lm-eval at scale": "lm-eval on the shapes users run (benchmarks/tasks: English prose from the reference "
+    "documentation that ships with Python, cut to exact token counts in the model's own tokenizer): `mmlu`, "
+    "{mmlu} questions of a 5-shot prompt of 300-900 tokens answered by one of four one-token letters (4 requests "
+    "each); `hellaswag`, {hellaswag} questions of a 40-120-token context and four 15-40-token continuations; "
+    "`rolling`, {rolling} documents of 2,000-8,000 tokens scored whole (`loglikelihood_rolling`, in windows of the "
+    "model's context length). Batch {scale_batch}. `ortmodule` decides context sharing from its measured costs, "
+    "`ortmodule-share-off` never shares, `ortmodule-share-on` always; `transformers` is lm-eval's `hf` in the "
+    "package's precision (fp32 beside an int4 package). Models load before the clock; the time is spent inside "
+    "the backend's `loglikelihood` (`loglikelihood_rolling`) calls. `tokens`: context + continuation of every "
+    "request; `of peak` counts 2 x weights x those tokens, the work of one forward over each request (sharing "
+    "does less). `max_ll_diff_vs_fp32` / `same_choice_as_fp32`: against transformers in fp32 on the same "
+    "weights (the `transformers` row itself for fp32 and int4 packages, a run outside the clock for half "
+    "precision); `_vs_ortmodule` against the `ortmodule` row.",
     "score": "`ortmodule.score` (SGLang's score API: {requests} requests of a {query_tokens}-token query and {items} "
     "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen "
     "automatically (`auto`) or off "
@@ -58,7 +71,11 @@ NOTES = {
     "ortmodule's model or transformers' on the same weights, nothing else changed. `max_diff_vs_transformers`: "
     "the largest difference of a sentence's summed log-probability.",
     "score server": "benchmarks/bench_score.py against `ortmodule serve` in its own process: open-loop "
-    "Poisson arrivals at `target_rate` requests/s; latency percentiles of the answered requests.",
+    "Poisson arrivals at `target_rate` requests/s; latency percentiles of the answered requests. In runs "
+    "that record `max_diff_vs_fp32`: requests of a {server_query}-token query and {server_items} items of "
+    "{server_item_tokens} tokens, {server_labels} label ids, softmax, as long as the rate's requests take "
+    "{server_duration:g} s to send; `max_diff_vs_fp32` compares the scores of three of the requests with "
+    "transformers in fp32 on the same weights.",
 }
 
 COMMAND = "python benchmarks/run.py --size {size}"
@@ -87,16 +104,21 @@ def note_values(size: str) -> dict:
     SIZES, SLOW_PEERS_ON, model_label = suite.SIZES, suite.SLOW_PEERS_ON, suite.model_label  # noqa: N806
 
     shapes = SIZES[size]
+    server = shapes["server"]
     (lo, hi), limit = shapes["generate"]["prompt_lengths"], shapes["lm_eval"]["limit"]
     slow = [model_label(key) for key in shapes["decoders"] if key in SLOW_PEERS_ON]
     return dict(prompt_lo=lo, prompt_hi=hi, new_tokens=shapes["generate"]["new_tokens"],
                 questions=limit or 200, batch_size=shapes["lm_eval"]["batch_size"],
                 slow_peers=", ".join(slow) or "no model of this size",
                 minicons_sentences=shapes["minicons"]["sentences"], minicons_batch=shapes["minicons"]["batch_size"],
+                **shapes["lm_eval_at_scale"]["limits"], scale_batch=shapes["lm_eval_at_scale"]["batch_size"],
+                server_query=server["query_tokens"], server_items=server["items"], server_labels=server["labels"],
+                server_item_tokens=(f"{server['item_tokens']}" if server["exact"] else f"1-{server['item_tokens']}"),
+                server_duration=server["duration"],
                 **shapes["score"])
 # Real-model workloads first: what users run.
-GROUP_ORDER = {"lm-eval loglikelihood": 0, "generate": 1, "score": 2, "minicons scoring": 3, "forward": 4,
-               "score server": 5}
+GROUP_ORDER = {"lm-eval loglikelihood": 0, "lm-eval at scale": 0.5, "generate": 1, "score": 2, "minicons scoring": 3,
+               "forward": 4, "score server": 5}
 
 
 def case(bench: dict) -> tuple[str, str]:

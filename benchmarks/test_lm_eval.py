@@ -53,12 +53,13 @@ def load(backend, fixture, batch_size, device):
 
 
 class RequestTime:
-    """Seconds spent in the backend's `loglikelihood` (tokenizing and scoring lm-eval's requests,
-    answers on the host), the part of an evaluation that depends on the backend."""
+    """Seconds spent in the backend's `loglikelihood` (or `loglikelihood_rolling`: tokenizing and
+    scoring lm-eval's requests, answers on the host), the part of an evaluation that depends on
+    the backend."""
 
-    def __init__(self, lm, monkeypatch):
+    def __init__(self, lm, monkeypatch, method: str = "loglikelihood"):
         self.seconds = 0.0
-        original = lm.loglikelihood
+        original = getattr(lm, method)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -67,7 +68,7 @@ class RequestTime:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        monkeypatch.setattr(lm, "loglikelihood", timed)
+        monkeypatch.setattr(lm, method, timed)
 
 
 class HostBytes:
@@ -166,8 +167,14 @@ def scored_tokens(lm, result, requests) -> int:
 ORTMODULE_ANSWERS = {}
 
 
-def answers(result) -> list[tuple[float, bool]]:
-    return [tuple(resp[0]) for sample in result.get("samples", {}).get(TASK, []) for resp in sample["resps"]]
+def answers(result, task: str = TASK) -> list[tuple[float, bool]]:
+    """Per request, (loglikelihood, is_greedy); a rolling request's answer is its loglikelihood alone."""
+    found = []
+    for sample in result.get("samples", {}).get(task, []):
+        for resp in sample["resps"]:
+            answer = resp[0]
+            found.append(tuple(answer) if isinstance(answer, (list, tuple)) else (answer, False))
+    return found
 
 
 def compare_with_ortmodule(benchmark, decoder_key, backend, result) -> None:
@@ -180,14 +187,18 @@ def compare_with_ortmodule(benchmark, decoder_key, backend, result) -> None:
     record_agreement(benchmark, "ortmodule", mine, ORTMODULE_ANSWERS.get(decoder_key))
 
 
-def record_agreement(benchmark, name: str, mine, theirs) -> None:
+def record_agreement(benchmark, name: str, mine, theirs, choices: int = 4) -> None:
     """`max_ll_diff_vs_<name>`: the largest loglikelihood difference between two runs' answers;
     `same_choice_as_<name>`: the share of questions whose chosen answer (the argmax over the four
-    choices) is the same. Nothing when the runs answered different requests."""
+    choices) is the same (none for `choices=0`: whole documents). Nothing when the runs answered
+    different requests."""
     if not theirs or len(theirs) != len(mine):
         return
     benchmark.extra_info[f"max_ll_diff_vs_{name}"] = round(max(abs(a[0] - b[0]) for a, b in zip(mine, theirs)), 4)
-    chosen = [[max(range(4), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(x)] * 4)] for x in (mine, theirs)]
+    if not choices:
+        return
+    chosen = [[max(range(choices), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(x)] * choices)]
+              for x in (mine, theirs)]
     benchmark.extra_info[f"same_choice_as_{name}"] = round(sum(a == b for a, b in zip(*chosen)) / len(chosen[0]), 4)
 
 
@@ -208,3 +219,66 @@ def compare_with_fp32(benchmark, fixture, decoder_key, task_manager, options, de
             model=reference, tasks=[TASK], task_manager=task_manager, limit=options["limit"], verbosity="ERROR"))
         del reference
     record_agreement(benchmark, "fp32", answers(result), FP32_ANSWERS[decoder_key])
+
+
+# ---- At scale: the shapes of MMLU, HellaSwag and wikitext, thousands of requests on a GPU ----------
+# (benchmarks/tasks/loaders.py: English prose cut to exact token counts in the model's tokenizer).
+WORKLOADS = {"mmlu": "ortmodule_bench_mmlu", "hellaswag": "ortmodule_bench_hellaswag",
+             "rolling": "ortmodule_bench_rolling"}
+# transformers first: on an fp32 or int4 package its fp32 answers are every other row's yardstick.
+SCALE_BACKENDS = ["hf", "ortmodule", "ortmodule-share-off", "ortmodule-share-on"]
+SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers
+
+
+@pytest.fixture(scope="module")
+def model_tasks(fixture):
+    """The task folder, with the model's tokenizer handed to the loaders (lm-eval's task metadata)."""
+    return TaskManager(include_path=TASK_DIR, metadata={"tokenizer": str(fixture.hf_dir)})
+
+
+@pytest.mark.benchmark(group="lm-eval at scale")
+@pytest.mark.parametrize("backend", SCALE_BACKENDS)
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_lm_eval_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, backend, monkeypatch):
+    if workload == "rolling" and backend in ("ortmodule-share-off", "ortmodule-share-on"):
+        pytest.skip("documents share no context: the sharing choice does not apply")
+    options = size["lm_eval_at_scale"]
+    task, limit, device = WORKLOADS[workload], options["limits"][workload], size.get("device", "cpu")
+    lm = load(backend, fixture, options["batch_size"], device)
+    if device != "cpu":  # CUDA's first calls (kernel selection, cuBLAS handles) stay off the clock
+        lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=model_tasks, limit=2, verbosity="ERROR")
+    benchmark.extra_info.update(backend=backend, case=workload, model=model_label(decoder_key),
+                                device=device_name(device), parameters=fixture.parameters())
+    reset_peak_rss()
+    clock = RequestTime(lm, monkeypatch, "loglikelihood_rolling" if workload == "rolling" else "loglikelihood")
+    result = benchmark.pedantic(lambda: lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=model_tasks,
+                                                                limit=limit, verbosity="ERROR"),
+                                rounds=1, iterations=1, warmup_rounds=0)
+    mine = answers(result, task)
+    tokens = sum(len(lm.tok_encode(context + continuation)) for sample in result["samples"][task]
+                 for context, continuation in (a if len(a) == 2 else ("", a[0]) for a in sample["arguments"]))
+    benchmark.extra_info.update(requests=len(mine), tokens=tokens, tokens_per_request=round(tokens / len(mine)),
+                                requests_s=round(clock.seconds, 4), peak_rss_mb=round(peak_rss_mb(), 1),
+                                requests_per_s=round(len(mine) / clock.seconds, 1),
+                                tokens_per_s=round(tokens / clock.seconds), flops=2 * fixture.parameters() * tokens)
+    metric = "acc,none" if workload != "rolling" else "word_perplexity,none"
+    benchmark.extra_info["acc" if workload != "rolling" else "word_perplexity"] = float(
+        f"{result['results'][task][metric]:.5g}")
+    SCALE_ANSWERS[decoder_key, workload, backend] = mine
+    choices = 0 if workload == "rolling" else 4
+    if backend != "ortmodule":
+        record_agreement(benchmark, "ortmodule", mine, SCALE_ANSWERS.get((decoder_key, workload, "ortmodule")),
+                         choices)
+    if fixture.spec.precision in ("bf16", "fp16"):
+        key = (decoder_key, workload, "fp32")
+        if key not in SCALE_ANSWERS:
+            reference = get_model("hf")(pretrained=str(fixture.hf_dir), dtype="float32", device=device,
+                                        batch_size=options["batch_size"])
+            SCALE_ANSWERS[key] = answers(lm_eval.simple_evaluate(model=reference, tasks=[task],
+                                                                 task_manager=model_tasks, limit=limit,
+                                                                 verbosity="ERROR"), task)
+            del reference
+        record_agreement(benchmark, "fp32", mine, SCALE_ANSWERS[key], choices)
+    elif backend != "hf":  # transformers ran fp32 on these weights (fp32 beside an int4 package)
+        record_agreement(benchmark, "fp32", mine, SCALE_ANSWERS.get((decoder_key, workload, "hf")), choices)
+

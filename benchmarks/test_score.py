@@ -3,13 +3,15 @@ tokens), ortmodule beside transformers on the same weights and onnxruntime-genai
 the same package; and the `/v1/score` server under open-loop load (benchmarks/bench_score.py)."""
 
 import asyncio
+import dataclasses
 
+import httpx
 import numpy as np
 import onnxruntime_genai as og
 import pytest
 import torch
 from bench_score import LocalServer, make_requests, run_load
-from conftest import SLOW_PEERS_ON, model_label, record_rate, reference_model
+from conftest import model_label, record_rate, reference_model
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM
@@ -116,22 +118,40 @@ def test_genai_score(benchmark, workload):
     record(benchmark, score, count(requests), workload)
 
 
-@pytest.mark.benchmark(group="score server")
-def test_ortmodule_server_load(benchmark, workload, size):
-    """Open-loop Poisson arrivals against `ortmodule serve` in its own process: latency percentiles."""
+@pytest.fixture(scope="module")
+def score_server(workload, size):
+    """`ortmodule serve` on the size's first package (the headline model), in its own process, for
+    every rate."""
     fixture, _, device, key = workload
-    if key not in SLOW_PEERS_ON:
-        pytest.skip("the server is measured on the fp32 package only")
-    benchmark.extra_info["model"] = model_label(key)
-    load = size["server"]
-    shape = size["score"]
+    if key != next(iter(size["decoders"])):
+        pytest.skip("the server is measured on the size's first package only")
     with LocalServer(fixture.package_dir, device) as server:
-        bodies = make_requests(int(load["rate"] * load["duration"] * 3) + 10, fixture.spec.vocab_size,
-                               shape["query_tokens"], load["items"], shape["item_tokens"], shape["labels"], seed=1)
-        result = benchmark.pedantic(lambda: asyncio.run(run_load(server.url, load["rate"], load["duration"], bodies)),
-                                    rounds=1, iterations=1)
-        groups = server.metrics()
+        yield server
+
+
+@pytest.mark.benchmark(group="score server")
+def test_ortmodule_server_load(benchmark, workload, score_server, size, server_rate):
+    """Open-loop Poisson arrivals at `server_rate` requests/s: latency percentiles and items/s, and
+    the answers to a few of the same requests against transformers in fp32 on the same weights."""
+    fixture, _, device, key = workload
+    load = size["server"]
+    benchmark.extra_info.update(model=model_label(key), case=f"{server_rate:g} requests/s")
+    shape = [load[k] for k in ("query_tokens", "items", "item_tokens", "labels")]
+    bodies = list(make_requests(int(server_rate * load["duration"] * 3) + 10, fixture.spec.vocab_size, *shape,
+                                seed=1, exact=load["exact"]))
+    before = score_server.metrics()
+    result = benchmark.pedantic(lambda: asyncio.run(run_load(score_server.url, server_rate, load["duration"], bodies)),
+                                rounds=1, iterations=1)
+    groups = score_server.metrics()
     assert result["ok"] == result["sent"] > 0, result
-    for key in ("target_rate", "p50_ms", "p90_ms", "p99_ms", "items_per_s"):
-        benchmark.extra_info[key] = result[key]
+    for name in ("target_rate", "p50_ms", "p90_ms", "p99_ms", "items_per_s"):
+        benchmark.extra_info[name] = result[name]
     benchmark.extra_info["largest_group"] = groups["largest_group"]
+    benchmark.extra_info["groups"] = groups["groups"] - before["groups"]
+    hf = reference_model(dataclasses.replace(fixture, spec=dataclasses.replace(fixture.spec, precision="fp32")), device)
+    with torch.inference_mode():
+        answers = [httpx.post(score_server.url + "/v1/score", json=body, timeout=120).json()["scores"]
+                   for body in bodies[:3]]
+        expected = [reference(hf, body) for body in bodies[:3]]
+    worst = max(np.abs(np.array(a) - np.array(e)).max() for a, e in zip(answers, expected))
+    benchmark.extra_info["max_diff_vs_fp32"] = float(f"{worst:.3g}")

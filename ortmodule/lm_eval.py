@@ -26,7 +26,7 @@ from .inputs import pad_right
 from .modeling import OrtModelForCausalLM
 from .package import read_package
 from .scoring import grouped_loglikelihood, loglikelihood
-from .sharing import worth_sharing
+from .sharing import common_prefix, worth_sharing
 
 
 def _sharing_choice(value) -> bool | str:
@@ -170,7 +170,10 @@ class OrtModuleLM(HFLM):
         by_context: dict[tuple, list[int]] = {}
         for i, (_, context, _) in enumerate(requests):
             by_context.setdefault(tuple(context), []).append(i)
-        groups = [group for group in by_context.values() if len(group) > 1]
+        # Rows cut on the left to max_length by different amounts (continuations of different
+        # lengths after a long context) no longer start alike: those run batched.
+        groups = [group for group in by_context.values()
+                  if len(group) > 1 and common_prefix([rows[i] for i in group]) > 0]
         if self._share is False or not groups:
             return []
         if self._share is True:

@@ -102,6 +102,27 @@ def test_context_sharing_on_off_and_auto_agree(build):
         evaluate("ortmodule", f"pretrained={fixture.package_dir},share_contexts=sometimes")
 
 
+def test_contexts_cut_to_max_length_score_alike_shared_or_not(build):
+    """A context longer than max_length, with continuations of different lengths: every row is cut
+    on the left by a different amount, so the rows of one context no longer start alike. Sharing
+    on, auto and off all give lm-eval hf's loglikelihoods on the same weights and max_length."""
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    context = list(range(40, 70))
+    requests = [(("", ""), context, list(range(100, 100 + n))) for n in (1, 3, 5)]
+    reference = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", max_length=20, device="cpu",
+                     batch_size=4)._loglikelihood_tokens(requests, disable_tqdm=True)
+    for share in ("true", "auto", "false"):
+        lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", max_length=20, batch_size=4,
+                         share_contexts=share)
+        for (lp, greedy), (ref_lp, ref_greedy) in zip(lm._loglikelihood_tokens(requests, disable_tqdm=True),
+                                                      reference, strict=True):
+            assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
+
+
 def test_hflm_accepts_a_loaded_model(build):
     """`OrtModuleLM(pretrained=<OrtModelForCausalLM>, tokenizer=...)` as with HFLM and a PreTrainedModel."""
     from ortmodule import OrtModelForCausalLM, load_tokenizer

@@ -28,3 +28,61 @@ def bench_mc(**kwargs) -> dict:
                 choices.append(" ".join(words[at : at + 7]))
         docs.append({"passage": passage, "choices": choices, "label": rng.randrange(4)})
     return {"test": datasets.Dataset.from_list(docs)}
+
+
+# ---- Workloads at the scale users run (benchmarks/test_lm_eval.py's `at scale` group) -----------
+# English prose available offline: the Python reference documentation that ships with Python
+# (pydoc_data), cut into spans of exact token counts in the evaluated model's tokenizer (lm-eval
+# passes the benchmark's `metadata`, here the tokenizer's folder, to the loader).
+
+LETTERS = ["A", "B", "C", "D"]
+
+
+class Spans:
+    """Text spans of a given number of tokens, drawn from the prose at random places."""
+
+    def __init__(self, tokenizer: str | None, seed: int):
+        from pydoc_data.topics import topics
+
+        from transformers import AutoTokenizer
+
+        self.text = " ".join(" ".join(topics[key].split()) for key in sorted(topics))
+        tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else train_tokenizer()
+        self.offsets = tok(self.text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+        self.rng = random.Random(seed)
+
+    def __call__(self, tokens: int) -> str:
+        start = self.rng.randrange(len(self.offsets) - tokens)
+        return self.text[self.offsets[start][0] : self.offsets[start + tokens - 1][1]].strip()
+
+
+def bench_mmlu(tokenizer: str | None = None, questions: int = 2500, **kwargs) -> dict:
+    """MMLU-shaped: a 5-shot prompt of 300-900 tokens (five answered questions and the one asked,
+    each with four short lettered options), answered by one of the letters A-D (one token each)."""
+    spans = Spans(tokenizer, seed=1)
+    docs = []
+    for _ in range(questions):
+        per_question = spans.rng.randint(300, 900) // 6  # tokens per block, five shots and the question
+        blocks = []
+        for shot in range(6):
+            options = "\n".join(f"{letter}. {spans(spans.rng.randint(2, 8))}" for letter in LETTERS)
+            block = f"Question: {spans(max(8, per_question - 30))}\n{options}\nAnswer:"
+            blocks.append(block + (f" {spans.rng.choice(LETTERS)}\n\n" if shot < 5 else ""))
+        docs.append({"prompt": "".join(blocks), "label": spans.rng.randrange(4)})
+    return {"test": datasets.Dataset.from_list(docs)}
+
+
+def bench_hellaswag(tokenizer: str | None = None, questions: int = 2000, **kwargs) -> dict:
+    """HellaSwag-shaped: a context of 40-120 tokens and four continuations of 15-40 tokens each."""
+    spans = Spans(tokenizer, seed=2)
+    docs = [{"prompt": spans(spans.rng.randint(40, 120)),
+             "choices": [spans(spans.rng.randint(15, 40)) for _ in LETTERS], "label": spans.rng.randrange(4)}
+            for _ in range(questions)]
+    return {"test": datasets.Dataset.from_list(docs)}
+
+
+def bench_rolling(tokenizer: str | None = None, documents: int = 100, **kwargs) -> dict:
+    """wikitext-shaped: documents of 2,000-8,000 tokens, scored whole (`loglikelihood_rolling`)."""
+    spans = Spans(tokenizer, seed=3)
+    docs = [{"page": spans(spans.rng.randint(2000, 8000))} for _ in range(documents)]
+    return {"test": datasets.Dataset.from_list(docs)}
