@@ -60,6 +60,13 @@ NOTES = {
     "does less). `max_ll_diff_vs_fp32` / `same_choice_as_fp32`: against transformers in fp32 on the same "
     "weights (the `transformers` row itself for fp32 and int4 packages, a run outside the clock for half "
     "precision); `_vs_ortmodule` against the `ortmodule` row.",
+    "host time": "benchmarks/test_host_time.py: the MMLU-shaped lm-eval workload ({host_questions} questions, "
+    "batch {host_batch}, sharing off) on a model of negligible compute with a real tokenizer, so that what is "
+    "left is the host's work. Per request: `loglikelihood_us_per_request`, the backend's `loglikelihood` "
+    "(lm-eval's tokenizing included); `ortmodule_us_per_request`, the part in ortmodule's "
+    "`_loglikelihood_tokens`; `onnxruntime_us_per_request`, the part of that in ONNX Runtime's `run` (on a "
+    "CPU the model's compute, on a GPU the launches); `host_us_per_request`, ortmodule's own host time (the "
+    "second less the third).",
     "score": "`ortmodule.score` (SGLang's score API: {requests} requests of a {query_tokens}-token query and {items} "
     "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen "
     "automatically (`auto`) or off "
@@ -114,7 +121,8 @@ def note_values(size: str) -> dict:
                 **shapes["lm_eval_at_scale"]["limits"], scale_batch=shapes["lm_eval_at_scale"]["batch_size"],
                 server_query=server["query_tokens"], server_items=server["items"], server_labels=server["labels"],
                 server_item_tokens=(f"{server['item_tokens']}" if server["exact"] else f"1-{server['item_tokens']}"),
-                server_duration=server["duration"],
+                server_duration=server["duration"], host_questions=shapes["host_time"]["questions"],
+                host_batch=shapes["host_time"]["batch_size"],
                 **shapes["score"])
 # Real-model workloads first: what users run.
 GROUP_ORDER = {"lm-eval loglikelihood": 0, "lm-eval at scale": 0.5, "generate": 1, "score": 2, "minicons scoring": 3,

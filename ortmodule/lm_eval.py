@@ -40,6 +40,18 @@ def _sharing_choice(value) -> bool | str:
     return "auto" if key == "auto" else key == "true"
 
 
+def _texts_to_encode(pairs) -> list[str]:
+    """The texts `TemplateLM._encode_pair` tokenizes for (context, continuation) pairs, each once:
+    context + continuation, and the context (trailing spaces moved to the continuation)."""
+    texts: dict[str, None] = {}
+    for context, continuation in pairs:
+        if context:
+            stripped = context.rstrip()
+            texts[context + continuation] = None
+            texts[stripped] = None
+    return list(texts)
+
+
 def leave_process_group() -> None:
     """Destroy torch.distributed's default process group, if one is up (as `accelerate launch`
     makes for data parallel). lm-eval never does, and gloo's worker threads still running when the
@@ -120,7 +132,38 @@ class OrtModuleLM(HFLM):
             return self._model.package.context_length
         return super().max_length
 
-    loglikelihood = _one_evaluation_at_a_time(HFLM.loglikelihood)
+    @_one_evaluation_at_a_time
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        """HFLM's, with the texts it will tokenize encoded first in batches, each once: a
+        multiple-choice question's context is encoded once for all its choices, not twice for each."""
+        self._encoded = self._encode_batched(_texts_to_encode(req.args for req in requests))
+        try:
+            return HFLM.loglikelihood(self, requests, disable_tqdm)
+        finally:
+            self._encoded = {}
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        known = getattr(self, "_encoded", {}).get(string) if add_special_tokens is None and not kwargs else None
+        if known is None:
+            return super().tok_encode(string, add_special_tokens, left_truncate_len, **kwargs)
+        return known[-left_truncate_len:] if left_truncate_len else list(known)
+
+    def _encode_batched(self, texts: list[str]) -> dict[str, list[int]]:
+        """`HFLM.tok_encode(text)` of every text, in one tokenizer call per special-token setting
+        (the Rust tokenizer's batch: no Python per text, threads where TOKENIZERS_PARALLELISM allows)."""
+        bos = self.tokenizer.decode(self.prefix_token_id) if self.prefix_token_id is not None else None
+        settings: dict[tuple, list[str]] = {}
+        for text in texts:
+            # tok_encode's rule: add_bos_token when set, and no special tokens before a text that starts with BOS
+            special = {} if self.add_bos_token is None else {"add_special_tokens": self.add_bos_token}
+            if bos and text.startswith(bos):
+                special = {"add_special_tokens": False}
+            settings.setdefault(tuple(special.items()), []).append(text)
+        encoded = {}
+        for special, group in settings.items():
+            encoded.update(zip(group, self.tokenizer(group, **dict(special))["input_ids"]))
+        return encoded
     loglikelihood_rolling = _one_evaluation_at_a_time(HFLM.loglikelihood_rolling)
     generate_until = _one_evaluation_at_a_time(HFLM.generate_until)
 

@@ -96,6 +96,8 @@ class FixtureSpec:
     # (None: the fixture's 8-token window on every other layer, so short inputs exercise it).
     sliding_window: int | None = None
     tie_word_embeddings: bool | None = None  # None: untied
+    # "smollm2": SmolLM2's real tokenizer (49,152 tokens, from the GGUF file); None: one trained on CORPUS.
+    tokenizer: str | None = None
 
     @property
     def name(self) -> str:
@@ -203,7 +205,10 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
 
     # Multimodal models reserve the vocabulary's last ids for media tokens: text never makes them.
     reserved = len(MEDIA_TOKENS) if spec.arch in MULTIMODAL else 0
-    tokenizer = train_tokenizer(min(TOKENIZER_VOCAB, spec.vocab_size - reserved))
+    if spec.tokenizer == "smollm2":
+        tokenizer = transformers.AutoTokenizer.from_pretrained(build(SMOLLM2).hf_dir)
+    else:
+        tokenizer = train_tokenizer(min(TOKENIZER_VOCAB, spec.vocab_size - reserved))
     tokenizer.model_max_length = spec.context_length
     if spec.arch in MULTIMODAL:
         (_gemma4_checkpoint if spec.arch in GEMMA4 else _qwen2_5_vl_checkpoint)(spec, out, tokenizer)

@@ -123,6 +123,31 @@ def test_contexts_cut_to_max_length_score_alike_shared_or_not(build):
             assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
 
 
+@pytest.mark.parametrize("add_bos_token", [None, True, False])
+def test_batched_encoding_equals_hflm_tok_encode(build, add_bos_token):
+    """The texts a loglikelihood call tokenizes are encoded in batches beforehand: each the same ids
+    as lm-eval's own `HFLM.tok_encode`, with and without add_bos_token, with a leading BOS or not."""
+    from lm_eval.models.huggingface import HFLM
+    from tokenizers.processors import TemplateProcessing
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    extra = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
+    ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", **extra)
+    theirs = HFLM(pretrained=str(fixture.hf_dir), device="cpu", **extra)
+    for lm in (ours, theirs):  # a tokenizer that adds BOS, so that the special-token rules show
+        lm.tokenizer._tokenizer.post_processor = TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", lm.tokenizer.bos_token_id)])
+    bos = theirs.tokenizer.decode(theirs.prefix_token_id)
+    assert theirs.tokenizer("a")["input_ids"][0] == theirs.prefix_token_id
+    texts = ["the cat sat", " the cat sat ", bos + "the cat", "3 + 4 = 7", "", "x" * 500]
+    encoded = ours._encode_batched(texts)
+    assert encoded == {text: theirs.tok_encode(text) for text in texts}
+    ours._encoded = encoded
+    assert ours.tok_encode("3 + 4 = 7", left_truncate_len=2) == theirs.tok_encode("3 + 4 = 7", left_truncate_len=2)
+
+
 def test_hflm_accepts_a_loaded_model(build):
     """`OrtModuleLM(pretrained=<OrtModelForCausalLM>, tokenizer=...)` as with HFLM and a PreTrainedModel."""
     from ortmodule import OrtModelForCausalLM, load_tokenizer

@@ -1,0 +1,82 @@
+"""The host's time per lm-eval request: what ortmodule spends around ONNX Runtime, measured where
+the model's compute is negligible (one layer, hidden size 64) and the tokenizer is a real one
+(SmolLM2's, 49,152 tokens), so that it can be measured and improved on a CPU for the GPU's sake: on
+a GPU this time either hides behind the device's or stalls it.
+
+The MMLU-shaped workload (benchmarks/tasks; 5-shot prompts of 300-900 tokens, four one-token
+letters). Per request: the time in the backend's `loglikelihood` (lm-eval's tokenizing included),
+the part of it in ortmodule's `_loglikelihood_tokens` (batching, padding, copies, the log-softmax
+and gather), and the part of that in ONNX Runtime's `run`. ortmodule's own host time is the middle
+one less the last. transformers (lm-eval's `hf`) runs the same weights beside it.
+"""
+
+import time
+from pathlib import Path
+
+import lm_eval
+import pytest
+from conftest import device_name
+from lm_eval.api.registry import get_model
+from lm_eval.tasks import TaskManager
+
+import ortmodule.lm_eval  # noqa: F401  (registers the backend)
+from ortmodule import runtime
+from ortmodule_dev import fixtures
+
+TASK = "ortmodule_bench_mmlu"
+# Negligible compute, a real tokenizer and vocabulary: what is left is the host's work.
+HOST_PROBE = fixtures.FixtureSpec("llama", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                                  intermediate_size=128, vocab_size=49152, context_length=8192, tokenizer="smollm2")
+
+
+class Clock:
+    """Seconds spent inside `owner.name` (patched for the test)."""
+
+    def __init__(self, monkeypatch, owner, name: str):
+        self.seconds = 0.0
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        monkeypatch.setattr(owner, name, timed)
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return fixtures.build(HOST_PROBE)
+
+
+@pytest.mark.benchmark(group="host time")
+@pytest.mark.parametrize("backend", ["ortmodule", "hf"])
+def test_host_time_per_request(benchmark, probe, size, backend, monkeypatch):
+    options = size["host_time"]
+    device = size.get("device", "cpu")
+    tasks = TaskManager(include_path=str(Path(__file__).parent / "tasks"), metadata={"tokenizer": str(probe.hf_dir)})
+    if backend == "ortmodule":
+        lm = get_model("ortmodule")(pretrained=str(probe.package_dir), device=device,
+                                    batch_size=options["batch_size"], share_contexts="false")
+    else:
+        lm = get_model("hf")(pretrained=str(probe.hf_dir), dtype="float32", device=device,
+                             batch_size=options["batch_size"])
+    lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, limit=2, verbosity="ERROR")  # warm-up
+    requests = Clock(monkeypatch, lm, "loglikelihood")
+    if backend == "ortmodule":
+        scoring = Clock(monkeypatch, lm, "_loglikelihood_tokens")
+        onnxruntime = Clock(monkeypatch, runtime.Session, "run")
+    result = benchmark.pedantic(lambda: lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks,
+                                                                limit=options["questions"], verbosity="ERROR"),
+                                rounds=1, iterations=1)
+    count = result["n-samples"][TASK]["effective"] * 4
+    benchmark.extra_info.update(backend=backend, model="a 1-layer, hidden-64 Llama with SmolLM2's tokenizer "
+                                "(negligible compute)", device=device_name(device), requests=count,
+                                requests_s=round(requests.seconds, 4),
+                                loglikelihood_us_per_request=round(1e6 * requests.seconds / count))
+    if backend == "ortmodule":
+        benchmark.extra_info["ortmodule_us_per_request"] = round(1e6 * scoring.seconds / count)
+        benchmark.extra_info["onnxruntime_us_per_request"] = round(1e6 * onnxruntime.seconds / count)
+        benchmark.extra_info["host_us_per_request"] = round(1e6 * (scoring.seconds - onnxruntime.seconds) / count)
