@@ -126,7 +126,7 @@ def note_values(size: str) -> dict:
                 **shapes["score"])
 # Real-model workloads first: what users run.
 GROUP_ORDER = {"lm-eval loglikelihood": 0, "lm-eval at scale": 0.5, "generate": 1, "score": 2, "minicons scoring": 3,
-               "forward": 4, "score server": 5}
+               "forward": 4, "score server": 5, "host time": 6}
 
 
 def case(bench: dict) -> tuple[str, str]:
