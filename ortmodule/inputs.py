@@ -67,6 +67,15 @@ def kept_positions(keep, length: int, device: torch.device) -> torch.Tensor | No
     return torch.arange(length - keep, length, device=device)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the work queued there: on CUDA through pinned
+    memory (a copy from pageable memory, or a blocking one, would make the host wait for the runs
+    before it, and leave the device idle while the host builds the next batch)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id lists as a right-padded int64 batch on the host, and its attention mask."""
     width = max(len(row) for row in rows)
@@ -175,7 +184,7 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
         _refuse_positions()
 
     def up(tensor):  # host tensors are copied up without waiting for the device
-        return tensor.to(device, non_blocking=True)
+        return to_device(tensor, device)
 
     if not flags["left_padded"]:
         return Rows(up(ids), None, up(counts), flags["longest"])

@@ -25,7 +25,7 @@ from .hf import build_config
 from .inputs import pad_right
 from .modeling import OrtModelForCausalLM
 from .package import read_package
-from .scoring import grouped_loglikelihood, loglikelihood
+from .scoring import answers, grouped_loglikelihood_totals, loglikelihood_totals
 from .sharing import common_prefix, worth_sharing
 
 
@@ -193,19 +193,27 @@ class OrtModuleLM(HFLM):
             starts.append(len(row) - len(continuation))
         progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                         desc="Running loglikelihood requests")
-        results: list = [None] * len(requests)
+        # Every batch's answers stay on the device until the end: on CUDA the host builds the next
+        # batch while one runs, and reads all the answers back in one copy.
+        pending: list[tuple[list[int], torch.Tensor]] = []
         shared = self._shared_context_groups(requests, rows, starts) if isinstance(self.batch_size, int) else []
         for batch in self._group_batches(shared):
-            answers = grouped_loglikelihood(
-                self._model, [rows[i] for i, _ in batch], [g for _, g in batch], [starts[i] for i, _ in batch],
-                [requests[i][2] for i, _ in batch],
-            )
-            for (i, _), answer in zip(batch, answers):
-                self._record(requests[i], answer, results, i, progress)
+            chunk = [i for i, _ in batch]
+            pending.append((chunk, grouped_loglikelihood_totals(
+                self._model, [rows[i] for i in chunk], [g for _, g in batch], [starts[i] for i in chunk],
+                [requests[i][2] for i in chunk])))
+            progress.update(len(chunk))
         done = {i for group in shared for i in group}
         rest = [i for i in range(len(requests)) if i not in done]
-        self._batched(requests, rows, starts, rest, results, progress, override_bs)
+        pending += self._batched(requests, rows, starts, rest, progress, override_bs)
         progress.close()
+        results: list = [None] * len(requests)
+        if pending:
+            order = [i for chunk, _ in pending for i in chunk]
+            for i, answer in zip(order, answers(torch.cat([totals for _, totals in pending], dim=1))):
+                results[i] = answer
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         return results
 
     def _shared_context_groups(self, requests, rows, starts) -> list[list[int]]:
@@ -236,14 +244,9 @@ class OrtModuleLM(HFLM):
         if batch:
             yield batch
 
-    def _record(self, request, answer, results, index, progress) -> None:
-        results[index] = answer
-        if request[0] is not None:
-            self.cache_hook.add_partial("loglikelihood", request[0], answer)
-        progress.update(1)
-
-    def _batched(self, requests, rows, starts, indices, results, progress, override_bs) -> None:
-        """Right-padded batches, longest first (HFLM's order), one prefill each."""
+    def _batched(self, requests, rows, starts, indices, progress, override_bs) -> list[tuple[list[int], torch.Tensor]]:
+        """Right-padded batches, longest first (HFLM's order), one prefill each: per batch, its
+        requests and their answers on the device (`loglikelihood_totals`)."""
         # Items shaped like requests, (key, context, continuation), as HFLM's batch-size search reads them.
         items = [(i, requests[i][1], requests[i][2]) for i in indices]
         reordered = Collator(items, sort_fn=lambda item: (-len(rows[item[0]]), tuple(rows[item[0]])))
@@ -253,9 +256,11 @@ class OrtModuleLM(HFLM):
         if batch_fn is not None:
             self.batch_sizes = {}
         pad = self.tokenizer.pad_token_id or 0
+        pending = []
         for chunk in reordered.get_batched(n=batch_size, batch_fn=batch_fn):
             chunk = [i for i, _, _ in chunk]
             ids, mask = pad_right([rows[i] for i in chunk], pad)
-            answers = loglikelihood(self._model, ids, mask, [starts[i] for i in chunk], [requests[i][2] for i in chunk])
-            for i, answer in zip(chunk, answers):
-                self._record(requests[i], answer, results, i, progress)
+            pending.append((chunk, loglikelihood_totals(self._model, ids, mask, [starts[i] for i in chunk],
+                                                        [requests[i][2] for i in chunk])))
+            progress.update(len(chunk))
+        return pending

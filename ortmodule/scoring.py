@@ -11,13 +11,11 @@ from collections.abc import Sequence
 import torch
 
 from . import runtime
-from .inputs import outside_vocabulary, pad_right, vocabulary_message
+from .inputs import outside_vocabulary, pad_right, to_device, vocabulary_message
 from .modeling import OrtModelForCausalLM
 from .sharing import common_prefix, shared_prefix_logits, worth_sharing
 
 
-@runtime.out_of_memory_is_runtime_error
-@torch.inference_mode()
 def loglikelihood(
     model: OrtModelForCausalLM,
     input_ids: torch.Tensor,
@@ -30,6 +28,28 @@ def loglikelihood(
     Row i's targets are predicted by the logits at positions `starts[i], starts[i] + 1, ...` of the
     padded input (for a row holding context + continuation[:-1], `starts[i] = len(context) - 1`).
     """
+    return answers(loglikelihood_totals(model, input_ids, attention_mask, starts, targets))
+
+
+def answers(totals: torch.Tensor) -> list[tuple[float, bool]]:
+    """(loglikelihood, is_greedy) per row of `[2, rows]` totals (`loglikelihood_totals`, several
+    batches' concatenated): the one device-to-host copy."""
+    summary = totals.cpu()
+    return [(s, m == 0) for s, m in zip(summary[0].tolist(), summary[1].tolist())]
+
+
+@runtime.out_of_memory_is_runtime_error
+@torch.inference_mode()
+def loglikelihood_totals(
+    model: OrtModelForCausalLM,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    starts: Sequence[int],
+    targets: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """`loglikelihood`'s answers left on the device, `[2, rows]` float32: per row the summed
+    log-probability of its targets and how many of them are not the greedy token. On CUDA nothing
+    here waits for the device, so the caller builds its next batch while this one runs."""
     batch = input_ids.shape[0]
     if len(starts) != batch or len(targets) != batch:
         raise ValueError(f"starts and targets need one entry per row: {batch} rows, got {len(starts)} and "
@@ -45,13 +65,13 @@ def loglikelihood(
     rows = torch.repeat_interleave(torch.arange(batch), torch.tensor(counts))
     cols = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
     device = model.device
-    rows, cols = rows.to(device), cols.to(device)
-    target = torch.tensor(flat_targets, device=device)
+    rows, cols = to_device(rows, device), to_device(cols, device)
+    target = to_device(torch.tensor(flat_targets), device)
 
     logits = model.logits_at(input_ids, attention_mask, rows, cols)  # [n, V]
     totals = _Totals(batch, device)
     totals.add(logits, target, rows)
-    return totals.results()
+    return totals.tensor()
 
 
 class _Totals:
@@ -66,26 +86,26 @@ class _Totals:
         self.sums.index_add_(0, rows, torch.log_softmax(logits.float(), dim=-1).gather(1, target[:, None]).squeeze(1))
         self.missed.index_add_(0, rows, (logits.argmax(-1) != target).float())
 
-    def results(self) -> list[tuple[float, bool]]:
-        summary = torch.stack([self.sums, self.missed]).cpu()
-        return [(s, m == 0) for s, m in zip(summary[0].tolist(), summary[1].tolist())]
+    def tensor(self) -> torch.Tensor:
+        return torch.stack([self.sums, self.missed])
 
 
 @torch.inference_mode()
-def grouped_loglikelihood(
+def grouped_loglikelihood_totals(
     model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], starts: list[int], targets: list[Ids]
-) -> list[tuple[float, bool]]:
-    """`loglikelihood` for rows whose groups share a prefix (a question's context and its choices):
-    each group's prefix runs once, the rest of each row one decode step per token
-    (`shared_prefix_logits`). Same results as `loglikelihood` on the padded rows."""
+) -> torch.Tensor:
+    """`loglikelihood_totals` for rows whose groups share a prefix (a question's context and its
+    choices): each group's prefix runs once, the rest of each row one decode step per token
+    (`shared_prefix_logits`). Same results as on the padded rows."""
     device = model.device
     needed = [list(range(start, start + len(target))) for start, target in zip(starts, targets)]
-    flat_targets = torch.tensor([t for target in targets for t in target], device=device)
-    owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(t) for t in targets])).to(device)
+    flat_targets = to_device(torch.tensor([t for target in targets for t in target]), device)
+    owner = to_device(torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(t) for t in targets])),
+                      device)
     totals = _Totals(len(rows), device)
     for pairs, logits in shared_prefix_logits(model, rows, groups, needed):
         totals.add(logits, flat_targets[pairs], owner[pairs])
-    return totals.results()
+    return totals.tensor()
 
 
 Ids = list[int]
