@@ -84,7 +84,7 @@ SIZES = {
         score=dict(requests=8, query_tokens=512, items=64, item_tokens=32, labels=4),
         # SGLang's bench_score shape (a 120-token query, 10 items of 180 tokens, 2 labels), at rates
         # of 400 to 1,600 items/s.
-        server=dict(rates=(40.0, 80.0, 120.0, 160.0), duration=30.0, query_tokens=120, items=10, item_tokens=180,
+        server=dict(rates=(40.0, 80.0, 120.0, 160.0), duration=15.0, query_tokens=120, items=10, item_tokens=180,
                     labels=2, exact=True),
     ),
     "smoke": dict(
@@ -324,6 +324,18 @@ def device_name(device: str) -> str:
     import torch
 
     return "cpu" if device == "cpu" else torch.cuda.get_device_name(device)
+
+
+def transformers_scores(hf, request):
+    """Score-API scores as a transformers user writes them: the items left-padded in one batch, logits_to_keep=1."""
+    import torch
+
+    prompts = [request["query"] + item for item in request["items"]]
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
+    logits = hf(ids, attention_mask=mask, logits_to_keep=1).logits[:, -1]
+    return torch.softmax(torch.log_softmax(logits.float(), -1)[:, request["label_token_ids"]], -1).tolist()
 
 
 def record_rate(benchmark, fn, units: int, unit: str, device: str, rounds: int):

@@ -1,0 +1,69 @@
+"""What the lm-eval benchmarks share: loading each backend, the clock on its loglikelihood calls,
+and the agreement of two runs' answers."""
+
+import time
+from pathlib import Path
+
+from lm_eval.api.registry import get_model
+
+import ortmodule.lm_eval  # noqa: F401  (registers the backend)
+
+TASK_DIR = str(Path(__file__).parent / "tasks")
+# ortmodule with its context sharing decided from the measured costs (auto), off, and always on.
+SHARING = {"ortmodule": "auto", "ortmodule-share-off": "false", "ortmodule-share-on": "true"}
+
+
+def load(backend, fixture, batch_size, device):
+    if backend in SHARING:
+        return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
+                                      share_contexts=SHARING[backend])
+    if backend == "hf":
+        dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int4": "float32"}[fixture.spec.precision]
+        return get_model("hf")(pretrained=str(fixture.hf_dir), dtype=dtype, device=device, batch_size=batch_size)
+    # lm-eval's ONNX backends, and the two peers built on their base, run batch 1 only.
+    return get_model(backend)(pretrained=str(fixture.package_dir),
+                              execution_provider="cuda" if device != "cpu" else "cpu")
+
+
+class RequestTime:
+    """Seconds spent in the backend's `loglikelihood` (or `loglikelihood_rolling`: tokenizing and
+    scoring lm-eval's requests, answers on the host), the part of an evaluation that depends on
+    the backend."""
+
+    def __init__(self, lm, monkeypatch, method: str = "loglikelihood"):
+        self.seconds = 0.0
+        original = getattr(lm, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        monkeypatch.setattr(lm, method, timed)
+
+
+def answers(result, task: str) -> list[tuple[float, bool]]:
+    """Per request, (loglikelihood, is_greedy); a rolling request's answer is its loglikelihood alone."""
+    found = []
+    for sample in result.get("samples", {}).get(task, []):
+        for resp in sample["resps"]:
+            answer = resp[0]
+            found.append(tuple(answer) if isinstance(answer, (list, tuple)) else (answer, False))
+    return found
+
+
+def record_agreement(benchmark, name: str, mine, theirs, choices: int = 4) -> None:
+    """`max_ll_diff_vs_<name>`: the largest loglikelihood difference between two runs' answers;
+    `same_choice_as_<name>`: the share of questions whose chosen answer (the argmax over the four
+    choices) is the same (none for `choices=0`: whole documents). Nothing when the runs answered
+    different requests."""
+    if not theirs or len(theirs) != len(mine):
+        return
+    benchmark.extra_info[f"max_ll_diff_vs_{name}"] = round(max(abs(a[0] - b[0]) for a, b in zip(mine, theirs)), 4)
+    if not choices:
+        return
+    chosen = [[max(range(choices), key=lambda i, r=rows: r[i][0]) for rows in zip(*[iter(x)] * choices)]
+              for x in (mine, theirs)]
+    benchmark.extra_info[f"same_choice_as_{name}"] = round(sum(a == b for a, b in zip(*chosen)) / len(chosen[0]), 4)

@@ -1,0 +1,80 @@
+"""lm-eval at the scale users run: MMLU-, HellaSwag- and wikitext-shaped workloads
+(benchmarks/tasks/loaders.py: English prose from the documentation that ships with Python, cut to
+exact token counts in the model's tokenizer), thousands of requests at the GPU size; ortmodule beside
+lm-eval's `hf` backend on the same weights, every row's answers against transformers in fp32.
+(Kept apart from test_lm_eval.py, so that `-k lm_eval` selects the small workload alone.)"""
+
+import lm_eval
+import pytest
+from conftest import device_name, model_label, peak_rss_mb, reset_peak_rss
+from evaluation import TASK_DIR, RequestTime, answers, load, record_agreement
+from lm_eval.api.registry import get_model
+from lm_eval.tasks import TaskManager
+
+from ortmodule_dev import fixtures
+
+
+@pytest.fixture(scope="module")
+def fixture(size, decoder_key):
+    return fixtures.build(size["decoders"][decoder_key])
+
+
+WORKLOADS = {"mmlu": "ortmodule_bench_mmlu", "hellaswag": "ortmodule_bench_hellaswag",
+             "rolling": "ortmodule_bench_rolling"}
+# transformers first: on an fp32 or int4 package its fp32 answers are every other row's yardstick.
+SCALE_BACKENDS = ["hf", "ortmodule", "ortmodule-share-off", "ortmodule-share-on"]
+SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers
+
+
+@pytest.fixture(scope="module")
+def model_tasks(fixture):
+    """The task folder, with the model's tokenizer handed to the loaders (lm-eval's task metadata)."""
+    return TaskManager(include_path=TASK_DIR, metadata={"tokenizer": str(fixture.hf_dir)})
+
+
+@pytest.mark.benchmark(group="lm-eval at scale")
+@pytest.mark.parametrize("backend", SCALE_BACKENDS)
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, backend, monkeypatch):
+    if workload == "rolling" and backend in ("ortmodule-share-off", "ortmodule-share-on"):
+        pytest.skip("documents share no context: the sharing choice does not apply")
+    options = size["lm_eval_at_scale"]
+    task, limit, device = WORKLOADS[workload], options["limits"][workload], size.get("device", "cpu")
+    lm = load(backend, fixture, options["batch_size"], device)
+    if device != "cpu":  # CUDA's first calls (kernel selection, cuBLAS handles) stay off the clock
+        lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=model_tasks, limit=2, verbosity="ERROR")
+    benchmark.extra_info.update(backend=backend, case=workload, model=model_label(decoder_key),
+                                device=device_name(device), parameters=fixture.parameters())
+    reset_peak_rss()
+    clock = RequestTime(lm, monkeypatch, "loglikelihood_rolling" if workload == "rolling" else "loglikelihood")
+    result = benchmark.pedantic(lambda: lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=model_tasks,
+                                                                limit=limit, verbosity="ERROR"),
+                                rounds=1, iterations=1, warmup_rounds=0)
+    mine = answers(result, task)
+    tokens = sum(len(lm.tok_encode(context + continuation)) for sample in result["samples"][task]
+                 for context, continuation in (a if len(a) == 2 else ("", a[0]) for a in sample["arguments"]))
+    benchmark.extra_info.update(requests=len(mine), tokens=tokens, tokens_per_request=round(tokens / len(mine)),
+                                requests_s=round(clock.seconds, 4), peak_rss_mb=round(peak_rss_mb(), 1),
+                                requests_per_s=round(len(mine) / clock.seconds, 1),
+                                tokens_per_s=round(tokens / clock.seconds), flops=2 * fixture.parameters() * tokens)
+    metric = "acc,none" if workload != "rolling" else "word_perplexity,none"
+    benchmark.extra_info["acc" if workload != "rolling" else "word_perplexity"] = float(
+        f"{result['results'][task][metric]:.5g}")
+    SCALE_ANSWERS[decoder_key, workload, backend] = mine
+    choices = 0 if workload == "rolling" else 4
+    if backend != "ortmodule":
+        record_agreement(benchmark, "ortmodule", mine, SCALE_ANSWERS.get((decoder_key, workload, "ortmodule")),
+                         choices)
+    if fixture.spec.precision in ("bf16", "fp16"):
+        key = (decoder_key, workload, "fp32")
+        if key not in SCALE_ANSWERS:
+            reference = get_model("hf")(pretrained=str(fixture.hf_dir), dtype="float32", device=device,
+                                        batch_size=options["batch_size"])
+            SCALE_ANSWERS[key] = answers(lm_eval.simple_evaluate(model=reference, tasks=[task],
+                                                                 task_manager=model_tasks, limit=limit,
+                                                                 verbosity="ERROR"), task)
+            del reference
+        record_agreement(benchmark, "fp32", mine, SCALE_ANSWERS[key], choices)
+    elif backend != "hf":  # transformers ran fp32 on these weights (fp32 beside an int4 package)
+        record_agreement(benchmark, "fp32", mine, SCALE_ANSWERS.get((decoder_key, workload, "hf")), choices)
+

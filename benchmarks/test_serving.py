@@ -1,0 +1,59 @@
+"""`ortmodule serve` under open-loop load (benchmarks/bench_score.py): Poisson arrivals of score
+requests at fixed rates (SGLang's bench_score shape on the GPU), latency percentiles and items/s,
+and the answers against transformers in fp32 on the same weights."""
+
+import asyncio
+import dataclasses
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from bench_score import LocalServer, make_requests, run_load
+from conftest import model_label, reference_model, transformers_scores
+
+from ortmodule_dev import fixtures
+
+
+@pytest.fixture(scope="module")
+def workload(size, decoder_key):
+    return fixtures.build(size["decoders"][decoder_key]), size["device"], decoder_key
+
+
+@pytest.fixture(scope="module")
+def score_server(workload, size):
+    """`ortmodule serve` on the size's first package (the headline model), in its own process, for
+    every rate."""
+    fixture, device, key = workload
+    if key != next(iter(size["decoders"])):
+        pytest.skip("the server is measured on the size's first package only")
+    with LocalServer(fixture.package_dir, device) as server:
+        yield server
+
+
+@pytest.mark.benchmark(group="score server")
+def test_ortmodule_server_load(benchmark, workload, score_server, size, server_rate):
+    """Open-loop Poisson arrivals at `server_rate` requests/s: latency percentiles and items/s, and
+    the answers to a few of the same requests against transformers in fp32 on the same weights."""
+    fixture, device, key = workload
+    load = size["server"]
+    benchmark.extra_info.update(model=model_label(key), case=f"{server_rate:g} requests/s")
+    shape = [load[k] for k in ("query_tokens", "items", "item_tokens", "labels")]
+    bodies = list(make_requests(int(server_rate * load["duration"] * 3) + 10, fixture.spec.vocab_size, *shape,
+                                seed=1, exact=load["exact"]))
+    before = score_server.metrics()
+    result = benchmark.pedantic(lambda: asyncio.run(run_load(score_server.url, server_rate, load["duration"], bodies)),
+                                rounds=1, iterations=1)
+    groups = score_server.metrics()
+    assert result["ok"] == result["sent"] > 0, result
+    for name in ("target_rate", "p50_ms", "p90_ms", "p99_ms", "items_per_s"):
+        benchmark.extra_info[name] = result[name]
+    benchmark.extra_info["largest_group"] = groups["largest_group"]
+    benchmark.extra_info["groups"] = groups["groups"] - before["groups"]
+    hf = reference_model(dataclasses.replace(fixture, spec=dataclasses.replace(fixture.spec, precision="fp32")), device)
+    with torch.inference_mode():
+        answers = [httpx.post(score_server.url + "/v1/score", json=body, timeout=120).json()["scores"]
+                   for body in bodies[:3]]
+        expected = [transformers_scores(hf, body) for body in bodies[:3]]
+    worst = max(np.abs(np.array(a) - np.array(e)).max() for a, e in zip(answers, expected))
+    benchmark.extra_info["max_diff_vs_fp32"] = float(f"{worst:.3g}")
