@@ -287,6 +287,12 @@ FOOTER = """## How to reproduce, and the GPU table
   lm-eval table adds the fraction of the GPU's peak dense bf16 throughput that scoring reaches
   (2 x parameters x tokens / time) and, for each backend, the largest loglikelihood difference
   from ortmodule's and the share of questions with the same chosen answer.
+- The files, by workload: test_lm_eval.py (the small multiple-choice task, every backend and
+  peer), test_scale.py (MMLU-, HellaSwag- and wikitext-shaped lm-eval at scale), test_generate.py,
+  test_score.py (`ortmodule.score`), test_minicons.py, test_forward.py, test_serving.py (the
+  `/v1/score` server under load at fixed rates) and test_host_time.py (the host's time per request);
+  `-k` picks one, e.g. `python benchmarks/run.py --size gpu -k "at_scale and mmlu" --json
+  benchmarks/results/gpu-mmlu.json`.
 - CI runs every workload once with tiny shapes (`pytest benchmarks --benchmark-disable
   --bench-size smoke`) so the suite never rots; those runs time nothing.
 - CPU timings on a small VM vary by about 20% from run to run; compare ratios within one page.
