@@ -25,14 +25,14 @@ def load(backend, fixture, batch_size, device):
                               execution_provider="cuda" if device != "cpu" else "cpu")
 
 
-class RequestTime:
-    """Seconds spent in the backend's `loglikelihood` (or `loglikelihood_rolling`: tokenizing and
-    scoring lm-eval's requests, answers on the host), the part of an evaluation that depends on
-    the backend."""
+class Clock:
+    """Seconds spent inside `owner.name` while the test runs (patched through `monkeypatch`): for
+    lm-eval, the backend's `loglikelihood` (or `loglikelihood_rolling`: tokenizing and scoring the
+    requests, answers on the host), the part of an evaluation that depends on the backend."""
 
-    def __init__(self, lm, monkeypatch, method: str = "loglikelihood"):
+    def __init__(self, monkeypatch, owner, name: str = "loglikelihood"):
         self.seconds = 0.0
-        original = getattr(lm, method)
+        original = getattr(owner, name)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -41,7 +41,7 @@ class RequestTime:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        monkeypatch.setattr(lm, method, timed)
+        monkeypatch.setattr(owner, name, timed)
 
 
 def answers(result, task: str) -> list[tuple[float, bool]]:

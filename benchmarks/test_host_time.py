@@ -10,12 +10,12 @@ and gather), and the part of that in ONNX Runtime's `run`. ortmodule's own host 
 one less the last. transformers (lm-eval's `hf`) runs the same weights beside it.
 """
 
-import time
 from pathlib import Path
 
 import lm_eval
 import pytest
 from conftest import device_name
+from evaluation import Clock
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
@@ -27,23 +27,6 @@ TASK = "ortmodule_bench_mmlu"
 # Negligible compute, a real tokenizer and vocabulary: what is left is the host's work.
 HOST_PROBE = fixtures.FixtureSpec("llama", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                                   intermediate_size=128, vocab_size=49152, context_length=8192, tokenizer="smollm2")
-
-
-class Clock:
-    """Seconds spent inside `owner.name` (patched for the test)."""
-
-    def __init__(self, monkeypatch, owner, name: str):
-        self.seconds = 0.0
-        original = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        monkeypatch.setattr(owner, name, timed)
 
 
 @pytest.fixture(scope="module")

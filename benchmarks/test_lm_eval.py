@@ -13,7 +13,7 @@ import peers  # noqa: F401  (registers the genai-stepped and ort-numpy backends)
 import pytest
 import torch
 from conftest import SLOW_PEERS_ON, device_name, model_label, peak_rss_mb, reset_peak_rss
-from evaluation import SHARING, TASK_DIR, RequestTime, answers, load, record_agreement
+from evaluation import SHARING, TASK_DIR, Clock, answers, load, record_agreement
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
@@ -92,7 +92,7 @@ def test_lm_eval_requests(benchmark, fixture, decoder_key, task_manager, size, b
     if device != "cpu":  # CUDA's first calls (kernel selection, cuBLAS handles) stay off the clock
         lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager, limit=2, verbosity="ERROR")
     reset_peak_rss()
-    clock = RequestTime(lm, monkeypatch)
+    clock = Clock(monkeypatch, lm)
     result = benchmark.pedantic(evaluate, rounds=1, iterations=1, warmup_rounds=0)
     if isinstance(result, Exception):  # recorded with its error, so the table shows it
         benchmark.extra_info["error"] = " ".join(f"{type(result).__name__}: {result}".split())[:240]

@@ -7,7 +7,7 @@ lm-eval's `hf` backend on the same weights, every row's answers against transfor
 import lm_eval
 import pytest
 from conftest import device_name, model_label, peak_rss_mb, reset_peak_rss
-from evaluation import TASK_DIR, RequestTime, answers, load, record_agreement
+from evaluation import TASK_DIR, Clock, answers, load, record_agreement
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
@@ -46,7 +46,7 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
     benchmark.extra_info.update(backend=backend, case=workload, model=model_label(decoder_key),
                                 device=device_name(device), parameters=fixture.parameters())
     reset_peak_rss()
-    clock = RequestTime(lm, monkeypatch, "loglikelihood_rolling" if workload == "rolling" else "loglikelihood")
+    clock = Clock(monkeypatch, lm, "loglikelihood_rolling" if workload == "rolling" else "loglikelihood")
     result = benchmark.pedantic(lambda: lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=model_tasks,
                                                                 limit=limit, verbosity="ERROR"),
                                 rounds=1, iterations=1, warmup_rounds=0)
