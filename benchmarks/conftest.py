@@ -296,13 +296,14 @@ def measure_peak(fn) -> float:
     return peak_rss_mb()
 
 
-def reference_model(fixture, device: str):
-    """transformers on the fixture's weights, in the package's precision (fp32 for int4), on `device`."""
+def reference_model(fixture, device: str, precision: str | None = None):
+    """transformers on the fixture's weights, in the package's precision (fp32 for int4) or in
+    `precision`, on `device`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int4": torch.float32}[
-        fixture.spec.precision]
+        precision or fixture.spec.precision]
     return AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=dtype).to(device).eval()
 
 

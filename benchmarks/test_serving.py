@@ -3,7 +3,6 @@ requests at fixed rates (SGLang's bench_score shape on the GPU), latency percent
 and the answers against transformers in fp32 on the same weights."""
 
 import asyncio
-import dataclasses
 
 import httpx
 import numpy as np
@@ -50,7 +49,7 @@ def test_ortmodule_server_load(benchmark, workload, score_server, size, server_r
         benchmark.extra_info[name] = result[name]
     benchmark.extra_info["largest_group"] = groups["largest_group"]
     benchmark.extra_info["groups"] = groups["groups"] - before["groups"]
-    hf = reference_model(dataclasses.replace(fixture, spec=dataclasses.replace(fixture.spec, precision="fp32")), device)
+    hf = reference_model(fixture, device, "fp32")
     with torch.inference_mode():
         answers = [httpx.post(score_server.url + "/v1/score", json=body, timeout=120).json()["scores"]
                    for body in bodies[:3]]

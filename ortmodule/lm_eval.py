@@ -97,6 +97,7 @@ class OrtModuleLM(HFLM):
     def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool = True,
                  provider_options: dict | None = None, share_contexts: bool | str = "auto", **kwargs):
         self._running = threading.RLock()
+        self._encoded: dict[str, list[int]] = {}  # the texts of the loglikelihood call in progress, encoded
         self._share = _sharing_choice(share_contexts)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,7 +145,7 @@ class OrtModuleLM(HFLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
-        known = getattr(self, "_encoded", {}).get(string) if add_special_tokens is None and not kwargs else None
+        known = self._encoded.get(string) if add_special_tokens is None and not kwargs else None
         if known is None:
             return super().tok_encode(string, add_special_tokens, left_truncate_len, **kwargs)
         return known[-left_truncate_len:] if left_truncate_len else list(known)

@@ -20,7 +20,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from . import costs, generation, inputs, runtime
 from .cache import KVCache
-from .costs import Costs
 from .decoder import Decoder
 from .hf import build_config, build_generation_config, load_tokenizer
 from .package import Package, read_package
@@ -130,7 +129,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         self.name_or_path = str(package.root)
         self.decoder = Decoder(package, runtime.parse_device(device), session_options, provider_options,
                                rewrite_lm_head, cache_dir)
-        self._costs: dict[torch.device, Costs | None] = {}  # measured_costs(), per device
+        self._costs: dict[torch.device, costs.Costs | None] = {}  # measured_costs(), per device
 
     @classmethod
     def from_pretrained(
@@ -197,7 +196,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     def cpu(self) -> OrtModelForCausalLM:
         return self.to("cpu")
 
-    def measured_costs(self) -> Costs | None:
+    def measured_costs(self) -> costs.Costs | None:
         """What runs of this model cost on its device (`Costs`: a prefill token, a decode step), from
         which context sharing is decided (`share_contexts="auto"`, score's `reuse_prefix=None`).
         Timed on the first call for each device (about a second on a small model on the CPU;
