@@ -16,6 +16,7 @@ length). Entries a padded prefill leaves behind lie past each row's length and a
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -140,6 +141,19 @@ class KVCache(Cache):
         self.lengths.copy_(lengths)
         self.longest = longest
         self.seen = width
+
+    def first_rows(self, rows: int) -> KVCache:
+        """A cache over this one's first `rows` rows, sharing its buffers and lengths (runs over it
+        write into this cache): a continuous batch runs only the slots in use. Shared layout only."""
+        if not self.shared:
+            raise ValueError("first_rows needs the shared-buffer layout (GroupQueryAttention)")
+        view = copy.copy(self)
+        view.keys = [key[:rows] for key in self.keys]
+        view.values = [value[:rows] for value in self.values]
+        view.lengths = self.lengths[:rows]
+        view.longest = int(view.lengths.max().item()) if rows else 0
+        view.caller_mask = None
+        return view
 
     @_inference_mode
     def advance(self, new: int, columns: int) -> None:

@@ -4,10 +4,11 @@
 no plugins, so the registration has to happen in the same process).
 `ortmodule export SRC OUT`: a GenAI package from a Hugging Face folder or a GGUF file (ortmodule/exporter.py).
 `ortmodule serve PATH`: SGLang's `/v1/score`, OpenAI's `/v1/completions` and `/v1/chat/completions`
-(ortmodule/server.py).
+(ortmodule/serving/).
 """
 
 import argparse
+import dataclasses
 import logging
 
 
@@ -45,25 +46,49 @@ def ortmodule(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    serve.add_argument("--name", default=None, help="the model name reported and accepted (default: the path)")
-    serve.add_argument("--token-budget", type=_at_least(1, int), default=8192, help="padded tokens per forward (>= 1)")
-    serve.add_argument("--window-ms", type=_at_least(0, float), default=5.0,
-                       help="how long a group waits for more requests (>= 0)")
-    serve.add_argument("--max-queue", type=_at_least(1, int), default=256,
-                       help="waiting requests before answering 503 (>= 1)")
-    serve.add_argument("--max-body-bytes", type=_at_least(1, int), default=8 * 2**20,
-                       help="larger request bodies are refused with 413 before parsing (default 8 MiB)")
-    serve.add_argument("--max-items", type=_at_least(1, int), default=1024, help="items per request (default 1024)")
+    serve.add_argument("--name", default=None, help="the model name reported and accepted (default: the package "
+                                                    "folder's name; its path is never shown)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes and "
+                                                       "/metrics (default: the ORTMODULE_API_KEY environment variable)")
+    _settings_flags(serve)
     args = parser.parse_args(argv)
     if args.command == "export":
         _export(parser, args)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from .server import serve as run
+    from .serving import Settings, serve
 
-    run(args.path, host=args.host, port=args.port, device=args.device, name=args.name,
-        token_budget=args.token_budget, window_ms=args.window_ms, max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes, max_items=args.max_items)
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
+    serve(args.path, host=args.host, port=args.port, device=args.device, **options)
+
+
+# The serving settings' flags (defaults: ortmodule/serving/settings.py).
+_SETTING_HELP = {
+    "token_budget": "prompt tokens of score and prompt-logprob requests per model call",
+    "prefill_chunk": "prompt tokens of new generations run between two decode steps (longer prompts in chunks)",
+    "max_rows": "generations decoded together (the continuous batch)",
+    "window_ms": "how long an idle server waits for more score requests to batch with the first",
+    "max_queue": "requests waiting (being tokenized or queued) before answering 503",
+    "max_body_bytes": "larger request bodies are refused with 413 before parsing",
+    "max_items": "prompts or items per request",
+    "max_labels": "label_token_ids per score request",
+    "max_stop_chars": "characters per stop string",
+    "max_response_values": "numbers (scores, log-probabilities) in one answer",
+    "max_connections": "open connections (503 beyond)",
+    "header_timeout": "seconds to receive a request's headers",
+    "body_timeout": "seconds to receive a request's body (408 beyond)",
+}
+
+
+def _settings_flags(parser: argparse.ArgumentParser) -> None:
+    from .serving.settings import Settings
+
+    defaults = Settings()
+    for name, help_text in _SETTING_HELP.items():
+        default = getattr(defaults, name)
+        low = 0 if name == "window_ms" else 1
+        parser.add_argument("--" + name.replace("_", "-"), type=_at_least(low, type(default)), default=default,
+                            help=f"{help_text} (default {default})")
 
 
 def _at_least(low, kind):

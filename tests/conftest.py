@@ -34,7 +34,7 @@ def openai_live(build):
     """`ortmodule serve`'s app on the llama fixture, live on 127.0.0.1, with a chat template:
     (server, model, transformers model, tokenizer, fixture)."""
     from ortmodule import load_tokenizer
-    from ortmodule.server import create_app
+    from ortmodule.serving import create_app
 
     fixture = build("llama")
     model, hf = load_pair(fixture)

@@ -131,17 +131,24 @@ class LiveServer:
         self.thread.join(10)
 
 
-def hold_worker(server):
-    """Make the server's worker block on every group until `release` is set; returns the events
-    (`started`: a group is held, `release`) and the list of the group sizes scored."""
+def hold_worker(served):
+    """Make the server's model thread block on the work it runs (a batch of score or prompt jobs, a
+    prefill of new generations) until `release` is set, once the jobs have left the queue; returns
+    the events (`started`: work is held, `release`) and the list of the batch sizes run."""
     started, release, scored = threading.Event(), threading.Event(), []
-    score_group = server.score_group
+    engine = served.engine
+    run_together, prefill_short = engine.run_together, engine._prefill_short
 
-    def held(group):
-        scored.append(len(group))
+    def held_batch(kind, jobs):
+        scored.append(len(jobs))
         started.set()
         release.wait(30)
-        return score_group(group)
+        return run_together(kind, jobs)
 
-    server.score_group = held
+    def held_prefill(rows):
+        started.set()
+        release.wait(30)
+        return prefill_short(rows)
+
+    engine.run_together, engine._prefill_short = held_batch, held_prefill
     return started, release, scored

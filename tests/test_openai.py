@@ -7,10 +7,10 @@ import time
 import httpx
 import pytest
 import torch
-from helpers import OPENAI_NAME, LiveServer, expected_text, load_pair
+from helpers import OPENAI_NAME, LiveServer, expected_text, hold_worker, load_pair
 
 from ortmodule import load_tokenizer, runtime
-from ortmodule.server import create_app
+from ortmodule.serving import create_app
 
 NAME = OPENAI_NAME
 
@@ -145,15 +145,34 @@ BAD = [
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages[0].role"),
-    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-     400, "logprobs"),
+    # Values that once reached the model and failed there (500), or were taken silently.
+    ("/v1/completions", {"model": NAME, "prompt": "x", "temperature": "0"}, 400, "temperature"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "temperature": True}, 400, "temperature"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "top_p": "0.5"}, 400, "top_p"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"model": NAME, "prompt": "x\ud800"}, 400, "prompt"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop": ["\udfff"]}, 400, "stop"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop": "s" * 1001}, 400, "stop"),
+    ("/v1/completions", {"model": "\ud800", "prompt": "x"}, 400, "model"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "us\ud800er", "content": "hi"}]}, 400,
+     "messages.0.role"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi\udc00"}]}, 400,
+     "messages.0.content"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1,
+                              "max_completion_tokens": 5}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x" * 60_000}] * 4}]}, 400, "messages"),  # parts together cannot fit
 ]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
 def test_bad_requests_get_openai_errors_naming_the_field(setup, path, body, status, param):
     live = setup[0]
-    response = live.client.post(path, json=body)
+    # As the JSON of clients in other languages: lone surrogates written as \\uXXXX escapes.
+    content = json.dumps(body, ensure_ascii=True)
+    response = live.client.post(path, content=content, headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
@@ -198,22 +217,12 @@ def test_a_client_leaving_mid_stream_frees_its_slot(setup, monkeypatch):
 def test_a_full_queue_answers_503_in_openai_shape(build):
     """One request held in the worker, one waiting (`max_queue=1`): the third gets 503, the first
     two their answers once the worker goes on."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     fixture = build("llama")
     model, _ = load_pair(fixture)
     app = create_app(model, load_tokenizer(fixture.package_dir), name=NAME, max_queue=1, window_ms=0)
-    server = app.state.server
-    started, release = threading.Event(), threading.Event()
-    complete_group = server._complete_group
-
-    def held(part):
-        started.set()
-        release.wait(30)
-        return complete_group(part)
-
-    server._complete_group = held
+    started, release, _ = hold_worker(app.state.served)
     live = LiveServer(app)
     body = {"model": NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
     try:
@@ -222,7 +231,7 @@ def test_a_full_queue_answers_503_in_openai_shape(build):
             assert started.wait(30)
             second = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
             deadline = time.monotonic() + 10
-            while live.client.get("/metrics").json()["queued"] < 1:
+            while live.client.get("/metrics").json()["waiting"] < 1:
                 assert time.monotonic() < deadline, "the second request never reached the queue"
                 time.sleep(0.02)
             busy = live.client.post("/v1/completions", json=body)

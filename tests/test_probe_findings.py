@@ -17,7 +17,7 @@ from helpers import LiveServer, hold_worker, load_pair
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM, PackageError, cli, graph, load_tokenizer, read_package
-from ortmodule.server import create_app
+from ortmodule.serving import create_app
 
 IDS = torch.tensor([[5, 9, 33, 70, 101, 7, 64, 12]])
 
@@ -293,7 +293,7 @@ def test_unparseable_bodies_get_the_error_object_and_are_counted(live, content):
 def test_requests_of_clients_that_left_are_not_scored(llama):
     model, _ = load_pair(llama)
     app = create_app(model, load_tokenizer(llama.package_dir), window_ms=0)
-    server = app.state.server
+    server = app.state.served
     started, release, scored = hold_worker(server)  # the first group waits for the abandoned requests
     live = LiveServer(app)
     try:
@@ -311,7 +311,7 @@ def test_requests_of_clients_that_left_are_not_scored(llama):
         first.join(30)
         assert live.client.post("/v1/score", json=GOOD).status_code == 200
         metrics = live.client.get("/metrics").json()
-        assert metrics["abandoned"] == 5 and metrics["requests"] == 2  # only the two whose clients waited
+        assert metrics["abandoned"] == 5 and metrics["requests"]["score"] == 2  # only the two whose clients waited
         assert sum(scored) == 2
     finally:
         release.set()

@@ -16,7 +16,7 @@ from helpers import LiveServer, hold_worker, labels_for, load_pair
 from helpers import score_reference as reference
 
 from ortmodule import load_tokenizer
-from ortmodule.server import create_app
+from ortmodule.serving import create_app
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_malformed_json_gets_400(setup):
 
 def test_concurrent_clients_are_scored_together(setup):
     live, hf, tokenizer = setup
-    groups_before = dict(live.client.get("/metrics").json()["group_sizes"])
+    groups_before = dict(live.client.get("/metrics").json()["batch_sizes"].get("score", {}))
     queries = [QUERY, "a different question entirely", QUERY, "short"] * 2
     labels = [[5, 6], [7], [5, 6, 8], [9, 10]] * 2
 
@@ -108,7 +108,7 @@ def test_concurrent_clients_are_scored_together(setup):
         assert response.status_code == 200, response.text
         expected = reference(hf, tokenizer, queries[i], ITEMS[: 1 + i % 4], labels[i], i % 2 == 1, False)
         assert (torch.tensor(response.json()["scores"], dtype=torch.float64) - expected).abs().max().item() < 1e-5
-    groups = live.client.get("/metrics").json()["group_sizes"]
+    groups = live.client.get("/metrics").json()["batch_sizes"]["score"]
     new_groups = {int(k): v - groups_before.get(k, 0) for k, v in groups.items() if v - groups_before.get(k, 0)}
     assert sum(k * v for k, v in new_groups.items()) == len(queries)
     assert max(new_groups) > 1, f"every request was scored alone: {new_groups}"
@@ -118,7 +118,7 @@ def test_a_full_queue_answers_503_and_the_server_recovers(build):
     fixture = build("llama")
     model, _ = load_pair(fixture)
     app = create_app(model, load_tokenizer(fixture.package_dir), max_queue=1, window_ms=0)
-    server = app.state.server
+    server = app.state.served
     started, release, _ = hold_worker(server)  # the worker blocks on the first group until released
     live = LiveServer(app)
     try:
@@ -128,7 +128,7 @@ def test_a_full_queue_answers_503_and_the_server_recovers(build):
             assert started.wait(30)  # the worker holds request 1
             second = pool.submit(live.client.post, "/v1/score", json=body)
             deadline = time.monotonic() + 30
-            while live.client.get("/metrics").json()["queued"] < 1:  # request 2 waits in the queue
+            while live.client.get("/metrics").json()["waiting"] < 1:  # request 2 waits in the queue
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             third = live.client.post("/v1/score", json=body)

@@ -9,23 +9,30 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ortmodule"
-MODULES = {path.stem: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.glob("*.py"))}
+# Every module of the package, by its dotted name inside it ("modeling", "serving.engine"); a
+# subpackage's __init__ only gathers names, so it is not a module of its own here.
+MODULES = {
+    ".".join(path.relative_to(PACKAGE).with_suffix("").parts): ast.parse(path.read_text(), str(path))
+    for path in sorted(PACKAGE.rglob("*.py")) if path.name != "__init__.py" and "tasks" not in path.parts
+}
 # Optional parts: what each needs beyond the core dependencies (their extras in pyproject.toml).
-EXTRAS = {"lm_eval": "lmeval", "cli": "lmeval", "server": "serve", "openai_server": "serve", "openai_api": "serve",
-          "exporter": "export", "olive": "olive"}
+EXTRAS = {"lm_eval": "lmeval", "cli": "lmeval", "exporter": "export", "olive": "olive",
+          **{name: "serve" for name in MODULES if name.startswith("serving.")}}
 
 
-def internal_imports(tree: ast.Module) -> dict[str, set[str]]:
-    """Module -> the names imported from it, for every import of a sibling module."""
+def internal_imports(name: str, tree: ast.Module) -> dict[str, set[str]]:
+    """Module -> the names imported from it, for every relative import of another module."""
+    package = name.split(".")[:-1]
     found: dict[str, set[str]] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
+        if isinstance(node, ast.ImportFrom) and node.level >= 1:
+            base = package[: len(package) - node.level + 1]
             if node.module:
-                found.setdefault(node.module.split(".")[0], set()).update(a.name for a in node.names)
+                found.setdefault(".".join(base + node.module.split(".")), set()).update(a.name for a in node.names)
             else:  # from . import a, b
                 for alias in node.names:
-                    found.setdefault(alias.name, set())
-    return {name: names for name, names in found.items() if name in MODULES}
+                    found.setdefault(".".join(base + [alias.name]), set())
+    return {module: names for module, names in found.items() if module in MODULES}
 
 
 def private(name: str) -> bool:
@@ -33,7 +40,7 @@ def private(name: str) -> bool:
 
 
 def test_imports_form_no_cycle():
-    graph = {name: set(internal_imports(tree)) for name, tree in MODULES.items()}
+    graph = {name: set(internal_imports(name, tree)) for name, tree in MODULES.items()}
     state: dict[str, str] = {}
 
     def visit(name: str, path: list[str]) -> None:
@@ -64,7 +71,7 @@ def test_no_module_uses_another_modules_private_names():
         own[name] = names
     problems = []
     for name, tree in MODULES.items():
-        imported = internal_imports(tree)
+        imported = internal_imports(name, tree)
         for module, names in imported.items():
             problems += [f"{name} imports {module}.{n}" for n in names if private(n)]
         elsewhere = set().union(*(own[m] for m in MODULES if m != name)) - own[name]
@@ -72,7 +79,8 @@ def test_no_module_uses_another_modules_private_names():
             if not isinstance(node, ast.Attribute) or not private(node.attr):
                 continue
             base = node.value.id if isinstance(node.value, ast.Name) else None
-            if base in imported or (base not in ("self", "cls") and node.attr in elsewhere):
+            local_names = {module.split(".")[-1] for module in imported}
+            if base in local_names or (base not in ("self", "cls") and node.attr in elsewhere):
                 problems.append(f"{name}:{node.lineno} uses {ast.unparse(node)}")
     assert not problems, problems
 

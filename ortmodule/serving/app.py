@@ -1,0 +1,229 @@
+"""`ortmodule serve`: the app over one model. Routes (score_routes, openai_routes) call the
+engine (engine.py), the engine calls the model; this file adds what wraps them: authentication,
+the body limit and timeouts, the error shape of every refusal, health and metrics, and the HTTP
+server's own limits (connections, header timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import resource
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from . import openai_routes, score_routes
+from .engine import Engine
+from .errors import AsciiJSON, ServingError
+from .served import Served
+from .settings import Settings
+
+log = logging.getLogger("ortmodule.serving")
+
+
+def create_app(model, tokenizer, settings: Settings | None = None, **options) -> FastAPI:
+    """The FastAPI app: SGLang's `POST /v1/score`, OpenAI's `/v1/completions`,
+    `/v1/chat/completions` and `/v1/models`, `GET /health`, `GET /metrics`. `settings` (or its
+    fields as keywords) say how it batches and what it takes."""
+    settings = settings or Settings.with_environment(**options)
+    engine = Engine(model, tokenizer, settings)
+    # The package's folder name, never its path (which would tell clients about the host).
+    served = Served(engine, tokenizer, settings.name or Path(model.package.root).name, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # uvicorn has stopped accepting and answered what it accepted; the engine goes last.
+        engine.stop()
+
+    app = FastAPI(title="ortmodule", description="SGLang's score and OpenAI's completions over an ONNX GenAI package",
+                  lifespan=lifespan)
+    app.state.served = served
+    app.add_middleware(Guard, settings=settings, stats=engine.stats)
+    _handle_errors(app, engine)
+    score_routes.add_routes(app, served)
+    openai_routes.add_routes(app, served)
+
+    @app.get("/health")
+    async def health():
+        if engine.files.changed is not None:
+            message = f"the model's files changed on disk: {engine.files.changed}"
+            return AsciiJSON({"status": "error", "message": message}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return {**engine.stats.__dict__, "waiting": engine.waiting.count,
+                "running_rows": len(engine.batch.rows) if engine.batch else 0}
+
+    return app
+
+
+def _handle_errors(app: FastAPI, engine: Engine) -> None:
+    """Every refusal in the route's error shape, counted."""
+
+    @app.exception_handler(ServingError)
+    async def refused(request: Request, exc: ServingError):
+        if exc.status == 400 or exc.status == 404:
+            engine.stats.rejected_bad += 1
+        return exc.response(request.url.path)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """Bodies that are not JSON at all (invalid UTF-8, nesting too deep) and unknown routes."""
+        if 400 <= exc.status_code < 500:
+            engine.stats.rejected_bad += 1
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "invalid request: the body is not valid JSON (UTF-8 text, at most a few hundred levels deep)"
+        return ServingError(detail, status=exc.status_code).response(request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_schema(request: Request, exc: RequestValidationError):
+        engine.stats.rejected_bad += 1
+        fields = [".".join(str(p) for p in e["loc"] if _field_part(p)) or "body" for e in exc.errors()]
+        problems = "; ".join(f"{where}: {e['msg']}" for where, e in zip(fields, exc.errors()))
+        error = ServingError(f"invalid request: {problems}", fields[0] if fields else None)
+        return error.response(request.url.path)
+
+
+def _field_part(part) -> bool:
+    """A part of a validation error's location that names a field or an index (not "body", nor the
+    union member pydantic tried: `str`, `list[int]`, `function-after[...]`)."""
+    if isinstance(part, int):
+        return True
+    return part != "body" and part.isidentifier() and part not in ("str", "int", "float", "bool", "list", "dict")
+
+
+class Guard:
+    """ASGI middleware in front of every route: the API key (401), and the body, read here with a
+    size limit (413, from Content-Length when sent, else as the bytes arrive) and a time limit
+    (408), so that nothing past it ever sees an oversized or stalled body."""
+
+    def __init__(self, app, settings: Settings, stats):
+        self.app, self.settings, self.stats = app, settings, stats
+        self.key = settings.api_key.encode() if settings.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = dict(scope.get("headers") or [])
+        if self.key is not None and path != "/health" and not self._authorized(headers.get(b"authorization", b"")):
+            return await self._refuse(send, path, ServingError("a valid API key is needed: send "
+                                                               "'Authorization: Bearer KEY'", status=401))
+        limit = self.settings.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await self._refuse(send, path, _too_large(limit))
+        chunks, received, more = [], 0, True
+        try:
+            async with asyncio.timeout(self.settings.body_timeout):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    received += len(chunk)
+                    if received > limit:
+                        return await self._refuse(send, path, _too_large(limit))
+                    chunks.append(chunk)
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            return await self._refuse(send, path, ServingError(
+                f"the request body did not arrive within {self.settings.body_timeout:g} s", status=408))
+        replayed = False
+
+        async def replay():  # the body once, then the client's own messages (a disconnect)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+    async def _refuse(self, send, path: str, error: ServingError):
+        if error.status != 401:
+            self.stats.rejected_bad += 1
+        response = error.response(path)
+        if error.status == 401:
+            response.headers["www-authenticate"] = "Bearer"
+        await send({"type": "http.response.start", "status": error.status, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
+def _too_large(limit: int) -> ServingError:
+    return ServingError(f"request body over {limit} bytes; this server takes at most that", status=413)
+
+
+def _timed_h11(header_timeout: float):
+    """uvicorn's h11 protocol with a header timeout: a connection that starts no request within
+    `header_timeout` seconds (slow or missing headers) while none is being answered is closed.
+    uvicorn's own keep-alive timeout closes idle connections only between finished requests."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.header_cycle = None
+            self.header_timer = self.loop.call_later(header_timeout, self.check_headers)
+
+        def check_headers(self) -> None:
+            cycle = self.cycle
+            answering = cycle is not None and not cycle.response_complete
+            if cycle is self.header_cycle and not answering and not self.transport.is_closing():
+                self.transport.close()
+                return
+            self.header_cycle = cycle
+            self.header_timer = self.loop.call_later(header_timeout, self.check_headers)
+
+        def connection_lost(self, exc) -> None:
+            self.header_timer.cancel()
+            super().connection_lost(exc)
+
+    return TimedH11
+
+
+def open_files_for(connections: int) -> int:
+    """Raise the process's open-file limit to fit `connections` (up to the hard limit); the
+    connections that fit (the rest of the files kept for the model, logs and sockets)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    fits = connections if soft == resource.RLIM_INFINITY else min(connections, soft - 256)
+    if fits < connections:
+        log.warning("the open-file limit (%d) fits %d connections, not %d: serving at most %d", soft, fits,
+                    connections, fits)
+    return max(fits, 1)
+
+
+def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", **options) -> None:
+    """Load the package at `path` and serve it until interrupted (SIGINT, SIGTERM: what was
+    accepted is answered first)."""
+    import uvicorn
+
+    from ..hf import load_tokenizer
+    from ..modeling import OrtModelForCausalLM
+
+    settings = Settings.with_environment(**options)
+    model = OrtModelForCausalLM.from_pretrained(path, device=device)
+    model.measured_costs()  # timed now (about a second), not in the first request that shares a query
+    app = create_app(model, load_tokenizer(path), settings)
+    if host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        log.warning("serving on %s without an API key: anyone who reaches it may use it (--api-key, or %s)",
+                    host, "ORTMODULE_API_KEY")
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", http=_timed_h11(settings.header_timeout),
+                            limit_concurrency=open_files_for(settings.max_connections), timeout_keep_alive=5)
+    uvicorn.Server(config).run()

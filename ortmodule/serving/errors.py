@@ -1,0 +1,64 @@
+"""The server's one error type, and its shape in each API.
+
+A refusal anywhere (a check, the queue, the model's work) is a `ServingError` with the HTTP status
+and the field at fault; the app writes it as OpenAI's `{"error": {...}}` on the OpenAI routes and
+as SGLang's `{"object": "error", "message", "code"}` elsewhere. Bodies are written with every
+non-ASCII character escaped, so that no text a client sent (a lone surrogate included) can break
+the JSON of the answer.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import JSONResponse
+
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+class ServingError(Exception):
+    """A request refused: HTTP `status`, `param` the field at fault, `code` OpenAI's error code."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+    @property
+    def kind(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+    def sglang_body(self) -> dict:
+        return {"object": "error", "message": str(self), "code": self.status}
+
+    def body(self, path: str) -> dict:
+        return self.openai_body() if path.startswith(OPENAI_PATHS) else self.sglang_body()
+
+    def response(self, path: str) -> JSONResponse:
+        return AsciiJSON(self.body(path), status_code=self.status)
+
+
+def busy(waiting: int) -> ServingError:
+    return ServingError(f"the server is busy: {waiting} requests are waiting; retry later", status=503)
+
+
+def gone() -> ServingError:
+    return ServingError("the client closed the connection before the answer", status=499)
+
+
+def failed(what: str, error: BaseException) -> ServingError:
+    return ServingError(f"{what} failed: {type(error).__name__}: {error}", status=500)
+
+
+class AsciiJSON(JSONResponse):
+    """JSON with non-ASCII escaped: a lone surrogate in a client's text becomes `\\ud800`, valid JSON."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def dumps(content) -> str:
+    """A server-sent event's data, escaped as `AsciiJSON` is."""
+    return json.dumps(content, ensure_ascii=True, separators=(",", ":"))

@@ -1,0 +1,282 @@
+"""The job protocol: what the engine runs, one class per kind of work.
+
+Every request becomes a `Job` once checked and tokenized. A job is either run in one piece
+(`OneShot`: a score request, a prompt's log-probabilities) together with others of its class, in
+batches of a token budget, or is a `Generation` whose prompts become `Row`s that join the running
+decode batch one by one and leave it when done. The engine (engine.py) knows only this protocol;
+the routes build the jobs and read their results. Results and streamed text reach the event loop
+through the job's own future and queue, thread-safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+from .. import scoring
+from ..inputs import pad_right
+from .text import TextStream
+
+Ids = list[int]
+
+# vLLM's rule: a temperature this small is greedy decoding (dividing by it would overflow).
+GREEDY_BELOW = 1e-5
+# Logit rows (positions x vocabulary floats) one prompt-logprobs batch may hold on the device.
+LOGIT_BYTES = 2**28
+
+
+class Job:
+    """A checked, tokenized request waiting for or running on the model."""
+
+    kind = "job"  # its name in the metrics
+
+    def __init__(self, prompts: list[Ids], loop: asyncio.AbstractEventLoop):
+        self.prompts = prompts
+        self.tokens = sum(len(p) for p in prompts)
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.cancelled = threading.Event()  # the client went away: drop the job, stop its rows
+        self.waiting = True  # counted against the queue's limit until it starts running
+
+    def resolve(self, result) -> None:
+        """Hand the result to the waiting route (from any thread)."""
+        self.loop.call_soon_threadsafe(_settle, self.future, result, None)
+
+    def fail(self, error: BaseException) -> None:
+        self.loop.call_soon_threadsafe(_settle, self.future, None, error)
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():  # cancelled: the client went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class OneShot(Job):
+    """Work done in one model call per batch. `run_together(model, jobs)` returns each job's result."""
+
+    @staticmethod
+    def run_together(model, jobs: list) -> list:
+        raise NotImplementedError
+
+
+class ScoreJob(OneShot):
+    """SGLang's `/v1/score`: label probabilities after each prompt."""
+
+    kind = "score"
+
+    def __init__(self, prompts: list[Ids], labels: Ids, apply_softmax: bool, loop, token_budget: int):
+        super().__init__(prompts, loop)
+        self.labels, self.apply_softmax, self.token_budget = labels, apply_softmax, token_budget
+
+    @staticmethod
+    def run_together(model, jobs: list[ScoreJob]) -> list[list[list[float]]]:
+        """Every job's scores from one call of `scoring.label_logprobs` (each distinct label once),
+        one device-to-host copy."""
+        labels = sorted({t for job in jobs for t in job.labels})
+        column = {t: i for i, t in enumerate(labels)}
+        logprobs = scoring.label_logprobs(model, [job.prompts for job in jobs], labels, jobs[0].token_budget, None)
+        parts, row = [], 0
+        for job in jobs:
+            mine = logprobs[row : row + len(job.prompts), [column[t] for t in job.labels]]
+            parts.append((torch.softmax(mine, -1) if job.apply_softmax else mine.exp()).flatten())
+            row += len(job.prompts)
+        flat = torch.cat(parts).cpu().tolist()
+        out, start = [], 0
+        for job in jobs:
+            width = len(job.labels)
+            out.append([flat[start + i * width : start + (i + 1) * width] for i in range(len(job.prompts))])
+            start += width * len(job.prompts)
+        return out
+
+
+@dataclass
+class PromptScores:
+    """One prompt's log-probabilities: `token_logprobs[i]` of token i+1 given the tokens before it,
+    and per position the `top` most likely (token, log-probability); then the next token's."""
+
+    token_logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+    next_top: list[tuple[int, float]]  # the distribution after the prompt, most likely first
+
+
+class PromptJob(OneShot):
+    """Log-probabilities of prompts (echo), and at most one greedy token read from the same prefill:
+    lm-eval's loglikelihood request over the OpenAI API."""
+
+    kind = "prompt_logprobs"
+
+    def __init__(self, prompts: list[Ids], top: int, next_token: bool, stop: tuple[str, ...], loop):
+        super().__init__(prompts, loop)
+        self.top, self.next_token, self.stop = top, next_token, stop
+
+    @staticmethod
+    def run_together(model, jobs: list[PromptJob]) -> list[list[PromptScores]]:
+        prompts = [p for job in jobs for p in job.prompts]
+        scores = prompt_scores(model, prompts, max(job.top for job in jobs))
+        out, k = [], 0
+        for job in jobs:
+            out.append(scores[k : k + len(job.prompts)])
+            k += len(job.prompts)
+        return out
+
+
+def prompt_scores(model, prompts: list[Ids], top: int) -> list[PromptScores]:
+    """Log-probabilities of every prompt token and of the next token, in batches of at most
+    LOGIT_BYTES of logits, longest prompts first."""
+    budget = max(1, LOGIT_BYTES // (4 * model.package.vocab_size))
+    out: list[PromptScores | None] = [None] * len(prompts)
+    for batch in scoring.length_batches([len(p) for p in prompts], 0, budget):
+        for j, scores in zip(batch, _score_batch(model, [prompts[j] for j in batch], max(top, 1))):
+            out[j] = scores
+    return out
+
+
+def _score_batch(model, prompts: list[Ids], top: int) -> list[PromptScores]:
+    ids, mask = pad_right(prompts)
+    lengths = [len(p) for p in prompts]
+    rows = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
+    cols = torch.cat([torch.arange(n) for n in lengths])
+    logits = model.logits_at(ids.to(model.device), mask.to(model.device), rows, cols)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.cat([torch.tensor(p[1:] + [0]) for p in prompts]).to(model.device)
+    values, indices = logprobs.topk(min(top, logprobs.shape[1]), dim=-1)
+    values = torch.cat([logprobs.gather(1, targets[:, None]), values], 1).cpu().tolist()
+    indices = indices.cpu().tolist()
+    out, start = [], 0
+    for n in lengths:
+        span = range(start, start + n)
+        pairs = [list(zip(indices[k], values[k][1:])) for k in span]
+        out.append(PromptScores([values[k][0] for k in span][:-1], pairs[:-1], pairs[-1]))
+        start += n
+    return out
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a row is generated (OpenAI's settings)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # top-k log-probabilities per generated token (None: none)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+class Generation(Job):
+    """Completions of every prompt with `sampling`, each prompt a `Row` of the decode batch.
+    `stream`: an asyncio.Queue that gets `(prompt index, text)` as text becomes final, then None."""
+
+    kind = "generation"
+
+    def __init__(self, prompts: list[Ids], sampling: Sampling, loop, tokenizer, eos: set[int],
+                 stream: bool = False, prompt_top: int | None = None):
+        super().__init__(prompts, loop)
+        self.sampling, self.prompt_top = sampling, prompt_top
+        self.stream: asyncio.Queue | None = asyncio.Queue() if stream else None
+        self.prompt_scores: list[PromptScores] | None = None  # echo: filled before the rows start
+        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, eos, sampling.stop))
+                     for i, p in enumerate(prompts)]
+        self.unfinished = len(self.rows)
+
+    def emit(self, index: int, text: str) -> None:
+        if self.stream is not None and text:
+            self.loop.call_soon_threadsafe(self.stream.put_nowait, (index, text))
+
+    def row_done(self) -> None:
+        """A row finished; the last one resolves the job."""
+        self.unfinished -= 1
+        if self.unfinished == 0:
+            if self.stream is not None:
+                self.loop.call_soon_threadsafe(self.stream.put_nowait, None)
+            self.resolve(self.rows)
+
+    def fail(self, error: BaseException) -> None:
+        super().fail(error)
+        if self.stream is not None:
+            self.loop.call_soon_threadsafe(self.stream.put_nowait, None)
+
+
+@dataclass(eq=False)
+class Row:
+    """One prompt's generation: its settings, tokens and text so far."""
+
+    job: Generation
+    index: int
+    prompt: Ids
+    sampling: Sampling
+    text: TextStream
+    tokens: Ids = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens run so far (a long prompt runs in chunks)
+    generator: torch.Generator | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens in the row's cache once its last token is run."""
+        return len(self.prompt) + len(self.tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.text.finish_reason is not None
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of a sampled row from its `[1, V]` float logits, as `model.generate`'s
+        sampling draws it (transformers' own warpers, this row's generator)."""
+        if self.sampling.temperature != 1.0:
+            logits = TemperatureLogitsWarper(self.sampling.temperature)(None, logits)
+        if self.sampling.top_p < 1.0:
+            logits = TopPLogitsWarper(self.sampling.top_p)(None, logits)
+        return torch.multinomial(torch.softmax(logits, -1), 1, generator=self.generator).view(())
+
+    def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+        """Take the token chosen; stream the text it completes; finish on end of sequence, a stop
+        string or the length."""
+        self.tokens.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            self.top.append(top)
+        self.job.emit(self.index, self.text.add(token))
+        if not self.finished and len(self.tokens) >= self.sampling.max_tokens:
+            self.job.emit(self.index, self.text.end())
+        if self.finished:
+            self.job.row_done()
+
+    def stop(self) -> None:
+        """Leave without finishing (the client went away): the job is already answered."""
+        self.text.finish_reason = self.text.finish_reason or "abandoned"
+
+
+def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, float | None, list | None]]:
+    """Each row's next token from its logits `[rows, V]` (greedy: the argmax; sampled: its own
+    warpers and generator), with its log-probability and the top-k when the row asks for them."""
+    logits = logits.float()
+    chosen = logits.argmax(-1)
+    for i, row in enumerate(rows):
+        if not row.sampling.greedy:
+            chosen[i] = row.sample(logits[i : i + 1])
+    wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
+    picked, tops = {}, {}
+    if wanted:
+        index = torch.tensor(wanted, device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index), -1)
+        values = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
+        k = max(1, max(rows[i].sampling.logprobs for i in wanted))
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(k, -1))
+        for j, i in enumerate(wanted):
+            picked[i] = values[j]
+            tops[i] = list(zip(top_ids[j], top_values[j]))[: rows[i].sampling.logprobs]
+    return [(token, picked.get(i), tops.get(i)) for i, token in enumerate(chosen.tolist())]

@@ -1,0 +1,358 @@
+"""OpenAI's routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events when
+`stream` is true), `GET /v1/models` and `GET /v1/models/{model}`.
+
+A completion is a `Generation` job: each prompt a row of the engine's decode batch. lm-eval's
+loglikelihood request (token ids, echo, logprobs, at most one greedy token) is a `PromptJob`:
+prompts' log-probabilities from one batched prefill, the greedy token read from it. Fields OpenAI
+defines that this server does not carry out (`n` > 1, `best_of`, penalties, `logit_bias`,
+`suffix`) are refused unless neutral; unknown fields are ignored, as OpenAI-compatible servers do.
+
+Special tokens typed in chat content are text, not control tokens: content holding one is
+tokenized apart from the template, with special tokens split (a user message cannot forge a
+system turn). vLLM and SGLang tokenize the rendered template whole, so such content becomes
+control tokens there (SGLang offers the split as an opt-in filter of the template).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from ..inputs import outside_vocabulary, vocabulary_message
+from .errors import ServingError, dumps, failed
+from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
+from .schemas import ChatRequest, CompletionRequest
+from .served import Served, abandon, run, start
+from .text import TextStream, token_strings
+
+MAX_LOGPROBS = 20
+MAX_STOPS = 8
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+# ---- checks -------------------------------------------------------------------------------------
+
+def check_common(served: Served, body) -> tuple[str, ...]:
+    """The model name, the fields refused unless neutral, and the stop strings."""
+    served.check_model(body.model)
+    if body.n != 1:
+        raise ServingError(f"n must be 1 (one choice per prompt), got {body.n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0:
+            raise ServingError(f"{name} is not supported; leave it at 0", name)
+    if body.logit_bias:
+        raise ServingError("logit_bias is not supported", "logit_bias")
+    if getattr(body, "best_of", None) not in (None, 1):
+        raise ServingError("best_of must be 1", "best_of")
+    if getattr(body, "suffix", None):
+        raise ServingError("suffix is not supported", "suffix")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    limit = served.settings.max_stop_chars
+    if len(stop) > MAX_STOPS or any(not s for s in stop):
+        raise ServingError(f"stop takes up to {MAX_STOPS} non-empty strings", "stop")
+    if any(len(s) > limit for s in stop):
+        raise ServingError(f"a stop string has {max(len(s) for s in stop)} characters; this server takes at most "
+                           f"{limit}", "stop")
+    return stop
+
+
+def sampling_of(body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> Sampling:
+    """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling."""
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    top_p = 1.0 if body.top_p is None else float(body.top_p)
+    sampling = Sampling(max_tokens, temperature, top_p, None, stop, logprobs)
+    if not sampling.greedy and body.seed is not None:
+        sampling = Sampling(max_tokens, temperature, top_p, body.seed, stop, logprobs)
+    return sampling
+
+
+def _check_length(served: Served, prompts: list[list[int]], max_tokens: int) -> None:
+    for i, ids in enumerate(prompts):
+        if len(ids) + max_tokens > served.context:
+            raise ServingError(f"prompt {i} has {len(ids)} tokens; with max_tokens {max_tokens} that exceeds the "
+                               f"model's context length {served.context}", "max_tokens")
+
+
+def _check_ids(served: Served, prompts: list[list[int]]) -> None:
+    if not prompts:
+        raise ServingError("prompt is empty", "prompt")
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ServingError(f"prompt {i} has no tokens", "prompt")
+        bad = outside_vocabulary(ids, served.vocab)
+        if bad is not None:
+            raise ServingError(f"prompt {i}: {vocabulary_message(bad, served.vocab)}", "prompt")
+
+
+# ---- completions --------------------------------------------------------------------------------
+
+def completion_job(served: Served, body: CompletionRequest, loop):
+    stop = check_common(served, body)
+    prompt = body.prompt
+    nested = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    entries = prompt if nested else [prompt]
+    if len(entries) > served.settings.max_items:
+        raise ServingError(f"prompt has {len(entries)} entries; this server takes at most {served.settings.max_items}",
+                           "prompt")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise ServingError(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+    if body.stream and (body.echo or body.logprobs is not None):
+        raise ServingError("stream does not carry echo or logprobs; ask without stream", "stream")
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    if max_tokens < 0 or (max_tokens == 0 and not body.echo):
+        raise ServingError(f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}", "max_tokens")
+    texts = [(f"prompt[{i}]", text) for i, text in enumerate(entries) if isinstance(text, str)]
+    served.check_texts(texts)
+    if texts:
+        if served.tokenizer is None:
+            raise ServingError("text prompts need a tokenizer; this server has none: send token ids", "prompt")
+        prompts = [list(ids) for ids in served.tokenizer([t for _, t in texts])["input_ids"]]
+    else:
+        prompts = [list(ids) for ids in entries]
+    _check_ids(served, prompts)
+    _check_length(served, prompts, max_tokens)
+    per_token = 1 + (body.logprobs or 0)
+    echoed = sum(len(p) for p in prompts) * per_token if body.echo and body.logprobs is not None else 0
+    generated = len(prompts) * max_tokens * per_token if body.logprobs is not None else 0
+    served.check_values(echoed + generated, "the log-probabilities asked for", "logprobs")
+    sampling = sampling_of(body, max_tokens, body.logprobs, stop)
+    if body.echo and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy)):
+        return PromptJob(prompts, body.logprobs or 0, max_tokens == 1, stop, loop)
+    top = body.logprobs if body.echo and body.logprobs is not None else None
+    return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top)
+
+
+def completion_body(served: Served, body: CompletionRequest, job, result) -> dict:
+    tokenizer, choices, generated = served.tokenizer, [], 0
+    for i, prompt in enumerate(job.prompts):
+        scores, row = _prompt_part(served, job, result, i)
+        text = (tokenizer.decode(prompt) if body.echo else "") + (row.text.text if row else "")
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = _completion_logprobs(tokenizer, prompt, scores, row, body.echo, body.logprobs)
+        choices.append({"index": i, "text": text, "logprobs": logprobs,
+                        "finish_reason": row.text.finish_reason if row else "length"})
+        generated += len(row.tokens) if row else 0
+    return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": served.name,
+            "choices": choices, "usage": _usage(job.tokens, generated)}
+
+
+def _prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | None, Row | None]:
+    """Prompt i's log-probabilities (echo) and its generated row, whichever the job made."""
+    if isinstance(job, Generation):
+        return (job.prompt_scores[i] if job.prompt_scores else None), result[i]
+    scores = result[i]
+    if not job.next_token:
+        return scores, None
+    token, logprob = scores.next_top[0]  # one greedy token, read from the prompt's prefill
+    row = Row(None, i, job.prompts[i], Sampling(1), TextStream(served.tokenizer, served.engine.eos, job.stop))
+    row.tokens, row.logprobs, row.top = [token], [logprob], [scores.next_top[: job.top]]
+    row.text.add(token)
+    row.text.end()
+    return scores, row
+
+
+def _completion_logprobs(tokenizer, prompt, scores: PromptScores | None, row: Row | None, echo: bool,
+                         top: int) -> dict:
+    """OpenAI's `logprobs` object: the prompt's tokens first when echoing (the first one's
+    log-probability null), then the generated tokens; `top` alternatives at each."""
+    ids, values, alternatives = [], [], []
+    if echo:
+        ids += prompt
+        values += [None] + scores.token_logprobs
+        alternatives += [None] + [t[:top] for t in scores.top]
+    if row is not None:
+        ids += row.tokens
+        values += row.logprobs
+        alternatives += [t[:top] for t in row.top]
+    seen = sorted(set(ids) | {t for pairs in alternatives if pairs for t, _ in pairs})
+    name = dict(zip(seen, token_strings(tokenizer, seen)))  # one decode for every token string
+    strings = [name[t] for t in ids]
+    tops = [None if pairs is None else {name[t]: v for t, v in pairs} for pairs in alternatives]
+    offsets, at = [], 0
+    for text in strings:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": strings, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+
+def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
+    stop = check_common(served, body)
+    if not body.messages:
+        raise ServingError("messages is empty", "messages")
+    tokenizer = served.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ServingError("this model's tokenizer has no chat template: use /v1/completions", "messages")
+    if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= MAX_LOGPROBS):
+        raise ServingError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, with logprobs true", "top_logprobs")
+    messages, texts = [], []
+    for i, message in enumerate(body.messages):
+        if message.role not in ROLES:
+            raise ServingError(f"messages[{i}].role {message.role!r} is not a chat role", f"messages[{i}].role")
+        content = message.content or ""
+        if isinstance(content, list):  # content parts: text only
+            if any(part.type != "text" or part.text is None for part in content):
+                raise ServingError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            texts += [(f"messages[{i}].content", part.text) for part in content]
+            content = "".join(part.text for part in content)
+        else:
+            texts.append((f"messages[{i}].content", content))
+        messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
+    served.check_texts(texts + [("stop", s) for s in stop])
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(body, name)
+        if value is not None and value < 1:
+            raise ServingError(f"{name} must be at least 1, got {value}", name)
+    prompt = chat_ids(tokenizer, messages)
+    _check_ids(served, [prompt])
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = served.context - len(prompt) if limit is None else limit
+    if max_tokens < 1:
+        raise ServingError(f"the prompt's {len(prompt)} tokens fill the model's context of {served.context}",
+                           "messages")
+    _check_length(served, [prompt], max_tokens)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    if top is not None:
+        served.check_values(max_tokens * (1 + top), "the log-probabilities asked for", "top_logprobs")
+    sampling = sampling_of(body, max_tokens, top, stop)
+    return Generation([prompt], sampling, loop, tokenizer, served.engine.eos, body.stream)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The messages through the chat template, ending with the assistant's turn. Content holding
+    a special token's text is tokenized apart from the template, special tokens split, so that it
+    stays text; other content is tokenized with the template, exactly as `apply_chat_template`."""
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    if not any(s in m["content"] for m in messages for s in specials):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    marks = [f"\x00content{uuid.uuid4().hex}{i}\x00" for i in range(len(messages))]
+    marked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    filled = text
+    for mark, message in zip(marks, messages):
+        filled = filled.replace(mark, message["content"])
+    if filled != plain:  # the template rewrites content (trims it, say): it cannot be kept apart
+        raise ServingError("a message holds a special token's text, which this model's chat template cannot keep "
+                           "apart from its own tokens", "messages")
+    ids: list[int] = []
+    for i, mark in enumerate(marks):
+        before, _, text = text.partition(mark)
+        ids += tokenizer(before, add_special_tokens=False)["input_ids"]
+        ids += tokenizer(messages[i]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids + tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
+    row = rows[0]
+    logprobs = {"content": _chat_logprobs(served.tokenizer, row)} if body.logprobs else None
+    return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": served.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": row.text.text},
+                         "logprobs": logprobs, "finish_reason": row.text.finish_reason}],
+            "usage": _usage(job.tokens, len(row.tokens))}
+
+
+def _chat_logprobs(tokenizer, row: Row) -> list[dict]:
+    seen = sorted(set(row.tokens) | {t for pairs in row.top for t, _ in pairs})
+    name = dict(zip(seen, token_strings(tokenizer, seen)))
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"token": name[token], "logprob": logprob, "bytes": list(name[token].encode("utf-8"))}
+
+    return [{**entry(t, v), "top_logprobs": [entry(a, b) for a, b in pairs]}
+            for t, v, pairs in zip(row.tokens, row.logprobs, row.top)]
+
+
+# ---- streams ------------------------------------------------------------------------------------
+
+def _chunk(served: Served, kind: str, ident: str, index: int, delta: str | None = None, finish: str | None = None,
+           role: bool = False) -> str:
+    """One server-sent event of a chat completion (`chat.completion.chunk`) or a completion."""
+    body = {"id": ident, "object": kind, "created": int(time.time()), "model": served.name}
+    if kind == "chat.completion.chunk":
+        message = {"role": "assistant"} if role else {}
+        if delta:
+            message["content"] = delta
+        body["choices"] = [{"index": index, "delta": message, "logprobs": None, "finish_reason": finish}]
+    else:
+        body["choices"] = [{"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+    return _sse(body)
+
+
+def _sse(data) -> str:
+    return f"data: {data if isinstance(data, str) else dumps(data)}\n\n"
+
+
+async def _events(served: Served, job: Generation, kind: str, usage: bool):
+    """The server-sent events of a streamed completion; if the client goes away, its rows stop."""
+    ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
+    try:
+        if kind == "chat.completion.chunk":
+            yield _chunk(served, kind, ident, 0, role=True)
+        while (event := await job.stream.get()) is not None:
+            yield _chunk(served, kind, ident, *event)
+        try:
+            rows = await job.future
+        except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
+            error = e if isinstance(e, ServingError) else failed("the completion", e)
+            yield _sse(error.openai_body())
+            return
+        for row in rows:
+            yield _chunk(served, kind, ident, row.index, finish=row.text.finish_reason)
+        if usage:
+            yield _sse({"id": ident, "object": kind, "model": served.name, "choices": [],
+                        "usage": _usage(job.tokens, sum(len(row.tokens) for row in rows))})
+        yield _sse("[DONE]")
+    finally:
+        if not job.future.done():  # the client went away mid-stream: free its rows
+            abandon(served, job)
+
+
+# ---- routes -------------------------------------------------------------------------------------
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_card(served: Served) -> dict:
+    return {"id": served.name, "object": "model", "created": 0, "owned_by": "ortmodule",
+            "max_model_len": served.context, "vocab_size": served.vocab}
+
+
+def add_routes(app: FastAPI, served: Served) -> None:
+    async def answer(make_job, body, request: Request, respond, kind: str):
+        if body.stream:
+            job = await start(served, make_job, body)
+            include = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_events(served, job, kind, include), media_type="text/event-stream")
+        return await run(served, make_job, body, request, respond)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await answer(completion_job, body, request, completion_body, "text_completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await answer(chat_job, body, request, chat_body, "chat.completion.chunk")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(served)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != served.name:
+            raise ServingError(f"The model '{model}' does not exist", "model", 404, "model_not_found")
+        return model_card(served)

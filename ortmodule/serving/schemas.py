@@ -1,0 +1,92 @@
+"""The wire schemas: SGLang's score request and OpenAI's completions and chat requests.
+
+Types are strict: `"5"`, `5.0` or `true` is not a token id, `"0"` or `true` not a temperature,
+`"yes"` not a boolean. Text holds no lone surrogate (it could be neither tokenized nor written
+back). Counts and ranges that only the server's settings decide (items, stop lengths, sizes) are
+checked by the routes; the ranges OpenAI's API fixes are checked here, so that every bad value is
+a 400 naming its field. Fields OpenAI defines that this server does not carry out are refused
+unless neutral; fields it does not know are ignored on the OpenAI routes (clients send extras) and
+refused on `/v1/score` (SGLang's API is small and a typo there changes no output silently).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+
+def _no_surrogates(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_no_surrogates)]
+TokenId = Annotated[StrictInt, Field(ge=0, lt=2**63)]
+# torch.Generator takes seeds in [-2**63, 2**64).
+Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
+
+
+class ScoreRequest(BaseModel):
+    """SGLang's `/v1/score`: the probability of each label token after query + item (or item + query)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    query: Text | list[TokenId]
+    items: Text | list[Text] | list[list[TokenId]]
+    label_token_ids: list[TokenId]
+    apply_softmax: StrictBool = False
+    item_first: StrictBool = False
+    model: Text | None = None
+
+
+class _Options(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: Text
+    max_tokens: StrictInt | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    seed: Seed | None = None
+    stop: Text | list[Text] | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    logit_bias: dict[str, Any] | None = None
+    user: Text | None = None
+
+
+class CompletionRequest(_Options):
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: Text | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Text
+    content: Text | list[ContentPart] | None = None
+
+
+class ChatRequest(_Options):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None

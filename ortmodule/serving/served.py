@@ -1,0 +1,133 @@
+"""What every route works with: the engine, the tokenizer, the served name and the settings; and
+the path of a request through them, one for all routes:
+
+admit (503 when too many wait) -> check and tokenize on a tokenizing thread (400 on a bad value)
+-> submit to the engine -> wait for the answer, or for the client to go away (then the job is
+dropped, or its rows stop at the next step) -> build the answer off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from .engine import Engine
+from .errors import AsciiJSON, ServingError, failed, gone
+from .jobs import Job
+from .settings import Settings
+from .text import longest_token_bytes
+
+
+@dataclass
+class Served:
+    engine: Engine
+    tokenizer: object
+    name: str
+    settings: Settings
+    # Tokenizing and answer-building happen here, off the event loop and off the model's thread.
+    tokenizing: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="ortmodule-tokenize"))
+
+    def __post_init__(self):
+        package = self.engine.model.package
+        self.context, self.vocab = package.context_length, package.vocab_size
+        # A text longer than this many bytes cannot fit the context, however it tokenizes.
+        self.max_text_bytes = self.context * longest_token_bytes(self.tokenizer)
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.name):
+            raise ServingError(f"The model '{model}' does not exist; this server serves '{self.name}'", "model", 404,
+                               "model_not_found")
+
+    def check_texts(self, texts: list[tuple[str, str]]) -> None:
+        """Texts (field, text) that cannot fit the context however they tokenize, each and together,
+        refused before anything is tokenized."""
+        total = 0
+        for where, text in texts:
+            size = len(text)
+            if size * 4 > self.max_text_bytes:  # a character is 1 to 4 bytes: encode only near the bound
+                size = len(text.encode("utf-8"))
+            total += size
+            if size > self.max_text_bytes or total > self.max_text_bytes:
+                field_name = where if size > self.max_text_bytes else "the request's texts together"
+                raise ServingError(f"{field_name}: {size if field_name == where else total} bytes of text, more than "
+                                   f"fits the model's context of {self.context} tokens however it tokenizes",
+                                   where.split("[")[0].split(".")[0])
+
+    def check_values(self, values: int, what: str, param: str) -> None:
+        limit = self.settings.max_response_values
+        if values > limit:
+            raise ServingError(f"{what} would be {values} numbers; this server answers at most {limit} per request",
+                               param)
+
+
+async def start(served: Served, make_job, body) -> Job:
+    """Admit, check and tokenize, submit: the job running (`make_job(served, body, loop)` checks
+    and tokenizes on a tokenizing thread)."""
+    engine = served.engine
+    engine.admit()
+    loop = asyncio.get_running_loop()
+    try:
+        job, problem = await loop.run_in_executor(served.tokenizing, _quietly, make_job, served, body, loop)
+    except BaseException:
+        engine.release()
+        raise
+    if problem is not None:
+        engine.release()
+        raise problem
+    engine.submit(job)
+    return job
+
+
+async def run(served: Served, make_job, body, request: Request, respond) -> AsciiJSON:
+    """One request's way through the server (see the module's docstring); `respond(served, body,
+    job, result)` builds the answer, which is also serialized off the event loop."""
+    job = await start(served, make_job, body)
+    try:
+        result = await until_answered_or_gone(job, request)
+    except ServingError as e:
+        if e.status == 499:
+            abandon(served, job)
+        raise
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(served.tokenizing, lambda: AsciiJSON(respond(served, body, job, result)))
+
+
+def _quietly(make_job, served, body, loop):
+    """`make_job` on a tokenizing thread, returning the refusal rather than raising it across threads
+    (without its traceback, whose frames would keep the request's text alive)."""
+    try:
+        return make_job(served, body, loop), None
+    except ServingError as e:
+        return None, e.with_traceback(None)
+    except (ValueError, TypeError) as e:
+        return None, ServingError(str(e))
+    except MemoryError:
+        return None, ServingError("the request is too large to tokenize", status=413)
+
+
+async def until_answered_or_gone(job: Job, request: Request, poll: float = 0.05):
+    """The job's result; if the client disconnects first, the job is cancelled and 499 raised."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({job.future}, timeout=poll)
+            if done:
+                error = job.future.exception()
+                if error is None:
+                    return job.future.result()
+                raise error if isinstance(error, ServingError) else failed("the model's work", error)
+            if await request.is_disconnected():
+                raise gone()
+    finally:
+        done = None  # the frames of a raised error would hold the job (and its text) alive
+
+
+def abandon(served: Served, job: Job) -> None:
+    """The client went away: the engine drops the job, or stops its rows at the next step."""
+    served.engine.stats.abandoned += 1
+    job.cancelled.set()
+    if not job.future.done():
+        job.future.cancel()

@@ -1,0 +1,67 @@
+"""The server's settings and their defaults, written once (the command line and `create_app` read
+them from here)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+API_KEY_VARIABLE = "ORTMODULE_API_KEY"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How `ortmodule serve` batches and what it takes.
+
+    Batching: `token_budget` prompt tokens of score and prompt-logprob requests per model call;
+    `prefill_chunk` prompt tokens of generations started between two decode steps (a longer
+    prompt runs in chunks this long); `max_rows` rows in the decode batch; `window_ms` how long an
+    idle engine waits for more score requests to batch with the first.
+
+    Limits (a request beyond one is refused with 400, 413 or 503 before it is tokenized):
+    `max_queue` requests waiting (being tokenized or queued); `max_body_bytes` per body;
+    `max_items` prompts or items per request; `max_labels` label ids per score request;
+    `max_stop_chars` characters per stop string; `max_response_values` numbers in one answer
+    (scores, log-probabilities); `max_connections` open connections (503 beyond);
+    `header_timeout` and `body_timeout` seconds to receive a request's headers and its body.
+
+    `api_key`: when set, every `/v1` route and `/metrics` needs `Authorization: Bearer KEY`
+    (else 401); default: the ORTMODULE_API_KEY environment variable, if set.
+    """
+
+    name: str | None = None
+    token_budget: int = 8192
+    prefill_chunk: int = 512
+    max_rows: int = 32
+    window_ms: float = 5.0
+    max_queue: int = 256
+    max_body_bytes: int = 8 * 2**20
+    max_items: int = 1024
+    max_labels: int = 1024
+    max_stop_chars: int = 1000
+    max_response_values: int = 2**20
+    max_connections: int = 512
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    api_key: str | None = None
+
+    def __post_init__(self):
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name in ("name", "api_key"):
+                if value is not None and (not isinstance(value, str) or not value):
+                    raise ValueError(f"{field.name} must be a non-empty string, got {value!r}")
+            elif field.type == "float":
+                low = 0 if field.name == "window_ms" else 1e-3
+                high = 10_000 if field.name == "window_ms" else 86_400
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                    raise ValueError(f"{field.name} must be a number between {low} and {high}, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def with_environment(cls, **given) -> Settings:
+        """The settings given, the API key from the environment when not given."""
+        if given.get("api_key") is None and os.environ.get(API_KEY_VARIABLE):
+            given["api_key"] = os.environ[API_KEY_VARIABLE]
+        return cls(**given)

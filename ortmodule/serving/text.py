@@ -1,0 +1,86 @@
+"""Text out of token ids, token by token: incremental detokenization and stop strings.
+
+`TextStream` turns a row's tokens into text with a constant amount of work per token, as TGI and
+vLLM do: it decodes a short window (the tokens last shown, as context, and the new ones) rather
+than the whole row, and holds back a character still incomplete (`\\ufffd`). Stop strings are looked for only in
+the text's tail, where a new token could have completed one, so a long generation or a long stop
+string costs no more per token than its own length. The text before a stop string is the answer;
+text that could still become the start of a stop string waits before it is streamed.
+"""
+
+from __future__ import annotations
+
+
+class TextStream:
+    """One row's text. `add(token)` returns the text that became final (safe to send)."""
+
+    def __init__(self, tokenizer, eos: set[int], stop: tuple[str, ...]):
+        self.tokenizer, self.eos, self.stop = tokenizer, eos, stop
+        self.ids: list[int] = []
+        self.text = ""  # decoded so far (cut before a stop string once one is found)
+        self.sent = 0  # characters of `text` handed out
+        self.prefix = self.read = 0  # the window: ids[prefix:read] decoded, ids[read:] not yet shown
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.finish_reason: str | None = None
+        self.counted = 0  # tokens counted for usage: through the end-of-sequence or stop-completing one
+
+    def add(self, token: int) -> str:
+        """Take the next token; the text that can be sent now."""
+        if self.finish_reason is not None:
+            return ""
+        self.counted += 1
+        if token in self.eos:
+            self.finish_reason = "stop"
+            return self._release(len(self.text))
+        self.ids.append(token)
+        before = len(self.text)
+        self.text += self._decode_new()
+        if self.stop:
+            # Only a stop string ending in the new text can be new: look in the tail that could hold it.
+            start = max(0, before - self.hold)
+            found = [at for at in (self.text.find(s, start) for s in self.stop) if at >= 0]
+            if found:
+                self.text = self.text[: min(found)]
+                self.finish_reason = "stop"
+                return self._release(len(self.text))
+        safe = len(self.text) - self.hold if self.stop else len(self.text)
+        return self._release(safe)
+
+    def end(self) -> str:
+        """The row ended by length: everything not yet sent (an incomplete character included)."""
+        if self.finish_reason is None:
+            self.finish_reason = "length"
+            if self.read < len(self.ids):
+                self.text += self._window_text(len(self.ids))[len(self._window_text(self.read)):]
+                self.read = len(self.ids)
+        return self._release(len(self.text))
+
+    def _decode_new(self) -> str:
+        """Text the newest tokens add, once it is whole (not ending in an incomplete character)."""
+        shown = self._window_text(self.read)
+        current = self._window_text(len(self.ids))
+        if len(current) <= len(shown) or current.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)  # the tokens just shown are the next window's context
+        return current[len(shown):]
+
+    def _window_text(self, end: int) -> str:
+        return self.tokenizer.decode(self.ids[self.prefix : end], skip_special_tokens=True)
+
+    def _release(self, upto: int) -> str:
+        upto = max(upto, self.sent)
+        delta, self.sent = self.text[self.sent : upto], upto
+        return delta
+
+
+def token_strings(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text, as OpenAI's `logprobs.tokens` lists it."""
+    return tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False)
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes of text one token of the vocabulary can stand for (an upper bound:
+    byte-level vocabularies write a byte as a character of up to 2 bytes)."""
+    if tokenizer is None:
+        return 1
+    return max((len(token.encode("utf-8", "surrogatepass")) for token in tokenizer.get_vocab()), default=1)
