@@ -5,7 +5,9 @@ fixed time; every answer checked against the same request sent alone first.
     python benchmarks/bench_openai.py --package PATH --clients 1 8 32 --seconds 30
     python benchmarks/bench_openai.py --real --clients 1 8 32     # SmolLM2-135M-Instruct (the demo's package)
 
-Prints P50 / P99 latency and requests/s per kind and overall, for each number of clients.
+Prints P50 / P99 latency and requests/s per kind and overall, for each number of clients; first,
+how long a short completion sent during a 200-token stream takes, against the same completion
+alone (continuous batching: it joins the stream's batch rather than waiting for its end).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -70,6 +74,38 @@ def calls(url: str, name: str, label_ids: list[int]) -> list[load.Call]:
     return out
 
 
+def short_during_stream(url: str, name: str) -> dict:
+    """Seconds a 6-token greedy completion takes alone, and sent while a 200-token stream runs
+    (after the stream's first tokens), with the stream's own time; both answers checked equal."""
+    short = {"model": name, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    long = {"model": name, "prompt": "Once upon a time, in a small village,", "max_tokens": 200, "temperature": 0,
+            "stream": True}
+    with httpx.Client(base_url=url, timeout=300) as client:
+        alone_text = client.post("/v1/completions", json=short).json()["choices"][0]["text"]
+        start = time.perf_counter()
+        alone_text = client.post("/v1/completions", json=short).json()["choices"][0]["text"]
+        alone = time.perf_counter() - start
+        started, stream_time = threading.Event(), {}
+
+        def stream():
+            begin = time.perf_counter()
+            with httpx.stream("POST", url + "/v1/completions", json=long, timeout=300) as events:
+                for n, _ in enumerate(events.iter_lines()):
+                    if n == 4:
+                        started.set()
+            stream_time["seconds"] = time.perf_counter() - begin
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        started.wait(300)
+        start = time.perf_counter()
+        during = client.post("/v1/completions", json=short).json()["choices"][0]["text"]
+        joined = time.perf_counter() - start
+        thread.join()
+    return {"short_alone_s": round(alone, 4), "short_during_stream_s": round(joined, 4),
+            "stream_s": round(stream_time["seconds"], 3), "same_answer": during == alone_text}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -91,14 +127,19 @@ def main(argv: list[str] | None = None) -> None:
     label_ids = [tokenizer(" positive").input_ids[0], tokenizer(" negative").input_ids[0]]
     results = []
     with LocalServer(args.package, extra=["--name", "model"]) as server:
+        joining = short_during_stream(server.url, "model")
+        print(json.dumps(joining), flush=True)
+        results.append(joining)
         mix = calls(server.url, "model", label_ids)
         for clients in args.clients:
             before = server.metrics()
             result = load.run(server.url, mix, clients=clients, seconds=args.seconds)
             after = server.metrics()
-            result["batches"] = {key: after[key] - before[key] for key in ("completions", "completion_batches",
-                                                                            "requests", "groups")}
-            result["batches"]["largest_completion_batch"] = after["largest_completion_batch"]
+            steps = after["decode_steps"] - before["decode_steps"]
+            result["engine"] = {"decode_steps": steps, "largest_decode_batch": after["largest_decode_batch"],
+                                "mean_decode_batch": round((after["decoded_rows"] - before["decoded_rows"])
+                                                           / max(steps, 1), 2),
+                                "score_batches": after["batches"].get("score", 0) - before["batches"].get("score", 0)}
             results.append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "wrong"}), flush=True)
             if result["wrong"]:

@@ -67,6 +67,7 @@ _SETTING_HELP = {
     "token_budget": "prompt tokens of score and prompt-logprob requests per model call",
     "prefill_chunk": "prompt tokens of new generations run between two decode steps (longer prompts in chunks)",
     "max_rows": "generations decoded together (the continuous batch)",
+    "join_steps": "decode steps new work may wait to start together with more (fewer model calls)",
     "window_ms": "how long an idle server waits for more score requests to batch with the first",
     "max_queue": "requests waiting (being tokenized or queued) before answering 503",
     "max_body_bytes": "larger request bodies are refused with 413 before parsing",
@@ -86,7 +87,7 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
     for name, help_text in _SETTING_HELP.items():
         default = getattr(defaults, name)
-        low = 0 if name == "window_ms" else 1
+        low = 0 if name in ("window_ms", "join_steps") else 1
         parser.add_argument("--" + name.replace("_", "-"), type=_at_least(low, type(default)), default=default,
                             help=f"{help_text} (default {default})")
 

@@ -78,6 +78,7 @@ class Stats:
     largest_batch: dict[str, int] = field(default_factory=dict)  # one-shot jobs run in one call, per kind
     batch_sizes: dict[str, dict[int, int]] = field(default_factory=dict)  # per kind: jobs per call -> calls
     prefills: int = 0  # runs that started rows (a long prompt's chunks counted once each)
+    seconds: dict[str, float] = field(default_factory=dict)  # the model thread's time per phase
     decode_steps: int = 0
     decoded_rows: int = 0  # rows run over all decode steps (their mean: decoded_rows / decode_steps)
     largest_decode_batch: int = 0
@@ -211,6 +212,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.token_budget, self.prefill_chunk = settings.token_budget, settings.prefill_chunk
         self.max_rows, self.window = settings.max_rows, settings.window_ms / 1000
+        self.join_steps, self.steps = settings.join_steps, 0  # decode steps run so far
         self.files = PackageFiles(model.package.root)
         self.eos = set(eos_token_ids(model.generation_config.eos_token_id))
         self.stats = Stats()
@@ -252,14 +254,44 @@ class Engine:
             self.batch = DecodeBatch(self.model.decoder, self.max_rows)
         with torch.inference_mode():
             while not self.stopping:
-                self._take(block=not (self.oneshots or self.pending or self.batch.rows))
+                self._take(block=not (self.oneshots or self.pending or self.partial or self.batch.rows))
+                try:
+                    self.files.check()
+                except ServingError as e:
+                    self._fail_all(e)
+                    continue
                 self._drop_abandoned()
-                if self.oneshots:
-                    self._run_oneshots()
-                if self.pending and self.batch.free:
-                    self._prefill()
+                if self.oneshots and self._due(self.oneshots[0], sum(job.tokens for job in self.oneshots),
+                                               self.token_budget):
+                    self._timed("oneshot", self._run_oneshots)
+                if self.batch.free and (self.partial or self.pending and self._due(
+                        self.pending[0].job, len(self.pending), self.batch.free)):
+                    self._timed("prefill", self._prefill)
                 if self.batch.rows:
-                    self._decode()
+                    self._timed("decode", self._decode)
+
+    def _fail_all(self, error: Exception) -> None:
+        """Every job filed fails with `error`; the engine keeps taking (and refusing) new ones."""
+        rows = list(self.pending) + list(self.batch.rows) + ([self.partial[0]] if self.partial else [])
+        for job in list(self.oneshots) + list({id(row.job): row.job for row in rows}.values()):
+            self.release(job)
+            job.cancelled.set()
+            job.fail(error)
+        self.oneshots.clear()
+        self.pending.clear()
+        self.partial = None
+        self.batch = DecodeBatch(self.model.decoder, self.max_rows)
+
+    def _due(self, oldest: Job, queued: int, enough: int) -> bool:
+        """Whether waiting work starts now. Each model call streams every weight once (on a CPU that
+        alone is a few tens of ms), so while rows decode, new work waits up to `join_steps` steps
+        for more to start with it, unless there is `enough` already."""
+        return not self.batch.rows or queued >= enough or self.steps - oldest.arrived >= self.join_steps
+
+    def _timed(self, phase: str, work) -> None:
+        start = time.perf_counter()
+        work()
+        self.stats.seconds[phase] = self.stats.seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def _take(self, block: bool) -> None:
         """File the jobs that arrived (waiting for one when idle)."""
@@ -270,13 +302,19 @@ class Engine:
                 return
             if job is None:
                 return
-            self.files.check()  # before any run: a package rewritten since the start is never run
+            try:
+                self.files.check()  # before any run: a package rewritten since the start is never run
+            except ServingError as e:
+                self.release(job)
+                job.fail(e)
+                continue
             self._file(job)
             if block and self.window and isinstance(job, OneShot):  # idle: requests sent at once batch together
                 self._gather(time.monotonic() + self.window)
             block = False
 
     def _file(self, job: Job) -> None:
+        job.arrived = self.steps
         if isinstance(job, OneShot):
             self.oneshots.append(job)
         elif job.prompt_top is not None:  # echo: the prompts' log-probabilities first
@@ -412,6 +450,7 @@ class Engine:
         rows = list(batch.rows)
         self._guarded(rows, lambda rows: self._accept(rows, batch.step()))
         self.stats.decode_steps += 1
+        self.steps += 1
         self.stats.decoded_rows += len(rows)
         self.stats.largest_decode_batch = max(self.stats.largest_decode_batch, len(rows))
         for slot in reversed(range(len(batch.rows))):

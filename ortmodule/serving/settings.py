@@ -15,8 +15,10 @@ class Settings:
 
     Batching: `token_budget` prompt tokens of score and prompt-logprob requests per model call;
     `prefill_chunk` prompt tokens of generations started between two decode steps (a longer
-    prompt runs in chunks this long); `max_rows` rows in the decode batch; `window_ms` how long an
-    idle engine waits for more score requests to batch with the first.
+    prompt runs in chunks this long); `max_rows` rows in the decode batch; `join_steps` decode steps
+    new work may wait, while rows decode, to start together with more (every model call costs a
+    pass over the weights); `window_ms` how long an idle engine waits for more score requests to
+    batch with the first.
 
     Limits (a request beyond one is refused with 400, 413 or 503 before it is tokenized):
     `max_queue` requests waiting (being tokenized or queued); `max_body_bytes` per body;
@@ -33,6 +35,7 @@ class Settings:
     token_budget: int = 8192
     prefill_chunk: int = 512
     max_rows: int = 32
+    join_steps: int = 4
     window_ms: float = 5.0
     max_queue: int = 256
     max_body_bytes: int = 8 * 2**20
@@ -56,8 +59,10 @@ class Settings:
                 high = 10_000 if field.name == "window_ms" else 86_400
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                     raise ValueError(f"{field.name} must be a number between {low} and {high}, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+            else:
+                low = 0 if field.name == "join_steps" else 1
+                if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                    raise ValueError(f"{field.name} must be an integer >= {low}, got {value!r}")
 
     @classmethod
     def with_environment(cls, **given) -> Settings:

@@ -20,6 +20,7 @@ class TextStream:
         self.text = ""  # decoded so far (cut before a stop string once one is found)
         self.sent = 0  # characters of `text` handed out
         self.prefix = self.read = 0  # the window: ids[prefix:read] decoded, ids[read:] not yet shown
+        self.waiting = ""  # whole characters of ids[read:] before an incomplete one (not yet shown)
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.finish_reason: str | None = None
         self.counted = 0  # tokens counted for usage: through the end-of-sequence or stop-completing one
@@ -36,11 +37,13 @@ class TextStream:
         before = len(self.text)
         self.text += self._decode_new()
         if self.stop:
-            # Only a stop string ending in the new text can be new: look in the tail that could hold it.
+            # Only a stop string ending in the new text can be new: look in the tail that could hold
+            # it, with the characters already whole before an incomplete one that waits.
             start = max(0, before - self.hold)
-            found = [at for at in (self.text.find(s, start) for s in self.stop) if at >= 0]
+            tail = self.text + self.waiting
+            found = [at for at in (tail.find(s, start) for s in self.stop) if at >= 0]
             if found:
-                self.text = self.text[: min(found)]
+                self.text = tail[: min(found)]
                 self.finish_reason = "stop"
                 return self._release(len(self.text))
         safe = len(self.text) - self.hold if self.stop else len(self.text)
@@ -59,7 +62,9 @@ class TextStream:
         """Text the newest tokens add, once it is whole (not ending in an incomplete character)."""
         shown = self._window_text(self.read)
         current = self._window_text(len(self.ids))
+        self.waiting = ""
         if len(current) <= len(shown) or current.endswith("\ufffd"):
+            self.waiting = current[len(shown):].rstrip("\ufffd")
             return ""
         self.prefix, self.read = self.read, len(self.ids)  # the tokens just shown are the next window's context
         return current[len(shown):]
