@@ -290,3 +290,67 @@ def test_settings_come_from_the_environment_and_are_checked(monkeypatch):
     assert Settings.with_environment(api_key="given").api_key == "given"
     with pytest.raises(ValueError, match="max_rows"):
         Settings(max_rows=0)
+
+
+def test_the_http_server_has_auth_timeouts_and_a_connection_limit(llama):
+    """`ortmodule serve` with an API key from the environment, 1 s header and body timeouts and
+    four connections: 401 without the key; a client that sends half its headers, or half its
+    body, is cut off; a fifth connection gets 503; the name shown is the folder's, not its path."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(Path(sys.executable).parent / "ortmodule"), "serve", str(llama.package_dir), "--port", str(port),
+               "--header-timeout", "1", "--body-timeout", "1", "--max-connections", "4"]
+    env = {**os.environ, "ORTMODULE_API_KEY": "sesame"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sesame"}
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(url + "/health").status_code == 200:  # /health needs no key
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "ortmodule serve did not come up"
+            time.sleep(0.2)
+        body = {"query": [5, 6], "items": [[7]], "label_token_ids": [1]}
+        refused = httpx.post(url + "/v1/score", json=body)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        assert httpx.post(url + "/v1/score", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        answer = httpx.post(url + "/v1/score", json=body, headers=key)
+        assert answer.status_code == 200 and answer.json()["model"] == llama.package_dir.name
+        assert str(llama.package_dir.parent) not in httpx.get(url + "/v1/models", headers=key).text
+
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        slow.settimeout(5)
+        start = time.monotonic()
+        assert slow.recv(1024) == b"" and time.monotonic() - start < 4  # closed by the server
+        slow.close()
+        half = socket.create_connection(("127.0.0.1", port))
+        half.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sesame\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"query\"")
+        half.settimeout(5)
+        assert b" 408 " in half.recv(4096).split(b"\r\n")[0] + b" "
+        half.close()
+
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        for sock in idle:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # held open, unfinished
+        time.sleep(0.2)
+        assert httpx.get(url + "/health").status_code == 503  # over the connection limit
+        for sock in idle:
+            sock.close()
+        time.sleep(1.5)
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        process.terminate()
+        process.wait(30)
