@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with LocalServer(args.package, args.device) as server:
             result = measure(server.url)
-            result["server"] = {k: v for k, v in server.metrics().items() if k in ("groups", "largest_group",
-                                                                                   "requests")}
+            metrics = server.metrics()
+            result["server"] = {"groups": metrics["batches"].get("score", 0),
+                                "largest_group": metrics["largest_batch"].get("score", 0),
+                                "requests": metrics["requests"].get("score", 0)}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

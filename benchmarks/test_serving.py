@@ -47,8 +47,8 @@ def test_ortmodule_server_load(benchmark, workload, score_server, size, server_r
     assert result["ok"] == result["sent"] > 0, result
     for name in ("target_rate", "p50_ms", "p90_ms", "p99_ms", "items_per_s"):
         benchmark.extra_info[name] = result[name]
-    benchmark.extra_info["largest_group"] = groups["largest_group"]
-    benchmark.extra_info["groups"] = groups["groups"] - before["groups"]
+    benchmark.extra_info["largest_group"] = groups["largest_batch"].get("score", 0)
+    benchmark.extra_info["groups"] = groups["batches"].get("score", 0) - before["batches"].get("score", 0)
     hf = reference_model(fixture, device, "fp32")
     with torch.inference_mode():
         answers = [httpx.post(score_server.url + "/v1/score", json=body, timeout=120).json()["scores"]

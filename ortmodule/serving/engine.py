@@ -182,6 +182,39 @@ class DecodeBatch:
         return self.decoder.step(tokens, cache).view(len(rows), -1)
 
 
+class Inbox:
+    """The jobs the routes hand over, taken by the model's thread. An idle engine that takes a
+    one-shot job waits `window` seconds for more (up to `token_budget` tokens) to batch with it."""
+
+    def __init__(self, window: float, token_budget: int):
+        self.queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.window, self.token_budget = window, token_budget
+
+    def put(self, job: Job | None) -> None:
+        self.queue.put(job)
+
+    def take(self, block: bool) -> list[Job] | None:
+        """The jobs waiting (at least one when `block`); None when told to stop."""
+        jobs: list[Job] = []
+        try:
+            job = self.queue.get(block=block)
+        except queue.Empty:
+            return jobs
+        deadline = time.monotonic() + (self.window if block and isinstance(job, OneShot) else 0)
+        while job is not None:
+            jobs.append(job)
+            left = deadline - time.monotonic()
+            if left > 0 and sum(j.tokens for j in jobs if isinstance(j, OneShot)) < self.token_budget:
+                wait = {"timeout": left}
+            else:
+                wait = {"block": False}
+            try:
+                job = self.queue.get(**wait)
+            except queue.Empty:
+                return jobs
+        return jobs or None  # told to stop (Engine.stop also sets its flag)
+
+
 class Waiting:
     """Requests admitted and not yet running (being tokenized, or queued), at most `limit`."""
 
@@ -216,7 +249,7 @@ class Engine:
         self.files = PackageFiles(model.package.root)
         self.eos = set(eos_token_ids(model.generation_config.eos_token_id))
         self.stats = Stats()
-        self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.inbox = Inbox(self.window, self.token_budget)
         self.waiting = Waiting(settings.max_queue)
         self.oneshots: deque[OneShot] = deque()
         self.pending: deque[Row] = deque()  # rows waiting for a slot (a long one may be part-prefilled)
@@ -295,47 +328,18 @@ class Engine:
 
     def _take(self, block: bool) -> None:
         """File the jobs that arrived (waiting for one when idle)."""
-        while True:
-            try:
-                job = self.inbox.get(block=block)
-            except queue.Empty:
-                return
-            if job is None:
-                return
-            try:
-                self.files.check()  # before any run: a package rewritten since the start is never run
-            except ServingError as e:
-                self.release(job)
-                job.fail(e)
-                continue
-            self._file(job)
-            if block and self.window and isinstance(job, OneShot):  # idle: requests sent at once batch together
-                self._gather(time.monotonic() + self.window)
-            block = False
-
-    def _file(self, job: Job) -> None:
-        job.arrived = self.steps
-        if isinstance(job, OneShot):
-            self.oneshots.append(job)
-        elif job.prompt_top is not None:  # echo: the prompts' log-probabilities first
-            self._guarded(job.rows, lambda rows: self._score_prompts(job))
-        else:
-            self.pending.extend(job.rows)
-
-    def _gather(self, deadline: float) -> None:
-        """More jobs until `deadline` or the token budget."""
-        while sum(job.tokens for job in self.oneshots) < self.token_budget:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            try:
-                job = self.inbox.get(timeout=left)
-            except queue.Empty:
-                return
-            if job is None:
-                self.stopping = True
-                return
-            self._file(job)
+        jobs = self.inbox.take(block)
+        if jobs is None:
+            self.stopping = True
+            return
+        for job in jobs:
+            job.arrived = self.steps
+            if isinstance(job, OneShot):
+                self.oneshots.append(job)
+            elif job.prompt_top is not None:  # echo: the prompts' log-probabilities first
+                self._guarded(job.rows, lambda rows, job=job: self._score_prompts(job))
+            else:
+                self.pending.extend(job.rows)
 
     def _score_prompts(self, job: Generation) -> None:
         job.prompt_scores = prompt_scores(self.model, job.prompts, job.prompt_top)
@@ -472,17 +476,12 @@ class Engine:
         try:
             work(rows)
         except Exception as e:  # noqa: BLE001  the engine goes on with the other jobs
-            jobs = {id(row.job): row.job for row in rows}.values()
+            broken = any(row in self.batch.rows for row in rows)  # the batch's cache: state unknown
+            jobs = list({id(row.job): row.job for row in rows + (self.batch.rows if broken else [])}.values())
             log.exception("generation failed for %d requests", len(jobs))
             self.stats.failed += len(jobs)
             for job in jobs:
-                job.cancelled.set()
+                job.cancelled.set()  # its other rows leave at the next pass
                 job.fail(e)
-            if self.partial is not None and self.partial[0].job.cancelled.is_set():
-                self.partial = None
-            if any(row in self.batch.rows for row in rows):
-                for row in self.batch.rows:
-                    if row.job not in jobs:
-                        row.job.cancelled.set()
-                        row.job.fail(e)
+            if broken:
                 self.batch = DecodeBatch(self.model.decoder, self.max_rows)
