@@ -142,16 +142,18 @@ class KVCache(Cache):
         self.longest = longest
         self.seen = width
 
-    def first_rows(self, rows: int) -> KVCache:
-        """A cache over this one's first `rows` rows, sharing its buffers and lengths (runs over it
-        write into this cache): a continuous batch runs only the slots in use. Shared layout only."""
+    def first_rows(self, rows: int, longest: int) -> KVCache:
+        """A cache over this one's first `rows` rows, the longest holding `longest` tokens (the
+        caller knows it: no read from the device), sharing this cache's buffers and lengths (runs
+        over it write into this cache): a continuous batch runs only the slots in use. Shared
+        layout only."""
         if not self.shared:
             raise ValueError("first_rows needs the shared-buffer layout (GroupQueryAttention)")
         view = copy.copy(self)
         view.keys = [key[:rows] for key in self.keys]
         view.values = [value[:rows] for value in self.values]
         view.lengths = self.lengths[:rows]
-        view.longest = int(view.lengths.max().item()) if rows else 0
+        view.longest = longest
         view.caller_mask = None
         return view
 

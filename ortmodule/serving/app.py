@@ -31,7 +31,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     `/v1/chat/completions` and `/v1/models`, `GET /health`, `GET /metrics`. `settings` (or its
     fields as keywords) say how it batches and what it takes."""
     settings = settings or Settings.with_environment(**options)
-    engine = Engine(model, tokenizer, settings)
+    engine = Engine(model, settings)
     # The package's folder name, never its path (which would tell clients about the host).
     served = Served(engine, tokenizer, settings.name or Path(model.package.root).name, settings)
 
@@ -122,19 +122,20 @@ class Guard:
         if length is not None and length.isdigit() and int(length) > limit:
             return await self._refuse(send, path, _too_large(limit))
         chunks, received, more = [], 0, True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.body_timeout
         try:
-            async with asyncio.timeout(self.settings.body_timeout):
-                while more:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return
-                    chunk = message.get("body", b"")
-                    received += len(chunk)
-                    if received > limit:
-                        return await self._refuse(send, path, _too_large(limit))
-                    chunks.append(chunk)
-                    more = message.get("more_body", False)
-        except TimeoutError:
+            while more:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                received += len(chunk)
+                if received > limit:
+                    return await self._refuse(send, path, _too_large(limit))
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
             return await self._refuse(send, path, ServingError(
                 f"the request body did not arrive within {self.settings.body_timeout:g} s", status=408))
         replayed = False

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..inputs import Rows, eos_token_ids
+from ..inputs import Rows, eos_token_ids, pad_right, to_device
 from .errors import ServingError, busy
 from .jobs import Generation, Job, OneShot, Row, choose_tokens, prompt_scores
 from .settings import Settings
@@ -140,15 +140,13 @@ class DecodeBatch:
     def prefill(self, rows: list[Row]) -> tuple[torch.Tensor, object]:
         """Run the prompts of `rows` together: the logits after each, `[rows, V]`, and their cache."""
         decoder, device = self.decoder, self.decoder.device
-        prompts = [row.prompt for row in rows]
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.int64)
-        for r, prompt in enumerate(prompts):
-            ids[r, : len(prompt)] = torch.tensor(prompt)
-        lengths = torch.tensor([len(p) for p in prompts])
-        last = torch.arange(len(prompts)) * width + lengths - 1
-        cache = decoder.new_cache(len(prompts), width + 1)
-        logits = decoder.prefill(Rows(ids.to(device), None, lengths.to(device), width), last.to(device), cache)
+        ids, _ = pad_right([row.prompt for row in rows])
+        width = ids.shape[1]
+        lengths = torch.tensor([len(row.prompt) for row in rows])
+        last = torch.arange(len(rows)) * width + lengths - 1
+        cache = decoder.new_cache(len(rows), width + 1)
+        logits = decoder.prefill(Rows(to_device(ids, device), None, to_device(lengths, device), width),
+                                 to_device(last, device), cache)
         for row in rows:
             row.prefilled = len(row.prompt)
         return logits, cache
@@ -159,7 +157,7 @@ class DecodeBatch:
         decoder = self.decoder
         start = row.prefilled
         end = min(start + chunk, len(row.prompt))
-        piece = torch.tensor([row.prompt[start:end]]).to(decoder.device)
+        piece = to_device(torch.tensor([row.prompt[start:end]]), decoder.device)
         last = torch.tensor([end - start - 1], device=decoder.device)
         if start == 0:
             logits = decoder.prefill(Rows(piece, None, torch.tensor([end], device=decoder.device), end), last, cache)
@@ -172,13 +170,14 @@ class DecodeBatch:
         """Run every row's last token: logits `[rows, V]`."""
         rows = self.rows
         if self.shared:
-            self.pool.reserve(max(row.length for row in rows), self.context)
+            longest = max(row.length for row in rows) - 1  # tokens in the cache; the step adds one
+            self.pool.reserve(longest + 1, self.context)
             if self.view is None or self.view.version != self.pool.version:
-                self.view = self.pool.first_rows(len(rows))
+                self.view = self.pool.first_rows(len(rows), longest)
             cache = self.view
         else:
             cache = self.pool
-        tokens = torch.tensor([[row.tokens[-1]] for row in rows]).to(self.decoder.device)
+        tokens = to_device(torch.tensor([[row.tokens[-1]] for row in rows]), self.decoder.device)
         return self.decoder.step(tokens, cache).view(len(rows), -1)
 
 
@@ -204,12 +203,9 @@ class Inbox:
         while job is not None:
             jobs.append(job)
             left = deadline - time.monotonic()
-            if left > 0 and sum(j.tokens for j in jobs if isinstance(j, OneShot)) < self.token_budget:
-                wait = {"timeout": left}
-            else:
-                wait = {"block": False}
+            gathering = left > 0 and sum(j.tokens for j in jobs if isinstance(j, OneShot)) < self.token_budget
             try:
-                job = self.queue.get(**wait)
+                job = self.queue.get(timeout=left) if gathering else self.queue.get_nowait()
             except queue.Empty:
                 return jobs
         return jobs or None  # told to stop (Engine.stop also sets its flag)
@@ -241,8 +237,8 @@ class Engine:
     """The model's thread and its scheduler. `submit` from the event loop; everything else runs
     on the model's thread."""
 
-    def __init__(self, model, tokenizer, settings: Settings):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, settings: Settings):
+        self.model = model
         self.token_budget, self.prefill_chunk = settings.token_budget, settings.prefill_chunk
         self.max_rows, self.window = settings.max_rows, settings.window_ms / 1000
         self.join_steps, self.steps = settings.join_steps, 0  # decode steps run so far
@@ -308,8 +304,7 @@ class Engine:
         rows = list(self.pending) + list(self.batch.rows) + ([self.partial[0]] if self.partial else [])
         for job in list(self.oneshots) + list({id(row.job): row.job for row in rows}.values()):
             self.release(job)
-            job.cancelled.set()
-            job.fail(error)
+            job.abort(error)
         self.oneshots.clear()
         self.pending.clear()
         self.partial = None
@@ -481,7 +476,6 @@ class Engine:
             log.exception("generation failed for %d requests", len(jobs))
             self.stats.failed += len(jobs)
             for job in jobs:
-                job.cancelled.set()  # its other rows leave at the next pass
-                job.fail(e)
+                job.abort(e)  # its other rows leave at the next pass
             if broken:
                 self.batch = DecodeBatch(self.model.decoder, self.max_rows)

@@ -50,6 +50,11 @@ class Job:
     def fail(self, error: BaseException) -> None:
         self.loop.call_soon_threadsafe(_settle, self.future, None, error)
 
+    def abort(self, error: BaseException) -> None:
+        """Fail it and stop whatever of it still runs (its rows leave at the engine's next pass)."""
+        self.cancelled.set()
+        self.fail(error)
+
 
 def _settle(future: asyncio.Future, result, error) -> None:
     if future.done():  # cancelled: the client went away
