@@ -68,6 +68,9 @@ _SETTING_HELP = {
     "prefill_chunk": "prompt tokens of new generations run between two decode steps (longer prompts in chunks)",
     "max_rows": "generations decoded together (the continuous batch)",
     "join_steps": "decode steps new work may wait to start together with more (fewer model calls)",
+    "feed_tokens": "a prompt with at most this many tokens to run past its cached prefix joins the running "
+                   "batch at once, a token per step (0: off)",
+    "prefix_cache_mb": "MiB of recent prompts' KV kept for prompts that begin the same (0: off)",
     "window_ms": "how long an idle server waits for more score requests to batch with the first",
     "max_queue": "requests waiting (being tokenized or queued) before answering 503",
     "max_body_bytes": "larger request bodies are refused with 413 before parsing",
@@ -87,7 +90,7 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
     for name, help_text in _SETTING_HELP.items():
         default = getattr(defaults, name)
-        low = 0 if name in ("window_ms", "join_steps") else 1
+        low = 0 if name in ("window_ms", "join_steps", "feed_tokens", "prefix_cache_mb") else 1
         parser.add_argument("--" + name.replace("_", "-"), type=_at_least(low, type(default)), default=default,
                             help=f"{help_text} (default {default})")
 

@@ -32,6 +32,7 @@ import torch
 from ..inputs import Rows, eos_token_ids, pad_right, to_device
 from .errors import ServingError, busy
 from .jobs import Generation, Job, OneShot, Row, choose_tokens, prompt_scores
+from .prefixes import BLOCK, Prefixes
 from .settings import Settings
 
 log = logging.getLogger("ortmodule.serving")
@@ -81,6 +82,7 @@ class Stats:
     seconds: dict[str, float] = field(default_factory=dict)  # the model thread's time per phase
     decode_steps: int = 0
     decoded_rows: int = 0  # rows run over all decode steps (their mean: decoded_rows / decode_steps)
+    fed_tokens: int = 0  # prompt tokens run in decode steps (a token per step, past a cached prefix)
     largest_decode_batch: int = 0
     abandoned: int = 0  # jobs whose client went away before their answer
     failed: int = 0
@@ -113,22 +115,37 @@ class DecodeBatch:
 
     def join(self, cache, index: int, row: Row) -> None:
         """Row `index` of the prefilled `cache` goes into the next slot."""
-        slot, length = len(self.rows), row.length - 1  # the last token chosen is not run yet
+        self._join(row, [k[index] for k in cache.keys] if self.shared else None,
+                   [v[index] for v in cache.values] if self.shared else None, row.cached, cache)
+
+    def join_prefix(self, row: Row, entry, shared: int) -> None:
+        """`row` goes into the next slot holding the first `shared` tokens of its prompt, copied from
+        a cached prefix `entry` (or none, with `shared` 0); its decode steps run the rest of its
+        prompt, a token each, then generate."""
+        row.prefilled = shared
+        self._join(row, entry.keys if entry else [], entry.values if entry else [], shared, None)
+
+    def _join(self, row: Row, keys, values, length: int, cache) -> None:
+        slot = len(self.rows)
         if not self.shared:
             self.pool = cache
         else:
             self.pool.reserve(length + 1, self.context)
-            for mine, theirs in ((self.pool.keys, cache.keys), (self.pool.values, cache.values)):
+            for mine, theirs in ((self.pool.keys, keys), (self.pool.values, values)):
                 for buffer, source in zip(mine, theirs):
-                    buffer[slot, :, :length] = source[index, :, :length]
+                    buffer[slot, :, :length] = source[:, :length]
             self.pool.lengths[slot] = length
         self.rows.append(row)
         self.view = None
 
+    def row_kv(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The KV buffers of the row in `slot`, per layer `[kv_heads, capacity, head_size]` (views)."""
+        return [k[slot] for k in self.pool.keys], [v[slot] for v in self.pool.values]
+
     def leave(self, slot: int) -> None:
         last = len(self.rows) - 1
         if self.shared and slot != last:
-            length = self.rows[last].length - 1
+            length = self.rows[last].cached
             for buffers in (self.pool.keys, self.pool.values):
                 for buffer in buffers:
                     buffer[slot, :, :length] = buffer[last, :, :length]
@@ -167,17 +184,17 @@ class DecodeBatch:
         return logits
 
     def step(self) -> torch.Tensor:
-        """Run every row's last token: logits `[rows, V]`."""
+        """Run every row's next input (its last token, or the next of a prompt being fed): logits `[rows, V]`."""
         rows = self.rows
         if self.shared:
-            longest = max(row.length for row in rows) - 1  # tokens in the cache; the step adds one
+            longest = max(row.cached for row in rows)  # the step adds one
             self.pool.reserve(longest + 1, self.context)
             if self.view is None or self.view.version != self.pool.version:
                 self.view = self.pool.first_rows(len(rows), longest)
             cache = self.view
         else:
             cache = self.pool
-        tokens = to_device(torch.tensor([[row.tokens[-1]] for row in rows]), self.decoder.device)
+        tokens = to_device(torch.tensor([[row.next_input] for row in rows]), self.decoder.device)
         return self.decoder.step(tokens, cache).view(len(rows), -1)
 
 
@@ -251,6 +268,9 @@ class Engine:
         self.pending: deque[Row] = deque()  # rows waiting for a slot (a long one may be part-prefilled)
         self.partial = None  # (row, its own cache) of a long prompt being prefilled in chunks
         self.batch: DecodeBatch | None = None
+        self.feed_tokens = settings.feed_tokens
+        shared = model.decoder.spec.shares_kv_buffer  # prefixes and feeding need the slot pool
+        self.prefixes = Prefixes(settings.prefix_cache_mb * 2**20 if shared else 0)
         self.thread: threading.Thread | None = None
         self.stopping = False
 
@@ -293,6 +313,8 @@ class Engine:
                 if self.oneshots and self._due(self.oneshots[0], sum(job.tokens for job in self.oneshots),
                                                self.token_budget):
                     self._timed("oneshot", self._run_oneshots)
+                if self.batch.rows and self.pending and self.batch.free and self.batch.shared:
+                    self._feed()
                 if self.batch.free and (self.partial or self.pending and self._due(
                         self.pending[0].job, len(self.pending), self.batch.free)):
                     self._timed("prefill", self._prefill)
@@ -397,11 +419,20 @@ class Engine:
         to `prefill_chunk` tokens."""
         chunk, batch = self.prefill_chunk, self.batch
         if self.partial is None:
-            long = next((row for row in self.pending if len(row.prompt) > chunk), None)
+            long = next((row for row in self.pending if len(row.prompt) > chunk or self._worth_starting_past(row)), None)
             if long is not None and batch.free:
                 self.pending.remove(long)
                 self._starting(long)
-                self.partial = (long, self.model.decoder.new_cache(1, len(long.prompt) + 1))
+                cache = self.model.decoder.new_cache(1, len(long.prompt) + 1)
+                entry, shared = self._hit(long)
+                if self._worth_starting_past(long):
+                    self._used_prefix(shared)
+                    long.prefilled = shared
+                    for mine, theirs in ((cache.keys, entry.keys), (cache.values, entry.values)):
+                        for buffer, source in zip(mine, theirs):
+                            buffer[0, :, :shared] = source[:, :shared]
+                    cache.lengths[0], cache.longest, cache.seen = shared, shared, shared
+                self.partial = (long, cache)
         if self.partial is not None:
             self._guarded([self.partial[0]], self._next_chunk)
         free = batch.free - (self.partial is not None)
@@ -417,6 +448,40 @@ class Engine:
             for row in short:
                 self._starting(row)
             self._guarded(short, self._prefill_short)
+
+    def _hit(self, row: Row) -> tuple:
+        """The cached prefix of the row's prompt (looked up once): (entry, tokens to reuse, at
+        most all but the last)."""
+        if row.prefix is None:
+            entry, shared = self.prefixes.find(row.prompt) if self.prefixes.budget else (None, 0)
+            row.prefix = (entry, min(shared, len(row.prompt) - 1))
+        return row.prefix
+
+    def _worth_starting_past(self, row: Row) -> bool:
+        """Whether a prompt starts past its cached prefix in a run of its own (the rest in chunks):
+        when the prefix is at least a block and at least half of the prompt. A shorter one runs
+        whole, batched with other prompts."""
+        shared = self._hit(row)[1]
+        return shared >= BLOCK and 2 * shared >= len(row.prompt)
+
+    def _used_prefix(self, shared: int) -> None:
+        if shared:
+            self.prefixes.hits += 1
+            self.prefixes.reused += shared
+
+    def _feed(self) -> None:
+        """Waiting prompts with at most `feed_tokens` left to run past their cached prefix join the
+        running batch now: its decode steps run their prompt a token each (no separate model call,
+        no padding), then generate."""
+        for row in list(self.pending):
+            if not self.batch.free:
+                return
+            entry, shared = self._hit(row)
+            if len(row.prompt) - shared <= self.feed_tokens:
+                self.pending.remove(row)
+                self._starting(row)
+                self._used_prefix(shared)
+                self.batch.join_prefix(row, entry, shared)
 
     def _starting(self, row: Row) -> None:
         job = row.job
@@ -439,7 +504,11 @@ class Engine:
         self._start(rows, logits, cache)
 
     def _start(self, rows: list[Row], logits: torch.Tensor, cache) -> None:
-        """Each prefilled row takes its first token; those not done with it join the decode batch."""
+        """Each prefilled row takes its first token; those not done with it join the decode batch.
+        Their prompts' KV go to the prefix cache."""
+        if self.prefixes.budget:
+            for i, row in enumerate(rows):
+                self.prefixes.add(row.prompt, [k[i] for k in cache.keys], [v[i] for v in cache.values])
         for i, row in enumerate(self._accept(rows, logits)):
             if not row.finished and not row.job.cancelled.is_set():
                 self.batch.join(cache, i, row)
@@ -447,7 +516,7 @@ class Engine:
     def _decode(self) -> None:
         batch = self.batch
         rows = list(batch.rows)
-        self._guarded(rows, lambda rows: self._accept(rows, batch.step()))
+        self._guarded(rows, lambda rows: self._stepped(rows, batch.step()))
         self.stats.decode_steps += 1
         self.steps += 1
         self.stats.decoded_rows += len(rows)
@@ -455,6 +524,24 @@ class Engine:
         for slot in reversed(range(len(batch.rows))):
             if batch.rows[slot].finished:
                 batch.leave(slot)
+
+    def _stepped(self, rows: list[Row], logits: torch.Tensor) -> None:
+        """After a decode step: rows feeding their prompt move on (the last prompt token's logits
+        are the row's first choice, and its prompt's KV goes to the prefix cache); the rest choose."""
+        choosing = []
+        for slot, row in enumerate(rows):
+            if row.feeding:
+                row.prefilled += 1
+                self.stats.fed_tokens += 1
+                if row.feeding:
+                    continue
+                if self.prefixes.budget:
+                    self.prefixes.add(row.prompt, *self.batch.row_kv(slot))
+            choosing.append(slot)
+        if len(choosing) == len(rows):
+            self._accept(rows, logits)
+        elif choosing:
+            self._accept([rows[i] for i in choosing], logits[torch.tensor(choosing, device=logits.device)])
 
     def _accept(self, rows: list[Row], logits: torch.Tensor) -> list[Row]:
         """Each row takes its next token chosen from its logits `[rows, V]`."""

@@ -227,13 +227,24 @@ class Row:
     tokens: Ids = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens run so far (a long prompt runs in chunks)
+    prefilled: int = 0  # prompt tokens in its cache (run in chunks, one per decode step, or cached)
     generator: torch.Generator | None = None
+    prefix: tuple | None = None  # the cached prefix found for its prompt: (entry or None, tokens shared)
 
     @property
-    def length(self) -> int:
-        """Tokens in the row's cache once its last token is run."""
-        return len(self.prompt) + len(self.tokens)
+    def feeding(self) -> bool:
+        """Whether its prompt is still being run (a token per decode step, or in chunks)."""
+        return self.prefilled < len(self.prompt)
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the row's cache: the prompt's run so far, then every token chosen but the last."""
+        return self.prefilled if self.feeding else len(self.prompt) + len(self.tokens) - 1
+
+    @property
+    def next_input(self) -> int:
+        """The token the row's next decode step runs."""
+        return self.prompt[self.prefilled] if self.feeding else self.tokens[-1]
 
     @property
     def finished(self) -> bool:

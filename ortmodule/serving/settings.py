@@ -18,7 +18,9 @@ class Settings:
     prompt runs in chunks this long); `max_rows` rows in the decode batch; `join_steps` decode steps
     new work may wait, while rows decode, to start together with more (every model call costs a
     pass over the weights); `window_ms` how long an idle engine waits for more score requests to
-    batch with the first.
+    batch with the first; `feed_tokens`: a prompt with at most this many tokens to run (past its
+    cached prefix) joins a running decode batch at once, its prompt run a token per step (0: off);
+    `prefix_cache_mb` MiB of recent prompts' KV kept for prompts that begin the same (0: off).
 
     Limits (a request beyond one is refused with 400, 413 or 503 before it is tokenized):
     `max_queue` requests waiting (being tokenized or queued); `max_body_bytes` per body;
@@ -36,6 +38,8 @@ class Settings:
     prefill_chunk: int = 512
     max_rows: int = 32
     join_steps: int = 4
+    feed_tokens: int = 16
+    prefix_cache_mb: int = 512
     window_ms: float = 5.0
     max_queue: int = 256
     max_body_bytes: int = 8 * 2**20
@@ -60,7 +64,7 @@ class Settings:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                     raise ValueError(f"{field.name} must be a number between {low} and {high}, got {value!r}")
             else:
-                low = 0 if field.name == "join_steps" else 1
+                low = 0 if field.name in ("join_steps", "feed_tokens", "prefix_cache_mb") else 1
                 if isinstance(value, bool) or not isinstance(value, int) or value < low:
                     raise ValueError(f"{field.name} must be an integer >= {low}, got {value!r}")
 
