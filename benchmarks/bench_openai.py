@@ -47,6 +47,42 @@ def bodies(name: str, label_ids: list[int]) -> list[tuple[str, str, dict]]:
     return out
 
 
+# --distinct N: N different requests of each kind, alike only where real traffic is alike (the chat
+# template's system prompt, the score prompt's frame), so that no cache can answer a repeat.
+SUBJECTS = ["France", "Japan", "Brazil", "Kenya", "Canada", "Norway", "Egypt", "India", "Mexico", "Italy", "Peru",
+            "Chile", "Spain", "Greece", "Turkey", "Vietnam", "Nepal", "Ghana", "Poland", "Sweden", "Ireland",
+            "Morocco", "Cuba", "Iceland", "Finland", "Portugal", "Austria", "Thailand", "Argentina", "Australia"]
+ASKS = ["What is the capital of {}?", "Name a famous dish from {}.", "What language is spoken in {}?",
+        "Describe the weather in {} in one sentence.", "Which ocean or sea is closest to {}?",
+        "Write a short poem about {}.", "What is {} known for?", "Name a river in {}."]
+OPENINGS = ["The history of {} began", "A travel guide to {}:", "In {}, the most popular sport is",
+            "The economy of {} depends on", "Every summer in {}, people", "The oldest city in {} is",
+            "Travellers to {} should know that", "The national animal of {} is"]
+THINGS = ["the hotel", "this phone", "the movie", "our waiter", "the book", "this laptop", "the concert", "the app"]
+VERDICTS = ["was wonderful", "broke after a day", "was fine, nothing special", "exceeded every expectation",
+            "was a waste of money", "made my week"]
+
+
+def distinct_bodies(name: str, label_ids: list[int], n: int) -> list[tuple[str, str, dict]]:
+    questions = [ask.format(subject) for ask in ASKS for subject in SUBJECTS]
+    prompts = [opening.format(subject) for opening in OPENINGS for subject in SUBJECTS]
+    reviews = [f" {thing.capitalize()} in {subject} {verdict}." for thing in THINGS for verdict in VERDICTS
+               for subject in SUBJECTS]
+    if n > min(len(questions), len(prompts)):
+        raise SystemExit(f"--distinct takes at most {min(len(questions), len(prompts))}")
+    out = []
+    for i in range(n):
+        chat = [{"role": "user", "content": questions[i]}]
+        out.append(("chat", "/v1/chat/completions", {"model": name, "messages": chat, "max_tokens": 32,
+                                                      "temperature": 0}))
+        out.append(("completions", "/v1/completions", {"model": name, "prompt": prompts[i], "max_tokens": 16,
+                                                       "temperature": 0}))
+        out.append(("score", "/v1/score", {"query": "Review:" + reviews[i] + " Sentiment:",
+                                           "items": [" positive", " negative"], "label_token_ids": label_ids,
+                                           "model": name}))
+    return out
+
+
 def answer_of(kind: str, body: dict):
     if kind == "chat":
         return body["choices"][0]["message"]["content"]
@@ -55,11 +91,12 @@ def answer_of(kind: str, body: dict):
     return body["scores"]
 
 
-def calls(url: str, name: str, label_ids: list[int]) -> list[load.Call]:
+def calls(url: str, name: str, label_ids: list[int], distinct: int = 0) -> list[load.Call]:
     """The mix, each request's expected answer taken from the server with nothing else running."""
     out = []
+    mix = distinct_bodies(name, label_ids, distinct) if distinct else bodies(name, label_ids)
     with httpx.Client(base_url=url, timeout=300) as client:
-        for kind, path, body in bodies(name, label_ids):
+        for kind, path, body in mix:
             response = client.post(path, json=body)
             response.raise_for_status()
             alone = answer_of(kind, response.json())
@@ -115,6 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--distinct", type=int, default=0, metavar="N",
+                        help="N different requests of each kind (each checked alone first) instead of the repeating "
+                             "mix of 6: prompts share only what real traffic shares (the chat template's system "
+                             "prompt); send fewer than 3N requests in all, or repeats begin")
     parser.add_argument("--serve-option", action="append", default=[], metavar="FLAG",
                         help="passed to `ortmodule serve` (repeatable), e.g. --serve-option=--join-steps=0")
     args = parser.parse_args(argv)
@@ -133,24 +174,31 @@ def main(argv: list[str] | None = None) -> None:
         joining = short_during_stream(server.url, "model")
         print(json.dumps(joining), flush=True)
         results.append(joining)
-        mix = calls(server.url, "model", label_ids)
+        mix = calls(server.url, "model", label_ids, args.distinct)
         for clients in args.clients:
             before = server.metrics()
             result = load.run(server.url, mix, clients=clients, seconds=args.seconds)
             after = server.metrics()
-            steps = after["decode_steps"] - before["decode_steps"]
-            result["engine"] = {"decode_steps": steps, "largest_decode_batch": after["largest_decode_batch"],
-                                "mean_decode_batch": round((after["decoded_rows"] - before["decoded_rows"])
-                                                           / max(steps, 1), 2),
-                                "score_batches": after["batches"].get("score", 0) - before["batches"].get("score", 0),
-                                "seconds": {phase: round(seconds - before["seconds"].get(phase, 0.0), 1)
-                                            for phase, seconds in after["seconds"].items()}}
+            if "decode_steps" in after:  # not from an older server
+                result["engine"] = engine_figures(before, after)
             results.append(result)
             print(json.dumps({k: v for k, v in result.items() if k != "wrong"}), flush=True)
             if result["wrong"]:
                 print("WRONG:", result["wrong"], flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def engine_figures(before: dict, after: dict) -> dict:
+    """What the engine did between two reads of its metrics."""
+    steps = after["decode_steps"] - before["decode_steps"]
+    return {"decode_steps": steps, "largest_decode_batch": after["largest_decode_batch"],
+            "mean_decode_batch": round((after["decoded_rows"] - before["decoded_rows"]) / max(steps, 1), 2),
+            "score_batches": after["batches"].get("score", 0) - before["batches"].get("score", 0),
+            "fed_tokens": after.get("fed_tokens", 0) - before.get("fed_tokens", 0),
+            "prefix_cache": after.get("prefix_cache"),
+            "seconds": {phase: round(seconds - before["seconds"].get(phase, 0.0), 1)
+                        for phase, seconds in after["seconds"].items()}}
 
 
 if __name__ == "__main__":

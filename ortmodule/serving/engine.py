@@ -419,7 +419,8 @@ class Engine:
         to `prefill_chunk` tokens."""
         chunk, batch = self.prefill_chunk, self.batch
         if self.partial is None:
-            long = next((row for row in self.pending if len(row.prompt) > chunk or self._worth_starting_past(row)), None)
+            long = next((row for row in self.pending if len(row.prompt) > chunk or self._worth_starting_past(row)),
+                        None)
             if long is not None and batch.free:
                 self.pending.remove(long)
                 self._starting(long)
@@ -440,7 +441,8 @@ class Engine:
         for row in list(self.pending):
             if len(short) >= (free if batch.shared else min(free, 1)):
                 break
-            if len(row.prompt) <= chunk and (not short or tokens + len(row.prompt) <= chunk):
+            if (len(row.prompt) <= chunk and not self._worth_starting_past(row)
+                    and (not short or tokens + len(row.prompt) <= chunk)):
                 self.pending.remove(row)
                 short.append(row)
                 tokens += len(row.prompt)
