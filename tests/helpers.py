@@ -137,7 +137,7 @@ def hold_worker(served):
     the events (`started`: work is held, `release`) and the list of the batch sizes run."""
     started, release, scored = threading.Event(), threading.Event(), []
     engine = served.engine
-    run_together, prefill_short = engine.run_together, engine._prefill_short
+    run_together, prefill_short = engine.run_together, engine.generations._prefill_short
 
     def held_batch(kind, jobs):
         scored.append(len(jobs))
@@ -150,5 +150,5 @@ def hold_worker(served):
         release.wait(30)
         return prefill_short(rows)
 
-    engine.run_together, engine._prefill_short = held_batch, held_prefill
+    engine.run_together, engine.generations._prefill_short = held_batch, held_prefill
     return started, release, scored

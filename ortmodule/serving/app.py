@@ -58,9 +58,9 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
 
     @app.get("/metrics")
     async def metrics():
-        prefixes = engine.prefixes
+        prefixes = engine.generations.prefixes
         return {**engine.stats.__dict__, "waiting": engine.waiting.count,
-                "running_rows": len(engine.batch.rows) if engine.batch else 0,
+                "running_rows": len(engine.generations.batch.rows),
                 "prefix_cache": {"hits": prefixes.hits, "reused_tokens": prefixes.reused,
                                  "entries": len(prefixes.entries), "bytes": prefixes.nbytes}}
 
