@@ -5,6 +5,11 @@ fixed time; every answer checked against the same request sent alone first.
     python benchmarks/bench_openai.py --package PATH --clients 1 8 32 --seconds 30
     python benchmarks/bench_openai.py --real --clients 1 8 32     # SmolLM2-135M-Instruct (the demo's package)
     python benchmarks/bench_openai.py --real --clients 32 --serve-option=--join-steps=0   # a server setting
+    python benchmarks/bench_openai.py --real --clients 32 --seconds 25 --distinct 180    # no request repeats
+
+The default mix repeats 6 requests of each kind, so a prefix cache answers most of a repeated
+prompt from memory; `--distinct N` sends N different ones of each kind instead, alike only where
+real traffic is alike (the chat template's system prompt, the score prompt's frame).
 
 Prints P50 / P99 latency and requests/s per kind and overall, for each number of clients; first,
 how long a short completion sent during a 200-token stream takes, against the same completion
