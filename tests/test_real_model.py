@@ -93,3 +93,45 @@ def test_export_from_the_gguf_file_equals_the_fixture(smollm2_int4, tmp_path):
     fixture = OrtModelForCausalLM.from_pretrained(smollm2_int4.package_dir)(ids).logits
     assert torch.equal(ours, fixture)
     assert load_tokenizer(out).chat_template  # the chat template travels with the package
+
+
+def test_served_chats_past_the_cached_system_prompt_match_transformers(smollm2):
+    """`ortmodule serve`'s engine on the real model: a first chat stores the template's system
+    prompt; eight more, sent at once while a long completion decodes, start past it (fed through
+    the running batch or run from the cached prefix), and each answer equals transformers'
+    greedy continuation of the whole chat prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import LiveServer
+
+    from ortmodule.serving import create_app
+
+    _, model, reference, tokenizer = smollm2
+    questions = QUESTIONS + ["What is two plus two?", "Who wrote Hamlet?", "Why is the sky blue?",
+                             "Name a river in Peru.", "What is Japan known for?", "Give one fact about owls."]
+    live = LiveServer(create_app(model, tokenizer, name="smollm2"))
+    try:
+        def chat(question: str) -> str:
+            body = {"model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": 12,
+                    "temperature": 0}
+            response = live.client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["message"]["content"]
+
+        answers = {questions[0]: chat(questions[0])}
+        story = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0}
+        with ThreadPoolExecutor(len(questions)) as pool:
+            running = pool.submit(live.client.post, "/v1/completions", json=story)
+            answers.update(zip(questions[1:], pool.map(chat, questions[1:])))
+            assert running.result().status_code == 200
+        metrics = live.client.get("/metrics").json()
+    finally:
+        live.stop()
+    assert metrics["prefix_cache"]["hits"] >= len(questions) - 1 and metrics["fed_tokens"] > 0, metrics
+    for question, answer in answers.items():
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            expected = reference.generate(**ids, max_new_tokens=12, do_sample=False)
+        text = tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert answer == text, question
