@@ -203,8 +203,7 @@ class Engine:
                                                self.token_budget):
                     self._timed("oneshot", self._run_oneshots)
                 batch, pending = generations.batch, generations.pending
-                if batch.rows and pending and batch.free and batch.shared:
-                    generations.feed()
+                generations.feed()
                 if batch.free and (generations.partial or pending and self._due(pending[0].job, len(pending),
                                                                                 batch.free)):
                     self._timed("prefill", generations.prefill)

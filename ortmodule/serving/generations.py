@@ -23,6 +23,15 @@ from .settings import Settings
 log = logging.getLogger("ortmodule.serving")
 
 
+def put_row(cache, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+    """Row `slot` of a shared-buffer `cache` takes the first `length` entries of per-layer KV
+    `[kv_heads, >= length, head_size]` (another row's, or a cached prefix's)."""
+    for mine, theirs in ((cache.keys, keys), (cache.values, values)):
+        for buffer, source in zip(mine, theirs):
+            buffer[slot, :, :length] = source[:, :length]
+    cache.lengths[slot] = length
+
+
 class DecodeBatch:
     """The running rows: one KV cache of `max_rows` slots, the first `len(rows)` in use. A row
     joins by a copy of its prefilled KV into the next slot; a row that leaves is replaced by the
@@ -60,10 +69,7 @@ class DecodeBatch:
             self.pool = cache
         else:
             self.pool.reserve(length + 1, self.context)
-            for mine, theirs in ((self.pool.keys, keys), (self.pool.values, values)):
-                for buffer, source in zip(mine, theirs):
-                    buffer[slot, :, :length] = source[:, :length]
-            self.pool.lengths[slot] = length
+            put_row(self.pool, slot, keys, values, length)
         self.rows.append(row)
         self.view = None
 
@@ -74,11 +80,7 @@ class DecodeBatch:
     def leave(self, slot: int) -> None:
         last = len(self.rows) - 1
         if self.shared and slot != last:
-            length = self.rows[last].cached
-            for buffers in (self.pool.keys, self.pool.values):
-                for buffer in buffers:
-                    buffer[slot, :, :length] = buffer[last, :, :length]
-            self.pool.lengths[slot] = self.pool.lengths[last]
+            put_row(self.pool, slot, *self.row_kv(last), self.rows[last].cached)
         self.rows[slot] = self.rows[last]
         self.rows.pop()
         self.view = None
@@ -112,8 +114,10 @@ class DecodeBatch:
         row.prefilled = end
         return logits
 
-    def step(self) -> torch.Tensor:
-        """Run every row's next input (its last token, or the next of a prompt being fed): logits `[rows, V]`."""
+    def step(self) -> tuple[list[int], torch.Tensor]:
+        """Run every row's next input (its last token, or the next of a prompt being fed): the slots
+        of the rows that choose a token after it (all but those fed a prompt token before their
+        last) and their logits `[len(slots), V]`, the LM head run for those rows only."""
         rows = self.rows
         if self.shared:
             longest = max(row.cached for row in rows)  # the step adds one
@@ -123,8 +127,13 @@ class DecodeBatch:
             cache = self.view
         else:
             cache = self.pool
-        tokens = to_device(torch.tensor([[row.next_input] for row in rows]), self.decoder.device)
-        return self.decoder.step(tokens, cache).view(len(rows), -1)
+        device = self.decoder.device
+        tokens = to_device(torch.tensor([[row.next_input] for row in rows]), device)
+        choosing = [slot for slot, row in enumerate(rows) if row.prefilled >= len(row.prompt) - 1]
+        # The LM head needs at least one row: when every row is mid-prompt, row 0's logits go unused.
+        index = None if len(choosing) == len(rows) else to_device(torch.tensor(choosing or [0]), device)
+        logits = self.decoder.step(tokens, cache, index)
+        return choosing, logits.view(-1, logits.shape[-1])
 
 
 class Generations:
@@ -194,10 +203,8 @@ class Generations:
                 if self._worth_starting_past(long):
                     self._used_prefix(shared)
                     long.prefilled = shared
-                    for mine, theirs in ((cache.keys, entry.keys), (cache.values, entry.values)):
-                        for buffer, source in zip(mine, theirs):
-                            buffer[0, :, :shared] = source[:, :shared]
-                    cache.lengths[0], cache.longest, cache.seen = shared, shared, shared
+                    put_row(cache, 0, entry.keys, entry.values, shared)
+                    cache.longest = cache.seen = shared
                 self.partial = (long, cache)
         if self.partial is not None:
             self._guarded([self.partial[0]], self._next_chunk)
@@ -239,7 +246,9 @@ class Generations:
     def feed(self) -> None:
         """Waiting prompts with at most `feed_tokens` left to run past their cached prefix join the
         running batch now: its decode steps run their prompt a token each (no separate model call,
-        no padding), then generate."""
+        no padding), then generate. Only while rows decode, into a shared-buffer batch."""
+        if not (self.batch.rows and self.batch.shared):
+            return
         for row in list(self.pending):
             if not self.batch.free:
                 return
@@ -283,7 +292,7 @@ class Generations:
     def decode(self) -> None:
         batch = self.batch
         rows = list(batch.rows)
-        self._guarded(rows, lambda rows: self._stepped(rows, batch.step()))
+        self._guarded(rows, lambda rows: self._stepped(rows, *batch.step()))
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(rows)
         self.stats.largest_decode_batch = max(self.stats.largest_decode_batch, len(rows))
@@ -291,23 +300,18 @@ class Generations:
             if batch.rows[slot].finished:
                 batch.leave(slot)
 
-    def _stepped(self, rows: list[Row], logits: torch.Tensor) -> None:
+    def _stepped(self, rows: list[Row], choosing: list[int], logits: torch.Tensor) -> None:
         """After a decode step: rows feeding their prompt move on (the last prompt token's logits
-        are the row's first choice, and its prompt's KV goes to the prefix cache); the rest choose."""
-        choosing = []
+        are the row's first choice, and its prompt's KV goes to the prefix cache); the rows in
+        `choosing` choose from their `logits`."""
         for slot, row in enumerate(rows):
             if row.feeding:
                 row.prefilled += 1
                 self.stats.fed_tokens += 1
-                if row.feeding:
-                    continue
-                if self.prefixes.budget:
+                if not row.feeding and self.prefixes.budget:
                     self.prefixes.add(row.prompt, *self.batch.row_kv(slot))
-            choosing.append(slot)
-        if len(choosing) == len(rows):
-            self._accept(rows, logits)
-        elif choosing:
-            self._accept([rows[i] for i in choosing], logits[torch.tensor(choosing, device=logits.device)])
+        if choosing:
+            self._accept([rows[slot] for slot in choosing], logits[: len(choosing)])
 
     def _accept(self, rows: list[Row], logits: torch.Tensor) -> list[Row]:
         """Each row takes its next token chosen from its logits `[rows, V]`."""
