@@ -18,14 +18,20 @@ import torch
 import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
-from lm_eval.models.utils import Collator
 from tqdm import tqdm
 
 from .hf import build_config
 from .inputs import pad_right
 from .modeling import OrtModelForCausalLM
 from .package import read_package
-from .scoring import answers, grouped_loglikelihood_totals, loglikelihood_totals
+from .scoring import (
+    answers,
+    default_token_budget,
+    grouped_loglikelihood_totals,
+    length_batches,
+    logit_positions,
+    loglikelihood_totals,
+)
 from .sharing import common_prefix, worth_sharing
 
 
@@ -38,6 +44,19 @@ def _sharing_choice(value) -> bool | str:
     if key not in ("auto", "true", "false"):
         raise ValueError(f"share_contexts must be auto, true or false, got {value!r}")
     return "auto" if key == "auto" else key == "true"
+
+
+def _positive_int(value, name: str) -> int | None:
+    """A positive int model arg (lm-eval passes model_args as strings), or None when not given."""
+    if value is None:
+        return None
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = 0
+    if isinstance(value, bool) or number < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return number
 
 
 def _texts_to_encode(pairs) -> list[str]:
@@ -95,8 +114,10 @@ class OrtModuleLM(HFLM):
     AUTO_MODEL_CLASS = transformers.AutoModelForCausalLM
 
     def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool = True,
-                 provider_options: dict | None = None, share_contexts: bool | str = "auto", **kwargs):
+                 provider_options: dict | None = None, share_contexts: bool | str = "auto",
+                 token_budget: int | str | None = None, **kwargs):
         self._running = threading.RLock()
+        self._token_budget = _positive_int(token_budget, "token_budget")
         self._encoded: dict[str, list[int]] = {}  # the texts of the loglikelihood call in progress, encoded
         self._share = _sharing_choice(share_contexts)
         if device is None:
@@ -179,8 +200,11 @@ class OrtModuleLM(HFLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """HFLM's semantics (left truncation to max_length + 1, longest first), scored on the device.
 
-        Requests that share a context (a multiple-choice question's choices) run it once when that
-        saves work (`sharing.worth_sharing`); the others go through batched prefills."""
+        Requests whose rows are the same (one-token continuations after the same context: HFLM's
+        logits cache) are computed once. Requests that share a context (a multiple-choice
+        question's choices) run it once when that saves time (`sharing.worth_sharing`); the others
+        go through batched prefills, `batch_size` rows each, or under `auto` as many rows as the
+        token budget holds."""
         if not isinstance(self._model, OrtModelForCausalLM):
             return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
         rows, starts = [], []
@@ -197,8 +221,8 @@ class OrtModuleLM(HFLM):
         # Every batch's answers stay on the device until the end: on CUDA the host builds the next
         # batch while one runs, and reads all the answers back in one copy.
         pending: list[tuple[list[int], torch.Tensor]] = []
-        shared = self._shared_context_groups(requests, rows, starts) if isinstance(self.batch_size, int) else []
-        for batch in self._group_batches(shared):
+        shared = self._shared_context_groups(requests, rows, starts)
+        for batch in self._group_batches(shared, rows):
             chunk = [i for i, _ in batch]
             pending.append((chunk, grouped_loglikelihood_totals(
                 self._model, [rows[i] for i in chunk], [g for _, g in batch], [starts[i] for i in chunk],
@@ -217,51 +241,104 @@ class OrtModuleLM(HFLM):
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
         return results
 
+    @property
+    def token_budget(self) -> int:
+        """Padded tokens per prefill under `batch_size=auto` (model arg `token_budget`; by default
+        `scoring.default_token_budget` of the device), halved when ONNX Runtime runs out of memory."""
+        if self._token_budget is None:
+            self._token_budget = default_token_budget(self._model.device)
+        return self._token_budget
+
+    def _detect_batch_size(self, requests=None, pos: int = 0) -> int:
+        """HFLM's batch-size search under `auto` (rolling windows, generation), from the token
+        budget: as many rows of the longest length as it holds (HFLM's own search would run five
+        prefills of `max_batch_size` full-length rows, every position's logits, to find out)."""
+        if not isinstance(self._model, OrtModelForCausalLM):
+            return super()._detect_batch_size(requests, pos)
+        length = self.max_length
+        if requests:
+            _, context, continuation = requests[pos]
+            length = len((context + continuation)[-(self.max_length + 1):][:-1])
+        return max(1, min(self.max_batch_size, self.token_budget // max(length, 1)))
+
     def _shared_context_groups(self, requests, rows, starts) -> list[list[int]]:
         """Requests with the same context whose rows are worth scoring with it run once."""
         by_context: dict[tuple, list[int]] = {}
         for i, (_, context, _) in enumerate(requests):
             by_context.setdefault(tuple(context), []).append(i)
         # Rows cut on the left to max_length by different amounts (continuations of different
-        # lengths after a long context) no longer start alike: those run batched.
+        # lengths after a long context) no longer start alike: those run batched. So do groups
+        # whose rows are all one row (one-token continuations): the batched prefill runs it once.
         groups = [group for group in by_context.values()
-                  if len(group) > 1 and common_prefix([rows[i] for i in group]) > 0]
+                  if len(group) > 1 and common_prefix([rows[i] for i in group]) > 0
+                  and len({(tuple(rows[i]), starts[i]) for i in group}) > 1]
         if self._share is False or not groups:
             return []
         if self._share is True:
             return groups
         costs = self._model.measured_costs()
         return [group for group in groups
-                if worth_sharing([rows[i] for i in group], [starts[i] for i in group], costs, self.batch_size)]
+                if worth_sharing([rows[i] for i in group], [starts[i] for i in group], costs,
+                                 self._rows_per_batch(max(len(rows[i]) for i in group)))]
 
-    def _group_batches(self, groups: list[list[int]]):
-        """(request, group) pairs in batches of about `batch_size` rows, never splitting a group."""
+    def _rows_per_batch(self, width: int) -> int:
+        """Rows of `width` tokens a batch holds: `batch_size`, or under `auto` the token budget's."""
+        if isinstance(self.batch_size, int):
+            return self.batch_size
+        return max(1, self.token_budget // max(width, 1))
+
+    def _group_batches(self, groups: list[list[int]], rows):
+        """(request, group) pairs in batches of about a batch's rows, never splitting a group."""
         batch: list[tuple[int, int]] = []
+        width = 0
         for g, group in enumerate(groups):
-            if batch and len(batch) + len(group) > self.batch_size:
+            longest = max(width, *(len(rows[i]) for i in group))
+            if batch and len(batch) + len(group) > self._rows_per_batch(longest):
                 yield batch
-                batch = []
+                batch, longest = [], max(len(rows[i]) for i in group)
             batch += [(i, g) for i in group]
+            width = longest
         if batch:
             yield batch
 
     def _batched(self, requests, rows, starts, indices, progress, override_bs) -> list[tuple[list[int], torch.Tensor]]:
         """Right-padded batches, longest first (HFLM's order), one prefill each: per batch, its
-        requests and their answers on the device (`loglikelihood_totals`)."""
-        # Items shaped like requests, (key, context, continuation), as HFLM's batch-size search reads them.
-        items = [(i, requests[i][1], requests[i][2]) for i in indices]
-        reordered = Collator(items, sort_fn=lambda item: (-len(rows[item[0]]), tuple(rows[item[0]])))
-        auto = self.batch_size == "auto"
-        batch_size = self.batch_size if not auto else (override_bs or 0)
-        batch_fn = self._batch_scheduler if auto and len(reordered) > 0 and not override_bs else None
-        if batch_fn is not None:
+        requests and their answers on the device (`loglikelihood_totals`). Requests with the same
+        row and start (HFLM's logits cache: one-token continuations after one context) share a row."""
+        same: dict[tuple, list[int]] = {}
+        for i in indices:
+            same.setdefault((tuple(rows[i]), starts[i]), []).append(i)
+        keys = sorted(same, key=lambda key: (-len(key[0]), key[0]))
+        auto = self.batch_size == "auto" and not override_bs
+        size = override_bs or (self.batch_size if not auto else None)
+        if size is not None:
+            batches = [list(range(k, min(k + size, len(keys)))) for k in range(0, len(keys), size)]
+        else:
             self.batch_sizes = {}
-        pad = self.tokenizer.pad_token_id or 0
+            scored = [len(key[0]) - key[1] for key in keys]
+            batches = list(length_batches([len(key[0]) for key in keys], 0, self.token_budget, scored,
+                                          logit_positions(self._model)))
         pending = []
-        for chunk in reordered.get_batched(n=batch_size, batch_fn=batch_fn):
-            chunk = [i for i, _, _ in chunk]
-            ids, mask = pad_right([rows[i] for i in chunk], pad)
-            pending.append((chunk, loglikelihood_totals(self._model, ids, mask, [starts[i] for i in chunk],
-                                                        [requests[i][2] for i in chunk])))
-            progress.update(len(chunk))
+        for batch in batches:
+            pending += self._run_rows(requests, [keys[k] for k in batch], same, auto)
+            progress.update(sum(len(same[keys[k]]) for k in batch))
         return pending
+
+    def _run_rows(self, requests, keys, same, auto: bool) -> list[tuple[list[int], torch.Tensor]]:
+        """One prefill of the distinct rows `keys` for all their requests; under `auto`, an
+        allocation failure halves the token budget and runs the rows again in two halves."""
+        chunk = [i for key in keys for i in same[key]]
+        rows_of = [r for r, key in enumerate(keys) for _ in same[key]]
+        ids, mask = pad_right([list(key[0]) for key in keys], self.tokenizer.pad_token_id or 0)
+        try:
+            totals = loglikelihood_totals(self._model, ids, mask, [keys[r][1] for r in rows_of],
+                                          [requests[i][2] for i in chunk], rows_of)
+        except RuntimeError as e:
+            if not auto or "out of memory." not in str(e) or len(keys) == 1:
+                raise
+            self._token_budget = max(1, min(self.token_budget, ids.numel()) // 2)
+            half = len(keys) // 2
+            return self._run_rows(requests, keys[:half], same, auto) + self._run_rows(requests, keys[half:], same, auto)
+        if auto:
+            self.batch_sizes.setdefault(0, len(keys))  # the longest rows' batch, as HFLM reports its search
+        return [(chunk, totals)]

@@ -333,12 +333,13 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         for name, value in (("rows", rows), ("cols", cols)):
             if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
                 raise TypeError(f"{name} must hold integer positions, got dtype {value.dtype}")
-        rows, cols = rows.to(self.device, torch.int64), cols.to(self.device, torch.int64)
         if rows.shape != cols.shape or rows.dim() != 1:
             raise ValueError(f"rows and cols must be 1-D of one length, got {tuple(rows.shape)} and "
                              f"{tuple(cols.shape)}")
+        # Checked where they are: host positions (scoring's) cost the device no wait.
         if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
             raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
+        rows, cols = (inputs.to_device(v.to(torch.int64), self.device) for v in (rows, cols))
         return self.decoder.prefill(checked, inputs.flat_index(length, rows, cols, checked.shift))
 
 

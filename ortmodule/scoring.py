@@ -46,45 +46,72 @@ def loglikelihood_totals(
     attention_mask: torch.Tensor | None,
     starts: Sequence[int],
     targets: Sequence[Sequence[int]],
+    rows_of: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """`loglikelihood`'s answers left on the device, `[2, rows]` float32: per row the summed
-    log-probability of its targets and how many of them are not the greedy token. On CUDA nothing
-    here waits for the device, so the caller builds its next batch while this one runs."""
+    """`loglikelihood`'s answers left on the device, `[2, requests]` float32: per request the
+    summed log-probability of its targets and how many of them are not the greedy token. On CUDA
+    nothing here waits for the device, so the caller builds its next batch while this one runs.
+
+    A request is a row of the input by default; with `rows_of`, request k reads row `rows_of[k]`,
+    so requests that differ only in their targets (a multiple-choice question's one-token
+    choices after the same context) share one row, and a position asked for twice reaches the LM
+    head once."""
     batch = input_ids.shape[0]
-    if len(starts) != batch or len(targets) != batch:
-        raise ValueError(f"starts and targets need one entry per row: {batch} rows, got {len(starts)} and "
+    requests = batch if rows_of is None else len(rows_of)
+    if len(starts) != requests or len(targets) != requests:
+        what = "row" if rows_of is None else "entry of rows_of"
+        raise ValueError(f"starts and targets need one entry per {what}: {requests}, got {len(starts)} and "
                          f"{len(targets)}")
+    if rows_of is not None and any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < batch
+                                   for r in rows_of):
+        raise ValueError(f"rows_of must hold row indices in [0, {batch})")
     counts = [len(t) for t in targets]
+    if not counts:
+        raise ValueError("no requests to score")
     if min(counts) == 0:
-        raise ValueError(f"row {counts.index(0)} has no target tokens")
+        raise ValueError(f"{'row' if rows_of is None else 'request'} {counts.index(0)} has no target tokens")
     vocab = model.package.vocab_size
     flat_targets = [t for row in targets for t in row]
     bad = outside_vocabulary(flat_targets, vocab)
     if bad is not None:
         raise ValueError(vocabulary_message(bad, vocab, "target token id"))
-    rows = torch.repeat_interleave(torch.arange(batch), torch.tensor(counts))
-    cols = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+    positions: dict[tuple[int, int], int] = {}  # (row, column) -> its place among the logits computed
+    at = [positions.setdefault((row, col), len(positions))
+          for row, start, n in zip(rows_of or range(batch), starts, counts) for col in range(start, start + n)]
     device = model.device
-    rows, cols = to_device(rows, device), to_device(cols, device)
-    target = to_device(torch.tensor(flat_targets), device)
-
-    logits = model.logits_at(input_ids, attention_mask, rows, cols)  # [n, V]
-    totals = _Totals(batch, device)
-    totals.add(logits, target, rows)
+    rows, cols = torch.tensor(list(positions), dtype=torch.int64).reshape(-1, 2).unbind(1)
+    logits = model.logits_at(input_ids, attention_mask, rows, cols)  # [distinct positions, V]
+    totals = _Totals(requests, device)
+    owner = torch.repeat_interleave(torch.arange(requests), torch.tensor(counts))
+    totals.add(logits, to_device(torch.tensor(flat_targets), device), to_device(owner, device),
+               None if len(at) == len(positions) else to_device(torch.tensor(at), device))
     return totals.tensor()
 
 
 class _Totals:
-    """Per row, on the device: the summed log-probability of its targets and how many of them are
-    not the greedy token; `results` makes the one device-to-host copy."""
+    """Per request, on the device: the summed log-probability of its targets and how many of them
+    are not the greedy token; `tensor` stacks them for the one device-to-host copy."""
 
-    def __init__(self, rows: int, device: torch.device):
-        self.sums = torch.zeros(rows, device=device)
-        self.missed = torch.zeros(rows, device=device)
+    CHUNK_BYTES = 1 << 28  # float32 log-softmax work at a time: logits of a large batch are not copied whole
 
-    def add(self, logits: torch.Tensor, target: torch.Tensor, rows: torch.Tensor) -> None:
-        self.sums.index_add_(0, rows, torch.log_softmax(logits.float(), dim=-1).gather(1, target[:, None]).squeeze(1))
-        self.missed.index_add_(0, rows, (logits.argmax(-1) != target).float())
+    def __init__(self, requests: int, device: torch.device):
+        self.sums = torch.zeros(requests, device=device)
+        self.missed = torch.zeros(requests, device=device)
+
+    def add(self, logits: torch.Tensor, target: torch.Tensor, owner: torch.Tensor,
+            at: torch.Tensor | None = None) -> None:
+        """Targets `target[k]` of requests `owner[k]`, predicted by `logits[at[k]]` (`logits[k]`
+        without `at`)."""
+        chunk = max(1, self.CHUNK_BYTES // (4 * logits.shape[-1]))
+        lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in logits.split(chunk)])
+        greedy = logits.argmax(-1)
+        if at is not None:
+            lse, greedy = lse[at], greedy[at]
+            picked = logits[at, target]
+        else:
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+        self.sums.index_add_(0, owner, picked.float() - lse)
+        self.missed.index_add_(0, owner, (greedy != target).float())
 
     def tensor(self) -> torch.Tensor:
         return torch.stack([self.sums, self.missed])
@@ -235,19 +262,38 @@ def checked_labels(label_token_ids, vocab: int) -> Ids:
     return labels
 
 
-def length_batches(lengths: Sequence[int], width: int, budget: int):
+def length_batches(lengths: Sequence[int], width: int, budget: int, scored: Sequence[int] | None = None,
+                   most_scored: int | None = None):
     """Indices of the prompts in batches, longest first, each at most `budget` padded tokens
-    (a lone prompt longer than the budget gets a batch of its own)."""
+    (a lone prompt longer than the budget gets a batch of its own). With `scored` (positions each
+    prompt needs logits at), a batch also holds at most `most_scored` of them."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batch: list[int] = []
+    positions = 0
     for i in order:
         longest = lengths[batch[0]] + width if batch else lengths[i] + width
-        if batch and (len(batch) + 1) * longest > budget:
+        more = scored[i] if scored is not None else 0
+        too_many = most_scored is not None and positions + more > most_scored
+        if batch and ((len(batch) + 1) * longest > budget or too_many):
             yield batch
-            batch = []
+            batch, positions = [], 0
         batch.append(i)
+        positions += more
     if batch:
         yield batch
+
+
+def default_token_budget(device: torch.device) -> int:
+    """Padded tokens per prefill when the caller leaves the batch to ortmodule: enough to keep a
+    GPU's matrix units busy (a 0.6B model's 32k-token prefill is tens of milliseconds on an H100)
+    and, on a CPU, a few seconds of work (a CPU reaches its throughput at a few rows already)."""
+    return 32768 if device.type == "cuda" else 8192
+
+
+def logit_positions(model: OrtModelForCausalLM, logit_bytes: int = 1 << 30) -> int:
+    """How many positions' logits (and their float32 log-softmax work) fit in `logit_bytes`."""
+    itemsize = torch.empty(0, dtype=model.decoder.logits_dtype).element_size()
+    return max(1, logit_bytes // (model.package.vocab_size * itemsize))
 
 
 def _gather(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -184,43 +184,120 @@ def test_console_script_runs(build, tmp_path):
     assert "acc,none" in result["results"]["ortmodule_arithmetic_mc"]
 
 
-@pytest.mark.slow
-def test_batch_size_auto_backs_off_on_onnx_runtime_out_of_memory(build, monkeypatch):
-    """ONNX Runtime's allocation failure (simulated above 16 rows: a CPU run cannot be made to
-    run out of memory on purpose) becomes the "out of memory." RuntimeError that accelerate's
-    batch-size search halves on; the search settles at or below 16 and the scores equal batch 8's."""
+def mixed_requests():
+    """Loglikelihood requests as lm-eval's tokenized ones: questions with four one-token choices
+    (rows the same but for the target), questions with longer choices, and lone requests, of
+    lengths 5 to 60."""
+    import random
+
+    rng = random.Random(0)
+    requests = []
+    for q in range(12):
+        context = [rng.randrange(3, 500) for _ in range(rng.randrange(5, 50))]
+        width = 1 if q % 2 == 0 else rng.randrange(2, 9)
+        requests += [(("", ""), context, [rng.randrange(3, 500) for _ in range(width)]) for _ in range(4)]
+    requests += [(("", ""), [rng.randrange(3, 500) for _ in range(n)], [rng.randrange(3, 500)]) for n in (7, 33, 60)]
+    return requests
+
+
+def prefill_sizes(monkeypatch):
+    """The `[rows, width]` of every prefill the decoder runs, recorded."""
+    from ortmodule.decoder import Decoder
+
+    sizes, prefill = [], Decoder.prefill
+
+    def recording(self, rows, *args, **kwargs):
+        sizes.append(tuple(rows.ids.shape))
+        return prefill(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(Decoder, "prefill", recording)
+    return sizes
+
+
+def assert_same_answers(ours, reference):
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(ours, reference, strict=True):
+        assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
+
+
+@pytest.fixture(scope="module")
+def hf_answers(build):
+    """lm-eval hf's answers to `mixed_requests` on the llama fixture's weights."""
+    from lm_eval.models.huggingface import HFLM
+
+    fixture = build("llama")
+    return HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu",
+                batch_size=4)._loglikelihood_tokens(mixed_requests(), disable_tqdm=True)
+
+
+def test_requests_on_the_same_row_run_it_once(build, hf_answers, monkeypatch):
+    """One-token choices after one context (the same row, HFLM's logits cache) reach the model once;
+    every answer equals hf's."""
+    from ortmodule.lm_eval import OrtModuleLM
+
+    requests = mixed_requests()
+    lm = OrtModuleLM(pretrained=str(build("llama").package_dir), device="cpu", batch_size=4, share_contexts="false")
+    sizes = prefill_sizes(monkeypatch)
+    assert_same_answers(lm._loglikelihood_tokens(requests, disable_tqdm=True), hf_answers)
+    distinct = {(tuple((c + t)[:-1]), len(c)) for _, c, t in requests}
+    assert sum(rows for rows, _ in sizes) == len(distinct) == len(requests) - 6 * 3
+
+
+def test_batch_size_auto_batches_by_the_token_budget(build, hf_answers, monkeypatch):
+    """Under `auto`, every prefill holds at most `token_budget` padded tokens (a lone longer row
+    runs alone), the rows sorted by length so that little is padding; answers equal hf's, with
+    context sharing on or off."""
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    for share in ("false", "true"):
+        lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size="auto", token_budget="120",
+                         share_contexts=share)
+        sizes = prefill_sizes(monkeypatch)
+        assert_same_answers(lm._loglikelihood_tokens(mixed_requests(), disable_tqdm=True), hf_answers)
+        assert all(rows * width <= 120 or rows == 1 for rows, width in sizes)
+        if share == "false":  # the batched prefills: packed close to the budget, not one row each
+            assert len(sizes) < sum(rows for rows, _ in sizes) / 2
+            real = sum(len(row) for row in {tuple((c + t)[:-1]) for _, c, t in mixed_requests()})
+            assert sum(rows * width for rows, width in sizes) < 1.2 * real
+        monkeypatch.undo()
+    assert lm._detect_batch_size() == max(1, 120 // lm.max_length)
+    with pytest.raises(ValueError, match="token_budget must be a positive integer"):
+        OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", token_budget="0")
+
+
+def test_batch_size_auto_backs_off_on_onnx_runtime_out_of_memory(build, hf_answers, monkeypatch):
+    """ONNX Runtime's allocation failure (simulated above 100 tokens a run: a CPU run cannot be
+    made to run out of memory on purpose) halves the token budget and runs the batch again in
+    halves; the answers equal hf's. With a fixed batch size the failure is the caller's error."""
     import onnxruntime as ort
 
     from ortmodule import runtime
+    from ortmodule.lm_eval import OrtModuleLM
 
     fixture = build("llama")
-    rows = {}
-    bind_input, run = runtime.bind_input, ort.InferenceSession.run_with_iobinding
+    tokens, bind_input, run = {}, runtime.bind_input, ort.InferenceSession.run_with_iobinding
+    ran = []
 
     def recording_bind_input(binding, name, tensor):
         if name == "input_ids":
-            rows[id(binding)] = tensor.shape[0]
+            tokens[id(binding)] = tensor.numel()
         bind_input(binding, name, tensor)
 
     def limited_run(session, binding, run_options=None):
-        if rows.get(id(binding), 0) > 16:
+        if tokens.get(id(binding), 0) > 100:
             raise ort.capi.onnxruntime_pybind11_state.RuntimeException(
-                "Failed to allocate memory for requested buffer of size 123456789"
-            )
+                "Failed to allocate memory for requested buffer of size 123456789")
+        ran.append(tokens.get(id(binding), 0))
         return run(session, binding, run_options)
 
+    lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size="auto", share_contexts="false")
     monkeypatch.setattr(runtime, "bind_input", recording_bind_input)
     monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", limited_run)
-    auto = lm_eval.simple_evaluate(
-        model="ortmodule", model_args=f"pretrained={fixture.package_dir}", tasks=["ortmodule_arithmetic_mc"],
-        task_manager=TaskManager(include_path=tasks.TASK_DIR), batch_size="auto", device="cpu", log_samples=True,
-    )
-    monkeypatch.undo()
-    (found,) = auto["config"]["batch_sizes"]
-    assert 8 < found <= 16  # backed off from 64 to the largest size that fits (accelerate steps by 0.9x)
-    eight = evaluate("ortmodule", f"pretrained={fixture.package_dir}")
-    for a, b in zip(loglikelihoods(auto, "ortmodule_arithmetic_mc"), loglikelihoods(eight, "ortmodule_arithmetic_mc")):
-        assert abs(a[0] - b[0]) < 1e-5 and a[1] == b[1]
+    assert_same_answers(lm._loglikelihood_tokens(mixed_requests(), disable_tqdm=True), hf_answers)
+    assert lm.token_budget <= 100 and max(ran) <= 100
+    fixed = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=16, share_contexts="false")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        fixed._loglikelihood_tokens(mixed_requests(), disable_tqdm=True)
 
 
 def run_cli(launcher, fixture, out, env=None, extra=()):
