@@ -129,6 +129,10 @@ class OrtModuleLM(HFLM):
         super().__init__(pretrained=pretrained, device=device, **kwargs)
         # HFLM splits requests across `accelerate launch` processes only when it counts several
         # GPUs; ortmodule's sessions run anywhere, so N CPU processes split the work too.
+        if self._share == "auto" and isinstance(self._model, OrtModelForCausalLM):
+            # At load, as `ortmodule serve` does: the timing runs (a second or two on a CPU) are
+            # not spent inside the first evaluation.
+            self._model.measured_costs()
         accelerator = getattr(self, "accelerator", None)
         if accelerator is not None and accelerator.num_processes > 1:
             # Before the interpreter finalizes (atexit runs while it is whole), for Python callers
