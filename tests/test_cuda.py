@@ -249,6 +249,39 @@ def test_score_makes_one_copy_to_the_host(llama_cuda):
     assert own_host_reads(lambda: scoring.loglikelihood(model, ids, mask, [9, 7], targets)) == 1
 
 
+@pytest.mark.parametrize("share", ["false", "true", "auto"])
+def test_lm_eval_reads_the_answers_back_once(llama_cuda, share):
+    """lm-eval's loglikelihood requests in several batches (fixed size, and auto's token budget),
+    shared contexts or not: ortmodule reads the device once per call, all the answers together,
+    so the host builds the next batch while one runs. The answers equal each request's alone."""
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture, model = llama_cuda
+    tokenizer = load_tokenizer(fixture.package_dir)
+    generator = torch.Generator().manual_seed(3)
+    requests = []
+    for q in range(6):
+        context = torch.randint(4, 500, (int(torch.randint(8, 40, (1,), generator=generator)),),
+                                generator=generator).tolist()
+        width = 1 if q % 2 else 5
+        requests += [(("", ""), context, torch.randint(4, 500, (width,), generator=generator).tolist())
+                     for _ in range(4)]
+    one = OrtModuleLM(pretrained=model, tokenizer=tokenizer, batch_size=1, share_contexts="false")
+    expected = one._loglikelihood_tokens(requests, disable_tqdm=True)  # every request alone
+    for batch_size in (4, "auto"):
+        lm = OrtModuleLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, share_contexts=share,
+                         token_budget=64)
+        lm._loglikelihood_tokens(requests, disable_tqdm=True)  # warm
+        got = []
+
+        def run(lm=lm, got=got):
+            got.extend(lm._loglikelihood_tokens(requests, disable_tqdm=True))
+
+        assert own_host_reads(run) == 1
+        for (lp, _), (ref_lp, _) in zip(got, expected, strict=True):
+            assert abs(lp - ref_lp) < 0.05  # fp16: batches differ from batch 1 in the last digits
+
+
 @pytest.mark.parametrize("switch", [False, True], ids=["load-stream", "other-stream"])
 def test_runs_on_torch_stream_without_sync(build, switch):
     """Work queued before a call (the ids' copy up, behind a ~1 s kernel) is seen by ONNX Runtime,
