@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -69,6 +71,22 @@ def _texts_to_encode(pairs) -> list[str]:
             texts[context + continuation] = None
             texts[stripped] = None
     return list(texts)
+
+
+def _tokenize_on_every_core(tokenizer, texts: list[str], special: dict, per_thread: int = 64) -> list[list[int]]:
+    """`tokenizer(texts, **special)["input_ids"]`, in contiguous chunks on a thread per core. The
+    Rust tokenizer releases the GIL while it encodes, and lm-eval's command line turns the
+    tokenizer's own threads off (TOKENIZERS_PARALLELISM=false, for its forks); on MMLU-length
+    prompts, tokenizing is most of the host's time per request (docs/measurements.md)."""
+    workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                  max(1, len(texts) // per_thread))
+    if workers == 1:
+        return tokenizer(texts, **special)["input_ids"]
+    size = -(-len(texts) // workers)
+    chunks = [texts[k : k + size] for k in range(0, len(texts), size)]
+    with ThreadPoolExecutor(workers) as pool:
+        parts = list(pool.map(lambda chunk: tokenizer(chunk, **special)["input_ids"], chunks))
+    return [ids for part in parts for ids in part]
 
 
 def leave_process_group() -> None:
@@ -176,8 +194,8 @@ class OrtModuleLM(HFLM):
         return known[-left_truncate_len:] if left_truncate_len else list(known)
 
     def _encode_batched(self, texts: list[str]) -> dict[str, list[int]]:
-        """`HFLM.tok_encode(text)` of every text, in one tokenizer call per special-token setting
-        (the Rust tokenizer's batch: no Python per text, threads where TOKENIZERS_PARALLELISM allows)."""
+        """`HFLM.tok_encode(text)` of every text, in batched tokenizer calls per special-token
+        setting (`_tokenize_on_every_core`)."""
         bos = self.tokenizer.decode(self.prefix_token_id) if self.prefix_token_id is not None else None
         settings: dict[tuple, list[str]] = {}
         for text in texts:
@@ -188,8 +206,9 @@ class OrtModuleLM(HFLM):
             settings.setdefault(tuple(special.items()), []).append(text)
         encoded = {}
         for special, group in settings.items():
-            encoded.update(zip(group, self.tokenizer(group, **dict(special))["input_ids"]))
+            encoded.update(zip(group, _tokenize_on_every_core(self.tokenizer, group, dict(special))))
         return encoded
+
     loglikelihood_rolling = _one_evaluation_at_a_time(HFLM.loglikelihood_rolling)
     generate_until = _one_evaluation_at_a_time(HFLM.generate_until)
 
@@ -267,6 +286,8 @@ class OrtModuleLM(HFLM):
 
     def _shared_context_groups(self, requests, rows, starts) -> list[list[int]]:
         """Requests with the same context whose rows are worth scoring with it run once."""
+        if self._share is False:
+            return []
         by_context: dict[tuple, list[int]] = {}
         for i, (_, context, _) in enumerate(requests):
             by_context.setdefault(tuple(context), []).append(i)
@@ -276,9 +297,7 @@ class OrtModuleLM(HFLM):
         groups = [group for group in by_context.values()
                   if len(group) > 1 and common_prefix([rows[i] for i in group]) > 0
                   and len({(tuple(rows[i]), starts[i]) for i in group}) > 1]
-        if self._share is False or not groups:
-            return []
-        if self._share is True:
+        if self._share is True or not groups:
             return groups
         costs = self._model.measured_costs()
         return [group for group in groups

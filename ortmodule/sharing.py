@@ -110,9 +110,19 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
 
 
 def common_prefix(rows: list[Ids]) -> int:
-    """How many first tokens all `rows` share."""
-    first, limit = rows[0], min(len(r) for r in rows)
-    shared = 0
-    while shared < limit and all(r[shared] == first[shared] for r in rows):
-        shared += 1
+    """How many first tokens all `rows` share (list slices compared in C, the length found by
+    bisection: a few microseconds for rows of hundreds of tokens)."""
+    first = rows[0]
+    shared = min(len(r) for r in rows)
+    for row in rows[1:]:
+        if row[:shared] == first[:shared]:
+            continue
+        low, high = 0, shared - 1  # row[:low] matches; row[:high + 1] does not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if row[:middle] == first[:middle]:
+                low = middle
+            else:
+                high = middle - 1
+        shared = low
     return shared

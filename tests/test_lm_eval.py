@@ -144,6 +144,8 @@ def test_batched_encoding_equals_hflm_tok_encode(build, add_bos_token):
     texts = ["the cat sat", " the cat sat ", bos + "the cat", "3 + 4 = 7", "", "x" * 500]
     encoded = ours._encode_batched(texts)
     assert encoded == {text: theirs.tok_encode(text) for text in texts}
+    many = [f"{i} and {i * 7} make {i * 8}" + " word" * (i % 50) for i in range(300)] + [bos + "a"] * 3
+    assert ours._encode_batched(many) == {text: theirs.tok_encode(text) for text in many}  # on threads
     ours._encoded = encoded
     assert ours.tok_encode("3 + 4 = 7", left_truncate_len=2) == theirs.tok_encode("3 + 4 = 7", left_truncate_len=2)
 
