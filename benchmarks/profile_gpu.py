@@ -5,15 +5,21 @@ sees every kernel in the process). Prints wall time per batch, the summed kernel
 the host: launches, Python, syncs), and the top kernels of each.
 
     python benchmarks/profile_gpu.py [--spec qwen3-0.6b-bf16] [--batch 32] [--length 200]
+        [--extra-option KEY=VALUE ...] [--only ortmodule]
+
+`--extra-option` exports a variant of the package with that model-builder option (repeatable, e.g.
+fuse_mlp_gate_up=true, fuse_qkv=false), so that graph options can be measured one at a time;
+`of peak` counts 2 x the decoder's weights x the real tokens over the data sheet's dense bf16 peak.
 """
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 import torch
-from conftest import SIZES
+from conftest import GPU_DATASHEET, SIZES
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
@@ -49,11 +55,18 @@ def main():
     parser.add_argument("--spec", default="qwen3-0.6b-bf16")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=200)
+    parser.add_argument("--extra-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--only", choices=["ortmodule", "transformers"])
     args = parser.parse_args()
-    fixture = fixtures.build(SIZES["gpu"]["decoders"][args.spec])
+    spec = SIZES["gpu"]["decoders"][args.spec]
+    if args.extra_option:
+        options = dict(spec.extra_options) | dict(item.split("=", 1) for item in args.extra_option)
+        spec = dataclasses.replace(spec, extra_options=tuple(sorted(options.items())))
+    fixture = fixtures.build(spec)
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
-    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
-    hf = hf.to("cuda").eval()
+    name = torch.cuda.get_device_name()
+    peak = next((flops for key, (flops, _) in GPU_DATASHEET.items() if key in name), None)
+    print(f"{name}; package {fixture.package_dir.name}, builder options {dict(spec.extra_options) or 'default'}")
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.length - 40, args.length + 1, (args.batch,), generator=gen)
     width = int(lengths.max())
@@ -74,11 +87,19 @@ def main():
         return lp.gather(1, torch.tensor([t for row in targets for t in row]).cuda()[:, None]).sum().item()
 
     tokens = int(lengths.sum())
-    for name, fn in (("ortmodule", ours), ("transformers", theirs)):
+    weights = model.num_parameters(exclude_embeddings=True)
+    runs = {"ortmodule": ours, "transformers": theirs}
+    for label, fn in runs.items():
+        if args.only and label != args.only:
+            continue
+        if label == "transformers":
+            hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+            hf = hf.to("cuda").eval()
         seconds = timed(fn)
         kernel_ms, table = kernel_table(fn)
-        print(f"== {name}: {seconds * 1e3:.2f} ms per batch of {args.batch} rows ({tokens} tokens, "
-              f"{tokens / seconds:.0f} tokens/s); summed device time {kernel_ms:.2f} ms "
+        share = f", {100 * 2 * weights * tokens / seconds / peak:.1f}% of the dense bf16 peak" if peak else ""
+        print(f"== {label}: {seconds * 1e3:.2f} ms per batch of {args.batch} rows ({tokens} tokens, "
+              f"{tokens / seconds:.0f} tokens/s{share}); summed device time {kernel_ms:.2f} ms "
               f"({100 * kernel_ms / (seconds * 1e3):.0f}% of the wall time)")
         print(table)
 
