@@ -84,6 +84,9 @@ def _tokenize_on_every_core(tokenizer, texts: list[str], special: dict, per_thre
         return tokenizer(texts, **special)["input_ids"]
     size = -(-len(texts) // workers)
     chunks = [texts[k : k + size] for k in range(0, len(texts), size)]
+    # transformers sets the tokenizer's truncation and padding before encoding when they differ
+    # from the call's (a mutation that would meet another thread's encoding): settled here first.
+    tokenizer(texts[:1], **special)
     with ThreadPoolExecutor(workers) as pool:
         parts = list(pool.map(lambda chunk: tokenizer(chunk, **special)["input_ids"], chunks))
     return [ids for part in parts for ids in part]
@@ -145,12 +148,12 @@ class OrtModuleLM(HFLM):
             pretrained = str(pretrained)
         kwargs.setdefault("backend", "causal")
         super().__init__(pretrained=pretrained, device=device, **kwargs)
-        # HFLM splits requests across `accelerate launch` processes only when it counts several
-        # GPUs; ortmodule's sessions run anywhere, so N CPU processes split the work too.
         if self._share == "auto" and isinstance(self._model, OrtModelForCausalLM):
             # At load, as `ortmodule serve` does: the timing runs (a second or two on a CPU) are
             # not spent inside the first evaluation.
             self._model.measured_costs()
+        # HFLM splits requests across `accelerate launch` processes only when it counts several
+        # GPUs; ortmodule's sessions run anywhere, so N CPU processes split the work too.
         accelerator = getattr(self, "accelerator", None)
         if accelerator is not None and accelerator.num_processes > 1:
             # Before the interpreter finalizes (atexit runs while it is whole), for Python callers
@@ -334,17 +337,17 @@ class OrtModuleLM(HFLM):
         keys = sorted(same, key=lambda key: (-len(key[0]), key[0]))
         auto = self.batch_size == "auto" and not override_bs
         size = override_bs or (self.batch_size if not auto else None)
-        if size is not None:
-            batches = [list(range(k, min(k + size, len(keys)))) for k in range(0, len(keys), size)]
-        else:
+        if auto:
             self.batch_sizes = {}
-            scored = [len(key[0]) - key[1] for key in keys]
-            batches = list(length_batches([len(key[0]) for key in keys], 0, self.token_budget, scored,
-                                          logit_positions(self._model)))
-        pending = []
-        for batch in batches:
-            pending += self._run_rows(requests, [keys[k] for k in batch], same, auto)
-            progress.update(sum(len(same[keys[k]]) for k in batch))
+        lengths, scored = [len(key[0]) for key in keys], [len(key[0]) - key[1] for key in keys]
+        pending, k = [], 0
+        while k < len(keys):
+            # Under auto, each batch is cut with the budget in force (halved after a failure).
+            end = k + size if size is not None else k + len(next(length_batches(
+                lengths[k:], 0, self.token_budget, scored[k:], logit_positions(self._model))))
+            pending += self._run_rows(requests, keys[k:end], same, auto)
+            progress.update(sum(len(same[key]) for key in keys[k:end]))
+            k = end
         return pending
 
     def _run_rows(self, requests, keys, same, auto: bool) -> list[tuple[list[int], torch.Tensor]]:
