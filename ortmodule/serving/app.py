@@ -7,6 +7,7 @@ server's own limits (connections, header timeout).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import resource
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
+from .. import scoring
 from . import openai_routes, score_routes
 from .engine import Engine
 from .errors import AsciiJSON, ServingError
@@ -31,6 +33,8 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     `/v1/chat/completions` and `/v1/models`, `GET /health`, `GET /metrics`. `settings` (or its
     fields as keywords) say how it batches and what it takes."""
     settings = settings or Settings.with_environment(**options)
+    if settings.token_budget is None:
+        settings = dataclasses.replace(settings, token_budget=scoring.default_token_budget(model.device))
     engine = Engine(model, settings)
     # The package's folder name, never its path (which would tell clients about the host).
     served = Served(engine, tokenizer, settings.name or Path(model.package.root).name, settings)

@@ -13,7 +13,8 @@ API_KEY_VARIABLE = "ORTMODULE_API_KEY"
 class Settings:
     """How `ortmodule serve` batches and what it takes.
 
-    Batching: `token_budget` prompt tokens of score and prompt-logprob requests per model call;
+    Batching: `token_budget` prompt tokens of score and prompt-logprob requests per model call
+    (None: `scoring.default_token_budget` of the model's device, 32,768 on CUDA and 8,192 on a CPU);
     `prefill_chunk` prompt tokens of generations started between two decode steps (a longer
     prompt runs in chunks this long); `max_rows` rows in the decode batch; `join_steps` decode steps
     new work may wait, while rows decode, to start together with more (every model call costs a
@@ -34,7 +35,7 @@ class Settings:
     """
 
     name: str | None = None
-    token_budget: int = 8192
+    token_budget: int | None = None
     prefill_chunk: int = 512
     max_rows: int = 32
     join_steps: int = 4
@@ -55,6 +56,8 @@ class Settings:
     def __post_init__(self):
         for field in fields(self):
             value = getattr(self, field.name)
+            if field.name == "token_budget" and value is None:
+                continue
             if field.name in ("name", "api_key"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"{field.name} must be a non-empty string, got {value!r}")
