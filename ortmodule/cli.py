@@ -91,10 +91,10 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, help_text in _SETTING_HELP.items():
         default = getattr(defaults, name)
         low = 0 if name in ("window_ms", "join_steps", "feed_tokens", "prefix_cache_mb") else 1
+        kind = type(default) if default is not None else int  # None: token_budget, set by device
         shown = default if default is not None else "by device: 32768 on CUDA, 8192 on a CPU"
-        parser.add_argument("--" + name.replace("_", "-"), type=_at_least(low, type(default) if default is not None
-                                                                          else int),
-                            default=default, help=f"{help_text} (default {shown})")
+        parser.add_argument("--" + name.replace("_", "-"), type=_at_least(low, kind), default=default,
+                            help=f"{help_text} (default {shown})")
 
 
 def _at_least(low, kind):

@@ -340,11 +340,12 @@ class OrtModuleLM(HFLM):
         if auto:
             self.batch_sizes = {}
         lengths, scored = [len(key[0]) for key in keys], [len(key[0]) - key[1] for key in keys]
+        most_scored = logit_positions(self._model)
         pending, k = [], 0
         while k < len(keys):
             # Under auto, each batch is cut with the budget in force (halved after a failure).
             end = k + size if size is not None else k + len(next(length_batches(
-                lengths[k:], 0, self.token_budget, scored[k:], logit_positions(self._model))))
+                lengths[k:], 0, self.token_budget, scored[k:], most_scored)))
             pending += self._run_rows(requests, keys[k:end], same, auto)
             progress.update(sum(len(same[key]) for key in keys[k:end]))
             k = end

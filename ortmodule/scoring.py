@@ -75,16 +75,20 @@ def loglikelihood_totals(
     bad = outside_vocabulary(flat_targets, vocab)
     if bad is not None:
         raise ValueError(vocabulary_message(bad, vocab, "target token id"))
-    positions: dict[tuple[int, int], int] = {}  # (row, column) -> its place among the logits computed
-    at = [positions.setdefault((row, col), len(positions))
-          for row, start, n in zip(rows_of or range(batch), starts, counts) for col in range(start, start + n)]
     device = model.device
-    rows, cols = torch.tensor(list(positions), dtype=torch.int64).reshape(-1, 2).unbind(1)
+    owner = torch.repeat_interleave(torch.arange(requests), torch.tensor(counts))
+    at = None
+    if rows_of is None:  # a row per request: every position is asked for once
+        rows, cols = owner, torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+    else:
+        positions: dict[tuple[int, int], int] = {}  # (row, column) -> its place among the logits computed
+        at = [positions.setdefault((row, col), len(positions))
+              for row, start, n in zip(rows_of, starts, counts) for col in range(start, start + n)]
+        rows, cols = torch.tensor(list(positions), dtype=torch.int64).reshape(-1, 2).unbind(1)
+        at = None if len(at) == len(positions) else to_device(torch.tensor(at), device)
     logits = model.logits_at(input_ids, attention_mask, rows, cols)  # [distinct positions, V]
     totals = _Totals(requests, device)
-    owner = torch.repeat_interleave(torch.arange(requests), torch.tensor(counts))
-    totals.add(logits, to_device(torch.tensor(flat_targets), device), to_device(owner, device),
-               None if len(at) == len(positions) else to_device(torch.tensor(at), device))
+    totals.add(logits, to_device(torch.tensor(flat_targets), device), to_device(owner, device), at)
     return totals.tensor()
 
 
