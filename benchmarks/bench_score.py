@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--items", type=int, default=10, help="items per request")
     parser.add_argument("--query-tokens", type=int, default=120)
     parser.add_argument("--item-tokens", type=int, default=20, help="items have 1 to this many tokens")
+    parser.add_argument("--exact", action="store_true",
+                        help="items of exactly --item-tokens tokens (SGLang's bench_score shape)")
     parser.add_argument("--labels", type=int, default=4, help="label token ids per request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the result here")
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     def measure(url: str) -> dict:
         vocab = httpx.get(url + "/v1/models").json()["data"][0].get("vocab_size", 4096)
         count = int(args.rate * args.duration * 3) + 10
-        bodies = make_requests(count, vocab, args.query_tokens, args.items, args.item_tokens, args.labels, args.seed)
+        bodies = make_requests(count, vocab, args.query_tokens, args.items, args.item_tokens, args.labels, args.seed,
+                               args.exact)
         return asyncio.run(run_load(url, args.rate, args.duration, bodies))
 
     if args.fixture:

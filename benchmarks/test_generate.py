@@ -65,6 +65,20 @@ def test_ortmodule_generate(benchmark, workload):
 
 
 @pytest.mark.benchmark(group="generate")
+def test_ortmodule_generate_cuda_graph(benchmark, workload):
+    """The same, with ONNX Runtime capturing each decode step as a CUDA graph (`enable_cuda_graph`)."""
+    fixture, ids, mask, new, pad, _ = workload
+    if ids.device.type != "cuda":
+        pytest.skip("CUDA graphs need the CUDA provider")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device,
+                                                provider_options={"enable_cuda_graph": "1"})
+    benchmark.extra_info["backend"] = "ortmodule-cuda-graph"
+    out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
+                                                   pad_token_id=pad), workload)
+    assert out.shape == (ids.shape[0], ids.shape[1] + new)
+
+
+@pytest.mark.benchmark(group="generate")
 def test_transformers_generate(benchmark, workload):
     fixture, ids, mask, new, pad, _ = workload
     model = reference_model(fixture, ids.device)

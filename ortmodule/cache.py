@@ -31,6 +31,8 @@ def _inference_mode(method):
     made inside `torch.inference_mode()` (generate) and be updated outside it, or the other way round."""
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
+        if torch.is_inference_mode_enabled():  # a decode step's: entering it again costs more than the update
+            return method(*args, **kwargs)
         with torch.inference_mode():
             return method(*args, **kwargs)
     return wrapper

@@ -11,14 +11,19 @@ causal, so no real position sees the padding after it; the logits of the real po
 and the attention kernels are spared the padded rows they mishandle (sliding windows, left
 padding). A step passes the cache's mask and each row's next positions.
 
+Generation's decode loop steps through `steps.FixedSteps` where it can (buffers that never move;
+CUDA graphs); the decoder keeps the most recent ones and numbers their graphs.
+
 Threads: any number may prefill at once (each thread has its own scratch buffer for the prefill's
 discarded KV); runs over one `KVCache` are refused while another thread runs over it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import itertools
 import threading
 import warnings
 import weakref
@@ -71,6 +76,8 @@ class Decoder:
         self.scratch = threading.local()  # the prefill's discarded present KV, one buffer per thread
         # Per KVCache run by this decoder: its binding, the buffers' version bound, the run's lock.
         self.runs, self.runs_lock = weakref.WeakKeyDictionary(), threading.Lock()
+        # The latest steps.FixedSteps by (batch, capacity), and their CUDA graph ids (0 is ONNX Runtime's).
+        self.fixed, self.graph_ids = collections.OrderedDict(), itertools.count(1)
         self.load(device)
 
     @property
@@ -92,6 +99,7 @@ class Decoder:
         self.session = runtime.make_session(source, device, folder, self.session_options, self.provider_options,
                                             **run_settings)
         self.runs.clear()  # bindings of the previous session
+        self.fixed.clear()
         self.device = device
         self.rebind = device.type != "cpu"
         if device.type == "cuda" and self.kv_dtype == torch.float32:
@@ -140,15 +148,13 @@ class Decoder:
         """Run right-padded `rows`: logits `[n, V]` at the flat indices `logit_index`, else `[B, T, V]`.
         The present KV goes into `cache` (which then holds the rows) when given, else is discarded."""
         batch, width = rows.ids.shape
+        mask, positions = self._prefill_mask(rows.ids), self._prefill_positions(rows.ids)
         if cache is None:
             binding = self.session.io_binding()
             self._bind_scratch(binding, batch, width)
-            return self._run(binding, rows.ids, logit_index, self._prefill_mask(rows.ids),
-                             self._prefill_positions(rows.ids))
+            return self._run(binding, rows.ids, logit_index, mask, positions)
         with self._holding(cache) as runs:
-            binding = self._cache_binding(runs, cache, width)
-            logits = self._run(binding, rows.ids, logit_index, self._prefill_mask(rows.ids),
-                               self._prefill_positions(rows.ids))
+            logits = self._run(self._cache_binding(runs, cache, width), rows.ids, logit_index, mask, positions)
             cache.start(rows.lengths, rows.longest, width)
         return logits
 
@@ -216,9 +222,8 @@ class Decoder:
         return torch.ones_like(ids, dtype=self.mask_dtype) if self.spec.attention_mask else None
 
     def _prefill_positions(self, ids: torch.Tensor) -> torch.Tensor | None:
-        if not self.spec.position_ids:
-            return None
-        return torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+        positions = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+        return positions if self.spec.position_ids else None
 
     def _run(self, binding, ids, logit_index, mask, positions) -> torch.Tensor:
         """Bind the tokens, mask, positions and logits, and run."""
@@ -293,4 +298,5 @@ class Decoder:
             runtime.bind_output(binding, kv.present_key, scratch[offset : offset + size].view(shape))
             runtime.bind_output(binding, kv.present_value, scratch[offset + size : offset + 2 * size].view(shape))
             offset += 2 * size
+
 

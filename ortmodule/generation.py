@@ -20,6 +20,7 @@ from transformers import GenerationConfig, GenerationMixin, MaxLengthCriteria, S
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import inputs
+from . import steps as fixed_steps
 
 # Model inputs generate() takes besides the generation options (`generator`: a torch.Generator
 # for sampling, ortmodule's own).
@@ -175,9 +176,27 @@ class _Sampling:
     def run(self):
         decoder, rows, size, width = self.decoder, self.rows, self.sequences.shape[0], self.width
         # The prefill writes every column of the padded prompt, so the cache holds at least that many.
-        cache = decoder.new_cache(size, max(width, rows.longest + self.max_new))
-        last = torch.arange(size, device=decoder.device) * width + rows.lengths - 1
-        logits = decoder.prefill(rows, last, cache)
+        needed = max(width, rows.longest + self.max_new)
+        # Steps at fixed addresses where the package allows (on CUDA, captured as a graph when the
+        # session has enable_cuda_graph); else steps that bind their inputs anew.
+        steps = fixed_steps.lend(decoder, size, needed)
+        try:
+            cache = steps.cache if steps is not None else decoder.new_cache(size, needed)
+            last = torch.arange(size, device=decoder.device) * width + rows.lengths - 1
+            logits = decoder.prefill(rows, last, cache)
+            if steps is not None:
+                steps.start()
+            length = self._loop(logits, cache, steps)
+            if steps is not None and self.config.return_dict_in_generate:
+                cache = steps.copy_cache()  # the caller's to keep: the fixed one serves the next generation
+        finally:
+            if steps is not None:
+                steps.release()
+        return self._finish(length, cache)
+
+    def _loop(self, logits: torch.Tensor, cache, steps) -> int:
+        """Choose tokens and step until the length limit or every row has stopped: the length."""
+        decoder, size, width = self.decoder, self.sequences.shape[0], self.width
         unfinished = torch.ones(size, dtype=torch.bool, device=decoder.device)
         # The length at which every row had stopped (0 while one runs), kept on the device. On a GPU
         # it is read every STOP_CHECK_EVERY steps, so that the loop queues steps without waiting for
@@ -198,14 +217,15 @@ class _Sampling:
                 stopped_at = torch.where((stopped_at == 0) & ~unfinished.any(), length, stopped_at)
                 if (length - width) % check_every == 0 and stopped_at.item():
                     break  # the loop's one read from the device
-            logits = decoder.step(tokens[:, None], cache).view(size, -1)
+            logits = steps.step(tokens) if steps is not None else decoder.step(tokens[:, None], cache).view(size, -1)
         if len(self.criteria):
             length = stopped_at.item() or length
-        return self._finish(length, cache)
+        return length
 
     def _next_tokens(self, logits: torch.Tensor, length: int, unfinished: torch.Tensor):
         """Choose every row's next token from its logits, write it at column `length` and return it."""
-        logits = logits.float()
+        # A copy where the logits are a buffer the next step overwrites and the scores are kept.
+        logits = logits.float() if not self.keep_scores else logits.float().clone()
         next_scores = self.processors(self.sequences[:, :length], logits)
         if self.keep_scores:
             self.scores.append(next_scores)

@@ -93,20 +93,39 @@ class Session:
     ort_session: ort.InferenceSession
     stream: torch.cuda.Stream | None = None
     run_options: ort.RunOptions | None = None
+    cuda_graphs: bool = False  # the CUDA provider's enable_cuda_graph is on
+    synchronizes: bool = False  # ONNX Runtime waits for the device at the end of each run
+    graph_options: dict = dataclasses.field(default_factory=dict)  # graph id -> its run options
 
     def io_binding(self) -> ort.IOBinding:
         return self.ort_session.io_binding()
 
-    def run(self, binding: ort.IOBinding) -> None:
+    def _run_options(self, graph_id: int) -> ort.RunOptions | None:
+        """The run options of a run: with CUDA graphs on, every run names its graph (-1: none, as
+        ONNX Runtime would otherwise capture it under id 0 and replay that for every shape)."""
+        if not self.cuda_graphs:
+            return self.run_options
+        options = self.graph_options.get(graph_id)
+        if options is None:
+            options = ort.RunOptions()
+            if not self.synchronizes:
+                options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+            options.add_run_config_entry("gpu_graph_id", str(graph_id))
+            options = self.graph_options.setdefault(graph_id, options)
+        return options
+
+    def run(self, binding: ort.IOBinding, graph_id: int = -1) -> None:
         """Run a bound session. On CUDA the run is queued on the session's stream without a host
         sync; when the caller's current torch stream is another one, the session's stream first
-        waits for the work queued on it, and it waits for the run after (events on the device)."""
+        waits for the work queued on it, and it waits for the run after (events on the device).
+        With CUDA graphs on, a run with `graph_id` > 0 is captured under that id the first time and
+        replayed after (every binding at the same addresses and shapes); -1 runs as it is."""
         stream = self.stream
         current = torch.cuda.current_stream(stream.device) if stream is not None else None
         if current is not None and current != stream:
             stream.wait_stream(current)
         try:
-            self.ort_session.run_with_iobinding(binding, self.run_options)
+            self.ort_session.run_with_iobinding(binding, self._run_options(graph_id))
         except Exception as e:
             raise_if_out_of_memory(e)
             raise
@@ -159,7 +178,8 @@ def make_session(
     run_options = ort.RunOptions()
     if not sync_after_run:
         run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-    return Session(session, stream, run_options)
+    graphs = str((provider_options or {}).get("enable_cuda_graph", "0")).lower() in ("1", "true")
+    return Session(session, stream, run_options, graphs, sync_after_run)
 
 
 def bind_input(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:

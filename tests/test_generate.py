@@ -148,6 +148,21 @@ def test_scores_and_logits_come_back_on_request(llama_pair):
         assert (mine - theirs).abs().max().item() < 1e-4
 
 
+def test_a_returned_cache_is_the_callers_own(llama_pair):
+    """Decode steps keep their cache for the next generation of the same shape; the cache returned
+    with `return_dict_in_generate` is a copy, which continues as transformers' does after another
+    generation of that shape has run."""
+    model, hf = llama_pair
+    ids, mask = left_padded_prompts([6, 9], seed=12)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True, pad_token_id=2)
+    other, _ = left_padded_prompts([7, 9], seed=13)
+    model.generate(other, max_new_tokens=5, pad_token_id=2)  # the same shape: the steps' own cache is rewritten
+    more_mask = torch.cat([mask, mask.new_ones(2, 5)], 1)
+    ours = model.generate(out.sequences, attention_mask=more_mask, past_key_values=out.past_key_values,
+                          max_new_tokens=4, pad_token_id=2)
+    assert torch.equal(ours, hf_generate(hf, out.sequences, more_mask, max_new_tokens=4))
+
+
 def test_without_the_lm_head_rewrite(llama):
     model = OrtModelForCausalLM.from_pretrained(llama.package_dir, rewrite_lm_head=False)
     _, hf = load_pair(llama)
@@ -157,11 +172,13 @@ def test_without_the_lm_head_rewrite(llama):
 
 
 def test_the_cache_is_bound_once_and_never_copied_to_the_host(llama_pair, monkeypatch):
-    """The KV buffers are bound as past and present once per generate call, and nothing of the
+    """The KV buffers are bound as past and present once, by the prefill's binding and the decode
+    steps' (kept for the next generation of that shape, which binds nothing), and nothing of the
     decode loop (KV, logits, tokens) is copied to the host: no eos, no criteria, no host sync."""
     model, hf = llama_pair
     ids, mask = left_padded_prompts([6, 13], seed=3)
     layers = model.package.decoder.layers
+    model.decoder.fixed.clear()  # decode steps kept from the tests before: this one counts the first binding
     kv_names = {name for kv in layers for name in (kv.past_key, kv.past_value, kv.present_key, kv.present_value)}
     bound = []
     bind_input, bind_output = runtime.bind_input, runtime.bind_output
@@ -169,7 +186,7 @@ def test_the_cache_is_bound_once_and_never_copied_to_the_host(llama_pair, monkey
     monkeypatch.setattr(runtime, "bind_output", lambda b, n, t: (bound.append((n, t.data_ptr())), bind_output(b, n, t)))
     runs = []
     run = runtime.Session.run
-    monkeypatch.setattr(runtime.Session, "run", lambda s, b: (runs.append(1), run(s, b)))
+    monkeypatch.setattr(runtime.Session, "run", lambda s, b, *graph: (runs.append(1), run(s, b, *graph)))
     expected = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS, eos_token_id=None)
 
     def refuse(*args, **kwargs):
@@ -195,8 +212,13 @@ def test_the_cache_is_bound_once_and_never_copied_to_the_host(llama_pair, monkey
     assert torch.equal(tokens, expected)
     assert len(runs) == NEW_TOKENS  # one prefill and one run per further token
     kv_binds = [(n, p) for n, p in bound if n in kv_names]
-    assert len(kv_binds) == 4 * len(layers)  # once each
+    assert len(kv_binds) == 2 * 4 * len(layers)  # once each, in the prefill's binding and the steps'
     assert {p for n, p in kv_binds if "past" in n} == {p for n, p in kv_binds if "present" in n}  # shared
+    assert len({p for _, p in kv_binds}) == 2 * len(layers)  # one buffer per layer for keys, one for values
+    bound.clear()
+    again = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=2)
+    assert torch.equal(again, expected)
+    assert not [n for n, _ in bound if n in kv_names]  # the same shape: the same buffers, still bound
 
 
 STEPPING = ["llama", "gemma4", "gemma4_mobius", "qwen2_5_vl"]  # GQA, mixed head sizes, concatenating attention, mRoPE

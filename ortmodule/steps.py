@@ -1,0 +1,148 @@
+"""Decode steps at fixed addresses (`FixedSteps`), lent to generation's loop by `lend`.
+
+A step appends one token to every row. Here its cache, tokens, mask, positions, LM-head indices
+and logits are buffers that never move and are written in place, so the binding is made once,
+and with the CUDA provider option `enable_cuda_graph` ONNX Runtime captures the step as a CUDA
+graph and replays it: one launch per step instead of one per kernel. The decoder keeps the most
+recent ones (`Decoder.fixed`), so that the next generation of the same shape finds them bound
+(and captured).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import graph, runtime
+from .cache import KVCache
+from .decoder import Decoder
+
+
+def lend(decoder: Decoder, batch: int, needed: int) -> FixedSteps | None:
+    """Decode steps for `batch` rows of up to `needed` positions, held for the caller until
+    `release()`; None where the package's steps cannot run so (an embedding model before the
+    decoder, a cache written by concatenation, attention on the CPU under CUDA) or another thread
+    holds the steps of this shape."""
+    if decoder.embedding_session is not None or not decoder.spec.shares_kv_buffer:
+        return None
+    if decoder.device.type == "cuda" and decoder.kv_dtype == torch.float32:
+        return None  # its attention runs on the CPU, whose inputs are copied when bound: see `Decoder.rebind`
+    capacity = min(-(-needed // FixedSteps.ROUND) * FixedSteps.ROUND, decoder.package.context_length)
+    key = (batch, max(capacity, needed))
+    with decoder.runs_lock:
+        steps = decoder.fixed.get(key)
+        if steps is None:
+            while len(decoder.fixed) >= FixedSteps.KEPT:  # the oldest shape's buffers go, and its graph
+                decoder.fixed.popitem(last=False)[1].forget()
+            steps = decoder.fixed[key] = FixedSteps(decoder, *key)
+        decoder.fixed.move_to_end(key)
+    return steps if steps.acquire() else None
+
+
+class FixedSteps:
+    """Decode steps of one token per row over a cache of fixed capacity, every buffer at a fixed
+    address: the tokens, the mask (`[batch, capacity]`, a row's ones up to its length), the
+    positions, the LM head's row indices and the logits are written in place, and the binding is
+    made once (on CUDA the small inputs are bound again each step, to the same buffers, as
+    `Decoder.rebind` asks). A session with the CUDA provider option `enable_cuda_graph` captures
+    the step under its own graph id.
+
+    Lent by `lend` to one generation at a time (`release()`)."""
+
+    ROUND = 256  # capacities rounded up to this, so that generations of similar lengths share one
+    KEPT = 2  # shapes kept per decoder (each holds a cache of batch x capacity positions)
+
+    def __init__(self, decoder: Decoder, batch: int, capacity: int):
+        self.decoder, device = decoder, decoder.device
+        self.lock = threading.Lock()
+        self.released: torch.cuda.Event | None = None  # on CUDA: the last holder's work queued so far
+        self.cache = decoder.new_cache(batch, capacity)
+        self.capacity = self.cache.capacity
+        self.graph_id = next(decoder.graph_ids)
+        self.tokens = torch.zeros(batch, 1, dtype=decoder.id_dtype, device=device)
+        spec = decoder.spec
+        self.mask = torch.zeros(batch, self.capacity, dtype=decoder.mask_dtype, device=device) \
+            if spec.attention_mask else None
+        self.positions = None
+        if spec.position_ids:
+            shape = (3, batch, 1) if spec.position_rank == 3 else (batch, 1)
+            self.positions = torch.zeros(shape, dtype=decoder.position_dtype, device=device)
+        self.kept = torch.arange(batch, device=device) if decoder.keeps_positions else None
+        # The LM head's rows as the graph writes them: one per row, or one per token without the rewrite.
+        shape = (batch, decoder.vocab_size) if decoder.keeps_positions else (batch, 1, decoder.vocab_size)
+        self.logits = torch.empty(shape, dtype=decoder.logits_dtype, device=device)
+        self.binding = decoder.session.io_binding()
+        decoder.bind_cache(self.binding, self.cache, 1)
+        runtime.bind_output(self.binding, spec.logits, self.logits)
+        self._bind_inputs()
+
+    def _bind_inputs(self) -> None:
+        spec, binding = self.decoder.spec, self.binding
+        runtime.bind_input(binding, spec.input_ids, self.tokens)
+        if self.mask is not None:
+            runtime.bind_input(binding, spec.attention_mask, self.mask)
+        if self.positions is not None:
+            runtime.bind_input(binding, spec.position_ids, self.positions)
+        if self.kept is not None:
+            runtime.bind_input(binding, graph.LOGITS_INDICES, self.kept)
+
+    def start(self) -> None:
+        """After the prefill into `cache`: the mask of the rows it holds."""
+        if self.mask is not None:
+            columns = torch.arange(self.capacity, device=self.decoder.device)
+            self.mask.copy_(columns[None, :] < self.cache.lengths[:, None])
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append `tokens` `[batch]` to the rows; their logits `[batch, V]` (this object's buffer,
+        overwritten by the next step)."""
+        cache = self.cache
+        if cache.longest >= self.capacity:
+            raise RuntimeError(f"decode steps past the cache's capacity of {self.capacity} positions")
+        with torch.inference_mode():
+            self.tokens.copy_(tokens.view(-1, 1))
+            if self.mask is not None:
+                self.mask.scatter_(1, cache.lengths[:, None], 1)
+            if self.positions is not None:
+                self.positions.copy_(cache.lengths[:, None])
+            if self.decoder.rebind:
+                self._bind_inputs()
+            self.decoder.session.run(self.binding, self.graph_id)
+            cache.advance(1, 1)
+        return self.logits.view(len(self.logits), -1)
+
+    def copy_cache(self) -> KVCache:
+        """A cache of the rows so far in buffers of its own."""
+        cache = self.cache
+        copy = self.decoder.new_cache(cache.batch_size, cache.longest)
+        copy.start_from(cache, torch.arange(cache.batch_size, device=self.decoder.device), cache.lengths,
+                        cache.longest)
+        copy.seen = cache.seen
+        return copy
+
+    def forget(self) -> None:
+        """Let ONNX Runtime free the graph captured for these steps, once no thread holds them and
+        the device has run them (one held now keeps its graph until the session goes)."""
+        if not self.decoder.session.cuda_graphs or not self.lock.acquire(blocking=False):
+            return
+        try:
+            if self.released is not None:
+                self.released.synchronize()
+            self.decoder.session.ort_session.release_captured_graph(self.graph_id)
+        finally:
+            self.lock.release()
+
+    def acquire(self) -> bool:
+        """Hold the steps, if no other thread does. The caller's stream then waits for the work the
+        last holder queued on its own (which may read the logits, or copy the cache, still)."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        if self.released is not None:
+            torch.cuda.current_stream(self.decoder.device).wait_event(self.released)
+        return True
+
+    def release(self) -> None:
+        if self.decoder.device.type == "cuda":
+            self.released = torch.cuda.Event()
+            self.released.record(torch.cuda.current_stream(self.decoder.device))
+        self.lock.release()
