@@ -66,7 +66,10 @@ NOTES = {
     "(lm-eval's tokenizing included); `ortmodule_us_per_request`, the part in ortmodule's "
     "`_loglikelihood_tokens`; `onnxruntime_us_per_request`, the part of that in ONNX Runtime's `run` (on a "
     "CPU the model's compute, on a GPU the launches); `host_us_per_request`, ortmodule's own host time (the "
-    "second less the third).",
+    "second less the third). `decode` rows: batch-1 greedy decoding of {host_decode} tokens after a 128-token "
+    "prompt on the same model, per token: `us_per_token` in all, `onnxruntime_us_per_token` in ONNX Runtime's "
+    "`run` (ortmodule only), `host_us_per_token` the rest (ortmodule's own loop), beside onnxruntime-genai's "
+    "Generator on the same package.",
     "score": "`ortmodule.score` (SGLang's score API: {requests} requests of a {query_tokens}-token query and {items} "
     "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen "
     "automatically (`auto`) or off "
@@ -122,6 +125,7 @@ def note_values(size: str) -> dict:
                 server_query=server["query_tokens"], server_items=server["items"], server_labels=server["labels"],
                 server_item_tokens=(f"{server['item_tokens']}" if server["exact"] else f"1-{server['item_tokens']}"),
                 server_duration=server["duration"], host_questions=shapes["host_time"]["questions"],
+                host_decode=shapes["host_time"]["decode_tokens"],
                 host_batch=shapes["host_time"]["batch_size"],
                 **shapes["score"])
 # Real-model workloads first: what users run.

@@ -13,14 +13,17 @@ one less the last. transformers (lm-eval's `hf`) runs the same weights beside it
 from pathlib import Path
 
 import lm_eval
+import numpy as np
+import onnxruntime_genai as og
 import pytest
+import torch
 from conftest import device_name
 from evaluation import Clock
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
-from ortmodule import runtime
+from ortmodule import OrtModelForCausalLM, runtime
 from ortmodule_dev import fixtures
 
 TASK = "ortmodule_bench_mmlu"
@@ -63,3 +66,40 @@ def test_host_time_per_request(benchmark, probe, size, backend, monkeypatch):
         benchmark.extra_info["ortmodule_us_per_request"] = round(1e6 * scoring.seconds / count)
         benchmark.extra_info["onnxruntime_us_per_request"] = round(1e6 * onnxruntime.seconds / count)
         benchmark.extra_info["host_us_per_request"] = round(1e6 * (scoring.seconds - onnxruntime.seconds) / count)
+
+
+@pytest.mark.benchmark(group="host time")
+@pytest.mark.parametrize("backend", ["ortmodule", "onnxruntime-genai"])
+def test_host_time_per_decoded_token(benchmark, probe, size, backend, monkeypatch):
+    new, prompt_length = size["host_time"]["decode_tokens"], 128
+    device = size.get("device", "cpu")
+    prompt = torch.randint(4, 32000, (1, prompt_length), generator=torch.Generator().manual_seed(0))
+    if backend == "ortmodule":
+        model = OrtModelForCausalLM.from_pretrained(probe.package_dir, device=device)
+
+        def generate():
+            return model.generate(prompt, max_new_tokens=new, eos_token_id=None, pad_token_id=0, do_sample=False)
+    else:
+        model = og.Model(str(probe.package_dir))
+
+        def generate():
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=prompt_length + new, min_length=prompt_length + new,
+                                      do_sample=False, batch_size=1)
+            generator = og.Generator(model, params)
+            generator.append_tokens(prompt.numpy().astype(np.int32))
+            while not generator.is_done():
+                generator.generate_next_token()
+            return generator.get_sequence(0)
+
+    generate()  # warm-up
+    onnxruntime = Clock(monkeypatch, runtime.Session, "run")
+    benchmark.pedantic(generate, rounds=3, iterations=1)
+    seconds = benchmark.stats.stats.mean
+    benchmark.extra_info.update(backend=backend, case="decode", device=device_name(device),
+                                model="a 1-layer, hidden-64 Llama with SmolLM2's tokenizer (negligible compute)",
+                                us_per_token=round(1e6 * seconds / new))
+    if backend == "ortmodule":
+        runs = onnxruntime.seconds / 3  # the rounds' runs, one prefill and new - 1 steps each
+        benchmark.extra_info["onnxruntime_us_per_token"] = round(1e6 * runs / new)
+        benchmark.extra_info["host_us_per_token"] = round(1e6 * (seconds - runs) / new)
