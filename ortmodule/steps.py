@@ -28,15 +28,24 @@ def lend(decoder: Decoder, batch: int, needed: int) -> FixedSteps | None:
         return None
     if decoder.device.type == "cuda" and decoder.kv_dtype == torch.float32:
         return None  # its attention runs on the CPU, whose inputs are copied when bound: see `Decoder.rebind`
-    capacity = min(-(-needed // FixedSteps.ROUND) * FixedSteps.ROUND, decoder.package.context_length)
+    capacity = needed
+    if decoder.session.cuda_graphs:  # similar lengths share one graph
+        capacity = min(-(-needed // FixedSteps.ROUND) * FixedSteps.ROUND, decoder.package.context_length)
     key = (batch, max(capacity, needed))
     with decoder.runs_lock:
         steps = decoder.fixed.get(key)
         if steps is None:
-            while len(decoder.fixed) >= FixedSteps.KEPT:  # the oldest shape's buffers go, and its graph
-                decoder.fixed.popitem(last=False)[1].forget()
-            steps = decoder.fixed[key] = FixedSteps(decoder, *key)
-        decoder.fixed.move_to_end(key)
+            steps = FixedSteps(decoder, *key)
+            steps.kept = steps.bytes <= FixedSteps.KEPT_BYTES
+            if steps.kept:
+                decoder.fixed[key] = steps
+            while len(decoder.fixed) > FixedSteps.KEPT or \
+                    sum(kept.bytes for kept in decoder.fixed.values()) > FixedSteps.KEPT_BYTES:
+                oldest = decoder.fixed.popitem(last=False)[1]  # its buffers go, and its graph
+                oldest.kept = False  # (by its holder's release, where a generation holds it now)
+                oldest.forget()
+        else:
+            decoder.fixed.move_to_end(key)
     return steps if steps.acquire() else None
 
 
@@ -50,8 +59,9 @@ class FixedSteps:
 
     Lent by `lend` to one generation at a time (`release()`)."""
 
-    ROUND = 256  # capacities rounded up to this, so that generations of similar lengths share one
-    KEPT = 2  # shapes kept per decoder (each holds a cache of batch x capacity positions)
+    ROUND = 256  # with CUDA graphs, capacities are rounded up to this
+    KEPT = 2  # shapes kept per decoder for the next generation
+    KEPT_BYTES = 512 << 20  # and at most this much cache kept (larger steps serve their one call)
 
     def __init__(self, decoder: Decoder, batch: int, capacity: int):
         self.decoder, device = decoder, decoder.device
@@ -59,6 +69,8 @@ class FixedSteps:
         self.released: torch.cuda.Event | None = None  # on CUDA: the last holder's work queued so far
         self.cache = decoder.new_cache(batch, capacity)
         self.capacity = self.cache.capacity
+        self.bytes = sum(b.numel() * b.element_size() for b in self.cache.keys + self.cache.values)
+        self.kept = False  # whether the decoder keeps these steps after their call
         self.graph_id = next(decoder.graph_ids)
         self.tokens = torch.zeros(batch, 1, dtype=decoder.id_dtype, device=device)
         spec = decoder.spec
@@ -146,3 +158,5 @@ class FixedSteps:
             self.released = torch.cuda.Event()
             self.released.record(torch.cuda.current_stream(self.decoder.device))
         self.lock.release()
+        if not self.kept:
+            self.forget()
