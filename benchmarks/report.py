@@ -28,7 +28,8 @@ NOTES = {
     "generate": "Greedy decoding of a left-padded batch of prompts ({prompt_lo} to {prompt_hi} tokens), "
     "{new_tokens} new tokens a row; every "
     "backend makes all of them (no early end of sequence). `genai` is onnxruntime-genai's `Generator` "
-    "on the same package. transformers runs the package's precision (fp32 beside an int4 package).",
+    "on the same package. transformers runs the package's precision (fp32 beside an int4 package). "
+    "`ortmodule-cuda-graph` (GPU only): the decode steps captured as CUDA graphs (`enable_cuda_graph`).",
     "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: {questions} "
     "questions, ~110-word English passages; half the questions with 7-word choices, half with one-word "
     "ones), 4 loglikelihood requests per question, batch {batch_size}. `ortmodule` and `transformers` (lm-eval's "

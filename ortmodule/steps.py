@@ -80,7 +80,7 @@ class FixedSteps:
         if spec.position_ids:
             shape = (3, batch, 1) if spec.position_rank == 3 else (batch, 1)
             self.positions = torch.zeros(shape, dtype=decoder.position_dtype, device=device)
-        self.kept = torch.arange(batch, device=device) if decoder.keeps_positions else None
+        self.head_rows = torch.arange(batch, device=device) if decoder.keeps_positions else None
         # The LM head's rows as the graph writes them: one per row, or one per token without the rewrite.
         shape = (batch, decoder.vocab_size) if decoder.keeps_positions else (batch, 1, decoder.vocab_size)
         self.logits = torch.empty(shape, dtype=decoder.logits_dtype, device=device)
@@ -96,8 +96,8 @@ class FixedSteps:
             runtime.bind_input(binding, spec.attention_mask, self.mask)
         if self.positions is not None:
             runtime.bind_input(binding, spec.position_ids, self.positions)
-        if self.kept is not None:
-            runtime.bind_input(binding, graph.LOGITS_INDICES, self.kept)
+        if self.head_rows is not None:
+            runtime.bind_input(binding, graph.LOGITS_INDICES, self.head_rows)
 
     def start(self) -> None:
         """After the prefill into `cache`: the mask of the rows it holds."""

@@ -163,6 +163,19 @@ def test_a_returned_cache_is_the_callers_own(llama_pair):
     assert torch.equal(ours, hf_generate(hf, out.sequences, more_mask, max_new_tokens=4))
 
 
+def test_decode_steps_bound_again_each_step_as_on_cuda(llama, monkeypatch):
+    """On CUDA every run binds its inputs anew (`Decoder.rebind`); the fixed decode steps do so to
+    the same buffers. Forced here on the CPU: the same tokens as transformers, twice (the second
+    generation on the kept steps)."""
+    model, hf = load_pair(llama)
+    monkeypatch.setattr(model.decoder, "rebind", True)
+    ids, mask = left_padded_prompts([6, 13], seed=14)
+    expected = hf_generate(hf, ids, mask, max_new_tokens=NEW_TOKENS)
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=2),
+                           expected)
+
+
 def test_without_the_lm_head_rewrite(llama):
     model = OrtModelForCausalLM.from_pretrained(llama.package_dir, rewrite_lm_head=False)
     _, hf = load_pair(llama)
