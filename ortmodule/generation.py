@@ -172,6 +172,7 @@ class _Sampling:
         self.sequences = torch.empty(size, self.width + self.max_new, dtype=torch.int64, device=device)
         self.sequences[:, : self.width] = input_ids.to(device)
         self.scores, self.raw = [], []
+        self.steps_reuse_logits = False  # set by run: the decode steps return one buffer every step
 
     def run(self):
         decoder, rows, size, width = self.decoder, self.rows, self.sequences.shape[0], self.width
@@ -180,6 +181,7 @@ class _Sampling:
         # Steps at fixed addresses where the package allows (on CUDA, captured as a graph when the
         # session has enable_cuda_graph); else steps that bind their inputs anew.
         steps = fixed_steps.lend(decoder, size, needed)
+        self.steps_reuse_logits = steps is not None
         try:
             cache = steps.cache if steps is not None else decoder.new_cache(size, needed)
             last = torch.arange(size, device=decoder.device) * width + rows.lengths - 1
@@ -224,8 +226,8 @@ class _Sampling:
 
     def _next_tokens(self, logits: torch.Tensor, length: int, unfinished: torch.Tensor):
         """Choose every row's next token from its logits, write it at column `length` and return it."""
-        # A copy where the logits are a buffer the next step overwrites and the scores are kept.
-        logits = logits.float() if not self.keep_scores else logits.float().clone()
+        # The fixed steps' logits are a buffer the next step overwrites: kept scores are a copy.
+        logits = logits.float().clone() if self.keep_scores and self.steps_reuse_logits else logits.float()
         next_scores = self.processors(self.sequences[:, :length], logits)
         if self.keep_scores:
             self.scores.append(next_scores)

@@ -107,20 +107,20 @@ class FixedSteps:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append `tokens` `[batch]` to the rows; their logits `[batch, V]` (this object's buffer,
-        overwritten by the next step)."""
+        overwritten by the next step). Called inside generation's inference mode, as the buffers
+        were made."""
         cache = self.cache
         if cache.longest >= self.capacity:
             raise RuntimeError(f"decode steps past the cache's capacity of {self.capacity} positions")
-        with torch.inference_mode():
-            self.tokens.copy_(tokens.view(-1, 1))
-            if self.mask is not None:
-                self.mask.scatter_(1, cache.lengths[:, None], 1)
-            if self.positions is not None:
-                self.positions.copy_(cache.lengths[:, None])
-            if self.decoder.rebind:
-                self._bind_inputs()
-            self.decoder.session.run(self.binding, self.graph_id)
-            cache.advance(1, 1)
+        self.tokens.copy_(tokens.view(-1, 1))
+        if self.mask is not None:
+            self.mask.scatter_(1, cache.lengths[:, None], 1)
+        if self.positions is not None:
+            self.positions.copy_(cache.lengths[:, None])
+        if self.decoder.rebind:
+            self._bind_inputs()
+        self.decoder.session.run(self.binding, self.graph_id)
+        cache.advance(1, 1)
         return self.logits.view(len(self.logits), -1)
 
     def copy_cache(self) -> KVCache:
