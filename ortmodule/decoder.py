@@ -32,7 +32,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from . import graph, runtime
+from . import extend, graph, runtime
 from .cache import KVCache
 from .inputs import Rows
 from .package import Package, PackageError
@@ -62,7 +62,7 @@ class Decoder:
     ):
         self.package = package
         self.spec = spec = package.decoder
-        self.session_options, self.provider_options = session_options, provider_options
+        self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
         self.graph_bytes = graph.keep_positions_graph(spec.path, spec.logits, cache_dir) if rewrite_lm_head else None
         self.id_dtype = runtime.torch_dtype(spec.id_type)
         self.mask_dtype = runtime.torch_dtype(spec.mask_type) if spec.mask_type else None
@@ -76,8 +76,7 @@ class Decoder:
         self.scratch = threading.local()  # the prefill's discarded present KV, one buffer per thread
         # Per KVCache run by this decoder: its binding, the buffers' version bound, the run's lock.
         self.runs, self.runs_lock = weakref.WeakKeyDictionary(), threading.Lock()
-        # The latest steps.FixedSteps by (batch, capacity), and their CUDA graph ids (0 is ONNX Runtime's).
-        self.fixed, self.graph_ids = collections.OrderedDict(), itertools.count(1)
+        self.fixed, self.graph_ids = collections.OrderedDict(), itertools.count(1)  # FixedSteps; graph ids (0 is ORT's)
         self.load(device)
 
     @property
@@ -100,6 +99,7 @@ class Decoder:
                                             **run_settings)
         self.runs.clear()  # bindings of the previous session
         self.fixed.clear()
+        self.extender = extend.lazy_extender(self)  # runs new tokens over a cache for a batch (extend.py)
         self.device = device
         self.rebind = device.type != "cpu"
         if device.type == "cuda" and self.kv_dtype == torch.float32:

@@ -160,17 +160,26 @@ def keep_positions_graph(decoder_path: Path, logits_name: str, cache_dir: Path |
     """Bytes of the rewritten decoder graph (weights stay in the package's files), or None with a
     logged reason when the graph does not match. Built once per source graph content, then read
     from the cache; an entry that fails its check is rebuilt with a warning."""
+    def build() -> bytes:
+        proto = onnx.load(str(decoder_path), load_external_data=False)
+        return rewrite_keep_positions(proto, logits_name).SerializeToString()
+
+    try:
+        return cached(cache_dir, f"{decoder_path.stem}-{_cache_key(decoder_path, logits_name)}", build)
+    except RewriteSkipped as reason:
+        logger.warning("ortmodule: computing logits for every position of %s: %s", decoder_path, reason)
+        return None
+
+
+def cached(cache_dir: Path | None, name: str, build) -> bytes:
+    """Graph bytes from the cache entry `name`, or `build()` them and write the entry (exceptions
+    from `build` pass through, nothing written)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    entry = cache_dir / f"{decoder_path.stem}-{_cache_key(decoder_path, logits_name)}.onnx"
+    entry = cache_dir / f"{name}.onnx"
     if entry.is_file():
         data = _read_entry(entry)
         if data is not None:
             return data
-    proto = onnx.load(str(decoder_path), load_external_data=False)
-    try:
-        data = rewrite_keep_positions(proto, logits_name).SerializeToString()
-    except RewriteSkipped as reason:
-        logger.warning("ortmodule: computing logits for every position of %s: %s", decoder_path, reason)
-        return None
+    data = build()
     _write_entry(entry, data)
     return data

@@ -80,8 +80,9 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     """Logits at chosen positions of rows whose groups share a prefix, each prefix run once.
 
     Rows with the same group id start with the same tokens. The groups' prefixes are prefilled in
-    one batch; every row then continues from a copy of its group's KV cache with one decode step
-    per remaining token, the LM head only at the rows that ask for that position (`plan_sharing`).
+    one batch; every row then continues from a copy of its group's KV cache: all of its remaining
+    tokens in one run where the decoder has an extend graph (extend.py), else one decode step per
+    remaining token, the LM head only at the rows that ask for that position (`plan_sharing`).
     Yields `(pairs, logits)` per run: `logits[k]` belongs to pair `pairs[k]`, the index of
     (row, position) in the row-major order of `needed`.
     """
@@ -99,10 +100,19 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
                last.index_select(0, torch.tensor([i for _, i in plan.at_prefix], device=device)))
     if not plan.steps:
         return
-    cache = decoder.new_cache(len(rows), width + len(plan.steps))
+    extender = decoder.extender()
     owner = torch.tensor(plan.owner, device=device)
-    cache.start_from(source, owner, lengths[owner], max(len(p) for p in plan.prefixes))
+    cache = decoder.new_cache(len(rows), width if extender is not None else width + len(plan.steps))
+    cache.start_from(source, owner, lengths[owner], width)
     tokens = pad_right(plan.tokens)[0].to(device)
+    if extender is not None:  # every row's rest in one run
+        new = tokens.shape[1]
+        flat = [row * new + step for step, (asking, _) in enumerate(plan.steps) for row in asking]
+        pairs = [pair for _, step_pairs in plan.steps for pair in step_pairs]
+        if flat:
+            yield (torch.tensor(pairs, device=device),
+                   extender.run(tokens, cache, torch.tensor(flat, device=device)))
+        return
     for step, (asking, pairs) in enumerate(plan.steps):
         logits = decoder.step(tokens[:, step : step + 1], cache, torch.tensor(asking or [0], device=device))
         if asking:

@@ -1,0 +1,314 @@
+"""Several new tokens for several rows over their caches in one run: the "extend" graph.
+
+ONNX Runtime's GroupQueryAttention refuses more than one new token over a cache for more than
+one row ("batch_size must be 1 when sequence_length > 1 and past context is given"). Scoring
+needs exactly that: rows that continue a shared prefix (a question's answers after its context,
+score's items after their query) run the prefix once and the rest of every row over a copy of its
+KV. Without it the rest runs one decode step per token.
+
+`extend_graph` rewrites a builder decoder (after graph.py's LM-head rewrite) so that every
+GroupQueryAttention becomes what it computes, in ops that take any batch: the packed projection
+split into query, key and value, the query/key norms where GroupQueryAttention applied them,
+`RotaryEmbedding` at positions given as an input, and ONNX's `Attention` (opset 23) over the past
+and the new keys with an additive mask given as an input. The graph has no present outputs: the
+new tokens' KV is not kept. ortmodule builds the mask and positions (`Extend.run`); the graph
+bytes are cached like the LM-head rewrite's (graph.py) and reference the package's weights.
+
+Where a decoder does not match (sliding-window layers, soft-capping on CUDA, attention biases,
+sinks), `extend_graph` raises `graph.RewriteSkipped` and callers keep the decode steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import torch
+
+from . import graph, runtime
+from .cache import KVCache
+from .graph import RewriteSkipped
+from .inputs import Rows
+
+logger = logging.getLogger("ortmodule")
+
+POSITIONS = "ortmodule_positions"
+ATTENTION_BIAS = "ortmodule_attention_bias"
+EXTEND_VERSION = "1"
+_OPSET = 23  # ONNX's Attention
+
+
+def _attribute(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _input(node: ir.Node, index: int) -> ir.Value | None:
+    return node.inputs[index] if index < len(node.inputs) else None
+
+
+def extend_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool = False) -> onnx.ModelProto:
+    """The decoder with every GroupQueryAttention replaced as the module docstring says. Inputs
+    added: `ortmodule_positions` (int64 `[batch, new]`: each new token's position) and
+    `ortmodule_attention_bias` (`[batch, 1, new, past + new]` in the KV's dtype: 0 where a new
+    token sees a key, a large negative number where not). The past KV inputs keep their names and
+    take `[batch, kv_heads, past, head_size]`; the present outputs are gone.
+
+    `expand_kv_heads` repeats each KV head for its group of query heads before `Attention`, for
+    kernels without grouped-query attention (ONNX Runtime's CUDA `Attention` before 1.32)."""
+    model = ir.serde.deserialize_model(proto)
+    graph = model.graph
+    attention = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    if not attention:
+        raise RewriteSkipped("no GroupQueryAttention nodes")
+    kv_type = attention[0].inputs[3].type if attention[0].inputs[3] is not None else None
+    if kv_type is None:
+        raise RewriteSkipped("GroupQueryAttention without a past key input")
+    positions = ir.Value(name=POSITIONS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch", "new"]))
+    bias = ir.Value(name=ATTENTION_BIAS, type=kv_type, shape=ir.Shape(["batch", 1, "new", "total"]))
+    graph.inputs.extend([positions, bias])
+    presents = set()
+    for index, node in enumerate(attention):
+        presents.update(v.name for v in node.outputs[1:3] if v is not None)
+        _replace(graph, node, index, positions, bias, head_size, expand_kv_heads)
+    graph.outputs[:] = [o for o in graph.outputs if o.name not in presents]
+    model.opset_imports[""] = max(model.opset_imports.get("", 1), _OPSET)
+    _remove_unused(graph)
+    used = {v for node in graph for v in node.inputs if v is not None} | set(graph.outputs)
+    graph.inputs[:] = [v for v in graph.inputs if v in used]
+    return ir.serde.serialize_model(model)
+
+
+def _replace(graph: ir.Graph, node: ir.Node, index: int, positions: ir.Value, bias: ir.Value, head_size: int,
+             expand_kv_heads: bool) -> None:
+    heads = _attribute(node, "num_heads", 0)
+    kv_heads = _attribute(node, "kv_num_heads", 0)
+    window = _attribute(node, "local_window_size", -1)
+    softcap = _attribute(node, "softcap", 0.0)
+    if window is not None and window > 0:
+        raise RewriteSkipped(f"'{node.name}' is a sliding-window layer")
+    for i, what in ((9, "position ids"), (10, "an attention bias"), (11, "a head sink")):
+        if _input(node, i) is not None:
+            raise RewriteSkipped(f"'{node.name}' takes {what}")
+    if _attribute(node, "smooth_softmax", 0):
+        raise RewriteSkipped(f"'{node.name}' uses a smooth softmax")
+    name = f"/ortmodule/extend/{index}"
+    new_nodes = []
+
+    def add(op, inputs, domain="", **attributes):
+        made = ir.node(op, inputs, attributes=attributes, domain=domain, name=f"{name}/{op}{len(new_nodes)}")
+        new_nodes.append(made)
+        return made.outputs[0]
+
+    query, key, value = node.inputs[0], _input(node, 1), _input(node, 2)
+    if key is None:  # packed query, key and value
+        sizes = ir.tensor([heads * head_size, kv_heads * head_size, kv_heads * head_size], dtype=ir.DataType.INT64)
+        split = ir.node("Split", [query, add("Constant", [], value=sizes)], attributes={"axis": -1},
+                        num_outputs=3, name=f"{name}/Split")
+        new_nodes.append(split)
+        query, key, value = split.outputs
+    q_norm, k_norm = _input(node, 14), _input(node, 15)
+    if q_norm is not None or k_norm is not None:  # the norms GroupQueryAttention applies itself (CUDA exports)
+        epsilon = _attribute(node, "qk_norm_epsilon", 1e-6)
+        query = _norm(add, query, q_norm, heads, head_size, epsilon)
+        key = _norm(add, key, k_norm, kv_heads, head_size, epsilon)
+    if _attribute(node, "do_rotary", 0):
+        query, key = _rotate(add, node, query, key, positions, heads, kv_heads, head_size)
+    past_key, past_value = node.inputs[3], node.inputs[4]
+    if expand_kv_heads and kv_heads != heads:
+        if softcap:
+            raise RewriteSkipped(f"'{node.name}' soft-caps its attention, which this Attention kernel does not")
+        group = heads // kv_heads
+        key, value = (_repeat_heads(add, v, kv_heads, group, head_size, new=True) for v in (key, value))
+        past_key, past_value = (_repeat_heads(add, v, kv_heads, group, head_size, new=False)
+                                for v in (past_key, past_value))
+        kv_heads = heads
+    scale = _attribute(node, "scale", 0.0) or 1.0 / math.sqrt(head_size)
+    attributes = {"q_num_heads": heads, "kv_num_heads": kv_heads, "scale": float(scale)}
+    if softcap:
+        attributes["softcap"] = float(softcap)
+    attend = ir.node("Attention", [query, key, value, bias, past_key, past_value], attributes=attributes,
+                     num_outputs=3, name=f"{name}/Attention")  # presents unread (the CPU kernel wants them)
+    new_nodes.append(attend)
+    graph.insert_before(node, new_nodes)
+    node.outputs[0].replace_all_uses_with(attend.outputs[0])
+    attend.outputs[0].shape, attend.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
+
+
+def _rotate(add, node: ir.Node, query: ir.Value, key: ir.Value, positions: ir.Value, heads: int, kv_heads: int,
+            head_size: int) -> tuple[ir.Value, ir.Value]:
+    """The rotary embedding GroupQueryAttention applies (`do_rotary`), at `positions`."""
+    cos, sin = node.inputs[7], node.inputs[8]
+    if cos is None or sin is None:
+        raise RewriteSkipped(f"'{node.name}' rotates without cos/sin caches")
+    rotary_dim = 2 * cos.shape[1] if cos.shape is not None and isinstance(cos.shape[1], int) else head_size
+    attributes = {"interleaved": _attribute(node, "rotary_interleaved", 0)}
+    if rotary_dim != head_size:
+        attributes["rotary_embedding_dim"] = rotary_dim
+    return (add("RotaryEmbedding", [query, positions, cos, sin], "com.microsoft", num_heads=heads, **attributes),
+            add("RotaryEmbedding", [key, positions, cos, sin], "com.microsoft", num_heads=kv_heads, **attributes))
+
+
+def _repeat_heads(add, x: ir.Value, kv_heads: int, group: int, head_size: int, new: bool) -> ir.Value:
+    """Each of `kv_heads` heads repeated `group` times, in place: new keys `[B, S, kv_heads * H]`
+    or a past `[B, kv_heads, P, H]` becomes the same with `kv_heads * group` heads."""
+    def const(values):
+        return add("Constant", [], value=ir.tensor(values, dtype=ir.DataType.INT64))
+    if new:  # [B, S, kv*H] -> [B, S, kv, 1, H] -> [B, S, kv, group, H] -> [B, S, kv*group*H]
+        split, tile, back = [0, 0, kv_heads, 1, head_size], [1, 1, 1, group, 1], [0, 0, kv_heads * group * head_size]
+    else:  # [B, kv, P, H] -> [B, kv, 1, P, H] -> [B, kv, group, P, H] -> [B, kv*group, P, H]
+        split, tile, back = [0, kv_heads, 1, -1, head_size], [1, 1, group, 1, 1], [0, kv_heads * group, -1, head_size]
+    return add("Reshape", [add("Tile", [add("Reshape", [x, const(split)]), const(tile)]), const(back)])
+
+
+def _norm(add, x: ir.Value, weight: ir.Value, heads: int, head_size: int, epsilon: float) -> ir.Value:
+    per_head = add("Constant", [], value=ir.tensor([0, 0, heads, head_size], dtype=ir.DataType.INT64))
+    flat = add("Constant", [], value=ir.tensor([0, 0, heads * head_size], dtype=ir.DataType.INT64))
+    normed = add("SimplifiedLayerNormalization", [add("Reshape", [x, per_head]), weight], axis=-1, epsilon=epsilon)
+    return add("Reshape", [normed, flat])
+
+
+def _remove_unused(graph: ir.Graph) -> None:
+    """Remove the nodes nothing reads any more (the replaced attention, the sequence-length
+    subgraph), last first. onnx-ir's own pass would also drop the Attention nodes' unread present
+    outputs, which ONNX Runtime's CPU kernel wants whenever a past is given."""
+    outputs = set(graph.outputs)
+    removed = True
+    while removed:
+        removed = False
+        for node in reversed(list(graph)):
+            if all(not v.uses() and v not in outputs for v in node.outputs) and node.op_type != "Attention":
+                graph.remove(node, safe=True)
+                removed = True
+
+
+def extend_graph_bytes(base: bytes, stem: str, head_size: int, expand_kv_heads: bool,
+                       cache_dir: Path | None = None) -> bytes:
+    """`extend_graph` of the LM-head-rewritten graph bytes `base`, cached like them (graph.py);
+    raises `RewriteSkipped` where the decoder does not match."""
+    digest = hashlib.sha256(base)
+    digest.update(f"|{head_size}|{expand_kv_heads}|{EXTEND_VERSION}|{ir.__version__}".encode())
+    return graph.cached(cache_dir, f"{stem}-extend-{digest.hexdigest()[:32]}",
+                        lambda: extend_graph(onnx.ModelProto.FromString(base), head_size,
+                                             expand_kv_heads).SerializeToString())
+
+
+class Extender:
+    """Runs the extend graph of a decoder (`Decoder.extender()` makes it): new tokens for every
+    row of a cache, attending to the row's past and to the new tokens before them."""
+
+    def __init__(self, decoder, session: runtime.Session):
+        self.decoder, self.session = decoder, session  # any number of threads: a binding per call
+        names = {i.name for i in session.ort_session.get_inputs()}
+        self.position_ids = decoder.spec.position_ids if decoder.spec.position_ids in names else None
+        known = {decoder.spec.input_ids, POSITIONS, ATTENTION_BIAS, graph.LOGITS_INDICES, self.position_ids}
+        known |= {name for kv in decoder.spec.layers for name in (kv.past_key, kv.past_value)}
+        if decoder.embedding_session is not None:
+            known |= {name for _, name in decoder.package.embedding.feeds}
+        unknown = names - known
+        if unknown:
+            raise RewriteSkipped(f"the extend graph still takes {sorted(unknown)}")
+
+    def run(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor) -> torch.Tensor:
+        """Logits `[n, V]` at the flat indices `logit_index` (`row * new + i`) of `tokens`
+        `[rows, new]` (right-padded) appended to the rows of `cache` (whose buffers are exactly as
+        long as its longest row, `cache.lengths` each row's past). The cache is not changed."""
+        decoder, spec = self.decoder, self.decoder.spec
+        rows, new = tokens.shape
+        past = cache.keys[0].shape[2]
+        if cache.batch_size != rows or past != cache.longest:
+            raise ValueError(f"extend needs a cache of {rows} rows exactly as long as its longest row "
+                             f"({cache.longest}), got {cache.batch_size} rows of capacity {past}")
+        device = decoder.device
+        columns = torch.arange(past + new, device=device)
+        order = torch.arange(new, device=device)
+        visible = torch.where(columns < past, columns[None, None, :] < cache.lengths[:, None, None],
+                              (columns - past)[None, None, :] <= order[None, :, None])
+        bias = torch.zeros(rows, 1, new, past + new, dtype=decoder.kv_dtype, device=device)
+        bias.masked_fill_(~visible[:, None], torch.finfo(decoder.kv_dtype).min)
+        binding = self.session.io_binding()
+        decoder.bind_tokens(binding, tokens)
+        positions = cache.lengths[:, None] + order
+        runtime.bind_input(binding, POSITIONS, positions.to(torch.int64).contiguous())
+        if self.position_ids is not None:
+            runtime.bind_input(binding, self.position_ids, decoder.position_input(positions))
+        runtime.bind_input(binding, ATTENTION_BIAS, bias)
+        for kv, key, value in zip(cache.specs, cache.keys, cache.values):
+            runtime.bind_input(binding, kv.past_key, key)
+            runtime.bind_input(binding, kv.past_value, value)
+        runtime.bind_input(binding, graph.LOGITS_INDICES, logit_index)
+        logits = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.logits_dtype, device=device)
+        runtime.bind_output(binding, spec.logits, logits)
+        self.session.run(binding)
+        return logits
+
+
+def lazy_extender(decoder) -> Callable[[], Extender | None]:
+    """A function that makes the decoder's `Extender` at its first call (`make_extender`) and
+    returns the same one after; None where the package's graph or the device does not allow it."""
+    lock, made = threading.Lock(), []
+
+    def extender() -> Extender | None:
+        with lock:
+            if not made:
+                made.append(make_extender(decoder, decoder.cache_dir))
+        return made[0]
+
+    return extender
+
+
+def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
+    """The decoder's `Extender`, or None (with the reason logged) where its graph does not match,
+    the device lacks room for the weights a second time, or the graph fails a first run."""
+    if not decoder.keeps_positions:
+        logger.info("ortmodule: no extend graph for %s: the LM-head rewrite did not apply", decoder.spec.path)
+        return None
+    device = decoder.device
+    if device.type == "cuda":
+        weights = sum(f.stat().st_size for f in decoder.spec.path.parent.glob("*.data"))
+        free, _ = torch.cuda.mem_get_info(device)
+        if weights > free // 4:
+            logger.info("ortmodule: no extend graph on %s: its weights (%d MB) would take over a quarter of the "
+                        "free device memory (%d MB) a second time", device, weights >> 20, free >> 20)
+            return None
+    heads = {kv.head_size for kv in decoder.spec.layers}
+    try:
+        if len(heads) != 1:
+            raise RewriteSkipped(f"layers of different head sizes {sorted(heads)}")
+        data = extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, heads.pop(),
+                                  expand_kv_heads=device.type == "cuda", cache_dir=cache_dir)
+    except RewriteSkipped as reason:
+        logger.info("ortmodule: no extend graph for %s (%s): shared prefixes continue by decode steps",
+                    decoder.spec.path, reason)
+        return None
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # No packed copy of the weights: this session reads the package's file pages, which the page
+    # cache shares, instead of holding a second packed copy beside the main session's.
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    try:
+        extender = Extender(decoder, runtime.make_session(data, device, decoder.spec.path.parent, options,
+                                                          decoder.provider_options))
+        cache = decoder.new_cache(1, 1)
+        one = torch.ones(1, dtype=torch.int64, device=device)
+        decoder.prefill(Rows(one[:, None], None, one, 1), None, cache)
+        extender.run(torch.zeros(1, 2, dtype=torch.int64, device=device), cache,
+                     torch.arange(2, device=device))
+    except RewriteSkipped as reason:
+        logger.info("ortmodule: no extend graph for %s (%s): shared prefixes continue by decode steps",
+                    decoder.spec.path, reason)
+        return None
+    except Exception as e:  # noqa: BLE001  ONNX Runtime's own types: the shared prefixes keep their decode steps
+        logger.warning("ortmodule: the extend graph of %s does not run on %s (%s); shared prefixes continue by "
+                       "decode steps", decoder.spec.path, device, " ".join(str(e).split())[:300])
+        return None
+    return extender
+

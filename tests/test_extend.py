@@ -1,0 +1,133 @@
+"""The extend graph (ortmodule/extend.py): several new tokens for several rows over their caches in
+one run, against transformers on the same weights."""
+
+import logging
+
+import onnx
+import pytest
+import torch
+from helpers import load_pair
+
+from ortmodule import OrtModelForCausalLM, extend, graph, runtime, scoring
+from ortmodule.inputs import Rows, pad_right
+from ortmodule.package import read_package
+
+GQA_ARCHES = ["llama", "qwen3", "phi3", "mistral", "qwen2"]
+
+
+def extender_of(model, expand_kv_heads):
+    decoder = model.decoder
+    data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, decoder.spec.layers[0].head_size,
+                                     expand_kv_heads)
+    return extend.Extender(decoder, runtime.make_session(data, decoder.device, decoder.spec.path.parent))
+
+
+def rows_over_prefixes(seed):
+    """Two prefixes (11 and 6 tokens) and three rows continuing them by 4, 7 and 2 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (11, 6)]
+    rests = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (4, 7, 2)]
+    return prefixes, rests, [0, 0, 1]
+
+
+def prefix_cache(model, prefixes, owner):
+    decoder = model.decoder
+    ids, mask = pad_right(prefixes)
+    lengths, width = mask.sum(1), ids.shape[1]
+    source = decoder.new_cache(len(prefixes), width)
+    decoder.prefill(Rows(ids, None, lengths, width), None, source)
+    cache = decoder.new_cache(len(owner), width)
+    rows = torch.tensor(owner)
+    cache.start_from(source, rows, lengths[rows], width)
+    return cache
+
+
+@pytest.mark.parametrize("expand_kv_heads", [False, True])
+@pytest.mark.parametrize("arch", GQA_ARCHES)
+def test_extend_equals_transformers_on_the_whole_rows(build, arch, expand_kv_heads):
+    """Rows continuing prefixes of different lengths by different numbers of tokens, in one run:
+    every new position's logits equal transformers' on the whole row (right-padded rows and
+    prefixes, the rows' own positions for the rotary embedding, grouped heads shared or repeated)."""
+    model, hf = load_pair(build(arch))
+    prefixes, rests, owner = rows_over_prefixes(31)
+    cache = prefix_cache(model, prefixes, owner)
+    tokens = pad_right(rests)[0]
+    new = tokens.shape[1]
+    logits = extender_of(model, expand_kv_heads).run(tokens, cache, torch.arange(len(rests) * new))
+    logits = logits.view(len(rests), new, -1)
+    for row, rest in enumerate(rests):
+        whole = prefixes[owner[row]] + rest
+        with torch.no_grad():
+            expected = hf(torch.tensor([whole])).logits[0, len(whole) - len(rest):]
+        assert (logits[row, : len(rest)] - expected).abs().max().item() < 1e-4
+    assert cache.lengths.tolist() == [11, 11, 6]  # the cache is read, not extended
+
+
+def test_the_norms_grouped_query_attention_applies_itself_are_kept(build):
+    """A Qwen3 package exported for CUDA passes the query and key norms to GroupQueryAttention
+    (which only the CUDA kernel applies). Its extend graph applies them as nodes, so it runs here:
+    over transformers' own KV cache of a prefix, the logits of the rest equal transformers' (fp16)."""
+    fixture = build("qwen3", precision="fp16", execution_provider="cuda")
+    proto = onnx.load(str(fixture.package_dir / "model.onnx"), load_external_data=False)
+    assert any(n.op_type == "GroupQueryAttention" and len(n.input) > 14 and n.input[14] for n in proto.graph.node)
+    spec = read_package(fixture.package_dir).decoder
+    rewritten = graph.rewrite_keep_positions(proto, spec.logits)
+    data = extend.extend_graph(rewritten, spec.layers[0].head_size, expand_kv_heads=True).SerializeToString()
+    session = runtime.make_session(data, torch.device("cpu"), fixture.package_dir)
+    hf = load_pair(build("qwen3"))[1]  # the same weights, fp32
+    gen = torch.Generator().manual_seed(32)
+    prefix, rest = torch.randint(4, 500, (1, 9), generator=gen), torch.randint(4, 500, (1, 5), generator=gen)
+    with torch.no_grad():
+        past = hf(prefix, use_cache=True).past_key_values
+        expected = hf(torch.cat([prefix, rest], 1)).logits[0, 9:]
+    binding = session.io_binding()
+    runtime.bind_input(binding, spec.input_ids, rest)
+    runtime.bind_input(binding, extend.POSITIONS, torch.arange(9, 14)[None])
+    runtime.bind_input(binding, extend.ATTENTION_BIAS, torch.zeros(1, 1, 5, 14, dtype=torch.float16).masked_fill(
+        torch.arange(14)[None, :] - 9 > torch.arange(5)[:, None], torch.finfo(torch.float16).min))
+    for kv, layer in zip(spec.layers, past.layers):
+        runtime.bind_input(binding, kv.past_key, layer.keys.half().contiguous())
+        runtime.bind_input(binding, kv.past_value, layer.values.half().contiguous())
+    runtime.bind_input(binding, graph.LOGITS_INDICES, torch.arange(5))
+    logits = torch.empty(5, 512, dtype=torch.float16)
+    runtime.bind_output(binding, spec.logits, logits)
+    session.run(binding)
+    assert (logits.float() - expected).abs().max().item() < 2e-2
+
+
+def test_shared_contexts_continue_in_one_run(build, monkeypatch):
+    """lm-eval's shared contexts: the continuations run as one extend, no decode steps."""
+    model, _ = load_pair(build("llama"))
+    decoder = model.decoder
+    assert decoder.extender() is not None  # made (with its check run) before counting
+    calls = {"step": 0, "extend": 0}
+    step, run = decoder.step, extend.Extender.run
+    monkeypatch.setattr(decoder, "step", lambda *a, **k: calls.__setitem__("step", calls["step"] + 1) or step(*a, **k))
+    monkeypatch.setattr(extend.Extender, "run",
+                        lambda *a, **k: calls.__setitem__("extend", calls["extend"] + 1) or run(*a, **k))
+    prefixes, rests, owner = rows_over_prefixes(33)
+    rows = [(prefixes[o] + r)[:-1] for o, r in zip(owner, rests)]
+    starts = [len(prefixes[o]) - 1 for o in owner]
+    expected = scoring.answers(scoring.loglikelihood_totals(model, pad_right(rows)[0], pad_right(rows)[1], starts,
+                                                            rests))
+    got = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, owner, starts, rests))
+    assert calls == {"step": 0, "extend": 1}
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(got, expected):
+        assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
+
+
+def test_where_there_is_no_extend_graph(build, caplog):
+    """Sliding-window layers (Gemma 3) and an unrewritten LM head keep the decode steps, with the
+    reason logged; a cache not exactly as long as its rows is refused by name."""
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        assert load_pair(build("gemma3"))[0].decoder.extender() is None
+    assert "sliding-window layer" in caplog.text
+    plain = OrtModelForCausalLM.from_pretrained(build("llama").package_dir, rewrite_lm_head=False)
+    assert plain.decoder.extender() is None
+    model = load_pair(build("llama"))[0]
+    extender = model.decoder.extender()
+    cache = model.decoder.new_cache(1, 8)
+    model.decoder.prefill(Rows(torch.tensor([[5, 6, 7]]), None, torch.tensor([3]), 3), None, cache)
+    with pytest.raises(ValueError, match="exactly as long as its longest row"):
+        extender.run(torch.tensor([[8, 9]]), cache, torch.arange(2))
+
