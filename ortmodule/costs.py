@@ -17,11 +17,13 @@ from .inputs import Rows
 
 class Costs(NamedTuple):
     """What a model costs on its device, in seconds: one more token in a large prefill batch,
-    and one decode step over a cache (a fixed part, and a part per row)."""
+    one decode step over a cache (a fixed part, and a part per row), and one more new token in a
+    large extend over a cache (None where the decoder has no extend graph: extend.py)."""
 
     per_token: float
     step: float
     step_per_row: float
+    extend_per_token: float | None = None
 
 
 @torch.inference_mode()
@@ -55,7 +57,20 @@ def _timed_runs(decoder: Decoder) -> Costs:
         token, index = ids[:rows, :1], torch.arange(rows, device=device)
         step[rows] = _best_time(lambda c=cache, t=token, i=index: decoder.step(t, c, i), device)
     per_row = max(0.0, (step[4] - step[1]) / 3)
-    return Costs(per_token, max(0.0, step[1] - per_row), per_row)
+    extender, extend_per_token = decoder.extender(), None
+    if extender is not None:  # 16 new tokens a row over copies of a 64-token prefix
+        past = decoder.new_cache(1, length)
+        prefill(1, past)
+
+        def extend(rows: int) -> float:
+            cache = decoder.new_cache(rows, length)
+            cache.start_from(past, torch.zeros(rows, dtype=torch.int64, device=device),
+                             torch.full((rows,), length, device=device), length)
+            index = torch.arange(rows, device=device) * 16 + 15
+            return _best_time(lambda: extender.run(ids[:rows, :16], cache, index), device)
+
+        extend_per_token = prefill_slope(extend, 16)
+    return Costs(per_token, max(0.0, step[1] - per_row), per_row, extend_per_token)
 
 
 def prefill_slope(seconds_for_rows, length: int, most_rows: int = 64) -> float:

@@ -19,13 +19,15 @@ Ids = list[int]
 
 def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None, batch_rows: int = 0) -> bool:
     """Whether rows that start alike are cheaper with their prefix run once (the prefix ending no
-    later than the first position scored), then the rest of every row one decode step at a time
-    over copies of its KV cache, than in one padded prefill.
+    later than the first position scored), then the rest of every row over copies of its KV cache
+    (in one extend run where the decoder has one, else one decode step at a time), than in one
+    padded prefill.
 
-    With `costs` (`model.measured_costs()`), the two are compared in time: prefix tokens + steps x
-    one step over the rows, against rows x width tokens; when groups run together in batches of
-    `batch_rows` rows (lm-eval's batch size), a step's fixed cost is shared among them. Without
-    costs, a prefix at least twice the longest remainder."""
+    With `costs` (`model.measured_costs()`), the two are compared in time: prefix tokens + the
+    rows' remaining tokens in an extend (or steps x one step over the rows), against rows x width
+    tokens; when groups run together in batches of `batch_rows` rows (lm-eval's batch size), a
+    run's fixed cost is shared among them. Without costs, a prefix at least twice the longest
+    remainder."""
     if len(rows) < 2:
         return False
     prefix = min(common_prefix(rows), min(starts) + 1)
@@ -33,7 +35,10 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     if costs is None:
         return prefix >= 2 * steps
     fixed = costs.step * len(rows) / max(batch_rows, len(rows))
-    shared = costs.per_token * prefix + steps * (fixed + costs.step_per_row * len(rows))
+    if costs.extend_per_token is not None:  # the rest of every row in one extend run
+        shared = costs.per_token * prefix + costs.extend_per_token * len(rows) * steps + fixed
+    else:
+        shared = costs.per_token * prefix + steps * (fixed + costs.step_per_row * len(rows))
     return shared < costs.per_token * len(rows) * max(len(row) for row in rows)
 
 

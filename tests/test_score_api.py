@@ -82,7 +82,23 @@ def test_sharing_is_decided_from_the_measured_costs(llama):
     model, _ = load_pair(llama)
     measured = model.measured_costs()
     assert measured.per_token > 0 and measured.step > 0 and measured.step_per_row >= 0
+    assert measured.extend_per_token > 0  # the llama fixture has an extend graph (extend.py)
     assert model.measured_costs() is measured
+
+
+def test_sharing_with_an_extend_graph_pays_for_the_remaining_tokens_once():
+    """HellaSwag's shape (an 80-token context, four 30-token endings): continued by decode steps
+    it loses on a CPU-like device (30 steps of 24 ms), continued by one extend it wins (the endings'
+    120 tokens instead of four contexts); endings much longer than the context still lose."""
+    steps_only = costs.Costs(per_token=1.2e-3, step=24e-3, step_per_row=3e-3)
+    extends = steps_only._replace(extend_per_token=1.5e-3)
+    context = list(range(100, 180))
+    rows = [context + list(range(1000 * i, 1000 * i + 30)) for i in range(1, 5)]
+    starts = [79] * 4
+    assert not sharing.worth_sharing(rows, starts, steps_only)
+    assert sharing.worth_sharing(rows, starts, extends)
+    long_endings = [context[:5] + list(range(1000 * i, 1000 * i + 200)) for i in range(1, 5)]
+    assert not sharing.worth_sharing(long_endings, [4] * 4, extends)
 
 
 def test_prefill_slope_reads_the_cost_of_a_token_where_tokens_cost():
