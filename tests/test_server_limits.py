@@ -153,7 +153,8 @@ def rss_mb(pid: int) -> float:
 def test_memory_stays_flat_over_a_soak(llama):
     """`ortmodule serve` in its own process: 300 requests, a tenth of them far too large, each
     refused before it is tokenized; resident memory grows by less than 60 MB over the first
-    hundred and less than 20 MB over the next two hundred."""
+    hundred and less than 40 MB over the next two hundred (holding each refused 7.5 MB body would
+    be 150 MB there; the allocator's own drift measured up to 22 MB on the 2-vCPU VM)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -184,7 +185,7 @@ def test_memory_stays_flat_over_a_soak(llama):
         # Parsing a 7.5 MB body takes some memory once (the allocator keeps it for the next); it
         # must not grow with every refused request (it did, 160 MB in 300 requests, while a refused
         # request's error held its body in a reference cycle).
-        assert sizes[0] - start < 60 and sizes[-1] - sizes[0] < 20, f"resident memory {start:.0f} MB -> {sizes}"
+        assert sizes[0] - start < 60 and sizes[-1] - sizes[0] < 40, f"resident memory {start:.0f} MB -> {sizes}"
     finally:
         process.terminate()
         process.wait(30)
