@@ -11,7 +11,7 @@ GroupQueryAttention becomes what it computes, in ops that take any batch: the pa
 split into query, key and value, the query/key norms where GroupQueryAttention applied them,
 `RotaryEmbedding` at positions given as an input, and ONNX's `Attention` (opset 23) over the past
 and the new keys with an additive mask given as an input. The graph has no present outputs: the
-new tokens' KV is not kept. ortmodule builds the mask and positions (`Extend.run`); the graph
+new tokens' KV is not kept. ortmodule builds the mask and positions (`Extender.run`); the graph
 bytes are cached like the LM-head rewrite's (graph.py) and reference the package's weights.
 
 Where a decoder does not match (sliding-window layers, soft-capping on CUDA, attention biases,
@@ -29,7 +29,6 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import torch
 
 from . import graph, runtime
@@ -272,10 +271,10 @@ def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
         return None
     device = decoder.device
     if device.type == "cuda":
-        weights = sum(f.stat().st_size for f in decoder.spec.path.parent.glob("*.data"))
+        weights = decoder.spec.num_parameters * decoder.kv_dtype.itemsize  # an upper bound for quantized weights
         free, _ = torch.cuda.mem_get_info(device)
         if weights > free // 4:
-            logger.info("ortmodule: no extend graph on %s: its weights (%d MB) would take over a quarter of the "
+            logger.info("ortmodule: no extend graph on %s: its weights (~%d MB) would take over a quarter of the "
                         "free device memory (%d MB) a second time", device, weights >> 20, free >> 20)
             return None
     heads = {kv.head_size for kv in decoder.spec.layers}
@@ -284,24 +283,15 @@ def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
             raise RewriteSkipped(f"layers of different head sizes {sorted(heads)}")
         data = extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, heads.pop(),
                                   expand_kv_heads=device.type == "cuda", cache_dir=cache_dir)
-    except RewriteSkipped as reason:
-        logger.info("ortmodule: no extend graph for %s (%s): shared prefixes continue by decode steps",
-                    decoder.spec.path, reason)
-        return None
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    # No packed copy of the weights: this session reads the package's file pages, which the page
-    # cache shares, instead of holding a second packed copy beside the main session's.
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    try:
-        extender = Extender(decoder, runtime.make_session(data, device, decoder.spec.path.parent, options,
-                                                          decoder.provider_options))
+        # No packed copy of the weights (with ortmodule's session options): this session reads
+        # the package's file pages, shared with the page cache, beside the main session's copy.
+        extender = Extender(decoder, runtime.make_session(data, device, decoder.spec.path.parent,
+                                                          decoder.session_options, decoder.provider_options,
+                                                          prepack=False))
         cache = decoder.new_cache(1, 1)
         one = torch.ones(1, dtype=torch.int64, device=device)
         decoder.prefill(Rows(one[:, None], None, one, 1), None, cache)
-        extender.run(torch.zeros(1, 2, dtype=torch.int64, device=device), cache,
-                     torch.arange(2, device=device))
+        extender.run(torch.zeros(1, 2, dtype=torch.int64, device=device), cache, torch.arange(2, device=device))
     except RewriteSkipped as reason:
         logger.info("ortmodule: no extend graph for %s (%s): shared prefixes continue by decode steps",
                     decoder.spec.path, reason)
@@ -311,4 +301,3 @@ def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
                        "decode steps", decoder.spec.path, device, " ".join(str(e).split())[:300])
         return None
     return extender
-

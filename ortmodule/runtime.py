@@ -142,6 +142,7 @@ def make_session(
     provider_options: dict | None = None,
     dedicated_stream: bool = True,
     sync_after_run: bool = False,
+    prepack: bool = True,
 ) -> Session:
     """A session for a graph file, or for graph bytes whose weights live in `external_data_folder`.
 
@@ -151,13 +152,17 @@ def make_session(
     entries, dimension overrides, custom ops), so a copy would lose the caller's settings.
     On CUDA the session runs on a stream of its own (`dedicated_stream=False`: torch's current
     stream at load) and a run returns without waiting for the device (`sync_after_run=True`: ONNX
-    Runtime synchronizes its stream after each run); the other settings are for diagnostics."""
+    Runtime synchronizes its stream after each run); the other settings are for diagnostics.
+    `prepack=False` (with ortmodule's own options) keeps ONNX Runtime from packing a copy of the
+    weights: a second session over a package's weights then reads the weight file's pages."""
     options = session_options or ort.SessionOptions()
     if session_options is None:
         options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
         # Idle ONNX Runtime workers spinning between runs starve the torch ops of a decode step
         # (sampling, stop checks): measured 1.8x slower decoding on CPU, and no faster forwards.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if not prepack:
+            options.add_session_config_entry("session.disable_prepacking", "1")
     if external_data_folder is not None:
         options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.fspath(Path(external_data_folder).resolve()))
     source = model if isinstance(model, bytes) else os.fspath(model)
