@@ -32,7 +32,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from . import extend, graph, runtime
+from . import chunked, extend, graph, runtime
 from .cache import KVCache
 from .inputs import Rows
 from .package import Package, PackageError
@@ -59,8 +59,10 @@ class Decoder:
         provider_options: dict | None = None,
         rewrite_lm_head: bool = True,
         cache_dir: str | Path | None = None,
+        prefill_chunk: int | None = None,
     ):
         self.package = package
+        self.chosen_chunk = chunked.checked_chunk(prefill_chunk)  # None: chunked.default_chunk by device
         self.spec = spec = package.decoder
         self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
         self.graph_bytes = graph.keep_positions_graph(spec.path, spec.logits, cache_dir) if rewrite_lm_head else None
@@ -73,7 +75,7 @@ class Decoder:
         # On CUDA, ONNX Runtime copies the inputs of nodes it placed on the CPU (an fp32
         # GroupQueryAttention) when they are bound, so every run binds them again.
         self.rebind = False
-        self.scratch = threading.local()  # the prefill's discarded present KV, one buffer per thread
+        self.scratch = _ScratchKV()  # the prefill's discarded present KV, one buffer per thread
         # Per KVCache run by this decoder: its binding, the buffers' version bound, the run's lock.
         self.runs, self.runs_lock = weakref.WeakKeyDictionary(), threading.Lock()
         self.fixed, self.graph_ids = collections.OrderedDict(), itertools.count(1)  # FixedSteps; graph ids (0 is ORT's)
@@ -102,6 +104,7 @@ class Decoder:
         self.extender = extend.lazy_extender(self)  # runs new tokens over a cache for a batch (extend.py)
         self.device = device
         self.rebind = device.type != "cpu"
+        self.prefill_chunk = chunked.default_chunk(self, device) if self.chosen_chunk is None else self.chosen_chunk
         if device.type == "cuda" and self.kv_dtype == torch.float32:
             warnings.warn(
                 f"{self.package.root} is an fp32 package: ONNX Runtime's CUDA GroupQueryAttention takes fp16 and "
@@ -147,11 +150,13 @@ class Decoder:
                 cache: KVCache | None = None) -> torch.Tensor:
         """Run right-padded `rows`: logits `[n, V]` at the flat indices `logit_index`, else `[B, T, V]`.
         The present KV goes into `cache` (which then holds the rows) when given, else is discarded."""
+        if chunked.wanted(rows, logit_index, cache, self.prefill_chunk):  # long rows on the CPU
+            return chunked.prefill(self, rows, logit_index, cache, self.prefill_chunk)
         batch, width = rows.ids.shape
         mask, positions = self._prefill_mask(rows.ids), self._prefill_positions(rows.ids)
         if cache is None:
             binding = self.session.io_binding()
-            self._bind_scratch(binding, batch, width)
+            self.scratch.bind(binding, self, batch, width)
             return self._run(binding, rows.ids, logit_index, mask, positions)
         with self._holding(cache) as runs:
             logits = self._run(self._cache_binding(runs, cache, width), rows.ids, logit_index, mask, positions)
@@ -274,29 +279,33 @@ class Decoder:
             positions = positions.expand(3, *positions.shape)
         return positions.contiguous()
 
-    def _bind_scratch(self, binding: ort.IOBinding, batch: int, length: int) -> None:
-        """An empty past for every layer; the present goes into this thread's reused scratch buffer."""
-        layers = self.spec.layers
+
+class _ScratchKV(threading.local):
+    """The prefill's discarded present KV: one reused buffer per thread, so that any number of
+    threads may prefill at once."""
+
+    buffer: torch.Tensor | None = None
+
+    def bind(self, binding: ort.IOBinding, decoder: Decoder, batch: int, length: int) -> None:
+        """An empty past for every layer of `decoder`; the present goes into this thread's buffer."""
+        layers, dtype, device = decoder.spec.layers, decoder.kv_dtype, decoder.device
         sizes = [0 if kv.window else batch * kv.num_kv_heads * length * kv.head_size for kv in layers]
         needed = 2 * sum(sizes)
-        scratch = getattr(self.scratch, "buffer", None)
-        if scratch is None or scratch.numel() < needed or scratch.device != self.device:
-            scratch = self.scratch.buffer = torch.empty(needed, dtype=self.kv_dtype, device=self.device)
+        scratch = self.buffer
+        if scratch is None or scratch.numel() < needed or scratch.device != device or scratch.dtype != dtype:
+            scratch = self.buffer = torch.empty(needed, dtype=dtype, device=device)
         offset = 0
         for kv, size in zip(layers, sizes):
             if kv.window:  # ORT's sliding-window attention wants a window-sized buffer shared by past and present
                 for past, present in ((kv.past_key, kv.present_key), (kv.past_value, kv.present_value)):
-                    ring = torch.zeros(batch, kv.num_kv_heads, kv.window, kv.head_size, dtype=self.kv_dtype,
-                                       device=self.device)
+                    ring = torch.zeros(batch, kv.num_kv_heads, kv.window, kv.head_size, dtype=dtype, device=device)
                     runtime.bind_input(binding, past, ring)
                     runtime.bind_output(binding, present, ring)
                 continue
-            empty = torch.empty(batch, kv.num_kv_heads, 0, kv.head_size, dtype=self.kv_dtype, device=self.device)
+            empty = torch.empty(batch, kv.num_kv_heads, 0, kv.head_size, dtype=dtype, device=device)
             runtime.bind_input(binding, kv.past_key, empty)
             runtime.bind_input(binding, kv.past_value, empty)
             shape = (batch, kv.num_kv_heads, length, kv.head_size)
             runtime.bind_output(binding, kv.present_key, scratch[offset : offset + size].view(shape))
             runtime.bind_output(binding, kv.present_value, scratch[offset + size : offset + 2 * size].view(shape))
             offset += 2 * size
-
-

@@ -61,6 +61,15 @@ def _positive_int(value, name: str) -> int | None:
     return number
 
 
+def _chunk_arg(value) -> int | None:
+    """The `prefill_chunk` model arg: None or "auto" (by device), else a count of tokens (0: off)."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    if isinstance(value, bool) or not str(value).strip().isdigit():
+        raise ValueError(f"prefill_chunk must be auto, 0 (off) or a positive number of tokens, got {value!r}")
+    return int(str(value).strip())
+
+
 def _texts_to_encode(pairs) -> list[str]:
     """The texts `TemplateLM._encode_pair` tokenizes for (context, continuation) pairs, each once:
     context + continuation, and the context (trailing spaces moved to the continuation)."""
@@ -128,7 +137,9 @@ class OrtModuleLM(HFLM):
 
     Extra model_args: `rewrite_lm_head` (default True), `provider_options` (a dict, from Python),
     `share_contexts` (auto, true or false: run a context shared by several requests once; auto
-    where `sharing.worth_sharing` says it saves work).
+    where `sharing.worth_sharing` says it saves work), `token_budget` (padded tokens per prefill
+    under `batch_size=auto`), `prefill_chunk` (long rows one at a time in chunks of this many
+    tokens; auto: 256 on a CPU, off on CUDA; 0: off).
     `pretrained` may also be an `OrtModelForCausalLM` (then pass `tokenizer=` too).
     """
 
@@ -136,14 +147,15 @@ class OrtModuleLM(HFLM):
 
     def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool = True,
                  provider_options: dict | None = None, share_contexts: bool | str = "auto",
-                 token_budget: int | str | None = None, **kwargs):
+                 token_budget: int | str | None = None, prefill_chunk: int | str | None = None, **kwargs):
         self._running = threading.RLock()
         self._token_budget = _positive_int(token_budget, "token_budget")
         self._encoded: dict[str, list[int]] = {}  # the texts of the loglikelihood call in progress, encoded
         self._share = _sharing_choice(share_contexts)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options)
+        self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options,
+                                 prefill_chunk=_chunk_arg(prefill_chunk))
         if isinstance(pretrained, Path):
             pretrained = str(pretrained)
         kwargs.setdefault("backend", "causal")

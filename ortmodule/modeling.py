@@ -121,6 +121,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         provider_options: dict | None = None,
         rewrite_lm_head: bool = True,
         cache_dir: str | Path | None = None,
+        prefill_chunk: int | None = None,
     ):
         super().__init__()
         self.package = package
@@ -128,7 +129,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         self.generation_config = build_generation_config(package)
         self.name_or_path = str(package.root)
         self.decoder = Decoder(package, runtime.parse_device(device), session_options, provider_options,
-                               rewrite_lm_head, cache_dir)
+                               rewrite_lm_head, cache_dir, prefill_chunk)
         self._costs: dict[torch.device, costs.Costs | None] = {}  # measured_costs(), per device
 
     @classmethod
@@ -140,9 +141,13 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         session_options: ort.SessionOptions | None = None,
         rewrite_lm_head: bool = True,
         cache_dir: str | Path | None = None,
+        prefill_chunk: int | None = None,
     ) -> OrtModelForCausalLM:
-        """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N')."""
-        return cls(read_package(path), device, session_options, provider_options, rewrite_lm_head, cache_dir)
+        """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N'). `prefill_chunk`:
+        long rows run one at a time in chunks of this many tokens (None: 256 on a CPU, off on CUDA;
+        0: off; see chunked.py)."""
+        return cls(read_package(path), device, session_options, provider_options, rewrite_lm_head, cache_dir,
+                   prefill_chunk)
 
     # ---- the Hugging Face surface -------------------------------------------------------------
 

@@ -78,6 +78,22 @@ def test_rolling_perplexity_matches_hf(both):
         assert math.isclose(a, b, rel_tol=1e-5)
 
 
+def test_long_rows_in_chunks_match_hf(build):
+    """Every row in chunks of 8 tokens (the CPU's default chunk scaled down to the fixtures' rows):
+    multiple choice, generations and rolling loglikelihoods as lm-eval's hf backend's."""
+    fixture = build("qwen3")
+    ours = evaluate("ortmodule", f"pretrained={fixture.package_dir},prefill_chunk=8")
+    theirs = evaluate("hf", f"pretrained={fixture.hf_dir},dtype=float32,max_length={fixture.spec.context_length}")
+    choices = [loglikelihoods(r, "ortmodule_arithmetic_mc") for r in (ours, theirs)]
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(*choices):
+        assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
+    assert loglikelihoods(ours, "ortmodule_arithmetic_gen") == loglikelihoods(theirs, "ortmodule_arithmetic_gen")
+    rolling = [loglikelihoods(r, "ortmodule_sentences_ppl") for r in (ours, theirs)]
+    assert len(rolling[0]) == len(rolling[1]) > 0
+    for a, b in zip(*rolling):
+        assert math.isclose(a, b, rel_tol=1e-5)
+
+
 @pytest.mark.slow
 def test_batch_size_one_equals_batch_size_eight(build):
     fixture = build("llama")

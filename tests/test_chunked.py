@@ -1,0 +1,87 @@
+"""Long rows run one at a time in chunks over their own cache (chunked.py, on by default on a
+CPU for rows of two chunks or more): the logits of one prefill, transformers' logits, the same
+generations, and lm-eval's answers as its `hf` backend's."""
+
+import pytest
+import torch
+from helpers import MODEL_ARCHES, load_pair, right_padded_batch
+
+from ortmodule import OrtModelForCausalLM, chunked
+from ortmodule.inputs import Rows
+
+CHUNK = 4  # small enough that the fixtures' short rows run in several chunks
+
+
+def whole_rows(ids):
+    return Rows(ids, None, torch.full((ids.shape[0],), ids.shape[1]), ids.shape[1])
+
+
+def counting_steps(model, monkeypatch):
+    """Count the decoder's steps: a chunked prefill runs its second and later chunks as steps."""
+    calls = []
+    step = model.decoder.step
+    monkeypatch.setattr(model.decoder, "step", lambda *a, **k: calls.append(a[0].shape) or step(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("arch", MODEL_ARCHES)
+def test_chunks_give_the_logits_of_one_prefill(build, arch, monkeypatch):
+    """Right- and left-padded rows, every position and the last three: the chunked run's logits
+    equal the unchunked run's and transformers' on the real positions."""
+    fixture = build(arch)
+    plain, hf = load_pair(fixture)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=CHUNK)
+    steps = counting_steps(model, monkeypatch)
+    ids, mask = right_padded_batch([21, 13, 6], seed=7)
+    for layout in (mask, mask.flip(1)):
+        real = layout.bool()
+        with torch.no_grad():
+            expected = hf(input_ids=ids, attention_mask=layout).logits
+        for keep in (None, 3):
+            logits = model(ids, attention_mask=layout, cont_len=keep).logits
+            unchunked = plain(ids, attention_mask=layout, cont_len=keep).logits
+            part = real[:, -keep:] if keep else real
+            assert (logits - unchunked)[part].abs().max().item() < 1e-5
+            assert (logits - (expected[:, -keep:] if keep else expected))[part].abs().max().item() < 1e-4
+    assert steps and all(shape[0] == 1 and shape[1] <= CHUNK for shape in steps)
+
+
+def test_rows_run_only_as_far_as_asked(build, monkeypatch):
+    """Logits asked at the first positions only: the row stops there (later tokens cannot change
+    them), and a row asked nothing does not run."""
+    fixture = build("llama")
+    plain, _ = load_pair(fixture)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=CHUNK)
+    steps = counting_steps(model, monkeypatch)
+    ids, _ = right_padded_batch([24, 24], seed=8)
+    asked = torch.tensor([0, 8, 9])  # row 0, columns 0, 8 and 9; nothing of row 1
+    got = model.decoder.prefill(whole_rows(ids), asked)
+    expected = plain.decoder.prefill(whole_rows(ids), asked)
+    assert torch.equal(got, expected)
+    assert len(steps) == 2  # columns 4-7 and 8-9: the row ran 10 tokens, not 24, and row 1 none
+
+
+def test_generate_from_a_chunked_prompt(build, monkeypatch):
+    """A one-row prompt fills generate's cache chunk by chunk; the greedy tokens are transformers'."""
+    fixture = build("qwen3")
+    plain, hf = load_pair(fixture)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=CHUNK)
+    prompt = right_padded_batch([15], seed=9)[0]
+    steps = counting_steps(model, monkeypatch)
+    ours = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert any(shape[1] > 1 for shape in steps)  # the prompt's chunks
+    with torch.no_grad():
+        theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours, plain.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+def test_chunk_defaults_and_bad_values(build):
+    """256 tokens on a CPU, off for sliding-window packages and when asked (0); a chunk that is
+    not a non-negative number is refused by name."""
+    assert OrtModelForCausalLM.from_pretrained(build("llama").package_dir).decoder.prefill_chunk == chunked.CPU_CHUNK
+    assert OrtModelForCausalLM.from_pretrained(build("gemma3").package_dir).decoder.prefill_chunk == 0
+    assert OrtModelForCausalLM.from_pretrained(build("llama").package_dir, prefill_chunk=0).decoder.prefill_chunk == 0
+    for bad in (-1, 2.5, "64", True):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            OrtModelForCausalLM.from_pretrained(build("llama").package_dir, prefill_chunk=bad)
