@@ -18,18 +18,25 @@ from .inputs import Rows
 class Costs(NamedTuple):
     """What a model costs on its device, in seconds: one more token in a large prefill batch,
     one decode step over a cache (a fixed part, and a part per row), and one more new token in a
-    large extend over a cache (None where the decoder has no extend graph: extend.py)."""
+    large extend over a cache (None where the decoder has no extend graph: extend.py), with the
+    extend's attention apart: per (new token, position it attends to) of a row. The extend's
+    attention is not fused: it grows with the square of a row's new tokens (a 5,000-token
+    remainder ran 2.5x slower than its prefill on a CPU), which the per-token cost of short ones
+    does not show."""
 
     per_token: float
     step: float
     step_per_row: float
     extend_per_token: float | None = None
+    extend_per_score: float = 0.0
 
 
 @torch.inference_mode()
 def measure(decoder: Decoder) -> Costs | None:
-    """Time `decoder`'s runs (about a second on a small model on the CPU): the best of a few
-    64-token prefills over growing batches (`prefill_slope`) and of decode steps over 1 and 4 rows.
+    """Time `decoder`'s runs (a few seconds on a small model on the CPU): the best of a few
+    64-token prefills over growing batches (`prefill_slope`), of decode steps over 1 and 4 rows,
+    and, with an extend graph, of extends of 16 new tokens over growing batches and of one row of
+    256.
     None, with a warning, where they cannot run (out of memory on a loaded device, say)."""
     try:
         return _timed_runs(decoder)
@@ -57,20 +64,28 @@ def _timed_runs(decoder: Decoder) -> Costs:
         token, index = ids[:rows, :1], torch.arange(rows, device=device)
         step[rows] = _best_time(lambda c=cache, t=token, i=index: decoder.step(t, c, i), device)
     per_row = max(0.0, (step[4] - step[1]) / 3)
-    extender, extend_per_token = decoder.extender(), None
-    if extender is not None:  # 16 new tokens a row over copies of a 64-token prefix
+    extender, extend_per_token, per_score = decoder.extender(), None, 0.0
+    if extender is not None:  # new tokens over copies of a 64-token prefix
         past = decoder.new_cache(1, length)
         prefill(1, past)
+        long = min(256, decoder.package.context_length - length)
 
-        def extend(rows: int) -> float:
+        times = {}
+
+        def extend(rows: int, new: int = 16, repeats: int = 3) -> float:
             cache = decoder.new_cache(rows, length)
             cache.start_from(past, torch.zeros(rows, dtype=torch.int64, device=device),
                              torch.full((rows,), length, device=device), length)
-            index = torch.arange(rows, device=device) * 16 + 15
-            return _best_time(lambda: extender.run(ids[:rows, :16], cache, index), device)
+            tokens = torch.randint(4, decoder.vocab_size, (rows, new), generator=torch.Generator().manual_seed(1))
+            index = torch.arange(rows, device=device) * new + new - 1
+            times[rows, new] = _best_time(lambda: extender.run(tokens.to(device), cache, index), device, repeats)
+            return times[rows, new]
 
-        extend_per_token = prefill_slope(extend, 16)
-    return Costs(per_token, max(0.0, step[1] - per_row), per_row, extend_per_token)
+        extend_per_token = prefill_slope(extend, 16)  # 16 new tokens a row, from 2 rows up
+        if long > 32:  # one row of `long` new tokens against two of 16: what the attention adds
+            grown = extend(1, long, repeats=1) - times[2, 16] - extend_per_token * (long - 32)
+            per_score = max(0.0, grown) / (long * (length + long) - 2 * 16 * (length + 16))
+    return Costs(per_token, max(0.0, step[1] - per_row), per_row, extend_per_token, per_score)
 
 
 def prefill_slope(seconds_for_rows, length: int, most_rows: int = 64) -> float:

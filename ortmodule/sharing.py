@@ -24,10 +24,10 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     padded prefill.
 
     With `costs` (`model.measured_costs()`), the two are compared in time: prefix tokens + the
-    rows' remaining tokens in an extend (or steps x one step over the rows), against rows x width
-    tokens; when groups run together in batches of `batch_rows` rows (lm-eval's batch size), a
-    run's fixed cost is shared among them. Without costs, a prefix at least twice the longest
-    remainder."""
+    rows' remaining tokens in an extend with its attention over the prefix and the remainder (or
+    steps x one step over the rows), against rows x width tokens; when groups run together in
+    batches of `batch_rows` rows (lm-eval's batch size), a run's fixed cost is shared among them.
+    Without costs, a prefix at least twice the longest remainder."""
     if len(rows) < 2:
         return False
     prefix = min(common_prefix(rows), min(starts) + 1)
@@ -36,7 +36,8 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
         return prefix >= 2 * steps
     fixed = costs.step * len(rows) / max(batch_rows, len(rows))
     if costs.extend_per_token is not None:  # the rest of every row in one extend run
-        shared = costs.per_token * prefix + costs.extend_per_token * len(rows) * steps + fixed
+        attention = costs.extend_per_score * len(rows) * steps * (prefix + steps)  # unfused: quadratic
+        shared = costs.per_token * prefix + costs.extend_per_token * len(rows) * steps + attention + fixed
     else:
         shared = costs.per_token * prefix + steps * (fixed + costs.step_per_row * len(rows))
     return shared < costs.per_token * len(rows) * max(len(row) for row in rows)

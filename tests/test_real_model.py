@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, export, load_tokenizer
+from ortmodule import OrtModelForCausalLM, export, load_tokenizer, sharing
 from ortmodule_dev import fixtures
 
 TEXTS = [
@@ -81,6 +81,26 @@ def test_int4_logits_match_onnxruntime_genai(smollm2_int4):
         assert (logits - expected).abs().max().item() < 1e-4
         full = model(ids).logits[0, -1]  # every position through the LM head: the same last row
         assert (full - logits).abs().max().item() < 1e-4
+
+
+def test_int4_sharing_keeps_long_documents_in_one_prefill(smollm2_int4):
+    """The int4 package's costs as measured here (its extend session holds packed weights: unpacked,
+    every run paid ~0.2 s to unpack them): two long documents that share only their first token are
+    not shared (their extend's attention would cost more than the prefill), lm-eval's HellaSwag
+    shape is."""
+    model = OrtModelForCausalLM.from_pretrained(smollm2_int4.package_dir)
+    extender = model.decoder.extender()
+    options = extender.session.ort_session.get_session_options()
+    with pytest.raises(RuntimeError, match="does not have"):  # prepacking not turned off
+        options.get_session_config_entry("session.disable_prepacking")
+    measured = model.measured_costs()
+    assert measured.extend_per_score > 0
+    generator = torch.Generator().manual_seed(4)
+    documents = [[0] + torch.randint(10, 40000, (n,), generator=generator).tolist() for n in (3000, 2500)]
+    assert not sharing.worth_sharing(documents, [0, 0], measured, 8)
+    context = torch.randint(10, 40000, (80,), generator=generator).tolist()
+    endings = [context + torch.randint(10, 40000, (30,), generator=generator).tolist() for _ in range(4)]
+    assert sharing.worth_sharing(endings, [79] * 4, measured, 32)
 
 
 @pytest.mark.slow

@@ -101,6 +101,21 @@ def test_sharing_with_an_extend_graph_pays_for_the_remaining_tokens_once():
     assert not sharing.worth_sharing(long_endings, [4] * 4, extends)
 
 
+def test_long_remainders_pay_for_the_extends_attention():
+    """lm-eval's rolling documents start with the same one token: sharing it saves nothing, and the
+    extend's unfused attention over 4,000-token remainders costs more than their prefill. Where the
+    extend's token costs less than a prefill's (an int4 package measured so on a CPU), only the
+    attention term keeps such rows in one prefill; HellaSwag's shape still shares."""
+    int4_like = costs.Costs(per_token=1.07e-3, step=6e-3, step_per_row=2e-3, extend_per_token=0.75e-3)
+    documents = [[0] + list(range(5, 4005)), [0] + list(range(7, 3507))]
+    assert sharing.worth_sharing(documents, [0, 0], int4_like, 8)  # per token alone: the extend looks cheaper
+    measured_attention = int4_like._replace(extend_per_score=3e-7)
+    assert not sharing.worth_sharing(documents, [0, 0], measured_attention, 8)
+    context = list(range(100, 180))
+    rows = [context + list(range(1000 * i, 1000 * i + 30)) for i in range(1, 5)]
+    assert sharing.worth_sharing(rows, [79] * 4, measured_attention, 32)
+
+
 def test_prefill_slope_reads_the_cost_of_a_token_where_tokens_cost():
     """On a CPU-like device (time linear in the tokens) the first doubling gives the cost of a
     token; on a GPU-like one (a fixed launch cost dominating small batches) the doubling goes on
