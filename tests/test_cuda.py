@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from ortmodule import OrtModelForCausalLM, generation, load_tokenizer, scoring
+from ortmodule.inputs import pad_right
 from ortmodule_dev import fixtures
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -430,3 +431,41 @@ def test_cuda_graph_on_the_real_model():
         model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", provider_options=options)
         outputs.append(model.generate(prompt, max_new_tokens=48, eos_token_id=None, pad_token_id=0))
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_shared_contexts_extend_on_cuda(build, precision):
+    """The extend graph on CUDA (a Qwen3 export, whose GroupQueryAttention applies the query/key
+    norms itself): made, and lm-eval-shaped groups (a context, several continuations) scored over
+    one run of the contexts and one extend give the padded batch's answers."""
+    fixture = build("qwen3", precision=precision, execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    assert model.decoder.extender() is not None
+    generator = torch.Generator().manual_seed(41)
+    rows, groups, starts, targets = [], [], [], []
+    for group, context_length in enumerate((30, 17, 44)):
+        context = torch.randint(4, 500, (context_length,), generator=generator).tolist()
+        for width in (3, 6, 1, 4):
+            rest = torch.randint(4, 500, (width,), generator=generator).tolist()
+            rows.append((context + rest)[:-1])
+            groups.append(group)
+            starts.append(context_length - 1)
+            targets.append(rest)
+    ids, mask = pad_right(rows)
+    expected = scoring.answers(scoring.loglikelihood_totals(model, ids, mask, starts, targets))
+    got = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets))
+    tolerance = {"fp16": 0.05, "bf16": 0.3}[precision]  # per token, the half-precision logits' last digits
+    for (lp, _), (ref_lp, _), rest in zip(got, expected, targets, strict=True):
+        assert abs(lp - ref_lp) < tolerance * len(rest)
+
+
+def test_explicit_prefill_chunks_on_cuda(llama_cuda):
+    """Chunking is off on CUDA by default; asked for, a long row's chunks (a prefill, then several
+    tokens at a time over the row's cache) give one prefill's logits."""
+    fixture, model = llama_cuda
+    assert model.decoder.prefill_chunk == 0
+    chunked_model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", prefill_chunk=8)
+    ids, mask = right_padded_batch([37, 20], seed=9)
+    expected = model(ids.cuda(), attention_mask=mask.cuda()).logits
+    logits = chunked_model(ids.cuda(), attention_mask=mask.cuda()).logits
+    assert real_positions_diff(logits, expected, mask) < 2e-2 * expected.abs().max().item()
