@@ -47,19 +47,16 @@ def test_ortmodule_score(benchmark, workload, reuse):
 
     out = np.array(record(benchmark, score, count(requests), workload, reuse)[0])
     if fixture.spec.precision == "int4":
-        # The same int4 package through onnxruntime-genai, each item's row in one prefill. Without
-        # reuse ortmodule runs the same prefill: the same numbers. With reuse the items run over the
-        # query's cache (one extend), where ONNX Runtime's int4 kernels give other numbers than in a
-        # prefill (quantization noise, as large as a token stepped alone over a cache gives in
-        # onnxruntime-genai): those are held to transformers fp32 on the same weights, no further
-        # from it than onnxruntime-genai's own prefill.
+        # The same int4 package through onnxruntime-genai, each item's row in one prefill in the
+        # package's int8 path. ortmodule's prefills run in ONNX Runtime's fp32 path where this CPU
+        # runs it faster (nbits.py), and with reuse the items run over the query's cache (one
+        # extend): other numbers than onnxruntime-genai's (int8 against fp32 arithmetic; with
+        # `quantized_prefill="package"` a prefill's equal theirs, tests/test_real_model.py). Both are
+        # held to transformers fp32 on the same weights, no further from it than onnxruntime-genai.
         expected = np.array(genai_scores(og.Model(str(fixture.package_dir)), requests[0]))
-        if option is False:
-            assert np.abs(out - expected).max() < 1e-3
-        else:
-            with torch.inference_mode():
-                exact = np.array(transformers_scores(reference_model(fixture, device), requests[0]))
-            assert np.abs(out - exact).mean() < 1.1 * np.abs(expected - exact).mean() + 2e-3
+        with torch.inference_mode():
+            exact = np.array(transformers_scores(reference_model(fixture, device), requests[0]))
+        assert np.abs(out - exact).mean() < 1.1 * np.abs(expected - exact).mean() + 2e-3
         return
     hf = reference_model(fixture, device)
     with torch.inference_mode():

@@ -14,6 +14,10 @@ padding). A step passes the cache's mask and each row's next positions.
 Generation's decode loop steps through `steps.FixedSteps` where it can (buffers that never move;
 CUDA graphs); the decoder keeps the most recent ones and numbers their graphs.
 
+Runs of more than one token per row (prefills, chunks) go to `wide_session`, decode steps to
+`session`: the same session, except on a CPU where a package's 4-bit weights run faster in ONNX
+Runtime's fp32 path for many rows (nbits.py); then `wide_session` is a second one on that path.
+
 Threads: any number may prefill at once (each thread has its own scratch buffer for the prefill's
 discarded KV); runs over one `KVCache` are refused while another thread runs over it.
 """
@@ -32,7 +36,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from . import chunked, extend, graph, runtime
+from . import chunked, extend, graph, nbits, runtime
 from .cache import KVCache
 from .inputs import Rows
 from .package import Package, PackageError
@@ -40,11 +44,10 @@ from .package import Package, PackageError
 
 @dataclasses.dataclass
 class _CacheRuns:
-    """What running over one KVCache needs beside its data: the IOBinding kept for it, the version
-    of its buffers that binding holds, and the lock of the run in progress."""
+    """What running over one KVCache needs beside its data: per session, the IOBinding kept for it
+    and the version of the cache's buffers it holds; and the lock of the run in progress."""
 
-    binding: ort.IOBinding
-    bound: int | None = None
+    bindings: dict = dataclasses.field(default_factory=dict)  # id(session) -> [IOBinding, version bound]
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -60,8 +63,10 @@ class Decoder:
         rewrite_lm_head: bool = True,
         cache_dir: str | Path | None = None,
         prefill_chunk: int | None = None,
+        quantized_prefill: str | None = None,
     ):
         self.package = package
+        self.quantized_prefill = nbits.checked_choice(quantized_prefill)
         self.chosen_chunk = chunked.checked_chunk(prefill_chunk)  # None: chunked.default_chunk by device
         self.spec = spec = package.decoder
         self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
@@ -99,6 +104,11 @@ class Decoder:
         source, folder = (self.graph_bytes, spec.path.parent) if self.keeps_positions else (spec.path, None)
         self.session = runtime.make_session(source, device, folder, self.session_options, self.provider_options,
                                             **run_settings)
+        self.fp32_path = nbits.use_fp32_path(self.quantized_prefill, device, self.session_options, source)
+        self.wide_session = self.session  # runs of more than one token per row
+        if self.fp32_path:
+            self.wide_session = runtime.make_session(source, device, folder, None, self.provider_options,
+                                                     fp32_path=True, **run_settings)
         self.runs.clear()  # bindings of the previous session
         self.fixed.clear()
         self.extender = extend.lazy_extender(self)  # runs new tokens over a cache for a batch (extend.py)
@@ -154,12 +164,14 @@ class Decoder:
             return chunked.prefill(self, rows, logit_index, cache, self.prefill_chunk)
         batch, width = rows.ids.shape
         mask, positions = self._prefill_mask(rows.ids), self._prefill_positions(rows.ids)
+        session = self.wide_session
         if cache is None:
-            binding = self.session.io_binding()
+            binding = session.io_binding()
             self.scratch.bind(binding, self, batch, width)
-            return self._run(binding, rows.ids, logit_index, mask, positions)
+            return self._run(session, binding, rows.ids, logit_index, mask, positions)
         with self._holding(cache) as runs:
-            logits = self._run(self._cache_binding(runs, cache, width), rows.ids, logit_index, mask, positions)
+            binding = self._cache_binding(runs, cache, width, session)
+            logits = self._run(session, binding, rows.ids, logit_index, mask, positions)
             cache.start(rows.lengths, rows.longest, width)
         return logits
 
@@ -167,12 +179,13 @@ class Decoder:
         """Append `tokens` `[B, s]` to every row of `cache`: logits `[n, V]` at the flat indices
         `logit_index` of the tokens (`row * s + i`), else `[B, s, V]`."""
         batch, new = tokens.shape
+        session = self.wide_session if new > 1 else self.session
         with self._holding(cache) as runs:
             cache.reserve(cache.longest + new, self.package.context_length)
-            binding = self._cache_binding(runs, cache, new)
+            binding = self._cache_binding(runs, cache, new, session)
             mask = cache.step_mask(new, self.mask_dtype) if self.mask_dtype is not None else None
             positions = cache.lengths[:, None] + torch.arange(new, device=self.device)
-            logits = self._run(binding, tokens, logit_index, mask, positions)
+            logits = self._run(session, binding, tokens, logit_index, mask, positions)
             cache.advance(new, new)
         return logits
 
@@ -195,15 +208,18 @@ class Decoder:
         with self.runs_lock:  # two threads meeting a new cache get the same record
             runs = self.runs.get(cache)
             if runs is None:
-                runs = self.runs[cache] = _CacheRuns(self.session.io_binding())
+                runs = self.runs[cache] = _CacheRuns()
             return runs
 
-    def _cache_binding(self, runs: _CacheRuns, cache: KVCache, new: int) -> ort.IOBinding:
-        """The cache's own binding, its KV bound again only when stale (new buffers, CUDA)."""
-        if self.rebind or not cache.shared or runs.bound != cache.version:
-            self.bind_cache(runs.binding, cache, new)
-            runs.bound = cache.version
-        return runs.binding
+    def _cache_binding(self, runs: _CacheRuns, cache: KVCache, new: int, session) -> ort.IOBinding:
+        """The cache's own binding for `session`, its KV bound again only when stale (new buffers, CUDA)."""
+        entry = runs.bindings.get(id(session))
+        if entry is None:
+            entry = runs.bindings[id(session)] = [session.io_binding(), None]
+        if self.rebind or not cache.shared or entry[1] != cache.version:
+            self.bind_cache(entry[0], cache, new)
+            entry[1] = cache.version
+        return entry[0]
 
     @staticmethod
     def bind_cache(binding: ort.IOBinding, cache: KVCache, new: int) -> None:
@@ -230,8 +246,8 @@ class Decoder:
         positions = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         return positions if self.spec.position_ids else None
 
-    def _run(self, binding, ids, logit_index, mask, positions) -> torch.Tensor:
-        """Bind the tokens, mask, positions and logits, and run."""
+    def _run(self, session, binding, ids, logit_index, mask, positions) -> torch.Tensor:
+        """Bind the tokens, mask, positions and logits, and run `session`."""
         spec = self.spec
         batch, length = ids.shape
         self.bind_tokens(binding, ids)
@@ -247,7 +263,7 @@ class Decoder:
         else:
             logits = torch.empty(batch, length, vocab, dtype=self.logits_dtype, device=self.device)
         runtime.bind_output(binding, spec.logits, logits)
-        self.session.run(binding)
+        session.run(binding)
         if logit_index is None:
             return logits.view(batch, length, vocab)
         if not self.keeps_positions:

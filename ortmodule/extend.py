@@ -294,7 +294,8 @@ def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
         # SmolLM2-135M int4, eight times a 16-token extend), and their packed copy is small (~100 MB).
         extender = Extender(decoder, runtime.make_session(data, device, decoder.spec.path.parent,
                                                           decoder.session_options, decoder.provider_options,
-                                                          prepack=has_quantized_weights(decoder.graph_bytes)))
+                                                          prepack=has_quantized_weights(decoder.graph_bytes),
+                                                          fp32_path=decoder.fp32_path))
         cache = decoder.new_cache(1, 1)
         one = torch.ones(1, dtype=torch.int64, device=device)
         decoder.prefill(Rows(one[:, None], None, one, 1), None, cache)

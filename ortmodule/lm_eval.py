@@ -22,6 +22,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from . import nbits
 from .hf import build_config
 from .inputs import pad_right
 from .modeling import OrtModelForCausalLM
@@ -139,7 +140,7 @@ class OrtModuleLM(HFLM):
     `share_contexts` (auto, true or false: run a context shared by several requests once; auto
     where `sharing.worth_sharing` says it saves work), `token_budget` (padded tokens per prefill
     under `batch_size=auto`), `prefill_chunk` (long rows one at a time in chunks of this many
-    tokens; auto: 256 on a CPU, off on CUDA; 0: off).
+    tokens; auto: 256 on a CPU, off on CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py).
     `pretrained` may also be an `OrtModelForCausalLM` (then pass `tokenizer=` too).
     """
 
@@ -147,15 +148,16 @@ class OrtModuleLM(HFLM):
 
     def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool = True,
                  provider_options: dict | None = None, share_contexts: bool | str = "auto",
-                 token_budget: int | str | None = None, prefill_chunk: int | str | None = None, **kwargs):
+                 token_budget: int | str | None = None, prefill_chunk: int | str | None = None,
+                 quantized_prefill: str | None = None, **kwargs):
         self._running = threading.RLock()
         self._token_budget = _positive_int(token_budget, "token_budget")
         self._encoded: dict[str, list[int]] = {}  # the texts of the loglikelihood call in progress, encoded
         self._share = _sharing_choice(share_contexts)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options,
-                                 prefill_chunk=_chunk_arg(prefill_chunk))
+        self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options, prefill_chunk=
+                                 _chunk_arg(prefill_chunk), quantized_prefill=nbits.checked_choice(quantized_prefill))
         if isinstance(pretrained, Path):
             pretrained = str(pretrained)
         kwargs.setdefault("backend", "causal")

@@ -122,6 +122,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         rewrite_lm_head: bool = True,
         cache_dir: str | Path | None = None,
         prefill_chunk: int | None = None,
+        quantized_prefill: str | None = None,
     ):
         super().__init__()
         self.package = package
@@ -129,7 +130,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         self.generation_config = build_generation_config(package)
         self.name_or_path = str(package.root)
         self.decoder = Decoder(package, runtime.parse_device(device), session_options, provider_options,
-                               rewrite_lm_head, cache_dir, prefill_chunk)
+                               rewrite_lm_head, cache_dir, prefill_chunk, quantized_prefill)
         self._costs: dict[torch.device, costs.Costs | None] = {}  # measured_costs(), per device
 
     @classmethod
@@ -142,12 +143,14 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         rewrite_lm_head: bool = True,
         cache_dir: str | Path | None = None,
         prefill_chunk: int | None = None,
+        quantized_prefill: str | None = None,
     ) -> OrtModelForCausalLM:
         """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N'). `prefill_chunk`:
         long rows run one at a time in chunks of this many tokens (None: 256 on a CPU, off on CUDA;
-        0: off; see chunked.py)."""
+        0: off; see chunked.py). `quantized_prefill`: "auto" (None), "fp32" or "package", the
+        compute path of a 4-bit package's prefills on the CPU (nbits.py)."""
         return cls(read_package(path), device, session_options, provider_options, rewrite_lm_head, cache_dir,
-                   prefill_chunk)
+                   prefill_chunk, quantized_prefill)
 
     # ---- the Hugging Face surface -------------------------------------------------------------
 

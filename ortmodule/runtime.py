@@ -16,6 +16,8 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from . import nbits
+
 TORCH_DTYPE = {
     onnx.TensorProto.FLOAT: torch.float32,
     onnx.TensorProto.FLOAT16: torch.float16,
@@ -143,6 +145,7 @@ def make_session(
     dedicated_stream: bool = True,
     sync_after_run: bool = False,
     prepack: bool = True,
+    fp32_path: bool = False,
 ) -> Session:
     """A session for a graph file, or for graph bytes whose weights live in `external_data_folder`.
 
@@ -154,7 +157,9 @@ def make_session(
     stream at load) and a run returns without waiting for the device (`sync_after_run=True`: ONNX
     Runtime synchronizes its stream after each run); the other settings are for diagnostics.
     `prepack=False` (with ortmodule's own options) keeps ONNX Runtime from packing a copy of the
-    weights: a second session over a package's weights then reads the weight file's pages."""
+    weights: a second session over a package's weights then reads the weight file's pages.
+    `fp32_path=True` (with ortmodule's own options) runs 4-bit weights in ONNX Runtime's fp32 path
+    instead of the int8 one of `accuracy_level` 4 (nbits.py)."""
     options = session_options or ort.SessionOptions()
     if session_options is None:
         options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
@@ -163,6 +168,8 @@ def make_session(
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if not prepack:
             options.add_session_config_entry("session.disable_prepacking", "1")
+        if fp32_path:
+            options.add_session_config_entry(nbits.FORCE_FP32, "1")
     if external_data_folder is not None:
         options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.fspath(Path(external_data_folder).resolve()))
     source = model if isinstance(model, bytes) else os.fspath(model)

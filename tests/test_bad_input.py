@@ -135,3 +135,15 @@ def test_invalid_json(tmp_path):
 def test_missing_tokenizer(tmp_path):
     with pytest.raises(PackageError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_quantized_prefill_names_its_choices(llama):
+    with pytest.raises(ValueError, match="quantized_prefill must be one of auto, package, fp32, not 'int8'"):
+        OrtModelForCausalLM.from_pretrained(llama.package_dir, quantized_prefill="int8")
+
+
+def test_quantized_prefill_leaves_float_packages_alone(llama):
+    """No 4-bit weights: one session, whatever the choice."""
+    for choice in ("auto", "fp32"):
+        decoder = OrtModelForCausalLM.from_pretrained(llama.package_dir, quantized_prefill=choice).decoder
+        assert not decoder.fp32_path and decoder.wide_session is decoder.session

