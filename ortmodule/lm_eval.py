@@ -22,7 +22,6 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from . import nbits
 from .hf import build_config
 from .inputs import pad_right
 from .modeling import OrtModelForCausalLM
@@ -156,8 +155,8 @@ class OrtModuleLM(HFLM):
         self._share = _sharing_choice(share_contexts)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options, prefill_chunk=
-                                 _chunk_arg(prefill_chunk), quantized_prefill=nbits.checked_choice(quantized_prefill))
+        self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options,
+                                 prefill_chunk=_chunk_arg(prefill_chunk), quantized_prefill=quantized_prefill)
         if isinstance(pretrained, Path):
             pretrained = str(pretrained)
         kwargs.setdefault("backend", "causal")

@@ -6,10 +6,11 @@ decode step (one token per row) that is the fast path; for a prefill of hundreds
 CPUs, ONNX Runtime's fp32-compute path over the same 4-bit weights is faster (session config
 `mlas.qnbit.force_fp32`, ONNX Runtime 1.31; ONNX Runtime's own advice is a second session for
 batched work). Measured on a 2-vCPU Intel Xeon (AVX-512, AMX), SmolLM2-135M's 576 x 1,536 weight:
-256 rows 2.08 ms in int8 against 1.23 ms in fp32 (fp32 weights: 1.07 ms); one row 0.016 against
-0.042 ms; the two cross near 32 rows. The real int4 package's prefill of 8 x 620 tokens: 6.8 s
-against 5.1 s. The fp32 path is no less accurate: against the fp32 package it was made from, on
-4,096 tokens of English prose, KL 0.375 against 0.379 (docs/measurements.md, session 18).
+256 rows 2.08 ms in int8 against 1.21 ms in fp32 (fp32 weights: 1.10 ms); one row 0.021 against
+0.062 ms; the two cross between 8 and 32 rows. The real int4 package's prefill of 8 x 620 tokens:
+6.8 s against 5.1 s (benchmarks/nbits_paths.py). The fp32 path is no less accurate: against the
+fp32 package it was made from, on 4,096 tokens of English prose, KL 0.375 against 0.379
+(docs/measurements.md, session 18).
 
 So on the CPU, where a probe of the package's own weight shape finds the fp32 path faster,
 ortmodule runs every run of more than one token per row (prefills, chunks, the extend graph) in a
@@ -50,6 +51,8 @@ def int8_weight_shape(graph: bytes | Path) -> tuple[int, int] | None:
     """(K, N) of the `MatMulNBits` shape that holds the most weights in all (the MLP's, in a
     decoder) among those ONNX Runtime's fp32 path can take over (4 bits, blocks of 32,
     accuracy_level 4, the int8 path), or None where the graph has none."""
+    if isinstance(graph, bytes) and b"MatMulNBits" not in graph:  # a float package: no parse
+        return None
     model = onnx.load_from_string(graph) if isinstance(graph, bytes) else onnx.load(graph, load_external_data=False)
     shapes = collections.Counter()
     for node in model.graph.node:
