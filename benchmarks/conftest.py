@@ -72,10 +72,11 @@ SIZES = {
     ),
     "gpu": dict(
         device="cuda",
-        forward={"qwen3-0.6b-bf16": (QWEN3_0_6B, 8, 512), "smollm2-bf16": (fixtures.SMOLLM2_BF16_CUDA, 8, 512),
+        # forward: the prefill target is 32 x 512 tokens (logits for all of them: 5 GB of bf16).
+        forward={"qwen3-0.6b-bf16": (QWEN3_0_6B, 32, 512), "smollm2-bf16": (fixtures.SMOLLM2_BF16_CUDA, 32, 512),
                  "gemma-262k": (GEMMA_262K, 8, 1024)}, keep=4,
         decoders={"qwen3-0.6b-bf16": QWEN3_0_6B, "smollm2-bf16": fixtures.SMOLLM2_BF16_CUDA},
-        generate=dict(batches=(1, 16), prompt_lengths=(128, 512), new_tokens=64),
+        generate=dict(batches=(1, 32), prompt_lengths=(128, 512), new_tokens=64),
         lm_eval=dict(limit=100, batch_size=32),  # 100 questions: 400 loglikelihood requests
         # 10,000 MMLU-shaped requests, 4,000 HellaSwag-shaped, 50 documents (about 250,000 tokens).
         lm_eval_at_scale=dict(limits={"mmlu": 2500, "hellaswag": 1000, "rolling": 50}, batch_size=64),
