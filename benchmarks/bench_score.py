@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import subprocess
@@ -122,6 +123,16 @@ class LocalServer:
     def metrics(self) -> dict:
         return httpx.get(self.url + "/metrics").json()
 
+    def loop_cpu_seconds(self) -> float | None:
+        """CPU seconds the server's main thread (its event loop: HTTP, JSON, validation) has used so
+        far; None where /proc is not there to say (Linux only)."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/stat").read_text().rsplit(")", 1)[1]
+        except OSError:
+            return None
+        user, system = fields.split()[11:13]  # utime and stime, in clock ticks
+        return (int(user) + int(system)) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         self.process.terminate()
         self.process.wait(30)
@@ -171,11 +182,15 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(args.url)
     else:
         with LocalServer(args.package, args.device) as server:
+            loop_before = server.loop_cpu_seconds()
             result = measure(server.url)
+            loop_after = server.loop_cpu_seconds()
             metrics = server.metrics()
             result["server"] = {"groups": metrics["batches"].get("score", 0),
                                 "largest_group": metrics["largest_batch"].get("score", 0),
                                 "requests": metrics["requests"].get("score", 0)}
+            if loop_before is not None and result["ok"]:
+                result["server"]["loop_ms_per_request"] = round(1e3 * (loop_after - loop_before) / result["ok"], 2)
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -87,7 +87,8 @@ NOTES = {
     "that record `max_diff_vs_fp32`: requests of a {server_query}-token query and {server_items} items of "
     "{server_item_tokens} tokens, {server_labels} label ids, softmax, as long as the rate's requests take "
     "{server_duration:g} s to send; `max_diff_vs_fp32` compares the scores of three of the requests with "
-    "transformers in fp32 on the same weights.",
+    "transformers in fp32 on the same weights. `loop_ms_per_request` (runs that record it): CPU time of the "
+    "server's event-loop thread (HTTP, JSON, validation) per answered request, host work no device removes.",
 }
 
 COMMAND = "python benchmarks/run.py --size {size}"
