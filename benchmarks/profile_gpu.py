@@ -14,12 +14,14 @@ fuse_mlp_gate_up=true, fuse_qkv=false), so that graph options can be measured on
 
 import argparse
 import dataclasses
+import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 from conftest import GPU_DATASHEET, SIZES
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
@@ -39,6 +41,17 @@ def timed(fn, repeats=10):
     return (time.perf_counter() - start) / repeats
 
 
+# Kernel names -> the parts of a decoder the issue's profile names (first match wins).
+CATEGORIES = [
+    ("rotary + KV append", re.compile(r"rope|rotary|append|unpack|concatnewtopast", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|softmax|xqa|mha", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|sm\d+_|cublas|matmul|ampere_|hopper", re.I)),
+    ("norms", re.compile(r"layernorm|layer_norm|rmsnorm|skiplayer", re.I)),
+    ("element-wise", re.compile(r"elementwise|binary|unary|quickgelu|gelu|silu|sigmoid|mul|add|cast|split|"
+                                r"copy|fill|where|expand|gather|slice|concat|transpose", re.I)),
+]
+
+
 def kernel_table(fn, rows=12):
     fn()
     torch.cuda.synchronize()
@@ -47,7 +60,22 @@ def kernel_table(fn, rows=12):
         torch.cuda.synchronize()
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events) / 1e3
-    return total, events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
+    return total, events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70) + \
+        "\n" + category_shares(events)
+
+
+def category_shares(events) -> str:
+    """The device time of the kernels by part of the model (CATEGORIES), as shares of their sum."""
+    parts: dict[str, float] = {}
+    for e in events:
+        if getattr(e, "device_type", None) != DeviceType.CUDA or not e.self_device_time_total:
+            continue
+        label = next((name for name, pattern in CATEGORIES if pattern.search(e.key)), "other")
+        parts[label] = parts.get(label, 0.0) + e.self_device_time_total
+    kernels = sum(parts.values()) or 1.0
+    ranked = sorted(parts.items(), key=lambda kv: -kv[1])
+    return "kernel time by part: " + ", ".join(
+        f"{name} {100 * t / kernels:.0f}% ({t / 1e3:.2f} ms)" for name, t in ranked)
 
 
 def main():
