@@ -60,7 +60,7 @@ SIZES = {
         generate=dict(batches=(1, 8), prompt_lengths=(32, 128), new_tokens=32),
         lm_eval=dict(limit=30, batch_size=8),  # 30 questions: 120 loglikelihood requests
         # The shapes of MMLU (5-shot, 300-900 tokens), HellaSwag and wikitext (2k-8k-token documents).
-        lm_eval_at_scale=dict(limits={"mmlu": 16, "hellaswag": 16, "rolling": 2}, batch_size=8),
+        lm_eval_at_scale=dict(limits={"mmlu": 16, "hellaswag": 16, "arc": 16, "rolling": 2}, batch_size=8),
         # benchmarks/test_host_time.py: MMLU-shaped requests on a model of negligible compute.
         host_time=dict(questions=250, batch_size=32, decode_tokens=256),
         minicons=dict(sentences=320, batch_size=16),  # minicons' IncrementalLMScorer.sequence_score
@@ -78,8 +78,9 @@ SIZES = {
         decoders={"qwen3-0.6b-bf16": QWEN3_0_6B, "smollm2-bf16": fixtures.SMOLLM2_BF16_CUDA},
         generate=dict(batches=(1, 32), prompt_lengths=(128, 512), new_tokens=64),
         lm_eval=dict(limit=100, batch_size=32),  # 100 questions: 400 loglikelihood requests
-        # 10,000 MMLU-shaped requests, 4,000 HellaSwag-shaped, 50 documents (about 250,000 tokens).
-        lm_eval_at_scale=dict(limits={"mmlu": 2500, "hellaswag": 1000, "rolling": 50}, batch_size=64),
+        # 10,000 MMLU-shaped requests, 4,000 HellaSwag-shaped, 4,000 ARC-shaped, 50 documents (about 250,000
+        # tokens).
+        lm_eval_at_scale=dict(limits={"mmlu": 2500, "hellaswag": 1000, "arc": 1000, "rolling": 50}, batch_size=64),
         host_time=dict(questions=1000, batch_size=64, decode_tokens=256),
         minicons=dict(sentences=320, batch_size=64),
         score=dict(requests=8, query_tokens=512, items=64, item_tokens=32, labels=4),
@@ -94,7 +95,7 @@ SIZES = {
         decoders={"tiny": TINY},
         generate=dict(batches=(1, 2), prompt_lengths=(4, 9), new_tokens=4),
         lm_eval=dict(limit=3, batch_size=8),
-        lm_eval_at_scale=dict(limits={"mmlu": 2, "hellaswag": 2, "rolling": 1}, batch_size=4),
+        lm_eval_at_scale=dict(limits={"mmlu": 2, "hellaswag": 2, "arc": 2, "rolling": 1}, batch_size=4),
         host_time=dict(questions=3, batch_size=4, decode_tokens=4),
         minicons=dict(sentences=8, batch_size=4),
         score=dict(requests=2, query_tokens=12, items=3, item_tokens=4, labels=2),

@@ -52,6 +52,8 @@ NOTES = {
     "documentation that ships with Python, cut to exact token counts in the model's own tokenizer): `mmlu`, "
     "{mmlu} questions of a 5-shot prompt of 300-900 tokens answered by one of four one-token letters (4 requests "
     "each); `hellaswag`, {hellaswag} questions of a 40-120-token context and four 15-40-token continuations; "
+    "`arc`, {arc} questions of 15-45 tokens with four 1-8-token answers (contexts too short for sharing to pay on "
+    "most devices); "
     "`rolling`, {rolling} documents of 2,000-8,000 tokens scored whole (`loglikelihood_rolling`, in windows of the "
     "model's context length). Batch {scale_batch}. `ortmodule` decides context sharing from its measured costs, "
     "`ortmodule-share-off` never shares, `ortmodule-share-on` always; `ortmodule-chunks-off` (CPU only) runs "

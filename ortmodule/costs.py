@@ -22,13 +22,17 @@ class Costs(NamedTuple):
     extend's attention apart: per (new token, position it attends to) of a row. The extend's
     attention is not fused: it grows with the square of a row's new tokens (a 5,000-token
     remainder ran 2.5x slower than its prefill on a CPU), which the per-token cost of short ones
-    does not show."""
+    does not show. `extend_fixed`: what an extend run costs beyond its tokens (0: not measured;
+    the decode step's fixed part stands in). On a CPU it is several decode steps: the extend
+    session does not keep its weights prepacked (extend.py), so a run of more than one token
+    packs them again (about 85 ms against a 23 ms step for SmolLM2-135M in fp32 on 2 vCPUs)."""
 
     per_token: float
     step: float
     step_per_row: float
     extend_per_token: float | None = None
     extend_per_score: float = 0.0
+    extend_fixed: float = 0.0
 
 
 @torch.inference_mode()
@@ -64,7 +68,7 @@ def _timed_runs(decoder: Decoder) -> Costs:
         token, index = ids[:rows, :1], torch.arange(rows, device=device)
         step[rows] = _best_time(lambda c=cache, t=token, i=index: decoder.step(t, c, i), device)
     per_row = max(0.0, (step[4] - step[1]) / 3)
-    extender, extend_per_token, per_score = decoder.extender(), None, 0.0
+    extender, extend_per_token, per_score, extend_fixed = decoder.extender(), None, 0.0, 0.0
     if extender is not None:  # new tokens over copies of a 64-token prefix
         past = decoder.new_cache(1, length)
         prefill(1, past)
@@ -81,28 +85,36 @@ def _timed_runs(decoder: Decoder) -> Costs:
             times[rows, new] = _best_time(lambda: extender.run(tokens.to(device), cache, index), device, repeats)
             return times[rows, new]
 
-        extend_per_token = prefill_slope(extend, 16)  # 16 new tokens a row, from 2 rows up
+        extend_per_token, extend_fixed = run_costs(extend, 16)  # 16 new tokens a row, from 2 rows up
         if long > 32:  # one row of `long` new tokens against two of 16: what the attention adds
             grown = extend(1, long, repeats=1) - times[2, 16] - extend_per_token * (long - 32)
             per_score = max(0.0, grown) / (long * (length + long) - 2 * 16 * (length + 16))
-    return Costs(per_token, max(0.0, step[1] - per_row), per_row, extend_per_token, per_score)
+    return Costs(per_token, max(0.0, step[1] - per_row), per_row, extend_per_token, per_score, extend_fixed)
 
 
 def prefill_slope(seconds_for_rows, length: int, most_rows: int = 64) -> float:
-    """Seconds per extra token of a prefill, where its time grows with its tokens.
+    """Seconds per extra token of a prefill, where its time grows with its tokens (`run_costs`)."""
+    return run_costs(seconds_for_rows, length, most_rows)[0]
 
-    `seconds_for_rows(r)` times a prefill of r rows of `length` tokens. The rows double from 2
-    until a run takes at least 1.5x the one before (or `most_rows`), and the slope between those
-    two runs is returned. On a CPU that is the first doubling; a GPU runs a few hundred tokens in
-    the time of its kernel launches, so its slope is read where the batch is large enough to cost
-    by the token, as lm-eval's batches do. (The average over a small run overstates a GPU's token
-    cost several times over, and made sharing look worth its decode steps: measured on an H100,
-    lm-eval chose sharing and ran 1.4x slower than without it.)"""
+
+def run_costs(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float, float]:
+    """Seconds per extra token of a run, where its time grows with its tokens, and what the run
+    costs beyond its tokens (the line through the same two runs, at no tokens; 0 where the time
+    grows faster than the tokens).
+
+    `seconds_for_rows(r)` times a run of r rows of `length` tokens. The rows double from 2 until a
+    run takes at least 1.5x the one before (or `most_rows`), and the slope between those two runs
+    is returned. On a CPU that is the first doubling; a GPU runs a few hundred tokens in the time
+    of its kernel launches, so its slope is read where the batch is large enough to cost by the
+    token, as lm-eval's batches do. (The average over a small run overstates a GPU's token cost
+    several times over, and made sharing look worth its decode steps: measured on an H100, lm-eval
+    chose sharing and ran 1.4x slower than without it.)"""
     rows, before = 2, seconds_for_rows(2)
     while True:
         now = seconds_for_rows(2 * rows)
         if now >= 1.5 * before or 2 * rows >= most_rows:
-            return max(now - before, 0.0) / (rows * length) or 1e-9
+            slope = max(now - before, 0.0) / (rows * length) or 1e-9
+            return slope, max(0.0, before - slope * rows * length)
         rows, before = 2 * rows, now
 
 

@@ -34,12 +34,13 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     steps = max(len(row) - prefix for row in rows)
     if costs is None:
         return prefix >= 2 * steps
-    fixed = costs.step * len(rows) / max(batch_rows, len(rows))
+    share = len(rows) / max(batch_rows, len(rows))  # of a run's fixed cost
     if costs.extend_per_token is not None:  # the rest of every row in one extend run
         attention = costs.extend_per_score * len(rows) * steps * (prefix + steps)  # unfused: quadratic
-        shared = costs.per_token * prefix + costs.extend_per_token * len(rows) * steps + attention + fixed
+        run = (costs.extend_fixed or costs.step) * share
+        shared = costs.per_token * prefix + costs.extend_per_token * len(rows) * steps + attention + run
     else:
-        shared = costs.per_token * prefix + steps * (fixed + costs.step_per_row * len(rows))
+        shared = costs.per_token * prefix + steps * (costs.step * share + costs.step_per_row * len(rows))
     return shared < costs.per_token * len(rows) * max(len(row) for row in rows)
 
 

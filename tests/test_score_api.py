@@ -101,6 +101,24 @@ def test_sharing_with_an_extend_graph_pays_for_the_remaining_tokens_once():
     assert not sharing.worth_sharing(long_endings, [4] * 4, extends)
 
 
+def test_an_extends_own_run_cost_keeps_short_contexts_unshared():
+    """ARC-like questions (a 13-token context, answers of 1-3 more tokens, lm-eval's batch of 8):
+    the extend's tokens are few, but its run is not free. Measured for SmolLM2-135M fp32 on 2 vCPUs:
+    a run costs ~85 ms beyond its tokens (the extend session packs its weights per run) against a
+    23 ms decode step. Priced at the step, sharing looked 25% cheaper and ran 1.7x slower (2.03 s
+    against 1.17 s for lm-eval's 160 requests); priced at its measured cost it is not chosen, while
+    HellaSwag's shape still shares."""
+    measured = costs.Costs(per_token=0.58e-3, step=23e-3, step_per_row=1.5e-3, extend_per_token=0.77e-3,
+                           extend_per_score=1.9e-7, extend_fixed=85e-3)
+    context = list(range(100, 113))
+    rows = [context + list(range(1000 * i, 1000 * i + n)) for i, n in enumerate((1, 3, 2, 3), 1)]
+    starts = [12] * 4
+    assert sharing.worth_sharing(rows, starts, measured._replace(extend_fixed=0.0), 8)  # the step's price
+    assert not sharing.worth_sharing(rows, starts, measured, 8)
+    hellaswag = [list(range(100, 180)) + list(range(1000 * i, 1000 * i + 30)) for i in range(1, 5)]
+    assert sharing.worth_sharing(hellaswag, [79] * 4, measured, 8)
+
+
 def test_long_remainders_pay_for_the_extends_attention():
     """lm-eval's rolling documents start with the same one token: sharing it saves nothing, and the
     extend's unfused attention over 4,000-token remainders costs more than their prefill. Where the
@@ -114,6 +132,13 @@ def test_long_remainders_pay_for_the_extends_attention():
     context = list(range(100, 180))
     rows = [context + list(range(1000 * i, 1000 * i + 30)) for i in range(1, 5)]
     assert sharing.worth_sharing(rows, [79] * 4, measured_attention, 32)
+
+
+def test_a_runs_own_cost_is_read_from_the_same_two_runs():
+    """A run of fixed cost plus a cost per token (a CPU extend that packs its weights per run)
+    gives back both; a run whose time grows faster than its tokens has no negative fixed part."""
+    assert costs.run_costs(lambda rows: 85e-3 + 0.7e-3 * rows * 16, 16) == pytest.approx((0.7e-3, 85e-3))
+    assert costs.run_costs(lambda rows: 1e-3 * (rows * 16) ** 2, 16)[1] == 0.0
 
 
 def test_prefill_slope_reads_the_cost_of_a_token_where_tokens_cost():

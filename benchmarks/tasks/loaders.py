@@ -81,6 +81,16 @@ def bench_hellaswag(tokenizer: str | None = None, questions: int = 2000, **kwarg
     return {"test": datasets.Dataset.from_list(docs)}
 
 
+def bench_arc(tokenizer: str | None = None, questions: int = 2500, **kwargs) -> dict:
+    """ARC-shaped: a short question (15-45 tokens, no shots) and four answers of 1-8 tokens each,
+    where a question's context is too short for sharing it to pay on most devices."""
+    spans = Spans(tokenizer, seed=4)
+    docs = [{"prompt": f"Question: {spans(spans.rng.randint(15, 45))}\nAnswer:",
+             "choices": [spans(spans.rng.randint(1, 8)) for _ in LETTERS], "label": spans.rng.randrange(4)}
+            for _ in range(questions)]
+    return {"test": datasets.Dataset.from_list(docs)}
+
+
 def bench_rolling(tokenizer: str | None = None, documents: int = 100, **kwargs) -> dict:
     """wikitext-shaped: documents of 2,000-8,000 tokens, scored whole (`loglikelihood_rolling`)."""
     spans = Spans(tokenizer, seed=3)
