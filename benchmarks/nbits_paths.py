@@ -23,25 +23,15 @@ from ortmodule_dev import fixtures  # noqa: E402
 
 
 def session(k: int, n: int, kind: str) -> ort.InferenceSession:
-    generator = torch.Generator().manual_seed(0)
+    if kind != "fp32 MatMul":  # the probe ortmodule runs, in either path
+        return nbits.probe_session(nbits.probe_graph(k, n, "rows"), fp32=kind == "fp32 path")
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", k])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])
-    if kind == "fp32 MatMul":
-        weights = [numpy_helper.from_array(torch.randn(k, n, generator=generator).numpy(), "w")]
-        node = helper.make_node("MatMul", ["x", "w"], ["y"])
-    else:
-        blocks = k // 32
-        weights = [numpy_helper.from_array(torch.randint(0, 256, (n, blocks, 16), dtype=torch.uint8,
-                                                         generator=generator).numpy(), "b"),
-                   numpy_helper.from_array((torch.rand(n * blocks, generator=generator) * 0.01).numpy(), "s")]
-        node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
-                                block_size=32, accuracy_level=4)
-    model = helper.make_model(helper.make_graph([node], "g", [x], [y], weights), ir_version=10,
-                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    weights = [numpy_helper.from_array(torch.randn(k, n, generator=torch.Generator().manual_seed(0)).numpy(), "w")]
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], weights)
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
     options = ort.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if kind == "fp32 path":
-        options.add_session_config_entry(nbits.FORCE_FP32, "1")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the probe's sessions
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

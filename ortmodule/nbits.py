@@ -64,10 +64,9 @@ def int8_weight_shape(graph: bytes | Path) -> tuple[int, int] | None:
     return max(shapes, key=lambda kn: shapes[kn] * kn[0] * kn[1]) if shapes else None
 
 
-@functools.cache
-def fp32_path_is_faster(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
-    """Whether this CPU runs a `rows` x `k` by 4-bit `k` x `n` product faster in ONNX Runtime's
-    fp32 path than in its int8 path (best of five runs each, random weights; ~20 ms)."""
+def probe_graph(k: int, n: int, rows: int | str) -> bytes:
+    """One `MatMulNBits` of random 4-bit `k` x `n` weights as the builder writes a CPU package's
+    (blocks of 32, accuracy_level 4), over `rows` x `k` activations (`rows` a number or a name)."""
     generator = torch.Generator().manual_seed(0)
     blocks = k // 32
     weights = [numpy_helper.from_array(torch.randint(0, 256, (n, blocks, 16), dtype=torch.uint8,
@@ -78,16 +77,28 @@ def fp32_path_is_faster(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
     graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])], weights)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
-    x = {"x": torch.randn(rows, k, generator=generator).numpy()}
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
+def probe_session(model: bytes, fp32: bool) -> ort.InferenceSession:
+    """A CPU session of `model` in ONNX Runtime's fp32 path for 4-bit weights, or its int8 path."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if fp32:
+        options.add_session_config_entry(FORCE_FP32, "1")
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+@functools.cache
+def fp32_path_is_faster(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
+    """Whether this CPU runs a `rows` x `k` by 4-bit `k` x `n` product faster in ONNX Runtime's
+    fp32 path than in its int8 path (best of five runs each, random weights; ~20 ms)."""
+    model = probe_graph(k, n, rows)
+    x = {"x": torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).numpy()}
     best = []
     for fp32 in (False, True):
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if fp32:
-            options.add_session_config_entry(FORCE_FP32, "1")
-        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        session = probe_session(model, fp32)
         session.run(None, x)
         times = []
         for _ in range(5):

@@ -114,8 +114,7 @@ async def until_answered_or_gone(job: Job, request: Request):
 
     Nothing is polled: beside the job's future, a task waits for the connection's next message,
     which after the body (already read) is `http.disconnect`. A request waiting for the engine
-    costs the event loop nothing until one of the two happens; polling each waiting request (every
-    50 ms) had cost the loop more the more requests waited, which is when it has the least to spare."""
+    costs the event loop nothing until one of the two happens, however many wait."""
     left = asyncio.ensure_future(_disconnect(request.receive))
     try:
         await asyncio.wait({job.future, left}, return_when=asyncio.FIRST_COMPLETED)
