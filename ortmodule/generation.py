@@ -21,10 +21,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import inputs
 from . import steps as fixed_steps
+from .hf import CACHE_NAME
 
 # Model inputs generate() takes besides the generation options (`generator`: a torch.Generator
-# for sampling, ortmodule's own).
-MODEL_INPUTS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "generator", "logits_to_keep"}
+# for sampling, ortmodule's own; the KV cache as `cache` or, before transformers 5.24, `past_key_values`).
+MODEL_INPUTS = {"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "generator",
+                "logits_to_keep"}
 # generate()'s own arguments that are not GenerationConfig fields (transformers' signature).
 _CALL_ARGUMENTS = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
                    "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
@@ -263,5 +265,5 @@ class _Sampling:
             sequences=sequences,
             scores=tuple(self.scores) if self.keep_scores else None,
             logits=tuple(self.raw) if self.keep_logits else None,
-            past_key_values=cache,
+            **{CACHE_NAME: cache},
         )

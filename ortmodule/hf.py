@@ -7,8 +7,13 @@ import json
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .package import Package, PackageError
+
+# The name transformers gives the KV cache in model outputs and in generate's model inputs: `cache`
+# from transformers 5.24, `past_key_values` before. forward and generate take either name.
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def load_tokenizer(path: str | Path, **kwargs):

@@ -21,7 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from . import costs, generation, inputs, runtime
 from .cache import KVCache
 from .decoder import Decoder
-from .hf import build_config, build_generation_config, load_tokenizer
+from .hf import CACHE_NAME, build_config, build_generation_config, load_tokenizer
 from .package import Package, read_package
 
 __all__ = ["OrtModelForCausalLM", "NotSupportedError", "build_config", "build_generation_config", "load_tokenizer"]
@@ -88,9 +88,9 @@ class HuggingFaceSurface(GenerationMixin):
                 streamer=None, **model_kwargs):
         """transformers' greedy/sampling loop, run on the device by generation.sample; continuing
         from a cache the caller passed, transformers' own loop over forward."""
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_NAME)
         if cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0):
-            model_kwargs.pop("past_key_values", None)  # the empty DynamicCache transformers made
+            model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                      **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:
@@ -248,35 +248,32 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ):
         """Logits of `input_ids` (and the loss when `labels` are given).
 
         With `use_cache=True` the output carries `past_key_values`, a `KVCache` (a
         `transformers.Cache`) on the device; pass it back with the next tokens (`input_ids` [B, s]:
-        s new tokens for every row) to continue. `position_ids` and `cache_position` are taken
-        when they are what transformers computes for these rows (the graph derives positions from
-        the attention mask) and refused otherwise.
+        s new tokens for every row) to continue. `cache` is the same argument under the name
+        transformers uses from 5.24 (which names the output's field `cache` too). `position_ids` and
+        `cache_position` are taken when they are what transformers computes for these rows (the
+        graph derives positions from the attention mask) and refused otherwise.
         """
         _refuse_unsupported(input_ids, inputs_embeds, output_attentions, output_hidden_states, kwargs)
         keep = cont_len if cont_len is not None else logits_to_keep
-        if isinstance(past_key_values, Cache) and not isinstance(past_key_values, KVCache) \
-                and past_key_values.get_seq_length() == 0:
-            past_key_values, use_cache = None, True  # an empty cache of transformers' (DynamicCache()): start one
-        if past_key_values is not None:
-            logits = self._forward_step(input_ids, attention_mask, past_key_values, keep, position_ids, cache_position)
-            cache = past_key_values
-            if use_cache is None:
-                use_cache = True
+        past, use_cache = _given_cache(past_key_values, cache, use_cache)
+        if past is not None:
+            logits = self._forward_step(input_ids, attention_mask, past, keep, position_ids, cache_position)
         else:
-            logits, cache = self._forward_prompt(input_ids, attention_mask, keep, bool(use_cache), position_ids,
-                                                 cache_position)
+            logits, past = self._forward_prompt(input_ids, attention_mask, keep, use_cache, position_ids,
+                                                cache_position)
         loss = _shifted_loss(logits, labels, keep) if labels is not None else None
         if not use_cache:
-            cache = None
+            past = None
         if return_dict is False:
-            return tuple(x for x in (loss, logits, cache) if x is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+            return tuple(x for x in (loss, logits, past) if x is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: past})
 
     def _rows(self, input_ids, attention_mask, position_ids=None, cache_position=None) -> inputs.Rows:
         package = self.package
@@ -364,6 +361,18 @@ def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, output_hidd
     for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
         if value:
             raise NotSupportedError(f"{name}=True: an ONNX GenAI package's graph returns logits and the KV cache only")
+
+
+def _given_cache(past_key_values, cache, use_cache: bool | None) -> tuple[Cache | None, bool]:
+    """forward's cache, given under either name (`cache` is transformers 5.24's), and whether the output
+    carries one: a cache given is returned unless use_cache=False; an empty transformers cache
+    (DynamicCache()) means start a KVCache."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the cache as past_key_values or as cache, not both")
+    given = cache if cache is not None else past_key_values
+    if isinstance(given, Cache) and not isinstance(given, KVCache) and given.get_seq_length() == 0:
+        return None, True
+    return given, (given is not None) if use_cache is None else bool(use_cache)
 
 
 def _shifted_loss(logits: torch.Tensor, labels: torch.Tensor, keep) -> torch.Tensor:

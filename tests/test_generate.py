@@ -9,6 +9,7 @@ from transformers import WatermarkingConfig
 
 from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
 from ortmodule.cache import KVCache
+from ortmodule.hf import CACHE_NAME
 
 NEW_TOKENS = 32
 
@@ -265,6 +266,23 @@ def test_a_multi_token_step_matches_the_full_forward(build, arch):
     full = model(ids).logits
     assert (rest.logits - full[:, 7:]).abs().max().item() < 1e-4
     assert (first.logits - full[:, :7]).abs().max().item() < 1e-4
+
+
+def test_the_cache_goes_by_either_name_as_in_transformers(llama_pair):
+    """transformers 5.24 renamed `past_key_values` to `cache`: forward takes either name, and its output
+    names the field as the installed transformers' own model does."""
+    model, hf = llama_pair
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(4))
+    theirs = hf(ids, use_cache=True)
+    assert list(model(ids, use_cache=True).keys()) == list(theirs.keys())
+    step = theirs.logits[:, -1:].argmax(-1)
+    expected = hf(step, **{CACHE_NAME: theirs[CACHE_NAME]}).logits
+    for name in ("cache", "past_key_values"):
+        ours = model(step, **{name: model(ids, use_cache=True)[CACHE_NAME]})
+        assert (ours.logits - expected).abs().max().item() < 1e-4, name
+    cache = model(ids, use_cache=True)[CACHE_NAME]
+    with pytest.raises(ValueError, match="as past_key_values or as cache, not both"):
+        model(step, cache=cache, past_key_values=cache)
 
 
 # ---- bad input ----------------------------------------------------------------------------------
