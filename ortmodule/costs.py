@@ -39,8 +39,8 @@ class Costs(NamedTuple):
 def measure(decoder: Decoder) -> Costs | None:
     """Time `decoder`'s runs (a few seconds on a small model on the CPU): the best of a few
     64-token prefills over growing batches (`prefill_slope`), of decode steps over 1 and 4 rows,
-    and, with an extend graph, of extends of 16 new tokens over growing batches and of one row of
-    256.
+    and, with an extend graph, of extends of 16 new tokens a row over growing batches and over a
+    longer prefix (`_extend_costs`).
     None, with a warning, where they cannot run (out of memory on a loaded device, say)."""
     try:
         return _timed_runs(decoder)
@@ -68,28 +68,42 @@ def _timed_runs(decoder: Decoder) -> Costs:
         token, index = ids[:rows, :1], torch.arange(rows, device=device)
         step[rows] = _best_time(lambda c=cache, t=token, i=index: decoder.step(t, c, i), device)
     per_row = max(0.0, (step[4] - step[1]) / 3)
-    extender, extend_per_token, per_score, extend_fixed = decoder.extender(), None, 0.0, 0.0
-    if extender is not None:  # new tokens over copies of a 64-token prefix
-        past = decoder.new_cache(1, length)
-        prefill(1, past)
-        long = min(256, decoder.package.context_length - length)
+    extend = _extend_costs(decoder, ids, length) if decoder.extender() is not None else (None, 0.0, 0.0)
+    return Costs(per_token, max(0.0, step[1] - per_row), per_row, *extend)
 
-        times = {}
 
-        def extend(rows: int, new: int = 16, repeats: int = 3) -> float:
-            cache = decoder.new_cache(rows, length)
-            cache.start_from(past, torch.zeros(rows, dtype=torch.int64, device=device),
-                             torch.full((rows,), length, device=device), length)
-            tokens = torch.randint(4, decoder.vocab_size, (rows, new), generator=torch.Generator().manual_seed(1))
-            index = torch.arange(rows, device=device) * new + new - 1
-            times[rows, new] = _best_time(lambda: extender.run(tokens.to(device), cache, index), device, repeats)
-            return times[rows, new]
+def _extend_costs(decoder: Decoder, ids: torch.Tensor, length: int) -> tuple[float, float, float]:
+    """`extend_per_token`, `extend_per_score` and `extend_fixed`: extends of 16 new tokens a row
+    over copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and 4 rows of 16
+    over a prefix of 512 tokens (the context allowing), whose extra time is the attention over the
+    448 extra positions. (Read from one row of 256 new tokens against two of 16 instead, the
+    attention drowned in the per-token cost's noise: 0 to 8e-8 s a score on 2 vCPUs, against
+    ~7e-7 s where it matters, remainders of thousands of tokens.)"""
+    device, extender = decoder.device, decoder.extender()
+    longer = min(512, decoder.package.context_length - 16)
+    pasts = {}
+    for prefix in {length, longer} if longer - length >= 64 else {length}:  # one row each, copied to every row
+        rows = prefix // length + 1
+        tokens = ids[:rows].reshape(1, -1)[:, :prefix]
+        pasts[prefix] = decoder.new_cache(1, prefix)
+        decoder.prefill(Rows(tokens, None, torch.full((1,), prefix, device=device), prefix),
+                        torch.full((1,), prefix - 1, device=device), pasts[prefix])
+    times = {}
 
-        extend_per_token, extend_fixed = run_costs(extend, 16)  # 16 new tokens a row, from 2 rows up
-        if long > 32:  # one row of `long` new tokens against two of 16: what the attention adds
-            grown = extend(1, long, repeats=1) - times[2, 16] - extend_per_token * (long - 32)
-            per_score = max(0.0, grown) / (long * (length + long) - 2 * 16 * (length + 16))
-    return Costs(per_token, max(0.0, step[1] - per_row), per_row, extend_per_token, per_score, extend_fixed)
+    def extend(rows: int, prefix: int = length) -> float:
+        cache = decoder.new_cache(rows, prefix)
+        cache.start_from(pasts[prefix], torch.zeros(rows, dtype=torch.int64, device=device),
+                         torch.full((rows,), prefix, device=device), prefix)
+        tokens = torch.randint(4, decoder.vocab_size, (rows, 16), generator=torch.Generator().manual_seed(1))
+        index = torch.arange(rows, device=device) * 16 + 15
+        times[rows, prefix] = _best_time(lambda: extender.run(tokens.to(device), cache, index), device)
+        return times[rows, prefix]
+
+    per_token, fixed = run_costs(extend, 16)  # 16 new tokens a row, from 2 rows up
+    per_score = 0.0
+    if longer in pasts and longer != length:
+        per_score = max(0.0, extend(4, longer) - times[4, length]) / (4 * 16 * (longer - length))
+    return per_token, per_score, fixed
 
 
 def prefill_slope(seconds_for_rows, length: int, most_rows: int = 64) -> float:
