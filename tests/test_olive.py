@@ -58,8 +58,11 @@ def test_workflow_metrics_equal_lm_eval_ortmodule_on_the_same_package(workflow):
     out, metrics, _ = workflow
     assert (out / "genai_config.json").is_file()
     reference = reference_metrics(out)
+    # share_contexts=auto decides by the model's costs as timed in each run: on this tiny model a
+    # close call, so the two runs may take different paths for the rolling documents, whose
+    # numbers differ in float rounding (word perplexity 452798.416 unshared, .364 shared: 1.1e-7).
     for key, value in reference.items():
-        assert metrics[key]["value"] == pytest.approx(value, rel=1e-9), key
+        assert metrics[key]["value"] == pytest.approx(value, rel=1e-6), key
     assert len(reference) >= 6  # acc, acc_norm, word/byte perplexity, bits_per_byte, exact_match
 
 
