@@ -68,41 +68,41 @@ def _timed_runs(decoder: Decoder) -> Costs:
         token, index = ids[:rows, :1], torch.arange(rows, device=device)
         step[rows] = _best_time(lambda c=cache, t=token, i=index: decoder.step(t, c, i), device)
     per_row = max(0.0, (step[4] - step[1]) / 3)
-    extend = _extend_costs(decoder, ids, length) if decoder.extender() is not None else (None, 0.0, 0.0)
+    extender = decoder.extender()
+    extend = _extend_costs(decoder, extender, ids, length) if extender is not None else (None, 0.0, 0.0)
     return Costs(per_token, max(0.0, step[1] - per_row), per_row, *extend)
 
 
-def _extend_costs(decoder: Decoder, ids: torch.Tensor, length: int) -> tuple[float, float, float]:
+def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) -> tuple[float, float, float]:
     """`extend_per_token`, `extend_per_score` and `extend_fixed`: extends of 16 new tokens a row
     over copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and 4 rows of 16
     over a prefix of 512 tokens (the context allowing), whose extra time is the attention over the
     448 extra positions. (Read from one row of 256 new tokens against two of 16 instead, the
     attention drowned in the per-token cost's noise: 0 to 8e-8 s a score on 2 vCPUs, against
     ~7e-7 s where it matters, remainders of thousands of tokens.)"""
-    device, extender = decoder.device, decoder.extender()
+    device = decoder.device
     longer = min(512, decoder.package.context_length - 16)
+    attention = longer - length >= 64  # enough extra positions for their cost to show
     pasts = {}
-    for prefix in {length, longer} if longer - length >= 64 else {length}:  # one row each, copied to every row
+    for prefix in (length, longer) if attention else (length,):  # one row each, copied to every row
         rows = prefix // length + 1
         tokens = ids[:rows].reshape(1, -1)[:, :prefix]
         pasts[prefix] = decoder.new_cache(1, prefix)
         decoder.prefill(Rows(tokens, None, torch.full((1,), prefix, device=device), prefix),
                         torch.full((1,), prefix - 1, device=device), pasts[prefix])
-    times = {}
-
-    def extend(rows: int, prefix: int = length) -> float:
+    def run(rows: int, prefix: int = length):
         cache = decoder.new_cache(rows, prefix)
         cache.start_from(pasts[prefix], torch.zeros(rows, dtype=torch.int64, device=device),
                          torch.full((rows,), prefix, device=device), prefix)
         tokens = torch.randint(4, decoder.vocab_size, (rows, 16), generator=torch.Generator().manual_seed(1))
         index = torch.arange(rows, device=device) * 16 + 15
-        times[rows, prefix] = _best_time(lambda: extender.run(tokens.to(device), cache, index), device)
-        return times[rows, prefix]
+        return lambda: extender.run(tokens.to(device), cache, index)
 
-    per_token, fixed = run_costs(extend, 16)  # 16 new tokens a row, from 2 rows up
+    per_token, fixed = run_costs(lambda rows: _best_time(run(rows), device), 16)  # 16 new tokens a row
     per_score = 0.0
-    if longer in pasts and longer != length:
-        per_score = max(0.0, extend(4, longer) - times[4, length]) / (4 * 16 * (longer - length))
+    if attention:  # timed in turns, so that a slower stretch of a shared machine slows both alike
+        short, long = _best_times([run(4), run(4, longer)], device, repeats=5)
+        per_score = max(0.0, long - short) / (4 * 16 * (longer - length))
     return per_token, per_score, fixed
 
 
@@ -133,12 +133,20 @@ def run_costs(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float
 
 
 def _best_time(fn, device: torch.device, repeats: int = 3) -> float:
-    def timed() -> float:
+    return _best_times([fn], device, repeats)[0]
+
+
+def _best_times(fns: list, device: torch.device, repeats: int = 3) -> list[float]:
+    """The best of `repeats` timed runs of each of `fns`, run in turns after a warm-up of each
+    (finished on the device before the first timed run)."""
+    def timed(fn) -> float:
         start = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    timed()  # warm-up, finished on the device before the first timed run
-    return min(timed() for _ in range(repeats))
+    for fn in fns:
+        timed(fn)
+    rounds = [[timed(fn) for fn in fns] for _ in range(repeats)]
+    return [min(times) for times in zip(*rounds)]
