@@ -9,7 +9,6 @@ real SmolLM2-135M int4 package's prefill of 8 x 620 tokens under `quantized_pref
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import onnxruntime as ort
@@ -17,6 +16,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ortmodule import OrtModelForCausalLM, nbits
+from ortmodule.costs import _best_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
 from ortmodule_dev import fixtures  # noqa: E402
@@ -35,14 +35,8 @@ def session(k: int, n: int, kind: str) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def best(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def best(fn, repeats: int) -> float:
+    return _best_time(fn, torch.device("cpu"), repeats)  # warm-up, then the best of `repeats`
 
 
 def main() -> None:

@@ -9,13 +9,13 @@ ortmodule/chunked.py); `one prefill` is the same package with `prefill_chunk=0`.
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from ortmodule import OrtModelForCausalLM
+from ortmodule.costs import _best_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
 from ortmodule_dev import fixtures  # noqa: E402
@@ -28,13 +28,7 @@ LONG = [(1, 4096), (1, 8192)]
 
 
 def best(fn, repeats: int = 2) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return _best_time(fn, torch.device("cpu"), repeats)  # warm-up, then the best of `repeats`
 
 
 @torch.inference_mode()
