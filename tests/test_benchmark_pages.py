@@ -17,3 +17,18 @@ def test_page_regenerates_unchanged_from_its_json(size):
     page, _ = report.PAGES[size]
     assert report.page_sources(size), f"no JSON in {report.RESULTS} for {page.name}"
     assert page.read_text() == report.render_page(size), f"{page.name} differs from its JSON's rendering"
+
+
+def test_speed_ratio_compares_only_the_same_workload():
+    """A transformers row measured once stands for every case of its group (score's reuse on and off),
+    but not for a workload of its own (host time's decoding beside its lm-eval requests)."""
+    def bench(name, backend, case, seconds):
+        return {"name": name, "group": "host time", "stats": {"median": seconds},
+                "extra_info": {"backend": backend, "case": case, "model": "m"}}
+
+    run = {"machine_info": {"python_version": "3.11"}, "commit_info": {}, "datetime": "2026-11-24T00:00:00",
+           "benchmarks": [bench("a", "ortmodule", "", 1.0), bench("b", "hf", "", 4.0),
+                          bench("c", "ortmodule", "decode", 0.5), bench("d", "ortmodule", "reuse", 2.0)]}
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[4].strip()
+            for line in report.render([run], "cpu").splitlines() if line.startswith("| ortmodule")}
+    assert rows == {("ortmodule", ""): "4.00x", ("ortmodule", "decode"): "", ("ortmodule", "reuse"): "2.00x"}
