@@ -260,6 +260,27 @@ def test_requests_on_the_same_row_run_it_once(build, hf_answers, monkeypatch):
     assert sum(rows for rows, _ in sizes) == len(distinct) == len(requests) - 6 * 3
 
 
+def test_one_token_choices_run_the_same_prefills_whatever_the_sharing(build, hf_answers, monkeypatch):
+    """MMLU's shape (four one-token letters after a context): a question's four rows are one row, so
+    `share_contexts` true, auto and false run the same prefills, each context once, with hf's answers."""
+    from ortmodule import OrtModelForCausalLM, load_tokenizer
+    from ortmodule.lm_eval import OrtModuleLM
+
+    requests = [r for r in mixed_requests() if len(r[2]) == 1]
+    reference = [a for r, a in zip(mixed_requests(), hf_answers, strict=True) if len(r[2]) == 1]
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cpu")
+    sizes, runs = prefill_sizes(monkeypatch), {}
+    for share in ("true", "auto", "false"):
+        lm = OrtModuleLM(pretrained=model, tokenizer=load_tokenizer(fixture.package_dir), batch_size=4,
+                         share_contexts=share)
+        start = len(sizes)
+        assert_same_answers(lm._loglikelihood_tokens(requests, disable_tqdm=True), reference)
+        runs[share] = sizes[start:]
+    assert runs["true"] == runs["auto"] == runs["false"]
+    assert sum(rows for rows, _ in runs["auto"]) == len({tuple(c) for _, c, _ in requests})
+
+
 def test_batch_size_auto_batches_by_the_token_budget(build, hf_answers, monkeypatch):
     """Under `auto`, every prefill holds at most `token_budget` padded tokens (a lone longer row
     runs alone), the rows sorted by length so that little is padding; answers equal hf's, with
