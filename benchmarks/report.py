@@ -62,8 +62,9 @@ NOTES = {
     "time is spent inside the backend's `loglikelihood` (`loglikelihood_rolling`) calls. `tokens`: context + "
     "continuation of every request; `of peak` counts 2 x weights x those tokens, the work of one forward over "
     "each request, so a backend that shares work counts above 100%: ortmodule's sharing, and lm-eval's `hf`, "
-    "which runs a context once for all its one-token continuations (`mmlu`'s letters). "
-    "`max_ll_diff_vs_fp32` / `same_choice_as_fp32`: against transformers in "
+    "which runs a context once for all its one-token continuations (`mmlu`'s letters). On `mmlu` ortmodule's "
+    "three sharing settings do the same work (a question's four rows are one row, run once), so the spread of "
+    "those three rows is the run's noise. `max_ll_diff_vs_fp32` / `same_choice_as_fp32`: against transformers in "
     "fp32 on the same weights (the `transformers` row itself for fp32 and int4 packages, a run outside the clock "
     "for half precision); `_vs_ortmodule` against the `ortmodule` row.",
     "host time": "benchmarks/test_host_time.py: the MMLU-shaped lm-eval workload ({host_questions} questions, "
