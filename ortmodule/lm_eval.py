@@ -82,6 +82,23 @@ def _texts_to_encode(pairs) -> list[str]:
     return list(texts)
 
 
+def _waves(pairs, first: int) -> list[list[int]]:
+    """Indices of (context, continuation) pairs in waves for tokenizing ahead of the device: the
+    longest texts first (HFLM scores the longest first, so that a batch too large for memory fails
+    early), a context's requests in one wave (they share its row or its prefill), each wave about
+    twice the last; the first is small, so that the device starts soon."""
+    by_context: dict[str, list[int]] = {}
+    for i in sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1])):
+        by_context.setdefault(pairs[i][0].rstrip(), []).append(i)
+    waves, wave, size = [], [], max(1, first)
+    for group in by_context.values():
+        wave += group
+        if len(wave) >= size:
+            waves.append(wave)
+            wave, size = [], 2 * size
+    return waves + [wave] if wave else waves
+
+
 def _tokenize_on_every_core(tokenizer, texts: list[str], special: dict, per_thread: int = 64) -> list[list[int]]:
     """`tokenizer(texts, **special)["input_ids"]`, in contiguous chunks on a thread per core. The
     Rust tokenizer releases the GIL while it encodes, and lm-eval's command line turns the
@@ -161,6 +178,10 @@ class OrtModuleLM(HFLM):
             pretrained = str(pretrained)
         kwargs.setdefault("backend", "causal")
         super().__init__(pretrained=pretrained, device=device, **kwargs)
+        # Tokenizing runs ahead of the device on CUDA, where the host's cores are idle while the
+        # device computes; a CPU's cores run the model, so there every text is encoded before the
+        # first batch (one wave: the overlap would only take cores from ONNX Runtime).
+        self._first_wave = 256 if torch.device(self.device).type == "cuda" else None
         if self._share == "auto" and isinstance(self._model, OrtModelForCausalLM):
             # At load, as `ortmodule serve` does: the timing runs (a second or two on a CPU) are
             # not spent inside the first evaluation.
@@ -194,13 +215,48 @@ class OrtModuleLM(HFLM):
 
     @_one_evaluation_at_a_time
     def loglikelihood(self, requests, disable_tqdm: bool = False):
-        """HFLM's, with the texts it will tokenize encoded first in batches, each once: a
-        multiple-choice question's context is encoded once for all its choices, not twice for each."""
-        self._encoded = self._encode_batched(_texts_to_encode(req.args for req in requests))
+        """HFLM's, with the tokenizing run ahead of the device. The requests go in waves
+        (`_waves`: the longest texts first, a context's requests together, each wave twice the
+        last); while one wave's batches run, a thread encodes the next waves' texts, each text once
+        and in batches on every core (`_encode_batched`: a multiple-choice question's context once
+        for all its choices, where HFLM encodes it again for each). Every wave's answers stay on the
+        device until the last wave has run, then come back in one copy."""
+        pairs = [req.args for req in requests]
+        if not isinstance(self._model, OrtModelForCausalLM) or getattr(self, "enable_thinking", False):
+            self._encoded = self._encode_batched(_texts_to_encode(pairs))  # HFLM's path (and its errors)
+            try:
+                return HFLM.loglikelihood(self, requests, disable_tqdm)
+            finally:
+                self._encoded = {}
+        waves = _waves(pairs, self._first_wave or len(pairs))
+        progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
+                        desc="Running loglikelihood requests")
+        pending: list[tuple[list[int], torch.Tensor]] = []
+        ahead = ThreadPoolExecutor(1, thread_name_prefix="ortmodule-tokenize")
         try:
-            return HFLM.loglikelihood(self, requests, disable_tqdm)
+            encodings = [ahead.submit(self._encode_batched, _texts_to_encode(pairs[i] for i in wave)) for wave in waves]
+            for wave, encoding in zip(waves, encodings):
+                self._encoded = encoding.result()
+                tokenized = [self._request_ids(*pairs[i]) for i in wave]
+                pending += [([wave[j] for j in chunk], totals)
+                            for chunk, totals in self._totals_on_device(tokenized, progress)]
         finally:
+            ahead.shutdown(cancel_futures=True)
             self._encoded = {}
+        progress.close()
+        return self._read_back(pairs, pending)
+
+    def _request_ids(self, context: str, continuation: str) -> tuple[tuple[str, str], list[int], list[int]]:
+        """A request as `TemplateLM.loglikelihood` hands it to `_loglikelihood_tokens`: the texts,
+        the context's ids and the continuation's (an empty context is the prefix token)."""
+        if context:
+            return (context, continuation), *self._encode_pair(context, continuation)
+        ids = self.tok_encode(continuation, add_special_tokens=False)
+        if not ids:
+            raise ValueError("a loglikelihood request needs a non-empty context or continuation")
+        if self.prefix_token_id != ids[0]:
+            return (context, continuation), [self.prefix_token_id], ids
+        return (context, continuation), ids[:1], ids[1:]
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
@@ -246,6 +302,17 @@ class OrtModuleLM(HFLM):
         token budget holds."""
         if not isinstance(self._model, OrtModelForCausalLM):
             return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+        progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
+                        desc="Running loglikelihood requests")
+        pending = self._totals_on_device(requests, progress, override_bs)
+        progress.close()
+        return self._read_back([key for key, _, _ in requests], pending)
+
+    def _totals_on_device(self, requests, progress, override_bs: int | None = None
+                          ) -> list[tuple[list[int], torch.Tensor]]:
+        """The answers of tokenized requests, left on the device: per batch, the indices of its
+        requests and their `[2, n]` totals. On CUDA nothing here waits for the device, so the host
+        builds the next batch (and tokenizes the next wave) while one runs."""
         rows, starts = [], []
         for _, context, continuation in requests:
             if not context or not continuation:
@@ -255,10 +322,6 @@ class OrtModuleLM(HFLM):
             row = (context + continuation)[-(self.max_length + 1):][:-1]
             rows.append(row)
             starts.append(len(row) - len(continuation))
-        progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
-                        desc="Running loglikelihood requests")
-        # Every batch's answers stay on the device until the end: on CUDA the host builds the next
-        # batch while one runs, and reads all the answers back in one copy.
         pending: list[tuple[list[int], torch.Tensor]] = []
         shared = self._shared_context_groups(requests, rows, starts)
         for batch in self._group_batches(shared, rows):
@@ -269,15 +332,18 @@ class OrtModuleLM(HFLM):
             progress.update(len(chunk))
         done = {i for group in shared for i in group}
         rest = [i for i in range(len(requests)) if i not in done]
-        pending += self._batched(requests, rows, starts, rest, progress, override_bs)
-        progress.close()
-        results: list = [None] * len(requests)
+        return pending + self._batched(requests, rows, starts, rest, progress, override_bs)
+
+    def _read_back(self, keys, pending: list[tuple[list[int], torch.Tensor]]) -> list[tuple[float, bool]]:
+        """Every request's (loglikelihood, is_greedy) from the answers left on the device, in one
+        copy; `keys[i]` (request i's texts, or None) goes to lm-eval's cache hook."""
+        results: list = [None] * len(keys)
         if pending:
             order = [i for chunk, _ in pending for i in chunk]
             for i, answer in zip(order, answers(torch.cat([totals for _, totals in pending], dim=1))):
                 results[i] = answer
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                if keys[i] is not None:
+                    self.cache_hook.add_partial("loglikelihood", keys[i], answer)
         return results
 
     @property

@@ -166,6 +166,103 @@ def test_batched_encoding_equals_hflm_tok_encode(build, add_bos_token):
     assert ours.tok_encode("3 + 4 = 7", left_truncate_len=2) == theirs.tok_encode("3 + 4 = 7", left_truncate_len=2)
 
 
+def text_requests():
+    """lm-eval's loglikelihood Instances as texts: questions with four one-word choices, with longer
+    choices, a context ending in spaces (HFLM moves them to the continuation), an empty context
+    (HFLM's prefix token), and lone requests."""
+    from lm_eval.api.instance import Instance
+
+    words = "the cat sat on a mat and two plus three is five while four plus four is eight".split()
+    pairs = []
+    for q in range(10):
+        context = " ".join(words[(q + k) % len(words)] for k in range(3 + 4 * q)) + ("  " if q == 3 else "")
+        choices = [" " + w for w in words[q:q + 4]] if q % 2 else [" " + " ".join(words[q + k:q + k + 5])
+                                                                   for k in range(4)]
+        pairs += [(context, choice) for choice in choices]
+    pairs += [("", "two plus two"), ("five", " is five"), ("a mat", " and")]
+    return [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+
+
+class RecordingCacheHook:
+    def __init__(self):
+        self.answers = {}
+
+    def add_partial(self, attr, request, result):
+        self.answers[request] = result
+
+
+def test_loglikelihood_in_waves_equals_hf(build):
+    """Requests tokenized ahead of the device, wave by wave (CUDA's path, forced here with small
+    waves), give lm-eval hf's answers on the same weights, in the requests' order, as one wave does,
+    and every answer reaches lm-eval's cache hook under its request's texts."""
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM, _waves
+
+    fixture = build("llama")
+    requests = text_requests()
+    reference = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu",
+                     batch_size=4).loglikelihood(requests, disable_tqdm=True)
+    lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=4)
+    assert lm._first_wave is None  # on a CPU: one wave
+    for first in (None, 4):
+        lm._first_wave = first
+        lm.set_cache_hook(hook := RecordingCacheHook())
+        assert len(_waves([r.args for r in requests], first or len(requests))) == (1 if first is None else 4)
+        got = lm.loglikelihood(requests, disable_tqdm=True)
+        assert_same_answers(got, reference)
+        assert hook.answers == {r.args: answer for r, answer in zip(requests, got)}
+
+
+def test_waves_keep_a_context_together_longest_first():
+    from ortmodule.lm_eval import _waves
+
+    pairs = [("q" * (i % 7), " a" * (i % 5)) for i in range(100)] + [("long " * 50, " x")]
+    waves = _waves(pairs, 4)
+    order = [i for wave in waves for i in wave]
+    assert sorted(order) == list(range(len(pairs)))
+    assert order[0] == 100  # the longest text first
+    assert all(len(later) >= 2 * 4 for later in waves[1:-1])
+    where = {i: w for w, wave in enumerate(waves) for i in wave}
+    for i, (context, _) in enumerate(pairs):
+        assert {where[j] for j, (c, _) in enumerate(pairs) if c.rstrip() == context.rstrip()} == {where[i]}
+    assert len(_waves(pairs, len(pairs))) == 1
+    assert _waves([], 1) == []
+
+
+def test_the_next_waves_are_tokenized_while_a_wave_runs(build):
+    """While the first wave's batches run, the texts of the next wave are encoded on another thread:
+    the first wave's scoring waits until that encoding has begun (it would wait forever, and fail,
+    if the encoding came after it)."""
+    import threading
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    lm = OrtModuleLM(pretrained=str(build("llama").package_dir), device="cpu", batch_size=4)
+    lm._first_wave = 4
+    second_wave_encoding = threading.Event()
+    encode, score = lm._encode_batched, lm._totals_on_device
+    encoders, calls = [], []
+
+    def encoding(texts):
+        encoders.append(threading.current_thread().name)
+        if len(encoders) == 2:
+            second_wave_encoding.set()
+        return encode(texts)
+
+    def scoring(requests, *args, **kwargs):
+        calls.append(len(requests))
+        if len(calls) == 1:
+            assert second_wave_encoding.wait(30), "the next wave was not encoded while the first one ran"
+        return score(requests, *args, **kwargs)
+
+    lm._encode_batched, lm._totals_on_device = encoding, scoring
+    requests = text_requests()
+    assert len(lm.loglikelihood(requests, disable_tqdm=True)) == len(requests)
+    assert len(calls) == len(encoders) == 4 and sum(calls) == len(requests)
+    assert all(name.startswith("ortmodule-tokenize") for name in encoders)
+
+
 def test_hflm_accepts_a_loaded_model(build):
     """`OrtModuleLM(pretrained=<OrtModelForCausalLM>, tokenizer=...)` as with HFLM and a PreTrainedModel."""
     from ortmodule import OrtModelForCausalLM, load_tokenizer

@@ -59,14 +59,14 @@ def test_one_lm_eval_backend_refuses_a_second_thread_and_two_backends_share_a_mo
     requests = [Instance("loglikelihood", {}, ("The quick brown fox", " jumps"), i) for i in range(3)]
     expected = first.loglikelihood(requests)
     entered, release = threading.Event(), threading.Event()
-    score = first._loglikelihood_tokens
+    score = first._totals_on_device
 
     def held(*args, **kwargs):
         entered.set()
         release.wait(30)
         return score(*args, **kwargs)
 
-    first._loglikelihood_tokens = held
+    first._totals_on_device = held
     worker = threading.Thread(target=first.loglikelihood, args=(requests,))
     worker.start()
     try:
@@ -77,7 +77,7 @@ def test_one_lm_eval_backend_refuses_a_second_thread_and_two_backends_share_a_mo
     finally:
         release.set()
         worker.join(30)
-    del first._loglikelihood_tokens
+    del first._totals_on_device
     assert first.loglikelihood(requests) == expected
 
 
