@@ -20,6 +20,10 @@ def load(backend, fixture, batch_size, device):
     if backend == "ortmodule-chunks-off":  # long rows in one prefill (ortmodule/chunked.py's choice undone)
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
                                       prefill_chunk=0)
+    if backend == "ortmodule-tokenize-first":  # every text encoded before the first batch, as on a CPU
+        lm = get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size)
+        lm._first_wave = None
+        return lm
     if backend == "hf":
         dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int4": "float32"}[fixture.spec.precision]
         return get_model("hf")(pretrained=str(fixture.hf_dir), dtype=dtype, device=device, batch_size=batch_size)

@@ -57,7 +57,9 @@ NOTES = {
     "`rolling`, {rolling} documents of 2,000-8,000 tokens scored whole (`loglikelihood_rolling`, in windows of the "
     "model's context length). Batch {scale_batch}. `ortmodule` decides context sharing from its measured costs, "
     "`ortmodule-share-off` never shares, `ortmodule-share-on` always; `ortmodule-chunks-off` (CPU only) runs "
-    "long rows in one prefill instead of chunks of 256 tokens (ortmodule/chunked.py); `transformers` is "
+    "long rows in one prefill instead of chunks of 256 tokens (ortmodule/chunked.py); `ortmodule-tokenize-first` "
+    "(GPU only) encodes every text before the first batch instead of wave by wave beside the device's work "
+    "(docs/lm-eval.md); `transformers` is "
     "lm-eval's `hf` in the package's precision (fp32 beside an int4 package). Models load before the clock; the "
     "time is spent inside the backend's `loglikelihood` (`loglikelihood_rolling`) calls. `tokens`: context + "
     "continuation of every request; `of peak` counts 2 x weights x those tokens, the work of one forward over "
@@ -67,16 +69,17 @@ NOTES = {
     "those three rows is the run's noise. `max_ll_diff_vs_fp32` / `same_choice_as_fp32`: against transformers in "
     "fp32 on the same weights (the `transformers` row itself for fp32 and int4 packages, a run outside the clock "
     "for half precision); `_vs_ortmodule` against the `ortmodule` row.",
-    "host time": "benchmarks/test_host_time.py: the MMLU-shaped lm-eval workload ({host_questions} questions, "
-    "batch {host_batch}, sharing off) on a model of negligible compute with a real tokenizer, so that what is "
-    "left is the host's work. Per request: `loglikelihood_us_per_request`, the backend's `loglikelihood` "
-    "(lm-eval's tokenizing included); `ortmodule_us_per_request`, the part in ortmodule's "
-    "`_loglikelihood_tokens`; `onnxruntime_us_per_request`, the part of that in ONNX Runtime's `run` (on a "
-    "CPU the model's compute, on a GPU the launches); `host_us_per_request`, ortmodule's own host time (the "
-    "second less the third). `decode` rows: batch-1 greedy decoding of {host_decode} tokens after a 128-token "
-    "prompt on the same model, per token: `us_per_token` in all, `onnxruntime_us_per_token` in ONNX Runtime's "
-    "`run` (ortmodule only), `host_us_per_token` the rest (ortmodule's own loop), beside onnxruntime-genai's "
-    "Generator on the same package.",
+    "host time": "benchmarks/test_host_time.py: `mmlu` rows, the MMLU-shaped lm-eval workload ({host_questions} "
+    "questions, batch {host_batch}, sharing off) on a model of negligible compute with a real tokenizer, so that "
+    "what is left is the host's work. Per request: `loglikelihood_us_per_request`, the backend's `loglikelihood` "
+    "(lm-eval's tokenizing included: on a CPU before the first batch, on CUDA beside the batches, wave by "
+    "wave); `ortmodule_us_per_request`, the part in ortmodule's scoring of the tokenized requests "
+    "(`_totals_on_device` and `_read_back`); `onnxruntime_us_per_request`, the part of that in ONNX Runtime's "
+    "`run` (on a CPU the model's compute, on a GPU the launches); `host_us_per_request`, ortmodule's own host "
+    "time (the second less the third). `decode` rows: batch-1 greedy decoding of {host_decode} tokens after a "
+    "128-token prompt on the same model, per token: `us_per_token` in all, `onnxruntime_us_per_token` in ONNX "
+    "Runtime's `run` (ortmodule only), `host_us_per_token` the rest (ortmodule's own loop), beside "
+    "onnxruntime-genai's Generator on the same package.",
     "score": "`ortmodule.score` (SGLang's score API: {requests} requests of a {query_tokens}-token query and {items} "
     "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen "
     "automatically (`auto`) or off "
@@ -139,11 +142,6 @@ def note_values(size: str) -> dict:
 # Real-model workloads first: what users run.
 GROUP_ORDER = {"lm-eval loglikelihood": 0, "lm-eval at scale": 0.5, "generate": 1, "score": 2, "minicons scoring": 3,
                "forward": 4, "score server": 5, "host time": 6}
-
-
-# Cases that are a workload of their own beside the group's main one: their rows take no ratio from
-# the group's transformers row of another case.
-OWN_WORKLOADS = {"decode"}
 
 
 def case(bench: dict) -> tuple[str, str]:
@@ -261,9 +259,9 @@ def render(runs: list[dict], size: str) -> str:
                 errors.append((backend, b["extra_info"]["error"]))
                 row = [backend, variant, "failed", "", *["" for _ in keys]]
             else:
-                # A peer measured once stands for every case, except a workload of its own in the group
-                # (host time's decoding beside its lm-eval requests), which has nothing to compare with.
-                base = reference.get(variant, None if variant in OWN_WORKLOADS else reference.get(""))
+                # A transformers row of no case, measured once, stands for every case of its group (score's
+                # reuse on and off); one of a named case only for that case (host time's `mmlu`, not its `decode`).
+                base = reference.get(variant, reference.get(""))
                 ratio = f"{base / seconds:.2f}x" if base and seconds else ""
                 row = [backend, variant, f"{seconds * 1e3:.1f}" if seconds else "", ratio,
                        *[str(b["extra_info"].get(k, "")) for k in keys]]

@@ -22,7 +22,8 @@ def fixture(size, decoder_key):
 WORKLOADS = {"mmlu": "ortmodule_bench_mmlu", "hellaswag": "ortmodule_bench_hellaswag", "arc": "ortmodule_bench_arc",
              "rolling": "ortmodule_bench_rolling"}
 # transformers first: on an fp32 or int4 package its fp32 answers are every other row's yardstick.
-SCALE_BACKENDS = ["hf", "ortmodule", "ortmodule-share-off", "ortmodule-share-on", "ortmodule-chunks-off"]
+SCALE_BACKENDS = ["hf", "ortmodule", "ortmodule-share-off", "ortmodule-share-on", "ortmodule-chunks-off",
+                  "ortmodule-tokenize-first"]
 SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers
 SCALE_TOKENS = {}  # (model, workload) -> context + continuation tokens of all its requests
 
@@ -43,6 +44,8 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
     task, limit, device = WORKLOADS[workload], options["limits"][workload], size.get("device", "cpu")
     if backend == "ortmodule-chunks-off" and (device != "cpu" or workload in ("hellaswag", "arc")):
         pytest.skip("prefill chunks are a CPU choice, for rows of 512 tokens and more (not HellaSwag's or ARC's)")
+    if backend == "ortmodule-tokenize-first" and (device == "cpu" or workload == "rolling"):
+        pytest.skip("tokenizing ahead is CUDA's choice, for loglikelihood requests (a CPU encodes every text first)")
     lm = load(backend, fixture, options["batch_size"], device)
     if device != "cpu":  # CUDA's first calls (kernel selection, cuBLAS handles) stay off the clock
         lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=model_tasks, limit=2, verbosity="ERROR")

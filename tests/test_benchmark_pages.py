@@ -20,15 +20,18 @@ def test_page_regenerates_unchanged_from_its_json(size):
 
 
 def test_speed_ratio_compares_only_the_same_workload():
-    """A transformers row measured once stands for every case of its group (score's reuse on and off),
-    but not for a workload of its own (host time's decoding beside its lm-eval requests)."""
-    def bench(name, backend, case, seconds):
-        return {"name": name, "group": "host time", "stats": {"median": seconds},
+    """A transformers row of no case stands for every case of its group (score's reuse on and off); one
+    of a named case only for that case (host time's `mmlu` requests, not its `decode` beside them)."""
+    def bench(name, group, backend, case, seconds):
+        return {"name": name, "group": group, "stats": {"median": seconds},
                 "extra_info": {"backend": backend, "case": case, "model": "m"}}
 
     run = {"machine_info": {"python_version": "3.11"}, "commit_info": {}, "datetime": "2026-11-24T00:00:00",
-           "benchmarks": [bench("a", "ortmodule", "", 1.0), bench("b", "hf", "", 4.0),
-                          bench("c", "ortmodule", "decode", 0.5), bench("d", "ortmodule", "reuse", 2.0)]}
+           "benchmarks": [bench("a", "score", "ortmodule", "", 1.0), bench("b", "score", "hf", "", 4.0),
+                          bench("d", "score", "ortmodule", "reuse", 2.0),
+                          bench("e", "host time", "ortmodule", "mmlu", 1.0), bench("f", "host time", "hf", "mmlu", 8.0),
+                          bench("g", "host time", "ortmodule", "decode", 0.5)]}
     rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[4].strip()
             for line in report.render([run], "cpu").splitlines() if line.startswith("| ortmodule")}
-    assert rows == {("ortmodule", ""): "4.00x", ("ortmodule", "decode"): "", ("ortmodule", "reuse"): "2.00x"}
+    assert rows == {("ortmodule", ""): "4.00x", ("ortmodule", "reuse"): "2.00x", ("ortmodule", "mmlu"): "8.00x",
+                    ("ortmodule", "decode"): ""}

@@ -172,7 +172,8 @@ def text_requests():
     (HFLM's prefix token), and lone requests."""
     from lm_eval.api.instance import Instance
 
-    words = "the cat sat on a mat and two plus three is five while four plus four is eight".split()
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "two", "plus", "three", "is", "five", "while", "four",
+             "plus", "four", "is", "eight"]
     pairs = []
     for q in range(10):
         context = " ".join(words[(q + k) % len(words)] for k in range(3 + 4 * q)) + ("  " if q == 3 else "")
