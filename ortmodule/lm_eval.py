@@ -216,7 +216,7 @@ class OrtModuleLM(HFLM):
     @_one_evaluation_at_a_time
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         """HFLM's, with the tokenizing run ahead of the device. The requests go in waves
-        (`_waves`: the longest texts first, a context's requests together, each wave twice the
+        (`_waves`: the longest texts first, a context's requests together, each wave about twice the
         last); while one wave's batches run, a thread encodes the next waves' texts, each text once
         and in batches on every core (`_encode_batched`: a multiple-choice question's context once
         for all its choices, where HFLM encodes it again for each). Every wave's answers stay on the
