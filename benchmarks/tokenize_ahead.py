@@ -1,0 +1,67 @@
+"""lm-eval's tokenizing before the first batch (one wave, the CPU's choice) against wave by wave
+beside the model's work (CUDA's choice, `OrtModuleLM._first_wave`), on benchmarks/test_host_time.py's
+workload: MMLU-shaped requests on a model of negligible compute with SmolLM2's tokenizer, batch 32,
+sharing off. Per run: the time from the `loglikelihood` call to ONNX Runtime's first run (how long a
+device would wait for its first batch) and the call's time per request; the two settings alternate.
+
+    python benchmarks/tokenize_ahead.py [--questions 250] [--rounds 3] [--device cpu]
+"""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as lm-eval's command line sets it
+
+import lm_eval  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from test_host_time import HOST_PROBE, TASK  # noqa: E402
+
+import ortmodule.lm_eval  # noqa: E402, F401  (registers the backend)
+from ortmodule import runtime  # noqa: E402
+from ortmodule_dev import fixtures  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--questions", type=int, default=250)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    probe = fixtures.build(HOST_PROBE)
+    tasks = TaskManager(include_path=str(Path(__file__).parent / "tasks"), metadata={"tokenizer": str(probe.hf_dir)})
+    lm = get_model("ortmodule")(pretrained=str(probe.package_dir), device=args.device, batch_size=32,
+                                share_contexts="false", prefill_chunk=0)
+    lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, limit=2, verbosity="ERROR")  # warm-up
+
+    first_run, run = [], runtime.Session.run
+
+    def recording(self, *a, **k):
+        first_run.append(time.perf_counter())
+        return run(self, *a, **k)
+
+    runtime.Session.run = recording
+    call = lm.loglikelihood
+
+    def timed(requests, *a, **k):
+        first_run.clear()
+        start = time.perf_counter()
+        answers = call(requests, *a, **k)
+        seconds = time.perf_counter() - start
+        print(f"{'one wave' if lm._first_wave is None else f'waves from {lm._first_wave}':>16}: "
+              f"first run after {1e3 * (first_run[0] - start):5.0f} ms, "
+              f"{1e6 * seconds / len(requests):5.0f} us a request ({len(requests)} requests)", flush=True)
+        return answers
+
+    lm.loglikelihood = timed
+    for _ in range(args.rounds):
+        for first in (None, 256):
+            lm._first_wave = first
+            lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, limit=args.questions,
+                                    verbosity="ERROR")
+
+
+if __name__ == "__main__":
+    main()
