@@ -3,8 +3,10 @@ beside the model's work (CUDA's choice, `OrtModuleLM._first_wave`), on benchmark
 workload: MMLU-shaped requests on a model of negligible compute with SmolLM2's tokenizer, batch 32,
 sharing off. Per run: the time from the `loglikelihood` call to ONNX Runtime's first run (how long a
 device would wait for its first batch) and the call's time per request; the two settings alternate.
+Then the rolling workload's documents (`--documents` of them) encoded one by one, as HFLM's
+`loglikelihood_rolling` does, and batched on every core, as ortmodule's does (best of 3 each, in turns).
 
-    python benchmarks/tokenize_ahead.py [--questions 250] [--rounds 3] [--device cpu]
+    python benchmarks/tokenize_ahead.py [--questions 250] [--rounds 3] [--documents 50] [--device cpu]
 """
 
 import argparse
@@ -15,12 +17,15 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as lm-eval's command line sets it
 
 import lm_eval  # noqa: E402
+import torch  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from test_host_time import HOST_PROBE, TASK  # noqa: E402
 
 import ortmodule.lm_eval  # noqa: E402, F401  (registers the backend)
 from ortmodule import runtime  # noqa: E402
+from ortmodule.costs import _best_times  # noqa: E402
 from ortmodule_dev import fixtures  # noqa: E402
 
 
@@ -28,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=250)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--documents", type=int, default=50)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     probe = fixtures.build(HOST_PROBE)
@@ -61,6 +67,16 @@ def main() -> None:
             lm._first_wave = first
             lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, limit=args.questions,
                                     verbosity="ERROR")
+
+    rolling = next(iter(tasks.load_task_or_group(["ortmodule_bench_rolling"]).values()))
+    rolling.build_all_requests(limit=args.documents, rank=0, world_size=1)
+    documents = [instance.args[0] for instance in rolling.instances]
+    host = torch.device("cpu")  # tokenizing: host work only
+    one_by_one, batched = _best_times([lambda: [HFLM.tok_encode(lm, document) for document in documents],
+                                       lambda: lm._encode_batched(documents)], host)
+    tokens = sum(len(ids) for ids in lm._encode_batched(documents).values())
+    print(f"{len(documents)} rolling documents, {tokens} tokens: one by one {one_by_one:.3f} s, "
+          f"batched on {len(os.sched_getaffinity(0))} cores {batched:.3f} s")
 
 
 if __name__ == "__main__":

@@ -99,22 +99,36 @@ def _waves(pairs, first: int) -> list[list[int]]:
     return waves + [wave] if wave else waves
 
 
-def _tokenize_on_every_core(tokenizer, texts: list[str], special: dict, per_thread: int = 64) -> list[list[int]]:
-    """`tokenizer(texts, **special)["input_ids"]`, in contiguous chunks on a thread per core. The
-    Rust tokenizer releases the GIL while it encodes, and lm-eval's command line turns the
-    tokenizer's own threads off (TOKENIZERS_PARALLELISM=false, for its forks); on MMLU-length
-    prompts, tokenizing is most of the host's time per request (docs/measurements.md)."""
-    workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                  max(1, len(texts) // per_thread))
-    if workers == 1:
-        return tokenizer(texts, **special)["input_ids"]
-    size = -(-len(texts) // workers)
-    chunks = [texts[k : k + size] for k in range(0, len(texts), size)]
+def _contiguous_parts(texts: list[str], parts: int) -> list[list[str]]:
+    """`texts` cut into at most `parts` contiguous runs of about equal characters."""
+    total = sum(len(text) for text in texts)
+    runs, run, size = [], [], 0
+    for text in texts:
+        run.append(text)
+        size += len(text)
+        if size * parts >= total * (len(runs) + 1) and len(runs) < parts - 1:
+            runs.append(run)
+            run = []
+    return runs + [run] if run else runs
+
+
+def _tokenize_on_every_core(tokenizer, texts: list[str], special: dict, chars_per_thread: int = 100_000
+                            ) -> list[list[int]]:
+    """`tokenizer(texts, **special)["input_ids"]`, in contiguous parts of about equal length on a
+    thread per core, a part at least `chars_per_thread` characters (some 25,000 tokens: a thread
+    costs far less than its part). The Rust tokenizer releases the GIL while it encodes, and
+    lm-eval's command line turns the tokenizer's own threads off (TOKENIZERS_PARALLELISM=false,
+    for its forks); on MMLU-length prompts, tokenizing is most of the host's time per request
+    (docs/measurements.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(cores, len(texts), max(1, sum(len(text) for text in texts) // chars_per_thread))
+    if workers <= 1:
+        return tokenizer(texts, **special)["input_ids"] if texts else []
     # transformers sets the tokenizer's truncation and padding before encoding when they differ
     # from the call's (a mutation that would meet another thread's encoding): settled here first.
     tokenizer(texts[:1], **special)
     with ThreadPoolExecutor(workers) as pool:
-        parts = list(pool.map(lambda chunk: tokenizer(chunk, **special)["input_ids"], chunks))
+        parts = list(pool.map(lambda part: tokenizer(part, **special)["input_ids"], _contiguous_parts(texts, workers)))
     return [ids for part in parts for ids in part]
 
 
@@ -281,7 +295,16 @@ class OrtModuleLM(HFLM):
             encoded.update(zip(group, _tokenize_on_every_core(self.tokenizer, group, dict(special))))
         return encoded
 
-    loglikelihood_rolling = _one_evaluation_at_a_time(HFLM.loglikelihood_rolling)
+    @_one_evaluation_at_a_time
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        """HFLM's, with the documents encoded first, in batches on every core (`_encode_batched`;
+        HFLM encodes them one by one, on one core)."""
+        self._encoded = self._encode_batched([req.args[0] for req in requests])
+        try:
+            return HFLM.loglikelihood_rolling(self, requests, disable_tqdm)
+        finally:
+            self._encoded = {}
+
     generate_until = _one_evaluation_at_a_time(HFLM.generate_until)
 
     def get_model_info(self) -> dict:

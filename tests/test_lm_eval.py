@@ -162,6 +162,8 @@ def test_batched_encoding_equals_hflm_tok_encode(build, add_bos_token):
     assert encoded == {text: theirs.tok_encode(text) for text in texts}
     many = [f"{i} and {i * 7} make {i * 8}" + " word" * (i % 50) for i in range(300)] + [bos + "a"] * 3
     assert ours._encode_batched(many) == {text: theirs.tok_encode(text) for text in many}  # on threads
+    documents = [f"document {i}: " + "the cat sat on the mat. " * 5000 for i in range(3)]  # long: a thread each
+    assert ours._encode_batched(documents) == {text: theirs.tok_encode(text) for text in documents}
     ours._encoded = encoded
     assert ours.tok_encode("3 + 4 = 7", left_truncate_len=2) == theirs.tok_encode("3 + 4 = 7", left_truncate_len=2)
 
@@ -262,6 +264,41 @@ def test_the_next_waves_are_tokenized_while_a_wave_runs(build):
     assert len(lm.loglikelihood(requests, disable_tqdm=True)) == len(requests)
     assert len(calls) == len(encoders) == 4 and sum(calls) == len(requests)
     assert all(name.startswith("ortmodule-tokenize") for name in encoders)
+
+
+def test_texts_are_cut_into_parts_of_about_equal_length():
+    from ortmodule.lm_eval import _contiguous_parts
+
+    texts = ["x" * n for n in (5, 1, 1, 1, 1, 1, 5, 3, 2)]
+    parts = _contiguous_parts(texts, 3)
+    assert [t for part in parts for t in part] == texts
+    assert [sum(map(len, part)) for part in parts] == [7, 8, 5]
+    assert _contiguous_parts(texts, 1) == [texts]
+    assert len(_contiguous_parts(["a" * 100, "b"], 4)) == 2  # never an empty part
+    assert _contiguous_parts([], 4) == []
+
+
+def test_rolling_documents_are_encoded_in_one_batched_call(build, monkeypatch):
+    """`loglikelihood_rolling` encodes its documents before HFLM asks, in batches: HFLM's one-by-one
+    `tok_encode` reaches the tokenizer for none of them, and the totals equal hf's on the same weights."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    documents = [Instance("loglikelihood_rolling", {}, (" ".join(["two plus three is five"] * n),), n)
+                 for n in (3, 40, 90)]
+    reference = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu",
+                     batch_size=4).loglikelihood_rolling(documents, disable_tqdm=True)
+    lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=4)
+    one_by_one = []
+    encode = HFLM.tok_encode
+    monkeypatch.setattr(HFLM, "tok_encode", lambda self, string, *a, **k: one_by_one.append(string) or encode(
+        self, string, *a, **k))
+    got = lm.loglikelihood_rolling(documents, disable_tqdm=True)
+    assert not one_by_one
+    assert got == pytest.approx(reference, rel=1e-5)
 
 
 def test_hflm_accepts_a_loaded_model(build):
