@@ -74,7 +74,7 @@ NOTES = {
     "what is left is the host's work. Per request: `loglikelihood_us_per_request`, the backend's `loglikelihood` "
     "(lm-eval's tokenizing included: on a CPU before the first batch, on CUDA beside the batches, wave by "
     "wave); `ortmodule_us_per_request`, the part in ortmodule's scoring of the tokenized requests "
-    "(`_totals_on_device` and `_read_back`); `onnxruntime_us_per_request`, the part of that in ONNX Runtime's "
+    "(`_totals_on_device` and `read_back`); `onnxruntime_us_per_request`, the part of that in ONNX Runtime's "
     "`run` (on a CPU the model's compute, on a GPU the launches); `host_us_per_request`, ortmodule's own host "
     "time (the second less the third). `decode` rows: batch-1 greedy decoding of {host_decode} tokens after a "
     "128-token prompt on the same model, per token: `us_per_token` in all, `onnxruntime_us_per_token` in ONNX "

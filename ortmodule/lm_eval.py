@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +21,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from .encoding import encode_as_tok_encode, hflm_request, request_waves, texts_to_encode
 from .hf import build_config
 from .inputs import pad_right
 from .modeling import OrtModelForCausalLM
@@ -70,66 +70,47 @@ def _chunk_arg(value) -> int | None:
     return int(str(value).strip())
 
 
-def _texts_to_encode(pairs) -> list[str]:
-    """The texts `TemplateLM._encode_pair` tokenizes for (context, continuation) pairs, each once:
-    context + continuation, and the context (trailing spaces moved to the continuation)."""
-    texts: dict[str, None] = {}
-    for context, continuation in pairs:
-        if context:
-            stripped = context.rstrip()
-            texts[context + continuation] = None
-            texts[stripped] = None
-    return list(texts)
+def context_groups(requests, rows, starts) -> list[list[int]]:
+    """Indices of tokenized requests that share a context and could score it once: the rows of a
+    group start alike and are not all one row."""
+    by_context: dict[tuple, list[int]] = {}
+    for i, (_, context, _) in enumerate(requests):
+        by_context.setdefault(tuple(context), []).append(i)
+    # Rows cut on the left to max_length by different amounts (continuations of different
+    # lengths after a long context) no longer start alike: those run batched. So do groups
+    # whose rows are all one row (one-token continuations): the batched prefill runs it once.
+    return [group for group in by_context.values()
+            if len(group) > 1 and common_prefix([rows[i] for i in group]) > 0
+            and len({(tuple(rows[i]), starts[i]) for i in group}) > 1]
 
 
-def _waves(pairs, first: int) -> list[list[int]]:
-    """Indices of (context, continuation) pairs in waves for tokenizing ahead of the device: the
-    longest texts first (HFLM scores the longest first, so that a batch too large for memory fails
-    early), a context's requests in one wave (they share its row or its prefill), each wave about
-    twice the last; the first is small, so that the device starts soon."""
-    by_context: dict[str, list[int]] = {}
-    for i in sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1])):
-        by_context.setdefault(pairs[i][0].rstrip(), []).append(i)
-    waves, wave, size = [], [], max(1, first)
-    for group in by_context.values():
-        wave += group
-        if len(wave) >= size:
-            waves.append(wave)
-            wave, size = [], 2 * size
-    return waves + [wave] if wave else waves
+def group_batches(groups: list[list[int]], rows, rows_per_batch):
+    """(request, group) pairs in batches of about `rows_per_batch(longest row)` rows, never
+    splitting a group."""
+    batch: list[tuple[int, int]] = []
+    width = 0
+    for g, group in enumerate(groups):
+        longest = max(width, *(len(rows[i]) for i in group))
+        if batch and len(batch) + len(group) > rows_per_batch(longest):
+            yield batch
+            batch, longest = [], max(len(rows[i]) for i in group)
+        batch += [(i, g) for i in group]
+        width = longest
+    if batch:
+        yield batch
 
 
-def _contiguous_parts(texts: list[str], parts: int) -> list[list[str]]:
-    """`texts` cut into at most `parts` contiguous runs of about equal characters."""
-    total = sum(len(text) for text in texts)
-    runs, run, size = [], [], 0
-    for text in texts:
-        run.append(text)
-        size += len(text)
-        if size * parts >= total * (len(runs) + 1) and len(runs) < parts - 1:
-            runs.append(run)
-            run = []
-    return runs + [run] if run else runs
-
-
-def _tokenize_on_every_core(tokenizer, texts: list[str], special: dict, chars_per_thread: int = 100_000
-                            ) -> list[list[int]]:
-    """`tokenizer(texts, **special)["input_ids"]`, in contiguous parts of about equal length on a
-    thread per core, a part at least `chars_per_thread` characters (some 25,000 tokens: a thread
-    costs far less than its part). The Rust tokenizer releases the GIL while it encodes, and
-    lm-eval's command line turns the tokenizer's own threads off (TOKENIZERS_PARALLELISM=false,
-    for its forks); on MMLU-length prompts, tokenizing is most of the host's time per request
-    (docs/measurements.md)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = min(cores, len(texts), max(1, sum(len(text) for text in texts) // chars_per_thread))
-    if workers <= 1:
-        return tokenizer(texts, **special)["input_ids"] if texts else []
-    # transformers sets the tokenizer's truncation and padding before encoding when they differ
-    # from the call's (a mutation that would meet another thread's encoding): settled here first.
-    tokenizer(texts[:1], **special)
-    with ThreadPoolExecutor(workers) as pool:
-        parts = list(pool.map(lambda part: tokenizer(part, **special)["input_ids"], _contiguous_parts(texts, workers)))
-    return [ids for part in parts for ids in part]
+def read_back(keys, pending: list[tuple[list[int], torch.Tensor]], cache_hook) -> list[tuple[float, bool]]:
+    """Every request's (loglikelihood, is_greedy) from the answers left on the device, in one copy;
+    `keys[i]` (request i's texts, or None) goes to lm-eval's cache hook."""
+    results: list = [None] * len(keys)
+    if pending:
+        order = [i for chunk, _ in pending for i in chunk]
+        for i, answer in zip(order, answers(torch.cat([totals for _, totals in pending], dim=1))):
+            results[i] = answer
+            if keys[i] is not None:
+                cache_hook.add_partial("loglikelihood", keys[i], answer)
+    return results
 
 
 def leave_process_group() -> None:
@@ -192,9 +173,8 @@ class OrtModuleLM(HFLM):
             pretrained = str(pretrained)
         kwargs.setdefault("backend", "causal")
         super().__init__(pretrained=pretrained, device=device, **kwargs)
-        # Tokenizing runs ahead of the device on CUDA, where the host's cores are idle while the
-        # device computes; a CPU's cores run the model, so there every text is encoded before the
-        # first batch (one wave: the overlap would only take cores from ONNX Runtime).
+        # Tokenizing runs beside the device's work on CUDA, whose host cores idle meanwhile; a CPU's
+        # cores run the model, so there every text is encoded before the first batch (one wave).
         self._first_wave = 256 if torch.device(self.device).type == "cuda" else None
         if self._share == "auto" and isinstance(self._model, OrtModelForCausalLM):
             # At load, as `ortmodule serve` does: the timing runs (a second or two on a CPU) are
@@ -230,47 +210,36 @@ class OrtModuleLM(HFLM):
     @_one_evaluation_at_a_time
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         """HFLM's, with the tokenizing run ahead of the device. The requests go in waves
-        (`_waves`: the longest texts first, a context's requests together, each wave about twice the
-        last); while one wave's batches run, a thread encodes the next waves' texts, each text once
-        and in batches on every core (`_encode_batched`: a multiple-choice question's context once
-        for all its choices, where HFLM encodes it again for each). Every wave's answers stay on the
-        device until the last wave has run, then come back in one copy."""
+        (`encoding.request_waves`: the longest texts first, a context's requests together, each
+        wave about twice the last; one wave on a CPU); while one wave's batches run, a thread
+        encodes the next waves' texts, each text once and in batches on every core (a
+        multiple-choice question's context once for all its choices, where HFLM encodes it again
+        for each). Every wave's answers stay on the device until the last wave has run, then come
+        back in one copy."""
         pairs = [req.args for req in requests]
         if not isinstance(self._model, OrtModelForCausalLM) or getattr(self, "enable_thinking", False):
-            self._encoded = self._encode_batched(_texts_to_encode(pairs))  # HFLM's path (and its errors)
+            self._encoded = self._encode_batched(texts_to_encode(pairs))  # HFLM's path (and its errors)
             try:
                 return HFLM.loglikelihood(self, requests, disable_tqdm)
             finally:
                 self._encoded = {}
-        waves = _waves(pairs, self._first_wave or len(pairs))
+        waves = request_waves(pairs, self._first_wave or len(pairs))
         progress = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                         desc="Running loglikelihood requests")
         pending: list[tuple[list[int], torch.Tensor]] = []
         ahead = ThreadPoolExecutor(1, thread_name_prefix="ortmodule-tokenize")
         try:
-            encodings = [ahead.submit(self._encode_batched, _texts_to_encode(pairs[i] for i in wave)) for wave in waves]
+            encodings = [ahead.submit(self._encode_batched, texts_to_encode(pairs[i] for i in wave)) for wave in waves]
             for wave, encoding in zip(waves, encodings):
                 self._encoded = encoding.result()
-                tokenized = [self._request_ids(*pairs[i]) for i in wave]
+                tokenized = [hflm_request(self, *pairs[i]) for i in wave]
                 pending += [([wave[j] for j in chunk], totals)
                             for chunk, totals in self._totals_on_device(tokenized, progress)]
         finally:
             ahead.shutdown(cancel_futures=True)
             self._encoded = {}
         progress.close()
-        return self._read_back(pairs, pending)
-
-    def _request_ids(self, context: str, continuation: str) -> tuple[tuple[str, str], list[int], list[int]]:
-        """A request as `TemplateLM.loglikelihood` hands it to `_loglikelihood_tokens`: the texts,
-        the context's ids and the continuation's (an empty context is the prefix token)."""
-        if context:
-            return (context, continuation), *self._encode_pair(context, continuation)
-        ids = self.tok_encode(continuation, add_special_tokens=False)
-        if not ids:
-            raise ValueError("a loglikelihood request needs a non-empty context or continuation")
-        if self.prefix_token_id != ids[0]:
-            return (context, continuation), [self.prefix_token_id], ids
-        return (context, continuation), ids[:1], ids[1:]
+        return read_back(pairs, pending, self.cache_hook)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
@@ -280,20 +249,8 @@ class OrtModuleLM(HFLM):
         return known[-left_truncate_len:] if left_truncate_len else list(known)
 
     def _encode_batched(self, texts: list[str]) -> dict[str, list[int]]:
-        """`HFLM.tok_encode(text)` of every text, in batched tokenizer calls per special-token
-        setting (`_tokenize_on_every_core`)."""
         bos = self.tokenizer.decode(self.prefix_token_id) if self.prefix_token_id is not None else None
-        settings: dict[tuple, list[str]] = {}
-        for text in texts:
-            # tok_encode's rule: add_bos_token when set, and no special tokens before a text that starts with BOS
-            special = {} if self.add_bos_token is None else {"add_special_tokens": self.add_bos_token}
-            if bos and text.startswith(bos):
-                special = {"add_special_tokens": False}
-            settings.setdefault(tuple(special.items()), []).append(text)
-        encoded = {}
-        for special, group in settings.items():
-            encoded.update(zip(group, _tokenize_on_every_core(self.tokenizer, group, dict(special))))
-        return encoded
+        return encode_as_tok_encode(self.tokenizer, texts, self.add_bos_token, bos)
 
     @_one_evaluation_at_a_time
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
@@ -329,7 +286,7 @@ class OrtModuleLM(HFLM):
                         desc="Running loglikelihood requests")
         pending = self._totals_on_device(requests, progress, override_bs)
         progress.close()
-        return self._read_back([key for key, _, _ in requests], pending)
+        return read_back([key for key, _, _ in requests], pending, self.cache_hook)
 
     def _totals_on_device(self, requests, progress, override_bs: int | None = None
                           ) -> list[tuple[list[int], torch.Tensor]]:
@@ -347,7 +304,7 @@ class OrtModuleLM(HFLM):
             starts.append(len(row) - len(continuation))
         pending: list[tuple[list[int], torch.Tensor]] = []
         shared = self._shared_context_groups(requests, rows, starts)
-        for batch in self._group_batches(shared, rows):
+        for batch in group_batches(shared, rows, self._rows_per_batch):
             chunk = [i for i, _ in batch]
             pending.append((chunk, grouped_loglikelihood_totals(
                 self._model, [rows[i] for i in chunk], [g for _, g in batch], [starts[i] for i in chunk],
@@ -356,18 +313,6 @@ class OrtModuleLM(HFLM):
         done = {i for group in shared for i in group}
         rest = [i for i in range(len(requests)) if i not in done]
         return pending + self._batched(requests, rows, starts, rest, progress, override_bs)
-
-    def _read_back(self, keys, pending: list[tuple[list[int], torch.Tensor]]) -> list[tuple[float, bool]]:
-        """Every request's (loglikelihood, is_greedy) from the answers left on the device, in one
-        copy; `keys[i]` (request i's texts, or None) goes to lm-eval's cache hook."""
-        results: list = [None] * len(keys)
-        if pending:
-            order = [i for chunk, _ in pending for i in chunk]
-            for i, answer in zip(order, answers(torch.cat([totals for _, totals in pending], dim=1))):
-                results[i] = answer
-                if keys[i] is not None:
-                    self.cache_hook.add_partial("loglikelihood", keys[i], answer)
-        return results
 
     @property
     def token_budget(self) -> int:
@@ -393,15 +338,7 @@ class OrtModuleLM(HFLM):
         """Requests with the same context whose rows are worth scoring with it run once."""
         if self._share is False:
             return []
-        by_context: dict[tuple, list[int]] = {}
-        for i, (_, context, _) in enumerate(requests):
-            by_context.setdefault(tuple(context), []).append(i)
-        # Rows cut on the left to max_length by different amounts (continuations of different
-        # lengths after a long context) no longer start alike: those run batched. So do groups
-        # whose rows are all one row (one-token continuations): the batched prefill runs it once.
-        groups = [group for group in by_context.values()
-                  if len(group) > 1 and common_prefix([rows[i] for i in group]) > 0
-                  and len({(tuple(rows[i]), starts[i]) for i in group}) > 1]
+        groups = context_groups(requests, rows, starts)
         if self._share is True or not groups:
             return groups
         costs = self._model.measured_costs()
@@ -414,20 +351,6 @@ class OrtModuleLM(HFLM):
         if isinstance(self.batch_size, int):
             return self.batch_size
         return max(1, self.token_budget // max(width, 1))
-
-    def _group_batches(self, groups: list[list[int]], rows):
-        """(request, group) pairs in batches of about a batch's rows, never splitting a group."""
-        batch: list[tuple[int, int]] = []
-        width = 0
-        for g, group in enumerate(groups):
-            longest = max(width, *(len(rows[i]) for i in group))
-            if batch and len(batch) + len(group) > self._rows_per_batch(longest):
-                yield batch
-                batch, longest = [], max(len(rows[i]) for i in group)
-            batch += [(i, g) for i in group]
-            width = longest
-        if batch:
-            yield batch
 
     def _batched(self, requests, rows, starts, indices, progress, override_bs) -> list[tuple[list[int], torch.Tensor]]:
         """Right-padded batches, longest first (HFLM's order), one prefill each: per batch, its

@@ -200,7 +200,8 @@ def test_loglikelihood_in_waves_equals_hf(build):
     and every answer reaches lm-eval's cache hook under its request's texts."""
     from lm_eval.models.huggingface import HFLM
 
-    from ortmodule.lm_eval import OrtModuleLM, _waves
+    from ortmodule.encoding import request_waves
+    from ortmodule.lm_eval import OrtModuleLM
 
     fixture = build("llama")
     requests = text_requests()
@@ -211,17 +212,17 @@ def test_loglikelihood_in_waves_equals_hf(build):
     for first in (None, 4):
         lm._first_wave = first
         lm.set_cache_hook(hook := RecordingCacheHook())
-        assert len(_waves([r.args for r in requests], first or len(requests))) == (1 if first is None else 4)
+        assert len(request_waves([r.args for r in requests], first or len(requests))) == (1 if first is None else 4)
         got = lm.loglikelihood(requests, disable_tqdm=True)
         assert_same_answers(got, reference)
         assert hook.answers == {r.args: answer for r, answer in zip(requests, got)}
 
 
 def test_waves_keep_a_context_together_longest_first():
-    from ortmodule.lm_eval import _waves
+    from ortmodule.encoding import request_waves
 
     pairs = [("q" * (i % 7), " a" * (i % 5)) for i in range(100)] + [("long " * 50, " x")]
-    waves = _waves(pairs, 4)
+    waves = request_waves(pairs, 4)
     order = [i for wave in waves for i in wave]
     assert sorted(order) == list(range(len(pairs)))
     assert order[0] == 100  # the longest text first
@@ -229,8 +230,8 @@ def test_waves_keep_a_context_together_longest_first():
     where = {i: w for w, wave in enumerate(waves) for i in wave}
     for i, (context, _) in enumerate(pairs):
         assert {where[j] for j, (c, _) in enumerate(pairs) if c.rstrip() == context.rstrip()} == {where[i]}
-    assert len(_waves(pairs, len(pairs))) == 1
-    assert _waves([], 1) == []
+    assert len(request_waves(pairs, len(pairs))) == 1
+    assert request_waves([], 1) == []
 
 
 def test_the_next_waves_are_tokenized_while_a_wave_runs(build):
@@ -267,15 +268,15 @@ def test_the_next_waves_are_tokenized_while_a_wave_runs(build):
 
 
 def test_texts_are_cut_into_parts_of_about_equal_length():
-    from ortmodule.lm_eval import _contiguous_parts
+    from ortmodule.encoding import contiguous_parts
 
     texts = ["x" * n for n in (5, 1, 1, 1, 1, 1, 5, 3, 2)]
-    parts = _contiguous_parts(texts, 3)
+    parts = contiguous_parts(texts, 3)
     assert [t for part in parts for t in part] == texts
     assert [sum(map(len, part)) for part in parts] == [7, 8, 5]
-    assert _contiguous_parts(texts, 1) == [texts]
-    assert len(_contiguous_parts(["a" * 100, "b"], 4)) == 2  # never an empty part
-    assert _contiguous_parts([], 4) == []
+    assert contiguous_parts(texts, 1) == [texts]
+    assert len(contiguous_parts(["a" * 100, "b"], 4)) == 2  # never an empty part
+    assert contiguous_parts([], 4) == []
 
 
 def test_rolling_documents_are_encoded_in_one_batched_call(build, monkeypatch):
