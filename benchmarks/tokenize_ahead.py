@@ -1,12 +1,17 @@
 """lm-eval's tokenizing before the first batch (one wave, the CPU's choice) against wave by wave
 beside the model's work (CUDA's choice, `OrtModuleLM._first_wave`), on benchmarks/test_host_time.py's
 workload: MMLU-shaped requests on a model of negligible compute with SmolLM2's tokenizer, batch 32,
-sharing off. Per run: the time from the `loglikelihood` call to ONNX Runtime's first run (how long a
+sharing off. Per run: the time from the `loglikelihood` call to the first prefill (how long a
 device would wait for its first batch) and the call's time per request; the two settings alternate.
 Then the rolling workload's documents (`--documents` of them) encoded one by one, as HFLM's
 `loglikelihood_rolling` does, and batched on every core, as ortmodule's does (best of 3 each, in turns).
 
+`--emulated-device-us-per-token X` (synthetic, labelled so in its output): every prefill is a sleep of
+X us per token instead of ONNX Runtime's run (its answers meaningless), a device that computes while
+the host's cores are free, as beside a GPU, so that the overlap shows on a CPU.
+
     python benchmarks/tokenize_ahead.py [--questions 250] [--rounds 3] [--documents 50] [--device cpu]
+        [--emulated-device-us-per-token 3.6]
 """
 
 import argparse
@@ -24,8 +29,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from test_host_time import HOST_PROBE, TASK  # noqa: E402
 
 import ortmodule.lm_eval  # noqa: E402, F401  (registers the backend)
-from ortmodule import runtime  # noqa: E402
 from ortmodule.costs import _best_times  # noqa: E402
+from ortmodule.decoder import Decoder  # noqa: E402
 from ortmodule_dev import fixtures  # noqa: E402
 
 
@@ -35,6 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--documents", type=int, default=50)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--emulated-device-us-per-token", type=float)
     args = parser.parse_args()
     probe = fixtures.build(HOST_PROBE)
     tasks = TaskManager(include_path=str(Path(__file__).parent / "tasks"), metadata={"tokenizer": str(probe.hf_dir)})
@@ -42,14 +48,19 @@ def main() -> None:
                                 share_contexts="false", prefill_chunk=0)
     lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, limit=2, verbosity="ERROR")  # warm-up
 
-    first_run, run = [], runtime.Session.run
+    first_run, prefill, emulated = [], Decoder.prefill, args.emulated_device_us_per_token
 
-    def recording(self, *a, **k):
+    def recording(self, rows, logit_index=None, cache=None):
         first_run.append(time.perf_counter())
-        return run(self, *a, **k)
+        if emulated is None:
+            return prefill(self, rows, logit_index, cache)
+        time.sleep(emulated * 1e-6 * rows.ids.numel())
+        return torch.zeros(len(logit_index), self.vocab_size)
 
-    runtime.Session.run = recording
+    Decoder.prefill = recording
     call = lm.loglikelihood
+    if emulated is not None:
+        print(f"synthetic: each prefill a sleep of {emulated} us a token, no ONNX Runtime", flush=True)
 
     def timed(requests, *a, **k):
         first_run.clear()
@@ -57,7 +68,7 @@ def main() -> None:
         answers = call(requests, *a, **k)
         seconds = time.perf_counter() - start
         print(f"{'one wave' if lm._first_wave is None else f'waves from {lm._first_wave}':>16}: "
-              f"first run after {1e3 * (first_run[0] - start):5.0f} ms, "
+              f"first prefill after {1e3 * (first_run[0] - start):5.0f} ms, "
               f"{1e6 * seconds / len(requests):5.0f} us a request ({len(requests)} requests)", flush=True)
         return answers
 
