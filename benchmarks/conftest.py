@@ -80,7 +80,11 @@ SIZES = {
         lm_eval=dict(limit=100, batch_size=32),  # 100 questions: 400 loglikelihood requests
         # 10,000 MMLU-shaped requests, 4,000 HellaSwag-shaped, 4,000 ARC-shaped, 50 documents (about 250,000
         # tokens).
-        lm_eval_at_scale=dict(limits={"mmlu": 2500, "hellaswag": 1000, "arc": 1000, "rolling": 50}, batch_size=64),
+        # Rolling's windows fill the context and every position is scored: 64 rows of 4,096 tokens would be
+        # 80 GB of Qwen3's bf16 logits in transformers (and in ortmodule), so they go 8 at a time; the fp32
+        # reference of half-precision rows, whose logits and log-softmax take twice the memory, 16 (4 for rolling).
+        lm_eval_at_scale=dict(limits={"mmlu": 2500, "hellaswag": 1000, "arc": 1000, "rolling": 50}, batch_size=64,
+                              rolling_batch_size=8, reference_batch_size=16, reference_rolling_batch_size=4),
         host_time=dict(questions=1000, batch_size=64, decode_tokens=256),
         minicons=dict(sentences=320, batch_size=64),
         score=dict(requests=8, query_tokens=512, items=64, item_tokens=32, labels=4),
@@ -102,6 +106,14 @@ SIZES = {
         server=dict(rates=(4.0,), duration=1.0, query_tokens=12, items=2, item_tokens=4, labels=2, exact=False),
     ),
 }
+def at_scale_batch(options: dict, workload: str, reference: bool = False) -> int:
+    """An at-scale workload's batch size (`rolling`'s may be its own), or with `reference` that of the
+    fp32 transformers run beside half-precision rows (by default the workload's own)."""
+    rolling = workload == "rolling"
+    own = options.get("rolling_batch_size", options["batch_size"]) if rolling else options["batch_size"]
+    return options.get("reference_rolling_batch_size" if rolling else "reference_batch_size", own) if reference else own
+
+
 # Peers that run batch 1 only take minutes on the real model: measured on its fp32 package only.
 SLOW_PEERS_ON = {"smollm2-fp32", "tiny"}
 

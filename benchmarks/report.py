@@ -55,7 +55,9 @@ NOTES = {
     "`arc`, {arc} questions of 15-45 tokens with four 1-8-token answers (contexts too short for sharing to pay on "
     "most devices); "
     "`rolling`, {rolling} documents of 2,000-8,000 tokens scored whole (`loglikelihood_rolling`, in windows of the "
-    "model's context length). Batch {scale_batch}. `ortmodule` decides context sharing from its measured costs, "
+    "model's context length). Batch {scale_batch}, {rolling_batch} for `rolling` (its windows fill the context "
+    "and every position is scored; the fp32 reference of half-precision rows {reference_batch}, "
+    "{reference_rolling_batch} for `rolling`). `ortmodule` decides context sharing from its measured costs, "
     "`ortmodule-share-off` never shares, `ortmodule-share-on` always; `ortmodule-chunks-off` (CPU only) runs "
     "long rows in one prefill instead of chunks of 256 tokens (ortmodule/chunked.py); `ortmodule-tokenize-first` "
     "(GPU only) encodes every text before the first batch instead of wave by wave beside the device's work "
@@ -116,6 +118,7 @@ def render_page(size: str) -> str:
     return render([json.loads(path.read_text()) for path in page_sources(size)], size) + "\n"
 
 
+
 def note_values(size: str) -> dict:
     """The shapes of a size (benchmarks/conftest.py), for the workload notes."""
     # By path: where another conftest is imported (the tests' check of the pages), the name is taken.
@@ -125,6 +128,7 @@ def note_values(size: str) -> dict:
     SIZES, SLOW_PEERS_ON, model_label = suite.SIZES, suite.SLOW_PEERS_ON, suite.model_label  # noqa: N806
 
     shapes = SIZES[size]
+    scale, batch = shapes["lm_eval_at_scale"], suite.at_scale_batch
     server = shapes["server"]
     (lo, hi), limit = shapes["generate"]["prompt_lengths"], shapes["lm_eval"]["limit"]
     slow = [model_label(key) for key in shapes["decoders"] if key in SLOW_PEERS_ON]
@@ -132,7 +136,8 @@ def note_values(size: str) -> dict:
                 questions=limit or 200, batch_size=shapes["lm_eval"]["batch_size"],
                 slow_peers=", ".join(slow) or "no model of this size",
                 minicons_sentences=shapes["minicons"]["sentences"], minicons_batch=shapes["minicons"]["batch_size"],
-                **shapes["lm_eval_at_scale"]["limits"], scale_batch=shapes["lm_eval_at_scale"]["batch_size"],
+                **scale["limits"], scale_batch=batch(scale, "mmlu"), rolling_batch=batch(scale, "rolling"),
+                reference_batch=batch(scale, "mmlu", True), reference_rolling_batch=batch(scale, "rolling", True),
                 server_query=server["query_tokens"], server_items=server["items"], server_labels=server["labels"],
                 server_item_tokens=(f"{server['item_tokens']}" if server["exact"] else f"1-{server['item_tokens']}"),
                 server_duration=server["duration"], host_questions=shapes["host_time"]["questions"],

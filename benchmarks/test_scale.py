@@ -6,7 +6,7 @@ lm-eval's `hf` backend on the same weights, every row's answers against transfor
 
 import lm_eval
 import pytest
-from conftest import device_name, model_label, peak_rss_mb, reset_peak_rss
+from conftest import at_scale_batch, device_name, model_label, peak_rss_mb, reset_peak_rss
 from evaluation import TASK_DIR, Clock, answers, load, record_agreement
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
@@ -46,10 +46,11 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
         pytest.skip("prefill chunks are a CPU choice, for rows of 512 tokens and more (not HellaSwag's or ARC's)")
     if backend == "ortmodule-tokenize-first" and (device == "cpu" or workload == "rolling"):
         pytest.skip("tokenizing ahead is CUDA's choice, for loglikelihood requests (a CPU encodes every text first)")
-    lm = load(backend, fixture, options["batch_size"], device)
+    batch = at_scale_batch(options, workload)
+    lm = load(backend, fixture, batch, device)
     if device != "cpu":  # CUDA's first calls (kernel selection, cuBLAS handles) stay off the clock
         lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=model_tasks, limit=2, verbosity="ERROR")
-    benchmark.extra_info.update(backend=backend, case=workload, model=model_label(decoder_key),
+    benchmark.extra_info.update(backend=backend, case=workload, model=model_label(decoder_key), batch_size=batch,
                                 device=device_name(device), parameters=fixture.parameters())
     reset_peak_rss()
     clock = Clock(monkeypatch, lm, "loglikelihood_rolling" if workload == "rolling" else "loglikelihood")
@@ -78,7 +79,7 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
         key = (decoder_key, workload, "fp32")
         if key not in SCALE_ANSWERS:
             reference = get_model("hf")(pretrained=str(fixture.hf_dir), dtype="float32", device=device,
-                                        batch_size=options["batch_size"])
+                                        batch_size=at_scale_batch(options, workload, reference=True))
             SCALE_ANSWERS[key] = answers(lm_eval.simple_evaluate(model=reference, tasks=[task],
                                                                  task_manager=model_tasks, limit=limit,
                                                                  verbosity="ERROR"), task)
