@@ -2,9 +2,10 @@
 
 It is lm-eval's own `HFLM` with an ONNX GenAI package underneath. It overrides only what it
 must: config and model built from the package, `max_length` from `genai_config.json`, model info
-without network calls, and loglikelihood scoring, which goes through `ortmodule.loglikelihood` so
-that only the continuation's positions reach the LM head and the log-softmax and gather run on the
-device, with one small copy to the host per batch.
+without network calls, the texts' encoding (encoding.py: each text once, batched on every core,
+on CUDA beside the device's work), and loglikelihood scoring, which goes through
+`ortmodule.loglikelihood` so that only the continuation's positions reach the LM head and the
+log-softmax and gather run on the device, with one small copy to the host per call.
 """
 
 from __future__ import annotations
@@ -209,13 +210,10 @@ class OrtModuleLM(HFLM):
 
     @_one_evaluation_at_a_time
     def loglikelihood(self, requests, disable_tqdm: bool = False):
-        """HFLM's, with the tokenizing run ahead of the device. The requests go in waves
-        (`encoding.request_waves`: the longest texts first, a context's requests together, each
-        wave about twice the last; one wave on a CPU); while one wave's batches run, a thread
-        encodes the next waves' texts, each text once and in batches on every core (a
-        multiple-choice question's context once for all its choices, where HFLM encodes it again
-        for each). Every wave's answers stay on the device until the last wave has run, then come
-        back in one copy."""
+        """HFLM's, with the tokenizing beside the device's work: the requests go in waves
+        (`encoding.request_waves`; one wave on a CPU), a thread encodes each wave's texts once and
+        in batches on every core while the earlier waves' batches run, and every wave's answers stay
+        on the device until the last has run, then come back in one copy."""
         pairs = [req.args for req in requests]
         if not isinstance(self._model, OrtModelForCausalLM) or getattr(self, "enable_thinking", False):
             self._encoded = self._encode_batched(texts_to_encode(pairs))  # HFLM's path (and its errors)
@@ -249,6 +247,7 @@ class OrtModuleLM(HFLM):
         return known[-left_truncate_len:] if left_truncate_len else list(known)
 
     def _encode_batched(self, texts: list[str]) -> dict[str, list[int]]:
+        """`HFLM.tok_encode(text)` of every text, batched on every core (`encoding.encode_as_tok_encode`)."""
         bos = self.tokenizer.decode(self.prefix_token_id) if self.prefix_token_id is not None else None
         return encode_as_tok_encode(self.tokenizer, texts, self.add_bos_token, bos)
 
