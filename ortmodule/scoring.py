@@ -96,8 +96,6 @@ class _Totals:
     """Per request, on the device: the summed log-probability of its targets and how many of them
     are not the greedy token; `tensor` stacks them for the one device-to-host copy."""
 
-    CHUNK_BYTES = 1 << 28  # float32 log-softmax work at a time: logits of a large batch are not copied whole
-
     def __init__(self, requests: int, device: torch.device):
         self.sums = torch.zeros(requests, device=device)
         self.missed = torch.zeros(requests, device=device)
@@ -106,9 +104,7 @@ class _Totals:
             at: torch.Tensor | None = None) -> None:
         """Targets `target[k]` of requests `owner[k]`, predicted by `logits[at[k]]` (`logits[k]`
         without `at`)."""
-        chunk = max(1, self.CHUNK_BYTES // (4 * logits.shape[-1]))
-        lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in logits.split(chunk)])
-        greedy = logits.argmax(-1)
+        lse, greedy = log_normalizers(logits)
         if at is not None:
             lse, greedy = lse[at], greedy[at]
             picked = logits[at, target]
@@ -119,6 +115,34 @@ class _Totals:
 
     def tensor(self) -> torch.Tensor:
         return torch.stack([self.sums, self.missed])
+
+
+CPU_CHUNK_BYTES = 1 << 22  # float32 work per piece on a CPU: it stays in the cache between passes
+CUDA_CHUNK_BYTES = 1 << 28  # on CUDA: few kernel launches, and a large batch's logits are never copied whole
+
+
+def log_normalizers(logits: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `[positions, V]` logits: the log of its softmax's denominator (float32, so that
+    `logit - normalizer` is the float32 log-probability whatever the logits' precision) and its
+    greedy token.
+
+    `torch.logsumexp` is a composite (max, subtract, exp, sum, log: five passes over its input,
+    two of them writing a tensor as large), so on a CPU it runs on pieces that stay in the cache
+    (`CPU_CHUNK_BYTES`: about 3x faster than on 256 MB pieces, docs/measurements.md), and on CUDA
+    `torch.log_softmax` in float32 runs instead: one kernel per piece that reads the half-precision
+    logits and writes the float32 log-probabilities, from which the normalizer is read at the
+    greedy token (`logit - log-probability`, there close to 0, so exact to float32's rounding).
+    `fused` picks the way regardless of the device (the tests check both on a CPU)."""
+    greedy = logits.argmax(-1)
+    if not (logits.device.type == "cuda" if fused is None else fused):
+        chunk = max(1, CPU_CHUNK_BYTES // (4 * logits.shape[-1]))
+        return torch.cat([torch.logsumexp(part.float(), dim=-1) for part in logits.split(chunk)]), greedy
+    chunk = max(1, CUDA_CHUNK_BYTES // (4 * logits.shape[-1]))
+    parts = []
+    for part, top in zip(logits.split(chunk), greedy[:, None].split(chunk)):
+        log_probs = torch.log_softmax(part, dim=-1, dtype=torch.float32)
+        parts.append((part.gather(1, top).float() - log_probs.gather(1, top)).squeeze(1))
+    return torch.cat(parts), greedy
 
 
 @torch.inference_mode()

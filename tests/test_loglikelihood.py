@@ -70,6 +70,28 @@ def test_loglikelihood_matches_transformers(arch_pair, left_padded):
     assert got[1][1] is True
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_log_normalizers_equal_float64_log_sum_exp(monkeypatch, fused, dtype):
+    """Both ways (the CPU's cached pieces of `torch.logsumexp`, CUDA's fused float32 log-softmax
+    read at the greedy token), on pieces that split the rows unevenly, against float64: the
+    normalizer to float32's rounding and the greedy token equal to argmax, whatever the logits'
+    precision; rows of large logits (near float16's limit) and of one dominant token included."""
+    gen = torch.Generator().manual_seed(31)
+    vocab = 1000
+    logits = torch.randn(23, vocab, generator=gen) * 6
+    logits[3] += 2000 if dtype != torch.float16 else 60000 - logits[3].max()
+    logits[5, 17] = 80  # one token takes nearly all the probability
+    logits = logits.to(dtype)
+    monkeypatch.setattr(scoring, "CPU_CHUNK_BYTES", 4 * vocab * 5)  # pieces of 5 rows: 5+5+5+5+3
+    monkeypatch.setattr(scoring, "CUDA_CHUNK_BYTES", 4 * vocab * 5)
+    lse, greedy = scoring.log_normalizers(logits, fused=fused)
+    reference = torch.logsumexp(logits.double(), dim=-1)
+    assert lse.dtype == torch.float32 and lse.shape == (23,)
+    assert ((lse.double() - reference).abs() / reference.abs().clamp(min=1)).max().item() < 1e-6
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
 def test_loglikelihood_errors(llama):
     model = load_pair(llama)[0]
     ids = torch.tensor([[5, 6, 7, 8]])

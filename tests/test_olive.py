@@ -14,9 +14,9 @@ from helpers import cuda
 olive = pytest.importorskip("olive", reason="the olive extra: pip install 'ortmodule[olive]'")
 
 from olive.evaluator.metric import Metric  # noqa: E402
-from olive.telemetry import telemetry as olive_telemetry  # noqa: E402
 from olive.evaluator.olive_evaluator import OliveEvaluatorConfig  # noqa: E402
 from olive.model import CompositeModelHandler, ONNXModelHandler  # noqa: E402
+from olive.telemetry import telemetry as olive_telemetry  # noqa: E402
 from olive.workflows import run as olive_run  # noqa: E402
 
 import ortmodule.lm_eval  # noqa: E402, F401  (registers the lm-eval backend)
