@@ -20,6 +20,7 @@ import torch
 import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from .encoding import encode_as_tok_encode, hflm_request, request_waves, texts_to_encode
@@ -112,6 +113,30 @@ def read_back(keys, pending: list[tuple[list[int], torch.Tensor]], cache_hook) -
             if keys[i] is not None:
                 cache_hook.add_partial("loglikelihood", keys[i], answer)
     return results
+
+
+def rolling_totals(lm: OrtModuleLM, requests, disable_tqdm: bool = False) -> list[float]:
+    """`HFLM.loglikelihood_rolling`'s answers (lm-eval's disjoint windows of `max_length` tokens,
+    the prefix token before the first), with every window of every document scored in one call:
+    HFLM batches the windows in document order, each batch padded to its longest window and read
+    back before the next is built; here they are batched by length (`_totals_on_device`) and come
+    back in one copy. Documents share no context but the prefix token, so none is shared."""
+    windows, counts = [], []
+    for request in requests:
+        mine = [(None, *make_disjoint_window(window)) for window in get_rolling_token_windows(
+            token_list=lm.tok_encode(request.args[0]), prefix_token=lm.prefix_token_id,
+            max_seq_len=lm.max_length, context_len=1)]
+        windows += mine
+        counts.append(len(mine))
+    progress = tqdm(total=len(windows), disable=disable_tqdm or lm.rank != 0, desc="Running rolling windows")
+    pending = lm._totals_on_device(windows, progress, share=False)
+    progress.close()
+    scores = iter(read_back([None] * len(windows), pending, lm.cache_hook))
+    totals = []
+    for request, count in zip(requests, counts):
+        totals.append(sum(next(scores)[0] for _ in range(count)))
+        lm.cache_hook.add_partial("loglikelihood_rolling", request.args, totals[-1])
+    return totals
 
 
 def leave_process_group() -> None:
@@ -253,11 +278,13 @@ class OrtModuleLM(HFLM):
 
     @_one_evaluation_at_a_time
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        """HFLM's, with the documents encoded first, in batches on every core (`_encode_batched`;
-        HFLM encodes them one by one, on one core)."""
+        """HFLM's, with the documents encoded first, batched on every core (HFLM: one by one, on one
+        core), and on an ortmodule model every window of every document in one call (`rolling_totals`)."""
         self._encoded = self._encode_batched([req.args[0] for req in requests])
         try:
-            return HFLM.loglikelihood_rolling(self, requests, disable_tqdm)
+            if not isinstance(self._model, OrtModelForCausalLM):
+                return HFLM.loglikelihood_rolling(self, requests, disable_tqdm)
+            return rolling_totals(self, requests, disable_tqdm)
         finally:
             self._encoded = {}
 
@@ -287,11 +314,11 @@ class OrtModuleLM(HFLM):
         progress.close()
         return read_back([key for key, _, _ in requests], pending, self.cache_hook)
 
-    def _totals_on_device(self, requests, progress, override_bs: int | None = None
+    def _totals_on_device(self, requests, progress, override_bs: int | None = None, share: bool = True
                           ) -> list[tuple[list[int], torch.Tensor]]:
-        """The answers of tokenized requests, left on the device: per batch, the indices of its
-        requests and their `[2, n]` totals. On CUDA nothing here waits for the device, so the host
-        builds the next batch (and tokenizes the next wave) while one runs."""
+        """The answers of tokenized requests, left on the device: per batch, its requests' indices
+        and `[2, n]` totals (`share`: contexts shared as `share_contexts` says). On CUDA nothing
+        here waits for the device: the host builds the next batch (tokenizes the next wave) meanwhile."""
         rows, starts = [], []
         for _, context, continuation in requests:
             if not context or not continuation:
@@ -302,7 +329,7 @@ class OrtModuleLM(HFLM):
             rows.append(row)
             starts.append(len(row) - len(continuation))
         pending: list[tuple[list[int], torch.Tensor]] = []
-        shared = self._shared_context_groups(requests, rows, starts)
+        shared = self._shared_context_groups(requests, rows, starts) if share else []
         for batch in group_batches(shared, rows, self._rows_per_batch):
             chunk = [i for i, _ in batch]
             pending.append((chunk, grouped_loglikelihood_totals(

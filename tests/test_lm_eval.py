@@ -302,6 +302,47 @@ def test_rolling_documents_are_encoded_in_one_batched_call(build, monkeypatch):
     assert got == pytest.approx(reference, rel=1e-5)
 
 
+def test_rolling_windows_run_in_batches_by_length_and_come_back_once(build, monkeypatch):
+    """Every window of every document in one call: two long documents (two windows of the 256-token
+    context each) and two short ones (one window each), 2 rows a batch. HFLM batches the windows in
+    document order, padding each short window to a long one beside it; here the long windows fill
+    two batches and the short ones share the third. One copy of the answers comes back for the call,
+    and the totals equal hf's on the same weights."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    import ortmodule.lm_eval as backend
+
+    fixture = build("llama")
+    phrases = ["two plus three is five", "three times four is twelve", "six minus one is five", "ten over two is five"]
+    documents = [Instance("loglikelihood_rolling", {}, (" ".join([phrase] * n),), n)  # about 13 tokens a phrase
+                 for phrase, n in zip(phrases, (35, 3, 38, 6))]
+    reference = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu", max_length=256,
+                     batch_size=2).loglikelihood_rolling(documents, disable_tqdm=True)
+    lm = backend.OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=2, prefill_chunk=0)
+    widths, copies = [], []
+    totals, answers = backend.loglikelihood_totals, backend.answers
+    monkeypatch.setattr(backend, "loglikelihood_totals",
+                        lambda model, ids, mask, *a: widths.append((ids.shape, mask.sum().item())) or totals(
+                            model, ids, mask, *a))
+    monkeypatch.setattr(backend, "answers", lambda t: copies.append(t.shape) or answers(t))
+    got = lm.loglikelihood_rolling(documents, disable_tqdm=True)
+    assert got == pytest.approx(reference, rel=1e-5)
+    # The windows' row lengths in document order, as lm-eval cuts them.
+    rows = [len(context) + len(continuation) - 1 for doc in documents
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                lm.tok_encode(doc.args[0]), lm.prefix_token_id, 256, 1))]
+    assert len(rows) >= 6 and 256 in rows and min(rows) < 128
+    assert copies == [(2, len(rows))]  # every window's answer, read back at once
+    by_length = sorted(rows, reverse=True)
+    assert [(shape[0], shape[1]) for shape, _ in widths] == [
+        (len(by_length[i : i + 2]), by_length[i]) for i in range(0, len(rows), 2)]
+    padded = sum(shape[0] * shape[1] for shape, _ in widths)
+    in_document_order = sum(len(rows[i : i + 2]) * max(rows[i : i + 2]) for i in range(0, len(rows), 2))
+    assert sum(real for _, real in widths) == sum(rows) and padded < in_document_order
+
+
 def test_hflm_accepts_a_loaded_model(build):
     """`OrtModuleLM(pretrained=<OrtModelForCausalLM>, tokenizer=...)` as with HFLM and a PreTrainedModel."""
     from ortmodule import OrtModelForCausalLM, load_tokenizer
