@@ -151,10 +151,10 @@ def _score_batch(model, prompts: list[Ids], top: int) -> list[PromptScores]:
     rows = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
     cols = torch.cat([torch.arange(n) for n in lengths])
     logits = model.logits_at(ids.to(model.device), mask.to(model.device), rows, cols)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    normalizers, _ = scoring.log_normalizers(logits)  # log-probability = logit - normalizer, in float32
     targets = torch.cat([torch.tensor(p[1:] + [0]) for p in prompts]).to(model.device)
-    values, indices = logprobs.topk(min(top, logprobs.shape[1]), dim=-1)
-    values = torch.cat([logprobs.gather(1, targets[:, None]), values], 1).cpu().tolist()
+    values, indices = logits.topk(min(top, logits.shape[1]), dim=-1)
+    values = (torch.cat([logits.gather(1, targets[:, None]), values], 1).float() - normalizers[:, None]).cpu().tolist()
     indices = indices.cpu().tolist()
     out, start = [], 0
     for n in lengths:
