@@ -194,6 +194,18 @@ def cpu_fractions(bench: dict, seconds: float, limits: dict) -> tuple[str, str]:
     return compute, memory
 
 
+def provenance(runs: list[dict]) -> str:
+    """Which run(s) of the suite a page comes from: one run, or several (a workload each, `-k`) on
+    the same machine, whose rows are comparable where they come from the same run."""
+    times = sorted(run["datetime"][:16].replace("T", " ") for run in runs)
+    if len(runs) == 1:
+        return f"run {times[0][:10]}. Every row of a table was measured in the same run, so ratios are comparable; "
+    return (f"{len(runs)} runs of the suite on the same machine, one or a few workloads each (`-k`), from "
+            f"{times[0]} to {times[-1]} UTC; rows of one run are comparable, and every table's reference rows "
+            "(transformers, onnxruntime-genai) come from the run of the rows beside them unless the workload's "
+            "note says otherwise; ")
+
+
 def render(runs: list[dict], size: str) -> str:
     out = []
     machine = runs[0]["machine_info"]
@@ -202,9 +214,8 @@ def render(runs: list[dict], size: str) -> str:
     out.append("# Benchmarks (GPU)\n" if size == "gpu" else "# Benchmarks\n")
     out.append(f"Machine: {cpu.get('brand_raw', machine.get('processor'))}, {cpu.get('count', '?')} logical CPUs"
                + (f", GPU: {', '.join(devices)}" if devices else "")
-               + f"; Python {machine['python_version']}; run {runs[0]['datetime'][:10]}. "
-               "Every row of a table was measured in the same run, so ratios are comparable; "
-               "absolute times belong to this machine only.\n")
+               + f"; Python {machine['python_version']}; " + provenance(runs)
+               + "absolute times belong to this machine only.\n")
     limits = machine.get("limits") or {}
     if limits.get("kind") == "gpu":
         out.append(f"Limits of this GPU ({limits['name']}): data sheet dense bf16 peak "
@@ -247,7 +258,9 @@ def render(runs: list[dict], size: str) -> str:
         keys = sorted({k for b in benches for k in b["extra_info"]} - hidden)
         with_fraction = any(peak_fraction(b, median(b) or 0, limits) for b in benches)
         fractions = [cpu_fractions(b, median(b) or 0, limits) for b in benches]
-        with_compute, with_memory = any(f[0] for f in fractions), any(f[1] for f in fractions)
+        # `of peak bf16` (2 x parameters x tokens) already says what the compute fraction would
+        with_compute = any(f[0] for f in fractions) and not with_fraction
+        with_memory = any(f[1] for f in fractions)
         out.append(f"## {group}: {model}\n" if model else f"## {group}\n")
         if group in NOTES:
             out.append(NOTES[group].format(**note_values(size)) + "\n")
