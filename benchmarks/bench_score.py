@@ -101,7 +101,7 @@ class LocalServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        command = [str(Path(sys.executable).parent / "ortmodule"), "serve", str(package), "--port", str(port),
+        command = [sys.executable, "-m", "ortmodule", "serve", str(package), "--port", str(port),
                    "--device", device, *extra]
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  open for the server process's lifetime
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)

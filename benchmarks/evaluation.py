@@ -1,9 +1,11 @@
 """What the lm-eval benchmarks share: loading each backend, the clock on its loglikelihood calls,
 and the agreement of two runs' answers."""
 
+import gc
 import time
 from pathlib import Path
 
+import torch
 from lm_eval.api.registry import get_model
 
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
@@ -14,6 +16,12 @@ SHARING = {"ortmodule": "auto", "ortmodule-share-off": "false", "ortmodule-share
 
 
 def load(backend, fixture, batch_size, device):
+    """lm-eval's model object for a benchmark row. On a GPU, what earlier rows left in torch's caching
+    allocator (tens of GB after transformers' rows: all-position logits of 64 rows) goes back to the
+    driver first, so that every row starts from the same free memory."""
+    if device != "cpu":
+        gc.collect()
+        torch.cuda.empty_cache()
     if backend in SHARING:
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
                                       share_contexts=SHARING[backend])

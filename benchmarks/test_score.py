@@ -60,9 +60,17 @@ def test_ortmodule_score(benchmark, workload, reuse):
         return
     hf = reference_model(fixture, device)
     with torch.inference_mode():
-        expected = transformers_scores(hf, requests[0])
-    tolerance = {"fp32": 1e-4}.get(fixture.spec.precision, 2e-2)
-    assert np.abs(out - np.array(expected)).max() < tolerance
+        expected = np.array(transformers_scores(hf, requests[0]))
+    if fixture.spec.precision == "fp32":
+        assert np.abs(out - expected).max() < 1e-4
+        return
+    # Half precision: two bf16 implementations differ by their rounding (up to 0.05 in a probability
+    # on Qwen3-0.6B's random weights, H100), so both are held to transformers fp32 on the same
+    # weights: ortmodule no further from it than transformers in the package's precision.
+    del hf
+    with torch.inference_mode():
+        exact = np.array(transformers_scores(reference_model(fixture, device, "fp32"), requests[0]))
+    assert np.abs(out - exact).mean() < 1.1 * np.abs(expected - exact).mean() + 2e-3
 
 
 def genai_scores(model, request) -> list:

@@ -34,7 +34,7 @@ def start_server(package: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [str(Path(sys.executable).parent / "ortmodule"), "serve", str(package), "--port", str(port),
+    command = [sys.executable, "-m", "ortmodule", "serve", str(package), "--port", str(port),
                "--name", "smollm2"]
     print("$", " ".join(command), flush=True)
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -127,10 +127,10 @@ class Session:
         if current is not None and current != stream:
             stream.wait_stream(current)
         try:
-            self.ort_session.run_with_iobinding(binding, self._run_options(graph_id))
-        except Exception as e:
-            raise_if_out_of_memory(e)
-            raise
+            # A run that would be captured is not run twice (a capture that failed is not replayed).
+            device = stream.device if stream is not None and not self.cuda_graphs else None
+            retrying_on_torch_cache(device, lambda: self.ort_session.run_with_iobinding(
+                binding, self._run_options(graph_id)))
         finally:
             if current is not None and current != stream:
                 current.wait_stream(stream)
@@ -178,11 +178,8 @@ def make_session(
         # A stream of the session's own, never torch's default one: the default stream's handle is
         # 0, which ONNX Runtime cannot tell from "no stream given".
         stream = torch.cuda.Stream(device) if dedicated_stream else torch.cuda.current_stream(device)
-    try:
-        session = ort.InferenceSession(source, options, providers=providers(device, provider_options, stream))
-    except Exception as e:  # ORT raises its own exception types for every load failure
-        raise_if_out_of_memory(e)
-        raise
+    session = retrying_on_torch_cache(
+        device, lambda: ort.InferenceSession(source, options, providers=providers(device, provider_options, stream)))
     if device.type != "cuda":
         return Session(session)
     # `run` orders the session's stream with whatever stream is current at each call. No sync at
@@ -217,18 +214,53 @@ def bind_output_to(binding: ort.IOBinding, name: str, device: torch.device) -> N
     binding.bind_output(name, device.type, device.index or 0)
 
 
-# How ONNX Runtime words an allocation failure: the CPU allocator, the CUDA driver, and its BFC
-# arena when `gpu_mem_limit` is reached ("Available memory of N is smaller than requested bytes").
+# How ONNX Runtime words an allocation failure: the CPU allocator, the CUDA driver, its BFC arena
+# when `gpu_mem_limit` is reached ("Available memory of N is smaller than requested bytes"), and
+# cuBLAS / cuDNN failing to create a handle at session start ("CUBLAS failure 3: the resource
+# allocation failed", seen on an H100 while torch's cache held the memory; *_STATUS_ALLOC_FAILED).
 _OOM_MARKERS = ("failed to allocate memory", "bad_alloc", "out of memory", "cudaerrormemoryallocation",
-                "is smaller than requested bytes")
+                "is smaller than requested bytes", "resource allocation failed", "status_alloc_failed")
 
 
-def raise_if_out_of_memory(error: Exception) -> None:
-    """Re-raise an ONNX Runtime allocation failure as the RuntimeError that accelerate's batch-size
-    search (and lm-eval's --batch_size auto) recognises: its message contains 'out of memory.'."""
+def is_out_of_memory(error: Exception) -> bool:
     text = str(error).lower()
-    if any(marker in text for marker in _OOM_MARKERS):
-        raise RuntimeError(f"ONNX Runtime ran out of memory. ({error})") from error
+    return any(marker in text for marker in _OOM_MARKERS)
+
+
+def raise_if_out_of_memory(error: Exception, device: torch.device | None = None) -> None:
+    """Re-raise an ONNX Runtime allocation failure as the RuntimeError that accelerate's batch-size
+    search (and lm-eval's --batch_size auto) recognises: its message contains 'out of memory.'.
+    On a CUDA device the message says what is free and what torch's tensors hold."""
+    if is_out_of_memory(error):
+        where = ""
+        if device is not None and device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            where = (f" {device} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB; torch's tensors hold "
+                     f"{torch.cuda.memory_allocated(device) / 2**30:.1f} GiB.")
+        raise RuntimeError(f"ONNX Runtime ran out of memory.{where} ({error})") from error
+
+
+def retrying_on_torch_cache(device: torch.device | None, action):
+    """`action()`, ONNX Runtime's allocation failures raised as `raise_if_out_of_memory` does. On
+    CUDA, where torch's caching allocator holds device memory that no tensor uses (after a
+    transformers model ran in the same process, say: tens of GB), ONNX Runtime cannot have it: that
+    memory is handed back to the driver (`torch.cuda.empty_cache()`) and `action` runs once more."""
+    try:
+        return action()
+    except Exception as e:  # ORT raises its own exception types
+        cached = 0
+        if device is not None and device.type == "cuda" and is_out_of_memory(e):
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if cached <= 0:
+            raise_if_out_of_memory(e, device)
+            raise
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+    try:
+        return action()
+    except Exception as e:
+        raise_if_out_of_memory(e, device)
+        raise
 
 
 def out_of_memory_is_runtime_error(function):

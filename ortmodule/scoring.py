@@ -335,8 +335,8 @@ def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> to
     out = torch.empty(len(prompts), len(labels), device=device)
     for batch in length_batches([len(p) for p in prompts], 0, budget):
         ids, mask = pad_right([prompts[i] for i in batch])
-        ids, mask = ids.to(device), mask.to(device)
-        logits = model.logits_at(ids, mask, torch.arange(len(batch), device=device), mask.sum(1) - 1)
+        last = mask.sum(1) - 1  # positions on the host: logits_at checks them there, with no wait on the device
+        logits = model.logits_at(ids.to(device), mask.to(device), torch.arange(len(batch)), last)
         out[torch.tensor(batch, device=device)] = _gather(logits, label_ids)
     return out
 

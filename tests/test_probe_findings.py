@@ -424,3 +424,81 @@ def test_allocation_failures_are_out_of_memory_errors_and_the_model_stays_usable
     for name in ("prefill", "generate", "score"):
         assert lines[name].startswith("True"), result.stdout
     assert "usable" in result.stdout
+
+
+# ONNX Runtime's words when its CUDA provider could not create a cuBLAS handle at session start, on an
+# H100 after transformers had run in the same process (torch's cache held the memory; session 24).
+CUBLAS_AT_SESSION_START = (
+    "[ONNXRuntimeError] : 1 : FAIL : Exception during initialization: /onnxruntime_src/onnxruntime/core/providers/"
+    "cuda/cuda_call.cc:154 ... CUBLAS failure 3: the resource allocation failed ; GPU=0 ; hostname=vm ; "
+    "file=/onnxruntime_src/onnxruntime/core/providers/cuda/cuda_execution_provider.cc ; line=245 ; "
+    "expr=cublasCreate(&cublas_handle_);")
+
+
+@pytest.fixture
+def fake_cuda_memory(monkeypatch):
+    """torch.cuda's memory calls on a machine without a GPU: 40 GiB reserved by torch's cache, 1 GiB
+    of it in tensors, 2 GiB free on the device; `released` counts empty_cache calls."""
+    state = {"reserved": 40 << 30, "released": 0}
+
+    def empty_cache():
+        state["released"] += 1
+        state["reserved"] = 1 << 30
+
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    return state
+
+
+def test_device_allocation_failure_hands_torch_cache_back_and_retries(fake_cuda_memory):
+    """An allocation failure on CUDA while torch's cache holds memory no tensor uses: that memory goes
+    back to the driver and the session starts (or the run runs) once more; where nothing is cached
+    (or the retry fails too) the error is the "out of memory." one that batch-size searches retry on,
+    saying what the device has free; other errors and CPU devices pass through untouched."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    from ortmodule import runtime
+
+    cuda, calls = torch.device("cuda", 0), []
+
+    def start_once_released():
+        calls.append(fake_cuda_memory["released"])
+        if not fake_cuda_memory["released"]:
+            raise RuntimeError(CUBLAS_AT_SESSION_START)
+        return "session"
+
+    assert runtime.retrying_on_torch_cache(cuda, start_once_released) == "session"
+    assert calls == [0, 1]  # failed, the cache was handed back, started
+
+    def never():  # the cache is empty now: no second try
+        calls.append("never")
+        raise RuntimeError(CUBLAS_AT_SESSION_START)
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match=r"out of memory\. cuda:0 has 2\.0 GiB free of 80\.0 GiB; torch's "
+                                           r"tensors hold 1\.0 GiB\. .*CUBLAS failure 3") as caught:
+        runtime.retrying_on_torch_cache(cuda, never)
+    assert calls == ["never"] and should_reduce_batch_size(caught.value)
+
+    fake_cuda_memory["reserved"] = 40 << 30  # cached again, and the retry fails as well: one retry only
+    calls.clear()
+    with pytest.raises(RuntimeError, match=r"out of memory\. cuda:0 has") as caught:
+        runtime.retrying_on_torch_cache(cuda, never)
+    assert calls == ["never", "never"] and fake_cuda_memory["released"] == 2
+
+    def broken():
+        calls.append("broken")
+        raise RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : a graph error")
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="INVALID_GRAPH") as caught:
+        runtime.retrying_on_torch_cache(cuda, broken)
+    assert calls == ["broken"] and "out of memory" not in str(caught.value)
+
+    calls.clear()  # on the CPU: no cache to hand back, the failure named as out of memory
+    with pytest.raises(RuntimeError, match=r"ONNX Runtime ran out of memory\. \(") as caught:
+        runtime.retrying_on_torch_cache(torch.device("cpu"), never)
+    assert calls == ["never"] and should_reduce_batch_size(caught.value)

@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -158,7 +157,7 @@ def test_memory_stays_flat_over_a_soak(llama):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [str(Path(sys.executable).parent / "ortmodule"), "serve", str(llama.package_dir), "--port", str(port)]
+    command = [sys.executable, "-m", "ortmodule", "serve", str(llama.package_dir), "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
