@@ -75,9 +75,9 @@ def _timed_runs(decoder: Decoder) -> Costs:
 
 def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) -> tuple[float, float, float]:
     """`extend_per_token`, `extend_per_score` and `extend_fixed`: extends of 16 new tokens a row
-    over copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and 4 rows of 16
-    over a prefix of 512 tokens (the context allowing), whose extra time is the attention over the
-    448 extra positions. (Read from one row of 256 new tokens against two of 16 instead, the
+    over copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and as many rows
+    as that doubling ended at (4 on a CPU) of 16 over a prefix of 512 tokens (the context allowing),
+    whose extra time is the attention over the 448 extra positions. (Read from one row of 256 new tokens against two of 16 instead, the
     attention drowned in the per-token cost's noise: 0 to 8e-8 s a score on 2 vCPUs, against
     ~7e-7 s where it matters, remainders of thousands of tokens.)"""
     device = decoder.device
@@ -98,11 +98,13 @@ def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) ->
         index = torch.arange(rows, device=device) * 16 + 15
         return lambda: extender.run(tokens.to(device), cache, index)
 
-    per_token, fixed = run_costs(lambda rows: _best_time(run(rows), device), 16)  # 16 new tokens a row
+    per_token, fixed, rows = _doubling(lambda rows: _best_time(run(rows), device), 16)  # 16 new tokens a row
     per_score = 0.0
     if attention:  # timed in turns, so that a slower stretch of a shared machine slows both alike
-        short, long = _best_times([run(4), run(4, longer)], device, repeats=5)
-        per_score = max(0.0, long - short) / (4 * 16 * (longer - length))
+        # At the rows where the extend's tokens showed in its time: on a GPU, 4 rows over either
+        # prefix take the time of their kernel launches, and the prefix would look free.
+        short, long = _best_times([run(rows), run(rows, longer)], device, repeats=5)
+        per_score = max(0.0, long - short) / (rows * 16 * (longer - length))
     return per_token, per_score, fixed
 
 
@@ -118,17 +120,23 @@ def run_costs(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float
 
     `seconds_for_rows(r)` times a run of r rows of `length` tokens. The rows double from 2 until a
     run takes at least 1.5x the one before (or `most_rows`), and the slope between those two runs
-    is returned. On a CPU that is the first doubling; a GPU runs a few hundred tokens in the time
+    is returned (`_doubling` also gives the rows of the larger one). On a CPU that is the first doubling; a GPU runs a few hundred tokens in the time
     of its kernel launches, so its slope is read where the batch is large enough to cost by the
     token, as lm-eval's batches do. (The average over a small run overstates a GPU's token cost
     several times over, and made sharing look worth its decode steps: measured on an H100, lm-eval
     chose sharing and ran 1.4x slower than without it.)"""
+    return _doubling(seconds_for_rows, length, most_rows)[:2]
+
+
+def _doubling(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float, float, int]:
+    """`run_costs`, and the rows of the run where the slope was read: the smallest batch that
+    costs by its work on this device (4 on a CPU, up to `most_rows` on a GPU)."""
     rows, before = 2, seconds_for_rows(2)
     while True:
         now = seconds_for_rows(2 * rows)
         if now >= 1.5 * before or 2 * rows >= most_rows:
             slope = max(now - before, 0.0) / (rows * length) or 1e-9
-            return slope, max(0.0, before - slope * rows * length)
+            return slope, max(0.0, before - slope * rows * length), 2 * rows
         rows, before = 2 * rows, now
 
 

@@ -163,6 +163,30 @@ def test_prefill_slope_reads_the_cost_of_a_token_where_tokens_cost():
     assert costs.prefill_slope(lambda rows: 5e-3, 64) > 0  # flat: still a positive cost
 
 
+def test_the_extend_attention_is_timed_at_the_rows_where_tokens_showed(llama, monkeypatch):
+    """The attention term (the extra time of a longer prefix) is read from extends of as many rows
+    as the token doubling ended at: 4 on a CPU-like device, 32 where small runs cost their launches
+    (a GPU), where 4 rows over either prefix would take the same time and the prefix look free."""
+    model, _ = load_pair(llama)
+    decoder = model.decoder
+    extender, length = decoder.extender(), 64
+    ids = torch.randint(4, 500, (64, length), generator=torch.Generator().manual_seed(0))
+    made = []
+    original = decoder.new_cache
+    monkeypatch.setattr(decoder, "new_cache", lambda rows, width: made.append((rows, width)) or original(rows, width))
+    monkeypatch.setattr(costs, "_best_time", lambda fn, device: 1.0)
+    longer = min(512, model.package.context_length - 16)
+    for rows in (4, 32):  # 1 ns a score: the longer prefix's extend takes rows x 16 x its extra positions ns more
+        extra = 1e-9 * rows * 16 * (longer - length)
+        monkeypatch.setattr(costs, "_doubling", lambda seconds, new, r=rows: (1e-6, 1e-3, r))
+        monkeypatch.setattr(costs, "_best_times", lambda fns, device, repeats, e=extra: [0.010, 0.010 + e])
+        made.clear()
+        per_token, per_score, fixed = costs._extend_costs(decoder, extender, ids, length)
+        assert (per_token, fixed) == (1e-6, 1e-3)
+        assert per_score == pytest.approx(1e-9)
+        assert (rows, length) in made and (rows, longer) in made  # the two timed extends, at those rows
+
+
 def test_the_scores_leave_the_device_once(llama, monkeypatch):
     """Three batches (a budget of 4 tokens), one copy to the host: [items, labels] at the end."""
     model, _ = load_pair(llama)
