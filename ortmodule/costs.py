@@ -77,9 +77,9 @@ def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) ->
     """`extend_per_token`, `extend_per_score` and `extend_fixed`: extends of 16 new tokens a row
     over copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and as many rows
     as that doubling ended at (4 on a CPU) of 16 over a prefix of 512 tokens (the context allowing),
-    whose extra time is the attention over the 448 extra positions. (Read from one row of 256 new tokens against two of 16 instead, the
-    attention drowned in the per-token cost's noise: 0 to 8e-8 s a score on 2 vCPUs, against
-    ~7e-7 s where it matters, remainders of thousands of tokens.)"""
+    whose extra time is the attention over the 448 extra positions. (Read from one row of 256 new
+    tokens against two of 16 instead, the attention drowned in the per-token cost's noise: 0 to
+    8e-8 s a score on 2 vCPUs, against ~7e-7 s where it matters, remainders of thousands of tokens.)"""
     device = decoder.device
     longer = min(512, decoder.package.context_length - 16)
     attention = longer - length >= 64  # enough extra positions for their cost to show
@@ -120,11 +120,12 @@ def run_costs(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float
 
     `seconds_for_rows(r)` times a run of r rows of `length` tokens. The rows double from 2 until a
     run takes at least 1.5x the one before (or `most_rows`), and the slope between those two runs
-    is returned (`_doubling` also gives the rows of the larger one). On a CPU that is the first doubling; a GPU runs a few hundred tokens in the time
-    of its kernel launches, so its slope is read where the batch is large enough to cost by the
-    token, as lm-eval's batches do. (The average over a small run overstates a GPU's token cost
-    several times over, and made sharing look worth its decode steps: measured on an H100, lm-eval
-    chose sharing and ran 1.4x slower than without it.)"""
+    is returned (`_doubling` also gives the rows of the larger one). On a CPU that is the first
+    doubling; a GPU runs a few hundred tokens in the time of its kernel launches, so its slope is
+    read where the batch is large enough to cost by the token, as lm-eval's batches do. (The
+    average over a small run overstates a GPU's token cost several times over, and made sharing
+    look worth its decode steps: measured on an H100, lm-eval chose sharing and ran 1.4x slower
+    than without it.)"""
     return _doubling(seconds_for_rows, length, most_rows)[:2]
 
 

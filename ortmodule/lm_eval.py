@@ -50,6 +50,20 @@ def _sharing_choice(value) -> bool | str:
     return "auto" if key == "auto" else key == "true"
 
 
+def _sharing_at_load(share: bool | str, model) -> bool | str:
+    """`share_contexts` once the model is loaded. `auto` on CUDA does not share: there the extend
+    run has lost to the padded rows on every lm-eval shape measured (an H100: HellaSwag-shaped 1.8-2.4x
+    slower, MMLU and ARC 1.1-1.2x; docs/measurements.md, session 24), and the cost model chose it on
+    HellaSwag. Elsewhere the costs are timed now, as `ortmodule serve` does, so that the timing runs
+    (a second or two on a CPU) are not spent inside the first evaluation."""
+    if share != "auto" or not isinstance(model, OrtModelForCausalLM):
+        return share
+    if model.device.type == "cuda":
+        return False
+    model.measured_costs()
+    return share
+
+
 def _positive_int(value, name: str) -> int | None:
     """A positive int model arg (lm-eval passes model_args as strings), or None when not given."""
     if value is None:
@@ -175,7 +189,7 @@ class OrtModuleLM(HFLM):
 
     Extra model_args: `rewrite_lm_head` (default True), `provider_options` (a dict, from Python),
     `share_contexts` (auto, true or false: run a context shared by several requests once; auto
-    where `sharing.worth_sharing` says it saves work), `token_budget` (padded tokens per prefill
+    where `sharing.worth_sharing` says it saves work, never on CUDA), `token_budget` (padded tokens per prefill
     under `batch_size=auto`), `prefill_chunk` (long rows one at a time in chunks of this many
     tokens; auto: 256 on a CPU, off on CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py).
     `pretrained` may also be an `OrtModelForCausalLM` (then pass `tokenizer=` too).
@@ -202,10 +216,7 @@ class OrtModuleLM(HFLM):
         # Tokenizing runs beside the device's work on CUDA, whose host cores idle meanwhile; a CPU's
         # cores run the model, so there every text is encoded before the first batch (one wave).
         self._first_wave = 256 if torch.device(self.device).type == "cuda" else None
-        if self._share == "auto" and isinstance(self._model, OrtModelForCausalLM):
-            # At load, as `ortmodule serve` does: the timing runs (a second or two on a CPU) are
-            # not spent inside the first evaluation.
-            self._model.measured_costs()
+        self._share = _sharing_at_load(self._share, self._model)
         # HFLM splits requests across `accelerate launch` processes only when it counts several
         # GPUs; ortmodule's sessions run anywhere, so N CPU processes split the work too.
         accelerator = getattr(self, "accelerator", None)

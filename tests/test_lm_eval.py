@@ -118,6 +118,25 @@ def test_context_sharing_on_off_and_auto_agree(build):
         evaluate("ortmodule", f"pretrained={fixture.package_dir},share_contexts=sometimes")
 
 
+def test_auto_sharing_is_off_on_cuda_and_timed_at_load_elsewhere(build, monkeypatch):
+    """`share_contexts=auto` resolved when the backend loads: on CUDA it does not share (the extend
+    run lost to the padded rows on every lm-eval shape an H100 ran) and nothing is timed; on the CPU
+    the model's costs are measured then; true and false stay as given."""
+    import torch
+
+    from ortmodule import OrtModelForCausalLM
+    from ortmodule.lm_eval import _sharing_at_load
+
+    llama_model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir)
+    timed = []
+    monkeypatch.setattr(type(llama_model), "measured_costs", lambda self: timed.append(self.device.type))
+    assert _sharing_at_load("auto", llama_model) == "auto" and timed == ["cpu"]
+    monkeypatch.setattr(type(llama_model), "device", property(lambda self: torch.device("cuda", 0)))
+    assert _sharing_at_load("auto", llama_model) is False and timed == ["cpu"]
+    assert _sharing_at_load(True, llama_model) is True and _sharing_at_load(False, llama_model) is False
+    assert _sharing_at_load("auto", object()) == "auto"  # another model object: decided per batch as before
+
+
 def test_contexts_cut_to_max_length_score_alike_shared_or_not(build):
     """A context longer than max_length, with continuations of different lengths: every row is cut
     on the left by a different amount, so the rows of one context no longer start alike. Sharing
