@@ -5,7 +5,16 @@ sees every kernel in the process). Prints wall time per batch, the summed kernel
 the host: launches, Python, syncs), and the top kernels of each.
 
     python benchmarks/profile_gpu.py [--spec qwen3-0.6b-bf16] [--batch 32] [--length 200]
-        [--extra-option KEY=VALUE ...] [--only ortmodule]
+        [--extra-option KEY=VALUE ...] [--only ortmodule] [--shared]
+
+`--shared` profiles context sharing instead (lm-eval's `share_contexts`): a HellaSwag-shaped batch
+(`--batch` rows: groups of 4 continuations of 15-40 tokens after a context of about `--length`
+tokens) as padded rows (`scoring.loglikelihood_totals`, what sharing off runs) and with each context
+run once and the continuations in one extend run over copies of its KV
+(`scoring.grouped_loglikelihood_totals`), with the time of each of the shared path's steps. On an
+H100 the shared path ran 1.8-2.4x slower than the padded rows at lm-eval's scale
+(docs/measurements.md); this shows where. `--size cpu --spec smollm2-fp32 --device cpu` runs it on
+a CPU (the device's kernels then are not recorded).
 
 `--extra-option` exports a variant of the package with that model-builder option (repeatable, e.g.
 fuse_mlp_gate_up=true, fuse_qkv=false), so that graph options can be measured one at a time;
@@ -25,19 +34,25 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, scoring
+from ortmodule import OrtModelForCausalLM, scoring, sharing
+from ortmodule.inputs import pad_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
 from ortmodule_dev import fixtures  # noqa: E402
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeats=10):
     fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / repeats
 
 
@@ -54,13 +69,15 @@ CATEGORIES = [
 
 def kernel_table(fn, rows=12):
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    device = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])) as prof:
         fn()
-        torch.cuda.synchronize()
+        sync()
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events) / 1e3
-    return total, events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70) + \
+    order = "self_device_time_total" if device else "self_cpu_time_total"
+    return total, events.table(sort_by=order, row_limit=rows, max_name_column_width=70) + \
         "\n" + category_shares(events)
 
 
@@ -78,23 +95,72 @@ def category_shares(events) -> str:
         f"{name} {100 * t / kernels:.0f}% ({t / 1e3:.2f} ms)" for name, t in ranked)
 
 
+def shared_steps(model, rows, groups, starts, targets) -> str:
+    """The shared path's steps timed one by one, as `sharing.shared_prefix_logits` runs them: the
+    contexts' prefill, the copies of their KV into every row, the extend run, then the scoring."""
+    from ortmodule.inputs import Rows, flat_index, pad_right
+
+    plan = sharing.plan_sharing(rows, groups, [list(range(s, s + len(t))) for s, t in zip(starts, targets)])
+    decoder, device = model.decoder, model.device
+    ids, mask = pad_right(plan.prefixes)
+    lengths = mask.sum(1).to(device)
+    width = ids.shape[1]
+    prefixes = Rows(ids.to(device), None, lengths, width)
+    last = flat_index(width, torch.arange(len(plan.prefixes), device=device), lengths - 1)
+    source = decoder.new_cache(len(plan.prefixes), width)
+    owner = torch.tensor(plan.owner, device=device)
+    cache = decoder.new_cache(len(rows), width)
+    tokens = pad_right(plan.tokens)[0].to(device)
+    new = tokens.shape[1]
+    flat = torch.tensor([row * new + step for step, (asking, _) in enumerate(plan.steps) for row in asking],
+                        device=device)
+    extender = decoder.extender()
+    steps = {"contexts' prefill": lambda: decoder.prefill(prefixes, last, source),
+             "KV copied to every row": lambda: cache.start_from(source, owner, lengths[owner], width)}
+    if extender is not None:
+        steps["extend run"] = lambda: extender.run(tokens, cache, flat)
+    times = {name: timed(fn) for name, fn in steps.items()}
+    return (f"shared path's steps ({len(plan.prefixes)} contexts of up to {width} tokens, {len(rows)} rows of up "
+            f"to {new} new tokens): " + ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in times.items()))
+
+
+def hellaswag_shaped(batch: int, length: int, gen: torch.Generator):
+    """Rows of groups of 4 continuations (15-40 tokens) after a shared context of about `length`."""
+    rows, groups, starts, targets = [], [], [], []
+    for group in range(max(1, batch // 4)):
+        context = torch.randint(4, 32000, (int(torch.randint(length - 40, length + 1, (), generator=gen)),),
+                                generator=gen).tolist()
+        for _ in range(4):
+            ending = torch.randint(4, 32000, (int(torch.randint(15, 41, (), generator=gen)),), generator=gen).tolist()
+            rows.append(context + ending[:-1])
+            groups.append(group)
+            starts.append(len(context) - 1)
+            targets.append(ending)
+    return rows, groups, starts, targets
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", default="qwen3-0.6b-bf16")
+    parser.add_argument("--size", default="gpu", choices=list(SIZES))
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=200)
     parser.add_argument("--extra-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--only", choices=["ortmodule", "transformers"])
+    parser.add_argument("--shared", action="store_true", help="profile context sharing against padded rows")
     args = parser.parse_args()
-    spec = SIZES["gpu"]["decoders"][args.spec]
+    spec = SIZES[args.size]["decoders"][args.spec]
     if args.extra_option:
         options = dict(spec.extra_options) | dict(item.split("=", 1) for item in args.extra_option)
         spec = dataclasses.replace(spec, extra_options=tuple(sorted(options.items())))
     fixture = fixtures.build(spec)
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
-    name = torch.cuda.get_device_name()
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device)
+    name = torch.cuda.get_device_name() if model.device.type == "cuda" else "CPU"
     peak = next((flops for key, (flops, _) in GPU_DATASHEET.items() if key in name), None)
     print(f"{name}; package {fixture.package_dir.name}, builder options {dict(spec.extra_options) or 'default'}")
+    if args.shared:
+        return profile_sharing(model, args, peak)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.length - 40, args.length + 1, (args.batch,), generator=gen)
     width = int(lengths.max())
@@ -130,6 +196,27 @@ def main():
               f"{tokens / seconds:.0f} tokens/s{share}); summed device time {kernel_ms:.2f} ms "
               f"({100 * kernel_ms / (seconds * 1e3):.0f}% of the wall time)")
         print(table)
+
+
+def profile_sharing(model, args, peak) -> None:
+    rows, groups, starts, targets = hellaswag_shaped(args.batch, args.length, torch.Generator().manual_seed(0))
+    ids, mask = pad_right(rows)
+    runs = {"padded rows (sharing off)": lambda: scoring.loglikelihood_totals(model, ids, mask, starts, targets),
+            "shared contexts": lambda: scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets)}
+    padded, shared = (fn()[0].cpu() for fn in runs.values())  # the summed log-probabilities, per row
+    print(f"largest difference between the two paths' loglikelihoods: {(padded - shared).abs().max():.4f}")
+    contexts = {g: starts[i] + 1 for i, g in enumerate(groups)}
+    computed = {"padded rows (sharing off)": int(mask.sum()),
+                "shared contexts": sum(contexts.values()) + sum(len(r) - s - 1 for r, s in zip(rows, starts))}
+    weights = model.num_parameters(exclude_embeddings=True)
+    for label, fn in runs.items():
+        seconds = timed(fn)
+        kernel_ms, table = kernel_table(fn)
+        share = f", {100 * 2 * weights * computed[label] / seconds / peak:.1f}% of the dense bf16 peak" if peak else ""
+        print(f"== {label}: {seconds * 1e3:.2f} ms for {len(rows)} rows ({computed[label]} tokens computed{share}); "
+              f"summed device time {kernel_ms:.2f} ms")
+        print(table)
+    print(shared_steps(model, rows, groups, starts, targets))
 
 
 if __name__ == "__main__":
