@@ -8,6 +8,8 @@ same logits in turns (synthetic logits of the workloads' shapes, labelled so):
 - `composite, 4 MB pieces` (the CPU's way now): the same on pieces that stay in the cache.
 - `fused log_softmax, 256 MB pieces` (CUDA's way now): one float32 `torch.log_softmax` kernel per
   piece, the normalizer read at the greedy token.
+- with `--compiled`, `torch.compile'd logsumexp`: Inductor's generated reduction (C++ on a CPU,
+  Triton on CUDA), which writes nothing per logit; it compiles on its first call (seconds).
 
 Each row: the time, the logits' bytes read once per second, that as a fraction of the device's
 measured copy bandwidth (bytes read + written per second of a large copy), and the largest
@@ -45,6 +47,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936, help="Qwen3's 151,936 by default")
     parser.add_argument("--dtype", default=None, help="the logits' dtype: bfloat16 on CUDA, float32 on a CPU")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compiled", action="store_true",
+                        help="also torch.compile's logsumexp (Inductor's fused reduction; compiles on the first call)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -60,6 +64,10 @@ def main() -> None:
         "composite, 4 MB pieces": lambda x: composite(x, 1 << 22),
         "fused log_softmax, 256 MB pieces": lambda x: scoring.log_normalizers(x, fused=True)[0],
     }
+    if args.compiled:  # one kernel that reads each logit once or twice and writes one float per row
+        lse = torch.compile(lambda x: torch.logsumexp(x.float(), dim=-1), dynamic=True)
+        ways["torch.compile'd logsumexp, 256 MB pieces"] = lambda x: torch.cat(
+            [lse(part) for part in x.split(max(1, (1 << 28) // (4 * x.shape[-1])))])
     gen = torch.Generator(device=device).manual_seed(0)
     print("| positions | way | ms | logits read GB/s | of copy bandwidth | max diff vs float64 |")
     print("|---|---|---|---|---|---|")
