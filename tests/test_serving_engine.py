@@ -186,6 +186,24 @@ def test_score_labels_and_answer_size_are_bounded(live):
                                                                        for row in duplicates)
 
 
+def test_an_answered_request_is_already_counted(live, monkeypatch):
+    """The metrics count a request before its answer goes out, so that a client holding its answer
+    finds it in /metrics (a full suite's load once let a client read the count first)."""
+    from ortmodule.serving import jobs
+
+    stats = live.app.state.served.engine.stats
+    seen = []
+    original = jobs.Job.resolve
+    monkeypatch.setattr(jobs.Job, "resolve", lambda job, result: seen.append(
+        (job.kind, dict(stats.requests))) or original(job, result))
+    before = dict(stats.requests)
+    assert live.client.post("/v1/score", json={"query": [5, 6, 7], "items": [[8], [9]], "label_token_ids": [5, 6],
+                                               "model": NAME}).status_code == 200
+    complete(live.client, [5, 6, 7], max_tokens=3)
+    counted = {kind: counts.get(kind, 0) - before.get(kind, 0) for kind, counts in seen}
+    assert counted == {"score": 1, "generation": 1}, seen
+
+
 def test_a_flat_token_prompt_is_one_prompt_and_temperature_below_1e_5_is_greedy(live):
     ids = list(range(5, 15))  # ten ids on a server taking at most four prompts
     greedy_answer = complete(live.client, ids, max_tokens=5)

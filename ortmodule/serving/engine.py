@@ -274,12 +274,13 @@ class Engine:
             for job in jobs:
                 job.fail(e)
             return
-        for job, result in zip(jobs, results):
-            job.resolve(result)
+        # Counted before the answers go out: a client that has its answer finds it in /metrics.
         self.stats.count(name, len(jobs))
         self.stats.count(name, 1, "batches")
         self.stats.largest_batch[name] = max(self.stats.largest_batch.get(name, 0), len(jobs))
         sizes = self.stats.batch_sizes.setdefault(name, {})
         sizes[len(jobs)] = sizes.get(len(jobs), 0) + 1
         self.stats.items += sum(len(job.prompts) for job in jobs)
+        for job, result in zip(jobs, results):
+            job.resolve(result)
         log.debug("%d %s jobs in one call: %.1f ms", len(jobs), name, 1000 * (time.perf_counter() - start))

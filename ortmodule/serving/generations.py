@@ -317,9 +317,12 @@ class Generations:
         """Each row takes its next token chosen from its logits `[rows, V]`."""
         for row, (token, logprob, top) in zip(rows, choose_tokens(rows, logits)):
             row.accept(token, logprob, top)
-            if row.finished and row.job.unfinished == 0:
+            if not row.finished:
+                continue
+            if row.job.unfinished == 1:  # its last row: counted before its answer goes out
                 self.stats.count(row.job.kind, 1)
                 self.stats.items += len(row.job.prompts)
+            row.job.row_done()
         return rows
 
     def _guarded(self, rows: list[Row], work) -> None:

@@ -261,7 +261,7 @@ class Row:
 
     def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         """Take the token chosen; stream the text it completes; finish on end of sequence, a stop
-        string or the length."""
+        string or the length (the caller then calls the job's `row_done`)."""
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
@@ -269,8 +269,6 @@ class Row:
         self.job.emit(self.index, self.text.add(token))
         if not self.finished and len(self.tokens) >= self.sampling.max_tokens:
             self.job.emit(self.index, self.text.end())
-        if self.finished:
-            self.job.row_done()
 
     def stop(self) -> None:
         """Leave without finishing (the client went away): the job is already answered."""
