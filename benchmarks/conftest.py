@@ -364,3 +364,14 @@ def record_rate(benchmark, fn, units: int, unit: str, device: str, rounds: int):
     if benchmark.stats:  # None under --benchmark-disable
         benchmark.extra_info[f"{unit}_per_s"] = round(units / benchmark.stats.stats.median, 1)
     return out
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    """A run stopped by Ctrl-C (or `timeout -s INT`, benchmarks/run.py waits for it) keeps the rows
+    that finished: the benchmark that was running has no timings yet, on which pytest-benchmark's
+    saving of the JSON would fail (before pytest-benchmark's own hook, which saves)."""
+    benchmarks = getattr(session.config, "_benchmarksession", None)
+    if benchmarks is not None:
+        benchmarks.benchmarks[:] = [b for b in benchmarks.benchmarks if b.stats.data]
+    yield

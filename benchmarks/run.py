@@ -39,18 +39,25 @@ def main() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     print(" ".join(command), flush=True)
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=ROOT, env=env)
-    print(f"suite finished in {time.perf_counter() - start:.0f} s (exit {result.returncode})", flush=True)
+    process = subprocess.Popen(command, cwd=ROOT, env=env)
+    try:
+        returncode = process.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C (or `timeout -s INT`) reached pytest too: it stops after the running test and
+        # pytest-benchmark still writes the JSON of the rows that finished, so wait for it.
+        print("interrupted: the rows that finished are kept", flush=True)
+        returncode = process.wait()
+    print(f"suite finished in {time.perf_counter() - start:.0f} s (exit {returncode})", flush=True)
     if not json_path.is_file():
-        sys.exit(result.returncode or 1)
+        sys.exit(returncode or 1)
     if page is None:  # smoke: shapes too small to time, no page
-        sys.exit(result.returncode)
+        sys.exit(returncode)
     if not args.out and json_path.parent.resolve() == report.RESULTS.resolve():
         Path(page).write_text(report.render_page(args.size))  # from every JSON of this size kept there
     else:  # a JSON elsewhere (e.g. a lent machine's output folder): the page of this run alone
         Path(page).write_text(report.render([__import__("json").loads(json_path.read_text())], args.size) + "\n")
     print(f"wrote {page}")
-    sys.exit(result.returncode)
+    sys.exit(returncode)
 
 
 if __name__ == "__main__":
