@@ -2,6 +2,7 @@
 transformers on the same weights, the machine, and the command that reproduces it.
 
     python benchmarks/report.py [--size gpu] results.json [more.json ...] > page.md
+    python benchmarks/report.py --write    # every page from its JSON kept in benchmarks/results/
     python benchmarks/report.py --check    # each page in PAGES equals what its JSON renders
 
 The pages are generated only: never edit them by hand (docs/measurements.md is the hand-written
@@ -335,6 +336,12 @@ FOOTER = """## How to reproduce, and the GPU table
 
 
 def main(argv: list[str]) -> None:
+    if argv == ["--write"]:  # every page from its JSON in benchmarks/results/ (after adding a run's files)
+        for size, (page, _) in PAGES.items():
+            if page_sources(size):
+                page.write_text(render_page(size))
+                print(f"wrote {page}")
+        return
     if argv == ["--check"]:
         stale = [str(page) for size, (page, _) in PAGES.items()
                  if page_sources(size) and page.read_text() != render_page(size)]
