@@ -34,7 +34,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, scoring, sharing
+from ortmodule import OrtModelForCausalLM, scoring
+from ortmodule.cache import KVCache
 from ortmodule.inputs import pad_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
@@ -95,33 +96,43 @@ def category_shares(events) -> str:
         f"{name} {100 * t / kernels:.0f}% ({t / 1e3:.2f} ms)" for name, t in ranked)
 
 
-def shared_steps(model, rows, groups, starts, targets) -> str:
-    """The shared path's steps timed one by one, as `sharing.shared_prefix_logits` runs them: the
-    contexts' prefill, the copies of their KV into every row, the extend run, then the scoring."""
-    from ortmodule.inputs import Rows, flat_index, pad_right
+def shared_steps(model, rows, groups, starts, targets, repeats=10) -> str:
+    """The shared path's steps, timed inside real runs of it (`sharing.shared_prefix_logits`): the
+    decoder's prefill of the contexts, the copies of their KV into every row (`KVCache.start_from`)
+    and the extend run, each call synced on both sides; the rest of the time is the scoring."""
+    decoder, extender = model.decoder, model.decoder.extender()
+    spent: dict[str, float] = {}
 
-    plan = sharing.plan_sharing(rows, groups, [list(range(s, s + len(t))) for s, t in zip(starts, targets)])
-    decoder, device = model.decoder, model.device
-    ids, mask = pad_right(plan.prefixes)
-    lengths = mask.sum(1).to(device)
-    width = ids.shape[1]
-    prefixes = Rows(ids.to(device), None, lengths, width)
-    last = flat_index(width, torch.arange(len(plan.prefixes), device=device), lengths - 1)
-    source = decoder.new_cache(len(plan.prefixes), width)
-    owner = torch.tensor(plan.owner, device=device)
-    cache = decoder.new_cache(len(rows), width)
-    tokens = pad_right(plan.tokens)[0].to(device)
-    new = tokens.shape[1]
-    flat = torch.tensor([row * new + step for step, (asking, _) in enumerate(plan.steps) for row in asking],
-                        device=device)
-    extender = decoder.extender()
-    steps = {"contexts' prefill": lambda: decoder.prefill(prefixes, last, source),
-             "KV copied to every row": lambda: cache.start_from(source, owner, lengths[owner], width)}
+    def clocked(name, fn):
+        def call(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+            return out
+        return call
+
+    run = lambda: scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets)  # noqa: E731
+    run()
+    decoder.prefill = clocked("contexts' prefill", decoder.prefill)
+    KVCache.start_from = clocked("KV copied to every row", original_start := KVCache.start_from)
     if extender is not None:
-        steps["extend run"] = lambda: extender.run(tokens, cache, flat)
-    times = {name: timed(fn) for name, fn in steps.items()}
-    return (f"shared path's steps ({len(plan.prefixes)} contexts of up to {width} tokens, {len(rows)} rows of up "
-            f"to {new} new tokens): " + ", ".join(f"{name} {1e3 * t:.2f} ms" for name, t in times.items()))
+        extender.run = clocked("extend run", extender.run)
+    try:
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        sync()
+        total = (time.perf_counter() - start) / repeats
+    finally:
+        del decoder.prefill
+        KVCache.start_from = original_start
+        if extender is not None:
+            del extender.run
+    steps = ", ".join(f"{name} {1e3 * t / repeats:.2f} ms" for name, t in spent.items())
+    return f"shared path, {1e3 * total:.2f} ms a run (synced at each step): {steps}"
 
 
 def hellaswag_shaped(batch: int, length: int, gen: torch.Generator):

@@ -202,9 +202,8 @@ def provenance(runs: list[dict]) -> str:
     if len(runs) == 1:
         return f"run {times[0][:10]}. Every row of a table was measured in the same run, so ratios are comparable; "
     return (f"{len(runs)} runs of the suite on the same machine, one or a few workloads each (`-k`), from "
-            f"{times[0]} to {times[-1]} UTC; rows of one run are comparable, and every table's reference rows "
-            "(transformers, onnxruntime-genai) come from the run of the rows beside them unless the workload's "
-            "note says otherwise; ")
+            f"{times[0]} to {times[-1]} UTC; rows of one run are comparable, and a table may hold rows of "
+            "several runs (each JSON file in benchmarks/results/ is one run); ")
 
 
 def render(runs: list[dict], size: str) -> str:

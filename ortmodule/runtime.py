@@ -129,8 +129,7 @@ class Session:
         try:
             # A run that would be captured is not run twice (a capture that failed is not replayed).
             device = stream.device if stream is not None and not self.cuda_graphs else None
-            retrying_on_torch_cache(device, lambda: self.ort_session.run_with_iobinding(
-                binding, self._run_options(graph_id)))
+            retrying_on_torch_cache(device, self.ort_session.run_with_iobinding, binding, self._run_options(graph_id))
         finally:
             if current is not None and current != stream:
                 current.wait_stream(stream)
@@ -178,8 +177,8 @@ def make_session(
         # A stream of the session's own, never torch's default one: the default stream's handle is
         # 0, which ONNX Runtime cannot tell from "no stream given".
         stream = torch.cuda.Stream(device) if dedicated_stream else torch.cuda.current_stream(device)
-    session = retrying_on_torch_cache(
-        device, lambda: ort.InferenceSession(source, options, providers=providers(device, provider_options, stream)))
+    session = retrying_on_torch_cache(device, ort.InferenceSession, source, options,
+                                      providers(device, provider_options, stream))
     if device.type != "cuda":
         return Session(session)
     # `run` orders the session's stream with whatever stream is current at each call. No sync at
@@ -240,27 +239,21 @@ def raise_if_out_of_memory(error: Exception, device: torch.device | None = None)
         raise RuntimeError(f"ONNX Runtime ran out of memory.{where} ({error})") from error
 
 
-def retrying_on_torch_cache(device: torch.device | None, action):
-    """`action()`, ONNX Runtime's allocation failures raised as `raise_if_out_of_memory` does. On
-    CUDA, where torch's caching allocator holds device memory that no tensor uses (after a
+def retrying_on_torch_cache(device: torch.device | None, action, *args):
+    """`action(*args)`, ONNX Runtime's allocation failures raised as `raise_if_out_of_memory` does.
+    On CUDA, where torch's caching allocator holds device memory that no tensor uses (after a
     transformers model ran in the same process, say: tens of GB), ONNX Runtime cannot have it: that
     memory is handed back to the driver (`torch.cuda.empty_cache()`) and `action` runs once more."""
-    try:
-        return action()
-    except Exception as e:  # ORT raises its own exception types
-        cached = 0
-        if device is not None and device.type == "cuda" and is_out_of_memory(e):
-            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        if cached <= 0:
-            raise_if_out_of_memory(e, device)
-            raise
-    with torch.cuda.device(device):
-        torch.cuda.empty_cache()
-    try:
-        return action()
-    except Exception as e:
-        raise_if_out_of_memory(e, device)
-        raise
+    for retry in (False, True):
+        try:
+            return action(*args)
+        except Exception as e:  # ORT raises its own exception types
+            if retry or not (device is not None and device.type == "cuda" and is_out_of_memory(e)
+                             and torch.cuda.memory_reserved(device) > torch.cuda.memory_allocated(device)):
+                raise_if_out_of_memory(e, device)
+                raise
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
 
 
 def out_of_memory_is_runtime_error(function):
