@@ -2,6 +2,7 @@
 shapes once so CI keeps the suite working (`pytest benchmarks --benchmark-disable --bench-size smoke`)."""
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -366,9 +367,21 @@ def record_rate(benchmark, fn, units: int, unit: str, device: str, rounds: int):
     return out
 
 
+def _stop_on_terminate(signum, frame):
+    """SIGTERM (plain `timeout`, a job runner's stop) ends the run as Ctrl-C does, so that the rows
+    that finished are written; a second signal is ignored while they are."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+
+def pytest_configure(config):
+    signal.signal(signal.SIGTERM, _stop_on_terminate)
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
-    """A run stopped by Ctrl-C (or `timeout -s INT`, benchmarks/run.py waits for it) keeps the rows
+    """A run stopped by Ctrl-C, SIGTERM or `timeout` (benchmarks/run.py waits for it) keeps the rows
     that finished: the benchmark that was running has no timings yet, on which pytest-benchmark's
     saving of the JSON would fail (before pytest-benchmark's own hook, which saves)."""
     benchmarks = getattr(session.config, "_benchmarksession", None)

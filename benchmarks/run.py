@@ -14,6 +14,7 @@ Extra arguments go to pytest (for example `-k lm_eval` for one workload).
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,10 +41,17 @@ def main() -> None:
     print(" ".join(command), flush=True)
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, env=env)
+
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        process.send_signal(signal.SIGTERM)  # where it did not reach pytest too (benchmarks/conftest.py)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminated)
     try:
         returncode = process.wait()
     except KeyboardInterrupt:
-        # Ctrl-C (or `timeout -s INT`) reached pytest too: it stops after the running test and
+        # Ctrl-C, SIGTERM or `timeout` reached pytest too: it stops the running test and
         # pytest-benchmark still writes the JSON of the rows that finished, so wait for it.
         print("interrupted: the rows that finished are kept", flush=True)
         returncode = process.wait()

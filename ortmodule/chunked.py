@@ -60,7 +60,7 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor | None, cache: KVCach
     `logit_index`, else `[B, T, V]`; a given (one-row) `cache` then holds the row."""
     batch, width = rows.ids.shape
     flat = logit_index if logit_index is not None else torch.arange(batch * width, device=rows.ids.device)
-    out = torch.empty(flat.numel(), decoder.vocab_size, dtype=decoder.logits_dtype, device=decoder.device)
+    out = torch.empty(flat.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=decoder.device)
     owner, column = flat // width, flat % width
     if cache is not None:  # one row, run whole: the cache holds all of it
         _run_row(decoder, rows.ids, torch.arange(flat.numel(), device=flat.device), column, cache, chunk, out)

@@ -71,11 +71,12 @@ class Decoder:
         self.spec = spec = package.decoder
         self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
         self.graph_bytes = graph.keep_positions_graph(spec.path, spec.logits, cache_dir) if rewrite_lm_head else None
+        self.plain_bytes = None if rewrite_lm_head else graph.repaired_graph(spec.path)
         self.id_dtype = runtime.torch_dtype(spec.id_type)
         self.mask_dtype = runtime.torch_dtype(spec.mask_type) if spec.mask_type else None
         self.position_dtype = runtime.torch_dtype(spec.position_type) if spec.position_type else None
         self.kv_dtype = runtime.torch_dtype(spec.kv_type)
-        self.logits_dtype = runtime.torch_dtype(spec.logits_type)
+        self.logits_dtype = runtime.torch_dtype(spec.logits_type)  # what forward returns
         # On the CPU a binding reads its tensors at run time, so a cache's buffers are bound once.
         # On CUDA, ONNX Runtime copies the inputs of nodes it placed on the CPU (an fp32
         # GroupQueryAttention) when they are bound, so every run binds them again.
@@ -95,16 +96,22 @@ class Decoder:
     def vocab_size(self) -> int:
         return self.package.vocab_size
 
+    def public(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` in the package's declared dtype: a copy where the sessions write another."""
+        return logits.to(self.logits_dtype)
+
     # ---- sessions -----------------------------------------------------------------------------
 
     def load(self, device: torch.device, **run_settings) -> None:
         """Create the sessions on `device` and check that the package's config fits its graph.
         `run_settings`: `runtime.make_session`'s stream settings (for diagnostics)."""
         spec = self.spec
-        source, folder = (self.graph_bytes, spec.path.parent) if self.keeps_positions else (spec.path, None)
+        source = self.graph_bytes if self.keeps_positions else self.plain_bytes
+        source, folder = (spec.path, None) if source is None else (source, spec.path.parent)
         self.session = runtime.make_session(source, device, folder, self.session_options, self.provider_options,
                                             **run_settings)
         self.fp32_path = nbits.use_fp32_path(self.quantized_prefill, device, self.session_options, source)
+        self.head_dtype = runtime.output_dtype(self.session, spec.logits)  # bf16 where graph.py left the cast
         self.wide_session = self.session  # runs of more than one token per row
         if self.fp32_path:
             self.wide_session = runtime.make_session(source, device, folder, None, self.provider_options,
@@ -259,9 +266,9 @@ class Decoder:
         if self.keeps_positions:
             kept = logit_index if logit_index is not None else torch.arange(batch * length, device=self.device)
             runtime.bind_input(binding, graph.LOGITS_INDICES, kept)
-            logits = torch.empty(kept.numel(), vocab, dtype=self.logits_dtype, device=self.device)
+            logits = torch.empty(kept.numel(), vocab, dtype=self.head_dtype, device=self.device)
         else:
-            logits = torch.empty(batch, length, vocab, dtype=self.logits_dtype, device=self.device)
+            logits = torch.empty(batch, length, vocab, dtype=self.head_dtype, device=self.device)
         runtime.bind_output(binding, spec.logits, logits)
         session.run(binding)
         if logit_index is None:

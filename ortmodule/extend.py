@@ -243,7 +243,7 @@ class Extender:
             runtime.bind_input(binding, kv.past_key, key)
             runtime.bind_input(binding, kv.past_value, value)
         runtime.bind_input(binding, graph.LOGITS_INDICES, logit_index)
-        logits = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.logits_dtype, device=device)
+        logits = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
         runtime.bind_output(binding, spec.logits, logits)
         self.session.run(binding)
         return logits

@@ -4,6 +4,14 @@ The builder's decoders compute `logits [batch, seq, vocab]` for every position. 
 handful of them, and on a large vocabulary the LM head is most of the model's work. The rewrite
 adds an input `ortmodule_logits_indices` (int64 `[n]`, flat indices into `batch * seq`), gathers
 those rows of the final hidden states just before the LM head, and returns `logits [n, vocab]`.
+Where the graph's last step is a cast of half-precision logits to float32 (the builder's bf16
+packages), the rewritten graph returns them before it: the same values in half the bytes
+(`Decoder` hands callers of `forward` the package's float32, and scoring normalizes in float32).
+
+Both the rewritten graph and, with the rewrite off, the package's own (`repaired_graph`) lose the
+shapes the model builder records wrongly for its `repeat_kv` values (the KV of past and new tokens
+declared as long as the new tokens: ONNX Runtime's CPU planner then reuses a buffer too small for
+them, and every decode step of an fp16 package on a CPU fails).
 
 The rewritten graph references the package's own external weight file (no copy of the weights)
 and is cached as graph bytes keyed by the source graph's content, each entry checked by its own
@@ -24,7 +32,7 @@ import onnx_ir as ir
 logger = logging.getLogger("ortmodule")
 
 LOGITS_INDICES = "ortmodule_logits_indices"
-REWRITE_VERSION = "1"
+REWRITE_VERSION = "3"
 
 # Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
 _ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}
@@ -82,7 +90,10 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str) -> onnx.Mod
 
     Raises `RewriteSkipped` when the graph does not match; the input proto is left unchanged.
     """
-    model = ir.serde.deserialize_model(proto)
+    repaired = onnx.ModelProto()
+    repaired.CopyFrom(proto)
+    forget_wrong_shapes(repaired)
+    model = ir.serde.deserialize_model(repaired)
     graph = model.graph
     head, chain = _find_lm_head(graph, logits_name)
     indices = ir.Value(name=LOGITS_INDICES, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["num_logits"]))
@@ -97,7 +108,66 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str) -> onnx.Mod
     for node in [head, *chain]:
         for value in node.outputs:
             value.shape = ir.Shape(["num_logits", vocab_dim])
+    _drop_upcast(graph, head, chain, logits_name)
     return ir.serde.serialize_model(model)
+
+
+def forget_wrong_shapes(proto: onnx.ModelProto) -> bool:
+    """Drop the recorded shapes of the builder's `repeat_kv` values (the outputs of nodes named
+    `.../repeat_kv/...`), which hold past + new positions but are declared `sequence_length` long;
+    ONNX Runtime infers them instead. Returns whether there were any."""
+    wrong = {name for node in proto.graph.node if "/repeat_kv/" in node.name for name in node.output}
+    kept = [info for info in proto.graph.value_info if info.name not in wrong]
+    if len(kept) == len(proto.graph.value_info):
+        return False
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(kept)
+    return True
+
+
+def repaired_graph(decoder_path: Path) -> bytes | None:
+    """The package's decoder graph without the shapes `forget_wrong_shapes` drops (the weights stay
+    in the package's files), or None where it records none of them (load the file itself)."""
+    proto = onnx.load(str(decoder_path), load_external_data=False)
+    return proto.SerializeToString() if forget_wrong_shapes(proto) else None
+
+
+_HALF = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+
+
+def _drop_upcast(graph: ir.Graph, head: ir.Node, chain: list[ir.Node], logits_name: str) -> None:
+    """Where the logits output is a Cast to float32 of half-precision values, make those values
+    the output instead (named as the output was) and remove the Cast."""
+    if not chain or chain[0].op_type != "Cast":
+        return
+    cast = chain[0]
+    to = cast.attributes.get("to")
+    source = cast.inputs[0]
+    if to is None or to.value != ir.DataType.FLOAT or _dtype(source, head, chain[1:]) not in _HALF:
+        return
+    output = cast.outputs[0]
+    place = list(graph.outputs).index(output)
+    output.name = f"{logits_name}/ortmodule_float32"
+    graph.outputs[place] = source
+    graph.remove(cast, safe=True)
+    source.name = logits_name
+    source.dtype = _dtype(source, head, chain[1:])
+
+
+def _dtype(value: ir.Value, head: ir.Node, between: list[ir.Node]) -> ir.DataType | None:
+    """The element type of `value`, the output of `between[0]` (or of `head` when `between` is
+    empty): as recorded, else that of the head's weights (MatMulNBits: its scales) when no Cast
+    lies between."""
+    if value.dtype is not None:
+        return value.dtype
+    if any(node.op_type == "Cast" for node in between):
+        return None
+    weights = head.inputs[2 if head.op_type == "MatMulNBits" else 1]
+    if weights is None:
+        return None
+    if weights.dtype is not None:
+        return weights.dtype
+    return weights.const_value.dtype if weights.const_value is not None else None
 
 
 # A cache entry is the rewritten graph followed by this marker and the SHA-256 of the graph bytes,

@@ -291,7 +291,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             index = inputs.every_position(rows)
         else:
             index = inputs.each_row(batch, width, positions, rows.shift)
-        logits = self.decoder.prefill(rows, index, cache).view(batch, -1, self.package.vocab_size)
+        logits = self.decoder.public(self.decoder.prefill(rows, index, cache)).view(batch, -1, self.package.vocab_size)
         if cache is not None:
             given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             cache.caller_mask = given.to(self.device, torch.int64)
@@ -312,7 +312,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         batch, new = ids.shape
         kept = inputs.kept_positions(keep, new, self.device)
         index = inputs.each_row(batch, new, kept) if kept is not None else None
-        logits = self.decoder.step(ids, cache, index)
+        logits = self.decoder.public(self.decoder.step(ids, cache, index))
         if cache.caller_mask is not None:
             cache.caller_mask = torch.cat([cache.caller_mask, cache.caller_mask.new_ones(batch, new)], 1)
         return logits.view(batch, -1, logits.shape[-1])
@@ -328,10 +328,12 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
 
     @runtime.out_of_memory_is_runtime_error
     def logits_at(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor, cols: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor, cols: torch.Tensor,
+        upcast: bool = True,
     ) -> torch.Tensor:
         """Logits `[n, V]` at the n positions `(rows[i], cols[i])` of the padded input, in the
-        caller's layout. With the graph rewrite, only those n positions reach the LM head."""
+        caller's layout; only those reach the LM head with the graph rewrite. `upcast=False`: in the
+        LM head's own precision where the package casts half-precision logits to float32."""
         checked = self._rows(input_ids, attention_mask)
         batch, length = checked.ids.shape
         rows, cols = torch.as_tensor(rows), torch.as_tensor(cols)
@@ -345,7 +347,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
             raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
         rows, cols = (inputs.to_device(v.to(torch.int64), self.device) for v in (rows, cols))
-        return self.decoder.prefill(checked, inputs.flat_index(length, rows, cols, checked.shift))
+        logits = self.decoder.prefill(checked, inputs.flat_index(length, rows, cols, checked.shift))
+        return self.decoder.public(logits) if upcast else logits
 
 
 def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, output_hidden_states, rest: dict) -> None:

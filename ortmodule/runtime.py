@@ -48,6 +48,18 @@ def torch_dtype(onnx_type: int) -> torch.dtype:
     return TORCH_DTYPE[onnx_type]
 
 
+_TYPE_NAMES = {f"tensor({name})": dtype for name, dtype in (
+    ("float", torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16), ("double", torch.float64))}
+
+
+def output_dtype(session: Session, name: str) -> torch.dtype:
+    """The torch dtype of a session's float output `name`, as ONNX Runtime reports it."""
+    kind = next(o.type for o in session.ort_session.get_outputs() if o.name == name)
+    if kind not in _TYPE_NAMES:
+        raise TypeError(f"output {name!r} is {kind}, not a floating-point tensor")
+    return _TYPE_NAMES[kind]
+
+
 def parse_device(device: str | torch.device | int | None) -> torch.device:
     """'cpu', 'cuda', 'cuda:N' or an index -> a torch.device with an explicit index for CUDA."""
     device = torch.device("cpu" if device is None else device)

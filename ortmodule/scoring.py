@@ -86,7 +86,7 @@ def loglikelihood_totals(
               for row, start, n in zip(rows_of, starts, counts) for col in range(start, start + n)]
         rows, cols = torch.tensor(list(positions), dtype=torch.int64).reshape(-1, 2).unbind(1)
         at = None if len(at) == len(positions) else to_device(torch.tensor(at), device)
-    logits = model.logits_at(input_ids, attention_mask, rows, cols)  # [distinct positions, V]
+    logits = model.logits_at(input_ids, attention_mask, rows, cols, upcast=False)  # [distinct positions, V]
     totals = _Totals(requests, device)
     totals.add(logits, to_device(torch.tensor(flat_targets), device), to_device(owner, device), at)
     return totals.tensor()
@@ -319,8 +319,8 @@ def default_token_budget(device: torch.device) -> int:
 
 
 def logit_positions(model: OrtModelForCausalLM, logit_bytes: int = 1 << 30) -> int:
-    """How many positions' logits (and their float32 log-softmax work) fit in `logit_bytes`."""
-    itemsize = torch.empty(0, dtype=model.decoder.logits_dtype).element_size()
+    """How many positions' logits (as the decoder computes them) fit in `logit_bytes`."""
+    itemsize = model.decoder.head_dtype.itemsize
     return max(1, logit_bytes // (model.package.vocab_size * itemsize))
 
 
@@ -336,7 +336,7 @@ def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> to
     for batch in length_batches([len(p) for p in prompts], 0, budget):
         ids, mask = pad_right([prompts[i] for i in batch])
         last = mask.sum(1) - 1  # positions on the host: logits_at checks them there, with no wait on the device
-        logits = model.logits_at(ids.to(device), mask.to(device), torch.arange(len(batch)), last)
+        logits = model.logits_at(ids.to(device), mask.to(device), torch.arange(len(batch)), last, upcast=False)
         out[torch.tensor(batch, device=device)] = _gather(logits, label_ids)
     return out
 

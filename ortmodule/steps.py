@@ -83,7 +83,7 @@ class FixedSteps:
         self.head_rows = torch.arange(batch, device=device) if decoder.keeps_positions else None
         # The LM head's rows as the graph writes them: one per row, or one per token without the rewrite.
         shape = (batch, decoder.vocab_size) if decoder.keeps_positions else (batch, 1, decoder.vocab_size)
-        self.logits = torch.empty(shape, dtype=decoder.logits_dtype, device=device)
+        self.logits = torch.empty(shape, dtype=decoder.head_dtype, device=device)
         self.binding = decoder.session.io_binding()
         decoder.bind_cache(self.binding, self.cache, 1)
         runtime.bind_output(self.binding, spec.logits, self.logits)

@@ -42,6 +42,31 @@ def load_pair(fixture, device="cpu"):
     return _models[key]
 
 
+def float32_logits_copy(fixture, folder):
+    """A copy of a half-precision fixture package whose graph casts its logits to float32 at the
+    end, as the builder's bf16 packages do (`/lm_head/MatMul` then `/lm_head/Cast`; ONNX Runtime has
+    no bf16 kernels on a CPU, so fp16 stands in). The weights are a copy of the fixture's."""
+    import shutil
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    folder.mkdir(parents=True)
+    source = fixture.package_dir
+    for name in ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "model.onnx.data"):
+        shutil.copy(source / name, folder / name)
+    proto = onnx.load(str(source / "model.onnx"), load_external_data=False)
+    for node in proto.graph.node:
+        node.output[:] = ["half_logits" if name == "logits" else name for name in node.output]
+    proto.graph.node.append(helper.make_node("Cast", ["half_logits"], ["logits"], to=TensorProto.FLOAT,
+                                             name="/lm_head/Cast"))
+    output = next(o for o in proto.graph.output if o.name == "logits")
+    assert output.type.tensor_type.elem_type == TensorProto.FLOAT16
+    output.type.tensor_type.elem_type = TensorProto.FLOAT
+    onnx.save(proto, str(folder / "model.onnx"))
+    return folder
+
+
 def right_padded_batch(lengths, vocab=512, seed=0, pad_id=2):
     """Random ids (above the special tokens) with a right-padded mask."""
     gen = torch.Generator().manual_seed(seed)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import MODEL_ARCHES, load_pair, right_padded_batch
+from helpers import MODEL_ARCHES, float32_logits_copy, load_pair, right_padded_batch
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM, scoring, sharing
@@ -27,6 +27,40 @@ def test_rewritten_fp16_graph_equals_the_unmodified_graph(build):
     ids, mask = right_padded_batch([24, 9], seed=21)
     tail = rewritten(ids, attention_mask=mask, cont_len=4).logits.float()
     assert (tail - plain(ids, attention_mask=mask).logits[:, -4:].float()).abs().max().item() < 1e-3
+
+
+def test_a_cast_of_half_logits_to_float32_is_left_to_forward(build, tmp_path):
+    """A package that casts its half-precision logits to float32 (the builder's bf16 packages):
+    the rewritten graph returns them before the cast, `forward` returns them as the package does
+    (float32), and scoring reads the half-precision values: every answer equals that of the
+    same package without the cast, where ONNX Runtime's own cast stays without the rewrite."""
+    fixture = build("llama", precision="fp16")
+    casting = float32_logits_copy(fixture, tmp_path / "package")
+    model = OrtModelForCausalLM.from_pretrained(casting, cache_dir=tmp_path / "graphs")
+    half = load_pair(fixture)[0]
+    plain = OrtModelForCausalLM.from_pretrained(casting, rewrite_lm_head=False)
+    assert (model.decoder.head_dtype, half.decoder.head_dtype, plain.decoder.head_dtype) == (
+        torch.float16, torch.float16, torch.float32)
+    ids, mask = right_padded_batch([24, 9], seed=24)
+    logits = model(ids, attention_mask=mask).logits
+    assert logits.dtype == torch.float32 == plain(ids, attention_mask=mask).logits.dtype
+    assert torch.equal(logits, half(ids, attention_mask=mask).logits.float())
+    assert (logits - plain(ids, attention_mask=mask).logits).abs().max().item() < 1e-3  # fp16 sums: see above
+    rows, cols = torch.tensor([0, 1, 0]), torch.tensor([3, 8, 23])
+    kept = model.logits_at(ids, mask, rows, cols, upcast=False)
+    assert kept.dtype == torch.float16 and torch.equal(kept, half.logits_at(ids, mask, rows, cols))
+    assert torch.equal(model.logits_at(ids, mask, rows, cols), kept.float())
+    starts, targets = [10, 2], [ids[0, 11:20].tolist(), ids[1, 3:9].tolist()]
+    assert ortmodule.loglikelihood(model, ids, mask, starts, targets) == ortmodule.loglikelihood(
+        half, ids, mask, starts, targets)
+    rows = [ids[0, :16].tolist(), ids[0, :20].tolist(), ids[1, :9].tolist()]
+    grouped = [scoring.answers(scoring.grouped_loglikelihood_totals(each, rows, [0, 0, 1], [10, 10, 2],
+                                                                    [row[11:] or row[3:] for row in rows]))
+               for each in (model, half)]  # the extend run over copies of the contexts' KV
+    assert grouped[0] == grouped[1]
+    prompt = ids[:1, :12]
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False),
+                       plain.generate(prompt, max_new_tokens=6, do_sample=False))
 
 
 def reference_loglikelihood(hf, ids, mask, starts, targets):

@@ -150,7 +150,7 @@ def _score_batch(model, prompts: list[Ids], top: int) -> list[PromptScores]:
     lengths = [len(p) for p in prompts]
     rows = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
     cols = torch.cat([torch.arange(n) for n in lengths])
-    logits = model.logits_at(ids.to(model.device), mask.to(model.device), rows, cols)
+    logits = model.logits_at(ids.to(model.device), mask.to(model.device), rows, cols, upcast=False)
     normalizers, _ = scoring.log_normalizers(logits)  # log-probability = logit - normalizer, in float32
     targets = torch.cat([torch.tensor(p[1:] + [0]) for p in prompts]).to(model.device)
     values, indices = logits.topk(min(top, logits.shape[1]), dim=-1)
