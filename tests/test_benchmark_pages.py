@@ -35,3 +35,29 @@ def test_speed_ratio_compares_only_the_same_workload():
             for line in report.render([run], "cpu").splitlines() if line.startswith("| ortmodule")}
     assert rows == {("ortmodule", ""): "4.00x", ("ortmodule", "reuse"): "2.00x", ("ortmodule", "mmlu"): "8.00x",
                     ("ortmodule", "decode"): ""}
+
+
+@pytest.mark.slow
+def test_a_stopped_suite_keeps_the_rows_that_finished(tmp_path):
+    """SIGTERM to the suite's process group (what `timeout` sends) after a row finished: the JSON
+    still holds every finished row, each with its timings (the running one is dropped)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run.json"
+    process = subprocess.Popen(
+        [sys.executable, str(REPORT.parent / "run.py"), "--size", "smoke", "--json", str(out), "-k", "forward"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = process.stdout.readline()  # run.py's pytest command
+    while not seen.endswith("."):  # then pytest -q's progress: a dot per test passed
+        char = process.stdout.read(1)
+        assert char, f"the suite ended before a row finished:\n{seen}"
+        seen += char
+    os.killpg(process.pid, signal.SIGTERM)
+    rest, _ = process.communicate(timeout=120)
+    assert "interrupted: the rows that finished are kept" in rest, seen + rest
+    rows = json.loads(out.read_text())["benchmarks"]
+    assert rows and all(row["stats"]["median"] > 0 for row in rows), seen + rest
