@@ -28,6 +28,9 @@ def load(backend, fixture, batch_size, device):
     if backend == "ortmodule-chunks-off":  # long rows in one prefill (ortmodule/chunked.py's choice undone)
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
                                       prefill_chunk=0)
+    if backend == "ortmodule-float32-head":  # logits not rounded to bf16 (graph.py's float32_head)
+        return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
+                                      rewrite_lm_head="float32")
     if backend == "ortmodule-tokenize-first":  # every text encoded before the first batch, as on a CPU
         lm = get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size)
         lm._first_wave = None

@@ -70,7 +70,7 @@ class Decoder:
         self.chosen_chunk = chunked.checked_chunk(prefill_chunk)  # None: chunked.default_chunk by device
         self.spec = spec = package.decoder
         self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
-        self.graph_bytes = graph.keep_positions_graph(spec.path, spec.logits, cache_dir) if rewrite_lm_head else None
+        self.graph_bytes = graph.lm_head_graph(spec.path, spec.logits, rewrite_lm_head, cache_dir)
         self.plain_bytes = None if rewrite_lm_head else graph.repaired_graph(spec.path)
         self.id_dtype = runtime.torch_dtype(spec.id_type)
         self.mask_dtype = runtime.torch_dtype(spec.mask_type) if spec.mask_type else None

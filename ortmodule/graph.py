@@ -6,7 +6,8 @@ adds an input `ortmodule_logits_indices` (int64 `[n]`, flat indices into `batch 
 those rows of the final hidden states just before the LM head, and returns `logits [n, vocab]`.
 Where the graph's last step is a cast of half-precision logits to float32 (the builder's bf16
 packages), the rewritten graph returns them before it: the same values in half the bytes
-(`Decoder` hands callers of `forward` the package's float32, and scoring normalizes in float32).
+(`Decoder` hands callers of `forward` the package's float32, and scoring normalizes in float32);
+or, with `rewrite_lm_head="float32"`, the head multiplies in float32: logits not rounded to bf16.
 
 Both the rewritten graph and, with the rewrite off, the package's own (`repaired_graph`) lose the
 shapes the model builder records wrongly for its `repeat_kv` values (the KV of past and new tokens
@@ -85,8 +86,11 @@ def _find_lm_head(graph: ir.Graph, logits_name: str) -> tuple[ir.Node, list[ir.N
     return node, chain
 
 
-def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str) -> onnx.ModelProto:
-    """Return the graph with the LM head applied only at `ortmodule_logits_indices`.
+def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str, float32_head: bool = False) -> onnx.ModelProto:
+    """Return the graph with the LM head applied only at `ortmodule_logits_indices`. With
+    `float32_head`, where the package casts a half-precision MatMul head's logits to float32, the
+    head multiplies in float32 instead (its weights cast once, at load): float32 logits that are
+    not rounded to half precision first.
 
     Raises `RewriteSkipped` when the graph does not match; the input proto is left unchanged.
     """
@@ -108,7 +112,16 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str) -> onnx.Mod
     for node in [head, *chain]:
         for value in node.outputs:
             value.shape = ir.Shape(["num_logits", vocab_dim])
-    _drop_upcast(graph, head, chain, logits_name)
+    upcast, logits_type = _upcast(head, chain)
+    if float32_head:
+        if upcast is not None and head.op_type == "MatMul" and len(chain) == 1:
+            _multiply_in_float32(graph, head)
+            logits_type = ir.DataType.FLOAT
+        else:
+            logger.info("ortmodule: no float32 LM head for %s: its logits are not a MatMul's half-precision ones "
+                        "cast to float32", logits_name)
+    if upcast is not None:
+        _bypass(graph, upcast, logits_name, logits_type)
     return ir.serde.serialize_model(model)
 
 
@@ -135,23 +148,38 @@ def repaired_graph(decoder_path: Path) -> bytes | None:
 _HALF = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 
 
-def _drop_upcast(graph: ir.Graph, head: ir.Node, chain: list[ir.Node], logits_name: str) -> None:
-    """Where the logits output is a Cast to float32 of half-precision values, make those values
-    the output instead (named as the output was) and remove the Cast."""
+def _upcast(head: ir.Node, chain: list[ir.Node]) -> tuple[ir.Node | None, ir.DataType | None]:
+    """The Cast to float32 of half-precision values that makes the logits output, and their type;
+    (None, None) where the output is made otherwise."""
     if not chain or chain[0].op_type != "Cast":
-        return
-    cast = chain[0]
-    to = cast.attributes.get("to")
-    source = cast.inputs[0]
-    if to is None or to.value != ir.DataType.FLOAT or _dtype(source, head, chain[1:]) not in _HALF:
-        return
-    output = cast.outputs[0]
+        return None, None
+    to, dtype = chain[0].attributes.get("to"), _dtype(chain[0].inputs[0], head, chain[1:])
+    if to is None or to.value != ir.DataType.FLOAT or dtype not in _HALF:
+        return None, None
+    return chain[0], dtype
+
+
+def _multiply_in_float32(graph: ir.Graph, head: ir.Node) -> None:
+    """Cast a MatMul head's inputs to float32 (ONNX Runtime folds the weights' cast at load, into a
+    float32 copy of them), so that its products are summed and returned in float32."""
+    casts = [ir.node("Cast", [value], attributes={"to": ir.AttrInt64("to", ir.DataType.FLOAT)},
+                     name=f"/ortmodule/{name}") for value, name in zip(head.inputs, ("CastHidden", "CastWeight"))]
+    graph.insert_before(head, casts)
+    for i, cast in enumerate(casts):
+        head.replace_input_with(i, cast.outputs[0])
+    head.outputs[0].dtype = ir.DataType.FLOAT
+
+
+def _bypass(graph: ir.Graph, cast: ir.Node, logits_name: str, dtype: ir.DataType) -> None:
+    """Make the input of `cast` (the logits output's producer) the output, named as it was, and
+    remove the Cast: half-precision logits in half the bytes, or a float32 head's without a copy."""
+    source, output = cast.inputs[0], cast.outputs[0]
     place = list(graph.outputs).index(output)
-    output.name = f"{logits_name}/ortmodule_float32"
+    output.name = f"{logits_name}/ortmodule_cast"
     graph.outputs[place] = source
     graph.remove(cast, safe=True)
     source.name = logits_name
-    source.dtype = _dtype(source, head, chain[1:])
+    source.dtype = dtype
 
 
 def _dtype(value: ir.Value, head: ir.Node, between: list[ir.Node]) -> ir.DataType | None:
@@ -176,14 +204,14 @@ _TRAILER = b"\nORTMODULE-SHA256:"
 _DIGEST = 64
 
 
-def _cache_key(path: Path, logits_name: str) -> str:
+def _cache_key(path: Path, logits_name: str, float32_head: bool = False) -> str:
     """The source graph's content (not its path, size or time: a replaced file with the same size
     and time gets its own entry), the logits name and the rewrite's version."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    digest.update(f"|{logits_name}|{REWRITE_VERSION}|{ir.__version__}".encode())
+    digest.update(f"|{logits_name}|{REWRITE_VERSION}|{ir.__version__}{'|float32_head' * float32_head}".encode())
     return digest.hexdigest()[:32]
 
 
@@ -226,16 +254,26 @@ def _warn_once(folder: Path, error: OSError) -> None:
                        error)
 
 
-def keep_positions_graph(decoder_path: Path, logits_name: str, cache_dir: Path | None = None) -> bytes | None:
+def lm_head_graph(decoder_path: Path, logits_name: str, rewrite, cache_dir: Path | None = None) -> bytes | None:
+    """`keep_positions_graph` as `rewrite_lm_head` asks: True, "float32" (a float32 head where it
+    applies), or False (None: the package's graph as it is)."""
+    if rewrite not in (True, False, "float32"):
+        raise ValueError(f"rewrite_lm_head must be True, False or 'float32', got {rewrite!r}")
+    return keep_positions_graph(decoder_path, logits_name, cache_dir, rewrite == "float32") if rewrite else None
+
+
+def keep_positions_graph(decoder_path: Path, logits_name: str, cache_dir: Path | None = None,
+                         float32_head: bool = False) -> bytes | None:
     """Bytes of the rewritten decoder graph (weights stay in the package's files), or None with a
     logged reason when the graph does not match. Built once per source graph content, then read
     from the cache; an entry that fails its check is rebuilt with a warning."""
     def build() -> bytes:
         proto = onnx.load(str(decoder_path), load_external_data=False)
-        return rewrite_keep_positions(proto, logits_name).SerializeToString()
+        return rewrite_keep_positions(proto, logits_name, float32_head).SerializeToString()
 
+    key = _cache_key(decoder_path, logits_name, float32_head)
     try:
-        return cached(cache_dir, f"{decoder_path.stem}-{_cache_key(decoder_path, logits_name)}", build)
+        return cached(cache_dir, f"{decoder_path.stem}-{key}", build)
     except RewriteSkipped as reason:
         logger.warning("ortmodule: computing logits for every position of %s: %s", decoder_path, reason)
         return None

@@ -187,7 +187,8 @@ def _one_evaluation_at_a_time(method):
 class OrtModuleLM(HFLM):
     """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR,device=cpu` (or cuda, cuda:N).
 
-    Extra model_args: `rewrite_lm_head` (default True), `provider_options` (a dict, from Python),
+    Extra model_args: `rewrite_lm_head` (default True; float32: a bf16 package's LM head computes in
+    float32, graph.py), `provider_options` (a dict, from Python),
     `share_contexts` (auto, true or false: run a context shared by several requests once; auto
     where `sharing.worth_sharing` says it saves work, never on CUDA), `token_budget` (padded tokens per prefill
     under `batch_size=auto`), `prefill_chunk` (long rows one at a time in chunks of this many
@@ -197,7 +198,7 @@ class OrtModuleLM(HFLM):
 
     AUTO_MODEL_CLASS = transformers.AutoModelForCausalLM
 
-    def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool = True,
+    def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool | str = True,
                  provider_options: dict | None = None, share_contexts: bool | str = "auto",
                  token_budget: int | str | None = None, prefill_chunk: int | str | None = None,
                  quantized_prefill: str | None = None, **kwargs):

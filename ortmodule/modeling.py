@@ -119,7 +119,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         device: str | torch.device = "cpu",
         session_options: ort.SessionOptions | None = None,
         provider_options: dict | None = None,
-        rewrite_lm_head: bool = True,
+        rewrite_lm_head: bool | str = True,
         cache_dir: str | Path | None = None,
         prefill_chunk: int | None = None,
         quantized_prefill: str | None = None,
@@ -140,15 +140,17 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         device: str | torch.device = "cpu",
         provider_options: dict | None = None,
         session_options: ort.SessionOptions | None = None,
-        rewrite_lm_head: bool = True,
+        rewrite_lm_head: bool | str = True,
         cache_dir: str | Path | None = None,
         prefill_chunk: int | None = None,
         quantized_prefill: str | None = None,
     ) -> OrtModelForCausalLM:
-        """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N'). `prefill_chunk`:
-        long rows run one at a time in chunks of this many tokens (None: 256 on a CPU, off on CUDA;
-        0: off; see chunked.py). `quantized_prefill`: "auto" (None), "fp32" or "package", the
-        compute path of a 4-bit package's prefills on the CPU (nbits.py)."""
+        """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N'). `rewrite_lm_head`: True
+        (the LM head at the asked positions only), "float32" (also in float32 where a half-precision
+        package casts its logits to float32: bf16 logits not rounded) or False. `prefill_chunk`: long
+        rows one at a time in chunks of this many tokens (None: 256 on a CPU, off on CUDA; 0: off;
+        chunked.py). `quantized_prefill`: "auto" (None), "fp32" or "package", a 4-bit package's
+        prefill path on the CPU (nbits.py)."""
         return cls(read_package(path), device, session_options, provider_options, rewrite_lm_head, cache_dir,
                    prefill_chunk, quantized_prefill)
 
@@ -327,10 +329,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         return generation.generate(self, inputs, generation_config, **kwargs)
 
     @runtime.out_of_memory_is_runtime_error
-    def logits_at(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor, cols: torch.Tensor,
-        upcast: bool = True,
-    ) -> torch.Tensor:
+    def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
+                  cols: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Logits `[n, V]` at the n positions `(rows[i], cols[i])` of the padded input, in the
         caller's layout; only those reach the LM head with the graph rewrite. `upcast=False`: in the
         LM head's own precision where the package casts half-precision logits to float32."""

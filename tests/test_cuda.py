@@ -179,6 +179,33 @@ def test_real_model_bf16_cuda_export():
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9
 
 
+def test_real_bf16_package_logits_without_the_cast_and_with_a_float32_head(tmp_path):
+    """The real bf16 package ends in a cast of bf16 logits to float32: the sessions write bf16
+    (forward still returns float32), within one bf16 step of the package's own graph's logits;
+    `rewrite_lm_head="float32"` writes float32 sums, within one bf16 rounding of them, nearly none of
+    them a bf16 number; loglikelihoods on both stay within bf16 tolerance of the unrewritten graph's."""
+    fixture = fixtures.build(fixtures.SMOLLM2_BF16_CUDA)
+    plain = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", rewrite_lm_head=False)
+    rounded = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", cache_dir=tmp_path)
+    precise = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", rewrite_lm_head="float32",
+                                                  cache_dir=tmp_path)
+    assert (plain.decoder.head_dtype, rounded.decoder.head_dtype, precise.decoder.head_dtype) == (
+        torch.float32, torch.bfloat16, torch.float32)
+    ids, mask = right_padded_batch([40, 23], vocab=49152, seed=26)
+    real = mask.bool().cuda()
+    reference, ours = plain(ids, attention_mask=mask).logits[real], rounded(ids, attention_mask=mask).logits[real]
+    assert ours.dtype == torch.float32 and torch.equal(ours, ours.bfloat16().float())
+    assert ((ours - reference).abs() <= reference.abs() * 2**-7 + 1e-3).all()  # GEMMs of other shapes: a step
+    finer = precise(ids, attention_mask=mask).logits[real]
+    assert ((finer - ours).abs() <= ours.abs() * 2**-7 + 1e-3).all()
+    assert (finer != finer.bfloat16().float()).float().mean().item() > 0.9
+    starts, targets = [20, 5], [ids[0, 21:40].tolist(), ids[1, 6:23].tolist()]
+    expected = scoring.loglikelihood(plain, ids, mask, starts, targets)
+    for each in (rounded, precise):
+        for (lp, _), (ref, _) in zip(scoring.loglikelihood(each, ids, mask, starts, targets), expected):
+            assert abs(lp - ref) < 0.5  # 19 and 17 targets, each within bf16's rounding
+
+
 def test_forward_makes_no_device_to_host_copy(llama_cuda):
     """Host inputs: checked on the host, copied up once, logits left on the device: ortmodule reads
     nothing back. Device inputs: the checks' flags are its one small read. (ONNX Runtime's own

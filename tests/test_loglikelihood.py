@@ -63,6 +63,36 @@ def test_a_cast_of_half_logits_to_float32_is_left_to_forward(build, tmp_path):
                        plain.generate(prompt, max_new_tokens=6, do_sample=False))
 
 
+def test_a_float32_lm_head_for_a_package_casting_half_logits(build, tmp_path):
+    """`rewrite_lm_head="float32"` on a package that casts half-precision logits to float32: the
+    head multiplies in float32, so the logits are the half-precision head's before their rounding
+    (within one rounding step of them, and almost none of them a half-precision number); scoring
+    and generation run on them. On a package without the cast it changes nothing; a wrong value
+    is refused."""
+    fixture = build("llama", precision="fp16")
+    casting = float32_logits_copy(fixture, tmp_path / "package")
+    precise = OrtModelForCausalLM.from_pretrained(casting, rewrite_lm_head="float32", cache_dir=tmp_path / "graphs")
+    rounded = OrtModelForCausalLM.from_pretrained(casting, cache_dir=tmp_path / "graphs")
+    assert precise.decoder.head_dtype == torch.float32 and rounded.decoder.head_dtype == torch.float16
+    ids, mask = right_padded_batch([24, 9], seed=25)
+    real = mask.bool()
+    logits, half = precise(ids, attention_mask=mask).logits[real], rounded(ids, attention_mask=mask).logits[real]
+    assert ((logits - half).abs() <= half.abs() * 2**-11 + 2**-24).all()  # fp16's rounding: half a step
+    assert (logits != logits.half().float()).float().mean().item() > 0.9
+    starts, targets = [10, 2], [ids[0, 11:20].tolist(), ids[1, 3:9].tolist()]
+    for (lp, _), (ref, _) in zip(ortmodule.loglikelihood(precise, ids, mask, starts, targets),
+                                 ortmodule.loglikelihood(rounded, ids, mask, starts, targets)):
+        assert lp != ref and abs(lp - ref) < 1e-2
+    assert precise.generate(ids[:1, :12], max_new_tokens=4, do_sample=False).shape == (1, 16)
+    unchanged = OrtModelForCausalLM.from_pretrained(fixture.package_dir, rewrite_lm_head="float32",
+                                                    cache_dir=tmp_path / "graphs")
+    assert unchanged.decoder.head_dtype == torch.float16
+    plain = load_pair(fixture)[0]
+    assert torch.equal(unchanged(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
+    with pytest.raises(ValueError, match="rewrite_lm_head must be True, False or 'float32'"):
+        OrtModelForCausalLM.from_pretrained(casting, rewrite_lm_head="fp32")
+
+
 def reference_loglikelihood(hf, ids, mask, starts, targets):
     """Per row, from transformers' full logits: sum log_softmax at the target positions."""
     with torch.no_grad():
