@@ -35,6 +35,23 @@ def test_greedy_equals_transformers(build, arch):
     assert torch.equal(tokens, expected)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_fp16_greedy_picks_transformers_fp32_choice_within_half_precision(build, arch):
+    """An fp16 package for a CPU (its decode steps run the builder's repeat_kv path): each token
+    generated greedily is, given the tokens before it, transformers fp32's choice on the same
+    weights, or within fp16's tolerance of it (near-ties may go either way, after which the
+    sequences part: each step is checked on ortmodule's own sequence)."""
+    model, hf = load_pair(build(arch, precision="fp16"))
+    ids, mask = left_padded_prompts([6, 13], seed=3)
+    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    full_mask = torch.cat([mask, torch.ones(2, NEW_TOKENS, dtype=mask.dtype)], 1)
+    with torch.inference_mode():
+        positions = (full_mask.cumsum(1) - 1).clamp(min=0)  # left padding: as transformers' generate counts
+        logits = hf(tokens, attention_mask=full_mask, position_ids=positions).logits[:, 12:-1]  # each new token's
+    chosen = logits.gather(2, tokens[:, 13:, None]).squeeze(2)
+    assert (logits.max(-1).values - chosen).max().item() < 2e-2
+
+
 def test_end_of_sequence_pads_the_row_like_transformers(llama_pair):
     model, hf = llama_pair
     ids, mask = left_padded_prompts([5, 11], seed=1)
