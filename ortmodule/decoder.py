@@ -151,11 +151,10 @@ class Decoder:
             if "out of memory." in str(e):  # not the config's fault
                 raise
             heads = sorted({(kv.num_kv_heads, kv.head_size) for kv in self.spec.layers})
-            raise PackageError(
-                f"{self.package.root / 'genai_config.json'}: ONNX Runtime cannot run {self.spec.path.name} with "
-                f"this configuration (KV heads and head sizes {heads}, vocab_size {self.vocab_size}); is the "
-                f"config from another export? ONNX Runtime said: {' '.join(str(e).split())[:400]}"
-            ) from None
+            raise PackageError(f"{self.package.root / 'genai_config.json'}: ONNX Runtime cannot run "
+                               f"{self.spec.path.name} with this configuration (KV heads and head sizes {heads}, "
+                               f"vocab_size {self.vocab_size}): a config from another export, or a package kind "
+                               f"not supported (docs/usage.md)? It said: {' '.join(str(e).split())[:400]}") from None
 
     # ---- runs ---------------------------------------------------------------------------------
 
