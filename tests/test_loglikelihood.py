@@ -1,5 +1,6 @@
 """The LM-head rewrite and the loglikelihood primitive against independent references."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import MODEL_ARCHES, float32_logits_copy, load_pair, right_padded_batch
@@ -91,6 +92,57 @@ def test_a_float32_lm_head_for_a_package_casting_half_logits(build, tmp_path):
     assert torch.equal(unchanged(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
     with pytest.raises(ValueError, match="rewrite_lm_head must be True, False or 'float32'"):
         OrtModelForCausalLM.from_pretrained(casting, rewrite_lm_head="fp32")
+
+
+def _head_graph(weights, softcap: bool, cast: bool):
+    """A hidden-states input, a MatMul LM head (soft-capped: Div, Tanh, Mul), a final cast to float32."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    half = weights.dtype == np.float16
+    kind = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    nodes, last = [helper.make_node("MatMul", ["hidden", "W"], ["mm"], name="/lm_head/MatMul")], "mm"
+    if softcap:
+        nodes += [helper.make_node("Div", ["mm", "cap"], ["d"]), helper.make_node("Tanh", ["d"], ["t"]),
+                  helper.make_node("Mul", ["t", "cap"], ["m"])]
+        last = "m"
+    if cast:
+        nodes.append(helper.make_node("Cast", [last], ["logits"], to=TensorProto.FLOAT, name="/lm_head/Cast"))
+    else:
+        nodes[-1].output[0] = "logits"
+    output = TensorProto.FLOAT if cast else kind
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("hidden", kind, ["b", "s", 8])],
+                              [helper.make_tensor_value_info("logits", output, ["b", "s", 16])],
+                              [numpy_helper.from_array(weights, "W"),
+                               numpy_helper.from_array(np.array(3.0, weights.dtype), "cap")])
+    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize("case,float32_head,expected", [
+    ("half, cast", False, np.float16), ("half, cast", True, np.float32), ("half, soft cap, cast", False, np.float16),
+    ("half, soft cap, cast", True, np.float16), ("float32", True, np.float32)])
+def test_the_logits_cast_and_the_float32_head_in_the_graph(case, float32_head, expected):
+    """graph.py on small heads: a final cast of half-precision logits to float32 is left out (a
+    soft cap before it stays in half precision), a plain MatMul head multiplies in float32 when
+    asked, a float32 head is left as it is; each rewritten graph's logits at the kept positions
+    equal numpy's on the same numbers, within their precision's rounding."""
+    import onnxruntime as ort
+
+    from ortmodule import graph
+
+    gen = np.random.default_rng(0)
+    weights = gen.standard_normal((8, 16)).astype(np.float32 if case == "float32" else np.float16)
+    proto = _head_graph(weights, "soft cap" in case, "cast" in case)
+    rewritten = graph.rewrite_keep_positions(proto, "logits", float32_head)
+    assert all(node.op_type != "Cast" or node.name.startswith("/ortmodule/") for node in rewritten.graph.node)
+    session = ort.InferenceSession(rewritten.SerializeToString(), providers=["CPUExecutionProvider"])
+    hidden = gen.standard_normal((2, 3, 8)).astype(weights.dtype)
+    logits = session.run(None, {"hidden": hidden, graph.LOGITS_INDICES: np.array([0, 4], np.int64)})[0]
+    reference = hidden.reshape(6, 8)[[0, 4]].astype(np.float64) @ weights.astype(np.float64)
+    if "soft cap" in case:
+        reference = np.tanh(reference / 3) * 3
+    assert logits.dtype == expected
+    assert np.abs(logits - reference).max() < (1e-5 if expected == np.float32 else 1e-2)
 
 
 def reference_loglikelihood(hf, ids, mask, starts, targets):
