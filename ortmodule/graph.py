@@ -110,8 +110,8 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str, float32_hea
     vocab = graph.outputs[[o.name for o in graph.outputs].index(logits_name)].shape
     vocab_dim = vocab[2] if vocab is not None and vocab.rank() == 3 else "vocab_size"
     for node in [head, *chain]:
-        for value in node.outputs:
-            value.shape = ir.Shape(["num_logits", vocab_dim])
+        for value in node.outputs:  # (a value of no recorded type has no recorded shape)
+            value.shape = ir.Shape(["num_logits", vocab_dim]) if value.type is not None else None
     upcast, logits_type = _upcast(head, chain)
     if float32_head:
         if upcast is not None and head.op_type == "MatMul" and len(chain) == 1:
