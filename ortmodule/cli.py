@@ -50,6 +50,9 @@ def ortmodule(argv: list[str] | None = None) -> None:
                                                     "folder's name; its path is never shown)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes and "
                                                        "/metrics (default: the ORTMODULE_API_KEY environment variable)")
+    serve.add_argument("--enable-fp32-lm-head", action="store_true",
+                       help="compute a bf16 package's LM head in float32: logits not rounded to bf16, as SGLang's and "
+                            "vLLM's flag of that name (docs/graph-rewrite.md)")
     _settings_flags(serve)
     args = parser.parse_args(argv)
     if args.command == "export":
@@ -59,7 +62,8 @@ def ortmodule(argv: list[str] | None = None) -> None:
     from .serving import Settings, serve
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
-    serve(args.path, host=args.host, port=args.port, device=args.device, **options)
+    serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
+          **options)
 
 
 # The serving settings' flags (defaults: ortmodule/serving/settings.py).

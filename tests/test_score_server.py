@@ -1,5 +1,6 @@
 """`/v1/score` over real HTTP on 127.0.0.1: answers, 400s, batching of concurrent clients, 503."""
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -12,10 +13,11 @@ import pytest
 import torch
 from helpers import SCORE_ITEMS as ITEMS
 from helpers import SCORE_QUERY as QUERY
-from helpers import LiveServer, hold_worker, labels_for, load_pair
+from helpers import LiveServer, float32_logits_copy, hold_worker, labels_for, load_pair
 from helpers import score_reference as reference
 
-from ortmodule import load_tokenizer
+import ortmodule
+from ortmodule import OrtModelForCausalLM, load_tokenizer
 from ortmodule.serving import create_app
 
 
@@ -185,13 +187,14 @@ def test_waiting_requests_do_not_poll_their_connections(build):
         live.stop()
 
 
-def test_the_console_command_serves_a_package(llama):
+@contextlib.contextmanager
+def served(*command):
+    """`command` (an `ortmodule serve` line, without its port) running on a free port: its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [str(Path(sys.executable).parent / "ortmodule"), "serve", str(llama.package_dir), "--port", str(port),
-               "--name", "tiny"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -203,10 +206,34 @@ def test_the_console_command_serves_a_package(llama):
                 pass
             assert time.monotonic() < deadline, "ortmodule serve did not come up"
             time.sleep(0.2)
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/score",
-                            json=dict(query=[5, 6], items=[[7], [8]], label_token_ids=[1, 2], apply_softmax=True))
-        assert answer.status_code == 200 and answer.json()["model"] == "tiny"
-        assert [round(sum(row), 5) for row in answer.json()["scores"]] == [1.0, 1.0]
+        yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_the_console_command_serves_a_package(llama):
+    console = str(Path(sys.executable).parent / "ortmodule")
+    with served(console, "serve", str(llama.package_dir), "--name", "tiny") as url:
+        answer = httpx.post(url + "/v1/score",
+                            json=dict(query=[5, 6], items=[[7], [8]], label_token_ids=[1, 2], apply_softmax=True))
+        assert answer.status_code == 200 and answer.json()["model"] == "tiny"
+        assert [round(sum(row), 5) for row in answer.json()["scores"]] == [1.0, 1.0]
+
+
+def test_enable_fp32_lm_head_serves_the_float32_head(build, tmp_path):
+    """`--enable-fp32-lm-head` (SGLang's and vLLM's flag) on a package casting half-precision logits
+    to float32: the scores are those of the model loaded with `rewrite_lm_head="float32"`, not
+    those of the half-precision head."""
+    casting = float32_logits_copy(build("llama", precision="fp16"), tmp_path / "package")
+    body = dict(query=[5, 6, 9, 11], items=[[7, 3], [8], [40, 41, 42]], label_token_ids=[1, 2, 30], apply_softmax=False)
+    expected = {choice: ortmodule.score(OrtModelForCausalLM.from_pretrained(casting, rewrite_lm_head=choice,
+                                                                            cache_dir=tmp_path / "graphs"),
+                                        None, body["query"], body["items"], body["label_token_ids"])
+                for choice in (True, "float32")}
+    with served(sys.executable, "-m", "ortmodule", "serve", str(casting), "--enable-fp32-lm-head") as url:
+        scores = torch.tensor(httpx.post(url + "/v1/score", json=body).json()["scores"])
+    def relative(other):  # probabilities of a 512-token vocabulary are small: compare their ratios
+        return ((scores - torch.tensor(other)).abs() / scores).max().item()
+
+    assert relative(expected["float32"]) < 1e-5 and relative(expected[True]) > 1e-4

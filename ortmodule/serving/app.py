@@ -217,16 +217,19 @@ def open_files_for(connections: int) -> int:
     return max(fits, 1)
 
 
-def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", **options) -> None:
+def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", fp32_lm_head: bool = False,
+          **options) -> None:
     """Load the package at `path` and serve it until interrupted (SIGINT, SIGTERM: what was
-    accepted is answered first)."""
+    accepted is answered first). `fp32_lm_head`: a bf16 package's LM head in float32 (SGLang's and
+    vLLM's `--enable-fp32-lm-head`; `rewrite_lm_head="float32"`)."""
     import uvicorn
 
     from ..hf import load_tokenizer
     from ..modeling import OrtModelForCausalLM
 
     settings = Settings.with_environment(**options)
-    model = OrtModelForCausalLM.from_pretrained(path, device=device)
+    model = OrtModelForCausalLM.from_pretrained(path, device=device,
+                                                rewrite_lm_head="float32" if fp32_lm_head else True)
     model.measured_costs()  # timed now (about a second), not in the first request that shares a query
     app = create_app(model, load_tokenizer(path), settings)
     if host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
