@@ -94,10 +94,7 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str, float32_hea
 
     Raises `RewriteSkipped` when the graph does not match; the input proto is left unchanged.
     """
-    repaired = onnx.ModelProto()
-    repaired.CopyFrom(proto)
-    forget_wrong_shapes(repaired)
-    model = ir.serde.deserialize_model(repaired)
+    model = ir.serde.deserialize_model(proto)
     graph = model.graph
     head, chain = _find_lm_head(graph, logits_name)
     indices = ir.Value(name=LOGITS_INDICES, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["num_logits"]))
@@ -138,11 +135,18 @@ def forget_wrong_shapes(proto: onnx.ModelProto) -> bool:
     return True
 
 
+def _load_repaired(decoder_path: Path) -> tuple[onnx.ModelProto, bool]:
+    """The decoder graph without its weights, less the shapes `forget_wrong_shapes` drops, and
+    whether it dropped any."""
+    proto = onnx.load(str(decoder_path), load_external_data=False)
+    return proto, forget_wrong_shapes(proto)
+
+
 def repaired_graph(decoder_path: Path) -> bytes | None:
     """The package's decoder graph without the shapes `forget_wrong_shapes` drops (the weights stay
     in the package's files), or None where it records none of them (load the file itself)."""
-    proto = onnx.load(str(decoder_path), load_external_data=False)
-    return proto.SerializeToString() if forget_wrong_shapes(proto) else None
+    proto, repaired = _load_repaired(decoder_path)
+    return proto.SerializeToString() if repaired else None
 
 
 _HALF = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
@@ -268,8 +272,7 @@ def keep_positions_graph(decoder_path: Path, logits_name: str, cache_dir: Path |
     logged reason when the graph does not match. Built once per source graph content, then read
     from the cache; an entry that fails its check is rebuilt with a warning."""
     def build() -> bytes:
-        proto = onnx.load(str(decoder_path), load_external_data=False)
-        return rewrite_keep_positions(proto, logits_name, float32_head).SerializeToString()
+        return rewrite_keep_positions(_load_repaired(decoder_path)[0], logits_name, float32_head).SerializeToString()
 
     key = _cache_key(decoder_path, logits_name, float32_head)
     try:

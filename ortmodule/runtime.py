@@ -48,14 +48,14 @@ def torch_dtype(onnx_type: int) -> torch.dtype:
     return TORCH_DTYPE[onnx_type]
 
 
-_TYPE_NAMES = {f"tensor({name})": dtype for name, dtype in (
-    ("float", torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16), ("double", torch.float64))}
+# ONNX Runtime's names of tensor types ("tensor(float)", "tensor(bfloat16)") for TORCH_DTYPE's keys.
+_TYPE_NAMES = {f"tensor({onnx.TensorProto.DataType.Name(kind).lower()})": dtype for kind, dtype in TORCH_DTYPE.items()}
 
 
 def output_dtype(session: Session, name: str) -> torch.dtype:
     """The torch dtype of a session's float output `name`, as ONNX Runtime reports it."""
     kind = next(o.type for o in session.ort_session.get_outputs() if o.name == name)
-    if kind not in _TYPE_NAMES:
+    if kind not in _TYPE_NAMES or not _TYPE_NAMES[kind].is_floating_point:
         raise TypeError(f"output {name!r} is {kind}, not a floating-point tensor")
     return _TYPE_NAMES[kind]
 
