@@ -61,3 +61,27 @@ def test_a_stopped_suite_keeps_the_rows_that_finished(tmp_path):
     assert "interrupted: the rows that finished are kept" in rest, seen + rest
     rows = json.loads(out.read_text())["benchmarks"]
     assert rows and all(row["stats"]["median"] > 0 for row in rows), seen + rest
+
+
+@pytest.mark.slow
+def test_graph_options_script_times_each_variant(tmp_path):
+    """benchmarks/graph_options.py on the smoke model: a row per builder option, the graph change it
+    made named, each variant timed and as close to transformers fp32 as an fp32 package is; the
+    option that leaves a CPU export's graph unchanged (the query/key norm fusion) is not timed."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "options.json"
+    command = [sys.executable, str(REPORT.parent / "graph_options.py"), "--size", "smoke", "--spec", "tiny",
+               "--device", "cpu", "--batch", "2", "--length", "16", "--rounds", "1", "--repeats", "1",
+               "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {row["option"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "fuse_qk_norm_gqa=false"]
+    assert "Split 0 -> " in rows["fuse_mlp_gate_up=true"]["graph"]
+    assert "MatMul" in rows["fuse_qkv=false"]["graph"]
+    assert "not timed" in rows["fuse_qk_norm_gqa=false"]["graph"] and "ms" not in rows["fuse_qk_norm_gqa=false"]
+    for option in list(rows)[:3]:
+        assert rows[option]["ms"] > 0 and rows[option]["max_diff_vs_fp32"] < 1e-4

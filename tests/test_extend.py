@@ -48,8 +48,14 @@ def test_extend_equals_transformers_on_the_whole_rows(build, arch, expand_kv_hea
     """Rows continuing prefixes of different lengths by different numbers of tokens, in one run:
     every new position's logits equal transformers' on the whole row (right-padded rows and
     prefixes, the rows' own positions for the rotary embedding, grouped heads shared or repeated)."""
-    model, hf = load_pair(build(arch))
-    prefixes, rests, owner = rows_over_prefixes(31)
+    cache = assert_extend_matches(*load_pair(build(arch)), expand_kv_heads, seed=31)
+    assert cache.lengths.tolist() == [11, 11, 6]  # the cache is read, not extended
+
+
+def assert_extend_matches(model, hf, expand_kv_heads, seed):
+    """Rows over prefixes (`rows_over_prefixes`) continued in one extend run: every new position's
+    logits equal transformers' on the whole row. Returns the prefixes' cache."""
+    prefixes, rests, owner = rows_over_prefixes(seed)
     cache = prefix_cache(model, prefixes, owner)
     tokens = pad_right(rests)[0]
     new = tokens.shape[1]
@@ -60,7 +66,16 @@ def test_extend_equals_transformers_on_the_whole_rows(build, arch, expand_kv_hea
         with torch.no_grad():
             expected = hf(torch.tensor([whole])).logits[0, len(whole) - len(rest):]
         assert (logits[row, : len(rest)] - expected).abs().max().item() < 1e-4
-    assert cache.lengths.tolist() == [11, 11, 6]  # the cache is read, not extended
+    return cache
+
+
+@pytest.mark.parametrize("arch,options", [("llama", (("fuse_qkv", "false"),)), ("qwen3", (("fuse_qkv", "false"),)),
+                                          ("qwen3", (("fuse_mlp_gate_up", "true"),))])
+def test_extend_on_packages_exported_with_graph_options(build, arch, options):
+    """The extend graph of a package whose GroupQueryAttention takes the query, key and value
+    unpacked (the builder's fuse_qkv=false), or whose MLP is one gate/up MatMul: the new positions'
+    logits equal transformers' on the whole rows."""
+    assert_extend_matches(*load_pair(build(arch, extra_options=options)), False, seed=33)
 
 
 def test_the_norms_grouped_query_attention_applies_itself_are_kept(build):

@@ -1,5 +1,6 @@
 """OrtModelForCausalLM against transformers on the same weights."""
 
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -119,6 +120,37 @@ def test_fp16_package_matches_within_half_precision(build):
         for column in range(12, 20):
             out = each(ids[:1, column : column + 1], past_key_values=out.past_key_values, use_cache=True)
             assert (out.logits[0, -1].float() - full[0, column]).abs().max().item() < 2e-2
+
+
+# The model builder's graph options (`ortmodule export --extra-option` / `extra_options`) that change
+# the decoder's graph: the gate and up projections in one MatMul then a Split, the query, key and
+# value projections as three MatMuls instead of one packed.
+BUILDER_GRAPH_OPTIONS = [("llama", "fuse_mlp_gate_up"), ("llama", "fuse_qkv=false"), ("qwen3", "fuse_qkv=false")]
+
+
+@pytest.mark.parametrize("arch,option", BUILDER_GRAPH_OPTIONS)
+def test_packages_exported_with_graph_options_match_transformers(build, arch, option):
+    """A package exported with one of the builder's graph options: its graph differs from the
+    default export's, and its logits (padded batch, decode steps) and greedy tokens equal
+    transformers' on the same weights."""
+    key, _, value = option.partition("=")
+    fixture = build(arch, extra_options=((key, value or "true"),))
+    ops = [n.op_type for n in onnx.load(str(fixture.package_dir / "model.onnx"), load_external_data=False).graph.node]
+    default = [n.op_type for n in onnx.load(str(build(arch).package_dir / "model.onnx"),
+                                            load_external_data=False).graph.node]
+    assert ops.count("MatMul") != default.count("MatMul")  # the option took effect
+    model, hf = load_pair(fixture)
+    ids, mask = right_padded_batch([20, 12, 5], seed=12)
+    assert max_diff_on_real(model(ids, attention_mask=mask).logits, reference(hf, ids, mask), mask) < FP32_TOL
+    full = reference(hf, ids[:1], None)
+    out = model(ids[:1, :12], use_cache=True)
+    for column in range(12, 20):
+        out = model(ids[:1, column : column + 1], past_key_values=out.past_key_values, use_cache=True)
+        assert (out.logits[0, -1] - full[0, column]).abs().max().item() < FP32_TOL
+    prompt = ids[:2, :9]
+    with torch.no_grad():
+        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), expected)
 
 
 def test_zero_copy_binding(llama, monkeypatch):
