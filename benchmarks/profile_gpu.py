@@ -5,7 +5,7 @@ sees every kernel in the process). Prints wall time per batch, the summed kernel
 the host: launches, Python, syncs), and the top kernels of each.
 
     python benchmarks/profile_gpu.py [--spec qwen3-0.6b-bf16] [--batch 32] [--length 200]
-        [--extra-option KEY=VALUE ...] [--only ortmodule] [--shared]
+        [--extra-option KEY=VALUE ...] [--only ortmodule] [--shared | --rolling]
 
 `--shared` profiles context sharing instead (lm-eval's `share_contexts`): a HellaSwag-shaped batch
 (`--batch` rows: groups of 4 continuations of 15-40 tokens after a context of about `--length`
@@ -16,9 +16,17 @@ H100 the shared path ran 1.8-2.4x slower than the padded rows at lm-eval's scale
 (docs/measurements.md); this shows where. `--size cpu --spec smollm2-fp32 --device cpu` runs it on
 a CPU (the device's kernels then are not recorded).
 
+`--rolling` profiles lm-eval's `loglikelihood_rolling` instead: `--batch` windows of `--length` tokens
+(on the GPU suite's rolling workload, 8 windows of 4,096), every position scored, through the same
+path (`scoring.loglikelihood`: the logits of every position, their normalizers, the targets'
+log-probabilities) and through transformers as lm-eval's `hf` scores them (a log-softmax over all
+the logits in the model's precision, then the gather). Rolling ran at 1.38x transformers on an H100
+where the target is 2x; the kernel split shows how much of it is the LM head and the normalizers.
+
 `--extra-option` exports a variant of the package with that model-builder option (repeatable, e.g.
 fuse_mlp_gate_up=true, fuse_qkv=false), so that graph options can be measured one at a time;
-`of peak` counts 2 x the decoder's weights x the real tokens over the data sheet's dense bf16 peak.
+`of peak` counts 2 x the decoder's weights x the real tokens, plus 2 x the LM head's weights x the
+positions scored, over the data sheet's dense bf16 peak.
 """
 
 import argparse
@@ -59,6 +67,8 @@ def timed(fn, repeats=10):
 
 # Kernel names -> the parts of a decoder the issue's profile names (first match wins).
 CATEGORIES = [
+    ("scoring: log-softmax, argmax, gather", re.compile(r"softmaxforward|logsoftmax|log_softmax|argmax|"
+                                                        r"gather_kernel|index_add|logsumexp", re.I)),
     ("rotary + KV append", re.compile(r"rope|rotary|append|unpack|concatnewtopast", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|softmax|xqa|mha", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|sm\d+_|cublas|matmul|ampere_|hopper", re.I)),
@@ -159,7 +169,9 @@ def main():
     parser.add_argument("--length", type=int, default=200)
     parser.add_argument("--extra-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--only", choices=["ortmodule", "transformers"])
-    parser.add_argument("--shared", action="store_true", help="profile context sharing against padded rows")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--shared", action="store_true", help="profile context sharing against padded rows")
+    mode.add_argument("--rolling", action="store_true", help="profile rolling windows, every position scored")
     args = parser.parse_args()
     spec = SIZES[args.size]["decoders"][args.spec]
     if args.extra_option:
@@ -172,29 +184,44 @@ def main():
     print(f"{name}; package {fixture.package_dir.name}, builder options {dict(spec.extra_options) or 'default'}")
     if args.shared:
         return profile_sharing(model, args, peak)
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(args.length - 40, args.length + 1, (args.batch,), generator=gen)
-    width = int(lengths.max())
-    ids = torch.randint(4, 32000, (args.batch, width), generator=gen)
-    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
-    starts = [int(n) - 5 for n in lengths]
-    targets = [[int(t) for t in ids[i, s + 1 : s + 5]] for i, s in enumerate(starts)]
+    gen, top = torch.Generator().manual_seed(0), min(32000, model.config.vocab_size)
+    if args.rolling:  # windows of exactly `length` tokens, each predicting its next `length` tokens
+        ids = torch.randint(4, top, (args.batch, args.length + 1), generator=gen)
+        ids, targets, mask, starts = ids[:, :-1], ids[:, 1:].tolist(), None, [0] * args.batch
+        tokens = args.batch * args.length
+    else:
+        lengths = torch.randint(args.length - 40, args.length + 1, (args.batch,), generator=gen)
+        width = int(lengths.max())
+        ids = torch.randint(4, top, (args.batch, width), generator=gen)
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        starts = [int(n) - 5 for n in lengths]
+        targets = [[int(t) for t in ids[i, s + 1 : s + 5]] for i, s in enumerate(starts)]
+        tokens = int(lengths.sum())
+    ours = lambda: scoring.loglikelihood(model, ids, mask, starts, targets)  # noqa: E731
+    profile_both(model, ours, fixture, args, peak, (ids, mask, starts, targets, tokens))
 
-    def ours():
-        return scoring.loglikelihood(model, ids, mask, starts, targets)
+
+def profile_both(model, ours, fixture, args, peak, batch) -> None:
+    """Time and profile `ours` and transformers (bf16, sdpa) scoring the same batch: (input ids, mask,
+    starts, targets, real tokens)."""
+    ids, mask, starts, targets, tokens = batch
+    hf = None
 
     @torch.inference_mode()
     def theirs():
-        logits = hf(input_ids=ids.cuda(), attention_mask=mask.cuda()).logits
+        logits = hf(input_ids=ids.cuda(), attention_mask=None if mask is None else mask.cuda()).logits
+        if args.rolling:  # lm-eval's hf: log-softmax over every position in the model's dtype, then the gather
+            return torch.log_softmax(logits, -1).gather(2, torch.tensor(targets).cuda()[..., None]).sum().item()
         rows = torch.arange(args.batch).repeat_interleave(4).cuda()
         cols = torch.tensor([s + i for s in starts for i in range(4)]).cuda()
         lp = torch.log_softmax(logits[rows, cols].float(), -1)
         return lp.gather(1, torch.tensor([t for row in targets for t in row]).cuda()[:, None]).sum().item()
 
-    tokens = int(lengths.sum())
-    weights = model.num_parameters(exclude_embeddings=True)
-    runs = {"ortmodule": ours, "transformers": theirs}
-    for label, fn in runs.items():
+    # Matmul FLOPs: the decoder's weights at every real token, the LM head at every position scored.
+    scored = sum(len(t) for t in targets)
+    flops = 2 * model.num_parameters(exclude_embeddings=True) * tokens + \
+        2 * model.config.hidden_size * model.config.vocab_size * scored
+    for label, fn in {"ortmodule": ours, "transformers": theirs}.items():
         if args.only and label != args.only:
             continue
         if label == "transformers":
@@ -202,8 +229,8 @@ def main():
             hf = hf.to("cuda").eval()
         seconds = timed(fn)
         kernel_ms, table = kernel_table(fn)
-        share = f", {100 * 2 * weights * tokens / seconds / peak:.1f}% of the dense bf16 peak" if peak else ""
-        print(f"== {label}: {seconds * 1e3:.2f} ms per batch of {args.batch} rows ({tokens} tokens, "
+        share = f", {100 * flops / seconds / peak:.1f}% of the dense bf16 peak" if peak else ""
+        print(f"== {label}: {seconds * 1e3:.2f} ms per batch of {args.batch} rows ({tokens} tokens, {scored} scored, "
               f"{tokens / seconds:.0f} tokens/s{share}); summed device time {kernel_ms:.2f} ms "
               f"({100 * kernel_ms / (seconds * 1e3):.0f}% of the wall time)")
         print(table)
