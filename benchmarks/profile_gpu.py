@@ -145,14 +145,14 @@ def shared_steps(model, rows, groups, starts, targets, repeats=10) -> str:
     return f"shared path, {1e3 * total:.2f} ms a run (synced at each step): {steps}"
 
 
-def hellaswag_shaped(batch: int, length: int, gen: torch.Generator):
+def hellaswag_shaped(batch: int, length: int, gen: torch.Generator, top: int = 32000):
     """Rows of groups of 4 continuations (15-40 tokens) after a shared context of about `length`."""
     rows, groups, starts, targets = [], [], [], []
     for group in range(max(1, batch // 4)):
-        context = torch.randint(4, 32000, (int(torch.randint(length - 40, length + 1, (), generator=gen)),),
+        context = torch.randint(4, top, (int(torch.randint(length - 40, length + 1, (), generator=gen)),),
                                 generator=gen).tolist()
         for _ in range(4):
-            ending = torch.randint(4, 32000, (int(torch.randint(15, 41, (), generator=gen)),), generator=gen).tolist()
+            ending = torch.randint(4, top, (int(torch.randint(15, 41, (), generator=gen)),), generator=gen).tolist()
             rows.append(context + ending[:-1])
             groups.append(group)
             starts.append(len(context) - 1)
@@ -237,7 +237,8 @@ def profile_both(model, ours, fixture, args, peak, batch) -> None:
 
 
 def profile_sharing(model, args, peak) -> None:
-    rows, groups, starts, targets = hellaswag_shaped(args.batch, args.length, torch.Generator().manual_seed(0))
+    rows, groups, starts, targets = hellaswag_shaped(args.batch, args.length, torch.Generator().manual_seed(0),
+                                                     min(32000, model.config.vocab_size))
     ids, mask = pad_right(rows)
     runs = {"padded rows (sharing off)": lambda: scoring.loglikelihood_totals(model, ids, mask, starts, targets),
             "shared contexts": lambda: scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets)}

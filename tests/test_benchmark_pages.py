@@ -85,3 +85,25 @@ def test_graph_options_script_times_each_variant(tmp_path):
     assert "not timed" in rows["fuse_qk_norm_gqa=false"]["graph"] and "ms" not in rows["fuse_qk_norm_gqa=false"]
     for option in list(rows)[:3]:
         assert rows[option]["ms"] > 0 and rows[option]["max_diff_vs_fp32"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [[], ["--rolling"], ["--shared"]])
+def test_profile_script_runs_each_mode_on_a_cpu(mode):
+    """benchmarks/profile_gpu.py, which GPU sessions run with little time to spare, runs each of its
+    modes to the end on the smoke model on a CPU (transformers' side needs CUDA: `--only ortmodule`
+    except for `--shared`, which profiles ortmodule's two paths and checks they agree)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, str(REPORT.parent / "profile_gpu.py"), "--size", "smoke", "--spec", "tiny",
+               "--device", "cpu", "--batch", "8", "--length", "60", *mode]
+    done = subprocess.run(command + ([] if mode == ["--shared"] else ["--only", "ortmodule"]), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    if mode == ["--shared"]:
+        assert "largest difference between the two paths' loglikelihoods: 0.0000" in done.stdout, done.stdout
+        assert "extend run" in done.stdout
+    else:
+        scored = "480 scored" if mode else "32 scored"
+        assert "== ortmodule: " in done.stdout and scored in done.stdout, done.stdout
