@@ -333,9 +333,11 @@ def _read_logits(model: dict, graph: _Graph) -> tuple[str, int]:
     """The logits output's name and the vocabulary size (genai_config's, checked against the graph's)."""
     logits = graph.names_out.get("logits", "logits")
     if logits not in graph.outputs:
+        hint = ("; the decoder returns hidden states instead of logits, as the model builder's exclude_lm_head "
+                "makes it: re-export without exclude_lm_head") if "hidden_states" in graph.outputs else ""
         raise PackageError(
             f"{graph.config_path}: model.decoder.outputs.logits is '{logits}', which is not an output of "
-            f"{graph.path.name} (outputs: {', '.join(graph.outputs)})"
+            f"{graph.path.name} (outputs: {', '.join(graph.outputs)}){hint}"
         )
     dims = _dims(graph.outputs[logits])
     if len(dims) != 3 or dims[1] == 1:

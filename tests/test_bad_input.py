@@ -1,9 +1,9 @@
 """Bad input and bad packages get clear errors, raised before ONNX Runtime runs."""
 
 import json
+import re
 import shutil
 
-import onnx
 import pytest
 import torch
 from helpers import load_pair
@@ -115,15 +115,17 @@ def test_kv_template_matching_no_input(llama, tmp_path):
         read_package(package)
 
 
-def test_logits_pruned_to_the_last_position(llama, tmp_path):
-    package, _ = copy_package(llama, tmp_path)
-    proto = onnx.load(str(package / "model.onnx"), load_external_data=False)
-    logits = next(o for o in proto.graph.output if o.name == "logits")
-    logits.type.tensor_type.shape.dim[1].Clear()
-    logits.type.tensor_type.shape.dim[1].dim_value = 1
-    onnx.save(proto, str(package / "model.onnx"))
-    with pytest.raises(PackageError, match="pruned to the last position"):
-        read_package(package)
+@pytest.mark.parametrize("option,message", [
+    ("prune_lm_head", "its logits are pruned to the last position, so continuations cannot be scored. Re-export "
+                      "without prune_lm_head"),
+    ("exclude_lm_head", "the decoder returns hidden states instead of logits, as the model builder's exclude_lm_head "
+                        "makes it: re-export without exclude_lm_head")])
+def test_packages_without_every_positions_logits_are_refused(build, option, message):
+    """Packages exported with the model builder's options that drop the logits ortmodule scores with
+    (only the last position's, or hidden states instead) are refused at load, naming the option."""
+    package = build("llama", extra_options=((option, "true"),)).package_dir
+    with pytest.raises(PackageError, match=re.escape(message)):
+        OrtModelForCausalLM.from_pretrained(package)
 
 
 def test_invalid_json(tmp_path):
