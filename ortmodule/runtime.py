@@ -17,6 +17,7 @@ import onnxruntime as ort
 import torch
 
 from . import nbits
+from .package import PackageError
 
 TORCH_DTYPE = {
     onnx.TensorProto.FLOAT: torch.float32,
@@ -189,8 +190,8 @@ def make_session(
         # A stream of the session's own, never torch's default one: the default stream's handle is
         # 0, which ONNX Runtime cannot tell from "no stream given".
         stream = torch.cuda.Stream(device) if dedicated_stream else torch.cuda.current_stream(device)
-    session = retrying_on_torch_cache(device, ort.InferenceSession, source, options,
-                                      providers(device, provider_options, stream))
+    what = f"{external_data_folder}'s graph (as ortmodule rewrote it)" if isinstance(model, bytes) else os.fspath(model)
+    session = _inference_session(device, what, source, options, providers(device, provider_options, stream))
     if device.type != "cuda":
         return Session(session)
     # `run` orders the session's stream with whatever stream is current at each call. No sync at
@@ -200,6 +201,24 @@ def make_session(
         run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
     graphs = str((provider_options or {}).get("enable_cuda_graph", "0")).lower() in ("1", "true")
     return Session(session, stream, run_options, graphs, sync_after_run)
+
+
+def _inference_session(device: torch.device, what: str, *args) -> ort.InferenceSession:
+    """`ort.InferenceSession(*args)` (through `retrying_on_torch_cache`); a graph ONNX Runtime refuses
+    is a PackageError naming `what` and ONNX Runtime's reason."""
+    try:
+        return retrying_on_torch_cache(device, ort.InferenceSession, *args)
+    except Exception as e:  # ONNX Runtime's own exception types, told apart by name
+        if type(e).__name__ not in _GRAPH_REFUSED or "pybind11" not in type(e).__module__:
+            raise
+        raise PackageError(f"ONNX Runtime {ort.__version__} cannot load {what} for {device}: {str(e).rstrip('.')}. "
+                           "The exporter wrote a graph this ONNX Runtime refuses; export the package again (without "
+                           "the option that made it, if one did) or use the ONNX Runtime it was made for.") from e
+
+
+# ONNX Runtime's exceptions for a graph it cannot take (types that do not match, an operator or type
+# without a kernel, a malformed model); other failures (options, devices, memory) keep their own.
+_GRAPH_REFUSED = ("Fail", "InvalidGraph", "InvalidProtobuf", "NotImplemented")
 
 
 def bind_input(binding: ort.IOBinding, name: str, tensor: torch.Tensor) -> None:

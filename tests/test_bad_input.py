@@ -128,6 +128,19 @@ def test_packages_without_every_positions_logits_are_refused(build, option, mess
         OrtModelForCausalLM.from_pretrained(package)
 
 
+def test_a_graph_onnx_runtime_refuses_names_the_package(build):
+    """The model builder 0.18 writes a graph ONNX Runtime refuses for a model with tied embeddings
+    exported to int4 with is_symmetric=false (the tied embedding's Gather gets a uint8 output where
+    float is declared). Loading it is a PackageError naming the package and ONNX Runtime's reason,
+    with the rewrite (graph bytes) and without (the file)."""
+    fixture = build("llama", precision="int4", tie_word_embeddings=True, extra_options=(("is_symmetric", "false"),))
+    for rewrite, where in ((True, f"{fixture.package_dir}'s graph"), (False, str(fixture.package_dir / "model.onnx"))):
+        with pytest.raises(PackageError, match=re.escape(f"cannot load {where}") + ".*Type Error.*export the package "
+                           "again") as caught:
+            OrtModelForCausalLM.from_pretrained(fixture.package_dir, rewrite_lm_head=rewrite)
+        assert "embed_tokens" in str(caught.value)
+
+
 def test_invalid_json(tmp_path):
     (tmp_path / "genai_config.json").write_text("{not json")
     with pytest.raises(PackageError, match="not valid JSON"):
