@@ -1,4 +1,4 @@
-"""How close an int4 package of the real SmolLM2-135M-Instruct stays to its fp32 package, for each
+"""How close a 4-bit (or 8-bit) package of the real SmolLM2-135M-Instruct stays to its fp32 package, for each
 of the model builder's 4-bit options, and what each costs. For every option (exported once, cached
 like the test fixtures), on English prose that ships with Python (pydoc_data's topics; 8 windows of
 512 tokens): the perplexity, the mean KL divergence of its next-token distribution from the fp32
@@ -8,7 +8,8 @@ of 3.
 
     python benchmarks/int4_options.py [--option algo_config=k_quant_mixed ...]
 
-`--option` replaces the list below (`default` is the builder's plain export). Each option's variant
+`--option` replaces the list below (`default` is the builder's plain int4 export, `precision=int8` its
+8-bit one). Each option's variant
 takes about 40 s to export on 2 CPU cores.
 """
 
@@ -27,16 +28,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 from ortmodule_dev import fixtures  # noqa: E402
 
 OPTIONS = ["default", "block_size=16", "algo_config=rtn_last", "algo_config=k_quant", "algo_config=k_quant_last",
-           "algo_config=k_quant_mixed"]
+           "algo_config=k_quant_mixed", "precision=int8"]
 WINDOWS, LENGTH = 8, 512
 
 
 def variant(option: str) -> fixtures.FixtureSpec:
+    """The int4 package exported with the builder option `KEY=VALUE` ('default': none; `precision=int8`:
+    the 8-bit package instead)."""
     if option == "default":
         return fixtures.SMOLLM2_INT4
     key, sep, value = option.partition("=")
     if not sep or not key or not value:
         raise SystemExit(f"--option {option!r}: expected KEY=VALUE (a model builder option) or 'default'")
+    if key == "precision":
+        return dataclasses.replace(fixtures.SMOLLM2_INT4, precision=value)
     return dataclasses.replace(fixtures.SMOLLM2_INT4, extra_options=((key, value),))
 
 

@@ -33,11 +33,11 @@ def ortmodule(argv: list[str] | None = None) -> None:
     export.add_argument("source",
                         help="a Hugging Face checkpoint folder (config.json, weights, tokenizer) or a .gguf file")
     export.add_argument("out", help="the package folder to write")
-    export.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "int4"])
+    export.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "int4", "int8"])
     export.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="the execution provider it is built for")
     export.add_argument("--extra-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed to the builder's --extra_options (repeatable), e.g. int4_block_size=32")
+                        help="passed to the builder's --extra_options (repeatable), e.g. algo_config=k_quant_mixed")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress output")
     serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, OpenAI's /v1/completions "

@@ -4,7 +4,7 @@ The package is written by onnxruntime-genai's model builder (`onnxruntime_genai.
 run in its own process with a few shims for configs of transformers 5 that the builder predates.
 A GGUF file (quantized or not) is first dequantized by transformers into an fp32 checkpoint
 beside the output, so the builder sees a plain Hugging Face folder and can quantize it again
-(int4) the way ONNX Runtime's kernels want it. Everything is checked before the builder starts:
+(int4, int8) the way ONNX Runtime's kernels want it. Everything is checked before the builder starts:
 the source, its architecture, its tokenizer, the disk space; problems are an `ExportError` that
 names them. The package appears at `out` only once complete (written beside it, then renamed).
 """
@@ -22,10 +22,10 @@ import time
 from collections import deque
 from pathlib import Path
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+PRECISIONS = ("fp32", "fp16", "bf16", "int4", "int8")
 DEVICES = ("cpu", "cuda")
-# Bytes per parameter of the exported weights (int4: 4 bits, plus scales and the fp32/fp16 embedding).
-_OUT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int4": 1.0}
+# Bytes per parameter of the exported weights (int4, int8: 4 or 8 bits, plus scales and the fp32/fp16 embedding).
+_OUT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int4": 1.0, "int8": 2.0}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -48,9 +48,9 @@ def export(
     progress: bool = True,
 ) -> Path:
     """Export `source` (a Hugging Face checkpoint folder, or a `.gguf` file) to a GenAI package
-    folder `out` for `device` ('cpu' or 'cuda') in `precision` (fp32, fp16, bf16 or int4).
+    folder `out` for `device` ('cpu' or 'cuda') in `precision` (fp32, fp16, bf16, int4 or int8).
 
-    `extra_options` go to the builder's `--extra_options` (for example `{"int4_block_size": 32}`).
+    `extra_options` go to the builder's `--extra_options` (for example `{"algo_config": "k_quant_mixed"}`).
     Returns `out`. Progress goes to stderr unless `progress=False`.
     """
     if precision not in PRECISIONS:

@@ -28,6 +28,32 @@ def test_cli_exports_a_hugging_face_folder(llama, tmp_path, capsys):
     assert (model(ids).logits - expected).abs().max().item() < 1e-4
 
 
+def test_int8_export_holds_8_bit_weights_and_keeps_the_answers(llama, tmp_path):
+    """`--precision int8`: the builder's 8-bit MatMulNBits weights; logits near transformers fp32 on
+    the same weights (within 2% of their spread), and each greedily generated token transformers
+    fp32's choice after the tokens before it, or within that tolerance of it (a near-tie may go
+    either way)."""
+    import onnx
+
+    out = tmp_path / "package"
+    cli.ortmodule(["export", str(llama.hf_dir), str(out), "--precision", "int8", "--quiet"])
+    nodes = onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node
+    bits = {a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    assert bits == {8}
+    model = OrtModelForCausalLM.from_pretrained(out)
+    _, reference = load_pair(llama)
+    ids = torch.randint(4, 500, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    tolerance = 0.02 * (expected.max() - expected.min()).item()
+    assert (model(ids).logits - expected).abs().max().item() < tolerance
+    tokens = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        logits = reference(tokens).logits[:, 8:-1]  # what predicts each new token
+    chosen = logits.gather(2, tokens[:, 9:, None]).squeeze(2)
+    assert (logits.max(-1).values - chosen).max().item() < tolerance
+
+
 def copy_checkpoint(llama, tmp_path):
     folder = tmp_path / "hf"
     shutil.copytree(llama.hf_dir, folder)
