@@ -108,14 +108,14 @@ class Decoder:
         spec = self.spec
         source = self.graph_bytes if self.keeps_positions else self.plain_bytes
         source, folder = (spec.path, None) if source is None else (source, spec.path.parent)
-        self.session = runtime.make_session(source, device, folder, self.session_options, self.provider_options,
-                                            **run_settings)
+        self.session = _open(self.package, source, device, folder, self.session_options, self.provider_options,
+                             **run_settings)
         self.fp32_path = nbits.use_fp32_path(self.quantized_prefill, device, self.session_options, source)
         self.head_dtype = runtime.output_dtype(self.session, spec.logits)  # bf16 where graph.py left the cast
         self.wide_session = self.session  # runs of more than one token per row
         if self.fp32_path:
-            self.wide_session = runtime.make_session(source, device, folder, None, self.provider_options,
-                                                     fp32_path=True, **run_settings)
+            self.wide_session = _open(self.package, source, device, folder, None, self.provider_options,
+                                      fp32_path=True, **run_settings)
         self.runs.clear()  # bindings of the previous session
         self.fixed.clear()
         self.extender = extend.lazy_extender(self)  # runs new tokens over a cache for a batch (extend.py)
@@ -132,8 +132,8 @@ class Decoder:
         embedding = self.package.embedding
         self.embedding_session = None
         if embedding is not None:  # text only: the vision and speech models are never loaded
-            self.embedding_session = runtime.make_session(
-                embedding.path, device, None, self.session_options, self.provider_options, **run_settings
+            self.embedding_session = _open(
+                self.package, embedding.path, device, None, self.session_options, self.provider_options, **run_settings
             )
             self.no_media = [
                 (name, torch.zeros(shape, dtype=runtime.torch_dtype(kind), device=device))
@@ -153,8 +153,8 @@ class Decoder:
             heads = sorted({(kv.num_kv_heads, kv.head_size) for kv in self.spec.layers})
             raise PackageError(f"{self.package.root / 'genai_config.json'}: ONNX Runtime cannot run "
                                f"{self.spec.path.name} with this configuration (KV heads and head sizes {heads}, "
-                               f"vocab_size {self.vocab_size}): a config from another export, or a package kind "
-                               f"not supported (docs/usage.md)? It said: {' '.join(str(e).split())[:400]}") from None
+                               f"vocab_size {self.vocab_size}): {_mismatch(self.package, self.device, _ANOTHER)} "
+                               f"It said: {' '.join(str(e).split())[:400]}") from None
 
     # ---- runs ---------------------------------------------------------------------------------
 
@@ -300,6 +300,31 @@ class Decoder:
         if self.spec.position_rank == 3:
             positions = positions.expand(3, *positions.shape)
         return positions.contiguous()
+
+
+_ANOTHER = "a config from another export, or a package kind not supported (docs/usage.md)?"
+
+
+def _mismatch(package, device: torch.device, otherwise: str) -> str:
+    """What most likely keeps ONNX Runtime from loading or running a package on `device`: an export
+    for another execution provider (whose graph may hold what only that provider's kernels take: bf16
+    matmuls, the query/key norms inside a CUDA export's GroupQueryAttention), else `otherwise`."""
+    ep = package.exported_for
+    if ep is not None and ep.lower() != device.type:
+        return (f"the package was exported for {ep} (genai_config's decoder session options), and its graph "
+                f"may use what only {ep}'s kernels run: load it on that device, or export it for {device.type}.")
+    return otherwise
+
+
+def _open(package, source, device: torch.device, *args, **kwargs) -> runtime.Session:
+    """`runtime.make_session`; a graph ONNX Runtime refuses is a PackageError with its likely cause."""
+    try:
+        return runtime.make_session(source, device, *args, **kwargs)
+    except PackageError as e:
+        cause = _mismatch(package, device, "the exporter wrote a graph this ONNX Runtime refuses: export the "
+                          "package again (without the option that made it, if one did), or use the ONNX Runtime "
+                          "it was made for.")
+        raise PackageError(f"{e} {cause[0].upper()}{cause[1:]}") from e.__cause__
 
 
 class _ScratchKV(threading.local):

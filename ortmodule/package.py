@@ -94,6 +94,16 @@ class Package:
     pad_token_id: int | None
     search: dict
 
+    @property
+    def exported_for(self) -> str | None:
+        """The execution provider named by genai_config's decoder session options (the builder writes
+        the one it exported for: 'cuda', 'dml', 'webgpu', ...), or None (a CPU export names none)."""
+        options = self.genai_config.get("model", {}).get("decoder", {}).get("session_options", {})
+        entries = options.get("provider_options", []) if isinstance(options, dict) else []
+        names = [name for entry in entries if isinstance(entry, dict) for name in entry] if isinstance(
+            entries, list) else []
+        return names[0] if names else None
+
 
 def _get(section: dict, key: str, where: str, file: Path):
     if key not in section:

@@ -205,15 +205,14 @@ def make_session(
 
 def _inference_session(device: torch.device, what: str, *args) -> ort.InferenceSession:
     """`ort.InferenceSession(*args)` (through `retrying_on_torch_cache`); a graph ONNX Runtime refuses
-    is a PackageError naming `what` and ONNX Runtime's reason."""
+    is a PackageError naming `what` and ONNX Runtime's reason (the decoder adds the likely cause)."""
     try:
         return retrying_on_torch_cache(device, ort.InferenceSession, *args)
     except Exception as e:  # ONNX Runtime's own exception types, told apart by name
         if type(e).__name__ not in _GRAPH_REFUSED or "pybind11" not in type(e).__module__:
             raise
-        raise PackageError(f"ONNX Runtime {ort.__version__} cannot load {what} for {device}: {str(e).rstrip('.')}. "
-                           "The exporter wrote a graph this ONNX Runtime refuses; export the package again (without "
-                           "the option that made it, if one did) or use the ONNX Runtime it was made for.") from e
+        reason = str(e).rstrip(".")
+        raise PackageError(f"ONNX Runtime {ort.__version__} cannot load {what} for {device}: {reason}.") from e
 
 
 # ONNX Runtime's exceptions for a graph it cannot take (types that do not match, an operator or type

@@ -141,6 +141,20 @@ def test_a_graph_onnx_runtime_refuses_names_the_package(build):
         assert "embed_tokens" in str(caught.value)
 
 
+@pytest.mark.parametrize("precision,reason", [("bf16", "Could not find an implementation for MatMul"),
+                                              ("fp16", "q_norm_weight / k_norm_weight inputs are not supported")])
+def test_a_cuda_export_that_cannot_run_on_the_cpu_says_so(build, precision, reason):
+    """Packages exported for CUDA that a CPU cannot run: bf16 (no CPU kernels; refused at session
+    start) and a Qwen3 fp16 export (its GroupQueryAttention applies the query/key norms, which only
+    the CUDA kernel takes; refused at the load's one-token run). Each error names the export's
+    provider and what to do, and quotes ONNX Runtime's reason."""
+    fixture = build("qwen3", precision=precision, execution_provider="cuda")
+    with pytest.raises(PackageError, match="(?i)the package was exported for cuda") as caught:
+        OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    assert "load it on that device, or export it for cpu" in str(caught.value)
+    assert reason in str(caught.value)
+
+
 def test_invalid_json(tmp_path):
     (tmp_path / "genai_config.json").write_text("{not json")
     with pytest.raises(PackageError, match="not valid JSON"):
