@@ -153,7 +153,7 @@ class Decoder:
             heads = sorted({(kv.num_kv_heads, kv.head_size) for kv in self.spec.layers})
             raise PackageError(f"{self.package.root / 'genai_config.json'}: ONNX Runtime cannot run "
                                f"{self.spec.path.name} with this configuration (KV heads and head sizes {heads}, "
-                               f"vocab_size {self.vocab_size}): {_mismatch(self.package, self.device, _ANOTHER)} "
+                               f"vocab_size {self.vocab_size}): {_mismatch(self.package, self.device, _OTHER_EXPORT)} "
                                f"It said: {' '.join(str(e).split())[:400]}") from None
 
     # ---- runs ---------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ class Decoder:
         return positions.contiguous()
 
 
-_ANOTHER = "a config from another export, or a package kind not supported (docs/usage.md)?"
+_OTHER_EXPORT = "a config from another export, or a package kind not supported (docs/usage.md)?"
 
 
 def _mismatch(package, device: torch.device, otherwise: str) -> str:

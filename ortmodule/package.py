@@ -98,11 +98,12 @@ class Package:
     def exported_for(self) -> str | None:
         """The execution provider named by genai_config's decoder session options (the builder writes
         the one it exported for: 'cuda', 'dml', 'webgpu', ...), or None (a CPU export names none)."""
-        options = self.genai_config.get("model", {}).get("decoder", {}).get("session_options", {})
-        entries = options.get("provider_options", []) if isinstance(options, dict) else []
-        names = [name for entry in entries if isinstance(entry, dict) for name in entry] if isinstance(
-            entries, list) else []
-        return names[0] if names else None
+        options = self.genai_config["model"]["decoder"].get("session_options")
+        entries = options.get("provider_options") if isinstance(options, dict) else None
+        for entry in entries if isinstance(entries, list) else ():
+            if isinstance(entry, dict) and entry:
+                return next(iter(entry))
+        return None
 
 
 def _get(section: dict, key: str, where: str, file: Path):
