@@ -19,6 +19,7 @@ def test_cli_exports_a_hugging_face_folder(llama, tmp_path, capsys):
     progress = capsys.readouterr().err
     assert "[ortmodule export] exporting LlamaForCausalLM to fp32 for cpu" in progress
     assert f"wrote {out}" in progress
+    assert "algo_config" not in progress  # the int4 hint is for int4
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder left behind
     model = OrtModelForCausalLM.from_pretrained(out)
     _, reference = load_pair(llama)
@@ -52,6 +53,18 @@ def test_int8_export_holds_8_bit_weights_and_keeps_the_answers(llama, tmp_path):
         logits = reference(tokens).logits[:, 8:-1]  # what predicts each new token
     chosen = logits.gather(2, tokens[:, 9:, None]).squeeze(2)
     assert (logits.max(-1).values - chosen).max().item() < tolerance
+
+
+@pytest.mark.parametrize("options,hinted", [([], True), (["--extra-option", "algo_config=rtn"], False)])
+def test_int4_export_points_to_the_exports_that_keep_the_answers(llama, tmp_path, capsys, options, hinted):
+    """An int4 export with the builder's default algorithm says, at its end, which exports keep closer
+    to the model (docs/usage.md's measurements); one that chose its algorithm is not told."""
+    out = tmp_path / "package"
+    cli.ortmodule(["export", str(llama.hf_dir), str(out), "--precision", "int4", *options])
+    progress = capsys.readouterr().err
+    assert f"wrote {out}" in progress
+    assert ("algo_config=k_quant_mixed, or --precision int8, keep closer" in progress) is hinted
+    OrtModelForCausalLM.from_pretrained(out)
 
 
 def copy_checkpoint(llama, tmp_path):
