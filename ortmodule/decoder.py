@@ -310,10 +310,12 @@ def _mismatch(package, device: torch.device, otherwise: str) -> str:
     for another execution provider (whose graph may hold what only that provider's kernels take: bf16
     matmuls, the query/key norms inside a CUDA export's GroupQueryAttention), else `otherwise`."""
     ep = package.exported_for
-    if ep is not None and ep.lower() != device.type:
-        return (f"the package was exported for {ep} (genai_config's decoder session options), and its graph "
-                f"may use what only {ep}'s kernels run: load it on that device, or export it for {device.type}.")
-    return otherwise
+    if ep is None or ep.lower() == device.type:
+        return otherwise
+    fixes = f"load it with device='cuda', or export it for {device.type}" if ep.lower() == "cuda" else \
+        f"export it for {device.type}"
+    return (f"the package was exported for {ep} (genai_config's decoder session options), and its graph may use "
+            f"what only {ep}'s kernels run: {fixes}.")
 
 
 def _open(package, source, device: torch.device, *args, **kwargs) -> runtime.Session:

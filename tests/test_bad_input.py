@@ -151,7 +151,7 @@ def test_a_cuda_export_that_cannot_run_on_the_cpu_says_so(build, precision, reas
     fixture = build("qwen3", precision=precision, execution_provider="cuda")
     with pytest.raises(PackageError, match="(?i)the package was exported for cuda") as caught:
         OrtModelForCausalLM.from_pretrained(fixture.package_dir)
-    assert "load it on that device, or export it for cpu" in str(caught.value)
+    assert "load it with device='cuda', or export it for cpu" in str(caught.value)
     assert reason in str(caught.value)
 
 
