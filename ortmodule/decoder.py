@@ -71,7 +71,8 @@ class Decoder:
         self.spec = spec = package.decoder
         self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
         self.graph_bytes = graph.lm_head_graph(spec.path, spec.logits, rewrite_lm_head, cache_dir)
-        self.plain_bytes = None if rewrite_lm_head else graph.repaired_graph(spec.path)
+        # Without the rewrite (off, or skipped for this graph): the package's graph, repaired where needed.
+        self.plain_bytes = graph.repaired_graph(spec.path) if self.graph_bytes is None else None
         self.id_dtype = runtime.torch_dtype(spec.id_type)
         self.mask_dtype = runtime.torch_dtype(spec.mask_type) if spec.mask_type else None
         self.position_dtype = runtime.torch_dtype(spec.position_type) if spec.position_type else None

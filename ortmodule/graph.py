@@ -9,7 +9,7 @@ packages), the rewritten graph returns them before it: the same values in half t
 (`Decoder` hands callers of `forward` the package's float32, and scoring normalizes in float32);
 or, with `rewrite_lm_head="float32"`, the head multiplies in float32: logits not rounded to bf16.
 
-Both the rewritten graph and, with the rewrite off, the package's own (`repaired_graph`) lose the
+Both the rewritten graph and, without the rewrite (off, or skipped), the package's own (`repaired_graph`) lose the
 shapes the model builder records wrongly for its `repeat_kv` values (the KV of past and new tokens
 declared as long as the new tokens: ONNX Runtime's CPU planner then reuses a buffer too small for
 them, and every decode step of an fp16 package on a CPU fails).

@@ -122,6 +122,24 @@ def test_fp16_package_matches_within_half_precision(build):
             assert (out.logits[0, -1].float() - full[0, column]).abs().max().item() < 2e-2
 
 
+def test_fp16_package_decodes_where_the_rewrite_is_skipped(build, monkeypatch):
+    """Where the LM-head rewrite does not apply to a graph (graph.py skips it), the package's own
+    graph is still repaired at load (the builder's repeat_kv shapes): decode steps run and equal the
+    prefill's logits, as with the rewrite off."""
+    from ortmodule import graph
+
+    fixture = build("llama", precision="fp16")
+    monkeypatch.setattr(graph, "lm_head_graph", lambda *args, **kwargs: None)  # as for a graph it cannot rewrite
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    assert not model.keeps_positions
+    ids, _ = right_padded_batch([16], seed=13)
+    full = model(ids).logits
+    out = model(ids[:, :10], use_cache=True)
+    for column in range(10, 16):
+        out = model(ids[:, column : column + 1], past_key_values=out.past_key_values, use_cache=True)
+        assert (out.logits[0, -1].float() - full[0, column].float()).abs().max().item() < 2e-2
+
+
 # The model builder's graph options (`ortmodule export --extra-option` / `extra_options`) that change
 # the decoder's graph: the gate and up projections in one MatMul then a Split, the query, key and
 # value projections as three MatMuls instead of one packed.
