@@ -28,6 +28,7 @@ from ortmodule import OrtModelForCausalLM, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "tasks")]  # the dev helpers, the workloads' loaders
+import graph_options  # noqa: E402
 import loaders  # noqa: E402
 
 from ortmodule_dev import fixtures  # noqa: E402
@@ -40,14 +41,9 @@ WINDOWS, LENGTH = 8, 512
 def variant(option: str) -> fixtures.FixtureSpec:
     """The int4 package exported with the builder option `KEY=VALUE` ('default': none; `precision=int8`:
     the 8-bit package instead)."""
-    if option == "default":
-        return fixtures.SMOLLM2_INT4
-    key, sep, value = option.partition("=")
-    if not sep or not key or not value:
-        raise SystemExit(f"--option {option!r}: expected KEY=VALUE (a model builder option) or 'default'")
-    if key == "precision":
-        return dataclasses.replace(fixtures.SMOLLM2_INT4, precision=value)
-    return dataclasses.replace(fixtures.SMOLLM2_INT4, extra_options=((key, value),))
+    if option.startswith("precision="):
+        return dataclasses.replace(fixtures.SMOLLM2_INT4, precision=option.partition("=")[2])
+    return graph_options.variant(fixtures.SMOLLM2_INT4, option)
 
 
 @torch.inference_mode()
