@@ -102,7 +102,9 @@ NOTES = {
     "{server_item_tokens} tokens, {server_labels} label ids, softmax, as long as the rate's requests take "
     "{server_duration:g} s to send; `max_diff_vs_fp32` compares the scores of three of the requests with "
     "transformers in fp32 on the same weights. `loop_ms_per_request` (runs that record it): CPU time of the "
-    "server's event-loop thread (HTTP, JSON, validation) per answered request, host work no device removes.",
+    "server's event-loop thread (HTTP, JSON, validation) per answered request, host work no device removes. "
+    "`refused` (runs that record it): requests answered 503 (busy: more than the server's `max_queue` waiting), "
+    "the load shed beyond its capacity; `items_per_s` counts answered items only.",
 }
 
 COMMAND = "python benchmarks/run.py --size {size}"
@@ -209,12 +211,45 @@ def provenance(runs: list[dict]) -> str:
             "several runs (each JSON file in benchmarks/results/ is one run); ")
 
 
+def machine_key(run: dict) -> str:
+    """The machine a run measured: its GPU's name (the limits measured with it), else its CPU."""
+    machine = run["machine_info"]
+    return (machine.get("limits") or {}).get("name") or machine.get("cpu", {}).get("brand_raw") or \
+        machine.get("processor", "")
+
+
 def render(runs: list[dict], size: str) -> str:
+    """The page of `runs`: one part per machine (absolute times compare only on the same machine), the
+    machine of the newest run first."""
+    machines = defaultdict(list)
+    for run in runs:
+        machines[machine_key(run)].append(run)
+    parts = sorted(machines.items(), key=lambda item: max(r["datetime"] for r in item[1]), reverse=True)
+    out = ["# Benchmarks (GPU)\n" if size == "gpu" else "# Benchmarks\n"]
+    if len(parts) > 1:
+        out.append(f"Runs from {len(parts)} machines: {', '.join(f'[{name}](#{anchor(name)})' for name, _ in parts)}, "
+                   "the newest first. Each part holds the runs of one machine; compare times only within a part.\n")
+    for name, machine_runs in parts:
+        if len(parts) > 1:
+            out.append(f"## On {name}\n")
+        out += render_machine(machine_runs, size, "##" if len(parts) == 1 else "###")
+    out.append("What was tried and what each change gave, the state of the targets, and the runs whose JSON was "
+               "not kept: docs/measurements.md (hand-written; this page is generated).\n")
+    out.append(FOOTER)
+    return "\n".join(out)
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of the heading 'On <heading>'."""
+    return re.sub(r"[^a-z0-9 -]", "", f"on {heading}".lower()).replace(" ", "-")
+
+
+def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
+    """The tables of one machine's runs, their headings at `level`."""
     out = []
     machine = runs[0]["machine_info"]
     cpu = machine.get("cpu", {})
     devices = sorted({b["extra_info"].get("device") for r in runs for b in r["benchmarks"]} - {None, "cpu"})
-    out.append("# Benchmarks (GPU)\n" if size == "gpu" else "# Benchmarks\n")
     out.append(f"Machine: {cpu.get('brand_raw', machine.get('processor'))}, {cpu.get('count', '?')} logical CPUs"
                + (f", GPU: {', '.join(devices)}" if devices else "")
                + f"; Python {machine['python_version']}; " + provenance(runs)
@@ -264,7 +299,7 @@ def render(runs: list[dict], size: str) -> str:
         # `of peak bf16` (2 x parameters x tokens) already says what the compute fraction would
         with_compute = any(f[0] for f in fractions) and not with_fraction
         with_memory = any(f[1] for f in fractions)
-        out.append(f"## {group}: {model}\n" if model else f"## {group}\n")
+        out.append(f"{level} {group}: {model}\n" if model else f"{level} {group}\n")
         if group in NOTES:
             out.append(NOTES[group].format(**note_values(size)) + "\n")
         header = ["backend", "case", "median ms", "speed vs transformers", *keys]
@@ -301,10 +336,7 @@ def render(runs: list[dict], size: str) -> str:
             out.append(f"- `{backend}` failed: `{error}`")
         if errors:
             out.append("")
-    out.append("What was tried and what each change gave, the state of the targets, and the runs whose JSON was "
-               "not kept: docs/measurements.md (hand-written; this page is generated).\n")
-    out.append(FOOTER)
-    return "\n".join(out)
+    return out
 
 
 FOOTER = """## How to reproduce, and the GPU table

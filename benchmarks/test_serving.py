@@ -44,7 +44,11 @@ def test_ortmodule_server_load(benchmark, workload, score_server, size, server_r
     result = benchmark.pedantic(lambda: asyncio.run(run_load(score_server.url, server_rate, load["duration"], bodies)),
                                 rounds=1, iterations=1)
     groups, loop_after = score_server.metrics(), score_server.loop_cpu_seconds()
-    assert result["ok"] == result["sent"] > 0, result
+    # Beyond its capacity the server sheds load by design (503 "busy" once `max_queue` requests wait):
+    # recorded as `refused`; any other status is a failure.
+    refused = result["statuses"].get("503", 0)
+    assert result["ok"] + refused == result["sent"] and result["ok"] > 0, result
+    benchmark.extra_info["refused"] = refused
     if loop_before is not None:  # the event loop's CPU time (HTTP, JSON, validation) per request
         benchmark.extra_info["loop_ms_per_request"] = round(1e3 * (loop_after - loop_before) / result["ok"], 2)
     for name in ("target_rate", "p50_ms", "p90_ms", "p99_ms", "items_per_s"):
