@@ -4,8 +4,20 @@ requests are encoded while the device scores earlier ones (`lm_eval.OrtModuleLM`
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
+
+# Pre-tokenizer regexes (Split, "Isolated") of Llama 3 and Qwen2 (GPT-2's is ByteLevel's own,
+# `use_regex`): none of their matches runs across a line break that follows a letter, and none looks
+# behind, so a text cut there pre-tokenizes as its two parts do (`splits_at_lines`).
+LINE_SAFE_PATTERNS = frozenset({
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+",
+})
 
 
 def texts_to_encode(pairs) -> list[str]:
@@ -84,6 +96,83 @@ def encode_as_tok_encode(tokenizer, texts: list[str], add_bos_token: bool | None
     encoded = {}
     for special, group in settings.items():
         encoded.update(zip(group, tokenize_on_every_core(tokenizer, group, dict(special))))
+    return encoded
+
+
+def splits_at_lines(tokenizer) -> bool:
+    """Whether `tokenizer` (a fast one) encodes a text cut just before a line break that follows an
+    ASCII letter as the concatenation of its two parts' encodings: a byte-level BPE (no dropout)
+    behind a known splitting pre-tokenizer (GPT-2's, Llama 3's or Qwen2's regex, digits apart or
+    not), no normalizer but NFC, and no added token that holds a line break or strips the
+    whitespace beside it. Then no pre-tokenized piece spans the cut: the letters' piece ends at it
+    in the text and in its first part alike, and the pieces after it start there."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "BPE" or backend.model.dropout:
+        return False  # a slow tokenizer, or another model
+    normalizer, pre = (json.loads(part.__getstate__()) if part is not None else None
+                       for part in (backend.normalizer, backend.pre_tokenizer))
+    if (normalizer and normalizer.get("type") != "NFC") or not pre:
+        return False
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    splits = 0
+    for part in parts:
+        kind = part.get("type")
+        if kind == "ByteLevel" and not part.get("add_prefix_space"):
+            splits += bool(part.get("use_regex", True))
+        elif kind == "Split" and part.get("behavior") == "Isolated" and not part.get("invert"):
+            if (part.get("pattern") or {}).get("Regex") not in LINE_SAFE_PATTERNS:
+                return False
+            splits += 1
+        elif kind != "Digits":
+            return False
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    return splits > 0 and not any("\n" in t.content or t.rstrip or t.lstrip or t.single_word for t in added)
+
+
+def line_cut(text: str) -> int:
+    """Where `text` may be cut for `splits_at_lines`: its last line break that follows an ASCII
+    letter (0: none)."""
+    cut = text.rfind("\n")
+    while cut > 0 and not (text[cut - 1].isascii() and text[cut - 1].isalpha()):
+        cut = text.rfind("\n", 0, cut)
+    return max(cut, 0)
+
+
+def encode_pairs_as_tok_encode(tokenizer, pairs, add_bos_token: bool | None, bos: str | None, check: int = 4
+                               ) -> dict[str, list[int]]:
+    """`HFLM.tok_encode` of the texts `_encode_pair` encodes for (context, continuation) pairs
+    (`texts_to_encode`), each shared context encoded once: where the tokenizer allows it
+    (`splits_at_lines`), a context and every context + continuation after it are cut at the
+    context's last line break after a letter, the part before encoded once for all of them and
+    the short parts after it each. A multiple-choice question's texts are then one prompt's tokens
+    and not five times them. `check` of the texts are also encoded whole; should one differ, every
+    text is encoded whole (with a warning), as before."""
+    pairs = list(pairs)
+    texts = texts_to_encode(pairs)
+    special = {} if add_bos_token is None else {"add_special_tokens": add_bos_token}
+    if (not splits_at_lines(tokenizer) or (bos and "\n" in bos)  # a post-processor that appends (EOS) too:
+            or tokenizer("ab\ncd", **special)["input_ids"] != tokenizer("ab", **special)["input_ids"]
+            + tokenizer("\ncd", add_special_tokens=False)["input_ids"]):
+        return encode_as_tok_encode(tokenizer, texts, add_bos_token, bos)
+    cuts: dict[str, int] = {}
+    for context, continuation in pairs:
+        stripped = context.rstrip()
+        cut = line_cut(stripped)
+        if cut:
+            cuts.setdefault(stripped, cut)
+            cuts.setdefault(context + continuation, cut)
+    whole = [text for text in texts if text not in cuts]
+    heads = encode_as_tok_encode(tokenizer, list(dict.fromkeys([t[:cuts[t]] for t in cuts] + whole)), add_bos_token,
+                                 bos)
+    tails = list(dict.fromkeys(text[cut:] for text, cut in cuts.items()))
+    tails = dict(zip(tails, tokenize_on_every_core(tokenizer, tails, {"add_special_tokens": False})))
+    encoded = {text: heads[text[:cut]] + tails[text[cut:]] for text, cut in cuts.items()}
+    sample = list(cuts)[:: max(1, len(cuts) // check)][:check] if check else []
+    if sample and encode_as_tok_encode(tokenizer, sample, add_bos_token, bos) != {t: encoded[t] for t in sample}:
+        warnings.warn(f"{type(tokenizer).__name__}: encoding texts in parts at a line break differs from encoding "
+                      "them whole; every text is encoded whole (slower)", RuntimeWarning, stacklevel=2)
+        return encode_as_tok_encode(tokenizer, texts, add_bos_token, bos)
+    encoded.update((text, heads[text]) for text in whole)
     return encoded
 
 

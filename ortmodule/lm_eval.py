@@ -23,7 +23,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from .encoding import encode_as_tok_encode, hflm_request, request_waves, texts_to_encode
+from .encoding import encode_as_tok_encode, encode_pairs_as_tok_encode, hflm_request, request_waves
 from .hf import build_config
 from .inputs import pad_right
 from .modeling import OrtModelForCausalLM
@@ -253,7 +253,7 @@ class OrtModuleLM(HFLM):
         on the device until the last has run, then come back in one copy."""
         pairs = [req.args for req in requests]
         if not isinstance(self._model, OrtModelForCausalLM) or getattr(self, "enable_thinking", False):
-            self._encoded = self._encode_batched(texts_to_encode(pairs))  # HFLM's path (and its errors)
+            self._encoded = self._encode_pairs(pairs)  # HFLM's path (and its errors)
             try:
                 return HFLM.loglikelihood(self, requests, disable_tqdm)
             finally:
@@ -264,7 +264,7 @@ class OrtModuleLM(HFLM):
         pending: list[tuple[list[int], torch.Tensor]] = []
         ahead = ThreadPoolExecutor(1, thread_name_prefix="ortmodule-tokenize")
         try:
-            encodings = [ahead.submit(self._encode_batched, texts_to_encode(pairs[i] for i in wave)) for wave in waves]
+            encodings = [ahead.submit(self._encode_pairs, [pairs[i] for i in wave]) for wave in waves]
             for wave, encoding in zip(waves, encodings):
                 self._encoded = encoding.result()
                 tokenized = [hflm_request(self, *pairs[i]) for i in wave]
@@ -287,6 +287,12 @@ class OrtModuleLM(HFLM):
         """`HFLM.tok_encode(text)` of every text, batched on every core (`encoding.encode_as_tok_encode`)."""
         bos = self.tokenizer.decode(self.prefix_token_id) if self.prefix_token_id is not None else None
         return encode_as_tok_encode(self.tokenizer, texts, self.add_bos_token, bos)
+
+    def _encode_pairs(self, pairs) -> dict[str, list[int]]:
+        """`HFLM.tok_encode` of every text `_encode_pair` encodes for (context, continuation) pairs,
+        each shared context encoded once where the tokenizer allows it (`encoding.encode_pairs_as_tok_encode`)."""
+        bos = self.tokenizer.decode(self.prefix_token_id) if self.prefix_token_id is not None else None
+        return encode_pairs_as_tok_encode(self.tokenizer, pairs, self.add_bos_token, bos)
 
     @_one_evaluation_at_a_time
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):

@@ -264,14 +264,14 @@ def test_the_next_waves_are_tokenized_while_a_wave_runs(build):
     lm = OrtModuleLM(pretrained=str(build("llama").package_dir), device="cpu", batch_size=4)
     lm._first_wave = 4
     second_wave_encoding = threading.Event()
-    encode, score = lm._encode_batched, lm._totals_on_device
+    encode, score = lm._encode_pairs, lm._totals_on_device
     encoders, calls = [], []
 
-    def encoding(texts):
+    def encoding(pairs):
         encoders.append(threading.current_thread().name)
         if len(encoders) == 2:
             second_wave_encoding.set()
-        return encode(texts)
+        return encode(pairs)
 
     def scoring(requests, *args, **kwargs):
         calls.append(len(requests))
@@ -279,7 +279,7 @@ def test_the_next_waves_are_tokenized_while_a_wave_runs(build):
             assert second_wave_encoding.wait(30), "the next wave was not encoded while the first one ran"
         return score(requests, *args, **kwargs)
 
-    lm._encode_batched, lm._totals_on_device = encoding, scoring
+    lm._encode_pairs, lm._totals_on_device = encoding, scoring
     requests = text_requests()
     assert len(lm.loglikelihood(requests, disable_tqdm=True)) == len(requests)
     assert len(calls) == len(encoders) == 4 and sum(calls) == len(requests)

@@ -1,0 +1,164 @@
+"""lm-eval's texts encoded in parts: a shared context's tokens once for all its continuations
+(`encoding.encode_pairs_as_tok_encode`), each text's ids those of lm-eval's own `HFLM.tok_encode`
+of the whole text, on the tokenizers where the cut is safe, and encoded whole elsewhere."""
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+from tokenizers import normalizers, pre_tokenizers
+from tokenizers.processors import TemplateProcessing
+
+from ortmodule import encoding
+from ortmodule.encoding import (
+    LINE_SAFE_PATTERNS,
+    encode_pairs_as_tok_encode,
+    line_cut,
+    splits_at_lines,
+    texts_to_encode,
+)
+
+# Contexts that end in the ways a cut could go wrong: a line break after punctuation, after digits,
+# after a non-ASCII letter, blank lines, trailing spaces (lm-eval moves them to the continuation),
+# contractions, spaces before the line break, a leading BOS, no line break at all.
+CONTEXTS = [
+    "Question: what is two plus two?\nA. three\nB. four\nAnswer:",
+    "The cat sat on the mat.\nThe dog did not.\n\nIt's late\nAnswer: ",
+    "Numbers 123\n456 and 7\nthen\n  indented line\nend",
+    "Unicode é\ncafé\nnaïve\n日本語\nДа\nok",
+    "spaces before   \nbreak and tabs\t\nhere\nAnswer:",
+    "they'll\nwe'd\nI'm\nyou're\nQ:",
+    "no line break at all",
+    "ends with a letter\n",
+    "one\r\nwindows\r\nlines\r\nAnswer:",
+    "x\nA" * 40 + "\nAnswer:",
+]
+CONTINUATIONS = [" A", " B", "A", "\nfour", " the end of it", "  spaced", "s", "'s", "\n\nnext", "123"]
+
+
+def pairs(bos=None):
+    out = [(context, continuation) for context in CONTEXTS for continuation in CONTINUATIONS]
+    return out + ([(bos + "start\nof text\nAnswer:", " A"), (bos + "start\nof text\nAnswer:", " B")] if bos else [])
+
+
+def hflm_and_tokenizer(build, add_bos_token=None, post=True):
+    from lm_eval.models.huggingface import HFLM
+
+    fixture = build("llama")
+    extra = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
+    lm = HFLM(pretrained=str(fixture.hf_dir), device="cpu", **extra)
+    if post:  # a tokenizer that adds BOS, so that the special-token rules show
+        lm.tokenizer._tokenizer.post_processor = TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", lm.tokenizer.bos_token_id)])
+    return lm, lm.tokenizer.decode(lm.prefix_token_id)
+
+
+def assert_as_hflm(lm, bos, requests):
+    """Every text `_encode_pair` encodes, in parts, equals HFLM's `tok_encode` of it whole."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the check never finds a difference here
+        encoded = encode_pairs_as_tok_encode(lm.tokenizer, requests, lm.add_bos_token, bos)
+    texts = texts_to_encode(requests)
+    assert set(encoded) == set(texts)
+    assert encoded == {text: lm.tok_encode(text) for text in texts}
+    return encoded
+
+
+def with_pretokenizer(tokenizer, pre_tokenizer, normalizer=None):
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.backend_tokenizer.normalizer = normalizer
+    return tokenizer
+
+
+@pytest.mark.parametrize("add_bos_token", [None, True, False])
+def test_texts_in_parts_equal_hflm_tok_encode(build, add_bos_token):
+    lm, bos = hflm_and_tokenizer(build, add_bos_token)
+    assert splits_at_lines(lm.tokenizer)  # GPT-2's byte-level regex
+    assert_as_hflm(lm, bos, pairs(bos))
+
+
+@pytest.mark.parametrize("pattern", sorted(LINE_SAFE_PATTERNS))
+def test_llama3_and_qwen2_pretokenizers_with_nfc(build, pattern):
+    """The Split regexes of Llama 3 and Qwen2 (before a byte-level step without its own regex, as
+    those tokenizers have it), with Qwen2's NFC normalizer and with digits apart."""
+    from tokenizers import Regex
+
+    lm, bos = hflm_and_tokenizer(build)
+    for digits in (False, True):
+        steps = [pre_tokenizers.Split(Regex(pattern), behavior="isolated")]
+        steps += [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+        lm.tokenizer = with_pretokenizer(lm.tokenizer, pre_tokenizers.Sequence(
+            steps + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), normalizers.NFC())
+        assert splits_at_lines(lm.tokenizer)
+        assert_as_hflm(lm, bos, pairs(bos))
+
+
+def test_other_tokenizers_are_encoded_whole(build):
+    """No regex split (BPE over the whole text), an unknown regex, a prefix space, a normalizer that
+    is not NFC, or an EOS appended after each text: every text is encoded whole, as HFLM does."""
+    from tokenizers import Regex
+
+    lm, bos = hflm_and_tokenizer(build)
+    base = lm.tokenizer
+    others = {
+        "no split": with_pretokenizer(base, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)),
+        "unknown regex": with_pretokenizer(base, pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"\s+|\S+"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
+        "prefix space": with_pretokenizer(base, pre_tokenizers.ByteLevel(add_prefix_space=True)),
+        "lowercase": with_pretokenizer(base, base.backend_tokenizer.pre_tokenizer, normalizers.Lowercase()),
+    }
+    for name, tokenizer in others.items():
+        assert not splits_at_lines(tokenizer), name
+        lm.tokenizer = tokenizer
+        assert_as_hflm(lm, bos, pairs(bos))
+    eos = copy.deepcopy(base)
+    eos._tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", base.bos_token_id), ("</s>", base.eos_token_id)])
+    lm.tokenizer = eos
+    assert splits_at_lines(eos)  # the pre-tokenizer allows it; the appended EOS is found by the probe
+    assert_as_hflm(lm, bos, pairs(bos))
+
+
+def test_a_cut_that_changes_the_ids_falls_back_with_a_warning(build, monkeypatch):
+    """Should encoding in parts ever differ from encoding whole (here: a cut inside a word), the
+    check of a few texts finds it, warns, and every text is encoded whole."""
+    lm, bos = hflm_and_tokenizer(build)
+    monkeypatch.setattr(encoding, "line_cut", lambda text: len(text) // 2)
+    with pytest.warns(RuntimeWarning, match="differs from encoding them whole"):
+        encoded = encode_pairs_as_tok_encode(lm.tokenizer, pairs(), lm.add_bos_token, bos)
+    assert encoded == {text: lm.tok_encode(text) for text in texts_to_encode(pairs())}
+
+
+def test_the_cut_is_the_last_line_break_after_an_ascii_letter():
+    assert line_cut("a\nb.\nc") == 1
+    assert line_cut("ab\ncd\nAnswer:") == 5
+    assert line_cut("é\nx") == 0 and line_cut("no break") == 0 and line_cut("\nx") == 0
+    assert line_cut("1\n2\nz\n") == 5
+
+
+def test_mmlu_shaped_requests_in_parts(build):
+    """The benchmark's MMLU-shaped workload (5-shot-length prompts, four letters): the same ids, and
+    each question's prompt encoded once."""
+    from lm_eval.tasks import TaskManager
+
+    lm, bos = hflm_and_tokenizer(build, post=False)
+    task_dir = Path(__file__).resolve().parents[1] / "benchmarks" / "tasks"
+    tasks = TaskManager(include_path=str(task_dir), metadata={"tokenizer": str(build("llama").hf_dir)})
+    task = next(iter(tasks.load(["ortmodule_bench_mmlu"])["tasks"].values()))
+    docs = list(task.test_docs() if task.has_test_docs() else task.validation_docs())[:20]
+    requests = [(task.doc_to_text(doc), task.config.target_delimiter + choice)
+                for doc in docs for choice in task.doc_to_choice(doc)]
+    calls = []
+    tokenize = encoding.tokenize_on_every_core
+    encoding.tokenize_on_every_core = lambda tokenizer, texts, special: calls.append(texts) or tokenize(
+        tokenizer, texts, special)
+    try:
+        assert_as_hflm(lm, bos, requests)
+    finally:
+        encoding.tokenize_on_every_core = tokenize
+    characters = sum(len(text) for texts in calls for text in texts)
+    prompts = sum(len(context) for context in {context for context, _ in requests})
+    assert characters < 1.5 * prompts  # about one prompt's characters a question (whole: five)
