@@ -3,8 +3,11 @@ beside the model's work (CUDA's choice, `OrtModuleLM._first_wave`), on benchmark
 workload: MMLU-shaped requests on a model of negligible compute with SmolLM2's tokenizer, batch 32,
 sharing off. Per run: the time from the `loglikelihood` call to the first prefill (how long a
 device would wait for its first batch) and the call's time per request; the two settings alternate.
-Then the rolling workload's documents (`--documents` of them) encoded one by one, as HFLM's
-`loglikelihood_rolling` does, and batched on every core, as ortmodule's does (best of 3 each, in turns).
+Each setting with the texts encoded in parts (a question's prompt once for its four letters,
+`encoding.encode_pairs_as_tok_encode`, what ortmodule does) and whole (each text of lm-eval's
+`_encode_pair` in full, as before). Then the rolling workload's documents (`--documents` of them)
+encoded one by one, as HFLM's `loglikelihood_rolling` does, and batched on every core, as
+ortmodule's does (best of 3 each, in turns).
 
 `--emulated-device-us-per-token X` (synthetic, labelled so in its output): every prefill is a sleep of
 X us per token instead of ONNX Runtime's run (its answers meaningless), a device that computes while
@@ -31,6 +34,7 @@ from test_host_time import HOST_PROBE, TASK  # noqa: E402
 import ortmodule.lm_eval  # noqa: E402, F401  (registers the backend)
 from ortmodule.costs import _best_times  # noqa: E402
 from ortmodule.decoder import Decoder  # noqa: E402
+from ortmodule.encoding import texts_to_encode  # noqa: E402
 from ortmodule_dev import fixtures  # noqa: E402
 
 
@@ -67,17 +71,22 @@ def main() -> None:
         start = time.perf_counter()
         answers = call(requests, *a, **k)
         seconds = time.perf_counter() - start
-        print(f"{'one wave' if lm._first_wave is None else f'waves from {lm._first_wave}':>16}: "
+        print(f"{'one wave' if lm._first_wave is None else f'waves from {lm._first_wave}':>16}, {encoded[0]:>8}: "
               f"first prefill after {1e3 * (first_run[0] - start):5.0f} ms, "
               f"{1e6 * seconds / len(requests):5.0f} us a request ({len(requests)} requests)", flush=True)
         return answers
 
     lm.loglikelihood = timed
+    in_parts = lm._encode_pairs
+    encodings = {"in parts": in_parts, "whole": lambda pairs: lm._encode_batched(texts_to_encode(pairs))}
+    encoded = ["in parts"]
     for _ in range(args.rounds):
         for first in (None, 256):
-            lm._first_wave = first
-            lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, limit=args.questions,
-                                    verbosity="ERROR")
+            for name, encode in encodings.items():
+                lm._first_wave, lm._encode_pairs, encoded[0] = first, encode, name
+                lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, limit=args.questions,
+                                        verbosity="ERROR")
+    lm._encode_pairs = in_parts
 
     rolling = next(iter(tasks.load_task_or_group(["ortmodule_bench_rolling"]).values()))
     rolling.build_all_requests(limit=args.documents, rank=0, world_size=1)

@@ -109,8 +109,11 @@ def splits_at_lines(tokenizer) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.model).__name__ != "BPE" or backend.model.dropout:
         return False  # a slow tokenizer, or another model
-    normalizer, pre = (json.loads(part.__getstate__()) if part is not None else None
-                       for part in (backend.normalizer, backend.pre_tokenizer))
+    try:
+        normalizer, pre = (json.loads(part.__getstate__()) if part is not None else None
+                           for part in (backend.normalizer, backend.pre_tokenizer))
+    except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception for a custom Python component)
+        return False
     if (normalizer and normalizer.get("type") != "NFC") or not pre:
         return False
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]

@@ -110,6 +110,13 @@ def test_other_tokenizers_are_encoded_whole(build):
         "prefix space": with_pretokenizer(base, pre_tokenizers.ByteLevel(add_prefix_space=True)),
         "lowercase": with_pretokenizer(base, base.backend_tokenizer.pre_tokenizer, normalizers.Lowercase()),
     }
+    class Whitespace:  # a pre-tokenizer of the user's own, in Python
+        def pre_tokenize(self, pretokenized):
+            pretokenized.split(lambda i, piece: piece.split(" ", "isolated"))
+
+    custom = copy.deepcopy(base)
+    custom.backend_tokenizer.pre_tokenizer = pre_tokenizers.PreTokenizer.custom(Whitespace())
+    assert not splits_at_lines(custom)
     for name, tokenizer in others.items():
         assert not splits_at_lines(tokenizer), name
         lm.tokenizer = tokenizer
