@@ -153,6 +153,11 @@ def rolling_totals(lm: OrtModuleLM, requests, disable_tqdm: bool = False) -> lis
     return totals
 
 
+def _prefix_text(lm) -> str | None:
+    """The text of `lm`'s prefix token (BOS), for `tok_encode`'s rule on texts that start with it."""
+    return lm.tokenizer.decode(lm.prefix_token_id) if lm.prefix_token_id is not None else None
+
+
 def leave_process_group() -> None:
     """Destroy torch.distributed's default process group, if one is up (as `accelerate launch`
     makes for data parallel). lm-eval never does, and gloo's worker threads still running when the
@@ -285,14 +290,12 @@ class OrtModuleLM(HFLM):
 
     def _encode_batched(self, texts: list[str]) -> dict[str, list[int]]:
         """`HFLM.tok_encode(text)` of every text, batched on every core (`encoding.encode_as_tok_encode`)."""
-        bos = self.tokenizer.decode(self.prefix_token_id) if self.prefix_token_id is not None else None
-        return encode_as_tok_encode(self.tokenizer, texts, self.add_bos_token, bos)
+        return encode_as_tok_encode(self.tokenizer, texts, self.add_bos_token, _prefix_text(self))
 
     def _encode_pairs(self, pairs) -> dict[str, list[int]]:
         """`HFLM.tok_encode` of every text `_encode_pair` encodes for (context, continuation) pairs,
-        each shared context encoded once where the tokenizer allows it (`encoding.encode_pairs_as_tok_encode`)."""
-        bos = self.tokenizer.decode(self.prefix_token_id) if self.prefix_token_id is not None else None
-        return encode_pairs_as_tok_encode(self.tokenizer, pairs, self.add_bos_token, bos)
+        a shared context's tokens once where the tokenizer allows (`encoding.encode_pairs_as_tok_encode`)."""
+        return encode_pairs_as_tok_encode(self.tokenizer, pairs, self.add_bos_token, _prefix_text(self))
 
     @_one_evaluation_at_a_time
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
@@ -309,12 +312,8 @@ class OrtModuleLM(HFLM):
     generate_until = _one_evaluation_at_a_time(HFLM.generate_until)
 
     def get_model_info(self) -> dict:
-        return {
-            "model_num_parameters": self._model.num_parameters(),
-            "model_dtype": str(self._model.dtype),
-            "model_revision": None,
-            "model_sha": "",
-        }
+        return {"model_num_parameters": self._model.num_parameters(), "model_dtype": str(self._model.dtype),
+                "model_revision": None, "model_sha": ""}
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """HFLM's semantics (left truncation to max_length + 1, longest first), scored on the device.
