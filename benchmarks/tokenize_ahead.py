@@ -7,7 +7,8 @@ Each setting with the texts encoded in parts (a question's prompt once for its f
 `encoding.encode_pairs_as_tok_encode`, what ortmodule does) and whole (each text of lm-eval's
 `_encode_pair` in full, as before). Then the rolling workload's documents (`--documents` of them)
 encoded one by one, as HFLM's `loglikelihood_rolling` does, and batched on every core, as
-ortmodule's does (best of 3 each, in turns).
+ortmodule's does (best of 3 each, in turns). Last, the encoding alone of the MMLU-, HellaSwag- and
+ARC-shaped texts, whole and in parts (medians of 9, in turns).
 
 `--emulated-device-us-per-token X` (synthetic, labelled so in its output): every prefill is a sleep of
 X us per token instead of ONNX Runtime's run (its answers meaningless), a device that computes while
@@ -97,6 +98,28 @@ def main() -> None:
     tokens = sum(len(ids) for ids in lm._encode_batched(documents).values())
     print(f"{len(documents)} rolling documents, {tokens} tokens: one by one {one_by_one:.3f} s, "
           f"batched on {len(os.sched_getaffinity(0))} cores {batched:.3f} s")
+    encoding_in_parts(lm, tasks)
+
+
+def encoding_in_parts(lm, tasks, rounds: int = 9) -> None:
+    """The encoding alone of the MMLU-, HellaSwag- and ARC-shaped workloads' texts (`_encode_pair`'s),
+    whole and in parts (a context's tokens once for all its continuations), in turns: medians."""
+    for name, questions in (("ortmodule_bench_mmlu", 250), ("ortmodule_bench_hellaswag", 1000),
+                            ("ortmodule_bench_arc", 1000)):
+        task = next(iter(tasks.load([name])["tasks"].values()))
+        docs = list(task.test_docs() if task.has_test_docs() else task.validation_docs())[:questions]
+        pairs = [(task.doc_to_text(doc), task.config.target_delimiter + choice)
+                 for doc in docs for choice in task.doc_to_choice(doc)]
+        times = {"whole": [], "in parts": []}
+        for _ in range(rounds):
+            for way in times:
+                start = time.perf_counter()
+                lm._encode_batched(texts_to_encode(pairs)) if way == "whole" else lm._encode_pairs(pairs)
+                times[way].append(time.perf_counter() - start)
+        tokens = sum(len(ids) for ids in lm._encode_batched(texts_to_encode(pairs)).values())
+        print(f"{name}: {len(pairs)} requests ({tokens} tokens encoded whole): whole "
+              f"{sorted(times['whole'])[rounds // 2]:.3f} s, in parts {sorted(times['in parts'])[rounds // 2]:.3f} s "
+              f"(medians of {rounds})", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 # Pre-tokenizer regexes (Split, "Isolated") of Llama 3 and Qwen2 (GPT-2's is ByteLevel's own,
-# `use_regex`): none of their matches runs across a line break that follows a letter, and none looks
-# behind, so a text cut there pre-tokenizes as its two parts do (`splits_at_lines`).
-LINE_SAFE_PATTERNS = frozenset({
+# `use_regex`): none of their matches runs from a letter into a space or line break after it, and none
+# looks behind, so a text cut there pre-tokenizes as its two parts do (`splits_at_word_ends`).
+SAFE_SPLIT_PATTERNS = frozenset({
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -99,13 +100,15 @@ def encode_as_tok_encode(tokenizer, texts: list[str], add_bos_token: bool | None
     return encoded
 
 
-def splits_at_lines(tokenizer) -> bool:
-    """Whether `tokenizer` (a fast one) encodes a text cut just before a line break that follows an
-    ASCII letter as the concatenation of its two parts' encodings: a byte-level BPE (no dropout)
-    behind a known splitting pre-tokenizer (GPT-2's, Llama 3's or Qwen2's regex, digits apart or
-    not), no normalizer but NFC, and no added token that holds a line break or strips the
-    whitespace beside it. Then no pre-tokenized piece spans the cut: the letters' piece ends at it
-    in the text and in its first part alike, and the pieces after it start there."""
+def splits_at_word_ends(tokenizer) -> bool:
+    """Whether `tokenizer` (a fast one) encodes a text cut at a space or line break that follows an
+    ASCII letter as the concatenation of its two parts' encodings (the first with the special
+    tokens, the second without): a byte-level BPE (no dropout) behind a known splitting
+    pre-tokenizer (GPT-2's, Llama 3's or Qwen2's regex, digits apart or not), no normalizer but
+    NFC, and no added token that holds a space or line break, or strips the whitespace beside it.
+    Then no pre-tokenized piece spans the cut: the letters' piece ends at it, in the text and in its
+    first part alike (no regex alternative takes a letter and what follows together, and none looks
+    behind), the pieces after it start there, and NFC composes nothing across it."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.model).__name__ != "BPE" or backend.model.dropout:
         return False  # a slow tokenizer, or another model
@@ -123,45 +126,47 @@ def splits_at_lines(tokenizer) -> bool:
         if kind == "ByteLevel" and not part.get("add_prefix_space"):
             splits += bool(part.get("use_regex", True))
         elif kind == "Split" and part.get("behavior") == "Isolated" and not part.get("invert"):
-            if (part.get("pattern") or {}).get("Regex") not in LINE_SAFE_PATTERNS:
+            if (part.get("pattern") or {}).get("Regex") not in SAFE_SPLIT_PATTERNS:
                 return False
             splits += 1
         elif kind != "Digits":
             return False
     added = getattr(tokenizer, "added_tokens_decoder", {}).values()
-    return splits > 0 and not any("\n" in t.content or t.rstrip or t.lstrip or t.single_word for t in added)
+    return splits > 0 and not any(" " in t.content or "\n" in t.content or t.rstrip or t.lstrip or t.single_word
+                                  for t in added)
 
 
-def line_cut(text: str) -> int:
-    """Where `text` may be cut for `splits_at_lines`: its last line break that follows an ASCII
-    letter (0: none)."""
-    cut = text.rfind("\n")
-    while cut > 0 and not (text[cut - 1].isascii() and text[cut - 1].isalpha()):
-        cut = text.rfind("\n", 0, cut)
-    return max(cut, 0)
+_WORD_END_REVERSED = re.compile(r"[ \n][A-Za-z]")
+
+
+def word_end_cut(text: str) -> int:
+    """Where `text` may be cut for `splits_at_word_ends`: its last space or line break that follows
+    an ASCII letter (0: none)."""
+    found = _WORD_END_REVERSED.search(text[::-1])
+    return len(text) - 1 - found.start() if found else 0
 
 
 def encode_pairs_as_tok_encode(tokenizer, pairs, add_bos_token: bool | None, bos: str | None, check: int = 4
                                ) -> dict[str, list[int]]:
     """`HFLM.tok_encode` of the texts `_encode_pair` encodes for (context, continuation) pairs
     (`texts_to_encode`), each shared context encoded once: where the tokenizer allows it
-    (`splits_at_lines`), a context and every context + continuation after it are cut at the
-    context's last line break after a letter, the part before encoded once for all of them and
-    the short parts after it each. A multiple-choice question's texts are then one prompt's tokens
-    and not five times them. `check` of the texts are also encoded whole; should one differ, every
-    text is encoded whole (with a warning), as before."""
+    (`splits_at_word_ends`), a context and every context + continuation after it are cut at the
+    context's last space or line break after a letter, the part before encoded once for all of
+    them and the short parts after it each. A multiple-choice question's texts are then one
+    prompt's tokens and not five times them. `check` of the texts are also encoded whole; should
+    one differ, every text is encoded whole (with a warning), as HFLM does."""
     pairs = list(pairs)
     texts = texts_to_encode(pairs)
     special = {} if add_bos_token is None else {"add_special_tokens": add_bos_token}
-    if (not splits_at_lines(tokenizer) or (bos and "\n" in bos)  # a post-processor that appends (EOS) too:
-            or tokenizer("ab\ncd", **special)["input_ids"] != tokenizer("ab", **special)["input_ids"]
-            + tokenizer("\ncd", add_special_tokens=False)["input_ids"]):
+    if (not splits_at_word_ends(tokenizer) or (bos and _WORD_END_REVERSED.search(bos[::-1]))  # or one that appends:
+            or tokenizer("ab cd", **special)["input_ids"] != tokenizer("ab", **special)["input_ids"]
+            + tokenizer(" cd", add_special_tokens=False)["input_ids"]):
         return encode_as_tok_encode(tokenizer, texts, add_bos_token, bos)
     cuts: dict[str, int] = {}
     for context, continuation in pairs:
         stripped = context.rstrip()
-        cut = line_cut(stripped)
-        if cut:
+        cut = word_end_cut(stripped)
+        if cut and (not bos or cut >= len(bos)):
             cuts.setdefault(stripped, cut)
             cuts.setdefault(context + continuation, cut)
     whole = [text for text in texts if text not in cuts]
@@ -172,7 +177,7 @@ def encode_pairs_as_tok_encode(tokenizer, pairs, add_bos_token: bool | None, bos
     encoded = {text: heads[text[:cut]] + tails[text[cut:]] for text, cut in cuts.items()}
     sample = list(cuts)[:: max(1, len(cuts) // check)][:check] if check else []
     if sample and encode_as_tok_encode(tokenizer, sample, add_bos_token, bos) != {t: encoded[t] for t in sample}:
-        warnings.warn(f"{type(tokenizer).__name__}: encoding texts in parts at a line break differs from encoding "
+        warnings.warn(f"{type(tokenizer).__name__}: encoding texts in parts at a word's end differs from encoding "
                       "them whole; every text is encoded whole (slower)", RuntimeWarning, stacklevel=2)
         return encode_as_tok_encode(tokenizer, texts, add_bos_token, bos)
     encoded.update((text, heads[text]) for text in whole)

@@ -12,16 +12,17 @@ from tokenizers.processors import TemplateProcessing
 
 from ortmodule import encoding
 from ortmodule.encoding import (
-    LINE_SAFE_PATTERNS,
+    SAFE_SPLIT_PATTERNS,
     encode_pairs_as_tok_encode,
-    line_cut,
-    splits_at_lines,
+    splits_at_word_ends,
     texts_to_encode,
+    word_end_cut,
 )
 
-# Contexts that end in the ways a cut could go wrong: a line break after punctuation, after digits,
-# after a non-ASCII letter, blank lines, trailing spaces (lm-eval moves them to the continuation),
-# contractions, spaces before the line break, a leading BOS, no line break at all.
+# Contexts that end in the ways a cut could go wrong: a space or line break after punctuation, after
+# digits, after a non-ASCII letter or a combining accent, blank lines, runs of spaces, trailing spaces
+# (lm-eval moves them to the continuation), contractions, a leading BOS, prose without a line break
+# (HellaSwag's), and none of them at all.
 CONTEXTS = [
     "Question: what is two plus two?\nA. three\nB. four\nAnswer:",
     "The cat sat on the mat.\nThe dog did not.\n\nIt's late\nAnswer: ",
@@ -30,6 +31,13 @@ CONTEXTS = [
     "spaces before   \nbreak and tabs\t\nhere\nAnswer:",
     "they'll\nwe'd\nI'm\nyou're\nQ:",
     "no line break at all",
+    "A man is sitting on a roof. he",
+    "Two women are skiing down a hill. they  ",
+    "e\u0301 combining accent then space e\u0301 x",
+    "tabs\tbetween words\tand 12 34 digits 5",
+    "CamelCase WordsEnd.Here",
+    "word",
+    "   ",
     "ends with a letter\n",
     "one\r\nwindows\r\nlines\r\nAnswer:",
     "x\nA" * 40 + "\nAnswer:",
@@ -75,11 +83,11 @@ def with_pretokenizer(tokenizer, pre_tokenizer, normalizer=None):
 @pytest.mark.parametrize("add_bos_token", [None, True, False])
 def test_texts_in_parts_equal_hflm_tok_encode(build, add_bos_token):
     lm, bos = hflm_and_tokenizer(build, add_bos_token)
-    assert splits_at_lines(lm.tokenizer)  # GPT-2's byte-level regex
+    assert splits_at_word_ends(lm.tokenizer)  # GPT-2's byte-level regex
     assert_as_hflm(lm, bos, pairs(bos))
 
 
-@pytest.mark.parametrize("pattern", sorted(LINE_SAFE_PATTERNS))
+@pytest.mark.parametrize("pattern", sorted(SAFE_SPLIT_PATTERNS))
 def test_llama3_and_qwen2_pretokenizers_with_nfc(build, pattern):
     """The Split regexes of Llama 3 and Qwen2 (before a byte-level step without its own regex, as
     those tokenizers have it), with Qwen2's NFC normalizer and with digits apart."""
@@ -91,7 +99,7 @@ def test_llama3_and_qwen2_pretokenizers_with_nfc(build, pattern):
         steps += [pre_tokenizers.Digits(individual_digits=True)] if digits else []
         lm.tokenizer = with_pretokenizer(lm.tokenizer, pre_tokenizers.Sequence(
             steps + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), normalizers.NFC())
-        assert splits_at_lines(lm.tokenizer)
+        assert splits_at_word_ends(lm.tokenizer)
         assert_as_hflm(lm, bos, pairs(bos))
 
 
@@ -114,18 +122,23 @@ def test_other_tokenizers_are_encoded_whole(build):
         def pre_tokenize(self, pretokenized):
             pretokenized.split(lambda i, piece: piece.split(" ", "isolated"))
 
+    spaced = copy.deepcopy(base)  # an added token that a cut at a space could split
+    spaced.add_tokens(["a man"])
+    assert not splits_at_word_ends(spaced)
+    lm.tokenizer = spaced
+    assert_as_hflm(lm, bos, pairs(bos))
     custom = copy.deepcopy(base)
     custom.backend_tokenizer.pre_tokenizer = pre_tokenizers.PreTokenizer.custom(Whitespace())
-    assert not splits_at_lines(custom)
+    assert not splits_at_word_ends(custom)
     for name, tokenizer in others.items():
-        assert not splits_at_lines(tokenizer), name
+        assert not splits_at_word_ends(tokenizer), name
         lm.tokenizer = tokenizer
         assert_as_hflm(lm, bos, pairs(bos))
     eos = copy.deepcopy(base)
     eos._tokenizer.post_processor = TemplateProcessing(
         single="<s> $A </s>", special_tokens=[("<s>", base.bos_token_id), ("</s>", base.eos_token_id)])
     lm.tokenizer = eos
-    assert splits_at_lines(eos)  # the pre-tokenizer allows it; the appended EOS is found by the probe
+    assert splits_at_word_ends(eos)  # the pre-tokenizer allows it; the appended EOS is found by the probe
     assert_as_hflm(lm, bos, pairs(bos))
 
 
@@ -133,28 +146,33 @@ def test_a_cut_that_changes_the_ids_falls_back_with_a_warning(build, monkeypatch
     """Should encoding in parts ever differ from encoding whole (here: a cut inside a word), the
     check of a few texts finds it, warns, and every text is encoded whole."""
     lm, bos = hflm_and_tokenizer(build)
-    monkeypatch.setattr(encoding, "line_cut", lambda text: len(text) // 2)
+    monkeypatch.setattr(encoding, "word_end_cut", lambda text: len(text) // 2)
     with pytest.warns(RuntimeWarning, match="differs from encoding them whole"):
         encoded = encode_pairs_as_tok_encode(lm.tokenizer, pairs(), lm.add_bos_token, bos)
     assert encoded == {text: lm.tok_encode(text) for text in texts_to_encode(pairs())}
 
 
-def test_the_cut_is_the_last_line_break_after_an_ascii_letter():
-    assert line_cut("a\nb.\nc") == 1
-    assert line_cut("ab\ncd\nAnswer:") == 5
-    assert line_cut("é\nx") == 0 and line_cut("no break") == 0 and line_cut("\nx") == 0
-    assert line_cut("1\n2\nz\n") == 5
+def test_the_cut_is_the_last_space_or_line_break_after_an_ascii_letter():
+    assert word_end_cut("a\nb.\nc") == 1
+    assert word_end_cut("ab\ncd\nAnswer:") == 5
+    assert word_end_cut("A man is on a roof. he") == 13
+    assert word_end_cut("é\nx") == 0 and word_end_cut("nobreak") == 0 and word_end_cut("\nx") == 0
+    assert word_end_cut("1\n2\nz\n") == 5 and word_end_cut("z 1 2") == 1 and word_end_cut("") == 0
 
 
-def test_mmlu_shaped_requests_in_parts(build):
-    """The benchmark's MMLU-shaped workload (5-shot-length prompts, four letters): the same ids, and
-    each question's prompt encoded once."""
+@pytest.mark.parametrize(("task_name", "share"), [("ortmodule_bench_mmlu", 0.3), ("ortmodule_bench_hellaswag", 0.6),
+                                                 ("ortmodule_bench_arc", 0.8)])
+def test_benchmark_shaped_requests_in_parts(build, task_name, share):
+    """The benchmark's MMLU-, HellaSwag- and ARC-shaped workloads (5-shot-length prompts and four
+    letters; prose contexts and four long endings; short questions and short answers): the same ids,
+    and each question's prompt encoded about once (`share`: at most this part of the characters
+    encoding every text whole takes)."""
     from lm_eval.tasks import TaskManager
 
     lm, bos = hflm_and_tokenizer(build, post=False)
     task_dir = Path(__file__).resolve().parents[1] / "benchmarks" / "tasks"
     tasks = TaskManager(include_path=str(task_dir), metadata={"tokenizer": str(build("llama").hf_dir)})
-    task = next(iter(tasks.load(["ortmodule_bench_mmlu"])["tasks"].values()))
+    task = next(iter(tasks.load([task_name])["tasks"].values()))
     docs = list(task.test_docs() if task.has_test_docs() else task.validation_docs())[:20]
     requests = [(task.doc_to_text(doc), task.config.target_delimiter + choice)
                 for doc in docs for choice in task.doc_to_choice(doc)]
@@ -167,5 +185,4 @@ def test_mmlu_shaped_requests_in_parts(build):
     finally:
         encoding.tokenize_on_every_core = tokenize
     characters = sum(len(text) for texts in calls for text in texts)
-    prompts = sum(len(context) for context in {context for context, _ in requests})
-    assert characters < 1.5 * prompts  # about one prompt's characters a question (whole: five)
+    assert characters < share * sum(len(text) for text in texts_to_encode(requests)), characters
