@@ -74,7 +74,13 @@ NOTES = {
     "three sharing settings do the same work (a question's four rows are one row, run once), so the spread of "
     "those three rows is the run's noise. `max_ll_diff_vs_fp32` / `same_choice_as_fp32`: against transformers in "
     "fp32 on the same weights (the `transformers` row itself for fp32 and int4 packages, a run outside the clock "
-    "for half precision); `_vs_ortmodule` against the `ortmodule` row.",
+    "for half precision); `_vs_ortmodule` against the `ortmodule` row. Where the backend's time went (ortmodule "
+    "rows of runs that record it): `batches_s`, building and queueing the batches (`_totals_on_device`: padding, "
+    "copies, the runs' launches; on CUDA nothing there waits for the device unless something blocks); "
+    "`read_back_s`, the one copy of the answers at the end, which waits for the device's queued work; "
+    "`encode_s`, the tokenizing (on CUDA on its own thread beside the rest, so not a part of the total). The "
+    "clock less the first two is lm-eval's requests and the waits for the tokenizing thread: when the host "
+    "keeps ahead of the device, `read_back_s` holds most of the device's time.",
     "host time": "benchmarks/test_host_time.py: `mmlu` rows, the MMLU-shaped lm-eval workload ({host_questions} "
     "questions, batch {host_batch}, sharing off) on a model of negligible compute with a real tokenizer, so that "
     "what is left is the host's work. Per request: `loglikelihood_us_per_request`, the backend's `loglikelihood` "

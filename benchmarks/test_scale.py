@@ -11,6 +11,8 @@ from evaluation import TASK_DIR, Clock, answers, load, record_agreement
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
+import ortmodule.lm_eval
+from ortmodule.lm_eval import OrtModuleLM
 from ortmodule_dev import fixtures
 
 
@@ -58,6 +60,11 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
                                 device=device_name(device), parameters=fixture.parameters())
     reset_peak_rss()
     clock = Clock(monkeypatch, lm, "loglikelihood_rolling" if workload == "rolling" else "loglikelihood")
+    parts = {}
+    if isinstance(lm, OrtModuleLM):  # where the backend's time goes: batches, the final read-back, tokenizing
+        parts = {"batches_s": Clock(monkeypatch, lm, "_totals_on_device"),
+                 "read_back_s": Clock(monkeypatch, ortmodule.lm_eval, "read_back"),
+                 "encode_s": Clock(monkeypatch, lm, "_encode_batched" if workload == "rolling" else "_encode_pairs")}
     result = benchmark.pedantic(lambda: lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=model_tasks,
                                                                 limit=limit, verbosity="ERROR"),
                                 rounds=1, iterations=1, warmup_rounds=0)
@@ -71,6 +78,7 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
                                 requests_s=round(clock.seconds, 4), peak_rss_mb=round(peak_rss_mb(), 1),
                                 requests_per_s=round(len(mine) / clock.seconds, 1),
                                 tokens_per_s=round(tokens / clock.seconds), flops=2 * fixture.parameters() * tokens)
+    benchmark.extra_info.update({name: round(part.seconds, 3) for name, part in parts.items()})
     metric = "acc,none" if workload != "rolling" else "word_perplexity,none"
     benchmark.extra_info["acc" if workload != "rolling" else "word_perplexity"] = float(
         f"{result['results'][task][metric]:.5g}")
