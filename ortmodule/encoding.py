@@ -63,23 +63,47 @@ def contiguous_parts(texts: list[str], parts: int) -> list[list[str]]:
     return runs + [run] if run else runs
 
 
+def backend_encoder(tokenizer):
+    """The Rust tokenizer's own batch encoder (without offsets), where it gives the ids
+    transformers' `tokenizer(texts)` does: a fast tokenizer with no truncation or padding set on its
+    backend and special tokens not split. transformers builds a Python dict per text on top, holding
+    the GIL all along; beside the device's work, on another thread, that stalls every torch call of
+    the thread that feeds the device (docs/measurements.md). None where it does not apply."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or backend.truncation is not None or backend.padding is not None
+            or getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+
 def tokenize_on_every_core(tokenizer, texts: list[str], special: dict, chars_per_thread: int = 100_000
                             ) -> list[list[int]]:
     """`tokenizer(texts, **special)["input_ids"]`, in contiguous parts of about equal length on a
     thread per core, a part at least `chars_per_thread` characters (some 25,000 tokens: a thread
-    costs far less than its part). The Rust tokenizer releases the GIL while it encodes, and
+    costs far less than its part), through the Rust tokenizer's own batch encoder where it gives the
+    same ids (`backend_encoder`). The Rust tokenizer releases the GIL while it encodes, and
     lm-eval's command line turns the tokenizer's own threads off (TOKENIZERS_PARALLELISM=false,
     for its forks); on MMLU-length prompts, tokenizing is most of the host's time per request
     (docs/measurements.md)."""
+    encoder = backend_encoder(tokenizer)
+    if encoder is not None:
+        add = special.get("add_special_tokens", True)
+
+        def encode(part):
+            return [encoding.ids for encoding in encoder(part, add_special_tokens=add)]
+    else:
+        def encode(part):
+            return tokenizer(part, **special)["input_ids"]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(cores, len(texts), max(1, sum(len(text) for text in texts) // chars_per_thread))
     if workers <= 1:
-        return tokenizer(texts, **special)["input_ids"] if texts else []
-    # transformers sets the tokenizer's truncation and padding before encoding when they differ
-    # from the call's (a mutation that would meet another thread's encoding): settled here first.
-    tokenizer(texts[:1], **special)
+        return encode(texts) if texts else []
+    if encoder is None:
+        # transformers sets the tokenizer's truncation and padding before encoding when they differ
+        # from the call's (a mutation that would meet another thread's encoding): settled here first.
+        tokenizer(texts[:1], **special)
     with ThreadPoolExecutor(workers) as pool:
-        parts = list(pool.map(lambda part: tokenizer(part, **special)["input_ids"], contiguous_parts(texts, workers)))
+        parts = list(pool.map(encode, contiguous_parts(texts, workers)))
     return [ids for part in parts for ids in part]
 
 
