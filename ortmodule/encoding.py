@@ -144,12 +144,13 @@ def splits_at_word_ends(tokenizer) -> bool:
     if (normalizer and normalizer.get("type") != "NFC") or not pre:
         return False
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    splits = 0
+    splits, mapped = 0, False
     for part in parts:
         kind = part.get("type")
         if kind == "ByteLevel" and not part.get("add_prefix_space"):
             splits += bool(part.get("use_regex", True))
-        elif kind == "Split" and part.get("behavior") == "Isolated" and not part.get("invert"):
+            mapped = True  # bytes as printable characters from here on: a space is "Ġ", a letter to a regex
+        elif kind == "Split" and part.get("behavior") == "Isolated" and not part.get("invert") and not mapped:
             if (part.get("pattern") or {}).get("Regex") not in SAFE_SPLIT_PATTERNS:
                 return False
             splits += 1

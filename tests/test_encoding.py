@@ -116,6 +116,9 @@ def test_other_tokenizers_are_encoded_whole(build):
             pre_tokenizers.Split(Regex(r"\s+|\S+"), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
         "prefix space": with_pretokenizer(base, pre_tokenizers.ByteLevel(add_prefix_space=True)),
+        "split after the byte mapping": with_pretokenizer(base, pre_tokenizers.Sequence([
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            pre_tokenizers.Split(Regex(sorted(SAFE_SPLIT_PATTERNS)[0]), behavior="isolated")])),
         "lowercase": with_pretokenizer(base, base.backend_tokenizer.pre_tokenizer, normalizers.Lowercase()),
     }
     class Whitespace:  # a pre-tokenizer of the user's own, in Python
