@@ -66,9 +66,8 @@ def contiguous_parts(texts: list[str], parts: int) -> list[list[str]]:
 def backend_encoder(tokenizer):
     """The Rust tokenizer's own batch encoder (without offsets), where it gives the ids
     transformers' `tokenizer(texts)` does: a fast tokenizer with no truncation or padding set on its
-    backend and special tokens not split. transformers builds a Python dict per text on top, holding
-    the GIL all along; beside the device's work, on another thread, that stalls every torch call of
-    the thread that feeds the device (docs/measurements.md). None where it does not apply."""
+    backend and special tokens not split; transformers' call builds a Python dict per text on top
+    (about 15% of the time on MMLU-length prompts, docs/measurements.md). None where it does not apply."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is None or backend.truncation is not None or backend.padding is not None
             or getattr(tokenizer, "split_special_tokens", False)):
