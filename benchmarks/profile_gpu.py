@@ -23,6 +23,16 @@ log-probabilities) and through transformers as lm-eval's `hf` scores them (a log
 the logits in the model's precision, then the gather). Rolling ran at 1.38x transformers on an H100
 where the target is 2x; the kernel split shows how much of it is the LM head and the normalizers.
 
+`--shapes N` replays an lm-eval run's stream of batches instead: N batches of `--batch` rows of
+`--length` +- 300 tokens (MMLU-shaped: four one-token requests per row), longest first, so that
+nearly every batch has a width not seen before, as in lm-eval; each batch is queued as lm-eval's
+backend queues it (`scoring.loglikelihood_totals`, no wait for the device), and the answers are read
+once at the end. Four passes: the widths as they come (new shapes), the same batches again (shapes
+seen), then the widths rounded up to a multiple of `--pad-multiple` (new, then seen). Per pass: the
+wall time, the host's time inside the calls and inside ONNX Runtime's runs, and the device's time
+(CUDA events): the GPU suite's MMLU rows spent 11.3 s in their batches where one batch's profile
+says ~5.9 s of device work, and this tells whether new shapes are what costs the rest.
+
 `--extra-option` exports a variant of the package with that model-builder option (repeatable, e.g.
 fuse_mlp_gate_up=true, fuse_qkv=false), so that graph options can be measured one at a time;
 `of peak` counts 2 x the decoder's weights x the real tokens, plus 2 x the LM head's weights x the
@@ -172,6 +182,8 @@ def main():
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--shared", action="store_true", help="profile context sharing against padded rows")
     mode.add_argument("--rolling", action="store_true", help="profile rolling windows, every position scored")
+    mode.add_argument("--shapes", type=int, metavar="N", help="replay N batches of new widths (lm-eval's stream)")
+    parser.add_argument("--pad-multiple", type=int, default=64, help="with --shapes: the bucketed passes' multiple")
     args = parser.parse_args()
     spec = SIZES[args.size]["decoders"][args.spec]
     if args.extra_option:
@@ -184,6 +196,8 @@ def main():
     print(f"{name}; package {fixture.package_dir.name}, builder options {dict(spec.extra_options) or 'default'}")
     if args.shared:
         return profile_sharing(model, args, peak)
+    if args.shapes:
+        return replay_shapes(model, args)
     gen, top = torch.Generator().manual_seed(0), min(32000, model.config.vocab_size)
     if args.rolling:  # windows of exactly `length` tokens, each predicting its next `length` tokens
         ids = torch.randint(4, top, (args.batch, args.length + 1), generator=gen)
@@ -256,6 +270,78 @@ def profile_sharing(model, args, peak) -> None:
               f"summed device time {kernel_ms:.2f} ms")
         print(table)
     print(shared_steps(model, rows, groups, starts, targets))
+
+
+def shape_stream(batches: int, rows: int, length: int, gen: torch.Generator, top: int, multiple: int = 1):
+    """lm-eval's MMLU stream: `batches` x `rows` rows of `length` +- 300 tokens, longest first, cut
+    into batches (each as wide as its longest row, rounded up to `multiple`); four one-token
+    requests per row. Per batch: (ids, mask, starts, targets, rows_of)."""
+    lengths = sorted(torch.randint(max(8, length - 300), length + 301, (batches * rows,), generator=gen).tolist(),
+                     reverse=True)
+    stream = []
+    for b in range(batches):
+        chunk = lengths[b * rows:(b + 1) * rows]
+        width = -(-chunk[0] // multiple) * multiple
+        ids = torch.randint(4, top, (rows, width), generator=gen)
+        mask = (torch.arange(width)[None, :] < torch.tensor(chunk)[:, None]).long()
+        rows_of = [r for r in range(rows) for _ in range(4)]
+        starts = [chunk[r] - 1 for r in rows_of]
+        targets = [[int(t)] for t in torch.randint(4, top, (len(rows_of),), generator=gen)]
+        stream.append((ids, mask, starts, targets, rows_of))
+    return stream
+
+
+def replay_shapes(model, args) -> None:
+    """`--shapes`: the stream of batches in four passes (module docstring), a line per pass."""
+    from ortmodule import runtime
+
+    on_cuda = model.device.type == "cuda"
+    top = min(32000, model.config.vocab_size)
+    plain = shape_stream(args.shapes, args.batch, args.length, torch.Generator().manual_seed(0), top)
+    padded = shape_stream(args.shapes, args.batch, args.length, torch.Generator().manual_seed(0), top,
+                          args.pad_multiple)
+    in_runs = [0.0]
+    original = runtime.Session.run
+
+    def clocked_run(self, *a, **k):
+        start = time.perf_counter()
+        try:
+            return original(self, *a, **k)
+        finally:
+            in_runs[0] += time.perf_counter() - start
+
+    runtime.Session.run = clocked_run
+    scoring.loglikelihood_totals(model, *plain[-1][:2], [1], [[5]], [0])  # the session's first run, outside the clock
+    sync()
+    real = sum(int(m.sum()) for _, m, *_ in plain)
+    print(f"{len(plain)} batches of {args.batch} rows, {real} real tokens; widths {plain[0][0].shape[1]} .. "
+          f"{plain[-1][0].shape[1]} ({len({b[0].shape[1] for b in plain})} distinct), rounded up to "
+          f"{args.pad_multiple}: {len({b[0].shape[1] for b in padded})} distinct")
+    for label, stream in (("new widths", plain), ("the same widths again", plain),
+                          (f"widths rounded up to {args.pad_multiple}, new", padded),
+                          (f"widths rounded up to {args.pad_multiple}, seen", padded)):
+        in_runs[0], in_calls, device_ms, answers = 0.0, 0.0, 0.0, []
+        events = []
+        sync()
+        start = time.perf_counter()
+        for batch in stream:
+            if on_cuda:
+                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][0].record()
+            call = time.perf_counter()
+            answers.append(scoring.loglikelihood_totals(model, *batch))
+            in_calls += time.perf_counter() - call
+            if on_cuda:
+                events[-1][1].record()
+        torch.cat(answers, 1).cpu()  # the one read-back, as lm-eval's backend does
+        wall = time.perf_counter() - start
+        if on_cuda:
+            device_ms = sum(a.elapsed_time(b) for a, b in events)
+        padded_tokens = sum(b[0].numel() for b in stream)
+        print(f"== {label}: {wall:.3f} s wall ({1e3 * wall / len(stream):.1f} ms per batch), host inside the calls "
+              f"{in_calls:.3f} s, of which ONNX Runtime's runs {in_runs[0]:.3f} s; device (events) "
+              f"{device_ms / 1e3:.3f} s; {padded_tokens} padded tokens ({padded_tokens / real:.3f}x the real ones)")
+    runtime.Session.run = original
 
 
 if __name__ == "__main__":

@@ -197,7 +197,9 @@ class OrtModuleLM(HFLM):
     `share_contexts` (auto, true or false: run a context shared by several requests once; auto
     where `sharing.worth_sharing` says it saves work, never on CUDA), `token_budget` (padded tokens per prefill
     under `batch_size=auto`), `prefill_chunk` (long rows one at a time in chunks of this many
-    tokens; auto: 256 on a CPU, off on CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py).
+    tokens; auto: 256 on a CPU, off on CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py),
+    `pad_to_multiple_of` (a loglikelihood batch's width rounded up to a multiple of this many tokens,
+    so that a run meets few distinct shapes; default: none).
     `pretrained` may also be an `OrtModelForCausalLM` (then pass `tokenizer=` too).
     """
 
@@ -206,9 +208,10 @@ class OrtModuleLM(HFLM):
     def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool | str = True,
                  provider_options: dict | None = None, share_contexts: bool | str = "auto",
                  token_budget: int | str | None = None, prefill_chunk: int | str | None = None,
-                 quantized_prefill: str | None = None, **kwargs):
+                 quantized_prefill: str | None = None, pad_to_multiple_of: int | str | None = None, **kwargs):
         self._running = threading.RLock()
         self._token_budget = _positive_int(token_budget, "token_budget")
+        self._pad_multiple = _positive_int(pad_to_multiple_of, "pad_to_multiple_of") or 1
         self._encoded: dict[str, list[int]] = {}  # the texts of the loglikelihood call in progress, encoded
         self._share = _sharing_choice(share_contexts)
         if device is None:
@@ -424,7 +427,10 @@ class OrtModuleLM(HFLM):
         allocation failure halves the token budget and runs the rows again in two halves."""
         chunk = [i for key in keys for i in same[key]]
         rows_of = [r for r, key in enumerate(keys) for _ in same[key]]
-        ids, mask = pad_right([list(key[0]) for key in keys], self.tokenizer.pad_token_id or 0)
+        longest, multiple = max(len(key[0]) for key in keys), self._pad_multiple
+        if -(-longest // multiple) * multiple > self.max_length:  # rounding up would pass the context length
+            multiple = 1
+        ids, mask = pad_right([list(key[0]) for key in keys], self.tokenizer.pad_token_id or 0, multiple)
         try:
             totals = loglikelihood_totals(self._model, ids, mask, [keys[r][1] for r in rows_of],
                                           [requests[i][2] for i in chunk], rows_of)

@@ -456,6 +456,27 @@ def test_requests_on_the_same_row_run_it_once(build, hf_answers, monkeypatch):
     assert sum(rows for rows, _ in sizes) == len(distinct) == len(requests) - 6 * 3
 
 
+def test_pad_to_multiple_of_rounds_every_width_up_with_the_same_answers(build, hf_answers, monkeypatch):
+    """`pad_to_multiple_of=16`: every padded batch is a multiple of 16 tokens wide, except where
+    rounding up would pass the context length, and the answers are still hf's (the padding is masked)."""
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=4, share_contexts="false",
+                     pad_to_multiple_of="16")
+    sizes = prefill_sizes(monkeypatch)
+    assert_same_answers(lm._loglikelihood_tokens(mixed_requests(), disable_tqdm=True), hf_answers)
+    assert sizes and all(width % 16 == 0 for _, width in sizes)
+    assert len({width for _, width in sizes}) < len({len((c + t)[:-1]) for _, c, t in mixed_requests()})
+    # A 60-token row under a 60-token context: 64 would not fit, so that batch stays 60 wide.
+    monkeypatch.setattr(OrtModuleLM, "max_length", property(lambda self: 60))
+    sizes.clear()
+    lm._loglikelihood_tokens(mixed_requests(), disable_tqdm=True)
+    assert max(width for _, width in sizes) == 60
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive integer"):
+        OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", pad_to_multiple_of="0")
+
+
 def test_one_token_choices_run_the_same_prefills_whatever_the_sharing(build, hf_answers, monkeypatch):
     """MMLU's shape (four one-token letters after a context): a question's four rows are one row, so
     `share_contexts` true, auto and false run the same prefills, each context once, with hf's answers."""
