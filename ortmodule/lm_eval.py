@@ -86,6 +86,13 @@ def _chunk_arg(value) -> int | None:
     return int(str(value).strip())
 
 
+def pad_within(rows: list[list[int]], pad: int, multiple: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pad_right` to a multiple of `multiple` tokens, unless rounding up would pass `limit`."""
+    if -(-max(len(row) for row in rows) // multiple) * multiple > limit:
+        multiple = 1
+    return pad_right(rows, pad, multiple)
+
+
 def context_groups(requests, rows, starts) -> list[list[int]]:
     """Indices of tokenized requests that share a context and could score it once: the rows of a
     group start alike and are not all one row."""
@@ -193,15 +200,13 @@ class OrtModuleLM(HFLM):
     """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR,device=cpu` (or cuda, cuda:N).
 
     Extra model_args: `rewrite_lm_head` (default True; float32: a bf16 package's LM head computes in
-    float32, graph.py), `provider_options` (a dict, from Python),
-    `share_contexts` (auto, true or false: run a context shared by several requests once; auto
-    where `sharing.worth_sharing` says it saves work, never on CUDA), `token_budget` (padded tokens per prefill
-    under `batch_size=auto`), `prefill_chunk` (long rows one at a time in chunks of this many
-    tokens; auto: 256 on a CPU, off on CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py),
-    `pad_to_multiple_of` (a loglikelihood batch's width rounded up to a multiple of this many tokens,
-    so that a run meets few distinct shapes; default: none).
-    `pretrained` may also be an `OrtModelForCausalLM` (then pass `tokenizer=` too).
-    """
+    float32, graph.py), `provider_options` (a dict, from Python), `share_contexts` (auto, true or
+    false: run a context shared by several requests once; auto where `sharing.worth_sharing` says it
+    saves work, never on CUDA), `token_budget` (padded tokens per prefill under `batch_size=auto`),
+    `prefill_chunk` (long rows one at a time in chunks of this many tokens; auto: 256 on a CPU, off on
+    CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py), `pad_to_multiple_of` (batch
+    widths rounded up: few distinct shapes). `pretrained` may also be an `OrtModelForCausalLM` (then
+    pass `tokenizer=` too)."""
 
     AUTO_MODEL_CLASS = transformers.AutoModelForCausalLM
 
@@ -427,10 +432,8 @@ class OrtModuleLM(HFLM):
         allocation failure halves the token budget and runs the rows again in two halves."""
         chunk = [i for key in keys for i in same[key]]
         rows_of = [r for r, key in enumerate(keys) for _ in same[key]]
-        longest, multiple = max(len(key[0]) for key in keys), self._pad_multiple
-        if -(-longest // multiple) * multiple > self.max_length:  # rounding up would pass the context length
-            multiple = 1
-        ids, mask = pad_right([list(key[0]) for key in keys], self.tokenizer.pad_token_id or 0, multiple)
+        ids, mask = pad_within([list(k[0]) for k in keys], self.tokenizer.pad_token_id or 0, self._pad_multiple,
+                               self.max_length)
         try:
             totals = loglikelihood_totals(self._model, ids, mask, [keys[r][1] for r in rows_of],
                                           [requests[i][2] for i in chunk], rows_of)
