@@ -33,6 +33,11 @@ wall time, the host's time inside the calls and inside ONNX Runtime's runs, and 
 (CUDA events): the GPU suite's MMLU rows spent 11.3 s in their batches where one batch's profile
 says ~5.9 s of device work, and this tells whether new shapes are what costs the rest.
 
+`--provider-option KEY=VALUE` and `--session-option NAME=VALUE` (repeatable) load the sessions with
+that CUDA provider option or ONNX Runtime session option (e.g. `--session-option enable_mem_pattern=0`,
+`--provider-option arena_extend_strategy=kSameAsRequested`), to tell which of ONNX Runtime's
+per-shape mechanisms a cost belongs to.
+
 `--extra-option` exports a variant of the package with that model-builder option (repeatable, e.g.
 fuse_mlp_gate_up=true, fuse_qkv=false), so that graph options can be measured one at a time;
 `of peak` counts 2 x the decoder's weights x the real tokens, plus 2 x the LM head's weights x the
@@ -184,13 +189,19 @@ def main():
     mode.add_argument("--rolling", action="store_true", help="profile rolling windows, every position scored")
     mode.add_argument("--shapes", type=int, metavar="N", help="replay N batches of new widths (lm-eval's stream)")
     parser.add_argument("--pad-multiple", type=int, default=64, help="with --shapes: the bucketed passes' multiple")
+    parser.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a CUDA provider option (e.g. arena_extend_strategy=kSameAsRequested)")
+    parser.add_argument("--session-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a SessionOptions attribute (enable_mem_pattern=0) or, with a dot, a config entry")
     args = parser.parse_args()
     spec = SIZES[args.size]["decoders"][args.spec]
     if args.extra_option:
         options = dict(spec.extra_options) | dict(item.split("=", 1) for item in args.extra_option)
         spec = dataclasses.replace(spec, extra_options=tuple(sorted(options.items())))
     fixture = fixtures.build(spec)
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device,
+                                                session_options=session_options(args.session_option),
+                                                provider_options=dict(o.split("=", 1) for o in args.provider_option))
     name = torch.cuda.get_device_name() if model.device.type == "cuda" else "CPU"
     peak = next((flops for key, (flops, _) in GPU_DATASHEET.items() if key in name), None)
     print(f"{name}; package {fixture.package_dir.name}, builder options {dict(spec.extra_options) or 'default'}")
@@ -213,6 +224,25 @@ def main():
         tokens = int(lengths.sum())
     ours = lambda: scoring.loglikelihood(model, ids, mask, starts, targets)  # noqa: E731
     profile_both(model, ours, fixture, args, peak, (ids, mask, starts, targets, tokens))
+
+
+def session_options(items: list[str]):
+    """ortmodule's own session options (runtime.make_session's) with `NAME=VALUE` changes, or None."""
+    if not items:
+        return None
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for item in items:
+        name, value = item.split("=", 1)
+        if "." in name:
+            options.add_session_config_entry(name, value)
+        else:
+            kind = type(getattr(options, name))
+            setattr(options, name, bool(int(value)) if kind is bool else kind(value))
+    return options
 
 
 def profile_both(model, ours, fixture, args, peak, batch) -> None:
