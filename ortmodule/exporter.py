@@ -38,6 +38,13 @@ def _say(progress, message: str) -> None:
         print(f"[ortmodule export] {message}", file=sys.stderr, flush=True)
 
 
+# The builder's options that `export` sets for CUDA unless told otherwise: the query, key and value
+# projections as three MatMuls instead of one packed MatMul and a Split (the Split's copies cost more
+# than the two launches saved: prefill 1.04x on an H200, Qwen3-0.6B's config in bf16, 32 x 512
+# tokens; on a CPU within the noise; docs/measurements.md).
+CUDA_OPTIONS = {"fuse_qkv": "false"}
+
+
 def export(
     source: str | Path,
     out: str | Path,
@@ -50,8 +57,9 @@ def export(
     """Export `source` (a Hugging Face checkpoint folder, or a `.gguf` file) to a GenAI package
     folder `out` for `device` ('cpu' or 'cuda') in `precision` (fp32, fp16, bf16, int4 or int8).
 
-    `extra_options` go to the builder's `--extra_options` (for example `{"algo_config": "k_quant_mixed"}`).
-    Returns `out`. Progress goes to stderr unless `progress=False`.
+    `extra_options` go to the builder's `--extra_options` (for example `{"algo_config": "k_quant_mixed"}`);
+    for CUDA, `fuse_qkv=false` unless they say otherwise (`CUDA_OPTIONS`). Returns `out`. Progress goes
+    to stderr unless `progress=False`.
     """
     if precision not in PRECISIONS:
         raise ExportError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
@@ -75,7 +83,8 @@ def export(
         architecture = check_checkpoint(checkpoint, source)
         check_disk(out.parent, checkpoint_parameters(checkpoint), precision)
         _say(progress, f"exporting {architecture} to {precision} for {device} with onnxruntime-genai's model builder")
-        run_builder(checkpoint, work / "package", precision, device, extra_options, progress)
+        options = {**CUDA_OPTIONS, **(extra_options or {})} if device == "cuda" else extra_options
+        run_builder(checkpoint, work / "package", precision, device, options, progress)
         _check_package(work / "package", checkpoint)
         if out.exists():
             shutil.rmtree(out)

@@ -73,6 +73,26 @@ def copy_checkpoint(llama, tmp_path):
     return folder
 
 
+@pytest.mark.parametrize("device, given, expected", [
+    ("cuda", None, {"fuse_qkv": "false"}),
+    ("cuda", {"fuse_qkv": "true", "algo_config": "rtn"}, {"fuse_qkv": "true", "algo_config": "rtn"}),
+    ("cpu", None, None),
+])
+def test_cuda_exports_unpack_qkv_unless_told_otherwise(llama, tmp_path, monkeypatch, device, given, expected):
+    """The builder's options `export` passes: `fuse_qkv=false` for CUDA (measured faster there), the
+    caller's own options kept and winning, nothing added for the CPU."""
+    seen = []
+
+    def builder(checkpoint, out, precision, device, options, progress):
+        seen.append(options)
+        raise ExportError("stopped before the builder")
+
+    monkeypatch.setattr(export_module, "run_builder", builder)
+    with pytest.raises(ExportError, match="stopped before the builder"):
+        export(llama.hf_dir, tmp_path / "out", precision="bf16", device=device, extra_options=given, progress=False)
+    assert seen == [expected]
+
+
 def test_unknown_architecture(llama, tmp_path):
     folder = copy_checkpoint(llama, tmp_path)
     config = json.loads((folder / "config.json").read_text())
