@@ -28,9 +28,9 @@ def load(backend, fixture, batch_size, device):
     if backend == "ortmodule-chunks-off":  # long rows in one prefill (ortmodule/chunked.py's choice undone)
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
                                       prefill_chunk=0)
-    if backend == "ortmodule-float32-head":  # logits not rounded to bf16 (graph.py's float32_head)
+    if backend == "ortmodule-bf16-head":  # the package's own bf16 LM head (lm-eval's default is float32's)
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
-                                      rewrite_lm_head="float32")
+                                      rewrite_lm_head=True)
     if backend == "ortmodule-pad64":  # batch widths rounded up to a multiple of 64 tokens: few distinct shapes
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
                                       pad_to_multiple_of=64)

@@ -25,7 +25,7 @@ WORKLOADS = {"mmlu": "ortmodule_bench_mmlu", "hellaswag": "ortmodule_bench_hella
              "rolling": "ortmodule_bench_rolling"}
 # transformers first: on an fp32 or int4 package its fp32 answers are every other row's yardstick.
 SCALE_BACKENDS = ["hf", "ortmodule", "ortmodule-share-off", "ortmodule-share-on", "ortmodule-chunks-off",
-                  "ortmodule-tokenize-first", "ortmodule-float32-head", "ortmodule-cuda-graph", "ortmodule-pad64"]
+                  "ortmodule-tokenize-first", "ortmodule-bf16-head", "ortmodule-cuda-graph", "ortmodule-pad64"]
 SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers
 SCALE_TOKENS = {}  # (model, workload) -> context + continuation tokens of all its requests
 
@@ -49,9 +49,9 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
     if backend == "ortmodule-tokenize-first" and (device == "cpu" or workload == "rolling"):
         pytest.skip("tokenizing ahead is CUDA's choice, for loglikelihood requests (a CPU encodes every text first)")
     head_case = workload in ("mmlu", "rolling")
-    if backend == "ortmodule-float32-head" and (fixture.spec.precision != "bf16" or not head_case):
-        pytest.skip("a float32 LM head is a bf16 package's choice, measured where bf16 ties cost choices (mmlu) "
-                    "and where every position reaches the head (rolling)")
+    if backend == "ortmodule-bf16-head" and (fixture.spec.precision != "bf16" or not head_case):
+        pytest.skip("the LM head's precision is a bf16 package's choice, measured where bf16 ties cost choices "
+                    "(mmlu) and where every position reaches the head (rolling)")
     if backend == "ortmodule-pad64" and (device == "cpu" or workload != "mmlu"):
         pytest.skip("rounding widths up to few shapes is a question of CUDA's per-shape costs, asked on mmlu")
     if backend == "ortmodule-cuda-graph" and (device == "cpu" or workload != "mmlu"):

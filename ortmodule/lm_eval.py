@@ -199,18 +199,18 @@ def _one_evaluation_at_a_time(method):
 class OrtModuleLM(HFLM):
     """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR,device=cpu` (or cuda, cuda:N).
 
-    Extra model_args: `rewrite_lm_head` (default True; float32: a bf16 package's LM head computes in
-    float32, graph.py), `provider_options` (a dict, from Python), `share_contexts` (auto, true or
-    false: run a context shared by several requests once; auto where `sharing.worth_sharing` says it
-    saves work, never on CUDA), `token_budget` (padded tokens per prefill under `batch_size=auto`),
-    `prefill_chunk` (long rows one at a time in chunks of this many tokens; auto: 256 on a CPU, off on
-    CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py), `pad_to_multiple_of` (batch
-    widths rounded up: few distinct shapes). `pretrained` may also be an `OrtModelForCausalLM` (then
-    pass `tokenizer=` too)."""
+    Extra model_args: `rewrite_lm_head` (default float32: a half-precision package's LM head in
+    float32, graph.py; True: in its own precision), `provider_options` (a dict, from Python),
+    `share_contexts` (auto, true, false: run a context shared by several requests once; auto where
+    `sharing.worth_sharing` says it saves work, never on CUDA), `token_budget` (padded tokens per
+    prefill under `batch_size=auto`), `prefill_chunk` (long rows in chunks of this many tokens; auto:
+    256 on a CPU, off on CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py),
+    `pad_to_multiple_of` (batch widths rounded up: few distinct shapes). `pretrained` may also be an
+    `OrtModelForCausalLM` (then pass `tokenizer=` too)."""
 
     AUTO_MODEL_CLASS = transformers.AutoModelForCausalLM
 
-    def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool | str = True,
+    def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool | str = "float32",
                  provider_options: dict | None = None, share_contexts: bool | str = "auto",
                  token_budget: int | str | None = None, prefill_chunk: int | str | None = None,
                  quantized_prefill: str | None = None, pad_to_multiple_of: int | str | None = None, **kwargs):

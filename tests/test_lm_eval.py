@@ -633,6 +633,24 @@ def test_data_parallel_exits_cleanly_twenty_times_on_a_loaded_machine(build, tmp
             process.kill()
 
 
+def test_the_lm_head_computes_in_float32_unless_asked_otherwise(build, tmp_path):
+    """lm-eval's backend loads a package that casts half-precision logits to float32 (the builder's
+    bf16 packages) with a float32 LM head: its loglikelihoods are not rounded to half precision
+    first. `rewrite_lm_head=True` keeps the package's precision; an fp32 package is left as it is."""
+    import torch
+    from helpers import float32_logits_copy
+    from lm_eval.api.registry import get_model
+
+    fixture = build("llama", precision="fp16")
+    casting = float32_logits_copy(fixture, tmp_path / "package")
+    backend = get_model("ortmodule")
+    assert backend(pretrained=str(casting), device="cpu")._model.decoder.head_dtype == torch.float32
+    assert backend(pretrained=str(casting), device="cpu", rewrite_lm_head=True)._model.decoder.head_dtype == \
+        torch.float16
+    assert backend(pretrained=str(build("llama").package_dir), device="cpu")._model.decoder.head_dtype == \
+        torch.float32
+
+
 def test_quantized_prefill_model_arg_is_checked(build):
     from lm_eval.api.registry import get_model
 
