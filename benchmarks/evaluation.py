@@ -68,6 +68,26 @@ class Clock:
         monkeypatch.setattr(owner, name, timed)
 
 
+class ShapeLog:
+    """The `[rows, width]` of every prefill ortmodule's decoder runs while the test runs: how many
+    prefills, and how many distinct input shapes ONNX Runtime met (a device may pay per new one)."""
+
+    def __init__(self, monkeypatch):
+        from ortmodule.decoder import Decoder
+
+        self.shapes = []
+        original = Decoder.prefill
+
+        def logged(decoder, rows, *args, **kwargs):
+            self.shapes.append(tuple(rows.ids.shape))
+            return original(decoder, rows, *args, **kwargs)
+
+        monkeypatch.setattr(Decoder, "prefill", logged)
+
+    def summary(self) -> dict:
+        return {"prefills": len(self.shapes), "distinct_shapes": len(set(self.shapes))}
+
+
 def answers(result, task: str) -> list[tuple[float, bool]]:
     """Per request, (loglikelihood, is_greedy); a rolling request's answer is its loglikelihood alone."""
     found = []

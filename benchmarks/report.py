@@ -83,7 +83,8 @@ NOTES = {
     "`read_back_s`, the one copy of the answers at the end, which waits for the device's queued work; "
     "`encode_s`, the tokenizing (on CUDA on its own thread beside the rest, so not a part of the total). The "
     "clock less the first two is lm-eval's requests and the waits for the tokenizing thread: when the host "
-    "keeps ahead of the device, `read_back_s` holds most of the device's time.",
+    "keeps ahead of the device, `read_back_s` holds most of the device's time. `prefills` / `distinct_shapes` "
+    "(runs that record them): the prefills ortmodule ran, and how many distinct `[rows, width]` inputs they had.",
     "host time": "benchmarks/test_host_time.py: `mmlu` rows, the MMLU-shaped lm-eval workload ({host_questions} "
     "questions, batch {host_batch}, sharing off) on a model of negligible compute with a real tokenizer, so that "
     "what is left is the host's work. Per request: `loglikelihood_us_per_request`, the backend's `loglikelihood` "
