@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import torch
 
 from . import nbits
 from .package import PackageError
+
+logger = logging.getLogger(__name__)
 
 TORCH_DTYPE = {
     onnx.TensorProto.FLOAT: torch.float32,
@@ -282,6 +285,10 @@ def retrying_on_torch_cache(device: torch.device | None, action, *args):
                              and torch.cuda.memory_reserved(device) > torch.cuda.memory_allocated(device)):
                 raise_if_out_of_memory(e, device)
                 raise
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        logger.warning("ortmodule: ONNX Runtime ran out of memory on %s while torch's cache held %.1f GiB that no "
+                       "tensor used; handed it back to the driver and trying again (work done twice; emptying "
+                       "torch's cache before loading avoids it)", device, cached / 2**30)
         with torch.cuda.device(device):
             torch.cuda.empty_cache()
 

@@ -453,7 +453,7 @@ def fake_cuda_memory(monkeypatch):
     return state
 
 
-def test_device_allocation_failure_hands_torch_cache_back_and_retries(fake_cuda_memory):
+def test_device_allocation_failure_hands_torch_cache_back_and_retries(fake_cuda_memory, caplog):
     """An allocation failure on CUDA while torch's cache holds memory no tensor uses: that memory goes
     back to the driver and the session starts (or the run runs) once more; where nothing is cached
     (or the retry fails too) the error is the "out of memory." one that batch-size searches retry on,
@@ -470,8 +470,10 @@ def test_device_allocation_failure_hands_torch_cache_back_and_retries(fake_cuda_
             raise RuntimeError(CUBLAS_AT_SESSION_START)
         return "session"
 
-    assert runtime.retrying_on_torch_cache(cuda, start_once_released) == "session"
+    with caplog.at_level("WARNING", logger="ortmodule.runtime"):
+        assert runtime.retrying_on_torch_cache(cuda, start_once_released) == "session"
     assert calls == [0, 1]  # failed, the cache was handed back, started
+    assert "ran out of memory on cuda:0 while torch's cache held 39.0 GiB" in caplog.text  # the cost is told
 
     def never():  # the cache is empty now: no second try
         calls.append("never")
