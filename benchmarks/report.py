@@ -67,7 +67,7 @@ NOTES = {
     "(`mmlu`, `rolling`) in bf16 (`rewrite_lm_head=True`), as every ortmodule row of earlier runs did, beside "
     "which their `ortmodule-float32-head` rows show the float32 head; `ortmodule-cuda-graph` (GPU, "
     "`mmlu`) loads with `enable_cuda_graph` (generate's fastest setting: does scoring lose anything with it?); "
-    "`ortmodule-pad64` (GPU, `mmlu`) rounds each batch's width up to a multiple of 64 tokens "
+    "`ortmodule-pad64` (GPU, `mmlu` and `rolling`) rounds each batch's width up to a multiple of 64 tokens "
     "(`pad_to_multiple_of=64`: a few distinct shapes instead of one per batch); `transformers` is "
     "lm-eval's `hf` in the package's precision (fp32 beside an int4 package). Models load before the clock; the "
     "time is spent inside the backend's `loglikelihood` (`loglikelihood_rolling`) calls. `tokens`: context + "
