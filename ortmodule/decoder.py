@@ -109,14 +109,15 @@ class Decoder:
         spec = self.spec
         source = self.graph_bytes if self.keeps_positions else self.plain_bytes
         source, folder = (spec.path, None) if source is None else (source, spec.path.parent)
-        self.session = _open(self.package, source, device, folder, self.session_options, self.provider_options,
-                             **run_settings)
+        options = graph.head_provider_options(self.provider_options, device.type, self.graph_bytes,
+                                              self.kv_dtype in (torch.float16, torch.bfloat16))
+        self.session = _open(self.package, source, device, folder, self.session_options, options, **run_settings)
         self.fp32_path = nbits.use_fp32_path(self.quantized_prefill, device, self.session_options, source)
         self.head_dtype = runtime.output_dtype(self.session, spec.logits)  # bf16 where graph.py left the cast
         self.wide_session = self.session  # runs of more than one token per row
         if self.fp32_path:
-            self.wide_session = _open(self.package, source, device, folder, None, self.provider_options,
-                                      fp32_path=True, **run_settings)
+            self.wide_session = _open(self.package, source, device, folder, None, options, fp32_path=True,
+                                      **run_settings)
         self.runs.clear()  # bindings of the previous session
         self.fixed.clear()
         self.extender = extend.lazy_extender(self)  # runs new tokens over a cache for a batch (extend.py)

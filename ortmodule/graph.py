@@ -163,11 +163,34 @@ def _upcast(head: ir.Node, chain: list[ir.Node]) -> tuple[ir.Node | None, ir.Dat
     return chain[0], dtype
 
 
+# The casts `_multiply_in_float32` adds before the head: its hidden states', its weights'.
+_FLOAT32_HEAD_CASTS = ("/ortmodule/CastHidden", "/ortmodule/CastWeight")
+
+
+def has_float32_head(graph_bytes: bytes | None) -> bool:
+    """Whether rewritten graph bytes hold the float32 head (`rewrite_keep_positions(..., float32_head=True)`
+    applied; the node's name is a plain string in the bytes)."""
+    return graph_bytes is not None and _FLOAT32_HEAD_CASTS[1].encode() in graph_bytes
+
+
+def head_provider_options(provider_options: dict | None, device_type: str, graph_bytes: bytes | None,
+                          half_package: bool) -> dict | None:
+    """The CUDA provider options for a session of `graph_bytes`: TF32 on (`use_tf32=1`, unless the caller
+    set it) where a half-precision package's head was made float32. That head's inputs are half-precision
+    values cast to float32, which TF32 holds exactly, so its products are float32's at tensor-core
+    speed instead of the CUDA cores' (`runtime.providers` turns TF32 off for fp32 packages, whose
+    inputs it would round; a half-precision package has no other float32 MatMul)."""
+    if device_type != "cuda" or not half_package or not has_float32_head(graph_bytes) \
+            or "use_tf32" in (provider_options or {}):
+        return provider_options
+    return {**(provider_options or {}), "use_tf32": "1"}
+
+
 def _multiply_in_float32(graph: ir.Graph, head: ir.Node) -> None:
     """Cast a MatMul head's inputs to float32 (ONNX Runtime folds the weights' cast at load, into a
     float32 copy of them), so that its products are summed and returned in float32."""
     casts = [ir.node("Cast", [value], attributes={"to": ir.AttrInt64("to", ir.DataType.FLOAT)},
-                     name=f"/ortmodule/{name}") for value, name in zip(head.inputs, ("CastHidden", "CastWeight"))]
+                     name=name) for value, name in zip(head.inputs, _FLOAT32_HEAD_CASTS)]
     graph.insert_before(head, casts)
     for i, cast in enumerate(casts):
         head.replace_input_with(i, cast.outputs[0])

@@ -199,6 +199,15 @@ def test_real_bf16_package_logits_without_the_cast_and_with_a_float32_head(tmp_p
     finer = precise(ids, attention_mask=mask).logits[real]
     assert ((finer - ours).abs() <= ours.abs() * 2**-7 + 1e-3).all()
     assert (finer != finer.bfloat16().float()).float().mean().item() > 0.9
+    # The float32 head runs in TF32 (its inputs are bf16 values, which TF32 holds exactly): float32's
+    # sums but for their order, against the same head on the CUDA cores (`use_tf32=0`).
+    options = {name: s.ort_session.get_provider_options()["CUDAExecutionProvider"]["use_tf32"]
+               for name, s in (("precise", precise.decoder.session), ("rounded", rounded.decoder.session))}
+    assert options == {"precise": "1", "rounded": "0"}
+    cores = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", rewrite_lm_head="float32",
+                                                cache_dir=tmp_path, provider_options={"use_tf32": "0"})
+    exact = cores(ids, attention_mask=mask).logits[real]
+    assert (finer - exact).abs().max().item() < 1e-3 < (ours - exact).abs().max().item()
     starts, targets = [20, 5], [ids[0, 21:40].tolist(), ids[1, 6:23].tolist()]
     expected = scoring.loglikelihood(plain, ids, mask, starts, targets)
     for each in (rounded, precise):

@@ -118,6 +118,27 @@ def _head_graph(weights, softcap: bool, cast: bool):
     return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
+def test_the_float32_head_of_a_half_package_turns_tf32_on_for_cuda(build, tmp_path):
+    """The float32 head's inputs are half-precision values, which TF32 holds exactly: on CUDA its
+    session runs with `use_tf32=1` (tensor cores, not the CUDA cores' float32), unless the caller set
+    `use_tf32`; never for the CPU, a package without the float32 head, or an fp32 package."""
+    from ortmodule import graph
+
+    fixture = build("llama", precision="fp16")
+    casting = float32_logits_copy(fixture, tmp_path / "package")
+    precise = OrtModelForCausalLM.from_pretrained(casting, rewrite_lm_head="float32", cache_dir=tmp_path / "graphs")
+    rounded = OrtModelForCausalLM.from_pretrained(casting, cache_dir=tmp_path / "graphs")
+    head, plain = precise.decoder.graph_bytes, rounded.decoder.graph_bytes
+    assert graph.has_float32_head(head) and not graph.has_float32_head(plain) and not graph.has_float32_head(None)
+    given = {"arena_extend_strategy": "kSameAsRequested"}
+    assert graph.head_provider_options(given, "cuda", head, True) == {**given, "use_tf32": "1"}
+    assert given == {"arena_extend_strategy": "kSameAsRequested"}  # the caller's dict is left as it was
+    assert graph.head_provider_options(None, "cuda", head, True) == {"use_tf32": "1"}
+    assert graph.head_provider_options({"use_tf32": "0"}, "cuda", head, True) == {"use_tf32": "0"}
+    for args in (("cpu", head, True), ("cuda", plain, True), ("cuda", head, False)):
+        assert graph.head_provider_options(given, *args) is given
+
+
 @pytest.mark.parametrize("case,float32_head,expected", [
     ("half, cast", False, np.float16), ("half, cast", True, np.float32), ("half, soft cap, cast", False, np.float16),
     ("half, soft cap, cast", True, np.float16), ("float32", True, np.float32)])
