@@ -116,7 +116,7 @@ class Decoder:
         self.head_dtype = runtime.output_dtype(self.session, spec.logits)  # bf16 where graph.py left the cast
         self.wide_session = self.session  # runs of more than one token per row
         if self.fp32_path:
-            self.wide_session = _open(self.package, source, device, folder, None, options, fp32_path=True,
+            self.wide_session = _open(self.package, source, device, folder, fp32_path=True, provider_options=options,
                                       **run_settings)
         self.runs.clear()  # bindings of the previous session
         self.fixed.clear()
@@ -128,9 +128,7 @@ class Decoder:
             warnings.warn(
                 f"{self.package.root} is an fp32 package: ONNX Runtime's CUDA GroupQueryAttention takes fp16 and "
                 "bf16 only, so its attention runs on the CPU, with copies to the host at every layer (right, but "
-                "slow). For the GPU, export with `ortmodule export SRC OUT --precision bf16 --device cuda`.",
-                stacklevel=4,
-            )
+                "slow). For the GPU: `ortmodule export SRC OUT --precision bf16 --device cuda`.", stacklevel=4)
         embedding = self.package.embedding
         self.embedding_session = None
         if embedding is not None:  # text only: the vision and speech models are never loaded
