@@ -108,10 +108,16 @@ def test_cpu_export_on_cuda_matches_transformers(build, arch):
         assert real_positions_diff(logits, expected, layout) < FP32_TOL
 
 
-@pytest.mark.parametrize("precision,tolerance", [("fp16", 2e-2), ("bf16", 1e-1)])
-def test_half_precision_packages(build, precision, tolerance):
-    """fp16 and bf16 packages exported for CUDA against transformers in fp32 on the same weights."""
-    fixture = build("llama", precision=precision, execution_provider="cuda")
+# `ortmodule export --device cuda` unpacks the query/key/value projections (exporter.CUDA_OPTIONS).
+UNPACKED = (("fuse_qkv", "false"),)
+
+
+@pytest.mark.parametrize("precision,tolerance,options", [("fp16", 2e-2, ()), ("bf16", 1e-1, ()), ("bf16", 1e-1, UNPACKED)],
+                         ids=["fp16", "bf16", "bf16-unpacked"])
+def test_half_precision_packages(build, precision, tolerance, options):
+    """fp16 and bf16 packages exported for CUDA (and the bf16 export as `ortmodule export` makes it,
+    its projections unpacked) against transformers in fp32 on the same weights."""
+    fixture = build("llama", precision=precision, execution_provider="cuda", extra_options=options)
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     assert model.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
@@ -476,12 +482,14 @@ def test_cuda_graph_on_the_real_model():
     assert torch.equal(outputs[0], outputs[1])
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_shared_contexts_extend_on_cuda(build, precision):
+@pytest.mark.parametrize("precision,options", [("fp16", ()), ("bf16", ()), ("bf16", UNPACKED)],
+                         ids=["fp16", "bf16", "bf16-unpacked"])
+def test_shared_contexts_extend_on_cuda(build, precision, options):
     """The extend graph on CUDA (a Qwen3 export, whose GroupQueryAttention applies the query/key
-    norms itself): made, and lm-eval-shaped groups (a context, several continuations) scored over
-    one run of the contexts and one extend give the padded batch's answers."""
-    fixture = build("qwen3", precision=precision, execution_provider="cuda")
+    norms itself; also with its projections unpacked, as `ortmodule export` makes it): made, and
+    lm-eval-shaped groups (a context, several continuations) scored over one run of the contexts
+    and one extend give the padded batch's answers."""
+    fixture = build("qwen3", precision=precision, execution_provider="cuda", extra_options=options)
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     assert model.decoder.extender() is not None
     generator = torch.Generator().manual_seed(41)
