@@ -112,7 +112,8 @@ def test_cpu_export_on_cuda_matches_transformers(build, arch):
 UNPACKED = (("fuse_qkv", "false"),)
 
 
-@pytest.mark.parametrize("precision,tolerance,options", [("fp16", 2e-2, ()), ("bf16", 1e-1, ()), ("bf16", 1e-1, UNPACKED)],
+@pytest.mark.parametrize("precision,tolerance,options",
+                         [("fp16", 2e-2, ()), ("bf16", 1e-1, ()), ("bf16", 1e-1, UNPACKED)],
                          ids=["fp16", "bf16", "bf16-unpacked"])
 def test_half_precision_packages(build, precision, tolerance, options):
     """fp16 and bf16 packages exported for CUDA (and the bf16 export as `ortmodule export` makes it,
