@@ -88,6 +88,52 @@ class ShapeLog:
         return {"prefills": len(self.shapes), "distinct_shapes": len(set(self.shapes))}
 
 
+class BatchTimes:
+    """Where an lm-eval run's batches spend their time (ortmodule rows): the host's seconds inside
+    `loglikelihood_totals` (a batch built, queued and, on CUDA, not waited for) and inside ONNX
+    Runtime's runs, and on CUDA the device's seconds between events recorded around each batch
+    (the batch's kernels, and any wait of the device for the host inside it). Host inside the runs
+    near the batches' time: ONNX Runtime blocks; the device's time near it: the device is slower
+    than one batch's profile says (a cost per new shape); neither: the host's Python."""
+
+    def __init__(self, monkeypatch, device: str):
+        from ortmodule import lm_eval as backend
+        from ortmodule import runtime
+
+        self.calls_s, self.runs_s, self.events = 0.0, 0.0, []
+        self.cuda = device != "cpu"
+        totals, run = backend.loglikelihood_totals, runtime.Session.run
+
+        def timed_totals(*args, **kwargs):
+            if self.cuda:
+                self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                self.events[-1][0].record()
+            start = time.perf_counter()
+            try:
+                return totals(*args, **kwargs)
+            finally:
+                self.calls_s += time.perf_counter() - start
+                if self.cuda:
+                    self.events[-1][1].record()
+
+        def timed_run(session, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return run(session, *args, **kwargs)
+            finally:
+                self.runs_s += time.perf_counter() - start
+
+        monkeypatch.setattr(backend, "loglikelihood_totals", timed_totals)
+        monkeypatch.setattr(runtime.Session, "run", timed_run)
+
+    def summary(self) -> dict:
+        found = {"calls_host_s": round(self.calls_s, 3), "runs_host_s": round(self.runs_s, 3)}
+        if self.cuda and self.events:
+            torch.cuda.synchronize()
+            found["device_s"] = round(sum(a.elapsed_time(b) for a, b in self.events) / 1e3, 3)
+        return found
+
+
 def answers(result, task: str) -> list[tuple[float, bool]]:
     """Per request, (loglikelihood, is_greedy); a rolling request's answer is its loglikelihood alone."""
     found = []

@@ -7,7 +7,7 @@ lm-eval's `hf` backend on the same weights, every row's answers against transfor
 import lm_eval
 import pytest
 from conftest import at_scale_batch, device_name, model_label, peak_rss_mb, reset_peak_rss
-from evaluation import TASK_DIR, Clock, ShapeLog, answers, load, record_agreement
+from evaluation import TASK_DIR, BatchTimes, Clock, ShapeLog, answers, load, record_agreement
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
@@ -65,9 +65,9 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
                                 device=device_name(device), parameters=fixture.parameters())
     reset_peak_rss()
     clock = Clock(monkeypatch, lm, "loglikelihood_rolling" if workload == "rolling" else "loglikelihood")
-    parts, shapes = {}, None
+    parts, logs = {}, []
     if isinstance(lm, OrtModuleLM):  # where the backend's time goes: batches, the final read-back, tokenizing
-        shapes = ShapeLog(monkeypatch)
+        logs = [ShapeLog(monkeypatch), BatchTimes(monkeypatch, device)]
         parts = {"batches_s": Clock(monkeypatch, lm, "_totals_on_device"),
                  "read_back_s": Clock(monkeypatch, ortmodule.lm_eval, "read_back"),
                  "encode_s": Clock(monkeypatch, lm, "_encode_batched" if workload == "rolling" else "_encode_pairs")}
@@ -85,7 +85,8 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
                                 requests_per_s=round(len(mine) / clock.seconds, 1),
                                 tokens_per_s=round(tokens / clock.seconds), flops=2 * fixture.parameters() * tokens)
     benchmark.extra_info.update({name: round(part.seconds, 3) for name, part in parts.items()})
-    benchmark.extra_info.update(shapes.summary() if shapes is not None else {})
+    for log in logs:
+        benchmark.extra_info.update(log.summary())
     metric = "acc,none" if workload != "rolling" else "word_perplexity,none"
     benchmark.extra_info["acc" if workload != "rolling" else "word_perplexity"] = float(
         f"{result['results'][task][metric]:.5g}")
