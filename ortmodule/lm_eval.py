@@ -86,11 +86,22 @@ def _chunk_arg(value) -> int | None:
     return int(str(value).strip())
 
 
+def padded_width(length: int, multiple: int, limit: int) -> int:
+    """`length` rounded up to a multiple of `multiple`, unless that would pass `limit`."""
+    rounded = -(-length // multiple) * multiple
+    return rounded if rounded <= limit else length
+
+
+def row_lengths(keys, multiple: int, limit: int) -> tuple[list[int], list[int]]:
+    """Per (row, start) key: the width its batch gives it (`padded_width`, so that a token budget
+    holds for the padded batches) and the positions it scores."""
+    return [padded_width(len(row), multiple, limit) for row, _ in keys], [len(row) - start for row, start in keys]
+
+
 def pad_within(rows: list[list[int]], pad: int, multiple: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`pad_right` to a multiple of `multiple` tokens, unless rounding up would pass `limit`."""
-    if -(-max(len(row) for row in rows) // multiple) * multiple > limit:
-        multiple = 1
-    return pad_right(rows, pad, multiple)
+    longest = max(len(row) for row in rows)
+    return pad_right(rows, pad, multiple if padded_width(longest, multiple, limit) > longest else 1)
 
 
 def context_groups(requests, rows, starts) -> list[list[int]]:
@@ -415,7 +426,7 @@ class OrtModuleLM(HFLM):
         size = override_bs or (self.batch_size if not auto else None)
         if auto:
             self.batch_sizes = {}
-        lengths, scored = [len(key[0]) for key in keys], [len(key[0]) - key[1] for key in keys]
+        lengths, scored = row_lengths(keys, self._pad_multiple, self.max_length)
         most_scored = logit_positions(self._model)
         pending, k = [], 0
         while k < len(keys):

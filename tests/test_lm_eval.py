@@ -458,7 +458,8 @@ def test_requests_on_the_same_row_run_it_once(build, hf_answers, monkeypatch):
 
 def test_pad_to_multiple_of_rounds_every_width_up_with_the_same_answers(build, hf_answers, monkeypatch):
     """`pad_to_multiple_of=16`: every padded batch is a multiple of 16 tokens wide, except where
-    rounding up would pass the context length, and the answers are still hf's (the padding is masked)."""
+    rounding up would pass the context length, the answers are still hf's (the padding is masked),
+    and under `batch_size=auto` the token budget holds for the padded widths."""
     from ortmodule.lm_eval import OrtModuleLM
 
     fixture = build("llama")
@@ -468,6 +469,13 @@ def test_pad_to_multiple_of_rounds_every_width_up_with_the_same_answers(build, h
     assert_same_answers(lm._loglikelihood_tokens(mixed_requests(), disable_tqdm=True), hf_answers)
     assert sizes and all(width % 16 == 0 for _, width in sizes)
     assert len({width for _, width in sizes}) < len({len((c + t)[:-1]) for _, c, t in mixed_requests()})
+    # Under batch_size=auto the token budget holds for the padded widths.
+    auto = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size="auto", token_budget="120",
+                       share_contexts="false", pad_to_multiple_of="16")
+    sizes.clear()
+    assert_same_answers(auto._loglikelihood_tokens(mixed_requests(), disable_tqdm=True), hf_answers)
+    assert all(width % 16 == 0 and (rows * width <= 120 or rows == 1) for rows, width in sizes)
+    assert any(rows > 1 for rows, _ in sizes)
     # A 60-token row under a 60-token context: 64 would not fit, so that batch stays 60 wide.
     monkeypatch.setattr(OrtModuleLM, "max_length", property(lambda self: 60))
     sizes.clear()
