@@ -82,8 +82,10 @@ def export(
             checkpoint = source
         architecture = check_checkpoint(checkpoint, source)
         check_disk(out.parent, checkpoint_parameters(checkpoint), precision)
-        _say(progress, f"exporting {architecture} to {precision} for {device} with onnxruntime-genai's model builder")
         options = {**CUDA_OPTIONS, **(extra_options or {})} if device == "cuda" else extra_options
+        told = f" (options: {', '.join(f'{k}={v}' for k, v in options.items())})" if options else ""
+        _say(progress, f"exporting {architecture} to {precision} for {device} with onnxruntime-genai's model "
+                       f"builder{told}")
         run_builder(checkpoint, work / "package", precision, device, options, progress)
         _check_package(work / "package", checkpoint)
         if out.exists():

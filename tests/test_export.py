@@ -78,9 +78,10 @@ def copy_checkpoint(llama, tmp_path):
     ("cuda", {"fuse_qkv": "true", "algo_config": "rtn"}, {"fuse_qkv": "true", "algo_config": "rtn"}),
     ("cpu", None, None),
 ])
-def test_cuda_exports_unpack_qkv_unless_told_otherwise(llama, tmp_path, monkeypatch, device, given, expected):
+def test_cuda_exports_unpack_qkv_unless_told_otherwise(llama, tmp_path, monkeypatch, capsys, device, given,
+                                                       expected):
     """The builder's options `export` passes: `fuse_qkv=false` for CUDA (measured faster there), the
-    caller's own options kept and winning, nothing added for the CPU."""
+    caller's own options kept and winning, nothing added for the CPU; the progress line names them."""
     seen = []
 
     def builder(checkpoint, out, precision, device, options, progress):
@@ -89,8 +90,11 @@ def test_cuda_exports_unpack_qkv_unless_told_otherwise(llama, tmp_path, monkeypa
 
     monkeypatch.setattr(export_module, "run_builder", builder)
     with pytest.raises(ExportError, match="stopped before the builder"):
-        export(llama.hf_dir, tmp_path / "out", precision="bf16", device=device, extra_options=given, progress=False)
+        export(llama.hf_dir, tmp_path / "out", precision="bf16", device=device, extra_options=given)
     assert seen == [expected]
+    progress = capsys.readouterr().err
+    assert f"to bf16 for {device} with onnxruntime-genai's model builder" in progress
+    assert ("(options: fuse_qkv=" in progress) == (device == "cuda")
 
 
 def test_unknown_architecture(llama, tmp_path):
