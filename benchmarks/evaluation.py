@@ -100,35 +100,25 @@ class BatchTimes:
         from ortmodule import lm_eval as backend
         from ortmodule import runtime
 
-        self.calls_s, self.runs_s, self.events = 0.0, 0.0, []
-        self.cuda = device != "cpu"
-        totals, run = backend.loglikelihood_totals, runtime.Session.run
+        self.events = []
+        if device != "cpu":
+            totals = backend.loglikelihood_totals
 
-        def timed_totals(*args, **kwargs):
-            if self.cuda:
+            def between_events(*args, **kwargs):
                 self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                 self.events[-1][0].record()
-            start = time.perf_counter()
-            try:
-                return totals(*args, **kwargs)
-            finally:
-                self.calls_s += time.perf_counter() - start
-                if self.cuda:
+                try:
+                    return totals(*args, **kwargs)
+                finally:
                     self.events[-1][1].record()
 
-        def timed_run(session, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return run(session, *args, **kwargs)
-            finally:
-                self.runs_s += time.perf_counter() - start
-
-        monkeypatch.setattr(backend, "loglikelihood_totals", timed_totals)
-        monkeypatch.setattr(runtime.Session, "run", timed_run)
+            monkeypatch.setattr(backend, "loglikelihood_totals", between_events)
+        self.calls = Clock(monkeypatch, backend, "loglikelihood_totals")
+        self.runs = Clock(monkeypatch, runtime.Session, "run")
 
     def summary(self) -> dict:
-        found = {"calls_host_s": round(self.calls_s, 3), "runs_host_s": round(self.runs_s, 3)}
-        if self.cuda and self.events:
+        found = {"calls_host_s": round(self.calls.seconds, 3), "runs_host_s": round(self.runs.seconds, 3)}
+        if self.events:
             torch.cuda.synchronize()
             found["device_s"] = round(sum(a.elapsed_time(b) for a, b in self.events) / 1e3, 3)
         return found

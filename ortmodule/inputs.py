@@ -76,10 +76,10 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def pad_right(rows: list[list[int]], pad: int = 0, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists as a right-padded int64 batch on the host, and its attention mask; the width
-    is the longest row's, rounded up to a multiple of `multiple`."""
-    width = -(-max(len(row) for row in rows) // multiple) * multiple
+def pad_right(rows: list[list[int]], pad: int = 0, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as a right-padded int64 batch on the host, and its attention mask: as wide as
+    the longest row, or `width` where that is wider."""
+    width = max(width, max(len(row) for row in rows))
     ids = torch.full((len(rows), width), pad, dtype=torch.int64)
     mask = torch.zeros_like(ids)
     for r, row in enumerate(rows):

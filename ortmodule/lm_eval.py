@@ -99,9 +99,8 @@ def row_lengths(keys, multiple: int, limit: int) -> tuple[list[int], list[int]]:
 
 
 def pad_within(rows: list[list[int]], pad: int, multiple: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pad_right` to a multiple of `multiple` tokens, unless rounding up would pass `limit`."""
-    longest = max(len(row) for row in rows)
-    return pad_right(rows, pad, multiple if padded_width(longest, multiple, limit) > longest else 1)
+    """`pad_right` to the longest row's `padded_width`."""
+    return pad_right(rows, pad, padded_width(max(len(row) for row in rows), multiple, limit))
 
 
 def context_groups(requests, rows, starts) -> list[list[int]]:
