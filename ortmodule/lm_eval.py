@@ -36,7 +36,7 @@ from .scoring import (
     logit_positions,
     loglikelihood_totals,
 )
-from .sharing import common_prefix, worth_sharing
+from .sharing import common_prefix, prefix_groups, worth_sharing
 
 
 def _sharing_choice(value) -> bool | str:
@@ -131,6 +131,47 @@ def group_batches(groups: list[list[int]], rows, rows_per_batch):
         width = longest
     if batch:
         yield batch
+
+
+def prefix_request_groups(rows, starts, indices, rows_per_batch) -> list[list[int]]:
+    """Requests (of `indices`) whose rows begin with the same long prefix before their first scored
+    position (`sharing.prefix_groups`): the few-shot examples every question of a subject starts
+    with. Requests with the same row and start count as one row; a group is cut into pieces of as
+    many rows as one batch holds (`rows_per_batch` of its longest row), each running the prefix once."""
+    alike: dict[tuple, list[int]] = {}
+    for i in indices:
+        alike.setdefault((tuple(rows[i]), starts[i]), []).append(i)
+    keys = list(alike)
+    distinct = [rows[alike[key][0]] for key in keys]
+    groups = []
+    for group in prefix_groups(distinct, [start + 1 for _, start in keys]):
+        most = rows_per_batch(max(len(distinct[k]) for k in group))
+        for piece in (group[n : n + most] for n in range(0, len(group), most)):
+            if len(piece) > 1:
+                groups.append([i for k in piece for i in alike[keys[k]]])
+    return groups
+
+
+def shared_batches(model, requests, rows, starts, groups, rows_per_batch, progress):
+    """`groups` (requests whose rows share a prefix) in batches of whole groups (`group_batches`),
+    each through `grouped_loglikelihood_totals`; requests with the same row and start (one-token
+    choices after one context) read one row. Per batch: its requests and their answers on the device."""
+    pending = []
+    reading: dict[int, list[int]] = {}  # a distinct row's first request -> every request reading that row
+    leads = []
+    for group in groups:
+        first: dict[tuple, int] = {}
+        for i in group:
+            reading.setdefault(first.setdefault((tuple(rows[i]), starts[i]), i), []).append(i)
+        leads.append(list(first.values()))
+    for batch in group_batches(leads, rows, rows_per_batch):
+        chunk = [i for lead, _ in batch for i in reading[lead]]
+        rows_of = [r for r, (lead, _) in enumerate(batch) for _ in reading[lead]]
+        pending.append((chunk, grouped_loglikelihood_totals(
+            model, [rows[lead] for lead, _ in batch], [g for _, g in batch], [starts[i] for i in chunk],
+            [requests[i][2] for i in chunk], rows_of)))
+        progress.update(len(chunk))
+    return pending
 
 
 def read_back(keys, pending: list[tuple[list[int], torch.Tensor]], cache_hook) -> list[tuple[float, bool]]:
@@ -363,14 +404,8 @@ class OrtModuleLM(HFLM):
             row = (context + continuation)[-(self.max_length + 1):][:-1]
             rows.append(row)
             starts.append(len(row) - len(continuation))
-        pending: list[tuple[list[int], torch.Tensor]] = []
         shared = self._shared_context_groups(requests, rows, starts) if share else []
-        for batch in group_batches(shared, rows, self._rows_per_batch):
-            chunk = [i for i, _ in batch]
-            pending.append((chunk, grouped_loglikelihood_totals(
-                self._model, [rows[i] for i in chunk], [g for _, g in batch], [starts[i] for i in chunk],
-                [requests[i][2] for i in chunk])))
-            progress.update(len(chunk))
+        pending = shared_batches(self._model, requests, rows, starts, shared, self._rows_per_batch, progress)
         done = {i for group in shared for i in group}
         rest = [i for i in range(len(requests)) if i not in done]
         return pending + self._batched(requests, rows, starts, rest, progress, override_bs)
@@ -396,16 +431,21 @@ class OrtModuleLM(HFLM):
         return max(1, min(self.max_batch_size, self.token_budget // max(length, 1)))
 
     def _shared_context_groups(self, requests, rows, starts) -> list[list[int]]:
-        """Requests with the same context whose rows are worth scoring with it run once."""
+        """Requests with the same context, then the others whose rows begin with the same long
+        prefix (`prefix_request_groups`): the groups worth running their prefix once."""
         if self._share is False:
             return []
         groups = context_groups(requests, rows, starts)
+        grouped = {i for group in groups for i in group}
+        groups += prefix_request_groups(rows, starts, [i for i in range(len(rows)) if i not in grouped],
+                                        self._rows_per_batch)
         if self._share is True or not groups:
             return groups
         costs = self._model.measured_costs()
-        return [group for group in groups
-                if worth_sharing([rows[i] for i in group], [starts[i] for i in group], costs,
-                                 self._rows_per_batch(max(len(rows[i]) for i in group)))]
+        distinct = [{(tuple(rows[i]), starts[i]) for i in group} for group in groups]
+        return [group for group, keys in zip(groups, distinct)
+                if worth_sharing([list(row) for row, _ in keys], [start for _, start in keys], costs,
+                                 self._rows_per_batch(max(len(row) for row, _ in keys)))]
 
     def _rows_per_batch(self, width: int) -> int:
         """Rows of `width` tokens a batch holds: `batch_size`, or under `auto` the token budget's."""

@@ -147,19 +147,32 @@ def log_normalizers(logits: torch.Tensor, fused: bool | None = None) -> tuple[to
 
 @torch.inference_mode()
 def grouped_loglikelihood_totals(
-    model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], starts: list[int], targets: list[Ids]
+    model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], starts: list[int], targets: list[Ids],
+    rows_of: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """`loglikelihood_totals` for rows whose groups share a prefix (a question's context and its
-    choices): each group's prefix runs once, the rest of each row one decode step per token
-    (`shared_prefix_logits`). Same results as on the padded rows."""
+    choices, or the few-shot examples that every question of a subject starts with): each group's
+    prefix runs once, the rest of each row after it (`shared_prefix_logits`). Same results as on
+    the padded rows. `groups` is per row; `starts` and `targets` are per request, and with
+    `rows_of` (as in `loglikelihood_totals`) request k reads row `rows_of[k]`, so that requests
+    that differ only in their targets share a row and its logits."""
     device = model.device
-    needed = [list(range(start, start + len(target))) for start, target in zip(starts, targets)]
-    flat_targets = to_device(torch.tensor([t for target in targets for t in target]), device)
-    owner = to_device(torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(t) for t in targets])),
-                      device)
-    totals = _Totals(len(rows), device)
+    rows_of = range(len(rows)) if rows_of is None else rows_of
+    positions: list[set[int]] = [set() for _ in rows]
+    for k, row in enumerate(rows_of):
+        positions[row].update(range(starts[k], starts[k] + len(targets[k])))
+    needed = [sorted(p) for p in positions]
+    pair_of = {key: n for n, key in enumerate((row, p) for row, ps in enumerate(needed) for p in ps)}
+    asked: list[list[tuple[int, int]]] = [[] for _ in pair_of]  # per pair: (target token, request)
+    for k, row in enumerate(rows_of):
+        for offset, token in enumerate(targets[k]):
+            asked[pair_of[row, starts[k] + offset]].append((token, k))
+    totals = _Totals(len(targets), device)
     for pairs, logits in shared_prefix_logits(model, rows, groups, needed):
-        totals.add(logits, flat_targets[pairs], owner[pairs])
+        at = [i for i, pair in enumerate(pairs) for _ in asked[pair]]
+        wanted = [entry for pair in pairs for entry in asked[pair]]
+        totals.add(logits, to_device(torch.tensor([token for token, _ in wanted]), device),
+                   to_device(torch.tensor([k for _, k in wanted]), device), to_device(torch.tensor(at), device))
     return totals.tensor()
 
 
@@ -350,7 +363,7 @@ def _prefix_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> tor
     for batch in length_batches([len(p) - prefix for p in prompts], prefix, budget):
         rows = [prompts[i] for i in batch]
         for pairs, logits in shared_prefix_logits(model, rows, [0] * len(rows), [[len(r) - 1] for r in rows]):
-            out[torch.tensor(batch, device=device)[pairs]] = _gather(logits, label_ids)
+            out[torch.tensor([batch[p] for p in pairs], device=device)] = _gather(logits, label_ids)
     return out
 
 

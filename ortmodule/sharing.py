@@ -90,8 +90,8 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     one batch; every row then continues from a copy of its group's KV cache: all of its remaining
     tokens in one run where the decoder has an extend graph (extend.py), else one decode step per
     remaining token, the LM head only at the rows that ask for that position (`plan_sharing`).
-    Yields `(pairs, logits)` per run: `logits[k]` belongs to pair `pairs[k]`, the index of
-    (row, position) in the row-major order of `needed`.
+    Yields `(pairs, logits)` per run: `logits[k]` belongs to pair `pairs[k]` (a list on the host),
+    the index of (row, position) in the row-major order of `needed`.
     """
     plan = plan_sharing(rows, groups, needed)
     decoder, device = model.decoder, model.device
@@ -103,7 +103,7 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     last = decoder.prefill(prefix_rows, flat_index(width, torch.arange(len(plan.prefixes), device=device), lengths - 1),
                            source)
     if plan.at_prefix:
-        yield (torch.tensor([p for p, _ in plan.at_prefix], device=device),
+        yield ([p for p, _ in plan.at_prefix],
                last.index_select(0, torch.tensor([i for _, i in plan.at_prefix], device=device)))
     if not plan.steps:
         return
@@ -117,13 +117,45 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
         flat = [row * new + step for step, (asking, _) in enumerate(plan.steps) for row in asking]
         pairs = [pair for _, step_pairs in plan.steps for pair in step_pairs]
         if flat:
-            yield (torch.tensor(pairs, device=device),
-                   extender.run(tokens, cache, torch.tensor(flat, device=device)))
+            yield pairs, extender.run(tokens, cache, torch.tensor(flat, device=device))
         return
     for step, (asking, pairs) in enumerate(plan.steps):
         logits = decoder.step(tokens[:, step : step + 1], cache, torch.tensor(asking or [0], device=device))
         if asking:
-            yield torch.tensor(pairs, device=device), logits
+            yield pairs, logits
+
+
+# The fewest tokens rows must share for `prefix_groups` to group them (below it, a prefill of the
+# padded rows costs about what the prefix's separate run and the KV copies would save).
+MIN_SHARED_PREFIX = 32
+
+
+def prefix_groups(rows: list[Ids], limits: list[int], least: int = MIN_SHARED_PREFIX) -> list[list[int]]:
+    """Indices of rows that begin with the same `least` or more tokens (a row counting only its
+    first `limits[i]` tokens: the prefix ends no later than its first scored position), such as
+    the five examples that every question of a 5-shot MMLU subject starts with. The rows are
+    sorted, so rows that start alike are neighbours; a row joins its neighbour's group while the
+    group's common prefix stays `least` tokens or more and at least half of what it was, and a
+    group's first link is not much shorter than the next (a long shared part is not given up for
+    a short one). Groups of one row are left out."""
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    links = [min(common_prefix([rows[a], rows[b]]), limits[a], limits[b]) for a, b in zip(order, order[1:])]
+    groups, current, shared = [], order[:1], 0
+    for k, link in enumerate(links):
+        if len(current) == 1:
+            joins = link >= least and (k + 1 == len(links) or 2 * link >= links[k + 1])
+        else:
+            joins = link >= least and 2 * link >= shared
+        if joins:
+            current.append(order[k + 1])
+            shared = link if len(current) == 2 else min(shared, link)
+            continue
+        if len(current) > 1:
+            groups.append(current)
+        current = [order[k + 1]]
+    if len(current) > 1:
+        groups.append(current)
+    return groups
 
 
 def common_prefix(rows: list[Ids]) -> int:

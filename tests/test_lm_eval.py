@@ -664,3 +664,46 @@ def test_quantized_prefill_model_arg_is_checked(build):
 
     with pytest.raises(ValueError, match="quantized_prefill must be one of auto, package, fp32"):
         get_model("ortmodule")(pretrained=str(build("qwen3").package_dir), quantized_prefill="int4")
+
+
+def few_shot_requests():
+    """Requests shaped as lm-eval's 5-shot MMLU: three subjects whose questions all start with the
+    subject's 40-token examples, then a question of 3-10 tokens; four one-token letters for most
+    questions, longer choices for some."""
+    import random
+
+    rng = random.Random(1)
+    requests = []
+    for _ in range(3):
+        examples = [rng.randrange(3, 500) for _ in range(40)]
+        for q in range(6):
+            context = examples + [rng.randrange(3, 500) for _ in range(rng.randrange(3, 11))]
+            width = 1 if q % 3 else rng.randrange(2, 5)
+            requests += [(("", ""), context, [rng.randrange(3, 500) for _ in range(width)]) for _ in range(4)]
+    return requests
+
+
+def test_few_shot_questions_run_their_shared_examples_once(build, monkeypatch):
+    """Questions that start with the same examples (5-shot MMLU's subjects): with sharing on, each
+    subject's examples are prefilled once and every question continues from a copy of their KV, so
+    the prefills hold far fewer tokens than the questions' rows; answers equal hf's with sharing
+    on, auto and off."""
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    requests = few_shot_requests()
+    reference = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu",
+                     batch_size=4)._loglikelihood_tokens(requests, disable_tqdm=True)
+    sizes = prefill_sizes(monkeypatch)
+    tokens = {}
+    for share in ("true", "auto", "false"):
+        lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=8, share_contexts=share)
+        start = len(sizes)
+        assert_same_answers(lm._loglikelihood_tokens(requests, disable_tqdm=True), reference)
+        tokens[share] = sum(rows * width for rows, width in sizes[start:])
+    rows = {(tuple((c + t)[:-1]), len(c)) for _, c, t in requests}
+    assert tokens["false"] >= sum(len(row) for row, _ in rows)
+    # Sharing on: 18 questions' rows, three subjects' prefixes (a batch of 8 rows runs its prefix once).
+    assert tokens["true"] < tokens["false"] / 3

@@ -7,6 +7,7 @@ from helpers import MODEL_ARCHES, float32_logits_copy, load_pair, right_padded_b
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM, scoring, sharing
+from ortmodule.inputs import pad_right
 
 
 @pytest.mark.parametrize("arch", MODEL_ARCHES)
@@ -284,3 +285,46 @@ def test_the_sharing_plan_without_a_model():
     assert plan.steps == [([0, 1, 2, 3], [0, 3, 5, 6]), ([0, 3], [1, 7])]
     with pytest.raises(ValueError, match="the rows of group 1 do not start with the same token"):
         sharing.plan_sharing([[1, 2], [3, 4]], [1, 1], [[1], [1]])
+
+
+def test_prefix_groups_keep_the_long_shared_parts_together():
+    """Rows that start with the same long prefix (a subject's few-shot examples) are grouped, in
+    sorted order, each group's prefix as long as its rows share; a row that shares only a short
+    start with a block, or fewer than `least` tokens with anyone, stays out; limits cut the
+    prefix at a row's first scored position."""
+    subject_a = list(range(100, 140))  # 40 tokens
+    subject_b = list(range(200, 250))  # 50 tokens
+    rows = [subject_a + [1, 2], subject_b + [3], subject_a + [4, 5, 6], subject_b + [7, 8],
+            subject_a[:10] + [9, 9, 9],  # shares 10 tokens with subject a: alone
+            subject_b + [7, 9], list(range(300, 340))]
+    limits = [len(row) for row in rows]
+    groups = sharing.prefix_groups(rows, limits, least=32)
+    assert sorted(sorted(g) for g in groups) == [[0, 2], [1, 3, 5]]
+    # A row whose first scored position comes early shares only that far: with a limit of 20 it
+    # no longer shares 32 tokens with anyone.
+    limits[2] = 20
+    assert sorted(sorted(g) for g in sharing.prefix_groups(rows, limits, least=32)) == [[1, 3, 5]]
+    # A row sharing 33 tokens with a block that shares 100: it stays alone rather than pulling the
+    # block's prefix down to 33.
+    block = list(range(400, 500))
+    rows = [block[:33] + [1] * 20, block + [2], block + [3], block + [4]]
+    groups = sharing.prefix_groups(rows, [len(r) for r in rows], least=32)
+    assert sorted(sorted(g) for g in groups) == [[1, 2, 3]]
+
+
+def test_grouped_totals_with_requests_sharing_rows(build):
+    """`rows_of`: one-token choices after one row read its logits once; answers equal those of
+    every request on its own row."""
+    model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir)
+    prefix = list(range(10, 40))
+    rows = [prefix + [5, 6, 7], prefix + [8, 9], prefix + [11]]
+    # Requests 0-3: four one-token choices after row 0; request 4: two tokens on row 1; 5: row 2.
+    rows_of = [0, 0, 0, 0, 1, 2]
+    starts = [32, 32, 32, 32, 30, 30]
+    targets = [[3], [4], [12], [13], [9, 14], [11]]
+    got = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, [0, 0, 0], starts, targets, rows_of))
+    ids, mask = pad_right([rows[r] for r in rows_of])
+    expected = ortmodule.loglikelihood(model, ids, mask, starts, targets)
+    assert len(got) == len(expected) == 6
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(got, expected):
+        assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy

@@ -65,11 +65,33 @@ def bench_mmlu(tokenizer: str | None = None, questions: int = 2500, **kwargs) ->
         per_question = spans.rng.randint(300, 900) // 6  # tokens per block, five shots and the question
         blocks = []
         for shot in range(6):
-            options = "\n".join(f"{letter}. {spans(spans.rng.randint(2, 8))}" for letter in LETTERS)
-            block = f"Question: {spans(max(8, per_question - 30))}\n{options}\nAnswer:"
-            blocks.append(block + (f" {spans.rng.choice(LETTERS)}\n\n" if shot < 5 else ""))
+            blocks.append(_mc_block(spans, per_question) + (f" {spans.rng.choice(LETTERS)}\n\n" if shot < 5 else ""))
         docs.append({"prompt": "".join(blocks), "label": spans.rng.randrange(4)})
     return {"test": datasets.Dataset.from_list(docs)}
+
+
+def bench_fewshot(tokenizer: str | None = None, questions: int = 2500, per_subject: int = 250, **kwargs) -> dict:
+    """MMLU as lm-eval runs it 5-shot (`--num_fewshot 5`: its `first_n` sampler takes a subject's
+    first five dev questions for every test question of that subject): subjects of `per_subject`
+    questions (MMLU's 14,042 over 57 subjects: about 246), each prompt the subject's description and
+    its five answered examples (the same for all its questions), then the question; 300-900 tokens
+    in all, four one-token letters A-D."""
+    spans = Spans(tokenizer, seed=2)
+    docs = []
+    while len(docs) < questions:
+        per_block = spans.rng.randint(300, 900) // 6  # tokens per block: five examples and the question
+        examples = "".join(
+            _mc_block(spans, per_block) + f" {spans.rng.choice(LETTERS)}\n\n" for _ in range(5))
+        head = f"The following are multiple choice questions (with answers) about {spans(3)}.\n\n"
+        for _ in range(min(per_subject, questions - len(docs))):
+            docs.append({"prompt": head + examples + _mc_block(spans, per_block), "label": spans.rng.randrange(4)})
+    return {"test": datasets.Dataset.from_list(docs)}
+
+
+def _mc_block(spans: Spans, tokens: int) -> str:
+    """A question of about `tokens` tokens with four short lettered options, ending in 'Answer:'."""
+    options = "\n".join(f"{letter}. {spans(spans.rng.randint(2, 8))}" for letter in LETTERS)  # drawn first
+    return f"Question: {spans(max(8, tokens - 30))}\n{options}\nAnswer:"
 
 
 def bench_hellaswag(tokenizer: str | None = None, questions: int = 2000, **kwargs) -> dict:
