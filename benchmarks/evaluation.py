@@ -90,7 +90,8 @@ class ShapeLog:
 
 class BatchTimes:
     """Where an lm-eval run's batches spend their time (ortmodule rows): the host's seconds inside
-    `loglikelihood_totals` (a batch built, queued and, on CUDA, not waited for) and inside ONNX
+    `loglikelihood_totals` and `grouped_loglikelihood_totals` (a batch built, queued and, on CUDA,
+    not waited for; padded rows or shared prefixes) and inside ONNX
     Runtime's runs, and on CUDA the device's seconds between events recorded around each batch
     (the batch's kernels, and any wait of the device for the host inside it). Host inside the runs
     near the batches' time: ONNX Runtime blocks; the device's time near it: the device is slower
@@ -101,23 +102,27 @@ class BatchTimes:
         from ortmodule import runtime
 
         self.events = []
+        names = ("loglikelihood_totals", "grouped_loglikelihood_totals")
         if device != "cpu":
-            totals = backend.loglikelihood_totals
-
-            def between_events(*args, **kwargs):
-                self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-                self.events[-1][0].record()
-                try:
-                    return totals(*args, **kwargs)
-                finally:
-                    self.events[-1][1].record()
-
-            monkeypatch.setattr(backend, "loglikelihood_totals", between_events)
-        self.calls = Clock(monkeypatch, backend, "loglikelihood_totals")
+            for name in names:
+                monkeypatch.setattr(backend, name, self._between_events(getattr(backend, name)))
+        self.calls = [Clock(monkeypatch, backend, name) for name in names]
         self.runs = Clock(monkeypatch, runtime.Session, "run")
 
+    def _between_events(self, totals):
+        def between_events(*args, **kwargs):
+            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.events[-1][0].record()
+            try:
+                return totals(*args, **kwargs)
+            finally:
+                self.events[-1][1].record()
+
+        return between_events
+
     def summary(self) -> dict:
-        found = {"calls_host_s": round(self.calls.seconds, 3), "runs_host_s": round(self.runs.seconds, 3)}
+        found = {"calls_host_s": round(sum(clock.seconds for clock in self.calls), 3),
+                 "runs_host_s": round(self.runs.seconds, 3)}
         if self.events:
             torch.cuda.synchronize()
             found["device_s"] = round(sum(a.elapsed_time(b) for a, b in self.events) / 1e3, 3)

@@ -33,6 +33,12 @@ wall time, the host's time inside the calls and inside ONNX Runtime's runs, and 
 (CUDA events): the GPU suite's MMLU rows spent 11.3 s in their batches where one batch's profile
 says ~5.9 s of device work, and this tells whether new shapes are what costs the rest.
 
+`--lm-eval WORKLOAD` (mmlu, fewshot, hellaswag, arc) profiles the real thing: `--questions` questions
+of the suite's at-scale workload through lm-eval's ortmodule backend (`--share` its share_contexts),
+first clocked with where the batches' time went (host inside the calls and ONNX Runtime's runs,
+device between events), then under the profiler with the kernels' whole names. On an H200 it showed
+MMLU device-bound, ONNX Runtime's rotary + KV append its largest kernel (docs/measurements.md).
+
 `--provider-option KEY=VALUE` and `--session-option NAME=VALUE` (repeatable) load the sessions with
 that CUDA provider option or ONNX Runtime session option (e.g. `--session-option enable_mem_pattern=0`,
 `--provider-option arena_extend_strategy=kSameAsRequested`), to tell which of ONNX Runtime's
@@ -188,6 +194,10 @@ def main():
     mode.add_argument("--shared", action="store_true", help="profile context sharing against padded rows")
     mode.add_argument("--rolling", action="store_true", help="profile rolling windows, every position scored")
     mode.add_argument("--shapes", type=int, metavar="N", help="replay N batches of new widths (lm-eval's stream)")
+    mode.add_argument("--lm-eval", choices=["mmlu", "fewshot", "hellaswag", "arc"], dest="workload",
+                      help="an at-scale lm-eval workload through the ortmodule backend, profiled")
+    parser.add_argument("--questions", type=int, default=500, help="with --lm-eval: the questions profiled")
+    parser.add_argument("--share", default="auto", help="with --lm-eval: share_contexts")
     parser.add_argument("--pad-multiple", type=int, default=64, help="with --shapes: the bucketed passes' multiple")
     parser.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a CUDA provider option (e.g. arena_extend_strategy=kSameAsRequested)")
@@ -209,6 +219,8 @@ def main():
         return profile_sharing(model, args, peak)
     if args.shapes:
         return replay_shapes(model, args)
+    if args.workload:
+        return profile_workload(model, fixture, args)
     gen, top = torch.Generator().manual_seed(0), min(32000, model.config.vocab_size)
     if args.rolling:  # windows of exactly `length` tokens, each predicting its next `length` tokens
         ids = torch.randint(4, top, (args.batch, args.length + 1), generator=gen)
@@ -372,6 +384,52 @@ def replay_shapes(model, args) -> None:
               f"{in_calls:.3f} s, of which ONNX Runtime's runs {in_runs[0]:.3f} s; device (events) "
               f"{device_ms / 1e3:.3f} s; {padded_tokens} padded tokens ({padded_tokens / real:.3f}x the real ones)")
     runtime.Session.run = original
+
+
+
+def profile_workload(model, fixture, args) -> None:
+    """`--lm-eval WORKLOAD`: `--questions` questions of an at-scale workload (benchmarks/test_scale.py)
+    through lm-eval's ortmodule backend, as the suite's row runs them (batch size auto): once
+    clocked, with where the batches' time went (evaluation.BatchTimes: the host inside the calls
+    and inside ONNX Runtime's runs, the device between events), then under torch's profiler: the
+    kernels' time against the wall time, the kernels by device time and the host's calls by their
+    own time (a host waiting for the launch queue shows as 'Command Buffer Full')."""
+    import lm_eval
+    import pytest
+    from evaluation import TASK_DIR, BatchTimes, Clock, ShapeLog
+    from lm_eval.tasks import TaskManager
+    from test_scale import WORKLOADS
+
+    from ortmodule import load_tokenizer
+    from ortmodule.lm_eval import OrtModuleLM
+
+    tasks = TaskManager(include_path=TASK_DIR, metadata={"tokenizer": str(fixture.hf_dir)})
+    lm = OrtModuleLM(pretrained=model, tokenizer=load_tokenizer(fixture.package_dir), batch_size="auto",
+                     share_contexts=args.share)
+    run = lambda n: lm_eval.simple_evaluate(model=lm, tasks=[WORKLOADS[args.workload]], task_manager=tasks,  # noqa: E731
+                                            limit=n, verbosity="ERROR")
+    run(2)  # the first calls (kernel selection, cuBLAS handles) off the clock
+    patches = pytest.MonkeyPatch()
+    clock, logs = Clock(patches, lm, "loglikelihood"), [ShapeLog(patches), BatchTimes(patches, model.device.type)]
+    requests = len(run(args.questions)["samples"][WORKLOADS[args.workload]]) * 4
+    found = {"requests_per_s": round(requests / clock.seconds, 1), "loglikelihood_s": round(clock.seconds, 3)}
+    for log in logs:
+        found |= log.summary()
+    patches.undo()
+    print(f"{args.workload}, {args.questions} questions ({requests} requests), share_contexts={args.share}: {found}")
+    device = model.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])) as prof:
+        start = time.perf_counter()
+        run(args.questions)
+        sync()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events) / 1e6
+    print(f"under the profiler: {wall:.2f} s wall, kernels {kernels:.2f} s ({100 * kernels / wall:.0f}% of it)")
+    for order in (["self_device_time_total"] if device else []) + ["self_cpu_time_total"]:
+        print(events.table(sort_by=order, row_limit=20, max_name_column_width=160))
+    if device:
+        print(category_shares(events))
 
 
 if __name__ == "__main__":
