@@ -15,6 +15,10 @@ names the package as exported without options):
 - `fuse_qkv=false`: the query, key and value projections as three MatMuls (packed by default);
 - `fuse_qk_norm_gqa=false` (CUDA exports of models with query/key norms, Qwen3): the norms as
   nodes before GroupQueryAttention instead of inside it.
+- `attention=onnx` (not a builder option): the default export with every GroupQueryAttention node
+  rewritten into norms, rotary and ONNX's `Attention` op (attention_rewrite.py; a prefill-only
+  graph, right for this forward of whole rows and nothing else), to tell whether GroupQueryAttention's
+  prologue kernel (`UnpackRoPEAppend`, 21% of an MMLU-shaped batch on an H200) is worth replacing.
 A variant whose graph comes out the same as the default's is reported and not timed.
 On a CPU: `--size cpu --device cpu --spec smollm2-fp32 --batch 8 --length 128`.
 """
@@ -23,6 +27,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import onnx
 import torch
+from attention_rewrite import rewrite_package
 from conftest import GPU_DATASHEET, SIZES, cpu_limits, flop_count, reference_model
 from profile_gpu import kernel_table
 
@@ -38,7 +44,19 @@ from ortmodule import OrtModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
 from ortmodule_dev import fixtures  # noqa: E402
 
-OPTIONS = ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "fuse_qk_norm_gqa=false"]
+OPTIONS = ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "fuse_qk_norm_gqa=false", "attention=onnx"]
+REWRITES = {"attention=onnx": rewrite_package}  # options made by rewriting the default export's graph
+
+
+def rewritten(default: fixtures.Fixture, option: str) -> fixtures.Fixture:
+    """The default export's package with `option`'s rewrite, kept beside it in the fixture cache."""
+    out = default.package_dir.parent / f"package-{option.replace('=', '-')}"
+    if not (out / "genai_config.json").is_file():
+        work = out.with_name(out.name + ".partial")
+        shutil.rmtree(work, ignore_errors=True)
+        REWRITES[option](default.package_dir, work)
+        work.rename(out)
+    return dataclasses.replace(default, package_dir=out)
 
 
 def variant(spec: fixtures.FixtureSpec, option: str) -> fixtures.FixtureSpec:
@@ -112,7 +130,8 @@ def main():
     built = {}
     for option in options:
         print(f"exporting or finding the package: {option}", file=sys.stderr, flush=True)
-        built[option] = fixtures.build(variant(spec, option))
+        built[option] = (rewritten(built["default"], option) if option in REWRITES
+                         else fixtures.build(variant(spec, option)))
     counts = {option: op_counts(fixture.package_dir) for option, fixture in built.items()}
     rows = {option: {"option": option, "graph": changed(counts[option], counts["default"])} for option in options}
     for option in options[1:]:
@@ -129,8 +148,9 @@ def main():
     del hf
     if args.device != "cpu":
         torch.cuda.empty_cache()
-    models = {option: OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device)
-              for option, fixture in built.items()}
+    models = {option: OrtModelForCausalLM.from_pretrained(  # a rewritten graph runs whole rows, not chunks
+        fixture.package_dir, device=args.device, **({"prefill_chunk": 0} if option in REWRITES else {}))
+        for option, fixture in built.items()}
     calls = {option: (lambda m=model: m(ids, cont_len=args.keep)) for option, model in models.items()}
     for option, model in models.items():
         logits = model(ids, cont_len=args.keep).logits.float().cpu()
