@@ -152,6 +152,34 @@ def prefix_request_groups(rows, starts, indices, rows_per_batch) -> list[list[in
     return groups
 
 
+def sharing_groups(requests, rows, starts, rows_per_batch) -> list[list[int]]:
+    """The groups of requests that could run a shared prefix once: the requests of one context
+    (`context_groups`: a question's choices) and rows that begin alike across requests
+    (`prefix_request_groups`: a subject's few-shot examples, a task's fixed preamble). Where a
+    prefix group holds context groups (questions with several multi-token choices after the same
+    examples), it is taken if it runs fewer tokens than they do with its other rows padded (a long
+    preamble before short questions), else the context groups are (short examples before long
+    questions); requests in neither run padded."""
+    contexts = context_groups(requests, rows, starts)
+    context_of = {i: c for c, group in enumerate(contexts) for i in group}
+    chosen, dropped = [], set()
+    for group in prefix_request_groups(rows, starts, range(len(rows)), rows_per_batch):
+        inside = {context_of[i] for i in group if i in context_of}
+        alone = {(tuple(rows[i]), starts[i]) for i in group if i not in context_of}
+        separately = sum(shared_tokens(rows, starts, contexts[c]) for c in inside) + sum(len(r) for r, _ in alone)
+        if not inside or shared_tokens(rows, starts, group) < separately:
+            chosen.append(group)
+            dropped |= inside
+    return chosen + [group for c, group in enumerate(contexts) if c not in dropped]
+
+
+def shared_tokens(rows, starts, group) -> int:
+    """Tokens a group's shared run computes: its prefix once, every distinct row's rest after it."""
+    distinct = {(tuple(rows[i]), starts[i]) for i in group}
+    prefix = min(common_prefix([list(row) for row, _ in distinct]), min(start for _, start in distinct) + 1)
+    return prefix + sum(len(row) - prefix for row, _ in distinct)
+
+
 def shared_batches(model, requests, rows, starts, groups, rows_per_batch, progress):
     """`groups` (requests whose rows share a prefix) in batches of whole groups (`group_batches`),
     each through `grouped_loglikelihood_totals`; requests with the same row and start (one-token
@@ -431,14 +459,11 @@ class OrtModuleLM(HFLM):
         return max(1, min(self.max_batch_size, self.token_budget // max(length, 1)))
 
     def _shared_context_groups(self, requests, rows, starts) -> list[list[int]]:
-        """Requests with the same context, then the others whose rows begin with the same long
-        prefix (`prefix_request_groups`): the groups worth running their prefix once."""
+        """Requests with the same context, or rows that begin with the same long prefix
+        (`sharing_groups`): the groups worth running their prefix once."""
         if self._share is False:
             return []
-        groups = context_groups(requests, rows, starts)
-        grouped = {i for group in groups for i in group}
-        groups += prefix_request_groups(rows, starts, [i for i in range(len(rows)) if i not in grouped],
-                                        self._rows_per_batch)
+        groups = sharing_groups(requests, rows, starts, self._rows_per_batch)
         if self._share is True or not groups:
             return groups
         costs = self._model.measured_costs()

@@ -707,3 +707,49 @@ def test_few_shot_questions_run_their_shared_examples_once(build, monkeypatch):
     assert tokens["false"] >= sum(len(row) for row, _ in rows)
     # Sharing on: 18 questions' rows, three subjects' prefixes (a batch of 8 rows runs its prefix once).
     assert tokens["true"] < tokens["false"] / 3
+
+
+def preamble_requests(preamble: int, question: tuple[int, int], seed: int = 2):
+    """Questions after one fixed preamble (TruthfulQA's six example answers, or a short shared
+    start), each with four multi-token choices."""
+    import random
+
+    rng = random.Random(seed)
+    start = [rng.randrange(3, 500) for _ in range(preamble)]
+    requests = []
+    for _ in range(5):
+        context = start + [rng.randrange(3, 500) for _ in range(rng.randrange(*question))]
+        requests += [(("", ""), context, [rng.randrange(3, 500) for _ in range(rng.randrange(2, 5))])
+                     for _ in range(4)]
+    return requests
+
+
+def test_a_long_preamble_is_shared_across_questions_a_short_one_is_not():
+    """`sharing_groups`: after a 40-token preamble, questions of 3-6 tokens run as one group (the
+    preamble once, each choice's question and answer after it: fewer tokens than each question's
+    context once); after a 33-token start, questions of 40-60 tokens keep their own context groups."""
+    from ortmodule.lm_eval import sharing_groups
+
+    def groups_of(requests):
+        rows = [(c + t)[:-1] for _, c, t in requests]
+        starts = [len(c) - 1 for _, c, _ in requests]
+        return sharing_groups(requests, rows, starts, lambda width: 64)
+
+    assert [sorted(g) for g in groups_of(preamble_requests(40, (3, 7)))] == [list(range(20))]
+    long_questions = groups_of(preamble_requests(33, (40, 61)))
+    assert sorted(sorted(g) for g in long_questions) == [list(range(q, q + 4)) for q in range(0, 20, 4)]
+
+
+def test_questions_after_a_preamble_score_as_hf_does(build):
+    """The preamble shared across questions: every answer equals hf's, with sharing on and off."""
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    requests = preamble_requests(40, (3, 7))
+    reference = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu",
+                     batch_size=4)._loglikelihood_tokens(requests, disable_tqdm=True)
+    for share in ("true", "false"):
+        lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=32, share_contexts=share)
+        assert_same_answers(lm._loglikelihood_tokens(requests, disable_tqdm=True), reference)
