@@ -152,14 +152,15 @@ def prefix_request_groups(rows, starts, indices, rows_per_batch) -> list[list[in
     return groups
 
 
-def sharing_groups(requests, rows, starts, rows_per_batch) -> list[list[int]]:
-    """The groups of requests that could run a shared prefix once: the requests of one context
+def sharing_groups(requests, rows, starts, rows_per_batch, worth=None) -> list[list[int]]:
+    """The groups of requests that run a shared prefix once: the requests of one context
     (`context_groups`: a question's choices) and rows that begin alike across requests
-    (`prefix_request_groups`: a subject's few-shot examples, a task's fixed preamble). Where a
-    prefix group holds context groups (questions with several multi-token choices after the same
-    examples), it is taken if it runs fewer tokens than they do with its other rows padded (a long
-    preamble before short questions), else the context groups are (short examples before long
-    questions); requests in neither run padded."""
+    (`prefix_request_groups`: a subject's few-shot examples, a task's fixed preamble), each kept if
+    `worth(group)` (by default all). Where a prefix group holds context groups (questions with
+    several multi-token choices after the same examples), it is taken if it runs fewer tokens than
+    they do with its other rows padded (a long preamble before short questions), else the context
+    groups are (short examples before long questions); requests in none run padded."""
+    worth = worth or (lambda group: True)
     contexts = context_groups(requests, rows, starts)
     context_of = {i: c for c, group in enumerate(contexts) for i in group}
     chosen, dropped = [], set()
@@ -167,10 +168,10 @@ def sharing_groups(requests, rows, starts, rows_per_batch) -> list[list[int]]:
         inside = {context_of[i] for i in group if i in context_of}
         alone = {(tuple(rows[i]), starts[i]) for i in group if i not in context_of}
         separately = sum(shared_tokens(rows, starts, contexts[c]) for c in inside) + sum(len(r) for r, _ in alone)
-        if not inside or shared_tokens(rows, starts, group) < separately:
+        if (not inside or shared_tokens(rows, starts, group) < separately) and worth(group):
             chosen.append(group)
             dropped |= inside
-    return chosen + [group for c, group in enumerate(contexts) if c not in dropped]
+    return chosen + [group for c, group in enumerate(contexts) if c not in dropped and worth(group)]
 
 
 def shared_tokens(rows, starts, group) -> int:
@@ -463,14 +464,16 @@ class OrtModuleLM(HFLM):
         (`sharing_groups`): the groups worth running their prefix once."""
         if self._share is False:
             return []
-        groups = sharing_groups(requests, rows, starts, self._rows_per_batch)
-        if self._share is True or not groups:
-            return groups
+        if self._share is True:
+            return sharing_groups(requests, rows, starts, self._rows_per_batch)
         costs = self._model.measured_costs()
-        distinct = [{(tuple(rows[i]), starts[i]) for i in group} for group in groups]
-        return [group for group, keys in zip(groups, distinct)
-                if worth_sharing([list(row) for row, _ in keys], [start for _, start in keys], costs,
-                                 self._rows_per_batch(max(len(row) for row, _ in keys)))]
+
+        def worth(group: list[int]) -> bool:
+            keys = {(tuple(rows[i]), starts[i]) for i in group}
+            return worth_sharing([list(row) for row, _ in keys], [start for _, start in keys], costs,
+                                 self._rows_per_batch(max(len(row) for row, _ in keys)))
+
+        return sharing_groups(requests, rows, starts, self._rows_per_batch, worth)
 
     def _rows_per_batch(self, width: int) -> int:
         """Rows of `width` tokens a batch holds: `batch_size`, or under `auto` the token budget's."""

@@ -730,14 +730,17 @@ def test_a_long_preamble_is_shared_across_questions_a_short_one_is_not():
     context once); after a 33-token start, questions of 40-60 tokens keep their own context groups."""
     from ortmodule.lm_eval import sharing_groups
 
-    def groups_of(requests):
+    def groups_of(requests, worth=None):
         rows = [(c + t)[:-1] for _, c, t in requests]
         starts = [len(c) - 1 for _, c, _ in requests]
-        return sharing_groups(requests, rows, starts, lambda width: 64)
+        return sorted(sorted(g) for g in sharing_groups(requests, rows, starts, lambda width: 64, worth))
 
-    assert [sorted(g) for g in groups_of(preamble_requests(40, (3, 7)))] == [list(range(20))]
-    long_questions = groups_of(preamble_requests(33, (40, 61)))
-    assert sorted(sorted(g) for g in long_questions) == [list(range(q, q + 4)) for q in range(0, 20, 4)]
+    questions = [list(range(q, q + 4)) for q in range(0, 20, 4)]
+    assert groups_of(preamble_requests(40, (3, 7))) == [list(range(20))]
+    assert groups_of(preamble_requests(33, (40, 61))) == questions
+    # A preamble's group that is not worth it (`auto`'s costs) leaves the questions their own groups.
+    assert groups_of(preamble_requests(40, (3, 7)), worth=lambda group: len(group) < 10) == questions
+    assert groups_of(preamble_requests(40, (3, 7)), worth=lambda group: False) == []
 
 
 def test_questions_after_a_preamble_score_as_hf_does(build):
