@@ -67,7 +67,8 @@ def test_a_stopped_suite_keeps_the_rows_that_finished(tmp_path):
 def test_graph_options_script_times_each_variant(tmp_path):
     """benchmarks/graph_options.py on the smoke model: a row per builder option, the graph change it
     made named, each variant timed and as close to transformers fp32 as an fp32 package is; the
-    option that leaves a CPU export's graph unchanged (the query/key norm fusion) is not timed."""
+    option that leaves a CPU export's graph unchanged (the query/key norm fusion) is not timed; the
+    `attention=onnx` rewrite (attention_rewrite.py) has no GroupQueryAttention left and is as exact."""
     import json
     import subprocess
     import sys
@@ -79,16 +80,18 @@ def test_graph_options_script_times_each_variant(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["option"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "fuse_qk_norm_gqa=false"]
+    assert list(rows) == ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "fuse_qk_norm_gqa=false",
+                          "attention=onnx"]
     assert "Split 0 -> " in rows["fuse_mlp_gate_up=true"]["graph"]
     assert "MatMul" in rows["fuse_qkv=false"]["graph"]
     assert "not timed" in rows["fuse_qk_norm_gqa=false"]["graph"] and "ms" not in rows["fuse_qk_norm_gqa=false"]
-    for option in list(rows)[:3]:
+    assert "GroupQueryAttention 2 -> 0" in rows["attention=onnx"]["graph"]
+    for option in ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "attention=onnx"]:
         assert rows[option]["ms"] > 0 and rows[option]["max_diff_vs_fp32"] < 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [[], ["--rolling"], ["--shared"]])
+@pytest.mark.parametrize("mode", [[], ["--rolling"], ["--shared"], ["--lm-eval", "fewshot", "--questions", "3"]])
 def test_profile_script_runs_each_mode_on_a_cpu(mode):
     """benchmarks/profile_gpu.py, which GPU sessions run with little time to spare, runs each of its
     modes to the end on the smoke model on a CPU (transformers' side needs CUDA: `--only ortmodule`
@@ -104,6 +107,8 @@ def test_profile_script_runs_each_mode_on_a_cpu(mode):
     if mode == ["--shared"]:
         assert "largest difference between the two paths' loglikelihoods: 0.0000" in done.stdout, done.stdout
         assert "extend run" in done.stdout
+    elif mode[:1] == ["--lm-eval"]:
+        assert "fewshot, 3 questions (12 requests)" in done.stdout and "under the profiler" in done.stdout, done.stdout
     else:
         scored = "480 scored" if mode else "32 scored"
         assert "== ortmodule: " in done.stdout and scored in done.stdout, done.stdout
