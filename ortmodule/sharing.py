@@ -125,8 +125,9 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
             yield pairs, logits
 
 
-# The fewest tokens rows must share for `prefix_groups` to group them (below it, a prefill of the
-# padded rows costs about what the prefix's separate run and the KV copies would save).
+# The fewest tokens rows must share for `prefix_groups` to group them: a floor that keeps a few
+# common tokens (a chat template's start, a BOS) from making groups; whether a group is worth
+# running its prefix once is still decided per group (lm-eval's `auto`: the measured costs).
 MIN_SHARED_PREFIX = 32
 
 
