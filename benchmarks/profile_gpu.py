@@ -39,6 +39,11 @@ first clocked with where the batches' time went (host inside the calls and ONNX 
 device between events), then under the profiler with the kernels' whole names. On an H200 it showed
 MMLU device-bound, ONNX Runtime's rotary + KV append its largest kernel (docs/measurements.md).
 
+`--grouped-kv` builds the extend graph (the shared path's run: `--shared`, `--lm-eval` with sharing)
+with `Attention` taking the grouped KV heads as they are, where on CUDA ortmodule repeats them for the
+query heads first (extend.REPEAT_KV_HEADS_ON_CUDA): run `--shared` with and without it to see what
+the repeat costs.
+
 `--provider-option KEY=VALUE` and `--session-option NAME=VALUE` (repeatable) load the sessions with
 that CUDA provider option or ONNX Runtime session option (e.g. `--session-option enable_mem_pattern=0`,
 `--provider-option arena_extend_strategy=kSameAsRequested`), to tell which of ONNX Runtime's
@@ -63,7 +68,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, scoring
+from ortmodule import OrtModelForCausalLM, extend, scoring
 from ortmodule.cache import KVCache
 from ortmodule.inputs import pad_right
 
@@ -198,12 +203,15 @@ def main():
                       help="an at-scale lm-eval workload through the ortmodule backend, profiled")
     parser.add_argument("--questions", type=int, default=500, help="with --lm-eval: the questions profiled")
     parser.add_argument("--share", default="auto", help="with --lm-eval: share_contexts")
+    parser.add_argument("--grouped-kv", action="store_true",
+                        help="the extend graph's Attention takes the grouped KV heads as they are (not repeated)")
     parser.add_argument("--pad-multiple", type=int, default=64, help="with --shapes: the bucketed passes' multiple")
     parser.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a CUDA provider option (e.g. arena_extend_strategy=kSameAsRequested)")
     parser.add_argument("--session-option", action="append", default=[], metavar="NAME=VALUE",
                         help="a SessionOptions attribute (enable_mem_pattern=0) or, with a dot, a config entry")
     args = parser.parse_args()
+    extend.REPEAT_KV_HEADS_ON_CUDA = not args.grouped_kv
     spec = SIZES[args.size]["decoders"][args.spec]
     if args.extra_option:
         options = dict(spec.extra_options) | dict(item.split("=", 1) for item in args.extra_option)

@@ -39,6 +39,10 @@ from .inputs import Rows
 logger = logging.getLogger("ortmodule")
 
 POSITIONS = "ortmodule_positions"
+# On CUDA the extend graph repeats each KV head for its query heads before `Attention` (its grouped
+# heads were not taken by ONNX Runtime's CUDA kernel when this was written; ONNX Runtime's PR 27542,
+# in 1.31, added them). benchmarks/profile_gpu.py `--grouped-kv` sets this False to measure both.
+REPEAT_KV_HEADS_ON_CUDA = True
 ATTENTION_BIAS = "ortmodule_attention_bias"
 EXTEND_VERSION = "1"
 _OPSET = 23  # ONNX's Attention
@@ -287,7 +291,8 @@ def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
         if len(heads) != 1:
             raise RewriteSkipped(f"layers of different head sizes {sorted(heads)}")
         data = extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, heads.pop(),
-                                  expand_kv_heads=device.type == "cuda", cache_dir=cache_dir)
+                                  expand_kv_heads=device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA,
+                                  cache_dir=cache_dir)
         # Float weights: no packed copy (with ortmodule's session options); this session reads the
         # package's file pages, shared with the page cache, beside the main session's copy. 4-bit
         # weights are packed: unpacked, ONNX Runtime unpacks them at every run (0.2 s a run on
