@@ -162,6 +162,8 @@ def grouped_loglikelihood_totals(
     for k, row in enumerate(rows_of):
         positions[row].update(range(starts[k], starts[k] + len(targets[k])))
     needed = [sorted(p) for p in positions]
+    if not all(needed):
+        raise ValueError(f"row {[bool(n) for n in needed].index(False)} is read by no request (rows_of)")
     pair_of = {key: n for n, key in enumerate((row, p) for row, ps in enumerate(needed) for p in ps)}
     asked: list[list[tuple[int, int]]] = [[] for _ in pair_of]  # per pair: (target token, request)
     for k, row in enumerate(rows_of):

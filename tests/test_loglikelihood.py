@@ -323,6 +323,8 @@ def test_grouped_totals_with_requests_sharing_rows(build):
     starts = [32, 32, 32, 32, 30, 30]
     targets = [[3], [4], [12], [13], [9, 14], [11]]
     got = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, [0, 0, 0], starts, targets, rows_of))
+    with pytest.raises(ValueError, match="row 2 is read by no request"):
+        scoring.grouped_loglikelihood_totals(model, rows, [0, 0, 0], starts[:5], targets[:5], rows_of[:5])
     ids, mask = pad_right([rows[r] for r in rows_of])
     expected = ortmodule.loglikelihood(model, ids, mask, starts, targets)
     assert len(got) == len(expected) == 6
