@@ -394,7 +394,6 @@ def replay_shapes(model, args) -> None:
     runtime.Session.run = original
 
 
-
 def profile_workload(model, fixture, args) -> None:
     """`--lm-eval WORKLOAD`: `--questions` questions of an at-scale workload (benchmarks/test_scale.py)
     through lm-eval's ortmodule backend, as the suite's row runs them (batch size auto): once

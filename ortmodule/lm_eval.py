@@ -133,26 +133,40 @@ def group_batches(groups: list[list[int]], rows, rows_per_batch):
         yield batch
 
 
-def prefix_request_groups(rows, starts, indices, rows_per_batch) -> list[list[int]]:
-    """Requests (of `indices`) whose rows begin with the same long prefix before their first scored
-    position (`sharing.prefix_groups`): the few-shot examples every question of a subject starts
-    with. Requests with the same row and start count as one row; a group is cut into pieces of as
-    many rows as one batch holds (`rows_per_batch` of its longest row), each running the prefix once."""
-    alike: dict[tuple, list[int]] = {}
-    for i in indices:
-        alike.setdefault((tuple(rows[i]), starts[i]), []).append(i)
-    keys = list(alike)
-    distinct = [rows[alike[key][0]] for key in keys]
+def distinct_rows(rows, starts) -> list[int]:
+    """Per request, the index of its (row, start) among the distinct ones: requests that differ only
+    in their targets (one-token choices after one context) share one."""
+    index: dict[tuple, int] = {}
+    return [index.setdefault((tuple(row), start), len(index)) for row, start in zip(rows, starts)]
+
+
+def leads(row_of, group) -> list[int]:
+    """The first request of each distinct row in `group`."""
+    first: dict[int, int] = {}
+    for i in group:
+        first.setdefault(row_of[i], i)
+    return list(first.values())
+
+
+def prefix_request_groups(rows, starts, row_of, rows_per_batch) -> list[list[int]]:
+    """Requests whose rows begin with the same long prefix before their first scored position
+    (`sharing.prefix_groups`): the few-shot examples every question of a subject starts with.
+    Requests on the same row (`row_of`) count as one row; a group is cut into pieces of as many rows
+    as one batch holds (`rows_per_batch` of its longest row), each running the prefix once."""
+    alike: dict[int, list[int]] = {}
+    for i, row in enumerate(row_of):
+        alike.setdefault(row, []).append(i)
+    members = list(alike.values())
     groups = []
-    for group in prefix_groups(distinct, [start + 1 for _, start in keys]):
-        most = rows_per_batch(max(len(distinct[k]) for k in group))
+    for group in prefix_groups([rows[m[0]] for m in members], [starts[m[0]] + 1 for m in members]):
+        most = rows_per_batch(max(len(rows[members[k][0]]) for k in group))
         for piece in (group[n : n + most] for n in range(0, len(group), most)):
             if len(piece) > 1:
-                groups.append([i for k in piece for i in alike[keys[k]]])
+                groups.append([i for k in piece for i in members[k]])
     return groups
 
 
-def sharing_groups(requests, rows, starts, rows_per_batch, worth=None) -> list[list[int]]:
+def sharing_groups(requests, rows, starts, row_of, rows_per_batch, worth=None) -> list[list[int]]:
     """The groups of requests that run a shared prefix once: the requests of one context
     (`context_groups`: a question's choices) and rows that begin alike across requests
     (`prefix_request_groups`: a subject's few-shot examples, a task's fixed preamble), each kept if
@@ -164,38 +178,35 @@ def sharing_groups(requests, rows, starts, rows_per_batch, worth=None) -> list[l
     contexts = context_groups(requests, rows, starts)
     context_of = {i: c for c, group in enumerate(contexts) for i in group}
     chosen, dropped = [], set()
-    for group in prefix_request_groups(rows, starts, range(len(rows)), rows_per_batch):
+    for group in prefix_request_groups(rows, starts, row_of, rows_per_batch):
         inside = {context_of[i] for i in group if i in context_of}
-        alone = {(tuple(rows[i]), starts[i]) for i in group if i not in context_of}
-        separately = sum(shared_tokens(rows, starts, contexts[c]) for c in inside) + sum(len(r) for r, _ in alone)
-        if (not inside or shared_tokens(rows, starts, group) < separately) and worth(group):
+        separately = sum(shared_tokens(rows, starts, row_of, contexts[c]) for c in inside) + sum(
+            len(rows[i]) for i in leads(row_of, [i for i in group if i not in context_of]))
+        if (not inside or shared_tokens(rows, starts, row_of, group) < separately) and worth(group):
             chosen.append(group)
             dropped |= inside
     return chosen + [group for c, group in enumerate(contexts) if c not in dropped and worth(group)]
 
 
-def shared_tokens(rows, starts, group) -> int:
+def shared_tokens(rows, starts, row_of, group) -> int:
     """Tokens a group's shared run computes: its prefix once, every distinct row's rest after it."""
-    distinct = {(tuple(rows[i]), starts[i]) for i in group}
-    prefix = min(common_prefix([list(row) for row, _ in distinct]), min(start for _, start in distinct) + 1)
-    return prefix + sum(len(row) - prefix for row, _ in distinct)
+    firsts = leads(row_of, group)
+    prefix = min(common_prefix([rows[i] for i in firsts]), min(starts[i] for i in firsts) + 1)
+    return prefix + sum(len(rows[i]) - prefix for i in firsts)
 
 
-def shared_batches(model, requests, rows, starts, groups, rows_per_batch, progress):
+def shared_batches(model, requests, rows, starts, row_of, groups, rows_per_batch, progress):
     """`groups` (requests whose rows share a prefix) in batches of whole groups (`group_batches`),
-    each through `grouped_loglikelihood_totals`; requests with the same row and start (one-token
-    choices after one context) read one row. Per batch: its requests and their answers on the device."""
+    each through `grouped_loglikelihood_totals`; requests on the same row (`row_of`: one-token
+    choices after one context) read it once. Per batch: its requests and their answers on the device."""
     pending = []
     reading: dict[int, list[int]] = {}  # a distinct row's first request -> every request reading that row
-    leads = []
     for group in groups:
-        first: dict[tuple, int] = {}
         for i in group:
-            reading.setdefault(first.setdefault((tuple(rows[i]), starts[i]), i), []).append(i)
-        leads.append(list(first.values()))
-    for batch in group_batches(leads, rows, rows_per_batch):
-        chunk = [i for lead, _ in batch for i in reading[lead]]
-        rows_of = [r for r, (lead, _) in enumerate(batch) for _ in reading[lead]]
+            reading.setdefault(row_of[i], []).append(i)
+    for batch in group_batches([leads(row_of, group) for group in groups], rows, rows_per_batch):
+        chunk = [i for lead, _ in batch for i in reading[row_of[lead]]]
+        rows_of = [r for r, (lead, _) in enumerate(batch) for _ in reading[row_of[lead]]]
         pending.append((chunk, grouped_loglikelihood_totals(
             model, [rows[lead] for lead, _ in batch], [g for _, g in batch], [starts[i] for i in chunk],
             [requests[i][2] for i in chunk], rows_of)))
@@ -433,8 +444,9 @@ class OrtModuleLM(HFLM):
             row = (context + continuation)[-(self.max_length + 1):][:-1]
             rows.append(row)
             starts.append(len(row) - len(continuation))
-        shared = self._shared_context_groups(requests, rows, starts) if share else []
-        pending = shared_batches(self._model, requests, rows, starts, shared, self._rows_per_batch, progress)
+        row_of = distinct_rows(rows, starts)
+        shared = self._shared_context_groups(requests, rows, starts, row_of) if share else []
+        pending = shared_batches(self._model, requests, rows, starts, row_of, shared, self._rows_per_batch, progress)
         done = {i for group in shared for i in group}
         rest = [i for i in range(len(requests)) if i not in done]
         return pending + self._batched(requests, rows, starts, rest, progress, override_bs)
@@ -459,21 +471,21 @@ class OrtModuleLM(HFLM):
             length = len((context + continuation)[-(self.max_length + 1):][:-1])
         return max(1, min(self.max_batch_size, self.token_budget // max(length, 1)))
 
-    def _shared_context_groups(self, requests, rows, starts) -> list[list[int]]:
+    def _shared_context_groups(self, requests, rows, starts, row_of) -> list[list[int]]:
         """Requests with the same context, or rows that begin with the same long prefix
         (`sharing_groups`): the groups worth running their prefix once."""
         if self._share is False:
             return []
         if self._share is True:
-            return sharing_groups(requests, rows, starts, self._rows_per_batch)
+            return sharing_groups(requests, rows, starts, row_of, self._rows_per_batch)
         costs = self._model.measured_costs()
 
         def worth(group: list[int]) -> bool:
-            keys = {(tuple(rows[i]), starts[i]) for i in group}
-            return worth_sharing([list(row) for row, _ in keys], [start for _, start in keys], costs,
-                                 self._rows_per_batch(max(len(row) for row, _ in keys)))
+            firsts = leads(row_of, group)
+            return worth_sharing([rows[i] for i in firsts], [starts[i] for i in firsts], costs,
+                                 self._rows_per_batch(max(len(rows[i]) for i in firsts)))
 
-        return sharing_groups(requests, rows, starts, self._rows_per_batch, worth)
+        return sharing_groups(requests, rows, starts, row_of, self._rows_per_batch, worth)
 
     def _rows_per_batch(self, width: int) -> int:
         """Rows of `width` tokens a batch holds: `batch_size`, or under `auto` the token budget's."""

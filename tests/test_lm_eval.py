@@ -728,12 +728,13 @@ def test_a_long_preamble_is_shared_across_questions_a_short_one_is_not():
     """`sharing_groups`: after a 40-token preamble, questions of 3-6 tokens run as one group (the
     preamble once, each choice's question and answer after it: fewer tokens than each question's
     context once); after a 33-token start, questions of 40-60 tokens keep their own context groups."""
-    from ortmodule.lm_eval import sharing_groups
+    from ortmodule.lm_eval import distinct_rows, sharing_groups
 
     def groups_of(requests, worth=None):
         rows = [(c + t)[:-1] for _, c, t in requests]
         starts = [len(c) - 1 for _, c, _ in requests]
-        return sorted(sorted(g) for g in sharing_groups(requests, rows, starts, lambda width: 64, worth))
+        return sorted(sorted(g) for g in sharing_groups(requests, rows, starts, distinct_rows(rows, starts),
+                                                        lambda width: 64, worth))
 
     questions = [list(range(q, q + 4)) for q in range(0, 20, 4)]
     assert groups_of(preamble_requests(40, (3, 7))) == [list(range(20))]
