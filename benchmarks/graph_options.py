@@ -15,10 +15,12 @@ names the package as exported without options):
 - `fuse_qkv=false`: the query, key and value projections as three MatMuls (packed by default);
 - `fuse_qk_norm_gqa=false` (CUDA exports of models with query/key norms, Qwen3): the norms as
   nodes before GroupQueryAttention instead of inside it.
-- `attention=onnx` (not a builder option): the default export with every GroupQueryAttention node
-  rewritten into norms, rotary and ONNX's `Attention` op (attention_rewrite.py; a prefill-only
-  graph, right for this forward of whole rows and nothing else), to tell whether GroupQueryAttention's
-  prologue kernel (`UnpackRoPEAppend`, 21% of an MMLU-shaped batch on an H200) is worth replacing.
+- `prefill_attention=onnx` (not a builder option: `OrtModelForCausalLM`'s): the default export loaded
+  with its runs without a cache in the prefill graph (ortmodule/extend.py: every GroupQueryAttention
+  rewritten into norms, rotary and ONNX's `Attention` op, no KV written), to tell whether
+  GroupQueryAttention's prologue kernel (`UnpackRoPEAppend`, 21% of an MMLU-shaped batch on an H200)
+  is worth replacing; its graph column compares the prefill graph with the default's (LM head
+  rewritten in both).
 A variant whose graph comes out the same as the default's is reported and not timed.
 On a CPU: `--size cpu --device cpu --spec smollm2-fp32 --batch 8 --length 128`.
 """
@@ -27,7 +29,6 @@ import argparse
 import collections
 import dataclasses
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -35,28 +36,22 @@ from pathlib import Path
 
 import onnx
 import torch
-from attention_rewrite import rewrite_package
 from conftest import GPU_DATASHEET, SIZES, cpu_limits, flop_count, reference_model
 from profile_gpu import kernel_table
 
-from ortmodule import OrtModelForCausalLM
+from ortmodule import OrtModelForCausalLM, extend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
 from ortmodule_dev import fixtures  # noqa: E402
 
-OPTIONS = ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "fuse_qk_norm_gqa=false", "attention=onnx"]
-REWRITES = {"attention=onnx": rewrite_package}  # options made by rewriting the default export's graph
+OPTIONS = ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "fuse_qk_norm_gqa=false", "prefill_attention=onnx"]
+LOAD_OPTIONS = {"prefill_attention"}  # OrtModelForCausalLM's options: the default export loaded with them
 
 
-def rewritten(default: fixtures.Fixture, option: str) -> fixtures.Fixture:
-    """The default export's package with `option`'s rewrite, kept beside it in the fixture cache."""
-    out = default.package_dir.parent / f"package-{option.replace('=', '-')}"
-    if not (out / "genai_config.json").is_file():
-        work = out.with_name(out.name + ".partial")
-        shutil.rmtree(work, ignore_errors=True)
-        REWRITES[option](default.package_dir, work)
-        work.rename(out)
-    return dataclasses.replace(default, package_dir=out)
+def load_options(option: str) -> dict:
+    """The `from_pretrained` options of a variant (a whole row runs in one prefill, not in chunks)."""
+    key, _, value = option.partition("=")
+    return {key: value, "prefill_chunk": 0} if key in LOAD_OPTIONS else {}
 
 
 def variant(spec: fixtures.FixtureSpec, option: str) -> fixtures.FixtureSpec:
@@ -130,12 +125,11 @@ def main():
     built = {}
     for option in options:
         print(f"exporting or finding the package: {option}", file=sys.stderr, flush=True)
-        built[option] = (rewritten(built["default"], option) if option in REWRITES
-                         else fixtures.build(variant(spec, option)))
+        built[option] = built["default"] if load_options(option) else fixtures.build(variant(spec, option))
     counts = {option: op_counts(fixture.package_dir) for option, fixture in built.items()}
     rows = {option: {"option": option, "graph": changed(counts[option], counts["default"])} for option in options}
     for option in options[1:]:
-        if counts[option] == counts["default"]:
+        if counts[option] == counts["default"] and not load_options(option):
             rows[option]["graph"] = "the same graph as the default export: not timed"
             del built[option]
 
@@ -174,8 +168,10 @@ def loaded(built: dict, rows: dict, ids, expected, args) -> dict:
     models = {}
     for option, fixture in built.items():
         try:
-            model = OrtModelForCausalLM.from_pretrained(  # a rewritten graph runs whole rows, not chunks
-                fixture.package_dir, device=args.device, **({"prefill_chunk": 0} if option in REWRITES else {}))
+            model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device,
+                                                        **load_options(option))
+            if load_options(option):
+                rows[option]["graph"] = prefill_graph_changes(model)
             logits = model(ids, cont_len=args.keep).logits.float().cpu()
         except Exception as error:
             if option == "default":
@@ -185,6 +181,21 @@ def loaded(built: dict, rows: dict, ids, expected, args) -> dict:
         rows[option]["max_diff_vs_fp32"] = float((logits - expected).abs().max())
         models[option] = model
     return models
+
+
+def prefill_graph_changes(model) -> str:
+    """What the prefill graph changes against the package's (LM-head-rewritten) graph; an error where
+    ortmodule did not make it (the reason is in its log)."""
+    decoder = model.decoder
+    if decoder.causal is None:
+        raise RuntimeError("ortmodule made no prefill graph for this package (its log says why)")
+    data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, decoder.spec.layers[0].head_size,
+                                     False, decoder.cache_dir, causal=True)
+
+    def count(graph: bytes) -> collections.Counter:
+        return collections.Counter(node.op_type for node in onnx.load_from_string(graph).graph.node)
+
+    return "prefill graph: " + changed(count(data), count(decoder.graph_bytes))
 
 
 def report(rows: dict, name: str, spec, args) -> None:

@@ -64,9 +64,11 @@ class Decoder:
         cache_dir: str | Path | None = None,
         prefill_chunk: int | None = None,
         quantized_prefill: str | None = None,
+        prefill_attention: str | None = None,
     ):
         self.package = package
         self.quantized_prefill = nbits.checked_choice(quantized_prefill)
+        self.prefill_attention = extend.checked_attention(prefill_attention)
         self.chosen_chunk = chunked.checked_chunk(prefill_chunk)  # None: chunked.default_chunk by device
         self.spec = spec = package.decoder
         self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
@@ -111,6 +113,7 @@ class Decoder:
         source, folder = (spec.path, None) if source is None else (source, spec.path.parent)
         options = graph.head_provider_options(self.provider_options, device.type, self.graph_bytes,
                                               self.kv_dtype in (torch.float16, torch.bfloat16))
+        self.run_provider_options = options  # the rewrites' sessions (extend.py) run as this one does
         self.session = _open(self.package, source, device, folder, self.session_options, options, **run_settings)
         self.fp32_path = nbits.use_fp32_path(self.quantized_prefill, device, self.session_options, source)
         self.head_dtype = runtime.output_dtype(self.session, spec.logits)  # bf16 where graph.py left the cast
@@ -121,6 +124,7 @@ class Decoder:
         self.runs.clear()  # bindings of the previous session
         self.fixed.clear()
         self.extender = extend.lazy_extender(self)  # runs new tokens over a cache for a batch (extend.py)
+        self.causal = None  # the prefill graph's runner, for runs without a cache (extend.py), made below
         self.device = device
         self.rebind = device.type != "cpu"
         self.prefill_chunk = chunked.default_chunk(self, device) if self.chosen_chunk is None else self.chosen_chunk
@@ -140,6 +144,8 @@ class Decoder:
                 for name, kind, shape in embedding.empty_inputs
             ]
         self._check_runs()
+        if extend.uses_prefill_graph(self.prefill_attention, device):
+            self.causal = extend.make_prefill(self)
 
     def _check_runs(self) -> None:
         """Run one token, so that a genai_config.json that disagrees with the graph (head size,
@@ -168,16 +174,23 @@ class Decoder:
         The present KV goes into `cache` (which then holds the rows) when given, else is discarded."""
         if chunked.wanted(rows, logit_index, cache, self.prefill_chunk):  # long rows on the CPU
             return chunked.prefill(self, rows, logit_index, cache, self.prefill_chunk)
+        if cache is None and self.causal is not None:
+            return self.causal.run(rows.ids, logit_index)
+        return self.package_prefill(rows, logit_index, cache)
+
+    def package_prefill(self, rows: Rows, logit_index: torch.Tensor | None = None,
+                        cache: KVCache | None = None) -> torch.Tensor:
+        """`prefill` in the package's own graph, in one run."""
         batch, width = rows.ids.shape
         mask, positions = self._prefill_mask(rows.ids), self._prefill_positions(rows.ids)
         session = self.wide_session
         if cache is None:
             binding = session.io_binding()
             self.scratch.bind(binding, self, batch, width)
-            return self._run(session, binding, rows.ids, logit_index, mask, positions)
+            return self.run_bound(session, binding, rows.ids, logit_index, mask, positions)
         with self._holding(cache) as runs:
             binding = self._cache_binding(runs, cache, width, session)
-            logits = self._run(session, binding, rows.ids, logit_index, mask, positions)
+            logits = self.run_bound(session, binding, rows.ids, logit_index, mask, positions)
             cache.start(rows.lengths, rows.longest, width)
         return logits
 
@@ -191,7 +204,7 @@ class Decoder:
             binding = self._cache_binding(runs, cache, new, session)
             mask = cache.step_mask(new, self.mask_dtype) if self.mask_dtype is not None else None
             positions = cache.lengths[:, None] + torch.arange(new, device=self.device)
-            logits = self._run(session, binding, tokens, logit_index, mask, positions)
+            logits = self.run_bound(session, binding, tokens, logit_index, mask, positions)
             cache.advance(new, new)
         return logits
 
@@ -223,27 +236,9 @@ class Decoder:
         if entry is None:
             entry = runs.bindings[id(session)] = [session.io_binding(), None]
         if self.rebind or not cache.shared or entry[1] != cache.version:
-            self.bind_cache(entry[0], cache, new)
+            bind_cache(entry[0], cache, new)
             entry[1] = cache.version
         return entry[0]
-
-    @staticmethod
-    def bind_cache(binding: ort.IOBinding, cache: KVCache, new: int) -> None:
-        """Bind every layer's past and present for a run that adds `new` columns. A shared buffer
-        is both (ONNX Runtime writes in place); otherwise the presents go to new buffers."""
-        if not cache.shared:
-            cache.presents = ([], [])
-        for kv, key, value in zip(cache.specs, cache.keys, cache.values):
-            runtime.bind_input(binding, kv.past_key, key)
-            runtime.bind_input(binding, kv.past_value, value)
-            if cache.shared:
-                runtime.bind_output(binding, kv.present_key, key)
-                runtime.bind_output(binding, kv.present_value, value)
-                continue
-            shape = (*key.shape[:2], key.shape[2] + new, key.shape[3])
-            for name, buffers in ((kv.present_key, cache.presents[0]), (kv.present_value, cache.presents[1])):
-                buffers.append(key.new_empty(shape))
-                runtime.bind_output(binding, name, buffers[-1])
 
     def _prefill_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
         return torch.ones_like(ids, dtype=self.mask_dtype) if self.spec.attention_mask else None
@@ -252,14 +247,15 @@ class Decoder:
         positions = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         return positions if self.spec.position_ids else None
 
-    def _run(self, session, binding, ids, logit_index, mask, positions) -> torch.Tensor:
-        """Bind the tokens, mask, positions and logits, and run `session`."""
+    def run_bound(self, session, binding, ids, logit_index, mask, positions) -> torch.Tensor:
+        """Bind the tokens, mask and positions (None: not inputs of `session`) and the logits, and run
+        `session`: logits `[n, V]` at the flat indices `logit_index`, else `[B, T, V]`."""
         spec = self.spec
         batch, length = ids.shape
         self.bind_tokens(binding, ids)
-        if spec.attention_mask:
+        if spec.attention_mask and mask is not None:
             runtime.bind_input(binding, spec.attention_mask, mask.to(self.mask_dtype).contiguous())
-        if spec.position_ids:
+        if spec.position_ids and positions is not None:
             runtime.bind_input(binding, spec.position_ids, self.position_input(positions))
         vocab = self.vocab_size
         if self.keeps_positions:
@@ -300,6 +296,24 @@ class Decoder:
         if self.spec.position_rank == 3:
             positions = positions.expand(3, *positions.shape)
         return positions.contiguous()
+
+
+def bind_cache(binding: ort.IOBinding, cache: KVCache, new: int) -> None:
+    """Bind every layer's past and present for a run that adds `new` columns. A shared buffer
+    is both (ONNX Runtime writes in place); otherwise the presents go to new buffers."""
+    if not cache.shared:
+        cache.presents = ([], [])
+    for kv, key, value in zip(cache.specs, cache.keys, cache.values):
+        runtime.bind_input(binding, kv.past_key, key)
+        runtime.bind_input(binding, kv.past_value, value)
+        if cache.shared:
+            runtime.bind_output(binding, kv.present_key, key)
+            runtime.bind_output(binding, kv.present_value, value)
+            continue
+        shape = (*key.shape[:2], key.shape[2] + new, key.shape[3])
+        for name, buffers in ((kv.present_key, cache.presents[0]), (kv.present_value, cache.presents[1])):
+            buffers.append(key.new_empty(shape))
+            runtime.bind_output(binding, name, buffers[-1])
 
 
 _OTHER_EXPORT = "a config from another export, or a package kind not supported (docs/usage.md)?"

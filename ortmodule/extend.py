@@ -48,6 +48,24 @@ EXTEND_VERSION = "1"
 _OPSET = 23  # ONNX's Attention
 
 
+PREFILL_ATTENTION = ("auto", "package", "onnx")
+
+
+def checked_attention(value) -> str:
+    """A caller's `prefill_attention`: "auto" (None), "package" or "onnx"."""
+    value = "auto" if value is None else value
+    if value not in PREFILL_ATTENTION:
+        raise ValueError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}, not {value!r}")
+    return value
+
+
+def uses_prefill_graph(choice: str, device: torch.device) -> bool:
+    """Whether runs without a cache take the prefill graph (`prefill_graph`): where asked ("onnx");
+    under "auto" nowhere yet: on a 2-vCPU Xeon it ran SmolLM2's 8 x 128-token prefills 1.08x faster and
+    4 x 512 0.93x (docs/measurements.md, session 30), and on CUDA it is unmeasured."""
+    return choice == "onnx"
+
+
 def _attribute(node: ir.Node, name: str, default):
     attr = node.attributes.get(name)
     return default if attr is None else attr.value
@@ -66,6 +84,19 @@ def extend_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool =
 
     `expand_kv_heads` repeats each KV head for its group of query heads before `Attention`, for
     kernels without grouped-query attention (ONNX Runtime's CUDA `Attention` before 1.32)."""
+    return _rewrite(proto, head_size, expand_kv_heads, causal=False)
+
+
+def prefill_graph(proto: onnx.ModelProto, head_size: int) -> onnx.ModelProto:
+    """The decoder for runs from an empty cache (the prefill graph): every GroupQueryAttention
+    replaced by the same norms and rotary (at `ortmodule_positions`) and ONNX's `Attention` with
+    `is_causal` over the new tokens alone. No past inputs, no present outputs (no KV is written),
+    no attention mask: right for right-padded rows only, where a real token never attends to the
+    padding after it (ortmodule's prefills are right-padded: inputs.check_batch)."""
+    return _rewrite(proto, head_size, False, causal=True)
+
+
+def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, causal: bool) -> onnx.ModelProto:
     model = ir.serde.deserialize_model(proto)
     graph = model.graph
     attention = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
@@ -75,8 +106,8 @@ def extend_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool =
     if kv_type is None:
         raise RewriteSkipped("GroupQueryAttention without a past key input")
     positions = ir.Value(name=POSITIONS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch", "new"]))
-    bias = ir.Value(name=ATTENTION_BIAS, type=kv_type, shape=ir.Shape(["batch", 1, "new", "total"]))
-    graph.inputs.extend([positions, bias])
+    bias = None if causal else ir.Value(name=ATTENTION_BIAS, type=kv_type, shape=ir.Shape(["batch", 1, "new", "total"]))
+    graph.inputs.extend([v for v in (positions, bias) if v is not None])
     presents = set()
     for index, node in enumerate(attention):
         presents.update(v.name for v in node.outputs[1:3] if v is not None)
@@ -89,7 +120,7 @@ def extend_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool =
     return ir.serde.serialize_model(model)
 
 
-def _replace(graph: ir.Graph, node: ir.Node, index: int, positions: ir.Value, bias: ir.Value, head_size: int,
+def _replace(graph: ir.Graph, node: ir.Node, index: int, positions: ir.Value, bias: ir.Value | None, head_size: int,
              expand_kv_heads: bool) -> None:
     heads = _attribute(node, "num_heads", 0)
     kv_heads = _attribute(node, "kv_num_heads", 0)
@@ -124,6 +155,15 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, positions: ir.Value, bi
         key = _norm(add, key, k_norm, kv_heads, head_size, epsilon)
     if _attribute(node, "do_rotary", 0):
         query, key = _rotate(add, node, query, key, positions, heads, kv_heads, head_size)
+    scale = _attribute(node, "scale", 0.0) or 1.0 / math.sqrt(head_size)
+    attributes = {"q_num_heads": heads, "kv_num_heads": kv_heads, "scale": float(scale)}
+    if softcap:
+        attributes["softcap"] = float(softcap)
+    if bias is None:  # the prefill graph: causal over the new tokens, nothing written
+        attend = ir.node("Attention", [query, key, value], attributes={**attributes, "is_causal": 1},
+                         num_outputs=1, name=f"{name}/Attention")
+        _put(graph, node, new_nodes, attend)
+        return
     past_key, past_value = node.inputs[3], node.inputs[4]
     if expand_kv_heads and kv_heads != heads:
         if softcap:
@@ -132,15 +172,15 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, positions: ir.Value, bi
         key, value = (_repeat_heads(add, v, kv_heads, group, head_size, new=True) for v in (key, value))
         past_key, past_value = (_repeat_heads(add, v, kv_heads, group, head_size, new=False)
                                 for v in (past_key, past_value))
-        kv_heads = heads
-    scale = _attribute(node, "scale", 0.0) or 1.0 / math.sqrt(head_size)
-    attributes = {"q_num_heads": heads, "kv_num_heads": kv_heads, "scale": float(scale)}
-    if softcap:
-        attributes["softcap"] = float(softcap)
+        attributes["kv_num_heads"] = heads
     attend = ir.node("Attention", [query, key, value, bias, past_key, past_value], attributes=attributes,
                      num_outputs=3, name=f"{name}/Attention")  # presents unread (the CPU kernel wants them)
-    new_nodes.append(attend)
-    graph.insert_before(node, new_nodes)
+    _put(graph, node, new_nodes, attend)
+
+
+def _put(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], attend: ir.Node) -> None:
+    """`new_nodes` and `attend` before `node`, whose output `attend`'s first output replaces."""
+    graph.insert_before(node, [*new_nodes, attend])
     node.outputs[0].replace_all_uses_with(attend.outputs[0])
     attend.outputs[0].shape, attend.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
 
@@ -193,14 +233,15 @@ def _remove_unused(graph: ir.Graph) -> None:
 
 
 def extend_graph_bytes(base: bytes, stem: str, head_size: int, expand_kv_heads: bool,
-                       cache_dir: Path | None = None) -> bytes:
-    """`extend_graph` of the LM-head-rewritten graph bytes `base`, cached like them (graph.py);
-    raises `RewriteSkipped` where the decoder does not match."""
+                       cache_dir: Path | None = None, causal: bool = False) -> bytes:
+    """`extend_graph` (with `causal`: `prefill_graph`) of the LM-head-rewritten graph bytes `base`,
+    cached like them (graph.py); raises `RewriteSkipped` where the decoder does not match."""
     digest = hashlib.sha256(base)
-    digest.update(f"|{head_size}|{expand_kv_heads}|{EXTEND_VERSION}|{ir.__version__}".encode())
-    return graph.cached(cache_dir, f"{stem}-extend-{digest.hexdigest()[:32]}",
-                        lambda: extend_graph(onnx.ModelProto.FromString(base), head_size,
-                                             expand_kv_heads).SerializeToString())
+    digest.update(f"|{head_size}|{expand_kv_heads}|{causal}|{EXTEND_VERSION}|{ir.__version__}".encode())
+    kind = "prefill" if causal else "extend"
+    return graph.cached(cache_dir, f"{stem}-{kind}-{digest.hexdigest()[:32]}",
+                        lambda: _rewrite(onnx.ModelProto.FromString(base), head_size, expand_kv_heads,
+                                         causal).SerializeToString())
 
 
 class Extender:
@@ -275,42 +316,107 @@ def lazy_extender(decoder) -> Callable[[], Extender | None]:
 def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
     """The decoder's `Extender`, or None (with the reason logged) where its graph does not match,
     the device lacks room for the weights a second time, or the graph fails a first run."""
+    def check(extender: Extender) -> None:
+        device = decoder.device
+        cache = decoder.new_cache(1, 1)
+        one = torch.ones(1, dtype=torch.int64, device=device)
+        decoder.prefill(Rows(one[:, None], None, one, 1), None, cache)
+        extender.run(torch.zeros(1, 2, dtype=torch.int64, device=device), cache, torch.arange(2, device=device))
+
+    expand = decoder.device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA
+    return _second_session(decoder, "extend graph", "shared prefixes continue by decode steps", Extender, check,
+                           lambda head_size: extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, head_size,
+                                                                expand_kv_heads=expand, cache_dir=cache_dir))
+
+
+def make_prefill(decoder) -> CausalPrefill | None:
+    """The decoder's `CausalPrefill`, or None (with the reason logged, a warning where ONNX Runtime
+    fails it) where its graph does not match, the device lacks room for the weights a second time,
+    or its first run's logits differ from the package graph's on the same tokens."""
+    def check(prefill: CausalPrefill) -> None:
+        ids = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]], device=decoder.device) % decoder.vocab_size
+        rows = Rows(ids, None, torch.tensor([5, 3], device=decoder.device), 5)
+        index = torch.tensor([0, 2, 4, 5, 7], device=decoder.device)  # the second row's real positions: 5-7
+        expected = decoder.package_prefill(rows, index).float()
+        got = prefill.run(ids, index).float()
+        scale = expected.abs().max().item()
+        error = (got - expected).abs().max().item()
+        tolerance = 1e-4 if decoder.kv_dtype == torch.float32 else 5e-2
+        if not error <= tolerance * max(1.0, scale):
+            raise RuntimeError(f"its logits differ from the package graph's by {error:.3g} (largest {scale:.3g})")
+
+    return _second_session(decoder, "prefill graph", "runs without a cache keep the package's graph", CausalPrefill,
+                           check, lambda head_size: extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem,
+                                                                       head_size, False, decoder.cache_dir,
+                                                                       causal=True))
+
+
+def _second_session(decoder, what: str, otherwise: str, runner, check, graph_bytes):
+    """A session of a rewrite of the decoder's graph (`graph_bytes(head_size)`) in `runner`, after
+    `check(runner)`; None, with the reason logged (`what`, and what happens `otherwise`), where the
+    graph does not match, the device lacks room for the weights a second time, or a check fails."""
     if not decoder.keeps_positions:
-        logger.info("ortmodule: no extend graph for %s: the LM-head rewrite did not apply", decoder.spec.path)
+        logger.info("ortmodule: no %s for %s: the LM-head rewrite did not apply", what, decoder.spec.path)
         return None
     device = decoder.device
     if device.type == "cuda":
         weights = decoder.spec.num_parameters * decoder.kv_dtype.itemsize  # an upper bound for quantized weights
         free, _ = torch.cuda.mem_get_info(device)
         if weights > free // 4:
-            logger.info("ortmodule: no extend graph on %s: its weights (~%d MB) would take over a quarter of the "
-                        "free device memory (%d MB) a second time", device, weights >> 20, free >> 20)
+            logger.info("ortmodule: no %s on %s: its weights (~%d MB) would take over a quarter of the free device "
+                        "memory (%d MB) a second time", what, device, weights >> 20, free >> 20)
             return None
     heads = {kv.head_size for kv in decoder.spec.layers}
     try:
         if len(heads) != 1:
             raise RewriteSkipped(f"layers of different head sizes {sorted(heads)}")
-        data = extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, heads.pop(),
-                                  expand_kv_heads=device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA,
-                                  cache_dir=cache_dir)
+        data = graph_bytes(heads.pop())
         # Float weights: no packed copy (with ortmodule's session options); this session reads the
         # package's file pages, shared with the page cache, beside the main session's copy. 4-bit
         # weights are packed: unpacked, ONNX Runtime unpacks them at every run (0.2 s a run on
         # SmolLM2-135M int4, eight times a 16-token extend), and their packed copy is small (~100 MB).
-        extender = Extender(decoder, runtime.make_session(data, device, decoder.spec.path.parent,
-                                                          decoder.session_options, decoder.provider_options,
-                                                          prepack=has_quantized_weights(decoder.graph_bytes),
-                                                          fp32_path=decoder.fp32_path))
-        cache = decoder.new_cache(1, 1)
-        one = torch.ones(1, dtype=torch.int64, device=device)
-        decoder.prefill(Rows(one[:, None], None, one, 1), None, cache)
-        extender.run(torch.zeros(1, 2, dtype=torch.int64, device=device), cache, torch.arange(2, device=device))
+        made = runner(decoder, runtime.make_session(data, device, decoder.spec.path.parent, decoder.session_options,
+                                                    decoder.run_provider_options,
+                                                    prepack=has_quantized_weights(decoder.graph_bytes),
+                                                    fp32_path=decoder.fp32_path))
+        check(made)
     except RewriteSkipped as reason:
-        logger.info("ortmodule: no extend graph for %s (%s): shared prefixes continue by decode steps",
-                    decoder.spec.path, reason)
+        logger.info("ortmodule: no %s for %s (%s): %s", what, decoder.spec.path, reason, otherwise)
         return None
-    except Exception as e:  # noqa: BLE001  ONNX Runtime's own types: the shared prefixes keep their decode steps
-        logger.warning("ortmodule: the extend graph of %s does not run on %s (%s); shared prefixes continue by "
-                       "decode steps", decoder.spec.path, device, " ".join(str(e).split())[:300])
+    except Exception as e:  # noqa: BLE001  ONNX Runtime's own types: the package's graph runs instead
+        logger.warning("ortmodule: the %s of %s does not run on %s (%s); %s", what, decoder.spec.path, device,
+                       " ".join(str(e).split())[:300], otherwise)
         return None
-    return extender
+    return made
+
+
+class CausalPrefill:
+    """Runs the prefill graph of a decoder (`prefill_graph`): right-padded rows from an empty
+    cache, no KV written. `Decoder.prefill` takes it for runs without a cache where the decoder's
+    `prefill_attention` says so."""
+
+    def __init__(self, decoder, session: runtime.Session):
+        self.decoder, self.session = decoder, session  # any number of threads: a binding per call
+        spec = decoder.spec
+        names = {i.name for i in session.ort_session.get_inputs()}
+        self.positions = POSITIONS in names  # absent where no layer rotates inside its attention node
+        self.position_ids = spec.position_ids if spec.position_ids in names else None
+        self.mask = spec.attention_mask if spec.attention_mask in names else None
+        known = {spec.input_ids, POSITIONS, graph.LOGITS_INDICES, self.position_ids, self.mask}
+        if decoder.embedding_session is not None:
+            known |= {name for _, name in decoder.package.embedding.feeds}
+        unknown = names - known
+        if unknown:
+            raise RewriteSkipped(f"the prefill graph still takes {sorted(unknown)}")
+
+    def run(self, ids: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
+        """`Decoder.prefill`'s logits for right-padded `ids` `[B, T]` without a cache."""
+        decoder = self.decoder
+        batch, width = ids.shape
+        positions = torch.arange(width, device=decoder.device).expand(batch, -1)
+        binding = self.session.io_binding()
+        if self.positions:
+            runtime.bind_input(binding, POSITIONS, positions.contiguous())
+        mask = torch.ones_like(ids, dtype=decoder.mask_dtype) if self.mask else None
+        return decoder.run_bound(self.session, binding, ids, logit_index, mask,
+                                 positions if self.position_ids else None)

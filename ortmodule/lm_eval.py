@@ -296,15 +296,16 @@ class OrtModuleLM(HFLM):
     `sharing.worth_sharing` says it saves work, never on CUDA), `token_budget` (padded tokens per
     prefill under `batch_size=auto`), `prefill_chunk` (long rows in chunks of this many tokens; auto:
     256 on a CPU, off on CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py),
-    `pad_to_multiple_of` (batch widths rounded up: few distinct shapes). `pretrained` may also be an
-    `OrtModelForCausalLM` (then pass `tokenizer=` too)."""
+    `prefill_attention` (auto, package, onnx: extend.py's prefill graph), `pad_to_multiple_of` (batch
+    widths rounded up: few shapes). `pretrained` may be an `OrtModelForCausalLM` (pass `tokenizer=`)."""
 
     AUTO_MODEL_CLASS = transformers.AutoModelForCausalLM
 
     def __init__(self, pretrained, device: str | None = None, rewrite_lm_head: bool | str = "float32",
                  provider_options: dict | None = None, share_contexts: bool | str = "auto",
                  token_budget: int | str | None = None, prefill_chunk: int | str | None = None,
-                 quantized_prefill: str | None = None, pad_to_multiple_of: int | str | None = None, **kwargs):
+                 quantized_prefill: str | None = None, prefill_attention: str | None = None,
+                 pad_to_multiple_of: int | str | None = None, **kwargs):
         self._running = threading.RLock()
         self._token_budget = _positive_int(token_budget, "token_budget")
         self._pad_multiple = _positive_int(pad_to_multiple_of, "pad_to_multiple_of") or 1
@@ -313,9 +314,9 @@ class OrtModuleLM(HFLM):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options,
-                                 prefill_chunk=_chunk_arg(prefill_chunk), quantized_prefill=quantized_prefill)
-        if isinstance(pretrained, Path):
-            pretrained = str(pretrained)
+                                 prefill_chunk=_chunk_arg(prefill_chunk), quantized_prefill=quantized_prefill,
+                                 prefill_attention=prefill_attention)
+        pretrained = str(pretrained) if isinstance(pretrained, Path) else pretrained
         kwargs.setdefault("backend", "causal")
         super().__init__(pretrained=pretrained, device=device, **kwargs)
         # Tokenizing runs beside the device's work on CUDA, whose host cores idle meanwhile; a CPU's

@@ -123,6 +123,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         cache_dir: str | Path | None = None,
         prefill_chunk: int | None = None,
         quantized_prefill: str | None = None,
+        prefill_attention: str | None = None,
     ):
         super().__init__()
         self.package = package
@@ -130,7 +131,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         self.generation_config = build_generation_config(package)
         self.name_or_path = str(package.root)
         self.decoder = Decoder(package, runtime.parse_device(device), session_options, provider_options,
-                               rewrite_lm_head, cache_dir, prefill_chunk, quantized_prefill)
+                               rewrite_lm_head, cache_dir, prefill_chunk, quantized_prefill, prefill_attention)
         self._costs: dict[torch.device, costs.Costs | None] = {}  # measured_costs(), per device
 
     @classmethod
@@ -144,15 +145,18 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         cache_dir: str | Path | None = None,
         prefill_chunk: int | None = None,
         quantized_prefill: str | None = None,
+        prefill_attention: str | None = None,
     ) -> OrtModelForCausalLM:
         """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N'). `rewrite_lm_head`: True
         (the LM head at the asked positions only), "float32" (also in float32 where a half-precision
         package casts its logits to float32: bf16 logits not rounded) or False. `prefill_chunk`: long
         rows one at a time in chunks of this many tokens (None: 256 on a CPU, off on CUDA; 0: off;
         chunked.py). `quantized_prefill`: "auto" (None), "fp32" or "package", a 4-bit package's
-        prefill path on the CPU (nbits.py)."""
+        prefill path on the CPU (nbits.py). `prefill_attention`: "auto" (None: "package" for now),
+        "package" or "onnx": runs without a cache (scoring, `forward` without `use_cache`) in a second
+        graph whose attention is ONNX's `Attention` op and which writes no KV (extend.py)."""
         return cls(read_package(path), device, session_options, provider_options, rewrite_lm_head, cache_dir,
-                   prefill_chunk, quantized_prefill)
+                   prefill_chunk, quantized_prefill, prefill_attention)
 
     # ---- the Hugging Face surface -------------------------------------------------------------
 
@@ -302,12 +306,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids=None,
                       cache_position=None) -> torch.Tensor:
         """Append `input_ids` [B, s] to every row of `cache`; logits `[B, s, V]` (or the kept ones)."""
-        if not isinstance(cache, KVCache):
-            raise TypeError(
-                f"past_key_values must be the KVCache this model returned (out.past_key_values) or an empty "
-                f"transformers Cache, got {type(cache).__name__}"
-                + (f" holding {cache.get_seq_length()} positions" if isinstance(cache, Cache) else "")
-            )
+        _check_own_cache(cache)
         package = self.package
         ids = inputs.check_step(input_ids, attention_mask, cache, package.vocab_size, package.context_length,
                                 self.device, position_ids, cache_position)
@@ -364,6 +363,15 @@ def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, output_hidd
     for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
         if value:
             raise NotSupportedError(f"{name}=True: an ONNX GenAI package's graph returns logits and the KV cache only")
+
+
+def _check_own_cache(cache) -> None:
+    if not isinstance(cache, KVCache):
+        raise TypeError(
+            f"past_key_values must be the KVCache this model returned (out.past_key_values) or an empty "
+            f"transformers Cache, got {type(cache).__name__}"
+            + (f" holding {cache.get_seq_length()} positions" if isinstance(cache, Cache) else "")
+        )
 
 
 def _given_cache(past_key_values, cache, use_cache: bool | None) -> tuple[Cache | None, bool]:

@@ -16,7 +16,7 @@ import torch
 
 from . import graph, runtime
 from .cache import KVCache
-from .decoder import Decoder
+from .decoder import Decoder, bind_cache
 
 
 def lend(decoder: Decoder, batch: int, needed: int) -> FixedSteps | None:
@@ -85,7 +85,7 @@ class FixedSteps:
         shape = (batch, decoder.vocab_size) if decoder.keeps_positions else (batch, 1, decoder.vocab_size)
         self.logits = torch.empty(shape, dtype=decoder.head_dtype, device=device)
         self.binding = decoder.session.io_binding()
-        decoder.bind_cache(self.binding, self.cache, 1)
+        bind_cache(self.binding, self.cache, 1)
         runtime.bind_output(self.binding, spec.logits, self.logits)
         self._bind_inputs()
 

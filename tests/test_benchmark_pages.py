@@ -68,7 +68,8 @@ def test_graph_options_script_times_each_variant(tmp_path):
     """benchmarks/graph_options.py on the smoke model: a row per builder option, the graph change it
     made named, each variant timed and as close to transformers fp32 as an fp32 package is; the
     option that leaves a CPU export's graph unchanged (the query/key norm fusion) is not timed; the
-    `attention=onnx` rewrite (attention_rewrite.py) has no GroupQueryAttention left and is as exact."""
+    default export loaded with `prefill_attention=onnx` runs a prefill graph without GroupQueryAttention,
+    as exact."""
     import json
     import subprocess
     import sys
@@ -81,12 +82,13 @@ def test_graph_options_script_times_each_variant(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["option"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "fuse_qk_norm_gqa=false",
-                          "attention=onnx"]
+                          "prefill_attention=onnx"]
     assert "Split 0 -> " in rows["fuse_mlp_gate_up=true"]["graph"]
     assert "MatMul" in rows["fuse_qkv=false"]["graph"]
     assert "not timed" in rows["fuse_qk_norm_gqa=false"]["graph"] and "ms" not in rows["fuse_qk_norm_gqa=false"]
-    assert "GroupQueryAttention 2 -> 0" in rows["attention=onnx"]["graph"]
-    for option in ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "attention=onnx"]:
+    assert "prefill graph: " in rows["prefill_attention=onnx"]["graph"]
+    assert "GroupQueryAttention 2 -> 0" in rows["prefill_attention=onnx"]["graph"]
+    for option in ["default", "fuse_mlp_gate_up=true", "fuse_qkv=false", "prefill_attention=onnx"]:
         assert rows[option]["ms"] > 0 and rows[option]["max_diff_vs_fp32"] < 1e-4
 
 

@@ -6,7 +6,7 @@ import logging
 import onnx
 import pytest
 import torch
-from helpers import load_pair
+from helpers import left_padded_batch, load_pair, right_padded_batch
 
 from ortmodule import OrtModelForCausalLM, extend, graph, runtime, scoring
 from ortmodule.inputs import Rows, pad_right
@@ -146,3 +146,72 @@ def test_where_there_is_no_extend_graph(build, caplog):
     with pytest.raises(ValueError, match="exactly as long as its longest row"):
         extender.run(torch.tensor([[8, 9]]), cache, torch.arange(2))
 
+
+
+@pytest.mark.parametrize("arch", GQA_ARCHES)
+def test_prefill_graph_equals_transformers(build, arch):
+    """`prefill_attention="onnx"`: runs without a cache take the prefill graph (ONNX's `Attention`,
+    causal, no KV written); its logits at every real position of right- and left-padded batches equal
+    transformers'; a run that keeps a cache keeps the package's graph."""
+    fixture = build(arch)
+    hf = load_pair(fixture)[1]
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=0, prefill_attention="onnx")
+    assert model.decoder.causal is not None
+    runs = []
+    run = model.decoder.causal.run
+    model.decoder.causal.run = lambda *a: runs.append(a) or run(*a)
+    for batch in (right_padded_batch([17, 9, 3], seed=5), left_padded_batch([12, 4], seed=6)):
+        ids, mask = batch
+        with torch.no_grad():
+            expected = hf(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits
+        real = mask.bool()
+        assert (got - expected)[real].abs().max().item() < 1e-4 * max(1.0, expected[real].abs().max().item())
+    assert len(runs) == 2
+    with torch.no_grad():  # a run over a cache keeps the package's graph
+        out = model(ids, attention_mask=mask, use_cache=True)
+    assert len(runs) == 2 and out.past_key_values.get_seq_length() == ids.shape[1]
+
+
+def test_prefill_graph_choices(build, caplog):
+    """The default keeps the package's graph; sliding-window layers (Gemma 3) keep it too, with the
+    reason logged, and their answers; a choice not known is refused by name."""
+    assert OrtModelForCausalLM.from_pretrained(build("llama").package_dir).decoder.causal is None
+    fixture = build("gemma3")
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_attention="onnx")
+    assert model.decoder.causal is None and "no prefill graph" in caplog.text and "sliding-window" in caplog.text
+    hf = load_pair(fixture)[1]
+    ids, mask = right_padded_batch([9, 5], seed=8)
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask).logits
+    assert (model(ids, attention_mask=mask).logits - expected)[mask.bool()].abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="prefill_attention must be one of auto, package, onnx, not 'flash'"):
+        OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_attention="flash")
+
+
+def test_a_prefill_graph_that_differs_is_not_used(build, monkeypatch, caplog):
+    """The prefill graph's first run is checked against the package graph on the same tokens: a graph
+    that computes something else (here: attention that sees the tokens after it) is set aside with a
+    warning, and the package's graph answers."""
+    made = extend.extend_graph_bytes
+
+    def non_causal(*args, **kwargs):
+        proto = onnx.load_from_string(made(*args, **kwargs))
+        for node in proto.graph.node:
+            for attribute in node.attribute:
+                if node.op_type == "Attention" and attribute.name == "is_causal":
+                    attribute.i = 0
+        return proto.SerializeToString()
+
+    monkeypatch.setattr(extend, "extend_graph_bytes", non_causal)
+    fixture = build("llama")
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_attention="onnx")
+    assert model.decoder.causal is None
+    assert "prefill graph" in caplog.text and "differ from the package graph's" in caplog.text
+    hf = load_pair(fixture)[1]
+    ids, mask = right_padded_batch([7, 4], seed=9)
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask).logits
+    assert (model(ids, attention_mask=mask).logits - expected)[mask.bool()].abs().max().item() < 1e-4

@@ -757,3 +757,21 @@ def test_questions_after_a_preamble_score_as_hf_does(build):
     for share in ("true", "false"):
         lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=32, share_contexts=share)
         assert_same_answers(lm._loglikelihood_tokens(requests, disable_tqdm=True), reference)
+
+
+def test_prefill_attention_model_arg_runs_the_prefill_graph(build, hf_answers, monkeypatch):
+    """`prefill_attention=onnx`: lm-eval's padded rows run in the prefill graph (extend.py) and the
+    answers equal hf's; a choice not known is refused by name."""
+    from lm_eval.api.registry import get_model
+
+    from ortmodule import extend
+
+    runs = []
+    run = extend.CausalPrefill.run
+    monkeypatch.setattr(extend.CausalPrefill, "run", lambda self, *a: runs.append(a) or run(self, *a))
+    lm = get_model("ortmodule")(pretrained=str(build("llama").package_dir), device="cpu", batch_size=4,
+                                share_contexts="false", prefill_attention="onnx", prefill_chunk="0")
+    assert_same_answers(lm._loglikelihood_tokens(mixed_requests(), disable_tqdm=True), hf_answers)
+    assert len(runs) > 1  # the load's check, then lm-eval's batches
+    with pytest.raises(ValueError, match="prefill_attention must be one of auto, package, onnx"):
+        get_model("ortmodule")(pretrained=str(build("llama").package_dir), prefill_attention="sdpa")
