@@ -34,6 +34,9 @@ def load(backend, fixture, batch_size, device):
     if backend == "ortmodule-pad64":  # batch widths rounded up to a multiple of 64 tokens: few distinct shapes
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
                                       pad_to_multiple_of=64)
+    if backend == "ortmodule-prefill-onnx":  # padded rows in the prefill graph (ONNX's Attention, no KV written)
+        return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
+                                      prefill_attention="onnx")
     if backend == "ortmodule-cuda-graph":  # the session that generate's CUDA graphs need, scoring
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
                                       provider_options={"enable_cuda_graph": "1"})

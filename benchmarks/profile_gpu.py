@@ -44,6 +44,11 @@ with `Attention` taking the grouped KV heads as they are, where on CUDA ortmodul
 query heads first (extend.REPEAT_KV_HEADS_ON_CUDA): run `--shared` with and without it to see what
 the repeat costs.
 
+`--prefill-attention onnx` loads the model with its runs without a cache (scoring's padded rows,
+every mode but the shared path's extend runs) in the prefill graph (extend.py: ONNX's `Attention`
+instead of GroupQueryAttention, no KV written): run a mode with and without it to see what
+GroupQueryAttention's prologue kernel costs there.
+
 `--provider-option KEY=VALUE` and `--session-option NAME=VALUE` (repeatable) load the sessions with
 that CUDA provider option or ONNX Runtime session option (e.g. `--session-option enable_mem_pattern=0`,
 `--provider-option arena_extend_strategy=kSameAsRequested`), to tell which of ONNX Runtime's
@@ -205,6 +210,8 @@ def main():
     parser.add_argument("--share", default="auto", help="with --lm-eval: share_contexts")
     parser.add_argument("--grouped-kv", action="store_true",
                         help="the extend graph's Attention takes the grouped KV heads as they are (not repeated)")
+    parser.add_argument("--prefill-attention", choices=["auto", "package", "onnx"], default="auto",
+                        help="runs without a cache in the package's graph or the prefill graph (extend.py)")
     parser.add_argument("--pad-multiple", type=int, default=64, help="with --shapes: the bucketed passes' multiple")
     parser.add_argument("--provider-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a CUDA provider option (e.g. arena_extend_strategy=kSameAsRequested)")
@@ -219,10 +226,12 @@ def main():
     fixture = fixtures.build(spec)
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device,
                                                 session_options=session_options(args.session_option),
-                                                provider_options=dict(o.split("=", 1) for o in args.provider_option))
+                                                provider_options=dict(o.split("=", 1) for o in args.provider_option),
+                                                prefill_attention=args.prefill_attention)
     name = torch.cuda.get_device_name() if model.device.type == "cuda" else "CPU"
     peak = next((flops for key, (flops, _) in GPU_DATASHEET.items() if key in name), None)
-    print(f"{name}; package {fixture.package_dir.name}, builder options {dict(spec.extra_options) or 'default'}")
+    print(f"{name}; package {fixture.package_dir.name}, builder options {dict(spec.extra_options) or 'default'}; "
+          f"runs without a cache in {'the prefill graph' if model.decoder.causal else 'the package graph'}")
     if args.shared:
         return profile_sharing(model, args, peak)
     if args.shapes:

@@ -16,6 +16,13 @@ bytes are cached like the LM-head rewrite's (graph.py) and reference the package
 
 Where a decoder does not match (sliding-window layers, soft-capping on CUDA, attention biases,
 sinks), `extend_graph` raises `graph.RewriteSkipped` and callers keep the decode steps.
+
+The same rewrite without a past is the prefill graph (`prefill_graph`): `Attention` with `is_causal`
+over the new tokens alone, no KV read or written, for runs that keep no cache (scoring's padded
+rows), where the package's GroupQueryAttention would write a cache that is thrown away (on CUDA in a
+kernel of one 16-thread block per token, head and row). `CausalPrefill.run` runs it where the
+decoder's `prefill_attention` is "onnx" (`make_prefill`: made at load, its first run checked against
+the package graph's logits).
 """
 
 from __future__ import annotations
@@ -61,8 +68,9 @@ def checked_attention(value) -> str:
 
 def uses_prefill_graph(choice: str, device: torch.device) -> bool:
     """Whether runs without a cache take the prefill graph (`prefill_graph`): where asked ("onnx");
-    under "auto" nowhere yet: on a 2-vCPU Xeon it ran SmolLM2's 8 x 128-token prefills 1.08x faster and
-    4 x 512 0.93x (docs/measurements.md, session 30), and on CUDA it is unmeasured."""
+    under "auto" nowhere yet: on a 2-vCPU Xeon it ran SmolLM2's prefills of 8 x 128 and 4 x 512 tokens
+    at 0.93x and 0.95x of the package graph's speed (docs/measurements.md, session 30); CUDA's figures
+    (the GPU suite's `ortmodule-prefill-onnx` rows) are to come."""
     return choice == "onnx"
 
 

@@ -93,7 +93,8 @@ def test_graph_options_script_times_each_variant(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [[], ["--rolling"], ["--shared"], ["--lm-eval", "fewshot", "--questions", "3"]])
+@pytest.mark.parametrize("mode", [[], ["--rolling"], ["--shared"], ["--lm-eval", "fewshot", "--questions", "3"],
+                                  ["--rolling", "--prefill-attention", "onnx"]])
 def test_profile_script_runs_each_mode_on_a_cpu(mode):
     """benchmarks/profile_gpu.py, which GPU sessions run with little time to spare, runs each of its
     modes to the end on the smoke model on a CPU (transformers' side needs CUDA: `--only ortmodule`
@@ -112,5 +113,7 @@ def test_profile_script_runs_each_mode_on_a_cpu(mode):
     elif mode[:1] == ["--lm-eval"]:
         assert "fewshot, 3 questions (12 requests)" in done.stdout and "under the profiler" in done.stdout, done.stdout
     else:
-        scored = "480 scored" if mode else "32 scored"
+        scored = "480 scored" if "--rolling" in mode else "32 scored"
+        graph = "the prefill graph" if "--prefill-attention" in mode else "the package graph"
+        assert f"runs without a cache in {graph}" in done.stdout, done.stdout
         assert "== ortmodule: " in done.stdout and scored in done.stdout, done.stdout
