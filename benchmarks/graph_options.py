@@ -190,7 +190,7 @@ def prefill_graph_changes(model) -> str:
     if decoder.causal is None:
         raise RuntimeError("ortmodule made no prefill graph for this package (its log says why)")
     data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, decoder.spec.layers[0].head_size,
-                                     False, decoder.cache_dir, causal=True)
+                                     False, decoder.cache_dir, layout="prefill")
 
     def count(graph: bytes) -> collections.Counter:
         return collections.Counter(node.op_type for node in onnx.load_from_string(graph).graph.node)

@@ -44,6 +44,11 @@ with `Attention` taking the grouped KV heads as they are, where on CUDA ortmodul
 query heads first (extend.REPEAT_KV_HEADS_ON_CUDA): run `--shared` with and without it to see what
 the repeat costs.
 
+`--extend-layout cache` builds the extend graph in ONNX's external-cache form (extend.extend_graph:
+the new KV written after each row's past by `TensorScatter`, `Attention` over each row's keys with
+`is_causal`), which ONNX Runtime's CUDA kernel runs as flash attention where the default mask form
+falls back to its unfused kernel: run `--shared` or `--lm-eval fewshot --share true` with and without it.
+
 `--prefill-attention onnx` loads the model with its runs without a cache (scoring's padded rows,
 every mode but the shared path's extend runs) in the prefill graph (extend.py: ONNX's `Attention`
 instead of GroupQueryAttention, no KV written): run a mode with and without it to see what
@@ -210,6 +215,8 @@ def main():
     parser.add_argument("--share", default="auto", help="with --lm-eval: share_contexts")
     parser.add_argument("--grouped-kv", action="store_true",
                         help="the extend graph's Attention takes the grouped KV heads as they are (not repeated)")
+    parser.add_argument("--extend-layout", choices=["mask", "cache"],
+                        help="the extend graph's layout on this device (extend.EXTEND_LAYOUT; default: ortmodule's)")
     parser.add_argument("--prefill-attention", choices=["auto", "package", "onnx"], default="auto",
                         help="runs without a cache in the package's graph or the prefill graph (extend.py)")
     parser.add_argument("--pad-multiple", type=int, default=64, help="with --shapes: the bucketed passes' multiple")
@@ -219,6 +226,8 @@ def main():
                         help="a SessionOptions attribute (enable_mem_pattern=0) or, with a dot, a config entry")
     args = parser.parse_args()
     extend.REPEAT_KV_HEADS_ON_CUDA = not args.grouped_kv
+    if args.extend_layout:
+        extend.EXTEND_LAYOUT[torch.device(args.device).type] = args.extend_layout
     spec = SIZES[args.size]["decoders"][args.spec]
     if args.extra_option:
         options = dict(spec.extra_options) | dict(item.split("=", 1) for item in args.extra_option)

@@ -91,7 +91,7 @@ def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) ->
         decoder.prefill(Rows(tokens, None, torch.full((1,), prefix, device=device), prefix),
                         torch.full((1,), prefix - 1, device=device), pasts[prefix])
     def run(rows: int, prefix: int = length):
-        cache = decoder.new_cache(rows, prefix)
+        cache = decoder.new_cache(rows, prefix + extender.room(16))
         cache.start_from(pasts[prefix], torch.zeros(rows, dtype=torch.int64, device=device),
                          torch.full((rows,), prefix, device=device), prefix)
         tokens = torch.randint(4, decoder.vocab_size, (rows, 16), generator=torch.Generator().manual_seed(1))

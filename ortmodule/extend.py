@@ -27,6 +27,7 @@ the package graph's logits).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -50,9 +51,16 @@ POSITIONS = "ortmodule_positions"
 # heads were not taken by ONNX Runtime's CUDA kernel when this was written; ONNX Runtime's PR 27542,
 # in 1.31, added them). benchmarks/profile_gpu.py `--grouped-kv` sets this False to measure both.
 REPEAT_KV_HEADS_ON_CUDA = True
+# The extend graph's layout per device type (extend_graph): "mask" everywhere until the GPU measures
+# "cache" (ONNX Runtime's flash attention over the rows' caches on CUDA; its unfused kernel runs the
+# mask layout there). benchmarks/profile_gpu.py `--extend-layout` sets it.
+EXTEND_LAYOUT = {"cpu": "mask", "cuda": "mask"}
 ATTENTION_BIAS = "ortmodule_attention_bias"
+WRITE_AT = "ortmodule_write_at"
+KV_LENGTHS = "ortmodule_kv_lengths"
 EXTEND_VERSION = "1"
 _OPSET = 23  # ONNX's Attention
+_OPSET_CACHE = 24  # its external-cache input (nonpad_kv_seqlen), and TensorScatter
 
 
 PREFILL_ATTENTION = ("auto", "package", "onnx")
@@ -83,16 +91,26 @@ def _input(node: ir.Node, index: int) -> ir.Value | None:
     return node.inputs[index] if index < len(node.inputs) else None
 
 
-def extend_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool = False) -> onnx.ModelProto:
-    """The decoder with every GroupQueryAttention replaced as the module docstring says. Inputs
-    added: `ortmodule_positions` (int64 `[batch, new]`: each new token's position) and
-    `ortmodule_attention_bias` (`[batch, 1, new, past + new]` in the KV's dtype: 0 where a new
-    token sees a key, a large negative number where not). The past KV inputs keep their names and
-    take `[batch, kv_heads, past, head_size]`; the present outputs are gone.
+def extend_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool = False,
+                 layout: str = "mask") -> onnx.ModelProto:
+    """The decoder with every GroupQueryAttention replaced as the module docstring says; the present
+    outputs are gone, and the past KV inputs keep their names. Inputs added: `ortmodule_positions`
+    (int64 `[batch, new]`: each new token's position) and by `layout`:
 
-    `expand_kv_heads` repeats each KV head for its group of query heads before `Attention`, for
-    kernels without grouped-query attention (ONNX Runtime's CUDA `Attention` before 1.32)."""
-    return _rewrite(proto, head_size, expand_kv_heads, causal=False)
+    - "mask": `ortmodule_attention_bias` (`[batch, 1, new, past + new]` in the KV's dtype: 0 where a
+      new token sees a key, a large negative number where not); the pasts are `[batch, kv_heads,
+      past, head_size]`, as long as the longest row's. `expand_kv_heads` repeats each KV head for
+      its group of query heads before `Attention`, for kernels without grouped-query attention.
+    - "cache": ONNX's external-cache form (opset 24), which ONNX Runtime's CUDA kernel runs as flash
+      attention where the mask form falls back to its unfused kernel: the pasts are buffers with
+      room for the new tokens after every row's past (`[batch, kv_heads, capacity, head_size]`);
+      `TensorScatter` writes the new keys and values at `ortmodule_write_at` (int64 `[batch]`: the
+      row's past length) and `Attention` reads `ortmodule_kv_lengths` (int64 `[batch]`: past + new)
+      keys with `is_causal`, aligned at each row's end (a right-padded row's real new tokens never
+      see the padding after them)."""
+    if layout not in ("mask", "cache"):
+        raise ValueError(f"layout must be 'mask' or 'cache', not {layout!r}")
+    return _rewrite(proto, head_size, expand_kv_heads and layout == "mask", layout)
 
 
 def prefill_graph(proto: onnx.ModelProto, head_size: int) -> onnx.ModelProto:
@@ -101,10 +119,36 @@ def prefill_graph(proto: onnx.ModelProto, head_size: int) -> onnx.ModelProto:
     `is_causal` over the new tokens alone. No past inputs, no present outputs (no KV is written),
     no attention mask: right for right-padded rows only, where a real token never attends to the
     padding after it (ortmodule's prefills are right-padded: inputs.check_batch)."""
-    return _rewrite(proto, head_size, False, causal=True)
+    return _rewrite(proto, head_size, False, "prefill")
 
 
-def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, causal: bool) -> onnx.ModelProto:
+@dataclasses.dataclass
+class _Feeds:
+    """The inputs a rewrite adds, by layout (extend_graph's "mask" and "cache", and "prefill")."""
+
+    layout: str
+    positions: ir.Value
+    bias: ir.Value | None = None
+    write_at: ir.Value | None = None
+    kv_lengths: ir.Value | None = None
+
+    @classmethod
+    def make(cls, layout: str, kv_type) -> _Feeds:
+        def value(name, kind, shape):
+            return ir.Value(name=name, type=kind, shape=ir.Shape(shape))
+        int64 = ir.TensorType(ir.DataType.INT64)
+        feeds = cls(layout, value(POSITIONS, int64, ["batch", "new"]))
+        if layout == "mask":
+            feeds.bias = value(ATTENTION_BIAS, kv_type, ["batch", 1, "new", "total"])
+        elif layout == "cache":
+            feeds.write_at, feeds.kv_lengths = value(WRITE_AT, int64, ["batch"]), value(KV_LENGTHS, int64, ["batch"])
+        return feeds
+
+    def values(self) -> list[ir.Value]:
+        return [v for v in (self.positions, self.bias, self.write_at, self.kv_lengths) if v is not None]
+
+
+def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, layout: str) -> onnx.ModelProto:
     model = ir.serde.deserialize_model(proto)
     graph = model.graph
     attention = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
@@ -113,34 +157,26 @@ def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, caus
     kv_type = attention[0].inputs[3].type if attention[0].inputs[3] is not None else None
     if kv_type is None:
         raise RewriteSkipped("GroupQueryAttention without a past key input")
-    positions = ir.Value(name=POSITIONS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch", "new"]))
-    bias = None if causal else ir.Value(name=ATTENTION_BIAS, type=kv_type, shape=ir.Shape(["batch", 1, "new", "total"]))
-    graph.inputs.extend([v for v in (positions, bias) if v is not None])
+    feeds = _Feeds.make(layout, kv_type)
+    graph.inputs.extend(feeds.values())
     presents = set()
     for index, node in enumerate(attention):
         presents.update(v.name for v in node.outputs[1:3] if v is not None)
-        _replace(graph, node, index, positions, bias, head_size, expand_kv_heads)
+        _replace(graph, node, index, feeds, head_size, expand_kv_heads)
     graph.outputs[:] = [o for o in graph.outputs if o.name not in presents]
-    model.opset_imports[""] = max(model.opset_imports.get("", 1), _OPSET)
+    model.opset_imports[""] = max(model.opset_imports.get("", 1), _OPSET_CACHE if layout == "cache" else _OPSET)
     _remove_unused(graph)
     used = {v for node in graph for v in node.inputs if v is not None} | set(graph.outputs)
     graph.inputs[:] = [v for v in graph.inputs if v in used]
     return ir.serde.serialize_model(model)
 
 
-def _replace(graph: ir.Graph, node: ir.Node, index: int, positions: ir.Value, bias: ir.Value | None, head_size: int,
+def _replace(graph: ir.Graph, node: ir.Node, index: int, feeds: _Feeds, head_size: int,
              expand_kv_heads: bool) -> None:
+    _check_rewritable(node)
     heads = _attribute(node, "num_heads", 0)
     kv_heads = _attribute(node, "kv_num_heads", 0)
-    window = _attribute(node, "local_window_size", -1)
     softcap = _attribute(node, "softcap", 0.0)
-    if window is not None and window > 0:
-        raise RewriteSkipped(f"'{node.name}' is a sliding-window layer")
-    for i, what in ((9, "position ids"), (10, "an attention bias"), (11, "a head sink")):
-        if _input(node, i) is not None:
-            raise RewriteSkipped(f"'{node.name}' takes {what}")
-    if _attribute(node, "smooth_softmax", 0):
-        raise RewriteSkipped(f"'{node.name}' uses a smooth softmax")
     name = f"/ortmodule/extend/{index}"
     new_nodes = []
 
@@ -162,17 +198,26 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, positions: ir.Value, bi
         query = _norm(add, query, q_norm, heads, head_size, epsilon)
         key = _norm(add, key, k_norm, kv_heads, head_size, epsilon)
     if _attribute(node, "do_rotary", 0):
-        query, key = _rotate(add, node, query, key, positions, heads, kv_heads, head_size)
+        query, key = _rotate(add, node, query, key, feeds.positions, heads, kv_heads, head_size)
     scale = _attribute(node, "scale", 0.0) or 1.0 / math.sqrt(head_size)
     attributes = {"q_num_heads": heads, "kv_num_heads": kv_heads, "scale": float(scale)}
     if softcap:
         attributes["softcap"] = float(softcap)
-    if bias is None:  # the prefill graph: causal over the new tokens, nothing written
+    if feeds.layout == "prefill":  # causal over the new tokens, nothing written
         attend = ir.node("Attention", [query, key, value], attributes={**attributes, "is_causal": 1},
                          num_outputs=1, name=f"{name}/Attention")
-        _put(graph, node, new_nodes, attend)
+        _put(graph, node, new_nodes, attend, add)
         return
     past_key, past_value = node.inputs[3], node.inputs[4]
+    if feeds.layout == "cache":  # the new KV written after each row's past, flash over the row's keys
+        query, key, value = (_heads_first(add, v, n, head_size) for v, n in ((query, heads), (key, kv_heads),
+                                                                               (value, kv_heads)))
+        key, value = (add("TensorScatter", [past, new, feeds.write_at], axis=-2)
+                      for past, new in ((past_key, key), (past_value, value)))
+        attend = ir.node("Attention", [query, key, value, None, None, None, feeds.kv_lengths],
+                         attributes={**attributes, "is_causal": 1}, num_outputs=1, name=f"{name}/Attention")
+        _put(graph, node, new_nodes, attend, add, heads_first=heads * head_size)
+        return
     if expand_kv_heads and kv_heads != heads:
         if softcap:
             raise RewriteSkipped(f"'{node.name}' soft-caps its attention, which this Attention kernel does not")
@@ -181,16 +226,41 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, positions: ir.Value, bi
         past_key, past_value = (_repeat_heads(add, v, kv_heads, group, head_size, new=False)
                                 for v in (past_key, past_value))
         attributes["kv_num_heads"] = heads
-    attend = ir.node("Attention", [query, key, value, bias, past_key, past_value], attributes=attributes,
+    attend = ir.node("Attention", [query, key, value, feeds.bias, past_key, past_value], attributes=attributes,
                      num_outputs=3, name=f"{name}/Attention")  # presents unread (the CPU kernel wants them)
-    _put(graph, node, new_nodes, attend)
+    _put(graph, node, new_nodes, attend, add)
 
 
-def _put(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], attend: ir.Node) -> None:
-    """`new_nodes` and `attend` before `node`, whose output `attend`'s first output replaces."""
-    graph.insert_before(node, [*new_nodes, attend])
-    node.outputs[0].replace_all_uses_with(attend.outputs[0])
-    attend.outputs[0].shape, attend.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
+def _check_rewritable(node: ir.Node) -> None:
+    """RewriteSkipped where a GroupQueryAttention node computes what the rewrite does not."""
+    window = _attribute(node, "local_window_size", -1)
+    if window is not None and window > 0:
+        raise RewriteSkipped(f"'{node.name}' is a sliding-window layer")
+    for i, what in ((9, "position ids"), (10, "an attention bias"), (11, "a head sink")):
+        if _input(node, i) is not None:
+            raise RewriteSkipped(f"'{node.name}' takes {what}")
+    if _attribute(node, "smooth_softmax", 0):
+        raise RewriteSkipped(f"'{node.name}' uses a smooth softmax")
+
+
+def _put(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], attend: ir.Node, add,
+         heads_first: int = 0) -> None:
+    """`new_nodes` and `attend` before `node`, whose first output `attend`'s replaces (brought back
+    from `[batch, heads, new, head_size]` to `[batch, new, heads_first]` where `heads_first` is given)."""
+    new_nodes.append(attend)
+    out = attend.outputs[0]
+    if heads_first:
+        out = add("Reshape", [add("Transpose", [out], perm=[0, 2, 1, 3]),
+                              add("Constant", [], value=ir.tensor([0, 0, heads_first], dtype=ir.DataType.INT64))])
+    graph.insert_before(node, new_nodes)
+    node.outputs[0].replace_all_uses_with(out)
+    out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
+
+
+def _heads_first(add, x: ir.Value, heads: int, head_size: int) -> ir.Value:
+    """`[batch, new, heads * head_size]` as `[batch, heads, new, head_size]` (the cache's layout)."""
+    split = add("Constant", [], value=ir.tensor([0, 0, heads, head_size], dtype=ir.DataType.INT64))
+    return add("Transpose", [add("Reshape", [x, split])], perm=[0, 2, 1, 3])
 
 
 def _rotate(add, node: ir.Node, query: ir.Value, key: ir.Value, positions: ir.Value, heads: int, kv_heads: int,
@@ -241,15 +311,19 @@ def _remove_unused(graph: ir.Graph) -> None:
 
 
 def extend_graph_bytes(base: bytes, stem: str, head_size: int, expand_kv_heads: bool,
-                       cache_dir: Path | None = None, causal: bool = False) -> bytes:
-    """`extend_graph` (with `causal`: `prefill_graph`) of the LM-head-rewritten graph bytes `base`,
-    cached like them (graph.py); raises `RewriteSkipped` where the decoder does not match."""
+                       cache_dir: Path | None = None, layout: str = "mask") -> bytes:
+    """`extend_graph` in `layout` ("mask", "cache"; "prefill": `prefill_graph`) of the
+    LM-head-rewritten graph bytes `base`, cached like them (graph.py); raises `RewriteSkipped` where
+    the decoder does not match."""
+    if layout not in ("mask", "cache", "prefill"):
+        raise ValueError(f"layout must be 'mask', 'cache' or 'prefill', not {layout!r}")
+    expand_kv_heads = expand_kv_heads and layout == "mask"
     digest = hashlib.sha256(base)
-    digest.update(f"|{head_size}|{expand_kv_heads}|{causal}|{EXTEND_VERSION}|{ir.__version__}".encode())
-    kind = "prefill" if causal else "extend"
+    digest.update(f"|{head_size}|{expand_kv_heads}|{layout}|{EXTEND_VERSION}|{ir.__version__}".encode())
+    kind = "prefill" if layout == "prefill" else "extend"
     return graph.cached(cache_dir, f"{stem}-{kind}-{digest.hexdigest()[:32]}",
                         lambda: _rewrite(onnx.ModelProto.FromString(base), head_size, expand_kv_heads,
-                                         causal).SerializeToString())
+                                         layout).SerializeToString())
 
 
 class Extender:
@@ -260,7 +334,9 @@ class Extender:
         self.decoder, self.session = decoder, session  # any number of threads: a binding per call
         names = {i.name for i in session.ort_session.get_inputs()}
         self.position_ids = decoder.spec.position_ids if decoder.spec.position_ids in names else None
-        known = {decoder.spec.input_ids, POSITIONS, ATTENTION_BIAS, graph.LOGITS_INDICES, self.position_ids}
+        self.layout = "cache" if KV_LENGTHS in names else "mask"
+        known = {decoder.spec.input_ids, POSITIONS, ATTENTION_BIAS, WRITE_AT, KV_LENGTHS, graph.LOGITS_INDICES,
+                 self.position_ids}
         known |= {name for kv in decoder.spec.layers for name in (kv.past_key, kv.past_value)}
         if decoder.embedding_session is not None:
             known |= {name for _, name in decoder.package.embedding.feeds}
@@ -268,38 +344,55 @@ class Extender:
         if unknown:
             raise RewriteSkipped(f"the extend graph still takes {sorted(unknown)}")
 
+    def room(self, new: int) -> int:
+        """The positions a cache for `run` needs past its longest row, for `new` tokens a row."""
+        return new if self.layout == "cache" else 0
+
     def run(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor) -> torch.Tensor:
         """Logits `[n, V]` at the flat indices `logit_index` (`row * new + i`) of `tokens`
-        `[rows, new]` (right-padded) appended to the rows of `cache` (whose buffers are exactly as
-        long as its longest row, `cache.lengths` each row's past). The cache is not changed."""
-        decoder, spec = self.decoder, self.decoder.spec
+        `[rows, new]` (right-padded) appended to the rows of `cache` (`cache.lengths` each row's
+        past). The rows are not changed: in the mask layout the cache's buffers must be exactly as
+        long as its longest row; in the cache layout they grow to hold the new tokens (`reserve`),
+        which are written past the rows' ends and not counted."""
+        decoder = self.decoder
         rows, new = tokens.shape
         past = cache.keys[0].shape[2]
-        if cache.batch_size != rows or past != cache.longest:
+        if cache.batch_size != rows or (self.layout == "mask" and past != cache.longest):
             raise ValueError(f"extend needs a cache of {rows} rows exactly as long as its longest row "
                              f"({cache.longest}), got {cache.batch_size} rows of capacity {past}")
         device = decoder.device
-        columns = torch.arange(past + new, device=device)
         order = torch.arange(new, device=device)
-        visible = torch.where(columns < past, columns[None, None, :] < cache.lengths[:, None, None],
-                              (columns - past)[None, None, :] <= order[None, :, None])
-        bias = torch.zeros(rows, 1, new, past + new, dtype=decoder.kv_dtype, device=device)
-        bias.masked_fill_(~visible[:, None], torch.finfo(decoder.kv_dtype).min)
         binding = self.session.io_binding()
         decoder.bind_tokens(binding, tokens)
         positions = cache.lengths[:, None] + order
         runtime.bind_input(binding, POSITIONS, positions.to(torch.int64).contiguous())
         if self.position_ids is not None:
             runtime.bind_input(binding, self.position_ids, decoder.position_input(positions))
-        runtime.bind_input(binding, ATTENTION_BIAS, bias)
+        if self.layout == "cache":
+            cache.reserve(cache.longest + new, decoder.package.context_length)
+            runtime.bind_input(binding, WRITE_AT, cache.lengths.to(torch.int64).contiguous())
+            runtime.bind_input(binding, KV_LENGTHS, (cache.lengths + new).to(torch.int64).contiguous())
+        else:
+            runtime.bind_input(binding, ATTENTION_BIAS, _extend_bias(cache, new, decoder.kv_dtype))
         for kv, key, value in zip(cache.specs, cache.keys, cache.values):
             runtime.bind_input(binding, kv.past_key, key)
             runtime.bind_input(binding, kv.past_value, value)
         runtime.bind_input(binding, graph.LOGITS_INDICES, logit_index)
         logits = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
-        runtime.bind_output(binding, spec.logits, logits)
+        runtime.bind_output(binding, decoder.spec.logits, logits)
         self.session.run(binding)
         return logits
+
+
+def _extend_bias(cache: KVCache, new: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask layout's additive mask `[rows, 1, new, past + new]`: a row's new token sees the
+    row's past and the new tokens up to itself."""
+    past, device = cache.keys[0].shape[2], cache.lengths.device
+    columns, order = torch.arange(past + new, device=device), torch.arange(new, device=device)
+    visible = torch.where(columns < past, columns[None, None, :] < cache.lengths[:, None, None],
+                          (columns - past)[None, None, :] <= order[None, :, None])
+    bias = torch.zeros(cache.batch_size, 1, new, past + new, dtype=dtype, device=device)
+    return bias.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
 
 
 def has_quantized_weights(data: bytes) -> bool:
@@ -323,40 +416,55 @@ def lazy_extender(decoder) -> Callable[[], Extender | None]:
 
 def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
     """The decoder's `Extender`, or None (with the reason logged) where its graph does not match,
-    the device lacks room for the weights a second time, or the graph fails a first run."""
-    def check(extender: Extender) -> None:
-        device = decoder.device
-        cache = decoder.new_cache(1, 1)
-        one = torch.ones(1, dtype=torch.int64, device=device)
-        decoder.prefill(Rows(one[:, None], None, one, 1), None, cache)
-        extender.run(torch.zeros(1, 2, dtype=torch.int64, device=device), cache, torch.arange(2, device=device))
+    the device lacks room for the weights a second time, or its first run fails or gives other
+    logits than the package graph on the same rows."""
+    device = decoder.device
 
-    expand = decoder.device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA
+    def check(extender: Extender) -> None:
+        prefixes, rests = [[3, 1, 4], [9, 2]], [[1, 5], [6, 5]]
+        cache = decoder.new_cache(2, 3)
+        decoder.prefill(_rows([prefixes[0], prefixes[1] + [0]], [3, 2], device), None, cache)
+        got = extender.run(torch.tensor(rests, device=device) % decoder.vocab_size, cache,
+                           torch.arange(4, device=device))
+        whole = _rows([prefixes[0] + rests[0], prefixes[1] + rests[1] + [0]], [5, 4], device)
+        _check_close(decoder.package_prefill(whole, torch.tensor([3, 4, 7, 8], device=device)), got, decoder)
+
+    layout = EXTEND_LAYOUT.get(device.type, "mask")
+    expand = device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA
     return _second_session(decoder, "extend graph", "shared prefixes continue by decode steps", Extender, check,
                            lambda head_size: extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, head_size,
-                                                                expand_kv_heads=expand, cache_dir=cache_dir))
+                                                                expand, cache_dir, layout))
 
 
 def make_prefill(decoder) -> CausalPrefill | None:
     """The decoder's `CausalPrefill`, or None (with the reason logged, a warning where ONNX Runtime
     fails it) where its graph does not match, the device lacks room for the weights a second time,
     or its first run's logits differ from the package graph's on the same tokens."""
+    device = decoder.device
+
     def check(prefill: CausalPrefill) -> None:
-        ids = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]], device=decoder.device) % decoder.vocab_size
-        rows = Rows(ids, None, torch.tensor([5, 3], device=decoder.device), 5)
-        index = torch.tensor([0, 2, 4, 5, 7], device=decoder.device)  # the second row's real positions: 5-7
-        expected = decoder.package_prefill(rows, index).float()
-        got = prefill.run(ids, index).float()
-        scale = expected.abs().max().item()
-        error = (got - expected).abs().max().item()
-        tolerance = 1e-4 if decoder.kv_dtype == torch.float32 else 5e-2
-        if not error <= tolerance * max(1.0, scale):
-            raise RuntimeError(f"its logits differ from the package graph's by {error:.3g} (largest {scale:.3g})")
+        rows = _rows([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]], [5, 3], device)
+        index = torch.tensor([0, 2, 4, 5, 7], device=device)  # the second row's real positions: 5-7
+        _check_close(decoder.package_prefill(rows, index), prefill.run(rows.ids, index), decoder)
 
     return _second_session(decoder, "prefill graph", "runs without a cache keep the package's graph", CausalPrefill,
                            check, lambda head_size: extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem,
                                                                        head_size, False, decoder.cache_dir,
-                                                                       causal=True))
+                                                                       layout="prefill"))
+
+
+def _rows(ids: list[list[int]], lengths: list[int], device: torch.device) -> Rows:
+    """Right-padded rows of small token ids for a check."""
+    return Rows(torch.tensor(ids, device=device), None, torch.tensor(lengths, device=device), max(lengths))
+
+
+def _check_close(expected: torch.Tensor, got: torch.Tensor, decoder) -> None:
+    """RuntimeError where a rewrite's logits are not the package graph's (to its dtype's rounding)."""
+    expected, got = expected.float(), got.float()
+    scale, error = expected.abs().max().item(), (got - expected).abs().max().item()
+    tolerance = 1e-4 if decoder.kv_dtype == torch.float32 else 5e-2
+    if not error <= tolerance * max(1.0, scale):
+        raise RuntimeError(f"its logits differ from the package graph's by {error:.3g} (largest {scale:.3g})")
 
 
 def _second_session(decoder, what: str, otherwise: str, runner, check, graph_bytes):

@@ -109,7 +109,8 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
         return
     extender = decoder.extender()
     owner = torch.tensor(plan.owner, device=device)
-    cache = decoder.new_cache(len(rows), width if extender is not None else width + len(plan.steps))
+    room = extender.room(len(plan.steps)) if extender is not None else len(plan.steps)
+    cache = decoder.new_cache(len(rows), width + room)
     cache.start_from(source, owner, lengths[owner], width)
     tokens = pad_right(plan.tokens)[0].to(device)
     if extender is not None:  # every row's rest in one run

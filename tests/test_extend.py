@@ -15,10 +15,10 @@ from ortmodule.package import read_package
 GQA_ARCHES = ["llama", "qwen3", "phi3", "mistral", "qwen2"]
 
 
-def extender_of(model, expand_kv_heads):
+def extender_of(model, expand_kv_heads, layout="mask"):
     decoder = model.decoder
     data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, decoder.spec.layers[0].head_size,
-                                     expand_kv_heads)
+                                     expand_kv_heads, layout=layout)
     return extend.Extender(decoder, runtime.make_session(data, decoder.device, decoder.spec.path.parent))
 
 
@@ -42,24 +42,27 @@ def prefix_cache(model, prefixes, owner):
     return cache
 
 
-@pytest.mark.parametrize("expand_kv_heads", [False, True])
+@pytest.mark.parametrize("layout,expand_kv_heads", [("mask", False), ("mask", True), ("cache", False)])
 @pytest.mark.parametrize("arch", GQA_ARCHES)
-def test_extend_equals_transformers_on_the_whole_rows(build, arch, expand_kv_heads):
+def test_extend_equals_transformers_on_the_whole_rows(build, arch, layout, expand_kv_heads):
     """Rows continuing prefixes of different lengths by different numbers of tokens, in one run:
     every new position's logits equal transformers' on the whole row (right-padded rows and
-    prefixes, the rows' own positions for the rotary embedding, grouped heads shared or repeated)."""
-    cache = assert_extend_matches(*load_pair(build(arch)), expand_kv_heads, seed=31)
-    assert cache.lengths.tolist() == [11, 11, 6]  # the cache is read, not extended
+    prefixes, the rows' own positions for the rotary embedding, grouped heads shared or repeated;
+    in the mask layout and in the cache layout, whose new KV is written after each row's past)."""
+    cache = assert_extend_matches(*load_pair(build(arch)), expand_kv_heads, seed=31, layout=layout)
+    assert cache.lengths.tolist() == [11, 11, 6]  # the rows are read, not extended
 
 
-def assert_extend_matches(model, hf, expand_kv_heads, seed):
+def assert_extend_matches(model, hf, expand_kv_heads, seed, layout="mask"):
     """Rows over prefixes (`rows_over_prefixes`) continued in one extend run: every new position's
     logits equal transformers' on the whole row. Returns the prefixes' cache."""
     prefixes, rests, owner = rows_over_prefixes(seed)
     cache = prefix_cache(model, prefixes, owner)
     tokens = pad_right(rests)[0]
     new = tokens.shape[1]
-    logits = extender_of(model, expand_kv_heads).run(tokens, cache, torch.arange(len(rests) * new))
+    extender = extender_of(model, expand_kv_heads, layout)
+    assert extender.layout == layout
+    logits = extender.run(tokens, cache, torch.arange(len(rests) * new))
     logits = logits.view(len(rests), new, -1)
     for row, rest in enumerate(rests):
         whole = prefixes[owner[row]] + rest
@@ -69,16 +72,18 @@ def assert_extend_matches(model, hf, expand_kv_heads, seed):
     return cache
 
 
+@pytest.mark.parametrize("layout", ["mask", "cache"])
 @pytest.mark.parametrize("arch,options", [("llama", (("fuse_qkv", "false"),)), ("qwen3", (("fuse_qkv", "false"),)),
                                           ("qwen3", (("fuse_mlp_gate_up", "true"),))])
-def test_extend_on_packages_exported_with_graph_options(build, arch, options):
+def test_extend_on_packages_exported_with_graph_options(build, arch, options, layout):
     """The extend graph of a package whose GroupQueryAttention takes the query, key and value
     unpacked (the builder's fuse_qkv=false), or whose MLP is one gate/up MatMul: the new positions'
     logits equal transformers' on the whole rows."""
-    assert_extend_matches(*load_pair(build(arch, extra_options=options)), False, seed=33)
+    assert_extend_matches(*load_pair(build(arch, extra_options=options)), False, seed=33, layout=layout)
 
 
-def test_the_norms_grouped_query_attention_applies_itself_are_kept(build):
+@pytest.mark.parametrize("layout", ["mask", "cache"])
+def test_the_norms_grouped_query_attention_applies_itself_are_kept(build, layout):
     """A Qwen3 package exported for CUDA passes the query and key norms to GroupQueryAttention
     (which only the CUDA kernel applies). Its extend graph applies them as nodes, so it runs here:
     over transformers' own KV cache of a prefix, the logits of the rest equal transformers' (fp16)."""
@@ -87,7 +92,8 @@ def test_the_norms_grouped_query_attention_applies_itself_are_kept(build):
     assert any(n.op_type == "GroupQueryAttention" and len(n.input) > 14 and n.input[14] for n in proto.graph.node)
     spec = read_package(fixture.package_dir).decoder
     rewritten = graph.rewrite_keep_positions(proto, spec.logits)
-    data = extend.extend_graph(rewritten, spec.layers[0].head_size, expand_kv_heads=True).SerializeToString()
+    data = extend.extend_graph(rewritten, spec.layers[0].head_size, expand_kv_heads=True,
+                               layout=layout).SerializeToString()
     session = runtime.make_session(data, torch.device("cpu"), fixture.package_dir)
     hf = load_pair(build("qwen3"))[1]  # the same weights, fp32
     gen = torch.Generator().manual_seed(32)
@@ -98,11 +104,16 @@ def test_the_norms_grouped_query_attention_applies_itself_are_kept(build):
     binding = session.io_binding()
     runtime.bind_input(binding, spec.input_ids, rest)
     runtime.bind_input(binding, extend.POSITIONS, torch.arange(9, 14)[None])
-    runtime.bind_input(binding, extend.ATTENTION_BIAS, torch.zeros(1, 1, 5, 14, dtype=torch.float16).masked_fill(
-        torch.arange(14)[None, :] - 9 > torch.arange(5)[:, None], torch.finfo(torch.float16).min))
+    room = 5 if layout == "cache" else 0  # the cache layout writes the new KV after the past
+    if layout == "cache":
+        runtime.bind_input(binding, extend.WRITE_AT, torch.tensor([9]))
+        runtime.bind_input(binding, extend.KV_LENGTHS, torch.tensor([14]))
+    else:
+        runtime.bind_input(binding, extend.ATTENTION_BIAS, torch.zeros(1, 1, 5, 14, dtype=torch.float16).masked_fill(
+            torch.arange(14)[None, :] - 9 > torch.arange(5)[:, None], torch.finfo(torch.float16).min))
     for kv, layer in zip(spec.layers, past.layers):
-        runtime.bind_input(binding, kv.past_key, layer.keys.half().contiguous())
-        runtime.bind_input(binding, kv.past_value, layer.values.half().contiguous())
+        for name, tensor in ((kv.past_key, layer.keys), (kv.past_value, layer.values)):
+            runtime.bind_input(binding, name, torch.nn.functional.pad(tensor.half(), (0, 0, 0, room)).contiguous())
     runtime.bind_input(binding, graph.LOGITS_INDICES, torch.arange(5))
     logits = torch.empty(5, 512, dtype=torch.float16)
     runtime.bind_output(binding, spec.logits, logits)
@@ -190,26 +201,28 @@ def test_prefill_graph_choices(build, caplog):
         OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_attention="flash")
 
 
-def test_a_prefill_graph_that_differs_is_not_used(build, monkeypatch, caplog):
-    """The prefill graph's first run is checked against the package graph on the same tokens: a graph
-    that computes something else (here: attention that sees the tokens after it) is set aside with a
-    warning, and the package's graph answers."""
+def test_rewrites_that_differ_are_not_used(build, monkeypatch, caplog):
+    """The prefill and extend graphs' first runs are checked against the package graph on the same
+    tokens: a rewrite that computes something else (here: attention scaled twice as much) is set
+    aside with a warning, and the package's graph answers (shared prefixes by decode steps)."""
     made = extend.extend_graph_bytes
 
-    def non_causal(*args, **kwargs):
+    def mis_scaled(*args, **kwargs):
         proto = onnx.load_from_string(made(*args, **kwargs))
         for node in proto.graph.node:
             for attribute in node.attribute:
-                if node.op_type == "Attention" and attribute.name == "is_causal":
-                    attribute.i = 0
+                if node.op_type == "Attention" and attribute.name == "scale":
+                    attribute.f *= 2
         return proto.SerializeToString()
 
-    monkeypatch.setattr(extend, "extend_graph_bytes", non_causal)
+    monkeypatch.setattr(extend, "extend_graph_bytes", mis_scaled)
     fixture = build("llama")
     with caplog.at_level(logging.WARNING, logger="ortmodule"):
         model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_attention="onnx")
-    assert model.decoder.causal is None
-    assert "prefill graph" in caplog.text and "differ from the package graph's" in caplog.text
+        assert model.decoder.causal is None and model.decoder.extender() is None
+    for what in ("prefill graph", "extend graph"):
+        assert f"the {what} of" in caplog.text
+    assert caplog.text.count("differ from the package graph's") == 2
     hf = load_pair(fixture)[1]
     ids, mask = right_padded_batch([7, 4], seed=9)
     with torch.no_grad():
