@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, generation, load_tokenizer, scoring
+from ortmodule import OrtModelForCausalLM, extend, generation, load_tokenizer, scoring
 from ortmodule.inputs import pad_right
 from ortmodule_dev import fixtures
 
@@ -483,16 +483,19 @@ def test_cuda_graph_on_the_real_model():
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("layout", ["mask", "cache"])
 @pytest.mark.parametrize("precision,options", [("fp16", ()), ("bf16", ()), ("bf16", UNPACKED)],
                          ids=["fp16", "bf16", "bf16-unpacked"])
-def test_shared_contexts_extend_on_cuda(build, precision, options):
+def test_shared_contexts_extend_on_cuda(build, precision, options, layout, monkeypatch):
     """The extend graph on CUDA (a Qwen3 export, whose GroupQueryAttention applies the query/key
-    norms itself; also with its projections unpacked, as `ortmodule export` makes it): made, and
+    norms itself; also with its projections unpacked, as `ortmodule export` makes it), in either
+    layout (the cache layout: ONNX Runtime's flash attention over the rows' caches): made, and
     lm-eval-shaped groups (a context, several continuations) scored over one run of the contexts
     and one extend give the padded batch's answers."""
+    monkeypatch.setitem(extend.EXTEND_LAYOUT, "cuda", layout)
     fixture = build("qwen3", precision=precision, execution_provider="cuda", extra_options=options)
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
-    assert model.decoder.extender() is not None
+    assert model.decoder.extender() is not None and model.decoder.extender().layout == layout
     generator = torch.Generator().manual_seed(41)
     rows, groups, starts, targets = [], [], [], []
     for group, context_length in enumerate((30, 17, 44)):
@@ -509,6 +512,26 @@ def test_shared_contexts_extend_on_cuda(build, precision, options):
     tolerance = {"fp16": 0.05, "bf16": 0.3}[precision]  # per token, the half-precision logits' last digits
     for (lp, _), (ref_lp, _), rest in zip(got, expected, targets, strict=True):
         assert abs(lp - ref_lp) < tolerance * len(rest)
+
+
+@pytest.mark.parametrize("precision,options", [("bf16", ()), ("bf16", UNPACKED)], ids=["bf16", "bf16-unpacked"])
+def test_prefill_graph_on_cuda(build, precision, options):
+    """`prefill_attention="onnx"` on CUDA (a Qwen3 export: the query/key norms GroupQueryAttention
+    applied become nodes; ONNX Runtime's flash attention with grouped heads): made (its load-time
+    check passed), and right- and left-padded batches give transformers fp32's logits as the package
+    graph does."""
+    fixture = build("qwen3", precision=precision, execution_provider="cuda", extra_options=options)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", prefill_attention="onnx")
+    assert model.decoder.causal is not None
+    package = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    ids, mask = right_padded_batch([40, 17, 6], seed=12)
+    for layout in (mask, mask.flip(1)):
+        with torch.no_grad():
+            expected = hf(input_ids=ids, attention_mask=layout).logits
+        ours = model(ids.cuda(), attention_mask=layout.cuda()).logits
+        theirs = package(ids.cuda(), attention_mask=layout.cuda()).logits
+        assert real_positions_diff(ours, expected, layout) <= 1.5 * real_positions_diff(theirs, expected, layout) + 1e-3
 
 
 def test_explicit_prefill_chunks_on_cuda(llama_cuda):
