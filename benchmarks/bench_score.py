@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="items of exactly --item-tokens tokens (SGLang's bench_score shape)")
     parser.add_argument("--labels", type=int, default=4, help="label token ids per request")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="with --package or --fixture: an argument for `ortmodule serve` (repeatable), "
+                             "e.g. --serve-arg=--prefill-attention=onnx")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
 
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.url:
         result = measure(args.url)
     else:
-        with LocalServer(args.package, args.device) as server:
+        with LocalServer(args.package, args.device, args.serve_arg) as server:
             loop_before = server.loop_cpu_seconds()
             result = measure(server.url)
             loop_after = server.loop_cpu_seconds()

@@ -53,6 +53,9 @@ def ortmodule(argv: list[str] | None = None) -> None:
     serve.add_argument("--enable-fp32-lm-head", action="store_true",
                        help="compute a bf16 package's LM head in float32: logits not rounded to bf16, as SGLang's and "
                             "vLLM's flag of that name (docs/graph-rewrite.md)")
+    serve.add_argument("--prefill-attention", default="auto", choices=["auto", "package", "onnx"],
+                       help="score and prompt-logprob runs in the package's graph or in the prefill graph "
+                            "(onnx: ONNX's Attention, no KV written; docs/usage.md); auto: the package's for now")
     _settings_flags(serve)
     args = parser.parse_args(argv)
     if args.command == "export":
@@ -63,7 +66,7 @@ def ortmodule(argv: list[str] | None = None) -> None:
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
     serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
-          **options)
+          prefill_attention=args.prefill_attention, **options)
 
 
 # The serving settings' flags (defaults: ortmodule/serving/settings.py).

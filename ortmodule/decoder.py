@@ -28,6 +28,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import logging
 import threading
 import warnings
 import weakref
@@ -40,6 +41,8 @@ from . import chunked, extend, graph, nbits, runtime
 from .cache import KVCache
 from .inputs import Rows
 from .package import Package, PackageError
+
+logger = logging.getLogger("ortmodule")
 
 
 @dataclasses.dataclass
@@ -146,6 +149,9 @@ class Decoder:
         self._check_runs()
         if extend.uses_prefill_graph(self.prefill_attention, device):
             self.causal = extend.make_prefill(self)
+            if self.causal is not None:
+                logger.info("ortmodule: runs without a cache take the prefill graph (prefill_attention=%s) on %s",
+                            self.prefill_attention, device)
 
     def _check_runs(self) -> None:
         """Run one token, so that a genai_config.json that disagrees with the graph (head size,

@@ -188,8 +188,9 @@ def test_waiting_requests_do_not_poll_their_connections(build):
 
 
 @contextlib.contextmanager
-def served(*command):
-    """`command` (an `ortmodule serve` line, without its port) running on a free port: its URL."""
+def served(*command, output: list | None = None):
+    """`command` (an `ortmodule serve` line, without its port) running on a free port: its URL; what
+    the process printed goes into `output` when it has stopped."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -210,6 +211,8 @@ def served(*command):
     finally:
         process.terminate()
         process.wait(30)
+        if output is not None:
+            output.append(process.stdout.read())
 
 
 def test_the_console_command_serves_a_package(llama):
@@ -219,6 +222,20 @@ def test_the_console_command_serves_a_package(llama):
                             json=dict(query=[5, 6], items=[[7], [8]], label_token_ids=[1, 2], apply_softmax=True))
         assert answer.status_code == 200 and answer.json()["model"] == "tiny"
         assert [round(sum(row), 5) for row in answer.json()["scores"]] == [1.0, 1.0]
+
+
+def test_prefill_attention_flag_serves_scores_from_the_prefill_graph(llama):
+    """`ortmodule serve --prefill-attention onnx`: the score runs take the prefill graph (its load says
+    so) and the scores are the package graph's."""
+    body = dict(query=[5, 6, 9, 11], items=[[7, 3], [8], [40, 41, 42]], label_token_ids=[1, 2, 30], apply_softmax=False)
+    expected = torch.tensor(ortmodule.score(OrtModelForCausalLM.from_pretrained(llama.package_dir), None, body["query"],
+                                            body["items"], body["label_token_ids"]))
+    output = []
+    with served(sys.executable, "-m", "ortmodule", "serve", str(llama.package_dir), "--prefill-attention", "onnx",
+                output=output) as url:
+        scores = torch.tensor(httpx.post(url + "/v1/score", json=body).json()["scores"])
+    assert "runs without a cache take the prefill graph" in output[0], output[0][-2000:]
+    assert ((scores - expected).abs() / expected).max().item() < 1e-4
 
 
 def test_enable_fp32_lm_head_serves_the_float32_head(build, tmp_path):

@@ -218,17 +218,18 @@ def open_files_for(connections: int) -> int:
 
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", fp32_lm_head: bool = False,
-          **options) -> None:
+          prefill_attention: str | None = None, **options) -> None:
     """Load the package at `path` and serve it until interrupted (SIGINT, SIGTERM: what was
     accepted is answered first). `fp32_lm_head`: a bf16 package's LM head in float32 (SGLang's and
-    vLLM's `--enable-fp32-lm-head`; `rewrite_lm_head="float32"`)."""
+    vLLM's `--enable-fp32-lm-head`; `rewrite_lm_head="float32"`). `prefill_attention`: as
+    `OrtModelForCausalLM.from_pretrained`'s (the runs without a cache: scores, prompt log-probabilities)."""
     import uvicorn
 
     from ..hf import load_tokenizer
     from ..modeling import OrtModelForCausalLM
 
     settings = Settings.with_environment(**options)
-    model = OrtModelForCausalLM.from_pretrained(path, device=device,
+    model = OrtModelForCausalLM.from_pretrained(path, device=device, prefill_attention=prefill_attention,
                                                 rewrite_lm_head="float32" if fp32_lm_head else True)
     model.measured_costs()  # timed now (about a second), not in the first request that shares a query
     app = create_app(model, load_tokenizer(path), settings)
