@@ -500,7 +500,7 @@ def _second_session(decoder, what: str, otherwise: str, runner, check, graph_byt
         logger.info("ortmodule: no %s for %s (%s): %s", what, decoder.spec.path, reason, otherwise)
         return None
     except Exception as e:  # noqa: BLE001  ONNX Runtime's own types: the package's graph runs instead
-        logger.warning("ortmodule: the %s of %s does not run on %s (%s); %s", what, decoder.spec.path, device,
+        logger.warning("ortmodule: the %s of %s is set aside on %s (%s); %s", what, decoder.spec.path, device,
                        " ".join(str(e).split())[:300], otherwise)
         return None
     return made
