@@ -241,7 +241,11 @@ def rolling_totals(lm: OrtModuleLM, requests, disable_tqdm: bool = False) -> lis
         windows += mine
         counts.append(len(mine))
     progress = tqdm(total=len(windows), disable=disable_tqdm or lm.rank != 0, desc="Running rolling windows")
-    pending = lm._totals_on_device(windows, progress, share=False)
+    lm._greedy = False  # lm-eval reads no greedy flag of a rolling window: none is computed
+    try:
+        pending = lm._totals_on_device(windows, progress, share=False)
+    finally:
+        lm._greedy = True
     progress.close()
     scores = iter(read_back([None] * len(windows), pending, lm.cache_hook))
     totals = []
@@ -310,9 +314,9 @@ class OrtModuleLM(HFLM):
         self._token_budget = _positive_int(token_budget, "token_budget")
         self._pad_multiple = _positive_int(pad_to_multiple_of, "pad_to_multiple_of") or 1
         self._encoded: dict[str, list[int]] = {}  # the texts of the loglikelihood call in progress, encoded
+        self._greedy = True  # whether the answers count greedy tokens (not for rolling windows)
         self._share = _sharing_choice(share_contexts)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device is None else device
         self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options,
                                  prefill_chunk=_chunk_arg(prefill_chunk), quantized_prefill=quantized_prefill,
                                  prefill_attention=prefill_attention)
@@ -527,7 +531,7 @@ class OrtModuleLM(HFLM):
                                self.max_length)
         try:
             totals = loglikelihood_totals(self._model, ids, mask, [keys[r][1] for r in rows_of],
-                                          [requests[i][2] for i in chunk], rows_of)
+                                          [requests[i][2] for i in chunk], rows_of, self._greedy)
         except RuntimeError as e:
             if not auto or "out of memory." not in str(e) or len(keys) == 1:
                 raise

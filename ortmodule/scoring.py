@@ -47,6 +47,7 @@ def loglikelihood_totals(
     starts: Sequence[int],
     targets: Sequence[Sequence[int]],
     rows_of: Sequence[int] | None = None,
+    greedy: bool = True,
 ) -> torch.Tensor:
     """`loglikelihood`'s answers left on the device, `[2, requests]` float32: per request the
     summed log-probability of its targets and how many of them are not the greedy token. On CUDA
@@ -55,7 +56,8 @@ def loglikelihood_totals(
     A request is a row of the input by default; with `rows_of`, request k reads row `rows_of[k]`,
     so requests that differ only in their targets (a multiple-choice question's one-token
     choices after the same context) share one row, and a position asked for twice reaches the LM
-    head once."""
+    head once. `greedy=False`: the second answer is not wanted (lm-eval's rolling loglikelihoods),
+    so where every position is asked for once no greedy token is computed and it reads 0."""
     batch = input_ids.shape[0]
     requests = batch if rows_of is None else len(rows_of)
     if len(starts) != requests or len(targets) != requests:
@@ -88,7 +90,7 @@ def loglikelihood_totals(
         at = None if len(at) == len(positions) else to_device(torch.tensor(at), device)
     logits = model.logits_at(input_ids, attention_mask, rows, cols, upcast=False)  # [distinct positions, V]
     totals = _Totals(requests, device)
-    totals.add(logits, to_device(torch.tensor(flat_targets), device), to_device(owner, device), at)
+    totals.add(logits, to_device(torch.tensor(flat_targets), device), to_device(owner, device), at, greedy)
     return totals.tensor()
 
 
@@ -101,17 +103,18 @@ class _Totals:
         self.missed = torch.zeros(requests, device=device)
 
     def add(self, logits: torch.Tensor, target: torch.Tensor, owner: torch.Tensor,
-            at: torch.Tensor | None = None) -> None:
+            at: torch.Tensor | None = None, greedy: bool = True) -> None:
         """Targets `target[k]` of requests `owner[k]`, predicted by `logits[at[k]]` (`logits[k]`
-        without `at`)."""
-        lse, greedy = log_normalizers(logits)
+        without `at`); without `greedy` (and `at`), no greedy token is computed or counted."""
+        lse, top = log_normalizers(logits, at=target if not greedy and at is None else None)
         if at is not None:
-            lse, greedy = lse[at], greedy[at]
+            lse, top = lse[at], top[at]
             picked = logits[at, target]
         else:
             picked = logits.gather(1, target[:, None]).squeeze(1)
         self.sums.index_add_(0, owner, picked.float() - lse)
-        self.missed.index_add_(0, owner, (greedy != target).float())
+        if top is not None:
+            self.missed.index_add_(0, owner, (top != target).float())
 
     def tensor(self) -> torch.Tensor:
         return torch.stack([self.sums, self.missed])
@@ -121,7 +124,8 @@ CPU_CHUNK_BYTES = 1 << 22  # float32 work per piece on a CPU: it stays in the ca
 CUDA_CHUNK_BYTES = 1 << 28  # on CUDA: few kernel launches, and a large batch's logits are never copied whole
 
 
-def log_normalizers(logits: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def log_normalizers(logits: torch.Tensor, fused: bool | None = None,
+                    at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row of `[positions, V]` logits: the log of its softmax's denominator (float32, so that
     `logit - normalizer` is the float32 log-probability whatever the logits' precision) and its
     greedy token.
@@ -132,14 +136,16 @@ def log_normalizers(logits: torch.Tensor, fused: bool | None = None) -> tuple[to
     `torch.log_softmax` in float32 runs instead: one kernel per piece that reads the half-precision
     logits and writes the float32 log-probabilities, from which the normalizer is read at the
     greedy token (`logit - log-probability`, there close to 0, so exact to float32's rounding).
-    `fused` picks the way regardless of the device (the tests check both on a CPU)."""
-    greedy = logits.argmax(-1)
+    `fused` picks the way regardless of the device (the tests check both on a CPU). `at`: per row,
+    the column to read the fused way's normalizer at instead (the target), and no greedy token is
+    computed (None): an argmax pass over the logits saved where nobody reads it."""
+    greedy = logits.argmax(-1) if at is None else None
     if not (logits.device.type == "cuda" if fused is None else fused):
         chunk = max(1, CPU_CHUNK_BYTES // (4 * logits.shape[-1]))
         return torch.cat([torch.logsumexp(part.float(), dim=-1) for part in logits.split(chunk)]), greedy
     chunk = max(1, CUDA_CHUNK_BYTES // (4 * logits.shape[-1]))
     parts = []
-    for part, top in zip(logits.split(chunk), greedy[:, None].split(chunk)):
+    for part, top in zip(logits.split(chunk), (greedy if at is None else at)[:, None].split(chunk)):
         log_probs = torch.log_softmax(part, dim=-1, dtype=torch.float32)
         parts.append((part.gather(1, top).float() - log_probs.gather(1, top)).squeeze(1))
     return torch.cat(parts), greedy

@@ -346,8 +346,15 @@ def test_rolling_windows_run_in_batches_by_length_and_come_back_once(build, monk
                         lambda model, ids, mask, *a: widths.append((ids.shape, mask.sum().item())) or totals(
                             model, ids, mask, *a))
     monkeypatch.setattr(backend, "answers", lambda t: copies.append(t.shape) or answers(t))
+    argmax = []  # lm-eval reads no greedy flag of a rolling window: none is computed
+    from ortmodule import scoring
+
+    normalizers = scoring.log_normalizers
+    monkeypatch.setattr(scoring, "log_normalizers", lambda logits, *a, **k: argmax.append(k.get("at") is None) or
+                        normalizers(logits, *a, **k))
     got = lm.loglikelihood_rolling(documents, disable_tqdm=True)
     assert got == pytest.approx(reference, rel=1e-5)
+    assert argmax and not any(argmax)
     # The windows' row lengths in document order, as lm-eval cuts them.
     rows = [len(context) + len(continuation) - 1 for doc in documents
             for context, continuation in map(make_disjoint_window, get_rolling_token_windows(

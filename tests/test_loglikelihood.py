@@ -228,6 +228,11 @@ def test_log_normalizers_equal_float64_log_sum_exp(monkeypatch, fused, dtype):
     assert lse.dtype == torch.float32 and lse.shape == (23,)
     assert ((lse.double() - reference).abs() / reference.abs().clamp(min=1)).max().item() < 1e-6
     assert torch.equal(greedy, logits.argmax(-1))
+    # Read at given columns (the targets, far from the greedy token), without a greedy token.
+    at = torch.randint(0, vocab, (23,), generator=gen)
+    lse, greedy = scoring.log_normalizers(logits, fused=fused, at=at)
+    assert greedy is None
+    assert ((lse.double() - reference).abs() / reference.abs().clamp(min=1)).max().item() < 1e-6
 
 
 def test_loglikelihood_errors(llama):
