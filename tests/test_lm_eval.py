@@ -9,7 +9,7 @@ from helpers import ARCHES
 from lm_eval.tasks import TaskManager
 
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
-from ortmodule import tasks
+from ortmodule import scoring, tasks
 
 
 def evaluate(model, model_args, batch_size=8):
@@ -347,8 +347,6 @@ def test_rolling_windows_run_in_batches_by_length_and_come_back_once(build, monk
                             model, ids, mask, *a))
     monkeypatch.setattr(backend, "answers", lambda t: copies.append(t.shape) or answers(t))
     argmax = []  # lm-eval reads no greedy flag of a rolling window: none is computed
-    from ortmodule import scoring
-
     normalizers = scoring.log_normalizers
     monkeypatch.setattr(scoring, "log_normalizers", lambda logits, *a, **k: argmax.append(k.get("at") is None) or
                         normalizers(logits, *a, **k))
