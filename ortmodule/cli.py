@@ -12,11 +12,29 @@ import dataclasses
 import logging
 
 
+class _ThroughLmEval(logging.Handler):
+    """ortmodule's log records through lm-eval's own handlers, at lm-eval's level (`--verbosity`,
+    `LMEVAL_LOG_LEVEL`): ortmodule-eval prints what the backend decides (the prefill graph, the rank
+    that left the process group) beside lm-eval's lines, in their format."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("lm_eval")
+        if record.levelno < target.getEffectiveLevel():
+            return
+        for handler in target.handlers or [logging.lastResort]:  # before lm-eval set its up: stderr
+            if handler is not None and record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def main() -> None:
     from lm_eval.__main__ import cli_evaluate
 
     from .lm_eval import leave_process_group  # importing it registers --model ortmodule
 
+    log = logging.getLogger("ortmodule")
+    log.setLevel(logging.DEBUG)  # the handler applies lm-eval's level
+    log.addHandler(_ThroughLmEval())
+    log.propagate = False
     try:
         cli_evaluate()
     finally:

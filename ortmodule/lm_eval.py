@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,6 +38,8 @@ from .scoring import (
     loglikelihood_totals,
 )
 from .sharing import common_prefix, prefix_groups, worth_sharing
+
+logger = logging.getLogger(__name__)
 
 
 def _sharing_choice(value) -> bool | str:
@@ -264,11 +267,13 @@ def leave_process_group() -> None:
     """Destroy torch.distributed's default process group, if one is up (as `accelerate launch`
     makes for data parallel). lm-eval never does, and gloo's worker threads still running when the
     interpreter finalizes abort the process at exit ("terminate called without an active
-    exception", SIGABRT; pytorch/pytorch#190489). Idempotent."""
+    exception", SIGABRT; pytorch/pytorch#190489). Idempotent; logs the rank that left."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
         dist.destroy_process_group()
+        logger.info("rank %d left torch.distributed's process group", rank)
 
 
 def _one_evaluation_at_a_time(method):

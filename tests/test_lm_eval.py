@@ -612,6 +612,8 @@ def test_data_parallel_with_two_cpu_processes_equals_one(build, tmp_path):
     _, single = run_cli([sys.executable, "-m", "ortmodule.cli"], fixture, tmp_path / "one")
     log, double = run_cli(two_process_launch(), fixture, tmp_path / "two", env=CPU_ONLY)
     assert "on rank 1" in log and "0/80" in log  # two ranks, 80 of the 160 loglikelihood requests each
+    # Both left the process group before their interpreters finalized (gloo's threads, docs/lm-eval.md).
+    assert all(f"rank {rank} left torch.distributed's process group" in log for rank in (0, 1)), log[-3000:]
     assert sorted(single) == sorted(double) == ["samples_ortmodule_arithmetic_gen", "samples_ortmodule_arithmetic_mc"]
     for task in single:
         assert len(single[task]) == len(double[task]) == 40
@@ -622,29 +624,6 @@ def test_data_parallel_with_two_cpu_processes_equals_one(build, tmp_path):
             else:
                 for (lp, greedy), (ref_lp, ref_greedy) in zip(a["filtered_resps"], b["filtered_resps"]):
                     assert abs(float(lp) - float(ref_lp)) < 1e-5 and greedy == ref_greedy
-
-
-@pytest.mark.slow
-def test_data_parallel_exits_cleanly_ten_times_on_a_loaded_machine(build, tmp_path):
-    """Every process of a data-parallel evaluation exits 0 with no abort, 10 runs in a row while two
-    busy processes load the cores. Without leaving torch.distributed's process group before the
-    interpreter finalizes, gloo's threads abort a process at exit ("terminate called without an
-    active exception"): 8 of 20 bare gloo runs did on this 2-core machine, so 10 clean runs would
-    pass that bug with a chance of 0.6^10, under 1% (20 runs took 6.5 of CI's minutes)."""
-    import subprocess
-    import sys
-
-    fixture = build("llama")
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
-        for run in range(10):
-            log, results = run_cli(two_process_launch(), fixture, tmp_path / str(run), env=CPU_ONLY,
-                                   extra=["--tasks", "ortmodule_arithmetic_mc", "--limit", "4"])
-            assert "terminate called" not in log and "Abort" not in log, f"run {run}:\n{log[-3000:]}"
-            assert len(results["samples_ortmodule_arithmetic_mc"]) == 4
-    finally:
-        for process in load:
-            process.kill()
 
 
 def test_the_lm_head_computes_in_float32_unless_asked_otherwise(build, tmp_path):
