@@ -73,7 +73,9 @@ class Clock:
 
 class ShapeLog:
     """The `[rows, width]` of every prefill ortmodule's decoder runs while the test runs: how many
-    prefills, and how many distinct input shapes ONNX Runtime met (a device may pay per new one)."""
+    prefills, how many distinct input shapes ONNX Runtime met (a device may pay per new one), and
+    their padded tokens (rows x width: with the device's time, its cost per token, comparable with
+    profile_gpu.py's replay of one batch stream)."""
 
     def __init__(self, monkeypatch):
         from ortmodule.decoder import Decoder
@@ -88,7 +90,8 @@ class ShapeLog:
         monkeypatch.setattr(Decoder, "prefill", logged)
 
     def summary(self) -> dict:
-        return {"prefills": len(self.shapes), "distinct_shapes": len(set(self.shapes))}
+        return {"prefills": len(self.shapes), "distinct_shapes": len(set(self.shapes)),
+                "padded_tokens": sum(rows * width for rows, width in self.shapes)}
 
 
 class BatchTimes:

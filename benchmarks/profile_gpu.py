@@ -440,6 +440,7 @@ def profile_workload(model, fixture, args) -> None:
     found = {"requests_per_s": round(requests / clock.seconds, 1), "loglikelihood_s": round(clock.seconds, 3)}
     for log in logs:
         found |= log.summary()
+    found["token_budget"] = lm.token_budget  # halved after any out-of-memory retry (logged)
     patches.undo()
     print(f"{args.workload}, {args.questions} questions ({requests} requests), share_contexts={args.share}: {found}")
     device = model.device.type == "cuda"

@@ -541,6 +541,8 @@ class OrtModuleLM(HFLM):
             if not auto or "out of memory." not in str(e) or len(keys) == 1:
                 raise
             self._token_budget = max(1, min(self.token_budget, ids.numel()) // 2)
+            logger.warning("ortmodule: out of memory on a prefill of %d rows x %d tokens; batches now hold at most "
+                           "%d padded tokens (token_budget)", *ids.shape, self._token_budget)
             half = len(keys) // 2
             return self._run_rows(requests, keys[:half], same, auto) + self._run_rows(requests, keys[half:], same, auto)
         if auto:

@@ -534,10 +534,10 @@ def test_batch_size_auto_batches_by_the_token_budget(build, hf_answers, monkeypa
         OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", token_budget="0")
 
 
-def test_batch_size_auto_backs_off_on_onnx_runtime_out_of_memory(build, hf_answers, monkeypatch):
+def test_batch_size_auto_backs_off_on_onnx_runtime_out_of_memory(build, hf_answers, monkeypatch, caplog):
     """ONNX Runtime's allocation failure (simulated above 100 tokens a run: a CPU run cannot be
-    made to run out of memory on purpose) halves the token budget and runs the batch again in
-    halves; the answers equal hf's. With a fixed batch size the failure is the caller's error."""
+    made to run out of memory on purpose) halves the token budget, says so, and runs the batch
+    again in halves; the answers equal hf's. With a fixed batch size the failure is the caller's error."""
     import onnxruntime as ort
 
     from ortmodule import runtime
@@ -564,6 +564,7 @@ def test_batch_size_auto_backs_off_on_onnx_runtime_out_of_memory(build, hf_answe
     monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", limited_run)
     assert_same_answers(lm._loglikelihood_tokens(mixed_requests(), disable_tqdm=True), hf_answers)
     assert lm.token_budget <= 100 and max(ran) <= 100
+    assert f"batches now hold at most {lm.token_budget} padded tokens" in caplog.text
     fixed = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=16, share_contexts="false")
     with pytest.raises(RuntimeError, match="out of memory"):
         fixed._loglikelihood_tokens(mixed_requests(), disable_tqdm=True)
