@@ -239,7 +239,7 @@ class _Sampling:
             probs = torch.softmax(next_scores, dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         else:
-            tokens = next_scores.argmax(-1)
+            tokens = inputs.argmax(next_scores)
         if self.pads_ended:
             tokens = torch.where(unfinished, tokens, self.pad.to(tokens.device))
         self.sequences[:, length] = tokens

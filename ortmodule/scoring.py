@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from . import runtime
-from .inputs import outside_vocabulary, pad_right, to_device, vocabulary_message
+from .inputs import argmax, outside_vocabulary, pad_right, to_device, vocabulary_message
 from .modeling import OrtModelForCausalLM
 from .sharing import common_prefix, shared_prefix_logits, worth_sharing
 
@@ -139,7 +139,7 @@ def log_normalizers(logits: torch.Tensor, fused: bool | None = None,
     `fused` picks the way regardless of the device (the tests check both on a CPU). `at`: per row,
     the column to read the fused way's normalizer at instead (the target), and no greedy token is
     computed (None): an argmax pass over the logits saved where nobody reads it."""
-    greedy = logits.argmax(-1) if at is None else None
+    greedy = argmax(logits) if at is None else None
     if not (logits.device.type == "cuda" if fused is None else fused):
         chunk = max(1, CPU_CHUNK_BYTES // (4 * logits.shape[-1]))
         return torch.cat([torch.logsumexp(part.float(), dim=-1) for part in logits.split(chunk)]), greedy

@@ -6,7 +6,7 @@ import torch
 from helpers import MODEL_ARCHES, float32_logits_copy, load_pair, right_padded_batch
 
 import ortmodule
-from ortmodule import OrtModelForCausalLM, scoring, sharing
+from ortmodule import OrtModelForCausalLM, inputs, scoring, sharing
 from ortmodule.inputs import pad_right
 
 
@@ -233,6 +233,21 @@ def test_log_normalizers_equal_float64_log_sum_exp(monkeypatch, fused, dtype):
     lse, greedy = scoring.log_normalizers(logits, fused=fused, at=at)
     assert greedy is None
     assert ((lse.double() - reference).abs() / reference.abs().clamp(min=1)).max().item() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_argmax_equals_torchs(dtype):
+    """`inputs.argmax` (NumPy's for float32 on the CPU) is torch's `argmax(-1)`: the first of equal
+    maxima, a NaN taken as the maximum, a row of -inf's at 0, on strided views and 1-D and 3-D input."""
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randint(-3, 4, (6, 50), generator=gen).to(dtype)  # many ties
+    if dtype.is_floating_point:
+        values[2, 7] = values[2, 30] = float("nan")
+        values[3] = float("-inf")
+        values[4, 11] = float("inf")
+    for case in (values, values[:, 5:40:3], values.t(), values[1], values.reshape(2, 3, 50)):
+        got = inputs.argmax(case)
+        assert got.dtype == torch.int64 and torch.equal(got, case.argmax(-1)), case
 
 
 def test_loglikelihood_errors(llama):

@@ -18,7 +18,7 @@ import torch
 from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
 from .. import scoring
-from ..inputs import pad_right
+from ..inputs import argmax, pad_right
 from .text import TextStream
 
 Ids = list[int]
@@ -279,7 +279,7 @@ def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, floa
     """Each row's next token from its logits `[rows, V]` (greedy: the argmax; sampled: its own
     warpers and generator), with its log-probability and the top-k when the row asks for them."""
     logits = logits.float()
-    chosen = logits.argmax(-1)
+    chosen = argmax(logits)
     for i, row in enumerate(rows):
         if not row.sampling.greedy:
             chosen[i] = row.sample(logits[i : i + 1])
