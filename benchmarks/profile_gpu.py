@@ -213,6 +213,8 @@ def main():
                       help="an at-scale lm-eval workload through the ortmodule backend, profiled")
     parser.add_argument("--questions", type=int, default=500, help="with --lm-eval: the questions profiled")
     parser.add_argument("--share", default="auto", help="with --lm-eval: share_contexts")
+    parser.add_argument("--clock-only", action="store_true",
+                        help="with --lm-eval: the clocked run only (prefills, padded tokens, device time), no profiler")
     parser.add_argument("--grouped-kv", action="store_true",
                         help="the extend graph's Attention takes the grouped KV heads as they are (not repeated)")
     parser.add_argument("--extend-layout", choices=["mask", "cache"],
@@ -443,6 +445,8 @@ def profile_workload(model, fixture, args) -> None:
     found["token_budget"] = lm.token_budget  # halved after any out-of-memory retry (logged)
     patches.undo()
     print(f"{args.workload}, {args.questions} questions ({requests} requests), share_contexts={args.share}: {found}")
+    if args.clock_only:
+        return
     device = model.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])) as prof:
         start = time.perf_counter()

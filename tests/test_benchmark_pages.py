@@ -94,6 +94,7 @@ def test_graph_options_script_times_each_variant(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--rolling"], ["--shared"], ["--lm-eval", "fewshot", "--questions", "3"],
+                                  ["--lm-eval", "mmlu", "--questions", "3", "--clock-only"],
                                   ["--rolling", "--prefill-attention", "onnx"]])
 def test_profile_script_runs_each_mode_on_a_cpu(mode):
     """benchmarks/profile_gpu.py, which GPU sessions run with little time to spare, runs each of its
@@ -110,6 +111,9 @@ def test_profile_script_runs_each_mode_on_a_cpu(mode):
     if mode == ["--shared"]:
         assert "largest difference between the two paths' loglikelihoods: 0.0000" in done.stdout, done.stdout
         assert "extend run" in done.stdout
+    elif "--clock-only" in mode:
+        assert "mmlu, 3 questions (12 requests)" in done.stdout and "under the profiler" not in done.stdout
+        assert "'padded_tokens': " in done.stdout and "'token_budget': " in done.stdout, done.stdout
     elif mode[:1] == ["--lm-eval"]:
         assert "fewshot, 3 questions (12 requests)" in done.stdout and "under the profiler" in done.stdout, done.stdout
     else:
