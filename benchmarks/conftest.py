@@ -16,10 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 from ortmodule_dev import fixtures  # noqa: E402
 
 # Qwen3-0.6B's and a Gemma-style 262K-vocabulary config with random weights: throughput does not
-# depend on weight values. Exported by the builder for CUDA in bf16.
+# depend on weight values. Exported by the builder for CUDA in bf16. Qwen3's takes SmolLM2's real
+# tokenizer (49,152 tokens): the fixtures' own 512-token one splits " B", " C" and " D" into two
+# tokens, so that an MMLU question's letters made two distinct rows instead of a real tokenizer's one
+# (twice the work of real MMLU; the GPU runs before 2026-11-26's session 31 had it).
 QWEN3_0_6B = fixtures.FixtureSpec("qwen3", hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                                   intermediate_size=3072, vocab_size=151936, context_length=4096, precision="bf16",
-                                  initializer_range=0.02, execution_provider="cuda")
+                                  initializer_range=0.02, execution_provider="cuda", tokenizer="smollm2")
 GEMMA_262K = fixtures.FixtureSpec("gemma3", hidden_size=1152, num_layers=4, num_heads=4, num_kv_heads=1, head_dim=256,
                                   intermediate_size=6912, vocab_size=262144, context_length=4096, precision="bf16",
                                   initializer_range=0.02, execution_provider="cuda")
@@ -44,7 +47,7 @@ MODELS = {
     "qwen3-0.6b": "Qwen3-0.6B's config, random weights",
     "gemma3-270m": "Gemma-3-270M's config, random weights",
     "gemma-262k": "a Gemma-style 262K-vocabulary config, random weights (synthetic shape)",
-    "qwen3-0.6b-bf16": "Qwen3-0.6B's config, random weights, bf16 package exported for CUDA",
+    "qwen3-0.6b-bf16": "Qwen3-0.6B's config, random weights, SmolLM2's tokenizer, bf16 package exported for CUDA",
     "smollm2-bf16": "SmolLM2-135M-Instruct, bf16 package exported for CUDA (real trained weights)",
     "tiny": "tiny Llama (smoke test, synthetic)",
 }

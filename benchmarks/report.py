@@ -236,6 +236,16 @@ def machine_key(run: dict) -> str:
         machine.get("processor", "")
 
 
+# Notes on the rows of one model label: what a reader must know to compare them.
+MODEL_NOTES = {
+    "Qwen3-0.6B's config, random weights, bf16 package exported for CUDA": (
+        "These rows (runs before 2026-11-26's session 31) used the fixtures' own 512-token tokenizer, which "
+        "splits \" B\", \" C\" and \" D\" into two tokens: every `mmlu` and `fewshot` question made two distinct "
+        "rows where a real tokenizer makes one, for ortmodule and lm-eval's `hf` alike (twice real MMLU's tokens; "
+        "docs/measurements.md). Later runs give this model SmolLM2's real tokenizer."),
+}
+
+
 def render(runs: list[dict], size: str) -> str:
     """The page of `runs`: one part per machine (absolute times compare only on the same machine), the
     machine of the newest run first."""
@@ -320,6 +330,8 @@ def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
         out.append(f"{level} {group}: {model}\n" if model else f"{level} {group}\n")
         if group in NOTES:
             out.append(NOTES[group].format(**note_values(size)) + "\n")
+        if model in MODEL_NOTES:
+            out.append(MODEL_NOTES[model] + "\n")
         header = ["backend", "case", "median ms", "speed vs transformers", *keys]
         header += ["of peak bf16"] if with_fraction else []
         header += (["of peak"] if with_compute else []) + (["of bandwidth"] if with_memory else [])
