@@ -73,9 +73,10 @@ class Clock:
 
 class ShapeLog:
     """The `[rows, width]` of every prefill ortmodule's decoder runs while the test runs: how many
-    prefills, how many distinct input shapes ONNX Runtime met (a device may pay per new one), and
-    their padded tokens (rows x width: with the device's time, its cost per token, comparable with
-    profile_gpu.py's replay of one batch stream)."""
+    prefills, how many distinct input shapes ONNX Runtime met (a device may pay per new one), their
+    rows (an MMLU question is one row when its four letters are one token each) and padded tokens
+    (rows x width: with the device's time, its cost per token, comparable with profile_gpu.py's
+    replay of one batch stream)."""
 
     def __init__(self, monkeypatch):
         from ortmodule.decoder import Decoder
@@ -91,6 +92,7 @@ class ShapeLog:
 
     def summary(self) -> dict:
         return {"prefills": len(self.shapes), "distinct_shapes": len(set(self.shapes)),
+                "rows": sum(rows for rows, _ in self.shapes),
                 "padded_tokens": sum(rows * width for rows, width in self.shapes)}
 
 

@@ -90,7 +90,8 @@ NOTES = {
     "clock less the first two is lm-eval's requests and the waits for the tokenizing thread: when the host "
     "keeps ahead of the device, `read_back_s` holds most of the device's time. `prefills` / `distinct_shapes` "
     "(runs that record them): the prefills ortmodule ran, and how many distinct `[rows, width]` inputs they had; "
-    "`padded_tokens`, their rows x widths summed (with `device_s`, the device's time per token); "
+    "`rows` and `padded_tokens`, their rows and rows x widths summed (an `mmlu` question is one row when its "
+    "letters are one token each; with `device_s`, the device's time per token); "
     "`calls_host_s`, the host's time inside the batches' `loglikelihood_totals` calls, `runs_host_s` the part of "
     "it inside ONNX Runtime's runs, and on CUDA `device_s` the device's time between events around each batch.",
     "host time": "benchmarks/test_host_time.py: `mmlu` rows, the MMLU-shaped lm-eval workload ({host_questions} "
