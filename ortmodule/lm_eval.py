@@ -263,6 +263,15 @@ def _prefix_text(lm) -> str | None:
     return lm.tokenizer.decode(lm.prefix_token_id) if lm.prefix_token_id is not None else None
 
 
+def halved_budget(budget: int, shape) -> int:
+    """The token budget after a prefill of `shape` ran out of memory: half of the smaller of the two,
+    said in a warning (it holds for the rest of the run)."""
+    halved = max(1, min(budget, shape[0] * shape[1]) // 2)
+    logger.warning("ortmodule: out of memory on a prefill of %d rows x %d tokens; batches now hold at most %d "
+                   "padded tokens (token_budget)", shape[0], shape[1], halved)
+    return halved
+
+
 def leave_process_group() -> None:
     """Destroy torch.distributed's default process group, if one is up (as `accelerate launch`
     makes for data parallel). lm-eval never does, and gloo's worker threads still running when the
@@ -540,9 +549,7 @@ class OrtModuleLM(HFLM):
         except RuntimeError as e:
             if not auto or "out of memory." not in str(e) or len(keys) == 1:
                 raise
-            self._token_budget = max(1, min(self.token_budget, ids.numel()) // 2)
-            logger.warning("ortmodule: out of memory on a prefill of %d rows x %d tokens; batches now hold at most "
-                           "%d padded tokens (token_budget)", *ids.shape, self._token_budget)
+            self._token_budget = halved_budget(self.token_budget, ids.shape)
             half = len(keys) // 2
             return self._run_rows(requests, keys[:half], same, auto) + self._run_rows(requests, keys[half:], same, auto)
         if auto:
