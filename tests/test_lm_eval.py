@@ -384,6 +384,41 @@ def test_hflm_accepts_a_loaded_model(build):
         assert abs(a[0] - b[0]) < 1e-5
 
 
+def test_console_logs_ortmodule_through_lm_evals_handlers_at_its_level():
+    """ortmodule-eval's handler passes ortmodule's records to lm-eval's own handlers, at lm-eval's
+    level (an INFO record is dropped at WARNING), and to stderr's last resort for warnings before
+    lm-eval has set its handlers up."""
+    import logging
+
+    from ortmodule.cli import _ThroughLmEval
+
+    target = logging.getLogger("lm_eval")
+    handlers, level = target.handlers[:], target.level
+    seen = []
+    capture = logging.Handler()
+    capture.emit = seen.append
+    relay = _ThroughLmEval()
+    record = lambda level: logging.LogRecord("ortmodule", level, __file__, 1, "told", None, None)  # noqa: E731
+    try:
+        target.handlers[:] = [capture]
+        target.setLevel(logging.INFO)
+        relay.handle(record(logging.INFO))
+        target.setLevel(logging.WARNING)
+        relay.handle(record(logging.INFO))
+        relay.handle(record(logging.WARNING))
+        assert [(r.name, r.levelno) for r in seen] == [("ortmodule", logging.INFO), ("ortmodule", logging.WARNING)]
+        target.handlers[:] = []
+        last_resort, logging.lastResort = logging.lastResort, capture
+        try:
+            relay.handle(record(logging.WARNING))
+        finally:
+            logging.lastResort = last_resort
+        assert len(seen) == 3
+    finally:
+        target.handlers[:] = handlers
+        target.setLevel(level)
+
+
 @pytest.mark.slow
 def test_console_script_runs(build, tmp_path):
     import json
