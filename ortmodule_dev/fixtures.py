@@ -193,6 +193,22 @@ def smollm2_gguf() -> Path:
     return gguf
 
 
+def spec_tokenizer(spec: FixtureSpec):
+    """The tokenizer a fixture is built with: SmolLM2's real one (the real model's, or asked for), or
+    one trained on `CORPUS` (TOKENIZER_VOCAB tokens: it splits common words, and " B", " C", " D" into
+    two tokens)."""
+    import transformers
+
+    # Multimodal models reserve the vocabulary's last ids for media tokens: text never makes them.
+    reserved = len(MEDIA_TOKENS) if spec.arch in MULTIMODAL else 0
+    if spec.tokenizer == "smollm2" or spec.arch == "smollm2":
+        tokenizer = transformers.AutoTokenizer.from_pretrained(build(SMOLLM2).hf_dir)
+    else:
+        tokenizer = train_tokenizer(min(TOKENIZER_VOCAB, spec.vocab_size - reserved))
+    tokenizer.model_max_length = spec.context_length
+    return tokenizer
+
+
 def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
     """A random-weight transformers checkpoint with its tokenizer, saved to `out` (for the real
     model, SmolLM2, its dequantized weights)."""
@@ -203,13 +219,7 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
         gguf_to_checkpoint(smollm2_gguf(), out)
         return
 
-    # Multimodal models reserve the vocabulary's last ids for media tokens: text never makes them.
-    reserved = len(MEDIA_TOKENS) if spec.arch in MULTIMODAL else 0
-    if spec.tokenizer == "smollm2":
-        tokenizer = transformers.AutoTokenizer.from_pretrained(build(SMOLLM2).hf_dir)
-    else:
-        tokenizer = train_tokenizer(min(TOKENIZER_VOCAB, spec.vocab_size - reserved))
-    tokenizer.model_max_length = spec.context_length
+    tokenizer = spec_tokenizer(spec)
     if spec.arch in MULTIMODAL:
         (_gemma4_checkpoint if spec.arch in GEMMA4 else _qwen2_5_vl_checkpoint)(spec, out, tokenizer)
         tokenizer.save_pretrained(out)

@@ -121,3 +121,24 @@ def test_profile_script_runs_each_mode_on_a_cpu(mode):
         graph = "the prefill graph" if "--prefill-attention" in mode else "the package graph"
         assert f"runs without a cache in {graph}" in done.stdout, done.stdout
         assert "== ortmodule: " in done.stdout and scored in done.stdout, done.stdout
+
+
+def test_the_at_scale_models_encode_mmlus_letters_as_one_token_each():
+    """Every model the CPU and GPU suites run lm-eval at scale on encodes " A" to " D" after a prompt
+    as one token each, as real tokenizers do, so that an MMLU question is one row, as it is for real
+    models (the fixtures' own 512-token tokenizer makes two tokens of " B", " C" and " D": the GPU
+    suite's Qwen3 rows did twice real MMLU's work until they took SmolLM2's tokenizer)."""
+    from ortmodule_dev import fixtures
+
+    suite = importlib.util.spec_from_file_location("benchmark_conftest", REPORT.parent / "conftest.py")
+    sizes = importlib.util.module_from_spec(suite)
+    suite.loader.exec_module(sizes)
+    specs = {key: spec for size in ("cpu", "gpu") for key, spec in sizes.SIZES[size]["decoders"].items()}
+    assert {"smollm2-fp32", "qwen3-0.6b-bf16"} <= set(specs)
+    for key, spec in specs.items():
+        tokenizer = fixtures.spec_tokenizer(spec)
+        prompt = tokenizer("Which is it?\nAnswer:")["input_ids"]
+        for letter in " A", " B", " C", " D":
+            assert len(tokenizer("Which is it?\nAnswer:" + letter)["input_ids"]) == len(prompt) + 1, (key, letter)
+    toy = fixtures.spec_tokenizer(fixtures.FixtureSpec("qwen3", vocab_size=151936))  # the test can fail
+    assert len(toy("Answer: B")["input_ids"]) == len(toy("Answer:")["input_ids"]) + 2
