@@ -128,11 +128,15 @@ def test_the_at_scale_models_encode_mmlus_letters_as_one_token_each():
     as one token each, as real tokenizers do, so that an MMLU question is one row, as it is for real
     models (the fixtures' own 512-token tokenizer makes two tokens of " B", " C" and " D": the GPU
     suite's Qwen3 rows did twice real MMLU's work until they took SmolLM2's tokenizer)."""
+    import os
+    from unittest import mock
+
     from ortmodule_dev import fixtures
 
     suite = importlib.util.spec_from_file_location("benchmark_conftest", REPORT.parent / "conftest.py")
     sizes = importlib.util.module_from_spec(suite)
-    suite.loader.exec_module(sizes)
+    with mock.patch.dict(os.environ):  # the suite's environment defaults stay out of the other tests
+        suite.loader.exec_module(sizes)
     specs = {key: spec for size in ("cpu", "gpu") for key, spec in sizes.SIZES[size]["decoders"].items()}
     assert {"smollm2-fp32", "qwen3-0.6b-bf16"} <= set(specs)
     for key, spec in specs.items():
