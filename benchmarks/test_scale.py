@@ -6,10 +6,13 @@ lm-eval's `hf` backend on the same weights, every row's answers against transfor
 
 import lm_eval
 import pytest
+import torch
+import transformers
 from conftest import at_scale_batch, device_name, model_label, peak_rss_mb, reset_peak_rss
 from evaluation import TASK_DIR, BatchTimes, Clock, ShapeLog, answers, load, record_agreement
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
+from references import reference_answers
 
 import ortmodule.lm_eval
 from ortmodule.lm_eval import OrtModuleLM
@@ -29,6 +32,7 @@ SCALE_BACKENDS = ["hf", "ortmodule", "ortmodule-share-off", "ortmodule-share-on"
                   "ortmodule-tokenize-first", "ortmodule-bf16-head", "ortmodule-cuda-graph", "ortmodule-pad64",
                   "ortmodule-prefill-onnx"]
 SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers
+FP32_REFERENCES = {}  # (model, workload) -> (answers of transformers in fp32, when and where they were computed)
 SCALE_TOKENS = {}  # (model, workload) -> context + continuation tokens of all its requests
 
 
@@ -102,15 +106,27 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
         record_agreement(benchmark, "ortmodule", mine, SCALE_ANSWERS.get((decoder_key, workload, "ortmodule")),
                          choices)
     if fixture.spec.precision in ("bf16", "fp16"):
-        key = (decoder_key, workload, "fp32")
-        if key not in SCALE_ANSWERS:
-            reference = get_model("hf")(pretrained=str(fixture.hf_dir), dtype="float32", device=device,
-                                        batch_size=at_scale_batch(options, workload, reference=True))
-            SCALE_ANSWERS[key] = answers(lm_eval.simple_evaluate(model=reference, tasks=[task],
-                                                                 task_manager=model_tasks, limit=limit,
-                                                                 verbosity="ERROR"), task)
-            del reference
-        record_agreement(benchmark, "fp32", mine, SCALE_ANSWERS[key], choices)
+        if (decoder_key, workload) not in FP32_REFERENCES:
+            FP32_REFERENCES[decoder_key, workload] = fp32_reference(fixture, f"{decoder_key}-{workload}", task,
+                                                                    model_tasks, limit, result, device,
+                                                                    at_scale_batch(options, workload, reference=True))
+        found, made = FP32_REFERENCES[decoder_key, workload]
+        benchmark.extra_info["fp32_reference"] = made
+        record_agreement(benchmark, "fp32", mine, found, choices)
     elif backend != "hf":  # transformers ran fp32 on these weights (fp32 beside an int4 package)
         record_agreement(benchmark, "fp32", mine, SCALE_ANSWERS.get((decoder_key, workload, "hf")), choices)
 
+
+def fp32_reference(fixture, name, task, model_tasks, limit, result, device, batch_size) -> tuple[list, str]:
+    """Transformers in fp32 on the fixture's weights, answering the requests of `result`: the run's
+    slowest part on a GPU, so kept between runs (benchmarks/references.py) and reused where the
+    weights and the requests are the same."""
+    def run():
+        reference = get_model("hf")(pretrained=str(fixture.hf_dir), dtype="float32", device=device,
+                                    batch_size=batch_size)
+        found = answers(lm_eval.simple_evaluate(model=reference, tasks=[task], task_manager=model_tasks, limit=limit,
+                                                verbosity="ERROR"), task)
+        return found, {"device": device_name(device), "batch_size": batch_size,
+                       "transformers": transformers.__version__, "torch": torch.__version__}
+
+    return reference_answers(name, fixture.hf_dir, result, task, run)

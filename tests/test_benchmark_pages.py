@@ -2,6 +2,7 @@
 of its run kept in benchmarks/results/ (a hand edit, or a JSON not committed, fails here)."""
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,14 @@ REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "report.py"
 spec = importlib.util.spec_from_file_location("benchmark_report", REPORT)
 report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)
+
+
+def load_benchmark_module(name: str):
+    """A module of benchmarks/ by path (its folder is not a package)."""
+    found = importlib.util.spec_from_file_location(f"benchmark_{name}", REPORT.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("size", sorted(report.PAGES))
@@ -146,3 +155,47 @@ def test_the_at_scale_models_encode_mmlus_letters_as_one_token_each():
             assert len(tokenizer("Which is it?\nAnswer:" + letter)["input_ids"]) == len(prompt) + 1, (key, letter)
     toy = fixtures.spec_tokenizer(fixtures.FixtureSpec("qwen3", vocab_size=151936))  # the test can fail
     assert len(toy("Answer: B")["input_ids"]) == len(toy("Answer:")["input_ids"]) + 2
+
+
+def test_the_fp32_reference_is_kept_for_the_same_weights_and_requests_only(tmp_path, monkeypatch, llama):
+    """benchmarks/references.py: transformers' fp32 answers to an at-scale workload, stored with the
+    digests of the weights and the requests, come back only for the same checkpoint and the same
+    requests (equal to what transformers computes again); another limit or another checkpoint computes
+    them anew."""
+    import lm_eval
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+
+    references = load_benchmark_module("references")
+    monkeypatch.setenv("ORTMODULE_BENCH_REFERENCES", str(tmp_path / "store"))
+    tasks = TaskManager(include_path=str(REPORT.parent / "tasks"), metadata={"tokenizer": str(llama.hf_dir)})
+    task, runs = "ortmodule_bench_mmlu", []
+
+    def evaluate(checkpoint, limit):
+        model = get_model("hf")(pretrained=str(checkpoint), dtype="float32", device="cpu", batch_size=4)
+        result = lm_eval.simple_evaluate(model=model, tasks=[task], task_manager=tasks, limit=limit, verbosity="ERROR")
+        return result, [tuple(r[0]) for sample in result["samples"][task] for r in sample["resps"]]
+
+    def reference(checkpoint, result):
+        def compute():
+            runs.append(checkpoint)
+            return evaluate(checkpoint, len(result["samples"][task]))[1], {"device": "cpu"}
+        return references.reference_answers("tiny-mmlu", checkpoint, result, task, compute)
+
+    result, mine = evaluate(llama.hf_dir, 2)
+    first, made = reference(llama.hf_dir, result)
+    assert made.endswith("(this run)") and len(runs) == 1 and len(first) == 8
+    kept, made = reference(llama.hf_dir, result)
+    assert made.endswith("(kept)") and len(runs) == 1
+    assert kept == first == mine  # transformers' fp32 answers to the same requests, computed twice
+    longer, _ = evaluate(llama.hf_dir, 3)
+    assert reference(llama.hf_dir, longer)[1].endswith("(this run)") and len(runs) == 2
+    other = tmp_path / "other"
+    shutil.copytree(llama.hf_dir, other)
+    assert references.weights_digest(other) == references.weights_digest(llama.hf_dir)
+    weights = next(other.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of the last weight
+    weights.write_bytes(bytes(data))
+    assert references.weights_digest(other) != references.weights_digest(llama.hf_dir)
+    assert reference(other, longer)[1].endswith("(this run)") and len(runs) == 3
