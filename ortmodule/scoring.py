@@ -238,23 +238,28 @@ def label_logprobs(
     model: OrtModelForCausalLM, requests: list[list[Ids]], labels: Ids, token_budget: int, reuse_prefix: bool | None
 ) -> torch.Tensor:
     """log p(label | prompt) for every prompt of every request, in order: `[prompts, labels]`
-    float32 on the device. A request whose prompts share a prefix worth reusing runs it once;
-    the prompts of all the other requests go through batched prefills together."""
+    float32 on the device. Requests whose prompts share a prefix worth reusing run it once, several
+    requests' prefixes in one prefill and their items in one run over copies of their KV caches
+    (`_shared_logprobs`); the prompts of all the other requests go through batched prefills together."""
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
     out = torch.empty(sum(len(r) for r in requests), len(labels), device=model.device)
-    batched, start = [], 0
+    batched, shared, start = [], [], 0
     for prompts in requests:
-        rows = slice(start, start + len(prompts))
-        start += len(prompts)
         if reuse_prefix is None:
-            reuse = len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], model.measured_costs())
+            # A run's fixed cost is shared by the rows of the requests that run together.
+            together = min(len(out), max(1, token_budget // max(len(p) for p in prompts)))
+            reuse = len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], model.measured_costs(),
+                                                       together)
         else:
             reuse = reuse_prefix and common_prefix(prompts) > 0
         if reuse:
-            out[rows] = _prefix_logprobs(model, prompts, labels, token_budget)
+            shared.append((start, prompts))
         else:
-            batched += [(i, p) for i, p in enumerate(prompts, rows.start)]
+            batched += [(i, p) for i, p in enumerate(prompts, start)]
+        start += len(prompts)
+    if shared:
+        _shared_logprobs(model, shared, labels, token_budget, out)
     if batched:
         rows = torch.tensor([i for i, _ in batched], device=model.device)
         out[rows] = _batched_logprobs(model, [p for _, p in batched], labels, token_budget)
@@ -362,16 +367,37 @@ def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> to
     return out
 
 
-def _prefix_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> torch.Tensor:
-    """Label log-probabilities at each prompt's last token, the shared prefix run once per batch."""
-    device = model.device
-    label_ids = torch.tensor(labels, device=device)
-    out = torch.empty(len(prompts), len(labels), device=device)
-    prefix = common_prefix(prompts)
-    for batch in length_batches([len(p) - prefix for p in prompts], prefix, budget):
-        rows = [prompts[i] for i in batch]
-        for pairs, logits in shared_prefix_logits(model, rows, [0] * len(rows), [[len(r) - 1] for r in rows]):
-            out[torch.tensor([batch[p] for p in pairs], device=device)] = _gather(logits, label_ids)
-    return out
+def _shared_logprobs(model, requests: list[tuple[int, list[Ids]]], labels: Ids, budget: int, out: torch.Tensor):
+    """Label log-probabilities at each prompt's last token into `out` (rows from each request's
+    first index), each request's shared prefix run once per batch: a request's prompts in pieces of
+    at most `budget` padded tokens, pieces of several requests together in one prefill of their
+    prefixes and one run of the rest (`shared_prefix_logits`, a group per piece)."""
+    label_ids = torch.tensor(labels, device=model.device)
+    pieces = []  # (rows of `out`, prompts, longest prompt)
+    for first, prompts in requests:
+        prefix = common_prefix(prompts)
+        for batch in length_batches([len(p) - prefix for p in prompts], prefix, budget):
+            chosen = [prompts[i] for i in batch]
+            pieces.append(([first + i for i in batch], chosen, max(map(len, chosen))))
+    for run in _packed(pieces, budget):
+        rows = [prompt for piece in run for prompt in piece[1]]
+        groups = [g for g, piece in enumerate(run) for _ in piece[1]]
+        where = [row for piece in run for row in piece[0]]  # a pair is a row here: one position each
+        for pairs, logits in shared_prefix_logits(model, rows, groups, [[len(r) - 1] for r in rows]):
+            out[torch.tensor([where[p] for p in pairs], device=model.device)] = _gather(logits, label_ids)
 
 
+def _packed(pieces: list[tuple], budget: int) -> list[list[tuple]]:
+    """Pieces (rows, prompts, longest) in runs of at most `budget` padded tokens (all rows at the
+    longest prompt's width), longest first; a piece is never split."""
+    runs: list[list[tuple]] = []
+    rows = width = 0
+    for piece in sorted(pieces, key=lambda piece: -piece[2]):
+        if runs and (rows + len(piece[1])) * max(width, piece[2]) <= budget:
+            runs[-1].append(piece)
+            rows += len(piece[1])
+            width = max(width, piece[2])
+        else:
+            runs.append([piece])
+            rows, width = len(piece[1]), piece[2]
+    return runs

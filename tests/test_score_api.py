@@ -224,3 +224,35 @@ def test_bad_requests_get_errors_that_name_the_problem(llama, kwargs, error, mes
     args.update(kwargs)
     with pytest.raises(error, match=message):
         ortmodule.score(model, None, **args)
+
+
+@pytest.mark.parametrize("budget", [4096, 40])
+def test_requests_sharing_their_prefixes_run_together(llama, monkeypatch, budget):
+    """The server's call: several requests, each a query and its items. With reuse, their queries
+    run in one prefill and all their items in one run over copies of the queries' KV caches (a budget
+    of 40 tokens splits them over several runs, a request's items too); every score equals
+    transformers' on that request alone."""
+    from ortmodule import scoring
+
+    model, hf = load_pair(llama)
+    gen = torch.Generator().manual_seed(5)
+    requests = [(torch.randint(4, 512, (n,), generator=gen).tolist(),
+                 [torch.randint(4, 512, (k,), generator=gen).tolist() for k in items])
+                for n, items in ((12, (3, 5, 1)), (7, (4, 2)), (20, (6, 1, 2, 3)))]
+    labels = [7, 8, 9]
+    scoring.label_logprobs(model, [[[5, 6, 7], [5, 6, 8]]], labels, budget, True)  # the extend graph's first-use check
+    prefixes = []
+    original = model.decoder.prefill
+    def counted(rows, *args, **kwargs):
+        prefixes.append(rows.ids.shape[0])
+        return original(rows, *args, **kwargs)
+
+    monkeypatch.setattr(model.decoder, "prefill", counted)
+    got = scoring.label_logprobs(model, [[query + item for item in items] for query, items in requests], labels,
+                                 budget, True).exp().double().cpu()
+    expected = torch.cat([reference(hf, None, query, items, labels, False, False) for query, items in requests])
+    assert (got - expected).abs().max().item() < 1e-5
+    if budget == 4096:
+        assert prefixes == [3]  # the three queries in one prefill
+    else:
+        assert len(prefixes) > 2 and sum(prefixes) > 3
