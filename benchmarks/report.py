@@ -25,7 +25,9 @@ NOTES = {
     "forward": "One forward pass (prefill) over a batch of random ids: logits for every position (`all`) "
     "or only the last 4 (`cont_len`: `cont_len=4` for ortmodule, `logits_to_keep=4` for transformers). "
     "`logits_bytes_per_request` is the logits one row returns; `peak_rss_mb` the process's peak "
-    "resident memory during one call.",
+    "resident memory during one call. `ortmodule-prefill-onnx` (runs that have it): the same package loaded with "
+    "`prefill_attention=\"onnx\"` (the prefill graph: ONNX's `Attention` instead of GroupQueryAttention, no KV "
+    "written), `max_diff_vs_package_graph` its largest logit difference from the `ortmodule` row's on the same ids.",
     "generate": "Greedy decoding of a left-padded batch of prompts ({prompt_lo} to {prompt_hi} tokens), "
     "{new_tokens} new tokens a row; every "
     "backend makes all of them (no early end of sequence). `genai` is onnxruntime-genai's `Generator` "
