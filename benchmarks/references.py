@@ -41,8 +41,8 @@ def weights_digest(checkpoint: Path) -> str:
 def requests_digest(result: dict, task: str) -> str:
     """sha256 over the arguments of every request of `task` in an lm-eval result (`log_samples`), in
     the order `evaluation.answers` reads their answers."""
-    arguments = [list(map(list, sample["arguments"])) for sample in result["samples"][task]]
-    return hashlib.sha256(json.dumps(arguments, ensure_ascii=False).encode()).hexdigest()
+    arguments = [sample["arguments"] for sample in result["samples"][task]]  # per sample, its requests' args
+    return hashlib.sha256(json.dumps(arguments, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
 
 
 def path_of(name: str) -> Path:
