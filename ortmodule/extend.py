@@ -417,17 +417,19 @@ def lazy_extender(decoder) -> Callable[[], Extender | None]:
 def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
     """The decoder's `Extender`, or None (with the reason logged) where its graph does not match,
     the device lacks room for the weights a second time, or its first run fails or gives other
-    logits than the package graph on the same rows."""
+    logits than the package graph on the same rows (by more than the package graph's own decode
+    steps differ from its prefill there: `_steps_error`)."""
     device = decoder.device
 
     def check(extender: Extender) -> None:
         prefixes, rests = [[3, 1, 4], [9, 2]], [[1, 5], [6, 5]]
         cache = decoder.new_cache(2, 3)
         decoder.prefill(_rows([prefixes[0], prefixes[1] + [0]], [3, 2], device), None, cache)
-        got = extender.run(torch.tensor(rests, device=device) % decoder.vocab_size, cache,
-                           torch.arange(4, device=device))
+        tokens = torch.tensor(rests, device=device) % decoder.vocab_size
+        got = extender.run(tokens, cache, torch.arange(4, device=device))
         whole = _rows([prefixes[0] + rests[0], prefixes[1] + rests[1] + [0]], [5, 4], device)
-        _check_close(decoder.package_prefill(whole, torch.tensor([3, 4, 7, 8], device=device)), got, decoder)
+        expected = decoder.package_prefill(whole, torch.tensor([3, 4, 7, 8], device=device))
+        _check_close(expected, got, decoder, lambda: _steps_error(decoder, prefixes, tokens, expected))
 
     layout = EXTEND_LAYOUT.get(device.type, "mask")
     expand = device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA
@@ -458,13 +460,35 @@ def _rows(ids: list[list[int]], lengths: list[int], device: torch.device) -> Row
     return Rows(torch.tensor(ids, device=device), None, torch.tensor(lengths, device=device), max(lengths))
 
 
-def _check_close(expected: torch.Tensor, got: torch.Tensor, decoder) -> None:
-    """RuntimeError where a rewrite's logits are not the package graph's (to its dtype's rounding)."""
+def _check_close(expected: torch.Tensor, got: torch.Tensor, decoder, own=None) -> None:
+    """RuntimeError where a rewrite's logits are not the package graph's (to its dtype's rounding).
+    `own()`, where given: how far the package graph's own other way to the same logits lands from
+    `expected`; a rewrite no farther than that passes (4-bit weights in ONNX Runtime's int8 path
+    quantize each call's activations, so the package graph's decode steps and its prefill differ by
+    more than rounding: 3.8 on logits up to 29.7 for SmolLM2-135M int4 on a CPU)."""
     expected, got = expected.float(), got.float()
     scale, error = expected.abs().max().item(), (got - expected).abs().max().item()
     tolerance = 1e-4 if decoder.kv_dtype == torch.float32 else 5e-2
-    if not error <= tolerance * max(1.0, scale):
-        raise RuntimeError(f"its logits differ from the package graph's by {error:.3g} (largest {scale:.3g})")
+    if error <= tolerance * max(1.0, scale):
+        return
+    baseline = own() if own is not None else None
+    if baseline is not None and error <= baseline:
+        logger.info("ortmodule: a rewrite's logits differ from the package graph's prefill by %.3g, no more than "
+                    "the package graph's own decode steps do (%.3g)", error, baseline)
+        return
+    also = f"; the package graph's own decode steps by {baseline:.3g}" if baseline is not None else ""
+    raise RuntimeError(f"its logits differ from the package graph's by {error:.3g} (largest {scale:.3g}{also})")
+
+
+def _steps_error(decoder, prefixes: list[list[int]], tokens: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference between `expected` (the package graph's prefill logits at every token
+    of `tokens` after two `prefixes`) and the package graph's decode steps over the same tokens."""
+    device = decoder.device
+    cache = decoder.new_cache(2, 3)
+    decoder.prefill(_rows([prefixes[0], prefixes[1] + [0]], [3, 2], device), None, cache)
+    steps = [decoder.step(tokens[:, s : s + 1], cache, torch.arange(2, device=device)) for s in range(tokens.shape[1])]
+    stepped = torch.stack([steps[s][row] for row in range(2) for s in range(len(steps))])  # row-major, as expected
+    return (stepped.float() - expected.float()).abs().max().item()
 
 
 def _second_session(decoder, what: str, otherwise: str, runner, check, graph_bytes):
