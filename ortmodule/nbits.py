@@ -80,10 +80,12 @@ def probe_graph(k: int, n: int, rows: int | str) -> bytes:
     return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
 
 
-def probe_session(model: bytes, fp32: bool) -> ort.InferenceSession:
-    """A CPU session of `model` in ONNX Runtime's fp32 path for 4-bit weights, or its int8 path."""
+def probe_session(model: bytes, fp32: bool, threads: int = 0) -> ort.InferenceSession:
+    """A CPU session of `model` in ONNX Runtime's fp32 path for 4-bit weights, or its int8 path
+    (`threads`: ONNX Runtime's intra-op threads, 0 for its default)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if fp32:
         options.add_session_config_entry(FORCE_FP32, "1")
@@ -93,20 +95,23 @@ def probe_session(model: bytes, fp32: bool) -> ort.InferenceSession:
 @functools.cache
 def fp32_path_is_faster(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
     """Whether this CPU runs a `rows` x `k` by 4-bit `k` x `n` product faster in ONNX Runtime's
-    fp32 path than in its int8 path (best of five runs each, random weights; ~20 ms)."""
+    fp32 path than in its int8 path (random weights; ~60 ms). The two paths' runs alternate, on one
+    thread each, and the best of five runs of each is compared: the choice changes the numbers, so
+    it must not follow the machine's momentary load (timed on all threads, one path after the other,
+    a busy core beside the probe could make the int8 path win on a CPU where the fp32 path is 1.7x
+    faster, and a run's numbers then differed from the last run's)."""
     model = probe_graph(k, n, rows)
     x = {"x": torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).numpy()}
-    best = []
-    for fp32 in (False, True):
-        session = probe_session(model, fp32)
+    sessions = [probe_session(model, fp32, threads=1) for fp32 in (False, True)]
+    for session in sessions:
         session.run(None, x)
-        times = []
-        for _ in range(5):
+    times: list[list[float]] = [[], []]
+    for _ in range(5):
+        for session, taken in zip(sessions, times):
             start = time.perf_counter()
             session.run(None, x)
-            times.append(time.perf_counter() - start)
-        best.append(min(times))
-    return best[1] * FASTER_BY < best[0]
+            taken.append(time.perf_counter() - start)
+    return min(times[1]) * FASTER_BY < min(times[0])
 
 
 def use_fp32_path(choice: str, device: torch.device, session_options, graph: bytes | Path) -> bool:
