@@ -67,7 +67,7 @@ SIZES = {
         lm_eval_at_scale=dict(limits={"mmlu": 16, "fewshot": 32, "hellaswag": 16, "arc": 16, "rolling": 2},
                               batch_size=8),
         # benchmarks/test_host_time.py: MMLU-shaped requests on a model of negligible compute.
-        host_time=dict(questions=250, batch_size=32, decode_tokens=256),
+        host_time=dict(questions=250, batch_size=32, decode_tokens=256, score_requests=10),
         minicons=dict(sentences=320, batch_size=16),  # minicons' IncrementalLMScorer.sequence_score
         # score(): requests of one query and many short items; the server's load at a steady rate.
         score=dict(requests=2, query_tokens=120, items=16, item_tokens=20, labels=4),
@@ -91,7 +91,7 @@ SIZES = {
         lm_eval_at_scale=dict(limits={"mmlu": 2500, "fewshot": 2500, "hellaswag": 1000, "arc": 1000, "rolling": 50},
                               batch_size=64,
                               rolling_batch_size=8, reference_batch_size=16, reference_rolling_batch_size=4),
-        host_time=dict(questions=1000, batch_size=64, decode_tokens=256),
+        host_time=dict(questions=1000, batch_size=64, decode_tokens=256, score_requests=10),
         minicons=dict(sentences=320, batch_size=64),
         score=dict(requests=8, query_tokens=512, items=64, item_tokens=32, labels=4),
         # SGLang's bench_score shape (a 120-token query, 10 items of 180 tokens, 2 labels), at rates
@@ -106,7 +106,7 @@ SIZES = {
         generate=dict(batches=(1, 2), prompt_lengths=(4, 9), new_tokens=4),
         lm_eval=dict(limit=3, batch_size=8),
         lm_eval_at_scale=dict(limits={"mmlu": 2, "fewshot": 3, "hellaswag": 2, "arc": 2, "rolling": 1}, batch_size=4),
-        host_time=dict(questions=3, batch_size=4, decode_tokens=4),
+        host_time=dict(questions=3, batch_size=4, decode_tokens=4, score_requests=2),
         minicons=dict(sentences=8, batch_size=4),
         score=dict(requests=2, query_tokens=12, items=3, item_tokens=4, labels=2),
         server=dict(rates=(4.0,), duration=1.0, query_tokens=12, items=2, item_tokens=4, labels=2, exact=False),

@@ -108,7 +108,12 @@ NOTES = {
     "time (the second less the third). `decode` rows: batch-1 greedy decoding of {host_decode} tokens after a "
     "128-token prompt on the same model, per token: `us_per_token` in all, `onnxruntime_us_per_token` in ONNX "
     "Runtime's `run` (ortmodule only), `host_us_per_token` the rest (ortmodule's own loop), beside "
-    "onnxruntime-genai's Generator on the same package.",
+    "onnxruntime-genai's Generator on the same package. `score` rows (runs that have them): the score server's "
+    "call (`scoring.label_logprobs`) over {host_score_requests} requests of SGLang's shape (a 120-token query, "
+    "10 items of 180 tokens, 2 labels) at the server's default token budget, per item: `us_per_item` in all, "
+    "`onnxruntime_us_per_item` in ONNX Runtime's `run`, `host_us_per_item` the rest; `ortmodule` runs each query "
+    "once (the requests' queries in one prefill, their items in one run over copies of the queries' KV caches), "
+    "`ortmodule-no-reuse` every item's whole prompt.",
     "score": "`ortmodule.score` (SGLang's score API: {requests} requests of a {query_tokens}-token query and {items} "
     "items of 1-{item_tokens} tokens, {labels} labels, softmax) with the shared-prefix reuse chosen "
     "automatically (`auto`) or off "
@@ -172,6 +177,7 @@ def note_values(size: str) -> dict:
                 server_duration=server["duration"], host_questions=shapes["host_time"]["questions"],
                 host_decode=shapes["host_time"]["decode_tokens"],
                 host_batch=shapes["host_time"]["batch_size"],
+                host_score_requests=shapes["host_time"]["score_requests"],
                 **shapes["score"])
 # Real-model workloads first: what users run.
 GROUP_ORDER = {"lm-eval loglikelihood": 0, "lm-eval at scale": 0.5, "generate": 1, "score": 2, "minicons scoring": 3,

@@ -31,7 +31,7 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 import ortmodule.lm_eval  # registers the backend; its read_back is clocked
-from ortmodule import OrtModelForCausalLM, runtime
+from ortmodule import OrtModelForCausalLM, runtime, scoring
 from ortmodule_dev import fixtures
 
 TASK = "ortmodule_bench_mmlu"
@@ -120,3 +120,41 @@ def test_host_time_per_decoded_token(benchmark, probe, size, backend, monkeypatc
         runs = onnxruntime.seconds / len(rounds)  # a round's runs: one prefill and new - 1 steps
         benchmark.extra_info["onnxruntime_us_per_token"] = round(1e6 * runs / new)
         benchmark.extra_info["host_us_per_token"] = round(1e6 * (seconds - runs) / new)
+
+
+@pytest.mark.benchmark(group="host time")
+@pytest.mark.parametrize("backend", ["ortmodule", "ortmodule-no-reuse"])
+def test_host_time_per_scored_item(benchmark, probe, size, backend, monkeypatch):
+    """The score server's call (`scoring.label_logprobs` over the requests waiting together) on
+    SGLang's score shape: requests of a 120-token query and 10 items of 180 tokens, 2 labels, at the
+    server's default token budget; `ortmodule` runs each query once (its items over copies of its
+    KV cache, the requests' queries in one prefill), `ortmodule-no-reuse` every item's whole prompt."""
+    device, count = size.get("device", "cpu"), size["host_time"]["score_requests"]
+    model = OrtModelForCausalLM.from_pretrained(probe.package_dir, device=device, prefill_chunk=0)
+    generator = torch.Generator().manual_seed(0)
+    requests = []
+    for _ in range(count):
+        query = torch.randint(4, 32000, (120,), generator=generator).tolist()
+        requests.append([query + torch.randint(4, 32000, (180,), generator=generator).tolist() for _ in range(10)])
+    budget = scoring.default_token_budget(model.device)
+
+    def call():
+        scoring.label_logprobs(model, requests, [10, 20], budget, backend == "ortmodule").cpu()
+
+    call()  # warm-up: the extend graph's first use and its check
+    onnxruntime = Clock(monkeypatch, runtime.Session, "run")
+    rounds = []
+
+    def timed():
+        start = time.perf_counter()
+        call()
+        rounds.append(time.perf_counter() - start)
+
+    benchmark.pedantic(timed, rounds=5, iterations=1)
+    items, seconds = 10 * count, sum(rounds) / len(rounds)
+    runs = onnxruntime.seconds / len(rounds)
+    benchmark.extra_info.update(backend=backend, case="score", device=device_name(device), items=items,
+                                model="a 1-layer, hidden-64 Llama with SmolLM2's tokenizer (negligible compute)",
+                                us_per_item=round(1e6 * seconds / items),
+                                onnxruntime_us_per_item=round(1e6 * runs / items),
+                                host_us_per_item=round(1e6 * (seconds - runs) / items))
