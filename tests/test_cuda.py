@@ -514,6 +514,24 @@ def test_shared_contexts_extend_on_cuda(build, precision, options, layout, monke
         assert abs(lp - ref_lp) < tolerance * len(rest)
 
 
+@pytest.mark.parametrize("layout", ["mask", "cache"])
+def test_score_requests_sharing_queries_on_cuda(build, layout, monkeypatch):
+    """The score server's call on CUDA: several requests whose items share their query, the queries
+    in one prefill and all the items in one extend (either layout), give the scores of every item's
+    whole prompt in a padded batch."""
+    monkeypatch.setitem(extend.EXTEND_LAYOUT, "cuda", layout)
+    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    generator = torch.Generator().manual_seed(43)
+    requests = [[query + torch.randint(4, 500, (k,), generator=generator).tolist() for k in items]
+                for query, items in ((torch.randint(4, 500, (n,), generator=generator).tolist(), items)
+                                     for n, items in ((40, (3, 9, 1)), (25, (5, 2)), (60, (7, 1, 4, 2))))]
+    shared = scoring.label_logprobs(model, requests, [5, 6, 7], 4096, True)
+    assert model.decoder.extender() is not None and model.decoder.extender().layout == layout
+    padded = scoring.label_logprobs(model, requests, [5, 6, 7], 4096, False)
+    assert shared.shape == (9, 3) and (shared - padded).abs().max().item() < 0.3  # bf16 logits' last digits
+
+
 @pytest.mark.parametrize("precision,options", [("bf16", ()), ("bf16", UNPACKED)], ids=["bf16", "bf16-unpacked"])
 def test_prefill_graph_on_cuda(build, precision, options):
     """`prefill_attention="onnx"` on CUDA (a Qwen3 export: the query/key norms GroupQueryAttention
