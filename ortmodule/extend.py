@@ -57,8 +57,12 @@ REPEAT_KV_HEADS_ON_CUDA = True
 EXTEND_LAYOUT = {"cpu": "mask", "cuda": "mask"}
 ATTENTION_BIAS = "ortmodule_attention_bias"
 WRITE_AT = "ortmodule_write_at"
+# The cache layout's outputs: each past written with the new tokens' KV, which `Extender.run` binds
+# to the past's own buffer, so that ONNX Runtime's TensorScatter writes in place instead of copying
+# the whole buffer first (it skips the copy where its output is its input's memory).
+WRITTEN = ".ortmodule_written"
 KV_LENGTHS = "ortmodule_kv_lengths"
-EXTEND_VERSION = "1"
+EXTEND_VERSION = "2"
 _OPSET = 23  # ONNX's Attention
 _OPSET_CACHE = 24  # its external-cache input (nonpad_kv_seqlen), and TensorScatter
 
@@ -214,6 +218,7 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, feeds: _Feeds, head_siz
                                                                                (value, kv_heads)))
         key, value = (add("TensorScatter", [past, new, feeds.write_at], axis=-2)
                       for past, new in ((past_key, key), (past_value, value)))
+        _written_outputs(graph, ((past_key, key), (past_value, value)))
         attend = ir.node("Attention", [query, key, value, None, None, None, feeds.kv_lengths],
                          attributes={**attributes, "is_causal": 1}, num_outputs=1, name=f"{name}/Attention")
         _put(graph, node, new_nodes, attend, add, heads_first=heads * head_size)
@@ -241,6 +246,14 @@ def _check_rewritable(node: ir.Node) -> None:
             raise RewriteSkipped(f"'{node.name}' takes {what}")
     if _attribute(node, "smooth_softmax", 0):
         raise RewriteSkipped(f"'{node.name}' uses a smooth softmax")
+
+
+def _written_outputs(graph: ir.Graph, pairs) -> None:
+    """Each (past, written) pair's written value as an output named after its past (`WRITTEN`),
+    which `Extender.run` binds to the past's own buffer."""
+    for past, written in pairs:
+        written.name, written.shape, written.type = past.name + WRITTEN, past.shape, past.type
+        graph.outputs.append(written)
 
 
 def _put(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], attend: ir.Node, add,
@@ -377,6 +390,9 @@ class Extender:
         for kv, key, value in zip(cache.specs, cache.keys, cache.values):
             runtime.bind_input(binding, kv.past_key, key)
             runtime.bind_input(binding, kv.past_value, value)
+            if self.layout == "cache":  # the new KV written past each row's end, in the cache's own buffers
+                runtime.bind_output(binding, kv.past_key + WRITTEN, key)
+                runtime.bind_output(binding, kv.past_value + WRITTEN, value)
         runtime.bind_input(binding, graph.LOGITS_INDICES, logit_index)
         logits = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
         runtime.bind_output(binding, decoder.spec.logits, logits)

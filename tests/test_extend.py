@@ -53,6 +53,24 @@ def test_extend_equals_transformers_on_the_whole_rows(build, arch, layout, expan
     assert cache.lengths.tolist() == [11, 11, 6]  # the rows are read, not extended
 
 
+def test_the_cache_layout_writes_the_new_kv_in_the_caches_own_buffers(build):
+    """In the cache layout the new tokens' keys and values are written into the cache's buffers past
+    each row's end (TensorScatter's output bound to its input's memory: no copy of the buffers), and
+    they are transformers' keys and values of the whole rows there; the rows' lengths are unchanged."""
+    model, hf = load_pair(build("qwen3"))
+    cache = assert_extend_matches(model, hf, False, seed=35, layout="cache")
+    prefixes, rests, owner = rows_over_prefixes(35)
+    assert cache.lengths.tolist() == [len(prefixes[o]) for o in owner]
+    for row, rest in enumerate(rests):
+        prefix = prefixes[owner[row]]
+        with torch.no_grad():
+            past = hf(torch.tensor([prefix + rest]), use_cache=True).past_key_values
+        for layer, (keys, values) in enumerate(zip(cache.keys, cache.values)):
+            written = slice(len(prefix), len(prefix) + len(rest))
+            assert (keys[row, :, written] - past.layers[layer].keys[0, :, written]).abs().max().item() < 1e-4
+            assert (values[row, :, written] - past.layers[layer].values[0, :, written]).abs().max().item() < 1e-4
+
+
 def assert_extend_matches(model, hf, expand_kv_heads, seed, layout="mask"):
     """Rows over prefixes (`rows_over_prefixes`) continued in one extend run: every new position's
     logits equal transformers' on the whole row. Returns the prefixes' cache."""
