@@ -40,6 +40,19 @@ HOST_PROBE = fixtures.FixtureSpec("llama", hidden_size=64, num_layers=1, num_hea
                                   intermediate_size=128, vocab_size=49152, context_length=8192, tokenizer="smollm2")
 
 
+def mean_round(benchmark, fn, rounds: int) -> tuple[float, int]:
+    """`fn` timed by pytest-benchmark for `rounds` rounds: (the mean seconds of a round, rounds)."""
+    taken = []
+
+    def timed():
+        start = time.perf_counter()
+        fn()
+        taken.append(time.perf_counter() - start)
+
+    benchmark.pedantic(timed, rounds=rounds, iterations=1)
+    return sum(taken) / len(taken), len(taken)
+
+
 @pytest.fixture(scope="module")
 def probe():
     return fixtures.build(HOST_PROBE)
@@ -104,20 +117,12 @@ def test_host_time_per_decoded_token(benchmark, probe, size, backend, monkeypatc
 
     generate()  # warm-up
     onnxruntime = Clock(monkeypatch, runtime.Session, "run")
-    rounds = []
-
-    def timed():
-        start = time.perf_counter()
-        generate()
-        rounds.append(time.perf_counter() - start)
-
-    benchmark.pedantic(timed, rounds=3, iterations=1)
-    seconds = sum(rounds) / len(rounds)
+    seconds, rounds = mean_round(benchmark, generate, 3)
     benchmark.extra_info.update(backend=backend, case="decode", device=device_name(device),
                                 model="a 1-layer, hidden-64 Llama with SmolLM2's tokenizer (negligible compute)",
                                 us_per_token=round(1e6 * seconds / new))
     if backend == "ortmodule":
-        runs = onnxruntime.seconds / len(rounds)  # a round's runs: one prefill and new - 1 steps
+        runs = onnxruntime.seconds / rounds  # a round's runs: one prefill and new - 1 steps
         benchmark.extra_info["onnxruntime_us_per_token"] = round(1e6 * runs / new)
         benchmark.extra_info["host_us_per_token"] = round(1e6 * (seconds - runs) / new)
 
@@ -143,16 +148,8 @@ def test_host_time_per_scored_item(benchmark, probe, size, backend, monkeypatch)
 
     call()  # warm-up: the extend graph's first use and its check
     onnxruntime = Clock(monkeypatch, runtime.Session, "run")
-    rounds = []
-
-    def timed():
-        start = time.perf_counter()
-        call()
-        rounds.append(time.perf_counter() - start)
-
-    benchmark.pedantic(timed, rounds=5, iterations=1)
-    items, seconds = 10 * count, sum(rounds) / len(rounds)
-    runs = onnxruntime.seconds / len(rounds)
+    seconds, rounds = mean_round(benchmark, call, 5)
+    items, runs = 10 * count, onnxruntime.seconds / rounds
     benchmark.extra_info.update(backend=backend, case="score", device=device_name(device), items=items,
                                 model="a 1-layer, hidden-64 Llama with SmolLM2's tokenizer (negligible compute)",
                                 us_per_item=round(1e6 * seconds / items),
