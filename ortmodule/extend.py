@@ -439,10 +439,8 @@ def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
 
     def check(extender: Extender) -> None:
         prefixes, rests = [[3, 1, 4], [9, 2]], [[1, 5], [6, 5]]
-        cache = decoder.new_cache(2, 3)
-        decoder.prefill(_rows([prefixes[0], prefixes[1] + [0]], [3, 2], device), None, cache)
         tokens = torch.tensor(rests, device=device) % decoder.vocab_size
-        got = extender.run(tokens, cache, torch.arange(4, device=device))
+        got = extender.run(tokens, _prefixes_cache(decoder, prefixes), torch.arange(4, device=device))
         whole = _rows([prefixes[0] + rests[0], prefixes[1] + rests[1] + [0]], [5, 4], device)
         expected = decoder.package_prefill(whole, torch.tensor([3, 4, 7, 8], device=device))
         _check_close(expected, got, decoder, lambda: _steps_error(decoder, prefixes, tokens, expected))
@@ -469,6 +467,13 @@ def make_prefill(decoder) -> CausalPrefill | None:
                            check, lambda head_size: extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem,
                                                                        head_size, False, decoder.cache_dir,
                                                                        layout="prefill"))
+
+
+def _prefixes_cache(decoder, prefixes: list[list[int]]) -> KVCache:
+    """A cache of the two check prefixes (three tokens and two), prefilled by the package graph."""
+    cache = decoder.new_cache(2, 3)
+    decoder.prefill(_rows([prefixes[0], prefixes[1] + [0]], [3, 2], decoder.device), None, cache)
+    return cache
 
 
 def _rows(ids: list[list[int]], lengths: list[int], device: torch.device) -> Rows:
@@ -499,9 +504,7 @@ def _check_close(expected: torch.Tensor, got: torch.Tensor, decoder, own=None) -
 def _steps_error(decoder, prefixes: list[list[int]], tokens: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest difference between `expected` (the package graph's prefill logits at every token
     of `tokens` after two `prefixes`) and the package graph's decode steps over the same tokens."""
-    device = decoder.device
-    cache = decoder.new_cache(2, 3)
-    decoder.prefill(_rows([prefixes[0], prefixes[1] + [0]], [3, 2], device), None, cache)
+    device, cache = decoder.device, _prefixes_cache(decoder, prefixes)
     steps = [decoder.step(tokens[:, s : s + 1], cache, torch.arange(2, device=device)) for s in range(tokens.shape[1])]
     stepped = torch.stack([steps[s][row] for row in range(2) for s in range(len(steps))])  # row-major, as expected
     return (stepped.float() - expected.float()).abs().max().item()
