@@ -3,13 +3,15 @@ transformers on the same weights. CPU size: the real SmolLM2-135M-Instruct at ba
 random-weight packages with the exact configs of Qwen3-0.6B (151,936-token vocabulary) and
 Gemma-3-270M (262,144) at batch 2 x 128. `ortmodule-prefill-onnx`: the same package loaded with
 `prefill_attention="onnx"` (the prefill graph: ONNX's `Attention` instead of GroupQueryAttention,
-no KV written; ortmodule/extend.py), whose logits are checked against the package graph's at load."""
+no KV written; ortmodule/extend.py), whose logits are checked against the package graph's at load.
+`ortmodule-packed-qkv` (CUDA): the package's packed query/key/value projection as it is, where
+ortmodule's CUDA default runs it as three MatMuls (ortmodule/projections.py)."""
 
 import pytest
 import torch
 from conftest import device_name, flop_count, measure_peak, model_label, reference_model, synced
 
-from ortmodule import OrtModelForCausalLM
+from ortmodule import OrtModelForCausalLM, projections
 from ortmodule_dev import fixtures
 
 
@@ -31,6 +33,18 @@ def prefill_model(setup, size):
     model = OrtModelForCausalLM.from_pretrained(setup[0].package_dir, device=size["device"],
                                                 prefill_attention="onnx")
     return model if model.decoder.causal is not None else None
+
+
+@pytest.fixture(scope="module")
+def packed_model(setup, size):
+    """The package loaded with its packed projections kept (None where ortmodule keeps them anyway)."""
+    if torch.device(size["device"]).type not in projections.UNPACK_ON:
+        return None
+    unpack_on, projections.UNPACK_ON = projections.UNPACK_ON, ()
+    try:
+        return OrtModelForCausalLM.from_pretrained(setup[0].package_dir, device=size["device"])
+    finally:
+        projections.UNPACK_ON = unpack_on
 
 
 def run_case(benchmark, fn, setup, keep):
@@ -72,6 +86,19 @@ def test_ortmodule_prefill_onnx_forward(benchmark, setup, prefill_model, keep):
     assert out.shape == expected.shape
     # the load's check ran on a few tokens; here the benchmark's own rows, against the package graph
     benchmark.extra_info["max_diff_vs_package_graph"] = round((out.float() - expected.float()).abs().max().item(), 4)
+
+
+@pytest.mark.benchmark(group="forward")
+@pytest.mark.parametrize("keep", ["all", "cont_len"])
+def test_ortmodule_packed_qkv_forward(benchmark, setup, packed_model, keep):
+    if packed_model is None:
+        pytest.skip("ortmodule keeps packed projections on this device")
+    _, model, _, ids, k, _ = setup
+    kwargs = {} if keep == "all" else {"cont_len": k}
+    benchmark.extra_info["backend"] = "ortmodule-packed-qkv"
+    expected = model(ids, **kwargs).logits
+    out = run_case(benchmark, lambda: packed_model(ids, **kwargs).logits, setup, keep)
+    benchmark.extra_info["max_diff_vs_ortmodule"] = round((out.float() - expected.float()).abs().max().item(), 4)
 
 
 @pytest.mark.benchmark(group="forward")

@@ -37,7 +37,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from . import chunked, extend, graph, nbits, runtime
+from . import chunked, extend, graph, nbits, projections, runtime
 from .cache import KVCache
 from .inputs import Rows
 from .package import Package, PackageError
@@ -75,9 +75,8 @@ class Decoder:
         self.chosen_chunk = chunked.checked_chunk(prefill_chunk)  # None: chunked.default_chunk by device
         self.spec = spec = package.decoder
         self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
-        self.graph_bytes = graph.lm_head_graph(spec.path, spec.logits, rewrite_lm_head, cache_dir)
-        # Without the rewrite (off, or skipped for this graph): the package's graph, repaired where needed.
-        self.plain_bytes = graph.repaired_graph(spec.path) if self.graph_bytes is None else None
+        self.rewrite_lm_head = rewrite_lm_head
+        self.graph_bytes = self.plain_bytes = None  # the device's (`load`)
         self.id_dtype = runtime.torch_dtype(spec.id_type)
         self.mask_dtype = runtime.torch_dtype(spec.mask_type) if spec.mask_type else None
         self.position_dtype = runtime.torch_dtype(spec.position_type) if spec.position_type else None
@@ -112,6 +111,7 @@ class Decoder:
         """Create the sessions on `device` and check that the package's config fits its graph.
         `run_settings`: `runtime.make_session`'s stream settings (for diagnostics)."""
         spec = self.spec
+        self.graph_bytes, self.plain_bytes = _graphs(self, device)
         source = self.graph_bytes if self.keeps_positions else self.plain_bytes
         source, folder = (spec.path, None) if source is None else (source, spec.path.parent)
         options = graph.head_provider_options(self.provider_options, device.type, self.graph_bytes,
@@ -336,6 +336,17 @@ def _mismatch(package, device: torch.device, otherwise: str) -> str:
         f"export it for {device.type}"
     return (f"the package was exported for {ep} (genai_config's decoder session options), and its graph may use "
             f"what only {ep}'s kernels run: {fixes}.")
+
+
+def _graphs(decoder: Decoder, device: torch.device) -> tuple[bytes | None, bytes | None]:
+    """The decoder's graph for `device`: the rewrite's bytes (graph.py), and without the rewrite (off,
+    or skipped for this graph) the package's graph where it needs repairs. Packed projections are
+    unpacked on CUDA (projections.py), where ortmodule's own session options fold the weights' slices
+    at load (a caller's may not optimize the graph at all)."""
+    spec = decoder.spec
+    unpack = device.type in projections.UNPACK_ON and decoder.session_options is None
+    rewritten = graph.lm_head_graph(spec.path, spec.logits, decoder.rewrite_lm_head, decoder.cache_dir, unpack)
+    return rewritten, graph.repaired_graph(spec.path) if rewritten is None else None
 
 
 def _open(package, source, device: torch.device, *args, **kwargs) -> runtime.Session:

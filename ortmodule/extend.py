@@ -403,12 +403,13 @@ class Extender:
 def _extend_bias(cache: KVCache, new: int, dtype: torch.dtype) -> torch.Tensor:
     """The mask layout's additive mask `[rows, 1, new, past + new]`: a row's new token sees the
     row's past and the new tokens up to itself."""
-    past, device = cache.keys[0].shape[2], cache.lengths.device
-    columns, order = torch.arange(past + new, device=device), torch.arange(new, device=device)
-    visible = torch.where(columns < past, columns[None, None, :] < cache.lengths[:, None, None],
-                          (columns - past)[None, None, :] <= order[None, :, None])
-    bias = torch.zeros(cache.batch_size, 1, new, past + new, dtype=dtype, device=device)
-    return bias.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+    past, device, hidden = cache.keys[0].shape[2], cache.lengths.device, torch.finfo(dtype).min
+    bias = torch.empty(cache.batch_size, 1, new, past + new, dtype=dtype, device=device)
+    # each element written once: the rows' pasts broadcast over the new tokens, the causal part over the rows
+    seen = torch.arange(past, device=device) < cache.lengths[:, None]
+    bias[..., :past] = torch.where(seen, torch.zeros((), dtype=dtype, device=device), hidden)[:, None, None]
+    bias[..., past:] = torch.full((new, new), hidden, dtype=dtype, device=device).triu_(1)
+    return bias
 
 
 def has_quantized_weights(data: bytes) -> bool:

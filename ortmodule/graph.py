@@ -30,6 +30,8 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from .projections import unpack_projections
+
 logger = logging.getLogger("ortmodule")
 
 LOGITS_INDICES = "ortmodule_logits_indices"
@@ -86,11 +88,13 @@ def _find_lm_head(graph: ir.Graph, logits_name: str) -> tuple[ir.Node, list[ir.N
     return node, chain
 
 
-def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str, float32_head: bool = False) -> onnx.ModelProto:
+def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str, float32_head: bool = False,
+                           unpack_qkv: bool = False) -> onnx.ModelProto:
     """Return the graph with the LM head applied only at `ortmodule_logits_indices`. With
     `float32_head`, where the package casts a half-precision MatMul head's logits to float32, the
     head multiplies in float32 instead (its weights cast once, at load): float32 logits that are
-    not rounded to half precision first.
+    not rounded to half precision first. With `unpack_qkv`, packed projections become one MatMul
+    per part (projections.py; ortmodule asks for it on CUDA).
 
     Raises `RewriteSkipped` when the graph does not match; the input proto is left unchanged.
     """
@@ -119,6 +123,8 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str, float32_hea
                         "cast to float32", logits_name)
     if upcast is not None:
         _bypass(graph, upcast, logits_name, logits_type)
+    if unpack_qkv:
+        unpack_projections(graph)
     return ir.serde.serialize_model(model)
 
 
@@ -231,14 +237,15 @@ _TRAILER = b"\nORTMODULE-SHA256:"
 _DIGEST = 64
 
 
-def _cache_key(path: Path, logits_name: str, float32_head: bool = False) -> str:
+def _cache_key(path: Path, logits_name: str, float32_head: bool = False, unpack_qkv: bool = False) -> str:
     """The source graph's content (not its path, size or time: a replaced file with the same size
     and time gets its own entry), the logits name and the rewrite's version."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    digest.update(f"|{logits_name}|{REWRITE_VERSION}|{ir.__version__}{'|float32_head' * float32_head}".encode())
+    digest.update(f"|{logits_name}|{REWRITE_VERSION}|{ir.__version__}{'|float32_head' * float32_head}"
+                  f"{'|unpack_qkv' * unpack_qkv}".encode())
     return digest.hexdigest()[:32]
 
 
@@ -281,23 +288,27 @@ def _warn_once(folder: Path, error: OSError) -> None:
                        error)
 
 
-def lm_head_graph(decoder_path: Path, logits_name: str, rewrite, cache_dir: Path | None = None) -> bytes | None:
+def lm_head_graph(decoder_path: Path, logits_name: str, rewrite, cache_dir: Path | None = None,
+                  unpack_qkv: bool = False) -> bytes | None:
     """`keep_positions_graph` as `rewrite_lm_head` asks: True, "float32" (a float32 head where it
     applies), or False (None: the package's graph as it is)."""
     if rewrite not in (True, False, "float32"):
         raise ValueError(f"rewrite_lm_head must be True, False or 'float32', got {rewrite!r}")
-    return keep_positions_graph(decoder_path, logits_name, cache_dir, rewrite == "float32") if rewrite else None
+    if not rewrite:
+        return None
+    return keep_positions_graph(decoder_path, logits_name, cache_dir, rewrite == "float32", unpack_qkv)
 
 
 def keep_positions_graph(decoder_path: Path, logits_name: str, cache_dir: Path | None = None,
-                         float32_head: bool = False) -> bytes | None:
+                         float32_head: bool = False, unpack_qkv: bool = False) -> bytes | None:
     """Bytes of the rewritten decoder graph (weights stay in the package's files), or None with a
     logged reason when the graph does not match. Built once per source graph content, then read
     from the cache; an entry that fails its check is rebuilt with a warning."""
     def build() -> bytes:
-        return rewrite_keep_positions(_load_repaired(decoder_path)[0], logits_name, float32_head).SerializeToString()
+        return rewrite_keep_positions(_load_repaired(decoder_path)[0], logits_name, float32_head,
+                                      unpack_qkv).SerializeToString()
 
-    key = _cache_key(decoder_path, logits_name, float32_head)
+    key = _cache_key(decoder_path, logits_name, float32_head, unpack_qkv)
     try:
         return cached(cache_dir, f"{decoder_path.stem}-{key}", build)
     except RewriteSkipped as reason:

@@ -1,0 +1,153 @@
+"""Packed projections unpacked: one MatMul per part instead of one MatMul and a split of its output.
+
+The model builder packs a layer's query, key and value projections into one MatMul whose output is
+split into the three: by a `Split` node (its CUDA exports) or inside GroupQueryAttention (its packed
+input, the CPU exports). On CUDA the split is a kernel of its own that reads and writes every
+projected value again: `_SplitSmallInnerKernel`, 5.5% of an MMLU batch's device time on an H200,
+and the builder's `fuse_qkv=false` (three MatMuls) ran a 32 x 512 prefill of Qwen3-0.6B's shape
+1.04x faster (docs/measurements.md, session 28); the builder's `fuse_mlp_gate_up=true` (the
+MLP's gate and up projections packed, split in two equal parts) ran 0.91x. `unpack_projections`
+makes any package's graph the unpacked one: each part multiplies by a `Slice` of the packed
+weight's columns, which ONNX Runtime's constant folding turns into an initializer of its own when
+the session loads (no slice at run time, the packed weight no longer held; tests/test_projections.py
+checks the folding), and the parts' products are the packed product's columns: the same numbers.
+
+ortmodule applies it on CUDA only (graph.py's rewrite, `unpack_qkv`): on a CPU the builder's option
+measured within the noise (session 26), and a second session over a package's float weights there
+reads the weight file's pages, which folded copies would not share.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+# The device types whose sessions take the unpacked graph (decoder.py).
+UNPACK_ON = ("cuda",)
+
+
+def _constant(value: ir.Value | None):
+    """The NumPy array of a constant value (an initializer or a Constant node's), else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+        return producer.attributes["value"].value.numpy()
+    return None
+
+
+def _only_use(value: ir.Value) -> tuple[ir.Node, int] | None:
+    uses = list(value.uses())
+    return (uses[0][0], uses[0][1]) if len(uses) == 1 else None
+
+
+def _parts(value: ir.Value, width: int) -> tuple[ir.Node, list[int]] | None:
+    """How `value` (`[batch, seq, width]`, read by one node) is split by columns: (the splitting
+    node, the parts' widths), or None where it is read otherwise."""
+    use = _only_use(value)
+    if use is None or use[1] != 0:
+        return None
+    user = use[0]
+    if user.op_type == "Split" and user.domain == "":
+        axis, count = user.attributes.get("axis"), user.attributes.get("num_outputs")
+        sizes = _constant(user.inputs[1] if len(user.inputs) > 1 else None)
+        if sizes is None and count is not None and width % count.value == 0:  # equal parts (a packed gate and up)
+            sizes = [width // count.value] * count.value
+        if axis is None or axis.value not in (-1, 2) or sizes is None or len(sizes) != len(user.outputs):
+            return None
+        return (user, [int(s) for s in sizes]) if sum(int(s) for s in sizes) == width else None
+    if user.op_type == "GroupQueryAttention" and user.domain == "com.microsoft" and len(user.inputs) > 2 \
+            and user.inputs[1] is None and user.inputs[2] is None:
+        heads, kv_heads = (user.attributes.get(name) for name in ("num_heads", "kv_num_heads"))
+        if heads is None or kv_heads is None:
+            return None
+        units = heads.value + 2 * kv_heads.value
+        if width % units:
+            return None
+        head = width // units
+        return user, [heads.value * head, kv_heads.value * head, kv_heads.value * head]
+    return None
+
+
+def _packed(graph: ir.Graph, matmul: ir.Node) -> tuple[ir.Value, ir.Node | None, ir.Node, list[int]] | None:
+    """For a MatMul by a constant 2-D weight whose output (after a constant bias's Add, if any) is
+    only split by columns: (its weight, the Add, the splitting node, the parts' widths)."""
+    if matmul.op_type != "MatMul" or matmul.domain != "" or len(matmul.inputs) != 2:
+        return None
+    weight = matmul.inputs[1]
+    if weight is None or not weight.is_initializer() or weight.shape is None or weight.shape.rank() != 2 \
+            or not isinstance(weight.shape[1], int):
+        return None
+    width, out, add = weight.shape[1], matmul.outputs[0], None
+    use = _only_use(out)
+    if use is not None and use[0].op_type == "Add" and use[0].domain == "":
+        bias = _constant(use[0].inputs[1 - use[1]])
+        if bias is not None and bias.shape == (width,):
+            add, out = use[0], use[0].outputs[0]
+    parts = _parts(out, width)
+    if parts is None:
+        return None
+    split_outputs = parts[0].outputs if parts[0].op_type == "Split" else ()
+    if any(v in graph.outputs for v in (out, *split_outputs)):
+        return None
+    return weight, add, *parts
+
+
+def _columns(graph: ir.Graph, before: ir.Node, value: ir.Value, start: int, end: int, axis: int,
+             name: str) -> ir.Value:
+    """`value[..., start:end]` along `axis`, as a Slice node inserted before `before`."""
+    def const(values, what):
+        return ir.Value(name=f"{name}/{what}", const_value=ir.tensor(values, dtype=ir.DataType.INT64,
+                                                                     name=f"{name}/{what}"))
+    bounds = [const([start], "start"), const([end], "end"), const([axis], "axis")]
+    for bound in bounds:
+        graph.register_initializer(bound)
+    made = ir.node("Slice", [value, *bounds], name=f"{name}/Slice")
+    graph.insert_before(before, made)
+    return made.outputs[0]
+
+
+def unpack_projections(graph: ir.Graph) -> int:
+    """Replace every MatMul by a constant 2-D weight whose output is only split by columns (a Split
+    node's parts, or GroupQueryAttention's packed query, key and value) with one MatMul per part
+    over the weight's columns (and the bias's, where an Add of a constant bias comes between).
+    Returns how many were replaced."""
+    replaced = 0
+    for matmul in list(graph):
+        found = _packed(graph, matmul)
+        if found is None:
+            continue
+        weight, add, user, widths = found
+        name = matmul.name or f"/ortmodule/unpacked/{replaced}"
+        products, start = [], 0
+        for i, width in enumerate(widths):
+            part = f"{name}/ortmodule_part{i}"
+            product = ir.node("MatMul", [matmul.inputs[0], _columns(graph, matmul, weight, start, start + width, 1,
+                                                                     part)], name=f"{part}/MatMul")
+            graph.insert_before(matmul, product)
+            out = product.outputs[0]
+            if add is not None:
+                bias = add.inputs[1] if add.inputs[0] is matmul.outputs[0] else add.inputs[0]
+                shifted = ir.node("Add", [out, _columns(graph, matmul, bias, start, start + width, 0, f"{part}/bias")],
+                                  name=f"{part}/Add")
+                graph.insert_before(matmul, shifted)
+                out = shifted.outputs[0]
+            products.append(out)
+            start += width
+        if user.op_type == "Split":
+            for old, new in zip(user.outputs, products):
+                new.shape, new.type = old.shape, old.type
+                old.replace_all_uses_with(new)
+            sizes = user.inputs[1].producer() if len(user.inputs) > 1 and user.inputs[1] is not None else None
+            graph.remove(user, safe=True)
+            if sizes is not None and sizes.op_type == "Constant" and not sizes.outputs[0].uses():
+                graph.remove(sizes, safe=True)
+        else:
+            for i, new in enumerate(products):
+                user.replace_input_with(i, new)
+        for node in (add, matmul):
+            if node is not None:
+                graph.remove(node, safe=True)
+        replaced += 1
+    return replaced
