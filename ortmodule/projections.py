@@ -43,8 +43,8 @@ def _only_use(value: ir.Value) -> tuple[ir.Node, int] | None:
 
 
 def _parts(value: ir.Value, width: int) -> tuple[ir.Node, list[int]] | None:
-    """How `value` (`[batch, seq, width]`, read by one node) is split by columns: (the splitting
-    node, the parts' widths), or None where it is read otherwise."""
+    """How `value` (a MatMul's `[..., width]`, read by one node) is split along its last axis: (the
+    splitting node, the parts' widths), or None where it is read otherwise."""
     use = _only_use(value)
     if use is None or use[1] != 0:
         return None
@@ -54,7 +54,9 @@ def _parts(value: ir.Value, width: int) -> tuple[ir.Node, list[int]] | None:
         sizes = _constant(user.inputs[1] if len(user.inputs) > 1 else None)
         if sizes is None and count is not None and width % count.value == 0:  # equal parts (a packed gate and up)
             sizes = [width // count.value] * count.value
-        if axis is None or axis.value not in (-1, 2) or sizes is None or len(sizes) != len(user.outputs):
+        rank = value.shape.rank() if value.shape is not None else None
+        last = axis is not None and axis.value in (-1, None if rank is None else rank - 1)
+        if not last or sizes is None or len(sizes) != len(user.outputs):
             return None
         return (user, [int(s) for s in sizes]) if sum(int(s) for s in sizes) == width else None
     if user.op_type == "GroupQueryAttention" and user.domain == "com.microsoft" and len(user.inputs) > 2 \
