@@ -73,32 +73,32 @@ def test_ortmodule_forward(benchmark, setup, keep):
     assert out.shape[1] == (ids.shape[1] if keep == "all" else k)
 
 
+# The package loaded another way: (its fixture, the name of its logit difference from the `ortmodule`
+# row's model, why a device or package has none).
+VARIANTS = {
+    "ortmodule-prefill-onnx": ("prefill_model", "max_diff_vs_package_graph",
+                               "no prefill graph for this package (ortmodule logs why)"),
+    "ortmodule-packed-qkv": ("packed_model", "max_diff_vs_ortmodule", "ortmodule keeps packed projections here"),
+}
+
+
 @pytest.mark.benchmark(group="forward")
 @pytest.mark.parametrize("keep", ["all", "cont_len"])
-def test_ortmodule_prefill_onnx_forward(benchmark, setup, prefill_model, keep):
-    if prefill_model is None:
-        pytest.skip("no prefill graph for this package (ortmodule logs why)")
+@pytest.mark.parametrize("backend", VARIANTS)
+def test_ortmodule_variant_forward(benchmark, setup, request, backend, keep):
+    """A row of the package loaded another way, with its largest logit difference from the
+    `ortmodule` row's model on the benchmark's own ids (the load's checks ran on a few tokens)."""
+    fixture_name, diff_name, none = VARIANTS[backend]
+    variant = request.getfixturevalue(fixture_name)
+    if variant is None:
+        pytest.skip(none)
     _, model, _, ids, k, _ = setup
     kwargs = {} if keep == "all" else {"cont_len": k}
-    benchmark.extra_info["backend"] = "ortmodule-prefill-onnx"
+    benchmark.extra_info["backend"] = backend
     expected = model(ids, **kwargs).logits
-    out = run_case(benchmark, lambda: prefill_model(ids, **kwargs).logits, setup, keep)
+    out = run_case(benchmark, lambda: variant(ids, **kwargs).logits, setup, keep)
     assert out.shape == expected.shape
-    # the load's check ran on a few tokens; here the benchmark's own rows, against the package graph
-    benchmark.extra_info["max_diff_vs_package_graph"] = round((out.float() - expected.float()).abs().max().item(), 4)
-
-
-@pytest.mark.benchmark(group="forward")
-@pytest.mark.parametrize("keep", ["all", "cont_len"])
-def test_ortmodule_packed_qkv_forward(benchmark, setup, packed_model, keep):
-    if packed_model is None:
-        pytest.skip("ortmodule keeps packed projections on this device")
-    _, model, _, ids, k, _ = setup
-    kwargs = {} if keep == "all" else {"cont_len": k}
-    benchmark.extra_info["backend"] = "ortmodule-packed-qkv"
-    expected = model(ids, **kwargs).logits
-    out = run_case(benchmark, lambda: packed_model(ids, **kwargs).logits, setup, keep)
-    benchmark.extra_info["max_diff_vs_ortmodule"] = round((out.float() - expected.float()).abs().max().item(), 4)
+    benchmark.extra_info[diff_name] = round((out.float() - expected.float()).abs().max().item(), 4)
 
 
 @pytest.mark.benchmark(group="forward")
