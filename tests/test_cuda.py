@@ -485,6 +485,32 @@ def test_cuda_graph_on_the_real_model():
     assert torch.equal(outputs[0], outputs[1])
 
 
+def test_unpacked_projections_on_cuda(build, monkeypatch, tmp_path):
+    """On CUDA the packed query/key/value projection becomes three MatMuls (projections.py): ONNX
+    Runtime folds the weights' slices at load (no Slice left in the optimized graph), and the logits
+    are the packed graph's and as close to transformers fp32's."""
+    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    graph_nodes = onnx.load_from_string(model.decoder.graph_bytes).graph.node
+    assert not any(n.op_type == "Split" for n in graph_nodes)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    runtime.make_session(model.decoder.graph_bytes, torch.device("cuda"), fixture.package_dir, options)
+    optimized = onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node
+    assert not any(n.op_type == "Slice" for n in optimized)
+    monkeypatch.setattr(projections, "UNPACK_ON", ())
+    packed = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    ids, mask = right_padded_batch([40, 17, 6], seed=14)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+    ours = model(ids.cuda(), attention_mask=mask.cuda()).logits
+    theirs = packed(ids.cuda(), attention_mask=mask.cuda()).logits
+    noise = real_positions_diff(theirs, expected, mask)  # bf16's own distance from fp32
+    assert real_positions_diff(ours, theirs, mask) <= 2 * noise + 1e-3
+    assert real_positions_diff(ours, expected, mask) <= 1.5 * noise + 1e-3
+
+
 @pytest.mark.parametrize("layout", ["mask", "cache"])
 @pytest.mark.parametrize("precision,options", [("fp16", ()), ("bf16", ()), ("bf16", UNPACKED)],
                          ids=["fp16", "bf16", "bf16-unpacked"])
@@ -552,32 +578,6 @@ def test_prefill_graph_on_cuda(build, precision, options):
         ours = model(ids.cuda(), attention_mask=layout.cuda()).logits
         theirs = package(ids.cuda(), attention_mask=layout.cuda()).logits
         assert real_positions_diff(ours, expected, layout) <= 1.5 * real_positions_diff(theirs, expected, layout) + 1e-3
-
-
-def test_unpacked_projections_on_cuda(build, monkeypatch, tmp_path):
-    """On CUDA the packed query/key/value projection becomes three MatMuls (projections.py): ONNX
-    Runtime folds the weights' slices at load (no Slice left in the optimized graph), and the logits
-    are the packed graph's and as close to transformers fp32's."""
-    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
-    graph_nodes = onnx.load_from_string(model.decoder.graph_bytes).graph.node
-    assert not any(n.op_type == "Split" for n in graph_nodes)
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    runtime.make_session(model.decoder.graph_bytes, torch.device("cuda"), fixture.package_dir, options)
-    optimized = onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node
-    assert not any(n.op_type == "Slice" for n in optimized)
-    monkeypatch.setattr(projections, "UNPACK_ON", ())
-    packed = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
-    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
-    ids, mask = right_padded_batch([40, 17, 6], seed=14)
-    with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask).logits
-    ours = model(ids.cuda(), attention_mask=mask.cuda()).logits
-    theirs = packed(ids.cuda(), attention_mask=mask.cuda()).logits
-    noise = real_positions_diff(theirs, expected, mask)  # bf16's own distance from fp32
-    assert real_positions_diff(ours, theirs, mask) <= 2 * noise + 1e-3
-    assert real_positions_diff(ours, expected, mask) <= 1.5 * noise + 1e-3
 
 
 def test_explicit_prefill_chunks_on_cuda(llama_cuda):

@@ -20,6 +20,7 @@ from ortmodule.package import read_package
 # gate and up projections, split in two equal parts). Per case: the fixture, and per layer the
 # MatMuls unpacking adds and the weight slices it makes.
 CASES = {"packed-input": (dict(arch="llama"), 2, 3), "split": (dict(arch="qwen3"), 2, 3),
+         "split-sliding": (dict(arch="gemma3"), 2, 3),
          "gate-up": (dict(arch="llama", extra_options=(("fuse_mlp_gate_up", "true"),)), 3, 5)}
 
 
