@@ -3,7 +3,9 @@
 The builder's decoders compute `logits [batch, seq, vocab]` for every position. Scoring reads a
 handful of them, and on a large vocabulary the LM head is most of the model's work. The rewrite
 adds an input `ortmodule_logits_indices` (int64 `[n]`, flat indices into `batch * seq`), gathers
-those rows of the final hidden states just before the LM head, and returns `logits [n, vocab]`.
+those rows of the final hidden states just before the LM head (or, where the decoder's tail after
+its last attention works position by position, before that tail: tail.py), and returns
+`logits [n, vocab]`.
 Where the graph's last step is a cast of half-precision logits to float32 (the builder's bf16
 packages), the rewritten graph returns them before it: the same values in half the bytes
 (`Decoder` hands callers of `forward` the package's float32, and scoring normalizes in float32);
@@ -31,11 +33,12 @@ import onnx
 import onnx_ir as ir
 
 from .projections import unpack_projections
+from .tail import gather_tail
 
 logger = logging.getLogger("ortmodule")
 
 LOGITS_INDICES = "ortmodule_logits_indices"
-REWRITE_VERSION = "3"
+REWRITE_VERSION = "4"
 
 # Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
 _ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}
@@ -107,6 +110,7 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str, float32_hea
     gather = ir.node("Gather", [flatten.outputs[0], indices], attributes={"axis": 0}, name="/ortmodule/Gather")
     graph.insert_before(head, [flatten, gather])
     head.replace_input_with(0, gather.outputs[0])
+    gather_tail(graph, flatten, gather)  # the tail after the last attention at those positions too, where it can
     # Shapes recorded for [batch, seq, vocab] no longer hold between the head and the output.
     vocab = graph.outputs[[o.name for o in graph.outputs].index(logits_name)].shape
     vocab_dim = vocab[2] if vocab is not None and vocab.rank() == 3 else "vocab_size"

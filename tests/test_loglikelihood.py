@@ -28,7 +28,14 @@ def test_rewritten_fp16_graph_equals_the_unmodified_graph(build):
     plain = OrtModelForCausalLM.from_pretrained(fixture.package_dir, rewrite_lm_head=False)
     ids, mask = right_padded_batch([24, 9], seed=21)
     tail = rewritten(ids, attention_mask=mask, cont_len=4).logits.float()
-    assert (tail - plain(ids, attention_mask=mask).logits[:, -4:].float()).abs().max().item() < 1e-3
+    assert_within_fp16_rounding(tail, plain(ids, attention_mask=mask).logits[:, -4:].float())
+
+
+def assert_within_fp16_rounding(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Two units in the last place of fp16 at the logits' scale: the rewritten graph's last layer
+    and head multiply the kept rows as one flat batch (ortmodule/tail.py), which may round a
+    half-precision product differently from the whole batch's."""
+    assert (got - expected).abs().max().item() <= 2 * torch.finfo(torch.float16).eps * expected.abs().max().item()
 
 
 def test_a_cast_of_half_logits_to_float32_is_left_to_forward(build, tmp_path):
@@ -47,7 +54,7 @@ def test_a_cast_of_half_logits_to_float32_is_left_to_forward(build, tmp_path):
     logits = model(ids, attention_mask=mask).logits
     assert logits.dtype == torch.float32 == plain(ids, attention_mask=mask).logits.dtype
     assert torch.equal(logits, half(ids, attention_mask=mask).logits.float())
-    assert (logits - plain(ids, attention_mask=mask).logits).abs().max().item() < 1e-3  # fp16 sums: see above
+    assert_within_fp16_rounding(logits, plain(ids, attention_mask=mask).logits)
     rows, cols = torch.tensor([0, 1, 0]), torch.tensor([3, 8, 23])
     kept = model.logits_at(ids, mask, rows, cols, upcast=False)
     assert kept.dtype == torch.float16 and torch.equal(kept, half.logits_at(ids, mask, rows, cols))
