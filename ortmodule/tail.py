@@ -26,7 +26,7 @@ _ATTENTION = {"GroupQueryAttention", "MultiHeadAttention", "Attention", "PagedAt
 # Ops that compute each position from that position alone (with the checks of `_positionwise`).
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Sigmoid", "Tanh", "Relu", "Erf", "Sqrt", "Reciprocal", "Neg",
                 "Softplus", "Cast", "Identity", "QuickGelu", "Gelu", "FastGelu", "BiasGelu"}
-_NORMS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
+_NORMS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization", "RMSNormalization",
           "SkipLayerNormalization"}
 _WEIGHTED = {"MatMul": 1, "MatMulNBits": 1}  # op -> the index of its constant weight
 

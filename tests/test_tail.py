@@ -19,13 +19,19 @@ def tail_gathers(data: bytes) -> int:
                for n in onnx.load_from_string(data).graph.node)
 
 
-@pytest.mark.parametrize("fields", [dict(arch="llama"), dict(arch="qwen3"), dict(arch="gemma3"), dict(arch="phi3"),
-                                    dict(arch="llama", precision="int4")], ids=["llama", "qwen3", "gemma3", "phi3",
-                                                                                 "llama-int4"])
-def test_the_tail_at_the_kept_positions_gives_the_same_logits(build, fields, monkeypatch, tmp_path):
+# Per package: the values entering its tail (the attention's output and the residual stream; in a
+# mobius-exported Gemma 4 also its per-layer input and a value of its first layer's).
+PACKAGES = {"llama": (dict(arch="llama"), 2), "qwen3": (dict(arch="qwen3"), 2), "gemma3": (dict(arch="gemma3"), 2),
+            "phi3": (dict(arch="phi3"), 2), "llama-int4": (dict(arch="llama", precision="int4"), 2),
+            "gemma4-mobius": (dict(arch="gemma4_mobius"), 3)}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_the_tail_at_the_kept_positions_gives_the_same_logits(build, package, monkeypatch, tmp_path):
+    fields, entering = PACKAGES[package]
     fixture = build(**fields)
     model, hf = load_pair(fixture)
-    assert tail_gathers(model.decoder.graph_bytes) == 2  # the attention's output and the residual stream
+    assert tail_gathers(model.decoder.graph_bytes) == entering
     monkeypatch.setattr(graph, "gather_tail", lambda *args: False)
     head_only = OrtModelForCausalLM.from_pretrained(fixture.package_dir, cache_dir=tmp_path)
     assert tail_gathers(head_only.decoder.graph_bytes) == 0
