@@ -12,12 +12,12 @@ import onnxruntime as ort
 import pytest
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
-from helpers import MODEL_ARCHES, reference_class, right_padded_batch
+from helpers import MODEL_ARCHES, left_padded_batch, reference_class, right_padded_batch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, extend, generation, load_tokenizer, projections, runtime, scoring
+from ortmodule import OrtModelForCausalLM, extend, generation, graph, load_tokenizer, projections, runtime, scoring
 from ortmodule.inputs import pad_right
 from ortmodule_dev import fixtures
 
@@ -483,6 +483,28 @@ def test_cuda_graph_on_the_real_model():
         model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", provider_options=options)
         outputs.append(model.generate(prompt, max_new_tokens=48, eos_token_id=None, pad_token_id=0))
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_tail_at_the_kept_positions_on_cuda(build, monkeypatch, tmp_path):
+    """On CUDA the tail after the last attention runs at the kept positions only (tail.py): the
+    logits at `cont_len` positions are those of the graph that gathers just before the head, to
+    bf16's rounding, and as close to transformers fp32's."""
+    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    nodes = onnx.load_from_string(model.decoder.graph_bytes).graph.node
+    assert any(n.name.startswith("/ortmodule/tail/") for n in nodes)
+    monkeypatch.setattr(graph, "gather_tail", lambda *args: False)
+    head_only = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", cache_dir=tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    ids, mask = left_padded_batch([40, 17, 6], seed=15)  # the last 3 positions of every row are real
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits[:, -3:]
+    ours = model(ids.cuda(), attention_mask=mask.cuda(), cont_len=3).logits
+    theirs = head_only(ids.cuda(), attention_mask=mask.cuda(), cont_len=3).logits
+    tail_mask = mask[:, -3:]
+    noise = real_positions_diff(theirs, expected, tail_mask)
+    assert real_positions_diff(ours, theirs, tail_mask) <= 2 * noise + 1e-3
+    assert real_positions_diff(ours, expected, tail_mask) <= 1.5 * noise + 1e-3
 
 
 def test_unpacked_projections_on_cuda(build, monkeypatch, tmp_path):
