@@ -38,7 +38,14 @@ def _is_constant(value: ir.Value) -> bool:
     return producer is not None and producer.op_type == "Constant"
 
 
-def _rank(value: ir.Value) -> int | None:
+def _constant_rank(value: ir.Value) -> int | None:
+    """The rank of a constant value: its tensor's (an initializer's, a Constant node's), else as recorded."""
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+        tensor = producer.attributes["value"].value
+    if tensor is not None:
+        return len(tensor.shape)
     return value.shape.rank() if value.shape is not None else None
 
 
@@ -46,15 +53,15 @@ def _positionwise(node: ir.Node) -> bool:
     """Whether `node` computes each position of its `[batch, sequence, features]` inputs from that
     position alone."""
     op, constants = node.op_type, [v for v in node.inputs if v is not None and _is_constant(v)]
-    if op in _WEIGHTED:
+    if op in _WEIGHTED:  # every input but the first constant, a MatMul's weight a matrix
         weight = node.inputs[_WEIGHTED[op]] if len(node.inputs) > _WEIGHTED[op] else None
-        return weight is not None and _is_constant(weight) and all(
-            v is None or _is_constant(v) for v in node.inputs[1:])
+        return weight is not None and all(v is None or _is_constant(v) for v in node.inputs[1:]) and (
+            op != "MatMul" or _constant_rank(weight) == 2)
     if op in _NORMS:
         axis = node.attributes.get("axis")
         return axis is None or axis.value == -1
     if op in _ELEMENTWISE:  # constants broadcast over the features only
-        return all((_rank(v) or 0) <= 1 for v in constants)
+        return all((rank := _constant_rank(v)) is not None and rank <= 1 for v in constants)
     if op == "Split":
         axis = node.attributes.get("axis")
         return axis is not None and axis.value == -1

@@ -51,8 +51,11 @@ def tail_graph(mixing: str = "Sigmoid", read_elsewhere: bool = False, recorded: 
     per_position = ["batch_size", "sequence_length", 4]
     nodes = [helper.make_node("GroupQueryAttention", ["x"], ["a"], domain="com.microsoft", num_heads=1,
                               kv_num_heads=1),
+             # a constant that differs along the sequence, its shape recorded nowhere but in itself
+             helper.make_node("Constant", [], ["along"], value=numpy_helper.from_array(
+                 np.arange(28, dtype=np.float32).reshape(1, 7, 4))),
              helper.make_node("MatMul", ["a", "w"], ["y"]),
-             helper.make_node(mixing, ["y", "one"] if mixing == "CumSum" else ["y"], ["z"]),
+             helper.make_node(mixing, {"CumSum": ["y", "one"], "Mul": ["y", "along"]}.get(mixing, ["y"]), ["z"]),
              helper.make_node("Add", ["z", "residual"], ["h"]),
              helper.make_node("MatMul", ["h", "head"], ["logits"])]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
@@ -80,10 +83,12 @@ def tail_graph(mixing: str = "Sigmoid", read_elsewhere: bool = False, recorded: 
 
 
 @pytest.mark.parametrize("case,moves", [("positionwise", True), ("mixes positions", False),
-                                        ("read elsewhere", False), ("no recorded shape", False)])
+                                        ("a constant along the sequence", False), ("read elsewhere", False),
+                                        ("no recorded shape", False)])
 def test_what_the_tail_gather_checks(case, moves):
-    g, flatten, gather = tail_graph(mixing="CumSum" if case == "mixes positions" else "Sigmoid",
-                                    read_elsewhere=case == "read elsewhere", recorded=case != "no recorded shape")
+    mixing = {"mixes positions": "CumSum", "a constant along the sequence": "Mul"}.get(case, "Sigmoid")
+    g, flatten, gather = tail_graph(mixing=mixing, read_elsewhere=case == "read elsewhere",
+                                    recorded=case != "no recorded shape")
     assert tail.gather_tail(g, flatten, gather) is moves
     gathers = [n for n in g if n.op_type == "Gather"]
     assert len(gathers) == (2 if moves else 1)  # the attention's output and the residual, or the head's
