@@ -32,6 +32,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from .constants import is_constant
 from .projections import unpack_projections
 from .tail import gather_tail
 
@@ -60,13 +61,6 @@ def default_cache_dir() -> Path:
     return cache_home() / "graphs"
 
 
-def _is_constant(value: ir.Value) -> bool:
-    if value.const_value is not None or value.is_initializer():
-        return True
-    producer = value.producer()
-    return producer is not None and producer.op_type == "Constant"
-
-
 def _find_lm_head(graph: ir.Graph, logits_name: str) -> tuple[ir.Node, list[ir.Node]]:
     """The node computing the logits from hidden states, and the elementwise nodes after it."""
     output = next((o for o in graph.outputs if o.name == logits_name), None)
@@ -75,7 +69,7 @@ def _find_lm_head(graph: ir.Graph, logits_name: str) -> tuple[ir.Node, list[ir.N
     chain = []
     node = output.producer()
     while node is not None and node.domain in ("", "ai.onnx") and node.op_type in _ELEMENTWISE:
-        variable = [v for v in node.inputs if v is not None and not _is_constant(v)]
+        variable = [v for v in node.inputs if v is not None and not is_constant(v)]
         if len(variable) != 1:
             raise RewriteSkipped(f"'{node.name}' ({node.op_type}) after the LM head mixes two variable inputs")
         chain.append(node)
@@ -83,7 +77,7 @@ def _find_lm_head(graph: ir.Graph, logits_name: str) -> tuple[ir.Node, list[ir.N
     if node is None or node.op_type not in _LM_HEADS:
         found = "a graph input" if node is None else f"'{node.name}' ({node.op_type})"
         raise RewriteSkipped(f"the logits come from {found}, not a MatMul, MatMulNBits or Gemm LM head")
-    if len(node.inputs) < 2 or node.inputs[1] is None or not _is_constant(node.inputs[1]):
+    if len(node.inputs) < 2 or node.inputs[1] is None or not is_constant(node.inputs[1]):
         raise RewriteSkipped(f"LM head '{node.name}' has no constant weight")
     hidden = node.inputs[0]
     if hidden.shape is not None and hidden.shape.rank() != 3:

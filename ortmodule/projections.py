@@ -21,20 +21,16 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from .constants import constant_tensor
+
 # The device types whose sessions take the unpacked graph (decoder.py).
 UNPACK_ON = ("cuda",)
 
 
 def _constant(value: ir.Value | None):
-    """The NumPy array of a constant value (an initializer or a Constant node's), else None."""
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    producer = value.producer()
-    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
-        return producer.attributes["value"].value.numpy()
-    return None
+    """The NumPy array of a constant value, else None."""
+    tensor = constant_tensor(value)
+    return None if tensor is None else tensor.numpy()
 
 
 def _only_use(value: ir.Value) -> tuple[ir.Node, int] | None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from .constants import constant_tensor, is_constant
+
 _ATTENTION = {"GroupQueryAttention", "MultiHeadAttention", "Attention", "PagedAttention", "SparseAttention"}
 # Ops that compute each position from that position alone (with the checks of `_positionwise`).
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Sigmoid", "Tanh", "Relu", "Erf", "Sqrt", "Reciprocal", "Neg",
@@ -31,19 +33,9 @@ _NORMS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "L
 _WEIGHTED = {"MatMul": 1, "MatMulNBits": 1}  # op -> the index of its constant weight
 
 
-def _is_constant(value: ir.Value) -> bool:
-    if value.const_value is not None or value.is_initializer():
-        return True
-    producer = value.producer()
-    return producer is not None and producer.op_type == "Constant"
-
-
 def _constant_rank(value: ir.Value) -> int | None:
     """The rank of a constant value: its tensor's (an initializer's, a Constant node's), else as recorded."""
-    tensor = value.const_value
-    producer = value.producer()
-    if tensor is None and producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
-        tensor = producer.attributes["value"].value
+    tensor = constant_tensor(value)
     if tensor is not None:
         return len(tensor.shape)
     return value.shape.rank() if value.shape is not None else None
@@ -52,10 +44,10 @@ def _constant_rank(value: ir.Value) -> int | None:
 def _positionwise(node: ir.Node) -> bool:
     """Whether `node` computes each position of its `[batch, sequence, features]` inputs from that
     position alone."""
-    op, constants = node.op_type, [v for v in node.inputs if v is not None and _is_constant(v)]
+    op, constants = node.op_type, [v for v in node.inputs if v is not None and is_constant(v)]
     if op in _WEIGHTED:  # every input but the first constant, a MatMul's weight a matrix
         weight = node.inputs[_WEIGHTED[op]] if len(node.inputs) > _WEIGHTED[op] else None
-        return weight is not None and all(v is None or _is_constant(v) for v in node.inputs[1:]) and (
+        return weight is not None and all(v is None or is_constant(v) for v in node.inputs[1:]) and (
             op != "MatMul" or _constant_rank(weight) == 2)
     if op in _NORMS:
         axis = node.attributes.get("axis")
@@ -115,7 +107,7 @@ def gather_tail(graph: ir.Graph, flatten: ir.Node, gather: ir.Node) -> bool:
     entering = {}
     for node in tail:
         for value in node.inputs:
-            if value is not None and value not in inside and not _is_constant(value):
+            if value is not None and value not in inside and not is_constant(value):
                 entering[value] = None
     if not all(_per_position(value, dims) for value in entering):
         return False
