@@ -39,7 +39,7 @@ from .tail import gather_tail
 logger = logging.getLogger("ortmodule")
 
 LOGITS_INDICES = "ortmodule_logits_indices"
-REWRITE_VERSION = "6"
+REWRITE_VERSION = "7"
 
 # Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
 _ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}

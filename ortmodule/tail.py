@@ -45,6 +45,8 @@ def _positionwise(node: ir.Node) -> bool:
     """Whether `node` computes each position of its `[batch, sequence, features]` inputs from that
     position alone."""
     op, constants = node.op_type, [v for v in node.inputs if v is not None and is_constant(v)]
+    if node.domain not in ("", "ai.onnx", "com.microsoft"):  # another domain's op of the same name
+        return False
     if op in _WEIGHTED:  # every input but the first constant, a MatMul's weight a matrix
         weight = node.inputs[_WEIGHTED[op]] if len(node.inputs) > _WEIGHTED[op] else None
         return weight is not None and all(v is None or is_constant(v) for v in node.inputs[1:]) and (
