@@ -28,9 +28,10 @@ UNPACK_ON = ("cuda",)
 
 
 def _constant(value: ir.Value | None):
-    """The NumPy array of a constant value, else None."""
+    """The NumPy array of a constant value held in the graph, else None (weights in an external
+    file are not read: the rewrite sees the graph without its weights)."""
     tensor = constant_tensor(value)
-    return None if tensor is None else tensor.numpy()
+    return None if tensor is None or isinstance(tensor, ir.ExternalTensor) else tensor.numpy()
 
 
 def _only_use(value: ir.Value) -> tuple[ir.Node, int] | None:
@@ -80,8 +81,8 @@ def _packed(graph: ir.Graph, matmul: ir.Node) -> tuple[ir.Value, ir.Node | None,
     width, out, add = weight.shape[1], matmul.outputs[0], None
     use = _only_use(out)
     if use is not None and use[0].op_type == "Add" and use[0].domain == "":
-        bias = _constant(use[0].inputs[1 - use[1]])
-        if bias is not None and bias.shape == (width,):
+        bias = constant_tensor(use[0].inputs[1 - use[1]])  # its shape only: its data may be external
+        if bias is not None and tuple(bias.shape) == (width,):
             add, out = use[0], use[0].outputs[0]
     parts = _parts(out, width)
     if parts is None:

@@ -94,32 +94,42 @@ def test_a_cuda_export_unpacked(build):
     assert (logits[True].float() - reference).abs().max().item() < 2e-2
 
 
-def test_the_bias_is_sliced_with_the_weight_and_other_uses_are_left_alone():
-    """A packed projection with a bias (MatMul, Add, Split) gives its parts' values unpacked; a
-    MatMul whose output is also read elsewhere stays packed."""
+def test_the_bias_is_sliced_with_the_weight_and_other_uses_are_left_alone(tmp_path):
+    """A packed projection with a bias (MatMul, Add, Split), its weight and bias in an external file
+    as a package keeps them and the split sizes in a Constant node as the builder writes them, gives
+    its parts' values unpacked (the rewrite reads no external data); a MatMul whose output is also
+    read elsewhere stays packed."""
     gen = np.random.default_rng(0)
     weight, bias = gen.standard_normal((8, 12)).astype(np.float32), gen.standard_normal(12).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["pb"]),
+    nodes = [helper.make_node("Constant", [], ["sizes"], value=numpy_helper.from_array(np.array([6, 3, 3], np.int64))),
+             helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["pb"]),
              helper.make_node("Split", ["pb", "sizes"], ["q0", "k0", "v0"], axis=-1),
              *(helper.make_node("Identity", [f"{n}0"], [n]) for n in "qkv"),
              helper.make_node("MatMul", ["x", "w"], ["shared"]),
              helper.make_node("Split", ["shared", "sizes"], ["a", "c", "d"], axis=-1),
              helper.make_node("Identity", ["shared"], ["also"])]
-    inits = [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b"),
-             numpy_helper.from_array(np.array([6, 3, 3], np.int64), "sizes")]
+    inits = [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")]
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("q", "k", "v", "a", "also")]
     proto = helper.make_model(helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
         "x", TensorProto.FLOAT, ["b", "s", 8])], outputs, inits), opset_imports=[helper.make_opsetid("", 18)],
         ir_version=10)
-    model = ir.serde.deserialize_model(proto)
+    onnx.save(proto, str(tmp_path / "model.onnx"), save_as_external_data=True, location="model.onnx.data",
+              size_threshold=0)
+    model = ir.serde.deserialize_model(onnx.load(str(tmp_path / "model.onnx"), load_external_data=False))
     assert projections.unpack_projections(model.graph) == 1
     data = ir.serde.serialize_model(model).SerializeToString()
     counts = op_counts(data)
     assert counts["Split"] == 1 and counts["MatMul"] == 4 and counts["Add"] == 3 and counts["Slice"] == 6
 
     x = gen.standard_normal((2, 5, 8)).astype(np.float32)
-    got = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    session = runtime.make_session(data, torch.device("cpu"), tmp_path)
+    binding = session.io_binding()
+    runtime.bind_input(binding, "x", torch.from_numpy(x))
+    got = {name: torch.empty(2, 5, width) for name, width in (("q", 6), ("k", 3), ("v", 3), ("a", 6), ("also", 12))}
+    for name, out in got.items():
+        runtime.bind_output(binding, name, out)
+    session.run(binding)
     packed = x @ weight + bias
-    for value, (start, end) in zip(got[:3], [(0, 6), (6, 9), (9, 12)]):
-        np.testing.assert_allclose(value, packed[..., start:end], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(got[3], (x @ weight)[..., :6], rtol=1e-6, atol=1e-6)
+    for name, (start, end) in zip("qkv", [(0, 6), (6, 9), (9, 12)]):
+        np.testing.assert_allclose(got[name].numpy(), packed[..., start:end], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["a"].numpy(), (x @ weight)[..., :6], rtol=1e-6, atol=1e-6)
