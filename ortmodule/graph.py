@@ -237,7 +237,7 @@ _DIGEST = 64
 
 def _cache_key(path: Path, logits_name: str, float32_head: bool = False, unpack_qkv: bool = False) -> str:
     """The source graph's content (not its path, size or time: a replaced file with the same size
-    and time gets its own entry), the logits name and the rewrite's version."""
+    and time gets its own entry), the logits name, the rewrite's options and its version."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

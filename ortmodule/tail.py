@@ -30,7 +30,7 @@ _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Sigmoid", "Tanh", "Relu", "E
                 "Softplus", "Cast", "Identity", "QuickGelu", "Gelu", "FastGelu", "BiasGelu"}
 _NORMS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization", "RMSNormalization",
           "SkipLayerNormalization"}
-_WEIGHTED = {"MatMul": 1, "MatMulNBits": 1}  # op -> the index of its constant weight
+_WEIGHTED = {"MatMul", "MatMulNBits"}  # input 1 their constant weight
 
 
 def _constant_rank(value: ir.Value) -> int | None:
@@ -48,7 +48,7 @@ def _positionwise(node: ir.Node) -> bool:
     if node.domain not in ("", "ai.onnx", "com.microsoft"):  # another domain's op of the same name
         return False
     if op in _WEIGHTED:  # every input but the first constant, a MatMul's weight a matrix
-        weight = node.inputs[_WEIGHTED[op]] if len(node.inputs) > _WEIGHTED[op] else None
+        weight = node.inputs[1] if len(node.inputs) > 1 else None
         return weight is not None and all(v is None or is_constant(v) for v in node.inputs[1:]) and (
             op != "MatMul" or _constant_rank(weight) == 2)
     if op in _NORMS:

@@ -45,9 +45,10 @@ def test_the_tail_at_the_kept_positions_gives_the_same_logits(build, package, mo
             torch.testing.assert_close(ours[real], expected[real], rtol=1e-4, atol=1e-4)
 
 
-def tail_graph(mixing: str = "Sigmoid", read_elsewhere: bool = False, recorded: bool = True) -> ir.Graph:
+def tail_graph(mixing: str = "Sigmoid", read_elsewhere: bool = False,
+               recorded: bool = True) -> tuple[ir.Graph, ir.Node, ir.Node]:
     """A decoder's end: attention -> MatMul -> `mixing` -> Add(residual) -> head, with the head's
-    gather as graph.py inserts it."""
+    gather as graph.py inserts it: (the graph, its Flatten, its Gather)."""
     per_position = ["batch_size", "sequence_length", 4]
     nodes = [helper.make_node("GroupQueryAttention", ["x"], ["a"], domain="com.microsoft", num_heads=1,
                               kv_num_heads=1),
