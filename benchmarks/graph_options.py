@@ -39,7 +39,7 @@ import torch
 from conftest import GPU_DATASHEET, SIZES, cpu_limits, flop_count, reference_model
 from profile_gpu import kernel_table
 
-from ortmodule import OrtModelForCausalLM, extend
+from ortmodule import OrtModelForCausalLM, extend, projections
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
 from ortmodule_dev import fixtures  # noqa: E402
@@ -190,7 +190,8 @@ def prefill_graph_changes(model) -> str:
     if decoder.causal is None:
         raise RuntimeError("ortmodule made no prefill graph for this package (its log says why)")
     data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, decoder.spec.layers[0].head_size,
-                                     False, decoder.cache_dir, layout="prefill")
+                                     False, decoder.cache_dir, layout="prefill",
+                                     unpack_qkv=projections.applies(decoder.device.type, decoder.session_options))
 
     def count(graph: bytes) -> collections.Counter:
         return collections.Counter(node.op_type for node in onnx.load_from_string(graph).graph.node)

@@ -29,9 +29,10 @@ NOTES = {
     "`prefill_attention=\"onnx\"` (the prefill graph: ONNX's `Attention` instead of GroupQueryAttention, no KV "
     "written), `max_diff_vs_package_graph` its largest logit difference from the `ortmodule` row's on the same ids. "
     "`ortmodule-packed-qkv` (CUDA runs that have it): the package's packed query/key/value projection run as it "
-    "is, beside the `ortmodule` row's three MatMuls (ortmodule's CUDA default since 2026-11-26's session 33, "
-    "ortmodule/projections.py; earlier CUDA rows ran the packed graph), `max_diff_vs_ortmodule` their largest "
-    "logit difference.",
+    "is, beside the `ortmodule` row's three MatMuls (ortmodule's CUDA default since 2026-11-26's session 33 where "
+    "a `Split` node splits the projection, Qwen3's export; GroupQueryAttention's packed input stays packed, so "
+    "packages with only that have no such row; ortmodule/projections.py; earlier CUDA rows ran the packed graph), "
+    "`max_diff_vs_ortmodule` their largest logit difference.",
     "generate": "Greedy decoding of a left-padded batch of prompts ({prompt_lo} to {prompt_hi} tokens), "
     "{new_tokens} new tokens a row; every "
     "backend makes all of them (no early end of sequence). `genai` is onnxruntime-genai's `Generator` "

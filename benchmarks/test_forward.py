@@ -5,8 +5,10 @@ Gemma-3-270M (262,144) at batch 2 x 128. `ortmodule-prefill-onnx`: the same pack
 `prefill_attention="onnx"` (the prefill graph: ONNX's `Attention` instead of GroupQueryAttention,
 no KV written; ortmodule/extend.py), whose logits are checked against the package graph's at load.
 `ortmodule-packed-qkv` (CUDA): the package's packed query/key/value projection as it is, where
-ortmodule's CUDA default runs it as three MatMuls (ortmodule/projections.py)."""
+ortmodule's CUDA default runs it as three MatMuls (ortmodule/projections.py: projections that a
+`Split` node splits, as in Qwen3's export; GroupQueryAttention's packed input stays packed)."""
 
+import onnx
 import pytest
 import torch
 from conftest import device_name, flop_count, measure_peak, model_label, reference_model, synced
@@ -37,14 +39,20 @@ def prefill_model(setup, size):
 
 @pytest.fixture(scope="module")
 def packed_model(setup, size):
-    """The package loaded with its packed projections kept (None where ortmodule keeps them anyway)."""
+    """The package loaded with its packed projections kept (None where ortmodule keeps them anyway:
+    off CUDA, and packages whose only packing is GroupQueryAttention's packed input)."""
     if torch.device(size["device"]).type not in projections.UNPACK_ON:
         return None
     unpack_on, projections.UNPACK_ON = projections.UNPACK_ON, ()
     try:
-        return OrtModelForCausalLM.from_pretrained(setup[0].package_dir, device=size["device"])
+        model = OrtModelForCausalLM.from_pretrained(setup[0].package_dir, device=size["device"])
     finally:
         projections.UNPACK_ON = unpack_on
+    return model if matmuls(model.decoder.graph_bytes) != matmuls(setup[1].decoder.graph_bytes) else None
+
+
+def matmuls(data: bytes) -> int:
+    return sum(node.op_type == "MatMul" for node in onnx.load_from_string(data).graph.node)
 
 
 def run_case(benchmark, fn, setup, keep):

@@ -340,11 +340,11 @@ def _mismatch(package, device: torch.device, otherwise: str) -> str:
 
 def _graphs(decoder: Decoder, device: torch.device) -> tuple[bytes | None, bytes | None]:
     """The decoder's graph for `device`: the rewrite's bytes (graph.py), and without the rewrite (off,
-    or skipped for this graph) the package's graph where it needs repairs. Packed projections are
-    unpacked on CUDA (projections.py), where ortmodule's own session options fold the weights' slices
-    at load (a caller's may not optimize the graph at all)."""
+    or skipped for this graph) the package's graph where it needs repairs. Packed projections that a
+    `Split` node splits are unpacked on CUDA (projections.py), where ortmodule's own session options
+    fold the weights' slices at load (a caller's may not optimize the graph at all)."""
     spec = decoder.spec
-    unpack = device.type in projections.UNPACK_ON and decoder.session_options is None
+    unpack = projections.applies(device.type, decoder.session_options)
     rewritten = graph.lm_head_graph(spec.path, spec.logits, decoder.rewrite_lm_head, decoder.cache_dir, unpack)
     return rewritten, graph.repaired_graph(spec.path) if rewritten is None else None
 

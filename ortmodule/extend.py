@@ -39,7 +39,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from . import graph, runtime
+from . import graph, projections, runtime
 from .cache import KVCache
 from .graph import RewriteSkipped
 from .inputs import Rows
@@ -96,7 +96,7 @@ def _input(node: ir.Node, index: int) -> ir.Value | None:
 
 
 def extend_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool = False,
-                 layout: str = "mask") -> onnx.ModelProto:
+                 layout: str = "mask", unpack_qkv: bool = False) -> onnx.ModelProto:
     """The decoder with every GroupQueryAttention replaced as the module docstring says; the present
     outputs are gone, and the past KV inputs keep their names. Inputs added: `ortmodule_positions`
     (int64 `[batch, new]`: each new token's position) and by `layout`:
@@ -111,19 +111,23 @@ def extend_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool =
       `TensorScatter` writes the new keys and values at `ortmodule_write_at` (int64 `[batch]`: the
       row's past length) and `Attention` reads `ortmodule_kv_lengths` (int64 `[batch]`: past + new)
       keys with `is_causal`, aligned at each row's end (a right-padded row's real new tokens never
-      see the padding after them)."""
+      see the padding after them).
+
+    `unpack_qkv`: a packed query/key/value projection (GroupQueryAttention's packed input, split by
+    the rewrite) becomes three MatMuls (projections.py), as ortmodule makes it on CUDA."""
     if layout not in ("mask", "cache"):
         raise ValueError(f"layout must be 'mask' or 'cache', not {layout!r}")
-    return _rewrite(proto, head_size, expand_kv_heads and layout == "mask", layout)
+    return _rewrite(proto, head_size, expand_kv_heads and layout == "mask", layout, unpack_qkv)
 
 
-def prefill_graph(proto: onnx.ModelProto, head_size: int) -> onnx.ModelProto:
+def prefill_graph(proto: onnx.ModelProto, head_size: int, unpack_qkv: bool = False) -> onnx.ModelProto:
     """The decoder for runs from an empty cache (the prefill graph): every GroupQueryAttention
     replaced by the same norms and rotary (at `ortmodule_positions`) and ONNX's `Attention` with
     `is_causal` over the new tokens alone. No past inputs, no present outputs (no KV is written),
     no attention mask: right for right-padded rows only, where a real token never attends to the
-    padding after it (ortmodule's prefills are right-padded: inputs.check_batch)."""
-    return _rewrite(proto, head_size, False, "prefill")
+    padding after it (ortmodule's prefills are right-padded: inputs.check_batch). `unpack_qkv` as
+    in `extend_graph`."""
+    return _rewrite(proto, head_size, False, "prefill", unpack_qkv)
 
 
 @dataclasses.dataclass
@@ -152,7 +156,8 @@ class _Feeds:
         return [v for v in (self.positions, self.bias, self.write_at, self.kv_lengths) if v is not None]
 
 
-def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, layout: str) -> onnx.ModelProto:
+def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, layout: str,
+             unpack_qkv: bool = False) -> onnx.ModelProto:
     model = ir.serde.deserialize_model(proto)
     graph = model.graph
     attention = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
@@ -170,6 +175,8 @@ def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, layo
     graph.outputs[:] = [o for o in graph.outputs if o.name not in presents]
     model.opset_imports[""] = max(model.opset_imports.get("", 1), _OPSET_CACHE if layout == "cache" else _OPSET)
     _remove_unused(graph)
+    if unpack_qkv:  # once the replaced GroupQueryAttention no longer reads the packed projection
+        projections.unpack_projections(graph)
     used = {v for node in graph for v in node.inputs if v is not None} | set(graph.outputs)
     graph.inputs[:] = [v for v in graph.inputs if v in used]
     return ir.serde.serialize_model(model)
@@ -324,19 +331,20 @@ def _remove_unused(graph: ir.Graph) -> None:
 
 
 def extend_graph_bytes(base: bytes, stem: str, head_size: int, expand_kv_heads: bool,
-                       cache_dir: Path | None = None, layout: str = "mask") -> bytes:
+                       cache_dir: Path | None = None, layout: str = "mask", unpack_qkv: bool = False) -> bytes:
     """`extend_graph` in `layout` ("mask", "cache"; "prefill": `prefill_graph`) of the
-    LM-head-rewritten graph bytes `base`, cached like them (graph.py); raises `RewriteSkipped` where
-    the decoder does not match."""
+    LM-head-rewritten graph bytes `base` (`unpack_qkv` as there), cached like them (graph.py);
+    raises `RewriteSkipped` where the decoder does not match."""
     if layout not in ("mask", "cache", "prefill"):
         raise ValueError(f"layout must be 'mask', 'cache' or 'prefill', not {layout!r}")
     expand_kv_heads = expand_kv_heads and layout == "mask"
     digest = hashlib.sha256(base)
-    digest.update(f"|{head_size}|{expand_kv_heads}|{layout}|{EXTEND_VERSION}|{ir.__version__}".encode())
+    digest.update(f"|{head_size}|{expand_kv_heads}|{layout}|{EXTEND_VERSION}|{ir.__version__}"
+                  f"{'|unpack_qkv' * unpack_qkv}".encode())
     kind = "prefill" if layout == "prefill" else "extend"
     return graph.cached(cache_dir, f"{stem}-{kind}-{digest.hexdigest()[:32]}",
                         lambda: _rewrite(onnx.ModelProto.FromString(base), head_size, expand_kv_heads,
-                                         layout).SerializeToString())
+                                         layout, unpack_qkv).SerializeToString())
 
 
 class Extender:
@@ -448,9 +456,10 @@ def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
 
     layout = EXTEND_LAYOUT.get(device.type, "mask")
     expand = device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA
+    unpack = projections.applies(device.type, decoder.session_options)
     return _second_session(decoder, "extend graph", "shared prefixes continue by decode steps", Extender, check,
                            lambda head_size: extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, head_size,
-                                                                expand, cache_dir, layout))
+                                                                expand, cache_dir, layout, unpack))
 
 
 def make_prefill(decoder) -> CausalPrefill | None:
@@ -464,10 +473,11 @@ def make_prefill(decoder) -> CausalPrefill | None:
         index = torch.tensor([0, 2, 4, 5, 7], device=device)  # the second row's real positions: 5-7
         _check_close(decoder.package_prefill(rows, index), prefill.run(rows.ids, index), decoder)
 
+    unpack = projections.applies(device.type, decoder.session_options)
     return _second_session(decoder, "prefill graph", "runs without a cache keep the package's graph", CausalPrefill,
                            check, lambda head_size: extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem,
                                                                        head_size, False, decoder.cache_dir,
-                                                                       layout="prefill"))
+                                                                       layout="prefill", unpack_qkv=unpack))
 
 
 def _prefixes_cache(decoder, prefixes: list[list[int]]) -> KVCache:

@@ -39,7 +39,7 @@ from .tail import gather_tail
 logger = logging.getLogger("ortmodule")
 
 LOGITS_INDICES = "ortmodule_logits_indices"
-REWRITE_VERSION = "7"
+REWRITE_VERSION = "8"
 
 # Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
 _ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}
@@ -90,8 +90,8 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str, float32_hea
     """Return the graph with the LM head applied only at `ortmodule_logits_indices`. With
     `float32_head`, where the package casts a half-precision MatMul head's logits to float32, the
     head multiplies in float32 instead (its weights cast once, at load): float32 logits that are
-    not rounded to half precision first. With `unpack_qkv`, packed projections become one MatMul
-    per part (projections.py; ortmodule asks for it on CUDA).
+    not rounded to half precision first. With `unpack_qkv`, packed projections that a `Split` node
+    splits become one MatMul per part (projections.py; ortmodule asks for it on CUDA).
 
     Raises `RewriteSkipped` when the graph does not match; the input proto is left unchanged.
     """

@@ -1,20 +1,27 @@
 """Packed projections unpacked: one MatMul per part instead of one MatMul and a split of its output.
 
 The model builder packs a layer's query, key and value projections into one MatMul whose output is
-split into the three: by a `Split` node (its CUDA exports) or inside GroupQueryAttention (its packed
-input, the CPU exports). On CUDA the split is a kernel of its own that reads and writes every
-projected value again: `_SplitSmallInnerKernel`, 5.5% of an MMLU batch's device time on an H200,
-and the builder's `fuse_qkv=false` (three MatMuls) ran a 32 x 512 prefill of Qwen3-0.6B's shape
-1.04x faster (docs/measurements.md, session 28); the builder's `fuse_mlp_gate_up=true` (the
-MLP's gate and up projections packed, split in two equal parts) ran 0.91x. `unpack_projections`
-makes any package's graph the unpacked one: each part multiplies by a `Slice` of the packed
-weight's columns, which ONNX Runtime's constant folding turns into an initializer of its own when
-the session loads (no slice at run time, the packed weight no longer held; tests/test_projections.py
-checks the folding), and the parts' products are the packed product's columns: the same numbers.
+split into the three: by a `Split` node (exports with query/key norms, Qwen3's CUDA exports among
+them) or inside GroupQueryAttention (its packed input, every other export). On CUDA a `Split` is a
+kernel of its own that reads and writes every projected value again: `_SplitSmallInnerKernel`, 5.5%
+of an MMLU batch's device time on an H200, and the builder's `fuse_qkv=false` (three MatMuls) ran a
+32 x 512 prefill of Qwen3-0.6B's shape 1.04x faster (docs/measurements.md, session 28); the
+builder's `fuse_mlp_gate_up=true` (the MLP's gate and up projections packed, split in two equal
+parts) ran 0.91x. `unpack_projections` makes such a graph the unpacked one: each part multiplies by
+a `Slice` of the packed weight's columns, which ONNX Runtime's constant folding turns into an
+initializer of its own when the session loads (no slice at run time, the packed weight no longer
+held; tests/test_projections.py checks the folding), and the parts' products are the packed
+product's columns: the same numbers.
 
-ortmodule applies it on CUDA only (graph.py's rewrite, `unpack_qkv`): on a CPU the builder's option
-measured within the noise (session 26), and a second session over a package's float weights there
-reads the weight file's pages, which folded copies would not share.
+GroupQueryAttention's packed input is left as it is: its CUDA prologue (`UnpackRoPEAppend`, which
+runs for packed and separate inputs alike) reads the three parts where they lie, so there is no
+split to save, and three MatMuls would launch two kernels more a layer (a decode step's pace on
+CUDA without graphs) over smaller products. The extend and prefill graphs (extend.py), which replace
+GroupQueryAttention and split such an input with a `Split` node, are unpacked after that rewrite.
+
+ortmodule applies it on CUDA only (`applies`: graph.py's rewrite and extend.py's graphs): on a CPU
+the builder's option measured within the noise (session 26), and a second session over a package's
+float weights there reads the weight file's pages, which folded copies would not share.
 """
 
 from __future__ import annotations
@@ -23,8 +30,15 @@ import onnx_ir as ir
 
 from .constants import constant_tensor
 
-# The device types whose sessions take the unpacked graph (decoder.py).
+# The device types whose sessions take the unpacked graphs (decoder.py, extend.py).
 UNPACK_ON = ("cuda",)
+
+
+def applies(device_type: str, session_options) -> bool:
+    """Whether sessions on a device of `device_type` take the unpacked graphs: on `UNPACK_ON`'s
+    device types, with ortmodule's own session options only (a caller's `session_options` may turn
+    off the optimizations that fold the weights' slices)."""
+    return device_type in UNPACK_ON and session_options is None
 
 
 def _constant(value: ir.Value | None):
@@ -40,38 +54,26 @@ def _only_use(value: ir.Value) -> tuple[ir.Node, int] | None:
 
 
 def _parts(value: ir.Value, width: int) -> tuple[ir.Node, list[int]] | None:
-    """How `value` (a MatMul's `[..., width]`, read by one node) is split along its last axis: (the
-    splitting node, the parts' widths), or None where it is read otherwise."""
+    """How `value` (a MatMul's `[..., width]`, read by one node) is split along its last axis by a
+    `Split` node: (that node, the parts' widths), or None where it is read otherwise."""
     use = _only_use(value)
-    if use is None or use[1] != 0:
+    if use is None or use[1] != 0 or use[0].op_type != "Split" or use[0].domain != "":
         return None
     user = use[0]
-    if user.op_type == "Split" and user.domain == "":
-        axis, count = user.attributes.get("axis"), user.attributes.get("num_outputs")
-        sizes = _constant(user.inputs[1] if len(user.inputs) > 1 else None)
-        if sizes is None and count is not None and width % count.value == 0:  # equal parts (a packed gate and up)
-            sizes = [width // count.value] * count.value
-        rank = value.shape.rank() if value.shape is not None else None
-        last = axis is not None and axis.value in (-1, None if rank is None else rank - 1)
-        if not last or sizes is None or len(sizes) != len(user.outputs):
-            return None
-        return (user, [int(s) for s in sizes]) if sum(int(s) for s in sizes) == width else None
-    if user.op_type == "GroupQueryAttention" and user.domain == "com.microsoft" and len(user.inputs) > 2 \
-            and user.inputs[1] is None and user.inputs[2] is None:
-        heads, kv_heads = (user.attributes.get(name) for name in ("num_heads", "kv_num_heads"))
-        if heads is None or kv_heads is None:
-            return None
-        units = heads.value + 2 * kv_heads.value
-        if width % units:
-            return None
-        head = width // units
-        return user, [heads.value * head, kv_heads.value * head, kv_heads.value * head]
-    return None
+    axis, count = user.attributes.get("axis"), user.attributes.get("num_outputs")
+    sizes = _constant(user.inputs[1] if len(user.inputs) > 1 else None)
+    if sizes is None and count is not None and width % count.value == 0:  # equal parts (a packed gate and up)
+        sizes = [width // count.value] * count.value
+    rank = value.shape.rank() if value.shape is not None else None
+    last = axis is not None and axis.value in (-1, None if rank is None else rank - 1)
+    if not last or sizes is None or len(sizes) != len(user.outputs):
+        return None
+    return (user, [int(s) for s in sizes]) if sum(int(s) for s in sizes) == width else None
 
 
 def _packed(graph: ir.Graph, matmul: ir.Node) -> tuple[ir.Value, ir.Node | None, ir.Node, list[int]] | None:
     """For a MatMul by a constant 2-D weight whose output (after a constant bias's Add, if any) is
-    only split by columns: (its weight, the Add, the splitting node, the parts' widths)."""
+    only split by columns: (its weight, the Add, the `Split` node, the parts' widths)."""
     if matmul.op_type != "MatMul" or matmul.domain != "" or len(matmul.inputs) != 2:
         return None
     weight = matmul.inputs[1]
@@ -87,8 +89,7 @@ def _packed(graph: ir.Graph, matmul: ir.Node) -> tuple[ir.Value, ir.Node | None,
     parts = _parts(out, width)
     if parts is None:
         return None
-    split_outputs = parts[0].outputs if parts[0].op_type == "Split" else ()
-    if any(v in graph.outputs for v in (out, *split_outputs)):
+    if any(v in graph.outputs for v in (out, *parts[0].outputs)):
         return None
     return weight, add, *parts
 
@@ -108,10 +109,9 @@ def _columns(graph: ir.Graph, before: ir.Node, value: ir.Value, start: int, end:
 
 
 def unpack_projections(graph: ir.Graph) -> int:
-    """Replace every MatMul by a constant 2-D weight whose output is only split by columns (a Split
-    node's parts, or GroupQueryAttention's packed query, key and value) with one MatMul per part
-    over the weight's columns (and the bias's, where an Add of a constant bias comes between).
-    Returns how many were replaced."""
+    """Replace every MatMul by a constant 2-D weight whose output is only split by columns (a `Split`
+    node's parts) with one MatMul per part over the weight's columns (and the bias's, where an Add of
+    a constant bias comes between). Returns how many were replaced."""
     replaced = 0
     for matmul in list(graph):
         found = _packed(graph, matmul)
@@ -134,17 +134,13 @@ def unpack_projections(graph: ir.Graph) -> int:
                 out = shifted.outputs[0]
             products.append(out)
             start += width
-        if user.op_type == "Split":
-            for old, new in zip(user.outputs, products):
-                new.shape, new.type = old.shape, old.type
-                old.replace_all_uses_with(new)
-            sizes = user.inputs[1].producer() if len(user.inputs) > 1 and user.inputs[1] is not None else None
-            graph.remove(user, safe=True)
-            if sizes is not None and sizes.op_type == "Constant" and not sizes.outputs[0].uses():
-                graph.remove(sizes, safe=True)
-        else:
-            for i, new in enumerate(products):
-                user.replace_input_with(i, new)
+        for old, new in zip(user.outputs, products):
+            new.shape, new.type = old.shape, old.type
+            old.replace_all_uses_with(new)
+        sizes = user.inputs[1].producer() if len(user.inputs) > 1 and user.inputs[1] is not None else None
+        graph.remove(user, safe=True)
+        if sizes is not None and sizes.op_type == "Constant" and not sizes.outputs[0].uses():
+            graph.remove(sizes, safe=True)
         for node in (add, matmul):
             if node is not None:
                 graph.remove(node, safe=True)

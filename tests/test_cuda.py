@@ -507,21 +507,34 @@ def test_tail_at_the_kept_positions_on_cuda(build, monkeypatch, tmp_path):
     assert real_positions_diff(ours, expected, tail_mask) <= 1.5 * noise + 1e-3
 
 
-def test_unpacked_projections_on_cuda(build, monkeypatch, tmp_path):
-    """On CUDA the packed query/key/value projection becomes three MatMuls (projections.py): ONNX
-    Runtime folds the weights' slices at load (no Slice left in the optimized graph), and the logits
-    are the packed graph's and as close to transformers fp32's."""
-    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_unpacked_projections_on_cuda(build, arch, monkeypatch, tmp_path):
+    """On CUDA a packed query/key/value projection that a Split node splits (Qwen3's export, with
+    query/key norms) becomes three MatMuls (projections.py): ONNX Runtime folds the weights' slices
+    at load (no Slice left in the optimized graph), and the logits are the packed graph's and as
+    close to transformers fp32's. GroupQueryAttention's packed input (Llama's export) stays packed in
+    the decoder's graph; the prefill graph, which splits it, has three MatMuls instead."""
+    fixture = build(arch, precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda",
+                                                prefill_attention="onnx" if arch == "llama" else "auto")
     graph_nodes = onnx.load_from_string(model.decoder.graph_bytes).graph.node
     assert not any(n.op_type == "Split" for n in graph_nodes)
+    packed_inputs = [n for n in graph_nodes if n.op_type == "GroupQueryAttention" and not n.input[1]]
+    assert len(packed_inputs) == (len(model.decoder.spec.layers) if arch == "llama" else 0)
+    unpacked = model.decoder.graph_bytes
+    if arch == "llama":
+        decoder = model.decoder
+        assert decoder.causal is not None
+        unpacked = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem,
+                                             decoder.spec.layers[0].head_size, False, layout="prefill", unpack_qkv=True)
+        assert not any(n.op_type == "Split" for n in onnx.load_from_string(unpacked).graph.node)
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    runtime.make_session(model.decoder.graph_bytes, torch.device("cuda"), fixture.package_dir, options)
+    runtime.make_session(unpacked, torch.device("cuda"), fixture.package_dir, options)
     optimized = onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node
     assert not any(n.op_type == "Slice" for n in optimized)
     monkeypatch.setattr(projections, "UNPACK_ON", ())
-    packed = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    packed = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", prefill_attention="package")
     hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
     ids, mask = right_padded_batch([40, 17, 6], seed=14)
     with torch.no_grad():

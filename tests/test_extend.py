@@ -1,6 +1,7 @@
 """The extend graph (ortmodule/extend.py): several new tokens for several rows over their caches in
 one run, against transformers on the same weights."""
 
+import collections
 import logging
 
 import onnx
@@ -15,10 +16,10 @@ from ortmodule.package import read_package
 GQA_ARCHES = ["llama", "qwen3", "phi3", "mistral", "qwen2"]
 
 
-def extender_of(model, expand_kv_heads, layout="mask"):
+def extender_of(model, expand_kv_heads, layout="mask", unpack_qkv=False):
     decoder = model.decoder
     data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, decoder.spec.layers[0].head_size,
-                                     expand_kv_heads, layout=layout)
+                                     expand_kv_heads, layout=layout, unpack_qkv=unpack_qkv)
     return extend.Extender(decoder, runtime.make_session(data, decoder.device, decoder.spec.path.parent))
 
 
@@ -71,14 +72,14 @@ def test_the_cache_layout_writes_the_new_kv_in_the_caches_own_buffers(build):
             assert (values[row, :, written] - past.layers[layer].values[0, :, written]).abs().max().item() < 1e-4
 
 
-def assert_extend_matches(model, hf, expand_kv_heads, seed, layout="mask"):
+def assert_extend_matches(model, hf, expand_kv_heads, seed, layout="mask", unpack_qkv=False):
     """Rows over prefixes (`rows_over_prefixes`) continued in one extend run: every new position's
     logits equal transformers' on the whole row. Returns the prefixes' cache."""
     prefixes, rests, owner = rows_over_prefixes(seed)
     cache = prefix_cache(model, prefixes, owner)
     tokens = pad_right(rests)[0]
     new = tokens.shape[1]
-    extender = extender_of(model, expand_kv_heads, layout)
+    extender = extender_of(model, expand_kv_heads, layout, unpack_qkv)
     assert extender.layout == layout
     logits = extender.run(tokens, cache, torch.arange(len(rests) * new))
     logits = logits.view(len(rests), new, -1)
@@ -98,6 +99,22 @@ def test_extend_on_packages_exported_with_graph_options(build, arch, options, la
     unpacked (the builder's fuse_qkv=false), or whose MLP is one gate/up MatMul: the new positions'
     logits equal transformers' on the whole rows."""
     assert_extend_matches(*load_pair(build(arch, extra_options=options)), False, seed=33, layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["mask", "cache"])
+def test_a_packed_input_is_unpacked_where_projections_are(build, layout):
+    """GroupQueryAttention's packed input, which the rewrite splits with a Split node, becomes three
+    MatMuls over slices of the packed weight with `unpack_qkv` (ortmodule's extend graph on CUDA,
+    projections.py): no Split left, and the new positions' logits equal transformers' on the whole
+    rows."""
+    model, hf = load_pair(build("llama"))
+    decoder, layers = model.decoder, len(model.decoder.spec.layers)
+    counts = {unpack: collections.Counter(n.op_type for n in onnx.load_from_string(extend.extend_graph_bytes(
+        decoder.graph_bytes, decoder.spec.path.stem, decoder.spec.layers[0].head_size, False, layout=layout,
+        unpack_qkv=unpack)).graph.node) for unpack in (False, True)}
+    assert counts[False]["Split"] == layers and counts[True]["Split"] == 0
+    assert counts[True]["MatMul"] == counts[False]["MatMul"] + 2 * layers
+    assert_extend_matches(model, hf, False, seed=35, layout=layout, unpack_qkv=True)
 
 
 @pytest.mark.parametrize("layout", ["mask", "cache"])

@@ -15,13 +15,13 @@ from onnx import TensorProto, helper, numpy_helper
 from ortmodule import OrtModelForCausalLM, extend, graph, projections, runtime
 from ortmodule.package import read_package
 
-# The builder's packings: GroupQueryAttention's packed input (its CPU exports), a Split node
-# (exports with query/key norms, its CUDA exports among them), and `fuse_mlp_gate_up` (the MLP's
-# gate and up projections, split in two equal parts). Per case: the fixture, and per layer the
-# MatMuls unpacking adds and the weight slices it makes.
-CASES = {"packed-input": (dict(arch="llama"), 2, 3), "split": (dict(arch="qwen3"), 2, 3),
-         "split-sliding": (dict(arch="gemma3"), 2, 3),
-         "gate-up": (dict(arch="llama", extra_options=(("fuse_mlp_gate_up", "true"),)), 3, 5)}
+# The builder's packings: a Split node (exports with query/key norms, Qwen3's and Gemma 3's),
+# `fuse_mlp_gate_up` (the MLP's gate and up projections, split in two equal parts), and
+# GroupQueryAttention's packed input (the other exports), which the decoder's graph keeps. Per case:
+# the fixture, and per layer the MatMuls unpacking adds and the weight slices it makes.
+CASES = {"split": (dict(arch="qwen3"), 2, 3), "split-sliding": (dict(arch="gemma3"), 2, 3),
+         "gate-up": (dict(arch="llama", extra_options=(("fuse_mlp_gate_up", "true"),)), 1, 2),
+         "packed-input": (dict(arch="llama"), 0, 0)}
 
 
 def op_counts(data: bytes) -> collections.Counter:
@@ -43,8 +43,10 @@ def test_unpacked_projections_give_the_package_graphs_logits(build, case, monkey
     unpacked = OrtModelForCausalLM.from_pretrained(fixture.package_dir, cache_dir=tmp_path)
     layers = len(packed.decoder.spec.layers)
     before, after = op_counts(packed.decoder.graph_bytes), op_counts(unpacked.decoder.graph_bytes)
-    assert after["MatMul"] == before["MatMul"] + added * layers
-    assert after["Split"] == 0 and packed_inputs(unpacked.decoder.graph_bytes) == 0
+    assert after["MatMul"] == before["MatMul"] + added * layers and after["Split"] == 0
+    # GroupQueryAttention's packed input stays packed: its CUDA prologue reads the parts where they lie.
+    assert packed_inputs(unpacked.decoder.graph_bytes) == packed_inputs(packed.decoder.graph_bytes)
+    assert packed_inputs(packed.decoder.graph_bytes) == (layers if fields["arch"] == "llama" else 0)
 
     # ONNX Runtime folds the weights' slices into initializers at load: no Slice is left to run.
     options = ort.SessionOptions()
@@ -92,6 +94,34 @@ def test_a_cuda_export_unpacked(build):
         reference = load_pair(build("qwen3"))[1](ids).logits.reshape(18, -1)  # the same weights, fp32
     assert (logits[True].float() - logits[False].float()).abs().max().item() < 1e-2
     assert (logits[True].float() - reference).abs().max().item() < 2e-2
+
+
+def test_the_prefill_graph_unpacks_a_packed_input(build, monkeypatch, tmp_path):
+    """The prefill graph (extend.py) splits GroupQueryAttention's packed input with a Split node;
+    where ortmodule unpacks projections (on CUDA, forced here) that Split becomes three MatMuls: no
+    Split left, and the logits of runs without a cache equal the packed prefill graph's and
+    transformers' on the same weights."""
+    fixture = build("llama")
+    packed = OrtModelForCausalLM.from_pretrained(fixture.package_dir, cache_dir=tmp_path, prefill_attention="onnx")
+    monkeypatch.setattr(projections, "UNPACK_ON", ("cpu",))  # as on CUDA
+    unpacked = OrtModelForCausalLM.from_pretrained(fixture.package_dir, cache_dir=tmp_path, prefill_attention="onnx")
+    decoder, layers = unpacked.decoder, len(unpacked.decoder.spec.layers)
+    assert packed.decoder.causal is not None and decoder.causal is not None
+    made = {unpack: op_counts(extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem,
+                                                        decoder.spec.layers[0].head_size, False, tmp_path,
+                                                        layout="prefill", unpack_qkv=unpack))
+            for unpack in (False, True)}
+    assert made[False]["Split"] == layers and made[True]["Split"] == 0
+    assert made[True]["MatMul"] == made[False]["MatMul"] + 2 * layers
+
+    ids = torch.randint(4, 500, (3, 13), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[2, 5:] = 0
+    with torch.no_grad():
+        expected, got = packed(ids, attention_mask=mask).logits, unpacked(ids, attention_mask=mask).logits
+        reference = load_pair(fixture)[1](ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[mask.bool()], reference[mask.bool()], rtol=1e-4, atol=1e-4)
 
 
 def test_the_bias_is_sliced_with_the_weight_and_other_uses_are_left_alone(tmp_path):
