@@ -290,6 +290,7 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
     path = root / filename
     if not path.is_file():
         raise PackageError(f"{config_path}: model.decoder.filename is '{filename}' but {path} does not exist")
+    _check_state_kinds(dec, config_path)
     proto = _load_graph(path)
     graph = _Graph(path, proto, {i.name: i for i in proto.input}, {o.name: o for o in proto.output},
                    _object(dec, "inputs", "model.decoder.", config_path),
@@ -326,6 +327,33 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         shares_kv_buffer=any(node.op_type == "GroupQueryAttention" for node in proto.node),
     )
     return decoder, embedding, vocab_size
+
+
+# What the model builder's decoders may keep between runs besides attention's keys and values
+# (genai_config's decoder inputs), which ortmodule's cache does not hold.
+_OTHER_STATES = {
+    "past_conv_names": "a convolution state for its convolution layers (a hybrid model, such as LFM2's)",
+    "past_recurrent_names": "a recurrent state for its linear-attention or state-space layers (a hybrid model, "
+                            "such as Qwen3.5's or Granite 4's)",
+    "past_key_scale_names": "a quantized KV cache (keys and values with their scales)",
+    "block_table": "a paged KV cache (the builder's paged-attention export)",
+}
+
+
+def _check_state_kinds(dec: dict, config_path: Path) -> None:
+    """PackageError where the decoder keeps a state ortmodule's KV cache does not hold."""
+    inputs = dec.get("inputs") if isinstance(dec.get("inputs"), dict) else {}
+    for key, what in _OTHER_STATES.items():
+        if key in inputs:
+            types = dec.get("layer_types")
+            kinds = sorted({t for t in types if "attention" not in str(t)}) if isinstance(types, list) else []
+            at = {kind: ", ".join(str(i) for i, t in enumerate(types) if t == kind) for kind in kinds}
+            layers = "".join(f"; layer_types: {kind} at layers {where}" for kind, where in at.items())
+            raise PackageError(
+                f"{config_path}: model.decoder.inputs.{key}: the decoder keeps {what}{layers}. ortmodule does not "
+                "run such packages (its cache holds attention keys and values only); onnxruntime-genai's Generator "
+                "runs them"
+            )
 
 
 def _token_input(root: Path, model: dict, graph: _Graph) -> tuple[str | None, Embedding | None]:

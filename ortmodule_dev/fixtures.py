@@ -52,6 +52,25 @@ ARCHITECTURES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"original_max_position_embeddings": None}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # More of the builder's text architectures (tests/test_architectures.py), each for what it adds:
+    # Gemma 2: soft-capped attention and final logits, sliding-window layers alternating with full ones
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+                                                     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    # Granite: embedding, residual and attention multipliers, logits divided by a scaling after the head
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 12.0, "logits_scaling": 8.0,
+                                                        "residual_multiplier": 0.22, "attention_multiplier": 0.125}),
+    # gpt-oss: mixture-of-experts MLPs, attention sinks, sliding-window layers
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                      "head_dim": 16, "sliding_window": 8}),
+    # Phi-2 and Nemotron: partial rotary embeddings (their specs take hidden 128 and 4 heads: ONNX
+    # Runtime's rotary cache wants a multiple of 8 for half the rotated width); LayerNorm with biases,
+    # a parallel attention and MLP block (Phi-2), LayerNorm1P and a squared-ReLU MLP (Nemotron)
+    "phi": ("PhiConfig", "PhiForCausalLM", {}),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
+    # OLMo (non-parametric LayerNorm) and ERNIE 4.5 (interleaved rotary): the builder's packages of
+    # these differ from transformers' model on the same weights (tests/test_architectures.py)
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
 }
 
 # Gemma 4 packages, each from a multimodal Gemma 4 checkpoint (the text model inside is what runs):
