@@ -14,8 +14,11 @@ and the new keys with an additive mask given as an input. The graph has no prese
 new tokens' KV is not kept. ortmodule builds the mask and positions (`Extender.run`); the graph
 bytes are cached like the LM-head rewrite's (graph.py) and reference the package's weights.
 
-Where a decoder does not match (sliding-window layers, soft-capping on CUDA, attention biases,
-sinks), `extend_graph` raises `graph.RewriteSkipped` and callers keep the decode steps.
+Sliding-window layers take a mask of their own in the mask layout (`ortmodule_attention_bias_window_W`
+for a window of W: each new token sees the keys fewer than W positions before it). Where a decoder
+does not match (sliding windows in the cache layout and the prefill graph, soft-capping on CUDA,
+attention biases, sinks), `extend_graph` raises `graph.RewriteSkipped` and callers keep the decode
+steps.
 
 The same rewrite without a past is the prefill graph (`prefill_graph`): `Attention` with `is_causal`
 over the new tokens alone, no KV read or written, for runs that keep no cache (scoring's padded
@@ -56,13 +59,15 @@ REPEAT_KV_HEADS_ON_CUDA = True
 # mask layout there). benchmarks/profile_gpu.py `--extend-layout` sets it.
 EXTEND_LAYOUT = {"cpu": "mask", "cuda": "mask"}
 ATTENTION_BIAS = "ortmodule_attention_bias"
+# The mask layout's additive mask for sliding-window layers of window W: ATTENTION_BIAS + "_window_W".
+WINDOW_BIAS = ATTENTION_BIAS + "_window_"
 WRITE_AT = "ortmodule_write_at"
 # The cache layout's outputs: each past written with the new tokens' KV, which `Extender.run` binds
 # to the past's own buffer, so that ONNX Runtime's TensorScatter writes in place instead of copying
 # the whole buffer first (it skips the copy where its output is its input's memory).
 WRITTEN = ".ortmodule_written"
 KV_LENGTHS = "ortmodule_kv_lengths"
-EXTEND_VERSION = "2"
+EXTEND_VERSION = "3"
 _OPSET = 23  # ONNX's Attention
 _OPSET_CACHE = 24  # its external-cache input (nonpad_kv_seqlen), and TensorScatter
 
@@ -102,9 +107,11 @@ def extend_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool =
     (int64 `[batch, new]`: each new token's position) and by `layout`:
 
     - "mask": `ortmodule_attention_bias` (`[batch, 1, new, past + new]` in the KV's dtype: 0 where a
-      new token sees a key, a large negative number where not); the pasts are `[batch, kv_heads,
-      past, head_size]`, as long as the longest row's. `expand_kv_heads` repeats each KV head for
-      its group of query heads before `Attention`, for kernels without grouped-query attention.
+      new token sees a key, a large negative number where not), and for sliding-window layers of a
+      window W `ortmodule_attention_bias_window_W` (the keys fewer than W positions before the
+      token); the pasts are the caches' buffers `[batch, kv_heads, past, head_size]`.
+      `expand_kv_heads` repeats each KV head for its group of query heads before `Attention`, for
+      kernels without grouped-query attention.
     - "cache": ONNX's external-cache form (opset 24), which ONNX Runtime's CUDA kernel runs as flash
       attention where the mask form falls back to its unfused kernel: the pasts are buffers with
       room for the new tokens after every row's past (`[batch, kv_heads, capacity, head_size]`);
@@ -139,6 +146,14 @@ class _Feeds:
     bias: ir.Value | None = None
     write_at: ir.Value | None = None
     kv_lengths: ir.Value | None = None
+    windows: dict[int, ir.Value] = dataclasses.field(default_factory=dict)  # mask layout: a bias per window
+
+    def window_bias(self, window: int) -> ir.Value:
+        """The mask layout's bias for sliding-window layers of `window` (made at the first such layer)."""
+        if window not in self.windows:
+            self.windows[window] = ir.Value(name=f"{WINDOW_BIAS}{window}", type=self.bias.type,
+                                            shape=ir.Shape(["batch", 1, "new", "total"]))
+        return self.windows[window]
 
     @classmethod
     def make(cls, layout: str, kv_type) -> _Feeds:
@@ -172,6 +187,7 @@ def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, layo
     for index, node in enumerate(attention):
         presents.update(v.name for v in node.outputs[1:3] if v is not None)
         _replace(graph, node, index, feeds, head_size, expand_kv_heads)
+    graph.inputs.extend(feeds.windows[window] for window in sorted(feeds.windows))
     graph.outputs[:] = [o for o in graph.outputs if o.name not in presents]
     model.opset_imports[""] = max(model.opset_imports.get("", 1), _OPSET_CACHE if layout == "cache" else _OPSET)
     _remove_unused(graph)
@@ -184,7 +200,7 @@ def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, layo
 
 def _replace(graph: ir.Graph, node: ir.Node, index: int, feeds: _Feeds, head_size: int,
              expand_kv_heads: bool) -> None:
-    _check_rewritable(node)
+    window = _check_rewritable(node, feeds.layout)
     heads = _attribute(node, "num_heads", 0)
     kv_heads = _attribute(node, "kv_num_heads", 0)
     softcap = _attribute(node, "softcap", 0.0)
@@ -238,21 +254,25 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, feeds: _Feeds, head_siz
         past_key, past_value = (_repeat_heads(add, v, kv_heads, group, head_size, new=False)
                                 for v in (past_key, past_value))
         attributes["kv_num_heads"] = heads
-    attend = ir.node("Attention", [query, key, value, feeds.bias, past_key, past_value], attributes=attributes,
+    bias = feeds.window_bias(window) if window else feeds.bias
+    attend = ir.node("Attention", [query, key, value, bias, past_key, past_value], attributes=attributes,
                      num_outputs=3, name=f"{name}/Attention")  # presents unread (the CPU kernel wants them)
     _put(graph, node, new_nodes, attend, add)
 
 
-def _check_rewritable(node: ir.Node) -> None:
-    """RewriteSkipped where a GroupQueryAttention node computes what the rewrite does not."""
+def _check_rewritable(node: ir.Node, layout: str) -> int:
+    """The node's sliding window (0: none); RewriteSkipped where a GroupQueryAttention node computes
+    what the rewrite does not. Sliding windows are in the mask layout's masks only (`_extend_bias`)."""
     window = _attribute(node, "local_window_size", -1)
-    if window is not None and window > 0:
-        raise RewriteSkipped(f"'{node.name}' is a sliding-window layer")
+    window = window if window is not None and window > 0 else 0
+    if window and layout != "mask":
+        raise RewriteSkipped(f"'{node.name}' is a sliding-window layer, which the {layout} layout does not take")
     for i, what in ((9, "position ids"), (10, "an attention bias"), (11, "a head sink")):
         if _input(node, i) is not None:
             raise RewriteSkipped(f"'{node.name}' takes {what}")
     if _attribute(node, "smooth_softmax", 0):
         raise RewriteSkipped(f"'{node.name}' uses a smooth softmax")
+    return window
 
 
 def _written_outputs(graph: ir.Graph, pairs) -> None:
@@ -356,8 +376,10 @@ class Extender:
         names = {i.name for i in session.ort_session.get_inputs()}
         self.position_ids = decoder.spec.position_ids if decoder.spec.position_ids in names else None
         self.layout = "cache" if KV_LENGTHS in names else "mask"
+        # the sliding-window layers' masks, by window (the mask layout)
+        self.windows = sorted(int(name[len(WINDOW_BIAS):]) for name in names if name.startswith(WINDOW_BIAS))
         known = {decoder.spec.input_ids, POSITIONS, ATTENTION_BIAS, WRITE_AT, KV_LENGTHS, graph.LOGITS_INDICES,
-                 self.position_ids}
+                 self.position_ids, *(f"{WINDOW_BIAS}{window}" for window in self.windows)}
         known |= {name for kv in decoder.spec.layers for name in (kv.past_key, kv.past_value)}
         if decoder.embedding_session is not None:
             known |= {name for _, name in decoder.package.embedding.feeds}
@@ -372,15 +394,14 @@ class Extender:
     def run(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor) -> torch.Tensor:
         """Logits `[n, V]` at the flat indices `logit_index` (`row * new + i`) of `tokens`
         `[rows, new]` (right-padded) appended to the rows of `cache` (`cache.lengths` each row's
-        past). The rows are not changed: in the mask layout the cache's buffers must be exactly as
-        long as its longest row; in the cache layout they grow to hold the new tokens (`reserve`),
-        which are written past the rows' ends and not counted."""
+        past). The rows are not changed: in the mask layout every column of the cache's buffers is
+        attended to, masked past each row's end (so a cache as long as its longest row costs least;
+        a sliding-window package's holds at least the window); in the cache layout they grow to hold
+        the new tokens (`reserve`), which are written past the rows' ends and not counted."""
         decoder = self.decoder
         rows, new = tokens.shape
-        past = cache.keys[0].shape[2]
-        if cache.batch_size != rows or (self.layout == "mask" and past != cache.longest):
-            raise ValueError(f"extend needs a cache of {rows} rows exactly as long as its longest row "
-                             f"({cache.longest}), got {cache.batch_size} rows of capacity {past}")
+        if cache.batch_size != rows:
+            raise ValueError(f"extend needs a cache of {rows} rows, got {cache.batch_size}")
         device = decoder.device
         order = torch.arange(new, device=device)
         binding = self.session.io_binding()
@@ -395,6 +416,9 @@ class Extender:
             runtime.bind_input(binding, KV_LENGTHS, (cache.lengths + new).to(torch.int64).contiguous())
         else:
             runtime.bind_input(binding, ATTENTION_BIAS, _extend_bias(cache, new, decoder.kv_dtype))
+            for window in self.windows:
+                windowed = _extend_bias(cache, new, decoder.kv_dtype, window)
+                runtime.bind_input(binding, f"{WINDOW_BIAS}{window}", windowed)
         for kv, key, value in zip(cache.specs, cache.keys, cache.values):
             runtime.bind_input(binding, kv.past_key, key)
             runtime.bind_input(binding, kv.past_value, value)
@@ -408,14 +432,24 @@ class Extender:
         return logits
 
 
-def _extend_bias(cache: KVCache, new: int, dtype: torch.dtype) -> torch.Tensor:
+def _extend_bias(cache: KVCache, new: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
     """The mask layout's additive mask `[rows, 1, new, past + new]`: a row's new token sees the
-    row's past and the new tokens up to itself."""
+    row's past and the new tokens up to itself; with a `window`, only the keys fewer than `window`
+    positions before it (a sliding-window layer's, as GroupQueryAttention's `local_window_size`)."""
     past, device, hidden = cache.keys[0].shape[2], cache.lengths.device, torch.finfo(dtype).min
     bias = torch.empty(cache.batch_size, 1, new, past + new, dtype=dtype, device=device)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    if window:  # a past key k of row b is seen by new token i where k < lengths[b] and lengths[b] + i - k < window
+        order, keys = torch.arange(new, device=device), torch.arange(past, device=device)
+        distance = cache.lengths[:, None, None] + order[:, None] - keys  # [rows, new, past]
+        seen = (keys < cache.lengths[:, None, None]) & (distance < window)
+        bias[:, 0, :, :past] = torch.where(seen, zero, hidden)
+        behind = order[:, None] - order  # new token j is seen by new token i where 0 <= i - j < window
+        bias[..., past:] = torch.where((behind >= 0) & (behind < window), zero, hidden)
+        return bias
     # each element written once: the rows' pasts broadcast over the new tokens, the causal part over the rows
     seen = torch.arange(past, device=device) < cache.lengths[:, None]
-    bias[..., :past] = torch.where(seen, torch.zeros((), dtype=dtype, device=device), hidden)[:, None, None]
+    bias[..., :past] = torch.where(seen, zero, hidden)[:, None, None]
     bias[..., past:] = torch.full((new, new), hidden, dtype=dtype, device=device).triu_(1)
     return bias
 

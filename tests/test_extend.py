@@ -177,20 +177,48 @@ def test_shared_contexts_continue_in_one_run(build, monkeypatch):
         assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_sliding_window_layers_in_the_mask_layout(build, arch, monkeypatch):
+    """Sliding-window layers (Gemma 3's and Gemma 2's window of 8 tokens, alternating with full
+    layers) take a mask of their own in the extend graph's mask layout: rows over prefixes longer
+    than the window, continued by more tokens than it, give transformers' logits on the whole rows;
+    the cache layout (and the prefill graph) leave such a package to the decode steps, saying why."""
+    model, hf = load_pair(build(arch))
+    decoder = model.decoder
+    windows = {kv.window for kv in decoder.spec.layers if kv.window}
+    assert windows == {8}
+    prefixes, rests, owner = rows_over_prefixes(37)
+    assert max(map(len, prefixes)) + max(map(len, rests)) > 2 * 8  # the window slides within the rows
+    extender = extender_of(model, False)
+    assert extender.windows == [8]
+    assert_extend_matches(model, hf, False, seed=37)
+    with pytest.raises(graph.RewriteSkipped, match="sliding-window layer, which the cache layout does not take"):
+        extender_of(model, False, layout="cache")
+    monkeypatch.setitem(extend.EXTEND_LAYOUT, "cpu", "mask")
+    assert OrtModelForCausalLM.from_pretrained(build(arch).package_dir).decoder.extender() is not None
+
+
 def test_where_there_is_no_extend_graph(build, caplog):
-    """Sliding-window layers (Gemma 3) and an unrewritten LM head keep the decode steps, with the
-    reason logged; a cache not exactly as long as its rows is refused by name."""
-    with caplog.at_level(logging.INFO, logger="ortmodule"):
+    """Sliding-window layers in the cache layout and an unrewritten LM head keep the decode steps,
+    with the reason logged; a cache of other rows than the tokens' is refused by name, and one
+    longer than its rows (as a sliding-window package's is) gives the logits of one as long."""
+    with caplog.at_level(logging.INFO, logger="ortmodule"), pytest.MonkeyPatch.context() as patch:
+        patch.setitem(extend.EXTEND_LAYOUT, "cpu", "cache")
         assert OrtModelForCausalLM.from_pretrained(build("gemma3").package_dir).decoder.extender() is None
     assert "sliding-window layer" in caplog.text
     plain = OrtModelForCausalLM.from_pretrained(build("llama").package_dir, rewrite_lm_head=False)
     assert plain.decoder.extender() is None
     model = load_pair(build("llama"))[0]
     extender = model.decoder.extender()
-    cache = model.decoder.new_cache(1, 8)
-    model.decoder.prefill(Rows(torch.tensor([[5, 6, 7]]), None, torch.tensor([3]), 3), None, cache)
-    with pytest.raises(ValueError, match="exactly as long as its longest row"):
-        extender.run(torch.tensor([[8, 9]]), cache, torch.arange(2))
+    logits = []
+    for capacity in (8, 3):
+        cache = model.decoder.new_cache(1, capacity)
+        model.decoder.prefill(Rows(torch.tensor([[5, 6, 7]]), None, torch.tensor([3]), 3), None, cache)
+        assert cache.keys[0].shape[2] == capacity
+        logits.append(extender.run(torch.tensor([[8, 9]]), cache, torch.arange(2)))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="extend needs a cache of 2 rows, got 1"):
+        extender.run(torch.tensor([[8, 9], [4, 5]]), cache, torch.arange(2))
 
 
 
