@@ -577,6 +577,32 @@ def test_shared_contexts_extend_on_cuda(build, precision, options, layout, monke
         assert abs(lp - ref_lp) < tolerance * len(rest)
 
 
+def test_shared_contexts_extend_sliding_on_cuda(build):
+    """The extend graph of a sliding-window package on CUDA (Gemma 3's bf16 export, an 8-token
+    window on every other layer; the mask layout, each window its own mask): contexts and
+    continuations longer than the window, scored over one run of the contexts and one extend, give
+    the padded batch's answers."""
+    fixture = build("gemma3", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    extender = model.decoder.extender()
+    assert extender is not None and extender.layout == "mask" and extender.windows == [8]
+    generator = torch.Generator().manual_seed(47)
+    rows, groups, starts, targets = [], [], [], []
+    for group, context_length in enumerate((21, 12)):
+        context = torch.randint(4, 500, (context_length,), generator=generator).tolist()
+        for width in (9, 2, 5):
+            rest = torch.randint(4, 500, (width,), generator=generator).tolist()
+            rows.append((context + rest)[:-1])
+            groups.append(group)
+            starts.append(context_length - 1)
+            targets.append(rest)
+    ids, mask = pad_right(rows)
+    expected = scoring.answers(scoring.loglikelihood_totals(model, ids, mask, starts, targets))
+    got = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets))
+    for (lp, _), (ref_lp, _), rest in zip(got, expected, targets, strict=True):
+        assert abs(lp - ref_lp) < 0.3 * len(rest)  # per token, bf16 logits' last digits
+
+
 @pytest.mark.parametrize("layout", ["mask", "cache"])
 def test_score_requests_sharing_queries_on_cuda(build, layout, monkeypatch):
     """The score server's call on CUDA: several requests whose items share their query, the queries
