@@ -85,6 +85,23 @@ def left_padded_batch(lengths, vocab=512, seed=0, pad_id=2):
     return ids.masked_fill(mask == 0, pad_id), mask
 
 
+def grouped_rows(context_lengths, widths, seed):
+    """Rows of groups that share a context (lm-eval's multiple-choice shape), as
+    `scoring.grouped_loglikelihood_totals` takes them: per group a random context of each length,
+    continued by random tokens of each of `widths`. Returns (rows, groups, starts, targets)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, groups, starts, targets = [], [], [], []
+    for group, context_length in enumerate(context_lengths):
+        context = torch.randint(4, 500, (context_length,), generator=generator).tolist()
+        for width in widths:
+            rest = torch.randint(4, 500, (width,), generator=generator).tolist()
+            rows.append((context + rest)[:-1])
+            groups.append(group)
+            starts.append(context_length - 1)
+            targets.append(rest)
+    return rows, groups, starts, targets
+
+
 OPENAI_NAME = "tiny-llama"
 # A chat template for the fixture's tokenizer (the real SmolLM2 package brings its own).
 CHAT_TEMPLATE = (

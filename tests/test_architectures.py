@@ -9,7 +9,7 @@ onnxruntime-genai's, and no farther from transformers than they are."""
 import numpy as np
 import pytest
 import torch
-from helpers import left_padded_batch, load_pair, right_padded_batch
+from helpers import grouped_rows, left_padded_batch, load_pair, right_padded_batch
 
 og = pytest.importorskip("onnxruntime_genai")
 
@@ -105,16 +105,7 @@ def test_scoring_graphs_give_the_package_graphs_answers(pair):
         expected, got = package(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
     scale = max(1.0, expected.abs().max().item())
     assert (got - expected)[mask.bool()].abs().max().item() < 1e-4 * scale
-    generator = torch.Generator().manual_seed(29)
-    rows, groups, starts, targets = [], [], [], []
-    for group, context_length in enumerate((12, 7)):  # longer than Gemma 2's window of 8 with the rest
-        context = torch.randint(4, 500, (context_length,), generator=generator).tolist()
-        for width in (3, 1, 6):
-            rest = torch.randint(4, 500, (width,), generator=generator).tolist()
-            rows.append((context + rest)[:-1])
-            groups.append(group)
-            starts.append(context_length - 1)
-            targets.append(rest)
+    rows, groups, starts, targets = grouped_rows((12, 7), (3, 1, 6), seed=29)  # past Gemma 2's 8-token window
     padded_ids, padded_mask = pad_right(rows)
     padded = scoring.answers(scoring.loglikelihood_totals(package, padded_ids, padded_mask, starts, targets))
     shared = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets))

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
-from helpers import MODEL_ARCHES, left_padded_batch, reference_class, right_padded_batch
+from helpers import MODEL_ARCHES, grouped_rows, left_padded_batch, reference_class, right_padded_batch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
@@ -559,16 +559,7 @@ def test_shared_contexts_extend_on_cuda(build, precision, options, layout, monke
     fixture = build("qwen3", precision=precision, execution_provider="cuda", extra_options=options)
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     assert model.decoder.extender() is not None and model.decoder.extender().layout == layout
-    generator = torch.Generator().manual_seed(41)
-    rows, groups, starts, targets = [], [], [], []
-    for group, context_length in enumerate((30, 17, 44)):
-        context = torch.randint(4, 500, (context_length,), generator=generator).tolist()
-        for width in (3, 6, 1, 4):
-            rest = torch.randint(4, 500, (width,), generator=generator).tolist()
-            rows.append((context + rest)[:-1])
-            groups.append(group)
-            starts.append(context_length - 1)
-            targets.append(rest)
+    rows, groups, starts, targets = grouped_rows((30, 17, 44), (3, 6, 1, 4), seed=41)
     ids, mask = pad_right(rows)
     expected = scoring.answers(scoring.loglikelihood_totals(model, ids, mask, starts, targets))
     got = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets))
@@ -586,16 +577,7 @@ def test_shared_contexts_extend_sliding_on_cuda(build):
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     extender = model.decoder.extender()
     assert extender is not None and extender.layout == "mask" and extender.windows == [8]
-    generator = torch.Generator().manual_seed(47)
-    rows, groups, starts, targets = [], [], [], []
-    for group, context_length in enumerate((21, 12)):
-        context = torch.randint(4, 500, (context_length,), generator=generator).tolist()
-        for width in (9, 2, 5):
-            rest = torch.randint(4, 500, (width,), generator=generator).tolist()
-            rows.append((context + rest)[:-1])
-            groups.append(group)
-            starts.append(context_length - 1)
-            targets.append(rest)
+    rows, groups, starts, targets = grouped_rows((21, 12), (9, 2, 5), seed=47)
     ids, mask = pad_right(rows)
     expected = scoring.answers(scoring.loglikelihood_totals(model, ids, mask, starts, targets))
     got = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets))
