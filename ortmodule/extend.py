@@ -359,7 +359,7 @@ def extend_graph_bytes(base: bytes, stem: str, head_size: int, expand_kv_heads: 
         raise ValueError(f"layout must be 'mask', 'cache' or 'prefill', not {layout!r}")
     expand_kv_heads = expand_kv_heads and layout == "mask"
     digest = hashlib.sha256(base)
-    digest.update(f"|{head_size}|{expand_kv_heads}|{layout}|{EXTEND_VERSION}|{ir.__version__}"
+    digest.update(f"|{head_size}|{expand_kv_heads}|{layout}|{EXTEND_VERSION}|{graph.code_digest()}|{ir.__version__}"
                   f"{'|unpack_qkv' * unpack_qkv}".encode())
     kind = "prefill" if layout == "prefill" else "extend"
     return graph.cached(cache_dir, f"{stem}-{kind}-{digest.hexdigest()[:32]}",

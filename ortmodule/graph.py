@@ -23,6 +23,7 @@ SHA-256 when read.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -40,6 +41,9 @@ logger = logging.getLogger("ortmodule")
 
 LOGITS_INDICES = "ortmodule_logits_indices"
 REWRITE_VERSION = "8"
+# The files whose code shapes a rewritten graph (this one's, the extend and prefill graphs'): their
+# bytes are a part of every cache key (`code_digest`), so that no entry made by other code is reused.
+_REWRITE_SOURCES = ("graph.py", "projections.py", "tail.py", "constants.py", "extend.py")
 
 # Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
 _ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}
@@ -235,15 +239,29 @@ _TRAILER = b"\nORTMODULE-SHA256:"
 _DIGEST = 64
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the rewrites' source files (`_REWRITE_SOURCES`), a part of every cache key: an
+    entry made by other rewrite code (an upgrade, a change that did not bump REWRITE_VERSION) is
+    made again instead of reused. Where the files cannot be read, the version alone."""
+    digest = hashlib.sha256(REWRITE_VERSION.encode())
+    try:
+        for name in _REWRITE_SOURCES:
+            digest.update(Path(__file__).with_name(name).read_bytes())
+    except OSError:
+        return REWRITE_VERSION
+    return digest.hexdigest()[:16]
+
+
 def _cache_key(path: Path, logits_name: str, float32_head: bool = False, unpack_qkv: bool = False) -> str:
     """The source graph's content (not its path, size or time: a replaced file with the same size
-    and time gets its own entry), the logits name, the rewrite's options and its version."""
+    and time gets its own entry), the logits name, the rewrite's options, its version and its code."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    digest.update(f"|{logits_name}|{REWRITE_VERSION}|{ir.__version__}{'|float32_head' * float32_head}"
-                  f"{'|unpack_qkv' * unpack_qkv}".encode())
+    digest.update(f"|{logits_name}|{REWRITE_VERSION}|{code_digest()}|{ir.__version__}"
+                  f"{'|float32_head' * float32_head}{'|unpack_qkv' * unpack_qkv}".encode())
     return digest.hexdigest()[:32]
 
 

@@ -57,6 +57,23 @@ def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(llama, tmp_path, damage
     assert entry.read_bytes() == good  # rebuilt in place
 
 
+def test_an_entry_made_by_other_rewrite_code_is_not_reused(llama, tmp_path, monkeypatch):
+    """The rewrites' source code is a part of the cache key (graph.code_digest): after a change to it
+    (an upgrade, or a change that did not bump REWRITE_VERSION) the graph is rewritten again instead
+    of an old entry being read, and the entry made before stays where it was."""
+    cache_dir = tmp_path / "graphs"
+    expected = logits(llama.package_dir, cache_dir)
+    before = cache_entry(cache_dir)
+    assert graph.code_digest() == graph.code_digest.__wrapped__()  # the files' own digest, computed once
+    monkeypatch.setattr(graph, "code_digest", lambda: "other code")
+    made = []
+    rewrite = graph.rewrite_keep_positions
+    monkeypatch.setattr(graph, "rewrite_keep_positions", lambda *a, **k: made.append(1) or rewrite(*a, **k))
+    assert torch.equal(logits(llama.package_dir, cache_dir), expected)
+    assert made == [1] and before.is_file()
+    assert len([p for p in cache_dir.iterdir() if p.suffix == ".onnx"]) == 2
+
+
 def embedded_copy(fixture, folder):
     """The package with its weights inside model.onnx: graphs of different weights, one size."""
     shutil.copytree(fixture.package_dir, folder)
