@@ -25,7 +25,8 @@ CPU_CHUNK = 256  # tokens per chunk on the CPU (256-512 measured alike; 128 slow
 def default_chunk(decoder, device: torch.device) -> int:
     """The chunk length `Decoder.prefill` uses on `device` when the caller chose none (0: off).
     Off on CUDA, and for packages with sliding-window layers: right there too, but slower (Gemma-3-270M's
-    config, 2-vCPU Xeon: 1 x 2,048 tokens 0.72x, 4 x 1,024 0.92x, 8 x 640 0.90x; docs/measurements.md)."""
+    config, 2-vCPU Xeon: 1 x 2,048 tokens 0.71x, 4 x 1,024 0.92x, 8 x 640 0.85x;
+    benchmarks/sliding_windows.py --chunks)."""
     if device.type != "cpu" or any(kv.window for kv in decoder.spec.layers):
         return 0
     return CPU_CHUNK

@@ -22,9 +22,9 @@ MORE_ARCHES = {"gemma2": {}, "granite": {}, "gpt_oss": {}, "phi": WIDE, "nemotro
 EXACT = {"gemma2", "granite", "gpt_oss"}
 
 
-def genai_logits(package_dir, tokens: list[int]) -> torch.Tensor:
-    """onnxruntime-genai's logits at every position of one row, the tokens appended one at a time."""
-    model = og.Model(str(package_dir))
+def genai_logits(model, tokens: list[int]) -> torch.Tensor:
+    """onnxruntime-genai's logits (`model`: its `og.Model`) at every position of one row, the tokens
+    appended one at a time."""
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(tokens) + 64)  # room for a sliding window
     generator = og.Generator(model, params)
@@ -49,9 +49,10 @@ def test_logits_are_the_packages_own(pair):
     ids, mask = right_padded_batch([14, 9, 5], seed=17)
     with torch.no_grad():
         ours, theirs = model(ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
+    reference = og.Model(str(fixture.package_dir))
     for row in range(ids.shape[0]):
         real = int(mask[row].sum())
-        genai = genai_logits(fixture.package_dir, ids[row, :real].tolist())
+        genai = genai_logits(reference, ids[row, :real].tolist())
         scale = max(1.0, genai.abs().max().item())
         assert (ours[row, :real] - genai).abs().max().item() < 1e-4 * scale
         package_distance = (genai - theirs[row, :real]).abs().max().item()
