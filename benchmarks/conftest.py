@@ -38,6 +38,10 @@ GEMMA3_270M_CPU = fixtures.FixtureSpec("gemma3", hidden_size=640, num_layers=18,
                                        head_dim=256,
                                        intermediate_size=2048, vocab_size=262144, context_length=4096,
                                        initializer_range=0.02, sliding_window=512, tie_word_embeddings=True)
+# LFM2-350M's sizes (its layer pattern is the fixtures': 11 convolution and 5 attention layers of 16)
+LFM2_350M_CPU = fixtures.FixtureSpec("lfm2", hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8,
+                                     intermediate_size=6656, vocab_size=65536, context_length=4096,
+                                     initializer_range=0.02, tie_word_embeddings=True)
 TINY = fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256)
 
 # What each model key means on the page.

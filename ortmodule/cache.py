@@ -12,6 +12,10 @@ concatenates past and new entries instead writes a new present each run, which r
 Rows are kept right-padded: row b's tokens fill positions `[0, lengths[b])`, and a run that adds
 tokens writes row b's at `lengths[b]` (the attention mask tells GroupQueryAttention each row's
 length). Entries a padded prefill leaves behind lie past each row's length and are overwritten.
+
+A hybrid decoder's convolution layers keep no KV but a state each (`states`: `ConvStates`, states.py),
+which every run replaces; rows are selected, repeated and reset with the KV, but a state cannot be
+cropped to an earlier position.
 """
 
 from __future__ import annotations
@@ -36,6 +40,47 @@ def _inference_mode(method):
         with torch.inference_mode():
             return method(*args, **kwargs)
     return wrapper
+
+
+class ConvStates:
+    """A hybrid decoder's convolution states of one batch (states.py): per convolution layer
+    (`specs`), `current` `[batch, channels, width]`. A run writes its present states into `written`,
+    copied into `current` when the run is recorded: a copy, not a swap, so that the buffers'
+    addresses stay fixed (steps.py). Empty (false) for other decoders."""
+
+    def __init__(self, specs: tuple, current: list[torch.Tensor]):
+        self.specs, self.current = specs, current
+        self.written = [torch.empty_like(state) for state in current]
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def take(self) -> None:
+        for state, written in zip(self.current, self.written):
+            state.copy_(written)
+
+    def zero(self) -> None:
+        for state in self.current:
+            state.zero_()
+
+    def start_from(self, source: ConvStates, rows: torch.Tensor, whole: bool) -> None:
+        """Row i takes row `rows[i]` of `source`, which must hold the whole of that row (`whole`)."""
+        if self and not whole:
+            raise ValueError("a cache with convolution states starts only from whole rows of another: a state holds "
+                             "the inputs before its row's last token, not before an earlier one")
+        for mine, theirs in zip(self.current, source.current):
+            mine.copy_(theirs.index_select(0, rows))
+
+    def refuse_crop(self, seen: int, keep: int) -> None:
+        if self:
+            raise ValueError(
+                f"cannot crop a cache with convolution states (a hybrid model's) from {seen} columns to {keep}: a "
+                "state holds the inputs before the last token only; run the shorter sequence again instead")
+
+    def first_rows(self, rows: int) -> ConvStates:
+        view = copy.copy(self)
+        view.current, view.written = [s[:rows] for s in self.current], [s[:rows] for s in self.written]
+        return view
 
 
 class KVCache(Cache):
@@ -74,6 +119,9 @@ class KVCache(Cache):
             shape = (batch, kv.num_kv_heads, capacity, kv.head_size)
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+        self.states = ConvStates(spec.states, [torch.zeros(batch, s.channels, s.width, dtype=dtype, device=device)
+                                               for s in spec.states])
+        self.is_croppable = not self.states  # a state cannot go back to an earlier token
         self.presents: tuple[list, list] | None = None  # being written by a concatenating run
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)  # tokens held per row
         self.longest = 0  # max(lengths), kept on the host
@@ -121,6 +169,7 @@ class KVCache(Cache):
         self.lengths.copy_(lengths)
         self.longest = longest
         self.seen = columns
+        self.states.take()
         if not self.shared:
             self._take_presents()
             self.valid = torch.arange(columns, device=lengths.device)[None, :] < lengths[:, None]
@@ -130,6 +179,7 @@ class KVCache(Cache):
         """Start row i as row `rows[i]` of `source`, holding its first `lengths[i]` entries (prefixes
         shared by several rows, run once in `source`)."""
         width = source.span
+        self.states.start_from(source.states, rows, bool((source.lengths.index_select(0, rows) == lengths).all()))
         for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
             for i, buffer in enumerate(theirs):
                 picked = buffer.index_select(0, rows)[:, :, :width]
@@ -144,27 +194,13 @@ class KVCache(Cache):
         self.longest = longest
         self.seen = width
 
-    def first_rows(self, rows: int, longest: int) -> KVCache:
-        """A cache over this one's first `rows` rows, the longest holding `longest` tokens (the
-        caller knows it: no read from the device), sharing this cache's buffers and lengths (runs
-        over it write into this cache): a continuous batch runs only the slots in use. Shared
-        layout only."""
-        if not self.shared:
-            raise ValueError("first_rows needs the shared-buffer layout (GroupQueryAttention)")
-        view = copy.copy(self)
-        view.keys = [key[:rows] for key in self.keys]
-        view.values = [value[:rows] for value in self.values]
-        view.lengths = self.lengths[:rows]
-        view.longest = longest
-        view.caller_mask = None
-        return view
-
     @_inference_mode
     def advance(self, new: int, columns: int) -> None:
         """Record a run that appended `new` tokens (`columns` of the caller's input) to every row."""
         self.lengths += new
         self.longest += new
         self.seen += columns
+        self.states.take()
         if not self.shared:
             self._take_presents()
             self.valid = torch.cat([self.valid, self.valid.new_ones(self.batch_size, new)], 1)
@@ -213,6 +249,7 @@ class KVCache(Cache):
             raise ValueError(f"cannot crop {-tokens_to_remove} columns from a cache holding {self.seen}")
         if keep == self.seen:
             return
+        self.states.refuse_crop(self.seen, keep)
         removed = self.seen - keep
         # Tokens each row loses: its real tokens among the removed columns of the caller's layout.
         if self.caller_mask is not None:
@@ -253,6 +290,7 @@ class KVCache(Cache):
             raise ValueError(f"row indices must lie in [0, {self.batch_size})")
         self.keys = [key.index_select(0, rows) for key in self.keys]
         self.values = [value.index_select(0, rows) for value in self.values]
+        self.states = ConvStates(self.states.specs, [state.index_select(0, rows) for state in self.states.current])
         self.lengths = self.lengths.index_select(0, rows)
         if not self.shared:
             self.valid = self.valid.index_select(0, rows)
@@ -266,6 +304,7 @@ class KVCache(Cache):
         self.lengths.zero_()
         self.longest = self.seen = 0
         self.caller_mask = None
+        self.states.zero()
         if not self.shared:
             self.keys = [key[:, :, :0].contiguous() for key in self.keys]
             self.values = [value[:, :, :0].contiguous() for value in self.values]
@@ -283,6 +322,22 @@ class KVCache(Cache):
 
     def __repr__(self) -> str:
         return f"KVCache(batch={self.batch_size}, layers={len(self)}, longest={self.longest}, capacity={self.capacity})"
+
+
+def first_rows(cache: KVCache, rows: int, longest: int) -> KVCache:
+    """A cache over `cache`'s first `rows` rows, the longest holding `longest` tokens (the caller
+    knows it: no read from the device), sharing its buffers and lengths (runs over it write into
+    `cache`): a continuous batch runs only the slots in use. Shared layout only."""
+    if not cache.shared:
+        raise ValueError("first_rows needs the shared-buffer layout (GroupQueryAttention)")
+    view = copy.copy(cache)
+    view.keys = [key[:rows] for key in cache.keys]
+    view.values = [value[:rows] for value in cache.values]
+    view.states = cache.states.first_rows(rows)
+    view.lengths = cache.lengths[:rows]
+    view.longest = longest
+    view.caller_mask = None
+    return view
 
 
 class _LayerView:

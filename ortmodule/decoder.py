@@ -37,7 +37,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from . import chunked, extend, graph, nbits, projections, runtime
+from . import chunked, extend, graph, nbits, projections, runtime, states
 from .cache import KVCache
 from .inputs import Rows
 from .package import Package, PackageError
@@ -193,10 +193,10 @@ class Decoder:
         if cache is None:
             binding = session.io_binding()
             self.scratch.bind(binding, self, batch, width)
-            return self.run_bound(session, binding, rows.ids, logit_index, mask, positions)
+            return self.run_bound(session, binding, rows.ids, logit_index, mask, positions, rows.lengths)
         with self._holding(cache) as runs:
             binding = self._cache_binding(runs, cache, width, session)
-            logits = self.run_bound(session, binding, rows.ids, logit_index, mask, positions)
+            logits = self.run_bound(session, binding, rows.ids, logit_index, mask, positions, rows.lengths)
             cache.start(rows.lengths, rows.longest, width)
         return logits
 
@@ -253,11 +253,13 @@ class Decoder:
         positions = torch.arange(ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         return positions if self.spec.position_ids else None
 
-    def run_bound(self, session, binding, ids, logit_index, mask, positions) -> torch.Tensor:
+    def run_bound(self, session, binding, ids, logit_index, mask, positions, lengths=None) -> torch.Tensor:
         """Bind the tokens, mask and positions (None: not inputs of `session`) and the logits, and run
-        `session`: logits `[n, V]` at the flat indices `logit_index`, else `[B, T, V]`."""
+        `session`: logits `[n, V]` at the flat indices `logit_index`, else `[B, T, V]`. `lengths`:
+        each row's real tokens (None: all), where a hybrid decoder takes its convolution states."""
         spec = self.spec
         batch, length = ids.shape
+        bind_state_lengths(self, binding, lengths, ids)
         self.bind_tokens(binding, ids)
         if spec.attention_mask and mask is not None:
             runtime.bind_input(binding, spec.attention_mask, mask.to(self.mask_dtype).contiguous())
@@ -304,11 +306,23 @@ class Decoder:
         return positions.contiguous()
 
 
+def bind_state_lengths(decoder: Decoder, binding: ort.IOBinding, lengths: torch.Tensor | None,
+                       ids: torch.Tensor) -> None:
+    """A hybrid decoder's run of `ids`: each row's real tokens (None: every row's all), where its
+    convolution states are taken (states.py)."""
+    if decoder.spec.states:
+        lengths = lengths if lengths is not None else torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
+        runtime.bind_input(binding, states.STATE_LENGTHS, lengths.to(decoder.device, torch.int64).contiguous())
+
+
 def bind_cache(binding: ort.IOBinding, cache: KVCache, new: int) -> None:
     """Bind every layer's past and present for a run that adds `new` columns. A shared buffer
     is both (ONNX Runtime writes in place); otherwise the presents go to new buffers."""
     if not cache.shared:
         cache.presents = ([], [])
+    for spec, state, written in zip(cache.states.specs, cache.states.current, cache.states.written):
+        runtime.bind_input(binding, spec.past, state)
+        runtime.bind_output(binding, spec.present, written)
     for kv, key, value in zip(cache.specs, cache.keys, cache.values):
         runtime.bind_input(binding, kv.past_key, key)
         runtime.bind_input(binding, kv.past_value, value)
@@ -370,11 +384,17 @@ class _ScratchKV(threading.local):
         """An empty past for every layer of `decoder`; the present goes into this thread's buffer."""
         layers, dtype, device = decoder.spec.layers, decoder.kv_dtype, decoder.device
         sizes = [0 if kv.window else batch * kv.num_kv_heads * length * kv.head_size for kv in layers]
-        needed = 2 * sum(sizes)
+        shapes = [(batch, state.channels, state.width) for state in decoder.spec.states]
+        needed = 2 * sum(sizes) + sum(a * b * c for a, b, c in shapes)
         scratch = self.buffer
         if scratch is None or scratch.numel() < needed or scratch.device != device or scratch.dtype != dtype:
             scratch = self.buffer = torch.empty(needed, dtype=dtype, device=device)
         offset = 0
+        for state, shape in zip(decoder.spec.states, shapes):  # zeros before the first token; the present is dropped
+            runtime.bind_input(binding, state.past, torch.zeros(shape, dtype=dtype, device=device))
+            size = shape[0] * shape[1] * shape[2]
+            runtime.bind_output(binding, state.present, scratch[offset : offset + size].view(shape))
+            offset += size
         for kv, size in zip(layers, sizes):
             if kv.window:  # ORT's sliding-window attention wants a window-sized buffer shared by past and present
                 for past, present in ((kv.past_key, kv.present_key), (kv.past_value, kv.present_value)):

@@ -572,6 +572,8 @@ def _second_session(decoder, what: str, otherwise: str, runner, check, graph_byt
             return None
     heads = {kv.head_size for kv in decoder.spec.layers}
     try:
+        if decoder.spec.states:
+            raise RewriteSkipped("its convolution layers keep states (a hybrid decoder): these graphs carry none")
         if len(heads) != 1:
             raise RewriteSkipped(f"layers of different head sizes {sorted(heads)}")
         data = graph_bytes(heads.pop())

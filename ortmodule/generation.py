@@ -207,7 +207,9 @@ class _Sampling:
         # the device; on the CPU (where a read costs nothing) and with a streamer, every step. The
         # output is cut where transformers' loop would have stopped.
         stopped_at = torch.zeros((), dtype=torch.int64, device=decoder.device)
-        check_every = 1 if decoder.device.type == "cpu" or self.streamer is not None else STOP_CHECK_EVERY
+        # A returned cache of a hybrid decoder cannot be cropped back from steps run past the end.
+        every_step = self.streamer is not None or (self.config.return_dict_in_generate and decoder.spec.states)
+        check_every = 1 if decoder.device.type == "cpu" or every_step else STOP_CHECK_EVERY
         length = width
         while True:
             tokens = self._next_tokens(logits, length, unfinished)

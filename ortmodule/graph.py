@@ -33,7 +33,9 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from . import states
 from .constants import is_constant
+from .package import PackageError
 from .projections import unpack_projections
 from .tail import gather_tail
 
@@ -43,7 +45,7 @@ LOGITS_INDICES = "ortmodule_logits_indices"
 REWRITE_VERSION = "8"
 # The files whose code shapes a rewritten graph (this one's, the extend and prefill graphs'): their
 # bytes are a part of every cache key (`code_digest`), so that no entry made by other code is reused.
-_REWRITE_SOURCES = ("graph.py", "projections.py", "tail.py", "constants.py", "extend.py")
+_REWRITE_SOURCES = ("graph.py", "projections.py", "tail.py", "constants.py", "extend.py", "states.py")
 
 # Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
 _ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}
@@ -144,10 +146,20 @@ def forget_wrong_shapes(proto: onnx.ModelProto) -> bool:
 
 
 def _load_repaired(decoder_path: Path) -> tuple[onnx.ModelProto, bool]:
-    """The decoder graph without its weights, less the shapes `forget_wrong_shapes` drops, and
-    whether it dropped any."""
+    """The decoder graph without its weights, less the shapes `forget_wrong_shapes` drops, with a
+    hybrid decoder's convolution states taken at each row's length (states.py), and whether it
+    changed."""
     proto = onnx.load(str(decoder_path), load_external_data=False)
-    return proto, forget_wrong_shapes(proto)
+    repaired = forget_wrong_shapes(proto)
+    if any((node.domain, node.op_type) == states.CONV_OP for node in proto.graph.node):
+        model = ir.serde.deserialize_model(proto)
+        try:
+            states.select_states_at_lengths(model.graph)
+        except states.StatesSkipped as reason:
+            raise PackageError(f"{decoder_path}: ortmodule cannot run this decoder's convolution states: {reason}") \
+                from None
+        return ir.serde.serialize_model(model), True
+    return proto, repaired
 
 
 def repaired_graph(decoder_path: Path) -> bytes | None:

@@ -37,6 +37,18 @@ class LayerKV:
 
 
 @dataclass(frozen=True)
+class ConvState:
+    """Names and shape of one convolution layer's state (hybrid decoders such as LFM2's): the last
+    `width` inputs of its causal convolution, `[batch, channels, width]`, carried from run to run."""
+
+    past: str
+    present: str
+    channels: int
+    width: int
+    layer: int
+
+
+@dataclass(frozen=True)
 class Embedding:
     """The embedding model of a multimodal package: token ids in, the decoder's inputs out.
 
@@ -71,6 +83,7 @@ class DecoderGraph:
     embedding_parameters: int  # of num_parameters, the token embedding's (0 when an embedding model makes it)
     position_rank: int = 2  # 3 for mRoPE decoders (Qwen-VL): position_ids [3, batch, sequence]
     shares_kv_buffer: bool = True  # GroupQueryAttention writes the present into the past's buffer
+    states: tuple[ConvState, ...] = ()  # convolution layers' states (states.py), beside the KV of `layers`
 
 
 @dataclass(frozen=True)
@@ -303,8 +316,10 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         raise PackageError(f"{path}: position_ids has rank {position_rank}; expected 2 or 3 (mRoPE)")
     logits, vocab_size = _read_logits(model, graph)
     _check_attention(proto, shape.num_heads, shape.num_kv_heads, path, config_path)
-    layers = _read_layers(dec, shape, graph)
+    states = _read_states(dec, graph)
+    layers = _read_layers(dec, shape, graph, {state.layer for state in states})
     known = {input_ids, attention_mask, position_ids} | {name for kv in layers for name in (kv.past_key, kv.past_value)}
+    known |= {state.past for state in states}
     known |= {decoder_input for _, decoder_input in embedding.feeds} if embedding else set()
     unknown = [name for name in graph.inputs if name not in known]
     if unknown:
@@ -325,6 +340,7 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         embedding_parameters=_embedding_parameters(proto, input_ids),
         position_rank=position_rank,
         shares_kv_buffer=any(node.op_type == "GroupQueryAttention" for node in proto.node),
+        states=states,
     )
     return decoder, embedding, vocab_size
 
@@ -332,7 +348,6 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
 # What the model builder's decoders may keep between runs besides attention's keys and values
 # (genai_config's decoder inputs), which ortmodule's cache does not hold.
 _OTHER_STATES = {
-    "past_conv_names": "a convolution state for its convolution layers (a hybrid model, such as LFM2's)",
     "past_recurrent_names": "a recurrent state for its linear-attention or state-space layers (a hybrid model, "
                             "such as Qwen3.5's or Granite 4's)",
     "past_key_scale_names": "a quantized KV cache (keys and values with their scales)",
@@ -398,8 +413,35 @@ _KV_NAMES = [("inputs", "past_key_names"), ("inputs", "past_value_names"),
              ("outputs", "present_key_names"), ("outputs", "present_value_names")]
 
 
-def _read_layers(dec: dict, shape: _Shape, graph: _Graph) -> tuple[LayerKV, ...]:
-    """Each layer's KV input and output names (from genai_config's templates) and shape."""
+def _read_states(dec: dict, graph: _Graph) -> tuple[ConvState, ...]:
+    """The convolution layers' states (genai_config's `past_conv_names` / `present_conv_names`
+    templates, for the layers whose name is an input of the graph): `[batch, channels, width]`."""
+    if "past_conv_names" not in graph.names_in:
+        return ()
+    where = graph.config_path
+    past = _get(graph.names_in, "past_conv_names", "model.decoder.inputs.", where)
+    present = _get(graph.names_out, "present_conv_names", "model.decoder.outputs.", where)
+    states = []
+    for i in range(_positive_int(dec, "num_hidden_layers", "model.decoder.", where)):
+        if past % i not in graph.inputs:
+            continue
+        if present % i not in graph.outputs:
+            raise PackageError(f"{where}: model.decoder.outputs.present_conv_names '{present}' gives '{present % i}' "
+                               f"for layer {i}, which is not an output of {graph.path.name}")
+        dims = _dims(graph.inputs[past % i])
+        if len(dims) != 3 or not all(isinstance(d, int) and d > 0 for d in dims[1:]):
+            raise PackageError(f"{graph.path}: convolution state '{past % i}' has shape {dims}; expected "
+                               "[batch, channels, width] with fixed channels and width")
+        states.append(ConvState(past % i, present % i, dims[1], dims[2], i))
+    if not states:
+        raise PackageError(f"{where}: model.decoder.inputs.past_conv_names '{past}' names no input of "
+                           f"{graph.path.name} for any layer")
+    return tuple(states)
+
+
+def _read_layers(dec: dict, shape: _Shape, graph: _Graph, other: set = frozenset()) -> tuple[LayerKV, ...]:
+    """Each layer's KV input and output names (from genai_config's templates) and shape; the layers in
+    `other` (a hybrid decoder's convolution layers) keep no KV."""
     sliding = dec.get("sliding_window") or {}
     sliding_layers = set(sliding.get("layers", range(shape.num_layers))) if sliding else set()
     tables = {"inputs": (graph.names_in, graph.inputs), "outputs": (graph.names_out, graph.outputs)}
@@ -407,6 +449,8 @@ def _read_layers(dec: dict, shape: _Shape, graph: _Graph) -> tuple[LayerKV, ...]
                  for section, key in _KV_NAMES}
     layers = []
     for i in range(shape.num_layers):
+        if i in other:
+            continue
         names = []
         for section, key in _KV_NAMES:
             name = templates[key] % i

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from . import graph, runtime
+from . import graph, runtime, states
 from .cache import KVCache
 from .decoder import Decoder, bind_cache
 
@@ -81,6 +81,8 @@ class FixedSteps:
             shape = (3, batch, 1) if spec.position_rank == 3 else (batch, 1)
             self.positions = torch.zeros(shape, dtype=decoder.position_dtype, device=device)
         self.head_rows = torch.arange(batch, device=device) if decoder.keeps_positions else None
+        # a hybrid decoder's convolution states: every row takes its one token (states.py)
+        self.state_lengths = torch.ones(batch, dtype=torch.int64, device=device) if spec.states else None
         # The LM head's rows as the graph writes them: one per row, or one per token without the rewrite.
         shape = (batch, decoder.vocab_size) if decoder.keeps_positions else (batch, 1, decoder.vocab_size)
         self.logits = torch.empty(shape, dtype=decoder.head_dtype, device=device)
@@ -98,6 +100,8 @@ class FixedSteps:
             runtime.bind_input(binding, spec.position_ids, self.positions)
         if self.head_rows is not None:
             runtime.bind_input(binding, graph.LOGITS_INDICES, self.head_rows)
+        if self.state_lengths is not None:
+            runtime.bind_input(binding, states.STATE_LENGTHS, self.state_lengths)
 
     def start(self) -> None:
         """After the prefill into `cache`: the mask of the rows it holds."""

@@ -71,6 +71,9 @@ ARCHITECTURES = {
     # these differ from transformers' model on the same weights (tests/test_architectures.py)
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
+    # LFM2: a hybrid of short causal convolutions (a state each, beside no KV) and attention layers,
+    # two convolution layers to one attention layer as LFM2-350M mixes them, the last a convolution
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": "conv"}),
 }
 
 # Gemma 4 packages, each from a multimodal Gemma 4 checkpoint (the text model inside is what runs):
@@ -245,7 +248,9 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
         return
     config_class, architecture, fields = ARCHITECTURES[spec.arch]
     fields = dict(fields)
-    if "layer_types" in fields:  # alternate sliding and full attention
+    if fields.get("layer_types") == "conv":
+        fields["layer_types"] = ["full_attention" if i % 3 == 2 else "conv" for i in range(spec.num_layers)]
+    elif "layer_types" in fields:  # alternate sliding and full attention
         period = 2 if spec.sliding_window is None else 6
         fields["layer_types"] = [
             "sliding_attention" if i % period != period - 1 else "full_attention" for i in range(spec.num_layers)

@@ -17,9 +17,9 @@ og = pytest.importorskip("onnxruntime_genai")
 # of the rotated width a multiple of 8: partial rotary needs wider heads than the default 16).
 WIDE = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
 MORE_ARCHES = {"gemma2": {}, "granite": {}, "gpt_oss": {}, "phi": WIDE, "nemotron": WIDE, "olmo": {},
-               "ernie4_5": {}}
+               "ernie4_5": {}, "lfm2": {"num_layers": 4}}
 # Whose packages give transformers' numbers (to fp32's rounding) on the same weights.
-EXACT = {"gemma2", "granite", "gpt_oss"}
+EXACT = {"gemma2", "granite", "gpt_oss", "lfm2"}
 
 
 def genai_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -90,15 +90,16 @@ def test_scoring_graphs_give_the_package_graphs_answers(pair):
     lm-eval's sharing runs them) give the package graph's logits and loglikelihoods: partial rotary
     (Phi-2, Nemotron), interleaved rotary (ERNIE 4.5), Granite's multipliers, Gemma 2's soft-capping
     and sliding windows (the extend graph's mask layout only: no prefill graph). gpt-oss's attention
-    sinks keep the package's graph for both."""
+    sinks keep the package's graph for both, and so do LFM2's convolution states (whose shared
+    contexts continue by decode steps)."""
     from ortmodule import OrtModelForCausalLM, scoring
     from ortmodule.inputs import pad_right
 
     arch, fixture = pair
     package = load_pair(fixture)[0]
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_attention="onnx")
-    assert (model.decoder.causal is None) == (arch in ("gemma2", "gpt_oss"))
-    assert (model.decoder.extender() is None) == (arch == "gpt_oss")
+    assert (model.decoder.causal is None) == (arch in ("gemma2", "gpt_oss", "lfm2"))
+    assert (model.decoder.extender() is None) == (arch in ("gpt_oss", "lfm2"))
     if arch == "gpt_oss":
         return
     ids, mask = right_padded_batch([14, 9, 5], seed=23)
@@ -114,23 +115,21 @@ def test_scoring_graphs_give_the_package_graphs_answers(pair):
         assert abs(lp - ref_lp) < 1e-4 * scale and greedy == ref_greedy
 
 
-def test_a_hybrid_model_is_refused_with_what_it_keeps(tmp_path):
-    """An LFM2 package whose layers mix convolutions with attention (the builder's export keeps a
-    convolution state per such layer) is a PackageError that names the state and the layers, not a
-    missing KV input."""
-    import transformers
+def test_a_state_ortmodule_does_not_keep_is_refused_by_name(build, tmp_path):
+    """A decoder whose genai_config names a state ortmodule's cache does not hold (here a recurrent
+    state, as Qwen3.5's linear attention and Granite 4's state-space layers keep: the LFM2 package's
+    config with the key added) is a PackageError that names the state and the layers, not a missing
+    input deep inside ONNX Runtime."""
+    import json
+    import shutil
 
     from ortmodule import OrtModelForCausalLM, PackageError
-    from ortmodule_dev import fixtures
 
-    tokenizer = fixtures.spec_tokenizer(fixtures.FixtureSpec("llama"))
-    config = transformers.Lfm2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, layer_types=["conv", "full_attention", "conv"],
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    transformers.Lfm2ForCausalLM(config).save_pretrained(tmp_path / "hf")
-    tokenizer.save_pretrained(tmp_path / "hf")
-    fixtures.export(tmp_path / "hf", tmp_path / "package")
-    with pytest.raises(PackageError, match=r"past_conv_names: the decoder keeps a convolution state .*"
-                                           r"layer_types: conv at layers 0, 2\. ortmodule does not run"):
-        OrtModelForCausalLM.from_pretrained(tmp_path / "package")
+    package = tmp_path / "package"
+    shutil.copytree(build("lfm2", num_layers=4).package_dir, package)
+    config = json.loads((package / "genai_config.json").read_text())
+    config["model"]["decoder"]["inputs"]["past_recurrent_names"] = "past.%d.recurrent"
+    (package / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(PackageError, match=r"past_recurrent_names: the decoder keeps a recurrent state .*"
+                                           r"layer_types: conv at layers 0, 1, 3\. ortmodule does not run"):
+        OrtModelForCausalLM.from_pretrained(package)

@@ -633,3 +633,46 @@ def test_explicit_prefill_chunks_on_cuda(llama_cuda):
     expected = model(ids.cuda(), attention_mask=mask.cuda()).logits
     logits = chunked_model(ids.cuda(), attention_mask=mask.cuda()).logits
     assert real_positions_diff(logits, expected, mask) < 2e-2 * expected.abs().max().item()
+
+
+def test_hybrid_conv_states_on_cuda(build):
+    """LFM2's bf16 export for CUDA (ONNX Runtime's CUDA `CausalConvWithState`, ortmodule's rewrite
+    taking each row's state at its own last token): a right-padded prefill into a cache, continued
+    by three steps, gives the logits of each row's whole sequence run at once (to bf16's rounding),
+    and both are within bf16's rounding of transformers fp32; a left-padded batch's greedy tokens are
+    each row's own, generated alone."""
+    fixture = build("lfm2", num_layers=4, precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    assert len(model.decoder.spec.states) == 3
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    ids, mask = right_padded_batch([17, 6, 11], seed=48)
+    steps = torch.randint(4, 500, (3, 3), generator=torch.Generator().manual_seed(49))
+    out = model(ids, attention_mask=mask, use_cache=True)
+    cache, seen, got = out.past_key_values, mask, []
+    for s in range(3):
+        seen = torch.cat([seen, torch.ones(3, 1, dtype=mask.dtype)], 1)
+        out = model(steps[:, s : s + 1], attention_mask=seen, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        got.append(out.logits[:, -1].float().cpu())
+    for row in range(3):
+        real = int(mask[row].sum())
+        whole = torch.cat([ids[row, :real], steps[row]])[None]
+        at_once = model(whole).logits[0, real:].float().cpu()
+        with torch.no_grad():
+            expected = hf(whole).logits[0, real:]
+        stepped = torch.stack([g[row] for g in got])
+        scale = expected.abs().max().item()
+        assert (stepped - at_once).abs().max().item() < 5e-2 * scale
+        assert (stepped - expected).abs().max().item() < 1e-1 * scale
+    prompts, prompt_mask = left_padded_batch([9, 4], seed=50)
+    together = model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=8, do_sample=False, pad_token_id=2)
+    for row in range(2):
+        alone = prompts[row : row + 1, prompts.shape[1] - int(prompt_mask[row].sum()):]
+        own = model.generate(alone, max_new_tokens=8, do_sample=False, pad_token_id=2)
+        assert together[row, -8:].tolist() == own[0, -8:].tolist()
+    # Rows that stop early: the loop reads the stop flag every step when the cache is returned (a
+    # hybrid cache cannot be cropped back from steps run past the end, as CUDA's loop runs them).
+    stop = int(together[0, -6])
+    out = model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=8, do_sample=False, pad_token_id=2,
+                         eos_token_id=stop, return_dict_in_generate=True)
+    assert out.past_key_values.seen == out.sequences.shape[1] - 1

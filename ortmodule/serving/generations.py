@@ -15,6 +15,7 @@ from collections import deque
 
 import torch
 
+from ..cache import first_rows
 from ..inputs import Rows, pad_right, to_device
 from .jobs import Generation, Row, choose_tokens, prompt_scores
 from .prefixes import BLOCK, Prefixes
@@ -23,12 +24,19 @@ from .settings import Settings
 log = logging.getLogger("ortmodule.serving")
 
 
-def put_row(cache, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+def put_row(cache, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
+            states: list[torch.Tensor] | None = None) -> None:
     """Row `slot` of a shared-buffer `cache` takes the first `length` entries of per-layer KV
-    `[kv_heads, >= length, head_size]` (another row's, or a cached prefix's)."""
+    `[kv_heads, >= length, head_size]` (another row's, or a cached prefix's), and a hybrid decoder's
+    convolution states after them (`[channels, width]` each; None: before any token, zeros)."""
     for mine, theirs in ((cache.keys, keys), (cache.values, values)):
         for buffer, source in zip(mine, theirs):
             buffer[slot, :, :length] = source[:, :length]
+    for i, buffer in enumerate(cache.states.current):
+        if states is None:
+            buffer[slot].zero_()
+        else:
+            buffer[slot] = states[i]
     cache.lengths[slot] = length
 
 
@@ -54,7 +62,8 @@ class DecodeBatch:
     def join(self, cache, index: int, row: Row) -> None:
         """Row `index` of the prefilled `cache` goes into the next slot."""
         self._join(row, [k[index] for k in cache.keys] if self.shared else None,
-                   [v[index] for v in cache.values] if self.shared else None, row.cached, cache)
+                   [v[index] for v in cache.values] if self.shared else None, row.cached, cache,
+                   [state[index] for state in cache.states.current])
 
     def join_prefix(self, row: Row, entry, shared: int) -> None:
         """`row` goes into the next slot holding the first `shared` tokens of its prompt, copied from
@@ -63,13 +72,13 @@ class DecodeBatch:
         row.prefilled = shared
         self._join(row, entry.keys if entry else [], entry.values if entry else [], shared, None)
 
-    def _join(self, row: Row, keys, values, length: int, cache) -> None:
+    def _join(self, row: Row, keys, values, length: int, cache, states=None) -> None:
         slot = len(self.rows)
         if not self.shared:
             self.pool = cache
         else:
             self.pool.reserve(length + 1, self.context)
-            put_row(self.pool, slot, keys, values, length)
+            put_row(self.pool, slot, keys, values, length, states)
         self.rows.append(row)
         self.view = None
 
@@ -80,7 +89,8 @@ class DecodeBatch:
     def leave(self, slot: int) -> None:
         last = len(self.rows) - 1
         if self.shared and slot != last:
-            put_row(self.pool, slot, *self.row_kv(last), self.rows[last].cached)
+            put_row(self.pool, slot, *self.row_kv(last), self.rows[last].cached,
+                    [state[last].clone() for state in self.pool.states.current])
         self.rows[slot] = self.rows[last]
         self.rows.pop()
         self.view = None
@@ -123,7 +133,7 @@ class DecodeBatch:
             longest = max(row.cached for row in rows)  # the step adds one
             self.pool.reserve(longest + 1, self.context)
             if self.view is None or self.view.version != self.pool.version:
-                self.view = self.pool.first_rows(len(rows), longest)
+                self.view = first_rows(self.pool, len(rows), longest)
             cache = self.view
         else:
             cache = self.pool
@@ -148,7 +158,9 @@ class Generations:
         self.partial = None  # (row, its own cache) of a prompt being prefilled in chunks
         self.batch = DecodeBatch(model.decoder, self.max_rows)
         shared = model.decoder.spec.shares_kv_buffer  # prefixes and feeding need the slot pool
-        self.prefixes = Prefixes(settings.prefix_cache_mb * 2**20 if shared else 0)
+        # A hybrid decoder's convolution states hold a prompt's end only, not its prefixes' (states.py).
+        cached = shared and not model.decoder.spec.states
+        self.prefixes = Prefixes(settings.prefix_cache_mb * 2**20 if cached else 0)
 
     @property
     def busy(self) -> bool:

@@ -1,0 +1,77 @@
+"""A hybrid package on a CPU (LFM2-350M's sizes, random weights, fp32; the suite's `LFM2_350M_CPU`):
+ortmodule against transformers on the same weights, timed in turns (median of `--rounds`).
+
+- scoring: rows of 256 tokens, logits at the last 4 positions (`cont_len` / `logits_to_keep`);
+- generate: greedy, prompts of 32 tokens, 32 new tokens, batch 1 and 8.
+
+Each of ortmodule's results is checked against transformers' first (logits within 1e-3 of their
+largest, the same tokens). A synthetic workload of a real model's sizes: the layer pattern is the
+fixtures' (two convolution layers to one attention layer: 11 and 5 of 16; LFM2-350M has 10 and 6),
+and no trained weights exist offline to score real text with.
+
+    python benchmarks/hybrid.py
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from conftest import LFM2_350M_CPU
+from transformers import AutoModelForCausalLM
+
+from ortmodule import OrtModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
+from ortmodule_dev import fixtures  # noqa: E402
+
+
+def timed(label: str, ours, theirs, same, rounds: int) -> None:
+    """Check `same(ours(), theirs())`, then time both `rounds` times in turns."""
+    same(ours(), theirs())
+    times = {"ortmodule": [], "transformers": []}
+    for _ in range(rounds):
+        for name, way in (("ortmodule", ours), ("transformers", theirs)):
+            start = time.perf_counter()
+            way()
+            times[name].append(time.perf_counter() - start)
+    ort_s, hf_s = (statistics.median(times[name]) for name in ("ortmodule", "transformers"))
+    print(f"{label}: ortmodule {ort_s:.3f} s, transformers {hf_s:.3f} s ({hf_s / ort_s:.2f}x)")
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    error, scale = (got - expected).abs().max().item(), expected.abs().max().item()
+    if error > 1e-3 * max(1.0, scale):
+        raise SystemExit(f"ortmodule's logits differ from transformers' by {error:.3g} (largest {scale:.3g})")
+
+
+def equal(got: torch.Tensor, expected: torch.Tensor) -> None:
+    if not torch.equal(got, expected):
+        raise SystemExit("ortmodule's greedy tokens differ from transformers'")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    fixture = fixtures.build(LFM2_350M_CPU)
+    ours = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    theirs = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    print(f"LFM2-350M's sizes, random weights, fp32, {torch.get_num_threads()} threads; "
+          f"{len(ours.decoder.spec.states)} convolution layers, {len(ours.decoder.spec.layers)} attention layers")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        ids = torch.randint(4, 60000, (8, 256), generator=generator)
+        timed("scoring 8 x 256, last 4 logits", lambda: ours(ids, cont_len=4).logits,
+              lambda: theirs(ids, logits_to_keep=4).logits, close, args.rounds)
+        for batch in (1, 8):
+            prompts = torch.randint(4, 60000, (batch, 32), generator=generator)
+            kwargs = dict(max_new_tokens=32, do_sample=False, min_new_tokens=32, pad_token_id=0)
+            timed(f"generate batch {batch}, 32 + 32 tokens", lambda p=prompts: ours.generate(p, **kwargs),
+                  lambda p=prompts: theirs.generate(p, attention_mask=torch.ones_like(p), **kwargs), equal, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

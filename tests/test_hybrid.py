@@ -1,0 +1,187 @@
+"""Hybrid decoders: LFM2's packages, whose convolution layers keep a state each beside the attention
+layers' KV (ortmodule/states.py), against transformers on the same weights through everything that
+carries a cache: a cache continued from rows of different lengths, generate (greedy, beams,
+sampling's shapes), long rows in chunks, shared contexts by decode steps, lm-eval's requests, and
+the server's continuous batch, where rows join and leave."""
+
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import LiveServer, expected_text, left_padded_batch, load_pair, right_padded_batch
+
+from ortmodule import OrtModelForCausalLM, load_tokenizer
+
+LFM2 = {"num_layers": 4}  # conv, conv, attention, conv (fixtures.ARCHITECTURES)
+
+
+@pytest.fixture(scope="module")
+def pair(build):
+    fixture = build("lfm2", **LFM2)
+    return (*load_pair(fixture), fixture)
+
+
+def test_the_package_keeps_a_state_per_convolution_layer(pair):
+    model, _, _ = pair
+    spec = model.decoder.spec
+    assert [state.layer for state in spec.states] == [0, 1, 3] and len(spec.layers) == 1
+    assert all(state.width == 2 and state.channels == 64 for state in spec.states)  # conv_L_cache 3
+
+
+def test_a_cache_continues_rows_of_different_lengths(pair):
+    """A right-padded prefill into a cache, then three tokens a row, one run each: every row's logits
+    equal transformers' on the row's whole sequence (each row's states taken at its own last token,
+    not after the padding)."""
+    model, hf, _ = pair
+    ids, mask = right_padded_batch([11, 4, 7], seed=41)
+    steps = torch.randint(4, 512, (3, 3), generator=torch.Generator().manual_seed(42))
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        got, cache, seen = [], out.past_key_values, mask
+        for s in range(3):
+            seen = torch.cat([seen, torch.ones(3, 1, dtype=mask.dtype)], 1)
+            out = model(steps[:, s : s + 1], attention_mask=seen, past_key_values=cache, use_cache=True)
+            got.append(out.logits[:, -1])
+            cache = out.past_key_values
+        for row in range(3):
+            real = int(mask[row].sum())
+            whole = torch.cat([ids[row, :real], steps[row]])[None]
+            expected = hf(whole).logits[0, real:]
+            assert (torch.stack([g[row] for g in got]) - expected).abs().max().item() < 1e-4
+
+
+def test_greedy_beams_and_sampling_shapes_follow_transformers(pair):
+    """Left-padded batches through generate: greedy with a stop token among the rows, beam search
+    (rows reordered every step, states with them) and several sequences per prompt (rows repeated)
+    give transformers' tokens."""
+    model, hf, _ = pair
+    ids, mask = left_padded_batch([9, 5, 2], seed=43)
+    kwargs = dict(attention_mask=mask, max_new_tokens=9, pad_token_id=2)
+    with torch.no_grad():
+        for extra in ({"do_sample": False}, {"do_sample": False, "num_beams": 3},
+                      {"do_sample": False, "num_beams": 2, "num_return_sequences": 2}):
+            ours, theirs = model.generate(ids, **kwargs, **extra), hf.generate(ids, **kwargs, **extra)
+            assert torch.equal(ours, theirs), extra
+
+
+def test_generate_returns_a_cache_to_continue_from(pair):
+    """`return_dict_in_generate`: the cache holds every token but the last (transformers'
+    convention), its states included, so that one more forward step over the last token gives
+    transformers' logits of the whole sequence."""
+    model, hf, _ = pair
+    ids, mask = left_padded_batch([7, 3], seed=51)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=2,
+                         return_dict_in_generate=True)
+    sequences = out.sequences
+    assert out.past_key_values.seen == sequences.shape[1] - 1
+    full_mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        step = model(sequences[:, -1:], attention_mask=full_mask, past_key_values=out.past_key_values, use_cache=True)
+        expected = hf(sequences, attention_mask=full_mask).logits[:, -1]
+    assert (step.logits[:, -1] - expected).abs().max().item() < 1e-4
+
+
+def test_long_rows_in_chunks_carry_their_states(pair):
+    """Rows run in chunks over their own cache (chunked.py, the CPU's way for long rows): the
+    states pass from chunk to chunk, and the logits equal transformers'."""
+    _, hf, fixture = pair
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=5)
+    ids, mask = right_padded_batch([23, 12], seed=44)
+    with torch.no_grad():
+        ours, theirs = model(ids, attention_mask=mask).logits, hf(ids, attention_mask=mask).logits
+    assert (ours - theirs)[mask.bool()].abs().max().item() < 1e-4
+
+
+def test_a_cache_with_states_refuses_to_shrink(pair):
+    """Cropping a cache, or starting one from part of another's rows, would need states before an
+    earlier token: a ValueError that says so, not a wrong number."""
+    model, _, _ = pair
+    ids, mask = right_padded_batch([6, 6], seed=45)
+    cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="cannot crop a cache with convolution states"):
+        cache.crop(-2)
+    copy = model.decoder.new_cache(2, 8)
+    with pytest.raises(ValueError, match="starts only from whole rows"):
+        copy.start_from(cache, torch.tensor([0, 1]), torch.tensor([4, 6]), 6)
+    cache.crop(0)  # nothing removed: allowed
+
+
+def test_lm_eval_requests_equal_the_hf_backend(pair):
+    """lm-eval's loglikelihood requests (contexts shared by their choices, which continue by decode
+    steps here) and rolling loglikelihoods through ortmodule's backend equal lm-eval's `hf` backend
+    on the same weights."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    _, _, fixture = pair
+    rng = random.Random(46)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "far", "away", "from", "home"]
+
+    def text(n):
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    contexts = [text(rng.randrange(6, 14)) for _ in range(3)]
+    pairs = [(context, " " + text(rng.randrange(1, 4))) for context in contexts for _ in range(4)]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    rolling = [Instance("loglikelihood_rolling", {}, (text(30),), i) for i in range(2)]
+    ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=4, share_contexts=True)
+    theirs = HFLM(pretrained=str(fixture.hf_dir), batch_size=4, dtype="float32", device="cpu")
+    got, expected = ours.loglikelihood(requests, disable_tqdm=True), theirs.loglikelihood(requests, disable_tqdm=True)
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(got, expected, strict=True):
+        assert abs(lp - ref_lp) < 1e-3 and greedy == ref_greedy
+    got, expected = (lm.loglikelihood_rolling(rolling, disable_tqdm=True) for lm in (ours, theirs))
+    for lp, ref_lp in zip(got, expected, strict=True):
+        assert abs(lp - ref_lp) < 1e-3
+
+
+def test_the_servers_continuous_batch_carries_states(pair):
+    """Twenty prompts at once into a batch of six rows, while a long generation runs: rows join the
+    running batch (their states copied into its slots), are fed their prompts' last tokens by decode
+    steps, and leave (the last row's states moved into the freed slot); every answer equals
+    transformers' greedy tokens on the prompt alone. No prefix is reused: a state holds a prompt's
+    end only."""
+    from ortmodule.serving import create_app
+
+    model, hf, fixture = pair
+    tokenizer = load_tokenizer(fixture.package_dir)
+    live = LiveServer(create_app(model, tokenizer, name="tiny", prefill_chunk=16, max_rows=6, feed_tokens=4))
+    rng = random.Random(47)
+    system = [rng.randrange(4, 512) for _ in range(20)]
+    prompts = [(system if i % 2 else []) + [rng.randrange(4, 512) for _ in range(rng.randrange(1, 30))]
+               for i in range(20)]
+
+    def complete(prompt, max_tokens):
+        response = live.client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "temperature": 0,
+                                                             "max_tokens": max_tokens}, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]
+
+    def check(prompt, new, choice):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        text, reason = expected_text(tokenizer, out[0, len(prompt):].tolist())
+        assert (choice["text"], choice["finish_reason"]) == (text, reason), f"prompt of {len(prompt)} tokens"
+
+    try:
+        complete(system + [5, 6], 4)  # a prompt the others begin with, sent first
+        barrier = threading.Barrier(len(prompts) + 1)
+        long_prompt = [rng.randrange(4, 512) for _ in range(40)]  # past prefill_chunk: prefilled in chunks
+
+        def send(prompt, new):
+            barrier.wait()
+            return complete(prompt, new)
+
+        with ThreadPoolExecutor(len(prompts) + 1) as pool:
+            running = pool.submit(send, long_prompt, 60)
+            answers = list(pool.map(lambda p: send(p, 7), prompts))
+            check(long_prompt, 60, running.result())
+        for prompt, answer in zip(prompts, answers):
+            check(prompt, 7, answer)
+        assert live.client.get("/metrics").json()["prefix_cache"]["hits"] == 0
+    finally:
+        live.stop()
