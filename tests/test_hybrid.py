@@ -66,6 +66,19 @@ def test_greedy_beams_and_sampling_shapes_follow_transformers(pair):
             assert torch.equal(ours, theirs), extra
 
 
+def test_the_package_graph_without_the_lm_head_rewrite_takes_states_per_row(pair):
+    """`rewrite_lm_head=False` (logits at every position): the package's graph still has its states
+    taken at each row's last token (graph.py applies states.py to it as well), so a left-padded
+    batch's greedy tokens are transformers'."""
+    _, hf, fixture = pair
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, rewrite_lm_head=False)
+    assert not model.decoder.keeps_positions
+    ids, mask = left_padded_batch([12, 7, 3], seed=54)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kwargs), hf.generate(ids, **kwargs))
+
+
 def test_generate_returns_a_cache_to_continue_from(pair):
     """`return_dict_in_generate`: the cache holds every token but the last (transformers'
     convention), its states included, so that one more forward step over the last token gives
@@ -138,6 +151,26 @@ def test_lm_eval_requests_equal_the_hf_backend(pair):
         assert abs(lp - ref_lp) < 1e-3
 
 
+@pytest.mark.parametrize("reuse", [True, False], ids=["queries-shared", "padded"])
+def test_score_requests_equal_transformers(pair, reuse):
+    """The score API's requests (items sharing their query, the queries run once and the items
+    continued by decode steps; or every prompt whole in a padded batch): each item's label
+    log-probabilities are transformers' on the item's whole prompt."""
+    from ortmodule import scoring
+
+    model, hf, _ = pair
+    generator = torch.Generator().manual_seed(52)
+    requests = [[query + torch.randint(4, 500, (k,), generator=generator).tolist() for k in items]
+                for query, items in ((torch.randint(4, 500, (n,), generator=generator).tolist(), items)
+                                     for n, items in ((12, (3, 6, 1)), (7, (5, 2)), (20, (4, 1, 2))))]
+    labels = [5, 6, 7]
+    got = scoring.label_logprobs(model, requests, labels, 4096, reuse)
+    prompts = [prompt for request in requests for prompt in request]
+    with torch.no_grad():
+        expected = torch.stack([hf(torch.tensor([p])).logits[0, -1].log_softmax(-1)[labels] for p in prompts])
+    assert got.shape == (len(prompts), 3) and (got - expected).abs().max().item() < 1e-4
+
+
 def test_the_servers_continuous_batch_carries_states(pair):
     """Twenty prompts at once into a batch of six rows, while a long generation runs: rows join the
     running batch (their states copied into its slots), are fed their prompts' last tokens by decode
@@ -185,3 +218,25 @@ def test_the_servers_continuous_batch_carries_states(pair):
         assert live.client.get("/metrics").json()["prefix_cache"]["hits"] == 0
     finally:
         live.stop()
+
+
+def test_a_4bit_package_generates_as_onnxruntime_genai(build):
+    """LFM2 exported with 4-bit weights (what a CPU deployment ships; its prompt runs in ONNX
+    Runtime's fp32 path, a second session that carries the states too, nbits.py): greedy tokens
+    equal onnxruntime-genai's Generator's on the same package."""
+    import numpy as np
+
+    og = pytest.importorskip("onnxruntime_genai")
+    fixture = build("lfm2", num_layers=4, precision="int4", hidden_size=128, intermediate_size=256)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    assert model.decoder.fp32_path
+    prompt = torch.randint(4, 500, (1, 20), generator=torch.Generator().manual_seed(53))
+    ours = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    reference = og.Model(str(fixture.package_dir))
+    params = og.GeneratorParams(reference)
+    params.set_search_options(max_length=32, do_sample=False)
+    generator = og.Generator(reference, params)
+    generator.append_tokens(prompt.numpy().astype(np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    assert ours[0].tolist() == [int(t) for t in generator.get_sequence(0)]
