@@ -2,7 +2,9 @@
 ortmodule against transformers on the same weights, timed in turns (median of `--rounds`).
 
 - scoring: rows of 256 tokens, logits at the last 4 positions (`cont_len` / `logits_to_keep`);
-- generate: greedy, prompts of 32 tokens, 32 new tokens, batch 1 and 8.
+- generate: greedy, prompts of 32 tokens, 32 new tokens, batch 1 and 8;
+- `--shared`: 16 HellaSwag-shaped questions scored by ortmodule three ways (sliding_windows.py's):
+  padded rows, shared contexts continued by decode steps, shared contexts in one extend run.
 
 Each of ortmodule's results is checked against transformers' first (logits within 1e-3 of their
 largest, the same tokens). A synthetic workload of a real model's sizes: the layer pattern is the
@@ -10,6 +12,7 @@ fixtures' (two convolution layers to one attention layer: 11 and 5 of 16; LFM2-3
 and no trained weights exist offline to score real text with.
 
     python benchmarks/hybrid.py
+    python benchmarks/hybrid.py --shared
 """
 
 import argparse
@@ -20,6 +23,8 @@ from pathlib import Path
 
 import torch
 from conftest import LFM2_350M_CPU
+from sliding_windows import shared_ways
+from sliding_windows import timed as timed_ways
 from transformers import AutoModelForCausalLM
 
 from ortmodule import OrtModelForCausalLM
@@ -55,9 +60,14 @@ def equal(got: torch.Tensor, expected: torch.Tensor) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shared", action="store_true", help="shared contexts: padded, decode steps, extend")
     args = parser.parse_args()
     fixture = fixtures.build(LFM2_350M_CPU)
     ours = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    if args.shared:
+        with torch.no_grad():
+            timed_ways(shared_ways(ours), args.rounds)
+        return
     theirs = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
     print(f"LFM2-350M's sizes, random weights, fp32, {torch.get_num_threads()} threads; "
           f"{len(ours.decoder.spec.states)} convolution layers, {len(ours.decoder.spec.layers)} attention layers")
@@ -66,9 +76,9 @@ def main() -> None:
         ids = torch.randint(4, 60000, (8, 256), generator=generator)
         timed("scoring 8 x 256, last 4 logits", lambda: ours(ids, cont_len=4).logits,
               lambda: theirs(ids, logits_to_keep=4).logits, close, args.rounds)
+        kwargs = dict(max_new_tokens=32, do_sample=False, min_new_tokens=32, pad_token_id=0)
         for batch in (1, 8):
             prompts = torch.randint(4, 60000, (batch, 32), generator=generator)
-            kwargs = dict(max_new_tokens=32, do_sample=False, min_new_tokens=32, pad_token_id=0)
             timed(f"generate batch {batch}, 32 + 32 tokens", lambda p=prompts: ours.generate(p, **kwargs),
                   lambda p=prompts: theirs.generate(p, attention_mask=torch.ones_like(p), **kwargs), equal, args.rounds)
 

@@ -259,7 +259,7 @@ class Decoder:
         each row's real tokens (None: all), where a hybrid decoder takes its convolution states."""
         spec = self.spec
         batch, length = ids.shape
-        bind_state_lengths(self, binding, lengths, ids)
+        bind_state_lengths(self, session, binding, lengths, ids)
         self.bind_tokens(binding, ids)
         if spec.attention_mask and mask is not None:
             runtime.bind_input(binding, spec.attention_mask, mask.to(self.mask_dtype).contiguous())
@@ -306,11 +306,11 @@ class Decoder:
         return positions.contiguous()
 
 
-def bind_state_lengths(decoder: Decoder, binding: ort.IOBinding, lengths: torch.Tensor | None,
+def bind_state_lengths(decoder: Decoder, session, binding: ort.IOBinding, lengths: torch.Tensor | None,
                        ids: torch.Tensor) -> None:
-    """A hybrid decoder's run of `ids`: each row's real tokens (None: every row's all), where its
-    convolution states are taken (states.py)."""
-    if decoder.spec.states:
+    """A hybrid decoder's run of `ids` in `session`: each row's real tokens (None: every row's all),
+    where its convolution states are taken (states.py; the extend and prefill graphs keep none)."""
+    if decoder.spec.states and states.STATE_LENGTHS in session.input_names:
         lengths = lengths if lengths is not None else torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
         runtime.bind_input(binding, states.STATE_LENGTHS, lengths.to(decoder.device, torch.int64).contiguous())
 

@@ -42,7 +42,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from . import graph, projections, runtime
+from . import graph, projections, runtime, states
 from .cache import KVCache
 from .graph import RewriteSkipped
 from .inputs import Rows
@@ -188,6 +188,7 @@ def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, layo
         presents.update(v.name for v in node.outputs[1:3] if v is not None)
         _replace(graph, node, index, feeds, head_size, expand_kv_heads)
     graph.inputs.extend(feeds.windows[window] for window in sorted(feeds.windows))
+    presents |= states.state_outputs(graph)  # a hybrid decoder's convolutions read their past states only
     graph.outputs[:] = [o for o in graph.outputs if o.name not in presents]
     model.opset_imports[""] = max(model.opset_imports.get("", 1), _OPSET_CACHE if layout == "cache" else _OPSET)
     _remove_unused(graph)
@@ -381,6 +382,7 @@ class Extender:
         known = {decoder.spec.input_ids, POSITIONS, ATTENTION_BIAS, WRITE_AT, KV_LENGTHS, graph.LOGITS_INDICES,
                  self.position_ids, *(f"{WINDOW_BIAS}{window}" for window in self.windows)}
         known |= {name for kv in decoder.spec.layers for name in (kv.past_key, kv.past_value)}
+        known |= {state.past for state in decoder.spec.states}
         if decoder.embedding_session is not None:
             known |= {name for _, name in decoder.package.embedding.feeds}
         unknown = names - known
@@ -425,6 +427,8 @@ class Extender:
             if self.layout == "cache":  # the new KV written past each row's end, in the cache's own buffers
                 runtime.bind_output(binding, kv.past_key + WRITTEN, key)
                 runtime.bind_output(binding, kv.past_value + WRITTEN, value)
+        for state, past in zip(cache.states.specs, cache.states.current):  # each row's after its past
+            runtime.bind_input(binding, state.past, past)
         runtime.bind_input(binding, graph.LOGITS_INDICES, logit_index)
         logits = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
         runtime.bind_output(binding, decoder.spec.logits, logits)
@@ -572,8 +576,6 @@ def _second_session(decoder, what: str, otherwise: str, runner, check, graph_byt
             return None
     heads = {kv.head_size for kv in decoder.spec.layers}
     try:
-        if decoder.spec.states:
-            raise RewriteSkipped("its convolution layers keep states (a hybrid decoder): these graphs carry none")
         if len(heads) != 1:
             raise RewriteSkipped(f"layers of different head sizes {sorted(heads)}")
         data = graph_bytes(heads.pop())
@@ -609,6 +611,7 @@ class CausalPrefill:
         self.position_ids = spec.position_ids if spec.position_ids in names else None
         self.mask = spec.attention_mask if spec.attention_mask in names else None
         known = {spec.input_ids, POSITIONS, graph.LOGITS_INDICES, self.position_ids, self.mask}
+        known |= {state.past for state in spec.states}
         if decoder.embedding_session is not None:
             known |= {name for _, name in decoder.package.embedding.feeds}
         unknown = names - known
@@ -623,6 +626,9 @@ class CausalPrefill:
         binding = self.session.io_binding()
         if self.positions:
             runtime.bind_input(binding, POSITIONS, positions.contiguous())
+        for state in decoder.spec.states:  # a hybrid decoder's convolutions start from zeros
+            zeros = torch.zeros(batch, state.channels, state.width, dtype=decoder.kv_dtype, device=decoder.device)
+            runtime.bind_input(binding, state.past, zeros)
         mask = torch.ones_like(ids, dtype=decoder.mask_dtype) if self.mask else None
         return decoder.run_bound(self.session, binding, ids, logit_index, mask,
                                  positions if self.position_ids else None)

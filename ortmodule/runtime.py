@@ -118,6 +118,10 @@ class Session:
     def io_binding(self) -> ort.IOBinding:
         return self.ort_session.io_binding()
 
+    @functools.cached_property
+    def input_names(self) -> frozenset[str]:
+        return frozenset(value.name for value in self.ort_session.get_inputs())
+
     def _run_options(self, graph_id: int) -> ort.RunOptions | None:
         """The run options of a run: with CUDA graphs on, every run names its graph (-1: none, as
         ONNX Runtime would otherwise capture it under id 0 and replay that for every shape)."""

@@ -63,6 +63,19 @@ def select_states_at_lengths(graph: ir.Graph) -> bool:
     return True
 
 
+def state_outputs(graph: ir.Graph) -> set[str]:
+    """The names of the graph's outputs that are convolution states (the kernel's own, or taken at
+    the rows' lengths by `select_states_at_lengths`)."""
+    names = {node.name for node in convolutions(graph)}
+    found = set()
+    for value in graph.outputs:
+        producer = value.producer()
+        if producer is not None and ((producer.domain, producer.op_type) == CONV_OP
+                                     or producer.name.rsplit("/ortmodule_state/", 1)[0] in names):
+            found.add(value.name)
+    return found
+
+
 def _constant(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
     value = ir.Value(name=name, const_value=ir.tensor(values, dtype=ir.DataType.INT64, name=name))
     graph.register_initializer(value)

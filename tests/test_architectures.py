@@ -90,16 +90,16 @@ def test_scoring_graphs_give_the_package_graphs_answers(pair):
     lm-eval's sharing runs them) give the package graph's logits and loglikelihoods: partial rotary
     (Phi-2, Nemotron), interleaved rotary (ERNIE 4.5), Granite's multipliers, Gemma 2's soft-capping
     and sliding windows (the extend graph's mask layout only: no prefill graph). gpt-oss's attention
-    sinks keep the package's graph for both, and so do LFM2's convolution states (whose shared
-    contexts continue by decode steps)."""
+    sinks keep the package's graph for both. LFM2's convolutions read their rows' past states in
+    both (zeros in the prefill graph)."""
     from ortmodule import OrtModelForCausalLM, scoring
     from ortmodule.inputs import pad_right
 
     arch, fixture = pair
     package = load_pair(fixture)[0]
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_attention="onnx")
-    assert (model.decoder.causal is None) == (arch in ("gemma2", "gpt_oss", "lfm2"))
-    assert (model.decoder.extender() is None) == (arch in ("gpt_oss", "lfm2"))
+    assert (model.decoder.causal is None) == (arch in ("gemma2", "gpt_oss"))
+    assert (model.decoder.extender() is None) == (arch == "gpt_oss")
     if arch == "gpt_oss":
         return
     ids, mask = right_padded_batch([14, 9, 5], seed=23)

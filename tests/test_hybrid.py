@@ -1,8 +1,8 @@
 """Hybrid decoders: LFM2's packages, whose convolution layers keep a state each beside the attention
 layers' KV (ortmodule/states.py), against transformers on the same weights through everything that
 carries a cache: a cache continued from rows of different lengths, generate (greedy, beams,
-sampling's shapes), long rows in chunks, shared contexts by decode steps, lm-eval's requests, and
-the server's continuous batch, where rows join and leave."""
+sampling's shapes), long rows in chunks, shared contexts (the extend graph), lm-eval's requests,
+the score API, and the server's continuous batch, where rows join and leave."""
 
 import random
 import threading
@@ -122,8 +122,8 @@ def test_a_cache_with_states_refuses_to_shrink(pair):
 
 
 def test_lm_eval_requests_equal_the_hf_backend(pair):
-    """lm-eval's loglikelihood requests (contexts shared by their choices, which continue by decode
-    steps here) and rolling loglikelihoods through ortmodule's backend equal lm-eval's `hf` backend
+    """lm-eval's loglikelihood requests (contexts shared by their choices, run once; the choices in one
+    extend run over copies of their context's KV and states) and rolling loglikelihoods through ortmodule's backend equal lm-eval's `hf` backend
     on the same weights."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
@@ -142,6 +142,7 @@ def test_lm_eval_requests_equal_the_hf_backend(pair):
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
     rolling = [Instance("loglikelihood_rolling", {}, (text(30),), i) for i in range(2)]
     ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=4, share_contexts=True)
+    assert ours._model.decoder.extender() is not None  # the choices in one run over their context's states
     theirs = HFLM(pretrained=str(fixture.hf_dir), batch_size=4, dtype="float32", device="cpu")
     got, expected = ours.loglikelihood(requests, disable_tqdm=True), theirs.loglikelihood(requests, disable_tqdm=True)
     for (lp, greedy), (ref_lp, ref_greedy) in zip(got, expected, strict=True):
@@ -153,8 +154,8 @@ def test_lm_eval_requests_equal_the_hf_backend(pair):
 
 @pytest.mark.parametrize("reuse", [True, False], ids=["queries-shared", "padded"])
 def test_score_requests_equal_transformers(pair, reuse):
-    """The score API's requests (items sharing their query, the queries run once and the items
-    continued by decode steps; or every prompt whole in a padded batch): each item's label
+    """The score API's requests (items sharing their query, the queries run once and the items in one
+    extend run over their query's KV and states; or every prompt whole in a padded batch): each item's label
     log-probabilities are transformers' on the item's whole prompt."""
     from ortmodule import scoring
 
