@@ -74,6 +74,10 @@ ARCHITECTURES = {
     # LFM2: a hybrid of short causal convolutions (a state each, beside no KV) and attention layers,
     # two convolution layers to one attention layer as LFM2-350M mixes them, the last a convolution
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": "conv"}),
+    # LFM2's mixture-of-experts variant (LFM2-8B-A1B): the same hybrid stack, MoE MLPs after a dense first layer
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {"layer_types": "conv", "moe_intermediate_size": 32,
+                                                          "num_experts": 4, "num_experts_per_tok": 2,
+                                                          "num_dense_layers": 1}),
 }
 
 # Gemma 4 packages, each from a multimodal Gemma 4 checkpoint (the text model inside is what runs):
