@@ -91,13 +91,19 @@ def broken_forward(rng, ids, mask, kind):
     return ids, kwargs
 
 
+@pytest.fixture(scope="module", params=["llama", "lfm2"])
+def fixture(request, build):
+    """The Llama fixture, and LFM2's (a hybrid: convolution states beside the KV, states.py)."""
+    return build(request.param, **({"num_layers": 4} if request.param == "lfm2" else {}))
+
+
 def reference_logits(hf, ids, mask):
     with torch.no_grad():
         return hf(ids, attention_mask=mask).logits
 
 
-def test_forward_fuzz(llama):
-    model, hf = load_pair(llama)
+def test_forward_fuzz(fixture):
+    model, hf = load_pair(fixture)
     rng = random.Random(1234)
     broken = valid = 0
     for case in range(200):
@@ -126,8 +132,8 @@ def test_forward_fuzz(llama):
     assert broken > 50 and valid > 50
 
 
-def test_generate_fuzz(llama):
-    model, hf = load_pair(llama)
+def test_generate_fuzz(fixture):
+    model, hf = load_pair(fixture)
     rng = random.Random(99)
     for case in range(40):
         ids, mask = random_batch(rng)
@@ -151,8 +157,8 @@ def test_generate_fuzz(llama):
         assert torch.equal(tokens, expected), f"case {case}"
 
 
-def test_score_fuzz(llama):
-    model, hf = load_pair(llama)
+def test_score_fuzz(fixture):
+    model, hf = load_pair(fixture)
     rng = random.Random(7)
     for case in range(60):
         query = [rng.randrange(VOCAB) for _ in range(rng.randint(0, 30))]
