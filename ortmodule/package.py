@@ -318,6 +318,10 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
     _check_attention(proto, shape.num_heads, shape.num_kv_heads, path, config_path)
     states = _read_states(dec, graph)
     layers = _read_layers(dec, shape, graph, {state.layer for state in states})
+    kv_type = _elem_type(graph.inputs[layers[0].past_key]) if layers else onnx.TensorProto.FLOAT
+    if any(_elem_type(graph.inputs[state.past]) != kv_type for state in states):
+        raise PackageError(f"{path}: its convolution states are not of its KV cache's element type, which ortmodule's "
+                           "cache assumes (an export ortmodule does not know)")
     known = {input_ids, attention_mask, position_ids} | {name for kv in layers for name in (kv.past_key, kv.past_value)}
     known |= {state.past for state in states}
     known |= {decoder_input for _, decoder_input in embedding.feeds} if embedding else set()
@@ -334,7 +338,7 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         id_type=_elem_type(graph.inputs[input_ids]) if input_ids else embedding.id_type,
         mask_type=_elem_type(graph.inputs[attention_mask]) if attention_mask else None,
         position_type=_elem_type(graph.inputs[position_ids]) if position_ids else None,
-        kv_type=_elem_type(graph.inputs[layers[0].past_key]) if layers else onnx.TensorProto.FLOAT,
+        kv_type=kv_type,
         logits_type=_elem_type(graph.outputs[logits]),
         num_parameters=_count_parameters(proto),
         embedding_parameters=_embedding_parameters(proto, input_ids),

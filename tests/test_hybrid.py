@@ -30,6 +30,25 @@ def test_the_package_keeps_a_state_per_convolution_layer(pair):
     assert all(state.width == 2 and state.channels == 64 for state in spec.states)  # conv_L_cache 3
 
 
+def test_a_state_of_another_element_type_is_refused_at_load(pair, tmp_path):
+    """A convolution state whose element type is not the KV cache's (the cache holds both in one
+    dtype) is a PackageError naming it, not an ONNX Runtime type error at the first run."""
+    import shutil
+
+    import onnx
+
+    from ortmodule import PackageError
+
+    _, _, fixture = pair
+    package = tmp_path / "package"
+    shutil.copytree(fixture.package_dir, package)
+    graph = onnx.load(str(package / "model.onnx"), load_external_data=False)
+    next(i for i in graph.graph.input if i.name == "past.0.conv").type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    onnx.save(graph, str(package / "model.onnx"))
+    with pytest.raises(PackageError, match="convolution states are not of its KV cache's element type"):
+        OrtModelForCausalLM.from_pretrained(package)
+
+
 def test_a_cache_continues_rows_of_different_lengths(pair):
     """A right-padded prefill into a cache, then three tokens a row, one run each: every row's logits
     equal transformers' on the row's whole sequence (each row's states taken at its own last token,
@@ -122,9 +141,9 @@ def test_a_cache_with_states_refuses_to_shrink(pair):
 
 
 def test_lm_eval_requests_equal_the_hf_backend(pair):
-    """lm-eval's loglikelihood requests (contexts shared by their choices, run once; the choices in one
-    extend run over copies of their context's KV and states) and rolling loglikelihoods through ortmodule's backend equal lm-eval's `hf` backend
-    on the same weights."""
+    """lm-eval's loglikelihood requests (contexts shared by their choices, run once; the choices in
+    one extend run over copies of their context's KV and states) and rolling loglikelihoods through
+    ortmodule's backend equal lm-eval's `hf` backend on the same weights."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
