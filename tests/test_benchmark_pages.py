@@ -199,3 +199,30 @@ def test_the_fp32_reference_is_kept_for_the_same_weights_and_requests_only(tmp_p
     weights.write_bytes(bytes(data))
     assert references.weights_digest(other) != references.weights_digest(llama.hf_dir)
     assert reference(other, longer)[1].endswith("(this run)") and len(runs) == 3
+
+
+def test_the_next_gpu_runs_selections_collect():
+    """benchmarks/next_gpu_run.sh (the plan a rare GPU session runs without editing): the script
+    parses, every benchmark selection of it collects at the GPU size, and each name of its CUDA
+    test selection matches a test, so that no step is found empty on the device."""
+    import re
+    import subprocess
+    import sys
+
+    script = REPORT.parent / "next_gpu_run.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    root = REPORT.parents[1]
+    suites = re.findall(r'^suite \S+ \d+ "([^"]+)"', text, re.M)
+    assert len(suites) == 3
+    for selection in suites:
+        listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                 "benchmarks", "--bench-size", "gpu", "-k", selection], cwd=root,
+                                capture_output=True, text=True).stdout
+        assert re.search(r"^\d+/\d+ tests collected", listed, re.M), f"{selection}: {listed[-300:]}"
+    names = re.search(r'tests/test_cuda\.py -k \\\n\s+"([^"]+)"', text).group(1).split(" or ")
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             "tests/test_cuda.py"], cwd=root, capture_output=True, text=True).stdout
+    tests = [line for line in listed.splitlines() if "::" in line]
+    for name in names:
+        assert any(name in test for test in tests), f"no CUDA test matches {name!r}"
