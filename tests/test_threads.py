@@ -35,8 +35,10 @@ def calls(vocab: int):
     return out
 
 
-def test_concurrent_calls_equal_sequential_ones(llama):
-    model, _ = load_pair(llama)
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_concurrent_calls_equal_sequential_ones(build, arch):
+    """Also for LFM2, whose convolution states have their own place in each thread's scratch buffer."""
+    model, _ = load_pair(build(arch, **({"num_layers": 4} if arch == "lfm2" else {})))
     work = calls(model.package.vocab_size) * 3  # 120 calls on 4 threads
     expected = [fn(model) for fn in work]
     with ThreadPoolExecutor(4) as pool:
