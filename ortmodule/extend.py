@@ -375,6 +375,7 @@ class Extender:
     def __init__(self, decoder, session: runtime.Session):
         self.decoder, self.session = decoder, session  # any number of threads: a binding per call
         names = {i.name for i in session.ort_session.get_inputs()}
+        self.positions = POSITIONS in names  # absent where no layer rotates inside its attention node (HunYuan)
         self.position_ids = decoder.spec.position_ids if decoder.spec.position_ids in names else None
         self.layout = "cache" if KV_LENGTHS in names else "mask"
         # the sliding-window layers' masks, by window (the mask layout)
@@ -409,7 +410,8 @@ class Extender:
         binding = self.session.io_binding()
         decoder.bind_tokens(binding, tokens)
         positions = cache.lengths[:, None] + order
-        runtime.bind_input(binding, POSITIONS, positions.to(torch.int64).contiguous())
+        if self.positions:
+            runtime.bind_input(binding, POSITIONS, positions.to(torch.int64).contiguous())
         if self.position_ids is not None:
             runtime.bind_input(binding, self.position_ids, decoder.position_input(positions))
         if self.layout == "cache":

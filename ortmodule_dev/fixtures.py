@@ -71,6 +71,9 @@ ARCHITECTURES = {
     # these differ from transformers' model on the same weights (tests/test_architectures.py)
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
+    # Gemma (the first): GeGLU MLPs, embeddings scaled by sqrt(hidden); HunYuan dense: query/key norms
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 16}),
     # LFM2: a hybrid of short causal convolutions (a state each, beside no KV) and attention layers,
     # two convolution layers to one attention layer as LFM2-350M mixes them, the last a convolution
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": "conv"}),

@@ -17,9 +17,9 @@ og = pytest.importorskip("onnxruntime_genai")
 # of the rotated width a multiple of 8: partial rotary needs wider heads than the default 16).
 WIDE = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
 MORE_ARCHES = {"gemma2": {}, "granite": {}, "gpt_oss": {}, "phi": WIDE, "nemotron": WIDE, "olmo": {},
-               "ernie4_5": {}, "lfm2": {"num_layers": 4}, "lfm2_moe": {"num_layers": 4}}
+               "ernie4_5": {}, "gemma": {}, "hunyuan": {}, "lfm2": {"num_layers": 4}, "lfm2_moe": {"num_layers": 4}}
 # Whose packages give transformers' numbers (to fp32's rounding) on the same weights.
-EXACT = {"gemma2", "granite", "gpt_oss", "lfm2", "lfm2_moe"}
+EXACT = {"gemma2", "granite", "gpt_oss", "gemma", "hunyuan", "lfm2", "lfm2_moe"}
 
 
 def genai_logits(model, tokens: list[int]) -> torch.Tensor:
