@@ -247,11 +247,12 @@ import transformers
 load = transformers.AutoConfig.from_pretrained
 def shimmed(*args, **kwargs):
     config = load(*args, **kwargs)
-    rope = getattr(config, "rope_parameters", None)
-    if getattr(config, "model_type", "") == "gemma3_text" and isinstance(rope, dict) and "full_attention" in rope:
-        config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
-        config.rope_parameters = dict(rope["full_attention"])
     text = getattr(config, "text_config", None)
+    for part in (config, text):  # Gemma 3's own text model, or the one inside a multimodal Gemma 3 (4B and up)
+        rope = getattr(part, "rope_parameters", None)
+        if getattr(part, "model_type", "") == "gemma3_text" and isinstance(rope, dict) and "full_attention" in rope:
+            part.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+            part.rope_parameters = dict(rope["full_attention"])
     if text is not None and getattr(text, "per_layer_config", None) is not None:
         for part in (config, text):  # the builder copies text_config's keys to the top level
             part.allow_global_per_layer_attribute_access = True

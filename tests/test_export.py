@@ -29,6 +29,42 @@ def test_cli_exports_a_hugging_face_folder(llama, tmp_path, capsys):
     assert (model(ids).logits - expected).abs().max().item() < 1e-4
 
 
+def test_a_multimodal_gemma3_checkpoint_exports_its_text_model(tmp_path):
+    """Gemma 3 from 4B up ships as `Gemma3ForConditionalGeneration`, its RoPE settings nested per
+    layer type inside `text_config` (transformers 5), which the builder 0.18 reads flat: `ortmodule
+    export` flattens them there too, and the text package's logits and greedy tokens are
+    transformers' on the same weights (the vision tower left out)."""
+    import transformers
+
+    from ortmodule_dev import fixtures
+
+    tokenizer = fixtures.spec_tokenizer(fixtures.FixtureSpec("llama"))
+    text = dict(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
+                sliding_window=8, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=599, boi_token_index=597, eoi_token_index=598)
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    assert "full_attention" in transformers.AutoConfig.from_pretrained(tmp_path / "hf").text_config.rope_parameters
+    export(tmp_path / "hf", tmp_path / "package", progress=False)
+    model = OrtModelForCausalLM.from_pretrained(tmp_path / "package")
+    reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = torch.randint(4, 500, (2, 14), generator=torch.Generator().manual_seed(2))  # past the 8-token window
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+        assert (model(ids, attention_mask=mask).logits - expected)[mask.bool()].abs().max().item() < 1e-4
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=2)
+        assert torch.equal(model.generate(ids, **kwargs), reference.generate(input_ids=ids, **kwargs))
+
+
 def test_int8_export_holds_8_bit_weights_and_keeps_the_answers(llama, tmp_path):
     """`--precision int8`: the builder's 8-bit MatMulNBits weights; logits near transformers fp32 on
     the same weights (within 2% of their spread), and each greedily generated token transformers
