@@ -29,33 +29,54 @@ def test_cli_exports_a_hugging_face_folder(llama, tmp_path, capsys):
     assert (model(ids).logits - expected).abs().max().item() < 1e-4
 
 
-def test_a_multimodal_gemma3_checkpoint_exports_its_text_model(tmp_path):
-    """Gemma 3 from 4B up ships as `Gemma3ForConditionalGeneration`, its RoPE settings nested per
-    layer type inside `text_config` (transformers 5), which the builder 0.18 reads flat: `ortmodule
-    export` flattens them there too, and the text package's logits and greedy tokens are
-    transformers' on the same weights (the vision tower left out)."""
+def multimodal_checkpoint(kind: str, tokenizer):
+    """A tiny multimodal checkpoint of `kind` (its class and config) whose text model the builder
+    exports: a vision tower of one layer, image tokens at the top of a 600-token vocabulary."""
     import transformers
 
-    from ortmodule_dev import fixtures
-
-    tokenizer = fixtures.spec_tokenizer(fixtures.FixtureSpec("llama"))
     text = dict(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
-                sliding_window=8, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                       image_token_index=599, boi_token_index=597, eoi_token_index=598)
+    if kind == "gemma3":  # sliding layers: the rows below are longer than the 8-token window
+        text.update(sliding_window=8, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])
+        return transformers.Gemma3ForConditionalGeneration, transformers.Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=599,
+            boi_token_index=597, eoi_token_index=598)
+    if kind == "mistral3":
+        return transformers.Mistral3ForConditionalGeneration, transformers.Mistral3Config(
+            text_config=dict(model_type="mistral", **text), image_token_index=599,
+            vision_config=dict(model_type="pixtral", head_dim=16, **vision))
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                               "mrope_interleaved": True}
+    return transformers.Qwen3VLForConditionalGeneration, transformers.Qwen3VLConfig(
+        text_config=text, image_token_id=599, video_token_id=598, vision_start_token_id=597, vision_end_token_id=596,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           deepstack_visual_indexes=[0], patch_size=14, temporal_patch_size=2, spatial_merge_size=2))
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "qwen3_vl"])
+def test_a_multimodal_checkpoint_exports_its_text_model(tmp_path, kind):
+    """Multimodal checkpoints whose text model the builder exports as a text package: Gemma 3 from
+    4B up (`Gemma3ForConditionalGeneration`, its RoPE settings nested per layer type inside
+    `text_config` by transformers 5, which the builder 0.18 reads flat: `ortmodule export` flattens
+    them there too), Mistral 3 (Ministral 3, Mistral Small 3.1) and Qwen3-VL (whose configs the
+    Gemma 4 shim once broke). The package's logits and greedy tokens are transformers' on the same
+    weights (the vision tower left out)."""
+    from ortmodule_dev import fixtures
+
+    tokenizer = fixtures.spec_tokenizer(fixtures.FixtureSpec("llama"))
+    model_class, config = multimodal_checkpoint(kind, tokenizer)
     torch.manual_seed(0)
-    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "hf")
+    model_class(config).save_pretrained(tmp_path / "hf")
     tokenizer.save_pretrained(tmp_path / "hf")
-    assert "full_attention" in transformers.AutoConfig.from_pretrained(tmp_path / "hf").text_config.rope_parameters
     export(tmp_path / "hf", tmp_path / "package", progress=False)
+    assert json.loads((tmp_path / "package" / "genai_config.json").read_text())["model"]["type"].endswith("_text")
     model = OrtModelForCausalLM.from_pretrained(tmp_path / "package")
-    reference = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "hf", dtype=torch.float32)
-    ids = torch.randint(4, 500, (2, 14), generator=torch.Generator().manual_seed(2))  # past the 8-token window
+    reference = model_class.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = torch.randint(4, 500, (2, 14), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
     with torch.no_grad():
