@@ -49,21 +49,27 @@ def multimodal_checkpoint(kind: str, tokenizer):
         return transformers.Mistral3ForConditionalGeneration, transformers.Mistral3Config(
             text_config=dict(model_type="mistral", **text), image_token_index=599,
             vision_config=dict(model_type="pixtral", head_dim=16, **vision))
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                               "mrope_interleaved": True}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    if kind == "qwen2_5_vl":
+        return transformers.Qwen2_5_VLForConditionalGeneration, transformers.Qwen2_5_VLConfig(
+            text_config={k: v for k, v in text.items() if k != "head_dim"}, image_token_id=599, video_token_id=598,
+            vision_start_token_id=597, vision_config=dict(
+                depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                fullatt_block_indexes=[0], window_size=28))
+    text["rope_parameters"]["mrope_interleaved"] = True
     return transformers.Qwen3VLForConditionalGeneration, transformers.Qwen3VLConfig(
         text_config=text, image_token_id=599, video_token_id=598, vision_start_token_id=597, vision_end_token_id=596,
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            deepstack_visual_indexes=[0], patch_size=14, temporal_patch_size=2, spatial_merge_size=2))
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl"])
 def test_a_multimodal_checkpoint_exports_its_text_model(tmp_path, kind):
     """Multimodal checkpoints whose text model the builder exports as a text package: Gemma 3 from
     4B up (`Gemma3ForConditionalGeneration`, its RoPE settings nested per layer type inside
     `text_config` by transformers 5, which the builder 0.18 reads flat: `ortmodule export` flattens
-    them there too), Mistral 3 (Ministral 3, Mistral Small 3.1) and Qwen3-VL (whose configs the
-    Gemma 4 shim once broke). The package's logits and greedy tokens are transformers' on the same
+    them there too), Mistral 3 (Ministral 3, Mistral Small 3.1), Qwen2.5-VL and Qwen3-VL (whose
+    configs the Gemma 4 shim once broke). The package's logits and greedy tokens are transformers' on the same
     weights (the vision tower left out)."""
     from ortmodule_dev import fixtures
 
