@@ -6,6 +6,7 @@ the score API, and the server's continuous batch, where rows join and leave."""
 
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -195,8 +196,8 @@ def test_the_servers_continuous_batch_carries_states(pair):
     """Twenty prompts at once into a batch of six rows, while a long generation runs: rows join the
     running batch (their states copied into its slots), are fed their prompts' last tokens by decode
     steps, and leave (the last row's states moved into the freed slot); every answer equals
-    transformers' greedy tokens on the prompt alone. No prefix is reused: a state holds a prompt's
-    end only."""
+    transformers' greedy tokens on the prompt alone. Half the prompts share a cached prompt's first
+    20 tokens but not its end, which holds the only states kept: none is started past it."""
     from ortmodule.serving import create_app
 
     model, hf, fixture = pair
@@ -260,3 +261,68 @@ def test_a_4bit_package_generates_as_onnxruntime_genai(build):
     while not generator.is_done():
         generator.generate_next_token()
     assert ours[0].tolist() == [int(t) for t in generator.get_sequence(0)]
+
+
+def test_the_server_continues_a_conversation_past_its_cached_prompt(pair):
+    """A multi-turn chat: each turn's prompt is the last one, its answer and a new message. The
+    whole earlier prompt is cached with its states (a hybrid entry serves a prompt that extends
+    all of it), so the next turn starts past it: alone in a run of its own when idle, or fed into
+    a running batch by decode steps. Every answer equals transformers' greedy tokens, and their
+    log-probabilities transformers' (which states after a wrong token would move)."""
+    from ortmodule.serving import create_app
+
+    model, hf, fixture = pair
+    tokenizer = load_tokenizer(fixture.package_dir)
+    live = LiveServer(create_app(model, tokenizer, name="tiny", prefill_chunk=64, max_rows=4, feed_tokens=8))
+    rng = random.Random(55)
+
+    def complete(prompt, max_tokens):
+        response = live.client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "temperature": 0,
+                                                             "max_tokens": max_tokens, "logprobs": 1}, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]
+
+    def expected(prompt, new):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            tokens = out[0, len(prompt):].tolist()
+            logprobs = hf(out).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        return tokens, [logprobs[k, token].item() for k, token in enumerate(tokens)]
+
+    def check(choice, prompt, new):
+        """The answer's text and its tokens' log-probabilities; the tokens, to continue with."""
+        tokens, logprobs = expected(prompt, new)
+        assert choice["text"] == expected_text(tokenizer, tokens)[0]
+        got = choice["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(got, logprobs, strict=False)) < 1e-4, (got, logprobs)
+        return tokens
+
+    def reuse():
+        cache = live.client.get("/metrics").json()["prefix_cache"]
+        return cache["hits"], cache["reused_tokens"]
+
+    try:
+        prompt = [rng.randrange(4, 512) for _ in range(30)]
+        answer = check(complete(prompt, 5), prompt, 5)
+        for _ in range(3):  # idle: the next turn starts past the cached prompt, alone, its rest in chunks
+            before, previous = reuse(), len(prompt)
+            prompt = prompt + answer + [rng.randrange(4, 512) for _ in range(20)]
+            answer = check(complete(prompt, 5), prompt, 5)
+            assert reuse() == (before[0] + 1, before[1] + previous)
+        # fed into a running batch: a cached prompt's continuation by at most feed_tokens tokens
+        base = [rng.randrange(4, 512) for _ in range(24)]
+        complete(base, 1)
+        follow = base + [rng.randrange(4, 512) for _ in range(6)]
+        long_prompt = [rng.randrange(4, 512) for _ in range(10)]
+        before = reuse()
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(complete, long_prompt, 60)
+            while live.client.get("/metrics").json()["running_rows"] == 0:
+                time.sleep(0.01)
+            got = complete(follow, 6)
+            check(running.result(), long_prompt, 60)
+        check(got, follow, 6)
+        assert reuse() == (before[0] + 1, before[1] + len(base))
+    finally:
+        live.stop()

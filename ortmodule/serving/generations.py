@@ -70,7 +70,8 @@ class DecodeBatch:
         a cached prefix `entry` (or none, with `shared` 0); its decode steps run the rest of its
         prompt, a token each, then generate."""
         row.prefilled = shared
-        self._join(row, entry.keys if entry else [], entry.values if entry else [], shared, None)
+        self._join(row, entry.keys if entry else [], entry.values if entry else [], shared, None,
+                   entry.states if entry else None)
 
     def _join(self, row: Row, keys, values, length: int, cache, states=None) -> None:
         slot = len(self.rows)
@@ -158,9 +159,8 @@ class Generations:
         self.partial = None  # (row, its own cache) of a prompt being prefilled in chunks
         self.batch = DecodeBatch(model.decoder, self.max_rows)
         shared = model.decoder.spec.shares_kv_buffer  # prefixes and feeding need the slot pool
-        # A hybrid decoder's convolution states hold a prompt's end only, not its prefixes' (states.py).
-        cached = shared and not model.decoder.spec.states
-        self.prefixes = Prefixes(settings.prefix_cache_mb * 2**20 if cached else 0)
+        self.prefixes = Prefixes(settings.prefix_cache_mb * 2**20 if shared else 0)
+        self.hybrid = bool(model.decoder.spec.states)  # convolution states: a prompt's end only (states.py)
 
     @property
     def busy(self) -> bool:
@@ -215,7 +215,7 @@ class Generations:
                 if self._worth_starting_past(long):
                     self._used_prefix(shared)
                     long.prefilled = shared
-                    put_row(cache, 0, entry.keys, entry.values, shared)
+                    put_row(cache, 0, entry.keys, entry.values, shared, entry.states)
                     cache.longest = cache.seen = shared
                 self.partial = (long, cache)
         if self.partial is not None:
@@ -240,7 +240,10 @@ class Generations:
         most all but the last)."""
         if row.prefix is None:
             entry, shared = self.prefixes.find(row.prompt) if self.prefixes.budget else (None, 0)
-            row.prefix = (entry, min(shared, len(row.prompt) - 1))
+            shared = min(shared, len(row.prompt) - 1)
+            if self.hybrid and (entry is None or entry.states is None or shared != len(entry.tokens)):
+                entry, shared = None, 0  # its states are the entry's end's: a prompt extending all of it only
+            row.prefix = (entry, shared)
         return row.prefix
 
     def _worth_starting_past(self, row: Row) -> bool:
@@ -296,7 +299,8 @@ class Generations:
         Their prompts' KV go to the prefix cache."""
         if self.prefixes.budget:
             for i, row in enumerate(rows):
-                self.prefixes.add(row.prompt, [k[i] for k in cache.keys], [v[i] for v in cache.values])
+                self.prefixes.add(row.prompt, [k[i] for k in cache.keys], [v[i] for v in cache.values],
+                                  [state[i] for state in cache.states.current])
         for i, row in enumerate(self._accept(rows, logits)):
             if not row.finished and not row.job.cancelled.is_set():
                 self.batch.join(cache, i, row)
@@ -320,8 +324,9 @@ class Generations:
             if row.feeding:
                 row.prefilled += 1
                 self.stats.fed_tokens += 1
-                if not row.feeding and self.prefixes.budget:
-                    self.prefixes.add(row.prompt, *self.batch.row_kv(slot))
+                if not row.feeding and self.prefixes.budget:  # the step ran its last prompt token
+                    self.prefixes.add(row.prompt, *self.batch.row_kv(slot),
+                                      [state[slot] for state in self.batch.pool.states.current])
         if choosing:
             self._accept([rows[slot] for slot in choosing], logits[: len(choosing)])
 

@@ -6,7 +6,9 @@ Prompts are found by their blocks of `BLOCK` tokens: each full block's key chain
 blocks before it, and maps to the latest prompt holding that block sequence. A lookup follows the
 chain as far as it goes, then measures the exact common prefix with the prompt found (so a hash
 collision costs a shorter match, never a wrong one). Entries are kept within a byte budget, the
-least recently used dropped first; a prompt that extends an entry replaces it.
+least recently used dropped first; a prompt that extends an entry replaces it. A hybrid decoder's
+entries also hold its convolution states after the prompt (ortmodule/states.py), which serve a
+prompt that extends the whole entry only (Generations._hit).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Entry:
     values: list[torch.Tensor]
     nbytes: int
     chain: set[int] = field(default_factory=set)  # the keys of its full blocks
+    states: list[torch.Tensor] | None = None  # a hybrid decoder's, per convolution layer [channels, width]
 
 
 def _chain(tokens: list[int]):
@@ -65,13 +68,16 @@ class Prefixes:
         self.entries.move_to_end(id(found))
         return (found, shared) if shared else (None, 0)
 
-    def add(self, prompt: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Keep `prompt`'s KV (per layer `[kv_heads, >= len(prompt), head_size]`, copied here)
-        unless it is shorter than a block, larger than the budget, or held already."""
+    def add(self, prompt: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+            states: list[torch.Tensor] | None = None) -> None:
+        """Keep `prompt`'s KV (per layer `[kv_heads, >= len(prompt), head_size]`, copied here), and
+        a hybrid decoder's `states` after it, unless it is shorter than a block, larger than the
+        budget, or held already."""
         if len(prompt) < BLOCK:
             return
         length = len(prompt)
         nbytes = sum(k[:, :length].nbytes + v[:, :length].nbytes for k, v in zip(keys, values))
+        nbytes += sum(state.nbytes for state in states or ())
         if nbytes > self.budget:
             return
         found, shared = self.find(prompt)
@@ -82,7 +88,8 @@ class Prefixes:
         while self.nbytes + nbytes > self.budget:
             self._drop(next(iter(self.entries.values())))
         entry = Entry(torch.tensor(prompt, dtype=torch.int64), [k[:, :length].clone() for k in keys],
-                      [v[:, :length].clone() for v in values], nbytes)
+                      [v[:, :length].clone() for v in values], nbytes,
+                      states=[state.clone() for state in states] if states else None)
         for key in _chain(prompt):
             self.blocks[key] = entry
             entry.chain.add(key)
