@@ -59,6 +59,7 @@ class ConvStates:
         for state, written in zip(self.current, self.written):
             state.copy_(written)
 
+    @_inference_mode
     def zero(self) -> None:
         for state in self.current:
             state.zero_()

@@ -75,8 +75,7 @@ class Decoder:
         self.chosen_chunk = chunked.checked_chunk(prefill_chunk)  # None: chunked.default_chunk by device
         self.spec = spec = package.decoder
         self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
-        self.rewrite_lm_head = rewrite_lm_head
-        self.graph_bytes = self.plain_bytes = None  # the device's (`load`)
+        self.rewrite_lm_head, self.graph_bytes, self.plain_bytes = rewrite_lm_head, None, None  # graphs: `load`'s
         self.id_dtype = runtime.torch_dtype(spec.id_type)
         self.mask_dtype = runtime.torch_dtype(spec.mask_type) if spec.mask_type else None
         self.position_dtype = runtime.torch_dtype(spec.position_type) if spec.position_type else None
@@ -196,6 +195,7 @@ class Decoder:
             return self.run_bound(session, binding, rows.ids, logit_index, mask, positions, rows.lengths)
         with self._holding(cache) as runs:
             binding = self._cache_binding(runs, cache, width, session)
+            cache.states.zero()  # the rows start from nothing (a reused cache holds an earlier batch's)
             logits = self.run_bound(session, binding, rows.ids, logit_index, mask, positions, rows.lengths)
             cache.start(rows.lengths, rows.longest, width)
         return logits

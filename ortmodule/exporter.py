@@ -253,7 +253,8 @@ def shimmed(*args, **kwargs):
         if getattr(part, "model_type", "") == "gemma3_text" and isinstance(rope, dict) and "full_attention" in rope:
             part.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
             part.rope_parameters = dict(rope["full_attention"])
-    if str(getattr(text, "model_type", "")).startswith("gemma4") and getattr(text, "per_layer_config", None) is not None:
+    gemma4 = str(getattr(text, "model_type", "")).startswith("gemma4")  # every config has a per_layer_config view
+    if gemma4 and getattr(text, "per_layer_config", None) is not None:
         for part in (config, text):  # the builder copies text_config's keys to the top level
             part.allow_global_per_layer_attribute_access = True
         if "full_attention" in text.layer_types:

@@ -99,6 +99,18 @@ def test_the_package_graph_without_the_lm_head_rewrite_takes_states_per_row(pair
         assert torch.equal(model.generate(ids, **kwargs), hf.generate(ids, **kwargs))
 
 
+def test_a_generation_after_another_starts_from_no_state(pair):
+    """The decoder keeps the last generations' decode-step buffers for the next of the same shape
+    (steps.py); their cache then holds the earlier batch's states, which a prefill must not read:
+    two batches of the same shape one after the other each give transformers' tokens."""
+    model, hf, _ = pair
+    for seed in (56, 57):
+        ids, mask = left_padded_batch([8, 3, 6], seed=seed)
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2)
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, **kwargs), hf.generate(ids, **kwargs)), seed
+
+
 def test_generate_returns_a_cache_to_continue_from(pair):
     """`return_dict_in_generate`: the cache holds every token but the last (transformers'
     convention), its states included, so that one more forward step over the last token gives
