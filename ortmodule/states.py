@@ -13,9 +13,11 @@ for a row of no real token. The convolution's outputs at the real positions are 
 after them never reaches them.
 
 The decoder (decoder.py) binds the lengths on every run; the cache (cache.py) holds the states
-beside the KV and passes them from run to run. What a convolution state cannot do is shrink: a
-state holds the inputs before one position only, so a cache with states cannot be cropped, and a
-cached prefix is reusable only whole (docs/usage.md, "Hybrid models").
+beside the KV and passes them from run to run. The extend and prefill graphs (extend.py) return no
+states (`state_outputs` names the outputs they drop): their convolutions read their rows' pasts.
+What a convolution state cannot do is shrink: a state holds the inputs before one position only,
+so a cache with states cannot be cropped, and a cached prefix is reusable only whole
+(docs/usage.md, "Hybrid models").
 """
 
 from __future__ import annotations

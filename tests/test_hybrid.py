@@ -50,6 +50,26 @@ def test_a_state_of_another_element_type_is_refused_at_load(pair, tmp_path):
         OrtModelForCausalLM.from_pretrained(package)
 
 
+def test_a_windowed_state_is_refused_at_load(pair, tmp_path):
+    """The builder's `state_window` (a state widened to the states after each of the last W tokens)
+    is not a state ortmodule takes at each row's length: a PackageError names it at load."""
+    import shutil
+
+    import onnx
+
+    from ortmodule import PackageError
+
+    _, _, fixture = pair
+    package = tmp_path / "package"
+    shutil.copytree(fixture.package_dir, package)
+    graph = onnx.load(str(package / "model.onnx"), load_external_data=False)
+    conv = next(node for node in graph.graph.node if node.op_type == "CausalConvWithState")
+    conv.attribute.append(onnx.helper.make_attribute("state_window", 4))
+    onnx.save(graph, str(package / "model.onnx"))
+    with pytest.raises(PackageError, match="state_window=4"):
+        OrtModelForCausalLM.from_pretrained(package, cache_dir=tmp_path / "graphs")
+
+
 def test_a_cache_continues_rows_of_different_lengths(pair):
     """A right-padded prefill into a cache, then three tokens a row, one run each: every row's logits
     equal transformers' on the row's whole sequence (each row's states taken at its own last token,
