@@ -383,7 +383,7 @@ class _ScratchKV(threading.local):
     def bind(self, binding: ort.IOBinding, decoder: Decoder, batch: int, length: int) -> None:
         """An empty past for every layer of `decoder`; the present goes into this thread's buffer."""
         layers, dtype, device = decoder.spec.layers, decoder.kv_dtype, decoder.device
-        sizes = [0 if kv.window else batch * kv.num_kv_heads * length * kv.head_size for kv in layers]
+        sizes = [batch * kv.num_kv_heads * length * kv.head_size for kv in layers]
         shapes = [(batch, state.channels, state.width) for state in decoder.spec.states]
         needed = 2 * sum(sizes) + sum(a * b * c for a, b, c in shapes)
         scratch = self.buffer
@@ -396,12 +396,6 @@ class _ScratchKV(threading.local):
             runtime.bind_output(binding, state.present, scratch[offset : offset + size].view(shape))
             offset += size
         for kv, size in zip(layers, sizes):
-            if kv.window:  # ORT's sliding-window attention wants a window-sized buffer shared by past and present
-                for past, present in ((kv.past_key, kv.present_key), (kv.past_value, kv.present_value)):
-                    ring = torch.zeros(batch, kv.num_kv_heads, kv.window, kv.head_size, dtype=dtype, device=device)
-                    runtime.bind_input(binding, past, ring)
-                    runtime.bind_output(binding, present, ring)
-                continue
             empty = torch.empty(batch, kv.num_kv_heads, 0, kv.head_size, dtype=dtype, device=device)
             runtime.bind_input(binding, kv.past_key, empty)
             runtime.bind_input(binding, kv.past_value, empty)

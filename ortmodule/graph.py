@@ -151,6 +151,7 @@ def _load_repaired(decoder_path: Path) -> tuple[onnx.ModelProto, bool]:
     changed."""
     proto = onnx.load(str(decoder_path), load_external_data=False)
     repaired = forget_wrong_shapes(proto)
+    repaired = unbounded_window_caches(proto) or repaired
     if any((node.domain, node.op_type) == states.CONV_OP for node in proto.graph.node):
         model = ir.serde.deserialize_model(proto)
         try:
@@ -160,6 +161,23 @@ def _load_repaired(decoder_path: Path) -> tuple[onnx.ModelProto, bool]:
                 from None
         return ir.serde.serialize_model(model), True
     return proto, repaired
+
+
+def unbounded_window_caches(proto: onnx.ModelProto) -> bool:
+    """Drop GroupQueryAttention's `sliding_window_cache` (builder 0.18's default for sliding-window
+    layers: a KV buffer of exactly the window, written as a ring), whether any was set. ortmodule keeps
+    every layer's cache as long as its rows (the window is applied by `local_window_size` alone), as
+    its caches are selected, cropped and extended column by column; ONNX Runtime's CUDA kernel refuses
+    such a buffer with the attribute set ("requires the KV cache capacity to equal local_window_size")."""
+    changed = False
+    for node in proto.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            kept = [a for a in node.attribute if a.name != "sliding_window_cache" or a.i == 0]
+            if len(kept) != len(node.attribute):
+                del node.attribute[:]
+                node.attribute.extend(kept)
+                changed = True
+    return changed
 
 
 def repaired_graph(decoder_path: Path) -> bytes | None:

@@ -88,8 +88,9 @@ def providers(device: torch.device, provider_options: dict | None = None, stream
             "CUDA asked for, but this onnxruntime build has no CUDAExecutionProvider; install onnxruntime-gpu"
         )
     stream = stream if stream is not None else torch.cuda.current_stream(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
     options = {
-        "device_id": str(device.index),
+        "device_id": str(index),
         "has_user_compute_stream": "1",
         "user_compute_stream": str(stream.cuda_stream),
         # fp32 MatMul in fp32, as PyTorch does by default: TF32 changes fp32 logits by ~5e-4.
@@ -214,12 +215,17 @@ def _inference_session(device: torch.device, what: str, *args) -> ort.InferenceS
     """`ort.InferenceSession(*args)` (through `retrying_on_torch_cache`); a graph ONNX Runtime refuses
     is a PackageError naming `what` and ONNX Runtime's reason (the decoder adds the likely cause)."""
     try:
-        return retrying_on_torch_cache(device, ort.InferenceSession, *args)
+        # No fallback: ONNX Runtime would otherwise retry on the CPU alone when the CUDA provider
+        # refuses its options (or a run fails), printing "EP Error" and going on on the host.
+        session = retrying_on_torch_cache(device, functools.partial(ort.InferenceSession, enable_fallback=0), *args)
     except Exception as e:  # ONNX Runtime's own exception types, told apart by name
         if type(e).__name__ not in _GRAPH_REFUSED or "pybind11" not in type(e).__module__:
             raise
         reason = str(e).rstrip(".")
         raise PackageError(f"ONNX Runtime {ort.__version__} cannot load {what} for {device}: {reason}.") from e
+    if device.type == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+        raise RuntimeError(f"ONNX Runtime {ort.__version__} did not start its CUDA provider for {what} on {device}")
+    return session
 
 
 # ONNX Runtime's exceptions for a graph it cannot take (types that do not match, an operator or type

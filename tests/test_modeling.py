@@ -140,6 +140,30 @@ def test_fp16_package_decodes_where_the_rewrite_is_skipped(build, monkeypatch):
         assert (out.logits[0, -1].float() - full[0, column].float()).abs().max().item() < 2e-2
 
 
+def test_sliding_window_layers_keep_a_cache_as_long_as_their_rows(build):
+    """Builder 0.18 marks a sliding-window layer's GroupQueryAttention `sliding_window_cache` (a KV
+    buffer of exactly the window, as a ring), which ONNX Runtime's CUDA kernel enforces; ortmodule
+    drops the mark at load (graph.unbounded_window_caches) and keeps every layer's cache as long as
+    its rows: a prefill and decode steps past the window (Gemma 3's fixture: 8) give transformers'
+    logits, with the LM-head rewrite and without it."""
+    fixture = build("gemma3")
+    package_graph = onnx.load(str(fixture.package_dir / "model.onnx"), load_external_data=False)
+    marked = [n for n in package_graph.graph.node
+              if any(a.name == "sliding_window_cache" and a.i for a in n.attribute)]
+    assert marked, "the builder no longer marks windowed caches: this test checks nothing"
+    model, hf = load_pair(fixture)
+    ids, _ = right_padded_batch([24], seed=21)
+    full = reference(hf, ids, None)
+    for each in (model, OrtModelForCausalLM.from_pretrained(fixture.package_dir, rewrite_lm_head=False)):
+        loaded = onnx.load_from_string(each.decoder.graph_bytes or each.decoder.plain_bytes)
+        assert not any(a.name == "sliding_window_cache" for n in loaded.graph.node for a in n.attribute)
+        out = each(ids[:, :14], use_cache=True)
+        assert out.past_key_values.keys[0].shape[2] >= 14  # the windowed layer's buffer holds every column
+        for column in range(14, 24):
+            out = each(ids[:, column : column + 1], past_key_values=out.past_key_values, use_cache=True)
+            assert (out.logits[0, -1] - full[0, column]).abs().max().item() < 1e-3
+
+
 # The model builder's graph options (`ortmodule export --extra-option` / `extra_options`) that change
 # the decoder's graph: the gate and up projections in one MatMul then a Split, the query, key and
 # value projections as three MatMuls instead of one packed.
