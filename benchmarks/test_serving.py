@@ -54,7 +54,15 @@ def test_ortmodule_server_load(benchmark, workload, score_server, size, server_r
     for name in ("target_rate", "p50_ms", "p90_ms", "p99_ms", "items_per_s"):
         benchmark.extra_info[name] = result[name]
     benchmark.extra_info["largest_group"] = groups["largest_batch"].get("score", 0)
-    benchmark.extra_info["groups"] = groups["batches"].get("score", 0) - before["batches"].get("score", 0)
+    count = groups["batches"].get("score", 0) - before["batches"].get("score", 0)
+    benchmark.extra_info["groups"] = count
+    # The model thread's time per group (its runs, and on CUDA its waits for the device), and the
+    # share of requests whose query ran once (scoring.label_logprobs decides from measured costs).
+    model_s = groups["seconds"].get("oneshot", 0.0) - before["seconds"].get("oneshot", 0.0)
+    benchmark.extra_info["model_ms_per_group"] = round(1e3 * model_s / max(count, 1), 1)
+    answered = groups["requests"].get("score", 0) - before["requests"].get("score", 0)
+    benchmark.extra_info["reused_queries"] = round((groups["reused_prefixes"] - before["reused_prefixes"])
+                                                   / max(answered, 1), 3)
     hf = reference_model(fixture, device, "fp32")
     with torch.inference_mode():
         answers = [httpx.post(score_server.url + "/v1/score", json=body, timeout=120).json()["scores"]

@@ -235,12 +235,14 @@ def check_prompts(prompts: list[Ids], vocab: int, limit: int) -> None:
 
 
 def label_logprobs(
-    model: OrtModelForCausalLM, requests: list[list[Ids]], labels: Ids, token_budget: int, reuse_prefix: bool | None
+    model: OrtModelForCausalLM, requests: list[list[Ids]], labels: Ids, token_budget: int, reuse_prefix: bool | None,
+    reused: list[bool] | None = None,
 ) -> torch.Tensor:
     """log p(label | prompt) for every prompt of every request, in order: `[prompts, labels]`
     float32 on the device. Requests whose prompts share a prefix worth reusing run it once, several
     requests' prefixes in one prefill and their items in one run over copies of their KV caches
-    (`_shared_logprobs`); the prompts of all the other requests go through batched prefills together."""
+    (`_shared_logprobs`); the prompts of all the other requests go through batched prefills together.
+    `reused`, where given, gets each request's choice appended (True: its prefix ran once)."""
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
     out = torch.empty(sum(len(r) for r in requests), len(labels), device=model.device)
@@ -253,6 +255,8 @@ def label_logprobs(
                                                        together)
         else:
             reuse = reuse_prefix and common_prefix(prompts) > 0
+        if reused is not None:
+            reused.append(bool(reuse))
         if reuse:
             shared.append((start, prompts))
         else:

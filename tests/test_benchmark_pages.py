@@ -214,7 +214,7 @@ def test_the_next_gpu_runs_selections_collect():
     text = script.read_text()
     root = REPORT.parents[1]
     suites = re.findall(r'^suite \S+ \d+ "([^"]+)"', text, re.M)
-    assert len(suites) == 3
+    assert suites, "the plan runs no part of the benchmark suite"
     for selection in suites:
         listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                  "benchmarks", "--bench-size", "gpu", "-k", selection], cwd=root,

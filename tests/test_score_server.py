@@ -116,6 +116,19 @@ def test_concurrent_clients_are_scored_together(setup):
     assert max(new_groups) > 1, f"every request was scored alone: {new_groups}"
 
 
+@pytest.mark.parametrize("worth", [True, False])
+def test_metrics_count_the_requests_whose_query_ran_once(setup, monkeypatch, worth):
+    """`/metrics`' `reused_prefixes`: the score requests whose items' common prefix ran once, as
+    scoring.label_logprobs decided (here forced either way); a request of one item never shares."""
+    live, _, _ = setup
+    monkeypatch.setattr(ortmodule.scoring, "worth_sharing", lambda *args, **kwargs: worth)
+    before = live.client.get("/metrics").json()["reused_prefixes"]
+    for items in (ITEMS, ITEMS[:1], ITEMS[:2]):
+        body = dict(query=QUERY, items=items, label_token_ids=[5, 6])
+        assert live.client.post("/v1/score", json=body).status_code == 200
+    assert live.client.get("/metrics").json()["reused_prefixes"] - before == (2 if worth else 0)
+
+
 def test_a_full_queue_answers_503_and_the_server_recovers(build):
     fixture = build("llama")
     model, _ = load_pair(fixture)

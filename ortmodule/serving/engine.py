@@ -83,6 +83,7 @@ class Stats:
     decode_steps: int = 0
     decoded_rows: int = 0  # rows run over all decode steps (their mean: decoded_rows / decode_steps)
     fed_tokens: int = 0  # prompt tokens run in decode steps (a token per step, past a cached prefix)
+    reused_prefixes: int = 0  # score requests whose items' common prefix (the query) ran once
     largest_decode_batch: int = 0
     abandoned: int = 0  # jobs whose client went away before their answer
     failed: int = 0
@@ -281,6 +282,7 @@ class Engine:
         sizes = self.stats.batch_sizes.setdefault(name, {})
         sizes[len(jobs)] = sizes.get(len(jobs), 0) + 1
         self.stats.items += sum(len(job.prompts) for job in jobs)
+        self.stats.reused_prefixes += sum(getattr(job, "reused_prefix", False) for job in jobs)
         for job, result in zip(jobs, results):
             job.resolve(result)
         log.debug("%d %s jobs in one call: %.1f ms", len(jobs), name, 1000 * (time.perf_counter() - start))

@@ -81,6 +81,7 @@ class ScoreJob(OneShot):
     def __init__(self, prompts: list[Ids], labels: Ids, apply_softmax: bool, loop, token_budget: int):
         super().__init__(prompts, loop)
         self.labels, self.apply_softmax, self.token_budget = labels, apply_softmax, token_budget
+        self.reused_prefix = False  # whether its items' common prefix ran once (scoring.label_logprobs decides)
 
     @staticmethod
     def run_together(model, jobs: list[ScoreJob]) -> list[list[list[float]]]:
@@ -88,7 +89,11 @@ class ScoreJob(OneShot):
         one device-to-host copy."""
         labels = sorted({t for job in jobs for t in job.labels})
         column = {t: i for i, t in enumerate(labels)}
-        logprobs = scoring.label_logprobs(model, [job.prompts for job in jobs], labels, jobs[0].token_budget, None)
+        reused = []
+        logprobs = scoring.label_logprobs(model, [job.prompts for job in jobs], labels, jobs[0].token_budget, None,
+                                          reused)
+        for job, once in zip(jobs, reused):
+            job.reused_prefix = once
         parts, row = [], 0
         for job in jobs:
             mine = logprobs[row : row + len(job.prompts), [column[t] for t in job.labels]]
