@@ -137,7 +137,10 @@ NOTES = {
     "transformers in fp32 on the same weights. `loop_ms_per_request` (runs that record it): CPU time of the "
     "server's event-loop thread (HTTP, JSON, validation) per answered request, host work no device removes. "
     "`refused` (runs that record it): requests answered 503 (busy: more than the server's `max_queue` waiting), "
-    "the load shed beyond its capacity; `items_per_s` counts answered items only.",
+    "the load shed beyond its capacity; `items_per_s` counts answered items only. `groups` / `largest_group`: "
+    "the model calls that scored requests together and the most requests in one; `model_ms_per_group` and "
+    "`reused_queries` (runs that record them): the model thread's time per group (its runs, and on CUDA its "
+    "waits for the device) and the share of requests whose query ran once (`/metrics`' `reused_prefixes`).",
 }
 
 COMMAND = "python benchmarks/run.py --size {size}"
