@@ -45,9 +45,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 git log -1 --format='%H %s' > "$WORK/commit.txt" 2>/dev/null
 pack
 # (1) the CUDA tests that failed in session 36 (fixed without a GPU): a device without an index,
-# and Gemma 3's windowed KV buffers (graph.unbounded_window_caches)
+# and Gemma 3's windowed KV buffers (graph.unbounded_window_caches), its cache and generate past the window
 step cuda-tests 100 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k \
-  "unpacked_projections or shared_contexts_extend_sliding"
+  "unpacked_projections or shared_contexts_extend_sliding or sliding_window_cache"
 # (2) the extend graph with the KV heads repeated (the default on CUDA) and grouped (extend.REPEAT_KV_HEADS_ON_CUDA)
 step extend-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80"
 step extend-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv"

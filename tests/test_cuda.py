@@ -585,6 +585,43 @@ def test_shared_contexts_extend_sliding_on_cuda(build):
         assert abs(lp - ref_lp) < 0.3 * len(rest)  # per token, bf16 logits' last digits
 
 
+def test_sliding_window_cache_on_cuda(build):
+    """Gemma 3's bf16 export for CUDA, whose sliding-window layers the builder marks for a KV buffer
+    of exactly the window (`sliding_window_cache`, which ONNX Runtime's CUDA kernel enforces; ortmodule
+    drops the mark at load): a right-padded prefill into a cache and steps past the window give the
+    logits of each whole row run at once (to bf16's rounding) and of transformers fp32; a left-padded
+    batch's greedy tokens past the window are each row's own, generated alone."""
+    fixture = build("gemma3", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    assert any(kv.window == 8 for kv in model.decoder.spec.layers)
+    hf = reference_class(fixture).from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    ids, mask = right_padded_batch([14, 5, 10], seed=51)
+    steps = torch.randint(4, 500, (3, 6), generator=torch.Generator().manual_seed(52))
+    out = model(ids, attention_mask=mask, use_cache=True)
+    cache, seen, got = out.past_key_values, mask, []
+    for s in range(steps.shape[1]):
+        seen = torch.cat([seen, torch.ones(3, 1, dtype=mask.dtype)], 1)
+        out = model(steps[:, s : s + 1], attention_mask=seen, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        got.append(out.logits[:, -1].float().cpu())
+    for row in range(3):
+        real = int(mask[row].sum())
+        whole = torch.cat([ids[row, :real], steps[row]])[None]
+        at_once = model(whole).logits[0, real:].float().cpu()
+        with torch.no_grad():
+            expected = hf(whole).logits[0, real:]
+        stepped = torch.stack([g[row] for g in got])
+        scale = expected.abs().max().item()
+        assert (stepped - at_once).abs().max().item() < 5e-2 * scale
+        assert (stepped - expected).abs().max().item() < 1e-1 * scale
+    prompts, prompt_mask = left_padded_batch([11, 4], seed=53)
+    together = model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    for row in range(2):
+        alone = prompts[row : row + 1, prompts.shape[1] - int(prompt_mask[row].sum()):]
+        own = model.generate(alone, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert together[row, -10:].tolist() == own[0, -10:].tolist()
+
+
 @pytest.mark.parametrize("layout", ["mask", "cache"])
 def test_score_requests_sharing_queries_on_cuda(build, layout, monkeypatch):
     """The score server's call on CUDA: several requests whose items share their query, the queries
