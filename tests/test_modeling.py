@@ -310,6 +310,31 @@ def test_cuda_provider_options_pin_the_attention_kernels():
         runtime.providers(torch.device("cuda", 0), {"user_compute_stream": "1"}, stream)
 
 
+def test_cuda_device_without_index_and_a_cuda_session_that_falls_to_the_cpu(monkeypatch):
+    """`torch.device("cuda")` (no index) names torch's current device to the CUDA provider (it was
+    passed as "None", which the provider refuses); and a CUDA session that ONNX Runtime made without
+    its CUDA provider (refused options or missing CUDA libraries: it prints an error and goes on on
+    the CPU) is an error, not a model that silently runs on the host."""
+    from types import SimpleNamespace
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this onnxruntime build has no CUDA provider")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    stream = SimpleNamespace(cuda_stream=1234)
+    (_, options), _ = runtime.providers(torch.device("cuda"), None, stream)
+    assert options["device_id"] == "3"
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10)
+    providers = [("CUDAExecutionProvider", {"device_id": "0"}), ("CPUExecutionProvider", {})]
+    if torch.cuda.is_available():  # a provider option the CUDA provider refuses
+        providers[0][1]["device_id"] = "None"
+    with pytest.raises(RuntimeError, match="CUDA"):
+        runtime._inference_session(torch.device("cuda", 0), "a test graph", model.SerializeToString(),
+                                   ort.SessionOptions(), providers)
+
+
 @cuda
 def test_cuda_sessions_run_with_the_pinned_attention_kernels(build):
     fixture = build("llama", precision="fp16", execution_provider="cuda")
