@@ -585,6 +585,42 @@ def test_shared_contexts_extend_sliding_on_cuda(build):
         assert abs(lp - ref_lp) < 0.3 * len(rest)  # per token, bf16 logits' last digits
 
 
+def check_cache_steps_and_batched_generate(model, hf, lengths, steps, seeds, new_tokens, pad_token_id):
+    """A half-precision CUDA model's cache, continued by decode steps (`steps` new tokens a row) from
+    a right-padded prefill of rows of `lengths`, gives the logits of each row's whole sequence run at
+    once (to bf16's rounding), both within bf16's rounding of transformers fp32 (`hf`); and a
+    left-padded batch of two prompts (of `seeds[3]` tokens) generates each row's own greedy tokens,
+    as generated alone. Returns that batch, its mask and what it generated."""
+    rows = len(lengths)
+    ids, mask = right_padded_batch(lengths, seed=seeds[0])
+    added = torch.randint(4, 500, (rows, steps), generator=torch.Generator().manual_seed(seeds[1]))
+    out = model(ids, attention_mask=mask, use_cache=True)
+    cache, seen, got = out.past_key_values, mask, []
+    for s in range(steps):
+        seen = torch.cat([seen, torch.ones(rows, 1, dtype=mask.dtype)], 1)
+        out = model(added[:, s : s + 1], attention_mask=seen, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        got.append(out.logits[:, -1].float().cpu())
+    for row in range(rows):
+        real = int(mask[row].sum())
+        whole = torch.cat([ids[row, :real], added[row]])[None]
+        at_once = model(whole).logits[0, real:].float().cpu()
+        with torch.no_grad():
+            expected = hf(whole).logits[0, real:]
+        stepped = torch.stack([g[row] for g in got])
+        scale = expected.abs().max().item()
+        assert (stepped - at_once).abs().max().item() < 5e-2 * scale
+        assert (stepped - expected).abs().max().item() < 1e-1 * scale
+    prompts, prompt_mask = left_padded_batch(seeds[3], seed=seeds[2])
+    together = model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=pad_token_id)
+    for row in range(2):
+        alone = prompts[row : row + 1, prompts.shape[1] - int(prompt_mask[row].sum()):]
+        own = model.generate(alone, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id)
+        assert together[row, -new_tokens:].tolist() == own[0, -new_tokens:].tolist()
+    return prompts, prompt_mask, together
+
+
 def test_sliding_window_cache_on_cuda(build):
     """Gemma 3's bf16 export for CUDA, whose sliding-window layers the builder marks for a KV buffer
     of exactly the window (`sliding_window_cache`, which ONNX Runtime's CUDA kernel enforces; ortmodule
@@ -595,31 +631,7 @@ def test_sliding_window_cache_on_cuda(build):
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     assert any(kv.window == 8 for kv in model.decoder.spec.layers)
     hf = reference_class(fixture).from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
-    ids, mask = right_padded_batch([14, 5, 10], seed=51)
-    steps = torch.randint(4, 500, (3, 6), generator=torch.Generator().manual_seed(52))
-    out = model(ids, attention_mask=mask, use_cache=True)
-    cache, seen, got = out.past_key_values, mask, []
-    for s in range(steps.shape[1]):
-        seen = torch.cat([seen, torch.ones(3, 1, dtype=mask.dtype)], 1)
-        out = model(steps[:, s : s + 1], attention_mask=seen, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        got.append(out.logits[:, -1].float().cpu())
-    for row in range(3):
-        real = int(mask[row].sum())
-        whole = torch.cat([ids[row, :real], steps[row]])[None]
-        at_once = model(whole).logits[0, real:].float().cpu()
-        with torch.no_grad():
-            expected = hf(whole).logits[0, real:]
-        stepped = torch.stack([g[row] for g in got])
-        scale = expected.abs().max().item()
-        assert (stepped - at_once).abs().max().item() < 5e-2 * scale
-        assert (stepped - expected).abs().max().item() < 1e-1 * scale
-    prompts, prompt_mask = left_padded_batch([11, 4], seed=53)
-    together = model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    for row in range(2):
-        alone = prompts[row : row + 1, prompts.shape[1] - int(prompt_mask[row].sum()):]
-        own = model.generate(alone, max_new_tokens=10, do_sample=False, pad_token_id=0)
-        assert together[row, -10:].tolist() == own[0, -10:].tolist()
+    check_cache_steps_and_batched_generate(model, hf, [14, 5, 10], 6, (51, 52, 53, [11, 4]), 10, 0)
 
 
 @pytest.mark.parametrize("layout", ["mask", "cache"])
@@ -682,31 +694,8 @@ def test_hybrid_conv_states_on_cuda(build):
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     assert len(model.decoder.spec.states) == 3
     hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
-    ids, mask = right_padded_batch([17, 6, 11], seed=48)
-    steps = torch.randint(4, 500, (3, 3), generator=torch.Generator().manual_seed(49))
-    out = model(ids, attention_mask=mask, use_cache=True)
-    cache, seen, got = out.past_key_values, mask, []
-    for s in range(3):
-        seen = torch.cat([seen, torch.ones(3, 1, dtype=mask.dtype)], 1)
-        out = model(steps[:, s : s + 1], attention_mask=seen, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        got.append(out.logits[:, -1].float().cpu())
-    for row in range(3):
-        real = int(mask[row].sum())
-        whole = torch.cat([ids[row, :real], steps[row]])[None]
-        at_once = model(whole).logits[0, real:].float().cpu()
-        with torch.no_grad():
-            expected = hf(whole).logits[0, real:]
-        stepped = torch.stack([g[row] for g in got])
-        scale = expected.abs().max().item()
-        assert (stepped - at_once).abs().max().item() < 5e-2 * scale
-        assert (stepped - expected).abs().max().item() < 1e-1 * scale
-    prompts, prompt_mask = left_padded_batch([9, 4], seed=50)
-    together = model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=8, do_sample=False, pad_token_id=2)
-    for row in range(2):
-        alone = prompts[row : row + 1, prompts.shape[1] - int(prompt_mask[row].sum()):]
-        own = model.generate(alone, max_new_tokens=8, do_sample=False, pad_token_id=2)
-        assert together[row, -8:].tolist() == own[0, -8:].tolist()
+    prompts, prompt_mask, together = check_cache_steps_and_batched_generate(model, hf, [17, 6, 11], 3,
+                                                                            (48, 49, 50, [9, 4]), 8, 2)
     # Rows that stop early: the loop reads the stop flag every step when the cache is returned (a
     # hybrid cache cannot be cropped back from steps run past the end, as CUDA's loop runs them).
     stop = int(together[0, -6])
