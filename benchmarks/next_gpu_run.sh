@@ -51,10 +51,13 @@ step cuda-tests 100 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda
 # (2) the extend graph with the KV heads repeated (the default on CUDA) and grouped (extend.REPEAT_KV_HEADS_ON_CUDA)
 step extend-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80"
 step extend-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv"
-# (3) the score server at SGLang's shape, to 160 requests/s, with the model thread's time per group
+# (3) the score server's call at SGLang's shape, each prompt whole and each query run once, both KV layouts of heads
+step score-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10"
+step score-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10 --grouped-kv"
+# (4) the score server at SGLang's shape, to 160 requests/s, with the model thread's time per group
 # and the share of requests whose query ran once
 suite server 170 "server_load and qwen3"
-# (4) HellaSwag and rolling on Qwen3 with SmolLM2's tokenizer (never run on a GPU), against hf
+# (5) HellaSwag and rolling on Qwen3 with SmolLM2's tokenizer (never run on a GPU), against hf
 suite scale 190 "at_scale and qwen3 and (hellaswag or rolling) and (hf or share-off or prefill-onnx)"
 echo "done at $((SECONDS - start)) s" >> "$WORK/plan.log"
 pack

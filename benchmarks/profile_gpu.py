@@ -5,7 +5,7 @@ sees every kernel in the process). Prints wall time per batch, the summed kernel
 the host: launches, Python, syncs), and the top kernels of each.
 
     python benchmarks/profile_gpu.py [--spec qwen3-0.6b-bf16] [--batch 32] [--length 200]
-        [--extra-option KEY=VALUE ...] [--only ortmodule] [--shared | --rolling]
+        [--extra-option KEY=VALUE ...] [--only ortmodule] [--shared | --rolling | --score N]
 
 `--shared` profiles context sharing instead (lm-eval's `share_contexts`): a HellaSwag-shaped batch
 (`--batch` rows: groups of 4 continuations of 15-40 tokens after a context of about `--length`
@@ -38,6 +38,13 @@ of the suite's at-scale workload through lm-eval's ortmodule backend (`--share` 
 first clocked with where the batches' time went (host inside the calls and ONNX Runtime's runs,
 device between events), then under the profiler with the kernels' whole names. On an H200 it showed
 MMLU device-bound, ONNX Runtime's rotary + KV append its largest kernel (docs/measurements.md).
+
+`--score N` profiles the score server's call instead (`scoring.label_logprobs`, what a group of
+requests runs): N requests of SGLang's score shape (`--query-tokens` 120, `--items` 10 of
+`--item-tokens` 180, 2 labels) at the server's token budget, every prompt whole and each query run
+once (its KV copied to its items' rows, the items in one extend run), with the shared path's steps and
+the way the model's measured costs choose: on an H200 the server saturated at about 930 items/s, the
+padded rows' rate, and this tells whether running each query once pays on the device.
 
 `--grouped-kv` builds the extend graph (the shared path's run: `--shared`, `--lm-eval` with sharing)
 with `Attention` taking the grouped KV heads as they are, where on CUDA ortmodule repeats them for the
@@ -142,10 +149,11 @@ def category_shares(events) -> str:
         f"{name} {100 * t / kernels:.0f}% ({t / 1e3:.2f} ms)" for name, t in ranked)
 
 
-def shared_steps(model, rows, groups, starts, targets, repeats=10) -> str:
-    """The shared path's steps, timed inside real runs of it (`sharing.shared_prefix_logits`): the
-    decoder's prefill of the contexts, the copies of their KV into every row (`KVCache.start_from`)
-    and the extend run, each call synced on both sides; the rest of the time is the scoring."""
+def shared_steps(model, run, repeats=10) -> str:
+    """The shared path's steps, timed inside real runs of it (`run`, which calls
+    `sharing.shared_prefix_logits`): the decoder's prefill of the contexts, the copies of their KV
+    into every row (`KVCache.start_from`) and the extend run, each call synced on both sides; the
+    rest of the time is the scoring."""
     decoder, extender = model.decoder, model.decoder.extender()
     spent: dict[str, float] = {}
 
@@ -159,7 +167,6 @@ def shared_steps(model, rows, groups, starts, targets, repeats=10) -> str:
             return out
         return call
 
-    run = lambda: scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets)  # noqa: E731
     run()
     decoder.prefill = clocked("contexts' prefill", decoder.prefill)
     KVCache.start_from = clocked("KV copied to every row", original_start := KVCache.start_from)
@@ -211,6 +218,11 @@ def main():
     mode.add_argument("--shapes", type=int, metavar="N", help="replay N batches of new widths (lm-eval's stream)")
     mode.add_argument("--lm-eval", choices=["mmlu", "fewshot", "hellaswag", "arc"], dest="workload",
                       help="an at-scale lm-eval workload through the ortmodule backend, profiled")
+    mode.add_argument("--score", type=int, metavar="N",
+                      help="the score server's call over N requests of SGLang's shape, query run once or not")
+    parser.add_argument("--query-tokens", type=int, default=120, help="with --score")
+    parser.add_argument("--items", type=int, default=10, help="with --score: items per request")
+    parser.add_argument("--item-tokens", type=int, default=180, help="with --score")
     parser.add_argument("--questions", type=int, default=500, help="with --lm-eval: the questions profiled")
     parser.add_argument("--share", default="auto", help="with --lm-eval: share_contexts")
     parser.add_argument("--clock-only", action="store_true",
@@ -245,6 +257,8 @@ def main():
           f"runs without a cache in {'the prefill graph' if model.decoder.causal else 'the package graph'}")
     if args.shared:
         return profile_sharing(model, args, peak)
+    if args.score:
+        return profile_score(model, args, peak)
     if args.shapes:
         return replay_shapes(model, args)
     if args.workload:
@@ -339,7 +353,41 @@ def profile_sharing(model, args, peak) -> None:
         print(f"== {label}: {seconds * 1e3:.2f} ms for {len(rows)} rows ({computed[label]} tokens computed{share}); "
               f"summed device time {kernel_ms:.2f} ms")
         print(table)
-    print(shared_steps(model, rows, groups, starts, targets))
+    print(shared_steps(model, runs["shared contexts"]))
+
+
+def profile_score(model, args, peak) -> None:
+    """The score server's call (`scoring.label_logprobs`) over `args.score` requests of SGLang's shape
+    (a `--query-tokens` query and `--items` items of `--item-tokens` tokens, 2 labels) at the server's
+    token budget, each prompt whole (padded rows) and each query run once: wall time, summed device
+    time, the kernels, the shared path's steps, and which way the measured costs choose."""
+    gen, top = torch.Generator().manual_seed(0), min(32000, model.config.vocab_size)
+    requests = []
+    for _ in range(args.score):
+        query = torch.randint(4, top, (args.query_tokens,), generator=gen).tolist()
+        requests.append([query + torch.randint(4, top, (args.item_tokens,), generator=gen).tolist()
+                         for _ in range(args.items)])
+    budget, labels = scoring.default_token_budget(model.device), [10, 20]
+    chosen = []
+    scoring.label_logprobs(model, requests, labels, budget, None, chosen)
+    print(f"{args.score} requests of a {args.query_tokens}-token query and {args.items} items of {args.item_tokens} "
+          f"tokens, token budget {budget}: the measured costs run {sum(chosen)} of them with the query once")
+    runs = {"whole prompts (reuse off)": lambda: scoring.label_logprobs(model, requests, labels, budget, False),
+            "query once (reuse on)": lambda: scoring.label_logprobs(model, requests, labels, budget, True)}
+    whole, once = (fn().cpu() for fn in runs.values())
+    print(f"largest difference between the two ways' log-probabilities: {(whole - once).abs().max():.4f}")
+    items = args.score * args.items
+    computed = {"whole prompts (reuse off)": items * (args.query_tokens + args.item_tokens),
+                "query once (reuse on)": args.score * args.query_tokens + items * args.item_tokens}
+    weights = model.num_parameters(exclude_embeddings=True)
+    for label, fn in runs.items():
+        seconds = timed(fn)
+        kernel_ms, table = kernel_table(fn)
+        share = f", {100 * 2 * weights * computed[label] / seconds / peak:.1f}% of the dense bf16 peak" if peak else ""
+        print(f"== {label}: {seconds * 1e3:.2f} ms for {items} items, {items / seconds:.0f} items/s "
+              f"({computed[label]} tokens computed{share}); summed device time {kernel_ms:.2f} ms")
+        print(table)
+    print(shared_steps(model, runs["query once (reuse on)"]))
 
 
 def shape_stream(batches: int, rows: int, length: int, gen: torch.Generator, top: int, multiple: int = 1):

@@ -104,7 +104,8 @@ def test_graph_options_script_times_each_variant(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--rolling"], ["--shared"], ["--lm-eval", "fewshot", "--questions", "3"],
                                   ["--lm-eval", "mmlu", "--questions", "3", "--clock-only"],
-                                  ["--rolling", "--prefill-attention", "onnx"]])
+                                  ["--rolling", "--prefill-attention", "onnx"],
+                                  ["--score", "3", "--query-tokens", "20", "--item-tokens", "12", "--items", "4"]])
 def test_profile_script_runs_each_mode_on_a_cpu(mode):
     """benchmarks/profile_gpu.py, which GPU sessions run with little time to spare, runs each of its
     modes to the end on the smoke model on a CPU (transformers' side needs CUDA: `--only ortmodule`
@@ -114,10 +115,14 @@ def test_profile_script_runs_each_mode_on_a_cpu(mode):
 
     command = [sys.executable, str(REPORT.parent / "profile_gpu.py"), "--size", "smoke", "--spec", "tiny",
                "--device", "cpu", "--batch", "8", "--length", "60", *mode]
-    done = subprocess.run(command + ([] if mode == ["--shared"] else ["--only", "ortmodule"]), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(command + ([] if mode[:1] in (["--shared"], ["--score"]) else ["--only", "ortmodule"]),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    if mode == ["--shared"]:
+    if mode[:1] == ["--score"]:  # both ways agree (fp32), and the shared path's steps are timed
+        assert "largest difference between the two ways' log-probabilities: 0.0000" in done.stdout, done.stdout
+        assert "== query once (reuse on): " in done.stdout and "for 12 items" in done.stdout, done.stdout
+        assert "extend run" in done.stdout and "the measured costs run" in done.stdout, done.stdout
+    elif mode == ["--shared"]:
         assert "largest difference between the two paths' loglikelihoods: 0.0000" in done.stdout, done.stdout
         assert "extend run" in done.stdout
     elif "--clock-only" in mode:
