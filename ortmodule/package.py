@@ -318,6 +318,7 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
     _check_attention(proto, shape.num_heads, shape.num_kv_heads, path, config_path)
     states = _read_states(dec, graph)
     layers = _read_layers(dec, shape, graph, {state.layer for state in states})
+    _check_windows(proto, layers, path, config_path)
     kv_type = _elem_type(graph.inputs[layers[0].past_key]) if layers else onnx.TensorProto.FLOAT
     if any(_elem_type(graph.inputs[state.past]) != kv_type for state in states):
         raise PackageError(f"{path}: its convolution states are not of its KV cache's element type, which ortmodule's "
@@ -347,6 +348,20 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         states=states,
     )
     return decoder, embedding, vocab_size
+
+
+def _check_windows(graph: onnx.GraphProto, layers: tuple[LayerKV, ...], path: Path, config_path: Path) -> None:
+    """Sliding-window layers need an attention that applies the window: GroupQueryAttention's
+    `local_window_size`. The model builder's fp16 export for a CPU attends with MultiHeadAttention,
+    which sees every past position: its logits past the window would be another model's."""
+    windows = sorted({kv.window for kv in layers if kv.window})
+    kinds = {node.op_type for node in graph.node if node.domain == "com.microsoft"}
+    if windows and "MultiHeadAttention" in kinds and "GroupQueryAttention" not in kinds:
+        raise PackageError(
+            f"{config_path}: model.decoder.sliding_window gives layers a window of {windows[0]} tokens, but "
+            f"{path.name} attends with MultiHeadAttention, which sees every past position (the model builder's "
+            "fp16 export for a CPU does this): its logits past the window would be wrong. Export the model in "
+            "fp32 or int4 for a CPU, or in fp16 or bf16 for CUDA")
 
 
 # What the model builder's decoders may keep between runs besides attention's keys and values

@@ -8,7 +8,7 @@ from helpers import cuda, load_pair, right_padded_batch
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
+from ortmodule import OrtModelForCausalLM, PackageError, load_tokenizer, runtime
 
 FP32_TOL = 1e-4
 
@@ -162,6 +162,16 @@ def test_sliding_window_layers_keep_a_cache_as_long_as_their_rows(build):
         for column in range(14, 24):
             out = each(ids[:, column : column + 1], past_key_values=out.past_key_values, use_cache=True)
             assert (out.logits[0, -1] - full[0, column]).abs().max().item() < 1e-3
+
+
+def test_a_sliding_window_package_whose_attention_ignores_the_window_is_refused(build):
+    """The model builder's fp16 export of Gemma 3 for a CPU attends with MultiHeadAttention, which
+    sees every past position: past the 8-token window its logits differed from transformers' by up to
+    3.0 where they reach 3.1. Loading it is a PackageError that says so (it once failed inside ONNX
+    Runtime at load, by chance, and ran wrong once the windowed layers' buffers were unbounded)."""
+    fixture = build("gemma3", precision="fp16")
+    with pytest.raises(PackageError, match="MultiHeadAttention, which sees every past position"):
+        OrtModelForCausalLM.from_pretrained(fixture.package_dir)
 
 
 # The model builder's graph options (`ortmodule export --extra-option` / `extra_options`) that change
