@@ -91,9 +91,10 @@ def broken_forward(rng, ids, mask, kind):
     return ids, kwargs
 
 
-@pytest.fixture(scope="module", params=["llama", "lfm2"])
+@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3"])
 def fixture(request, build):
-    """The Llama fixture, and LFM2's (a hybrid: convolution states beside the KV, states.py)."""
+    """The Llama fixture, LFM2's (a hybrid: convolution states beside the KV, states.py) and Gemma 3's
+    (sliding-window layers, an 8-token window: most fuzzed rows run past it)."""
     return build(request.param, **({"num_layers": 4} if request.param == "lfm2" else {}))
 
 
