@@ -57,7 +57,7 @@ step score-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 1
 # (4) the score server at SGLang's shape, to 160 requests/s, with the model thread's time per group
 # and the share of requests whose query ran once
 suite server 170 "server_load and qwen3"
-# (5) HellaSwag and rolling on Qwen3 with SmolLM2's tokenizer (never run on a GPU), against hf
-suite scale 190 "at_scale and qwen3 and (hellaswag or rolling) and (hf or share-off or prefill-onnx)"
+# (5) rolling on Qwen3 with SmolLM2's tokenizer (never run on a GPU; the target still short), against hf
+suite rolling 190 "at_scale and qwen3 and rolling and not (share or chunks or tokenize or cuda-graph or pad64 or bf16-head)"
 echo "done at $((SECONDS - start)) s" >> "$WORK/plan.log"
 pack
