@@ -180,7 +180,9 @@ class KVCache(Cache):
         """Start row i as row `rows[i]` of `source`, holding its first `lengths[i]` entries (prefixes
         shared by several rows, run once in `source`)."""
         width = source.span
-        self.states.start_from(source.states, rows, bool((source.lengths.index_select(0, rows) == lengths).all()))
+        # Only a hybrid's states need the check, a read of the device: the shared path reads none otherwise.
+        whole = not self.states or bool((source.lengths.index_select(0, rows) == lengths).all())
+        self.states.start_from(source.states, rows, whole)
         for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
             for i, buffer in enumerate(theirs):
                 picked = buffer.index_select(0, rows)[:, :, :width]

@@ -7,7 +7,8 @@ import logging
 import onnx
 import pytest
 import torch
-from helpers import left_padded_batch, load_pair, right_padded_batch
+from helpers import grouped_rows, left_padded_batch, load_pair, right_padded_batch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ortmodule import OrtModelForCausalLM, extend, graph, runtime, scoring
 from ortmodule.inputs import Rows, pad_right
@@ -291,3 +292,39 @@ def test_rewrites_that_differ_are_not_used(build, monkeypatch, caplog):
     with torch.no_grad():
         expected = hf(ids, attention_mask=mask).logits
     assert (model(ids, attention_mask=mask).logits - expected)[mask.bool()].abs().max().item() < 1e-4
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts torch's reads of one value out of a tensor (`bool()`, `int()`, `.item()`): on CUDA
+    each waits for the device's queued work, which the scoring paths never do before their answers."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+             torch.ops.aten.item.default)
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_shared_paths_read_no_value_back(build, arch):
+    """lm-eval's shared contexts (`grouped_loglikelihood_totals`) and the score server's queries run
+    once (`label_logprobs` with reuse) read no value out of a tensor: on CUDA such a read would make
+    the host wait for the device on every call (a hybrid's state check did, for every model, until
+    session 36). On a CPU the count includes reads of host tensors, which the shared paths have none of."""
+    model = OrtModelForCausalLM.from_pretrained(build(arch).package_dir)
+    rows, groups, starts, targets = grouped_rows((21, 12), (9, 2, 5), seed=47)
+    generator = torch.Generator().manual_seed(48)
+    requests = [[query + torch.randint(4, 400, (k,), generator=generator).tolist() for k in (12, 5, 9)]
+                for query in (torch.randint(4, 400, (n,), generator=generator).tolist() for n in (30, 17))]
+    calls = [lambda: scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets),
+             lambda: scoring.label_logprobs(model, requests, [5, 6], 8192, True)]
+    for call in calls:
+        call()  # the extend graph made and checked at its first use
+        with ScalarReads() as reads:
+            call()
+        assert reads.count == 0
