@@ -345,15 +345,22 @@ def profile_sharing(model, args, peak) -> None:
     contexts = {g: starts[i] + 1 for i, g in enumerate(groups)}
     computed = {"padded rows (sharing off)": int(mask.sum()),
                 "shared contexts": sum(contexts.values()) + sum(len(r) - s - 1 for r, s in zip(rows, starts))}
+    profile_ways(model, runs, computed, peak, lambda seconds: f"{len(rows)} rows")
+
+
+def profile_ways(model, runs: dict, computed: dict, peak, what) -> None:
+    """Time and profile each of `runs` (label -> call; the last one the shared path, whose steps are
+    timed too): wall time for `what(seconds)`, the share of the peak of `computed[label]` tokens, the
+    summed device time and the kernels."""
     weights = model.num_parameters(exclude_embeddings=True)
     for label, fn in runs.items():
         seconds = timed(fn)
         kernel_ms, table = kernel_table(fn)
         share = f", {100 * 2 * weights * computed[label] / seconds / peak:.1f}% of the dense bf16 peak" if peak else ""
-        print(f"== {label}: {seconds * 1e3:.2f} ms for {len(rows)} rows ({computed[label]} tokens computed{share}); "
+        print(f"== {label}: {seconds * 1e3:.2f} ms for {what(seconds)} ({computed[label]} tokens computed{share}); "
               f"summed device time {kernel_ms:.2f} ms")
         print(table)
-    print(shared_steps(model, runs["shared contexts"]))
+    print(shared_steps(model, list(runs.values())[-1]))
 
 
 def profile_score(model, args, peak) -> None:
@@ -379,15 +386,7 @@ def profile_score(model, args, peak) -> None:
     items = args.score * args.items
     computed = {"whole prompts (reuse off)": items * (args.query_tokens + args.item_tokens),
                 "query once (reuse on)": args.score * args.query_tokens + items * args.item_tokens}
-    weights = model.num_parameters(exclude_embeddings=True)
-    for label, fn in runs.items():
-        seconds = timed(fn)
-        kernel_ms, table = kernel_table(fn)
-        share = f", {100 * 2 * weights * computed[label] / seconds / peak:.1f}% of the dense bf16 peak" if peak else ""
-        print(f"== {label}: {seconds * 1e3:.2f} ms for {items} items, {items / seconds:.0f} items/s "
-              f"({computed[label]} tokens computed{share}); summed device time {kernel_ms:.2f} ms")
-        print(table)
-    print(shared_steps(model, runs["query once (reuse on)"]))
+    profile_ways(model, runs, computed, peak, lambda seconds: f"{items} items, {items / seconds:.0f} items/s")
 
 
 def shape_stream(batches: int, rows: int, length: int, gen: torch.Generator, top: int, multiple: int = 1):

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
 
 from ortmodule import OrtModelForCausalLM
@@ -194,3 +195,19 @@ def hold_worker(served):
 
     engine.run_together, engine.generations._prefill_short = held_batch, held_prefill
     return started, release, scored
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts torch's reads of one value out of a tensor (`bool()`, `int()`, `.item()`): on CUDA
+    each waits for the device's queued work, which the scoring paths never do before their answers."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+             torch.ops.aten.item.default)
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))

@@ -7,8 +7,7 @@ import logging
 import onnx
 import pytest
 import torch
-from helpers import grouped_rows, left_padded_batch, load_pair, right_padded_batch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import ScalarReads, grouped_rows, left_padded_batch, load_pair, right_padded_batch
 
 from ortmodule import OrtModelForCausalLM, extend, graph, runtime, scoring
 from ortmodule.inputs import Rows, pad_right
@@ -292,22 +291,6 @@ def test_rewrites_that_differ_are_not_used(build, monkeypatch, caplog):
     with torch.no_grad():
         expected = hf(ids, attention_mask=mask).logits
     assert (model(ids, attention_mask=mask).logits - expected)[mask.bool()].abs().max().item() < 1e-4
-
-
-class ScalarReads(TorchDispatchMode):
-    """Counts torch's reads of one value out of a tensor (`bool()`, `int()`, `.item()`): on CUDA
-    each waits for the device's queued work, which the scoring paths never do before their answers."""
-
-    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
-             torch.ops.aten.item.default)
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.READS
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -4,7 +4,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import cuda, load_pair, right_padded_batch
+from helpers import ScalarReads, cuda, load_pair, right_padded_batch
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -172,6 +172,29 @@ def test_a_sliding_window_package_whose_attention_ignores_the_window_is_refused(
     fixture = build("gemma3", precision="fp16")
     with pytest.raises(PackageError, match="MultiHeadAttention, which sees every past position"):
         OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "lfm2"])
+def test_forward_and_cache_steps_read_no_value_back(build, arch):
+    """A forward (`cont_len`, right padding) and a cache continued by decode steps read no value out
+    of a tensor (on CUDA each such read waits for the device: tests/test_cuda.py counts the copies
+    there, and this catches a new one on any machine), for a plain decoder, sliding windows and a
+    hybrid's convolution states."""
+    fixture = build(arch, **({"num_layers": 4} if arch == "lfm2" else {}))
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    ids, mask = right_padded_batch([20, 11, 6], seed=1)
+
+    def steps():
+        out, seen = model(ids, attention_mask=mask, use_cache=True), mask
+        for _ in range(3):
+            seen = torch.cat([seen, torch.ones(3, 1, dtype=mask.dtype)], 1)
+            out = model(ids[:, :1], attention_mask=seen, past_key_values=out.past_key_values, use_cache=True)
+
+    for call in (lambda: model(ids, attention_mask=mask, cont_len=4), steps):
+        call()
+        with ScalarReads() as reads:
+            call()
+        assert reads.count == 0
 
 
 # The model builder's graph options (`ortmodule export --extra-option` / `extra_options`) that change
