@@ -49,12 +49,16 @@ pack
 # and Gemma 3's windowed KV buffers (graph.unbounded_window_caches), its cache and generate past the window
 step cuda-tests 100 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k \
   "unpacked_projections or shared_contexts_extend_sliding or sliding_window_cache"
-# (2) the extend graph with the KV heads repeated (the default on CUDA) and grouped (extend.REPEAT_KV_HEADS_ON_CUDA)
+# (2) the extend graph with the KV heads repeated (the default on CUDA) and grouped (extend.REPEAT_KV_HEADS_ON_CUDA),
+# and grouped in the cache layout (flash attention over the rows' caches, extend.EXTEND_LAYOUT)
 step extend-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80"
 step extend-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv"
-# (3) the score server's call at SGLang's shape, each prompt whole and each query run once, both KV layouts of heads
+step extend-cache-grouped 40 bash -c \
+  "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv --extend-layout cache"
+# (3) the score server's call at SGLang's shape, each prompt whole and each query run once, the same three ways
 step score-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10"
 step score-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10 --grouped-kv"
+step score-cache-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10 --grouped-kv --extend-layout cache"
 # (4) the score server at SGLang's shape, to 160 requests/s, with the model thread's time per group
 # and the share of requests whose query ran once
 suite server 170 "server_load and qwen3"
