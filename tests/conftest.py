@@ -10,12 +10,16 @@ from helpers import CHAT_TEMPLATE, MODEL_ARCHES, OPENAI_NAME, LiveServer, load_p
 
 from ortmodule_dev import fixtures
 
+# What an architecture's fixture needs beyond FixtureSpec's defaults: LFM2's layer pattern (conv, conv,
+# attention, conv: fixtures.ARCHITECTURES) takes four layers to hold both kinds, a convolution last.
+ARCH_FIELDS = {"lfm2": {"num_layers": 4}, "lfm2_moe": {"num_layers": 4}}
+
 
 @pytest.fixture(scope="session")
 def build():
     """Build (or fetch from the cache) a fixture package: `build(arch, **spec_fields)`."""
     def _build(arch="llama", **fields):
-        return fixtures.build(fixtures.FixtureSpec(arch, **fields))
+        return fixtures.build(fixtures.FixtureSpec(arch, **{**ARCH_FIELDS.get(arch, {}), **fields}))
     return _build
 
 

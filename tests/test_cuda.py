@@ -690,7 +690,7 @@ def test_hybrid_conv_states_on_cuda(build):
     by three steps, gives the logits of each row's whole sequence run at once (to bf16's rounding),
     and both are within bf16's rounding of transformers fp32; a left-padded batch's greedy tokens are
     each row's own, generated alone."""
-    fixture = build("lfm2", num_layers=4, precision="bf16", execution_provider="cuda")
+    fixture = build("lfm2", precision="bf16", execution_provider="cuda")
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
     assert len(model.decoder.spec.states) == 3
     hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()

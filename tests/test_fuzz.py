@@ -95,7 +95,7 @@ def broken_forward(rng, ids, mask, kind):
 def fixture(request, build):
     """The Llama fixture, LFM2's (a hybrid: convolution states beside the KV, states.py) and Gemma 3's
     (sliding-window layers, an 8-token window: most fuzzed rows run past it)."""
-    return build(request.param, **({"num_layers": 4} if request.param == "lfm2" else {}))
+    return build(request.param)
 
 
 def reference_logits(hf, ids, mask):

@@ -15,12 +15,10 @@ from helpers import LiveServer, expected_text, left_padded_batch, load_pair, rig
 
 from ortmodule import OrtModelForCausalLM, load_tokenizer
 
-LFM2 = {"num_layers": 4}  # conv, conv, attention, conv (fixtures.ARCHITECTURES)
-
 
 @pytest.fixture(scope="module")
 def pair(build):
-    fixture = build("lfm2", **LFM2)
+    fixture = build("lfm2")  # conv, conv, attention, conv (conftest.ARCH_FIELDS)
     return (*load_pair(fixture), fixture)
 
 
@@ -31,21 +29,31 @@ def test_the_package_keeps_a_state_per_convolution_layer(pair):
     assert all(state.width == 2 and state.channels == 64 for state in spec.states)  # conv_L_cache 3
 
 
-def test_a_state_of_another_element_type_is_refused_at_load(pair, tmp_path):
-    """A convolution state whose element type is not the KV cache's (the cache holds both in one
-    dtype) is a PackageError naming it, not an ONNX Runtime type error at the first run."""
+def edited_copy(fixture, tmp_path, edit):
+    """A copy of `fixture`'s package whose decoder graph `edit(graph)` changed (the weights shared)."""
     import shutil
 
     import onnx
 
-    from ortmodule import PackageError
-
-    _, _, fixture = pair
     package = tmp_path / "package"
     shutil.copytree(fixture.package_dir, package)
     graph = onnx.load(str(package / "model.onnx"), load_external_data=False)
-    next(i for i in graph.graph.input if i.name == "past.0.conv").type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    edit(graph.graph)
     onnx.save(graph, str(package / "model.onnx"))
+    return package
+
+
+def test_a_state_of_another_element_type_is_refused_at_load(pair, tmp_path):
+    """A convolution state whose element type is not the KV cache's (the cache holds both in one
+    dtype) is a PackageError naming it, not an ONNX Runtime type error at the first run."""
+    import onnx
+
+    from ortmodule import PackageError
+
+    def half_state(graph):
+        next(i for i in graph.input if i.name == "past.0.conv").type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+
+    package = edited_copy(pair[2], tmp_path, half_state)
     with pytest.raises(PackageError, match="convolution states are not of its KV cache's element type"):
         OrtModelForCausalLM.from_pretrained(package)
 
@@ -53,19 +61,15 @@ def test_a_state_of_another_element_type_is_refused_at_load(pair, tmp_path):
 def test_a_windowed_state_is_refused_at_load(pair, tmp_path):
     """The builder's `state_window` (a state widened to the states after each of the last W tokens)
     is not a state ortmodule takes at each row's length: a PackageError names it at load."""
-    import shutil
-
     import onnx
 
     from ortmodule import PackageError
 
-    _, _, fixture = pair
-    package = tmp_path / "package"
-    shutil.copytree(fixture.package_dir, package)
-    graph = onnx.load(str(package / "model.onnx"), load_external_data=False)
-    conv = next(node for node in graph.graph.node if node.op_type == "CausalConvWithState")
-    conv.attribute.append(onnx.helper.make_attribute("state_window", 4))
-    onnx.save(graph, str(package / "model.onnx"))
+    def windowed(graph):
+        conv = next(node for node in graph.node if node.op_type == "CausalConvWithState")
+        conv.attribute.append(onnx.helper.make_attribute("state_window", 4))
+
+    package = edited_copy(pair[2], tmp_path, windowed)
     with pytest.raises(PackageError, match="state_window=4"):
         OrtModelForCausalLM.from_pretrained(package, cache_dir=tmp_path / "graphs")
 
@@ -280,7 +284,7 @@ def test_a_4bit_package_generates_as_onnxruntime_genai(build):
     import numpy as np
 
     og = pytest.importorskip("onnxruntime_genai")
-    fixture = build("lfm2", num_layers=4, precision="int4", hidden_size=128, intermediate_size=256)
+    fixture = build("lfm2", precision="int4", hidden_size=128, intermediate_size=256)
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
     assert model.decoder.fp32_path
     prompt = torch.randint(4, 500, (1, 20), generator=torch.Generator().manual_seed(53))

@@ -180,8 +180,7 @@ def test_forward_and_cache_steps_read_no_value_back(build, arch):
     of a tensor (on CUDA each such read waits for the device: tests/test_cuda.py counts the copies
     there, and this catches a new one on any machine), for a plain decoder, sliding windows and a
     hybrid's convolution states."""
-    fixture = build(arch, **({"num_layers": 4} if arch == "lfm2" else {}))
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    model = OrtModelForCausalLM.from_pretrained(build(arch).package_dir)
     ids, mask = right_padded_batch([20, 11, 6], seed=1)
 
     def steps():

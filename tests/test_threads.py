@@ -38,7 +38,7 @@ def calls(vocab: int):
 @pytest.mark.parametrize("arch", ["llama", "lfm2"])
 def test_concurrent_calls_equal_sequential_ones(build, arch):
     """Also for LFM2, whose convolution states have their own place in each thread's scratch buffer."""
-    model, _ = load_pair(build(arch, **({"num_layers": 4} if arch == "lfm2" else {})))
+    model, _ = load_pair(build(arch))
     work = calls(model.package.vocab_size) * 3  # 120 calls on 4 threads
     expected = [fn(model) for fn in work]
     with ThreadPoolExecutor(4) as pool:

@@ -282,7 +282,7 @@ class Engine:
         sizes = self.stats.batch_sizes.setdefault(name, {})
         sizes[len(jobs)] = sizes.get(len(jobs), 0) + 1
         self.stats.items += sum(len(job.prompts) for job in jobs)
-        self.stats.reused_prefixes += sum(getattr(job, "reused_prefix", False) for job in jobs)
+        self.stats.reused_prefixes += sum(job.reused_prefix for job in jobs)
         for job, result in zip(jobs, results):
             job.resolve(result)
         log.debug("%d %s jobs in one call: %.1f ms", len(jobs), name, 1000 * (time.perf_counter() - start))

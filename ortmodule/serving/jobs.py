@@ -68,6 +68,8 @@ def _settle(future: asyncio.Future, result, error) -> None:
 class OneShot(Job):
     """Work done in one model call per batch. `run_together(model, jobs)` returns each job's result."""
 
+    reused_prefix = False  # a score job whose items' common prefix (its query) ran once: ScoreJob sets it
+
     @staticmethod
     def run_together(model, jobs: list) -> list:
         raise NotImplementedError
@@ -81,7 +83,6 @@ class ScoreJob(OneShot):
     def __init__(self, prompts: list[Ids], labels: Ids, apply_softmax: bool, loop, token_budget: int):
         super().__init__(prompts, loop)
         self.labels, self.apply_softmax, self.token_budget = labels, apply_softmax, token_budget
-        self.reused_prefix = False  # whether its items' common prefix ran once (scoring.label_logprobs decides)
 
     @staticmethod
     def run_together(model, jobs: list[ScoreJob]) -> list[list[list[float]]]:
