@@ -96,12 +96,15 @@ async def run_load(url: str, rate: float, duration: float, requests, timeout: fl
 class LocalServer:
     """`ortmodule serve PATH` in a child process on a free port of 127.0.0.1."""
 
-    def __init__(self, package: str | Path, device: str = "cpu", extra: list[str] = ()):
+    def __init__(self, package: str | Path, device: str = "cpu", extra: list[str] = (), launcher: list[str] = ()):
+        """`launcher`: what runs the `ortmodule` command line instead of `python -m ortmodule` (e.g.
+        serve_with_extend.py and its two settings)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "ortmodule", "serve", str(package), "--port", str(port),
+        self.launcher = list(launcher)
+        command = [*(launcher or [sys.executable, "-m", "ortmodule"]), "serve", str(package), "--port", str(port),
                    "--device", device, *extra]
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  open for the server process's lifetime
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)

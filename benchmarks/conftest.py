@@ -76,8 +76,10 @@ SIZES = {
         # score(): requests of one query and many short items; the server's load at a steady rate.
         score=dict(requests=2, query_tokens=120, items=16, item_tokens=20, labels=4),
         # The server under open-loop load: requests of `items` items (of 1 to item_tokens tokens,
-        # or exactly that many with `exact`) after a query, at each of `rates` requests/s.
-        server=dict(rates=(1.0,), duration=20.0, query_tokens=120, items=10, item_tokens=20, labels=4, exact=False),
+        # or exactly that many with `exact`) after a query; `reuse`: per `--reuse-prefix` setting, its
+        # rates in requests/s.
+        server=dict(reuse={"auto": (1.0,)}, duration=20.0, query_tokens=120, items=10, item_tokens=20, labels=4,
+                    exact=False),
     ),
     "gpu": dict(
         device="cuda",
@@ -99,9 +101,9 @@ SIZES = {
         minicons=dict(sentences=320, batch_size=64),
         score=dict(requests=8, query_tokens=512, items=64, item_tokens=32, labels=4),
         # SGLang's bench_score shape (a 120-token query, 10 items of 180 tokens, 2 labels), at rates
-        # of 400 to 1,600 items/s.
-        server=dict(rates=(40.0, 80.0, 120.0, 160.0), duration=15.0, query_tokens=120, items=10, item_tokens=180,
-                    labels=2, exact=True),
+        # of 400 to 1,600 items/s; with every query run once (--reuse-prefix on) from the target's rate.
+        server=dict(reuse={"auto": (40.0, 80.0, 120.0, 160.0), "on": (120.0, 160.0)}, duration=15.0, query_tokens=120,
+                    items=10, item_tokens=180, labels=2, exact=True),
     ),
     "smoke": dict(
         device="cpu",
@@ -113,7 +115,8 @@ SIZES = {
         host_time=dict(questions=3, batch_size=4, decode_tokens=4, score_requests=2),
         minicons=dict(sentences=8, batch_size=4),
         score=dict(requests=2, query_tokens=12, items=3, item_tokens=4, labels=2),
-        server=dict(rates=(4.0,), duration=1.0, query_tokens=12, items=2, item_tokens=4, labels=2, exact=False),
+        server=dict(reuse={"auto": (4.0,), "on": (4.0,)}, duration=1.0, query_tokens=12, items=2, item_tokens=4,
+                    labels=2, exact=False),
     ),
 }
 def at_scale_batch(options: dict, workload: str, reference: bool = False) -> int:
@@ -135,8 +138,10 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("forward_key", list(size["forward"]), scope="module")
     if "decoder_key" in metafunc.fixturenames:
         metafunc.parametrize("decoder_key", list(size["decoders"]), scope="module")
-    if "server_rate" in metafunc.fixturenames:
-        metafunc.parametrize("server_rate", list(size["server"]["rates"]))
+    if "server_reuse" in metafunc.fixturenames:  # the server's --reuse-prefix, each at its own rates
+        cases = [(reuse, rate) for reuse, rates in size["server"]["reuse"].items() for rate in rates]
+        ids = [f"reuse-{reuse}-{rate:g}" for reuse, rate in cases]
+        metafunc.parametrize(("server_reuse", "server_rate"), cases, ids=ids)
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
@@ -292,6 +297,9 @@ def weight_bytes(fixture) -> int:
 
 def pytest_addoption(parser):
     parser.addoption("--bench-size", default="cpu", choices=sorted(SIZES), help="which set of shapes to run")
+    parser.addoption("--server-extend", metavar="LAYOUT,HEADS", default=None,
+                     help="the score server's extend graph (benchmarks/serve_with_extend.py: mask|cache, "
+                          "repeated|grouped); default: ortmodule's")
 
 
 @pytest.fixture(scope="session")

@@ -36,8 +36,25 @@ step() {  # name, seconds wanted, command...: under min(wanted, what the budget 
   pack
 }
 
-suite() {  # name, seconds, pytest -k selection: one part of the GPU benchmark suite, its JSON kept
-  step "$1" "$2" python3 benchmarks/run.py --size gpu --json "$WORK/gpu-$1.json" --out "$WORK/gpu-$1.md" -k "$3"
+suite() {  # name, seconds, pytest -k selection[, pytest options]: one part of the GPU benchmark suite, its JSON kept
+  local name=$1 seconds=$2 selection=$3
+  shift 3
+  step "$name" "$seconds" python3 benchmarks/run.py --size gpu --json "$WORK/gpu-$name.json" \
+    --out "$WORK/gpu-$name.md" -k "$selection" "$@"
+}
+
+fastest_query_once() {  # the extend graph under which step (2) ran each query once fastest: LAYOUT,HEADS
+  python3 - "$WORK" <<'PY'
+import pathlib, re, sys
+ways = {"score-repeat": "mask,repeated", "score-grouped": "mask,grouped", "score-cache-grouped": "cache,grouped"}
+times = {}
+for log, way in ways.items():
+    path = pathlib.Path(sys.argv[1]) / f"{log}.log"
+    found = path.is_file() and re.search(r"^== query once \(reuse on\): ([0-9.]+) ms", path.read_text(), re.M)
+    if found:
+        times[way] = float(found.group(1))
+print(min(times, key=times.get) if times else "mask,repeated")
+PY
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$WORK/gpu.txt" 2>&1
@@ -47,19 +64,25 @@ pack
 # and Gemma 3's windowed KV buffers (graph.unbounded_window_caches), its cache and generate past the window
 step cuda-tests 100 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k \
   "unpacked_projections or shared_contexts_extend_sliding or sliding_window_cache"
-# (2) the extend graph with the KV heads repeated (the default on CUDA) and grouped (extend.REPEAT_KV_HEADS_ON_CUDA),
+# (2) the score server's call at SGLang's shape, each prompt whole and each query run once, with the
+# extend graph's KV heads repeated (the default on CUDA), grouped (extend.REPEAT_KV_HEADS_ON_CUDA),
 # and grouped in the cache layout (flash attention over the rows' caches, extend.EXTEND_LAYOUT)
+step score-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10"
+step score-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10 --grouped-kv"
+step score-cache-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10 --grouped-kv --extend-layout cache"
+# (3) the score server at SGLang's shape, to 160 requests/s, with the model thread's time per group
+# and the share of requests whose query ran once, as the measured costs choose (auto); then every
+# query run once (--reuse-prefix on) at 120 and 160 requests/s, in the extend graph that ran (2)'s
+# queries once fastest (benchmarks/serve_with_extend.py; the rows record it as `extend_graph`)
+suite server 170 "server_load and qwen3 and reuse-auto"
+extend_graph=$(fastest_query_once)
+echo "server-reuse: the extend graph $extend_graph" >> "$WORK/plan.log"
+suite server-reuse 90 "server_load and qwen3 and reuse-on" --server-extend "$extend_graph"
+# (4) lm-eval's shared contexts (HellaSwag-shaped groups) the same three ways
 step extend-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80"
 step extend-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv"
 step extend-cache-grouped 40 bash -c \
   "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv --extend-layout cache"
-# (3) the score server's call at SGLang's shape, each prompt whole and each query run once, the same three ways
-step score-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10"
-step score-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10 --grouped-kv"
-step score-cache-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --score 10 --grouped-kv --extend-layout cache"
-# (4) the score server at SGLang's shape, to 160 requests/s, with the model thread's time per group
-# and the share of requests whose query ran once
-suite server 170 "server_load and qwen3"
 # (5) rolling on Qwen3 with SmolLM2's tokenizer (never run on a GPU; the target still short), against hf
 suite rolling 190 "at_scale and qwen3 and rolling and not (share or chunks or tokenize or cuda-graph or pad64 or bf16-head)"
 echo "done at $((SECONDS - start)) s" >> "$WORK/plan.log"

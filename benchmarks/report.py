@@ -140,7 +140,9 @@ NOTES = {
     "the load shed beyond its capacity; `items_per_s` counts answered items only. `groups` / `largest_group`: "
     "the model calls that scored requests together and the most requests in one; `model_ms_per_group` and "
     "`reused_queries` (runs that record them): the model thread's time per group (its runs, and on CUDA its "
-    "waits for the device) and the share of requests whose query ran once (`/metrics`' `reused_prefixes`).",
+    "waits for the device) and the share of requests whose query ran once (`/metrics`' `reused_prefixes`). "
+    "`ortmodule_server` runs with `--reuse-prefix auto` (a request's query run once where the model's measured "
+    "costs say it pays), `ortmodule_server-reuse-on` (runs that have it) with every query run once.",
 }
 
 COMMAND = "python benchmarks/run.py --size {size}"

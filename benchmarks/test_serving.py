@@ -3,6 +3,8 @@ requests at fixed rates (SGLang's bench_score shape on the GPU), latency percent
 and the answers against transformers in fp32 on the same weights."""
 
 import asyncio
+import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -13,30 +15,66 @@ from conftest import model_label, reference_model, transformers_scores
 
 from ortmodule_dev import fixtures
 
+SERVE_WITH_EXTEND = Path(__file__).with_name("serve_with_extend.py")
+
 
 @pytest.fixture(scope="module")
 def workload(size, decoder_key):
     return fixtures.build(size["decoders"][decoder_key]), size["device"], decoder_key
 
 
+class Servers:
+    """One `ortmodule serve` process at a time, started again when a test asks for another
+    `--reuse-prefix` (the rates of one setting run one after the other, on the same server)."""
+
+    def __init__(self, package, device: str, extend: str | None):
+        self.package, self.device = package, device
+        self.launcher = [sys.executable, str(SERVE_WITH_EXTEND), *extend.split(",")] if extend else []
+        self.reuse, self.server = None, None
+
+    def get(self, reuse: str) -> LocalServer:
+        if reuse != self.reuse:
+            self.close()
+            self.server = LocalServer(self.package, self.device, ["--reuse-prefix", reuse], self.launcher)
+            self.reuse = reuse
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server, self.reuse = None, None
+
+
 @pytest.fixture(scope="module")
-def score_server(workload, size):
-    """`ortmodule serve` on the size's first package (the headline model), in its own process, for
-    every rate."""
+def score_servers(workload, size, request):
+    """The servers of the size's first package (the headline model), in their own processes, with
+    the extend graph `--server-extend` names (default: ortmodule's)."""
     fixture, device, key = workload
     if key != next(iter(size["decoders"])):
         pytest.skip("the server is measured on the size's first package only")
-    with LocalServer(fixture.package_dir, device) as server:
-        yield server
+    servers = Servers(fixture.package_dir, device, request.config.getoption("--server-extend"))
+    yield servers
+    servers.close()
+
+
+@pytest.fixture
+def score_server(score_servers, server_reuse):
+    """`ortmodule serve --reuse-prefix SERVER_REUSE`."""
+    return score_servers.get(server_reuse)
 
 
 @pytest.mark.benchmark(group="score server")
-def test_ortmodule_server_load(benchmark, workload, score_server, size, server_rate):
+def test_ortmodule_server_load(benchmark, workload, score_server, size, server_reuse, server_rate):
     """Open-loop Poisson arrivals at `server_rate` requests/s: latency percentiles and items/s, and
-    the answers to a few of the same requests against transformers in fp32 on the same weights."""
+    the answers to a few of the same requests against transformers in fp32 on the same weights.
+    `server_reuse`: the server's `--reuse-prefix` (auto, the default: each request's query run once
+    where the measured costs say so; "on": always, the `ortmodule_server-reuse-on` rows)."""
     fixture, device, key = workload
     load = size["server"]
-    benchmark.extra_info.update(model=model_label(key), case=f"{server_rate:g} requests/s")
+    backend = "ortmodule_server" + ("" if server_reuse == "auto" else f"-reuse-{server_reuse}")
+    benchmark.extra_info.update(backend=backend, model=model_label(key), case=f"{server_rate:g} requests/s")
+    if score_server.launcher:  # the extend graph set by --server-extend: "cache, grouped" and the like
+        benchmark.extra_info["extend_graph"] = ", ".join(score_server.launcher[2:])
     shape = [load[k] for k in ("query_tokens", "items", "item_tokens", "labels")]
     bodies = list(make_requests(int(server_rate * load["duration"] * 3) + 10, fixture.spec.vocab_size, *shape,
                                 seed=1, exact=load["exact"]))

@@ -74,6 +74,10 @@ def ortmodule(argv: list[str] | None = None) -> None:
     serve.add_argument("--prefill-attention", default="auto", choices=["auto", "package", "onnx"],
                        help="score and prompt-logprob runs in the package's graph or in the prefill graph "
                             "(onnx: ONNX's Attention, no KV written; docs/usage.md); auto: the package's for now")
+    serve.add_argument("--reuse-prefix", default="auto", choices=["auto", "on", "off"],
+                       help="run a score request's query (its items' common first tokens) once and its items over "
+                            "copies of its KV (on), every prompt whole (off), or decide per request from the "
+                            "model's measured costs (auto, the default; docs/scoring.md)")
     _settings_flags(serve)
     args = parser.parse_args(argv)
     if args.command == "export":

@@ -495,11 +495,15 @@ def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
         _check_close(expected, got, decoder, lambda: _steps_error(decoder, prefixes, tokens, expected))
 
     layout = EXTEND_LAYOUT.get(device.type, "mask")
-    expand = device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA
+    expand = device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA and layout == "mask"
     unpack = projections.applies(device.type, decoder.session_options)
-    return _second_session(decoder, "extend graph", "shared prefixes continue by decode steps", Extender, check,
+    made = _second_session(decoder, "extend graph", "shared prefixes continue by decode steps", Extender, check,
                            lambda head_size: extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, head_size,
                                                                 expand, cache_dir, layout, unpack))
+    if made is not None:
+        logger.info("ortmodule: shared prefixes continue in the extend graph on %s (%s layout, KV heads %s)", device,
+                    layout, "repeated" if expand else "grouped")
+    return made
 
 
 def make_prefill(decoder) -> CausalPrefill | None:

@@ -254,7 +254,7 @@ def label_logprobs(
             reuse = len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], model.measured_costs(),
                                                        together)
         else:
-            reuse = reuse_prefix and common_prefix(prompts) > 0
+            reuse = reuse_prefix and len(prompts) > 1 and common_prefix(prompts) > 0  # one prompt shares nothing
         if reused is not None:
             reused.append(bool(reuse))
         if reuse:

@@ -3,6 +3,7 @@ of its run kept in benchmarks/results/ (a hand edit, or a JSON not committed, fa
 
 import importlib.util
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,52 @@ def test_the_next_gpu_runs_selections_collect():
     tests = [line for line in listed.splitlines() if "::" in line]
     for name in names:
         assert any(name in test for test in tests), f"no CUDA test matches {name!r}"
+
+
+def test_the_next_gpu_run_serves_each_query_once_in_the_fastest_extend_graph(tmp_path):
+    """benchmarks/next_gpu_run.sh's `fastest_query_once`: of the score profiles' "query once" wall
+    times, the extend graph of the fastest (a profile that did not run is left out; none: the default)."""
+    import subprocess
+
+    script = REPORT.parent / "next_gpu_run.sh"
+    text = script.read_text()
+    function = text[text.index("fastest_query_once() {"): text.index("\n}\n", text.index("fastest_query_once() {")) + 3]
+
+    def chosen(times: dict) -> str:
+        for log, ms in times.items():
+            (tmp_path / f"{log}.log").write_text(f"H200\n== whole prompts (reuse off): 90.00 ms for 100 items\n"
+                                                 f"== query once (reuse on): {ms} ms for 100 items, 1 items/s\n")
+        run = subprocess.run(["bash", "-c", f"{function}\nWORK={tmp_path}\nfastest_query_once"], capture_output=True,
+                             text=True, check=True)
+        for log in times:
+            (tmp_path / f"{log}.log").unlink()
+        return run.stdout.strip()
+
+    assert chosen({"score-repeat": "70.10", "score-grouped": "61.50", "score-cache-grouped": "65.00"}) == "mask,grouped"
+    assert chosen({"score-repeat": "70.10", "score-cache-grouped": "65.00"}) == "cache,grouped"
+    assert chosen({}) == "mask,repeated"
+
+
+def test_serve_with_extend_serves_the_extend_graph_it_names(build):
+    """benchmarks/serve_with_extend.py (the suite's `--server-extend`): the server it starts runs each
+    query once in the cache layout with grouped heads, and scores as ortmodule does in-process."""
+    import httpx
+    import torch
+
+    import ortmodule
+
+    bench_score = load_benchmark_module("bench_score")
+    fixture = build("llama")
+    body = dict(query=[5, 6, 9, 11, 12, 13], items=[[7, 3], [8], [40, 41, 42]], label_token_ids=[1, 2, 30],
+                apply_softmax=False)
+    model = ortmodule.OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    expected = torch.tensor(ortmodule.score(model, None, body["query"], body["items"], body["label_token_ids"],
+                                            reuse_prefix=False))
+    launcher = [sys.executable, str(REPORT.parent / "serve_with_extend.py"), "cache", "grouped"]
+    with bench_score.LocalServer(fixture.package_dir, "cpu", ["--reuse-prefix", "on"], launcher) as server:
+        scores = torch.tensor(httpx.post(server.url + "/v1/score", json=body, timeout=60).json()["scores"])
+        assert server.metrics()["reused_prefixes"] == 1
+        server.log.seek(0)
+        log = server.log.read()
+    assert ((scores - expected).abs() / expected).max().item() < 1e-4
+    assert "shared prefixes continue in the extend graph on cpu (cache layout, KV heads grouped)" in log, log[-2000:]

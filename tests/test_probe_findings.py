@@ -2,6 +2,7 @@
 inside ONNX Runtime, never a raw Python error): the rewrite cache, genai_config.json against the
 graph, the library's arguments, and the server's types, flags, error shape and abandoned requests."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -336,7 +337,7 @@ def test_requests_of_clients_that_left_are_not_scored(llama):
 
 
 @pytest.mark.parametrize("flag", [["--token-budget", "0"], ["--max-queue", "0"], ["--max-queue", "-1"],
-                                  ["--window-ms", "-5"], ["--token-budget", "lots"]])
+                                  ["--window-ms", "-5"], ["--token-budget", "lots"], ["--reuse-prefix", "always"]])
 def test_server_flags_are_checked(llama, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.ortmodule(["serve", str(llama.package_dir), *flag])
@@ -344,10 +345,24 @@ def test_server_flags_are_checked(llama, flag, capsys):
     assert flag[0] in capsys.readouterr().err
 
 
+def test_server_flags_reach_the_settings(llama, monkeypatch):
+    """The serving flags become `Settings` fields (`--reuse-prefix` among them) unchanged."""
+    given = {}
+    monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: given.update(options, path=path))
+    cli.ortmodule(["serve", str(llama.package_dir), "--reuse-prefix", "on", "--token-budget", "4096"])
+    settings = ortmodule.serving.Settings(**{k: v for k, v in given.items()
+                                             if k not in ("path", "host", "port", "device", "fp32_lm_head",
+                                                          "prefill_attention")})
+    assert settings.reuse_prefix == "on" and settings.token_budget == 4096 and given["path"] == str(llama.package_dir)
+    assert dataclasses.asdict(settings) == {**dataclasses.asdict(ortmodule.serving.Settings()),
+                                            "reuse_prefix": "on", "token_budget": 4096}
+
+
 def test_create_app_checks_its_options(llama):
     model, _ = load_pair(llama)
     for options, message in ((dict(token_budget=0), "token_budget"), (dict(max_queue=0), "max_queue"),
-                             (dict(max_queue=-1), "max_queue"), (dict(window_ms=-1), "window_ms")):
+                             (dict(max_queue=-1), "max_queue"), (dict(window_ms=-1), "window_ms"),
+                             (dict(reuse_prefix="yes"), "reuse_prefix must be one of auto, on, off, got 'yes'")):
         with pytest.raises(ValueError, match=message):
             create_app(model, load_tokenizer(llama.package_dir), **options)
 

@@ -129,6 +129,29 @@ def test_metrics_count_the_requests_whose_query_ran_once(setup, monkeypatch, wor
     assert live.client.get("/metrics").json()["reused_prefixes"] - before == (2 if worth else 0)
 
 
+@pytest.mark.parametrize("reuse", ["on", "off"])
+def test_the_reuse_prefix_setting_decides_whatever_the_costs_say(build, monkeypatch, reuse):
+    """`reuse_prefix="on"` runs every request's query once (its items over copies of its KV) and
+    "off" every prompt whole, where the measured costs would choose the other way; the scores are
+    transformers' either way, and `/metrics` counts the requests whose query ran once (a request of
+    one item has no query shared by items)."""
+    monkeypatch.setattr(ortmodule.scoring, "worth_sharing", lambda *args, **kwargs: reuse == "off")
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    live = LiveServer(create_app(model, tokenizer, reuse_prefix=reuse, window_ms=0))
+    try:
+        for items in (ITEMS, ITEMS[:1], ITEMS[:2]):
+            body = dict(query=QUERY, items=items, label_token_ids=[5, 6], apply_softmax=True)
+            response = live.client.post("/v1/score", json=body)
+            assert response.status_code == 200, response.text
+            expected = reference(hf, tokenizer, QUERY, items, [5, 6], True, False)
+            assert (torch.tensor(response.json()["scores"], dtype=torch.float64) - expected).abs().max().item() < 1e-5
+        assert live.client.get("/metrics").json()["reused_prefixes"] == (2 if reuse == "on" else 0)
+    finally:
+        live.stop()
+
+
 def test_a_full_queue_answers_503_and_the_server_recovers(build):
     fixture = build("llama")
     model, _ = load_pair(fixture)

@@ -80,9 +80,11 @@ class ScoreJob(OneShot):
 
     kind = "score"
 
-    def __init__(self, prompts: list[Ids], labels: Ids, apply_softmax: bool, loop, token_budget: int):
+    def __init__(self, prompts: list[Ids], labels: Ids, apply_softmax: bool, loop, token_budget: int,
+                 reuse_prefix: bool | None = None):
         super().__init__(prompts, loop)
         self.labels, self.apply_softmax, self.token_budget = labels, apply_softmax, token_budget
+        self.reuse_prefix = reuse_prefix  # the server's setting: None decides per request from measured costs
 
     @staticmethod
     def run_together(model, jobs: list[ScoreJob]) -> list[list[list[float]]]:
@@ -91,8 +93,8 @@ class ScoreJob(OneShot):
         labels = sorted({t for job in jobs for t in job.labels})
         column = {t: i for i, t in enumerate(labels)}
         reused = []
-        logprobs = scoring.label_logprobs(model, [job.prompts for job in jobs], labels, jobs[0].token_budget, None,
-                                          reused)
+        logprobs = scoring.label_logprobs(model, [job.prompts for job in jobs], labels, jobs[0].token_budget,
+                                          jobs[0].reuse_prefix, reused)
         for job, once in zip(jobs, reused):
             job.reused_prefix = once
         parts, row = [], 0

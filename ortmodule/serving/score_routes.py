@@ -9,6 +9,7 @@ from .. import scoring
 from .jobs import ScoreJob
 from .schemas import ScoreRequest
 from .served import Served, run
+from .settings import REUSE_PREFIX
 
 
 def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
@@ -33,7 +34,8 @@ def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
     prompts = scoring.prompts_of(served.tokenizer, body.query, body.items, body.item_first)
     labels = scoring.checked_labels(body.label_token_ids, served.vocab)
     scoring.check_prompts(prompts, served.vocab, served.context)
-    return ScoreJob(prompts, labels, body.apply_softmax, loop, settings.token_budget)
+    return ScoreJob(prompts, labels, body.apply_softmax, loop, settings.token_budget,
+                    REUSE_PREFIX[settings.reuse_prefix])
 
 
 def respond(served: Served, body: ScoreRequest, job: ScoreJob, scores) -> dict:

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, fields
 
 API_KEY_VARIABLE = "ORTMODULE_API_KEY"
+# `Settings.reuse_prefix` -> `scoring.label_logprobs`'s `reuse_prefix` (None: decided from measured costs).
+REUSE_PREFIX = {"auto": None, "on": True, "off": False}
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,10 @@ class Settings:
     pass over the weights); `window_ms` how long an idle engine waits for more score requests to
     batch with the first; `feed_tokens`: a prompt with at most this many tokens to run (past its
     cached prefix) joins a running decode batch at once, its prompt run a token per step (0: off);
-    `prefix_cache_mb` MiB of recent prompts' KV kept for prompts that begin the same (0: off).
+    `prefix_cache_mb` MiB of recent prompts' KV kept for prompts that begin the same (0: off);
+    `reuse_prefix` whether a score request's query (its items' common first tokens) runs once and
+    its items over copies of its KV: "auto" (decided per request from the model's measured costs,
+    `scoring.label_logprobs`), "on" or "off".
 
     Limits (a request beyond one is refused with 400, 413 or 503 before it is tokenized):
     `max_queue` requests waiting (being tokenized or queued); `max_body_bytes` per body;
@@ -41,6 +46,7 @@ class Settings:
     join_steps: int = 4
     feed_tokens: int = 16
     prefix_cache_mb: int = 512
+    reuse_prefix: str = "auto"
     window_ms: float = 5.0
     max_queue: int = 256
     max_body_bytes: int = 8 * 2**20
@@ -58,7 +64,10 @@ class Settings:
             value = getattr(self, field.name)
             if field.name == "token_budget" and value is None:
                 continue
-            if field.name in ("name", "api_key"):
+            if field.name == "reuse_prefix":
+                if not isinstance(value, str) or value not in REUSE_PREFIX:
+                    raise ValueError(f"reuse_prefix must be one of {', '.join(REUSE_PREFIX)}, got {value!r}")
+            elif field.name in ("name", "api_key"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"{field.name} must be a non-empty string, got {value!r}")
             elif field.type == "float":
