@@ -251,10 +251,20 @@ def provenance(runs: list[dict]) -> str:
 
 
 def machine_key(run: dict) -> str:
-    """The machine a run measured: its GPU's name (the limits measured with it), else its CPU."""
+    """The machine a run measured: its GPU's name (the limits measured with it), else its CPU, told
+    apart by clock, last-level cache and AMX where the name is not enough (a cloud VM's "Intel(R)
+    Xeon(R) Processor" names several generations, whose ratios between backends differ)."""
     machine = run["machine_info"]
-    return (machine.get("limits") or {}).get("name") or machine.get("cpu", {}).get("brand_raw") or \
-        machine.get("processor", "")
+    gpu = (machine.get("limits") or {}).get("name")
+    if gpu:
+        return gpu
+    cpu = machine.get("cpu", {})
+    details = [cpu.get("hz_advertised_friendly"),
+               f"{cpu['l3_cache_size'] >> 20} MiB L3" if cpu.get("l3_cache_size", 0) >= 2**20 else None,
+               "AMX" if any(flag.startswith("amx") for flag in cpu.get("flags", [])) else None]
+    details = [d for d in details if d]
+    name = cpu.get("brand_raw") or machine.get("processor", "")
+    return f"{name} ({', '.join(details)})" if details else name
 
 
 # Notes on the rows of one model label: what a reader must know to compare them.

@@ -35,6 +35,7 @@ import hashlib
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -373,7 +374,9 @@ class Extender:
     row of a cache, attending to the row's past and to the new tokens before them."""
 
     def __init__(self, decoder, session: runtime.Session):
-        self.decoder, self.session = decoder, session  # any number of threads: a binding per call
+        # The decoder keeps this runner: a weak reference back (no cycle), so that a model dropped
+        # frees its sessions at once rather than at the cyclic garbage collector's next pass.
+        self.decoder, self.session = weakref.proxy(decoder), session  # any number of threads: a binding per call
         names = {i.name for i in session.ort_session.get_inputs()}
         self.positions = POSITIONS in names  # absent where no layer rotates inside its attention node (HunYuan)
         self.position_ids = decoder.spec.position_ids if decoder.spec.position_ids in names else None
@@ -467,12 +470,14 @@ def has_quantized_weights(data: bytes) -> bool:
 
 def lazy_extender(decoder) -> Callable[[], Extender | None]:
     """A function that makes the decoder's `Extender` at its first call (`make_extender`) and
-    returns the same one after; None where the package's graph or the device does not allow it."""
-    lock, made = threading.Lock(), []
+    returns the same one after; None where the package's graph or the device does not allow it.
+    The decoder keeps the function, which refers back to it weakly (as `Extender` does)."""
+    lock, made, owner = threading.Lock(), [], weakref.ref(decoder)
 
     def extender() -> Extender | None:
         with lock:
             if not made:
+                decoder = owner()
                 made.append(make_extender(decoder, decoder.cache_dir))
         return made[0]
 
@@ -610,7 +615,7 @@ class CausalPrefill:
     `prefill_attention` says so."""
 
     def __init__(self, decoder, session: runtime.Session):
-        self.decoder, self.session = decoder, session  # any number of threads: a binding per call
+        self.decoder, self.session = weakref.proxy(decoder), session  # as Extender's; a binding per call
         spec = decoder.spec
         names = {i.name for i in session.ort_session.get_inputs()}
         self.positions = POSITIONS in names  # absent where no layer rotates inside its attention node

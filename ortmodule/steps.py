@@ -11,6 +11,7 @@ recent ones (`Decoder.fixed`), so that the next generation of the same shape fin
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -64,7 +65,9 @@ class FixedSteps:
     KEPT_BYTES = 512 << 20  # and at most this much cache kept (larger steps serve their one call)
 
     def __init__(self, decoder: Decoder, batch: int, capacity: int):
-        self.decoder, device = decoder, decoder.device
+        # The decoder keeps its steps (`Decoder.fixed`): a weak reference back, so that a model
+        # dropped frees its sessions and caches at once (no cycle for the garbage collector).
+        self.decoder, device = weakref.proxy(decoder), decoder.device
         self.lock = threading.Lock()
         self.released: torch.cuda.Event | None = None  # on CUDA: the last holder's work queued so far
         self.cache = decoder.new_cache(batch, capacity)

@@ -48,6 +48,24 @@ def test_speed_ratio_compares_only_the_same_workload():
 
 
 @pytest.mark.slow
+def test_cpus_of_one_name_are_told_apart():
+    """Two CPUs a VM names alike (clock, cache or AMX differ) get a part each; two runs on one get one."""
+    def run(when, hz, l3, flags):
+        cpu = {"brand_raw": "Intel(R) Xeon(R) Processor", "count": 2, "hz_advertised_friendly": hz,
+               "l3_cache_size": l3, "flags": flags}
+        return {"machine_info": {"python_version": "3.11", "cpu": cpu}, "commit_info": {}, "datetime": when,
+                "benchmarks": [{"name": "a", "group": "forward", "stats": {"median": 1.0},
+                                "extra_info": {"backend": "ortmodule", "case": "all", "model": "m"}}]}
+
+    older = run("2026-11-26T00:00:00", "2.3000 GHz", 260 << 20, ["avx512f"])
+    newer = run("2026-11-27T00:00:00", "2.6000 GHz", 480 << 20, ["avx512f", "amx_tile"])
+    assert report.machine_key(newer) == "Intel(R) Xeon(R) Processor (2.6000 GHz, 480 MiB L3, AMX)"
+    page = report.render([older, newer, dict(newer, datetime="2026-11-27T01:00:00")], "cpu")
+    parts = [line for line in page.splitlines() if line.startswith("## On ")]
+    assert parts == ["## On Intel(R) Xeon(R) Processor (2.6000 GHz, 480 MiB L3, AMX)",
+                     "## On Intel(R) Xeon(R) Processor (2.3000 GHz, 260 MiB L3)"]
+
+
 def test_a_stopped_suite_keeps_the_rows_that_finished(tmp_path):
     """SIGTERM to the suite's process group (what `timeout` sends) after a row finished: the JSON
     still holds every finished row, each with its timings (the running one is dropped)."""
