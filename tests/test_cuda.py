@@ -431,6 +431,43 @@ def test_no_device_memory_growth_over_1000_calls(build):
     assert growth < 16
 
 
+def test_a_dropped_model_gives_its_device_memory_back(build):
+    """`del model` returns its weights' and arenas' device memory at once, with Python's cyclic
+    garbage collector off: nothing ortmodule keeps (decode steps, the extend and prefill runners)
+    holds the decoder and its sessions in a reference cycle (tests/test_modeling.py checks the
+    references on the CPU; this, the memory on the device)."""
+    import gc
+
+    fixture = build("llama", precision="fp16", execution_provider="cuda", hidden_size=1024, intermediate_size=2816,
+                    num_layers=4, num_heads=8, num_kv_heads=4, vocab_size=32000)
+    weights = fixture.parameters() * 2  # fp16
+
+    def load_and_use():
+        model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", prefill_attention="onnx")
+        ids = torch.randint(4, 32000, (4, 64), generator=torch.Generator().manual_seed(0))
+        model(ids, cont_len=2)
+        model.generate(ids, max_new_tokens=4, eos_token_id=None, pad_token_id=0)
+        scoring.label_logprobs(model, [[[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11]]], [1, 2], 4096, True)
+        torch.cuda.synchronize()
+        return model
+
+    load_and_use()  # dropped at once: CUDA kernels and libraries are loaded once for the process
+    torch.cuda.empty_cache()
+    gc.collect()
+    gc.disable()
+    try:
+        free_before, _ = torch.cuda.mem_get_info()
+        model = load_and_use()
+        held = free_before - torch.cuda.mem_get_info()[0]
+        del model
+        torch.cuda.empty_cache()
+        kept = free_before - torch.cuda.mem_get_info()[0]
+    finally:
+        gc.enable()
+    print(f"a model of {weights >> 20} MiB of weights held {held >> 20} MiB; after del, {kept >> 20} MiB")
+    assert held > weights and kept < weights // 4
+
+
 def test_cuda_graph_decode_steps(build):
     """With the CUDA provider's `enable_cuda_graph`, generation's decode steps are captured as CUDA
     graphs and replayed: the same tokens as without, for a new shape, the same shape again (a
