@@ -103,7 +103,6 @@ class LocalServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.launcher = list(launcher)
         command = [*(launcher or [sys.executable, "-m", "ortmodule"]), "serve", str(package), "--port", str(port),
                    "--device", device, *extra]
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  open for the server process's lifetime

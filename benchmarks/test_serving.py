@@ -64,7 +64,7 @@ def score_server(score_servers, server_reuse):
 
 
 @pytest.mark.benchmark(group="score server")
-def test_ortmodule_server_load(benchmark, workload, score_server, size, server_reuse, server_rate):
+def test_ortmodule_server_load(benchmark, workload, score_server, size, server_reuse, server_rate, request):
     """Open-loop Poisson arrivals at `server_rate` requests/s: latency percentiles and items/s, and
     the answers to a few of the same requests against transformers in fp32 on the same weights.
     `server_reuse`: the server's `--reuse-prefix` (auto, the default: each request's query run once
@@ -73,8 +73,9 @@ def test_ortmodule_server_load(benchmark, workload, score_server, size, server_r
     load = size["server"]
     backend = "ortmodule_server" + ("" if server_reuse == "auto" else f"-reuse-{server_reuse}")
     benchmark.extra_info.update(backend=backend, model=model_label(key), case=f"{server_rate:g} requests/s")
-    if score_server.launcher:  # the extend graph set by --server-extend: "cache, grouped" and the like
-        benchmark.extra_info["extend_graph"] = ", ".join(score_server.launcher[2:])
+    extend = request.config.getoption("--server-extend")
+    if extend:  # the extend graph the servers were started with: "cache, grouped" and the like
+        benchmark.extra_info["extend_graph"] = extend.replace(",", ", ")
     shape = [load[k] for k in ("query_tokens", "items", "item_tokens", "labels")]
     bodies = list(make_requests(int(server_rate * load["duration"] * 3) + 10, fixture.spec.vocab_size, *shape,
                                 seed=1, exact=load["exact"]))
