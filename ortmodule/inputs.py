@@ -8,6 +8,7 @@ other. Every check raises a TypeError or ValueError naming the argument and the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -74,6 +75,24 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def start_copy_to_host(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start copying `tensor` to the host behind the work queued before it, without waiting;
+    returns the function that waits for that copy alone (not for work queued after it) and gives
+    the host tensor. On a CPU the tensor itself."""
+    if tensor.device.type != "cuda":
+        return lambda: tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> torch.Tensor:
+        copied.synchronize()
+        return host
+
+    return wait
 
 
 def argmax(values: torch.Tensor) -> torch.Tensor:
@@ -162,7 +181,7 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
         mask = torch.ones_like(ids)
     else:
         _check_mask_type(attention_mask, input_ids.shape)
-        mask = attention_mask.to(ids.device)
+        mask = to_device(attention_mask, ids.device)
     not_binary = ((mask != 0) & (mask != 1)).any()
     mask = mask.to(torch.int64)
     counts = mask.sum(1)

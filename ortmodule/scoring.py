@@ -265,7 +265,7 @@ def label_logprobs(
     if shared:
         _shared_logprobs(model, shared, labels, token_budget, out)
     if batched:
-        rows = torch.tensor([i for i, _ in batched], device=model.device)
+        rows = to_device(torch.tensor([i for i, _ in batched]), model.device)
         out[rows] = _batched_logprobs(model, [p for _, p in batched], labels, token_budget)
     return out
 
@@ -361,13 +361,14 @@ def _gather(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> torch.Tensor:
     """Label log-probabilities `[items, labels]` on the device: one prefill per batch."""
     device = model.device
-    label_ids = torch.tensor(labels, device=device)
+    label_ids = to_device(torch.tensor(labels), device)
     out = torch.empty(len(prompts), len(labels), device=device)
     for batch in length_batches([len(p) for p in prompts], 0, budget):
+        # On the host: logits_at checks the batch and its positions there and copies them up
+        # without waiting for the device (the previous batch may still run).
         ids, mask = pad_right([prompts[i] for i in batch])
-        last = mask.sum(1) - 1  # positions on the host: logits_at checks them there, with no wait on the device
-        logits = model.logits_at(ids.to(device), mask.to(device), torch.arange(len(batch)), last, upcast=False)
-        out[torch.tensor(batch, device=device)] = _gather(logits, label_ids)
+        logits = model.logits_at(ids, mask, torch.arange(len(batch)), mask.sum(1) - 1, upcast=False)
+        out[to_device(torch.tensor(batch), device)] = _gather(logits, label_ids)
     return out
 
 
@@ -376,7 +377,7 @@ def _shared_logprobs(model, requests: list[tuple[int, list[Ids]]], labels: Ids, 
     first index), each request's shared prefix run once per batch: a request's prompts in pieces of
     at most `budget` padded tokens, pieces of several requests together in one prefill of their
     prefixes and one run of the rest (`shared_prefix_logits`, a group per piece)."""
-    label_ids = torch.tensor(labels, device=model.device)
+    label_ids = to_device(torch.tensor(labels), model.device)
     pieces = []  # (rows of `out`, prompts, longest prompt)
     for first, prompts in requests:
         prefix = common_prefix(prompts)
@@ -388,7 +389,7 @@ def _shared_logprobs(model, requests: list[tuple[int, list[Ids]]], labels: Ids, 
         groups = [g for g, piece in enumerate(run) for _ in piece[1]]
         where = [row for piece in run for row in piece[0]]  # a pair is a row here: one position each
         for pairs, logits in shared_prefix_logits(model, rows, groups, [[len(r) - 1] for r in rows]):
-            out[torch.tensor([where[p] for p in pairs], device=model.device)] = _gather(logits, label_ids)
+            out[to_device(torch.tensor([where[p] for p in pairs]), model.device)] = _gather(logits, label_ids)
 
 
 def _packed(pieces: list[tuple], budget: int) -> list[list[tuple]]:

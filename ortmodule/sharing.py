@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .costs import Costs
-from .inputs import Rows, flat_index, pad_right
+from .inputs import Rows, flat_index, pad_right, to_device
 from .modeling import OrtModelForCausalLM
 
 Ids = list[int]
@@ -95,33 +95,35 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     """
     plan = plan_sharing(rows, groups, needed)
     decoder, device = model.decoder, model.device
+
+    def up(values) -> torch.Tensor:  # host data copied up without waiting for the runs queued before
+        return to_device(values if isinstance(values, torch.Tensor) else torch.tensor(values), device)
+
     ids, mask = pad_right(plan.prefixes)
-    lengths = mask.sum(1).to(device)
+    lengths = up(mask.sum(1))
     width = ids.shape[1]
     source = decoder.new_cache(len(plan.prefixes), width)
-    prefix_rows = Rows(ids.to(device), None, lengths, width)
-    last = decoder.prefill(prefix_rows, flat_index(width, torch.arange(len(plan.prefixes), device=device), lengths - 1),
-                           source)
+    last = decoder.prefill(Rows(up(ids), None, lengths, width),
+                           flat_index(width, torch.arange(len(plan.prefixes), device=device), lengths - 1), source)
     if plan.at_prefix:
-        yield ([p for p, _ in plan.at_prefix],
-               last.index_select(0, torch.tensor([i for _, i in plan.at_prefix], device=device)))
+        yield [p for p, _ in plan.at_prefix], last.index_select(0, up([i for _, i in plan.at_prefix]))
     if not plan.steps:
         return
     extender = decoder.extender()
-    owner = torch.tensor(plan.owner, device=device)
+    owner = up(plan.owner)
     room = extender.room(len(plan.steps)) if extender is not None else len(plan.steps)
     cache = decoder.new_cache(len(rows), width + room)
     cache.start_from(source, owner, lengths[owner], width)
-    tokens = pad_right(plan.tokens)[0].to(device)
+    tokens = up(pad_right(plan.tokens)[0])
     if extender is not None:  # every row's rest in one run
         new = tokens.shape[1]
         flat = [row * new + step for step, (asking, _) in enumerate(plan.steps) for row in asking]
         pairs = [pair for _, step_pairs in plan.steps for pair in step_pairs]
         if flat:
-            yield pairs, extender.run(tokens, cache, torch.tensor(flat, device=device))
+            yield pairs, extender.run(tokens, cache, up(flat))
         return
     for step, (asking, pairs) in enumerate(plan.steps):
-        logits = decoder.step(tokens[:, step : step + 1], cache, torch.tensor(asking or [0], device=device))
+        logits = decoder.step(tokens[:, step : step + 1], cache, up(asking or [0]))
         if asking:
             yield pairs, logits
 

@@ -3,6 +3,7 @@ padded batches, the live server and its worker hold, and the references several 
 against. Tests import from here (fixtures live in conftest.py); no test module imports another."""
 
 import socket
+import sys
 import threading
 import time
 
@@ -180,20 +181,20 @@ def hold_worker(served):
     the events (`started`: work is held, `release`) and the list of the batch sizes run."""
     started, release, scored = threading.Event(), threading.Event(), []
     engine = served.engine
-    run_together, prefill_short = engine.run_together, engine.generations._prefill_short
+    start_together, prefill_short = engine.start_together, engine.generations._prefill_short
 
     def held_batch(kind, jobs):
         scored.append(len(jobs))
         started.set()
         release.wait(30)
-        return run_together(kind, jobs)
+        return start_together(kind, jobs)
 
     def held_prefill(rows):
         started.set()
         release.wait(30)
         return prefill_short(rows)
 
-    engine.run_together, engine.generations._prefill_short = held_batch, held_prefill
+    engine.start_together, engine.generations._prefill_short = held_batch, held_prefill
     return started, release, scored
 
 
@@ -211,3 +212,48 @@ class ScalarReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func in self.READS
         return func(*args, **(kwargs or {}))
+
+
+class BlockingUploads:
+    """Records where ortmodule's code copies host data to a device other than through
+    `inputs.to_device`: `torch.tensor(..., device=...)`, `torch.as_tensor(..., device=...)` and
+    `tensor.to(device)` without `non_blocking`. On CUDA such a copy (from pageable memory) makes the
+    host wait for every run queued on the stream, so the device idles while the host builds the
+    next one. A CPU cannot tell a host tensor from a device one, so here every such call made by
+    ortmodule counts: its rule is that host data goes up through `to_device` alone
+    (tests/test_cuda.py checks on a GPU that the calls return before the device catches up)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def _record(self):
+        caller = sys._getframe(2)
+        if caller.f_globals.get("__name__", "").startswith("ortmodule") and caller.f_code.co_name != "to_device":
+            self.calls.append(f"{caller.f_globals['__name__']}:{caller.f_lineno} ({caller.f_code.co_name})")
+
+    def __enter__(self):
+        self.saved = torch.tensor, torch.as_tensor, torch.Tensor.__dict__.get("to")
+        tensor, as_tensor, to = torch.tensor, torch.as_tensor, torch.Tensor.to
+
+        def made(make):
+            def call(data, *args, **kwargs):
+                if kwargs.get("device") is not None:
+                    self._record()
+                return make(data, *args, **kwargs)
+            return call
+
+        def moved(self_tensor, *args, **kwargs):
+            device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+            if device is not None and not non_blocking:
+                self._record()
+            return to(self_tensor, *args, **kwargs)
+
+        torch.tensor, torch.as_tensor, torch.Tensor.to = made(tensor), made(as_tensor), moved
+        return self
+
+    def __exit__(self, *exc):
+        torch.tensor, torch.as_tensor = self.saved[:2]
+        if self.saved[2] is None:
+            del torch.Tensor.to
+        else:
+            torch.Tensor.to = self.saved[2]

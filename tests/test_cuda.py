@@ -689,6 +689,41 @@ def test_score_requests_sharing_queries_on_cuda(build, layout, monkeypatch):
     assert shared.shape == (9, 3) and (shared - padded).abs().max().item() < 0.3  # bf16 logits' last digits
 
 
+@pytest.mark.parametrize("layout", ["mask", "cache"])
+def test_scoring_paths_queue_their_work_without_waiting(build, layout, monkeypatch):
+    """lm-eval's padded rows and shared contexts and the score server's calls (each query run once
+    and not) queue their work and return before the device catches up: queued behind a ~1 s kernel,
+    each returns well within it (no host read, no blocking copy up: tests/test_extend.py checks the
+    calls on any machine), and its answers are those of the same call with nothing queued before."""
+    monkeypatch.setitem(extend.EXTEND_LAYOUT, "cuda", layout)
+    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    rows, groups, starts, targets = grouped_rows((30, 17, 44), (3, 6, 1, 4), seed=41)
+    ids, mask = pad_right(rows)
+    generator = torch.Generator().manual_seed(43)
+    requests = [[query + torch.randint(4, 500, (k,), generator=generator).tolist() for k in items]
+                for query, items in ((torch.randint(4, 500, (n,), generator=generator).tolist(), items)
+                                     for n, items in ((40, (3, 9, 1)), (25, (5, 2))))]
+    calls = {"padded rows": lambda: scoring.loglikelihood_totals(model, ids, mask, starts, targets),
+             "shared contexts": lambda: scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets),
+             "score, queries once": lambda: scoring.label_logprobs(model, requests, [5, 6], 4096, True),
+             "score, whole prompts": lambda: scoring.label_logprobs(model, requests, [5, 6], 4096, False)}
+    for name, call in calls.items():
+        expected = call().clone()  # the first call also makes and checks the extend graph
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))
+        start = time.perf_counter()
+        got = call()
+        host_time = time.perf_counter() - start
+        done = torch.cuda.Event()
+        done.record()
+        still_busy = not done.query()
+        torch.cuda.synchronize()
+        print(f"{name}: host time behind a ~1 s kernel {host_time:.3f} s (device still busy: {still_busy})")
+        assert still_busy and host_time < 0.5, f"{name}: the call waited for the device ({host_time:.2f} s)"
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("precision,options", [("bf16", ()), ("bf16", UNPACKED)], ids=["bf16", "bf16-unpacked"])
 def test_prefill_graph_on_cuda(build, precision, options):
     """`prefill_attention="onnx"` on CUDA (a Qwen3 export: the query/key norms GroupQueryAttention

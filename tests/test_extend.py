@@ -7,7 +7,7 @@ import logging
 import onnx
 import pytest
 import torch
-from helpers import ScalarReads, grouped_rows, left_padded_batch, load_pair, right_padded_batch
+from helpers import BlockingUploads, ScalarReads, grouped_rows, left_padded_batch, load_pair, right_padded_batch
 
 from ortmodule import OrtModelForCausalLM, extend, graph, runtime, scoring
 from ortmodule.inputs import Rows, pad_right
@@ -294,20 +294,28 @@ def test_rewrites_that_differ_are_not_used(build, monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_the_shared_paths_read_no_value_back(build, arch):
-    """lm-eval's shared contexts (`grouped_loglikelihood_totals`) and the score server's queries run
-    once (`label_logprobs` with reuse) read no value out of a tensor: on CUDA such a read would make
-    the host wait for the device on every call (a hybrid's state check did, for every model, until
-    session 36). On a CPU the count includes reads of host tensors, which the shared paths have none of."""
+def test_the_scoring_paths_neither_read_back_nor_wait_to_copy_up(build, arch):
+    """lm-eval's shared contexts (`grouped_loglikelihood_totals`), its padded rows
+    (`loglikelihood_totals`) and the score server's calls (`label_logprobs`, each query run once and
+    not) read no value out of a tensor and copy host data up only without waiting (`to_device`):
+    on CUDA either would make the host wait for the device in the middle of every call, so the
+    device would idle while the host builds the rest (a hybrid's state check did so for every model
+    until session 36; six blocking copies in the shared path and four in the padded score path until
+    session 38). On a CPU the read count includes reads of host tensors, which the shared paths have none of."""
     model = OrtModelForCausalLM.from_pretrained(build(arch).package_dir)
     rows, groups, starts, targets = grouped_rows((21, 12), (9, 2, 5), seed=47)
     generator = torch.Generator().manual_seed(48)
     requests = [[query + torch.randint(4, 400, (k,), generator=generator).tolist() for k in (12, 5, 9)]
                 for query in (torch.randint(4, 400, (n,), generator=generator).tolist() for n in (30, 17))]
-    calls = [lambda: scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets),
-             lambda: scoring.label_logprobs(model, requests, [5, 6], 8192, True)]
-    for call in calls:
+    ids, mask = right_padded_batch([20, 11, 6], seed=1)
+    shared = [lambda: scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets),
+              lambda: scoring.label_logprobs(model, requests, [5, 6], 8192, True)]
+    padded = [lambda: scoring.loglikelihood_totals(model, ids, mask, [3, 4, 2], [[5, 6], [7], [8, 9]]),
+              lambda: scoring.label_logprobs(model, requests, [5, 6], 8192, False)]
+    for call in shared + padded:
         call()  # the extend graph made and checked at its first use
-        with ScalarReads() as reads:
+        with ScalarReads() as reads, BlockingUploads() as uploads:
             call()
-        assert reads.count == 0
+        assert uploads.calls == []
+        if call in shared:  # the padded paths check their host inputs on the host (reads of host tensors)
+            assert reads.count == 0

@@ -19,6 +19,7 @@ from helpers import score_reference as reference
 import ortmodule
 from ortmodule import OrtModelForCausalLM, load_tokenizer
 from ortmodule.serving import create_app
+from ortmodule.serving.jobs import ScoreJob
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +176,69 @@ def test_a_full_queue_answers_503_and_the_server_recovers(build):
             assert first.result().status_code == 200 and second.result().status_code == 200
         assert live.client.post("/v1/score", json=body).status_code == 200
         assert live.client.get("/metrics").json()["rejected_busy"] == 1
+    finally:
+        release.set()
+        live.stop()
+
+
+@pytest.mark.parametrize("overlaps, expected", [
+    (True, ["start 1", "start 2", "finish 1", "finish 2"]),
+    (False, ["start 1", "finish 1", "start 2", "finish 2"]),
+], ids=["overlapping", "one-by-one"])
+def test_requests_arriving_during_a_call_are_queued_before_it_is_answered(build, monkeypatch, overlaps, expected):
+    """The engine's overlap (on CUDA: `engine.overlaps`, turned on here on a CPU): two requests that
+    arrive while a call runs are queued as the next call before the running one is answered, so that
+    a GPU goes from one to the next without waiting for the host; without it (a CPU), each call is
+    answered as soon as it returns. Either way every answer is transformers', the last call is
+    answered with nothing queued behind it, and a call whose answers fail to come back fails its
+    own requests only (500), not the next call's."""
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    app = create_app(model, tokenizer, window_ms=0)
+    engine = app.state.served.engine
+    engine.overlaps = overlaps
+    events, start_together = [], ScoreJob.start_together.__func__
+
+    def recorded(cls, model, jobs):
+        finish = start_together(cls, model, jobs)
+        events.append(f"start {len(jobs)}")
+
+        def finished():
+            events.append(f"finish {len(jobs)}")
+            if failing and len(jobs) == 1:
+                raise RuntimeError("the copy to the host failed")
+            return finish()
+
+        return finished
+
+    monkeypatch.setattr(ScoreJob, "start_together", classmethod(recorded))
+    started, release, _ = hold_worker(app.state.served)
+    live = LiveServer(app)
+    labels = labels_for(tokenizer)
+    bodies = [dict(query=QUERY, items=ITEMS[:k], label_token_ids=labels) for k in (2, 3, 4)]
+    try:
+        for failing in (False, True):
+            events.clear()
+            started.clear()
+            release.clear()
+            with ThreadPoolExecutor(3) as pool:
+                first = pool.submit(live.client.post, "/v1/score", json=bodies[0])
+                assert started.wait(30)  # the first call is held
+                rest = [pool.submit(live.client.post, "/v1/score", json=body) for body in bodies[1:]]
+                deadline = time.monotonic() + 30
+                while engine.inbox.queue.qsize() < 2:  # both handed to the engine while the call is held
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                release.set()
+                answers = [first.result(), *(r.result() for r in rest)]
+            assert events == expected
+            assert answers[0].status_code == (500 if failing else 200)
+            for body, answer in zip(bodies[0 if not failing else 1 :], answers[0 if not failing else 1 :]):
+                assert answer.status_code == 200, answer.text
+                reference_scores = reference(hf, tokenizer, QUERY, body["items"], labels, False, False)
+                got = torch.tensor(answer.json()["scores"], dtype=torch.float64)
+                assert (got - reference_scores).abs().max().item() < 1e-5
     finally:
         release.set()
         live.stop()

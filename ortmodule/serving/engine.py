@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,6 +162,10 @@ class Engine:
         self.inbox = Inbox(self.window, self.token_budget)
         self.waiting = Waiting(settings.max_queue)
         self.oneshots: deque[OneShot] = deque()
+        # One-shot calls queued and not yet answered: (class, jobs, finish). On CUDA a pass queues
+        # its calls before it answers the previous pass's, whose device work runs meanwhile.
+        self.started: list[tuple[type, list[OneShot], Callable[[], list]]] = []
+        self.overlaps = model.device.type == "cuda"
         self.generations = Generations(model, settings, self.stats, self.release)
         self.thread: threading.Thread | None = None
         self.stopping = False
@@ -193,7 +198,7 @@ class Engine:
         generations = self.generations
         with torch.inference_mode():
             while not self.stopping:
-                self._take(block=not (self.oneshots or generations.busy))
+                self._take(block=not (self.oneshots or generations.busy or self.started))
                 try:
                     self.files.check()
                 except ServingError as e:
@@ -203,6 +208,8 @@ class Engine:
                 if self.oneshots and self._due(self.oneshots[0], sum(job.tokens for job in self.oneshots),
                                                self.token_budget):
                     self._timed("oneshot", self._run_oneshots)
+                elif self.started:  # nothing to queue behind them: their answers now
+                    self._timed("oneshot", self._finish_started)
                 batch, pending = generations.batch, generations.pending
                 generations.feed()
                 if batch.free and (generations.partial or pending and self._due(pending[0].job, len(pending),
@@ -211,6 +218,7 @@ class Engine:
                 if generations.batch.rows:
                     self._timed("decode", generations.decode)
                     self.steps += 1
+            self._finish_started()
 
     def _fail_all(self, error: Exception) -> None:
         """Every job filed fails with `error`; the engine keeps taking (and refusing) new ones."""
@@ -218,6 +226,10 @@ class Engine:
             self.release(job)
             job.abort(error)
         self.oneshots.clear()
+        for _, jobs, _ in self.started:  # queued before the change was seen, maybe run after it
+            for job in jobs:
+                job.abort(error)
+        self.started = []
         self.generations.fail_all(error)
 
     def _due(self, oldest: Job, queued: int, enough: int) -> bool:
@@ -251,7 +263,10 @@ class Engine:
         self.generations.drop_abandoned()
 
     def _run_oneshots(self) -> None:
-        """The oldest one-shot jobs up to the token budget (at least one), each class in one call."""
+        """The oldest one-shot jobs up to the token budget (at least one), each class in one call,
+        queued; then the answers of the calls queued in the pass before, whose device work ran
+        meanwhile (on CUDA: so the device goes from one batch to the next without waiting for the
+        host; on a CPU a call's work is done when it returns, and its answers go at once)."""
         taken, tokens = [], 0
         while self.oneshots and (not taken or tokens + self.oneshots[0].tokens <= self.token_budget):
             job = self.oneshots.popleft()
@@ -261,28 +276,45 @@ class Engine:
         for job in taken:
             self.release(job)
             by_class.setdefault(type(job), []).append(job)
-        for kind, jobs in by_class.items():
-            self.run_together(kind, jobs)
+        started = [(kind, jobs, finish) for kind, jobs in by_class.items()
+                   if (finish := self.start_together(kind, jobs)) is not None]
+        self._finish_started()
+        self.started = started
+        if not self.overlaps:
+            self._finish_started()
 
-    def run_together(self, kind: type, jobs: list[OneShot]) -> None:
-        name = kind.kind
-        start = time.perf_counter()
+    def start_together(self, kind: type, jobs: list[OneShot]):
+        """Queue one call of `jobs` (of class `kind`): the function that finishes it, or None when
+        queueing failed (then its jobs have failed)."""
         try:
-            results = kind.run_together(self.model, jobs)
+            return kind.start_together(self.model, jobs)
         except Exception as e:  # noqa: BLE001  a failed batch fails its jobs; the engine goes on
-            log.exception("a batch of %d %s failed", len(jobs), name)
-            self.stats.failed += len(jobs)
-            for job in jobs:
-                job.fail(e)
-            return
-        # Counted before the answers go out: a client that has its answer finds it in /metrics.
-        self.stats.count(name, len(jobs))
-        self.stats.count(name, 1, "batches")
-        self.stats.largest_batch[name] = max(self.stats.largest_batch.get(name, 0), len(jobs))
-        sizes = self.stats.batch_sizes.setdefault(name, {})
-        sizes[len(jobs)] = sizes.get(len(jobs), 0) + 1
-        self.stats.items += sum(len(job.prompts) for job in jobs)
-        self.stats.reused_prefixes += sum(job.reused_prefix for job in jobs)
-        for job, result in zip(jobs, results):
-            job.resolve(result)
-        log.debug("%d %s jobs in one call: %.1f ms", len(jobs), name, 1000 * (time.perf_counter() - start))
+            self._fail_batch(kind, jobs, e)
+            return None
+
+    def _fail_batch(self, kind: type, jobs: list[OneShot], error: Exception) -> None:
+        log.error("a batch of %d %s failed", len(jobs), kind.kind, exc_info=error)
+        self.stats.failed += len(jobs)
+        for job in jobs:
+            job.fail(error)
+
+    def _finish_started(self) -> None:
+        """Answer the calls queued so far (each waits for its own copy to the host)."""
+        started, self.started = self.started, []
+        for kind, jobs, finish in started:
+            try:
+                results = finish()
+            except Exception as e:  # noqa: BLE001
+                self._fail_batch(kind, jobs, e)
+                continue
+            name = kind.kind
+            # Counted before the answers go out: a client that has its answer finds it in /metrics.
+            self.stats.count(name, len(jobs))
+            self.stats.count(name, 1, "batches")
+            self.stats.largest_batch[name] = max(self.stats.largest_batch.get(name, 0), len(jobs))
+            sizes = self.stats.batch_sizes.setdefault(name, {})
+            sizes[len(jobs)] = sizes.get(len(jobs), 0) + 1
+            self.stats.items += sum(len(job.prompts) for job in jobs)
+            self.stats.reused_prefixes += sum(job.reused_prefix for job in jobs)
+            for job, result in zip(jobs, results):
+                job.resolve(result)

@@ -116,10 +116,10 @@ class DecodeBatch:
         decoder = self.decoder
         start = row.prefilled
         end = min(start + chunk, len(row.prompt))
-        piece = to_device(torch.tensor([row.prompt[start:end]]), decoder.device)
-        last = torch.tensor([end - start - 1], device=decoder.device)
+        piece, last, size = (to_device(torch.tensor(values), decoder.device)
+                             for values in ([row.prompt[start:end]], [end - start - 1], [end]))
         if start == 0:
-            logits = decoder.prefill(Rows(piece, None, torch.tensor([end], device=decoder.device), end), last, cache)
+            logits = decoder.prefill(Rows(piece, None, size, end), last, cache)
         else:
             logits = decoder.step(piece, cache, last)
         row.prefilled = end

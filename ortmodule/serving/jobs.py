@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
 from .. import scoring
-from ..inputs import argmax, pad_right
+from ..inputs import argmax, pad_right, start_copy_to_host, to_device
 from .text import TextStream
 
 Ids = list[int]
@@ -66,9 +67,17 @@ def _settle(future: asyncio.Future, result, error) -> None:
 
 
 class OneShot(Job):
-    """Work done in one model call per batch. `run_together(model, jobs)` returns each job's result."""
+    """Work done in one model call per batch. `start_together(model, jobs)` queues the work of
+    several jobs of one class and returns `finish`, which returns each job's result: on CUDA the
+    engine queues the next batch before it finishes this one, so the device never waits for the
+    host between batches. A class whose results are ready at once defines `run_together` instead."""
 
     reused_prefix = False  # a score job whose items' common prefix (its query) ran once: ScoreJob sets it
+
+    @classmethod
+    def start_together(cls, model, jobs: list) -> Callable[[], list]:
+        results = cls.run_together(model, jobs)
+        return lambda: results
 
     @staticmethod
     def run_together(model, jobs: list) -> list:
@@ -86,10 +95,10 @@ class ScoreJob(OneShot):
         self.labels, self.apply_softmax, self.token_budget = labels, apply_softmax, token_budget
         self.reuse_prefix = reuse_prefix  # the server's setting: None decides per request from measured costs
 
-    @staticmethod
-    def run_together(model, jobs: list[ScoreJob]) -> list[list[list[float]]]:
+    @classmethod
+    def start_together(cls, model, jobs: list[ScoreJob]) -> Callable[[], list[list[list[float]]]]:
         """Every job's scores from one call of `scoring.label_logprobs` (each distinct label once),
-        one device-to-host copy."""
+        queued with their one copy to the host; `finish` waits for that copy."""
         labels = sorted({t for job in jobs for t in job.labels})
         column = {t: i for i, t in enumerate(labels)}
         reused = []
@@ -102,13 +111,18 @@ class ScoreJob(OneShot):
             mine = logprobs[row : row + len(job.prompts), [column[t] for t in job.labels]]
             parts.append((torch.softmax(mine, -1) if job.apply_softmax else mine.exp()).flatten())
             row += len(job.prompts)
-        flat = torch.cat(parts).cpu().tolist()
-        out, start = [], 0
-        for job in jobs:
-            width = len(job.labels)
-            out.append([flat[start + i * width : start + (i + 1) * width] for i in range(len(job.prompts))])
-            start += width * len(job.prompts)
-        return out
+        copied = start_copy_to_host(torch.cat(parts))
+
+        def finish() -> list[list[list[float]]]:
+            flat = copied().tolist()
+            out, start = [], 0
+            for job in jobs:
+                width = len(job.labels)
+                out.append([flat[start + i * width : start + (i + 1) * width] for i in range(len(job.prompts))])
+                start += width * len(job.prompts)
+            return out
+
+        return finish
 
 
 @dataclass
@@ -158,9 +172,9 @@ def _score_batch(model, prompts: list[Ids], top: int) -> list[PromptScores]:
     lengths = [len(p) for p in prompts]
     rows = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
     cols = torch.cat([torch.arange(n) for n in lengths])
-    logits = model.logits_at(ids.to(model.device), mask.to(model.device), rows, cols, upcast=False)
+    logits = model.logits_at(ids, mask, rows, cols, upcast=False)  # checked on the host, copied up without a wait
     normalizers, _ = scoring.log_normalizers(logits)  # log-probability = logit - normalizer, in float32
-    targets = torch.cat([torch.tensor(p[1:] + [0]) for p in prompts]).to(model.device)
+    targets = to_device(torch.cat([torch.tensor(p[1:] + [0]) for p in prompts]), model.device)
     values, indices = logits.topk(min(top, logits.shape[1]), dim=-1)
     values = (torch.cat([logits.gather(1, targets[:, None]), values], 1).float() - normalizers[:, None]).cpu().tolist()
     indices = indices.cpu().tolist()
@@ -294,7 +308,7 @@ def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, floa
     wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
     picked, tops = {}, {}
     if wanted:
-        index = torch.tensor(wanted, device=logits.device)
+        index = to_device(torch.tensor(wanted), logits.device)
         logprobs = torch.log_softmax(logits.index_select(0, index), -1)
         values = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
         k = max(1, max(rows[i].sampling.logprobs for i in wanted))
