@@ -375,8 +375,7 @@ def profile_score(model, args, peak) -> None:
         requests.append([query + torch.randint(4, top, (args.item_tokens,), generator=gen).tolist()
                          for _ in range(args.items)])
     budget, labels = scoring.default_token_budget(model.device), [10, 20]
-    chosen = []
-    scoring.label_logprobs(model, requests, labels, budget, None, chosen)
+    chosen = scoring.prefix_reuse(model, requests, budget, None)
     print(f"{args.score} requests of a {args.query_tokens}-token query and {args.items} items of {args.item_tokens} "
           f"tokens, token budget {budget}: the measured costs run {sum(chosen)} of them with the query once")
     runs = {"whole prompts (reuse off)": lambda: scoring.label_logprobs(model, requests, labels, budget, False),

@@ -234,29 +234,40 @@ def check_prompts(prompts: list[Ids], vocab: int, limit: int) -> None:
             raise ValueError(f"item {i}: {vocabulary_message(bad, vocab)}")
 
 
+def prefix_reuse(model: OrtModelForCausalLM, requests: list[list[Ids]], token_budget: int,
+                 reuse_prefix: bool | None) -> list[bool]:
+    """Per request, whether `label_logprobs` runs its prompts' shared prefix once: as
+    `reuse_prefix` says, where the prompts share one (a request of one prompt shares nothing), or,
+    for None, where the model's measured costs say it pays (`worth_sharing`)."""
+    if reuse_prefix is not None:
+        return [bool(reuse_prefix) and len(prompts) > 1 and common_prefix(prompts) > 0 for prompts in requests]
+    costs, rows = model.measured_costs(), sum(len(r) for r in requests)
+    choices = []
+    for prompts in requests:
+        # A run's fixed cost is shared by the rows of the requests that run together.
+        together = min(rows, max(1, token_budget // max(len(p) for p in prompts)))
+        choices.append(len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], costs, together))
+    return choices
+
+
 def label_logprobs(
-    model: OrtModelForCausalLM, requests: list[list[Ids]], labels: Ids, token_budget: int, reuse_prefix: bool | None,
-    reused: list[bool] | None = None,
+    model: OrtModelForCausalLM, requests: list[list[Ids]], labels: Ids, token_budget: int,
+    reuse_prefix: bool | None | Sequence[bool],
 ) -> torch.Tensor:
     """log p(label | prompt) for every prompt of every request, in order: `[prompts, labels]`
-    float32 on the device. Requests whose prompts share a prefix worth reusing run it once, several
-    requests' prefixes in one prefill and their items in one run over copies of their KV caches
-    (`_shared_logprobs`); the prompts of all the other requests go through batched prefills together.
-    `reused`, where given, gets each request's choice appended (True: its prefix ran once)."""
+    float32 on the device. Requests whose prompts share a prefix worth reusing (`prefix_reuse`'s
+    choice for `reuse_prefix`, or per request the choices given) run it once, several requests'
+    prefixes in one prefill and their items in one run over copies of their KV caches
+    (`_shared_logprobs`); the prompts of all the other requests go through batched prefills together."""
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
+    if reuse_prefix is None or isinstance(reuse_prefix, bool):
+        reuse_prefix = prefix_reuse(model, requests, token_budget, reuse_prefix)
+    elif len(reuse_prefix) != len(requests):
+        raise ValueError(f"reuse_prefix has {len(reuse_prefix)} choices for {len(requests)} requests")
     out = torch.empty(sum(len(r) for r in requests), len(labels), device=model.device)
     batched, shared, start = [], [], 0
-    for prompts in requests:
-        if reuse_prefix is None:
-            # A run's fixed cost is shared by the rows of the requests that run together.
-            together = min(len(out), max(1, token_budget // max(len(p) for p in prompts)))
-            reuse = len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], model.measured_costs(),
-                                                       together)
-        else:
-            reuse = reuse_prefix and len(prompts) > 1 and common_prefix(prompts) > 0  # one prompt shares nothing
-        if reused is not None:
-            reused.append(bool(reuse))
+    for prompts, reuse in zip(requests, reuse_prefix):
         if reuse:
             shared.append((start, prompts))
         else:

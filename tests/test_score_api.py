@@ -256,3 +256,34 @@ def test_requests_sharing_their_prefixes_run_together(llama, monkeypatch, budget
         assert prefixes == [3]  # the three queries in one prefill
     else:
         assert len(prefixes) > 2 and sum(prefixes) > 3
+
+
+def test_reuse_chosen_per_request(llama, monkeypatch):
+    """`label_logprobs` with a choice per request (the server's, from `prefix_reuse`): the chosen
+    requests' queries run once, in one prefill, the other's prompts whole in a padded batch; every
+    score equals transformers' on its request alone. A list of the wrong length is refused."""
+    from ortmodule import scoring
+
+    model, hf = load_pair(llama)
+    gen = torch.Generator().manual_seed(6)
+    requests = [(torch.randint(4, 512, (n,), generator=gen).tolist(),
+                 [torch.randint(4, 512, (k,), generator=gen).tolist() for k in items])
+                for n, items in ((12, (3, 5, 1)), (7, (4, 2)), (20, (6, 1, 2, 3)))]
+    prompts = [[query + item for item in items] for query, items in requests]
+    labels = [7, 8, 9]
+    assert scoring.prefix_reuse(model, prompts, 4096, True) == [True, True, True]
+    assert scoring.prefix_reuse(model, prompts + [prompts[0][:1]], 4096, True)[-1] is False  # one prompt
+    scoring.label_logprobs(model, [[[5, 6, 7], [5, 6, 8]]], labels, 4096, True)  # the extend graph's first-use check
+    runs = []
+    original = model.decoder.prefill
+    def counted(rows, *args, **kwargs):
+        runs.append(rows.ids.shape[0])
+        return original(rows, *args, **kwargs)
+
+    monkeypatch.setattr(model.decoder, "prefill", counted)
+    got = scoring.label_logprobs(model, prompts, labels, 4096, [True, False, True]).exp().double().cpu()
+    expected = torch.cat([reference(hf, None, query, items, labels, False, False) for query, items in requests])
+    assert (got - expected).abs().max().item() < 1e-5
+    assert sorted(runs) == [2, 2]  # two queries in one prefill; the second request's two prompts whole
+    with pytest.raises(ValueError, match="reuse_prefix has 2 choices for 3 requests"):
+        scoring.label_logprobs(model, prompts, labels, 4096, [True, False])

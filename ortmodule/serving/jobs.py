@@ -101,11 +101,11 @@ class ScoreJob(OneShot):
         queued with their one copy to the host; `finish` waits for that copy."""
         labels = sorted({t for job in jobs for t in job.labels})
         column = {t: i for i, t in enumerate(labels)}
-        reused = []
-        logprobs = scoring.label_logprobs(model, [job.prompts for job in jobs], labels, jobs[0].token_budget,
-                                          jobs[0].reuse_prefix, reused)
+        requests, budget = [job.prompts for job in jobs], jobs[0].token_budget
+        reused = scoring.prefix_reuse(model, requests, budget, jobs[0].reuse_prefix)
         for job, once in zip(jobs, reused):
             job.reused_prefix = once
+        logprobs = scoring.label_logprobs(model, requests, labels, budget, reused)
         parts, row = [], 0
         for job in jobs:
             mine = logprobs[row : row + len(job.prompts), [column[t] for t in job.labels]]
