@@ -721,7 +721,7 @@ def test_scoring_paths_queue_their_work_without_waiting(build, layout, monkeypat
         torch.cuda.synchronize()
         print(f"{name}: host time behind a ~1 s kernel {host_time:.3f} s (device still busy: {still_busy})")
         assert still_busy and host_time < 0.5, f"{name}: the call waited for the device ({host_time:.2f} s)"
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # index_add_ sums in any order on CUDA
 
 
 @pytest.mark.parametrize("precision,options", [("bf16", ()), ("bf16", UNPACKED)], ids=["bf16", "bf16-unpacked"])
