@@ -5,6 +5,7 @@ torch's current stream without host syncs (also after the caller switches stream
 failures as the "out of memory." RuntimeError that batch-size searches retry on, and flat device
 memory over 1,000 calls of varying shapes. Skipped where torch sees no GPU (CI)."""
 
+import asyncio
 import time
 
 import onnx
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from ortmodule import OrtModelForCausalLM, extend, generation, graph, load_tokenizer, projections, runtime, scoring
 from ortmodule.inputs import pad_right
+from ortmodule.serving.jobs import ScoreJob
 from ortmodule_dev import fixtures
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -691,10 +693,12 @@ def test_score_requests_sharing_queries_on_cuda(build, layout, monkeypatch):
 
 @pytest.mark.parametrize("layout", ["mask", "cache"])
 def test_scoring_paths_queue_their_work_without_waiting(build, layout, monkeypatch):
-    """lm-eval's padded rows and shared contexts and the score server's calls (each query run once
-    and not) queue their work and return before the device catches up: queued behind a ~1 s kernel,
-    each returns well within it (no host read, no blocking copy up: tests/test_extend.py checks the
-    calls on any machine), and its answers are those of the same call with nothing queued before."""
+    """lm-eval's padded rows and shared contexts, the score server's calls (each query run once
+    and not) and the server's score jobs (queued with their copy to the host, whose `finish` the
+    engine calls after queueing the next) queue their work and return before the device catches up:
+    queued behind a ~1 s kernel, each returns well within it (no host read, no blocking copy up:
+    tests/test_extend.py checks the scoring calls on any machine), and its answers are those of the
+    same call with nothing queued before."""
     monkeypatch.setitem(extend.EXTEND_LAYOUT, "cuda", layout)
     fixture = build("qwen3", precision="bf16", execution_provider="cuda")
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
@@ -704,12 +708,25 @@ def test_scoring_paths_queue_their_work_without_waiting(build, layout, monkeypat
     requests = [[query + torch.randint(4, 500, (k,), generator=generator).tolist() for k in items]
                 for query, items in ((torch.randint(4, 500, (n,), generator=generator).tolist(), items)
                                      for n, items in ((40, (3, 9, 1)), (25, (5, 2))))]
+    loop = asyncio.new_event_loop()
+
+    def served(reuse: bool):  # the server's call (its answers copied to the host behind it), not finished
+        jobs = [ScoreJob(prompts, [5, 6, 9][: 2 + k], k == 1, loop, 4096, reuse) for k, prompts in enumerate(requests)]
+        finish = ScoreJob.start_together(model, jobs)
+        return lambda: torch.tensor([x for scores in finish() for item in scores for x in item])
+
     calls = {"padded rows": lambda: scoring.loglikelihood_totals(model, ids, mask, starts, targets),
              "shared contexts": lambda: scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets),
              "score, queries once": lambda: scoring.label_logprobs(model, requests, [5, 6], 4096, True),
-             "score, whole prompts": lambda: scoring.label_logprobs(model, requests, [5, 6], 4096, False)}
+             "score, whole prompts": lambda: scoring.label_logprobs(model, requests, [5, 6], 4096, False),
+             "server's call, queries once": lambda: served(True),
+             "server's call, whole prompts": lambda: served(False)}
+
+    def finished(got):  # a server's call is answered by its finish
+        return got() if callable(got) else got
+
     for name, call in calls.items():
-        expected = call().clone()  # the first call also makes and checks the extend graph
+        expected = finished(call()).clone()  # the first call also makes and checks the extend graph
         torch.cuda.synchronize()
         torch.cuda._sleep(int(2e9))
         start = time.perf_counter()
@@ -721,7 +738,8 @@ def test_scoring_paths_queue_their_work_without_waiting(build, layout, monkeypat
         torch.cuda.synchronize()
         print(f"{name}: host time behind a ~1 s kernel {host_time:.3f} s (device still busy: {still_busy})")
         assert still_busy and host_time < 0.5, f"{name}: the call waited for the device ({host_time:.2f} s)"
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # index_add_ sums in any order on CUDA
+        torch.testing.assert_close(finished(got), expected, rtol=1e-5, atol=1e-5)  # index_add_ sums in any order
+    loop.close()
 
 
 @pytest.mark.parametrize("precision,options", [("bf16", ()), ("bf16", UNPACKED)], ids=["bf16", "bf16-unpacked"])

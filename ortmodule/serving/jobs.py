@@ -107,8 +107,9 @@ class ScoreJob(OneShot):
             job.reused_prefix = once
         logprobs = scoring.label_logprobs(model, requests, labels, budget, reused)
         parts, row = [], 0
-        for job in jobs:
-            mine = logprobs[row : row + len(job.prompts), [column[t] for t in job.labels]]
+        for job in jobs:  # (a list as an index would be copied up with a wait for the device)
+            mine = logprobs[row : row + len(job.prompts)].index_select(
+                1, to_device(torch.tensor([column[t] for t in job.labels]), logprobs.device))
             parts.append((torch.softmax(mine, -1) if job.apply_softmax else mine.exp()).flatten())
             row += len(job.prompts)
         copied = start_copy_to_host(torch.cat(parts))
