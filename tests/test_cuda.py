@@ -65,6 +65,22 @@ def own_host_reads(fn) -> int:
     return reads.count
 
 
+def queued_behind_a_long_kernel(name: str, call):
+    """`call()` queued on the current stream behind a ~1 s kernel: its result, once it is checked
+    that the call returned within 0.5 s with the device still busy (no host sync in it)."""
+    torch.cuda._sleep(int(2e9))
+    start = time.perf_counter()
+    out = call()
+    host_time = time.perf_counter() - start
+    done = torch.cuda.Event()
+    done.record()
+    still_busy = not done.query()
+    torch.cuda.synchronize()
+    print(f"{name}: host time behind a ~1 s kernel {host_time:.3f} s (device still busy: {still_busy})")
+    assert still_busy and host_time < 0.5, f"{name}: the call waited for the device ({host_time:.2f} s)"
+    return out
+
+
 def real_positions_diff(logits, expected, mask) -> float:
     real = mask.bool()
     return (logits.float().cpu() - expected.float().cpu())[real].abs().max().item()
@@ -344,16 +360,7 @@ def test_runs_on_torch_stream_without_sync(build, switch):
     torch.cuda.synchronize()
     stream = torch.cuda.Stream() if switch else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(int(2e9))
-        start = time.perf_counter()
-        logits = model(ids_b, attention_mask=mask).logits.clone()
-        host_time = time.perf_counter() - start
-        done = torch.cuda.Event()
-        done.record()
-        still_busy = not done.query()
-        torch.cuda.synchronize()
-    print(f"host time of a forward queued behind a ~1 s kernel: {host_time:.3f} s (device still busy: {still_busy})")
-    assert still_busy and host_time < 0.5, f"the call waited for the device ({host_time:.2f} s)"
+        logits = queued_behind_a_long_kernel("a forward", lambda: model(ids_b, attention_mask=mask).logits.clone())
     assert torch.equal(logits, expected)
 
 
@@ -728,16 +735,7 @@ def test_scoring_paths_queue_their_work_without_waiting(build, layout, monkeypat
     for name, call in calls.items():
         expected = finished(call()).clone()  # the first call also makes and checks the extend graph
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9))
-        start = time.perf_counter()
-        got = call()
-        host_time = time.perf_counter() - start
-        done = torch.cuda.Event()
-        done.record()
-        still_busy = not done.query()
-        torch.cuda.synchronize()
-        print(f"{name}: host time behind a ~1 s kernel {host_time:.3f} s (device still busy: {still_busy})")
-        assert still_busy and host_time < 0.5, f"{name}: the call waited for the device ({host_time:.2f} s)"
+        got = queued_behind_a_long_kernel(name, call)
         torch.testing.assert_close(finished(got), expected, rtol=1e-5, atol=1e-5)  # index_add_ sums in any order
     loop.close()
 

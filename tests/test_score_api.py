@@ -226,6 +226,19 @@ def test_bad_requests_get_errors_that_name_the_problem(llama, kwargs, error, mes
         ortmodule.score(model, None, **args)
 
 
+def prefill_rows(model, monkeypatch) -> list[int]:
+    """The rows of each prefill the decoder runs from now on, in a list that fills as they run."""
+    rows_run = []
+    original = model.decoder.prefill
+
+    def counted(rows, *args, **kwargs):
+        rows_run.append(rows.ids.shape[0])
+        return original(rows, *args, **kwargs)
+
+    monkeypatch.setattr(model.decoder, "prefill", counted)
+    return rows_run
+
+
 @pytest.mark.parametrize("budget", [4096, 40])
 def test_requests_sharing_their_prefixes_run_together(llama, monkeypatch, budget):
     """The server's call: several requests, each a query and its items. With reuse, their queries
@@ -241,13 +254,7 @@ def test_requests_sharing_their_prefixes_run_together(llama, monkeypatch, budget
                 for n, items in ((12, (3, 5, 1)), (7, (4, 2)), (20, (6, 1, 2, 3)))]
     labels = [7, 8, 9]
     scoring.label_logprobs(model, [[[5, 6, 7], [5, 6, 8]]], labels, budget, True)  # the extend graph's first-use check
-    prefixes = []
-    original = model.decoder.prefill
-    def counted(rows, *args, **kwargs):
-        prefixes.append(rows.ids.shape[0])
-        return original(rows, *args, **kwargs)
-
-    monkeypatch.setattr(model.decoder, "prefill", counted)
+    prefixes = prefill_rows(model, monkeypatch)
     got = scoring.label_logprobs(model, [[query + item for item in items] for query, items in requests], labels,
                                  budget, True).exp().double().cpu()
     expected = torch.cat([reference(hf, None, query, items, labels, False, False) for query, items in requests])
@@ -274,13 +281,7 @@ def test_reuse_chosen_per_request(llama, monkeypatch):
     assert scoring.prefix_reuse(model, prompts, 4096, True) == [True, True, True]
     assert scoring.prefix_reuse(model, prompts + [prompts[0][:1]], 4096, True)[-1] is False  # one prompt
     scoring.label_logprobs(model, [[[5, 6, 7], [5, 6, 8]]], labels, 4096, True)  # the extend graph's first-use check
-    runs = []
-    original = model.decoder.prefill
-    def counted(rows, *args, **kwargs):
-        runs.append(rows.ids.shape[0])
-        return original(rows, *args, **kwargs)
-
-    monkeypatch.setattr(model.decoder, "prefill", counted)
+    runs = prefill_rows(model, monkeypatch)
     got = scoring.label_logprobs(model, prompts, labels, 4096, [True, False, True]).exp().double().cpu()
     expected = torch.cat([reference(hf, None, query, items, labels, False, False) for query, items in requests])
     assert (got - expected).abs().max().item() < 1e-5
