@@ -64,7 +64,7 @@ pack
 # and Gemma 3's windowed KV buffers (graph.unbounded_window_caches), its cache and generate past the window;
 # and session 37's: a dropped model's device memory back at once (no reference cycle); and session 38's:
 # the scoring paths queue their work without waiting for the device (no blocking copy up)
-step cuda-tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k \
+step cuda-tests 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k \
   "unpacked_projections or shared_contexts_extend_sliding or sliding_window_cache or dropped_model or queue_their_work"
 # (2) the score server's call at SGLang's shape, each prompt whole and each query run once, with the
 # extend graph's KV heads repeated (the default on CUDA), grouped (extend.REPEAT_KV_HEADS_ON_CUDA),
