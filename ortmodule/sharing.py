@@ -75,10 +75,13 @@ def plan_sharing(rows: list[Ids], groups: list[int], needed: list[list[int]]) ->
     starts = [length[g] for g in groups]
     at_prefix = [(pair[r, starts[r] - 1], index[groups[r]]) for r in range(len(rows)) if starts[r] - 1 in needed[r]]
     tokens = [row[start:] for row, start in zip(rows, starts)]
-    steps = []
-    for step in range(max(len(t) for t in tokens)):
-        asking = [r for r in range(len(rows)) if (r, starts[r] + step) in pair]
-        steps.append((asking, [pair[r, starts[r] + step] for r in asking]))
+    steps: list[tuple[list[int], list[int]]] = [([], []) for _ in range(max(len(t) for t in tokens))]
+    for r, positions in enumerate(needed):  # rows in order, so each step's rows are in order
+        for position in positions:
+            if position >= starts[r]:
+                asking, pairs = steps[position - starts[r]]
+                asking.append(r)
+                pairs.append(pair[r, position])
     return SharingPlan([rows[members[g][0]][: length[g]] for g in ids_of], [index[g] for g in groups],
                        at_prefix, tokens, steps)
 
