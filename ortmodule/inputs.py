@@ -8,11 +8,11 @@ other. Every check raises a TypeError or ValueError naming the argument and the 
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 
@@ -114,9 +114,10 @@ def pad_right(rows: list[list[int]], pad: int = 0, width: int = 0) -> tuple[torc
     width = max(width, max(lengths))
     real = torch.arange(width) < torch.tensor(lengths)[:, None]
     ids = torch.full((len(rows), width), pad, dtype=torch.int64)
-    # All rows' ids in one array, then in place at once (a tensor per row cost 3.5x as much: 2.2 ms
-    # against 0.65 for 100 rows of 180 tokens, host time on a GPU's critical path).
-    ids[real] = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(rows), np.int64, sum(lengths)))
+    # All rows' ids in one array, then in place at once (a tensor per row cost 2.6x as much: 2.2 ms
+    # against 0.8 for 100 rows of 180 tokens, host time on a GPU's critical path).
+    if sum(lengths):
+        ids[real] = torch.frombuffer(array.array("q", itertools.chain.from_iterable(rows)), dtype=torch.int64)
     return ids, real.to(torch.int64)
 
 
