@@ -314,6 +314,24 @@ def test_the_sharing_plan_without_a_model():
         sharing.plan_sharing([[1, 2], [3, 4]], [1, 1], [[1], [1]])
 
 
+def test_pad_right_places_every_row_at_the_left():
+    """`pad_right` (all rows copied at once) gives what filling the batch row by row gives: ids
+    from column 0, `pad` after them, a mask of ones over each row; as wide as the longest row or
+    `width`; empty rows, tuples and a batch of only empty rows included."""
+    generator = torch.Generator().manual_seed(3)
+    cases = [([torch.randint(0, 50000, (n,), generator=generator).tolist() for n in (5, 0, 12, 1)], 7, 0),
+             ([(1, 2), [3]], 0, 6), ([[]], 9, 2), ([[2**40, 4]], 0, 0)]
+    for rows, pad, width in cases:
+        wide = max(width, max(len(row) for row in rows))
+        expected_ids = torch.full((len(rows), wide), pad, dtype=torch.int64)
+        expected_mask = torch.zeros(len(rows), wide, dtype=torch.int64)
+        for r, row in enumerate(rows):
+            for c, token in enumerate(row):
+                expected_ids[r, c], expected_mask[r, c] = token, 1
+        ids, mask = pad_right(rows, pad, width)
+        assert torch.equal(ids, expected_ids) and torch.equal(mask, expected_mask)
+
+
 def test_prefix_groups_keep_the_long_shared_parts_together():
     """Rows that start with the same long prefix (a subject's few-shot examples) are grouped, in
     sorted order, each group's prefix as long as its rows share; a row that shares only a short
