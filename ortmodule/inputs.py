@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import array
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -70,10 +70,13 @@ def kept_positions(keep, length: int, device: torch.device) -> torch.Tensor | No
     return torch.arange(length - keep, length, device=device)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the work queued there: on CUDA through pinned
-    memory (a copy from pageable memory, or a blocking one, would make the host wait for the runs
-    before it, and leave the device idle while the host builds the next batch)."""
+def to_device(tensor: torch.Tensor | Sequence, device: torch.device) -> torch.Tensor:
+    """A host tensor (or a list of numbers, as `torch.tensor` makes it) on `device` without waiting
+    for the work queued there: on CUDA through pinned memory (a copy from pageable memory, or a
+    blocking one, would make the host wait for the runs before it, and leave the device idle while
+    the host builds the next batch)."""
+    if not isinstance(tensor, torch.Tensor):
+        tensor = torch.tensor(tensor)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

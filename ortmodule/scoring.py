@@ -87,10 +87,10 @@ def loglikelihood_totals(
         at = [positions.setdefault((row, col), len(positions))
               for row, start, n in zip(rows_of, starts, counts) for col in range(start, start + n)]
         rows, cols = torch.tensor(list(positions), dtype=torch.int64).reshape(-1, 2).unbind(1)
-        at = None if len(at) == len(positions) else to_device(torch.tensor(at), device)
+        at = None if len(at) == len(positions) else to_device(at, device)
     logits = model.logits_at(input_ids, attention_mask, rows, cols, upcast=False)  # [distinct positions, V]
     totals = _Totals(requests, device)
-    totals.add(logits, to_device(torch.tensor(flat_targets), device), to_device(owner, device), at, greedy)
+    totals.add(logits, to_device(flat_targets, device), to_device(owner, device), at, greedy)
     return totals.tensor()
 
 
@@ -179,8 +179,8 @@ def grouped_loglikelihood_totals(
     for pairs, logits in shared_prefix_logits(model, rows, groups, needed):
         at = [i for i, pair in enumerate(pairs) for _ in asked[pair]]
         wanted = [entry for pair in pairs for entry in asked[pair]]
-        totals.add(logits, to_device(torch.tensor([token for token, _ in wanted]), device),
-                   to_device(torch.tensor([k for _, k in wanted]), device), to_device(torch.tensor(at), device))
+        totals.add(logits, to_device([token for token, _ in wanted], device),
+                   to_device([k for _, k in wanted], device), to_device(at, device))
     return totals.tensor()
 
 
@@ -276,7 +276,7 @@ def label_logprobs(
     if shared:
         _shared_logprobs(model, shared, labels, token_budget, out)
     if batched:
-        rows = to_device(torch.tensor([i for i, _ in batched]), model.device)
+        rows = to_device([i for i, _ in batched], model.device)
         out[rows] = _batched_logprobs(model, [p for _, p in batched], labels, token_budget)
     return out
 
@@ -372,14 +372,14 @@ def _gather(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> torch.Tensor:
     """Label log-probabilities `[items, labels]` on the device: one prefill per batch."""
     device = model.device
-    label_ids = to_device(torch.tensor(labels), device)
+    label_ids = to_device(labels, device)
     out = torch.empty(len(prompts), len(labels), device=device)
     for batch in length_batches([len(p) for p in prompts], 0, budget):
         # On the host: logits_at checks the batch and its positions there and copies them up
         # without waiting for the device (the previous batch may still run).
         ids, mask = pad_right([prompts[i] for i in batch])
         logits = model.logits_at(ids, mask, torch.arange(len(batch)), mask.sum(1) - 1, upcast=False)
-        out[to_device(torch.tensor(batch), device)] = _gather(logits, label_ids)
+        out[to_device(batch, device)] = _gather(logits, label_ids)
     return out
 
 
@@ -388,7 +388,7 @@ def _shared_logprobs(model, requests: list[tuple[int, list[Ids]]], labels: Ids, 
     first index), each request's shared prefix run once per batch: a request's prompts in pieces of
     at most `budget` padded tokens, pieces of several requests together in one prefill of their
     prefixes and one run of the rest (`shared_prefix_logits`, a group per piece)."""
-    label_ids = to_device(torch.tensor(labels), model.device)
+    label_ids = to_device(labels, model.device)
     pieces = []  # (rows of `out`, prompts, longest prompt)
     for first, prompts in requests:
         prefix = common_prefix(prompts)
@@ -400,7 +400,7 @@ def _shared_logprobs(model, requests: list[tuple[int, list[Ids]]], labels: Ids, 
         groups = [g for g, piece in enumerate(run) for _ in piece[1]]
         where = [row for piece in run for row in piece[0]]  # a pair is a row here: one position each
         for pairs, logits in shared_prefix_logits(model, rows, groups, [[len(r) - 1] for r in rows]):
-            out[to_device(torch.tensor([where[p] for p in pairs]), model.device)] = _gather(logits, label_ids)
+            out[to_device([where[p] for p in pairs], model.device)] = _gather(logits, label_ids)
 
 
 def _packed(pieces: list[tuple], budget: int) -> list[list[tuple]]:

@@ -98,35 +98,31 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     """
     plan = plan_sharing(rows, groups, needed)
     decoder, device = model.decoder, model.device
-
-    def up(values) -> torch.Tensor:  # host data copied up without waiting for the runs queued before
-        return to_device(values if isinstance(values, torch.Tensor) else torch.tensor(values), device)
-
     ids, mask = pad_right(plan.prefixes)
-    lengths = up(mask.sum(1))
+    lengths = to_device(mask.sum(1), device)
     width = ids.shape[1]
     source = decoder.new_cache(len(plan.prefixes), width)
-    last = decoder.prefill(Rows(up(ids), None, lengths, width),
+    last = decoder.prefill(Rows(to_device(ids, device), None, lengths, width),
                            flat_index(width, torch.arange(len(plan.prefixes), device=device), lengths - 1), source)
     if plan.at_prefix:
-        yield [p for p, _ in plan.at_prefix], last.index_select(0, up([i for _, i in plan.at_prefix]))
+        yield [p for p, _ in plan.at_prefix], last.index_select(0, to_device([i for _, i in plan.at_prefix], device))
     if not plan.steps:
         return
     extender = decoder.extender()
-    owner = up(plan.owner)
+    owner = to_device(plan.owner, device)
     room = extender.room(len(plan.steps)) if extender is not None else len(plan.steps)
     cache = decoder.new_cache(len(rows), width + room)
     cache.start_from(source, owner, lengths[owner], width)
-    tokens = up(pad_right(plan.tokens)[0])
+    tokens = to_device(pad_right(plan.tokens)[0], device)
     if extender is not None:  # every row's rest in one run
         new = tokens.shape[1]
         flat = [row * new + step for step, (asking, _) in enumerate(plan.steps) for row in asking]
         pairs = [pair for _, step_pairs in plan.steps for pair in step_pairs]
         if flat:
-            yield pairs, extender.run(tokens, cache, up(flat))
+            yield pairs, extender.run(tokens, cache, to_device(flat, device))
         return
     for step, (asking, pairs) in enumerate(plan.steps):
-        logits = decoder.step(tokens[:, step : step + 1], cache, up(asking or [0]))
+        logits = decoder.step(tokens[:, step : step + 1], cache, to_device(asking or [0], device))
         if asking:
             yield pairs, logits
 

@@ -116,7 +116,7 @@ class DecodeBatch:
         decoder = self.decoder
         start = row.prefilled
         end = min(start + chunk, len(row.prompt))
-        piece, last, size = (to_device(torch.tensor(values), decoder.device)
+        piece, last, size = (to_device(values, decoder.device)
                              for values in ([row.prompt[start:end]], [end - start - 1], [end]))
         if start == 0:
             logits = decoder.prefill(Rows(piece, None, size, end), last, cache)
@@ -139,10 +139,10 @@ class DecodeBatch:
         else:
             cache = self.pool
         device = self.decoder.device
-        tokens = to_device(torch.tensor([[row.next_input] for row in rows]), device)
+        tokens = to_device([[row.next_input] for row in rows], device)
         choosing = [slot for slot, row in enumerate(rows) if row.prefilled >= len(row.prompt) - 1]
         # The LM head needs at least one row: when every row is mid-prompt, row 0's logits go unused.
-        index = None if len(choosing) == len(rows) else to_device(torch.tensor(choosing or [0]), device)
+        index = None if len(choosing) == len(rows) else to_device(choosing or [0], device)
         logits = self.decoder.step(tokens, cache, index)
         return choosing, logits.view(-1, logits.shape[-1])
 

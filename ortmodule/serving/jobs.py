@@ -109,7 +109,7 @@ class ScoreJob(OneShot):
         parts, row = [], 0
         for job in jobs:  # (a list as an index would be copied up with a wait for the device)
             mine = logprobs[row : row + len(job.prompts)].index_select(
-                1, to_device(torch.tensor([column[t] for t in job.labels]), logprobs.device))
+                1, to_device([column[t] for t in job.labels], logprobs.device))
             parts.append((torch.softmax(mine, -1) if job.apply_softmax else mine.exp()).flatten())
             row += len(job.prompts)
         copied = start_copy_to_host(torch.cat(parts))
@@ -309,7 +309,7 @@ def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, floa
     wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
     picked, tops = {}, {}
     if wanted:
-        index = to_device(torch.tensor(wanted), logits.device)
+        index = to_device(wanted, logits.device)
         logprobs = torch.log_softmax(logits.index_select(0, index), -1)
         values = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
         k = max(1, max(rows[i].sampling.logprobs for i in wanted))
