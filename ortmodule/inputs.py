@@ -8,8 +8,6 @@ other. Every check raises a TypeError or ValueError naming the argument and the 
 
 from __future__ import annotations
 
-import array
-import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -113,15 +111,13 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
 def pad_right(rows: list[list[int]], pad: int = 0, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id lists as a right-padded int64 batch on the host, and its attention mask: as wide as
     the longest row, or `width` where that is wider."""
-    lengths = [len(row) for row in rows]
-    width = max(width, max(lengths))
-    real = torch.arange(width) < torch.tensor(lengths)[:, None]
+    width = max(width, max(len(row) for row in rows))
     ids = torch.full((len(rows), width), pad, dtype=torch.int64)
-    # All rows' ids in one array, then in place at once (a tensor per row cost 2.6x as much: 2.2 ms
-    # against 0.8 for 100 rows of 180 tokens, host time on a GPU's critical path).
-    if sum(lengths):
-        ids[real] = torch.frombuffer(array.array("q", itertools.chain.from_iterable(rows)), dtype=torch.int64)
-    return ids, real.to(torch.int64)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        mask[r, : len(row)] = 1
+    return ids, mask
 
 
 def _check_ids(input_ids, context_length: int) -> None:
