@@ -87,9 +87,11 @@ def start_copy_to_host(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
     if tensor.device.type != "cuda":
         return lambda: tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
+    host.copy_(tensor, non_blocking=True)  # on the current stream of the tensor's device
     copied = torch.cuda.Event()
-    copied.record()
+    # On that same stream: `record()` alone takes the current device's, which is another device's
+    # (and the wait then covers nothing) in a thread whose current device is not the tensor's.
+    copied.record(torch.cuda.current_stream(tensor.device))
 
     def wait() -> torch.Tensor:
         copied.synchronize()
