@@ -44,6 +44,9 @@ CUDA_ATTENTION_KERNELS = 1 | 2 | 16
 
 # Where external weights live when a graph is loaded from bytes (a rewritten graph).
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+# The session config entries of ortmodule's own options for ONNX Runtime's intra-op workers:
+# spinning within a run, stopped when the run returns (make_session).
+SPINNING = (("session.intra_op.allow_spinning", "1"), ("session.force_spinning_stop", "1"))
 
 
 def torch_dtype(onnx_type: int) -> torch.dtype:
@@ -183,9 +186,13 @@ def make_session(
     options = session_options or ort.SessionOptions()
     if session_options is None:
         options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
-        # Idle ONNX Runtime workers spinning between runs starve the torch ops of a decode step
-        # (sampling, stop checks): measured 1.8x slower decoding on CPU, and no faster forwards.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # ONNX Runtime's workers spin between the parallel sections of a run (a hand-off without a
+        # wake-up) and stop as the run returns (`force_spinning_stop`). Spinning between runs
+        # starved the torch ops of a decode step (sampling, stop checks: decoding 1.8x slower on
+        # 2 vCPUs); not spinning at all paid a wake-up per section (batch-1 decoding 10-14% slower,
+        # the score server's P50 17% higher; docs/measurements.md, session 39).
+        for key, value in SPINNING:
+            options.add_session_config_entry(key, value)
         if not prepack:
             options.add_session_config_entry("session.disable_prepacking", "1")
         if fp32_path:

@@ -408,3 +408,21 @@ def test_a_dropped_model_frees_its_sessions_at_once(llama):
         assert [name for name, ref in alive.items() if ref() is not None] == []
     finally:
         gc.enable()
+
+
+def test_sessions_spin_only_within_a_run(llama):
+    """ortmodule's own session options let ONNX Runtime's workers spin between a run's parallel
+    sections and stop them when the run returns, on every session a model makes (the package
+    graph's, the prefill and extend graphs'); a caller's `session_options` are used as given."""
+    model = OrtModelForCausalLM.from_pretrained(llama.package_dir, prefill_attention="onnx")
+    sessions = {"package graph": model.session, "prefill graph": model.decoder.causal.session.ort_session,
+                "extend graph": model.decoder.extender().session.ort_session}
+    for name, session in sessions.items():
+        options = session.get_session_options()
+        assert [options.get_session_config_entry(key) for key, _ in runtime.SPINNING] == ["1", "1"], name
+    own = ort.SessionOptions()
+    own.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    chosen = OrtModelForCausalLM.from_pretrained(llama.package_dir, session_options=own).session.get_session_options()
+    assert chosen.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    with pytest.raises(RuntimeError, match="does not have"):
+        chosen.get_session_config_entry("session.force_spinning_stop")
