@@ -247,7 +247,8 @@ def provenance(runs: list[dict]) -> str:
         return f"run {times[0][:10]}. Every row of a table was measured in the same run, so ratios are comparable; "
     return (f"{len(runs)} runs of the suite on the same machine, one or a few workloads each (`-k`), from "
             f"{times[0]} to {times[-1]} UTC; rows of one run are comparable, and a table may hold rows of "
-            "several runs (each JSON file in benchmarks/results/ is one run); ")
+            "several runs (each JSON file in benchmarks/results/ is one run; a workload run again shows its "
+            "newest rows, and a speed taken against another run's transformers row says so); ")
 
 
 def machine_key(run: dict) -> str:
@@ -303,6 +304,33 @@ def anchor(heading: str) -> str:
     return re.sub(r"[^a-z0-9 -]", "", f"on {heading}".lower()).replace(" ", "-")
 
 
+def newest_rows(runs: list[dict]) -> list[dict]:
+    """Every row of one machine's runs, each tagged with its run's time (`run`), where a later run's
+    row of the same table, backend and case replaces an earlier run's (a workload run again)."""
+    rows = {}
+    for run in sorted(runs, key=lambda r: r["datetime"]):
+        for bench in run["benchmarks"]:
+            key = (bench["group"], bench["extra_info"].get("model", ""), *case(bench))
+            rows[key] = {**bench, "run": run["datetime"]}
+    return list(rows.values())
+
+
+def speed_against(reference: dict, run: str, variant: str, seconds: float | None) -> str:
+    """A row's speed against transformers (`reference`: (run, case) -> seconds): the transformers row
+    of its own run and case, or of no case (it stands for every case); failing those, another run's,
+    marked, since two runs' times compare less well than one's."""
+    def base_in(runs) -> float | None:
+        return next((reference[key] for r in runs for key in ((r, variant), (r, "")) if key in reference), None)
+
+    if not seconds:
+        return ""
+    if (base := base_in([run])) is not None:
+        return f"{base / seconds:.2f}x"
+    others = sorted({r for r, _ in reference} - {run}, reverse=True)  # the newest other run first
+    base = base_in(others)
+    return f"{base / seconds:.2f}x (another run)" if base is not None else ""
+
+
 def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
     """The tables of one machine's runs, their headings at `level`."""
     out = []
@@ -341,9 +369,8 @@ def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
                    "time counted in, so a lower bound).\n")
     out.append(f"Reproduce: `{COMMAND.format(size=size)}` (the suite, then this page).\n")
     groups = defaultdict(list)
-    for run in runs:
-        for bench in run["benchmarks"]:
-            groups[(bench["group"], bench["extra_info"].get("model", ""))].append(bench)
+    for bench in newest_rows(runs):
+        groups[(bench["group"], bench["extra_info"].get("model", ""))].append(bench)
     hidden = {"backend", "error", "device", "parameters", "tokens", "model", "case", "flops", "weight_bytes",
               "decode_steps", "requests_s"}
     def order(item):
@@ -351,7 +378,8 @@ def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
         return GROUP_ORDER.get(group, 9), "real" not in model, model
 
     for (group, model), benches in sorted(groups.items(), key=order):
-        reference = {case(b)[1]: median(b) for b in benches if case(b)[0] == "transformers" and median(b)}
+        # Speeds against the transformers row of the same run; against another run's, said so.
+        reference = {(b["run"], case(b)[1]): median(b) for b in benches if case(b)[0] == "transformers" and median(b)}
         keys = sorted({k for b in benches for k in b["extra_info"]} - hidden)
         with_fraction = any(peak_fraction(b, median(b) or 0, limits) for b in benches)
         fractions = [cpu_fractions(b, median(b) or 0, limits) for b in benches]
@@ -378,8 +406,7 @@ def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
             else:
                 # A transformers row of no case, measured once, stands for every case of its group (score's
                 # reuse on and off); one of a named case only for that case (host time's `mmlu`, not its `decode`).
-                base = reference.get(variant, reference.get(""))
-                ratio = f"{base / seconds:.2f}x" if base and seconds else ""
+                ratio = speed_against(reference, b["run"], variant, seconds)
                 row = [backend, variant, f"{seconds * 1e3:.1f}" if seconds else "", ratio,
                        *[str(b["extra_info"].get(k, "")) for k in keys]]
             if with_fraction:

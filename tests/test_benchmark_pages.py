@@ -47,6 +47,26 @@ def test_speed_ratio_compares_only_the_same_workload():
                     ("ortmodule", "decode"): ""}
 
 
+def test_a_workload_run_again_replaces_its_rows_and_speeds_compare_within_a_run():
+    """Two runs of one machine: a row the later run measured again shows once, the later one; a
+    speed is taken against the transformers row of its own run, or, where its run has none, against
+    another run's and marked so (two runs' times compare less well than one's)."""
+    def run(when, rows):
+        return {"machine_info": {"python_version": "3.11"}, "commit_info": {}, "datetime": when,
+                "benchmarks": [{"name": f"{backend}-{when}", "group": "generate", "stats": {"median": seconds},
+                                "extra_info": {"backend": backend, "case": "b1", "model": "m"}}
+                               for backend, seconds in rows]}
+
+    first = run("2026-11-24T00:00:00", [("ortmodule", 2.0), ("hf", 6.0), ("ortmodule-graphs", 1.0)])
+    again = run("2026-11-25T00:00:00", [("ortmodule", 1.0), ("hf", 3.0)])
+    page = report.render([first, again], "cpu").splitlines()
+    rows = [[cell.strip() for cell in line.split("|")[1:5]] for line in page
+            if line.startswith("| ortmodule") or line.startswith("| transformers")]
+    assert sorted(rows) == [["ortmodule", "b1", "1000.0", "3.00x"],
+                            ["ortmodule-graphs", "b1", "1000.0", "3.00x (another run)"],
+                            ["transformers", "b1", "3000.0", "1.00x"]]
+
+
 @pytest.mark.slow
 def test_cpus_of_one_name_are_told_apart():
     """Two CPUs a VM names alike (clock, cache or AMX differ) get a part each; two runs on one get one."""
