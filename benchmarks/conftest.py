@@ -65,7 +65,7 @@ SIZES = {
         keep=4,
         # lm-eval, generate and score: the real model, fp32 and int4 packages.
         decoders={"smollm2-fp32": fixtures.SMOLLM2, "smollm2-int4": fixtures.SMOLLM2_INT4},
-        generate=dict(batches=(1, 8), prompt_lengths=(32, 128), new_tokens=32),
+        generate=dict(batches=(1, 8), prompt_lengths=(32, 128), new_tokens=32, fewshot_beginning=512),
         lm_eval=dict(limit=30, batch_size=8),  # 30 questions: 120 loglikelihood requests
         # The shapes of MMLU (5-shot, 300-900 tokens), HellaSwag and wikitext (2k-8k-token documents).
         lm_eval_at_scale=dict(limits={"mmlu": 16, "fewshot": 32, "hellaswag": 16, "arc": 16, "rolling": 2},
@@ -87,7 +87,7 @@ SIZES = {
         forward={"qwen3-0.6b-bf16": (QWEN3_0_6B, 32, 512), "smollm2-bf16": (fixtures.SMOLLM2_BF16_CUDA, 32, 512),
                  "gemma-262k": (GEMMA_262K, 8, 1024)}, keep=4,
         decoders={"qwen3-0.6b-bf16": QWEN3_0_6B, "smollm2-bf16": fixtures.SMOLLM2_BF16_CUDA},
-        generate=dict(batches=(1, 32), prompt_lengths=(128, 512), new_tokens=64),
+        generate=dict(batches=(1, 32), prompt_lengths=(128, 512), new_tokens=64, fewshot_beginning=1024),
         lm_eval=dict(limit=100, batch_size=32),  # 100 questions: 400 loglikelihood requests
         # 10,000 MMLU-shaped requests, as many of MMLU as lm-eval runs it 5-shot (ten subjects of 250 questions),
         # 4,000 HellaSwag-shaped, 4,000 ARC-shaped, 50 documents (about 250,000 tokens).
@@ -109,7 +109,7 @@ SIZES = {
         device="cpu",
         forward={"tiny": (TINY, 2, 32)}, keep=4,
         decoders={"tiny": TINY},
-        generate=dict(batches=(1, 2), prompt_lengths=(4, 9), new_tokens=4),
+        generate=dict(batches=(1, 2), prompt_lengths=(4, 9), new_tokens=4, fewshot_beginning=100),
         lm_eval=dict(limit=3, batch_size=8),
         lm_eval_at_scale=dict(limits={"mmlu": 2, "fewshot": 3, "hellaswag": 2, "arc": 2, "rolling": 1}, batch_size=4),
         host_time=dict(questions=3, batch_size=4, decode_tokens=4, score_requests=2),

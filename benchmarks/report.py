@@ -37,7 +37,11 @@ NOTES = {
     "{new_tokens} new tokens a row; every "
     "backend makes all of them (no early end of sequence). `genai` is onnxruntime-genai's `Generator` "
     "on the same package. transformers runs the package's precision (fp32 beside an int4 package). "
-    "`ortmodule-cuda-graph` (GPU only): the decode steps captured as CUDA graphs (`enable_cuda_graph`).",
+    "`ortmodule-cuda-graph` (GPU only): the decode steps captured as CUDA graphs (`enable_cuda_graph`). "
+    "`batch N, few-shot prompts` (runs since 2026-11-27): the largest batch's prompts after a common beginning "
+    "of {fewshot_beginning} tokens, as a few-shot task's examples, which ortmodule runs once on a CPU "
+    "(ortmodule/shared_prompts.py) and the other backends in every row; `ortmodule-whole-prompts` runs it in "
+    "every row too.",
     "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: {questions} "
     "questions, ~110-word English passages; half the questions with 7-word choices, half with one-word "
     "ones), 4 loglikelihood requests per question, batch {batch_size}. `ortmodule` and `transformers` (lm-eval's "
@@ -177,6 +181,7 @@ def note_values(size: str) -> dict:
     (lo, hi), limit = shapes["generate"]["prompt_lengths"], shapes["lm_eval"]["limit"]
     slow = [model_label(key) for key in shapes["decoders"] if key in SLOW_PEERS_ON]
     return dict(prompt_lo=lo, prompt_hi=hi, new_tokens=shapes["generate"]["new_tokens"],
+                fewshot_beginning=shapes["generate"]["fewshot_beginning"],
                 questions=limit or 200, batch_size=shapes["lm_eval"]["batch_size"],
                 slow_peers=", ".join(slow) or "no model of this size",
                 minicons_sentences=shapes["minicons"]["sentences"], minicons_batch=shapes["minicons"]["batch_size"],

@@ -1,7 +1,9 @@
 """Decoding speed: tokens/s for a batch of prompts of different lengths (batch 1 and batch 8 at the
-CPU size), ortmodule's generate() beside transformers' generate on the same weights and
-onnxruntime-genai's Generator on the same package. Every backend makes exactly `new_tokens` tokens
-per row (no early end of sequence)."""
+CPU size), and for the largest batch of prompts that begin alike (`fewshot`: a common beginning of
+`fewshot_beginning` tokens, as a few-shot task's examples, then the same lengths as the others),
+ortmodule's generate() beside transformers' generate on the same weights and onnxruntime-genai's
+Generator on the same package. Every backend makes exactly `new_tokens` tokens per row (no early
+end of sequence)."""
 
 import numpy as np
 import onnxruntime_genai as og
@@ -9,14 +11,15 @@ import pytest
 import torch
 from conftest import SIZES, model_label, record_rate, reference_model, weight_bytes
 
-from ortmodule import OrtModelForCausalLM
+from ortmodule import OrtModelForCausalLM, shared_prompts
 from ortmodule_dev import fixtures
 
 
 def pytest_generate_tests(metafunc):
     if "batch" in metafunc.fixturenames:
         size = SIZES[metafunc.config.getoption("--bench-size")]
-        metafunc.parametrize("batch", size["generate"]["batches"], ids=lambda b: f"b{b}", scope="module")
+        metafunc.parametrize("batch", [*size["generate"]["batches"], "fewshot"],
+                             ids=lambda b: f"b{b}" if isinstance(b, int) else b, scope="module")
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +31,25 @@ def fixture(size, decoder_key):
 def workload(size, fixture, decoder_key, batch):
     shape = size["generate"]
     (shortest, longest), new = shape["prompt_lengths"], shape["new_tokens"]
-    lengths = torch.linspace(shortest, longest, batch).long() if batch > 1 else torch.tensor([longest])
-    ids = torch.randint(4, min(fixture.spec.vocab_size, 32000), (batch, longest),
-                        generator=torch.Generator().manual_seed(0))
+    fewshot = batch == "fewshot"
+    rows = max(shape["batches"]) if fewshot else batch
+    lengths = torch.linspace(shortest, longest, rows).long() if rows > 1 else torch.tensor([longest])
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, min(fixture.spec.vocab_size, 32000), (rows, longest), generator=generator)
     mask = (torch.arange(longest)[None, :] >= longest - lengths[:, None]).long()  # left-padded, as HF generates
-    device = size["device"]
     pad = fixture_pad(fixture)
-    return fixture, ids.masked_fill(mask == 0, pad).to(device), mask.to(device), new, pad, decoder_key
+    ids = ids.masked_fill(mask == 0, pad)
+    if fewshot:  # every row begins with the same tokens, after its padding
+        beginning = torch.randint(4, min(fixture.spec.vocab_size, 32000), (shape["fewshot_beginning"],),
+                                  generator=generator)
+        ids = torch.cat([torch.full((rows, len(beginning)), pad), ids], 1)
+        mask = torch.cat([torch.zeros(rows, len(beginning), dtype=mask.dtype), mask], 1)
+        for row, length in enumerate(lengths.tolist()):
+            ids[row, -length - len(beginning) : -length] = beginning
+            mask[row, -length - len(beginning) : -length] = 1
+    device = size["device"]
+    case = f"batch {rows}" + (", few-shot prompts" if fewshot else "")
+    return fixture, ids.to(device), mask.to(device), new, pad, decoder_key, case
 
 
 def fixture_pad(fixture) -> int:
@@ -45,10 +60,10 @@ def fixture_pad(fixture) -> int:
 
 
 def record(benchmark, fn, workload):
-    fixture, ids, _, new, _, key = workload
+    fixture, ids, _, new, _, key, case = workload
     info = benchmark.extra_info
     info["model"] = model_label(key)
-    info["case"] = f"batch {len(ids)}"
+    info["case"] = case
     # One decode step streams every weight once: bytes per step x steps/s, against memory bandwidth.
     info["weight_bytes"] = weight_bytes(fixture)
     info["decode_steps"] = new
@@ -57,8 +72,23 @@ def record(benchmark, fn, workload):
 
 @pytest.mark.benchmark(group="generate")
 def test_ortmodule_generate(benchmark, workload):
-    fixture, ids, mask, new, pad, _ = workload
+    fixture, ids, mask, new, pad, *_ = workload
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device)
+    out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
+                                                   pad_token_id=pad), workload)
+    assert out.shape == (ids.shape[0], ids.shape[1] + new)
+
+
+@pytest.mark.benchmark(group="generate")
+def test_ortmodule_generate_whole_prompts(benchmark, workload, monkeypatch):
+    """The few-shot prompts with the common beginning run in every row (as on CUDA, or before
+    shared_prompts.py): what running it once gives, side by side."""
+    fixture, ids, mask, new, pad, _, case = workload
+    if not case.endswith("few-shot prompts") or ids.device.type != "cpu":
+        pytest.skip("the few-shot prompts on a CPU only (elsewhere each row runs its whole prompt anyway)")
+    monkeypatch.setattr(shared_prompts, "RUN_TOKENS", 10**9)  # never pays
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device)
+    benchmark.extra_info["backend"] = "ortmodule-whole-prompts"
     out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
                                                    pad_token_id=pad), workload)
     assert out.shape == (ids.shape[0], ids.shape[1] + new)
@@ -67,7 +97,7 @@ def test_ortmodule_generate(benchmark, workload):
 @pytest.mark.benchmark(group="generate")
 def test_ortmodule_generate_cuda_graph(benchmark, workload):
     """The same, with ONNX Runtime capturing each decode step as a CUDA graph (`enable_cuda_graph`)."""
-    fixture, ids, mask, new, pad, _ = workload
+    fixture, ids, mask, new, pad, *_ = workload
     if ids.device.type != "cuda":
         pytest.skip("CUDA graphs need the CUDA provider")
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device,
@@ -80,7 +110,7 @@ def test_ortmodule_generate_cuda_graph(benchmark, workload):
 
 @pytest.mark.benchmark(group="generate")
 def test_transformers_generate(benchmark, workload):
-    fixture, ids, mask, new, pad, _ = workload
+    fixture, ids, mask, new, pad, *_ = workload
     model = reference_model(fixture, ids.device)
 
     def generate():
@@ -95,7 +125,7 @@ def test_transformers_generate(benchmark, workload):
 @pytest.mark.benchmark(group="generate")
 def test_genai_generate(benchmark, workload):
     """onnxruntime-genai's Generator, batched: prompts padded with the pad id, as it expects."""
-    fixture, ids, _, new, _, _ = workload
+    fixture, ids, _, new, *_ = workload
     model = og.Model(str(fixture.package_dir))
     prompts = ids.cpu().numpy().astype(np.int32)
     total = ids.shape[1] + new

@@ -78,9 +78,10 @@ class ConvStates:
                 f"cannot crop a cache with convolution states (a hybrid model's) from {seen} columns to {keep}: a "
                 "state holds the inputs before the last token only; run the shorter sequence again instead")
 
-    def first_rows(self, rows: int) -> ConvStates:
+    def rows_view(self, start: int, stop: int) -> ConvStates:
         view = copy.copy(self)
-        view.current, view.written = [s[:rows] for s in self.current], [s[:rows] for s in self.written]
+        view.current = [s[start:stop] for s in self.current]
+        view.written = [s[start:stop] for s in self.written]
         return view
 
 
@@ -327,17 +328,18 @@ class KVCache(Cache):
         return f"KVCache(batch={self.batch_size}, layers={len(self)}, longest={self.longest}, capacity={self.capacity})"
 
 
-def first_rows(cache: KVCache, rows: int, longest: int) -> KVCache:
-    """A cache over `cache`'s first `rows` rows, the longest holding `longest` tokens (the caller
-    knows it: no read from the device), sharing its buffers and lengths (runs over it write into
-    `cache`): a continuous batch runs only the slots in use. Shared layout only."""
+def rows_view(cache: KVCache, start: int, stop: int, longest: int) -> KVCache:
+    """A cache over rows `start` to `stop` of `cache`, the longest holding `longest` tokens (the
+    caller knows it: no read from the device), sharing its buffers and lengths (runs over it write
+    into `cache`): a continuous batch runs only the slots in use (shared_prompts.py one row at a
+    time). Shared layout only."""
     if not cache.shared:
-        raise ValueError("first_rows needs the shared-buffer layout (GroupQueryAttention)")
+        raise ValueError("rows_view needs the shared-buffer layout (GroupQueryAttention)")
     view = copy.copy(cache)
-    view.keys = [key[:rows] for key in cache.keys]
-    view.values = [value[:rows] for value in cache.values]
-    view.states = cache.states.first_rows(rows)
-    view.lengths = cache.lengths[:rows]
+    view.keys = [key[start:stop] for key in cache.keys]
+    view.values = [value[start:stop] for value in cache.values]
+    view.states = cache.states.rows_view(start, stop)
+    view.lengths = cache.lengths[start:stop]
     view.longest = longest
     view.caller_mask = None
     return view

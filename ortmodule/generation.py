@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import inputs
+from . import inputs, shared_prompts
 from . import steps as fixed_steps
 from .hf import CACHE_NAME
 
@@ -187,7 +187,7 @@ class _Sampling:
         try:
             cache = steps.cache if steps is not None else decoder.new_cache(size, needed)
             last = torch.arange(size, device=decoder.device) * width + rows.lengths - 1
-            logits = decoder.prefill(rows, last, cache)
+            logits = shared_prompts.prefill(decoder, rows, last, cache)  # a common beginning run once (CPU)
             if steps is not None:
                 steps.start()
             length = self._loop(logits, cache, steps)

@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from ..cache import first_rows
+from ..cache import rows_view
 from ..inputs import Rows, pad_right, to_device
 from .jobs import Generation, Row, choose_tokens, prompt_scores
 from .prefixes import BLOCK, Prefixes
@@ -134,7 +134,7 @@ class DecodeBatch:
             longest = max(row.cached for row in rows)  # the step adds one
             self.pool.reserve(longest + 1, self.context)
             if self.view is None or self.view.version != self.pool.version:
-                self.view = first_rows(self.pool, len(rows), longest)
+                self.view = rows_view(self.pool, 0, len(rows), longest)
             cache = self.view
         else:
             cache = self.pool

@@ -1,0 +1,84 @@
+"""Generation's prompts that begin alike, on the CPU: the common beginning runs once.
+
+A batch of prompts from one few-shot task (lm-eval's `generate_until` over GSM8K-style prompts,
+say) begins with the same examples in every row. `prefill` runs that beginning once, in one row,
+copies its KV into every row of the generation's cache, and runs each row's rest over its copy
+(one row at a time: ONNX Runtime's GroupQueryAttention takes several new tokens over a past for
+one row only), in the cache's own buffers (`cache.rows_view`). The cache and the first token's
+logits are those of the whole prompts' prefill, to float32 rounding (the kernels of a run with a
+past sum in another order).
+
+It pays where the tokens it spares, the beginning in every row but one and the batch's padding
+(a batched prefill runs every row as long as the longest), outweigh a run of its own for each row,
+which on a CPU costs what some `RUN_TOKENS` more tokens in a prefill cost. On CUDA a prefill is
+cheap against the decoding that follows and the rows' runs would go one after the other: off there.
+Off too for hybrid decoders (convolution states), sliding-window layers, multimodal packages and
+caches that concatenate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import KVCache, rows_view
+from .inputs import Rows
+
+# A run of its own costs, on a CPU, about what this many more tokens in a prefill cost (streaming
+# every weight once against a token's matmuls, whatever the model's size). Measured on the real
+# SmolLM2-135M, 2-vCPU Xeon, 8 rows of 96 tokens: the beginning run once broke even at about 46
+# common tokens in fp32 (some 45 tokens a run) and 24 in int4 (docs/measurements.md, session 39).
+RUN_TOKENS = 48
+
+
+def common_beginning(rows: Rows) -> int:
+    """How many tokens every row begins with, short of the shortest row's last (each row keeps a
+    token of its own, whose logits its own run gives)."""
+    shortest = int(rows.lengths.min())
+    ids = rows.ids[:, : shortest - 1]
+    differ = torch.nonzero(~(ids == ids[:1]).all(0))
+    return int(differ[0]) if differ.numel() else shortest - 1
+
+
+def wanted(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> int:
+    """The common beginning's length where running it once pays (0: it does not, or cannot)."""
+    batch, width = rows.ids.shape
+    if (decoder.device.type != "cpu" or batch < 2 or not cache.shared or cache.states
+            or decoder.embedding_session is not None or any(kv.window for kv in decoder.spec.layers)):
+        return 0
+    prefix = common_beginning(rows)
+    alone = prefix + int(rows.lengths.sum()) - batch * prefix  # the beginning once, then each row's rest
+    if not prefix or batch * width - alone <= RUN_TOKENS * batch:
+        return 0
+    if int((logit_index % width).min()) < prefix:  # the logits asked of a row come from its own run
+        return 0
+    return prefix
+
+
+def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """`decoder.prefill(rows, logit_index, cache)`: the logits `[n, V]` at the flat indices
+    `logit_index` and `cache` holding the rows, the rows' common beginning run once where that pays."""
+    prefix = wanted(decoder, rows, logit_index, cache)
+    if not prefix:
+        return decoder.prefill(rows, logit_index, cache)
+    batch, width = rows.ids.shape
+    device = decoder.device
+    first = decoder.new_cache(1, prefix)
+    decoder.prefill(Rows(rows.ids[:1, :prefix], None, torch.full((1,), prefix, device=device), prefix),
+                    torch.full((1,), prefix - 1, device=device), first)
+    cache.start_from(first, torch.zeros(batch, dtype=torch.int64, device=device),
+                     torch.full((batch,), prefix, device=device), prefix)
+    out = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
+    owner, column = logit_index // width, logit_index % width
+    chunk = decoder.prefill_chunk or width
+    for row, length in enumerate(rows.lengths.tolist()):
+        view, asked = rows_view(cache, row, row + 1, prefix), torch.nonzero(owner == row).squeeze(1)
+        for start in range(prefix, length, chunk):
+            end = min(start + chunk, length)
+            inside = (column[asked] >= start) & (column[asked] < end)
+            keep = column[asked][inside] - start
+            logits = decoder.step(rows.ids[row : row + 1, start:end], view,
+                                  keep if keep.numel() else torch.tensor([end - start - 1], device=device))
+            if keep.numel():
+                out[asked[inside]] = logits
+    cache.longest, cache.seen = rows.longest, width  # its lengths went up through the views
+    return out
