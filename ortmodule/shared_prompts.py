@@ -4,7 +4,7 @@ A batch of prompts from one few-shot task (lm-eval's `generate_until` over GSM8K
 say) begins with the same examples in every row. `prefill` runs that beginning once, in one row,
 copies its KV into every row of the generation's cache, and runs each row's rest over its copy
 (one row at a time: ONNX Runtime's GroupQueryAttention takes several new tokens over a past for
-one row only), in the cache's own buffers (`cache.rows_view`). The cache and the first token's
+one row only), in the cache's own buffers (cache.py's `rows_view`). The cache and the first token's
 logits are those of the whole prompts' prefill, to float32 rounding (the kernels of a run with a
 past sum in another order).
 
