@@ -65,22 +65,23 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor | None, cache: KVCach
     out = torch.empty(flat.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=decoder.device)
     owner, column = flat // width, flat % width
     if cache is not None:  # one row, run whole: the cache holds all of it
-        _run_row(decoder, rows.ids, torch.arange(flat.numel(), device=flat.device), column, cache, chunk, out)
+        run_row(decoder, rows.ids, torch.arange(flat.numel(), device=flat.device), column, cache, chunk, out)
     else:
         for row in torch.unique(owner).tolist():
             mine = torch.nonzero(owner == row).squeeze(1)
             needed = int(column[mine].max()) + 1  # later tokens change nothing before them
-            _run_row(decoder, rows.ids[row : row + 1, :needed], mine, column[mine], decoder.new_cache(1, needed),
+            run_row(decoder, rows.ids[row : row + 1, :needed], mine, column[mine], decoder.new_cache(1, needed),
                      chunk, out)
     return out if logit_index is not None else out.view(batch, width, -1)
 
 
-def _run_row(decoder, ids: torch.Tensor, slots: torch.Tensor, columns: torch.Tensor, cache: KVCache,
-             chunk: int, out: torch.Tensor) -> None:
-    """Run one row's `ids` `[1, L]` into `cache` chunk by chunk, writing the logits at `columns`
-    into `out[slots]`. A chunk with nothing asked of it computes one position's logits, dropped."""
+def run_row(decoder, ids: torch.Tensor, slots: torch.Tensor, columns: torch.Tensor, cache: KVCache,
+            chunk: int, out: torch.Tensor, begin: int = 0) -> None:
+    """Run one row's `ids` `[1, L]` into `cache` chunk by chunk from column `begin` (a cache holding
+    the columns before it: shared_prompts.py), writing the logits at `columns` into `out[slots]`.
+    A chunk with nothing asked of it computes one position's logits, dropped."""
     length = ids.shape[1]
-    for start in range(0, length, chunk):
+    for start in range(begin, length, chunk):
         end = min(start + chunk, length)
         inside = (columns >= start) & (columns < end)
         local = columns[inside] - start

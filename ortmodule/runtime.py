@@ -189,8 +189,8 @@ def make_session(
         # ONNX Runtime's workers spin between the parallel sections of a run (a hand-off without a
         # wake-up) and stop as the run returns (`force_spinning_stop`). Spinning between runs
         # starved the torch ops of a decode step (sampling, stop checks: decoding 1.8x slower on
-        # 2 vCPUs); not spinning at all paid a wake-up per section (batch-1 decoding 6-15% slower,
-        # the score server's P50 about 20% higher; docs/measurements.md, session 39).
+        # 2 vCPUs); not spinning at all paid a wake-up per section (generation 2-15% slower;
+        # docs/measurements.md, session 39).
         for key, value in SPINNING:
             options.add_session_config_entry(key, value)
         if not prepack:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from . import chunked
 from .cache import KVCache, rows_view
 from .inputs import Rows
 
@@ -71,14 +72,8 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> t
     owner, column = logit_index // width, logit_index % width
     chunk = decoder.prefill_chunk or width
     for row, length in enumerate(rows.lengths.tolist()):
-        view, asked = rows_view(cache, row, row + 1, prefix), torch.nonzero(owner == row).squeeze(1)
-        for start in range(prefix, length, chunk):
-            end = min(start + chunk, length)
-            inside = (column[asked] >= start) & (column[asked] < end)
-            keep = column[asked][inside] - start
-            logits = decoder.step(rows.ids[row : row + 1, start:end], view,
-                                  keep if keep.numel() else torch.tensor([end - start - 1], device=device))
-            if keep.numel():
-                out[asked[inside]] = logits
+        asked = torch.nonzero(owner == row).squeeze(1)
+        chunked.run_row(decoder, rows.ids[row : row + 1, :length], asked, column[asked],
+                        rows_view(cache, row, row + 1, prefix), chunk, out, begin=prefix)
     cache.longest, cache.seen = rows.longest, width  # its lengths went up through the views
     return out
