@@ -60,6 +60,9 @@ PY
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$WORK/gpu.txt" 2>&1
 git log -1 --format='%H %s' > "$WORK/commit.txt" 2>/dev/null
 pack
+# (0) the Qwen3-0.6B-shaped bf16 package, exported before the steps that time it: its export (~25 s)
+# inside step (2)'s 40 s would leave the first profile cut short (a fixture is kept only when whole)
+step package 120 bash -c "cd benchmarks && python3 -c 'from conftest import QWEN3_0_6B; from ortmodule_dev import fixtures; print(fixtures.build(QWEN3_0_6B).package_dir)'"
 # (1) the CUDA tests that failed in session 36 (fixed without a GPU): a device without an index,
 # and Gemma 3's windowed KV buffers (graph.unbounded_window_caches), its cache and generate past the window;
 # and session 37's: a dropped model's device memory back at once (no reference cycle); and session 38's:
@@ -80,12 +83,15 @@ suite server 170 "server_load and qwen3 and reuse-auto"
 extend_graph=$(fastest_query_once)
 echo "server-reuse: the extend graph $extend_graph" >> "$WORK/plan.log"
 suite server-reuse 90 "server_load and qwen3 and reuse-on" --server-extend "$extend_graph"
-# (4) lm-eval's shared contexts (HellaSwag-shaped groups) the same three ways
+# (4) where a rolling batch's device time goes (8 windows of 4,096, every position scored, as the lm-eval
+# backend scores them), against transformers: the rolling target is short and device-bound, never profiled
+step rolling-profile 60 bash -c "cd benchmarks && python3 profile_gpu.py --rolling --batch 8 --length 4096"
+# (5) lm-eval's shared contexts (HellaSwag-shaped groups) the same three ways
 step extend-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80"
 step extend-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv"
 step extend-cache-grouped 40 bash -c \
   "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv --extend-layout cache"
-# (5) rolling on Qwen3 with SmolLM2's tokenizer (never run on a GPU; the target still short), against hf
+# (6) rolling on Qwen3 with SmolLM2's tokenizer (never run on a GPU; the target still short), against hf
 suite rolling 190 "at_scale and qwen3 and rolling and not (share or chunks or tokenize or cuda-graph or pad64 or bf16-head)"
 echo "done at $((SECONDS - start)) s" >> "$WORK/plan.log"
 pack

@@ -17,9 +17,9 @@ H100 the shared path ran 1.8-2.4x slower than the padded rows at lm-eval's scale
 a CPU (the device's kernels then are not recorded).
 
 `--rolling` profiles lm-eval's `loglikelihood_rolling` instead: `--batch` windows of `--length` tokens
-(on the GPU suite's rolling workload, 8 windows of 4,096), every position scored, through the same
-path (`scoring.loglikelihood`: the logits of every position, their normalizers, the targets'
-log-probabilities) and through transformers as lm-eval's `hf` scores them (a log-softmax over all
+(on the GPU suite's rolling workload, 8 windows of 4,096), every position scored, through the lm-eval
+backend's path (`scoring.loglikelihood_totals(..., greedy=False)`: the logits of every position, their
+normalizers, the targets' log-probabilities, no greedy token) and through transformers as lm-eval's `hf` scores them (a log-softmax over all
 the logits in the model's precision, then the gather). Rolling ran at 1.38x transformers on an H100
 where the target is 2x; the kernel split shows how much of it is the LM head and the normalizers.
 
@@ -276,7 +276,10 @@ def main():
         starts = [int(n) - 5 for n in lengths]
         targets = [[int(t) for t in ids[i, s + 1 : s + 5]] for i, s in enumerate(starts)]
         tokens = int(lengths.sum())
-    ours = lambda: scoring.loglikelihood(model, ids, mask, starts, targets)  # noqa: E731
+    if args.rolling:  # as the lm-eval backend scores rolling windows: no greedy token, one read at the end
+        ours = lambda: scoring.loglikelihood_totals(model, ids, mask, starts, targets, greedy=False)[0].sum().item()  # noqa: E731
+    else:
+        ours = lambda: scoring.loglikelihood(model, ids, mask, starts, targets)  # noqa: E731
     profile_both(model, ours, fixture, args, peak, (ids, mask, starts, targets, tokens))
 
 
@@ -307,13 +310,14 @@ def profile_both(model, ours, fixture, args, peak, batch) -> None:
 
     @torch.inference_mode()
     def theirs():
-        logits = hf(input_ids=ids.cuda(), attention_mask=None if mask is None else mask.cuda()).logits
+        device = model.device
+        logits = hf(input_ids=ids.to(device), attention_mask=None if mask is None else mask.to(device)).logits
         if args.rolling:  # lm-eval's hf: log-softmax over every position in the model's dtype, then the gather
-            return torch.log_softmax(logits, -1).gather(2, torch.tensor(targets).cuda()[..., None]).sum().item()
-        rows = torch.arange(args.batch).repeat_interleave(4).cuda()
-        cols = torch.tensor([s + i for s in starts for i in range(4)]).cuda()
+            return torch.log_softmax(logits, -1).gather(2, torch.tensor(targets, device=device)[..., None]).sum().item()
+        rows = torch.arange(args.batch, device=device).repeat_interleave(4)
+        cols = torch.tensor([s + i for s in starts for i in range(4)], device=device)
         lp = torch.log_softmax(logits[rows, cols].float(), -1)
-        return lp.gather(1, torch.tensor([t for row in targets for t in row]).cuda()[:, None]).sum().item()
+        return lp.gather(1, torch.tensor([t for row in targets for t in row], device=device)[:, None]).sum().item()
 
     # Matmul FLOPs: the decoder's weights at every real token, the LM head at every position scored.
     scored = sum(len(t) for t in targets)
@@ -324,7 +328,7 @@ def profile_both(model, ours, fixture, args, peak, batch) -> None:
             continue
         if label == "transformers":
             hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
-            hf = hf.to("cuda").eval()
+            hf = hf.to(model.device).eval()
         seconds = timed(fn)
         kernel_ms, table = kernel_table(fn)
         share = f", {100 * flops / seconds / peak:.1f}% of the dense bf16 peak" if peak else ""
