@@ -19,9 +19,10 @@ a CPU (the device's kernels then are not recorded).
 `--rolling` profiles lm-eval's `loglikelihood_rolling` instead: `--batch` windows of `--length` tokens
 (on the GPU suite's rolling workload, 8 windows of 4,096), every position scored, through the lm-eval
 backend's path (`scoring.loglikelihood_totals(..., greedy=False)`: the logits of every position, their
-normalizers, the targets' log-probabilities, no greedy token) and through transformers as lm-eval's `hf` scores them (a log-softmax over all
-the logits in the model's precision, then the gather). Rolling ran at 1.38x transformers on an H100
-where the target is 2x; the kernel split shows how much of it is the LM head and the normalizers.
+normalizers, the targets' log-probabilities, no greedy token) and through transformers as lm-eval's
+`hf` scores them (a log-softmax over all the logits in the model's precision, then the gather).
+Rolling ran at 1.38x transformers on an H100 where the target is 2x; the kernel split shows how much
+of it is the LM head and the normalizers.
 
 `--shapes N` replays an lm-eval run's stream of batches instead: N batches of `--batch` rows of
 `--length` +- 300 tokens (MMLU-shaped: four one-token requests per row), longest first, so that
