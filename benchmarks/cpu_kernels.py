@@ -5,6 +5,9 @@ SmolLM2-135M fp32 package (the demo's; a continuous batch of the server runs suc
 ONNX Runtime's profiler: each decode step's time by node (the 30 layers summed), with the FLOP rate of
 the matmuls.
 
+`--forward 8x128`: the same for forward passes of 8 rows of 128 tokens with `cont_len=4` (the
+benchmark suite's forward shape on a CPU): what a prefill's time is made of.
+
 `--attention`: one layer's attention at SmolLM2's heads (9 query heads, 3 KV heads, head size 64),
 ONNX Runtime's kernels against torch's `scaled_dot_product_attention` on the same shapes, 2 threads
 each, best of 5: prompts without a past (8 x 128, 4 x 512: what scoring's padded rows run), a
@@ -14,12 +17,14 @@ forms: GroupQueryAttention (rotary inside, as the package runs it), the grouped 
 into the rows of a MatMul / Softmax / MatMul, and ONNX's `Attention` (opset 23, `is_causal`).
 
     python benchmarks/cpu_kernels.py --decode 28
+    python benchmarks/cpu_kernels.py --forward 8x128
     python benchmarks/cpu_kernels.py --attention
 """
 
 import argparse
 import collections
 import json
+import math
 import re
 import sys
 import tempfile
@@ -62,39 +67,55 @@ def best_ms(fn, repeats: int = 5, calls: int = 20) -> float:
     return best * 1e3
 
 
+def profiled(prefix: str):
+    return OrtModelForCausalLM.from_pretrained(fixtures.build(fixtures.SMOLLM2).package_dir,
+                                               session_options=options(prefix))
+
+
+def node_table(model, last: int, what: str) -> None:
+    """The model's last `last` runs under the profiler: their time by node, the layers summed, with
+    the FLOP rate of each matmul."""
+    events = json.loads(Path(model.decoder.session.ort_session.end_profiling()).read_text())
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session"
+                  and e["name"] == "model_run")[-last:]
+    by_node, flops = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+            continue
+        if not any(start <= e["ts"] <= end for start, end in runs):
+            continue
+        node = re.sub(r"layers\.\d+", "layers.N", e["name"][: -len("_kernel_time")])
+        by_node[node] += e["dur"]
+        given, made = ([*(shape or [{}])[0].values()] for shape in (e["args"].get("input_type_shape"),
+                                                                     e["args"].get("output_type_shape")))
+        if e["args"].get("op_name") == "MatMul" and given and made:  # 2 x rows x K x N
+            flops[node] += 2 * math.prod(given[0][:-1]) * given[0][-1] * made[0][-1]
+    run_ms = sum(end - start for start, end in runs) / len(runs) / 1e3
+    total = sum(by_node.values())
+    print(f"{what}: {run_ms:.1f} ms a run inside ONNX Runtime, kernels {total / len(runs) / 1e3:.1f} ms")
+    for node, us in by_node.most_common(12):
+        line = f"{node:50s} {us / len(runs) / 1e3:7.2f} ms a run {100 * us / total:5.1f}%"
+        print(line + (f"  {flops[node] / us / 1e3:.0f} GFLOP/s" if flops[node] else ""))
+
+
 def decode_profile(rows: int) -> None:
-    fixture = fixtures.build(fixtures.SMOLLM2)
-    prefix = str(Path(tempfile.mkdtemp()) / "ort")
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, session_options=options(prefix))
+    model = profiled(str(Path(tempfile.mkdtemp()) / "ort"))
     ids = torch.randint(100, 40000, (rows, 40), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         model.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), max_new_tokens=4, do_sample=False)
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64, do_sample=False)
-    events = json.loads(Path(model.decoder.session.ort_session.end_profiling()).read_text())
-    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session"
-                  and e["name"] == "model_run")
-    steps = runs[-63:]  # the second generation's decode steps (its first token comes from the prefill)
-    by_node, shapes = collections.Counter(), {}
-    for e in events:
-        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
-            continue
-        if not any(start <= e["ts"] <= end for start, end in steps):
-            continue
-        node = re.sub(r"layers\.\d+", "layers.N", e["name"][: -len("_kernel_time")])
-        by_node[node] += e["dur"]
-        shapes[node] = (e["args"].get("input_type_shape") or [{}])[0], (e["args"].get("output_type_shape") or [{}])[0]
-    step_ms = sum(end - start for start, end in steps) / len(steps) / 1e3
-    total = sum(by_node.values())
-    layers = model.config.num_hidden_layers
-    print(f"{rows} rows, {len(steps)} decode steps: {step_ms:.1f} ms a step inside ONNX Runtime")
-    for node, us in by_node.most_common(10):
-        ms = us / len(steps) / 1e3
-        line = f"{node:50s} {ms:6.2f} ms a step {100 * us / total:5.1f}%"
-        (given,), (made,) = (list(shape.values()) or [None] for shape in shapes[node])
-        if node.endswith("MatMul") and given and made:  # 2 x rows x K x N, in every layer or once
-            flops = 2 * rows * given[-1] * made[-1] * (layers if "layers.N" in node else 1)
-            line += f"  {flops / ms / 1e6:.0f} GFLOP/s"
-        print(line)
+    # the second generation's 63 decode steps (its first token comes from the prompts' prefill)
+    node_table(model, 63, f"{rows} rows, 63 decode steps")
+
+
+def forward_profile(shape: str) -> None:
+    batch, length = (int(n) for n in shape.split("x"))
+    model = profiled(str(Path(tempfile.mkdtemp()) / "ort"))
+    ids = torch.randint(100, 40000, (batch, length), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for _ in range(6):
+            model(ids, cont_len=4)
+    node_table(model, 5, f"forward {batch} x {length}, cont_len=4, 5 runs after one")
 
 
 def _model(nodes, inputs, opset: int = 21, outputs=("out",)):
@@ -188,12 +209,15 @@ def attention_table() -> None:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--decode", type=int, metavar="ROWS", help="profile decode steps of ROWS rows")
+    parser.add_argument("--forward", metavar="BATCHxLENGTH", help="profile forward passes (cont_len=4)")
     parser.add_argument("--attention", action="store_true", help="one layer's attention, kernel against kernel")
     args = parser.parse_args()
-    if not (args.decode or args.attention):
-        parser.error("say --decode ROWS or --attention")
+    if not (args.decode or args.forward or args.attention):
+        parser.error("say --decode ROWS, --forward BATCHxLENGTH or --attention")
     if args.decode:
         decode_profile(args.decode)
+    if args.forward:
+        forward_profile(args.forward)
     if args.attention:
         attention_table()
 
