@@ -204,7 +204,8 @@ def hellaswag_shaped(batch: int, length: int, gen: torch.Generator, top: int = 3
     return rows, groups, starts, targets
 
 
-def main():
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's settings (`argv`: sys.argv's by default)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", default="qwen3-0.6b-bf16")
     parser.add_argument("--size", default="gpu", choices=list(SIZES))
@@ -239,7 +240,11 @@ def main():
                         help="a CUDA provider option (e.g. arena_extend_strategy=kSameAsRequested)")
     parser.add_argument("--session-option", action="append", default=[], metavar="NAME=VALUE",
                         help="a SessionOptions attribute (enable_mem_pattern=0) or, with a dot, a config entry")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = arguments()
     extend.REPEAT_KV_HEADS_ON_CUDA = not args.grouped_kv
     if args.extend_layout:
         extend.EXTEND_LAYOUT[torch.device(args.device).type] = args.extend_layout

@@ -247,8 +247,10 @@ def test_the_fp32_reference_is_kept_for_the_same_weights_and_requests_only(tmp_p
 
 def test_the_next_gpu_runs_selections_collect():
     """benchmarks/next_gpu_run.sh (the plan a rare GPU session runs without editing): the script
-    parses, every benchmark selection of it collects at the GPU size, and each name of its CUDA
-    test selection matches a test, so that no step is found empty on the device."""
+    parses, every benchmark selection of it collects at the GPU size, every profile's arguments are
+    profile_gpu.py's, the package step's imports resolve, and each name of its CUDA test selection
+    matches a test, so that no step is found empty or refused on the device."""
+    import os
     import re
     import subprocess
     import sys
@@ -264,6 +266,16 @@ def test_the_next_gpu_runs_selections_collect():
                                  "benchmarks", "--bench-size", "gpu", "-k", selection], cwd=root,
                                 capture_output=True, text=True).stdout
         assert re.search(r"^\d+/\d+ tests collected", listed, re.M), f"{selection}: {listed[-300:]}"
+    profiles = re.findall(r'python3 profile_gpu\.py ([^"]+)"', text)
+    assert profiles, "the plan profiles nothing"
+    check = "import shlex, sys, profile_gpu; [profile_gpu.arguments(shlex.split(line)) for line in sys.argv[1:]]"
+    parsed = subprocess.run([sys.executable, "-c", check, *profiles], cwd=root / "benchmarks", capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert parsed.returncode == 0, parsed.stderr[-1000:]
+    built = re.search(r"^step package \d+ bash -c \"cd benchmarks && python3 -c '([^']+)'", text, re.M).group(1)
+    imports = subprocess.run([sys.executable, "-c", built.split("; print")[0]], cwd=root / "benchmarks",
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert imports.returncode == 0, imports.stderr[-1000:]
     names = re.search(r'tests/test_cuda\.py -k \\\n\s+"([^"]+)"', text).group(1).split(" or ")
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                              "tests/test_cuda.py"], cwd=root, capture_output=True, text=True).stdout
