@@ -47,6 +47,8 @@ def load(backend, fixture, batch_size, device):
     if backend == "hf":
         dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int4": "float32"}[fixture.spec.precision]
         return get_model("hf")(pretrained=str(fixture.hf_dir), dtype=dtype, device=device, batch_size=batch_size)
+    if backend == "transformers-bf16":  # what lm-eval's `hf` runs by default (dtype auto) on a bf16 checkpoint
+        return get_model("hf")(pretrained=str(fixture.hf_dir), dtype="bfloat16", device=device, batch_size=batch_size)
     # lm-eval's ONNX backends, and the two peers built on their base, run batch 1 only.
     return get_model(backend)(pretrained=str(fixture.package_dir),
                               execution_provider="cuda" if device != "cpu" else "cpu")

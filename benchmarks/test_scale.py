@@ -28,9 +28,9 @@ WORKLOADS = {"mmlu": "ortmodule_bench_mmlu", "fewshot": "ortmodule_bench_fewshot
              "hellaswag": "ortmodule_bench_hellaswag", "arc": "ortmodule_bench_arc",
              "rolling": "ortmodule_bench_rolling"}
 # transformers first: on an fp32 or int4 package its fp32 answers are every other row's yardstick.
-SCALE_BACKENDS = ["hf", "ortmodule", "ortmodule-share-off", "ortmodule-share-on", "ortmodule-chunks-off",
-                  "ortmodule-tokenize-first", "ortmodule-bf16-head", "ortmodule-cuda-graph", "ortmodule-pad64",
-                  "ortmodule-prefill-onnx"]
+SCALE_BACKENDS = ["hf", "transformers-bf16", "ortmodule", "ortmodule-share-off", "ortmodule-share-on",
+                  "ortmodule-chunks-off", "ortmodule-tokenize-first", "ortmodule-bf16-head", "ortmodule-cuda-graph",
+                  "ortmodule-pad64", "ortmodule-prefill-onnx"]
 SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers
 FP32_REFERENCES = {}  # (model, workload) -> (answers of transformers in fp32, when and where they were computed)
 SCALE_TOKENS = {}  # (model, workload) -> context + continuation tokens of all its requests
@@ -55,6 +55,9 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
                     "MMLU's measures it, not its 5-shot subjects')")
     if backend == "ortmodule-tokenize-first" and (device == "cpu" or workload == "rolling"):
         pytest.skip("tokenizing ahead is CUDA's choice, for loglikelihood requests (a CPU encodes every text first)")
+    if backend == "transformers-bf16" and (device != "cpu" or fixture.spec.precision != "fp32"):
+        pytest.skip("transformers in bf16 beside an fp32 package on a CPU (lm-eval's dtype auto on SmolLM2's bf16 "
+                    "checkpoint; AMX runs bf16 matmuls); a GPU's packages are bf16 and so is its transformers row")
     head_case = workload in ("mmlu", "rolling")
     if backend == "ortmodule-bf16-head" and (fixture.spec.precision != "bf16" or not head_case):
         pytest.skip("the LM head's precision is a bf16 package's choice, measured where bf16 ties cost choices "
