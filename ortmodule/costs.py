@@ -25,7 +25,8 @@ class Costs(NamedTuple):
     does not show. `extend_fixed`: what an extend run costs beyond its tokens (0: not measured;
     the decode step's fixed part stands in). On a CPU it is several decode steps: the extend
     session does not keep its weights prepacked (extend.py), so a run of more than one token
-    packs them again (about 85 ms against a 23 ms step for SmolLM2-135M in fp32 on 2 vCPUs)."""
+    packs them again (about 85 ms against a 23 ms step for SmolLM2-135M in fp32 on 2 vCPUs).
+    `prefill_per_score` and `prefill_width`: a prefill's own attention, as `prefill` prices it."""
 
     per_token: float
     step: float
@@ -33,12 +34,25 @@ class Costs(NamedTuple):
     extend_per_token: float | None = None
     extend_per_score: float = 0.0
     extend_fixed: float = 0.0
+    prefill_per_score: float = 0.0
+    prefill_width: int = 0
+
+    def prefill(self, rows: int, width: int) -> float:
+        """Seconds for a prefill of `rows` rows of `width` tokens: `per_token` a token, read on rows
+        of `prefill_width` tokens, and the attention the longer rows add, `prefill_per_score` per
+        (token, position it attends to) past that width. ONNX Runtime's CPU attention computes every
+        position of a row for every token (masking half after): on SmolLM2-135M's 300-token rows it
+        added a third to their per-token cost, which made a query run once look no cheaper than
+        whole prompts where it was 1.5x faster (docs/measurements.md, session 40)."""
+        attention = self.prefill_per_score * rows * width * max(0, width - self.prefill_width)
+        return self.per_token * rows * width + attention
 
 
 @torch.inference_mode()
 def measure(decoder: Decoder) -> Costs | None:
     """Time `decoder`'s runs (a few seconds on a small model on the CPU): the best of a few
-    64-token prefills over growing batches (`prefill_slope`), of decode steps over 1 and 4 rows,
+    64-token prefills over growing batches (`_doubling`), then as many tokens in rows 6 times as
+    long (`_prefill_attention`), of decode steps over 1 and 4 rows,
     and, with an extend graph, of extends of 16 new tokens a row over growing batches and over a
     longer prefix (`_extend_costs`).
     None, with a warning, where they cannot run (out of memory on a loaded device, say)."""
@@ -60,7 +74,8 @@ def _timed_runs(decoder: Decoder) -> Costs:
         last = torch.arange(rows, device=device) * length + length - 1  # the LM head at each row's last token
         return decoder.prefill(batch, last, cache)
 
-    per_token = prefill_slope(lambda rows: _best_time(lambda: prefill(rows), device), length)
+    per_token, _, rows = _doubling(lambda rows: _best_time(lambda: prefill(rows), device), length)
+    per_score = _prefill_attention(decoder, rows, length)
     step = {}
     for rows in (1, 4):
         cache = decoder.new_cache(rows, length + 8)
@@ -70,7 +85,34 @@ def _timed_runs(decoder: Decoder) -> Costs:
     per_row = max(0.0, (step[4] - step[1]) / 3)
     extender = decoder.extender()
     extend = _extend_costs(decoder, extender, ids, length) if extender is not None else (None, 0.0, 0.0)
-    return Costs(per_token, max(0.0, step[1] - per_row), per_row, *extend)
+    return Costs(per_token, max(0.0, step[1] - per_row), per_row, *extend, per_score, length)
+
+
+def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 6) -> float:
+    """`prefill_per_score`: rows `times` as long as `length` against as many tokens in rows of
+    `length`, timed in turns; the longer rows' extra time is their attention over the extra
+    positions. About as many tokens as the `rows` rows of `length` where the prefill's tokens showed
+    in its time (`_doubling`: 4 on a CPU, more on a GPU), in rows short of two CPU chunks
+    (chunked.py), which run as one prefill; 0 where the context is too short for it to show."""
+    device = decoder.device
+    longer = min(times * length, decoder.package.context_length - 2)
+    if decoder.prefill_chunk:
+        longer = min(longer, 2 * decoder.prefill_chunk - 1)
+    if longer - length < 64:
+        return 0.0
+    rows = max(1, round(rows * length / longer))
+    tokens = rows * longer
+    count = tokens // length  # rows of `length`: as many tokens, short of a remainder
+    ids = torch.randint(4, decoder.vocab_size, (tokens,), generator=torch.Generator().manual_seed(2)).to(device)
+
+    def run(batch: int, width: int):
+        part = ids[: batch * width].reshape(batch, width)
+        last = torch.arange(batch, device=device) * width + width - 1
+        return lambda: decoder.prefill(Rows(part, None, torch.full((batch,), width, device=device), width), last)
+
+    short, long = _best_times([run(count, length), run(rows, longer)], device)
+    short *= tokens / (count * length)  # scaled to the same tokens
+    return max(0.0, long - short) / (tokens * (longer - length))
 
 
 def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) -> tuple[float, float, float]:

@@ -23,9 +23,10 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     (in one extend run where the decoder has one, else one decode step at a time), than in one
     padded prefill.
 
-    With `costs` (`model.measured_costs()`), the two are compared in time: prefix tokens + the
+    With `costs` (`model.measured_costs()`), the two are compared in time: the prefix's prefill + the
     rows' remaining tokens in an extend with its attention over the prefix and the remainder (or
-    steps x one step over the rows), against rows x width tokens; when groups run together in
+    steps x one step over the rows), against a prefill of rows x width tokens (`Costs.prefill`, with
+    the attention the width adds); when groups run together in
     batches of `batch_rows` rows (lm-eval's batch size), a run's fixed cost is shared among them.
     Without costs, a prefix at least twice the longest remainder."""
     if len(rows) < 2:
@@ -38,10 +39,10 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     if costs.extend_per_token is not None:  # the rest of every row in one extend run
         attention = costs.extend_per_score * len(rows) * steps * (prefix + steps)  # unfused: quadratic
         run = (costs.extend_fixed or costs.step) * share
-        shared = costs.per_token * prefix + costs.extend_per_token * len(rows) * steps + attention + run
+        shared = costs.prefill(1, prefix) + costs.extend_per_token * len(rows) * steps + attention + run
     else:
-        shared = costs.per_token * prefix + steps * (costs.step * share + costs.step_per_row * len(rows))
-    return shared < costs.per_token * len(rows) * max(len(row) for row in rows)
+        shared = costs.prefill(1, prefix) + steps * (costs.step * share + costs.step_per_row * len(rows))
+    return shared < costs.prefill(len(rows), max(len(row) for row in rows))
 
 
 class SharingPlan(NamedTuple):

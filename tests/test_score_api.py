@@ -83,6 +83,7 @@ def test_sharing_is_decided_from_the_measured_costs(llama):
     measured = model.measured_costs()
     assert measured.per_token > 0 and measured.step > 0 and measured.step_per_row >= 0
     assert measured.extend_per_token > 0  # the llama fixture has an extend graph (extend.py)
+    assert measured.prefill_per_score >= 0 and measured.prefill_width == 64  # read past 64-token rows
     assert model.measured_costs() is measured
 
 
@@ -132,6 +133,50 @@ def test_long_remainders_pay_for_the_extends_attention():
     context = list(range(100, 180))
     rows = [context + list(range(1000 * i, 1000 * i + 30)) for i in range(1, 5)]
     assert sharing.worth_sharing(rows, [79] * 4, measured_attention, 32)
+
+
+def test_a_query_run_once_is_priced_against_whole_prompts_with_their_attention():
+    """SGLang's score shape (a 120-token query, 10 items of 180 tokens) with the costs measured for
+    SmolLM2-135M fp32 on 2 vCPUs: priced by the token alone the whole prompts look as cheap as the
+    query run once (2.01 against 2.02 s), where they ran 1.5x slower (5.5 against 3.6 s for two
+    requests, profile_gpu.py --score 2); with the attention a 300-token row adds past the 64-token
+    rows its token cost was read on, the query runs once. Short rows are priced as before."""
+    measured = costs.Costs(per_token=0.669e-3, step=21.8e-3, step_per_row=1.27e-3, extend_per_token=0.767e-3,
+                           extend_per_score=9.1e-7, extend_fixed=66e-3)
+    query = list(range(100, 220))
+    prompts = [query + list(range(1000 * i, 1000 * i + 180)) for i in range(1, 11)]
+    last = [len(p) - 1 for p in prompts]
+    assert not sharing.worth_sharing(prompts, last, measured, 10)
+    attention = measured._replace(prefill_per_score=6e-7, prefill_width=64)
+    assert attention.prefill(10, 300) == pytest.approx(measured.prefill(10, 300) + 6e-7 * 10 * 300 * 236)
+    assert attention.prefill(8, 64) == measured.prefill(8, 64) == pytest.approx(0.669e-3 * 8 * 64)
+    assert sharing.worth_sharing(prompts, last, attention, 10)
+
+
+def test_the_prefills_attention_is_read_from_rows_six_times_as_long(llama, monkeypatch):
+    """`prefill_per_score`: the same tokens in rows of 6 x 64 tokens (one prefill on a CPU, short of
+    two chunks) and in rows of 64, as many of the long rows as make the tokens of the rows where the
+    token cost showed (4 on a CPU, 32 on a GPU-like device); their difference over the extra
+    positions, 1 ns a score here."""
+    model, _ = load_pair(llama)
+    decoder = model.decoder
+    runs = []
+    original = decoder.prefill
+    monkeypatch.setattr(decoder, "prefill", lambda rows, *a: runs.append(tuple(rows.ids.shape)) or original(rows, *a))
+    longer = min(6 * 64, 2 * decoder.prefill_chunk - 1, model.package.context_length - 2)
+    for rows, long_rows in ((4, max(1, round(4 * 64 / longer))), (32, round(32 * 64 / longer))):
+        tokens = long_rows * longer
+        extra = 1e-9 * tokens * (longer - 64)
+        def timed(fns, device, e=extra):  # each run once (recorded); 1 us a token, the long rows e more
+            for fn in fns:
+                fn()
+            (a, b), (c, d) = runs[-2:]
+            return [1e-6 * a * b, 1e-6 * c * d + e]
+
+        monkeypatch.setattr(costs, "_best_times", timed)
+        runs.clear()
+        assert costs._prefill_attention(decoder, rows, 64) == pytest.approx(1e-9)
+        assert runs == [(tokens // 64, 64), (long_rows, longer)]
 
 
 def test_a_runs_own_cost_is_read_from_the_same_two_runs():
