@@ -179,6 +179,21 @@ def test_the_prefills_attention_is_read_from_rows_six_times_as_long(llama, monke
         assert runs == [(tokens // 64, 64), (long_rows, longer)]
 
 
+def test_a_prefills_attention_that_cannot_be_measured_leaves_the_rest_measured(llama, monkeypatch):
+    """Rows six times 64 tokens long that the package cannot take (mobius-onnx's Gemma 4 export says
+    4,096 tokens of context and holds rotary tables for 256): a warning, whole prompts priced by the
+    token, and the other costs measured as before."""
+    model, _ = load_pair(llama)
+
+    def refused(*args):
+        raise RuntimeError("indices element out of data bounds")
+
+    monkeypatch.setattr(costs, "_prefill_attention", refused)
+    with pytest.warns(UserWarning, match="could not measure a prefill's attention .*out of data bounds"):
+        measured = costs.measure(model.decoder)
+    assert measured.prefill_per_score == 0.0 and measured.per_token > 0 and measured.extend_per_token > 0
+
+
 def test_a_runs_own_cost_is_read_from_the_same_two_runs():
     """A run of fixed cost plus a cost per token (a CPU extend that packs its weights per run)
     gives back both; a run whose time grows faster than its tokens has no negative fixed part."""
