@@ -155,11 +155,6 @@ def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) ->
     return per_token, per_score, fixed
 
 
-def prefill_slope(seconds_for_rows, length: int, most_rows: int = 64) -> float:
-    """Seconds per extra token of a prefill, where its time grows with its tokens (`run_costs`)."""
-    return run_costs(seconds_for_rows, length, most_rows)[0]
-
-
 def run_costs(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float, float]:
     """Seconds per extra token of a run, where its time grows with its tokens, and what the run
     costs beyond its tokens (the line through the same two runs, at no tokens; 0 where the time

@@ -201,7 +201,7 @@ def test_a_runs_own_cost_is_read_from_the_same_two_runs():
     assert costs.run_costs(lambda rows: 1e-3 * (rows * 16) ** 2, 16)[1] == 0.0
 
 
-def test_prefill_slope_reads_the_cost_of_a_token_where_tokens_cost():
+def test_the_token_cost_is_read_where_tokens_cost():
     """On a CPU-like device (time linear in the tokens) the first doubling gives the cost of a
     token; on a GPU-like one (a fixed launch cost dominating small batches) the doubling goes on
     until the tokens show, and the slope is the marginal cost, not the small batch's average."""
@@ -211,16 +211,16 @@ def test_prefill_slope_reads_the_cost_of_a_token_where_tokens_cost():
         asked.append(rows)
         return 1e-3 * rows * 64
 
-    assert costs.prefill_slope(cpu, 64) == pytest.approx(1e-3)
+    assert costs.run_costs(cpu, 64)[0] == pytest.approx(1e-3)
     assert asked == [2, 4]
 
     def gpu(rows):  # 5 ms of launches, 2 us a token
         return 5e-3 + 2e-6 * rows * 64
 
-    slope = costs.prefill_slope(gpu, 64)
+    slope = costs.run_costs(gpu, 64)[0]
     assert slope == pytest.approx(2e-6)
     assert slope * 2 * 64 < gpu(2) / 10  # the average of a 2-row run would overstate it > 10x
-    assert costs.prefill_slope(lambda rows: 5e-3, 64) > 0  # flat: still a positive cost
+    assert costs.run_costs(lambda rows: 5e-3, 64)[0] > 0  # flat: still a positive cost
 
 
 def test_the_extend_attention_is_timed_at_the_rows_where_tokens_showed(llama, monkeypatch):
