@@ -86,7 +86,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, extend, scoring
+from ortmodule import OrtModelForCausalLM, extend, runtime, scoring
 from ortmodule.cache import KVCache
 from ortmodule.inputs import pad_right
 
@@ -297,7 +297,8 @@ def session_options(items: list[str]):
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for key, value in runtime.SPINNING:
+        options.add_session_config_entry(key, value)
     for item in items:
         name, value = item.split("=", 1)
         if "." in name:
@@ -419,8 +420,6 @@ def shape_stream(batches: int, rows: int, length: int, gen: torch.Generator, top
 
 def replay_shapes(model, args) -> None:
     """`--shapes`: the stream of batches in four passes (module docstring), a line per pass."""
-    from ortmodule import runtime
-
     on_cuda = model.device.type == "cuda"
     top = min(32000, model.config.vocab_size)
     plain = shape_stream(args.shapes, args.batch, args.length, torch.Generator().manual_seed(0), top)

@@ -108,10 +108,10 @@ def test_ortmodule_generate_cuda_graph(benchmark, workload):
     assert out.shape == (ids.shape[0], ids.shape[1] + new)
 
 
-@pytest.mark.benchmark(group="generate")
-def test_transformers_generate(benchmark, workload):
+def transformers_generate(benchmark, workload, precision: str | None = None):
+    """transformers' greedy generate on the fixture's weights, in the package's precision or `precision`."""
     fixture, ids, mask, new, pad, *_ = workload
-    model = reference_model(fixture, ids.device)
+    model = reference_model(fixture, ids.device, precision)
 
     def generate():
         with torch.inference_mode():
@@ -120,25 +120,22 @@ def test_transformers_generate(benchmark, workload):
 
     out = record(benchmark, generate, workload)
     assert out.shape == (ids.shape[0], ids.shape[1] + new)
+
+
+@pytest.mark.benchmark(group="generate")
+def test_transformers_generate(benchmark, workload):
+    transformers_generate(benchmark, workload)
 
 
 @pytest.mark.benchmark(group="generate")
 def test_transformers_bf16_generate(benchmark, workload):
     """transformers in bf16 beside an fp32 package on a CPU: what a checkpoint saved in bf16 runs in
     by default, and on a CPU with AMX bf16 matmuls run several times fp32's (docs/lm-eval.md)."""
-    fixture, ids, mask, new, pad, *_ = workload
+    fixture, ids, *_ = workload
     if ids.device.type != "cpu" or fixture.spec.precision != "fp32":
         pytest.skip("transformers in bf16 beside an fp32 package on a CPU")
-    model = reference_model(fixture, ids.device, "bf16")
     benchmark.extra_info["backend"] = "transformers-bf16"
-
-    def generate():
-        with torch.inference_mode():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=pad,
-                                  do_sample=False)
-
-    out = record(benchmark, generate, workload)
-    assert out.shape == (ids.shape[0], ids.shape[1] + new)
+    transformers_generate(benchmark, workload, "bf16")
 
 
 @pytest.mark.benchmark(group="generate")
