@@ -93,6 +93,17 @@ def _timed_runs(decoder: Decoder) -> Costs:
     return Costs(per_token, max(0.0, step[1] - per_row), per_row, *extend, per_score, length)
 
 
+@torch.inference_mode()
+def check_seconds(decoder: Decoder) -> float:
+    """The best of two timed prefills of 2 rows of 64 tokens (the smallest run `measure` times), after
+    a warm-up: kept_costs.py compares it with its time when stored costs were measured."""
+    device, length = decoder.device, min(64, decoder.package.context_length - 2)
+    ids = torch.randint(4, decoder.vocab_size, (2, length), generator=torch.Generator().manual_seed(3)).to(device)
+    batch = Rows(ids, None, torch.full((2,), length, device=device), length)
+    last = torch.arange(2, device=device) * length + length - 1
+    return _best_time(lambda: decoder.prefill(batch, last), device, repeats=2)
+
+
 def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 6) -> float:
     """`prefill_per_score`: rows `times` as long as `length` against as many tokens in rows of
     `length`, timed in turns; the longer rows' extra time is their attention over the extra

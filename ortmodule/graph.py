@@ -23,6 +23,7 @@ SHA-256 when read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -283,13 +284,25 @@ def code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_key(path: Path, logits_name: str, float32_head: bool = False, unpack_qkv: bool = False) -> str:
-    """The source graph's content (not its path, size or time: a replaced file with the same size
-    and time gets its own entry), the logits name, the rewrite's options, its version and its code."""
+def file_digest(path: Path) -> str:
+    """sha256 of a file's content, read once per (path, size, modification time) in a process."""
+    stat = os.stat(path)
+    return _file_digest(os.fspath(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
+    return digest.hexdigest()
+
+
+def _cache_key(path: Path, logits_name: str, float32_head: bool = False, unpack_qkv: bool = False) -> str:
+    """The source graph's content (not its path: a replaced file gets its own entry; `file_digest`),
+    the logits name, the rewrite's options, its version and its code."""
+    digest = hashlib.sha256(file_digest(path).encode())
     digest.update(f"|{logits_name}|{REWRITE_VERSION}|{code_digest()}|{ir.__version__}"
                   f"{'|float32_head' * float32_head}{'|unpack_qkv' * unpack_qkv}".encode())
     return digest.hexdigest()[:32]
@@ -320,7 +333,8 @@ def _write_entry(entry: Path, data: bytes) -> None:
             f.write(data + _TRAILER + hashlib.sha256(data).hexdigest().encode())
         partial.replace(entry)
     except OSError as e:  # a read-only or full cache costs a rewrite per load, nothing else
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # nothing to remove where the folder could not be made
+            partial.unlink(missing_ok=True)
         _warn_once(entry.parent, e)
 
 

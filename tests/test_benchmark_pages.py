@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 
 REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "report.py"
 spec = importlib.util.spec_from_file_location("benchmark_report", REPORT)
@@ -237,6 +238,15 @@ def test_the_fp32_reference_is_kept_for_the_same_weights_and_requests_only(tmp_p
     other = tmp_path / "other"
     shutil.copytree(llama.hf_dir, other)
     assert references.weights_digest(other) == references.weights_digest(llama.hf_dir)
+    config = other / "config.json"  # saved by another transformers (the GPU machine's): the same weights
+    stamped = config.read_text().replace(f'"transformers_version": "{transformers.__version__}"',
+                                         '"transformers_version": "4.0.0"')
+    assert stamped != config.read_text()
+    config.write_text(stamped)
+    assert references.weights_digest(other) == references.weights_digest(llama.hf_dir)
+    config.write_text(stamped.replace('"vocab_size"', '"vocab_size_"'))  # anything else in it counts
+    assert references.weights_digest(other) != references.weights_digest(llama.hf_dir)
+    config.write_text(stamped)
     weights = next(other.glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # one bit of the last weight

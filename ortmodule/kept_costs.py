@@ -1,0 +1,141 @@
+"""Measured costs kept on disk between processes (`measured`): timing a model's runs (costs.py)
+takes 14 s for SmolLM2-135M and about a minute for a 0.6B model in fp32 on 2 CPU cores, which every
+lm-eval run and `ortmodule serve` paid at load. The costs depend on the package's graph, the
+machine and ortmodule's settings, not on the process, so they are kept per (graph, machine,
+settings, code) in ortmodule's cache folder, and each later load checks them with one small timed
+prefill (under a second on a CPU): where it runs 1.5x faster or slower than when the costs were
+measured (a busy machine then or now, another clock), they are measured again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import onnxruntime as ort
+import torch
+
+from . import costs, graph
+
+logger = logging.getLogger("ortmodule")
+
+TOLERANCE = 1.5  # the check's time against the stored one, either way, before the costs are measured again
+_FIELDS = costs.Costs._fields
+
+
+def measured(decoder, refresh: bool = False, folder: Path | None = None) -> costs.Costs | None:
+    """`costs.measure(decoder)`, or the costs stored for the same graph, machine, settings and
+    ortmodule code where one small prefill still takes the time it took when they were measured.
+    `refresh`: measure again regardless. The costs go to `folder` (default: the decoder's
+    `cache_dir`, else ortmodule's cache folder's `costs`); a folder that cannot be written costs a
+    measurement per process, with a warning."""
+    where = Path(folder or decoder.cache_dir or graph.cache_home() / "costs")
+    package = decoder.spec.path.parent
+    entry = where / f"{package.name}-{decoder.spec.path.stem}-{settings_key(decoder)}.json"
+    stored = None if refresh else _read(entry)
+    if stored is not None:
+        now = costs.check_seconds(decoder)
+        if 1 / TOLERANCE <= now / stored["check_seconds"] <= TOLERANCE:
+            return costs.Costs(**stored["costs"])
+        logger.info("ortmodule: a prefill took %.3f s where it took %.3f s when the costs of %s were measured (%s); "
+                    "measuring them again", now, stored["check_seconds"], package, stored["measured"])
+    logger.info("ortmodule: timing the runs of %s on %s, from which context sharing is decided (seconds to a minute "
+                "on a CPU; kept in %s for later loads)", package, decoder.device, where)
+    start = time.perf_counter()
+    found = costs.measure(decoder)
+    if found is not None:
+        record = {"costs": found._asdict(), "check_seconds": costs.check_seconds(decoder),
+                  "seconds": round(time.perf_counter() - start, 1), "machine": machine(decoder.device),
+                  "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+        _write(entry, record)
+    return found
+
+
+def settings_key(decoder) -> str:
+    """What the costs depend on: the decoder graph's content, the machine (the CPU's model and the
+    cores this process may use, or the GPU), ONNX Runtime's and torch's versions, the caller's
+    session and provider options, ortmodule's settings of the decoder and ortmodule's own code."""
+    options = decoder.session_options
+    described = None if options is None else [getattr(options, name) for name in (
+        "intra_op_num_threads", "inter_op_num_threads", "execution_mode", "graph_optimization_level")]
+    parts = [graph.file_digest(decoder.spec.path), machine(decoder.device), ort.__version__, torch.__version__,
+             repr(described), repr(sorted((decoder.provider_options or {}).items())), decoder.prefill_chunk,
+             decoder.quantized_prefill, decoder.prefill_attention, repr(decoder.rewrite_lm_head), code_digest()]
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:32]
+
+
+def machine(device: torch.device) -> str:
+    """The device as its speed depends on it: the GPU's name, or the CPU's model and usable cores."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"{torch.cuda.get_device_name(index)} ({index})"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{_cpu_model()}, {cores} cores"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+_code = None
+
+
+def code_digest() -> str:
+    """A digest of ortmodule's own modules: costs measured by other code are measured again."""
+    global _code
+    if _code is None:
+        digest = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            digest.update(path.read_bytes())
+        _code = digest.hexdigest()[:16]
+    return _code
+
+
+def _read(entry: Path) -> dict | None:
+    """The stored record, or None: none yet, or (with a warning) one that is not whole."""
+    try:
+        record = json.loads(entry.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("ortmodule: cannot read the measured costs %s (%s); measuring them again", entry, e)
+        return None
+    numbers = record.get("costs") if isinstance(record, dict) else None
+    check = record.get("check_seconds") if isinstance(record, dict) else None
+    if (not isinstance(numbers, dict) or set(numbers) != set(_FIELDS) or not _positive(check)
+            or not all(_positive(v) or v is None or v == 0 for v in numbers.values())):
+        logger.warning("ortmodule: the measured costs %s are damaged or not ortmodule's; measuring them again", entry)
+        return None
+    return record
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _write(entry: Path, record: dict) -> None:
+    """Write atomically (a temporary file renamed into place); a folder that cannot be written, a warning."""
+    partial = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(record, indent=1) + "\n")
+        partial.replace(entry)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # nothing to remove where the folder could not be made
+            partial.unlink(missing_ok=True)
+        logger.warning("ortmodule: cannot keep the measured costs in %s (%s); they are measured at every load",
+                       entry.parent, e)

@@ -1,0 +1,110 @@
+"""Measured costs kept on disk between processes (ortmodule/kept_costs.py): measured once per graph,
+machine and settings, checked by one small prefill at each later load, measured again where that
+prefill's time moved, where asked, or where the stored record is not whole."""
+
+import json
+import logging
+
+import onnxruntime as ort
+import pytest
+
+import ortmodule
+from ortmodule import costs, kept_costs
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """ortmodule's cache folder in tmp_path; the calls of costs.measure, counted."""
+    monkeypatch.setenv("ORTMODULE_CACHE", str(tmp_path))
+    calls, real = [], costs.measure
+    monkeypatch.setattr(costs, "measure", lambda decoder: calls.append(decoder) or real(decoder))
+    return tmp_path / "costs", calls
+
+
+def load(fixture, **kwargs):
+    return ortmodule.OrtModelForCausalLM.from_pretrained(fixture.package_dir, **kwargs)
+
+
+def test_costs_are_measured_once_and_kept_for_later_loads(llama, store):
+    folder, calls = store
+    first = load(llama).measured_costs()
+    assert len(calls) == 1 and first.per_token > 0 and first.extend_per_token > 0
+    (entry,) = folder.glob("*.json")
+    record = json.loads(entry.read_text())
+    assert costs.Costs(**record["costs"]) == first and record["check_seconds"] > 0
+    assert record["machine"] == kept_costs.machine(first_device := load(llama).device) and first_device.type == "cpu"
+    later = load(llama)  # a later process: a new model object over the same package
+    assert later.measured_costs() == first and len(calls) == 1  # read back (and checked), not measured
+    assert later.measured_costs() is later.measured_costs()
+    assert later.measured_costs(refresh=True) is not None and len(calls) == 2  # asked for: measured again
+    other = load(llama, prefill_chunk=0)  # another setting, other costs
+    assert other.measured_costs() is not None and len(calls) == 3 and len(list(folder.glob("*.json"))) == 2
+
+
+def test_the_costs_are_measured_again_where_the_check_prefill_took_another_time(llama, store, monkeypatch, caplog):
+    folder, calls = store
+    clock = [0.10]
+    monkeypatch.setattr(costs, "check_seconds", lambda decoder: clock[0])
+    load(llama).measured_costs()
+    assert len(calls) == 1
+    clock[0] = 0.13  # within 1.5x: the stored costs
+    load(llama).measured_costs()
+    assert len(calls) == 1
+    clock[0] = 0.16  # 1.6x slower than at the measurement (a busy machine now, or then)
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        load(llama).measured_costs()
+    assert len(calls) == 2 and "took 0.160 s where it took 0.100 s" in caplog.text
+    assert json.loads(next(folder.glob("*.json")).read_text())["check_seconds"] == 0.16  # stored anew
+    clock[0] = 0.16 / 1.6  # faster, the same way
+    load(llama).measured_costs()
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("damage", ["not json", "costs", "negative", "check"])
+def test_a_stored_record_that_is_not_whole_is_measured_again(llama, store, caplog, damage):
+    folder, calls = store
+    load(llama).measured_costs()
+    (entry,) = folder.glob("*.json")
+    record = json.loads(entry.read_text())
+    if damage == "not json":
+        text = entry.read_text()[:40]
+    else:
+        if damage == "costs":
+            del record["costs"]["per_token"]
+        elif damage == "negative":
+            record["costs"]["step"] = -1.0
+        else:
+            record["check_seconds"] = "fast"
+        text = json.dumps(record)
+    entry.write_text(text)
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        measured = load(llama).measured_costs()
+    assert measured.per_token > 0 and len(calls) == 2
+    assert ("cannot read" if damage == "not json" else "damaged or not ortmodule's") in caplog.text
+    assert costs.Costs(**json.loads(entry.read_text())["costs"]) == measured  # replaced by a whole one
+
+
+def test_a_folder_that_cannot_be_written_costs_a_measurement_per_load(llama, store, caplog, tmp_path, monkeypatch):
+    _, calls = store
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setenv("ORTMODULE_CACHE", str(blocked))  # its `costs` folder cannot be made
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        assert load(llama).measured_costs().per_token > 0
+        assert load(llama).measured_costs().per_token > 0
+    assert len(calls) == 2 and "cannot keep the measured costs" in caplog.text
+    assert "cannot write the rewrite cache" in caplog.text  # the graphs' cache too: a warning, not a failed load
+
+
+def test_the_key_follows_the_graph_the_machine_and_the_settings(llama, build, monkeypatch):
+    model = load(llama)
+    key = kept_costs.settings_key(model.decoder)
+    assert kept_costs.settings_key(load(llama).decoder) == key
+    assert kept_costs.settings_key(load(build("qwen3")).decoder) != key  # another graph
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    assert kept_costs.settings_key(load(llama, session_options=options).decoder) != key
+    assert kept_costs.settings_key(load(llama, rewrite_lm_head=False).decoder) != key
+    monkeypatch.setattr(kept_costs, "machine", lambda device: "another CPU, 64 cores")
+    assert kept_costs.settings_key(model.decoder) != key
+    assert kept_costs.machine(model.device).endswith(" cores")
