@@ -285,13 +285,8 @@ def code_digest() -> str:
 
 
 def file_digest(path: Path) -> str:
-    """sha256 of a file's content, read once per (path, size, modification time) in a process."""
-    stat = os.stat(path)
-    return _file_digest(os.fspath(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=64)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file's content (read every time: a file replaced with the same size and time is
+    another file; a decoder graph without its weights is a few hundred KB)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
