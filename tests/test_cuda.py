@@ -6,6 +6,7 @@ failures as the "out of memory." RuntimeError that batch-size searches retry on,
 memory over 1,000 calls of varying shapes. Skipped where torch sees no GPU (CI)."""
 
 import asyncio
+import json
 import time
 
 import onnx
@@ -475,6 +476,28 @@ def test_a_dropped_model_gives_its_device_memory_back(build):
         gc.enable()
     print(f"a model of {weights >> 20} MiB of weights held {held >> 20} MiB; after del, {kept >> 20} MiB")
     assert held > weights and kept < weights // 4
+
+
+def test_measured_costs_are_kept_on_cuda(build, tmp_path, monkeypatch):
+    """kept_costs.py on a GPU: the second load of a package reads the costs the first measured, its
+    check prefill (2 rows of 64 tokens, launch-bound on a GPU) within 1.5x of the first's time; the
+    record names the GPU."""
+    from ortmodule import costs, kept_costs
+
+    monkeypatch.setenv("ORTMODULE_CACHE", str(tmp_path))
+    calls, real = [], costs.measure
+    monkeypatch.setattr(costs, "measure", lambda decoder: calls.append(decoder) or real(decoder))
+    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
+    first = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda").measured_costs()
+    checks = [costs.check_seconds(OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda").decoder)
+              for _ in range(3)]
+    later = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda").measured_costs()
+    (entry,) = (tmp_path / "costs").glob("*.json")
+    record = json.loads(entry.read_text())
+    print(f"costs {first}; check {record['check_seconds'] * 1e3:.2f} ms, then {[round(c * 1e3, 2) for c in checks]}")
+    assert later == first and len(calls) == 1
+    assert record["machine"] == kept_costs.machine(torch.device("cuda"))
+    assert torch.cuda.get_device_name() in record["machine"]
 
 
 def test_cuda_graph_decode_steps(build):
