@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import platform
+import threading
 import time
 from pathlib import Path
 
@@ -129,7 +130,7 @@ def _positive(value) -> bool:
 
 def _write(entry: Path, record: dict) -> None:
     """Write atomically (a temporary file renamed into place); a folder that cannot be written, a warning."""
-    partial = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    partial = entry.with_name(f".{entry.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # per writer
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(record, indent=1) + "\n")
