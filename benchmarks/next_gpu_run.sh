@@ -3,45 +3,10 @@
 # project's root on a machine with a CUDA GPU, onnxruntime-gpu and the project's dependencies
 # importable (PYTHONPATH as the caller set it), `bash benchmarks/next_gpu_run.sh`.
 # Each step runs under its own deadline inside BUDGET seconds (default 570), so that what finished
-# comes back when a later step runs long. Everything goes into one file, $OUT/run.tgz, remade after
-# every step: the logs, each step's benchmark JSON, the new fp32 reference
-# (benchmarks/results/references/, to commit) and the GPU's name.
+# comes back when a later step runs long; everything comes back in $OUT/run.tgz (gpu_run_lib.sh).
 # tests/test_benchmark_pages.py checks that every selection here still collects.
-set -uo pipefail
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
 WORK=/tmp/next-gpu-run
-BUDGET=${BUDGET:-570}
-mkdir -p "$OUT" "$WORK"
-start=$SECONDS
-
-pack() {  # everything so far into $OUT/run.tgz
-  [ -d benchmarks/results/references ] && cp -r benchmarks/results/references "$WORK/"
-  tar -czf "$OUT/run.tgz.part" -C "$WORK" . && mv "$OUT/run.tgz.part" "$OUT/run.tgz"
-}
-
-step() {  # name, seconds wanted, command...: under min(wanted, what the budget has left)
-  local name=$1 wanted=$2 left
-  shift 2
-  left=$((BUDGET - (SECONDS - start)))
-  if [ "$left" -lt 20 ]; then
-    echo "$name: not run, ${left} s of the budget left" >> "$WORK/plan.log"
-    return
-  fi
-  [ "$wanted" -gt "$left" ] && wanted=$left
-  echo "$name: up to ${wanted} s, from $((SECONDS - start)) s" >> "$WORK/plan.log"
-  timeout "$wanted" "$@" > "$WORK/$name.log" 2>&1
-  echo "$name: rc=$? at $((SECONDS - start)) s" >> "$WORK/plan.log"
-  pack
-}
-
-suite() {  # name, seconds, pytest -k selection[, pytest options]: one part of the GPU benchmark suite, its JSON kept
-  local name=$1 seconds=$2 selection=$3
-  shift 3
-  step "$name" "$seconds" python3 benchmarks/run.py --size gpu --json "$WORK/gpu-$name.json" \
-    --out "$WORK/gpu-$name.md" -k "$selection" "$@"
-}
+source "$(dirname "$0")/gpu_run_lib.sh"
 
 fastest_query_once() {  # the extend graph under which step (2) ran each query once fastest: LAYOUT,HEADS
   python3 - "$WORK" <<'PY'
@@ -57,9 +22,6 @@ print(min(times, key=times.get) if times else "mask,repeated")
 PY
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$WORK/gpu.txt" 2>&1
-git log -1 --format='%H %s' > "$WORK/commit.txt" 2>/dev/null
-pack
 # (0) the Qwen3-0.6B-shaped bf16 package, exported before the steps that time it: its export (~25 s)
 # inside step (2)'s 40 s would leave the first profile cut short (a fixture is kept only when whole)
 step package 120 bash -c "cd benchmarks && python3 -c 'from conftest import QWEN3_0_6B; from ortmodule_dev import fixtures; print(fixtures.build(QWEN3_0_6B).package_dir)'"

@@ -211,13 +211,11 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         return self.to("cpu")
 
     def measured_costs(self, refresh: bool = False) -> costs.Costs | None:
-        """What runs of this model cost on its device (`Costs`: a prefill token, a decode step), from
-        which context sharing is decided (`share_contexts="auto"`, score's `reuse_prefix=None`).
-        Timed on the first call for each device (14 s for SmolLM2-135M, about a minute for a 0.6B
-        model in fp32 on 2 CPU cores; lm-eval's backend and `ortmodule serve` call it at load), then
-        kept: in the model, and on disk for later processes on the same machine, checked at their
-        first call by one small prefill (kept_costs.py); `refresh=True` times them again. None, with
-        a warning, where the runs failed."""
+        """What runs of this model cost on its device (`Costs`), from which context sharing is decided
+        (`share_contexts="auto"`, score's `reuse_prefix=None`). Timed at the first call for each device
+        (14 s for SmolLM2-135M on 2 CPU cores; lm-eval's backend and `ortmodule serve` call it at load),
+        kept in the model and on disk for later processes (kept_costs.py); `refresh=True` times them
+        again. None, with a warning, where the runs failed."""
         if refresh or self.device not in self._costs:
             self._costs[self.device] = kept_costs.measured(self.decoder, refresh)
         return self._costs[self.device]

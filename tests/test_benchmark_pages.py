@@ -255,21 +255,26 @@ def test_the_fp32_reference_is_kept_for_the_same_weights_and_requests_only(tmp_p
     assert reference(other, longer)[1].endswith("(this run)") and len(runs) == 3
 
 
-def test_the_next_gpu_runs_selections_collect():
-    """benchmarks/next_gpu_run.sh (the plan a rare GPU session runs without editing): the script
-    parses, every benchmark selection of it collects at the GPU size, every profile's arguments are
-    profile_gpu.py's, the package step's imports resolve, and each name of its CUDA test selection
-    matches a test, so that no step is found empty or refused on the device."""
+@pytest.mark.parametrize("name", ["next_gpu_run.sh", "targets_gpu_run.sh"])
+def test_the_gpu_runs_selections_collect(name):
+    """benchmarks/next_gpu_run.sh and targets_gpu_run.sh (the plans a rare GPU session runs without
+    editing): each script parses, every benchmark selection of it (its variables filled in) collects
+    at the GPU size, every profile's arguments are profile_gpu.py's, the package step's imports
+    resolve, and each name of a CUDA test selection matches a test, so that no step is found empty
+    or refused on the device."""
     import os
     import re
     import subprocess
     import sys
 
-    script = REPORT.parent / "next_gpu_run.sh"
+    script = REPORT.parent / name
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
+    for variable, value in re.findall(r'^(\w+)="([^"]*)"$', text, re.M):
+        text = text.replace(f"${variable}", value)
     root = REPORT.parents[1]
-    suites = re.findall(r'^suite \S+ \d+ "([^"]+)"', text, re.M)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    suites = re.findall(r'^\s*suite \S+ \d+ "([^"]+)"', text, re.M)
     assert suites, "the plan runs no part of the benchmark suite"
     for selection in suites:
         listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -277,21 +282,32 @@ def test_the_next_gpu_runs_selections_collect():
                                 capture_output=True, text=True).stdout
         assert re.search(r"^\d+/\d+ tests collected", listed, re.M), f"{selection}: {listed[-300:]}"
     profiles = re.findall(r'python3 profile_gpu\.py ([^"]+)"', text)
-    assert profiles, "the plan profiles nothing"
     check = "import shlex, sys, profile_gpu; [profile_gpu.arguments(shlex.split(line)) for line in sys.argv[1:]]"
     parsed = subprocess.run([sys.executable, "-c", check, *profiles], cwd=root / "benchmarks", capture_output=True,
-                            text=True, env={**os.environ, "PYTHONPATH": str(root)})
+                            text=True, env=env)
     assert parsed.returncode == 0, parsed.stderr[-1000:]
-    built = re.search(r"^step package \d+ bash -c \"cd benchmarks && python3 -c '([^']+)'", text, re.M).group(1)
+    built = re.search(r"^\s*step package \d+ bash -c \"cd benchmarks && python3 -c '([^']+)'", text, re.M).group(1)
     imports = subprocess.run([sys.executable, "-c", built.split("; print")[0]], cwd=root / "benchmarks",
-                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+                             capture_output=True, text=True, env=env)
     assert imports.returncode == 0, imports.stderr[-1000:]
-    names = re.search(r'tests/test_cuda\.py -k \\\n\s+"([^"]+)"', text).group(1).split(" or ")
-    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             "tests/test_cuda.py"], cwd=root, capture_output=True, text=True).stdout
-    tests = [line for line in listed.splitlines() if "::" in line]
-    for name in names:
-        assert any(name in test for test in tests), f"no CUDA test matches {name!r}"
+    for selection in re.findall(r'tests/test_cuda\.py -k \\\n\s+"([^"]+)"', text):
+        listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                 "tests/test_cuda.py"], cwd=root, capture_output=True, text=True).stdout
+        tests = [line for line in listed.splitlines() if "::" in line]
+        for test in selection.split(" or "):
+            assert any(test in line for line in tests), f"no CUDA test matches {test!r}"
+    if name == "next_gpu_run.sh":  # the plan of decisions profiles and runs CUDA tests; the targets run neither
+        assert profiles and "tests/test_cuda.py -k" in text
+
+
+def test_the_targets_run_refuses_a_part_it_does_not_have(tmp_path):
+    """benchmarks/targets_gpu_run.sh runs part 1 or 2; anything else is an error before any step."""
+    import subprocess
+
+    run = subprocess.run(["bash", str(REPORT.parent / "targets_gpu_run.sh"), "3"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "HOME": str(tmp_path)},
+                         cwd=REPORT.parents[1])
+    assert run.returncode == 2 and "there are parts 1 and 2" in run.stderr
 
 
 def test_the_next_gpu_run_serves_each_query_once_in_the_fastest_extend_graph(tmp_path):
