@@ -61,7 +61,8 @@ def options(save_to: Path | None = None) -> ort.SessionOptions:
         chosen.add_session_config_entry(key, value)
     if save_to is not None:
         chosen.optimized_model_filepath = str(save_to)
-        chosen.add_session_config_entry("session.optimized_model_external_initializers_file_name", save_to.name + ".data")
+        data_file = "session.optimized_model_external_initializers_file_name"
+        chosen.add_session_config_entry(data_file, save_to.name + ".data")
         for key, value in SAVE.items():
             chosen.add_session_config_entry(key, value)
     return chosen
@@ -127,8 +128,9 @@ def in_process(argv: list[str]) -> dict:
 
 def report(name: str, found: dict, reference: dict) -> None:
     diff = (torch.tensor(found["logits"]) - torch.tensor(reference["logits"])).abs().max().item()
-    print(f"| {name} | {found['load_s']:.2f} | {found['after_load']['anon_mb']} / {found['after_load']['file_mb']} | "
-          f"{found['after_runs']['anon_mb']} / {found['after_runs']['file_mb']} | {found['run_s'] * 1e3:.1f} | {diff:.2g} |")
+    loaded, ran = found["after_load"], found["after_runs"]
+    print(f"| {name} | {found['load_s']:.2f} | {loaded['anon_mb']} / {loaded['file_mb']} | "
+          f"{ran['anon_mb']} / {ran['file_mb']} | {found['run_s'] * 1e3:.1f} | {diff:.2g} |")
 
 
 def main() -> None:
