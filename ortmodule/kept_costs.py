@@ -74,7 +74,7 @@ def settings_key(decoder) -> str:
 
 
 def machine(device: torch.device) -> str:
-    """The device as its speed depends on it: the GPU's name, or the CPU's model and usable cores."""
+    """The device as its speed depends on it: the GPU's name, or the CPU's model, flags and usable cores."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"{torch.cuda.get_device_name(index)} ({index})"
@@ -83,13 +83,17 @@ def machine(device: torch.device) -> str:
 
 
 def _cpu_model() -> str:
+    """The CPU's model name, and a digest of its feature flags where Linux gives them (a VM's model
+    name can be the same generic "Intel(R) Xeon(R) Processor" on CPUs with and without AMX)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    found = dict(line.split(":", 1) for line in lines if line.startswith(("model name", "flags")) and ":" in line)
+    named = {key.strip(): value.strip() for key, value in found.items()}
+    name = named.get("model name") or platform.processor() or platform.machine()
+    flags = named.get("flags")
+    return f"{name} (flags {hashlib.sha256(flags.encode()).hexdigest()[:8]})" if flags else name
 
 
 _code = None
