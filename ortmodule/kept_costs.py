@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import platform
 import threading
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from . import costs, graph
+from . import costs, graph, mapped
 
 logger = logging.getLogger("ortmodule")
 
@@ -79,21 +78,7 @@ def machine(device: torch.device) -> str:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return f"{torch.cuda.get_device_name(index)} ({index})"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{_cpu_model()}, {cores} cores"
-
-
-def _cpu_model() -> str:
-    """The CPU's model name, and a digest of its feature flags where Linux gives them (a VM's model
-    name can be the same generic "Intel(R) Xeon(R) Processor" on CPUs with and without AMX)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    found = dict(line.split(":", 1) for line in lines if line.startswith(("model name", "flags")) and ":" in line)
-    named = {key.strip(): value.strip() for key, value in found.items()}
-    name = named.get("model name") or platform.processor() or platform.machine()
-    flags = named.get("flags")
-    return f"{name} (flags {hashlib.sha256(flags.encode()).hexdigest()[:8]})" if flags else name
+    return f"{mapped.cpu_identity()}, {cores} cores"
 
 
 _code = None

@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from . import nbits
+from . import mapped, nbits
 from .package import PackageError
 
 logger = logging.getLogger(__name__)
@@ -183,22 +183,13 @@ def make_session(
     weights: a second session over a package's weights then reads the weight file's pages.
     `fp32_path=True` (with ortmodule's own options) runs 4-bit weights in ONNX Runtime's fp32 path
     instead of the int8 one of `accuracy_level` 4 (nbits.py)."""
-    options = session_options or ort.SessionOptions()
-    if session_options is None:
-        options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
-        # ONNX Runtime's workers spin between the parallel sections of a run (a hand-off without a
-        # wake-up) and stop as the run returns (`force_spinning_stop`). Spinning between runs
-        # starved the torch ops of a decode step (sampling, stop checks: decoding 1.8x slower on
-        # 2 vCPUs); not spinning at all paid a wake-up per section (generation 2-15% slower;
-        # docs/measurements.md, session 39).
-        for key, value in SPINNING:
-            options.add_session_config_entry(key, value)
-        if not prepack:
-            options.add_session_config_entry("session.disable_prepacking", "1")
-        if fp32_path:
-            options.add_session_config_entry(nbits.FORCE_FP32, "1")
-    if external_data_folder is not None:
-        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.fspath(Path(external_data_folder).resolve()))
+    if session_options is None and device.type == "cpu" and mapped.wanted():  # packed weights from a file
+        saving = _with_folder(_own_options(True, fp32_path), model, external_data_folder)
+        found = mapped.source(model, external_data_folder, saving, (("fp32_path", str(fp32_path)),))
+        if found is not None:  # packed and mapped: no copy of the process's own, so packed wherever asked
+            model, external_data_folder, prepack = found, None, True
+    options = session_options or _own_options(prepack, fp32_path)
+    _with_folder(options, model, external_data_folder)
     source = model if isinstance(model, bytes) else os.fspath(model)
     stream = None
     if device.type == "cuda":
@@ -216,6 +207,31 @@ def make_session(
         run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
     graphs = str((provider_options or {}).get("enable_cuda_graph", "0")).lower() in ("1", "true")
     return Session(session, stream, run_options, graphs, sync_after_run)
+
+
+def _own_options(prepack: bool, fp32_path: bool) -> ort.SessionOptions:
+    """ortmodule's own session options (`make_session`'s `prepack` and `fp32_path`)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
+    # ONNX Runtime's workers spin between the parallel sections of a run (a hand-off without a
+    # wake-up) and stop as the run returns (`force_spinning_stop`). Spinning between runs starved
+    # the torch ops of a decode step (sampling, stop checks: decoding 1.8x slower on 2 vCPUs); not
+    # spinning at all paid a wake-up per section (generation 2-15% slower; docs/measurements.md,
+    # session 39).
+    for key, value in SPINNING:
+        options.add_session_config_entry(key, value)
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    if fp32_path:
+        options.add_session_config_entry(nbits.FORCE_FP32, "1")
+    return options
+
+
+def _with_folder(options: ort.SessionOptions, model: Path | bytes, folder: Path | None) -> ort.SessionOptions:
+    """For graph bytes, ONNX Runtime reads the weights' folder from a config entry of the options."""
+    if folder is not None:
+        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.fspath(Path(folder).resolve()))
+    return options
 
 
 def _inference_session(device: torch.device, what: str, *args) -> ort.InferenceSession:

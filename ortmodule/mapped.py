@@ -1,0 +1,129 @@
+"""Packed weights mapped from a file, on a CPU (opt-in: `ORTMODULE_MAP_PACKED_WEIGHTS=1`).
+
+ONNX Runtime packs a CPU session's float MatMul weights into a copy of its own at load, as large as
+the weights (about 600 MB of the process's own memory for SmolLM2-135M in fp32), and ortmodule's
+extend session, which keeps no packed copy, packs them again at every run. ONNX Runtime can write
+the packed copies beside an optimized graph (`session.save_external_prepacked_constant_initializers`)
+and map them from there at a later load, as file pages shared with the page cache. `source` writes
+such an entry once per graph, weights, machine and ONNX Runtime version, in ortmodule's cache folder
+(`packed`), and gives the graph to load instead; docs/usage.md, "Packed weights mapped from disk"
+(benchmarks/mapped_prepack.py: the main session's own memory 897 -> 294 MB, the extend run 160 ->
+110 ms on SmolLM2-135M fp32, logits equal).
+
+An entry holds the weights themselves, so its key follows the weight files' identity (device, inode,
+size, modification and change times of every file beside the graph), not only the graph's content:
+a package exported again, with the same graph file over new weights, gets a new entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnxruntime as ort
+
+from . import graph
+
+logger = logging.getLogger("ortmodule")
+
+SWITCH = "ORTMODULE_MAP_PACKED_WEIGHTS"
+SAVE = {"session.save_external_prepacked_constant_initializers": "1",
+        "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
+        "session.optimized_model_external_initializers_file_name": "graph.onnx.data"}
+ENTRY_VERSION = "1"
+
+
+def wanted() -> bool:
+    return os.environ.get(SWITCH, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def entries() -> Path:
+    """Where the entries are: ortmodule's cache folder's `packed`."""
+    return graph.cache_home() / "packed"
+
+
+def source(model: Path | bytes, weights_folder: Path | None, options: ort.SessionOptions,
+           settings: tuple[tuple[str, str], ...]) -> Path | None:
+    """The optimized graph with its packed weights to load instead of `model` (a file, or graph bytes
+    whose weights are in `weights_folder`), written first where it is not in the cache yet with
+    `options` (ortmodule's own, for graph bytes with their weights' folder set; `settings`, what in
+    them the packed layout depends on); None where it cannot be (a folder
+    that cannot be written, too little disk, a graph ONNX Runtime does not save), with the reason
+    logged: the caller then loads `model` as it is."""
+    folder = Path(weights_folder) if weights_folder is not None else Path(model).parent
+    entry = entries() / f"{folder.name}-{key(model, folder, settings)}"
+    if (entry / "complete").is_file():
+        return entry / "graph.onnx"
+    needed = 2 * _bytes_beside(model, folder) + (1 << 30)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(entry.parent).free
+        if free < needed:
+            logger.info("ortmodule: not mapping packed weights: %d MB free in %s, %d MB wanted", free >> 20,
+                        entry.parent, needed >> 20)
+            return None
+        logger.info("ortmodule: writing %s's packed weights to %s (once; about twice the weights)", folder, entry)
+        partial = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+        try:
+            _write(model, options, partial)
+            (partial / "complete").write_text("")
+            partial.rename(entry)  # atomic; another process that finished first keeps its entry
+        except OSError:
+            if not (entry / "complete").is_file():
+                raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001  OSError, ONNX Runtime's own types: loaded as it is instead
+        logger.warning("ortmodule: cannot map %s's packed weights from %s (%s); packing them in memory",
+                       folder, entry.parent, " ".join(str(e).split())[:300])
+        return None
+    return entry / "graph.onnx"
+
+
+def _write(model: Path | bytes, options: ort.SessionOptions, into: Path) -> None:
+    """A session over `model` (its options the caller's: for graph bytes, with their weights' folder)
+    that writes its optimized graph and packed weights into `into`."""
+    options.optimized_model_filepath = str(into / "graph.onnx")
+    for name, value in SAVE.items():
+        options.add_session_config_entry(name, value)
+    ort.InferenceSession(model if isinstance(model, bytes) else os.fspath(model), options,
+                         providers=["CPUExecutionProvider"])
+    if not (into / "graph.onnx").is_file():
+        raise RuntimeError("ONNX Runtime wrote no optimized graph")
+
+
+def key(model: Path | bytes, folder: Path, settings: tuple[tuple[str, str], ...]) -> str:
+    """The graph's content, the identity of every file beside it (the weights), the settings, the
+    CPU (its packed layouts follow its features) and ONNX Runtime's version."""
+    digest = hashlib.sha256(model if isinstance(model, bytes) else graph.file_digest(model).encode())
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        stat = path.stat()
+        digest.update(f"|{path.name}:{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}:"
+                      f"{stat.st_ctime_ns}".encode())
+    digest.update(f"|{sorted(settings)}|{cpu_identity()}|{ort.__version__}|{ENTRY_VERSION}".encode())
+    return digest.hexdigest()[:32]
+
+
+def _bytes_beside(model: Path | bytes, folder: Path) -> int:
+    graph_size = len(model) if isinstance(model, bytes) else Path(model).stat().st_size
+    return graph_size + sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and "data" in p.name)
+
+
+def cpu_identity() -> str:
+    """The CPU's model name, and a digest of its feature flags where Linux gives them (a VM's model
+    name can be the same generic "Intel(R) Xeon(R) Processor" on CPUs with and without AMX)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    found = dict(line.split(":", 1) for line in lines if line.startswith(("model name", "flags")) and ":" in line)
+    named = {name.strip(): value.strip() for name, value in found.items()}
+    name = named.get("model name") or platform.processor() or platform.machine()
+    flags = named.get("flags")
+    return f"{name} (flags {hashlib.sha256(flags.encode()).hexdigest()[:8]})" if flags else name
+
