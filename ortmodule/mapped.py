@@ -52,37 +52,52 @@ def source(model: Path | bytes, weights_folder: Path | None, options: ort.Sessio
     """The optimized graph with its packed weights to load instead of `model` (a file, or graph bytes
     whose weights are in `weights_folder`), written first where it is not in the cache yet with
     `options` (ortmodule's own, for graph bytes with their weights' folder set; `settings`, what in
-    them the packed layout depends on); None where it cannot be (a folder
-    that cannot be written, too little disk, a graph ONNX Runtime does not save), with the reason
-    logged: the caller then loads `model` as it is."""
+    them the packed layout depends on); None where it cannot be (a folder that cannot be written,
+    too little disk, a graph ONNX Runtime does not save), with the reason logged: the caller then
+    loads `model` as it is."""
+    if isinstance(model, bytes) and weights_folder is None:
+        return None  # weights inside the bytes: nothing beside them to key an entry on
     folder = Path(weights_folder) if weights_folder is not None else Path(model).parent
-    entry = entries() / f"{folder.name}-{key(model, folder, settings)}"
-    if (entry / "complete").is_file():
-        return entry / "graph.onnx"
-    needed = 2 * _bytes_beside(model, folder) + (1 << 30)
     try:
+        entry = entries() / f"{folder.name}-{key(model, folder, settings)}"
+        if (entry / "complete").is_file():
+            return entry / "graph.onnx"
         entry.parent.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(entry.parent).free
+        needed, free = 2 * _bytes_beside(model, folder) + (1 << 30), shutil.disk_usage(entry.parent).free
         if free < needed:
             logger.info("ortmodule: not mapping packed weights: %d MB free in %s, %d MB wanted", free >> 20,
                         entry.parent, needed >> 20)
             return None
         logger.info("ortmodule: writing %s's packed weights to %s (once; about twice the weights)", folder, entry)
-        partial = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
-        try:
-            _write(model, options, partial)
-            (partial / "complete").write_text("")
-            partial.rename(entry)  # atomic; another process that finished first keeps its entry
-        except OSError:
-            if not (entry / "complete").is_file():
-                raise
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
+        _write_entry(model, options, entry)
     except Exception as e:  # noqa: BLE001  OSError, ONNX Runtime's own types: loaded as it is instead
         logger.warning("ortmodule: cannot map %s's packed weights from %s (%s); packing them in memory",
-                       folder, entry.parent, " ".join(str(e).split())[:300])
+                       folder, entries(), " ".join(str(e).split())[:300])
         return None
     return entry / "graph.onnx"
+
+
+def _write_entry(model: Path | bytes, options: ort.SessionOptions, entry: Path) -> None:
+    """The entry written into a folder of its own, then renamed into place (atomic: a reader sees a
+    whole entry or none; where another process finished first, its entry stays)."""
+    partial = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    try:
+        _write(model, options, partial)
+        (partial / "complete").write_text("")
+        partial.rename(entry)
+    except OSError:
+        if not (entry / "complete").is_file():
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def unusable(entry_graph: Path, error: Exception) -> None:
+    """An entry ONNX Runtime could not load (damaged on disk): removed, with a warning; the caller
+    loads the package's graph instead."""
+    logger.warning("ortmodule: the packed weights at %s cannot be loaded (%s); removed, packing in memory",
+                   entry_graph.parent, " ".join(str(error).split())[:300])
+    shutil.rmtree(entry_graph.parent, ignore_errors=True)
 
 
 def _write(model: Path | bytes, options: ort.SessionOptions, into: Path) -> None:

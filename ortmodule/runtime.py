@@ -187,7 +187,11 @@ def make_session(
         saving = _with_folder(_own_options(True, fp32_path), model, external_data_folder)
         found = mapped.source(model, external_data_folder, saving, (("fp32_path", str(fp32_path)),))
         if found is not None:  # packed and mapped: no copy of the process's own, so packed wherever asked
-            model, external_data_folder, prepack = found, None, True
+            try:
+                return Session(_inference_session(device, os.fspath(found), os.fspath(found),
+                                                  _own_options(True, fp32_path), providers(device, provider_options)))
+            except Exception as e:  # noqa: BLE001  a damaged entry: the package's graph instead
+                mapped.unusable(found, e)
     options = session_options or _own_options(prepack, fp32_path)
     _with_folder(options, model, external_data_folder)
     source = model if isinstance(model, bytes) else os.fspath(model)

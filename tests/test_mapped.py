@@ -103,3 +103,18 @@ def test_too_little_disk_loads_as_usual(build, cache, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="ortmodule"):
         assert logits(fixture.package_dir).shape[0] == len(IDS)
     assert not written and "not mapping packed weights" in caplog.text
+
+
+def test_a_damaged_entry_is_removed_and_the_package_loads(build, cache, monkeypatch, caplog):
+    """An entry whose data file lost its end (a full disk, a crash outside ortmodule's atomic write):
+    ONNX Runtime refuses it at load, the entry goes, and the weights are packed in memory."""
+    folder, written = cache
+    fixture = build("llama")
+    first = logits(fixture.package_dir)
+    (entry,) = folder.glob("*/complete")
+    data = entry.parent / "graph.onnx.data"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        again = logits(fixture.package_dir)
+    assert "cannot be loaded" in caplog.text and not entry.parent.exists()
+    assert torch.equal(again, first)
