@@ -62,13 +62,15 @@ def measured(decoder, refresh: bool = False, folder: Path | None = None) -> cost
 def settings_key(decoder) -> str:
     """What the costs depend on: the decoder graph's content, the machine (the CPU's model and the
     cores this process may use, or the GPU), ONNX Runtime's and torch's versions, the caller's
-    session and provider options, ortmodule's settings of the decoder and ortmodule's own code."""
+    session and provider options, ortmodule's settings of the decoder, ortmodule's own code, and
+    whether the CPU sessions' packed weights are mapped (mapped.py)."""
     options = decoder.session_options
     described = None if options is None else [getattr(options, name) for name in (
         "intra_op_num_threads", "inter_op_num_threads", "execution_mode", "graph_optimization_level")]
     parts = [graph.file_digest(decoder.spec.path), machine(decoder.device), ort.__version__, torch.__version__,
              repr(described), repr(sorted((decoder.provider_options or {}).items())), decoder.prefill_chunk,
-             decoder.quantized_prefill, decoder.prefill_attention, repr(decoder.rewrite_lm_head), code_digest()]
+             decoder.quantized_prefill, decoder.prefill_attention, repr(decoder.rewrite_lm_head), code_digest(),
+             f"mapped={mapped.wanted() and decoder.device.type == 'cpu'}"]  # mapped: no packing in a run
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:32]
 
 

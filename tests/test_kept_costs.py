@@ -105,6 +105,9 @@ def test_the_key_follows_the_graph_the_machine_and_the_settings(llama, build, mo
     options.intra_op_num_threads = 1
     assert kept_costs.settings_key(load(llama, session_options=options).decoder) != key
     assert kept_costs.settings_key(load(llama, rewrite_lm_head=False).decoder) != key
+    monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "1")  # the extend session then packs nothing at a run
+    assert kept_costs.settings_key(model.decoder) != key
+    monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "0")
     monkeypatch.setattr(kept_costs, "machine", lambda device: "another CPU, 64 cores")
     assert kept_costs.settings_key(model.decoder) != key
     assert kept_costs.machine(model.device).endswith(" cores")
