@@ -1,5 +1,6 @@
-"""ONNX Runtime's packed weights saved to disk and mapped at load, on a CPU: a lead for memory and
-for the extend session's per-run packing (docs/measurements.md, session 41).
+"""ONNX Runtime's packed weights saved to disk and mapped at load, on a CPU: the measurement behind
+ortmodule/mapped.py (`ORTMODULE_MAP_PACKED_WEIGHTS=1`; docs/measurements.md, session 41), with raw
+sessions, so that each way's memory is the session's own.
 
 On a CPU, ONNX Runtime packs a session's float MatMul weights into a copy of its own at load (as
 large as the weights: ortmodule's main session on SmolLM2-135M fp32 holds ~620 MB of process memory
