@@ -43,7 +43,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from . import graph, projections, runtime, states
+from . import graph, mapped, projections, runtime, states
 from .cache import KVCache
 from .graph import RewriteSkipped
 from .inputs import Rows
@@ -465,7 +465,7 @@ def _extend_bias(cache: KVCache, new: int, dtype: torch.dtype, window: int = 0) 
 
 def has_quantized_weights(data: bytes) -> bool:
     """Whether a serialized graph multiplies by block-quantized weights (`MatMulNBits`)."""
-    return any(node.op_type == "MatMulNBits" for node in onnx.load_from_string(data).graph.node)
+    return "MatMulNBits" in mapped.quantized_ops(data)
 
 
 def lazy_extender(decoder) -> Callable[[], Extender | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -31,13 +32,13 @@ TOLERANCE = 1.5  # the check's time against the stored one, either way, before t
 _FIELDS = costs.Costs._fields
 
 
-def measured(decoder, refresh: bool = False, folder: Path | None = None) -> costs.Costs | None:
+def measured(decoder, refresh: bool = False) -> costs.Costs | None:
     """`costs.measure(decoder)`, or the costs stored for the same graph, machine, settings and
     ortmodule code where one small prefill still takes the time it took when they were measured.
-    `refresh`: measure again regardless. The costs go to `folder` (default: the decoder's
-    `cache_dir`, else ortmodule's cache folder's `costs`); a folder that cannot be written costs a
-    measurement per process, with a warning."""
-    where = Path(folder or decoder.cache_dir or graph.cache_home() / "costs")
+    `refresh`: measure again regardless. The costs go to the decoder's `cache_dir`, else ortmodule's
+    cache folder's `costs`; a folder that cannot be written costs a measurement per process, with a
+    warning."""
+    where = Path(decoder.cache_dir or graph.cache_home() / "costs")
     package = decoder.spec.path.parent
     entry = where / f"{package.name}-{decoder.spec.path.stem}-{settings_key(decoder)}.json"
     stored = None if refresh else _read(entry)
@@ -83,18 +84,13 @@ def machine(device: torch.device) -> str:
     return f"{mapped.cpu_identity()}, {cores} cores"
 
 
-_code = None
-
-
+@functools.cache
 def code_digest() -> str:
     """A digest of ortmodule's own modules: costs measured by other code are measured again."""
-    global _code
-    if _code is None:
-        digest = hashlib.sha256()
-        for path in sorted(Path(__file__).parent.glob("*.py")):
-            digest.update(path.read_bytes())
-        _code = digest.hexdigest()[:16]
-    return _code
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _read(entry: Path) -> dict | None:

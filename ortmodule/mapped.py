@@ -63,14 +63,14 @@ def source(model: Path | bytes, weights_folder: Path | None, options: ort.Sessio
         return None  # weights inside the bytes: nothing beside them to key an entry on
     folder = Path(weights_folder) if weights_folder is not None else Path(model).parent
     try:
-        quantized = _quantized_ops(model)
+        entry = entries() / f"{folder.name}-{key(model, folder, settings)}"
+        if (entry / "complete").is_file():  # only ever written for float weights
+            return entry / "graph.onnx"
+        quantized = quantized_ops(model)
         if quantized:
             logger.info("ortmodule: not mapping %s's packed weights: its graph has %s (float weights only)", folder,
                         ", ".join(sorted(quantized)))
             return None
-        entry = entries() / f"{folder.name}-{key(model, folder, settings)}"
-        if (entry / "complete").is_file():
-            return entry / "graph.onnx"
         entry.parent.mkdir(parents=True, exist_ok=True)
         needed, free = 2 * _bytes_beside(model, folder) + (1 << 30), shutil.disk_usage(entry.parent).free
         if free < needed:
@@ -93,7 +93,8 @@ QUANTIZED_OPS = {"MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat", "Dynami
                  "GatherBlockQuantized", "QMoE", "MatMulBnb4", "QAttention", "QGemm"}
 
 
-def _quantized_ops(model: Path | bytes) -> set[str]:
+def quantized_ops(model: Path | bytes) -> set[str]:
+    """The ops over quantized weights (`QUANTIZED_OPS`) in a graph file or serialized graph."""
     proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model, load_external_data=False)
     return {node.op_type for node in proto.graph.node} & QUANTIZED_OPS
 
