@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The next GPU run of issue 26, as docs/measurements.md plans it ("The next GPU run"): from the
-# project's root on a machine with a CUDA GPU, onnxruntime-gpu and the project's dependencies
-# importable (PYTHONPATH as the caller set it), `bash benchmarks/next_gpu_run.sh`.
+# The decisions run of issue 26, as docs/measurements.md plans it ("The decisions run", in the GPU
+# session after the targets run, benchmarks/targets_gpu_run.sh): from the project's root on a
+# machine with a CUDA GPU, onnxruntime-gpu and the project's dependencies importable (PYTHONPATH as
+# the caller set it), `bash benchmarks/next_gpu_run.sh`.
 # Each step runs under its own deadline inside BUDGET seconds (default 570), so that what finished
 # comes back when a later step runs long; everything comes back in $OUT/run.tgz (gpu_run_lib.sh).
 # tests/test_benchmark_pages.py checks that every selection here still collects.

@@ -300,6 +300,29 @@ def test_the_gpu_runs_selections_collect(name):
         assert profiles and "tests/test_cuda.py -k" in text
 
 
+# A GPU session's device time (the device tool's limits: 15 minutes, the machine's start and every idle
+# wait counted), what the machine's start and the staging calls took (session 36: about 60 s), and
+# the most one device call may run.
+SESSION_DEVICE_SECONDS, START_AND_STAGING_SECONDS, CALL_SECONDS = 900, 90, 600
+
+
+@pytest.mark.parametrize("name", ["next_gpu_run.sh", "targets_gpu_run.sh"])
+def test_the_gpu_runs_fit_one_sessions_device_time(name):
+    """Each plan runs whole in one GPU session: its parts' budgets, each within one call's limit (with
+    room for the call's own start), after the machine's start and the staging, within the session's
+    device time (session 41's targets run asked for two calls of 570 s: 21 minutes of a 15-minute
+    session)."""
+    import re
+
+    text = (REPORT.parent / name).read_text()
+    parts = re.search(r"^PART_BUDGETS=\(([\d ]+)\)", text, re.M)
+    assert parts or "PART=" not in text, "a plan in parts names each part's budget (PART_BUDGETS)"
+    budgets = [int(b) for b in parts.group(1).split()] if parts else [
+        int(re.search(r"^BUDGET=\$\{BUDGET:-(\d+)\}", (REPORT.parent / "gpu_run_lib.sh").read_text(), re.M).group(1))]
+    assert all(budget <= CALL_SECONDS - 20 for budget in budgets), budgets
+    assert START_AND_STAGING_SECONDS + sum(budgets) + 10 * len(budgets) <= SESSION_DEVICE_SECONDS, budgets
+
+
 def test_the_targets_run_refuses_a_part_it_does_not_have(tmp_path):
     """benchmarks/targets_gpu_run.sh runs part 1 or 2; anything else is an error before any step."""
     import subprocess
