@@ -18,7 +18,17 @@ into the rows of a MatMul / Softmax / MatMul, and ONNX's `Attention` (opset 23, 
 
     python benchmarks/cpu_kernels.py --decode 28
     python benchmarks/cpu_kernels.py --forward 8x128
+`--matmul`: one matmul at SmolLM2's MLP shape (1,024 rows x 576 x 1,536: 8 rows of 128 tokens) in
+every precision ONNX Runtime's CPU kernels take, against torch's fp32 and bf16 (AMX where the CPU
+has it), 2 threads each, best of 5: what a lower precision could give ortmodule on a CPU. Weights
+per output column (int8) or per block of 32 (MatMulNBits); activations per tensor
+(`DynamicQuantizeLinear`, ONNX Runtime's dynamic quantization) or per row (each token its own scale,
+written out in ONNX ops).
+
+    python benchmarks/cpu_kernels.py --decode 28
+    python benchmarks/cpu_kernels.py --forward 8x128
     python benchmarks/cpu_kernels.py --attention
+    python benchmarks/cpu_kernels.py --matmul
 """
 
 import argparse
@@ -212,20 +222,95 @@ def attention_table() -> None:
           "| | | |")
 
 
+MATMUL = (1024, 576, 1536)  # rows, in, out: SmolLM2's MLP up projection on 8 x 128 tokens
+
+
+def _matmul_ways(w: np.ndarray) -> dict:
+    """ONNX Runtime's ways to compute x @ w on a CPU: (nodes, initializers, input dtype) each."""
+    from onnx import numpy_helper
+
+    k, n = w.shape
+    scale = np.abs(w).max(0) / 127
+    w8 = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+    const = {"w": w, "w16": w.astype(np.float16), "w8": w8, "scale": scale.astype(np.float32),
+             "axes": np.array([1], np.int64), "c127": np.array(127, np.float32),
+             "c128": np.array(128, np.float32), "zp": np.array(128, np.uint8), "one": np.array(1, np.float32)}
+    per_row = [helper.make_node("Abs", ["x"], ["ax"]), helper.make_node("ReduceMax", ["ax", "axes"], ["mx"]),
+               helper.make_node("Div", ["mx", "c127"], ["sx"]), helper.make_node("Div", ["x", "sx"], ["xs"]),
+               helper.make_node("Add", ["xs", "c128"], ["xz"]), helper.make_node("Round", ["xz"], ["xr"]),
+               helper.make_node("Cast", ["xr"], ["xq"], to=TensorProto.UINT8),
+               helper.make_node("MatMulIntegerToFloat", ["xq", "w8", "one", "scale", "zp"], ["y"],
+                                domain="com.microsoft"), helper.make_node("Mul", ["y", "sx"], ["out"])]
+    ways = {"fp32 MatMul": ([helper.make_node("MatMul", ["x", "w"], ["out"])], ["w"], TensorProto.FLOAT),
+            "fp16 MatMul": ([helper.make_node("MatMul", ["x", "w16"], ["out"])], ["w16"], TensorProto.FLOAT16),
+            "int8 weights, activations per tensor (u8 x s8)": (
+                [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+                 helper.make_node("MatMulIntegerToFloat", ["xq", "w8", "xs", "scale", "xz"], ["out"],
+                                  domain="com.microsoft")], ["w8", "scale"], TensorProto.FLOAT),
+            "int8 weights, activations per row (u8 x s8)": (
+                per_row, ["w8", "scale", "axes", "c127", "c128", "zp", "one"], TensorProto.FLOAT)}
+    for bits in (8, 4):
+        blocks = w.T.reshape(n, k // 32, 32)
+        middle = 2 ** (bits - 1)
+        block_scale = np.abs(blocks).max(-1) / (middle - 1)
+        q = np.clip(np.round(blocks / block_scale[..., None]) + middle, 0, 2 ** bits - 1).astype(np.uint8)
+        const[f"b{bits}"] = q if bits == 8 else (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+        const[f"s{bits}"] = block_scale.astype(np.float32).reshape(-1)
+        for level in (0, 4):
+            node = helper.make_node("MatMulNBits", ["x", f"b{bits}", f"s{bits}"], ["out"], domain="com.microsoft",
+                                    K=k, N=n, bits=bits, block_size=32, accuracy_level=level)
+            ways[f"MatMulNBits, {bits}-bit, accuracy_level {level}"] = ([node], [f"b{bits}", f"s{bits}"],
+                                                                         TensorProto.FLOAT)
+    return {name: (nodes, [numpy_helper.from_array(const[c], c) for c in used], dtype)
+            for name, (nodes, used, dtype) in ways.items()}
+
+
+def matmul_table() -> None:
+    rows, k, n = MATMUL
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    flop = 2 * rows * k * n
+    print(f"| way ({rows} x {k} x {n}) | ms | G(FL)OP/s | largest error / largest output |")
+    print("|---|---|---|---|")
+    for name, (nodes, initializers, dtype) in _matmul_ways(w).items():
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", dtype, [rows, k])],
+                                  [helper.make_tensor_value_info("out", dtype, None)], initializers)
+        model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21),
+                                                                       helper.make_opsetid("com.microsoft", 1)])
+        so = options()
+        so.intra_op_num_threads = 2
+        session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        feed = {"x": x.astype(np.float16) if dtype == TensorProto.FLOAT16 else x}
+        ms = best_ms(lambda s=session, f=feed: s.run(None, f))
+        error = np.abs(session.run(None, feed)[0].astype(np.float64) - exact).max() / np.abs(exact).max()
+        print(f"| ONNX Runtime, {name} | {ms:.2f} | {flop / ms / 1e6:.0f} | {error:.1e} |")
+    torch.set_num_threads(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.from_numpy(x).to(dtype), torch.from_numpy(w).to(dtype)
+        ms = best_ms(lambda a=a, b=b: a @ b)
+        error = np.abs((a @ b).double().numpy() - exact).max() / np.abs(exact).max()
+        print(f"| torch, {str(dtype).split('.')[1]} | {ms:.2f} | {flop / ms / 1e6:.0f} | {error:.1e} |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--decode", type=int, metavar="ROWS", help="profile decode steps of ROWS rows")
     parser.add_argument("--forward", metavar="BATCHxLENGTH", help="profile forward passes (cont_len=4)")
     parser.add_argument("--attention", action="store_true", help="one layer's attention, kernel against kernel")
+    parser.add_argument("--matmul", action="store_true", help="one matmul in every precision ONNX Runtime's CPU takes")
     args = parser.parse_args()
-    if not (args.decode or args.forward or args.attention):
-        parser.error("say --decode ROWS, --forward BATCHxLENGTH or --attention")
+    if not (args.decode or args.forward or args.attention or args.matmul):
+        parser.error("say --decode ROWS, --forward BATCHxLENGTH, --attention or --matmul")
     if args.decode:
         decode_profile(args.decode)
     if args.forward:
         forward_profile(args.forward)
     if args.attention:
         attention_table()
+    if args.matmul:
+        matmul_table()
 
 
 if __name__ == "__main__":

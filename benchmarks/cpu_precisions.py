@@ -10,7 +10,10 @@ per-channel int8 weights, each activation quantized per tensor at run time), and
 fp32 and in bf16. Per way: a forward's time (`cont_len=4` / `logits_to_keep=4`, best of 5) and,
 against the fp32 package's log-probabilities at every position, the mean and largest difference
 in the next token's log-probability, the mean KL divergence and the share of positions with the
-same greedy token.
+same greedy token. Last, what int8 with each activation row (token) quantized on its own would
+compute (`cpu_kernels.py --matmul`: ONNX Runtime's u8 x s8 kernel runs such a matmul about 3x its
+fp32 one, written in ONNX ops): transformers in fp32 with every layer's weights rounded to int8 per
+output channel and every linear layer's input to int8 per row (simulated, so not timed).
 
     python benchmarks/cpu_precisions.py
 """
@@ -47,6 +50,23 @@ def int8_package(package: Path) -> Path:
     return folder
 
 
+def int8_rows_simulated(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (transformers, fp32) computing as an int8 graph with activations per row would: every
+    linear layer but the LM head with its weights rounded to int8 per output channel and its input
+    rounded to int8 per row (each token its own scale), at run time."""
+    def per_row(module, args):
+        x = args[0]
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+        return ((x / scale).round().clamp(-128, 127) * scale,)
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, torch.nn.Linear) and name != "lm_head":
+            scale = layer.weight.abs().amax(1, keepdim=True) / 127
+            layer.weight.data = (layer.weight / scale).round().clamp(-127, 127) * scale
+            layer.register_forward_pre_hook(per_row)
+    return model
+
+
 def prose(tokenizer, rows: int, length: int) -> torch.Tensor:
     text = "".join(inspect.getsource(module) for module in (os, json, collections))
     return tokenizer(text, return_tensors="pt").input_ids[0, : rows * length].reshape(rows, length)
@@ -76,6 +96,8 @@ def main():
                               "logits_to_keep"),
         "transformers bf16": (transformers.AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.bfloat16),
                               "logits_to_keep"),
+        "int8, activations per row (simulated in transformers)": (int8_rows_simulated(
+            transformers.AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32)), None),
     }
     reference = None
     print(f"{torch.get_num_threads()} threads; {ids.shape[0]} x {ids.shape[1]} tokens of prose")
@@ -83,14 +105,15 @@ def main():
     print("|---|---|---|---|---|")
     for name, (model, keep) in ways.items():
         logprobs = torch.log_softmax(model(ids).logits.float(), -1)
-        seconds = best_seconds(lambda: model(ids, **{keep: 4}))  # noqa: B023
+        seconds = best_seconds(lambda: model(ids, **{keep: 4})) if keep else None  # noqa: B023
         if reference is None:
             reference = logprobs
         target = ids[:, 1:, None]
         diff = (logprobs[:, :-1].gather(2, target) - reference[:, :-1].gather(2, target)).abs()
         kl = (reference.exp() * (reference - logprobs)).sum(-1).mean()
         same = (logprobs.argmax(-1) == reference.argmax(-1)).float().mean()
-        print(f"| {name} | {seconds * 1e3:.0f} | {diff.mean():.4f} / {diff.max():.3f} | {kl:.4f} | {same:.1%} |")
+        timed = f"{seconds * 1e3:.0f}" if seconds is not None else "(not timed)"
+        print(f"| {name} | {timed} | {diff.mean():.4f} / {diff.max():.3f} | {kl:.4f} | {same:.1%} |")
 
 
 if __name__ == "__main__":
