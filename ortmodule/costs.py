@@ -48,12 +48,17 @@ class Costs(NamedTuple):
         return self.per_token * rows * width + attention
 
 
+# A decode step's cost per row is read from steps of 1 and STEP_ROWS rows (from 1 and 4 rows it spread
+# 1.7-1.9x between eight measurements on 2 vCPUs: benchmarks/cost_spread.py).
+STEP_ROWS = 8
+
+
 @torch.inference_mode()
 def measure(decoder: Decoder) -> Costs | None:
-    """Time `decoder`'s runs (14 s for SmolLM2-135M, about a minute for a 0.6B model in fp32, on 2
+    """Time `decoder`'s runs (about 18 s for SmolLM2-135M, 90 s for a 0.6B model in fp32, on 2
     CPU cores; kept_costs.py keeps them between processes): the best of a few
     64-token prefills over growing batches (`_doubling`), then as many tokens in rows 6 times as
-    long (`_prefill_attention`), of decode steps over 1 and 4 rows,
+    long (`_prefill_attention`), of decode steps over 1 and 8 rows,
     and, with an extend graph, of extends of 16 new tokens a row over growing batches and over a
     longer prefix (`_extend_costs`).
     None, with a warning, where they cannot run (out of memory on a loaded device, say)."""
@@ -83,12 +88,12 @@ def _timed_runs(decoder: Decoder) -> Costs:
                       stacklevel=4)
         per_score = 0.0
     step = {}
-    for rows in (1, 4):
+    for rows in (1, STEP_ROWS):
         cache = decoder.new_cache(rows, length + 8)
         prefill(rows, cache)
         token, index = ids[:rows, :1], torch.arange(rows, device=device)
         step[rows] = _best_time(lambda c=cache, t=token, i=index: decoder.step(t, c, i), device)
-    per_row = max(0.0, (step[4] - step[1]) / 3)
+    per_row = max(0.0, (step[STEP_ROWS] - step[1]) / (STEP_ROWS - 1))
     extender = decoder.extender()
     extend = _extend_costs(decoder, extender, ids, length) if extender is not None else (None, 0.0, 0.0)
     return Costs(per_token, max(0.0, step[1] - per_row), per_row, *extend, per_score, length)
@@ -169,12 +174,13 @@ def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) ->
 
 def run_costs(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float, float]:
     """Seconds per extra token of a run, where its time grows with its tokens, and what the run
-    costs beyond its tokens (the line through the same two runs, at no tokens; 0 where the time
+    costs beyond its tokens (the smallest run's time less its tokens at that cost; 0 where the time
     grows faster than the tokens).
 
     `seconds_for_rows(r)` times a run of r rows of `length` tokens. The rows double from 2 until a
-    run takes at least 1.5x the one before (or `most_rows`), and the slope between those two runs
-    is returned (`_doubling` also gives the rows of the larger one). On a CPU that is the first
+    run takes at least 1.5x the one before (or `most_rows`), and the slope from the smaller of those
+    two runs to one of four times its rows (where `most_rows` allows) is returned (`_doubling` also
+    gives the rows of the larger of the two). On a CPU that is the first
     doubling; a GPU runs a few hundred tokens in the time of its kernel launches, so its slope is
     read where the batch is large enough to cost by the token, as lm-eval's batches do. (The
     average over a small run overstates a GPU's token cost several times over, and made sharing
@@ -185,14 +191,24 @@ def run_costs(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float
 
 def _doubling(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float, float, int]:
     """`run_costs`, and the rows of the run where the slope was read: the smallest batch that
-    costs by its work on this device (4 on a CPU, up to `most_rows` on a GPU)."""
+    costs by its work on this device (4 on a CPU, up to `most_rows` on a GPU).
+
+    Once the doubling has found where the tokens show (r rows, then 2r), the slope is read from r
+    to 4r rows where `most_rows` allows (one more run): a difference of two times three times the
+    smaller one's tokens apart, not once, so that their noise weighs about half as much in it; and
+    what a run costs beyond its tokens is read at the smallest run (2 rows), where the line is
+    extrapolated least. The costs are kept for later processes (kept_costs.py), so one unlucky
+    reading would last (`python benchmarks/cost_spread.py`: docs/measurements.md, session 42)."""
     rows, before = 2, seconds_for_rows(2)
+    smallest = before
     while True:
         now = seconds_for_rows(2 * rows)
         if now >= 1.5 * before or 2 * rows >= most_rows:
-            slope = max(now - before, 0.0) / (rows * length) or 1e-9
-            return slope, max(0.0, before - slope * rows * length), 2 * rows
+            break
         rows, before = 2 * rows, now
+    wide, at = (4 * rows, seconds_for_rows(4 * rows)) if 4 * rows <= most_rows else (2 * rows, now)
+    slope = max(at - before, 0.0) / ((wide - rows) * length) or 1e-9
+    return slope, max(0.0, smallest - slope * 2 * length), 2 * rows
 
 
 def _best_time(fn, device: torch.device, repeats: int = 3) -> float:

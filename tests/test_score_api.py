@@ -212,7 +212,7 @@ def test_the_token_cost_is_read_where_tokens_cost():
         return 1e-3 * rows * 64
 
     assert costs.run_costs(cpu, 64)[0] == pytest.approx(1e-3)
-    assert asked == [2, 4]
+    assert asked == [2, 4, 8]  # the doubling, then four times the smaller run for the slope
 
     def gpu(rows):  # 5 ms of launches, 2 us a token
         return 5e-3 + 2e-6 * rows * 64
@@ -221,6 +221,21 @@ def test_the_token_cost_is_read_where_tokens_cost():
     assert slope == pytest.approx(2e-6)
     assert slope * 2 * 64 < gpu(2) / 10  # the average of a 2-row run would overstate it > 10x
     assert costs.run_costs(lambda rows: 5e-3, 64)[0] > 0  # flat: still a positive cost
+
+
+def test_the_token_cost_is_read_over_a_wide_span():
+    """The slope is read from the doubling's smaller run to one of four times its rows, and a run's
+    own cost at the smallest run: whichever run is 10% slow, the slope moves at most 17% and the
+    fixed cost 21%; read from the doubling's two runs (2 and 4 rows here), the 4-row run 10% slow
+    moved the slope 29% and the fixed cost 31%."""
+    def noisy(rows, slow_at):  # 30 ms of its own and 1 ms a token, the run at `slow_at` rows 10% slow
+        return (30e-3 + 1e-3 * rows * 16) * (1.1 if rows == slow_at else 1.0)
+
+    for slow_at in (2, 4, 8, 16, 32):
+        slope, fixed = costs.run_costs(lambda rows, s=slow_at: noisy(rows, s), 16)
+        assert slope == pytest.approx(1e-3, rel=0.17) and fixed == pytest.approx(30e-3, rel=0.21), slow_at
+    two_runs = (noisy(4, 4) - noisy(2, 4)) / (2 * 16)  # the slope from the doubling's own runs
+    assert two_runs == pytest.approx(1.29e-3, rel=0.01)
 
 
 def test_the_extend_attention_is_timed_at_the_rows_where_tokens_showed(llama, monkeypatch):

@@ -1,0 +1,48 @@
+"""How far apart repeated measurements of a model's costs land (`costs.measure`, what
+`share_contexts=auto` and `ortmodule serve --reuse-prefix auto` decide from): the costs are kept
+on disk for later processes (kept_costs.py), so one noisy reading lasts until a later check
+finds the machine 1.5x faster or slower. Measures the costs of the real SmolLM2-135M fp32 package
+`--times` times in one process, one after another, and prints each measurement, then per cost
+its smallest and largest reading and their ratio (the spread).
+
+    python benchmarks/cost_spread.py --times 5
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ortmodule import OrtModelForCausalLM, costs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
+from ortmodule_dev import fixtures  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--times", type=int, default=5, help="measurements (default 5)")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    spec = fixtures.SMOLLM2 if args.device == "cpu" else fixtures.SMOLLM2_BF16_CUDA
+    model = OrtModelForCausalLM.from_pretrained(fixtures.build(spec).package_dir, device=args.device)
+    readings = []
+    for i in range(args.times):
+        start = time.perf_counter()
+        readings.append(costs.measure(model.decoder))
+        shown = {k: f"{v:.3g}" if isinstance(v, float) else v for k, v in readings[-1]._asdict().items()}
+        print(f"measurement {i + 1}: {time.perf_counter() - start:.1f} s {shown}", flush=True)
+    print("| cost | smallest | largest | spread |")
+    print("|---|---|---|---|")
+    for field in costs.Costs._fields:
+        values = [getattr(r, field) for r in readings]
+        if not all(isinstance(v, float) for v in values):
+            continue
+        positive = [v for v in values if v > 0]
+        spread = f"{max(positive) / min(positive):.2f}x" if positive else ""
+        zeros = f" ({len(values) - len(positive)} of {len(values)} readings 0)" if len(positive) < len(values) else ""
+        print(f"| {field} | {min(values):.3g} | {max(values):.3g} | {spread}{zeros} |")
+
+
+if __name__ == "__main__":
+    main()
