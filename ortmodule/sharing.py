@@ -28,10 +28,14 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     steps x one step over the rows), against a prefill of rows x width tokens (`Costs.prefill`, with
     the attention the width adds); when groups run together in
     batches of `batch_rows` rows (lm-eval's batch size), a run's fixed cost is shared among them.
-    Without costs, a prefix at least twice the longest remainder."""
+    Without costs, a prefix at least twice the longest remainder. Rows that do not begin with the
+    same token share nothing: never (costs that make an extend cheaper than a prefill token for
+    token would otherwise choose to run their "prefix" of no tokens once, which no plan can)."""
     if len(rows) < 2:
         return False
     prefix = min(common_prefix(rows), min(starts) + 1)
+    if prefix < 1:
+        return False
     steps = max(len(row) - prefix for row in rows)
     if costs is None:
         return prefix >= 2 * steps

@@ -8,7 +8,7 @@ from helpers import SCORE_QUERY as QUERY
 from helpers import score_reference as reference
 
 import ortmodule
-from ortmodule import costs, load_tokenizer, sharing
+from ortmodule import costs, load_tokenizer, scoring, sharing
 
 
 @pytest.mark.parametrize("arch", MODEL_ARCHES)
@@ -68,6 +68,23 @@ def test_shared_prefix_reuse_is_chosen_only_where_it_saves_work():
     assert not sharing.worth_sharing([long_query + [1, 2]], [61])  # one item: nothing to share
     prompts = [[5, 1, 2, 3], [5, 4, 5, 6]]
     assert not sharing.worth_sharing(prompts, last(prompts))  # item_first: only BOS shared
+
+
+def test_rows_that_share_no_token_are_never_shared(llama, monkeypatch):
+    """Costs under which an extend token is cheaper than a prefill token (a noisy measurement of a
+    model whose runs cost their launches) chose to run a prefix of no tokens once for a score request
+    whose items come first, and the server answered 500 ("the rows of group 0 do not start with the
+    same token"): rows that share no token are never shared, and such a request is scored whole."""
+    cheap_extends = costs.Costs(per_token=1e-3, step=1e-3, step_per_row=1e-4, extend_per_token=1e-5,
+                                extend_per_score=0.0, extend_fixed=0.0)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert not sharing.worth_sharing(prompts, [3, 3], cheap_extends)
+    assert sharing.worth_sharing([[9, 1, 2, 3], [9, 4, 5, 6]], [3, 3], cheap_extends)  # one token shared
+    model, _ = load_pair(llama)
+    monkeypatch.setattr(model, "measured_costs", lambda refresh=False: cheap_extends)
+    assert scoring.prefix_reuse(model, [prompts], 64, None) == [False]
+    whole = scoring.label_logprobs(model, [prompts], [1, 2], 64, [False])
+    assert torch.equal(scoring.label_logprobs(model, [prompts], [1, 2], 64, None), whole)
 
 
 def test_sharing_is_decided_from_the_measured_costs(llama):
