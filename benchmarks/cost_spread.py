@@ -2,10 +2,12 @@
 `share_contexts=auto` and `ortmodule serve --reuse-prefix auto` decide from): the costs are kept
 on disk for later processes (kept_costs.py), so one noisy reading lasts until a later check
 finds the machine 1.5x faster or slower. Measures the costs of the real SmolLM2-135M fp32 package
-`--times` times in one process, one after another, and prints each measurement, then per cost
-its smallest and largest reading and their ratio (the spread).
+(or, with `--model qwen3-0.6b`, Qwen3-0.6B's shape in fp32) `--times` times in one process, one
+after another, and prints each measurement with its seconds, then per cost its smallest and largest
+reading and their ratio (the spread).
 
-    python benchmarks/cost_spread.py --times 5
+    python benchmarks/cost_spread.py --times 8
+    python benchmarks/cost_spread.py --model qwen3-0.6b --times 1
 """
 
 import argparse
@@ -22,9 +24,16 @@ from ortmodule_dev import fixtures  # noqa: E402
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--times", type=int, default=5, help="measurements (default 5)")
+    parser.add_argument("--model", choices=("smollm2", "qwen3-0.6b"), default="smollm2")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    spec = fixtures.SMOLLM2 if args.device == "cpu" else fixtures.SMOLLM2_BF16_CUDA
+    cpu = args.device == "cpu"
+    if args.model == "qwen3-0.6b":
+        from conftest import QWEN3_0_6B, QWEN3_0_6B_CPU  # the benchmark suite's Qwen3 shapes
+
+        spec = QWEN3_0_6B_CPU if cpu else QWEN3_0_6B
+    else:
+        spec = fixtures.SMOLLM2 if cpu else fixtures.SMOLLM2_BF16_CUDA
     model = OrtModelForCausalLM.from_pretrained(fixtures.build(spec).package_dir, device=args.device)
     readings = []
     for i in range(args.times):
