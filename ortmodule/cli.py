@@ -5,6 +5,7 @@ no plugins, so the registration has to happen in the same process).
 `ortmodule export SRC OUT`: a GenAI package from a Hugging Face folder or a GGUF file (ortmodule/exporter.py).
 `ortmodule serve PATH`: SGLang's `/v1/score`, OpenAI's `/v1/completions` and `/v1/chat/completions`
 (ortmodule/serving/).
+`ortmodule cache list|clear`: what ortmodule keeps in its cache folder, and clearing it (ortmodule/cache_folder.py).
 """
 
 import argparse
@@ -79,9 +80,13 @@ def ortmodule(argv: list[str] | None = None) -> None:
                             "copies of its KV (on), every prompt whole (off), or decide per request from the "
                             "model's measured costs (auto, the default; docs/scoring.md)")
     _settings_flags(serve)
+    _cache_flags(commands)
     args = parser.parse_args(argv)
     if args.command == "export":
         _export(parser, args)
+        return
+    if args.command == "cache":
+        _cache(args)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from .serving import Settings, serve
@@ -153,6 +158,61 @@ def _export(parser: argparse.ArgumentParser, args) -> None:
         export(args.source, args.out, args.precision, args.device, options, args.overwrite, not args.quiet)
     except ExportError as e:
         parser.exit(2, f"ortmodule export: error: {e}\n")
+
+
+def _cache_flags(commands) -> None:
+    from .cache_folder import KINDS
+
+    cache = commands.add_parser("cache", help="what ortmodule keeps in its cache folder ($ORTMODULE_CACHE, else "
+                                              "~/.cache/ortmodule), and clearing it")
+    actions = cache.add_subparsers(dest="action")
+    actions.add_parser("list", help="each kind's entries, size and oldest use (the default)")
+    clear = actions.add_parser("clear", help="remove entries; each is remade when a load needs it again")
+    clear.add_argument("kinds", nargs="*", type=_cache_kind, metavar="KIND",
+                       help=f"the kinds to clear: {', '.join(KINDS)} (default: all three)")
+    clear.add_argument("--older-than", type=_at_least(0, float), default=None, metavar="DAYS",
+                       help="only entries no load has used for more than DAYS days")
+    clear.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+
+
+def _cache_kind(text: str) -> str:
+    from .cache_folder import KINDS
+
+    if text not in KINDS:
+        raise argparse.ArgumentTypeError(f"no cache kind {text!r}: the kinds are {', '.join(KINDS)}")
+    return text
+
+
+def _cache(args) -> None:
+    import sys
+    import time
+
+    from . import cache_folder as folder
+    from .graph import cache_home
+
+    print(f"ortmodule's cache folder: {cache_home()}")
+    if args.action in (None, "list"):
+        for kind, what in folder.KINDS.items():
+            found = folder.entries([kind])
+            oldest = f", oldest use {time.strftime('%Y-%m-%d', time.localtime(found[0].last_used))}" if found else ""
+            size = folder.size_text(sum(e.bytes for e in found))
+            print(f"  {kind:7} {len(found):6} entries {size:>9}{oldest}: {what}")
+        for name, size in folder.other_folders():
+            print(f"  {name} ({folder.size_text(size)}): not a cache kind, left by `ortmodule cache clear`")
+        return
+    kinds = args.kinds or list(folder.KINDS)
+    chosen = folder.entries(kinds)
+    if args.older_than is not None:
+        chosen = [e for e in chosen if e.last_used < time.time() - args.older_than * 86400]
+    failed = [] if args.dry_run else folder.remove(chosen)
+    for kind in kinds:
+        mine = [e for e in chosen if e.kind == kind and all(e is not f for f, _ in failed)]
+        print(f"  {kind}: {'would remove' if args.dry_run else 'removed'} {len(mine)} entries, "
+              f"{folder.size_text(sum(e.bytes for e in mine))}")
+    for entry, error in failed:
+        print(f"  could not remove {entry.path}: {error}", file=sys.stderr)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

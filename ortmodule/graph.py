@@ -34,7 +34,8 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from . import states
+from . import cache_folder, states
+from .cache_folder import cache_home
 from .constants import is_constant
 from .package import PackageError
 from .projections import unpack_projections
@@ -55,13 +56,6 @@ _LM_HEADS = {"MatMul", "MatMulNBits", "Gemm"}
 
 class RewriteSkipped(Exception):
     """The graph does not match the pattern; the reason is the message."""
-
-
-def cache_home() -> Path:
-    """ortmodule's cache folder: $ORTMODULE_CACHE, else $XDG_CACHE_HOME/ortmodule, else ~/.cache/ortmodule."""
-    return Path(os.environ.get("ORTMODULE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortmodule"
-    ))
 
 
 def default_cache_dir() -> Path:
@@ -379,6 +373,7 @@ def cached(cache_dir: Path | None, name: str, build) -> bytes:
     if entry.is_file():
         data = _read_entry(entry)
         if data is not None:
+            cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
             return data
     data = build()
     _write_entry(entry, data)

@@ -24,7 +24,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from . import costs, graph, mapped
+from . import cache_folder, costs, graph, mapped
 
 logger = logging.getLogger("ortmodule")
 
@@ -45,6 +45,7 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
     if stored is not None:
         now = costs.check_seconds(decoder)
         if 1 / TOLERANCE <= now / stored["check_seconds"] <= TOLERANCE:
+            cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
             return costs.Costs(**stored["costs"])
         logger.info("ortmodule: a prefill took %.3f s where it took %.3f s when the costs of %s were measured (%s); "
                     "measuring them again", now, stored["check_seconds"], package, stored["measured"])

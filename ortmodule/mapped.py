@@ -31,7 +31,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
-from . import graph
+from . import cache_folder, graph
 
 logger = logging.getLogger("ortmodule")
 
@@ -65,6 +65,7 @@ def source(model: Path | bytes, weights_folder: Path | None, options: ort.Sessio
     try:
         entry = entries() / f"{folder.name}-{key(model, folder, settings)}"
         if (entry / "complete").is_file():  # only ever written for float weights
+            cache_folder.touch(entry / "complete")  # its last use, for `ortmodule cache clear --older-than`
             return entry / "graph.onnx"
         quantized = quantized_ops(model)
         if quantized:

@@ -1,0 +1,125 @@
+"""ortmodule's cache folder (`cache_home()`: $ORTMODULE_CACHE, else ~/.cache/ortmodule): what
+is in it, and clearing it (`ortmodule cache list|clear`, docs/usage.md "The cache folder").
+
+Every entry is remade on demand, so clearing costs only the time to remake what is used again:
+- `graphs`: the rewritten graphs (the LM head at the positions asked for, the extend and prefill
+  graphs), tens to hundreds of KB each; they reference the package's own weights;
+- `costs`: the measured costs that decide context sharing (kept_costs.py), a few KB each;
+- `packed`: ONNX Runtime's packed weights, about twice a package's weights each, written only with
+  ORTMODULE_MAP_PACKED_WEIGHTS=1 (mapped.py).
+Keys hold the package's content, the settings and ortmodule's code, so entries of packages since
+changed or deleted, and of older ortmodule versions, are never read again. An entry's last use is
+its modification time, renewed whenever a load reads it (`touch`), so `--older-than` removes what no
+load has used for that long. A file or folder whose name starts with "." is a write in progress:
+left alone for an hour, then counted as the remains of a process that was killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+
+KINDS = {
+    "graphs": "rewritten graphs (remade at the next load: a second or so each)",
+    "costs": "measured costs (remade where sharing is decided: seconds to a minute on a CPU)",
+    "packed": "packed weights (ORTMODULE_MAP_PACKED_WEIGHTS=1 only; remade at the next load)",
+}
+IN_PROGRESS = 3600  # seconds: a write younger than this is left alone
+
+
+def cache_home() -> Path:
+    """ortmodule's cache folder: $ORTMODULE_CACHE, else $XDG_CACHE_HOME/ortmodule, else ~/.cache/ortmodule."""
+    return Path(os.environ.get("ORTMODULE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ortmodule"
+    ))
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    kind: str
+    path: Path
+    bytes: int
+    last_used: float  # seconds since the epoch
+
+
+def touch(path: Path) -> None:
+    """Renew an entry's last use (its modification time); a cache that cannot be written is no error."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def entries(kinds=tuple(KINDS), home: Path | None = None) -> list[Entry]:
+    """The entries of `kinds` in the cache folder, oldest use first (writes in progress left out)."""
+    home = Path(home) if home is not None else cache_home()
+    now, found = time.time(), []
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ValueError(f"no cache kind {kind!r}: the kinds are {', '.join(KINDS)}")
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for path in (home / kind).iterdir():
+                entry = _entry(kind, path)
+                if entry is not None and not (path.name.startswith(".") and now - entry.last_used < IN_PROGRESS):
+                    found.append(entry)
+    return sorted(found, key=lambda e: e.last_used)
+
+
+def _entry(kind: str, path: Path) -> Entry | None:
+    """One entry: a file, or a folder (packed weights; its last use is that of its `complete` mark)."""
+    try:
+        stat = path.lstat()
+        if not path.is_dir() or path.is_symlink():
+            return Entry(kind, path, stat.st_size, stat.st_mtime)
+        mark = path / "complete"
+        last = mark.stat().st_mtime if mark.is_file() else stat.st_mtime
+        return Entry(kind, path, folder_bytes(path), last)
+    except OSError:  # removed meanwhile (another process clearing, or replacing it)
+        return None
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under `folder` (links not followed; files removed meanwhile skipped)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def other_folders(home: Path | None = None) -> list[tuple[str, int]]:
+    """What else the cache folder holds (the demo's package, the test fixtures): names and bytes."""
+    home = Path(home) if home is not None else cache_home()
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        return [(p.name, folder_bytes(p) if p.is_dir() else p.lstat().st_size)
+                for p in sorted(home.iterdir()) if p.name not in KINDS]
+    return []
+
+
+def remove(chosen: list[Entry]) -> list[tuple[Entry, OSError]]:
+    """Remove the entries; those that could not be removed, with why (an entry already gone is not a
+    failure). A process that has an entry loaded keeps using it: on Linux and macOS its files live
+    on until it lets them go."""
+    failed = []
+    for entry in chosen:
+        try:
+            if entry.path.is_dir() and not entry.path.is_symlink():
+                shutil.rmtree(entry.path)
+            else:
+                entry.path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            failed.append((entry, e))
+    return failed
+
+
+def size_text(count: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
