@@ -258,7 +258,8 @@ def label_logprobs(
     float32 on the device. Requests whose prompts share a prefix worth reusing (`prefix_reuse`'s
     choice for `reuse_prefix`, or per request the choices given) run it once, several requests'
     prefixes in one prefill and their items in one run over copies of their KV caches
-    (`_shared_logprobs`); the prompts of all the other requests go through batched prefills together."""
+    (`_shared_logprobs`); the prompts of all the other requests, and of a request chosen whose
+    prompts share no token, go through batched prefills together."""
     if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
     if reuse_prefix is None or isinstance(reuse_prefix, bool):
@@ -268,7 +269,7 @@ def label_logprobs(
     out = torch.empty(sum(len(r) for r in requests), len(labels), device=model.device)
     batched, shared, start = [], [], 0
     for prompts, reuse in zip(requests, reuse_prefix):
-        if reuse:
+        if reuse and common_prefix(prompts) > 0:  # prompts that share no token have no prefix to run once
             shared.append((start, prompts))
         else:
             batched += [(i, p) for i, p in enumerate(prompts, start)]

@@ -5,7 +5,8 @@ import math
 
 import lm_eval
 import pytest
-from helpers import ARCHES
+import torch
+from helpers import ARCHES, load_pair
 from lm_eval.tasks import TaskManager
 
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
@@ -494,6 +495,25 @@ def test_requests_on_the_same_row_run_it_once(build, hf_answers, monkeypatch):
     assert_same_answers(lm._loglikelihood_tokens(requests, disable_tqdm=True), hf_answers)
     distinct = {(tuple((c + t)[:-1]), len(c)) for _, c, t in requests}
     assert sum(rows for rows, _ in sizes) == len(distinct) == len(requests) - 6 * 3
+
+
+def test_a_row_that_is_another_requests_row_at_other_positions_is_scored_at_its_own(build):
+    """Context [a] with continuation [b, c] and context [a, b] with [d] feed the model the same row
+    [a, b]; the first is scored at both positions, the second at the last only. lm-eval 0.4.13's hf
+    groups them by that row and reads both at the first one's positions (docs/lm-eval.md); ortmodule
+    answers each as transformers does on the request alone."""
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    _, hf = load_pair(fixture)
+    requests = [(("", ""), [478], [57, 12]), (("", ""), [478, 57], [220]), (("", ""), [478, 57], [221])]
+    lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=4, share_contexts="false")
+    for (_, context, continuation), (lp, _) in zip(requests, lm._loglikelihood_tokens(requests, disable_tqdm=True),
+                                                   strict=True):
+        with torch.no_grad():
+            scores = torch.log_softmax(hf(torch.tensor([(context + continuation)[:-1]])).logits[0].double(), -1)
+        expected = sum(scores[len(context) - 1 + k, token].item() for k, token in enumerate(continuation))
+        assert abs(lp - expected) < 1e-5
 
 
 def test_pad_to_multiple_of_rounds_every_width_up_with_the_same_answers(build, hf_answers, monkeypatch):

@@ -85,6 +85,8 @@ def test_rows_that_share_no_token_are_never_shared(llama, monkeypatch):
     assert scoring.prefix_reuse(model, [prompts], 64, None) == [False]
     whole = scoring.label_logprobs(model, [prompts], [1, 2], 64, [False])
     assert torch.equal(scoring.label_logprobs(model, [prompts], [1, 2], 64, None), whole)
+    # A choice given per request (the server's list) to reuse a prefix that is not there: scored whole.
+    assert torch.equal(scoring.label_logprobs(model, [prompts], [1, 2], 64, [True]), whole)
 
 
 def test_sharing_is_decided_from_the_measured_costs(llama):
