@@ -412,13 +412,17 @@ class Extender:
         order = torch.arange(new, device=device)
         binding = self.session.io_binding()
         decoder.bind_tokens(binding, tokens)
-        positions = cache.lengths[:, None] + order
+        # A row's padding past its own tokens may run past the context (a long past among shorter
+        # ones, its remainder padded to the longest): its positions, read by no one, stay inside the
+        # rotary tables, and in the cache layout its KV lands in columns grown past the context.
+        context = decoder.package.context_length
+        positions = (cache.lengths[:, None] + order).clamp_(max=context - 1)
         if self.positions:
             runtime.bind_input(binding, POSITIONS, positions.to(torch.int64).contiguous())
         if self.position_ids is not None:
             runtime.bind_input(binding, self.position_ids, decoder.position_input(positions))
         if self.layout == "cache":
-            cache.reserve(cache.longest + new, decoder.package.context_length)
+            cache.reserve(cache.longest + new, max(context, cache.longest + new))
             runtime.bind_input(binding, WRITE_AT, cache.lengths.to(torch.int64).contiguous())
             runtime.bind_input(binding, KV_LENGTHS, (cache.lengths + new).to(torch.int64).contiguous())
         else:

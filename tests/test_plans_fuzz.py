@@ -4,7 +4,8 @@ prefixes shared across questions, a question's choices, choices that are prefixe
 equal, rows past `max_length`, prompts that share no token) and random batch settings, through
 lm-eval's `loglikelihood` and the score server's call. Whatever the plan, every answer must be
 transformers' on the same weights, request by request (`truth`: HFLM's definition of an answer).
-`FUZZ_SEEDS=1000` runs more cases (about 40 s).
+`FUZZ_SEEDS=2000` runs 5,000 cases (about 5 minutes on 2 cores); such a run found the extend
+run's padding positions past the context (tests/test_score_api.py, `..._inside_the_context`).
 Session 42's 500 (a shared prefix of no tokens, under costs where an extend token was cheap) is the
 kind of fault this looks for."""
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from helpers import load_pair
 
-from ortmodule import costs, load_tokenizer, scoring
+from ortmodule import OrtModelForCausalLM, costs, extend, load_tokenizer, scoring
 
 VOCAB = 512
 
@@ -45,7 +46,7 @@ def loglikelihood_requests(rng: random.Random) -> list:
     and lone requests."""
     requests = []
     for _ in range(rng.randint(1, 3)):
-        examples = tokens(rng, rng.choice([0, 1, 8, 30, 60]))
+        examples = tokens(rng, rng.choice([0, 1, 8, 30, 60, 200]))
         for _ in range(rng.randint(1, 4)):
             context = examples + tokens(rng, rng.randint(0 if examples else 1, 20))
             choices = [tokens(rng, rng.choice([1, 1, 2, 5, 12])) for _ in range(rng.randint(1, 5))]
@@ -67,7 +68,7 @@ def truth(hf, request, max_length: int) -> tuple[float, bool]:
     cache groups requests by context + continuation[:-1] and reads every member's logits at the
     first member's continuation length, so where a one-token request's context is another
     request's context plus the first of its several continuation tokens, hf answers one of them
-    from the wrong positions (seed 348 here: log p(t | [478]) for log p(t | [478, 57]))."""
+    from the wrong positions (tests/test_lm_eval.py, `..._scored_at_its_own`)."""
     _, context, continuation = request
     row = (context + continuation)[-(max_length + 1):][:-1]
     with torch.no_grad():
@@ -82,7 +83,8 @@ def test_loglikelihood_plans_fuzz(build, monkeypatch, seed):
 
     rng = random.Random(seed)
     fixture = build("llama")
-    model, hf = load_pair(fixture)
+    _, hf = load_pair(fixture)
+    model, drawn_model = variant(fixture, monkeypatch, rng)
     drawn = random_costs(rng)
     monkeypatch.setattr(model, "measured_costs", lambda refresh=False: drawn)
     requests = loglikelihood_requests(rng)
@@ -92,12 +94,61 @@ def test_loglikelihood_plans_fuzz(build, monkeypatch, seed):
     share = rng.choice(["auto", "auto", "true", "false"])
     lm = OrtModuleLM(pretrained=model, tokenizer=load_tokenizer(fixture.package_dir), batch_size=batch,
                      share_contexts=share, max_length=max_length, **options)
-    case = f"seed {seed}: {len(requests)} requests, batch {batch} {options}, share {share}, costs {drawn}"
+    case = f"seed {seed}: {len(requests)} requests, batch {batch} {options}, share {share}, " \
+        f"{drawn_model}, costs {drawn}"
     for i, (request, (lp, greedy)) in enumerate(zip(requests, lm._loglikelihood_tokens(requests, disable_tqdm=True),
                                                     strict=True)):
         ref_lp, ref_greedy = truth(hf, request, lm.max_length)
         assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy, \
             f"request {i}: {lp} {greedy} against {ref_lp} {ref_greedy}; {case}"
+
+
+_variants = {}
+
+
+def variant(fixture, monkeypatch, rng: random.Random):
+    """The fixture's model as drawn: the CPU's chunks for long rows (None: 256; 0: off; 7, 32) and
+    the extend graph's layout (mask, the default, or cache: the new tokens' KV written into the
+    rows' own buffers), each loaded once."""
+    chunk, layout = rng.choice([None, None, 0, 7, 32]), rng.choice(["mask", "mask", "cache"])
+    monkeypatch.setitem(extend.EXTEND_LAYOUT, "cpu", layout)  # where the extend graph is made at first use
+    if (chunk, layout) not in _variants:
+        _variants[chunk, layout] = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=chunk)
+    return _variants[chunk, layout], f"chunk {chunk}, extend layout {layout}"
+
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "seven", "quiet", "rivers", "ran", "past", "old", "towns",
+         "and", "bright", "fields", "of", "grain", "under", "heavy", "clouds", "that", "nobody", "counted", "again"]
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) // 4))
+def test_rolling_plans_fuzz(build, monkeypatch, seed):
+    """`loglikelihood_rolling`: every window of every document (lm-eval's disjoint windows of
+    `max_length` tokens) batched by length in one call; each document's total must be the sum of
+    transformers' answers to its windows, whatever the window length, batch setting and chunk."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    rng = random.Random(2000 + seed)
+    fixture = build("llama")
+    _, hf = load_pair(fixture)
+    model, drawn_model = variant(fixture, monkeypatch, rng)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 400))) for _ in range(rng.randint(1, 5))]
+    batch = rng.choice(["1", "3", "auto"])
+    options = {"token_budget": str(rng.choice([16, 200, 4096]))} if batch == "auto" else {}
+    lm = OrtModuleLM(pretrained=model, tokenizer=load_tokenizer(fixture.package_dir), batch_size=batch,
+                     max_length=rng.choice([8, 33, 100, 256]), **options)
+    got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)],
+                                   disable_tqdm=True)
+    for text, total in zip(texts, got, strict=True):
+        windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+            token_list=lm.tok_encode(text), prefix_token=lm.prefix_token_id, max_seq_len=lm.max_length, context_len=1)]
+        expected = sum(truth(hf, (None, context, continuation), lm.max_length)[0] for context, continuation in windows)
+        case = f"batch {batch} {options}, {drawn_model}, max_length {lm.max_length}, {len(windows)} windows"
+        assert math.isclose(total, expected, rel_tol=1e-5, abs_tol=1e-4), \
+            f"seed {2000 + seed}: {total} against {expected}; {case}"  # float32 sums of ~1,000 terms
 
 
 def score_requests(rng: random.Random) -> list[list[list[int]]]:
@@ -116,7 +167,8 @@ def score_requests(rng: random.Random) -> list[list[list[int]]]:
 @pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48))))
 def test_score_plans_fuzz(llama, monkeypatch, seed):
     rng = random.Random(1000 + seed)
-    model, hf = load_pair(llama)
+    _, hf = load_pair(llama)
+    model, drawn_model = variant(llama, monkeypatch, rng)
     drawn = random_costs(rng)
     monkeypatch.setattr(model, "measured_costs", lambda refresh=False: drawn)
     requests = score_requests(rng)
@@ -131,5 +183,29 @@ def test_score_plans_fuzz(llama, monkeypatch, seed):
                               for prompts in requests for prompt in prompts])
     worst = (got - expected).abs().max().item()
     assert math.isfinite(worst) and worst < 1e-4, \
-        f"seed {1000 + seed}: off by {worst}; budget {budget}, reuse {reuse}, costs {drawn}, " \
+        f"seed {1000 + seed}: off by {worst}; budget {budget}, reuse {reuse}, {drawn_model}, costs {drawn}, " \
         f"requests of {[[len(p) for p in r] for r in requests]} tokens"
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) // 4))
+def test_generate_plans_fuzz(build, monkeypatch, seed):
+    """Greedy `generate` over left-padded batches whose prompts begin alike (few-shot examples:
+    on a CPU the common beginning runs once, shared_prompts.py) or not, long prompts in chunks or
+    not, beams sometimes: the tokens must be transformers' on the same weights."""
+    rng = random.Random(3000 + seed)
+    fixture = build("llama")
+    _, hf = load_pair(fixture)
+    model, drawn_model = variant(fixture, monkeypatch, rng)
+    beginning = tokens(rng, rng.choice([0, 3, 50, 120]))
+    prompts = [beginning + tokens(rng, rng.randint(1, 30)) for _ in range(rng.randint(1, 4))]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    options = dict(max_new_tokens=rng.randint(1, 6), do_sample=False, pad_token_id=2, eos_token_id=None)
+    if rng.random() < 0.25:
+        options.update(num_beams=rng.choice([2, 3]))
+    got = model.generate(ids, attention_mask=mask, **options)
+    with torch.no_grad():
+        expected = hf.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(got, expected), f"seed {3000 + seed}: {drawn_model}, {len(beginning)} common tokens, " \
+        f"prompts of {[len(p) for p in prompts]} tokens, {options}"

@@ -382,3 +382,28 @@ def test_reuse_chosen_per_request(llama, monkeypatch):
     assert sorted(runs) == [2, 2]  # two queries in one prefill; the second request's two prompts whole
     with pytest.raises(ValueError, match="reuse_prefix has 2 choices for 3 requests"):
         scoring.label_logprobs(model, prompts, labels, 4096, [True, False])
+
+
+@pytest.mark.parametrize("layout", ["mask", "cache"])
+def test_a_long_query_among_shorter_ones_runs_its_padding_inside_the_context(build, monkeypatch, layout):
+    """Requests run together in one extend run pad every row's new tokens to the longest: a row past a
+    query near the context's end (250 of the fixture's 256 positions) padded to another request's
+    12-token items reached position 261, and ONNX Runtime stopped ("position_ids value 256 ... out
+    of range"; in the cache layout its KV went past the buffers). The padding's positions stay
+    inside the context and the cache grows past it: every score is transformers'."""
+    from ortmodule import OrtModelForCausalLM, extend
+
+    monkeypatch.setitem(extend.EXTEND_LAYOUT, "cpu", layout)
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)  # its extend graph made in this layout
+    _, hf = load_pair(fixture)
+    gen = torch.Generator().manual_seed(11)
+    long_query, short_query = torch.randint(4, 512, (250,), generator=gen).tolist(), [7, 8, 9]
+    requests = [[long_query + [5], long_query + [6, 7, 8, 9, 10]],
+                [short_query + torch.randint(4, 512, (12,), generator=gen).tolist() for _ in range(2)]]
+    labels = [3, 4]
+    got = scoring.label_logprobs(model, requests, labels, 4096, True).double().cpu()
+    with torch.no_grad():
+        expected = torch.stack([torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].double(), -1)[labels]
+                                for prompts in requests for p in prompts])
+    assert (got - expected).abs().max().item() < 1e-4
