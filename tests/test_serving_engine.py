@@ -109,14 +109,19 @@ def test_a_short_request_joins_a_running_stream(live, pair, monkeypatch):
 
 @pytest.mark.parametrize("tokenizer_name", ["llama", "gemma3", "phi3", "qwen3"])
 def test_incremental_text_equals_decoding_the_whole_row(build, tokenizer_name):
+    """Ended by length or by end-of-sequence, the streamed text is the whole row's decoding, an
+    incomplete last character included (U+FFFD: before, an end-of-sequence dropped it)."""
     tokenizer = load_tokenizer(build(tokenizer_name).package_dir)
     rng = random.Random(1)
     vocab = len(tokenizer.get_vocab())
-    for _ in range(30):
+    for case in range(60):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
-        stream = TextStream(tokenizer, set(), ())
-        text = "".join(stream.add(t) for t in ids) + stream.end()
+        eos = rng.randrange(vocab) if case % 2 else None
+        ids = [t for t in ids if t != eos]
+        stream = TextStream(tokenizer, {eos} if eos is not None else set(), ())
+        text = "".join(stream.add(t) for t in ids + ([eos] if eos is not None else [])) + stream.end()
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert stream.finish_reason == ("stop" if eos is not None else "length")
 
 
 def test_stop_strings_are_found_on_the_tail_as_in_the_whole_text(pair):

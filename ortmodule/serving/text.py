@@ -32,6 +32,7 @@ class TextStream:
         self.counted += 1
         if token in self.eos:
             self.finish_reason = "stop"
+            self._flush()
             return self._release(len(self.text))
         self.ids.append(token)
         before = len(self.text)
@@ -53,10 +54,16 @@ class TextStream:
         """The row ended by length: everything not yet sent (an incomplete character included)."""
         if self.finish_reason is None:
             self.finish_reason = "length"
-            if self.read < len(self.ids):
-                self.text += self._window_text(len(self.ids))[len(self._window_text(self.read)):]
-                self.read = len(self.ids)
+            self._flush()
         return self._release(len(self.text))
+
+    def _flush(self) -> None:
+        """The row ends (by length or end-of-sequence): the tokens held back for an incomplete
+        character join the text as the whole row's decoding shows them (U+FFFD where it stays
+        incomplete)."""
+        if self.read < len(self.ids):
+            self.text += self._window_text(len(self.ids))[len(self._window_text(self.read)):]
+            self.read = len(self.ids)
 
     def _decode_new(self) -> str:
         """Text the newest tokens add, once it is whole (not ending in an incomplete character)."""

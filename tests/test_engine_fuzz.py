@@ -1,0 +1,98 @@
+"""A seeded fuzz test of the serving engine's scheduling: random settings (decode batch size,
+prefill chunks, join steps, prompt feeding, the prefix cache, the score token budget, query reuse)
+and a random mix of concurrent requests (greedy completions whose prompts share prefixes, repeat
+exactly or not at all, with log-probabilities and echo sometimes; score requests), sent by several
+clients at random moments. Whatever runs together, every answer must be transformers' on the request
+alone: the greedy text and finish reason, the scores within 1e-4. `ENGINE_FUZZ_SEEDS=N` runs more."""
+
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import LiveServer, expected_text, load_pair, score_reference
+
+from ortmodule import load_tokenizer
+from ortmodule.serving import create_app
+
+NAME = "fuzz"
+VOCAB = 512
+
+
+def draw_settings(rng: random.Random) -> dict:
+    return dict(max_rows=rng.choice([1, 2, 4, 8]), prefill_chunk=rng.choice([4, 16, 512]),
+                join_steps=rng.choice([0, 1, 4]), feed_tokens=rng.choice([0, 4, 16]),
+                prefix_cache_mb=rng.choice([0, 1, 512]), window_ms=rng.choice([0.0, 5.0]),
+                token_budget=rng.choice([16, 64, 8192]), reuse_prefix=rng.choice(["auto", "on", "off"]))
+
+
+def draw_requests(rng: random.Random) -> list[tuple[str, dict]]:
+    tokens = lambda n: [rng.randrange(4, VOCAB) for _ in range(n)]  # noqa: E731
+    prefixes = [tokens(n) for n in (20, 40, 70)]
+    requests, sent = [], []
+    for _ in range(rng.randint(6, 16)):
+        if rng.random() < 0.65:
+            if sent and rng.random() < 0.2:
+                prompt = list(rng.choice(sent))  # an exact repeat
+            else:
+                prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + tokens(rng.randint(1, 30))
+            sent.append(prompt)
+            body = {"prompt": prompt, "max_tokens": rng.randint(1, 20), "temperature": 0}
+            if rng.random() < 0.3:
+                body.update(logprobs=2, echo=rng.random() < 0.5)
+            requests.append(("completion", body))
+        else:
+            query = (rng.choice(prefixes) if rng.random() < 0.5 else []) + tokens(rng.randint(1, 10))
+            items = [tokens(rng.randint(1, 8)) for _ in range(rng.randint(1, 4))]
+            requests.append(("score", {"query": query, "items": items, "apply_softmax": rng.random() < 0.5,
+                                       "label_token_ids": sorted(rng.sample(range(VOCAB), rng.randint(1, 3)))}))
+    return requests
+
+
+def greedy(hf, ids: list[int], new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("ENGINE_FUZZ_SEEDS", 6))))
+def test_engine_fuzz(build, seed):
+    rng = random.Random(seed)
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    settings = draw_settings(rng)
+    requests = draw_requests(rng)
+    clients = rng.randint(1, 6)
+    delays = [rng.uniform(0, 0.02) for _ in requests]
+    server = LiveServer(create_app(model, tokenizer, name=NAME, **settings))
+    try:
+        def send(i: int):
+            time.sleep(delays[i])
+            kind, body = requests[i]
+            path = "/v1/completions" if kind == "completion" else "/v1/score"
+            response = server.client.post(path, json={"model": NAME, **body}, timeout=120)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        with ThreadPoolExecutor(clients) as pool:
+            answers = list(pool.map(send, range(len(requests))))
+        assert server.client.get("/metrics").json()["running_rows"] == 0
+    finally:
+        server.stop()
+    case = f"seed {seed}: {settings}, {clients} clients"
+    for i, ((kind, body), answer) in enumerate(zip(requests, answers, strict=True)):
+        if kind == "completion":
+            text, reason = expected_text(tokenizer, greedy(hf, body["prompt"], body["max_tokens"]))
+            choice = answer["choices"][0]
+            if body.get("echo"):
+                text = tokenizer.decode(body["prompt"], skip_special_tokens=True) + text
+            assert (choice["text"], choice["finish_reason"]) == (text, reason), f"request {i}: {body}; {case}"
+        else:
+            expected = score_reference(hf, None, body["query"], body["items"], body["label_token_ids"],
+                                       body["apply_softmax"], False)
+            worst = (torch.tensor(answer["scores"], dtype=torch.float64) - expected).abs().max().item()
+            assert worst < 1e-4, f"request {i}: off by {worst}; {body}; {case}"
