@@ -21,7 +21,11 @@ from helpers import load_pair
 
 from ortmodule import OrtModelForCausalLM, costs, extend, load_tokenizer, scoring
 
-VOCAB = 512
+VOCAB = 512  # every fixture's
+# A Llama most often; Qwen3 (q/k norms), Gemma 3 (sliding-window layers: the extend graph's window
+# bias), LFM2 (convolution states, no extend graph: shared prefixes continue by decode steps) and
+# Phi-3 beside it.
+ARCHES = ["llama", "llama", "llama", "qwen3", "gemma3", "lfm2", "phi3"]
 
 
 def random_costs(rng: random.Random) -> costs.Costs:
@@ -84,7 +88,7 @@ def test_loglikelihood_plans_fuzz(build, monkeypatch, seed):
     from ortmodule.lm_eval import OrtModuleLM
 
     rng = random.Random(seed)
-    fixture = build("llama")
+    fixture = build(rng.choice(ARCHES))
     _, hf = load_pair(fixture)
     model, drawn_model = variant(fixture, monkeypatch, rng)
     drawn = random_costs(rng)
@@ -114,9 +118,10 @@ def variant(fixture, monkeypatch, rng: random.Random):
     rows' own buffers), each loaded once."""
     chunk, layout = rng.choice([None, None, 0, 7, 32]), rng.choice(["mask", "mask", "cache"])
     monkeypatch.setitem(extend.EXTEND_LAYOUT, "cpu", layout)  # where the extend graph is made at first use
-    if (chunk, layout) not in _variants:
-        _variants[chunk, layout] = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=chunk)
-    return _variants[chunk, layout], f"chunk {chunk}, extend layout {layout}"
+    key = (fixture.package_dir, chunk, layout)
+    if key not in _variants:
+        _variants[key] = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=chunk)
+    return _variants[key], f"{fixture.spec.arch}, chunk {chunk}, extend layout {layout}"
 
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "seven", "quiet", "rivers", "ran", "past", "old", "towns",
@@ -134,7 +139,7 @@ def test_rolling_plans_fuzz(build, monkeypatch, seed):
     from ortmodule.lm_eval import OrtModuleLM
 
     rng = random.Random(2000 + seed)
-    fixture = build("llama")
+    fixture = build(rng.choice(ARCHES))
     _, hf = load_pair(fixture)
     model, drawn_model = variant(fixture, monkeypatch, rng)
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 400))) for _ in range(rng.randint(1, 5))]
@@ -167,10 +172,11 @@ def score_requests(rng: random.Random) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48))))
-def test_score_plans_fuzz(llama, monkeypatch, seed):
+def test_score_plans_fuzz(build, monkeypatch, seed):
     rng = random.Random(1000 + seed)
-    _, hf = load_pair(llama)
-    model, drawn_model = variant(llama, monkeypatch, rng)
+    fixture = build(rng.choice(ARCHES))
+    _, hf = load_pair(fixture)
+    model, drawn_model = variant(fixture, monkeypatch, rng)
     drawn = random_costs(rng)
     monkeypatch.setattr(model, "measured_costs", lambda refresh=False: drawn)
     requests = score_requests(rng)
@@ -195,7 +201,7 @@ def test_generate_plans_fuzz(build, monkeypatch, seed):
     on a CPU the common beginning runs once, shared_prompts.py) or not, long prompts in chunks or
     not, beams sometimes: the tokens must be transformers' on the same weights."""
     rng = random.Random(3000 + seed)
-    fixture = build("llama")
+    fixture = build(rng.choice(ARCHES))
     _, hf = load_pair(fixture)
     model, drawn_model = variant(fixture, monkeypatch, rng)
     beginning = tokens(rng, rng.choice([0, 3, 50, 120]))
