@@ -1,0 +1,62 @@
+"""A seeded fuzz test of the KV cache as a `transformers.Cache`: random sequences of decode steps
+and cache operations (crop, reorder, batch select, repeat), as generation strategies and libraries
+string them, applied to ortmodule's cache and to transformers' `DynamicCache` side by side; after
+every operation the next step's logits must agree (tests/test_hf_surface.py's `Pair`), and the
+lengths too. `CACHE_FUZZ_SEEDS=N` runs more."""
+
+import os
+import random
+
+import pytest
+import torch
+from helpers import left_padded_batch, load_pair
+from test_hf_surface import Pair
+
+# Builder packages (one buffer per layer written in place; Gemma 3's sliding-window layers) and
+# mobius-onnx's Gemma 4 (attention that concatenates past and new entries).
+ARCHES = ["llama", "llama", "qwen3", "gemma3", "gemma4_mobius"]
+# transformers' own sliding-window layers fail the next step after a crop past the window (a
+# 15-column cache cropped by 4 on the Gemma 4 fixture: "The size of tensor a (5) must match the size
+# of tensor b (8)"), so these draw no crops.
+SLIDING = {"gemma3", "gemma4_mobius"}
+TEXT_IDS = 505  # ids below the multimodal fixtures' media placeholders (docs/usage.md: those differ by design)
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("CACHE_FUZZ_SEEDS", 8))))
+def test_cache_operations_fuzz(build, seed):
+    rng = random.Random(seed)
+    arch = rng.choice(ARCHES)
+    lengths = [rng.randint(1, 20) for _ in range(rng.randint(1, 4))]
+    pair = Pair(load_pair(build(arch)), *left_padded_batch(lengths, vocab=TEXT_IDS, seed=seed))
+    done = []
+    for _ in range(rng.randint(4, 14)):
+        rows, columns = pair.mask.shape
+        op = rng.choice(["step", "step", "step", "crop", "reorder", "select", "repeat"])
+        if op == "crop" and columns > 2 and arch not in SLIDING:
+            n = rng.randint(1, min(4, columns - 1))
+            pair.each("crop", -n)
+            pair.mask = pair.mask[:, :-n]
+            # a row whose real tokens were all cropped has nothing to attend to: the sequence ends
+            if (pair.mask.sum(1) == 0).any():
+                break
+        elif op == "reorder":
+            order = torch.tensor([rng.randrange(rows) for _ in range(rows)])
+            pair.each("reorder_cache", order)
+            pair.mask = pair.mask[order]
+        elif op == "select" and rows > 1:
+            keep = torch.tensor(sorted(rng.sample(range(rows), rng.randint(1, rows - 1))))
+            pair.each("batch_select_indices", keep)
+            pair.mask = pair.mask[keep]
+        elif op == "repeat" and rows < 6:
+            times = rng.choice([2, 3])
+            pair.each("batch_repeat_interleave", times)
+            pair.mask = pair.mask.repeat_interleave(times, 0)
+        else:
+            op = "step"
+        done.append(op)
+        tokens = torch.tensor([rng.randrange(4, TEXT_IDS) for _ in range(pair.mask.shape[0])])
+        ours, theirs = pair.step(tokens)
+        worst = (ours - theirs).abs().max().item()
+        assert worst < 1e-4, f"seed {seed}, {arch}, prompts of {lengths} tokens: off by {worst} after {done}"
+        assert pair.caches[0].get_seq_length() == pair.caches[1].get_seq_length() == pair.mask.shape[1], \
+            f"seed {seed}, {arch}: lengths after {done}"
