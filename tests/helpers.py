@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoModelForCausalLM, Cache, DynamicCache, Qwen2_5_VLForConditionalGeneration
 
 from ortmodule import OrtModelForCausalLM
+from ortmodule.cache import KVCache
 
 # Architectures every parity test runs on (Gemma 3 alternates sliding-window and full layers;
 # the Gemma 4 packages mix KV head sizes per layer, and two of them are multimodal: an embedding
@@ -257,3 +258,34 @@ class BlockingUploads:
             del torch.Tensor.to
         else:
             torch.Tensor.to = self.saved[2]
+
+
+class CachePair:
+    """ortmodule and transformers stepped side by side, each with its own cache and the caller's mask."""
+
+    def __init__(self, models, ids, mask):
+        self.models, self.mask = models, mask
+        positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # what transformers' generate passes
+        with torch.inference_mode():
+            outs = [m(ids, attention_mask=mask, position_ids=positions, use_cache=True) for m in models]
+        self.caches = [out.past_key_values for out in outs]
+        self.caches[1].activate_past_recording()  # transformers' sliding layers keep what crop needs
+        assert isinstance(self.caches[0], KVCache) and isinstance(self.caches[0], Cache)
+        assert isinstance(self.caches[1], DynamicCache)
+
+    def step(self, tokens):
+        """Append one token per row to both; the logits of each."""
+        self.mask = torch.cat([self.mask, torch.ones(self.mask.shape[0], 1, dtype=self.mask.dtype)], 1)
+        positions = self.mask.cumsum(1)[:, -1:] - 1
+        with torch.inference_mode():
+            return [m(tokens[:, None], attention_mask=self.mask, position_ids=positions, past_key_values=c,
+                      use_cache=True).logits[:, -1] for m, c in zip(self.models, self.caches)]
+
+    def each(self, method, *args):
+        for cache in self.caches:
+            getattr(cache, method)(*args)
+
+    def agree(self, tokens):
+        ours, theirs = self.step(tokens)
+        assert (ours - theirs).abs().max().item() < 1e-4
+        assert self.caches[0].get_seq_length() == self.caches[1].get_seq_length() == self.mask.shape[1]

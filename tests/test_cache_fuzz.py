@@ -1,7 +1,7 @@
 """A seeded fuzz test of the KV cache as a `transformers.Cache`: random sequences of decode steps
 and cache operations (crop, reorder, batch select, repeat), as generation strategies and libraries
 string them, applied to ortmodule's cache and to transformers' `DynamicCache` side by side; after
-every operation the next step's logits must agree (tests/test_hf_surface.py's `Pair`), and the
+every operation the next step's logits must agree (tests/helpers.py's `CachePair`), and the
 lengths too. `CACHE_FUZZ_SEEDS=N` runs more."""
 
 import os
@@ -9,8 +9,7 @@ import random
 
 import pytest
 import torch
-from helpers import left_padded_batch, load_pair
-from test_hf_surface import Pair
+from helpers import CachePair, left_padded_batch, load_pair
 
 # Builder packages (one buffer per layer written in place; Gemma 3's sliding-window layers) and
 # mobius-onnx's Gemma 4 (attention that concatenates past and new entries).
@@ -27,7 +26,7 @@ def test_cache_operations_fuzz(build, seed):
     rng = random.Random(seed)
     arch = rng.choice(ARCHES)
     lengths = [rng.randint(1, 20) for _ in range(rng.randint(1, 4))]
-    pair = Pair(load_pair(build(arch)), *left_padded_batch(lengths, vocab=TEXT_IDS, seed=seed))
+    pair = CachePair(load_pair(build(arch)), *left_padded_batch(lengths, vocab=TEXT_IDS, seed=seed))
     done = []
     for _ in range(rng.randint(4, 14)):
         rows, columns = pair.mask.shape

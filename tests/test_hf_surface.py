@@ -4,9 +4,10 @@ helpers, forward's keywords, and clear errors for what an ONNX package does not 
 
 import pytest
 import torch
+from helpers import CachePair as Pair
 from helpers import left_padded_batch as left_padded
 from helpers import load_pair
-from transformers import Cache, DynamicCache, GenerationMixin
+from transformers import DynamicCache, GenerationMixin
 
 from ortmodule import NotSupportedError
 from ortmodule.cache import KVCache
@@ -15,37 +16,6 @@ CACHES = ["llama", "gemma4_mobius"]  # one buffer written in place (GQA); a conc
 # Builder packages; on the mobius-onnx Gemma 4 fixture transformers' own batched beams differ from its
 # one-prompt beams (near-tied random weights), so it is no reference there.
 BEAMS = ["llama", "qwen3", "gemma3", "gemma4"]
-
-
-class Pair:
-    """ortmodule and transformers stepped side by side, each with its own cache and the caller's mask."""
-
-    def __init__(self, models, ids, mask):
-        self.models, self.mask = models, mask
-        positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # what transformers' generate passes
-        with torch.inference_mode():
-            outs = [m(ids, attention_mask=mask, position_ids=positions, use_cache=True) for m in models]
-        self.caches = [out.past_key_values for out in outs]
-        self.caches[1].activate_past_recording()  # transformers' sliding layers keep what crop needs
-        assert isinstance(self.caches[0], KVCache) and isinstance(self.caches[0], Cache)
-        assert isinstance(self.caches[1], DynamicCache)
-
-    def step(self, tokens):
-        """Append one token per row to both; the logits of each."""
-        self.mask = torch.cat([self.mask, torch.ones(self.mask.shape[0], 1, dtype=self.mask.dtype)], 1)
-        positions = self.mask.cumsum(1)[:, -1:] - 1
-        with torch.inference_mode():
-            return [m(tokens[:, None], attention_mask=self.mask, position_ids=positions, past_key_values=c,
-                      use_cache=True).logits[:, -1] for m, c in zip(self.models, self.caches)]
-
-    def each(self, method, *args):
-        for cache in self.caches:
-            getattr(cache, method)(*args)
-
-    def agree(self, tokens):
-        ours, theirs = self.step(tokens)
-        assert (ours - theirs).abs().max().item() < 1e-4
-        assert self.caches[0].get_seq_length() == self.caches[1].get_seq_length() == self.mask.shape[1]
 
 
 @pytest.mark.parametrize("arch", CACHES)

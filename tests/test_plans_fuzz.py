@@ -6,7 +6,7 @@ lm-eval's `loglikelihood` and the score server's call; rolling documents and gre
 over prompts that begin alike, with the CPU's chunks and both extend layouts drawn too (the
 serving engine's own fuzz: tests/test_engine_fuzz.py). Whatever the plan, every answer must be
 transformers' on the same weights, request by request (`truth`: HFLM's definition of an answer).
-`FUZZ_SEEDS=2000` runs 5,000 cases (about 5 minutes on 2 cores); such a run found the extend
+`FUZZ_SEEDS=2000` runs 5,000 cases (about 6 minutes on 2 cores); such a run found the extend
 run's padding positions past the context (tests/test_score_api.py, `..._inside_the_context`).
 Session 42's 500 (a shared prefix of no tokens, under costs where an extend token was cheap) is the
 kind of fault this looks for."""
