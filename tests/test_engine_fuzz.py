@@ -3,7 +3,8 @@ prefill chunks, join steps, prompt feeding, the prefix cache, the score token bu
 and a random mix of concurrent requests (greedy completions whose prompts share prefixes, repeat
 exactly or not at all, with log-probabilities and echo sometimes; score requests), sent by several
 clients at random moments. Whatever runs together, every answer must be transformers' on the request
-alone: the greedy text and finish reason, the scores within 1e-4. `ENGINE_FUZZ_SEEDS=N` runs more."""
+alone: the greedy text and finish reason, the scores within 1e-4; a seeded sample must be what
+`model.generate` samples from that prompt alone with that seed. `ENGINE_FUZZ_SEEDS=N` runs more."""
 
 import json
 import os
@@ -46,6 +47,9 @@ def draw_requests(rng: random.Random, vocab: int) -> list[tuple[str, dict]]:
                 prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + tokens(rng.randint(1, 30))
             sent.append(prompt)
             body = {"prompt": prompt, "max_tokens": rng.randint(1, 20), "temperature": 0}
+            if rng.random() < 0.25:  # a seeded sample: each row draws from its own generator
+                body.update(temperature=round(rng.uniform(0.3, 1.5), 2), top_p=rng.choice([1.0, 0.9, 0.5]),
+                            seed=rng.randrange(2**31))
             if rng.random() < 0.3:
                 body.update(logprobs=2, echo=rng.random() < 0.5)
             elif rng.random() < 0.3:
@@ -111,7 +115,13 @@ def test_engine_fuzz(build, seed):
     case = f"seed {seed}: {fixture.spec.arch}, {settings}, {clients} clients"
     for i, ((kind, body), answer) in enumerate(zip(requests, answers, strict=True)):
         if kind == "completion":
-            tokens = greedy(hf, body["prompt"], body["max_tokens"])
+            if body["temperature"]:  # as `model.generate` samples the prompt alone with that seed (docs/serving.md)
+                out = model.generate(torch.tensor([body["prompt"]]), max_new_tokens=body["max_tokens"], do_sample=True,
+                                     temperature=body["temperature"], top_p=body["top_p"], top_k=0,
+                                     generator=torch.Generator().manual_seed(body["seed"]))
+                tokens = out[0, len(body["prompt"]):].tolist()
+            else:
+                tokens = greedy(hf, body["prompt"], body["max_tokens"])
             text, reason = expected_text(tokenizer, tokens, body.get("stop", ()))
             choice = answer["choices"][0]
             if body.get("echo"):
