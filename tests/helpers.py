@@ -136,6 +136,14 @@ def labels_for(tokenizer):
     return [tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c")] + [5, 300]
 
 
+def hf_greedy(hf, ids: list[int], new: int) -> list[int]:
+    """transformers' greedy continuation of one prompt: `new` tokens, no end-of-sequence stop."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
 def expected_text(tokenizer, tokens: list[int], stop=()) -> tuple[str, str]:
     """What a completion of these greedy tokens reads: cut at end-of-sequence, then before a stop."""
     eos = tokenizer.eos_token_id

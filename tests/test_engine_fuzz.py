@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from helpers import LiveServer, expected_text, load_pair, score_reference
+from helpers import LiveServer, expected_text, hf_greedy, load_pair, score_reference
 
 from ortmodule import load_tokenizer
 from ortmodule.serving import create_app
@@ -65,11 +65,6 @@ def draw_requests(rng: random.Random, vocab: int) -> list[tuple[str, dict]]:
     return requests
 
 
-def greedy(hf, ids: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def streamed(url: str, body: dict) -> dict:
@@ -121,7 +116,7 @@ def test_engine_fuzz(build, seed):
                                      generator=torch.Generator().manual_seed(body["seed"]))
                 tokens = out[0, len(body["prompt"]):].tolist()
             else:
-                tokens = greedy(hf, body["prompt"], body["max_tokens"])
+                tokens = hf_greedy(hf, body["prompt"], body["max_tokens"])
             text, reason = expected_text(tokenizer, tokens, body.get("stop", ()))
             choice = answer["choices"][0]
             if body.get("echo"):

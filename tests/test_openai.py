@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 import torch
-from helpers import OPENAI_NAME, LiveServer, expected_text, hold_worker, load_pair
+from helpers import OPENAI_NAME, LiveServer, expected_text, hf_greedy, hold_worker, load_pair
 
 from ortmodule import load_tokenizer, runtime
 from ortmodule.serving import create_app
@@ -20,11 +20,6 @@ def setup(openai_live):
     return openai_live
 
 
-def hf_greedy(hf, ids: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def test_greedy_completions_equal_transformers(setup):

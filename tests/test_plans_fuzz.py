@@ -88,11 +88,7 @@ def test_loglikelihood_plans_fuzz(build, monkeypatch, seed):
     from ortmodule.lm_eval import OrtModuleLM
 
     rng = random.Random(seed)
-    fixture = build(rng.choice(ARCHES))
-    _, hf = load_pair(fixture)
-    model, drawn_model = variant(fixture, monkeypatch, rng)
-    drawn = random_costs(rng)
-    monkeypatch.setattr(model, "measured_costs", lambda refresh=False: drawn)
+    fixture, hf, model, drawn_model, drawn = drawn_case(build, monkeypatch, rng)
     requests = loglikelihood_requests(rng)
     max_length = rng.choice([None, None, 48])  # 48: the longer rows are cut on the left, as HFLM cuts them
     batch = rng.choice(["1", "3", "8", "auto"])
@@ -110,6 +106,17 @@ def test_loglikelihood_plans_fuzz(build, monkeypatch, seed):
 
 
 _variants = {}
+
+
+def drawn_case(build, monkeypatch, rng: random.Random):
+    """A fixture drawn from `ARCHES`, its transformers reference, the ortmodule model as drawn
+    (`variant`) with drawn measured costs in place of its own: (fixture, hf, model, what, costs)."""
+    fixture = build(rng.choice(ARCHES))
+    _, hf = load_pair(fixture)
+    model, what = variant(fixture, monkeypatch, rng)
+    drawn = random_costs(rng)
+    monkeypatch.setattr(model, "measured_costs", lambda refresh=False: drawn)
+    return fixture, hf, model, what, drawn
 
 
 def variant(fixture, monkeypatch, rng: random.Random):
@@ -174,11 +181,7 @@ def score_requests(rng: random.Random) -> list[list[list[int]]]:
 @pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48))))
 def test_score_plans_fuzz(build, monkeypatch, seed):
     rng = random.Random(1000 + seed)
-    fixture = build(rng.choice(ARCHES))
-    _, hf = load_pair(fixture)
-    model, drawn_model = variant(fixture, monkeypatch, rng)
-    drawn = random_costs(rng)
-    monkeypatch.setattr(model, "measured_costs", lambda refresh=False: drawn)
+    _, hf, model, drawn_model, drawn = drawn_case(build, monkeypatch, rng)
     requests = score_requests(rng)
     labels = sorted(rng.sample(range(VOCAB), rng.randint(1, 3)))
     budget = rng.choice([1, 20, 64, 4096])

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from helpers import CHAT_TEMPLATE, LiveServer, expected_text, load_pair
+from helpers import CHAT_TEMPLATE, LiveServer, expected_text, hf_greedy, load_pair
 
 from ortmodule import load_tokenizer, runtime
 from ortmodule.serving import Settings, create_app
@@ -42,11 +42,6 @@ def live(pair):
     server.stop()
 
 
-def greedy(hf, ids: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def complete(client, prompt, **options) -> dict:
@@ -66,7 +61,7 @@ def test_concurrent_generations_of_mixed_lengths_equal_transformers(live, pair):
         answers = list(pool.map(lambda i: complete(live.client, prompts[i], max_tokens=lengths[i]),
                                 range(len(prompts))))
     for prompt, new, answer in zip(prompts, lengths, answers):
-        text, reason = expected_text(tokenizer, greedy(hf, prompt, new))
+        text, reason = expected_text(tokenizer, hf_greedy(hf, prompt, new))
         assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == (text, reason)
     metrics = live.client.get("/metrics").json()
     assert metrics["largest_decode_batch"] == 4 and metrics["running_rows"] == 0
@@ -78,7 +73,7 @@ def test_a_short_request_joins_a_running_stream(live, pair, monkeypatch):
     hf, tokenizer = pair[2], pair[3]
     # A prompt whose greedy continuation runs the full 200 tokens (no end-of-sequence).
     prompt = next(ids for ids in ([7 + k, 40 + k, 99, 3 * k + 11] for k in range(40))
-                  if tokenizer.eos_token_id not in greedy(hf, ids, 200))
+                  if tokenizer.eos_token_id not in hf_greedy(hf, ids, 200))
     short = {"prompt": "The quick brown fox", "max_tokens": 4}
     alone = complete(live.client, **short)["choices"][0]["text"]
     run = runtime.Session.run
@@ -152,7 +147,7 @@ def test_logprobs_of_a_long_generation_keep_the_top_k_only(live, pair):
     ids = tokenizer("Once upon a time").input_ids
     body = complete(live.client, ids, max_tokens=60, logprobs=3)
     logprobs = body["choices"][0]["logprobs"]
-    tokens = greedy(hf, ids, 60)[: len(logprobs["token_logprobs"])]
+    tokens = hf_greedy(hf, ids, 60)[: len(logprobs["token_logprobs"])]
     with torch.no_grad():
         reference = torch.log_softmax(hf(torch.tensor([ids + tokens])).logits[0].double(), -1)
     for k, token in enumerate(tokens):
