@@ -2,11 +2,11 @@
 taken, refused and mixed in every way the planners allow), random request structures (few-shot
 prefixes shared across questions, a question's choices, choices that are prefixes of one another or
 equal, rows past `max_length`, prompts that share no token) and random batch settings, through
-lm-eval's `loglikelihood` and the score server's call; rolling documents and greedy `generate`
-over prompts that begin alike, with the CPU's chunks and both extend layouts drawn too (the
+lm-eval's `loglikelihood` and the score server's call; rolling documents, greedy `generate`
+over prompts that begin alike and lm-eval's `generate_until`, with the CPU's chunks and both extend layouts drawn too (the
 serving engine's own fuzz: tests/test_engine_fuzz.py). Whatever the plan, every answer must be
 transformers' on the same weights, request by request (`truth`: HFLM's definition of an answer).
-`FUZZ_SEEDS=2000` runs 5,000 cases (about 6 minutes on 2 cores); such a run found the extend
+`FUZZ_SEEDS=2000` runs 5,500 cases (about 7 minutes on 2 cores); such a run found the extend
 run's padding positions past the context (tests/test_score_api.py, `..._inside_the_context`).
 Session 42's 500 (a shared prefix of no tokens, under costs where an extend token was cheap) is the
 kind of fault this looks for."""
@@ -220,3 +220,27 @@ def test_generate_plans_fuzz(build, monkeypatch, seed):
         expected = hf.generate(ids, attention_mask=mask, **options)
     assert torch.equal(got, expected), f"seed {3000 + seed}: {drawn_model}, {len(beginning)} common tokens, " \
         f"prompts of {[len(p) for p in prompts]} tokens, {options}"
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) // 4))
+def test_generate_until_fuzz(build, monkeypatch, seed):
+    """lm-eval's `generate_until` (HFLM's own loop: left-padded batches, stop sequences, `max_gen_toks`)
+    over ortmodule as drawn, against lm-eval's hf backend on the same weights: the same strings."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    rng = random.Random(4000 + seed)
+    fixture = build(rng.choice(ARCHES))
+    model, drawn_model = variant(fixture, monkeypatch, rng)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60))) for _ in range(rng.randint(1, 6))]
+    requests = [Instance("generate_until", {}, (text, {"until": rng.sample(["e", " the", ".", "\n", "qq"],
+                                                                             rng.randint(1, 2)),
+                                                       "max_gen_toks": rng.randint(1, 24), "do_sample": False}), i)
+                for i, text in enumerate(texts)]
+    batch = rng.choice([1, 3, 8])
+    ours = OrtModuleLM(pretrained=model, tokenizer=load_tokenizer(fixture.package_dir), batch_size=batch)
+    theirs = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu", batch_size=batch)
+    assert ours.generate_until(requests, disable_tqdm=True) == theirs.generate_until(requests, disable_tqdm=True), \
+        f"seed {4000 + seed}: batch {batch}, {drawn_model}"
