@@ -27,8 +27,8 @@ def default_chunk(decoder, device: torch.device) -> int:
     Off on CUDA, and for packages with sliding-window layers: right there too, but slower (Gemma-3-270M's
     config, 2-vCPU Xeon: 1 x 2,048 tokens 0.71x, 4 x 1,024 0.92x, 8 x 640 0.85x;
     benchmarks/sliding_windows.py --chunks)."""
-    if device.type != "cpu" or any(kv.window for kv in decoder.spec.layers):
-        return 0
+    if device.type != "cpu" or any(kv.window for kv in decoder.spec.layers) or decoder.spec.steps_one_token:
+        return 0  # (a package whose attention takes one new token over a past cannot run chunks)
     return CPU_CHUNK
 
 

@@ -83,6 +83,10 @@ class DecoderGraph:
     embedding_parameters: int  # of num_parameters, the token embedding's (0 when an embedding model makes it)
     position_rank: int = 2  # 3 for mRoPE decoders (Qwen-VL): position_ids [3, batch, sequence]
     shares_kv_buffer: bool = True  # GroupQueryAttention writes the present into the past's buffer
+    # The model builder's MultiHeadAttention export (fp16 for a CPU) builds its causal mask over the
+    # new tokens alone: a run of several new tokens over a past fails inside ONNX Runtime ("invalid
+    # expand shape"), so such a package takes one new token at a time over a cache.
+    steps_one_token: bool = False
     states: tuple[ConvState, ...] = ()  # convolution layers' states (states.py), beside the KV of `layers`
 
 
@@ -345,9 +349,17 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         embedding_parameters=_embedding_parameters(proto, input_ids),
         position_rank=position_rank,
         shares_kv_buffer=any(node.op_type == "GroupQueryAttention" for node in proto.node),
+        steps_one_token=_attends_with_multihead(proto),
         states=states,
     )
     return decoder, embedding, vocab_size
+
+
+def _attends_with_multihead(graph: onnx.GraphProto) -> bool:
+    """Whether the decoder attends with MultiHeadAttention and not GroupQueryAttention (the model
+    builder's fp16 export for a CPU)."""
+    kinds = {node.op_type for node in graph.node if node.domain == "com.microsoft"}
+    return "MultiHeadAttention" in kinds and "GroupQueryAttention" not in kinds
 
 
 def _check_windows(graph: onnx.GraphProto, layers: tuple[LayerKV, ...], path: Path, config_path: Path) -> None:
@@ -355,8 +367,7 @@ def _check_windows(graph: onnx.GraphProto, layers: tuple[LayerKV, ...], path: Pa
     `local_window_size`. The model builder's fp16 export for a CPU attends with MultiHeadAttention,
     which sees every past position: its logits past the window would be another model's."""
     windows = sorted({kv.window for kv in layers if kv.window})
-    kinds = {node.op_type for node in graph.node if node.domain == "com.microsoft"}
-    if windows and "MultiHeadAttention" in kinds and "GroupQueryAttention" not in kinds:
+    if windows and _attends_with_multihead(graph):
         raise PackageError(
             f"{config_path}: model.decoder.sliding_window gives layers a window of {windows[0]} tokens, but "
             f"{path.name} attends with MultiHeadAttention, which sees every past position (the model builder's "

@@ -140,6 +140,45 @@ def test_fp16_package_decodes_where_the_rewrite_is_skipped(build, monkeypatch):
         assert (out.logits[0, -1].float() - full[0, column].float()).abs().max().item() < 2e-2
 
 
+def test_fp16_cpu_package_runs_one_new_token_at_a_time_over_a_cache(build):
+    """The model builder's fp16 export for a CPU attends with MultiHeadAttention and builds its
+    causal mask over the new tokens alone: several new tokens over a past failed inside ONNX Runtime
+    ("invalid expand shape"), which the CPU's long rows in chunks (prefill_chunk, default 256: rows of
+    512 tokens and more) and the server's long prompts (in chunks of `--prefill-chunk`) ran into.
+    Such a package chunks nothing by default, refuses a chunk asked for, and a step of several
+    tokens over a cache, each with an error that says why; the server prefills its prompts whole."""
+    fixture = build("llama", precision="fp16")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    assert model.decoder.spec.steps_one_token and model.decoder.prefill_chunk == 0
+    assert not OrtModelForCausalLM.from_pretrained(build("llama").package_dir).decoder.spec.steps_one_token
+    with pytest.raises(ValueError, match="MultiHeadAttention .* use prefill_chunk=0"):
+        OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=7)
+    ids, _ = right_padded_batch([20], seed=4)
+    out = model(ids[:, :12], use_cache=True)
+    with pytest.raises(ValueError, match="attends with MultiHeadAttention .* feed the tokens one at a time"):
+        model(ids[:, 12:15], past_key_values=out.past_key_values, use_cache=True)
+    full = model(ids).logits
+    for column in range(12, 20):  # one at a time, as the error says
+        out = model(ids[:, column : column + 1], past_key_values=out.past_key_values, use_cache=True)
+        assert (out.logits[0, -1].float() - full[0, column].float()).abs().max().item() < 2e-2
+
+    from helpers import LiveServer
+
+    from ortmodule import load_tokenizer
+    from ortmodule.serving import create_app
+
+    prompt = ids[0].tolist()
+    expected = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None)[0, 20:].tolist()
+    server = LiveServer(create_app(model, load_tokenizer(fixture.package_dir), name="fp16", prefill_chunk=8))
+    try:
+        answer = server.client.post("/v1/completions", json={"model": "fp16", "prompt": prompt, "max_tokens": 5,
+                                                             "temperature": 0, "logprobs": 0}).json()
+    finally:
+        server.stop()
+    text = load_tokenizer(fixture.package_dir).decode(expected, skip_special_tokens=True)
+    assert len(answer["choices"][0]["logprobs"]["tokens"]) == 5 and answer["choices"][0]["text"] == text
+
+
 def test_sliding_window_layers_keep_a_cache_as_long_as_their_rows(build):
     """Builder 0.18 marks a sliding-window layer's GroupQueryAttention `sliding_window_cache` (a KV
     buffer of exactly the window, as a ring), which ONNX Runtime's CUDA kernel enforces; ortmodule

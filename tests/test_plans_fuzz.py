@@ -3,9 +3,10 @@ taken, refused and mixed in every way the planners allow), random request struct
 prefixes shared across questions, a question's choices, choices that are prefixes of one another or
 equal, rows past `max_length`, prompts that share no token) and random batch settings, through
 lm-eval's `loglikelihood` and the score server's call; rolling documents, greedy `generate`
-over prompts that begin alike and lm-eval's `generate_until`, with the CPU's chunks and both extend layouts drawn too (the
-serving engine's own fuzz: tests/test_engine_fuzz.py). Whatever the plan, every answer must be
-transformers' on the same weights, request by request (`truth`: HFLM's definition of an answer).
+over prompts that begin alike and lm-eval's `generate_until`, with the CPU's chunks and both
+extend layouts drawn too (the serving engine's own fuzz: tests/test_engine_fuzz.py). Whatever the
+plan, every answer must be transformers' on the same weights, request by request (`truth`:
+HFLM's definition of an answer).
 `FUZZ_SEEDS=2000` runs 5,500 cases (about 7 minutes on 2 cores); such a run found the extend
 run's padding positions past the context (tests/test_score_api.py, `..._inside_the_context`).
 Session 42's 500 (a shared prefix of no tokens, under costs where an extend token was cheap) is the

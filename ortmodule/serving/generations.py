@@ -154,6 +154,8 @@ class Generations:
     def __init__(self, model, settings: Settings, stats, release):
         self.model, self.stats, self.release = model, stats, release
         self.prefill_chunk, self.max_rows = settings.prefill_chunk, settings.max_rows
+        if model.decoder.spec.steps_one_token:  # several new tokens over a past fail: prompts run whole
+            self.prefill_chunk = model.package.context_length
         self.feed_tokens = settings.feed_tokens
         self.pending: deque[Row] = deque()  # rows waiting for a slot
         self.partial = None  # (row, its own cache) of a prompt being prefilled in chunks
