@@ -7,7 +7,7 @@ over prompts that begin alike and lm-eval's `generate_until`, with the CPU's chu
 extend layouts drawn too (the serving engine's own fuzz: tests/test_engine_fuzz.py). Whatever the
 plan, every answer must be transformers' on the same weights, request by request (`truth`:
 HFLM's definition of an answer).
-`FUZZ_SEEDS=2000` runs 5,500 cases (about 7 minutes on 2 cores); such a run found the extend
+`FUZZ_SEEDS=2000` runs 6,000 cases (about 8 minutes on 2 cores); such a run found the extend
 run's padding positions past the context (tests/test_score_api.py, `..._inside_the_context`).
 Session 42's 500 (a shared prefix of no tokens, under costs where an extend token was cheap) is the
 kind of fault this looks for."""
@@ -125,6 +125,8 @@ def variant(fixture, monkeypatch, rng: random.Random):
     the extend graph's layout (mask, the default, or cache: the new tokens' KV written into the
     rows' own buffers), each loaded once."""
     chunk, layout = rng.choice([None, None, 0, 7, 32]), rng.choice(["mask", "mask", "cache"])
+    if fixture.spec.precision == "fp16":
+        chunk = None  # its attention takes one new token over a cache: no chunks (tests/test_modeling.py)
     monkeypatch.setitem(extend.EXTEND_LAYOUT, "cpu", layout)  # where the extend graph is made at first use
     key = (fixture.package_dir, chunk, layout)
     if key not in _variants:
@@ -245,3 +247,35 @@ def test_generate_until_fuzz(build, monkeypatch, seed):
     theirs = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu", batch_size=batch)
     assert ours.generate_until(requests, disable_tqdm=True) == theirs.generate_until(requests, disable_tqdm=True), \
         f"seed {4000 + seed}: batch {batch}, {drawn_model}"
+
+
+@pytest.mark.parametrize("precision, per_token", [("fp16", 2e-3), ("int4", 0.05)])
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) // 8))
+def test_quantized_plans_agree_with_the_plain_path(build, monkeypatch, seed, precision, per_token):
+    """Half-precision and 4-bit packages differ from transformers fp32 by their own rounding, so here
+    every plan is held to the same package's plain path (each request alone: batch 1, no sharing,
+    no chunks) within `per_token` a continuation token: what a plan adds must stay below what the
+    precision already costs. (fp16 for a CPU takes no chunks: tests/test_modeling.py.)"""
+    from ortmodule.lm_eval import OrtModuleLM
+
+    rng = random.Random(5000 + seed)
+    fixture = build("llama", precision=precision)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    plain = OrtModuleLM(pretrained=chunked_off(fixture), tokenizer=tokenizer, batch_size=1, share_contexts="false")
+    model, drawn_model = variant(fixture, monkeypatch, rng)
+    drawn = random_costs(rng)
+    monkeypatch.setattr(model, "measured_costs", lambda refresh=False: drawn)
+    requests = loglikelihood_requests(rng)
+    batch, share = rng.choice(["1", "3", "auto"]), rng.choice(["auto", "true", "false"])
+    lm = OrtModuleLM(pretrained=model, tokenizer=tokenizer, batch_size=batch, share_contexts=share)
+    ours, theirs = (each._loglikelihood_tokens(requests, disable_tqdm=True) for each in (lm, plain))
+    for i, (request, (lp, _), (ref, _)) in enumerate(zip(requests, ours, theirs, strict=True)):
+        assert abs(lp - ref) <= per_token * len(request[2]), \
+            f"seed {5000 + seed}, request {i}: {lp} against {ref}; batch {batch}, share {share}, {drawn_model}"
+
+
+def chunked_off(fixture):
+    key = (fixture.package_dir, "plain")
+    if key not in _variants:
+        _variants[key] = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=0)
+    return _variants[key]
