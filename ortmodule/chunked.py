@@ -32,6 +32,19 @@ def default_chunk(decoder, device: torch.device) -> int:
     return CPU_CHUNK
 
 
+def chunk_for(decoder, device: torch.device, chosen: int | None) -> int:
+    """The chunk length `Decoder.prefill` uses: the caller's `chosen`, else `default_chunk`. A
+    package whose attention takes one new token over a past (the model builder's fp16 export for a
+    CPU: `DecoderGraph.steps_one_token`) runs no chunks, and a chunk asked of it is a ValueError."""
+    if chosen is None:
+        return default_chunk(decoder, device)
+    if chosen and decoder.spec.steps_one_token:
+        raise ValueError(f"prefill_chunk={chosen}: {decoder.package.root}'s decoder attends with MultiHeadAttention "
+                         "(the model builder's fp16 export for a CPU), which takes one new token at a time over a "
+                         "cache, so long rows cannot run in chunks; use prefill_chunk=0")
+    return chosen
+
+
 def checked_chunk(value) -> int | None:
     """A caller's `prefill_chunk`: None (by device), 0 (off) or a positive number of tokens."""
     if value is None:

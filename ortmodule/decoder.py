@@ -129,11 +129,7 @@ class Decoder:
         self.causal = None  # the prefill graph's runner, for runs without a cache (extend.py), made below
         self.device = device
         self.rebind = device.type != "cpu"
-        self.prefill_chunk = chunked.default_chunk(self, device) if self.chosen_chunk is None else self.chosen_chunk
-        if self.prefill_chunk and self.spec.steps_one_token:
-            raise ValueError(f"prefill_chunk={self.prefill_chunk}: {self.package.root}'s decoder attends with "
-                             "MultiHeadAttention (the model builder's fp16 export for a CPU), which takes one new "
-                             "token at a time over a cache, so long rows cannot run in chunks; use prefill_chunk=0")
+        self.prefill_chunk = chunked.chunk_for(self, device, self.chosen_chunk)
         if device.type == "cuda" and self.kv_dtype == torch.float32:
             warnings.warn(
                 f"{self.package.root} is an fp32 package: ONNX Runtime's CUDA GroupQueryAttention takes fp16 and "
