@@ -118,8 +118,9 @@ def remove(chosen: list[Entry]) -> list[tuple[Entry, OSError]]:
 
 
 def size_text(count: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1024 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+    if count < 1024:
+        return f"{count} B"
+    for unit in ("KB", "MB", "GB"):
         count /= 1024
-    raise AssertionError("unreachable")
+        if count < 1024 or unit == "GB":
+            return f"{count:.1f} {unit}"

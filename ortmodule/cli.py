@@ -205,8 +205,9 @@ def _cache(args) -> None:
     if args.older_than is not None:
         chosen = [e for e in chosen if e.last_used < time.time() - args.older_than * 86400]
     failed = [] if args.dry_run else folder.remove(chosen)
+    kept = {entry.path for entry, _ in failed}
     for kind in kinds:
-        mine = [e for e in chosen if e.kind == kind and all(e is not f for f, _ in failed)]
+        mine = [e for e in chosen if e.kind == kind and e.path not in kept]
         print(f"  {kind}: {'would remove' if args.dry_run else 'removed'} {len(mine)} entries, "
               f"{folder.size_text(sum(e.bytes for e in mine))}")
     for entry, error in failed:

@@ -240,7 +240,7 @@ def prefix_reuse(model: OrtModelForCausalLM, requests: list[list[Ids]], token_bu
     `reuse_prefix` says, where the prompts share one (a request of one prompt shares nothing), or,
     for None, where the model's measured costs say it pays (`worth_sharing`)."""
     if reuse_prefix is not None:
-        return [bool(reuse_prefix) and len(prompts) > 1 and common_prefix(prompts) > 0 for prompts in requests]
+        return [bool(reuse_prefix) and _has_prefix(prompts) for prompts in requests]
     costs, rows = model.measured_costs(), sum(len(r) for r in requests)
     choices = []
     for prompts in requests:
@@ -248,6 +248,11 @@ def prefix_reuse(model: OrtModelForCausalLM, requests: list[list[Ids]], token_bu
         together = min(rows, max(1, token_budget // max(len(p) for p in prompts)))
         choices.append(len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], costs, together))
     return choices
+
+
+def _has_prefix(prompts: list[Ids]) -> bool:
+    """Whether a request's prompts have a shared prefix to run once: several prompts that begin alike."""
+    return len(prompts) > 1 and common_prefix(prompts) > 0
 
 
 def label_logprobs(
@@ -266,10 +271,12 @@ def label_logprobs(
         reuse_prefix = prefix_reuse(model, requests, token_budget, reuse_prefix)
     elif len(reuse_prefix) != len(requests):
         raise ValueError(f"reuse_prefix has {len(reuse_prefix)} choices for {len(requests)} requests")
+    else:  # a choice per request (the server's): prompts that share no token have no prefix to run once
+        reuse_prefix = [bool(reuse) and _has_prefix(prompts) for prompts, reuse in zip(requests, reuse_prefix)]
     out = torch.empty(sum(len(r) for r in requests), len(labels), device=model.device)
     batched, shared, start = [], [], 0
     for prompts, reuse in zip(requests, reuse_prefix):
-        if reuse and common_prefix(prompts) > 0:  # prompts that share no token have no prefix to run once
+        if reuse:
             shared.append((start, prompts))
         else:
             batched += [(i, p) for i, p in enumerate(prompts, start)]
