@@ -45,6 +45,33 @@ from .package import Package, PackageError
 logger = logging.getLogger("ortmodule")
 
 
+def _warn_fp32_on_cuda(package: Package) -> None:
+    warnings.warn(
+        f"{package.root} is an fp32 package: ONNX Runtime's CUDA GroupQueryAttention takes fp16 and bf16 only, so "
+        "its attention runs on the CPU, with copies to the host at every layer (right, but slow). For the GPU: "
+        "`ortmodule export SRC OUT --precision bf16 --device cuda`.", stacklevel=5)
+
+
+def _token_by_token(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None):
+    """`Decoder.step` of several tokens where the package's attention takes one new token over a
+    cache (GroupQueryAttention for more than one row: "batch_size must be 1 when sequence_length > 1
+    and past context is given"; the MultiHeadAttention of fp16 exports for a CPU sees only the new
+    tokens): one step per token, the same logits, only the asked-for columns kept."""
+    batch, new = tokens.shape
+    rows = torch.arange(batch, device=tokens.device)
+    if logit_index is None:
+        return torch.stack([decoder.step(tokens[:, i : i + 1], cache, rows) for i in range(new)], 1)
+    wanted = sorted(set((logit_index % new).tolist()))  # the columns asked for (a read of a small index)
+    slot = torch.full((new,), -1, dtype=torch.int64, device=tokens.device)
+    slot[wanted] = torch.arange(len(wanted), device=tokens.device)
+    kept = []
+    for i in range(new):
+        logits = decoder.step(tokens[:, i : i + 1], cache, rows)
+        if i in wanted:
+            kept.append(logits)
+    return torch.stack(kept, 1)[logit_index // new, slot[logit_index % new]]
+
+
 @dataclasses.dataclass
 class _CacheRuns:
     """What running over one KVCache needs beside its data: per session, the IOBinding kept for it
@@ -131,10 +158,7 @@ class Decoder:
         self.rebind = device.type != "cpu"
         self.prefill_chunk = chunked.chunk_for(self, device, self.chosen_chunk)
         if device.type == "cuda" and self.kv_dtype == torch.float32:
-            warnings.warn(
-                f"{self.package.root} is an fp32 package: ONNX Runtime's CUDA GroupQueryAttention takes fp16 and "
-                "bf16 only, so its attention runs on the CPU, with copies to the host at every layer (right, but "
-                "slow). For the GPU: `ortmodule export SRC OUT --precision bf16 --device cuda`.", stacklevel=4)
+            _warn_fp32_on_cuda(self.package)
         embedding = self.package.embedding
         self.embedding_session = None
         if embedding is not None:  # text only: the vision and speech models are never loaded
@@ -204,6 +228,8 @@ class Decoder:
         """Append `tokens` `[B, s]` to every row of `cache`: logits `[n, V]` at the flat indices
         `logit_index` of the tokens (`row * s + i`), else `[B, s, V]`."""
         batch, new = tokens.shape
+        if new > 1 and (batch > 1 or (self.spec.steps_one_token and cache.longest > 0)):
+            return _token_by_token(self, tokens, cache, logit_index)
         session = self.wide_session if new > 1 else self.session
         with self._holding(cache) as runs:
             cache.reserve(cache.longest + new, self.package.context_length)

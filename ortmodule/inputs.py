@@ -228,7 +228,7 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
 
 
 def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int, device: torch.device,
-               position_ids=None, cache_position=None, one_token: bool = False) -> torch.Tensor:
+               position_ids=None, cache_position=None) -> torch.Tensor:
     """Validate tokens `[B, s]` that continue `cache` (and the caller's mask so far, the positions
     and cache columns, when given); return them as int64 on `device`."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
@@ -239,17 +239,6 @@ def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int
     if batch != cache.batch_size or new == 0:
         raise ValueError(
             f"input_ids of shape {tuple(input_ids.shape)} does not continue a cache of {cache.batch_size} rows"
-        )
-    if new > 1 and batch > 1:
-        raise ValueError(
-            "a step of several tokens over a cache works for batch 1 only (ONNX Runtime's "
-            "GroupQueryAttention refuses it for batches); feed the tokens one at a time"
-        )
-    if new > 1 and one_token and cache.longest > 0:
-        raise ValueError(
-            "a step of several tokens over a cache: this package's decoder attends with MultiHeadAttention "
-            "(the model builder's fp16 export for a CPU), whose causal mask covers the new tokens alone; "
-            "feed the tokens one at a time"
         )
     if cache.longest + new > context_length:
         raise ValueError(

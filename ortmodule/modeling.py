@@ -310,7 +310,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         _check_own_cache(cache)
         package = self.package
         ids = inputs.check_step(input_ids, attention_mask, cache, package.vocab_size, package.context_length,
-                                self.device, position_ids, cache_position, self.decoder.spec.steps_one_token)
+                                self.device, position_ids, cache_position)
         batch, new = ids.shape
         kept = inputs.kept_positions(keep, new, self.device)
         index = inputs.each_row(batch, new, kept) if kept is not None else None
