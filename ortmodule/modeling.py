@@ -275,7 +275,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         else:
             logits, past = self._forward_prompt(input_ids, attention_mask, keep, use_cache, position_ids,
                                                 cache_position)
-        loss = _shifted_loss(logits, labels, keep) if labels is not None else None
+        loss = _shifted_loss(logits, labels, keep, attention_mask) if labels is not None else None
         if not use_cache:
             past = None
         if return_dict is False:
@@ -387,10 +387,18 @@ def _given_cache(past_key_values, cache, use_cache: bool | None) -> tuple[Cache 
     return given, (given is not None) if use_cache is None else bool(use_cache)
 
 
-def _shifted_loss(logits: torch.Tensor, labels: torch.Tensor, keep) -> torch.Tensor:
-    """transformers' causal-LM loss: each position predicts the next label, -100 ignored."""
+def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask) -> torch.Tensor:
+    """transformers' causal-LM loss: each position predicts the next label, -100 ignored. A label
+    predicted from a padded position (a left-padded row's first token) is left out too: the logits
+    there are meaningless (transformers' depend on how its attention treats a query that sees no
+    key), so the loss is that of the rows without their padding."""
     if keep is not None and not (isinstance(keep, int) and keep == 0):
         raise ValueError("labels need the logits of every position: drop cont_len/logits_to_keep")
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels.to(logits.device)[:, 1:].flatten(), ignore_index=-100
-    )
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be a tensor of input_ids' shape {tuple(logits.shape[:2])}, got {shape}")
+    targets = labels.to(logits.device, torch.int64)[:, 1:]
+    if attention_mask is not None:
+        padded = attention_mask[:, -logits.shape[1]:].to(logits.device)[:, :-1] == 0
+        targets = targets.masked_fill(padded, -100)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

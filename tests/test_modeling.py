@@ -104,6 +104,37 @@ def test_labels_give_the_transformers_loss(llama):
     assert abs(model(ids, labels=ids).loss.item() - expected.item()) < 1e-5
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_labels_of_a_padded_batch_give_the_loss_of_its_rows_unpadded(llama, side):
+    """Pad labels at -100, as usual: the loss is transformers' over the rows without their padding.
+    On left-padded rows transformers' own batch loss also counts each row's first token, predicted
+    from a padded position whose logits mean nothing; ortmodule leaves that prediction out."""
+    model, hf = load_pair(llama)
+    lengths, width = [9, 4, 13], 13
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 512, (n,), generator=gen) for n in lengths]
+    ids, mask = torch.full((3, width), 2), torch.zeros(3, width, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        columns = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        ids[r, columns], mask[r, columns] = row, 1
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, -1 if side == "left" else 2] = -100  # a label left out on purpose
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r, row in enumerate(rows):
+            row_labels = labels[r][mask[r] == 1][None]
+            pairs = int((row_labels[0, 1:] != -100).sum())
+            total += hf(row[None], labels=row_labels).loss.item() * pairs
+            count += pairs
+    loss = model(ids, attention_mask=mask, labels=labels).loss
+    assert abs(loss.item() - total / count) < 1e-5
+    if side == "right":  # no label predicted from padding: transformers' batch loss is the same
+        with torch.no_grad():
+            assert abs(loss.item() - hf(ids, attention_mask=mask, labels=labels).loss.item()) < 1e-5
+    with pytest.raises(ValueError, match=r"labels must be a tensor of input_ids' shape \(3, 13\), got \(3, 12\)"):
+        model(ids, attention_mask=mask, labels=labels[:, 1:])
+
+
 def test_fp16_package_matches_within_half_precision(build):
     fixture = build("llama", precision="fp16")
     model, hf = load_pair(fixture)
