@@ -25,8 +25,11 @@ def load(fixture, **kwargs):
     return ortmodule.OrtModelForCausalLM.from_pretrained(fixture.package_dir, **kwargs)
 
 
-def test_costs_are_measured_once_and_kept_for_later_loads(llama, store):
+def test_costs_are_measured_once_and_kept_for_later_loads(llama, store, monkeypatch):
     folder, calls = store
+    # The check prefill's time held fixed: on a busy machine it can move past the tolerance between
+    # two loads, which measures again (the next test's case), not what this one is about.
+    monkeypatch.setattr(costs, "check_seconds", lambda decoder: 0.05)
     first = load(llama).measured_costs()
     assert len(calls) == 1 and first.per_token > 0 and first.extend_per_token > 0
     (entry,) = folder.glob("*.json")
