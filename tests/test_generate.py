@@ -286,7 +286,7 @@ def test_a_multi_token_step_matches_the_full_forward(build, arch):
     assert (first.logits - full[:, :7]).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "lfm2", "gemma4"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "lfm2", "gemma4", "gemma4_mobius", "qwen2_5_vl"])
 def test_a_multi_token_step_over_a_batch_equals_transformers(build, arch):
     """ONNX Runtime's GroupQueryAttention refuses several new tokens over a cache for more than one
     row; such a step runs one token at a time, so that a batch continues by several tokens as in
