@@ -8,7 +8,7 @@ cache it returned with more text, a batch stepped by `forward` several tokens at
 lookup and assisted decoding. The tokens must be transformers' and the scores and logits within
 1e-3. Token ids stay below 500: Gemma 4's media placeholder ids (505-511 in its fixture) run as the
 package embeds them, not as transformers does without media (docs/usage.md), so its generations
-suppress them. `GENERATE_FUZZ_SEEDS=3000` runs 3,000 cases of each test (about 2 minutes on 2 cores).
+suppress them. `GENERATE_FUZZ_SEEDS=3000` runs 3,000 cases of each test (about 3 minutes on 2 cores).
 """
 
 import os
