@@ -28,20 +28,21 @@ def default_chunk(decoder, device: torch.device) -> int:
     config, 2-vCPU Xeon: 1 x 2,048 tokens 0.71x, 4 x 1,024 0.92x, 8 x 640 0.85x;
     benchmarks/sliding_windows.py --chunks)."""
     if device.type != "cpu" or any(kv.window for kv in decoder.spec.layers) or decoder.spec.steps_one_token:
-        return 0  # (a package whose attention takes one new token over a past cannot run chunks)
+        return 0  # (a package whose attention takes one new token over a past would run chunks token by token)
     return CPU_CHUNK
 
 
 def chunk_for(decoder, device: torch.device, chosen: int | None) -> int:
     """The chunk length `Decoder.prefill` uses: the caller's `chosen`, else `default_chunk`. A
     package whose attention takes one new token over a past (the model builder's fp16 export for a
-    CPU: `DecoderGraph.steps_one_token`) runs no chunks, and a chunk asked of it is a ValueError."""
+    CPU: `DecoderGraph.steps_one_token`) runs no chunks, and a chunk asked of it is a ValueError: its
+    chunks after the first would run one token at a time (`Decoder.step`), far slower than one prefill."""
     if chosen is None:
         return default_chunk(decoder, device)
     if chosen and decoder.spec.steps_one_token:
         raise ValueError(f"prefill_chunk={chosen}: {decoder.package.root}'s decoder attends with MultiHeadAttention "
                          "(the model builder's fp16 export for a CPU), which takes one new token at a time over a "
-                         "cache, so long rows cannot run in chunks; use prefill_chunk=0")
+                         "cache, so chunks would run token by token, far slower than one prefill; use prefill_chunk=0")
     return chosen
 
 

@@ -64,10 +64,10 @@ def _token_by_token(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logi
     wanted = sorted(set((logit_index % new).tolist()))  # the columns asked for (a read of a small index)
     slot = torch.full((new,), -1, dtype=torch.int64, device=tokens.device)
     slot[wanted] = torch.arange(len(wanted), device=tokens.device)
-    kept = []
+    kept, asked = [], set(wanted)
     for i in range(new):
         logits = decoder.step(tokens[:, i : i + 1], cache, rows)
-        if i in wanted:
+        if i in asked:
             kept.append(logits)
     return torch.stack(kept, 1)[logit_index // new, slot[logit_index % new]]
 

@@ -85,7 +85,7 @@ class DecoderGraph:
     shares_kv_buffer: bool = True  # GroupQueryAttention writes the present into the past's buffer
     # The model builder's MultiHeadAttention export (fp16 for a CPU) builds its causal mask over the
     # new tokens alone: a run of several new tokens over a past fails inside ONNX Runtime ("invalid
-    # expand shape"), so such a package takes one new token at a time over a cache.
+    # expand shape"), so such a package takes one new token at a time over a cache (`Decoder.step`).
     steps_one_token: bool = False
     states: tuple[ConvState, ...] = ()  # convolution layers' states (states.py), beside the KV of `layers`
 

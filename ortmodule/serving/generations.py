@@ -154,7 +154,7 @@ class Generations:
     def __init__(self, model, settings: Settings, stats, release):
         self.model, self.stats, self.release = model, stats, release
         self.prefill_chunk, self.max_rows = settings.prefill_chunk, settings.max_rows
-        if model.decoder.spec.steps_one_token:  # several new tokens over a past fail: prompts run whole
+        if model.decoder.spec.steps_one_token:  # chunks over a past would run a token at a time: prompts run whole
             self.prefill_chunk = model.package.context_length
         self.feed_tokens = settings.feed_tokens
         self.pending: deque[Row] = deque()  # rows waiting for a slot
