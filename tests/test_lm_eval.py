@@ -385,6 +385,38 @@ def test_hflm_accepts_a_loaded_model(build):
         assert abs(a[0] - b[0]) < 1e-5
 
 
+def test_chat_template_with_multi_turn_few_shot_matches_hf():
+    """`--apply_chat_template --fewshot_as_multiturn --system_instruction` on an instruct model
+    (the real SmolLM2-135M-Instruct and its chat template): the same chat-formatted requests as the
+    `hf` backend, the same generations and choices, log-likelihoods within 1e-4."""
+    from ortmodule_dev import fixtures
+
+    fixture = fixtures.build(fixtures.SMOLLM2)
+    manager = TaskManager(include_path=tasks.TASK_DIR)
+
+    def chat_evaluate(model, model_args):
+        return lm_eval.simple_evaluate(model=model, model_args=model_args, task_manager=manager,
+                                       tasks=["ortmodule_knowledge_mc", "ortmodule_knowledge_gen"],
+                                       num_fewshot=2, apply_chat_template=True, fewshot_as_multiturn=True,
+                                       system_instruction="Answer in a word.", limit=8, batch_size=8,
+                                       device="cpu", log_samples=True)
+
+    ours = chat_evaluate("ortmodule", f"pretrained={fixture.package_dir}")
+    theirs = chat_evaluate("hf", f"pretrained={fixture.hf_dir},dtype=float32")
+    for task, metric in (("ortmodule_knowledge_mc", "acc,none"), ("ortmodule_knowledge_gen", "exact_match,none")):
+        assert ours["results"][task][metric] == theirs["results"][task][metric]
+        a = sorted(ours["samples"][task], key=lambda s: s["doc_id"])
+        b = sorted(theirs["samples"][task], key=lambda s: s["doc_id"])
+        assert [s["arguments"] for s in a] == [s["arguments"] for s in b]
+        assert all("<|im_start|>assistant" in s["arguments"][0][0] for s in a)  # chat-formatted, not plain
+        if task.endswith("_gen"):
+            assert [s["filtered_resps"] for s in a] == [s["filtered_resps"] for s in b]
+            continue
+        for ours_row, theirs_row in zip(loglikelihoods(ours, task), loglikelihoods(theirs, task)):
+            assert abs(ours_row[0] - theirs_row[0]) < 1e-4
+            assert ours_row[1] == theirs_row[1]
+
+
 def test_console_logs_ortmodule_through_lm_evals_handlers_at_its_level():
     """ortmodule-eval's handler passes ortmodule's records to lm-eval's own handlers, at lm-eval's
     level (an INFO record is dropped at WARNING), and to stderr's last resort for warnings before
