@@ -217,8 +217,8 @@ class Decoder:
             binding = session.io_binding()
             self.scratch.bind(binding, self, batch, width)
             return self.run_bound(session, binding, rows.ids, logit_index, mask, positions, rows.lengths)
-        with self._holding(cache) as runs:
-            binding = self._cache_binding(runs, cache, width, session)
+        with self.holding(cache) as runs:
+            binding = self.cache_binding(runs, cache, width, session)
             cache.states.zero()  # the rows start from nothing (a reused cache holds an earlier batch's)
             logits = self.run_bound(session, binding, rows.ids, logit_index, mask, positions, rows.lengths)
             cache.start(rows.lengths, rows.longest, width)
@@ -231,9 +231,9 @@ class Decoder:
         if new > 1 and (batch > 1 or (self.spec.steps_one_token and cache.longest > 0)):
             return _token_by_token(self, tokens, cache, logit_index)
         session = self.wide_session if new > 1 else self.session
-        with self._holding(cache) as runs:
+        with self.holding(cache) as runs:
             cache.reserve(cache.longest + new, self.package.context_length)
-            binding = self._cache_binding(runs, cache, new, session)
+            binding = self.cache_binding(runs, cache, new, session)
             mask = cache.step_mask(new, self.mask_dtype) if self.mask_dtype is not None else None
             positions = cache.lengths[:, None] + torch.arange(new, device=self.device)
             logits = self.run_bound(session, binding, tokens, logit_index, mask, positions)
@@ -241,7 +241,7 @@ class Decoder:
         return logits
 
     @contextlib.contextmanager
-    def _holding(self, cache: KVCache):
+    def holding(self, cache: KVCache):
         """Hold the cache for one run (yields its `_CacheRuns`); a second thread's run over it is
         refused, not raced."""
         runs = self._runs_of(cache)
@@ -262,7 +262,7 @@ class Decoder:
                 runs = self.runs[cache] = _CacheRuns()
             return runs
 
-    def _cache_binding(self, runs: _CacheRuns, cache: KVCache, new: int, session) -> ort.IOBinding:
+    def cache_binding(self, runs: _CacheRuns, cache: KVCache, new: int, session) -> ort.IOBinding:
         """The cache's own binding for `session`, its KV bound again only when stale (new buffers, CUDA)."""
         entry = runs.bindings.get(id(session))
         if entry is None:

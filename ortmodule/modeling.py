@@ -18,9 +18,10 @@ from transformers import Cache, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import costs, generation, inputs, kept_costs, runtime
+from . import costs, generation, hidden, inputs, kept_costs, runtime
 from .cache import KVCache
 from .decoder import Decoder
+from .graph import RewriteSkipped
 from .hf import CACHE_NAME, build_config, build_generation_config, load_tokenizer
 from .package import Package, read_package
 
@@ -267,29 +268,31 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         `cache_position` are taken when they are what transformers computes for these rows (the
         graph derives positions from the attention mask) and refused otherwise.
         """
-        _refuse_unsupported(input_ids, inputs_embeds, output_attentions, output_hidden_states, kwargs)
+        _refuse_unsupported(input_ids, inputs_embeds, output_attentions, kwargs)
         keep = cont_len if cont_len is not None else logits_to_keep
         past, use_cache = _given_cache(past_key_values, cache, use_cache)
+        runs = _hidden_runs(self.decoder) if output_hidden_states else None
         if past is not None:
-            logits = self._forward_step(input_ids, attention_mask, past, keep, position_ids, cache_position)
+            logits, states = self._forward_step(input_ids, attention_mask, past, keep, position_ids, cache_position,
+                                                runs)
         else:
-            logits, past = self._forward_prompt(input_ids, attention_mask, keep, use_cache, position_ids,
-                                                cache_position)
+            logits, past, states = self._forward_prompt(input_ids, attention_mask, keep, use_cache, position_ids,
+                                                        cache_position, runs)
         loss = _shifted_loss(logits, labels, keep, attention_mask) if labels is not None else None
         if not use_cache:
             past = None
         if return_dict is False:
-            return tuple(x for x in (loss, logits, past) if x is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: past})
+            return tuple(x for x in (loss, logits, past, states) if x is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states, **{CACHE_NAME: past})
 
     def _rows(self, input_ids, attention_mask, position_ids=None, cache_position=None) -> inputs.Rows:
         package = self.package
         return inputs.check_batch(input_ids, attention_mask, package.vocab_size, package.context_length, self.device,
                                   position_ids, cache_position)
 
-    def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids=None,
-                        cache_position=None) -> tuple[torch.Tensor, KVCache | None]:
-        """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch."""
+    def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs):
+        """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch,
+        its cache, and with `runs` (a `hidden.HiddenStates`) the hidden states, else None."""
         rows = self._rows(input_ids, attention_mask, position_ids, cache_position)
         batch, width = rows.ids.shape
         cache = self.decoder.new_cache(batch, width) if use_cache else None
@@ -298,15 +301,16 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             index = inputs.every_position(rows)
         else:
             index = inputs.each_row(batch, width, positions, rows.shift)
-        logits = self.decoder.public(self.decoder.prefill(rows, index, cache)).view(batch, -1, self.package.vocab_size)
+        logits, states = runs.prefill(rows, index, cache) if runs else (self.decoder.prefill(rows, index, cache), None)
+        logits = self.decoder.public(logits).view(batch, -1, self.package.vocab_size)
         if cache is not None:
             given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             cache.caller_mask = given.to(self.device, torch.int64)
-        return logits, cache
+        return logits, cache, states
 
-    def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids=None,
-                      cache_position=None) -> torch.Tensor:
-        """Append `input_ids` [B, s] to every row of `cache`; logits `[B, s, V]` (or the kept ones)."""
+    def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids, cache_position, runs):
+        """Append `input_ids` [B, s] to every row of `cache`; logits `[B, s, V]` (or the kept ones),
+        and with `runs` the new tokens' hidden states, else None."""
         _check_own_cache(cache)
         package = self.package
         ids = inputs.check_step(input_ids, attention_mask, cache, package.vocab_size, package.context_length,
@@ -314,10 +318,11 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         batch, new = ids.shape
         kept = inputs.kept_positions(keep, new, self.device)
         index = inputs.each_row(batch, new, kept) if kept is not None else None
-        logits = self.decoder.public(self.decoder.step(ids, cache, index))
+        logits, states = runs.step(ids, cache, index) if runs else (self.decoder.step(ids, cache, index), None)
+        logits = self.decoder.public(logits)
         if cache.caller_mask is not None:
             cache.caller_mask = torch.cat([cache.caller_mask, cache.caller_mask.new_ones(batch, new)], 1)
-        return logits.view(batch, -1, logits.shape[-1])
+        return logits.view(batch, -1, logits.shape[-1]), states
 
     @runtime.out_of_memory_is_runtime_error
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
@@ -335,23 +340,35 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         caller's layout; only those reach the LM head with the graph rewrite. `upcast=False`: in the
         LM head's own precision where the package casts half-precision logits to float32."""
         checked = self._rows(input_ids, attention_mask)
-        batch, length = checked.ids.shape
-        rows, cols = torch.as_tensor(rows), torch.as_tensor(cols)
-        for name, value in (("rows", rows), ("cols", cols)):
-            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-                raise TypeError(f"{name} must hold integer positions, got dtype {value.dtype}")
-        if rows.shape != cols.shape or rows.dim() != 1:
-            raise ValueError(f"rows and cols must be 1-D of one length, got {tuple(rows.shape)} and "
-                             f"{tuple(cols.shape)}")
-        # Checked where they are: host positions (scoring's) cost the device no wait.
-        if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
-            raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
-        rows, cols = (inputs.to_device(v.to(torch.int64), self.device) for v in (rows, cols))
+        length = checked.ids.shape[1]
+        rows, cols = (inputs.to_device(v.to(torch.int64), self.device) for v in _positions(rows, cols, checked))
         logits = self.decoder.prefill(checked, inputs.flat_index(length, rows, cols, checked.shift))
         return self.decoder.public(logits) if upcast else logits
 
 
-def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, output_hidden_states, rest: dict) -> None:
+def _positions(rows, cols, checked: inputs.Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits_at`'s positions, checked where they are: host positions (scoring's) cost the device no wait."""
+    batch, length = checked.ids.shape
+    rows, cols = torch.as_tensor(rows), torch.as_tensor(cols)
+    for name, value in (("rows", rows), ("cols", cols)):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer positions, got dtype {value.dtype}")
+    if rows.shape != cols.shape or rows.dim() != 1:
+        raise ValueError(f"rows and cols must be 1-D of one length, got {tuple(rows.shape)} and {tuple(cols.shape)}")
+    if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
+        raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
+    return rows, cols
+
+
+def _hidden_runs(decoder: Decoder) -> hidden.HiddenStates:
+    """The decoder's hidden-states runs; a `NotSupportedError` naming why where its graph has none."""
+    try:
+        return hidden.for_decoder(decoder)
+    except RewriteSkipped as reason:
+        raise NotSupportedError(f"output_hidden_states=True: {reason}") from None
+
+
+def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, rest: dict) -> None:
     """forward's arguments that an ONNX package cannot honour, each refused by name."""
     unsupported = {k for k, v in rest.items() if v is not None and v is not False}
     if unsupported:
@@ -361,9 +378,8 @@ def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, output_hidd
                                 "embeds tokens itself (a multimodal package through its embedding model)")
     if input_ids is None:
         raise ValueError("forward() needs input_ids")
-    for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
-        if value:
-            raise NotSupportedError(f"{name}=True: an ONNX GenAI package's graph returns logits and the KV cache only")
+    if output_attentions:
+        raise NotSupportedError("output_attentions=True: ONNX Runtime's attention kernels return no attention weights")
 
 
 def _check_own_cache(cache) -> None:

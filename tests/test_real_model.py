@@ -65,6 +65,21 @@ def test_fp32_logits_match_transformers(smollm2, side):
     assert torch.equal(tail, logits[:, -3:])
 
 
+def test_fp32_hidden_states_match_transformers(smollm2):
+    """`output_hidden_states=True` on a trained model: the 31 tensors (the embeddings, each of the
+    30 layers' input, the final norm's output) as transformers gives them."""
+    _, model, reference, tokenizer = smollm2
+    tokenizer.padding_side = "left"
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = reference(**batch, output_hidden_states=True).hidden_states
+    got = model(batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True).hidden_states
+    real = batch.attention_mask.bool()
+    assert len(got) == len(expected) == 31
+    for layer, (a, b) in enumerate(zip(got, expected)):
+        assert (a - b)[real].abs().max().item() < 1e-4 * max(1.0, b[real].abs().max().item()), layer
+
+
 def test_chat_greedy_generation_matches_transformers(smollm2):
     _, model, reference, tokenizer = smollm2
     tokenizer.padding_side = "left"

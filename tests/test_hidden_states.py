@@ -1,0 +1,101 @@
+"""`forward(..., output_hidden_states=True)` against transformers' `hidden_states` on the same weights."""
+
+import pytest
+import torch
+from helpers import MODEL_ARCHES, left_padded_batch, load_pair
+
+from ortmodule import NotSupportedError, OrtModelForCausalLM
+from ortmodule_dev import fixtures
+
+# mobius-onnx's graphs (Gemma 4 multimodal, Qwen2.5-VL) name their nodes otherwise: refused.
+BUILDER = [arch for arch in MODEL_ARCHES if arch not in fixtures.MOBIUS]
+# More of the builder's architectures whose packages give transformers' numbers (tests/test_architectures.py).
+MORE = {"lfm2": {"num_layers": 4}, "gemma2": {}, "granite": {}, "gpt_oss": {}, "gemma": {}, "hunyuan": {},
+        "lfm2_moe": {"num_layers": 4}}
+QUICK = {*BUILDER, "lfm2"}
+
+
+def assert_close(ours: tuple, theirs: tuple, real: torch.Tensor | None = None) -> None:
+    """As many hidden states, each within 1e-4 of transformers' (relative to its scale) at the real positions."""
+    assert len(ours) == len(theirs)
+    for layer, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape, layer
+        if real is not None:
+            a, b = a[real], b[real]
+        scale = max(1.0, b.abs().max().item())
+        assert (a.float() - b).abs().max().item() < 1e-4 * scale, f"hidden_states[{layer}]"
+
+
+@pytest.mark.parametrize("arch", [arch if arch in QUICK else pytest.param(arch, marks=pytest.mark.slow)
+                                  for arch in [*BUILDER, *MORE]])
+def test_hidden_states_equal_transformers(build, arch):
+    """A left-padded batch with a cache, then steps of two tokens (one at a time inside: several new
+    tokens over a batch's cache) and of one: every layer's input and the final norm's output at every
+    real position, and the logits, as transformers gives them."""
+    model, hf = load_pair(build(arch, **MORE.get(arch, {})))
+    ids, mask = left_padded_batch([9, 6], vocab=500, seed=3)  # below Gemma 4's media ids (500-511)
+    out = model(ids, attention_mask=mask, use_cache=True, output_hidden_states=True)
+    with torch.inference_mode():
+        ref = hf(ids, attention_mask=mask, use_cache=True, output_hidden_states=True)
+    assert len(out.hidden_states) == model.package.num_hidden_layers + 1
+    assert_close(out.hidden_states, ref.hidden_states, mask.bool())
+    assert_close((out.logits,), (ref.logits,), mask.bool())
+    ours, theirs = out.past_key_values, ref.past_key_values
+    generator = torch.Generator().manual_seed(4)
+    for new in (2, 1):
+        tokens = torch.randint(4, 500, (2, new), generator=generator)
+        mask = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype)], 1)
+        out = model(tokens, attention_mask=mask, past_key_values=ours, output_hidden_states=True)
+        with torch.inference_mode():
+            ref = hf(tokens, attention_mask=mask, past_key_values=theirs, output_hidden_states=True)
+        assert_close(out.hidden_states, ref.hidden_states)
+        assert_close((out.logits,), (ref.logits,))
+        ours, theirs = out.past_key_values, ref.past_key_values
+
+
+def test_hidden_states_beside_kept_logits_labels_and_tuples(build):
+    """transformers' hidden states are every position's whatever `logits_to_keep` keeps; the loss
+    and the tuple output (loss, logits, cache, hidden states) come as without them."""
+    model, hf = load_pair(build("llama"))
+    ids, mask = left_padded_batch([7, 5], vocab=500, seed=5)
+    whole = model(ids, attention_mask=mask, output_hidden_states=True)
+    kept = model(ids, attention_mask=mask, logits_to_keep=2, output_hidden_states=True)
+    assert kept.logits.shape == (2, 2, 512)
+    assert torch.equal(kept.logits, whole.logits[:, -2:])
+    assert all(torch.equal(a, b) for a, b in zip(kept.hidden_states, whole.hidden_states))
+    plain = model(ids, attention_mask=mask, labels=ids)
+    loss, logits, states = model(ids, attention_mask=mask, labels=ids, output_hidden_states=True, return_dict=False)
+    assert abs(loss.item() - plain.loss.item()) < 1e-5
+    assert (logits - plain.logits)[mask.bool()].abs().max().item() < 1e-5
+    with torch.inference_mode():
+        assert_close(states, hf(ids, attention_mask=mask, output_hidden_states=True).hidden_states, mask.bool())
+    # a prompt of one row without a mask, and the plain path after it, unchanged
+    one = model(ids[:1], output_hidden_states=True)
+    assert [tuple(s.shape) for s in one.hidden_states] == [(1, 7, 64)] * 3
+    assert torch.equal(model(ids, attention_mask=mask).logits, plain.logits)
+
+
+def test_half_precision_and_int4_packages_give_their_own_hidden_states(build):
+    """An fp16 package (one token a step over a cache) and an int4 one: hidden states in the
+    package's precision, the logits of the same call as the package gives them without."""
+    for precision in ("fp16", "int4"):
+        model = OrtModelForCausalLM.from_pretrained(build("llama", precision=precision).package_dir)
+        ids, mask = left_padded_batch([8, 5], vocab=500, seed=6)
+        plain = model(ids, attention_mask=mask, use_cache=True)
+        out = model(ids, attention_mask=mask, use_cache=True, output_hidden_states=True)
+        assert torch.equal(out.logits[mask.bool()], plain.logits[mask.bool()])
+        assert {s.dtype for s in out.hidden_states} == {model.decoder.kv_dtype}
+        step = model(torch.tensor([[7, 8], [9, 10]]), attention_mask=torch.cat([mask, torch.ones_like(mask[:, :2])], 1),
+                     past_key_values=out.past_key_values, output_hidden_states=True)
+        assert [tuple(s.shape) for s in step.hidden_states] == [(2, 2, 64)] * 3
+        assert torch.isfinite(step.logits).all()
+
+
+@pytest.mark.parametrize("arch", sorted(fixtures.MOBIUS))
+def test_graphs_named_otherwise_are_refused_by_reason(build, arch):
+    model = OrtModelForCausalLM.from_pretrained(build(arch).package_dir)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(NotSupportedError, match="output_hidden_states=True: the graph's nodes are not named as the "
+                                                "model builder names them"):
+        model(ids, output_hidden_states=True)
+    assert model(ids).logits.shape[:2] == (1, 3)
