@@ -97,9 +97,6 @@ def generate(model, inputs_ids=None, generation_config=None, **kwargs):
     if config.output_attentions:
         raise NotImplementedError("generate(output_attentions=True): ONNX Runtime's attention kernels return no "
                                   "attention weights")
-    if config.output_hidden_states:
-        raise NotImplementedError("generate(output_hidden_states=True) is not supported: run "
-                                  "model(sequences, output_hidden_states=True) on the generated sequences")
     if "inputs_embeds" in kwargs:
         raise NotImplementedError("generate(inputs_embeds=...): pass input_ids; the package embeds them itself")
     greedy_or_sample = (config.num_beams or 1) == 1 and kwargs.get("assistant_model") is None and \

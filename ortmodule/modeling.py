@@ -88,14 +88,15 @@ class HuggingFaceSurface(GenerationMixin):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
         """transformers' greedy/sampling loop, run on the device by generation.sample; continuing
-        from a cache the caller passed, transformers' own loop over forward."""
+        from a cache the caller passed, or returning hidden states, transformers' own loop over forward."""
         cache = model_kwargs.get(CACHE_NAME)
-        if cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0):
+        fresh = cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0)
+        if fresh and not generation_config.output_hidden_states:
             model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                      **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:
-            raise ValueError("generator= cannot be combined with past_key_values in generate()")
+            raise ValueError("generator= cannot be combined with past_key_values or output_hidden_states in generate()")
         return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus, streamer, **model_kwargs)
 

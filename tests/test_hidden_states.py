@@ -99,3 +99,26 @@ def test_graphs_named_otherwise_are_refused_by_reason(build, arch):
                                                 "model builder names them"):
         model(ids, output_hidden_states=True)
     assert model(ids).logits.shape[:2] == (1, 3)
+
+
+@pytest.mark.parametrize("mode", [dict(do_sample=False), dict(do_sample=True, top_k=20), dict(num_beams=2)])
+def test_generate_returns_each_steps_hidden_states_as_transformers(build, mode):
+    """`generate(output_hidden_states=True, return_dict_in_generate=True)` runs transformers' own loop
+    over forward: the same sequences, and per step the hidden states of the tokens it ran."""
+    model, hf = load_pair(build("llama"))
+    ids, mask = left_padded_batch([7, 5], vocab=500, seed=1)
+    outputs = []
+    for m in (model, hf):
+        torch.manual_seed(11)
+        outputs.append(m.generate(ids, attention_mask=mask, max_new_tokens=4, output_hidden_states=True,
+                                  return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **mode))
+    ours, theirs = outputs
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == 4
+    rows = mask.bool().repeat_interleave(mode.get("num_beams", 1), 0)
+    assert_close(ours.hidden_states[0], theirs.hidden_states[0], rows)  # the prompt's, at its real positions
+    for step in range(1, 4):
+        assert_close(ours.hidden_states[step], theirs.hidden_states[step])
+    with pytest.raises(ValueError, match="generator= cannot be combined with past_key_values or output_hidden"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, output_hidden_states=True,
+                       return_dict_in_generate=True, generator=torch.Generator().manual_seed(0))
