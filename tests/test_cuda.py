@@ -129,6 +129,27 @@ def test_cpu_export_on_cuda_matches_transformers(build, arch):
         assert real_positions_diff(logits, expected, layout) < FP32_TOL
 
 
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
+def test_hidden_states_on_cuda_match_transformers(build):
+    """`output_hidden_states=True` on CUDA: a prompt with a cache and a step, on the device, as transformers."""
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda:0")
+    hf = reference_class(fixture).from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    ids, mask = left_padded_batch([9, 6], seed=3)
+    tokens, longer = torch.tensor([[7], [8]]), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    out = model(ids.cuda(), attention_mask=mask.cuda(), use_cache=True, output_hidden_states=True)
+    step = model(tokens.cuda(), attention_mask=longer.cuda(), past_key_values=out.past_key_values,
+                 output_hidden_states=True)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, use_cache=True, output_hidden_states=True)
+        ref_step = hf(tokens, attention_mask=longer, past_key_values=ref.past_key_values, output_hidden_states=True)
+    for ours, theirs in zip(out.hidden_states, ref.hidden_states):
+        assert ours.device == torch.device("cuda", 0)
+        assert real_positions_diff(ours, theirs, mask) < FP32_TOL
+    for ours, theirs in zip(step.hidden_states, ref_step.hidden_states):
+        assert (ours.cpu() - theirs).abs().max().item() < FP32_TOL
+
+
 # `ortmodule export --device cuda` unpacks the query/key/value projections (exporter.CUDA_OPTIONS).
 UNPACKED = (("fuse_qkv", "false"),)
 
