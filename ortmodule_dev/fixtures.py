@@ -67,10 +67,12 @@ ARCHITECTURES = {
     # a parallel attention and MLP block (Phi-2), LayerNorm1P and a squared-ReLU MLP (Nemotron)
     "phi": ("PhiConfig", "PhiForCausalLM", {}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
-    # OLMo (non-parametric LayerNorm) and ERNIE 4.5 (interleaved rotary): the builder's packages of
-    # these differ from transformers' model on the same weights (tests/test_architectures.py)
+    # OLMo (non-parametric LayerNorm): the builder's package differs from transformers' model on the
+    # same weights (tests/test_architectures.py). ERNIE 4.5 (interleaved rotary): head_dim 16, as its
+    # default of 128 makes the query projection 4 x 128 = 512 wide, the vocabulary's width, and the
+    # builder takes any Linear that wide for the LM head (it wired layer 0's norm to the logits).
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
-    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 16}),
     # Gemma (the first): GeGLU MLPs, embeddings scaled by sqrt(hidden); HunYuan dense: query/key norms
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", {"head_dim": 16}),
@@ -139,10 +141,16 @@ class FixtureSpec:
         text = json.dumps(
             # Fields left at None stay out of the key, so adding one keeps the cache of older specs.
             [{k: v for k, v in dataclasses.asdict(self).items() if v is not None}, FIXTURE_VERSION,
-             onnxruntime_genai.__version__, transformers.__version__],
+             onnxruntime_genai.__version__, transformers.__version__, _family_fields(self.arch)],
             sort_keys=True,
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _family_fields(arch: str) -> dict:
+    """The config fields the architecture's table entry adds (part of the key: editing them rebuilds)."""
+    entry = ARCHITECTURES.get(arch)
+    return entry[2] if entry is not None else {}
 
 
 # SmolLM2-135M-Instruct's shape (its weights come from the GGUF file, not from a seed).

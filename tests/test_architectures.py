@@ -19,7 +19,7 @@ WIDE = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
 MORE_ARCHES = {"gemma2": {}, "granite": {}, "gpt_oss": {}, "phi": WIDE, "nemotron": WIDE, "olmo": {},
                "ernie4_5": {}, "gemma": {}, "hunyuan": {}, "lfm2": {}, "lfm2_moe": {}}
 # Whose packages give transformers' numbers (to fp32's rounding) on the same weights.
-EXACT = {"gemma2", "granite", "gpt_oss", "gemma", "hunyuan", "lfm2", "lfm2_moe"}
+EXACT = {"gemma2", "granite", "gpt_oss", "gemma", "hunyuan", "lfm2", "lfm2_moe", "ernie4_5"}
 
 
 def genai_logits(model, tokens: list[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from ortmodule_dev import fixtures
 BUILDER = [arch for arch in MODEL_ARCHES if arch not in fixtures.MOBIUS]
 # More of the builder's architectures whose packages give transformers' numbers (tests/test_architectures.py).
 MORE = {"lfm2": {"num_layers": 4}, "gemma2": {}, "granite": {}, "gpt_oss": {}, "gemma": {}, "hunyuan": {},
-        "lfm2_moe": {"num_layers": 4}}
+        "lfm2_moe": {"num_layers": 4}, "ernie4_5": {}}
 QUICK = {*BUILDER, "lfm2"}
 
 
