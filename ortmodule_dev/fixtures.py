@@ -68,7 +68,7 @@ ARCHITECTURES = {
     "phi": ("PhiConfig", "PhiForCausalLM", {}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
     # OLMo (non-parametric LayerNorm): the builder's package differs from transformers' model on the
-    # same weights (tests/test_architectures.py). ERNIE 4.5 (interleaved rotary): head_dim 16, as its
+    # same weights (tests/test_architectures.py): it writes that LayerNorm as an RMS norm. ERNIE 4.5 (interleaved rotary): head_dim 16, as its
     # default of 128 makes the query projection 4 x 128 = 512 wide, the vocabulary's width, and the
     # builder takes any Linear that wide for the LM head (it wired layer 0's norm to the logits).
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
