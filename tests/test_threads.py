@@ -22,8 +22,11 @@ def calls(vocab: int):
         mask = torch.ones_like(ids)
         mask[0, : i % 4] = 0  # some rows left-padded
         kind = i % 8
-        if kind in (0, 4, 5, 6):
+        if kind in (0, 4, 5):
             out.append(lambda m, ids=ids, mask=mask: m(ids, attention_mask=mask).logits)
+        elif kind == 6:  # hidden states: the second session's runs
+            out.append(lambda m, ids=ids, mask=mask: torch.cat(
+                [s.flatten() for s in m(ids, attention_mask=mask, output_hidden_states=True).hidden_states]))
         elif kind in (1, 7):
             out.append(lambda m, ids=ids, mask=mask: m(ids, attention_mask=mask, cont_len=2).logits)
         elif kind == 2:
@@ -45,6 +48,31 @@ def test_concurrent_calls_equal_sequential_ones(build, arch):
         got = list(pool.map(lambda fn: fn(model), work))
     wrong = [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
     assert not wrong, f"{len(wrong)} of {len(work)} concurrent results differ from the sequential ones"
+
+
+def test_threads_asking_for_hidden_states_at_once_share_one_session(build):
+    """The hidden-states session is made once when several threads ask for it together."""
+    from ortmodule import hidden
+
+    model = ortmodule.OrtModelForCausalLM.from_pretrained(build("llama").package_dir)
+    ids = torch.arange(4, 40).view(4, 9)
+    made = []
+    original = hidden.HiddenStates.__init__
+
+    def counted(self, *args):
+        made.append(self)
+        original(self, *args)
+
+    hidden.HiddenStates.__init__ = counted
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda row: model(ids[row : row + 1], output_hidden_states=True).hidden_states[-1],
+                                range(4)))
+    finally:
+        hidden.HiddenStates.__init__ = original
+    assert len(made) == 1
+    alone = [model(ids[row : row + 1], output_hidden_states=True).hidden_states[-1] for row in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(got, alone))
 
 
 def test_one_lm_eval_backend_refuses_a_second_thread_and_two_backends_share_a_model(llama):
