@@ -272,6 +272,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         _refuse_unsupported(input_ids, inputs_embeds, output_attentions, kwargs)
         keep = cont_len if cont_len is not None else logits_to_keep
         past, use_cache = _given_cache(past_key_values, cache, use_cache)
+        if output_hidden_states is None:  # as transformers: the config's setting
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
         runs = _hidden_runs(self.decoder) if output_hidden_states else None
         if past is not None:
             logits, states = self._forward_step(input_ids, attention_mask, past, keep, position_ids, cache_position,

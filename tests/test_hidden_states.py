@@ -69,6 +69,12 @@ def test_hidden_states_beside_kept_logits_labels_and_tuples(build):
     assert (logits - plain.logits)[mask.bool()].abs().max().item() < 1e-5
     with torch.inference_mode():
         assert_close(states, hf(ids, attention_mask=mask, output_hidden_states=True).hidden_states, mask.bool())
+    model.config.output_hidden_states = True  # transformers' models read the config where the call says nothing
+    try:
+        assert len(model(ids, attention_mask=mask).hidden_states) == 3
+        assert model(ids, attention_mask=mask, output_hidden_states=False).hidden_states is None
+    finally:
+        model.config.output_hidden_states = False
     # a prompt of one row without a mask, and the plain path after it, unchanged
     one = model(ids[:1], output_hidden_states=True)
     assert [tuple(s.shape) for s in one.hidden_states] == [(1, 7, 64)] * 3
