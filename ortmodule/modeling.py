@@ -18,7 +18,7 @@ from transformers import Cache, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import costs, generation, hidden, inputs, kept_costs, runtime
+from . import costs, embeddings, generation, hidden, inputs, kept_costs, runtime
 from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
@@ -38,7 +38,8 @@ MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("ortmodule", "OrtModelForCausalLM")
 
 # What transformers models have and these do not, with what to do instead.
 _NO_PYTORCH_MODULES = (
-    "the ONNX graph holds the weights, and ortmodule exposes no PyTorch modules or hidden states; for per-token "
+    "the ONNX graph holds the weights, and ortmodule exposes no PyTorch modules but the token embeddings "
+    "(get_input_embeddings()) and no hidden states but forward's (output_hidden_states=True); for per-token "
     "log-probabilities use model(input_ids, ...).logits (with cont_len / logits_to_keep for the positions you need) "
     "or ortmodule.loglikelihood"
 )
@@ -59,8 +60,17 @@ class HuggingFaceSurface(GenerationMixin):
             raise NotSupportedError(f"OrtModelForCausalLM has no {name}: {_UNSUPPORTED_ATTRIBUTES[name]}")
         return super().__getattr__(name)
 
-    def get_input_embeddings(self):
-        raise NotSupportedError(f"OrtModelForCausalLM.get_input_embeddings(): {_NO_PYTORCH_MODULES}")
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        """The package's token embeddings as transformers gives them: a frozen `torch.nn.Embedding` on
+        the model's device, read from the graph once per device (embeddings.py); not a submodule."""
+        made = self.__dict__.get("_embeddings_made")  # kept out of nn.Module's registry: no parameters()
+        if made is None or made[0] != self.device:
+            try:
+                module = embeddings.input_embeddings(self.package, self.config.model_type, self.device)
+            except ValueError as reason:
+                raise NotSupportedError(f"OrtModelForCausalLM.get_input_embeddings(): {reason}") from None
+            made = self.__dict__["_embeddings_made"] = (self.device, module)
+        return made[1]
 
     def get_output_embeddings(self):
         raise NotSupportedError(f"OrtModelForCausalLM.get_output_embeddings(): {_NO_PYTORCH_MODULES}")

@@ -68,9 +68,10 @@ ARCHITECTURES = {
     "phi": ("PhiConfig", "PhiForCausalLM", {}),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
     # OLMo (non-parametric LayerNorm): the builder's package differs from transformers' model on the
-    # same weights (tests/test_architectures.py): it writes that LayerNorm as an RMS norm. ERNIE 4.5 (interleaved rotary): head_dim 16, as its
-    # default of 128 makes the query projection 4 x 128 = 512 wide, the vocabulary's width, and the
-    # builder takes any Linear that wide for the LM head (it wired layer 0's norm to the logits).
+    # same weights (tests/test_architectures.py): it writes that LayerNorm as an RMS norm.
+    # ERNIE 4.5 (interleaved rotary): head_dim 16, as its default of 128 makes the query projection
+    # 4 x 128 = 512 wide, the vocabulary's width, and the builder takes any Linear that wide for the
+    # LM head (it wired layer 0's norm to the logits).
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 16}),
     # Gemma (the first): GeGLU MLPs, embeddings scaled by sqrt(hidden); HunYuan dense: query/key norms
@@ -138,10 +139,11 @@ class FixtureSpec:
         import onnxruntime_genai
         import transformers
 
+        family = _family_fields(self.arch)  # the architecture's table fields, where it has any
         text = json.dumps(
             # Fields left at None stay out of the key, so adding one keeps the cache of older specs.
             [{k: v for k, v in dataclasses.asdict(self).items() if v is not None}, FIXTURE_VERSION,
-             onnxruntime_genai.__version__, transformers.__version__, _family_fields(self.arch)],
+             onnxruntime_genai.__version__, transformers.__version__, *([family] if family else [])],
             sort_keys=True,
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -4,13 +4,14 @@ helpers, forward's keywords, and clear errors for what an ONNX package does not 
 
 import pytest
 import torch
+from helpers import MODEL_ARCHES, load_pair
 from helpers import CachePair as Pair
 from helpers import left_padded_batch as left_padded
-from helpers import load_pair
 from transformers import DynamicCache, GenerationMixin
 
-from ortmodule import NotSupportedError
+from ortmodule import NotSupportedError, OrtModelForCausalLM
 from ortmodule.cache import KVCache
+from ortmodule_dev import fixtures
 
 CACHES = ["llama", "gemma4_mobius"]  # one buffer written in place (GQA); a concatenating attention
 # Builder packages; on the mobius-onnx Gemma 4 fixture transformers' own batched beams differ from its
@@ -154,9 +155,30 @@ def test_what_an_onnx_package_lacks_is_a_clear_error(build):
         assert not hasattr(model, name)
         with pytest.raises(NotSupportedError, match=f"has no {name}: the ONNX graph holds the weights"):
             getattr(model, name)
-    for call in (model.get_input_embeddings, model.get_output_embeddings, lambda: model.resize_token_embeddings(9)):
+    for call in (model.get_output_embeddings, lambda: model.resize_token_embeddings(9)):
         with pytest.raises(NotImplementedError, match="ONNX|exported package"):
             call()
+
+
+@pytest.mark.parametrize("arch", [*MODEL_ARCHES, "gemma2", "granite", "lfm2"])
+def test_input_embeddings_are_transformers(build, arch):
+    """`get_input_embeddings()`: the table transformers' module holds, and its forward (Gemma's
+    scaled inside the module, Granite's multiplier left to the model), frozen, not a submodule."""
+    model, hf = load_pair(build(arch, **({"num_layers": 4} if arch == "lfm2" else {})))
+    ours, theirs = model.get_input_embeddings(), hf.get_input_embeddings()
+    assert model.get_input_embeddings() is ours  # read once
+    ids = torch.tensor([[3, 7, 100, 499], [0, 1, 2, 511]])
+    with torch.inference_mode():
+        assert torch.equal(ours.weight, theirs.weight)
+        assert torch.equal(ours(ids), theirs(ids))
+    assert not ours.weight.requires_grad
+    assert list(model.parameters()) == []
+
+
+def test_block_quantized_embeddings_are_refused_by_name():
+    model = OrtModelForCausalLM.from_pretrained(fixtures.build(fixtures.SMOLLM2_INT4).package_dir)
+    with pytest.raises(NotSupportedError, match="token embeddings are block-quantized .GatherBlockQuantized."):
+        model.get_input_embeddings()
 
 
 @pytest.mark.parametrize("mode", ["prompt_lookup", "assistant", "guidance_scale"])

@@ -1,0 +1,90 @@
+"""`get_input_embeddings()`: the package's token-embedding table as a frozen `torch.nn.Embedding`.
+
+The table is the initializer that the graph's `Gather` over the token ids reads (the decoder's, or
+a multimodal package's embedding model's), or its transpose where the embeddings share the LM
+head's weight. transformers 5's Gemma models (Gemma to Gemma 4) scale the embeddings inside their
+embedding module (`GemmaTextScaledWordEmbedding`: times sqrt(hidden)); their graphs multiply the
+gathered rows by that constant, which the module returned here applies too. Other families that
+scale (Granite's `embedding_multiplier`) do it in the model's forward, after the module, as their
+graphs' `Mul` after the table does. A 4-bit table (`GatherBlockQuantized`)
+or a graph that gathers otherwise is a `NotSupportedError` naming what was found.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import torch
+
+from .package import Package
+
+# transformers' model types whose embedding module multiplies by the embedding scale itself.
+_SCALED_INSIDE = ("gemma",)
+_TORCH = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}
+
+
+class ScaledEmbedding(torch.nn.Embedding):
+    """An embedding whose rows are multiplied by `scale` (transformers' scaled word embeddings)."""
+
+    def __init__(self, weight: torch.Tensor, scale: float):
+        super().__init__(*weight.shape, _weight=weight, _freeze=True)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
+
+
+def _constant(value: ir.Value | None) -> ir.TensorProtocol | None:
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].as_tensor()
+    return None
+
+
+def _table(gather: ir.Node) -> torch.Tensor:
+    """The `[vocab, hidden]` table a token `Gather` reads: an initializer, or one transposed."""
+    source, transposed = gather.inputs[0], False
+    producer = source.producer()
+    if producer is not None and producer.op_type == "Transpose" and _constant(producer.inputs[0]) is not None:
+        source, transposed = producer.inputs[0], True
+    tensor = _constant(source)
+    if tensor is None or tensor.dtype not in _TORCH or len(tensor.shape) != 2:
+        raise ValueError(f"'{gather.name}' gathers from '{source.name}', not a float table of the weights")
+    data = torch.frombuffer(bytearray(tensor.tobytes()), dtype=_TORCH[tensor.dtype]).view(*tensor.shape)
+    return data.t().contiguous() if transposed else data
+
+
+def _token_gather(path, input_ids: str) -> ir.Node:
+    graph = ir.load(path).graph
+    readers = [node for node in graph if any(v is not None and v.name == input_ids for v in node.inputs)]
+    gathers = [node for node in readers if node.op_type in ("Gather", "GatherBlockQuantized")]
+    if len(gathers) != 1:
+        raise ValueError(f"{path.name} reads the token ids in {[n.op_type for n in readers]}, not in one Gather")
+    if gathers[0].op_type != "Gather":
+        raise ValueError(f"{path.name}'s token embeddings are block-quantized ({gathers[0].op_type}); export the "
+                         "package with float embeddings for their table")
+    return gathers[0]
+
+
+def input_embeddings(package: Package, model_type: str, device: torch.device) -> torch.nn.Embedding:
+    """The package's token embeddings as transformers' `get_input_embeddings()` gives them (frozen,
+    on `device`, in the package's precision). Raises ValueError naming what the graph has instead."""
+    if package.embedding is not None:
+        path, input_ids = package.embedding.path, package.embedding.input_ids
+    else:
+        path, input_ids = package.decoder.path, package.decoder.input_ids
+    gather = _token_gather(path, input_ids)
+    weight = _table(gather).to(device)
+    users = list(gather.outputs[0].uses())
+    mul = users[0].node if len(users) == 1 and users[0].node.op_type == "Mul" else None
+    scale = None
+    if mul is not None and model_type.startswith(_SCALED_INSIDE):
+        other = _constant(mul.inputs[1] if mul.inputs[0] is gather.outputs[0] else mul.inputs[0])
+        if other is not None and other.size == 1:
+            scale = float(torch.frombuffer(bytearray(other.tobytes()), dtype=_TORCH[other.dtype]).item())
+    if scale is None:
+        return torch.nn.Embedding.from_pretrained(weight, freeze=True)
+    return ScaledEmbedding(weight, scale)
