@@ -280,13 +280,14 @@ class Decoder:
         return positions if self.spec.position_ids else None
 
     def run_bound(self, session, binding, ids, logit_index, mask, positions, lengths=None) -> torch.Tensor:
-        """Bind the tokens, mask and positions (None: not inputs of `session`) and the logits, and run
-        `session`: logits `[n, V]` at the flat indices `logit_index`, else `[B, T, V]`. `lengths`:
-        each row's real tokens (None: all), where a hybrid decoder takes its convolution states."""
+        """Bind the tokens (embeddings `[B, T, H]` are the caller's to bind), mask and positions (None:
+        not inputs of `session`) and the logits, and run `session`: logits `[n, V]` at the flat indices
+        `logit_index`, else `[B, T, V]`. `lengths`: each row's real tokens (None: all), for hybrids."""
         spec = self.spec
-        batch, length = ids.shape
+        batch, length = ids.shape[:2]
         bind_state_lengths(self, session, binding, lengths, ids)
-        self.bind_tokens(binding, ids)
+        if not ids.is_floating_point():  # embeddings (variants.py) are bound by their caller
+            self.bind_tokens(binding, ids)
         if spec.attention_mask and mask is not None:
             runtime.bind_input(binding, spec.attention_mask, mask.to(self.mask_dtype).contiguous())
         if spec.position_ids and positions is not None:

@@ -8,6 +8,9 @@ gathered rows by that constant, which the module returned here applies too. Othe
 scale (Granite's `embedding_multiplier`) do it in the model's forward, after the module, as their
 graphs' `Mul` after the table does. A 4-bit table (`GatherBlockQuantized`)
 or a graph that gathers otherwise is a `NotSupportedError` naming what was found.
+
+`take_embeddings` rewrites a decoder graph to take such embeddings instead of the token ids, for
+`forward(inputs_embeds=...)` (variants.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from __future__ import annotations
 import onnx_ir as ir
 import torch
 
+from .graph import RewriteSkipped
 from .package import Package
+
+EMBEDS = "ortmodule_inputs_embeds"  # the input of a graph that takes embeddings (take_embeddings)
 
 # transformers' model types whose embedding module multiplies by the embedding scale itself.
 _SCALED_INSIDE = ("gemma",)
@@ -57,16 +63,59 @@ def _table(gather: ir.Node) -> torch.Tensor:
     return data.t().contiguous() if transposed else data
 
 
-def _token_gather(path, input_ids: str) -> ir.Node:
-    graph = ir.load(path).graph
+def _token_gather(graph: ir.Graph, input_ids: str, where: str) -> ir.Node:
+    """The one `Gather` that reads the token ids from a float table."""
     readers = [node for node in graph if any(v is not None and v.name == input_ids for v in node.inputs)]
     gathers = [node for node in readers if node.op_type in ("Gather", "GatherBlockQuantized")]
     if len(gathers) != 1:
-        raise ValueError(f"{path.name} reads the token ids in {[n.op_type for n in readers]}, not in one Gather")
+        raise ValueError(f"{where} reads the token ids in {[n.op_type for n in readers]}, not in one Gather")
     if gathers[0].op_type != "Gather":
-        raise ValueError(f"{path.name}'s token embeddings are block-quantized ({gathers[0].op_type}); export the "
+        raise ValueError(f"{where}'s token embeddings are block-quantized ({gathers[0].op_type}); export the "
                          "package with float embeddings for their table")
     return gathers[0]
+
+
+def _scaling(gather: ir.Node, model_type: str) -> tuple[ir.Node | None, float | None]:
+    """The `Mul` by a constant after the table that transformers' module applies itself (Gemma's), and its factor."""
+    users = list(gather.outputs[0].uses())
+    mul = users[0].node if len(users) == 1 and users[0].node.op_type == "Mul" else None
+    if mul is None or not model_type.startswith(_SCALED_INSIDE):
+        return None, None
+    other = _constant(mul.inputs[1] if mul.inputs[0] is gather.outputs[0] else mul.inputs[0])
+    if other is None or other.size != 1 or other.dtype not in _TORCH:
+        return None, None
+    return mul, float(torch.frombuffer(bytearray(other.tobytes()), dtype=_TORCH[other.dtype]).item())
+
+
+def take_embeddings(g: ir.Graph, input_ids: str, model_type: str, hidden_size: int) -> None:
+    """Make the graph take `EMBEDS` `[batch, sequence, hidden]` (what `input_embeddings` gives for
+    the ids) in place of the token ids: the table's `Gather` (and Gemma's scaling) removed, the ids'
+    other readers (their `Shape`) reading the embeddings' first two dimensions. Raises
+    `RewriteSkipped` where the graph reads the ids otherwise."""
+    try:
+        gather = _token_gather(g, input_ids, "the decoder graph")
+    except ValueError as reason:
+        raise RewriteSkipped(str(reason)) from None
+    mul, _ = _scaling(gather, model_type)
+    cut = (mul or gather).outputs[0]
+    dtype = cut.dtype or gather.inputs[0].dtype
+    embeds = ir.Value(name=EMBEDS, type=ir.TensorType(dtype), shape=ir.Shape(["batch_size", "sequence_length",
+                                                                               hidden_size]))
+    g.inputs.append(embeds)
+    cut.replace_all_uses_with(embeds)
+    table = gather.inputs[0].producer()
+    for node in (mul, gather, table if table is not None and table.op_type == "Transpose" else None):
+        if node is not None and not any(list(v.uses()) for v in node.outputs):
+            g.remove(node, safe=True)
+    ids = next(v for v in g.inputs if v.name == input_ids)
+    for use in list(ids.uses()):
+        node = use.node
+        if node.op_type != "Shape":
+            raise RewriteSkipped(f"'{node.name}' ({node.op_type}) reads the token ids besides the embeddings' table")
+        end = node.attributes["end"].as_int() if "end" in node.attributes else 2
+        node.attributes["end"] = ir.AttrInt64("end", end + 2 if end < 0 else min(end, 2))
+        node.replace_input_with(use.idx, embeds)
+    g.inputs.remove(ids)
 
 
 def input_embeddings(package: Package, model_type: str, device: torch.device) -> torch.nn.Embedding:
@@ -76,15 +125,9 @@ def input_embeddings(package: Package, model_type: str, device: torch.device) ->
         path, input_ids = package.embedding.path, package.embedding.input_ids
     else:
         path, input_ids = package.decoder.path, package.decoder.input_ids
-    gather = _token_gather(path, input_ids)
+    gather = _token_gather(ir.load(path).graph, input_ids, path.name)
     weight = _table(gather).to(device)
-    users = list(gather.outputs[0].uses())
-    mul = users[0].node if len(users) == 1 and users[0].node.op_type == "Mul" else None
-    scale = None
-    if mul is not None and model_type.startswith(_SCALED_INSIDE):
-        other = _constant(mul.inputs[1] if mul.inputs[0] is gather.outputs[0] else mul.inputs[0])
-        if other is not None and other.size == 1:
-            scale = float(torch.frombuffer(bytearray(other.tobytes()), dtype=_TORCH[other.dtype]).item())
+    _, scale = _scaling(gather, model_type)
     if scale is None:
         return torch.nn.Embedding.from_pretrained(weight, freeze=True)
     return ScaledEmbedding(weight, scale)

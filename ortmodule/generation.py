@@ -25,7 +25,7 @@ from .hf import CACHE_NAME
 
 # Model inputs generate() takes besides the generation options (`generator`: a torch.Generator
 # for sampling, ortmodule's own; the KV cache as `cache` or, before transformers 5.24, `past_key_values`).
-MODEL_INPUTS = {"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "generator",
+MODEL_INPUTS = {"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "generator", "inputs_embeds",
                 "logits_to_keep"}
 # generate()'s own arguments that are not GenerationConfig fields (transformers' signature).
 _CALL_ARGUMENTS = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
@@ -82,8 +82,8 @@ def generate(model, inputs_ids=None, generation_config=None, **kwargs):
         )
     if inputs_ids is None:
         inputs_ids = kwargs.pop("input_ids", None)
-    if inputs_ids is None:
-        raise ValueError("generate() needs input_ids (the prompts as token ids)")
+    if inputs_ids is None and kwargs.get("inputs_embeds") is None:
+        raise ValueError("generate() needs input_ids (the prompts as token ids) or inputs_embeds")
     vocab = model.decoder.vocab_size
     # The options given are checked before transformers' merge validates them (and fails on a
     # string count with a raw TypeError); the merged config is checked after.
@@ -97,8 +97,6 @@ def generate(model, inputs_ids=None, generation_config=None, **kwargs):
     if config.output_attentions:
         raise NotImplementedError("generate(output_attentions=True): ONNX Runtime's attention kernels return no "
                                   "attention weights")
-    if "inputs_embeds" in kwargs:
-        raise NotImplementedError("generate(inputs_embeds=...): pass input_ids; the package embeds them itself")
     greedy_or_sample = (config.num_beams or 1) == 1 and kwargs.get("assistant_model") is None and \
         config.prompt_lookup_num_tokens is None
     if kwargs.get("generator") is not None and not greedy_or_sample:
@@ -109,7 +107,7 @@ def generate(model, inputs_ids=None, generation_config=None, **kwargs):
     # transformers builds its criteria's tensors on the prompt's device: bring the inputs to the model's.
     if isinstance(inputs_ids, torch.Tensor):
         inputs_ids = inputs_ids.to(model.device, non_blocking=True)
-    for name in ("attention_mask", "position_ids"):
+    for name in ("attention_mask", "position_ids", "inputs_embeds"):
         if isinstance(kwargs.get(name), torch.Tensor):
             kwargs[name] = kwargs[name].to(model.device, non_blocking=True)
     return GenerationMixin.generate(model, inputs_ids, generation_config, **kwargs)

@@ -18,7 +18,7 @@ from transformers import Cache, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import costs, embeddings, generation, hidden, inputs, kept_costs, runtime
+from . import costs, embeddings, generation, inputs, kept_costs, runtime, variants
 from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
@@ -84,6 +84,23 @@ class HuggingFaceSurface(GenerationMixin):
     def is_remote_code(self) -> bool:
         return False
 
+    def tie_weights(self) -> None:
+        """Nothing to tie: the weights live in the ONNX graph."""
+
+    def can_generate(self) -> bool:
+        return True
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """The number of weights in the decoder graph (the elements of its initializers; packed for
+        quantized weights). None is trainable; `exclude_embeddings` leaves out the token embedding."""
+        if only_trainable:
+            return 0
+        spec = self.package.decoder
+        return spec.num_parameters - (spec.embedding_parameters if exclude_embeddings else 0)
+
+    def extra_repr(self) -> str:
+        return f"path={self.name_or_path}, device={self.device}, dtype={self.dtype}"
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return True  # transformers makes an empty DynamicCache; forward starts its own KVCache from it
@@ -98,15 +115,17 @@ class HuggingFaceSurface(GenerationMixin):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
         """transformers' greedy/sampling loop, run on the device by generation.sample; continuing
-        from a cache the caller passed, or returning hidden states, transformers' own loop over forward."""
+        from a cache the caller passed, from `inputs_embeds` or returning hidden states, transformers'
+        own loop over forward."""
         cache = model_kwargs.get(CACHE_NAME)
         fresh = cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0)
-        if fresh and not generation_config.output_hidden_states:
+        if fresh and not generation_config.output_hidden_states and model_kwargs.get("inputs_embeds") is None:
             model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                      **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:
-            raise ValueError("generator= cannot be combined with past_key_values or output_hidden_states in generate()")
+            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds or "
+                             "output_hidden_states in generate()")
         return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus, streamer, **model_kwargs)
 
@@ -232,23 +251,6 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             self._costs[self.device] = kept_costs.measured(self.decoder, refresh)
         return self._costs[self.device]
 
-    def tie_weights(self) -> None:
-        """Nothing to tie: the weights live in the ONNX graph."""
-
-    def can_generate(self) -> bool:
-        return True
-
-    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        """The number of weights in the decoder graph (the elements of its initializers; packed for
-        quantized weights). None is trainable; `exclude_embeddings` leaves out the token embedding."""
-        if only_trainable:
-            return 0
-        spec = self.package.decoder
-        return spec.num_parameters - (spec.embedding_parameters if exclude_embeddings else 0)
-
-    def extra_repr(self) -> str:
-        return f"path={self.name_or_path}, device={self.device}, dtype={self.dtype}"
-
     # ---- forward ------------------------------------------------------------------------------
 
     @runtime.out_of_memory_is_runtime_error
@@ -284,13 +286,16 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         past, use_cache = _given_cache(past_key_values, cache, use_cache)
         if output_hidden_states is None:  # as transformers: the config's setting
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
-        runs = _hidden_runs(self.decoder) if output_hidden_states else None
+        embeds = None if inputs_embeds is None else \
+            variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
+        runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None)
+        ids = input_ids if embeds is None else embeds.new_zeros(embeds.shape[:2], dtype=torch.int64)  # for the checks
         if past is not None:
-            logits, states = self._forward_step(input_ids, attention_mask, past, keep, position_ids, cache_position,
-                                                runs)
+            logits, states = self._forward_step(ids, attention_mask, past, keep, position_ids, cache_position, runs,
+                                                embeds)
         else:
-            logits, past, states = self._forward_prompt(input_ids, attention_mask, keep, use_cache, position_ids,
-                                                        cache_position, runs)
+            logits, past, states = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
+                                                        cache_position, runs, embeds)
         loss = _shifted_loss(logits, labels, keep, attention_mask) if labels is not None else None
         if not use_cache:
             past = None
@@ -303,9 +308,10 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         return inputs.check_batch(input_ids, attention_mask, package.vocab_size, package.context_length, self.device,
                                   position_ids, cache_position)
 
-    def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs):
-        """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch,
-        its cache, and with `runs` (a `hidden.HiddenStates`) the hidden states, else None."""
+    def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs,
+                        embeds=None):
+        """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch
+        (of `embeds` where given), its cache, and from `runs` (a `variants.Variant`) the hidden states."""
         rows = self._rows(input_ids, attention_mask, position_ids, cache_position)
         batch, width = rows.ids.shape
         cache = self.decoder.new_cache(batch, width) if use_cache else None
@@ -314,16 +320,19 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             index = inputs.every_position(rows)
         else:
             index = inputs.each_row(batch, width, positions, rows.shift)
-        logits, states = runs.prefill(rows, index, cache) if runs else (self.decoder.prefill(rows, index, cache), None)
+        if runs is not None:
+            logits, states = runs.prefill(rows, index, cache, None if embeds is None else variants.rolled(rows, embeds))
+        else:
+            logits, states = self.decoder.prefill(rows, index, cache), None
         logits = self.decoder.public(logits).view(batch, -1, self.package.vocab_size)
         if cache is not None:
             given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             cache.caller_mask = given.to(self.device, torch.int64)
         return logits, cache, states
 
-    def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids, cache_position, runs):
-        """Append `input_ids` [B, s] to every row of `cache`; logits `[B, s, V]` (or the kept ones),
-        and with `runs` the new tokens' hidden states, else None."""
+    def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids, cache_position, runs, embeds=None):
+        """Append `input_ids` [B, s] (or `embeds` [B, s, H]) to every row of `cache`; logits `[B, s, V]`
+        (or the kept ones), and from `runs` the new tokens' hidden states, else None."""
         _check_own_cache(cache)
         package = self.package
         ids = inputs.check_step(input_ids, attention_mask, cache, package.vocab_size, package.context_length,
@@ -331,7 +340,10 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         batch, new = ids.shape
         kept = inputs.kept_positions(keep, new, self.device)
         index = inputs.each_row(batch, new, kept) if kept is not None else None
-        logits, states = runs.step(ids, cache, index) if runs else (self.decoder.step(ids, cache, index), None)
+        if runs is not None:
+            logits, states = runs.step(ids if embeds is None else embeds, cache, index)
+        else:
+            logits, states = self.decoder.step(ids, cache, index), None
         logits = self.decoder.public(logits)
         if cache.caller_mask is not None:
             cache.caller_mask = torch.cat([cache.caller_mask, cache.caller_mask.new_ones(batch, new)], 1)
@@ -373,12 +385,17 @@ def _positions(rows, cols, checked: inputs.Rows) -> tuple[torch.Tensor, torch.Te
     return rows, cols
 
 
-def _hidden_runs(decoder: Decoder) -> hidden.HiddenStates:
-    """The decoder's hidden-states runs; a `NotSupportedError` naming why where its graph has none."""
+def _variant(decoder: Decoder, hidden_states: bool, embeds: bool) -> variants.Variant | None:
+    """The decoder's runs for hidden states and/or embeddings (None: neither asked for); a
+    `NotSupportedError` naming why where its graph cannot give them."""
+    if not (hidden_states or embeds):
+        return None
     try:
-        return hidden.for_decoder(decoder)
+        return variants.for_decoder(decoder, hidden_states, embeds)
     except RewriteSkipped as reason:
-        raise NotSupportedError(f"output_hidden_states=True: {reason}") from None
+        asked = " with ".join(name for name, on in (("output_hidden_states=True", hidden_states),
+                                                     ("inputs_embeds", embeds)) if on)
+        raise NotSupportedError(f"{asked}: {reason}") from None
 
 
 def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, rest: dict) -> None:
@@ -386,11 +403,10 @@ def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, rest: dict)
     unsupported = {k for k, v in rest.items() if v is not None and v is not False}
     if unsupported:
         raise TypeError(f"OrtModelForCausalLM.forward does not support {', '.join(sorted(unsupported))}")
-    if inputs_embeds is not None:
-        raise NotSupportedError("OrtModelForCausalLM.forward takes input_ids, not inputs_embeds: the package "
-                                "embeds tokens itself (a multimodal package through its embedding model)")
-    if input_ids is None:
-        raise ValueError("forward() needs input_ids")
+    if inputs_embeds is not None and input_ids is not None:
+        raise ValueError("pass input_ids or inputs_embeds, not both")
+    if input_ids is None and inputs_embeds is None:
+        raise ValueError("forward() needs input_ids (or inputs_embeds)")
     if output_attentions:
         raise NotSupportedError("output_attentions=True: ONNX Runtime's attention kernels return no attention weights")
 

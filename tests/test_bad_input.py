@@ -68,8 +68,16 @@ def test_bad_cont_len(model):
 
 
 def test_unsupported_arguments_are_named(model):
-    with pytest.raises(NotImplementedError, match="inputs_embeds"):
+    with pytest.raises(ValueError, match="pass input_ids or inputs_embeds, not both"):
         model(torch.tensor([[5, 6]]), inputs_embeds=torch.zeros(1, 2, 64))
+    with pytest.raises(ValueError, match=r"needs input_ids \(or inputs_embeds\)"):
+        model(attention_mask=torch.ones(1, 2))
+    with pytest.raises(TypeError, match="inputs_embeds must be a float tensor"):
+        model(inputs_embeds=torch.zeros(1, 2, 64, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"inputs_embeds must be \[batch, sequence, 64\] .the model's hidden size."):
+        model(inputs_embeds=torch.zeros(1, 2, 32))
+    with pytest.raises(TypeError, match="does not support foo"):
+        model(torch.tensor([[5, 6]]), foo=1)
 
 
 def test_missing_folder(tmp_path):

@@ -150,6 +150,24 @@ def test_hidden_states_on_cuda_match_transformers(build):
         assert (ours.cpu() - theirs).abs().max().item() < FP32_TOL
 
 
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
+def test_inputs_embeds_on_cuda_give_the_ids_logits(build):
+    """`get_input_embeddings()` on the device and `inputs_embeds` of them: the ids' logits, then a step."""
+    model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir, device="cuda:0")
+    ids, mask = left_padded_batch([9, 6], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    embeds = model.get_input_embeddings()(ids)
+    assert embeds.device == torch.device("cuda", 0)
+    plain = model(ids, attention_mask=mask, use_cache=True)
+    out = model(inputs_embeds=embeds, attention_mask=mask, use_cache=True)
+    assert real_positions_diff(out.logits, plain.logits, mask.cpu()) < FP32_TOL
+    longer = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    step = model(inputs_embeds=model.get_input_embeddings()(ids[:, -1:]), attention_mask=longer,
+                 past_key_values=out.past_key_values)
+    expected = model(ids[:, -1:], attention_mask=longer, past_key_values=plain.past_key_values)
+    assert (step.logits - expected.logits).abs().max().item() < FP32_TOL
+
+
 # `ortmodule export --device cuda` unpacks the query/key/value projections (exporter.CUDA_OPTIONS).
 UNPACKED = (("fuse_qkv", "false"),)
 

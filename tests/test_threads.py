@@ -52,24 +52,24 @@ def test_concurrent_calls_equal_sequential_ones(build, arch):
 
 def test_threads_asking_for_hidden_states_at_once_share_one_session(build):
     """The hidden-states session is made once when several threads ask for it together."""
-    from ortmodule import hidden
+    from ortmodule import variants
 
     model = ortmodule.OrtModelForCausalLM.from_pretrained(build("llama").package_dir)
     ids = torch.arange(4, 40).view(4, 9)
     made = []
-    original = hidden.HiddenStates.__init__
+    original = variants.Variant.__init__
 
     def counted(self, *args):
         made.append(self)
         original(self, *args)
 
-    hidden.HiddenStates.__init__ = counted
+    variants.Variant.__init__ = counted
     try:
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda row: model(ids[row : row + 1], output_hidden_states=True).hidden_states[-1],
                                 range(4)))
     finally:
-        hidden.HiddenStates.__init__ = original
+        variants.Variant.__init__ = original
     assert len(made) == 1
     alone = [model(ids[row : row + 1], output_hidden_states=True).hidden_states[-1] for row in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(got, alone))

@@ -1,0 +1,176 @@
+"""What the decoder's own session cannot give, from a second session of its (LM-head-rewritten)
+graph: transformers' hidden states (hidden.py's outputs), runs from `inputs_embeds` instead of
+token ids (embeddings.py's input), or both. Made at the first call that asks (`for_decoder`), once
+per decoder session and kind, cached on disk like the other rewrites (graph.py).
+
+A multimodal package's decoder already takes embeddings (its embedding model makes them from the
+ids): there `inputs_embeds` are bound to that input, in the decoder's own session unless hidden
+states are asked for too. Runs take the decoder's bindings and cache locks (`Decoder.holding`) and
+run every position through the LM head: paths for inspecting or steering a model, not for speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import weakref
+
+import onnx
+import onnx_ir as ir
+import torch
+
+from . import embeddings, extend, graph, hidden, inputs, runtime
+from .cache import KVCache
+from .decoder import Decoder
+from .graph import RewriteSkipped
+from .inputs import Rows
+
+logger = logging.getLogger("ortmodule")
+
+VARIANT_VERSION = "1"
+
+
+class Variant:
+    """A session of the decoder's graph with hidden-state outputs and/or an embeddings input, and its runs."""
+
+    def __init__(self, decoder: Decoder, session: runtime.Session, hidden_states: bool, embeds_input: str | None):
+        self.decoder, self.session = weakref.proxy(decoder), session
+        self.embeds_input = embeds_input  # where `inputs_embeds` are bound (None: runs take token ids)
+        layers = decoder.package.num_hidden_layers
+        self.dtypes = [runtime.output_dtype(session, f"{hidden.HIDDEN}{i}") for i in range(layers + 1)] \
+            if hidden_states else []
+
+    def _bind(self, binding, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Bind the embeddings (where `ids` are) and the hidden-state outputs; the latter's tensors."""
+        decoder = self.decoder
+        if ids.is_floating_point():
+            runtime.bind_input(binding, self.embeds_input, ids.to(decoder.kv_dtype).contiguous())
+        rows, size = ids.shape[0] * ids.shape[1], decoder.package.hidden_size
+        out = [torch.empty(rows, size, dtype=dtype, device=decoder.device) for dtype in self.dtypes]
+        for i, tensor in enumerate(out):
+            runtime.bind_output(binding, f"{hidden.HIDDEN}{i}", tensor)
+        return out
+
+    def prefill(self, rows: Rows, logit_index: torch.Tensor | None, cache: KVCache | None,
+                embeds: torch.Tensor | None = None):
+        """`Decoder.prefill`'s logits (every position through the head, then the asked-for ones) and
+        the hidden states `[B, T, hidden]` in the caller's layout (None where not asked for). `embeds`:
+        the rows' embeddings `[B, T, hidden]` in the decoder's (right-padded) layout, for the ids."""
+        decoder, session = self.decoder, self.session
+        ids = rows.ids if embeds is None else embeds
+        batch, width = rows.ids.shape
+        mask = torch.ones_like(rows.ids, dtype=decoder.mask_dtype) if decoder.spec.attention_mask else None
+        positions = torch.arange(width, device=decoder.device).expand(batch, -1) if decoder.spec.position_ids else None
+        if cache is None:
+            binding = session.io_binding()
+            decoder.scratch.bind(binding, decoder, batch, width)
+            states = self._bind(binding, ids)
+            logits = decoder.run_bound(session, binding, ids, None, mask, positions, rows.lengths)
+        else:
+            with decoder.holding(cache) as runs:
+                binding = decoder.cache_binding(runs, cache, width, session)
+                cache.states.zero()
+                states = self._bind(binding, ids)
+                logits = decoder.run_bound(session, binding, ids, None, mask, positions, rows.lengths)
+                cache.start(rows.lengths, rows.longest, width)
+        caller = inputs.every_position(rows)
+        states = tuple((s if caller is None else s.index_select(0, caller)).view(batch, width, -1) for s in states)
+        logits = logits.view(batch * width, -1)
+        return (logits if logit_index is None else logits.index_select(0, logit_index)), states or None
+
+    def step(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None):
+        """`Decoder.step`'s logits and the new tokens' hidden states `[B, s, hidden]` (or None);
+        `tokens`: ids `[B, s]` or embeddings `[B, s, hidden]`."""
+        decoder, session = self.decoder, self.session
+        batch, new = tokens.shape[:2]
+        if new > 1 and (batch > 1 or (decoder.spec.steps_one_token and cache.longest > 0)):
+            runs = [self.step(tokens[:, i : i + 1], cache, None) for i in range(new)]
+            logits = torch.cat([r[0].view(batch, 1, -1) for r in runs], 1).view(batch * new, -1)
+            states = tuple(torch.cat(layer, 1) for layer in zip(*(r[1] for r in runs))) if self.dtypes else None
+            return (logits if logit_index is None else logits.index_select(0, logit_index)), states
+        with decoder.holding(cache) as runs:
+            cache.reserve(cache.longest + new, decoder.package.context_length)
+            binding = decoder.cache_binding(runs, cache, new, session)
+            mask = cache.step_mask(new, decoder.mask_dtype) if decoder.mask_dtype is not None else None
+            positions = cache.lengths[:, None] + torch.arange(new, device=decoder.device)
+            states = self._bind(binding, tokens)
+            logits = decoder.run_bound(session, binding, tokens, None, mask, positions).view(batch * new, -1)
+            cache.advance(new, new)
+        states = tuple(s.view(batch, new, -1) for s in states)
+        return (logits if logit_index is None else logits.index_select(0, logit_index)), states or None
+
+
+_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {(kind): (its session, Variant)}
+_lock = threading.Lock()
+
+
+def _graph_bytes(decoder: Decoder, hidden_states: bool, take_embeds: bool) -> bytes:
+    package, base = decoder.package, decoder.graph_bytes
+    digest = hashlib.sha256(base)
+    digest.update(f"|{hidden_states}|{take_embeds}|{package.num_hidden_layers}|{package.hidden_size}|"
+                  f"{package.model_type}|{VARIANT_VERSION}|{graph.code_digest()}|{ir.__version__}".encode())
+
+    def build() -> bytes:
+        model = ir.serde.deserialize_model(onnx.ModelProto.FromString(base))
+        if take_embeds:
+            embeddings.take_embeddings(model.graph, decoder.spec.input_ids, package.model_type, package.hidden_size)
+        if hidden_states:
+            hidden.add_hidden_outputs(model.graph, package.num_hidden_layers, package.hidden_size)
+        return ir.serde.serialize_model(model).SerializeToString()
+
+    return graph.cached(decoder.cache_dir, f"{decoder.spec.path.stem}-variant-{digest.hexdigest()[:32]}", build)
+
+
+def for_decoder(decoder: Decoder, hidden_states: bool, embeds: bool) -> Variant:
+    """The decoder's `Variant` giving hidden states and/or taking embeddings, for its current session
+    (made at the first call, again after `to(device)`); raises `RewriteSkipped` naming why a
+    package's graph cannot."""
+    with _lock:
+        made = _made.setdefault(decoder, {})
+        kind = (hidden_states, embeds)
+        if kind in made and made[kind][0] is decoder.session:
+            return made[kind][1]
+        embedding = decoder.package.embedding
+        embeds_input = None
+        if embeds and embedding is not None:
+            if len(embedding.feeds) != 1:
+                raise RewriteSkipped(f"the package's embedding model also gives {[f[1] for f in embedding.feeds[1:]]}"
+                                     ", which ortmodule makes from token ids only")
+            embeds_input = embedding.feeds[0][1]
+        elif embeds:
+            embeds_input = embeddings.EMBEDS
+        if not decoder.keeps_positions:
+            raise RewriteSkipped("the LM-head rewrite did not apply to this package's graph (see the load's log)")
+        if hidden_states or embedding is None:
+            data = _graph_bytes(decoder, hidden_states, embeds and embedding is None)
+            session = runtime.make_session(data, decoder.device, decoder.spec.path.parent, decoder.session_options,
+                                           decoder.run_provider_options, fp32_path=decoder.fp32_path,
+                                           prepack=extend.has_quantized_weights(decoder.graph_bytes))
+            logger.info("ortmodule: a second session of %s on %s for %s", decoder.spec.path, decoder.device,
+                        " and ".join(w for w, asked in (("hidden states", hidden_states), ("embeddings", embeds))
+                                     if asked))
+        else:
+            session = decoder.wide_session  # the decoder's own graph takes embeddings
+        variant = Variant(decoder, session, hidden_states, embeds_input)
+        made[kind] = (decoder.session, variant)
+        return variant
+
+
+def rolled(rows: Rows, embeds: torch.Tensor) -> torch.Tensor:
+    """A left-padded batch's embeddings `[B, T, H]` in the decoder's right-padded layout (rows.shift)."""
+    if rows.shift is None:
+        return embeds
+    width = embeds.shape[1]
+    order = (torch.arange(width, device=embeds.device)[None, :] + rows.shift[:, None].to(embeds.device)) % width
+    return embeds.gather(1, order[..., None].expand(-1, -1, embeds.shape[2]))
+
+
+def checked_embeds(embeds, hidden_size: int, device: torch.device) -> torch.Tensor:
+    """`inputs_embeds` as forward takes them: a float tensor `[batch, sequence, hidden]`, on `device`."""
+    if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point():
+        raise TypeError(f"inputs_embeds must be a float tensor, got {getattr(embeds, 'dtype', type(embeds).__name__)}")
+    if embeds.dim() != 3 or embeds.shape[2] != hidden_size or 0 in embeds.shape:
+        raise ValueError(f"inputs_embeds must be [batch, sequence, {hidden_size}] (the model's hidden size), got "
+                         f"{tuple(embeds.shape)}")
+    return embeds.to(device)
