@@ -11,10 +11,11 @@ from helpers import load_pair
 
 import ortmodule
 
-VOCAB, CONTEXT = 512, 256
+VOCAB, CONTEXT, HIDDEN = 512, 256, 64
 BROKEN_FORWARD = ["id_negative", "id_vocab", "id_huge", "float_ids", "bool_ids", "one_d", "three_d", "empty",
                   "mask_two", "mask_gap", "mask_zero_row", "mask_shape", "mask_list", "too_long", "cont_negative",
-                  "cont_string", "cont_float", "keep_empty", "keep_out_of_range", "not_a_tensor"]
+                  "cont_string", "cont_float", "keep_empty", "keep_out_of_range", "not_a_tensor", "embeds_int",
+                  "embeds_width", "embeds_two_d", "embeds_and_ids", "embeds_too_long", "embeds_mask_gap"]
 BROKEN_GENERATE = ["max_new_float", "max_new_zero", "top_p", "eos_negative", "pad_huge", "unknown_option",
                    "temperature_zero", "too_long"]
 BROKEN_SCORE = ["label_vocab", "label_bool", "labels_empty", "item_empty", "items_empty", "id_huge", "float_id",
@@ -37,8 +38,31 @@ def random_batch(rng: random.Random):
     return ids, mask
 
 
+def broken_embeds(rng, ids, mask, kind):
+    """(args, kwargs) for model(...) with `inputs_embeds` and one thing wrong."""
+    embeds, kwargs = torch.randn(*ids.shape, HIDDEN), {"attention_mask": mask}
+    if kind == "embeds_int":
+        embeds = embeds.long()
+    elif kind == "embeds_width":
+        embeds = embeds[..., : rng.randint(1, HIDDEN - 1)]
+    elif kind == "embeds_two_d":
+        embeds, kwargs["attention_mask"] = embeds[0], None
+    elif kind == "embeds_and_ids":
+        return ids, {**kwargs, "inputs_embeds": embeds}
+    elif kind == "embeds_too_long":
+        embeds, kwargs["attention_mask"] = torch.randn(1, CONTEXT + rng.randint(1, 50), HIDDEN), None
+    elif kind == "embeds_mask_gap":
+        mask = torch.ones(ids.shape[0], max(ids.shape[1], 3), dtype=torch.int64)
+        embeds = torch.randn(*mask.shape, HIDDEN)
+        mask[0, 1] = 0
+        kwargs["attention_mask"] = mask
+    return None, {**kwargs, "inputs_embeds": embeds}
+
+
 def broken_forward(rng, ids, mask, kind):
     """(args, kwargs) for model(...) with one thing wrong."""
+    if kind.startswith("embeds"):
+        return broken_embeds(rng, ids, mask, kind)
     kwargs = {"attention_mask": mask}
     if kind == "id_negative":
         ids = ids.clone()
@@ -119,8 +143,21 @@ def test_forward_fuzz(fixture):
         if rng.random() < 0.3:
             ids = ids.to(rng.choice([torch.int32, torch.int16]))
         keep = rng.choice([None, 0, rng.randint(1, ids.shape[1])])
-        logits = model(ids, attention_mask=mask, cont_len=keep).logits
-        expected = reference_logits(hf, ids.long(), mask)
+        mode = rng.choice(["ids", "ids", "embeds", "hidden"])  # embeddings off the table; hidden states too
+        if mode == "embeds":
+            with torch.no_grad():
+                embeds = hf.get_input_embeddings()(ids.long()) * (1 + rng.random() / 10)
+                expected = hf(inputs_embeds=embeds, attention_mask=mask).logits
+            logits = model(inputs_embeds=embeds, attention_mask=mask, cont_len=keep).logits
+        else:
+            out = model(ids, attention_mask=mask, cont_len=keep, output_hidden_states=mode == "hidden")
+            logits, expected = out.logits, reference_logits(hf, ids.long(), mask)
+        if mode == "hidden":
+            with torch.no_grad():
+                states = hf(ids.long(), attention_mask=mask, output_hidden_states=True).hidden_states
+            every = (mask if mask is not None else torch.ones_like(ids)).bool()
+            for ours, theirs in zip(out.hidden_states, states, strict=True):
+                assert (ours - theirs)[every].abs().max().item() < 1e-4 * max(1.0, theirs.abs().max().item()), case
         if keep:
             expected = expected[:, -keep:]
             real = (mask if mask is not None else torch.ones_like(ids))[:, -keep:].bool()
