@@ -140,9 +140,10 @@ def for_decoder(decoder: Decoder, hidden_states: bool, embeds: bool) -> Variant:
             embeds_input = embedding.feeds[0][1]
         elif embeds:
             embeds_input = embeddings.EMBEDS
-        if not decoder.keeps_positions:
-            raise RewriteSkipped("the LM-head rewrite did not apply to this package's graph (see the load's log)")
         if hidden_states or embedding is None:
+            if not decoder.keeps_positions:
+                raise RewriteSkipped("it needs the LM-head rewrite, which is off (rewrite_lm_head=False) or did not "
+                                     "apply to this package's graph (the load's log says why)")
             data = _graph_bytes(decoder, hidden_states, embeds and embedding is None)
             session = runtime.make_session(data, decoder.device, decoder.spec.path.parent, decoder.session_options,
                                            decoder.run_provider_options, fp32_path=decoder.fp32_path,

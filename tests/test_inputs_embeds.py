@@ -103,3 +103,11 @@ def test_an_embedding_model_that_makes_more_than_embeddings_is_refused(build):
                                                 r"\['per_layer_inputs'\]"):
         model(inputs_embeds=torch.zeros(1, 3, model.package.hidden_size))
     assert model(torch.tensor([[5, 6, 7]])).logits.shape[:2] == (1, 3)
+
+
+def test_without_the_lm_head_rewrite_a_text_package_says_why(build):
+    model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir, rewrite_lm_head=False)
+    with pytest.raises(NotSupportedError, match=r"inputs_embeds: it needs the LM-head rewrite, which is off"):
+        model(inputs_embeds=torch.zeros(1, 3, 64))
+    with pytest.raises(NotSupportedError, match=r"output_hidden_states=True: it needs the LM-head rewrite"):
+        model(torch.tensor([[5, 6, 7]]), output_hidden_states=True)
