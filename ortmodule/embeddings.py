@@ -18,6 +18,7 @@ from __future__ import annotations
 import onnx_ir as ir
 import torch
 
+from .constants import constant_tensor
 from .graph import RewriteSkipped
 from .package import Package
 
@@ -39,24 +40,13 @@ class ScaledEmbedding(torch.nn.Embedding):
         return super().forward(input_ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
 
 
-def _constant(value: ir.Value | None) -> ir.TensorProtocol | None:
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value
-    node = value.producer()
-    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
-        return node.attributes["value"].as_tensor()
-    return None
-
-
 def _table(gather: ir.Node) -> torch.Tensor:
     """The `[vocab, hidden]` table a token `Gather` reads: an initializer, or one transposed."""
     source, transposed = gather.inputs[0], False
     producer = source.producer()
-    if producer is not None and producer.op_type == "Transpose" and _constant(producer.inputs[0]) is not None:
+    if producer is not None and producer.op_type == "Transpose" and constant_tensor(producer.inputs[0]) is not None:
         source, transposed = producer.inputs[0], True
-    tensor = _constant(source)
+    tensor = constant_tensor(source)
     if tensor is None or tensor.dtype not in _TORCH or len(tensor.shape) != 2:
         raise ValueError(f"'{gather.name}' gathers from '{source.name}', not a float table of the weights")
     data = torch.frombuffer(bytearray(tensor.tobytes()), dtype=_TORCH[tensor.dtype]).view(*tensor.shape)
@@ -81,7 +71,7 @@ def _scaling(gather: ir.Node, model_type: str) -> tuple[ir.Node | None, float | 
     mul = users[0].node if len(users) == 1 and users[0].node.op_type == "Mul" else None
     if mul is None or not model_type.startswith(_SCALED_INSIDE):
         return None, None
-    other = _constant(mul.inputs[1] if mul.inputs[0] is gather.outputs[0] else mul.inputs[0])
+    other = constant_tensor(mul.inputs[1] if mul.inputs[0] is gather.outputs[0] else mul.inputs[0])
     if other is None or other.size != 1 or other.dtype not in _TORCH:
         return None, None
     return mul, float(torch.frombuffer(bytearray(other.tobytes()), dtype=_TORCH[other.dtype]).item())

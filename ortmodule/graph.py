@@ -45,9 +45,10 @@ logger = logging.getLogger("ortmodule")
 
 LOGITS_INDICES = "ortmodule_logits_indices"
 REWRITE_VERSION = "8"
-# The files whose code shapes a rewritten graph (this one's, the extend, prefill and hidden-states graphs'): their
+# The files whose code shapes a rewritten graph (this one's, the extend, prefill and variants.py's graphs): their
 # bytes are a part of every cache key (`code_digest`), so that no entry made by other code is reused.
-_REWRITE_SOURCES = ("graph.py", "projections.py", "tail.py", "constants.py", "extend.py", "states.py", "hidden.py")
+_REWRITE_SOURCES = ("graph.py", "projections.py", "tail.py", "constants.py", "extend.py", "states.py", "hidden.py",
+                    "embeddings.py", "variants.py")
 
 # Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
 _ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}
