@@ -19,7 +19,7 @@ import onnx_ir as ir
 import torch
 
 from .constants import constant_tensor
-from .graph import RewriteSkipped
+from .graph import RewriteSkipped, find_lm_head
 from .package import Package
 
 EMBEDS = "ortmodule_inputs_embeds"  # the input of a graph that takes embeddings (take_embeddings)
@@ -121,3 +121,30 @@ def input_embeddings(package: Package, model_type: str, device: torch.device) ->
     if scale is None:
         return torch.nn.Embedding.from_pretrained(weight, freeze=True)
     return ScaledEmbedding(weight, scale)
+
+
+def output_embeddings(package: Package, device: torch.device) -> torch.nn.Linear:
+    """The package's LM head as transformers' `get_output_embeddings()` gives it: a frozen
+    `torch.nn.Linear(hidden, vocab)` (with the head's bias where the graph adds one right after it;
+    soft-capping and logit scaling stay outside, as in transformers' models). Raises ValueError where
+    the head is not a MatMul by a float weight (4-bit heads)."""
+    try:
+        head, chain = find_lm_head(ir.load(package.decoder.path).graph, package.decoder.logits)
+    except RewriteSkipped as reason:
+        raise ValueError(str(reason)) from None
+    weight = constant_tensor(head.inputs[1])
+    if head.op_type != "MatMul" or weight is None or weight.dtype not in _TORCH or len(weight.shape) != 2:
+        raise ValueError(f"the LM head '{head.name}' is a {head.op_type}, not a MatMul by a float weight (a 4-bit "
+                         "head has no float table to give)")
+    table = torch.frombuffer(bytearray(weight.tobytes()), dtype=_TORCH[weight.dtype]).view(*weight.shape)
+    bias = None
+    if chain and chain[-1].op_type == "Add":  # the node right after the head (the chain runs from the output back)
+        added = next((t for t in map(constant_tensor, chain[-1].inputs) if t is not None), None)
+        if added is not None and tuple(added.shape) == (table.shape[1],):
+            bias = torch.frombuffer(bytearray(added.tobytes()), dtype=_TORCH[added.dtype])
+    linear = torch.nn.Linear(*table.shape, bias=bias is not None, dtype=table.dtype, device=device)
+    with torch.no_grad():
+        linear.weight.copy_(table.t())
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear.requires_grad_(False)

@@ -63,7 +63,7 @@ def default_cache_dir() -> Path:
     return cache_home() / "graphs"
 
 
-def _find_lm_head(graph: ir.Graph, logits_name: str) -> tuple[ir.Node, list[ir.Node]]:
+def find_lm_head(graph: ir.Graph, logits_name: str) -> tuple[ir.Node, list[ir.Node]]:
     """The node computing the logits from hidden states, and the elementwise nodes after it."""
     output = next((o for o in graph.outputs if o.name == logits_name), None)
     if output is None:
@@ -99,7 +99,7 @@ def rewrite_keep_positions(proto: onnx.ModelProto, logits_name: str, float32_hea
     """
     model = ir.serde.deserialize_model(proto)
     graph = model.graph
-    head, chain = _find_lm_head(graph, logits_name)
+    head, chain = find_lm_head(graph, logits_name)
     indices = ir.Value(name=LOGITS_INDICES, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["num_logits"]))
     graph.inputs.append(indices)
     flatten = ir.node("Flatten", [head.inputs[0]], attributes={"axis": 2}, name="/ortmodule/Flatten")

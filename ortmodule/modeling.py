@@ -38,8 +38,9 @@ MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("ortmodule", "OrtModelForCausalLM")
 
 # What transformers models have and these do not, with what to do instead.
 _NO_PYTORCH_MODULES = (
-    "the ONNX graph holds the weights, and ortmodule exposes no PyTorch modules but the token embeddings "
-    "(get_input_embeddings()) and no hidden states but forward's (output_hidden_states=True); for per-token "
+    "the ONNX graph holds the weights, and ortmodule exposes no PyTorch modules but the embedding table and "
+    "the LM head (get_input_embeddings(), get_output_embeddings()) and no hidden states but forward's "
+    "(output_hidden_states=True); for per-token "
     "log-probabilities use model(input_ids, ...).logits (with cont_len / logits_to_keep for the positions you need) "
     "or ortmodule.loglikelihood"
 )
@@ -63,17 +64,22 @@ class HuggingFaceSurface(GenerationMixin):
     def get_input_embeddings(self) -> torch.nn.Embedding:
         """The package's token embeddings as transformers gives them: a frozen `torch.nn.Embedding` on
         the model's device, read from the graph once per device (embeddings.py); not a submodule."""
-        made = self.__dict__.get("_embeddings_made")  # kept out of nn.Module's registry: no parameters()
+        return self._table("get_input_embeddings", lambda: embeddings.input_embeddings(
+            self.package, self.config.model_type, self.device))
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        """The package's LM head as transformers gives it: a frozen `torch.nn.Linear(hidden, vocab)` on
+        the model's device (embeddings.py), read once per device; not a submodule."""
+        return self._table("get_output_embeddings", lambda: embeddings.output_embeddings(self.package, self.device))
+
+    def _table(self, name: str, make) -> torch.nn.Module:
+        made = self.__dict__.get(f"_made_{name}")  # kept out of nn.Module's registry: no parameters()
         if made is None or made[0] != self.device:
             try:
-                module = embeddings.input_embeddings(self.package, self.config.model_type, self.device)
+                made = self.__dict__[f"_made_{name}"] = (self.device, make())
             except ValueError as reason:
-                raise NotSupportedError(f"OrtModelForCausalLM.get_input_embeddings(): {reason}") from None
-            made = self.__dict__["_embeddings_made"] = (self.device, module)
+                raise NotSupportedError(f"OrtModelForCausalLM.{name}(): {reason}") from None
         return made[1]
-
-    def get_output_embeddings(self):
-        raise NotSupportedError(f"OrtModelForCausalLM.get_output_embeddings(): {_NO_PYTORCH_MODULES}")
 
     def resize_token_embeddings(self, *args, **kwargs):
         raise NotSupportedError(

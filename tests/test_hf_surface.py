@@ -155,16 +155,24 @@ def test_what_an_onnx_package_lacks_is_a_clear_error(build):
         assert not hasattr(model, name)
         with pytest.raises(NotSupportedError, match=f"has no {name}: the ONNX graph holds the weights"):
             getattr(model, name)
-    for call in (model.get_output_embeddings, lambda: model.resize_token_embeddings(9)):
-        with pytest.raises(NotImplementedError, match="ONNX|exported package"):
-            call()
+    with pytest.raises(NotImplementedError, match="exported package"):
+        model.resize_token_embeddings(9)
 
 
-@pytest.mark.parametrize("arch", [*MODEL_ARCHES, "gemma2", "granite", "lfm2"])
-def test_input_embeddings_are_transformers(build, arch):
+WIDE = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}  # Phi-2's rotary
+
+
+@pytest.mark.parametrize("arch", [*MODEL_ARCHES, "gemma2", "granite", "lfm2", "phi"])
+def test_input_and_output_embeddings_are_transformers(build, arch):
     """`get_input_embeddings()`: the table transformers' module holds, and its forward (Gemma's
-    scaled inside the module, Granite's multiplier left to the model), frozen, not a submodule."""
-    model, hf = load_pair(build(arch, **({"num_layers": 4} if arch == "lfm2" else {})))
+    scaled inside the module, Granite's multiplier left to the model), frozen, not a submodule;
+    `get_output_embeddings()`: the LM head's weight (and Phi-2's bias) as transformers' Linear."""
+    model, hf = load_pair(build(arch, **({"num_layers": 4} if arch == "lfm2" else WIDE if arch == "phi" else {})))
+    head, theirs_head = model.get_output_embeddings(), hf.get_output_embeddings()
+    assert model.get_output_embeddings() is head
+    assert torch.equal(head.weight, theirs_head.weight) and not head.weight.requires_grad
+    assert (head.bias is None) == (theirs_head.bias is None)
+    assert head.bias is None or torch.equal(head.bias, theirs_head.bias)
     ours, theirs = model.get_input_embeddings(), hf.get_input_embeddings()
     assert model.get_input_embeddings() is ours  # read once
     ids = torch.tensor([[3, 7, 100, 499], [0, 1, 2, 511]])
@@ -175,10 +183,24 @@ def test_input_embeddings_are_transformers(build, arch):
     assert list(model.parameters()) == []
 
 
-def test_block_quantized_embeddings_are_refused_by_name():
+def test_block_quantized_embeddings_and_head_are_refused_by_name():
     model = OrtModelForCausalLM.from_pretrained(fixtures.build(fixtures.SMOLLM2_INT4).package_dir)
     with pytest.raises(NotSupportedError, match="token embeddings are block-quantized .GatherBlockQuantized."):
         model.get_input_embeddings()
+    with pytest.raises(NotSupportedError, match="get_output_embeddings.*is a MatMulNBits, not a MatMul by a float"):
+        model.get_output_embeddings()
+
+
+def test_the_head_on_the_last_hidden_state_gives_the_logits(build):
+    """A logit lens's last step: `get_output_embeddings()` of `hidden_states[-1]` is the logits."""
+    for arch, fields in (("llama", {}), ("phi", WIDE)):
+        model = OrtModelForCausalLM.from_pretrained(build(arch, **fields).package_dir)
+        ids, mask = left_padded([6, 4], seed=5)
+        out = model(ids, attention_mask=mask, output_hidden_states=True)
+        with torch.inference_mode():
+            logits = model.get_output_embeddings()(out.hidden_states[-1])
+        real = mask.bool()
+        assert (logits - out.logits)[real].abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("mode", ["prompt_lookup", "assistant", "guidance_scale"])
