@@ -54,10 +54,11 @@ class Variant:
 
     def prefill(self, rows: Rows, logit_index: torch.Tensor | None, cache: KVCache | None,
                 embeds: torch.Tensor | None = None):
-        """`Decoder.prefill`'s logits (every position through the head, then the asked-for ones) and
-        the hidden states `[B, T, hidden]` in the caller's layout (None where not asked for). `embeds`:
-        the rows' embeddings `[B, T, hidden]` in the decoder's (right-padded) layout, for the ids."""
+        """`Decoder.prefill`'s logits (with hidden states every position through the head, then the
+        asked-for ones) and the hidden states `[B, T, hidden]` in the caller's layout (None where not
+        asked for). `embeds`: the rows' embeddings `[B, T, hidden]` in the decoder's right-padded layout."""
         decoder, session = self.decoder, self.session
+        kept = None if self.dtypes else logit_index  # the final norm's output is every position's
         ids = rows.ids if embeds is None else embeds
         batch, width = rows.ids.shape
         mask = torch.ones_like(rows.ids, dtype=decoder.mask_dtype) if decoder.spec.attention_mask else None
@@ -66,18 +67,20 @@ class Variant:
             binding = session.io_binding()
             decoder.scratch.bind(binding, decoder, batch, width)
             states = self._bind(binding, ids)
-            logits = decoder.run_bound(session, binding, ids, None, mask, positions, rows.lengths)
+            logits = decoder.run_bound(session, binding, ids, kept, mask, positions, rows.lengths)
         else:
             with decoder.holding(cache) as runs:
                 binding = decoder.cache_binding(runs, cache, width, session)
                 cache.states.zero()
                 states = self._bind(binding, ids)
-                logits = decoder.run_bound(session, binding, ids, None, mask, positions, rows.lengths)
+                logits = decoder.run_bound(session, binding, ids, kept, mask, positions, rows.lengths)
                 cache.start(rows.lengths, rows.longest, width)
         caller = inputs.every_position(rows)
         states = tuple((s if caller is None else s.index_select(0, caller)).view(batch, width, -1) for s in states)
-        logits = logits.view(batch * width, -1)
-        return (logits if logit_index is None else logits.index_select(0, logit_index)), states or None
+        logits = logits.view(-1, logits.shape[-1])
+        if kept is None and logit_index is not None:
+            logits = logits.index_select(0, logit_index)
+        return logits, states or None
 
     def step(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None):
         """`Decoder.step`'s logits and the new tokens' hidden states `[B, s, hidden]` (or None);
