@@ -272,7 +272,9 @@ def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int
             "mask is the mask so far followed by ones for the new tokens"
         )
     if flags["positions"]:
-        _refuse_positions()
+        caller = cache.caller_mask
+        gap = caller is not None and bool(((caller[:, 1:] == 0) & (caller[:, :-1] == 1)).any())
+        _refuse_positions(right_padded=gap)
     return ids
 
 
@@ -305,7 +307,13 @@ def _positions_differ(position_ids, cache_position, expected: torch.Tensor, real
     return differs | ((wrong & real).any() if real is not None else wrong.any())
 
 
-def _refuse_positions() -> None:
+def _refuse_positions(right_padded: bool = False) -> None:
+    if right_padded:
+        raise ValueError(
+            "these steps continue a right-padded prompt batch, and the positions given for the new tokens (by "
+            "transformers' generation loop, which warns 'right-padding was detected') are not the rows' own: pad "
+            "prompts on the left for generation (tokenizer.padding_side = 'left')"
+        )
     raise NotImplementedError(
         "position_ids or cache_position other than each row's own positions are not supported: the ONNX graph "
         "numbers each row's tokens 0, 1, ... from the attention mask (what transformers computes for left- and "

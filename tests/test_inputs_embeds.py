@@ -111,3 +111,14 @@ def test_without_the_lm_head_rewrite_a_text_package_says_why(build):
         model(inputs_embeds=torch.zeros(1, 3, 64))
     with pytest.raises(NotSupportedError, match=r"output_hidden_states=True: it needs the LM-head rewrite"):
         model(torch.tensor([[5, 6, 7]]), output_hidden_states=True)
+
+
+def test_generating_from_right_padded_prompts_through_transformers_loop_says_pad_left(build):
+    """transformers' loop (from embeddings, beams) gives a right-padded row's new tokens positions that
+    are not the row's own (it warns): a ValueError that says to pad on the left."""
+    model, _ = load_pair(build("llama"))
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    for kwargs in (dict(inputs_embeds=steered(model, ids)), dict(input_ids=ids, num_beams=2)):
+        with pytest.raises(ValueError, match="continue a right-padded prompt batch.*padding_side = 'left'"):
+            model.generate(attention_mask=mask, max_new_tokens=3, pad_token_id=0, **kwargs)
