@@ -5,8 +5,9 @@ per decoder session and kind, cached on disk like the other rewrites (graph.py).
 
 A multimodal package's decoder already takes embeddings (its embedding model makes them from the
 ids): there `inputs_embeds` are bound to that input, in the decoder's own session unless hidden
-states are asked for too. Runs take the decoder's bindings and cache locks (`Decoder.holding`) and
-run every position through the LM head: paths for inspecting or steering a model, not for speed.
+states are asked for too. Runs take the decoder's bindings and cache locks (`Decoder.holding`);
+with hidden states every position goes through the LM head: paths for inspecting or steering a
+model, not for speed.
 """
 
 from __future__ import annotations
