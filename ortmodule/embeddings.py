@@ -40,6 +40,11 @@ class ScaledEmbedding(torch.nn.Embedding):
         return super().forward(input_ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
 
 
+def _torch(tensor: ir.TensorProtocol) -> torch.Tensor:
+    """A float initializer's values as a torch tensor of its shape (a copy, on the host)."""
+    return torch.frombuffer(bytearray(tensor.tobytes()), dtype=_TORCH[tensor.dtype]).view(tuple(tensor.shape))
+
+
 def _table(gather: ir.Node) -> torch.Tensor:
     """The `[vocab, hidden]` table a token `Gather` reads: an initializer, or one transposed."""
     source, transposed = gather.inputs[0], False
@@ -49,7 +54,7 @@ def _table(gather: ir.Node) -> torch.Tensor:
     tensor = constant_tensor(source)
     if tensor is None or tensor.dtype not in _TORCH or len(tensor.shape) != 2:
         raise ValueError(f"'{gather.name}' gathers from '{source.name}', not a float table of the weights")
-    data = torch.frombuffer(bytearray(tensor.tobytes()), dtype=_TORCH[tensor.dtype]).view(*tensor.shape)
+    data = _torch(tensor)
     return data.t().contiguous() if transposed else data
 
 
@@ -74,7 +79,7 @@ def _scaling(gather: ir.Node, model_type: str) -> tuple[ir.Node | None, float | 
     other = constant_tensor(mul.inputs[1] if mul.inputs[0] is gather.outputs[0] else mul.inputs[0])
     if other is None or other.size != 1 or other.dtype not in _TORCH:
         return None, None
-    return mul, float(torch.frombuffer(bytearray(other.tobytes()), dtype=_TORCH[other.dtype]).item())
+    return mul, float(_torch(other).item())
 
 
 def take_embeddings(g: ir.Graph, input_ids: str, model_type: str, hidden_size: int) -> None:
@@ -136,15 +141,14 @@ def output_embeddings(package: Package, device: torch.device) -> torch.nn.Linear
     if head.op_type != "MatMul" or weight is None or weight.dtype not in _TORCH or len(weight.shape) != 2:
         raise ValueError(f"the LM head '{head.name}' is a {head.op_type}, not a MatMul by a float weight (a 4-bit "
                          "head has no float table to give)")
-    table = torch.frombuffer(bytearray(weight.tobytes()), dtype=_TORCH[weight.dtype]).view(*weight.shape)
+    table = _torch(weight)
     bias = None
     if chain and chain[-1].op_type == "Add":  # the node right after the head (the chain runs from the output back)
         added = next((t for t in map(constant_tensor, chain[-1].inputs) if t is not None), None)
         if added is not None and tuple(added.shape) == (table.shape[1],):
-            bias = torch.frombuffer(bytearray(added.tobytes()), dtype=_TORCH[added.dtype])
-    linear = torch.nn.Linear(*table.shape, bias=bias is not None, dtype=table.dtype, device=device)
-    with torch.no_grad():
-        linear.weight.copy_(table.t())
-        if bias is not None:
-            linear.bias.copy_(bias)
-    return linear.requires_grad_(False)
+            bias = _torch(added)
+    linear = torch.nn.Linear(*table.shape, bias=False, device="meta")  # no random init of a vocab-wide weight
+    linear.weight = torch.nn.Parameter(table.t().contiguous().to(device), requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias.to(device), requires_grad=False)
+    return linear

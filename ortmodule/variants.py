@@ -99,10 +99,14 @@ class Variant:
             mask = cache.step_mask(new, decoder.mask_dtype) if decoder.mask_dtype is not None else None
             positions = cache.lengths[:, None] + torch.arange(new, device=decoder.device)
             states = self._bind(binding, tokens)
-            logits = decoder.run_bound(session, binding, tokens, None, mask, positions).view(batch * new, -1)
+            kept = None if self.dtypes else logit_index  # as in prefill
+            logits = decoder.run_bound(session, binding, tokens, kept, mask, positions)
             cache.advance(new, new)
         states = tuple(s.view(batch, new, -1) for s in states)
-        return (logits if logit_index is None else logits.index_select(0, logit_index)), states or None
+        logits = logits.view(-1, logits.shape[-1])
+        if kept is None and logit_index is not None:
+            logits = logits.index_select(0, logit_index)
+        return logits, states or None
 
 
 _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {(kind): (its session, Variant)}
