@@ -94,9 +94,8 @@ class KVCache(Cache):
 
     Of transformers' `Cache` API it carries what generation code and libraries call, with
     transformers' semantics, in the caller's column layout: `get_seq_length`, `get_mask_sizes`,
-    `crop`, `reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`, `reset`. Every one
-    works on the device. `update` (a PyTorch attention layer writing its keys) has no meaning here:
-    ONNX Runtime writes this cache.
+    `crop`, `reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`, `reset`, on the device.
+    `update` (a PyTorch attention layer writing its keys) has no meaning here: ONNX Runtime writes it.
     """
 
     is_compileable, is_croppable, is_initialized = False, True, True
@@ -131,6 +130,7 @@ class KVCache(Cache):
         # The caller's attention mask so far ([B, seen]), for checking a step's mask; None inside
         # generate and scoring, which build their own steps.
         self.caller_mask: torch.Tensor | None = None
+        self.position_offset: torch.Tensor | None = None  # next position - tokens held (mRoPE after images)
         self.version = 0  # bumped whenever the buffers are replaced: a binding of older ones is stale
 
     @property
@@ -158,6 +158,11 @@ class KVCache(Cache):
                 buffers[i] = new
         self.version += 1
 
+    def next_positions(self, new: int) -> torch.Tensor:
+        """`[B, new]`: the positions of `new` tokens appended to every row."""
+        positions = self.lengths[:, None] + torch.arange(new, device=self.lengths.device)
+        return positions if self.position_offset is None else positions + self.position_offset[:, None]
+
     def step_mask(self, new: int, dtype: torch.dtype) -> torch.Tensor:
         """The attention mask of a run that appends `new` tokens to every row."""
         if not self.shared:
@@ -171,6 +176,7 @@ class KVCache(Cache):
         self.lengths.copy_(lengths)
         self.longest = longest
         self.seen = columns
+        self.position_offset = None
         self.states.take()
         if not self.shared:
             self._take_presents()
@@ -197,6 +203,7 @@ class KVCache(Cache):
         self.lengths.copy_(lengths)
         self.longest = longest
         self.seen = width
+        self.position_offset = None if source.position_offset is None else source.position_offset.index_select(0, rows)
 
     @_inference_mode
     def advance(self, new: int, columns: int) -> None:
@@ -300,6 +307,8 @@ class KVCache(Cache):
             self.valid = self.valid.index_select(0, rows)
         if self.caller_mask is not None:
             self.caller_mask = self.caller_mask.index_select(0, rows)
+        if self.position_offset is not None:
+            self.position_offset = self.position_offset.index_select(0, rows)
         self.version += 1
 
     @_inference_mode
@@ -307,7 +316,7 @@ class KVCache(Cache):
         """Empty every row (the buffers stay allocated)."""
         self.lengths.zero_()
         self.longest = self.seen = 0
-        self.caller_mask = None
+        self.caller_mask = self.position_offset = None
         self.states.zero()
         if not self.shared:
             self.keys = [key[:, :, :0].contiguous() for key in self.keys]
@@ -340,6 +349,7 @@ def rows_view(cache: KVCache, start: int, stop: int, longest: int) -> KVCache:
     view.values = [value[start:stop] for value in cache.values]
     view.states = cache.states.rows_view(start, stop)
     view.lengths = cache.lengths[start:stop]
+    view.position_offset = None if cache.position_offset is None else cache.position_offset[start:stop]
     view.longest = longest
     view.caller_mask = None
     return view

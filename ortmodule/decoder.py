@@ -235,8 +235,7 @@ class Decoder:
             cache.reserve(cache.longest + new, self.package.context_length)
             binding = self.cache_binding(runs, cache, new, session)
             mask = cache.step_mask(new, self.mask_dtype) if self.mask_dtype is not None else None
-            positions = cache.lengths[:, None] + torch.arange(new, device=self.device)
-            logits = self.run_bound(session, binding, tokens, logit_index, mask, positions)
+            logits = self.run_bound(session, binding, tokens, logit_index, mask, cache.next_positions(new))
             cache.advance(new, new)
         return logits
 
@@ -326,9 +325,10 @@ class Decoder:
 
     def position_input(self, positions: torch.Tensor) -> torch.Tensor:
         """`[B, S]` positions in the decoder's dtype and rank (mRoPE decoders take `[3, B, S]`:
-        for text, the temporal, height and width positions are all the token's position)."""
+        for text, the temporal, height and width positions are all the token's position; images'
+        come as `[3, B, S]`, images.py)."""
         positions = positions.to(self.position_dtype)
-        if self.spec.position_rank == 3:
+        if self.spec.position_rank == 3 and positions.dim() == 2:
             positions = positions.expand(3, *positions.shape)
         return positions.contiguous()
 

@@ -26,7 +26,7 @@ from .hf import CACHE_NAME
 # Model inputs generate() takes besides the generation options (`generator`: a torch.Generator
 # for sampling, ortmodule's own; the KV cache as `cache` or, before transformers 5.24, `past_key_values`).
 MODEL_INPUTS = {"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "generator", "inputs_embeds",
-                "logits_to_keep"}
+                "logits_to_keep", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
 # generate()'s own arguments that are not GenerationConfig fields (transformers' signature).
 _CALL_ARGUMENTS = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
                    "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",

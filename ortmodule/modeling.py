@@ -18,7 +18,7 @@ from transformers import Cache, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import costs, embeddings, generation, inputs, kept_costs, runtime, variants
+from . import costs, embeddings, generation, images, inputs, kept_costs, runtime, variants
 from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
@@ -81,6 +81,24 @@ class HuggingFaceSurface(GenerationMixin):
                 raise NotSupportedError(f"OrtModelForCausalLM.{name}(): {reason}") from None
         return made[1]
 
+    def half(self) -> OrtModelForCausalLM:
+        return self.to(torch.float16)
+
+    def float(self) -> OrtModelForCausalLM:
+        return self.to(torch.float32)
+
+    def bfloat16(self) -> OrtModelForCausalLM:
+        return self.to(torch.bfloat16)
+
+    def double(self) -> OrtModelForCausalLM:
+        return self.to(torch.float64)
+
+    def cuda(self, device: int | None = None) -> OrtModelForCausalLM:
+        return self.to("cuda" if device is None else f"cuda:{device}")
+
+    def cpu(self) -> OrtModelForCausalLM:
+        return self.to("cpu")
+
     def resize_token_embeddings(self, *args, **kwargs):
         raise NotSupportedError(
             "OrtModelForCausalLM.resize_token_embeddings(): the vocabulary is fixed by the exported package; add the "
@@ -118,6 +136,21 @@ class HuggingFaceSurface(GenerationMixin):
         model_kwargs.pop("generator", None)  # ortmodule's own argument, taken by its sampling loop
         GenerationMixin._validate_model_kwargs(self, model_kwargs)
 
+    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
+                                      **model_kwargs):
+        """transformers' repetition of every row for `num_return_sequences` and beams, with each row's
+        images repeated with it (their tensors are not one row each: images.expanded)."""
+        pixels, grids = model_kwargs.get("pixel_values"), model_kwargs.get("image_grid_thw")
+        given = input_ids
+        input_ids, model_kwargs = GenerationMixin._expand_inputs_for_generation(
+            self, expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+        if expand_size > 1 and isinstance(pixels, torch.Tensor) and isinstance(grids, torch.Tensor) and \
+                isinstance(given, torch.Tensor):
+            token = self.package.genai_config["model"].get("image_token_id")
+            model_kwargs["pixel_values"], model_kwargs["image_grid_thw"] = images.expanded(given, pixels, grids, token,
+                                                                                           expand_size)
+        return input_ids, model_kwargs
+
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
         """transformers' greedy/sampling loop, run on the device by generation.sample; continuing
@@ -125,12 +158,13 @@ class HuggingFaceSurface(GenerationMixin):
         own loop over forward."""
         cache = model_kwargs.get(CACHE_NAME)
         fresh = cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0)
-        if fresh and not generation_config.output_hidden_states and model_kwargs.get("inputs_embeds") is None:
+        if fresh and not generation_config.output_hidden_states and model_kwargs.get("inputs_embeds") is None and \
+                model_kwargs.get("pixel_values") is None:
             model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                      **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:
-            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds or "
+            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds, pixel_values or "
                              "output_hidden_states in generate()")
         return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus, streamer, **model_kwargs)
@@ -229,24 +263,6 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
                 self.decoder.load(device)
         return self
 
-    def half(self) -> OrtModelForCausalLM:
-        return self.to(torch.float16)
-
-    def float(self) -> OrtModelForCausalLM:
-        return self.to(torch.float32)
-
-    def bfloat16(self) -> OrtModelForCausalLM:
-        return self.to(torch.bfloat16)
-
-    def double(self) -> OrtModelForCausalLM:
-        return self.to(torch.float64)
-
-    def cuda(self, device: int | None = None) -> OrtModelForCausalLM:
-        return self.to("cuda" if device is None else f"cuda:{device}")
-
-    def cpu(self) -> OrtModelForCausalLM:
-        return self.to("cpu")
-
     def measured_costs(self, refresh: bool = False) -> costs.Costs | None:
         """What runs of this model cost on its device (`Costs`), from which context sharing is decided
         (`share_contexts="auto"`, score's `reuse_prefix=None`). Timed at the first call for each device
@@ -276,6 +292,9 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         cache: Cache | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
         **kwargs,
     ):
         """Logits of `input_ids` (and the loss when `labels` are given).
@@ -294,14 +313,15 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         embeds = None if inputs_embeds is None else \
             variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
-        runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None)
+        media = _image_inputs(past, embeds, pixel_values, image_grid_thw, mm_token_type_ids)
+        runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None or media is not None)
         ids = input_ids if embeds is None else embeds.new_zeros(embeds.shape[:2], dtype=torch.int64)  # for the checks
         if past is not None:
             logits, states = self._forward_step(ids, attention_mask, past, keep, position_ids, cache_position, runs,
                                                 embeds)
         else:
             logits, past, states = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
-                                                        cache_position, runs, embeds)
+                                                        cache_position, runs, embeds, media)
         loss = _shifted_loss(logits, labels, keep, attention_mask) if labels is not None else None
         if not use_cache:
             past = None
@@ -315,10 +335,15 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
                                   position_ids, cache_position)
 
     def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs,
-                        embeds=None):
+                        embeds=None, media=None):
         """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch
-        (of `embeds` where given), its cache, and from `runs` (a `variants.Variant`) the hidden states."""
+        (of `embeds` where given; with `media`, `_image_inputs`', its images), its cache, and from
+        `runs` (a `variants.Variant`) the hidden states."""
         rows = self._rows(input_ids, attention_mask, position_ids, cache_position)
+        mrope = None
+        if media is not None:
+            embeds, mrope, offsets = _image_prompt(self.decoder, input_ids, attention_mask, media)
+            mrope = images.rolled(rows.shift, mrope)
         batch, width = rows.ids.shape
         cache = self.decoder.new_cache(batch, width) if use_cache else None
         positions = inputs.kept_positions(keep, width, self.device)
@@ -327,13 +352,15 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         else:
             index = inputs.each_row(batch, width, positions, rows.shift)
         if runs is not None:
-            logits, states = runs.prefill(rows, index, cache, None if embeds is None else variants.rolled(rows, embeds))
+            logits, states = runs.prefill(rows, index, cache, None if embeds is None else variants.rolled(rows, embeds),
+                                          mrope)
         else:
             logits, states = self.decoder.prefill(rows, index, cache), None
         logits = self.decoder.public(logits).view(batch, -1, self.package.vocab_size)
         if cache is not None:
             given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             cache.caller_mask = given.to(self.device, torch.int64)
+            cache.position_offset = None if media is None else offsets
         return logits, cache, states
 
     def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids, cache_position, runs, embeds=None):
@@ -402,6 +429,34 @@ def _variant(decoder: Decoder, hidden_states: bool, embeds: bool) -> variants.Va
         asked = " with ".join(name for name, on in (("output_hidden_states=True", hidden_states),
                                                      ("inputs_embeds", embeds)) if on)
         raise NotSupportedError(f"{asked}: {reason}") from None
+
+
+def _image_inputs(past, embeds, pixel_values, image_grid_thw, mm_token_type_ids) -> tuple | None:
+    """forward's image arguments: `(pixel_values, image_grid_thw, mm_token_type_ids)` for a prompt
+    with images, None without (a step's `image_grid_thw` and text-only `mm_token_type_ids`, which
+    transformers' generation loop passes at every step, are ignored)."""
+    marks_images = isinstance(mm_token_type_ids, torch.Tensor) and bool((mm_token_type_ids != 0).any())
+    if past is not None:
+        if pixel_values is not None or marks_images:
+            raise NotSupportedError("images in a step over a cache: give a prompt's images with the prompt (forward "
+                                    "without past_key_values, or generate)")
+        return None
+    if pixel_values is None:
+        if image_grid_thw is not None or marks_images:
+            raise ValueError("image_grid_thw or mm_token_type_ids marking images were given without pixel_values")
+        return None
+    if embeds is not None:
+        raise ValueError("pixel_values go with input_ids (whose image tokens take the images' features), not "
+                         "inputs_embeds")
+    return pixel_values, image_grid_thw, mm_token_type_ids
+
+
+def _image_prompt(decoder: Decoder, input_ids, attention_mask, media: tuple):
+    """images.prompt, with a package that takes no images a NotSupportedError saying why."""
+    try:
+        return images.prompt(decoder, input_ids, attention_mask, *media)
+    except images.ImagesUnsupported as reason:
+        raise NotSupportedError(f"pixel_values: {reason}") from None
 
 
 def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, rest: dict) -> None:

@@ -54,16 +54,18 @@ class Variant:
         return out
 
     def prefill(self, rows: Rows, logit_index: torch.Tensor | None, cache: KVCache | None,
-                embeds: torch.Tensor | None = None):
+                embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         """`Decoder.prefill`'s logits (with hidden states every position through the head, then the
         asked-for ones) and the hidden states `[B, T, hidden]` in the caller's layout (None where not
-        asked for). `embeds`: the rows' embeddings `[B, T, hidden]` in the decoder's right-padded layout."""
+        asked for). `embeds`: the rows' embeddings `[B, T, hidden]` and `positions` (None: 0, 1, ...;
+        mRoPE's `[3, B, T]` after images) in the decoder's right-padded layout."""
         decoder, session = self.decoder, self.session
         kept = None if self.dtypes else logit_index  # the final norm's output is every position's
         ids = rows.ids if embeds is None else embeds
         batch, width = rows.ids.shape
         mask = torch.ones_like(rows.ids, dtype=decoder.mask_dtype) if decoder.spec.attention_mask else None
-        positions = torch.arange(width, device=decoder.device).expand(batch, -1) if decoder.spec.position_ids else None
+        if positions is None and decoder.spec.position_ids:
+            positions = torch.arange(width, device=decoder.device).expand(batch, -1)
         if cache is None:
             binding = session.io_binding()
             decoder.scratch.bind(binding, decoder, batch, width)
@@ -97,10 +99,9 @@ class Variant:
             cache.reserve(cache.longest + new, decoder.package.context_length)
             binding = decoder.cache_binding(runs, cache, new, session)
             mask = cache.step_mask(new, decoder.mask_dtype) if decoder.mask_dtype is not None else None
-            positions = cache.lengths[:, None] + torch.arange(new, device=decoder.device)
             states = self._bind(binding, tokens)
             kept = None if self.dtypes else logit_index  # as in prefill
-            logits = decoder.run_bound(session, binding, tokens, kept, mask, positions)
+            logits = decoder.run_bound(session, binding, tokens, kept, mask, cache.next_positions(new))
             cache.advance(new, new)
         states = tuple(s.view(batch, new, -1) for s in states)
         logits = logits.view(-1, logits.shape[-1])
