@@ -316,7 +316,7 @@ class Decoder:
         embed = self.embedding_session.io_binding()
         runtime.bind_input(embed, embedding.input_ids, ids.to(self.id_dtype).contiguous())
         for name, empty in self.no_media:
-            runtime.bind_input(embed, name, empty)
+            runtime.bind_input(embed, name, no_media(empty, ids.shape[1]))
         for output, _ in embedding.feeds:
             runtime.bind_output_to(embed, output, self.device)
         self.embedding_session.run(embed)
@@ -331,6 +331,26 @@ class Decoder:
         if self.spec.position_rank == 3 and positions.dim() == 2:
             positions = positions.expand(3, *positions.shape)
         return positions.contiguous()
+
+
+_ZEROS: dict = {}  # (device, dtype, row shape) -> a zero tensor, grown as needed and never written
+
+
+def no_media(empty: torch.Tensor, width: int) -> torch.Tensor:
+    """What a text run binds to an embedding model's media input (`empty`: 0 in each open
+    dimension): media features of one open first dimension get `width` rows of zeros, so that image
+    placeholder ids in text take the graph's own zero row however many a row holds (mobius-onnx's
+    Qwen2.5-VL graph counts them along each row into the features, padded with one zero row: two
+    in a row indexed past an empty input inside ONNX Runtime); other media inputs stay empty."""
+    rest = tuple(empty.shape[1:])
+    if empty.dim() < 2 or empty.shape[0] != 0 or 0 in rest:
+        return empty
+    key = (empty.device, empty.dtype, rest)
+    zeros = _ZEROS.get(key)
+    if zeros is None or zeros.shape[0] < width:
+        zeros = _ZEROS[key] = torch.zeros(max(width, 2 * (0 if zeros is None else zeros.shape[0])), *rest,
+                                          dtype=empty.dtype, device=empty.device)
+    return zeros[:width]
 
 
 def bind_state_lengths(decoder: Decoder, session, binding: ort.IOBinding, lengths: torch.Tensor | None,

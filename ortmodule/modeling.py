@@ -313,7 +313,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         embeds = None if inputs_embeds is None else \
             variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
-        media = _image_inputs(past, embeds, pixel_values, image_grid_thw, mm_token_type_ids)
+        media = _image_inputs(self.decoder, past, embeds, pixel_values, image_grid_thw, mm_token_type_ids)
         runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None or media is not None)
         ids = input_ids if embeds is None else embeds.new_zeros(embeds.shape[:2], dtype=torch.int64)  # for the checks
         if past is not None:
@@ -342,7 +342,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         rows = self._rows(input_ids, attention_mask, position_ids, cache_position)
         mrope = None
         if media is not None:
-            embeds, mrope, offsets = _image_prompt(self.decoder, input_ids, attention_mask, media)
+            embeds, mrope, offsets = images.prompt(self.decoder, input_ids, attention_mask, *media)
             mrope = images.rolled(rows.shift, mrope)
         batch, width = rows.ids.shape
         cache = self.decoder.new_cache(batch, width) if use_cache else None
@@ -431,9 +431,10 @@ def _variant(decoder: Decoder, hidden_states: bool, embeds: bool) -> variants.Va
         raise NotSupportedError(f"{asked}: {reason}") from None
 
 
-def _image_inputs(past, embeds, pixel_values, image_grid_thw, mm_token_type_ids) -> tuple | None:
+def _image_inputs(decoder: Decoder, past, embeds, pixel_values, image_grid_thw, mm_token_type_ids) -> tuple | None:
     """forward's image arguments: `(pixel_values, image_grid_thw, mm_token_type_ids)` for a prompt
-    with images, None without (a step's `image_grid_thw` and text-only `mm_token_type_ids`, which
+    with images (the package's vision model opened, or a NotSupportedError saying why it cannot take
+    them), None without (a step's `image_grid_thw` and text-only `mm_token_type_ids`, which
     transformers' generation loop passes at every step, are ignored)."""
     marks_images = isinstance(mm_token_type_ids, torch.Tensor) and bool((mm_token_type_ids != 0).any())
     if past is not None:
@@ -448,15 +449,11 @@ def _image_inputs(past, embeds, pixel_values, image_grid_thw, mm_token_type_ids)
     if embeds is not None:
         raise ValueError("pixel_values go with input_ids (whose image tokens take the images' features), not "
                          "inputs_embeds")
-    return pixel_values, image_grid_thw, mm_token_type_ids
-
-
-def _image_prompt(decoder: Decoder, input_ids, attention_mask, media: tuple):
-    """images.prompt, with a package that takes no images a NotSupportedError saying why."""
     try:
-        return images.prompt(decoder, input_ids, attention_mask, *media)
+        images.for_decoder(decoder)
     except images.ImagesUnsupported as reason:
         raise NotSupportedError(f"pixel_values: {reason}") from None
+    return pixel_values, image_grid_thw, mm_token_type_ids
 
 
 def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, rest: dict) -> None:
