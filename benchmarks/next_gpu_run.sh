@@ -33,7 +33,7 @@ step package 120 bash -c "cd benchmarks && python3 -c 'from conftest import QWEN
 # measured costs kept on disk, read back at a second load (its check prefill within 1.5x on a GPU); and
 # session 45's: hidden states and inputs_embeds (second sessions of the graph) on the device
 step cuda-tests 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k \
-  "unpacked_projections or shared_contexts_extend_sliding or sliding_window_cache or dropped_model or queue_their_work or costs_are_kept or hidden_states_on_cuda or inputs_embeds_on_cuda"
+  "unpacked_projections or shared_contexts_extend_sliding or sliding_window_cache or dropped_model or queue_their_work or costs_are_kept or hidden_states_on_cuda or inputs_embeds_on_cuda or images_on_cuda"
 # (2) the score server's call at SGLang's shape, each prompt whole and each query run once, with the
 # extend graph's KV heads repeated (the default on CUDA), grouped (extend.REPEAT_KV_HEADS_ON_CUDA),
 # and grouped in the cache layout (flash attention over the rows' caches, extend.EXTEND_LAYOUT)

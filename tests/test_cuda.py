@@ -168,6 +168,24 @@ def test_inputs_embeds_on_cuda_give_the_ids_logits(build):
     assert (step.logits - expected.logits).abs().max().item() < FP32_TOL
 
 
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
+def test_images_on_cuda_give_the_cpus_logits(build):
+    """A Qwen2.5-VL prompt with an image (random pixels of the processor's shape) on CUDA: the vision
+    and embedding models and the mRoPE prefill on the device, then a step, as on the CPU."""
+    package = build("qwen2_5_vl").package_dir
+    grid = torch.tensor([[1, 8, 4]])
+    pixels = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[5, 6, 7, 509] + [511] * 8 + [508, 20, 21]])
+    outputs = []
+    for device in ("cpu", "cuda:0"):
+        model = OrtModelForCausalLM.from_pretrained(package, device=device)
+        out = model(ids.to(device), pixel_values=pixels.to(device), image_grid_thw=grid, use_cache=True)
+        step = model(torch.tensor([[30]], device=device), past_key_values=out.past_key_values)
+        outputs.append((out.logits.cpu(), step.logits.cpu()))
+    for on_cuda, on_cpu in zip(outputs[1], outputs[0]):
+        assert (on_cuda - on_cpu).abs().max().item() < FP32_TOL
+
+
 # `ortmodule export --device cuda` unpacks the query/key/value projections (exporter.CUDA_OPTIONS).
 UNPACKED = (("fuse_qkv", "false"),)
 

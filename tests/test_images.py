@@ -178,3 +178,22 @@ def test_image_placeholders_in_text_embed_as_the_graphs_zero_row(pair):
     assert torch.allclose(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
     tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert tokens.shape == (2, 10)
+
+
+def test_threads_with_images_get_their_own_answers(build):
+    """Four threads, each a prompt with its own image, on one model whose vision model none has
+    opened yet: every answer equals the same prompt run alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = OrtModelForCausalLM.from_pretrained(build("qwen2_5_vl").package_dir)
+    sizes = [(28, 20), (16, 40), (24, 24), (20, 28)]
+    calls = []
+    for seed, size in enumerate(sizes):
+        pixels, grids = processed(size, seed=seed)
+        calls.append(dict(input_ids=torch.tensor([prompt(grids.tolist(), 4 + seed, seed)]), pixel_values=pixels,
+                          image_grid_thw=grids))
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda call: model.generate(**call, max_new_tokens=6, do_sample=False), calls * 3))
+    alone = [model.generate(**call, max_new_tokens=6, do_sample=False) for call in calls]
+    for i, tokens in enumerate(together):
+        assert torch.equal(tokens, alone[i % len(calls)])
