@@ -47,7 +47,7 @@ class Vision:
     pixel_values: str
     grid: str
     features: str  # the vision model's output, and the embedding model's input of the same role
-    patch_size: int | None  # the width of pixel_values' rows, where the graph fixes it
+    row_width: int | None  # the values in a row of pixel_values (one patch), where the graph fixes it
     pixel_dtype: torch.dtype
     merge: int  # spatial_merge_size: patches per image token along height and along width
     image_token: int
@@ -132,9 +132,9 @@ def _checked_grids(pixel_values, image_grid_thw, vision: Vision) -> torch.Tensor
     if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point() or pixel_values.dim() != 2:
         raise ValueError("pixel_values must be a float tensor [patches, patch values] (what the model's processor "
                          f"gives), got {getattr(pixel_values, 'shape', type(pixel_values).__name__)}")
-    if vision.patch_size is not None and pixel_values.shape[1] != vision.patch_size:
+    if vision.row_width is not None and pixel_values.shape[1] != vision.row_width:
         raise ValueError(f"pixel_values rows hold {pixel_values.shape[1]} values; the vision model takes "
-                         f"{vision.patch_size} a patch (channels x temporal x patch x patch)")
+                         f"{vision.row_width} a patch (channels x temporal x patch x patch)")
     if not isinstance(image_grid_thw, torch.Tensor) or image_grid_thw.is_floating_point() or \
             image_grid_thw.dim() != 2 or image_grid_thw.shape[1] != 3 or image_grid_thw.shape[0] == 0:
         raise ValueError("image_grid_thw must be an integer tensor [images, 3], got "
