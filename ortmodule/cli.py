@@ -30,6 +30,7 @@ class _ThroughLmEval(logging.Handler):
 def main() -> None:
     from lm_eval.__main__ import cli_evaluate
 
+    from . import lm_eval_multimodal  # noqa: F401  importing it registers --model ortmodule-multimodal
     from .lm_eval import leave_process_group  # importing it registers --model ortmodule
 
     log = logging.getLogger("ortmodule")

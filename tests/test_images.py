@@ -3,6 +3,8 @@ embedding model, mRoPE decoder) forward, cached steps, hidden states, the loss a
 transformers' Qwen2_5_VLForConditionalGeneration on the same weights and the same processor output;
 what the images cannot be is refused by name."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -197,3 +199,109 @@ def test_threads_with_images_get_their_own_answers(build):
     alone = [model.generate(**call, max_new_tokens=6, do_sample=False) for call in calls]
     for i, tokens in enumerate(together):
         assert torch.equal(tokens, alone[i % len(calls)])
+
+
+class ImageTextProcessor:
+    """transformers' Qwen2.5-VL processor for images (whose video half needs torchvision, which this
+    environment lacks): the Qwen2-VL image processor's output, and each `<|image_pad|>` in the text
+    expanded to its image's t x h x w / merge^2 image tokens, as Qwen2_5_VLProcessor expands them."""
+
+    image_token = "<|image_pad|>"
+
+    def __init__(self, hf_dir):
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+        fill = [f"<|media{i}|>" for i in range(len(self.tokenizer), IMAGE)]  # the image token gets id IMAGE
+        self.tokenizer.add_special_tokens({"additional_special_tokens": [*fill, self.image_token]})
+        assert self.tokenizer.convert_tokens_to_ids(self.image_token) == IMAGE
+        self.image_processor = transformers.Qwen2VLImageProcessorPil(**PROCESSOR)
+
+    def __call__(self, images=None, text=None, return_tensors=None, padding=False, truncation=False, **kwargs):
+        texts = [text] if isinstance(text, str) else list(text)
+        flat = [image for group in images or [] for image in (group if isinstance(group, list) else [group])]
+        out = {}
+        if flat:
+            encoded = self.image_processor(images=flat, return_tensors="pt")
+            sizes = iter(encoded["image_grid_thw"].prod(1).tolist())
+            texts = [re.sub(re.escape(self.image_token), lambda _: self.image_token * (next(sizes) // 4), t)
+                     for t in texts]
+            out.update(pixel_values=encoded["pixel_values"], image_grid_thw=encoded["image_grid_thw"])
+        tokens = self.tokenizer(texts, padding=padding, truncation=truncation, return_tensors=return_tensors)
+        out.update(tokens)
+        if return_tensors == "pt":
+            out["mm_token_type_ids"] = (tokens["input_ids"] == IMAGE).long()
+        return transformers.BatchFeature(out)
+
+
+TASK = """task: ortmodule_images_test
+custom_dataset: !function images_utils.docs
+test_split: test
+output_type: generate_until
+doc_to_image: !function images_utils.doc_to_image
+doc_to_text: "<image> Say {{word}}:"
+doc_to_target: "{{word}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+metadata:
+  version: 0
+"""
+TASK_UTILS = '''import datasets
+import re
+
+import numpy as np
+from PIL import Image
+
+
+def docs(**kwargs):
+    rows = [dict(word=w, seed=i, h=12 + 4 * (i % 3), w=20 - 4 * (i % 2)) for i, w in enumerate("abcdefg")]
+    return {"test": datasets.Dataset.from_list(rows)}
+
+
+def doc_to_image(doc):
+    pixels = np.random.RandomState(doc["seed"]).rand(doc["h"], doc["w"], 3) * 255
+    return [Image.fromarray(pixels.astype("uint8"))]
+'''
+
+
+def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, pair, tmp_path):
+    """`--model ortmodule-multimodal` on an image task (MMMU's form: doc_to_image, generate_until),
+    batched and left-padded, against lm-eval's own `hf-multimodal` on the transformers model with
+    the same processor: every response equal."""
+    import lm_eval
+    from lm_eval.models.hf_vlms import HFMultimodalLM
+    from lm_eval.tasks import TaskManager
+
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    (tmp_path / "images_test.yaml").write_text(TASK)
+    (tmp_path / "images_utils.py").write_text(TASK_UTILS)
+    fixture = build("qwen2_5_vl")
+    processor = ImageTextProcessor(fixture.hf_dir)
+
+    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
+        def _create_tokenizer(self, *args, **kwargs):
+            self.processor, self.tokenizer = processor, processor.tokenizer
+
+    _, hf = pair
+    responses = {}
+    for name, lm in (("hf", Reference(pretrained=hf, batch_size=3, device="cpu")),
+                     ("ortmodule", OrtModuleMultimodalLM(fixture.package_dir, processor=processor, batch_size=3,
+                                                         device="cpu"))):
+        result = lm_eval.simple_evaluate(model=lm, tasks=["ortmodule_images_test"], log_samples=True,
+                                         task_manager=TaskManager(include_path=str(tmp_path)))
+        samples = sorted(result["samples"]["ortmodule_images_test"], key=lambda s: s["doc_id"])
+        responses[name] = [s["resps"][0][0] for s in samples]
+    assert len(responses["hf"]) == 7 and any(responses["hf"])
+    assert responses["ortmodule"] == responses["hf"]
+
+
+def test_lm_eval_multimodal_backend_needs_a_processor_and_an_image_package(build):
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    with pytest.raises(ValueError, match="needs processor="):
+        OrtModuleMultimodalLM(str(build("qwen2_5_vl").package_dir))
+    with pytest.raises(ValueError, match="names no model.image_token_id"):
+        OrtModuleMultimodalLM(str(build("llama").package_dir), processor=ImageTextProcessor(build("qwen2_5_vl").hf_dir))

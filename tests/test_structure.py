@@ -16,7 +16,7 @@ MODULES = {
     for path in sorted(PACKAGE.rglob("*.py")) if path.name != "__init__.py" and "tasks" not in path.parts
 }
 # Optional parts: what each needs beyond the core dependencies (their extras in pyproject.toml).
-EXTRAS = {"lm_eval": "lmeval", "cli": "lmeval", "exporter": "export", "olive": "olive",
+EXTRAS = {"lm_eval": "lmeval", "lm_eval_multimodal": "lmeval", "cli": "lmeval", "exporter": "export", "olive": "olive",
           **{name: "serve" for name in MODULES if name.startswith("serving.")}}
 
 

@@ -1,0 +1,80 @@
+"""`lm_eval --model ortmodule-multimodal`: lm-eval's `hf-multimodal` backend (HFMultimodalLM) over a
+GenAI package that takes images (images.py: Qwen2.5-VL's form), for tasks with images (MMMU's form:
+`doc_to_image`, `generate_until`, which is what lm-eval's class runs with images; its text-only
+requests go through HFLM's paths as with `hf-multimodal`).
+
+lm-eval's class is used as it is, with the model loaded from the package and the processor from
+where the checkpoint's is (`processor=`: a GenAI package carries onnxruntime-genai's image
+settings, not transformers' processor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from lm_eval.api.registry import register_model
+from lm_eval.models.hf_vlms import HFMultimodalLM
+
+from .hf import build_config
+from .modeling import OrtModelForCausalLM
+from .package import read_package
+
+
+@register_model("ortmodule-multimodal")
+class OrtModuleMultimodalLM(HFMultimodalLM):
+    """`lm_eval --model ortmodule-multimodal --model_args pretrained=PACKAGE_DIR,processor=CHECKPOINT`
+    (the Hugging Face folder or hub name whose processor made the package's images: its
+    `preprocessor_config.json` and tokenizer; where the package folder holds them, `processor` may be
+    left out). Also `device` (cpu, cuda, cuda:N), `provider_options` (a dict, from Python), and
+    lm-eval's own `hf-multimodal` arguments (`max_images`, `min_pixels`, `max_pixels`, `batch_size`,
+    ...). `pretrained` may be an `OrtModelForCausalLM` (then `processor` is needed)."""
+
+    AUTO_MODEL_CLASS = transformers.AutoModelForImageTextToText
+
+    def __init__(self, pretrained, processor=None,
+                 device: str | None = None, provider_options: dict | None = None, **kwargs):
+        if kwargs.get("tokenizer") is not None:
+            raise ValueError("ortmodule-multimodal takes the checkpoint's processor as processor=, not tokenizer=")
+        pretrained = str(pretrained) if isinstance(pretrained, Path) else pretrained
+        if processor is None:
+            if not isinstance(pretrained, str) or not (Path(pretrained) / "preprocessor_config.json").is_file():
+                raise ValueError(
+                    "ortmodule-multimodal needs processor=<the Hugging Face checkpoint folder or hub name the package "
+                    "was exported from>: a GenAI package holds onnxruntime-genai's image settings, not the "
+                    "processor lm-eval runs (preprocessor_config.json)")
+            processor = pretrained
+        self._processor_source = str(processor) if isinstance(processor, Path) else processor
+        self._provider_options = provider_options
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device is None else device
+        kwargs.setdefault("backend", "causal")
+        if isinstance(pretrained, OrtModelForCausalLM):
+            self._package, self._config = pretrained.package, pretrained.config
+            self._set_image_token(self._config)
+        super().__init__(pretrained, device=device, **kwargs)
+
+    def _set_image_token(self, config) -> None:
+        token = self._package.genai_config["model"].get("image_token_id")
+        if not isinstance(token, int):
+            raise ValueError(f"{self._package.root}: genai_config.json names no model.image_token_id: the package "
+                             "takes no images (lm-eval's --model ortmodule runs its text)")
+        config.image_token_id = token
+
+    def _get_config(self, pretrained: str, **kwargs) -> None:
+        self._package = read_package(pretrained)
+        self._config = build_config(self._package)
+        self._set_image_token(self._config)
+
+    def _create_model(self, pretrained: str, **kwargs) -> None:
+        self._model = OrtModelForCausalLM(self._package, device=self._device, provider_options=self._provider_options)
+
+    def _create_tokenizer(self, pretrained, tokenizer, **kwargs) -> None:
+        source = self._processor_source
+        self.processor = transformers.AutoProcessor.from_pretrained(source, **self.pixels) \
+            if isinstance(source, str) else source
+        self.tokenizer = self.processor.tokenizer
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length or self._package.context_length
