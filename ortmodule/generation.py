@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import inputs, shared_prompts
+from . import images, inputs, shared_prompts
 from . import steps as fixed_steps
 from .hf import CACHE_NAME
 
@@ -131,11 +131,15 @@ def _check_length(model, input_ids, config: GenerationConfig) -> None:
 STOP_CHECK_EVERY = 8
 
 
-def sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None, **model_kwargs):
+def sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None, media=None,
+           **model_kwargs):
     """transformers' `_sample` (greedy decoding and sampling) for `model` (an OrtModelForCausalLM),
-    with the loop on the device."""
-    return _Sampling(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                     model_kwargs).run()
+    with the loop on the device; `media`: the prompts' images (`pixel_values`, `image_grid_thw`,
+    `mm_token_type_ids`), or None."""
+    sampling = _Sampling(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                         model_kwargs)
+    sampling.media = media
+    return sampling.run()
 
 
 class _Sampling:
@@ -171,6 +175,7 @@ class _Sampling:
         self.sequences[:, : self.width] = input_ids.to(device)
         self.scores, self.raw = [], []
         self.steps_reuse_logits = False  # set by run: the decode steps return one buffer every step
+        self.media = None  # the prompts' images (sample)
 
     def run(self):
         decoder, rows, size, width = self.decoder, self.rows, self.sequences.shape[0], self.width
@@ -183,7 +188,10 @@ class _Sampling:
         try:
             cache = steps.cache if steps is not None else decoder.new_cache(size, needed)
             last = torch.arange(size, device=decoder.device) * width + rows.lengths - 1
-            logits = shared_prompts.prefill(decoder, rows, last, cache)  # a common beginning run once (CPU)
+            if self.media is not None:
+                logits = images.prefill(decoder, self.sequences[:, :width], self.mask, rows, last, cache, self.media)
+            else:
+                logits = shared_prompts.prefill(decoder, rows, last, cache)  # a common beginning run once (CPU)
             if steps is not None:
                 steps.start()
             length = self._loop(logits, cache, steps)

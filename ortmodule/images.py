@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from . import runtime
+from . import runtime, variants
 from .decoder import Decoder
 from .package import PackageError
 
@@ -123,6 +123,18 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, pixel
     positions, offsets = rope_positions(host_ids.shape, real, images, grids, vision.merge)
     device = decoder.device
     return embeds, positions.to(device), offsets.to(device)
+
+
+def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows, logit_index: torch.Tensor,
+            cache, media: tuple) -> torch.Tensor:
+    """Run a prompt batch with images (`ids` in the caller's layout, `rows` as inputs.check_batch
+    made them) into `cache`, which keeps the rows' position offsets: logits at `logit_index`
+    (generation's prefill)."""
+    embeds, positions, offsets = prompt(decoder, ids, mask, *media)
+    runs = variants.for_decoder(decoder, False, True)
+    logits, _ = runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), rolled(rows.shift, positions))
+    cache.position_offset = offsets
+    return logits
 
 
 def _checked_grids(pixel_values, image_grid_thw, vision: Vision) -> torch.Tensor:

@@ -153,18 +153,19 @@ class HuggingFaceSurface(GenerationMixin):
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
-        """transformers' greedy/sampling loop, run on the device by generation.sample; continuing
-        from a cache the caller passed, from `inputs_embeds` or returning hidden states, transformers'
-        own loop over forward."""
+        """transformers' greedy/sampling loop, run on the device by generation.sample (a prompt's
+        images too); continuing from a cache the caller passed, from `inputs_embeds` or returning
+        hidden states, transformers' own loop over forward."""
         cache = model_kwargs.get(CACHE_NAME)
         fresh = cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0)
-        if fresh and not generation_config.output_hidden_states and model_kwargs.get("inputs_embeds") is None and \
-                model_kwargs.get("pixel_values") is None:
+        if fresh and not generation_config.output_hidden_states and model_kwargs.get("inputs_embeds") is None:
             model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
+            media = _image_inputs(self.decoder, None, None, *(model_kwargs.pop(name, None) for name in
+                                                              ("pixel_values", "image_grid_thw", "mm_token_type_ids")))
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                                     **model_kwargs)
+                                     media, **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:
-            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds, pixel_values or "
+            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds or "
                              "output_hidden_states in generate()")
         return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus, streamer, **model_kwargs)

@@ -114,15 +114,29 @@ def test_loss_with_images(pair, inputs):
         model(**inputs, output_hidden_states=True)
 
 
-def test_generate_with_images_equals_transformers(pair, inputs):
+def test_generate_with_images_equals_transformers(pair, inputs, monkeypatch):
+    """Greedy and sampled generate run ortmodule's device loop from the image prompt (the same tokens
+    as transformers' own loop, the same seed the same samples); beams run transformers' loop."""
+    from ortmodule import images
+
     model, hf = pair
-    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=2)
-    expected = hf.generate(**inputs, **options)
-    assert torch.equal(model.generate(**inputs, **options), expected)
+    prefills = []
+    original = images.prefill
+    monkeypatch.setattr(images, "prefill", lambda *a: prefills.append(1) or original(*a))
+    options = dict(max_new_tokens=10, pad_token_id=2)
+    for mode in (dict(do_sample=False), dict(do_sample=True, top_k=20)):
+        torch.manual_seed(7)
+        expected = hf.generate(**inputs, **options, **mode)
+        torch.manual_seed(7)
+        assert torch.equal(model.generate(**inputs, **options, **mode), expected)
+    assert len(prefills) == 2  # the device loop took both
     # Beams repeat each row with its own images (the processor's tensors are not one row each).
-    one = {k: v for k, v in inputs.items()}
-    beams = dict(options, num_beams=3, num_return_sequences=2)
-    assert torch.equal(model.generate(**one, **beams), hf.generate(**one, **beams))
+    beams = dict(options, do_sample=False, num_beams=3, num_return_sequences=2)
+    assert torch.equal(model.generate(**inputs, **beams), hf.generate(**inputs, **beams))
+    # generator= (the device loop's own): the same seed, the same sample.
+    drawn = [model.generate(**inputs, **options, do_sample=True, generator=torch.Generator().manual_seed(3))
+             for _ in range(2)]
+    assert torch.equal(drawn[0], drawn[1])
 
 
 def test_images_are_opened_on_the_first_call_and_kept(build, inputs):
