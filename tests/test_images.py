@@ -79,6 +79,9 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
     # Without the processor's token types: found from the image token id.
     given.pop("mm_token_type_ids")
     assert torch.allclose(model(**given).logits[real], expected, atol=1e-4, rtol=1e-4)
+    if left:  # the last columns only, through the LM head at those positions
+        kept = model(**given, logits_to_keep=3).logits
+        assert torch.allclose(kept, reference(hf, **given).logits[:, -3:], atol=1e-4, rtol=1e-4)
     # The images change the numbers: the same ids without them give other logits.
     text = model(given["input_ids"], attention_mask=given["attention_mask"]).logits[real]
     assert (text - expected).abs().max() > 1e-2
