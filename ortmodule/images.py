@@ -119,7 +119,9 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, pixel
                          f"(id {vision.image_token}), image_grid_thw gives images of {tokens} (t x h x w / "
                          f"{vision.merge}^2); each image's placeholder tokens must be one run of exactly its tokens")
     features = _features(decoder, vision, pixel_values, grids, sum(tokens))
-    embeds = _embed(decoder, vision, ids, features, [sum(stop - start for start, stop in runs) for runs in images])
+    # Padding holding the image token would take a feature row in the embedding graph's count.
+    text = ids.masked_fill(~real.to(ids.device), 0 if vision.image_token else 1)
+    embeds = _embed(decoder, vision, text, features, [sum(stop - start for start, stop in runs) for runs in images])
     positions, offsets = rope_positions(host_ids.shape, real, images, grids, vision.merge)
     device = decoder.device
     return embeds, positions.to(device), offsets.to(device)

@@ -77,6 +77,9 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
     full = reference(hf, **given).logits
     expected = full[real]
     assert torch.allclose(model(**given).logits[real], expected, atol=1e-4, rtol=1e-4)
+    padded_with_images = given["input_ids"].masked_fill(given["attention_mask"] == 0, IMAGE)  # not counted
+    assert torch.allclose(model(**dict(given, input_ids=padded_with_images)).logits[real], expected, atol=1e-4,
+                          rtol=1e-4)
     if left:  # the last columns only, through the LM head at those positions
         assert torch.allclose(model(**given, logits_to_keep=3).logits, full[:, -3:], atol=1e-4, rtol=1e-4)
     # Without the processor's token types: found from the image token id.
