@@ -189,7 +189,8 @@ class _Sampling:
             cache = steps.cache if steps is not None else decoder.new_cache(size, needed)
             last = torch.arange(size, device=decoder.device) * width + rows.lengths - 1
             if self.media is not None:
-                logits = images.prefill(decoder, self.sequences[:, :width], self.mask, rows, last, cache, self.media)
+                logits, _ = images.prefill(decoder, self.sequences[:, :width], self.mask, rows, last, cache,
+                                           self.media)
             else:
                 logits = shared_prompts.prefill(decoder, rows, last, cache)  # a common beginning run once (CPU)
             if steps is not None:

@@ -97,9 +97,8 @@ def _open(decoder: Decoder) -> Vision:
                                 f"ortmodule runs Qwen2.5-VL's form ('{pixels}', '{grid}' -> '{features}', an input of "
                                 "the embedding model)")
     width = taken[pixels].shape[-1]
-    pixel_type = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
-                  "tensor(bfloat16)": torch.bfloat16}.get(taken[pixels].type, torch.float32)
-    return Vision(session, pixels, grid, features, width if isinstance(width, int) else None, pixel_type, merge, token)
+    return Vision(session, pixels, grid, features, width if isinstance(width, int) else None,
+                  runtime.input_dtype(session, pixels), merge, token)
 
 
 def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, pixel_values, image_grid_thw,
@@ -127,16 +126,19 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, pixel
     return embeds, positions.to(device), offsets.to(device)
 
 
-def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows, logit_index: torch.Tensor,
-            cache, media: tuple) -> torch.Tensor:
+def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows, logit_index: torch.Tensor | None,
+            cache, media: tuple, runs: variants.Variant | None = None):
     """Run a prompt batch with images (`ids` in the caller's layout, `rows` as inputs.check_batch
-    made them) into `cache`, which keeps the rows' position offsets: logits at `logit_index`
-    (generation's prefill)."""
+    made them) through `runs` (a `variants.Variant` taking embeddings; None: the plain one), into
+    `cache` where given, which then keeps the rows' position offsets: `Variant.prefill`'s logits at
+    `logit_index` and hidden states."""
     embeds, positions, offsets = prompt(decoder, ids, mask, *media)
-    runs = variants.for_decoder(decoder, False, True)
-    logits, _ = runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), rolled(rows.shift, positions))
-    cache.position_offset = offsets
-    return logits
+    runs = runs if runs is not None else variants.for_decoder(decoder, False, True)
+    positions = variants.rolled(rows, positions.permute(1, 2, 0)).permute(2, 0, 1)  # [3, B, T], rolled by row
+    out = runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), positions)
+    if cache is not None:
+        cache.position_offset = offsets
+    return out
 
 
 def _checked_grids(pixel_values, image_grid_thw, vision: Vision) -> torch.Tensor:
@@ -254,15 +256,6 @@ def rope_positions(shape, real: torch.Tensor, images: list, grids: torch.Tensor,
         positions[:, row, columns] = row_positions
         offsets[row] = int(row_positions.max()) + 1 - len(columns)
     return positions, offsets
-
-
-def rolled(shift: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-    """Positions `[3, B, T]` of a left-padded batch in the decoder's right-padded layout (`Rows.shift`)."""
-    if shift is None:
-        return positions
-    width = positions.shape[2]
-    order = (torch.arange(width, device=positions.device)[None, :] + shift[:, None].to(positions.device)) % width
-    return positions.gather(2, order.expand(3, -1, -1))
 
 
 def expanded(input_ids: torch.Tensor, pixel_values: torch.Tensor, grids: torch.Tensor, token: int,

@@ -341,10 +341,6 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         (of `embeds` where given; with `media`, `_image_inputs`', its images), its cache, and from
         `runs` (a `variants.Variant`) the hidden states."""
         rows = self._rows(input_ids, attention_mask, position_ids, cache_position)
-        mrope = None
-        if media is not None:
-            embeds, mrope, offsets = images.prompt(self.decoder, input_ids, attention_mask, *media)
-            mrope = images.rolled(rows.shift, mrope)
         batch, width = rows.ids.shape
         cache = self.decoder.new_cache(batch, width) if use_cache else None
         positions = inputs.kept_positions(keep, width, self.device)
@@ -352,16 +348,16 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             index = inputs.every_position(rows)
         else:
             index = inputs.each_row(batch, width, positions, rows.shift)
-        if runs is not None:
-            logits, states = runs.prefill(rows, index, cache, None if embeds is None else variants.rolled(rows, embeds),
-                                          mrope)
+        if media is not None:
+            logits, states = images.prefill(self.decoder, input_ids, attention_mask, rows, index, cache, media, runs)
+        elif runs is not None:
+            logits, states = runs.prefill(rows, index, cache, None if embeds is None else variants.rolled(rows, embeds))
         else:
             logits, states = self.decoder.prefill(rows, index, cache), None
         logits = self.decoder.public(logits).view(batch, -1, self.package.vocab_size)
         if cache is not None:
             given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             cache.caller_mask = given.to(self.device, torch.int64)
-            cache.position_offset = None if media is None else offsets
         return logits, cache, states
 
     def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids, cache_position, runs, embeds=None):

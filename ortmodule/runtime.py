@@ -61,9 +61,18 @@ _TYPE_NAMES = {f"tensor({onnx.TensorProto.DataType.Name(kind).lower()})": dtype 
 
 def output_dtype(session: Session, name: str) -> torch.dtype:
     """The torch dtype of a session's float output `name`, as ONNX Runtime reports it."""
-    kind = next(o.type for o in session.ort_session.get_outputs() if o.name == name)
+    return _float_dtype(session.ort_session.get_outputs(), name, "output")
+
+
+def input_dtype(session: Session, name: str) -> torch.dtype:
+    """The torch dtype of a session's float input `name`, as ONNX Runtime reports it."""
+    return _float_dtype(session.ort_session.get_inputs(), name, "input")
+
+
+def _float_dtype(values, name: str, what: str) -> torch.dtype:
+    kind = next(v.type for v in values if v.name == name)
     if kind not in _TYPE_NAMES or not _TYPE_NAMES[kind].is_floating_point:
-        raise TypeError(f"output {name!r} is {kind}, not a floating-point tensor")
+        raise TypeError(f"{what} {name!r} is {kind}, not a floating-point tensor")
     return _TYPE_NAMES[kind]
 
 
