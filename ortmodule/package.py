@@ -9,7 +9,9 @@ the folder, the file and the key.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -17,6 +19,8 @@ from typing import NamedTuple
 import onnx
 
 CONFIG_FILE = "genai_config.json"
+
+logger = logging.getLogger("ortmodule")
 
 
 class PackageError(ValueError):
@@ -230,7 +234,12 @@ def read_package(path: str | Path) -> Package:
     shape = _read_shape(dec, config_path)
     search = _object(genai, "search", "", config_path, required=False)
     context_length = _positive_int(model, "context_length", "model.", config_path)
-    decoder, embedding, vocab_size = _read_decoder(root, model, shape, config_path)
+    decoder, embedding, vocab_size, table_rows = _read_decoder(root, model, shape, config_path)
+    if table_rows is not None and table_rows < context_length:
+        logger.warning("ortmodule: %s says model.context_length is %d, but the rotary position tables of %s have %d "
+                       "rows (positions past them fail inside ONNX Runtime); the context length is taken as %d",
+                       config_path, context_length, decoder.path.name, table_rows, table_rows)
+        context_length = table_rows
     return Package(
         root=root,
         genai_config=genai,
@@ -300,8 +309,9 @@ class _Graph(NamedTuple):
 
 
 def _read_decoder(root: Path, model: dict, shape: _Shape,
-                  config_path: Path) -> tuple[DecoderGraph, Embedding | None, int]:
-    """The decoder graph as genai_config.json describes it, its embedding model, the vocabulary size."""
+                  config_path: Path) -> tuple[DecoderGraph, Embedding | None, int, int | None]:
+    """The decoder graph as genai_config.json describes it, its embedding model, the vocabulary size, the
+    rows of its rotary position tables (`_position_table_rows`)."""
     dec = model["decoder"]
     filename = _string(dec, "filename", "model.decoder.", config_path)
     path = root / filename
@@ -352,7 +362,33 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         steps_one_token=_attends_with_multihead(proto),
         states=states,
     )
-    return decoder, embedding, vocab_size
+    return decoder, embedding, vocab_size, _position_table_rows(proto)
+
+
+# Where attention ops read rotary cos and sin tables ([positions, rotary width / 2], one row a position).
+_ROTARY_TABLE_INPUTS = {
+    ("GroupQueryAttention", "com.microsoft"): (7, 8),
+    ("RotaryEmbedding", "com.microsoft"): (2, 3),
+    ("RotaryEmbedding", ""): (1, 2),
+}
+
+
+def _position_table_rows(graph: onnx.GraphProto) -> int | None:
+    """The positions the decoder's rotary tables hold, where the graph keeps them as weights: the
+    tables GroupQueryAttention or RotaryEmbedding reads, or (mobius-onnx's decoders) the cos and sin
+    caches a Gather looks positions up in. mobius-onnx writes a context length of at least 4096
+    whatever the model's `max_position_embeddings` (the rows it builds), so its packages of
+    shorter-context models say more than they can take. None where the graph keeps no such table (the
+    builder's long-context Phi-3 chooses one with an If)."""
+    rows = {t.name: t.dims[0] for t in graph.initializer if len(t.dims) == 2}
+    tables = set()
+    for node in graph.node:
+        slots = _ROTARY_TABLE_INPUTS.get((node.op_type, node.domain), ())
+        tables.update(node.input[i] for i in slots if i < len(node.input))
+        if node.op_type == "Gather" and node.input and re.search(r"(cos|sin)_cache", node.input[0]):
+            tables.add(node.input[0])
+    found = [rows[name] for name in tables if name in rows]
+    return min(found) if found else None
 
 
 def _attends_with_multihead(graph: onnx.GraphProto) -> bool:

@@ -4,12 +4,14 @@ Logits, generation, scoring and lm-eval on these packages are checked against tr
 parity tests (the Gemma 4 and Qwen2.5-VL entries of helpers.ARCHES / MODEL_ARCHES)."""
 
 import json
+import logging
 import shutil
 
 import onnxruntime as ort
 import pytest
 import torch
 from helpers import load_pair
+from transformers import AutoConfig
 
 from ortmodule import OrtModelForCausalLM, PackageError, read_package
 
@@ -86,3 +88,26 @@ def test_a_missing_embedding_file_is_named(build, tmp_path):
     (package / "embedding.onnx").unlink()
     with pytest.raises(PackageError, match="model.embedding.filename is 'embedding.onnx' but .* does not exist"):
         read_package(package)
+
+
+@pytest.mark.parametrize("arch", ["gemma4_mobius", "qwen2_5_vl", "llama", "gemma4"])
+def test_the_context_length_is_what_the_rotary_tables_hold(build, arch, caplog):
+    """mobius-onnx writes a context length of at least 4096 whatever the model's own (the fixtures':
+    256), and builds its rotary tables for the model's: a longer prompt failed inside ONNX Runtime (a
+    Gather past the table). The package's context length is now the tables', with a warning; the
+    builder's packages say what they hold and load without one."""
+    fixture = build(arch)
+    declared = json.loads((fixture.package_dir / "genai_config.json").read_text())["model"]["context_length"]
+    limit = AutoConfig.from_pretrained(fixture.hf_dir).get_text_config().max_position_embeddings
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    assert declared >= limit and model.package.context_length == limit
+    assert model.config.max_position_embeddings == limit
+    assert (f"model.context_length is {declared}, but the rotary position tables" in caplog.text) == (declared > limit)
+    _, reference = load_pair(fixture)
+    ids = torch.randint(4, 500, (1, limit), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids, logits_to_keep=1).logits[:, -1]
+    torch.testing.assert_close(model(ids, logits_to_keep=1).logits[:, -1], expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=f"input length {limit + 1} exceeds the model's context length {limit}"):
+        model(torch.randint(4, 500, (1, limit + 1)))
