@@ -95,9 +95,10 @@ ARCHITECTURES = {
 #                  and per_layer_inputs), and a decoder of standard Attention ops (no GQA)
 GEMMA4 = {"gemma4": "Gemma4Unified", "gemma4_embeds": "Gemma4Unified", "gemma4_mobius": "Gemma4"}
 # Qwen2.5-VL exported by mobius-onnx: vision encoder, embedding model, and a decoder whose
-# position_ids are 3-D (mRoPE: temporal, height, width sections) [3, batch, sequence].
-MOBIUS = {"gemma4_mobius", "qwen2_5_vl"}
-MULTIMODAL = {*GEMMA4, "qwen2_5_vl"}
+# position_ids are 3-D (mRoPE: temporal, height, width sections) [3, batch, sequence]. Qwen3-VL
+# (interleaved mRoPE sections, DeepStack) exported by mobius-onnx in the same form, without DeepStack.
+MOBIUS = {"gemma4_mobius", "qwen2_5_vl", "qwen3_vl"}
+MULTIMODAL = {*GEMMA4, "qwen2_5_vl", "qwen3_vl"}
 MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
                 "eoa_token_index", "audio_token_id"]
 
@@ -346,7 +347,10 @@ def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=(), e
 
 
 def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
-    """A Qwen2.5-VL checkpoint with a one-block vision tower; its text model uses mRoPE."""
+    """A Qwen2.5-VL checkpoint with a one-block vision tower; its text model uses mRoPE. For
+    `qwen3_vl`, Qwen3-VL's: interleaved mRoPE sections, a two-block vision tower with learned
+    position embeddings and DeepStack from its first block, tied embeddings (mobius-onnx 0.1 finds no
+    weight for an untied Qwen3-VL head)."""
     import torch
     import transformers
 
@@ -358,15 +362,22 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=spec.hidden_size,
-                  patch_size=4, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0], window_size=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=spec.hidden_size,
+                  patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
     media = [spec.vocab_size - 1 - i for i in range(4)]
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=media[0], video_token_id=media[1],
-        vision_start_token_id=media[2], vision_end_token_id=media[3],
-    )
+    tokens = dict(image_token_id=media[0], video_token_id=media[1], vision_start_token_id=media[2],
+                  vision_end_token_id=media[3])
+    if spec.arch == "qwen3_vl":
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision.update(depth=2, num_position_embeddings=64, deepstack_visual_indexes=[0])
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens)
+        model_class = transformers.Qwen3VLForConditionalGeneration
+    else:
+        vision.update(depth=1, fullatt_block_indexes=[0], window_size=16)
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(spec.seed)
-    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    model_class(config).save_pretrained(out)
 
 
 def export_mobius(hf_dir: Path, out: Path) -> None:

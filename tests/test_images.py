@@ -90,6 +90,30 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
     assert (text - expected).abs().max() > 1e-2
 
 
+def test_qwen3_vl_by_mobius_answers_as_transformers_without_deepstack(build, inputs):
+    """mobius-onnx 0.1 writes Qwen3-VL in Qwen2.5-VL's form (interleaved mRoPE sections) and leaves
+    DeepStack out (the vision tower's earlier blocks' features, which transformers adds to the first
+    decoder layers at image positions). ortmodule's logits on its package equal transformers'
+    Qwen3-VL with DeepStack switched off, images in every row or none, padding left or right; with
+    DeepStack on, they equal transformers' before the first image only (docs/usage.md says so)."""
+    fixture = build("qwen3_vl")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    config = transformers.AutoConfig.from_pretrained(fixture.hf_dir)
+    with_deepstack = transformers.Qwen3VLForConditionalGeneration.from_pretrained(fixture.hf_dir).eval()
+    config.vision_config.deepstack_visual_indexes = []
+    without = transformers.Qwen3VLForConditionalGeneration.from_pretrained(fixture.hf_dir, config=config).eval()
+    rows = [r[m.bool()].tolist() for r, m in zip(inputs["input_ids"], inputs["attention_mask"])]
+    for left in (True, False):
+        ids, mask = batch(rows, left)
+        given = dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long())
+        real = mask.bool()
+        logits = model(**given).logits
+        assert torch.allclose(logits[real], reference(without, **given).logits[real], atol=1e-4, rtol=1e-4)
+        before = real & ((ids == START).long().cumsum(1) == 0)  # each row's text before its first image
+        differ = (logits - reference(with_deepstack, **given).logits).abs().amax(-1)
+        assert differ[before].max() < 1e-4 and differ[real & ~before].max() > 1e-2
+
+
 def test_steps_over_an_image_prompt_continue_at_its_mrope_positions(pair, inputs):
     """A cached image prompt, then tokens one and two at a time: each step's logits equal the last
     columns of transformers' forward over the whole sequence (the image's rope deltas kept)."""

@@ -90,7 +90,7 @@ def test_a_missing_embedding_file_is_named(build, tmp_path):
         read_package(package)
 
 
-@pytest.mark.parametrize("arch", ["gemma4_mobius", "qwen2_5_vl", "llama", "gemma4"])
+@pytest.mark.parametrize("arch", ["gemma4_mobius", "qwen2_5_vl", "qwen3_vl", "llama", "gemma4"])
 def test_the_context_length_is_what_the_rotary_tables_hold(build, arch, caplog):
     """mobius-onnx writes a context length of at least 4096 whatever the model's own (the fixtures':
     256), and builds its rotary tables for the model's: a longer prompt failed inside ONNX Runtime (a
@@ -102,7 +102,7 @@ def test_the_context_length_is_what_the_rotary_tables_hold(build, arch, caplog):
     with caplog.at_level(logging.WARNING, logger="ortmodule"):
         model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
     assert declared >= limit and model.package.context_length == limit
-    assert model.config.max_position_embeddings == limit
+    assert model.config.get_text_config().max_position_embeddings == limit
     assert (f"model.context_length is {declared}, but the rotary position tables" in caplog.text) == (declared > limit)
     _, reference = load_pair(fixture)
     ids = torch.randint(4, 500, (1, limit), generator=torch.Generator().manual_seed(0))
