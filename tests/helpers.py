@@ -10,7 +10,13 @@ import time
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, Cache, DynamicCache, Qwen2_5_VLForConditionalGeneration
+from transformers import (
+    AutoModelForCausalLM,
+    Cache,
+    DynamicCache,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
 
 from ortmodule import OrtModelForCausalLM
 from ortmodule.cache import KVCache
@@ -31,8 +37,9 @@ _models = {}
 
 
 def reference_class(fixture):
-    """The transformers class of a fixture's checkpoint (Qwen2.5-VL has no causal-LM auto class)."""
-    return Qwen2_5_VLForConditionalGeneration if fixture.spec.arch == "qwen2_5_vl" else AutoModelForCausalLM
+    """The transformers class of a fixture's checkpoint (Qwen2.5-VL and Qwen3-VL have no causal-LM auto class)."""
+    vision_language = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen3_vl": Qwen3VLForConditionalGeneration}
+    return vision_language.get(fixture.spec.arch, AutoModelForCausalLM)
 
 
 def load_pair(fixture, device="cpu"):
