@@ -238,7 +238,7 @@ def read_package(path: str | Path) -> Package:
     if table_rows is not None and table_rows < context_length:
         logger.warning("ortmodule: %s says model.context_length is %d, but the rotary position tables of %s have %d "
                        "rows (positions past them fail inside ONNX Runtime); the context length is taken as %d",
-                       config_path, context_length, decoder.path.name, table_rows, table_rows)
+                       config_path, context_length, decoder.path.relative_to(root), table_rows, table_rows)
         context_length = table_rows
     return Package(
         root=root,
