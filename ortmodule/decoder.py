@@ -210,19 +210,8 @@ class Decoder:
     def package_prefill(self, rows: Rows, logit_index: torch.Tensor | None = None,
                         cache: KVCache | None = None) -> torch.Tensor:
         """`prefill` in the package's own graph, in one run."""
-        batch, width = rows.ids.shape
         mask, positions = self._prefill_mask(rows.ids), self._prefill_positions(rows.ids)
-        session = self.wide_session
-        if cache is None:
-            binding = session.io_binding()
-            self.scratch.bind(binding, self, batch, width)
-            return self.run_bound(session, binding, rows.ids, logit_index, mask, positions, rows.lengths)
-        with self.holding(cache) as runs:
-            binding = self.cache_binding(runs, cache, width, session)
-            cache.states.zero()  # the rows start from nothing (a reused cache holds an earlier batch's)
-            logits = self.run_bound(session, binding, rows.ids, logit_index, mask, positions, rows.lengths)
-            cache.start(rows.lengths, rows.longest, width)
-        return logits
+        return run_prefill(self, self.wide_session, rows, rows.ids, logit_index, mask, positions, cache)[0]
 
     def step(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """Append `tokens` `[B, s]` to every row of `cache`: logits `[n, V]` at the flat indices
@@ -334,6 +323,27 @@ class Decoder:
 
 
 _ZEROS: dict = {}  # (device, dtype, row shape) -> a zero tensor, grown as needed and never written
+
+
+def run_prefill(decoder: Decoder, session, rows: Rows, ids: torch.Tensor, logit_index: torch.Tensor | None,
+                mask: torch.Tensor | None, positions: torch.Tensor | None, cache: KVCache | None, bind=None):
+    """One prefill run of `session` (the package's graph or a variant of it) over `rows`, fed `ids`
+    (the token ids, or their embeddings): its keys and values into `cache`, whose rows start from
+    nothing, or into scratch buffers without one. `bind(binding)` binds more outputs before the
+    run. The logits (`run_bound`'s) and what `bind` returned."""
+    batch, width = rows.ids.shape
+    if cache is None:
+        binding = session.io_binding()
+        decoder.scratch.bind(binding, decoder, batch, width)
+        extra = bind(binding) if bind is not None else None
+        return decoder.run_bound(session, binding, ids, logit_index, mask, positions, rows.lengths), extra
+    with decoder.holding(cache) as runs:
+        binding = decoder.cache_binding(runs, cache, width, session)
+        cache.states.zero()  # a reused cache holds an earlier batch's convolution states
+        extra = bind(binding) if bind is not None else None
+        logits = decoder.run_bound(session, binding, ids, logit_index, mask, positions, rows.lengths)
+        cache.start(rows.lengths, rows.longest, width)
+    return logits, extra
 
 
 def no_media(empty: torch.Tensor, width: int) -> torch.Tensor:

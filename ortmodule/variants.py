@@ -23,7 +23,7 @@ import torch
 
 from . import embeddings, extend, graph, hidden, inputs, runtime
 from .cache import KVCache
-from .decoder import Decoder
+from .decoder import Decoder, run_prefill
 from .graph import RewriteSkipped
 from .inputs import Rows
 
@@ -66,18 +66,8 @@ class Variant:
         mask = torch.ones_like(rows.ids, dtype=decoder.mask_dtype) if decoder.spec.attention_mask else None
         if positions is None and decoder.spec.position_ids:
             positions = torch.arange(width, device=decoder.device).expand(batch, -1)
-        if cache is None:
-            binding = session.io_binding()
-            decoder.scratch.bind(binding, decoder, batch, width)
-            states = self._bind(binding, ids)
-            logits = decoder.run_bound(session, binding, ids, kept, mask, positions, rows.lengths)
-        else:
-            with decoder.holding(cache) as runs:
-                binding = decoder.cache_binding(runs, cache, width, session)
-                cache.states.zero()
-                states = self._bind(binding, ids)
-                logits = decoder.run_bound(session, binding, ids, kept, mask, positions, rows.lengths)
-                cache.start(rows.lengths, rows.longest, width)
+        logits, states = run_prefill(decoder, session, rows, ids, kept, mask, positions, cache,
+                                     lambda binding: self._bind(binding, ids))
         caller = inputs.every_position(rows)
         states = tuple((s if caller is None else s.index_select(0, caller)).view(batch, width, -1) for s in states)
         logits = logits.view(-1, logits.shape[-1])
