@@ -276,11 +276,17 @@ def test_the_gpu_runs_selections_collect(name):
     env = {**os.environ, "PYTHONPATH": str(root)}
     suites = re.findall(r'^\s*suite \S+ \d+ "([^"]+)"', text, re.M)
     assert suites, "the plan runs no part of the benchmark suite"
-    for selection in suites:
-        listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                 "benchmarks", "--bench-size", "gpu", "-k", selection], cwd=root,
-                                capture_output=True, text=True).stdout
-        assert re.search(r"^\d+/\d+ tests collected", listed, re.M), f"{selection}: {listed[-300:]}"
+    # One process collects every selection in turn (a process each spent most of a minute importing).
+    collect = ("import sys, pytest\n"
+               "for selection in sys.argv[1:]:\n"
+               "    print('=== selection', flush=True)\n"
+               "    pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'benchmarks', '--bench-size', 'gpu',"
+               " '-k', selection])\n")
+    listed = subprocess.run([sys.executable, "-c", collect, *suites], cwd=root, capture_output=True, text=True).stdout
+    parts = listed.split("=== selection\n")[1:]
+    assert len(parts) == len(suites), listed[-1000:]
+    for selection, part in zip(suites, parts):
+        assert re.search(r"^\d+/\d+ tests collected", part, re.M), f"{selection}: {part[-300:]}"
     profiles = re.findall(r'python3 profile_gpu\.py ([^"]+)"', text)
     check = "import shlex, sys, profile_gpu; [profile_gpu.arguments(shlex.split(line)) for line in sys.argv[1:]]"
     parsed = subprocess.run([sys.executable, "-c", check, *profiles], cwd=root / "benchmarks", capture_output=True,
@@ -290,10 +296,12 @@ def test_the_gpu_runs_selections_collect(name):
     imports = subprocess.run([sys.executable, "-c", built.split("; print")[0]], cwd=root / "benchmarks",
                              capture_output=True, text=True, env=env)
     assert imports.returncode == 0, imports.stderr[-1000:]
-    for selection in re.findall(r'tests/test_cuda\.py -k \\\n\s+"([^"]+)"', text):
+    cuda_selections = re.findall(r'tests/test_cuda\.py -k \\\n\s+"([^"]+)"', text)
+    if cuda_selections:
         listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                  "tests/test_cuda.py"], cwd=root, capture_output=True, text=True).stdout
         tests = [line for line in listed.splitlines() if "::" in line]
+    for selection in cuda_selections:
         for test in selection.split(" or "):
             assert any(test in line for line in tests), f"no CUDA test matches {test!r}"
     if name == "next_gpu_run.sh":  # the plan of decisions profiles and runs CUDA tests; the targets run neither
