@@ -5,15 +5,18 @@ parity tests (the Gemma 4 and Qwen2.5-VL entries of helpers.ARCHES / MODEL_ARCHE
 
 import json
 import logging
+import random
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import load_pair
+from helpers import LiveServer, expected_text, hf_greedy, load_pair, score_reference
 from transformers import AutoConfig
 
-from ortmodule import OrtModelForCausalLM, PackageError, read_package
+from ortmodule import OrtModelForCausalLM, PackageError, load_tokenizer, read_package
+from ortmodule.serving import create_app
 
 
 @pytest.mark.parametrize(
@@ -111,3 +114,52 @@ def test_the_context_length_is_what_the_rotary_tables_hold(build, arch, caplog):
     torch.testing.assert_close(model(ids, logits_to_keep=1).logits[:, -1], expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match=f"input length {limit + 1} exceeds the model's context length {limit}"):
         model(torch.randint(4, 500, (1, limit + 1)))
+
+
+@pytest.mark.parametrize("arch", ["gemma4_embeds", "gemma4_mobius", "qwen2_5_vl"])
+def test_the_serving_engine_runs_multimodal_packages_for_text(build, arch):
+    """`ortmodule serve` on the multimodal packages: eight greedy completions at once into a decode
+    batch of four rows (prompts of 3 to 120 tokens, prefilled in 16-token chunks: an embedding model
+    before the decoder, per-layer inputs, concatenating attention, mRoPE positions), each equal to
+    transformers' on the request alone, and a score request equal to transformers' forward."""
+    fixture = build(arch)
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    rng = random.Random(0)
+    prompts, lengths, expected = [], [1, 30, 7, 25, 3, 12, 30, 18], []
+    for size, new in zip((3, 120, 17, 64, 5, 90, 33, 9), lengths):
+        # Prompts whose continuations hold no media placeholder id (the vocabulary's last ids, which
+        # random weights may generate and transformers then reads as a placeholder without its media).
+        while True:
+            prompt = [rng.randrange(4, 500) for _ in range(size)]
+            tokens = hf_greedy(hf, prompt, new)
+            if max(tokens) < 500:
+                break
+        prompts.append(prompt)
+        expected.append(tokens)
+    server = LiveServer(create_app(model, tokenizer, name="mm", prefill_chunk=16, max_rows=4, max_items=4))
+    try:
+        def complete(i):
+            body = {"model": "mm", "prompt": prompts[i], "temperature": 0, "max_tokens": lengths[i]}
+            response = server.client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(complete, range(len(prompts))))
+        for tokens, answer in zip(expected, answers):
+            assert (answer["text"], answer["finish_reason"]) == expected_text(tokenizer, tokens)
+        query, items, labels = [5, 6, 7, 8, 9] * 10, [[10, 11], [12], [13, 14, 15]], [20, 21]
+        response = server.client.post("/v1/score", json={"model": "mm", "query": query, "items": items,
+                                                         "label_token_ids": labels, "apply_softmax": True})
+        assert response.status_code == 200, response.text
+        reference = score_reference(hf, tokenizer, query, items, labels, True, False)
+        assert torch.allclose(torch.tensor(response.json()["scores"], dtype=torch.float64), reference, atol=1e-4)
+        # Images are not the server's: a chat's image part is refused by name, not dropped.
+        picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        chat = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, picture]}]
+        response = server.client.post("/v1/chat/completions", json={"model": "mm", "messages": chat})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "messages[0].content: only text parts are supported"
+    finally:
+        server.stop()
