@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import onnxruntime as ort
 import pytest
 import torch
-from helpers import LiveServer, expected_text, hf_greedy, load_pair, score_reference
+from helpers import CHAT_TEMPLATE, LiveServer, expected_text, hf_greedy, load_pair, score_reference
 from transformers import AutoConfig
 
 from ortmodule import OrtModelForCausalLM, PackageError, load_tokenizer, read_package
@@ -125,6 +125,7 @@ def test_the_serving_engine_runs_multimodal_packages_for_text(build, arch):
     fixture = build(arch)
     model, hf = load_pair(fixture)
     tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
     rng = random.Random(0)
     prompts, lengths, expected = [], [1, 30, 7, 25, 3, 12, 30, 18], []
     for size, new in zip((3, 120, 17, 64, 5, 90, 33, 9), lengths):
