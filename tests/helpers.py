@@ -15,6 +15,7 @@ from transformers import (
     Cache,
     DynamicCache,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
 )
 
@@ -37,8 +38,9 @@ _models = {}
 
 
 def reference_class(fixture):
-    """The transformers class of a fixture's checkpoint (Qwen2.5-VL and Qwen3-VL have no causal-LM auto class)."""
-    vision_language = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen3_vl": Qwen3VLForConditionalGeneration}
+    """The transformers class of a fixture's checkpoint (the Qwen-VL models have no causal-LM auto class)."""
+    vision_language = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration,
+                       "qwen3_vl": Qwen3VLForConditionalGeneration}
     return vision_language.get(fixture.spec.arch, AutoModelForCausalLM)
 
 

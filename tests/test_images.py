@@ -90,6 +90,20 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
     assert (text - expected).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("left", [True, False])
+def test_qwen2_vl_by_mobius_answers_as_transformers(build, inputs, left):
+    """mobius-onnx 0.1 writes Qwen2-VL (its own vision tower) in Qwen2.5-VL's form too: logits equal
+    transformers' Qwen2VLForConditionalGeneration on the same weights and processor output."""
+    model, hf = load_pair(build("qwen2_vl"))
+    rows = [r[m.bool()].tolist() for r, m in zip(inputs["input_ids"], inputs["attention_mask"])]
+    ids, mask = batch(rows, left)
+    given = dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long())
+    real = mask.bool()
+    expected = reference(hf, **given).logits[real]
+    assert torch.allclose(model(**given).logits[real], expected, atol=1e-4, rtol=1e-4)
+    assert (model(ids, attention_mask=mask).logits[real] - expected).abs().max() > 1e-2  # the images count
+
+
 def test_qwen3_vl_by_mobius_answers_as_transformers_without_deepstack(build, inputs):
     """mobius-onnx 0.1 writes Qwen3-VL in Qwen2.5-VL's form (interleaved mRoPE sections) and leaves
     DeepStack out (the vision tower's earlier blocks' features, which transformers adds to the first
