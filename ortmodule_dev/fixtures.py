@@ -97,7 +97,7 @@ GEMMA4 = {"gemma4": "Gemma4Unified", "gemma4_embeds": "Gemma4Unified", "gemma4_m
 # Qwen2.5-VL exported by mobius-onnx: vision encoder, embedding model, and a decoder whose
 # position_ids are 3-D (mRoPE: temporal, height, width sections) [3, batch, sequence]. Qwen3-VL
 # (interleaved mRoPE sections, DeepStack) exported by mobius-onnx in the same form, without DeepStack.
-# Qwen2-VL, too (its own vision tower; tied embeddings, which mobius-onnx 0.1 needs here as for Qwen3-VL).
+# Qwen2-VL, too (its own vision tower).
 MOBIUS = {"gemma4_mobius", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"}
 MULTIMODAL = {*GEMMA4, "qwen2_5_vl", "qwen2_vl", "qwen3_vl"}
 MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
@@ -351,7 +351,7 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     """A Qwen2.5-VL checkpoint with a one-block vision tower; its text model uses mRoPE. For
     `qwen3_vl`, Qwen3-VL's: interleaved mRoPE sections, a two-block vision tower with learned
     position embeddings and DeepStack from its first block, tied embeddings (mobius-onnx 0.1 finds no
-    weight for an untied Qwen3-VL head). For `qwen2_vl`, Qwen2-VL's one-block tower, tied too."""
+    weight for an untied Qwen3-VL head). For `qwen2_vl`, Qwen2-VL's one-block tower."""
     import torch
     import transformers
 
@@ -376,7 +376,7 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     elif spec.arch == "qwen2_vl":
         vision = dict(depth=1, embed_dim=32, hidden_size=spec.hidden_size, mlp_ratio=2, num_heads=2, patch_size=4,
                       spatial_merge_size=2, temporal_patch_size=2)
-        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens)
+        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
         model_class = transformers.Qwen2VLForConditionalGeneration
     else:
         vision.update(depth=1, fullatt_block_indexes=[0], window_size=16)
