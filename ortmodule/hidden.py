@@ -8,8 +8,10 @@ layer i's first norm reads the residual stream, its `input_layernorm` (`operator
 LFM2) either a plain norm of it (layer 0) or a skip norm that adds the previous layer's output to
 the residual and returns the sum as its fourth output; the final norm's output feeds the head.
 `hidden_graph` makes those values outputs (reshaped to `[rows * positions, hidden]`) of the
-LM-head-rewritten graph, cached like it (graph.py). Graphs named otherwise (mobius-onnx's) raise
-`RewriteSkipped`, and the caller a `NotSupportedError` with the reason.
+LM-head-rewritten graph, cached like it (graph.py). The norms are found by the builder's node names,
+else by their weights' names (mobius-onnx's graphs: `decoder.model.layers.3.input_layernorm.weight`,
+the final `decoder.model.norm.weight`, ONNX's `RMSNormalization` or the fused skip norm); graphs
+named neither way raise `RewriteSkipped`, and the caller a `NotSupportedError` with the reason.
 
 variants.py runs the graph (with an embeddings input too where the call gives `inputs_embeds`).
 """
@@ -24,10 +26,25 @@ from .graph import RewriteSkipped
 
 HIDDEN = "ortmodule_hidden_states_"  # + the index in transformers' tuple
 _FIRST_NORMS = ("input_layernorm", "operator_layernorm")
-_NORMS = {"SimplifiedLayerNormalization", "LayerNormalization"}
+_NORMS = {"SimplifiedLayerNormalization", "LayerNormalization", "RMSNormalization"}
 _SKIP_NORMS = {"SkipSimplifiedLayerNormalization", "SkipLayerNormalization"}
 _SUM = 3  # a skip norm's input + skip (+ bias) sum output
-_LAYER_NORM = re.compile(r"^/model/layers\.(\d+)/([a-z_]+)/")
+_LAYER_NORM = re.compile(r"^/model/layers\.(\d+)/([a-z_]+)/")  # the builder's node names
+_NORM_WEIGHT = re.compile(r"(?:^|\.)model\.(?:layers\.(\d+)\.([a-z_]+)|norm)\.weight$")  # mobius-onnx's weights
+_FINAL = "final_norm_layernorm"
+
+
+def _role(node: ir.Node, layers: int) -> tuple[int, str] | None:
+    """A norm's layer and name: from the builder's node name, else from its weight's name (the final
+    norm's as the builder names it, after the last layer)."""
+    found = _LAYER_NORM.match(node.name or "")
+    if found is not None:
+        return int(found[1]), found[2]
+    for value in node.inputs[1:]:
+        found = _NORM_WEIGHT.search(value.name or "") if value is not None else None
+        if found is not None:
+            return (int(found[1]), found[2]) if found[1] is not None else (layers, _FINAL)
+    return None
 
 
 def hidden_values(g: ir.Graph, layers: int) -> list[ir.Value]:
@@ -35,18 +52,19 @@ def hidden_values(g: ir.Graph, layers: int) -> list[ir.Value]:
     first: dict[int, ir.Node] = {}
     final = None
     for node in g:
-        found = _LAYER_NORM.match(node.name or "")
-        if found is None or node.op_type not in _NORMS | _SKIP_NORMS:
+        role = _role(node, layers) if node.op_type in _NORMS | _SKIP_NORMS else None
+        if role is None:
             continue
-        layer, name = int(found[1]), found[2]
+        layer, name = role
         if name in _FIRST_NORMS and layer not in first:
             first[layer] = node
-        elif name == "final_norm_layernorm" and layer == layers:
+        elif name == _FINAL and layer == layers:
             final = node
     missing = [i for i in range(layers) if i not in first]
     if missing or final is None:
         what = f"layers {missing[:3]} have no input norm" if missing else f"no final norm after layer {layers - 1}"
-        raise RewriteSkipped(f"the graph's nodes are not named as the model builder names them ({what})")
+        raise RewriteSkipped("neither the graph's nodes nor its norms' weights are named as the model builder or "
+                             f"mobius-onnx names them ({what})")
     values = []
     for layer in range(layers):
         node = first[layer]
@@ -63,10 +81,14 @@ def add_hidden_outputs(g: ir.Graph, layers: int, hidden_size: int) -> None:
     """Give the graph outputs `HIDDEN + i` `[rows * positions, hidden_size]`, i = 0 ... layers."""
     shape = ir.Value(name="/ortmodule/hidden_shape", const_value=ir.tensor([-1, hidden_size], dtype=ir.DataType.INT64))
     g.initializers.add(shape)
-    for i, value in enumerate(hidden_values(g, layers)):
+    values = hidden_values(g, layers)
+    # mobius-onnx records no types inside its graphs: a value without one has the others' (the
+    # embeddings' input has one), the residual stream's type throughout.
+    known = next((value.dtype for value in values if value.dtype is not None), None)
+    for i, value in enumerate(values):
         flat = ir.node("Reshape", [value, shape], name=f"/ortmodule/hidden_{i}")
         flat.outputs[0].name = f"{HIDDEN}{i}"
-        flat.outputs[0].dtype = value.dtype
+        flat.outputs[0].dtype = value.dtype or known
         flat.outputs[0].shape = ir.Shape(["hidden_rows", hidden_size])
         g.append(flat)
         g.outputs.append(flat.outputs[0])

@@ -5,14 +5,14 @@ import torch
 from helpers import MODEL_ARCHES, left_padded_batch, load_pair
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
-from ortmodule_dev import fixtures
 
-# mobius-onnx's graphs (Gemma 4 multimodal, Qwen2.5-VL) name their nodes otherwise: refused.
-BUILDER = [arch for arch in MODEL_ARCHES if arch not in fixtures.MOBIUS]
+# The builder's fixtures and mobius-onnx's (Gemma 4 multimodal, Qwen2.5-VL, Qwen2-VL and Qwen3-VL in its form),
+# whose norms are found by their weights' names.
+ARCHS = [*MODEL_ARCHES, "qwen2_vl", "qwen3_vl"]
 # More of the builder's architectures whose packages give transformers' numbers (tests/test_architectures.py).
 MORE = {"lfm2": {"num_layers": 4}, "gemma2": {}, "granite": {}, "gpt_oss": {}, "gemma": {}, "hunyuan": {},
         "lfm2_moe": {"num_layers": 4}, "ernie4_5": {}}
-QUICK = {*BUILDER, "lfm2"}
+QUICK = {*ARCHS, "lfm2"}
 
 
 def assert_close(ours: tuple, theirs: tuple, real: torch.Tensor | None = None) -> None:
@@ -27,7 +27,7 @@ def assert_close(ours: tuple, theirs: tuple, real: torch.Tensor | None = None) -
 
 
 @pytest.mark.parametrize("arch", [arch if arch in QUICK else pytest.param(arch, marks=pytest.mark.slow)
-                                  for arch in [*BUILDER, *MORE]])
+                                  for arch in [*ARCHS, *MORE]])
 def test_hidden_states_equal_transformers(build, arch):
     """A left-padded batch with a cache, then steps of two tokens (one at a time inside: several new
     tokens over a batch's cache) and of one: every layer's input and the final norm's output at every
@@ -97,14 +97,30 @@ def test_half_precision_and_int4_packages_give_their_own_hidden_states(build):
         assert torch.isfinite(step.logits).all()
 
 
-@pytest.mark.parametrize("arch", sorted(fixtures.MOBIUS))
-def test_graphs_named_otherwise_are_refused_by_reason(build, arch):
-    model = OrtModelForCausalLM.from_pretrained(build(arch).package_dir)
+def test_graphs_named_neither_way_are_refused_by_reason(build, tmp_path):
+    """A graph whose nodes and norm weights are named as neither exporter names them (the Llama
+    fixture's, renamed): `NotSupportedError` with the reason; the same model's logits unchanged."""
+    import shutil
+
+    import onnx
+
+    source = build("llama").package_dir
+    package = tmp_path / "package"
+    shutil.copytree(source, package)
+    proto = onnx.load(str(source / "model.onnx"), load_external_data=False)
+    renamed = {t.name: f"w{i}" for i, t in enumerate(proto.graph.initializer)}
+    for tensor in proto.graph.initializer:
+        tensor.name = renamed[tensor.name]
+    for i, node in enumerate(proto.graph.node):
+        node.name = f"n{i}"
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    onnx.save(proto, str(package / "model.onnx"))
+    model = OrtModelForCausalLM.from_pretrained(package)
     ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(NotSupportedError, match="output_hidden_states=True: the graph's nodes are not named as the "
-                                                "model builder names them"):
+    with pytest.raises(NotSupportedError, match="output_hidden_states=True: neither the graph's nodes nor its norms' "
+                                                "weights are named as the model builder or mobius-onnx names them"):
         model(ids, output_hidden_states=True)
-    assert model(ids).logits.shape[:2] == (1, 3)
+    assert torch.equal(model(ids).logits, OrtModelForCausalLM.from_pretrained(source)(ids).logits)
 
 
 @pytest.mark.parametrize("mode", [dict(do_sample=False), dict(do_sample=True, top_k=20), dict(num_beams=2)])

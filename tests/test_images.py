@@ -90,6 +90,27 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
     assert (text - expected).abs().max() > 1e-2
 
 
+def test_hidden_states_with_images_equal_transformers(pair, inputs):
+    """`output_hidden_states=True` with images (mobius-onnx's graph: its norms found by their weights'
+    names): every layer's input and the final norm's output at every real position, then a step's,
+    as transformers gives them."""
+    model, hf = pair
+    real = inputs["attention_mask"].bool()
+    out = model(**inputs, output_hidden_states=True, use_cache=True)
+    expected = reference(hf, **inputs, output_hidden_states=True)
+    assert len(out.hidden_states) == len(expected.hidden_states) == 3
+    for ours, theirs in zip(out.hidden_states, expected.hidden_states):
+        assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
+    tokens = torch.tensor([[7], [8], [9]])
+    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
+    step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values, output_hidden_states=True)
+    ids = torch.cat([inputs["input_ids"], tokens], 1)
+    whole = reference(hf, **dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long()),
+                      output_hidden_states=True)
+    for ours, theirs in zip(step.hidden_states, whole.hidden_states):
+        assert torch.allclose(ours[:, -1], theirs[:, -1], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("left", [True, False])
 def test_qwen2_vl_by_mobius_answers_as_transformers(build, inputs, left):
     """mobius-onnx 0.1 writes Qwen2-VL (its own vision tower) in Qwen2.5-VL's form too: logits equal
@@ -153,9 +174,6 @@ def test_loss_with_images(pair, inputs):
     labels = inputs["input_ids"].masked_fill((mask == 0) | after_padding, -100)
     ours, theirs = model(**inputs, labels=labels), reference(hf, **inputs, labels=labels)
     assert torch.allclose(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
-    # Hidden states: mobius-onnx's graphs are refused for text (test_hidden_states.py) and with images alike.
-    with pytest.raises(NotSupportedError, match="output_hidden_states=True"):
-        model(**inputs, output_hidden_states=True)
 
 
 def test_generate_with_images_equals_transformers(pair, inputs, monkeypatch):
