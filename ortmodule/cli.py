@@ -80,6 +80,9 @@ def ortmodule(argv: list[str] | None = None) -> None:
                        help="run a score request's query (its items' common first tokens) once and its items over "
                             "copies of its KV (on), every prompt whole (off), or decide per request from the "
                             "model's measured costs (auto, the default; docs/scoring.md)")
+    serve.add_argument("--processor", default=None, metavar="FOLDER",
+                       help="the checkpoint's image processor (its preprocessor_config.json), for a package that takes "
+                            "images: chat messages may then hold image_url parts (data: URLs)")
     _settings_flags(serve)
     _cache_flags(commands)
     args = parser.parse_args(argv)

@@ -381,3 +381,120 @@ def test_lm_eval_multimodal_backend_needs_a_processor_and_an_image_package(build
         OrtModuleMultimodalLM(str(build("qwen2_5_vl").package_dir))
     with pytest.raises(ValueError, match="names no model.image_token_id"):
         OrtModuleMultimodalLM(str(build("llama").package_dir), processor=ImageTextProcessor(build("qwen2_5_vl").hf_dir))
+
+
+# A chat template of Qwen2.5-VL's form: an image part is a vision start, one image pad, a vision end.
+VL_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def png_url(size, seed):
+    import base64
+    import io
+
+    state = np.random.RandomState(seed)
+    picture = Image.fromarray((state.rand(*size, 3) * 255).astype("uint8"))
+    out = io.BytesIO()
+    picture.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode(), picture
+
+
+def vl_tokenizer(package_dir):
+    """The fixture's tokenizer with Qwen2.5-VL's vision tokens at the fixture's reserved ids."""
+    from ortmodule import load_tokenizer
+
+    tokenizer = load_tokenizer(package_dir)
+    fill = [f"<|media{i}|>" for i in range(len(tokenizer), END)]
+    tokenizer.add_special_tokens({"additional_special_tokens": [*fill, "<|vision_end|>", "<|vision_start|>",
+                                                                "<|video_pad|>", "<|image_pad|>"]})
+    assert tokenizer.convert_tokens_to_ids(["<|vision_end|>", "<|vision_start|>", "<|image_pad|>"]) == [END, START,
+                                                                                                           IMAGE]
+    tokenizer.chat_template = VL_TEMPLATE
+    return tokenizer
+
+
+def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
+    """`ortmodule serve --processor FOLDER` on the Qwen2.5-VL package: chat messages with image_url
+    parts (data: URLs) answer as transformers' greedy generate on what its processor makes of the
+    same images and the template's ids (each image pad expanded), while a text completion runs
+    beside them; what an image part cannot be is a 400 naming it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import LiveServer, expected_text
+
+    from ortmodule.serving import create_app
+
+    fixture = build("qwen2_5_vl")
+    _, hf = pair
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    tokenizer = vl_tokenizer(fixture.package_dir)
+    transformers.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(tmp_path / "processor")
+    server = LiveServer(create_app(model, tokenizer, name="vl", processor=str(tmp_path / "processor")))
+    try:
+        first, one = png_url((28, 20), 1)
+        second, two = png_url((16, 40), 2)
+        chats = [
+            [{"role": "user", "content": [{"type": "text", "text": "what is in the picture"},
+                                          {"type": "image_url", "image_url": {"url": first}}]}],
+            [{"role": "system", "content": "look closely"},
+             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": second, "detail": "auto"}},
+                                          {"type": "text", "text": "and this one"},
+                                          {"type": "image_url", "image_url": {"url": first}}]}],
+        ]
+        pictures = [[one], [two, one]]
+
+        def chat(messages):
+            body = {"model": "vl", "messages": messages, "temperature": 0, "max_tokens": 8}
+            return server.client.post("/v1/chat/completions", json=body)
+
+        def completion():
+            body = {"model": "vl", "prompt": [5, 6, 7, 8], "temperature": 0, "max_tokens": 8}
+            return server.client.post("/v1/completions", json=body)
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(chat, messages) for messages in chats] + [pool.submit(completion)]
+            answers = [answer.result() for answer in answers]
+        for messages, images, answer in zip(chats, pictures, answers):
+            assert answer.status_code == 200, answer.text
+            parts = [[{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
+                     if isinstance(m["content"], list) else m["content"] for m in messages]
+            ids = tokenizer.apply_chat_template([{**m, "content": c} for m, c in zip(messages, parts)],
+                                                add_generation_prompt=True, return_dict=False)
+            made = transformers.Qwen2VLImageProcessorPil(**PROCESSOR)(images=images, return_tensors="pt")
+            counts = iter((made["image_grid_thw"].prod(1) // 4).tolist())
+            ids = [t for token in ids for t in ([token] * next(counts) if token == IMAGE else [token])]
+            ids = torch.tensor([ids])
+            with torch.no_grad():
+                out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **made,
+                                  mm_token_type_ids=(ids == IMAGE).long(), max_new_tokens=8, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+            expected = expected_text(tokenizer, out[0, ids.shape[1]:].tolist())
+            choice = answer.json()["choices"][0]
+            assert (choice["message"]["content"], choice["finish_reason"]) == expected
+            assert answer.json()["usage"]["prompt_tokens"] == ids.shape[1]
+        assert answers[-1].status_code == 200
+        assert answers[-1].json()["choices"][0]["text"] == completion().json()["choices"][0]["text"]
+        refusals = {
+            "http://example.com/cat.png": "only data: URLs",
+            "data:image/png,rawbytes": "must be base64",
+            "data:image/png;base64,@@@": "not base64",
+            "data:image/png;base64,aGVsbG8=": "not an image Pillow reads",
+        }
+        for url, reason in refusals.items():
+            answer = chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+            assert answer.status_code == 400 and reason in answer.json()["error"]["message"], answer.text
+        # A template that places no image: refused, not run as text.
+        tokenizer.chat_template = VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
+        answer = chat(chats[0])
+        assert answer.status_code == 400 and "placed 0 image placeholders" in answer.json()["error"]["message"]
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="--processor: the package has no vision model"):
+        create_app(OrtModelForCausalLM.from_pretrained(build("llama").package_dir), tokenizer,
+                   processor=str(tmp_path / "processor"))
+    with pytest.raises(ValueError, match="no image processor there"):
+        create_app(model, tokenizer, processor=str(tmp_path))

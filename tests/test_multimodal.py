@@ -156,11 +156,12 @@ def test_the_serving_engine_runs_multimodal_packages_for_text(build, arch):
         assert response.status_code == 200, response.text
         reference = score_reference(hf, tokenizer, query, items, labels, True, False)
         assert torch.allclose(torch.tensor(response.json()["scores"], dtype=torch.float64), reference, atol=1e-4)
-        # Images are not the server's: a chat's image part is refused by name, not dropped.
+        # Without --processor a chat's image part is refused by name, not dropped.
         picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
         chat = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, picture]}]
         response = server.client.post("/v1/chat/completions", json={"model": "mm", "messages": chat})
         assert response.status_code == 400
-        assert response.json()["error"]["message"] == "messages[0].content: only text parts are supported"
+        assert response.json()["error"]["message"] == ("messages[0].content: this server takes no images (a package "
+                                                       "that takes them, served with --processor, does)")
     finally:
         server.stop()

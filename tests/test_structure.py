@@ -100,7 +100,7 @@ def test_functions_and_classes_stay_short():
 def test_the_product_imports_only_its_declared_dependencies():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     import_names = {"onnxruntime-gpu": "onnxruntime", "onnx-ir": "onnx_ir", "lm-eval": "lm_eval",
-                    "onnxruntime-genai-cuda": "onnxruntime_genai", "olive-ai": "olive"}
+                    "onnxruntime-genai-cuda": "onnxruntime_genai", "olive-ai": "olive", "pillow": "PIL"}
 
     def names(requirements: list[str]) -> set[str]:
         out = set()

@@ -16,6 +16,7 @@ from collections import deque
 import torch
 
 from ..cache import rows_view
+from ..hf import CACHE_NAME
 from ..inputs import Rows, pad_right, to_device
 from .jobs import Generation, Row, choose_tokens, prompt_scores
 from .prefixes import BLOCK, Prefixes
@@ -109,6 +110,14 @@ class DecodeBatch:
         for row in rows:
             row.prefilled = len(row.prompt)
         return logits, cache
+
+    def prefill_images(self, model, row: Row) -> tuple[torch.Tensor, object]:
+        """Run a prompt with images (`row.media`) alone, whole, through the model's forward: the
+        logits after it, `[1, V]`, and its cache, which keeps the row's mRoPE position offset."""
+        out = model(torch.tensor([row.prompt]), pixel_values=row.media.pixel_values,
+                    image_grid_thw=row.media.image_grid_thw, use_cache=True, logits_to_keep=1)
+        row.prefilled = len(row.prompt)
+        return out.logits[:, -1], out[CACHE_NAME]
 
     def prefill_chunk(self, row: Row, cache, chunk: int) -> torch.Tensor:
         """The next `chunk` tokens of a long prompt into its own one-row `cache`: the logits after
@@ -206,9 +215,14 @@ class Generations:
         """Start waiting rows: the next chunk of a long prompt, and short prompts together, each up
         to `prefill_chunk` tokens."""
         chunk, batch = self.prefill_chunk, self.batch
+        pictured = next((row for row in self.pending if row.media is not None), None)
+        if pictured is not None and self.partial is None and batch.free:
+            self.pending.remove(pictured)
+            self._starting(pictured)
+            self._guarded([pictured], self._prefill_images)
         if self.partial is None:
-            long = next((row for row in self.pending if len(row.prompt) > chunk or self._worth_starting_past(row)),
-                        None)
+            long = next((row for row in self.pending if row.media is None and
+                         (len(row.prompt) > chunk or self._worth_starting_past(row))), None)
             if long is not None and batch.free:
                 self.pending.remove(long)
                 self._starting(long)
@@ -227,7 +241,7 @@ class Generations:
         for row in list(self.pending):
             if len(short) >= (free if batch.shared else min(free, 1)):
                 break
-            if (len(row.prompt) <= chunk and not self._worth_starting_past(row)
+            if (row.media is None and len(row.prompt) <= chunk and not self._worth_starting_past(row)
                     and (not short or tokens + len(row.prompt) <= chunk)):
                 self.pending.remove(row)
                 short.append(row)
@@ -241,7 +255,9 @@ class Generations:
         """The cached prefix of the row's prompt (looked up once): (entry, tokens to reuse, at
         most all but the last)."""
         if row.prefix is None:
-            entry, shared = self.prefixes.find(row.prompt) if self.prefixes.budget else (None, 0)
+            # A prompt with images is not its ids (the same placeholders stand for any image): no prefix.
+            found = self.prefixes.budget and row.media is None
+            entry, shared = self.prefixes.find(row.prompt) if found else (None, 0)
             shared = min(shared, len(row.prompt) - 1)
             if self.hybrid and (entry is None or entry.states is None or shared != len(entry.tokens)):
                 entry, shared = None, 0  # its states are the entry's end's: a prompt extending all of it only
@@ -270,7 +286,7 @@ class Generations:
             if not self.batch.free:
                 return
             entry, shared = self._hit(row)
-            if len(row.prompt) - shared <= self.feed_tokens:
+            if row.media is None and len(row.prompt) - shared <= self.feed_tokens:
                 self.pending.remove(row)
                 self._starting(row)
                 self._used_prefix(shared)
@@ -291,6 +307,11 @@ class Generations:
             self.partial = None
             self._start(rows, logits, cache)
 
+    def _prefill_images(self, rows: list[Row]) -> None:
+        logits, cache = self.batch.prefill_images(self.model, rows[0])
+        self.stats.prefills += 1
+        self._start(rows, logits, cache)
+
     def _prefill_short(self, rows: list[Row]) -> None:
         logits, cache = self.batch.prefill(rows)
         self.stats.prefills += 1
@@ -301,6 +322,8 @@ class Generations:
         Their prompts' KV go to the prefix cache."""
         if self.prefixes.budget:
             for i, row in enumerate(rows):
+                if row.media is not None:
+                    continue
                 self.prefixes.add(row.prompt, [k[i] for k in cache.keys], [v[i] for v in cache.values],
                                   [state[i] for state in cache.states.current])
         for i, row in enumerate(self._accept(rows, logits)):

@@ -211,12 +211,12 @@ class Generation(Job):
     kind = "generation"
 
     def __init__(self, prompts: list[Ids], sampling: Sampling, loop, tokenizer, eos: set[int],
-                 stream: bool = False, prompt_top: int | None = None):
+                 stream: bool = False, prompt_top: int | None = None, media=None):
         super().__init__(prompts, loop)
         self.sampling, self.prompt_top = sampling, prompt_top
         self.stream: asyncio.Queue | None = asyncio.Queue() if stream else None
         self.prompt_scores: list[PromptScores] | None = None  # echo: filled before the rows start
-        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, eos, sampling.stop))
+        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, eos, sampling.stop), media=media)
                      for i, p in enumerate(prompts)]
         self.unfinished = len(self.rows)
 
@@ -253,6 +253,7 @@ class Row:
     prefilled: int = 0  # prompt tokens in its cache (run in chunks, one per decode step, or cached)
     generator: torch.Generator | None = None
     prefix: tuple | None = None  # the cached prefix found for its prompt: (entry or None, tokens shared)
+    media: object = None  # the prompt's images (serving/images.py's Media): it is prefilled alone, whole
 
     @property
     def feeding(self) -> bool:

@@ -191,16 +191,13 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
         raise ServingError("this model's tokenizer has no chat template: use /v1/completions", "messages")
     if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= MAX_LOGPROBS):
         raise ServingError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, with logprobs true", "top_logprobs")
-    messages, texts = [], []
+    messages, texts, pictures = [], [], []
     for i, message in enumerate(body.messages):
         if message.role not in ROLES:
             raise ServingError(f"messages[{i}].role {message.role!r} is not a chat role", f"messages[{i}].role")
         content = message.content or ""
-        if isinstance(content, list):  # content parts: text only
-            if any(part.type != "text" or part.text is None for part in content):
-                raise ServingError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            texts += [(f"messages[{i}].content", part.text) for part in content]
-            content = "".join(part.text for part in content)
+        if isinstance(content, list):
+            content = _content_parts(served, content, f"messages[{i}].content", texts, pictures)
         else:
             texts.append((f"messages[{i}].content", content))
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
@@ -210,6 +207,9 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
         if value is not None and value < 1:
             raise ServingError(f"{name} must be at least 1, got {value}", name)
     prompt = chat_ids(tokenizer, messages)
+    media = None
+    if pictures:
+        prompt, media = served.images.expand(prompt, pictures)
     _check_ids(served, [prompt])
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = served.context - len(prompt) if limit is None else limit
@@ -221,32 +221,69 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     if top is not None:
         served.check_values(max_tokens * (1 + top), "the log-probabilities asked for", "top_logprobs")
     sampling = sampling_of(body, max_tokens, top, stop)
-    return Generation([prompt], sampling, loop, tokenizer, served.engine.eos, body.stream)
+    return Generation([prompt], sampling, loop, tokenizer, served.engine.eos, body.stream, media=media)
+
+
+def _content_parts(served: Served, parts: list, where: str, texts: list, pictures: list) -> str | list[dict]:
+    """A message's content parts as the chat template takes them: text parts joined, or, with images,
+    the parts as a list (`{"type": "image"}` for each image, decoded into `pictures`)."""
+    kept = []
+    for part in parts:
+        if part.type == "text" and part.text is not None:
+            texts.append((where, part.text))
+            kept.append({"type": "text", "text": part.text})
+        elif part.type == "image_url" and part.image_url is not None:
+            if served.images is None:
+                raise ServingError(f"{where}: this server takes no images (a package that takes them, served with "
+                                   "--processor, does)", where)
+            if len(pictures) >= served.settings.max_items:
+                raise ServingError(f"{where}: more than {served.settings.max_items} images in the request", where)
+            pictures.append(served.images.decode(part.image_url.url, where))
+            kept.append({"type": "image"})
+        else:
+            raise ServingError(f"{where}: parts of type 'text' (with text) and 'image_url' are taken, got "
+                               f"{part.type!r}", where)
+    if any(part["type"] == "image" for part in kept):
+        return kept
+    return "".join(part["text"] for part in kept)
+
+
+def _texts(message: dict) -> list[str]:
+    content = message["content"]
+    return [content] if isinstance(content, str) else [part["text"] for part in content if part["type"] == "text"]
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The messages through the chat template, ending with the assistant's turn. Content holding
     a special token's text is tokenized apart from the template, special tokens split, so that it
-    stays text; other content is tokenized with the template, exactly as `apply_chat_template`."""
+    stays text; other content is tokenized with the template, exactly as `apply_chat_template`.
+    A message's content is text, or (with images) a list of text and image parts."""
     specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
-    if not any(s in m["content"] for m in messages for s in specials):
+    if not any(s in text for m in messages for text in _texts(m) for s in specials):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    marks = [f"\x00content{uuid.uuid4().hex}{i}\x00" for i in range(len(messages))]
-    marked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+    pieces: list[tuple[str, str]] = []  # (mark, the text it stands for), in order
+
+    def mark(text: str) -> str:
+        pieces.append((f"\x00content{uuid.uuid4().hex}{len(pieces)}\x00", text))
+        return pieces[-1][0]
+
+    marked = [{**m, "content": mark(m["content"]) if isinstance(m["content"], str) else
+               [{**part, "text": mark(part["text"])} if part["type"] == "text" else part for part in m["content"]]}
+              for m in messages]
     text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
     plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     filled = text
-    for mark, message in zip(marks, messages):
-        filled = filled.replace(mark, message["content"])
+    for stand_in, content in pieces:
+        filled = filled.replace(stand_in, content)
     if filled != plain:  # the template rewrites content (trims it, say): it cannot be kept apart
         raise ServingError("a message holds a special token's text, which this model's chat template cannot keep "
                            "apart from its own tokens", "messages")
     ids: list[int] = []
-    for i, mark in enumerate(marks):
-        before, _, text = text.partition(mark)
+    for stand_in, content in pieces:
+        before, _, text = text.partition(stand_in)
         ids += tokenizer(before, add_special_tokens=False)["input_ids"]
-        ids += tokenizer(messages[i]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return ids + tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -71,11 +71,19 @@ class CompletionRequest(_Options):
     suffix: Text | None = None
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    url: Text
+    detail: Text | None = None
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Text
     text: Text | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(BaseModel):

@@ -27,6 +27,7 @@ class Served:
     tokenizer: object
     name: str
     settings: Settings
+    images: object = None  # serving/images.py's ChatImages, where the package takes images (`--processor`)
     # Tokenizing and answer-building happen here, off the event loop and off the model's thread.
     tokenizing: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="ortmodule-tokenize"))

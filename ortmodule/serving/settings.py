@@ -37,6 +37,9 @@ class Settings:
 
     `api_key`: when set, every `/v1` route and `/metrics` needs `Authorization: Bearer KEY`
     (else 401); default: the ORTMODULE_API_KEY environment variable, if set.
+
+    `processor`: a folder holding the checkpoint's image processor (`preprocessor_config.json`), for
+    a package that takes images: chat messages may then hold `image_url` parts (serving/images.py).
     """
 
     name: str | None = None
@@ -58,6 +61,7 @@ class Settings:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     api_key: str | None = None
+    processor: str | None = None
 
     def __post_init__(self):
         for field in fields(self):
@@ -67,7 +71,7 @@ class Settings:
             if field.name == "reuse_prefix":
                 if not isinstance(value, str) or value not in REUSE_PREFIX:
                     raise ValueError(f"reuse_prefix must be one of {', '.join(REUSE_PREFIX)}, got {value!r}")
-            elif field.name in ("name", "api_key"):
+            elif field.name in ("name", "api_key", "processor"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"{field.name} must be a non-empty string, got {value!r}")
             elif field.type == "float":

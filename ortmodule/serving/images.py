@@ -1,0 +1,95 @@
+"""Images in chat requests: `image_url` content parts, for a package that takes images (ortmodule's
+images.py: Qwen2.5-VL's form) served with `--processor`, the checkpoint folder whose image processor
+the model was trained with (a GenAI package carries onnxruntime-genai's image settings, not
+transformers').
+
+The server fetches nothing: an image is a `data:` URL, base64, of a format Pillow reads, of at most
+`MAX_PIXELS` pixels. The chat template renders an image part (`{"type": "image"}`) as the model's
+placeholder (Qwen2.5-VL's: a vision start, one image pad, a vision end); each pad then becomes its
+image's tokens (t x h x w / merge^2), as transformers' processor expands it. An image request is one
+prompt with its images: the engine prefills it alone, whole (generations.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+
+import torch
+
+from .. import images
+from .errors import ServingError
+
+MAX_PIXELS = 50_000_000  # an image larger than this (width x height) is refused before it is decoded
+
+
+@dataclass(frozen=True)
+class Media:
+    """A prompt's images as the model takes them."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+
+
+class ChatImages:
+    """The image processor and the placeholder of a served package that takes images."""
+
+    def __init__(self, model, processor: str):
+        try:
+            from PIL import Image  # noqa: F401  (checked here, used at each request)
+            from transformers import AutoImageProcessor
+        except ImportError as e:
+            raise ValueError(f"--processor: images need Pillow ({e}); pip install pillow") from None
+        try:
+            vision = images.for_decoder(model.decoder)
+        except images.ImagesUnsupported as e:
+            raise ValueError(f"--processor: {e}") from None
+        if model.decoder.spec.shares_kv_buffer:
+            raise ValueError("--processor: this server takes images for packages whose attention concatenates its "
+                             "cache (mobius-onnx's exports), whose decode batch runs one row; this package's "
+                             "GroupQueryAttention shares a batch's buffer, which keeps no row's mRoPE offset")
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(processor, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--processor {processor}: no image processor there ({e})") from None
+        self.token, self.merge = vision.image_token, vision.merge
+
+    def decode(self, url: str, where: str):
+        """The RGB image of a `data:` URL; a ServingError naming `where` for anything else."""
+        from PIL import Image, UnidentifiedImageError
+
+        header, comma, data = url.partition(",")
+        if not header.startswith("data:") or not comma:
+            raise ServingError(f"{where}: only data: URLs (data:image/png;base64,...) are taken; this server fetches "
+                               "nothing", where)
+        if not header.endswith(";base64"):
+            raise ServingError(f"{where}: the data URL must be base64 (data:image/...;base64,...)", where)
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ServingError(f"{where}: not base64 ({e})", where) from None
+        try:
+            picture = Image.open(io.BytesIO(raw))
+            if picture.width * picture.height > MAX_PIXELS:
+                raise ServingError(f"{where}: an image of {picture.width} x {picture.height} pixels; this server takes "
+                                   f"at most {MAX_PIXELS:,}", where)
+            return picture.convert("RGB")
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+            raise ServingError(f"{where}: not an image Pillow reads ({e})", where) from None
+
+    def expand(self, ids: list[int], pictures: list) -> tuple[list[int], Media]:
+        """`ids` with each image placeholder expanded to its image's tokens, and the images."""
+        placed = ids.count(self.token)
+        if placed != len(pictures):
+            raise ServingError(f"the chat template placed {placed} image placeholders (token {self.token}) for "
+                               f"{len(pictures)} images; this model's template must render each image part as one",
+                               "messages")
+        made = self.processor(images=pictures, return_tensors="pt")
+        grids = made["image_grid_thw"]
+        counts = iter((grids.prod(1) // self.merge**2).tolist())
+        expanded: list[int] = []
+        for token in ids:
+            expanded += [token] * next(counts) if token == self.token else [token]
+        return expanded, Media(made["pixel_values"], grids)
