@@ -484,6 +484,12 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
             "data:image/png;base64,@@@": "not base64",
             "data:image/png;base64,aGVsbG8=": "not an image Pillow reads",
         }
+        import base64
+        import io
+
+        huge = io.BytesIO()
+        Image.new("1", (7100, 7100)).save(huge, format="PNG")  # 50.4 million pixels in a few kB
+        refusals["data:image/png;base64," + base64.b64encode(huge.getvalue()).decode()] = "at most 50,000,000"
         for url, reason in refusals.items():
             answer = chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
             assert answer.status_code == 400 and reason in answer.json()["error"]["message"], answer.text
