@@ -96,8 +96,11 @@ def ortmodule(argv: list[str] | None = None) -> None:
     from .serving import Settings, serve
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
-    serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
-          prefill_attention=args.prefill_attention, **options)
+    try:
+        serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
+              prefill_attention=args.prefill_attention, **options)
+    except ValueError as e:  # what stops it before it serves: the package, a setting, --processor
+        parser.error(str(e))
 
 
 # The serving settings' flags (defaults: ortmodule/serving/settings.py).

@@ -504,3 +504,13 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
                    processor=str(tmp_path / "processor"))
     with pytest.raises(ValueError, match="no image processor there"):
         create_app(model, tokenizer, processor=str(tmp_path))
+
+
+def test_serve_with_a_processor_on_a_text_package_stops_naming_why(build, tmp_path, capsys):
+    from ortmodule import cli
+
+    transformers.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        cli.ortmodule(["serve", str(build("llama").package_dir), "--processor", str(tmp_path), "--port", "1"])
+    assert stopped.value.code == 2
+    assert "error: --processor: the package has no vision model" in capsys.readouterr().err
