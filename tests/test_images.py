@@ -478,6 +478,16 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
             assert answer.json()["usage"]["prompt_tokens"] == ids.shape[1]
         assert answers[-1].status_code == 200
         assert answers[-1].json()["choices"][0]["text"] == completion().json()["choices"][0]["text"]
+        # Streamed: the deltas join to the same message.
+        import json
+
+        body = {"model": "vl", "messages": chats[1], "temperature": 0, "max_tokens": 8, "stream": True}
+        text = ""
+        with server.client.stream("POST", "/v1/chat/completions", json=body) as events:
+            for line in events.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+        assert text == answers[1].json()["choices"][0]["message"]["content"]
         refusals = {
             "http://example.com/cat.png": "only data: URLs",
             "data:image/png,rawbytes": "must be base64",
