@@ -99,7 +99,11 @@ GEMMA4 = {"gemma4": "Gemma4Unified", "gemma4_embeds": "Gemma4Unified", "gemma4_m
 # (interleaved mRoPE sections, DeepStack) exported by mobius-onnx in the same form, without DeepStack.
 # Qwen2-VL, too (its own vision tower).
 MOBIUS = {"gemma4_mobius", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"}
-MULTIMODAL = {*GEMMA4, "qwen2_5_vl", "qwen2_vl", "qwen3_vl"}
+# Qwen2.5-VL's text decoder from the builder (`exclude_embeds=true`: inputs_embeds, 3-D position_ids,
+# GroupQueryAttention, MRotaryEmbedding) beside mobius-onnx's vision and embedding models: a package
+# whose decoder shares a batch's KV buffer and takes images.
+MIXED = {"qwen2_5_vl_builder"}
+MULTIMODAL = {*GEMMA4, "qwen2_5_vl", "qwen2_vl", "qwen3_vl", *MIXED}
 MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
                 "eoa_token_index", "audio_token_id"]
 
@@ -393,6 +397,21 @@ def export_mobius(hf_dir: Path, out: Path) -> None:
                    "mobius", progress=False)
 
 
+def add_vision_models(source: Path, package: Path) -> None:
+    """Give a builder package (its decoder taking inputs_embeds) the vision and embedding models of
+    another package of the same checkpoint (mobius-onnx's), and their genai_config sections."""
+    genai = json.loads((source / "genai_config.json").read_text())["model"]
+    config_path = package / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    for section in ("vision", "embedding"):
+        folder = Path(genai[section]["filename"]).parent
+        shutil.copytree(source / folder, package / folder)
+        config["model"][section] = genai[section]
+    config["model"]["image_token_id"] = genai["image_token_id"]
+    config_path.write_text(json.dumps(config, indent=4))
+    shutil.rmtree(source)
+
+
 def add_embedding_model(hf_dir: Path, package: Path) -> None:
     """Give a decoder that takes inputs_embeds (builder, exclude_embeds=true) the embedding model
     of its checkpoint and a multimodal genai_config.json, as a vision-language package has."""
@@ -449,6 +468,10 @@ def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
             make_checkpoint(spec, work / "hf")
             if spec.arch in MOBIUS:
                 export_mobius(work / "hf", work / "package")
+            elif spec.arch in MIXED:
+                export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
+                export_mobius(work / "hf", work / "mobius")
+                add_vision_models(work / "mobius", work / "package")
             elif spec.arch == "gemma4_embeds":
                 export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
                 add_embedding_model(work / "hf", work / "package")

@@ -40,7 +40,8 @@ _models = {}
 def reference_class(fixture):
     """The transformers class of a fixture's checkpoint (the Qwen-VL models have no causal-LM auto class)."""
     vision_language = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration,
-                       "qwen3_vl": Qwen3VLForConditionalGeneration}
+                       "qwen3_vl": Qwen3VLForConditionalGeneration,
+                       "qwen2_5_vl_builder": Qwen2_5_VLForConditionalGeneration}
     return vision_language.get(fixture.spec.arch, AutoModelForCausalLM)
 
 

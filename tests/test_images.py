@@ -45,9 +45,14 @@ def batch(rows, left=True):
     return ids, mask
 
 
-@pytest.fixture(scope="module")
-def pair(build):
-    return load_pair(build("qwen2_5_vl"))
+# mobius-onnx's Qwen2.5-VL package (its decoder concatenates its cache), and the builder's decoder of the
+# same checkpoint (GroupQueryAttention: a batch's shared KV buffer) beside mobius-onnx's vision and embedding.
+PACKAGES = ["qwen2_5_vl", "qwen2_5_vl_builder"]
+
+
+@pytest.fixture(scope="module", params=PACKAGES)
+def pair(build, request):
+    return load_pair(build(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +347,7 @@ def doc_to_image(doc):
 '''
 
 
-def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, pair, tmp_path):
+def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, tmp_path):
     """`--model ortmodule-multimodal` on an image task (MMMU's form: doc_to_image, generate_until),
     batched and left-padded, against lm-eval's own `hf-multimodal` on the transformers model with
     the same processor: every response equal."""
@@ -361,7 +366,7 @@ def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, pair, tmp_pa
         def _create_tokenizer(self, *args, **kwargs):
             self.processor, self.tokenizer = processor, processor.tokenizer
 
-    _, hf = pair
+    _, hf = load_pair(fixture)
     responses = {}
     for name, lm in (("hf", Reference(pretrained=hf, batch_size=3, device="cpu")),
                      ("ortmodule", OrtModuleMultimodalLM(fixture.package_dir, processor=processor, batch_size=3,
@@ -417,19 +422,21 @@ def vl_tokenizer(package_dir):
     return tokenizer
 
 
-def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
-    """`ortmodule serve --processor FOLDER` on the Qwen2.5-VL package: chat messages with image_url
+@pytest.mark.parametrize("arch", PACKAGES)
+def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
+    """`ortmodule serve --processor FOLDER` on the Qwen2.5-VL packages: chat messages with image_url
     parts (data: URLs) answer as transformers' greedy generate on what its processor makes of the
     same images and the template's ids (each image pad expanded), while a text completion runs
-    beside them; what an image part cannot be is a 400 naming it."""
+    beside them (the builder's decoder: in one shared decode batch, each row with its own mRoPE
+    offset); what an image part cannot be is a 400 naming it."""
     from concurrent.futures import ThreadPoolExecutor
 
     from helpers import LiveServer, expected_text
 
     from ortmodule.serving import create_app
 
-    fixture = build("qwen2_5_vl")
-    _, hf = pair
+    fixture = build(arch)
+    _, hf = load_pair(fixture)
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
     tokenizer = vl_tokenizer(fixture.package_dir)
     transformers.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(tmp_path / "processor")

@@ -7,7 +7,6 @@ import torch
 from helpers import MODEL_ARCHES, left_padded_batch, load_pair
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
-from ortmodule_dev import fixtures
 
 # Every fixture architecture but mobius-onnx's Gemma 4, whose embedding model also makes
 # per-layer inputs from the ids (refused below); more of the builder's in the slow run.
@@ -40,16 +39,15 @@ def close(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor | None = None) ->
                                   for arch in [*ARCHES, *MORE]])
 def test_inputs_embeds_equal_transformers(build, arch):
     """A left-padded prompt of embeddings with a cache, a step of token ids, then a step of two
-    embeddings for both rows: the logits (and on builder graphs the hidden states) as transformers'."""
+    embeddings for both rows: the logits and the hidden states as transformers'."""
     model, hf = load_pair(build(arch, **MORE.get(arch, {})))
     ids, mask = left_padded_batch([8, 5], vocab=500, seed=2)
-    hidden = arch not in fixtures.MOBIUS
-    out = model(inputs_embeds=steered(model, ids), attention_mask=mask, use_cache=True, output_hidden_states=hidden)
+    out = model(inputs_embeds=steered(model, ids), attention_mask=mask, use_cache=True, output_hidden_states=True)
     ref = reference(hf, inputs_embeds=steered(hf, ids), attention_mask=mask, use_cache=True,
-                    output_hidden_states=hidden)
+                    output_hidden_states=True)
     real = mask.bool()
     assert close(out.logits, ref.logits, real)
-    assert not hidden or all(close(a, b, real) for a, b in zip(out.hidden_states, ref.hidden_states))
+    assert all(close(a, b, real) for a, b in zip(out.hidden_states, ref.hidden_states))
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
     tokens = torch.tensor([[9], [10]])
     out = model(tokens, attention_mask=mask, past_key_values=out.past_key_values)

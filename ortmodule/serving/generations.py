@@ -26,10 +26,11 @@ log = logging.getLogger("ortmodule.serving")
 
 
 def put_row(cache, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
-            states: list[torch.Tensor] | None = None) -> None:
+            states: list[torch.Tensor] | None = None, offset=0) -> None:
     """Row `slot` of a shared-buffer `cache` takes the first `length` entries of per-layer KV
-    `[kv_heads, >= length, head_size]` (another row's, or a cached prefix's), and a hybrid decoder's
-    convolution states after them (`[channels, width]` each; None: before any token, zeros)."""
+    `[kv_heads, >= length, head_size]` (another row's, or a cached prefix's), a hybrid decoder's
+    convolution states after them (`[channels, width]` each; None: before any token, zeros), and its
+    next position's offset from its length (mRoPE after images: `KVCache.position_offset`)."""
     for mine, theirs in ((cache.keys, keys), (cache.values, values)):
         for buffer, source in zip(mine, theirs):
             buffer[slot, :, :length] = source[:, :length]
@@ -39,6 +40,10 @@ def put_row(cache, slot: int, keys: list[torch.Tensor], values: list[torch.Tenso
         else:
             buffer[slot] = states[i]
     cache.lengths[slot] = length
+    if cache.position_offset is None and (not isinstance(offset, int) or offset):
+        cache.position_offset = torch.zeros_like(cache.lengths)
+    if cache.position_offset is not None:
+        cache.position_offset[slot] = offset
 
 
 class DecodeBatch:
@@ -62,9 +67,10 @@ class DecodeBatch:
 
     def join(self, cache, index: int, row: Row) -> None:
         """Row `index` of the prefilled `cache` goes into the next slot."""
+        offset = 0 if cache.position_offset is None else cache.position_offset[index]
         self._join(row, [k[index] for k in cache.keys] if self.shared else None,
                    [v[index] for v in cache.values] if self.shared else None, row.cached, cache,
-                   [state[index] for state in cache.states.current])
+                   [state[index] for state in cache.states.current], offset)
 
     def join_prefix(self, row: Row, entry, shared: int) -> None:
         """`row` goes into the next slot holding the first `shared` tokens of its prompt, copied from
@@ -74,13 +80,13 @@ class DecodeBatch:
         self._join(row, entry.keys if entry else [], entry.values if entry else [], shared, None,
                    entry.states if entry else None)
 
-    def _join(self, row: Row, keys, values, length: int, cache, states=None) -> None:
+    def _join(self, row: Row, keys, values, length: int, cache, states=None, offset=0) -> None:
         slot = len(self.rows)
         if not self.shared:
             self.pool = cache
         else:
             self.pool.reserve(length + 1, self.context)
-            put_row(self.pool, slot, keys, values, length, states)
+            put_row(self.pool, slot, keys, values, length, states, offset)
         self.rows.append(row)
         self.view = None
 
@@ -91,8 +97,10 @@ class DecodeBatch:
     def leave(self, slot: int) -> None:
         last = len(self.rows) - 1
         if self.shared and slot != last:
+            offsets = self.pool.position_offset
             put_row(self.pool, slot, *self.row_kv(last), self.rows[last].cached,
-                    [state[last].clone() for state in self.pool.states.current])
+                    [state[last].clone() for state in self.pool.states.current],
+                    0 if offsets is None else offsets[last].clone())
         self.rows[slot] = self.rows[last]
         self.rows.pop()
         self.view = None

@@ -46,10 +46,6 @@ class ChatImages:
             vision = images.for_decoder(model.decoder)
         except images.ImagesUnsupported as e:
             raise ValueError(f"--processor: {e}") from None
-        if model.decoder.spec.shares_kv_buffer:
-            raise ValueError("--processor: this server takes images for packages whose attention concatenates its "
-                             "cache (mobius-onnx's exports), whose decode batch runs one row; this package's "
-                             "GroupQueryAttention shares a batch's buffer, which keeps no row's mRoPE offset")
         try:
             self.processor = AutoImageProcessor.from_pretrained(processor, local_files_only=True)
         except (OSError, ValueError) as e:
