@@ -46,12 +46,17 @@ def reference_class(fixture):
 
 
 def load_pair(fixture, device="cpu"):
-    """The ortmodule model and the transformers reference on the same weights (cached per session)."""
+    """The ortmodule model and the transformers reference on the same weights (cached per session).
+    transformers' Qwen-VL models keep the last prompt's `rope_deltas` for their cached steps, and a
+    text prompt does not replace them: they are cleared here, so no test steps with another's."""
     key = (fixture.package_dir, device)
     if key not in _models:
         ort_model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
         hf_model = reference_class(fixture).from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
         _models[key] = (ort_model, hf_model)
+    hf_model = _models[key][1]
+    if getattr(getattr(hf_model, "model", None), "rope_deltas", None) is not None:
+        hf_model.model.rope_deltas = None
     return _models[key]
 
 
