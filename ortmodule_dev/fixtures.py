@@ -409,7 +409,6 @@ def add_vision_models(source: Path, package: Path) -> None:
         config["model"][section] = genai[section]
     config["model"]["image_token_id"] = genai["image_token_id"]
     config_path.write_text(json.dumps(config, indent=4))
-    shutil.rmtree(source)
 
 
 def add_embedding_model(hf_dir: Path, package: Path) -> None:
@@ -472,6 +471,7 @@ def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
                 export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
                 export_mobius(work / "hf", work / "mobius")
                 add_vision_models(work / "mobius", work / "package")
+                shutil.rmtree(work / "mobius")
             elif spec.arch == "gemma4_embeds":
                 export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
                 add_embedding_model(work / "hf", work / "package")

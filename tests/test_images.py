@@ -3,6 +3,9 @@ embedding model, mRoPE decoder) forward, cached steps, hidden states, the loss a
 transformers' Qwen2_5_VLForConditionalGeneration on the same weights and the same processor output;
 what the images cannot be is refused by name."""
 
+import base64
+import io
+import json
 import re
 
 import numpy as np
@@ -398,9 +401,6 @@ VL_TEMPLATE = (
 
 
 def png_url(size, seed):
-    import base64
-    import io
-
     state = np.random.RandomState(seed)
     picture = Image.fromarray((state.rand(*size, 3) * 255).astype("uint8"))
     out = io.BytesIO()
@@ -486,8 +486,6 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
         assert answers[-1].status_code == 200
         assert answers[-1].json()["choices"][0]["text"] == completion().json()["choices"][0]["text"]
         # Streamed: the deltas join to the same message.
-        import json
-
         body = {"model": "vl", "messages": chats[1], "temperature": 0, "max_tokens": 8, "stream": True}
         text = ""
         with server.client.stream("POST", "/v1/chat/completions", json=body) as events:
@@ -501,9 +499,6 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
             "data:image/png;base64,@@@": "not base64",
             "data:image/png;base64,aGVsbG8=": "not an image Pillow reads",
         }
-        import base64
-        import io
-
         huge = io.BytesIO()
         Image.new("1", (7100, 7100)).save(huge, format="PNG")  # 50.4 million pixels in a few kB
         refusals["data:image/png;base64," + base64.b64encode(huge.getvalue()).decode()] = "at most 50,000,000"
