@@ -26,7 +26,7 @@ from .hf import CACHE_NAME
 # Model inputs generate() takes besides the generation options (`generator`: a torch.Generator
 # for sampling, ortmodule's own; the KV cache as `cache` or, before transformers 5.24, `past_key_values`).
 MODEL_INPUTS = {"attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "generator", "inputs_embeds",
-                "logits_to_keep", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
+                "logits_to_keep", *images.NAMES}
 # generate()'s own arguments that are not GenerationConfig fields (transformers' signature).
 _CALL_ARGUMENTS = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
                    "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
@@ -134,8 +134,7 @@ STOP_CHECK_EVERY = 8
 def sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None, media=None,
            **model_kwargs):
     """transformers' `_sample` (greedy decoding and sampling) for `model` (an OrtModelForCausalLM),
-    with the loop on the device; `media`: the prompts' images (`pixel_values`, `image_grid_thw`,
-    `mm_token_type_ids`), or None."""
+    with the loop on the device; `media`: the prompts' images and videos (an `images.Media`), or None."""
     sampling = _Sampling(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                          model_kwargs)
     sampling.media = media
@@ -175,7 +174,7 @@ class _Sampling:
         self.sequences[:, : self.width] = input_ids.to(device)
         self.scores, self.raw = [], []
         self.steps_reuse_logits = False  # set by run: the decode steps return one buffer every step
-        self.media = None  # the prompts' images (sample)
+        self.media = None  # the prompts' images and videos (sample)
 
     def run(self):
         decoder, rows, size, width = self.decoder, self.rows, self.sequences.shape[0], self.width

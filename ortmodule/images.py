@@ -1,28 +1,37 @@
-"""Images for multimodal packages whose vision model takes what transformers' image processor makes
-for Qwen2.5-VL: `pixel_values` `[patches, channels x temporal x patch x patch]` and `image_grid_thw`
-`[images, 3]` (each image's temporal, height and width patches), giving `image_features`
-`[image tokens, hidden]`, one row per merged patch (`spatial_merge_size`^2 patches).
+"""Images and videos for multimodal packages whose vision model takes what transformers' processor
+makes for Qwen2.5-VL (and Qwen2-VL): `pixel_values` `[patches, channels x temporal x patch x patch]`
+and `image_grid_thw` `[images, 3]` (each image's temporal, height and width patches), giving
+`image_features` `[image tokens, hidden]`, one row per merged patch (`spatial_merge_size`^2 patches).
+A video is the same vision model's input with more than one temporal patch (`pixel_values_videos`,
+`video_grid_thw`).
 
-A prompt with images runs, in `forward(input_ids, attention_mask, pixel_values=..., image_grid_thw=...)`:
-1. the vision model (`model.vision` in genai_config.json), opened at the first call with images, once
-   per decoder session (text never opens it);
-2. the embedding model on the ids and those features: each image token takes the next feature row,
-   in row-major order, as transformers' `masked_scatter` does;
+A prompt with images or videos runs, in `forward(input_ids, attention_mask, pixel_values=..., image_grid_thw=...,
+pixel_values_videos=..., video_grid_thw=..., second_per_grid_ts=...)`:
+1. the vision model (`model.vision` in genai_config.json), opened at the first call with media, once
+   per decoder session (text never opens it), once on the images and once on the videos;
+2. the embedding model on the ids and those features: each image or video token takes the next feature
+   row of its kind, in row-major order, as transformers' `masked_scatter` does (the embedding graph
+   places features at image tokens, so a video's tokens are given to it as image tokens);
 3. the decoder from those embeddings (variants.py) at the mRoPE positions transformers'
-   `get_rope_index` gives: text tokens count on in all three sections; an image's tokens take
-   (t, h, w) on its merged grid, each offset by the position where the image starts, and the text
-   after it goes on from that start plus the larger of the grid's height and width.
+   `get_rope_index` gives: text tokens count on in all three sections; an image's or video's tokens
+   take (t, h, w) on its merged grid, each offset by the position where it starts (a video's t scaled
+   by Qwen2.5-VL's `tokens_per_second` x `second_per_grid_ts`), and the text after it goes on from
+   that start plus the larger of the grid's height and width.
+
+genai_config.json names the image token only: videos need the checkpoint's config.json beside it in
+the package (its `video_token_id`, `model_type` and Qwen2.5-VL's `vision_config.tokens_per_second`).
 
 The cache keeps each row's offset between its next mRoPE position and its token count
-(transformers' `rope_deltas`: `KVCache.position_offset`), so that later steps, given token ids,
-continue at the right positions. Each run of image tokens in the ids is one image: its length must
-be its grid's tokens (t x h x w / merge^2), else a ValueError, never features taken from another
-image.
+(`KVCache.position_offset`, transformers' `rope_deltas`: see `rope_positions`), so that later steps, given token ids,
+continue at the right positions. Each run of image (video) tokens in the ids is one image (video): its
+length must be its grid's tokens (t x h x w / merge^2), else a ValueError, never features taken from
+another image.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import weakref
 
@@ -33,10 +42,34 @@ from .decoder import Decoder
 from .package import PackageError
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # transformers' mm_token_type_ids
+KIND_NAMES = {IMAGE: "image", VIDEO: "video"}
+# Model families whose videos ortmodule places (transformers' get_rope_index of each): Qwen2-VL's
+# temporal positions count frames, Qwen2.5-VL's seconds (tokens_per_second x second_per_grid_ts).
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
 class ImagesUnsupported(Exception):
     """The package cannot take images in the form ortmodule runs (the reason is the message)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Media:
+    """A prompt batch's images and videos, as transformers' processor gives them (forward's keywords)."""
+
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
+    mm_token_type_ids: torch.Tensor | None = None
+
+    @property
+    def pixels(self) -> bool:
+        """Whether images or videos are given."""
+        return self.pixel_values is not None or self.pixel_values_videos is not None
+
+
+NAMES = tuple(field.name for field in dataclasses.fields(Media))  # forward's and generate's keywords
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +84,16 @@ class Vision:
     pixel_dtype: torch.dtype
     merge: int  # spatial_merge_size: patches per image token along height and along width
     image_token: int
+    video_token: int | None  # None: the package cannot take videos (`no_videos` says why)
+    tokens_per_second: float | None  # Qwen2.5-VL's temporal scale of a video; None: Qwen2-VL's (none)
+    no_videos: str = ""
+
+    def tokens(self) -> dict[int, int]:
+        """The placeholder token of each kind of media: {token id: IMAGE or VIDEO}."""
+        found = {self.image_token: IMAGE}
+        if self.video_token is not None:
+            found[self.video_token] = VIDEO
+        return found
 
 
 _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> (its session, Vision)
@@ -98,41 +141,88 @@ def _open(decoder: Decoder) -> Vision:
                                 "the embedding model)")
     width = taken[pixels].shape[-1]
     return Vision(session, pixels, grid, features, width if isinstance(width, int) else None,
-                  runtime.input_dtype(session, pixels), merge, token)
+                  runtime.input_dtype(session, pixels), merge, token, *_video_form(package, token))
 
 
-def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, pixel_values, image_grid_thw,
-           mm_token_type_ids=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A prompt batch with images, in the caller's layout (`ids` already checked): its embeddings
-    `[B, T, hidden]`, mRoPE positions `[3, B, T]` and each row's position offset `[B]`, on the device."""
+def _video_form(package, image_token: int) -> tuple[int | None, float | None, str]:
+    """(video token id, tokens_per_second, why not) from the checkpoint's config.json in the package:
+    genai_config.json records neither the video token nor how a video's frames are placed in time."""
+    path = package.root / "config.json"
+    if not path.is_file():
+        return None, None, (f"videos need the checkpoint's config.json in the package folder ({package.root}): its "
+                            "video_token_id and vision_config.tokens_per_second, which genai_config.json does not "
+                            "record")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PackageError(f"{path}: cannot read it ({e})") from None
+    family = config.get("model_type")
+    if family not in VIDEO_FAMILIES:
+        return None, None, (f"videos of '{family}' ({path}'s model_type) are not placed by ortmodule: it places "
+                            f"those of {', '.join(VIDEO_FAMILIES)}")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    video, image = (config.get(name, text.get(name)) for name in ("video_token_id", "image_token_id"))
+    if image is not None and image != image_token:
+        raise PackageError(f"{path}: image_token_id is {image}, genai_config.json's model.image_token_id "
+                           f"{image_token}: the two files are of different models")
+    if not isinstance(video, int) or video == image_token:
+        raise PackageError(f"{path}: videos need video_token_id (an integer other than the image token), got {video!r}")
+    if family == "qwen2_vl":
+        return video, None, ""
+    scale = (config.get("vision_config") or {}).get("tokens_per_second")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+        raise PackageError(f"{path}: Qwen2.5-VL's videos need vision_config.tokens_per_second (a positive number), "
+                           f"got {scale!r}")
+    return video, scale, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """One image or video in a row: its columns, kind, grid (t, h, w) and temporal scale."""
+
+    start: int
+    stop: int
+    kind: int
+    grid: tuple[int, int, int]
+    interval: object = 1  # what a temporal patch's index is multiplied by (transformers' time_interval)
+
+
+def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None,
+           media: Media) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prompt batch with images or videos, in the caller's layout (`ids` already checked): its
+    embeddings `[B, T, hidden]`, mRoPE positions `[3, B, T]` and each row's position offset `[B]`, on the device."""
     vision = for_decoder(decoder)
     host_ids = ids.to("cpu", torch.int64)
     real = torch.ones_like(host_ids, dtype=torch.bool) if mask is None else mask.to("cpu") != 0
-    grids = _checked_grids(pixel_values, image_grid_thw, vision)
-    images = _image_runs(host_ids, real, vision.image_token)
-    _check_types(mm_token_type_ids, host_ids, real, vision.image_token)
-    tokens = (grids.prod(1) // vision.merge**2).tolist()
-    lengths = [stop - start for runs in images for start, stop in runs]
-    if lengths != tokens:
-        raise ValueError(f"image tokens and images do not match: the ids hold runs of {lengths} image tokens "
-                         f"(id {vision.image_token}), image_grid_thw gives images of {tokens} (t x h x w / "
-                         f"{vision.merge}^2); each image's placeholder tokens must be one run of exactly its tokens")
-    features = _features(decoder, vision, pixel_values, grids, sum(tokens))
-    # Padding holding the image token would take a feature row in the embedding graph's count.
+    if media.pixel_values_videos is not None and vision.video_token is None:
+        raise ImagesUnsupported(vision.no_videos)
+    image_grids = _checked_grids(media.pixel_values, media.image_grid_thw, vision, "pixel_values", "image_grid_thw")
+    video_grids = _checked_grids(media.pixel_values_videos, media.video_grid_thw, vision, "pixel_values_videos",
+                                 "video_grid_thw")
+    runs = _runs(host_ids, real, vision.tokens())
+    _check_types(media.mm_token_type_ids, host_ids, real, vision)
+    placed = _placed(runs, {IMAGE: image_grids, VIDEO: video_grids}, vision,
+                     _intervals(media.second_per_grid_ts, len(video_grids), vision))
+    features = {IMAGE: _features(decoder, vision, media.pixel_values, image_grids),
+                VIDEO: _features(decoder, vision, media.pixel_values_videos, video_grids)}
+    # Padding holding the image token would take a feature row in the embedding graph's count; a
+    # video's tokens are the embedding graph's image tokens.
     text = ids.masked_fill(~real.to(ids.device), 0 if vision.image_token else 1)
-    embeds = _embed(decoder, vision, text, features, [sum(stop - start for start, stop in runs) for runs in images])
-    positions, offsets = rope_positions(host_ids.shape, real, images, grids, vision.merge)
+    if vision.video_token is not None:
+        text = text.masked_fill(text == vision.video_token, vision.image_token)
+    embeds = _embed(decoder, vision, text, _row_features(features, placed, vision.merge))
+    positions, offsets = rope_positions(host_ids.shape, real, placed, vision.merge)
     device = decoder.device
     return embeds, positions.to(device), offsets.to(device)
 
 
 def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows, logit_index: torch.Tensor | None,
-            cache, media: tuple, runs: variants.Variant | None = None):
-    """Run a prompt batch with images (`ids` in the caller's layout, `rows` as inputs.check_batch
-    made them) through `runs` (a `variants.Variant` taking embeddings; None: the plain one), into
-    `cache` where given, which then keeps the rows' position offsets: `Variant.prefill`'s logits at
-    `logit_index` and hidden states."""
-    embeds, positions, offsets = prompt(decoder, ids, mask, *media)
+            cache, media: Media, runs: variants.Variant | None = None):
+    """Run a prompt batch with images or videos (`ids` in the caller's layout, `rows` as
+    inputs.check_batch made them) through `runs` (a `variants.Variant` taking embeddings; None: the
+    plain one), into `cache` where given, which then keeps the rows' position offsets:
+    `Variant.prefill`'s logits at `logit_index` and hidden states."""
+    embeds, positions, offsets = prompt(decoder, ids, mask, media)
     runs = runs if runs is not None else variants.for_decoder(decoder, False, True)
     positions = variants.rolled(rows, positions.permute(1, 2, 0)).permute(2, 0, 1)  # [3, B, T], rolled by row
     out = runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), positions)
@@ -141,62 +231,115 @@ def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows
     return out
 
 
-def _checked_grids(pixel_values, image_grid_thw, vision: Vision) -> torch.Tensor:
-    if image_grid_thw is None:
-        raise ValueError("pixel_values need image_grid_thw (each image's temporal, height and width patches, "
-                         "as the processor gives them)")
+def _checked_grids(pixel_values, grid_thw, vision: Vision, pixels_name: str, grid_name: str) -> torch.Tensor:
+    """The grids `[n, 3]` of the images (videos) given, on the host; `[0, 3]` where none are."""
+    if pixel_values is None:
+        if grid_thw is not None:
+            raise ValueError(f"{grid_name} was given without {pixels_name}")
+        return torch.zeros(0, 3, dtype=torch.int64)
+    if grid_thw is None:
+        raise ValueError(f"{pixels_name} need {grid_name} (each one's temporal, height and width patches, as the "
+                         "processor gives them)")
     if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point() or pixel_values.dim() != 2:
-        raise ValueError("pixel_values must be a float tensor [patches, patch values] (what the model's processor "
+        raise ValueError(f"{pixels_name} must be a float tensor [patches, patch values] (what the model's processor "
                          f"gives), got {getattr(pixel_values, 'shape', type(pixel_values).__name__)}")
     if vision.row_width is not None and pixel_values.shape[1] != vision.row_width:
-        raise ValueError(f"pixel_values rows hold {pixel_values.shape[1]} values; the vision model takes "
+        raise ValueError(f"{pixels_name} rows hold {pixel_values.shape[1]} values; the vision model takes "
                          f"{vision.row_width} a patch (channels x temporal x patch x patch)")
-    if not isinstance(image_grid_thw, torch.Tensor) or image_grid_thw.is_floating_point() or \
-            image_grid_thw.dim() != 2 or image_grid_thw.shape[1] != 3 or image_grid_thw.shape[0] == 0:
-        raise ValueError("image_grid_thw must be an integer tensor [images, 3], got "
-                         f"{getattr(image_grid_thw, 'shape', type(image_grid_thw).__name__)}")
-    grids = image_grid_thw.to("cpu", torch.int64)
+    if not isinstance(grid_thw, torch.Tensor) or grid_thw.is_floating_point() or \
+            grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
+        raise ValueError(f"{grid_name} must be an integer tensor [{'videos' if 'video' in grid_name else 'images'}, "
+                         f"3], got {getattr(grid_thw, 'shape', type(grid_thw).__name__)}")
+    grids = grid_thw.to("cpu", torch.int64)
     if bool((grids < 1).any()) or bool((grids[:, 1:] % vision.merge).any()):
-        raise ValueError(f"image_grid_thw {grids.tolist()}: every entry must be positive, and heights and widths "
+        raise ValueError(f"{grid_name} {grids.tolist()}: every entry must be positive, and heights and widths "
                          f"multiples of the spatial merge size {vision.merge}")
     if int(grids.prod(1).sum()) != pixel_values.shape[0]:
-        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw "
+        raise ValueError(f"{pixels_name} has {pixel_values.shape[0]} patches, {grid_name} "
                          f"{grids.tolist()} makes {int(grids.prod(1).sum())}")
     return grids
 
 
-def _image_runs(ids: torch.Tensor, real: torch.Tensor, token: int) -> list[list[tuple[int, int]]]:
-    """Per row, the (start, stop) columns of each run of image tokens among its real tokens."""
+def _intervals(seconds, videos: int, vision: Vision) -> list:
+    """Each video's temporal scale, as transformers' get_rope_index takes it: Qwen2.5-VL's
+    tokens_per_second x second_per_grid_ts (1 where not given), Qwen2-VL's 1."""
+    if seconds is not None:
+        if not isinstance(seconds, torch.Tensor) or seconds.dim() != 1 or seconds.shape[0] != videos:
+            raise ValueError(f"second_per_grid_ts must be a tensor [videos] (one value per video: {videos}), got "
+                             f"{getattr(seconds, 'shape', type(seconds).__name__)}")
+        if bool((seconds < 0).any()) or not bool(torch.isfinite(seconds.double()).all()):
+            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {seconds.tolist()}")
+    if vision.tokens_per_second is None:
+        return [1] * videos
+    given = iter(seconds.cpu()) if seconds is not None else iter([1] * videos)
+    return [vision.tokens_per_second * next(given) for _ in range(videos)]
+
+
+def _runs(ids: torch.Tensor, real: torch.Tensor, tokens: dict[int, int]) -> list[list[tuple[int, int, int]]]:
+    """Per row, the (start, stop, kind) of each run of one media token among its real tokens."""
     runs = []
     for row, keep in zip(ids.tolist(), real.tolist()):
-        found, start = [], None
+        found, start, current = [], None, None
         for column, (value, kept) in enumerate(zip([*row, -1], [*keep, False])):
-            inside = kept and value == token
-            if inside and start is None:
-                start = column
-            elif not inside and start is not None:
-                found.append((start, column))
+            inside = value if kept and value in tokens else None
+            if start is not None and inside != current:
+                found.append((start, column, tokens[current]))
                 start = None
+            if inside is not None and start is None:
+                start, current = column, inside
         runs.append(found)
     return runs
 
 
-def _check_types(types, ids: torch.Tensor, real: torch.Tensor, token: int) -> None:
-    """`mm_token_type_ids` (the processor's), where given, must mark the image tokens and nothing else."""
+def _placed(runs: list, grids: dict[int, torch.Tensor], vision: Vision, intervals: list) -> list[list[Placed]]:
+    """Each row's images and videos with their grids, in order; a ValueError where the runs of
+    placeholder tokens are not exactly the media given."""
+    sizes = {kind: grids[kind].tolist() for kind in grids}
+    scales = {IMAGE: [1] * len(sizes[IMAGE]), VIDEO: intervals}
+    for kind, name in KIND_NAMES.items():
+        lengths = [stop - start for row in runs for start, stop, found in row if found == kind]
+        tokens = [t * h * w // vision.merge**2 for t, h, w in sizes[kind]]
+        if lengths != tokens:
+            token = vision.image_token if kind == IMAGE else vision.video_token
+            raise ValueError(f"{name} tokens and {name}s do not match: the ids hold runs of {lengths} {name} tokens "
+                             f"(id {token}), {name}_grid_thw gives {name}s of {tokens} (t x h x w / "
+                             f"{vision.merge}^2); each {name}'s placeholder tokens must be one run of exactly its "
+                             "tokens")
+    taken = {IMAGE: 0, VIDEO: 0}
+    placed = []
+    for row in runs:
+        mine = []
+        for start, stop, kind in row:
+            index = taken[kind]
+            taken[kind] += 1
+            mine.append(Placed(start, stop, kind, tuple(sizes[kind][index]), scales[kind][index]))
+        placed.append(mine)
+    return placed
+
+
+def _check_types(types, ids: torch.Tensor, real: torch.Tensor, vision: Vision) -> None:
+    """`mm_token_type_ids` (the processor's), where given, must mark the image and video tokens and nothing else."""
     if types is None:
         return
     if not isinstance(types, torch.Tensor) or tuple(types.shape) != tuple(ids.shape):
         raise ValueError(f"mm_token_type_ids must be a tensor of input_ids' shape {tuple(ids.shape)}")
     types = types.to("cpu", torch.int64)
-    if bool(((types == VIDEO) & real).any()):
-        raise NotImplementedError("videos (mm_token_type_ids 2) are not supported: images only")
-    if bool((((types == IMAGE) != (ids == token)) & real).any()):
-        raise ValueError(f"mm_token_type_ids mark other tokens as images than the image token id {token} in input_ids")
+    if vision.video_token is None and bool(((types == VIDEO) & real).any()):
+        raise ImagesUnsupported(f"mm_token_type_ids mark videos: {vision.no_videos}")
+    expected = torch.zeros_like(ids)
+    for token, kind in vision.tokens().items():
+        expected[ids == token] = kind
+    if bool(((types != expected) & real).any()):
+        tokens = ", ".join(f"{KIND_NAMES[kind]}s {token}" for token, kind in vision.tokens().items())
+        raise ValueError(f"mm_token_type_ids mark other tokens than input_ids' media token ids ({tokens})")
 
 
-def _features(decoder: Decoder, vision: Vision, pixel_values: torch.Tensor, grids: torch.Tensor,
-              tokens: int) -> torch.Tensor:
-    """The vision model's features `[image tokens, hidden]` on the device."""
+def _features(decoder: Decoder, vision: Vision, pixel_values: torch.Tensor | None,
+              grids: torch.Tensor) -> torch.Tensor | None:
+    """The vision model's features `[tokens, hidden]` of the images (or videos) on the device."""
+    if pixel_values is None:
+        return None
+    tokens = int(grids.prod(1).sum()) // vision.merge**2
     binding = vision.session.io_binding()
     device = decoder.device
     runtime.bind_input(binding, vision.pixel_values, pixel_values.to(device, vision.pixel_dtype).contiguous())
@@ -209,70 +352,90 @@ def _features(decoder: Decoder, vision: Vision, pixel_values: torch.Tensor, grid
     return features
 
 
-def _embed(decoder: Decoder, vision: Vision, ids: torch.Tensor, features: torch.Tensor,
-           counts: list[int]) -> torch.Tensor:
-    """The embedding model's `inputs_embeds` `[B, T, hidden]` for `ids` with the images' features
-    (`counts`: each row's image tokens). One run per row: an exporter's graph may number the image
-    tokens within each row (mobius-onnx's counts them along the row), so each row gets its own features."""
+def _row_features(features: dict, placed: list[list[Placed]], merge: int) -> list[torch.Tensor | None]:
+    """Each row's feature rows in the order of its images and videos (None: a row with neither)."""
+    pieces = {kind: iter(features[kind].split([t * h * w // merge**2 for t, h, w in
+                                               (p.grid for row in placed for p in row if p.kind == kind)]))
+              for kind in features if features[kind] is not None}
+    rows = []
+    for row in placed:
+        taken = [next(pieces[p.kind]) for p in row]
+        rows.append(torch.cat(taken) if taken else None)
+    return rows
+
+
+def _embed(decoder: Decoder, vision: Vision, ids: torch.Tensor, features: list[torch.Tensor | None]) -> torch.Tensor:
+    """The embedding model's `inputs_embeds` `[B, T, hidden]` for `ids` with each row's media features
+    (None: none). One run per row: an exporter's graph may number the image tokens within each row
+    (mobius-onnx's counts them along the row), so each row gets its own features."""
     embedding, session, device = decoder.package.embedding, decoder.embedding_session, decoder.device
     output = embedding.feeds[0][0]
     embeds = torch.empty(*ids.shape, decoder.package.hidden_size, dtype=runtime.output_dtype(session, output),
                          device=device)
     ids = ids.to(device, decoder.id_dtype)
-    for row, row_features in enumerate(features.split(counts)):
+    empty = dict(decoder.no_media)
+    for row, row_features in enumerate(features):
         binding = session.io_binding()
         runtime.bind_input(binding, embedding.input_ids, ids[row : row + 1].contiguous())
-        runtime.bind_input(binding, vision.features, row_features.contiguous())
-        for name, empty in decoder.no_media:
+        mine = row_features if row_features is not None else empty[vision.features][:0]
+        runtime.bind_input(binding, vision.features, mine.contiguous())
+        for name, value in decoder.no_media:
             if name != vision.features:
-                runtime.bind_input(binding, name, empty)
+                runtime.bind_input(binding, name, value)
         runtime.bind_output(binding, output, embeds[row : row + 1])
         session.run(binding)
     return embeds
 
 
-def rope_positions(shape, real: torch.Tensor, images: list, grids: torch.Tensor,
+def rope_positions(shape, real: torch.Tensor, placed: list[list[Placed]],
                    merge: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' `get_rope_index` for images: positions `[3, B, T]` (0 at padding) and each
-    row's offset `[B]` (its largest position + 1 - its real tokens)."""
+    """transformers' `get_rope_index`: positions `[3, B, T]` (0 at padding) and each row's offset
+    `[B]`: where text after the row goes on, less its real tokens. That is transformers' `rope_deltas`
+    (the largest position + 1) except after a video whose time runs past its height and width, where
+    it is where the text after it goes on in a forward over the whole sequence and in transformers'
+    `generate` (the last position + 1, for a prompt ending in text)."""
     positions = torch.zeros(3, *shape, dtype=torch.int64)
     offsets = torch.zeros(shape[0], dtype=torch.int64)
-    sizes = iter(grids.tolist())
-    for row, runs in enumerate(images):
+    for row, media in enumerate(placed):
         columns = real[row].nonzero().flatten().tolist()
         first = columns[0] if columns else 0
         pieces, at, done = [], 0, first
-        for start, stop in runs:
-            pieces.append(torch.arange(start - done).expand(3, -1) + at)
-            at += start - done
-            t, h, w = next(sizes)
-            grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge),
+        for item in media:
+            pieces.append(torch.arange(item.start - done).expand(3, -1) + at)
+            at += item.start - done
+            t, h, w = item.grid
+            temporal = (torch.arange(t) * item.interval).long()  # as transformers rounds a video's scaled time
+            grid = torch.stack(torch.meshgrid(temporal, torch.arange(h // merge), torch.arange(w // merge),
                                               indexing="ij")).reshape(3, -1)
             pieces.append(grid + at)
             at += max(h, w) // merge
-            done = stop
+            done = item.stop
         pieces.append(torch.arange(first + len(columns) - done).expand(3, -1) + at)
-        row_positions = torch.cat(pieces, 1)
-        positions[:, row, columns] = row_positions
-        offsets[row] = int(row_positions.max()) + 1 - len(columns)
+        at += first + len(columns) - done
+        positions[:, row, columns] = torch.cat(pieces, 1)
+        offsets[row] = at - len(columns)
     return positions, offsets
 
 
-def expanded(input_ids: torch.Tensor, pixel_values: torch.Tensor, grids: torch.Tensor, token: int,
-             times: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pixel_values` and `image_grid_thw` for the rows of `input_ids` each repeated `times` times
-    (generate's `num_return_sequences` and beams): each row's images follow its copies."""
+def expanded(input_ids: torch.Tensor, token: int, times: int, pixel_values: torch.Tensor, grids: torch.Tensor,
+             *per_item: torch.Tensor | None) -> tuple:
+    """`pixel_values` and `grids` of the images (or videos, `token` their placeholder) for the rows of
+    `input_ids` each repeated `times` times (generate's `num_return_sequences` and beams), each row's
+    following its copies; `per_item` (one value per image or video: `second_per_grid_ts`) likewise."""
     ids = input_ids.to("cpu", torch.int64)
-    per_row = [len(runs) for runs in _image_runs(ids, torch.ones_like(ids, dtype=torch.bool), token)]
+    per_row = [len(runs) for runs in _runs(ids, torch.ones_like(ids, dtype=torch.bool), {token: IMAGE})]
     patches = grids.prod(1).tolist()
-    pixel_chunks, grid_chunks = torch.split(pixel_values, patches), grids.split(1)
-    pixels, new_grids, at = [], [], 0
+    chunks = [torch.split(pixel_values, patches), grids.split(1)]
+    chunks += [None if values is None else values.split(1) for values in per_item]
+    out = [[] for _ in chunks]
+    at = 0
     for count in per_row:
         for _ in range(times):
-            pixels.extend(pixel_chunks[at : at + count])
-            new_grids.extend(grid_chunks[at : at + count])
+            for kept, parts in zip(out, chunks):
+                if parts is not None:
+                    kept.extend(parts[at : at + count])
         at += count
     if at != len(patches):
-        raise ValueError(f"image tokens and images do not match: the ids hold {at} runs of image tokens, "
-                         f"image_grid_thw {len(patches)} images")
-    return torch.cat(pixels), torch.cat(new_grids)
+        raise ValueError(f"placeholder tokens and media do not match: the ids hold {at} runs of token {token}, "
+                         f"the grids {len(patches)} images or videos")
+    return tuple(torch.cat(kept) if parts is not None else None for kept, parts in zip(out, chunks))

@@ -139,16 +139,23 @@ class HuggingFaceSurface(GenerationMixin):
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
                                       **model_kwargs):
         """transformers' repetition of every row for `num_return_sequences` and beams, with each row's
-        images repeated with it (their tensors are not one row each: images.expanded)."""
-        pixels, grids = model_kwargs.get("pixel_values"), model_kwargs.get("image_grid_thw")
-        given = input_ids
+        images and videos repeated with it (their tensors are not one row each: images.expanded)."""
+        given = {name: model_kwargs.get(name) for name in images.NAMES}
+        ids = input_ids
         input_ids, model_kwargs = GenerationMixin._expand_inputs_for_generation(
             self, expand_size, is_encoder_decoder, input_ids, **model_kwargs)
-        if expand_size > 1 and isinstance(pixels, torch.Tensor) and isinstance(grids, torch.Tensor) and \
-                isinstance(given, torch.Tensor):
-            token = self.package.genai_config["model"].get("image_token_id")
-            model_kwargs["pixel_values"], model_kwargs["image_grid_thw"] = images.expanded(given, pixels, grids, token,
-                                                                                           expand_size)
+        if expand_size == 1 or not isinstance(ids, torch.Tensor):
+            return input_ids, model_kwargs
+        config = self.package.genai_config["model"]
+        kinds = [("pixel_values", "image_grid_thw", (), config.get("image_token_id"))]
+        if isinstance(given["pixel_values_videos"], torch.Tensor):
+            kinds.append(("pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",),
+                          images.for_decoder(self.decoder).video_token))
+        for pixels, grids, extra, token in kinds:
+            if isinstance(given[pixels], torch.Tensor) and isinstance(given[grids], torch.Tensor) and token is not None:
+                names = (pixels, grids, *extra)
+                for name, value in zip(names, images.expanded(ids, token, expand_size, *(given[n] for n in names))):
+                    model_kwargs[name] = value
         return input_ids, model_kwargs
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -160,8 +167,8 @@ class HuggingFaceSurface(GenerationMixin):
         fresh = cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0)
         if fresh and not generation_config.output_hidden_states and model_kwargs.get("inputs_embeds") is None:
             model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
-            media = _image_inputs(self.decoder, None, None, *(model_kwargs.pop(name, None) for name in
-                                                              ("pixel_values", "image_grid_thw", "mm_token_type_ids")))
+            media = _image_inputs(self.decoder, None, None,
+                                  images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                      media, **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:
@@ -296,6 +303,9 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,
         **kwargs,
     ):
         """Logits of `input_ids` (and the loss when `labels` are given).
@@ -314,7 +324,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         embeds = None if inputs_embeds is None else \
             variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
-        media = _image_inputs(self.decoder, past, embeds, pixel_values, image_grid_thw, mm_token_type_ids)
+        media = _image_inputs(self.decoder, past, embeds, images.Media(
+            pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts, mm_token_type_ids))
         runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None or media is not None)
         ids = input_ids if embeds is None else embeds.new_zeros(embeds.shape[:2], dtype=torch.int64)  # for the checks
         if past is not None:
@@ -428,29 +439,34 @@ def _variant(decoder: Decoder, hidden_states: bool, embeds: bool) -> variants.Va
         raise NotSupportedError(f"{asked}: {reason}") from None
 
 
-def _image_inputs(decoder: Decoder, past, embeds, pixel_values, image_grid_thw, mm_token_type_ids) -> tuple | None:
-    """forward's image arguments: `(pixel_values, image_grid_thw, mm_token_type_ids)` for a prompt
-    with images (the package's vision model opened, or a NotSupportedError saying why it cannot take
-    them), None without (a step's `image_grid_thw` and text-only `mm_token_type_ids`, which
-    transformers' generation loop passes at every step, are ignored)."""
-    marks_images = isinstance(mm_token_type_ids, torch.Tensor) and bool((mm_token_type_ids != 0).any())
+def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images.Media | None:
+    """forward's image and video arguments for a prompt with media (the package's vision model
+    opened, or a NotSupportedError saying why it cannot take them), None without (a step's grids and
+    text-only `mm_token_type_ids`, which transformers' generation loop passes at every step, are ignored)."""
+    types = media.mm_token_type_ids
+    marks = isinstance(types, torch.Tensor) and bool((types != 0).any())
     if past is not None:
-        if pixel_values is not None or marks_images:
-            raise NotSupportedError("images in a step over a cache: give a prompt's images with the prompt (forward "
-                                    "without past_key_values, or generate)")
+        if media.pixels or marks:
+            raise NotSupportedError("images or videos in a step over a cache: give a prompt's media with the prompt "
+                                    "(forward without past_key_values, or generate)")
         return None
-    if pixel_values is None:
-        if image_grid_thw is not None or marks_images:
-            raise ValueError("image_grid_thw or mm_token_type_ids marking images were given without pixel_values")
+    if not media.pixels:
+        if media.image_grid_thw is not None or media.video_grid_thw is not None or marks:
+            raise ValueError("image_grid_thw, video_grid_thw or mm_token_type_ids marking media were given without "
+                             "pixel_values or pixel_values_videos")
         return None
     if embeds is not None:
-        raise ValueError("pixel_values go with input_ids (whose image tokens take the images' features), not "
+        raise ValueError("pixel_values go with input_ids (whose image and video tokens take the features), not "
                          "inputs_embeds")
+    name = "pixel_values" if media.pixel_values is not None else "pixel_values_videos"
     try:
-        images.for_decoder(decoder)
+        vision = images.for_decoder(decoder)
     except images.ImagesUnsupported as reason:
-        raise NotSupportedError(f"pixel_values: {reason}") from None
-    return pixel_values, image_grid_thw, mm_token_type_ids
+        raise NotSupportedError(f"{name}: {reason}") from None
+    videos = media.pixel_values_videos is not None or (marks and bool((types == images.VIDEO).any()))
+    if videos and vision.video_token is None:
+        raise NotSupportedError(f"pixel_values_videos: {vision.no_videos}")
+    return media
 
 
 def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, rest: dict) -> None:

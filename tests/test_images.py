@@ -235,15 +235,16 @@ def test_what_images_cannot_be_is_refused(pair, inputs, build):
         model(**dict(given, pixel_values=given["pixel_values"][:, :95]))
     with pytest.raises(ValueError, match="without pixel_values"):
         model(**dict(given, pixel_values=None))
-    with pytest.raises(ValueError, match="mark other tokens as images"):
+    with pytest.raises(ValueError, match="mark other tokens than input_ids' media token ids"):
         model(**dict(given, mm_token_type_ids=torch.zeros_like(given["input_ids"])))
-    with pytest.raises(NotImplementedError, match="videos"):
+    # Videos need the checkpoint's config.json in the package (tests/test_videos.py).
+    with pytest.raises(NotSupportedError, match="videos need the checkpoint's config.json in the package folder"):
         model(**dict(given, mm_token_type_ids=given["mm_token_type_ids"] * 2))
     with pytest.raises(ValueError, match="not inputs_embeds"):
         embeds = torch.zeros(*given["input_ids"].shape, 64)
         model(inputs_embeds=embeds, **{k: v for k, v in given.items() if k != "input_ids"})
     cache = model(**given, use_cache=True).past_key_values
-    with pytest.raises(NotSupportedError, match="images in a step over a cache"):
+    with pytest.raises(NotSupportedError, match="images or videos in a step over a cache"):
         model(torch.tensor([[5], [5], [5]]), past_key_values=cache, pixel_values=given["pixel_values"],
               image_grid_thw=given["image_grid_thw"])
     pixels, grids = processed((28, 20))
