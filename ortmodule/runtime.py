@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from . import mapped, nbits
+from . import linked_weights, mapped, nbits
 from .package import PackageError
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,10 @@ def make_session(
     `prepack=False` (with ortmodule's own options) keeps ONNX Runtime from packing a copy of the
     weights: a second session over a package's weights then reads the weight file's pages.
     `fp32_path=True` (with ortmodule's own options) runs 4-bit weights in ONNX Runtime's fp32 path
-    instead of the int8 one of `accuracy_level` 4 (nbits.py)."""
+    instead of the int8 one of `accuracy_level` 4 (nbits.py). Weight files that are links (the Hugging
+    Face hub's cache) are read where they lie (linked_weights.py)."""
+    if isinstance(model, bytes) and external_data_folder is not None:
+        model, external_data_folder = linked_weights.relocated(model, external_data_folder)
     if session_options is None and device.type == "cpu" and mapped.wanted():  # packed weights from a file
         saving = _with_folder(_own_options(True, fp32_path), model, external_data_folder)
         found = mapped.source(model, external_data_folder, saving, (("fp32_path", str(fp32_path)),))
