@@ -60,30 +60,7 @@ def ortmodule(argv: list[str] | None = None) -> None:
                         help="passed to the builder's --extra_options (repeatable), e.g. algo_config=k_quant_mixed")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress output")
-    serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, OpenAI's /v1/completions "
-                                              "and /v1/chat/completions (FastAPI + uvicorn)")
-    serve.add_argument("path", help="the GenAI package folder (genai_config.json, model.onnx, tokenizer)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    serve.add_argument("--name", default=None, help="the model name reported and accepted (default: the package "
-                                                    "folder's name; its path is never shown)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes and "
-                                                       "/metrics (default: the ORTMODULE_API_KEY environment variable)")
-    serve.add_argument("--enable-fp32-lm-head", action="store_true",
-                       help="compute a bf16 package's LM head in float32: logits not rounded to bf16, as SGLang's and "
-                            "vLLM's flag of that name (docs/graph-rewrite.md)")
-    serve.add_argument("--prefill-attention", default="auto", choices=["auto", "package", "onnx"],
-                       help="score and prompt-logprob runs in the package's graph or in the prefill graph "
-                            "(onnx: ONNX's Attention, no KV written; docs/usage.md); auto: the package's for now")
-    serve.add_argument("--reuse-prefix", default="auto", choices=["auto", "on", "off"],
-                       help="run a score request's query (its items' common first tokens) once and its items over "
-                            "copies of its KV (on), every prompt whole (off), or decide per request from the "
-                            "model's measured costs (auto, the default; docs/scoring.md)")
-    serve.add_argument("--processor", default=None, metavar="FOLDER",
-                       help="the checkpoint's image processor (its preprocessor_config.json), for a package that takes "
-                            "images: chat messages may then hold image_url parts (data: URLs)")
-    _settings_flags(serve)
+    _serve_flags(commands)
     _cache_flags(commands)
     args = parser.parse_args(argv)
     if args.command == "export":
@@ -98,7 +75,7 @@ def ortmodule(argv: list[str] | None = None) -> None:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
     try:
         serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
-              prefill_attention=args.prefill_attention, **options)
+              prefill_attention=args.prefill_attention, subfolder=args.subfolder, revision=args.revision, **options)
     except ValueError as e:  # what stops it before it serves: the package, a setting, --processor
         parser.error(str(e))
 
@@ -123,6 +100,38 @@ _SETTING_HELP = {
     "header_timeout": "seconds to receive a request's headers",
     "body_timeout": "seconds to receive a request's body (408 beyond)",
 }
+
+
+def _serve_flags(commands) -> None:
+    """The `serve` command's flags."""
+    serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, OpenAI's /v1/completions "
+                                              "and /v1/chat/completions (FastAPI + uvicorn)")
+    serve.add_argument("path", help="the GenAI package folder (genai_config.json, model.onnx, tokenizer), or a "
+                                    "Hugging Face Hub repository id (org/name) holding one")
+    serve.add_argument("--subfolder", default=None, help="the package's folder inside the repository (default: its "
+                                                         "one package)")
+    serve.add_argument("--revision", default=None, help="the repository's branch, tag or commit (default: main)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    serve.add_argument("--name", default=None, help="the model name reported and accepted (default: the package "
+                                                    "folder's name; its path is never shown)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes and "
+                                                       "/metrics (default: the ORTMODULE_API_KEY environment variable)")
+    serve.add_argument("--enable-fp32-lm-head", action="store_true",
+                       help="compute a bf16 package's LM head in float32: logits not rounded to bf16, as SGLang's and "
+                            "vLLM's flag of that name (docs/graph-rewrite.md)")
+    serve.add_argument("--prefill-attention", default="auto", choices=["auto", "package", "onnx"],
+                       help="score and prompt-logprob runs in the package's graph or in the prefill graph "
+                            "(onnx: ONNX's Attention, no KV written; docs/usage.md); auto: the package's for now")
+    serve.add_argument("--reuse-prefix", default="auto", choices=["auto", "on", "off"],
+                       help="run a score request's query (its items' common first tokens) once and its items over "
+                            "copies of its KV (on), every prompt whole (off), or decide per request from the "
+                            "model's measured costs (auto, the default; docs/scoring.md)")
+    serve.add_argument("--processor", default=None, metavar="FOLDER",
+                       help="the checkpoint's image processor (its preprocessor_config.json), for a package that takes "
+                            "images: chat messages may then hold image_url parts (data: URLs)")
+    _settings_flags(serve)
 
 
 def _settings_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 """The Hugging Face objects a package stands for: its config, generation config and tokenizer,
-read from the package's own files (never the network)."""
+read from the package's own files (a Hub repository's package is fetched first: hub.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import hub
 from .package import Package, PackageError
 
 # The name transformers gives the KV cache in model outputs and in generate's model inputs: `cache`
@@ -16,9 +17,10 @@ from .package import Package, PackageError
 CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-def load_tokenizer(path: str | Path, **kwargs):
-    """The package's Hugging Face fast tokenizer, read from its own files (never the network)."""
-    root = Path(path)
+def load_tokenizer(path: str | Path, subfolder: str | None = None, revision: str | None = None, **kwargs):
+    """The package's Hugging Face fast tokenizer, read from its own files (a Hub repository's package:
+    fetched first, as `from_pretrained` fetches it, hub.py)."""
+    root = hub.resolve(path, subfolder, revision)
     if not (root / "tokenizer.json").is_file():
         raise PackageError(f"{root}: no tokenizer.json in the package folder")
     try:

@@ -24,6 +24,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from . import hub
 from .encoding import encode_as_tok_encode, encode_pairs_as_tok_encode, hflm_request, request_waves
 from .hf import build_config
 from .inputs import pad_right
@@ -354,9 +355,14 @@ class OrtModuleLM(HFLM):
                 self._rank = accelerator.process_index
                 self._world_size = accelerator.num_processes
 
-    def _get_config(self, pretrained: str, **kwargs) -> None:
-        self._package = read_package(pretrained)
+    def _get_config(self, pretrained: str, revision: str | None = None, subfolder: str | None = None, **kwargs) -> None:
+        self._package = read_package(hub.resolve(pretrained, subfolder or None, revision))  # a folder or a Hub repo
         self._config = build_config(self._package)
+
+    def _create_tokenizer(self, pretrained, tokenizer, **kwargs) -> None:
+        """HFLM's, from the package's folder (a Hub repository's package was fetched by `_get_config`)."""
+        local = str(self._package.root) if isinstance(pretrained, str) else pretrained
+        super()._create_tokenizer(local, tokenizer, **dict(kwargs, revision=None, subfolder=""))
 
     def _create_model(self, pretrained: str, **kwargs) -> None:
         self._model = OrtModelForCausalLM(self._package, device=self._device, **self._ort_options)
@@ -455,15 +461,7 @@ class OrtModuleLM(HFLM):
         """The answers of tokenized requests, left on the device: per batch, its requests' indices
         and `[2, n]` totals (`share`: contexts shared as `share_contexts` says). On CUDA nothing
         here waits for the device: the host builds the next batch (tokenizes the next wave) meanwhile."""
-        rows, starts = [], []
-        for _, context, continuation in requests:
-            if not context or not continuation:
-                raise ValueError("a loglikelihood request needs a non-empty context and continuation")
-            if len(continuation) > self.max_length:
-                raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length {self.max_length}")
-            row = (context + continuation)[-(self.max_length + 1):][:-1]
-            rows.append(row)
-            starts.append(len(row) - len(continuation))
+        rows, starts = _rows_and_starts(requests, self.max_length)
         row_of = distinct_rows(rows, starts)
         shared = self._shared_context_groups(requests, rows, starts, row_of) if share else []
         pending = shared_batches(self._model, requests, rows, starts, row_of, shared, self._rows_per_batch, progress)
@@ -556,3 +554,18 @@ class OrtModuleLM(HFLM):
         if auto:
             self.batch_sizes.setdefault(0, len(keys))  # the longest rows' batch, as HFLM reports its search
         return [(chunk, totals)]
+
+
+def _rows_and_starts(requests, max_length: int) -> tuple[list[list[int]], list[int]]:
+    """HFLM's rows of tokenized (key, context, continuation) requests (left-truncated to `max_length`
+    + 1, the last token dropped) and where each continuation's targets start."""
+    rows, starts = [], []
+    for _, context, continuation in requests:
+        if not context or not continuation:
+            raise ValueError("a loglikelihood request needs a non-empty context and continuation")
+        if len(continuation) > max_length:
+            raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length {max_length}")
+        row = (context + continuation)[-(max_length + 1):][:-1]
+        rows.append(row)
+        starts.append(len(row) - len(continuation))
+    return rows, starts

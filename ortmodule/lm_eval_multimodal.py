@@ -17,6 +17,7 @@ import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.hf_vlms import HFMultimodalLM
 
+from . import hub
 from .hf import build_config
 from .modeling import OrtModelForCausalLM
 from .package import read_package
@@ -61,8 +62,8 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
                              "takes no images (lm-eval's --model ortmodule runs its text)")
         config.image_token_id = token
 
-    def _get_config(self, pretrained: str, **kwargs) -> None:
-        self._package = read_package(pretrained)
+    def _get_config(self, pretrained: str, revision: str | None = None, subfolder: str | None = None, **kwargs) -> None:
+        self._package = read_package(hub.resolve(pretrained, subfolder or None, revision))  # a folder or a Hub repo
         self._config = build_config(self._package)
         self._set_image_token(self._config)
 

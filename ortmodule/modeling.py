@@ -18,7 +18,7 @@ from transformers import Cache, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import costs, embeddings, generation, images, inputs, kept_costs, runtime, variants
+from . import costs, embeddings, generation, hub, images, inputs, kept_costs, runtime, variants
 from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
@@ -225,17 +225,20 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         prefill_chunk: int | None = None,
         quantized_prefill: str | None = None,
         prefill_attention: str | None = None,
+        subfolder: str | None = None,
+        revision: str | None = None,
     ) -> OrtModelForCausalLM:
-        """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N'). `rewrite_lm_head`: True
-        (the LM head at the asked positions only), "float32" (also in float32 where a half-precision
-        package casts its logits to float32: bf16 logits not rounded) or False. `prefill_chunk`: long
-        rows one at a time in chunks of this many tokens (None: 256 on a CPU, off on CUDA; 0: off;
+        """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N'); `path` may also be a
+        Hugging Face Hub repository id, with the package's `subfolder` and a `revision` (hub.py).
+        `rewrite_lm_head`: True (the LM head at the asked positions only), "float32" (also in float32
+        where a half-precision package casts its logits to float32: bf16 logits not rounded) or False.
+        `prefill_chunk`: long rows one at a time in chunks of this many tokens (None: 256 on a CPU, off on CUDA; 0: off;
         chunked.py). `quantized_prefill`: "auto" (None), "fp32" or "package", a 4-bit package's
         prefill path on the CPU (nbits.py). `prefill_attention`: "auto" (None: "package" for now),
         "package" or "onnx": runs without a cache (scoring, `forward` without `use_cache`) in a second
         graph whose attention is ONNX's `Attention` op and which writes no KV (extend.py)."""
-        return cls(read_package(path), device, session_options, provider_options, rewrite_lm_head, cache_dir,
-                   prefill_chunk, quantized_prefill, prefill_attention)
+        return cls(read_package(hub.resolve(path, subfolder, revision)), device, session_options, provider_options,
+                   rewrite_lm_head, cache_dir, prefill_chunk, quantized_prefill, prefill_attention)
 
     # ---- the Hugging Face surface -------------------------------------------------------------
 

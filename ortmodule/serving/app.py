@@ -220,21 +220,27 @@ def open_files_for(connections: int) -> int:
 
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", fp32_lm_head: bool = False,
-          prefill_attention: str | None = None, **options) -> None:
-    """Load the package at `path` and serve it until interrupted (SIGINT, SIGTERM: what was
+          prefill_attention: str | None = None, subfolder: str | None = None, revision: str | None = None,
+          **options) -> None:
+    """Load the package at `path` (a folder, or a Hugging Face Hub repository id with the package's
+    `subfolder` and a `revision`: hub.py) and serve it until interrupted (SIGINT, SIGTERM: what was
     accepted is answered first). `fp32_lm_head`: a bf16 package's LM head in float32 (SGLang's and
     vLLM's `--enable-fp32-lm-head`; `rewrite_lm_head="float32"`). `prefill_attention`: as
     `OrtModelForCausalLM.from_pretrained`'s (the runs without a cache: scores, prompt log-probabilities)."""
     import uvicorn
 
+    from .. import hub
     from ..hf import load_tokenizer
     from ..modeling import OrtModelForCausalLM
 
+    local = hub.resolve(path, subfolder, revision)
+    if options.get("name") is None and local.resolve() != Path(path).resolve():  # a repository: its id, not a hash
+        options["name"] = "/".join(part.strip("/") for part in (path, subfolder or "") if part)
     settings = Settings.with_environment(**options)
-    model = OrtModelForCausalLM.from_pretrained(path, device=device, prefill_attention=prefill_attention,
+    model = OrtModelForCausalLM.from_pretrained(local, device=device, prefill_attention=prefill_attention,
                                                 rewrite_lm_head="float32" if fp32_lm_head else True)
     model.measured_costs()  # timed (or read from the disk) now, not in the first request that shares a query
-    app = create_app(model, load_tokenizer(path), settings)
+    app = create_app(model, load_tokenizer(local), settings)
     if host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("serving on %s without an API key: anyone who reaches it may use it (--api-key, or %s)",
                     host, "ORTMODULE_API_KEY")

@@ -1,0 +1,72 @@
+"""A package named by its Hugging Face Hub repository: `from_pretrained("org/name", subfolder=...)`,
+as transformers' models are named, for the repositories that hold GenAI packages (often several, one
+per device and precision, in subfolders: `microsoft/Phi-3-mini-4k-instruct-onnx`'s
+`cpu_and_mobile/cpu-int4-rtn-block-32-acc-level-4`).
+
+A path that exists is a local folder, whatever it looks like. Otherwise an `org/name` string is a
+repository: `huggingface_hub.snapshot_download` fetches the package's files only (the subfolder's)
+into the hub's cache (HF_HUB_CACHE; `HF_HUB_OFFLINE=1`: from that cache alone), and the package is
+read from there (its weight files are links: linked_weights.py). Without `subfolder`, the repository's
+one package is taken, and a repository of several is a PackageError listing them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath
+
+from .package import PackageError
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+CONFIG = "genai_config.json"
+
+
+def resolve(path: str | Path, subfolder: str | None = None, revision: str | None = None) -> Path:
+    """The local package folder for `path` (a folder, or a Hub repository id) and `subfolder` in it."""
+    local = Path(path)
+    sub = (subfolder or "").strip("/")
+    if local.exists() or not isinstance(path, str) or not _REPO_ID.match(path):
+        return local / sub if sub else local
+    try:
+        import huggingface_hub
+    except ImportError as e:  # installed with transformers
+        raise PackageError(f"package folder not found: {path} (as a Hub repository it needs huggingface_hub: {e})") \
+            from None
+    if subfolder is None:
+        sub = _only_package(path, revision)
+    patterns = [f"{sub}/*"] if sub else None
+    try:
+        snapshot = Path(huggingface_hub.snapshot_download(path, revision=revision, allow_patterns=patterns))
+    except Exception as e:  # noqa: BLE001  huggingface_hub's errors: not found, offline and not cached, network
+        raise PackageError(f"package folder not found: {path}, and as a Hugging Face Hub repository it could not be "
+                           f"fetched ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    return snapshot / sub if sub else snapshot
+
+
+def _only_package(repo: str, revision: str | None) -> str:
+    """The subfolder of the repository's one package ('' at its root); a PackageError naming them where
+    it holds several, or none."""
+    folders = sorted({str(PurePosixPath(name).parent) for name in _files(repo, revision)
+                      if PurePosixPath(name).name == CONFIG})
+    if "." in folders:
+        return ""
+    if len(folders) == 1:
+        return folders[0]
+    if not folders:
+        raise PackageError(f"{repo}: the repository holds no {CONFIG}: not an ONNX GenAI package")
+    raise PackageError(f"{repo} holds {len(folders)} GenAI packages; pass subfolder= one of: {', '.join(folders)}")
+
+
+def _files(repo: str, revision: str | None) -> list[str]:
+    """The repository's file names: from the Hub, else (offline) from its snapshot in the local cache."""
+    import huggingface_hub
+
+    try:
+        return huggingface_hub.list_repo_files(repo, revision=revision)
+    except Exception as online:  # noqa: BLE001  offline, or no network: what the cache holds
+        try:
+            snapshot = Path(huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True))
+        except Exception:  # noqa: BLE001
+            raise PackageError(f"package folder not found: {repo}, and as a Hugging Face Hub repository it could not "
+                               f"be listed ({type(online).__name__}: {' '.join(str(online).split())[:300]})") from None
+        return [path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*")]

@@ -1,0 +1,113 @@
+"""A package named by its Hugging Face Hub repository (ortmodule/hub.py): `from_pretrained`,
+`load_tokenizer` and lm-eval's `pretrained=org/name,subfolder=...` take a repository id, as
+transformers' models do. Offline here: the repositories are written into a hub cache of the test's
+own (the layout `snapshot_download` makes: blobs, a snapshot of links, refs/main), and
+huggingface_hub reads that cache alone."""
+
+import hashlib
+import os
+import shutil
+
+import huggingface_hub
+import pytest
+import torch
+from helpers import load_pair
+from lm_eval.api.instance import Instance
+
+import ortmodule
+from ortmodule import OrtModelForCausalLM, PackageError
+from ortmodule.lm_eval import OrtModuleLM
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cached_repo(cache, repo, packages: dict):
+    """`repo` in the hub cache `cache`: each package folder of `packages` ({subfolder: folder}, '' the root)."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    blobs, snapshot = root / "blobs", root / "snapshots" / COMMIT
+    blobs.mkdir(parents=True, exist_ok=True)
+    for subfolder, folder in packages.items():
+        target = snapshot / subfolder
+        target.mkdir(parents=True, exist_ok=True)
+        for entry in folder.iterdir():
+            blob = blobs / hashlib.sha256(entry.read_bytes()).hexdigest()
+            if not blob.exists():
+                shutil.copy(entry, blob)
+            (target / entry.name).symlink_to(os.path.relpath(blob, target))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(COMMIT)
+
+
+@pytest.fixture(scope="module")
+def hub_cache(build, tmp_path_factory):
+    fixture = build("llama")
+    cache = tmp_path_factory.mktemp("hub")
+    cached_repo(cache, "ortmodule-test/one-package", {"": fixture.package_dir})
+    cached_repo(cache, "ortmodule-test/two-packages", {"cpu/fp32": fixture.package_dir,
+                                                       "cpu/int4": build("llama", precision="int4").package_dir})
+    cached_repo(cache, "ortmodule-test/no-package", {"": fixture.hf_dir})
+    return fixture, cache
+
+
+@pytest.fixture
+def offline(hub_cache, monkeypatch):
+    """huggingface_hub on the test's cache, offline (its settings are read at import, so patched here)."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache[1]))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return hub_cache[0]
+
+
+def test_a_repository_id_loads_its_package(offline):
+    _, hf = load_pair(offline)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+    with torch.no_grad():
+        expected = hf(ids).logits
+    model = OrtModelForCausalLM.from_pretrained("ortmodule-test/one-package")  # the repository's one package
+    assert torch.allclose(model(ids).logits, expected, atol=1e-4, rtol=1e-4)
+    chosen = OrtModelForCausalLM.from_pretrained("ortmodule-test/two-packages", subfolder="cpu/fp32", revision="main")
+    assert torch.allclose(chosen(ids).logits, expected, atol=1e-4, rtol=1e-4)
+    assert chosen.package.root.parts[-2:] == ("cpu", "fp32")
+    tokenizer = ortmodule.load_tokenizer("ortmodule-test/two-packages", subfolder="cpu/fp32")
+    assert tokenizer("hello world").input_ids == ortmodule.load_tokenizer(offline.package_dir)("hello world").input_ids
+
+
+def test_what_a_repository_id_cannot_give_is_named(offline):
+    with pytest.raises(PackageError, match="holds 2 GenAI packages; pass subfolder= one of: cpu/fp32, cpu/int4"):
+        OrtModelForCausalLM.from_pretrained("ortmodule-test/two-packages")
+    with pytest.raises(PackageError, match="holds no genai_config.json: not an ONNX GenAI package"):
+        OrtModelForCausalLM.from_pretrained("ortmodule-test/no-package")
+    with pytest.raises(PackageError, match="package folder not found: ortmodule-test/absent, and as a Hugging Face "
+                                           "Hub repository it could not be listed"):
+        OrtModelForCausalLM.from_pretrained("ortmodule-test/absent")
+    with pytest.raises(PackageError, match="not found"):
+        OrtModelForCausalLM.from_pretrained("ortmodule-test/two-packages", subfolder="cuda/fp16")
+    with pytest.raises(PackageError, match="package folder not found: no/such/folder"):
+        OrtModelForCausalLM.from_pretrained("no/such/folder")  # not a repository id: a missing folder
+
+
+def test_lm_eval_takes_a_repository_and_its_subfolder(offline):
+    """`--model_args pretrained=org/name,subfolder=...`: the same answers as the package's folder."""
+    pairs = [("The capital of France is", " Paris"), ("Two plus two is", " four"), ("Water boils at", " 100 C")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    local = OrtModuleLM(pretrained=str(offline.package_dir), device="cpu", batch_size=2)
+    named = OrtModuleLM(pretrained="ortmodule-test/two-packages", subfolder="cpu/fp32", device="cpu", batch_size=2)
+    assert named._package.root.parts[-2:] == ("cpu", "fp32")
+    assert named.loglikelihood(requests) == local.loglikelihood(requests)
+
+
+def test_serve_takes_a_repository_and_names_the_model_by_it(offline, monkeypatch, capsys):
+    """`ortmodule serve org/name --subfolder ...`: the model is reported by its repository, not by the
+    snapshot's hash; a repository of several packages without --subfolder stops with a usage error."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    from ortmodule import cli
+
+    served = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server: served.append(server.config.app))
+    cli.ortmodule(["serve", "ortmodule-test/two-packages", "--subfolder", "cpu/fp32", "--port", "1"])
+    with TestClient(served[0]) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["ortmodule-test/two-packages/cpu/fp32"]
+    with pytest.raises(SystemExit):
+        cli.ortmodule(["serve", "ortmodule-test/two-packages", "--port", "1"])
+    assert "pass subfolder= one of: cpu/fp32, cpu/int4" in capsys.readouterr().err
