@@ -7,6 +7,7 @@ memory over 1,000 calls of varying shapes. Skipped where torch sees no GPU (CI).
 
 import asyncio
 import json
+import shutil
 import time
 
 import onnx
@@ -169,21 +170,32 @@ def test_inputs_embeds_on_cuda_give_the_ids_logits(build):
 
 
 @pytest.mark.filterwarnings("ignore:.*fp32 package")
-def test_images_on_cuda_give_the_cpus_logits(build):
-    """A Qwen2.5-VL prompt with an image (random pixels of the processor's shape) on CUDA: the vision
-    and embedding models and the mRoPE prefill on the device, then a step, as on the CPU."""
-    package = build("qwen2_5_vl").package_dir
-    grid = torch.tensor([[1, 8, 4]])
-    pixels = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
-    ids = torch.tensor([[5, 6, 7, 509] + [511] * 8 + [508, 20, 21]])
+def test_images_on_cuda_give_the_cpus_logits(build, tmp_path):
+    """A Qwen2.5-VL prompt with an image, then one with an image and a video (random pixels of the
+    processor's shape; the checkpoint's config.json beside the package for the video) on CUDA: the
+    vision and embedding models and the mRoPE prefill on the device, then a step, as on the CPU."""
+    fixture = build("qwen2_5_vl")
+    package = tmp_path / "package"
+    shutil.copytree(fixture.package_dir, package)
+    shutil.copy(fixture.hf_dir / "config.json", package / "config.json")
+    generator = torch.Generator().manual_seed(0)
+    image = dict(pixel_values=torch.randn(32, 96, generator=generator), image_grid_thw=torch.tensor([[1, 8, 4]]))
+    video = dict(image, pixel_values_videos=torch.randn(96, 96, generator=generator),
+                 video_grid_thw=torch.tensor([[3, 4, 8]]), second_per_grid_ts=torch.tensor([1.3]))
+    prompts = [(torch.tensor([[5, 6, 7, 509] + [511] * 8 + [508, 20, 21]]), image),
+               (torch.tensor([[5, 509] + [511] * 8 + [508, 6, 509] + [510] * 24 + [508, 20]]), video)]
     outputs = []
     for device in ("cpu", "cuda:0"):
         model = OrtModelForCausalLM.from_pretrained(package, device=device)
-        out = model(ids.to(device), pixel_values=pixels.to(device), image_grid_thw=grid, use_cache=True)
-        step = model(torch.tensor([[30]], device=device), past_key_values=out.past_key_values)
-        outputs.append((out.logits.cpu(), step.logits.cpu()))
-    for on_cuda, on_cpu in zip(outputs[1], outputs[0]):
-        assert (on_cuda - on_cpu).abs().max().item() < FP32_TOL
+        for ids, media in prompts:
+            given = {name: value.to(device) for name, value in media.items()}
+            out = model(ids.to(device), **given, use_cache=True)
+            step = model(torch.tensor([[30]], device=device), past_key_values=out.past_key_values)
+            outputs.append((out.logits.cpu(), step.logits.cpu()))
+    half = len(outputs) // 2
+    for on_cuda, on_cpu in zip(outputs[half:], outputs[:half]):
+        for a, b in zip(on_cuda, on_cpu):
+            assert (a - b).abs().max().item() < FP32_TOL
 
 
 # `ortmodule export --device cuda` unpacks the query/key/value projections (exporter.CUDA_OPTIONS).
