@@ -50,8 +50,9 @@ def ortmodule(argv: list[str] | None = None) -> None:
         "export", help="export a Hugging Face folder or a GGUF file to a GenAI package (onnxruntime-genai's "
                        "model builder)"
     )
-    export.add_argument("source",
-                        help="a Hugging Face checkpoint folder (config.json, weights, tokenizer) or a .gguf file")
+    export.add_argument("source", help="a Hugging Face checkpoint folder (config.json, weights, tokenizer), a Hub "
+                                       "repository id of one (org/name), or a .gguf file")
+    export.add_argument("--revision", default=None, help="the repository's branch, tag or commit (default: main)")
     export.add_argument("out", help="the package folder to write")
     export.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "int4", "int8"])
     export.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -171,7 +172,8 @@ def _export(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--extra-option takes KEY=VALUE, got '{item}'")
         options[key] = value
     try:
-        export(args.source, args.out, args.precision, args.device, options, args.overwrite, not args.quiet)
+        export(args.source, args.out, args.precision, args.device, options, args.overwrite, not args.quiet,
+               args.revision)
     except ExportError as e:
         parser.exit(2, f"ortmodule export: error: {e}\n")
 

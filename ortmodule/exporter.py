@@ -53,9 +53,11 @@ def export(
     extra_options: dict | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    revision: str | None = None,
 ) -> Path:
-    """Export `source` (a Hugging Face checkpoint folder, or a `.gguf` file) to a GenAI package
-    folder `out` for `device` ('cpu' or 'cuda') in `precision` (fp32, fp16, bf16, int4 or int8).
+    """Export `source` (a Hugging Face checkpoint folder or Hub repository id, at `revision`; or a
+    `.gguf` file) to a GenAI package folder `out` for `device` ('cpu' or 'cuda') in `precision` (fp32,
+    fp16, bf16, int4 or int8).
 
     `extra_options` go to the builder's `--extra_options` (for example `{"algo_config": "k_quant_mixed"}`);
     for CUDA, `fuse_qkv=false` unless they say otherwise (`CUDA_OPTIONS`). Returns `out`. Progress goes
@@ -65,7 +67,14 @@ def export(
         raise ExportError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
     if device not in DEVICES:
         raise ExportError(f"device '{device}' is not one of {', '.join(DEVICES)}")
-    source, out = Path(source), Path(out)
+    from . import hub
+    from .package import PackageError
+
+    try:
+        source = hub.checkpoint(source, revision)
+    except PackageError as e:
+        raise ExportError(str(e)) from None
+    out = Path(out)
     gguf = _gguf_file(source)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")

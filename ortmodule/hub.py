@@ -3,6 +3,9 @@ as transformers' models are named, for the repositories that hold GenAI packages
 per device and precision, in subfolders: `microsoft/Phi-3-mini-4k-instruct-onnx`'s
 `cpu_and_mobile/cpu-int4-rtn-block-32-acc-level-4`).
 
+`ortmodule export org/name OUT` takes a checkpoint repository the same way (`checkpoint`: its config,
+weights and tokenizer files only).
+
 A path that exists is a local folder, whatever it looks like. Otherwise an `org/name` string is a
 repository: `huggingface_hub.snapshot_download` fetches the package's files only (the subfolder's)
 into the hub's cache (HF_HUB_CACHE; `HF_HUB_OFFLINE=1`: from that cache alone), and the package is
@@ -41,6 +44,25 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
         raise PackageError(f"package folder not found: {path}, and as a Hugging Face Hub repository it could not be "
                            f"fetched ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
     return snapshot / sub if sub else snapshot
+
+
+# A transformers checkpoint's files (no other formats' weights: .bin, .pt, .onnx, .gguf).
+CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def checkpoint(source: str | Path, revision: str | None = None) -> Path:
+    """The local folder of a Hugging Face checkpoint `source` (a folder or .gguf file as it is, or a
+    Hub repository id: its config, safetensors weights and tokenizer fetched into the hub's cache)."""
+    local = Path(source)
+    if local.exists() or not isinstance(source, str) or not _REPO_ID.match(source):
+        return local
+    import huggingface_hub
+
+    try:
+        return Path(huggingface_hub.snapshot_download(source, revision=revision, allow_patterns=CHECKPOINT_FILES))
+    except Exception as e:  # noqa: BLE001  huggingface_hub's errors: not found, offline and not cached, network
+        raise PackageError(f"source not found: {source}, and as a Hugging Face Hub repository it could not be fetched "
+                           f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
 
 
 def _only_package(repo: str, revision: str | None) -> str:

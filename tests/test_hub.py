@@ -111,3 +111,16 @@ def test_serve_takes_a_repository_and_names_the_model_by_it(offline, monkeypatch
     with pytest.raises(SystemExit):
         cli.ortmodule(["serve", "ortmodule-test/two-packages", "--port", "1"])
     assert "pass subfolder= one of: cpu/fp32, cpu/int4" in capsys.readouterr().err
+
+
+def test_export_takes_a_checkpoint_repository(offline, tmp_path):
+    """`ortmodule export org/name OUT`: the checkpoint's files from the hub's cache, exported; the
+    package answers as transformers on those weights."""
+    _, hf = load_pair(offline)
+    out = ortmodule.export("ortmodule-test/no-package", tmp_path / "package", progress=False)  # a checkpoint
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = hf(ids).logits
+    assert torch.allclose(OrtModelForCausalLM.from_pretrained(out)(ids).logits, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ortmodule.ExportError, match="source not found: ortmodule-test/absent, and as a Hugging Face"):
+        ortmodule.export("ortmodule-test/absent", tmp_path / "other", progress=False)
