@@ -63,18 +63,7 @@ def export(
     for CUDA, `fuse_qkv=false` unless they say otherwise (`CUDA_OPTIONS`). Returns `out`. Progress goes
     to stderr unless `progress=False`.
     """
-    if precision not in PRECISIONS:
-        raise ExportError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
-    if device not in DEVICES:
-        raise ExportError(f"device '{device}' is not one of {', '.join(DEVICES)}")
-    from . import hub
-    from .package import PackageError
-
-    try:
-        source = hub.checkpoint(source, revision)
-    except PackageError as e:
-        raise ExportError(str(e)) from None
-    out = Path(out)
+    source, out = _checked_source(source, precision, device, revision), Path(out)
     gguf = _gguf_file(source)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
@@ -113,6 +102,21 @@ def export(
                        "own; --extra-option algo_config=k_quant_mixed, or --precision int8, keep closer to them "
                        "(docs/usage.md, \"4 or 8 bits\")")
     return out
+
+
+def _checked_source(source: str | Path, precision: str, device: str, revision: str | None) -> Path:
+    """`export`'s choices checked, and its source as a local path (a Hub repository's checkpoint fetched)."""
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
+    if device not in DEVICES:
+        raise ExportError(f"device '{device}' is not one of {', '.join(DEVICES)}")
+    from . import hub
+    from .package import PackageError
+
+    try:
+        return hub.checkpoint(source, revision)
+    except PackageError as e:
+        raise ExportError(str(e)) from None
 
 
 def _gguf_file(source: Path) -> Path | None:
