@@ -21,6 +21,7 @@ import torch
 import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils_hf import get_dtype
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
@@ -337,7 +338,7 @@ class OrtModuleLM(HFLM):
                                  prefill_chunk=_chunk_arg(prefill_chunk), quantized_prefill=quantized_prefill,
                                  prefill_attention=prefill_attention)
         pretrained = str(pretrained) if isinstance(pretrained, Path) else pretrained
-        kwargs.setdefault("backend", "causal")
+        refuse_hflm_options(kwargs)
         super().__init__(pretrained=pretrained, device=device, **kwargs)
         # Tokenizing runs beside the device's work on CUDA, whose host cores idle meanwhile; a CPU's
         # cores run the model, so there every text is encoded before the first batch (one wave).
@@ -364,8 +365,9 @@ class OrtModuleLM(HFLM):
         local = str(self._package.root) if isinstance(pretrained, str) else pretrained
         super()._create_tokenizer(local, tokenizer, **dict(kwargs, revision=None, subfolder=""))
 
-    def _create_model(self, pretrained: str, **kwargs) -> None:
+    def _create_model(self, pretrained: str, dtype: str | torch.dtype | None = "auto", **kwargs) -> None:
         self._model = OrtModelForCausalLM(self._package, device=self._device, **self._ort_options)
+        check_dtype(dtype, self._model)
 
     @property
     def max_length(self) -> int:
@@ -569,3 +571,39 @@ def _rows_and_starts(requests, max_length: int) -> tuple[list[list[int]], list[i
         rows.append(row)
         starts.append(len(row) - len(continuation))
     return rows, starts
+
+
+# HFLM's model args for what a PyTorch model loads or computes, which an ONNX package fixed at export.
+_FIXED_AT_EXPORT = {"peft": "a PEFT adapter", "delta": "delta weights", "autogptq": "GPTQ weights",
+                    "gptqmodel": "GPTQ weights", "gguf_file": "a GGUF file", "quantization_config": "quantization",
+                    "tp_plan": "tensor parallelism", "mixed_precision_dtype": "an autocast to another precision"}
+
+
+def refuse_hflm_options(kwargs: dict) -> None:
+    """HFLM's model args that ortmodule cannot honour, refused by name rather than ignored (they would
+    change the numbers a user asked for); `parallelize` (placement only) is a warning. Sets the causal
+    backend."""
+    for name, what in _FIXED_AT_EXPORT.items():
+        if kwargs.get(name) not in (None, False, ""):
+            raise ValueError(f"{name}={kwargs[name]!r} asks for {what}, which applies to a PyTorch model: an ONNX "
+                             "package's weights and precision are fixed when it is exported (merge or quantize the "
+                             "checkpoint, then `ortmodule export` it; a GGUF file exports as it is)")
+    backend = kwargs.setdefault("backend", "causal")
+    if backend not in ("causal", "default"):
+        raise ValueError(f"backend={backend!r}: a GenAI package is a causal (decoder-only) model")
+    softmax = kwargs.get("softmax_dtype")
+    if softmax is not None and get_dtype(softmax) != torch.float32:
+        raise ValueError(f"softmax_dtype={softmax!r}: ortmodule computes log-softmax in float32 (leave it out, or "
+                         "pass float32)")
+    if kwargs.get("parallelize"):
+        logger.warning("ortmodule: parallelize=True is ignored: a package runs on the one device given (for several, "
+                       "run lm-eval's data parallel: accelerate launch ... -m ortmodule.cli, docs/lm-eval.md)")
+
+
+def check_dtype(dtype, model: OrtModelForCausalLM) -> None:
+    """HFLM's `dtype` model arg: "auto" (or None) or the package's own precision, else a ValueError."""
+    if dtype is None or dtype == "auto" or get_dtype(dtype) == model.dtype:
+        return
+    raise ValueError(f"dtype={dtype!r}: {model.package.root} computes in {str(model.dtype).removeprefix('torch.')}, "
+                     "fixed when it was exported (`ortmodule export --precision ...` makes another; or leave dtype "
+                     "out)")

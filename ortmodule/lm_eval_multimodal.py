@@ -19,6 +19,7 @@ from lm_eval.models.hf_vlms import HFMultimodalLM
 
 from . import hub
 from .hf import build_config
+from .lm_eval import check_dtype, refuse_hflm_options
 from .modeling import OrtModelForCausalLM
 from .package import read_package
 
@@ -49,7 +50,7 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         self._processor_source = str(processor) if isinstance(processor, Path) else processor
         self._provider_options = provider_options
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device is None else device
-        kwargs.setdefault("backend", "causal")
+        refuse_hflm_options(kwargs)
         if isinstance(pretrained, OrtModelForCausalLM):
             self._package, self._config = pretrained.package, pretrained.config
             self._set_image_token(self._config)
@@ -67,8 +68,9 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         self._config = build_config(self._package)
         self._set_image_token(self._config)
 
-    def _create_model(self, pretrained: str, **kwargs) -> None:
+    def _create_model(self, pretrained: str, dtype: str | torch.dtype | None = "auto", **kwargs) -> None:
         self._model = OrtModelForCausalLM(self._package, device=self._device, provider_options=self._provider_options)
+        check_dtype(dtype, self._model)
 
     def _create_tokenizer(self, pretrained, tokenizer, **kwargs) -> None:
         source = self._processor_source

@@ -742,6 +742,35 @@ def test_quantized_prefill_model_arg_is_checked(build):
         get_model("ortmodule")(pretrained=str(build("qwen3").package_dir), quantized_prefill="int4")
 
 
+def test_hflm_model_args_that_would_change_the_numbers_are_refused_by_name(build, caplog):
+    """HFLM's loading args (`hf`'s model_args) mean nothing for a package, whose weights and precision
+    the export fixed: each that would change what is computed is a ValueError naming it, not ignored;
+    `dtype` is accepted where it is the package's own precision (the same answers) and `parallelize`
+    (placement only) is a warning."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    package = str(build("llama").package_dir)
+    requests = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0)]
+    backend = get_model("ortmodule")
+    plain = backend(pretrained=package, device="cpu").loglikelihood(requests)
+    assert backend(pretrained=package, device="cpu", dtype="float32").loglikelihood(requests) == plain
+    assert backend(pretrained=package, device="cpu", softmax_dtype="float32").loglikelihood(requests) == plain
+    with caplog.at_level("WARNING", logger="ortmodule"):
+        assert backend(pretrained=package, device="cpu", parallelize=True).loglikelihood(requests) == plain
+    assert "parallelize=True is ignored" in caplog.text
+    refused = {"dtype": ("bfloat16", "computes in float32, fixed when it was exported"),
+               "peft": ("adapter-folder", "asks for a PEFT adapter"),
+               "delta": ("delta-folder", "asks for delta weights"),
+               "autogptq": (True, "asks for GPTQ weights"), "gguf_file": ("model.gguf", "asks for a GGUF file"),
+               "mixed_precision_dtype": ("bfloat16", "asks for an autocast"),
+               "softmax_dtype": ("float64", "computes log-softmax in float32"),
+               "backend": ("seq2seq", "a causal \\(decoder-only\\) model")}
+    for name, (value, message) in refused.items():
+        with pytest.raises(ValueError, match=f"{name}={value!r}.*{message}"):
+            backend(pretrained=package, device="cpu", **{name: value})
+
+
 def few_shot_requests():
     """Requests shaped as lm-eval's 5-shot MMLU: three subjects whose questions all start with the
     subject's 40-token examples, then a question of 3-10 tokens; four one-token letters for most
