@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -71,3 +72,53 @@ def build_generation_config(package: Package) -> GenerationConfig:
         top_k=search.get("top_k", 50),
         top_p=search.get("top_p", 1.0),
     )
+
+
+# transformers' `from_pretrained` arguments, as `OrtModelForCausalLM.from_pretrained` takes them:
+# without effect on a package (its attention kernels and loading are ONNX Runtime's), for fetching a
+# Hub repository (hub.py), and what a package cannot honour (its weights were fixed at export).
+WITHOUT_EFFECT = {"trust_remote_code", "attn_implementation", "low_cpu_mem_usage", "use_safetensors", "force_download",
+                  "resume_download", "output_loading_info", "offload_folder", "offload_state_dict"}
+FETCHING = {"token", "local_files_only", "proxies"}
+FIXED_AT_EXPORT = {"quantization_config", "load_in_8bit", "load_in_4bit", "gguf_file", "tp_plan", "adapter_kwargs",
+                   "adapter_name"}
+
+
+def loading_options(device, kwargs: dict) -> tuple[object, dict, object]:
+    """transformers' loading arguments among `kwargs` (`from_pretrained`'s extra keywords): the device
+    (from `device`, or `device_map` as transformers takes it on one device), the Hub fetching options
+    and the dtype asked for ("auto" where none); a TypeError naming any other argument, a ValueError
+    for one a package cannot honour."""
+    unknown = set(kwargs) - WITHOUT_EFFECT - FETCHING - FIXED_AT_EXPORT - {"dtype", "torch_dtype", "device_map"}
+    if unknown:
+        raise TypeError(f"OrtModelForCausalLM.from_pretrained() got unexpected keyword arguments: {sorted(unknown)}")
+    fixed = sorted(name for name in FIXED_AT_EXPORT if kwargs.get(name) not in (None, False))
+    if fixed:
+        raise ValueError(f"{', '.join(fixed)}: a GenAI package's weights and precision were fixed when it was exported "
+                         "(quantize or merge the checkpoint, then export it)")
+    if "dtype" in kwargs and "torch_dtype" in kwargs:
+        raise ValueError("give dtype or torch_dtype (its older name), not both")
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
+    placed = kwargs.get("device_map")
+    if isinstance(placed, dict):
+        if len(set(placed.values())) != 1:
+            raise ValueError(f"device_map={placed!r}: a package runs on one device (ONNX Runtime's session), not "
+                             "split across several")
+        placed = next(iter(placed.values()))
+    if placed == "auto":
+        placed = "cuda" if torch.cuda.is_available() else "cpu"
+    if placed is not None and device is not None and torch.device(placed) != torch.device(device):
+        raise ValueError(f"device={device!r} and device_map={kwargs['device_map']!r} name different devices")
+    return (placed if placed is not None else device), {k: v for k, v in kwargs.items() if k in FETCHING}, dtype
+
+
+def check_dtype(dtype, model, asked=None) -> None:
+    """A dtype asked of `model`: "auto" (or None), or the package's own precision (a torch dtype or its
+    name), else a ValueError naming both (`asked`: the caller's spelling of it)."""
+    if dtype is None or dtype == "auto" or dtype == model.dtype or \
+            (isinstance(dtype, str) and getattr(torch, dtype, None) == model.dtype):
+        return
+    shown, precision = dtype if asked is None else asked, str(model.dtype).removeprefix("torch.")
+    raise ValueError(f"dtype={shown!r}: {model.package.root} computes in {precision}, "
+                     "fixed when it was exported (`ortmodule export --precision ...` makes another; or leave dtype "
+                     "out)")

@@ -24,8 +24,9 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 CONFIG = "genai_config.json"
 
 
-def resolve(path: str | Path, subfolder: str | None = None, revision: str | None = None) -> Path:
-    """The local package folder for `path` (a folder, or a Hub repository id) and `subfolder` in it."""
+def resolve(path: str | Path, subfolder: str | None = None, revision: str | None = None, **fetching) -> Path:
+    """The local package folder for `path` (a folder, or a Hub repository id) and `subfolder` in it;
+    `fetching`: huggingface_hub's `token`, `local_files_only`, `proxies`."""
     local = Path(path)
     sub = (subfolder or "").strip("/")
     if local.exists() or not isinstance(path, str) or not _REPO_ID.match(path):
@@ -36,10 +37,10 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
         raise PackageError(f"package folder not found: {path} (as a Hub repository it needs huggingface_hub: {e})") \
             from None
     if subfolder is None:
-        sub = _only_package(path, revision)
+        sub = _only_package(path, revision, fetching)
     patterns = [f"{sub}/*"] if sub else None
     try:
-        snapshot = Path(huggingface_hub.snapshot_download(path, revision=revision, allow_patterns=patterns))
+        snapshot = Path(huggingface_hub.snapshot_download(path, revision=revision, allow_patterns=patterns, **fetching))
     except Exception as e:  # noqa: BLE001  huggingface_hub's errors: not found, offline and not cached, network
         raise PackageError(f"package folder not found: {path}, and as a Hugging Face Hub repository it could not be "
                            f"fetched ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
@@ -65,10 +66,10 @@ def checkpoint(source: str | Path, revision: str | None = None) -> Path:
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
 
 
-def _only_package(repo: str, revision: str | None) -> str:
+def _only_package(repo: str, revision: str | None, fetching: dict) -> str:
     """The subfolder of the repository's one package ('' at its root); a PackageError naming them where
     it holds several, or none."""
-    folders = sorted({str(PurePosixPath(name).parent) for name in _files(repo, revision)
+    folders = sorted({str(PurePosixPath(name).parent) for name in _files(repo, revision, fetching)
                       if PurePosixPath(name).name == CONFIG})
     if "." in folders:
         return ""
@@ -79,16 +80,21 @@ def _only_package(repo: str, revision: str | None) -> str:
     raise PackageError(f"{repo} holds {len(folders)} GenAI packages; pass subfolder= one of: {', '.join(folders)}")
 
 
-def _files(repo: str, revision: str | None) -> list[str]:
-    """The repository's file names: from the Hub, else (offline) from its snapshot in the local cache."""
+def _files(repo: str, revision: str | None, fetching: dict) -> list[str]:
+    """The repository's file names: from the Hub, else (offline, or `local_files_only`) from its
+    snapshot in the local cache."""
     import huggingface_hub
 
-    try:
-        return huggingface_hub.list_repo_files(repo, revision=revision)
-    except Exception as online:  # noqa: BLE001  offline, or no network: what the cache holds
+    online = None
+    if not fetching.get("local_files_only"):
         try:
-            snapshot = Path(huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True))
-        except Exception:  # noqa: BLE001
-            raise PackageError(f"package folder not found: {repo}, and as a Hugging Face Hub repository it could not "
-                               f"be listed ({type(online).__name__}: {' '.join(str(online).split())[:300]})") from None
-        return [path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*")]
+            return huggingface_hub.list_repo_files(repo, revision=revision, token=fetching.get("token"))
+        except Exception as e:  # noqa: BLE001  offline, or no network: what the cache holds
+            online = e
+    try:
+        snapshot = Path(huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True))
+    except Exception as e:  # noqa: BLE001
+        why = online or e
+        raise PackageError(f"package folder not found: {repo}, and as a Hugging Face Hub repository it could not "
+                           f"be listed ({type(why).__name__}: {' '.join(str(why).split())[:300]})") from None
+    return [path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*")]

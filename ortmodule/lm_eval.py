@@ -25,7 +25,7 @@ from lm_eval.models.utils_hf import get_dtype
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from . import hub
+from . import hf, hub
 from .encoding import encode_as_tok_encode, encode_pairs_as_tok_encode, hflm_request, request_waves
 from .hf import build_config
 from .inputs import pad_right
@@ -602,8 +602,4 @@ def refuse_hflm_options(kwargs: dict) -> None:
 
 def check_dtype(dtype, model: OrtModelForCausalLM) -> None:
     """HFLM's `dtype` model arg: "auto" (or None) or the package's own precision, else a ValueError."""
-    if dtype is None or dtype == "auto" or get_dtype(dtype) == model.dtype:
-        return
-    raise ValueError(f"dtype={dtype!r}: {model.package.root} computes in {str(model.dtype).removeprefix('torch.')}, "
-                     "fixed when it was exported (`ortmodule export --precision ...` makes another; or leave dtype "
-                     "out)")
+    hf.check_dtype(dtype if dtype is None or dtype == "auto" else get_dtype(dtype), model, dtype)

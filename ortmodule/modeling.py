@@ -22,7 +22,7 @@ from . import costs, embeddings, generation, hub, images, inputs, kept_costs, ru
 from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
-from .hf import CACHE_NAME, build_config, build_generation_config, load_tokenizer
+from .hf import CACHE_NAME, build_config, build_generation_config, check_dtype, load_tokenizer, loading_options
 from .package import Package, read_package
 
 __all__ = ["OrtModelForCausalLM", "NotSupportedError", "build_config", "build_generation_config", "load_tokenizer"]
@@ -217,7 +217,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     def from_pretrained(
         cls,
         path: str | Path,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         provider_options: dict | None = None,
         session_options: ort.SessionOptions | None = None,
         rewrite_lm_head: bool | str = True,
@@ -227,8 +227,9 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         prefill_attention: str | None = None,
         subfolder: str | None = None,
         revision: str | None = None,
+        **transformers_kwargs,
     ) -> OrtModelForCausalLM:
-        """Load a GenAI package folder onto `device` ('cpu', 'cuda' or 'cuda:N'); `path` may also be a
+        """Load a GenAI package folder onto `device` ('cpu' by default, 'cuda' or 'cuda:N'); `path` may also be a
         Hugging Face Hub repository id, with the package's `subfolder` and a `revision` (hub.py).
         `rewrite_lm_head`: True (the LM head at the asked positions only), "float32" (also in float32
         where a half-precision package casts its logits to float32: bf16 logits not rounded) or False.
@@ -236,9 +237,15 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         chunked.py). `quantized_prefill`: "auto" (None), "fp32" or "package", a 4-bit package's
         prefill path on the CPU (nbits.py). `prefill_attention`: "auto" (None: "package" for now),
         "package" or "onnx": runs without a cache (scoring, `forward` without `use_cache`) in a second
-        graph whose attention is ONNX's `Attention` op and which writes no KV (extend.py)."""
-        return cls(read_package(hub.resolve(path, subfolder, revision)), device, session_options, provider_options,
-                   rewrite_lm_head, cache_dir, prefill_chunk, quantized_prefill, prefill_attention)
+        graph whose attention is ONNX's `Attention` op and which writes no KV (extend.py). transformers'
+        loading arguments are taken where they mean something here (`dtype`/`torch_dtype`: "auto" or the
+        package's precision; `device_map`: one device; `token`, `local_files_only`), or have no effect
+        (`trust_remote_code`, `attn_implementation`, ...), or are refused by name (hf.loading_options)."""
+        device, fetching, dtype = loading_options(device, transformers_kwargs)
+        model = cls(read_package(hub.resolve(path, subfolder, revision, **fetching)), device, session_options,
+                    provider_options, rewrite_lm_head, cache_dir, prefill_chunk, quantized_prefill, prefill_attention)
+        check_dtype(dtype, model)
+        return model
 
     # ---- the Hugging Face surface -------------------------------------------------------------
 

@@ -217,3 +217,29 @@ def test_other_generation_modes_equal_transformers(build, mode):
             return m.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=2, **extra)
 
     assert torch.equal(run(model), run(hf))
+
+
+def test_from_pretrained_takes_transformers_loading_arguments(build, monkeypatch):
+    """transformers' `from_pretrained` keywords, as HF-style code passes them: `dtype`/`torch_dtype`
+    (the package's own precision, or "auto"), `device_map` (one device; "auto" the GPU where torch sees
+    one), and arguments without effect on a package load the same model; the rest are refused by name."""
+    package = build("llama").package_dir
+    ids = torch.tensor([[5, 6, 7, 8]])
+    plain = OrtModelForCausalLM.from_pretrained(package)(ids).logits
+    for kwargs in (dict(torch_dtype=torch.float32, device_map="cpu"), dict(dtype="float32", device_map={"": "cpu"}),
+                   dict(dtype="auto", device_map="auto", trust_remote_code=True, attn_implementation="sdpa",
+                        low_cpu_mem_usage=True)):
+        model = OrtModelForCausalLM.from_pretrained(package, **kwargs)
+        assert model.device == torch.device("cpu") and torch.equal(model(ids).logits, plain)
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16: .* computes in float32, fixed when it was exported"):
+        OrtModelForCausalLM.from_pretrained(package, torch_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a package runs on one device"):
+        OrtModelForCausalLM.from_pretrained(package, device_map={"model.layers.0": 0, "lm_head": "cpu"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # device_map="auto" takes the GPU torch sees
+    with pytest.raises(ValueError, match="device='cpu' and device_map='auto' name different devices"):
+        OrtModelForCausalLM.from_pretrained(package, device="cpu", device_map="auto")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="load_in_4bit, quantization_config: a GenAI package's weights and precision"):
+        OrtModelForCausalLM.from_pretrained(package, load_in_4bit=True, quantization_config={"bits": 4})
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments: \['revison'\]"):
+        OrtModelForCausalLM.from_pretrained(package, revison="main")
