@@ -103,6 +103,17 @@ def left_padded_batch(lengths, vocab=512, seed=0, pad_id=2):
     return ids.masked_fill(mask == 0, pad_id), mask
 
 
+def padded_rows(rows, left=True, pad_id=2):
+    """Given token rows in one batch, padded on the left (as for generate) or the right, with their mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    mask = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span], mask[i, span] = torch.tensor(row), 1
+    return ids, mask
+
+
 def grouped_rows(context_lengths, widths, seed):
     """Rows of groups that share a context (lm-eval's multiple-choice shape), as
     `scoring.grouped_loglikelihood_totals` takes them: per group a random context of each length,

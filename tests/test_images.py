@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import load_pair
+from helpers import load_pair, padded_rows
 from PIL import Image
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -38,16 +38,6 @@ def prompt(grids, text=5, seed=0):
     return ids
 
 
-def batch(rows, left=True):
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), 2)
-    mask = torch.zeros(len(rows), width, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        span = slice(width - len(row), width) if left else slice(0, len(row))
-        ids[i, span], mask[i, span] = torch.tensor(row), 1
-    return ids, mask
-
-
 # mobius-onnx's Qwen2.5-VL package (its decoder concatenates its cache), and the builder's decoder of the
 # same checkpoint (GroupQueryAttention: a batch's shared KV buffer) beside mobius-onnx's vision and embedding.
 PACKAGES = ["qwen2_5_vl", "qwen2_5_vl_builder"]
@@ -63,7 +53,7 @@ def inputs():
     """Three rows: one image, two images, none; the images as the processor gives them."""
     pixels, grids = processed((28, 20), (16, 40), (24, 24))
     sizes = grids.tolist()
-    ids, mask = batch([prompt(sizes[:1], 7, 1), prompt(sizes[1:], 5, 2), prompt([], 12, 3)])
+    ids, mask = padded_rows([prompt(sizes[:1], 7, 1), prompt(sizes[1:], 5, 2), prompt([], 12, 3)])
     return dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grids,
                 mm_token_type_ids=(ids == IMAGE).long())
 
@@ -79,7 +69,7 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
     given = dict(inputs)
     if not left:  # the same rows right-padded
         rows = [r[m.bool()].tolist() for r, m in zip(given["input_ids"], given["attention_mask"])]
-        given["input_ids"], given["attention_mask"] = batch(rows, left=False)
+        given["input_ids"], given["attention_mask"] = padded_rows(rows, left=False)
         given["mm_token_type_ids"] = (given["input_ids"] == IMAGE).long()
     real = given["attention_mask"].bool()
     full = reference(hf, **given).logits
@@ -125,7 +115,7 @@ def test_qwen2_vl_by_mobius_answers_as_transformers(build, inputs, left):
     transformers' Qwen2VLForConditionalGeneration on the same weights and processor output."""
     model, hf = load_pair(build("qwen2_vl"))
     rows = [r[m.bool()].tolist() for r, m in zip(inputs["input_ids"], inputs["attention_mask"])]
-    ids, mask = batch(rows, left)
+    ids, mask = padded_rows(rows, left)
     given = dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long())
     real = mask.bool()
     expected = reference(hf, **given).logits[real]
@@ -147,7 +137,7 @@ def test_qwen3_vl_by_mobius_answers_as_transformers_without_deepstack(build, inp
     without = transformers.Qwen3VLForConditionalGeneration.from_pretrained(fixture.hf_dir, config=config).eval()
     rows = [r[m.bool()].tolist() for r, m in zip(inputs["input_ids"], inputs["attention_mask"])]
     for left in (True, False):
-        ids, mask = batch(rows, left)
+        ids, mask = padded_rows(rows, left)
         given = dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long())
         real = mask.bool()
         logits = model(**given).logits

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import load_pair
+from helpers import load_pair, padded_rows
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
 
@@ -46,21 +46,11 @@ def row(parts, seed):
     return ids
 
 
-def batch(rows, left=True):
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), 2)
-    mask = torch.zeros(len(rows), width, dtype=torch.int64)
-    for i, tokens in enumerate(rows):
-        span = slice(width - len(tokens), width) if left else slice(0, len(tokens))
-        ids[i, span], mask[i, span] = torch.tensor(tokens), 1
-    return ids, mask
-
-
 def inputs(left=True):
     """Three rows: a video; an image then two videos; text only. Seconds per temporal patch that
     Qwen2.5-VL's scale (the fixture's tokens_per_second is 4) turns into fractions, which it truncates."""
     videos, image = [(3, 4, 8), (2, 8, 8), (4, 4, 4)], [(1, 8, 4)]
-    ids, mask = batch([row([(VIDEO, videos[0])], 1), row([(IMAGE, image[0]), (VIDEO, videos[1]),
+    ids, mask = padded_rows([row([(VIDEO, videos[0])], 1), row([(IMAGE, image[0]), (VIDEO, videos[1]),
                                                           (VIDEO, videos[2])], 2), row([], 3)], left)
     types = torch.where(ids == VIDEO, 2, torch.where(ids == IMAGE, 1, 0))
     return dict(input_ids=ids, attention_mask=mask, pixel_values=pixels(image, 4), image_grid_thw=torch.tensor(image),
