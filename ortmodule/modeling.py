@@ -149,8 +149,11 @@ class HuggingFaceSurface(GenerationMixin):
         config = self.package.genai_config["model"]
         kinds = [("pixel_values", "image_grid_thw", (), config.get("image_token_id"))]
         if isinstance(given["pixel_values_videos"], torch.Tensor):
-            kinds.append(("pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",),
-                          images.for_decoder(self.decoder).video_token))
+            try:
+                token = images.for_decoder(self.decoder).video_token
+            except images.ImagesUnsupported:  # refused by name when forward gets them
+                token = None
+            kinds.append(("pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",), token))
         for pixels, grids, extra, token in kinds:
             if isinstance(given[pixels], torch.Tensor) and isinstance(given[grids], torch.Tensor) and token is not None:
                 names = (pixels, grids, *extra)

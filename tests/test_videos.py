@@ -167,6 +167,9 @@ def test_videos_need_the_checkpoints_config(build, tmp_path):
     other = with_config(build("qwen3_vl"), tmp_path / "qwen3_vl")
     with pytest.raises(NotSupportedError, match="videos of 'qwen3_vl'"):
         OrtModelForCausalLM.from_pretrained(other)(**given)
+    text = OrtModelForCausalLM.from_pretrained(build("llama").package_dir)
+    with pytest.raises(NotSupportedError, match="pixel_values: the package has no vision model"):
+        text.generate(**given, max_new_tokens=2, num_beams=2)
     wrong = with_config(fixture, tmp_path / "wrong")
     config = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps(dict(config, image_token_id=IMAGE - 5)))
