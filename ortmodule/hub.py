@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePosixPath
 
+import huggingface_hub
+
 from .package import PackageError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -31,11 +33,6 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
     sub = (subfolder or "").strip("/")
     if local.exists() or not isinstance(path, str) or not _REPO_ID.match(path):
         return local / sub if sub else local
-    try:
-        import huggingface_hub
-    except ImportError as e:  # installed with transformers
-        raise PackageError(f"package folder not found: {path} (as a Hub repository it needs huggingface_hub: {e})") \
-            from None
     if subfolder is None:
         sub = _only_package(path, revision, fetching)
     patterns = [f"{sub}/*"] if sub else None
@@ -44,6 +41,9 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
     except Exception as e:  # noqa: BLE001  huggingface_hub's errors: not found, offline and not cached, network
         raise PackageError(f"package folder not found: {path}, and as a Hugging Face Hub repository it could not be "
                            f"fetched ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    if sub and not (snapshot / sub).is_dir():
+        folders = _package_folders(path, revision, fetching)
+        raise PackageError(f"{path} has no folder '{sub}'; its GenAI packages: {', '.join(folders) or 'none'}")
     return snapshot / sub if sub else snapshot
 
 
@@ -57,8 +57,6 @@ def checkpoint(source: str | Path, revision: str | None = None) -> Path:
     local = Path(source)
     if local.exists() or not isinstance(source, str) or not _REPO_ID.match(source):
         return local
-    import huggingface_hub
-
     try:
         return Path(huggingface_hub.snapshot_download(source, revision=revision, allow_patterns=CHECKPOINT_FILES))
     except Exception as e:  # noqa: BLE001  huggingface_hub's errors: not found, offline and not cached, network
@@ -69,8 +67,7 @@ def checkpoint(source: str | Path, revision: str | None = None) -> Path:
 def _only_package(repo: str, revision: str | None, fetching: dict) -> str:
     """The subfolder of the repository's one package ('' at its root); a PackageError naming them where
     it holds several, or none."""
-    folders = sorted({str(PurePosixPath(name).parent) for name in _files(repo, revision, fetching)
-                      if PurePosixPath(name).name == CONFIG})
+    folders = _package_folders(repo, revision, fetching)
     if "." in folders:
         return ""
     if len(folders) == 1:
@@ -80,11 +77,15 @@ def _only_package(repo: str, revision: str | None, fetching: dict) -> str:
     raise PackageError(f"{repo} holds {len(folders)} GenAI packages; pass subfolder= one of: {', '.join(folders)}")
 
 
+def _package_folders(repo: str, revision: str | None, fetching: dict) -> list[str]:
+    """The folders of the repository that hold a genai_config.json ('.': its root), sorted."""
+    return sorted({str(PurePosixPath(name).parent) for name in _files(repo, revision, fetching)
+                   if PurePosixPath(name).name == CONFIG})
+
+
 def _files(repo: str, revision: str | None, fetching: dict) -> list[str]:
     """The repository's file names: from the Hub, else (offline, or `local_files_only`) from its
     snapshot in the local cache."""
-    import huggingface_hub
-
     online = None
     if not fetching.get("local_files_only"):
         try:

@@ -79,7 +79,7 @@ def test_what_a_repository_id_cannot_give_is_named(offline):
     with pytest.raises(PackageError, match="package folder not found: ortmodule-test/absent, and as a Hugging Face "
                                            "Hub repository it could not be listed"):
         OrtModelForCausalLM.from_pretrained("ortmodule-test/absent")
-    with pytest.raises(PackageError, match="not found"):
+    with pytest.raises(PackageError, match="has no folder 'cuda/fp16'; its GenAI packages: cpu/fp32, cpu/int4"):
         OrtModelForCausalLM.from_pretrained("ortmodule-test/two-packages", subfolder="cuda/fp16")
     with pytest.raises(PackageError, match="package folder not found: no/such/folder"):
         OrtModelForCausalLM.from_pretrained("no/such/folder")  # not a repository id: a missing folder
