@@ -263,6 +263,11 @@ def read_package(path: str | Path) -> Package:
 def _read_config(root: Path) -> tuple[Path, dict]:
     config_path = root / CONFIG_FILE
     if not config_path.is_file():
+        inside = sorted(str(found.parent.relative_to(root)) for depth in ("*/", "*/*/", "*/*/*/")
+                        for found in root.glob(depth + CONFIG_FILE))
+        if inside:  # a download of several packages (one per device and precision), as on the Hub
+            raise PackageError(f"{root}: no {CONFIG_FILE} in the folder, but packages in its subfolders: "
+                               f"{', '.join(inside)} (load one of them, or pass subfolder=)")
         raise PackageError(f"{root}: no {CONFIG_FILE} in the folder; is this a GenAI package?")
     try:
         genai = json.loads(config_path.read_bytes().decode("utf-8"))

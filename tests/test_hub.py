@@ -124,3 +124,14 @@ def test_export_takes_a_checkpoint_repository(offline, tmp_path):
     assert torch.allclose(OrtModelForCausalLM.from_pretrained(out)(ids).logits, expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(ortmodule.ExportError, match="source not found: ortmodule-test/absent, and as a Hugging Face"):
         ortmodule.export("ortmodule-test/absent", tmp_path / "other", progress=False)
+
+
+def test_a_local_folder_of_several_packages_names_them(offline, tmp_path):
+    """A download of a whole repository (`huggingface-cli download org/name --local-dir DIR`): the
+    folder holds packages in subfolders, which the error names; `subfolder=` loads one."""
+    for name in ("cpu/fp32", "cuda/bf16/v2"):
+        shutil.copytree(offline.package_dir, tmp_path / name)
+    with pytest.raises(PackageError, match="but packages in its subfolders: cpu/fp32, cuda/bf16/v2"):
+        OrtModelForCausalLM.from_pretrained(tmp_path)
+    model = OrtModelForCausalLM.from_pretrained(tmp_path, subfolder="cpu/fp32")
+    assert model.package.root == tmp_path / "cpu" / "fp32"
