@@ -262,16 +262,22 @@ def _checked_grids(pixel_values, grid_thw, vision: Vision, pixels_name: str, gri
 
 def _intervals(seconds, videos: int, vision: Vision) -> list:
     """Each video's temporal scale, as transformers' get_rope_index takes it: Qwen2.5-VL's
-    tokens_per_second x second_per_grid_ts (1 where not given), Qwen2-VL's 1."""
+    tokens_per_second x second_per_grid_ts (1 where not given; a tensor's elements or a list's
+    numbers, as transformers iterates them), Qwen2-VL's 1."""
     if seconds is not None:
-        if not isinstance(seconds, torch.Tensor) or seconds.dim() != 1 or seconds.shape[0] != videos:
+        values = seconds.cpu() if isinstance(seconds, torch.Tensor) else seconds
+        if isinstance(values, torch.Tensor) and values.dim() == 1 or isinstance(values, (list, tuple)):
+            checked = torch.as_tensor([float(v) for v in values], dtype=torch.float64)
+        else:
+            checked = None
+        if checked is None or len(checked) != videos:
             raise ValueError(f"second_per_grid_ts must be a tensor [videos] (one value per video: {videos}), got "
-                             f"{getattr(seconds, 'shape', type(seconds).__name__)}")
-        if bool((seconds < 0).any()) or not bool(torch.isfinite(seconds.double()).all()):
-            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {seconds.tolist()}")
+                             f"{getattr(seconds, 'shape', seconds)}")
+        if bool((checked < 0).any()) or not bool(torch.isfinite(checked).all()):
+            raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {checked.tolist()}")
     if vision.tokens_per_second is None:
         return [1] * videos
-    given = iter(seconds.cpu()) if seconds is not None else iter([1] * videos)
+    given = iter(values) if seconds is not None else iter([1] * videos)
     return [vision.tokens_per_second * next(given) for _ in range(videos)]
 
 

@@ -87,6 +87,8 @@ def test_time_is_placed_as_the_model_family_places_it(pair):
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
     moved = not torch.allclose(ours, model(**given).logits[real], atol=1e-3)
     assert moved == (hf.config.model_type == "qwen2_5_vl")
+    listed = dict(slower, second_per_grid_ts=[2.0, 0.25, 1.0])  # a list, as a processor without tensors gives
+    assert torch.allclose(model(**listed).logits[real], reference(hf, **listed).logits[real], atol=1e-4, rtol=1e-4)
 
 
 def test_steps_over_a_video_prompt_continue_where_its_text_goes_on(pair):
