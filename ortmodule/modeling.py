@@ -10,6 +10,7 @@ the caller's layout.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import onnxruntime as ort
@@ -71,6 +72,19 @@ class HuggingFaceSurface(GenerationMixin):
         """The package's LM head as transformers gives it: a frozen `torch.nn.Linear(hidden, vocab)` on
         the model's device (embeddings.py), read once per device; not a submodule."""
         return self._table("get_output_embeddings", lambda: embeddings.output_embeddings(self.package, self.device))
+
+    def save_pretrained(self, save_directory: str | Path, push_to_hub: bool = False, **kwargs) -> None:
+        """The package as a folder of its own at `save_directory` (created; files of the same names
+        replaced): every file copied, links followed, so that a package from the hub's cache becomes
+        self-contained. transformers' serialization options (`safe_serialization`, `max_shard_size`,
+        ...) have no effect: the files are the export's."""
+        if push_to_hub:
+            raise NotSupportedError("save_pretrained(push_to_hub=True): save the folder, then upload it with "
+                                    "huggingface_hub's upload_folder")
+        root, target = self.package.root.resolve(), Path(save_directory).resolve()
+        if target == root or root in target.parents:
+            raise ValueError(f"save_pretrained({save_directory!r}): that is the package's own folder {root}")
+        shutil.copytree(self.package.root, target, dirs_exist_ok=True)  # links followed: their files copied
 
     def _table(self, name: str, make) -> torch.nn.Module:
         made = self.__dict__.get(f"_made_{name}")  # kept out of nn.Module's registry: no parameters()

@@ -89,3 +89,20 @@ def test_weights_linked_into_several_folders_are_refused_by_name(build, tmp_path
         (tmp_path / name).symlink_to(tmp_path / place / name)
     with pytest.raises(PackageError, match="links into several folders"):
         relocated(proto.SerializeToString(), tmp_path)
+
+
+def test_save_pretrained_makes_a_folder_of_its_own(linked, tmp_path):
+    """`model.save_pretrained(folder)`, as HF-style code saves a model: a package from the hub's cache
+    becomes files of its own (no links), which load to the same logits."""
+    _, snapshot = linked
+    model = OrtModelForCausalLM.from_pretrained(snapshot)
+    model.save_pretrained(tmp_path / "saved", safe_serialization=True)
+    saved = sorted(p.name for p in (tmp_path / "saved").iterdir())
+    assert saved == sorted(p.name for p in snapshot.iterdir())
+    assert not any(p.is_symlink() for p in (tmp_path / "saved").iterdir())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(OrtModelForCausalLM.from_pretrained(tmp_path / "saved")(ids).logits, model(ids).logits)
+    with pytest.raises(ortmodule.NotSupportedError, match="upload_folder"):
+        model.save_pretrained(tmp_path / "again", push_to_hub=True)
+    with pytest.raises(ValueError, match="that is the package's own folder"):
+        model.save_pretrained(snapshot)
