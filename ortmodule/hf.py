@@ -77,9 +77,9 @@ def build_generation_config(package: Package) -> GenerationConfig:
 # transformers' `from_pretrained` arguments, as `OrtModelForCausalLM.from_pretrained` takes them:
 # without effect on a package (its attention kernels and loading are ONNX Runtime's), for fetching a
 # Hub repository (hub.py), and what a package cannot honour (its weights were fixed at export).
-WITHOUT_EFFECT = {"trust_remote_code", "attn_implementation", "low_cpu_mem_usage", "use_safetensors", "force_download",
+WITHOUT_EFFECT = {"trust_remote_code", "attn_implementation", "low_cpu_mem_usage", "use_safetensors",
                   "resume_download", "output_loading_info", "offload_folder", "offload_state_dict"}
-FETCHING = {"token", "local_files_only", "proxies"}
+FETCHING = {"token", "local_files_only", "proxies", "force_download"}
 FIXED_AT_EXPORT = {"quantization_config", "load_in_8bit", "load_in_4bit", "gguf_file", "tp_plan", "adapter_kwargs",
                    "adapter_name"}
 

@@ -28,7 +28,7 @@ CONFIG = "genai_config.json"
 
 def resolve(path: str | Path, subfolder: str | None = None, revision: str | None = None, **fetching) -> Path:
     """The local package folder for `path` (a folder, or a Hub repository id) and `subfolder` in it;
-    `fetching`: huggingface_hub's `token`, `local_files_only`, `proxies`."""
+    `fetching`: huggingface_hub's `token`, `local_files_only`, `proxies`, `force_download`."""
     local = Path(path)
     sub = (subfolder or "").strip("/")
     if local.exists() or not isinstance(path, str) or not _REPO_ID.match(path):
