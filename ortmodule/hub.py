@@ -73,7 +73,8 @@ def _only_package(repo: str, revision: str | None, fetching: dict) -> str:
     if len(folders) == 1:
         return folders[0]
     if not folders:
-        raise PackageError(f"{repo}: the repository holds no {CONFIG}: not an ONNX GenAI package")
+        raise PackageError(f"{repo}: the repository holds no {CONFIG}: not an ONNX GenAI package (a Hugging Face "
+                           f"checkpoint exports to one with `ortmodule export {repo} OUT`)")
     raise PackageError(f"{repo} holds {len(folders)} GenAI packages; pass subfolder= one of: {', '.join(folders)}")
 
 

@@ -227,7 +227,8 @@ def read_package(path: str | Path) -> Package:
     if not root.exists():
         raise PackageError(f"package folder not found: {root}")
     if not root.is_dir():
-        raise PackageError(f"not a folder: {root} (expected a GenAI package folder)")
+        hint = f"; a GGUF file exports to one with `ortmodule export {root} OUT`" if root.suffix == ".gguf" else ""
+        raise PackageError(f"not a folder: {root} (expected a GenAI package folder{hint})")
     config_path, genai = _read_config(root)
     model = _object(genai, "model", "", config_path)
     dec = _object(model, "decoder", "model.", config_path)
@@ -268,6 +269,9 @@ def _read_config(root: Path) -> tuple[Path, dict]:
         if inside:  # a download of several packages (one per device and precision), as on the Hub
             raise PackageError(f"{root}: no {CONFIG_FILE} in the folder, but packages in its subfolders: "
                                f"{', '.join(inside)} (load one of them, or pass subfolder=)")
+        if (root / "config.json").is_file() or any(root.glob("*.gguf")):
+            raise PackageError(f"{root}: no {CONFIG_FILE} in the folder: a Hugging Face checkpoint or GGUF file, not "
+                               f"a GenAI package; make one with `ortmodule export {root} OUT` (docs/usage.md)")
         raise PackageError(f"{root}: no {CONFIG_FILE} in the folder; is this a GenAI package?")
     try:
         genai = json.loads(config_path.read_bytes().decode("utf-8"))

@@ -86,8 +86,21 @@ def test_missing_folder(tmp_path):
 
 
 def test_folder_without_genai_config_names_it(tmp_path):
-    with pytest.raises(PackageError, match=rf"{tmp_path}: no genai_config.json"):
+    with pytest.raises(PackageError, match=rf"{tmp_path}: no genai_config.json in the folder; is this"):
         OrtModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_checkpoint_or_gguf_file_given_for_a_package_says_to_export_it(build, tmp_path):
+    """A Hugging Face checkpoint folder or a GGUF file where a package is expected: the error says how
+    to make a package of it."""
+    checkpoint = build("llama").hf_dir
+    with pytest.raises(PackageError, match=rf"a Hugging Face checkpoint or GGUF file, not a GenAI package; make one "
+                                           rf"with `ortmodule export {checkpoint} OUT`"):
+        OrtModelForCausalLM.from_pretrained(checkpoint)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(PackageError, match="a GGUF file exports to one with `ortmodule export"):
+        OrtModelForCausalLM.from_pretrained(gguf)
 
 
 def copy_package(llama, tmp_path):
