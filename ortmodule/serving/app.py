@@ -234,7 +234,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     from ..modeling import OrtModelForCausalLM
 
     local = hub.resolve(path, subfolder, revision)
-    if options.get("name") is None and local.resolve() != Path(path).resolve():  # a repository: its id, not a hash
+    if options.get("name") is None and not Path(path).exists():  # a Hub repository: its id, not the snapshot's hash
         options["name"] = "/".join(part.strip("/") for part in (path, subfolder or "") if part)
     settings = Settings.with_environment(**options)
     model = OrtModelForCausalLM.from_pretrained(local, device=device, prefill_attention=prefill_attention,
