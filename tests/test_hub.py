@@ -95,9 +95,10 @@ def test_lm_eval_takes_a_repository_and_its_subfolder(offline):
     assert named.loglikelihood(requests) == local.loglikelihood(requests)
 
 
-def test_serve_takes_a_repository_and_names_the_model_by_it(offline, monkeypatch, capsys):
+def test_serve_takes_a_repository_and_names_the_model_by_it(offline, monkeypatch, capsys, tmp_path):
     """`ortmodule serve org/name --subfolder ...`: the model is reported by its repository, not by the
-    snapshot's hash; a repository of several packages without --subfolder stops with a usage error."""
+    snapshot's hash (a local folder's subfolder by its own name: the path is never shown); a repository
+    of several packages without --subfolder stops with a usage error."""
     import uvicorn
     from fastapi.testclient import TestClient
 
@@ -108,6 +109,10 @@ def test_serve_takes_a_repository_and_names_the_model_by_it(offline, monkeypatch
     cli.ortmodule(["serve", "ortmodule-test/two-packages", "--subfolder", "cpu/fp32", "--port", "1"])
     with TestClient(served[0]) as client:
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["ortmodule-test/two-packages/cpu/fp32"]
+    shutil.copytree(offline.package_dir, tmp_path / "download" / "cpu" / "fp32")
+    cli.ortmodule(["serve", str(tmp_path / "download"), "--subfolder", "cpu/fp32", "--port", "1"])
+    with TestClient(served[1]) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["fp32"]
     with pytest.raises(SystemExit):
         cli.ortmodule(["serve", "ortmodule-test/two-packages", "--port", "1"])
     assert "pass subfolder= one of: cpu/fp32, cpu/int4" in capsys.readouterr().err
