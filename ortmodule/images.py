@@ -15,7 +15,8 @@ pixel_values_videos=..., video_grid_thw=..., second_per_grid_ts=...)`:
 3. the decoder from those embeddings (variants.py) at the mRoPE positions transformers'
    `get_rope_index` gives: text tokens count on in all three sections; an image's or video's tokens
    take (t, h, w) on its merged grid, each offset by the position where it starts (a video's t scaled
-   by Qwen2.5-VL's `tokens_per_second` x `second_per_grid_ts`), and the text after it goes on from
+   by Qwen2.5-VL's `tokens_per_second` x `second_per_grid_ts`; each of Qwen3-VL's frames a run of its
+   own, placed as a one-frame image), and the text after it goes on from
    that start plus the larger of the grid's height and width.
 
 genai_config.json names the image token only: videos need the checkpoint's config.json beside it in
@@ -44,8 +45,10 @@ from .package import PackageError
 TEXT, IMAGE, VIDEO = 0, 1, 2  # transformers' mm_token_type_ids
 KIND_NAMES = {IMAGE: "image", VIDEO: "video"}
 # Model families whose videos ortmodule places (transformers' get_rope_index of each): Qwen2-VL's
-# temporal positions count frames, Qwen2.5-VL's seconds (tokens_per_second x second_per_grid_ts).
-VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+# temporal positions count frames, Qwen2.5-VL's seconds (tokens_per_second x second_per_grid_ts);
+# Qwen3-VL's frames stand apart (each temporal patch its own run of tokens after a timestamp in the
+# text, placed as a one-frame image).
+VIDEO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 class ImagesUnsupported(Exception):
@@ -85,8 +88,9 @@ class Vision:
     merge: int  # spatial_merge_size: patches per image token along height and along width
     image_token: int
     video_token: int | None  # None: the package cannot take videos (`no_videos` says why)
-    tokens_per_second: float | None  # Qwen2.5-VL's temporal scale of a video; None: Qwen2-VL's (none)
+    tokens_per_second: float | None  # Qwen2.5-VL's temporal scale of a video; None: none (Qwen2-VL's, Qwen3-VL's)
     no_videos: str = ""
+    frames_apart: bool = False  # Qwen3-VL's: each temporal patch of a video is a run of its own
 
     def tokens(self) -> dict[int, int]:
         """The placeholder token of each kind of media: {token id: IMAGE or VIDEO}."""
@@ -144,14 +148,14 @@ def _open(decoder: Decoder) -> Vision:
                   runtime.input_dtype(session, pixels), merge, token, *_video_form(package, token))
 
 
-def _video_form(package, image_token: int) -> tuple[int | None, float | None, str]:
-    """(video token id, tokens_per_second, why not) from the checkpoint's config.json in the package:
-    genai_config.json records neither the video token nor how a video's frames are placed in time."""
+def _video_form(package, image_token: int) -> tuple[int | None, float | None, str, bool]:
+    """(video token id, tokens_per_second, why not, frames apart) from the checkpoint's config.json in
+    the package: genai_config.json records neither the video token nor how a video's frames are placed."""
     path = package.root / "config.json"
     if not path.is_file():
         return None, None, (f"videos need the checkpoint's config.json in the package folder ({package.root}): its "
                             "video_token_id and vision_config.tokens_per_second, which genai_config.json does not "
-                            "record")
+                            "record"), False
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -159,7 +163,7 @@ def _video_form(package, image_token: int) -> tuple[int | None, float | None, st
     family = config.get("model_type")
     if family not in VIDEO_FAMILIES:
         return None, None, (f"videos of '{family}' ({path}'s model_type) are not placed by ortmodule: it places "
-                            f"those of {', '.join(VIDEO_FAMILIES)}")
+                            f"those of {', '.join(VIDEO_FAMILIES)}"), False
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     video, image = (config.get(name, text.get(name)) for name in ("video_token_id", "image_token_id"))
     if image is not None and image != image_token:
@@ -167,13 +171,13 @@ def _video_form(package, image_token: int) -> tuple[int | None, float | None, st
                            f"{image_token}: the two files are of different models")
     if not isinstance(video, int) or video == image_token:
         raise PackageError(f"{path}: videos need video_token_id (an integer other than the image token), got {video!r}")
-    if family == "qwen2_vl":
-        return video, None, ""
+    if family != "qwen2_5_vl":
+        return video, None, "", family == "qwen3_vl"
     scale = (config.get("vision_config") or {}).get("tokens_per_second")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
         raise PackageError(f"{path}: Qwen2.5-VL's videos need vision_config.tokens_per_second (a positive number), "
                            f"got {scale!r}")
-    return video, scale, ""
+    return video, scale, "", False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,8 +205,12 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None,
                                  "video_grid_thw")
     runs = _runs(host_ids, real, vision.tokens())
     _check_types(media.mm_token_type_ids, host_ids, real, vision)
-    placed = _placed(runs, {IMAGE: image_grids, VIDEO: video_grids}, vision,
-                     _intervals(media.second_per_grid_ts, len(video_grids), vision))
+    intervals = _intervals(media.second_per_grid_ts, len(video_grids), vision)
+    placing = video_grids
+    if vision.frames_apart:  # Qwen3-VL: each temporal patch a one-frame grid of its own run
+        placing = torch.repeat_interleave(video_grids, video_grids[:, 0], dim=0)
+        placing[:, 0], intervals = 1, [1] * len(placing)
+    placed = _placed(runs, {IMAGE: image_grids, VIDEO: placing}, vision, intervals)
     features = {IMAGE: _features(decoder, vision, media.pixel_values, image_grids),
                 VIDEO: _features(decoder, vision, media.pixel_values_videos, video_grids)}
     # Padding holding the image token would take a feature row in the embedding graph's count; a
@@ -424,12 +432,15 @@ def rope_positions(shape, real: torch.Tensor, placed: list[list[Placed]],
 
 
 def expanded(input_ids: torch.Tensor, token: int, times: int, pixel_values: torch.Tensor, grids: torch.Tensor,
-             *per_item: torch.Tensor | None) -> tuple:
+             *per_item: torch.Tensor | None, frames_apart: bool = False) -> tuple:
     """`pixel_values` and `grids` of the images (or videos, `token` their placeholder) for the rows of
     `input_ids` each repeated `times` times (generate's `num_return_sequences` and beams), each row's
-    following its copies; `per_item` (one value per image or video: `second_per_grid_ts`) likewise."""
+    following its copies; `per_item` (one value per image or video: `second_per_grid_ts`) likewise.
+    `frames_apart`: a video holds a run per temporal patch (Qwen3-VL's)."""
     ids = input_ids.to("cpu", torch.int64)
     per_row = [len(runs) for runs in _runs(ids, torch.ones_like(ids, dtype=torch.bool), {token: IMAGE})]
+    if frames_apart:
+        per_row = _videos_per_row(per_row, grids[:, 0].tolist())
     patches = grids.prod(1).tolist()
     chunks = [torch.split(pixel_values, patches), grids.split(1)]
     chunks += [None if values is None else values.split(1) for values in per_item]
@@ -445,3 +456,19 @@ def expanded(input_ids: torch.Tensor, token: int, times: int, pixel_values: torc
         raise ValueError(f"placeholder tokens and media do not match: the ids hold {at} runs of token {token}, "
                          f"the grids {len(patches)} images or videos")
     return tuple(torch.cat(kept) if parts is not None else None for kept, parts in zip(out, chunks))
+
+
+def _videos_per_row(runs_per_row: list[int], frames: list[int]) -> list[int]:
+    """Videos per row from the rows' runs of video tokens, each video taking one run per frame."""
+    counts, at = [], 0
+    for runs in runs_per_row:
+        count = total = 0
+        while total < runs and at + count < len(frames):
+            total += frames[at + count]
+            count += 1
+        if total != runs:
+            raise ValueError(f"placeholder tokens and videos do not match: a row holds {runs} runs of video tokens, "
+                             f"its videos {total} frames")
+        counts.append(count)
+        at += count
+    return counts

@@ -161,17 +161,19 @@ class HuggingFaceSurface(GenerationMixin):
         if expand_size == 1 or not isinstance(ids, torch.Tensor):
             return input_ids, model_kwargs
         config = self.package.genai_config["model"]
-        kinds = [("pixel_values", "image_grid_thw", (), config.get("image_token_id"))]
+        kinds = [("pixel_values", "image_grid_thw", (), config.get("image_token_id"), False)]
         if isinstance(given["pixel_values_videos"], torch.Tensor):
             try:
-                token = images.for_decoder(self.decoder).video_token
+                vision = images.for_decoder(self.decoder)
+                kinds.append(("pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",), vision.video_token,
+                              vision.frames_apart))
             except images.ImagesUnsupported:  # refused by name when forward gets them
-                token = None
-            kinds.append(("pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",), token))
-        for pixels, grids, extra, token in kinds:
+                pass
+        for pixels, grids, extra, token, apart in kinds:
             if isinstance(given[pixels], torch.Tensor) and isinstance(given[grids], torch.Tensor) and token is not None:
                 names = (pixels, grids, *extra)
-                for name, value in zip(names, images.expanded(ids, token, expand_size, *(given[n] for n in names))):
+                for name, value in zip(names, images.expanded(ids, token, expand_size, *(given[n] for n in names),
+                                                              frames_apart=apart)):
                     model_kwargs[name] = value
         return input_ids, model_kwargs
 

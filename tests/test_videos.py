@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 from helpers import load_pair, padded_rows
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -157,8 +158,7 @@ def test_what_videos_cannot_be_is_refused(pair, build):
 
 def test_videos_need_the_checkpoints_config(build, tmp_path):
     """genai_config.json records no video token and no time scale: without config.json, or with one of a
-    family whose videos ortmodule does not place (Qwen3-VL's timestamps), videos are refused by name;
-    images still run."""
+    family whose videos ortmodule does not place, videos are refused by name; images still run."""
     fixture = build("qwen2_5_vl")
     given = inputs()
     bare = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
@@ -166,8 +166,10 @@ def test_videos_need_the_checkpoints_config(build, tmp_path):
         bare(**given)
     images_only = {k: given[k] for k in ("pixel_values", "image_grid_thw")}
     bare(torch.tensor([row([(IMAGE, (1, 8, 4))], 2)]), **images_only)
-    other = with_config(build("qwen3_vl"), tmp_path / "qwen3_vl")
-    with pytest.raises(NotSupportedError, match="videos of 'qwen3_vl'"):
+    other = with_config(fixture, tmp_path / "glm4v")  # a family of timestamped videos ortmodule does not place
+    (other / "config.json").write_text(json.dumps(dict(json.loads((other / "config.json").read_text()),
+                                                       model_type="glm4v")))
+    with pytest.raises(NotSupportedError, match="videos of 'glm4v'"):
         OrtModelForCausalLM.from_pretrained(other)(**given)
     text = OrtModelForCausalLM.from_pretrained(build("llama").package_dir)
     with pytest.raises(NotSupportedError, match="pixel_values: the package has no vision model"):
@@ -178,3 +180,62 @@ def test_videos_need_the_checkpoints_config(build, tmp_path):
     with pytest.raises(Exception, match="image_token_id is 506, genai_config.json's model.image_token_id 511"):
         OrtModelForCausalLM.from_pretrained(wrong)(**given)
 
+
+def frames_row(parts, seed):
+    """Qwen3-VL's layout: text, and for each (token, grid) a vision start, the placeholder tokens and a
+    vision end per temporal patch of a video (each after a timestamp: two text tokens here), text."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 500, (4,), generator=generator).tolist()
+    for token, (t, h, w) in parts:
+        for _ in range(t if token == VIDEO else 1):
+            stamp = torch.randint(10, 500, (2,), generator=generator).tolist() if token == VIDEO else []
+            ids += stamp + [START] + [token] * (h * w // 4 * (1 if token == VIDEO else t)) + [END]
+        ids += torch.randint(10, 500, (3,), generator=generator).tolist()
+    return ids
+
+
+def test_qwen3_vl_videos_frame_by_frame_answer_as_transformers_without_deepstack(build, tmp_path):
+    """Qwen3-VL places each temporal patch of a video as a one-frame image after a timestamp in the text.
+    mobius-onnx's package (no DeepStack: tests/test_images.py) with the checkpoint's config.json equals
+    transformers' Qwen3-VL with DeepStack off: logits left and right padded, greedy generate step for
+    step, and beams (each row's videos repeated with its copies, counted by their frames)."""
+    fixture = build("qwen3_vl")
+    model = OrtModelForCausalLM.from_pretrained(with_config(fixture, tmp_path / "package"))
+    config = transformers.AutoConfig.from_pretrained(fixture.hf_dir)
+    config.vision_config.deepstack_visual_indexes = []
+    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(fixture.hf_dir, config=config).eval()
+    videos, image = [(3, 4, 8), (2, 8, 8)], [(1, 8, 4)]
+    rows = [frames_row([(VIDEO, videos[0])], 1), frames_row([(IMAGE, image[0]), (VIDEO, videos[1])], 2),
+            frames_row([], 3)]
+
+    def batch(left):
+        ids, mask = padded_rows(rows, left)
+        return dict(input_ids=ids, attention_mask=mask, pixel_values=pixels(image, 4),
+                    image_grid_thw=torch.tensor(image), pixel_values_videos=pixels(videos, 5),
+                    video_grid_thw=torch.tensor(videos),
+                    mm_token_type_ids=torch.where(ids == VIDEO, 2, torch.where(ids == IMAGE, 1, 0)))
+
+    for left in (True, False):
+        given = batch(left)
+        real = given["attention_mask"].bool()
+        assert torch.allclose(model(**given).logits[real], reference(hf, **given).logits[real], atol=1e-4, rtol=1e-4)
+    given = batch(True)
+    options = dict(max_new_tokens=6, pad_token_id=2, do_sample=False, return_dict_in_generate=True,
+                   output_logits=True)
+    hf.model.rope_deltas = None
+    ours, theirs = model.generate(**given, **options), hf.generate(**given, **options)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for mine, expected in zip(ours.logits, theirs.logits, strict=True):
+        assert torch.allclose(mine, expected, atol=1e-4, rtol=1e-4)
+    # Beams: transformers' own expansion fails with DeepStack off (an IndexError in its repetition of the
+    # empty DeepStack features), so each row's beams are checked against the row generated alone.
+    beams = dict(max_new_tokens=6, pad_token_id=2, do_sample=False, num_beams=2, num_return_sequences=2)
+    together = model.generate(**given, **beams)
+    first = 3 * 4 * 8  # the first video's patches
+    alone = [dict(pixel_values_videos=given["pixel_values_videos"][:first], video_grid_thw=torch.tensor(videos[:1])),
+             dict(pixel_values=given["pixel_values"], image_grid_thw=given["image_grid_thw"],
+                  pixel_values_videos=given["pixel_values_videos"][first:], video_grid_thw=torch.tensor(videos[1:])),
+             {}]
+    for i, media in enumerate(alone):
+        tokens = model.generate(torch.tensor([rows[i]]), **media, **beams)
+        assert torch.equal(together[2 * i : 2 * i + 2, -6:], tokens[:, -6:])
