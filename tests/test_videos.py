@@ -65,6 +65,17 @@ def reference(hf, **given):
         return hf(**given)
 
 
+def assert_greedy_equal(model, hf, given, new):
+    """Greedy generate in ortmodule's device loop equals transformers': the tokens, and every step's logits."""
+    options = dict(max_new_tokens=new, pad_token_id=2, do_sample=False, return_dict_in_generate=True,
+                   output_logits=True)
+    hf.model.rope_deltas = None  # transformers keeps the last prompt's for its cached steps
+    ours, theirs = model.generate(**given, **options), hf.generate(**given, **options)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for mine, expected in zip(ours.logits, theirs.logits, strict=True):
+        assert torch.allclose(mine, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("left", [True, False])
 def test_logits_with_videos_equal_transformers(pair, left):
     model, hf = pair
@@ -120,13 +131,7 @@ def test_generate_with_videos_equals_transformers(pair):
     given = inputs()
     if hf.config.model_type == "qwen2_vl":  # its generate refuses the seconds, which it does not use
         given.pop("second_per_grid_ts")
-    options = dict(max_new_tokens=8, pad_token_id=2, do_sample=False, return_dict_in_generate=True,
-                   output_logits=True)
-    hf.model.rope_deltas = None
-    ours, theirs = model.generate(**given, **options), hf.generate(**given, **options)
-    assert torch.equal(ours.sequences, theirs.sequences)
-    for mine, expected in zip(ours.logits, theirs.logits, strict=True):
-        assert torch.allclose(mine, expected, atol=1e-4, rtol=1e-4)
+    assert_greedy_equal(model, hf, given, 8)
     beams = dict(max_new_tokens=8, pad_token_id=2, do_sample=False, num_beams=2, num_return_sequences=2)
     hf.model.rope_deltas = None
     assert torch.equal(model.generate(**given, **beams), hf.generate(**given, **beams))
@@ -220,13 +225,7 @@ def test_qwen3_vl_videos_frame_by_frame_answer_as_transformers_without_deepstack
         real = given["attention_mask"].bool()
         assert torch.allclose(model(**given).logits[real], reference(hf, **given).logits[real], atol=1e-4, rtol=1e-4)
     given = batch(True)
-    options = dict(max_new_tokens=6, pad_token_id=2, do_sample=False, return_dict_in_generate=True,
-                   output_logits=True)
-    hf.model.rope_deltas = None
-    ours, theirs = model.generate(**given, **options), hf.generate(**given, **options)
-    assert torch.equal(ours.sequences, theirs.sequences)
-    for mine, expected in zip(ours.logits, theirs.logits, strict=True):
-        assert torch.allclose(mine, expected, atol=1e-4, rtol=1e-4)
+    assert_greedy_equal(model, hf, given, 6)
     # Beams: transformers' own expansion fails with DeepStack off (an IndexError in its repetition of the
     # empty DeepStack features), so each row's beams are checked against the row generated alone.
     beams = dict(max_new_tokens=6, pad_token_id=2, do_sample=False, num_beams=2, num_return_sequences=2)
