@@ -103,6 +103,19 @@ def test_time_is_placed_as_the_model_family_places_it(pair):
     assert torch.allclose(model(**listed).logits[real], reference(hf, **listed).logits[real], atol=1e-4, rtol=1e-4)
 
 
+def test_hidden_states_with_videos_equal_transformers(pair):
+    """`output_hidden_states=True` on a prompt with videos (the embeddings path's second session): every
+    layer's states at the real positions equal transformers'."""
+    model, hf = pair
+    given = inputs()
+    real = given["attention_mask"].bool()
+    ours = model(**given, output_hidden_states=True).hidden_states
+    theirs = reference(hf, **given, output_hidden_states=True).hidden_states
+    assert len(ours) == len(theirs)
+    for mine, expected in zip(ours, theirs):
+        assert torch.allclose(mine[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
 def test_steps_over_a_video_prompt_continue_where_its_text_goes_on(pair):
     """A cached video prompt, then tokens one and two at a time: each step's logits equal the last
     columns of transformers' forward over the whole sequence. After the second row's last video, whose
