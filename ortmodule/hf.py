@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import hub
+from . import hub, runtime
 from .package import Package, PackageError
 
 # The name transformers gives the KV cache in model outputs and in generate's model inputs: `cache`
@@ -112,13 +112,15 @@ def loading_options(device, kwargs: dict) -> tuple[object, dict, object]:
     return (placed if placed is not None else device), {k: v for k, v in kwargs.items() if k in FETCHING}, dtype
 
 
-def check_dtype(dtype, model, asked=None) -> None:
-    """A dtype asked of `model`: "auto" (or None), or the package's own precision (a torch dtype or its
-    name), else a ValueError naming both (`asked`: the caller's spelling of it)."""
-    if dtype is None or dtype == "auto" or dtype == model.dtype or \
-            (isinstance(dtype, str) and getattr(torch, dtype, None) == model.dtype):
+def check_dtype(dtype, package: Package, asked=None) -> None:
+    """A dtype asked of a model of `package`, before any session is made: "auto" (or None), or the
+    package's own precision (a torch dtype or its name), else a ValueError naming both (`asked`: the
+    caller's spelling of it)."""
+    own = runtime.torch_dtype(package.decoder.kv_type)
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if dtype is None or dtype == "auto" or dtype == own or named == own:
         return
-    shown, precision = dtype if asked is None else asked, str(model.dtype).removeprefix("torch.")
-    raise ValueError(f"dtype={shown!r}: {model.package.root} computes in {precision}, "
+    shown, precision = dtype if asked is None else asked, str(own).removeprefix("torch.")
+    raise ValueError(f"dtype={shown!r}: {package.root} computes in {precision}, "
                      "fixed when it was exported (`ortmodule export --precision ...` makes another; or leave dtype "
                      "out)")

@@ -366,8 +366,8 @@ class OrtModuleLM(HFLM):
         super()._create_tokenizer(local, tokenizer, **dict(kwargs, revision=None, subfolder=""))
 
     def _create_model(self, pretrained: str, dtype: str | torch.dtype | None = "auto", **kwargs) -> None:
+        check_dtype(dtype, self._package)
         self._model = OrtModelForCausalLM(self._package, device=self._device, **self._ort_options)
-        check_dtype(dtype, self._model)
 
     @property
     def max_length(self) -> int:
@@ -600,6 +600,6 @@ def refuse_hflm_options(kwargs: dict) -> None:
                        "run lm-eval's data parallel: accelerate launch ... -m ortmodule.cli, docs/lm-eval.md)")
 
 
-def check_dtype(dtype, model: OrtModelForCausalLM) -> None:
+def check_dtype(dtype, package) -> None:
     """HFLM's `dtype` model arg: "auto" (or None) or the package's own precision, else a ValueError."""
-    hf.check_dtype(dtype if dtype is None or dtype == "auto" else get_dtype(dtype), model, dtype)
+    hf.check_dtype(dtype if dtype is None or dtype == "auto" else get_dtype(dtype), package, dtype)

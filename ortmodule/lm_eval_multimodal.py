@@ -69,8 +69,8 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         self._set_image_token(self._config)
 
     def _create_model(self, pretrained: str, dtype: str | torch.dtype | None = "auto", **kwargs) -> None:
+        check_dtype(dtype, self._package)
         self._model = OrtModelForCausalLM(self._package, device=self._device, provider_options=self._provider_options)
-        check_dtype(dtype, self._model)
 
     def _create_tokenizer(self, pretrained, tokenizer, **kwargs) -> None:
         source = self._processor_source

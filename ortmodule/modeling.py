@@ -261,10 +261,10 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         package's precision; `device_map`: one device; `token`, `local_files_only`), or have no effect
         (`trust_remote_code`, `attn_implementation`, ...), or are refused by name (hf.loading_options)."""
         device, fetching, dtype = loading_options(device, transformers_kwargs)
-        model = cls(read_package(hub.resolve(path, subfolder, revision, **fetching)), device, session_options,
-                    provider_options, rewrite_lm_head, cache_dir, prefill_chunk, quantized_prefill, prefill_attention)
-        check_dtype(dtype, model)
-        return model
+        package = read_package(hub.resolve(path, subfolder, revision, **fetching))
+        check_dtype(dtype, package)  # before any session is made
+        return cls(package, device, session_options, provider_options, rewrite_lm_head, cache_dir, prefill_chunk,
+                   quantized_prefill, prefill_attention)
 
     # ---- the Hugging Face surface -------------------------------------------------------------
 
