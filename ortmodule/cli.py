@@ -53,6 +53,8 @@ def ortmodule(argv: list[str] | None = None) -> None:
     export.add_argument("source", help="a Hugging Face checkpoint folder (config.json, weights, tokenizer), a Hub "
                                        "repository id of one (org/name), or a .gguf file")
     export.add_argument("--revision", default=None, help="the repository's branch, tag or commit (default: main)")
+    export.add_argument("--gguf-file", default=None, metavar="NAME",
+                        help="the GGUF file of the repository (or folder) to export, e.g. model-Q8_0.gguf")
     export.add_argument("out", help="the package folder to write")
     export.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "int4", "int8"])
     export.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -173,7 +175,7 @@ def _export(parser: argparse.ArgumentParser, args) -> None:
         options[key] = value
     try:
         export(args.source, args.out, args.precision, args.device, options, args.overwrite, not args.quiet,
-               args.revision)
+               args.revision, args.gguf_file)
     except ExportError as e:
         parser.exit(2, f"ortmodule export: error: {e}\n")
 

@@ -54,16 +54,17 @@ def export(
     overwrite: bool = False,
     progress: bool = True,
     revision: str | None = None,
+    gguf_file: str | None = None,
 ) -> Path:
-    """Export `source` (a Hugging Face checkpoint folder or Hub repository id, at `revision`; or a
-    `.gguf` file) to a GenAI package folder `out` for `device` ('cpu' or 'cuda') in `precision` (fp32,
-    fp16, bf16, int4 or int8).
+    """Export `source` (a Hugging Face checkpoint folder or Hub repository id, at `revision`; a
+    `.gguf` file, or `gguf_file` of such a folder or repository) to a GenAI package folder `out` for
+    `device` ('cpu' or 'cuda') in `precision` (fp32, fp16, bf16, int4 or int8).
 
     `extra_options` go to the builder's `--extra_options` (for example `{"algo_config": "k_quant_mixed"}`);
     for CUDA, `fuse_qkv=false` unless they say otherwise (`CUDA_OPTIONS`). Returns `out`. Progress goes
     to stderr unless `progress=False`.
     """
-    source, out = _checked_source(source, precision, device, revision), Path(out)
+    source, out = _checked_source(source, precision, device, revision, gguf_file), Path(out)
     gguf = _gguf_file(source)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
@@ -104,7 +105,8 @@ def export(
     return out
 
 
-def _checked_source(source: str | Path, precision: str, device: str, revision: str | None) -> Path:
+def _checked_source(source: str | Path, precision: str, device: str, revision: str | None,
+                    gguf_file: str | None) -> Path:
     """`export`'s choices checked, and its source as a local path (a Hub repository's checkpoint fetched)."""
     if precision not in PRECISIONS:
         raise ExportError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
@@ -114,7 +116,7 @@ def _checked_source(source: str | Path, precision: str, device: str, revision: s
     from .package import PackageError
 
     try:
-        return hub.checkpoint(source, revision)
+        return hub.checkpoint(source, revision, gguf_file)
     except PackageError as e:
         raise ExportError(str(e)) from None
 

@@ -51,17 +51,32 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 
 
-def checkpoint(source: str | Path, revision: str | None = None) -> Path:
+def checkpoint(source: str | Path, revision: str | None = None, gguf_file: str | None = None) -> Path:
     """The local folder of a Hugging Face checkpoint `source` (a folder or .gguf file as it is, or a
-    Hub repository id: its config, safetensors weights and tokenizer fetched into the hub's cache)."""
+    Hub repository id: its config, safetensors weights and tokenizer fetched into the hub's cache), or
+    with `gguf_file` the local path of that GGUF file of the repository (or folder). A repository of
+    GGUF files without `gguf_file` is a PackageError listing them."""
     local = Path(source)
     if local.exists() or not isinstance(source, str) or not _REPO_ID.match(source):
-        return local
+        return local / gguf_file if gguf_file else local
+    if gguf_file is None:
+        try:
+            names = _files(source, revision, {})
+        except PackageError:  # not listed: the fetch below says why
+            names = []
+        ggufs = sorted(name for name in names if name.lower().endswith(".gguf"))
+        if ggufs and "config.json" not in names:
+            raise PackageError(f"{source} holds GGUF files, not a Hugging Face checkpoint: pass the one to export "
+                               f"(--gguf-file, gguf_file=): {', '.join(ggufs)}")
     try:
-        return Path(huggingface_hub.snapshot_download(source, revision=revision, allow_patterns=CHECKPOINT_FILES))
+        wanted = [gguf_file] if gguf_file else CHECKPOINT_FILES
+        snapshot = Path(huggingface_hub.snapshot_download(source, revision=revision, allow_patterns=wanted))
     except Exception as e:  # noqa: BLE001  huggingface_hub's errors: not found, offline and not cached, network
         raise PackageError(f"source not found: {source}, and as a Hugging Face Hub repository it could not be fetched "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    if gguf_file and not (snapshot / gguf_file).is_file():
+        raise PackageError(f"{source} has no file {gguf_file}")
+    return snapshot / gguf_file if gguf_file else snapshot
 
 
 def _only_package(repo: str, revision: str | None, fetching: dict) -> str:

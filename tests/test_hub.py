@@ -46,6 +46,10 @@ def hub_cache(build, tmp_path_factory):
     cached_repo(cache, "ortmodule-test/two-packages", {"cpu/fp32": fixture.package_dir,
                                                        "cpu/int4": build("llama", precision="int4").package_dir})
     cached_repo(cache, "ortmodule-test/no-package", {"": fixture.hf_dir})
+    ggufs = tmp_path_factory.mktemp("ggufs")
+    for name in ("model-Q4_K_M.gguf", "model-Q8_0.gguf"):
+        (ggufs / name).write_bytes(b"not a GGUF file: " + name.encode())
+    cached_repo(cache, "ortmodule-test/model-GGUF", {"": ggufs})
     return fixture, cache
 
 
@@ -140,3 +144,15 @@ def test_a_local_folder_of_several_packages_names_them(offline, tmp_path):
         OrtModelForCausalLM.from_pretrained(tmp_path)
     model = OrtModelForCausalLM.from_pretrained(tmp_path, subfolder="cpu/fp32")
     assert model.package.root == tmp_path / "cpu" / "fp32"
+
+
+def test_export_takes_a_gguf_file_of_a_repository(offline, tmp_path):
+    """A repository of GGUF files: `--gguf-file` names the one to export (it reaches the GGUF reader,
+    which refuses these stand-in bytes by name); without it the files are listed."""
+    with pytest.raises(ortmodule.ExportError, match="holds GGUF files, not a Hugging Face checkpoint: pass the one to "
+                                                    "export .*: model-Q4_K_M.gguf, model-Q8_0.gguf"):
+        ortmodule.export("ortmodule-test/model-GGUF", tmp_path / "out", progress=False)
+    with pytest.raises(ortmodule.ExportError, match=r"model-Q8_0.gguf.*not a readable GGUF file"):
+        ortmodule.export("ortmodule-test/model-GGUF", tmp_path / "out", progress=False, gguf_file="model-Q8_0.gguf")
+    with pytest.raises(ortmodule.ExportError, match="has no file model-F16.gguf"):
+        ortmodule.export("ortmodule-test/model-GGUF", tmp_path / "out", progress=False, gguf_file="model-F16.gguf")
