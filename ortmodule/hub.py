@@ -40,7 +40,7 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
         snapshot = Path(huggingface_hub.snapshot_download(path, revision=revision, allow_patterns=patterns, **fetching))
     except Exception as e:  # noqa: BLE001  huggingface_hub's errors: not found, offline and not cached, network
         raise PackageError(f"package folder not found: {path}, and as a Hugging Face Hub repository it could not be "
-                           f"fetched ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+                           f"fetched ({_why(e)})") from None
     if sub and not (snapshot / sub).is_dir():
         folders = _package_folders(path, revision, fetching)
         raise PackageError(f"{path} has no folder '{sub}'; its GenAI packages: {', '.join(folders) or 'none'}")
@@ -73,7 +73,7 @@ def checkpoint(source: str | Path, revision: str | None = None, gguf_file: str |
         snapshot = Path(huggingface_hub.snapshot_download(source, revision=revision, allow_patterns=wanted))
     except Exception as e:  # noqa: BLE001  huggingface_hub's errors: not found, offline and not cached, network
         raise PackageError(f"source not found: {source}, and as a Hugging Face Hub repository it could not be fetched "
-                           f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+                           f"({_why(e)})") from None
     if gguf_file and not (snapshot / gguf_file).is_file():
         raise PackageError(f"{source} has no file {gguf_file}")
     return snapshot / gguf_file if gguf_file else snapshot
@@ -111,7 +111,11 @@ def _files(repo: str, revision: str | None, fetching: dict) -> list[str]:
     try:
         snapshot = Path(huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True))
     except Exception as e:  # noqa: BLE001
-        why = online or e
         raise PackageError(f"package folder not found: {repo}, and as a Hugging Face Hub repository it could not "
-                           f"be listed ({type(why).__name__}: {' '.join(str(why).split())[:300]})") from None
+                           f"be listed ({_why(online or e)})") from None
     return [path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*")]
+
+
+def _why(error: Exception) -> str:
+    """huggingface_hub's error in one line."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"

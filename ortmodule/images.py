@@ -198,8 +198,6 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None,
     vision = for_decoder(decoder)
     host_ids = ids.to("cpu", torch.int64)
     real = torch.ones_like(host_ids, dtype=torch.bool) if mask is None else mask.to("cpu") != 0
-    if media.pixel_values_videos is not None and vision.video_token is None:
-        raise ImagesUnsupported(vision.no_videos)
     image_grids = _checked_grids(media.pixel_values, media.image_grid_thw, vision, "pixel_values", "image_grid_thw")
     video_grids = _checked_grids(media.pixel_values_videos, media.video_grid_thw, vision, "pixel_values_videos",
                                  "video_grid_thw")
@@ -338,8 +336,6 @@ def _check_types(types, ids: torch.Tensor, real: torch.Tensor, vision: Vision) -
     if not isinstance(types, torch.Tensor) or tuple(types.shape) != tuple(ids.shape):
         raise ValueError(f"mm_token_type_ids must be a tensor of input_ids' shape {tuple(ids.shape)}")
     types = types.to("cpu", torch.int64)
-    if vision.video_token is None and bool(((types == VIDEO) & real).any()):
-        raise ImagesUnsupported(f"mm_token_type_ids mark videos: {vision.no_videos}")
     expected = torch.zeros_like(ids)
     for token, kind in vision.tokens().items():
         expected[ids == token] = kind
@@ -387,12 +383,11 @@ def _embed(decoder: Decoder, vision: Vision, ids: torch.Tensor, features: list[t
     embeds = torch.empty(*ids.shape, decoder.package.hidden_size, dtype=runtime.output_dtype(session, output),
                          device=device)
     ids = ids.to(device, decoder.id_dtype)
-    empty = dict(decoder.no_media)
+    none = dict(decoder.no_media)[vision.features][:0]  # a row without images or videos: no feature rows
     for row, row_features in enumerate(features):
         binding = session.io_binding()
         runtime.bind_input(binding, embedding.input_ids, ids[row : row + 1].contiguous())
-        mine = row_features if row_features is not None else empty[vision.features][:0]
-        runtime.bind_input(binding, vision.features, mine.contiguous())
+        runtime.bind_input(binding, vision.features, (row_features if row_features is not None else none).contiguous())
         for name, value in decoder.no_media:
             if name != vision.features:
                 runtime.bind_input(binding, name, value)

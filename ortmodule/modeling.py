@@ -353,8 +353,10 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         embeds = None if inputs_embeds is None else \
             variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
-        media = _image_inputs(self.decoder, past, embeds, images.Media(
-            pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts, mm_token_type_ids))
+        given = (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts,
+                 mm_token_type_ids)  # images.Media's fields, in order
+        media = None if all(value is None for value in given) else \
+            _image_inputs(self.decoder, past, embeds, images.Media(*given))  # text: no object made per call
         runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None or media is not None)
         ids = input_ids if embeds is None else embeds.new_zeros(embeds.shape[:2], dtype=torch.int64)  # for the checks
         if past is not None:
