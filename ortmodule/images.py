@@ -209,6 +209,8 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None,
         placing = torch.repeat_interleave(video_grids, video_grids[:, 0], dim=0)
         placing[:, 0], intervals = 1, [1] * len(placing)
     placed = _placed(runs, {IMAGE: image_grids, VIDEO: placing}, vision, intervals)
+    positions, offsets = rope_positions(host_ids.shape, real, placed, vision.merge)
+    _check_reach(positions, decoder.package.context_length)  # before the vision model runs
     features = {IMAGE: _features(decoder, vision, media.pixel_values, image_grids),
                 VIDEO: _features(decoder, vision, media.pixel_values_videos, video_grids)}
     # Padding holding the image token would take a feature row in the embedding graph's count; a
@@ -217,7 +219,6 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None,
     if vision.video_token is not None:
         text = text.masked_fill(text == vision.video_token, vision.image_token)
     embeds = _embed(decoder, vision, text, _row_features(features, placed, vision.merge))
-    positions, offsets = rope_positions(host_ids.shape, real, placed, vision.merge)
     device = decoder.device
     return embeds, positions.to(device), offsets.to(device)
 
@@ -235,6 +236,19 @@ def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows
     if cache is not None:
         cache.position_offset = offsets
     return out
+
+
+def _check_reach(positions: torch.Tensor, context: int) -> None:
+    """Refuse positions past the model's rotary table (`context` rows). Only a video's temporal
+    positions (its time scaled by `second_per_grid_ts`) can run ahead of the tokens: the text after any
+    image or video goes on at most at its own column (a medium's t x h x w / merge^2 tokens take
+    max(h, w) / merge positions), so the length checks cover everything else."""
+    reach = int(positions.max()) + 1
+    if reach > context:
+        raise ValueError(
+            f"a video's temporal positions reach {reach}, past the model's context length {context} "
+            "(transformers' get_rope_index scales a video's time by second_per_grid_ts and the model's "
+            "tokens_per_second): give shorter videos or a smaller second_per_grid_ts")
 
 
 def _checked_grids(pixel_values, grid_thw, vision: Vision, pixels_name: str, grid_name: str) -> torch.Tensor:

@@ -174,6 +174,28 @@ def test_what_videos_cannot_be_is_refused(pair, build):
               video_grid_thw=given["video_grid_thw"])
 
 
+def test_a_videos_time_past_the_context_is_refused_by_name(pair):
+    """Qwen2.5-VL's temporal positions grow with the seconds: a video whose last temporal patch lands on
+    the model's last position answers as transformers; a quarter of a second more (one position past
+    the rotary table) is a ValueError, not an index error inside ONNX Runtime."""
+    model, hf = pair
+    if hf.config.model_type != "qwen2_5_vl":
+        pytest.skip("Qwen2-VL counts frames: its positions never run ahead of the tokens")
+    grid = (2, 4, 4)
+    ids = torch.tensor([row([(VIDEO, grid)], 7)])
+    start = ids[0].tolist().index(VIDEO)  # the video's first position: the columns before it are text
+    scale = hf.config.vision_config.tokens_per_second
+    last = model.package.context_length - 1
+    seconds = (last - start) / scale  # the second temporal patch at position `last`
+    given = dict(input_ids=ids, pixel_values_videos=pixels([grid], 8), video_grid_thw=torch.tensor([grid]),
+                 second_per_grid_ts=torch.tensor([seconds]), mm_token_type_ids=torch.where(ids == VIDEO, 2, 0))
+    assert torch.allclose(model(**given).logits, reference(hf, **given).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=f"temporal positions reach {last + 2}, past the model's context length"):
+        model(**dict(given, second_per_grid_ts=torch.tensor([seconds + 1 / scale])))
+    with pytest.raises(ValueError, match="temporal positions reach"):
+        model.generate(**dict(given, second_per_grid_ts=torch.tensor([seconds + 1 / scale])), max_new_tokens=2)
+
+
 def test_videos_need_the_checkpoints_config(build, tmp_path):
     """genai_config.json records no video token and no time scale: without config.json, or with one of a
     family whose videos ortmodule does not place, videos are refused by name; images still run."""
