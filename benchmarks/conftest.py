@@ -43,6 +43,14 @@ LFM2_350M_CPU = fixtures.FixtureSpec("lfm2", hidden_size=1024, num_layers=16, nu
                                      intermediate_size=6656, vocab_size=65536, context_length=4096,
                                      initializer_range=0.02, tie_word_embeddings=True)
 TINY = fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256)
+# Qwen2-VL-2B's config (its 32-block, 675 M-weight vision tower and 1.5 B text model, tied head) with
+# random weights and SmolLM2's tokenizer, exported by mobius-onnx (fp32: its one precision).
+QWEN2_VL_2B_CPU = fixtures.FixtureSpec("qwen2_vl", hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                                       intermediate_size=8960, vocab_size=151936, context_length=32768,
+                                       initializer_range=0.02, tie_word_embeddings=True, tokenizer="smollm2",
+                                       mrope_section=(16, 24, 24),
+                                       vision=(("depth", 32), ("embed_dim", 1280), ("mlp_ratio", 4), ("num_heads", 16),
+                                               ("patch_size", 14)))
 
 # What each model key means on the page.
 MODELS = {
@@ -54,6 +62,8 @@ MODELS = {
     "qwen3-0.6b-bf16": "Qwen3-0.6B's config, random weights, SmolLM2's tokenizer, bf16 package exported for CUDA",
     "smollm2-bf16": "SmolLM2-135M-Instruct, bf16 package exported for CUDA (real trained weights)",
     "tiny": "tiny Llama (smoke test, synthetic)",
+    "qwen2-vl-2b": "Qwen2-VL-2B's config, random weights, SmolLM2's tokenizer, fp32 package exported by mobius-onnx",
+    "tiny-vl": "tiny Qwen2-VL (smoke test, synthetic)",
 }
 
 SIZES = {
@@ -80,6 +90,10 @@ SIZES = {
         # rates in requests/s.
         server=dict(reuse={"auto": (1.0,)}, duration=20.0, query_tokens=120, items=10, item_tokens=20, labels=4,
                     exact=False),
+        # benchmarks/test_images.py: prompts of one image (224 x 224: 256 patches, 64 image tokens)
+        # between 40 text tokens; score keeps the last `keep` positions' logits, generate makes `new_tokens`.
+        images=dict(key="qwen2-vl-2b", spec=QWEN2_VL_2B_CPU, batch=4, image_side=224, text_tokens=40, keep=8,
+                    new_tokens=16, rounds=3),
     ),
     "gpu": dict(
         device="cuda",
@@ -117,6 +131,8 @@ SIZES = {
         score=dict(requests=2, query_tokens=12, items=3, item_tokens=4, labels=2),
         server=dict(reuse={"auto": (4.0,), "on": (4.0,)}, duration=1.0, query_tokens=12, items=2, item_tokens=4,
                     labels=2, exact=False),
+        images=dict(key="tiny-vl", spec=fixtures.FixtureSpec("qwen2_vl"), batch=2, image_side=16, text_tokens=10,
+                    keep=2, new_tokens=3, rounds=1),
     ),
 }
 def at_scale_batch(options: dict, workload: str, reference: bool = False) -> int:

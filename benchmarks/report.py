@@ -113,6 +113,14 @@ NOTES = {
     "letters are one token each; with `device_s`, the device's time per token); "
     "`calls_host_s`, the host's time inside the batches' `loglikelihood_totals` calls, `runs_host_s` the part of "
     "it inside ONNX Runtime's runs, and on CUDA `device_s` the device's time between events around each batch.",
+    "images": "benchmarks/test_images.py (runs since 2026-11-28): prompts of text, one image and more text "
+    "({images_batch} a batch; each image {images_side} x {images_side} random pixels through transformers' Qwen2-VL "
+    "image processor, whose tensors both backends take as they are). `score`: one forward, the last "
+    "{images_keep} positions' logits (`cont_len` for ortmodule, `logits_to_keep` for transformers), the vision "
+    "model included; `generate`: greedy, {images_new} new tokens a row. transformers is "
+    "`AutoModelForImageTextToText` in fp32 on the same weights. `max_diff_vs_transformers` (score): the largest "
+    "logit difference; `same_tokens_as_transformers` (generate). `of peak` counts the vision tower's weights x "
+    "patches beside the text model's weights x tokens; `peak_rss_mb` is the process's, which holds both models.",
     "host time": "benchmarks/test_host_time.py: `mmlu` rows, the MMLU-shaped lm-eval workload ({host_questions} "
     "questions, batch {host_batch}, sharing off) on a model of negligible compute with a real tokenizer, so that "
     "what is left is the host's work. Per request: `loglikelihood_us_per_request`, the backend's `loglikelihood` "
@@ -183,7 +191,7 @@ def note_values(size: str) -> dict:
 
     shapes = SIZES[size]
     scale, batch = shapes["lm_eval_at_scale"], suite.at_scale_batch
-    server = shapes["server"]
+    server, images = shapes["server"], shapes.get("images", {})
     (lo, hi), limit = shapes["generate"]["prompt_lengths"], shapes["lm_eval"]["limit"]
     slow = [model_label(key) for key in shapes["decoders"] if key in SLOW_PEERS_ON]
     return dict(prompt_lo=lo, prompt_hi=hi, new_tokens=shapes["generate"]["new_tokens"],
@@ -199,10 +207,12 @@ def note_values(size: str) -> dict:
                 host_decode=shapes["host_time"]["decode_tokens"],
                 host_batch=shapes["host_time"]["batch_size"],
                 host_score_requests=shapes["host_time"]["score_requests"],
+                images_batch=images.get("batch"), images_side=images.get("image_side"),
+                images_keep=images.get("keep"), images_new=images.get("new_tokens"),
                 **shapes["score"])
 # Real-model workloads first: what users run.
 GROUP_ORDER = {"lm-eval loglikelihood": 0, "lm-eval at scale": 0.5, "generate": 1, "score": 2, "minicons scoring": 3,
-               "forward": 4, "score server": 5, "host time": 6}
+               "forward": 4, "images": 4.5, "score server": 5, "host time": 6}
 
 
 def case(bench: dict) -> tuple[str, str]:
@@ -343,9 +353,12 @@ def speed_against(reference: dict, run: str, variant: str, seconds: float | None
 
 
 def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
-    """The tables of one machine's runs, their headings at `level`."""
+    """The tables of one machine's runs, their headings at `level`. A row's fractions of peak are taken
+    against the limits measured in its own run (the first run's are described; later runs' that differ
+    are listed)."""
     out = []
     machine = runs[0]["machine_info"]
+    run_limits = {run["datetime"]: run["machine_info"].get("limits") or {} for run in runs}
     cpu = machine.get("cpu", {})
     devices = sorted({b["extra_info"].get("device") for r in runs for b in r["benchmarks"]} - {None, "cpu"})
     out.append(f"Machine: {cpu.get('brand_raw', machine.get('processor'))}, {cpu.get('count', '?')} logical CPUs"
@@ -378,6 +391,13 @@ def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
                    "LM head only at the rows computed, attention's own products left out) / time / peak. "
                    "`of bandwidth`: decoding's weight bytes x steps / time / copy bandwidth (the prefill's "
                    "time counted in, so a lower bound).\n")
+    others = [(when, own) for when, own in sorted(run_limits.items())
+              if own.get("kind") != "gpu" and own and limits and own["peak_flops"] != limits["peak_flops"]]
+    if others:
+        out.append("Each row is taken against the limits measured in its own run: "
+                   + "; ".join(f"the run of {when[:16].replace('T', ' ')} UTC measured a peak of "
+                               f"{own['peak_flops'] / 1e9:.0f} GFLOP/s and a copy of "
+                               f"{own['copy_bytes_per_s'] / 1e9:.1f} GB/s" for when, own in others) + ".\n")
     out.append(f"Reproduce: `{COMMAND.format(size=size)}` (the suite, then this page).\n")
     groups = defaultdict(list)
     for bench in newest_rows(runs):
@@ -392,8 +412,8 @@ def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
         # Speeds against the transformers row of the same run; against another run's, said so.
         reference = {(b["run"], case(b)[1]): median(b) for b in benches if case(b)[0] == "transformers" and median(b)}
         keys = sorted({k for b in benches for k in b["extra_info"]} - hidden)
-        with_fraction = any(peak_fraction(b, median(b) or 0, limits) for b in benches)
-        fractions = [cpu_fractions(b, median(b) or 0, limits) for b in benches]
+        with_fraction = any(peak_fraction(b, median(b) or 0, run_limits[b["run"]]) for b in benches)
+        fractions = [cpu_fractions(b, median(b) or 0, run_limits[b["run"]]) for b in benches]
         # `of peak bf16` (2 x parameters x tokens) already says what the compute fraction would
         with_compute = any(f[0] for f in fractions) and not with_fraction
         with_memory = any(f[1] for f in fractions)
@@ -421,8 +441,8 @@ def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
                 row = [backend, variant, f"{seconds * 1e3:.1f}" if seconds else "", ratio,
                        *[str(b["extra_info"].get(k, "")) for k in keys]]
             if with_fraction:
-                row.append(peak_fraction(b, seconds or 0, limits))
-            compute, memory = cpu_fractions(b, seconds or 0, limits)
+                row.append(peak_fraction(b, seconds or 0, run_limits[b["run"]]))
+            compute, memory = cpu_fractions(b, seconds or 0, run_limits[b["run"]])
             row += ([compute] if with_compute else []) + ([memory] if with_memory else [])
             out.append("| " + " | ".join(row) + " |")
         out.append("")
@@ -459,7 +479,9 @@ FOOTER = """## How to reproduce, and the GPU table
 - The files, by workload: test_lm_eval.py (the small multiple-choice task, every backend and
   peer), test_scale.py (MMLU-, HellaSwag- and wikitext-shaped lm-eval at scale), test_generate.py,
   test_score.py (`ortmodule.score`), test_minicons.py, test_forward.py, test_serving.py (the
-  `/v1/score` server under load at fixed rates) and test_host_time.py (the host's time per request);
+  `/v1/score` server under load at fixed rates), test_host_time.py (the host's time per request) and
+  test_images.py (prompts with an image: Qwen2-VL-2B's config, random weights, mobius-onnx's fp32
+  package; CPU only so far);
   `-k` picks one, e.g. `python benchmarks/run.py --size gpu -k "at_scale and mmlu" --json
   benchmarks/results/gpu-mmlu.json`.
 - CI runs every workload once with tiny shapes (`pytest benchmarks --benchmark-disable

@@ -206,8 +206,8 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None,
     intervals = _intervals(media.second_per_grid_ts, len(video_grids), vision)
     placing = video_grids
     if vision.frames_apart:  # Qwen3-VL: each temporal patch a one-frame grid of its own run
-        placing = torch.repeat_interleave(video_grids, video_grids[:, 0], dim=0)
-        placing[:, 0], intervals = 1, [1] * len(placing)
+        placing = _frames(video_grids)
+        intervals = [1] * len(placing)
     placed = _placed(runs, {IMAGE: image_grids, VIDEO: placing}, vision, intervals)
     positions, offsets = rope_positions(host_ids.shape, real, placed, vision.merge)
     _check_reach(positions, decoder.package.context_length)  # before the vision model runs
@@ -358,21 +358,61 @@ def _check_types(types, ids: torch.Tensor, real: torch.Tensor, vision: Vision) -
         raise ValueError(f"mm_token_type_ids mark other tokens than input_ids' media token ids ({tokens})")
 
 
+# The most patches one run of the vision model takes, where several frames go together (a frame larger
+# than this runs alone). The vision models attend within each frame, but one run over several frames
+# computes attention over all their patches and masks it: work that grows with the square of the run's
+# patches. So frames run one by one, except that small ones are packed to spare the per-run cost: on a
+# 2-vCPU AMD EPYC, four 256-patch images of Qwen2-VL-2B's tower took 7.26 s one by one against 8.29 s
+# in one run (the same features, bit for bit; benchmarks/images_split.py). CUDA's figure is a guess
+# (more launches per run, attention relatively cheaper), not yet measured.
+PATCHES_PER_RUN = {"cpu": 256, "cuda": 1024}
+
+
+def _frames(grids: torch.Tensor) -> torch.Tensor:
+    """`grids` `[n, 3]` as one-frame grids `[frames, 3]` (a video's t temporal patches each a frame of
+    its own, in order: the processor lays a video's patches out frame after frame)."""
+    frames = torch.repeat_interleave(grids, grids[:, 0], dim=0)
+    frames[:, 0] = 1
+    return frames
+
+
+def _runs_of_frames(frames: torch.Tensor, budget: int) -> list[tuple[int, int]]:
+    """`[start, stop)` ranges of consecutive frames, each run at most `budget` patches (one frame alone
+    where it has more)."""
+    sizes = (frames[:, 1] * frames[:, 2]).tolist()
+    runs, start, total = [], 0, 0
+    for index, size in enumerate(sizes):
+        if index > start and total + size > budget:
+            runs.append((start, index))
+            start, total = index, 0
+        total += size
+    if sizes:
+        runs.append((start, len(sizes)))
+    return runs
+
+
 def _features(decoder: Decoder, vision: Vision, pixel_values: torch.Tensor | None,
               grids: torch.Tensor) -> torch.Tensor | None:
-    """The vision model's features `[tokens, hidden]` of the images (or videos) on the device."""
+    """The vision model's features `[tokens, hidden]` of the images (or videos) on the device, run
+    frame by frame (small frames packed up to `PATCHES_PER_RUN` patches a run) into one tensor."""
     if pixel_values is None:
         return None
-    tokens = int(grids.prod(1).sum()) // vision.merge**2
-    binding = vision.session.io_binding()
     device = decoder.device
-    runtime.bind_input(binding, vision.pixel_values, pixel_values.to(device, vision.pixel_dtype).contiguous())
-    runtime.bind_input(binding, vision.grid, grids.to(device))
-    features = torch.empty(tokens, decoder.package.hidden_size, dtype=runtime.output_dtype(vision.session,
-                                                                                          vision.features),
-                           device=device)
-    runtime.bind_output(binding, vision.features, features)
-    vision.session.run(binding)
+    frames = _frames(grids)
+    patches = (frames[:, 1] * frames[:, 2]).tolist()
+    pixels = pixel_values.to(device, vision.pixel_dtype).contiguous()
+    features = torch.empty(sum(patches) // vision.merge**2, decoder.package.hidden_size,
+                           dtype=runtime.output_dtype(vision.session, vision.features), device=device)
+    first_patch = first_token = 0
+    for start, stop in _runs_of_frames(frames, PATCHES_PER_RUN.get(device.type, PATCHES_PER_RUN["cuda"])):
+        count = sum(patches[start:stop])
+        tokens = count // vision.merge**2
+        binding = vision.session.io_binding()
+        runtime.bind_input(binding, vision.pixel_values, pixels[first_patch : first_patch + count])
+        runtime.bind_input(binding, vision.grid, frames[start:stop].to(device))
+        runtime.bind_output(binding, vision.features, features[first_token : first_token + tokens])
+        vision.session.run(binding)
+        first_patch, first_token = first_patch + count, first_token + tokens
     return features
 
 

@@ -136,6 +136,10 @@ class FixtureSpec:
     tie_word_embeddings: bool | None = None  # None: untied
     # "smollm2": SmolLM2's real tokenizer (49,152 tokens, from the GGUF file); None: one trained on CORPUS.
     tokenizer: str | None = None
+    # Qwen-VL forms: the vision config's fields over the fixture's one-block tower (a real model's
+    # tower), and the text model's mRoPE sections (None: [2, 3, 3], for the fixture's 16-wide heads).
+    vision: tuple[tuple[str, object], ...] | None = None
+    mrope_section: tuple[int, int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -364,7 +368,8 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         head_dim=head, max_position_embeddings=spec.context_length, initializer_range=spec.initializer_range,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": list(spec.mrope_section or (2, 3, 3))},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     vision = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=spec.hidden_size,
@@ -372,20 +377,22 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     media = [spec.vocab_size - 1 - i for i in range(4)]
     tokens = dict(image_token_id=media[0], video_token_id=media[1], vision_start_token_id=media[2],
                   vision_end_token_id=media[3])
+    tie = {} if spec.tie_word_embeddings is None else dict(tie_word_embeddings=spec.tie_word_embeddings)
     if spec.arch == "qwen3_vl":
         text["rope_parameters"]["mrope_interleaved"] = True
         vision.update(depth=2, num_position_embeddings=64, deepstack_visual_indexes=[0])
-        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens)
-        model_class = transformers.Qwen3VLForConditionalGeneration
+        config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
     elif spec.arch == "qwen2_vl":
         vision = dict(depth=1, embed_dim=32, hidden_size=spec.hidden_size, mlp_ratio=2, num_heads=2, patch_size=4,
                       spatial_merge_size=2, temporal_patch_size=2)
-        config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
-        model_class = transformers.Qwen2VLForConditionalGeneration
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
     else:
         vision.update(depth=1, fullatt_block_indexes=[0], window_size=16)
-        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
-        model_class = transformers.Qwen2_5_VLForConditionalGeneration
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    vision.update(spec.vision or ())
+    text.update(tie)  # a real model's tied head (spec.tie_word_embeddings; None: the config's default)
+    top = dict(tie_word_embeddings=True) if spec.arch == "qwen3_vl" else tie
+    config = config_class(text_config=text, vision_config=vision, **top, **tokens)
     torch.manual_seed(spec.seed)
     model_class(config).save_pretrained(out)
 

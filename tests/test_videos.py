@@ -11,7 +11,7 @@ import torch
 import transformers
 from helpers import load_pair, padded_rows
 
-from ortmodule import NotSupportedError, OrtModelForCausalLM
+from ortmodule import NotSupportedError, OrtModelForCausalLM, images
 
 VIDEO, IMAGE, START, END = 510, 511, 509, 508  # the fixture's reserved ids (ortmodule_dev/fixtures.py)
 PATCH_VALUES = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
@@ -86,6 +86,20 @@ def test_logits_with_videos_equal_transformers(pair, left):
     # Without the processor's token types: found from config.json's video token id.
     found = model(**{k: v for k, v in given.items() if k != "mm_token_type_ids"}).logits
     assert torch.allclose(found[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [1, 40])
+def test_the_vision_model_runs_frame_by_frame_as_one_run_does(pair, monkeypatch, budget):
+    """The vision model attends within each frame, so it runs frames one by one (`budget` 1), or packs
+    consecutive small ones up to a patch budget (40: frames of 16 and 32 patches together, the
+    64-patch frames alone): the same logits as transformers', whose vision model runs every frame in
+    one call with attention split by frame."""
+    model, hf = pair
+    monkeypatch.setitem(images.PATCHES_PER_RUN, "cpu", budget)
+    given = inputs()
+    real = given["attention_mask"].bool()
+    expected = reference(hf, **given).logits[real]
+    assert torch.allclose(model(**given).logits[real], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_time_is_placed_as_the_model_family_places_it(pair):
