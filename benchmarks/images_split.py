@@ -5,10 +5,15 @@ vision model's (and, for ortmodule, the embedding model's) share. ortmodule twic
 run frame by frame as it runs by default (ortmodule/images.py, PATCHES_PER_RUN), and every image in
 one run (as before 2026-11-28), whose features are checked equal.
 
-    python benchmarks/images_split.py [--rounds 3]
+    python benchmarks/images_split.py [--rounds 3] [--profile-vision]
+
+`--profile-vision` also runs the package's vision graph alone under ONNX Runtime's profiler, all of
+the batch's images in one run as the graph takes them, and prints each operator's share of its time.
 """
 
 import argparse
+import collections
+import json
 import sys
 import time
 from pathlib import Path
@@ -34,9 +39,42 @@ def best(fn, rounds: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def profile_vision(fixture, given: dict) -> None:
+    """Each operator type's share of the vision graph's kernel time, one profiled run after a warm-up."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    genai = json.loads((fixture.package_dir / "genai_config.json").read_text())["model"]["vision"]
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    folder = tempfile.mkdtemp(prefix="vision-profile-")
+    options.profile_file_prefix = str(Path(folder) / "vision")
+    session = ort.InferenceSession(str(fixture.package_dir / genai["filename"]), options,
+                                   providers=["CPUExecutionProvider"])
+    feeds = {genai["inputs"]["pixel_values"]: given["pixel_values"].numpy(),
+             genai["inputs"]["image_grid_thw"]: given["image_grid_thw"].numpy()}
+    session.run(None, feeds)
+    start = time.perf_counter()
+    session.run(None, feeds)
+    print(f"vision graph, all images in one run: {time.perf_counter() - start:.2f} s (profiled, two runs below)")
+    kernels = collections.Counter()
+    profile = Path(session.end_profiling())
+    events = json.loads(profile.read_text())
+    profile.unlink()
+    Path(folder).rmdir()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            kernels[event["args"]["op_name"]] += event["dur"]
+    total = sum(kernels.values())
+    for op, micros in kernels.most_common(6):
+        print(f"  {op}: {micros / 2e6:.2f} s a run, {100 * micros / total:.1f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile-vision", action="store_true")
     args = parser.parse_args()
     options = SIZES["cpu"]["images"]
     fixture = fixtures.build(options["spec"])
@@ -50,6 +88,9 @@ def main() -> None:
     tokens = given["input_ids"].numel()
     print(f"{tuple(given['input_ids'].shape)} ids, {patches} patches; matmul work: vision "
           f"{2 * vision * patches / 1e12:.2f} TFLOP, text {2 * body * tokens / 1e12:.2f} TFLOP")
+
+    if args.profile_vision:
+        profile_vision(fixture, given)
 
     def theirs(**inputs):
         hf.model.rope_deltas = None
