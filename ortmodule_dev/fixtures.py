@@ -397,10 +397,14 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     model_class(config).save_pretrained(out)
 
 
-def export_mobius(hf_dir: Path, out: Path) -> None:
-    """Export a checkpoint with mobius-onnx (`mobius build --runtime ort-genai`)."""
+MOBIUS_DTYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+
+
+def export_mobius(hf_dir: Path, out: Path, precision: str = "fp32") -> None:
+    """Export a checkpoint with mobius-onnx (`mobius build --runtime ort-genai`), its weights cast to
+    `precision` (fp32, fp16 or bf16)."""
     run_subprocess([sys.executable, "-c", _MOBIUS, "build", "--config", str(hf_dir), str(out), "--runtime",
-                    "ort-genai"],
+                    "ort-genai", *(["--dtype", MOBIUS_DTYPES[precision]] if precision != "fp32" else [])],
                    "mobius", progress=False)
 
 
@@ -473,7 +477,7 @@ def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
         try:
             make_checkpoint(spec, work / "hf")
             if spec.arch in MOBIUS:
-                export_mobius(work / "hf", work / "package")
+                export_mobius(work / "hf", work / "package", spec.precision)
             elif spec.arch in MIXED:
                 export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
                 export_mobius(work / "hf", work / "mobius")

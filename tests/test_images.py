@@ -88,6 +88,25 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
     assert (text - expected).abs().max() > 1e-2
 
 
+def test_a_half_precision_package_answers_within_its_rounding(build, inputs):
+    """mobius-onnx's Qwen2.5-VL package in fp16 (`mobius build --dtype f16`, what a GPU runs; bf16 has
+    no CPU kernels in ONNX Runtime): the vision, embedding and decoder models take and give fp16, and
+    with images the logits stay within fp16's rounding of transformers' fp32 on the same weights, and
+    greedy generate makes the same tokens."""
+    model, hf = load_pair(build("qwen2_5_vl", precision="fp16"))  # transformers in fp32
+    assert model.dtype == torch.float16
+    real = inputs["attention_mask"].bool()
+    expected = reference(hf, **inputs).logits[real]
+    ours = model(**inputs).logits[real]
+    assert ours.dtype == torch.float16
+    scale = expected.abs().max()
+    assert (ours.float() - expected).abs().max() < 0.01 * scale  # a wrong feature or position: ~ the scale
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    hf.model.rope_deltas = None
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **options), hf.generate(**inputs, **options))
+
+
 def test_hidden_states_with_images_equal_transformers(pair, inputs):
     """`output_hidden_states=True` with images (mobius-onnx's graph: its norms found by their weights'
     names): every layer's input and the final norm's output at every real position, then a step's,
