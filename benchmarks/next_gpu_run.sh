@@ -58,5 +58,9 @@ step extend-cache-grouped 40 bash -c \
   "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv --extend-layout cache"
 # (6) rolling on Qwen3 with SmolLM2's tokenizer (never run on a GPU; the target still short), against hf
 suite rolling 190 "at_scale and qwen3 and rolling and not (share or chunks or tokenize or cuda-graph or pad64 or bf16-head)"
+# (7) if the budget has time left: how many patches one run of the vision model should take on CUDA
+# (ortmodule/images.py's PATCHES_PER_RUN, 1,024 there as a guess): frame by frame, 1,024, 4,096 and every
+# image in one run, beside transformers' vision tower, on Qwen2.5-VL's tower in bf16 (its export ~1 minute)
+step vision-runs 120 python3 benchmarks/vision_runs.py --device cuda
 echo "done at $((SECONDS - start)) s" >> "$WORK/plan.log"
 pack
