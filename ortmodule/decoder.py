@@ -143,7 +143,8 @@ class Decoder:
         options = graph.head_provider_options(self.provider_options, device.type, self.graph_bytes,
                                               self.kv_dtype in (torch.float16, torch.bfloat16))
         self.run_provider_options = options  # the rewrites' sessions (extend.py) run as this one does
-        self.session = _open(self.package, source, device, folder, self.session_options, options, **run_settings)
+        self.session = _open(self.package, source, device, folder, self.session_options, options,
+                             dtype=self.kv_dtype, **run_settings)
         self.fp32_path = nbits.use_fp32_path(self.quantized_prefill, device, self.session_options, source)
         self.head_dtype = runtime.output_dtype(self.session, spec.logits)  # bf16 where graph.py left the cast
         self.wide_session = self.session  # runs of more than one token per row
@@ -420,14 +421,18 @@ def _graphs(decoder: Decoder, device: torch.device) -> tuple[bytes | None, bytes
     return rewritten, graph.repaired_graph(spec.path) if rewritten is None else None
 
 
-def _open(package, source, device: torch.device, *args, **kwargs) -> runtime.Session:
-    """`runtime.make_session`; a graph ONNX Runtime refuses is a PackageError with its likely cause."""
+def _open(package, source, device: torch.device, *args, dtype: torch.dtype | None = None, **kwargs) -> runtime.Session:
+    """`runtime.make_session`; a graph ONNX Runtime refuses is a PackageError with its likely cause
+    (`dtype`: the package's precision, where a bf16 graph on a CPU is the likely one)."""
     try:
         return runtime.make_session(source, device, *args, **kwargs)
     except PackageError as e:
-        cause = _mismatch(package, device, "the exporter wrote a graph this ONNX Runtime refuses: export the "
-                          "package again (without the option that made it, if one did), or use the ONNX Runtime "
-                          "it was made for.")
+        otherwise = ("the exporter wrote a graph this ONNX Runtime refuses: export the package again (without the "
+                     "option that made it, if one did), or use the ONNX Runtime it was made for.")
+        if dtype == torch.bfloat16 and device.type == "cpu":
+            otherwise = ("it is a bf16 package, and ONNX Runtime has CPU kernels for few bf16 operators: load it with "
+                         "device='cuda', or export it in fp32, fp16 or int4 for the CPU.")
+        cause = _mismatch(package, device, otherwise)
         raise PackageError(f"{e} {cause[0].upper()}{cause[1:]}") from e.__cause__
 
 

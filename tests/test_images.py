@@ -107,6 +107,15 @@ def test_a_half_precision_package_answers_within_its_rounding(build, inputs):
         assert torch.equal(model.generate(**inputs, **options), hf.generate(**inputs, **options))
 
 
+def test_a_bf16_package_on_a_cpu_is_refused_naming_why(build):
+    """mobius-onnx's bf16 export has operators ONNX Runtime runs in bf16 on CUDA only: loading it for
+    the CPU names the precision and what to do, not the exporter."""
+    from ortmodule import PackageError
+
+    with pytest.raises(PackageError, match="It is a bf16 package.*load it with device='cuda'"):
+        OrtModelForCausalLM.from_pretrained(build("qwen2_5_vl", precision="bf16").package_dir)
+
+
 def test_hidden_states_with_images_equal_transformers(pair, inputs):
     """`output_hidden_states=True` with images (mobius-onnx's graph: its norms found by their weights'
     names): every layer's input and the final norm's output at every real position, then a step's,
