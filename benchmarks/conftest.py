@@ -369,6 +369,20 @@ def synced(fn, device: str):
     return call
 
 
+def median_seconds(fn, rounds: int, device: str = "cpu") -> float:
+    """The median wall time of `rounds` calls of `fn` after one warm-up, the device synchronized."""
+    import time
+
+    fn = synced(fn, device)
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def device_name(device: str) -> str:
     import torch
 

@@ -21,22 +21,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import SIZES  # noqa: E402
+from conftest import SIZES, median_seconds  # noqa: E402
 from test_images import prompts, weight_counts  # noqa: E402
 from transformers import AutoModelForImageTextToText  # noqa: E402
 
 from ortmodule import OrtModelForCausalLM, images  # noqa: E402
 from ortmodule_dev import fixtures  # noqa: E402
-
-
-def best(fn, rounds: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def profile_vision(fixture, given: dict) -> None:
@@ -115,7 +105,8 @@ def main() -> None:
     }
     text_s = None
     for name, (whole, text_only) in runs.items():
-        all_s, text_s = best(whole, args.rounds), best(text_only, args.rounds) if text_only else text_s
+        all_s = median_seconds(whole, args.rounds)
+        text_s = median_seconds(text_only, args.rounds) if text_only else text_s
         print(f"{name}: with images {all_s:.2f} s, text model alone {text_s:.2f} s, images' share "
               f"{all_s - text_s:.2f} s ({100 * (all_s - text_s) / all_s:.0f}%)")
 

@@ -10,7 +10,6 @@ Qwen2.5-VL's real vision tower (32 blocks, window attention, 670 M weights) unde
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,8 @@ import transformers
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ortmodule_dev
+from conftest import median_seconds  # noqa: E402
+
 from ortmodule import OrtModelForCausalLM, images  # noqa: E402
 from ortmodule_dev import fixtures  # noqa: E402
 
@@ -31,22 +32,6 @@ def spec(device: str) -> fixtures.FixtureSpec:
                                 intermediate_size=512, context_length=32768, initializer_range=0.02,
                                 mrope_section=(8, 12, 12), vision=TOWER,
                                 precision="bf16" if device == "cuda" else "fp32")
-
-
-def timed(fn, rounds: int, device: str) -> float:
-    """The median seconds of `rounds` calls after a warm-up, the device synchronized."""
-    def call():
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    call()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -75,7 +60,7 @@ def main() -> None:
           f"{fixture.spec.precision} package")
     default = images.PATCHES_PER_RUN.get(device, images.PATCHES_PER_RUN["cuda"])
     with torch.no_grad():
-        theirs = timed(lambda: hf.model.get_image_features(given["pixel_values"], given["image_grid_thw"]),
+        theirs = median_seconds(lambda: hf.model.get_image_features(given["pixel_values"], given["image_grid_thw"]),
                        args.rounds, device)
     print(f"  transformers' vision tower alone: {theirs * 1e3:.1f} ms")
     first = None
@@ -83,7 +68,7 @@ def main() -> None:
         images.PATCHES_PER_RUN[device] = budget
         out = model(**given, cont_len=1).logits
         first = out if first is None else first
-        seconds = timed(lambda: model(**given, cont_len=1), args.rounds, device)
+        seconds = median_seconds(lambda: model(**given, cont_len=1), args.rounds, device)
         label = {1: "frame by frame", per_image * args.images: "every image in one run"}.get(
             budget, f"up to {budget} patches a run")
         print(f"  ortmodule, {label}: {seconds * 1e3:.1f} ms (largest logit difference from frame by frame "
