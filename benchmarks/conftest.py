@@ -44,7 +44,7 @@ LFM2_350M_CPU = fixtures.FixtureSpec("lfm2", hidden_size=1024, num_layers=16, nu
                                      initializer_range=0.02, tie_word_embeddings=True)
 TINY = fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256)
 # Qwen2-VL-2B's config (its 32-block, 675 M-weight vision tower and 1.5 B text model, tied head) with
-# random weights and SmolLM2's tokenizer, exported by mobius-onnx (fp32: its one precision).
+# random weights and SmolLM2's tokenizer, exported by mobius-onnx in fp32.
 QWEN2_VL_2B_CPU = fixtures.FixtureSpec("qwen2_vl", hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
                                        intermediate_size=8960, vocab_size=151936, context_length=32768,
                                        initializer_range=0.02, tie_word_embeddings=True, tokenizer="smollm2",

@@ -391,13 +391,17 @@ def render_machine(runs: list[dict], size: str, level: str) -> list[str]:
                    "LM head only at the rows computed, attention's own products left out) / time / peak. "
                    "`of bandwidth`: decoding's weight bytes x steps / time / copy bandwidth (the prefill's "
                    "time counted in, so a lower bound).\n")
-    others = [(when, own) for when, own in sorted(run_limits.items())
-              if own.get("kind") != "gpu" and own and limits and own["peak_flops"] != limits["peak_flops"]]
-    if others:
+    def measured(own: dict) -> tuple:
+        return own.get("peak_flops"), own.get("copy_bytes_per_s")
+
+    others = [(when, own) for when, own in sorted(run_limits.items()) if own and measured(own) != measured(limits)]
+    if others and limits:
+        gpu = limits.get("kind") == "gpu"
+        scale, flops, rate, digits = (1e12, "TFLOP/s", "TB/s", 2) if gpu else (1e9, "GFLOP/s", "GB/s", 1)
         out.append("Each row is taken against the limits measured in its own run: "
                    + "; ".join(f"the run of {when[:16].replace('T', ' ')} UTC measured a peak of "
-                               f"{own['peak_flops'] / 1e9:.0f} GFLOP/s and a copy of "
-                               f"{own['copy_bytes_per_s'] / 1e9:.1f} GB/s" for when, own in others) + ".\n")
+                               f"{own['peak_flops'] / scale:.0f} {flops} and a copy of "
+                               f"{own['copy_bytes_per_s'] / scale:.{digits}f} {rate}" for when, own in others) + ".\n")
     out.append(f"Reproduce: `{COMMAND.format(size=size)}` (the suite, then this page).\n")
     groups = defaultdict(list)
     for bench in newest_rows(runs):

@@ -362,9 +362,11 @@ def _check_types(types, ids: torch.Tensor, real: torch.Tensor, vision: Vision) -
 # than this runs alone). The vision models attend within each frame, but one run over several frames
 # computes attention over all their patches and masks it: work that grows with the square of the run's
 # patches. So frames run one by one, except that small ones are packed to spare the per-run cost: on a
-# 2-vCPU AMD EPYC, four 256-patch images of Qwen2-VL-2B's tower took 7.26 s one by one against 8.29 s
-# in one run (the same features, bit for bit; benchmarks/images_split.py). CUDA's figure is a guess
-# (more launches per run, attention relatively cheaper), not yet measured.
+# 2-vCPU AMD EPYC, the vision stage of four 224 x 224 images (256 patches each) on Qwen2-VL-2B's tower
+# took 7.48 s frame by frame against 8.35 s in one run, the same features bit for bit
+# (benchmarks/images_split.py); sixteen 16-patch images 2.32 s one by one against 1.75 s in one run
+# (benchmarks/vision_runs.py). CUDA's figure is a guess (more launches per run, attention relatively
+# cheaper), not yet measured.
 PATCHES_PER_RUN = {"cpu": 256, "cuda": 1024}
 
 
@@ -376,10 +378,9 @@ def _frames(grids: torch.Tensor) -> torch.Tensor:
     return frames
 
 
-def _runs_of_frames(frames: torch.Tensor, budget: int) -> list[tuple[int, int]]:
-    """`[start, stop)` ranges of consecutive frames, each run at most `budget` patches (one frame alone
-    where it has more)."""
-    sizes = (frames[:, 1] * frames[:, 2]).tolist()
+def _runs_of_frames(sizes: list[int], budget: int) -> list[tuple[int, int]]:
+    """`[start, stop)` ranges of consecutive frames of `sizes` patches, each run at most `budget`
+    patches (one frame alone where it has more)."""
     runs, start, total = [], 0, 0
     for index, size in enumerate(sizes):
         if index > start and total + size > budget:
@@ -400,16 +401,17 @@ def _features(decoder: Decoder, vision: Vision, pixel_values: torch.Tensor | Non
     device = decoder.device
     frames = _frames(grids)
     patches = (frames[:, 1] * frames[:, 2]).tolist()
+    grids_there = frames.to(device)  # one copy up; each run binds a slice of it
     pixels = pixel_values.to(device, vision.pixel_dtype).contiguous()
     features = torch.empty(sum(patches) // vision.merge**2, decoder.package.hidden_size,
                            dtype=runtime.output_dtype(vision.session, vision.features), device=device)
     first_patch = first_token = 0
-    for start, stop in _runs_of_frames(frames, PATCHES_PER_RUN.get(device.type, PATCHES_PER_RUN["cuda"])):
+    for start, stop in _runs_of_frames(patches, PATCHES_PER_RUN.get(device.type, PATCHES_PER_RUN["cuda"])):
         count = sum(patches[start:stop])
         tokens = count // vision.merge**2
         binding = vision.session.io_binding()
         runtime.bind_input(binding, vision.pixel_values, pixels[first_patch : first_patch + count])
-        runtime.bind_input(binding, vision.grid, frames[start:stop].to(device))
+        runtime.bind_input(binding, vision.grid, grids_there[start:stop])
         runtime.bind_output(binding, vision.features, features[first_token : first_token + tokens])
         vision.session.run(binding)
         first_patch, first_token = first_patch + count, first_token + tokens
