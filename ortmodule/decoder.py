@@ -465,3 +465,33 @@ class _ScratchKV(threading.local):
             runtime.bind_output(binding, kv.present_key, scratch[offset : offset + size].view(shape))
             runtime.bind_output(binding, kv.present_value, scratch[offset + size : offset + 2 * size].view(shape))
             offset += 2 * size
+
+
+def embed_rows(decoder: Decoder, features_input: str, ids: torch.Tensor,
+               features: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """The embedding model's outputs for `ids` `[B, T]` with each row's media features (the
+    embedding model's input `features_input`; None: a row without media), as {decoder input:
+    `[B, T, ...]`} on the device. One run per row: an exporter's graph may number the media tokens
+    within each row (mobius-onnx's counts them along the row), so each row gets its own features."""
+    embedding, session, device = decoder.package.embedding, decoder.embedding_session, decoder.device
+    shapes = {value.name: value.shape for value in session.ort_session.get_outputs()}
+    made = {}
+    for output, target in embedding.feeds:
+        rest = shapes[output][2:]
+        if not all(isinstance(size, int) for size in rest):
+            raise PackageError(f"{embedding.path}: its output '{output}' has open dimensions {rest} after batch and "
+                               "sequence; ortmodule needs them fixed to run it with media")
+        made[target] = torch.empty(*ids.shape, *rest, dtype=runtime.output_dtype(session, output), device=device)
+    ids = ids.to(device, decoder.id_dtype)
+    none = dict(decoder.no_media)[features_input][:0]  # a row without media: no feature rows
+    for row, row_features in enumerate(features):
+        binding = session.io_binding()
+        runtime.bind_input(binding, embedding.input_ids, ids[row : row + 1].contiguous())
+        runtime.bind_input(binding, features_input, (row_features if row_features is not None else none).contiguous())
+        for name, value in decoder.no_media:
+            if name != features_input:
+                runtime.bind_input(binding, name, value)
+        for output, target in embedding.feeds:
+            runtime.bind_output(binding, output, made[target][row : row + 1])
+        session.run(binding)
+    return made

@@ -38,8 +38,8 @@ import weakref
 
 import torch
 
-from . import runtime, variants
-from .decoder import Decoder
+from . import images_gemma4, runtime, variants
+from .decoder import Decoder, embed_rows
 from .package import PackageError
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # transformers' mm_token_type_ids
@@ -65,6 +65,7 @@ class Media:
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
     mm_token_type_ids: torch.Tensor | None = None
+    image_position_ids: torch.Tensor | None = None  # Gemma 4's form (images_gemma4.py)
 
     @property
     def pixels(self) -> bool:
@@ -104,7 +105,7 @@ _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> (it
 _lock = threading.Lock()
 
 
-def for_decoder(decoder: Decoder) -> Vision:
+def for_decoder(decoder: Decoder) -> Vision | images_gemma4.PatchVision:
     """The decoder's vision model, opened at the first call with images (again after `to(device)`);
     `ImagesUnsupported` naming why where the package has none or one of another form."""
     with _lock:
@@ -122,16 +123,12 @@ def _open(decoder: Decoder) -> Vision:
     if not isinstance(section, dict) or embedding is None:
         raise ImagesUnsupported("the package has no vision model (genai_config.json's model.vision) and embedding "
                                 "model: it takes text only")
-    if decoder.spec.position_rank != 3:
-        raise ImagesUnsupported(f"the package's vision model is of a form ortmodule does not run yet "
-                                f"('{package.model_type}': only Qwen2.5-VL's, whose decoder takes mRoPE positions "
-                                "[3, batch, sequence])")
     names_in, names_out = section.get("inputs", {}), section.get("outputs", {})
     pixels, grid = names_in.get("pixel_values", "pixel_values"), names_in.get("image_grid_thw", "image_grid_thw")
     features = names_out.get("image_features", "image_features")
     token, merge = model.get("image_token_id"), section.get("spatial_merge_size")
-    if not isinstance(token, int) or not isinstance(merge, int) or merge < 1:
-        raise PackageError(f"{config}: images need model.image_token_id and model.vision.spatial_merge_size (integers)")
+    if not isinstance(token, int) or isinstance(token, bool):
+        raise PackageError(f"{config}: images need model.image_token_id (an integer)")
     path = package.root / str(section.get("filename", ""))
     if not path.is_file():
         raise PackageError(f"{config}: model.vision.filename is '{section.get('filename')}' but {path} does not exist")
@@ -139,10 +136,19 @@ def _open(decoder: Decoder) -> Vision:
     taken = {value.name: value for value in session.ort_session.get_inputs()}
     made = {value.name for value in session.ort_session.get_outputs()}
     embedding_inputs = {name for name, _, _ in embedding.empty_inputs}
-    if set(taken) != {pixels, grid} or features not in made or features not in embedding_inputs:
+    rank = decoder.spec.position_rank
+    if features in made and features in embedding_inputs and images_gemma4.is_form(set(taken), names_in, rank):
+        reason = images_gemma4.refusal(package)
+        if reason:
+            raise ImagesUnsupported(reason)
+        return images_gemma4.open_vision(package, section, session, token, features)
+    if set(taken) != {pixels, grid} or features not in made or features not in embedding_inputs or rank != 3:
         raise ImagesUnsupported(f"the package's vision model takes {sorted(taken)} and gives {sorted(made)}, where "
                                 f"ortmodule runs Qwen2.5-VL's form ('{pixels}', '{grid}' -> '{features}', an input of "
-                                "the embedding model)")
+                                "the embedding model, beside a decoder taking mRoPE positions [3, batch, sequence]) "
+                                "and Gemma 4's ('pixel_values', 'pixel_position_ids' -> 'image_features')")
+    if not isinstance(merge, int) or merge < 1:
+        raise PackageError(f"{config}: Qwen-VL's images need model.vision.spatial_merge_size (a positive integer)")
     width = taken[pixels].shape[-1]
     return Vision(session, pixels, grid, features, width if isinstance(width, int) else None,
                   runtime.input_dtype(session, pixels), merge, token, *_video_form(package, token))
@@ -218,7 +224,8 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None,
     text = ids.masked_fill(~real.to(ids.device), 0 if vision.image_token else 1)
     if vision.video_token is not None:
         text = text.masked_fill(text == vision.video_token, vision.image_token)
-    embeds = _embed(decoder, vision, text, _row_features(features, placed, vision.merge))
+    made = embed_rows(decoder, vision.features, text, _row_features(features, placed, vision.merge))
+    embeds = made[decoder.package.embedding.feeds[0][1]]  # Qwen-VL's embedding model makes inputs_embeds alone
     device = decoder.device
     return embeds, positions.to(device), offsets.to(device)
 
@@ -229,6 +236,12 @@ def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows
     inputs.check_batch made them) through `runs` (a `variants.Variant` taking embeddings; None: the
     plain one), into `cache` where given, which then keeps the rows' position offsets:
     `Variant.prefill`'s logits at `logit_index` and hidden states."""
+    vision = for_decoder(decoder)
+    if isinstance(vision, images_gemma4.PatchVision):
+        return images_gemma4.prefill(decoder, vision, ids, mask, rows, logit_index, cache, media, runs)
+    if media.image_position_ids is not None:
+        raise ValueError("image_position_ids are Gemma 4's; this package's vision model (Qwen-VL's form) takes "
+                         "image_grid_thw, as transformers' Qwen-VL image processor gives them")
     embeds, positions, offsets = prompt(decoder, ids, mask, media)
     runs = runs if runs is not None else variants.for_decoder(decoder, False, True)
     positions = variants.rolled(rows, positions.permute(1, 2, 0)).permute(2, 0, 1)  # [3, B, T], rolled by row
@@ -428,28 +441,6 @@ def _row_features(features: dict, placed: list[list[Placed]], merge: int) -> lis
         taken = [next(pieces[p.kind]) for p in row]
         rows.append(torch.cat(taken) if taken else None)
     return rows
-
-
-def _embed(decoder: Decoder, vision: Vision, ids: torch.Tensor, features: list[torch.Tensor | None]) -> torch.Tensor:
-    """The embedding model's `inputs_embeds` `[B, T, hidden]` for `ids` with each row's media features
-    (None: none). One run per row: an exporter's graph may number the image tokens within each row
-    (mobius-onnx's counts them along the row), so each row gets its own features."""
-    embedding, session, device = decoder.package.embedding, decoder.embedding_session, decoder.device
-    output = embedding.feeds[0][0]
-    embeds = torch.empty(*ids.shape, decoder.package.hidden_size, dtype=runtime.output_dtype(session, output),
-                         device=device)
-    ids = ids.to(device, decoder.id_dtype)
-    none = dict(decoder.no_media)[vision.features][:0]  # a row without images or videos: no feature rows
-    for row, row_features in enumerate(features):
-        binding = session.io_binding()
-        runtime.bind_input(binding, embedding.input_ids, ids[row : row + 1].contiguous())
-        runtime.bind_input(binding, vision.features, (row_features if row_features is not None else none).contiguous())
-        for name, value in decoder.no_media:
-            if name != vision.features:
-                runtime.bind_input(binding, name, value)
-        runtime.bind_output(binding, output, embeds[row : row + 1])
-        session.run(binding)
-    return embeds
 
 
 def rope_positions(shape, real: torch.Tensor, placed: list[list[Placed]],

@@ -19,7 +19,7 @@ from transformers import Cache, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import costs, embeddings, generation, hub, images, inputs, kept_costs, runtime, variants
+from . import costs, embeddings, generation, hub, images, images_gemma4, inputs, kept_costs, runtime, variants
 from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
@@ -161,7 +161,13 @@ class HuggingFaceSurface(GenerationMixin):
         if expand_size == 1 or not isinstance(ids, torch.Tensor):
             return input_ids, model_kwargs
         config = self.package.genai_config["model"]
-        kinds = [("pixel_values", "image_grid_thw", (), config.get("image_token_id"), False)]
+        token = config.get("image_token_id")
+        if isinstance(given["image_position_ids"], torch.Tensor) and isinstance(given["pixel_values"], torch.Tensor) \
+                and token is not None:  # Gemma 4's form: one row of pixel_values per image
+            model_kwargs["pixel_values"], model_kwargs["image_position_ids"] = images_gemma4.expanded(
+                ids, token, expand_size, given["pixel_values"], given["image_position_ids"])
+            return input_ids, model_kwargs
+        kinds = [("pixel_values", "image_grid_thw", (), token, False)]
         if isinstance(given["pixel_values_videos"], torch.Tensor):
             try:
                 vision = images.for_decoder(self.decoder)
@@ -335,6 +341,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         second_per_grid_ts: torch.Tensor | None = None,
+        image_position_ids: torch.Tensor | None = None,
         **kwargs,
     ):
         """Logits of `input_ids` (and the loss when `labels` are given).
@@ -354,10 +361,10 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         embeds = None if inputs_embeds is None else \
             variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
         given = (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts,
-                 mm_token_type_ids)  # images.Media's fields, in order
+                 mm_token_type_ids, image_position_ids)  # images.Media's fields, in order
         media = None if all(value is None for value in given) else \
             _image_inputs(self.decoder, past, embeds, images.Media(*given))  # text: no object made per call
-        runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None or media is not None)
+        runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None, media is not None)
         ids = input_ids if embeds is None else embeds.new_zeros(embeds.shape[:2], dtype=torch.int64)  # for the checks
         if past is not None:
             logits, states = self._forward_step(ids, attention_mask, past, keep, position_ids, cache_position, runs,
@@ -457,16 +464,17 @@ def _positions(rows, cols, checked: inputs.Rows) -> tuple[torch.Tensor, torch.Te
     return rows, cols
 
 
-def _variant(decoder: Decoder, hidden_states: bool, embeds: bool) -> variants.Variant | None:
-    """The decoder's runs for hidden states and/or embeddings (None: neither asked for); a
-    `NotSupportedError` naming why where its graph cannot give them."""
-    if not (hidden_states or embeds):
+def _variant(decoder: Decoder, hidden_states: bool, embeds: bool, media: bool = False) -> variants.Variant | None:
+    """The decoder's runs for hidden states and/or embeddings (the caller's, or the embedding
+    model's outputs for a prompt's `media`; None: none asked for); a `NotSupportedError` naming why
+    where its graph cannot give them."""
+    if not (hidden_states or embeds or media):
         return None
     try:
-        return variants.for_decoder(decoder, hidden_states, embeds)
+        return variants.for_decoder(decoder, hidden_states, embeds or media, extra_feeds=media)
     except RewriteSkipped as reason:
         asked = " with ".join(name for name, on in (("output_hidden_states=True", hidden_states),
-                                                     ("inputs_embeds", embeds)) if on)
+                                                     ("inputs_embeds", embeds), ("pixel_values", media)) if on)
         raise NotSupportedError(f"{asked}: {reason}") from None
 
 
@@ -482,9 +490,10 @@ def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images
                                     "(forward without past_key_values, or generate)")
         return None
     if not media.pixels:
-        if media.image_grid_thw is not None or media.video_grid_thw is not None or marks:
-            raise ValueError("image_grid_thw, video_grid_thw or mm_token_type_ids marking media were given without "
-                             "pixel_values or pixel_values_videos")
+        if media.image_grid_thw is not None or media.video_grid_thw is not None or \
+                media.image_position_ids is not None or marks:
+            raise ValueError("image_grid_thw, video_grid_thw, image_position_ids or mm_token_type_ids marking media "
+                             "were given without pixel_values or pixel_values_videos")
         return None
     if embeds is not None:
         raise ValueError("pixel_values go with input_ids (whose image and video tokens take the features), not "

@@ -42,11 +42,14 @@ class Variant:
         self.dtypes = [runtime.output_dtype(session, f"{hidden.HIDDEN}{i}") for i in range(layers + 1)] \
             if hidden_states else []
 
-    def _bind(self, binding, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Bind the embeddings (where `ids` are) and the hidden-state outputs; the latter's tensors."""
+    def _bind(self, binding, ids: torch.Tensor, extra: dict | None = None) -> list[torch.Tensor]:
+        """Bind the embeddings (where `ids` are), the embedding model's other outputs (`extra`) and
+        the hidden-state outputs; the latter's tensors."""
         decoder = self.decoder
         if ids.is_floating_point():
             runtime.bind_input(binding, self.embeds_input, ids.to(decoder.kv_dtype).contiguous())
+        for name, value in (extra or {}).items():
+            runtime.bind_input(binding, name, value.contiguous())
         rows, size = ids.shape[0] * ids.shape[1], decoder.package.hidden_size
         out = [torch.empty(rows, size, dtype=dtype, device=decoder.device) for dtype in self.dtypes]
         for i, tensor in enumerate(out):
@@ -54,11 +57,12 @@ class Variant:
         return out
 
     def prefill(self, rows: Rows, logit_index: torch.Tensor | None, cache: KVCache | None,
-                embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+                embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None, extra: dict | None = None):
         """`Decoder.prefill`'s logits (with hidden states every position through the head, then the
         asked-for ones) and the hidden states `[B, T, hidden]` in the caller's layout (None where not
-        asked for). `embeds`: the rows' embeddings `[B, T, hidden]` and `positions` (None: 0, 1, ...;
-        mRoPE's `[3, B, T]` after images) in the decoder's right-padded layout."""
+        asked for). `embeds`: the rows' embeddings `[B, T, hidden]`, `positions` (None: 0, 1, ...;
+        mRoPE's `[3, B, T]` after images) and `extra`, the embedding model's other outputs for a
+        Variant made with `extra_feeds` ({decoder input: `[B, T, ...]`}), in the decoder's right-padded layout."""
         decoder, session = self.decoder, self.session
         kept = None if self.dtypes else logit_index  # the final norm's output is every position's
         ids = rows.ids if embeds is None else embeds
@@ -67,7 +71,7 @@ class Variant:
         if positions is None and decoder.spec.position_ids:
             positions = torch.arange(width, device=decoder.device).expand(batch, -1)
         logits, states = run_prefill(decoder, session, rows, ids, kept, mask, positions, cache,
-                                     lambda binding: self._bind(binding, ids))
+                                     lambda binding: self._bind(binding, ids, extra))
         caller = inputs.every_position(rows)
         states = tuple((s if caller is None else s.index_select(0, caller)).view(batch, width, -1) for s in states)
         logits = logits.view(-1, logits.shape[-1])
@@ -121,22 +125,24 @@ def _graph_bytes(decoder: Decoder, hidden_states: bool, take_embeds: bool) -> by
     return graph.cached(decoder.cache_dir, f"{decoder.spec.path.stem}-variant-{digest.hexdigest()[:32]}", build)
 
 
-def for_decoder(decoder: Decoder, hidden_states: bool, embeds: bool) -> Variant:
+def for_decoder(decoder: Decoder, hidden_states: bool, embeds: bool, extra_feeds: bool = False) -> Variant:
     """The decoder's `Variant` giving hidden states and/or taking embeddings, for its current session
     (made at the first call, again after `to(device)`); raises `RewriteSkipped` naming why a
-    package's graph cannot."""
+    package's graph cannot. `extra_feeds`: the caller also gives the embedding model's other
+    outputs (`Variant.prefill`'s `extra`: a multimodal package's own embedding model run on media)."""
+    embedding = decoder.package.embedding
+    if embeds and embedding is not None and len(embedding.feeds) != 1 and not extra_feeds:
+        others = [target for _, target in embedding.feeds if target != embeds_feed(decoder)]
+        raise RewriteSkipped(f"the package's embedding model also gives {others}, which ortmodule makes from token "
+                             "ids only")
     with _lock:
         made = _made.setdefault(decoder, {})
         kind = (hidden_states, embeds)
         if kind in made and made[kind][0] is decoder.session:
             return made[kind][1]
-        embedding = decoder.package.embedding
         embeds_input = None
         if embeds and embedding is not None:
-            if len(embedding.feeds) != 1:
-                raise RewriteSkipped(f"the package's embedding model also gives {[f[1] for f in embedding.feeds[1:]]}"
-                                     ", which ortmodule makes from token ids only")
-            embeds_input = embedding.feeds[0][1]
+            embeds_input = embeds_feed(decoder)
         elif embeds:
             embeds_input = embeddings.EMBEDS
         if hidden_states or embedding is None:
@@ -174,3 +180,11 @@ def checked_embeds(embeds, hidden_size: int, device: torch.device) -> torch.Tens
         raise ValueError(f"inputs_embeds must be [batch, sequence, {hidden_size}] (the model's hidden size), got "
                          f"{tuple(embeds.shape)}")
     return embeds.to(device)
+
+
+def embeds_feed(decoder: Decoder) -> str:
+    """The decoder input a multimodal package's embedding model gives its embeddings to
+    (genai_config's `decoder.inputs.inputs_embeds`; the embedding model's one feed where it has one)."""
+    feeds = [target for _, target in decoder.package.embedding.feeds]
+    named = decoder.package.genai_config["model"]["decoder"].get("inputs", {}).get("inputs_embeds", "inputs_embeds")
+    return named if named in feeds else feeds[0]
