@@ -1,0 +1,198 @@
+"""Images in prompts on a Gemma 4-form package (ortmodule/images_gemma4.py): mobius-onnx's Gemma 4
+export (vision encoder taking pixel_values and pixel_position_ids, an embedding model giving
+inputs_embeds and per_layer_inputs, a causal decoder). forward, cached steps, hidden states, the loss
+and generate equal transformers' Gemma4ForConditionalGeneration on the same weights and the same
+image processor output; what the images cannot be is refused by name."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import load_pair, padded_rows
+from PIL import Image
+
+from ortmodule import NotSupportedError, OrtModelForCausalLM
+
+IMAGE, BOI, EOI = 509, 511, 510  # the fixture's reserved ids (ortmodule_dev/fixtures.py, Gemma 4's config)
+POOLING = 3
+
+
+def processed(*sizes, seed=0):
+    """What transformers' Gemma 4 image processor makes of random RGB images of `sizes` (h, w):
+    pixel_values, image_position_ids (padded to the batch's patches with (-1, -1)) and each image's tokens."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    state = np.random.RandomState(seed)
+    pictures = [Image.fromarray((state.rand(h, w, 3) * 255).astype("uint8")) for h, w in sizes]
+    out = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=POOLING)(
+        pictures, return_tensors="pt")
+    return out["pixel_values"], out["image_position_ids"], out["num_soft_tokens_per_image"].tolist()
+
+
+def prompt(tokens, text=5, seed=0):
+    """Token ids: text, then for each image of `tokens` tokens a begin-of-image, its image tokens, an
+    end-of-image and text (Gemma 4's processor's layout)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 500, (text,), generator=generator).tolist()
+    for count in tokens:
+        ids += [BOI] + [IMAGE] * count + [EOI] + torch.randint(10, 500, (3,), generator=generator).tolist()
+    return ids
+
+
+@pytest.fixture(scope="module")
+def pair(build):
+    return load_pair(build("gemma4_mobius"))
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """Three rows: two images, none, one; the images as the processor gives them (padded to one size)."""
+    pixels, positions, tokens = processed((40, 60), (30, 30), (50, 20))
+    ids, mask = padded_rows([prompt(tokens[:2], 7, 1), prompt([], 12, 2), prompt(tokens[2:], 4, 3)])
+    return dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_position_ids=positions,
+                mm_token_type_ids=(ids == IMAGE).long())
+
+
+def reference(hf, **given):
+    with torch.no_grad():
+        return hf(**given)
+
+
+def right_padded(given):
+    rows = [r[m.bool()].tolist() for r, m in zip(given["input_ids"], given["attention_mask"])]
+    ids, mask = padded_rows(rows, left=False)
+    return dict(given, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long())
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_logits_equal_transformers_with_images(pair, inputs, left):
+    model, hf = pair
+    given = inputs if left else right_padded(inputs)
+    real = given["attention_mask"].bool()
+    expected = reference(hf, **given).logits[real]
+    assert torch.allclose(model(**given).logits[real], expected, atol=1e-4, rtol=1e-4)
+    padded_with_images = given["input_ids"].masked_fill(given["attention_mask"] == 0, IMAGE)  # not counted
+    assert torch.allclose(model(**dict(given, input_ids=padded_with_images, mm_token_type_ids=None)).logits[real],
+                          expected, atol=1e-4, rtol=1e-4)
+    # The images matter: the same ids without them are other logits.
+    text = model(given["input_ids"], attention_mask=given["attention_mask"]).logits[real]
+    assert not torch.allclose(text, expected, atol=1e-2)
+
+
+def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, inputs):
+    """A prompt with images into a cache, then a step; hidden states (the graph's norms found by their
+    weights' names) at every real position; the loss."""
+    model, hf = pair
+    real = inputs["attention_mask"].bool()
+    out = model(**inputs, output_hidden_states=True, use_cache=True)
+    expected = reference(hf, **inputs, output_hidden_states=True)
+    assert len(out.hidden_states) == len(expected.hidden_states) == 3
+    for ours, theirs in zip(out.hidden_states, expected.hidden_states):
+        assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
+    tokens = torch.tensor([[7], [8], [9]])
+    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
+    step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values)
+    ids = torch.cat([inputs["input_ids"], tokens], 1)
+    whole = reference(hf, **dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long()))
+    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
+    after_padding = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], 1) == 0
+    labels = inputs["input_ids"].masked_fill(~real | after_padding, -100)
+    assert torch.allclose(model(**inputs, labels=labels).loss, reference(hf, **inputs, labels=labels).loss,
+                          atol=1e-5, rtol=1e-5)
+
+
+def test_generate_with_images_equals_transformers(pair, inputs):
+    """Greedy and sampled generate from the image prompts: the same tokens as transformers' loop (the
+    same seed, the same samples). Beams repeat each row with its own images: against transformers on
+    rows of one image each (its own repetition copies pixel_values row by row, right only there), and
+    a row of two images against the same row alone."""
+    model, hf = pair
+    options = dict(max_new_tokens=8, pad_token_id=2)
+    for mode in (dict(do_sample=False), dict(do_sample=True, top_k=20)):
+        torch.manual_seed(7)
+        expected = hf.generate(**inputs, **options, **mode)
+        torch.manual_seed(7)
+        assert torch.equal(model.generate(**inputs, **options, **mode), expected)
+    beams = dict(options, do_sample=False, num_beams=3, num_return_sequences=2)
+    pixels, positions, tokens = processed((40, 60), (50, 20), seed=4)
+    ids, mask = padded_rows([prompt(tokens[:1], 6, 5), prompt(tokens[1:], 3, 6)])
+    single = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_position_ids=positions)
+    assert torch.equal(model.generate(**single, **beams), hf.generate(**single, **beams))
+    scored = dict(options, return_dict_in_generate=True, output_logits=True)
+    greedy = model.generate(**inputs, **scored, do_sample=False)
+    copies = model.generate(**inputs, **scored, do_sample=True, top_k=1, num_return_sequences=2)  # each greedy
+    assert torch.equal(copies.sequences, greedy.sequences.repeat_interleave(2, 0))
+    assert torch.allclose(copies.logits[0], greedy.logits[0].repeat_interleave(2, 0), atol=1e-5, rtol=1e-5)
+    together = model.generate(**inputs, **beams)
+    first = {k: v[:1] for k, v in inputs.items() if k not in ("pixel_values", "image_position_ids")}
+    alone = model.generate(**first, pixel_values=inputs["pixel_values"][:2],
+                           image_position_ids=inputs["image_position_ids"][:2], **beams)
+    assert torch.equal(together[:2, -alone.shape[1]:], alone)
+
+
+def test_what_images_cannot_be_is_refused(pair, inputs):
+    model, _ = pair
+    given = dict(inputs)
+    one_short = given["input_ids"].clone()
+    one_short[0, (one_short[0] == IMAGE).nonzero()[0]] = 20  # a run one token shorter than its image
+    with pytest.raises(ValueError, match="image tokens and images do not match"):
+        model(**dict(given, input_ids=one_short, mm_token_type_ids=None))
+    swapped = dict(given, pixel_values=given["pixel_values"][[0, 2, 1]],
+                   image_position_ids=given["image_position_ids"][[0, 2, 1]])  # an image's tokens across two rows
+    with pytest.raises(ValueError, match="each row's tokens must be its images' in order"):
+        model(**swapped)
+    with pytest.raises(ValueError, match="need image_position_ids"):
+        model(**dict(given, image_position_ids=None))
+    with pytest.raises(ValueError, match="patches hold 47 values; the vision model takes 48"):
+        model(**dict(given, pixel_values=given["pixel_values"][..., :47]))
+    with pytest.raises(ValueError, match="image_position_ids must be an integer tensor"):
+        model(**dict(given, image_position_ids=given["image_position_ids"].float()))
+    cut = given["image_position_ids"].clone()
+    cut[0, 0] = -1  # one real patch fewer: not a whole number of pooled tokens
+    with pytest.raises(ValueError, match="a positive multiple of 9"):
+        model(**dict(given, image_position_ids=cut))
+    with pytest.raises(ValueError, match="image_grid_thw is Qwen-VL's"):
+        model(**dict(given, image_grid_thw=torch.tensor([[1, 4, 4]] * 3)))
+    with pytest.raises(ValueError, match="without pixel_values"):
+        model(**dict(given, pixel_values=None))
+    with pytest.raises(ValueError, match="mark other tokens than input_ids' image tokens"):
+        model(**dict(given, mm_token_type_ids=torch.zeros_like(given["input_ids"])))
+    with pytest.raises(NotSupportedError, match="videos of Gemma 4-form packages are not run"):
+        model(given["input_ids"], pixel_values_videos=given["pixel_values"])
+    with pytest.raises(NotSupportedError, match="inputs_embeds: the package's embedding model also gives"):
+        model(inputs_embeds=torch.zeros(1, 3, model.package.hidden_size))  # still: ortmodule cannot make them
+
+
+def test_a_model_attending_both_ways_within_an_image_is_refused(build, inputs, tmp_path):
+    """transformers' Gemma 4 with use_bidirectional_attention='vision' (its 26B-A4B and 31B) attends both
+    ways within an image on its sliding layers, the exported decoder causally: where the checkpoint's
+    config.json in the package says so, images are refused; text still runs."""
+    fixture = build("gemma4_mobius")
+    package = tmp_path / "package"
+    shutil.copytree(fixture.package_dir, package)
+    config = json.loads((fixture.hf_dir / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    (package / "config.json").write_text(json.dumps(config))
+    model = OrtModelForCausalLM.from_pretrained(package)
+    with pytest.raises(NotSupportedError, match="use_bidirectional_attention='vision'"):
+        model(**inputs)
+    assert model(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits.shape[:2] == \
+        inputs["input_ids"].shape
+
+
+def test_the_pooling_comes_from_the_checkpoint_config_without_the_processor_settings(build, inputs, tmp_path):
+    fixture = build("gemma4_mobius")
+    package = tmp_path / "package"
+    shutil.copytree(fixture.package_dir, package)
+    (package / "image_processor.json").unlink()
+    model = OrtModelForCausalLM.from_pretrained(package)
+    with pytest.raises(Exception, match="pooling_kernel_size"):
+        model(**inputs)
+    shutil.copy(fixture.hf_dir / "config.json", package / "config.json")
+    model = OrtModelForCausalLM.from_pretrained(package)
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(fixture.hf_dir).eval()
+    real = inputs["attention_mask"].bool()
+    assert torch.allclose(model(**inputs).logits[real], reference(hf, **inputs).logits[real], atol=1e-4, rtol=1e-4)
