@@ -162,6 +162,19 @@ def labels_for(tokenizer):
     return [tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c")] + [5, 300]
 
 
+def tokenizer_with(package_dir, tokens: dict[int, str], template: str):
+    """The fixture package's tokenizer with special tokens at the fixture's reserved ids (`tokens`:
+    {id: text}; the ids before them filled with placeholders) and a chat template."""
+    from ortmodule import load_tokenizer
+
+    tokenizer = load_tokenizer(package_dir)
+    names = [tokens.get(i, f"<|media{i}|>") for i in range(len(tokenizer), max(tokens) + 1)]
+    tokenizer.add_special_tokens({"additional_special_tokens": names})
+    assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == list(tokens)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
 def hf_greedy(hf, ids: list[int], new: int) -> list[int]:
     """transformers' greedy continuation of one prompt: `new` tokens, no end-of-sequence stop."""
     with torch.no_grad():

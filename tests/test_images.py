@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import load_pair, padded_rows
+from helpers import load_pair, padded_rows, tokenizer_with
 from PIL import Image
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -430,16 +430,8 @@ def png_url(size, seed):
 
 def vl_tokenizer(package_dir):
     """The fixture's tokenizer with Qwen2.5-VL's vision tokens at the fixture's reserved ids."""
-    from ortmodule import load_tokenizer
-
-    tokenizer = load_tokenizer(package_dir)
-    fill = [f"<|media{i}|>" for i in range(len(tokenizer), END)]
-    tokenizer.add_special_tokens({"additional_special_tokens": [*fill, "<|vision_end|>", "<|vision_start|>",
-                                                                "<|video_pad|>", "<|image_pad|>"]})
-    assert tokenizer.convert_tokens_to_ids(["<|vision_end|>", "<|vision_start|>", "<|image_pad|>"]) == [END, START,
-                                                                                                           IMAGE]
-    tokenizer.chat_template = VL_TEMPLATE
-    return tokenizer
+    return tokenizer_with(package_dir, {END: "<|vision_end|>", START: "<|vision_start|>", 510: "<|video_pad|>",
+                                        IMAGE: "<|image_pad|>"}, VL_TEMPLATE)
 
 
 @pytest.mark.parametrize("arch", PACKAGES)

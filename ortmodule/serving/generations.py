@@ -122,8 +122,7 @@ class DecodeBatch:
     def prefill_images(self, model, row: Row) -> tuple[torch.Tensor, object]:
         """Run a prompt with images (`row.media`) alone, whole, through the model's forward: the
         logits after it, `[1, V]`, and its cache, which keeps the row's mRoPE position offset."""
-        out = model(torch.tensor([row.prompt]), pixel_values=row.media.pixel_values,
-                    image_grid_thw=row.media.image_grid_thw, use_cache=True, logits_to_keep=1)
+        out = model(torch.tensor([row.prompt]), **row.media.inputs, use_cache=True, logits_to_keep=1)
         row.prefilled = len(row.prompt)
         return out.logits[:, -1], out[CACHE_NAME]
 

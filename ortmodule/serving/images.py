@@ -1,13 +1,15 @@
 """Images in chat requests: `image_url` content parts, for a package that takes images (ortmodule's
-images.py: Qwen2.5-VL's form) served with `--processor`, the checkpoint folder whose image processor
-the model was trained with (a GenAI package carries onnxruntime-genai's image settings, not
-transformers').
+images.py: Qwen2.5-VL's form; images_gemma4.py: Gemma 4's) served with `--processor`, the checkpoint
+folder whose image processor the model was trained with (a GenAI package carries onnxruntime-genai's
+image settings, not transformers').
 
 The server fetches nothing: an image is a `data:` URL, base64, of a format Pillow reads, of at most
 `MAX_PIXELS` pixels. The chat template renders an image part (`{"type": "image"}`) as the model's
-placeholder (Qwen2.5-VL's: a vision start, one image pad, a vision end); each pad then becomes its
-image's tokens (t x h x w / merge^2), as transformers' processor expands it. An image request is one
-prompt with its images: the engine prefills it alone, whole (generations.py).
+placeholder, which then becomes the image's tokens as transformers' processor expands it: Qwen2.5-VL's
+image pad (between a vision start and end the template writes) its t x h x w / merge^2 image tokens;
+Gemma 4's image token a begin-of-image, its soft tokens and an end-of-image (the ids of the
+checkpoint's config.json). An image request is one prompt with its images: the engine prefills it
+alone, whole (generations.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,10 +31,10 @@ MAX_PIXELS = 50_000_000  # an image larger than this (width x height) is refused
 
 @dataclass(frozen=True)
 class Media:
-    """A prompt's images as the model takes them."""
+    """A prompt's images as the model takes them: forward's keywords (`pixel_values` with
+    `image_grid_thw`, or with `image_position_ids`)."""
 
-    pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
+    inputs: dict[str, torch.Tensor]
 
 
 class ChatImages:
@@ -50,7 +54,9 @@ class ChatImages:
             self.processor = AutoImageProcessor.from_pretrained(processor, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"--processor {processor}: no image processor there ({e})") from None
-        self.token, self.merge = vision.image_token, vision.merge
+        self.token = vision.image_token
+        self.merge = getattr(vision, "merge", None)  # Qwen-VL's form; None: Gemma 4's
+        self.ends = None if self.merge is not None else _image_ends(processor)
 
     def decode(self, url: str, where: str):
         """The RGB image of a `data:` URL; a ServingError naming `where` for anything else."""
@@ -83,9 +89,29 @@ class ChatImages:
                                f"{len(pictures)} images; this model's template must render each image part as one",
                                "messages")
         made = self.processor(images=pictures, return_tensors="pt")
-        grids = made["image_grid_thw"]
-        counts = iter((grids.prod(1) // self.merge**2).tolist())
+        if self.ends is None:  # Qwen-VL's: each image pad its image's tokens
+            counts = (made["image_grid_thw"].prod(1) // self.merge**2).tolist()
+            runs = iter([[self.token] * count for count in counts])
+            inputs = {name: made[name] for name in ("pixel_values", "image_grid_thw")}
+        else:  # Gemma 4's: each image token its image's soft tokens between a begin and an end
+            begin, end = self.ends
+            runs = iter([[begin, *[self.token] * count, end] for count in made["num_soft_tokens_per_image"].tolist()])
+            inputs = {name: made[name] for name in ("pixel_values", "image_position_ids")}
         expanded: list[int] = []
         for token in ids:
-            expanded += [token] * next(counts) if token == self.token else [token]
-        return expanded, Media(made["pixel_values"], grids)
+            expanded += next(runs) if token == self.token else [token]
+        return expanded, Media(inputs)
+
+
+def _image_ends(processor: str) -> tuple[int, int]:
+    """Gemma 4's begin- and end-of-image ids, from the checkpoint's config.json in `processor`."""
+    path = Path(processor) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--processor {processor}: Gemma 4's images need the checkpoint's config.json there (its "
+                         f"boi_token_id and eoi_token_id): {e}") from None
+    ends = config.get("boi_token_id"), config.get("eoi_token_id")
+    if not all(isinstance(value, int) and not isinstance(value, bool) for value in ends):
+        raise ValueError(f"--processor {processor}: {path} needs boi_token_id and eoi_token_id (integers), got {ends}")
+    return ends
