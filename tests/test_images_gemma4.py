@@ -286,3 +286,100 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
         assert answers[-1].json()["choices"][0]["text"] == completion().json()["choices"][0]["text"]
     finally:
         server.stop()
+
+
+class GemmaImageTextProcessor:
+    """transformers' Gemma 4 processor for images (whose video and audio halves need torchvision and
+    librosa's kin, which this environment lacks): the Gemma 4 image processor's output, and each
+    `<|image|>` in the text expanded to a begin-of-image, its soft tokens and an end-of-image, as
+    Gemma4Processor expands it."""
+
+    image_token = "<|image|>"
+
+    def __init__(self, package_dir):
+        from helpers import tokenizer_with
+        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+        self.tokenizer = tokenizer_with(package_dir, {IMAGE: self.image_token, EOI: "<|eoi|>", BOI: "<|boi|>"}, "")
+        self.image_processor = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=POOLING)
+
+    def __call__(self, images=None, text=None, return_tensors=None, padding=False, truncation=False, **kwargs):
+        texts = [text] if isinstance(text, str) else list(text)
+        flat = [image for group in images or [] for image in (group if isinstance(group, list) else [group])]
+        out = {}
+        if flat:
+            encoded = self.image_processor(flat, return_tensors="pt")
+            counts = iter(encoded["num_soft_tokens_per_image"].tolist())
+            texts = [t.replace(self.image_token, "\0") for t in texts]
+            texts = ["".join(piece if i == 0 else f"<|boi|>{self.image_token * next(counts)}<|eoi|>{piece}"
+                             for i, piece in enumerate(t.split("\0"))) for t in texts]
+            out.update(pixel_values=encoded["pixel_values"], image_position_ids=encoded["image_position_ids"])
+        tokens = self.tokenizer(texts, padding=padding, truncation=truncation, return_tensors=return_tensors)
+        out.update(tokens)
+        if return_tensors == "pt":
+            out["mm_token_type_ids"] = (tokens["input_ids"] == IMAGE).long()
+        return transformers.BatchFeature(out)
+
+
+TASK = """task: ortmodule_gemma_images_test
+custom_dataset: !function images_utils.docs
+test_split: test
+output_type: generate_until
+doc_to_image: !function images_utils.doc_to_image
+doc_to_text: "<image> Say {{word}}:"
+doc_to_target: "{{word}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+metadata:
+  version: 0
+"""
+TASK_UTILS = '''import datasets
+
+import numpy as np
+from PIL import Image
+
+
+def docs(**kwargs):
+    rows = [dict(word=w, seed=i, h=30 + 6 * (i % 3), w=40 - 6 * (i % 2)) for i, w in enumerate("abcde")]
+    return {"test": datasets.Dataset.from_list(rows)}
+
+
+def doc_to_image(doc):
+    pixels = np.random.RandomState(doc["seed"]).rand(doc["h"], doc["w"], 3) * 255
+    return [Image.fromarray(pixels.astype("uint8"))]
+'''
+
+
+def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, pair, tmp_path):
+    """`--model ortmodule-multimodal` on an image task (MMMU's form), batched and left-padded, against
+    lm-eval's own `hf-multimodal` on the transformers model with the same processor: every response equal."""
+    import lm_eval
+    from lm_eval.models.hf_vlms import HFMultimodalLM
+    from lm_eval.tasks import TaskManager
+
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    (tmp_path / "images_test.yaml").write_text(TASK)
+    (tmp_path / "images_utils.py").write_text(TASK_UTILS)
+    fixture = build("gemma4_mobius")
+    processor = GemmaImageTextProcessor(fixture.package_dir)
+
+    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
+        def _create_tokenizer(self, *args, **kwargs):
+            self.processor, self.tokenizer = processor, processor.tokenizer
+
+    _, hf = pair
+    responses = {}
+    for name, lm in (("hf", Reference(pretrained=hf, batch_size=3, device="cpu")),
+                     ("ortmodule", OrtModuleMultimodalLM(fixture.package_dir, processor=processor, batch_size=3,
+                                                         device="cpu"))):
+        result = lm_eval.simple_evaluate(model=lm, tasks=["ortmodule_gemma_images_test"], log_samples=True,
+                                         task_manager=TaskManager(include_path=str(tmp_path)))
+        samples = sorted(result["samples"]["ortmodule_gemma_images_test"], key=lambda s: s["doc_id"])
+        responses[name] = [s["resps"][0][0] for s in samples]
+    assert len(responses["hf"]) == 5 and any(responses["hf"])
+    assert responses["ortmodule"] == responses["hf"]
