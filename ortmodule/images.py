@@ -19,6 +19,9 @@ pixel_values_videos=..., video_grid_thw=..., second_per_grid_ts=...)`:
    own, placed as a one-frame image), and the text after it goes on from
    that start plus the larger of the grid's height and width.
 
+A vision model of Gemma 4's form (pixel_values and pixel_position_ids, a decoder at plain positions)
+is opened here too and its prompts run by images_gemma4.py.
+
 genai_config.json names the image token only: videos need the checkpoint's config.json beside it in
 the package (its `video_token_id`, `model_type` and Qwen2.5-VL's `vision_config.tokens_per_second`).
 
