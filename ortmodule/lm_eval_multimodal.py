@@ -1,7 +1,7 @@
 """`lm_eval --model ortmodule-multimodal`: lm-eval's `hf-multimodal` backend (HFMultimodalLM) over a
-GenAI package that takes images (images.py: Qwen2.5-VL's form; images_gemma4.py: Gemma 4's), for tasks with images (MMMU's form:
-`doc_to_image`, `generate_until`, which is what lm-eval's class runs with images; its text-only
-requests go through HFLM's paths as with `hf-multimodal`).
+GenAI package that takes images (images.py: Qwen2.5-VL's form; images_gemma4.py: Gemma 4's), for
+tasks with images (MMMU's form: `doc_to_image`, `generate_until`, which is what lm-eval's class
+runs with images; its text-only requests go through HFLM's paths as with `hf-multimodal`).
 
 lm-eval's class is used as it is, with the model loaded from the package and the processor from
 where the checkpoint's is (`processor=`: a GenAI package carries onnxruntime-genai's image

@@ -340,7 +340,7 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
     logits, vocab_size = _read_logits(model, graph)
     _check_attention(proto, shape.num_heads, shape.num_kv_heads, path, config_path)
     states = _read_states(dec, graph)
-    layers = _read_layers(dec, shape, graph, {state.layer for state in states})
+    layers = _read_layers(dec, shape, graph, {state.layer for state in states}, str(model.get("type", "")))
     _check_windows(proto, layers, path, config_path)
     kv_type = _elem_type(graph.inputs[layers[0].past_key]) if layers else onnx.TensorProto.FLOAT
     if any(_elem_type(graph.inputs[state.past]) != kv_type for state in states):
@@ -514,16 +514,18 @@ def _read_states(dec: dict, graph: _Graph) -> tuple[ConvState, ...]:
     return tuple(states)
 
 
-def _read_layers(dec: dict, shape: _Shape, graph: _Graph, other: set = frozenset()) -> tuple[LayerKV, ...]:
+def _read_layers(dec: dict, shape: _Shape, graph: _Graph, other: set = frozenset(),
+                 model_type: str = "") -> tuple[LayerKV, ...]:
     """Each layer's KV input and output names (from genai_config's templates) and shape; the layers in
-    `other` (a hybrid decoder's convolution layers) keep no KV."""
+    `other` (a hybrid decoder's convolution layers) keep no KV, nor do Gemma 4's last layers that
+    reuse an earlier layer's (`num_kv_shared_layers`: the graph has no KV for them, `_kv_layers`)."""
     sliding = dec.get("sliding_window") or {}
     sliding_layers = set(sliding.get("layers", range(shape.num_layers))) if sliding else set()
     tables = {"inputs": (graph.names_in, graph.inputs), "outputs": (graph.names_out, graph.outputs)}
     templates = {key: _get(tables[section][0], key, f"model.decoder.{section}.", graph.config_path)
                  for section, key in _KV_NAMES}
     layers = []
-    for i in range(shape.num_layers):
+    for i in range(_kv_layers(shape.num_layers, templates["past_key_names"], graph, model_type)):
         if i in other:
             continue
         names = []
@@ -546,6 +548,21 @@ def _read_layers(dec: dict, shape: _Shape, graph: _Graph, other: set = frozenset
         window = sliding.get("window_size") if i in sliding_layers else None
         layers.append(LayerKV(*names, heads, size, window))
     return tuple(layers)
+
+
+def _kv_layers(count: int, past_keys: str, graph: _Graph, model_type: str) -> int:
+    """The layers with KV of their own: all `count`, except in a Gemma 4 graph whose last layers have
+    no KV input (mobius-onnx's export of `num_kv_shared_layers`, which reuse an earlier layer's keys
+    and values): the layers before the first without."""
+    if not model_type.startswith("gemma4"):
+        return count
+    own = [past_keys % i in graph.inputs for i in range(count)]
+    first = own.index(False) if False in own else count
+    if first == 0 or any(own[first:]):
+        return count  # not that form: the first missing name is an error below
+    logger.info("ortmodule: %s has KV inputs for its first %d of %d layers (the rest reuse earlier layers' keys "
+                "and values)", graph.path, first, count)
+    return first
 
 
 def _read_embedding(root: Path, model: dict, config_path: Path, decoder_names: dict, decoder_inputs: dict) -> Embedding:

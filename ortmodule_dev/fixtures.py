@@ -140,6 +140,9 @@ class FixtureSpec:
     # tower), and the text model's mRoPE sections (None: [2, 3, 3], for the fixture's 16-wide heads).
     vision: tuple[tuple[str, object], ...] | None = None
     mrope_section: tuple[int, int, int] | None = None
+    # Gemma 4 only: the last layers reuse an earlier layer's keys and values (Gemma 4 E2B's and E4B's
+    # num_kv_shared_layers); None: every layer keeps its own.
+    kv_shared_layers: int | None = None
 
     @property
     def name(self) -> str:
@@ -331,6 +334,8 @@ def _gemma4_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     vision = None
     if family == "Gemma4":  # per-layer inputs, and a vision tower to leave alone
         text.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=spec.vocab_size)
+        if spec.kv_shared_layers:
+            text.update(num_kv_shared_layers=spec.kv_shared_layers)
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
     media = {name: spec.vocab_size - 1 - i for i, name in enumerate(MEDIA_TOKENS)}

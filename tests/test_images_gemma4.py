@@ -383,3 +383,25 @@ def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, pair, tmp_pa
         responses[name] = [s["resps"][0][0] for s in samples]
     assert len(responses["hf"]) == 5 and any(responses["hf"])
     assert responses["ortmodule"] == responses["hf"]
+
+
+def test_layers_reusing_earlier_layers_keys_and_values(build, inputs):
+    """Gemma 4 E2B's and E4B's form: the last layers reuse an earlier layer's keys and values
+    (`num_kv_shared_layers`), and mobius-onnx's graph has KV inputs for the first layers only. Text
+    and images, a cached step and greedy generate as transformers on the same weights."""
+    fixture = build("gemma4_mobius", num_layers=4, kv_shared_layers=2)
+    model, hf = load_pair(fixture)
+    assert len(model.decoder.spec.layers) == 2 and model.package.num_hidden_layers == 4
+    real = inputs["attention_mask"].bool()
+    out = model(**inputs, use_cache=True)
+    assert torch.allclose(out.logits[real], reference(hf, **inputs).logits[real], atol=1e-4, rtol=1e-4)
+    text = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    assert torch.allclose(model(**text).logits[real], reference(hf, **text).logits[real], atol=1e-4, rtol=1e-4)
+    tokens = torch.tensor([[7], [8], [9]])
+    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
+    step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values)
+    ids = torch.cat([inputs["input_ids"], tokens], 1)
+    whole = reference(hf, **dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long()))
+    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
+    options = dict(max_new_tokens=8, pad_token_id=2, do_sample=False)
+    assert torch.equal(model.generate(**inputs, **options), hf.generate(**inputs, **options))
