@@ -19,8 +19,8 @@ pixel_values_videos=..., video_grid_thw=..., second_per_grid_ts=...)`:
    own, placed as a one-frame image), and the text after it goes on from
    that start plus the larger of the grid's height and width.
 
-A vision model of Gemma 4's form (pixel_values and pixel_position_ids, a decoder at plain positions)
-is opened here too and its prompts run by images_gemma4.py.
+Vision models of Gemma 4's and Pixtral's forms (beside a decoder at plain positions) are opened here
+too and their prompts run by images_plain.py.
 
 genai_config.json names the image token only: videos need the checkpoint's config.json beside it in
 the package (its `video_token_id`, `model_type` and Qwen2.5-VL's `vision_config.tokens_per_second`).
@@ -41,7 +41,7 @@ import weakref
 
 import torch
 
-from . import images_gemma4, runtime, variants
+from . import images_plain, runtime, variants
 from .decoder import Decoder, embed_rows
 from .package import PackageError
 
@@ -68,7 +68,8 @@ class Media:
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
     mm_token_type_ids: torch.Tensor | None = None
-    image_position_ids: torch.Tensor | None = None  # Gemma 4's form (images_gemma4.py)
+    image_position_ids: torch.Tensor | None = None  # Gemma 4's form (images_plain.py)
+    image_sizes: torch.Tensor | None = None  # Pixtral's form (images_plain.py)
 
     @property
     def pixels(self) -> bool:
@@ -108,7 +109,7 @@ _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> (it
 _lock = threading.Lock()
 
 
-def for_decoder(decoder: Decoder) -> Vision | images_gemma4.PatchVision:
+def for_decoder(decoder: Decoder) -> Vision | images_plain.PlainVision:
     """The decoder's vision model, opened at the first call with images (again after `to(device)`);
     `ImagesUnsupported` naming why where the package has none or one of another form."""
     with _lock:
@@ -140,16 +141,18 @@ def _open(decoder: Decoder) -> Vision:
     made = {value.name for value in session.ort_session.get_outputs()}
     embedding_inputs = {name for name, _, _ in embedding.empty_inputs}
     rank = decoder.spec.position_rank
-    if features in made and features in embedding_inputs and images_gemma4.is_form(set(taken), names_in, rank):
-        reason = images_gemma4.refusal(package)
+    form = images_plain.form_of({name: value.shape for name, value in taken.items()}, names_in, rank)
+    if features in made and features in embedding_inputs and form is not None:
+        reason = images_plain.refusal(package, form)
         if reason:
             raise ImagesUnsupported(reason)
-        return images_gemma4.open_vision(package, section, session, token, features)
+        return images_plain.open_vision(package, section, session, form, token, features)
     if set(taken) != {pixels, grid} or features not in made or features not in embedding_inputs or rank != 3:
         raise ImagesUnsupported(f"the package's vision model takes {sorted(taken)} and gives {sorted(made)}, where "
                                 f"ortmodule runs Qwen2.5-VL's form ('{pixels}', '{grid}' -> '{features}', an input of "
-                                "the embedding model, beside a decoder taking mRoPE positions [3, batch, sequence]) "
-                                "and Gemma 4's ('pixel_values', 'pixel_position_ids' -> 'image_features')")
+                                "the embedding model, beside a decoder taking mRoPE positions [3, batch, sequence]), "
+                                "Gemma 4's ('pixel_values', 'pixel_position_ids' -> 'image_features') and Pixtral's "
+                                "('pixel_values' [images, 3, height, width] -> 'image_features')")
     if not isinstance(merge, int) or merge < 1:
         raise PackageError(f"{config}: Qwen-VL's images need model.vision.spatial_merge_size (a positive integer)")
     width = taken[pixels].shape[-1]
@@ -240,11 +243,12 @@ def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows
     plain one), into `cache` where given, which then keeps the rows' position offsets:
     `Variant.prefill`'s logits at `logit_index` and hidden states."""
     vision = for_decoder(decoder)
-    if isinstance(vision, images_gemma4.PatchVision):
-        return images_gemma4.prefill(decoder, vision, ids, mask, rows, logit_index, cache, media, runs)
-    if media.image_position_ids is not None:
-        raise ValueError("image_position_ids are Gemma 4's; this package's vision model (Qwen-VL's form) takes "
-                         "image_grid_thw, as transformers' Qwen-VL image processor gives them")
+    if isinstance(vision, images_plain.PlainVision):
+        return images_plain.prefill(decoder, vision, ids, mask, rows, logit_index, cache, media, runs)
+    for name in ("image_position_ids", "image_sizes"):
+        if getattr(media, name) is not None:
+            raise ValueError(f"{name} was given; this package's vision model (Qwen-VL's form) takes pixel_values with "
+                             "image_grid_thw, as transformers' Qwen-VL image processor gives them")
     embeds, positions, offsets = prompt(decoder, ids, mask, media)
     runs = runs if runs is not None else variants.for_decoder(decoder, False, True)
     positions = variants.rolled(rows, positions.permute(1, 2, 0)).permute(2, 0, 1)  # [3, B, T], rolled by row

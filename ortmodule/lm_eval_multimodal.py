@@ -1,5 +1,5 @@
 """`lm_eval --model ortmodule-multimodal`: lm-eval's `hf-multimodal` backend (HFMultimodalLM) over a
-GenAI package that takes images (images.py: Qwen2.5-VL's form; images_gemma4.py: Gemma 4's), for
+GenAI package that takes images (images.py: Qwen2.5-VL's form; images_plain.py: Gemma 4's), for
 tasks with images (MMMU's form: `doc_to_image`, `generate_until`, which is what lm-eval's class
 runs with images; its text-only requests go through HFLM's paths as with `hf-multimodal`).
 

@@ -19,7 +19,7 @@ from transformers import Cache, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import costs, embeddings, generation, hub, images, images_gemma4, inputs, kept_costs, runtime, variants
+from . import costs, embeddings, generation, hub, images, images_plain, inputs, kept_costs, runtime, variants
 from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
@@ -162,11 +162,17 @@ class HuggingFaceSurface(GenerationMixin):
             return input_ids, model_kwargs
         config = self.package.genai_config["model"]
         token = config.get("image_token_id")
-        if isinstance(given["image_position_ids"], torch.Tensor) and isinstance(given["pixel_values"], torch.Tensor) \
-                and token is not None:  # Gemma 4's form: one row of pixel_values per image
-            model_kwargs["pixel_values"], model_kwargs["image_position_ids"] = images_gemma4.expanded(
-                ids, token, expand_size, given["pixel_values"], given["image_position_ids"])
-            return input_ids, model_kwargs
+        if isinstance(given["pixel_values"], torch.Tensor) and given["image_grid_thw"] is None:
+            try:  # Gemma 4's and Pixtral's forms: one row of pixel_values per image
+                vision = images.for_decoder(self.decoder)
+            except images.ImagesUnsupported:  # refused by name when forward gets them
+                vision = None
+            if isinstance(vision, images_plain.PlainVision):
+                names = ("pixel_values", "image_position_ids", "image_sizes")
+                for name, value in zip(names, images_plain.expanded(vision, ids, expand_size,
+                                                                    *(given[name] for name in names))):
+                    model_kwargs[name] = value
+                return input_ids, model_kwargs
         kinds = [("pixel_values", "image_grid_thw", (), token, False)]
         if isinstance(given["pixel_values_videos"], torch.Tensor):
             try:
@@ -342,6 +348,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         video_grid_thw: torch.Tensor | None = None,
         second_per_grid_ts: torch.Tensor | None = None,
         image_position_ids: torch.Tensor | None = None,
+        image_sizes: torch.Tensor | None = None,
         **kwargs,
     ):
         """Logits of `input_ids` (and the loss when `labels` are given).
@@ -361,7 +368,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         embeds = None if inputs_embeds is None else \
             variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
         given = (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts,
-                 mm_token_type_ids, image_position_ids)  # images.Media's fields, in order
+                 mm_token_type_ids, image_position_ids, image_sizes)  # images.Media's fields, in order
         media = None if all(value is None for value in given) else \
             _image_inputs(self.decoder, past, embeds, images.Media(*given))  # text: no object made per call
         runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None, media is not None)
@@ -490,10 +497,10 @@ def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images
                                     "(forward without past_key_values, or generate)")
         return None
     if not media.pixels:
-        if media.image_grid_thw is not None or media.video_grid_thw is not None or \
-                media.image_position_ids is not None or marks:
-            raise ValueError("image_grid_thw, video_grid_thw, image_position_ids or mm_token_type_ids marking media "
-                             "were given without pixel_values or pixel_values_videos")
+        if any(value is not None for value in (media.image_grid_thw, media.video_grid_thw, media.image_position_ids,
+                                               media.image_sizes)) or marks:
+            raise ValueError("image_grid_thw, video_grid_thw, image_position_ids, image_sizes or mm_token_type_ids "
+                             "marking media were given without pixel_values or pixel_values_videos")
         return None
     if embeds is not None:
         raise ValueError("pixel_values go with input_ids (whose image and video tokens take the features), not "

@@ -269,7 +269,7 @@ def test_what_images_cannot_be_is_refused(pair, inputs, build):
     text_model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir)
     with pytest.raises(NotSupportedError, match="no vision model"):
         text_model(torch.tensor([prompt(grids.tolist())]), pixel_values=pixels, image_grid_thw=grids)
-    with pytest.raises(ValueError, match="image_position_ids are Gemma 4's"):
+    with pytest.raises(ValueError, match="image_position_ids was given; this package's vision model \\(Qwen-VL's"):
         model(**dict(given, image_position_ids=torch.zeros(3, 4, 2, dtype=torch.int64)))
 
 

@@ -1,4 +1,4 @@
-"""Images in prompts on a Gemma 4-form package (ortmodule/images_gemma4.py): mobius-onnx's Gemma 4
+"""Images in prompts on a Gemma 4-form package (ortmodule/images_plain.py): mobius-onnx's Gemma 4
 export (vision encoder taking pixel_values and pixel_position_ids, an embedding model giving
 inputs_embeds and per_layer_inputs, a causal decoder). forward, cached steps, hidden states, the loss
 and generate equal transformers' Gemma4ForConditionalGeneration on the same weights and the same
@@ -156,7 +156,7 @@ def test_what_images_cannot_be_is_refused(pair, inputs):
     cut[0, 0] = -1  # one real patch fewer: not a whole number of pooled tokens
     with pytest.raises(ValueError, match="a positive multiple of 9"):
         model(**dict(given, image_position_ids=cut))
-    with pytest.raises(ValueError, match="image_grid_thw is Qwen-VL's"):
+    with pytest.raises(ValueError, match=r"image_grid_thw was given; this package's vision model \(Gemma 4's form\)"):
         model(**dict(given, image_grid_thw=torch.tensor([[1, 4, 4]] * 3)))
     with pytest.raises(ValueError, match="without pixel_values"):
         model(**dict(given, pixel_values=None))

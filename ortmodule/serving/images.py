@@ -1,5 +1,5 @@
 """Images in chat requests: `image_url` content parts, for a package that takes images (ortmodule's
-images.py: Qwen2.5-VL's form; images_gemma4.py: Gemma 4's) served with `--processor`, the checkpoint
+images.py: Qwen2.5-VL's form; images_plain.py: Gemma 4's) served with `--processor`, the checkpoint
 folder whose image processor the model was trained with (a GenAI package carries onnxruntime-genai's
 image settings, not transformers').
 
