@@ -98,12 +98,14 @@ GEMMA4 = {"gemma4": "Gemma4Unified", "gemma4_embeds": "Gemma4Unified", "gemma4_m
 # position_ids are 3-D (mRoPE: temporal, height, width sections) [3, batch, sequence]. Qwen3-VL
 # (interleaved mRoPE sections, DeepStack) exported by mobius-onnx in the same form, without DeepStack.
 # Qwen2-VL, too (its own vision tower).
-MOBIUS = {"gemma4_mobius", "qwen2_5_vl", "qwen2_vl", "qwen3_vl"}
+# Mistral 3 (Pixtral's vision tower: whole images of any size, 2-D rotary positions; a Mistral text
+# model) exported by mobius-onnx, with tied embeddings (mobius-onnx 0.1 finds no untied head's weight).
+MOBIUS = {"gemma4_mobius", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "mistral3"}
 # Qwen2.5-VL's text decoder from the builder (`exclude_embeds=true`: inputs_embeds, 3-D position_ids,
 # GroupQueryAttention, MRotaryEmbedding) beside mobius-onnx's vision and embedding models: a package
 # whose decoder shares a batch's KV buffer and takes images.
 MIXED = {"qwen2_5_vl_builder"}
-MULTIMODAL = {*GEMMA4, "qwen2_5_vl", "qwen2_vl", "qwen3_vl", *MIXED}
+MULTIMODAL = {*GEMMA4, "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "mistral3", *MIXED}
 MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
                 "eoa_token_index", "audio_token_id"]
 
@@ -273,7 +275,9 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
 
     tokenizer = spec_tokenizer(spec)
     if spec.arch in MULTIMODAL:
-        (_gemma4_checkpoint if spec.arch in GEMMA4 else _qwen2_5_vl_checkpoint)(spec, out, tokenizer)
+        maker = _gemma4_checkpoint if spec.arch in GEMMA4 else \
+            _mistral3_checkpoint if spec.arch == "mistral3" else _qwen2_5_vl_checkpoint
+        maker(spec, out, tokenizer)
         tokenizer.save_pretrained(out)
         return
     config_class, architecture, fields = ARCHITECTURES[spec.arch]
@@ -400,6 +404,28 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     config = config_class(text_config=text, vision_config=vision, **top, **tokens)
     torch.manual_seed(spec.seed)
     model_class(config).save_pretrained(out)
+
+
+def _mistral3_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
+    """A Mistral 3 checkpoint: a one-layer Pixtral vision tower (patch 4, SiLU as Pixtral's, images up to
+    64 pixels a side), a 2 x 2 patch merger, and a Mistral text model; the image token, row break and
+    image end at the top reserved ids."""
+    import torch
+    import transformers
+
+    head = spec.hidden_size // spec.num_heads
+    text = dict(model_type="mistral", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=head,
+                max_position_embeddings=spec.context_length, initializer_range=spec.initializer_range,
+                tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=64, patch_size=4, head_dim=16, hidden_act="silu")
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=spec.vocab_size - 1,
+                                         spatial_merge_size=2, tie_word_embeddings=True)
+    torch.manual_seed(spec.seed)
+    transformers.Mistral3ForConditionalGeneration(config).save_pretrained(out)
 
 
 MOBIUS_DTYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}

@@ -14,6 +14,7 @@ from transformers import (
     AutoModelForCausalLM,
     Cache,
     DynamicCache,
+    Mistral3ForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
@@ -41,7 +42,8 @@ def reference_class(fixture):
     """The transformers class of a fixture's checkpoint (the Qwen-VL models have no causal-LM auto class)."""
     vision_language = {"qwen2_5_vl": Qwen2_5_VLForConditionalGeneration, "qwen2_vl": Qwen2VLForConditionalGeneration,
                        "qwen3_vl": Qwen3VLForConditionalGeneration,
-                       "qwen2_5_vl_builder": Qwen2_5_VLForConditionalGeneration}
+                       "qwen2_5_vl_builder": Qwen2_5_VLForConditionalGeneration,
+                       "mistral3": Mistral3ForConditionalGeneration}
     return vision_language.get(fixture.spec.arch, AutoModelForCausalLM)
 
 

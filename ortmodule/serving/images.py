@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .. import images
+from .. import images, images_plain
 from .errors import ServingError
 
 MAX_PIXELS = 50_000_000  # an image larger than this (width x height) is refused before it is decoded
@@ -54,6 +54,10 @@ class ChatImages:
             self.processor = AutoImageProcessor.from_pretrained(processor, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"--processor {processor}: no image processor there ({e})") from None
+        if getattr(vision, "form", None) == images_plain.PIXTRAL:
+            raise ValueError("--processor: images in chat messages are served for Qwen-VL-form and Gemma 4-form "
+                             "packages; this one's vision model is Pixtral's (Mistral 3), which takes images through "
+                             "forward and generate (OrtModelForCausalLM) and lm-eval's ortmodule-multimodal")
         self.token = vision.image_token
         self.merge = getattr(vision, "merge", None)  # Qwen-VL's form; None: Gemma 4's
         self.ends = None if self.merge is not None else _image_ends(processor)
