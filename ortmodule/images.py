@@ -280,9 +280,7 @@ def _checked_grids(pixel_values, grid_thw, vision: Vision, pixels_name: str, gri
     if grid_thw is None:
         raise ValueError(f"{pixels_name} need {grid_name} (each one's temporal, height and width patches, as the "
                          "processor gives them)")
-    if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point() or pixel_values.dim() != 2:
-        raise ValueError(f"{pixels_name} must be a float tensor [patches, patch values] (what the model's processor "
-                         f"gives), got {getattr(pixel_values, 'shape', type(pixel_values).__name__)}")
+    images_plain.check_pixels(pixel_values, pixels_name, "patches, patch values")
     if vision.row_width is not None and pixel_values.shape[1] != vision.row_width:
         raise ValueError(f"{pixels_name} rows hold {pixel_values.shape[1]} values; the vision model takes "
                          f"{vision.row_width} a patch (channels x temporal x patch x patch)")

@@ -177,16 +177,20 @@ def prefill(decoder: Decoder, vision: PlainVision, ids: torch.Tensor, mask: torc
 _KEYWORDS = {GEMMA4: ("image_position_ids",), PIXTRAL: ("image_sizes",)}  # forward's, beside pixel_values
 
 
+def check_pixels(values, name: str, layout: str) -> None:
+    """A ValueError unless `values` is a float tensor of `layout`'s rank (its dimensions, comma-separated)."""
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.dim() != layout.count(",") + 1:
+        raise ValueError(f"{name} must be a float tensor [{layout}] (what the model's processor gives), got "
+                         f"{getattr(values, 'shape', type(values).__name__)}")
+
+
 def _gemma4_images(media, vision: PlainVision) -> list[tuple[int, dict]]:
     """Each image's tokens and vision inputs: its real patches (positions other than (-1, -1))."""
     pixel_values, positions = media.pixel_values, media.image_position_ids
     if positions is None:
         raise ValueError("pixel_values need image_position_ids (each patch's column and row, as transformers' Gemma 4 "
                          "image processor gives them)")
-    shape = getattr(pixel_values, "shape", type(pixel_values).__name__)
-    if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point() or pixel_values.dim() != 3:
-        raise ValueError(f"pixel_values must be a float tensor [images, patches, patch values] (what the model's "
-                         f"processor gives), got {shape}")
+    check_pixels(pixel_values, "pixel_values", "images, patches, patch values")
     if vision.width is not None and pixel_values.shape[2] != vision.width:
         raise ValueError(f"pixel_values patches hold {pixel_values.shape[2]} values; the vision model takes "
                          f"{vision.width} a patch")
@@ -211,10 +215,7 @@ def _gemma4_images(media, vision: PlainVision) -> list[tuple[int, dict]]:
 def _pixtral_images(media, vision: PlainVision) -> list[tuple[int, dict]]:
     """Each image's tokens and vision inputs: its own height and width of the padded pixels."""
     pixel_values, sizes = media.pixel_values, media.image_sizes
-    shape = getattr(pixel_values, "shape", type(pixel_values).__name__)
-    if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point() or pixel_values.dim() != 4:
-        raise ValueError(f"pixel_values must be a float tensor [images, channels, height, width] (what the model's "
-                         f"processor gives), got {shape}")
+    check_pixels(pixel_values, "pixel_values", "images, channels, height, width")
     if vision.width is not None and pixel_values.shape[1] != vision.width:
         raise ValueError(f"pixel_values have {pixel_values.shape[1]} channels; the vision model takes {vision.width}")
     if sizes is None:  # as transformers' Pixtral tower: every image the whole padded size

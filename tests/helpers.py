@@ -338,3 +338,68 @@ class CachePair:
         ours, theirs = self.step(tokens)
         assert (ours - theirs).abs().max().item() < 1e-4
         assert self.caches[0].get_seq_length() == self.caches[1].get_seq_length() == self.mask.shape[1]
+
+
+_IMAGE_TASK = """task: {name}
+custom_dataset: !function {name}_utils.docs
+test_split: test
+output_type: generate_until
+doc_to_image: !function {name}_utils.doc_to_image
+doc_to_text: "<image> Say {{{{word}}}}:"
+doc_to_target: "{{{{word}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+metadata:
+  version: 0
+"""
+_IMAGE_TASK_UTILS = '''import datasets
+
+import numpy as np
+from PIL import Image
+
+
+def docs(**kwargs):
+    rows = [dict(word=w, seed=i, h={height} + {step} * (i % 3), w={width} - {step} * (i % 2))
+            for i, w in enumerate("{words}")]
+    return {{"test": datasets.Dataset.from_list(rows)}}
+
+
+def doc_to_image(doc):
+    pixels = np.random.RandomState(doc["seed"]).rand(doc["h"], doc["w"], 3) * 255
+    return [Image.fromarray(pixels.astype("uint8"))]
+'''
+
+
+def image_task_responses(folder, name, sizes, processor, hf, package_dir) -> dict:
+    """An offline lm-eval task of MMMU's form (`doc_to_image`, `generate_until`) named `name` in
+    `folder`, its documents' images of `sizes` (first height, first width, step between documents,
+    and one word per document), run by lm-eval's `hf-multimodal` on `hf` and by ortmodule-multimodal
+    on the package, both batched by 3 with `processor`: {"hf": responses, "ortmodule": responses}."""
+    import lm_eval
+    from lm_eval.models.hf_vlms import HFMultimodalLM
+    from lm_eval.tasks import TaskManager
+
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    height, width, step, words = sizes
+    (folder / f"{name}.yaml").write_text(_IMAGE_TASK.format(name=name))
+    (folder / f"{name}_utils.py").write_text(_IMAGE_TASK_UTILS.format(height=height, width=width, step=step,
+                                                                        words=words))
+
+    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
+        def _create_tokenizer(self, *args, **kwargs):
+            self.processor, self.tokenizer = processor, processor.tokenizer
+
+    responses = {}
+    for kind, lm in (("hf", Reference(pretrained=hf, batch_size=3, device="cpu")),
+                     ("ortmodule", OrtModuleMultimodalLM(package_dir, processor=processor, batch_size=3,
+                                                         device="cpu"))):
+        result = lm_eval.simple_evaluate(model=lm, tasks=[name], log_samples=True,
+                                         task_manager=TaskManager(include_path=str(folder)))
+        samples = sorted(result["samples"][name], key=lambda sample: sample["doc_id"])
+        responses[kind] = [sample["resps"][0][0] for sample in samples]
+    return responses

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import load_pair, padded_rows, tokenizer_with
+from helpers import image_task_responses, load_pair, padded_rows, tokenizer_with
 from PIL import Image
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -336,68 +336,14 @@ class ImageTextProcessor:
         return transformers.BatchFeature(out)
 
 
-TASK = """task: ortmodule_images_test
-custom_dataset: !function images_utils.docs
-test_split: test
-output_type: generate_until
-doc_to_image: !function images_utils.doc_to_image
-doc_to_text: "<image> Say {{word}}:"
-doc_to_target: "{{word}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 6
-  do_sample: false
-metric_list:
-  - metric: exact_match
-metadata:
-  version: 0
-"""
-TASK_UTILS = '''import datasets
-import re
-
-import numpy as np
-from PIL import Image
-
-
-def docs(**kwargs):
-    rows = [dict(word=w, seed=i, h=12 + 4 * (i % 3), w=20 - 4 * (i % 2)) for i, w in enumerate("abcdefg")]
-    return {"test": datasets.Dataset.from_list(rows)}
-
-
-def doc_to_image(doc):
-    pixels = np.random.RandomState(doc["seed"]).rand(doc["h"], doc["w"], 3) * 255
-    return [Image.fromarray(pixels.astype("uint8"))]
-'''
-
-
 def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, tmp_path):
     """`--model ortmodule-multimodal` on an image task (MMMU's form: doc_to_image, generate_until),
     batched and left-padded, against lm-eval's own `hf-multimodal` on the transformers model with
     the same processor: every response equal."""
-    import lm_eval
-    from lm_eval.models.hf_vlms import HFMultimodalLM
-    from lm_eval.tasks import TaskManager
-
-    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
-
-    (tmp_path / "images_test.yaml").write_text(TASK)
-    (tmp_path / "images_utils.py").write_text(TASK_UTILS)
     fixture = build("qwen2_5_vl")
-    processor = ImageTextProcessor(fixture.hf_dir)
-
-    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
-        def _create_tokenizer(self, *args, **kwargs):
-            self.processor, self.tokenizer = processor, processor.tokenizer
-
     _, hf = load_pair(fixture)
-    responses = {}
-    for name, lm in (("hf", Reference(pretrained=hf, batch_size=3, device="cpu")),
-                     ("ortmodule", OrtModuleMultimodalLM(fixture.package_dir, processor=processor, batch_size=3,
-                                                         device="cpu"))):
-        result = lm_eval.simple_evaluate(model=lm, tasks=["ortmodule_images_test"], log_samples=True,
-                                         task_manager=TaskManager(include_path=str(tmp_path)))
-        samples = sorted(result["samples"]["ortmodule_images_test"], key=lambda s: s["doc_id"])
-        responses[name] = [s["resps"][0][0] for s in samples]
+    responses = image_task_responses(tmp_path, "ortmodule_images_test", (12, 20, 4, "abcdefg"),
+                                     ImageTextProcessor(fixture.hf_dir), hf, fixture.package_dir)
     assert len(responses["hf"]) == 7 and any(responses["hf"])
     assert responses["ortmodule"] == responses["hf"]
 

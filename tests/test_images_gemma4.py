@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import load_pair, padded_rows
+from helpers import image_task_responses, load_pair, padded_rows
 from PIL import Image
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -69,6 +69,16 @@ def right_padded(given):
     return dict(given, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long())
 
 
+def assert_a_step_continues(model, hf, inputs, cache):
+    """A token more on each row over the prompt's cache: the logits of transformers over the whole sequence."""
+    tokens = torch.tensor([[7], [8], [9]])
+    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
+    step = model(tokens, attention_mask=mask, past_key_values=cache)
+    ids = torch.cat([inputs["input_ids"], tokens], 1)
+    whole = reference(hf, **dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long()))
+    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("left", [True, False])
 def test_logits_equal_transformers_with_images(pair, inputs, left):
     model, hf = pair
@@ -94,12 +104,7 @@ def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, input
     assert len(out.hidden_states) == len(expected.hidden_states) == 3
     for ours, theirs in zip(out.hidden_states, expected.hidden_states):
         assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
-    tokens = torch.tensor([[7], [8], [9]])
-    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
-    step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values)
-    ids = torch.cat([inputs["input_ids"], tokens], 1)
-    whole = reference(hf, **dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long()))
-    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
+    assert_a_step_continues(model, hf, inputs, out.past_key_values)
     after_padding = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], 1) == 0
     labels = inputs["input_ids"].masked_fill(~real | after_padding, -100)
     assert torch.allclose(model(**inputs, labels=labels).loss, reference(hf, **inputs, labels=labels).loss,
@@ -321,66 +326,12 @@ class GemmaImageTextProcessor:
         return transformers.BatchFeature(out)
 
 
-TASK = """task: ortmodule_gemma_images_test
-custom_dataset: !function images_utils.docs
-test_split: test
-output_type: generate_until
-doc_to_image: !function images_utils.doc_to_image
-doc_to_text: "<image> Say {{word}}:"
-doc_to_target: "{{word}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 6
-  do_sample: false
-metric_list:
-  - metric: exact_match
-metadata:
-  version: 0
-"""
-TASK_UTILS = '''import datasets
-
-import numpy as np
-from PIL import Image
-
-
-def docs(**kwargs):
-    rows = [dict(word=w, seed=i, h=30 + 6 * (i % 3), w=40 - 6 * (i % 2)) for i, w in enumerate("abcde")]
-    return {"test": datasets.Dataset.from_list(rows)}
-
-
-def doc_to_image(doc):
-    pixels = np.random.RandomState(doc["seed"]).rand(doc["h"], doc["w"], 3) * 255
-    return [Image.fromarray(pixels.astype("uint8"))]
-'''
-
-
 def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, pair, tmp_path):
     """`--model ortmodule-multimodal` on an image task (MMMU's form), batched and left-padded, against
     lm-eval's own `hf-multimodal` on the transformers model with the same processor: every response equal."""
-    import lm_eval
-    from lm_eval.models.hf_vlms import HFMultimodalLM
-    from lm_eval.tasks import TaskManager
-
-    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
-
-    (tmp_path / "images_test.yaml").write_text(TASK)
-    (tmp_path / "images_utils.py").write_text(TASK_UTILS)
     fixture = build("gemma4_mobius")
-    processor = GemmaImageTextProcessor(fixture.package_dir)
-
-    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
-        def _create_tokenizer(self, *args, **kwargs):
-            self.processor, self.tokenizer = processor, processor.tokenizer
-
-    _, hf = pair
-    responses = {}
-    for name, lm in (("hf", Reference(pretrained=hf, batch_size=3, device="cpu")),
-                     ("ortmodule", OrtModuleMultimodalLM(fixture.package_dir, processor=processor, batch_size=3,
-                                                         device="cpu"))):
-        result = lm_eval.simple_evaluate(model=lm, tasks=["ortmodule_gemma_images_test"], log_samples=True,
-                                         task_manager=TaskManager(include_path=str(tmp_path)))
-        samples = sorted(result["samples"]["ortmodule_gemma_images_test"], key=lambda s: s["doc_id"])
-        responses[name] = [s["resps"][0][0] for s in samples]
+    responses = image_task_responses(tmp_path, "ortmodule_gemma_images_test", (30, 40, 6, "abcde"),
+                                     GemmaImageTextProcessor(fixture.package_dir), pair[1], fixture.package_dir)
     assert len(responses["hf"]) == 5 and any(responses["hf"])
     assert responses["ortmodule"] == responses["hf"]
 
@@ -397,11 +348,6 @@ def test_layers_reusing_earlier_layers_keys_and_values(build, inputs):
     assert torch.allclose(out.logits[real], reference(hf, **inputs).logits[real], atol=1e-4, rtol=1e-4)
     text = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
     assert torch.allclose(model(**text).logits[real], reference(hf, **text).logits[real], atol=1e-4, rtol=1e-4)
-    tokens = torch.tensor([[7], [8], [9]])
-    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
-    step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values)
-    ids = torch.cat([inputs["input_ids"], tokens], 1)
-    whole = reference(hf, **dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long()))
-    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
+    assert_a_step_continues(model, hf, inputs, out.past_key_values)
     options = dict(max_new_tokens=8, pad_token_id=2, do_sample=False)
     assert torch.equal(model.generate(**inputs, **options), hf.generate(**inputs, **options))
