@@ -403,3 +403,62 @@ def image_task_responses(folder, name, sizes, processor, hf, package_dir) -> dic
         samples = sorted(result["samples"][name], key=lambda sample: sample["doc_id"])
         responses[kind] = [sample["resps"][0][0] for sample in samples]
     return responses
+
+
+def png_url(size, seed):
+    """A random RGB picture of `size` (h, w) as a base64 PNG data: URL, and the picture."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    state = np.random.RandomState(seed)
+    picture = Image.fromarray((state.rand(*size, 3) * 255).astype("uint8"))
+    out = io.BytesIO()
+    picture.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode(), picture
+
+
+class ImageChats:
+    """Two chats with images for a server named "vl": one image after text; a system message, then two
+    images around text (pictures of `sizes`, the first image used twice)."""
+
+    def __init__(self, sizes):
+        (first, one), (second, two) = png_url(sizes[0], 1), png_url(sizes[1], 2)
+        self.chats = [
+            [{"role": "user", "content": [{"type": "text", "text": "what is in the picture"},
+                                          {"type": "image_url", "image_url": {"url": first}}]}],
+            [{"role": "system", "content": "look closely"},
+             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": second, "detail": "auto"}},
+                                          {"type": "text", "text": "and this one"},
+                                          {"type": "image_url", "image_url": {"url": first}}]}],
+        ]
+        self.pictures = [[one], [two, one]]
+
+    @staticmethod
+    def chat(server, messages):
+        body = {"model": "vl", "messages": messages, "temperature": 0, "max_tokens": 8}
+        return server.client.post("/v1/chat/completions", json=body)
+
+    @staticmethod
+    def completion(server):
+        body = {"model": "vl", "prompt": [5, 6, 7, 8], "temperature": 0, "max_tokens": 8}
+        return server.client.post("/v1/completions", json=body)
+
+    def send(self, server):
+        """The two chats and a text completion at once: their answers, the completion's last."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = [pool.submit(self.chat, server, messages) for messages in self.chats]
+            answers.append(pool.submit(self.completion, server))
+            return [answer.result() for answer in answers]
+
+    @staticmethod
+    def template_ids(tokenizer, messages) -> list[int]:
+        """The chat template's ids of `messages`, each image part rendered as `{"type": "image"}`."""
+        parts = [[{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
+                 if isinstance(m["content"], list) else m["content"] for m in messages]
+        return tokenizer.apply_chat_template([{**m, "content": c} for m, c in zip(messages, parts)],
+                                             add_generation_prompt=True, return_dict=False)

@@ -366,14 +366,6 @@ VL_TEMPLATE = (
 )
 
 
-def png_url(size, seed):
-    state = np.random.RandomState(seed)
-    picture = Image.fromarray((state.rand(*size, 3) * 255).astype("uint8"))
-    out = io.BytesIO()
-    picture.save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode(), picture
-
-
 def vl_tokenizer(package_dir):
     """The fixture's tokenizer with Qwen2.5-VL's vision tokens at the fixture's reserved ids."""
     return tokenizer_with(package_dir, {END: "<|vision_end|>", START: "<|vision_start|>", 510: "<|video_pad|>",
@@ -387,9 +379,8 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
     same images and the template's ids (each image pad expanded), while a text completion runs
     beside them (the builder's decoder: in one shared decode batch, each row with its own mRoPE
     offset); what an image part cannot be is a 400 naming it."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from helpers import LiveServer, expected_text
+    from helpers import ImageChats, LiveServer, expected_text
 
     from ortmodule.serving import create_app
 
@@ -400,35 +391,16 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
     transformers.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(tmp_path / "processor")
     server = LiveServer(create_app(model, tokenizer, name="vl", processor=str(tmp_path / "processor")))
     try:
-        first, one = png_url((28, 20), 1)
-        second, two = png_url((16, 40), 2)
-        chats = [
-            [{"role": "user", "content": [{"type": "text", "text": "what is in the picture"},
-                                          {"type": "image_url", "image_url": {"url": first}}]}],
-            [{"role": "system", "content": "look closely"},
-             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": second, "detail": "auto"}},
-                                          {"type": "text", "text": "and this one"},
-                                          {"type": "image_url", "image_url": {"url": first}}]}],
-        ]
-        pictures = [[one], [two, one]]
+        talk = ImageChats([(28, 20), (16, 40)])
+        chats = talk.chats
 
         def chat(messages):
-            body = {"model": "vl", "messages": messages, "temperature": 0, "max_tokens": 8}
-            return server.client.post("/v1/chat/completions", json=body)
+            return talk.chat(server, messages)
 
-        def completion():
-            body = {"model": "vl", "prompt": [5, 6, 7, 8], "temperature": 0, "max_tokens": 8}
-            return server.client.post("/v1/completions", json=body)
-
-        with ThreadPoolExecutor(4) as pool:
-            answers = [pool.submit(chat, messages) for messages in chats] + [pool.submit(completion)]
-            answers = [answer.result() for answer in answers]
-        for messages, images, answer in zip(chats, pictures, answers):
+        answers = talk.send(server)
+        for messages, images, answer in zip(chats, talk.pictures, answers):
             assert answer.status_code == 200, answer.text
-            parts = [[{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
-                     if isinstance(m["content"], list) else m["content"] for m in messages]
-            ids = tokenizer.apply_chat_template([{**m, "content": c} for m, c in zip(messages, parts)],
-                                                add_generation_prompt=True, return_dict=False)
+            ids = talk.template_ids(tokenizer, messages)
             made = transformers.Qwen2VLImageProcessorPil(**PROCESSOR)(images=images, return_tensors="pt")
             counts = iter((made["image_grid_thw"].prod(1) // 4).tolist())
             ids = [t for token in ids for t in ([token] * next(counts) if token == IMAGE else [token])]
@@ -442,7 +414,7 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
             assert (choice["message"]["content"], choice["finish_reason"]) == expected
             assert answer.json()["usage"]["prompt_tokens"] == ids.shape[1]
         assert answers[-1].status_code == 200
-        assert answers[-1].json()["choices"][0]["text"] == completion().json()["choices"][0]["text"]
+        assert answers[-1].json()["choices"][0]["text"] == talk.completion(server).json()["choices"][0]["text"]
         # Streamed: the deltas join to the same message.
         body = {"model": "vl", "messages": chats[1], "temperature": 0, "max_tokens": 8, "stream": True}
         text = ""

@@ -4,8 +4,6 @@ inputs_embeds and per_layer_inputs, a causal decoder). forward, cached steps, hi
 and generate equal transformers' Gemma4ForConditionalGeneration on the same weights and the same
 image processor output; what the images cannot be is refused by name."""
 
-import base64
-import io
 import json
 import shutil
 
@@ -215,22 +213,13 @@ TEMPLATE = (
 )
 
 
-def png_url(size, seed):
-    state = np.random.RandomState(seed)
-    picture = Image.fromarray((state.rand(*size, 3) * 255).astype("uint8"))
-    out = io.BytesIO()
-    picture.save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode(), picture
-
-
 def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
     """`ortmodule serve --processor FOLDER` on the Gemma 4 package: chat messages with image_url parts
     answer as transformers' greedy generate on what its image processor makes of the same images and
     the template's ids (each image token expanded to its begin, soft tokens and end), beside a text
     completion; a processor folder without the checkpoint's config.json is refused naming it."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from helpers import LiveServer, expected_text, tokenizer_with
+    from helpers import ImageChats, LiveServer, expected_text, tokenizer_with
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     from ortmodule.serving import create_app
@@ -246,35 +235,11 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
     shutil.copy(fixture.hf_dir / "config.json", tmp_path / "processor" / "config.json")
     server = LiveServer(create_app(model, tokenizer, name="vl", processor=str(tmp_path / "processor")))
     try:
-        first, one = png_url((40, 60), 1)
-        second, two = png_url((30, 30), 2)
-        chats = [
-            [{"role": "user", "content": [{"type": "text", "text": "what is in the picture"},
-                                          {"type": "image_url", "image_url": {"url": first}}]}],
-            [{"role": "system", "content": "look closely"},
-             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": second}},
-                                          {"type": "text", "text": "and this one"},
-                                          {"type": "image_url", "image_url": {"url": first}}]}],
-        ]
-        pictures = [[one], [two, one]]
-
-        def chat(messages):
-            body = {"model": "vl", "messages": messages, "temperature": 0, "max_tokens": 8}
-            return server.client.post("/v1/chat/completions", json=body)
-
-        def completion():
-            body = {"model": "vl", "prompt": [5, 6, 7, 8], "temperature": 0, "max_tokens": 8}
-            return server.client.post("/v1/completions", json=body)
-
-        with ThreadPoolExecutor(3) as pool:
-            answers = [pool.submit(chat, messages) for messages in chats] + [pool.submit(completion)]
-            answers = [answer.result() for answer in answers]
-        for messages, images, answer in zip(chats, pictures, answers):
+        talk = ImageChats([(40, 60), (30, 30)])
+        answers = talk.send(server)
+        for messages, images, answer in zip(talk.chats, talk.pictures, answers):
             assert answer.status_code == 200, answer.text
-            parts = [[{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
-                     if isinstance(m["content"], list) else m["content"] for m in messages]
-            ids = tokenizer.apply_chat_template([{**m, "content": c} for m, c in zip(messages, parts)],
-                                                add_generation_prompt=True, return_dict=False)
+            ids = talk.template_ids(tokenizer, messages)
             made = Gemma4ImageProcessorPil(**settings)(images, return_tensors="pt")
             counts = iter(made["num_soft_tokens_per_image"].tolist())
             ids = [t for token in ids for t in ([BOI, *[IMAGE] * next(counts), EOI] if token == IMAGE else [token])]
@@ -288,7 +253,7 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
             assert (choice["message"]["content"], choice["finish_reason"]) == expected
             assert answer.json()["usage"]["prompt_tokens"] == ids.shape[1]
         assert answers[-1].status_code == 200
-        assert answers[-1].json()["choices"][0]["text"] == completion().json()["choices"][0]["text"]
+        assert answers[-1].json()["choices"][0]["text"] == talk.completion(server).json()["choices"][0]["text"]
     finally:
         server.stop()
 
