@@ -231,7 +231,7 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None,
     if vision.video_token is not None:
         text = text.masked_fill(text == vision.video_token, vision.image_token)
     made = embed_rows(decoder, vision.features, text, _row_features(features, placed, vision.merge))
-    embeds = made[decoder.package.embedding.feeds[0][1]]  # Qwen-VL's embedding model makes inputs_embeds alone
+    embeds = made[variants.embeds_feed(decoder)]  # Qwen-VL's embedding model makes inputs_embeds alone
     device = decoder.device
     return embeds, positions.to(device), offsets.to(device)
 

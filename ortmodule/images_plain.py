@@ -86,7 +86,8 @@ def open_vision(package, section: dict, session: runtime.Session, form: str, tok
     shape = {value.name: value.shape for value in session.ort_session.get_inputs()}[pixels]
     width = shape[-1] if form == GEMMA4 else shape[1]
     settings = _processor_settings(package, section)
-    config = (_checkpoint_config(package) or {}).get("vision_config") or {}
+    checkpoint = _checkpoint_config(package) or {}
+    config = checkpoint.get("vision_config") or {}
     if form == GEMMA4:
         positions = names.get("pixel_position_ids", "pixel_position_ids")
         stride = _setting(package, "pooling_kernel_size", settings.get("pooling_kernel_size"),
@@ -95,7 +96,7 @@ def open_vision(package, section: dict, session: runtime.Session, form: str, tok
     else:
         positions = None
         merge = _setting(package, "spatial_merge_size", section.get("spatial_merge_size"),
-                         (_checkpoint_config(package) or {}).get("spatial_merge_size"))
+                         checkpoint.get("spatial_merge_size"))
         stride = merge * _setting(package, "patch_size", settings.get("patch_size"), config.get("patch_size"))
         sides = [value for value in (settings.get("height"), settings.get("width"), config.get("image_size"))
                  if isinstance(value, int) and value > 0]

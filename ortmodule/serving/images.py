@@ -54,13 +54,14 @@ class ChatImages:
             self.processor = AutoImageProcessor.from_pretrained(processor, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"--processor {processor}: no image processor there ({e})") from None
-        if getattr(vision, "form", None) == images_plain.PIXTRAL:
+        plain = isinstance(vision, images_plain.PlainVision)  # Gemma 4's or Pixtral's form, else Qwen-VL's
+        if plain and vision.form == images_plain.PIXTRAL:
             raise ValueError("--processor: images in chat messages are served for Qwen-VL-form and Gemma 4-form "
                              "packages; this one's vision model is Pixtral's (Mistral 3), which takes images through "
                              "forward and generate (OrtModelForCausalLM) and lm-eval's ortmodule-multimodal")
         self.token = vision.image_token
-        self.merge = getattr(vision, "merge", None)  # Qwen-VL's form; None: Gemma 4's
-        self.ends = None if self.merge is not None else _image_ends(processor)
+        self.merge = None if plain else vision.merge
+        self.ends = _image_ends(processor) if plain else None
 
     def decode(self, url: str, where: str):
         """The RGB image of a `data:` URL; a ServingError naming `where` for anything else."""
