@@ -437,8 +437,8 @@ class ImageChats:
         self.pictures = [[one], [two, one]]
 
     @staticmethod
-    def chat(server, messages):
-        body = {"model": "vl", "messages": messages, "temperature": 0, "max_tokens": 8}
+    def chat(server, messages, **options):
+        body = {"model": "vl", "messages": messages, "temperature": 0, "max_tokens": 8, **options}
         return server.client.post("/v1/chat/completions", json=body)
 
     @staticmethod
@@ -446,12 +446,13 @@ class ImageChats:
         body = {"model": "vl", "prompt": [5, 6, 7, 8], "temperature": 0, "max_tokens": 8}
         return server.client.post("/v1/completions", json=body)
 
-    def send(self, server):
-        """The two chats and a text completion at once: their answers, the completion's last."""
+    def send(self, server, **options):
+        """The two chats (with the request's `options`) and a text completion at once: their answers,
+        the completion's last."""
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(3) as pool:
-            answers = [pool.submit(self.chat, server, messages) for messages in self.chats]
+            answers = [pool.submit(self.chat, server, messages, **options) for messages in self.chats]
             answers.append(pool.submit(self.completion, server))
             return [answer.result() for answer in answers]
 

@@ -4,11 +4,13 @@ decoder). forward, cached steps, the loss and generate equal transformers'
 Mistral3ForConditionalGeneration on the same weights and the same image processor output; what the
 images cannot be is refused by name."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import load_pair, padded_rows
+from helpers import load_pair, padded_rows, tokenizer_with
 from PIL import Image
 
 from ortmodule import NotSupportedError
@@ -135,14 +137,99 @@ def test_what_images_cannot_be_is_refused(pair, inputs):
         model(given["input_ids"], pixel_values_videos=torch.zeros(4, 12))
 
 
-def test_the_server_refuses_pixtral_images_at_start_naming_why(build, tmp_path):
-    from helpers import tokenizer_with
+# A chat template of Mistral 3's form: an image part is one [IMG], which the processor (and the
+# server) expands to rows of image tokens with row breaks and an image end.
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}[IMG]"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}[/{{ m['role'] }}]{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+class PixtralTextProcessor:
+    """transformers' Mistral 3 processor (PixtralProcessor, which needs torchvision, absent here) as
+    it runs: the Pixtral image processor's output at patch x merge, and each [IMG] in the text
+    expanded to the image's rows of image tokens, row breaks and image end (`image_ids`)."""
+
+    image_token = "[IMG]"
+
+    def __init__(self, package_dir):
+        self.tokenizer = tokenizer_with(package_dir, {IMAGE: "[IMG]", BREAK: "[IMG_BREAK]", END: "[IMG_END]"}, TEMPLATE)
+        self.image_processor = transformers.PixtralImageProcessorPil(patch_size=4, size={"longest_edge": 64})
+
+    def save_pretrained(self, folder):
+        """What a Mistral 3 checkpoint's folder holds for its processor."""
+        self.image_processor.save_pretrained(folder)
+        settings = dict(processor_class="PixtralProcessor", patch_size=4, spatial_merge_size=2, image_token="[IMG]",
+                        image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
+        (folder / "processor_config.json").write_text(json.dumps(settings))
+
+    def __call__(self, images=None, text=None, return_tensors=None, padding=False, truncation=False, **kwargs):
+        texts = [text] if isinstance(text, str) else list(text)
+        flat = [image for group in images or [] for image in (group if isinstance(group, list) else [group])]
+        out = {}
+        if flat:
+            made = self.image_processor(flat, patch_size=STRIDE, return_tensors="pt")
+            runs = iter(self.tokenizer.decode(image_ids(*size)) for size in made["image_sizes"].tolist())
+            texts = ["".join(piece if i == 0 else next(runs) + piece for i, piece in enumerate(t.split("[IMG]")))
+                     for t in texts]
+            out.update(pixel_values=made["pixel_values"], image_sizes=made["image_sizes"])
+        out.update(self.tokenizer(texts, padding=padding, truncation=truncation, return_tensors=return_tensors))
+        return transformers.BatchFeature(out)
+
+
+def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
+    """`ortmodule serve --processor FOLDER` on the Mistral 3 package: chat messages with image_url parts
+    answer as transformers' greedy generate on what Mistral 3's processor makes of the template's text
+    and the same images, beside a text completion; a tokenizer without the row-break token is refused."""
+    from helpers import ImageChats, LiveServer, expected_text
 
     from ortmodule import OrtModelForCausalLM
     from ortmodule.serving import create_app
 
     fixture = build("mistral3")
-    transformers.PixtralImageProcessorPil(patch_size=STRIDE).save_pretrained(tmp_path)
-    tokenizer = tokenizer_with(fixture.package_dir, {IMAGE: "[IMG]"}, "{{ messages[0]['content'] }}")
-    with pytest.raises(ValueError, match="this one's vision model is Pixtral's"):
-        create_app(OrtModelForCausalLM.from_pretrained(fixture.package_dir), tokenizer, processor=str(tmp_path))
+    _, hf = pair
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    processor = PixtralTextProcessor(fixture.package_dir)
+    (tmp_path / "processor").mkdir()
+    processor.save_pretrained(tmp_path / "processor")  # its processor_config.json names the three tokens
+    tokenizer = processor.tokenizer
+    without_break = tokenizer_with(fixture.package_dir, {IMAGE: "[IMG]", END: "[IMG_END]"}, TEMPLATE)
+    with pytest.raises(ValueError, match=r"the tokenizer; it has no \['\[IMG_BREAK\]'\]"):
+        create_app(model, without_break, processor=str(tmp_path / "processor"))
+    server = LiveServer(create_app(model, tokenizer, name="vl", processor=str(tmp_path / "processor")))
+    try:
+        talk = ImageChats([(40, 60), (30, 30)])
+        answers = talk.send(server, logprobs=True)
+        for messages, images, answer in zip(talk.chats, talk.pictures, answers):
+            assert answer.status_code == 200, answer.text
+            text = tokenizer.decode(talk.template_ids(tokenizer, messages))
+            made = processor(text=[text], images=images, return_tensors="pt")
+            assert (made["input_ids"] == BREAK).any() and (made["input_ids"] == END).sum() == len(images)
+            with torch.no_grad():
+                out = hf.generate(**made, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                  return_dict_in_generate=True, output_logits=True)
+            tokens = out.sequences[0, made["input_ids"].shape[1]:]
+            choice = answer.json()["choices"][0]
+            assert (choice["message"]["content"], choice["finish_reason"]) == expected_text(tokenizer, tokens.tolist())
+            chosen = [torch.log_softmax(step[0], -1)[token].item() for step, token in zip(out.logits, tokens)]
+            served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+            assert len(served) == len(chosen) and max(abs(a - b) for a, b in zip(served, chosen)) < 1e-4
+            assert answer.json()["usage"]["prompt_tokens"] == made["input_ids"].shape[1]
+        assert answers[-1].status_code == 200
+        assert answers[-1].json()["choices"][0]["text"] == talk.completion(server).json()["choices"][0]["text"]
+    finally:
+        server.stop()
+
+
+def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, pair, tmp_path):
+    """`--model ortmodule-multimodal` on an image task (MMMU's form), batched and left-padded, against
+    lm-eval's own `hf-multimodal` on the transformers model with the same processor: every response equal."""
+    from helpers import image_task_responses
+
+    fixture = build("mistral3")
+    responses = image_task_responses(tmp_path, "ortmodule_pixtral_images_test", (30, 40, 6, "abcde"),
+                                     PixtralTextProcessor(fixture.package_dir), pair[1], fixture.package_dir)
+    assert len(responses["hf"]) == 5 and any(responses["hf"])
+    assert responses["ortmodule"] == responses["hf"]

@@ -36,7 +36,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     settings = settings or Settings.with_environment(**options)
     if settings.token_budget is None:
         settings = dataclasses.replace(settings, token_budget=scoring.default_token_budget(model.device))
-    chat_images = ChatImages(model, settings.processor) if settings.processor is not None else None
+    chat_images = ChatImages(model, settings.processor, tokenizer) if settings.processor is not None else None
     engine = Engine(model, settings)
     # The package's folder name, never its path (which would tell clients about the host).
     served = Served(engine, tokenizer, settings.name or Path(model.package.root).name, settings, chat_images)

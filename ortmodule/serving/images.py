@@ -1,15 +1,17 @@
 """Images in chat requests: `image_url` content parts, for a package that takes images (ortmodule's
-images.py: Qwen2.5-VL's form; images_plain.py: Gemma 4's) served with `--processor`, the checkpoint
-folder whose image processor the model was trained with (a GenAI package carries onnxruntime-genai's
-image settings, not transformers').
+images.py: Qwen2.5-VL's form; images_plain.py: Gemma 4's and Pixtral's) served with `--processor`,
+the checkpoint folder whose image processor the model was trained with (a GenAI package carries
+onnxruntime-genai's image settings, not transformers').
 
 The server fetches nothing: an image is a `data:` URL, base64, of a format Pillow reads, of at most
 `MAX_PIXELS` pixels. The chat template renders an image part (`{"type": "image"}`) as the model's
 placeholder, which then becomes the image's tokens as transformers' processor expands it: Qwen2.5-VL's
 image pad (between a vision start and end the template writes) its t x h x w / merge^2 image tokens;
 Gemma 4's image token a begin-of-image, its soft tokens and an end-of-image (the ids of the
-checkpoint's config.json). An image request is one prompt with its images: the engine prefills it
-alone, whole (generations.py).
+checkpoint's config.json); Pixtral's (Mistral 3's) image token a row of image tokens per row of the
+image's merged grid, each row ended by a row break and the last by an image end (the tokens the
+folder's processor_config.json names, as transformers' PixtralProcessor expands them). An image
+request is one prompt with its images: the engine prefills it alone, whole (generations.py).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import torch
 from .. import images, images_plain
 from .errors import ServingError
 
+QWEN = "Qwen-VL"  # images.py's form (images_plain's forms are named there)
 MAX_PIXELS = 50_000_000  # an image larger than this (width x height) is refused before it is decoded
 
 
 @dataclass(frozen=True)
 class Media:
     """A prompt's images as the model takes them: forward's keywords (`pixel_values` with
-    `image_grid_thw`, or with `image_position_ids`)."""
+    `image_grid_thw`, `image_position_ids` or `image_sizes`)."""
 
     inputs: dict[str, torch.Tensor]
 
@@ -40,7 +43,7 @@ class Media:
 class ChatImages:
     """The image processor and the placeholder of a served package that takes images."""
 
-    def __init__(self, model, processor: str):
+    def __init__(self, model, processor: str, tokenizer):
         try:
             from PIL import Image  # noqa: F401  (checked here, used at each request)
             from transformers import AutoImageProcessor
@@ -55,13 +58,11 @@ class ChatImages:
         except (OSError, ValueError) as e:
             raise ValueError(f"--processor {processor}: no image processor there ({e})") from None
         plain = isinstance(vision, images_plain.PlainVision)  # Gemma 4's or Pixtral's form, else Qwen-VL's
-        if plain and vision.form == images_plain.PIXTRAL:
-            raise ValueError("--processor: images in chat messages are served for Qwen-VL-form and Gemma 4-form "
-                             "packages; this one's vision model is Pixtral's (Mistral 3), which takes images through "
-                             "forward and generate (OrtModelForCausalLM) and lm-eval's ortmodule-multimodal")
+        self.form = vision.form if plain else QWEN
         self.token = vision.image_token
-        self.merge = None if plain else vision.merge
-        self.ends = _image_ends(processor) if plain else None
+        self.stride = vision.merge if self.form == QWEN else vision.stride  # Qwen's merge; Pixtral's pixels a token
+        self.ends = _image_ends(processor) if self.form == images_plain.GEMMA4 else \
+            _pixtral_marks(processor, tokenizer) if self.form == images_plain.PIXTRAL else None
 
     def decode(self, url: str, where: str):
         """The RGB image of a `data:` URL; a ServingError naming `where` for anything else."""
@@ -93,15 +94,21 @@ class ChatImages:
             raise ServingError(f"the chat template placed {placed} image placeholders (token {self.token}) for "
                                f"{len(pictures)} images; this model's template must render each image part as one",
                                "messages")
-        made = self.processor(images=pictures, return_tensors="pt")
-        if self.ends is None:  # Qwen-VL's: each image pad its image's tokens
-            counts = (made["image_grid_thw"].prod(1) // self.merge**2).tolist()
+        if self.form == QWEN:  # each image pad its image's tokens
+            made = self.processor(images=pictures, return_tensors="pt")
+            counts = (made["image_grid_thw"].prod(1) // self.stride**2).tolist()
             runs = iter([[self.token] * count for count in counts])
             inputs = {name: made[name] for name in ("pixel_values", "image_grid_thw")}
-        else:  # Gemma 4's: each image token its image's soft tokens between a begin and an end
+        elif self.form == images_plain.GEMMA4:  # each image token its soft tokens between a begin and an end
+            made = self.processor(images=pictures, return_tensors="pt")
             begin, end = self.ends
             runs = iter([[begin, *[self.token] * count, end] for count in made["num_soft_tokens_per_image"].tolist()])
             inputs = {name: made[name] for name in ("pixel_values", "image_position_ids")}
+        else:  # Pixtral's: resized to multiples of patch x merge as PixtralProcessor asks; rows of tokens
+            made = self.processor(images=pictures, patch_size=self.stride, return_tensors="pt")
+            runs = iter([_pixtral_run(self.token, *self.ends, height // self.stride, width // self.stride)
+                         for height, width in made["image_sizes"].tolist()])
+            inputs = {name: made[name] for name in ("pixel_values", "image_sizes")}
         expanded: list[int] = []
         for token in ids:
             expanded += next(runs) if token == self.token else [token]
@@ -120,3 +127,29 @@ def _image_ends(processor: str) -> tuple[int, int]:
     if not all(isinstance(value, int) and not isinstance(value, bool) for value in ends):
         raise ValueError(f"--processor {processor}: {path} needs boi_token_id and eoi_token_id (integers), got {ends}")
     return ends
+
+
+def _pixtral_marks(processor: str, tokenizer) -> tuple[int, int]:
+    """Pixtral's row-break and image-end ids: the tokens processor_config.json in `processor` names
+    (PixtralProcessor's defaults [IMG_BREAK] and [IMG_END] where it names none), in the served tokenizer."""
+    path = Path(processor) / "processor_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--processor {processor}: cannot read {path} ({e})") from None
+    names = config.get("image_break_token", "[IMG_BREAK]"), config.get("image_end_token", "[IMG_END]")
+    vocabulary = tokenizer.get_vocab()
+    missing = [name for name in names if not isinstance(name, str) or name not in vocabulary]
+    if missing:
+        raise ValueError(f"--processor {processor}: Pixtral's images need the row-break and image-end tokens {names} "
+                         f"in the tokenizer; it has no {missing} (processor_config.json's image_break_token and "
+                         "image_end_token name them)")
+    return vocabulary[names[0]], vocabulary[names[1]]
+
+
+def _pixtral_run(token: int, row_break: int, end: int, rows: int, columns: int) -> list[int]:
+    """An image's tokens as PixtralProcessor writes them: each row of its grid, then a row break; the
+    last break an image end."""
+    run = ([token] * columns + [row_break]) * rows
+    run[-1] = end
+    return run
