@@ -21,7 +21,9 @@ transformers' Gemma 4 attends causally over an image where the text config leave
 `use_bidirectional_attention` unset (E2B and E4B), as the exported decoder does; with "vision" (the
 26B-A4B and 31B models) it attends both ways within an image on its sliding layers, which the
 exported decoder does not, so such a package (known by the checkpoint's config.json in its folder)
-takes text only.
+takes text only. So does a Gemma 3 package (onnxruntime-genai's Gemma-3 vision export: a vision model
+of Pixtral's inputs, known by genai_config's type): transformers' Gemma 3 attends both ways within
+every image.
 """
 
 from __future__ import annotations
@@ -142,10 +144,16 @@ def _checkpoint_config(package) -> dict | None:
 
 def refusal(package, form: str) -> str:
     """Why the package cannot take images in `form` ('' where it can)."""
-    text = ((_checkpoint_config(package) or {}).get("text_config")) or {}
+    checkpoint = _checkpoint_config(package) or {}
+    text = checkpoint.get("text_config") or {}
     if form == GEMMA4 and text.get("use_bidirectional_attention") == "vision":
         return ("the checkpoint's config.json sets use_bidirectional_attention='vision': transformers attends both "
                 "ways within an image on its sliding layers, which the package's decoder (causal) does not")
+    kind = str(package.genai_config["model"].get("type", ""))
+    if form == PIXTRAL and (kind.startswith("gemma3") or checkpoint.get("model_type") == "gemma3"):
+        return ("a Gemma 3 package's images (its vision model takes pixel_values [images, 3, height, width] as "
+                "Pixtral's does) are not run: transformers' Gemma 3 attends both ways within each image, which the "
+                "package's decoder (causal) does not, so its numbers would not be the model's")
     return ""
 
 
