@@ -202,7 +202,8 @@ class PixtralTextProcessor:
 def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
     """`ortmodule serve --processor FOLDER` on the Mistral 3 package: chat messages with image_url parts
     answer as transformers' greedy generate on what Mistral 3's processor makes of the template's text
-    and the same images, beside a text completion; a tokenizer without the row-break token is refused."""
+    and the same images, beside a text completion; a tokenizer without the row-break token, and an
+    image processor resizing past the vision model's largest side, are refused at start."""
     from helpers import ImageChats, LiveServer, expected_text
 
     from ortmodule import OrtModelForCausalLM
@@ -218,6 +219,9 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
     without_break = tokenizer_with(fixture.package_dir, {IMAGE: "[IMG]", END: "[IMG_END]"}, TEMPLATE)
     with pytest.raises(ValueError, match=r"the tokenizer; it has no \['\[IMG_BREAK\]'\]"):
         create_app(model, without_break, processor=str(tmp_path / "processor"))
+    transformers.PixtralImageProcessorPil(patch_size=4, size={"longest_edge": 128}).save_pretrained(tmp_path / "large")
+    with pytest.raises(ValueError, match="up to 128 pixels a side .* past the vision model's largest side, 64"):
+        create_app(model, tokenizer, processor=str(tmp_path / "large"))
     server = LiveServer(create_app(model, tokenizer, name="vl", processor=str(tmp_path / "processor")))
     try:
         talk = ImageChats([(40, 60), (30, 30)])

@@ -63,6 +63,8 @@ class ChatImages:
         self.stride = vision.merge if self.form == QWEN else vision.stride  # Qwen's merge; Pixtral's pixels a token
         self.ends = _image_ends(processor) if self.form == images_plain.GEMMA4 else \
             _pixtral_marks(processor, tokenizer) if self.form == images_plain.PIXTRAL else None
+        if self.form == images_plain.PIXTRAL:
+            _check_longest_edge(self.processor, vision.largest, processor)
 
     def decode(self, url: str, where: str):
         """The RGB image of a `data:` URL; a ServingError naming `where` for anything else."""
@@ -153,3 +155,14 @@ def _pixtral_run(token: int, row_break: int, end: int, rows: int, columns: int) 
     run = ([token] * columns + [row_break]) * rows
     run[-1] = end
     return run
+
+
+def _check_longest_edge(image_processor, largest: int | None, processor: str) -> None:
+    """Pixtral's image processor must not resize past the vision model's largest side (every larger
+    image would fail in the model)."""
+    size = getattr(image_processor, "size", None) or {}
+    edge = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+    if largest is not None and isinstance(edge, int) and edge > largest:
+        raise ValueError(f"--processor {processor}: its image processor resizes images up to {edge} pixels a side "
+                         f"(size.longest_edge), past the vision model's largest side, {largest}: set longest_edge to "
+                         f"at most {largest}")
