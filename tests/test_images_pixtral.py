@@ -204,7 +204,7 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
     answer as transformers' greedy generate on what Mistral 3's processor makes of the template's text
     and the same images, beside a text completion; a tokenizer without the row-break token, and an
     image processor resizing past the vision model's largest side, are refused at start."""
-    from helpers import ImageChats, LiveServer, expected_text
+    from helpers import ImageChats, LiveServer, expected_text, png_url
 
     from ortmodule import OrtModelForCausalLM
     from ortmodule.serving import create_app
@@ -243,6 +243,10 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
             assert answer.json()["usage"]["prompt_tokens"] == made["input_ids"].shape[1]
         assert answers[-1].status_code == 200
         assert answers[-1].json()["choices"][0]["text"] == talk.completion(server).json()["choices"][0]["text"]
+        thin = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url((1, 300), 3)[0]}}]}]
+        refused = talk.chat(server, thin)  # the image processor resizes it to no rows at all
+        assert refused.status_code == 400
+        assert "the image processor could not take the images (300 x 1 pixels)" in refused.json()["error"]["message"]
     finally:
         server.stop()
 

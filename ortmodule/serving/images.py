@@ -89,6 +89,15 @@ class ChatImages:
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
             raise ServingError(f"{where}: not an image Pillow reads ({e})", where) from None
 
+    def _processed(self, pictures: list, **options) -> dict:
+        """The image processor's tensors for `pictures`; what it cannot take is a 400 naming it."""
+        try:
+            return self.processor(images=pictures, return_tensors="pt", **options)
+        except (ValueError, TypeError) as e:
+            sizes = ", ".join(f"{picture.width} x {picture.height}" for picture in pictures)
+            raise ServingError(f"the image processor could not take the images ({sizes} pixels): {e}",
+                               "messages") from None
+
     def expand(self, ids: list[int], pictures: list) -> tuple[list[int], Media]:
         """`ids` with each image placeholder expanded to its image's tokens, and the images."""
         placed = ids.count(self.token)
@@ -97,17 +106,17 @@ class ChatImages:
                                f"{len(pictures)} images; this model's template must render each image part as one",
                                "messages")
         if self.form == QWEN:  # each image pad its image's tokens
-            made = self.processor(images=pictures, return_tensors="pt")
+            made = self._processed(pictures)
             counts = (made["image_grid_thw"].prod(1) // self.stride**2).tolist()
             runs = iter([[self.token] * count for count in counts])
             inputs = {name: made[name] for name in ("pixel_values", "image_grid_thw")}
         elif self.form == images_plain.GEMMA4:  # each image token its soft tokens between a begin and an end
-            made = self.processor(images=pictures, return_tensors="pt")
+            made = self._processed(pictures)
             begin, end = self.ends
             runs = iter([[begin, *[self.token] * count, end] for count in made["num_soft_tokens_per_image"].tolist()])
             inputs = {name: made[name] for name in ("pixel_values", "image_position_ids")}
         else:  # Pixtral's: resized to multiples of patch x merge as PixtralProcessor asks; rows of tokens
-            made = self.processor(images=pictures, patch_size=self.stride, return_tensors="pt")
+            made = self._processed(pictures, patch_size=self.stride)
             runs = iter([_pixtral_run(self.token, *self.ends, height // self.stride, width // self.stride)
                          for height, width in made["image_sizes"].tolist()])
             inputs = {name: made[name] for name in ("pixel_values", "image_sizes")}
