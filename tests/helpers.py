@@ -374,6 +374,14 @@ def doc_to_image(doc):
 '''
 
 
+def check_image_task(folder, name, sizes, processor, hf, package_dir) -> None:
+    """ortmodule-multimodal's responses to `image_task_responses`' task equal hf-multimodal's, one a
+    document, not all empty."""
+    responses = image_task_responses(folder, name, sizes, processor, hf, package_dir)
+    assert len(responses["hf"]) == len(sizes[3]) and any(responses["hf"])
+    assert responses["ortmodule"] == responses["hf"]
+
+
 def image_task_responses(folder, name, sizes, processor, hf, package_dir) -> dict:
     """An offline lm-eval task of MMMU's form (`doc_to_image`, `generate_until`) named `name` in
     `folder`, its documents' images of `sizes` (first height, first width, step between documents,
