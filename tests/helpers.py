@@ -374,6 +374,24 @@ def doc_to_image(doc):
 '''
 
 
+def check_half_precision_images(model, hf, inputs) -> None:
+    """A fp16 package (mobius-onnx's `--dtype f16`) with images against transformers' fp32 on the same
+    weights: fp16 logits within fp16's rounding (a wrong feature or position is off by about the
+    logits' scale) and the same greedy tokens."""
+    assert model.dtype == torch.float16
+    real = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        expected = hf(**inputs).logits[real]
+    ours = model(**inputs).logits[real]
+    assert ours.dtype == torch.float16
+    assert (ours.float() - expected).abs().max() < 0.01 * expected.abs().max()
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if hasattr(hf.model, "rope_deltas"):  # Qwen-VL's offsets from the forward above
+        hf.model.rope_deltas = None
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, **options), hf.generate(**inputs, **options))
+
+
 def check_image_task(folder, name, sizes, processor, hf, package_dir) -> None:
     """ortmodule-multimodal's responses to `image_task_responses`' task equal hf-multimodal's, one a
     document, not all empty."""

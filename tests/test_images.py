@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import check_image_task, load_pair, padded_rows, tokenizer_with
+from helpers import check_half_precision_images, check_image_task, load_pair, padded_rows, tokenizer_with
 from PIL import Image
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -93,18 +93,7 @@ def test_a_half_precision_package_answers_within_its_rounding(build, inputs):
     no CPU kernels in ONNX Runtime): the vision, embedding and decoder models take and give fp16, and
     with images the logits stay within fp16's rounding of transformers' fp32 on the same weights, and
     greedy generate makes the same tokens."""
-    model, hf = load_pair(build("qwen2_5_vl", precision="fp16"))  # transformers in fp32
-    assert model.dtype == torch.float16
-    real = inputs["attention_mask"].bool()
-    expected = reference(hf, **inputs).logits[real]
-    ours = model(**inputs).logits[real]
-    assert ours.dtype == torch.float16
-    scale = expected.abs().max()
-    assert (ours.float() - expected).abs().max() < 0.01 * scale  # a wrong feature or position: ~ the scale
-    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    hf.model.rope_deltas = None
-    with torch.no_grad():
-        assert torch.equal(model.generate(**inputs, **options), hf.generate(**inputs, **options))
+    check_half_precision_images(*load_pair(build("qwen2_5_vl", precision="fp16")), inputs)  # transformers in fp32
 
 
 def test_a_bf16_package_on_a_cpu_is_refused_naming_why(build):

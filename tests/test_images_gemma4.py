@@ -138,6 +138,15 @@ def test_generate_with_images_equals_transformers(pair, inputs):
     assert torch.equal(together[:2, -alone.shape[1]:], alone)
 
 
+def test_a_half_precision_package_answers_within_its_rounding(build, inputs):
+    """mobius-onnx's Gemma 4 package in fp16 (`mobius build --dtype f16`): the vision, embedding and
+    decoder models in fp16, logits within fp16's rounding of transformers' fp32 on the same weights,
+    the same greedy tokens."""
+    from helpers import check_half_precision_images
+
+    check_half_precision_images(*load_pair(build("gemma4_mobius", precision="fp16")), inputs)
+
+
 def test_what_images_cannot_be_is_refused(pair, inputs):
     model, _ = pair
     given = dict(inputs)

@@ -131,6 +131,15 @@ def test_a_gemma3_package_of_the_same_vision_form_is_refused(build, inputs, tmp_
         inputs["input_ids"].shape
 
 
+def test_a_half_precision_package_answers_within_its_rounding(build, inputs):
+    """mobius-onnx's Mistral 3 package in fp16 (`mobius build --dtype f16`): the vision, embedding and
+    decoder models in fp16, logits within fp16's rounding of transformers' fp32 on the same weights,
+    the same greedy tokens."""
+    from helpers import check_half_precision_images
+
+    check_half_precision_images(*load_pair(build("mistral3", precision="fp16")), inputs)
+
+
 def test_what_images_cannot_be_is_refused(pair, inputs):
     model, _ = pair
     given = dict(inputs)
