@@ -79,10 +79,14 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
     assert not torch.allclose(text, expected, atol=1e-2)  # the images matter
 
 
-def test_steps_and_loss_with_images_equal_transformers(pair, inputs):
+def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, inputs):
     model, hf = pair
     real = inputs["attention_mask"].bool()
-    out = model(**inputs, use_cache=True)
+    out = model(**inputs, use_cache=True, output_hidden_states=True)
+    expected = reference(hf, **inputs, output_hidden_states=True)
+    assert len(out.hidden_states) == len(expected.hidden_states) == 3
+    for ours, theirs in zip(out.hidden_states, expected.hidden_states):
+        assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
     tokens = torch.tensor([[7], [8], [9]])
     mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
     step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values)
@@ -95,8 +99,9 @@ def test_steps_and_loss_with_images_equal_transformers(pair, inputs):
 
 
 def test_generate_with_images_equals_transformers(pair, inputs):
-    """Greedy and sampled generate as transformers' loop; copies for num_return_sequences each take
-    their row's images (a row's images counted off by their tokens: row breaks split an image's)."""
+    """Greedy and sampled generate as transformers' loop; beams on rows of one image each; copies for
+    num_return_sequences each take their row's images (a row's images counted off by their tokens:
+    row breaks split an image's)."""
     model, hf = pair
     options = dict(max_new_tokens=8, pad_token_id=2)
     for mode in (dict(do_sample=False), dict(do_sample=True, top_k=20)):
@@ -104,6 +109,11 @@ def test_generate_with_images_equals_transformers(pair, inputs):
         expected = hf.generate(**inputs, **options, **mode)
         torch.manual_seed(7)
         assert torch.equal(model.generate(**inputs, **options, **mode), expected)
+    pixels, sizes = processed((40, 64), (32, 32), seed=4)  # beams: rows of one image each
+    ids, mask = padded_rows([prompt(sizes.tolist()[:1], 7, 1), prompt(sizes.tolist()[1:], 4, 3)])
+    one_each = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_sizes=sizes)
+    beams = dict(options, do_sample=False, num_beams=3, num_return_sequences=2)
+    assert torch.equal(model.generate(**one_each, **beams), hf.generate(**one_each, **beams))
     scored = dict(options, return_dict_in_generate=True, output_logits=True)
     greedy = model.generate(**inputs, **scored, do_sample=False)
     copies = model.generate(**inputs, **scored, do_sample=True, top_k=1, num_return_sequences=2)
