@@ -20,6 +20,10 @@ does not match (sliding windows in the cache layout and the prefill graph, soft-
 attention biases, sinks), `extend_graph` raises `graph.RewriteSkipped` and callers keep the decode
 steps.
 
+The mask layout with the new tokens' keys and values kept is the blocks graph (`blocks_graph`): a
+prompt whose mask lets tokens see later ones (Gemma 3's images, which attend both ways within each
+image: blocks.py) runs from an empty past, its presents written as the package graph's are.
+
 The same rewrite without a past is the prefill graph (`prefill_graph`): `Attention` with `is_causal`
 over the new tokens alone, no KV read or written, for runs that keep no cache (scoring's padded
 rows), where the package's GroupQueryAttention would write a cache that is thrown away (on CUDA in a
@@ -138,6 +142,13 @@ def prefill_graph(proto: onnx.ModelProto, head_size: int, unpack_qkv: bool = Fal
     return _rewrite(proto, head_size, False, "prefill", unpack_qkv)
 
 
+def blocks_graph(proto: onnx.ModelProto, head_size: int, unpack_qkv: bool = False) -> onnx.ModelProto:
+    """`extend_graph`'s mask layout (its bias inputs, any mask at all) with every layer's present key
+    and value kept, under the package graph's present names: `[batch, kv_heads, past + new,
+    head_size]`, the past (empty, for a prompt) and the new tokens' keys and values."""
+    return _rewrite(proto, head_size, False, "blocks", unpack_qkv)
+
+
 @dataclasses.dataclass
 class _Feeds:
     """The inputs a rewrite adds, by layout (extend_graph's "mask" and "cache", and "prefill")."""
@@ -162,7 +173,7 @@ class _Feeds:
             return ir.Value(name=name, type=kind, shape=ir.Shape(shape))
         int64 = ir.TensorType(ir.DataType.INT64)
         feeds = cls(layout, value(POSITIONS, int64, ["batch", "new"]))
-        if layout == "mask":
+        if layout in ("mask", "blocks"):
             feeds.bias = value(ATTENTION_BIAS, kv_type, ["batch", 1, "new", "total"])
         elif layout == "cache":
             feeds.write_at, feeds.kv_lengths = value(WRITE_AT, int64, ["batch"]), value(KV_LENGTHS, int64, ["batch"])
@@ -190,7 +201,8 @@ def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, layo
         _replace(graph, node, index, feeds, head_size, expand_kv_heads)
     graph.inputs.extend(feeds.windows[window] for window in sorted(feeds.windows))
     presents |= states.state_outputs(graph)  # a hybrid decoder's convolutions read their past states only
-    graph.outputs[:] = [o for o in graph.outputs if o.name not in presents]
+    if layout != "blocks":  # the blocks graph's presents are its attention nodes' (_keep_presents)
+        graph.outputs[:] = [o for o in graph.outputs if o.name not in presents]
     model.opset_imports[""] = max(model.opset_imports.get("", 1), _OPSET_CACHE if layout == "cache" else _OPSET)
     _remove_unused(graph)
     if unpack_qkv:  # once the replaced GroupQueryAttention no longer reads the packed projection
@@ -260,6 +272,19 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, feeds: _Feeds, head_siz
     attend = ir.node("Attention", [query, key, value, bias, past_key, past_value], attributes=attributes,
                      num_outputs=3, name=f"{name}/Attention")  # presents unread (the CPU kernel wants them)
     _put(graph, node, new_nodes, attend, add)
+    if feeds.layout == "blocks":
+        _keep_presents(graph, node, attend)
+
+
+def _keep_presents(graph: ir.Graph, node: ir.Node, attend: ir.Node) -> None:
+    """`attend`'s present key and value as the graph outputs `node` (a GroupQueryAttention) gave."""
+    for old, new in zip(node.outputs[1:3], attend.outputs[1:3]):
+        if old is None or old not in graph.outputs:
+            raise RewriteSkipped(f"'{node.name}' writes no present key and value as graph outputs")
+        name = old.name
+        old.name = f"{name}.ortmodule_replaced"
+        new.name, new.shape, new.type = name, old.shape, old.type
+        graph.outputs[graph.outputs.index(old)] = new
 
 
 def _check_rewritable(node: ir.Node, layout: str) -> int:
@@ -267,7 +292,7 @@ def _check_rewritable(node: ir.Node, layout: str) -> int:
     what the rewrite does not. Sliding windows are in the mask layout's masks only (`_extend_bias`)."""
     window = _attribute(node, "local_window_size", -1)
     window = window if window is not None and window > 0 else 0
-    if window and layout != "mask":
+    if window and layout not in ("mask", "blocks"):
         raise RewriteSkipped(f"'{node.name}' is a sliding-window layer, which the {layout} layout does not take")
     for i, what in ((9, "position ids"), (10, "an attention bias"), (11, "a head sink")):
         if _input(node, i) is not None:
@@ -354,16 +379,16 @@ def _remove_unused(graph: ir.Graph) -> None:
 
 def extend_graph_bytes(base: bytes, stem: str, head_size: int, expand_kv_heads: bool,
                        cache_dir: Path | None = None, layout: str = "mask", unpack_qkv: bool = False) -> bytes:
-    """`extend_graph` in `layout` ("mask", "cache"; "prefill": `prefill_graph`) of the
+    """`extend_graph` in `layout` ("mask", "cache"; "prefill": `prefill_graph`; "blocks": `blocks_graph`) of the
     LM-head-rewritten graph bytes `base` (`unpack_qkv` as there), cached like them (graph.py);
     raises `RewriteSkipped` where the decoder does not match."""
-    if layout not in ("mask", "cache", "prefill"):
-        raise ValueError(f"layout must be 'mask', 'cache' or 'prefill', not {layout!r}")
+    if layout not in ("mask", "cache", "prefill", "blocks"):
+        raise ValueError(f"layout must be 'mask', 'cache', 'prefill' or 'blocks', not {layout!r}")
     expand_kv_heads = expand_kv_heads and layout == "mask"
     digest = hashlib.sha256(base)
     digest.update(f"|{head_size}|{expand_kv_heads}|{layout}|{EXTEND_VERSION}|{graph.code_digest()}|{ir.__version__}"
                   f"{'|unpack_qkv' * unpack_qkv}".encode())
-    kind = "prefill" if layout == "prefill" else "extend"
+    kind = layout if layout in ("prefill", "blocks") else "extend"
     return graph.cached(cache_dir, f"{stem}-{kind}-{digest.hexdigest()[:32]}",
                         lambda: _rewrite(onnx.ModelProto.FromString(base), head_size, expand_kv_heads,
                                          layout, unpack_qkv).SerializeToString())

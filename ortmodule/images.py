@@ -70,6 +70,7 @@ class Media:
     mm_token_type_ids: torch.Tensor | None = None
     image_position_ids: torch.Tensor | None = None  # Gemma 4's form (images_plain.py)
     image_sizes: torch.Tensor | None = None  # Pixtral's form (images_plain.py)
+    token_type_ids: torch.Tensor | None = None  # Gemma 3's form: its images attended both ways (images_plain.py)
 
     @property
     def pixels(self) -> bool:
@@ -141,7 +142,8 @@ def _open(decoder: Decoder) -> Vision:
     made = {value.name for value in session.ort_session.get_outputs()}
     embedding_inputs = {name for name, _, _ in embedding.empty_inputs}
     rank = decoder.spec.position_rank
-    form = images_plain.form_of({name: value.shape for name, value in taken.items()}, names_in, rank)
+    form = images_plain.form_of({name: value.shape for name, value in taken.items()}, names_in, rank,
+                                str(model.get("type", "")))
     if features in made and features in embedding_inputs and form is not None:
         reason = images_plain.refusal(package, form)
         if reason:
@@ -245,7 +247,7 @@ def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows
     vision = for_decoder(decoder)
     if isinstance(vision, images_plain.PlainVision):
         return images_plain.prefill(decoder, vision, ids, mask, rows, logit_index, cache, media, runs)
-    for name in ("image_position_ids", "image_sizes"):
+    for name in ("image_position_ids", "image_sizes", "token_type_ids"):
         if getattr(media, name) is not None:
             raise ValueError(f"{name} was given; this package's vision model (Qwen-VL's form) takes pixel_values with "
                              "image_grid_thw, as transformers' Qwen-VL image processor gives them")

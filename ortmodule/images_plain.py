@@ -1,5 +1,5 @@
-"""Images for multimodal packages whose decoder takes plain positions (0, 1, ... like text), in two
-forms of vision model, both exported by mobius-onnx:
+"""Images for multimodal packages whose decoder takes plain positions (0, 1, ... like text), in three
+forms of vision model:
 
 - Gemma 4's: `pixel_values` `[images, patches, values]` and `pixel_position_ids` `[images, patches,
   2]` (each patch's column and row; (-1, -1) pads an image to the batch's patch count), as
@@ -7,7 +7,13 @@ forms of vision model, both exported by mobius-onnx:
   `image_position_ids`), giving one token per pooled `pooling_kernel_size`^2 patches;
 - Pixtral's (Mistral 3): `pixel_values` `[images, 3, height, width]` (padded to the batch's largest)
   and `image_sizes` `[images, 2]` (each image's height and width), giving one token per
-  `(patch_size x spatial_merge_size)`^2 pixels.
+  `(patch_size x spatial_merge_size)`^2 pixels (mobius-onnx's exports of both);
+- Gemma 3's (onnxruntime-genai's Gemma-3 vision packages, genai_config type `gemma3`): `pixel_values`
+  `[images, 3, size, size]` (the processor resizes every image to the tower's size), giving
+  `mm_tokens_per_image` tokens an image (the checkpoint's config.json in the package folder, else
+  256, the number onnxruntime-genai's Gemma 3 processor writes). transformers attends both ways
+  within each image where the processor's `token_type_ids` mark them: such a prompt runs in
+  blocks.py's graph.
 
 A prompt with images runs:
 1. the vision model, one image a run (mobius-onnx's graphs take one), on its real patches (Gemma 4)
@@ -33,12 +39,13 @@ import json
 
 import torch
 
-from . import runtime, variants
+from . import blocks, runtime, variants
 from .decoder import Decoder, embed_rows
-from .package import PackageError
+from .package import NotSupportedError, PackageError
 
 IMAGE = 1  # transformers' mm_token_type_ids of an image token
-GEMMA4, PIXTRAL = "Gemma 4", "Pixtral"
+GEMMA4, PIXTRAL, GEMMA3 = "Gemma 4", "Pixtral", "Gemma 3"
+GEMMA3_TOKENS = 256  # an image's tokens in onnxruntime-genai's Gemma 3 processor (and transformers' default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +53,16 @@ class PlainVision:
     """A package's vision model of one of these forms on the decoder's device, and the names around it."""
 
     session: runtime.Session
-    form: str  # GEMMA4 or PIXTRAL
+    form: str  # GEMMA4, PIXTRAL or GEMMA3
     pixel_values: str
     positions: str | None  # Gemma 4's pixel_position_ids input; None for Pixtral's
     features: str
     width: int | None  # values of one patch (Gemma 4) or channels (Pixtral), where the graph fixes it
     pixel_dtype: torch.dtype
-    stride: int  # Gemma 4: patches pooled into a token along each side; Pixtral: pixels per token along each side
-    largest: int | None  # Pixtral: the longest side the vision model's rotary table reaches (None: not known)
+    # Gemma 4: patches pooled into a token along each side; Pixtral: pixels per token along each side;
+    # Gemma 3: an image's tokens
+    stride: int
+    largest: int | None  # Pixtral: the longest side its rotary table reaches; Gemma 3: the side (None: not known)
     image_token: int
     video_token: None = None  # videos are not run for these forms
     frames_apart: bool = False
@@ -67,16 +76,17 @@ class PlainVision:
         return {self.image_token: IMAGE}
 
 
-def form_of(inputs: dict, names: dict, position_rank: int) -> str | None:
+def form_of(inputs: dict, names: dict, position_rank: int, kind: str = "") -> str | None:
     """The form of a vision model taking `inputs` ({name: shape}; genai_config's vision names
-    `names`) beside a decoder of `position_rank`: GEMMA4, PIXTRAL or None (neither)."""
+    `names`) beside a decoder of `position_rank` in a package of genai_config type `kind`: GEMMA4,
+    PIXTRAL, GEMMA3 or None (none of them)."""
     pixels = names.get("pixel_values", "pixel_values")
     if position_rank != 2 or pixels not in inputs:
         return None
     if set(inputs) == {pixels, names.get("pixel_position_ids", "pixel_position_ids")}:
         return GEMMA4
     if set(inputs) == {pixels} and len(inputs[pixels]) == 4:
-        return PIXTRAL
+        return GEMMA3 if kind.startswith("gemma3") else PIXTRAL
     return None
 
 
@@ -95,6 +105,11 @@ def open_vision(package, section: dict, session: runtime.Session, form: str, tok
         stride = _setting(package, "pooling_kernel_size", settings.get("pooling_kernel_size"),
                           config.get("pooling_kernel_size"))
         largest = None
+    elif form == GEMMA3:
+        positions = None
+        stride = _setting(package, "mm_tokens_per_image", checkpoint.get("mm_tokens_per_image"), GEMMA3_TOKENS)
+        sides = [side for side in (shape[2], shape[3], config.get("image_size")) if isinstance(side, int) and side > 0]
+        largest = sides[0] if sides else None
     else:
         positions = None
         merge = _setting(package, "spatial_merge_size", section.get("spatial_merge_size"),
@@ -144,16 +159,10 @@ def _checkpoint_config(package) -> dict | None:
 
 def refusal(package, form: str) -> str:
     """Why the package cannot take images in `form` ('' where it can)."""
-    checkpoint = _checkpoint_config(package) or {}
-    text = checkpoint.get("text_config") or {}
+    text = (_checkpoint_config(package) or {}).get("text_config") or {}
     if form == GEMMA4 and text.get("use_bidirectional_attention") == "vision":
         return ("the checkpoint's config.json sets use_bidirectional_attention='vision': transformers attends both "
                 "ways within an image on its sliding layers, which the package's decoder (causal) does not")
-    kind = str(package.genai_config["model"].get("type", ""))
-    if form == PIXTRAL and (kind.startswith("gemma3") or checkpoint.get("model_type") == "gemma3"):
-        return ("a Gemma 3 package's images (its vision model takes pixel_values [images, 3, height, width] as "
-                "Pixtral's does) are not run: transformers' Gemma 3 attends both ways within each image, which the "
-                "package's decoder (causal) does not, so its numbers would not be the model's")
     return ""
 
 
@@ -162,28 +171,49 @@ def prefill(decoder: Decoder, vision: PlainVision, ids: torch.Tensor, mask: torc
     """Run a prompt batch with images (`ids` in the caller's layout, `rows` as inputs.check_batch
     made them; `media` an images.Media) through `runs` (a `variants.Variant` taking embeddings; None:
     the plain one), into `cache` where given: `Variant.prefill`'s logits at `logit_index` and hidden states."""
-    for name in ("image_grid_thw", "image_position_ids", "image_sizes"):
+    for name in ("image_grid_thw", "image_position_ids", "image_sizes", "token_type_ids"):
         if getattr(media, name) is not None and name not in _KEYWORDS[vision.form]:
             raise ValueError(f"{name} was given; this package's vision model ({vision.form}'s form) takes "
                              f"pixel_values with {' and '.join(_KEYWORDS[vision.form])}")
     host_ids = ids.to("cpu", torch.int64)
     real = torch.ones_like(host_ids, dtype=torch.bool) if mask is None else mask.to("cpu") != 0
-    runs_of = _gemma4_images(media, vision) if vision.form == GEMMA4 else _pixtral_images(media, vision)
+    runs_of = _gemma4_images(media, vision) if vision.form == GEMMA4 else \
+        _pixtral_images(media, vision) if vision.form == PIXTRAL else _gemma3_images(media, vision)
     tokens = [count for count, _ in runs_of]
     per_row = ((host_ids == vision.image_token) & real).sum(1).tolist()
     _check_counts(per_row, tokens, vision)
     _check_types(media.mm_token_type_ids, host_ids, real, vision)
+    _check_types(media.token_type_ids, host_ids, real, vision, "token_type_ids")
     features = _features(decoder, vision, runs_of)
     row_features = [piece if count else None for piece, count in zip(features.split(per_row), per_row)]
     text = ids.masked_fill(~real.to(ids.device), 0 if vision.image_token else 1)  # padding takes no feature row
     made = embed_rows(decoder, vision.features, text, row_features)
     embeds = made.pop(variants.embeds_feed(decoder))
+    if vision.form == GEMMA3 and media.token_type_ids is not None and bool((media.token_type_ids != 0).any()):
+        return _in_blocks(decoder, rows, variants.rolled(rows, embeds), media.token_type_ids, logit_index, cache,
+                          runs)
     runs = runs if runs is not None else variants.for_decoder(decoder, False, True, extra_feeds=True)
     extra = {name: variants.rolled(rows, value) for name, value in made.items()}
     return runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), None, extra)
 
 
-_KEYWORDS = {GEMMA4: ("image_position_ids",), PIXTRAL: ("image_sizes",)}  # forward's, beside pixel_values
+def _in_blocks(decoder: Decoder, rows, embeds: torch.Tensor, marks: torch.Tensor, logit_index, cache, runs):
+    """Gemma 3's prompt with its images marked: each image attended both ways (blocks.py)."""
+    if runs is not None and runs.dtypes:
+        raise NotSupportedError("output_hidden_states=True with a Gemma 3 prompt whose images are marked by "
+                                "token_type_ids (attended both ways within each image): the blocks graph gives logits "
+                                "only")
+    try:
+        runner = blocks.for_decoder(decoder)
+    except blocks.BlocksUnsupported as reason:
+        raise NotSupportedError(f"token_type_ids marking images (transformers' Gemma 3 attends both ways within "
+                                f"each): {reason}") from None
+    marked = variants.rolled(rows, marks.to(embeds.device, torch.int64)[..., None])[..., 0]
+    return runner.run(rows, embeds, blocks.block_ids(marked), logit_index, cache), None
+
+
+# forward's, beside pixel_values
+_KEYWORDS = {GEMMA4: ("image_position_ids",), PIXTRAL: ("image_sizes",), GEMMA3: ("token_type_ids",)}
 
 
 def check_pixels(values, name: str, layout: str) -> None:
@@ -246,6 +276,20 @@ def _pixtral_images(media, vision: PlainVision) -> list[tuple[int, dict]]:
             for image, (height, width) in enumerate(sides)]
 
 
+def _gemma3_images(media, vision: PlainVision) -> list[tuple[int, dict]]:
+    """Each image's tokens and vision inputs: the whole image, at the tower's size."""
+    pixel_values = media.pixel_values
+    check_pixels(pixel_values, "pixel_values", "images, channels, height, width")
+    if vision.width is not None and pixel_values.shape[1] != vision.width:
+        raise ValueError(f"pixel_values have {pixel_values.shape[1]} channels; the vision model takes {vision.width}")
+    side = vision.largest
+    if side is not None and tuple(pixel_values.shape[2:]) != (side, side):
+        raise ValueError(f"pixel_values are {tuple(pixel_values.shape[2:])} pixels; the vision model takes {side} x "
+                         f"{side} (what transformers' Gemma 3 image processor makes)")
+    return [(vision.stride, {vision.pixel_values: pixel_values[image : image + 1]})
+            for image in range(pixel_values.shape[0])]
+
+
 def _check_counts(per_row: list[int], tokens: list[int], vision: PlainVision) -> None:
     """The rows' image tokens must be the images' tokens, each image's within one row."""
     ends, total = {0}, 0
@@ -262,15 +306,17 @@ def _check_counts(per_row: list[int], tokens: list[int], vision: PlainVision) ->
                          "order")
 
 
-def _check_types(types, ids: torch.Tensor, real: torch.Tensor, vision: PlainVision) -> None:
-    """`mm_token_type_ids` (the processor's), where given, must mark the image tokens and nothing else."""
+def _check_types(types, ids: torch.Tensor, real: torch.Tensor, vision: PlainVision,
+                 name: str = "mm_token_type_ids") -> None:
+    """`mm_token_type_ids` (or Gemma 3's `token_type_ids`: the processor's), where given, must mark the
+    image tokens and nothing else."""
     if types is None:
         return
     if not isinstance(types, torch.Tensor) or tuple(types.shape) != tuple(ids.shape):
-        raise ValueError(f"mm_token_type_ids must be a tensor of input_ids' shape {tuple(ids.shape)}")
+        raise ValueError(f"{name} must be a tensor of input_ids' shape {tuple(ids.shape)}")
     expected = (ids == vision.image_token).to(torch.int64) * IMAGE
     if bool(((types.to("cpu", torch.int64) != expected) & real).any()):
-        raise ValueError(f"mm_token_type_ids mark other tokens than input_ids' image tokens ({vision.image_token})")
+        raise ValueError(f"{name} mark other tokens than input_ids' image tokens ({vision.image_token})")
 
 
 def _features(decoder: Decoder, vision: PlainVision, images: list[tuple[int, dict]]) -> torch.Tensor:

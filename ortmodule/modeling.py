@@ -24,14 +24,9 @@ from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
 from .hf import CACHE_NAME, build_config, build_generation_config, check_dtype, load_tokenizer, loading_options
-from .package import Package, read_package
+from .package import NotSupportedError, Package, read_package
 
 __all__ = ["OrtModelForCausalLM", "NotSupportedError", "build_config", "build_generation_config", "load_tokenizer"]
-
-
-class NotSupportedError(NotImplementedError, AttributeError):
-    """A part of transformers' model surface that an ONNX package cannot offer. It is an
-    AttributeError too, so that `hasattr(model, name)` and `getattr(model, name, None)` say no."""
 
 
 # transformers' pipelines compare a model's class name with this table and log an error for others.
@@ -349,6 +344,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         second_per_grid_ts: torch.Tensor | None = None,
         image_position_ids: torch.Tensor | None = None,
         image_sizes: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
         **kwargs,
     ):
         """Logits of `input_ids` (and the loss when `labels` are given).
@@ -368,7 +364,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         embeds = None if inputs_embeds is None else \
             variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
         given = (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts,
-                 mm_token_type_ids, image_position_ids, image_sizes)  # images.Media's fields, in order
+                 mm_token_type_ids, image_position_ids, image_sizes, token_type_ids)  # images.Media's fields, in order
         media = None if all(value is None for value in given) else \
             _image_inputs(self.decoder, past, embeds, images.Media(*given))  # text: no object made per call
         runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None, media is not None)
@@ -488,9 +484,11 @@ def _variant(decoder: Decoder, hidden_states: bool, embeds: bool, media: bool = 
 def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images.Media | None:
     """forward's image and video arguments for a prompt with media (the package's vision model
     opened, or a NotSupportedError saying why it cannot take them), None without (a step's grids and
-    text-only `mm_token_type_ids`, which transformers' generation loop passes at every step, are ignored)."""
+    text-only `mm_token_type_ids` or `token_type_ids`, which transformers' generation loop passes at
+    every step and text tokenizers may give, are ignored)."""
     types = media.mm_token_type_ids
-    marks = isinstance(types, torch.Tensor) and bool((types != 0).any())
+    marks = any(isinstance(given, torch.Tensor) and bool((given != 0).any())
+                for given in (types, media.token_type_ids))
     if past is not None:
         if media.pixels or marks:
             raise NotSupportedError("images or videos in a step over a cache: give a prompt's media with the prompt "
@@ -499,8 +497,8 @@ def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images
     if not media.pixels:
         if any(value is not None for value in (media.image_grid_thw, media.video_grid_thw, media.image_position_ids,
                                                media.image_sizes)) or marks:
-            raise ValueError("image_grid_thw, video_grid_thw, image_position_ids, image_sizes or mm_token_type_ids "
-                             "marking media were given without pixel_values or pixel_values_videos")
+            raise ValueError("image_grid_thw, video_grid_thw, image_position_ids, image_sizes, or mm_token_type_ids or "
+                             "token_type_ids marking media, were given without pixel_values or pixel_values_videos")
         return None
     if embeds is not None:
         raise ValueError("pixel_values go with input_ids (whose image and video tokens take the features), not "
@@ -510,7 +508,7 @@ def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images
         vision = images.for_decoder(decoder)
     except images.ImagesUnsupported as reason:
         raise NotSupportedError(f"{name}: {reason}") from None
-    videos = media.pixel_values_videos is not None or (marks and bool((types == images.VIDEO).any()))
+    videos = media.pixel_values_videos is not None or (isinstance(types, torch.Tensor) and bool((types == images.VIDEO).any()))
     if videos and vision.video_token is None:
         raise NotSupportedError(f"pixel_values_videos: {vision.no_videos}")
     return media

@@ -27,6 +27,11 @@ class PackageError(ValueError):
     """A GenAI package folder is missing something or holds something ortmodule cannot use."""
 
 
+class NotSupportedError(NotImplementedError, AttributeError):
+    """A part of transformers' model surface that an ONNX package cannot offer. It is an
+    AttributeError too, so that `hasattr(model, name)` and `getattr(model, name, None)` say no."""
+
+
 @dataclass(frozen=True)
 class LayerKV:
     """Names and shape of one layer's KV cache (layers may differ in heads and head size)."""
