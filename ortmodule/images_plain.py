@@ -352,10 +352,10 @@ def expanded(vision: PlainVision, input_ids: torch.Tensor, times: int, pixel_val
 
 
 def _images_per_row(vision: PlainVision, ids: torch.Tensor, pixel_values: torch.Tensor, sizes) -> list[int]:
-    """How many of the images each row holds: Gemma 4's, one run of image tokens each; Pixtral's
-    (whose image tokens are broken by row-break tokens), counted off by their tokens."""
+    """How many of the images each row holds: Gemma 4's and Gemma 3's, one run of image tokens each;
+    Pixtral's (whose image tokens are broken by row-break tokens), counted off by their tokens."""
     inside = ids == vision.image_token
-    if vision.form == GEMMA4:
+    if vision.form in (GEMMA4, GEMMA3):
         per_row = (inside & ~torch.nn.functional.pad(inside, (1, 0))[:, :-1]).sum(1).tolist()
         if sum(per_row) != pixel_values.shape[0]:
             raise ValueError(f"placeholder tokens and images do not match: the ids hold {sum(per_row)} runs of token "

@@ -463,7 +463,8 @@ def _gemma3_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
 def add_gemma3_vision(hf_dir: Path, package: Path) -> None:
     """Give the builder's Gemma 3 decoder (exclude_embeds=true) a vision model (transformers'
     get_image_features, exported) and an embedding model (the scaled token embeddings, each image
-    token's replaced by the next feature row, in order), as onnxruntime-genai's Gemma 3 packages have."""
+    token's replaced by the next feature row, in order), as onnxruntime-genai's Gemma 3 packages have,
+    and the checkpoint's config.json (whose mm_tokens_per_image ortmodule reads)."""
     import onnx
     import torch
     import transformers
@@ -526,6 +527,7 @@ def add_gemma3_vision(hf_dir: Path, package: Path) -> None:
                                 "outputs": {"image_features": "image_features"}}
     genai["model"]["image_token_id"] = token
     config_path.write_text(json.dumps(genai, indent=4))
+    shutil.copy(hf_dir / "config.json", package / "config.json")  # its mm_tokens_per_image: 4, not Gemma 3's 256
 
 
 MOBIUS_DTYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}

@@ -121,26 +121,6 @@ def test_generate_with_images_equals_transformers(pair, inputs):
     assert torch.allclose(copies.logits[0], greedy.logits[0].repeat_interleave(2, 0), atol=1e-5, rtol=1e-5)
 
 
-def test_a_gemma3_package_of_the_same_vision_form_is_refused(build, inputs, tmp_path):
-    """onnxruntime-genai's Gemma 3 vision export has a vision model of Pixtral's inputs, but transformers'
-    Gemma 3 attends both ways within each image, which the decoder does not: images are refused naming
-    it (known by genai_config's type); text still runs."""
-    import shutil
-
-    from ortmodule import OrtModelForCausalLM
-
-    package = tmp_path / "package"
-    shutil.copytree(build("mistral3").package_dir, package)
-    config = json.loads((package / "genai_config.json").read_text())
-    config["model"]["type"] = "gemma3"
-    (package / "genai_config.json").write_text(json.dumps(config))
-    model = OrtModelForCausalLM.from_pretrained(package)
-    with pytest.raises(NotSupportedError, match="Gemma 3 attends both ways within each image"):
-        model(**inputs)
-    assert model(inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits.shape[:2] == \
-        inputs["input_ids"].shape
-
-
 def test_a_half_precision_package_answers_within_its_rounding(build, inputs):
     """mobius-onnx's Mistral 3 package in fp16 (`mobius build --dtype f16`): the vision, embedding and
     decoder models in fp16, logits within fp16's rounding of transformers' fp32 on the same weights,

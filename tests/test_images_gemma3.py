@@ -1,0 +1,159 @@
+"""Images in prompts on a Gemma 3 package in onnxruntime-genai's form (the builder's decoder taking
+inputs_embeds, a vision model taking whole images at the tower's size, an embedding model): forward,
+cached steps, the loss and generate equal transformers' Gemma3ForConditionalGeneration on the same
+weights and the same image processor output. transformers attends both ways within each image where
+the processor's token_type_ids mark them (ortmodule/blocks.py), causally without them; both are
+checked. What the images cannot be is refused by name."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import load_pair, padded_rows
+from PIL import Image
+
+from ortmodule import NotSupportedError, OrtModelForCausalLM
+
+IMAGE, BOI, EOI = 511, 510, 509  # the fixture's image token, begin- and end-of-image (ortmodule_dev/fixtures.py)
+TOKENS, SIDE = 4, 32  # the fixture's tokens an image and the tower's image side
+
+
+def processed(count, seed=0):
+    """What transformers' Gemma 3 image processor makes of `count` random RGB images of several sizes."""
+    state = np.random.RandomState(seed)
+    pictures = [Image.fromarray((state.rand(30 + 7 * i, 50 - 5 * i, 3) * 255).astype("uint8")) for i in range(count)]
+    return transformers.Gemma3ImageProcessorPil(size={"height": SIDE, "width": SIDE})(
+        pictures, return_tensors="pt")["pixel_values"]
+
+
+def prompt(images, text=5, seed=0):
+    """Token ids as Gemma 3's processor lays them out: text, then each image's begin, its tokens, end."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 500, (text,), generator=generator).tolist()
+    for _ in range(images):
+        ids += [BOI] + [IMAGE] * TOKENS + [EOI] + torch.randint(10, 500, (3,), generator=generator).tolist()
+    return ids
+
+
+def marked(given):
+    """`given` with the processor's token_type_ids (1 at image tokens) for its input_ids."""
+    return dict(given, token_type_ids=(given["input_ids"] == IMAGE).long())
+
+
+@pytest.fixture(scope="module")
+def pair(build):
+    return load_pair(build("gemma3_vl"))
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """Three rows: two images, none, one; left-padded; token_type_ids as the processor gives them."""
+    ids, mask = padded_rows([prompt(2, 7, 1), prompt(0, 12, 2), prompt(1, 4, 3)])
+    return marked(dict(input_ids=ids, attention_mask=mask, pixel_values=processed(3)))
+
+
+def reference(hf, **given):
+    with torch.no_grad():
+        return hf(**given)
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_logits_equal_transformers_with_images(pair, inputs, left):
+    """With token_type_ids, each image attended both ways (as transformers does, which differs from
+    causal attention by far more than the tolerance); without them, causally, as transformers then does."""
+    model, hf = pair
+    given = dict(inputs)
+    if not left:
+        rows = [r[m.bool()].tolist() for r, m in zip(given["input_ids"], given["attention_mask"])]
+        given["input_ids"], given["attention_mask"] = padded_rows(rows, left=False)
+        given = marked(given)
+    real = given["attention_mask"].bool()
+    expected = reference(hf, **given).logits[real]
+    assert torch.allclose(model(**given).logits[real], expected, atol=1e-4, rtol=1e-4)
+    causal = {name: value for name, value in given.items() if name != "token_type_ids"}
+    expected_causal = reference(hf, **causal).logits[real]
+    assert not torch.allclose(expected_causal, expected, atol=1e-2)  # the blocks matter
+    assert torch.allclose(model(**causal).logits[real], expected_causal, atol=1e-4, rtol=1e-4)
+
+
+def test_steps_and_loss_with_images_equal_transformers(pair, inputs):
+    model, hf = pair
+    real = inputs["attention_mask"].bool()
+    out = model(**inputs, use_cache=True)
+    tokens = torch.tensor([[7], [8], [9]])
+    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
+    step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values)
+    whole = reference(hf, **marked(dict(inputs, input_ids=torch.cat([inputs["input_ids"], tokens], 1),
+                                        attention_mask=mask)))
+    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
+    after_padding = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], 1) == 0
+    labels = inputs["input_ids"].masked_fill(~real | after_padding, -100)
+    assert torch.allclose(model(**inputs, labels=labels).loss, reference(hf, **inputs, labels=labels).loss,
+                          atol=1e-5, rtol=1e-5)
+
+
+def test_generate_with_images_equals_transformers(pair, inputs):
+    """Greedy, sampled and beam generate as transformers' loops; copies for num_return_sequences each
+    take their row's images (checked on the first step's logits)."""
+    model, hf = pair
+    options = dict(max_new_tokens=8, pad_token_id=2)
+    for mode in (dict(do_sample=False), dict(do_sample=True, top_k=20),
+                 dict(do_sample=False, num_beams=3, num_return_sequences=2)):
+        torch.manual_seed(7)
+        expected = hf.generate(**inputs, **options, **mode)
+        torch.manual_seed(7)
+        assert torch.equal(model.generate(**inputs, **options, **mode), expected)
+    scored = dict(options, return_dict_in_generate=True, output_logits=True)
+    greedy = model.generate(**inputs, **scored, do_sample=False)
+    copies = model.generate(**inputs, **scored, do_sample=True, top_k=1, num_return_sequences=2)
+    assert torch.equal(copies.sequences, greedy.sequences.repeat_interleave(2, 0))
+    assert torch.allclose(copies.logits[0], greedy.logits[0].repeat_interleave(2, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_what_images_cannot_be_is_refused(pair, inputs):
+    model, _ = pair
+    given = dict(inputs)
+    with pytest.raises(NotSupportedError, match="output_hidden_states=True with a Gemma 3 prompt whose images"):
+        model(**given, output_hidden_states=True)
+    types = given["token_type_ids"].clone()
+    types[1, -1] = 1
+    with pytest.raises(ValueError, match=r"token_type_ids mark other tokens than input_ids' image tokens \(511\)"):
+        model(**dict(given, token_type_ids=types))
+    one_short = given["input_ids"].clone()
+    one_short[0, (one_short[0] == IMAGE).nonzero()[0]] = 20
+    with pytest.raises(ValueError, match="image tokens and images do not match"):
+        model(**marked(dict(given, input_ids=one_short)))
+    with pytest.raises(ValueError, match=r"pixel_values are \(16, 16\) pixels; the vision model takes 32 x 32"):
+        model(**dict(given, pixel_values=given["pixel_values"][:, :, :16, :16]))
+    with pytest.raises(ValueError, match="have 4 channels; the vision model takes 3"):
+        model(**dict(given, pixel_values=torch.zeros(3, 4, SIDE, SIDE)))
+    with pytest.raises(ValueError, match=r"image_sizes was given; this package's vision model \(Gemma 3's form\)"):
+        model(**dict(given, image_sizes=torch.tensor([[SIDE, SIDE]] * 3)))
+    with pytest.raises(ValueError, match="token_type_ids marking media, were given without pixel_values"):
+        model(given["input_ids"], attention_mask=given["attention_mask"], token_type_ids=given["token_type_ids"])
+    text = model(given["input_ids"], attention_mask=given["attention_mask"],
+                 token_type_ids=torch.zeros_like(given["input_ids"]))  # a text tokenizer's zeros: text
+    assert text.logits.shape[:2] == given["input_ids"].shape
+
+
+def test_an_image_takes_256_tokens_without_the_checkpoint_config(build, inputs, tmp_path):
+    """Without the checkpoint's config.json in the package, an image takes 256 tokens, as in every
+    Gemma 3 checkpoint and in onnxruntime-genai's Gemma 3 processor: the fixture's 4 are then refused."""
+    package = tmp_path / "package"
+    shutil.copytree(build("gemma3_vl").package_dir, package)
+    (package / "config.json").unlink()
+    model = OrtModelForCausalLM.from_pretrained(package)
+    with pytest.raises(ValueError, match=r"the rows hold \[8, 0, 4\] image tokens .* the images make \[256, 256, 256\]"):
+        model(**inputs)
+
+
+def test_token_type_ids_marking_images_elsewhere_are_refused(build):
+    """token_type_ids marking images on a package of another form (which attends within images as its
+    decoder does) are refused by name."""
+    model = OrtModelForCausalLM.from_pretrained(build("mistral3").package_dir)
+    ids = torch.tensor([[5, 6] + [511] * 4 + [7]])
+    with pytest.raises(ValueError, match=r"token_type_ids was given; this package's vision model \(Pixtral's form\)"):
+        model(ids, pixel_values=torch.zeros(1, 3, 16, 16), image_sizes=torch.tensor([[16, 16]]),
+              token_type_ids=(ids == 511).long())
