@@ -508,7 +508,8 @@ def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images
         vision = images.for_decoder(decoder)
     except images.ImagesUnsupported as reason:
         raise NotSupportedError(f"{name}: {reason}") from None
-    videos = media.pixel_values_videos is not None or (isinstance(types, torch.Tensor) and bool((types == images.VIDEO).any()))
+    marked_videos = isinstance(types, torch.Tensor) and bool((types == images.VIDEO).any())
+    videos = media.pixel_values_videos is not None or marked_videos
     if videos and vision.video_token is None:
         raise NotSupportedError(f"pixel_values_videos: {vision.no_videos}")
     return media

@@ -48,6 +48,13 @@ def pair(build):
 
 
 @pytest.fixture(scope="module")
+def deep(build):
+    """Four layers, a full one after a full one: the blocks of the first reach the text after the images
+    (with two, they change the image tokens' own outputs only)."""
+    return load_pair(build("gemma3_vl", num_layers=4))
+
+
+@pytest.fixture(scope="module")
 def inputs():
     """Three rows: two images, none, one; left-padded; token_type_ids as the processor gives them."""
     ids, mask = padded_rows([prompt(2, 7, 1), prompt(0, 12, 2), prompt(1, 4, 3)])
@@ -94,10 +101,10 @@ def test_steps_and_loss_with_images_equal_transformers(pair, inputs):
                           atol=1e-5, rtol=1e-5)
 
 
-def test_generate_with_images_equals_transformers(pair, inputs):
+def test_generate_with_images_equals_transformers(deep, inputs):
     """Greedy, sampled and beam generate as transformers' loops; copies for num_return_sequences each
     take their row's images (checked on the first step's logits)."""
-    model, hf = pair
+    model, hf = deep
     options = dict(max_new_tokens=8, pad_token_id=2)
     for mode in (dict(do_sample=False), dict(do_sample=True, top_k=20),
                  dict(do_sample=False, num_beams=3, num_return_sequences=2)):
@@ -145,7 +152,7 @@ def test_an_image_takes_256_tokens_without_the_checkpoint_config(build, inputs, 
     shutil.copytree(build("gemma3_vl").package_dir, package)
     (package / "config.json").unlink()
     model = OrtModelForCausalLM.from_pretrained(package)
-    with pytest.raises(ValueError, match=r"the rows hold \[8, 0, 4\] image tokens .* the images make \[256, 256, 256\]"):
+    with pytest.raises(ValueError, match=r"the rows hold \[8, 0, 4\] image tokens .* images make \[256, 256, 256\]"):
         model(**inputs)
 
 
@@ -157,3 +164,74 @@ def test_token_type_ids_marking_images_elsewhere_are_refused(build):
     with pytest.raises(ValueError, match=r"token_type_ids was given; this package's vision model \(Pixtral's form\)"):
         model(ids, pixel_values=torch.zeros(1, 3, 16, 16), image_sizes=torch.tensor([[16, 16]]),
               token_type_ids=(ids == 511).long())
+
+
+# A chat template of Gemma 3's form: an image part is one begin-of-image, which the processor (and the
+# server) expands to the image between newlines: begin, its tokens, end.
+TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}<start_of_image>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def gemma3_processor(package_dir, folder):
+    """transformers' own Gemma3Processor over the fixture's tokenizer (Gemma 3's three image tokens at
+    the fixture's ids, the template above) and its image processor at the tower's size, 4 tokens an image."""
+    from helpers import tokenizer_with
+
+    names = {IMAGE: "<image_soft_token>", BOI: "<start_of_image>", EOI: "<end_of_image>"}
+    tokenizer_with(package_dir, names, TEMPLATE).save_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, extra_special_tokens={
+        "boi_token": names[BOI], "eoi_token": names[EOI], "image_token": names[IMAGE]})
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": SIDE, "width": SIDE})
+    return transformers.Gemma3Processor(image_processor, tokenizer, image_seq_length=TOKENS)
+
+
+def test_the_server_takes_images_in_chat_messages(build, tmp_path):
+    """`ortmodule serve --processor FOLDER` on the Gemma 3 package: chat messages with image_url parts
+    answer as transformers' greedy generate on what Gemma3Processor makes of the template's text and
+    the same images (each image attended both ways: its token_type_ids; causally, the answers' log-
+    probabilities differ by ~0.1 here), tokens and log-probabilities, beside a text completion; a processor giving another number of tokens an image is refused at start."""
+    import json
+
+    from helpers import ImageChats, LiveServer, expected_text
+
+    from ortmodule.serving import create_app
+
+    fixture = build("gemma3_vl", num_layers=4)  # a full layer after a full layer: the blocks reach the answer
+    model, hf = load_pair(fixture)
+    folder = tmp_path / "processor"
+    processor = gemma3_processor(fixture.package_dir, tmp_path / "tokenizer")
+    processor.save_pretrained(folder)  # its processor_config.json says image_seq_length 4
+    shutil.copy(fixture.hf_dir / "config.json", folder / "config.json")  # the begin- and end-of-image ids
+    tokenizer = processor.tokenizer
+    settings = json.loads((folder / "processor_config.json").read_text())
+    shutil.copytree(folder, tmp_path / "other")
+    (tmp_path / "other" / "processor_config.json").write_text(json.dumps(dict(settings, image_seq_length=256)))
+    with pytest.raises(ValueError, match="gives an image 256 tokens .* the package's model takes 4"):
+        create_app(model, tokenizer, processor=str(tmp_path / "other"))
+    server = LiveServer(create_app(model, tokenizer, name="vl", processor=str(folder)))
+    try:
+        talk = ImageChats([(40, 60), (30, 30)])
+        answers = talk.send(server, logprobs=True)
+        for messages, images, answer in zip(talk.chats, talk.pictures, answers):
+            assert answer.status_code == 200, answer.text
+            text = tokenizer.decode(talk.template_ids(tokenizer, messages))
+            made = processor(text=[text], images=[images], return_tensors="pt")
+            assert int(made["token_type_ids"].sum()) == TOKENS * len(images)
+            with torch.no_grad():
+                out = hf.generate(**made, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                  return_dict_in_generate=True, output_logits=True)
+            tokens = out.sequences[0, made["input_ids"].shape[1]:]
+            choice = answer.json()["choices"][0]
+            assert (choice["message"]["content"], choice["finish_reason"]) == expected_text(tokenizer, tokens.tolist())
+            chosen = [torch.log_softmax(step[0], -1)[token].item() for step, token in zip(out.logits, tokens)]
+            served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+            assert len(served) == len(chosen) and max(abs(a - b) for a, b in zip(served, chosen)) < 1e-4
+            assert answer.json()["usage"]["prompt_tokens"] == made["input_ids"].shape[1]
+        assert answers[-1].status_code == 200
+        assert answers[-1].json()["choices"][0]["text"] == talk.completion(server).json()["choices"][0]["text"]
+    finally:
+        server.stop()

@@ -239,7 +239,7 @@ def test_the_server_takes_images_in_chat_messages(build, pair, tmp_path):
     tokenizer = tokenizer_with(fixture.package_dir, {IMAGE: "<|image|>"}, TEMPLATE)
     settings = dict(patch_size=4, max_soft_tokens=70, pooling_kernel_size=POOLING)
     Gemma4ImageProcessorPil(**settings).save_pretrained(tmp_path / "processor")
-    with pytest.raises(ValueError, match="Gemma 4's images need the checkpoint's config.json there"):
+    with pytest.raises(ValueError, match="Gemma's images need the checkpoint's config.json there"):
         create_app(model, tokenizer, processor=str(tmp_path / "processor"))
     shutil.copy(fixture.hf_dir / "config.json", tmp_path / "processor" / "config.json")
     server = LiveServer(create_app(model, tokenizer, name="vl", processor=str(tmp_path / "processor")))

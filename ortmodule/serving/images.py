@@ -57,14 +57,20 @@ class ChatImages:
             self.processor = AutoImageProcessor.from_pretrained(processor, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"--processor {processor}: no image processor there ({e})") from None
-        plain = isinstance(vision, images_plain.PlainVision)  # Gemma 4's or Pixtral's form, else Qwen-VL's
+        plain = isinstance(vision, images_plain.PlainVision)  # Gemma 4's, Pixtral's or Gemma 3's form, else Qwen-VL's
         self.form = vision.form if plain else QWEN
         self.token = vision.image_token
-        self.stride = vision.merge if self.form == QWEN else vision.stride  # Qwen's merge; Pixtral's pixels a token
-        self.ends = _image_ends(processor) if self.form == images_plain.GEMMA4 else \
+        # Qwen's merge; Pixtral's pixels a token; Gemma 3's tokens an image
+        self.stride = vision.merge if self.form == QWEN else vision.stride
+        self.ends = _image_ends(processor, "boi_token_id", "eoi_token_id") if self.form == images_plain.GEMMA4 else \
+            _image_ends(processor, "boi_token_index", "eoi_token_index") if self.form == images_plain.GEMMA3 else \
             _pixtral_marks(processor, tokenizer) if self.form == images_plain.PIXTRAL else None
+        self.placeholder = self.ends[0] if self.form == images_plain.GEMMA3 else self.token  # what the template writes
         if self.form == images_plain.PIXTRAL:
             _check_longest_edge(self.processor, vision.largest, processor)
+        if self.form == images_plain.GEMMA3:
+            _check_gemma3(self.processor, self.stride, processor)
+            self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
 
     def decode(self, url: str, where: str):
         """The RGB image of a `data:` URL; a ServingError naming `where` for anything else."""
@@ -100,9 +106,9 @@ class ChatImages:
 
     def expand(self, ids: list[int], pictures: list) -> tuple[list[int], Media]:
         """`ids` with each image placeholder expanded to its image's tokens, and the images."""
-        placed = ids.count(self.token)
+        placed = ids.count(self.placeholder)
         if placed != len(pictures):
-            raise ServingError(f"the chat template placed {placed} image placeholders (token {self.token}) for "
+            raise ServingError(f"the chat template placed {placed} image placeholders (token {self.placeholder}) for "
                                f"{len(pictures)} images; this model's template must render each image part as one",
                                "messages")
         if self.form == QWEN:  # each image pad its image's tokens
@@ -115,6 +121,12 @@ class ChatImages:
             begin, end = self.ends
             runs = iter([[begin, *[self.token] * count, end] for count in made["num_soft_tokens_per_image"].tolist()])
             inputs = {name: made[name] for name in ("pixel_values", "image_position_ids")}
+        elif self.form == images_plain.GEMMA3:  # each begin-of-image its image between newlines, as Gemma3Processor
+            made = self._processed(pictures)
+            begin, end = self.ends
+            run = [*self.newlines, begin, *[self.token] * self.stride, end, *self.newlines]
+            runs = iter([run] * len(pictures))
+            inputs = {"pixel_values": made["pixel_values"]}
         else:  # Pixtral's: resized to multiples of patch x merge as PixtralProcessor asks; rows of tokens
             made = self._processed(pictures, patch_size=self.stride)
             runs = iter([_pixtral_run(self.token, *self.ends, height // self.stride, width // self.stride)
@@ -122,22 +134,42 @@ class ChatImages:
             inputs = {name: made[name] for name in ("pixel_values", "image_sizes")}
         expanded: list[int] = []
         for token in ids:
-            expanded += next(runs) if token == self.token else [token]
+            expanded += next(runs) if token == self.placeholder else [token]
+        if self.form == images_plain.GEMMA3:  # its images attended both ways, as transformers with the processor's
+            inputs["token_type_ids"] = (torch.tensor([expanded]) == self.token).long()
         return expanded, Media(inputs)
 
 
-def _image_ends(processor: str) -> tuple[int, int]:
-    """Gemma 4's begin- and end-of-image ids, from the checkpoint's config.json in `processor`."""
+def _image_ends(processor: str, begin: str, end: str) -> tuple[int, int]:
+    """Gemma's begin- and end-of-image ids, from the checkpoint's config.json in `processor` (its
+    fields `begin` and `end`: Gemma 4's boi_token_id, Gemma 3's boi_token_index, ...)."""
     path = Path(processor) / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"--processor {processor}: Gemma 4's images need the checkpoint's config.json there (its "
-                         f"boi_token_id and eoi_token_id): {e}") from None
-    ends = config.get("boi_token_id"), config.get("eoi_token_id")
+        raise ValueError(f"--processor {processor}: Gemma's images need the checkpoint's config.json there (its "
+                         f"{begin} and {end}): {e}") from None
+    ends = config.get(begin), config.get(end)
     if not all(isinstance(value, int) and not isinstance(value, bool) for value in ends):
-        raise ValueError(f"--processor {processor}: {path} needs boi_token_id and eoi_token_id (integers), got {ends}")
+        raise ValueError(f"--processor {processor}: {path} needs {begin} and {end} (integers), got {ends}")
     return ends
+
+
+def _check_gemma3(image_processor, tokens: int, processor: str) -> None:
+    """Gemma 3's processor settings the server follows: no pan-and-scan crops (their extra images and
+    text are not written), and as many tokens an image as the package takes."""
+    if getattr(image_processor, "do_pan_and_scan", False):
+        raise ValueError(f"--processor {processor}: its image processor crops with pan-and-scan (do_pan_and_scan), "
+                         "which this server does not lay out; set it false")
+    path = Path(processor) / "processor_config.json"
+    try:
+        settings = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--processor {processor}: cannot read {path} ({e})") from None
+    length = settings.get("image_seq_length", tokens)
+    if length != tokens:
+        raise ValueError(f"--processor {processor}: {path} gives an image {length} tokens (image_seq_length); the "
+                         f"package's model takes {tokens}")
 
 
 def _pixtral_marks(processor: str, tokenizer) -> tuple[int, int]:
