@@ -392,19 +392,20 @@ def check_half_precision_images(model, hf, inputs) -> None:
         assert torch.equal(model.generate(**inputs, **options), hf.generate(**inputs, **options))
 
 
-def check_image_task(folder, name, sizes, processor, hf, package_dir) -> None:
+def check_image_task(folder, name, sizes, processor, hf, package_dir, **options) -> None:
     """ortmodule-multimodal's responses to `image_task_responses`' task equal hf-multimodal's, one a
     document, not all empty."""
-    responses = image_task_responses(folder, name, sizes, processor, hf, package_dir)
+    responses = image_task_responses(folder, name, sizes, processor, hf, package_dir, **options)
     assert len(responses["hf"]) == len(sizes[3]) and any(responses["hf"])
     assert responses["ortmodule"] == responses["hf"]
 
 
-def image_task_responses(folder, name, sizes, processor, hf, package_dir) -> dict:
+def image_task_responses(folder, name, sizes, processor, hf, package_dir, **options) -> dict:
     """An offline lm-eval task of MMMU's form (`doc_to_image`, `generate_until`) named `name` in
     `folder`, its documents' images of `sizes` (first height, first width, step between documents,
     and one word per document), run by lm-eval's `hf-multimodal` on `hf` and by ortmodule-multimodal
-    on the package, both batched by 3 with `processor`: {"hf": responses, "ortmodule": responses}."""
+    on the package, both batched by 3 with `processor` and the model arguments `options`:
+    {"hf": responses, "ortmodule": responses}."""
     import lm_eval
     from lm_eval.models.hf_vlms import HFMultimodalLM
     from lm_eval.tasks import TaskManager
@@ -421,9 +422,9 @@ def image_task_responses(folder, name, sizes, processor, hf, package_dir) -> dic
             self.processor, self.tokenizer = processor, processor.tokenizer
 
     responses = {}
-    for kind, lm in (("hf", Reference(pretrained=hf, batch_size=3, device="cpu")),
+    for kind, lm in (("hf", Reference(pretrained=hf, batch_size=3, device="cpu", **options)),
                      ("ortmodule", OrtModuleMultimodalLM(package_dir, processor=processor, batch_size=3,
-                                                         device="cpu"))):
+                                                         device="cpu", **options))):
         result = lm_eval.simple_evaluate(model=lm, tasks=[name], log_samples=True,
                                          task_manager=TaskManager(include_path=str(folder)))
         samples = sorted(result["samples"][name], key=lambda sample: sample["doc_id"])

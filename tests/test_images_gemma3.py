@@ -193,7 +193,8 @@ def test_the_server_takes_images_in_chat_messages(build, tmp_path):
     """`ortmodule serve --processor FOLDER` on the Gemma 3 package: chat messages with image_url parts
     answer as transformers' greedy generate on what Gemma3Processor makes of the template's text and
     the same images (each image attended both ways: its token_type_ids; causally, the answers' log-
-    probabilities differ by ~0.1 here), tokens and log-probabilities, beside a text completion; a processor giving another number of tokens an image is refused at start."""
+    probabilities differ by ~0.1 here), tokens and log-probabilities, beside a text completion; a
+    processor giving another number of tokens an image is refused at start."""
     import json
 
     from helpers import ImageChats, LiveServer, expected_text
@@ -235,3 +236,16 @@ def test_the_server_takes_images_in_chat_messages(build, tmp_path):
         assert answers[-1].json()["choices"][0]["text"] == talk.completion(server).json()["choices"][0]["text"]
     finally:
         server.stop()
+
+
+def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, deep, tmp_path):
+    """`--model ortmodule-multimodal` on an image task (MMMU's form), batched and left-padded, against
+    lm-eval's own `hf-multimodal` on the transformers model with transformers' Gemma3Processor: every
+    response equal. Both take `image_string=<start_of_image>`: lm-eval writes the config's image token
+    (Gemma 3's soft token) for `<image>` otherwise, where Gemma3Processor expects the begin-of-image."""
+    from helpers import check_image_task
+
+    fixture = build("gemma3_vl", num_layers=4)
+    check_image_task(tmp_path, "ortmodule_gemma3_images_test", (30, 40, 6, "abcde"),
+                     gemma3_processor(fixture.package_dir, tmp_path / "tokenizer"), deep[1], fixture.package_dir,
+                     image_string="<start_of_image>")
