@@ -271,9 +271,7 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, feeds: _Feeds, head_siz
     bias = feeds.window_bias(window) if window else feeds.bias
     attend = ir.node("Attention", [query, key, value, bias, past_key, past_value], attributes=attributes,
                      num_outputs=3, name=f"{name}/Attention")  # presents unread (the CPU kernel wants them)
-    _put(graph, node, new_nodes, attend, add)
-    if feeds.layout == "blocks":
-        _keep_presents(graph, node, attend)
+    _put(graph, node, new_nodes, attend, add, keep_presents=feeds.layout == "blocks")
 
 
 def _keep_presents(graph: ir.Graph, node: ir.Node, attend: ir.Node) -> None:
@@ -311,9 +309,10 @@ def _written_outputs(graph: ir.Graph, pairs) -> None:
 
 
 def _put(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], attend: ir.Node, add,
-         heads_first: int = 0) -> None:
+         heads_first: int = 0, keep_presents: bool = False) -> None:
     """`new_nodes` and `attend` before `node`, whose first output `attend`'s replaces (brought back
-    from `[batch, heads, new, head_size]` to `[batch, new, heads_first]` where `heads_first` is given)."""
+    from `[batch, heads, new, head_size]` to `[batch, new, heads_first]` where `heads_first` is given;
+    with `keep_presents`, its presents too: `_keep_presents`)."""
     new_nodes.append(attend)
     out = attend.outputs[0]
     if heads_first:
@@ -322,6 +321,8 @@ def _put(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], attend: ir.No
     graph.insert_before(node, new_nodes)
     node.outputs[0].replace_all_uses_with(out)
     out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
+    if keep_presents:
+        _keep_presents(graph, node, attend)
 
 
 def _heads_first(add, x: ir.Value, heads: int, head_size: int) -> ir.Value:

@@ -351,10 +351,9 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
 
         With `use_cache=True` the output carries `past_key_values`, a `KVCache` (a
         `transformers.Cache`) on the device; pass it back with the next tokens (`input_ids` [B, s]:
-        s new tokens for every row) to continue. `cache` is the same argument under the name
-        transformers uses from 5.24 (which names the output's field `cache` too). `position_ids` and
-        `cache_position` are taken when they are what transformers computes for these rows (the
-        graph derives positions from the attention mask) and refused otherwise.
+        s new tokens for every row) to continue. `cache`: the same, as transformers 5.24 names it (and
+        the output's field). `position_ids` and `cache_position` are taken when they are what
+        transformers computes for these rows (the graph derives positions from the mask), else refused.
         """
         _refuse_unsupported(input_ids, inputs_embeds, output_attentions, kwargs)
         keep = cont_len if cont_len is not None else logits_to_keep
