@@ -150,7 +150,8 @@ def _make(decoder) -> BlockPrefill | str:
         return "the decoder concatenates its cache (no GroupQueryAttention to rewrite)"
     unpack = projections.applies(decoder.device.type, decoder.session_options)
     try:
-        data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, heads.pop(), False,
+        expand = decoder.device.type == "cuda" and extend.REPEAT_KV_HEADS_ON_CUDA  # as the extend graph's
+        data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, heads.pop(), expand,
                                          decoder.cache_dir, layout="blocks", unpack_qkv=unpack)
         session = runtime.make_session(data, decoder.device, decoder.spec.path.parent, decoder.session_options,
                                        decoder.run_provider_options,

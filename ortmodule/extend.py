@@ -142,11 +142,13 @@ def prefill_graph(proto: onnx.ModelProto, head_size: int, unpack_qkv: bool = Fal
     return _rewrite(proto, head_size, False, "prefill", unpack_qkv)
 
 
-def blocks_graph(proto: onnx.ModelProto, head_size: int, unpack_qkv: bool = False) -> onnx.ModelProto:
-    """`extend_graph`'s mask layout (its bias inputs, any mask at all) with every layer's present key
-    and value kept, under the package graph's present names: `[batch, kv_heads, past + new,
-    head_size]`, the past (empty, for a prompt) and the new tokens' keys and values."""
-    return _rewrite(proto, head_size, False, "blocks", unpack_qkv)
+def blocks_graph(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool = False,
+                 unpack_qkv: bool = False) -> onnx.ModelProto:
+    """`extend_graph`'s mask layout (its bias inputs, any mask at all) for runs from an empty past,
+    with every layer's new keys and values as outputs under the package graph's present names
+    (`[batch, kv_heads, new, head_size]`: after the norms and rotary, before `expand_kv_heads`
+    repeats them for the kernel)."""
+    return _rewrite(proto, head_size, expand_kv_heads, "blocks", unpack_qkv)
 
 
 @dataclasses.dataclass
@@ -233,11 +235,7 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, feeds: _Feeds, head_siz
                         num_outputs=3, name=f"{name}/Split")
         new_nodes.append(split)
         query, key, value = split.outputs
-    q_norm, k_norm = _input(node, 14), _input(node, 15)
-    if q_norm is not None or k_norm is not None:  # the norms GroupQueryAttention applies itself (CUDA exports)
-        epsilon = _attribute(node, "qk_norm_epsilon", 1e-6)
-        query = _norm(add, query, q_norm, heads, head_size, epsilon)
-        key = _norm(add, key, k_norm, kv_heads, head_size, epsilon)
+    query, key = _own_norms(add, node, query, key, heads, kv_heads, head_size)
     if _attribute(node, "do_rotary", 0):
         query, key = _rotate(add, node, query, key, feeds.positions, heads, kv_heads, head_size)
     scale = _attribute(node, "scale", 0.0) or 1.0 / math.sqrt(head_size)
@@ -260,6 +258,8 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, feeds: _Feeds, head_siz
                          attributes={**attributes, "is_causal": 1}, num_outputs=1, name=f"{name}/Attention")
         _put(graph, node, new_nodes, attend, add, heads_first=heads * head_size)
         return
+    # the blocks graph's presents: the new keys and values (its past is empty), before any repeat of their heads
+    kept = tuple(_heads_first(add, v, kv_heads, head_size) for v in (key, value)) if feeds.layout == "blocks" else ()
     if expand_kv_heads and kv_heads != heads:
         if softcap:
             raise RewriteSkipped(f"'{node.name}' soft-caps its attention, which this Attention kernel does not")
@@ -271,12 +271,23 @@ def _replace(graph: ir.Graph, node: ir.Node, index: int, feeds: _Feeds, head_siz
     bias = feeds.window_bias(window) if window else feeds.bias
     attend = ir.node("Attention", [query, key, value, bias, past_key, past_value], attributes=attributes,
                      num_outputs=3, name=f"{name}/Attention")  # presents unread (the CPU kernel wants them)
-    _put(graph, node, new_nodes, attend, add, keep_presents=feeds.layout == "blocks")
+    _put(graph, node, new_nodes, attend, add, presents=kept)
 
 
-def _keep_presents(graph: ir.Graph, node: ir.Node, attend: ir.Node) -> None:
-    """`attend`'s present key and value as the graph outputs `node` (a GroupQueryAttention) gave."""
-    for old, new in zip(node.outputs[1:3], attend.outputs[1:3]):
+def _own_norms(add, node: ir.Node, query: ir.Value, key: ir.Value, heads: int, kv_heads: int,
+               head_size: int) -> tuple[ir.Value, ir.Value]:
+    """The query and key after the norms a GroupQueryAttention node applies itself (CUDA exports), if any."""
+    q_norm, k_norm = _input(node, 14), _input(node, 15)
+    if q_norm is None and k_norm is None:
+        return query, key
+    epsilon = _attribute(node, "qk_norm_epsilon", 1e-6)
+    return (_norm(add, query, q_norm, heads, head_size, epsilon),
+            _norm(add, key, k_norm, kv_heads, head_size, epsilon))
+
+
+def _keep_presents(graph: ir.Graph, node: ir.Node, presents: tuple) -> None:
+    """`presents` (key, value) as the graph outputs `node` (a GroupQueryAttention) gave."""
+    for old, new in zip(node.outputs[1:3], presents):
         if old is None or old not in graph.outputs:
             raise RewriteSkipped(f"'{node.name}' writes no present key and value as graph outputs")
         name = old.name
@@ -309,10 +320,10 @@ def _written_outputs(graph: ir.Graph, pairs) -> None:
 
 
 def _put(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], attend: ir.Node, add,
-         heads_first: int = 0, keep_presents: bool = False) -> None:
+         heads_first: int = 0, presents: tuple = ()) -> None:
     """`new_nodes` and `attend` before `node`, whose first output `attend`'s replaces (brought back
-    from `[batch, heads, new, head_size]` to `[batch, new, heads_first]` where `heads_first` is given;
-    with `keep_presents`, its presents too: `_keep_presents`)."""
+    from `[batch, heads, new, head_size]` to `[batch, new, heads_first]` where `heads_first` is given);
+    `presents` (key, value), where given, replace its present outputs (`_keep_presents`)."""
     new_nodes.append(attend)
     out = attend.outputs[0]
     if heads_first:
@@ -321,8 +332,8 @@ def _put(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], attend: ir.No
     graph.insert_before(node, new_nodes)
     node.outputs[0].replace_all_uses_with(out)
     out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
-    if keep_presents:
-        _keep_presents(graph, node, attend)
+    if presents:
+        _keep_presents(graph, node, presents)
 
 
 def _heads_first(add, x: ir.Value, heads: int, head_size: int) -> ir.Value:
@@ -385,7 +396,7 @@ def extend_graph_bytes(base: bytes, stem: str, head_size: int, expand_kv_heads: 
     raises `RewriteSkipped` where the decoder does not match."""
     if layout not in ("mask", "cache", "prefill", "blocks"):
         raise ValueError(f"layout must be 'mask', 'cache', 'prefill' or 'blocks', not {layout!r}")
-    expand_kv_heads = expand_kv_heads and layout == "mask"
+    expand_kv_heads = expand_kv_heads and layout in ("mask", "blocks")
     digest = hashlib.sha256(base)
     digest.update(f"|{head_size}|{expand_kv_heads}|{layout}|{EXTEND_VERSION}|{graph.code_digest()}|{ir.__version__}"
                   f"{'|unpack_qkv' * unpack_qkv}".encode())
