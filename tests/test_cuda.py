@@ -198,6 +198,27 @@ def test_images_on_cuda_give_the_cpus_logits(build, tmp_path):
             assert (a - b).abs().max().item() < FP32_TOL
 
 
+def test_gemma3_images_on_cuda_give_the_cpus_logits(build):
+    """A Gemma 3 prompt with two images attended both ways (token_type_ids: blocks.py's graph, its KV
+    heads repeated for CUDA's kernel) and one without the marks (causal), then a step, on CUDA as on
+    the CPU."""
+    fixture = build("gemma3_vl", num_layers=4)
+    ids = torch.tensor([[5, 6, 510, 511, 511, 511, 511, 509, 7, 510, 511, 511, 511, 511, 509, 8, 9]])
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for device in ("cpu", "cuda:0"):
+        model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
+        for marks in ((ids == 511).long(), None):
+            given = {} if marks is None else {"token_type_ids": marks.to(device)}
+            out = model(ids.to(device), pixel_values=pixels.to(device), use_cache=True, **given)
+            step = model(torch.tensor([[30]], device=device), past_key_values=out.past_key_values)
+            outputs.append((out.logits.cpu(), step.logits.cpu()))
+    for on_cuda, on_cpu in zip(outputs[2:], outputs[:2]):
+        for a, b in zip(on_cuda, on_cpu):
+            assert (a - b).abs().max().item() < FP32_TOL
+    assert (outputs[0][0] - outputs[1][0]).abs().max().item() > 1e-2  # the blocks matter
+
+
 # `ortmodule export --device cuda` unpacks the query/key/value projections (exporter.CUDA_OPTIONS).
 UNPACKED = (("fuse_qkv", "false"),)
 
