@@ -148,6 +148,12 @@ def _make(decoder) -> BlockPrefill | str:
         return f"layers of different head sizes {sorted(heads)}"
     if not decoder.spec.shares_kv_buffer:
         return "the decoder concatenates its cache (no GroupQueryAttention to rewrite)"
+    if decoder.device.type == "cuda":  # a second session of the decoder's graph holds its weights again
+        weights = decoder.spec.num_parameters * decoder.kv_dtype.itemsize  # an upper bound for quantized weights
+        free, _ = torch.cuda.mem_get_info(decoder.device)
+        if weights > free * 0.9:
+            return (f"the blocks graph is a second session of the decoder, whose weights (~{weights >> 20} MB) would "
+                    f"not fit in the device's free memory ({free >> 20} MB)")
     unpack = projections.applies(decoder.device.type, decoder.session_options)
     try:
         expand = decoder.device.type == "cuda" and extend.REPEAT_KV_HEADS_ON_CUDA  # as the extend graph's
