@@ -10,6 +10,7 @@ the caller's layout.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -511,7 +512,8 @@ def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images
     videos = media.pixel_values_videos is not None or marked_videos
     if videos and vision.video_token is None:
         raise NotSupportedError(f"pixel_values_videos: {vision.no_videos}")
-    return media
+    unmarked = isinstance(media.token_type_ids, torch.Tensor) and not bool((media.token_type_ids != 0).any())
+    return dataclasses.replace(media, token_type_ids=None) if unmarked else media  # a text tokenizer's zeros
 
 
 def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, rest: dict) -> None:

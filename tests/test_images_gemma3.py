@@ -158,12 +158,13 @@ def test_an_image_takes_256_tokens_without_the_checkpoint_config(build, inputs, 
 
 def test_token_type_ids_marking_images_elsewhere_are_refused(build):
     """token_type_ids marking images on a package of another form (which attends within images as its
-    decoder does) are refused by name."""
+    decoder does) are refused by name; zeros (a text tokenizer's) are taken and change nothing."""
     model = OrtModelForCausalLM.from_pretrained(build("mistral3").package_dir)
     ids = torch.tensor([[5, 6] + [511] * 4 + [7]])
+    given = dict(pixel_values=torch.zeros(1, 3, 16, 16), image_sizes=torch.tensor([[16, 16]]))
     with pytest.raises(ValueError, match=r"token_type_ids was given; this package's vision model \(Pixtral's form\)"):
-        model(ids, pixel_values=torch.zeros(1, 3, 16, 16), image_sizes=torch.tensor([[16, 16]]),
-              token_type_ids=(ids == 511).long())
+        model(ids, **given, token_type_ids=(ids == 511).long())
+    assert torch.equal(model(ids, **given, token_type_ids=torch.zeros_like(ids)).logits, model(ids, **given).logits)
 
 
 # A chat template of Gemma 3's form: an image part is one begin-of-image, which the processor (and the
