@@ -483,6 +483,29 @@ class ImageChats:
             answers.append(pool.submit(self.completion, server))
             return [answer.result() for answer in answers]
 
+    def check(self, server, tokenizer, hf, process) -> list:
+        """Send the chats (with log-probabilities) beside a completion: each answer's tokens, their
+        log-probabilities (within 1e-4) and its prompt's length as transformers' greedy `generate` (`hf`)
+        on `process(text, images)`, the processor's output for the template's text and the chat's
+        images; the completion as alone. The processor outputs, for the caller's own checks."""
+        answers, made = self.send(server, logprobs=True), []
+        for messages, images, answer in zip(self.chats, self.pictures, answers):
+            assert answer.status_code == 200, answer.text
+            made.append(process(tokenizer.decode(self.template_ids(tokenizer, messages)), images))
+            with torch.no_grad():
+                out = hf.generate(**made[-1], max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                  return_dict_in_generate=True, output_logits=True)
+            tokens = out.sequences[0, made[-1]["input_ids"].shape[1]:]
+            choice = answer.json()["choices"][0]
+            assert (choice["message"]["content"], choice["finish_reason"]) == expected_text(tokenizer, tokens.tolist())
+            chosen = [torch.log_softmax(step[0], -1)[token].item() for step, token in zip(out.logits, tokens)]
+            served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+            assert len(served) == len(chosen) and max(abs(a - b) for a, b in zip(served, chosen)) < 1e-4
+            assert answer.json()["usage"]["prompt_tokens"] == made[-1]["input_ids"].shape[1]
+        assert answers[-1].status_code == 200
+        assert answers[-1].json()["choices"][0]["text"] == self.completion(server).json()["choices"][0]["text"]
+        return made
+
     @staticmethod
     def template_ids(tokenizer, messages) -> list[int]:
         """The chat template's ids of `messages`, each image part rendered as `{"type": "image"}`."""
