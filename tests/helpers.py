@@ -374,6 +374,35 @@ def doc_to_image(doc):
 '''
 
 
+def check_copies_take_their_images(model, inputs, options) -> None:
+    """generate's copies of each row (num_return_sequences, top_k=1: each greedy) take their row's
+    images: the same tokens as greedy, and the first step's logits copy for copy (tokens alone can
+    agree on random weights where the images are swapped)."""
+    scored = dict(options, return_dict_in_generate=True, output_logits=True)
+    greedy = model.generate(**inputs, **scored, do_sample=False)
+    copies = model.generate(**inputs, **scored, do_sample=True, top_k=1, num_return_sequences=2)
+    assert torch.equal(copies.sequences, greedy.sequences.repeat_interleave(2, 0))
+    assert torch.allclose(copies.logits[0], greedy.logits[0].repeat_interleave(2, 0), atol=1e-5, rtol=1e-5)
+
+
+def check_image_step_and_loss(model, hf, inputs, cache, marks=lambda ids: {}) -> None:
+    """After a prompt batch with images (`inputs`, three rows) into `cache`: a token more on each row
+    gives transformers' logits over the whole sequence (`marks(ids)`: the processor's token-type
+    keywords for those ids), and the prompt's loss is transformers'."""
+    tokens = torch.tensor([[7], [8], [9]])
+    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
+    step = model(tokens, attention_mask=mask, past_key_values=cache)
+    ids = torch.cat([inputs["input_ids"], tokens], 1)
+    with torch.no_grad():
+        whole = hf(**dict(inputs, input_ids=ids, attention_mask=mask, **marks(ids)))
+        real = inputs["attention_mask"].bool()
+        after_padding = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], 1) == 0
+        labels = inputs["input_ids"].masked_fill(~real | after_padding, -100)
+        expected_loss = hf(**inputs, labels=labels).loss
+    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(model(**inputs, labels=labels).loss, expected_loss, atol=1e-5, rtol=1e-5)
+
+
 def check_half_precision_images(model, hf, inputs) -> None:
     """A fp16 package (mobius-onnx's `--dtype f16`) with images against transformers' fp32 on the same
     weights: fp16 logits within fp16's rounding (a wrong feature or position is off by about the

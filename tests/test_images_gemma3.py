@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import load_pair, padded_rows
+from helpers import check_copies_take_their_images, check_image_step_and_loss, load_pair, padded_rows
 from PIL import Image
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -87,18 +87,9 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
 
 def test_steps_and_loss_with_images_equal_transformers(pair, inputs):
     model, hf = pair
-    real = inputs["attention_mask"].bool()
     out = model(**inputs, use_cache=True)
-    tokens = torch.tensor([[7], [8], [9]])
-    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
-    step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values)
-    whole = reference(hf, **marked(dict(inputs, input_ids=torch.cat([inputs["input_ids"], tokens], 1),
-                                        attention_mask=mask)))
-    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
-    after_padding = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], 1) == 0
-    labels = inputs["input_ids"].masked_fill(~real | after_padding, -100)
-    assert torch.allclose(model(**inputs, labels=labels).loss, reference(hf, **inputs, labels=labels).loss,
-                          atol=1e-5, rtol=1e-5)
+    check_image_step_and_loss(model, hf, inputs, out.past_key_values,
+                              lambda ids: {"token_type_ids": (ids == IMAGE).long()})
 
 
 def test_generate_with_images_equals_transformers(deep, inputs):
@@ -112,11 +103,7 @@ def test_generate_with_images_equals_transformers(deep, inputs):
         expected = hf.generate(**inputs, **options, **mode)
         torch.manual_seed(7)
         assert torch.equal(model.generate(**inputs, **options, **mode), expected)
-    scored = dict(options, return_dict_in_generate=True, output_logits=True)
-    greedy = model.generate(**inputs, **scored, do_sample=False)
-    copies = model.generate(**inputs, **scored, do_sample=True, top_k=1, num_return_sequences=2)
-    assert torch.equal(copies.sequences, greedy.sequences.repeat_interleave(2, 0))
-    assert torch.allclose(copies.logits[0], greedy.logits[0].repeat_interleave(2, 0), atol=1e-5, rtol=1e-5)
+    check_copies_take_their_images(model, inputs, options)
 
 
 def test_what_images_cannot_be_is_refused(pair, inputs):

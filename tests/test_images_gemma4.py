@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import check_image_task, load_pair, padded_rows
+from helpers import check_copies_take_their_images, check_image_step_and_loss, check_image_task, load_pair, padded_rows
 from PIL import Image
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -67,16 +67,6 @@ def right_padded(given):
     return dict(given, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long())
 
 
-def assert_a_step_continues(model, hf, inputs, cache):
-    """A token more on each row over the prompt's cache: the logits of transformers over the whole sequence."""
-    tokens = torch.tensor([[7], [8], [9]])
-    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
-    step = model(tokens, attention_mask=mask, past_key_values=cache)
-    ids = torch.cat([inputs["input_ids"], tokens], 1)
-    whole = reference(hf, **dict(inputs, input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).long()))
-    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("left", [True, False])
 def test_logits_equal_transformers_with_images(pair, inputs, left):
     model, hf = pair
@@ -102,11 +92,8 @@ def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, input
     assert len(out.hidden_states) == len(expected.hidden_states) == 3
     for ours, theirs in zip(out.hidden_states, expected.hidden_states):
         assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
-    assert_a_step_continues(model, hf, inputs, out.past_key_values)
-    after_padding = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], 1) == 0
-    labels = inputs["input_ids"].masked_fill(~real | after_padding, -100)
-    assert torch.allclose(model(**inputs, labels=labels).loss, reference(hf, **inputs, labels=labels).loss,
-                          atol=1e-5, rtol=1e-5)
+    check_image_step_and_loss(model, hf, inputs, out.past_key_values,
+                              lambda ids: {"mm_token_type_ids": (ids == IMAGE).long()})
 
 
 def test_generate_with_images_equals_transformers(pair, inputs):
@@ -126,11 +113,7 @@ def test_generate_with_images_equals_transformers(pair, inputs):
     ids, mask = padded_rows([prompt(tokens[:1], 6, 5), prompt(tokens[1:], 3, 6)])
     single = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_position_ids=positions)
     assert torch.equal(model.generate(**single, **beams), hf.generate(**single, **beams))
-    scored = dict(options, return_dict_in_generate=True, output_logits=True)
-    greedy = model.generate(**inputs, **scored, do_sample=False)
-    copies = model.generate(**inputs, **scored, do_sample=True, top_k=1, num_return_sequences=2)  # each greedy
-    assert torch.equal(copies.sequences, greedy.sequences.repeat_interleave(2, 0))
-    assert torch.allclose(copies.logits[0], greedy.logits[0].repeat_interleave(2, 0), atol=1e-5, rtol=1e-5)
+    check_copies_take_their_images(model, inputs, options)
     together = model.generate(**inputs, **beams)
     first = {k: v[:1] for k, v in inputs.items() if k not in ("pixel_values", "image_position_ids")}
     alone = model.generate(**first, pixel_values=inputs["pixel_values"][:2],
@@ -320,6 +303,7 @@ def test_layers_reusing_earlier_layers_keys_and_values(build, inputs):
     assert torch.allclose(out.logits[real], reference(hf, **inputs).logits[real], atol=1e-4, rtol=1e-4)
     text = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
     assert torch.allclose(model(**text).logits[real], reference(hf, **text).logits[real], atol=1e-4, rtol=1e-4)
-    assert_a_step_continues(model, hf, inputs, out.past_key_values)
+    check_image_step_and_loss(model, hf, inputs, out.past_key_values,
+                              lambda ids: {"mm_token_type_ids": (ids == IMAGE).long()})
     options = dict(max_new_tokens=8, pad_token_id=2, do_sample=False)
     assert torch.equal(model.generate(**inputs, **options), hf.generate(**inputs, **options))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import load_pair, padded_rows, tokenizer_with
+from helpers import check_copies_take_their_images, check_image_step_and_loss, load_pair, padded_rows, tokenizer_with
 from PIL import Image
 
 from ortmodule import NotSupportedError
@@ -87,15 +87,7 @@ def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, input
     assert len(out.hidden_states) == len(expected.hidden_states) == 3
     for ours, theirs in zip(out.hidden_states, expected.hidden_states):
         assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
-    tokens = torch.tensor([[7], [8], [9]])
-    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
-    step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values)
-    whole = reference(hf, **dict(inputs, input_ids=torch.cat([inputs["input_ids"], tokens], 1), attention_mask=mask))
-    assert torch.allclose(step.logits[:, -1], whole.logits[:, -1], atol=1e-4, rtol=1e-4)
-    after_padding = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], 1) == 0
-    labels = inputs["input_ids"].masked_fill(~real | after_padding, -100)
-    assert torch.allclose(model(**inputs, labels=labels).loss, reference(hf, **inputs, labels=labels).loss,
-                          atol=1e-5, rtol=1e-5)
+    check_image_step_and_loss(model, hf, inputs, out.past_key_values)
 
 
 def test_generate_with_images_equals_transformers(pair, inputs):
@@ -114,11 +106,7 @@ def test_generate_with_images_equals_transformers(pair, inputs):
     one_each = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_sizes=sizes)
     beams = dict(options, do_sample=False, num_beams=3, num_return_sequences=2)
     assert torch.equal(model.generate(**one_each, **beams), hf.generate(**one_each, **beams))
-    scored = dict(options, return_dict_in_generate=True, output_logits=True)
-    greedy = model.generate(**inputs, **scored, do_sample=False)
-    copies = model.generate(**inputs, **scored, do_sample=True, top_k=1, num_return_sequences=2)
-    assert torch.equal(copies.sequences, greedy.sequences.repeat_interleave(2, 0))
-    assert torch.allclose(copies.logits[0], greedy.logits[0].repeat_interleave(2, 0), atol=1e-5, rtol=1e-5)
+    check_copies_take_their_images(model, inputs, options)
 
 
 def test_a_half_precision_package_answers_within_its_rounding(build, inputs):
