@@ -221,3 +221,27 @@ def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, deep, tmp_pa
     check_image_task(tmp_path, "ortmodule_gemma3_images_test", (30, 40, 6, "abcde"),
                      gemma3_processor(fixture.package_dir, tmp_path / "tokenizer"), deep[1], fixture.package_dir,
                      image_string="<start_of_image>")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_the_blocks_graph_is_the_package_graph_where_nothing_is_a_block(build, inputs, monkeypatch, precision):
+    """The blocks graph (ONNX's Attention with a given mask, the keys and values kept) against the
+    package's own graph (GroupQueryAttention) on the same weights, fp32 and int4 (MatMulNBits, as
+    onnxruntime-genai's Gemma 3 packages ship): with every token outside the blocks, its logits, its
+    cache and a step after it equal the package graph's on the prompt without token_type_ids."""
+    from ortmodule import blocks
+
+    fixture = build("gemma3_vl", precision=precision, num_layers=4, hidden_size=128, intermediate_size=256)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    causal = {name: value for name, value in inputs.items() if name != "token_type_ids"}
+    mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
+    outputs = []
+    for given in (causal, inputs):
+        out = model(**given, use_cache=True)
+        step = model(torch.tensor([[7], [8], [9]]), attention_mask=mask, past_key_values=out.past_key_values)
+        outputs.append((out.logits, step.logits))
+        monkeypatch.setattr(blocks, "block_ids", lambda marks: torch.full_like(marks, blocks.TEXT))
+    real = inputs["attention_mask"].bool()
+    (package, package_step), (rewritten, rewritten_step) = outputs
+    assert torch.allclose(rewritten[real], package[real], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(rewritten_step, package_step, atol=1e-4, rtol=1e-4)
