@@ -245,3 +245,20 @@ def test_the_blocks_graph_is_the_package_graph_where_nothing_is_a_block(build, i
     (package, package_step), (rewritten, rewritten_step) = outputs
     assert torch.allclose(rewritten[real], package[real], atol=1e-4, rtol=1e-4)
     assert torch.allclose(rewritten_step, package_step, atol=1e-4, rtol=1e-4)
+
+
+def test_threads_with_images_get_their_own_answers(build):
+    """Four threads, each a prompt with its own images, on one model whose blocks graph none has made
+    yet: every row of logits equals the same prompt run alone (compared on logits, where the images show)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = OrtModelForCausalLM.from_pretrained(build("gemma3_vl", num_layers=4).package_dir)
+    calls = []
+    for seed in range(4):
+        ids = torch.tensor([prompt(1 + seed % 2, 3 + seed, seed)])
+        calls.append(marked(dict(input_ids=ids, pixel_values=processed(1 + seed % 2, seed=seed))))
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda call: model(**call).logits, calls * 3))
+    alone = [model(**call).logits for call in calls]
+    for i, logits in enumerate(together):
+        assert torch.allclose(logits, alone[i % len(calls)], atol=1e-5, rtol=1e-5)
