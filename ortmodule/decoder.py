@@ -352,7 +352,10 @@ def no_media(empty: torch.Tensor, width: int) -> torch.Tensor:
     dimension): media features of one open first dimension get `width` rows of zeros, so that image
     placeholder ids in text take the graph's own zero row however many a row holds (mobius-onnx's
     Qwen2.5-VL graph counts them along each row into the features, padded with one zero row: two
-    in a row indexed past an empty input inside ONNX Runtime); other media inputs stay empty."""
+    in a row indexed past an empty input inside ONNX Runtime), and features `[images, tokens, hidden]`
+    with both open `[1, width, hidden]`; other media inputs stay empty."""
+    if empty.dim() == 3 and tuple(empty.shape[:2]) == (0, 0) and empty.shape[2] > 0:
+        return no_media(empty.reshape(0, empty.shape[2]), width)[None]
     rest = tuple(empty.shape[1:])
     if empty.dim() < 2 or empty.shape[0] != 0 or 0 in rest:
         return empty
@@ -484,10 +487,12 @@ def embed_rows(decoder: Decoder, features_input: str, ids: torch.Tensor,
         made[target] = torch.empty(*ids.shape, *rest, dtype=runtime.output_dtype(session, output), device=device)
     ids = ids.to(device, decoder.id_dtype)
     none = dict(decoder.no_media)[features_input][:0]  # a row without media: no feature rows
+    batched = none.dim() == 3  # features `[batch, tokens, hidden]`: a row's as a batch of one
     for row, row_features in enumerate(features):
         binding = session.io_binding()
         runtime.bind_input(binding, embedding.input_ids, ids[row : row + 1].contiguous())
-        runtime.bind_input(binding, features_input, (row_features if row_features is not None else none).contiguous())
+        given = none if row_features is None else row_features[None] if batched else row_features
+        runtime.bind_input(binding, features_input, given.contiguous())
         for name, value in decoder.no_media:
             if name != features_input:
                 runtime.bind_input(binding, name, value)

@@ -320,17 +320,21 @@ def _check_types(types, ids: torch.Tensor, real: torch.Tensor, vision: PlainVisi
 
 
 def _features(decoder: Decoder, vision: PlainVision, images: list[tuple[int, dict]]) -> torch.Tensor:
-    """The vision model's features `[tokens, hidden]` of the images, one run per image."""
+    """The vision model's features `[tokens, hidden]` of the images, one run per image (an output
+    `[images, tokens, hidden]` is written as `[1, tokens, hidden]` a run)."""
     device = decoder.device
     features = torch.empty(sum(count for count, _ in images), decoder.package.hidden_size,
                            dtype=runtime.output_dtype(vision.session, vision.features), device=device)
+    ranks = {value.name: len(value.shape) for value in vision.session.ort_session.get_outputs()}
+    per_image = ranks.get(vision.features) == 3
     at = 0
     for count, feeds in images:
         binding = vision.session.io_binding()
         for name, value in feeds.items():
             dtype = vision.pixel_dtype if value.is_floating_point() else torch.int64
             runtime.bind_input(binding, name, value.to(device, dtype).contiguous())
-        runtime.bind_output(binding, vision.features, features[at : at + count])
+        piece = features[at : at + count]
+        runtime.bind_output(binding, vision.features, piece[None] if per_image else piece)
         vision.session.run(binding)
         at += count
     return features

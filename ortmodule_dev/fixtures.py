@@ -107,9 +107,10 @@ MOBIUS = {"gemma4_mobius", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "mistral3"}
 MIXED = {"qwen2_5_vl_builder"}
 # Gemma 3 with images in onnxruntime-genai's form (its Gemma-3 vision recipe): the builder's text
 # decoder (`exclude_embeds=true`), a vision model `pixel_values [images, 3, S, S] -> image_features
-# [images x tokens, hidden]` (the SigLIP tower, pooling and projection: transformers' own
+# [images, tokens, hidden]` (the SigLIP tower, pooling and projection: transformers' own
 # get_image_features exported with torch.onnx) and an embedding model written here that puts the
-# features at the image tokens. A one-layer tower on 32 x 32 images, 4 tokens an image.
+# features (taken as `[images, tokens, hidden]` too) at the image tokens. A one-layer tower on 32 x 32
+# images, 4 tokens an image.
 GEMMA3_VL = "gemma3_vl"
 MULTIMODAL = {*GEMMA4, "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "mistral3", *MIXED, GEMMA3_VL}
 MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
@@ -477,14 +478,13 @@ def add_gemma3_vision(hf_dir: Path, package: Path) -> None:
             super().__init__()
             self.inner = inner
 
-        def forward(self, pixel_values):
-            features = self.inner.get_image_features(pixel_values).pooler_output
-            return features.reshape(-1, features.shape[-1])
+        def forward(self, pixel_values):  # [images, tokens, hidden]; the embedding model takes them flat
+            return self.inner.get_image_features(pixel_values).pooler_output
 
     size = model.config.vision_config.image_size
     torch.onnx.export(Vision(model.model), (torch.zeros(2, 3, size, size),), str(package / "vision.onnx"), dynamo=False,
                       input_names=["pixel_values"], output_names=["image_features"], opset_version=17,
-                      dynamic_axes={"pixel_values": {0: "num_images"}, "image_features": {0: "num_image_tokens"}})
+                      dynamic_axes={"pixel_values": {0: "num_images"}, "image_features": {0: "num_images"}})
     embed = model.get_input_embeddings()
     hidden, token = embed.weight.shape[1], model.config.image_token_id
     int64 = TensorProto.INT64
@@ -497,7 +497,8 @@ def add_gemma3_vision(hf_dir: Path, package: Path) -> None:
         helper.make_node("CumSum", ["counted", "zero"], ["running"]),
         helper.make_node("Sub", ["running", "one"], ["before"]),
         helper.make_node("Max", ["before", "zero"], ["at"]),  # the feature row of each image token
-        helper.make_node("Concat", ["image_features", "zero_row"], ["rows"], axis=0),  # never empty
+        helper.make_node("Reshape", ["image_features", "feature_rows"], ["flat_features"]),
+        helper.make_node("Concat", ["flat_features", "zero_row"], ["rows"], axis=0),  # never empty
         helper.make_node("Gather", ["rows", "at"], ["picked_flat"]),
         helper.make_node("Shape", ["scaled"], ["embeds_shape"]),
         helper.make_node("Reshape", ["picked_flat", "embeds_shape"], ["picked"]),
@@ -507,13 +508,14 @@ def add_gemma3_vision(hf_dir: Path, package: Path) -> None:
     constants = [numpy_helper.from_array(embed.weight.detach().numpy(), "embed_tokens.weight"),
                  numpy_helper.from_array(embed.embed_scale.to(torch.float32).numpy().reshape(()), "embed_scale"),
                  numpy_helper.from_array(torch.zeros(1, hidden).numpy(), "zero_row")]
-    for name, value in (("image_token", token), ("flat", [-1]), ("zero", 0), ("one", 1), ("last", [-1])):
+    for name, value in (("image_token", token), ("flat", [-1]), ("zero", 0), ("one", 1), ("last", [-1]),
+                        ("feature_rows", [-1, hidden])):
         constants.append(helper.make_tensor(name, int64, [len(value)] if isinstance(value, list) else [],
                                             value if isinstance(value, list) else [value]))
     graph = helper.make_graph(
         nodes, "embedding",
         [helper.make_tensor_value_info("input_ids", int64, ["batch_size", "sequence_length"]),
-         helper.make_tensor_value_info("image_features", TensorProto.FLOAT, ["num_image_tokens", hidden])],
+         helper.make_tensor_value_info("image_features", TensorProto.FLOAT, ["images", "image_tokens", hidden])],
         [helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, ["batch_size", "sequence_length", hidden])],
         constants)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
