@@ -61,6 +61,9 @@ def ortmodule(argv: list[str] | None = None) -> None:
                         help="the execution provider it is built for")
     export.add_argument("--extra-option", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to the builder's --extra_options (repeatable), e.g. algo_config=k_quant_mixed")
+    export.add_argument("--images", action="store_true",
+                        help="a Gemma 3 checkpoint's vision tower too (fp32, int4 or int8 for the CPU), so that the "
+                             "package takes images (docs/usage.md)")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress output")
     _serve_flags(commands)
@@ -175,7 +178,7 @@ def _export(parser: argparse.ArgumentParser, args) -> None:
         options[key] = value
     try:
         export(args.source, args.out, args.precision, args.device, options, args.overwrite, not args.quiet,
-               args.revision, args.gguf_file)
+               args.revision, args.gguf_file, args.images)
     except ExportError as e:
         parser.exit(2, f"ortmodule export: error: {e}\n")
 

@@ -55,14 +55,16 @@ def export(
     progress: bool = True,
     revision: str | None = None,
     gguf_file: str | None = None,
+    images: bool = False,
 ) -> Path:
     """Export `source` (a Hugging Face checkpoint folder or Hub repository id, at `revision`; a
     `.gguf` file, or `gguf_file` of such a folder or repository) to a GenAI package folder `out` for
     `device` ('cpu' or 'cuda') in `precision` (fp32, fp16, bf16, int4 or int8).
 
     `extra_options` go to the builder's `--extra_options` (for example `{"algo_config": "k_quant_mixed"}`);
-    for CUDA, `fuse_qkv=false` unless they say otherwise (`CUDA_OPTIONS`). Returns `out`. Progress goes
-    to stderr unless `progress=False`.
+    for CUDA, `fuse_qkv=false` unless they say otherwise (`CUDA_OPTIONS`). `images`: a Gemma 3
+    checkpoint's vision tower too, the decoder taking embeddings (export_images.py; fp32, int4 or int8
+    for the CPU). Returns `out`. Progress goes to stderr unless `progress=False`.
     """
     source, out = _checked_source(source, precision, device, revision, gguf_file), Path(out)
     gguf = _gguf_file(source)
@@ -80,13 +82,10 @@ def export(
         else:
             checkpoint = source
         architecture = check_checkpoint(checkpoint, source)
+        if images:
+            _check_images(architecture, precision, device, gguf)
         check_disk(out.parent, checkpoint_parameters(checkpoint), precision)
-        options = {**CUDA_OPTIONS, **(extra_options or {})} if device == "cuda" else extra_options
-        told = f" (options: {', '.join(f'{k}={v}' for k, v in options.items())})" if options else ""
-        _say(progress, f"exporting {architecture} to {precision} for {device} with onnxruntime-genai's model "
-                       f"builder{told}")
-        run_builder(checkpoint, work / "package", precision, device, options, progress)
-        _check_package(work / "package", checkpoint)
+        _write(checkpoint, architecture, work / "package", precision, device, extra_options, progress, images)
         if out.exists():
             shutil.rmtree(out)
         (work / "package").rename(out)
@@ -103,6 +102,37 @@ def export(
                        "own; --extra-option algo_config=k_quant_mixed, or --precision int8, keep closer to them "
                        "(docs/usage.md, \"4 or 8 bits\")")
     return out
+
+
+def _write(checkpoint: Path, architecture: str, package: Path, precision: str, device: str,
+           extra_options: dict | None, progress: bool, images: bool) -> None:
+    """The package of `checkpoint` at `package` (with `images`, its vision tower: export_images.py)."""
+    options = {**CUDA_OPTIONS, **(extra_options or {})} if device == "cuda" else extra_options
+    if images:
+        options = {**(options or {}), "exclude_embeds": "true"}
+    told = f" (options: {', '.join(f'{k}={v}' for k, v in options.items())})" if options else ""
+    _say(progress, f"exporting {architecture} to {precision} for {device} with onnxruntime-genai's model builder{told}")
+    run_builder(checkpoint, package, precision, device, options, progress)
+    if images:
+        from .export_images import add_images
+
+        _say(progress, "exporting the vision tower and the embeddings (torch.onnx)")
+        add_images(checkpoint, package)
+    _check_package(package, checkpoint)
+
+
+def _check_images(architecture: str, precision: str, device: str, gguf: Path | None) -> None:
+    """`images=True` is for a Gemma 3 checkpoint's folder, exported with float32 embeddings."""
+    from .export_images import ARCHITECTURES
+
+    if gguf is not None:
+        raise ExportError("images: a GGUF file holds the text model only; export the Hugging Face checkpoint")
+    if architecture not in ARCHITECTURES:
+        raise ExportError(f"images: the vision tower of {', '.join(ARCHITECTURES)} checkpoints is exported; this one "
+                          f"is {architecture} (its text model exports without images)")
+    if device != "cpu" or precision not in ("fp32", "int4", "int8"):
+        raise ExportError(f"images: the vision and embedding models are written in float32, for a decoder taking "
+                          f"float32 embeddings (fp32, int4 or int8 for the CPU), not {precision} for {device}")
 
 
 def _checked_source(source: str | Path, precision: str, device: str, revision: str | None,

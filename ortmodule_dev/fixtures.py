@@ -105,12 +105,11 @@ MOBIUS = {"gemma4_mobius", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "mistral3"}
 # GroupQueryAttention, MRotaryEmbedding) beside mobius-onnx's vision and embedding models: a package
 # whose decoder shares a batch's KV buffer and takes images.
 MIXED = {"qwen2_5_vl_builder"}
-# Gemma 3 with images in onnxruntime-genai's form (its Gemma-3 vision recipe): the builder's text
-# decoder (`exclude_embeds=true`), a vision model `pixel_values [images, 3, S, S] -> image_features
-# [images, tokens, hidden]` (the SigLIP tower, pooling and projection: transformers' own
-# get_image_features exported with torch.onnx) and an embedding model written here that puts the
-# features (taken as `[images, tokens, hidden]` too) at the image tokens. A one-layer tower on 32 x 32
-# images, 4 tokens an image.
+# Gemma 3 with images in onnxruntime-genai's form (its Gemma-3 vision recipe), as `ortmodule export
+# --images` writes it (ortmodule/export_images.py): the builder's text decoder (`exclude_embeds=true`),
+# a vision model `pixel_values [images, 3, S, S] -> image_features [images, tokens, hidden]`
+# (transformers' own get_image_features, exported) and an embedding model putting the features at the
+# image tokens. A one-layer tower on 32 x 32 images, 4 tokens an image.
 GEMMA3_VL = "gemma3_vl"
 MULTIMODAL = {*GEMMA4, "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "mistral3", *MIXED, GEMMA3_VL}
 MEDIA_TOKENS = ["boi_token_id", "eoi_token_id", "image_token_id", "video_token_id", "boa_token_id",
@@ -461,77 +460,6 @@ def _gemma3_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     transformers.Gemma3ForConditionalGeneration(config).save_pretrained(out)
 
 
-def add_gemma3_vision(hf_dir: Path, package: Path) -> None:
-    """Give the builder's Gemma 3 decoder (exclude_embeds=true) a vision model (transformers'
-    get_image_features, exported) and an embedding model (the scaled token embeddings, each image
-    token's replaced by the next feature row, in order), as onnxruntime-genai's Gemma 3 packages have,
-    and the checkpoint's config.json (whose mm_tokens_per_image ortmodule reads)."""
-    import onnx
-    import torch
-    import transformers
-    from onnx import TensorProto, helper, numpy_helper
-
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
-
-    class Vision(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, pixel_values):  # [images, tokens, hidden]; the embedding model takes them flat
-            return self.inner.get_image_features(pixel_values).pooler_output
-
-    size = model.config.vision_config.image_size
-    torch.onnx.export(Vision(model.model), (torch.zeros(2, 3, size, size),), str(package / "vision.onnx"), dynamo=False,
-                      input_names=["pixel_values"], output_names=["image_features"], opset_version=17,
-                      dynamic_axes={"pixel_values": {0: "num_images"}, "image_features": {0: "num_images"}})
-    embed = model.get_input_embeddings()
-    hidden, token = embed.weight.shape[1], model.config.image_token_id
-    int64 = TensorProto.INT64
-    nodes = [
-        helper.make_node("Gather", ["embed_tokens.weight", "input_ids"], ["tokens"]),
-        helper.make_node("Mul", ["tokens", "embed_scale"], ["scaled"]),
-        helper.make_node("Equal", ["input_ids", "image_token"], ["is_image"]),
-        helper.make_node("Reshape", ["is_image", "flat"], ["is_image_flat"]),
-        helper.make_node("Cast", ["is_image_flat"], ["counted"], to=int64),
-        helper.make_node("CumSum", ["counted", "zero"], ["running"]),
-        helper.make_node("Sub", ["running", "one"], ["before"]),
-        helper.make_node("Max", ["before", "zero"], ["at"]),  # the feature row of each image token
-        helper.make_node("Reshape", ["image_features", "feature_rows"], ["flat_features"]),
-        helper.make_node("Concat", ["flat_features", "zero_row"], ["rows"], axis=0),  # never empty
-        helper.make_node("Gather", ["rows", "at"], ["picked_flat"]),
-        helper.make_node("Shape", ["scaled"], ["embeds_shape"]),
-        helper.make_node("Reshape", ["picked_flat", "embeds_shape"], ["picked"]),
-        helper.make_node("Unsqueeze", ["is_image", "last"], ["is_image_column"]),
-        helper.make_node("Where", ["is_image_column", "picked", "scaled"], ["inputs_embeds"]),
-    ]
-    constants = [numpy_helper.from_array(embed.weight.detach().numpy(), "embed_tokens.weight"),
-                 numpy_helper.from_array(embed.embed_scale.to(torch.float32).numpy().reshape(()), "embed_scale"),
-                 numpy_helper.from_array(torch.zeros(1, hidden).numpy(), "zero_row")]
-    for name, value in (("image_token", token), ("flat", [-1]), ("zero", 0), ("one", 1), ("last", [-1]),
-                        ("feature_rows", [-1, hidden])):
-        constants.append(helper.make_tensor(name, int64, [len(value)] if isinstance(value, list) else [],
-                                            value if isinstance(value, list) else [value]))
-    graph = helper.make_graph(
-        nodes, "embedding",
-        [helper.make_tensor_value_info("input_ids", int64, ["batch_size", "sequence_length"]),
-         helper.make_tensor_value_info("image_features", TensorProto.FLOAT, ["images", "image_tokens", hidden])],
-        [helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, ["batch_size", "sequence_length", hidden])],
-        constants)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
-              package / "embedding.onnx")
-    config_path = package / "genai_config.json"
-    genai = json.loads(config_path.read_text())
-    genai["model"]["embedding"] = {"filename": "embedding.onnx",
-                                   "inputs": {"input_ids": "input_ids", "image_features": "image_features"},
-                                   "outputs": {"inputs_embeds": "inputs_embeds"}}
-    genai["model"]["vision"] = {"filename": "vision.onnx", "inputs": {"pixel_values": "pixel_values"},
-                                "outputs": {"image_features": "image_features"}}
-    genai["model"]["image_token_id"] = token
-    config_path.write_text(json.dumps(genai, indent=4))
-    shutil.copy(hf_dir / "config.json", package / "config.json")  # its mm_tokens_per_image: 4, not Gemma 3's 256
-
-
 MOBIUS_DTYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 
 
@@ -618,9 +546,11 @@ def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
                 export_mobius(work / "hf", work / "mobius")
                 add_vision_models(work / "mobius", work / "package")
                 shutil.rmtree(work / "mobius")
-            elif spec.arch == GEMMA3_VL:
+            elif spec.arch == GEMMA3_VL:  # as `ortmodule export --images` writes it
                 export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
-                add_gemma3_vision(work / "hf", work / "package")
+                from ortmodule.export_images import add_images
+
+                add_images(work / "hf", work / "package")
             elif spec.arch == "gemma4_embeds":
                 export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
                 add_embedding_model(work / "hf", work / "package")

@@ -92,6 +92,57 @@ def test_a_multimodal_checkpoint_exports_its_text_model(tmp_path, kind):
         assert torch.equal(model.generate(ids, **kwargs), reference.generate(input_ids=ids, **kwargs))
 
 
+def test_cli_exports_a_gemma3_checkpoint_with_its_images(tmp_path, capsys):
+    """`ortmodule export --images` on a Gemma 3 checkpoint: the decoder taking embeddings beside the
+    vision tower and the embeddings exported, and the package takes a prompt's images as transformers'
+    model does (each image attended both ways where token_type_ids mark it), logits within 1e-4."""
+    import numpy as np
+    import transformers
+    from PIL import Image
+
+    from ortmodule_dev import fixtures
+
+    tokenizer = fixtures.spec_tokenizer(fixtures.FixtureSpec("llama"))
+    model_class, config = multimodal_checkpoint("gemma3", tokenizer)
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    cli.ortmodule(["export", str(tmp_path / "hf"), str(tmp_path / "package"), "--images"])
+    assert "exporting the vision tower and the embeddings" in capsys.readouterr().err
+    model = OrtModelForCausalLM.from_pretrained(tmp_path / "package")
+    reference = model_class.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    state = np.random.RandomState(0)
+    pictures = [Image.fromarray((state.rand(30 + 9 * i, 40, 3) * 255).astype("uint8")) for i in range(2)]
+    pixels = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})(pictures, return_tensors="pt")
+    image = [597, *[599] * 4, 598]  # begin, the image's 4 tokens, end
+    ids = torch.tensor([[5, 6, *image, 7, 8, *image, 9], [2] * 10 + list(range(10, 17))])  # the second left-padded
+    given = dict(input_ids=ids, attention_mask=(torch.arange(17) >= torch.tensor([[0], [10]])).long(),
+                 pixel_values=pixels["pixel_values"], token_type_ids=(ids == 599).long())
+    real = given["attention_mask"].bool()
+    with torch.no_grad():
+        expected = reference(**given).logits[real]
+    assert (model(**given).logits[real] - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("source, options, message", [
+    ("llama", [], "the vision tower of Gemma3ForConditionalGeneration checkpoints is exported; this one is "
+                  "LlamaForCausalLM"),
+    ("gemma3", ["--precision", "fp16", "--device", "cuda"], "not fp16 for cuda"),
+])
+def test_images_are_refused_where_they_cannot_be_exported(llama, tmp_path, capsys, source, options, message):
+    if source == "gemma3":
+        from ortmodule_dev import fixtures
+
+        model_class, config = multimodal_checkpoint("gemma3", fixtures.spec_tokenizer(fixtures.FixtureSpec("llama")))
+        model_class(config).save_pretrained(tmp_path / "hf")
+        fixtures.spec_tokenizer(fixtures.FixtureSpec("llama")).save_pretrained(tmp_path / "hf")
+    folder = llama.hf_dir if source == "llama" else tmp_path / "hf"
+    with pytest.raises(SystemExit):
+        cli.ortmodule(["export", str(folder), str(tmp_path / "package"), "--images", *options])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "package").exists()
+
+
 def test_int8_export_holds_8_bit_weights_and_keeps_the_answers(llama, tmp_path):
     """`--precision int8`: the builder's 8-bit MatMulNBits weights; logits near transformers fp32 on
     the same weights (within 2% of their spread), and each greedily generated token transformers
