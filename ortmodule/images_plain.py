@@ -27,9 +27,8 @@ transformers' Gemma 4 attends causally over an image where the text config leave
 `use_bidirectional_attention` unset (E2B and E4B), as the exported decoder does; with "vision" (the
 26B-A4B and 31B models) it attends both ways within an image on its sliding layers, which the
 exported decoder does not, so such a package (known by the checkpoint's config.json in its folder)
-takes text only. So does a Gemma 3 package (onnxruntime-genai's Gemma-3 vision export: a vision model
-of Pixtral's inputs, known by genai_config's type): transformers' Gemma 3 attends both ways within
-every image.
+takes text only. Gemma 3's prompts with marked images do run both ways within each image, in
+blocks.py's rewrite of the decoder's graph.
 """
 
 from __future__ import annotations
