@@ -338,20 +338,24 @@ class Generations:
                 self.batch.join(cache, i, row)
 
     def decode(self) -> None:
-        batch = self.batch
+        """A decode step of the batch; the rows it finished leave the batch before their answers go
+        out (so that a client reading /metrics after its answer sees its row gone)."""
+        batch, done = self.batch, []
         rows = list(batch.rows)
-        self._guarded(rows, lambda rows: self._stepped(rows, *batch.step()))
+        self._guarded(rows, lambda rows: self._stepped(rows, *batch.step(), done))
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(rows)
         self.stats.largest_decode_batch = max(self.stats.largest_decode_batch, len(rows))
         for slot in reversed(range(len(batch.rows))):
             if batch.rows[slot].finished:
                 batch.leave(slot)
+        for row in done:
+            self._finish(row)
 
-    def _stepped(self, rows: list[Row], choosing: list[int], logits: torch.Tensor) -> None:
+    def _stepped(self, rows: list[Row], choosing: list[int], logits: torch.Tensor, done: list[Row]) -> None:
         """After a decode step: rows feeding their prompt move on (the last prompt token's logits
         are the row's first choice, and its prompt's KV goes to the prefix cache); the rows in
-        `choosing` choose from their `logits`."""
+        `choosing` choose from their `logits`, those that finish added to `done`."""
         for slot, row in enumerate(rows):
             if row.feeding:
                 row.prefilled += 1
@@ -360,19 +364,27 @@ class Generations:
                     self.prefixes.add(row.prompt, *self.batch.row_kv(slot),
                                       [state[slot] for state in self.batch.pool.states.current])
         if choosing:
-            self._accept([rows[slot] for slot in choosing], logits[: len(choosing)])
+            self._accept([rows[slot] for slot in choosing], logits[: len(choosing)], done)
 
-    def _accept(self, rows: list[Row], logits: torch.Tensor) -> list[Row]:
-        """Each row takes its next token chosen from its logits `[rows, V]`."""
+    def _accept(self, rows: list[Row], logits: torch.Tensor, done: list[Row] | None = None) -> list[Row]:
+        """Each row takes its next token chosen from its logits `[rows, V]`; a finished row's job is told
+        at once, or where `done` is given, the row is added to it for the caller to tell."""
         for row, (token, logprob, top) in zip(rows, choose_tokens(rows, logits)):
             row.accept(token, logprob, top)
             if not row.finished:
                 continue
-            if row.job.unfinished == 1:  # its last row: counted before its answer goes out
-                self.stats.count(row.job.kind, 1)
-                self.stats.items += len(row.job.prompts)
-            row.job.row_done()
+            if done is None:
+                self._finish(row)
+            else:
+                done.append(row)
         return rows
+
+    def _finish(self, row: Row) -> None:
+        """Tell a finished row's job (its last row: counted before its answer goes out)."""
+        if row.job.unfinished == 1:
+            self.stats.count(row.job.kind, 1)
+            self.stats.items += len(row.job.prompts)
+        row.job.row_done()
 
     def _guarded(self, rows: list[Row], work) -> None:
         """Run `work(rows)`; if it fails, every job with a row in it fails (500), and a failed
