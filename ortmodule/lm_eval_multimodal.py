@@ -31,7 +31,8 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
     `preprocessor_config.json` and tokenizer; where the package folder holds them, `processor` may be
     left out). Also `device` (cpu, cuda, cuda:N), `provider_options` (a dict, from Python), and
     lm-eval's own `hf-multimodal` arguments (`max_images`, `min_pixels`, `max_pixels`, `batch_size`,
-    ...). `pretrained` may be an `OrtModelForCausalLM` (then `processor` is needed)."""
+    ...; on a Gemma 3 package `image_string` defaults to the processor's begin-of-image, which
+    Gemma3Processor expands). `pretrained` may be an `OrtModelForCausalLM` (then `processor` is needed)."""
 
     AUTO_MODEL_CLASS = transformers.AutoModelForImageTextToText
 
@@ -55,6 +56,11 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
             self._package, self._config = pretrained.package, pretrained.config
             self._set_image_token(self._config)
         super().__init__(pretrained, device=device, **kwargs)
+        kind = str(self._package.genai_config["model"].get("type", ""))
+        if not kwargs.get("image_string") and kind.startswith("gemma3"):
+            # Gemma 3's processor expands its begin-of-image, not the image token lm-eval would write for
+            # `<image>` (hf-multimodal needs image_string=<start_of_image> for it)
+            self.image_token = getattr(self.tokenizer, "boi_token", None) or "<start_of_image>"
 
     def _set_image_token(self, config) -> None:
         token = self._package.genai_config["model"].get("image_token_id")

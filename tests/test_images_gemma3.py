@@ -213,14 +213,21 @@ def test_the_server_takes_images_in_chat_messages(build, tmp_path):
 def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, deep, tmp_path):
     """`--model ortmodule-multimodal` on an image task (MMMU's form), batched and left-padded, against
     lm-eval's own `hf-multimodal` on the transformers model with transformers' Gemma3Processor: every
-    response equal. Both take `image_string=<start_of_image>`: lm-eval writes the config's image token
-    (Gemma 3's soft token) for `<image>` otherwise, where Gemma3Processor expects the begin-of-image."""
-    from helpers import check_image_task
+    response equal. hf-multimodal takes `image_string=<start_of_image>` (it writes the config's image
+    token, Gemma 3's soft token, for `<image>` otherwise, which Gemma3Processor does not expand);
+    ortmodule-multimodal writes the begin-of-image on a Gemma 3 package by itself, and with the
+    argument too."""
+    from helpers import image_task_responses
 
     fixture = build("gemma3_vl", num_layers=4)
-    check_image_task(tmp_path, "ortmodule_gemma3_images_test", (30, 40, 6, "abcde"),
-                     gemma3_processor(fixture.package_dir, tmp_path / "tokenizer"), deep[1], fixture.package_dir,
-                     image_string="<start_of_image>")
+    processor = gemma3_processor(fixture.package_dir, tmp_path / "tokenizer")
+    given = image_task_responses(tmp_path, "ortmodule_gemma3_images_test", (30, 40, 6, "abcde"), processor, deep[1],
+                                 fixture.package_dir, image_string="<start_of_image>")
+    assert len(given["hf"]) == 5 and any(given["hf"]) and given["ortmodule"] == given["hf"]
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    lm = OrtModuleMultimodalLM(fixture.package_dir, processor=processor, batch_size=3, device="cpu")
+    assert lm.image_token == "<start_of_image>"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
