@@ -161,25 +161,26 @@ def _check_gemma3(image_processor, tokens: int, processor: str) -> None:
     if getattr(image_processor, "do_pan_and_scan", False):
         raise ValueError(f"--processor {processor}: its image processor crops with pan-and-scan (do_pan_and_scan), "
                          "which this server does not lay out; set it false")
-    path = Path(processor) / "processor_config.json"
-    try:
-        settings = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--processor {processor}: cannot read {path} ({e})") from None
+    path, settings = _processor_config(processor)
     length = settings.get("image_seq_length", tokens)
     if length != tokens:
         raise ValueError(f"--processor {processor}: {path} gives an image {length} tokens (image_seq_length); the "
                          f"package's model takes {tokens}")
 
 
+def _processor_config(processor: str) -> tuple[Path, dict]:
+    """The `processor` folder's processor_config.json and its settings ({} where there is none)."""
+    path = Path(processor) / "processor_config.json"
+    try:
+        return path, json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--processor {processor}: cannot read {path} ({e})") from None
+
+
 def _pixtral_marks(processor: str, tokenizer) -> tuple[int, int]:
     """Pixtral's row-break and image-end ids: the tokens processor_config.json in `processor` names
     (PixtralProcessor's defaults [IMG_BREAK] and [IMG_END] where it names none), in the served tokenizer."""
-    path = Path(processor) / "processor_config.json"
-    try:
-        config = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--processor {processor}: cannot read {path} ({e})") from None
+    _, config = _processor_config(processor)
     names = config.get("image_break_token", "[IMG_BREAK]"), config.get("image_end_token", "[IMG_END]")
     vocabulary = tokenizer.get_vocab()
     missing = [name for name in names if not isinstance(name, str) or name not in vocabulary]
