@@ -26,7 +26,8 @@ class Costs(NamedTuple):
     the decode step's fixed part stands in). On a CPU it is several decode steps: the extend
     session does not keep its weights prepacked (extend.py), so a run of more than one token
     packs them again (about 85 ms against a 23 ms step for SmolLM2-135M in fp32 on 2 vCPUs).
-    `prefill_per_score` and `prefill_width`: a prefill's own attention, as `prefill` prices it."""
+    `prefill_per_score`, `prefill_width` and `prefill_chunk`: a prefill's own attention, as `prefill`
+    prices it (`prefill_chunk`: the decoder's CPU chunk length, chunked.py; 0 where it runs none)."""
 
     per_token: float
     step: float
@@ -36,6 +37,7 @@ class Costs(NamedTuple):
     extend_fixed: float = 0.0
     prefill_per_score: float = 0.0
     prefill_width: int = 0
+    prefill_chunk: int = 0
 
     def prefill(self, rows: int, width: int) -> float:
         """Seconds for a prefill of `rows` rows of `width` tokens: `per_token` a token, read on rows
@@ -43,9 +45,15 @@ class Costs(NamedTuple):
         (token, position it attends to) past that width. ONNX Runtime's CPU attention computes every
         position of a row for every token (masking half after): on SmolLM2-135M's 300-token rows it
         added a third to their per-token cost, which made a query run once look no cheaper than
-        whole prompts where it was 1.5x faster (docs/measurements.md, session 40)."""
-        attention = self.prefill_per_score * rows * width * max(0, width - self.prefill_width)
-        return self.per_token * rows * width + attention
+        whole prompts where it was 1.5x faster (docs/measurements.md, session 40). Rows of at least
+        two chunks run chunk by chunk (chunked.py), each chunk's tokens over the positions up to its
+        end: about half the scores of one run (priced as one run, two 3,000-token documents looked
+        1.6x dearer than they ran, and sharing their first token was chosen and ran 1.5x slower:
+        docs/measurements.md, session 52)."""
+        chunk = self.prefill_chunk if self.prefill_chunk and width >= 2 * self.prefill_chunk else max(width, 1)
+        ends = range(chunk, width + chunk, chunk)  # each chunk's end; the last one cut at `width`
+        scores = sum((min(end, width) - (end - chunk)) * max(0, min(end, width) - self.prefill_width) for end in ends)
+        return self.per_token * rows * width + self.prefill_per_score * rows * scores
 
 
 # A decode step's cost per row is read from steps of 1 and STEP_ROWS rows (from 1 and 4 rows it spread
@@ -57,7 +65,7 @@ STEP_ROWS = 8
 def measure(decoder: Decoder) -> Costs | None:
     """Time `decoder`'s runs (about 18 s for SmolLM2-135M, 90 s for a 0.6B model in fp32, on 2
     CPU cores; kept_costs.py keeps them between processes): the best of a few
-    64-token prefills over growing batches (`_doubling`), then as many tokens in rows 6 times as
+    64-token prefills over growing batches (`_doubling`), then as many tokens in rows 8 times as
     long (`_prefill_attention`), of decode steps over 1 and 8 rows,
     and, with an extend graph, of extends of 16 new tokens a row over growing batches and over a
     longer prefix (`_extend_costs`).
@@ -96,7 +104,7 @@ def _timed_runs(decoder: Decoder) -> Costs:
     per_row = max(0.0, (step[STEP_ROWS] - step[1]) / (STEP_ROWS - 1))
     extender = decoder.extender()
     extend = _extend_costs(decoder, extender, ids, length) if extender is not None else (None, 0.0, 0.0)
-    return Costs(per_token, max(0.0, step[1] - per_row), per_row, *extend, per_score, length)
+    return Costs(per_token, max(0.0, step[1] - per_row), per_row, *extend, per_score, length, decoder.prefill_chunk)
 
 
 @torch.inference_mode()
@@ -110,12 +118,14 @@ def check_seconds(decoder: Decoder) -> float:
     return _best_time(lambda: decoder.prefill(batch, last), device, repeats=2)
 
 
-def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 6) -> float:
+def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 8) -> float:
     """`prefill_per_score`: rows `times` as long as `length` against as many tokens in rows of
     `length`, timed in turns; the longer rows' extra time is their attention over the extra
     positions. About as many tokens as the `rows` rows of `length` where the prefill's tokens showed
     in its time (`_doubling`: 4 on a CPU, more on a GPU), in rows short of two CPU chunks
-    (chunked.py), which run as one prefill; 0 where the context is too short for it to show."""
+    (chunked.py), which run as one prefill; 0 where the context is too short for it to show. (From
+    rows 6 times as long, the best of 3, the attention was a twelfth of the time, and eight readings
+    for SmolLM2-135M int4 on 2 vCPUs spread 7x; from rows of 511, the best of 5, 2.5x.)"""
     device = decoder.device
     longer = min(times * length, decoder.package.context_length - 2)
     if decoder.prefill_chunk:
@@ -132,7 +142,7 @@ def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 6)
         last = torch.arange(batch, device=device) * width + width - 1
         return lambda: decoder.prefill(Rows(part, None, torch.full((batch,), width, device=device), width), last)
 
-    short, long = _best_times([run(count, length), run(rows, longer)], device)
+    short, long = _best_times([run(count, length), run(rows, longer)], device, repeats=5)
     short *= tokens / (count * length)  # scaled to the same tokens
     return max(0.0, long - short) / (tokens * (longer - length))
 

@@ -40,7 +40,7 @@ def random_costs(rng: random.Random) -> costs.Costs:
                        extend_per_score=spread(1e-6) if extend and rng.random() < 0.5 else 0.0,
                        extend_fixed=spread(5e-2) if extend and rng.random() < 0.5 else 0.0,
                        prefill_per_score=spread(1e-6) if rng.random() < 0.5 else 0.0,
-                       prefill_width=rng.choice([0, 16, 64]))
+                       prefill_width=rng.choice([0, 16, 64]), prefill_chunk=rng.choice([0, 0, 32, 256]))
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

@@ -103,6 +103,7 @@ def test_sharing_is_decided_from_the_measured_costs(llama):
     assert measured.per_token > 0 and measured.step > 0 and measured.step_per_row >= 0
     assert measured.extend_per_token > 0  # the llama fixture has an extend graph (extend.py)
     assert measured.prefill_per_score >= 0 and measured.prefill_width == 64  # read past 64-token rows
+    assert measured.prefill_chunk == model.decoder.prefill_chunk  # long rows priced by their chunks
     assert model.measured_costs() is measured
 
 
@@ -154,6 +155,53 @@ def test_long_remainders_pay_for_the_extends_attention():
     assert sharing.worth_sharing(rows, [79] * 4, measured_attention, 32)
 
 
+def test_long_documents_are_priced_by_the_chunks_their_prefill_runs():
+    """The costs a CI run measured for SmolLM2-135M int4 on a 2-vCPU Xeon (`quantized_prefill=
+    "package"`): priced as one run of 3,001 positions, two documents that share their first token
+    looked dearer whole (30.4 s) than shared (27.2 s), were shared, and ran 1.5x slower (28.4 against
+    19.2 s, timed here); their prefill runs in 256-token chunks, about half the scores, and they are
+    kept whole."""
+    measured = costs.Costs(per_token=1.8246e-3, step=5.705e-3, step_per_row=2.767e-3, extend_per_token=1.4875e-3,
+                           extend_per_score=1.0177e-6, extend_fixed=17.08e-3, prefill_per_score=1.1018e-6,
+                           prefill_width=64)
+    generator = torch.Generator().manual_seed(4)
+    documents = [[0] + torch.randint(10, 40000, (n,), generator=generator).tolist() for n in (3000, 2500)]
+    assert sharing.worth_sharing(documents, [0, 0], measured, 8)
+    chunked = measured._replace(prefill_chunk=256)
+    assert not sharing.worth_sharing(documents, [0, 0], chunked, 8)
+    assert chunked.prefill(2, 511) == measured.prefill(2, 511)  # short of two chunks: one run
+
+
+def test_a_prefills_price_counts_the_scores_its_chunks_compute(llama, monkeypatch):
+    """`Costs.prefill`'s attention against the runs a forward over two long rows makes (recorded):
+    each chunk's tokens attend to the positions up to the chunk's end, less the `prefill_width` the
+    token cost was read at; without chunks, every row's tokens over all of its positions."""
+    unit = costs.Costs(per_token=0.0, step=0.0, step_per_row=0.0, prefill_per_score=1.0, prefill_width=16)
+    model, _ = load_pair(llama)
+    decoder = model.decoder
+    prefill, step = decoder.prefill, decoder.step
+    for chunk in (0, 48):
+        monkeypatch.setattr(decoder, "prefill_chunk", chunk)
+        width, scores, ends = 3 * 48 + 20, [], []
+
+        def recorded_prefill(rows, *args, chunk=chunk, ends=ends, scores=scores):
+            if not chunk or rows.ids.shape[1] <= chunk:  # a run, not the chunked prefill calling its own
+                ends.append(rows.ids.shape[1])
+                scores.append(rows.ids.shape[0] * ends[-1] * max(0, ends[-1] - 16))
+            return prefill(rows, *args)
+
+        def recorded_step(tokens, *args, ends=ends, scores=scores):
+            ends[-1] += tokens.shape[1]
+            scores.append(tokens.shape[1] * max(0, ends[-1] - 16))
+            return step(tokens, *args)
+
+        monkeypatch.setattr(decoder, "prefill", recorded_prefill)
+        monkeypatch.setattr(decoder, "step", recorded_step)
+        model(torch.randint(3, 500, (2, width), generator=torch.Generator().manual_seed(0)))
+        assert len(ends) == (2 if chunk else 1) and all(end == width for end in ends)
+        assert unit._replace(prefill_chunk=chunk).prefill(2, width) == sum(scores)
+
+
 def test_a_query_run_once_is_priced_against_whole_prompts_with_their_attention():
     """SGLang's score shape (a 120-token query, 10 items of 180 tokens) with the costs measured for
     SmolLM2-135M fp32 on 2 vCPUs: priced by the token alone the whole prompts look as cheap as the
@@ -172,8 +220,8 @@ def test_a_query_run_once_is_priced_against_whole_prompts_with_their_attention()
     assert sharing.worth_sharing(prompts, last, attention, 10)
 
 
-def test_the_prefills_attention_is_read_from_rows_six_times_as_long(llama, monkeypatch):
-    """`prefill_per_score`: the same tokens in rows of 6 x 64 tokens (one prefill on a CPU, short of
+def test_the_prefills_attention_is_read_from_rows_eight_times_as_long(llama, monkeypatch):
+    """`prefill_per_score`: the same tokens in rows of 8 x 64 tokens (511 on a CPU: one prefill, short of
     two chunks) and in rows of 64, as many of the long rows as make the tokens of the rows where the
     token cost showed (4 on a CPU, 32 on a GPU-like device); their difference over the extra
     positions, 1 ns a score here."""
@@ -182,11 +230,11 @@ def test_the_prefills_attention_is_read_from_rows_six_times_as_long(llama, monke
     runs = []
     original = decoder.prefill
     monkeypatch.setattr(decoder, "prefill", lambda rows, *a: runs.append(tuple(rows.ids.shape)) or original(rows, *a))
-    longer = min(6 * 64, 2 * decoder.prefill_chunk - 1, model.package.context_length - 2)
+    longer = min(8 * 64, 2 * decoder.prefill_chunk - 1, model.package.context_length - 2)
     for rows, long_rows in ((4, max(1, round(4 * 64 / longer))), (32, round(32 * 64 / longer))):
         tokens = long_rows * longer
         extra = 1e-9 * tokens * (longer - 64)
-        def timed(fns, device, e=extra):  # each run once (recorded); 1 us a token, the long rows e more
+        def timed(fns, device, repeats, e=extra):  # each run once (recorded); 1 us a token, the long rows e more
             for fn in fns:
                 fn()
             (a, b), (c, d) = runs[-2:]
