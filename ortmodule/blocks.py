@@ -141,28 +141,17 @@ def for_decoder(decoder) -> BlockPrefill:
 
 
 def _make(decoder) -> BlockPrefill | str:
-    heads = {kv.head_size for kv in decoder.spec.layers}
-    if not decoder.keeps_positions:
-        return "the LM-head rewrite did not apply to the decoder's graph"
-    if len(heads) != 1:
-        return f"layers of different head sizes {sorted(heads)}"
     if not decoder.spec.shares_kv_buffer:
         return "the decoder concatenates its cache (no GroupQueryAttention to rewrite)"
-    if decoder.device.type == "cuda":  # a second session of the decoder's graph holds its weights again
-        weights = decoder.spec.num_parameters * decoder.kv_dtype.itemsize  # an upper bound for quantized weights
-        free, _ = torch.cuda.mem_get_info(decoder.device)
-        if weights > free * 0.9:
-            return (f"the blocks graph is a second session of the decoder, whose weights (~{weights >> 20} MB) would "
-                    f"not fit in the device's free memory ({free >> 20} MB)")
     unpack = projections.applies(decoder.device.type, decoder.session_options)
-    try:
-        expand = decoder.device.type == "cuda" and extend.REPEAT_KV_HEADS_ON_CUDA  # as the extend graph's
-        data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, heads.pop(), expand,
-                                         decoder.cache_dir, layout="blocks", unpack_qkv=unpack)
-        session = runtime.make_session(data, decoder.device, decoder.spec.path.parent, decoder.session_options,
-                                       decoder.run_provider_options,
-                                       prepack=extend.has_quantized_weights(decoder.graph_bytes),
-                                       fp32_path=decoder.fp32_path)
+    expand = decoder.device.type == "cuda" and extend.REPEAT_KV_HEADS_ON_CUDA  # as the extend graph's
+    try:  # up to 90% of the free memory: without it, prompts with images cannot run at all
+        session = extend.rewrite_session(
+            decoder, lambda head_size: extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, head_size,
+                                                                 expand, decoder.cache_dir, layout="blocks",
+                                                                 unpack_qkv=unpack), room=0.9)
+        if isinstance(session, str):
+            return f"the blocks graph cannot be made: {session}"
         return BlockPrefill(decoder, session)
     except RewriteSkipped as reason:
         return f"the decoder's graph cannot be rewritten to attend within blocks: {reason}"

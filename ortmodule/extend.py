@@ -614,40 +614,51 @@ def _steps_error(decoder, prefixes: list[list[int]], tokens: torch.Tensor, expec
 def _second_session(decoder, what: str, otherwise: str, runner, check, graph_bytes):
     """A session of a rewrite of the decoder's graph (`graph_bytes(head_size)`) in `runner`, after
     `check(runner)`; None, with the reason logged (`what`, and what happens `otherwise`), where the
-    graph does not match, the device lacks room for the weights a second time, or a check fails."""
-    if not decoder.keeps_positions:
-        logger.info("ortmodule: no %s for %s: the LM-head rewrite did not apply", what, decoder.spec.path)
-        return None
-    device = decoder.device
-    if device.type == "cuda":
-        weights = decoder.spec.num_parameters * decoder.kv_dtype.itemsize  # an upper bound for quantized weights
-        free, _ = torch.cuda.mem_get_info(device)
-        if weights > free // 4:
-            logger.info("ortmodule: no %s on %s: its weights (~%d MB) would take over a quarter of the free device "
-                        "memory (%d MB) a second time", what, device, weights >> 20, free >> 20)
-            return None
-    heads = {kv.head_size for kv in decoder.spec.layers}
+    graph does not match, the device lacks room for the weights a second time, or a check fails. An
+    optimisation: it takes no more than a quarter of the device's free memory."""
     try:
-        if len(heads) != 1:
-            raise RewriteSkipped(f"layers of different head sizes {sorted(heads)}")
-        data = graph_bytes(heads.pop())
-        # Float weights: no packed copy (with ortmodule's session options); this session reads the
-        # package's file pages, shared with the page cache, beside the main session's copy. 4-bit
-        # weights are packed: unpacked, ONNX Runtime unpacks them at every run (0.2 s a run on
-        # SmolLM2-135M int4, eight times a 16-token extend), and their packed copy is small (~100 MB).
-        made = runner(decoder, runtime.make_session(data, device, decoder.spec.path.parent, decoder.session_options,
-                                                    decoder.run_provider_options,
-                                                    prepack=has_quantized_weights(decoder.graph_bytes),
-                                                    fp32_path=decoder.fp32_path))
+        session = rewrite_session(decoder, graph_bytes, room=0.25)
+        if isinstance(session, str):
+            logger.info("ortmodule: no %s for %s on %s: %s; %s", what, decoder.spec.path, decoder.device, session,
+                        otherwise)
+            return None
+        made = runner(decoder, session)
         check(made)
     except RewriteSkipped as reason:
         logger.info("ortmodule: no %s for %s (%s): %s", what, decoder.spec.path, reason, otherwise)
         return None
     except Exception as e:  # noqa: BLE001  ONNX Runtime's own types: the package's graph runs instead
-        logger.warning("ortmodule: the %s of %s is set aside on %s (%s); %s", what, decoder.spec.path, device,
-                       " ".join(str(e).split())[:300], otherwise)
+        logger.warning("ortmodule: the %s of %s is set aside on %s (%s); %s", what, decoder.spec.path,
+                       decoder.device, " ".join(str(e).split())[:300], otherwise)
         return None
     return made
+
+
+def rewrite_session(decoder, graph_bytes, room: float) -> runtime.Session | str:
+    """A session of a rewrite of the decoder's graph, `graph_bytes(head_size)` (`RewriteSkipped`
+    where the graph does not match), made as the decoder's own is; or why it cannot be made (a str):
+    the LM-head rewrite did not apply, the layers' head sizes differ, or on CUDA the weights a second
+    time would take more than `room` of the device's free memory."""
+    if not decoder.keeps_positions:
+        return "the LM-head rewrite did not apply to the decoder's graph"
+    heads = {kv.head_size for kv in decoder.spec.layers}
+    if len(heads) != 1:
+        return f"layers of different head sizes {sorted(heads)}"
+    device = decoder.device
+    if device.type == "cuda":  # a second session of the decoder's graph holds its weights again
+        weights = decoder.spec.num_parameters * decoder.kv_dtype.itemsize  # an upper bound for quantized weights
+        free, _ = torch.cuda.mem_get_info(device)
+        if weights > free * room:
+            return (f"a second session of the decoder's weights (~{weights >> 20} MB) would take over "
+                    f"{room:.0%} of the device's free memory ({free >> 20} MB)")
+    data = graph_bytes(heads.pop())
+    # Float weights: no packed copy (with ortmodule's session options); this session reads the
+    # package's file pages, shared with the page cache, beside the main session's copy. 4-bit
+    # weights are packed: unpacked, ONNX Runtime unpacks them at every run (0.2 s a run on
+    # SmolLM2-135M int4, eight times a 16-token extend), and their packed copy is small (~100 MB).
+    return runtime.make_session(data, device, decoder.spec.path.parent, decoder.session_options,
+                                decoder.run_provider_options, prepack=has_quantized_weights(decoder.graph_bytes),
+                                fp32_path=decoder.fp32_path)
 
 
 class CausalPrefill:
