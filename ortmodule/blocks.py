@@ -12,12 +12,15 @@ as always.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import weakref
 
+import onnx
+import onnx_ir as ir
 import torch
 
-from . import extend, graph, projections, runtime
+from . import extend, graph, hidden, projections, runtime
 from .cache import KVCache
 from .graph import RewriteSkipped
 from .inputs import Rows
@@ -71,15 +74,19 @@ class BlockPrefill:
                  *(f"{extend.WINDOW_BIAS}{window}" for window in self.windows)}
         known |= {name for kv in spec.layers for name in (kv.past_key, kv.past_value)}
         made = {o.name for o in session.ort_session.get_outputs()}
+        # transformers' hidden states where the graph gives them (`for_decoder(..., hidden_states=True)`)
+        self.states = sorted((name for name in made if name.startswith(hidden.HIDDEN)),
+                             key=lambda name: int(name[len(hidden.HIDDEN):]))
         unknown, missing = names - known, {name for kv in spec.layers for name in (kv.present_key, kv.present_value)}
         if self.embeds is None or unknown or spec.states or not missing <= made:
             raise RewriteSkipped(f"the blocks graph takes {sorted(names)} and gives {sorted(made)}")
 
     def run(self, rows: Rows, embeds: torch.Tensor, blocks: torch.Tensor, logit_index: torch.Tensor | None,
-            cache: KVCache | None) -> torch.Tensor:
+            cache: KVCache | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Logits `[n, V]` at `logit_index` (every position where None) of right-padded `embeds`
         `[B, T, H]` (`rows`: their lengths) with `blocks` `[B, T]` (block_ids), their keys and values
-        into `cache` (a fresh one) where given."""
+        into `cache` (a fresh one) where given; and the hidden states `[B * T, H]` a layer where the
+        graph gives them (every position through the LM head then, as `Variant.prefill`'s), else ()."""
         decoder = self.decoder
         device, dtype = decoder.device, decoder.kv_dtype
         batch, width = rows.ids.shape
@@ -102,14 +109,21 @@ class BlockPrefill:
             runtime.bind_output(binding, kv.present_key, made[0])
             runtime.bind_output(binding, kv.present_value, made[1])
             presents.append(made)
-        kept = logit_index if logit_index is not None else torch.arange(batch * width, device=device)
+        every = self.states or logit_index is None  # the final norm's output is every position's
+        kept = torch.arange(batch * width, device=device) if every else logit_index
         runtime.bind_input(binding, graph.LOGITS_INDICES, kept)
         logits = torch.empty(kept.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
         runtime.bind_output(binding, decoder.spec.logits, logits)
+        states = tuple(torch.empty(batch * width, decoder.package.hidden_size, device=device,
+                                   dtype=runtime.output_dtype(self.session, name)) for name in self.states)
+        for name, state in zip(self.states, states):
+            runtime.bind_output(binding, name, state)
         self.session.run(binding)
         if cache is not None:
             _fill(cache, presents, rows, decoder.package.context_length)
-        return logits
+        if every and logit_index is not None:
+            logits = logits.index_select(0, logit_index)
+        return logits, states
 
 
 def _fill(cache: KVCache, presents: list, rows: Rows, context: int) -> None:
@@ -124,32 +138,51 @@ def _fill(cache: KVCache, presents: list, rows: Rows, context: int) -> None:
     cache.start(rows.lengths, rows.longest, width)
 
 
-_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> (its session, BlockPrefill or reason)
+# decoder -> {hidden states?: (its session, BlockPrefill or reason)}
+_made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def for_decoder(decoder) -> BlockPrefill:
-    """The decoder's `BlockPrefill`, made at the first prompt with blocks (again after `to(device)`);
-    `BlocksUnsupported` naming why where its graph cannot be rewritten so."""
+def for_decoder(decoder, hidden_states: bool = False) -> BlockPrefill:
+    """The decoder's `BlockPrefill` (one whose graph also gives transformers' hidden states where
+    `hidden_states`), made at the first prompt with blocks that asks for it (again after
+    `to(device)`); `BlocksUnsupported` naming why where its graph cannot be rewritten so."""
     with _lock:
-        made = _made.get(decoder)
+        kinds = _made.setdefault(decoder, {})
+        made = kinds.get(hidden_states)
         if made is None or made[0] is not decoder.session:
-            made = _made[decoder] = (decoder.session, _make(decoder))
+            made = kinds[hidden_states] = (decoder.session, _make(decoder, hidden_states))
     if isinstance(made[1], str):
         raise BlocksUnsupported(made[1])
     return made[1]
 
 
-def _make(decoder) -> BlockPrefill | str:
+def _graph_bytes(decoder, head_size: int, expand: bool, unpack: bool, hidden_states: bool) -> bytes:
+    """The blocks graph's bytes, with hidden.py's outputs where `hidden_states` (cached like it)."""
+    data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, head_size, expand,
+                                     decoder.cache_dir, layout="blocks", unpack_qkv=unpack)
+    if not hidden_states:
+        return data
+    package = decoder.package
+    digest = hashlib.sha256(data)
+    digest.update(f"|{package.num_hidden_layers}|{package.hidden_size}|{graph.code_digest()}|{ir.__version__}".encode())
+
+    def build() -> bytes:
+        model = ir.serde.deserialize_model(onnx.ModelProto.FromString(data))
+        hidden.add_hidden_outputs(model.graph, package.num_hidden_layers, package.hidden_size)
+        return ir.serde.serialize_model(model).SerializeToString()
+
+    return graph.cached(decoder.cache_dir, f"{decoder.spec.path.stem}-blocks-hidden-{digest.hexdigest()[:32]}", build)
+
+
+def _make(decoder, hidden_states: bool) -> BlockPrefill | str:
     if not decoder.spec.shares_kv_buffer:
         return "the decoder concatenates its cache (no GroupQueryAttention to rewrite)"
     unpack = projections.applies(decoder.device.type, decoder.session_options)
     expand = decoder.device.type == "cuda" and extend.REPEAT_KV_HEADS_ON_CUDA  # as the extend graph's
     try:  # up to 90% of the free memory: without it, prompts with images cannot run at all
         session = extend.rewrite_session(
-            decoder, lambda head_size: extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, head_size,
-                                                                 expand, decoder.cache_dir, layout="blocks",
-                                                                 unpack_qkv=unpack), room=0.9)
+            decoder, lambda head_size: _graph_bytes(decoder, head_size, expand, unpack, hidden_states), room=0.9)
         if isinstance(session, str):
             return f"the blocks graph cannot be made: {session}"
         return BlockPrefill(decoder, session)

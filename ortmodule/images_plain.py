@@ -38,7 +38,7 @@ import json
 
 import torch
 
-from . import blocks, runtime, variants
+from . import blocks, inputs, runtime, variants
 from .decoder import Decoder, embed_rows
 from .package import NotSupportedError, PackageError
 
@@ -197,18 +197,19 @@ def prefill(decoder: Decoder, vision: PlainVision, ids: torch.Tensor, mask: torc
 
 
 def _in_blocks(decoder: Decoder, rows, embeds: torch.Tensor, marks: torch.Tensor, logit_index, cache, runs):
-    """Gemma 3's prompt with its images marked: each image attended both ways (blocks.py)."""
-    if runs is not None and runs.dtypes:
-        raise NotSupportedError("output_hidden_states=True with a Gemma 3 prompt whose images are marked by "
-                                "token_type_ids (attended both ways within each image): the blocks graph gives logits "
-                                "only")
+    """Gemma 3's prompt with its images marked: each image attended both ways (blocks.py); hidden
+    states where `runs` gives them, in the caller's layout (as `Variant.prefill`'s)."""
     try:
-        runner = blocks.for_decoder(decoder)
+        runner = blocks.for_decoder(decoder, hidden_states=runs is not None and bool(runs.dtypes))
     except blocks.BlocksUnsupported as reason:
         raise NotSupportedError(f"token_type_ids marking images (transformers' Gemma 3 attends both ways within "
                                 f"each): {reason}") from None
     marked = variants.rolled(rows, marks.to(embeds.device, torch.int64)[..., None])[..., 0]
-    return runner.run(rows, embeds, blocks.block_ids(marked), logit_index, cache), None
+    logits, states = runner.run(rows, embeds, blocks.block_ids(marked), logit_index, cache)
+    batch, width = rows.ids.shape
+    caller = inputs.every_position(rows)
+    states = tuple((s if caller is None else s.index_select(0, caller)).view(batch, width, -1) for s in states)
+    return logits, states or None
 
 
 # forward's, beside pixel_values

@@ -14,7 +14,7 @@ import transformers
 from helpers import check_copies_take_their_images, check_image_step_and_loss, load_pair, padded_rows
 from PIL import Image
 
-from ortmodule import NotSupportedError, OrtModelForCausalLM
+from ortmodule import OrtModelForCausalLM
 
 IMAGE, BOI, EOI = 511, 510, 509  # the fixture's image token, begin- and end-of-image (ortmodule_dev/fixtures.py)
 TOKENS, SIDE = 4, 32  # the fixture's tokens an image and the tower's image side
@@ -85,9 +85,22 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
     assert torch.allclose(model(**causal).logits[real], expected_causal, atol=1e-4, rtol=1e-4)
 
 
-def test_steps_and_loss_with_images_equal_transformers(pair, inputs):
-    model, hf = pair
-    out = model(**inputs, use_cache=True)
+def test_steps_hidden_states_and_loss_with_images_equal_transformers(deep, inputs):
+    """A prompt with images into a cache (its hidden states with each image attended both ways, from
+    the blocks graph with hidden.py's outputs, and causally without the marks), then a step; the loss."""
+    model, hf = deep
+    real = inputs["attention_mask"].bool()
+    causal = {name: value for name, value in inputs.items() if name != "token_type_ids"}
+    for given in (inputs, causal):
+        out = model(**given, use_cache=True, output_hidden_states=True)
+        expected = reference(hf, **given, output_hidden_states=True)
+        assert len(out.hidden_states) == len(expected.hidden_states) == 5
+        for ours, theirs in zip(out.hidden_states, expected.hidden_states):
+            assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
+        assert torch.allclose(out.logits[real], expected.logits[real], atol=1e-4, rtol=1e-4)
+    blocked = reference(hf, **inputs, output_hidden_states=True).hidden_states[-1][real]
+    assert not torch.allclose(expected.hidden_states[-1][real], blocked, atol=1e-2)  # the blocks matter
+    out = model(**inputs, use_cache=True, output_hidden_states=True)
     check_image_step_and_loss(model, hf, inputs, out.past_key_values,
                               lambda ids: {"token_type_ids": (ids == IMAGE).long()})
 
@@ -109,8 +122,6 @@ def test_generate_with_images_equals_transformers(deep, inputs):
 def test_what_images_cannot_be_is_refused(pair, inputs):
     model, _ = pair
     given = dict(inputs)
-    with pytest.raises(NotSupportedError, match="output_hidden_states=True with a Gemma 3 prompt whose images"):
-        model(**given, output_hidden_states=True)
     types = given["token_type_ids"].clone()
     types[1, -1] = 1
     with pytest.raises(ValueError, match=r"token_type_ids mark other tokens than input_ids' image tokens \(511\)"):
