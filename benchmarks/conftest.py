@@ -51,6 +51,15 @@ QWEN2_VL_2B_CPU = fixtures.FixtureSpec("qwen2_vl", hidden_size=1536, num_layers=
                                        mrope_section=(16, 24, 24),
                                        vision=(("depth", 32), ("embed_dim", 1280), ("mlp_ratio", 4), ("num_heads", 16),
                                                ("patch_size", 14)))
+# Gemma-3-4B's vision tower and projector (SigLIP so400m: 896 x 896 images, 256 tokens each) with
+# Gemma-3-1B's text config (a 4B text model in fp32 would not fit beside transformers' copy in 24 GB),
+# exported by `ortmodule export --images` in fp32 (onnxruntime-genai's Gemma 3 vision form).
+GEMMA3_VL_CPU = fixtures.FixtureSpec("gemma3_vl", hidden_size=1152, num_layers=26, num_heads=4, num_kv_heads=1,
+                                     head_dim=256, intermediate_size=6912, vocab_size=262144, context_length=32768,
+                                     initializer_range=0.02, tokenizer="smollm2", sliding_window=512,
+                                     vision=(("hidden_size", 1152), ("intermediate_size", 4304),
+                                             ("num_hidden_layers", 27), ("num_attention_heads", 16),
+                                             ("image_size", 896), ("patch_size", 14), ("mm_tokens_per_image", 256)))
 
 # What each model key means on the page.
 MODELS = {
@@ -63,6 +72,8 @@ MODELS = {
     "smollm2-bf16": "SmolLM2-135M-Instruct, bf16 package exported for CUDA (real trained weights)",
     "tiny": "tiny Llama (smoke test, synthetic)",
     "qwen2-vl-2b": "Qwen2-VL-2B's config, random weights, SmolLM2's tokenizer, fp32 package exported by mobius-onnx",
+    "gemma3-4b-vision": "Gemma-3-4B's vision tower and projector with Gemma-3-1B's text config, random weights, "
+                        "SmolLM2's tokenizer, fp32 package exported by `ortmodule export --images`",
     "tiny-vl": "tiny Qwen2-VL (smoke test, synthetic)",
 }
 
@@ -94,6 +105,10 @@ SIZES = {
         # between 40 text tokens; score keeps the last `keep` positions' logits, generate makes `new_tokens`.
         images=dict(key="qwen2-vl-2b", spec=QWEN2_VL_2B_CPU, batch=4, image_side=224, text_tokens=40, keep=8,
                     new_tokens=16, rounds=3),
+        # Gemma 3: two prompts of one 896 x 896 image (4,096 patches, 256 image tokens, attended both ways
+        # within the image: ortmodule/blocks.py) between 40 text tokens.
+        images_gemma3=dict(key="gemma3-4b-vision", spec=GEMMA3_VL_CPU, batch=2, image_side=896, text_tokens=40,
+                           keep=8, new_tokens=16, rounds=2),
     ),
     "gpu": dict(
         device="cuda",
@@ -133,6 +148,8 @@ SIZES = {
                     labels=2, exact=False),
         images=dict(key="tiny-vl", spec=fixtures.FixtureSpec("qwen2_vl"), batch=2, image_side=16, text_tokens=10,
                     keep=2, new_tokens=3, rounds=1),
+        images_gemma3=dict(key="tiny-gemma3-vl", spec=fixtures.FixtureSpec("gemma3_vl"), batch=2, image_side=32,
+                           text_tokens=10, keep=2, new_tokens=3, rounds=1),
     ),
 }
 def at_scale_batch(options: dict, workload: str, reference: bool = False) -> int:

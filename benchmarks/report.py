@@ -115,9 +115,11 @@ NOTES = {
     "it inside ONNX Runtime's runs, and on CUDA `device_s` the device's time between events around each batch.",
     "images": "benchmarks/test_images.py (runs since 2026-11-28): prompts of text, one image and more text "
     "({images_batch} a batch; each image {images_side} x {images_side} random pixels through transformers' Qwen2-VL "
-    "image processor, whose tensors both backends take as they are). `score`: one forward, the last "
-    "{images_keep} positions' logits (`cont_len` for ortmodule, `logits_to_keep` for transformers), the vision "
-    "model included; `generate`: greedy, {images_new} new tokens a row. transformers is "
+    "image processor, whose tensors both backends take as they are; Gemma 3 since 2026-11-29: {gemma3_batch} a "
+    "batch, {gemma3_side} x {gemma3_side} images through its Gemma 3 image processor, laid out as Gemma3Processor "
+    "does, the image tokens marked by `token_type_ids` and so attended both ways within the image). `score`: one "
+    "forward, the last {images_keep} positions' logits (`cont_len` for ortmodule, `logits_to_keep` for "
+    "transformers), the vision model included; `generate`: greedy, {images_new} new tokens a row. transformers is "
     "`AutoModelForImageTextToText` in fp32 on the same weights. `max_diff_vs_transformers` (score): the largest "
     "logit difference; `same_tokens_as_transformers` (generate). `of peak` counts the vision tower's weights x "
     "patches beside the text model's weights x tokens; `peak_rss_mb` is the process's, which holds both models.",
@@ -191,7 +193,7 @@ def note_values(size: str) -> dict:
 
     shapes = SIZES[size]
     scale, batch = shapes["lm_eval_at_scale"], suite.at_scale_batch
-    server, images = shapes["server"], shapes.get("images", {})
+    server, images, gemma3 = shapes["server"], shapes.get("images", {}), shapes.get("images_gemma3", {})
     (lo, hi), limit = shapes["generate"]["prompt_lengths"], shapes["lm_eval"]["limit"]
     slow = [model_label(key) for key in shapes["decoders"] if key in SLOW_PEERS_ON]
     return dict(prompt_lo=lo, prompt_hi=hi, new_tokens=shapes["generate"]["new_tokens"],
@@ -209,6 +211,7 @@ def note_values(size: str) -> dict:
                 host_score_requests=shapes["host_time"]["score_requests"],
                 images_batch=images.get("batch"), images_side=images.get("image_side"),
                 images_keep=images.get("keep"), images_new=images.get("new_tokens"),
+                gemma3_batch=gemma3.get("batch"), gemma3_side=gemma3.get("image_side"),
                 **shapes["score"])
 # Real-model workloads first: what users run.
 GROUP_ORDER = {"lm-eval loglikelihood": 0, "lm-eval at scale": 0.5, "generate": 1, "score": 2, "minicons scoring": 3,

@@ -1,11 +1,13 @@
 """Prompts with images, ortmodule beside transformers on the same weights and the same processor
 tensors: `score` (one forward over a batch of image prompts, the last `keep` positions' logits, as a
 multiple-choice scorer asks: the vision model, the embedding model and the decoder) and `generate`
-(greedy, `new_tokens` a row, no early end). CPU size: Qwen2-VL-2B's config (its 675 M-weight vision
-tower, the one every Qwen2-VL size has, and its 1.5 B text model) with random weights and SmolLM2's
-tokenizer, the fp32 package mobius-onnx exports (vision, embedding and decoder models); the images
-are random pixels through transformers' Qwen2-VL image processor at its defaults. Smoke: the tiny
-Qwen2-VL fixture."""
+(greedy, `new_tokens` a row, no early end). Two workloads at the CPU size, random weights and
+SmolLM2's tokenizer: `images`, Qwen2-VL-2B's config (its 675 M-weight vision tower, the one every
+Qwen2-VL size has, and its 1.5 B text model), the fp32 package mobius-onnx exports, the images through
+transformers' Qwen2-VL image processor at its defaults; `images_gemma3`, Gemma-3-4B's vision tower
+and projector (SigLIP so400m, 896 x 896 images, 256 tokens each, attended both ways within an image)
+with Gemma-3-1B's text config, the fp32 package `ortmodule export --images` writes, the images through
+transformers' Gemma 3 image processor. The images are random pixels. Smoke: the tiny fixtures."""
 
 import numpy as np
 import pytest
@@ -19,50 +21,74 @@ from ortmodule import OrtModelForCausalLM
 from ortmodule_dev import fixtures
 
 
-@pytest.fixture(scope="module")
-def setup(size):
-    options = size.get("images")
+@pytest.fixture(scope="module", params=["images", "images_gemma3"])
+def setup(size, request):
+    options = size.get(request.param)
     if options is None:
-        pytest.skip("no image workload at this size")
+        pytest.skip(f"no {request.param} workload at this size")
     fixture = fixtures.build(options["spec"])
     device = size["device"]
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
     hf = transformers.AutoModelForImageTextToText.from_pretrained(fixture.hf_dir, dtype=torch.float32).to(device).eval()
-    return fixture, model, hf, prompts(fixture, hf.config, options, device), options
+    made = gemma3_prompts if fixture.spec.arch == fixtures.GEMMA3_VL else qwen_prompts
+    return fixture, model, hf, made(fixture, hf.config, options, device), options
 
 
-def prompts(fixture, config, options: dict, device: str) -> dict:
+def random_images(options: dict) -> list:
+    side = options["image_side"]
+    states = [np.random.RandomState(seed) for seed in range(options["batch"])]
+    return [Image.fromarray((state.rand(side, side, 3) * 255).astype("uint8")) for state in states]
+
+
+def around(fixture, options: dict, image: list[int]) -> torch.Tensor:
+    """Rows of 8 random text tokens, `image`'s ids, then the rest of `text_tokens`."""
+    generator = torch.Generator().manual_seed(0)
+    text = torch.randint(4, min(fixture.spec.vocab_size - 8, 32000), (options["batch"], options["text_tokens"]),
+                         generator=generator)
+    return torch.tensor([[*t[:8].tolist(), *image, *t[8:].tolist()] for t in text])
+
+
+def qwen_prompts(fixture, config, options: dict, device: str) -> tuple[dict, int]:
     """A batch of prompts, each some text, one image (random pixels, `image_side` square, through the
     Qwen2-VL image processor, its patch size from the model's config) and more text, as the
-    processor's tensors and the chat template's ids make them."""
+    processor's tensors and the chat template's ids make them; and the images' patches."""
     vision = config.vision_config
     processor = transformers.Qwen2VLImageProcessorPil(patch_size=vision.patch_size,
                                                       merge_size=vision.spatial_merge_size,
                                                       temporal_patch_size=vision.temporal_patch_size)
-    side, batch = options["image_side"], options["batch"]
-    states = [np.random.RandomState(seed) for seed in range(batch)]
-    images = [Image.fromarray((state.rand(side, side, 3) * 255).astype("uint8")) for state in states]
-    made = processor(images=images, return_tensors="pt")
-    generator = torch.Generator().manual_seed(0)
-    text = torch.randint(4, min(fixture.spec.vocab_size - 8, 32000), (batch, options["text_tokens"]),
-                         generator=generator)
-    media = made["image_grid_thw"].prod(1) // vision.spatial_merge_size**2
-    rows = [[*t[:8].tolist(), config.vision_start_token_id, *[config.image_token_id] * int(n),
-             config.vision_end_token_id, *t[8:].tolist()] for t, n in zip(text, media)]
-    ids = torch.tensor(rows)
-    return dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                mm_token_type_ids=(ids == config.image_token_id).long().to(device),
-                pixel_values=made["pixel_values"].to(device), image_grid_thw=made["image_grid_thw"].to(device))
+    made = processor(images=random_images(options), return_tensors="pt")
+    counts = (made["image_grid_thw"].prod(1) // vision.spatial_merge_size**2).unique()
+    assert len(counts) == 1  # square images of one side
+    ids = around(fixture, options, [config.vision_start_token_id, *[config.image_token_id] * int(counts[0]),
+                                    config.vision_end_token_id])
+    given = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                 mm_token_type_ids=(ids == config.image_token_id).long().to(device),
+                 pixel_values=made["pixel_values"].to(device), image_grid_thw=made["image_grid_thw"].to(device))
+    return given, int(made["image_grid_thw"].prod(1).sum())
+
+
+def gemma3_prompts(fixture, config, options: dict, device: str) -> tuple[dict, int]:
+    """The same through Gemma 3's image processor (every image resized to the tower's side), laid out
+    as Gemma3Processor does (begin-of-image, the image's tokens, end-of-image; token_type_ids marking
+    the image tokens); and the images' patches."""
+    vision = config.vision_config
+    processor = transformers.Gemma3ImageProcessorPil(size={"height": vision.image_size, "width": vision.image_size})
+    pixels = processor(random_images(options), return_tensors="pt")["pixel_values"]
+    ids = around(fixture, options, [config.boi_token_index, *[config.image_token_id] * config.mm_tokens_per_image,
+                                    config.eoi_token_index])
+    given = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                 token_type_ids=(ids == config.image_token_id).long().to(device), pixel_values=pixels.to(device))
+    return given, len(pixels) * (vision.image_size // vision.patch_size) ** 2
 
 
 def weight_counts(fixture) -> tuple[int, int, int]:
-    """(vision tower weights, text body weights, LM head weights) from the checkpoint."""
+    """(vision weights: the tower and its projector, text body weights, LM head weights) from the checkpoint."""
     vision = body = 0
     for shard in fixture.hf_dir.glob("*.safetensors"):
         with safe_open(shard, "pt") as f:
             for key in f.keys():  # noqa: SIM118  a safetensors file, not a dict
                 count = int(np.prod(f.get_slice(key).get_shape()))
-                if "visual" in key:
+                if any(part in key for part in ("visual", "vision_tower", "multi_modal_projector")):
                     vision += count
                 elif "embed_tokens" not in key and "lm_head" not in key:
                     body += count
@@ -70,10 +96,9 @@ def weight_counts(fixture) -> tuple[int, int, int]:
 
 
 def describe(benchmark, setup, case: str, rows_through_head: int, steps: int = 0) -> None:
-    fixture, _, _, given, options = setup
+    fixture, _, _, (given, patches), options = setup
     batch, length = given["input_ids"].shape
     vision, body, head = weight_counts(fixture)
-    patches = int(given["image_grid_thw"].prod(1).sum())
     info = benchmark.extra_info
     info["model"] = model_label(options["key"])
     info["case"] = case
@@ -95,7 +120,8 @@ def score(model, given, keep: int, ours: bool):
 
 
 def transformers_call(hf, fn):
-    hf.model.rope_deltas = None  # transformers keeps the last prompt's offsets for its cached steps
+    if hasattr(hf.model, "rope_deltas"):
+        hf.model.rope_deltas = None  # transformers' Qwen-VL keeps the last prompt's offsets for its cached steps
     with torch.no_grad():
         return fn()
 
@@ -103,7 +129,7 @@ def transformers_call(hf, fn):
 @pytest.mark.benchmark(group="images")
 @pytest.mark.parametrize("backend", ["ortmodule", "transformers"])
 def test_images_score(benchmark, setup, backend):
-    _, model, hf, given, options = setup
+    _, model, hf, (given, _), options = setup
     keep = options["keep"]
     benchmark.extra_info["backend"] = backend
     describe(benchmark, setup, "score", given["input_ids"].shape[0] * keep)
@@ -118,7 +144,7 @@ def test_images_score(benchmark, setup, backend):
 @pytest.mark.benchmark(group="images")
 @pytest.mark.parametrize("backend", ["ortmodule", "transformers"])
 def test_images_generate(benchmark, setup, backend):
-    _, model, hf, given, options = setup
+    _, model, hf, (given, _), options = setup
     new = options["new_tokens"]
     generation = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     benchmark.extra_info["backend"] = backend

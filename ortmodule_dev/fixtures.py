@@ -144,8 +144,8 @@ class FixtureSpec:
     tie_word_embeddings: bool | None = None  # None: untied
     # "smollm2": SmolLM2's real tokenizer (49,152 tokens, from the GGUF file); None: one trained on CORPUS.
     tokenizer: str | None = None
-    # Qwen-VL forms: the vision config's fields over the fixture's one-block tower (a real model's
-    # tower), and the text model's mRoPE sections (None: [2, 3, 3], for the fixture's 16-wide heads).
+    # Qwen-VL forms and Gemma 3's: the vision config's fields over the fixture's one-block tower (a real
+    # model's tower), and the text model's mRoPE sections (None: [2, 3, 3], for the fixture's 16-wide heads).
     vision: tuple[tuple[str, object], ...] | None = None
     mrope_section: tuple[int, int, int] | None = None
     # Gemma 4 only: the last layers reuse an earlier layer's keys and values (Gemma 4 E2B's and E4B's
@@ -438,12 +438,15 @@ def _mistral3_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
 def _gemma3_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     """A multimodal Gemma 3 checkpoint: a sliding layer (an 8-token window) then a full one, a one-layer
     SigLIP tower on 32 x 32 images of 4-pixel patches pooled to 4 tokens; the image token,
-    begin-of-image and end-of-image at the top reserved ids."""
+    begin-of-image and end-of-image at the top reserved ids. With `spec.sliding_window`, five sliding
+    layers to one full one (a real model's pattern); `spec.vision`: the tower's fields over those (a
+    real model's tower), `mm_tokens_per_image` among them."""
     import torch
     import transformers
 
-    head = spec.hidden_size // spec.num_heads
-    layers = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)]
+    head = spec.head_dim or spec.hidden_size // spec.num_heads
+    period = 2 if spec.sliding_window is None else 6
+    layers = ["sliding_attention" if i % period != period - 1 else "full_attention" for i in range(spec.num_layers)]
     text = dict(model_type="gemma3_text", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
                 intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
                 num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=head,
@@ -451,9 +454,11 @@ def _gemma3_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
                 max_position_embeddings=spec.context_length, initializer_range=spec.initializer_range,
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id)
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=32, patch_size=4)
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+    vision = dict(dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, image_size=32, patch_size=4, mm_tokens_per_image=4),
+                  **dict(spec.vision or ()))
+    tokens = vision.pop("mm_tokens_per_image")
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=tokens,
                                        image_token_index=spec.vocab_size - 1, boi_token_index=spec.vocab_size - 2,
                                        eoi_token_index=spec.vocab_size - 3, tie_word_embeddings=True)
     torch.manual_seed(spec.seed)
