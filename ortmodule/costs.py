@@ -63,7 +63,7 @@ STEP_ROWS = 8
 
 @torch.inference_mode()
 def measure(decoder: Decoder) -> Costs | None:
-    """Time `decoder`'s runs (about 18 s for SmolLM2-135M, 90 s for a 0.6B model in fp32, on 2
+    """Time `decoder`'s runs (about 20 s for SmolLM2-135M, 90 s for a 0.6B model in fp32, on 2
     CPU cores; kept_costs.py keeps them between processes): the best of a few
     64-token prefills over growing batches (`_doubling`), then as many tokens in rows 8 times as
     long (`_prefill_attention`), of decode steps over 1 and 8 rows,

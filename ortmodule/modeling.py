@@ -311,7 +311,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     def measured_costs(self, refresh: bool = False) -> costs.Costs | None:
         """What runs of this model cost on its device (`Costs`), from which context sharing is decided
         (`share_contexts="auto"`, score's `reuse_prefix=None`). Timed at the first call for each device
-        (about 18 s for SmolLM2-135M on 2 CPU cores; lm-eval's backend and `ortmodule serve` call it at load),
+        (about 20 s for SmolLM2-135M on 2 CPU cores; lm-eval's backend and `ortmodule serve` call it at load),
         kept in the model and on disk for later processes (kept_costs.py); `refresh=True` times them
         again. None, with a warning, where the runs failed."""
         if refresh or self.device not in self._costs:
