@@ -238,15 +238,23 @@ def prompt(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None,
     return embeds, positions.to(device), offsets.to(device)
 
 
+def in_blocks(decoder: Decoder, media: Media) -> bool:
+    """Whether a prompt's `media` run in blocks.py's graph (Gemma 3's marked images), which takes no
+    `variants.Variant`: forward makes none for them."""
+    vision = for_decoder(decoder)
+    return isinstance(vision, images_plain.PlainVision) and images_plain.in_blocks(vision, media)
+
+
 def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows, logit_index: torch.Tensor | None,
-            cache, media: Media, runs: variants.Variant | None = None):
+            cache, media: Media, runs: variants.Variant | None = None, hidden_states: bool = False):
     """Run a prompt batch with images or videos (`ids` in the caller's layout, `rows` as
     inputs.check_batch made them) through `runs` (a `variants.Variant` taking embeddings; None: the
     plain one), into `cache` where given, which then keeps the rows' position offsets:
-    `Variant.prefill`'s logits at `logit_index` and hidden states."""
+    `Variant.prefill`'s logits at `logit_index` and hidden states (`hidden_states`: asked of a prompt
+    `in_blocks`, which takes no `runs`)."""
     vision = for_decoder(decoder)
     if isinstance(vision, images_plain.PlainVision):
-        return images_plain.prefill(decoder, vision, ids, mask, rows, logit_index, cache, media, runs)
+        return images_plain.prefill(decoder, vision, ids, mask, rows, logit_index, cache, media, runs, hidden_states)
     for name in ("image_position_ids", "image_sizes", "token_type_ids"):
         if getattr(media, name) is not None:
             raise ValueError(f"{name} was given; this package's vision model (Qwen-VL's form) takes pixel_values with "

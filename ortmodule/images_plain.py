@@ -165,11 +165,19 @@ def refusal(package, form: str) -> str:
     return ""
 
 
+def in_blocks(vision: PlainVision, media) -> bool:
+    """Whether a prompt's images run in blocks.py's graph: Gemma 3's, marked by token_type_ids."""
+    marks = media.token_type_ids
+    return vision.form == GEMMA3 and marks is not None and bool((marks != 0).any())
+
+
 def prefill(decoder: Decoder, vision: PlainVision, ids: torch.Tensor, mask: torch.Tensor | None, rows,
-            logit_index: torch.Tensor | None, cache, media, runs: variants.Variant | None = None):
+            logit_index: torch.Tensor | None, cache, media, runs: variants.Variant | None = None,
+            hidden_states: bool = False):
     """Run a prompt batch with images (`ids` in the caller's layout, `rows` as inputs.check_batch
     made them; `media` an images.Media) through `runs` (a `variants.Variant` taking embeddings; None:
-    the plain one), into `cache` where given: `Variant.prefill`'s logits at `logit_index` and hidden states."""
+    the plain one), into `cache` where given: `Variant.prefill`'s logits at `logit_index` and hidden
+    states. A prompt `in_blocks` takes no `runs` (its graph is blocks.py's); `hidden_states` asks it for them."""
     for name in ("image_grid_thw", "image_position_ids", "image_sizes", "token_type_ids"):
         if getattr(media, name) is not None and name not in _KEYWORDS[vision.form]:
             raise ValueError(f"{name} was given; this package's vision model ({vision.form}'s form) takes "
@@ -188,19 +196,20 @@ def prefill(decoder: Decoder, vision: PlainVision, ids: torch.Tensor, mask: torc
     text = ids.masked_fill(~real.to(ids.device), 0 if vision.image_token else 1)  # padding takes no feature row
     made = embed_rows(decoder, vision.features, text, row_features)
     embeds = made.pop(variants.embeds_feed(decoder))
-    if vision.form == GEMMA3 and media.token_type_ids is not None and bool((media.token_type_ids != 0).any()):
+    if in_blocks(vision, media):
         return _in_blocks(decoder, rows, variants.rolled(rows, embeds), media.token_type_ids, logit_index, cache,
-                          runs)
+                          hidden_states)
     runs = runs if runs is not None else variants.for_decoder(decoder, False, True, extra_feeds=True)
     extra = {name: variants.rolled(rows, value) for name, value in made.items()}
     return runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), None, extra)
 
 
-def _in_blocks(decoder: Decoder, rows, embeds: torch.Tensor, marks: torch.Tensor, logit_index, cache, runs):
+def _in_blocks(decoder: Decoder, rows, embeds: torch.Tensor, marks: torch.Tensor, logit_index, cache,
+               hidden_states: bool):
     """Gemma 3's prompt with its images marked: each image attended both ways (blocks.py); hidden
-    states where `runs` gives them, in the caller's layout (as `Variant.prefill`'s)."""
+    states where asked, in the caller's layout (as `Variant.prefill`'s)."""
     try:
-        runner = blocks.for_decoder(decoder, hidden_states=runs is not None and bool(runs.dtypes))
+        runner = blocks.for_decoder(decoder, hidden_states=hidden_states)
     except blocks.BlocksUnsupported as reason:
         raise NotSupportedError(f"token_type_ids marking images (transformers' Gemma 3 attends both ways within "
                                 f"each): {reason}") from None

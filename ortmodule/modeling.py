@@ -367,14 +367,14 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
                  mm_token_type_ids, image_position_ids, image_sizes, token_type_ids)  # images.Media's fields, in order
         media = None if all(value is None for value in given) else \
             _image_inputs(self.decoder, past, embeds, images.Media(*given))  # text: no object made per call
-        runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None, media is not None)
+        runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None, media)
         ids = input_ids if embeds is None else embeds.new_zeros(embeds.shape[:2], dtype=torch.int64)  # for the checks
         if past is not None:
             logits, states = self._forward_step(ids, attention_mask, past, keep, position_ids, cache_position, runs,
                                                 embeds)
         else:
             logits, past, states = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
-                                                        cache_position, runs, embeds, media)
+                                                        cache_position, runs, embeds, media, output_hidden_states)
         loss = _shifted_loss(logits, labels, keep, attention_mask) if labels is not None else None
         if not use_cache:
             past = None
@@ -388,7 +388,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
                                   position_ids, cache_position)
 
     def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs,
-                        embeds=None, media=None):
+                        embeds=None, media=None, hidden_states=False):
         """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch
         (of `embeds` where given; with `media`, `_image_inputs`', its images), its cache, and from
         `runs` (a `variants.Variant`) the hidden states."""
@@ -401,7 +401,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         else:
             index = inputs.each_row(batch, width, positions, rows.shift)
         if media is not None:
-            logits, states = images.prefill(self.decoder, input_ids, attention_mask, rows, index, cache, media, runs)
+            logits, states = images.prefill(self.decoder, input_ids, attention_mask, rows, index, cache, media, runs,
+                                            bool(hidden_states))
         elif runs is not None:
             logits, states = runs.prefill(rows, index, cache, None if embeds is None else variants.rolled(rows, embeds))
         else:
@@ -467,17 +468,19 @@ def _positions(rows, cols, checked: inputs.Rows) -> tuple[torch.Tensor, torch.Te
     return rows, cols
 
 
-def _variant(decoder: Decoder, hidden_states: bool, embeds: bool, media: bool = False) -> variants.Variant | None:
-    """The decoder's runs for hidden states and/or embeddings (the caller's, or the embedding
-    model's outputs for a prompt's `media`; None: none asked for); a `NotSupportedError` naming why
-    where its graph cannot give them."""
-    if not (hidden_states or embeds or media):
+def _variant(decoder: Decoder, hidden_states: bool, embeds: bool, media: images.Media | None = None):
+    """The decoder's runs (a `variants.Variant`) for hidden states and/or embeddings (the caller's, or
+    the embedding model's outputs for a prompt's `media`; None: none asked for, or media that run in
+    blocks.py's graph, which gives their hidden states itself); a `NotSupportedError` naming why where
+    its graph cannot give them."""
+    if not (hidden_states or embeds or media is not None) or (media is not None and images.in_blocks(decoder, media)):
         return None
     try:
-        return variants.for_decoder(decoder, hidden_states, embeds or media, extra_feeds=media)
+        return variants.for_decoder(decoder, hidden_states, embeds or media is not None, extra_feeds=media is not None)
     except RewriteSkipped as reason:
         asked = " with ".join(name for name, on in (("output_hidden_states=True", hidden_states),
-                                                     ("inputs_embeds", embeds), ("pixel_values", media)) if on)
+                                                     ("inputs_embeds", embeds), ("pixel_values", media is not None))
+                              if on)
         raise NotSupportedError(f"{asked}: {reason}") from None
 
 

@@ -5,6 +5,7 @@ weights and the same image processor output. transformers attends both ways with
 the processor's token_type_ids mark them (ortmodule/blocks.py), causally without them; both are
 checked. What the images cannot be is refused by name."""
 
+import logging
 import shutil
 
 import numpy as np
@@ -103,6 +104,19 @@ def test_steps_hidden_states_and_loss_with_images_equal_transformers(deep, input
     out = model(**inputs, use_cache=True, output_hidden_states=True)
     check_image_step_and_loss(model, hf, inputs, out.past_key_values,
                               lambda ids: {"token_type_ids": (ids == IMAGE).long()})
+
+
+def test_hidden_states_with_marked_images_make_no_unused_session(build, inputs, caplog):
+    """The blocks graph gives a marked prompt's hidden states: forward makes no session of the package
+    graph with hidden-state outputs for it (on CUDA one would hold the weights once more, unused);
+    a prompt without marks takes that session."""
+    model = OrtModelForCausalLM.from_pretrained(build("gemma3_vl", num_layers=4).package_dir)
+    causal = {name: value for name, value in inputs.items() if name != "token_type_ids"}
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        assert len(model(**inputs, output_hidden_states=True).hidden_states) == 5
+        assert "for hidden states" not in caplog.text
+        assert len(model(**causal, output_hidden_states=True).hidden_states) == 5
+        assert "for hidden states" in caplog.text
 
 
 def test_generate_with_images_equals_transformers(deep, inputs):
