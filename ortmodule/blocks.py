@@ -12,15 +12,12 @@ as always.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import weakref
 
-import onnx
-import onnx_ir as ir
 import torch
 
-from . import extend, graph, hidden, projections, runtime
+from . import extend, graph, hidden, projections, runtime, variants
 from .cache import KVCache
 from .graph import RewriteSkipped
 from .inputs import Rows
@@ -158,21 +155,10 @@ def for_decoder(decoder, hidden_states: bool = False) -> BlockPrefill:
 
 
 def _graph_bytes(decoder, head_size: int, expand: bool, unpack: bool, hidden_states: bool) -> bytes:
-    """The blocks graph's bytes, with hidden.py's outputs where `hidden_states` (cached like it)."""
+    """The blocks graph's bytes, with hidden.py's outputs where `hidden_states` (variants.py's rewrite)."""
     data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, head_size, expand,
                                      decoder.cache_dir, layout="blocks", unpack_qkv=unpack)
-    if not hidden_states:
-        return data
-    package = decoder.package
-    digest = hashlib.sha256(data)
-    digest.update(f"|{package.num_hidden_layers}|{package.hidden_size}|{graph.code_digest()}|{ir.__version__}".encode())
-
-    def build() -> bytes:
-        model = ir.serde.deserialize_model(onnx.ModelProto.FromString(data))
-        hidden.add_hidden_outputs(model.graph, package.num_hidden_layers, package.hidden_size)
-        return ir.serde.serialize_model(model).SerializeToString()
-
-    return graph.cached(decoder.cache_dir, f"{decoder.spec.path.stem}-blocks-hidden-{digest.hexdigest()[:32]}", build)
+    return variants.graph_bytes(decoder, True, False, data, "blocks-hidden") if hidden_states else data
 
 
 def _make(decoder, hidden_states: bool) -> BlockPrefill | str:

@@ -7,11 +7,12 @@ and last the final norm's output, the LM head's input. A builder decoder compute
 layer i's first norm reads the residual stream, its `input_layernorm` (`operator_layernorm` in
 LFM2) either a plain norm of it (layer 0) or a skip norm that adds the previous layer's output to
 the residual and returns the sum as its fourth output; the final norm's output feeds the head.
-`hidden_graph` makes those values outputs (reshaped to `[rows * positions, hidden]`) of the
-LM-head-rewritten graph, cached like it (graph.py). The norms are found by the builder's node names,
-else by their weights' names (mobius-onnx's graphs: `decoder.model.layers.3.input_layernorm.weight`,
-the final `decoder.model.norm.weight`, ONNX's `RMSNormalization` or the fused skip norm); graphs
-named neither way raise `RewriteSkipped`, and the caller a `NotSupportedError` with the reason.
+`add_hidden_outputs` makes those values outputs (reshaped to `[rows * positions, hidden]`) of the
+LM-head-rewritten graph (or of blocks.py's rewrite of it), cached like it (variants.graph_bytes). The
+norms are found by the builder's node names, else by their weights' names (mobius-onnx's graphs:
+`decoder.model.layers.3.input_layernorm.weight`, the final `decoder.model.norm.weight`, ONNX's
+`RMSNormalization` or the fused skip norm); graphs named neither way raise `RewriteSkipped`, and the
+caller a `NotSupportedError` with the reason.
 
 variants.py runs the graph (with an embeddings input too where the call gives `inputs_embeds`).
 """

@@ -108,8 +108,11 @@ _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {(k
 _lock = threading.Lock()
 
 
-def _graph_bytes(decoder: Decoder, hidden_states: bool, take_embeds: bool) -> bytes:
-    package, base = decoder.package, decoder.graph_bytes
+def graph_bytes(decoder: Decoder, hidden_states: bool, take_embeds: bool, base: bytes | None = None,
+                kind: str = "variant") -> bytes:
+    """`base` (the decoder's LM-head-rewritten graph where None; blocks.py gives its blocks graph)
+    with hidden.py's outputs and/or an embeddings input, cached like the rewrites as `kind`."""
+    package, base = decoder.package, decoder.graph_bytes if base is None else base
     digest = hashlib.sha256(base)
     digest.update(f"|{hidden_states}|{take_embeds}|{package.num_hidden_layers}|{package.hidden_size}|"
                   f"{package.model_type}|{VARIANT_VERSION}|{graph.code_digest()}|{ir.__version__}".encode())
@@ -122,7 +125,7 @@ def _graph_bytes(decoder: Decoder, hidden_states: bool, take_embeds: bool) -> by
             hidden.add_hidden_outputs(model.graph, package.num_hidden_layers, package.hidden_size)
         return ir.serde.serialize_model(model).SerializeToString()
 
-    return graph.cached(decoder.cache_dir, f"{decoder.spec.path.stem}-variant-{digest.hexdigest()[:32]}", build)
+    return graph.cached(decoder.cache_dir, f"{decoder.spec.path.stem}-{kind}-{digest.hexdigest()[:32]}", build)
 
 
 def for_decoder(decoder: Decoder, hidden_states: bool, embeds: bool, extra_feeds: bool = False) -> Variant:
@@ -149,7 +152,7 @@ def for_decoder(decoder: Decoder, hidden_states: bool, embeds: bool, extra_feeds
             if not decoder.keeps_positions:
                 raise RewriteSkipped("it needs the LM-head rewrite, which is off (rewrite_lm_head=False) or did not "
                                      "apply to this package's graph (the load's log says why)")
-            data = _graph_bytes(decoder, hidden_states, embeds and embedding is None)
+            data = graph_bytes(decoder, hidden_states, embeds and embedding is None)
             session = runtime.make_session(data, decoder.device, decoder.spec.path.parent, decoder.session_options,
                                            decoder.run_provider_options, fp32_path=decoder.fp32_path,
                                            prepack=extend.has_quantized_weights(decoder.graph_bytes))
