@@ -94,9 +94,6 @@ def generate(model, inputs_ids=None, generation_config=None, **kwargs):
     unknown = sorted(set(rest) - MODEL_INPUTS - _CALL_ARGUMENTS - {"output_attentions", "output_hidden_states"})
     if unknown:
         raise ValueError(f"generate() got arguments it does not use: {', '.join(unknown)}")
-    if config.output_attentions:
-        raise NotImplementedError("generate(output_attentions=True): ONNX Runtime's attention kernels return no "
-                                  "attention weights")
     greedy_or_sample = (config.num_beams or 1) == 1 and kwargs.get("assistant_model") is None and \
         config.prompt_lookup_num_tokens is None
     if kwargs.get("generator") is not None and not greedy_or_sample:
@@ -188,8 +185,8 @@ class _Sampling:
             cache = steps.cache if steps is not None else decoder.new_cache(size, needed)
             last = torch.arange(size, device=decoder.device) * width + rows.lengths - 1
             if self.media is not None:
-                logits, _ = images.prefill(decoder, self.sequences[:, :width], self.mask, rows, last, cache,
-                                           self.media)
+                logits = images.prefill(decoder, self.sequences[:, :width], self.mask, rows, last, cache,
+                                        self.media)[0]
             else:
                 logits = shared_prompts.prefill(decoder, rows, last, cache)  # a common beginning run once (CPU)
             if steps is not None:

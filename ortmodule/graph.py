@@ -48,7 +48,7 @@ REWRITE_VERSION = "8"
 # The files whose code shapes a rewritten graph (this one's, the extend, prefill and variants.py's graphs): their
 # bytes are a part of every cache key (`code_digest`), so that no entry made by other code is reused.
 _REWRITE_SOURCES = ("graph.py", "projections.py", "tail.py", "constants.py", "extend.py", "states.py", "hidden.py",
-                    "embeddings.py", "variants.py")
+                    "embeddings.py", "variants.py", "attentions.py")
 
 # Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
 _ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}

@@ -250,8 +250,8 @@ def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows
     """Run a prompt batch with images or videos (`ids` in the caller's layout, `rows` as
     inputs.check_batch made them) through `runs` (a `variants.Variant` taking embeddings; None: the
     plain one), into `cache` where given, which then keeps the rows' position offsets:
-    `Variant.prefill`'s logits at `logit_index` and hidden states (`hidden_states`: asked of a prompt
-    `in_blocks`, which takes no `runs`)."""
+    `Variant.prefill`'s logits at `logit_index`, hidden states and attention weights (`hidden_states`:
+    asked of a prompt `in_blocks`, which takes no `runs`)."""
     vision = for_decoder(decoder)
     if isinstance(vision, images_plain.PlainVision):
         return images_plain.prefill(decoder, vision, ids, mask, rows, logit_index, cache, media, runs, hidden_states)
@@ -262,7 +262,7 @@ def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows
     embeds, positions, offsets = prompt(decoder, ids, mask, media)
     runs = runs if runs is not None else variants.for_decoder(decoder, False, True)
     positions = variants.rolled(rows, positions.permute(1, 2, 0)).permute(2, 0, 1)  # [3, B, T], rolled by row
-    out = runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), positions)
+    out = runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), positions, caller_mask=mask)
     if cache is not None:
         cache.position_offset = offsets
     return out

@@ -176,8 +176,9 @@ def prefill(decoder: Decoder, vision: PlainVision, ids: torch.Tensor, mask: torc
             hidden_states: bool = False):
     """Run a prompt batch with images (`ids` in the caller's layout, `rows` as inputs.check_batch
     made them; `media` an images.Media) through `runs` (a `variants.Variant` taking embeddings; None:
-    the plain one), into `cache` where given: `Variant.prefill`'s logits at `logit_index` and hidden
-    states. A prompt `in_blocks` takes no `runs` (its graph is blocks.py's); `hidden_states` asks it for them."""
+    the plain one), into `cache` where given: `Variant.prefill`'s logits at `logit_index`, hidden
+    states and attention weights. A prompt `in_blocks` takes no `runs` (its graph is blocks.py's);
+    `hidden_states` asks it for them."""
     for name in ("image_grid_thw", "image_position_ids", "image_sizes", "token_type_ids"):
         if getattr(media, name) is not None and name not in _KEYWORDS[vision.form]:
             raise ValueError(f"{name} was given; this package's vision model ({vision.form}'s form) takes "
@@ -201,7 +202,7 @@ def prefill(decoder: Decoder, vision: PlainVision, ids: torch.Tensor, mask: torc
                           hidden_states)
     runs = runs if runs is not None else variants.for_decoder(decoder, False, True, extra_feeds=True)
     extra = {name: variants.rolled(rows, value) for name, value in made.items()}
-    return runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), None, extra)
+    return runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), None, extra, caller_mask=mask)
 
 
 def _in_blocks(decoder: Decoder, rows, embeds: torch.Tensor, marks: torch.Tensor, logit_index, cache,
@@ -218,7 +219,7 @@ def _in_blocks(decoder: Decoder, rows, embeds: torch.Tensor, marks: torch.Tensor
     batch, width = rows.ids.shape
     caller = inputs.every_position(rows)
     states = tuple((s if caller is None else s.index_select(0, caller)).view(batch, width, -1) for s in states)
-    return logits, states or None
+    return logits, states or None, None
 
 
 # forward's, beside pixel_values

@@ -20,7 +20,19 @@ from transformers import Cache, GenerationConfig, GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import costs, embeddings, generation, hub, images, images_plain, inputs, kept_costs, runtime, variants
+from . import (
+    attentions,
+    costs,
+    embeddings,
+    generation,
+    hub,
+    images,
+    images_plain,
+    inputs,
+    kept_costs,
+    runtime,
+    variants,
+)
 from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
@@ -189,18 +201,19 @@ class HuggingFaceSurface(GenerationMixin):
                 streamer=None, **model_kwargs):
         """transformers' greedy/sampling loop, run on the device by generation.sample (a prompt's
         images too); continuing from a cache the caller passed, from `inputs_embeds` or returning
-        hidden states, transformers' own loop over forward."""
+        hidden states or attention weights, transformers' own loop over forward."""
         cache = model_kwargs.get(CACHE_NAME)
         fresh = cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0)
-        if fresh and not generation_config.output_hidden_states and model_kwargs.get("inputs_embeds") is None:
+        inspect = generation_config.output_hidden_states or generation_config.output_attentions
+        if fresh and not inspect and model_kwargs.get("inputs_embeds") is None:
             model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
             media = _image_inputs(self.decoder, None, None,
                                   images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                      media, **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:
-            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds or "
-                             "output_hidden_states in generate()")
+            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds, "
+                             "output_hidden_states or output_attentions in generate()")
         return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus, streamer, **model_kwargs)
 
@@ -356,31 +369,31 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         the output's field). `position_ids` and `cache_position` are taken when they are what
         transformers computes for these rows (the graph derives positions from the mask), else refused.
         """
-        _refuse_unsupported(input_ids, inputs_embeds, output_attentions, kwargs)
+        _refuse_unsupported(input_ids, inputs_embeds, kwargs)
         keep = cont_len if cont_len is not None else logits_to_keep
         past, use_cache = _given_cache(past_key_values, cache, use_cache)
-        if output_hidden_states is None:  # as transformers: the config's setting
-            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        asked = _asked(self.config, output_hidden_states, output_attentions)  # hidden states, attention weights
         embeds = None if inputs_embeds is None else \
             variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
         given = (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts,
                  mm_token_type_ids, image_position_ids, image_sizes, token_type_ids)  # images.Media's fields, in order
         media = None if all(value is None for value in given) else \
             _image_inputs(self.decoder, past, embeds, images.Media(*given))  # text: no object made per call
-        runs = _variant(self.decoder, bool(output_hidden_states), embeds is not None, media)
+        runs = _variant(self.decoder, *asked, embeds is not None, media)
         ids = input_ids if embeds is None else embeds.new_zeros(embeds.shape[:2], dtype=torch.int64)  # for the checks
         if past is not None:
-            logits, states = self._forward_step(ids, attention_mask, past, keep, position_ids, cache_position, runs,
-                                                embeds)
+            logits, states, weights = self._forward_step(ids, attention_mask, past, keep, position_ids,
+                                                         cache_position, runs, embeds)
         else:
-            logits, past, states = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
-                                                        cache_position, runs, embeds, media, output_hidden_states)
+            logits, past, states, weights = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
+                                                                 cache_position, runs, embeds, media, asked)
         loss = _shifted_loss(logits, labels, keep, attention_mask) if labels is not None else None
         if not use_cache:
             past = None
         if return_dict is False:
-            return tuple(x for x in (loss, logits, past, states) if x is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states, **{CACHE_NAME: past})
+            return tuple(x for x in (loss, logits, past, states, weights) if x is not None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states, attentions=weights,
+                                      **{CACHE_NAME: past})
 
     def _rows(self, input_ids, attention_mask, position_ids=None, cache_position=None) -> inputs.Rows:
         package = self.package
@@ -388,10 +401,10 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
                                   position_ids, cache_position)
 
     def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs,
-                        embeds=None, media=None, hidden_states=False):
+                        embeds=None, media=None, asked=(False, False)):
         """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch
         (of `embeds` where given; with `media`, `_image_inputs`', its images), its cache, and from
-        `runs` (a `variants.Variant`) the hidden states."""
+        `runs` (a `variants.Variant`) the hidden states and attention weights (`asked`: which)."""
         rows = self._rows(input_ids, attention_mask, position_ids, cache_position)
         batch, width = rows.ids.shape
         cache = self.decoder.new_cache(batch, width) if use_cache else None
@@ -400,22 +413,23 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             index = inputs.every_position(rows)
         else:
             index = inputs.each_row(batch, width, positions, rows.shift)
+        mask = attention_mask.to(self.device) if attention_mask is not None else None
         if media is not None:
-            logits, states = images.prefill(self.decoder, input_ids, attention_mask, rows, index, cache, media, runs,
-                                            bool(hidden_states))
+            logits, states, weights = images.prefill(self.decoder, input_ids, attention_mask, rows, index, cache,
+                                                     media, runs, asked[0])
         elif runs is not None:
-            logits, states = runs.prefill(rows, index, cache, None if embeds is None else variants.rolled(rows, embeds))
+            logits, states, weights = runs.prefill(rows, index, cache, None if embeds is None else
+                                                   variants.rolled(rows, embeds), caller_mask=mask)
         else:
-            logits, states = self.decoder.prefill(rows, index, cache), None
+            logits, states, weights = self.decoder.prefill(rows, index, cache), None, None
         logits = self.decoder.public(logits).view(batch, -1, self.package.vocab_size)
         if cache is not None:
-            given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-            cache.caller_mask = given.to(self.device, torch.int64)
-        return logits, cache, states
+            cache.caller_mask = mask.to(torch.int64) if mask is not None else torch.ones_like(rows.ids)
+        return logits, cache, states, weights
 
     def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids, cache_position, runs, embeds=None):
         """Append `input_ids` [B, s] (or `embeds` [B, s, H]) to every row of `cache`; logits `[B, s, V]`
-        (or the kept ones), and from `runs` the new tokens' hidden states, else None."""
+        (or the kept ones), and from `runs` the new tokens' hidden states and attention weights, else None."""
         _check_own_cache(cache)
         package = self.package
         ids = inputs.check_step(input_ids, attention_mask, cache, package.vocab_size, package.context_length,
@@ -424,13 +438,14 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         kept = inputs.kept_positions(keep, new, self.device)
         index = inputs.each_row(batch, new, kept) if kept is not None else None
         if runs is not None:
-            logits, states = runs.step(ids if embeds is None else embeds, cache, index)
+            columns = attentions.step_columns(cache, attention_mask, new) if runs.weights else None
+            logits, states, weights = runs.step(ids if embeds is None else embeds, cache, index, columns)
         else:
-            logits, states = self.decoder.step(ids, cache, index), None
+            logits, states, weights = self.decoder.step(ids, cache, index), None, None
         logits = self.decoder.public(logits)
         if cache.caller_mask is not None:
             cache.caller_mask = torch.cat([cache.caller_mask, cache.caller_mask.new_ones(batch, new)], 1)
-        return logits.view(batch, -1, logits.shape[-1]), states
+        return logits.view(batch, -1, logits.shape[-1]), states, weights
 
     @runtime.out_of_memory_is_runtime_error
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
@@ -468,20 +483,36 @@ def _positions(rows, cols, checked: inputs.Rows) -> tuple[torch.Tensor, torch.Te
     return rows, cols
 
 
-def _variant(decoder: Decoder, hidden_states: bool, embeds: bool, media: images.Media | None = None):
-    """The decoder's runs (a `variants.Variant`) for hidden states and/or embeddings (the caller's, or
-    the embedding model's outputs for a prompt's `media`; None: none asked for, or media that run in
-    blocks.py's graph, which gives their hidden states itself); a `NotSupportedError` naming why where
-    its graph cannot give them."""
-    if not (hidden_states or embeds or media is not None) or (media is not None and images.in_blocks(decoder, media)):
+def _variant(decoder: Decoder, hidden_states: bool, weights: bool, embeds: bool, media: images.Media | None = None):
+    """The decoder's runs (a `variants.Variant`) for hidden states, attention weights and/or
+    embeddings (the caller's, or the embedding model's outputs for a prompt's `media`; None: none
+    asked for, or media that run in blocks.py's graph, which gives their hidden states itself); a
+    `NotSupportedError` naming why where its graph cannot give them."""
+    blocked = media is not None and images.in_blocks(decoder, media)
+    if weights and blocked:
+        raise NotSupportedError("output_attentions=True with token_type_ids marking images: Gemma 3's images, attended "
+                                "both ways, run in a graph without GroupQueryAttention, which gives no weights")
+    if not (hidden_states or weights or embeds or media is not None) or blocked:
         return None
     try:
-        return variants.for_decoder(decoder, hidden_states, embeds or media is not None, extra_feeds=media is not None)
+        return variants.for_decoder(decoder, hidden_states, embeds or media is not None, extra_feeds=media is not None,
+                                    attention_weights=weights)
     except RewriteSkipped as reason:
         asked = " with ".join(name for name, on in (("output_hidden_states=True", hidden_states),
+                                                     ("output_attentions=True", weights),
                                                      ("inputs_embeds", embeds), ("pixel_values", media is not None))
                               if on)
         raise NotSupportedError(f"{asked}: {reason}") from None
+
+
+def _asked(config, hidden_states: bool | None, weights: bool | None) -> tuple[bool, bool]:
+    """forward's `output_hidden_states` and `output_attentions`, as transformers takes them: where
+    the call leaves one out, the config's setting."""
+    if hidden_states is None:
+        hidden_states = getattr(config, "output_hidden_states", False)
+    if weights is None:
+        weights = getattr(config, "output_attentions", False)
+    return bool(hidden_states), bool(weights)
 
 
 def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images.Media | None:
@@ -519,7 +550,7 @@ def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images
     return dataclasses.replace(media, token_type_ids=None) if unmarked else media  # a text tokenizer's zeros
 
 
-def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, rest: dict) -> None:
+def _refuse_unsupported(input_ids, inputs_embeds, rest: dict) -> None:
     """forward's arguments that an ONNX package cannot honour, each refused by name."""
     unsupported = {k for k, v in rest.items() if v is not None and v is not False}
     if unsupported:
@@ -528,8 +559,6 @@ def _refuse_unsupported(input_ids, inputs_embeds, output_attentions, rest: dict)
         raise ValueError("pass input_ids or inputs_embeds, not both")
     if input_ids is None and inputs_embeds is None:
         raise ValueError("forward() needs input_ids (or inputs_embeds)")
-    if output_attentions:
-        raise NotSupportedError("output_attentions=True: ONNX Runtime's attention kernels return no attention weights")
 
 
 def _check_own_cache(cache) -> None:

@@ -152,6 +152,19 @@ def test_hidden_states_on_cuda_match_transformers(build):
 
 
 @pytest.mark.filterwarnings("ignore:.*fp32 package")
+def test_attentions_on_cuda_are_refused_naming_why(build):
+    """ONNX Runtime's CUDA GroupQueryAttention returns no weights: `output_attentions=True` on CUDA is a
+    NotSupportedError that says to load on the CPU, and the model answers after it."""
+    from ortmodule import NotSupportedError
+
+    model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir, device="cuda:0")
+    ids = torch.tensor([[5, 6, 7]], device="cuda:0")
+    with pytest.raises(NotSupportedError, match="load the package on the CPU"):
+        model(ids, output_attentions=True)
+    assert model(ids).logits.shape == (1, 3, 512)
+
+
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
 def test_inputs_embeds_on_cuda_give_the_ids_logits(build):
     """`get_input_embeddings()` on the device and `inputs_embeds` of them: the ids' logits, then a step."""
     model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir, device="cuda:0")

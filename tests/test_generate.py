@@ -351,8 +351,6 @@ def test_generation_past_the_context_is_refused(llama_pair):
 def test_unsupported_generation_options_are_named(llama_pair):
     model, _ = llama_pair
     ids = torch.full((1, 4), 5)
-    with pytest.raises(NotImplementedError, match="output_attentions=True"):
-        model.generate(ids, max_new_tokens=3, output_attentions=True, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="generator= applies to greedy decoding and sampling"):
         model.generate(ids, max_new_tokens=3, num_beams=2, generator=torch.Generator())
     with pytest.raises(ValueError, match="arguments it does not use: frobnicate"):

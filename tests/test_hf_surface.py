@@ -144,8 +144,6 @@ def test_forward_keywords_transformers_passes(build):
         model(ids, attention_mask=mask, position_ids=torch.arange(7).expand(2, 7) + 3)
     with pytest.raises(NotImplementedError, match="position_ids or cache_position other than each row's own"):
         model(torch.tensor([[9], [9]]), position_ids=torch.tensor([[0], [0]]), past_key_values=step.past_key_values)
-    with pytest.raises(NotImplementedError, match="output_attentions=True"):
-        model(ids, output_attentions=True)
 
 
 def test_what_an_onnx_package_lacks_is_a_clear_error(build):

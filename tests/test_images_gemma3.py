@@ -15,7 +15,7 @@ import transformers
 from helpers import check_copies_take_their_images, check_image_step_and_loss, load_pair, padded_rows
 from PIL import Image
 
-from ortmodule import OrtModelForCausalLM
+from ortmodule import NotSupportedError, OrtModelForCausalLM
 
 IMAGE, BOI, EOI = 511, 510, 509  # the fixture's image token, begin- and end-of-image (ortmodule_dev/fixtures.py)
 TOKENS, SIDE = 4, 32  # the fixture's tokens an image and the tower's image side
@@ -152,6 +152,8 @@ def test_what_images_cannot_be_is_refused(pair, inputs):
         model(**dict(given, image_sizes=torch.tensor([[SIDE, SIDE]] * 3)))
     with pytest.raises(ValueError, match="token_type_ids marking media, were given without pixel_values"):
         model(given["input_ids"], attention_mask=given["attention_mask"], token_type_ids=given["token_type_ids"])
+    with pytest.raises(NotSupportedError, match="output_attentions=True with token_type_ids marking images"):
+        model(**marked(given), output_attentions=True)
     text = model(given["input_ids"], attention_mask=given["attention_mask"],
                  token_type_ids=torch.zeros_like(given["input_ids"]))  # a text tokenizer's zeros: text
     assert text.logits.shape[:2] == given["input_ids"].shape
