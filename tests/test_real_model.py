@@ -80,6 +80,25 @@ def test_fp32_hidden_states_match_transformers(smollm2):
         assert (a - b)[real].abs().max().item() < 1e-4 * max(1.0, b[real].abs().max().item()), layer
 
 
+def test_fp32_attentions_match_transformers(smollm2):
+    """`output_attentions=True` on a trained model: the 30 layers' weights as transformers' eager
+    attention gives them (its default sdpa gives none), at the real queries of a left-padded batch."""
+    _, model, reference, tokenizer = smollm2
+    tokenizer.padding_side = "left"
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    reference.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            expected = reference(**batch, output_attentions=True).attentions
+    finally:
+        reference.set_attn_implementation("sdpa")
+    got = model(batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True).attentions
+    real = batch.attention_mask.bool()[:, None, :, None]
+    assert len(got) == len(expected) == 30
+    for layer, (a, b) in enumerate(zip(got, expected)):
+        assert a.shape == b.shape and (a - b).mul(real).abs().max().item() < 1e-5, layer
+
+
 def test_chat_greedy_generation_matches_transformers(smollm2):
     _, model, reference, tokenizer = smollm2
     tokenizer.padding_side = "left"
