@@ -177,6 +177,33 @@ def tokenizer_with(package_dir, tokens: dict[int, str], template: str):
     return tokenizer
 
 
+def steps_beside(model, hf, out, ref, mask, **asked):
+    """Steps of two new tokens (one run at a time inside ortmodule: several tokens over a batch's
+    cache) and of one, over ortmodule's and transformers' caches of a two-row prompt (`out`, `ref`,
+    its `mask`), with the same keywords: yields each step's (ours, theirs)."""
+    ours, theirs = out.past_key_values, ref.past_key_values
+    generator = torch.Generator().manual_seed(4)
+    for new in (2, 1):
+        tokens = torch.randint(4, 500, (2, new), generator=generator)
+        mask = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype)], 1)
+        out = model(tokens, attention_mask=mask, past_key_values=ours, **asked)
+        with torch.inference_mode():
+            ref = hf(tokens, attention_mask=mask, past_key_values=theirs, **asked)
+        yield out, ref
+        ours, theirs = out.past_key_values, ref.past_key_values
+
+
+def check_config_default(model, ids, mask, name: str, field: str, count: int) -> None:
+    """transformers' models read `config.<name>` (output_hidden_states, output_attentions) where the call
+    says nothing: set, the output's `field` holds `count` tensors; the call's False still wins."""
+    setattr(model.config, name, True)
+    try:
+        assert len(getattr(model(ids, attention_mask=mask), field)) == count
+        assert getattr(model(ids, attention_mask=mask, **{name: False}), field) is None
+    finally:
+        setattr(model.config, name, False)
+
+
 def hf_greedy(hf, ids: list[int], new: int) -> list[int]:
     """transformers' greedy continuation of one prompt: `new` tokens, no end-of-sequence stop."""
     with torch.no_grad():

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import left_padded_batch, load_pair, reference_class
+from helpers import check_config_default, left_padded_batch, load_pair, reference_class, steps_beside
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
 
@@ -45,21 +45,12 @@ def test_attentions_equal_transformers(build, arch):
     ids, mask = left_padded_batch([13, 6], vocab=500, seed=3)  # past the fixtures' 8-token windows
     out = model(ids, attention_mask=mask, use_cache=True, output_attentions=True)
     with torch.inference_mode():
-        ref = hf(ids, attention_mask=mask, use_cache=arch != "lfm2", output_attentions=True)
+        ref = hf(ids, attention_mask=mask, use_cache=True, output_attentions=True)
     assert_weights(out.attentions, ref.attentions, mask.bool())
     assert (out.logits - ref.logits)[mask.bool()].abs().max().item() < 1e-4
-    if arch != "lfm2":  # transformers' LFM2 steps over its own cache only with generate's
-        ours, theirs = out.past_key_values, ref.past_key_values
-        generator = torch.Generator().manual_seed(4)
-        for new in (2, 1):
-            tokens = torch.randint(4, 500, (2, new), generator=generator)
-            mask = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype)], 1)
-            out = model(tokens, attention_mask=mask, past_key_values=ours, output_attentions=True)
-            with torch.inference_mode():
-                ref = hf(tokens, attention_mask=mask, past_key_values=theirs, output_attentions=True)
-            assert_weights(out.attentions, ref.attentions)
-            ours, theirs = out.past_key_values, ref.past_key_values
-    right = mask[:, :13].flip(1)
+    for step, theirs in steps_beside(model, hf, out, ref, mask, output_attentions=True):
+        assert_weights(step.attentions, theirs.attentions)
+    right = mask.flip(1)
     out = model(ids, attention_mask=right, output_attentions=True)
     with torch.inference_mode():
         ref = hf(ids, attention_mask=right, output_attentions=True, use_cache=False)
@@ -105,12 +96,7 @@ def test_attentions_beside_hidden_states_embeddings_tuples_and_the_config(build)
                                           output_attentions=True, return_dict=False)
     assert len(states) == 3
     assert_weights(weights, ref.attentions, mask.bool())
-    model.config.output_attentions = True  # transformers' models read the config where the call says nothing
-    try:
-        assert len(model(ids, attention_mask=mask).attentions) == 2
-        assert model(ids, attention_mask=mask, output_attentions=False).attentions is None
-    finally:
-        model.config.output_attentions = False
+    check_config_default(model, ids, mask, "output_attentions", "attentions", 2)
     plain = model(ids, attention_mask=mask)
     assert plain.attentions is None and (plain.logits - ref.logits)[mask.bool()].abs().max().item() < 1e-4
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import MODEL_ARCHES, left_padded_batch, load_pair
+from helpers import MODEL_ARCHES, check_config_default, left_padded_batch, load_pair, steps_beside
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
 
@@ -40,17 +40,9 @@ def test_hidden_states_equal_transformers(build, arch):
     assert len(out.hidden_states) == model.package.num_hidden_layers + 1
     assert_close(out.hidden_states, ref.hidden_states, mask.bool())
     assert_close((out.logits,), (ref.logits,), mask.bool())
-    ours, theirs = out.past_key_values, ref.past_key_values
-    generator = torch.Generator().manual_seed(4)
-    for new in (2, 1):
-        tokens = torch.randint(4, 500, (2, new), generator=generator)
-        mask = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype)], 1)
-        out = model(tokens, attention_mask=mask, past_key_values=ours, output_hidden_states=True)
-        with torch.inference_mode():
-            ref = hf(tokens, attention_mask=mask, past_key_values=theirs, output_hidden_states=True)
-        assert_close(out.hidden_states, ref.hidden_states)
-        assert_close((out.logits,), (ref.logits,))
-        ours, theirs = out.past_key_values, ref.past_key_values
+    for step, theirs in steps_beside(model, hf, out, ref, mask, output_hidden_states=True):
+        assert_close(step.hidden_states, theirs.hidden_states)
+        assert_close((step.logits,), (theirs.logits,))
 
 
 def test_hidden_states_beside_kept_logits_labels_and_tuples(build):
@@ -69,12 +61,7 @@ def test_hidden_states_beside_kept_logits_labels_and_tuples(build):
     assert (logits - plain.logits)[mask.bool()].abs().max().item() < 1e-5
     with torch.inference_mode():
         assert_close(states, hf(ids, attention_mask=mask, output_hidden_states=True).hidden_states, mask.bool())
-    model.config.output_hidden_states = True  # transformers' models read the config where the call says nothing
-    try:
-        assert len(model(ids, attention_mask=mask).hidden_states) == 3
-        assert model(ids, attention_mask=mask, output_hidden_states=False).hidden_states is None
-    finally:
-        model.config.output_hidden_states = False
+    check_config_default(model, ids, mask, "output_hidden_states", "hidden_states", 3)
     # a prompt of one row without a mask, and the plain path after it, unchanged
     one = model(ids[:1], output_hidden_states=True)
     assert [tuple(s.shape) for s in one.hidden_states] == [(1, 7, 64)] * 3
