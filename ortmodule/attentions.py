@@ -27,11 +27,14 @@ import torch
 from .graph import RewriteSkipped
 
 ATTENTIONS = "ortmodule_attentions_"  # + the index in transformers' tuple
-_GQA = ("com.microsoft", "GroupQueryAttention")
-_OTHERS = {"MultiHeadAttention", "Attention", "PackedMultiHeadAttention", "SparseAttention"}
+# The ops that give their weights after the softmax as their fourth output: (domain, op) -> the
+# attribute that asks for them, its value, and the attribute naming the query heads.
+_GIVING = {("com.microsoft", "GroupQueryAttention"): ("qk_output", 2, "num_heads"),
+           ("", "Attention"): ("qk_matmul_output_mode", 3, "q_num_heads")}  # ONNX's, opset 23 on
+_OTHERS = {"MultiHeadAttention", "Attention", "PackedMultiHeadAttention", "SparseAttention",
+           "DecoderMaskedMultiHeadAttention"}
 _LAYER = re.compile(r"layers\.(\d+)/")
-_QK = 3  # GroupQueryAttention's `output_qk`
-_AFTER_SOFTMAX = 2
+_QK = 3  # the weights' output
 
 
 def _layer(node, order: int) -> tuple[int, int]:
@@ -39,44 +42,72 @@ def _layer(node, order: int) -> tuple[int, int]:
     return (int(found[1]) if found is not None else order, order)
 
 
-def add_attention_outputs(g: ir.Graph) -> None:
-    """Give every GroupQueryAttention node its weights after the softmax as graph outputs
-    `ATTENTIONS + i` `[batch, heads, queries, keys]`, i in layer order; `RewriteSkipped` naming
-    the attention op where the graph's attention is another."""
-    nodes = [node for node in g if (node.domain or "", node.op_type) == _GQA]
-    others = sorted({node.op_type for node in g
-                     if node.op_type in _OTHERS and (node.domain or "", node.op_type) != _GQA})
+def _kind(node) -> tuple[str, str]:
+    return (node.domain or "", node.op_type)
+
+
+def add_attention_outputs(g: ir.Graph, heads: int, dtype: int) -> None:
+    """Give every attention node its weights after the softmax as graph outputs `ATTENTIONS + i`
+    `[batch, heads, queries, keys]`, i in layer order (`heads`: the query heads where the node does not
+    name them; `dtype`, an ONNX element type: the weights' where the graph records no type for the
+    query); `RewriteSkipped` naming the attention op where the graph's attention is another."""
+    nodes = [node for node in g if _kind(node) in _GIVING]
+    others = sorted({node.op_type for node in g if node.op_type in _OTHERS and _kind(node) not in _GIVING})
     if others or not nodes:
-        found = f"its attention is {', '.join(others)}" if others else "it has no GroupQueryAttention node"
-        raise RewriteSkipped(f"{found}; ONNX Runtime returns attention weights from GroupQueryAttention only")
+        found = f"its attention is com.microsoft's {', '.join(others)}" if others else "it has no attention node"
+        raise RewriteSkipped(f"{found}; ONNX Runtime returns attention weights from GroupQueryAttention and ONNX's "
+                             "Attention only")
     ordered = sorted(enumerate(nodes), key=lambda pair: _layer(pair[1], pair[0]))
     for i, (_, node) in enumerate(ordered):
         if len(node.outputs) > _QK and node.outputs[_QK] is not None and node.outputs[_QK].name:
             raise RewriteSkipped(f"'{node.name}' already gives its weights as '{node.outputs[_QK].name}'")
-        node.attributes["qk_output"] = ir.AttrInt64("qk_output", _AFTER_SOFTMAX)
-        heads = node.attributes["num_heads"].as_int()
-        query = node.inputs[0]
-        replacement = ir.Node(node.domain, node.op_type, list(node.inputs), list(node.attributes.values()),
-                              num_outputs=_QK + 1, name=node.name)
-        g.insert_after(node, replacement)
-        kept = [(old, new, old.name, old.dtype, old.shape) for old, new in zip(node.outputs, replacement.outputs)
-                if old is not None]
-        for old, new, *_ in kept:
-            old.replace_all_uses_with(new, replace_graph_outputs=True)
-        g.remove(node, safe=True)
-        for _, new, name, dtype, shape in kept:
-            new.name, new.dtype, new.shape = name, dtype, shape
-        weights = replacement.outputs[_QK]
-        weights.name, weights.dtype = f"{ATTENTIONS}{i}", query.dtype if query is not None else None
-        weights.shape = ir.Shape(["batch", heads, "queries", "keys"])
-        g.outputs.append(weights)
+        asking, value, named = _GIVING[_kind(node)]
+        node.attributes[asking] = ir.AttrInt64(asking, value)
+        count = node.attributes[named].as_int() if named in node.attributes else heads
+        _with_weights(g, node, f"{ATTENTIONS}{i}", count, ir.DataType(dtype))
+
+
+def _with_weights(g: ir.Graph, node: ir.Node, name: str, heads: int, dtype: ir.DataType) -> None:
+    """Replace `node` by the same node with a fourth output, the graph output `name`."""
+    query = node.inputs[0]
+    replacement = ir.Node(node.domain, node.op_type, list(node.inputs), list(node.attributes.values()),
+                          num_outputs=_QK + 1, name=node.name, version=node.version)
+    g.insert_after(node, replacement)
+    kept = [(old, new, old.name, old.type, old.shape) for old, new in zip(node.outputs, replacement.outputs)]
+    for old, new, *_ in kept:
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+    g.remove(node, safe=True)
+    for _, new, old_name, kind, shape in kept:
+        new.name, new.type, new.shape = old_name, kind, shape
+    weights = replacement.outputs[_QK]
+    if replacement.domain == "":
+        weights = _reshaped(g, replacement)
+    weights.name, weights.dtype = name, query.dtype if query is not None and query.dtype is not None else dtype
+    weights.shape = ir.Shape(["batch", heads, "queries", "keys"])
+    g.outputs.append(weights)
+
+
+def _reshaped(g: ir.Graph, node: ir.Node) -> ir.Value:
+    """ONNX's Attention's weights, reshaped to their own shape: ONNX's shape inference gives their last
+    dimension as 0 (onnx 1.2x), which ONNX Runtime would hold a bound output to; the keys' count read
+    from the present keys `[B, heads, keys, size]` where the graph uses them (past and new), else from
+    the keys input (`[B, heads, keys, size]` or `[B, keys, hidden]`), cuts that tie."""
+    present = node.outputs[1] if node.outputs[1].uses() or node.outputs[1].is_graph_output() else None
+    source = present if present is not None else node.inputs[1]
+    stem = f"{node.name}/ortmodule_weights"
+    rows = ir.node("Shape", [node.outputs[_QK]], attributes={"start": 0, "end": 3}, name=f"{stem}/rows")
+    keys = ir.node("Shape", [source], attributes={"start": -2, "end": -1}, name=f"{stem}/keys")
+    shape = ir.node("Concat", [rows.outputs[0], keys.outputs[0]], attributes={"axis": 0}, name=f"{stem}/shape")
+    out = ir.node("Reshape", [node.outputs[_QK], shape.outputs[0]], name=f"{stem}/Reshape")
+    g.insert_after(node, [rows, keys, shape, out])
+    return out.outputs[0]
 
 
 def windows(graph_bytes: bytes) -> list[int | None]:
     """Each attention layer's sliding window (None: it sees every earlier position), in the order of
     `add_attention_outputs`' outputs, from the decoder's graph."""
     model = onnx.ModelProto.FromString(graph_bytes)
-    nodes = [node for node in model.graph.node if (node.domain or "", node.op_type) == _GQA]
+    nodes = [node for node in model.graph.node if _kind(node) in _GIVING]
     ordered = sorted(enumerate(nodes), key=lambda pair: _layer(pair[1], pair[0]))
     found = []
     for _, node in ordered:

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from . import extend, graph, hidden, projections, runtime, variants
+from . import attentions, extend, graph, hidden, projections, runtime, variants
 from .cache import KVCache
 from .graph import RewriteSkipped
 from .inputs import Rows
@@ -74,16 +74,22 @@ class BlockPrefill:
         # transformers' hidden states where the graph gives them (`for_decoder(..., hidden_states=True)`)
         self.states = sorted((name for name in made if name.startswith(hidden.HIDDEN)),
                              key=lambda name: int(name[len(hidden.HIDDEN):]))
+        # and its attention weights (`for_decoder(..., attention_weights=True)`): (name, heads) a layer
+        shapes = {o.name: o.shape for o in session.ort_session.get_outputs()}
+        self.weights = [(name, shapes[name][1]) for name in sorted(
+            (name for name in made if name.startswith(attentions.ATTENTIONS)),
+            key=lambda name: int(name[len(attentions.ATTENTIONS):]))]
         unknown, missing = names - known, {name for kv in spec.layers for name in (kv.present_key, kv.present_value)}
         if self.embeds is None or unknown or spec.states or not missing <= made:
             raise RewriteSkipped(f"the blocks graph takes {sorted(names)} and gives {sorted(made)}")
 
     def run(self, rows: Rows, embeds: torch.Tensor, blocks: torch.Tensor, logit_index: torch.Tensor | None,
-            cache: KVCache | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+            cache: KVCache | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Logits `[n, V]` at `logit_index` (every position where None) of right-padded `embeds`
         `[B, T, H]` (`rows`: their lengths) with `blocks` `[B, T]` (block_ids), their keys and values
-        into `cache` (a fresh one) where given; and the hidden states `[B * T, H]` a layer where the
-        graph gives them (every position through the LM head then, as `Variant.prefill`'s), else ()."""
+        into `cache` (a fresh one) where given; the hidden states `[B * T, H]` a layer and the
+        attention weights `[B, heads, T, T]` a layer (in the rows' layout) where the graph gives them
+        (every position through the LM head then, as `Variant.prefill`'s), else ()."""
         decoder = self.decoder
         device, dtype = decoder.device, decoder.kv_dtype
         batch, width = rows.ids.shape
@@ -106,7 +112,7 @@ class BlockPrefill:
             runtime.bind_output(binding, kv.present_key, made[0])
             runtime.bind_output(binding, kv.present_value, made[1])
             presents.append(made)
-        every = self.states or logit_index is None  # the final norm's output is every position's
+        every = self.states or self.weights or logit_index is None  # the final norm's output is every position's
         kept = torch.arange(batch * width, device=device) if every else logit_index
         runtime.bind_input(binding, graph.LOGITS_INDICES, kept)
         logits = torch.empty(kept.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
@@ -115,12 +121,16 @@ class BlockPrefill:
                                    dtype=runtime.output_dtype(self.session, name)) for name in self.states)
         for name, state in zip(self.states, states):
             runtime.bind_output(binding, name, state)
+        weights = tuple(torch.empty(batch, heads, width, width, device=device, dtype=runtime.output_dtype(
+            self.session, name)) for name, heads in self.weights)
+        for (name, _), tensor in zip(self.weights, weights):
+            runtime.bind_output(binding, name, tensor)
         self.session.run(binding)
         if cache is not None:
             _fill(cache, presents, rows, decoder.package.context_length)
         if every and logit_index is not None:
             logits = logits.index_select(0, logit_index)
-        return logits, states
+        return logits, states, weights
 
 
 def _fill(cache: KVCache, presents: list, rows: Rows, context: int) -> None:
@@ -135,40 +145,47 @@ def _fill(cache: KVCache, presents: list, rows: Rows, context: int) -> None:
     cache.start(rows.lengths, rows.longest, width)
 
 
-# decoder -> {hidden states?: (its session, BlockPrefill or reason)}
+# decoder -> {(hidden states?, attention weights?): (its session, BlockPrefill or reason)}
 _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def for_decoder(decoder, hidden_states: bool = False) -> BlockPrefill:
+def for_decoder(decoder, hidden_states: bool = False, attention_weights: bool = False) -> BlockPrefill:
     """The decoder's `BlockPrefill` (one whose graph also gives transformers' hidden states where
-    `hidden_states`), made at the first prompt with blocks that asks for it (again after
-    `to(device)`); `BlocksUnsupported` naming why where its graph cannot be rewritten so."""
+    `hidden_states`, its attention weights where `attention_weights`), made at the first prompt with
+    blocks that asks for it (again after `to(device)`); `BlocksUnsupported` naming why where its
+    graph cannot be rewritten so."""
+    kind = (hidden_states, attention_weights)
     with _lock:
         kinds = _made.setdefault(decoder, {})
-        made = kinds.get(hidden_states)
+        made = kinds.get(kind)
         if made is None or made[0] is not decoder.session:
-            made = kinds[hidden_states] = (decoder.session, _make(decoder, hidden_states))
+            made = kinds[kind] = (decoder.session, _make(decoder, *kind))
     if isinstance(made[1], str):
         raise BlocksUnsupported(made[1])
     return made[1]
 
 
-def _graph_bytes(decoder, head_size: int, expand: bool, unpack: bool, hidden_states: bool) -> bytes:
-    """The blocks graph's bytes, with hidden.py's outputs where `hidden_states` (variants.py's rewrite)."""
+def _graph_bytes(decoder, head_size: int, expand: bool, unpack: bool, hidden_states: bool,
+                 attention_weights: bool) -> bytes:
+    """The blocks graph's bytes, with hidden.py's and/or attentions.py's outputs where asked
+    (variants.py's rewrite)."""
     data = extend.extend_graph_bytes(decoder.graph_bytes, decoder.spec.path.stem, head_size, expand,
                                      decoder.cache_dir, layout="blocks", unpack_qkv=unpack)
-    return variants.graph_bytes(decoder, True, False, data, "blocks-hidden") if hidden_states else data
+    if not (hidden_states or attention_weights):
+        return data
+    return variants.graph_bytes(decoder, hidden_states, False, data, "blocks-inspected", attention_weights)
 
 
-def _make(decoder, hidden_states: bool) -> BlockPrefill | str:
+def _make(decoder, hidden_states: bool, attention_weights: bool) -> BlockPrefill | str:
     if not decoder.spec.shares_kv_buffer:
         return "the decoder concatenates its cache (no GroupQueryAttention to rewrite)"
     unpack = projections.applies(decoder.device.type, decoder.session_options)
     expand = decoder.device.type == "cuda" and extend.REPEAT_KV_HEADS_ON_CUDA  # as the extend graph's
     try:  # up to 90% of the free memory: without it, prompts with images cannot run at all
         session = extend.rewrite_session(
-            decoder, lambda head_size: _graph_bytes(decoder, head_size, expand, unpack, hidden_states), room=0.9)
+            decoder, lambda head_size: _graph_bytes(decoder, head_size, expand, unpack, hidden_states,
+                                                    attention_weights), room=0.9)
         if isinstance(session, str):
             return f"the blocks graph cannot be made: {session}"
         return BlockPrefill(decoder, session)

@@ -246,15 +246,15 @@ def in_blocks(decoder: Decoder, media: Media) -> bool:
 
 
 def prefill(decoder: Decoder, ids: torch.Tensor, mask: torch.Tensor | None, rows, logit_index: torch.Tensor | None,
-            cache, media: Media, runs: variants.Variant | None = None, hidden_states: bool = False):
+            cache, media: Media, runs: variants.Variant | None = None, asked: tuple[bool, bool] = (False, False)):
     """Run a prompt batch with images or videos (`ids` in the caller's layout, `rows` as
     inputs.check_batch made them) through `runs` (a `variants.Variant` taking embeddings; None: the
     plain one), into `cache` where given, which then keeps the rows' position offsets:
-    `Variant.prefill`'s logits at `logit_index`, hidden states and attention weights (`hidden_states`:
-    asked of a prompt `in_blocks`, which takes no `runs`)."""
+    `Variant.prefill`'s logits at `logit_index`, hidden states and attention weights (`asked`, which of
+    them, of a prompt `in_blocks`, which takes no `runs`)."""
     vision = for_decoder(decoder)
     if isinstance(vision, images_plain.PlainVision):
-        return images_plain.prefill(decoder, vision, ids, mask, rows, logit_index, cache, media, runs, hidden_states)
+        return images_plain.prefill(decoder, vision, ids, mask, rows, logit_index, cache, media, runs, asked)
     for name in ("image_position_ids", "image_sizes", "token_type_ids"):
         if getattr(media, name) is not None:
             raise ValueError(f"{name} was given; this package's vision model (Qwen-VL's form) takes pixel_values with "

@@ -38,7 +38,7 @@ import json
 
 import torch
 
-from . import blocks, inputs, runtime, variants
+from . import attentions, blocks, inputs, runtime, variants
 from .decoder import Decoder, embed_rows
 from .package import NotSupportedError, PackageError
 
@@ -173,12 +173,12 @@ def in_blocks(vision: PlainVision, media) -> bool:
 
 def prefill(decoder: Decoder, vision: PlainVision, ids: torch.Tensor, mask: torch.Tensor | None, rows,
             logit_index: torch.Tensor | None, cache, media, runs: variants.Variant | None = None,
-            hidden_states: bool = False):
+            asked: tuple[bool, bool] = (False, False)):
     """Run a prompt batch with images (`ids` in the caller's layout, `rows` as inputs.check_batch
     made them; `media` an images.Media) through `runs` (a `variants.Variant` taking embeddings; None:
     the plain one), into `cache` where given: `Variant.prefill`'s logits at `logit_index`, hidden
     states and attention weights. A prompt `in_blocks` takes no `runs` (its graph is blocks.py's);
-    `hidden_states` asks it for them."""
+    `asked` asks it for hidden states and/or attention weights."""
     for name in ("image_grid_thw", "image_position_ids", "image_sizes", "token_type_ids"):
         if getattr(media, name) is not None and name not in _KEYWORDS[vision.form]:
             raise ValueError(f"{name} was given; this package's vision model ({vision.form}'s form) takes "
@@ -199,27 +199,30 @@ def prefill(decoder: Decoder, vision: PlainVision, ids: torch.Tensor, mask: torc
     embeds = made.pop(variants.embeds_feed(decoder))
     if in_blocks(vision, media):
         return _in_blocks(decoder, rows, variants.rolled(rows, embeds), media.token_type_ids, logit_index, cache,
-                          hidden_states)
+                          asked, real.to(ids.device))
     runs = runs if runs is not None else variants.for_decoder(decoder, False, True, extra_feeds=True)
     extra = {name: variants.rolled(rows, value) for name, value in made.items()}
     return runs.prefill(rows, logit_index, cache, variants.rolled(rows, embeds), None, extra, caller_mask=mask)
 
 
 def _in_blocks(decoder: Decoder, rows, embeds: torch.Tensor, marks: torch.Tensor, logit_index, cache,
-               hidden_states: bool):
+               asked: tuple[bool, bool], real: torch.Tensor):
     """Gemma 3's prompt with its images marked: each image attended both ways (blocks.py); hidden
-    states where asked, in the caller's layout (as `Variant.prefill`'s)."""
+    states and attention weights where `asked`, in the caller's layout (`real`: its real tokens), as
+    `Variant.prefill`'s."""
     try:
-        runner = blocks.for_decoder(decoder, hidden_states=hidden_states)
+        runner = blocks.for_decoder(decoder, *asked)
     except blocks.BlocksUnsupported as reason:
         raise NotSupportedError(f"token_type_ids marking images (transformers' Gemma 3 attends both ways within "
                                 f"each): {reason}") from None
     marked = variants.rolled(rows, marks.to(embeds.device, torch.int64)[..., None])[..., 0]
-    logits, states = runner.run(rows, embeds, blocks.block_ids(marked), logit_index, cache)
+    logits, states, weights = runner.run(rows, embeds, blocks.block_ids(marked), logit_index, cache)
     batch, width = rows.ids.shape
     caller = inputs.every_position(rows)
     states = tuple((s if caller is None else s.index_select(0, caller)).view(batch, width, -1) for s in states)
-    return logits, states or None, None
+    ran = torch.arange(width, device=rows.lengths.device)[None, :] < rows.lengths[:, None]
+    weights = tuple(attentions.to_caller(w, ran, real, ran, real) for w in weights)
+    return logits, states or None, weights or None
 
 
 # forward's, beside pixel_values

@@ -416,7 +416,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         mask = attention_mask.to(self.device) if attention_mask is not None else None
         if media is not None:
             logits, states, weights = images.prefill(self.decoder, input_ids, attention_mask, rows, index, cache,
-                                                     media, runs, asked[0])
+                                                     media, runs, asked)
         elif runs is not None:
             logits, states, weights = runs.prefill(rows, index, cache, None if embeds is None else
                                                    variants.rolled(rows, embeds), caller_mask=mask)
@@ -486,13 +486,10 @@ def _positions(rows, cols, checked: inputs.Rows) -> tuple[torch.Tensor, torch.Te
 def _variant(decoder: Decoder, hidden_states: bool, weights: bool, embeds: bool, media: images.Media | None = None):
     """The decoder's runs (a `variants.Variant`) for hidden states, attention weights and/or
     embeddings (the caller's, or the embedding model's outputs for a prompt's `media`; None: none
-    asked for, or media that run in blocks.py's graph, which gives their hidden states itself); a
-    `NotSupportedError` naming why where its graph cannot give them."""
-    blocked = media is not None and images.in_blocks(decoder, media)
-    if weights and blocked:
-        raise NotSupportedError("output_attentions=True with token_type_ids marking images: Gemma 3's images, attended "
-                                "both ways, run in a graph without GroupQueryAttention, which gives no weights")
-    if not (hidden_states or weights or embeds or media is not None) or blocked:
+    asked for, or media that run in blocks.py's graph, which gives their hidden states and weights
+    itself); a `NotSupportedError` naming why where its graph cannot give them."""
+    if not (hidden_states or weights or embeds or media is not None) or \
+            (media is not None and images.in_blocks(decoder, media)):
         return None
     try:
         return variants.for_decoder(decoder, hidden_states, embeds or media is not None, extra_feeds=media is not None,

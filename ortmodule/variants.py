@@ -167,7 +167,8 @@ def graph_bytes(decoder: Decoder, hidden_states: bool, take_embeds: bool, base: 
         if hidden_states:
             hidden.add_hidden_outputs(model.graph, package.num_hidden_layers, package.hidden_size)
         if attention_weights:
-            attentions.add_attention_outputs(model.graph)
+            attentions.add_attention_outputs(model.graph, package.num_attention_heads,
+                                             runtime.ONNX_TYPE[decoder.kv_dtype])
         return ir.serde.serialize_model(model).SerializeToString()
 
     return graph.cached(decoder.cache_dir, f"{decoder.spec.path.stem}-{kind}-{digest.hexdigest()[:32]}", build)

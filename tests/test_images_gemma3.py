@@ -15,7 +15,7 @@ import transformers
 from helpers import check_copies_take_their_images, check_image_step_and_loss, load_pair, padded_rows
 from PIL import Image
 
-from ortmodule import NotSupportedError, OrtModelForCausalLM
+from ortmodule import OrtModelForCausalLM
 
 IMAGE, BOI, EOI = 511, 510, 509  # the fixture's image token, begin- and end-of-image (ortmodule_dev/fixtures.py)
 TOKENS, SIDE = 4, 32  # the fixture's tokens an image and the tower's image side
@@ -106,6 +106,28 @@ def test_steps_hidden_states_and_loss_with_images_equal_transformers(deep, input
                               lambda ids: {"token_type_ids": (ids == IMAGE).long()})
 
 
+def test_attentions_with_images_equal_transformers(build, inputs):
+    """`output_attentions=True` with images: marked, each image attended both ways (the blocks graph's
+    ONNX Attention with its mask), and causally without the marks (GroupQueryAttention), every layer's
+    weights at the real queries as transformers' eager attention gives them, sliding layers included."""
+    fixture = build("gemma3_vl", num_layers=4)
+    model = load_pair(fixture)[0]
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(fixture.hf_dir, dtype=torch.float32,
+                                                                     attn_implementation="eager").eval()
+    real = inputs["attention_mask"].bool()[:, None, :, None]
+    causal = {name: value for name, value in inputs.items() if name != "token_type_ids"}
+    found = []
+    for given in (inputs, causal):
+        ours = model(**given, output_attentions=True).attentions
+        theirs = reference(hf, **given, output_attentions=True).attentions
+        assert len(ours) == len(theirs) == 4
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape and (a - b).mul(real).abs().max().item() < 1e-5
+            assert (a[~real.expand_as(a)] == 0).all()
+        found.append(ours[0])
+    assert (found[0] - found[1]).abs().max().item() > 1e-2  # the blocks matter
+
+
 def test_hidden_states_with_marked_images_make_no_unused_session(build, inputs, caplog):
     """The blocks graph gives a marked prompt's hidden states: forward makes no session of the package
     graph with hidden-state outputs for it (on CUDA one would hold the weights once more, unused);
@@ -152,8 +174,6 @@ def test_what_images_cannot_be_is_refused(pair, inputs):
         model(**dict(given, image_sizes=torch.tensor([[SIDE, SIDE]] * 3)))
     with pytest.raises(ValueError, match="token_type_ids marking media, were given without pixel_values"):
         model(given["input_ids"], attention_mask=given["attention_mask"], token_type_ids=given["token_type_ids"])
-    with pytest.raises(NotSupportedError, match="output_attentions=True with token_type_ids marking images"):
-        model(**marked(given), output_attentions=True)
     text = model(given["input_ids"], attention_mask=given["attention_mask"],
                  token_type_ids=torch.zeros_like(given["input_ids"]))  # a text tokenizer's zeros: text
     assert text.logits.shape[:2] == given["input_ids"].shape
