@@ -3,12 +3,13 @@ graph whose attention nodes also return their weights.
 
 transformers returns one tensor `[batch, heads, queries, keys]` per attention layer (hybrids' other
 layers give none): each query's softmax over the keys it sees, after the mask, window and soft-cap.
-ONNX Runtime's CPU GroupQueryAttention gives exactly that as its optional fourth output when its
-`qk_output` attribute is 2 (after the softmax); `add_attention_outputs` sets it on every such node,
-in layer order, and makes the outputs the graph's (`ATTENTIONS + i`), cached like the other rewrites
-(variants.graph_bytes). Its CUDA kernels (flash and memory-efficient attention) never return them,
-and other attention ops (`MultiHeadAttention` in the builder's fp16 CPU exports, ONNX's `Attention`
-in mobius-onnx's) are not rewritten: the caller refuses those with the reason.
+ONNX Runtime's CPU kernels give exactly that as the fourth output of GroupQueryAttention (the model
+builder's graphs; `qk_output` 2, after the softmax) and of ONNX's `Attention` (mobius-onnx's graphs
+and extend.py's blocks graph; `qk_matmul_output_mode` 3); `add_attention_outputs` asks every such
+node for it, in layer order, and makes the outputs the graph's (`ATTENTIONS + i`), cached like the
+other rewrites (variants.graph_bytes). GroupQueryAttention's CUDA kernels (flash and
+memory-efficient attention) never return them, and `MultiHeadAttention` (the builder's fp16 CPU
+exports) is not rewritten: the caller refuses those with the reason.
 
 The decoder runs rows right-padded and keeps a cache's rows packed (cache.py); `to_caller` puts a
 run's weights back in the caller's columns: the k-th real key of a row at the row's k-th real
