@@ -28,6 +28,8 @@ import torch
 from .graph import RewriteSkipped
 
 ATTENTIONS = "ortmodule_attentions_"  # + the index in transformers' tuple
+ON_CPU_ONLY = ("ONNX Runtime's CUDA attention kernels (flash and memory-efficient attention) return no attention "
+               "weights; load the package on the CPU (device='cpu') for them")
 # The ops that give their weights after the softmax as their fourth output: (domain, op) -> the
 # attribute that asks for them, its value, and the attribute naming the query heads.
 _GIVING = {("com.microsoft", "GroupQueryAttention"): ("qk_output", 2, "num_heads"),

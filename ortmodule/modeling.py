@@ -488,6 +488,8 @@ def _variant(decoder: Decoder, hidden_states: bool, weights: bool, embeds: bool,
     embeddings (the caller's, or the embedding model's outputs for a prompt's `media`; None: none
     asked for, or media that run in blocks.py's graph, which gives their hidden states and weights
     itself); a `NotSupportedError` naming why where its graph cannot give them."""
+    if weights and decoder.device.type != "cpu":  # blocks.py's graph too
+        raise NotSupportedError(f"output_attentions=True: {attentions.ON_CPU_ONLY}")
     if not (hidden_states or weights or embeds or media is not None) or \
             (media is not None and images.in_blocks(decoder, media)):
         return None
