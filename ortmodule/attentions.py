@@ -106,6 +106,15 @@ def _reshaped(g: ir.Graph, node: ir.Node) -> ir.Value:
     return out.outputs[0]
 
 
+def weight_outputs(session, heads: int) -> list[tuple[str, int]]:
+    """A session's attention-weight outputs in transformers' order, each with its query heads (`heads`
+    where ONNX Runtime reports none)."""
+    shapes = {value.name: value.shape for value in session.ort_session.get_outputs()
+              if value.name.startswith(ATTENTIONS)}
+    ordered = sorted(shapes, key=lambda name: int(name[len(ATTENTIONS):]))
+    return [(name, shapes[name][1] if isinstance(shapes[name][1], int) else heads) for name in ordered]
+
+
 def windows(graph_bytes: bytes) -> list[int | None]:
     """Each attention layer's sliding window (None: it sees every earlier position), in the order of
     `add_attention_outputs`' outputs, from the decoder's graph."""

@@ -75,10 +75,7 @@ class BlockPrefill:
         self.states = sorted((name for name in made if name.startswith(hidden.HIDDEN)),
                              key=lambda name: int(name[len(hidden.HIDDEN):]))
         # and its attention weights (`for_decoder(..., attention_weights=True)`): (name, heads) a layer
-        shapes = {o.name: o.shape for o in session.ort_session.get_outputs()}
-        self.weights = [(name, shapes[name][1]) for name in sorted(
-            (name for name in made if name.startswith(attentions.ATTENTIONS)),
-            key=lambda name: int(name[len(attentions.ATTENTIONS):]))]
+        self.weights = attentions.weight_outputs(session, decoder.package.num_attention_heads)
         unknown, missing = names - known, {name for kv in spec.layers for name in (kv.present_key, kv.present_value)}
         if self.embeds is None or unknown or spec.states or not missing <= made:
             raise RewriteSkipped(f"the blocks graph takes {sorted(names)} and gives {sorted(made)}")

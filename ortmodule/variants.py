@@ -44,10 +44,10 @@ class Variant:
         layers = decoder.package.num_hidden_layers
         self.dtypes = [runtime.output_dtype(session, f"{hidden.HIDDEN}{i}") for i in range(layers + 1)] \
             if hidden_states else []
-        made = {value.name: value for value in session.ort_session.get_outputs()} if attention_weights else {}
         # (name, heads, dtype) of each attention layer's weights, in transformers' order
-        self.weights = [(name, made[name].shape[1], runtime.output_dtype(session, name))
-                        for name in (f"{attentions.ATTENTIONS}{i}" for i in range(len(made))) if name in made]
+        self.weights = [(name, heads, runtime.output_dtype(session, name)) for name, heads in
+                        attentions.weight_outputs(session, decoder.package.num_attention_heads)] \
+            if attention_weights else []
         self.windows = attentions.windows(decoder.graph_bytes) if self.weights else []
 
     @property
