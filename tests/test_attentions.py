@@ -1,5 +1,8 @@
 """`output_attentions=True` against transformers' `attentions` (its eager attention) on the same weights."""
 
+import os
+import random
+
 import pytest
 import torch
 from helpers import check_config_default, left_padded_batch, load_pair, reference_class, steps_beside
@@ -145,3 +148,38 @@ def test_packages_without_weights_are_refused_by_name(build):
     with pytest.raises(NotSupportedError, match="output_attentions=True"):
         model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
     assert model(ids).logits.shape[:2] == (1, 3)
+
+
+FUZZ = ["llama", "gemma3", "gemma2", "gpt_oss", "qwen2_5_vl", "gemma4"]
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("ATTENTION_FUZZ_SEEDS", 6))))
+def test_attentions_fuzz(build, seed):
+    """Random architectures, row lengths (past the fixtures' 8-token windows or not), padding sides and
+    steps of 1-3 tokens over the cache (with or without the step's mask): every step's weights as
+    transformers' eager attention gives them. `ATTENTION_FUZZ_SEEDS=N` runs more."""
+    rng = random.Random(7000 + seed)
+    arch = rng.choice(FUZZ)
+    fixture = build(arch)
+    model, hf = load_pair(fixture)[0], eager(fixture)
+    lengths = [rng.randint(1, 14) for _ in range(rng.randint(1, 3))]
+    ids, mask = left_padded_batch(lengths, vocab=500, seed=seed)
+    what = f"seed {7000 + seed}: {arch}, prompts of {lengths} tokens"
+    out = model(ids, attention_mask=mask, use_cache=True, output_attentions=True)
+    with torch.inference_mode():
+        ref = hf(ids, attention_mask=mask, use_cache=True, output_attentions=True)
+    assert_weights(out.attentions, ref.attentions, mask.bool())
+    ours, theirs = out.past_key_values, ref.past_key_values
+    for step in range(rng.randint(1, 3)):
+        new = rng.randint(1, 3)
+        tokens = torch.randint(4, 500, (len(lengths), new), generator=torch.Generator().manual_seed(seed + step))
+        mask = torch.cat([mask, torch.ones(len(lengths), new, dtype=mask.dtype)], 1)
+        given = {"attention_mask": mask} if rng.random() < 0.7 else {}  # else the cache's own columns
+        out = model(tokens, past_key_values=ours, output_attentions=True, **given)
+        with torch.inference_mode():
+            ref = hf(tokens, attention_mask=mask, past_key_values=theirs, output_attentions=True)
+        try:
+            assert_weights(out.attentions, ref.attentions)
+        except AssertionError as failure:
+            raise AssertionError(f"{what}, step {step} of {new} tokens: {failure}") from None
+        ours, theirs = out.past_key_values, ref.past_key_values
