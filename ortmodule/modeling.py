@@ -94,6 +94,14 @@ class HuggingFaceSurface(GenerationMixin):
             raise ValueError(f"save_pretrained({save_directory!r}): that is the package's own folder {root}")
         shutil.copytree(self.package.root, target, dirs_exist_ok=True)  # links followed: their files copied
 
+    def set_attn_implementation(self, attn_implementation: str | dict) -> None:
+        """transformers' switch of attention kernels (code asks for "eager" before `output_attentions`):
+        without effect here, as `from_pretrained(attn_implementation=...)`. The package's graph fixes
+        the attention op, and its CPU kernels give attention weights whatever was asked."""
+        if not isinstance(attn_implementation, (str, dict)):
+            raise TypeError(f"attn_implementation must be a string (or a dict of them), got "
+                            f"{type(attn_implementation).__name__}")
+
     def _table(self, name: str, make) -> torch.nn.Module:
         made = self.__dict__.get(f"_made_{name}")  # kept out of nn.Module's registry: no parameters()
         if made is None or made[0] != self.device:

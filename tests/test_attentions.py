@@ -99,6 +99,9 @@ def test_attentions_beside_hidden_states_embeddings_tuples_and_the_config(build)
     both = model(ids, attention_mask=mask, output_attentions=True, output_hidden_states=True, logits_to_keep=1)
     assert_weights(both.attentions, ref.attentions, mask.bool())
     assert len(both.hidden_states) == 3 and both.logits.shape == (2, 1, 512)
+    model.set_attn_implementation("eager")  # what transformers' docs have code do first: no effect here
+    with pytest.raises(TypeError, match="attn_implementation must be a string"):
+        model.set_attn_implementation(3)
     embeds = model.get_input_embeddings()(ids)
     assert_weights(model(inputs_embeds=embeds, attention_mask=mask, output_attentions=True).attentions,
                    ref.attentions, mask.bool())
