@@ -82,14 +82,17 @@ WITHOUT_EFFECT = {"trust_remote_code", "attn_implementation", "low_cpu_mem_usage
 FETCHING = {"token", "local_files_only", "proxies", "force_download"}
 FIXED_AT_EXPORT = {"quantization_config", "load_in_8bit", "load_in_4bit", "gguf_file", "tp_plan", "adapter_kwargs",
                    "adapter_name"}
+# Config fields that transformers' `from_pretrained` sets on the model's config from its keywords.
+CONFIG_FIELDS = {"output_attentions", "output_hidden_states"}
 
 
-def loading_options(device, kwargs: dict) -> tuple[object, dict, object]:
+def loading_options(device, kwargs: dict) -> tuple[object, dict, object, dict]:
     """transformers' loading arguments among `kwargs` (`from_pretrained`'s extra keywords): the device
-    (from `device`, or `device_map` as transformers takes it on one device), the Hub fetching options
-    and the dtype asked for ("auto" where none); a TypeError naming any other argument, a ValueError
-    for one a package cannot honour."""
-    unknown = set(kwargs) - WITHOUT_EFFECT - FETCHING - FIXED_AT_EXPORT - {"dtype", "torch_dtype", "device_map"}
+    (from `device`, or `device_map` as transformers takes it on one device), the Hub fetching options,
+    the dtype asked for ("auto" where none) and the config fields to set (`CONFIG_FIELDS`, booleans);
+    a TypeError naming any other argument, a ValueError for one a package cannot honour."""
+    unknown = set(kwargs) - WITHOUT_EFFECT - FETCHING - FIXED_AT_EXPORT - CONFIG_FIELDS - \
+        {"dtype", "torch_dtype", "device_map"}
     if unknown:
         raise TypeError(f"OrtModelForCausalLM.from_pretrained() got unexpected keyword arguments: {sorted(unknown)}")
     fixed = sorted(name for name in FIXED_AT_EXPORT if kwargs.get(name) not in (None, False))
@@ -109,7 +112,12 @@ def loading_options(device, kwargs: dict) -> tuple[object, dict, object]:
         placed = "cuda" if torch.cuda.is_available() else "cpu"
     if placed is not None and device is not None and torch.device(placed) != torch.device(device):
         raise ValueError(f"device={device!r} and device_map={kwargs['device_map']!r} name different devices")
-    return (placed if placed is not None else device), {k: v for k, v in kwargs.items() if k in FETCHING}, dtype
+    fields = {k: v for k, v in kwargs.items() if k in CONFIG_FIELDS}
+    for name, value in fields.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    return (placed if placed is not None else device), {k: v for k, v in kwargs.items() if k in FETCHING}, dtype, \
+        fields
 
 
 def check_dtype(dtype, package: Package, asked=None) -> None:

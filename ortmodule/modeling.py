@@ -287,13 +287,14 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         "package" or "onnx": runs without a cache (scoring, `forward` without `use_cache`) in a second
         graph whose attention is ONNX's `Attention` op and which writes no KV (extend.py). transformers'
         loading arguments are taken where they mean something here (`dtype`/`torch_dtype`: "auto" or the
-        package's precision; `device_map`: one device; `token`, `local_files_only`), or have no effect
-        (`trust_remote_code`, `attn_implementation`, ...), or are refused by name (hf.loading_options)."""
-        device, fetching, dtype = loading_options(device, transformers_kwargs)
+        package's precision; `device_map`: one device; `token`, `local_files_only`; `output_attentions`,
+        `output_hidden_states`: set on the config), or have no effect (`trust_remote_code`,
+        `attn_implementation`, ...), or are refused by name (hf.loading_options)."""
+        device, fetching, dtype, fields = loading_options(device, transformers_kwargs)
         package = read_package(hub.resolve(path, subfolder, revision, **fetching))
         check_dtype(dtype, package)  # before any session is made
-        return cls(package, device, session_options, provider_options, rewrite_lm_head, cache_dir, prefill_chunk,
-                   quantized_prefill, prefill_attention)
+        return _configured(cls(package, device, session_options, provider_options, rewrite_lm_head, cache_dir,
+                               prefill_chunk, quantized_prefill, prefill_attention), fields)
 
     # ---- the Hugging Face surface -------------------------------------------------------------
 
@@ -475,6 +476,13 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         rows, cols = (inputs.to_device(v.to(torch.int64), self.device) for v in _positions(rows, cols, checked))
         logits = self.decoder.prefill(checked, inputs.flat_index(length, rows, cols, checked.shift))
         return self.decoder.public(logits) if upcast else logits
+
+
+def _configured(model: OrtModelForCausalLM, fields: dict) -> OrtModelForCausalLM:
+    """`model` with `fields` set on its config, as transformers' `from_pretrained` sets its keywords'."""
+    for name, value in fields.items():
+        setattr(model.config, name, value)
+    return model
 
 
 def _positions(rows, cols, checked: inputs.Rows) -> tuple[torch.Tensor, torch.Tensor]:

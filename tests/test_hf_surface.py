@@ -241,3 +241,10 @@ def test_from_pretrained_takes_transformers_loading_arguments(build, monkeypatch
         OrtModelForCausalLM.from_pretrained(package, load_in_4bit=True, quantization_config={"bits": 4})
     with pytest.raises(TypeError, match=r"unexpected keyword arguments: \['revison'\]"):
         OrtModelForCausalLM.from_pretrained(package, revison="main")
+    # config fields, as transformers sets them from its keywords (AutoModel...(name, output_attentions=True))
+    inspecting = OrtModelForCausalLM.from_pretrained(package, output_attentions=True, output_hidden_states=True)
+    out = inspecting(ids)
+    assert len(out.attentions) == 2 and len(out.hidden_states) == 3 and torch.allclose(out.logits, plain, atol=1e-5)
+    assert OrtModelForCausalLM.from_pretrained(package)(ids).attentions is None  # its own config
+    with pytest.raises(TypeError, match="output_attentions must be True or False, got 'yes'"):
+        OrtModelForCausalLM.from_pretrained(package, output_attentions="yes")
