@@ -422,18 +422,18 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             index = inputs.every_position(rows)
         else:
             index = inputs.each_row(batch, width, positions, rows.shift)
-        mask = attention_mask.to(self.device) if attention_mask is not None else None
         if media is not None:
             logits, states, weights = images.prefill(self.decoder, input_ids, attention_mask, rows, index, cache,
                                                      media, runs, asked)
         elif runs is not None:
             logits, states, weights = runs.prefill(rows, index, cache, None if embeds is None else
-                                                   variants.rolled(rows, embeds), caller_mask=mask)
+                                                   variants.rolled(rows, embeds), caller_mask=attention_mask)
         else:
             logits, states, weights = self.decoder.prefill(rows, index, cache), None, None
         logits = self.decoder.public(logits).view(batch, -1, self.package.vocab_size)
         if cache is not None:
-            cache.caller_mask = mask.to(torch.int64) if mask is not None else torch.ones_like(rows.ids)
+            given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            cache.caller_mask = given.to(self.device, torch.int64)
         return logits, cache, states, weights
 
     def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids, cache_position, runs, embeds=None):

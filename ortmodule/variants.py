@@ -196,8 +196,6 @@ def for_decoder(decoder: Decoder, hidden_states: bool, embeds: bool, extra_feeds
             embeds_input = embeds_feed(decoder)
         elif embeds:
             embeds_input = embeddings.EMBEDS
-        if attention_weights and decoder.device.type != "cpu":
-            raise RewriteSkipped(attentions.ON_CPU_ONLY)
         if hidden_states or attention_weights or embedding is None:
             if not decoder.keeps_positions:
                 raise RewriteSkipped("it needs the LM-head rewrite, which is off (rewrite_lm_head=False) or did not "
