@@ -5,6 +5,7 @@ modeling keeps one measurement per device (`OrtModelForCausalLM.measured_costs`)
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from typing import NamedTuple
@@ -59,11 +60,16 @@ class Costs(NamedTuple):
 # A decode step's cost per row is read from steps of 1 and STEP_ROWS rows (from 1 and 4 rows it spread
 # 1.7-1.9x between eight measurements on 2 vCPUs: benchmarks/cost_spread.py).
 STEP_ROWS = 8
+# The attention probes (`_prefill_attention`, `_extend_costs`): rounds of their two runs, and the cached
+# positions the extend's longer runs hold over all their rows (2,048 a row at 4 rows; 512 at 16 rows and more).
+PREFILL_PROBE_ROUNDS = 9
+EXTEND_PROBE_ROUNDS = 5
+EXTEND_PROBE_POSITIONS = 8192
 
 
 @torch.inference_mode()
 def measure(decoder: Decoder) -> Costs | None:
-    """Time `decoder`'s runs (about 20 s for SmolLM2-135M, 90 s for a 0.6B model in fp32, on 2
+    """Time `decoder`'s runs (about 30 s for SmolLM2-135M, 130 s for a 0.6B model in fp32, on 2
     CPU cores; kept_costs.py keeps them between processes): the best of a few
     64-token prefills over growing batches (`_doubling`), then as many tokens in rows 8 times as
     long (`_prefill_attention`), of decode steps over 1 and 8 rows,
@@ -123,9 +129,12 @@ def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 8)
     `length`, timed in turns; the longer rows' extra time is their attention over the extra
     positions. About as many tokens as the `rows` rows of `length` where the prefill's tokens showed
     in its time (`_doubling`: 4 on a CPU, more on a GPU), in rows short of two CPU chunks
-    (chunked.py), which run as one prefill; 0 where the context is too short for it to show. (From
-    rows 6 times as long, the best of 3, the attention was a twelfth of the time, and eight readings
-    for SmolLM2-135M int4 on 2 vCPUs spread 7x; from rows of 511, the best of 5, 2.5x.)"""
+    (chunked.py), which run as one prefill; 0 where the context is too short for it to show. The
+    attention is a fifth of the longer rows' time on a CPU, so the extra time is the median of
+    PREFILL_PROBE_ROUNDS rounds' differences (`_median_extra`). (From rows 6 times as long, the best
+    of 3, the attention was a twelfth of the time, and eight readings for SmolLM2-135M int4 on 2
+    vCPUs spread 7x; from rows of 511, the best of 5, 2.5x to 3.4x; the median of 11 rounds, 1.5x:
+    docs/measurements.md, session 54.)"""
     device = decoder.device
     longer = min(times * length, decoder.package.context_length - 2)
     if decoder.prefill_chunk:
@@ -142,28 +151,30 @@ def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 8)
         last = torch.arange(batch, device=device) * width + width - 1
         return lambda: decoder.prefill(Rows(part, None, torch.full((batch,), width, device=device), width), last)
 
-    short, long = _best_times([run(count, length), run(rows, longer)], device, repeats=5)
-    short *= tokens / (count * length)  # scaled to the same tokens
-    return max(0.0, long - short) / (tokens * (longer - length))
+    extra = _median_extra(run(count, length), run(rows, longer), device, PREFILL_PROBE_ROUNDS,
+                          scale=tokens / (count * length))  # the short rows scaled to the same tokens
+    return extra / (tokens * (longer - length))
 
 
 def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) -> tuple[float, float, float]:
     """`extend_per_token`, `extend_per_score` and `extend_fixed`: extends of 16 new tokens a row
     over copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and as many rows
-    as that doubling ended at (4 on a CPU) of 16 over a prefix of 512 tokens (the context allowing),
-    whose extra time is the attention over the 448 extra positions. (Read from one row of 256 new
-    tokens against two of 16 instead, the attention drowned in the per-token cost's noise: 0 to
-    8e-8 s a score on 2 vCPUs, against ~7e-7 s where it matters, remainders of thousands of tokens.)"""
+    as that doubling ended at (4 on a CPU) of 16 over a longer prefix (EXTEND_PROBE_POSITIONS over
+    the rows, at least 512 tokens; the context allowing), whose extra time, timed in turns, is the
+    attention over the extra positions. (Read from one row of 256 new tokens against two of 16
+    instead, the attention drowned in the per-token cost's noise: 0 to 8e-8 s a score on 2 vCPUs,
+    against ~7e-7 s where it matters, remainders of thousands of tokens. Over a prefix of 512 it was
+    a quarter of the longer run's time on a CPU, and six readings for SmolLM2-135M int4 on 2 vCPUs
+    spread 2.6x; over 2,048, 1.3x: docs/measurements.md, session 54.)"""
     device = decoder.device
-    longer = min(512, decoder.package.context_length - 16)
-    attention = longer - length >= 64  # enough extra positions for their cost to show
     pasts = {}
-    for prefix in (length, longer) if attention else (length,):  # one row each, copied to every row
-        rows = prefix // length + 1
-        tokens = ids[:rows].reshape(1, -1)[:, :prefix]
+
+    def past(prefix: int):  # one row of `prefix` tokens, copied to every row of a run
+        tokens = ids[: prefix // length + 1].reshape(1, -1)[:, :prefix]
         pasts[prefix] = decoder.new_cache(1, prefix)
         decoder.prefill(Rows(tokens, None, torch.full((1,), prefix, device=device), prefix),
                         torch.full((1,), prefix - 1, device=device), pasts[prefix])
+
     def run(rows: int, prefix: int = length):
         cache = decoder.new_cache(rows, prefix + extender.room(16))
         cache.start_from(pasts[prefix], torch.zeros(rows, dtype=torch.int64, device=device),
@@ -172,14 +183,16 @@ def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) ->
         index = torch.arange(rows, device=device) * 16 + 15
         return lambda: extender.run(tokens, cache, index)  # the run alone timed, as the prefills are
 
+    past(length)
     per_token, fixed, rows = _doubling(lambda rows: _best_time(run(rows), device), 16)  # 16 new tokens a row
-    per_score = 0.0
-    if attention:  # timed in turns, so that a slower stretch of a shared machine slows both alike
-        # At the rows where the extend's tokens showed in its time: on a GPU, 4 rows over either
-        # prefix take the time of their kernel launches, and the prefix would look free.
-        short, long = _best_times([run(rows), run(rows, longer)], device, repeats=5)
-        per_score = max(0.0, long - short) / (rows * 16 * (longer - length))
-    return per_token, per_score, fixed
+    # At the rows where the extend's tokens showed in its time: on a GPU, 4 rows over either prefix
+    # take the time of their kernel launches, and the prefix would look free.
+    longer = min(max(512, EXTEND_PROBE_POSITIONS // rows), decoder.package.context_length - 16)
+    if longer - length < 64:  # too few extra positions for their cost to show
+        return per_token, 0.0, fixed
+    past(longer)
+    extra = _median_extra(run(rows), run(rows, longer), device, EXTEND_PROBE_ROUNDS)
+    return per_token, extra / (rows * 16 * (longer - length)), fixed
 
 
 def run_costs(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float, float]:
@@ -226,8 +239,23 @@ def _best_time(fn, device: torch.device, repeats: int = 3) -> float:
 
 
 def _best_times(fns: list, device: torch.device, repeats: int = 3) -> list[float]:
-    """The best of `repeats` timed runs of each of `fns`, run in turns after a warm-up of each
-    (finished on the device before the first timed run)."""
+    """The best of `repeats` timed runs of each of `fns`, run in turns (`_timed_rounds`)."""
+    return [min(times) for times in zip(*_timed_rounds(fns, device, repeats))]
+
+
+def _median_extra(short, long, device: torch.device, rounds: int, scale: float = 1.0) -> float:
+    """How much longer `long` runs than `short` (times `scale`): the median, over `rounds` rounds
+    that run the two in turns, of each round's difference (at least 0). Where the difference is a
+    small part of either run (an attention probe's), the best time of each came from different
+    stretches of a shared machine and their difference spread about twice as far."""
+    differences = [b - scale * a for a, b in _timed_rounds([short, long], device, rounds)]
+    return max(0.0, statistics.median(differences))
+
+
+def _timed_rounds(fns: list, device: torch.device, repeats: int) -> list[list[float]]:
+    """`repeats` rounds of one timed run of each of `fns` in turns, after a warm-up of each
+    (finished on the device before the first timed run): a slower stretch of a shared machine
+    slows the runs of a round alike."""
     def timed(fn) -> float:
         start = time.perf_counter()
         fn()
@@ -237,5 +265,4 @@ def _best_times(fns: list, device: torch.device, repeats: int = 3) -> list[float
 
     for fn in fns:
         timed(fn)
-    rounds = [[timed(fn) for fn in fns] for _ in range(repeats)]
-    return [min(times) for times in zip(*rounds)]
+    return [[timed(fn) for fn in fns] for _ in range(repeats)]

@@ -1,5 +1,5 @@
 """Measured costs kept on disk between processes (`measured`): timing a model's runs (costs.py)
-takes about 20 s for SmolLM2-135M and 90 s for a 0.6B model in fp32 on 2 CPU cores, which every
+takes about 30 s for SmolLM2-135M and 130 s for a 0.6B model in fp32 on 2 CPU cores, which every
 lm-eval run and `ortmodule serve` paid at load. The costs depend on the package's graph, the
 machine and ortmodule's settings, not on the process, so they are kept per (graph, machine,
 settings, code) in ortmodule's cache folder, and each later load checks them with one small timed

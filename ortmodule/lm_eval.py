@@ -60,7 +60,7 @@ def _sharing_at_load(share: bool | str, model) -> bool | str:
     run has lost to the padded rows on every lm-eval shape measured (an H100: HellaSwag-shaped 1.8-2.4x
     slower, MMLU and ARC 1.1-1.2x; docs/measurements.md, 2026-11-25), and the cost model chose it on
     HellaSwag. Elsewhere the costs are timed (or read from the disk: kept_costs.py) now, as `ortmodule
-    serve` does, so that the timing runs (about 20 s for SmolLM2-135M on 2 vCPUs the first time on a
+    serve` does, so that the timing runs (about 30 s for SmolLM2-135M on 2 vCPUs the first time on a
     machine) are not spent inside the first evaluation."""
     if share != "auto" or not isinstance(model, OrtModelForCausalLM):
         return share

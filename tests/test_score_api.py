@@ -238,9 +238,9 @@ def test_the_prefills_attention_is_read_from_rows_eight_times_as_long(llama, mon
             for fn in fns:
                 fn()
             (a, b), (c, d) = runs[-2:]
-            return [1e-6 * a * b, 1e-6 * c * d + e]
+            return [[1e-6 * a * b, 1e-6 * c * d + e]]
 
-        monkeypatch.setattr(costs, "_best_times", timed)
+        monkeypatch.setattr(costs, "_timed_rounds", timed)
         runs.clear()
         assert costs._prefill_attention(decoder, rows, 64) == pytest.approx(1e-9)
         assert runs == [(tokens // 64, 64), (long_rows, longer)]
@@ -305,11 +305,13 @@ def test_the_token_cost_is_read_over_a_wide_span():
     assert two_runs == pytest.approx(1.29e-3, rel=0.01)
 
 
-def test_the_extend_attention_is_timed_at_the_rows_where_tokens_showed(llama, monkeypatch):
+def test_the_extend_attention_is_timed_at_the_rows_where_tokens_showed(build, monkeypatch):
     """The attention term (the extra time of a longer prefix) is read from extends of as many rows
     as the token doubling ended at: 4 on a CPU-like device, 32 where small runs cost their launches
-    (a GPU), where 4 rows over either prefix would take the same time and the prefix look free."""
-    model, _ = load_pair(llama)
+    (a GPU), where 4 rows over either prefix would take the same time and the prefix look free. The
+    longer prefix holds EXTEND_PROBE_POSITIONS over the rows (2,048 tokens at 4 rows, where over 512
+    the attention's readings spread twice as far), at least 512."""
+    model, _ = load_pair(build("llama", context_length=4096))
     decoder = model.decoder
     extender, length = decoder.extender(), 64
     ids = torch.randint(4, 500, (64, length), generator=torch.Generator().manual_seed(0))
@@ -317,16 +319,17 @@ def test_the_extend_attention_is_timed_at_the_rows_where_tokens_showed(llama, mo
     original = decoder.new_cache
     monkeypatch.setattr(decoder, "new_cache", lambda rows, width: made.append((rows, width)) or original(rows, width))
     monkeypatch.setattr(costs, "_best_time", lambda fn, device: 1.0)
-    longer = min(512, model.package.context_length - 16)
     for rows in (4, 32):  # 1 ns a score: the longer prefix's extend takes rows x 16 x its extra positions ns more
+        longer = min(max(512, costs.EXTEND_PROBE_POSITIONS // rows), model.package.context_length - 16)
         extra = 1e-9 * rows * 16 * (longer - length)
         monkeypatch.setattr(costs, "_doubling", lambda seconds, new, r=rows: (1e-6, 1e-3, r))
-        monkeypatch.setattr(costs, "_best_times", lambda fns, device, repeats, e=extra: [0.010, 0.010 + e])
+        monkeypatch.setattr(costs, "_timed_rounds", lambda fns, device, repeats, e=extra: [[0.010, 0.010 + e]])
         made.clear()
         per_token, per_score, fixed = costs._extend_costs(decoder, extender, ids, length)
         assert (per_token, fixed) == (1e-6, 1e-3)
         assert per_score == pytest.approx(1e-9)
         assert (rows, length) in made and (rows, longer) in made  # the two timed extends, at those rows
+        assert longer == {4: 2048, 32: 512}[rows]
 
 
 def test_the_scores_leave_the_device_once(llama, monkeypatch):
