@@ -43,7 +43,7 @@ import torch
 
 from . import images_plain, runtime, variants
 from .decoder import Decoder, embed_rows
-from .package import PackageError
+from .package import NotSupportedError, PackageError
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # transformers' mm_token_type_ids
 KIND_NAMES = {IMAGE: "image", VIDEO: "video"}
@@ -529,3 +529,38 @@ def _videos_per_row(runs_per_row: list[int], frames: list[int]) -> list[int]:
         counts.append(count)
         at += count
     return counts
+
+
+def prompt_media(decoder: Decoder, past, embeds, media: Media) -> Media | None:
+    """forward's image and video arguments for a prompt with media (the package's vision model
+    opened, or a NotSupportedError saying why it cannot take them), None without (a step's grids and
+    text-only `mm_token_type_ids` or `token_type_ids`, which transformers' generation loop passes at
+    every step and text tokenizers may give, are ignored)."""
+    types = media.mm_token_type_ids
+    marks = any(isinstance(given, torch.Tensor) and bool((given != 0).any())
+                for given in (types, media.token_type_ids))
+    if past is not None:
+        if media.pixels or marks:
+            raise NotSupportedError("images or videos in a step over a cache: give a prompt's media with the prompt "
+                                    "(forward without past_key_values, or generate)")
+        return None
+    if not media.pixels:
+        if any(value is not None for value in (media.image_grid_thw, media.video_grid_thw, media.image_position_ids,
+                                               media.image_sizes)) or marks:
+            raise ValueError("image_grid_thw, video_grid_thw, image_position_ids, image_sizes, or mm_token_type_ids or "
+                             "token_type_ids marking media, were given without pixel_values or pixel_values_videos")
+        return None
+    if embeds is not None:
+        raise ValueError("pixel_values go with input_ids (whose image and video tokens take the features), not "
+                         "inputs_embeds")
+    name = "pixel_values" if media.pixel_values is not None else "pixel_values_videos"
+    try:
+        vision = for_decoder(decoder)
+    except ImagesUnsupported as reason:
+        raise NotSupportedError(f"{name}: {reason}") from None
+    marked_videos = isinstance(types, torch.Tensor) and bool((types == VIDEO).any())
+    videos = media.pixel_values_videos is not None or marked_videos
+    if videos and vision.video_token is None:
+        raise NotSupportedError(f"pixel_values_videos: {vision.no_videos}")
+    unmarked = isinstance(media.token_type_ids, torch.Tensor) and not bool((media.token_type_ids != 0).any())
+    return dataclasses.replace(media, token_type_ids=None) if unmarked else media  # a text tokenizer's zeros

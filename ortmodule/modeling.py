@@ -10,24 +10,19 @@ the caller's layout.
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
 from pathlib import Path
 
 import onnxruntime as ort
 import torch
-from transformers import Cache, GenerationConfig, GenerationMixin
+from transformers import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from . import (
     attentions,
     costs,
-    embeddings,
-    generation,
     hub,
     images,
-    images_plain,
     inputs,
     kept_costs,
     runtime,
@@ -37,6 +32,7 @@ from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
 from .hf import CACHE_NAME, build_config, build_generation_config, check_dtype, load_tokenizer, loading_options
+from .hf_surface import HuggingFaceSurface
 from .package import NotSupportedError, Package, read_package
 
 __all__ = ["OrtModelForCausalLM", "NotSupportedError", "build_config", "build_generation_config", "load_tokenizer"]
@@ -44,186 +40,6 @@ __all__ = ["OrtModelForCausalLM", "NotSupportedError", "build_config", "build_ge
 
 # transformers' pipelines compare a model's class name with this table and log an error for others.
 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("ortmodule", "OrtModelForCausalLM")
-
-# What transformers models have and these do not, with what to do instead.
-_NO_PYTORCH_MODULES = (
-    "the ONNX graph holds the weights, and ortmodule exposes no PyTorch modules but the embedding table and "
-    "the LM head (get_input_embeddings(), get_output_embeddings()) and no hidden states but forward's "
-    "(output_hidden_states=True); for per-token "
-    "log-probabilities use model(input_ids, ...).logits (with cont_len / logits_to_keep for the positions you need) "
-    "or ortmodule.loglikelihood"
-)
-_UNSUPPORTED_ATTRIBUTES = {
-    "base_model": _NO_PYTORCH_MODULES,
-    "model": _NO_PYTORCH_MODULES,
-    "lm_head": _NO_PYTORCH_MODULES,
-}
-
-
-class HuggingFaceSurface(GenerationMixin):
-    """What transformers' generation code and libraries call on a model beyond forward: transformers'
-    `GenerationMixin` (generate, compute_transition_scores, ...) with its sampling loop on the device,
-    and clear errors for the PyTorch modules an ONNX package does not have."""
-
-    def __getattr__(self, name: str):
-        if name in _UNSUPPORTED_ATTRIBUTES:
-            raise NotSupportedError(f"OrtModelForCausalLM has no {name}: {_UNSUPPORTED_ATTRIBUTES[name]}")
-        return super().__getattr__(name)
-
-    def get_input_embeddings(self) -> torch.nn.Embedding:
-        """The package's token embeddings as transformers gives them: a frozen `torch.nn.Embedding` on
-        the model's device, read from the graph once per device (embeddings.py); not a submodule."""
-        return self._table("get_input_embeddings", lambda: embeddings.input_embeddings(
-            self.package, self.config.model_type, self.device))
-
-    def get_output_embeddings(self) -> torch.nn.Linear:
-        """The package's LM head as transformers gives it: a frozen `torch.nn.Linear(hidden, vocab)` on
-        the model's device (embeddings.py), read once per device; not a submodule."""
-        return self._table("get_output_embeddings", lambda: embeddings.output_embeddings(self.package, self.device))
-
-    def save_pretrained(self, save_directory: str | Path, push_to_hub: bool = False, **kwargs) -> None:
-        """The package as a folder of its own at `save_directory` (created; files of the same names
-        replaced): every file copied, links followed, so that a package from the hub's cache becomes
-        self-contained. transformers' serialization options (`safe_serialization`, `max_shard_size`,
-        ...) have no effect: the files are the export's."""
-        if push_to_hub:
-            raise NotSupportedError("save_pretrained(push_to_hub=True): save the folder, then upload it with "
-                                    "huggingface_hub's upload_folder")
-        root, target = self.package.root.resolve(), Path(save_directory).resolve()
-        if target == root or root in target.parents:
-            raise ValueError(f"save_pretrained({save_directory!r}): that is the package's own folder {root}")
-        shutil.copytree(self.package.root, target, dirs_exist_ok=True)  # links followed: their files copied
-
-    def set_attn_implementation(self, attn_implementation: str | dict) -> None:
-        """transformers' switch of attention kernels (code asks for "eager" before `output_attentions`):
-        without effect here, as `from_pretrained(attn_implementation=...)`. The package's graph fixes
-        the attention op, and its CPU kernels give attention weights whatever was asked."""
-        if not isinstance(attn_implementation, (str, dict)):
-            raise TypeError(f"attn_implementation must be a string (or a dict of them), got "
-                            f"{type(attn_implementation).__name__}")
-
-    def _table(self, name: str, make) -> torch.nn.Module:
-        made = self.__dict__.get(f"_made_{name}")  # kept out of nn.Module's registry: no parameters()
-        if made is None or made[0] != self.device:
-            try:
-                made = self.__dict__[f"_made_{name}"] = (self.device, make())
-            except ValueError as reason:
-                raise NotSupportedError(f"OrtModelForCausalLM.{name}(): {reason}") from None
-        return made[1]
-
-    def half(self) -> OrtModelForCausalLM:
-        return self.to(torch.float16)
-
-    def float(self) -> OrtModelForCausalLM:
-        return self.to(torch.float32)
-
-    def bfloat16(self) -> OrtModelForCausalLM:
-        return self.to(torch.bfloat16)
-
-    def double(self) -> OrtModelForCausalLM:
-        return self.to(torch.float64)
-
-    def cuda(self, device: int | None = None) -> OrtModelForCausalLM:
-        return self.to("cuda" if device is None else f"cuda:{device}")
-
-    def cpu(self) -> OrtModelForCausalLM:
-        return self.to("cpu")
-
-    def resize_token_embeddings(self, *args, **kwargs):
-        raise NotSupportedError(
-            "OrtModelForCausalLM.resize_token_embeddings(): the vocabulary is fixed by the exported package; add the "
-            "tokens to the PyTorch model and export it again"
-        )
-
-    def is_remote_code(self) -> bool:
-        return False
-
-    def tie_weights(self) -> None:
-        """Nothing to tie: the weights live in the ONNX graph."""
-
-    def can_generate(self) -> bool:
-        return True
-
-    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        """The number of weights in the decoder graph (the elements of its initializers; packed for
-        quantized weights). None is trainable; `exclude_embeddings` leaves out the token embedding."""
-        if only_trainable:
-            return 0
-        spec = self.package.decoder
-        return spec.num_parameters - (spec.embedding_parameters if exclude_embeddings else 0)
-
-    def extra_repr(self) -> str:
-        return f"path={self.name_or_path}, device={self.device}, dtype={self.dtype}"
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return True  # transformers makes an empty DynamicCache; forward starts its own KVCache from it
-
-    def get_experts_implementation(self) -> dict:
-        return {}  # the graph's kernels are fixed at export: nothing for transformers' decode loop to switch
-
-    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
-        model_kwargs.pop("generator", None)  # ortmodule's own argument, taken by its sampling loop
-        GenerationMixin._validate_model_kwargs(self, model_kwargs)
-
-    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
-                                      **model_kwargs):
-        """transformers' repetition of every row for `num_return_sequences` and beams, with each row's
-        images and videos repeated with it (their tensors are not one row each: images.expanded)."""
-        given = {name: model_kwargs.get(name) for name in images.NAMES}
-        ids = input_ids
-        input_ids, model_kwargs = GenerationMixin._expand_inputs_for_generation(
-            self, expand_size, is_encoder_decoder, input_ids, **model_kwargs)
-        if expand_size == 1 or not isinstance(ids, torch.Tensor):
-            return input_ids, model_kwargs
-        config = self.package.genai_config["model"]
-        token = config.get("image_token_id")
-        if isinstance(given["pixel_values"], torch.Tensor) and given["image_grid_thw"] is None:
-            try:  # Gemma 4's and Pixtral's forms: one row of pixel_values per image
-                vision = images.for_decoder(self.decoder)
-            except images.ImagesUnsupported:  # refused by name when forward gets them
-                vision = None
-            if isinstance(vision, images_plain.PlainVision):
-                names = ("pixel_values", "image_position_ids", "image_sizes")
-                for name, value in zip(names, images_plain.expanded(vision, ids, expand_size,
-                                                                    *(given[name] for name in names))):
-                    model_kwargs[name] = value
-                return input_ids, model_kwargs
-        kinds = [("pixel_values", "image_grid_thw", (), token, False)]
-        if isinstance(given["pixel_values_videos"], torch.Tensor):
-            try:
-                vision = images.for_decoder(self.decoder)
-                kinds.append(("pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",), vision.video_token,
-                              vision.frames_apart))
-            except images.ImagesUnsupported:  # refused by name when forward gets them
-                pass
-        for pixels, grids, extra, token, apart in kinds:
-            if isinstance(given[pixels], torch.Tensor) and isinstance(given[grids], torch.Tensor) and token is not None:
-                names = (pixels, grids, *extra)
-                for name, value in zip(names, images.expanded(ids, token, expand_size, *(given[n] for n in names),
-                                                              frames_apart=apart)):
-                    model_kwargs[name] = value
-        return input_ids, model_kwargs
-
-    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                streamer=None, **model_kwargs):
-        """transformers' greedy/sampling loop, run on the device by generation.sample (a prompt's
-        images too); continuing from a cache the caller passed, from `inputs_embeds` or returning
-        hidden states or attention weights, transformers' own loop over forward."""
-        cache = model_kwargs.get(CACHE_NAME)
-        fresh = cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0)
-        inspect = generation_config.output_hidden_states or generation_config.output_attentions
-        if fresh and not inspect and model_kwargs.get("inputs_embeds") is None:
-            model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
-            media = _image_inputs(self.decoder, None, None,
-                                  images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
-            return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                                     media, **model_kwargs)
-        if model_kwargs.pop("generator", None) is not None:
-            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds, "
-                             "output_hidden_states or output_attentions in generate()")
-        return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                       synced_gpus, streamer, **model_kwargs)
 
 
 class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
@@ -299,14 +115,6 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     # ---- the Hugging Face surface -------------------------------------------------------------
 
     @property
-    def device(self) -> torch.device:
-        return self.decoder.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.decoder.kv_dtype
-
-    @property
     def keeps_positions(self) -> bool:
         """True when the LM head runs only at the positions asked for (the graph rewrite applied)."""
         return self.decoder.keeps_positions
@@ -316,24 +124,10 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         """The decoder's ONNX Runtime session (an `onnxruntime.InferenceSession`)."""
         return self.decoder.session.ort_session
 
-    def to(self, *args, **kwargs) -> OrtModelForCausalLM:
-        """Move the sessions to another device. The dtype is fixed by the exported package."""
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is not None and dtype != self.dtype:
-            raise TypeError(
-                f"cannot convert an ONNX package to {dtype}: it was exported as {self.dtype}; "
-                "export the model again with the precision you need"
-            )
-        if device is not None:
-            device = runtime.parse_device(device)
-            if device != self.device:
-                self.decoder.load(device)
-        return self
-
     def measured_costs(self, refresh: bool = False) -> costs.Costs | None:
         """What runs of this model cost on its device (`Costs`), from which context sharing is decided
         (`share_contexts="auto"`, score's `reuse_prefix=None`). Timed at the first call for each device
-        (about 20 s for SmolLM2-135M on 2 CPU cores; lm-eval's backend and `ortmodule serve` call it at load),
+        (about 30 s for SmolLM2-135M on 2 CPU cores; lm-eval's backend and `ortmodule serve` call it at load),
         kept in the model and on disk for later processes (kept_costs.py); `refresh=True` times them
         again. None, with a warning, where the runs failed."""
         if refresh or self.device not in self._costs:
@@ -387,7 +181,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         given = (pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts,
                  mm_token_type_ids, image_position_ids, image_sizes, token_type_ids)  # images.Media's fields, in order
         media = None if all(value is None for value in given) else \
-            _image_inputs(self.decoder, past, embeds, images.Media(*given))  # text: no object made per call
+            images.prompt_media(self.decoder, past, embeds, images.Media(*given))  # text: no object made per call
         runs = _variant(self.decoder, *asked, embeds is not None, media)
         ids = input_ids if embeds is None else embeds.new_zeros(embeds.shape[:2], dtype=torch.int64)  # for the checks
         if past is not None:
@@ -412,7 +206,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs,
                         embeds=None, media=None, asked=(False, False)):
         """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch
-        (of `embeds` where given; with `media`, `_image_inputs`', its images), its cache, and from
+        (of `embeds` where given; with `media`, `images.prompt_media`', its images), its cache, and from
         `runs` (a `variants.Variant`) the hidden states and attention weights (`asked`: which)."""
         rows = self._rows(input_ids, attention_mask, position_ids, cache_position)
         batch, width = rows.ids.shape
@@ -455,15 +249,6 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         if cache.caller_mask is not None:
             cache.caller_mask = torch.cat([cache.caller_mask, cache.caller_mask.new_ones(batch, new)], 1)
         return logits.view(batch, -1, logits.shape[-1]), states, weights
-
-    @runtime.out_of_memory_is_runtime_error
-    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
-                 **kwargs):
-        """transformers' `generate` (every option, logits processor, stopping criterion and mode:
-        greedy, sampling, beam search), with greedy decoding and sampling run on the device; plus
-        `generator`, a `torch.Generator` for reproducible sampling. Returns what transformers
-        returns: the prompts as given followed by the new tokens (or a `GenerateOutput`)."""
-        return generation.generate(self, inputs, generation_config, **kwargs)
 
     @runtime.out_of_memory_is_runtime_error
     def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
@@ -528,41 +313,6 @@ def _asked(config, hidden_states: bool | None, weights: bool | None) -> tuple[bo
     if weights is None:
         weights = getattr(config, "output_attentions", False)
     return bool(hidden_states), bool(weights)
-
-
-def _image_inputs(decoder: Decoder, past, embeds, media: images.Media) -> images.Media | None:
-    """forward's image and video arguments for a prompt with media (the package's vision model
-    opened, or a NotSupportedError saying why it cannot take them), None without (a step's grids and
-    text-only `mm_token_type_ids` or `token_type_ids`, which transformers' generation loop passes at
-    every step and text tokenizers may give, are ignored)."""
-    types = media.mm_token_type_ids
-    marks = any(isinstance(given, torch.Tensor) and bool((given != 0).any())
-                for given in (types, media.token_type_ids))
-    if past is not None:
-        if media.pixels or marks:
-            raise NotSupportedError("images or videos in a step over a cache: give a prompt's media with the prompt "
-                                    "(forward without past_key_values, or generate)")
-        return None
-    if not media.pixels:
-        if any(value is not None for value in (media.image_grid_thw, media.video_grid_thw, media.image_position_ids,
-                                               media.image_sizes)) or marks:
-            raise ValueError("image_grid_thw, video_grid_thw, image_position_ids, image_sizes, or mm_token_type_ids or "
-                             "token_type_ids marking media, were given without pixel_values or pixel_values_videos")
-        return None
-    if embeds is not None:
-        raise ValueError("pixel_values go with input_ids (whose image and video tokens take the features), not "
-                         "inputs_embeds")
-    name = "pixel_values" if media.pixel_values is not None else "pixel_values_videos"
-    try:
-        vision = images.for_decoder(decoder)
-    except images.ImagesUnsupported as reason:
-        raise NotSupportedError(f"{name}: {reason}") from None
-    marked_videos = isinstance(types, torch.Tensor) and bool((types == images.VIDEO).any())
-    videos = media.pixel_values_videos is not None or marked_videos
-    if videos and vision.video_token is None:
-        raise NotSupportedError(f"pixel_values_videos: {vision.no_videos}")
-    unmarked = isinstance(media.token_type_ids, torch.Tensor) and not bool((media.token_type_ids != 0).any())
-    return dataclasses.replace(media, token_type_ids=None) if unmarked else media  # a text tokenizer's zeros
 
 
 def _refuse_unsupported(input_ids, inputs_embeds, rest: dict) -> None:

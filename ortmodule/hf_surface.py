@@ -1,0 +1,231 @@
+"""`HuggingFaceSurface`: what transformers' code and libraries call on a model beyond forward, the
+base of `OrtModelForCausalLM` (modeling.py): `device`, `dtype` and `to` over the decoder, the
+`GenerationMixin` hooks (`generate` and `_sample` to ortmodule's loop on the device, prompts with
+images included; `_expand_inputs_for_generation` with each row's images and videos), and
+`NotSupportedError` for the PyTorch modules and methods a package does not have.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, GenerationMixin
+
+from . import embeddings, generation, images, images_plain, runtime
+from .cache import KVCache
+from .hf import CACHE_NAME
+from .package import NotSupportedError
+
+# What transformers models have and these do not, with what to do instead.
+_NO_PYTORCH_MODULES = (
+    "the ONNX graph holds the weights, and ortmodule exposes no PyTorch modules but the embedding table and "
+    "the LM head (get_input_embeddings(), get_output_embeddings()) and no hidden states but forward's "
+    "(output_hidden_states=True); for per-token "
+    "log-probabilities use model(input_ids, ...).logits (with cont_len / logits_to_keep for the positions you need) "
+    "or ortmodule.loglikelihood"
+)
+_UNSUPPORTED_ATTRIBUTES = {
+    "base_model": _NO_PYTORCH_MODULES,
+    "model": _NO_PYTORCH_MODULES,
+    "lm_head": _NO_PYTORCH_MODULES,
+}
+
+
+class HuggingFaceSurface(GenerationMixin):
+    """What transformers' generation code and libraries call on a model beyond forward: transformers'
+    `GenerationMixin` (generate, compute_transition_scores, ...) with its sampling loop on the device,
+    and clear errors for the PyTorch modules an ONNX package does not have."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.kv_dtype
+
+    def to(self, *args, **kwargs) -> HuggingFaceSurface:
+        """Move the sessions to another device. The dtype is fixed by the exported package."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None and dtype != self.dtype:
+            raise TypeError(
+                f"cannot convert an ONNX package to {dtype}: it was exported as {self.dtype}; "
+                "export the model again with the precision you need"
+            )
+        if device is not None:
+            device = runtime.parse_device(device)
+            if device != self.device:
+                self.decoder.load(device)
+        return self
+
+    @runtime.out_of_memory_is_runtime_error
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
+                 **kwargs):
+        """transformers' `generate` (every option, logits processor, stopping criterion and mode:
+        greedy, sampling, beam search), with greedy decoding and sampling run on the device; plus
+        `generator`, a `torch.Generator` for reproducible sampling. Returns what transformers
+        returns: the prompts as given followed by the new tokens (or a `GenerateOutput`)."""
+        return generation.generate(self, inputs, generation_config, **kwargs)
+
+
+    def __getattr__(self, name: str):
+        if name in _UNSUPPORTED_ATTRIBUTES:
+            raise NotSupportedError(f"OrtModelForCausalLM has no {name}: {_UNSUPPORTED_ATTRIBUTES[name]}")
+        return super().__getattr__(name)
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        """The package's token embeddings as transformers gives them: a frozen `torch.nn.Embedding` on
+        the model's device, read from the graph once per device (embeddings.py); not a submodule."""
+        return self._table("get_input_embeddings", lambda: embeddings.input_embeddings(
+            self.package, self.config.model_type, self.device))
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        """The package's LM head as transformers gives it: a frozen `torch.nn.Linear(hidden, vocab)` on
+        the model's device (embeddings.py), read once per device; not a submodule."""
+        return self._table("get_output_embeddings", lambda: embeddings.output_embeddings(self.package, self.device))
+
+    def save_pretrained(self, save_directory: str | Path, push_to_hub: bool = False, **kwargs) -> None:
+        """The package as a folder of its own at `save_directory` (created; files of the same names
+        replaced): every file copied, links followed, so that a package from the hub's cache becomes
+        self-contained. transformers' serialization options (`safe_serialization`, `max_shard_size`,
+        ...) have no effect: the files are the export's."""
+        if push_to_hub:
+            raise NotSupportedError("save_pretrained(push_to_hub=True): save the folder, then upload it with "
+                                    "huggingface_hub's upload_folder")
+        root, target = self.package.root.resolve(), Path(save_directory).resolve()
+        if target == root or root in target.parents:
+            raise ValueError(f"save_pretrained({save_directory!r}): that is the package's own folder {root}")
+        shutil.copytree(self.package.root, target, dirs_exist_ok=True)  # links followed: their files copied
+
+    def set_attn_implementation(self, attn_implementation: str | dict) -> None:
+        """transformers' switch of attention kernels (code asks for "eager" before `output_attentions`):
+        without effect here, as `from_pretrained(attn_implementation=...)`. The package's graph fixes
+        the attention op, and its CPU kernels give attention weights whatever was asked."""
+        if not isinstance(attn_implementation, (str, dict)):
+            raise TypeError(f"attn_implementation must be a string (or a dict of them), got "
+                            f"{type(attn_implementation).__name__}")
+
+    def _table(self, name: str, make) -> torch.nn.Module:
+        made = self.__dict__.get(f"_made_{name}")  # kept out of nn.Module's registry: no parameters()
+        if made is None or made[0] != self.device:
+            try:
+                made = self.__dict__[f"_made_{name}"] = (self.device, make())
+            except ValueError as reason:
+                raise NotSupportedError(f"OrtModelForCausalLM.{name}(): {reason}") from None
+        return made[1]
+
+    def half(self) -> HuggingFaceSurface:
+        return self.to(torch.float16)
+
+    def float(self) -> HuggingFaceSurface:
+        return self.to(torch.float32)
+
+    def bfloat16(self) -> HuggingFaceSurface:
+        return self.to(torch.bfloat16)
+
+    def double(self) -> HuggingFaceSurface:
+        return self.to(torch.float64)
+
+    def cuda(self, device: int | None = None) -> HuggingFaceSurface:
+        return self.to("cuda" if device is None else f"cuda:{device}")
+
+    def cpu(self) -> HuggingFaceSurface:
+        return self.to("cpu")
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise NotSupportedError(
+            "OrtModelForCausalLM.resize_token_embeddings(): the vocabulary is fixed by the exported package; add the "
+            "tokens to the PyTorch model and export it again"
+        )
+
+    def is_remote_code(self) -> bool:
+        return False
+
+    def tie_weights(self) -> None:
+        """Nothing to tie: the weights live in the ONNX graph."""
+
+    def can_generate(self) -> bool:
+        return True
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """The number of weights in the decoder graph (the elements of its initializers; packed for
+        quantized weights). None is trainable; `exclude_embeddings` leaves out the token embedding."""
+        if only_trainable:
+            return 0
+        spec = self.package.decoder
+        return spec.num_parameters - (spec.embedding_parameters if exclude_embeddings else 0)
+
+    def extra_repr(self) -> str:
+        return f"path={self.name_or_path}, device={self.device}, dtype={self.dtype}"
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return True  # transformers makes an empty DynamicCache; forward starts its own KVCache from it
+
+    def get_experts_implementation(self) -> dict:
+        return {}  # the graph's kernels are fixed at export: nothing for transformers' decode loop to switch
+
+    def _validate_model_kwargs(self, model_kwargs: dict) -> None:
+        model_kwargs.pop("generator", None)  # ortmodule's own argument, taken by its sampling loop
+        GenerationMixin._validate_model_kwargs(self, model_kwargs)
+
+    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
+                                      **model_kwargs):
+        """transformers' repetition of every row for `num_return_sequences` and beams, with each row's
+        images and videos repeated with it (their tensors are not one row each: images.expanded)."""
+        given = {name: model_kwargs.get(name) for name in images.NAMES}
+        ids = input_ids
+        input_ids, model_kwargs = GenerationMixin._expand_inputs_for_generation(
+            self, expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+        if expand_size == 1 or not isinstance(ids, torch.Tensor):
+            return input_ids, model_kwargs
+        config = self.package.genai_config["model"]
+        token = config.get("image_token_id")
+        if isinstance(given["pixel_values"], torch.Tensor) and given["image_grid_thw"] is None:
+            try:  # Gemma 4's and Pixtral's forms: one row of pixel_values per image
+                vision = images.for_decoder(self.decoder)
+            except images.ImagesUnsupported:  # refused by name when forward gets them
+                vision = None
+            if isinstance(vision, images_plain.PlainVision):
+                names = ("pixel_values", "image_position_ids", "image_sizes")
+                for name, value in zip(names, images_plain.expanded(vision, ids, expand_size,
+                                                                    *(given[name] for name in names))):
+                    model_kwargs[name] = value
+                return input_ids, model_kwargs
+        kinds = [("pixel_values", "image_grid_thw", (), token, False)]
+        if isinstance(given["pixel_values_videos"], torch.Tensor):
+            try:
+                vision = images.for_decoder(self.decoder)
+                kinds.append(("pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",), vision.video_token,
+                              vision.frames_apart))
+            except images.ImagesUnsupported:  # refused by name when forward gets them
+                pass
+        for pixels, grids, extra, token, apart in kinds:
+            if isinstance(given[pixels], torch.Tensor) and isinstance(given[grids], torch.Tensor) and token is not None:
+                names = (pixels, grids, *extra)
+                for name, value in zip(names, images.expanded(ids, token, expand_size, *(given[n] for n in names),
+                                                              frames_apart=apart)):
+                    model_kwargs[name] = value
+        return input_ids, model_kwargs
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        """transformers' greedy/sampling loop, run on the device by generation.sample (a prompt's
+        images too); continuing from a cache the caller passed, from `inputs_embeds` or returning
+        hidden states or attention weights, transformers' own loop over forward."""
+        cache = model_kwargs.get(CACHE_NAME)
+        fresh = cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0)
+        inspect = generation_config.output_hidden_states or generation_config.output_attentions
+        if fresh and not inspect and model_kwargs.get("inputs_embeds") is None:
+            model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
+            media = images.prompt_media(self.decoder, None, None,
+                                  images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
+            return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                                     media, **model_kwargs)
+        if model_kwargs.pop("generator", None) is not None:
+            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds, "
+                             "output_hidden_states or output_attentions in generate()")
+        return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus, streamer, **model_kwargs)
