@@ -155,6 +155,27 @@ def test_generate_with_images_equals_transformers(deep, inputs):
     check_copies_take_their_images(model, inputs, options)
 
 
+def test_pan_and_scan_crops_are_images_of_their_own(build, deep, tmp_path):
+    """Gemma3Processor with pan-and-scan (`do_pan_and_scan=True` in its call: a wide picture, then its
+    crops, each an image of its own within the processor's sentence), two prompts padded together:
+    the logits and greedy generate equal transformers' on the processor's output."""
+    from helpers import png_url
+
+    model, hf = deep
+    processor = gemma3_processor(build("gemma3_vl", num_layers=4).package_dir, tmp_path / "tokenizer")
+    processor.tokenizer.padding_side = "left"  # as for generate
+    wide, square = png_url((30, 100), 1)[1], png_url((30, 30), 2)[1]
+    given = processor(text=["a <start_of_image> b", "c <start_of_image> d <start_of_image>"],
+                      images=[[wide], [square, wide]], padding=True, return_tensors="pt", do_pan_and_scan=True,
+                      pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=3,
+                      pan_and_scan_min_ratio_to_activate=1.2)
+    assert given["pixel_values"].shape[0] > 3  # the wide picture's crops, once in each prompt
+    real = given["attention_mask"].bool()
+    assert torch.allclose(model(**given).logits[real], reference(hf, **given).logits[real], atol=1e-4, rtol=1e-4)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**given, **options), hf.generate(**given, **options))
+
+
 def test_what_images_cannot_be_is_refused(pair, inputs):
     model, _ = pair
     given = dict(inputs)
@@ -211,16 +232,17 @@ TEMPLATE = (
 )
 
 
-def gemma3_processor(package_dir, folder):
+def gemma3_processor(package_dir, folder, **image_options):
     """transformers' own Gemma3Processor over the fixture's tokenizer (Gemma 3's three image tokens at
-    the fixture's ids, the template above) and its image processor at the tower's size, 4 tokens an image."""
+    the fixture's ids, the template above) and its image processor at the tower's size (with
+    `image_options`), 4 tokens an image."""
     from helpers import tokenizer_with
 
     names = {IMAGE: "<image_soft_token>", BOI: "<start_of_image>", EOI: "<end_of_image>"}
     tokenizer_with(package_dir, names, TEMPLATE).save_pretrained(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, extra_special_tokens={
         "boi_token": names[BOI], "eoi_token": names[EOI], "image_token": names[IMAGE]})
-    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": SIDE, "width": SIDE})
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": SIDE, "width": SIDE}, **image_options)
     return transformers.Gemma3Processor(image_processor, tokenizer, image_seq_length=TOKENS)
 
 
@@ -255,6 +277,35 @@ def test_the_server_takes_images_in_chat_messages(build, tmp_path):
         assert [int(one["token_type_ids"].sum()) for one in made] == [TOKENS, 2 * TOKENS]
     finally:
         server.stop()
+
+
+def test_the_server_lays_out_pan_and_scan_crops_as_the_processor(build, tmp_path):
+    """With an image processor that crops with pan-and-scan (`do_pan_and_scan`), each image becomes
+    Gemma3Processor's sentence around the image and its crops, each crop an image of its own: the
+    answers (tokens, log-probabilities, prompt lengths) equal transformers' greedy generate on what
+    Gemma3Processor makes of the same template text and images, the wide picture cropped, the square
+    one not."""
+    from helpers import ImageChats, LiveServer
+
+    from ortmodule.serving import create_app
+
+    fixture = build("gemma3_vl", num_layers=4)
+    model, hf = load_pair(fixture)
+    folder = tmp_path / "processor"
+    crops = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=3,
+                 pan_and_scan_min_ratio_to_activate=1.2)  # the fixture's images are 32 pixels a side
+    processor = gemma3_processor(fixture.package_dir, tmp_path / "tokenizer", **crops)
+    processor.save_pretrained(folder)  # the server's image processor crops by its own settings
+    shutil.copy(fixture.hf_dir / "config.json", folder / "config.json")
+    server = LiveServer(create_app(model, processor.tokenizer, name="vl", processor=str(folder)))
+    try:  # Gemma3Processor's own defaults turn pan-and-scan off unless its call asks for it
+        made = ImageChats([(100, 30), (30, 30)]).check(
+            server, processor.tokenizer, hf, lambda text, images: processor(text=[text], images=[images],
+                                                                            return_tensors="pt", **crops))
+    finally:
+        server.stop()
+    images_each = [int(one["token_type_ids"].sum()) // TOKENS for one in made]
+    assert images_each[0] > 1 and images_each[1] == images_each[0] + 1  # the wide picture with its crops; the square
 
 
 def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, deep, tmp_path):

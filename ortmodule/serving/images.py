@@ -69,8 +69,9 @@ class ChatImages:
         if self.form == images_plain.PIXTRAL:
             _check_longest_edge(self.processor, vision.largest, processor)
         if self.form == images_plain.GEMMA3:
-            _check_gemma3(self.processor, self.stride, processor)
+            _check_gemma3(self.stride, processor)
             self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+            self.tokenizer, self.cropped = tokenizer, {}  # pan-and-scan's runs, per number of crops
 
     def decode(self, url: str, where: str):
         """The RGB image of a `data:` URL; a ServingError naming `where` for anything else."""
@@ -123,10 +124,9 @@ class ChatImages:
             inputs = {name: made[name] for name in ("pixel_values", "image_position_ids")}
         elif self.form == images_plain.GEMMA3:  # each begin-of-image its image between newlines, as Gemma3Processor
             made = self._processed(pictures)
-            begin, end = self.ends
-            run = [*self.newlines, begin, *[self.token] * self.stride, end, *self.newlines]
-            runs = iter([run] * len(pictures))
-            inputs = {"pixel_values": made["pixel_values"]}
+            crops = made["num_crops"].tolist() if "num_crops" in made else [0] * len(pictures)
+            runs = iter([self._gemma3_run(count) for count in crops])
+            inputs = {"pixel_values": made["pixel_values"]}  # each image, then its crops
         else:  # Pixtral's: resized to multiples of patch x merge as PixtralProcessor asks; rows of tokens
             made = self._processed(pictures, patch_size=self.stride)
             runs = iter([_pixtral_run(self.token, *self.ends, height // self.stride, width // self.stride)
@@ -138,6 +138,23 @@ class ChatImages:
         if self.form == images_plain.GEMMA3:  # its images attended both ways, as transformers with the processor's
             inputs["token_type_ids"] = (torch.tensor([expanded]) == self.token).long()
         return expanded, Media(inputs)
+
+
+    def _gemma3_run(self, crops: int) -> list[int]:
+        """The tokens of one Gemma 3 image as Gemma3Processor writes them: between newlines, its
+        begin, its tokens and its end; with pan-and-scan crops (`do_pan_and_scan`), the processor's
+        sentence around the image and its crops, each written as the image is, tokenized as the
+        processor's text is."""
+        begin, end = self.ends
+        if not crops:
+            return [*self.newlines, begin, *[self.token] * self.stride, end, *self.newlines]
+        if crops not in self.cropped:
+            marks = self.tokenizer.convert_ids_to_tokens([begin, self.token, end])
+            image = f"\n\n{marks[0]}{marks[1] * self.stride}{marks[2]}\n\n"
+            text = (f"Here is the original image {image} and here are some crops to help you see better "
+                    + " ".join([image] * crops))
+            self.cropped[crops] = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.cropped[crops]
 
 
 def _image_ends(processor: str, begin: str, end: str) -> tuple[int, int]:
@@ -155,12 +172,8 @@ def _image_ends(processor: str, begin: str, end: str) -> tuple[int, int]:
     return ends
 
 
-def _check_gemma3(image_processor, tokens: int, processor: str) -> None:
-    """Gemma 3's processor settings the server follows: no pan-and-scan crops (their extra images and
-    text are not written), and as many tokens an image as the package takes."""
-    if getattr(image_processor, "do_pan_and_scan", False):
-        raise ValueError(f"--processor {processor}: its image processor crops with pan-and-scan (do_pan_and_scan), "
-                         "which this server does not lay out; set it false")
+def _check_gemma3(tokens: int, processor: str) -> None:
+    """Gemma 3's processor settings the server follows: as many tokens an image as the package takes."""
     path, settings = _processor_config(processor)
     length = settings.get("image_seq_length", tokens)
     if length != tokens:
