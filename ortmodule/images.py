@@ -536,9 +536,9 @@ def prompt_media(decoder: Decoder, past, embeds, media: Media) -> Media | None:
     opened, or a NotSupportedError saying why it cannot take them), None without (a step's grids and
     text-only `mm_token_type_ids` or `token_type_ids`, which transformers' generation loop passes at
     every step and text tokenizers may give, are ignored)."""
-    types = media.mm_token_type_ids
-    marks = any(isinstance(given, torch.Tensor) and bool((given != 0).any())
-                for given in (types, media.token_type_ids))
+    types, kinds = media.mm_token_type_ids, media.token_type_ids
+    marked = isinstance(kinds, torch.Tensor) and bool((kinds != 0).any())  # one read of the device for each
+    marks = marked or (isinstance(types, torch.Tensor) and bool((types != 0).any()))
     if past is not None:
         if media.pixels or marks:
             raise NotSupportedError("images or videos in a step over a cache: give a prompt's media with the prompt "
@@ -562,5 +562,5 @@ def prompt_media(decoder: Decoder, past, embeds, media: Media) -> Media | None:
     videos = media.pixel_values_videos is not None or marked_videos
     if videos and vision.video_token is None:
         raise NotSupportedError(f"pixel_values_videos: {vision.no_videos}")
-    unmarked = isinstance(media.token_type_ids, torch.Tensor) and not bool((media.token_type_ids != 0).any())
+    unmarked = isinstance(kinds, torch.Tensor) and not marked
     return dataclasses.replace(media, token_type_ids=None) if unmarked else media  # a text tokenizer's zeros
