@@ -49,7 +49,7 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
             return costs.Costs(**stored["costs"])
         logger.info("ortmodule: a prefill took %.3f s where it took %.3f s when the costs of %s were measured (%s); "
                     "measuring them again", now, stored["check_seconds"], package, stored["measured"])
-    logger.info("ortmodule: timing the runs of %s on %s, from which context sharing is decided (seconds to a minute "
+    logger.info("ortmodule: timing the runs of %s on %s, from which context sharing is decided (seconds to minutes "
                 "on a CPU; kept in %s for later loads)", package, decoder.device, where)
     start = time.perf_counter()
     found = costs.measure(decoder)

@@ -36,9 +36,18 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     prefix = min(common_prefix(rows), min(starts) + 1)
     if prefix < 1:
         return False
-    steps = max(len(row) - prefix for row in rows)
     if costs is None:
-        return prefix >= 2 * steps
+        return prefix >= 2 * max(len(row) - prefix for row in rows)
+    shared, whole = sharing_prices(rows, starts, costs, batch_rows)
+    return shared < whole
+
+
+def sharing_prices(rows: list[Ids], starts: list[int], costs: Costs, batch_rows: int = 0) -> tuple[float, float]:
+    """`worth_sharing`'s two prices, in seconds: the rows' common prefix (ending no later than the
+    first position scored) run once and the rest of every row over copies of its cache, and the rows
+    in one padded prefill."""
+    prefix = min(common_prefix(rows), min(starts) + 1)
+    steps = max(len(row) - prefix for row in rows)
     share = len(rows) / max(batch_rows, len(rows))  # of a run's fixed cost
     if costs.extend_per_token is not None:  # the rest of every row in one extend run
         attention = costs.extend_per_score * len(rows) * steps * (prefix + steps)  # unfused: quadratic
@@ -46,7 +55,7 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
         shared = costs.prefill(1, prefix) + costs.extend_per_token * len(rows) * steps + attention + run
     else:
         shared = costs.prefill(1, prefix) + steps * (costs.step * share + costs.step_per_row * len(rows))
-    return shared < costs.prefill(len(rows), max(len(row) for row in rows))
+    return shared, costs.prefill(len(rows), max(len(row) for row in rows))
 
 
 class SharingPlan(NamedTuple):
