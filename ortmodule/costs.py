@@ -165,7 +165,7 @@ def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) ->
     instead, the attention drowned in the per-token cost's noise: 0 to 8e-8 s a score on 2 vCPUs,
     against ~7e-7 s where it matters, remainders of thousands of tokens. Over a prefix of 512 it was
     a quarter of the longer run's time on a CPU, and six readings for SmolLM2-135M int4 on 2 vCPUs
-    spread 2.6x; over 2,048, 1.3x to 1.6x, and for the fp32 package still 1.8x to 2.4x:
+    spread 2.6x; over 2,048, 1.3x to 1.6x, and nine for the fp32 package still 2.5x:
     docs/measurements.md, session 54.)"""
     device = decoder.device
     pasts = {}
