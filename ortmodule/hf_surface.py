@@ -69,7 +69,6 @@ class HuggingFaceSurface(GenerationMixin):
         returns: the prompts as given followed by the new tokens (or a `GenerateOutput`)."""
         return generation.generate(self, inputs, generation_config, **kwargs)
 
-
     def __getattr__(self, name: str):
         if name in _UNSUPPORTED_ATTRIBUTES:
             raise NotSupportedError(f"OrtModelForCausalLM has no {name}: {_UNSUPPORTED_ATTRIBUTES[name]}")
