@@ -220,7 +220,7 @@ class HuggingFaceSurface(GenerationMixin):
         if fresh and not inspect and model_kwargs.get("inputs_embeds") is None:
             model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
             media = images.prompt_media(self.decoder, None, None,
-                                  images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
+                                        images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                      media, **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:
