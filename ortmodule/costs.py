@@ -65,6 +65,9 @@ STEP_ROWS = 8
 PREFILL_PROBE_ROUNDS = 9
 EXTEND_PROBE_ROUNDS = 5
 EXTEND_PROBE_POSITIONS = 8192
+# The extend probe's rows on a CPU, whatever the token doubling ended at (it ends at 4 there, now and then
+# at 8, where the probe read 1.8x apart over 1,024 tokens a row, 1.2-1.4x at 4 rows over 2,048).
+EXTEND_PROBE_CPU_ROWS = 4
 
 
 @torch.inference_mode()
@@ -157,16 +160,17 @@ def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 8)
 
 
 def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) -> tuple[float, float, float]:
-    """`extend_per_token`, `extend_per_score` and `extend_fixed`: extends of 16 new tokens a row
-    over copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and as many rows
-    as that doubling ended at (4 on a CPU) of 16 over a longer prefix (EXTEND_PROBE_POSITIONS over
-    the rows, at least 512 tokens; the context allowing), whose extra time, timed in turns, is the
-    attention over the extra positions. (Read from one row of 256 new tokens against two of 16
-    instead, the attention drowned in the per-token cost's noise: 0 to 8e-8 s a score on 2 vCPUs,
-    against ~7e-7 s where it matters, remainders of thousands of tokens. Over a prefix of 512 it was
-    a quarter of the longer run's time on a CPU, and six readings for SmolLM2-135M int4 on 2 vCPUs
-    spread 2.6x; over 2,048, 1.3x to 1.6x, and nine for the fp32 package still 2.5x:
-    docs/measurements.md, session 54.)"""
+    """`extend_per_token`, `extend_per_score` and `extend_fixed`: extends of 16 new tokens a row over
+    copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and rows of 16 over a
+    longer prefix (`extend_probe_rows`: as many as that doubling ended at on a GPU, 4 on a CPU;
+    EXTEND_PROBE_POSITIONS over the rows, at least 512 tokens; the context allowing), whose extra
+    time, timed in turns, is the attention over the extra positions. (Read from one row of 256 new
+    tokens against two of 16 instead, the attention drowned in the per-token cost's noise: 0 to 8e-8
+    s a score on 2 vCPUs, against ~7e-7 s where it matters, remainders of thousands of tokens. Over
+    a prefix of 512 it was a quarter of the longer run's time on a CPU, and six readings for
+    SmolLM2-135M int4 on 2 vCPUs spread 2.6x; over 2,048, 1.3x to 1.6x, and nine for the fp32
+    package still 2.5x, from the doubling's 8 rows now and then; at 4 rows always, eight spread
+    1.5x: docs/measurements.md, sessions 54 and 55.)"""
     device = decoder.device
     pasts = {}
 
@@ -186,14 +190,20 @@ def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) ->
 
     past(length)
     per_token, fixed, rows = _doubling(lambda rows: _best_time(run(rows), device), 16)  # 16 new tokens a row
-    # At the rows where the extend's tokens showed in its time: on a GPU, 4 rows over either prefix
-    # take the time of their kernel launches, and the prefix would look free.
+    rows = extend_probe_rows(rows, device)
     longer = min(max(512, EXTEND_PROBE_POSITIONS // rows), decoder.package.context_length - 16)
     if longer - length < 64:  # too few extra positions for their cost to show
         return per_token, 0.0, fixed
     past(longer)
     extra = _median_extra(run(rows), run(rows, longer), device, EXTEND_PROBE_ROUNDS)
     return per_token, extra / (rows * 16 * (longer - length)), fixed
+
+
+def extend_probe_rows(doubled: int, device: torch.device) -> int:
+    """The rows of the extend's attention probe: where the token doubling ended (`doubled`) on a GPU,
+    where 4 rows over either prefix take the time of their kernel launches and the prefix would look
+    free; EXTEND_PROBE_CPU_ROWS on a CPU, whose doubling ends at 4 and now and then at 8."""
+    return EXTEND_PROBE_CPU_ROWS if device.type == "cpu" else doubled
 
 
 def run_costs(seconds_for_rows, length: int, most_rows: int = 64) -> tuple[float, float]:

@@ -306,11 +306,14 @@ def test_the_token_cost_is_read_over_a_wide_span():
 
 
 def test_the_extend_attention_is_timed_at_the_rows_where_tokens_showed(build, monkeypatch):
-    """The attention term (the extra time of a longer prefix) is read from extends of as many rows
-    as the token doubling ended at: 4 on a CPU-like device, 32 where small runs cost their launches
-    (a GPU), where 4 rows over either prefix would take the same time and the prefix look free. The
-    longer prefix holds EXTEND_PROBE_POSITIONS over the rows (2,048 tokens at 4 rows, where over 512
-    the attention's readings spread twice as far), at least 512."""
+    """The attention term (the extra time of a longer prefix) is read from extends of 4 rows on a
+    CPU, wherever the token doubling ended (there now and then at 8, where the probe read 1.8x
+    apart), and of the doubling's rows on a GPU (32 where small runs cost their launches: 4 rows
+    over either prefix would take the same time and the prefix look free). The longer prefix holds
+    EXTEND_PROBE_POSITIONS over the rows (2,048 tokens at 4 rows, where over 512 the attention's
+    readings spread twice as far), at least 512."""
+    assert [costs.extend_probe_rows(r, torch.device("cpu")) for r in (4, 8, 32)] == [4, 4, 4]
+    assert [costs.extend_probe_rows(r, torch.device("cuda")) for r in (4, 8, 32)] == [4, 8, 32]
     model, _ = load_pair(build("llama", context_length=4096))
     decoder = model.decoder
     extender, length = decoder.extender(), 64
@@ -319,10 +322,12 @@ def test_the_extend_attention_is_timed_at_the_rows_where_tokens_showed(build, mo
     original = decoder.new_cache
     monkeypatch.setattr(decoder, "new_cache", lambda rows, width: made.append((rows, width)) or original(rows, width))
     monkeypatch.setattr(costs, "_best_time", lambda fn, device: 1.0)
-    for rows in (4, 32):  # 1 ns a score: the longer prefix's extend takes rows x 16 x its extra positions ns more
+    for doubled, rows in ((4, 4), (8, 4), (32, 32)):  # 1 ns a score: rows x 16 x the extra positions ns more
+        if rows == 32:  # as on a GPU: the doubling's rows
+            monkeypatch.setattr(costs, "extend_probe_rows", lambda doubled, device: doubled)
         longer = min(max(512, costs.EXTEND_PROBE_POSITIONS // rows), model.package.context_length - 16)
         extra = 1e-9 * rows * 16 * (longer - length)
-        monkeypatch.setattr(costs, "_doubling", lambda seconds, new, r=rows: (1e-6, 1e-3, r))
+        monkeypatch.setattr(costs, "_doubling", lambda seconds, new, r=doubled: (1e-6, 1e-3, r))
         monkeypatch.setattr(costs, "_timed_rounds", lambda fns, device, repeats, e=extra: [[0.010, 0.010 + e]])
         made.clear()
         per_token, per_score, fixed = costs._extend_costs(decoder, extender, ids, length)
