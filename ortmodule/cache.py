@@ -14,13 +14,16 @@ tokens writes row b's at `lengths[b]` (the attention mask tells GroupQueryAttent
 length). Entries a padded prefill leaves behind lie past each row's length and are overwritten.
 
 A hybrid decoder's convolution layers keep no KV but a state each (`states`: `ConvStates`, states.py),
-which every run replaces; rows are selected, repeated and reset with the KV, but a state cannot be
-cropped to an earlier position.
+which every run replaces; rows are selected, repeated and reset with the KV. A state holds the inputs
+before one position only, so the cache keeps a copy of the states after each of its last runs
+(`Checkpoint`s): a crop goes back to the last one at or before the kept columns and runs the tokens
+from there again (assisted decoding: its candidates' run, cropped to the accepted ones).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -42,22 +45,67 @@ def _inference_mode(method):
     return wrapper
 
 
+# Runs after which a hybrid cache keeps its convolution states (ConvStates.log); a crop further back
+# runs again from the newest kept ones (from the prompt at worst), where the runs' tokens are known.
+CHECKPOINTS = 32
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A hybrid cache's convolution states after `seen` columns of the caller's input (`states`: None
+    before the first run, zeros; `kept` False once dropped, CHECKPOINTS runs later), and the run that
+    followed (`ran`: `(decoder, rerun, tokens)`, a weak proxy of the decoder, the function that
+    runs it again and that run's input, `("prompt", rows)` or `("step", tokens)`: decoder.py's
+    `noted`; None where it cannot be run again)."""
+
+    seen: int
+    states: list | None
+    kept: bool = True
+    ran: tuple | None = None
+
+
+def _cannot_crop(seen: int, keep: int, why: str) -> str:
+    return (f"cannot crop a cache with convolution states (a hybrid model's) from {seen} columns to {keep}: "
+            f"a state holds the inputs before the last token only, and {why}; run the shorter sequence again")
+
+
 class ConvStates:
     """A hybrid decoder's convolution states of one batch (states.py): per convolution layer
     (`specs`), `current` `[batch, channels, width]`. A run writes its present states into `written`,
     copied into `current` when the run is recorded: a copy, not a swap, so that the buffers'
-    addresses stay fixed (steps.py). Empty (false) for other decoders."""
+    addresses stay fixed (steps.py). `log`: a `Checkpoint` per run since the prompt (None in a view
+    of some rows, which keeps none). Empty (false) for other decoders."""
 
-    def __init__(self, specs: tuple, current: list[torch.Tensor]):
+    def __init__(self, specs: tuple, current: list[torch.Tensor], log: list | None = None):
         self.specs, self.current = specs, current
         self.written = [torch.empty_like(state) for state in current]
+        self.log = [Checkpoint(0, None)] if log is None else log
 
     def __bool__(self) -> bool:
         return bool(self.specs)
 
-    def take(self) -> None:
+    def take(self, seen: int, ran: tuple | None = None) -> None:
+        """Record a run (`ran`: how to run it again, Checkpoint): its present states become the current
+        ones, kept as the checkpoint at `seen`."""
         for state, written in zip(self.current, self.written):
             state.copy_(written)
+        if self and self.log is not None:
+            self.log[-1].ran = ran
+            self.log.append(Checkpoint(seen, [state.clone() for state in self.current]))
+            if len(self.log) > CHECKPOINTS:
+                dropped = self.log[-CHECKPOINTS - 1]
+                dropped.kept = dropped.seen == 0 and dropped.states is None
+                dropped.states = None
+
+    def restart(self, seen: int = 0, *, zeros: bool = True) -> None:
+        """Start the log over: the states before a prompt (`zeros`) or as they are now, at `seen`."""
+        if self.log is not None:
+            self.log = [Checkpoint(seen, None if zeros else [state.clone() for state in self.current])]
+
+    def copied_log(self) -> list | None:
+        """The log for a copy of these rows (steps.py's `copy_cache`): the checkpoints, the last one
+        the copy's own (its next run is noted there)."""
+        return None if self.log is None else [*self.log[:-1], dataclasses.replace(self.log[-1])]
 
     @_inference_mode
     def zero(self) -> None:
@@ -72,16 +120,52 @@ class ConvStates:
         for mine, theirs in zip(self.current, source.current):
             mine.copy_(theirs.index_select(0, rows))
 
-    def refuse_crop(self, seen: int, keep: int) -> None:
-        if self:
-            raise ValueError(
-                f"cannot crop a cache with convolution states (a hybrid model's) from {seen} columns to {keep}: a "
-                "state holds the inputs before the last token only; run the shorter sequence again instead")
+    def select(self, rows: torch.Tensor) -> ConvStates:
+        """The states of `rows` (selected, repeated or reordered), with the checkpoints' states so
+        selected (no run is run again from them: its tokens were the old rows')."""
+        log = None if self.log is None else \
+            [Checkpoint(c.seen, None if c.states is None else [s.index_select(0, rows) for s in c.states], c.kept)
+             for c in self.log]
+        return ConvStates(self.specs, [state.index_select(0, rows) for state in self.current], log)
+
+    def rewind_plan(self, seen: int, keep: int) -> tuple[Checkpoint, list[tuple]]:
+        """How a crop from `seen` columns to `keep` goes back: the newest kept checkpoint at or before
+        `keep`, and the runs after it to run again, `(ran, columns)` each; a ValueError that says why
+        where it cannot."""
+        log = self.log or []
+        kept = [i for i, c in enumerate(log) if c.kept and c.seen <= keep]
+        if not kept:
+            raise ValueError(_cannot_crop(seen, keep, "this cache keeps none of its states from before that column"))
+        start = kept[-1]
+        redo = []
+        for i in range(start, len(log)):
+            point = log[i]
+            if point.seen >= keep:
+                break
+            if point.ran is None:
+                raise ValueError(_cannot_crop(seen, keep, f"the run from column {point.seen} (one with images, hidden "
+                                              "states, attention weights or embeddings) cannot be run again"))
+            end = min(log[i + 1].seen if i + 1 < len(log) else seen, keep)
+            kind, tokens = point.ran[2]
+            if kind == "prompt" and end - point.seen < tokens.ids.shape[1] and \
+                    not bool((tokens.lengths == tokens.ids.shape[1]).all()):
+                raise ValueError(_cannot_crop(seen, keep, "that column lies inside a padded prompt batch"))
+            redo.append((point.ran, end - point.seen))
+        return log[start], redo
+
+    @_inference_mode
+    def rewind(self, point: Checkpoint) -> None:
+        """Go back to `point` (`rewind_plan`'s): its states, the log up to it."""
+        for i, state in enumerate(self.current):
+            state.zero_() if point.states is None else state.copy_(point.states[i])
+        del self.log[self.log.index(point) + 1:]
+        point.ran = None
 
     def rows_view(self, start: int, stop: int) -> ConvStates:
         view = copy.copy(self)
         view.current = [s[start:stop] for s in self.current]
         view.written = [s[start:stop] for s in self.written]
+        view.log = None
         return view
 
 
@@ -122,7 +206,6 @@ class KVCache(Cache):
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
         self.states = ConvStates(spec.states, [torch.zeros(batch, s.channels, s.width, dtype=dtype, device=device)
                                                for s in spec.states])
-        self.is_croppable = not self.states  # a state cannot go back to an earlier token
         self.presents: tuple[list, list] | None = None  # being written by a concatenating run
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)  # tokens held per row
         self.longest = 0  # max(lengths), kept on the host
@@ -171,13 +254,15 @@ class KVCache(Cache):
         return (steps[None, :] < (self.lengths + new)[:, None]).to(dtype)
 
     @_inference_mode
-    def start(self, lengths: torch.Tensor, longest: int, columns: int) -> None:
-        """Record a prefilled prompt batch: per-row lengths, the longest, the caller's width."""
+    def start(self, lengths: torch.Tensor, longest: int, columns: int, ran: tuple | None = None) -> None:
+        """Record a prefilled prompt batch: per-row lengths, the longest, the caller's width (`ran`:
+        how to run it again, `Checkpoint`)."""
         self.lengths.copy_(lengths)
         self.longest = longest
         self.seen = columns
         self.position_offset = None
-        self.states.take()
+        self.states.restart()
+        self.states.take(columns, ran)
         if not self.shared:
             self._take_presents()
             self.valid = torch.arange(columns, device=lengths.device)[None, :] < lengths[:, None]
@@ -204,14 +289,16 @@ class KVCache(Cache):
         self.longest = longest
         self.seen = width
         self.position_offset = None if source.position_offset is None else source.position_offset.index_select(0, rows)
+        self.states.restart(width, zeros=False)
 
     @_inference_mode
-    def advance(self, new: int, columns: int) -> None:
-        """Record a run that appended `new` tokens (`columns` of the caller's input) to every row."""
+    def advance(self, new: int, columns: int, ran: tuple | None = None) -> None:
+        """Record a run that appended `new` tokens (`columns` of the caller's input) to every row (`ran`:
+        how to run it again, `Checkpoint`)."""
         self.lengths += new
         self.longest += new
         self.seen += columns
-        self.states.take()
+        self.states.take(self.seen, ran)
         if not self.shared:
             self._take_presents()
             self.valid = torch.cat([self.valid, self.valid.new_ones(self.batch_size, new)], 1)
@@ -260,27 +347,10 @@ class KVCache(Cache):
             raise ValueError(f"cannot crop {-tokens_to_remove} columns from a cache holding {self.seen}")
         if keep == self.seen:
             return
-        self.states.refuse_crop(self.seen, keep)
-        removed = self.seen - keep
-        # Tokens each row loses: its real tokens among the removed columns of the caller's layout.
-        if self.caller_mask is not None:
-            lost = self.caller_mask[:, keep:].sum(1)
-            self.caller_mask = self.caller_mask[:, :keep]
+        if self.states:
+            _crop_states(self, keep)
         else:
-            lost = torch.full_like(self.lengths, removed)
-        lost = torch.minimum(lost, self.lengths)
-        if not self.shared:
-            # Drop each row's last `lost` valid columns, then the columns no row uses any more.
-            rank = self.valid.flip(1).cumsum(1).flip(1)  # valid columns at or after each column
-            self.valid &= rank > lost[:, None]
-            used = int(self.valid.any(0).nonzero().max().item()) + 1 if bool(self.valid.any()) else 0
-            self.valid = self.valid[:, :used]
-            self.keys = [key[:, :, :used].contiguous() for key in self.keys]
-            self.values = [value[:, :, :used].contiguous() for value in self.values]
-            self.version += 1
-        self.lengths -= lost
-        self.longest = int(self.lengths.max().item())
-        self.seen = keep
+            _crop_columns(self, keep)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(beam_idx)  # row i becomes a copy of row beam_idx[i] (beam search)
@@ -301,7 +371,7 @@ class KVCache(Cache):
             raise ValueError(f"row indices must lie in [0, {self.batch_size})")
         self.keys = [key.index_select(0, rows) for key in self.keys]
         self.values = [value.index_select(0, rows) for value in self.values]
-        self.states = ConvStates(self.states.specs, [state.index_select(0, rows) for state in self.states.current])
+        self.states = self.states.select(rows)
         self.lengths = self.lengths.index_select(0, rows)
         if not self.shared:
             self.valid = self.valid.index_select(0, rows)
@@ -318,6 +388,7 @@ class KVCache(Cache):
         self.longest = self.seen = 0
         self.caller_mask = self.position_offset = None
         self.states.zero()
+        self.states.restart()
         if not self.shared:
             self.keys = [key[:, :, :0].contiguous() for key in self.keys]
             self.values = [value[:, :, :0].contiguous() for value in self.values]
@@ -335,6 +406,52 @@ class KVCache(Cache):
 
     def __repr__(self) -> str:
         return f"KVCache(batch={self.batch_size}, layers={len(self)}, longest={self.longest}, capacity={self.capacity})"
+
+
+def _crop_columns(cache: KVCache, keep: int) -> None:
+    removed = cache.seen - keep
+    # Tokens each row loses: its real tokens among the removed columns of the caller's layout.
+    if cache.caller_mask is not None:
+        lost = cache.caller_mask[:, keep:].sum(1)
+        cache.caller_mask = cache.caller_mask[:, :keep]
+    else:
+        lost = torch.full_like(cache.lengths, removed)
+    lost = torch.minimum(lost, cache.lengths)
+    if not cache.shared:
+        # Drop each row's last `lost` valid columns, then the columns no row uses any more.
+        rank = cache.valid.flip(1).cumsum(1).flip(1)  # valid columns at or after each column
+        cache.valid &= rank > lost[:, None]
+        used = int(cache.valid.any(0).nonzero().max().item()) + 1 if bool(cache.valid.any()) else 0
+        cache.valid = cache.valid[:, :used]
+        cache.keys = [key[:, :, :used].contiguous() for key in cache.keys]
+        cache.values = [value[:, :, :used].contiguous() for value in cache.values]
+        cache.version += 1
+    cache.lengths -= lost
+    cache.longest = int(cache.lengths.max().item())
+    cache.seen = keep
+
+def _crop_states(cache: KVCache, keep: int) -> None:
+    """A hybrid's crop: back to the newest convolution states kept at or before `keep`
+    (`ConvStates.rewind_plan`), then the tokens from there to `keep` run again, the prompt's and
+    the steps' (these in one run)."""
+    point, redo = cache.states.rewind_plan(cache.seen, keep)
+    decoders = [ran[0] for ran, _ in redo]  # weak proxies
+    try:
+        [decoder.device for decoder in decoders]
+    except ReferenceError:
+        raise ValueError(_cannot_crop(cache.seen, keep, "the model that ran it is gone")) from None
+    mask = None if cache.caller_mask is None else cache.caller_mask[:, :keep]
+    _crop_columns(cache, point.seen)
+    cache.states.rewind(point)
+    steps = []
+    for ((_, rerun, (kind, tokens)), columns), decoder in zip(redo, decoders):
+        if kind == "prompt":
+            rerun(decoder, cache, kind, tokens, columns)
+        else:
+            steps.append(tokens[:, :columns])
+    if steps:
+        rerun(decoders[-1], cache, "step", torch.cat(steps, 1), sum(t.shape[1] for t in steps))
+    cache.caller_mask = mask
 
 
 def rows_view(cache: KVCache, start: int, stop: int, longest: int) -> KVCache:

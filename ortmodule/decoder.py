@@ -52,6 +52,30 @@ def _warn_fp32_on_cuda(package: Package) -> None:
         "`ortmodule export SRC OUT --precision bf16 --device cuda`.", stacklevel=5)
 
 
+def noted(decoder: Decoder, cache: KVCache | None, kind: str, tokens) -> tuple | None:
+    """For a hybrid's cache, how to run a prompt (`Rows`) or a step (`[B, s]` token ids) again: what
+    `KVCache.start` and `advance` keep for a crop (cache.py's `Checkpoint`): the decoder, held weakly,
+    `rerun`, and the run's input."""
+    if cache is None or not cache.states:
+        return None
+    held = decoder if isinstance(decoder, weakref.ProxyType) else weakref.proxy(decoder)  # steps.py's is one
+    return held, rerun, (kind, tokens)
+
+
+def rerun(decoder: Decoder, cache: KVCache, kind: str, tokens, columns: int) -> None:
+    """Run the first `columns` columns of a prompt (`Rows`, whose rows must then be unpadded) or the
+    step tokens `[B, columns]` again into `cache` (a hybrid's crop, `KVCache.crop`)."""
+    if kind == "prompt":
+        if columns < tokens.ids.shape[1]:
+            tokens = Rows(tokens.ids[:, :columns], None, torch.full_like(tokens.lengths, columns), columns)
+        width = tokens.ids.shape[1]
+        rows = torch.arange(tokens.ids.shape[0], device=decoder.device)
+        decoder.prefill(tokens, rows * width + tokens.lengths - 1, cache)  # one logit a row, dropped
+    else:
+        last = torch.arange(tokens.shape[0], device=decoder.device) * columns + columns - 1
+        decoder.step(tokens, cache, last)
+
+
 def _token_by_token(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None):
     """`Decoder.step` of several tokens where the package's attention takes one new token over a
     cache (GroupQueryAttention for more than one row: "batch_size must be 1 when sequence_length > 1
@@ -212,7 +236,8 @@ class Decoder:
                         cache: KVCache | None = None) -> torch.Tensor:
         """`prefill` in the package's own graph, in one run."""
         mask, positions = self._prefill_mask(rows.ids), self._prefill_positions(rows.ids)
-        return run_prefill(self, self.wide_session, rows, rows.ids, logit_index, mask, positions, cache)[0]
+        ran = noted(self, cache, "prompt", rows)
+        return run_prefill(self, self.wide_session, rows, rows.ids, logit_index, mask, positions, cache, ran=ran)[0]
 
     def step(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """Append `tokens` `[B, s]` to every row of `cache`: logits `[n, V]` at the flat indices
@@ -226,7 +251,7 @@ class Decoder:
             binding = self.cache_binding(runs, cache, new, session)
             mask = cache.step_mask(new, self.mask_dtype) if self.mask_dtype is not None else None
             logits = self.run_bound(session, binding, tokens, logit_index, mask, cache.next_positions(new))
-            cache.advance(new, new)
+            cache.advance(new, new, noted(self, cache, "step", tokens))
         return logits
 
     @contextlib.contextmanager
@@ -327,11 +352,12 @@ _ZEROS: dict = {}  # (device, dtype, row shape) -> a zero tensor, grown as neede
 
 
 def run_prefill(decoder: Decoder, session, rows: Rows, ids: torch.Tensor, logit_index: torch.Tensor | None,
-                mask: torch.Tensor | None, positions: torch.Tensor | None, cache: KVCache | None, bind=None):
+                mask: torch.Tensor | None, positions: torch.Tensor | None, cache: KVCache | None, bind=None,
+                ran: tuple | None = None):
     """One prefill run of `session` (the package's graph or a variant of it) over `rows`, fed `ids`
     (the token ids, or their embeddings): its keys and values into `cache`, whose rows start from
     nothing, or into scratch buffers without one. `bind(binding)` binds more outputs before the
-    run. The logits (`run_bound`'s) and what `bind` returned."""
+    run (`ran`: how to run it again, `Decoder.ran`). The logits (`run_bound`'s) and what `bind` returned."""
     batch, width = rows.ids.shape
     if cache is None:
         binding = session.io_binding()
@@ -343,7 +369,7 @@ def run_prefill(decoder: Decoder, session, rows: Rows, ids: torch.Tensor, logit_
         cache.states.zero()  # a reused cache holds an earlier batch's convolution states
         extra = bind(binding) if bind is not None else None
         logits = decoder.run_bound(session, binding, ids, logit_index, mask, positions, rows.lengths)
-        cache.start(rows.lengths, rows.longest, width)
+        cache.start(rows.lengths, rows.longest, width, ran)
     return logits, extra
 
 

@@ -208,7 +208,8 @@ class _Sampling:
         # the device; on the CPU (where a read costs nothing) and with a streamer, every step. The
         # output is cut where transformers' loop would have stopped.
         stopped_at = torch.zeros((), dtype=torch.int64, device=decoder.device)
-        # A returned cache of a hybrid decoder cannot be cropped back from steps run past the end.
+        # A returned cache of a hybrid decoder is not cropped back from steps run past the end: the loop
+        # reads the stop flag every step (such a crop would go back through the kept states, cache.py).
         every_step = self.streamer is not None or (self.config.return_dict_in_generate and decoder.spec.states)
         check_every = 1 if decoder.device.type == "cpu" or every_step else STOP_CHECK_EVERY
         length = width

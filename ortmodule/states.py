@@ -16,8 +16,9 @@ The decoder (decoder.py) binds the lengths on every run; the cache (cache.py) ho
 beside the KV and passes them from run to run. The extend and prefill graphs (extend.py) return no
 states (`state_outputs` names the outputs they drop): their convolutions read their rows' pasts.
 What a convolution state cannot do is shrink: a state holds the inputs before one position only,
-so a cache with states cannot be cropped, and a cached prefix is reusable only whole
-(docs/usage.md, "Hybrid models").
+so a cache with states is cropped by going back to the states it kept after an earlier run and
+running the tokens from there again (cache.py's `Checkpoint`), and a cached prefix is reusable only
+whole (docs/usage.md, "Hybrid models").
 """
 
 from __future__ import annotations

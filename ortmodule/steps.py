@@ -17,7 +17,7 @@ import torch
 
 from . import graph, runtime, states
 from .cache import KVCache
-from .decoder import Decoder, bind_cache
+from .decoder import Decoder, bind_cache, noted
 
 
 def lend(decoder: Decoder, batch: int, needed: int) -> FixedSteps | None:
@@ -127,7 +127,7 @@ class FixedSteps:
         if self.decoder.rebind:
             self._bind_inputs()
         self.decoder.session.run(self.binding, self.graph_id)
-        cache.advance(1, 1)
+        cache.advance(1, 1, noted(self.decoder, cache, "step", tokens.view(-1, 1)))
         return self.logits.view(len(self.logits), -1)
 
     def copy_cache(self) -> KVCache:
@@ -137,6 +137,7 @@ class FixedSteps:
         copy.start_from(cache, torch.arange(cache.batch_size, device=self.decoder.device), cache.lengths,
                         cache.longest)
         copy.seen = cache.seen
+        copy.states.log = cache.states.copied_log()
         return copy
 
     def forget(self) -> None:

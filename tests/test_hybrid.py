@@ -163,18 +163,104 @@ def test_long_rows_in_chunks_carry_their_states(pair):
     assert (ours - theirs)[mask.bool()].abs().max().item() < 1e-4
 
 
-def test_a_cache_with_states_refuses_to_shrink(pair):
-    """Cropping a cache, or starting one from part of another's rows, would need states before an
-    earlier token: a ValueError that says so, not a wrong number."""
+def _steps(model, cache, mask, tokens, one_by_one=False):
+    """Run `tokens` `[B, s]` over `cache` (in one run, or one token a run): the logits `[B, s, V]`
+    and the mask so far."""
+    ones = torch.ones(tokens.shape[0], 1, dtype=mask.dtype)
+    got = []
+    for part in (tokens.split(1, 1) if one_by_one else [tokens]):
+        mask = torch.cat([mask, ones.expand(-1, part.shape[1])], 1)
+        got.append(model(part, attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+    return torch.cat(got, 1), mask
+
+
+def _whole(hf, ids, mask, tokens):
+    """transformers' logits of the rows' whole sequences, at the positions of `tokens`."""
+    full = torch.cat([ids, tokens], 1)
+    full_mask = torch.cat([mask, torch.ones_like(tokens)], 1)
+    return hf(full, attention_mask=full_mask).logits[:, -tokens.shape[1]:]
+
+
+@pytest.mark.parametrize("where", ["inside a step", "at a step's end", "inside the prompt", "past the kept states"])
+def test_a_cropped_cache_continues_as_transformers(pair, where):
+    """A crop goes back to the newest convolution states the cache kept at or before the kept
+    columns and runs the tokens from there again (cache.py's `Checkpoint`s): inside a multi-token
+    step (assisted decoding's candidates), at the end of one, inside an unpadded prompt (assisted
+    decoding's first run: the prompt and the candidates in one), and further back than the states
+    of the last CHECKPOINTS runs. Every later logit equals transformers' on the kept sequence."""
+    from ortmodule import cache as caches
+
+    model, hf, _ = pair
+    lengths, removed, runs = {"inside a step": ([7, 7], 3, 1), "at a step's end": ([5, 5], 2, 3),
+                              "inside the prompt": ([9], 12, 1),
+                              "past the kept states": ([6], caches.CHECKPOINTS + 4, caches.CHECKPOINTS + 6)}[where]
+    ids, mask = right_padded_batch(lengths, seed=45)
+    gen = torch.Generator().manual_seed(46)
+    batch, drafted = len(lengths), 8 if runs == 1 else runs
+    draft = torch.randint(4, 512, (batch, drafted), generator=gen)
+    then = torch.randint(4, 512, (batch, 3), generator=gen)
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        _, seen = _steps(model, cache, mask, draft, one_by_one=runs > 1)
+        cache.crop(-removed)
+        keep = ids.shape[1] + drafted - removed
+        assert cache.get_seq_length() == keep
+        kept_ids = torch.cat([ids, draft], 1)[:, :keep]
+        kept_mask = seen[:, :keep]
+        got, _ = _steps(model, cache, kept_mask, then)
+        expected = _whole(hf, kept_ids, kept_mask, then)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_a_crop_that_cannot_run_again_is_refused(pair):
+    """Where the tokens before the kept columns cannot be run again, a ValueError that says why, not a
+    wrong number: inside a padded prompt batch, inside a step that returned hidden states (a run of
+    its own graph); starting a cache from part of another's rows, as before."""
     model, _, _ = pair
-    ids, mask = right_padded_batch([6, 6], seed=45)
-    cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
-    with pytest.raises(ValueError, match="cannot crop a cache with convolution states"):
-        cache.crop(-2)
-    copy = model.decoder.new_cache(2, 8)
-    with pytest.raises(ValueError, match="starts only from whole rows"):
-        copy.start_from(cache, torch.tensor([0, 1]), torch.tensor([4, 6]), 6)
-    cache.crop(0)  # nothing removed: allowed
+    ids, mask = right_padded_batch([6, 4], seed=45)
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="inside a padded prompt batch"):
+            cache.crop(-3)
+        copy = model.decoder.new_cache(2, 8)
+        with pytest.raises(ValueError, match="starts only from whole rows"):
+            copy.start_from(cache, torch.tensor([0, 1]), torch.tensor([4, 3]), 4)
+        one = model(ids[:1], use_cache=True).past_key_values
+        model(torch.tensor([[7, 8, 9]]), attention_mask=torch.ones(1, 9, dtype=torch.int64), past_key_values=one,
+              use_cache=True, output_hidden_states=True)
+        with pytest.raises(ValueError, match="the run from column 6 .* cannot be run again"):
+            one.crop(-1)
+        one.crop(-3)  # where that run started: allowed
+        assert one.get_seq_length() == 6
+
+
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
+def test_assisted_decoding_equals_transformers(pair, build, monkeypatch, mode):
+    """Prompt lookup and assisted decoding (transformers' loops: the candidates run over the cache in
+    one run, then the cache cropped to the accepted ones) give transformers' tokens. The prompt
+    repeats its beginning after that beginning's own continuation, so that lookup drafts tokens the
+    model then mostly rejects; the assistant is another LFM2 (other weights), whose drafts the model
+    mostly rejects, and whose own cache is cropped back over several of its runs. Some crops run
+    steps again (counted)."""
+    from ortmodule import decoder
+
+    model, hf, _ = pair
+    if mode == "assistant":
+        helpers = load_pair(build("lfm2", seed=1))
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        ahead = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=2)
+    ids = torch.cat([ahead, prompt], 1)
+    reran, original = [], decoder.rerun
+    monkeypatch.setattr(decoder, "rerun", lambda *args: reran.append(args[2]) or original(*args))
+    got = []
+    for m, helper in ((model, helpers[0] if mode == "assistant" else None),
+                      (hf, helpers[1] if mode == "assistant" else None)):
+        extra = dict(prompt_lookup_num_tokens=3) if mode == "prompt_lookup" else dict(assistant_model=helper)
+        with torch.no_grad():
+            got.append(m.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=2, **extra))
+    assert torch.equal(got[0], got[1])
+    assert "step" in reran
 
 
 def test_lm_eval_requests_equal_the_hf_backend(pair):
