@@ -342,10 +342,14 @@ class CachePair:
     def __init__(self, models, ids, mask):
         self.models, self.mask = models, mask
         positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # what transformers' generate passes
+        # transformers' sliding and linear-attention (hybrid) layers keep what a crop needs only once
+        # recording: from before the prompt, or a hybrid's crop into the prompt is silently wrong there.
+        recording = DynamicCache(config=models[1].config)
+        recording.activate_past_recording()
         with torch.inference_mode():
-            outs = [m(ids, attention_mask=mask, position_ids=positions, use_cache=True) for m in models]
+            outs = [m(ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+                    for m, extra in zip(models, ({}, {"past_key_values": recording}))]
         self.caches = [out.past_key_values for out in outs]
-        self.caches[1].activate_past_recording()  # transformers' sliding layers keep what crop needs
         assert isinstance(self.caches[0], KVCache) and isinstance(self.caches[0], Cache)
         assert isinstance(self.caches[1], DynamicCache)
 
