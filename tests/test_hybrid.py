@@ -14,6 +14,7 @@ import torch
 from helpers import LiveServer, expected_text, left_padded_batch, load_pair, right_padded_batch
 
 from ortmodule import OrtModelForCausalLM, load_tokenizer
+from ortmodule.cache import CHECKPOINTS
 
 
 @pytest.fixture(scope="module")
@@ -181,30 +182,40 @@ def _whole(hf, ids, mask, tokens):
     return hf(full, attention_mask=full_mask).logits[:, -tokens.shape[1]:]
 
 
-@pytest.mark.parametrize("where", ["inside a step", "at a step's end", "inside the prompt", "past the kept states"])
-def test_a_cropped_cache_continues_as_transformers(pair, where):
+# where: (prompt lengths, columns cropped, runs of the drafted tokens, what the crop runs again)
+CROPS = {"inside a step": ([7], 3, 1, ["step"]),  # one row: the 8 drafted tokens in one run
+         "inside a batch's step": ([7, 7], 3, 1, []),  # two rows: one token a run (decoder.py), run ends
+         "at a step's end": ([5, 5], 2, 3, []),
+         "inside the prompt": ([9], 12, 1, ["prompt"]),  # the 8 drafted, then 4 of the prompt's 9
+         "past the kept states": ([6], CHECKPOINTS + 4, CHECKPOINTS + 6, ["prompt", "step"])}
+
+
+@pytest.mark.parametrize("where", list(CROPS))
+def test_a_cropped_cache_continues_as_transformers(pair, monkeypatch, where):
     """A crop goes back to the newest convolution states the cache kept at or before the kept
     columns and runs the tokens from there again (cache.py's `Checkpoint`s): inside a multi-token
     step (assisted decoding's candidates), at the end of one, inside an unpadded prompt (assisted
     decoding's first run: the prompt and the candidates in one), and further back than the states
-    of the last CHECKPOINTS runs. Every later logit equals transformers' on the kept sequence."""
-    from ortmodule import cache as caches
+    of the last CHECKPOINTS runs (the prompt and the steps run again). Every later logit equals
+    transformers' on the kept sequence, and what ran again is as expected (counted)."""
+    from ortmodule import decoder
 
     model, hf, _ = pair
-    lengths, removed, runs = {"inside a step": ([7, 7], 3, 1), "at a step's end": ([5, 5], 2, 3),
-                              "inside the prompt": ([9], 12, 1),
-                              "past the kept states": ([6], caches.CHECKPOINTS + 4, caches.CHECKPOINTS + 6)}[where]
+    lengths, removed, runs, expected_reruns = CROPS[where]
     ids, mask = right_padded_batch(lengths, seed=45)
     gen = torch.Generator().manual_seed(46)
     batch, drafted = len(lengths), 8 if runs == 1 else runs
     draft = torch.randint(4, 512, (batch, drafted), generator=gen)
     then = torch.randint(4, 512, (batch, 3), generator=gen)
+    reran, original = [], decoder.rerun
+    monkeypatch.setattr(decoder, "rerun", lambda *args: reran.append(args[2]) or original(*args))
     with torch.no_grad():
         cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
         _, seen = _steps(model, cache, mask, draft, one_by_one=runs > 1)
         cache.crop(-removed)
         keep = ids.shape[1] + drafted - removed
         assert cache.get_seq_length() == keep
+        assert reran == expected_reruns
         kept_ids = torch.cat([ids, draft], 1)[:, :keep]
         kept_mask = seen[:, :keep]
         got, _ = _steps(model, cache, kept_mask, then)
