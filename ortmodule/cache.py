@@ -17,7 +17,8 @@ A hybrid decoder's convolution layers keep no KV but a state each (`states`: `Co
 which every run replaces; rows are selected, repeated and reset with the KV. A state holds the inputs
 before one position only, so the cache keeps a copy of the states after each of its last runs
 (`Checkpoint`s): a crop goes back to the last one at or before the kept columns and runs the tokens
-from there again (assisted decoding: its candidates' run, cropped to the accepted ones).
+from there again, or, where they are the first of one step run (assisted decoding: its candidates'
+run, cropped to the accepted ones), leaves them `pending` for the next step to run with its own.
 """
 
 from __future__ import annotations
@@ -154,12 +155,14 @@ class ConvStates:
         return log[start], redo
 
     @_inference_mode
-    def rewind(self, point: Checkpoint) -> None:
-        """Go back to `point` (`rewind_plan`'s): its states, the log up to it."""
+    def rewind(self, point: Checkpoint, keep_ran: bool = False) -> None:
+        """Go back to `point` (`rewind_plan`'s): its states, the log up to it (and the run after it,
+        where `keep_ran`: its first tokens are to run again, `KVCache.pending`)."""
         for i, state in enumerate(self.current):
             state.zero_() if point.states is None else state.copy_(point.states[i])
         del self.log[self.log.index(point) + 1:]
-        point.ran = None
+        if not keep_ran:
+            point.ran = None
 
     def rows_view(self, start: int, stop: int) -> ConvStates:
         view = copy.copy(self)
@@ -207,6 +210,9 @@ class KVCache(Cache):
         self.states = ConvStates(spec.states, [torch.zeros(batch, s.channels, s.width, dtype=dtype, device=device)
                                                for s in spec.states])
         self.presents: tuple[list, list] | None = None  # being written by a concatenating run
+        # A hybrid's last tokens `[B, m]` whose KV the cache holds but whose convolution states it does
+        # not yet (a crop inside a run: `_crop_states`): the next step runs them first (decoder.py).
+        self.pending: torch.Tensor | None = None
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)  # tokens held per row
         self.longest = 0  # max(lengths), kept on the host
         self.seen = 0  # columns of the caller's input_ids (padding included) this cache has taken in
@@ -260,7 +266,7 @@ class KVCache(Cache):
         self.lengths.copy_(lengths)
         self.longest = longest
         self.seen = columns
-        self.position_offset = None
+        self.position_offset = self.pending = None
         self.states.restart()
         self.states.take(columns, ran)
         if not self.shared:
@@ -271,6 +277,7 @@ class KVCache(Cache):
     def start_from(self, source: KVCache, rows: torch.Tensor, lengths: torch.Tensor, longest: int) -> None:
         """Start row i as row `rows[i]` of `source`, holding its first `lengths[i]` entries (prefixes
         shared by several rows, run once in `source`)."""
+        settle(source)
         width = source.span
         # Only a hybrid's states need the check, a read of the device: the shared path reads none otherwise.
         whole = not self.states or bool((source.lengths.index_select(0, rows) == lengths).all())
@@ -364,6 +371,7 @@ class KVCache(Cache):
 
     @_inference_mode
     def _select_rows(self, rows: torch.Tensor) -> None:
+        settle(self)
         rows = torch.as_tensor(rows).to(self.lengths.device, torch.int64)
         if rows.dim() != 1 or rows.numel() == 0:
             raise ValueError(f"row indices must be a non-empty 1-D tensor, got shape {tuple(rows.shape)}")
@@ -386,7 +394,7 @@ class KVCache(Cache):
         """Empty every row (the buffers stay allocated)."""
         self.lengths.zero_()
         self.longest = self.seen = 0
-        self.caller_mask = self.position_offset = None
+        self.caller_mask = self.position_offset = self.pending = None
         self.states.zero()
         self.states.restart()
         if not self.shared:
@@ -433,8 +441,17 @@ def _crop_columns(cache: KVCache, keep: int) -> None:
 def _crop_states(cache: KVCache, keep: int) -> None:
     """A hybrid's crop: back to the newest convolution states kept at or before `keep`
     (`ConvStates.rewind_plan`), then the tokens from there to `keep` run again, the prompt's and
-    the steps' (these in one run)."""
+    the steps' (these in one run). Where those are the first tokens of one step run (assisted
+    decoding's accepted candidates), they are left `pending` instead, their KV kept: the next step
+    runs them before its own tokens, in the same run (decoder.py), or `settle` does."""
+    cache.pending = None  # the log has them: the states are at its last checkpoint
     point, redo = cache.states.rewind_plan(cache.seen, keep)
+    if len(redo) == 1 and redo[0][0][2][0] == "step":
+        (ran, columns), = redo
+        _crop_columns(cache, keep)
+        cache.states.rewind(point, keep_ran=True)
+        cache.pending = ran[2][1][:, :columns]
+        return
     decoders = [ran[0] for ran, _ in redo]  # weak proxies
     try:
         [decoder.device for decoder in decoders]
@@ -452,6 +469,26 @@ def _crop_states(cache: KVCache, keep: int) -> None:
     if steps:
         rerun(decoders[-1], cache, "step", torch.cat(steps, 1), sum(t.shape[1] for t in steps))
     cache.caller_mask = mask
+
+
+def take_back(cache: KVCache) -> torch.Tensor:
+    """The cache's `pending` tokens, taken back out of it (its rows shortened by them, the caller's
+    mask kept whole): to run them again, before any new ones."""
+    tokens, cache.pending = cache.pending, None
+    mask = cache.caller_mask
+    _crop_columns(cache, cache.seen - tokens.shape[1])
+    cache.caller_mask = mask
+    return tokens
+
+
+def settle(cache: KVCache) -> None:
+    """Run a hybrid cache's `pending` tokens again (their convolution states), if it has any: before
+    anything that reads its states other than a step (which runs them with its own)."""
+    if cache.pending is None:
+        return
+    decoder, rerun, _ = cache.states.log[-1].ran
+    tokens = take_back(cache)
+    rerun(decoder, cache, "step", tokens, tokens.shape[1])
 
 
 def rows_view(cache: KVCache, start: int, stop: int, longest: int) -> KVCache:

@@ -38,7 +38,7 @@ import onnxruntime as ort
 import torch
 
 from . import chunked, extend, graph, nbits, projections, runtime, states
-from .cache import KVCache
+from .cache import KVCache, settle, take_back
 from .inputs import Rows
 from .package import Package, PackageError
 
@@ -74,6 +74,21 @@ def rerun(decoder: Decoder, cache: KVCache, kind: str, tokens, columns: int) -> 
     else:
         last = torch.arange(tokens.shape[0], device=decoder.device) * columns + columns - 1
         decoder.step(tokens, cache, last)
+
+
+def _after_pending(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None):
+    """`Decoder.step` over a hybrid cache with `pending` tokens (cache.py): those and `tokens` in one
+    step, the logits of `tokens` only."""
+    pending = take_back(cache)
+    batch, new = tokens.shape
+    before, width = pending.shape[1], pending.shape[1] + new
+    if logit_index is None:
+        rows = torch.arange(batch, device=tokens.device)[:, None]
+        index = (rows * width + before + torch.arange(new, device=tokens.device)).reshape(-1)
+    else:
+        index = logit_index // new * width + before + logit_index % new
+    logits = decoder.step(torch.cat([pending, tokens.to(pending.device)], 1), cache, index)
+    return logits if logit_index is not None else logits.view(batch, new, -1)
 
 
 def _token_by_token(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None):
@@ -243,6 +258,8 @@ class Decoder:
         """Append `tokens` `[B, s]` to every row of `cache`: logits `[n, V]` at the flat indices
         `logit_index` of the tokens (`row * s + i`), else `[B, s, V]`."""
         batch, new = tokens.shape
+        if cache.pending is not None:  # a hybrid's tokens left by a crop: run first, in the same run
+            return _after_pending(self, tokens, cache, logit_index)
         if new > 1 and (batch > 1 or (self.spec.steps_one_token and cache.longest > 0)):
             return _token_by_token(self, tokens, cache, logit_index)
         session = self.wide_session if new > 1 else self.session
@@ -257,7 +274,8 @@ class Decoder:
     @contextlib.contextmanager
     def holding(self, cache: KVCache):
         """Hold the cache for one run (yields its `_CacheRuns`); a second thread's run over it is
-        refused, not raced."""
+        refused, not raced. A hybrid's tokens left pending by a crop run first (cache.py's `settle`)."""
+        settle(cache)
         runs = self._runs_of(cache)
         if not runs.lock.acquire(blocking=False):
             raise RuntimeError(
@@ -364,6 +382,7 @@ def run_prefill(decoder: Decoder, session, rows: Rows, ids: torch.Tensor, logit_
         decoder.scratch.bind(binding, decoder, batch, width)
         extra = bind(binding) if bind is not None else None
         return decoder.run_bound(session, binding, ids, logit_index, mask, positions, rows.lengths), extra
+    cache.pending = None  # a prompt starts the rows over
     with decoder.holding(cache) as runs:
         binding = decoder.cache_binding(runs, cache, width, session)
         cache.states.zero()  # a reused cache holds an earlier batch's convolution states

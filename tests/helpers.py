@@ -354,11 +354,14 @@ class CachePair:
         assert isinstance(self.caches[1], DynamicCache)
 
     def step(self, tokens):
-        """Append one token per row to both; the logits of each."""
-        self.mask = torch.cat([self.mask, torch.ones(self.mask.shape[0], 1, dtype=self.mask.dtype)], 1)
-        positions = self.mask.cumsum(1)[:, -1:] - 1
+        """Append one token per row (`[B]`, or `[B, s]`: s tokens in one forward call) to both; the
+        logits of each at the last."""
+        tokens = tokens[:, None] if tokens.dim() == 1 else tokens
+        new = tokens.shape[1]
+        self.mask = torch.cat([self.mask, torch.ones(self.mask.shape[0], new, dtype=self.mask.dtype)], 1)
+        positions = self.mask.cumsum(1)[:, -new:] - 1
         with torch.inference_mode():
-            return [m(tokens[:, None], attention_mask=self.mask, position_ids=positions, past_key_values=c,
+            return [m(tokens, attention_mask=self.mask, position_ids=positions, past_key_values=c,
                       use_cache=True).logits[:, -1] for m, c in zip(self.models, self.caches)]
 
     def each(self, method, *args):

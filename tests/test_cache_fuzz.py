@@ -1,8 +1,8 @@
-"""A seeded fuzz test of the KV cache as a `transformers.Cache`: random sequences of decode steps
-and cache operations (crop, reorder, batch select, repeat), as generation strategies and libraries
-string them, applied to ortmodule's cache and to transformers' `DynamicCache` side by side; after
-every operation the next step's logits must agree (tests/helpers.py's `CachePair`), and the
-lengths too. `CACHE_FUZZ_SEEDS=N` runs more."""
+"""A seeded fuzz test of the KV cache as a `transformers.Cache`: random sequences of decode steps (one
+token a row, or several in one call) and cache operations (crop, reorder, batch select, repeat), as
+generation strategies and libraries string them, applied to ortmodule's cache and to transformers'
+`DynamicCache` side by side; after every operation the next step's logits must agree
+(tests/helpers.py's `CachePair`), and the lengths too. `CACHE_FUZZ_SEEDS=N` runs more."""
 
 import os
 import random
@@ -69,9 +69,12 @@ def test_cache_operations_fuzz(build, seed):
         else:
             op = "step"
         done.append(op)
-        tokens = torch.tensor([rng.randrange(4, TEXT_IDS) for _ in range(pair.mask.shape[0])])
+        # a step of one token a row, or now and then of several in one call (assisted decoding's
+        # candidates: a crop inside it leaves a hybrid's kept tokens pending, cache.py)
+        new = rng.choice([1, 1, 1, 2, 3, 4])
+        tokens = torch.tensor([[rng.randrange(4, TEXT_IDS) for _ in range(new)] for _ in range(pair.mask.shape[0])])
         ours, theirs = pair.step(tokens)
-        sequence = torch.cat([sequence, tokens[:, None]], 1)
+        sequence = torch.cat([sequence, tokens], 1)
         if arch in HYBRID:
             positions = (pair.mask.cumsum(1) - 1).masked_fill(pair.mask == 0, 1)
             with torch.inference_mode():

@@ -183,7 +183,7 @@ def _whole(hf, ids, mask, tokens):
 
 
 # where: (prompt lengths, columns cropped, runs of the drafted tokens, what the crop runs again)
-CROPS = {"inside a step": ([7], 3, 1, ["step"]),  # one row: the 8 drafted tokens in one run
+CROPS = {"inside a step": ([7], 3, 1, []),  # one row: the 8 drafted tokens in one run, 5 left pending
          "inside a batch's step": ([7, 7], 3, 1, []),  # two rows: one token a run (decoder.py), run ends
          "at a step's end": ([5, 5], 2, 3, []),
          "inside the prompt": ([9], 12, 1, ["prompt"]),  # the 8 drafted, then 4 of the prompt's 9
@@ -194,10 +194,11 @@ CROPS = {"inside a step": ([7], 3, 1, ["step"]),  # one row: the 8 drafted token
 def test_a_cropped_cache_continues_as_transformers(pair, monkeypatch, where):
     """A crop goes back to the newest convolution states the cache kept at or before the kept
     columns and runs the tokens from there again (cache.py's `Checkpoint`s): inside a multi-token
-    step (assisted decoding's candidates), at the end of one, inside an unpadded prompt (assisted
-    decoding's first run: the prompt and the candidates in one), and further back than the states
-    of the last CHECKPOINTS runs (the prompt and the steps run again). Every later logit equals
-    transformers' on the kept sequence, and what ran again is as expected (counted)."""
+    step (assisted decoding's candidates: those tokens left pending, run with the next step's), at
+    the end of one, inside an unpadded prompt (assisted decoding's first run: the prompt and the
+    candidates in one), and further back than the states of the last CHECKPOINTS runs (the prompt
+    and the steps run again). Every later logit equals transformers' on the kept sequence, and what
+    ran again at the crop is as expected (counted)."""
     from ortmodule import decoder
 
     model, hf, _ = pair
@@ -216,10 +217,52 @@ def test_a_cropped_cache_continues_as_transformers(pair, monkeypatch, where):
         keep = ids.shape[1] + drafted - removed
         assert cache.get_seq_length() == keep
         assert reran == expected_reruns
+        assert (cache.pending is not None) == (where == "inside a step")
         kept_ids = torch.cat([ids, draft], 1)[:, :keep]
         kept_mask = seen[:, :keep]
         got, _ = _steps(model, cache, kept_mask, then)
         expected = _whole(hf, kept_ids, kept_mask, then)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("then", ["reorder", "hidden states", "copy", "crop again", "prompt"])
+def test_tokens_a_crop_left_pending_run_before_anything_else(pair, then):
+    """The tokens a crop inside a step leaves pending (their KV kept, their convolution states not)
+    run before anything that reads the states: a reorder of the rows, a step with hidden states (its
+    own graph), a copy of the rows (`start_from`, as the score paths and generate's returned cache
+    make), another crop within them; a new prompt drops them. The next logits are transformers' on
+    the kept sequence."""
+    model, hf, _ = pair
+    ids, _ = right_padded_batch([6], seed=47)
+    draft = torch.randint(4, 512, (1, 6), generator=torch.Generator().manual_seed(48))
+    step = torch.tensor([[99]])
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        model(draft, attention_mask=torch.ones(1, 12, dtype=torch.int64), past_key_values=cache, use_cache=True)
+        cache.crop(-4)  # 2 of the 6 kept, pending
+        assert cache.pending is not None and cache.pending.shape == (1, 2)
+        kept = torch.cat([ids, draft[:, :2]], 1)
+        if then == "reorder":
+            cache.reorder_cache(torch.tensor([0]))
+        elif then == "hidden states":
+            out = model(step, attention_mask=torch.ones(1, 9, dtype=torch.int64), past_key_values=cache,
+                        use_cache=True, output_hidden_states=True)
+            assert (out.logits[:, -1] - hf(torch.cat([kept, step], 1)).logits[:, -1]).abs().max().item() < 1e-4
+            kept = torch.cat([kept, step], 1)
+        elif then == "copy":
+            copy = model.decoder.new_cache(1, 16)
+            copy.start_from(cache, torch.tensor([0]), cache.lengths.clone(), cache.longest)
+            copy.seen, cache = cache.seen, copy
+        elif then == "crop again":
+            cache.crop(-1)
+            kept = kept[:, :-1]
+        else:  # the decoder's prefill into the same cache (generate's fixed steps reuse theirs so)
+            model.decoder.prefill(model._rows(ids[:, :4], None), None, cache)
+            kept, cache.caller_mask = ids[:, :4], torch.ones(1, 4, dtype=torch.int64)
+        assert cache.pending is None or then == "crop again"
+        got = model(step, attention_mask=torch.ones(1, kept.shape[1] + 1, dtype=torch.int64), past_key_values=cache,
+                    use_cache=True).logits[:, -1]
+        expected = hf(torch.cat([kept, step], 1)).logits[:, -1]
     assert (got - expected).abs().max().item() < 1e-4
 
 
@@ -251,8 +294,9 @@ def test_assisted_decoding_equals_transformers(pair, build, monkeypatch, mode):
     one run, then the cache cropped to the accepted ones) give transformers' tokens. The prompt
     repeats its beginning after that beginning's own continuation, so that lookup drafts tokens the
     model then mostly rejects; the assistant is another LFM2 (other weights), whose drafts the model
-    mostly rejects, and whose own cache is cropped back over several of its runs. Some crops run
-    steps again (counted)."""
+    mostly rejects, and whose own cache is cropped back over several of its runs. The first crop
+    runs the prompt's kept part again; later ones leave the accepted tokens pending, run with the
+    next candidates (both counted)."""
     from ortmodule import decoder
 
     model, hf, _ = pair
@@ -262,8 +306,9 @@ def test_assisted_decoding_equals_transformers(pair, build, monkeypatch, mode):
     with torch.no_grad():
         ahead = hf.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=2)
     ids = torch.cat([ahead, prompt], 1)
-    reran, original = [], decoder.rerun
+    reran, original, taken = [], decoder.rerun, decoder.take_back
     monkeypatch.setattr(decoder, "rerun", lambda *args: reran.append(args[2]) or original(*args))
+    monkeypatch.setattr(decoder, "take_back", lambda cache: reran.append("pending") or taken(cache))
     got = []
     for m, helper in ((model, helpers[0] if mode == "assistant" else None),
                       (hf, helpers[1] if mode == "assistant" else None)):
@@ -271,7 +316,7 @@ def test_assisted_decoding_equals_transformers(pair, build, monkeypatch, mode):
         with torch.no_grad():
             got.append(m.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=2, **extra))
     assert torch.equal(got[0], got[1])
-    assert "step" in reran
+    assert "prompt" in reran and "pending" in reran
 
 
 def test_lm_eval_requests_equal_the_hf_backend(pair):
