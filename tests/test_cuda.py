@@ -898,6 +898,31 @@ def test_explicit_prefill_chunks_on_cuda(llama_cuda):
     assert real_positions_diff(logits, expected, mask) < 2e-2 * expected.abs().max().item()
 
 
+def test_hybrid_crops_on_cuda(build):
+    """LFM2's bf16 CUDA export: a crop inside a one-row step of six tokens (two kept, left pending,
+    cache.py) and the next step, then a crop back into the prompt (run again), each followed by a
+    step whose logits are, to bf16's rounding, those of the kept sequence run whole."""
+    fixture = build("lfm2", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    gen = torch.Generator().manual_seed(61)
+    ids, draft = (torch.randint(4, 500, (1, n), generator=gen).cuda() for n in (9, 6))
+    step = torch.tensor([[77]], device="cuda")
+
+    def ones(n):
+        return torch.ones(1, n, dtype=torch.int64, device="cuda")
+
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        model(draft, attention_mask=ones(15), past_key_values=cache, use_cache=True)
+        cache.crop(-4)
+        assert cache.pending is not None and cache.pending.shape == (1, 2)
+        for kept in (torch.cat([ids, draft[:, :2]], 1), ids[:, :5]):
+            got = model(step, attention_mask=ones(kept.shape[1] + 1), past_key_values=cache, use_cache=True).logits
+            whole = model(torch.cat([kept, step], 1)).logits[:, -1]
+            assert (got[:, -1] - whole).abs().max().item() < 2e-2 * whole.abs().max().item()
+            cache.crop(5 - cache.get_seq_length())  # the second round: back into the prompt
+
+
 def test_hybrid_conv_states_on_cuda(build):
     """LFM2's bf16 export for CUDA (ONNX Runtime's CUDA `CausalConvWithState`, ortmodule's rewrite
     taking each row's state at its own last token): a right-padded prefill into a cache, continued
@@ -910,8 +935,8 @@ def test_hybrid_conv_states_on_cuda(build):
     hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
     prompts, prompt_mask, together = check_cache_steps_and_batched_generate(model, hf, [17, 6, 11], 3,
                                                                             (48, 49, 50, [9, 4]), 8, 2)
-    # Rows that stop early: the loop reads the stop flag every step when the cache is returned (a
-    # hybrid cache cannot be cropped back from steps run past the end, as CUDA's loop runs them).
+    # Rows that stop early: the loop reads the stop flag every step when a hybrid's cache is returned
+    # (generation.py), rather than cropping it back from steps run past the end.
     stop = int(together[0, -6])
     out = model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=8, do_sample=False, pad_token_id=2,
                          eos_token_id=stop, return_dict_in_generate=True)
