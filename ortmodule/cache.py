@@ -81,6 +81,9 @@ class ConvStates:
         self.specs, self.current = specs, current
         self.written = [torch.empty_like(state) for state in current]
         self.log = [Checkpoint(0, None)] if log is None else log
+        # False: no checkpoints (generate's own loop, whose cache is not returned: nothing can crop it)
+        # until the next prompt; a crop then finds none and is refused.
+        self.keeping = True
 
     def __bool__(self) -> bool:
         return bool(self.specs)
@@ -90,7 +93,9 @@ class ConvStates:
         ones, kept as the checkpoint at `seen`."""
         for state, written in zip(self.current, self.written):
             state.copy_(written)
-        if self and self.log is not None:
+        if self and self.log is not None and not self.keeping:
+            self.log.clear()
+        elif self and self.log is not None:
             self.log[-1].ran = ran
             self.log.append(Checkpoint(seen, [state.clone() for state in self.current]))
             if len(self.log) > CHECKPOINTS:
@@ -102,6 +107,7 @@ class ConvStates:
         """Start the log over: the states before a prompt (`zeros`) or as they are now, at `seen`."""
         if self.log is not None:
             self.log = [Checkpoint(seen, None if zeros else [state.clone() for state in self.current])]
+            self.keeping = True
 
     def copied_log(self) -> list | None:
         """The log for a copy of these rows (steps.py's `copy_cache`): the checkpoints, the last one

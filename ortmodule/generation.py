@@ -191,6 +191,9 @@ class _Sampling:
                 logits = shared_prompts.prefill(decoder, rows, last, cache)  # a common beginning run once (CPU)
             if steps is not None:
                 steps.start()
+            # A hybrid's convolution states kept after each step only where the cache is returned
+            # (to be cropped: transformers' assisted decoding crops its assistant's).
+            cache.states.keeping = bool(self.config.return_dict_in_generate)
             length = self._loop(logits, cache, steps)
             if steps is not None and self.config.return_dict_in_generate:
                 cache = steps.copy_cache()  # the caller's to keep: the fixed one serves the next generation

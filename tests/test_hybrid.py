@@ -266,6 +266,29 @@ def test_tokens_a_crop_left_pending_run_before_anything_else(pair, then):
     assert (got - expected).abs().max().item() < 1e-4
 
 
+def test_generate_keeps_states_only_for_a_cache_it_returns(pair, monkeypatch):
+    """generate's own loop copies the convolution states after each step (for a crop) only where it
+    returns the cache (`return_dict_in_generate`, as transformers' assisted decoding asks of its
+    assistant): otherwise nothing can crop it, and the copies would be memory kept for nothing
+    (32 copies of a hybrid's whole state per row). Counted as checkpoints made."""
+    from ortmodule import cache as caches
+
+    model, _, _ = pair
+    made, original = [], caches.Checkpoint
+    monkeypatch.setattr(caches, "Checkpoint", lambda *args, **kwargs: made.append(args[0]) or original(*args, **kwargs))
+    ids, mask = left_padded_batch([6, 3], seed=52)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        model.generate(ids, **kwargs)
+        alone = len(made)
+        made.clear()
+        out = model.generate(ids, **kwargs, return_dict_in_generate=True)
+    assert alone <= 3  # the new cache's first, and the prompt's before and after it
+    assert len(made) >= 10
+    out.past_key_values.crop(-3)  # back over the last steps: their states kept
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 4
+
+
 def test_a_crop_that_cannot_run_again_is_refused(pair):
     """Where the tokens before the kept columns cannot be run again, a ValueError that says why, not a
     wrong number: inside a padded prompt batch, inside a step that returned hidden states (a run of
