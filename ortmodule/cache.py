@@ -140,10 +140,9 @@ class ConvStates:
         `keep`, and the runs after it to run again, `(ran, columns)` each; a ValueError that says why
         where it cannot."""
         log = self.log or []
-        kept = [i for i, c in enumerate(log) if c.kept and c.seen <= keep]
-        if not kept:
+        start = next((i for i in reversed(range(len(log))) if log[i].kept and log[i].seen <= keep), None)
+        if start is None:
             raise ValueError(_cannot_crop(seen, keep, "this cache keeps none of its states from before that column"))
-        start = kept[-1]
         redo = []
         for i in range(start, len(log)):
             point = log[i]
@@ -272,7 +271,7 @@ class KVCache(Cache):
         self.lengths.copy_(lengths)
         self.longest = longest
         self.seen = columns
-        self.position_offset = self.pending = None
+        self.position_offset = None
         self.states.restart()
         self.states.take(columns, ran)
         if not self.shared:
@@ -444,6 +443,7 @@ def _crop_columns(cache: KVCache, keep: int) -> None:
     cache.longest = int(cache.lengths.max().item())
     cache.seen = keep
 
+
 def _crop_states(cache: KVCache, keep: int) -> None:
     """A hybrid's crop: back to the newest convolution states kept at or before `keep`
     (`ConvStates.rewind_plan`), then the tokens from there to `keep` run again, the prompt's and
@@ -452,15 +452,17 @@ def _crop_states(cache: KVCache, keep: int) -> None:
     runs them before its own tokens, in the same run (decoder.py), or `settle` does."""
     cache.pending = None  # the log has them: the states are at its last checkpoint
     point, redo = cache.states.rewind_plan(cache.seen, keep)
-    if len(redo) == 1 and redo[0][0][2][0] == "step":
-        (ran, columns), = redo
-        _crop_columns(cache, keep)
-        cache.states.rewind(point, keep_ran=True)
-        cache.pending = ran[2][1][:, :columns]
-        return
+    if len(redo) == 1:
+        (_, _, (kind, tokens)), columns = redo[0]
+        if kind == "step":
+            _crop_columns(cache, keep)
+            cache.states.rewind(point, keep_ran=True)
+            cache.pending = tokens[:, :columns]
+            return
     decoders = [ran[0] for ran, _ in redo]  # weak proxies
     try:
-        [decoder.device for decoder in decoders]
+        for decoder in decoders:
+            decoder.device  # noqa: B018 (a dead proxy raises)
     except ReferenceError:
         raise ValueError(_cannot_crop(cache.seen, keep, "the model that ran it is gone")) from None
     mask = None if cache.caller_mask is None else cache.caller_mask[:, :keep]
@@ -478,12 +480,19 @@ def _crop_states(cache: KVCache, keep: int) -> None:
 
 
 def take_back(cache: KVCache) -> torch.Tensor:
-    """The cache's `pending` tokens, taken back out of it (its rows shortened by them, the caller's
-    mask kept whole): to run them again, before any new ones."""
+    """The cache's `pending` tokens, taken back out of it (every row shortened by them, the last
+    columns of a step's run; the caller's mask kept whole): to run them again, before any new ones.
+    No read from the device, as `advance` makes none."""
     tokens, cache.pending = cache.pending, None
-    mask = cache.caller_mask
-    _crop_columns(cache, cache.seen - tokens.shape[1])
-    cache.caller_mask = mask
+    new = tokens.shape[1]
+    cache.lengths -= new
+    cache.longest -= new
+    cache.seen -= new
+    if not cache.shared:
+        cache.valid = cache.valid[:, :-new]
+        cache.keys = [key[:, :, :-new].contiguous() for key in cache.keys]
+        cache.values = [value[:, :, :-new].contiguous() for value in cache.values]
+        cache.version += 1
     return tokens
 
 

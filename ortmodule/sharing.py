@@ -38,7 +38,7 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
         return False
     if costs is None:
         return prefix >= 2 * max(len(row) - prefix for row in rows)
-    shared, whole = sharing_prices(rows, starts, costs, batch_rows)
+    shared, whole = _prices(rows, prefix, costs, batch_rows)
     return shared < whole
 
 
@@ -46,7 +46,10 @@ def sharing_prices(rows: list[Ids], starts: list[int], costs: Costs, batch_rows:
     """`worth_sharing`'s two prices, in seconds: the rows' common prefix (ending no later than the
     first position scored) run once and the rest of every row over copies of its cache, and the rows
     in one padded prefill."""
-    prefix = min(common_prefix(rows), min(starts) + 1)
+    return _prices(rows, min(common_prefix(rows), min(starts) + 1), costs, batch_rows)
+
+
+def _prices(rows: list[Ids], prefix: int, costs: Costs, batch_rows: int) -> tuple[float, float]:
     steps = max(len(row) - prefix for row in rows)
     share = len(rows) / max(batch_rows, len(rows))  # of a run's fixed cost
     if costs.extend_per_token is not None:  # the rest of every row in one extend run
