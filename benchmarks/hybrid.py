@@ -5,6 +5,12 @@ ortmodule against transformers on the same weights, timed in turns (median of `-
 - generate: greedy, prompts of 32 tokens, 32 new tokens, batch 1 and 8;
 - `--shared`: 16 HellaSwag-shaped questions scored by ortmodule three ways (sliding_windows.py's):
   padded rows, shared contexts continued by decode steps, shared contexts in one extend run.
+- `--crops`: what the cache's copies of the convolution states cost (cache.py's checkpoints, made
+  after every step where generate returns the cache): greedy generate, batch 1 and 8, with
+  `return_dict_in_generate` and without; then prompt lookup (`prompt_lookup_num_tokens=8`, crops
+  inside each round's run) against greedy decoding, ortmodule's and transformers', on a 64-token
+  prompt that repeats its first 32 tokens after their greedy continuation. Each way's tokens are
+  compared with the first's (a difference of 0: the same tokens).
 
 Each of ortmodule's results is checked against transformers' first (logits within 1e-3 of their
 largest, the same tokens). A synthetic workload of a real model's sizes: the layer pattern is the
@@ -13,6 +19,7 @@ and no trained weights exist offline to score real text with.
 
     python benchmarks/hybrid.py
     python benchmarks/hybrid.py --shared
+    python benchmarks/hybrid.py --crops
 """
 
 import argparse
@@ -61,6 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shared", action="store_true", help="shared contexts: padded, decode steps, extend")
+    parser.add_argument("--crops", action="store_true", help="the states' copies for crops; prompt lookup")
     args = parser.parse_args()
     fixture = fixtures.build(LFM2_350M_CPU)
     ours = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
@@ -72,6 +80,10 @@ def main() -> None:
     print(f"LFM2-350M's sizes, random weights, fp32, {torch.get_num_threads()} threads; "
           f"{len(ours.decoder.spec.states)} convolution layers, {len(ours.decoder.spec.layers)} attention layers")
     generator = torch.Generator().manual_seed(0)
+    if args.crops:
+        with torch.no_grad():
+            crops(ours, theirs, generator, args.rounds)
+        return
     with torch.no_grad():
         ids = torch.randint(4, 60000, (8, 256), generator=generator)
         timed("scoring 8 x 256, last 4 logits", lambda: ours(ids, cont_len=4).logits,
@@ -81,6 +93,26 @@ def main() -> None:
             prompts = torch.randint(4, 60000, (batch, 32), generator=generator)
             timed(f"generate batch {batch}, 32 + 32 tokens", lambda p=prompts: ours.generate(p, **kwargs),
                   lambda p=prompts: theirs.generate(p, attention_mask=torch.ones_like(p), **kwargs), equal, args.rounds)
+
+
+def crops(ours, theirs, generator, rounds: int) -> None:
+    kwargs = dict(max_new_tokens=32, do_sample=False, min_new_tokens=32, pad_token_id=0)
+    for batch in (1, 8):
+        prompts = torch.randint(4, 60000, (batch, 32), generator=generator)
+        print(f"generate batch {batch}, 32 + 32 tokens, ortmodule:")
+        timed_ways({"without the copies": lambda p=prompts: ours.generate(p, **kwargs),
+                    "with the copies (return_dict_in_generate)": lambda p=prompts: ours.generate(
+                        p, return_dict_in_generate=True, **kwargs).sequences}, rounds)
+    start = torch.randint(4, 60000, (1, 32), generator=generator)
+    prompt = torch.cat([theirs.generate(start, **kwargs), start], 1)
+    lookup = dict(kwargs, prompt_lookup_num_tokens=8)
+    print("prompt lookup, batch 1, 64 + 32 tokens:")
+    timed_ways({"ortmodule greedy": lambda: ours.generate(prompt, **kwargs),
+                "ortmodule lookup": lambda: ours.generate(prompt, **lookup),
+                "transformers greedy": lambda: theirs.generate(prompt, **kwargs),
+                "transformers lookup": lambda: theirs.generate(prompt, **lookup)}, rounds)
+    accepted = int((ours.generate(prompt, **kwargs)[0, 64:] == prompt[0, 32:64]).sum())
+    print(f"new tokens equal to the text after the repeated part (drafts lookup could have accepted): {accepted}")
 
 
 if __name__ == "__main__":
