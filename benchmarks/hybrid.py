@@ -8,7 +8,7 @@ ortmodule against transformers on the same weights, timed in turns (median of `-
 - `--crops`: what the cache's copies of the convolution states cost (cache.py's checkpoints, made
   after every step where generate returns the cache): greedy generate, batch 1 and 8, with
   `return_dict_in_generate` and without; then prompt lookup (`prompt_lookup_num_tokens=8`, crops
-  inside each round's run) against greedy decoding, ortmodule's and transformers', on a 64-token
+  inside each round's run) against greedy decoding, ortmodule's and transformers', on a 96-token
   prompt that repeats its first 32 tokens after their greedy continuation. Each way's tokens are
   compared with the first's (a difference of 0: the same tokens).
 
@@ -106,12 +106,12 @@ def crops(ours, theirs, generator, rounds: int) -> None:
     start = torch.randint(4, 60000, (1, 32), generator=generator)
     prompt = torch.cat([theirs.generate(start, **kwargs), start], 1)
     lookup = dict(kwargs, prompt_lookup_num_tokens=8)
-    print("prompt lookup, batch 1, 64 + 32 tokens:")
+    print("prompt lookup, batch 1, 96 + 32 tokens:")
     timed_ways({"ortmodule greedy": lambda: ours.generate(prompt, **kwargs),
                 "ortmodule lookup": lambda: ours.generate(prompt, **lookup),
                 "transformers greedy": lambda: theirs.generate(prompt, **kwargs),
                 "transformers lookup": lambda: theirs.generate(prompt, **lookup)}, rounds)
-    accepted = int((ours.generate(prompt, **kwargs)[0, 64:] == prompt[0, 32:64]).sum())
+    accepted = int((ours.generate(prompt, **kwargs)[0, prompt.shape[1]:] == prompt[0, 32:64]).sum())
     print(f"new tokens equal to the text after the repeated part (drafts lookup could have accepted): {accepted}")
 
 
