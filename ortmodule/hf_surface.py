@@ -8,6 +8,7 @@ images included; `_expand_inputs_for_generation` with each row's images and vide
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -169,6 +170,26 @@ class HuggingFaceSurface(GenerationMixin):
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         model_kwargs.pop("generator", None)  # ortmodule's own argument, taken by its sampling loop
         GenerationMixin._validate_model_kwargs(self, model_kwargs)
+
+    def _prepare_attention_mask_for_generation(self, inputs_tensor, generation_config, model_kwargs):
+        """transformers' mask inferred from pad tokens where generate gets none. Continuing a cache (an
+        assistant's drafts each round, a continued generate), only each row's leading pad tokens are
+        padding: a pad token inside the text counts as a token, as the cache already holds it. transformers
+        masks such a token (its assistant's drafted pad token, say), which a step over this cache cannot."""
+        mask = GenerationMixin._prepare_attention_mask_for_generation(self, inputs_tensor, generation_config,
+                                                                     model_kwargs)
+        cache = model_kwargs.get(CACHE_NAME)
+        if cache is None or mask.dim() != 2 or cache.get_seq_length() == 0:
+            return mask
+        leading = mask.cummax(1).values  # 0 only before each row's first real token
+        if not torch.equal(leading, mask):
+            warnings.warn(
+                "generate got no attention_mask, continues a cache, and holds pad_token_id "
+                f"{generation_config.pad_token_id} after a row's first token: ortmodule counts it as a token "
+                "there (transformers would mask it; in assisted decoding that changes only the assistant's "
+                "drafts); pass attention_mask to say "
+                "otherwise", UserWarning, stacklevel=2)
+        return leading
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
                                       **model_kwargs):

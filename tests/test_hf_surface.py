@@ -217,6 +217,28 @@ def test_other_generation_modes_equal_transformers(build, mode):
     assert torch.equal(run(model), run(hf))
 
 
+def test_an_assistant_drafting_the_pad_token_equals_transformers(build):
+    """transformers' assistant infers its mask from pad tokens each round, so a drafted pad token (not
+    the EOS) gets a 0 inside the text, which a step over ortmodule's cache cannot hide: continuing a
+    cache, ortmodule counts it as a token (with a warning). The main model decides the output, so the
+    tokens equal transformers'; a fresh prompt with a pad token inside is still refused by name."""
+    model, hf = load_pair(build("llama"))
+    ids = torch.tensor([[5, 9, 17, 33, 8, 40, 11, 12]])
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    with torch.inference_mode():
+        greedy = hf.generate(ids, pad_token_id=0, **options)[0, ids.shape[1]:]
+    pad = int(greedy[2])  # a token greedy decoding makes, so the assistant drafts it
+    assert pad not in ids[0].tolist()
+    with torch.inference_mode():
+        theirs = hf.generate(ids, assistant_model=hf, pad_token_id=pad, **options)
+        with pytest.warns(UserWarning, match=f"holds pad_token_id {pad} after a row's first token"):
+            ours = model.generate(ids, assistant_model=model, pad_token_id=pad, **options)
+    assert torch.equal(ours, theirs) and torch.equal(ours[0, ids.shape[1]:], greedy)
+    inside = torch.tensor([[5, 9, pad, 33, 8]])  # no cache: transformers masks it, ortmodule cannot
+    with pytest.raises(ValueError, match="row 0 has gaps"), torch.inference_mode():
+        model.generate(inside, max_new_tokens=2, do_sample=False, pad_token_id=pad, eos_token_id=None)
+
+
 def test_from_pretrained_takes_transformers_loading_arguments(build, monkeypatch):
     """transformers' `from_pretrained` keywords, as HF-style code passes them: `dtype`/`torch_dtype`
     (the package's own precision, or "auto"), `device_map` (one device; "auto" the GPU where torch sees
