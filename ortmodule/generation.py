@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import ModelOutput
 
 from . import images, inputs, shared_prompts
 from . import steps as fixed_steps
@@ -72,9 +73,45 @@ def check_config(config, vocab: int) -> None:
             raise _bad("eos_token_id", eos, f"a token id (or a list of them) in [0, {vocab})")
 
 
-@torch.inference_mode()
 def generate(model, inputs_ids=None, generation_config=None, **kwargs):
-    """`OrtModelForCausalLM.generate` for `model`: ortmodule's checks, then transformers' `generate`."""
+    """`OrtModelForCausalLM.generate` for `model`: ortmodule's checks, then transformers' `generate`, in
+    inference mode. Called outside it, what it returns is ordinary tensors, as transformers' `generate`
+    returns (run under `no_grad`): code may update them in place, as transformers' universal assisted
+    decoding does to its assistant's sequences; the returned cache is the exception (its methods enter
+    inference mode themselves)."""
+    if torch.is_inference_mode_enabled():
+        return _generate(model, inputs_ids, generation_config, **kwargs)
+    with torch.inference_mode():
+        held = [_generate(model, inputs_ids, generation_config, **kwargs)]
+    ordinary(held, 0)
+    return held[0]
+
+
+def ordinary(held: list, k: int) -> None:
+    """Make `held[k]` (a tensor, or transformers' generate output: tensors in tuples, nested) ordinary
+    tensors: each inference tensor copied into an ordinary one and released once copied, where `held`
+    is all that holds it (so that a long run's scores are never held twice over); anything else (the
+    cache) as it is."""
+    item = held[k]
+    if isinstance(item, ModelOutput):
+        for key in list(item.keys()):
+            parts = [item[key]]
+            item[key] = None
+            ordinary(parts, 0)
+            item[key] = parts[0]
+    elif isinstance(item, tuple):
+        items = list(item)
+        held[k] = item = None  # the tuple gone: `items` alone holds its parts
+        for j in range(len(items)):
+            ordinary(items, j)
+        held[k] = tuple(items)
+    elif isinstance(item, torch.Tensor) and item.is_inference():
+        held[k] = None
+        held[k] = item.clone()
+
+
+@torch.inference_mode()
+def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise TypeError(
             f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}; "

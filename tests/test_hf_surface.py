@@ -239,6 +239,43 @@ def test_an_assistant_drafting_the_pad_token_equals_transformers(build):
         model.generate(inside, max_new_tokens=2, do_sample=False, pad_token_id=pad, eos_token_id=None)
 
 
+def test_generate_returns_ordinary_tensors_outside_inference_mode(build):
+    """generate runs in inference mode; called outside it, its tensors are ordinary ones, as
+    transformers' (updated in place by code such as transformers' universal assisted decoding), and
+    inside it they are inference tensors, not copied."""
+    model, _ = load_pair(build("llama"))
+    ids = torch.tensor([[5, 9, 17, 33]])
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                   output_scores=True, output_logits=True, output_hidden_states=True)
+    for beams in (1, 2):
+        with torch.no_grad():
+            out = model.generate(ids, num_beams=beams, **options)
+        parts = [out.sequences, *out.scores, *out.logits, *(t for step in out.hidden_states for t in step)]
+        assert not any(t.is_inference() for t in parts)
+        out.sequences[:, -1] = 0  # as transformers' outputs allow
+        assert isinstance(out.past_key_values, KVCache)
+        with torch.inference_mode():
+            assert model.generate(ids, num_beams=beams, **options).sequences.is_inference()
+
+
+def test_universal_assisted_decoding_with_an_ortmodule_assistant():
+    """transformers' assisted decoding across tokenizers (`assistant_tokenizer`) with ortmodule on either
+    side: the main model's greedy tokens. With transformers as the main model it edits its assistant's
+    sequences in place outside inference mode, which ortmodule's generate once refused (inference tensors)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    main, assistant = fixtures.build(fixtures.SMOLLM2), fixtures.build(fixtures.FixtureSpec("llama"))
+    tokenizer, its_tokenizer = (AutoTokenizer.from_pretrained(f.hf_dir) for f in (main, assistant))
+    prompt = tokenizer(["The capital of France is"], return_tensors="pt")
+    options = dict(**prompt, max_new_tokens=12, do_sample=False, tokenizer=tokenizer, assistant_tokenizer=its_tokenizer)
+    hf = AutoModelForCausalLM.from_pretrained(main.hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        greedy = hf.generate(**prompt, max_new_tokens=12, do_sample=False)
+        for ours, theirs in ((hf, OrtModelForCausalLM.from_pretrained(assistant.package_dir)),
+                             (OrtModelForCausalLM.from_pretrained(main.package_dir), load_pair(assistant)[1])):
+            assert torch.equal(ours.generate(assistant_model=theirs, **options), greedy)
+
+
 def test_from_pretrained_takes_transformers_loading_arguments(build, monkeypatch):
     """transformers' `from_pretrained` keywords, as HF-style code passes them: `dtype`/`torch_dtype`
     (the package's own precision, or "auto"), `device_map` (one device; "auto" the GPU where torch sees
