@@ -172,6 +172,12 @@ class Decoder:
 
     # ---- sessions -----------------------------------------------------------------------------
 
+    def again(self) -> Decoder:
+        """A decoder of the same package with the same options on the same device, with sessions of its
+        own (ONNX Runtime's sessions cannot be copied): what a deep copy of the model runs."""
+        return Decoder(self.package, self.device, self.session_options, self.provider_options, self.rewrite_lm_head,
+                       self.cache_dir, self.chosen_chunk, self.quantized_prefill, self.prefill_attention)
+
     def load(self, device: torch.device, **run_settings) -> None:
         """Create the sessions on `device` and check that the package's config fits its graph.
         `run_settings`: `runtime.make_session`'s stream settings (for diagnostics)."""

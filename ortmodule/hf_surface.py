@@ -7,6 +7,7 @@ images included; `_expand_inputs_for_generation` with each row's images and vide
 
 from __future__ import annotations
 
+import copy
 import shutil
 import warnings
 from pathlib import Path
@@ -69,6 +70,21 @@ class HuggingFaceSurface(GenerationMixin):
         `generator`, a `torch.Generator` for reproducible sampling. Returns what transformers
         returns: the prompts as given followed by the new tokens (or a `GenerateOutput`)."""
         return generation.generate(self, inputs, generation_config, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> HuggingFaceSurface:
+        """A model with sessions of its own: the package loaded again on the same device with the same
+        options, everything else (config, generation config, attributes set on the model) copied, so that
+        the two run apart, as deep copies of transformers' models do (trl makes reference models so)."""
+        copied = type(self).__new__(type(self))
+        memo.update({id(self): copied, id(self.decoder): self.decoder.again(), id(self.package): self.package})
+        for name, value in self.__dict__.items():
+            copied.__dict__[name] = copy.deepcopy(value, memo)
+        return copied
+
+    def __getstate__(self):
+        raise TypeError("an OrtModelForCausalLM cannot be pickled: it runs ONNX Runtime sessions. "
+                        "save_pretrained(folder) writes its package and from_pretrained(folder) loads it; "
+                        "copy.deepcopy(model) loads a second model in this process")
 
     def __getattr__(self, name: str):
         if name in _UNSUPPORTED_ATTRIBUTES:

@@ -276,6 +276,28 @@ def test_universal_assisted_decoding_with_an_ortmodule_assistant():
             assert torch.equal(ours.generate(assistant_model=theirs, **options), greedy)
 
 
+def test_a_deep_copy_runs_sessions_of_its_own_and_pickling_is_refused(build):
+    """copy.deepcopy loads the package again with the same options (ONNX Runtime's sessions cannot be
+    copied): the same logits and tokens, sessions and settings of its own; pickle is a TypeError that
+    says what to do instead."""
+    import copy
+    import pickle
+
+    model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir, prefill_chunk=0, rewrite_lm_head=False)
+    model.generation_config.max_new_tokens = 4
+    copied = copy.deepcopy(model)
+    assert copied.decoder is not model.decoder and copied.decoder.session is not model.decoder.session
+    assert (copied.decoder.prefill_chunk, copied.keeps_positions) == (0, False)
+    ids = torch.tensor([[5, 9, 17, 33]])
+    assert torch.equal(copied(ids).logits, model(ids).logits)
+    copied.generation_config.max_new_tokens = 2
+    assert model.generate(ids, do_sample=False, pad_token_id=0).shape[1] == 8
+    assert torch.equal(copied.generate(ids, do_sample=False, pad_token_id=0), model.generate(
+        ids, do_sample=False, pad_token_id=0, max_new_tokens=2))
+    with pytest.raises(TypeError, match="cannot be pickled: .* save_pretrained"):
+        pickle.dumps(model)
+
+
 def test_from_pretrained_takes_transformers_loading_arguments(build, monkeypatch):
     """transformers' `from_pretrained` keywords, as HF-style code passes them: `dtype`/`torch_dtype`
     (the package's own precision, or "auto"), `device_map` (one device; "auto" the GPU where torch sees
