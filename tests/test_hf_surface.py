@@ -217,12 +217,13 @@ def test_other_generation_modes_equal_transformers(build, mode):
     assert torch.equal(run(model), run(hf))
 
 
-def test_an_assistant_drafting_the_pad_token_equals_transformers(build):
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_an_assistant_drafting_the_pad_token_equals_transformers(build, arch):
     """transformers' assistant infers its mask from pad tokens each round, so a drafted pad token (not
     the EOS) gets a 0 inside the text, which a step over ortmodule's cache cannot hide: continuing a
     cache, ortmodule counts it as a token (with a warning). The main model decides the output, so the
     tokens equal transformers'; a fresh prompt with a pad token inside is still refused by name."""
-    model, hf = load_pair(build("llama"))
+    model, hf = load_pair(build(arch, **({"num_layers": 4} if arch == "lfm2" else {})))
     ids = torch.tensor([[5, 9, 17, 33, 8, 40, 11, 12]])
     options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, eos_token_id=None)
     with torch.inference_mode():
