@@ -118,7 +118,30 @@ def _write(checkpoint: Path, architecture: str, package: Path, precision: str, d
 
         _say(progress, "exporting the vision tower and the embeddings (torch.onnx)")
         add_images(checkpoint, package)
+    carry_generation_defaults(checkpoint, package)
     _check_package(package, checkpoint)
+
+
+def carry_generation_defaults(checkpoint: Path, package: Path) -> None:
+    """The checkpoint's generation defaults (its generation_config.json) in genai_config's search section,
+    where transformers' `generate` applies them by default: the model builder copies only do_sample,
+    temperature, top_k and top_p from there and writes the others (repetition_penalty, ...) from config.json,
+    which transformers 5's configs no longer carry. Each of `hf.SEARCH_DEFAULTS` the checkpoint sets
+    otherwise than transformers' default is written; onnxruntime-genai's Generator reads them too."""
+    from transformers import GenerationConfig
+
+    from .hf import SEARCH_DEFAULTS
+
+    if not (checkpoint / "generation_config.json").is_file():
+        return
+    given = GenerationConfig.from_pretrained(checkpoint)
+    path = package / "genai_config.json"
+    genai = json.loads(path.read_text())
+    changed = {name: getattr(given, name) for name, default in SEARCH_DEFAULTS.items()
+               if getattr(given, name, None) is not None and getattr(given, name) != default}
+    if changed and any(genai.get("search", {}).get(name) != value for name, value in changed.items()):
+        genai.setdefault("search", {}).update(changed)
+        path.write_text(json.dumps(genai, indent=4))
 
 
 def _check_images(architecture: str, precision: str, device: str, gguf: Path | None) -> None:

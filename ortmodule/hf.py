@@ -60,17 +60,23 @@ def build_config(package: Package) -> PretrainedConfig:
     return config
 
 
+# genai_config.json's search fields that the model builder copies from the checkpoint's generation config,
+# with transformers' defaults: what transformers' `generate` applies by default on the checkpoint (Qwen2.5's
+# instruct models ship repetition_penalty 1.05, say). Not taken: `max_length` (the builder writes the context
+# length there, where transformers' default is 20), `early_stopping` (the builder writes true whatever the
+# checkpoint says), `diversity_penalty` (group beam search left transformers 5), `min_length` (always 0).
+SEARCH_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
+                   "no_repeat_ngram_size": 0, "num_beams": 1, "num_return_sequences": 1, "length_penalty": 1.0}
+
+
 def build_generation_config(package: Package) -> GenerationConfig:
-    """genai_config.json's search section as transformers' GenerationConfig."""
+    """genai_config.json's search section as transformers' GenerationConfig (`SEARCH_DEFAULTS`' fields)."""
     search = package.search
     return GenerationConfig(
         bos_token_id=package.bos_token_id,
         eos_token_id=package.eos_token_id,
         pad_token_id=package.pad_token_id,
-        do_sample=search.get("do_sample", False),
-        temperature=search.get("temperature", 1.0),
-        top_k=search.get("top_k", 50),
-        top_p=search.get("top_p", 1.0),
+        **{name: search.get(name, default) for name, default in SEARCH_DEFAULTS.items()},
     )
 
 

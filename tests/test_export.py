@@ -268,3 +268,28 @@ def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
         cli.ortmodule(["export", str(tmp_path / "nowhere"), str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert "ortmodule export: error: source not found" in capsys.readouterr().err
+
+
+def test_the_checkpoints_generation_defaults_reach_generate(tmp_path):
+    """A checkpoint's generation_config.json (repetition_penalty and no_repeat_ngram_size, as Qwen2.5's
+    instruct models ship a repetition penalty; beams) goes into genai_config's search section at export,
+    and ortmodule's generate applies it by default as transformers' generate does on the checkpoint: the
+    same tokens, which differ from plain greedy decoding's."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from ortmodule_dev import fixtures
+
+    shutil.copytree(fixtures.build(fixtures.FixtureSpec("llama")).hf_dir, tmp_path / "hf")
+    defaults = dict(repetition_penalty=1.8, no_repeat_ngram_size=2, num_beams=2, length_penalty=0.5)
+    GenerationConfig(bos_token_id=1, eos_token_id=None, **defaults).save_pretrained(tmp_path / "hf")
+    export(tmp_path / "hf", tmp_path / "package", progress=False)
+    model = OrtModelForCausalLM.from_pretrained(tmp_path / "package")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert {name: getattr(model.generation_config, name) for name in defaults} == defaults
+    ids = torch.tensor([[5, 9, 17, 33, 5, 9, 17]])
+    options = dict(max_new_tokens=12, pad_token_id=2, eos_token_id=None)
+    with torch.no_grad():
+        ours = model.generate(ids, **options)
+        assert torch.equal(ours, reference.generate(ids, **options))
+        plain = model.generate(ids, **options, repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1)
+    assert not torch.equal(ours, plain)
