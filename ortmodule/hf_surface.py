@@ -40,6 +40,10 @@ class HuggingFaceSurface(GenerationMixin):
     `GenerationMixin` (generate, compute_transition_scores, ...) with its sampling loop on the device,
     and clear errors for the PyTorch modules an ONNX package does not have."""
 
+    # transformers' causal-LM loss (its LOSS_MAPPING key, as transformers' models name theirs): Trainer reads it
+    # to count `num_items_in_batch` over the shifted labels, as forward's loss divides by it.
+    loss_type = "ForCausalLM"
+
     @property
     def device(self) -> torch.device:
         return self.decoder.device

@@ -190,7 +190,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         else:
             logits, past, states, weights = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
                                                                  cache_position, runs, embeds, media, asked)
-        loss = _shifted_loss(logits, labels, keep, attention_mask) if labels is not None else None
+        loss = _shifted_loss(logits, labels, keep, attention_mask, kwargs) if labels is not None else None
         if not use_cache:
             past = None
         if return_dict is False:
@@ -315,9 +315,13 @@ def _asked(config, hidden_states: bool | None, weights: bool | None) -> tuple[bo
     return bool(hidden_states), bool(weights)
 
 
+# transformers' loss keywords that forward takes (with labels; transformers' Trainer passes them).
+LOSS_KWARGS = {"num_items_in_batch"}
+
+
 def _refuse_unsupported(input_ids, inputs_embeds, rest: dict) -> None:
     """forward's arguments that an ONNX package cannot honour, each refused by name."""
-    unsupported = {k for k, v in rest.items() if v is not None and v is not False}
+    unsupported = {k for k, v in rest.items() if v is not None and v is not False} - LOSS_KWARGS
     if unsupported:
         raise TypeError(f"OrtModelForCausalLM.forward does not support {', '.join(sorted(unsupported))}")
     if inputs_embeds is not None and input_ids is not None:
@@ -347,11 +351,13 @@ def _given_cache(past_key_values, cache, use_cache: bool | None) -> tuple[Cache 
     return given, (given is not None) if use_cache is None else bool(use_cache)
 
 
-def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask) -> torch.Tensor:
+def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwargs: dict) -> torch.Tensor:
     """transformers' causal-LM loss: each position predicts the next label, -100 ignored. A label
     predicted from a padded position (a left-padded row's first token) is left out too: the logits
     there are meaningless (transformers' depend on how its attention treats a query that sees no
-    key), so the loss is that of the rows without their padding."""
+    key), so the loss is that of the rows without their padding. With `num_items_in_batch` (transformers'
+    Trainer passes it, counted over the gradient accumulation's batches) the sum over the targets divided
+    by it, as transformers' loss does, else their mean."""
     if keep is not None and not (isinstance(keep, int) and keep == 0):
         raise ValueError("labels need the logits of every position: drop cont_len/logits_to_keep")
     if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
@@ -361,4 +367,7 @@ def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask) -> torch.T
     if attention_mask is not None:
         padded = attention_mask[:, -logits.shape[1]:].to(logits.device)[:, :-1] == 0
         targets = targets.masked_fill(padded, -100)
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    items = loss_kwargs.get("num_items_in_batch")
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                                             reduction="mean" if items is None else "sum")
+    return loss if items is None else loss / (items.to(loss.device) if torch.is_tensor(items) else items)

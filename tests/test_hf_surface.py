@@ -299,6 +299,33 @@ def test_a_deep_copy_runs_sessions_of_its_own_and_pickling_is_refused(build):
         pickle.dumps(model)
 
 
+def test_trainer_evaluate_and_predict_equal_transformers(build, tmp_path):
+    """transformers' Trainer evaluating a causal LM (loss over a collated dataset, predictions): it passes
+    `num_items_in_batch`, counted over the shifted labels by the model's `loss_type`, and the loss is the
+    sum over the targets divided by it, as transformers' loss; the same eval loss and logits."""
+    from transformers import AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = AutoTokenizer.from_pretrained(fixture.hf_dir)
+    texts = ["the cat sat on the mat", "a dog ran in the park today", "hello world", "one two three four five six"]
+    data = [tokenizer(text) for text in texts]
+    results = []
+    for m in (model, hf):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to=[], use_cpu=True)
+        trainer = Trainer(model=m, args=args, eval_dataset=data,
+                          data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        predicted = trainer.predict(data)
+        results.append((trainer.evaluate()["eval_loss"], predicted.predictions[predicted.label_ids != -100]))
+    (ours, our_logits), (theirs, their_logits) = results  # the logits at the tokens, not at the padding
+    assert abs(ours - theirs) < 1e-5 and abs(our_logits - their_logits).max() < 1e-4
+    batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)(data[:2])
+    with torch.no_grad():
+        for count in (7, torch.tensor(30)):
+            losses = [m(**batch, num_items_in_batch=count).loss for m in (model, hf)]
+            assert abs(losses[0] - losses[1]) < 1e-5
+
+
 def test_from_pretrained_takes_transformers_loading_arguments(build, monkeypatch):
     """transformers' `from_pretrained` keywords, as HF-style code passes them: `dtype`/`torch_dtype`
     (the package's own precision, or "auto"), `device_map` (one device; "auto" the GPU where torch sees
