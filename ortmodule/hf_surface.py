@@ -28,10 +28,14 @@ _NO_PYTORCH_MODULES = (
     "log-probabilities use model(input_ids, ...).logits (with cont_len / logits_to_keep for the positions you need) "
     "or ortmodule.loglikelihood"
 )
+_INFERENCE_ONLY = "an ONNX package runs inference only: its graph holds the weights, and nothing of it trains"
 _UNSUPPORTED_ATTRIBUTES = {
     "base_model": _NO_PYTORCH_MODULES,
     "model": _NO_PYTORCH_MODULES,
     "lm_head": _NO_PYTORCH_MODULES,
+    "get_decoder": _NO_PYTORCH_MODULES,
+    "gradient_checkpointing_enable": _INFERENCE_ONLY,
+    "enable_input_require_grads": _INFERENCE_ONLY,
 }
 
 
@@ -43,6 +47,21 @@ class HuggingFaceSurface(GenerationMixin):
     # transformers' causal-LM loss (its LOSS_MAPPING key, as transformers' models name theirs): Trainer reads it
     # to count `num_items_in_batch` over the shifted labels, as forward's loss divides by it.
     loss_type = "ForCausalLM"
+    supports_gradient_checkpointing = is_gradient_checkpointing = False
+
+    @property
+    def loss_function(self):
+        """transformers' causal-LM loss (`loss_function(logits, labels, vocab_size, ...)`), as on its models."""
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        return LOSS_MAPPING[self.loss_type]
+
+    def get_memory_footprint(self, return_buffers: bool = True) -> int:
+        """Bytes of the package's ONNX graphs and weight files (`*.onnx`, `*.data`), what its sessions load: the
+        counterpart of transformers' parameters and buffers. The KV cache and ONNX Runtime's own buffers come on
+        top, as transformers' activations do."""
+        return sum(f.stat().st_size for f in Path(self.package.root).iterdir()
+                   if f.is_file() and f.name.endswith((".onnx", ".data")))
 
     @property
     def device(self) -> torch.device:
@@ -219,35 +238,8 @@ class HuggingFaceSurface(GenerationMixin):
         ids = input_ids
         input_ids, model_kwargs = GenerationMixin._expand_inputs_for_generation(
             self, expand_size, is_encoder_decoder, input_ids, **model_kwargs)
-        if expand_size == 1 or not isinstance(ids, torch.Tensor):
-            return input_ids, model_kwargs
-        config = self.package.genai_config["model"]
-        token = config.get("image_token_id")
-        if isinstance(given["pixel_values"], torch.Tensor) and given["image_grid_thw"] is None:
-            try:  # Gemma 4's and Pixtral's forms: one row of pixel_values per image
-                vision = images.for_decoder(self.decoder)
-            except images.ImagesUnsupported:  # refused by name when forward gets them
-                vision = None
-            if isinstance(vision, images_plain.PlainVision):
-                names = ("pixel_values", "image_position_ids", "image_sizes")
-                for name, value in zip(names, images_plain.expanded(vision, ids, expand_size,
-                                                                    *(given[name] for name in names))):
-                    model_kwargs[name] = value
-                return input_ids, model_kwargs
-        kinds = [("pixel_values", "image_grid_thw", (), token, False)]
-        if isinstance(given["pixel_values_videos"], torch.Tensor):
-            try:
-                vision = images.for_decoder(self.decoder)
-                kinds.append(("pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",), vision.video_token,
-                              vision.frames_apart))
-            except images.ImagesUnsupported:  # refused by name when forward gets them
-                pass
-        for pixels, grids, extra, token, apart in kinds:
-            if isinstance(given[pixels], torch.Tensor) and isinstance(given[grids], torch.Tensor) and token is not None:
-                names = (pixels, grids, *extra)
-                for name, value in zip(names, images.expanded(ids, token, expand_size, *(given[n] for n in names),
-                                                              frames_apart=apart)):
-                    model_kwargs[name] = value
+        if expand_size != 1 and isinstance(ids, torch.Tensor):
+            _expand_media(self.decoder, ids, expand_size, given, model_kwargs)
         return input_ids, model_kwargs
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -269,3 +261,34 @@ class HuggingFaceSurface(GenerationMixin):
                              "output_hidden_states or output_attentions in generate()")
         return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus, streamer, **model_kwargs)
+
+
+def _expand_media(decoder, ids: torch.Tensor, expand_size: int, given: dict, model_kwargs: dict) -> None:
+    """Each row's images and videos in `model_kwargs` repeated `expand_size` times with the row (`given`:
+    the media as generate got them)."""
+    token = decoder.package.genai_config["model"].get("image_token_id")
+    if isinstance(given["pixel_values"], torch.Tensor) and given["image_grid_thw"] is None:
+        try:  # Gemma 4's and Pixtral's forms: one row of pixel_values per image
+            vision = images.for_decoder(decoder)
+        except images.ImagesUnsupported:  # refused by name when forward gets them
+            vision = None
+        if isinstance(vision, images_plain.PlainVision):
+            names = ("pixel_values", "image_position_ids", "image_sizes")
+            for name, value in zip(names, images_plain.expanded(vision, ids, expand_size,
+                                                                *(given[name] for name in names))):
+                model_kwargs[name] = value
+            return
+    kinds = [("pixel_values", "image_grid_thw", (), token, False)]
+    if isinstance(given["pixel_values_videos"], torch.Tensor):
+        try:
+            vision = images.for_decoder(decoder)
+            kinds.append(("pixel_values_videos", "video_grid_thw", ("second_per_grid_ts",), vision.video_token,
+                          vision.frames_apart))
+        except images.ImagesUnsupported:  # refused by name when forward gets them
+            pass
+    for pixels, grids, extra, token, apart in kinds:
+        if isinstance(given[pixels], torch.Tensor) and isinstance(given[grids], torch.Tensor) and token is not None:
+            names = (pixels, grids, *extra)
+            for name, value in zip(names, images.expanded(ids, token, expand_size, *(given[n] for n in names),
+                                                          frames_apart=apart)):
+                model_kwargs[name] = value

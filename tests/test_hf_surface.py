@@ -149,12 +149,27 @@ def test_forward_keywords_transformers_passes(build):
 def test_what_an_onnx_package_lacks_is_a_clear_error(build):
     model, _ = load_pair(build("llama"))
     assert isinstance(model, GenerationMixin) and model.can_generate()
-    for name in ("base_model", "lm_head"):
+    for name in ("base_model", "lm_head", "get_decoder"):
         assert not hasattr(model, name)
         with pytest.raises(NotSupportedError, match=f"has no {name}: the ONNX graph holds the weights"):
             getattr(model, name)
+    for name in ("gradient_checkpointing_enable", "enable_input_require_grads"):
+        with pytest.raises(NotSupportedError, match=f"has no {name}: an ONNX package runs inference only"):
+            getattr(model, name)()
+    assert not model.supports_gradient_checkpointing and not model.is_gradient_checkpointing
     with pytest.raises(NotImplementedError, match="exported package"):
         model.resize_token_embeddings(9)
+
+
+def test_the_loss_function_and_memory_footprint_as_transformers_models_give_them(build):
+    """`loss_function` is transformers' causal-LM loss (forward's loss from the logits), and
+    `get_memory_footprint()` the package's weight files: at least the bytes of transformers' parameters
+    on the same weights, and little more (the graph's rotary tables)."""
+    model, hf = load_pair(build("llama"))
+    ids = torch.tensor([[5, 9, 17, 33, 8]])
+    out = model(ids, labels=ids)
+    assert torch.allclose(model.loss_function(out.logits, ids, vocab_size=model.config.vocab_size), out.loss)
+    assert hf.get_memory_footprint() <= model.get_memory_footprint() < 1.2 * hf.get_memory_footprint()
 
 
 WIDE = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}  # Phi-2's rotary
