@@ -23,6 +23,7 @@ from transformers.utils import ModelOutput
 from . import images, inputs, shared_prompts
 from . import steps as fixed_steps
 from .hf import CACHE_NAME
+from .package import NotSupportedError
 
 # Model inputs generate() takes besides the generation options (`generator`: a torch.Generator
 # for sampling, ortmodule's own; the KV cache as `cache` or, before transformers 5.24, `past_key_values`).
@@ -137,6 +138,10 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
         raise ValueError("generator= applies to greedy decoding and sampling (num_beams=1); beam search and assisted "
                          "decoding draw from torch's global generator, as in transformers")
     check_config(config, vocab)
+    if getattr(config, "assistant_early_exit", None) is not None:
+        raise NotSupportedError("assistant_early_exit (self-speculative decoding from the first layers) runs the "
+                                "model's first layers alone, which a package's graph does not expose: pass "
+                                "assistant_model= (a smaller package) or prompt_lookup_num_tokens= instead")
     _check_length(model, inputs_ids, config)
     # transformers builds its criteria's tensors on the prompt's device: bring the inputs to the model's.
     if isinstance(inputs_ids, torch.Tensor):
