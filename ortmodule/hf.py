@@ -70,13 +70,19 @@ SEARCH_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p":
 
 
 def build_generation_config(package: Package) -> GenerationConfig:
-    """genai_config.json's search section as transformers' GenerationConfig (`SEARCH_DEFAULTS`' fields)."""
+    """genai_config.json's search section as transformers' GenerationConfig: each of `SEARCH_DEFAULTS`' fields
+    set where the package's value differs from transformers' default, the others left unset (None), as in
+    the config transformers loads from a checkpoint's generation_config.json. The builder writes every field,
+    so set and unset tell apart only by their values; code that reads which fields a model sets (the
+    text-generation pipeline applies its own defaults, sampling at temperature 0.7, to the unset ones) then
+    sees what transformers' model on the checkpoint shows."""
     search = package.search
     return GenerationConfig(
         bos_token_id=package.bos_token_id,
         eos_token_id=package.eos_token_id,
         pad_token_id=package.pad_token_id,
-        **{name: search.get(name, default) for name, default in SEARCH_DEFAULTS.items()},
+        **{name: search[name] for name, default in SEARCH_DEFAULTS.items()
+           if search.get(name, default) != default},
     )
 
 

@@ -343,6 +343,24 @@ def test_trainer_evaluate_and_predict_equal_transformers(build, tmp_path):
             assert abs(losses[0] - losses[1]) < 1e-5
 
 
+def test_the_text_generation_pipelines_own_defaults_apply_as_on_transformers(build):
+    """transformers 5 leaves a generation config's fields unset (None) unless the checkpoint sets them, and
+    the text-generation pipeline fills the unset ones with its own defaults (sampling at temperature 0.7,
+    256 new tokens). ortmodule's config sets only what the package's search section changes from
+    transformers' defaults, so the pipeline called without options samples as on transformers' model."""
+    from transformers import AutoTokenizer, pipeline
+
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = AutoTokenizer.from_pretrained(fixture.hf_dir)
+    assert model.generation_config.do_sample is None and model.generation_config.temperature is None
+    texts = []
+    for m in (model, hf):
+        torch.manual_seed(0)
+        texts.append(pipeline("text-generation", model=m, tokenizer=tokenizer)("the cat sat", max_new_tokens=24))
+    assert texts[0] == texts[1]
+
+
 def test_from_pretrained_takes_transformers_loading_arguments(build, monkeypatch):
     """transformers' `from_pretrained` keywords, as HF-style code passes them: `dtype`/`torch_dtype`
     (the package's own precision, or "auto"), `device_map` (one device; "auto" the GPU where torch sees
