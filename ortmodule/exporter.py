@@ -138,8 +138,8 @@ def carry_generation_defaults(checkpoint: Path, package: Path) -> None:
     path = package / "genai_config.json"
     genai = json.loads(path.read_text())
     changed = {name: getattr(given, name) for name, default in SEARCH_DEFAULTS.items()
-               if getattr(given, name, None) is not None and getattr(given, name) != default}
-    if changed and any(genai.get("search", {}).get(name) != value for name, value in changed.items()):
+               if getattr(given, name) not in (None, default)}
+    if changed:
         genai.setdefault("search", {}).update(changed)
         path.write_text(json.dumps(genai, indent=4))
 

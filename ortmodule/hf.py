@@ -60,8 +60,9 @@ def build_config(package: Package) -> PretrainedConfig:
     return config
 
 
-# genai_config.json's search fields that the model builder copies from the checkpoint's generation config,
-# with transformers' defaults: what transformers' `generate` applies by default on the checkpoint (Qwen2.5's
+# genai_config.json's search fields that come from the checkpoint's generation config (four by the model
+# builder, the rest by `ortmodule export`: exporter.carry_generation_defaults), with transformers' defaults:
+# what transformers' `generate` applies by default on the checkpoint (Qwen2.5's
 # instruct models ship repetition_penalty 1.05, say). Not taken: `max_length` (the builder writes the context
 # length there, where transformers' default is 20), `early_stopping` (the builder writes true whatever the
 # checkpoint says), `diversity_penalty` (group beam search left transformers 5), `min_length` (always 0).

@@ -226,8 +226,7 @@ class HuggingFaceSurface(GenerationMixin):
                 "generate got no attention_mask, continues a cache, and holds pad_token_id "
                 f"{generation_config.pad_token_id} after a row's first token: ortmodule counts it as a token "
                 "there (transformers would mask it; in assisted decoding that changes only the assistant's "
-                "drafts); pass attention_mask to say "
-                "otherwise", UserWarning, stacklevel=2)
+                "drafts); pass attention_mask to say otherwise", UserWarning, stacklevel=2)
         return leading
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None,
