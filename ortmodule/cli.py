@@ -105,6 +105,7 @@ _SETTING_HELP = {
     "max_connections": "open connections (503 beyond)",
     "header_timeout": "seconds to receive a request's headers",
     "body_timeout": "seconds to receive a request's body (408 beyond)",
+    "keep_alive": "seconds an idle connection stays open between requests (longer than clients' pools keep one)",
 }
 
 

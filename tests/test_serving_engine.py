@@ -308,12 +308,33 @@ def test_settings_come_from_the_environment_and_are_checked(monkeypatch):
     assert Settings.with_environment(api_key="given").api_key == "given"
     with pytest.raises(ValueError, match="max_rows"):
         Settings(max_rows=0)
+    # The server keeps an idle connection longer than httpx's pools (the OpenAI client's) keep one, so
+    # the client closes it first and never sends a request on a connection the server is closing.
+    assert Settings().keep_alive > httpx.Limits().keepalive_expiry
+
+
+def answered(sock) -> bytes:
+    """One whole HTTP response read from `sock` (its headers and its Content-Length's body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data  # closed by the server
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length and (chunk := sock.recv(4096)):
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def test_the_http_server_has_auth_timeouts_and_a_connection_limit(llama):
-    """`ortmodule serve` with an API key from the environment, 1 s header and body timeouts and
-    four connections: 401 without the key; a client that sends half its headers, or half its
-    body, is cut off; a fifth connection gets 503; the name shown is the folder's, not its path."""
+    """`ortmodule serve` with an API key from the environment, 1 s header and body timeouts, a 3 s
+    keep-alive and four connections: 401 without the key; a client that sends half its headers, or
+    half its body, is cut off; a connection idle between requests stays open past the header
+    timeout and closes at the keep-alive's; a fifth connection gets 503; the name shown is the
+    folder's, not its path."""
     import os
     import socket
     import subprocess
@@ -323,7 +344,7 @@ def test_the_http_server_has_auth_timeouts_and_a_connection_limit(llama):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "ortmodule", "serve", str(llama.package_dir), "--port", str(port),
-               "--header-timeout", "1", "--body-timeout", "1", "--max-connections", "4"]
+               "--header-timeout", "1", "--body-timeout", "1", "--keep-alive", "3", "--max-connections", "4"]
     env = {**os.environ, "ORTMODULE_API_KEY": "sesame"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sesame"}
@@ -358,6 +379,29 @@ def test_the_http_server_has_auth_timeouts_and_a_connection_limit(llama):
         half.settimeout(5)
         assert b" 408 " in half.recv(4096).split(b"\r\n")[0] + b" "
         half.close()
+
+        # Kept alive: the header timeout leaves a connection idle between requests to the keep-alive
+        # timeout (a server that closes it before the client's pool does loses the client's next
+        # request: session 57's ReadErrors), and still cuts off a request begun on it.
+        kept = socket.create_connection(("127.0.0.1", port))
+        kept.settimeout(6)
+        health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        kept.sendall(health)
+        assert answered(kept).startswith(b"HTTP/1.1 200 ")
+        time.sleep(2.3)  # past two header checks
+        kept.sendall(health)
+        assert answered(kept).startswith(b"HTTP/1.1 200 ")
+        kept.sendall(b"GET /health HTTP/1.1\r\n")  # begun, never finished
+        start = time.monotonic()
+        assert kept.recv(1024) == b"" and time.monotonic() - start < 4
+        kept.close()
+        idle_one = socket.create_connection(("127.0.0.1", port))
+        idle_one.settimeout(8)
+        idle_one.sendall(health)
+        assert answered(idle_one).startswith(b"HTTP/1.1 200 ")
+        start = time.monotonic()
+        assert idle_one.recv(1024) == b"" and 2.5 < time.monotonic() - start < 5  # the keep-alive's 3 s
+        idle_one.close()
 
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
         for sock in idle:

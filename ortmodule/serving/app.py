@@ -177,9 +177,13 @@ def _too_large(limit: int) -> ServingError:
 
 
 def _timed_h11(header_timeout: float):
-    """uvicorn's h11 protocol with a header timeout: a connection that starts no request within
-    `header_timeout` seconds (slow or missing headers) while none is being answered is closed.
-    uvicorn's own keep-alive timeout closes idle connections only between finished requests."""
+    """uvicorn's h11 protocol with a header timeout: a connection whose request has begun (some of it
+    arrived) or that has sent nothing since it opened, and that starts no request within
+    `header_timeout` seconds while none is being answered, is closed. A connection idle between
+    requests (its last answer sent, nothing since) is left to the keep-alive timeout: longer than
+    HTTP clients keep an idle connection in their pools, so that the client closes it first. A
+    server that closes it first races a client reusing it, whose request is then lost
+    (httpx's `ReadError`: uvicorn's and httpx's 5 s defaults, session 57's H200 run)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class TimedH11(H11Protocol):
@@ -191,7 +195,8 @@ def _timed_h11(header_timeout: float):
         def check_headers(self) -> None:
             cycle = self.cycle
             answering = cycle is not None and not cycle.response_complete
-            if cycle is self.header_cycle and not answering and not self.transport.is_closing():
+            kept_alive = cycle is not None and not answering and not self.conn.trailing_data[0]
+            if cycle is self.header_cycle and not (answering or kept_alive) and not self.transport.is_closing():
                 self.transport.close()
                 return
             self.header_cycle = cycle
@@ -245,5 +250,6 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
         log.warning("serving on %s without an API key: anyone who reaches it may use it (--api-key, or %s)",
                     host, "ORTMODULE_API_KEY")
     config = uvicorn.Config(app, host=host, port=port, log_level="info", http=_timed_h11(settings.header_timeout),
-                            limit_concurrency=open_files_for(settings.max_connections), timeout_keep_alive=5)
+                            limit_concurrency=open_files_for(settings.max_connections),
+                            timeout_keep_alive=settings.keep_alive)
     uvicorn.Server(config).run()

@@ -33,7 +33,9 @@ class Settings:
     `max_items` prompts or items per request; `max_labels` label ids per score request;
     `max_stop_chars` characters per stop string; `max_response_values` numbers in one answer
     (scores, log-probabilities); `max_connections` open connections (503 beyond);
-    `header_timeout` and `body_timeout` seconds to receive a request's headers and its body.
+    `header_timeout` and `body_timeout` seconds to receive a request's headers and its body;
+    `keep_alive` seconds an idle connection stays open between requests (longer than clients keep
+    one in their pools: httpx 5 s, aiohttp 15 s, Go 90 s; the client, not the server, closes it).
 
     `api_key`: when set, every `/v1` route and `/metrics` needs `Authorization: Bearer KEY`
     (else 401); default: the ORTMODULE_API_KEY environment variable, if set.
@@ -60,6 +62,7 @@ class Settings:
     max_connections: int = 512
     header_timeout: float = 10.0
     body_timeout: float = 30.0
+    keep_alive: float = 120.0
     api_key: str | None = None
     processor: str | None = None
 
