@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from helpers import CHAT_TEMPLATE, LiveServer, expected_text, hf_greedy, load_pair
+from helpers import CHAT_TEMPLATE, LiveServer, ServeProcess, expected_text, hf_greedy, load_pair
 
 from ortmodule import load_tokenizer, runtime
 from ortmodule.serving import Settings, create_app
@@ -337,28 +337,10 @@ def test_the_http_server_has_auth_timeouts_and_a_connection_limit(llama):
     folder's, not its path."""
     import os
     import socket
-    import subprocess
-    import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "ortmodule", "serve", str(llama.package_dir), "--port", str(port),
-               "--header-timeout", "1", "--body-timeout", "1", "--keep-alive", "3", "--max-connections", "4"]
-    env = {**os.environ, "ORTMODULE_API_KEY": "sesame"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sesame"}
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:  # /health needs no key
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "ortmodule serve did not come up"
-            time.sleep(0.2)
+    args = ("--header-timeout", "1", "--body-timeout", "1", "--keep-alive", "3", "--max-connections", "4")
+    with ServeProcess(llama.package_dir, *args, env={**os.environ, "ORTMODULE_API_KEY": "sesame"}) as server:
+        url, port, key = server.url, server.port, {"Authorization": "Bearer sesame"}
         body = {"query": [5, 6], "items": [[7]], "label_token_ids": [1]}
         refused = httpx.post(url + "/v1/score", json=body)
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
@@ -412,6 +394,3 @@ def test_the_http_server_has_auth_timeouts_and_a_connection_limit(llama):
             sock.close()
         time.sleep(1.5)
         assert httpx.get(url + "/health").status_code == 200
-    finally:
-        process.terminate()
-        process.wait(30)
