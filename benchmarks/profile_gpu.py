@@ -5,7 +5,7 @@ sees every kernel in the process). Prints wall time per batch, the summed kernel
 the host: launches, Python, syncs), and the top kernels of each.
 
     python benchmarks/profile_gpu.py [--spec qwen3-0.6b-bf16] [--batch 32] [--length 200]
-        [--extra-option KEY=VALUE ...] [--only ortmodule] [--shared | --rolling | --score N]
+        [--extra-option KEY=VALUE ...] [--only ortmodule] [--shared | --rolling | --score N | --decode N]
 
 `--shared` profiles context sharing instead (lm-eval's `share_contexts`): a HellaSwag-shaped batch
 (`--batch` rows: groups of 4 continuations of 15-40 tokens after a context of about `--length`
@@ -46,6 +46,14 @@ requests runs): N requests of SGLang's score shape (`--query-tokens` 120, `--ite
 once (its KV copied to its items' rows, the items in one extend run), with the shared path's steps and
 the way the model's measured costs choose: on an H200 the server saturated at about 930 items/s, the
 padded rows' rate, and this tells whether running each query once pays on the device.
+
+`--decode N` profiles greedy decoding instead: `--batch` rows after prompts of `--length` tokens, N
+steps (no end of sequence), through ortmodule's generate and onnxruntime-genai's Generator on the
+same package: a step's time (N + 1 new tokens less 1, over N), for ortmodule the host's time inside
+ONNX Runtime's runs (on CUDA, launching the kernels) and outside them (ortmodule's own Python), and
+under the profiler the kernels a step launches and their device time. On an H200 ortmodule without
+CUDA graphs took about 6 ms a step at batch 1 where the Generator took 3.7 (docs/measurements.md,
+session 57); on a CPU ortmodule's own Python is some 30 us a step: this says which kernels differ.
 
 `--grouped-kv` builds the extend graph (the shared path's run: `--shared`, `--lm-eval` with sharing)
 with `Attention` taking the grouped KV heads as they are, where on CUDA ortmodule repeats them for the
@@ -222,6 +230,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                       help="an at-scale lm-eval workload through the ortmodule backend, profiled")
     mode.add_argument("--score", type=int, metavar="N",
                       help="the score server's call over N requests of SGLang's shape, query run once or not")
+    mode.add_argument("--decode", type=int, metavar="N",
+                      help="N greedy decode steps through ortmodule's generate and onnxruntime-genai's Generator")
     parser.add_argument("--query-tokens", type=int, default=120, help="with --score")
     parser.add_argument("--items", type=int, default=10, help="with --score: items per request")
     parser.add_argument("--item-tokens", type=int, default=180, help="with --score")
@@ -265,6 +275,8 @@ def main():
         return profile_sharing(model, args, peak)
     if args.score:
         return profile_score(model, args, peak)
+    if args.decode:
+        return profile_decode(model, fixture, args)
     if args.shapes:
         return replay_shapes(model, args)
     if args.workload:
@@ -372,6 +384,88 @@ def profile_ways(model, runs: dict, computed: dict, peak, what) -> None:
               f"summed device time {kernel_ms:.2f} ms")
         print(table)
     print(shared_steps(model, list(runs.values())[-1]))
+
+
+def decode_kernels(make, steps: int) -> tuple[float, float]:
+    """The device kernels one decode step launches, and their device time in ms: the profile of
+    `steps` + 1 new tokens less that of 1, over `steps` (0, 0 without a GPU)."""
+    if not torch.cuda.is_available():
+        return 0.0, 0.0
+    counts = []
+    for new in (1, steps + 1):
+        make(new)()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            make(new)()
+            sync()
+        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total]
+        counts.append((sum(e.count for e in kernels), sum(e.self_device_time_total for e in kernels) / 1e3))
+    return (counts[1][0] - counts[0][0]) / steps, (counts[1][1] - counts[0][1]) / steps
+
+
+def profile_decode(model, fixture, args) -> None:
+    """Greedy decoding of `--batch` rows after prompts of `--length` tokens, `--decode` steps: ortmodule's
+    generate and onnxruntime-genai's Generator on the same package (the mode's notes, above)."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    steps, gen = args.decode, torch.Generator().manual_seed(0)
+    ids = torch.randint(4, min(32000, model.config.vocab_size), (args.batch, args.length), generator=gen)
+    on_device = ids.to(model.device)
+    genai = None if args.only == "ortmodule" else og.Model(str(fixture.package_dir))
+
+    def ours(new):
+        return lambda: model.generate(on_device, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+
+    def theirs(new):
+        def run():
+            params = og.GeneratorParams(genai)
+            total = args.length + new
+            params.set_search_options(max_length=total, min_length=total, do_sample=False, batch_size=args.batch)
+            generator = og.Generator(genai, params)
+            generator.append_tokens(ids.numpy().astype(np.int32))
+            while not generator.is_done():
+                generator.generate_next_token()
+        return run
+
+    original = runtime.Session.run
+
+    def split(fn) -> tuple[float, float]:
+        """One call of `fn`: its wall time and the host's time inside ONNX Runtime's runs."""
+        inside = [0.0]
+
+        def clocked_run(self, *a, **k):
+            start = time.perf_counter()
+            try:
+                return original(self, *a, **k)
+            finally:
+                inside[0] += time.perf_counter() - start
+
+        runtime.Session.run = clocked_run
+        try:
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            return time.perf_counter() - start, inside[0]
+        finally:
+            runtime.Session.run = original
+
+    for label, make in (("ortmodule", ours), ("onnxruntime-genai", theirs)):
+        if label == "onnxruntime-genai" and genai is None:
+            continue
+        first, whole = timed(make(1), 3), timed(make(steps + 1), 3)
+        line = (f"== {label}: {1e3 * (whole - first) / steps:.3f} ms a step at batch {args.batch} "
+                f"({1e3 * first:.2f} ms the prompt and first token)")
+        if label == "ortmodule":  # the host's time of a step inside ONNX Runtime's runs and outside them
+            (short, short_in), (long, long_in) = split(make(1)), split(make(steps + 1))
+            inside = (long_in - short_in) / steps
+            line += (f"; of one clocked run's {1e3 * (long - short) / steps:.3f} ms a step, inside ONNX Runtime's "
+                     f"runs {1e3 * inside:.3f} ms, outside {1e3 * ((long - short) / steps - inside):.3f} ms")
+        launches, kernel_ms = decode_kernels(make, steps)
+        if launches:
+            line += f"; {launches:.0f} kernels a step, {kernel_ms:.3f} ms of device time"
+        print(line)
 
 
 def profile_score(model, args, peak) -> None:

@@ -145,23 +145,29 @@ def test_graph_options_script_times_each_variant(tmp_path):
 @pytest.mark.parametrize("mode", [[], ["--rolling"], ["--shared"], ["--lm-eval", "fewshot", "--questions", "3"],
                                   ["--lm-eval", "mmlu", "--questions", "3", "--clock-only"],
                                   ["--rolling", "--prefill-attention", "onnx"],
-                                  ["--score", "3", "--query-tokens", "20", "--item-tokens", "12", "--items", "4"]])
+                                  ["--score", "3", "--query-tokens", "20", "--item-tokens", "12", "--items", "4"],
+                                  ["--decode", "4"]])
 def test_profile_script_runs_each_mode_on_a_cpu(mode):
     """benchmarks/profile_gpu.py, which GPU sessions run with little time to spare, runs each of its
     modes to the end on the smoke model on a CPU (transformers' side needs CUDA: `--only ortmodule`
-    except for `--shared`, which profiles ortmodule's two paths and checks they agree)."""
+    except for `--shared`, which profiles ortmodule's two paths and checks they agree, `--score`, and
+    `--decode`, whose other side is onnxruntime-genai's Generator on the same package)."""
     import subprocess
     import sys
 
     command = [sys.executable, str(REPORT.parent / "profile_gpu.py"), "--size", "smoke", "--spec", "tiny",
                "--device", "cpu", "--batch", "8", "--length", "60", *mode]
-    done = subprocess.run(command + ([] if mode[:1] in (["--shared"], ["--score"]) else ["--only", "ortmodule"]),
+    both = mode[:1] in (["--shared"], ["--score"], ["--decode"])
+    done = subprocess.run(command + ([] if both else ["--only", "ortmodule"]),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     if mode[:1] == ["--score"]:  # both ways agree (fp32), and the shared path's steps are timed
         assert "largest difference between the two ways' log-probabilities: 0.0000" in done.stdout, done.stdout
         assert "== query once (reuse on): " in done.stdout and "for 12 items" in done.stdout, done.stdout
         assert "extend run" in done.stdout and "the measured costs run" in done.stdout, done.stdout
+    elif mode[:1] == ["--decode"]:  # a step's time for both, ortmodule's split inside and outside the runs
+        assert "== ortmodule: " in done.stdout and "== onnxruntime-genai: " in done.stdout, done.stdout
+        assert "inside ONNX Runtime's runs" in done.stdout, done.stdout
     elif mode == ["--shared"]:
         assert "largest difference between the two paths' loglikelihoods: 0.0000" in done.stdout, done.stdout
         assert "extend run" in done.stdout
