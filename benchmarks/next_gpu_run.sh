@@ -31,9 +31,10 @@ step package 120 bash -c "cd benchmarks && python3 -c 'from conftest import QWEN
 # and session 37's: a dropped model's device memory back at once (no reference cycle); and session 38's:
 # the scoring paths queue their work without waiting for the device (no blocking copy up); and session 41's:
 # measured costs kept on disk, read back at a second load (its check prefill within 1.5x on a GPU); and
-# session 45's: hidden states and inputs_embeds (second sessions of the graph) on the device
+# session 45's: hidden states and inputs_embeds (second sessions of the graph) on the device; and session 56's:
+# a hybrid's (LFM2's) cache cropped and continued on the device
 step cuda-tests 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k \
-  "unpacked_projections or shared_contexts_extend_sliding or sliding_window_cache or dropped_model or queue_their_work or costs_are_kept or hidden_states_on_cuda or inputs_embeds_on_cuda or images_on_cuda"
+  "unpacked_projections or shared_contexts_extend_sliding or sliding_window_cache or dropped_model or queue_their_work or costs_are_kept or hidden_states_on_cuda or inputs_embeds_on_cuda or images_on_cuda or hybrid_crops_on_cuda"
 # (2) the score server's call at SGLang's shape, each prompt whole and each query run once, with the
 # extend graph's KV heads repeated (the default on CUDA), grouped (extend.REPEAT_KV_HEADS_ON_CUDA),
 # and grouped in the cache layout (flash attention over the rows' caches, extend.EXTEND_LAYOUT)
@@ -56,8 +57,10 @@ step extend-repeat 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared 
 step extend-grouped 40 bash -c "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv"
 step extend-cache-grouped 40 bash -c \
   "cd benchmarks && python3 profile_gpu.py --shared --batch 64 --length 80 --grouped-kv --extend-layout cache"
-# (6) rolling on Qwen3 with SmolLM2's tokenizer (never run on a GPU; the target still short), against hf
-suite rolling 190 "at_scale and qwen3 and rolling and not (share or chunks or tokenize or cuda-graph or pad64 or bf16-head)"
+# (6) where batch 1's decode step goes without CUDA graphs (session 57: ortmodule about 6 ms a step where
+# onnxruntime-genai took 3.7), both, with the kernels a step launches (rolling on SmolLM2's tokenizer, step 6
+# until session 57, ran in session 57's targets run)
+step decode-profile 45 bash -c "cd benchmarks && python3 profile_gpu.py --decode 64 --batch 1 --length 256"
 # (7) if the budget has time left: how many patches one run of the vision model should take on CUDA
 # (ortmodule/images.py's PATCHES_PER_RUN, 1,024 there as a guess): frame by frame, 1,024, 4,096 and every
 # image in one run, beside transformers' vision tower, on Qwen2.5-VL's tower in bf16 (its export ~1 minute)
