@@ -18,7 +18,7 @@ from transformers import GenerationConfig, GenerationMixin
 from . import embeddings, generation, images, images_plain, runtime
 from .cache import KVCache
 from .hf import CACHE_NAME
-from .package import NotSupportedError
+from .package import NotSupportedError, model_files
 
 # What transformers models have and these do not, with what to do instead.
 _NO_PYTORCH_MODULES = (
@@ -57,11 +57,11 @@ class HuggingFaceSurface(GenerationMixin):
         return LOSS_MAPPING[self.loss_type]
 
     def get_memory_footprint(self, return_buffers: bool = True) -> int:
-        """Bytes of the package's ONNX graphs and weight files (`*.onnx`, `*.data`), what its sessions load: the
-        counterpart of transformers' parameters and buffers. The KV cache and ONNX Runtime's own buffers come on
-        top, as transformers' activations do."""
-        return sum(f.stat().st_size for f in Path(self.package.root).iterdir()
-                   if f.is_file() and f.name.endswith((".onnx", ".data")))
+        """Bytes of the package's ONNX graphs and the weight files they read (`package.model_files`: the graphs
+        genai_config names, not other files of the folder), what its sessions load: the counterpart of
+        transformers' parameters and buffers. The KV cache and ONNX Runtime's own buffers come on top, as
+        transformers' activations do."""
+        return sum(f.stat().st_size for f in model_files(self.package))
 
     @property
     def device(self) -> torch.device:

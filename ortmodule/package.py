@@ -189,6 +189,30 @@ def _load_graph(path: Path) -> onnx.GraphProto:
     return model.graph
 
 
+def model_files(package: Package) -> list[Path]:
+    """The files a package's sessions load: every graph genai_config names (the decoder, an embedding
+    or vision model, ...) and the weight files those graphs read; not other files of the folder
+    (another variant's graphs, copies)."""
+    graphs, sections = [], [package.genai_config.get("model", {})]
+    while sections:
+        section = sections.pop()
+        for key, value in section.items():
+            if isinstance(value, dict):
+                sections.append(value)
+            elif isinstance(value, list):  # a pipeline's stages
+                sections += [stage for stage in value if isinstance(stage, dict)]
+            elif key == "filename" and isinstance(value, str) and (package.root / value).is_file():
+                graphs.append(package.root / value)
+    files = set(graphs)
+    for path in graphs:
+        for tensor in onnx.load(str(path), load_external_data=False).graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+                if location and (path.parent / location).is_file():
+                    files.add(path.parent / location)
+    return sorted(files)
+
+
 def _dims(value_info: onnx.ValueInfoProto) -> list[int | str | None]:
     dims = []
     for d in value_info.type.tensor_type.shape.dim:

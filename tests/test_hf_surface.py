@@ -2,6 +2,8 @@
 as a `transformers.Cache` (crop, reorder, batch select, repeat), beam search, GenerationMixin's
 helpers, forward's keywords, and clear errors for what an ONNX package does not have."""
 
+import shutil
+
 import pytest
 import torch
 from helpers import MODEL_ARCHES, load_pair
@@ -172,6 +174,23 @@ def test_the_loss_function_and_memory_footprint_as_transformers_models_give_them
     out = model(ids, labels=ids)
     assert torch.allclose(model.loss_function(out.logits, ids, vocab_size=model.config.vocab_size), out.loss)
     assert hf.get_memory_footprint() <= model.get_memory_footprint() < 1.2 * hf.get_memory_footprint()
+
+
+def test_the_memory_footprint_counts_only_what_the_package_loads(build, tmp_path):
+    """Another variant's graph and weights in the same folder (not named by genai_config) are not
+    counted: the footprint stays what the package's own graph and weight file weigh; graphs in
+    subfolders (mobius-onnx's packages) are."""
+    package = build("llama").package_dir
+    folder = tmp_path / "package"
+    shutil.copytree(package, folder)
+    own = sum((package / name).stat().st_size for name in ("model.onnx", "model.onnx.data"))
+    shutil.copy(package / "model.onnx", folder / "model_int4.onnx")
+    shutil.copy(package / "model.onnx.data", folder / "model_int4.onnx.data")
+    assert OrtModelForCausalLM.from_pretrained(folder).get_memory_footprint() == own
+    # mobius-onnx's packages keep each graph in a folder of its own (counted 0 bytes before session 57)
+    mobius = build("gemma4_mobius").package_dir
+    graphs = sum(f.stat().st_size for f in mobius.rglob("*") if f.name.endswith((".onnx", ".data")))
+    assert graphs > 0 and OrtModelForCausalLM.from_pretrained(mobius).get_memory_footprint() == graphs
 
 
 WIDE = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}  # Phi-2's rotary
