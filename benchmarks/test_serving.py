@@ -100,6 +100,8 @@ def test_ortmodule_server_load(benchmark, workload, score_server, size, server_r
     model_s = groups["seconds"].get("oneshot", 0.0) - before["seconds"].get("oneshot", 0.0)
     benchmark.extra_info["model_ms_per_group"] = round(1e3 * model_s / max(count, 1), 1)
     answered = groups["requests"].get("score", 0) - before["requests"].get("score", 0)
+    # Requests per group on average: at saturation, whether the token budget fills the groups
+    benchmark.extra_info["mean_group"] = round(answered / max(count, 1), 1)
     benchmark.extra_info["reused_queries"] = round((groups["reused_prefixes"] - before["reused_prefixes"])
                                                    / max(answered, 1), 3)
     hf = reference_model(fixture, device, "fp32")
