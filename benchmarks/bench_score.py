@@ -18,14 +18,14 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
+from ortmodule_dev.serve import ServeProcess  # noqa: E402
 
 
 def make_requests(count: int, vocab: int, query_tokens: int, items: int, item_tokens: int, labels: int, seed: int,
@@ -93,34 +93,13 @@ async def run_load(url: str, rate: float, duration: float, requests, timeout: fl
     }
 
 
-class LocalServer:
-    """`ortmodule serve PATH` in a child process on a free port of 127.0.0.1."""
+class LocalServer(ServeProcess):
+    """`ortmodule serve PATH --device DEVICE EXTRA...` in a child process on a free port of 127.0.0.1."""
 
     def __init__(self, package: str | Path, device: str = "cpu", extra: list[str] = (), launcher: list[str] = ()):
         """`launcher`: what runs the `ortmodule` command line instead of `python -m ortmodule` (e.g.
         serve_with_extend.py and its two settings)."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        command = [*(launcher or [sys.executable, "-m", "ortmodule"]), "serve", str(package), "--port", str(port),
-                   "--device", device, *extra]
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  open for the server process's lifetime
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            if self.process.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"ortmodule serve exited with {self.process.returncode}:\n{self.log.read()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("ortmodule serve did not answer /health in 180 s")
-            time.sleep(0.2)
+        super().__init__(package, "--device", device, *extra, launcher=launcher)
 
     def metrics(self) -> dict:
         return httpx.get(self.url + "/metrics").json()
@@ -134,17 +113,6 @@ class LocalServer:
             return None
         user, system = fields.split()[11:13]  # utime and stime, in clock ticks
         return (int(user) + int(system)) / os.sysconf("SC_CLK_TCK")
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-        self.log.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -82,6 +82,7 @@ positions scored, over the data sheet's dense bf16 peak.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import re
 import sys
@@ -115,6 +116,26 @@ def timed(fn, repeats=10):
         fn()
     sync()
     return (time.perf_counter() - start) / repeats
+
+
+@contextlib.contextmanager
+def runs_clocked():
+    """While open, the host's time inside ONNX Runtime's runs (ortmodule's `Session.run`) adds up in
+    the list it yields (one float)."""
+    inside, original = [0.0], runtime.Session.run
+
+    def clocked_run(self, *a, **k):
+        start = time.perf_counter()
+        try:
+            return original(self, *a, **k)
+        finally:
+            inside[0] += time.perf_counter() - start
+
+    runtime.Session.run = clocked_run
+    try:
+        yield inside
+    finally:
+        runtime.Session.run = original
 
 
 # Kernel names -> the parts of a decoder the issue's profile names (first match wins).
@@ -428,28 +449,14 @@ def profile_decode(model, fixture, args) -> None:
                 generator.generate_next_token()
         return run
 
-    original = runtime.Session.run
-
     def split(fn) -> tuple[float, float]:
         """One call of `fn`: its wall time and the host's time inside ONNX Runtime's runs."""
-        inside = [0.0]
-
-        def clocked_run(self, *a, **k):
-            start = time.perf_counter()
-            try:
-                return original(self, *a, **k)
-            finally:
-                inside[0] += time.perf_counter() - start
-
-        runtime.Session.run = clocked_run
-        try:
+        with runs_clocked() as inside:
             sync()
             start = time.perf_counter()
             fn()
             sync()
             return time.perf_counter() - start, inside[0]
-        finally:
-            runtime.Session.run = original
 
     for label, make in (("ortmodule", ours), ("onnxruntime-genai", theirs)):
         if label == "onnxruntime-genai" and genai is None:
@@ -514,22 +521,17 @@ def shape_stream(batches: int, rows: int, length: int, gen: torch.Generator, top
 
 def replay_shapes(model, args) -> None:
     """`--shapes`: the stream of batches in four passes (module docstring), a line per pass."""
-    on_cuda = model.device.type == "cuda"
     top = min(32000, model.config.vocab_size)
     plain = shape_stream(args.shapes, args.batch, args.length, torch.Generator().manual_seed(0), top)
     padded = shape_stream(args.shapes, args.batch, args.length, torch.Generator().manual_seed(0), top,
                           args.pad_multiple)
-    in_runs = [0.0]
-    original = runtime.Session.run
+    with runs_clocked() as in_runs:
+        replay_passes(model, args, plain, padded, in_runs)
 
-    def clocked_run(self, *a, **k):
-        start = time.perf_counter()
-        try:
-            return original(self, *a, **k)
-        finally:
-            in_runs[0] += time.perf_counter() - start
 
-    runtime.Session.run = clocked_run
+def replay_passes(model, args, plain, padded, in_runs) -> None:
+    """`--shapes`' four passes (its notes, above); `in_runs` adds up the host's time in ONNX Runtime's runs."""
+    on_cuda = model.device.type == "cuda"
     scoring.loglikelihood_totals(model, *plain[-1][:2], [1], [[5]], [0])  # the session's first run, outside the clock
     sync()
     real = sum(int(m.sum()) for _, m, *_ in plain)
@@ -560,7 +562,6 @@ def replay_shapes(model, args) -> None:
         print(f"== {label}: {wall:.3f} s wall ({1e3 * wall / len(stream):.1f} ms per batch), host inside the calls "
               f"{in_calls:.3f} s, of which ONNX Runtime's runs {in_runs[0]:.3f} s; device (events) "
               f"{device_ms / 1e3:.3f} s; {padded_tokens} padded tokens ({padded_tokens / real:.3f}x the real ones)")
-    runtime.Session.run = original
 
 
 def profile_workload(model, fixture, args) -> None:

@@ -22,6 +22,7 @@ from transformers import (
 
 from ortmodule import OrtModelForCausalLM
 from ortmodule.cache import KVCache
+from ortmodule_dev.serve import ServeProcess  # noqa: F401  the tests' import of it
 
 # Architectures every parity test runs on (Gemma 3 alternates sliding-window and full layers;
 # the Gemma 4 packages mix KV head sizes per layer, and two of them are multimodal: an embedding
@@ -250,57 +251,6 @@ class LiveServer:
         self.client.close()
         self.server.should_exit = True
         self.thread.join(10)
-
-
-class ServeProcess:
-    """`ortmodule serve PACKAGE ARGS` in its own process on a free port of 127.0.0.1, up once
-    /health answers (a context manager: terminated on exit). Its output goes to a file (a pipe
-    nobody reads would stall it once full), read back by `output()`."""
-
-    def __init__(self, package_dir, *args: str, env: dict | None = None):
-        import subprocess
-        import tempfile
-
-        import httpx
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        command = [sys.executable, "-m", "ortmodule", "serve", str(package_dir), "--port", str(self.port), *args]
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  open for the process's lifetime
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.process.poll() is None, self.output()
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:  # /health needs no key
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise AssertionError("ortmodule serve did not come up in 120 s")
-            time.sleep(0.2)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-        self.log.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def hold_worker(served):
