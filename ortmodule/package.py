@@ -172,14 +172,7 @@ def _load_graph(path: Path) -> onnx.GraphProto:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # noqa: BLE001  protobuf's DecodeError and others: a truncated or foreign file
         raise PackageError(f"{path}: not a readable ONNX graph ({type(e).__name__}: {e})") from None
-    needed: dict[str, int] = {}
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            entries = {e.key: e.value for e in tensor.external_data}
-            end = int(entries.get("offset", 0)) + int(entries.get("length", 0))
-            location = entries.get("location", "")
-            needed[location] = max(needed.get(location, 0), end)
-    for location, end in needed.items():
+    for location, end in _external_data(model.graph).items():
         data = path.parent / location
         if not data.is_file():
             raise PackageError(f"{path}: its weights file {data} does not exist")
@@ -187,6 +180,19 @@ def _load_graph(path: Path) -> onnx.GraphProto:
         if size < end:
             raise PackageError(f"{data}: truncated ({size} bytes; the graph {path.name} reads up to byte {end})")
     return model.graph
+
+
+def _external_data(graph: onnx.GraphProto) -> dict[str, int]:
+    """The weight files a graph's initializers live in (their locations beside the graph), each with the
+    byte its tensors read up to."""
+    needed: dict[str, int] = {}
+    for tensor in graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            entries = {e.key: e.value for e in tensor.external_data}
+            end = int(entries.get("offset", 0)) + int(entries.get("length", 0))
+            location = entries.get("location", "")
+            needed[location] = max(needed.get(location, 0), end)
+    return needed
 
 
 def model_files(package: Package) -> list[Path]:
@@ -205,11 +211,8 @@ def model_files(package: Package) -> list[Path]:
                 graphs.append(package.root / value)
     files = set(graphs)
     for path in graphs:
-        for tensor in onnx.load(str(path), load_external_data=False).graph.initializer:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                location = next((e.value for e in tensor.external_data if e.key == "location"), None)
-                if location and (path.parent / location).is_file():
-                    files.add(path.parent / location)
+        locations = _external_data(onnx.load(str(path), load_external_data=False).graph)
+        files.update(path.parent / location for location in locations if (path.parent / location).is_file())
     return sorted(files)
 
 

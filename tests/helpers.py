@@ -22,7 +22,6 @@ from transformers import (
 
 from ortmodule import OrtModelForCausalLM
 from ortmodule.cache import KVCache
-from ortmodule_dev.serve import ServeProcess  # noqa: F401  the tests' import of it
 
 # Architectures every parity test runs on (Gemma 3 alternates sliding-window and full layers;
 # the Gemma 4 packages mix KV head sizes per layer, and two of them are multimodal: an embedding

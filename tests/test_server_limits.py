@@ -9,10 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import LiveServer, ServeProcess, hold_worker, load_pair
+from helpers import LiveServer, hold_worker, load_pair
 
 from ortmodule import load_tokenizer
 from ortmodule.serving import create_app
+from ortmodule_dev.serve import ServeProcess
 
 GOOD = dict(query="The capital of France is", items=[" Paris", " Rome"], label_token_ids=[5, 6])
 

@@ -13,12 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from helpers import CHAT_TEMPLATE, LiveServer, ServeProcess, expected_text, hf_greedy, load_pair
+from helpers import CHAT_TEMPLATE, LiveServer, expected_text, hf_greedy, load_pair
 
 from ortmodule import load_tokenizer, runtime
 from ortmodule.serving import Settings, create_app
 from ortmodule.serving.openai_routes import chat_ids
 from ortmodule.serving.text import TextStream
+from ortmodule_dev.serve import ServeProcess
 
 NAME = "tiny"
 

@@ -182,8 +182,8 @@ def _timed_h11(header_timeout: float):
     `header_timeout` seconds while none is being answered, is closed. A connection idle between
     requests (its last answer sent, nothing since) is left to the keep-alive timeout: longer than
     HTTP clients keep an idle connection in their pools, so that the client closes it first. A
-    server that closes it first races a client reusing it, whose request is then lost
-    (httpx's `ReadError`: uvicorn's and httpx's 5 s defaults, session 57's H200 run)."""
+    server that closes it first races a client reusing it, whose request is then lost (httpx's
+    `ReadError` where both wait 5 s, uvicorn's and httpx's defaults)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class TimedH11(H11Protocol):
