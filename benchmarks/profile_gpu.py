@@ -53,7 +53,7 @@ same package: a step's time (N + 1 new tokens less 1, over N), for ortmodule the
 ONNX Runtime's runs (on CUDA, launching the kernels) and outside them (ortmodule's own Python), and
 under the profiler the kernels a step launches and their device time. On an H200 ortmodule without
 CUDA graphs took about 6 ms a step at batch 1 where the Generator took 3.7 (docs/measurements.md,
-session 57); on a CPU ortmodule's own Python is some 30 us a step: this says which kernels differ.
+session 57); on a CPU ortmodule's own Python is some 40 us a step: this says which kernels differ.
 
 `--grouped-kv` builds the extend graph (the shared path's run: `--shared`, `--lm-eval` with sharing)
 with `Attention` taking the grouped KV heads as they are, where on CUDA ortmodule repeats them for the
