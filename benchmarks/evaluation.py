@@ -12,7 +12,9 @@ import ortmodule.lm_eval  # noqa: F401  (registers the backend)
 
 TASK_DIR = str(Path(__file__).parent / "tasks")
 # ortmodule with its context sharing decided from the measured costs (auto), off, and always on.
-SHARING = {"ortmodule": "auto", "ortmodule-share-off": "false", "ortmodule-share-on": "true"}
+# `ortmodule-compiled-normalizers` loads as `ortmodule` (its test sets scoring.COMPILED_NORMALIZERS).
+SHARING = {"ortmodule": "auto", "ortmodule-share-off": "false", "ortmodule-share-on": "true",
+           "ortmodule-compiled-normalizers": "auto"}
 
 
 def load(backend, fixture, batch_size, device):

@@ -22,7 +22,11 @@ backend's path (`scoring.loglikelihood_totals(..., greedy=False)`: the logits of
 normalizers, the targets' log-probabilities, no greedy token) and through transformers as lm-eval's
 `hf` scores them (a log-softmax over all the logits in the model's precision, then the gather).
 Rolling ran at 1.38x transformers on an H100 where the target is 2x; the kernel split shows how much
-of it is the LM head and the normalizers.
+of it is the LM head and the normalizers (on an H200, session 58: 35 of a batch's 195 ms went to the
+normalizers' float32 conversion and log-softmax). `--compiled-normalizers` runs them as one compiled
+reduction instead (scoring.COMPILED_NORMALIZERS; it compiles during the untimed first call).
+`--float32-head` loads the model as the lm-eval backend does (`rewrite_lm_head="float32"`: a bf16
+package's LM head multiplies in float32, float32 logits) where the profile's default is the bf16 head.
 
 `--shapes N` replays an lm-eval run's stream of batches instead: N batches of `--batch` rows of
 `--length` +- 300 tokens (MMLU-shaped: four one-token requests per row), longest first, so that
@@ -55,10 +59,10 @@ under the profiler the kernels a step launches and their device time. On an H200
 CUDA graphs took about 6 ms a step at batch 1 where the Generator took 3.7 (docs/measurements.md,
 session 57); on a CPU ortmodule's own Python is some 40 us a step: this says which kernels differ.
 
-`--grouped-kv` builds the extend graph (the shared path's run: `--shared`, `--lm-eval` with sharing)
-with `Attention` taking the grouped KV heads as they are, where on CUDA ortmodule repeats them for the
-query heads first (extend.REPEAT_KV_HEADS_ON_CUDA): run `--shared` with and without it to see what
-the repeat costs.
+`--repeat-kv` builds the extend graph (the shared path's run: `--shared`, `--score`, `--lm-eval` with
+sharing) with each KV head repeated for its query heads before `Attention` on CUDA, as ortmodule did
+until session 58 (extend.REPEAT_KV_HEADS_ON_CUDA; its `Attention` now takes the grouped heads as they
+are, 15-17% faster on an H200): run a mode with and without it to see what the repeat costs.
 
 `--extend-layout cache` builds the extend graph in ONNX's external-cache form (extend.extend_graph:
 the new KV written after each row's past by `TensorScatter`, `Attention` over each row's keys with
@@ -138,10 +142,11 @@ def runs_clocked():
         runtime.Session.run = original
 
 
-# Kernel names -> the parts of a decoder the issue's profile names (first match wins).
+# Kernel names -> the parts of a decoder the issue's profile names (first match wins). Triton's
+# kernels are the compiled normalizers' (`--compiled-normalizers`), the only ones torch.compile makes here.
 CATEGORIES = [
     ("scoring: log-softmax, argmax, gather", re.compile(r"softmaxforward|logsoftmax|log_softmax|argmax|"
-                                                        r"gather_kernel|index_add|logsumexp", re.I)),
+                                                        r"gather_kernel|index_add|logsumexp|triton_", re.I)),
     ("rotary + KV append", re.compile(r"rope|rotary|append|unpack|concatnewtopast", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|softmax|xqa|mha", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|sm\d+_|cublas|matmul|ampere_|hopper", re.I)),
@@ -260,8 +265,12 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--share", default="auto", help="with --lm-eval: share_contexts")
     parser.add_argument("--clock-only", action="store_true",
                         help="with --lm-eval: the clocked run only (prefills, padded tokens, device time), no profiler")
-    parser.add_argument("--grouped-kv", action="store_true",
-                        help="the extend graph's Attention takes the grouped KV heads as they are (not repeated)")
+    parser.add_argument("--repeat-kv", action="store_true",
+                        help="the extend graph repeats each KV head for its query heads on CUDA (grouped by default)")
+    parser.add_argument("--float32-head", action="store_true",
+                        help="the LM head in float32 (rewrite_lm_head='float32', the lm-eval backend's default)")
+    parser.add_argument("--compiled-normalizers", action="store_true",
+                        help="scoring's normalizers as one compiled reduction (scoring.COMPILED_NORMALIZERS)")
     parser.add_argument("--extend-layout", choices=["mask", "cache"],
                         help="the extend graph's layout on this device (extend.EXTEND_LAYOUT; default: ortmodule's)")
     parser.add_argument("--prefill-attention", choices=["auto", "package", "onnx"], default="auto",
@@ -276,7 +285,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main():
     args = arguments()
-    extend.REPEAT_KV_HEADS_ON_CUDA = not args.grouped_kv
+    extend.REPEAT_KV_HEADS_ON_CUDA = args.repeat_kv
+    scoring.COMPILED_NORMALIZERS[torch.device(args.device).type] = args.compiled_normalizers
     if args.extend_layout:
         extend.EXTEND_LAYOUT[torch.device(args.device).type] = args.extend_layout
     spec = SIZES[args.size]["decoders"][args.spec]
@@ -287,7 +297,8 @@ def main():
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device,
                                                 session_options=session_options(args.session_option),
                                                 provider_options=dict(o.split("=", 1) for o in args.provider_option),
-                                                prefill_attention=args.prefill_attention)
+                                                prefill_attention=args.prefill_attention,
+                                                rewrite_lm_head="float32" if args.float32_head else True)
     name = torch.cuda.get_device_name() if model.device.type == "cuda" else "CPU"
     peak = next((flops for key, (flops, _) in GPU_DATASHEET.items() if key in name), None)
     print(f"{name}; package {fixture.package_dir.name}, builder options {dict(spec.extra_options) or 'default'}; "

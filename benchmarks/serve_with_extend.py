@@ -1,11 +1,11 @@
 """`ortmodule serve` with the extend graph set one way, for measuring the score server with each
-(what profile_gpu.py's `--extend-layout` and `--grouped-kv` set in its own process):
+(what profile_gpu.py's `--extend-layout` and `--repeat-kv` set in its own process):
 
     python benchmarks/serve_with_extend.py LAYOUT HEADS serve PATH [serve's flags]
 
 LAYOUT: "mask" or "cache" (extend.EXTEND_LAYOUT on every device); HEADS: "repeated" (the KV heads
-repeated for the query heads on CUDA, extend.REPEAT_KV_HEADS_ON_CUDA) or "grouped". The benchmark
-suite's `--server-extend LAYOUT,HEADS` starts its servers this way.
+repeated for the query heads on CUDA, extend.REPEAT_KV_HEADS_ON_CUDA) or "grouped" (the default
+since session 58). The benchmark suite's `--server-extend LAYOUT,HEADS` starts its servers this way.
 """
 
 import sys

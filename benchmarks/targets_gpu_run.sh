@@ -24,7 +24,7 @@ BUDGET=${BUDGET:-${PART_BUDGETS[$((PART - 1))]}}
 WORK=/tmp/targets-gpu-run-$PART
 source "$(dirname "$0")/gpu_run_lib.sh"
 # lm-eval's hf and ortmodule as it loads by default, without the suite's variants
-PLAIN="(hf or ortmodule) and not (share or chunks or tokenize or cuda-graph or pad64 or bf16-head or prefill-onnx or transformers-bf16)"
+PLAIN="(hf or ortmodule) and not (share or chunks or tokenize or cuda-graph or pad64 or bf16-head or prefill-onnx or transformers-bf16 or compiled-normalizers)"
 
 if [ "$PART" = 1 ]; then
   # the package exported before the steps that time it (about 25 s once imports are warm; session 57's

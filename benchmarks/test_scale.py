@@ -15,6 +15,7 @@ from lm_eval.tasks import TaskManager
 from references import reference_answers
 
 import ortmodule.lm_eval
+from ortmodule import scoring
 from ortmodule.lm_eval import OrtModuleLM
 from ortmodule_dev import fixtures
 
@@ -30,7 +31,7 @@ WORKLOADS = {"mmlu": "ortmodule_bench_mmlu", "fewshot": "ortmodule_bench_fewshot
 # transformers first: on an fp32 or int4 package its fp32 answers are every other row's yardstick.
 SCALE_BACKENDS = ["hf", "transformers-bf16", "ortmodule", "ortmodule-share-off", "ortmodule-share-on",
                   "ortmodule-chunks-off", "ortmodule-tokenize-first", "ortmodule-bf16-head", "ortmodule-cuda-graph",
-                  "ortmodule-pad64", "ortmodule-prefill-onnx"]
+                  "ortmodule-pad64", "ortmodule-prefill-onnx", "ortmodule-compiled-normalizers"]
 SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers
 FP32_REFERENCES = {}  # (model, workload) -> (answers of transformers in fp32, when and where they were computed)
 SCALE_TOKENS = {}  # (model, workload) -> context + continuation tokens of all its requests
@@ -68,6 +69,11 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
     if backend == "ortmodule-prefill-onnx" and (device == "cpu" or not head_case):
         pytest.skip("the prefill graph (prefill_attention=onnx) replaces CUDA's GroupQueryAttention prologue, asked "
                     "where it took 21% (mmlu) and where every row is long (rolling); a CPU runs long rows in chunks")
+    if backend == "ortmodule-compiled-normalizers" and (device == "cpu" or workload != "rolling"):
+        pytest.skip("the normalizers as one compiled reduction (scoring.COMPILED_NORMALIZERS): where every position is "
+                    "scored (rolling: about a fifth of a batch's device time on an H200), to make it CUDA's default")
+    if backend == "ortmodule-compiled-normalizers":  # compiled in the warm-up's calls, off the clock
+        monkeypatch.setitem(scoring.COMPILED_NORMALIZERS, torch.device(device).type, True)
     if backend == "ortmodule-cuda-graph" and (device == "cpu" or workload != "mmlu"):
         pytest.skip("CUDA graphs are CUDA's: does scoring run as fast with them on (mmlu), to make them the default")
     batch = at_scale_batch(options, workload)

@@ -6,7 +6,7 @@ and the gather happen on `model.device`, and one small tensor per batch comes ba
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -122,10 +122,17 @@ class _Totals:
 
 CPU_CHUNK_BYTES = 1 << 22  # float32 work per piece on a CPU: it stays in the cache between passes
 CUDA_CHUNK_BYTES = 1 << 28  # on CUDA: few kernel launches, and a large batch's logits are never copied whole
+# Per device type: whether the normalizers run as one torch.compile'd reduction (Inductor's kernel reads
+# each logit once and writes one float per row; it compiles at its first call, seconds). Off until a
+# GPU measures it: on an H200 the fused way's float32 conversion and log-softmax took about 35 of a
+# rolling batch's 195 ms (docs/measurements.md, session 58); benchmarks/profile_gpu.py
+# `--compiled-normalizers` and benchmarks/log_normalizers.py `--compiled` time it.
+COMPILED_NORMALIZERS = {"cpu": False, "cuda": False}
+_compiled: dict[bool, Callable] = {}  # per `greedy`: the compiled reduction, made at first use
 
 
-def log_normalizers(logits: torch.Tensor, fused: bool | None = None,
-                    at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def log_normalizers(logits: torch.Tensor, fused: bool | None = None, at: torch.Tensor | None = None,
+                    compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per row of `[positions, V]` logits: the log of its softmax's denominator (float32, so that
     `logit - normalizer` is the float32 log-probability whatever the logits' precision) and its
     greedy token.
@@ -136,9 +143,13 @@ def log_normalizers(logits: torch.Tensor, fused: bool | None = None,
     `torch.log_softmax` in float32 runs instead: one kernel per piece that reads the half-precision
     logits and writes the float32 log-probabilities, from which the normalizer is read at the
     greedy token (`logit - log-probability`, there close to 0, so exact to float32's rounding).
-    `fused` picks the way regardless of the device (the tests check both on a CPU). `at`: per row,
-    the column to read the fused way's normalizer at instead (the target), and no greedy token is
-    computed (None): an argmax pass over the logits saved where nobody reads it."""
+    `fused` picks the way regardless of the device (the tests check both on a CPU). `compiled`
+    (default: `COMPILED_NORMALIZERS` for the device) runs both reductions as one compiled kernel
+    instead (`compiled_normalizers`). `at`: per row, the column to read the fused way's normalizer
+    at instead (the target), and no greedy token is computed (None): an argmax pass over the logits
+    saved where nobody reads it."""
+    if COMPILED_NORMALIZERS.get(logits.device.type, False) if compiled is None else compiled:
+        return compiled_normalizers(logits, greedy=at is None)
     greedy = argmax(logits) if at is None else None
     if not (logits.device.type == "cuda" if fused is None else fused):
         chunk = max(1, CPU_CHUNK_BYTES // (4 * logits.shape[-1]))
@@ -149,6 +160,22 @@ def log_normalizers(logits: torch.Tensor, fused: bool | None = None,
         log_probs = torch.log_softmax(part, dim=-1, dtype=torch.float32)
         parts.append((part.gather(1, top).float() - log_probs.gather(1, top)).squeeze(1))
     return torch.cat(parts), greedy
+
+
+def compiled_normalizers(logits: torch.Tensor, greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`log_normalizers` as one `torch.compile`d function (dynamic shapes: one compilation per
+    dtype, not per batch): float32 `logsumexp` and, with `greedy`, `argmax`, which Inductor fuses
+    into reductions that read the logits without writing anything per logit. Its first call
+    compiles (seconds; Triton on CUDA, a C++ compiler on a CPU)."""
+    if greedy not in _compiled:
+        if greedy:
+            def reduce(x):
+                return torch.logsumexp(x.float(), dim=-1), x.argmax(-1)
+        else:
+            def reduce(x):
+                return torch.logsumexp(x.float(), dim=-1), None
+        _compiled[greedy] = torch.compile(reduce, dynamic=True)
+    return _compiled[greedy](logits)
 
 
 @torch.inference_mode()

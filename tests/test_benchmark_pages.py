@@ -144,7 +144,7 @@ def test_graph_options_script_times_each_variant(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--rolling"], ["--shared"], ["--lm-eval", "fewshot", "--questions", "3"],
                                   ["--lm-eval", "mmlu", "--questions", "3", "--clock-only"],
-                                  ["--rolling", "--prefill-attention", "onnx"],
+                                  ["--rolling", "--prefill-attention", "onnx"], ["--rolling", "--compiled-normalizers"],
                                   ["--score", "3", "--query-tokens", "20", "--item-tokens", "12", "--items", "4"],
                                   ["--decode", "4"]])
 def test_profile_script_runs_each_mode_on_a_cpu(mode):
@@ -311,7 +311,7 @@ def test_the_gpu_runs_selections_collect(name):
         for test in selection.split(" or "):
             assert any(test in line for line in tests), f"no CUDA test matches {test!r}"
     if name == "next_gpu_run.sh":  # the plan of decisions profiles and runs CUDA tests; the targets run neither
-        assert profiles and "tests/test_cuda.py -k" in text
+        assert profiles and "tests/test_cuda.py" in text
 
 
 # A GPU session's device time (the device tool's limits: 15 minutes, the machine's start and every idle

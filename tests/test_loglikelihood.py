@@ -215,31 +215,62 @@ def test_loglikelihood_matches_transformers(arch_pair, left_padded):
     assert got[1][1] is True
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("way", ["pieces", "fused", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_log_normalizers_equal_float64_log_sum_exp(monkeypatch, fused, dtype):
-    """Both ways (the CPU's cached pieces of `torch.logsumexp`, CUDA's fused float32 log-softmax
-    read at the greedy token), on pieces that split the rows unevenly, against float64: the
-    normalizer to float32's rounding and the greedy token equal to argmax, whatever the logits'
-    precision; rows of large logits (near float16's limit) and of one dominant token included."""
+def test_log_normalizers_equal_float64_log_sum_exp(monkeypatch, way, dtype):
+    """Every way (the CPU's cached pieces of `torch.logsumexp`, CUDA's fused float32 log-softmax
+    read at the greedy token, the compiled reduction), on pieces that split the rows unevenly,
+    against float64: the normalizer to float32's rounding and the greedy token equal to argmax,
+    whatever the logits' precision; rows of large logits (near float16's limit) and of one dominant
+    token included, and a row with a NaN (its greedy token the NaN's, as torch's argmax says)."""
     gen = torch.Generator().manual_seed(31)
     vocab = 1000
     logits = torch.randn(23, vocab, generator=gen) * 6
     logits[3] += 2000 if dtype != torch.float16 else 60000 - logits[3].max()
     logits[5, 17] = 80  # one token takes nearly all the probability
+    logits[9, 400] = float("nan")
     logits = logits.to(dtype)
     monkeypatch.setattr(scoring, "CPU_CHUNK_BYTES", 4 * vocab * 5)  # pieces of 5 rows: 5+5+5+5+3
     monkeypatch.setattr(scoring, "CUDA_CHUNK_BYTES", 4 * vocab * 5)
-    lse, greedy = scoring.log_normalizers(logits, fused=fused)
+    if way == "compiled":  # as the device's setting picks it
+        monkeypatch.setitem(scoring.COMPILED_NORMALIZERS, "cpu", True)
+    kwargs = {} if way == "compiled" else {"fused": way == "fused", "compiled": False}
+    lse, greedy = scoring.log_normalizers(logits, **kwargs)
     reference = torch.logsumexp(logits.double(), dim=-1)
+    finite = ~torch.isnan(reference)
     assert lse.dtype == torch.float32 and lse.shape == (23,)
-    assert ((lse.double() - reference).abs() / reference.abs().clamp(min=1)).max().item() < 1e-6
+    assert torch.equal(torch.isnan(lse), ~finite)
+    assert ((lse.double() - reference).abs() / reference.abs().clamp(min=1))[finite].max().item() < 1e-6
     assert torch.equal(greedy, logits.argmax(-1))
     # Read at given columns (the targets, far from the greedy token), without a greedy token.
     at = torch.randint(0, vocab, (23,), generator=gen)
-    lse, greedy = scoring.log_normalizers(logits, fused=fused, at=at)
+    lse, greedy = scoring.log_normalizers(logits, at=at, **kwargs)
     assert greedy is None
-    assert ((lse.double() - reference).abs() / reference.abs().clamp(min=1)).max().item() < 1e-6
+    assert ((lse.double() - reference).abs() / reference.abs().clamp(min=1))[finite].max().item() < 1e-6
+
+
+def test_compiled_normalizers_give_the_same_answers(build, monkeypatch):
+    """With `scoring.COMPILED_NORMALIZERS` on, lm-eval's scoring paths (requests with a greedy check,
+    several reading one row; rolling windows without one) answer what they answer without it."""
+    model = load_pair(build("llama"))[0]
+    rows = [[5, 9, 2, 7, 3, 8], [4, 4, 1], [6, 2, 9, 9, 5, 1, 3]]
+    ids, mask = pad_right(rows)
+    starts, targets, rows_of = [2, 3, 0, 1], [[7, 3, 8], [8], [4, 1], [2, 9, 9, 5]], [0, 0, 1, 2]
+
+    def answers() -> tuple[torch.Tensor, torch.Tensor]:
+        return (scoring.loglikelihood_totals(model, ids, mask, starts, targets, rows_of=rows_of),
+                scoring.loglikelihood_totals(model, ids, mask, [0, 0, 1], [[9, 2, 7], [4, 1], [2, 9, 9, 5]],
+                                             greedy=False))
+
+    expected = answers()
+    monkeypatch.setitem(scoring.COMPILED_NORMALIZERS, "cpu", True)
+    calls, compiled = [], scoring.compiled_normalizers
+    monkeypatch.setattr(scoring, "compiled_normalizers", lambda logits, greedy: calls.append(greedy) or
+                        compiled(logits, greedy))
+    for got, want in zip(answers(), expected):
+        assert torch.allclose(got[0], want[0], atol=1e-5) and torch.equal(got[1], want[1])
+    assert True in calls and False in calls  # both ways ran compiled
+    assert expected[0][1].sum() > 0  # the greedy check counts misses
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
