@@ -26,10 +26,13 @@ step normalizers 60 bash -c "cd benchmarks && python3 log_normalizers.py --compi
 # (4) where batch 1's decode step goes without CUDA graphs (session 57: ortmodule about 6 ms a step where
 # onnxruntime-genai took 3.7), both, with the kernels a step launches
 step decode-profile 45 bash -c "cd benchmarks && python3 profile_gpu.py --decode 64 --batch 1 --length 256"
-# (5) the whole CUDA test file (not run whole since session 29; session 58 ran 13 of its 59 tests, all
+# (5) the score server at 100 requests/s (1,000 items/s, SGLang's figure at P99 < 500 ms; new in the suite:
+# the H200 answered 80 requests/s at P99 477 ms and saturated at 120 in session 58)
+suite server 50 "server_load and qwen3 and reuse-auto-100"
+# (6) the whole CUDA test file (not run whole since session 29; session 58 ran 13 of its 59 tests, all
 # passed), each test's result in the log as it ends
 step cuda-tests 200 python3 -m pytest -v -rs -p no:cacheprovider tests/test_cuda.py
-# (6) if the budget has time left: how many patches one run of the vision model should take on CUDA
+# (7) if the budget has time left: how many patches one run of the vision model should take on CUDA
 # (ortmodule/images.py's PATCHES_PER_RUN, 1,024 there as a guess), on Qwen2.5-VL's tower in bf16
 step vision-runs 120 python3 benchmarks/vision_runs.py --device cuda
 echo "done at $((SECONDS - start)) s" >> "$WORK/plan.log"

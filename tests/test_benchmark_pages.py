@@ -347,30 +347,6 @@ def test_the_targets_run_refuses_a_part_it_does_not_have(tmp_path):
     assert run.returncode == 2 and "there are parts 1 and 2" in run.stderr
 
 
-def test_the_next_gpu_run_serves_each_query_once_in_the_fastest_extend_graph(tmp_path):
-    """benchmarks/next_gpu_run.sh's `fastest_query_once`: of the score profiles' "query once" wall
-    times, the extend graph of the fastest (a profile that did not run is left out; none: the default)."""
-    import subprocess
-
-    script = REPORT.parent / "next_gpu_run.sh"
-    text = script.read_text()
-    function = text[text.index("fastest_query_once() {"): text.index("\n}\n", text.index("fastest_query_once() {")) + 3]
-
-    def chosen(times: dict) -> str:
-        for log, ms in times.items():
-            (tmp_path / f"{log}.log").write_text(f"H200\n== whole prompts (reuse off): 90.00 ms for 100 items\n"
-                                                 f"== query once (reuse on): {ms} ms for 100 items, 1 items/s\n")
-        run = subprocess.run(["bash", "-c", f"{function}\nWORK={tmp_path}\nfastest_query_once"], capture_output=True,
-                             text=True, check=True)
-        for log in times:
-            (tmp_path / f"{log}.log").unlink()
-        return run.stdout.strip()
-
-    assert chosen({"score-repeat": "70.10", "score-grouped": "61.50", "score-cache-grouped": "65.00"}) == "mask,grouped"
-    assert chosen({"score-repeat": "70.10", "score-cache-grouped": "65.00"}) == "cache,grouped"
-    assert chosen({}) == "mask,repeated"
-
-
 def test_serve_with_extend_serves_the_extend_graph_it_names(build):
     """benchmarks/serve_with_extend.py (the suite's `--server-extend`): the server it starts runs each
     query once in the cache layout with grouped heads, and scores as ortmodule does in-process."""
