@@ -132,8 +132,8 @@ SIZES = {
         # SGLang's bench_score shape (a 120-token query, 10 items of 180 tokens, 2 labels), at rates
         # of 400 to 1,600 items/s (100 requests/s since session 58: SGLang's 1,000 items/s, where the
         # H200 saturates just above); with every query run once (--reuse-prefix on) from the target's rate.
-        server=dict(reuse={"auto": (40.0, 80.0, 100.0, 120.0, 160.0), "on": (120.0, 160.0)}, duration=15.0, query_tokens=120,
-                    items=10, item_tokens=180, labels=2, exact=True),
+        server=dict(reuse={"auto": (40.0, 80.0, 100.0, 120.0, 160.0), "on": (120.0, 160.0)}, duration=15.0,
+                    query_tokens=120, items=10, item_tokens=180, labels=2, exact=True),
     ),
     "smoke": dict(
         device="cpu",
