@@ -21,6 +21,12 @@ suite rolling 160 "at_scale and qwen3 and rolling and (hf or ortmodule) and not 
 step rolling-profile 60 bash -c "cd benchmarks && python3 profile_gpu.py --rolling --batch 8 --length 4096 --float32-head"
 step rolling-profile-compiled 50 bash -c \
   "cd benchmarks && python3 profile_gpu.py --rolling --batch 8 --length 4096 --float32-head --compiled-normalizers --only ortmodule"
+# (2b) the prefill target's shape (32 x 512) with ONNX Runtime's QuickGelu fusion and without it: session 58's
+# profiles showed the fused SiLU (`_UnaryElementWise`, bf16) at about a quarter of the bandwidth its bytes
+# need, 11% of whole prompts' device time; unfused it is a Sigmoid and a Mul (ortmodule only)
+step prefill-profile 40 bash -c "cd benchmarks && python3 profile_gpu.py --batch 32 --length 512 --only ortmodule"
+step prefill-profile-no-quickgelu 40 bash -c \
+  "cd benchmarks && python3 profile_gpu.py --batch 32 --length 512 --only ortmodule --session-option optimization.disable_specified_optimizers=QuickGeluFusion"
 # (3) the normalizers alone on synthetic logits of the workloads' shapes (labelled so), bf16 and float32
 step normalizers 60 bash -c "cd benchmarks && python3 log_normalizers.py --compiled && python3 log_normalizers.py --compiled --dtype float32"
 # (4) where batch 1's decode step goes without CUDA graphs (session 57: ortmodule about 6 ms a step where
