@@ -185,11 +185,13 @@ class Decoder:
         self.graph_bytes, self.plain_bytes = _graphs(self, device)
         source = self.graph_bytes if self.keeps_positions else self.plain_bytes
         source, folder = (spec.path, None) if source is None else (source, spec.path.parent)
-        options = graph.head_provider_options(self.provider_options, device.type, self.graph_bytes,
-                                              self.kv_dtype in (torch.float16, torch.bfloat16))
+        half = self.kv_dtype in (torch.float16, torch.bfloat16)
+        options = graph.head_provider_options(self.provider_options, device.type, self.graph_bytes, half)
         self.run_provider_options = options  # the rewrites' sessions (extend.py) run as this one does
-        self.session = _open(self.package, source, device, folder, self.session_options, options,
-                             dtype=self.kv_dtype, **run_settings)
+        # CUDA graphs where runtime.CUDA_GRAPHS_BY_DEFAULT turns them on: this session's decode steps only
+        self.session = _open(self.package, source, device, folder, self.session_options,
+                             runtime.default_cuda_graphs(options, device.type, half), dtype=self.kv_dtype,
+                             **run_settings)
         self.fp32_path = nbits.use_fp32_path(self.quantized_prefill, device, self.session_options, source)
         self.head_dtype = runtime.output_dtype(self.session, spec.logits)  # bf16 where graph.py left the cast
         self.wide_session = self.session  # runs of more than one token per row

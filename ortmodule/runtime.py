@@ -42,6 +42,14 @@ ONNX_TYPE = {v: k for k, v in TORCH_DTYPE.items()}
 # `provider_options={"sdpa_kernel": 0}` gives ONNX Runtime's own choice back.
 CUDA_ATTENTION_KERNELS = 1 | 2 | 16
 
+# Whether the main session of a half-precision package on CUDA has the provider option
+# `enable_cuda_graph` (generate's decode steps captured as CUDA graphs and replayed: `default_cuda_graphs`)
+# where the caller's provider options do not say. On an H200 batch-1 decoding ran 3x faster with it
+# (490.5 against 163.8 tokens/s) and MMLU-shaped scoring lost nothing (docs/measurements.md, sessions
+# 27 and 57). Off until the GPU runs the CUDA tests with it on (`pytest tests/test_cuda.py
+# --cuda-graphs-by-default`, in benchmarks/next_gpu_run.sh).
+CUDA_GRAPHS_BY_DEFAULT = False
+
 # Where external weights live when a graph is loaded from bytes (a rewritten graph).
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 # The session config entries of ortmodule's own options for ONNX Runtime's intra-op workers:
@@ -114,6 +122,16 @@ def providers(device: torch.device, provider_options: dict | None = None, stream
             raise ValueError(f"provider option {key!r} is set by ortmodule from the device (and torch's stream)")
         options[key] = str(value)
     return [("CUDAExecutionProvider", options), ("CPUExecutionProvider", {})]
+
+
+def default_cuda_graphs(provider_options: dict | None, device_type: str, half_package: bool) -> dict | None:
+    """`provider_options` with `enable_cuda_graph` on where `CUDA_GRAPHS_BY_DEFAULT` says so: on CUDA,
+    for a half-precision package (an fp32 package's attention runs on the CPU, and ONNX Runtime refuses
+    CUDA graphs for a session with nodes there), unless the caller set the option either way."""
+    if not CUDA_GRAPHS_BY_DEFAULT or device_type != "cuda" or not half_package \
+            or "enable_cuda_graph" in (provider_options or {}):
+        return provider_options
+    return {**(provider_options or {}), "enable_cuda_graph": "1"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,19 @@ from helpers import CHAT_TEMPLATE, MODEL_ARCHES, OPENAI_NAME, LiveServer, load_p
 
 from ortmodule_dev import fixtures
 
+
+def pytest_addoption(parser):
+    parser.addoption("--cuda-graphs-by-default", action="store_true",
+                     help="ortmodule.runtime.CUDA_GRAPHS_BY_DEFAULT on: the CUDA tests with the candidate default")
+
+
+def pytest_configure(config):
+    if config.getoption("--cuda-graphs-by-default"):
+        from ortmodule import runtime
+
+        runtime.CUDA_GRAPHS_BY_DEFAULT = True
+
+
 # What an architecture's fixture needs beyond FixtureSpec's defaults: LFM2's layer pattern (conv, conv,
 # attention, conv: fixtures.ARCHITECTURES) takes four layers to hold both kinds, a convolution last.
 ARCH_FIELDS = {"lfm2": {"num_layers": 4}, "lfm2_moe": {"num_layers": 4}}

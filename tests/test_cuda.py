@@ -609,9 +609,11 @@ def test_cuda_graph_decode_steps(build):
     replay), several rows of different lengths, scores and a returned cache that continues; the
     prefills and forwards between them run uncaptured. Per-token times printed for the record."""
     fixture = build("llama", precision="fp16", execution_provider="cuda")
-    plain = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    plain = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda",  # off, whatever the default
+                                                provider_options={"enable_cuda_graph": "0"})
     graphs = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda",
                                                  provider_options={"enable_cuda_graph": "1"})
+    assert not plain.decoder.session.cuda_graphs
     assert graphs.decoder.session.cuda_graphs
     gen = torch.Generator().manual_seed(11)
     for batch, width, new in [(1, 9, 40), (1, 9, 40), (3, 14, 24), (1, 30, 40)]:
@@ -651,10 +653,40 @@ def test_cuda_graph_on_the_real_model():
     tokenizer = load_tokenizer(fixture.package_dir)
     prompt = tokenizer(["The capital of France is"], return_tensors="pt").input_ids
     outputs = []
-    for options in (None, {"enable_cuda_graph": "1"}):
+    for options in ({"enable_cuda_graph": "0"}, {"enable_cuda_graph": "1"}):
         model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda", provider_options=options)
         outputs.append(model.generate(prompt, max_new_tokens=48, eos_token_id=None, pad_token_id=0))
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_cuda_graphs_by_default(build, monkeypatch):
+    """With `runtime.CUDA_GRAPHS_BY_DEFAULT` on, a bf16 package's main session captures its decode
+    steps unless the caller says otherwise, the rewrites' sessions (extend and prefill graphs) are
+    made without the option, and generation, forwards and scoring give what they give with it off;
+    an fp32 package (attention on the CPU) loads without it."""
+    monkeypatch.setattr(runtime, "CUDA_GRAPHS_BY_DEFAULT", True)
+    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    plain = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda",
+                                                provider_options={"enable_cuda_graph": "0"})
+    assert model.decoder.session.cuda_graphs and not plain.decoder.session.cuda_graphs
+    assert "enable_cuda_graph" not in (model.decoder.run_provider_options or {})
+    gen = torch.Generator().manual_seed(3)
+    for batch, width, new in [(1, 12, 30), (1, 12, 30), (3, 20, 16)]:
+        prompt = torch.randint(4, 512, (batch, width), generator=gen)
+        mask = torch.ones_like(prompt)
+        mask[1:, :4] = 0
+        settings = dict(attention_mask=mask, max_new_tokens=new, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(model.generate(prompt, **settings), plain.generate(prompt, **settings)), (batch, width)
+    ids, mask = left_padded_batch([30, 11, 22], seed=4)
+    assert torch.equal(model(ids.cuda(), attention_mask=mask.cuda()).logits,
+                       plain(ids.cuda(), attention_mask=mask.cuda()).logits)
+    rows = [[5, 9, 12, 7, 33, 8], [4, 41, 17], [6, 2, 9, 19, 5, 71, 3]]
+    padded, rmask = pad_right(rows)
+    starts, targets = [2, 0, 1], [[7, 33, 8], [41, 17], [9, 19, 5]]
+    assert torch.equal(*(scoring.loglikelihood_totals(m, padded, rmask, starts, targets) for m in (model, plain)))
+    fp32 = OrtModelForCausalLM.from_pretrained(build("qwen3").package_dir, device="cuda")
+    assert not fp32.decoder.session.cuda_graphs
 
 
 def test_tail_at_the_kept_positions_on_cuda(build, monkeypatch, tmp_path):

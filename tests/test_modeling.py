@@ -413,6 +413,25 @@ def test_cuda_provider_options_pin_the_attention_kernels():
         runtime.providers(torch.device("cuda", 0), {"user_compute_stream": "1"}, stream)
 
 
+def test_cuda_graphs_by_default_only_where_they_can_run(monkeypatch, llama):
+    """`runtime.CUDA_GRAPHS_BY_DEFAULT` (off until the GPU runs the CUDA tests with it): on CUDA a
+    half-precision package's provider options get `enable_cuda_graph`, unless the caller set it either
+    way; never an fp32 package's (its attention runs on the CPU, which CUDA graphs refuse) nor the
+    CPU's, and a CPU model loads with it on as without. tests/test_cuda.py checks what it does there."""
+    assert runtime.default_cuda_graphs({"x": "1"}, "cuda", True) == {"x": "1"}  # off: as given
+    monkeypatch.setattr(runtime, "CUDA_GRAPHS_BY_DEFAULT", True)
+    assert runtime.default_cuda_graphs(None, "cuda", True) == {"enable_cuda_graph": "1"}
+    assert runtime.default_cuda_graphs({"use_tf32": "1"}, "cuda", True) == {"use_tf32": "1", "enable_cuda_graph": "1"}
+    assert runtime.default_cuda_graphs({"enable_cuda_graph": "0"}, "cuda", True) == {"enable_cuda_graph": "0"}
+    assert runtime.default_cuda_graphs(None, "cuda", False) is None
+    assert runtime.default_cuda_graphs(None, "cpu", True) is None
+    model = OrtModelForCausalLM.from_pretrained(llama.package_dir)
+    assert not model.decoder.session.cuda_graphs
+    ids, hf = torch.tensor([[15, 19, 22, 27]]), load_pair(llama)[1]
+    settings = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **settings), hf.generate(ids, **settings))
+
+
 def test_cuda_device_without_index_and_a_cuda_session_that_falls_to_the_cpu(monkeypatch):
     """`torch.device("cuda")` (no index) names torch's current device to the CUDA provider (it was
     passed as "None", which the provider refuses); and a CUDA session that ONNX Runtime made without
