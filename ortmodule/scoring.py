@@ -6,6 +6,7 @@ and the gather happen on `model.device`, and one small tensor per batch comes ba
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -14,6 +15,8 @@ from . import runtime
 from .inputs import argmax, outside_vocabulary, pad_right, to_device, vocabulary_message
 from .modeling import OrtModelForCausalLM
 from .sharing import common_prefix, shared_prefix_logits, worth_sharing
+
+logger = logging.getLogger("ortmodule")
 
 
 def loglikelihood(
@@ -149,7 +152,14 @@ def log_normalizers(logits: torch.Tensor, fused: bool | None = None, at: torch.T
     at instead (the target), and no greedy token is computed (None): an argmax pass over the logits
     saved where nobody reads it."""
     if COMPILED_NORMALIZERS.get(logits.device.type, False) if compiled is None else compiled:
-        return compiled_normalizers(logits, greedy=at is None)
+        try:
+            return compiled_normalizers(logits, greedy=at is None)
+        except Exception as e:  # noqa: BLE001  no compiler where it runs (Triton, a C++ compiler): the other way
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e):
+                raise
+            COMPILED_NORMALIZERS[logits.device.type] = False  # a compilation takes seconds: not tried again
+            logger.warning("ortmodule: scoring's compiled normalizers failed on %s, so they run uncompiled from now "
+                           "on (scoring.COMPILED_NORMALIZERS). %s: %s", logits.device.type, type(e).__name__, e)
     greedy = argmax(logits) if at is None else None
     if not (logits.device.type == "cuda" if fused is None else fused):
         chunk = max(1, CPU_CHUNK_BYTES // (4 * logits.shape[-1]))

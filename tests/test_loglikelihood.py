@@ -273,6 +273,34 @@ def test_compiled_normalizers_give_the_same_answers(build, monkeypatch):
     assert expected[0][1].sum() > 0  # the greedy check counts misses
 
 
+def test_compiled_normalizers_that_fail_fall_back_with_a_warning(monkeypatch, caplog):
+    """Where the compiled reduction cannot be made (no Triton or C++ compiler where it runs), the
+    normalizers come from the uncompiled way, a warning names the setting, and it is not tried
+    again; running out of memory stays an error."""
+    logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(2))
+    expected = scoring.log_normalizers(logits, compiled=False)
+    monkeypatch.setitem(scoring.COMPILED_NORMALIZERS, "cpu", True)
+    tries = []
+
+    def broken(values, greedy):
+        tries.append(greedy)
+        raise RuntimeError("Compiler: cc is not found")
+
+    monkeypatch.setattr(scoring, "compiled_normalizers", broken)
+    with caplog.at_level("WARNING", logger="ortmodule"):
+        got = scoring.log_normalizers(logits)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert "scoring.COMPILED_NORMALIZERS" in caplog.text and "cc is not found" in caplog.text
+    assert scoring.COMPILED_NORMALIZERS["cpu"] is False
+    scoring.log_normalizers(logits)
+    assert tries == [True]  # not tried again
+    monkeypatch.setitem(scoring.COMPILED_NORMALIZERS, "cpu", True)
+    monkeypatch.setattr(scoring, "compiled_normalizers", lambda values, greedy: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory.")))
+    with pytest.raises(torch.OutOfMemoryError):
+        scoring.log_normalizers(logits)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_argmax_equals_torchs(dtype):
     """`inputs.argmax` (NumPy's for float32 on the CPU) is torch's `argmax(-1)`: the first of equal
