@@ -28,7 +28,7 @@ step prefill-profile 40 bash -c "cd benchmarks && python3 profile_gpu.py --batch
 step prefill-profile-no-quickgelu 40 bash -c \
   "cd benchmarks && python3 profile_gpu.py --batch 32 --length 512 --only ortmodule --session-option optimization.disable_specified_optimizers=QuickGeluFusion"
 # (3) the normalizers alone on synthetic logits of the workloads' shapes (labelled so), bf16 and float32
-step normalizers 60 bash -c "cd benchmarks && python3 log_normalizers.py --compiled && python3 log_normalizers.py --compiled --dtype float32"
+step normalizers 75 bash -c "cd benchmarks && python3 log_normalizers.py --compiled && python3 log_normalizers.py --compiled --dtype float32"
 # (4) where batch 1's decode step goes without CUDA graphs (session 57: ortmodule about 6 ms a step where
 # onnxruntime-genai took 3.7), both, with the kernels a step launches
 step decode-profile 45 bash -c "cd benchmarks && python3 profile_gpu.py --decode 64 --batch 1 --length 256"
