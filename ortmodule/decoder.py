@@ -188,10 +188,7 @@ class Decoder:
         half = self.kv_dtype in (torch.float16, torch.bfloat16)
         options = graph.head_provider_options(self.provider_options, device.type, self.graph_bytes, half)
         self.run_provider_options = options  # the rewrites' sessions (extend.py) run as this one does
-        # CUDA graphs where runtime.CUDA_GRAPHS_BY_DEFAULT turns them on: this session's decode steps only
-        self.session = _open(self.package, source, device, folder, self.session_options,
-                             runtime.default_cuda_graphs(options, device.type, half), dtype=self.kv_dtype,
-                             **run_settings)
+        self.session = _open_main(self, source, device, folder, options, half, run_settings)
         self.fp32_path = nbits.use_fp32_path(self.quantized_prefill, device, self.session_options, source)
         self.head_dtype = runtime.output_dtype(self.session, spec.logits)  # bf16 where graph.py left the cast
         self.wide_session = self.session  # runs of more than one token per row
@@ -475,6 +472,24 @@ def _graphs(decoder: Decoder, device: torch.device) -> tuple[bytes | None, bytes
     unpack = projections.applies(device.type, decoder.session_options)
     rewritten = graph.lm_head_graph(spec.path, spec.logits, decoder.rewrite_lm_head, decoder.cache_dir, unpack)
     return rewritten, graph.repaired_graph(spec.path) if rewritten is None else None
+
+
+def _open_main(decoder: Decoder, source, device: torch.device, folder, options: dict | None, half: bool,
+               run_settings: dict) -> runtime.Session:
+    """The decoder's session, with CUDA graphs where `runtime.CUDA_GRAPHS_BY_DEFAULT` turns them on (its
+    decode steps only: the rewrites' sessions run without); where ONNX Runtime refuses them for the
+    graph (control flow, nodes on the CPU), a warning and the session without them."""
+    graphs = runtime.default_cuda_graphs(options, device.type, half)
+    try:
+        return _open(decoder.package, source, device, folder, decoder.session_options, graphs, dtype=decoder.kv_dtype,
+                     **run_settings)
+    except Exception as e:
+        if graphs is options or "out of memory" in str(e).lower():
+            raise
+        logger.warning("ortmodule: %s does not run with CUDA graphs (%s: %s); loaded without them",
+                       decoder.package.root, type(e).__name__, e)
+    return _open(decoder.package, source, device, folder, decoder.session_options, options, dtype=decoder.kv_dtype,
+                 **run_settings)
 
 
 def _open(package, source, device: torch.device, *args, dtype: torch.dtype | None = None, **kwargs) -> runtime.Session:

@@ -432,6 +432,35 @@ def test_cuda_graphs_by_default_only_where_they_can_run(monkeypatch, llama):
     assert torch.equal(model.generate(ids, **settings), hf.generate(ids, **settings))
 
 
+def test_a_graph_refused_with_default_cuda_graphs_loads_without_them(monkeypatch, llama, caplog):
+    """Where ONNX Runtime refuses the default CUDA graphs for a package's graph (control flow, nodes on
+    the CPU), the model loads without them and says so; where the caller asked for them, the refusal is
+    the caller's error. (On a CPU, the CUDA provider's refusal stands in: an option that the open fails.)"""
+    from ortmodule import decoder as decoder_module
+
+    opened, original = [], decoder_module._open
+
+    def refusing(package, source, device, folder, session_options, options, **kwargs):
+        opened.append(dict(options or {}))
+        if "enable_cuda_graph" in (options or {}):
+            raise RuntimeError("This session cannot use the CUDA Graph feature as requested by the user")
+        return original(package, source, device, folder, session_options, options, **kwargs)
+
+    monkeypatch.setattr(decoder_module, "_open", refusing)
+    monkeypatch.setattr(runtime, "default_cuda_graphs", lambda options, device_type, half: {
+        **(options or {}), "enable_cuda_graph": "1"})
+    with caplog.at_level("WARNING", logger="ortmodule"):
+        model = OrtModelForCausalLM.from_pretrained(llama.package_dir)
+    assert [("enable_cuda_graph" in o) for o in opened[:2]] == [True, False]
+    assert "does not run with CUDA graphs" in caplog.text and "CUDA Graph feature" in caplog.text
+    assert not model.decoder.session.cuda_graphs
+    ids = torch.tensor([[15, 19, 22, 27]])
+    assert model(ids).logits.shape[:2] == (1, 4)
+    monkeypatch.setattr(runtime, "default_cuda_graphs", lambda options, device_type, half: options)
+    with pytest.raises(RuntimeError, match="CUDA Graph feature"):
+        OrtModelForCausalLM.from_pretrained(llama.package_dir, provider_options={"enable_cuda_graph": "1"})
+
+
 def test_cuda_device_without_index_and_a_cuda_session_that_falls_to_the_cpu(monkeypatch):
     """`torch.device("cuda")` (no index) names torch's current device to the CUDA provider (it was
     passed as "None", which the provider refuses); and a CUDA session that ONNX Runtime made without
