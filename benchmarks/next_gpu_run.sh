@@ -19,7 +19,7 @@ suite rolling 160 "at_scale and qwen3 and rolling and (hf or ortmodule) and not 
 # (2) where a rolling batch's device time goes as the lm-eval backend loads the model (the LM head in
 # float32, float32 logits), with the normalizers as they are and compiled (ortmodule only the second time)
 step rolling-profile 60 bash -c "cd benchmarks && python3 profile_gpu.py --rolling --batch 8 --length 4096 --float32-head"
-step rolling-profile-compiled 50 bash -c \
+step rolling-profile-compiled 70 bash -c \
   "cd benchmarks && python3 profile_gpu.py --rolling --batch 8 --length 4096 --float32-head --compiled-normalizers --only ortmodule"
 # (2b) the prefill target's shape (32 x 512) with ONNX Runtime's QuickGelu fusion and without it: session 58's
 # profiles showed the fused SiLU (`_UnaryElementWise`, bf16) at about a quarter of the bandwidth its bytes
