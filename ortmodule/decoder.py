@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -480,16 +481,17 @@ def _open_main(decoder: Decoder, source, device: torch.device, folder, options: 
     decode steps only: the rewrites' sessions run without); where ONNX Runtime refuses them for the
     graph (control flow, nodes on the CPU), a warning and the session without them."""
     graphs = runtime.default_cuda_graphs(options, device.type, half)
-    try:
-        return _open(decoder.package, source, device, folder, decoder.session_options, graphs, dtype=decoder.kv_dtype,
-                     **run_settings)
-    except Exception as e:
-        if graphs is options or "out of memory" in str(e).lower():
-            raise
-        logger.warning("ortmodule: %s does not run with CUDA graphs (%s: %s); loaded without them",
-                       decoder.package.root, type(e).__name__, e)
-    return _open(decoder.package, source, device, folder, decoder.session_options, options, dtype=decoder.kv_dtype,
-                 **run_settings)
+    open_with = functools.partial(_open, decoder.package, source, device, folder, decoder.session_options,
+                                  dtype=decoder.kv_dtype, **run_settings)
+    if graphs is not options:
+        try:
+            return open_with(graphs)
+        except Exception as e:
+            if "out of memory" in str(e).lower():
+                raise
+            logger.warning("ortmodule: %s does not run with CUDA graphs (%s: %s); loaded without them",
+                           decoder.package.root, type(e).__name__, e)
+    return open_with(options)
 
 
 def _open(package, source, device: torch.device, *args, dtype: torch.dtype | None = None, **kwargs) -> runtime.Session:

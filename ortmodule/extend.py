@@ -56,9 +56,9 @@ logger = logging.getLogger("ortmodule")
 
 POSITIONS = "ortmodule_positions"
 # Whether the extend graph repeats each KV head for its query heads before `Attention` on CUDA (its
-# grouped heads were not taken by ONNX Runtime's CUDA kernel until its PR 27542, in 1.31). Off since
-# session 58: on an H200 the grouped heads ran the score call's queries once 15% faster (82.3 against
-# 96.4 ms) and HellaSwag-shaped shared contexts 17% faster (28.5 against 34.3 ms), docs/measurements.md.
+# grouped heads were not taken by ONNX Runtime's CUDA kernel until its PR 27542, in 1.31). Off: on an
+# H200 the grouped heads ran the score call's queries once 15% faster (82.3 against 96.4 ms) and
+# HellaSwag-shaped shared contexts 17% faster (28.5 against 34.3 ms; docs/measurements.md, session 58).
 # benchmarks/profile_gpu.py `--repeat-kv` sets it to measure both.
 REPEAT_KV_HEADS_ON_CUDA = False
 # The extend graph's layout per device type (extend_graph): "mask" everywhere until the GPU measures

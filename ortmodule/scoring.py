@@ -178,12 +178,9 @@ def compiled_normalizers(logits: torch.Tensor, greedy: bool = True) -> tuple[tor
     into reductions that read the logits without writing anything per logit. Its first call
     compiles (seconds; Triton on CUDA, a C++ compiler on a CPU)."""
     if greedy not in _compiled:
-        if greedy:
-            def reduce(x):
-                return torch.logsumexp(x.float(), dim=-1), x.argmax(-1)
-        else:
-            def reduce(x):
-                return torch.logsumexp(x.float(), dim=-1), None
+        def reduce(x):
+            return torch.logsumexp(x.float(), dim=-1), x.argmax(-1) if greedy else None
+
         _compiled[greedy] = torch.compile(reduce, dynamic=True)
     return _compiled[greedy](logits)
 
