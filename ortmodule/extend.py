@@ -584,21 +584,29 @@ def _rows(ids: list[list[int]], lengths: list[int], device: torch.device) -> Row
     return Rows(torch.tensor(ids, device=device), None, torch.tensor(lengths, device=device), max(lengths))
 
 
+# How much farther than the package graph's own decode steps a rewrite's logits may land from its prefill where
+# both differ by more than rounding (4-bit weights in the int8 path): two draws of the largest of the same
+# activation-quantization noise over a handful of rows. On a 2-vCPU AMD EPYC with AVX2 only (Zen 1) the int4
+# SmolLM2-135M's extend graph read 0.899 against its decode steps' 0.612 (logits up to 29.2); its attention
+# scaled wrongly by 2, 27.4.
+NOISE_MARGIN = 2.0
+
+
 def _check_close(expected: torch.Tensor, got: torch.Tensor, decoder, own=None) -> None:
     """RuntimeError where a rewrite's logits are not the package graph's (to its dtype's rounding).
     `own()`, where given: how far the package graph's own other way to the same logits lands from
-    `expected`; a rewrite no farther than that passes (4-bit weights in ONNX Runtime's int8 path
-    quantize each call's activations, so the package graph's decode steps and its prefill differ by
-    more than rounding: 3.8 on logits up to 29.7 for SmolLM2-135M int4 on a CPU)."""
+    `expected`; a rewrite no farther than `NOISE_MARGIN` times that passes (4-bit weights in ONNX
+    Runtime's int8 path quantize each call's activations, so the package graph's decode steps and its
+    prefill differ by more than rounding: 3.8 on logits up to 29.7 for SmolLM2-135M int4 on a CPU)."""
     expected, got = expected.float(), got.float()
     scale, error = expected.abs().max().item(), (got - expected).abs().max().item()
     tolerance = 1e-4 if decoder.kv_dtype == torch.float32 else 5e-2
     if error <= tolerance * max(1.0, scale):
         return
     baseline = own() if own is not None else None
-    if baseline is not None and error <= baseline:
-        logger.info("ortmodule: a rewrite's logits differ from the package graph's prefill by %.3g, no more than "
-                    "the package graph's own decode steps do (%.3g)", error, baseline)
+    if baseline is not None and error <= NOISE_MARGIN * baseline:
+        logger.info("ortmodule: a rewrite's logits differ from the package graph's prefill by %.3g, within %gx of "
+                    "the package graph's own decode steps (%.3g)", error, NOISE_MARGIN, baseline)
         return
     also = f"; the package graph's own decode steps by {baseline:.3g}" if baseline is not None else ""
     raise RuntimeError(f"its logits differ from the package graph's by {error:.3g} (largest {scale:.3g}{also})")
