@@ -576,3 +576,23 @@ class ImageChats:
                  if isinstance(m["content"], list) else m["content"] for m in messages]
         return tokenizer.apply_chat_template([{**m, "content": c} for m, c in zip(messages, parts)],
                                              add_generation_prompt=True, return_dict=False)
+
+
+def mis_scale_attention(monkeypatch, factor: float = 2.0) -> None:
+    """Every extend and prefill graph ortmodule makes from here on with its `Attention` nodes' scale
+    multiplied by `factor`: a rewrite that computes something else, for the first-run checks."""
+    import onnx
+
+    from ortmodule import extend
+
+    made = extend.extend_graph_bytes
+
+    def mis_scaled(*args, **kwargs):
+        proto = onnx.load_from_string(made(*args, **kwargs))
+        for node in proto.graph.node:
+            for attribute in node.attribute:
+                if node.op_type == "Attention" and attribute.name == "scale":
+                    attribute.f *= factor
+        return proto.SerializeToString()
+
+    monkeypatch.setattr(extend, "extend_graph_bytes", mis_scaled)

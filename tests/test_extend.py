@@ -7,7 +7,15 @@ import logging
 import onnx
 import pytest
 import torch
-from helpers import BlockingUploads, ScalarReads, grouped_rows, left_padded_batch, load_pair, right_padded_batch
+from helpers import (
+    BlockingUploads,
+    ScalarReads,
+    grouped_rows,
+    left_padded_batch,
+    load_pair,
+    mis_scale_attention,
+    right_padded_batch,
+)
 
 from ortmodule import OrtModelForCausalLM, extend, graph, runtime, scoring
 from ortmodule.inputs import Rows, pad_right
@@ -268,17 +276,7 @@ def test_rewrites_that_differ_are_not_used(build, monkeypatch, caplog):
     """The prefill and extend graphs' first runs are checked against the package graph on the same
     tokens: a rewrite that computes something else (here: attention scaled twice as much) is set
     aside with a warning, and the package's graph answers (shared prefixes by decode steps)."""
-    made = extend.extend_graph_bytes
-
-    def mis_scaled(*args, **kwargs):
-        proto = onnx.load_from_string(made(*args, **kwargs))
-        for node in proto.graph.node:
-            for attribute in node.attribute:
-                if node.op_type == "Attention" and attribute.name == "scale":
-                    attribute.f *= 2
-        return proto.SerializeToString()
-
-    monkeypatch.setattr(extend, "extend_graph_bytes", mis_scaled)
+    mis_scale_attention(monkeypatch)
     fixture = build("llama")
     with caplog.at_level(logging.WARNING, logger="ortmodule"):
         model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_attention="onnx")

@@ -239,19 +239,9 @@ def test_int4_extend_graph_with_wrong_attention_is_set_aside(smollm2_int4, monke
     """In the int8 path the extend graph passes its first-run check by landing within
     `extend.NOISE_MARGIN` of the package graph's own decode steps (test above); the margin still
     tells a wrong graph: its attention scaled twice (logits tens apart) is set aside with a warning."""
-    from ortmodule import extend
+    from helpers import mis_scale_attention
 
-    made = extend.extend_graph_bytes
-
-    def mis_scaled(*args, **kwargs):
-        proto = onnx.load_from_string(made(*args, **kwargs))
-        for node in proto.graph.node:
-            for attribute in node.attribute:
-                if node.op_type == "Attention" and attribute.name == "scale":
-                    attribute.f *= 2
-        return proto.SerializeToString()
-
-    monkeypatch.setattr(extend, "extend_graph_bytes", mis_scaled)
+    mis_scale_attention(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="ortmodule"):
         model = OrtModelForCausalLM.from_pretrained(smollm2_int4.package_dir, quantized_prefill="package")
         assert model.decoder.extender() is None
