@@ -585,10 +585,9 @@ def _rows(ids: list[list[int]], lengths: list[int], device: torch.device) -> Row
 
 
 # How much farther than the package graph's own decode steps a rewrite's logits may land from its prefill where
-# both differ by more than rounding (4-bit weights in the int8 path): two draws of the largest of the same
-# activation-quantization noise over a handful of rows. On a 2-vCPU AMD EPYC with AVX2 only (Zen 1) the int4
-# SmolLM2-135M's extend graph read 0.899 against its decode steps' 0.612 (logits up to 29.2); its attention
-# scaled wrongly by 2, 27.4.
+# both differ by more than rounding (4-bit weights in the int8 path): the two are draws of the largest of the
+# same activation-quantization noise over a handful of rows, and either may be the larger by half again, while a
+# wrong graph lands tens away on logits of tens (docs/scoring.md).
 NOISE_MARGIN = 2.0
 
 
