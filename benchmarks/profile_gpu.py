@@ -591,7 +591,7 @@ def profile_workload(model, fixture, args) -> None:
     from ortmodule import load_tokenizer
     from ortmodule.lm_eval import OrtModuleLM
 
-    tasks = TaskManager(include_path=TASK_DIR, metadata={"tokenizer": str(fixture.hf_dir)})
+    tasks = TaskManager(include_path=TASK_DIR, include_defaults=False, metadata={"tokenizer": str(fixture.hf_dir)})
     lm = OrtModuleLM(pretrained=model, tokenizer=load_tokenizer(fixture.package_dir), batch_size="auto",
                      share_contexts=args.share)
     run = lambda n: lm_eval.simple_evaluate(model=lm, tasks=[WORKLOADS[args.workload]], task_manager=tasks,  # noqa: E731

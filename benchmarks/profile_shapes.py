@@ -70,7 +70,7 @@ def main():
     args = parser.parse_args()
     device = SIZES[args.size]["device"]
     fixture = fixtures.build(SIZES[args.size]["decoders"][args.spec])
-    manager = TaskManager(include_path=TASK_DIR)
+    manager = TaskManager(include_path=TASK_DIR, include_defaults=False)
     for label, options in (("ortmodule kernels", None), ("ONNX Runtime's choice (sdpa_kernel 0)", {"sdpa_kernel": 0})):
         model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device,
                                                    provider_options=options if device != "cpu" else None)

@@ -63,7 +63,8 @@ def probe():
 def test_host_time_per_request(benchmark, probe, size, backend, monkeypatch):
     options = size["host_time"]
     device = size.get("device", "cpu")
-    tasks = TaskManager(include_path=str(Path(__file__).parent / "tasks"), metadata={"tokenizer": str(probe.hf_dir)})
+    tasks = TaskManager(include_path=str(Path(__file__).parent / "tasks"), include_defaults=False,
+                        metadata={"tokenizer": str(probe.hf_dir)})
     if backend == "ortmodule":
         lm = get_model("ortmodule")(pretrained=str(probe.package_dir), device=device,
                                     batch_size=options["batch_size"], share_contexts="false",

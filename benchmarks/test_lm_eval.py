@@ -32,8 +32,9 @@ def fixture(size, decoder_key):
 
 @pytest.fixture(scope="module")
 def task_manager():
-    """Built once, outside the clock: indexing lm-eval's task folders takes seconds, for every backend alike."""
-    return TaskManager(include_path=TASK_DIR)
+    """Built once, outside the clock, for every backend alike (the suite's own tasks: lm-eval's built-in ones are
+    not indexed)."""
+    return TaskManager(include_path=TASK_DIR, include_defaults=False)
 
 
 class HostBytes:

@@ -40,7 +40,7 @@ SCALE_TOKENS = {}  # (model, workload) -> context + continuation tokens of all i
 @pytest.fixture(scope="module")
 def model_tasks(fixture):
     """The task folder, with the model's tokenizer handed to the loaders (lm-eval's task metadata)."""
-    return TaskManager(include_path=TASK_DIR, metadata={"tokenizer": str(fixture.hf_dir)})
+    return TaskManager(include_path=TASK_DIR, include_defaults=False, metadata={"tokenizer": str(fixture.hf_dir)})
 
 
 @pytest.mark.benchmark(group="lm-eval at scale")

@@ -48,7 +48,8 @@ def main() -> None:
     parser.add_argument("--emulated-device-us-per-token", type=float)
     args = parser.parse_args()
     probe = fixtures.build(HOST_PROBE)
-    tasks = TaskManager(include_path=str(Path(__file__).parent / "tasks"), metadata={"tokenizer": str(probe.hf_dir)})
+    tasks = TaskManager(include_path=str(Path(__file__).parent / "tasks"), include_defaults=False,
+                        metadata={"tokenizer": str(probe.hf_dir)})
     lm = get_model("ortmodule")(pretrained=str(probe.package_dir), device=args.device, batch_size=32,
                                 share_contexts="false", prefill_chunk=0)
     lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, limit=2, verbosity="ERROR")  # warm-up

@@ -27,7 +27,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import lm_eval
 import torch
 from lm_eval.api.registry import get_model
-from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 from transformers import TextStreamer
 
@@ -81,7 +80,7 @@ def evaluate(lm, task_manager, limit=None) -> tuple[dict, float]:
 
 
 def compare_lm_eval(package, checkpoint, batch_size: int) -> None:
-    task_manager = TaskManager(include_path=tasks.TASK_DIR)
+    task_manager = tasks.task_manager(TASKS)  # ortmodule's offline tasks: lm-eval's own not indexed
     ours = get_model("ortmodule")(pretrained=str(package), device="cpu", batch_size=batch_size)
     theirs = get_model("hf")(pretrained=str(checkpoint), dtype="float32", device="cpu", batch_size=batch_size)
     evaluate(ours, task_manager, 4), evaluate(theirs, task_manager, 4)  # warm-up: first-call costs off the clock

@@ -23,7 +23,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import httpx
 import lm_eval
 from demo import TASKS, prepare
-from lm_eval.tasks import TaskManager
 from lm_eval.utils import make_table
 
 import ortmodule.lm_eval  # noqa: F401  (registers the ortmodule backend)
@@ -58,7 +57,7 @@ def samples(result: dict, task: str) -> list[dict]:
 
 def main() -> None:
     package, _ = prepare("fp32")
-    task_manager = TaskManager(include_path=tasks.TASK_DIR)
+    task_manager = tasks.task_manager(TASKS)
     context = ortmodule.read_package(package).context_length
     server, url = start_server(package)
     try:

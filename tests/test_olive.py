@@ -121,7 +121,7 @@ def reference_metrics(package, device="cpu"):
     """`lm_eval --model ortmodule` on a package: {task-metric: value}."""
     results = lm_eval.simple_evaluate(
         model="ortmodule", model_args=f"pretrained={package}", device=device, tasks=TASKS, limit=LIMIT,
-        batch_size=4, task_manager=lm_eval.tasks.TaskManager(include_path=tasks.TASK_DIR), bootstrap_iters=0)
+        batch_size=4, task_manager=tasks.task_manager(TASKS), bootstrap_iters=0)
     return {f"{task}-{key.partition(',')[0]}": value for task, values in results["results"].items()
             for key, value in values.items() if isinstance(value, float) and "_stderr" not in key}
 

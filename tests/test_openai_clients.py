@@ -9,7 +9,6 @@ import pytest
 import torch
 from helpers import OPENAI_NAME as NAME
 from helpers import expected_text
-from lm_eval.tasks import TaskManager
 
 import ortmodule
 import ortmodule.lm_eval  # noqa: F401  (registers --model ortmodule)
@@ -58,7 +57,7 @@ def test_lm_eval_local_completions_equals_in_process(openai_live):
     the same generated answers."""
     live, _, _, _, fixture = openai_live
     task_names = ["ortmodule_arithmetic_mc", "ortmodule_arithmetic_gen"]
-    common = dict(tasks=task_names, task_manager=TaskManager(include_path=tasks.TASK_DIR), log_samples=True,
+    common = dict(tasks=task_names, task_manager=tasks.task_manager(task_names), log_samples=True,
                   limit=16, verbosity="ERROR")
     remote = lm_eval.simple_evaluate(
         model="local-completions",

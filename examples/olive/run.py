@@ -31,7 +31,6 @@ os.environ.setdefault("OLIVE_DISABLE_TELEMETRY", "1")  # Olive's usage telemetry
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository's dev helpers: ortmodule_dev
 
-from lm_eval.tasks import TaskManager  # noqa: E402
 from olive.evaluator.olive_evaluator import OliveEvaluatorConfig  # noqa: E402
 from olive.model import ONNXModelHandler  # noqa: E402
 from olive.workflows import run as olive_run  # noqa: E402
@@ -89,7 +88,7 @@ def side_by_side(package: Path, device: str, limit: int | None) -> dict:
     for label, settings in [("Olive LMEvaluator (ortgenai)", dict(type="LMEvaluator", model_class="ortgenai")),
                             ("OrtModuleEvaluator", dict(type="OrtModuleEvaluator", batch_size=8))]:
         # Task objects: Olive's LMEvaluator looks tasks up in lm-eval's default task folders only.
-        loaded = TaskManager(include_path=tasks.TASK_DIR).load(SIDE_BY_SIDE_TASKS)["tasks"]
+        loaded = tasks.task_manager(SIDE_BY_SIDE_TASKS).load(SIDE_BY_SIDE_TASKS)["tasks"]
         evaluator = OliveEvaluatorConfig(**settings, tasks=list(loaded.values()), limit=limit).create_evaluator(model)
         start = time.perf_counter()
         result = evaluator.evaluate(model, [], olive_device, provider)
