@@ -333,7 +333,7 @@ def shimmed(*args, **kwargs):
     return config
 transformers.AutoConfig.from_pretrained = shimmed
 """
-_BUILDER = CONFIG_SHIM + """
+BUILDER_SCRIPT = CONFIG_SHIM + """
 import runpy, sys
 sys.argv[0] = "builder"
 runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
@@ -344,7 +344,7 @@ _PROGRESS_BAR = re.compile(r"\d+%\|")
 def run_subprocess(command: list[str], what: str, progress: bool) -> None:
     """Run an exporter, echoing its lines when `progress` (progress bars only when they finish);
     on failure raise an ExportError with the end of its output."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **EXPORT_ENV)
     tail = deque(maxlen=40)
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
         for line in process.stdout:
@@ -355,12 +355,30 @@ def run_subprocess(command: list[str], what: str, progress: bool) -> None:
             if progress and (not _PROGRESS_BAR.search(line) or "100%|" in line):
                 print(f"  {line}", file=sys.stderr, flush=True)
     if process.returncode != 0:
-        output = "\n".join(tail)
-        if "is not currently supported" in output:
-            raise ExportError(f"{what}: the model builder does not support this architecture:\n{output}")
-        if "No space left on device" in output:
-            raise ExportError(f"{what}: the disk filled up while exporting:\n{output}")
-        raise ExportError(f"{what} failed (exit {process.returncode}): {' '.join(command)}\n{output}")
+        raise exit_error(what, command, process.returncode, "\n".join(tail))
+
+
+# What an exporter's process runs with: no hub (a checkpoint is a local folder), its output unbuffered.
+EXPORT_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def exit_error(what: str, command: list[str], returncode: int, output: str) -> ExportError:
+    """The error for an exporter that exited with `returncode`, from the end of its `output`."""
+    if "is not currently supported" in output:
+        return ExportError(f"{what}: the model builder does not support this architecture:\n{output}")
+    if "No space left on device" in output:
+        return ExportError(f"{what}: the disk filled up while exporting:\n{output}")
+    return ExportError(f"{what} failed (exit {returncode}): {' '.join(command)}\n{output}")
+
+
+def builder_command(checkpoint: Path, out: Path, precision: str, device: str,
+                    extra_options: dict | None = None) -> list[str]:
+    """The model builder's command line for a Hugging Face checkpoint folder (`run_builder`)."""
+    command = [sys.executable, "-c", BUILDER_SCRIPT, "-i", str(checkpoint), "-o", str(out)]
+    command += ["-p", precision, "-e", device, "-c", str(out.parent / "builder-cache")]
+    if extra_options:
+        command += ["--extra_options", *[f"{k}={v}" for k, v in dict(extra_options).items()]]
+    return command
 
 
 def run_builder(
@@ -368,12 +386,9 @@ def run_builder(
 ) -> None:
     """Run the model builder on a Hugging Face checkpoint folder, writing the package to `out`."""
     supported_architectures()  # a clear error when the builder is not installed
-    command = [sys.executable, "-c", _BUILDER, "-i", str(checkpoint), "-o", str(out)]
-    command += ["-p", precision, "-e", device, "-c", str(out.parent / "builder-cache")]
-    if extra_options:
-        command += ["--extra_options", *[f"{k}={v}" for k, v in dict(extra_options).items()]]
     try:
-        run_subprocess(command, "the model builder", progress)
+        run_subprocess(builder_command(checkpoint, out, precision, device, extra_options), "the model builder",
+                       progress)
     finally:
         shutil.rmtree(out.parent / "builder-cache", ignore_errors=True)
 

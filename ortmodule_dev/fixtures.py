@@ -21,7 +21,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ortmodule.exporter import CONFIG_SHIM, checkpoint_parameters, gguf_to_checkpoint, run_builder, run_subprocess
+from ortmodule.exporter import CONFIG_SHIM, builder_command, checkpoint_parameters, gguf_to_checkpoint
+from ortmodule_dev import preloaded
 
 FIXTURE_VERSION = "1"
 
@@ -367,8 +368,10 @@ main()
 
 
 def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=(), execution_provider: str = "cpu") -> None:
-    """Export a checkpoint with onnxruntime-genai's model builder (for the CPU by default)."""
-    run_builder(hf_dir, out, precision, execution_provider, dict(extra_options))
+    """Export a checkpoint with onnxruntime-genai's model builder (for the CPU by default), forked from a
+    process that imported it once (preloaded.py)."""
+    preloaded.run(builder_command(hf_dir, out, precision, execution_provider, dict(extra_options)),
+                  "the model builder")
 
 
 def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
@@ -471,9 +474,8 @@ MOBIUS_DTYPES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 def export_mobius(hf_dir: Path, out: Path, precision: str = "fp32") -> None:
     """Export a checkpoint with mobius-onnx (`mobius build --runtime ort-genai`), its weights cast to
     `precision` (fp32, fp16 or bf16)."""
-    run_subprocess([sys.executable, "-c", _MOBIUS, "build", "--config", str(hf_dir), str(out), "--runtime",
-                    "ort-genai", *(["--dtype", MOBIUS_DTYPES[precision]] if precision != "fp32" else [])],
-                   "mobius", progress=False)
+    preloaded.run([sys.executable, "-c", _MOBIUS, "build", "--config", str(hf_dir), str(out), "--runtime",
+                   "ort-genai", *(["--dtype", MOBIUS_DTYPES[precision]] if precision != "fp32" else [])], "mobius")
 
 
 def add_vision_models(source: Path, package: Path) -> None:
