@@ -73,7 +73,8 @@ EXTEND_PROBE_CPU_ROWS = 4
 @torch.inference_mode()
 def measure(decoder: Decoder) -> Costs | None:
     """Time `decoder`'s runs (about 30 s for SmolLM2-135M, 130 s for a 0.6B model in fp32, on 2
-    CPU cores; kept_costs.py keeps them between processes): the best of a few
+    cores of a Xeon with AMX; 67 s for SmolLM2-135M on 2 of an AVX2-only EPYC; kept_costs.py keeps
+    them between processes): the best of a few
     64-token prefills over growing batches (`_doubling`), then as many tokens in rows 8 times as
     long (`_prefill_attention`), of decode steps over 1 and 8 rows,
     and, with an extend graph, of extends of 16 new tokens a row over growing batches and over a
