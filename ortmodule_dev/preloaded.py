@@ -51,9 +51,12 @@ for line in sys.stdin:
         code = 1
         try:
             log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            nothing = os.open(os.devnull, os.O_RDONLY)
             os.dup2(log, 1)
             os.dup2(log, 2)
-            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            os.dup2(nothing, 0)
+            os.close(log)
+            os.close(nothing)
             os.environ.clear()
             os.environ.update(job["env"])
             os.chdir(job["cwd"])
