@@ -30,8 +30,8 @@ def test_a_command_runs_as_in_a_process_of_its_own(tmp_path, monkeypatch):
     """Its arguments, this process's working folder and environment (the exporters' offline settings
     added), `__main__`; a failure the same ExportError, with the output's end."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("ORTMODULE_PRELOADED_PROBE", "set after the zygote started")
-    preloaded.run([sys.executable, "-c", "pass"], "warm-up")  # the zygote started before the variable changes
+    monkeypatch.setenv("ORTMODULE_PRELOADED_PROBE", "as the zygote started")
+    preloaded.run([sys.executable, "-c", "pass"], "warm-up")  # the zygote runs before the variable changes
     monkeypatch.setenv("ORTMODULE_PRELOADED_PROBE", "changed")
     records = {}
     for name, runner in (("preloaded", preloaded.run), ("subprocess", lambda c, w: run_subprocess(c, w, False))):
