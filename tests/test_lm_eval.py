@@ -385,17 +385,33 @@ def test_hflm_accepts_a_loaded_model(build):
         assert abs(a[0] - b[0]) < 1e-5
 
 
-def test_task_manager_indexes_lm_evals_own_tasks_only_where_the_tasks_need_them(tmp_path, caplog):
+def test_task_manager_indexes_lm_evals_own_tasks_only_where_the_tasks_need_them(tmp_path, caplog, monkeypatch):
     """`tasks.task_manager`: for ortmodule's tasks alone, none of lm-eval's ~14,700 built-in task configs
     (seconds to index, every manager); for a group of the user's folder (its tasks may be built-in ones),
-    lm-eval's tasks too, as `TaskManager(include_path=...)` indexes them."""
+    lm-eval's tasks too, as `TaskManager(include_path=...)` indexes them. `ortmodule-eval` resolves
+    `--tasks` through it: ortmodule's tasks without `--include_path`, a task of the user's folder, and
+    the group over a built-in task (lm-eval's `EvaluatorConfig.process_tasks`, which the command calls)."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    from ortmodule import cli
+
     own = tasks.task_manager(tasks.TASKS)
     assert set(tasks.TASKS) <= set(own.all_subtasks) and "arc_easy" not in own.all_tasks
     assert set(own.load(tasks.TASKS)["tasks"]) == set(tasks.TASKS)
+    monkeypatch.setattr(EvaluatorConfig, "process_tasks", EvaluatorConfig.process_tasks)  # restored after
+    cli.resolve_tasks_as_ortmodule()
+    cli.resolve_tasks_as_ortmodule()  # once only
+    config = EvaluatorConfig(tasks="ortmodule_knowledge_mc,ortmodule_knowledge_gen")
+    manager = config.process_tasks()
+    assert config.tasks == ["ortmodule_knowledge_mc", "ortmodule_knowledge_gen"] and "arc_easy" not in manager.all_tasks
+    (tmp_path / "my_task.yaml").write_text(f"task: my_task\ninclude: {tasks.TASK_DIR}/ortmodule_knowledge_mc.yaml\n")
+    config = EvaluatorConfig(tasks=["my_task"], include_path=str(tmp_path))
+    assert "arc_easy" not in config.process_tasks().all_tasks and config.tasks == ["my_task"]
     (tmp_path / "my_group.yaml").write_text("group: my_group\ntask:\n  - arc_easy\n  - ortmodule_arithmetic_mc\n")
+    config = EvaluatorConfig(tasks="my_group", include_path=str(tmp_path))
     with caplog.at_level(logging.INFO, logger="ortmodule"):
-        manager = tasks.task_manager(["my_group"], tmp_path)
-    assert "my_group" in manager.all_groups and "arc_easy" in manager.all_subtasks
+        manager = config.process_tasks()
+    assert "my_group" in manager.all_groups and "arc_easy" in manager.all_subtasks and config.tasks == ["my_group"]
     assert "indexing lm-eval's built-in tasks" in caplog.text
 
 
@@ -677,7 +693,7 @@ def run_cli(launcher, fixture, out, env=None, extra=(), model_args=""):
 
     command = launcher + [
         "--model", "ortmodule", "--model_args", f"pretrained={fixture.package_dir}{model_args}", "--device", "cpu",
-        "--tasks", "ortmodule_arithmetic_mc,ortmodule_arithmetic_gen", "--include_path", tasks.TASK_DIR,
+        "--tasks", "ortmodule_arithmetic_mc,ortmodule_arithmetic_gen",  # ortmodule's: no --include_path
         "--batch_size", "8", "--output_path", str(out), "--log_samples", *extra,
     ]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})

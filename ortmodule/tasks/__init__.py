@@ -26,7 +26,7 @@ def task_manager(tasks=None, include_path=None, metadata=None):
 
     tasks = [tasks] if isinstance(tasks, str) else tasks
     extra = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
-    paths = [TASK_DIR, *map(str, extra)]
+    paths = list(dict.fromkeys([TASK_DIR, *(str(Path(path).resolve()) for path in extra)]))  # TASK_DIR once
     if tasks is not None and not isinstance(tasks, dict):
         own = TaskManager(include_path=paths, include_defaults=False, metadata=metadata)
         if all(isinstance(name, str) and name in own.all_subtasks for name in tasks):
