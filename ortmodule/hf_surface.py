@@ -71,6 +71,14 @@ class HuggingFaceSurface(GenerationMixin):
     def dtype(self) -> torch.dtype:
         return self.decoder.kv_dtype
 
+    def _anchor(self) -> None:
+        """`device_anchor`, the model's one parameter: empty and frozen, on its device in its dtype. The
+        weights are the ONNX graph's; code that reads a model's device or dtype from its first parameter
+        (`next(model.parameters()).device`, through a wrapping module too) finds them there. It holds no
+        element (`num_parameters()` counts the graph's weights)."""
+        self.device_anchor = torch.nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device),
+                                                requires_grad=False)
+
     def to(self, *args, **kwargs) -> HuggingFaceSurface:
         """Move the sessions to another device. The dtype is fixed by the exported package."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -83,6 +91,7 @@ class HuggingFaceSurface(GenerationMixin):
             device = runtime.parse_device(device)
             if device != self.device:
                 self.decoder.load(device)
+                self._anchor()
         return self
 
     @runtime.out_of_memory_is_runtime_error

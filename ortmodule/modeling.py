@@ -76,6 +76,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         self.decoder = Decoder(package, runtime.parse_device(device), session_options, provider_options,
                                rewrite_lm_head, cache_dir, prefill_chunk, quantized_prefill, prefill_attention)
         self._costs: dict[torch.device, costs.Costs | None] = {}  # measured_costs(), per device
+        self._anchor()  # `device_anchor`: next(model.parameters()) tells the device and dtype
 
     @classmethod
     def from_pretrained(

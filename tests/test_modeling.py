@@ -352,6 +352,19 @@ def test_hf_surface(llama):
         model.to(torch.float16)
 
 
+def test_the_first_parameter_tells_the_device_and_dtype(build):
+    """`next(model.parameters())`, how much scoring code finds where to put its inputs: an empty, frozen
+    parameter on the model's device in the package's dtype (fp16 here), the same one each time, seen
+    through a wrapping module too; the graph's weights are still what `num_parameters()` counts."""
+    model = OrtModelForCausalLM.from_pretrained(build("llama", precision="fp16").package_dir)
+    first = next(model.parameters())
+    assert isinstance(first, torch.nn.Parameter) and first.numel() == 0 and not first.requires_grad
+    assert (first.device, first.dtype) == (model.device, model.dtype) == (torch.device("cpu"), torch.float16)
+    assert [name for name, _ in model.named_parameters()] == ["device_anchor"] and next(model.parameters()) is first
+    assert [name for name, _ in torch.nn.ModuleDict({"lm": model}).named_parameters()] == ["lm.device_anchor"]
+    assert list(model.state_dict()) == ["device_anchor"] and model.num_parameters() > 1000
+
+
 def test_config_json_in_package_is_used(llama, tmp_path):
     import shutil
 
@@ -390,8 +403,9 @@ def test_to_moves_the_sessions(llama):
     model = OrtModelForCausalLM.from_pretrained(llama.package_dir)
     ids = torch.randint(4, 512, (2, 8))
     cpu_logits = model(ids).logits
+    assert next(model.parameters()).device.type == "cpu"
     model.to("cuda")
-    assert model.device.type == "cuda"
+    assert model.device.type == "cuda" and next(model.parameters()).device == model.device
     assert torch.allclose(model(ids).logits.cpu(), cpu_logits, atol=1e-5)
 
 
