@@ -39,6 +39,26 @@ _UNSUPPORTED_ATTRIBUTES = {
 }
 
 
+class _InferenceOnly(torch.autograd.Function):
+    """The identity on a loss, whose backward raises NotSupportedError: a training step's loss (`training_loss`)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise NotSupportedError(f"backward() through OrtModelForCausalLM's loss (Trainer.train, a training loop): "
+                                f"{_INFERENCE_ONLY}; evaluate with model.eval() or under torch.no_grad()")
+
+
+def training_loss(loss: torch.Tensor) -> torch.Tensor:
+    """`loss` as a model in train mode with gradients on gives it: the same value, which trains nothing
+    but names why at `backward()` (a NotSupportedError) where torch would say that the loss does not
+    require grad."""
+    return _InferenceOnly.apply(loss, torch.ones((), requires_grad=True))
+
+
 class HuggingFaceSurface(GenerationMixin):
     """What transformers' generation code and libraries call on a model beyond forward: transformers'
     `GenerationMixin` (generate, compute_transition_scores, ...) with its sampling loop on the device,

@@ -32,7 +32,7 @@ from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
 from .hf import CACHE_NAME, build_config, build_generation_config, check_dtype, load_tokenizer, loading_options
-from .hf_surface import HuggingFaceSurface
+from .hf_surface import HuggingFaceSurface, training_loss
 from .package import NotSupportedError, Package, read_package
 
 __all__ = ["OrtModelForCausalLM", "NotSupportedError", "build_config", "build_generation_config", "load_tokenizer"]
@@ -77,6 +77,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
                                rewrite_lm_head, cache_dir, prefill_chunk, quantized_prefill, prefill_attention)
         self._costs: dict[torch.device, costs.Costs | None] = {}  # measured_costs(), per device
         self._anchor()  # `device_anchor`: next(model.parameters()) tells the device and dtype
+        self.eval()  # as transformers' from_pretrained leaves its models
 
     @classmethod
     def from_pretrained(
@@ -191,7 +192,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         else:
             logits, past, states, weights = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
                                                                  cache_position, runs, embeds, media, asked)
-        loss = _shifted_loss(logits, labels, keep, attention_mask, kwargs) if labels is not None else None
+        loss = None if labels is None else _shifted_loss(logits, labels, keep, attention_mask, kwargs, self.training)
         if not use_cache:
             past = None
         if return_dict is False:
@@ -352,13 +353,15 @@ def _given_cache(past_key_values, cache, use_cache: bool | None) -> tuple[Cache 
     return given, (given is not None) if use_cache is None else bool(use_cache)
 
 
-def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwargs: dict) -> torch.Tensor:
+def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwargs: dict,
+                  training: bool = False) -> torch.Tensor:
     """transformers' causal-LM loss: each position predicts the next label, -100 ignored. A label
     predicted from a padded position (a left-padded row's first token) is left out too: the logits
     there are meaningless (transformers' depend on how its attention treats a query that sees no
     key), so the loss is that of the rows without their padding. With `num_items_in_batch` (transformers'
     Trainer passes it, counted over the gradient accumulation's batches) the sum over the targets divided
-    by it, as transformers' loss does, else their mean."""
+    by it, as transformers' loss does, else their mean. `training` (the model in train mode) with gradients
+    on: `training_loss`, whose backward() says why nothing trains."""
     if keep is not None and not (isinstance(keep, int) and keep == 0):
         raise ValueError("labels need the logits of every position: drop cont_len/logits_to_keep")
     if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
@@ -371,4 +374,5 @@ def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwarg
     items = loss_kwargs.get("num_items_in_batch")
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
                                              reduction="mean" if items is None else "sum")
-    return loss if items is None else loss / (items.to(loss.device) if torch.is_tensor(items) else items)
+    loss = loss if items is None else loss / (items.to(loss.device) if torch.is_tensor(items) else items)
+    return training_loss(loss) if training and torch.is_grad_enabled() else loss

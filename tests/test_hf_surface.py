@@ -362,6 +362,33 @@ def test_trainer_evaluate_and_predict_equal_transformers(build, tmp_path):
             assert abs(losses[0] - losses[1]) < 1e-5
 
 
+def test_a_training_step_says_that_nothing_trains(build, tmp_path):
+    """Loaded in eval mode, as transformers' `from_pretrained` leaves its models. In train mode with
+    gradients on (Trainer.train, a training loop) the loss keeps its value and its `backward()` raises
+    NotSupportedError naming the cause, where torch would say that the loss does not require grad; in
+    eval mode or under no_grad the loss is a plain tensor."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    assert model.training is AutoModelForCausalLM.from_pretrained(fixture.hf_dir).training is False
+    ids = torch.randint(4, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    evaluated = model(ids, labels=ids).loss
+    assert not evaluated.requires_grad
+    model.train()
+    loss = model(ids, labels=ids).loss
+    assert loss.item() == evaluated.item() and loss.requires_grad
+    with pytest.raises(NotSupportedError, match="runs inference only"):
+        loss.backward()
+    with torch.no_grad():
+        assert not model(ids, labels=ids).loss.requires_grad
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": row, "labels": row} for row in ids.tolist()])
+    with pytest.raises(NotSupportedError, match=r"Trainer\.train"):
+        trainer.train()
+
+
 def test_the_text_generation_pipelines_own_defaults_apply_as_on_transformers(build):
     """transformers 5 leaves a generation config's fields unset (None) unless the checkpoint sets them, and
     the text-generation pipeline fills the unset ones with its own defaults (sampling at temperature 0.7,
