@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -71,7 +72,7 @@ EXTEND_PROBE_CPU_ROWS = 4
 
 
 @torch.inference_mode()
-def measure(decoder: Decoder) -> Costs | None:
+def measure(decoder: Decoder, progress: Callable[[str], None] | None = None) -> Costs | None:
     """Time `decoder`'s runs (about 30 s for SmolLM2-135M, 130 s for a 0.6B model in fp32, on 2
     cores of a Xeon with AMX; 67 s for SmolLM2-135M on 2 of an AVX2-only EPYC; kept_costs.py keeps
     them between processes): the best of a few
@@ -79,16 +80,23 @@ def measure(decoder: Decoder) -> Costs | None:
     long (`_prefill_attention`), of decode steps over 1 and 8 rows,
     and, with an extend graph, of extends of 16 new tokens a row over growing batches and over a
     longer prefix (`_extend_costs`).
-    None, with a warning, where they cannot run (out of memory on a loaded device, say)."""
+    None, with a warning, where they cannot run (out of memory on a loaded device, say). `progress`
+    is called with each part's name as it is done (`phases(decoder)` of them: kept_costs.py shows them)."""
     try:
-        return _timed_runs(decoder)
+        return _timed_runs(decoder, progress or (lambda part: None))
     except RuntimeError as e:
         warnings.warn(f"could not measure the model's costs ({e}); sharing is decided by token counts",
                       stacklevel=3)
         return None
 
 
-def _timed_runs(decoder: Decoder) -> Costs:
+def phases(decoder: Decoder) -> int:
+    """How many parts `measure` reports to its `progress`: the prefill's batches and attention, the decode
+    steps, and with an extend graph the extend's batches and attention."""
+    return 3 if decoder.extender() is None else 5
+
+
+def _timed_runs(decoder: Decoder, progress: Callable[[str], None]) -> Costs:
     device = decoder.device
     length = min(64, decoder.package.context_length - 2)
     ids = torch.randint(4, decoder.vocab_size, (64, length), generator=torch.Generator().manual_seed(0)).to(device)
@@ -99,12 +107,14 @@ def _timed_runs(decoder: Decoder) -> Costs:
         return decoder.prefill(batch, last, cache)
 
     per_token, _, rows = _doubling(lambda rows: _best_time(lambda: prefill(rows), device), length)
+    progress("prefill batches")
     try:
         per_score = _prefill_attention(decoder, rows, length)
     except RuntimeError as e:  # rows longer than the package can take (a context length it overstates)
         warnings.warn(f"could not measure a prefill's attention ({e}); whole prompts are priced by the token",
                       stacklevel=4)
         per_score = 0.0
+    progress("prefill attention")
     step = {}
     for rows in (1, STEP_ROWS):
         cache = decoder.new_cache(rows, length + 8)
@@ -112,8 +122,9 @@ def _timed_runs(decoder: Decoder) -> Costs:
         token, index = ids[:rows, :1], torch.arange(rows, device=device)
         step[rows] = _best_time(lambda c=cache, t=token, i=index: decoder.step(t, c, i), device)
     per_row = max(0.0, (step[STEP_ROWS] - step[1]) / (STEP_ROWS - 1))
+    progress("decode steps")
     extender = decoder.extender()
-    extend = _extend_costs(decoder, extender, ids, length) if extender is not None else (None, 0.0, 0.0)
+    extend = _extend_costs(decoder, extender, ids, length, progress) if extender is not None else (None, 0.0, 0.0)
     return Costs(per_token, max(0.0, step[1] - per_row), per_row, *extend, per_score, length, decoder.prefill_chunk)
 
 
@@ -160,7 +171,8 @@ def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 8)
     return extra / (tokens * (longer - length))
 
 
-def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) -> tuple[float, float, float]:
+def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int,
+                  progress: Callable[[str], None] = lambda part: None) -> tuple[float, float, float]:
     """`extend_per_token`, `extend_per_score` and `extend_fixed`: extends of 16 new tokens a row over
     copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and rows of 16 over a
     longer prefix (`extend_probe_rows`: as many as that doubling ended at on a GPU, 4 on a CPU;
@@ -191,12 +203,15 @@ def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int) ->
 
     past(length)
     per_token, fixed, rows = _doubling(lambda rows: _best_time(run(rows), device), 16)  # 16 new tokens a row
+    progress("extend batches")
     rows = extend_probe_rows(rows, device)
     longer = min(max(512, EXTEND_PROBE_POSITIONS // rows), decoder.package.context_length - 16)
     if longer - length < 64:  # too few extra positions for their cost to show
+        progress("extend attention")
         return per_token, 0.0, fixed
     past(longer)
     extra = _median_extra(run(rows), run(rows, longer), device, EXTEND_PROBE_ROUNDS)
+    progress("extend attention")
     return per_token, extra / (rows * 16 * (longer - length)), fixed
 
 

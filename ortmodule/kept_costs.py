@@ -23,6 +23,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 import torch
+from tqdm import tqdm
 
 from . import cache_folder, costs, graph, mapped
 
@@ -52,7 +53,8 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
     logger.info("ortmodule: timing the runs of %s on %s, from which context sharing is decided (seconds to minutes "
                 "on a CPU; kept in %s for later loads)", package, decoder.device, where)
     start = time.perf_counter()
-    found = costs.measure(decoder)
+    with tqdm(total=costs.phases(decoder), desc=f"ortmodule: timing {package.name}'s runs", unit="part") as bar:
+        found = costs.measure(decoder, lambda part: (bar.update(), bar.set_postfix_str(f"{part} done")))
     if found is not None:
         record = {"costs": found._asdict(), "check_seconds": costs.check_seconds(decoder),
                   "seconds": round(time.perf_counter() - start, 1), "machine": machine(decoder.device),

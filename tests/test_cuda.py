@@ -589,7 +589,7 @@ def test_measured_costs_are_kept_on_cuda(build, tmp_path, monkeypatch):
 
     monkeypatch.setenv("ORTMODULE_CACHE", str(tmp_path))
     calls, real = [], costs.measure
-    monkeypatch.setattr(costs, "measure", lambda decoder: calls.append(decoder) or real(decoder))
+    monkeypatch.setattr(costs, "measure", lambda decoder, *shown: calls.append(decoder) or real(decoder, *shown))
     fixture = build("qwen3", precision="bf16", execution_provider="cuda")
     first = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda").measured_costs()
     checks = [costs.check_seconds(OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda").decoder)

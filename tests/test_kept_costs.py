@@ -17,7 +17,7 @@ def store(tmp_path, monkeypatch):
     """ortmodule's cache folder in tmp_path; the calls of costs.measure, counted."""
     monkeypatch.setenv("ORTMODULE_CACHE", str(tmp_path))
     calls, real = [], costs.measure
-    monkeypatch.setattr(costs, "measure", lambda decoder: calls.append(decoder) or real(decoder))
+    monkeypatch.setattr(costs, "measure", lambda decoder, *shown: calls.append(decoder) or real(decoder, *shown))
     return tmp_path / "costs", calls
 
 
@@ -25,19 +25,26 @@ def load(fixture, **kwargs):
     return ortmodule.OrtModelForCausalLM.from_pretrained(fixture.package_dir, **kwargs)
 
 
-def test_costs_are_measured_once_and_kept_for_later_loads(llama, store, monkeypatch):
+def test_costs_are_measured_once_and_kept_for_later_loads(llama, store, monkeypatch, capsys):
+    """Measured with a progress bar on stderr (seconds to minutes on a CPU), its five parts each done
+    once, in order; read back silently at later loads."""
     folder, calls = store
     # The check prefill's time held fixed: on a busy machine it can move past the tolerance between
     # two loads, which measures again (the next test's case), not what this one is about.
     monkeypatch.setattr(costs, "check_seconds", lambda decoder: 0.05)
     first = load(llama).measured_costs()
     assert len(calls) == 1 and first.per_token > 0 and first.extend_per_token > 0
+    shown = capsys.readouterr().err
+    assert "ortmodule: timing package's runs" in shown and "5/5" in shown and "6/5" not in shown
+    parts = ["prefill batches", "prefill attention", "decode steps", "extend batches", "extend attention"]
+    assert [shown.index(f"{part} done") for part in parts] == sorted(shown.index(f"{part} done") for part in parts)
     (entry,) = folder.glob("*.json")
     record = json.loads(entry.read_text())
     assert costs.Costs(**record["costs"]) == first and record["check_seconds"] > 0
     assert record["machine"] == kept_costs.machine(first_device := load(llama).device) and first_device.type == "cpu"
     later = load(llama)  # a later process: a new model object over the same package
     assert later.measured_costs() == first and len(calls) == 1  # read back (and checked), not measured
+    assert "ortmodule: timing" not in capsys.readouterr().err
     assert later.measured_costs() is later.measured_costs()
     assert later.measured_costs(refresh=True) is not None and len(calls) == 2  # asked for: measured again
     other = load(llama, prefill_chunk=0)  # another setting, other costs
