@@ -418,7 +418,9 @@ def test_task_manager_indexes_lm_evals_own_tasks_only_where_the_tasks_need_them(
 def test_chat_template_with_multi_turn_few_shot_matches_hf():
     """`--apply_chat_template --fewshot_as_multiturn --system_instruction` on an instruct model
     (the real SmolLM2-135M-Instruct and its chat template): the same chat-formatted requests as the
-    `hf` backend, the same generations and choices, log-likelihoods within 1e-4."""
+    `hf` backend, the same generations and choices, log-likelihoods within 1e-4. A question's choices
+    share its chat-formatted context (`share_contexts=true`: the shared path, set rather than decided
+    from costs whose first measurement takes a minute on a small CPU)."""
     from ortmodule_dev import fixtures
 
     fixture = fixtures.build(fixtures.SMOLLM2)
@@ -431,7 +433,7 @@ def test_chat_template_with_multi_turn_few_shot_matches_hf():
                                        system_instruction="Answer in a word.", limit=8, batch_size=8,
                                        device="cpu", log_samples=True)
 
-    ours = chat_evaluate("ortmodule", f"pretrained={fixture.package_dir}")
+    ours = chat_evaluate("ortmodule", f"pretrained={fixture.package_dir},share_contexts=true")
     theirs = chat_evaluate("hf", f"pretrained={fixture.hf_dir},dtype=float32")
     for task, metric in (("ortmodule_knowledge_mc", "acc,none"), ("ortmodule_knowledge_gen", "exact_match,none")):
         assert ours["results"][task][metric] == theirs["results"][task][metric]
