@@ -315,13 +315,19 @@ def served(*command, output: list | None = None):
             output.append(process.stdout.read())
 
 
-def test_the_console_command_serves_a_package(llama):
+def test_the_console_command_serves_a_package(llama, tmp_path, monkeypatch):
+    """`ortmodule serve` times the model's runs at start where they decide a query's reuse (`auto`, the
+    default), so that no request waits for it; with `--reuse-prefix on` or `off` it times nothing."""
     console = str(Path(sys.executable).parent / "ortmodule")
-    with served(console, "serve", str(llama.package_dir), "--name", "tiny") as url:
-        answer = httpx.post(url + "/v1/score",
-                            json=dict(query=[5, 6], items=[[7], [8]], label_token_ids=[1, 2], apply_softmax=True))
+    body = dict(query=[5, 6], items=[[7], [8]], label_token_ids=[1, 2], apply_softmax=True)
+    for cache, options in (("auto", ()), ("fixed", ("--reuse-prefix", "on"))):
+        monkeypatch.setenv("ORTMODULE_CACHE", str(tmp_path / cache))
+        with served(console, "serve", str(llama.package_dir), "--name", "tiny", *options) as url:
+            measured = list((tmp_path / cache).glob("costs/*.json"))
+            answer = httpx.post(url + "/v1/score", json=body)
         assert answer.status_code == 200 and answer.json()["model"] == "tiny"
         assert [round(sum(row), 5) for row in answer.json()["scores"]] == [1.0, 1.0]
+        assert len(measured) == (1 if cache == "auto" else 0)
 
 
 def test_prefill_attention_flag_serves_scores_from_the_prefill_graph(llama):

@@ -244,7 +244,8 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     settings = Settings.with_environment(**options)
     model = OrtModelForCausalLM.from_pretrained(local, device=device, prefill_attention=prefill_attention,
                                                 rewrite_lm_head="float32" if fp32_lm_head else True)
-    model.measured_costs()  # timed (or read from the disk) now, not in the first request that shares a query
+    if settings.reuse_prefix == "auto":  # the costs decide it: timed (or read from the disk) now, not in a request
+        model.measured_costs()
     app = create_app(model, load_tokenizer(local), settings)
     if host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("serving on %s without an API key: anyone who reaches it may use it (--api-key, or %s)",
