@@ -71,6 +71,10 @@ EXTEND_PROBE_POSITIONS = 8192
 EXTEND_PROBE_CPU_ROWS = 4
 
 
+def _silent(part: str) -> None:
+    """`measure`'s progress where nobody shows it."""
+
+
 @torch.inference_mode()
 def measure(decoder: Decoder, progress: Callable[[str], None] | None = None) -> Costs | None:
     """Time `decoder`'s runs (about 30 s for SmolLM2-135M, 130 s for a 0.6B model in fp32, on 2
@@ -83,7 +87,7 @@ def measure(decoder: Decoder, progress: Callable[[str], None] | None = None) -> 
     None, with a warning, where they cannot run (out of memory on a loaded device, say). `progress`
     is called with each part's name as it is done (`phases(decoder)` of them: kept_costs.py shows them)."""
     try:
-        return _timed_runs(decoder, progress or (lambda part: None))
+        return _timed_runs(decoder, progress or _silent)
     except RuntimeError as e:
         warnings.warn(f"could not measure the model's costs ({e}); sharing is decided by token counts",
                       stacklevel=3)
@@ -172,7 +176,7 @@ def _prefill_attention(decoder: Decoder, rows: int, length: int, times: int = 8)
 
 
 def _extend_costs(decoder: Decoder, extender, ids: torch.Tensor, length: int,
-                  progress: Callable[[str], None] = lambda part: None) -> tuple[float, float, float]:
+                  progress: Callable[[str], None] = _silent) -> tuple[float, float, float]:
     """`extend_per_token`, `extend_per_score` and `extend_fixed`: extends of 16 new tokens a row over
     copies of a `length`-token prefix, rows doubling from 2 (`run_costs`), and rows of 16 over a
     longer prefix (`extend_probe_rows`: as many as that doubling ended at on a GPU, 4 on a CPU;
