@@ -11,6 +11,7 @@ found without `--include_path` (`resolve_tasks_as_ortmodule`).
 
 import argparse
 import dataclasses
+import importlib
 import logging
 
 
@@ -46,36 +47,57 @@ def main() -> None:
 
 
 def resolve_tasks_as_ortmodule() -> None:
-    """lm-eval's command line resolves `--tasks` through `tasks.task_manager` from now on: ortmodule's
-    shipped tasks are found without `--include_path`, and where every name is a task of those or of
-    `--include_path`'s folders, lm-eval's ~14,700 built-in task configs are not indexed (15 s on a
-    2-vCPU AMD EPYC, every run). lm-eval 0.4.13's `EvaluatorConfig.process_tasks` builds the manager
-    itself, so its `TaskManager` is swapped for the call; an lm-eval without that method keeps its own."""
-    from lm_eval import tasks as lm_eval_tasks
-
+    """lm-eval's command line resolves tasks through `tasks.task_manager` from now on: ortmodule's
+    shipped tasks are found without `--include_path` by a run, `ls` and `validate`, and where every
+    `--tasks` name of a run or `validate` is a task of those or of `--include_path`'s folders, lm-eval's
+    ~14,700 built-in task configs are not indexed (15 s on a 2-vCPU AMD EPYC, every run). lm-eval 0.4.13
+    builds each manager itself (`EvaluatorConfig.process_tasks`, `List._execute`, `Validate._execute`),
+    so its `TaskManager` is swapped for those calls; a method an lm-eval lacks keeps lm-eval's way."""
     from . import tasks
 
-    try:
-        from lm_eval.config.evaluate_config import EvaluatorConfig
-    except ImportError:
-        return
-    process = getattr(EvaluatorConfig, "process_tasks", None)
-    if process is None or getattr(process, "ortmodule", False):
-        return
+    def names_of(given) -> list[str] | None:
+        if given is None:
+            return None
+        return given.split(",") if isinstance(given, str) else [n for name in given for n in str(name).split(",")]
 
-    def process_tasks(config, metadata: dict | None = None):
-        given = config.tasks
-        names = given.split(",") if isinstance(given, str) else [n for name in given for n in str(name).split(",")]
-        made = tasks.task_manager(names, config.include_path, (metadata or config.metadata) or {})
-        manager = lm_eval_tasks.TaskManager
-        lm_eval_tasks.TaskManager = lambda *args, **kwargs: made  # the one manager process_tasks builds
+    def run(process):
+        def process_tasks(config, metadata: dict | None = None):
+            made = tasks.task_manager(names_of(config.tasks), config.include_path,
+                                      (metadata or config.metadata) or {})
+            return _with_task_manager(lambda *args, **kwargs: made, process, config, metadata)
+        return process_tasks
+
+    def listing(execute):
+        def _execute(self, args):
+            made = tasks.task_manager(names_of(getattr(args, "tasks", None)), args.include_path)
+            return _with_task_manager(lambda *args, **kwargs: made, execute, self, args)
+        return _execute
+
+    for module, owner, method, wrap in (("lm_eval.config.evaluate_config", "EvaluatorConfig", "process_tasks", run),
+                                        ("lm_eval._cli.ls", "List", "_execute", listing),
+                                        ("lm_eval._cli.validate", "Validate", "_execute", listing)):
         try:
-            return process(config, metadata)
-        finally:
-            lm_eval_tasks.TaskManager = manager
+            cls = getattr(importlib.import_module(module), owner)
+        except (ImportError, AttributeError):
+            continue
+        original = getattr(cls, method, None)
+        if original is None or getattr(original, "ortmodule", False):
+            continue
+        wrapped = wrap(original)
+        wrapped.ortmodule = True
+        setattr(cls, method, wrapped)
 
-    process_tasks.ortmodule = True
-    EvaluatorConfig.process_tasks = process_tasks
+
+def _with_task_manager(factory, call, *args):
+    """`call(*args)` with `lm_eval.tasks.TaskManager` replaced by `factory` (the manager the call builds)."""
+    from lm_eval import tasks as lm_eval_tasks
+
+    manager = lm_eval_tasks.TaskManager
+    lm_eval_tasks.TaskManager = factory
+    try:
+        return call(*args)
+    finally:
+        lm_eval_tasks.TaskManager = manager
 
 
 def ortmodule(argv: list[str] | None = None) -> None:

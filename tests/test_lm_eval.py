@@ -1,5 +1,7 @@
 """The `ortmodule` lm-eval backend against lm-eval's own `hf` backend on the same weights."""
 
+import contextlib
+import functools
 import json
 import logging
 import math
@@ -398,7 +400,11 @@ def test_task_manager_indexes_lm_evals_own_tasks_only_where_the_tasks_need_them(
     own = tasks.task_manager(tasks.TASKS)
     assert set(tasks.TASKS) <= set(own.all_subtasks) and "arc_easy" not in own.all_tasks
     assert set(own.load(tasks.TASKS)["tasks"]) == set(tasks.TASKS)
-    monkeypatch.setattr(EvaluatorConfig, "process_tasks", EvaluatorConfig.process_tasks)  # restored after
+    from lm_eval._cli.ls import List
+    from lm_eval._cli.validate import Validate
+
+    for cls, method in ((EvaluatorConfig, "process_tasks"), (List, "_execute"), (Validate, "_execute")):
+        monkeypatch.setattr(cls, method, getattr(cls, method))  # restored after
     cli.resolve_tasks_as_ortmodule()
     cli.resolve_tasks_as_ortmodule()  # once only
     config = EvaluatorConfig(tasks="ortmodule_knowledge_mc,ortmodule_knowledge_gen")
@@ -413,6 +419,36 @@ def test_task_manager_indexes_lm_evals_own_tasks_only_where_the_tasks_need_them(
         manager = config.process_tasks()
     assert "my_group" in manager.all_groups and "arc_easy" in manager.all_subtasks and config.tasks == ["my_group"]
     assert "indexing lm-eval's built-in tasks" in caplog.text
+
+
+def test_ortmodule_eval_validate_and_ls_find_ortmodules_tasks(monkeypatch, capsys, caplog):
+    """`ortmodule-eval validate --tasks ...` (and `ls`, through the same wrapper) finds ortmodule's
+    shipped tasks without `--include_path`, and without indexing lm-eval's built-in tasks where every
+    name is ortmodule's; lm-eval's own `validate` says they are not found."""
+    from lm_eval._cli.harness import HarnessCLI
+    from lm_eval._cli.ls import List
+    from lm_eval._cli.validate import Validate
+    from lm_eval.tasks import TaskManager
+
+    from ortmodule import cli
+
+    def validate(names, found=True):
+        monkeypatch.setattr("sys.argv", ["ortmodule-eval", "validate", "--tasks", names])
+        harness = HarnessCLI()
+        with contextlib.nullcontext() if found else pytest.raises(SystemExit):
+            harness.execute(harness.parse_args())
+        return capsys.readouterr().out
+
+    names = "ortmodule_arithmetic_mc,ortmodule_knowledge_gen"
+    for cls in (List, Validate):
+        monkeypatch.setattr(cls, "_execute", cls._execute)  # restored after
+    with monkeypatch.context() as patch:  # lm-eval's own validate (its built-in tasks left out: 15 s to index)
+        patch.setattr(TaskManager, "__init__", functools.partialmethod(TaskManager.__init__, include_defaults=False))
+        assert "Tasks not found: ortmodule_arithmetic_mc, ortmodule_knowledge_gen" in validate(names, found=False)
+    cli.resolve_tasks_as_ortmodule()
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        assert "All tasks found and valid" in validate(names)
+    assert "indexing lm-eval's built-in tasks" not in caplog.text
 
 
 def test_chat_template_with_multi_turn_few_shot_matches_hf():
