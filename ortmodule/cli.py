@@ -7,6 +7,7 @@ found without `--include_path` (`resolve_tasks_as_ortmodule`).
 `ortmodule serve PATH`: SGLang's `/v1/score`, OpenAI's `/v1/completions` and `/v1/chat/completions`
 (ortmodule/serving/).
 `ortmodule cache list|clear`: what ortmodule keeps in its cache folder, and clearing it (ortmodule/cache_folder.py).
+`ortmodule env`: the versions, devices and providers, for a bug report (ortmodule/environment.py).
 """
 
 import argparse
@@ -101,7 +102,10 @@ def _with_task_manager(factory, call, *args):
 
 
 def ortmodule(argv: list[str] | None = None) -> None:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="ortmodule", description="ortmodule command line")
+    parser.add_argument("--version", action="version", version=f"ortmodule {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser(
         "export", help="export a Hugging Face folder or a GGUF file to a GenAI package (onnxruntime-genai's "
@@ -125,7 +129,13 @@ def ortmodule(argv: list[str] | None = None) -> None:
     export.add_argument("--quiet", action="store_true", help="no progress output")
     _serve_flags(commands)
     _cache_flags(commands)
+    commands.add_parser("env", help="the versions, devices and execution providers ortmodule runs with (for a bug "
+                                    "report), and the installs known to break it (exit status 1 where there is one)")
     args = parser.parse_args(argv)
+    if args.command == "env":
+        from .environment import print_report
+
+        raise SystemExit(print_report())
     if args.command == "export":
         _export(parser, args)
         return

@@ -1,0 +1,50 @@
+"""`ortmodule env` and `ortmodule --version`: what a bug report needs, read from this environment."""
+
+import subprocess
+import sys
+from importlib import metadata
+
+import onnxruntime as ort
+import pytest
+import torch
+
+import ortmodule
+from ortmodule import cli, environment
+
+
+def test_version_is_the_installed_distributions(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.ortmodule(["--version"])
+    assert stopped.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ortmodule {ortmodule.__version__}"
+    assert ortmodule.__version__ == metadata.version("ortmodule")
+
+
+def test_env_reports_this_environment():
+    """The console command's lines: the versions as pip sees them, ONNX Runtime's providers as it lists
+    them, torch's CUDA as torch sees it; no problem in this environment (one GPU build of each)."""
+    run = subprocess.run([sys.executable, "-m", "ortmodule", "env"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = dict(line[2:].split(": ", 1) for line in run.stdout.splitlines())
+    for name in ("torch", "onnxruntime-gpu", "transformers", "onnx"):
+        assert lines[name] == metadata.version(name)
+    assert lines["onnxruntime"] == "not installed"  # the CPU build beside the GPU one would be a problem
+    assert lines["onnxruntime providers"] == ", ".join(ort.get_available_providers())
+    assert ("no device seen" in lines["torch CUDA"]) == (not torch.cuda.is_available())
+    assert lines["python"] == sys.version.split()[0] and "logical CPUs" in lines["cpu"]
+    assert not any(line.startswith("problem") for line in run.stdout.splitlines())
+
+
+def test_env_names_the_installs_that_break_ortmodule():
+    """Both builds of ONNX Runtime (or of onnxruntime-genai) installed, each named with the fix; a CUDA
+    device torch sees that ONNX Runtime has no provider for; none where the environment is sound."""
+    both = {"onnxruntime-gpu": "1.23.0", "onnxruntime": "1.23.0", "onnxruntime-genai-cuda": "0.10.0"}
+    cpu_only = ["CPUExecutionProvider"]
+    found = environment.problems(both, cpu_only, torch_cuda=False)
+    assert len(found) == 1 and "onnxruntime 1.23.0 and onnxruntime-gpu 1.23.0 are both installed" in found[0]
+    assert "pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu" in found[0]
+    found = environment.problems({**both, "onnxruntime-genai": "0.10.0", "onnxruntime": None}, cpu_only, True)
+    assert [problem.split(" ")[0] for problem in found] == ["onnxruntime-genai", "torch"]
+    assert "no CUDAExecutionProvider" in found[1]
+    sound = {"onnxruntime-gpu": "1.23.0", "onnxruntime-genai-cuda": "0.10.0"}
+    assert environment.problems(sound, ["CUDAExecutionProvider", "CPUExecutionProvider"], torch_cuda=True) == []
