@@ -260,6 +260,8 @@ def read_package(path: str | Path) -> Package:
         raise PackageError(f"package folder not found: {root}")
     if not root.is_dir():
         hint = f"; a GGUF file exports to one with `ortmodule export {root} OUT`" if root.suffix == ".gguf" else ""
+        if (root.parent / "genai_config.json").is_file():  # a file of the package, its model.onnx say
+            hint = f"; the folder of this file is one: {root.parent}"
         raise PackageError(f"not a folder: {root} (expected a GenAI package folder{hint})")
     config_path, genai = _read_config(root)
     model = _object(genai, "model", "", config_path)

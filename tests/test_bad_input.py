@@ -103,6 +103,14 @@ def test_a_checkpoint_or_gguf_file_given_for_a_package_says_to_export_it(build, 
         OrtModelForCausalLM.from_pretrained(gguf)
 
 
+def test_a_file_of_a_package_given_for_it_names_its_folder(build):
+    """The package's model.onnx or genai_config.json where its folder is expected: the error names the folder."""
+    package = build("llama").package_dir
+    for name in ("model.onnx", "genai_config.json"):
+        with pytest.raises(PackageError, match=f"the folder of this file is one: {re.escape(str(package))}\\)$"):
+            OrtModelForCausalLM.from_pretrained(package / name)
+
+
 def copy_package(llama, tmp_path):
     package = tmp_path / "pkg"
     shutil.copytree(llama.package_dir, package)
