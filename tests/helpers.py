@@ -135,9 +135,13 @@ def grouped_rows(context_lengths, widths, seed):
 
 OPENAI_NAME = "tiny-llama"
 # A chat template for the fixture's tokenizer (the real SmolLM2 package brings its own).
+# A chat template in the form of real ones: a role it refuses, as Gemma's and Mistral's templates refuse
+# some (`raise_exception`), and a variable of its own (`chat_template_kwargs`), as Qwen3's `enable_thinking`.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}"
+    "{% endif %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 

@@ -94,9 +94,41 @@ def test_sampling_with_a_seed_equals_model_generate(setup):
     assert answers[0] == answers[1] == expected_text(tokenizer, out[0, len(ids):].tolist())[0]
 
 
-def chat_reference(hf, tokenizer, messages, new):
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def chat_reference(hf, tokenizer, messages, new, **options):
+    options = {"add_generation_prompt": True, **options}
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **options)
     return expected_text(tokenizer, hf_greedy(hf, list(ids), new)), len(ids)
+
+
+def test_chat_template_options_as_vllm_takes_them(setup):
+    """vLLM's and SGLang's chat fields, each against transformers' `apply_chat_template` with the same
+    options and its greedy tokens: the template's own variables (`chat_template_kwargs`, as Qwen3's
+    `enable_thinking`), the assistant's last message continued (`continue_final_message`, which turns
+    `add_generation_prompt` off unless both are sent), no assistant turn (`add_generation_prompt`
+    false)."""
+    live, _, hf, tokenizer, _ = setup
+    asked = [{"role": "user", "content": "Say something."}]
+    started = asked + [{"role": "assistant", "content": "Here is something"}]
+    cases = [(asked, {"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}),
+             (started, {"continue_final_message": True}, {"continue_final_message": True,
+                                                          "add_generation_prompt": False}),
+             (started, {"continue_final_message": True, "add_generation_prompt": False},
+              {"continue_final_message": True, "add_generation_prompt": False}),
+             (asked, {"add_generation_prompt": False}, {"add_generation_prompt": False})]
+    prompts = set()
+    for messages, fields, options in cases:
+        (text, reason), prompt_tokens = chat_reference(hf, tokenizer, messages, 10, **options)
+        body = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 10,
+                                                              "temperature": 0, **fields}).json()
+        assert body["choices"][0]["message"]["content"] == text, (fields, body)
+        assert body["usage"]["prompt_tokens"] == prompt_tokens and body["choices"][0]["finish_reason"] == reason
+        prompts.add((len(messages), prompt_tokens))
+    assert len(prompts) == 3  # each option changed what was rendered (the two continuing cases are one)
+    refused = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "tool",
+                                                                                          "content": "42"}]})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == ("the model's chat template refused the messages: tool messages "
+                                                  "are not supported")
 
 
 def test_chat_completions_and_their_stream(setup):
@@ -159,6 +191,22 @@ BAD = [
                               "max_completion_tokens": 5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "x" * 60_000}] * 4}]}, 400, "messages"),  # parts together cannot fit
+    # Tool calling and structured output, which the server does not carry out (were taken silently).
+    *[("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], field: value}, 400,
+       field) for field, value in (("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+                                   ("tool_choice", "auto"), ("tool_choice", {"type": "function"}),
+                                   ("functions", [{"name": "f"}]), ("function_call", "auto"),
+                                   ("response_format", {"type": "json_object"}),
+                                   ("chat_template_kwargs", {"tokenize": False}),
+                                   ("chat_template_kwargs", {"add_generation_prompt": False}),
+                                   ("continue_final_message", True))],  # the last message is the user's
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "assistant", "content": "hi"}],
+                              "continue_final_message": True, "add_generation_prompt": True}, 400,
+     "continue_final_message"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"note": "x" * 200_000}}, 400, "chat_template_kwargs"),
+    # The template's own refusal (a 500 before): its message, as a client error.
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),
 ]
 
 

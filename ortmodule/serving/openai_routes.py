@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
@@ -182,8 +183,55 @@ def _completion_logprobs(tokenizer, prompt, scores: PromptScores | None, row: Ro
 
 # ---- chat ---------------------------------------------------------------------------------------
 
+# apply_chat_template's own arguments, which `chat_template_kwargs` may not set (the request's fields
+# say whether the template adds the assistant's turn or continues the last message).
+TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs")
+
+
+def _refuse_unsupported(body: ChatRequest) -> None:
+    """OpenAI's tool calling and structured output, which this server does not carry out: a client
+    asking for them would get plain text as if they had been applied."""
+    for name in ("tools", "functions"):
+        if getattr(body, name):
+            raise ServingError(f"{name} is not supported: this server calls no tools (the model's output comes back "
+                               "as text); leave it out", name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise ServingError(f"{name} is not supported (this server calls no tools): leave it out or send 'none'",
+                               name)
+    kind = (body.response_format or {"type": "text"}).get("type")
+    if kind != "text":
+        raise ServingError(f"response_format {kind!r} is not supported: this server does not constrain its output; "
+                           "leave it out or send type 'text'", "response_format")
+
+
+def _template_options(body: ChatRequest, messages: list[dict]) -> dict:
+    """What the chat template is rendered with, as vLLM and SGLang take it: the assistant's turn added
+    (`add_generation_prompt`, the default), or the last message, an assistant's, continued without
+    its end (`continue_final_message`, which turns the former off unless both are sent), and the
+    template's own variables (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+    extra = body.chat_template_kwargs or {}
+    for key in extra:
+        if key in TEMPLATE_ARGUMENTS:
+            raise ServingError(f"chat_template_kwargs may not set {key!r}, an argument of the template's rendering "
+                               "itself" + (" (send it as a field of the request)" if key in (
+                                   "add_generation_prompt", "continue_final_message") else ""), "chat_template_kwargs")
+    continuing = body.continue_final_message
+    if continuing and body.add_generation_prompt:
+        raise ServingError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                           "continue_final_message")
+    if continuing and messages[-1]["role"] != "assistant":
+        raise ServingError("continue_final_message continues the last message, which must be the assistant's; "
+                           f"it is the {messages[-1]['role']}'s", "continue_final_message")
+    adding = not continuing if body.add_generation_prompt is None else body.add_generation_prompt
+    return {**extra, "add_generation_prompt": adding, "continue_final_message": continuing}
+
+
 def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     stop = check_common(served, body)
+    _refuse_unsupported(body)
     if not body.messages:
         raise ServingError("messages is empty", "messages")
     tokenizer = served.tokenizer
@@ -201,12 +249,14 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
         else:
             texts.append((f"messages[{i}].content", content))
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
-    served.check_texts(texts + [("stop", s) for s in stop])
+    options = _template_options(body, messages)
+    served.check_texts(texts + [("stop", s) for s in stop] +
+                       [(f"chat_template_kwargs.{k}", v) for k, v in options.items() if isinstance(v, str)])
     for name in ("max_tokens", "max_completion_tokens"):
         value = getattr(body, name)
         if value is not None and value < 1:
             raise ServingError(f"{name} must be at least 1, got {value}", name)
-    prompt = chat_ids(tokenizer, messages)
+    prompt = chat_ids(tokenizer, messages, **options)
     media = None
     if pictures:
         prompt, media = served.images.expand(prompt, pictures)
@@ -253,14 +303,24 @@ def _texts(message: dict) -> list[str]:
     return [content] if isinstance(content, str) else [part["text"] for part in content if part["type"] == "text"]
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The messages through the chat template, ending with the assistant's turn. Content holding
-    a special token's text is tokenized apart from the template, special tokens split, so that it
-    stays text; other content is tokenized with the template, exactly as `apply_chat_template`.
-    A message's content is text, or (with images) a list of text and image parts."""
+def chat_ids(tokenizer, messages: list[dict], **options) -> list[int]:
+    """The messages through the chat template, ending with the assistant's turn (`options`, passed to
+    `apply_chat_template`, may say otherwise: `_template_options`). Content holding a special token's
+    text is tokenized apart from the template, special tokens split, so that it stays text; other
+    content is tokenized with the template, exactly as `apply_chat_template`. A message's content is
+    text, or (with images) a list of text and image parts. A template's refusal (Gemma's of a system
+    role, say) is a `ServingError` with its message."""
+    options = {"add_generation_prompt": True, **options}
+    try:
+        return _templated_ids(tokenizer, messages, options)
+    except jinja2.TemplateError as e:
+        raise ServingError(f"the model's chat template refused the messages: {e}", "messages") from None
+
+
+def _templated_ids(tokenizer, messages: list[dict], options: dict) -> list[int]:
     specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
     if not any(s in text for m in messages for text in _texts(m) for s in specials):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **options)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     pieces: list[tuple[str, str]] = []  # (mark, the text it stands for), in order
 
@@ -271,8 +331,8 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     marked = [{**m, "content": mark(m["content"]) if isinstance(m["content"], str) else
                [{**part, "text": mark(part["text"])} if part["type"] == "text" else part for part in m["content"]]}
               for m in messages]
-    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
-    plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(marked, tokenize=False, **options)
+    plain = tokenizer.apply_chat_template(messages, tokenize=False, **options)
     filled = text
     for stand_in, content in pieces:
         filled = filled.replace(stand_in, content)

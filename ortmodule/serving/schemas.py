@@ -98,3 +98,13 @@ class ChatRequest(_Options):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    # OpenAI's, refused unless neutral: this server calls no tools and does not constrain its output.
+    tools: list[Any] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: Text | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's and SGLang's: what the chat template renders.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool = False

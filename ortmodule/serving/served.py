@@ -108,6 +108,8 @@ def _quietly(make_job, served, body, loop):
         return None, ServingError(str(e))
     except MemoryError:
         return None, ServingError("the request is too large to tokenize", status=413)
+    except Exception as e:  # noqa: BLE001  a fault of the server's own: a 500 in the API's error shape
+        return None, failed("preparing the request", e).with_traceback(None)
 
 
 async def until_answered_or_gone(job: Job, request: Request):
