@@ -208,11 +208,12 @@ def check_config_default(model, ids, mask, name: str, field: str, count: int) ->
         setattr(model.config, name, False)
 
 
-def hf_greedy(hf, ids: list[int], new: int) -> list[int]:
-    """transformers' greedy continuation of one prompt: `new` tokens, no end-of-sequence stop."""
+def hf_greedy(hf, ids: list[int], new: int, **options) -> list[int]:
+    """transformers' greedy continuation of one prompt: `new` tokens, no end-of-sequence stop
+    (`options`: more of `generate`'s, e.g. `repetition_penalty`)."""
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+                          max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, **options)
     return out[0, len(ids):].tolist()
 
 

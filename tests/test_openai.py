@@ -94,6 +94,39 @@ def test_sampling_with_a_seed_equals_model_generate(setup):
     assert answers[0] == answers[1] == expected_text(tokenizer, out[0, len(ids):].tolist())[0]
 
 
+def test_vllms_sampling_extras_equal_generate_with_the_same_options(setup):
+    """vLLM's `top_k`, `min_p` and `repetition_penalty`, as `generate` applies them: greedy with a
+    repetition penalty against transformers' own greedy `generate` on the same weights; sampled with
+    all three and a seed against `model.generate`'s draw with the same generator. The log-probabilities
+    stay the model's own (vLLM's raw ones)."""
+    live, model, hf, tokenizer, _ = setup
+    ids = tokenizer("the the the quick brown fox the").input_ids
+    penalized = hf_greedy(hf, ids, 12, repetition_penalty=1.8)
+    assert penalized != hf_greedy(hf, ids, 12)  # the penalty changed the greedy choice
+    answer = live.client.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 12,
+                                                       "temperature": 0, "repetition_penalty": 1.8,
+                                                       "logprobs": 0}).json()["choices"][0]
+    assert answer["text"] == expected_text(tokenizer, penalized)[0]
+    with torch.no_grad():
+        raw = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+    assert abs(answer["logprobs"]["token_logprobs"][0] - raw[penalized[0]].item()) < 1e-4
+    options = {"temperature": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}
+    for top_p in (1.0, 0.8):
+        request = {"model": NAME, "prompt": ids, "max_tokens": 10, "seed": 11, "top_p": top_p, **options}
+        answer = live.client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+        drawn = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=10, do_sample=True, top_p=top_p, **options,
+                               generator=torch.Generator().manual_seed(11))
+        assert answer == expected_text(tokenizer, drawn[0, len(ids):].tolist())[0]
+    messages = [{"role": "user", "content": "the the quick the"}]
+    chat = live.client.post("/v1/chat/completions", json={"model": NAME, "max_tokens": 12, "temperature": 0,
+                                                          "messages": messages, "repetition_penalty": 1.8}).json()
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    penalized = hf_greedy(hf, ids, 12, repetition_penalty=1.8)
+    assert penalized != hf_greedy(hf, ids, 12)
+    assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, penalized)[0]
+
+
 def chat_reference(hf, tokenizer, messages, new, **options):
     options = {"add_generation_prompt": True, **options}
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **options)
@@ -205,6 +238,14 @@ BAD = [
      "continue_final_message"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
                               "chat_template_kwargs": {"note": "x" * 200_000}}, 400, "chat_template_kwargs"),
+    # vLLM's sampling extras out of range, and its extras that would change the output and are not
+    # carried out (were taken silently).
+    *[("/v1/completions", {"model": NAME, "prompt": "x", field: value}, 400, field)
+      for field, value in (("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0.0), ("min_tokens", 3),
+                           ("ignore_eos", True), ("stop_token_ids", [5]), ("include_stop_str_in_output", True),
+                           ("skip_special_tokens", False), ("use_beam_search", True), ("prompt_logprobs", 1),
+                           ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("regex", "a+"),
+                           ("structured_outputs", {"choice": ["a"]}))],
     # The template's own refusal (a 500 before): its message, as a client error.
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),
 ]

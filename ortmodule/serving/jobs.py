@@ -16,7 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .. import scoring
 from ..inputs import argmax, pad_right, start_copy_to_host, to_device
@@ -198,6 +204,9 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top-k log-probabilities per generated token (None: none)
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off; on greedy rows too
 
     @property
     def greedy(self) -> bool:
@@ -274,13 +283,24 @@ class Row:
     def finished(self) -> bool:
         return self.text.finish_reason is not None
 
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """The row's `[1, V]` float logits after its repetition penalty over its prompt and tokens so
+        far, as `model.generate` applies it (transformers' own processor), greedy or sampled."""
+        ids = torch.tensor([list(self.prompt) + self.tokens], device=logits.device)
+        return RepetitionPenaltyLogitsProcessor(self.sampling.repetition_penalty)(ids, logits)
+
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token of a sampled row from its `[1, V]` float logits, as `model.generate`'s
-        sampling draws it (transformers' own warpers, this row's generator)."""
-        if self.sampling.temperature != 1.0:
-            logits = TemperatureLogitsWarper(self.sampling.temperature)(None, logits)
-        if self.sampling.top_p < 1.0:
-            logits = TopPLogitsWarper(self.sampling.top_p)(None, logits)
+        sampling draws it (transformers' own warpers in its order, this row's generator)."""
+        sampling = self.sampling
+        if sampling.temperature != 1.0:
+            logits = TemperatureLogitsWarper(sampling.temperature)(None, logits)
+        if sampling.top_k > 0:
+            logits = TopKLogitsWarper(sampling.top_k)(None, logits)
+        if sampling.top_p < 1.0:
+            logits = TopPLogitsWarper(sampling.top_p)(None, logits)
+        if sampling.min_p > 0.0:
+            logits = MinPLogitsWarper(sampling.min_p)(None, logits)
         return torch.multinomial(torch.softmax(logits, -1), 1, generator=self.generator).view(())
 
     def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
@@ -301,12 +321,17 @@ class Row:
 
 def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, float | None, list | None]]:
     """Each row's next token from its logits `[rows, V]` (greedy: the argmax; sampled: its own
-    warpers and generator), with its log-probability and the top-k when the row asks for them."""
+    warpers and generator), with its log-probability and the top-k when the row asks for them (the
+    model's own, before a repetition penalty: vLLM's raw log-probabilities)."""
     logits = logits.float()
-    chosen = argmax(logits)
+    penalized = [i for i, row in enumerate(rows) if row.sampling.repetition_penalty != 1.0]
+    choosing = logits.clone() if penalized else logits
+    for i in penalized:
+        choosing[i : i + 1] = rows[i].penalize(logits[i : i + 1])
+    chosen = argmax(choosing)
     for i, row in enumerate(rows):
         if not row.sampling.greedy:
-            chosen[i] = row.sample(logits[i : i + 1])
+            chosen[i] = row.sample(choosing[i : i + 1])
     wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
     picked, tops = {}, {}
     if wanted:

@@ -15,6 +15,7 @@ control tokens there (SGLang offers the split as an opt-in filter of the templat
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -37,9 +38,24 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 
 # ---- checks -------------------------------------------------------------------------------------
 
+# vLLM's and SGLang's extra fields that would change the output and that this server does not carry
+# out, with their neutral values (what leaving them out means): a client sending another value
+# would get an answer as if it had been applied.
+UNSUPPORTED_EXTRAS = {"min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, []),
+                      "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+                      "use_beam_search": (None, False), "prompt_logprobs": (None,), "logits_processors": (None,),
+                      "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
+                      "guided_choice": (None,), "guided_grammar": (None,), "regex": (None,), "json_schema": (None,),
+                      "ebnf": (None,)}
+
+
 def check_common(served: Served, body) -> tuple[str, ...]:
     """The model name, the fields refused unless neutral, and the stop strings."""
     served.check_model(body.model)
+    for name, neutral in UNSUPPORTED_EXTRAS.items():
+        value = getattr(body, name)
+        if not any(value == n and type(value) is type(n) for n in neutral):
+            raise ServingError(f"{name} is not supported by this server; leave it out", name)
     if body.n != 1:
         raise ServingError(f"n must be 1 (one choice per prompt), got {body.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -62,12 +78,14 @@ def check_common(served: Served, body) -> tuple[str, ...]:
 
 
 def sampling_of(body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> Sampling:
-    """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling."""
-    temperature = 1.0 if body.temperature is None else float(body.temperature)
-    top_p = 1.0 if body.top_p is None else float(body.top_p)
-    sampling = Sampling(max_tokens, temperature, top_p, None, stop, logprobs)
+    """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling. vLLM's extras:
+    `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1: off)."""
+    sampling = Sampling(max_tokens, 1.0 if body.temperature is None else float(body.temperature),
+                        1.0 if body.top_p is None else float(body.top_p), None, stop, logprobs,
+                        max(0, body.top_k or 0), float(body.min_p or 0.0),
+                        1.0 if body.repetition_penalty is None else float(body.repetition_penalty))
     if not sampling.greedy and body.seed is not None:
-        sampling = Sampling(max_tokens, temperature, top_p, body.seed, stop, logprobs)
+        sampling = dataclasses.replace(sampling, seed=body.seed)
     return sampling
 
 

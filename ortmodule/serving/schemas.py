@@ -61,6 +61,28 @@ class _Options(BaseModel):
     frequency_penalty: StrictFloat = 0.0
     logit_bias: dict[str, Any] | None = None
     user: Text | None = None
+    # vLLM's and SGLang's sampling extras, carried out as transformers' processors (jobs.Row).
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0, le=100, allow_inf_nan=False)] | None = None
+    # vLLM's and SGLang's extras that change the output and are not carried out: refused unless neutral
+    # (openai_routes.UNSUPPORTED_EXTRAS).
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
 
 
 class CompletionRequest(_Options):
