@@ -205,6 +205,9 @@ def _serve_flags(commands) -> None:
     serve.add_argument("--processor", default=None, metavar="FOLDER",
                        help="the checkpoint's image processor (its preprocessor_config.json), for a package that takes "
                             "images: chat messages may then hold image_url parts (data: URLs)")
+    serve.add_argument("--enable-tokenizer-info-endpoint", dest="tokenizer_info", action="store_true",
+                       help="answer GET /tokenizer_info (the tokenizer's settings and chat template, which lm-eval's "
+                            "tokenizer_backend=remote reads), as vLLM's flag of that name; off by default")
     _settings_flags(serve)
 
 

@@ -48,7 +48,8 @@ def llama(build):
 
 @pytest.fixture(scope="module")
 def openai_live(build):
-    """`ortmodule serve`'s app on the llama fixture, live on 127.0.0.1, with a chat template:
+    """`ortmodule serve`'s app on the llama fixture, live on 127.0.0.1, with a chat template and
+    `/tokenizer_info` on:
     (server, model, transformers model, tokenizer, fixture)."""
     from ortmodule import load_tokenizer
     from ortmodule.serving import create_app
@@ -57,6 +58,6 @@ def openai_live(build):
     model, hf = load_pair(fixture)
     tokenizer = load_tokenizer(fixture.package_dir)
     tokenizer.chat_template = CHAT_TEMPLATE
-    live = LiveServer(create_app(model, tokenizer, name=OPENAI_NAME, window_ms=20))
+    live = LiveServer(create_app(model, tokenizer, name=OPENAI_NAME, window_ms=20, tokenizer_info=True))
     yield live, model, hf, tokenizer, fixture
     live.stop()

@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from helpers import OPENAI_NAME, LiveServer, expected_text, hf_greedy, hold_worker, load_pair
 
 from ortmodule import load_tokenizer, runtime
@@ -125,6 +126,53 @@ def test_vllms_sampling_extras_equal_generate_with_the_same_options(setup):
     penalized = hf_greedy(hf, ids, 12, repetition_penalty=1.8)
     assert penalized != hf_greedy(hf, ids, 12)
     assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, penalized)[0]
+
+
+def test_tokenize_detokenize_and_tokenizer_info_as_vllm(setup):
+    """vLLM's tokenizer routes against the tokenizer itself: a prompt with and without special tokens,
+    the token strings; chat messages rendered as `/v1/chat/completions` renders them (its prompt
+    tokens, the template's options); ids back to text; the tokenizer's settings and chat template
+    (no host path among them); refusals as 400s naming the field, `/tokenizer_info` a 404 where the
+    server was not started with it."""
+    live, model, _, tokenizer, _ = setup
+    text = "Once upon a time there"
+    for special in (True, False):
+        body = live.client.post("/tokenize", json={"model": NAME, "prompt": text, "add_special_tokens": special,
+                                                   "return_token_strs": True}).json()
+        ids = tokenizer(text, add_special_tokens=special).input_ids
+        assert body == {"count": len(ids), "max_model_len": model.package.context_length, "tokens": ids,
+                        "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    assert live.client.post("/tokenize", json={"prompt": text}).json()["tokens"] == tokenizer(text).input_ids
+    messages = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "Here"}]
+    for options in ({}, {"continue_final_message": True}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        tokens = live.client.post("/tokenize", json={"messages": messages, **options}).json()["tokens"]
+        reference = {"add_generation_prompt": not options.get("continue_final_message"),
+                     **options.get("chat_template_kwargs", {}),
+                     **{k: v for k, v in options.items() if k != "chat_template_kwargs"}}
+        assert tokens == list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **reference))
+        chat = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 1,
+                                                              **options}).json()
+        assert chat["usage"]["prompt_tokens"] == len(tokens)
+    ids = tokenizer(text).input_ids
+    assert live.client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    info = live.client.get("/tokenizer_info").json()
+    assert info["chat_template"] == tokenizer.chat_template and info["eos_token"] == tokenizer.eos_token
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert "name_or_path" not in info and str(model.package.root.parent) not in json.dumps(info)  # no host path
+    for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"messages": messages, "add_special_tokens": True}, "add_special_tokens"),
+                              ("/tokenize", {"messages": messages, "tools": [{"type": "function"}]}, "tools"),
+                              ("/tokenize", {"prompt": "x" * 200_000}, "prompt"),
+                              ("/detokenize", {"tokens": [5, model.package.vocab_size]}, "tokens"),
+                              ("/detokenize", {"tokens": [5, "6"]}, "tokens.1"),
+                              ("/tokenize", {"model": "other", "prompt": "x"}, "model")):
+        refused = live.client.post(path, json=body)
+        assert refused.status_code == (404 if param == "model" else 400), (path, body, refused.text)
+        assert refused.json()["error"]["param"] == param, refused.text
+    with TestClient(create_app(model, tokenizer, name=NAME)) as client:
+        off = client.get("/tokenizer_info")
+        assert off.status_code == 404 and "--enable-tokenizer-info-endpoint" in off.json()["error"]["message"]
 
 
 def chat_reference(hf, tokenizer, messages, new, **options):

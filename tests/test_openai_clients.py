@@ -51,18 +51,21 @@ def samples(result: dict, task: str) -> list[dict]:
     return sorted(result["samples"][task], key=lambda s: s["doc_id"])
 
 
-def test_lm_eval_local_completions_equals_in_process(openai_live):
+@pytest.mark.parametrize("backend", ["huggingface", "remote"])
+def test_lm_eval_local_completions_equals_in_process(openai_live, backend):
     """The shipped multiple-choice and generation tasks through the server, against
     `--model ortmodule` in-process on the same package: same metrics, loglikelihoods within 1e-4,
-    the same generated answers."""
+    the same generated answers; with the package's tokenizer on the client, or the server's
+    (`tokenizer_backend=remote`: vLLM's `/tokenizer_info`, `/tokenize` and `/detokenize`)."""
     live, _, _, _, fixture = openai_live
     task_names = ["ortmodule_arithmetic_mc", "ortmodule_arithmetic_gen"]
     common = dict(tasks=task_names, task_manager=tasks.task_manager(task_names), log_samples=True,
                   limit=16, verbosity="ERROR")
+    tokenizer = f"tokenizer={fixture.package_dir}," if backend == "huggingface" else ""
     remote = lm_eval.simple_evaluate(
         model="local-completions",
-        model_args=f"base_url={live.url}/v1/completions,model={NAME},tokenizer={fixture.package_dir},"
-                   f"tokenizer_backend=huggingface,tokenized_requests=True,max_length=256,num_concurrent=4",
+        model_args=f"base_url={live.url}/v1/completions,model={NAME},{tokenizer}tokenizer_backend={backend},"
+                   f"tokenized_requests=True,max_length=256,num_concurrent=4",
         **common)
     local = lm_eval.simple_evaluate(model="ortmodule", model_args=f"pretrained={fixture.package_dir}",
                                     batch_size=1, device="cpu", **common)

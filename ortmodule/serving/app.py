@@ -1,7 +1,7 @@
 """`ortmodule serve`: the app over one model. Routes (score_routes, openai_routes) call the
-engine (engine.py), the engine calls the model; this file adds what wraps them: authentication,
-the body limit and timeouts, the error shape of every refusal, health and metrics, and the HTTP
-server's own limits (connections, header timeout).
+engine (engine.py; tokenize_routes use the tokenizer alone), the engine calls the model; this file
+adds what wraps them: authentication, the body limit and timeouts, the error shape of every
+refusal, health and metrics, and the HTTP server's own limits (connections, header timeout).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from .. import scoring
-from . import openai_routes, score_routes
+from . import openai_routes, score_routes, tokenize_routes
 from .engine import Engine
 from .errors import AsciiJSON, ServingError
 from .images import ChatImages
@@ -31,7 +31,8 @@ log = logging.getLogger("ortmodule.serving")
 
 def create_app(model, tokenizer, settings: Settings | None = None, **options) -> FastAPI:
     """The FastAPI app: SGLang's `POST /v1/score`, OpenAI's `/v1/completions`,
-    `/v1/chat/completions` and `/v1/models`, `GET /health`, `GET /metrics`. `settings` (or its
+    `/v1/chat/completions` and `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`,
+    `GET /health`, `GET /metrics`. `settings` (or its
     fields as keywords) say how it batches and what it takes."""
     settings = settings or Settings.with_environment(**options)
     if settings.token_budget is None:
@@ -54,6 +55,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     _handle_errors(app, engine)
     score_routes.add_routes(app, served)
     openai_routes.add_routes(app, served)
+    tokenize_routes.add_routes(app, served)
 
     @app.get("/health")
     async def health():

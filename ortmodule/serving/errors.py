@@ -13,7 +13,8 @@ import json
 
 from starlette.responses import JSONResponse
 
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+# Routes whose errors take OpenAI's shape (vLLM's tokenizer routes answer in it too).
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class ServingError(Exception):

@@ -208,24 +208,24 @@ TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_te
                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs")
 
 
-def _refuse_unsupported(body: ChatRequest) -> None:
+def refuse_unsupported(body) -> None:
     """OpenAI's tool calling and structured output, which this server does not carry out: a client
     asking for them would get plain text as if they had been applied."""
     for name in ("tools", "functions"):
-        if getattr(body, name):
+        if getattr(body, name, None):
             raise ServingError(f"{name} is not supported: this server calls no tools (the model's output comes back "
                                "as text); leave it out", name)
     for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
+        if getattr(body, name, None) not in (None, "none"):
             raise ServingError(f"{name} is not supported (this server calls no tools): leave it out or send 'none'",
                                name)
-    kind = (body.response_format or {"type": "text"}).get("type")
+    kind = (getattr(body, "response_format", None) or {"type": "text"}).get("type")
     if kind != "text":
         raise ServingError(f"response_format {kind!r} is not supported: this server does not constrain its output; "
                            "leave it out or send type 'text'", "response_format")
 
 
-def _template_options(body: ChatRequest, messages: list[dict]) -> dict:
+def _template_options(body, messages: list[dict]) -> dict:
     """What the chat template is rendered with, as vLLM and SGLang take it: the assistant's turn added
     (`add_generation_prompt`, the default), or the last message, an assistant's, continued without
     its end (`continue_final_message`, which turns the former off unless both are sent), and the
@@ -249,14 +249,37 @@ def _template_options(body: ChatRequest, messages: list[dict]) -> dict:
 
 def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     stop = check_common(served, body)
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
+    if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= MAX_LOGPROBS):
+        raise ServingError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, with logprobs true", "top_logprobs")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(body, name)
+        if value is not None and value < 1:
+            raise ServingError(f"{name} must be at least 1, got {value}", name)
+    prompt, media = chat_prompt(served, body, [("stop", s) for s in stop])
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = served.context - len(prompt) if limit is None else limit
+    if max_tokens < 1:
+        raise ServingError(f"the prompt's {len(prompt)} tokens fill the model's context of {served.context}",
+                           "messages")
+    _check_length(served, [prompt], max_tokens)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    if top is not None:
+        served.check_values(max_tokens * (1 + top), "the log-probabilities asked for", "top_logprobs")
+    sampling = sampling_of(body, max_tokens, top, stop)
+    return Generation([prompt], sampling, loop, served.tokenizer, served.engine.eos, body.stream, media=media)
+
+
+def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = ()) -> tuple[list[int], object]:
+    """A chat request's prompt: its messages (`body.messages`) checked and rendered through the chat
+    template with the request's template options (`_template_options`), the images' tokens placed
+    where the package takes images; and the images (None without). `texts_beside`: the request's
+    other texts, whose sizes count with the messages'."""
     if not body.messages:
         raise ServingError("messages is empty", "messages")
     tokenizer = served.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ServingError("this model's tokenizer has no chat template: use /v1/completions", "messages")
-    if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= MAX_LOGPROBS):
-        raise ServingError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, with logprobs true", "top_logprobs")
     messages, texts, pictures = [], [], []
     for i, message in enumerate(body.messages):
         if message.role not in ROLES:
@@ -268,28 +291,14 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
             texts.append((f"messages[{i}].content", content))
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
     options = _template_options(body, messages)
-    served.check_texts(texts + [("stop", s) for s in stop] +
+    served.check_texts(texts + list(texts_beside) +
                        [(f"chat_template_kwargs.{k}", v) for k, v in options.items() if isinstance(v, str)])
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = getattr(body, name)
-        if value is not None and value < 1:
-            raise ServingError(f"{name} must be at least 1, got {value}", name)
     prompt = chat_ids(tokenizer, messages, **options)
     media = None
     if pictures:
         prompt, media = served.images.expand(prompt, pictures)
     _check_ids(served, [prompt])
-    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = served.context - len(prompt) if limit is None else limit
-    if max_tokens < 1:
-        raise ServingError(f"the prompt's {len(prompt)} tokens fill the model's context of {served.context}",
-                           "messages")
-    _check_length(served, [prompt], max_tokens)
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    if top is not None:
-        served.check_values(max_tokens * (1 + top), "the log-probabilities asked for", "top_logprobs")
-    sampling = sampling_of(body, max_tokens, top, stop)
-    return Generation([prompt], sampling, loop, tokenizer, served.engine.eos, body.stream, media=media)
+    return prompt, media
 
 
 def _content_parts(served: Served, parts: list, where: str, texts: list, pictures: list) -> str | list[dict]:

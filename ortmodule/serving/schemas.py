@@ -130,3 +130,28 @@ class ChatRequest(_Options):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a prompt, or chat messages rendered as `/v1/chat/completions` renders them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    return_token_strs: StrictBool = False
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `POST /detokenize`: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: Text | None = None
+    tokens: list[TokenId]

@@ -97,6 +97,23 @@ async def run(served: Served, make_job, body, request: Request, respond) -> Asci
     return await loop.run_in_executor(served.tokenizing, lambda: AsciiJSON(respond(served, body, job, result)))
 
 
+async def answer_off_loop(served: Served, work, body) -> AsciiJSON:
+    """A request the tokenizer alone answers (vLLM's `/tokenize`, `/detokenize`): admitted as every
+    request is (503 when too many wait), `work(served, body)` run on a tokenizing thread (a refusal
+    raised as the route's error), its answer written there too."""
+    engine = served.engine
+    engine.admit()
+    try:
+        loop = asyncio.get_running_loop()
+        answer, problem = await loop.run_in_executor(served.tokenizing, _quietly,
+                                                     lambda *args: AsciiJSON(work(*args)), served, body, None)
+    finally:
+        engine.release()
+    if problem is not None:
+        raise problem
+    return answer
+
+
 def _quietly(make_job, served, body, loop):
     """`make_job` on a tokenizing thread, returning the refusal rather than raising it across threads
     (without its traceback, whose frames would keep the request's text alive)."""

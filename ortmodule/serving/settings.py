@@ -40,6 +40,9 @@ class Settings:
     `api_key`: when set, every `/v1` route and `/metrics` needs `Authorization: Bearer KEY`
     (else 401); default: the ORTMODULE_API_KEY environment variable, if set.
 
+    `tokenizer_info`: whether `GET /tokenizer_info` answers (vLLM's `--enable-tokenizer-info-endpoint`:
+    off by default, as it shows the tokenizer's settings and chat template).
+
     `processor`: a folder holding the checkpoint's image processor (`preprocessor_config.json`), for
     a package that takes images: chat messages may then hold `image_url` parts (serving/images.py).
     """
@@ -65,13 +68,17 @@ class Settings:
     keep_alive: float = 120.0
     api_key: str | None = None
     processor: str | None = None
+    tokenizer_info: bool = False
 
     def __post_init__(self):
         for field in fields(self):
             value = getattr(self, field.name)
             if field.name == "token_budget" and value is None:
                 continue
-            if field.name == "reuse_prefix":
+            if field.type == "bool":
+                if not isinstance(value, bool):
+                    raise ValueError(f"{field.name} must be true or false, got {value!r}")
+            elif field.name == "reuse_prefix":
                 if not isinstance(value, str) or value not in REUSE_PREFIX:
                     raise ValueError(f"reuse_prefix must be one of {', '.join(REUSE_PREFIX)}, got {value!r}")
             elif field.name in ("name", "api_key", "processor"):
