@@ -3,6 +3,7 @@ weights, `model.generate`, the `openai` client and lm-eval's `local-completions`
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -126,6 +127,41 @@ def test_vllms_sampling_extras_equal_generate_with_the_same_options(setup):
     penalized = hf_greedy(hf, ids, 12, repetition_penalty=1.8)
     assert penalized != hf_greedy(hf, ids, 12)
     assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, penalized)[0]
+
+
+def test_logit_bias_equals_generates_sequence_bias(setup):
+    """OpenAI's `logit_bias` as transformers' `sequence_bias` of single tokens: a greedy completion,
+    lm-eval's echo request with one greedy token (its prompt's log-probabilities the model's own), a
+    chat, and a biased request sent together with an unbiased one (rows of one decode batch, where
+    they meet there); bad keys and values are 400s."""
+    live, _, hf, tokenizer, _ = setup
+    ids = tokenizer("The quick brown fox").input_ids
+    plain = hf_greedy(hf, ids, 8)
+    bias = {plain[0]: -100.0, plain[3]: -100.0, 77: 5.0}
+    biased = hf_greedy(hf, ids, 8, sequence_bias={(token,): value for token, value in bias.items()})
+    assert biased != plain
+    wire = {str(token): value for token, value in bias.items()}
+    requests = [{"model": NAME, "prompt": ids, "max_tokens": 8, "temperature": 0, "logit_bias": wire},
+                {"model": NAME, "prompt": ids, "max_tokens": 8, "temperature": 0}]
+    with httpx.Client(base_url=live.url, timeout=30) as client, ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda r: client.post("/v1/completions", json=r).json(), requests))
+    assert answers[0]["choices"][0]["text"] == expected_text(tokenizer, biased)[0]
+    assert answers[1]["choices"][0]["text"] == expected_text(tokenizer, plain)[0]
+    echo = live.client.post("/v1/completions", json={**requests[0], "max_tokens": 1, "echo": True, "logprobs": 1,
+                                                     "prompt": ids}).json()["choices"][0]
+    assert echo["text"] == tokenizer.decode(ids) + expected_text(tokenizer, biased[:1])[0]
+    messages = [{"role": "user", "content": "Say something."}]
+    chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    first = hf_greedy(hf, chat_ids, 1)[0]
+    chat = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 6,
+                                                          "temperature": 0, "logit_bias": {str(first): -100}}).json()
+    expected = hf_greedy(hf, chat_ids, 6, sequence_bias={(first,): -100.0})
+    assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, expected)[0]
+    for bad in ({"abc": 1}, {"-1": 1}, {str(hf.config.vocab_size): 1}, {"5": 101}, {"5": "1"}, {"5": True},
+                {str(i): 1 for i in range(1025)}):
+        refused = live.client.post("/v1/completions", json={"model": NAME, "prompt": "x", "logit_bias": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", (bad, refused.text)
 
 
 def test_tokenize_detokenize_and_tokenizer_info_as_vllm(setup):

@@ -19,6 +19,7 @@ import torch
 from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -207,6 +208,12 @@ class Sampling:
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off; on greedy rows too
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); greedy rows too
+
+    @property
+    def processed(self) -> bool:
+        """Whether the row's logits change before it chooses (a bias or a penalty)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -283,11 +290,18 @@ class Row:
     def finished(self) -> bool:
         return self.text.finish_reason is not None
 
-    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        """The row's `[1, V]` float logits after its repetition penalty over its prompt and tokens so
-        far, as `model.generate` applies it (transformers' own processor), greedy or sampled."""
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The row's `[1, V]` float logits after its logit bias and its repetition penalty over its
+        prompt and tokens so far, as `model.generate` applies `sequence_bias` and
+        `repetition_penalty` (transformers' own processors, in its order), greedy or sampled."""
+        sampling = self.sampling
         ids = torch.tensor([list(self.prompt) + self.tokens], device=logits.device)
-        return RepetitionPenaltyLogitsProcessor(self.sampling.repetition_penalty)(ids, logits)
+        if sampling.logit_bias:
+            bias = {(token,): value for token, value in sampling.logit_bias}
+            logits = SequenceBiasLogitsProcessor(sequence_bias=bias)(ids, logits)
+        if sampling.repetition_penalty != 1.0:
+            logits = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)(ids, logits)
+        return logits
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token of a sampled row from its `[1, V]` float logits, as `model.generate`'s
@@ -322,12 +336,12 @@ class Row:
 def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, float | None, list | None]]:
     """Each row's next token from its logits `[rows, V]` (greedy: the argmax; sampled: its own
     warpers and generator), with its log-probability and the top-k when the row asks for them (the
-    model's own, before a repetition penalty: vLLM's raw log-probabilities)."""
+    model's own, before a bias or a penalty: vLLM's raw log-probabilities)."""
     logits = logits.float()
-    penalized = [i for i, row in enumerate(rows) if row.sampling.repetition_penalty != 1.0]
-    choosing = logits.clone() if penalized else logits
-    for i in penalized:
-        choosing[i : i + 1] = rows[i].penalize(logits[i : i + 1])
+    processed = [i for i, row in enumerate(rows) if row.sampling.processed]
+    choosing = logits.clone() if processed else logits
+    for i in processed:
+        choosing[i : i + 1] = rows[i].process(logits[i : i + 1])
     chosen = argmax(choosing)
     for i, row in enumerate(rows):
         if not row.sampling.greedy:

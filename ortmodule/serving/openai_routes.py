@@ -61,8 +61,6 @@ def check_common(served: Served, body) -> tuple[str, ...]:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) != 0:
             raise ServingError(f"{name} is not supported; leave it at 0", name)
-    if body.logit_bias:
-        raise ServingError("logit_bias is not supported", "logit_bias")
     if getattr(body, "best_of", None) not in (None, 1):
         raise ServingError("best_of must be 1", "best_of")
     if getattr(body, "suffix", None):
@@ -77,13 +75,33 @@ def check_common(served: Served, body) -> tuple[str, ...]:
     return stop
 
 
-def sampling_of(body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> Sampling:
-    """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling. vLLM's extras:
-    `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1: off)."""
+def logit_bias_of(served: Served, body) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: token ids (as strings) of the vocabulary to biases from -100 to 100
+    (at most `--max-labels` of them), each added to its token's logit before the choice."""
+    given = body.logit_bias or {}
+    if len(given) > served.settings.max_labels:
+        raise ServingError(f"logit_bias has {len(given)} entries; this server takes at most "
+                           f"{served.settings.max_labels}", "logit_bias")
+    biases = []
+    for key, value in given.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= served.vocab:
+            raise ServingError(f"logit_bias key {key!r} is not a token id of the vocabulary [0, {served.vocab})",
+                               "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ServingError(f"logit_bias value {value!r} for token {key} is not a number from -100 to 100",
+                               "logit_bias")
+        biases.append((int(key), float(value)))
+    return tuple(biases)
+
+
+def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> Sampling:
+    """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling; `logit_bias`.
+    vLLM's extras: `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1: off)."""
     sampling = Sampling(max_tokens, 1.0 if body.temperature is None else float(body.temperature),
                         1.0 if body.top_p is None else float(body.top_p), None, stop, logprobs,
                         max(0, body.top_k or 0), float(body.min_p or 0.0),
-                        1.0 if body.repetition_penalty is None else float(body.repetition_penalty))
+                        1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+                        logit_bias_of(served, body))
     if not sampling.greedy and body.seed is not None:
         sampling = dataclasses.replace(sampling, seed=body.seed)
     return sampling
@@ -138,8 +156,8 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     echoed = sum(len(p) for p in prompts) * per_token if body.echo and body.logprobs is not None else 0
     generated = len(prompts) * max_tokens * per_token if body.logprobs is not None else 0
     served.check_values(echoed + generated, "the log-probabilities asked for", "logprobs")
-    sampling = sampling_of(body, max_tokens, body.logprobs, stop)
-    if body.echo and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy)):
+    sampling = sampling_of(served, body, max_tokens, body.logprobs, stop)
+    if body.echo and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy and not sampling.processed)):
         return PromptJob(prompts, body.logprobs or 0, max_tokens == 1, stop, loop)
     top = body.logprobs if body.echo and body.logprobs is not None else None
     return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top)
@@ -266,7 +284,7 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     top = (body.top_logprobs or 0) if body.logprobs else None
     if top is not None:
         served.check_values(max_tokens * (1 + top), "the log-probabilities asked for", "top_logprobs")
-    sampling = sampling_of(body, max_tokens, top, stop)
+    sampling = sampling_of(served, body, max_tokens, top, stop)
     return Generation([prompt], sampling, loop, served.tokenizer, served.engine.eos, body.stream, media=media)
 
 
