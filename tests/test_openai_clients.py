@@ -82,6 +82,29 @@ def test_lm_eval_local_completions_equals_in_process(openai_live, backend):
         assert a["resps"] == b["resps"]
 
 
+def test_lm_eval_local_chat_completions_equals_in_process(openai_live):
+    """lm-eval's `local-chat-completions` backend (a generation task with `--apply_chat_template`,
+    its requests as chat messages on `/v1/chat/completions`, lm-eval's stop strings and seed) against
+    `OrtModuleLM` in-process on the same model and chat template: the same answers and metric."""
+    from ortmodule.lm_eval import OrtModuleLM
+
+    live, model, _, tokenizer, _ = openai_live
+    task_names = ["ortmodule_arithmetic_gen"]
+    common = dict(tasks=task_names, task_manager=tasks.task_manager(task_names), log_samples=True, limit=12,
+                  apply_chat_template=True, verbosity="ERROR")
+    remote = lm_eval.simple_evaluate(
+        model="local-chat-completions",
+        model_args=f"base_url={live.url}/v1/chat/completions,model={NAME},num_concurrent=4,max_gen_toks=12",
+        **common)
+    local = lm_eval.simple_evaluate(model=OrtModuleLM(pretrained=model, tokenizer=tokenizer, batch_size=4,
+                                                      max_gen_toks=12), **common)
+    pairs = list(zip(samples(local, task_names[0]), samples(remote, task_names[0])))
+    assert len(pairs) == 12
+    for a, b in pairs:
+        assert a["arguments"] and a["resps"] == b["resps"], (a["resps"], b["resps"])
+    assert local["results"][task_names[0]]["exact_match,none"] == remote["results"][task_names[0]]["exact_match,none"]
+
+
 def mixed_calls(model, tokenizer) -> list[load.Call]:
     """Score, greedy completions and chat requests with their expected answers, computed in-process."""
     calls = []
