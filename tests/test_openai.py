@@ -304,6 +304,8 @@ BAD = [
      "messages.0.content"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "logprobs": True}, 400, "stream"),  # its chunks carried none (was taken silently)
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1,
                               "max_completion_tokens": 5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [

@@ -270,6 +270,8 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     refuse_unsupported(body)
     if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= MAX_LOGPROBS):
         raise ServingError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, with logprobs true", "top_logprobs")
+    if body.stream and body.logprobs:  # as on /v1/completions: a stream's chunks carry text only
+        raise ServingError("stream does not carry logprobs; ask without stream", "stream")
     for name in ("max_tokens", "max_completion_tokens"):
         value = getattr(body, name)
         if value is not None and value < 1:
