@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 
 import huggingface_hub
 
-from .package import PackageError
+from .package import PackageError, not_a_package
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 CONFIG = "genai_config.json"
@@ -42,7 +42,7 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
         raise PackageError(f"package folder not found: {path}, and as a Hugging Face Hub repository it could not be "
                            f"fetched ({_why(e)})") from None
     if sub and not (snapshot / sub).is_dir():
-        folders = _package_folders(path, revision, fetching)
+        folders = _package_folders(_files(path, revision, fetching))
         raise PackageError(f"{path} has no folder '{sub}'; its GenAI packages: {', '.join(folders) or 'none'}")
     return snapshot / sub if sub else snapshot
 
@@ -82,21 +82,21 @@ def checkpoint(source: str | Path, revision: str | None = None, gguf_file: str |
 def _only_package(repo: str, revision: str | None, fetching: dict) -> str:
     """The subfolder of the repository's one package ('' at its root); a PackageError naming them where
     it holds several, or none."""
-    folders = _package_folders(repo, revision, fetching)
+    names = _files(repo, revision, fetching)
+    folders = _package_folders(names)
     if "." in folders:
         return ""
     if len(folders) == 1:
         return folders[0]
     if not folders:
-        raise PackageError(f"{repo}: the repository holds no {CONFIG}: not an ONNX GenAI package (a Hugging Face "
-                           f"checkpoint exports to one with `ortmodule export {repo} OUT`)")
+        raise PackageError(f"{repo}: the repository holds no {CONFIG}: not an ONNX GenAI package"
+                           f"{not_a_package(names, repo)}")
     raise PackageError(f"{repo} holds {len(folders)} GenAI packages; pass subfolder= one of: {', '.join(folders)}")
 
 
-def _package_folders(repo: str, revision: str | None, fetching: dict) -> list[str]:
-    """The folders of the repository that hold a genai_config.json ('.': its root), sorted."""
-    return sorted({str(PurePosixPath(name).parent) for name in _files(repo, revision, fetching)
-                   if PurePosixPath(name).name == CONFIG})
+def _package_folders(names: list[str]) -> list[str]:
+    """The folders among a repository's files `names` that hold a genai_config.json ('.': its root), sorted."""
+    return sorted({str(PurePosixPath(name).parent) for name in names if PurePosixPath(name).name == CONFIG})
 
 
 def _files(repo: str, revision: str | None, fetching: dict) -> list[str]:

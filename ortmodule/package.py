@@ -295,6 +295,21 @@ def read_package(path: str | Path) -> Package:
     )
 
 
+def not_a_package(names: list[str], source: str) -> str:
+    """What a folder or Hub repository holding the files `names` (paths inside it, no genai_config.json)
+    is instead of a GenAI package, and what to do, as the rest of an error message."""
+    onnx = any(name.endswith(".onnx") for name in names)
+    weights = any(name.endswith((".safetensors", ".bin", ".pth", ".gguf")) for name in names)
+    if onnx and not weights:
+        return (": ONNX files of another exporter (Optimum's or transformers.js's, as the onnx-community repositories "
+                "hold), which neither onnxruntime-genai nor ortmodule loads; export the model's Hugging Face "
+                "checkpoint with `ortmodule export CHECKPOINT OUT` (docs/usage.md)")
+    if "config.json" in names or any(name.endswith(".gguf") for name in names):
+        return (f": a Hugging Face checkpoint or GGUF file, not a GenAI package; make one with `ortmodule export "
+                f"{source} OUT` (docs/usage.md)")
+    return "; is this a GenAI package?"
+
+
 def _read_config(root: Path) -> tuple[Path, dict]:
     config_path = root / CONFIG_FILE
     if not config_path.is_file():
@@ -303,10 +318,8 @@ def _read_config(root: Path) -> tuple[Path, dict]:
         if inside:  # a download of several packages (one per device and precision), as on the Hub
             raise PackageError(f"{root}: no {CONFIG_FILE} in the folder, but packages in its subfolders: "
                                f"{', '.join(inside)} (load one of them, or pass subfolder=)")
-        if (root / "config.json").is_file() or any(root.glob("*.gguf")):
-            raise PackageError(f"{root}: no {CONFIG_FILE} in the folder: a Hugging Face checkpoint or GGUF file, not "
-                               f"a GenAI package; make one with `ortmodule export {root} OUT` (docs/usage.md)")
-        raise PackageError(f"{root}: no {CONFIG_FILE} in the folder; is this a GenAI package?")
+        names = [str(path.relative_to(root)) for depth in ("*", "*/*") for path in root.glob(depth)]
+        raise PackageError(f"{root}: no {CONFIG_FILE} in the folder{not_a_package(names, str(root))}")
     try:
         genai = json.loads(config_path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:

@@ -103,6 +103,17 @@ def test_a_checkpoint_or_gguf_file_given_for_a_package_says_to_export_it(build, 
         OrtModelForCausalLM.from_pretrained(gguf)
 
 
+def test_another_exporters_onnx_files_are_named_as_such(build, tmp_path):
+    """Optimum's or transformers.js's export (config.json beside onnx/model.onnx, no genai_config.json)
+    is not taken for a checkpoint to export: the error says what it is and what to export instead."""
+    folder = tmp_path / "exported"
+    (folder / "onnx").mkdir(parents=True)
+    shutil.copy(build("llama").hf_dir / "config.json", folder / "config.json")
+    (folder / "onnx" / "model.onnx").write_bytes(b"an ONNX graph")
+    with pytest.raises(PackageError, match=r"ONNX files of another exporter \(Optimum's or transformers.js's"):
+        OrtModelForCausalLM.from_pretrained(folder)
+
+
 def test_a_file_of_a_package_given_for_it_names_its_folder(build):
     """The package's model.onnx or genai_config.json where its folder is expected: the error names the folder."""
     package = build("llama").package_dir

@@ -50,6 +50,10 @@ def hub_cache(build, tmp_path_factory):
     for name in ("model-Q4_K_M.gguf", "model-Q8_0.gguf"):
         (ggufs / name).write_bytes(b"not a GGUF file: " + name.encode())
     cached_repo(cache, "ortmodule-test/model-GGUF", {"": ggufs})
+    other, graphs = tmp_path_factory.mktemp("onnx-community"), tmp_path_factory.mktemp("onnx")
+    shutil.copy(fixture.hf_dir / "config.json", other / "config.json")  # transformers.js's layout
+    (graphs / "model.onnx").write_bytes(b"an ONNX graph")
+    cached_repo(cache, "ortmodule-test/other-onnx", {"": other, "onnx": graphs})
     return fixture, cache
 
 
@@ -80,6 +84,8 @@ def test_what_a_repository_id_cannot_give_is_named(offline):
         OrtModelForCausalLM.from_pretrained("ortmodule-test/two-packages")
     with pytest.raises(PackageError, match="holds no genai_config.json: not an ONNX GenAI package"):
         OrtModelForCausalLM.from_pretrained("ortmodule-test/no-package")
+    with pytest.raises(PackageError, match="not an ONNX GenAI package: ONNX files of another exporter"):
+        OrtModelForCausalLM.from_pretrained("ortmodule-test/other-onnx")
     with pytest.raises(PackageError, match="package folder not found: ortmodule-test/absent, and as a Hugging Face "
                                            "Hub repository it could not be listed"):
         OrtModelForCausalLM.from_pretrained("ortmodule-test/absent")
