@@ -129,6 +129,37 @@ def test_vllms_sampling_extras_equal_generate_with_the_same_options(setup):
     assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, penalized)[0]
 
 
+def test_min_tokens_and_ignore_eos_as_vllm_takes_them(setup):
+    """vLLM's `min_tokens` (end-of-sequence masked until that many tokens, as `generate`'s
+    `min_new_tokens`) and `ignore_eos` (an end-of-sequence token is generated as any other; the row
+    ends by length), on a row whose end-of-sequence token is biased to win: against transformers'
+    `generate` with the same bias and `min_new_tokens`."""
+    live, _, hf, tokenizer, _ = setup
+    ids = tokenizer("The quick brown fox").input_ids
+    eos = tokenizer.eos_token_id
+    request = {"model": NAME, "prompt": ids, "max_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
+    ended = live.client.post("/v1/completions", json=request).json()
+    assert ended["choices"][0] == {**ended["choices"][0], "text": "", "finish_reason": "stop"}
+    assert ended["usage"]["completion_tokens"] == 1
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=6, do_sample=False, min_new_tokens=3, eos_token_id=eos, pad_token_id=eos,
+                          sequence_bias={(eos,): 100.0})
+    tokens = out[0, len(ids):].tolist()
+    assert eos not in tokens[:3] and tokens[3] == eos
+    held = live.client.post("/v1/completions", json={**request, "min_tokens": 3}).json()
+    assert (held["choices"][0]["text"], held["choices"][0]["finish_reason"]) == expected_text(tokenizer, tokens)
+    assert held["usage"]["completion_tokens"] == 4
+    ignoring = live.client.post("/v1/completions", json={**request, "ignore_eos": True, "min_tokens": 3}).json()
+    assert ignoring["choices"][0]["finish_reason"] == "length" and ignoring["usage"]["completion_tokens"] == 6
+    assert ignoring["choices"][0]["text"] == tokenizer.decode(tokens[:3], skip_special_tokens=True)
+    chat = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user",
+                                                                                        "content": "hi"}],
+                                                          "max_tokens": 5, "ignore_eos": True, "temperature": 0,
+                                                          "logit_bias": {str(eos): 100}}).json()
+    assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["completion_tokens"] == 5
+
+
 def test_logit_bias_equals_generates_sequence_bias(setup):
     """OpenAI's `logit_bias` as transformers' `sequence_bias` of single tokens: a greedy completion,
     lm-eval's echo request with one greedy token (its prompt's log-probabilities the model's own), a
@@ -327,11 +358,13 @@ BAD = [
     # vLLM's sampling extras out of range, and its extras that would change the output and are not
     # carried out (were taken silently).
     *[("/v1/completions", {"model": NAME, "prompt": "x", field: value}, 400, field)
-      for field, value in (("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0.0), ("min_tokens", 3),
-                           ("ignore_eos", True), ("stop_token_ids", [5]), ("include_stop_str_in_output", True),
+      for field, value in (("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0.0), ("min_tokens", -1),
+                           ("min_tokens", 17), ("ignore_eos", "yes"), ("stop_token_ids", [5]),
+                           ("include_stop_str_in_output", True),
                            ("skip_special_tokens", False), ("use_beam_search", True), ("prompt_logprobs", 1),
                            ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("regex", "a+"),
                            ("structured_outputs", {"choice": ["a"]}))],
+    ("/v1/completions", {"model": NAME, "prompt": "x", "min_tokens": 2, "stop": ["a"]}, 400, "min_tokens"),
     # The template's own refusal (a 500 before): its message, as a client error.
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),
 ]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
@@ -209,11 +210,14 @@ class Sampling:
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off; on greedy rows too
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); greedy rows too
+    min_tokens: int = 0  # end-of-sequence tokens masked until this many tokens are generated
+    ignore_eos: bool = False  # an end-of-sequence token is generated as any other; the row ends by length
 
     @property
     def processed(self) -> bool:
-        """Whether the row's logits change before it chooses (a bias or a penalty)."""
-        return bool(self.logit_bias) or self.repetition_penalty != 1.0
+        """Whether the row's logits change before it chooses (a bias, a penalty, a mask), or its end
+        does (`ignore_eos`)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.ignore_eos
 
     @property
     def greedy(self) -> bool:
@@ -232,7 +236,9 @@ class Generation(Job):
         self.sampling, self.prompt_top = sampling, prompt_top
         self.stream: asyncio.Queue | None = asyncio.Queue() if stream else None
         self.prompt_scores: list[PromptScores] | None = None  # echo: filled before the rows start
-        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, eos, sampling.stop), media=media)
+        self.eos = eos
+        ends = set() if sampling.ignore_eos else eos
+        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, ends, sampling.stop), media=media)
                      for i, p in enumerate(prompts)]
         self.unfinished = len(self.rows)
 
@@ -291,9 +297,10 @@ class Row:
         return self.text.finish_reason is not None
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """The row's `[1, V]` float logits after its logit bias and its repetition penalty over its
-        prompt and tokens so far, as `model.generate` applies `sequence_bias` and
-        `repetition_penalty` (transformers' own processors, in its order), greedy or sampled."""
+        """The row's `[1, V]` float logits after its logit bias, its repetition penalty over its prompt
+        and tokens so far and its end-of-sequence mask before `min_tokens`, as `model.generate` applies
+        `sequence_bias`, `repetition_penalty` and `min_new_tokens` (transformers' own processors, in its
+        order), greedy or sampled."""
         sampling = self.sampling
         ids = torch.tensor([list(self.prompt) + self.tokens], device=logits.device)
         if sampling.logit_bias:
@@ -301,6 +308,9 @@ class Row:
             logits = SequenceBiasLogitsProcessor(sequence_bias=bias)(ids, logits)
         if sampling.repetition_penalty != 1.0:
             logits = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)(ids, logits)
+        if sampling.min_tokens > len(self.tokens) and self.job.eos:
+            logits = MinNewTokensLengthLogitsProcessor(len(self.prompt), sampling.min_tokens,
+                                                       sorted(self.job.eos), device=logits.device)(ids, logits)
         return logits
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 # vLLM's and SGLang's extra fields that would change the output and that this server does not carry
 # out, with their neutral values (what leaving them out means): a client sending another value
 # would get an answer as if it had been applied.
-UNSUPPORTED_EXTRAS = {"min_tokens": (None, 0), "ignore_eos": (None, False), "stop_token_ids": (None, []),
+UNSUPPORTED_EXTRAS = {"stop_token_ids": (None, []),
                       "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
                       "use_beam_search": (None, False), "prompt_logprobs": (None,), "logits_processors": (None,),
                       "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
@@ -96,12 +96,17 @@ def logit_bias_of(served: Served, body) -> tuple[tuple[int, float], ...]:
 
 def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> Sampling:
     """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling; `logit_bias`.
-    vLLM's extras: `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1: off)."""
+    vLLM's extras: `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1: off),
+    `min_tokens` (end-of-sequence masked before), `ignore_eos`."""
     sampling = Sampling(max_tokens, 1.0 if body.temperature is None else float(body.temperature),
                         1.0 if body.top_p is None else float(body.top_p), None, stop, logprobs,
                         max(0, body.top_k or 0), float(body.min_p or 0.0),
                         1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
-                        logit_bias_of(served, body))
+                        logit_bias_of(served, body), body.min_tokens, body.ignore_eos)
+    if body.min_tokens > max_tokens:
+        raise ServingError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
+    if body.min_tokens and stop:
+        raise ServingError("min_tokens with stop strings is not supported: send one or the other", "min_tokens")
     if not sampling.greedy and body.seed is not None:
         sampling = dataclasses.replace(sampling, seed=body.seed)
     return sampling

@@ -65,10 +65,10 @@ class _Options(BaseModel):
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     min_p: Annotated[StrictFloat, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[StrictFloat, Field(gt=0, le=100, allow_inf_nan=False)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    ignore_eos: StrictBool = False
     # vLLM's and SGLang's extras that change the output and are not carried out: refused unless neutral
     # (openai_routes.UNSUPPORTED_EXTRAS).
-    min_tokens: Any = None
-    ignore_eos: Any = None
     stop_token_ids: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
