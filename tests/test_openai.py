@@ -129,6 +129,51 @@ def test_vllms_sampling_extras_equal_generate_with_the_same_options(setup):
     assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, penalized)[0]
 
 
+def test_n_choices_of_each_prompt(setup):
+    """OpenAI's `n`: choice i * n + k is prompt i's k-th; sampled with a seed, choice k draws with seed
+    + k (as `model.generate` with that seed's generator); greedy choices are transformers' greedy
+    tokens; the prompt's tokens are counted once in the usage; a chat's n choices, whole and streamed."""
+    live, model, hf, tokenizer, _ = setup
+    prompts = ["The quick brown fox", "Once upon a time there"]
+    ids = [tokenizer(p).input_ids for p in prompts]
+
+    def drawn(prompt_ids, seed, new=8):
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                                                                                    dtype=torch.long),
+                             max_new_tokens=new, do_sample=True, top_k=0, temperature=0.9,
+                             generator=torch.Generator().manual_seed(seed))
+        return expected_text(tokenizer, out[0, len(prompt_ids):].tolist())[0]
+
+    body = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompts, "max_tokens": 8, "n": 3,
+                                                     "seed": 7, "temperature": 0.9}).json()
+    texts = [choice["text"] for choice in body["choices"]]
+    assert [choice["index"] for choice in body["choices"]] == list(range(6))
+    assert texts == [drawn(prompt_ids, 7 + k) for prompt_ids in ids for k in range(3)]
+    assert len(set(texts[:3])) > 1  # the copies drew apart
+    assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+    greedy = live.client.post("/v1/completions", json={"model": NAME, "prompt": ids[0], "max_tokens": 8, "n": 2,
+                                                       "temperature": 0}).json()
+    assert [c["text"] for c in greedy["choices"]] == [expected_text(tokenizer, hf_greedy(hf, ids[0], 8))[0]] * 2
+    assert greedy["usage"]["completion_tokens"] == 16
+    messages = [{"role": "user", "content": "Say something."}]
+    chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    request = {"model": NAME, "messages": messages, "max_tokens": 8, "n": 2, "seed": 3, "temperature": 0.9}
+    chat = live.client.post("/v1/chat/completions", json=request).json()
+    expected = [drawn(chat_ids, 3 + k) for k in range(2)]
+    assert [c["message"]["content"] for c in chat["choices"]] == expected
+    assert chat["usage"]["prompt_tokens"] == len(chat_ids)
+    with live.client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = ["", ""]
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["delta"].get("content", "")
+    assert streamed == expected
+    assert sum(c["choices"][0]["delta"] == {"role": "assistant"} for c in chunks) == 2
+
+
 def test_min_tokens_and_ignore_eos_as_vllm_takes_them(setup):
     """vLLM's `min_tokens` (end-of-sequence masked until that many tokens, as `generate`'s
     `min_new_tokens`) and `ignore_eos` (an end-of-sequence token is generated as any other; the row
@@ -305,7 +350,9 @@ def test_chat_completions_and_their_stream(setup):
 
 BAD = [
     ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
-    ("/v1/completions", {"model": NAME, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": NAME, "prompt": ["x", "y"], "n": 513}, 400, "n"),  # over --max-items choices
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 1025}, 400, "n"),
     ("/v1/completions", {"model": NAME, "prompt": [5, 9000]}, 400, "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 400}, 400, "max_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),

@@ -303,7 +303,7 @@ class Generations:
         job = row.job
         self.release(job)
         if not row.sampling.greedy and row.sampling.seed is not None:
-            row.generator = torch.Generator(self.model.device).manual_seed(row.sampling.seed)
+            row.generator = torch.Generator(self.model.device).manual_seed(row.sampling.seed + row.copy)
 
     def _next_chunk(self, rows: list[Row]) -> None:
         """One chunk of the long prompt being prefilled; its row starts when the prompt is done."""

@@ -225,21 +225,22 @@ class Sampling:
 
 
 class Generation(Job):
-    """Completions of every prompt with `sampling`, each prompt a `Row` of the decode batch.
+    """Completions of every prompt with `sampling`, each prompt a `Row` of the decode batch (a
+    request's `n` choices: each prompt `copies` times in a row, each copy a row of its own).
     `stream`: an asyncio.Queue that gets `(prompt index, text)` as text becomes final, then None."""
 
     kind = "generation"
 
     def __init__(self, prompts: list[Ids], sampling: Sampling, loop, tokenizer, eos: set[int],
-                 stream: bool = False, prompt_top: int | None = None, media=None):
+                 stream: bool = False, prompt_top: int | None = None, media=None, copies: int = 1):
         super().__init__(prompts, loop)
         self.sampling, self.prompt_top = sampling, prompt_top
         self.stream: asyncio.Queue | None = asyncio.Queue() if stream else None
         self.prompt_scores: list[PromptScores] | None = None  # echo: filled before the rows start
         self.eos = eos
         ends = set() if sampling.ignore_eos else eos
-        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, ends, sampling.stop), media=media)
-                     for i, p in enumerate(prompts)]
+        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, ends, sampling.stop), media=media,
+                         copy=i % copies) for i, p in enumerate(prompts)]
         self.unfinished = len(self.rows)
 
     def emit(self, index: int, text: str) -> None:
@@ -276,6 +277,7 @@ class Row:
     generator: torch.Generator | None = None
     prefix: tuple | None = None  # the cached prefix found for its prompt: (entry or None, tokens shared)
     media: object = None  # the prompt's images (serving/images.py's Media): it is prefilled alone, whole
+    copy: int = 0  # which of the request's `n` choices of its prompt: a seeded row draws with seed + copy
 
     @property
     def feeding(self) -> bool:

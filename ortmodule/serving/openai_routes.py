@@ -56,8 +56,8 @@ def check_common(served: Served, body) -> tuple[str, ...]:
         value = getattr(body, name)
         if not any(value == n and type(value) is type(n) for n in neutral):
             raise ServingError(f"{name} is not supported by this server; leave it out", name)
-    if body.n != 1:
-        raise ServingError(f"n must be 1 (one choice per prompt), got {body.n}", "n")
+    if body.n < 1:
+        raise ServingError(f"n must be at least 1, got {body.n}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) != 0:
             raise ServingError(f"{name} is not supported; leave it at 0", name)
@@ -137,9 +137,9 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     prompt = body.prompt
     nested = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
     entries = prompt if nested else [prompt]
-    if len(entries) > served.settings.max_items:
-        raise ServingError(f"prompt has {len(entries)} entries; this server takes at most {served.settings.max_items}",
-                           "prompt")
+    if len(entries) * body.n > served.settings.max_items:
+        raise ServingError(f"prompt has {len(entries)} entries, each with n = {body.n} choices; this server takes at "
+                           f"most {served.settings.max_items} choices a request", "prompt" if body.n == 1 else "n")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise ServingError(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
     if body.stream and (body.echo or body.logprobs is not None):
@@ -160,12 +160,13 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     per_token = 1 + (body.logprobs or 0)
     echoed = sum(len(p) for p in prompts) * per_token if body.echo and body.logprobs is not None else 0
     generated = len(prompts) * max_tokens * per_token if body.logprobs is not None else 0
-    served.check_values(echoed + generated, "the log-probabilities asked for", "logprobs")
+    served.check_values((echoed + generated) * body.n, "the log-probabilities asked for", "logprobs")
     sampling = sampling_of(served, body, max_tokens, body.logprobs, stop)
+    prompts = [prompt for prompt in prompts for _ in range(body.n)]  # choice i * n + k: prompt i's k-th
     if body.echo and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy and not sampling.processed)):
         return PromptJob(prompts, body.logprobs or 0, max_tokens == 1, stop, loop)
     top = body.logprobs if body.echo and body.logprobs is not None else None
-    return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top)
+    return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top, copies=body.n)
 
 
 def completion_body(served: Served, body: CompletionRequest, job, result) -> dict:
@@ -180,7 +181,7 @@ def completion_body(served: Served, body: CompletionRequest, job, result) -> dic
                         "finish_reason": row.text.finish_reason if row else "length"})
         generated += len(row.tokens) if row else 0
     return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": served.name,
-            "choices": choices, "usage": _usage(job.tokens, generated)}
+            "choices": choices, "usage": _usage(job.tokens // body.n, generated)}
 
 
 def _prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | None, Row | None]:
@@ -288,11 +289,15 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
         raise ServingError(f"the prompt's {len(prompt)} tokens fill the model's context of {served.context}",
                            "messages")
     _check_length(served, [prompt], max_tokens)
+    if body.n > served.settings.max_items:
+        raise ServingError(f"n is {body.n}; this server takes at most {served.settings.max_items} choices a request",
+                           "n")
     top = (body.top_logprobs or 0) if body.logprobs else None
     if top is not None:
-        served.check_values(max_tokens * (1 + top), "the log-probabilities asked for", "top_logprobs")
+        served.check_values(max_tokens * (1 + top) * body.n, "the log-probabilities asked for", "top_logprobs")
     sampling = sampling_of(served, body, max_tokens, top, stop)
-    return Generation([prompt], sampling, loop, served.tokenizer, served.engine.eos, body.stream, media=media)
+    return Generation([prompt] * body.n, sampling, loop, served.tokenizer, served.engine.eos, body.stream,
+                      media=media, copies=body.n)
 
 
 def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = ()) -> tuple[list[int], object]:
@@ -400,12 +405,11 @@ def _templated_ids(tokenizer, messages: list[dict], options: dict) -> list[int]:
 
 
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
-    row = rows[0]
-    logprobs = {"content": _chat_logprobs(served.tokenizer, row)} if body.logprobs else None
+    choices = [{"index": row.index, "message": {"role": "assistant", "content": row.text.text},
+                "logprobs": {"content": _chat_logprobs(served.tokenizer, row)} if body.logprobs else None,
+                "finish_reason": row.text.finish_reason} for row in rows]
     return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": served.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": row.text.text},
-                         "logprobs": logprobs, "finish_reason": row.text.finish_reason}],
-            "usage": _usage(job.tokens, len(row.tokens))}
+            "choices": choices, "usage": _usage(job.tokens // body.n, sum(len(row.tokens) for row in rows))}
 
 
 def _chat_logprobs(tokenizer, row: Row) -> list[dict]:
@@ -439,12 +443,14 @@ def _sse(data) -> str:
     return f"data: {data if isinstance(data, str) else dumps(data)}\n\n"
 
 
-async def _events(served: Served, job: Generation, kind: str, usage: bool):
-    """The server-sent events of a streamed completion; if the client goes away, its rows stop."""
+async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int):
+    """The server-sent events of a streamed completion (`n` choices of each prompt); if the client
+    goes away, its rows stop."""
     ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
     try:
         if kind == "chat.completion.chunk":
-            yield _chunk(served, kind, ident, 0, role=True)
+            for index in range(n):
+                yield _chunk(served, kind, ident, index, role=True)
         while (event := await job.stream.get()) is not None:
             yield _chunk(served, kind, ident, *event)
         try:
@@ -457,7 +463,7 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool):
             yield _chunk(served, kind, ident, row.index, finish=row.text.finish_reason)
         if usage:
             yield _sse({"id": ident, "object": kind, "model": served.name, "choices": [],
-                        "usage": _usage(job.tokens, sum(len(row.tokens) for row in rows))})
+                        "usage": _usage(job.tokens // n, sum(len(row.tokens) for row in rows))})
         yield _sse("[DONE]")
     finally:
         if not job.future.done():  # the client went away mid-stream: free its rows
@@ -485,7 +491,7 @@ def add_routes(app: FastAPI, served: Served) -> None:
         if body.stream:
             job = await start(served, make_job, body)
             include = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_events(served, job, kind, include), media_type="text/event-stream")
+            return StreamingResponse(_events(served, job, kind, include, body.n), media_type="text/event-stream")
         return await run(served, make_job, body, request, respond)
 
     @app.post("/v1/completions")
