@@ -165,7 +165,7 @@ _SETTING_HELP = {
     "window_ms": "how long an idle server waits for more score requests to batch with the first",
     "max_queue": "requests waiting (being tokenized or queued) before answering 503",
     "max_body_bytes": "larger request bodies are refused with 413 before parsing",
-    "max_items": "prompts or items per request",
+    "max_items": "choices (prompts x n) or score items per request",
     "max_labels": "label_token_ids per score request",
     "max_stop_chars": "characters per stop string",
     "max_response_values": "numbers (scores, log-probabilities) in one answer",

@@ -30,7 +30,7 @@ class Settings:
 
     Limits (a request beyond one is refused with 400, 413 or 503 before it is tokenized):
     `max_queue` requests waiting (being tokenized or queued); `max_body_bytes` per body;
-    `max_items` prompts or items per request; `max_labels` label ids per score request;
+    `max_items` choices (prompts x n) or score items per request; `max_labels` label ids per score request;
     `max_stop_chars` characters per stop string; `max_response_values` numbers in one answer
     (scores, log-probabilities); `max_connections` open connections (503 beyond);
     `header_timeout` and `body_timeout` seconds to receive a request's headers and its body;
