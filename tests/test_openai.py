@@ -129,6 +129,42 @@ def test_vllms_sampling_extras_equal_generate_with_the_same_options(setup):
     assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, penalized)[0]
 
 
+class OpenAIPenalties:
+    """OpenAI's presence and frequency penalties as its API reference defines them, a transformers
+    logits processor: each token generated so far (not the prompt's) lowered by frequency x its count
+    and by presence once."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float):
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids[:, self.prompt_length:]):
+            for token, count in zip(*torch.unique(ids, return_counts=True)):
+                scores[row, token] -= self.frequency * count + self.presence
+        return scores
+
+
+def test_presence_and_frequency_penalties_as_openai_defines_them(setup):
+    """Greedy completions and a chat with OpenAI's penalties, against transformers' greedy `generate`
+    with a logits processor of the API reference's formula; the greedy choice changes."""
+    from transformers import LogitsProcessorList
+
+    live, _, hf, tokenizer, _ = setup
+    ids = tokenizer("Once upon a time there").input_ids
+    for presence, frequency in ((0.0, 2.0), (1.5, 0.0), (-1.0, 0.5)):
+        processor = LogitsProcessorList([OpenAIPenalties(len(ids), presence, frequency)])
+        penalized = hf_greedy(hf, ids, 16, logits_processor=processor)
+        answer = live.client.post("/v1/completions", json={
+            "model": NAME, "prompt": ids, "max_tokens": 16, "temperature": 0, "presence_penalty": presence,
+            "frequency_penalty": frequency}).json()["choices"][0]["text"]
+        assert answer == expected_text(tokenizer, penalized)[0], (presence, frequency)
+        if presence >= 0:
+            assert penalized != hf_greedy(hf, ids, 16)
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3.0}):
+        refused = live.client.post("/v1/completions", json={"model": NAME, "prompt": "x", **bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == next(iter(bad))
+
+
 def test_n_choices_of_each_prompt(setup):
     """OpenAI's `n`: choice i * n + k is prompt i's k-th; sampled with a seed, choice k draws with seed
     + k (as `model.generate` with that seed's generator); greedy choices are transformers' greedy

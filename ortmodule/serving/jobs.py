@@ -212,12 +212,15 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); greedy rows too
     min_tokens: int = 0  # end-of-sequence tokens masked until this many tokens are generated
     ignore_eos: bool = False  # an end-of-sequence token is generated as any other; the row ends by length
+    presence_penalty: float = 0.0  # OpenAI's: off at 0
+    frequency_penalty: float = 0.0
 
     @property
     def processed(self) -> bool:
         """Whether the row's logits change before it chooses (a bias, a penalty, a mask), or its end
         does (`ignore_eos`)."""
-        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.ignore_eos
+        return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.ignore_eos
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -300,8 +303,9 @@ class Row:
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The row's `[1, V]` float logits after its logit bias, its repetition penalty over its prompt
-        and tokens so far and its end-of-sequence mask before `min_tokens`, as `model.generate` applies
-        `sequence_bias`, `repetition_penalty` and `min_new_tokens` (transformers' own processors, in its
+        and tokens so far, OpenAI's presence and frequency penalties over its tokens so far, and its
+        end-of-sequence mask before `min_tokens`: `sequence_bias`, `repetition_penalty` and
+        `min_new_tokens` as `model.generate` applies them (transformers' own processors, in its
         order), greedy or sampled."""
         sampling = self.sampling
         ids = torch.tensor([list(self.prompt) + self.tokens], device=logits.device)
@@ -310,6 +314,11 @@ class Row:
             logits = SequenceBiasLogitsProcessor(sequence_bias=bias)(ids, logits)
         if sampling.repetition_penalty != 1.0:
             logits = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)(ids, logits)
+        if self.tokens and (sampling.presence_penalty or sampling.frequency_penalty):
+            # OpenAI's: each token generated so far (not the prompt's) lowered by frequency x its count,
+            # and by presence once (transformers has no processor of these).
+            counts = torch.bincount(torch.tensor(self.tokens, device=logits.device), minlength=logits.shape[-1])
+            logits = logits - (sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0))[None]
         if sampling.min_tokens > len(self.tokens) and self.job.eos:
             logits = MinNewTokensLengthLogitsProcessor(len(self.prompt), sampling.min_tokens,
                                                        sorted(self.job.eos), device=logits.device)(ids, logits)

@@ -58,9 +58,6 @@ def check_common(served: Served, body) -> tuple[str, ...]:
             raise ServingError(f"{name} is not supported by this server; leave it out", name)
     if body.n < 1:
         raise ServingError(f"n must be at least 1, got {body.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise ServingError(f"{name} is not supported; leave it at 0", name)
     if getattr(body, "best_of", None) not in (None, 1):
         raise ServingError("best_of must be 1", "best_of")
     if getattr(body, "suffix", None):
@@ -95,14 +92,16 @@ def logit_bias_of(served: Served, body) -> tuple[tuple[int, float], ...]:
 
 
 def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> Sampling:
-    """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling; `logit_bias`.
+    """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling; `logit_bias`,
+    `presence_penalty` and `frequency_penalty` (over the tokens generated so far).
     vLLM's extras: `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1: off),
     `min_tokens` (end-of-sequence masked before), `ignore_eos`."""
     sampling = Sampling(max_tokens, 1.0 if body.temperature is None else float(body.temperature),
                         1.0 if body.top_p is None else float(body.top_p), None, stop, logprobs,
                         max(0, body.top_k or 0), float(body.min_p or 0.0),
                         1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
-                        logit_bias_of(served, body), body.min_tokens, body.ignore_eos)
+                        logit_bias_of(served, body), body.min_tokens, body.ignore_eos,
+                        float(body.presence_penalty), float(body.frequency_penalty))
     if body.min_tokens > max_tokens:
         raise ServingError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
     if body.min_tokens and stop:

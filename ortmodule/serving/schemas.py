@@ -57,8 +57,8 @@ class _Options(BaseModel):
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    presence_penalty: StrictFloat = 0.0
-    frequency_penalty: StrictFloat = 0.0
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
     logit_bias: dict[str, Any] | None = None
     user: Text | None = None
     # vLLM's and SGLang's sampling extras, carried out as transformers' processors (jobs.Row).
