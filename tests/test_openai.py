@@ -144,6 +144,34 @@ class OpenAIPenalties:
         return scores
 
 
+def test_stop_token_ids_stop_strings_kept_and_special_tokens_shown_as_vllm_takes_them(setup):
+    """vLLM's `stop_token_ids` (the row ends at one, its text shown as any token's), the stop string
+    kept in the answer (`include_stop_str_in_output`), and special tokens' text shown
+    (`skip_special_tokens` false), each against the text of transformers' greedy tokens; streamed too."""
+    live, _, hf, tokenizer, _ = setup
+    ids = tokenizer("Once upon a time there").input_ids
+    tokens = hf_greedy(hf, ids, 16)
+    request = {"model": NAME, "prompt": ids, "max_tokens": 16, "temperature": 0}
+    at = next(i for i in range(3, 16) if tokens[i] not in tokens[:i])  # a token the greedy run first makes there
+    answer = live.client.post("/v1/completions", json={**request, "stop_token_ids": [tokens[at], 511]}).json()
+    assert answer["choices"][0]["text"] == tokenizer.decode(tokens[: at + 1], skip_special_tokens=True)
+    assert answer["choices"][0]["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] == at + 1
+    full, _ = expected_text(tokenizer, tokens)
+    stop = next(c for c in full[3:] if c.strip())
+    kept = live.client.post("/v1/completions", json={**request, "stop": [stop],
+                                                     "include_stop_str_in_output": True}).json()["choices"][0]
+    assert kept["text"] == full[: full.index(stop, 0) + 1] and kept["text"].endswith(stop)
+    eos = tokenizer.eos_token_id
+    shown = live.client.post("/v1/completions", json={**request, "max_tokens": 3, "ignore_eos": True,
+                                                      "logit_bias": {str(eos): 100}, "skip_special_tokens": False})
+    assert shown.json()["choices"][0]["text"] == tokenizer.eos_token * 3
+    with live.client.stream("POST", "/v1/completions", json={**request, "stream": True,
+                                                             "stop_token_ids": [tokens[at]]}) as stream:
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in stream.iter_lines()
+                           if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    assert streamed == answer["choices"][0]["text"]
+
+
 def test_presence_and_frequency_penalties_as_openai_defines_them(setup):
     """Greedy completions and a chat with OpenAI's penalties, against transformers' greedy `generate`
     with a logits processor of the API reference's formula; the greedy choice changes."""
@@ -442,12 +470,13 @@ BAD = [
     # carried out (were taken silently).
     *[("/v1/completions", {"model": NAME, "prompt": "x", field: value}, 400, field)
       for field, value in (("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0.0), ("min_tokens", -1),
-                           ("min_tokens", 17), ("ignore_eos", "yes"), ("stop_token_ids", [5]),
-                           ("include_stop_str_in_output", True),
-                           ("skip_special_tokens", False), ("use_beam_search", True), ("prompt_logprobs", 1),
+                           ("min_tokens", 17), ("ignore_eos", "yes"), ("stop_token_ids", [512]),
+                           ("include_stop_str_in_output", 1),
+                           ("skip_special_tokens", "no"), ("use_beam_search", True), ("prompt_logprobs", 1),
                            ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("regex", "a+"),
                            ("structured_outputs", {"choice": ["a"]}))],
     ("/v1/completions", {"model": NAME, "prompt": "x", "min_tokens": 2, "stop": ["a"]}, 400, "min_tokens"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": ["5"]}, 400, "stop_token_ids.0"),
     # The template's own refusal (a 500 before): its message, as a client error.
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),
 ]

@@ -214,13 +214,17 @@ class Sampling:
     ignore_eos: bool = False  # an end-of-sequence token is generated as any other; the row ends by length
     presence_penalty: float = 0.0  # OpenAI's: off at 0
     frequency_penalty: float = 0.0
+    stop_ids: tuple[int, ...] = ()  # vLLM's stop_token_ids: tokens that end the row, shown as text is
+    include_stop: bool = False  # vLLM's include_stop_str_in_output
+    skip_special: bool = True  # vLLM's skip_special_tokens
 
     @property
     def processed(self) -> bool:
-        """Whether the row's logits change before it chooses (a bias, a penalty, a mask), or its end
-        does (`ignore_eos`)."""
+        """Whether the row's logits change before it chooses (a bias, a penalty, a mask), or its end or
+        text does (`ignore_eos`, stop tokens, the stop string or special tokens shown)."""
         return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.ignore_eos
-                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or bool(self.stop_ids)
+                or self.include_stop or not self.skip_special)
 
     @property
     def greedy(self) -> bool:
@@ -242,8 +246,9 @@ class Generation(Job):
         self.prompt_scores: list[PromptScores] | None = None  # echo: filled before the rows start
         self.eos = eos
         ends = set() if sampling.ignore_eos else eos
-        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, ends, sampling.stop), media=media,
-                         copy=i % copies) for i, p in enumerate(prompts)]
+        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, ends, sampling.stop, frozenset(sampling.stop_ids),
+                                                          sampling.include_stop, sampling.skip_special),
+                         media=media, copy=i % copies) for i, p in enumerate(prompts)]
         self.unfinished = len(self.rows)
 
     def emit(self, index: int, text: str) -> None:
@@ -319,9 +324,10 @@ class Row:
             # and by presence once (transformers has no processor of these).
             counts = torch.bincount(torch.tensor(self.tokens, device=logits.device), minlength=logits.shape[-1])
             logits = logits - (sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0))[None]
-        if sampling.min_tokens > len(self.tokens) and self.job.eos:
-            logits = MinNewTokensLengthLogitsProcessor(len(self.prompt), sampling.min_tokens,
-                                                       sorted(self.job.eos), device=logits.device)(ids, logits)
+        ends = set(self.job.eos) | set(sampling.stop_ids)
+        if sampling.min_tokens > len(self.tokens) and ends:
+            logits = MinNewTokensLengthLogitsProcessor(len(self.prompt), sampling.min_tokens, sorted(ends),
+                                                       device=logits.device)(ids, logits)
         return logits
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:

@@ -41,9 +41,7 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 # vLLM's and SGLang's extra fields that would change the output and that this server does not carry
 # out, with their neutral values (what leaving them out means): a client sending another value
 # would get an answer as if it had been applied.
-UNSUPPORTED_EXTRAS = {"stop_token_ids": (None, []),
-                      "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
-                      "use_beam_search": (None, False), "prompt_logprobs": (None,), "logits_processors": (None,),
+UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "prompt_logprobs": (None,), "logits_processors": (None,),
                       "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
                       "guided_choice": (None,), "guided_grammar": (None,), "regex": (None,), "json_schema": (None,),
                       "ebnf": (None,)}
@@ -91,17 +89,31 @@ def logit_bias_of(served: Served, body) -> tuple[tuple[int, float], ...]:
     return tuple(biases)
 
 
+def stop_ids_of(served: Served, body) -> tuple[int, ...]:
+    """vLLM's `stop_token_ids`: token ids of the vocabulary, at most `--max-labels` of them."""
+    ids = tuple(dict.fromkeys(body.stop_token_ids or ()))
+    if len(ids) > served.settings.max_labels:
+        raise ServingError(f"stop_token_ids has {len(ids)} ids; this server takes at most {served.settings.max_labels}",
+                           "stop_token_ids")
+    bad = outside_vocabulary(list(ids), served.vocab)
+    if bad is not None:
+        raise ServingError(f"stop_token_ids: {vocabulary_message(bad, served.vocab)}", "stop_token_ids")
+    return ids
+
+
 def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> Sampling:
     """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling; `logit_bias`,
     `presence_penalty` and `frequency_penalty` (over the tokens generated so far).
     vLLM's extras: `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1: off),
-    `min_tokens` (end-of-sequence masked before), `ignore_eos`."""
+    `min_tokens` (end-of-sequence and stop tokens masked before), `ignore_eos`, `stop_token_ids`,
+    `include_stop_str_in_output`, `skip_special_tokens`."""
     sampling = Sampling(max_tokens, 1.0 if body.temperature is None else float(body.temperature),
                         1.0 if body.top_p is None else float(body.top_p), None, stop, logprobs,
                         max(0, body.top_k or 0), float(body.min_p or 0.0),
                         1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
                         logit_bias_of(served, body), body.min_tokens, body.ignore_eos,
-                        float(body.presence_penalty), float(body.frequency_penalty))
+                        float(body.presence_penalty), float(body.frequency_penalty),
+                        stop_ids_of(served, body), body.include_stop_str_in_output, body.skip_special_tokens)
     if body.min_tokens > max_tokens:
         raise ServingError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
     if body.min_tokens and stop:

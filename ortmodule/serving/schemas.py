@@ -67,11 +67,11 @@ class _Options(BaseModel):
     repetition_penalty: Annotated[StrictFloat, Field(gt=0, le=100, allow_inf_nan=False)] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     ignore_eos: StrictBool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     # vLLM's and SGLang's extras that change the output and are not carried out: refused unless neutral
     # (openai_routes.UNSUPPORTED_EXTRAS).
-    stop_token_ids: Any = None
-    include_stop_str_in_output: Any = None
-    skip_special_tokens: Any = None
     use_beam_search: Any = None
     prompt_logprobs: Any = None
     logits_processors: Any = None

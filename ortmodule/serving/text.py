@@ -14,8 +14,13 @@ from __future__ import annotations
 class TextStream:
     """One row's text. `add(token)` returns the text that became final (safe to send)."""
 
-    def __init__(self, tokenizer, eos: set[int], stop: tuple[str, ...]):
+    def __init__(self, tokenizer, eos: set[int], stop: tuple[str, ...], stop_ids: frozenset[int] = frozenset(),
+                 include_stop: bool = False, skip_special: bool = True):
+        """`eos`: tokens that end the row, not shown; `stop`: strings that end it, cut before them (or
+        after, `include_stop`); `stop_ids`: tokens that end it, shown as text is (vLLM's `stop_token_ids`);
+        `skip_special`: special tokens' text left out (vLLM's `skip_special_tokens`, true by default)."""
         self.tokenizer, self.eos, self.stop = tokenizer, eos, stop
+        self.stop_ids, self.include_stop, self.skip_special = stop_ids, include_stop, skip_special
         self.ids: list[int] = []
         self.text = ""  # decoded so far (cut before a stop string once one is found)
         self.sent = 0  # characters of `text` handed out
@@ -42,11 +47,16 @@ class TextStream:
             # it, with the characters already whole before an incomplete one that waits.
             start = max(0, before - self.hold)
             tail = self.text + self.waiting
-            found = [at for at in (tail.find(s, start) for s in self.stop) if at >= 0]
+            found = [(at, len(s)) for at, s in ((tail.find(s, start), s) for s in self.stop) if at >= 0]
             if found:
-                self.text = tail[: min(found)]
+                at, length = min(found)
+                self.text = tail[: at + length if self.include_stop else at]
                 self.finish_reason = "stop"
                 return self._release(len(self.text))
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            self._flush()
+            return self._release(len(self.text))
         safe = len(self.text) - self.hold if self.stop else len(self.text)
         return self._release(safe)
 
@@ -77,7 +87,7 @@ class TextStream:
         return current[len(shown):]
 
     def _window_text(self, end: int) -> str:
-        return self.tokenizer.decode(self.ids[self.prefix : end], skip_special_tokens=True)
+        return self.tokenizer.decode(self.ids[self.prefix : end], skip_special_tokens=self.skip_special)
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self.sent)
