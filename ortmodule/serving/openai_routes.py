@@ -50,8 +50,9 @@ UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "prompt_logprobs": (None
 def check_common(served: Served, body) -> tuple[str, ...]:
     """The model name, the fields refused unless neutral, and the stop strings."""
     served.check_model(body.model)
+    extra = body.model_extra or {}
     for name, neutral in UNSUPPORTED_EXTRAS.items():
-        value = getattr(body, name)
+        value = extra.get(name)
         if not any(value == n and type(value) is type(n) for n in neutral):
             raise ServingError(f"{name} is not supported by this server; leave it out", name)
     if body.n < 1:

@@ -44,9 +44,11 @@ class ScoreRequest(BaseModel):
 
 
 class _Options(BaseModel):
-    """What completions and chat completions share."""
+    """What completions and chat completions share. Fields it does not know are kept aside
+    (`model_extra`): those of vLLM and SGLang that would change the output are refused unless
+    neutral (openai_routes.UNSUPPORTED_EXTRAS), the rest ignored."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: Text
     max_tokens: StrictInt | None = None
@@ -70,19 +72,6 @@ class _Options(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    # vLLM's and SGLang's extras that change the output and are not carried out: refused unless neutral
-    # (openai_routes.UNSUPPORTED_EXTRAS).
-    use_beam_search: Any = None
-    prompt_logprobs: Any = None
-    logits_processors: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
 
 
 class CompletionRequest(_Options):
