@@ -193,6 +193,52 @@ def test_presence_and_frequency_penalties_as_openai_defines_them(setup):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == next(iter(bad))
 
 
+def close(a, b) -> bool:
+    """The same JSON, numbers within 1e-4 (two requests may run in batches of other shapes, or over a
+    cached prefix)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) < 1e-4
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def streamed(live, path: str, request: dict) -> list[dict]:
+    with live.client.stream("POST", path, json={**request, "stream": True}) as stream:
+        return [json.loads(line[6:]) for line in stream.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_streams_carry_the_log_probabilities_of_their_chunks(setup):
+    """A stream asked for log-probabilities carries each chunk's tokens' (those whose text is held
+    back with a later chunk, the rest with the last): put together, the answer's own, on completions
+    (text offsets running on from chunk to chunk) and chats, with a stop string and two choices."""
+    live, _, _, tokenizer, _ = setup
+    ids = tokenizer("Once upon a time there").input_ids
+    request = {"model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 0, "logprobs": 2, "n": 2}
+    free = live.client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+    stop = next(c for c in free[3:] if c.strip())  # a character the answer reaches after a few
+    for extra in ({}, {"stop": [stop]}):
+        whole = live.client.post("/v1/completions", json={**request, **extra}).json()["choices"]
+        chunks = streamed(live, "/v1/completions", {**request, **extra})
+        for choice in whole:
+            parts = [c["choices"][0]["logprobs"] for c in chunks
+                     if c["choices"] and c["choices"][0]["index"] == choice["index"] and c["choices"][0]["logprobs"]]
+            joined = {key: [v for part in parts for v in part[key]] for key in choice["logprobs"]}
+            assert len(parts) > 1 and close(joined, choice["logprobs"])
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = {"model": NAME, "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2}
+    whole = live.client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    chunks = streamed(live, "/v1/chat/completions", chat)
+    assert close([e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                  for e in c["choices"][0]["logprobs"]["content"]], whole)
+    plain = streamed(live, "/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": None})
+    assert all(c["choices"][0]["logprobs"] is None for c in plain if c["choices"])
+
+
 def test_n_choices_of_each_prompt(setup):
     """OpenAI's `n`: choice i * n + k is prompt i's k-th; sampled with a seed, choice k draws with seed
     + k (as `model.generate` with that seed's generator); greedy choices are transformers' greedy
@@ -227,14 +273,12 @@ def test_n_choices_of_each_prompt(setup):
     expected = [drawn(chat_ids, 3 + k) for k in range(2)]
     assert [c["message"]["content"] for c in chat["choices"]] == expected
     assert chat["usage"]["prompt_tokens"] == len(chat_ids)
-    with live.client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as stream:
-        chunks = [json.loads(line[6:]) for line in stream.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
-    streamed = ["", ""]
+    texts = ["", ""]
+    chunks = streamed(live, "/v1/chat/completions", request)
     for chunk in chunks:
         for choice in chunk["choices"]:
-            streamed[choice["index"]] += choice["delta"].get("content", "")
-    assert streamed == expected
+            texts[choice["index"]] += choice["delta"].get("content", "")
+    assert texts == expected
     assert sum(c["choices"][0]["delta"] == {"role": "assistant"} for c in chunks) == 2
 
 
@@ -446,8 +490,6 @@ BAD = [
      "messages.0.content"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      400, "top_logprobs"),
-    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True,
-                              "logprobs": True}, 400, "stream"),  # its chunks carried none (was taken silently)
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1,
                               "max_completion_tokens": 5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [

@@ -251,9 +251,15 @@ class Generation(Job):
                          media=media, copy=i % copies) for i, p in enumerate(prompts)]
         self.unfinished = len(self.rows)
 
-    def emit(self, index: int, text: str) -> None:
-        if self.stream is not None and text:
-            self.loop.call_soon_threadsafe(self.stream.put_nowait, (index, text))
+    def emit(self, row: Row, text: str) -> None:
+        """Stream `text` (when there is some) of `row`, with the log-probabilities of its tokens not
+        yet streamed where the request asks for them: `(index, text, [(token, logprob, top), ...] or None)`."""
+        if self.stream is None or not text:
+            return
+        scored = None
+        if self.sampling.logprobs is not None:
+            scored = row.unsent()
+        self.loop.call_soon_threadsafe(self.stream.put_nowait, (row.index, text, scored))
 
     def row_done(self) -> None:
         """A row finished; the last one resolves the job."""
@@ -286,6 +292,7 @@ class Row:
     prefix: tuple | None = None  # the cached prefix found for its prompt: (entry or None, tokens shared)
     media: object = None  # the prompt's images (serving/images.py's Media): it is prefilled alone, whole
     copy: int = 0  # which of the request's `n` choices of its prompt: a seeded row draws with seed + copy
+    sent: int = 0  # tokens whose log-probabilities a stream has carried
 
     @property
     def feeding(self) -> bool:
@@ -351,9 +358,15 @@ class Row:
         if logprob is not None:
             self.logprobs.append(logprob)
             self.top.append(top)
-        self.job.emit(self.index, self.text.add(token))
+        self.job.emit(self, self.text.add(token))
         if not self.finished and len(self.tokens) >= self.sampling.max_tokens:
-            self.job.emit(self.index, self.text.end())
+            self.job.emit(self, self.text.end())
+
+    def unsent(self) -> list[tuple[int, float, list]]:
+        """(token, log-probability, top alternatives) of the tokens a stream has not carried yet."""
+        scored = list(zip(self.tokens[self.sent :], self.logprobs[self.sent :], self.top[self.sent :]))
+        self.sent += len(scored)
+        return scored
 
     def stop(self) -> None:
         """Leave without finishing (the client went away): the job is already answered."""

@@ -154,8 +154,8 @@ def completion_job(served: Served, body: CompletionRequest, loop):
                            f"most {served.settings.max_items} choices a request", "prompt" if body.n == 1 else "n")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise ServingError(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
-    if body.stream and (body.echo or body.logprobs is not None):
-        raise ServingError("stream does not carry echo or logprobs; ask without stream", "stream")
+    if body.stream and body.echo:
+        raise ServingError("stream does not carry echo; ask without stream", "stream")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     if max_tokens < 0 or (max_tokens == 0 and not body.echo):
         raise ServingError(f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}", "max_tokens")
@@ -224,11 +224,16 @@ def _completion_logprobs(tokenizer, prompt, scores: PromptScores | None, row: Ro
         ids += row.tokens
         values += row.logprobs
         alternatives += [t[:top] for t in row.top]
+    return _completion_entries(tokenizer, ids, values, alternatives)
+
+
+def _completion_entries(tokenizer, ids: list[int], values: list, alternatives: list, offset: int = 0) -> dict:
+    """OpenAI's completions `logprobs` object of these tokens, their text offsets counted from `offset`."""
     seen = sorted(set(ids) | {t for pairs in alternatives if pairs for t, _ in pairs})
     name = dict(zip(seen, token_strings(tokenizer, seen)))  # one decode for every token string
     strings = [name[t] for t in ids]
     tops = [None if pairs is None else {name[t]: v for t, v in pairs} for pairs in alternatives]
-    offsets, at = [], 0
+    offsets, at = [], offset
     for text in strings:
         offsets.append(at)
         at += len(text)
@@ -288,8 +293,6 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     refuse_unsupported(body)
     if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= MAX_LOGPROBS):
         raise ServingError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, with logprobs true", "top_logprobs")
-    if body.stream and body.logprobs:  # as on /v1/completions: a stream's chunks carry text only
-        raise ServingError("stream does not carry logprobs; ask without stream", "stream")
     for name in ("max_tokens", "max_completion_tokens"):
         value = getattr(body, name)
         if value is not None and value < 1:
@@ -418,37 +421,57 @@ def _templated_ids(tokenizer, messages: list[dict], options: dict) -> list[int]:
 
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
     choices = [{"index": row.index, "message": {"role": "assistant", "content": row.text.text},
-                "logprobs": {"content": _chat_logprobs(served.tokenizer, row)} if body.logprobs else None,
+                "logprobs": {"content": _chat_logprobs(served.tokenizer, list(zip(row.tokens, row.logprobs, row.top)))}
+                if body.logprobs else None,
                 "finish_reason": row.text.finish_reason} for row in rows]
     return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": served.name,
             "choices": choices, "usage": _usage(job.tokens // body.n, sum(len(row.tokens) for row in rows))}
 
 
-def _chat_logprobs(tokenizer, row: Row) -> list[dict]:
-    seen = sorted(set(row.tokens) | {t for pairs in row.top for t, _ in pairs})
+def _chat_logprobs(tokenizer, scored: list[tuple[int, float, list]]) -> list[dict]:
+    """OpenAI's chat `logprobs.content` of these (token, log-probability, top alternatives)."""
+    seen = sorted({t for t, _, _ in scored} | {t for _, _, pairs in scored for t, _ in pairs})
     name = dict(zip(seen, token_strings(tokenizer, seen)))
 
     def entry(token: int, logprob: float) -> dict:
         return {"token": name[token], "logprob": logprob, "bytes": list(name[token].encode("utf-8"))}
 
-    return [{**entry(t, v), "top_logprobs": [entry(a, b) for a, b in pairs]}
-            for t, v, pairs in zip(row.tokens, row.logprobs, row.top)]
+    return [{**entry(t, v), "top_logprobs": [entry(a, b) for a, b in pairs]} for t, v, pairs in scored]
 
 
 # ---- streams ------------------------------------------------------------------------------------
 
 def _chunk(served: Served, kind: str, ident: str, index: int, delta: str | None = None, finish: str | None = None,
-           role: bool = False) -> str:
+           role: bool = False, logprobs: dict | None = None) -> str:
     """One server-sent event of a chat completion (`chat.completion.chunk`) or a completion."""
     body = {"id": ident, "object": kind, "created": int(time.time()), "model": served.name}
     if kind == "chat.completion.chunk":
         message = {"role": "assistant"} if role else {}
         if delta:
             message["content"] = delta
-        body["choices"] = [{"index": index, "delta": message, "logprobs": None, "finish_reason": finish}]
+        body["choices"] = [{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish}]
     else:
-        body["choices"] = [{"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish}]
+        body["choices"] = [{"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}]
     return _sse(body)
+
+
+class _StreamedLogprobs:
+    """The log-probabilities of a stream's chunks, in the route's shape: chat's `content` entries, or
+    completions' token lists with each choice's text offsets running on from chunk to chunk; None
+    where the request asks for none (`top`: the alternatives it asks for)."""
+
+    def __init__(self, tokenizer, kind: str, top: int | None):
+        self.tokenizer, self.kind, self.top, self.offsets = tokenizer, kind, top, {}
+
+    def of(self, index: int, scored: list | None) -> dict | None:
+        if scored is None or self.top is None:
+            return None
+        if self.kind == "chat.completion.chunk":
+            return {"content": _chat_logprobs(self.tokenizer, [(t, v, pairs[: self.top]) for t, v, pairs in scored])}
+        entries = _completion_entries(self.tokenizer, [t for t, _, _ in scored], [v for _, v, _ in scored],
+                                      [pairs[: self.top] for _, _, pairs in scored], self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + sum(len(text) for text in entries["tokens"])
+        return entries
 
 
 def _sse(data) -> str:
@@ -456,15 +479,18 @@ def _sse(data) -> str:
 
 
 async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int):
-    """The server-sent events of a streamed completion (`n` choices of each prompt); if the client
-    goes away, its rows stop."""
+    """The server-sent events of a streamed completion (`n` choices of each prompt), with the
+    log-probabilities of each chunk's tokens where asked for (those of tokens whose text is held back,
+    with a later chunk's; the rest with the last); if the client goes away, its rows stop."""
     ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
+    logprobs = _StreamedLogprobs(served.tokenizer, kind, job.sampling.logprobs)
     try:
         if kind == "chat.completion.chunk":
             for index in range(n):
                 yield _chunk(served, kind, ident, index, role=True)
         while (event := await job.stream.get()) is not None:
-            yield _chunk(served, kind, ident, *event)
+            index, text, scored = event
+            yield _chunk(served, kind, ident, index, text, logprobs=logprobs.of(index, scored))
         try:
             rows = await job.future
         except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
@@ -472,7 +498,9 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
             yield _sse(error.openai_body())
             return
         for row in rows:
-            yield _chunk(served, kind, ident, row.index, finish=row.text.finish_reason)
+            rest = row.unsent() if job.sampling.logprobs is not None else None
+            yield _chunk(served, kind, ident, row.index, finish=row.text.finish_reason,
+                         logprobs=logprobs.of(row.index, rest))
         if usage:
             yield _sse({"id": ident, "object": kind, "model": served.name, "choices": [],
                         "usage": _usage(job.tokens // n, sum(len(row.tokens) for row in rows))})
