@@ -7,9 +7,9 @@ import os
 import platform
 import sys
 from importlib import metadata
-from pathlib import Path
 
 from .cache_folder import cache_home
+from .mapped import cpu_info
 
 # The CPU features ONNX Runtime's and torch's kernels pick their paths by (int8 and bf16 matmuls, AMX).
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -31,17 +31,8 @@ def versions() -> dict[str, str | None]:
 
 def cpu() -> str:
     """The CPU's model name, logical CPUs and which of CPU_FEATURES it has (where Linux tells them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    fields = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        fields.setdefault(name.strip(), value.strip())
-    model = fields.get("model name") or platform.processor() or platform.machine()
-    flags = set(fields.get("flags", "").split())
-    features = ", ".join(feature for feature in CPU_FEATURES if feature in flags)
+    model, flags = cpu_info()
+    features = ", ".join(feature for feature in CPU_FEATURES if feature in flags.split())
     return f"{model}, {os.cpu_count()} logical CPUs" + (f" ({features})" if features else "")
 
 

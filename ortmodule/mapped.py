@@ -155,13 +155,17 @@ def _bytes_beside(model: Path | bytes, folder: Path) -> int:
 def cpu_identity() -> str:
     """The CPU's model name, and a digest of its feature flags where Linux gives them (a VM's model
     name can be the same generic "Intel(R) Xeon(R) Processor" on CPUs with and without AMX)."""
+    name, flags = cpu_info()
+    return f"{name} (flags {hashlib.sha256(flags.encode()).hexdigest()[:8]})" if flags else name
+
+
+def cpu_info() -> tuple[str, str]:
+    """The CPU's model name and its feature flags as Linux lists them ('' where it does not)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor() or platform.machine()
+        lines = []
     found = dict(line.split(":", 1) for line in lines if line.startswith(("model name", "flags")) and ":" in line)
     named = {name.strip(): value.strip() for name, value in found.items()}
-    name = named.get("model name") or platform.processor() or platform.machine()
-    flags = named.get("flags")
-    return f"{name} (flags {hashlib.sha256(flags.encode()).hexdigest()[:8]})" if flags else name
+    return named.get("model name") or platform.processor() or platform.machine(), named.get("flags", "")
 

@@ -219,12 +219,17 @@ class Sampling:
     skip_special: bool = True  # vLLM's skip_special_tokens
 
     @property
+    def alters_logits(self) -> bool:
+        """Whether the row's logits change before it chooses (a bias, a penalty, a mask: `Row.process`)."""
+        return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
+
+    @property
     def processed(self) -> bool:
-        """Whether the row's logits change before it chooses (a bias, a penalty, a mask), or its end or
-        text does (`ignore_eos`, stop tokens, the stop string or special tokens shown)."""
-        return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.ignore_eos
-                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or bool(self.stop_ids)
-                or self.include_stop or not self.skip_special)
+        """Whether the row's logits change before it chooses, or its end or text does (`ignore_eos`,
+        stop tokens, the stop string or special tokens shown)."""
+        return (self.alters_logits or self.ignore_eos or bool(self.stop_ids) or self.include_stop
+                or not self.skip_special)
 
     @property
     def greedy(self) -> bool:
@@ -293,6 +298,7 @@ class Row:
     media: object = None  # the prompt's images (serving/images.py's Media): it is prefilled alone, whole
     copy: int = 0  # which of the request's `n` choices of its prompt: a seeded row draws with seed + copy
     sent: int = 0  # tokens whose log-probabilities a stream has carried
+    processors: list | None = None  # transformers' processors of its sampling, made at its first choice
 
     @property
     def feeding(self) -> bool:
@@ -320,21 +326,24 @@ class Row:
         `min_new_tokens` as `model.generate` applies them (transformers' own processors, in its
         order), greedy or sampled."""
         sampling = self.sampling
-        ids = torch.tensor([list(self.prompt) + self.tokens], device=logits.device)
-        if sampling.logit_bias:
-            bias = {(token,): value for token, value in sampling.logit_bias}
-            logits = SequenceBiasLogitsProcessor(sequence_bias=bias)(ids, logits)
-        if sampling.repetition_penalty != 1.0:
-            logits = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)(ids, logits)
+        if self.processors is None:  # made once: the bias processor prepares its tensors at its first call
+            ends = sorted(set(self.job.eos) | set(sampling.stop_ids))
+            self.processors = [
+                *([SequenceBiasLogitsProcessor(sequence_bias={(t,): v for t, v in sampling.logit_bias})]
+                  if sampling.logit_bias else []),
+                *([RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)]
+                  if sampling.repetition_penalty != 1.0 else []),
+                *([MinNewTokensLengthLogitsProcessor(len(self.prompt), sampling.min_tokens, ends, device=logits.device)]
+                  if sampling.min_tokens > 0 and ends else [])]
+        if self.processors:
+            ids = torch.tensor([list(self.prompt) + self.tokens], device=logits.device)
+            for processor in self.processors:
+                logits = processor(ids, logits)
         if self.tokens and (sampling.presence_penalty or sampling.frequency_penalty):
             # OpenAI's: each token generated so far (not the prompt's) lowered by frequency x its count,
             # and by presence once (transformers has no processor of these).
             counts = torch.bincount(torch.tensor(self.tokens, device=logits.device), minlength=logits.shape[-1])
             logits = logits - (sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0))[None]
-        ends = set(self.job.eos) | set(sampling.stop_ids)
-        if sampling.min_tokens > len(self.tokens) and ends:
-            logits = MinNewTokensLengthLogitsProcessor(len(self.prompt), sampling.min_tokens, sorted(ends),
-                                                       device=logits.device)(ids, logits)
         return logits
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
@@ -378,14 +387,11 @@ def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, floa
     warpers and generator), with its log-probability and the top-k when the row asks for them (the
     model's own, before a bias or a penalty: vLLM's raw log-probabilities)."""
     logits = logits.float()
-    processed = [i for i, row in enumerate(rows) if row.sampling.processed]
-    choosing = logits.clone() if processed else logits
-    for i in processed:
-        choosing[i : i + 1] = rows[i].process(logits[i : i + 1])
-    chosen = argmax(choosing)
+    chosen = argmax(logits)
     for i, row in enumerate(rows):
-        if not row.sampling.greedy:
-            chosen[i] = row.sample(choosing[i : i + 1])
+        if row.sampling.alters_logits or not row.sampling.greedy:
+            own = row.process(logits[i : i + 1]) if row.sampling.alters_logits else logits[i : i + 1]
+            chosen[i] = own[0].argmax() if row.sampling.greedy else row.sample(own)
     wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
     picked, tops = {}, {}
     if wanted:

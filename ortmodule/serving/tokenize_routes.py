@@ -52,8 +52,9 @@ def detokenize(served: Served, body: DetokenizeRequest, loop=None) -> dict:
 def tokenizer_info(tokenizer) -> dict:
     """vLLM's answer: the tokenizer's own settings (its tokenizer_config.json, as the tokenizer keeps
     them; special tokens as their text, none of the host's paths), its class and its chat template."""
-    info = {key: _plain(value) for key, value in getattr(tokenizer, "init_kwargs", {}).items()
-            if key not in HOST_FIELDS and _plain(value) is not _DROPPED}
+    plain = ((key, _plain(value)) for key, value in getattr(tokenizer, "init_kwargs", {}).items()
+             if key not in HOST_FIELDS)
+    info = {key: value for key, value in plain if value is not _DROPPED}
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         info[name] = getattr(tokenizer, name, None)
     info["tokenizer_class"] = type(tokenizer).__name__
