@@ -17,7 +17,7 @@ from helpers import CHAT_TEMPLATE, LiveServer, expected_text, hf_greedy, load_pa
 
 from ortmodule import load_tokenizer, runtime
 from ortmodule.serving import Settings, create_app
-from ortmodule.serving.openai_routes import chat_ids
+from ortmodule.serving.chat_prompts import chat_ids
 from ortmodule.serving.text import TextStream
 from ortmodule_dev.serve import ServeProcess
 

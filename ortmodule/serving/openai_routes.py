@@ -3,14 +3,11 @@
 
 A completion is a `Generation` job: each prompt a row of the engine's decode batch. lm-eval's
 loglikelihood request (token ids, echo, logprobs, at most one greedy token) is a `PromptJob`:
-prompts' log-probabilities from one batched prefill, the greedy token read from it. Fields OpenAI
-defines that this server does not carry out (`n` > 1, `best_of`, penalties, `logit_bias`,
-`suffix`) are refused unless neutral; unknown fields are ignored, as OpenAI-compatible servers do.
-
-Special tokens typed in chat content are text, not control tokens: content holding one is
-tokenized apart from the template, with special tokens split (a user message cannot forge a
-system turn). vLLM and SGLang tokenize the rendered template whole, so such content becomes
-control tokens there (SGLang offers the split as an opt-in filter of the template).
+prompts' log-probabilities from one batched prefill, the greedy token read from it. A chat
+request's prompt is chat_prompts.py's. Fields that would change the answer and that this server
+does not carry out (`best_of`, `suffix`, tools, structured output, vLLM's and SGLang's
+`UNSUPPORTED_EXTRAS`) are refused unless neutral; unknown fields are ignored, as OpenAI-compatible
+servers do.
 """
 
 from __future__ import annotations
@@ -19,11 +16,11 @@ import dataclasses
 import time
 import uuid
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from ..inputs import outside_vocabulary, vocabulary_message
+from .chat_prompts import chat_prompt, refuse_unsupported
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
 from .schemas import ChatRequest, CompletionRequest
@@ -33,7 +30,6 @@ from .text import TextStream, token_strings
 MAX_LOGPROBS = 20
 MAX_STOPS = 8
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -131,17 +127,6 @@ def _check_length(served: Served, prompts: list[list[int]], max_tokens: int) -> 
                                f"model's context length {served.context}", "max_tokens")
 
 
-def _check_ids(served: Served, prompts: list[list[int]]) -> None:
-    if not prompts:
-        raise ServingError("prompt is empty", "prompt")
-    for i, ids in enumerate(prompts):
-        if not ids:
-            raise ServingError(f"prompt {i} has no tokens", "prompt")
-        bad = outside_vocabulary(ids, served.vocab)
-        if bad is not None:
-            raise ServingError(f"prompt {i}: {vocabulary_message(bad, served.vocab)}", "prompt")
-
-
 # ---- completions --------------------------------------------------------------------------------
 
 def completion_job(served: Served, body: CompletionRequest, loop):
@@ -167,7 +152,7 @@ def completion_job(served: Served, body: CompletionRequest, loop):
         prompts = [list(ids) for ids in served.tokenizer([t for _, t in texts])["input_ids"]]
     else:
         prompts = [list(ids) for ids in entries]
-    _check_ids(served, prompts)
+    served.check_prompts(prompts)
     _check_length(served, prompts, max_tokens)
     per_token = 1 + (body.logprobs or 0)
     echoed = sum(len(p) for p in prompts) * per_token if body.echo and body.logprobs is not None else 0
@@ -242,52 +227,6 @@ def _completion_entries(tokenizer, ids: list[int], values: list, alternatives: l
 
 # ---- chat ---------------------------------------------------------------------------------------
 
-# apply_chat_template's own arguments, which `chat_template_kwargs` may not set (the request's fields
-# say whether the template adds the assistant's turn or continues the last message).
-TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs")
-
-
-def refuse_unsupported(body) -> None:
-    """OpenAI's tool calling and structured output, which this server does not carry out: a client
-    asking for them would get plain text as if they had been applied."""
-    for name in ("tools", "functions"):
-        if getattr(body, name, None):
-            raise ServingError(f"{name} is not supported: this server calls no tools (the model's output comes back "
-                               "as text); leave it out", name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name, None) not in (None, "none"):
-            raise ServingError(f"{name} is not supported (this server calls no tools): leave it out or send 'none'",
-                               name)
-    kind = (getattr(body, "response_format", None) or {"type": "text"}).get("type")
-    if kind != "text":
-        raise ServingError(f"response_format {kind!r} is not supported: this server does not constrain its output; "
-                           "leave it out or send type 'text'", "response_format")
-
-
-def _template_options(body, messages: list[dict]) -> dict:
-    """What the chat template is rendered with, as vLLM and SGLang take it: the assistant's turn added
-    (`add_generation_prompt`, the default), or the last message, an assistant's, continued without
-    its end (`continue_final_message`, which turns the former off unless both are sent), and the
-    template's own variables (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
-    extra = body.chat_template_kwargs or {}
-    for key in extra:
-        if key in TEMPLATE_ARGUMENTS:
-            raise ServingError(f"chat_template_kwargs may not set {key!r}, an argument of the template's rendering "
-                               "itself" + (" (send it as a field of the request)" if key in (
-                                   "add_generation_prompt", "continue_final_message") else ""), "chat_template_kwargs")
-    continuing = body.continue_final_message
-    if continuing and body.add_generation_prompt:
-        raise ServingError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                           "continue_final_message")
-    if continuing and messages[-1]["role"] != "assistant":
-        raise ServingError("continue_final_message continues the last message, which must be the assistant's; "
-                           f"it is the {messages[-1]['role']}'s", "continue_final_message")
-    adding = not continuing if body.add_generation_prompt is None else body.add_generation_prompt
-    return {**extra, "add_generation_prompt": adding, "continue_final_message": continuing}
-
-
 def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     stop = check_common(served, body)
     refuse_unsupported(body)
@@ -313,110 +252,6 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     sampling = sampling_of(served, body, max_tokens, top, stop)
     return Generation([prompt] * body.n, sampling, loop, served.tokenizer, served.engine.eos, body.stream,
                       media=media, copies=body.n)
-
-
-def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = ()) -> tuple[list[int], object]:
-    """A chat request's prompt: its messages (`body.messages`) checked and rendered through the chat
-    template with the request's template options (`_template_options`), the images' tokens placed
-    where the package takes images; and the images (None without). `texts_beside`: the request's
-    other texts, whose sizes count with the messages'."""
-    if not body.messages:
-        raise ServingError("messages is empty", "messages")
-    tokenizer = served.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ServingError("this model's tokenizer has no chat template: use /v1/completions", "messages")
-    messages, texts, pictures = [], [], []
-    for i, message in enumerate(body.messages):
-        if message.role not in ROLES:
-            raise ServingError(f"messages[{i}].role {message.role!r} is not a chat role", f"messages[{i}].role")
-        content = message.content or ""
-        if isinstance(content, list):
-            content = _content_parts(served, content, f"messages[{i}].content", texts, pictures)
-        else:
-            texts.append((f"messages[{i}].content", content))
-        messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
-    options = _template_options(body, messages)
-    served.check_texts(texts + list(texts_beside) +
-                       [(f"chat_template_kwargs.{k}", v) for k, v in options.items() if isinstance(v, str)])
-    prompt = chat_ids(tokenizer, messages, **options)
-    media = None
-    if pictures:
-        prompt, media = served.images.expand(prompt, pictures)
-    _check_ids(served, [prompt])
-    return prompt, media
-
-
-def _content_parts(served: Served, parts: list, where: str, texts: list, pictures: list) -> str | list[dict]:
-    """A message's content parts as the chat template takes them: text parts joined, or, with images,
-    the parts as a list (`{"type": "image"}` for each image, decoded into `pictures`)."""
-    kept = []
-    for part in parts:
-        if part.type == "text" and part.text is not None:
-            texts.append((where, part.text))
-            kept.append({"type": "text", "text": part.text})
-        elif part.type == "image_url" and part.image_url is not None:
-            if served.images is None:
-                raise ServingError(f"{where}: this server takes no images (a package that takes them, served with "
-                                   "--processor, does)", where)
-            if len(pictures) >= served.settings.max_items:
-                raise ServingError(f"{where}: more than {served.settings.max_items} images in the request", where)
-            pictures.append(served.images.decode(part.image_url.url, where))
-            kept.append({"type": "image"})
-        else:
-            raise ServingError(f"{where}: parts of type 'text' (with text) and 'image_url' are taken, got "
-                               f"{part.type!r}", where)
-    if any(part["type"] == "image" for part in kept):
-        return kept
-    return "".join(part["text"] for part in kept)
-
-
-def _texts(message: dict) -> list[str]:
-    content = message["content"]
-    return [content] if isinstance(content, str) else [part["text"] for part in content if part["type"] == "text"]
-
-
-def chat_ids(tokenizer, messages: list[dict], **options) -> list[int]:
-    """The messages through the chat template, ending with the assistant's turn (`options`, passed to
-    `apply_chat_template`, may say otherwise: `_template_options`). Content holding a special token's
-    text is tokenized apart from the template, special tokens split, so that it stays text; other
-    content is tokenized with the template, exactly as `apply_chat_template`. A message's content is
-    text, or (with images) a list of text and image parts. A template's refusal (Gemma's of a system
-    role, say) is a `ServingError` with its message."""
-    options = {"add_generation_prompt": True, **options}
-    try:
-        return _templated_ids(tokenizer, messages, options)
-    except jinja2.TemplateError as e:
-        raise ServingError(f"the model's chat template refused the messages: {e}", "messages") from None
-
-
-def _templated_ids(tokenizer, messages: list[dict], options: dict) -> list[int]:
-    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
-    if not any(s in text for m in messages for text in _texts(m) for s in specials):
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **options)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    pieces: list[tuple[str, str]] = []  # (mark, the text it stands for), in order
-
-    def mark(text: str) -> str:
-        pieces.append((f"\x00content{uuid.uuid4().hex}{len(pieces)}\x00", text))
-        return pieces[-1][0]
-
-    marked = [{**m, "content": mark(m["content"]) if isinstance(m["content"], str) else
-               [{**part, "text": mark(part["text"])} if part["type"] == "text" else part for part in m["content"]]}
-              for m in messages]
-    text = tokenizer.apply_chat_template(marked, tokenize=False, **options)
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, **options)
-    filled = text
-    for stand_in, content in pieces:
-        filled = filled.replace(stand_in, content)
-    if filled != plain:  # the template rewrites content (trims it, say): it cannot be kept apart
-        raise ServingError("a message holds a special token's text, which this model's chat template cannot keep "
-                           "apart from its own tokens", "messages")
-    ids: list[int] = []
-    for stand_in, content in pieces:
-        before, _, text = text.partition(stand_in)
-        ids += tokenizer(before, add_special_tokens=False)["input_ids"]
-        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return ids + tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from ..inputs import outside_vocabulary, vocabulary_message
 from .engine import Engine
 from .errors import AsciiJSON, ServingError, failed, gone
 from .jobs import Job
@@ -57,6 +58,17 @@ class Served:
                 raise ServingError(f"{field_name}: {size if field_name == where else total} bytes of text, more than "
                                    f"fits the model's context of {self.context} tokens however it tokenizes",
                                    where.split("[")[0].split(".")[0])
+
+    def check_prompts(self, prompts: list[list[int]]) -> None:
+        """Token-id prompts: at least one, none empty, every id inside the vocabulary."""
+        if not prompts:
+            raise ServingError("prompt is empty", "prompt")
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise ServingError(f"prompt {i} has no tokens", "prompt")
+            bad = outside_vocabulary(ids, self.vocab)
+            if bad is not None:
+                raise ServingError(f"prompt {i}: {vocabulary_message(bad, self.vocab)}", "prompt")
 
     def check_values(self, values: int, what: str, param: str) -> None:
         limit = self.settings.max_response_values

@@ -10,8 +10,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from ..inputs import outside_vocabulary, vocabulary_message
+from .chat_prompts import chat_prompt, refuse_unsupported
 from .errors import ServingError
-from .openai_routes import chat_prompt, refuse_unsupported
 from .schemas import DetokenizeRequest, TokenizeRequest
 from .served import Served, answer_off_loop
 
