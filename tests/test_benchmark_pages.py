@@ -262,48 +262,56 @@ def test_the_fp32_reference_is_kept_for_the_same_weights_and_requests_only(tmp_p
     assert reference(other, longer)[1].endswith("(this run)") and len(runs) == 3
 
 
-@pytest.mark.parametrize("name", ["next_gpu_run.sh", "targets_gpu_run.sh"])
-def test_the_gpu_runs_selections_collect(name):
+def test_the_gpu_runs_selections_collect():
     """benchmarks/next_gpu_run.sh and targets_gpu_run.sh (the plans a rare GPU session runs without
-    editing): each script parses, every benchmark selection of it (its variables filled in) collects
-    at the GPU size, every profile's arguments are profile_gpu.py's, the package step's imports
-    resolve, and each name of a CUDA test selection matches a test, so that no step is found empty
-    or refused on the device."""
+    editing): each script parses, every benchmark selection of them (their variables filled in)
+    collects at the GPU size, every profile's arguments are profile_gpu.py's, the package steps'
+    imports resolve, and each name of a CUDA test selection matches a test, so that no step is found
+    empty or refused on the device. Both plans are checked in the same processes (each spends most of
+    its time importing)."""
     import os
     import re
     import subprocess
     import sys
 
-    script = REPORT.parent / name
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    text = script.read_text()
-    for variable, value in re.findall(r'^(\w+)="([^"]*)"$', text, re.M):
-        text = text.replace(f"${variable}", value)
     root = REPORT.parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    suites = re.findall(r'^\s*suite \S+ \d+ "([^"]+)"', text, re.M)
-    assert suites, "the plan runs no part of the benchmark suite"
+    suites, profiles, imports, cuda_selections = [], [], set(), []
+    for name in ("next_gpu_run.sh", "targets_gpu_run.sh"):
+        script = REPORT.parent / name
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, name
+        text = script.read_text()
+        for variable, value in re.findall(r'^(\w+)="([^"]*)"$', text, re.M):
+            text = text.replace(f"${variable}", value)
+        selections = re.findall(r'^\s*suite \S+ \d+ "([^"]+)"', text, re.M)
+        assert selections, f"{name} runs no part of the benchmark suite"
+        suites += [(name, selection) for selection in selections]
+        profiles += re.findall(r'python3 profile_gpu\.py ([^"]+)"', text)
+        built = re.search(r"^\s*step package \d+ bash -c \"cd benchmarks && python3 -c '([^']+)'", text, re.M)
+        imports.add(built.group(1).split("; print")[0])
+        cuda_selections += re.findall(r'tests/test_cuda\.py -k \\\n\s+"([^"]+)"', text)
+        if name == "next_gpu_run.sh":  # the plan of decisions profiles and runs CUDA tests; the targets run neither
+            assert re.search(r'python3 profile_gpu\.py ', text) and "tests/test_cuda.py" in text
     # One process collects every selection in turn (a process each spent most of a minute importing).
     collect = ("import sys, pytest\n"
                "for selection in sys.argv[1:]:\n"
                "    print('=== selection', flush=True)\n"
                "    pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'benchmarks', '--bench-size', 'gpu',"
                " '-k', selection])\n")
-    listed = subprocess.run([sys.executable, "-c", collect, *suites], cwd=root, capture_output=True, text=True).stdout
+    listed = subprocess.run([sys.executable, "-c", collect, *(s for _, s in suites)], cwd=root, capture_output=True,
+                            text=True).stdout
     parts = listed.split("=== selection\n")[1:]
     assert len(parts) == len(suites), listed[-1000:]
-    for selection, part in zip(suites, parts):
-        assert re.search(r"^\d+/\d+ tests collected", part, re.M), f"{selection}: {part[-300:]}"
-    profiles = re.findall(r'python3 profile_gpu\.py ([^"]+)"', text)
+    for (name, selection), part in zip(suites, parts):
+        assert re.search(r"^\d+/\d+ tests collected", part, re.M), f"{name}, {selection}: {part[-300:]}"
     check = "import shlex, sys, profile_gpu; [profile_gpu.arguments(shlex.split(line)) for line in sys.argv[1:]]"
     parsed = subprocess.run([sys.executable, "-c", check, *profiles], cwd=root / "benchmarks", capture_output=True,
                             text=True, env=env)
     assert parsed.returncode == 0, parsed.stderr[-1000:]
-    built = re.search(r"^\s*step package \d+ bash -c \"cd benchmarks && python3 -c '([^']+)'", text, re.M).group(1)
-    imports = subprocess.run([sys.executable, "-c", built.split("; print")[0]], cwd=root / "benchmarks",
-                             capture_output=True, text=True, env=env)
-    assert imports.returncode == 0, imports.stderr[-1000:]
-    cuda_selections = re.findall(r'tests/test_cuda\.py -k \\\n\s+"([^"]+)"', text)
+    for code in imports:
+        done = subprocess.run([sys.executable, "-c", code], cwd=root / "benchmarks", capture_output=True, text=True,
+                              env=env)
+        assert done.returncode == 0, done.stderr[-1000:]
     if cuda_selections:
         listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                  "tests/test_cuda.py"], cwd=root, capture_output=True, text=True).stdout
@@ -311,8 +319,6 @@ def test_the_gpu_runs_selections_collect(name):
     for selection in cuda_selections:
         for test in selection.split(" or "):
             assert any(test in line for line in tests), f"no CUDA test matches {test!r}"
-    if name == "next_gpu_run.sh":  # the plan of decisions profiles and runs CUDA tests; the targets run neither
-        assert profiles and "tests/test_cuda.py" in text
 
 
 # A GPU session's device time (the device tool's limits: 15 minutes, the machine's start and every idle
