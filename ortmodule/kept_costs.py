@@ -73,9 +73,19 @@ def settings_key(decoder) -> str:
         "intra_op_num_threads", "inter_op_num_threads", "execution_mode", "graph_optimization_level")]
     parts = [graph.file_digest(decoder.spec.path), machine(decoder.device), ort.__version__, torch.__version__,
              repr(described), repr(sorted((decoder.provider_options or {}).items())), decoder.prefill_chunk,
-             decoder.quantized_prefill, decoder.prefill_attention, repr(decoder.rewrite_lm_head), code_digest(),
+             decoder.quantized_prefill, decoder.prefill_attention, head_key(decoder), code_digest(),
              f"mapped={mapped.wanted() and decoder.device.type == 'cpu'}"]  # mapped: no packing in a run
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:32]
+
+
+def head_key(decoder) -> str:
+    """The LM head as it runs, not as it was asked for: `rewrite_lm_head="float32"` (lm-eval's
+    default) on a package whose head already multiplies in float32 runs the same graph as True (the
+    Python API's and `ortmodule serve`'s default), so their costs are one entry, not two measurements
+    of the same runs; a rewrite the graph did not take runs the package's own head."""
+    if not decoder.keeps_positions:
+        return "package head"
+    return "float32 head at kept positions" if graph.has_float32_head(decoder.graph_bytes) else "kept positions"
 
 
 def machine(device: torch.device) -> str:

@@ -7,6 +7,8 @@ import logging
 
 import onnxruntime as ort
 import pytest
+import torch
+from helpers import float32_logits_copy
 
 import ortmodule
 from ortmodule import costs, kept_costs
@@ -106,7 +108,9 @@ def test_a_folder_that_cannot_be_written_costs_a_measurement_per_load(llama, sto
     assert "cannot write the rewrite cache" in caplog.text  # the graphs' cache too: a warning, not a failed load
 
 
-def test_the_key_follows_the_graph_the_machine_and_the_settings(llama, build, monkeypatch):
+def test_the_key_follows_the_graph_the_machine_and_the_settings(llama, build, monkeypatch, tmp_path):
+    """The key follows what the runs' time depends on: the graph that runs (the LM head as it runs,
+    not as asked for), the machine, the session options and ortmodule's settings."""
     monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "0")
     model = load(llama)
     key = kept_costs.settings_key(model.decoder)
@@ -116,6 +120,18 @@ def test_the_key_follows_the_graph_the_machine_and_the_settings(llama, build, mo
     options.intra_op_num_threads = 1
     assert kept_costs.settings_key(load(llama, session_options=options).decoder) != key
     assert kept_costs.settings_key(load(llama, rewrite_lm_head=False).decoder) != key
+    # lm-eval's default head, float32, runs the same graph as the default where the package's head
+    # already gives float32 sums: one entry, not a second measurement of the same runs; on a package that
+    # casts a half-precision head's logits to float32 it is another head, with costs of its own.
+    assert kept_costs.settings_key(load(llama, rewrite_lm_head="float32").decoder) == key
+    half = build("llama", precision="fp16")
+    assert kept_costs.settings_key(load(half, rewrite_lm_head="float32").decoder) == \
+        kept_costs.settings_key(load(half).decoder)  # a half-precision head whose logits are not cast: no rewrite
+    casting = float32_logits_copy(half, tmp_path / "casting")
+    float32_head = ortmodule.OrtModelForCausalLM.from_pretrained(casting, rewrite_lm_head="float32").decoder
+    assert float32_head.head_dtype == torch.float32
+    assert kept_costs.settings_key(float32_head) != kept_costs.settings_key(
+        ortmodule.OrtModelForCausalLM.from_pretrained(casting).decoder)
     monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "1")  # the extend session then packs nothing at a run
     assert kept_costs.settings_key(model.decoder) != key
     monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "0")
