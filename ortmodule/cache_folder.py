@@ -4,7 +4,8 @@ is in it, and clearing it (`ortmodule cache list|clear`, docs/usage.md "The cach
 Every entry is remade on demand, so clearing costs only the time to remake what is used again:
 - `graphs`: the rewritten graphs (the LM head at the positions asked for, the extend and prefill
   graphs), tens to hundreds of KB each; they reference the package's own weights;
-- `costs`: the measured costs that decide context sharing (kept_costs.py), a few KB each;
+- `costs`: the measured costs that decide context sharing (kept_costs.py), and which of ONNX Runtime's
+  paths a 4-bit package's prefills take on this CPU (nbits.py), a few KB each;
 - `packed`: ONNX Runtime's packed weights, about twice a package's weights each, written only with
   ORTMODULE_MAP_PACKED_WEIGHTS=1 (mapped.py).
 Keys hold the package's content, the settings and ortmodule's code, so entries of packages since
@@ -20,12 +21,14 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
 KINDS = {
     "graphs": "rewritten graphs (remade at the next load: a second or so each)",
-    "costs": "measured costs (remade where sharing is decided: seconds to a minute on a CPU)",
+    "costs": "measured costs and 4-bit path choices (remade where sharing or the path is decided: seconds to a "
+             "minute on a CPU)",
     "packed": "packed weights (ORTMODULE_MAP_PACKED_WEIGHTS=1 only; remade at the next load)",
 }
 IN_PROGRESS = 3600  # seconds: a write younger than this is left alone
@@ -78,6 +81,21 @@ def _entry(kind: str, path: Path) -> Entry | None:
         return Entry(kind, path, folder_bytes(path), last)
     except OSError:  # removed meanwhile (another process clearing, or replacing it)
         return None
+
+
+def write_atomically(entry: Path, text: str) -> OSError | None:
+    """Write `text` to `entry` through a temporary file of this writer renamed into place, so that a
+    reader sees the old content or the new, whole; the error where the folder cannot be written."""
+    partial = entry.with_name(f".{entry.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(text)
+        partial.replace(entry)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # nothing to remove where the folder could not be made
+            partial.unlink(missing_ok=True)
+        return e
+    return None
 
 
 def folder_bytes(folder: Path) -> int:

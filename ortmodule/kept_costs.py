@@ -9,7 +9,6 @@ measured (a busy machine then or now, another clock), they are measured again.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import hashlib
@@ -17,7 +16,6 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -67,13 +65,15 @@ def settings_key(decoder) -> str:
     """What the costs depend on: the decoder graph's content, the machine (the CPU's model and the
     cores this process may use, or the GPU), ONNX Runtime's and torch's versions, the caller's
     session and provider options, ortmodule's settings of the decoder, ortmodule's own code, and
-    whether the CPU sessions' packed weights are mapped (mapped.py)."""
+    whether the CPU sessions' packed weights are mapped (mapped.py). A 4-bit package's runs are keyed
+    by the path they take (nbits.py: `quantized_prefill`'s "auto" resolved, so "auto" and the path it
+    chose share their costs, and costs measured on one path are never read for the other)."""
     options = decoder.session_options
     described = None if options is None else [getattr(options, name) for name in (
         "intra_op_num_threads", "inter_op_num_threads", "execution_mode", "graph_optimization_level")]
     parts = [graph.file_digest(decoder.spec.path), machine(decoder.device), ort.__version__, torch.__version__,
              repr(described), repr(sorted((decoder.provider_options or {}).items())), decoder.prefill_chunk,
-             decoder.quantized_prefill, decoder.prefill_attention, head_key(decoder), code_digest(),
+             f"fp32_path={decoder.fp32_path}", decoder.prefill_attention, head_key(decoder), code_digest(),
              f"mapped={mapped.wanted() and decoder.device.type == 'cpu'}"]  # mapped: no packing in a run
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:32]
 
@@ -129,14 +129,8 @@ def _positive(value) -> bool:
 
 
 def _write(entry: Path, record: dict) -> None:
-    """Write atomically (a temporary file renamed into place); a folder that cannot be written, a warning."""
-    partial = entry.with_name(f".{entry.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # per writer
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(record, indent=1) + "\n")
-        partial.replace(entry)
-    except OSError as e:
-        with contextlib.suppress(OSError):  # nothing to remove where the folder could not be made
-            partial.unlink(missing_ok=True)
+    """Write atomically; a folder that cannot be written, a warning."""
+    error = cache_folder.write_atomically(entry, json.dumps(record, indent=1) + "\n")
+    if error is not None:
         logger.warning("ortmodule: cannot keep the measured costs in %s (%s); they are measured at every load",
-                       entry.parent, e)
+                       entry.parent, error)

@@ -24,7 +24,11 @@ everywhere, as onnxruntime-genai runs it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import hashlib
+import json
+import logging
 import time
 from pathlib import Path
 
@@ -32,6 +36,10 @@ import onnx
 import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
+
+from . import cache_folder, mapped
+
+logger = logging.getLogger("ortmodule")
 
 FORCE_FP32 = "mlas.qnbit.force_fp32"  # ONNX Runtime's session config entry
 CHOICES = ("auto", "package", "fp32")
@@ -95,11 +103,33 @@ def probe_session(model: bytes, fp32: bool, threads: int = 0) -> ort.InferenceSe
 @functools.cache
 def fp32_path_is_faster(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
     """Whether this CPU runs a `rows` x `k` by 4-bit `k` x `n` product faster in ONNX Runtime's
-    fp32 path than in its int8 path (random weights; ~60 ms). The two paths' runs alternate, on one
-    thread each, and the best of five runs of each is compared: the choice changes the numbers, so
-    it must not follow the machine's momentary load (timed on all threads, one path after the other,
-    a busy core beside the probe could make the int8 path win on a CPU where the fp32 path is 1.7x
-    faster, and a run's numbers then differed from the last run's)."""
+    fp32 path than in its int8 path (`probe_paths`), kept in ortmodule's cache folder per CPU (its
+    model and feature flags), ONNX Runtime version and shape (`costs/nbits-path-*.json`): the choice
+    changes the numbers, so a machine takes the same path at every load and an evaluation run twice
+    gives the same numbers, where a probe near the edge could choose either way from one process to
+    the next. `ortmodule cache clear costs` probes again at the next load."""
+    key = "|".join(map(str, (mapped.cpu_identity(), ort.__version__, k, n, rows, FASTER_BY)))
+    entry = cache_folder.cache_home() / "costs" / f"nbits-path-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        stored = json.loads(entry.read_text())["fp32_path_is_faster"]
+        if isinstance(stored, bool):
+            cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
+            return stored
+    faster = probe_paths(k, n, rows)
+    record = {"fp32_path_is_faster": faster, "shape": [rows, k, n], "cpu": mapped.cpu_identity(),
+              "onnxruntime": ort.__version__}
+    error = cache_folder.write_atomically(entry, json.dumps(record, indent=1) + "\n")
+    if error is not None:
+        logger.info("ortmodule: cannot keep the 4-bit path chosen for this CPU in %s (%s)", entry.parent, error)
+    return faster
+
+
+def probe_paths(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
+    """Time both paths once (random weights; ~60 ms). The two paths' runs alternate, on one thread
+    each, and the best of five runs of each is compared: the choice changes the numbers, so it must
+    not follow the machine's momentary load (timed on all threads, one path after the other, a busy
+    core beside the probe could make the int8 path win on a CPU where the fp32 path is 1.7x faster,
+    and a run's numbers then differed from the last run's)."""
     model = probe_graph(k, n, rows)
     x = {"x": torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).numpy()}
     sessions = [probe_session(model, fp32, threads=1) for fp32 in (False, True)]

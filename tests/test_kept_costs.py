@@ -11,7 +11,7 @@ import torch
 from helpers import float32_logits_copy
 
 import ortmodule
-from ortmodule import costs, kept_costs
+from ortmodule import costs, kept_costs, nbits
 
 
 @pytest.fixture
@@ -132,9 +132,42 @@ def test_the_key_follows_the_graph_the_machine_and_the_settings(llama, build, mo
     assert float32_head.head_dtype == torch.float32
     assert kept_costs.settings_key(float32_head) != kept_costs.settings_key(
         ortmodule.OrtModelForCausalLM.from_pretrained(casting).decoder)
+    # A 4-bit package's costs follow the path its runs take: "auto" shares the key of the path it chose.
+    four = build("llama", precision="int4")
+    keys = {choice: kept_costs.settings_key(load(four, quantized_prefill=choice).decoder) for choice in ("fp32",
+                                                                                                       "package")}
+    chosen = load(four).decoder
+    assert keys["fp32"] != keys["package"]
+    assert kept_costs.settings_key(chosen) == keys["fp32" if chosen.fp32_path else "package"]
     monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "1")  # the extend session then packs nothing at a run
     assert kept_costs.settings_key(model.decoder) != key
     monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "0")
     monkeypatch.setattr(kept_costs, "machine", lambda device: "another CPU, 64 cores")
     assert kept_costs.settings_key(model.decoder) != key
     assert kept_costs.machine(model.device).endswith(" cores")
+
+
+def test_the_4_bit_path_chosen_for_this_cpu_is_kept(build, monkeypatch, tmp_path):
+    """`quantized_prefill="auto"` probes the two paths once per CPU, ONNX Runtime and shape and keeps
+    the answer, so that later loads (later processes) take the same path and give the same numbers;
+    a record that is not whole probes again, and so does another shape."""
+    monkeypatch.setenv("ORTMODULE_CACHE", str(tmp_path))
+    answers, probes = iter([False, True, True]), []
+    monkeypatch.setattr(nbits, "probe_paths", lambda *shape: probes.append(shape) or next(answers))
+    four = build("llama", precision="int4")
+
+    def fresh_process_chooses() -> bool:
+        nbits.fp32_path_is_faster.cache_clear()  # what a new process starts with
+        return load(four).decoder.fp32_path
+
+    assert not fresh_process_chooses() and len(probes) == 1  # probed: the package's path
+    assert not fresh_process_chooses() and not fresh_process_chooses() and len(probes) == 1  # kept, not probed
+    (entry,) = (tmp_path / "costs").glob("nbits-path-*.json")
+    assert json.loads(entry.read_text())["fp32_path_is_faster"] is False
+    entry.write_text("{")  # damaged
+    assert fresh_process_chooses() and len(probes) == 2
+    assert fresh_process_chooses() and len(probes) == 2
+    nbits.fp32_path_is_faster.cache_clear()
+    assert nbits.fp32_path_is_faster(64, 96, 32) and len(probes) == 3  # another shape: its own probe
+    assert len(list((tmp_path / "costs").glob("nbits-path-*.json"))) == 2
+    nbits.fp32_path_is_faster.cache_clear()
