@@ -239,6 +239,27 @@ def test_streams_carry_the_log_probabilities_of_their_chunks(setup):
     assert all(c["choices"][0]["logprobs"] is None for c in plain if c["choices"])
 
 
+def test_a_stream_with_echo_begins_each_choice_with_its_prompt(setup):
+    """`echo` in a completions stream (vLLM's way): each choice's first chunk is its prompt's text, then
+    the generated text; put together, the unstreamed answer's text (text and token-id prompts, two
+    choices each, greedy and seeded sampling, one greedy token as lm-eval's generation asks)."""
+    live, _, _, tokenizer, _ = setup
+    texts = ["The quick brown fox", "Once upon a time there"]
+    for prompts in (texts, [tokenizer(text).input_ids for text in texts]):
+        for extra in ({"temperature": 0, "max_tokens": 8}, {"temperature": 0.9, "seed": 3, "max_tokens": 8},
+                      {"temperature": 0, "max_tokens": 1}):
+            request = {"model": NAME, "prompt": prompts, "echo": True, "n": 2, **extra}
+            whole = live.client.post("/v1/completions", json=request).json()["choices"]
+            chunks = [c["choices"][0] for c in streamed(live, "/v1/completions", request) if c["choices"]]
+            assert len(whole) == 4
+            for choice in whole:
+                mine = [c for c in chunks if c["index"] == choice["index"]]
+                prompt = prompts[choice["index"] // 2]
+                assert mine[0]["text"] == (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)), extra
+                assert len(mine) > 2 and "".join(c["text"] for c in mine) == choice["text"], extra
+                assert mine[-1]["finish_reason"] == choice["finish_reason"]
+
+
 def test_n_choices_of_each_prompt(setup):
     """OpenAI's `n`: choice i * n + k is prompt i's k-th; sampled with a seed, choice k draws with seed
     + k (as `model.generate` with that seed's generator); greedy choices are transformers' greedy
@@ -467,6 +488,9 @@ BAD = [
     ("/v1/completions", {"model": NAME, "prompt": "x", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "echo": "yes"}, 400, "echo"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "logprobs"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "echo": True, "max_tokens": 0, "stream": True}, 400,
+     "max_tokens"),
     ("/v1/completions", {"model": NAME}, 400, "prompt"),
     ("/v1/completions", {"model": NAME, "prompt": "x" * 200_000}, 400, "prompt"),  # cannot fit, never tokenized
     ("/v1/completions", {"model": NAME, "prompt": ["x"] * 1025}, 400, "prompt"),  # over --max-items prompts

@@ -139,11 +139,15 @@ def completion_job(served: Served, body: CompletionRequest, loop):
                            f"most {served.settings.max_items} choices a request", "prompt" if body.n == 1 else "n")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise ServingError(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
-    if body.stream and body.echo:
-        raise ServingError("stream does not carry echo; ask without stream", "stream")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     if max_tokens < 0 or (max_tokens == 0 and not body.echo):
         raise ServingError(f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}", "max_tokens")
+    if body.stream and body.echo and body.logprobs is not None:
+        raise ServingError("a stream with echo carries the prompt's text, not its log-probabilities: ask without "
+                           "stream for them", "logprobs")
+    if body.stream and body.echo and max_tokens == 0:
+        raise ServingError("a stream with echo needs max_tokens of at least 1 (with 0 there is only the prompt: "
+                           "ask without stream)", "max_tokens")
     texts = [(f"prompt[{i}]", text) for i, text in enumerate(entries) if isinstance(text, str)]
     served.check_texts(texts)
     if texts:
@@ -160,7 +164,8 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     served.check_values((echoed + generated) * body.n, "the log-probabilities asked for", "logprobs")
     sampling = sampling_of(served, body, max_tokens, body.logprobs, stop)
     prompts = [prompt for prompt in prompts for _ in range(body.n)]  # choice i * n + k: prompt i's k-th
-    if body.echo and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy and not sampling.processed)):
+    if body.echo and not body.stream and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy
+                                                              and not sampling.processed)):
         return PromptJob(prompts, body.logprobs or 0, max_tokens == 1, stop, loop)
     top = body.logprobs if body.echo and body.logprobs is not None else None
     return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top, copies=body.n)
@@ -313,16 +318,20 @@ def _sse(data) -> str:
     return f"data: {data if isinstance(data, str) else dumps(data)}\n\n"
 
 
-async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int):
+async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int, echo: bool = False):
     """The server-sent events of a streamed completion (`n` choices of each prompt), with the
     log-probabilities of each chunk's tokens where asked for (those of tokens whose text is held back,
-    with a later chunk's; the rest with the last); if the client goes away, its rows stop."""
+    with a later chunk's; the rest with the last); with `echo`, each choice's prompt text first, as
+    vLLM streams it; if the client goes away, its rows stop."""
     ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
     logprobs = _StreamedLogprobs(served.tokenizer, kind, job.sampling.logprobs)
     try:
         if kind == "chat.completion.chunk":
             for index in range(n):
                 yield _chunk(served, kind, ident, index, role=True)
+        if echo:
+            for index, prompt in enumerate(job.prompts):
+                yield _chunk(served, kind, ident, index, served.tokenizer.decode(prompt))
         while (event := await job.stream.get()) is not None:
             index, text, scored = event
             yield _chunk(served, kind, ident, index, text, logprobs=logprobs.of(index, scored))
@@ -366,7 +375,8 @@ def add_routes(app: FastAPI, served: Served) -> None:
         if body.stream:
             job = await start(served, make_job, body)
             include = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_events(served, job, kind, include, body.n), media_type="text/event-stream")
+            return StreamingResponse(_events(served, job, kind, include, body.n, bool(getattr(body, "echo", False))),
+                                     media_type="text/event-stream")
         return await run(served, make_job, body, request, respond)
 
     @app.post("/v1/completions")
