@@ -108,7 +108,8 @@ def fp32_path_is_faster(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
     changes the numbers, so a machine takes the same path at every load and an evaluation run twice
     gives the same numbers, where a probe near the edge could choose either way from one process to
     the next. `ortmodule cache clear costs` probes again at the next load."""
-    key = "|".join(map(str, (mapped.cpu_identity(), ort.__version__, k, n, rows, FASTER_BY)))
+    cpu = mapped.cpu_identity()
+    key = "|".join(map(str, (cpu, ort.__version__, k, n, rows, FASTER_BY)))
     entry = cache_folder.cache_home() / "costs" / f"nbits-path-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
         stored = json.loads(entry.read_text())["fp32_path_is_faster"]
@@ -116,7 +117,7 @@ def fp32_path_is_faster(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
             cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
             return stored
     faster = probe_paths(k, n, rows)
-    record = {"fp32_path_is_faster": faster, "shape": [rows, k, n], "cpu": mapped.cpu_identity(),
+    record = {"fp32_path_is_faster": faster, "shape": [rows, k, n], "cpu": cpu,
               "onnxruntime": ort.__version__}
     error = cache_folder.write_atomically(entry, json.dumps(record, indent=1) + "\n")
     if error is not None:

@@ -329,9 +329,10 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
         if kind == "chat.completion.chunk":
             for index in range(n):
                 yield _chunk(served, kind, ident, index, role=True)
-        if echo:
-            for index, prompt in enumerate(job.prompts):
-                yield _chunk(served, kind, ident, index, served.tokenizer.decode(prompt))
+        if echo:  # choice i * n + k is prompt i's k-th: each prompt decoded once
+            texts = [served.tokenizer.decode(prompt) for prompt in job.prompts[::n]]
+            for index in range(len(job.prompts)):
+                yield _chunk(served, kind, ident, index, texts[index // n])
         while (event := await job.stream.get()) is not None:
             index, text, scored = event
             yield _chunk(served, kind, ident, index, text, logprobs=logprobs.of(index, scored))
