@@ -12,7 +12,9 @@ Keys hold the package's content, the settings and ortmodule's code, so entries o
 changed or deleted, and of older ortmodule versions, are never read again. An entry's last use is
 its modification time, renewed whenever a load reads it (`touch`), so `--older-than` removes what no
 load has used for that long. A file or folder whose name starts with "." is a write in progress:
-left alone for an hour, then counted as the remains of a process that was killed.
+left alone for an hour, then counted as the remains of a process that was killed. The exception, files
+named `.timing-DEVICE.lock` in `costs`: `exclusive`'s locks (a few bytes, never listed as entries), so
+that processes that load packages at once time one device's runs one after the other, each time once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: there `exclusive` holds off this process's other threads only
+    fcntl = None
 
 KINDS = {
     "graphs": "rewritten graphs (remade at the next load: a second or so each)",
@@ -65,6 +73,8 @@ def entries(kinds=tuple(KINDS), home: Path | None = None) -> list[Entry]:
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for path in (home / kind).iterdir():
                 entry = _entry(kind, path)
+                if path.name.endswith(".lock"):  # `exclusive`'s locks
+                    continue
                 if entry is not None and not (path.name.startswith(".") and now - entry.last_used < IN_PROGRESS):
                     found.append(entry)
     return sorted(found, key=lambda e: e.last_used)
@@ -96,6 +106,67 @@ def write_atomically(entry: Path, text: str) -> OSError | None:
             partial.unlink(missing_ok=True)
         return e
     return None
+
+
+def timing_lock(folder: Path, device: str) -> Path:
+    """The lock (`exclusive`) that runs timed on `device` ("cpu", "cuda0") take, in `folder`."""
+    return Path(folder) / f".timing-{device}.lock"
+
+
+_THREAD_LOCKS: dict[Path, threading.RLock] = {}
+_HELD: dict[Path, int] = {}  # how deep the thread that holds a lock holds it
+_MADE = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path, waiting: Callable[[str], None] | None = None):
+    """Hold `lock` against every other thread of this process and every other process that asks for
+    it (an exclusive `flock` on the file `lock`, made where missing): what is measured and kept once
+    for all (kept_costs.py, nbits.py) is measured by one of them while the others wait, then read by
+    them, and a timing is never taken while another process times the same device. Re-entrant
+    within a thread. `waiting(holder)` is called where another process holds it (`holder`: its
+    process id as it wrote it). Where the lock cannot be made (a folder that cannot be written, a file
+    system without `flock`, Windows), this process's threads only."""
+    lock = Path(lock)
+    with _MADE:
+        thread_lock = _THREAD_LOCKS.setdefault(lock, threading.RLock())
+    with thread_lock:
+        depth = _HELD.get(lock, 0)
+        held = _lock_file(lock, waiting) if depth == 0 else None
+        _HELD[lock] = depth + 1
+        try:
+            yield
+        finally:
+            _HELD[lock] = depth
+            if held is not None:
+                os.close(held)  # closing the file lets the lock go
+
+
+def _lock_file(lock: Path, waiting: Callable[[str], None] | None) -> int | None:
+    """The open file of `lock`, locked (`exclusive`); None where it cannot be."""
+    if fcntl is None:
+        return None
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting(os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError:  # no flock on this file system
+        os.close(fd)
+        return None
+    except BaseException:  # interrupted while waiting
+        os.close(fd)
+        raise
+    return fd
 
 
 def folder_bytes(folder: Path) -> int:

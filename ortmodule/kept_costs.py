@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -36,28 +37,37 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
     ortmodule code where one small prefill still takes the time it took when they were measured.
     `refresh`: measure again regardless. The costs go to the decoder's `cache_dir`, else ortmodule's
     cache folder's `costs`; a folder that cannot be written costs a measurement per process, with a
-    warning."""
+    warning. Processes and threads that ask at once take turns (`cache_folder.exclusive`, one lock per
+    device): the first measures, the others then read its costs, and none times its runs beside another's."""
     where = Path(decoder.cache_dir or graph.cache_home() / "costs")
     package = decoder.spec.path.parent
     entry = where / f"{package.name}-{decoder.spec.path.stem}-{settings_key(decoder)}.json"
-    stored = None if refresh else _read(entry)
-    if stored is not None:
-        now = costs.check_seconds(decoder)
-        if 1 / TOLERANCE <= now / stored["check_seconds"] <= TOLERANCE:
-            cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
-            return costs.Costs(**stored["costs"])
-        logger.info("ortmodule: a prefill took %.3f s where it took %.3f s when the costs of %s were measured (%s); "
-                    "measuring them again", now, stored["check_seconds"], package, stored["measured"])
-    logger.info("ortmodule: timing the runs of %s on %s, from which context sharing is decided (seconds to minutes "
-                "on a CPU; kept in %s for later loads)", package, decoder.device, where)
-    start = time.perf_counter()
-    with tqdm(total=costs.phases(decoder), desc=f"ortmodule: timing {package.name}'s runs", unit="part") as bar:
-        found = costs.measure(decoder, lambda part: (bar.update(), bar.set_postfix_str(f"{part} done")))
-    if found is not None:
-        record = {"costs": found._asdict(), "check_seconds": costs.check_seconds(decoder),
-                  "seconds": round(time.perf_counter() - start, 1), "machine": machine(decoder.device),
-                  "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-        _write(entry, record)
+
+    def waiting(holder: str) -> None:
+        tqdm.write(f"ortmodule: waiting for process {holder}, which is timing runs on {decoder.device}, to finish "
+                   f"(then the costs of {package.name} are read or timed here)", file=sys.stderr)
+
+    # Processes that load packages at once (lm-eval's data-parallel ranks, say) time one device one after
+    # the other: a timing taken beside another is slowed by it, and the costs of one package are timed once.
+    with cache_folder.exclusive(cache_folder.timing_lock(where, device_name(decoder.device)), waiting):
+        stored = None if refresh else _read(entry)
+        if stored is not None:
+            now = costs.check_seconds(decoder)
+            if 1 / TOLERANCE <= now / stored["check_seconds"] <= TOLERANCE:
+                cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
+                return costs.Costs(**stored["costs"])
+            logger.info("ortmodule: a prefill took %.3f s where it took %.3f s when the costs of %s were measured "
+                        "(%s); measuring them again", now, stored["check_seconds"], package, stored["measured"])
+        logger.info("ortmodule: timing the runs of %s on %s, from which context sharing is decided (seconds to "
+                    "minutes on a CPU; kept in %s for later loads)", package, decoder.device, where)
+        start = time.perf_counter()
+        with tqdm(total=costs.phases(decoder), desc=f"ortmodule: timing {package.name}'s runs", unit="part") as bar:
+            found = costs.measure(decoder, lambda part: (bar.update(), bar.set_postfix_str(f"{part} done")))
+        if found is not None:
+            record = {"costs": found._asdict(), "check_seconds": costs.check_seconds(decoder),
+                      "seconds": round(time.perf_counter() - start, 1), "machine": machine(decoder.device),
+                      "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            _write(entry, record)
     return found
 
 
@@ -86,6 +96,11 @@ def head_key(decoder) -> str:
     if not decoder.keeps_positions:
         return "package head"
     return "float32 head at kept positions" if graph.has_float32_head(decoder.graph_bytes) else "kept positions"
+
+
+def device_name(device: torch.device) -> str:
+    """"cpu", or "cuda" and the GPU's index: the device whose timings `measured` holds apart."""
+    return "cpu" if device.type == "cpu" else f"cuda{device.index if device.index is not None else 0}"
 
 
 def machine(device: torch.device) -> str:

@@ -107,19 +107,23 @@ def fp32_path_is_faster(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
     model and feature flags), ONNX Runtime version and shape (`costs/nbits-path-*.json`): the choice
     changes the numbers, so a machine takes the same path at every load and an evaluation run twice
     gives the same numbers, where a probe near the edge could choose either way from one process to
-    the next. `ortmodule cache clear costs` probes again at the next load."""
+    the next; processes loading at once wait for the first one's probe (`cache_folder.exclusive`).
+    `ortmodule cache clear costs` probes again at the next load."""
     cpu = mapped.cpu_identity()
     key = "|".join(map(str, (cpu, ort.__version__, k, n, rows, FASTER_BY)))
     entry = cache_folder.cache_home() / "costs" / f"nbits-path-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
-    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        stored = json.loads(entry.read_text())["fp32_path_is_faster"]
-        if isinstance(stored, bool):
-            cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
-            return stored
-    faster = probe_paths(k, n, rows)
-    record = {"fp32_path_is_faster": faster, "shape": [rows, k, n], "cpu": cpu,
-              "onnxruntime": ort.__version__}
-    error = cache_folder.write_atomically(entry, json.dumps(record, indent=1) + "\n")
+    # Processes that load the package at once (lm-eval's data-parallel ranks) probe one after the other,
+    # the first one only: each of its own probes could choose the other path, and the ranks' numbers differ.
+    with cache_folder.exclusive(cache_folder.timing_lock(entry.parent, "cpu")):
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            stored = json.loads(entry.read_text())["fp32_path_is_faster"]
+            if isinstance(stored, bool):
+                cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
+                return stored
+        faster = probe_paths(k, n, rows)
+        record = {"fp32_path_is_faster": faster, "shape": [rows, k, n], "cpu": cpu,
+                  "onnxruntime": ort.__version__}
+        error = cache_folder.write_atomically(entry, json.dumps(record, indent=1) + "\n")
     if error is not None:
         logger.info("ortmodule: cannot keep the 4-bit path chosen for this CPU in %s (%s)", entry.parent, error)
     return faster

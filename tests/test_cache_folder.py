@@ -53,12 +53,13 @@ def test_loads_fill_the_folder_and_a_cleared_package_loads_again_alike(llama, ho
     assert sorted((home / "graphs").glob("*.onnx")) == graphs  # a dry run removes nothing
     cli(["cache", "clear", "graphs"])
     assert f"graphs: removed {len(graphs)} entries" in capsys.readouterr().out
-    assert not list((home / "graphs").iterdir()) and len(list((home / "costs").iterdir())) == 1  # only the kind named
+    assert not list((home / "graphs").iterdir()) and len(list((home / "costs").glob("*.json"))) == 1  # only the kind named
     again = load(llama)  # its rewritten graph remade (the extend graph where sharing is first decided)
     remade = sorted((home / "graphs").glob("*.onnx"))
     assert torch.equal(logits(again), before) and remade and set(remade) < set(graphs)
     cli(["cache", "clear"])
     assert cache_folder.entries() == []
+    assert [p.name for p in (home / "costs").iterdir()] == [".timing-cpu.lock"]  # the timings' lock: not an entry
 
 
 def test_a_load_renews_what_it_reads_and_clear_older_than_removes_the_unused(llama, home, capsys):
@@ -86,10 +87,14 @@ def test_writes_in_progress_are_left_alone_for_an_hour(home):
     assert cache_folder.entries() == []
     cli(["cache", "clear"])
     assert writing.exists()
+    lock = cache_folder.timing_lock(home / "costs", "cpu")  # `exclusive`'s lock, a few bytes: never an entry
+    with cache_folder.exclusive(lock):
+        pass
     age(writing, 2 / 24)  # two hours: the remains of a killed process
+    age(lock, 2 / 24)
     assert [e.path for e in cache_folder.entries()] == [writing]
     cli(["cache", "clear"])
-    assert not writing.exists()
+    assert not writing.exists() and lock.exists()
 
 
 def test_packed_weights_are_one_entry_each_their_last_use_renewed_by_a_load(llama, home, monkeypatch, capsys):

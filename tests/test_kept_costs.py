@@ -171,3 +171,86 @@ def test_the_4_bit_path_chosen_for_this_cpu_is_kept(build, monkeypatch, tmp_path
     assert nbits.fp32_path_is_faster(64, 96, 32) and len(probes) == 3  # another shape: its own probe
     assert len(list((tmp_path / "costs").glob("nbits-path-*.json"))) == 2
     nbits.fp32_path_is_faster.cache_clear()
+
+
+# Two processes that load at once: each waits at a barrier (both ready files), then asks for the same
+# kept answer; the work that answer takes is stretched (a sleep) so that the second asks while the first works.
+AT_ONCE = """
+import pathlib, sys, time
+import torch
+import ortmodule
+from ortmodule import costs, nbits
+folder, me, what, package = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+work_log = folder / "work.log"
+real_probe, real_measure = nbits.probe_paths, costs.measure
+def probe(*shape):
+    with work_log.open("a") as f:
+        f.write("probe\\n")
+    time.sleep(2)
+    return real_probe(*shape)
+def measure(decoder, *shown):
+    with work_log.open("a") as f:
+        f.write("measure\\n")
+    time.sleep(2)
+    return real_measure(decoder, *shown)
+nbits.probe_paths, costs.measure = probe, measure
+costs.check_seconds = lambda decoder: 0.05  # a reading kept while the other process ran still holds
+(folder / f"ready-{me}").touch()
+deadline = time.monotonic() + 120
+while len(list(folder.glob("ready-*"))) < 2:
+    assert time.monotonic() < deadline, "the other process never got ready"
+    time.sleep(0.01)
+if what == "path":
+    print(nbits.fp32_path_is_faster(576, 1536))
+else:
+    model = ortmodule.OrtModelForCausalLM.from_pretrained(package)
+    torch.save(model.measured_costs()._asdict(), folder / f"costs-{me}.pt")
+"""
+
+
+@pytest.mark.parametrize("what", ["path", "costs"])
+def test_processes_that_load_at_once_take_turns(llama, tmp_path, what):
+    """Processes that ask for the same kept answer at once (lm-eval's data-parallel ranks loading a
+    package): the 4-bit path is probed once, the costs measured once (not twice, side by side,
+    each slowing the other), and every process reads the first one's answer; the one that waits says
+    for which process, as it may wait minutes."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ORTMODULE_CACHE=str(tmp_path / "cache"))
+    processes = [subprocess.Popen([sys.executable, "-c", AT_ONCE, str(tmp_path), str(i), what, str(llama.package_dir)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for i in range(2)]
+    finished = [process.communicate(timeout=300) for process in processes]
+    assert all(process.returncode == 0 for process in processes), finished
+    work = (tmp_path / "work.log").read_text().split()
+    assert work == ["probe" if what == "path" else "measure"], work
+    if what == "path":
+        assert len({out for out, _ in finished}) == 1
+    else:
+        answers = [torch.load(tmp_path / f"costs-{i}.pt") for i in range(2)]
+        assert answers[0] == answers[1]
+        waiting = [i for i, (_, err) in enumerate(finished) if "ortmodule: waiting for process" in err]
+        assert len(waiting) == 1, finished
+        assert f"waiting for process {processes[1 - waiting[0]].pid}," in finished[waiting[0]][1]
+
+
+def test_threads_that_ask_at_once_take_turns(llama, store, monkeypatch):
+    """Two threads of one process asking for the costs of one package at once: measured once."""
+    import threading
+    import time
+
+    _, calls = store
+    monkeypatch.setattr(costs, "check_seconds", lambda decoder: 0.05)
+    counted = costs.measure  # the store's: counts its calls
+    monkeypatch.setattr(costs, "measure", lambda decoder, *shown: time.sleep(1) or counted(decoder, *shown))
+    decoders = [load(llama).decoder for _ in range(2)]
+    found = [None, None]
+    threads = [threading.Thread(target=lambda i=i: found.__setitem__(i, kept_costs.measured(decoders[i])))
+               for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and found[0] == found[1] and found[0] is not None
