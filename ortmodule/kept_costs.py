@@ -9,6 +9,7 @@ measured (a busy machine then or now, another clock), they are measured again.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -43,7 +44,10 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
     package = decoder.spec.path.parent
     entry = where / f"{package.name}-{decoder.spec.path.stem}-{settings_key(decoder)}.json"
 
+    waited_since = []
+
     def waiting(holder: str) -> None:
+        waited_since.append(time.time())
         tqdm.write(f"ortmodule: waiting for process {holder}, which is timing runs on {decoder.device}, to finish "
                    f"(then the costs of {package.name} are read or timed here)", file=sys.stderr)
 
@@ -51,13 +55,9 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
     # the other: a timing taken beside another is slowed by it, and the costs of one package are timed once.
     with cache_folder.exclusive(cache_folder.timing_lock(where, device_name(decoder.device)), waiting):
         stored = None if refresh else _read(entry)
-        if stored is not None:
-            now = costs.check_seconds(decoder)
-            if 1 / TOLERANCE <= now / stored["check_seconds"] <= TOLERANCE:
-                cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
-                return costs.Costs(**stored["costs"])
-            logger.info("ortmodule: a prefill took %.3f s where it took %.3f s when the costs of %s were measured "
-                        "(%s); measuring them again", now, stored["check_seconds"], package, stored["measured"])
+        if stored is not None and _still_true(decoder, entry, stored, waited_since[0] if waited_since else None):
+            cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
+            return costs.Costs(**stored["costs"])
         logger.info("ortmodule: timing the runs of %s on %s, from which context sharing is decided (seconds to "
                     "minutes on a CPU; kept in %s for later loads)", package, decoder.device, where)
         start = time.perf_counter()
@@ -69,6 +69,21 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
                       "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
             _write(entry, record)
     return found
+
+
+def _still_true(decoder, entry: Path, stored: dict, waited_since: float | None) -> bool:
+    """Whether stored costs hold: measured by another process while this one waited for it (then
+    the check's prefill would be timed beside that process's own work, which follows at once: lm-eval's
+    other ranks scoring), or one small prefill still takes the time it took when they were measured."""
+    with contextlib.suppress(OSError):
+        if waited_since is not None and entry.stat().st_mtime >= waited_since:
+            return True
+    now = costs.check_seconds(decoder)
+    if 1 / TOLERANCE <= now / stored["check_seconds"] <= TOLERANCE:
+        return True
+    logger.info("ortmodule: a prefill took %.3f s where it took %.3f s when the costs of %s were measured (%s); "
+                "measuring them again", now, stored["check_seconds"], decoder.spec.path.parent, stored["measured"])
+    return False
 
 
 def settings_key(decoder) -> str:
