@@ -115,7 +115,26 @@ def timing_lock(folder: Path, device: str) -> Path:
 
 _THREAD_LOCKS: dict[Path, threading.RLock] = {}
 _HELD: dict[Path, int] = {}  # how deep the thread that holds a lock holds it
+_OPEN: set[int] = set()  # the files of the locks this process holds
 _MADE = threading.Lock()
+
+
+def _forked() -> None:
+    """In a child forked while a thread held a lock: the child has neither that thread nor its turn.
+    Its copies of the lock files are closed (open, they would hold the parent's locks while the child
+    lives), and its locks start anew."""
+    for fd in _OPEN:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _OPEN.clear()
+    _THREAD_LOCKS.clear()
+    _HELD.clear()
+    global _MADE
+    _MADE = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 @contextlib.contextmanager
@@ -134,11 +153,14 @@ def exclusive(lock: Path, waiting: Callable[[str], None] | None = None):
         depth = _HELD.get(lock, 0)
         held = _lock_file(lock, waiting) if depth == 0 else None
         _HELD[lock] = depth + 1
+        if held is not None:
+            _OPEN.add(held)
         try:
             yield
         finally:
             _HELD[lock] = depth
-            if held is not None:
+            if held is not None and held in _OPEN:  # (not where a fork's child closed it)
+                _OPEN.discard(held)
                 os.close(held)  # closing the file lets the lock go
 
 

@@ -130,3 +130,38 @@ def test_bad_arguments_and_entries_that_cannot_be_removed_are_said(home, monkeyp
     with pytest.raises(SystemExit) as stop:
         cli(["cache", "clear"])
     assert stop.value.code == 1 and f"could not remove {kept}: read-only" in capsys.readouterr().err and kept.exists()
+
+
+FORKS_WHILE_HOLDING = """
+import fcntl, os, sys, time
+from ortmodule import cache_folder
+lock = sys.argv[1]
+with cache_folder.exclusive(lock):
+    child = os.fork()
+    if child == 0:  # the child takes its own turn once the parent has let the lock go, then lingers
+        with cache_folder.exclusive(lock):
+            pass
+        time.sleep(30)
+        os._exit(0)
+time.sleep(1)
+fd = os.open(lock, os.O_RDWR)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("free")
+except BlockingIOError:
+    print("held")
+os.kill(child, 9)
+os.waitpid(child, 0)
+"""
+
+
+def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
+    """A process that forks while one of its threads holds `exclusive`'s lock (the timing of a
+    package's runs): the child's copy of the lock file is closed, so the lock goes when the parent
+    lets it go, not when the child ends; the child takes turns of its own."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FORKS_WHILE_HOLDING, str(tmp_path / ".timing-cpu.lock")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["free"], done
