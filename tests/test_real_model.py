@@ -208,6 +208,7 @@ def test_int4_fp32_path_is_as_close_to_fp32_weights(smollm2, smollm2_int4):
     assert fp32 <= package * 1.02, (fp32, package)
 
 
+@pytest.mark.slow  # a whole measurement of the real int4 package's costs: 70-90 s a path on 2 vCPUs
 @pytest.mark.parametrize("path", ["package", "fp32"])
 def test_int4_sharing_keeps_long_documents_in_one_prefill(smollm2_int4, path):
     """The int4 package's costs as measured here (its extend session holds packed weights: unpacked,
