@@ -72,9 +72,9 @@ def entries(kinds=tuple(KINDS), home: Path | None = None) -> list[Entry]:
             raise ValueError(f"no cache kind {kind!r}: the kinds are {', '.join(KINDS)}")
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for path in (home / kind).iterdir():
-                entry = _entry(kind, path)
                 if path.name.endswith(".lock"):  # `exclusive`'s locks
                     continue
+                entry = _entry(kind, path)
                 if entry is not None and not (path.name.startswith(".") and now - entry.last_used < IN_PROGRESS):
                     found.append(entry)
     return sorted(found, key=lambda e: e.last_used)

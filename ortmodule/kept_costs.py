@@ -72,9 +72,10 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
 
 
 def _still_true(decoder, entry: Path, stored: dict, waited_since: float | None) -> bool:
-    """Whether stored costs hold: measured by another process while this one waited for it (then
-    the check's prefill would be timed beside that process's own work, which follows at once: lm-eval's
-    other ranks scoring), or one small prefill still takes the time it took when they were measured."""
+    """Whether stored costs hold: measured, or checked, by another process while this one waited for
+    it (then the check's prefill would be timed beside that process's own work, which follows at once:
+    lm-eval's other ranks scoring), or one small prefill still takes the time it took when they were
+    measured."""
     with contextlib.suppress(OSError):
         if waited_since is not None and entry.stat().st_mtime >= waited_since:
             return True

@@ -236,9 +236,9 @@ def test_processes_that_load_at_once_take_turns(llama, tmp_path, what):
     else:
         answers = [torch.load(tmp_path / f"costs-{i}.pt") for i in range(2)]
         assert answers[0] == answers[1]
-        waiting = [i for i, (_, err) in enumerate(finished) if "ortmodule: waiting for process" in err]
-        assert len(waiting) == 1, finished
-        assert f"waiting for process {processes[1 - waiting[0]].pid}," in finished[waiting[0]][1]
+    waiting = [i for i, (_, err) in enumerate(finished) if "ortmodule: waiting for process" in err]
+    assert len(waiting) == 1, finished
+    assert f"waiting for process {processes[1 - waiting[0]].pid}," in finished[waiting[0]][1]
 
 
 def test_threads_that_ask_at_once_take_turns(llama, store, monkeypatch):
