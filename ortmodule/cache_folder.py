@@ -146,7 +146,9 @@ def exclusive(lock: Path, waiting: Callable[[str], None] | None = None):
     within a thread. `waiting(holder)` is called where another process holds it (`holder`: its
     process id as it wrote it). Where the lock cannot be made (a folder that cannot be written, a file
     system without `flock`, Windows), this process's threads only."""
-    lock = Path(lock)
+    # One lock per file, however its path is spelled: a second flock of the same file in one process
+    # (another open file) would wait for the first.
+    lock = Path(lock).resolve()
     with _MADE:
         thread_lock = _THREAD_LOCKS.setdefault(lock, threading.RLock())
     with thread_lock:

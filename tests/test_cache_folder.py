@@ -5,6 +5,7 @@ same numbers (its entries remade)."""
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +166,23 @@ def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
     done = subprocess.run([sys.executable, "-c", FORKS_WHILE_HOLDING, str(tmp_path / ".timing-cpu.lock")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["free"], done
+
+
+def test_the_lock_is_one_however_its_path_is_spelled(tmp_path, monkeypatch):
+    """Taken again in the same thread through another spelling of its path (a relative `cache_dir`,
+    say), the lock is re-entered, not waited for: a second `flock` on the same file from one process
+    would wait for the first forever."""
+    import threading
+
+    monkeypatch.chdir(tmp_path)
+    lock = tmp_path / "costs" / ".timing-cpu.lock"
+    done = threading.Event()
+
+    def nested():
+        with cache_folder.exclusive(lock), cache_folder.exclusive(Path("costs/../costs/.timing-cpu.lock")):
+            done.set()
+
+    thread = threading.Thread(target=nested, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert done.is_set()
