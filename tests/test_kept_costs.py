@@ -173,8 +173,9 @@ def test_the_4_bit_path_chosen_for_this_cpu_is_kept(build, monkeypatch, tmp_path
     nbits.fp32_path_is_faster.cache_clear()
 
 
-# Two processes that load at once: each waits at a barrier (both ready files), then asks for the same
-# kept answer; the work that answer takes is stretched (a sleep) so that the second asks while the first works.
+# Two processes that load at once: each waits at a barrier (both ready files; for the costs, with the
+# model loaded), then asks for the same kept answer; the work that answer takes is stretched (a sleep)
+# so that the second asks while the first works.
 AT_ONCE = """
 import pathlib, sys, time
 import torch
@@ -198,15 +199,18 @@ def measure(decoder, *shown):
     time.sleep(2)
     return real_measure(decoder, *shown)
 nbits.probe_paths, costs.measure, costs.check_seconds = probe, measure, check
-(folder / f"ready-{me}").touch()
-deadline = time.monotonic() + 120
-while len(list(folder.glob("ready-*"))) < 2:
-    assert time.monotonic() < deadline, "the other process never got ready"
-    time.sleep(0.01)
+def barrier():
+    (folder / f"ready-{me}").touch()
+    deadline = time.monotonic() + 120
+    while len(list(folder.glob("ready-*"))) < 2:
+        assert time.monotonic() < deadline, "the other process never got ready"
+        time.sleep(0.01)
 if what == "path":
+    barrier()
     print(nbits.fp32_path_is_faster(576, 1536))
 else:
     model = ortmodule.OrtModelForCausalLM.from_pretrained(package)
+    barrier()  # both loaded: they ask for the costs at once
     torch.save(model.measured_costs()._asdict(), folder / f"costs-{me}.pt")
 """
 
