@@ -23,9 +23,9 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 try:
@@ -114,8 +114,7 @@ def timing_lock(folder: Path, device: str) -> Path:
 
 
 _THREAD_LOCKS: dict[Path, threading.RLock] = {}
-_HELD: dict[Path, int] = {}  # how deep the thread that holds a lock holds it
-_OPEN: set[int] = set()  # the files of the locks this process holds
+_HELD: dict[Path, int | None] = {}  # the locks this process holds: their open files (None: not made)
 _MADE = threading.Lock()
 
 
@@ -123,12 +122,11 @@ def _forked() -> None:
     """In a child forked while a thread held a lock: the child has neither that thread nor its turn.
     Its copies of the lock files are closed (open, they would hold the parent's locks while the child
     lives), and its locks start anew."""
-    for fd in _OPEN:
+    for fd in filter(None, _HELD.values()):
         with contextlib.suppress(OSError):
             os.close(fd)
-    _OPEN.clear()
-    _THREAD_LOCKS.clear()
     _HELD.clear()
+    _THREAD_LOCKS.clear()
     global _MADE
     _MADE = threading.Lock()
 
@@ -138,59 +136,63 @@ if hasattr(os, "register_at_fork"):
 
 
 @contextlib.contextmanager
-def exclusive(lock: Path, waiting: Callable[[str], None] | None = None):
+def exclusive(lock: Path, then: str = ""):
     """Hold `lock` against every other thread of this process and every other process that asks for
     it (an exclusive `flock` on the file `lock`, made where missing): what is measured and kept once
     for all (kept_costs.py, nbits.py) is measured by one of them while the others wait, then read by
     them, and a timing is never taken while another process times the same device. Re-entrant
-    within a thread. `waiting(holder)` is called where another process holds it (`holder`: its
-    process id as it wrote it). Where the lock cannot be made (a folder that cannot be written, a file
-    system without `flock`, Windows), this process's threads only."""
+    within a thread. Where another process holds it, a line on stderr names that process and what
+    follows the wait (`then`). Yields when the wait for another process began (`time.time()`), or
+    None. Where the lock cannot be made (a folder that cannot be written, a file system without
+    `flock`, Windows), this process's threads only."""
     # One lock per file, however its path is spelled: a second flock of the same file in one process
     # (another open file) would wait for the first.
     lock = Path(lock).resolve()
     with _MADE:
         thread_lock = _THREAD_LOCKS.setdefault(lock, threading.RLock())
     with thread_lock:
-        depth = _HELD.get(lock, 0)
-        held = _lock_file(lock, waiting) if depth == 0 else None
-        _HELD[lock] = depth + 1
-        if held is not None:
-            _OPEN.add(held)
+        outermost = lock not in _HELD
+        waited_since = None
+        if outermost:
+            _HELD[lock], waited_since = _lock_file(lock, then)
         try:
-            yield
+            yield waited_since
         finally:
-            _HELD[lock] = depth
-            if held is not None and held in _OPEN:  # (not where a fork's child closed it)
-                _OPEN.discard(held)
+            held = _HELD.pop(lock, None) if outermost else None  # (None in a fork's child: closed there)
+            if held is not None:
                 os.close(held)  # closing the file lets the lock go
 
 
-def _lock_file(lock: Path, waiting: Callable[[str], None] | None) -> int | None:
-    """The open file of `lock`, locked (`exclusive`); None where it cannot be."""
+def _lock_file(lock: Path, then: str) -> tuple[int | None, float | None]:
+    """The open file of `lock`, locked (`exclusive`), None where it cannot be; and when the wait for
+    another process began, or None."""
     if fcntl is None:
-        return None
+        return None, None
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
-        return None
+        return None, None
+    waited_since = None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if waiting is not None:
-                waiting(os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown")
+            waited_since = time.time()
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            device = lock.stem.removeprefix(".timing-")
+            print(f"ortmodule: waiting for process {holder}, which is timing runs on {device}, to finish"
+                  f"{f' (then {then})' if then else ''}", file=sys.stderr, flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
     except OSError:  # no flock on this file system
         os.close(fd)
-        return None
+        return None, None
     except BaseException:  # interrupted while waiting
         os.close(fd)
         raise
-    return fd
+    return fd, waited_since
 
 
 def folder_bytes(folder: Path) -> int:

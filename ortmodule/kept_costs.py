@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -44,18 +43,12 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
     package = decoder.spec.path.parent
     entry = where / f"{package.name}-{decoder.spec.path.stem}-{settings_key(decoder)}.json"
 
-    waited_since = []
-
-    def waiting(holder: str) -> None:
-        waited_since.append(time.time())
-        tqdm.write(f"ortmodule: waiting for process {holder}, which is timing runs on {decoder.device}, to finish "
-                   f"(then the costs of {package.name} are read or timed here)", file=sys.stderr)
-
     # Processes that load packages at once (lm-eval's data-parallel ranks, say) time one device one after
     # the other: a timing taken beside another is slowed by it, and the costs of one package are timed once.
-    with cache_folder.exclusive(cache_folder.timing_lock(where, device_name(decoder.device)), waiting):
+    lock = cache_folder.timing_lock(where, device_name(decoder.device))
+    with cache_folder.exclusive(lock, f"the costs of {package.name} are read or timed here") as waited_since:
         stored = None if refresh else _read(entry)
-        if stored is not None and _still_true(decoder, entry, stored, waited_since[0] if waited_since else None):
+        if stored is not None and _still_true(decoder, entry, stored, waited_since):
             cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
             return costs.Costs(**stored["costs"])
         logger.info("ortmodule: timing the runs of %s on %s, from which context sharing is decided (seconds to "

@@ -29,7 +29,6 @@ import functools
 import hashlib
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -115,11 +114,8 @@ def fp32_path_is_faster(k: int, n: int, rows: int = PROBE_ROWS) -> bool:
     entry = cache_folder.cache_home() / "costs" / f"nbits-path-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
     # Processes that load the package at once (lm-eval's data-parallel ranks) probe one after the other,
     # the first one only: each of its own probes could choose the other path, and the ranks' numbers differ.
-    def waiting(holder: str) -> None:  # another process timing runs on this CPU: seconds to minutes
-        print(f"ortmodule: waiting for process {holder}, which is timing runs on cpu, to finish (then this CPU's "
-              f"path for 4-bit weights is read or probed here)", file=sys.stderr, flush=True)
-
-    with cache_folder.exclusive(cache_folder.timing_lock(entry.parent, "cpu"), waiting):
+    then = "this CPU's path for 4-bit weights is read or probed here"
+    with cache_folder.exclusive(cache_folder.timing_lock(entry.parent, "cpu"), then):
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             stored = json.loads(entry.read_text())["fp32_path_is_faster"]
             if isinstance(stored, bool):
