@@ -13,6 +13,7 @@ benchmarks/run.py runs the suite and this in one command.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import re
@@ -502,20 +503,31 @@ FOOTER = """## How to reproduce, and the GPU table
 
 
 def main(argv: list[str]) -> None:
-    if argv == ["--write"]:  # every page from its JSON in benchmarks/results/ (after adding a run's files)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--write", action="store_true",
+                       help="write every page from its JSON in benchmarks/results/ (after adding a run's files)")
+    which.add_argument("--check", action="store_true", help="exit 1 where a page differs from its JSON's rendering")
+    parser.add_argument("--size", default="cpu", choices=["cpu", "gpu", "smoke"],
+                        help="the suite size the JSON was run at")
+    parser.add_argument("json", nargs="*", help="pytest-benchmark JSON files: their page goes to stdout")
+    args = parser.parse_args(argv)
+    if args.write:
         for size, (page, _) in PAGES.items():
             if page_sources(size):
                 page.write_text(render_page(size))
                 print(f"wrote {page}")
         return
-    if argv == ["--check"]:
+    if args.check:
         stale = [str(page) for size, (page, _) in PAGES.items()
                  if page_sources(size) and page.read_text() != render_page(size)]
         sys.exit(f"pages that differ from their JSON's rendering: {stale}" if stale else 0)
-    size = "cpu"
-    if argv[:1] == ["--size"]:
-        size, argv = argv[1], argv[2:]
-    print(render([json.loads(Path(p).read_text()) for p in argv], size))
+    missing = [path for path in args.json if not Path(path).is_file()]
+    if not args.json or missing:
+        parser.error(f"no such file: {', '.join(missing)}" if missing
+                     else "give the JSON files to render, or --write or --check")
+    print(render([json.loads(Path(p).read_text()) for p in args.json], args.size))
 
 
 if __name__ == "__main__":

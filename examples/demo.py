@@ -15,6 +15,7 @@ Run: python examples/demo.py [--batch_size 8] [--precision fp32|int4]
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -80,6 +81,7 @@ def evaluate(lm, task_manager, limit=None) -> tuple[dict, float, float]:
     in_backend = []
 
     def clocked(call):
+        @functools.wraps(call)
         def run(requests, *args, **kwargs):
             start = time.perf_counter()
             try:
