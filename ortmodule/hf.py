@@ -99,15 +99,21 @@ FIXED_AT_EXPORT = {"quantization_config", "load_in_8bit", "load_in_4bit", "gguf_
 CONFIG_FIELDS = {"output_attentions", "output_hidden_states"}
 
 
+def unexpected_loading_options(kwargs: dict) -> list[str]:
+    """The names among `kwargs` that are none of transformers' loading arguments a package takes or refuses
+    by name (`loading_options`), sorted."""
+    return sorted(set(kwargs) - WITHOUT_EFFECT - FETCHING - FIXED_AT_EXPORT - CONFIG_FIELDS -
+                  {"dtype", "torch_dtype", "device_map"})
+
+
 def loading_options(device, kwargs: dict) -> tuple[object, dict, object, dict]:
     """transformers' loading arguments among `kwargs` (`from_pretrained`'s extra keywords): the device
     (from `device`, or `device_map` as transformers takes it on one device), the Hub fetching options,
     the dtype asked for ("auto" where none) and the config fields to set (`CONFIG_FIELDS`, booleans);
     a TypeError naming any other argument, a ValueError for one a package cannot honour."""
-    unknown = set(kwargs) - WITHOUT_EFFECT - FETCHING - FIXED_AT_EXPORT - CONFIG_FIELDS - \
-        {"dtype", "torch_dtype", "device_map"}
+    unknown = unexpected_loading_options(kwargs)
     if unknown:
-        raise TypeError(f"OrtModelForCausalLM.from_pretrained() got unexpected keyword arguments: {sorted(unknown)}")
+        raise TypeError(f"OrtModelForCausalLM.from_pretrained() got unexpected keyword arguments: {unknown}")
     fixed = sorted(name for name in FIXED_AT_EXPORT if kwargs.get(name) not in (None, False))
     if fixed:
         raise ValueError(f"{', '.join(fixed)}: a GenAI package's weights and precision were fixed when it was exported "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -339,6 +340,8 @@ class OrtModuleLM(HFLM):
                                  prefill_attention=prefill_attention)
         pretrained = str(pretrained) if isinstance(pretrained, Path) else pretrained
         refuse_hflm_options(kwargs)
+        if kwargs.get("max_length") is not None:  # checked here, not at the first request too long for it
+            kwargs["max_length"] = _positive_int(kwargs["max_length"], "max_length")
         super().__init__(pretrained=pretrained, device=device, **kwargs)
         # Tokenizing runs beside the device's work on CUDA, whose host cores idle meanwhile; a CPU's
         # cores run the model, so there every text is encoded before the first batch (one wave).
@@ -367,6 +370,8 @@ class OrtModuleLM(HFLM):
 
     def _create_model(self, pretrained: str, dtype: str | torch.dtype | None = "auto", **kwargs) -> None:
         check_dtype(dtype, self._package)
+        refuse_unknown_args({name: value for name, value in kwargs.items() if name not in _HFLM_MODEL_ARGS},
+                            self._device, self._package)
         self._model = OrtModelForCausalLM(self._package, device=self._device, **self._ort_options)
 
     @property
@@ -598,6 +603,24 @@ def refuse_hflm_options(kwargs: dict) -> None:
     if kwargs.get("parallelize"):
         logger.warning("ortmodule: parallelize=True is ignored: a package runs on the one device given (for several, "
                        "run lm-eval's data parallel: accelerate launch ... -m ortmodule.cli, docs/lm-eval.md)")
+
+
+# HFLM's own arguments of `_create_model`: the rest of what it passes on are the caller's extra model args.
+_HFLM_MODEL_ARGS = frozenset(inspect.signature(HFLM._create_model).parameters) - {"self", "kwargs"}
+
+
+def refuse_unknown_args(extras: dict, device, package) -> None:
+    """Model args that are neither HFLM's nor ortmodule's: `--model hf` hands them to transformers'
+    `from_pretrained`, which fails on a name it does not know. Those a package takes pass as they do
+    through `OrtModelForCausalLM.from_pretrained` (hf.loading_options: without effect, or checked); any
+    other is a TypeError naming it, so that a misspelt `share_context=false` is not silently ignored."""
+    unknown = hf.unexpected_loading_options(extras)
+    if unknown:
+        own = [name for name in inspect.signature(OrtModuleLM.__init__).parameters if name not in ("self", "kwargs")]
+        raise TypeError(f"unknown model_args for the ortmodule backend: {', '.join(unknown)} (it takes lm-eval's hf "
+                        f"arguments, its own: {', '.join(own[1:])}, and the transformers loading arguments a package "
+                        "can honour: docs/lm-eval.md)")
+    check_dtype(hf.loading_options(device, extras)[2], package)
 
 
 def check_dtype(dtype, package) -> None:

@@ -839,6 +839,35 @@ def test_hflm_model_args_that_would_change_the_numbers_are_refused_by_name(build
             backend(pretrained=package, device="cpu", **{name: value})
 
 
+def test_unknown_model_args_are_refused_by_name(build):
+    """A model arg that is neither HFLM's, ortmodule's nor a transformers loading argument is a TypeError
+    naming it, as `--model hf` fails on it in transformers (a misspelt `share_context=false` was silently
+    ignored: the run shared contexts anyway); transformers' loading arguments a package takes pass as
+    `OrtModelForCausalLM.from_pretrained` takes them, without effect or checked; `max_length` is checked
+    when the backend is made, not at the first request longer than it."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    package = str(build("llama").package_dir)
+    backend = get_model("ortmodule")
+    requests = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0)]
+    plain = backend(pretrained=package, device="cpu").loglikelihood(requests)
+    for name in ("share_context", "prefil_chunk", "foo"):
+        with pytest.raises(TypeError, match=f"unknown model_args for the ortmodule backend: {name} .*share_contexts"):
+            backend(pretrained=package, device="cpu", **{name: False})
+    accepted = {"attn_implementation": "sdpa", "low_cpu_mem_usage": True, "device_map": "cpu",
+                "torch_dtype": "float32", "local_files_only": True}
+    for name, value in accepted.items():
+        assert backend(pretrained=package, device="cpu", **{name: value}).loglikelihood(requests) == plain, name
+    checked = {"torch_dtype": ("float16", ValueError, "computes in float32"),
+               "load_in_4bit": (True, ValueError, "load_in_4bit: a GenAI package's weights"),
+               "device_map": ("cuda:1", ValueError, "name different devices"),
+               "max_length": (-5, ValueError, "max_length must be a positive integer, got -5")}
+    for name, (value, error, message) in checked.items():
+        with pytest.raises(error, match=message):
+            backend(pretrained=package, device="cpu", **{name: value})
+
+
 def few_shot_requests():
     """Requests shaped as lm-eval's 5-shot MMLU: three subjects whose questions all start with the
     subject's 40-token examples, then a question of 3-10 tokens; four one-token letters for most
