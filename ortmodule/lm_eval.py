@@ -340,8 +340,6 @@ class OrtModuleLM(HFLM):
                                  prefill_attention=prefill_attention)
         pretrained = str(pretrained) if isinstance(pretrained, Path) else pretrained
         refuse_hflm_options(kwargs)
-        if kwargs.get("max_length") is not None:  # checked here, not at the first request too long for it
-            kwargs["max_length"] = _positive_int(kwargs["max_length"], "max_length")
         super().__init__(pretrained=pretrained, device=device, **kwargs)
         # Tokenizing runs beside the device's work on CUDA, whose host cores idle meanwhile; a CPU's
         # cores run the model, so there every text is encoded before the first batch (one wave).
@@ -370,8 +368,7 @@ class OrtModuleLM(HFLM):
 
     def _create_model(self, pretrained: str, dtype: str | torch.dtype | None = "auto", **kwargs) -> None:
         check_dtype(dtype, self._package)
-        refuse_unknown_args({name: value for name, value in kwargs.items() if name not in _HFLM_MODEL_ARGS},
-                            self._device, self._package)
+        refuse_unknown_args(self, kwargs)
         self._model = OrtModelForCausalLM(self._package, device=self._device, **self._ort_options)
 
     @property
@@ -587,7 +584,7 @@ _FIXED_AT_EXPORT = {"peft": "a PEFT adapter", "delta": "delta weights", "autogpt
 def refuse_hflm_options(kwargs: dict) -> None:
     """HFLM's model args that ortmodule cannot honour, refused by name rather than ignored (they would
     change the numbers a user asked for); `parallelize` (placement only) is a warning. Sets the causal
-    backend."""
+    backend, and `max_length` as a positive int."""
     for name, what in _FIXED_AT_EXPORT.items():
         if kwargs.get(name) not in (None, False, ""):
             raise ValueError(f"{name}={kwargs[name]!r} asks for {what}, which applies to a PyTorch model: an ONNX "
@@ -600,6 +597,8 @@ def refuse_hflm_options(kwargs: dict) -> None:
     if softmax is not None and get_dtype(softmax) != torch.float32:
         raise ValueError(f"softmax_dtype={softmax!r}: ortmodule computes log-softmax in float32 (leave it out, or "
                          "pass float32)")
+    if kwargs.get("max_length") is not None:  # checked here, not at the first request longer than it
+        kwargs["max_length"] = _positive_int(kwargs["max_length"], "max_length")
     if kwargs.get("parallelize"):
         logger.warning("ortmodule: parallelize=True is ignored: a package runs on the one device given (for several, "
                        "run lm-eval's data parallel: accelerate launch ... -m ortmodule.cli, docs/lm-eval.md)")
@@ -609,18 +608,21 @@ def refuse_hflm_options(kwargs: dict) -> None:
 _HFLM_MODEL_ARGS = frozenset(inspect.signature(HFLM._create_model).parameters) - {"self", "kwargs"}
 
 
-def refuse_unknown_args(extras: dict, device, package) -> None:
-    """Model args that are neither HFLM's nor ortmodule's: `--model hf` hands them to transformers'
-    `from_pretrained`, which fails on a name it does not know. Those a package takes pass as they do
-    through `OrtModelForCausalLM.from_pretrained` (hf.loading_options: without effect, or checked); any
-    other is a TypeError naming it, so that a misspelt `share_context=false` is not silently ignored."""
+def refuse_unknown_args(backend, kwargs: dict) -> None:
+    """What HFLM passes to `backend._create_model` beyond its own arguments: the caller's model args that
+    are neither HFLM's nor the backend's. `--model hf` hands them to transformers' `from_pretrained`, which
+    fails on a name it does not know. Those a package takes pass as they do through
+    `OrtModelForCausalLM.from_pretrained` (hf.loading_options: without effect, or checked); any other is
+    a TypeError naming it, so that a misspelt `share_context=false` is not silently ignored."""
+    extras = {name: value for name, value in kwargs.items() if name not in _HFLM_MODEL_ARGS}
     unknown = hf.unexpected_loading_options(extras)
     if unknown:
-        own = [name for name in inspect.signature(OrtModuleLM.__init__).parameters if name not in ("self", "kwargs")]
-        raise TypeError(f"unknown model_args for the ortmodule backend: {', '.join(unknown)} (it takes lm-eval's hf "
-                        f"arguments, its own: {', '.join(own[1:])}, and the transformers loading arguments a package "
-                        "can honour: docs/lm-eval.md)")
-    check_dtype(hf.loading_options(device, extras)[2], package)
+        own = [name for name in inspect.signature(type(backend).__init__).parameters
+               if name not in ("self", "pretrained", "kwargs")]
+        raise TypeError(f"unknown model_args for the {type(backend).__name__} backend: {', '.join(unknown)} (it "
+                        f"takes lm-eval's hf arguments, its own: {', '.join(own)}, and the transformers loading "
+                        "arguments a package can honour: docs/lm-eval.md)")
+    check_dtype(hf.loading_options(backend._device, extras)[2], backend._package)
 
 
 def check_dtype(dtype, package) -> None:

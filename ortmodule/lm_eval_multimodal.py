@@ -19,7 +19,7 @@ from lm_eval.models.hf_vlms import HFMultimodalLM
 
 from . import hub
 from .hf import build_config
-from .lm_eval import check_dtype, refuse_hflm_options
+from .lm_eval import check_dtype, refuse_hflm_options, refuse_unknown_args
 from .modeling import OrtModelForCausalLM
 from .package import read_package
 
@@ -76,6 +76,7 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
 
     def _create_model(self, pretrained: str, dtype: str | torch.dtype | None = "auto", **kwargs) -> None:
         check_dtype(dtype, self._package)
+        refuse_unknown_args(self, kwargs)
         self._model = OrtModelForCausalLM(self._package, device=self._device, provider_options=self._provider_options)
 
     def _create_tokenizer(self, pretrained, tokenizer, **kwargs) -> None:

@@ -360,6 +360,9 @@ def test_lm_eval_multimodal_backend_needs_a_processor_and_an_image_package(build
         OrtModuleMultimodalLM(str(build("qwen2_5_vl").package_dir))
     with pytest.raises(ValueError, match="names no model.image_token_id"):
         OrtModuleMultimodalLM(str(build("llama").package_dir), processor=ImageTextProcessor(build("qwen2_5_vl").hf_dir))
+    with pytest.raises(TypeError, match="model_args for the OrtModuleMultimodalLM backend: max_pixel .*processor"):
+        OrtModuleMultimodalLM(str(build("qwen2_5_vl").package_dir),
+                              processor=ImageTextProcessor(build("qwen2_5_vl").hf_dir), max_pixel=1000)
 
 
 # A chat template of Qwen2.5-VL's form: an image part is a vision start, one image pad, a vision end.

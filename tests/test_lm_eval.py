@@ -853,7 +853,7 @@ def test_unknown_model_args_are_refused_by_name(build):
     requests = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0)]
     plain = backend(pretrained=package, device="cpu").loglikelihood(requests)
     for name in ("share_context", "prefil_chunk", "foo"):
-        with pytest.raises(TypeError, match=f"unknown model_args for the ortmodule backend: {name} .*share_contexts"):
+        with pytest.raises(TypeError, match=f"unknown model_args for the OrtModuleLM backend: {name} .*share_contexts"):
             backend(pretrained=package, device="cpu", **{name: False})
     accepted = {"attn_implementation": "sdpa", "low_cpu_mem_usage": True, "device_map": "cpu",
                 "torch_dtype": "float32", "local_files_only": True}
