@@ -330,6 +330,23 @@ def test_the_console_command_serves_a_package(llama, tmp_path, monkeypatch):
         assert len(measured) == (1 if cache == "auto" else 0)
 
 
+def test_a_port_in_use_is_said_before_the_package_loads(llama, monkeypatch):
+    """`serve` binds its socket first: a port in use, or one outside 0-65535, is a ValueError naming it
+    (`ortmodule serve` says it as a usage error) before the package is loaded and its runs timed,
+    minutes for a big model, where uvicorn said it only after them."""
+    from ortmodule.serving import app
+
+    monkeypatch.setattr(OrtModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("the package loaded first"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1 port {port}: Address already in use"):
+            app.serve(str(llama.package_dir), port=port)
+    with pytest.raises(ValueError, match="cannot listen on 127.0.0.1 port 70000: .*0-65535"):
+        app.serve(str(llama.package_dir), port=70000)
+
+
 def test_prefill_attention_flag_serves_scores_from_the_prefill_graph(llama):
     """`ortmodule serve --prefill-attention onnx`: the score runs take the prefill graph (its load says
     so) and the scores are the package graph's."""

@@ -11,6 +11,7 @@ import dataclasses
 import hmac
 import logging
 import resource
+import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -240,6 +241,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     from ..hf import load_tokenizer
     from ..modeling import OrtModelForCausalLM
 
+    listening = bound_socket(host, port)  # before the package is fetched, loaded and timed: minutes, for a big one
     local = hub.resolve(path, subfolder, revision)
     if options.get("name") is None and not Path(path).exists():  # a Hub repository: its id, not the snapshot's hash
         options["name"] = "/".join(part.strip("/") for part in (path, subfolder or "") if part)
@@ -255,4 +257,19 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     config = uvicorn.Config(app, host=host, port=port, log_level="info", http=_timed_h11(settings.header_timeout),
                             limit_concurrency=open_files_for(settings.max_connections),
                             timeout_keep_alive=settings.keep_alive)
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[listening])
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound as uvicorn binds it but before the model loads (vLLM binds its port
+    before its engine starts too): a port in use, or a host this machine cannot listen on, is a
+    ValueError at once rather than uvicorn's error after the package was loaded and its runs timed."""
+    sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
+        sock.close()
+        raise ValueError(f"cannot listen on {host} port {port}: {getattr(e, 'strerror', None) or e}") from None
+    sock.set_inheritable(True)
+    return sock
