@@ -137,6 +137,7 @@ class Decoder:
         prefill_attention: str | None = None,
     ):
         self.package = package
+        runtime.checked_options(session_options, provider_options, device)
         self.quantized_prefill = nbits.checked_choice(quantized_prefill)
         self.prefill_attention = extend.checked_attention(prefill_attention)
         self.chosen_chunk = chunked.checked_chunk(prefill_chunk)  # None: chunked.default_chunk by device

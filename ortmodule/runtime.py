@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import onnx
@@ -86,6 +87,8 @@ def _float_dtype(values, name: str, what: str) -> torch.dtype:
 
 def parse_device(device: str | torch.device | int | None) -> torch.device:
     """'cpu', 'cuda', 'cuda:N' or an index -> a torch.device with an explicit index for CUDA."""
+    if isinstance(device, int) and not isinstance(device, bool):  # an index is a CUDA device, as in transformers
+        device = torch.device("cuda", device)
     device = torch.device("cpu" if device is None else device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -96,6 +99,20 @@ def parse_device(device: str | torch.device | int | None) -> torch.device:
     else:
         raise ValueError(f"unsupported device '{device}': use 'cpu', 'cuda' or 'cuda:N'")
     return device
+
+
+def checked_options(session_options, provider_options, device: torch.device) -> None:
+    """`session_options` (an onnxruntime.SessionOptions) and `provider_options` (a dict of the CUDA
+    execution provider's options) of the right kinds, else a TypeError naming what was given; on a CPU,
+    where ONNX Runtime ignores provider options, a warning that they do nothing."""
+    if session_options is not None and not isinstance(session_options, ort.SessionOptions):
+        raise TypeError(f"session_options must be an onnxruntime.SessionOptions, got {type(session_options).__name__}")
+    if provider_options is not None and not isinstance(provider_options, dict):
+        raise TypeError("provider_options must be a dict of CUDAExecutionProvider options, got "
+                        f"{type(provider_options).__name__}")
+    if provider_options and device.type == "cpu":
+        warnings.warn(f"provider_options {sorted(provider_options)} have no effect on a CPU: they are the CUDA "
+                      "execution provider's (ONNX Runtime's CPU provider takes none)", stacklevel=5)
 
 
 def providers(device: torch.device, provider_options: dict | None = None, stream=None) -> list:

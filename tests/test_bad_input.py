@@ -216,3 +216,19 @@ def test_quantized_prefill_leaves_float_packages_alone(llama):
     for choice in ("auto", "fp32"):
         decoder = OrtModelForCausalLM.from_pretrained(llama.package_dir, quantized_prefill=choice).decoder
         assert not decoder.fp32_path and decoder.wide_session is decoder.session
+
+
+def test_loading_options_of_the_wrong_kind_are_named(llama):
+    """`session_options` and `provider_options` of the wrong kind are TypeErrors naming what was given
+    (they were an AttributeError and a dict() error from inside ortmodule); provider options on a CPU,
+    which ONNX Runtime's CPU provider ignores, are a warning that they do nothing; a device index
+    means CUDA, as in transformers."""
+    with pytest.raises(TypeError, match="session_options must be an onnxruntime.SessionOptions, got int"):
+        OrtModelForCausalLM.from_pretrained(llama.package_dir, session_options=5)
+    with pytest.raises(TypeError, match="provider_options must be a dict of CUDAExecutionProvider options, got str"):
+        OrtModelForCausalLM.from_pretrained(llama.package_dir, provider_options="enable_cuda_graph=1")
+    with pytest.warns(UserWarning, match=r"provider_options \['enable_cuda_graph'\] have no effect on a CPU"):
+        OrtModelForCausalLM.from_pretrained(llama.package_dir, provider_options={"enable_cuda_graph": "1"})
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="device cuda:0 asked for, but torch sees no CUDA device"):
+            OrtModelForCausalLM.from_pretrained(llama.package_dir, device=0)
