@@ -115,16 +115,16 @@ def test_serve_takes_a_repository_and_names_the_model_by_it(offline, monkeypatch
     from ortmodule import cli
 
     served = []
-    monkeypatch.setattr(uvicorn.Server, "run", lambda server: served.append(server.config.app))
-    cli.ortmodule(["serve", "ortmodule-test/two-packages", "--subfolder", "cpu/fp32", "--port", "1"])
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: served.append(server.config.app))
+    cli.ortmodule(["serve", "ortmodule-test/two-packages", "--subfolder", "cpu/fp32", "--port", "0"])
     with TestClient(served[0]) as client:
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["ortmodule-test/two-packages/cpu/fp32"]
     shutil.copytree(offline.package_dir, tmp_path / "download" / "cpu" / "fp32")
-    cli.ortmodule(["serve", str(tmp_path / "download"), "--subfolder", "cpu/fp32", "--port", "1"])
+    cli.ortmodule(["serve", str(tmp_path / "download"), "--subfolder", "cpu/fp32", "--port", "0"])
     with TestClient(served[1]) as client:
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["fp32"]
     with pytest.raises(SystemExit):
-        cli.ortmodule(["serve", "ortmodule-test/two-packages", "--port", "1"])
+        cli.ortmodule(["serve", "ortmodule-test/two-packages", "--port", "0"])
     assert "pass subfolder= one of: cpu/fp32, cpu/int4" in capsys.readouterr().err
 
 

@@ -237,11 +237,19 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     `OrtModelForCausalLM.from_pretrained`'s (the runs without a cache: scores, prompt log-probabilities)."""
     import uvicorn
 
+    with bound_socket(host, port) as listening:  # before the package loads and is timed: minutes for a big one
+        config = _loaded(path, host, port, device, fp32_lm_head, prefill_attention, subfolder, revision, options)
+        uvicorn.Server(config).run(sockets=[listening])
+
+
+def _loaded(path, host, port, device, fp32_lm_head, prefill_attention, subfolder, revision, options):
+    """`serve`'s package loaded, its costs timed where they decide, and the app's uvicorn config."""
+    import uvicorn
+
     from .. import hub
     from ..hf import load_tokenizer
     from ..modeling import OrtModelForCausalLM
 
-    listening = bound_socket(host, port)  # before the package is fetched, loaded and timed: minutes, for a big one
     local = hub.resolve(path, subfolder, revision)
     if options.get("name") is None and not Path(path).exists():  # a Hub repository: its id, not the snapshot's hash
         options["name"] = "/".join(part.strip("/") for part in (path, subfolder or "") if part)
@@ -254,10 +262,9 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     if host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("serving on %s without an API key: anyone who reaches it may use it (--api-key, or %s)",
                     host, "ORTMODULE_API_KEY")
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", http=_timed_h11(settings.header_timeout),
-                            limit_concurrency=open_files_for(settings.max_connections),
-                            timeout_keep_alive=settings.keep_alive)
-    uvicorn.Server(config).run(sockets=[listening])
+    return uvicorn.Config(app, host=host, port=port, log_level="info", http=_timed_h11(settings.header_timeout),
+                          limit_concurrency=open_files_for(settings.max_connections),
+                          timeout_keep_alive=settings.keep_alive)
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
