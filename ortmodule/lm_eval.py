@@ -584,7 +584,7 @@ _FIXED_AT_EXPORT = {"peft": "a PEFT adapter", "delta": "delta weights", "autogpt
 def refuse_hflm_options(kwargs: dict) -> None:
     """HFLM's model args that ortmodule cannot honour, refused by name rather than ignored (they would
     change the numbers a user asked for); `parallelize` (placement only) is a warning. Sets the causal
-    backend, and `max_length` as a positive int."""
+    backend, and `max_length`, `max_batch_size` and a batch size not `auto` as positive ints."""
     for name, what in _FIXED_AT_EXPORT.items():
         if kwargs.get(name) not in (None, False, ""):
             raise ValueError(f"{name}={kwargs[name]!r} asks for {what}, which applies to a PyTorch model: an ONNX "
@@ -597,8 +597,15 @@ def refuse_hflm_options(kwargs: dict) -> None:
     if softmax is not None and get_dtype(softmax) != torch.float32:
         raise ValueError(f"softmax_dtype={softmax!r}: ortmodule computes log-softmax in float32 (leave it out, or "
                          "pass float32)")
-    if kwargs.get("max_length") is not None:  # checked here, not at the first request longer than it
-        kwargs["max_length"] = _positive_int(kwargs["max_length"], "max_length")
+    for name in ("max_length", "max_batch_size"):  # checked here, not at the first request they do not fit
+        if kwargs.get(name) is not None:
+            kwargs[name] = _positive_int(kwargs[name], name)
+    batch = kwargs.get("batch_size")
+    if batch is not None and not str(batch).startswith("auto"):  # hf runs 0 or less as one batch of everything
+        try:
+            kwargs["batch_size"] = _positive_int(batch, "batch_size")
+        except ValueError:
+            raise ValueError(f"batch_size must be a positive integer, auto or auto:N, got {batch!r}") from None
     if kwargs.get("parallelize"):
         logger.warning("ortmodule: parallelize=True is ignored: a package runs on the one device given (for several, "
                        "run lm-eval's data parallel: accelerate launch ... -m ortmodule.cli, docs/lm-eval.md)")

@@ -843,8 +843,9 @@ def test_unknown_model_args_are_refused_by_name(build):
     """A model arg that is neither HFLM's, ortmodule's nor a transformers loading argument is a TypeError
     naming it, as `--model hf` fails on it in transformers (a misspelt `share_context=false` was silently
     ignored: the run shared contexts anyway); transformers' loading arguments a package takes pass as
-    `OrtModelForCausalLM.from_pretrained` takes them, without effect or checked; `max_length` is checked
-    when the backend is made, not at the first request longer than it."""
+    `OrtModelForCausalLM.from_pretrained` takes them, without effect or checked; `max_length`,
+    `max_batch_size` and the batch size are checked when the backend is made (a batch size of 0 was
+    "max() arg is an empty sequence" at the first batch; hf runs it as one batch of everything)."""
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
 
@@ -862,7 +863,9 @@ def test_unknown_model_args_are_refused_by_name(build):
     checked = {"torch_dtype": ("float16", ValueError, "computes in float32"),
                "load_in_4bit": (True, ValueError, "load_in_4bit: a GenAI package's weights"),
                "device_map": ("cuda:1", ValueError, "name different devices"),
-               "max_length": (-5, ValueError, "max_length must be a positive integer, got -5")}
+               "max_length": (-5, ValueError, "max_length must be a positive integer, got -5"),
+               "max_batch_size": (0, ValueError, "max_batch_size must be a positive integer, got 0"),
+               "batch_size": (0, ValueError, "batch_size must be a positive integer, auto or auto:N, got 0")}
     for name, (value, error, message) in checked.items():
         with pytest.raises(error, match=message):
             backend(pretrained=package, device="cpu", **{name: value})
