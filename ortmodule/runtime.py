@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import onnx
@@ -107,7 +108,7 @@ def checked_options(session_options, provider_options, device: torch.device) -> 
     where ONNX Runtime ignores provider options, a warning that they do nothing."""
     if session_options is not None and not isinstance(session_options, ort.SessionOptions):
         raise TypeError(f"session_options must be an onnxruntime.SessionOptions, got {type(session_options).__name__}")
-    if provider_options is not None and not isinstance(provider_options, dict):
+    if provider_options is not None and not isinstance(provider_options, Mapping):
         raise TypeError("provider_options must be a dict of CUDAExecutionProvider options, got "
                         f"{type(provider_options).__name__}")
     if provider_options and device.type == "cpu":

@@ -238,14 +238,15 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     import uvicorn
 
     with bound_socket(host, port) as listening:  # before the package loads and is timed: minutes for a big one
-        config = _loaded(path, host, port, device, fp32_lm_head, prefill_attention, subfolder, revision, options)
+        app, settings = _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options)
+        config = uvicorn.Config(app, host=host, port=port, log_level="info", http=_timed_h11(settings.header_timeout),
+                                limit_concurrency=open_files_for(settings.max_connections),
+                                timeout_keep_alive=settings.keep_alive)
         uvicorn.Server(config).run(sockets=[listening])
 
 
-def _loaded(path, host, port, device, fp32_lm_head, prefill_attention, subfolder, revision, options):
-    """`serve`'s package loaded, its costs timed where they decide, and the app's uvicorn config."""
-    import uvicorn
-
+def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options):
+    """`serve`'s app over the package, loaded with its costs timed where they decide, and its settings."""
     from .. import hub
     from ..hf import load_tokenizer
     from ..modeling import OrtModelForCausalLM
@@ -262,9 +263,7 @@ def _loaded(path, host, port, device, fp32_lm_head, prefill_attention, subfolder
     if host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("serving on %s without an API key: anyone who reaches it may use it (--api-key, or %s)",
                     host, "ORTMODULE_API_KEY")
-    return uvicorn.Config(app, host=host, port=port, log_level="info", http=_timed_h11(settings.header_timeout),
-                          limit_concurrency=open_files_for(settings.max_connections),
-                          timeout_keep_alive=settings.keep_alive)
+    return app, settings
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
