@@ -61,6 +61,22 @@ def test_rows_run_only_as_far_as_asked(build, monkeypatch):
     assert len(steps) == 2  # columns 4-7 and 8-9: the row ran 10 tokens, not 24, and row 1 none
 
 
+def test_positions_asked_out_of_row_order(build):
+    """Positions asked in any order, rows interleaved and a column asked twice: each row's logits
+    land where they were asked (a row's chunk is written as one slice where its places are
+    consecutive, by index where they are not), as one unchunked prefill gives them."""
+    fixture = build("llama")
+    plain, _ = load_pair(fixture)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=CHUNK)
+    ids, _ = right_padded_batch([20, 20], seed=10)
+    width = ids.shape[1]
+    for asked in ([width + 5, 3, width + 9, 10, 11, 12, width + 9],  # rows interleaved: places 1, 3, 4, 5 of row 0
+                  [width + 2, width + 3, width + 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]):  # consecutive places per row
+        asked = torch.tensor(asked)
+        got = model.decoder.prefill(whole_rows(ids), asked)
+        assert (got - plain.decoder.prefill(whole_rows(ids), asked)).abs().max().item() < 1e-5
+
+
 def test_generate_from_a_chunked_prompt(build, monkeypatch):
     """A one-row prompt fills generate's cache chunk by chunk; the greedy tokens are transformers'."""
     fixture = build("qwen3")
