@@ -14,10 +14,16 @@ the padding of right-padded rows); each row runs only as far as the last positio
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from .cache import KVCache
 from .inputs import Rows
+
+# Where logits go as they come: `(places, logits)`, their places among the positions asked (None: all, in order).
+Pieces = Callable[[torch.Tensor | None, torch.Tensor], None]
 
 CPU_CHUNK = 256  # tokens per chunk on the CPU (256-512 measured alike; 128 slower)
 
@@ -71,12 +77,16 @@ def wanted(rows: Rows, logit_index: torch.Tensor | None, cache: KVCache | None, 
 
 
 def prefill(decoder, rows: Rows, logit_index: torch.Tensor | None, cache: KVCache | None,
-            chunk: int) -> torch.Tensor:
+            chunk: int, pieces: Pieces | None = None) -> torch.Tensor | None:
     """`Decoder.prefill`'s result, row by row in chunks: logits `[n, V]` at the flat indices
-    `logit_index`, else `[B, T, V]`; a given (one-row) `cache` then holds the row."""
+    `logit_index`, else `[B, T, V]`; a given (one-row) `cache` then holds the row. With `pieces`,
+    no `[n, V]` buffer: each chunk's logits go to `pieces(places, logits)` as they come (`places`:
+    their places among the n), and the result is None (a rolling batch's float32 logits, made whole,
+    took 2 GB for SmolLM2's 10,000 positions; 8 windows of 8,192 tokens in Qwen3's 151,936-token
+    vocabulary would take 40 GB)."""
     batch, width = rows.ids.shape
     flat = logit_index if logit_index is not None else torch.arange(batch * width, device=rows.ids.device)
-    out = torch.empty(flat.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=decoder.device)
+    out = pieces or torch.empty(flat.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=decoder.device)
     owner, column = flat // width, flat % width
     if cache is not None:  # one row, run whole: the cache holds all of it
         run_row(decoder, rows.ids, torch.arange(flat.numel(), device=flat.device), column, cache, chunk, out)
@@ -86,13 +96,16 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor | None, cache: KVCach
             needed = int(column[mine].max()) + 1  # later tokens change nothing before them
             run_row(decoder, rows.ids[row : row + 1, :needed], mine, column[mine], decoder.new_cache(1, needed),
                      chunk, out)
+    if pieces is not None:
+        return None
     return out if logit_index is not None else out.view(batch, width, -1)
 
 
 def run_row(decoder, ids: torch.Tensor, slots: torch.Tensor, columns: torch.Tensor, cache: KVCache,
-            chunk: int, out: torch.Tensor, begin: int = 0) -> None:
+            chunk: int, out: torch.Tensor | Pieces, begin: int = 0) -> None:
     """Run one row's `ids` `[1, L]` into `cache` chunk by chunk from column `begin` (a cache holding
-    the columns before it: shared_prompts.py), writing the logits at `columns` into `out[slots]`.
+    the columns before it: shared_prompts.py), writing the logits at `columns` into `out[slots]`
+    (or handing them to `out(slots, logits)`, a chunk at a time).
     A chunk with nothing asked of it computes one position's logits, dropped."""
     length = ids.shape[1]
     for start in range(begin, length, chunk):
@@ -107,7 +120,7 @@ def run_row(decoder, ids: torch.Tensor, slots: torch.Tensor, columns: torch.Tens
         else:
             logits = decoder.step(tokens, cache, keep)
         if local.numel():
-            put_rows(out, slots[inside], logits)
+            (out if callable(out) else functools.partial(put_rows, out))(slots[inside], logits)
 
 
 def put_rows(out: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -149,9 +149,8 @@ class Decoder:
         self.position_dtype = runtime.torch_dtype(spec.position_type) if spec.position_type else None
         self.kv_dtype = runtime.torch_dtype(spec.kv_type)
         self.logits_dtype = runtime.torch_dtype(spec.logits_type)  # what forward returns
-        # On the CPU a binding reads its tensors at run time, so a cache's buffers are bound once.
-        # On CUDA, ONNX Runtime copies the inputs of nodes it placed on the CPU (an fp32
-        # GroupQueryAttention) when they are bound, so every run binds them again.
+        # On the CPU a binding reads its tensors at run time, so a cache's buffers are bound once. On CUDA, ONNX
+        # Runtime copies the inputs of nodes it placed on the CPU (an fp32 GQA) when bound: every run binds again.
         self.rebind = False
         self.scratch = _ScratchKV()  # the prefill's discarded present KV, one buffer per thread
         # Per KVCache run by this decoder: its binding, the buffers' version bound, the run's lock.
@@ -244,15 +243,16 @@ class Decoder:
         """An empty cache of `batch` rows with room for `capacity` positions, on this device."""
         return KVCache(self.spec, batch, capacity, self.device)
 
-    def prefill(self, rows: Rows, logit_index: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def prefill(self, rows: Rows, logit_index: torch.Tensor | None = None, cache: KVCache | None = None,
+                pieces: chunked.Pieces | None = None) -> torch.Tensor | None:
         """Run right-padded `rows`: logits `[n, V]` at the flat indices `logit_index`, else `[B, T, V]`.
-        The present KV goes into `cache` (which then holds the rows) when given, else is discarded."""
+        The present KV goes into `cache` (which then holds the rows) when given, else is discarded.
+        `pieces(places, logits)` takes the logits instead, as they come (chunked.prefill); result None."""
         if chunked.wanted(rows, logit_index, cache, self.prefill_chunk):  # long rows on the CPU
-            return chunked.prefill(self, rows, logit_index, cache, self.prefill_chunk)
-        if cache is None and self.causal is not None:
-            return self.causal.run(rows.ids, logit_index)
-        return self.package_prefill(rows, logit_index, cache)
+            return chunked.prefill(self, rows, logit_index, cache, self.prefill_chunk, pieces)
+        in_graph = cache is None and self.causal is not None  # the prefill graph (extend.py)
+        logits = self.causal.run(rows.ids, logit_index) if in_graph else self.package_prefill(rows, logit_index, cache)
+        return logits if pieces is None else pieces(None, logits)
 
     def package_prefill(self, rows: Rows, logit_index: torch.Tensor | None = None,
                         cache: KVCache | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from . import (
     attentions,
+    chunked,
     costs,
     hub,
     images,
@@ -254,15 +255,21 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
 
     @runtime.out_of_memory_is_runtime_error
     def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
-                  cols: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+                  cols: torch.Tensor, upcast: bool = True, pieces: chunked.Pieces | None = None) -> torch.Tensor | None:
         """Logits `[n, V]` at the n positions `(rows[i], cols[i])` of the padded input, in the
         caller's layout; only those reach the LM head with the graph rewrite. `upcast=False`: in the
-        LM head's own precision where the package casts half-precision logits to float32."""
+        LM head's own precision where the package casts half-precision logits to float32. With
+        `pieces`, the logits are handed to `pieces(places, logits)` as they are computed (`places`:
+        which of the n, None for all in order; a CPU's long rows come chunk by chunk, no `[n, V]`
+        buffer made) and the result is None."""
         checked = self._rows(input_ids, attention_mask)
         length = checked.ids.shape[1]
         rows, cols = (inputs.to_device(v.to(torch.int64), self.device) for v in _positions(rows, cols, checked))
-        logits = self.decoder.prefill(checked, inputs.flat_index(length, rows, cols, checked.shift))
-        return self.decoder.public(logits) if upcast else logits
+        index = inputs.flat_index(length, rows, cols, checked.shift)
+        public = self.decoder.public if upcast else (lambda logits: logits)
+        if pieces is not None:
+            return self.decoder.prefill(checked, index, pieces=lambda at, part: pieces(at, public(part)))
+        return public(self.decoder.prefill(checked, index))
 
 
 def _configured(model: OrtModelForCausalLM, fields: dict) -> OrtModelForCausalLM:

@@ -91,9 +91,14 @@ def loglikelihood_totals(
               for row, start, n in zip(rows_of, starts, counts) for col in range(start, start + n)]
         rows, cols = torch.tensor(list(positions), dtype=torch.int64).reshape(-1, 2).unbind(1)
         at = None if len(at) == len(positions) else to_device(at, device)
-    logits = model.logits_at(input_ids, attention_mask, rows, cols, upcast=False)  # [distinct positions, V]
     totals = _Totals(requests, device)
-    totals.add(logits, to_device(flat_targets, device), to_device(owner, device), at, greedy)
+    target, owner = to_device(flat_targets, device), to_device(owner, device)
+    if at is not None:  # positions read by several requests: every position's logits first
+        logits = model.logits_at(input_ids, attention_mask, rows, cols, upcast=False)  # [distinct positions, V]
+        totals.add(logits, target, owner, at, greedy)
+    else:  # as they come: a CPU's long rows chunk by chunk, so that no [positions, V] buffer is made
+        model.logits_at(input_ids, attention_mask, rows, cols, upcast=False, pieces=lambda places, logits: totals.add(
+            logits, *((target, owner) if places is None else (target[places], owner[places])), None, greedy))
     return totals.tensor()
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import MODEL_ARCHES, load_pair, right_padded_batch
 
-from ortmodule import OrtModelForCausalLM, chunked
+from ortmodule import OrtModelForCausalLM, chunked, scoring
 from ortmodule.inputs import Rows
 
 CHUNK = 4  # small enough that the fixtures' short rows run in several chunks
@@ -75,6 +75,54 @@ def test_positions_asked_out_of_row_order(build):
         asked = torch.tensor(asked)
         got = model.decoder.prefill(whole_rows(ids), asked)
         assert (got - plain.decoder.prefill(whole_rows(ids), asked)).abs().max().item() < 1e-5
+
+
+def test_scores_come_chunk_by_chunk(build, monkeypatch):
+    """Every position of long rows scored (rolling documents): the logits reach the totals a chunk at
+    a time, never as one `[positions, V]` buffer, and the totals and greedy misses are transformers'
+    log-softmax over the same rows (and the unchunked run's)."""
+    fixture = build("llama")
+    plain, hf = load_pair(fixture)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=CHUNK)
+    lengths = [21, 13, 6]
+    ids, mask = right_padded_batch(lengths, seed=11)
+    targets = [ids[i, 1:n].tolist() for i, n in enumerate(lengths)]  # each row's next tokens, every position
+    pieces = []
+    add = scoring._Totals.add
+    monkeypatch.setattr(scoring._Totals, "add",
+                        lambda self, logits, *a: pieces.append(len(logits)) or add(self, logits, *a))
+    got = scoring.loglikelihood_totals(model, ids, mask, [0, 0, 0], targets)
+    assert max(pieces) <= CHUNK and sum(pieces) == sum(len(t) for t in targets)
+    with torch.no_grad():
+        log_probs = torch.log_softmax(hf(input_ids=ids, attention_mask=mask).logits.double(), -1)
+    for i, row in enumerate(targets):
+        picked = log_probs[i, torch.arange(len(row)), torch.tensor(row)]
+        missed = (log_probs[i, : len(row)].argmax(-1) != torch.tensor(row)).sum().item()
+        assert abs(got[0, i].item() - picked.sum().item()) < 1e-3 and got[1, i].item() == missed
+    pieces.clear()
+    unchunked = scoring.loglikelihood_totals(plain, ids, mask, [0, 0, 0], targets)
+    assert pieces == [sum(len(t) for t in targets)]  # one piece: the rows run whole
+    assert (got - unchunked).abs().max().item() < 1e-4
+
+
+def test_logits_at_in_pieces(build):
+    """`logits_at(..., pieces=...)` hands every asked position's logits over once, in pieces of a
+    chunk where the rows run in chunks, at once where they do not: the logits `logits_at` returns."""
+    fixture = build("llama")
+    plain, _ = load_pair(fixture)
+    ids, mask = right_padded_batch([20, 20], seed=12)
+    rows, cols = torch.tensor([1, 0, 0, 1, 1]), torch.tensor([1, 17, 2, 19, 2])  # row 1: columns 1 and 2 in one chunk
+    for model, most in ((OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=CHUNK), 2),
+                        (plain, 5)):
+        whole = model.logits_at(ids, mask, rows, cols)
+        assembled, sizes = torch.full_like(whole, float("nan")), []
+
+        def put(places, logits, assembled=assembled, sizes=sizes):
+            sizes.append(len(logits))
+            assembled[places if places is not None else slice(None)] = logits
+
+        assert model.logits_at(ids, mask, rows, cols, pieces=put) is None
+        assert torch.equal(assembled, whole) and max(sizes) == most and sum(sizes) == len(rows)
 
 
 def test_generate_from_a_chunked_prompt(build, monkeypatch):
