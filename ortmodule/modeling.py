@@ -268,6 +268,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         index = inputs.flat_index(length, rows, cols, checked.shift)
         public = self.decoder.public if upcast else (lambda logits: logits)
         if pieces is not None:
+            if not callable(pieces):
+                raise TypeError(f"pieces must be a function of (places, logits), got {type(pieces).__name__}")
             return self.decoder.prefill(checked, index, pieces=lambda at, part: pieces(at, public(part)))
         return public(self.decoder.prefill(checked, index))
 

@@ -243,6 +243,8 @@ def test_bad_forward_and_step_inputs(model):
         model.logits_at(IDS, None, torch.tensor([0.7]), torch.tensor([3]))
     with pytest.raises(TypeError, match="cols must hold integer positions"):
         model.logits_at(IDS, None, [0], [2.5])
+    with pytest.raises(TypeError, match="pieces must be a function of"):
+        model.logits_at(IDS, None, [0], [2], pieces=[])
     out = model(IDS, use_cache=True)
     with pytest.raises(TypeError, match="integer token ids, got dtype torch.bool"):
         model(torch.tensor([[True]]), past_key_values=out.past_key_values)
