@@ -270,7 +270,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         if pieces is not None:
             if not callable(pieces):
                 raise TypeError(f"pieces must be a function of (places, logits), got {type(pieces).__name__}")
-            return self.decoder.prefill(checked, index, pieces=lambda at, part: pieces(at, public(part)))
+            self.decoder.prefill(checked, index, pieces=lambda at, part: pieces(at, public(part)))
+            return None
         return public(self.decoder.prefill(checked, index))
 
 
