@@ -160,6 +160,8 @@ def exclusive(lock: Path, then: str = ""):
         finally:
             held = _HELD.pop(lock, None) if outermost else None  # (None in a fork's child: closed there)
             if held is not None:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(held, 0)  # no holder's pid left behind for the next waiter to name
                 os.close(held)  # closing the file lets the lock go
 
 
@@ -179,7 +181,7 @@ def _lock_file(lock: Path, then: str) -> tuple[int | None, float | None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             waited_since = time.time()
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = _holder(fd)
             device = lock.stem.removeprefix(".timing-")
             print(f"ortmodule: waiting for process {holder}, which is timing runs on {device}, to finish"
                   f"{f' (then {then})' if then else ''}", file=sys.stderr, flush=True)
@@ -193,6 +195,18 @@ def _lock_file(lock: Path, then: str) -> tuple[int | None, float | None]:
         os.close(fd)
         raise
     return fd, waited_since
+
+
+def _holder(fd: int, patience: float = 1.0) -> str:
+    """The pid that the lock's holder wrote into it, or "unknown": a holder writes its pid just after
+    its `flock` returns, so an empty file is read again for up to `patience` seconds (read at once,
+    a process that came a moment after another named it "unknown": tests/test_kept_costs.py)."""
+    deadline = time.monotonic() + patience
+    while True:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if text or time.monotonic() >= deadline:
+            return text or "unknown"
+        time.sleep(0.01)
 
 
 def folder_bytes(folder: Path) -> int:

@@ -4,6 +4,7 @@ prefill's time moved, where asked, or where the stored record is not whole."""
 
 import json
 import logging
+import time
 
 import onnxruntime as ort
 import pytest
@@ -243,6 +244,38 @@ def test_processes_that_load_at_once_take_turns(llama, tmp_path, what):
     waiting = [i for i, (_, err) in enumerate(finished) if "ortmodule: waiting for process" in err]
     assert len(waiting) == 1, finished
     assert f"waiting for process {processes[1 - waiting[0]].pid}," in finished[waiting[0]][1]
+
+
+def test_a_waiter_names_a_holder_that_has_not_written_its_pid_yet(tmp_path, capsys):
+    """The holder of a timing lock writes its pid just after its `flock` returns: a process that
+    finds the lock held in between reads the file again until the pid is there (it said "waiting
+    for process unknown" before); and a holder leaves no pid behind for the next one's waiters."""
+    import fcntl
+    import os
+    import threading
+
+    from ortmodule import cache_folder
+
+    lock = tmp_path / ".timing-cpu"
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: it holds the lock against this process's too
+
+    def write_then_release():
+        try:
+            time.sleep(0.2)
+            os.pwrite(holder, b"424242", 0)
+            time.sleep(0.2)
+        finally:
+            os.close(holder)  # whatever happens, the lock goes: the test cannot hang
+
+    thread = threading.Thread(target=write_then_release)
+    thread.start()
+    with cache_folder.exclusive(lock) as waited_since:
+        assert waited_since is not None
+        assert lock.read_text() == str(os.getpid())
+    thread.join()
+    assert "waiting for process 424242, which is timing runs on cpu" in capsys.readouterr().err
+    assert lock.read_text() == ""  # released: no pid left behind
 
 
 def test_threads_that_ask_at_once_take_turns(llama, store, monkeypatch):
