@@ -86,7 +86,8 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor | None, cache: KVCach
     vocabulary would take 40 GB)."""
     batch, width = rows.ids.shape
     flat = logit_index if logit_index is not None else torch.arange(batch * width, device=rows.ids.device)
-    out = pieces or torch.empty(flat.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=decoder.device)
+    out = pieces if pieces is not None else torch.empty(flat.numel(), decoder.vocab_size, dtype=decoder.head_dtype,
+                                                         device=decoder.device)
     owner, column = flat // width, flat % width
     if cache is not None:  # one row, run whole: the cache holds all of it
         run_row(decoder, rows.ids, torch.arange(flat.numel(), device=flat.device), column, cache, chunk, out)
