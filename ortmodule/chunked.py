@@ -86,27 +86,28 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor | None, cache: KVCach
     vocabulary would take 40 GB)."""
     batch, width = rows.ids.shape
     flat = logit_index if logit_index is not None else torch.arange(batch * width, device=rows.ids.device)
-    out = pieces if pieces is not None else torch.empty(flat.numel(), decoder.vocab_size, dtype=decoder.head_dtype,
-                                                         device=decoder.device)
+    out = None if pieces is not None else torch.empty(flat.numel(), decoder.vocab_size, dtype=decoder.head_dtype,
+                                                       device=decoder.device)
+    write = pieces if out is None else functools.partial(put_rows, out)
     owner, column = flat // width, flat % width
     if cache is not None:  # one row, run whole: the cache holds all of it
-        run_row(decoder, rows.ids, torch.arange(flat.numel(), device=flat.device), column, cache, chunk, out)
+        run_row(decoder, rows.ids, torch.arange(flat.numel(), device=flat.device), column, cache, chunk, write)
     else:
         for row in torch.unique(owner).tolist():
             mine = torch.nonzero(owner == row).squeeze(1)
             needed = int(column[mine].max()) + 1  # later tokens change nothing before them
             run_row(decoder, rows.ids[row : row + 1, :needed], mine, column[mine], decoder.new_cache(1, needed),
-                     chunk, out)
-    if pieces is not None:
+                     chunk, write)
+    if out is None:
         return None
     return out if logit_index is not None else out.view(batch, width, -1)
 
 
 def run_row(decoder, ids: torch.Tensor, slots: torch.Tensor, columns: torch.Tensor, cache: KVCache,
-            chunk: int, out: torch.Tensor | Pieces, begin: int = 0) -> None:
+            chunk: int, write: Pieces, begin: int = 0) -> None:
     """Run one row's `ids` `[1, L]` into `cache` chunk by chunk from column `begin` (a cache holding
-    the columns before it: shared_prompts.py), writing the logits at `columns` into `out[slots]`
-    (or handing them to `out(slots, logits)`, a chunk at a time).
+    the columns before it: shared_prompts.py), handing the logits at `columns` to `write(slots,
+    logits)` a chunk at a time (`functools.partial(put_rows, out)` writes them into `out[slots]`).
     A chunk with nothing asked of it computes one position's logits, dropped."""
     length = ids.shape[1]
     for start in range(begin, length, chunk):
@@ -121,7 +122,7 @@ def run_row(decoder, ids: torch.Tensor, slots: torch.Tensor, columns: torch.Tens
         else:
             logits = decoder.step(tokens, cache, keep)
         if local.numel():
-            (out if callable(out) else functools.partial(put_rows, out))(slots[inside], logits)
+            write(slots[inside], logits)
 
 
 def put_rows(out: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

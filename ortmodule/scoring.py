@@ -97,8 +97,11 @@ def loglikelihood_totals(
         logits = model.logits_at(input_ids, attention_mask, rows, cols, upcast=False)  # [distinct positions, V]
         totals.add(logits, target, owner, at, greedy)
     else:  # as they come: a CPU's long rows chunk by chunk, so that no [positions, V] buffer is made
-        model.logits_at(input_ids, attention_mask, rows, cols, upcast=False, pieces=lambda places, logits: totals.add(
-            logits, *((target, owner) if places is None else (target[places], owner[places])), None, greedy))
+        def add(places: torch.Tensor | None, logits: torch.Tensor) -> None:
+            mine = slice(None) if places is None else places
+            totals.add(logits, target[mine], owner[mine], None, greedy)
+
+        model.logits_at(input_ids, attention_mask, rows, cols, upcast=False, pieces=add)
     return totals.tensor()
 
 

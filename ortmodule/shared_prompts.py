@@ -18,6 +18,8 @@ caches that concatenate.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import chunked
@@ -70,10 +72,10 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> t
                      torch.full((batch,), prefix, device=device), prefix)
     out = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
     owner, column = logit_index // width, logit_index % width
-    chunk = decoder.prefill_chunk or width
+    chunk, write = decoder.prefill_chunk or width, functools.partial(chunked.put_rows, out)
     for row, length in enumerate(rows.lengths.tolist()):
         asked = torch.nonzero(owner == row).squeeze(1)
         chunked.run_row(decoder, rows.ids[row : row + 1, :length], asked, column[asked],
-                        rows_view(cache, row, row + 1, prefix), chunk, out, begin=prefix)
+                        rows_view(cache, row, row + 1, prefix), chunk, write, begin=prefix)
     cache.longest, cache.seen = rows.longest, width  # its lengths went up through the views
     return out
