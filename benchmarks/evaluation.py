@@ -14,7 +14,7 @@ TASK_DIR = str(Path(__file__).parent / "tasks")
 # ortmodule with its context sharing decided from the measured costs (auto), off, and always on.
 # `ortmodule-compiled-normalizers` loads as `ortmodule` (its test sets scoring.COMPILED_NORMALIZERS).
 SHARING = {"ortmodule": "auto", "ortmodule-share-off": "false", "ortmodule-share-on": "true",
-           "ortmodule-compiled-normalizers": "auto"}
+           "ortmodule-compiled-normalizers": "auto", "ortmodule-lanes-off": "auto"}
 
 
 def load(backend, fixture, batch_size, device):
@@ -25,8 +25,12 @@ def load(backend, fixture, batch_size, device):
         gc.collect()
         torch.cuda.empty_cache()
     if backend in SHARING:
-        return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
-                                      share_contexts=SHARING[backend])
+        lm = get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
+                                    share_contexts=SHARING[backend])
+        extender = lm.model.decoder.extender()
+        if backend == "ortmodule-lanes-off" and extender is not None:  # a shared context's rows one to a lane
+            extender.packs = False
+        return lm
     if backend == "ortmodule-chunks-off":  # long rows in one prefill (ortmodule/chunked.py's choice undone)
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
                                       prefill_chunk=0)

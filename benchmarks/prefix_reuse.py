@@ -50,8 +50,8 @@ def main() -> None:
         full, shared = min(times[False]), min(times[True])
         prompts = [query + item for item in items]
         costs = model.measured_costs()
-        chosen = "shared prefix" if sharing.worth_sharing(prompts, [len(p) - 1 for p in prompts],
-                                                          costs) else "full prefill"
+        chosen = "shared prefix" if sharing.worth_sharing(prompts, [len(p) - 1 for p in prompts], costs,
+                                                          packed=sharing.packs(model)) else "full prefill"
         print(f"| {query_tokens} | 1-{item_tokens} | {1000 * full:.0f} ms | {1000 * shared:.0f} ms | "
               f"{chosen} ({full / shared:.1f}x) |")
 

@@ -31,7 +31,7 @@ WORKLOADS = {"mmlu": "ortmodule_bench_mmlu", "fewshot": "ortmodule_bench_fewshot
 # transformers first: on an fp32 or int4 package its fp32 answers are every other row's yardstick.
 SCALE_BACKENDS = ["hf", "transformers-bf16", "ortmodule", "ortmodule-share-off", "ortmodule-share-on",
                   "ortmodule-chunks-off", "ortmodule-tokenize-first", "ortmodule-bf16-head", "ortmodule-cuda-graph",
-                  "ortmodule-pad64", "ortmodule-prefill-onnx", "ortmodule-compiled-normalizers"]
+                  "ortmodule-pad64", "ortmodule-prefill-onnx", "ortmodule-compiled-normalizers", "ortmodule-lanes-off"]
 SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers
 FP32_REFERENCES = {}  # (model, workload) -> (answers of transformers in fp32, when and where they were computed)
 SCALE_TOKENS = {}  # (model, workload) -> context + continuation tokens of all its requests
@@ -74,6 +74,9 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
                     "scored (rolling: about a fifth of a batch's device time on an H200), to make it CUDA's default")
     if backend == "ortmodule-compiled-normalizers":  # compiled in the warm-up's calls, off the clock
         monkeypatch.setitem(scoring.COMPILED_NORMALIZERS, torch.device(device).type, True)
+    if backend == "ortmodule-lanes-off" and (device != "cpu" or workload not in ("hellaswag", "arc", "fewshot")):
+        pytest.skip("a shared context's continuations packed several to a row of the extend run (sharing.choose_lanes) "
+                    "are measured where a CPU shares contexts by default and continuations differ in length")
     if backend == "ortmodule-cuda-graph" and (device == "cpu" or workload != "mmlu"):
         pytest.skip("CUDA graphs are CUDA's: does scoring run as fast with them on (mmlu), to make them the default")
     batch = at_scale_batch(options, workload)

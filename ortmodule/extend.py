@@ -422,6 +422,11 @@ class Extender:
         self.layout = "cache" if KV_LENGTHS in names else "mask"
         # the sliding-window layers' masks, by window (the mask layout)
         self.windows = sorted(int(name[len(WINDOW_BIAS):]) for name in names if name.startswith(WINDOW_BIAS))
+        # Whether a row may hold several segments (`run`'s `starts`): where the mask and the positions say all
+        # a token sees. Not with windows' masks, KV written into the cache, or a hybrid's convolution states,
+        # which would run on from one segment into the next.
+        self.packs = (self.layout == "mask" and not self.windows and not decoder.spec.states
+                      and (self.positions or self.position_ids is not None))
         known = {decoder.spec.input_ids, POSITIONS, ATTENTION_BIAS, WRITE_AT, KV_LENGTHS, graph.LOGITS_INDICES,
                  self.position_ids, *(f"{WINDOW_BIAS}{window}" for window in self.windows)}
         known |= {name for kv in decoder.spec.layers for name in (kv.past_key, kv.past_value)}
@@ -436,19 +441,28 @@ class Extender:
         """The positions a cache for `run` needs past its longest row, for `new` tokens a row."""
         return new if self.layout == "cache" else 0
 
-    def run(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor,
+            starts: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[n, V]` at the flat indices `logit_index` (`row * new + i`) of `tokens`
         `[rows, new]` (right-padded) appended to the rows of `cache` (`cache.lengths` each row's
         past). The rows are not changed: in the mask layout every column of the cache's buffers is
         attended to, masked past each row's end (so a cache as long as its longest row costs least;
         a sliding-window package's holds at least the window); in the cache layout they grow to hold
-        the new tokens (`reserve`), which are written past the rows' ends and not counted."""
+        the new tokens (`reserve`), which are written past the rows' ends and not counted.
+
+        `starts` (where `packs`): `[rows, new]`, for each new token the index in its row where its
+        segment begins: a row then holds several continuations of its past one after another, each
+        positioned right after the past and seeing the past and its own segment's tokens only."""
         decoder = self.decoder
         rows, new = tokens.shape
         if cache.batch_size != rows:
             raise ValueError(f"extend needs a cache of {rows} rows, got {cache.batch_size}")
+        if starts is not None and not self.packs:
+            raise ValueError("this extend graph takes no segments (Extender.packs is False)")
         device = decoder.device
         order = torch.arange(new, device=device)
+        if starts is not None:
+            order = order - starts
         binding = self.session.io_binding()
         decoder.bind_tokens(binding, tokens)
         # A row's padding past its own tokens may run past the context (a long past among shorter
@@ -465,7 +479,7 @@ class Extender:
             runtime.bind_input(binding, WRITE_AT, cache.lengths.to(torch.int64).contiguous())
             runtime.bind_input(binding, KV_LENGTHS, (cache.lengths + new).to(torch.int64).contiguous())
         else:
-            runtime.bind_input(binding, ATTENTION_BIAS, _extend_bias(cache, new, decoder.kv_dtype))
+            runtime.bind_input(binding, ATTENTION_BIAS, _extend_bias(cache, new, decoder.kv_dtype, starts=starts))
             for window in self.windows:
                 windowed = _extend_bias(cache, new, decoder.kv_dtype, window)
                 runtime.bind_input(binding, f"{WINDOW_BIAS}{window}", windowed)
@@ -484,10 +498,12 @@ class Extender:
         return logits
 
 
-def _extend_bias(cache: KVCache, new: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+def _extend_bias(cache: KVCache, new: int, dtype: torch.dtype, window: int = 0,
+                 starts: torch.Tensor | None = None) -> torch.Tensor:
     """The mask layout's additive mask `[rows, 1, new, past + new]`: a row's new token sees the
-    row's past and the new tokens up to itself; with a `window`, only the keys fewer than `window`
-    positions before it (a sliding-window layer's, as GroupQueryAttention's `local_window_size`)."""
+    row's past and the new tokens up to itself (with `starts`, those of its own segment); with a
+    `window`, only the keys fewer than `window` positions before it (a sliding-window layer's, as
+    GroupQueryAttention's `local_window_size`)."""
     past, device, hidden = cache.keys[0].shape[2], cache.lengths.device, torch.finfo(dtype).min
     bias = torch.empty(cache.batch_size, 1, new, past + new, dtype=dtype, device=device)
     zero = torch.zeros((), dtype=dtype, device=device)
@@ -502,7 +518,12 @@ def _extend_bias(cache: KVCache, new: int, dtype: torch.dtype, window: int = 0) 
     # each element written once: the rows' pasts broadcast over the new tokens, the causal part over the rows
     seen = torch.arange(past, device=device) < cache.lengths[:, None]
     bias[..., :past] = torch.where(seen, zero, hidden)[:, None, None]
-    bias[..., past:] = torch.full((new, new), hidden, dtype=dtype, device=device).triu_(1)
+    if starts is None:
+        bias[..., past:] = torch.full((new, new), hidden, dtype=dtype, device=device).triu_(1)
+        return bias
+    order = torch.arange(new, device=device)
+    own = (starts[:, :, None] == starts[:, None, :]) & (order[:, None] >= order)  # [rows, new, new]
+    bias[:, 0, :, past:] = torch.where(own, zero, hidden)
     return bias
 
 

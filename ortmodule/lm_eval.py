@@ -40,7 +40,7 @@ from .scoring import (
     logit_positions,
     loglikelihood_totals,
 )
-from .sharing import common_prefix, prefix_groups, worth_sharing
+from .sharing import common_prefix, packs, prefix_groups, worth_sharing
 
 logger = logging.getLogger(__name__)
 
@@ -500,12 +500,12 @@ class OrtModuleLM(HFLM):
             return []
         if self._share is True:
             return sharing_groups(requests, rows, starts, row_of, self._rows_per_batch)
-        costs = self._model.measured_costs()
+        costs, packed = self._model.measured_costs(), packs(self._model)
 
         def worth(group: list[int]) -> bool:
             firsts = leads(row_of, group)
             return worth_sharing([rows[i] for i in firsts], [starts[i] for i in firsts], costs,
-                                 self._rows_per_batch(max(len(rows[i]) for i in firsts)))
+                                 self._rows_per_batch(max(len(rows[i]) for i in firsts)), packed)
 
         return sharing_groups(requests, rows, starts, row_of, self._rows_per_batch, worth)
 

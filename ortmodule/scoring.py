@@ -14,7 +14,7 @@ import torch
 from . import runtime
 from .inputs import argmax, outside_vocabulary, pad_right, to_device, vocabulary_message
 from .modeling import OrtModelForCausalLM
-from .sharing import common_prefix, shared_prefix_logits, worth_sharing
+from .sharing import common_prefix, packs, shared_prefix_logits, worth_sharing
 
 logger = logging.getLogger("ortmodule")
 
@@ -283,12 +283,13 @@ def prefix_reuse(model: OrtModelForCausalLM, requests: list[list[Ids]], token_bu
     for None, where the model's measured costs say it pays (`worth_sharing`)."""
     if reuse_prefix is not None:
         return [bool(reuse_prefix) and _has_prefix(prompts) for prompts in requests]
-    costs, rows = model.measured_costs(), sum(len(r) for r in requests)
+    costs, rows, packed = model.measured_costs(), sum(len(r) for r in requests), packs(model)
     choices = []
     for prompts in requests:
         # A run's fixed cost is shared by the rows of the requests that run together.
         together = min(rows, max(1, token_budget // max(len(p) for p in prompts)))
-        choices.append(len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], costs, together))
+        choices.append(len(prompts) > 1 and worth_sharing(prompts, [len(p) - 1 for p in prompts], costs, together,
+                                                          packed))
     return choices
 
 

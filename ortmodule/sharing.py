@@ -17,7 +17,8 @@ from .modeling import OrtModelForCausalLM
 Ids = list[int]
 
 
-def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None, batch_rows: int = 0) -> bool:
+def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None, batch_rows: int = 0,
+                  packed: bool = False) -> bool:
     """Whether rows that start alike are cheaper with their prefix run once (the prefix ending no
     later than the first position scored), then the rest of every row over copies of its KV cache
     (in one extend run where the decoder has one, else one decode step at a time), than in one
@@ -27,7 +28,8 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
     rows' remaining tokens in an extend with its attention over the prefix and the remainder (or
     steps x one step over the rows), against a prefill of rows x width tokens (`Costs.prefill`, with
     the attention the width adds); when groups run together in
-    batches of `batch_rows` rows (lm-eval's batch size), a run's fixed cost is shared among them.
+    batches of `batch_rows` rows (lm-eval's batch size), a run's fixed cost is shared among them;
+    `packed` (`packs(model)`): the remainders run several to a row of the extend (`choose_lanes`).
     Without costs, a prefix at least twice the longest remainder. Rows that do not begin with the
     same token share nothing: never (costs that make an extend cheaper than a prefill token for
     token would otherwise choose to run their "prefix" of no tokens once, which no plan can)."""
@@ -38,24 +40,36 @@ def worth_sharing(rows: list[Ids], starts: list[int], costs: Costs | None = None
         return False
     if costs is None:
         return prefix >= 2 * max(len(row) - prefix for row in rows)
-    shared, whole = _prices(rows, prefix, costs, batch_rows)
+    shared, whole = _prices(rows, prefix, costs, batch_rows, packed)
     return shared < whole
 
 
-def sharing_prices(rows: list[Ids], starts: list[int], costs: Costs, batch_rows: int = 0) -> tuple[float, float]:
+def sharing_prices(rows: list[Ids], starts: list[int], costs: Costs, batch_rows: int = 0,
+                   packed: bool = False) -> tuple[float, float]:
     """`worth_sharing`'s two prices, in seconds: the rows' common prefix (ending no later than the
     first position scored) run once and the rest of every row over copies of its cache, and the rows
     in one padded prefill."""
-    return _prices(rows, min(common_prefix(rows), min(starts) + 1), costs, batch_rows)
+    return _prices(rows, min(common_prefix(rows), min(starts) + 1), costs, batch_rows, packed)
 
 
-def _prices(rows: list[Ids], prefix: int, costs: Costs, batch_rows: int) -> tuple[float, float]:
+def packs(model: OrtModelForCausalLM) -> bool:
+    """Whether `shared_prefix_logits` runs the rows' remainders several to a row of the model's extend
+    run (`Extender.packs`), which `worth_sharing` prices with `packed=True`."""
+    extender = model.decoder.extender()
+    return extender is not None and extender.packs
+
+
+def _prices(rows: list[Ids], prefix: int, costs: Costs, batch_rows: int, packed: bool) -> tuple[float, float]:
     steps = max(len(row) - prefix for row in rows)
     share = len(rows) / max(batch_rows, len(rows))  # of a run's fixed cost
     if costs.extend_per_token is not None:  # the rest of every row in one extend run
-        attention = costs.extend_per_score * len(rows) * steps * (prefix + steps)  # unfused: quadratic
+        lanes, width = len(rows), steps
+        if packed:
+            chosen = choose_lanes([len(row) - prefix for row in rows], [0] * len(rows), prefix, costs)
+            lanes, width = len(chosen.owner), chosen.width
+        attention = costs.extend_per_score * lanes * width * (prefix + width)  # unfused: quadratic
         run = (costs.extend_fixed or costs.step) * share
-        shared = costs.prefill(1, prefix) + costs.extend_per_token * len(rows) * steps + attention + run
+        shared = costs.prefill(1, prefix) + costs.extend_per_token * lanes * width + attention + run
     else:
         shared = costs.prefill(1, prefix) + steps * (costs.step * share + costs.step_per_row * len(rows))
     return shared, costs.prefill(len(rows), max(len(row) for row in rows))
@@ -111,7 +125,9 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     tokens in one run where the decoder has an extend graph (extend.py), else one decode step per
     remaining token, the LM head only at the rows that ask for that position (`plan_sharing`).
     Yields `(pairs, logits)` per run: `logits[k]` belongs to pair `pairs[k]` (a list on the host),
-    the index of (row, position) in the row-major order of `needed`.
+    the index of (row, position) in the row-major order of `needed`. Where the extend graph takes
+    segments (`Extender.packs`), the remainders run several to a row of the run (`choose_lanes`, by
+    the model's measured costs where it has them).
     """
     plan = plan_sharing(rows, groups, needed)
     decoder, device = model.decoder, model.device
@@ -126,6 +142,9 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     if not plan.steps:
         return
     extender = decoder.extender()
+    if extender is not None and extender.packs:  # every row's rest in one run, several to a lane
+        yield from _lanes_run(decoder, extender, plan, source, lengths, width, model.measured_costs(measure=False))
+        return
     owner = to_device(plan.owner, device)
     room = extender.room(len(plan.steps)) if extender is not None else len(plan.steps)
     cache = decoder.new_cache(len(rows), width + room)
@@ -142,6 +161,90 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
         logits = decoder.step(tokens[:, step : step + 1], cache, to_device(asking or [0], device))
         if asking:
             yield pairs, logits
+
+
+def _lanes_run(decoder, extender, plan: SharingPlan, source, lengths: torch.Tensor, width: int, costs: Costs | None):
+    """`shared_prefix_logits`' extend run with the rows' remainders packed into lanes (`choose_lanes`)."""
+    device = decoder.device
+    lanes = choose_lanes([len(t) for t in plan.tokens], plan.owner, width, costs)
+    segments: list[list[tuple[int, Ids]]] = [[] for _ in lanes.owner]
+    for row, tokens in enumerate(plan.tokens):
+        if tokens:
+            lane, at = lanes.place[row]
+            segments[lane].append((at, tokens))
+    ids = torch.zeros(len(lanes.owner), lanes.width, dtype=torch.int64)
+    starts = torch.arange(lanes.width).repeat(len(lanes.owner), 1)  # padding: a segment of its own per token
+    for lane, parts in enumerate(segments):
+        for at, tokens in parts:
+            ids[lane, at : at + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            starts[lane, at : at + len(tokens)] = at
+    owner = to_device(lanes.owner, device)
+    cache = decoder.new_cache(len(lanes.owner), width)
+    cache.start_from(source, owner, lengths[owner], width)
+    flat = [lanes.place[row][0] * lanes.width + lanes.place[row][1] + step
+            for step, (asking, _) in enumerate(plan.steps) for row in asking]
+    if flat:
+        pairs = [pair for _, step_pairs in plan.steps for pair in step_pairs]
+        yield pairs, extender.run(to_device(ids, device), cache, to_device(flat, device), to_device(starts, device))
+
+
+class Lanes(NamedTuple):
+    """Rows' remainders packed into the rows of one extend run (`pack_lanes`): each lane continues one
+    prefix with several remainders one after another."""
+
+    owner: list[int]  # per lane: the prefix it continues
+    place: list[tuple[int, int]]  # per row: its lane and where its remainder begins there ((0, 0): none)
+    width: int  # the fullest lane's tokens
+
+
+def pack_lanes(lengths: list[int], owner: list[int], capacity: int) -> Lanes:
+    """Remainders of `lengths` tokens (per row; `owner`: its prefix) in lanes of at most `capacity`
+    tokens, first fit, longest first, each lane holding one prefix's rows (a remainder longer than
+    `capacity` in a lane of its own; empty ones in none)."""
+    fill: list[int] = []
+    lane_owner: list[int] = []
+    open_lanes: dict[int, list[int]] = {}
+    place = [(0, 0)] * len(lengths)
+    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        if not lengths[row]:
+            continue
+        mine = open_lanes.setdefault(owner[row], [])
+        lane = next((lane for lane in mine if fill[lane] + lengths[row] <= capacity), None)
+        if lane is None:
+            lane = len(fill)
+            fill.append(0)
+            lane_owner.append(owner[row])
+            mine.append(lane)
+        place[row] = (lane, fill[lane])
+        fill[lane] += lengths[row]
+    return Lanes(lane_owner, place, max(fill, default=0))
+
+
+def choose_lanes(lengths: list[int], owner: list[int], past: int, costs: Costs | None = None) -> Lanes:
+    """The packing (`pack_lanes`) of the rows' remainders for one extend run over a cache of `past`
+    columns, among capacities from the longest remainder up (by a quarter of it at a time, to 16
+    times it). With `costs` (the extend's, measured), the fastest by them: lanes x width tokens and
+    lanes x width x (`past` + width) attention scores. Without, the fewest tokens (fewest lanes among
+    those) whose scores are no more than with a row per remainder, so that no part of the run costs
+    more than it did: a question's short answers no longer each run padded to the longest."""
+    longest = max(lengths)
+    rows = sum(1 for n in lengths if n)
+    limit = rows * longest * (past + longest)
+
+    def price(lanes: Lanes) -> tuple:
+        count, width = len(lanes.owner), lanes.width
+        scores = count * width * (past + width)
+        if costs is not None and costs.extend_per_token is not None:
+            return (costs.extend_per_token * count * width + costs.extend_per_score * scores, count)
+        return (scores > limit, count * width, count)
+
+    best = pack_lanes(lengths, owner, longest)
+    step = max(1, longest // 4)
+    for capacity in range(longest + step, min(sum(lengths), 16 * longest) + 1, step):
+        lanes = pack_lanes(lengths, owner, capacity)
+        if price(lanes) < price(best):
+            best = lanes
+    return best
 
 
 # The fewest tokens rows must share for `prefix_groups` to group them: a floor that keeps a few

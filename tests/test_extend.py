@@ -317,3 +317,83 @@ def test_the_scoring_paths_neither_read_back_nor_wait_to_copy_up(build, arch):
         assert uploads.calls == []
         if call in shared:  # the padded paths check their host inputs on the host (reads of host tensors)
             assert reads.count == 0
+
+
+def lanes_over(rests: list[list[int]], lanes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lanes` (per lane, the indices of `rests` it holds, one after another) as the extend run's
+    right-padded tokens and `starts` (each padding token a segment of its own)."""
+    tokens = pad_right([[t for r in lane for t in rests[r]] for lane in lanes])[0]
+    starts = torch.arange(tokens.shape[1]).repeat(len(lanes), 1)
+    for row, lane in enumerate(lanes):
+        at = 0
+        for r in lane:
+            starts[row, at : at + len(rests[r])] = at
+            at += len(rests[r])
+    return tokens, starts
+
+
+@pytest.mark.parametrize("arch", [*GQA_ARCHES, "qwen2_5_vl_builder"])
+def test_continuations_share_a_row_of_the_extend_run(build, arch):
+    """Several continuations of one prefix in one row of the extend run (`Extender.run`'s `starts`):
+    each gives transformers' logits on its prefix and itself, as if it ran alone (its positions
+    restart after the past, it sees neither the other continuations nor the padding); the
+    builder's 3-D mRoPE positions of Qwen2.5-VL's decoder too."""
+    model, hf = load_pair(build(arch))
+    extender = model.decoder.extender()
+    assert extender.packs
+    prefixes, rests, owner = rows_over_prefixes(41)
+    lanes = [[1, 0], [2]]  # prefix 0's two continuations in one row, prefix 1's in another
+    tokens, starts = lanes_over(rests, lanes)
+    new = tokens.shape[1]
+    logits = extender.run(tokens, prefix_cache(model, prefixes, [0, 1]), torch.arange(2 * new), starts)
+    logits = logits.view(2, new, -1)
+    for row, lane in enumerate(lanes):
+        at = 0
+        for r in lane:
+            whole = prefixes[owner[r]] + rests[r]
+            with torch.no_grad():
+                expected = hf(torch.tensor([whole])).logits[0, len(prefixes[owner[r]]):]
+            assert (logits[row, at : at + len(rests[r])] - expected).abs().max().item() < 1e-4
+            at += len(rests[r])
+
+
+def test_where_continuations_cannot_share_a_row(build):
+    """A row of several segments needs the mask layout without windows and a decoder without
+    convolution states: the cache layout writes each segment's KV after the row's past, where the
+    next would overwrite it; a sliding window's mask has no segments; a hybrid's convolution state
+    would run on from one segment into the next. There `packs` is False, `starts` is refused by
+    name, and shared contexts run one continuation a row, still transformers' answers."""
+    llama = load_pair(build("llama"))[0]
+    assert not extender_of(llama, False, layout="cache").packs
+    assert not extender_of(load_pair(build("gemma3"))[0], False).packs
+    extender = extender_of(llama, False, layout="cache")
+    prefixes, rests, _ = rows_over_prefixes(43)
+    tokens, starts = lanes_over(rests, [[0, 1]])
+    with pytest.raises(ValueError, match="takes no segments"):
+        extender.run(tokens, prefix_cache(llama, prefixes, [0]), torch.arange(3), starts)
+    lfm2 = OrtModelForCausalLM.from_pretrained(build("lfm2").package_dir)
+    assert lfm2.decoder.extender() is None or not lfm2.decoder.extender().packs
+
+
+def test_a_questions_short_answers_run_several_to_a_row(build, monkeypatch):
+    """lm-eval's shared contexts: a question's answers of 1, 2, 3 and 6 tokens ran each in a row of
+    6 (24 tokens, 18 of them padding); now the shorter ones share a row (`sharing.choose_lanes`):
+    fewer tokens run, and every answer is still the padded rows' and transformers'."""
+    model, hf = load_pair(build("llama"))
+    gen = torch.Generator().manual_seed(45)
+    context = torch.randint(4, 500, (20,), generator=gen).tolist()
+    answers = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (1, 2, 3, 6)]
+    rows = [(context + a)[:-1] for a in answers]
+    starts = [len(context) - 1] * 4
+    shapes = []
+    run = extend.Extender.run
+    monkeypatch.setattr(extend.Extender, "run", lambda self, tokens, *a: shapes.append(tuple(tokens.shape)) or
+                        run(self, tokens, *a))
+    got = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, [0] * 4, starts, answers))
+    assert len(shapes) == 1 and shapes[0][0] * shapes[0][1] < 4 * 5  # the rows' rests: 0, 1, 2 and 5 tokens
+    expected = scoring.answers(scoring.loglikelihood_totals(model, *pad_right(rows), starts, answers))
+    for (lp, greedy), (ref_lp, ref_greedy), answer in zip(got, expected, answers):
+        assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
+        with torch.no_grad():
+            logits = hf(torch.tensor([context + answer])).logits[0, len(context) - 1 : -1].log_softmax(-1)
+        assert abs(lp - logits.gather(1, torch.tensor(answer)[:, None]).sum().item()) < 1e-3

@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import load_pair
 
-from ortmodule import OrtModelForCausalLM, costs, extend, load_tokenizer, scoring
+from ortmodule import OrtModelForCausalLM, costs, extend, load_tokenizer, scoring, sharing
 
 VOCAB = 512  # every fixture's
 # A Llama most often; Qwen3 (q/k norms), Gemma 3 (sliding-window layers: the extend graph's window
@@ -116,7 +116,7 @@ def drawn_case(build, monkeypatch, rng: random.Random):
     _, hf = load_pair(fixture)
     model, what = variant(fixture, monkeypatch, rng)
     drawn = random_costs(rng)
-    monkeypatch.setattr(model, "measured_costs", lambda refresh=False: drawn)
+    monkeypatch.setattr(model, "measured_costs", lambda refresh=False, measure=True: drawn)
     return fixture, hf, model, what, drawn
 
 
@@ -136,6 +136,40 @@ def variant(fixture, monkeypatch, rng: random.Random):
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "seven", "quiet", "rivers", "ran", "past", "old", "towns",
          "and", "bright", "fields", "of", "grain", "under", "heavy", "clouds", "that", "nobody", "counted", "again"]
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) * 10))
+def test_lanes_fuzz(seed):
+    """`sharing.choose_lanes` over random remainders (empty ones too) of random prefixes: every
+    remainder has a place of its own in a lane of its prefix, none overlapping another or past the
+    lanes' width; without costs the run computes no more tokens and no more attention scores than a
+    row per remainder, and with costs it is priced no higher."""
+    rng = random.Random(seed)
+    lengths = [rng.choice([0, 1, 2, 5, rng.randint(1, 60)]) for _ in range(rng.randint(1, 24))]
+    lengths[rng.randrange(len(lengths))] = rng.randint(1, 60)
+    owner = [rng.randrange(rng.randint(1, 4)) for _ in lengths]
+    past = rng.choice([1, 16, 300])
+    drawn = random_costs(rng) if rng.random() < 0.5 else None
+    lanes = sharing.choose_lanes(lengths, owner, past, drawn)
+    taken: dict[int, list[tuple[int, int]]] = {}
+    for row, n in enumerate(lengths):
+        if n:
+            lane, at = lanes.place[row]
+            assert lanes.owner[lane] == owner[row] and at + n <= lanes.width
+            taken.setdefault(lane, []).append((at, at + n))
+    for spans in taken.values():
+        spans.sort()
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert sorted(taken) == list(range(len(lanes.owner)))  # no lane left empty
+    rows, longest = sum(1 for n in lengths if n), max(lengths)
+    count, width = len(lanes.owner), lanes.width
+    if drawn is None or drawn.extend_per_token is None:
+        assert count * width <= rows * longest and count * width * (past + width) <= rows * longest * (past + longest)
+    else:
+        def price(count, width):
+            return drawn.extend_per_token * count * width + drawn.extend_per_score * count * width * (past + width)
+
+        assert price(count, width) <= price(rows, longest) * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) // 4))
@@ -264,7 +298,7 @@ def test_quantized_plans_agree_with_the_plain_path(build, monkeypatch, seed, pre
     plain = OrtModuleLM(pretrained=chunked_off(fixture), tokenizer=tokenizer, batch_size=1, share_contexts="false")
     model, drawn_model = variant(fixture, monkeypatch, rng)
     drawn = random_costs(rng)
-    monkeypatch.setattr(model, "measured_costs", lambda refresh=False: drawn)
+    monkeypatch.setattr(model, "measured_costs", lambda refresh=False, measure=True: drawn)
     requests = loglikelihood_requests(rng)
     batch, share = rng.choice(["1", "3", "auto"]), rng.choice(["auto", "true", "false"])
     lm = OrtModuleLM(pretrained=model, tokenizer=tokenizer, batch_size=batch, share_contexts=share)

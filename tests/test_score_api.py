@@ -81,7 +81,7 @@ def test_rows_that_share_no_token_are_never_shared(llama, monkeypatch):
     assert not sharing.worth_sharing(prompts, [3, 3], cheap_extends)
     assert sharing.worth_sharing([[9, 1, 2, 3], [9, 4, 5, 6]], [3, 3], cheap_extends)  # one token shared
     model, _ = load_pair(llama)
-    monkeypatch.setattr(model, "measured_costs", lambda refresh=False: cheap_extends)
+    monkeypatch.setattr(model, "measured_costs", lambda refresh=False, measure=True: cheap_extends)
     assert scoring.prefix_reuse(model, [prompts], 64, None) == [False]
     whole = scoring.label_logprobs(model, [prompts], [1, 2], 64, [False])
     assert torch.equal(scoring.label_logprobs(model, [prompts], [1, 2], 64, None), whole)
