@@ -422,11 +422,9 @@ class Extender:
         self.layout = "cache" if KV_LENGTHS in names else "mask"
         # the sliding-window layers' masks, by window (the mask layout)
         self.windows = sorted(int(name[len(WINDOW_BIAS):]) for name in names if name.startswith(WINDOW_BIAS))
-        # Whether a row may hold several segments (`run`'s `starts`): where the mask and the positions say all
-        # a token sees. Not with windows' masks, KV written into the cache, or a hybrid's convolution states,
-        # which would run on from one segment into the next.
-        self.packs = (self.layout == "mask" and not self.windows and not decoder.spec.states
-                      and (self.positions or self.position_ids is not None))
+        # Whether a row may hold several segments (`run`'s `starts`; where positions are an input of the graph).
+        self.packs = takes_segments(decoder, self.layout) and not self.windows and \
+            (self.positions or self.position_ids is not None)
         known = {decoder.spec.input_ids, POSITIONS, ATTENTION_BIAS, WRITE_AT, KV_LENGTHS, graph.LOGITS_INDICES,
                  self.position_ids, *(f"{WINDOW_BIAS}{window}" for window in self.windows)}
         known |= {name for kv in decoder.spec.layers for name in (kv.past_key, kv.past_value)}
@@ -496,6 +494,16 @@ class Extender:
         runtime.bind_output(binding, decoder.spec.logits, logits)
         self.session.run(binding)
         return logits
+
+
+def takes_segments(decoder, layout: str) -> bool:
+    """Whether the extend graph of `layout` over `decoder` runs several segments a row (`Extender.run`'s
+    `starts`), read from the package alone (sharing.py prices its plans so without making the graph):
+    the mask layout, where the mask and the positions say all a token sees; not with sliding windows
+    (their masks have no segments), nor the cache layout (each segment's KV would be written where
+    the next one's goes), nor a hybrid's convolution states (they would run on from one segment into
+    the next)."""
+    return layout == "mask" and not any(kv.window for kv in decoder.spec.layers) and not decoder.spec.states
 
 
 def _extend_bias(cache: KVCache, new: int, dtype: torch.dtype, window: int = 0,

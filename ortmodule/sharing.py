@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import extend
 from .costs import Costs
 from .inputs import Rows, flat_index, pad_right, to_device
 from .modeling import OrtModelForCausalLM
@@ -54,9 +55,9 @@ def sharing_prices(rows: list[Ids], starts: list[int], costs: Costs, batch_rows:
 
 def packs(model: OrtModelForCausalLM) -> bool:
     """Whether `shared_prefix_logits` runs the rows' remainders several to a row of the model's extend
-    run (`Extender.packs`), which `worth_sharing` prices with `packed=True`."""
-    extender = model.decoder.extender()
-    return extender is not None and extender.packs
+    run (`Extender.packs`), which `worth_sharing` prices with `packed=True`: read from the package,
+    without making the extend graph where nothing may be shared."""
+    return extend.takes_segments(model.decoder, extend.EXTEND_LAYOUT.get(model.device.type, "mask"))
 
 
 def _prices(rows: list[Ids], prefix: int, costs: Costs, batch_rows: int, packed: bool) -> tuple[float, float]:
