@@ -35,11 +35,16 @@ def count(requests):
 
 
 @pytest.mark.benchmark(group="score")
-@pytest.mark.parametrize("reuse", ["auto", "no_reuse"])
-def test_ortmodule_score(benchmark, workload, reuse):
+@pytest.mark.parametrize("reuse", ["auto", "no_reuse", "lanes_off"])
+def test_ortmodule_score(benchmark, workload, reuse, monkeypatch):
     fixture, requests, device, _ = workload
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
-    option = None if reuse == "auto" else False
+    option = False if reuse == "no_reuse" else None
+    if reuse == "lanes_off":  # `auto` with every item in a row of its own in the extend run (sharing.choose_lanes)
+        if model.decoder.extender() is None:
+            pytest.skip("no extend graph: the items continue the query by decode steps")
+        model.decoder.extender().packs = False
+        monkeypatch.setattr(ortmodule.scoring, "packs", lambda model: False)  # and priced so
 
     def score():
         return [ortmodule.score(model, None, r["query"], r["items"], r["label_token_ids"], apply_softmax=True,
