@@ -6,6 +6,7 @@ uses it for lm-eval's multiple-choice contexts and for score's shared queries.
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 import torch
@@ -200,34 +201,42 @@ class Lanes(NamedTuple):
 
 def pack_lanes(lengths: list[int], owner: list[int], capacity: int) -> Lanes:
     """Remainders of `lengths` tokens (per row; `owner`: its prefix) in lanes of at most `capacity`
-    tokens, first fit, longest first, each lane holding one prefix's rows (a remainder longer than
+    tokens, best fit, longest first, each lane holding one prefix's rows (a remainder longer than
     `capacity` in a lane of its own; empty ones in none)."""
     fill: list[int] = []
     lane_owner: list[int] = []
-    open_lanes: dict[int, list[int]] = {}
+    rooms: dict[int, list[tuple[int, int]]] = {}  # per prefix: (tokens left, lane) of its lanes with room, sorted
     place = [(0, 0)] * len(lengths)
     for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        if not lengths[row]:
+        need = lengths[row]
+        if not need:
             continue
-        mine = open_lanes.setdefault(owner[row], [])
-        lane = next((lane for lane in mine if fill[lane] + lengths[row] <= capacity), None)
-        if lane is None:
-            lane = len(fill)
+        mine = rooms.setdefault(owner[row], [])
+        fits = bisect.bisect_left(mine, (need, -1))
+        if fits < len(mine):
+            room, lane = mine.pop(fits)
+        else:
+            room, lane = max(capacity, need), len(fill)
             fill.append(0)
             lane_owner.append(owner[row])
-            mine.append(lane)
         place[row] = (lane, fill[lane])
-        fill[lane] += lengths[row]
+        fill[lane] += need
+        if room > need:
+            bisect.insort(mine, (room - need, lane))
     return Lanes(lane_owner, place, max(fill, default=0))
+
+
+# `choose_lanes`' capacities, as multiples of the longest remainder.
+CAPACITIES = (1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16)
 
 
 def choose_lanes(lengths: list[int], owner: list[int], past: int, costs: Costs | None = None) -> Lanes:
     """The packing (`pack_lanes`) of the rows' remainders for one extend run over a cache of `past`
-    columns, among capacities from the longest remainder up (by a quarter of it at a time, to 16
-    times it). With `costs` (the extend's, measured), the fastest by them: lanes x width tokens and
-    lanes x width x (`past` + width) attention scores. Without, the fewest tokens (fewest lanes among
-    those) whose scores are no more than with a row per remainder, so that no part of the run costs
-    more than it did: a question's short answers no longer each run padded to the longest."""
+    columns, among capacities of the longest remainder and `CAPACITIES` times it. With `costs` (the
+    extend's, measured), the fastest by them: lanes x width tokens and lanes x width x (`past` +
+    width) attention scores. Without, the fewest tokens (fewest lanes among those) whose scores are
+    no more than with a row per remainder, so that no part of the run costs more than it did: a
+    question's short answers no longer each run padded to the longest."""
     longest = max(lengths)
     rows = sum(1 for n in lengths if n)
     limit = rows * longest * (past + longest)
@@ -240,8 +249,9 @@ def choose_lanes(lengths: list[int], owner: list[int], past: int, costs: Costs |
         return (scores > limit, count * width, count)
 
     best = pack_lanes(lengths, owner, longest)
-    step = max(1, longest // 4)
-    for capacity in range(longest + step, min(sum(lengths), 16 * longest) + 1, step):
+    for capacity in sorted({int(longest * factor) for factor in CAPACITIES} - {longest}):
+        if capacity > sum(lengths):
+            break
         lanes = pack_lanes(lengths, owner, capacity)
         if price(lanes) < price(best):
             best = lanes
