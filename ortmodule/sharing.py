@@ -248,9 +248,9 @@ def choose_lanes(lengths: list[int], owner: list[int], past: int, costs: Costs |
             return (costs.extend_per_token * count * width + costs.extend_per_score * scores, count)
         return (scores > limit, count * width, count)
 
-    best = pack_lanes(lengths, owner, longest)
+    best, total = pack_lanes(lengths, owner, longest), sum(lengths)
     for capacity in sorted({int(longest * factor) for factor in CAPACITIES} - {longest}):
-        if capacity > sum(lengths):
+        if capacity > total:
             break
         lanes = pack_lanes(lengths, owner, capacity)
         if price(lanes) < price(best):
