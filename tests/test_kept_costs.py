@@ -46,7 +46,9 @@ def test_costs_are_measured_once_and_kept_for_later_loads(llama, store, monkeypa
     assert costs.Costs(**record["costs"]) == first and record["check_seconds"] > 0
     assert record["machine"] == kept_costs.machine(first_device := load(llama).device) and first_device.type == "cpu"
     later = load(llama)  # a later process: a new model object over the same package
+    assert later.measured_costs(measure=False) is None  # what the shared path asks: nothing read or timed
     assert later.measured_costs() == first and len(calls) == 1  # read back (and checked), not measured
+    assert later.measured_costs(measure=False) == first  # now the model has them
     assert "ortmodule: timing" not in capsys.readouterr().err
     assert later.measured_costs() is later.measured_costs()
     assert later.measured_costs(refresh=True) is not None and len(calls) == 2  # asked for: measured again
