@@ -423,8 +423,7 @@ class Extender:
         # the sliding-window layers' masks, by window (the mask layout)
         self.windows = sorted(int(name[len(WINDOW_BIAS):]) for name in names if name.startswith(WINDOW_BIAS))
         # Whether a row may hold several segments (`run`'s `starts`; where positions are an input of the graph).
-        self.packs = takes_segments(decoder, self.layout) and not self.windows and \
-            (self.positions or self.position_ids is not None)
+        self.packs = takes_segments(decoder, self.layout) and (self.positions or self.position_ids is not None)
         known = {decoder.spec.input_ids, POSITIONS, ATTENTION_BIAS, WRITE_AT, KV_LENGTHS, graph.LOGITS_INDICES,
                  self.position_ids, *(f"{WINDOW_BIAS}{window}" for window in self.windows)}
         known |= {name for kv in decoder.spec.layers for name in (kv.past_key, kv.past_value)}

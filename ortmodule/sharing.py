@@ -144,50 +144,41 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     if not plan.steps:
         return
     extender = decoder.extender()
-    if extender is not None and extender.packs:  # every row's rest in one run, several to a lane
-        yield from _lanes_run(decoder, extender, plan, source, lengths, width, model.measured_costs(measure=False))
+    if extender is not None:  # every row's rest in one run
+        yield from _extend_run(decoder, extender, plan, source, lengths, width, model.measured_costs(measure=False))
         return
     owner = to_device(plan.owner, device)
-    room = extender.room(len(plan.steps)) if extender is not None else len(plan.steps)
-    cache = decoder.new_cache(len(rows), width + room)
+    cache = decoder.new_cache(len(rows), width + len(plan.steps))
     cache.start_from(source, owner, lengths[owner], width)
     tokens = to_device(pad_right(plan.tokens)[0], device)
-    if extender is not None:  # every row's rest in one run
-        new = tokens.shape[1]
-        flat = [row * new + step for step, (asking, _) in enumerate(plan.steps) for row in asking]
-        pairs = [pair for _, step_pairs in plan.steps for pair in step_pairs]
-        if flat:
-            yield pairs, extender.run(tokens, cache, to_device(flat, device))
-        return
     for step, (asking, pairs) in enumerate(plan.steps):
         logits = decoder.step(tokens[:, step : step + 1], cache, to_device(asking or [0], device))
         if asking:
             yield pairs, logits
 
 
-def _lanes_run(decoder, extender, plan: SharingPlan, source, lengths: torch.Tensor, width: int, costs: Costs | None):
-    """`shared_prefix_logits`' extend run with the rows' remainders packed into lanes (`choose_lanes`)."""
-    device = decoder.device
-    lanes = choose_lanes([len(t) for t in plan.tokens], plan.owner, width, costs)
-    segments: list[list[tuple[int, Ids]]] = [[] for _ in lanes.owner]
+def _extend_run(decoder, extender, plan: SharingPlan, source, lengths: torch.Tensor, width: int, costs: Costs | None):
+    """`shared_prefix_logits`' extend run: the rows' remainders packed into lanes (`choose_lanes`)
+    where the graph takes segments (`Extender.packs`), else one to a lane."""
+    device, remainders = decoder.device, [len(t) for t in plan.tokens]
+    packs = extender.packs
+    lanes = choose_lanes(remainders, plan.owner, width, costs) if packs else pack_lanes(remainders, plan.owner, 0)
+    ids = torch.zeros(len(lanes.owner), lanes.width, dtype=torch.int64)
+    starts = torch.arange(lanes.width).repeat(len(lanes.owner), 1)  # padding: a segment of its own per token
     for row, tokens in enumerate(plan.tokens):
         if tokens:
             lane, at = lanes.place[row]
-            segments[lane].append((at, tokens))
-    ids = torch.zeros(len(lanes.owner), lanes.width, dtype=torch.int64)
-    starts = torch.arange(lanes.width).repeat(len(lanes.owner), 1)  # padding: a segment of its own per token
-    for lane, parts in enumerate(segments):
-        for at, tokens in parts:
             ids[lane, at : at + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
             starts[lane, at : at + len(tokens)] = at
     owner = to_device(lanes.owner, device)
-    cache = decoder.new_cache(len(lanes.owner), width)
+    cache = decoder.new_cache(len(lanes.owner), width + extender.room(lanes.width))
     cache.start_from(source, owner, lengths[owner], width)
     flat = [lanes.place[row][0] * lanes.width + lanes.place[row][1] + step
             for step, (asking, _) in enumerate(plan.steps) for row in asking]
     if flat:
         pairs = [pair for _, step_pairs in plan.steps for pair in step_pairs]
-        yield pairs, extender.run(to_device(ids, device), cache, to_device(flat, device), to_device(starts, device))
+        yield pairs, extender.run(to_device(ids, device), cache, to_device(flat, device),
+                                  to_device(starts, device) if packs else None)
 
 
 class Lanes(NamedTuple):
@@ -202,7 +193,7 @@ class Lanes(NamedTuple):
 def pack_lanes(lengths: list[int], owner: list[int], capacity: int) -> Lanes:
     """Remainders of `lengths` tokens (per row; `owner`: its prefix) in lanes of at most `capacity`
     tokens, best fit, longest first, each lane holding one prefix's rows (a remainder longer than
-    `capacity` in a lane of its own; empty ones in none)."""
+    `capacity` in a lane of its own, so every one at capacity 0; empty ones in none)."""
     fill: list[int] = []
     lane_owner: list[int] = []
     rooms: dict[int, list[tuple[int, int]]] = {}  # per prefix: (tokens left, lane) of its lanes with room, sorted
