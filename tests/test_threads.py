@@ -1,6 +1,6 @@
 """One model, many threads: forward, generate and score called concurrently give exactly what the
 same calls give one after another (each thread prefills into its own scratch KV buffer; caches of
-generate, score and `use_cache` belong to their call)."""
+generate, score and `use_cache` belong to their call), a score whose items run several to a row of the extend run too."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,9 +32,13 @@ def calls(vocab: int):
         elif kind == 2:
             out.append(lambda m, ids=ids, mask=mask: m.generate(ids, attention_mask=mask, max_new_tokens=4,
                                                                 do_sample=False))
-        else:
+        elif i % 16 == 3:
             query, items = ids[0].tolist(), [[int(t)] for t in ids[-1, :3]]
             out.append(lambda m, q=query, it=items: torch.tensor(ortmodule.score(m, None, q, it, [5, 6, 7])))
+        else:  # the query run once, items of 1-7 tokens several to a row of the extend run (sharing.choose_lanes)
+            query, items = ids[0].tolist(), [ids[-1, : 1 + (i + j) % 7].tolist() for j in range(6)]
+            out.append(lambda m, q=query, it=items: torch.tensor(
+                ortmodule.score(m, None, q, it, [5, 6, 7], reuse_prefix=True)))
     return out
 
 
