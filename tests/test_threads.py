@@ -1,6 +1,7 @@
 """One model, many threads: forward, generate and score called concurrently give exactly what the
 same calls give one after another (each thread prefills into its own scratch KV buffer; caches of
-generate, score and `use_cache` belong to their call), a score whose items run several to a row of the extend run too."""
+generate, score and `use_cache` belong to their call), scores whose items run several to a row of
+the extend run too."""
 
 from concurrent.futures import ThreadPoolExecutor
 
