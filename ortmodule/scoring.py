@@ -280,8 +280,9 @@ def prefix_reuse(model: OrtModelForCausalLM, requests: list[list[Ids]], token_bu
                  reuse_prefix: bool | None) -> list[bool]:
     """Per request, whether `label_logprobs` runs its prompts' shared prefix once: as
     `reuse_prefix` says, where the prompts share one (a request of one prompt shares nothing), or,
-    for None, where the model's measured costs say it pays (`worth_sharing`)."""
-    if reuse_prefix is not None:
+    for None, where the model's measured costs say it pays (`worth_sharing`); where no request's prompts
+    share a prefix, without the costs (timing them takes seconds the first time on a machine)."""
+    if reuse_prefix is not None or not any(map(_has_prefix, requests)):
         return [bool(reuse_prefix) and _has_prefix(prompts) for prompts in requests]
     costs, rows, packed = model.measured_costs(), sum(len(r) for r in requests), packs(model)
     choices = []

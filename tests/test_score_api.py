@@ -89,6 +89,24 @@ def test_rows_that_share_no_token_are_never_shared(llama, monkeypatch):
     assert torch.equal(scoring.label_logprobs(model, [prompts], [1, 2], 64, [True]), whole)
 
 
+def test_requests_that_share_nothing_are_scored_without_timing_the_costs(llama, monkeypatch):
+    """Timing the costs takes seconds the first time on a machine (23 s for SmolLM2-135M on 2 vCPUs),
+    spent for nothing where no request's prompts share a prefix: one item, or items that begin alike
+    after no query. Such requests are scored without them; a request that shares a prefix asks for them."""
+    model, _ = load_pair(llama)
+    asked = []
+    monkeypatch.setattr(model, "measured_costs", lambda refresh=False, measure=True: asked.append(measure))
+    one = ortmodule.score(model, None, [5, 6, 7], [[8, 9]], [1, 2])
+    apart = ortmodule.score(model, None, [], [[8, 9], [10, 11, 12]], [1, 2])
+    assert asked == []
+    expected = [scoring.label_logprobs(model, [[[5, 6, 7, 8, 9]]], [1, 2], 64, [False]),
+                scoring.label_logprobs(model, [[[8, 9], [10, 11, 12]]], [1, 2], 64, [False])]
+    for got, want in zip((one, apart), expected):
+        assert torch.allclose(torch.tensor(got).log(), want.cpu(), atol=1e-5)
+    ortmodule.score(model, None, [5, 6, 7], [[8], [9]], [1, 2])  # the query shared: the costs decide
+    assert asked[:1] == [True]
+
+
 def test_sharing_is_decided_from_the_measured_costs(llama):
     """A short prefix with long remainders loses when each decode step costs ~20 prefill tokens (a
     small model on a CPU); a long prefix wins; the costs are measured once per device and kept."""
