@@ -252,7 +252,8 @@ def score(
     log-softmax and gather on the device, one copy to the host at the end.
 
     `reuse_prefix` runs the prompts' shared first tokens once and the rest over a copy of its
-    KV cache; None decides by the work saved (see `worth_sharing`).
+    KV cache; None decides by the work saved (`worth_sharing`: by the model's measured costs, timed at
+    the first call of 4,096 tokens or more, and by token counts before; `prefix_reuse`).
     """
     prompts = prompts_of(tokenizer, query, items, item_first)
     labels = checked_labels(label_token_ids, model.package.vocab_size)
