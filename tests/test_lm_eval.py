@@ -741,6 +741,21 @@ def run_cli(launcher, fixture, out, env=None, extra=(), model_args=""):
             for path in out.rglob("samples_*.jsonl")}
 
 
+def test_ortmodule_eval_names_a_bad_package_without_a_traceback(tmp_path):
+    """A package that cannot be read (here: no folder) ends `ortmodule-eval` with ortmodule's message,
+    as `ortmodule export` and `ortmodule serve` end, not with a traceback through lm-eval's."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-package"
+    done = subprocess.run([sys.executable, "-m", "ortmodule.cli", "--model", "ortmodule", "--model_args",
+                           f"pretrained={missing}", "--device", "cpu", "--tasks", "ortmodule_arithmetic_mc"],
+                          capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == f"ortmodule-eval: error: package folder not found: {missing}"
+    assert "Traceback" not in done.stderr
+
+
 # CPU processes: a GPU, if the machine has one, stays out of it (lm-eval would give rank 1 a second GPU).
 CPU_ONLY = {"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": ""}
 
