@@ -129,7 +129,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
 
     def measured_costs(self, refresh: bool = False, measure: bool = True) -> costs.Costs | None:
         """What runs of this model cost on its device (`Costs`), from which context sharing is decided
-        (`share_contexts="auto"`, score's `reuse_prefix=None` from 4,096 tokens). Timed at the first call for
+        (`share_contexts="auto"`, score's `reuse_prefix=None` after 16,384 tokens). Timed at the first call for
         each device (about 30 s for SmolLM2-135M on 2 CPU cores; lm-eval's backend and `ortmodule serve` at load),
         kept in the model and on disk for later processes (kept_costs.py); `refresh=True` times them
         again. None, with a warning, where the runs failed; with `measure=False`, None where this model

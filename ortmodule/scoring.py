@@ -7,6 +7,7 @@ and the gather happen on `model.device`, and one small tensor per batch comes ba
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -252,8 +253,8 @@ def score(
     log-softmax and gather on the device, one copy to the host at the end.
 
     `reuse_prefix` runs the prompts' shared first tokens once and the rest over a copy of its
-    KV cache; None decides by the work saved (`worth_sharing`: by the model's measured costs, timed at
-    the first call of 4,096 tokens or more, and by token counts before; `prefix_reuse`).
+    KV cache; None decides by the work saved (`worth_sharing`: by the model's measured costs, timed once
+    the model's calls have held 16,384 tokens, and by token counts before; `prefix_reuse`).
     """
     prompts = prompts_of(tokenizer, query, items, item_first)
     labels = checked_labels(label_token_ids, model.package.vocab_size)
@@ -277,10 +278,13 @@ def check_prompts(prompts: list[Ids], vocab: int, limit: int) -> None:
             raise ValueError(f"item {i}: {vocabulary_message(bad, vocab)}")
 
 
-# The fewest tokens (of a call's whole prompts) for which `prefix_reuse` times the model's costs when it
-# has none yet: a smaller call runs in less time than the timing (about 20 s for SmolLM2-135M on 2 vCPUs)
-# whichever way it goes, and both ways give the same numbers to float rounding.
-UNTIMED_TOKENS = 4096
+# How many tokens a model's calls with a prefix to decide on may score by token counts before
+# `prefix_reuse` times its costs: the timing takes about as long as a prefill of some 20,000 tokens
+# (23 s for SmolLM2-135M on 2 vCPUs, 130 s for a 0.6B model), so a few small calls never pay it and
+# a stream of them pays it once, after about as much work as it costs (a ski rental). Either way the
+# numbers are the same to float rounding; only the time of a call may differ.
+UNTIMED_TOKENS = 16384
+_untimed_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per model, scored without costs
 
 
 def prefix_reuse(model: OrtModelForCausalLM, requests: list[list[Ids]], token_budget: int,
@@ -289,13 +293,16 @@ def prefix_reuse(model: OrtModelForCausalLM, requests: list[list[Ids]], token_bu
     `reuse_prefix` says, where the prompts share one (a request of one prompt shares nothing), or,
     for None, where the model's measured costs say it pays (`worth_sharing`). Timing the costs takes
     seconds to minutes the first time on a machine, so where no request's prompts share a prefix they
-    are not asked for, and calls of fewer than `UNTIMED_TOKENS` tokens decide by token counts until the
-    model has them (`measured_costs(measure=False)`)."""
+    are not asked for, and until the model has them (`measured_costs(measure=False)`) calls decide by
+    token counts while the model's calls so far hold fewer than `UNTIMED_TOKENS` tokens."""
     if reuse_prefix is not None or not any(map(_has_prefix, requests)):
         return [bool(reuse_prefix) and _has_prefix(prompts) for prompts in requests]
     costs = model.measured_costs(measure=False)
-    if costs is None and sum(len(p) for prompts in requests for p in prompts) >= UNTIMED_TOKENS:
-        costs = model.measured_costs()
+    if costs is None:
+        scored = _untimed_tokens.get(model, 0) + sum(len(p) for prompts in requests for p in prompts)
+        _untimed_tokens[model] = scored
+        if scored >= UNTIMED_TOKENS:
+            costs = model.measured_costs()
     rows, packed = sum(len(r) for r in requests), packs(model)
     choices = []
     for prompts in requests:

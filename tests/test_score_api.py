@@ -1,5 +1,7 @@
 """ortmodule.score (SGLang's Generative Score API) against transformers on the same weights."""
 
+import weakref
+
 import pytest
 import torch
 from helpers import MODEL_ARCHES, labels_for, load_pair
@@ -91,10 +93,10 @@ def test_rows_that_share_no_token_are_never_shared(llama, monkeypatch):
 
 def test_small_calls_are_scored_without_timing_the_costs(llama, monkeypatch):
     """Timing the costs takes seconds to minutes the first time on a machine (23 s for SmolLM2-135M on
-    2 vCPUs), more than a small call's runs take whichever way they go: calls whose prompts share no
-    prefix (one item; items that begin differently after no query) never time them, calls of fewer
-    than `UNTIMED_TOKENS` tokens decide by token counts until the model has them, larger calls time
-    them, and once the model has them every call uses them. The answers are the same either way."""
+    2 vCPUs), more than a few small calls' runs take whichever way they go: calls whose prompts share
+    no prefix (one item; items that begin differently after no query) never time them, calls decide by
+    token counts until the model's calls have held `UNTIMED_TOKENS` tokens, then the costs are timed,
+    and once the model has them every call uses them. The answers are the same either way."""
     model, _ = load_pair(llama)
     asked, have = [], [None]
     cheap_extends = costs.Costs(per_token=1e-3, step=1e-3, step_per_row=1e-4, extend_per_token=1e-5,
@@ -107,6 +109,8 @@ def test_small_calls_are_scored_without_timing_the_costs(llama, monkeypatch):
         return have[0]
 
     monkeypatch.setattr(model, "measured_costs", measured_costs)
+    monkeypatch.setattr(scoring, "UNTIMED_TOKENS", 30)
+    monkeypatch.setattr(scoring, "_untimed_tokens", weakref.WeakKeyDictionary())  # the model's calls in other tests
     one = ortmodule.score(model, None, [5, 6, 7], [[8, 9]], [1, 2])
     apart = ortmodule.score(model, None, [], [[8, 9], [10, 11, 12]], [1, 2])
     assert asked == []
@@ -114,18 +118,15 @@ def test_small_calls_are_scored_without_timing_the_costs(llama, monkeypatch):
                 scoring.label_logprobs(model, [[[8, 9], [10, 11, 12]]], [1, 2], 64, [False])]
     for got, want in zip((one, apart), expected):
         assert torch.allclose(torch.tensor(got).log(), want.cpu(), atol=1e-5)
-    # A query of 3 tokens before items of 1: by token counts, worth running once.
-    small = [[[5, 6, 7, 8], [5, 6, 7, 9]]]
-    assert scoring.prefix_reuse(model, small, 64, None) == [True] and asked == [False]
-    # The same request with items of 4 tokens: not worth it by token counts, worth it by these costs.
+    # A query of 3 tokens before items of 1: by token counts, worth running once (8 tokens so far).
+    assert scoring.prefix_reuse(model, [[[5, 6, 7, 8], [5, 6, 7, 9]]], 64, None) == [True] and asked == [False]
+    # With items of 4 tokens: not worth it by token counts (22 tokens so far), worth it by these costs.
     longer = [[[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 12, 13, 14, 15]]]
     assert scoring.prefix_reuse(model, longer, 64, None) == [False] and asked == [False, False]
-    monkeypatch.setattr(scoring, "UNTIMED_TOKENS", 14)  # a call this long times them
-    assert scoring.prefix_reuse(model, longer, 64, None) == [True] and asked[-2:] == [False, True]
-    monkeypatch.setattr(scoring, "UNTIMED_TOKENS", 4096)
-    assert scoring.prefix_reuse(model, longer, 64, None) == [True] and asked[-1] is False  # now it has them
+    assert scoring.prefix_reuse(model, longer, 64, None) == [True] and asked[-2:] == [False, True]  # 36: timed
+    assert scoring.prefix_reuse(model, longer, 64, None) == [True] and asked[-1] is False  # now the model has them
     got = ortmodule.score(model, None, [5, 6, 7], [[8, 9, 10, 11], [12, 13, 14, 15]], [1, 2])
-    want = scoring.label_logprobs(model, [[[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 12, 13, 14, 15]]], [1, 2], 64, [False])
+    want = scoring.label_logprobs(model, longer, [1, 2], 64, [False])
     assert torch.allclose(torch.tensor(got).log(), want.cpu(), atol=1e-5)
 
 
