@@ -160,9 +160,8 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
 def _extend_run(decoder, extender, plan: SharingPlan, source, lengths: torch.Tensor, width: int, costs: Costs | None):
     """`shared_prefix_logits`' extend run: the rows' remainders packed into lanes (`choose_lanes`)
     where the graph takes segments (`Extender.packs`), else one to a lane."""
-    device, remainders = decoder.device, [len(t) for t in plan.tokens]
-    packs = extender.packs
-    lanes = choose_lanes(remainders, plan.owner, width, costs) if packs else pack_lanes(remainders, plan.owner, 0)
+    device, remainders, segments = decoder.device, [len(t) for t in plan.tokens], extender.packs
+    lanes = choose_lanes(remainders, plan.owner, width, costs) if segments else pack_lanes(remainders, plan.owner, 0)
     ids = torch.zeros(len(lanes.owner), lanes.width, dtype=torch.int64)
     starts = torch.arange(lanes.width).repeat(len(lanes.owner), 1)  # padding: a segment of its own per token
     for row, tokens in enumerate(plan.tokens):
@@ -178,7 +177,7 @@ def _extend_run(decoder, extender, plan: SharingPlan, source, lengths: torch.Ten
     if flat:
         pairs = [pair for _, step_pairs in plan.steps for pair in step_pairs]
         yield pairs, extender.run(to_device(ids, device), cache, to_device(flat, device),
-                                  to_device(starts, device) if packs else None)
+                                  to_device(starts, device) if segments else None)
 
 
 class Lanes(NamedTuple):
