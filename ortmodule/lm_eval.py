@@ -308,6 +308,59 @@ def _one_evaluation_at_a_time(method):
     return run
 
 
+class StopSequences(transformers.StoppingCriteria):
+    """lm-eval's stop sequences tested for each row on its own. lm-eval's criteria
+    (`MultiTokenEOSCriteria`, one per sequence) run every row until one sequence has been written by
+    all of them (never, where a row ends with the end-of-sequence token instead); this one stops each
+    row once its answer can no longer change: lm-eval's `generate_until` cuts the row's text
+    (`tok_decode`) at each stop sequence in turn, so a row whose text holds a sequence with as many
+    characters after it as two of the longest sequences (and a few for a character still being
+    written) has its answer. The row then gets pad tokens and, on a CPU, leaves the decode steps
+    (generation.py); lm-eval's answers are the same. A row's whole text is read only once its last
+    tokens (as many as the longest sequence takes, plus two: lm-eval's own test) show a sequence."""
+
+    def __init__(self, lm: HFLM, sequences: list[str], prompt_width: int, batch: int):
+        self.lm, self.prompt_width = lm, prompt_width
+        self.sequences = [s for s in sequences if s]
+        self.window = max((len(lm.tok_encode(s, add_special_tokens=False)) for s in self.sequences), default=0) + 2
+        self.margin = 2 * max(map(len, self.sequences), default=0) + 4
+        self.seen: set[int] = set()  # rows whose last tokens have shown a sequence
+        self.stopped = torch.zeros(batch, dtype=torch.bool)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        rows = [row for row in range(len(input_ids)) if not self.stopped[row]] if self.sequences else []
+        written = input_ids[rows, self.prompt_width :].tolist()
+        tails = self.lm.tokenizer.batch_decode([tokens[-self.window :] for tokens in written])
+        for row, tokens, tail in zip(rows, written, tails):
+            if row not in self.seen and not any(s in tail for s in self.sequences):
+                continue
+            self.seen.add(row)
+            text = self.lm.tok_decode(tokens)
+            first = min((at for at in map(text.find, self.sequences) if at >= 0), default=-1)
+            self.stopped[row] = first >= 0 and len(text) - first >= self.margin
+        return self.stopped.to(input_ids.device)
+
+
+def generate_stopping_rows(lm: HFLM, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
+    """`HFLM._model_generate` (its temperature and sampling defaults), each row stopped on its own
+    (`StopSequences`); lm-eval's own where a thinking model's answer follows its end-of-thinking
+    token (the stop sequences then apply to the text after it, which the rows have not written yet)."""
+    if getattr(lm, "think_end_token", None) is not None:
+        return HFLM._model_generate(lm, context, max_length, stop, **generation_kwargs)
+    generation_kwargs["temperature"] = generation_kwargs.get("temperature", 0.0)
+    do_sample = generation_kwargs.get("do_sample")
+    if (temperature := generation_kwargs.get("temperature")) == 0.0 and do_sample is None:
+        generation_kwargs["do_sample"] = do_sample = False
+    if do_sample is False and temperature == 0.0:
+        generation_kwargs.pop("temperature", None)
+    rows, width = context.shape
+    criteria = transformers.StoppingCriteriaList([StopSequences(lm, stop, width, rows)])
+    with torch.autocast(device_type=lm.device.type, dtype=lm.mixed_precision_dtype,
+                        enabled=lm.mixed_precision_dtype is not None):
+        return lm.model.generate(input_ids=context, max_length=max_length, stopping_criteria=criteria,
+                                 pad_token_id=lm.tokenizer.pad_token_id, use_cache=True, **generation_kwargs)
+
+
 @register_model("ortmodule")
 class OrtModuleLM(HFLM):
     """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR,device=cpu` (or cuda, cuda:N).
@@ -438,7 +491,7 @@ class OrtModuleLM(HFLM):
         finally:
             self._encoded = {}
 
-    generate_until = _one_evaluation_at_a_time(HFLM.generate_until)
+    generate_until, _model_generate = _one_evaluation_at_a_time(HFLM.generate_until), generate_stopping_rows
 
     def get_model_info(self) -> dict:
         return {"model_num_parameters": self._model.num_parameters(), "model_dtype": str(self._model.dtype),

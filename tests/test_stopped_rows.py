@@ -1,0 +1,173 @@
+"""Rows that stop before the others: on a CPU they leave `generate`'s decode steps (generation.py's
+`_Running`), and lm-eval's `generate_until` stops each row at its own stop sequences
+(lm_eval.py's `StopSequences`); transformers' tokens and lm-eval's `hf` answers either way."""
+
+import random
+
+import pytest
+import torch
+from helpers import left_padded_batch, load_pair
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM, postprocess_generated_text
+
+from ortmodule import load_tokenizer
+from ortmodule.decoder import Decoder
+from ortmodule.lm_eval import OrtModuleLM, StopSequences
+from ortmodule.steps import FixedSteps
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture
+def step_rows(monkeypatch):
+    """The rows of every decode step, in order: `Decoder.step`'s and the fixed steps' (steps.py)."""
+    rows = []
+    step, fixed = Decoder.step, FixedSteps.step
+
+    def counted(self, tokens, cache, logit_index=None):
+        rows.append(tokens.shape[0])
+        return step(self, tokens, cache, logit_index)
+
+    def counted_fixed(self, tokens):
+        rows.append(tokens.shape[0])
+        return fixed(self, tokens)
+
+    monkeypatch.setattr(Decoder, "step", counted)
+    monkeypatch.setattr(FixedSteps, "step", counted_fixed)
+    return rows
+
+
+def ends_at(hf, ids, mask, steps, seed=3, **options):
+    """End-of-sequence ids such that row i of a free generation (greedy, or sampled under `seed`)
+    ends at step `steps[i]` or before."""
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        free = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=2,
+                           **({"do_sample": False} | options))
+    return sorted({int(free[row, ids.shape[1] + step]) for row, step in enumerate(steps)})
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "lfm2"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_stopped_rows_leave_the_decode_steps_with_transformers_tokens(build, arch, sampled, step_rows):
+    """Four rows ending at different steps (dense, sliding-window and hybrid decoders): the steps run
+    fewer rows once some have ended, and every token is transformers' (sampled under one seed too:
+    the ended rows' draws are still made, on zeros, so the others' draws are unchanged)."""
+    model, hf = load_pair(build(arch))
+    ids, mask = left_padded_batch([5, 9, 7, 12], seed=6)
+    sampling = dict(do_sample=sampled, **({"top_k": 20} if sampled else {}))
+    eos = ends_at(hf, ids, mask, [1, 4, 8], **sampling)
+    options = dict(max_new_tokens=NEW_TOKENS, pad_token_id=2, eos_token_id=eos, **sampling)
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        expected = hf.generate(ids, attention_mask=mask, **options)
+    torch.manual_seed(3)
+    tokens = model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(tokens, expected)
+    assert (tokens[:, ids.shape[1]:] == 2).any(1).sum() >= 2  # rows ended early
+    assert step_rows[0] == 4 and step_rows[-1] < 4 and step_rows == sorted(step_rows, reverse=True)
+
+
+def test_rows_stay_where_the_caller_gets_the_cache(llama_pair, step_rows):
+    """Rows stay in the steps where generate returns its cache (every row's, as transformers')."""
+    model, hf = llama_pair
+    ids, mask = left_padded_batch([5, 9, 7, 12], seed=6)
+    eos = ends_at(hf, ids, mask, [1, 4, 8])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=2, eos_token_id=eos,
+                         return_dict_in_generate=True)
+    with torch.inference_mode():
+        expected = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=2, eos_token_id=eos)
+    assert torch.equal(out.sequences, expected)
+    assert out.past_key_values.batch_size == 4 and set(step_rows) == {4}
+
+
+def test_rows_stay_where_no_end_of_sequence_pads_them(llama_pair, llama, step_rows):
+    """Without an end-of-sequence id, a row stopped by its stop string is not padded: transformers
+    writes its tokens on until every row has stopped, and so do the steps."""
+    model, hf = llama_pair
+    tokenizer = load_tokenizer(llama.package_dir)
+    ids, mask = left_padded_batch([5, 9, 7, 12], seed=6)
+    with torch.inference_mode():
+        free = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    stops = [tokenizer.decode(free[row, ids.shape[1] + step]) for row, step in ((0, 1), (1, 4))]
+    options = dict(max_new_tokens=NEW_TOKENS, pad_token_id=2, eos_token_id=None, stop_strings=stops,
+                   tokenizer=tokenizer)
+    with torch.inference_mode():
+        expected = hf.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **options), expected)
+    assert set(step_rows) == {4}
+
+
+@pytest.fixture(scope="module")
+def llama_pair(llama):
+    return load_pair(llama)
+
+
+@pytest.fixture(scope="module")
+def lms(llama):
+    ours = OrtModuleLM(pretrained=str(llama.package_dir), batch_size=4)
+    theirs = HFLM(pretrained=str(llama.hf_dir), dtype="float32", batch_size=4, device="cpu")
+    return ours, theirs
+
+
+def split_stops(texts: list[str]) -> list[str]:
+    """Two characters such that every text holds one in its first half, and neither is in every text."""
+    def early(text, c):
+        return c in text[: len(text) // 2]
+
+    chars = sorted({c for text in texts for c in text if c.isalpha()})
+    for x in chars:
+        for y in chars:
+            if all(early(t, x) or early(t, y) for t in texts) and not all(x in t for t in texts) \
+                    and not all(y in t for t in texts):
+                return [x, y]
+    raise AssertionError(f"no two characters split {texts}")
+
+
+def test_generate_until_stops_rows_early_with_hfs_answers(lms, step_rows, monkeypatch):
+    """lm-eval requests whose rows write different stop sequences, neither of them every row: the
+    answers are the `hf` backend's, and the rows stop early: fewer steps, and fewer rows in them, than
+    with lm-eval's own criteria (a batch runs until one sequence has been written by every row)."""
+    ours, theirs = lms
+    rng = random.Random(4)
+    tokenizer = ours.tokenizer
+    prompts = [" ".join(tokenizer.decode([rng.randrange(3, 500)]) for _ in range(rng.randint(3, 9))) for _ in range(8)]
+    free = theirs.generate_until([Instance("generate_until", None, (p, {"until": [], "max_gen_toks": 32}), i)
+                                  for i, p in enumerate(prompts)], disable_tqdm=True)
+    until = split_stops(free)
+    requests = [Instance("generate_until", None, (p, {"until": until, "max_gen_toks": 32}), i)
+                for i, p in enumerate(prompts)]
+    expected = theirs.generate_until(requests, disable_tqdm=True)
+    step_rows.clear()
+    assert ours.generate_until(requests, disable_tqdm=True) == expected
+    assert all(len(a) < len(b) for a, b in zip(expected, free))  # every answer cut by a stop sequence
+    stopped_each = list(step_rows)
+    step_rows.clear()
+    monkeypatch.setattr(ours, "_model_generate", HFLM._model_generate.__get__(ours))  # lm-eval's own criteria
+    assert ours.generate_until(requests, disable_tqdm=True) == expected
+    assert len(stopped_each) < len(step_rows) and sum(stopped_each) < sum(step_rows) * 0.7
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_row_stops_only_once_its_answer_is_fixed(lms, seed):
+    """Random streams of words, newlines and stop sequences (one a piece of another, so that cutting at
+    one sequence then the next depends on which comes first): wherever `StopSequences` stops a row,
+    lm-eval's answer from its text so far (pad tokens after) is its answer from the whole stream."""
+    ours, _ = lms
+    tokenizer, rng = ours.tokenizer, random.Random(seed)
+    stops = rng.choice([["\n\n", "Question:"], ["Question:", "on"], ["."], ["\n", "ab"], ["", "x y"]])
+    pieces = ["one", " two", "\n", "\n\n", ".", " Question", ":", " on", "ab", " x", " y", "Questi"]
+    stream = tokenizer("".join(rng.choice(pieces) for _ in range(40)), add_special_tokens=False).input_ids
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 2
+    criterion = StopSequences(ours, stops, 1, 1)
+    answer = postprocess_generated_text(ours.tok_decode(stream), stops, None)
+    stopped_at = None
+    for n in range(1, len(stream) + 1):
+        if bool(criterion(torch.tensor([[0] + stream[:n]]), None)[0]):
+            stopped_at = n
+            break
+    if stopped_at is not None:
+        padded = stream[:stopped_at] + [pad] * (len(stream) - stopped_at)
+        assert postprocess_generated_text(ours.tok_decode(padded), stops, None) == answer, (stops, stopped_at)
+    elif any(s and s in ours.tok_decode(stream)[:-criterion.margin] for s in stops):
+        pytest.fail(f"never stopped, though a stop sequence was written well before the end: {stops}")
