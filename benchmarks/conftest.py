@@ -89,7 +89,7 @@ SIZES = {
         generate=dict(batches=(1, 8), prompt_lengths=(32, 128), new_tokens=32, fewshot_beginning=512),
         lm_eval=dict(limit=30, batch_size=8),  # 30 questions: 120 loglikelihood requests
         # The shapes of MMLU (5-shot, 300-900 tokens), HellaSwag and wikitext (2k-8k-token documents).
-        lm_eval_at_scale=dict(limits={"mmlu": 16, "fewshot": 32, "hellaswag": 16, "arc": 16, "rolling": 2},
+        lm_eval_at_scale=dict(limits={"mmlu": 16, "fewshot": 32, "hellaswag": 16, "arc": 16, "rolling": 2, "gsm8k": 16},
                               batch_size=8),
         # benchmarks/test_host_time.py: MMLU-shaped requests on a model of negligible compute.
         host_time=dict(questions=250, batch_size=32, decode_tokens=256, score_requests=10),
@@ -123,7 +123,8 @@ SIZES = {
         # Rolling's windows fill the context and every position is scored: 64 rows of 4,096 tokens would be
         # 80 GB of Qwen3's bf16 logits in transformers (and in ortmodule), so they go 8 at a time; the fp32
         # reference of half-precision rows, whose logits and log-softmax take twice the memory, 16 (4 for rolling).
-        lm_eval_at_scale=dict(limits={"mmlu": 2500, "fewshot": 2500, "hellaswag": 1000, "arc": 1000, "rolling": 50},
+        lm_eval_at_scale=dict(limits={"mmlu": 2500, "fewshot": 2500, "hellaswag": 1000, "arc": 1000, "rolling": 50,
+                                      "gsm8k": 256},
                               batch_size=64,
                               rolling_batch_size=8, reference_batch_size=16, reference_rolling_batch_size=4),
         host_time=dict(questions=1000, batch_size=64, decode_tokens=256, score_requests=10),
@@ -141,7 +142,8 @@ SIZES = {
         decoders={"tiny": TINY},
         generate=dict(batches=(1, 2), prompt_lengths=(4, 9), new_tokens=4, fewshot_beginning=100),
         lm_eval=dict(limit=3, batch_size=8),
-        lm_eval_at_scale=dict(limits={"mmlu": 2, "fewshot": 3, "hellaswag": 2, "arc": 2, "rolling": 1}, batch_size=4),
+        lm_eval_at_scale=dict(limits={"mmlu": 2, "fewshot": 3, "hellaswag": 2, "arc": 2, "rolling": 1, "gsm8k": 2},
+                              batch_size=4),
         host_time=dict(questions=3, batch_size=4, decode_tokens=4, score_requests=2),
         minicons=dict(sentences=8, batch_size=4),
         score=dict(requests=2, query_tokens=12, items=3, item_tokens=4, labels=2),

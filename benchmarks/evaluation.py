@@ -12,9 +12,10 @@ import ortmodule.lm_eval  # noqa: F401  (registers the backend)
 
 TASK_DIR = str(Path(__file__).parent / "tasks")
 # ortmodule with its context sharing decided from the measured costs (auto), off, and always on.
-# `ortmodule-compiled-normalizers` loads as `ortmodule` (its test sets scoring.COMPILED_NORMALIZERS).
+# `ortmodule-compiled-normalizers` and `ortmodule-lm-eval-stops` load as `ortmodule` (their tests set
+# scoring.COMPILED_NORMALIZERS, and lm-eval's own stopping criteria).
 SHARING = {"ortmodule": "auto", "ortmodule-share-off": "false", "ortmodule-share-on": "true",
-           "ortmodule-compiled-normalizers": "auto", "ortmodule-lanes-off": "auto"}
+           "ortmodule-compiled-normalizers": "auto", "ortmodule-lanes-off": "auto", "ortmodule-lm-eval-stops": "auto"}
 
 
 def load(backend, fixture, batch_size, device):
@@ -146,7 +147,8 @@ class BatchTimes:
 
 
 def answers(result, task: str) -> list[tuple[float, bool]]:
-    """Per request, (loglikelihood, is_greedy); a rolling request's answer is its loglikelihood alone."""
+    """Per request, (loglikelihood, is_greedy); a rolling request's answer is its loglikelihood alone, a
+    generation's (text, False)."""
     found = []
     for sample in result.get("samples", {}).get(task, []):
         for resp in sample["resps"]:
@@ -158,9 +160,13 @@ def answers(result, task: str) -> list[tuple[float, bool]]:
 def record_agreement(benchmark, name: str, mine, theirs, choices: int = 4) -> None:
     """`max_ll_diff_vs_<name>`: the largest loglikelihood difference between two runs' answers;
     `same_choice_as_<name>`: the share of questions whose chosen answer (the argmax over the four
-    choices) is the same (none for `choices=0`: whole documents). Nothing when the runs answered
-    different requests."""
+    choices) is the same (none for `choices=0`: whole documents); for generations (text answers)
+    `same_answer_as_<name>`, the share of answers that are the same text. Nothing when the runs
+    answered different requests."""
     if not theirs or len(theirs) != len(mine):
+        return
+    if isinstance(mine[0][0], str):  # generations: `same_answer_as_<name>`, the share of equal texts
+        benchmark.extra_info[f"same_answer_as_{name}"] = round(sum(a == b for a, b in zip(mine, theirs)) / len(mine), 4)
         return
     benchmark.extra_info[f"max_ll_diff_vs_{name}"] = round(max(abs(a[0] - b[0]) for a, b in zip(mine, theirs)), 4)
     if not choices:

@@ -1,4 +1,4 @@
-"""lm-eval at the scale users run: MMLU-, HellaSwag- and wikitext-shaped workloads
+"""lm-eval at the scale users run: MMLU-, HellaSwag-, wikitext- and GSM8K-shaped workloads
 (benchmarks/tasks/loaders.py: English prose from the documentation that ships with Python, cut to
 exact token counts in the model's tokenizer), thousands of requests at the GPU size; ortmodule beside
 lm-eval's `hf` backend on the same weights, every row's answers against transformers in fp32.
@@ -11,6 +11,7 @@ import transformers
 from conftest import at_scale_batch, device_name, model_label, peak_rss_mb, reset_peak_rss
 from evaluation import TASK_DIR, BatchTimes, Clock, ShapeLog, answers, load, record_agreement
 from lm_eval.api.registry import get_model
+from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from references import reference_answers
 
@@ -27,11 +28,12 @@ def fixture(size, decoder_key):
 
 WORKLOADS = {"mmlu": "ortmodule_bench_mmlu", "fewshot": "ortmodule_bench_fewshot",
              "hellaswag": "ortmodule_bench_hellaswag", "arc": "ortmodule_bench_arc",
-             "rolling": "ortmodule_bench_rolling"}
+             "rolling": "ortmodule_bench_rolling", "gsm8k": "ortmodule_bench_gsm8k"}
 # transformers first: on an fp32 or int4 package its fp32 answers are every other row's yardstick.
 SCALE_BACKENDS = ["hf", "transformers-bf16", "ortmodule", "ortmodule-share-off", "ortmodule-share-on",
                   "ortmodule-chunks-off", "ortmodule-tokenize-first", "ortmodule-bf16-head", "ortmodule-cuda-graph",
-                  "ortmodule-pad64", "ortmodule-prefill-onnx", "ortmodule-compiled-normalizers", "ortmodule-lanes-off"]
+                  "ortmodule-pad64", "ortmodule-prefill-onnx", "ortmodule-compiled-normalizers", "ortmodule-lanes-off",
+                  "ortmodule-lm-eval-stops"]
 SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers
 FP32_REFERENCES = {}  # (model, workload) -> (answers of transformers in fp32, when and where they were computed)
 SCALE_TOKENS = {}  # (model, workload) -> context + continuation tokens of all its requests
@@ -81,6 +83,11 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
         monkeypatch.setattr(ortmodule.lm_eval, "packs", lambda model: False)
     if backend == "ortmodule-cuda-graph" and (device == "cpu" or workload != "mmlu"):
         pytest.skip("CUDA graphs are CUDA's: does scoring run as fast with them on (mmlu), to make them the default")
+    if (workload == "gsm8k") != (backend in ("hf", "ortmodule", "ortmodule-lm-eval-stops")) and backend != "hf":
+        pytest.skip("generation (gsm8k) has no context sharing, chunks or head variants to compare; lm-eval's own "
+                    "stopping criteria are a generation's choice")
+    if backend == "ortmodule-lm-eval-stops":  # every row of a batch run until one sequence is in all of them
+        monkeypatch.setattr(OrtModuleLM, "_model_generate", HFLM._model_generate)
     batch = at_scale_batch(options, workload)
     lm = load(backend, fixture, batch, device)
     if device != "cpu":  # CUDA's first calls (kernel selection, cuBLAS handles) stay off the clock
@@ -88,9 +95,10 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
     benchmark.extra_info.update(backend=backend, case=workload, model=model_label(decoder_key), batch_size=batch,
                                 device=device_name(device), parameters=fixture.parameters())
     reset_peak_rss()
-    clock = Clock(monkeypatch, lm, "loglikelihood_rolling" if workload == "rolling" else "loglikelihood")
+    method = {"rolling": "loglikelihood_rolling", "gsm8k": "generate_until"}.get(workload, "loglikelihood")
+    clock = Clock(monkeypatch, lm, method)
     parts, logs = {}, []
-    if isinstance(lm, OrtModuleLM):  # where the backend's time goes: batches, the final read-back, tokenizing
+    if isinstance(lm, OrtModuleLM) and workload != "gsm8k":  # where the time goes: batches, read-back, tokenizing
         logs = [ShapeLog(monkeypatch), BatchTimes(monkeypatch, device)]
         parts = {"batches_s": Clock(monkeypatch, lm, "_totals_on_device"),
                  "read_back_s": Clock(monkeypatch, ortmodule.lm_eval, "read_back"),
@@ -102,7 +110,7 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
     if (decoder_key, workload) not in SCALE_TOKENS:  # the same requests for every backend: counted once
         SCALE_TOKENS[decoder_key, workload] = sum(
             len(lm.tok_encode(context + continuation)) for sample in result["samples"][task]
-            for context, continuation in (a if len(a) == 2 else ("", a[0]) for a in sample["arguments"]))
+            for context, continuation in request_texts(sample, workload))
     tokens = SCALE_TOKENS[decoder_key, workload]
     benchmark.extra_info.update(requests=len(mine), tokens=tokens, tokens_per_request=round(tokens / len(mine)),
                                 requests_s=round(clock.seconds, 4), peak_rss_mb=round(peak_rss_mb(), 1),
@@ -111,11 +119,10 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
     benchmark.extra_info.update({name: round(part.seconds, 3) for name, part in parts.items()})
     for log in logs:
         benchmark.extra_info.update(log.summary())
-    metric = "acc,none" if workload != "rolling" else "word_perplexity,none"
-    benchmark.extra_info["acc" if workload != "rolling" else "word_perplexity"] = float(
-        f"{result['results'][task][metric]:.5g}")
+    metric = {"rolling": "word_perplexity", "gsm8k": "exact_match"}.get(workload, "acc")
+    benchmark.extra_info[metric] = float(f"{result['results'][task][metric + ',none']:.5g}")
     SCALE_ANSWERS[decoder_key, workload, backend] = mine
-    choices = 0 if workload == "rolling" else 4
+    choices = 0 if workload in ("rolling", "gsm8k") else 4
     if backend != "ortmodule":
         record_agreement(benchmark, "ortmodule", mine, SCALE_ANSWERS.get((decoder_key, workload, "ortmodule")),
                          choices)
@@ -129,6 +136,14 @@ def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, 
         record_agreement(benchmark, "fp32", mine, found, choices)
     elif backend != "hf":  # transformers ran fp32 on these weights (fp32 beside an int4 package)
         record_agreement(benchmark, "fp32", mine, SCALE_ANSWERS.get((decoder_key, workload, "hf")), choices)
+
+
+def request_texts(sample: dict, workload: str) -> list[tuple[str, str]]:
+    """A sample's (context, continuation) texts: a loglikelihood request's own, a rolling document
+    whole, a generation's prompt and the answer it got (`tokens` counts both)."""
+    if workload == "gsm8k":
+        return [(sample["arguments"][0][0], sample["resps"][0][0])]
+    return [a if len(a) == 2 else ("", a[0]) for a in sample["arguments"]]
 
 
 def fp32_reference(fixture, name, task, model_tasks, limit, result, device, batch_size) -> tuple[list, str]:

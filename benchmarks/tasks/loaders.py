@@ -118,3 +118,24 @@ def bench_rolling(tokenizer: str | None = None, documents: int = 100, **kwargs) 
     spans = Spans(tokenizer, seed=3)
     docs = [{"page": spans(spans.rng.randint(2000, 8000))} for _ in range(documents)]
     return {"test": datasets.Dataset.from_list(docs)}
+
+
+def bench_gsm8k(tokenizer: str | None = None, questions: int = 1000, **kwargs) -> dict:
+    """GSM8K-shaped (`generate_until`): a 4-shot prompt of 250-600 tokens (four questions of 40-100 tokens,
+    each with its answer of 5-40 ending in a full stop, then the question asked), answered by greedy
+    decoding up to "Question:" or a blank line, at most 128 tokens (SmolLM2-135M-Instruct writes
+    answers of 5 to 40 tokens and, in about one row in five, runs on to the limit, as a small model does
+    on GSM8K); the target is a span of prose (the answers are compared between backends, not scored)."""
+    spans = Spans(tokenizer, seed=5)
+    docs = []
+    for _ in range(questions):
+        shots = "".join(f"Question: {spans(spans.rng.randint(40, 100))}\nAnswer: {_sentence(spans, 5, 40)}\n\n"
+                        for _ in range(4))
+        docs.append({"prompt": f"{shots}Question: {spans(spans.rng.randint(40, 100))}\nAnswer:",
+                     "answer": spans(spans.rng.randint(5, 20))})
+    return {"test": datasets.Dataset.from_list(docs)}
+
+
+def _sentence(spans: Spans, low: int, high: int) -> str:
+    """A span of `low` to `high` tokens ending in one full stop."""
+    return spans(spans.rng.randint(low, high)).rstrip(".") + "."
