@@ -310,34 +310,42 @@ def _one_evaluation_at_a_time(method):
 
 class StopSequences(transformers.StoppingCriteria):
     """lm-eval's stop sequences tested for each row on its own. lm-eval's criteria
-    (`MultiTokenEOSCriteria`, one per sequence) run every row until one sequence has been written by
-    all of them (never, where a row ends with the end-of-sequence token instead); this one stops each
-    row once its answer can no longer change: lm-eval's `generate_until` cuts the row's text
-    (`tok_decode`) at each stop sequence in turn, so a row whose text holds a sequence with as many
-    characters after it as two of the longest sequences (and a few for a character still being
-    written) has its answer. The row then gets pad tokens and, on a CPU, leaves the decode steps
-    (generation.py); lm-eval's answers are the same. A row's whole text is read only once its last
-    tokens (as many as the longest sequence takes, plus two: lm-eval's own test) show a sequence."""
+    (`MultiTokenEOSCriteria`, one per sequence) stop a batch once one sequence has been written by
+    every row: rows that end with different sequences (the end-of-sequence token, which lm-eval adds
+    to `until`, among them) run the batch to `max_gen_toks`. This one stops a row once its answer can
+    no longer change: lm-eval's `generate_until` cuts the row's text (`tok_decode`) at each stop
+    sequence in turn, so a row whose text holds a sequence with as many characters after it as two of
+    the longest sequences (and a few for a character still being written) has its answer; the row then
+    gets pad tokens and, on a CPU, leaves the decode steps (generation.py). And once every row's last
+    tokens (as many as the longest sequence takes, plus two: lm-eval's own test) have shown a sequence,
+    all stop: lm-eval's criteria stop them then or earlier where one sequence is in every row, so a
+    batch never runs longer than under them. That moment may come earlier than lm-eval's and cut a row
+    whose answer is not fixed yet, only where one stop sequence is a piece of another and the longer
+    is being written across the cut: an answer that `hf` gives at some batch sizes only (its criteria
+    stop a row by what the other rows of its batch have written)."""
 
     def __init__(self, lm: HFLM, sequences: list[str], prompt_width: int, batch: int):
         self.lm, self.prompt_width = lm, prompt_width
-        self.sequences = [s for s in sequences if s]
+        self.sequences = [s for s in sequences if s]  # lm-eval's cuts skip an empty one; its criteria stop at it
+        self.tested = list(sequences)
         self.window = max((len(lm.tok_encode(s, add_special_tokens=False)) for s in self.sequences), default=0) + 2
         self.margin = 2 * max(map(len, self.sequences), default=0) + 4
         self.seen: set[int] = set()  # rows whose last tokens have shown a sequence
         self.stopped = torch.zeros(batch, dtype=torch.bool)
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        rows = [row for row in range(len(input_ids)) if not self.stopped[row]] if self.sequences else []
+        rows = [row for row in range(len(input_ids)) if not self.stopped[row]] if self.tested else []
         written = input_ids[rows, self.prompt_width :].tolist()
         tails = self.lm.tokenizer.batch_decode([tokens[-self.window :] for tokens in written])
         for row, tokens, tail in zip(rows, written, tails):
-            if row not in self.seen and not any(s in tail for s in self.sequences):
+            if row not in self.seen and not any(s in tail for s in self.tested):
                 continue
             self.seen.add(row)
             text = self.lm.tok_decode(tokens)
             first = min((at for at in map(text.find, self.sequences) if at >= 0), default=-1)
             self.stopped[row] = first >= 0 and len(text) - first >= self.margin
+        if self.tested and all(self.stopped[row] or row in self.seen for row in range(len(self.stopped))):
+            self.stopped[:] = True  # every row has written a sequence: never later than lm-eval's criteria stop
         return self.stopped.to(input_ids.device)
 
 

@@ -9,6 +9,7 @@ import torch
 from helpers import left_padded_batch, load_pair
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM, postprocess_generated_text
+from lm_eval.models.utils_hf import stop_sequences_criteria
 
 from ortmodule import load_tokenizer
 from ortmodule.decoder import Decoder
@@ -148,26 +149,60 @@ def test_generate_until_stops_rows_early_with_hfs_answers(lms, step_rows, monkey
     assert len(stopped_each) < len(step_rows) and sum(stopped_each) < sum(step_rows) * 0.7
 
 
+STOPS = [["\n\n", "Question:"], ["Question:", "on"], ["."], ["\n", "ab"], ["", "x y"]]
+PIECES = ["one", " two", "\n", "\n\n", ".", " Question", ":", " on", "ab", " x", " y", "Questi"]
+
+
+def stream(tokenizer, rng: random.Random, pieces=PIECES, count: int = 40) -> list[int]:
+    return tokenizer("".join(rng.choice(pieces) for _ in range(count)), add_special_tokens=False).input_ids
+
+
+def stopped_at(criterion, streams: list[list[int]], pad: int) -> tuple[list[int | None], int | None]:
+    """Feed `criterion` the streams a token a step (a row stopped gets `pad` after, as generate writes
+    it): each row's step of stopping (None: never), and the step where all had (None: never)."""
+    rows, at, written = len(streams), [None] * len(streams), [[0] for _ in streams]  # one prompt token
+    for step in range(max(map(len, streams))):
+        for row in range(rows):
+            written[row].append(streams[row][step] if at[row] is None and step < len(streams[row]) else pad)
+        stopped = criterion(torch.tensor(written), None)
+        at = [at[row] if at[row] is not None or not stopped[row] else step + 1 for row in range(rows)]
+        if all(a is not None for a in at):
+            return at, step + 1
+    return at, None
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_a_row_stops_only_once_its_answer_is_fixed(lms, seed):
     """Random streams of words, newlines and stop sequences (one a piece of another, so that cutting at
-    one sequence then the next depends on which comes first): wherever `StopSequences` stops a row,
-    lm-eval's answer from its text so far (pad tokens after) is its answer from the whole stream."""
+    one sequence then the next depends on which comes first), beside a row that writes none: wherever
+    `StopSequences` stops the row, lm-eval's answer from its text so far (pad tokens after) is its
+    answer from the whole stream."""
     ours, _ = lms
     tokenizer, rng = ours.tokenizer, random.Random(seed)
-    stops = rng.choice([["\n\n", "Question:"], ["Question:", "on"], ["."], ["\n", "ab"], ["", "x y"]])
-    pieces = ["one", " two", "\n", "\n\n", ".", " Question", ":", " on", "ab", " x", " y", "Questi"]
-    stream = tokenizer("".join(rng.choice(pieces) for _ in range(40)), add_special_tokens=False).input_ids
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 2
-    criterion = StopSequences(ours, stops, 1, 1)
-    answer = postprocess_generated_text(ours.tok_decode(stream), stops, None)
-    stopped_at = None
-    for n in range(1, len(stream) + 1):
-        if bool(criterion(torch.tensor([[0] + stream[:n]]), None)[0]):
-            stopped_at = n
-            break
-    if stopped_at is not None:
-        padded = stream[:stopped_at] + [pad] * (len(stream) - stopped_at)
-        assert postprocess_generated_text(ours.tok_decode(padded), stops, None) == answer, (stops, stopped_at)
-    elif any(s and s in ours.tok_decode(stream)[:-criterion.margin] for s in stops):
+    stops, pad = rng.choice([s for s in STOPS if "" not in s]), 2  # an empty one stops every row at once
+    row, other = stream(tokenizer, rng), stream(tokenizer, rng, [" zz", " w"])
+    answer = postprocess_generated_text(ours.tok_decode(row), stops, None)
+    at, _ = stopped_at(StopSequences(ours, stops, 1, 2), [row, other], pad)
+    assert at[1] is None
+    if at[0] is not None:
+        padded = row[: at[0]] + [pad] * (len(row) - at[0])
+        assert postprocess_generated_text(ours.tok_decode(padded), stops, None) == answer, (stops, at[0])
+    elif any(s and s in ours.tok_decode(row)[: -StopSequences(ours, stops, 1, 1).margin] for s in stops):
         pytest.fail(f"never stopped, though a stop sequence was written well before the end: {stops}")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_batch_never_runs_longer_than_under_lm_evals_criteria(lms, seed):
+    """Batches of 1-4 random streams: `StopSequences` has stopped every row by the step at which
+    lm-eval's own criteria (`stop_sequences_criteria`) stop the batch."""
+    ours, _ = lms
+    tokenizer, rng = ours.tokenizer, random.Random(100 + seed)
+    stops, rows = rng.choice(STOPS), rng.randint(1, 4)
+    streams = [stream(tokenizer, rng, count=rng.randint(5, 40)) for _ in range(rows)]
+    longest = max(map(len, streams))
+    streams = [s + stream(tokenizer, rng, [" zz"], longest) for s in streams]  # a row that ended goes on
+    theirs = stop_sequences_criteria(tokenizer, stops, 1, rows)
+    _, ours_at = stopped_at(StopSequences(ours, stops, 1, rows), streams, 2)
+    _, theirs_at = stopped_at(theirs, streams, 2)  # a tensor of the batch's one answer, every row alike
+    if theirs_at is not None:
+        assert ours_at is not None and ours_at <= theirs_at, (stops, ours_at, theirs_at)
