@@ -367,3 +367,5 @@ class _Running:
         else:
             self.cache.batch_select_indices(keep)
         self.rows = keep if self.rows is None else self.rows.index_select(0, keep)
+        if self.logits is not None:
+            self.logits.zero_()  # the rows dropped now held their last step's logits
