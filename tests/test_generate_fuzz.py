@@ -3,7 +3,8 @@
 Drawn per case: an architecture (sliding windows, convolution states, soft-capping, experts, mixed
 head sizes), a left-padded batch, and a generation setting (greedy, sampling under one seed, beams
 with returned sequences and length penalties, beam sampling) with logits processors, end-of-sequence
-ids, scores and logits returned, or no cache; or a cache stepped on: `generate` continued from the
+ids (often ones the rows reach, so that rows end at different steps and, on a CPU, leave the decode
+steps), scores and logits returned, or no cache; or a cache stepped on: `generate` continued from the
 cache it returned with more text, a batch stepped by `forward` several tokens at a time, prompt
 lookup and assisted decoding. The tokens must be transformers' and the scores and logits within
 1e-3; a sampled token may differ only where a top-k or top-p filter met a tie within float rounding
@@ -91,6 +92,8 @@ def test_generate_options_fuzz(build, seed):
     model, hf = load_pair(build(arch, **({"num_layers": 4} if arch in HYBRID else {})))
     ids, mask = left_padded(rng, rng.randint(1, 4), rng.choice([5, 20, 40]))
     options = {**drawn_options(rng), **never_media(arch)}
+    if options["eos_token_id"] is not None and rng.random() < 0.6:  # ends the rows reach, at different steps
+        options["eos_token_id"] = ends_reached(hf, ids, mask, options, rng)
     what = f"seed {5000 + seed}: {arch}, prompts of {mask.sum(1).tolist()} tokens, {options}"
     torch.manual_seed(seed)
     ours = model.generate(ids, attention_mask=mask, **options)
@@ -105,6 +108,18 @@ def test_generate_options_fuzz(build, seed):
         return
     for name in ("scores", "logits", "sequences_scores"):
         assert_close(name, getattr(ours, name, None), getattr(theirs, name, None), what)
+
+
+def ends_reached(hf, ids, mask, options: dict, rng: random.Random) -> list[int]:
+    """1-2 end-of-sequence ids drawn from what the rows generate greedily without one, so that rows
+    end, at different steps (on a CPU the ended rows then leave the decode steps: generation.py)."""
+    free = {k: v for k, v in options.items() if k not in ("eos_token_id", "min_new_tokens")}
+    free.update(do_sample=False, num_beams=1, num_return_sequences=1, return_dict_in_generate=False,
+                output_scores=False, output_logits=False)
+    with torch.no_grad():
+        new = hf.generate(ids, attention_mask=mask, **free)[:, ids.shape[1]:]
+    reached = sorted(set(new.flatten().tolist()) - {2}) or [3]
+    return rng.sample(reached, k=min(len(reached), rng.randint(1, 2)))
 
 
 def assert_a_filters_tie(model, hf, ids, mask, options: dict, seed: int, what: str):
