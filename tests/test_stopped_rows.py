@@ -206,3 +206,16 @@ def test_a_batch_never_runs_longer_than_under_lm_evals_criteria(lms, seed):
     _, theirs_at = stopped_at(theirs, streams, 2)  # a tensor of the batch's one answer, every row alike
     if theirs_at is not None:
         assert ours_at is not None and ours_at <= theirs_at, (stops, ours_at, theirs_at)
+
+
+def test_a_thinking_models_task_keeps_lm_evals_criteria(lms, monkeypatch):
+    """With `think_end_token` the stop sequences apply to the text after the thinking, which a row has
+    not written when it first writes one: lm-eval's own `_model_generate` runs, its criteria with it."""
+    ours, _ = lms
+    called = []
+    monkeypatch.setattr(HFLM, "_model_generate", lambda lm, *args, **kwargs: called.append(kwargs) or "theirs")
+    monkeypatch.setattr(ours, "think_end_token", "</think>")
+    context = torch.tensor([[5, 6, 7]])
+    assert ours._model_generate(context, max_length=8, stop=["\n"]) == "theirs" and len(called) == 1
+    monkeypatch.setattr(ours, "think_end_token", None)
+    assert ours._model_generate(context, max_length=5, stop=["\n"]).shape[0] == 1 and len(called) == 1
