@@ -331,10 +331,10 @@ class StopSequences(transformers.StoppingCriteria):
         self.window = max((len(lm.tok_encode(s, add_special_tokens=False)) for s in self.sequences), default=0) + 2
         self.margin = 2 * max(map(len, self.sequences), default=0) + 4
         self.seen: set[int] = set()  # rows whose last tokens have shown a sequence
-        self.stopped = torch.zeros(batch, dtype=torch.bool)
+        self.stopped = [False] * batch
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        rows = [row for row in range(len(input_ids)) if not self.stopped[row]] if self.tested else []
+        rows = [row for row, done in enumerate(self.stopped) if not done] if self.tested else []
         written = input_ids[rows, self.prompt_width :].tolist()
         tails = self.lm.tokenizer.batch_decode([tokens[-self.window :] for tokens in written])
         for row, tokens, tail in zip(rows, written, tails):
@@ -344,9 +344,9 @@ class StopSequences(transformers.StoppingCriteria):
             text = self.lm.tok_decode(tokens)
             first = min((at for at in map(text.find, self.sequences) if at >= 0), default=-1)
             self.stopped[row] = first >= 0 and len(text) - first >= self.margin
-        if self.tested and all(self.stopped[row] or row in self.seen for row in range(len(self.stopped))):
-            self.stopped[:] = True  # every row has written a sequence: never later than lm-eval's criteria stop
-        return self.stopped.to(input_ids.device)
+        if self.tested and all(done or row in self.seen for row, done in enumerate(self.stopped)):
+            self.stopped = [True] * len(self.stopped)  # every row has written one: as lm-eval's criteria or earlier
+        return torch.tensor(self.stopped, device=input_ids.device)
 
 
 def generate_stopping_rows(lm: HFLM, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
