@@ -40,7 +40,7 @@ from .scoring import (
     logit_positions,
     loglikelihood_totals,
 )
-from .sharing import common_prefix, packs, prefix_groups, worth_sharing
+from .sharing import KeptPrefixes, common_prefix, packs, prefix_groups, worth_sharing
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def shared_batches(model, requests, rows, starts, row_of, groups, rows_per_batch
     """`groups` (requests whose rows share a prefix) in batches of whole groups (`group_batches`),
     each through `grouped_loglikelihood_totals`; requests on the same row (`row_of`: one-token
     choices after one context) read it once. Per batch: its requests and their answers on the device."""
-    pending = []
+    pending, kept = [], KeptPrefixes()  # a subject's examples run once for all its batches
     reading: dict[int, list[int]] = {}  # a distinct row's first request -> every request reading that row
     for group in groups:
         for i in group:
@@ -216,7 +216,7 @@ def shared_batches(model, requests, rows, starts, row_of, groups, rows_per_batch
         rows_of = [r for r, (lead, _) in enumerate(batch) for _ in reading[row_of[lead]]]
         pending.append((chunk, grouped_loglikelihood_totals(
             model, [rows[lead] for lead, _ in batch], [g for _, g in batch], [starts[i] for i in chunk],
-            [requests[i][2] for i in chunk], rows_of)))
+            [requests[i][2] for i in chunk], rows_of, kept)))
         progress.update(len(chunk))
     return pending
 

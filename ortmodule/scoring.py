@@ -15,7 +15,7 @@ import torch
 from . import runtime
 from .inputs import argmax, outside_vocabulary, pad_right, to_device, vocabulary_message
 from .modeling import OrtModelForCausalLM
-from .sharing import common_prefix, packs, shared_prefix_logits, worth_sharing
+from .sharing import KeptPrefixes, common_prefix, packs, shared_prefix_logits, worth_sharing
 
 logger = logging.getLogger("ortmodule")
 
@@ -197,14 +197,15 @@ def compiled_normalizers(logits: torch.Tensor, greedy: bool = True) -> tuple[tor
 @torch.inference_mode()
 def grouped_loglikelihood_totals(
     model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], starts: list[int], targets: list[Ids],
-    rows_of: Sequence[int] | None = None,
+    rows_of: Sequence[int] | None = None, kept: KeptPrefixes | None = None,
 ) -> torch.Tensor:
     """`loglikelihood_totals` for rows whose groups share a prefix (a question's context and its
     choices, or the few-shot examples that every question of a subject starts with): each group's
     prefix runs once, the rest of each row after it (`shared_prefix_logits`). Same results as on
     the padded rows. `groups` is per row; `starts` and `targets` are per request, and with
     `rows_of` (as in `loglikelihood_totals`) request k reads row `rows_of[k]`, so that requests
-    that differ only in their targets share a row and its logits."""
+    that differ only in their targets share a row and its logits. `kept`: prefixes kept between calls
+    (`sharing.KeptPrefixes`: a group's prefix that an earlier call ran starts from its KV)."""
     device = model.device
     rows_of = range(len(rows)) if rows_of is None else rows_of
     positions: list[set[int]] = [set() for _ in rows]
@@ -219,7 +220,7 @@ def grouped_loglikelihood_totals(
         for offset, token in enumerate(targets[k]):
             asked[pair_of[row, starts[k] + offset]].append((token, k))
     totals = _Totals(len(targets), device)
-    for pairs, logits in shared_prefix_logits(model, rows, groups, needed):
+    for pairs, logits in shared_prefix_logits(model, rows, groups, needed, kept):
         at = [i for i, pair in enumerate(pairs) for _ in asked[pair]]
         wanted = [entry for pair in pairs for entry in asked[pair]]
         totals.add(logits, to_device([token for token, _ in wanted], device),

@@ -7,6 +7,7 @@ uses it for lm-eval's multiple-choice contexts and for score's shared queries.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -87,18 +88,20 @@ class SharingPlan(NamedTuple):
     steps: list[tuple[list[int], list[int]]]  # per step: the rows asking for logits there, and their pairs
 
 
-def plan_sharing(rows: list[Ids], groups: list[int], needed: list[list[int]]) -> SharingPlan:
+def plan_sharing(rows: list[Ids], groups: list[int], needed: list[list[int]],
+                 caps: list[int] | None = None) -> SharingPlan:
     """The plan of `shared_prefix_logits`, without a model: each group's prefix is as long as its
-    rows share (ending no later than the first position a row asks for); every row continues from
-    it one token per step. Pairs are numbered row by row in the order of `needed`."""
+    rows share (ending no later than the first position a row asks for, and no longer than `caps`,
+    per group in the order of their ids, where given); every row continues from it one token per
+    step. Pairs are numbered row by row in the order of `needed`."""
     ids_of = sorted(set(groups))
     members = {g: [r for r, h in enumerate(groups) if h == g] for g in ids_of}
     length = {}
-    for g, rs in members.items():
+    for k, (g, rs) in enumerate(members.items()):
         shared = common_prefix([rows[r] for r in rs])
         if shared == 0:
             raise ValueError(f"the rows of group {g} do not start with the same token")
-        length[g] = min(shared, min(min(needed[r]) for r in rs) + 1)
+        length[g] = min(shared, min(min(needed[r]) for r in rs) + 1, caps[k] if caps else shared)
     pair, k = {}, 0
     for r, positions in enumerate(needed):
         for position in positions:
@@ -119,7 +122,8 @@ def plan_sharing(rows: list[Ids], groups: list[int], needed: list[list[int]]) ->
                        at_prefix, tokens, steps)
 
 
-def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], needed: list[list[int]]):
+def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], needed: list[list[int]],
+                         kept: KeptPrefixes | None = None):
     """Logits at chosen positions of rows whose groups share a prefix, each prefix run once.
 
     Rows with the same group id start with the same tokens. The groups' prefixes are prefilled in
@@ -129,27 +133,39 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     Yields `(pairs, logits)` per run: `logits[k]` belongs to pair `pairs[k]` (a list on the host),
     the index of (row, position) in the row-major order of `needed`. Where the extend graph takes
     segments (`Extender.packs`), the remainders run several to a row of the run (`choose_lanes`, by
-    the model's measured costs where it has them).
+    the model's measured costs where it has them). With `kept`, prefixes that begin with those of an
+    earlier call (lm-eval's few-shot examples, batch after batch) start from that call's KV instead.
     """
     plan = plan_sharing(rows, groups, needed)
     decoder, device = model.decoder, model.device
-    ids, mask = pad_right(plan.prefixes)
-    lengths = to_device(mask.sum(1), device)
-    width = ids.shape[1]
-    source = decoder.new_cache(len(plan.prefixes), width)
-    last = decoder.prefill(Rows(to_device(ids, device), None, lengths, width),
-                           flat_index(width, torch.arange(len(plan.prefixes), device=device), lengths - 1), source)
+    reused = kept.match(rows, groups, needed, plan) if kept is not None else None
+    if reused is not None:  # the prefixes' KV from an earlier call
+        plan, picks, lengths = reused
+        source, last, width = kept.source, kept.last, kept.source.span
+        picked, lengths = to_device(picks, device), to_device(lengths, device)
+    else:
+        ids, mask = pad_right(plan.prefixes)
+        lengths = to_device(mask.sum(1), device)
+        width = ids.shape[1]
+        source = decoder.new_cache(len(plan.prefixes), width)
+        picked = torch.arange(len(plan.prefixes), device=device)
+        last = decoder.prefill(Rows(to_device(ids, device), None, lengths, width),
+                               flat_index(width, picked, lengths - 1), source)
+        if kept is not None:
+            kept.keep(plan.prefixes, source, last)
     if plan.at_prefix:
-        yield [p for p, _ in plan.at_prefix], last.index_select(0, to_device([i for _, i in plan.at_prefix], device))
+        yield [p for p, _ in plan.at_prefix], last.index_select(0, picked[to_device([i for _, i in plan.at_prefix],
+                                                                                   device)])
     if not plan.steps:
         return
     extender = decoder.extender()
     if extender is not None:  # every row's rest in one run
-        yield from _extend_run(decoder, extender, plan, source, lengths, width, model.measured_costs(measure=False))
+        yield from _extend_run(decoder, extender, plan, (source, picked, lengths), width,
+                               model.measured_costs(measure=False))
         return
     owner = to_device(plan.owner, device)
     cache = decoder.new_cache(len(rows), width + len(plan.steps))
-    cache.start_from(source, owner, lengths[owner], width)
+    cache.start_from(source, picked[owner], lengths[owner], width)
     tokens = to_device(pad_right(plan.tokens)[0], device)
     for step, (asking, pairs) in enumerate(plan.steps):
         logits = decoder.step(tokens[:, step : step + 1], cache, to_device(asking or [0], device))
@@ -157,9 +173,11 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
             yield pairs, logits
 
 
-def _extend_run(decoder, extender, plan: SharingPlan, source, lengths: torch.Tensor, width: int, costs: Costs | None):
+def _extend_run(decoder, extender, plan: SharingPlan, prefixes: tuple, width: int, costs: Costs | None):
     """`shared_prefix_logits`' extend run: the rows' remainders packed into lanes (`choose_lanes`)
-    where the graph takes segments (`Extender.packs`), else one to a lane."""
+    where the graph takes segments (`Extender.packs`), else one to a lane. `prefixes`: the cache that
+    holds them, and per prefix its row there and its length."""
+    source, picked, lengths = prefixes
     device, remainders, segments = decoder.device, [len(t) for t in plan.tokens], extender.packs
     lanes = choose_lanes(remainders, plan.owner, width, costs) if segments else pack_lanes(remainders, plan.owner, 0)
     ids = torch.zeros(len(lanes.owner), lanes.width, dtype=torch.int64)
@@ -171,13 +189,56 @@ def _extend_run(decoder, extender, plan: SharingPlan, source, lengths: torch.Ten
             starts[lane, at : at + len(tokens)] = at
     owner = to_device(lanes.owner, device)
     cache = decoder.new_cache(len(lanes.owner), width + extender.room(lanes.width))
-    cache.start_from(source, owner, lengths[owner], width)
+    cache.start_from(source, picked[owner], lengths[owner], width)
     flat = [lanes.place[row][0] * lanes.width + lanes.place[row][1] + step
             for step, (asking, _) in enumerate(plan.steps) for row in asking]
     if flat:
         pairs = [pair for _, step_pairs in plan.steps for pair in step_pairs]
         yield pairs, extender.run(to_device(ids, device), cache, to_device(flat, device),
                                   to_device(starts, device) if segments else None)
+
+
+class KeptPrefixes:
+    """The prefixes of `shared_prefix_logits`' last prefill, with their KV cache and last logits, kept
+    for its next calls: lm-eval's 5-shot questions of one subject run in batches that all begin with
+    the subject's examples, which then run once for the subject instead of once a batch."""
+
+    def __init__(self):
+        self.prefixes: list[Ids] = []
+        self.source = None  # the KVCache holding them, a row each
+        self.last: torch.Tensor | None = None  # their logits at their last tokens
+        self.reused = 0  # calls that started from them
+
+    def keep(self, prefixes: list[Ids], source, last: torch.Tensor) -> None:
+        self.prefixes, self.source, self.last = prefixes, source, last.clone()
+
+    def match(self, rows: list[Ids], groups: list[int], needed: list[list[int]], plan: SharingPlan):
+        """For a call's `plan` (of `rows`, `groups`, `needed`), where every prefix starts with enough of a
+        kept one: the plan with each prefix cut to what it shares with its kept one, per prefix the row it
+        starts from and its length; else None. Enough: its rows run again fewer tokens past the shared
+        part than half the prefix (a hybrid's states: only a kept prefix whole)."""
+        if self.source is None:
+            return None
+        members = Counter(plan.owner)
+        picks, caps = [], []
+        for k, prefix in enumerate(plan.prefixes):
+            shared = [common_prefix([kept, prefix]) for kept in self.prefixes]
+            pick = max(range(len(shared)), key=shared.__getitem__)
+            whole = shared[pick] == len(self.prefixes[pick])
+            if 2 * (len(prefix) - shared[pick]) * members[k] >= len(prefix) or (self.source.states and not whole):
+                return None
+            picks.append(pick)
+            caps.append(shared[pick])
+        cut = plan_sharing(rows, groups, needed, caps)
+        # A prefix cut inside its kept one has no kept logits at its last token: one token shorter.
+        short = {i for _, i in cut.at_prefix if caps[i] != len(self.prefixes[picks[i]])}
+        if short:
+            if any(caps[i] < 2 for i in short):
+                return None
+            caps = [cap - (i in short) for i, cap in enumerate(caps)]
+            cut = plan_sharing(rows, groups, needed, caps)
+        self.reused += 1
+        return cut, picks, caps
 
 
 class Lanes(NamedTuple):

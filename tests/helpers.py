@@ -2,6 +2,7 @@
 padded batches, the live server and its worker hold, and the references several files compare
 against. Tests import from here (fixtures live in conftest.py); no test module imports another."""
 
+import random
 import socket
 import sys
 import threading
@@ -131,6 +132,37 @@ def grouped_rows(context_lengths, widths, seed):
             starts.append(context_length - 1)
             targets.append(rest)
     return rows, groups, starts, targets
+
+
+def kept_prefix_calls(seed):
+    """`grouped_loglikelihood_totals` calls for `sharing.KeptPrefixes`, as (rows, groups, starts,
+    targets) each: 40 tokens of examples prefilled (call 1), then rows that share exactly them, more
+    than them, less of them (scored at the shorter prefix's last token, then after it), rows of 36
+    other tokens beside them (prefilled: not kept), and both again."""
+    rng = random.Random(seed)
+    examples = [rng.randrange(4, 500) for _ in range(40)]
+    other = [rng.randrange(4, 500) for _ in range(36)]
+
+    def tokens(n):
+        return [rng.randrange(4, 500) for _ in range(n)]
+
+    extra = tokens(3)
+    calls = [  # rows as (prefix, question), and the first position scored counted from the question
+        ([(examples, tokens(6)), (examples, tokens(4)), (examples, tokens(9))], 0),
+        ([(examples, tokens(5)), (examples, tokens(7))], 0),
+        ([(examples + extra, tokens(4)), (examples + extra, tokens(6))], 0),
+        ([(examples[:-5], tokens(5)), (examples[:-5], tokens(6))], 0),
+        ([(examples[:-5], tokens(5)), (examples[:-5], tokens(6))], 2),
+        ([(other, tokens(5)), (other, tokens(4)), (examples, tokens(3)), (examples, tokens(6))], 1),
+        ([(other, tokens(3)), (examples, tokens(4)), (other, tokens(6)), (examples, tokens(2))], 1),
+    ]
+    out = []
+    for pairs, scored in calls:
+        rows = [prefix + question for prefix, question in pairs]
+        starts = [len(prefix) - 1 + scored for prefix, _ in pairs]
+        targets = [row[start + 1:] + [rng.randrange(4, 500)] for row, start in zip(rows, starts)]
+        out.append((rows, [0 if prefix[:10] == examples[:10] else 1 for prefix, _ in pairs], starts, targets))
+    return out
 
 
 OPENAI_NAME = "tiny-llama"

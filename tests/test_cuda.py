@@ -15,12 +15,29 @@ import onnxruntime as ort
 import pytest
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
-from helpers import MODEL_ARCHES, grouped_rows, left_padded_batch, reference_class, right_padded_batch
+from helpers import (
+    MODEL_ARCHES,
+    grouped_rows,
+    kept_prefix_calls,
+    left_padded_batch,
+    reference_class,
+    right_padded_batch,
+)
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from ortmodule import OrtModelForCausalLM, extend, generation, graph, load_tokenizer, projections, runtime, scoring
+from ortmodule import (
+    OrtModelForCausalLM,
+    extend,
+    generation,
+    graph,
+    load_tokenizer,
+    projections,
+    runtime,
+    scoring,
+    sharing,
+)
 from ortmodule.inputs import pad_right
 from ortmodule.serving.jobs import ScoreJob
 from ortmodule_dev import fixtures
@@ -770,6 +787,30 @@ def test_shared_contexts_extend_on_cuda(build, precision, options, layout, monke
     tolerance = {"fp16": 0.05, "bf16": 0.3}[precision]  # per token, the half-precision logits' last digits
     for (lp, _), (ref_lp, _), rest in zip(got, expected, targets, strict=True):
         assert abs(lp - ref_lp) < tolerance * len(rest)
+
+
+@pytest.mark.parametrize("layout", ["mask", "cache"])
+def test_kept_prefixes_on_cuda(build, layout, monkeypatch):
+    """`sharing.KeptPrefixes` on CUDA (a Qwen3 bf16 export, either extend layout): calls that start from
+    an earlier call's prefixes (the same, longer, shorter) give the padded rows' answers, to bf16's
+    rounding, reading nothing back from the device."""
+    monkeypatch.setitem(extend.EXTEND_LAYOUT, "cuda", layout)
+    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    calls = kept_prefix_calls(seed=53)
+    scoring.grouped_loglikelihood_totals(model, *calls[0])  # the extend graph made and checked (host reads)
+    kept, reused = sharing.KeptPrefixes(), []
+    for rows, groups, starts, targets in calls:
+        ids, mask = pad_right(rows)
+        expected = scoring.answers(scoring.loglikelihood_totals(model, ids, mask, starts, targets))
+        before = kept.reused
+        with OwnHostReads() as reads:
+            totals = scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets, kept=kept)
+        assert reads.count == 0
+        reused.append(kept.reused - before)
+        for (lp, _), (ref_lp, _), rest in zip(scoring.answers(totals), expected, targets, strict=True):
+            assert abs(lp - ref_lp) < 0.3 * len(rest)  # per token, bf16 logits' last digits
+    assert reused == [0, 1, 1, 1, 1, 0, 1]
 
 
 def test_shared_contexts_extend_sliding_on_cuda(build):

@@ -886,8 +886,8 @@ def test_unknown_model_args_are_refused_by_name(build):
             backend(pretrained=package, device="cpu", **{name: value})
 
 
-def few_shot_requests():
-    """Requests shaped as lm-eval's 5-shot MMLU: three subjects whose questions all start with the
+def few_shot_requests(questions: int = 6):
+    """Requests shaped as lm-eval's 5-shot MMLU: three subjects whose `questions` all start with the
     subject's 40-token examples, then a question of 3-10 tokens; four one-token letters for most
     questions, longer choices for some."""
     import random
@@ -896,7 +896,7 @@ def few_shot_requests():
     requests = []
     for _ in range(3):
         examples = [rng.randrange(3, 500) for _ in range(40)]
-        for q in range(6):
+        for q in range(questions):
             context = examples + [rng.randrange(3, 500) for _ in range(rng.randrange(3, 11))]
             width = 1 if q % 3 else rng.randrange(2, 5)
             requests += [(("", ""), context, [rng.randrange(3, 500) for _ in range(width)]) for _ in range(4)]
@@ -927,6 +927,26 @@ def test_few_shot_questions_run_their_shared_examples_once(build, monkeypatch):
     assert tokens["false"] >= sum(len(row) for row, _ in rows)
     # Sharing on: 18 questions' rows, three subjects' prefixes (a batch of 8 rows runs its prefix once).
     assert tokens["true"] < tokens["false"] / 3
+
+
+def test_a_subjects_examples_run_once_for_all_its_batches(build, monkeypatch):
+    """A subject's questions in several batches (14 questions, batches of 4 rows): its examples are
+    prefilled in the first batch only, the later batches start from their KV (`sharing.KeptPrefixes`),
+    and every answer equals hf's."""
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    requests = few_shot_requests(questions=14)
+    reference = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu",
+                     batch_size=4)._loglikelihood_tokens(requests, disable_tqdm=True)
+    sizes = prefill_sizes(monkeypatch)
+    lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=4, share_contexts="true")
+    assert_same_answers(lm._loglikelihood_tokens(requests, disable_tqdm=True), reference)
+    # Each subject's 40 tokens of examples once (without: once a batch, 21 times). The rest: the graphs'
+    # checks at their first runs, a question whose choices share its context, the rows in no group.
+    assert [size for size in sizes if size[1] == 40] == [(1, 40)] * 3
 
 
 def preamble_requests(preamble: int, question: tuple[int, int], seed: int = 2):

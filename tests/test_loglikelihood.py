@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from helpers import MODEL_ARCHES, float32_logits_copy, load_pair, right_padded_batch
+from helpers import MODEL_ARCHES, float32_logits_copy, kept_prefix_calls, load_pair, right_padded_batch
 
 import ortmodule
 from ortmodule import OrtModelForCausalLM, inputs, scoring, sharing
@@ -434,3 +434,26 @@ def test_grouped_totals_with_requests_sharing_rows(build):
     assert len(got) == len(expected) == 6
     for (lp, greedy), (ref_lp, ref_greedy) in zip(got, expected):
         assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "lfm2"])
+def test_kept_prefixes_carry_a_prefix_to_the_next_call(build, arch):
+    """`KeptPrefixes` between `grouped_loglikelihood_totals` calls (lm-eval's batches of one subject):
+    a call whose groups begin with a kept prefix starts from its KV, whether its rows share exactly it,
+    more than it, or less of it (the first position scored right at the end of the shorter prefix: the
+    kept logits there are not kept, so it starts one token before); a prefix that shares too little
+    with the kept ones is prefilled and kept instead. Every answer equals the padded rows' (and a hybrid
+    model's convolution states start only from a kept prefix whole). Gemma 3's layers slide 8-token
+    windows over the 40-token examples."""
+    model, _ = load_pair(build(arch))
+    kept = sharing.KeptPrefixes()
+    reused = []
+    for rows, groups, starts, targets in kept_prefix_calls(seed=7):
+        before = kept.reused
+        got = scoring.answers(scoring.grouped_loglikelihood_totals(model, rows, groups, starts, targets, kept=kept))
+        reused.append(kept.reused - before)
+        ids, mask = pad_right(rows)
+        for (lp, greedy), (ref_lp, ref_greedy) in zip(got, ortmodule.loglikelihood(model, ids, mask, starts, targets)):
+            assert abs(lp - ref_lp) < 1e-4 and greedy == ref_greedy
+    # A hybrid prefills the shorter prefix (call 4) and keeps it for the next call instead.
+    assert reused == [0, 1, 1, 0 if arch == "lfm2" else 1, 1, 0, 1]
