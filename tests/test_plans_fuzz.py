@@ -49,12 +49,12 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 def loglikelihood_requests(rng: random.Random) -> list:
     """lm-eval's tokenized requests: subjects whose questions start with the same few-shot
-    examples, each question's choices (one token, several, a prefix of another, the same twice),
-    and lone requests."""
+    examples (sometimes more questions than a batch holds: `sharing.KeptPrefixes`), each question's
+    choices (one token, several, a prefix of another, the same twice), and lone requests."""
     requests = []
     for _ in range(rng.randint(1, 3)):
         examples = tokens(rng, rng.choice([0, 1, 8, 30, 60, 200]))
-        for _ in range(rng.randint(1, 4)):
+        for _ in range(rng.choice([1, 2, 3, 4, 12])):  # 12: a subject's questions in several batches
             context = examples + tokens(rng, rng.randint(0 if examples else 1, 20))
             choices = [tokens(rng, rng.choice([1, 1, 2, 5, 12])) for _ in range(rng.randint(1, 5))]
             if len(choices) > 1 and rng.random() < 0.3:
