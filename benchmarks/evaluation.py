@@ -18,6 +18,55 @@ SHARING = {"ortmodule": "auto", "ortmodule-share-off": "false", "ortmodule-share
            "ortmodule-compiled-normalizers": "auto", "ortmodule-lanes-off": "auto", "ortmodule-lm-eval-stops": "auto"}
 
 
+# Per backend of the at-scale suite (benchmarks/test_scale.py): where it runs (`at_scale_skip`), and why only there.
+_WHERE = {
+    "ortmodule-chunks-off": (lambda w, d, p: d == "cpu" and w not in ("hellaswag", "arc", "fewshot"),
+                             "prefill chunks are a CPU choice, for rows of 512 tokens and more (not HellaSwag's or "
+                             "ARC's; MMLU's measures it, not its 5-shot subjects')"),
+    "ortmodule-tokenize-first": (lambda w, d, p: d != "cpu" and w != "rolling",
+                                 "tokenizing ahead is CUDA's choice, for loglikelihood requests (a CPU encodes every "
+                                 "text first)"),
+    "transformers-bf16": (lambda w, d, p: d == "cpu" and p == "fp32",
+                          "transformers in bf16 beside an fp32 package on a CPU (lm-eval's dtype auto on SmolLM2's "
+                          "bf16 checkpoint; AMX runs bf16 matmuls); a GPU's packages are bf16 and so is its "
+                          "transformers row"),
+    "ortmodule-bf16-head": (lambda w, d, p: p == "bf16" and w in ("mmlu", "rolling"),
+                            "the LM head's precision is a bf16 package's choice, measured where bf16 ties cost "
+                            "choices (mmlu) and where every position reaches the head (rolling)"),
+    "ortmodule-pad64": (lambda w, d, p: d != "cpu" and w in ("mmlu", "rolling"),
+                        "rounding widths up to few shapes is a question of CUDA's per-shape costs, asked where widths "
+                        "vary most (mmlu) and where most windows are one width (rolling)"),
+    "ortmodule-prefill-onnx": (lambda w, d, p: d != "cpu" and w in ("mmlu", "rolling"),
+                               "the prefill graph (prefill_attention=onnx) replaces CUDA's GroupQueryAttention "
+                               "prologue, asked where it took 21% (mmlu) and where every row is long (rolling); a CPU "
+                               "runs long rows in chunks"),
+    "ortmodule-compiled-normalizers": (lambda w, d, p: d != "cpu" and w == "rolling",
+                                       "the normalizers as one compiled reduction (scoring.COMPILED_NORMALIZERS): "
+                                       "where every position is scored (rolling: about a fifth of a batch's device "
+                                       "time on an H200), to make it CUDA's default"),
+    "ortmodule-lanes-off": (lambda w, d, p: d == "cpu" and w in ("hellaswag", "arc", "fewshot"),
+                            "a shared context's continuations packed several to a row of the extend run "
+                            "(sharing.choose_lanes) are measured where a CPU shares contexts by default and "
+                            "continuations differ in length"),
+    "ortmodule-cuda-graph": (lambda w, d, p: d != "cpu" and w == "mmlu",
+                             "CUDA graphs are CUDA's: does scoring run as fast with them on (mmlu), to make them the "
+                             "default"),
+    "ortmodule-lm-eval-stops": (lambda w, d, p: w == "gsm8k",
+                                "lm-eval's own stopping criteria are a generation's choice (gsm8k)"),
+}
+GENERATION_BACKENDS = ("hf", "ortmodule", "ortmodule-lm-eval-stops")
+
+
+def at_scale_skip(workload: str, backend: str, device: str, precision: str) -> str | None:
+    """Why `backend` does not run `workload` on `device` with a package of `precision`, or None where it runs."""
+    if workload == "rolling" and backend in ("ortmodule-share-off", "ortmodule-share-on"):
+        return "documents share no context: the sharing choice does not apply"
+    if workload == "gsm8k" and backend not in GENERATION_BACKENDS:
+        return "generation (gsm8k) has no context sharing, chunks or head variants to compare"
+    runs, reason = _WHERE.get(backend, (lambda w, d, p: True, ""))
+    return None if runs(workload, device, precision) else reason
+
+
 def load(backend, fixture, batch_size, device):
     """lm-eval's model object for a benchmark row. On a GPU, what earlier rows left in torch's caching
     allocator (tens of GB after transformers' rows: all-position logits of 64 rows) goes back to the

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from conftest import at_scale_batch, device_name, model_label, peak_rss_mb, reset_peak_rss
-from evaluation import TASK_DIR, BatchTimes, Clock, ShapeLog, answers, load, record_agreement
+from evaluation import TASK_DIR, BatchTimes, Clock, ShapeLog, answers, at_scale_skip, load, record_agreement
 from lm_eval.api.registry import get_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
@@ -49,43 +49,15 @@ def model_tasks(fixture):
 @pytest.mark.parametrize("backend", SCALE_BACKENDS)
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_at_scale(benchmark, fixture, decoder_key, model_tasks, size, workload, backend, monkeypatch):
-    if workload == "rolling" and backend in ("ortmodule-share-off", "ortmodule-share-on"):
-        pytest.skip("documents share no context: the sharing choice does not apply")
     options = size["lm_eval_at_scale"]
     task, limit, device = WORKLOADS[workload], options["limits"][workload], size.get("device", "cpu")
-    if backend == "ortmodule-chunks-off" and (device != "cpu" or workload in ("hellaswag", "arc", "fewshot")):
-        pytest.skip("prefill chunks are a CPU choice, for rows of 512 tokens and more (not HellaSwag's or ARC's; "
-                    "MMLU's measures it, not its 5-shot subjects')")
-    if backend == "ortmodule-tokenize-first" and (device == "cpu" or workload == "rolling"):
-        pytest.skip("tokenizing ahead is CUDA's choice, for loglikelihood requests (a CPU encodes every text first)")
-    if backend == "transformers-bf16" and (device != "cpu" or fixture.spec.precision != "fp32"):
-        pytest.skip("transformers in bf16 beside an fp32 package on a CPU (lm-eval's dtype auto on SmolLM2's bf16 "
-                    "checkpoint; AMX runs bf16 matmuls); a GPU's packages are bf16 and so is its transformers row")
-    head_case = workload in ("mmlu", "rolling")
-    if backend == "ortmodule-bf16-head" and (fixture.spec.precision != "bf16" or not head_case):
-        pytest.skip("the LM head's precision is a bf16 package's choice, measured where bf16 ties cost choices "
-                    "(mmlu) and where every position reaches the head (rolling)")
-    if backend == "ortmodule-pad64" and (device == "cpu" or not head_case):
-        pytest.skip("rounding widths up to few shapes is a question of CUDA's per-shape costs, asked where widths "
-                    "vary most (mmlu) and where most windows are one width (rolling)")
-    if backend == "ortmodule-prefill-onnx" and (device == "cpu" or not head_case):
-        pytest.skip("the prefill graph (prefill_attention=onnx) replaces CUDA's GroupQueryAttention prologue, asked "
-                    "where it took 21% (mmlu) and where every row is long (rolling); a CPU runs long rows in chunks")
-    if backend == "ortmodule-compiled-normalizers" and (device == "cpu" or workload != "rolling"):
-        pytest.skip("the normalizers as one compiled reduction (scoring.COMPILED_NORMALIZERS): where every position is "
-                    "scored (rolling: about a fifth of a batch's device time on an H200), to make it CUDA's default")
+    reason = at_scale_skip(workload, backend, device, fixture.spec.precision)
+    if reason:
+        pytest.skip(reason)
     if backend == "ortmodule-compiled-normalizers":  # compiled in the warm-up's calls, off the clock
         monkeypatch.setitem(scoring.COMPILED_NORMALIZERS, torch.device(device).type, True)
-    if backend == "ortmodule-lanes-off" and (device != "cpu" or workload not in ("hellaswag", "arc", "fewshot")):
-        pytest.skip("a shared context's continuations packed several to a row of the extend run (sharing.choose_lanes) "
-                    "are measured where a CPU shares contexts by default and continuations differ in length")
     if backend == "ortmodule-lanes-off":  # priced so too (evaluation.load turns the packing off)
         monkeypatch.setattr(ortmodule.lm_eval, "packs", lambda model: False)
-    if backend == "ortmodule-cuda-graph" and (device == "cpu" or workload != "mmlu"):
-        pytest.skip("CUDA graphs are CUDA's: does scoring run as fast with them on (mmlu), to make them the default")
-    if (workload == "gsm8k") != (backend in ("hf", "ortmodule", "ortmodule-lm-eval-stops")) and backend != "hf":
-        pytest.skip("generation (gsm8k) has no context sharing, chunks or head variants to compare; lm-eval's own "
-                    "stopping criteria are a generation's choice")
     if backend == "ortmodule-lm-eval-stops":  # every row of a batch run until one sequence is in all of them
         monkeypatch.setattr(OrtModuleLM, "_model_generate", HFLM._model_generate)
     batch = at_scale_batch(options, workload)

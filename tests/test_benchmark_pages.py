@@ -377,3 +377,22 @@ def test_serve_with_extend_serves_the_extend_graph_it_names(build):
         log = server.log.read()
     assert ((scores - expected).abs() / expected).max().item() < 1e-4
     assert "shared prefixes continue in the extend graph on cpu (cache layout, KV heads grouped)" in log, log[-2000:]
+
+
+def test_every_at_scale_workload_runs_hf_and_ortmodule_as_it_loads():
+    """benchmarks/test_scale.py's rows: `hf` and `ortmodule` (the backend as users load it) run every workload
+    on both devices, and each variant runs somewhere (a skip rule that caught the plain `ortmodule` row left the
+    CPU page's rows from earlier runs for a session unnoticed); lm-eval's own stopping only on generation."""
+    evaluation = load_benchmark_module("evaluation")
+    workloads = ["mmlu", "fewshot", "hellaswag", "arc", "rolling", "gsm8k"]
+    machines = [("cpu", "fp32"), ("cpu", "int4"), ("cuda", "bf16")]
+    for workload in workloads:
+        for device, precision in machines:
+            for backend in ("hf", "ortmodule"):
+                assert evaluation.at_scale_skip(workload, backend, device, precision) is None, (workload, device)
+            runs = evaluation.at_scale_skip(workload, "ortmodule-lm-eval-stops", device, precision) is None
+            assert runs == (workload == "gsm8k")
+    scale = (REPORT.parent / "test_scale.py").read_text()
+    backends = scale[scale.index("SCALE_BACKENDS = ["):].split("]", 1)[0]
+    for backend in [b.strip(' "\n') for b in backends.split("[", 1)[1].split(",")]:
+        assert any(evaluation.at_scale_skip(w, backend, d, p) is None for w in workloads for d, p in machines), backend
