@@ -165,6 +165,37 @@ def kept_prefix_calls(seed):
     return out
 
 
+def split_stops(texts: list[str]) -> list[str]:
+    """Two characters such that every text holds one in its first half, and neither is in every text."""
+    def early(text, c):
+        return c in text[: len(text) // 2]
+
+    chars = sorted({c for text in texts for c in text if c.isalpha()})
+    for x in chars:
+        for y in chars:
+            if all(early(t, x) or early(t, y) for t in texts) and not all(x in t for t in texts) \
+                    and not all(y in t for t in texts):
+                return [x, y]
+    raise AssertionError(f"no two characters split {texts}")
+
+
+def stop_requests(hf_lm, seed: int, rows: int = 8, max_gen_toks: int = 32):
+    """lm-eval `generate_until` requests of `rows` prompts of random words whose rows write different stop
+    sequences (two characters, `split_stops` of what lm-eval's `hf_lm` writes without any), neither of
+    them every row: (the requests, `hf_lm`'s answers without stop sequences)."""
+    from lm_eval.api.instance import Instance
+
+    rng = random.Random(seed)
+    tokenizer = hf_lm.tokenizer
+    prompts = [" ".join(tokenizer.decode([rng.randrange(3, 500)]) for _ in range(rng.randint(3, 9)))
+               for _ in range(rows)]
+    free = hf_lm.generate_until([Instance("generate_until", None, (p, {"until": [], "max_gen_toks": max_gen_toks}), i)
+                                 for i, p in enumerate(prompts)], disable_tqdm=True)
+    until = split_stops(free)
+    return [Instance("generate_until", None, (p, {"until": until, "max_gen_toks": max_gen_toks}), i)
+            for i, p in enumerate(prompts)], free
+
+
 OPENAI_NAME = "tiny-llama"
 # A chat template for the fixture's tokenizer (the real SmolLM2 package brings its own).
 # A chat template in the form of real ones: a role it refuses, as Gemma's and Mistral's templates refuse

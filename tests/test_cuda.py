@@ -22,6 +22,7 @@ from helpers import (
     left_padded_batch,
     reference_class,
     right_padded_batch,
+    stop_requests,
 )
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -421,6 +422,24 @@ def test_generate_stops_where_transformers_does(build):
                              pad_token_id=0, do_sample=False)
     assert torch.equal(ours.sequences.cpu(), theirs)
     assert len(ours.scores) == theirs.shape[1] - 6
+
+
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
+def test_generate_until_stops_each_row_on_cuda(build):
+    """lm-eval's `generate_until` on CUDA (an fp32 package beside transformers fp32 on CUDA), each row
+    stopped at its own stop sequences (`lm_eval.StopSequences`; on CUDA a stopped row stays in the steps,
+    given pad tokens): the `hf` backend's answers, with rows writing different stop sequences."""
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cuda", batch_size=4)
+    theirs = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", batch_size=4, device="cuda")
+    requests, free = stop_requests(theirs, seed=4)
+    expected = theirs.generate_until(requests, disable_tqdm=True)
+    assert all(len(a) < len(b) for a, b in zip(expected, free))  # every answer cut by a stop sequence
+    assert ours.generate_until(requests, disable_tqdm=True) == expected
 
 
 def test_score_makes_one_copy_to_the_host(llama_cuda):

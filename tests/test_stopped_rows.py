@@ -6,8 +6,7 @@ import random
 
 import pytest
 import torch
-from helpers import left_padded_batch, load_pair
-from lm_eval.api.instance import Instance
+from helpers import left_padded_batch, load_pair, stop_requests
 from lm_eval.models.huggingface import HFLM, postprocess_generated_text
 from lm_eval.models.utils_hf import stop_sequences_criteria
 
@@ -111,33 +110,12 @@ def lms(llama):
     return ours, theirs
 
 
-def split_stops(texts: list[str]) -> list[str]:
-    """Two characters such that every text holds one in its first half, and neither is in every text."""
-    def early(text, c):
-        return c in text[: len(text) // 2]
-
-    chars = sorted({c for text in texts for c in text if c.isalpha()})
-    for x in chars:
-        for y in chars:
-            if all(early(t, x) or early(t, y) for t in texts) and not all(x in t for t in texts) \
-                    and not all(y in t for t in texts):
-                return [x, y]
-    raise AssertionError(f"no two characters split {texts}")
-
-
 def test_generate_until_stops_rows_early_with_hfs_answers(lms, step_rows, monkeypatch):
     """lm-eval requests whose rows write different stop sequences, neither of them every row: the
     answers are the `hf` backend's, and the rows stop early: fewer steps, and fewer rows in them, than
     with lm-eval's own criteria (a batch runs until one sequence has been written by every row)."""
     ours, theirs = lms
-    rng = random.Random(4)
-    tokenizer = ours.tokenizer
-    prompts = [" ".join(tokenizer.decode([rng.randrange(3, 500)]) for _ in range(rng.randint(3, 9))) for _ in range(8)]
-    free = theirs.generate_until([Instance("generate_until", None, (p, {"until": [], "max_gen_toks": 32}), i)
-                                  for i, p in enumerate(prompts)], disable_tqdm=True)
-    until = split_stops(free)
-    requests = [Instance("generate_until", None, (p, {"until": until, "max_gen_toks": 32}), i)
-                for i, p in enumerate(prompts)]
+    requests, free = stop_requests(theirs, seed=4)
     expected = theirs.generate_until(requests, disable_tqdm=True)
     step_rows.clear()
     assert ours.generate_until(requests, disable_tqdm=True) == expected
