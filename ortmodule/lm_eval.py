@@ -26,7 +26,7 @@ from lm_eval.models.utils_hf import get_dtype
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from . import hf, hub
+from . import hf, hub, shared_prompts
 from .encoding import encode_as_tok_encode, encode_pairs_as_tok_encode, hflm_request, request_waves
 from .hf import build_config
 from .inputs import pad_right
@@ -369,6 +369,11 @@ def generate_stopping_rows(lm: HFLM, context: torch.Tensor, max_length: int, sto
                                  pad_token_id=lm.tokenizer.pad_token_id, use_cache=True, **generation_kwargs)
 
 
+# HFLM's own loop, one evaluation at a time; on a CPU a few-shot task's examples, which every prompt of its
+# batches begins with, run once for them all (shared_prompts.keeping_beginnings).
+_generate_until = _one_evaluation_at_a_time(shared_prompts.keeping_beginnings(HFLM.generate_until))
+
+
 @register_model("ortmodule")
 class OrtModuleLM(HFLM):
     """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR,device=cpu` (or cuda, cuda:N).
@@ -499,7 +504,7 @@ class OrtModuleLM(HFLM):
         finally:
             self._encoded = {}
 
-    generate_until, _model_generate = _one_evaluation_at_a_time(HFLM.generate_until), generate_stopping_rows
+    generate_until, _model_generate = _generate_until, generate_stopping_rows
 
     def get_model_info(self) -> dict:
         return {"model_num_parameters": self._model.num_parameters(), "model_dtype": str(self._model.dtype),

@@ -14,11 +14,17 @@ which on a CPU costs what some `RUN_TOKENS` more tokens in a prefill cost. On CU
 cheap against the decoding that follows and the rows' runs would go one after the other: off there.
 Off too for hybrid decoders (convolution states), sliding-window layers, multimodal packages and
 caches that concatenate.
+
+Within `keeping(KeptBeginning())` (lm-eval's `generate_until`: the batches of a few-shot task, whose
+every prompt begins with the same examples), the beginning one call ran is kept with its cache, and a
+later call whose beginning starts with most of it runs from a copy of it instead of running it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 
@@ -57,6 +63,76 @@ def wanted(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> in
     return prefix
 
 
+class KeptBeginning:
+    """The beginning `prefill` last ran within `keeping`, with its one-row cache, for the next call."""
+
+    def __init__(self):
+        self.tokens = torch.zeros(0, dtype=torch.int64)
+        self.decoder = None
+        self.cache: KVCache | None = None
+        self.reused = 0  # calls that ran from it
+
+    def start(self, decoder, tokens: torch.Tensor, batch: int, capacity: int) -> tuple[KVCache | None, int]:
+        """The kept cache and how many of `tokens` it holds, where it holds enough of them for `batch`
+        rows (each then runs the rest of the beginning itself: fewer tokens in all than half of it) and
+        fits a cache of `capacity` columns; else (None, 0)."""
+        if self.cache is None or self.decoder is not decoder or self.cache.span > capacity:
+            return None, 0
+        shared = _common_length(self.tokens, tokens)
+        if not shared or 2 * (len(tokens) - shared) * batch >= len(tokens):
+            return None, 0
+        self.reused += 1
+        return self.cache, shared
+
+
+def _common_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many first tokens two token rows share."""
+    n = min(a.numel(), b.numel())
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.numel() else n
+
+
+_kept = threading.local()
+
+
+@contextlib.contextmanager
+def keeping(kept: KeptBeginning):
+    """Within it, on this thread, `prefill` keeps the beginning it runs in `kept` and starts from it."""
+    previous = getattr(_kept, "beginning", None)
+    _kept.beginning = kept
+    try:
+        yield kept
+    finally:
+        _kept.beginning = previous
+
+
+def keeping_beginnings(method):
+    """`method` (lm-eval's `generate_until`) run within `keeping` a `KeptBeginning` of its own."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with keeping(KeptBeginning()):
+            return method(*args, **kwargs)
+
+    return run
+
+
+def _beginning(decoder, ids: torch.Tensor, prefix: int, batch: int, capacity: int) -> tuple[KVCache, int]:
+    """A one-row cache holding the first tokens of `ids` `[1, prefix]`, and how many: kept (`keeping`), or run."""
+    kept = getattr(_kept, "beginning", None)
+    tokens = ids[0]
+    first, begin = kept.start(decoder, tokens, batch, capacity) if kept is not None else (None, 0)
+    if first is not None:
+        return first, begin
+    device = decoder.device
+    first = decoder.new_cache(1, prefix)
+    decoder.prefill(Rows(ids, None, torch.full((1,), prefix, device=device), prefix),
+                    torch.full((1,), prefix - 1, device=device), first)
+    if kept is not None:
+        kept.tokens, kept.decoder, kept.cache = tokens, decoder, first
+    return first, prefix
+
+
 def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """`decoder.prefill(rows, logit_index, cache)`: the logits `[n, V]` at the flat indices
     `logit_index` and `cache` holding the rows, the rows' common beginning run once where that pays."""
@@ -65,17 +141,15 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> t
         return decoder.prefill(rows, logit_index, cache)
     batch, width = rows.ids.shape
     device = decoder.device
-    first = decoder.new_cache(1, prefix)
-    decoder.prefill(Rows(rows.ids[:1, :prefix], None, torch.full((1,), prefix, device=device), prefix),
-                    torch.full((1,), prefix - 1, device=device), first)
+    first, begin = _beginning(decoder, rows.ids[:1, :prefix], prefix, batch, cache.capacity)
     cache.start_from(first, torch.zeros(batch, dtype=torch.int64, device=device),
-                     torch.full((batch,), prefix, device=device), prefix)
+                     torch.full((batch,), begin, device=device), begin)
     out = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
     owner, column = logit_index // width, logit_index % width
     chunk, write = decoder.prefill_chunk or width, functools.partial(chunked.put_rows, out)
     for row, length in enumerate(rows.lengths.tolist()):
         asked = torch.nonzero(owner == row).squeeze(1)
         chunked.run_row(decoder, rows.ids[row : row + 1, :length], asked, column[asked],
-                        rows_view(cache, row, row + 1, prefix), chunk, write, begin=prefix)
+                        rows_view(cache, row, row + 1, begin), chunk, write, begin=begin)
     cache.longest, cache.seen = rows.longest, width  # its lengths went up through the views
     return out

@@ -949,6 +949,34 @@ def test_a_subjects_examples_run_once_for_all_its_batches(build, monkeypatch):
     assert [size for size in sizes if size[1] == 40] == [(1, 40)] * 3
 
 
+def test_a_few_shot_generation_tasks_examples_run_once_for_all_its_batches(build, monkeypatch):
+    """`generate_until` over a few-shot task's prompts (the same examples, then a question) in several
+    batches: on a CPU the examples run once, in the first batch, and the later batches start from their
+    kept KV (`shared_prompts.keeping`); the answers are the `hf` backend's."""
+    import random
+
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=3)
+    theirs = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", batch_size=3, device="cpu")
+    rng = random.Random(11)
+
+    def words(n):
+        return " ".join(ours.tokenizer.decode([rng.randrange(3, 500)]) for _ in range(n))
+
+    examples = words(60)
+    requests = [Instance("generate_until", None, (f"{examples} {words(rng.randint(3, 12))}",
+                                                  {"until": ["\n\n"], "max_gen_toks": 12}), i) for i in range(9)]
+    sizes = prefill_sizes(monkeypatch)
+    assert ours.generate_until(requests, disable_tqdm=True) == theirs.generate_until(requests, disable_tqdm=True)
+    beginnings = [width for rows, width in sizes if rows == 1]
+    assert len(beginnings) == 1 and beginnings[0] > 100  # the examples, once for the three batches
+
+
 def preamble_requests(preamble: int, question: tuple[int, int], seed: int = 2):
     """Questions after one fixed preamble (TruthfulQA's six example answers, or a short shared
     start), each with four multi-token choices."""

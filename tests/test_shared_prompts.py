@@ -102,3 +102,36 @@ def test_the_beginning_runs_once_only_where_it_pays_and_can(build, llama):
     assert beginning_run_once(model, *prompts_beginning_alike(200, [5], seed=7)) == 0
     hybrid = OrtModelForCausalLM.from_pretrained(build("lfm2").package_dir)
     assert beginning_run_once(hybrid, *prompts_beginning_alike(100, [5, 7, 9], seed=7)) == 0
+
+
+def test_a_kept_beginning_serves_the_next_batches(build, monkeypatch):
+    """Within `shared_prompts.keeping` (lm-eval's `generate_until`), batches whose prompts begin with the
+    beginning an earlier batch ran start from its kept cache: the same beginning, a longer one (each row
+    runs the few tokens past it), a shorter one; a beginning that shares too little, or whose kept cache
+    would not fit the batch's, runs its own (and is kept). Every batch generates transformers' tokens."""
+    model, hf = load_pair(build("llama"))
+    generator = torch.Generator().manual_seed(8)
+    examples = torch.randint(4, 500, (100,), generator=generator).tolist()
+    other = torch.randint(4, 500, (90,), generator=generator).tolist()
+
+    def batch(beginning, rests):
+        rows = [beginning + torch.randint(4, 500, (n,), generator=generator).tolist() for n in rests]
+        width = max(map(len, rows))
+        return (torch.tensor([[2] * (width - len(row)) + row for row in rows]),
+                torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows]))
+
+    batches = [batch(examples, [5, 9, 3, 7]), batch(examples, [7, 2, 11, 4]), batch(examples + [7, 8, 9], [4, 6, 1, 2]),
+               batch(examples[:85], [3, 8, 5, 6]), batch(examples[:70], [1, 2, 3, 1]), batch(other, [6, 2, 9, 4]),
+               batch(other, [3, 5, 2, 7])]
+    reused = []
+    with shared_prompts.keeping(shared_prompts.KeptBeginning()) as kept:
+        for ids, mask in batches:
+            assert beginning_run_once(model, ids, mask) > 0
+            before = kept.reused
+            assert torch.equal(greedy(model, ids, mask), greedy(hf, ids, mask))
+            reused.append(kept.reused - before)
+    # The 5th's cache (73 + 12 columns) cannot take the 100 kept columns; the 6th shares nothing kept.
+    assert reused == [0, 1, 1, 1, 0, 0, 1]
+    ids, mask = batches[1]
+    greedy(model, ids, mask)
+    assert kept.reused == 4  # outside `keeping`, nothing kept is used
