@@ -129,7 +129,7 @@ def _beginning(decoder, ids: torch.Tensor, prefix: int, batch: int, capacity: in
     decoder.prefill(Rows(ids, None, torch.full((1,), prefix, device=device), prefix),
                     torch.full((1,), prefix - 1, device=device), first)
     if kept is not None:
-        kept.tokens, kept.decoder, kept.cache = tokens, decoder, first
+        kept.tokens, kept.decoder, kept.cache = tokens.clone(), decoder, first
     return first, prefix
 
 
