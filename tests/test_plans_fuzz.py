@@ -271,11 +271,18 @@ def test_generate_until_fuzz(build, monkeypatch, seed):
     rng = random.Random(4000 + seed)
     fixture = build(rng.choice(ARCHES))
     model, drawn_model = variant(fixture, monkeypatch, rng)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60))) for _ in range(rng.randint(1, 6))]
-    requests = [Instance("generate_until", {}, (text, {"until": rng.sample(["e", " the", ".", "\n", "qq"],
-                                                                             rng.randint(1, 2)),
-                                                       "max_gen_toks": rng.randint(1, 24), "do_sample": False}), i)
-                for i, text in enumerate(texts)]
+    # Half the time every prompt begins with the same examples (a few-shot task: shared_prompts.py, kept
+    # between batches).
+    examples = " ".join(rng.choice(WORDS) for _ in range(rng.choice([0, 0, 35, 45])))  # a word: 3-4 tokens
+    texts = [f"{examples} " * bool(examples) + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 15 if examples
+                                                                                                     else 60)))
+             for _ in range(rng.randint(1, 12))]
+    def settings():  # lm-eval batches the requests of one generation settings (a task's) together
+        return {"until": rng.sample(["e", " the", ".", "\n", "qq"], rng.randint(1, 2)),
+                "max_gen_toks": rng.randint(1, 24), "do_sample": False}
+
+    task = settings() if rng.random() < 0.5 else None
+    requests = [Instance("generate_until", {}, (text, dict(task or settings())), i) for i, text in enumerate(texts)]
     batch = rng.choice([1, 3, 8])
     ours = OrtModuleLM(pretrained=model, tokenizer=load_tokenizer(fixture.package_dir), batch_size=batch)
     theirs = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu", batch_size=batch)
