@@ -154,8 +154,8 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
         if kept is not None:
             kept.keep(plan.prefixes, source, last)
     if plan.at_prefix:
-        yield [p for p, _ in plan.at_prefix], last.index_select(0, picked[to_device([i for _, i in plan.at_prefix],
-                                                                                   device)])
+        at = picked[to_device([i for _, i in plan.at_prefix], device)]
+        yield [p for p, _ in plan.at_prefix], last.index_select(0, at)
     if not plan.steps:
         return
     extender = decoder.extender()
