@@ -319,3 +319,30 @@ def _refuse_positions(right_padded: bool = False) -> None:
         "numbers each row's tokens 0, 1, ... from the attention mask (what transformers computes for left- and "
         "right-padded rows); leave them out, or pass the attention mask that gives the positions you want"
     )
+
+
+def common_prefix(rows: list[list[int]]) -> int:
+    """How many first tokens all `rows` share (list slices compared in C, the length found by
+    bisection: a few microseconds for rows of hundreds of tokens)."""
+    first = rows[0]
+    shared = min(len(r) for r in rows)
+    for row in rows[1:]:
+        if row[:shared] == first[:shared]:
+            continue
+        low, high = 0, shared - 1  # row[:low] matches; row[:high + 1] does not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if row[:middle] == first[:middle]:
+                low = middle
+            else:
+                high = middle - 1
+        shared = low
+    return shared
+
+
+def reusable_prefix(kept: list[int], prefix: list[int], rows: int) -> int:
+    """How many first tokens of `prefix` the cache of an earlier run of `kept` can give `rows` rows that
+    begin with it: the tokens the two share, where the rows running the rest of `prefix` themselves costs
+    fewer tokens than half of it (a run of `prefix` of its own saves more otherwise); else 0."""
+    shared = common_prefix([kept, prefix])
+    return shared if shared and 2 * (len(prefix) - shared) * rows < len(prefix) else 0

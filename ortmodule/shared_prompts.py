@@ -30,7 +30,7 @@ import torch
 
 from . import chunked
 from .cache import KVCache, rows_view
-from .inputs import Rows
+from .inputs import Rows, reusable_prefix
 
 # A run of its own costs, on a CPU, about what this many more tokens in a prefill cost (streaming
 # every weight once against a token's matmuls, whatever the model's size). Measured on the real
@@ -67,29 +67,21 @@ class KeptBeginning:
     """The beginning `prefill` last ran within `keeping`, with its one-row cache, for the next call."""
 
     def __init__(self):
-        self.tokens = torch.zeros(0, dtype=torch.int64)
+        self.tokens: list[int] = []
         self.decoder = None
         self.cache: KVCache | None = None
         self.reused = 0  # calls that ran from it
 
-    def start(self, decoder, tokens: torch.Tensor, batch: int, capacity: int) -> tuple[KVCache | None, int]:
+    def start(self, decoder, tokens: list[int], batch: int, capacity: int) -> tuple[KVCache | None, int]:
         """The kept cache and how many of `tokens` it holds, where it holds enough of them for `batch`
-        rows (each then runs the rest of the beginning itself: fewer tokens in all than half of it) and
-        fits a cache of `capacity` columns; else (None, 0)."""
+        rows (`inputs.reusable_prefix`) and fits a cache of `capacity` columns; else (None, 0)."""
         if self.cache is None or self.decoder is not decoder or self.cache.span > capacity:
             return None, 0
-        shared = _common_length(self.tokens, tokens)
-        if not shared or 2 * (len(tokens) - shared) * batch >= len(tokens):
+        shared = reusable_prefix(self.tokens, tokens, batch)
+        if not shared:
             return None, 0
         self.reused += 1
         return self.cache, shared
-
-
-def _common_length(a: torch.Tensor, b: torch.Tensor) -> int:
-    """How many first tokens two token rows share."""
-    n = min(a.numel(), b.numel())
-    differ = torch.nonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.numel() else n
 
 
 _kept = threading.local()
@@ -120,7 +112,7 @@ def keeping_beginnings(method):
 def _beginning(decoder, ids: torch.Tensor, prefix: int, batch: int, capacity: int) -> tuple[KVCache, int]:
     """A one-row cache holding the first tokens of `ids` `[1, prefix]`, and how many: kept (`keeping`), or run."""
     kept = getattr(_kept, "beginning", None)
-    tokens = ids[0]
+    tokens = ids[0].tolist() if kept is not None else []
     first, begin = kept.start(decoder, tokens, batch, capacity) if kept is not None else (None, 0)
     if first is not None:
         return first, begin
@@ -129,7 +121,7 @@ def _beginning(decoder, ids: torch.Tensor, prefix: int, batch: int, capacity: in
     decoder.prefill(Rows(ids, None, torch.full((1,), prefix, device=device), prefix),
                     torch.full((1,), prefix - 1, device=device), first)
     if kept is not None:
-        kept.tokens, kept.decoder, kept.cache = tokens.clone(), decoder, first
+        kept.tokens, kept.decoder, kept.cache = tokens, decoder, first
     return first, prefix
 
 

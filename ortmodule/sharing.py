@@ -14,7 +14,7 @@ import torch
 
 from . import extend
 from .costs import Costs
-from .inputs import Rows, flat_index, pad_right, to_device
+from .inputs import Rows, common_prefix, flat_index, pad_right, reusable_prefix, to_device
 from .modeling import OrtModelForCausalLM
 
 Ids = list[int]
@@ -210,22 +210,21 @@ class KeptPrefixes:
         self.reused = 0  # calls that started from them
 
     def keep(self, prefixes: list[Ids], source, last: torch.Tensor) -> None:
-        self.prefixes, self.source, self.last = prefixes, source, last.clone()
+        self.prefixes, self.source, self.last = prefixes, source, last  # a prefill's own logits: not written again
 
     def match(self, rows: list[Ids], groups: list[int], needed: list[list[int]], plan: SharingPlan):
         """For a call's `plan` (of `rows`, `groups`, `needed`), where every prefix starts with enough of a
-        kept one: the plan with each prefix cut to what it shares with its kept one, per prefix the row it
-        starts from and its length; else None. Enough: its rows run again fewer tokens past the shared
-        part than half the prefix (a hybrid's states: only a kept prefix whole)."""
+        kept one (`inputs.reusable_prefix`; a hybrid's states: only a kept prefix whole): the plan with each
+        prefix cut to what it shares with its kept one, per prefix the row it starts from and its length;
+        else None."""
         if self.source is None:
             return None
         members = Counter(plan.owner)
         picks, caps = [], []
         for k, prefix in enumerate(plan.prefixes):
-            shared = [common_prefix([kept, prefix]) for kept in self.prefixes]
+            shared = [reusable_prefix(kept, prefix, members[k]) for kept in self.prefixes]
             pick = max(range(len(shared)), key=shared.__getitem__)
-            whole = shared[pick] == len(self.prefixes[pick])
-            if 2 * (len(prefix) - shared[pick]) * members[k] >= len(prefix) or (self.source.states and not whole):
+            if not shared[pick] or (self.source.states and shared[pick] != len(self.prefixes[pick])):
                 return None
             picks.append(pick)
             caps.append(shared[pick])
@@ -341,22 +340,3 @@ def prefix_groups(rows: list[Ids], limits: list[int], least: int = MIN_SHARED_PR
     if len(current) > 1:
         groups.append(current)
     return groups
-
-
-def common_prefix(rows: list[Ids]) -> int:
-    """How many first tokens all `rows` share (list slices compared in C, the length found by
-    bisection: a few microseconds for rows of hundreds of tokens)."""
-    first = rows[0]
-    shared = min(len(r) for r in rows)
-    for row in rows[1:]:
-        if row[:shared] == first[:shared]:
-            continue
-        low, high = 0, shared - 1  # row[:low] matches; row[:high + 1] does not
-        while low < high:
-            middle = (low + high + 1) // 2
-            if row[:middle] == first[:middle]:
-                low = middle
-            else:
-                high = middle - 1
-        shared = low
-    return shared
