@@ -555,8 +555,27 @@ def lazy_extender(decoder) -> Callable[[], Extender | None]:
     return extender
 
 
-def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
-    """The decoder's `Extender`, or None (with the reason logged) where its graph does not match,
+_writers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # writing_extender's, by decoder
+_writers_lock = threading.Lock()
+
+
+def writing_extender(decoder) -> Extender | None:
+    """An `Extender` of the cache layout for `decoder`, whose runs write the new tokens' KV into the
+    cache (shared_prompts.py: a generation's prompts continued over their common beginning, every row
+    in one run): the decoder's own where that is its device's layout, else one made at the first call
+    (a second extend session: on a CPU it reads the package's weight files as the first does) and kept
+    while the decoder lives; None where it cannot be made (the reason logged)."""
+    if EXTEND_LAYOUT.get(decoder.device.type, "mask") == "cache":
+        return decoder.extender()
+    with _writers_lock:
+        if decoder not in _writers:
+            _writers[decoder] = make_extender(decoder, decoder.cache_dir, "cache")
+        return _writers[decoder]
+
+
+def make_extender(decoder, cache_dir: Path | None = None, layout: str | None = None) -> Extender | None:
+    """The decoder's `Extender` (in `layout`, by default its device's `EXTEND_LAYOUT`), or None (with
+    the reason logged) where its graph does not match,
     the device lacks room for the weights a second time, or its first run fails or gives other
     logits than the package graph on the same rows (by more than the package graph's own decode
     steps differ from its prefill there: `_steps_error`)."""
@@ -570,7 +589,7 @@ def make_extender(decoder, cache_dir: Path | None = None) -> Extender | None:
         expected = decoder.package_prefill(whole, torch.tensor([3, 4, 7, 8], device=device))
         _check_close(expected, got, decoder, lambda: _steps_error(decoder, prefixes, tokens, expected))
 
-    layout = EXTEND_LAYOUT.get(device.type, "mask")
+    layout = layout or EXTEND_LAYOUT.get(device.type, "mask")
     expand = device.type == "cuda" and REPEAT_KV_HEADS_ON_CUDA and layout == "mask"
     unpack = projections.applies(device.type, decoder.session_options)
     made = _second_session(decoder, "extend graph", "shared prefixes continue by decode steps", Extender, check,

@@ -2,15 +2,18 @@
 
 A batch of prompts from one few-shot task (lm-eval's `generate_until` over GSM8K-style prompts,
 say) begins with the same examples in every row. `prefill` runs that beginning once, in one row,
-copies its KV into every row of the generation's cache, and runs each row's rest over its copy
-(one row at a time: ONNX Runtime's GroupQueryAttention takes several new tokens over a past for
-one row only), in the cache's own buffers (cache.py's `rows_view`). The cache and the first token's
-logits are those of the whole prompts' prefill, to float32 rounding (the kernels of a run with a
-past sum in another order).
+copies its KV into every row of the generation's cache, and runs the rows' rests over their copies:
+all in one run of the extend graph in its cache layout (extend.py: it writes their KV into the
+cache's buffers), or one row at a time in the package's graph (ONNX Runtime's GroupQueryAttention
+takes several new tokens over a past for one row only; cache.py's `rows_view`). The cache and the
+first token's logits are those of the whole prompts' prefill, to float32 rounding (the kernels of a
+run with a past sum in another order).
 
 It pays where the tokens it spares, the beginning in every row but one and the batch's padding
-(a batched prefill runs every row as long as the longest), outweigh a run of its own for each row,
-which on a CPU costs what some `RUN_TOKENS` more tokens in a prefill cost. On CUDA a prefill is
+(a batched prefill runs every row as long as the longest), outweigh the runs it adds: a run of its
+own for each row costs on a CPU what some `RUN_TOKENS` more tokens in a prefill cost, one run for
+all rows (their rests padded to the longest) some `EXTEND_TOKENS`; `way` takes the cheapest of the
+three (`costs`). On CUDA a prefill is
 cheap against the decoding that follows and the rows' runs would go one after the other: off there.
 Off too for hybrid decoders (convolution states), sliding-window layers, multimodal packages and
 caches that concatenate.
@@ -28,7 +31,7 @@ import threading
 
 import torch
 
-from . import chunked
+from . import chunked, extend
 from .cache import KVCache, rows_view
 from .inputs import Rows, reusable_prefix
 
@@ -48,19 +51,46 @@ def common_beginning(rows: Rows) -> int:
     return int(differ[0]) if differ.numel() else shortest - 1
 
 
-def wanted(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> int:
-    """The common beginning's length where running it once pays (0: it does not, or cannot)."""
+# Every row's rest in one run instead (extend.py's extend graph in its cache layout, which writes the
+# rests' KV into the cache; a second session of the package's weights, made at the first use) costs,
+# on a CPU, about what this many more prompt tokens cost, the beginning's own run included: its
+# session packs the float weights at each run. Measured on the real SmolLM2-135M fp32 package, 2-vCPU
+# Xeon: an extend run of 8 rows of one token over a 30-token beginning took 70 ms, some 80 tokens of
+# a prefill; 8 rows of 15 tokens after 30 common ones 208 ms this way, 340 a run a row, 301 whole
+# (docs/measurements.md, session 71).
+EXTEND_TOKENS = 96
+
+
+def costs(rows: Rows, prefix: int) -> tuple[int, int, int]:
+    """In prompt tokens: the whole prompts' prefill; the beginning once, then each row's rest in a run
+    of its own; the beginning once, then every row's rest in one run (each padded to the longest)."""
+    batch, width = rows.ids.shape
+    apart = prefix + int(rows.lengths.sum()) - batch * prefix + RUN_TOKENS * batch
+    return batch * width, apart, prefix + batch * (width - prefix) + EXTEND_TOKENS
+
+
+def way(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> tuple[int, extend.Extender | None]:
+    """The common beginning's length where running it once pays (0: it does not, or cannot), and the
+    extender that then runs every row's rest at once, where that pays more than a run a row and the
+    rests are no longer than the decoder's prefill chunk (None: a run a row)."""
     batch, width = rows.ids.shape
     if (decoder.device.type != "cpu" or batch < 2 or not cache.shared or cache.states
             or decoder.embedding_session is not None or any(kv.window for kv in decoder.spec.layers)):
-        return 0
+        return 0, None
     prefix = common_beginning(rows)
-    alone = prefix + int(rows.lengths.sum()) - batch * prefix  # the beginning once, then each row's rest
-    if not prefix or batch * width - alone <= RUN_TOKENS * batch:
-        return 0
-    if int((logit_index % width).min()) < prefix:  # the logits asked of a row come from its own run
-        return 0
-    return prefix
+    if not prefix or int((logit_index % width).min()) < prefix:  # the logits asked of a row come from its rest
+        return 0, None
+    whole, apart, together = costs(rows, prefix)
+    if together < min(whole, apart) and width - prefix <= (decoder.prefill_chunk or width):
+        extender = extend.writing_extender(decoder)
+        if extender is not None:
+            return prefix, extender
+    return (prefix, None) if apart < whole else (0, None)
+
+
+def wanted(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> int:
+    """The common beginning's length where running it once pays (0: it does not, or cannot)."""
+    return way(decoder, rows, logit_index, cache)[0]
 
 
 class KeptBeginning:
@@ -128,7 +158,7 @@ def _beginning(decoder, ids: torch.Tensor, prefix: int, batch: int, capacity: in
 def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """`decoder.prefill(rows, logit_index, cache)`: the logits `[n, V]` at the flat indices
     `logit_index` and `cache` holding the rows, the rows' common beginning run once where that pays."""
-    prefix = wanted(decoder, rows, logit_index, cache)
+    prefix, extender = way(decoder, rows, logit_index, cache)
     if not prefix:
         return decoder.prefill(rows, logit_index, cache)
     batch, width = rows.ids.shape
@@ -136,6 +166,8 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> t
     first, begin = _beginning(decoder, rows.ids[:1, :prefix], prefix, batch, cache.capacity)
     cache.start_from(first, torch.zeros(batch, dtype=torch.int64, device=device),
                      torch.full((batch,), begin, device=device), begin)
+    if extender is not None and width - begin <= (decoder.prefill_chunk or width):
+        return _rests_together(extender, rows, logit_index, cache, begin)
     out = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
     owner, column = logit_index // width, logit_index % width
     chunk, write = decoder.prefill_chunk or width, functools.partial(chunked.put_rows, out)
@@ -145,3 +177,16 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> t
                         rows_view(cache, row, row + 1, begin), chunk, write, begin=begin)
     cache.longest, cache.seen = rows.longest, width  # its lengths went up through the views
     return out
+
+
+def _rests_together(extender: extend.Extender, rows: Rows, logit_index: torch.Tensor, cache: KVCache,
+                    begin: int) -> torch.Tensor:
+    """`prefill`'s logits and cache where `cache` holds each row's first `begin` tokens: every row's rest
+    in one run of `extender` (the cache layout), its KV written after the beginning in the cache's buffers."""
+    width = rows.ids.shape[1]
+    new = width - begin
+    index = logit_index // width * new + logit_index % width - begin
+    logits = extender.run(rows.ids[:, begin:].contiguous(), cache, index)
+    cache.lengths.copy_(rows.lengths)  # the run wrote the rests' KV but counts none of it (a padded row's past its end)
+    cache.longest, cache.seen = rows.longest, width
+    return logits
