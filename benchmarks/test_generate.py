@@ -86,9 +86,25 @@ def test_ortmodule_generate_whole_prompts(benchmark, workload, monkeypatch):
     fixture, ids, mask, new, pad, _, case = workload
     if not case.endswith("few-shot prompts") or ids.device.type != "cpu":
         pytest.skip("the few-shot prompts on a CPU only (elsewhere each row runs its whole prompt anyway)")
-    monkeypatch.setattr(shared_prompts, "RUN_TOKENS", 10**9)  # never pays
+    monkeypatch.setattr(shared_prompts, "RUN_TOKENS", 10**9)  # neither way pays
+    monkeypatch.setattr(shared_prompts, "EXTEND_TOKENS", 10**9)
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device)
     benchmark.extra_info["backend"] = "ortmodule-whole-prompts"
+    out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
+                                                   pad_token_id=pad), workload)
+    assert out.shape == (ids.shape[0], ids.shape[1] + new)
+
+
+@pytest.mark.benchmark(group="generate")
+def test_ortmodule_generate_rests_apart(benchmark, workload, monkeypatch):
+    """The few-shot prompts' common beginning run once, then each row's rest in a run of its own (as
+    before 2026-12-01) instead of all rests in one extend run: what the one run gives, side by side."""
+    fixture, ids, mask, new, pad, _, case = workload
+    if not case.endswith("few-shot prompts") or ids.device.type != "cpu":
+        pytest.skip("the few-shot prompts on a CPU only (elsewhere each row runs its whole prompt anyway)")
+    monkeypatch.setattr(shared_prompts, "EXTEND_TOKENS", 10**9)  # never pays: a run a row
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device)
+    benchmark.extra_info["backend"] = "ortmodule-rests-apart"
     out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
                                                    pad_token_id=pad), workload)
     assert out.shape == (ids.shape[0], ids.shape[1] + new)

@@ -1,7 +1,8 @@
 """One model, many threads: forward, generate and score called concurrently give exactly what the
 same calls give one after another (each thread prefills into its own scratch KV buffer; caches of
 generate, score and `use_cache` belong to their call), scores whose items run several to a row of
-the extend run too."""
+the extend run too, and generations whose prompts' rests run in one extend run over their common
+beginning (shared_prompts.py)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,8 @@ def calls(vocab: int):
         elif kind in (1, 7):
             out.append(lambda m, ids=ids, mask=mask: m(ids, attention_mask=mask, cont_len=2).logits)
         elif kind == 2:
+            if i % 16 == 10:  # prompts that begin alike: on a CPU the rests in one run of the writing extender
+                ids[1:, : length - 8], mask = ids[0, : length - 8], torch.ones_like(ids)
             out.append(lambda m, ids=ids, mask=mask: m.generate(ids, attention_mask=mask, max_new_tokens=4,
                                                                 do_sample=False))
         elif i % 16 == 3:
