@@ -43,8 +43,11 @@ NOTES = {
     "`batch N, few-shot prompts` (runs since 2026-11-27): the largest batch's prompts after a common beginning "
     "of {fewshot_beginning} tokens, as a few-shot task's examples, which ortmodule runs once on a CPU "
     "(ortmodule/shared_prompts.py; then every row's rest in one run since 2026-12-01, in a run of its own before) "
-    "and the other backends in every row; `ortmodule-rests-apart` (runs since 2026-12-01) runs each row's rest in "
-    "a run of its own, `ortmodule-whole-prompts` the beginning in every row too.",
+    "where its costs say that pays (shared_prompts.way), and the other backends in every row; "
+    "`ortmodule-rests-apart` (runs since 2026-12-01) runs each row's rest in a run of its own always (on these "
+    "prompts, rests of different lengths whose padding would cost one run more than it saves, `ortmodule` "
+    "chooses that too: the two rows' gap is the run's spread), `ortmodule-whole-prompts` the beginning in "
+    "every row too.",
     "lm-eval loglikelihood": "lm-eval multiple-choice task `ortmodule_bench_mc` (benchmarks/tasks: {questions} "
     "questions, ~110-word English passages; half the questions with 7-word choices, half with one-word "
     "ones), 4 loglikelihood requests per question, batch {batch_size}. `ortmodule` and `transformers` (lm-eval's "
