@@ -174,3 +174,23 @@ def test_a_kept_beginning_serves_the_next_batches(build, monkeypatch, way):
     ids, mask = batches[1]
     greedy(model, ids, mask)
     assert kept.reused == 4  # outside `keeping`, nothing kept is used
+
+
+def test_without_a_writing_extender_the_rests_run_a_row_at_a_time(llama, monkeypatch):
+    """Where the extend graph's cache layout cannot be made for a package (`writing_extender` None: its
+    graph does not match, or its check failed), one run is not taken: a run a row where that pays, else
+    the whole prompts, and the tokens are the same."""
+    from ortmodule import extend
+
+    model = OrtModelForCausalLM.from_pretrained(llama.package_dir)
+    pays_together = prompts_beginning_alike(40, [5, 7, 9, 2], seed=7)  # one run pays, a run a row does not
+    pays_apart = prompts_beginning_alike(100, [1, 9, 17, 4], seed=5)
+    expected = [greedy(model, *prompts) for prompts in (pays_together, pays_apart)]
+    monkeypatch.setattr(extend, "writing_extender", lambda decoder: None)
+    assert beginning_run_once(model, *pays_together) == 0
+    assert beginning_run_once(model, *pays_apart) == 100
+    alone, together = rows_run_alone(monkeypatch), rests_run_together(monkeypatch)
+    got = [greedy(model, *prompts) for prompts in (pays_together, pays_apart)]
+    assert (alone, together) == ([0, 1, 2, 3], [])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
