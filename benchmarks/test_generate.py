@@ -79,35 +79,32 @@ def test_ortmodule_generate(benchmark, workload):
     assert out.shape == (ids.shape[0], ids.shape[1] + new)
 
 
+def forced_way(benchmark, workload, monkeypatch, backend: str, **constants) -> None:
+    """The few-shot prompts generated with shared_prompts' `constants` set (a way forced), as `backend`."""
+    fixture, ids, mask, new, pad, _, case = workload
+    if not case.endswith("few-shot prompts") or ids.device.type != "cpu":
+        pytest.skip("the few-shot prompts on a CPU only (elsewhere each row runs its whole prompt anyway)")
+    for name, value in constants.items():
+        monkeypatch.setattr(shared_prompts, name, value)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device)
+    benchmark.extra_info["backend"] = backend
+    out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
+                                                   pad_token_id=pad), workload)
+    assert out.shape == (ids.shape[0], ids.shape[1] + new)
+
+
 @pytest.mark.benchmark(group="generate")
 def test_ortmodule_generate_whole_prompts(benchmark, workload, monkeypatch):
     """The few-shot prompts with the common beginning run in every row (as on CUDA, or before
     shared_prompts.py): what running it once gives, side by side."""
-    fixture, ids, mask, new, pad, _, case = workload
-    if not case.endswith("few-shot prompts") or ids.device.type != "cpu":
-        pytest.skip("the few-shot prompts on a CPU only (elsewhere each row runs its whole prompt anyway)")
-    monkeypatch.setattr(shared_prompts, "RUN_TOKENS", 10**9)  # neither way pays
-    monkeypatch.setattr(shared_prompts, "EXTEND_TOKENS", 10**9)
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device)
-    benchmark.extra_info["backend"] = "ortmodule-whole-prompts"
-    out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
-                                                   pad_token_id=pad), workload)
-    assert out.shape == (ids.shape[0], ids.shape[1] + new)
+    forced_way(benchmark, workload, monkeypatch, "ortmodule-whole-prompts", RUN_TOKENS=10**9, EXTEND_TOKENS=10**9)
 
 
 @pytest.mark.benchmark(group="generate")
 def test_ortmodule_generate_rests_apart(benchmark, workload, monkeypatch):
     """The few-shot prompts' common beginning run once, then each row's rest in a run of its own (as
     before 2026-12-01) instead of all rests in one extend run: what the one run gives, side by side."""
-    fixture, ids, mask, new, pad, _, case = workload
-    if not case.endswith("few-shot prompts") or ids.device.type != "cpu":
-        pytest.skip("the few-shot prompts on a CPU only (elsewhere each row runs its whole prompt anyway)")
-    monkeypatch.setattr(shared_prompts, "EXTEND_TOKENS", 10**9)  # never pays: a run a row
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=ids.device)
-    benchmark.extra_info["backend"] = "ortmodule-rests-apart"
-    out = record(benchmark, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
-                                                   pad_token_id=pad), workload)
-    assert out.shape == (ids.shape[0], ids.shape[1] + new)
+    forced_way(benchmark, workload, monkeypatch, "ortmodule-rests-apart", EXTEND_TOKENS=10**9)
 
 
 @pytest.mark.benchmark(group="generate")

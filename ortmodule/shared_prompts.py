@@ -69,6 +69,12 @@ def costs(rows: Rows, prefix: int) -> tuple[int, int, int]:
     return batch * width, apart, prefix + batch * (width - prefix) + EXTEND_TOKENS
 
 
+def fits_one_run(decoder, rest: int) -> bool:
+    """Whether rests `rest` tokens wide run in one run: no wider than the decoder's prefill chunk (longer
+    ones run in chunks a row at a time, where GroupQueryAttention over a long past is the faster on a CPU)."""
+    return rest <= (decoder.prefill_chunk or rest)
+
+
 def way(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> tuple[int, extend.Extender | None]:
     """The common beginning's length where running it once pays (0: it does not, or cannot), and the
     extender that then runs every row's rest at once, where that pays more than a run a row and the
@@ -81,16 +87,11 @@ def way(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> tuple
     if not prefix or int((logit_index % width).min()) < prefix:  # the logits asked of a row come from its rest
         return 0, None
     whole, apart, together = costs(rows, prefix)
-    if together < min(whole, apart) and width - prefix <= (decoder.prefill_chunk or width):
+    if together < min(whole, apart) and fits_one_run(decoder, width - prefix):
         extender = extend.writing_extender(decoder)
         if extender is not None:
             return prefix, extender
     return (prefix, None) if apart < whole else (0, None)
-
-
-def wanted(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> int:
-    """The common beginning's length where running it once pays (0: it does not, or cannot)."""
-    return way(decoder, rows, logit_index, cache)[0]
 
 
 class KeptBeginning:
@@ -166,7 +167,7 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> t
     first, begin = _beginning(decoder, rows.ids[:1, :prefix], prefix, batch, cache.capacity)
     cache.start_from(first, torch.zeros(batch, dtype=torch.int64, device=device),
                      torch.full((batch,), begin, device=device), begin)
-    if extender is not None and width - begin <= (decoder.prefill_chunk or width):
+    if extender is not None and fits_one_run(decoder, width - begin):  # a kept beginning may hold fewer tokens
         return _rests_together(extender, rows, logit_index, cache, begin)
     out = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
     owner, column = logit_index // width, logit_index % width

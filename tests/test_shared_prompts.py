@@ -65,7 +65,7 @@ def beginning_run_once(model, ids, mask) -> int:
     rows = check_batch(ids, mask, model.decoder.vocab_size, model.decoder.package.context_length, model.device)
     width = rows.ids.shape[1]
     last = torch.arange(ids.shape[0]) * width + rows.lengths - 1
-    return shared_prompts.wanted(model.decoder, rows, last, model.decoder.new_cache(ids.shape[0], width))
+    return shared_prompts.way(model.decoder, rows, last, model.decoder.new_cache(ids.shape[0], width))[0]
 
 
 @pytest.mark.parametrize("way", ["together", "apart"])
