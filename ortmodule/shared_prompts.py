@@ -54,10 +54,10 @@ def common_beginning(rows: Rows) -> int:
 # Every row's rest in one run instead (extend.py's extend graph in its cache layout, which writes the
 # rests' KV into the cache; a second session of the package's weights, made at the first use) costs,
 # on a CPU, about what this many more prompt tokens cost, the beginning's own run included: its
-# session packs the float weights at each run. Measured on the real SmolLM2-135M fp32 package, 2-vCPU
-# Xeon: an extend run of 8 rows of one token over a 30-token beginning took 70 ms, some 80 tokens of
-# a prefill; 8 rows of 15 tokens after 30 common ones 208 ms this way, 340 a run a row, 301 whole
-# (docs/measurements.md, session 71).
+# session packs the float weights at each run. Measured on the real SmolLM2-135M packages, 2-vCPU Xeon,
+# 8 rows of 96 tokens (`python benchmarks/shared_prompts.py`): one run broke even with the whole
+# prompts between 8 and 16 common tokens (7 x 8 < 96 < 7 x 16 tokens spared; docs/measurements.md,
+# session 71).
 EXTEND_TOKENS = 96
 
 
