@@ -38,7 +38,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from . import chunked, extend, graph, nbits, projections, runtime, states
+from . import chunked, extend, graph, nbits, projections, runtime, shared_prompts, states
 from .cache import KVCache, settle, take_back
 from .inputs import Rows
 from .package import Package, PackageError
@@ -90,6 +90,46 @@ def _after_pending(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logit
         index = logit_index // new * width + before + logit_index % new
     logits = decoder.step(torch.cat([pending, tokens.to(pending.device)], 1), cache, index)
     return logits if logit_index is not None else logits.view(batch, new, -1)
+
+
+def _several_tokens(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None):
+    """`Decoder.step` of several tokens where the package's attention takes one new token over the
+    cache (`_token_by_token`). On a CPU, where the tokens are enough to pay for it, they run instead
+    through the writing extender (extend.py's cache layout: every row's new tokens over its past in one
+    run, their KV written into the cache's buffers), a prefill chunk of tokens a row at a time."""
+    batch, new = tokens.shape
+    extender = _one_run_extender(decoder, cache, new)
+    if extender is None:
+        return _token_by_token(decoder, tokens, cache, logit_index)
+    device = tokens.device
+    index = torch.arange(batch * new, device=device) if logit_index is None else logit_index
+    row, column = index // new, index % new
+    chunk = decoder.prefill_chunk or new
+    out = None if new <= chunk else \
+        torch.empty(index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
+    for start in range(0, new, chunk):
+        width = min(chunk, new - start)
+        asked = torch.nonzero((column >= start) & (column < start + width)).squeeze(1) if out is not None else None
+        wanted = row * width + column - start if asked is None else row[asked] * width + column[asked] - start
+        with decoder.holding(cache):
+            logits = extender.run(tokens[:, start : start + width].contiguous(), cache, wanted)
+            cache.advance(width, width)  # the run wrote the tokens' KV past each row's end, counting none
+        if out is None:
+            return logits if logit_index is not None else logits.view(batch, new, -1)
+        out[asked] = logits
+    return out if logit_index is not None else out.view(batch, new, -1)
+
+
+def _one_run_extender(decoder: Decoder, cache: KVCache, new: int):
+    """The writing extender for `_several_tokens`, or None where the tokens run a step each: off a CPU,
+    over a cache it cannot write (concatenated pasts, a hybrid's convolution states, positions offset
+    by images, sliding windows, an embedding model's inputs), or where `new` tokens a row are too few to
+    pay for a run of the extend graph against as many decode steps (shared_prompts.py's prices)."""
+    if (decoder.device.type != "cpu" or not cache.shared or cache.states or cache.position_offset is not None
+            or decoder.embedding_session is not None or any(kv.window for kv in decoder.spec.layers)
+            or new * shared_prompts.RUN_TOKENS <= shared_prompts.EXTEND_TOKENS):
+        return None
+    return extend.writing_extender(decoder)
 
 
 def _token_by_token(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None):
@@ -268,7 +308,7 @@ class Decoder:
         if cache.pending is not None:  # a hybrid's tokens left by a crop: run first, in the same run
             return _after_pending(self, tokens, cache, logit_index)
         if new > 1 and (batch > 1 or (self.spec.steps_one_token and cache.longest > 0)):
-            return _token_by_token(self, tokens, cache, logit_index)
+            return _several_tokens(self, tokens, cache, logit_index)
         session = self.wide_session if new > 1 else self.session
         with self.holding(cache) as runs:
             cache.reserve(cache.longest + new, self.package.context_length)

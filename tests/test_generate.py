@@ -7,7 +7,8 @@ from helpers import MODEL_ARCHES, load_pair
 from helpers import left_padded_batch as left_padded_prompts
 from transformers import WatermarkingConfig
 
-from ortmodule import OrtModelForCausalLM, load_tokenizer, runtime
+from ortmodule import OrtModelForCausalLM, extend, load_tokenizer, runtime
+from ortmodule import decoder as decoder_module
 from ortmodule.cache import KVCache
 from ortmodule.hf import CACHE_NAME
 
@@ -319,6 +320,55 @@ def test_a_multi_token_step_over_a_batch_equals_transformers(build, arch):
     with torch.no_grad():
         expected = hf.generate(torch.cat([ids, extra], 1), **options)
     assert torch.equal(model.generate(torch.cat([ids, extra], 1), past_key_values=cache, **options), expected)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_multi_token_step_over_a_batch_runs_in_one_run_on_a_cpu(build, arch, monkeypatch):
+    """Where a step's tokens pay for it (3 or more a row), a batch's several tokens run in the writing
+    extender (every row's tokens over its past in one run, a prefill chunk at a time), not a decode step
+    a token: transformers' logits (all, or positions in the first and last chunk only, none in the
+    middle one), fewer tokens a step a token, and generate going on from the cache as transformers."""
+    _, hf = load_pair(build(arch))
+    model = OrtModelForCausalLM.from_pretrained(build(arch).package_dir, prefill_chunk=4)
+    assert extend.writing_extender(model.decoder) is not None  # made (and checked by a run) before the count
+    runs = {"extend": 0, "token": 0}
+    real_run, real_step = extend.Extender.run, decoder_module.Decoder.step
+
+    def counted_run(self, *args, **kwargs):
+        runs["extend"] += 1
+        return real_run(self, *args, **kwargs)
+
+    def counted_step(self, tokens, *args, **kwargs):
+        runs["token"] += tokens.shape[1] == 1
+        return real_step(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(extend.Extender, "run", counted_run)
+    monkeypatch.setattr(decoder_module.Decoder, "step", counted_step)
+    ids, mask = left_padded_prompts([6, 13, 9], seed=21)
+    extra = torch.randint(3, 512, (3, 20), generator=torch.Generator().manual_seed(6))
+    more = extra
+    with torch.no_grad():
+        reference = hf(ids, attention_mask=mask, use_cache=True)
+    out = model(ids, attention_mask=mask, use_cache=True)
+    cache, theirs = out.past_key_values, reference.past_key_values
+    for new, keep, extends, tokens in ((10, 0, 3, 0), (2, 0, 0, 2), (7, torch.tensor([0, 6]), 2, 0), (1, 0, 0, 1)):
+        runs.update(extend=0, token=0)
+        step, mask = more[:, :new], torch.cat([mask, torch.ones(3, new, dtype=mask.dtype)], 1)
+        more = more[:, new:]
+        out = model(step, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        with torch.no_grad():
+            reference = hf(step, attention_mask=mask, past_key_values=theirs, use_cache=True, logits_to_keep=keep)
+        assert out.logits.shape == reference.logits.shape
+        assert (out.logits - reference.logits).abs().max().item() < 1e-4, (new, keep)
+        assert runs == {"extend": extends, "token": tokens}, (new, runs)
+        cache, theirs = out.past_key_values, reference.past_key_values
+    assert cache.get_seq_length() == 13 + 20
+    mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    options = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=None)
+    with torch.no_grad():
+        expected = hf.generate(torch.cat([ids, extra, extra[:, -1:]], 1), **options)
+    assert torch.equal(model.generate(torch.cat([ids, extra, extra[:, -1:]], 1), past_key_values=cache, **options),
+                       expected)
 
 
 def test_the_cache_goes_by_either_name_as_in_transformers(llama_pair):
