@@ -562,9 +562,10 @@ _writers_lock = threading.Lock()
 def writing_extender(decoder) -> Extender | None:
     """An `Extender` of the cache layout for `decoder`, whose runs write the new tokens' KV into the
     cache (shared_prompts.py: a generation's prompts continued over their common beginning, every row
-    in one run; decoder.py: a step of several tokens over a batch's cache): the decoder's own where that is its device's layout, else one made at the first call
-    (a second extend session: on a CPU it reads the package's weight files as the first does) and kept
-    while the decoder lives; None where it cannot be made (the reason logged)."""
+    in one run; decoder.py: a step of several tokens over a batch's cache): the decoder's own where
+    that is its device's layout, else one made at the first call (a second extend session: on a CPU
+    it reads the package's weight files as the first does) and kept while the decoder lives; None
+    where it cannot be made (the reason logged)."""
     if EXTEND_LAYOUT.get(decoder.device.type, "mask") == "cache":
         return decoder.extender()
     with _writers_lock:

@@ -16,8 +16,10 @@ So on the CPU, where a probe of the package's own weight shape finds the fp32 pa
 ortmodule runs every run of more than one token per row (prefills, chunks, the extend graph) in a
 second session with that setting, and decode steps in the package's own. Which path a call takes
 depends on the call, never on the batch: a prefill's numbers do not change with what else is in
-the batch. The paths' numbers differ (up to ~0.7 in a token's log-probability on SmolLM2-135M
-int4, as int8 and fp32 arithmetic do); `quantized_prefill="package"` keeps the package's path
+the batch. (A step of 2 tokens over a cache of several rows is the exception: it runs as two decode
+steps, where one run does not pay, decoder.py's `_several_tokens`; 3 or more run in one.) The
+paths' numbers differ (up to ~0.7 in a token's log-probability on SmolLM2-135M int4, as int8 and
+fp32 arithmetic do); `quantized_prefill="package"` keeps the package's path
 everywhere, as onnxruntime-genai runs it.
 """
 
