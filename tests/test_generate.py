@@ -327,7 +327,8 @@ def test_a_multi_token_step_over_a_batch_runs_in_one_run_on_a_cpu(build, arch, m
     """Where a step's tokens pay for it (3 or more a row), a batch's several tokens run in the writing
     extender (every row's tokens over its past in one run, a prefill chunk at a time), not a decode step
     a token: transformers' logits (all, or positions in the first and last chunk only, none in the
-    middle one), fewer tokens a step a token, and generate going on from the cache as transformers."""
+    middle one); 2 tokens, too few to pay, a decode step each; generate going on from the cache as
+    transformers does from the whole text."""
     _, hf = load_pair(build(arch))
     model = OrtModelForCausalLM.from_pretrained(build(arch).package_dir, prefill_chunk=4)
     assert extend.writing_extender(model.decoder) is not None  # made (and checked by a run) before the count
@@ -345,13 +346,13 @@ def test_a_multi_token_step_over_a_batch_runs_in_one_run_on_a_cpu(build, arch, m
     monkeypatch.setattr(extend.Extender, "run", counted_run)
     monkeypatch.setattr(decoder_module.Decoder, "step", counted_step)
     ids, mask = left_padded_prompts([6, 13, 9], seed=21)
-    extra = torch.randint(3, 512, (3, 20), generator=torch.Generator().manual_seed(6))
+    extra = torch.randint(3, 512, (3, 22), generator=torch.Generator().manual_seed(6))
     more = extra
     with torch.no_grad():
         reference = hf(ids, attention_mask=mask, use_cache=True)
     out = model(ids, attention_mask=mask, use_cache=True)
     cache, theirs = out.past_key_values, reference.past_key_values
-    for new, keep, extends, tokens in ((10, 0, 3, 0), (2, 0, 0, 2), (7, torch.tensor([0, 6]), 2, 0), (1, 0, 0, 1)):
+    for new, keep, extends, tokens in ((10, 0, 3, 0), (2, 0, 0, 2), (9, torch.tensor([0, 8]), 3, 0), (1, 0, 0, 1)):
         runs.update(extend=0, token=0)
         step, mask = more[:, :new], torch.cat([mask, torch.ones(3, new, dtype=mask.dtype)], 1)
         more = more[:, new:]
@@ -362,7 +363,7 @@ def test_a_multi_token_step_over_a_batch_runs_in_one_run_on_a_cpu(build, arch, m
         assert (out.logits - reference.logits).abs().max().item() < 1e-4, (new, keep)
         assert runs == {"extend": extends, "token": tokens}, (new, runs)
         cache, theirs = out.past_key_values, reference.past_key_values
-    assert cache.get_seq_length() == 13 + 20
+    assert cache.get_seq_length() == 13 + 22
     mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
     options = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=None)
     with torch.no_grad():
