@@ -101,22 +101,24 @@ def _several_tokens(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logi
     extender = _one_run_extender(decoder, cache, new)
     if extender is None:
         return _token_by_token(decoder, tokens, cache, logit_index)
-    device = tokens.device
-    index = torch.arange(batch * new, device=device) if logit_index is None else logit_index
-    row, column = index // new, index % new
+    index = torch.arange(batch * new, device=tokens.device) if logit_index is None else logit_index
     chunk = decoder.prefill_chunk or new
-    out = None if new <= chunk else \
-        torch.empty(index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
+    if new <= chunk and index.numel():
+        with decoder.holding(cache):
+            logits = extender.run(tokens, cache, index)
+            cache.advance(new, new)  # the run wrote the tokens' KV past each row's end, counting none
+        return logits if logit_index is not None else logits.view(batch, new, -1)
+    out = torch.empty(index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=tokens.device)
+    row, column = index // new, index % new
     for start in range(0, new, chunk):
         width = min(chunk, new - start)
-        asked = torch.nonzero((column >= start) & (column < start + width)).squeeze(1) if out is not None else None
-        wanted = row * width + column - start if asked is None else row[asked] * width + column[asked] - start
-        with decoder.holding(cache):
-            logits = extender.run(tokens[:, start : start + width].contiguous(), cache, wanted)
-            cache.advance(width, width)  # the run wrote the tokens' KV past each row's end, counting none
-        if out is None:
-            return logits if logit_index is not None else logits.view(batch, new, -1)
-        out[asked] = logits
+        asked = torch.nonzero((column >= start) & (column < start + width)).squeeze(1)
+        wanted = row[asked] * width + column[asked] - start
+        with decoder.holding(cache):  # a chunk asked for nothing: one logit, dropped (an empty output cannot be bound)
+            logits = extender.run(tokens[:, start : start + width].contiguous(), cache,
+                                  wanted if asked.numel() else wanted.new_zeros(1))
+            cache.advance(width, width)
+        out[asked] = logits[: asked.numel()]
     return out if logit_index is not None else out.view(batch, new, -1)
 
 
