@@ -287,34 +287,35 @@ def test_a_multi_token_step_matches_the_full_forward(build, arch):
     assert (first.logits - full[:, :7]).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "lfm2", "gemma4", "gemma4_mobius", "qwen2_5_vl"])
-def test_a_multi_token_step_over_a_batch_equals_transformers(build, arch):
-    """ONNX Runtime's GroupQueryAttention refuses several new tokens over a cache for more than one
-    row; such a step runs one token at a time, so that a batch continues by several tokens as in
-    transformers (scoring code that extends a cached prefix, generate continuing a returned cache
-    with more text): the logits asked for (all, `logits_to_keep` as a count or as positions) and the
-    steps after it are transformers' on the same weights, past a sliding window too."""
-    model, hf = load_pair(build(arch))
-    ids, mask = left_padded_prompts([6, 13, 9], seed=12)
-    extra = torch.randint(3, 512, (3, 12), generator=torch.Generator().manual_seed(5))
+TEXT_IDS = 505  # below the multimodal fixtures' media placeholders, whose ids differ from transformers' by design
+
+
+def stepped_as_transformers(model, hf, steps, seeds, after=None):
+    """Three left-padded prompts (`seeds`: theirs, the steps' tokens'), then each of `steps` (new tokens
+    a row, `logits_to_keep`) over the cache, its logits against transformers' on the same weights
+    (`after(new)` called after each), then generate going on from the cache as transformers does from
+    the whole text (its one new token: the last of the text; transformers' own cache from a forward
+    over left-padded rows took absolute positions, which its generate does not continue)."""
+    ids, mask = left_padded_prompts([6, 13, 9], vocab=TEXT_IDS, seed=seeds[0])
+    width = sum(new for new, _ in steps) + 1
+    extra = torch.randint(4, TEXT_IDS, (3, width), generator=torch.Generator().manual_seed(seeds[1]))
     more = extra
     with torch.no_grad():
         reference = hf(ids, attention_mask=mask, use_cache=True)
     out = model(ids, attention_mask=mask, use_cache=True)
     cache, theirs = out.past_key_values, reference.past_key_values
-    for new, keep in ((5, 0), (4, 2), (2, torch.tensor([0, 1]))):
+    for new, keep in steps:
         step, mask = more[:, :new], torch.cat([mask, torch.ones(3, new, dtype=mask.dtype)], 1)
         more = more[:, new:]
         out = model(step, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         with torch.no_grad():
             reference = hf(step, attention_mask=mask, past_key_values=theirs, use_cache=True, logits_to_keep=keep)
         assert out.logits.shape == reference.logits.shape
-        assert (out.logits - reference.logits).abs().max().item() < 1e-4
+        assert (out.logits - reference.logits).abs().max().item() < 1e-4, (new, keep)
         cache, theirs = out.past_key_values, reference.past_key_values
-    assert cache.get_seq_length() == 13 + 11
-    # generate goes on from the cache (its one new token: the last of `extra`) as transformers does from
-    # the whole text: transformers' own cache from a forward over left-padded rows took absolute
-    # positions, which its generate does not continue
+        if after is not None:
+            after(new)
+    assert cache.get_seq_length() == 13 + extra.shape[1] - 1
     mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
     options = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=None)
     with torch.no_grad():
@@ -322,13 +323,23 @@ def test_a_multi_token_step_over_a_batch_equals_transformers(build, arch):
     assert torch.equal(model.generate(torch.cat([ids, extra], 1), past_key_values=cache, **options), expected)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "lfm2", "gemma4", "gemma4_mobius", "qwen2_5_vl"])
+def test_a_multi_token_step_over_a_batch_equals_transformers(build, arch):
+    """ONNX Runtime's GroupQueryAttention refuses several new tokens over a cache for more than one
+    row; such a step runs in the extend graph or one token at a time, so that a batch continues by
+    several tokens as in transformers (scoring code that extends a cached prefix, generate continuing
+    a returned cache with more text): the logits asked for (all, `logits_to_keep` as a count or as
+    positions) and the steps after it are transformers' on the same weights, past a sliding window too."""
+    model, hf = load_pair(build(arch))
+    stepped_as_transformers(model, hf, ((5, 0), (4, 2), (2, torch.tensor([0, 1]))), seeds=(12, 5))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_multi_token_step_over_a_batch_runs_in_one_run_on_a_cpu(build, arch, monkeypatch):
     """Where a step's tokens pay for it (3 or more a row), a batch's several tokens run in the writing
     extender (every row's tokens over its past in one run, a prefill chunk at a time), not a decode step
     a token: transformers' logits (all, or positions in the first and last chunk only, none in the
-    middle one); 2 tokens, too few to pay, a decode step each; generate going on from the cache as
-    transformers does from the whole text."""
+    middle one); 2 tokens, too few to pay, a decode step each; then generate from the cache."""
     _, hf = load_pair(build(arch))
     model = OrtModelForCausalLM.from_pretrained(build(arch).package_dir, prefill_chunk=4)
     assert extend.writing_extender(model.decoder) is not None  # made (and checked by a run) before the count
@@ -343,33 +354,17 @@ def test_a_multi_token_step_over_a_batch_runs_in_one_run_on_a_cpu(build, arch, m
         runs["token"] += tokens.shape[1] == 1
         return real_step(self, tokens, *args, **kwargs)
 
+    expected = {10: {"extend": 3, "token": 0}, 2: {"extend": 0, "token": 2}, 9: {"extend": 3, "token": 0},
+                1: {"extend": 0, "token": 1}}
+
+    def counted(new):
+        assert runs == expected[new], (new, runs)
+        runs.update(extend=0, token=0)
+
     monkeypatch.setattr(extend.Extender, "run", counted_run)
     monkeypatch.setattr(decoder_module.Decoder, "step", counted_step)
-    ids, mask = left_padded_prompts([6, 13, 9], seed=21)
-    extra = torch.randint(3, 512, (3, 22), generator=torch.Generator().manual_seed(6))
-    more = extra
-    with torch.no_grad():
-        reference = hf(ids, attention_mask=mask, use_cache=True)
-    out = model(ids, attention_mask=mask, use_cache=True)
-    cache, theirs = out.past_key_values, reference.past_key_values
-    for new, keep, extends, tokens in ((10, 0, 3, 0), (2, 0, 0, 2), (9, torch.tensor([0, 8]), 3, 0), (1, 0, 0, 1)):
-        runs.update(extend=0, token=0)
-        step, mask = more[:, :new], torch.cat([mask, torch.ones(3, new, dtype=mask.dtype)], 1)
-        more = more[:, new:]
-        out = model(step, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-        with torch.no_grad():
-            reference = hf(step, attention_mask=mask, past_key_values=theirs, use_cache=True, logits_to_keep=keep)
-        assert out.logits.shape == reference.logits.shape
-        assert (out.logits - reference.logits).abs().max().item() < 1e-4, (new, keep)
-        assert runs == {"extend": extends, "token": tokens}, (new, runs)
-        cache, theirs = out.past_key_values, reference.past_key_values
-    assert cache.get_seq_length() == 13 + 22
-    mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
-    options = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=None)
-    with torch.no_grad():
-        expected = hf.generate(torch.cat([ids, extra, extra[:, -1:]], 1), **options)
-    assert torch.equal(model.generate(torch.cat([ids, extra, extra[:, -1:]], 1), past_key_values=cache, **options),
-                       expected)
+    steps = ((10, 0), (2, 0), (9, torch.tensor([0, 8])), (1, 0))
+    stepped_as_transformers(model, hf, steps, seeds=(21, 6), after=counted)
 
 
 def test_the_cache_goes_by_either_name_as_in_transformers(llama_pair):
