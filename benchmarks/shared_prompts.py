@@ -7,6 +7,7 @@ the defaults choose. Rows of 96 tokens whose first 8-64 are common (no padding: 
 sets `RUN_TOKENS`), and rows of 32-128 tokens after a common beginning of 16-512 (padding spared too).
 
     python benchmarks/shared_prompts.py
+    python benchmarks/shared_prompts.py --capacity   # rests in one run into a wider generation cache
 """
 
 import sys
@@ -69,5 +70,23 @@ def main() -> None:
                   + f" | {chosen(model, ids, mask)} |", flush=True)
 
 
+def capacity() -> None:
+    """`--capacity`: the prompts' prefill (`shared_prompts.prefill`, rests in one run) into a generation's
+    cache with room for 0, 256 and 1,024 new tokens past the prompts, as `generate(max_new_tokens=...)`
+    makes it: 8 rows of 20-60 tokens after 40 common ones, the real SmolLM2-135M fp32, best of 4."""
+    model = OrtModelForCausalLM.from_pretrained(fixtures.build(fixtures.SMOLLM2).package_dir)
+    decoder = model.decoder
+    ids, mask = prompts(40, torch.linspace(20, 60, ROWS).long().tolist(), torch.Generator().manual_seed(0))
+    rows = check_batch(ids, mask, decoder.vocab_size, decoder.package.context_length, model.device)
+    width = rows.ids.shape[1]
+    last = torch.arange(ROWS) * width + rows.lengths - 1
+    print(f"| room for new tokens | prefill ms (chosen: {chosen(model, ids, mask)}) |\n|---|---|")
+    with torch.inference_mode():
+        for room in (0, 256, 1024):
+            def call(room=room):
+                return shared_prompts.prefill(decoder, rows, last, decoder.new_cache(ROWS, width + room))
+            print(f"| {room} | {1e3 * _best_times([call], torch.device('cpu'), 4)[0]:.0f} |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    capacity() if sys.argv[1:] == ["--capacity"] else main()

@@ -165,10 +165,21 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> t
     batch, width = rows.ids.shape
     device = decoder.device
     first, begin = _beginning(decoder, rows.ids[:1, :prefix], prefix, batch, cache.capacity)
-    cache.start_from(first, torch.zeros(batch, dtype=torch.int64, device=device),
-                     torch.full((batch,), begin, device=device), begin)
-    if extender is not None and fits_one_run(decoder, width - begin):  # a kept beginning may hold fewer tokens
-        return _rests_together(extender, rows, logit_index, cache, begin)
+    together = extender is not None and fits_one_run(decoder, width - begin)  # a kept beginning may hold fewer
+    # The cache layout's attention reads every column of the cache's buffers, used or not (8 rests of
+    # 20-60 tokens: 1.25x the time with 256 columns to spare, 2x with 1,024; docs/measurements.md,
+    # session 72): a generation's cache, with room for its new tokens, takes the rests' KV from a cache
+    # as wide as the prompts.
+    wide = max(width, first.span)  # a kept beginning may hold more columns than these prompts
+    into = decoder.new_cache(batch, wide) if together and cache.capacity > wide else cache
+    into.start_from(first, torch.zeros(batch, dtype=torch.int64, device=device),
+                    torch.full((batch,), begin, device=device), begin)
+    if together:
+        logits = _rests_together(extender, rows, logit_index, into, begin)
+        if into is not cache:
+            cache.start_from(into, torch.arange(batch, device=device), rows.lengths, rows.longest)
+            cache.seen = width
+        return logits
     out = torch.empty(logit_index.numel(), decoder.vocab_size, dtype=decoder.head_dtype, device=device)
     owner, column = logit_index // width, logit_index % width
     chunk, write = decoder.prefill_chunk or width, functools.partial(chunked.put_rows, out)

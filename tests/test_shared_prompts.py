@@ -91,10 +91,13 @@ def test_the_beginning_run_once_gives_the_whole_prompts_cache(llama, monkeypatch
     """Against ortmodule's own prefill of the whole prompts: the same tokens, every step's logits
     within float32 rounding, and the same cache after (each row's entries), also with the decode steps'
     fixed buffers lent twice in a row: the rests a run a row, with chunks (a beginning and rests longer
-    than `prefill_chunk`, which one run does not take), and all in one extend run."""
+    than `prefill_chunk`, which one run does not take), and all in one extend run (through a cache as
+    wide as the prompts, then the generation's wider one)."""
     kwargs = {} if chunk is None else {"prefill_chunk": chunk}
     model = OrtModelForCausalLM.from_pretrained(llama.package_dir, **kwargs)
     ids, mask = prompts_beginning_alike(70, rests, seed=6)
+    # a column of padding in every row: the caller's columns (the cache's length) are one more than the longest row's
+    ids, mask = torch.cat([torch.full_like(ids[:, :1], 2), ids], 1), torch.cat([torch.zeros_like(mask[:, :1]), mask], 1)
     assert beginning_run_once(model, ids, mask) == 70
     alone, together = rows_run_alone(monkeypatch), rests_run_together(monkeypatch)
     runs = [greedy(model, ids, mask, output_logits=True, return_dict_in_generate=True) for _ in range(2)]
@@ -110,6 +113,7 @@ def test_the_beginning_run_once_gives_the_whole_prompts_cache(llama, monkeypatch
         assert max((a - b).abs().max().item() for a, b in zip(out.logits, whole.logits)) < 1e-4
         cache, cache_whole = getattr(out, CACHE_NAME), getattr(whole, CACHE_NAME)
         assert torch.equal(cache.lengths, cache_whole.lengths)
+        assert cache.get_seq_length() == cache_whole.get_seq_length() == ids.shape[1] + NEW_TOKENS - 1
         for layer, whole_layer in zip(cache, cache_whole):  # each row's entries (past them: padding's)
             for mine, theirs in zip(layer, whole_layer):
                 for row, length in enumerate(cache.lengths.tolist()):
