@@ -1,8 +1,8 @@
 """One model, many threads: forward, generate and score called concurrently give exactly what the
 same calls give one after another (each thread prefills into its own scratch KV buffer; caches of
 generate, score and `use_cache` belong to their call), scores whose items run several to a row of
-the extend run too, and generations whose prompts' rests run in one extend run over their common
-beginning (shared_prompts.py)."""
+the extend run too, generations whose prompts' rests run in one extend run over their common
+beginning (shared_prompts.py), and batches stepped by several tokens over their caches (decoder.py)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,7 +24,10 @@ def calls(vocab: int):
         mask = torch.ones_like(ids)
         mask[0, : i % 4] = 0  # some rows left-padded
         kind = i % 8
-        if kind in (0, 4, 5):
+        if i % 16 == 5:  # a batch stepped by 6 tokens over its cache: on a CPU one run of the writing extender
+            out.append(lambda m, ids=ids, mask=mask: m(ids[:, -6:], attention_mask=mask, past_key_values=m(
+                ids[:, :-6], attention_mask=mask[:, :-6], use_cache=True).past_key_values).logits)
+        elif kind in (0, 4, 5):
             out.append(lambda m, ids=ids, mask=mask: m(ids, attention_mask=mask).logits)
         elif kind == 6:  # hidden states: the second session's runs
             out.append(lambda m, ids=ids, mask=mask: torch.cat(
