@@ -114,15 +114,16 @@ def _several_tokens(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logi
         width = min(chunk, new - start)
         asked = torch.nonzero((column >= start) & (column < start + width)).squeeze(1)
         wanted = row[asked] * width + column[asked] - start
-        with decoder.holding(cache):  # a chunk asked for nothing: one logit, dropped (an empty output cannot be bound)
-            logits = extender.run(tokens[:, start : start + width].contiguous(), cache,
-                                  wanted if asked.numel() else wanted.new_zeros(1))
+        if not asked.numel():  # a chunk asked for nothing: one logit, dropped (an empty output cannot be bound)
+            wanted = wanted.new_zeros(1)
+        with decoder.holding(cache):
+            logits = extender.run(tokens[:, start : start + width].contiguous(), cache, wanted)
             cache.advance(width, width)
         out[asked] = logits[: asked.numel()]
     return out if logit_index is not None else out.view(batch, new, -1)
 
 
-def _one_run_extender(decoder: Decoder, cache: KVCache, new: int):
+def _one_run_extender(decoder: Decoder, cache: KVCache, new: int) -> extend.Extender | None:
     """The writing extender for `_several_tokens`, or None where the tokens run a step each: off a CPU,
     over a cache it cannot write (concatenated pasts, a hybrid's convolution states, positions offset
     by images, sliding windows, an embedding model's inputs), or where `new` tokens a row are too few to

@@ -167,7 +167,7 @@ def prefill(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> t
     first, begin = _beginning(decoder, rows.ids[:1, :prefix], prefix, batch, cache.capacity)
     together = extender is not None and fits_one_run(decoder, width - begin)  # a kept beginning may hold fewer
     # The cache layout's attention reads every column of the cache's buffers, used or not (8 rests of
-    # 20-60 tokens: 1.25x the time with 256 columns to spare, 2x with 1,024; docs/measurements.md,
+    # 20-60 tokens: 1.3x the time with 256 columns to spare, 2.2x with 1,024; docs/measurements.md,
     # session 72): a generation's cache, with room for its new tokens, takes the rests' KV from a cache
     # as wide as the prompts.
     wide = max(width, first.span)  # a kept beginning may hold more columns than these prompts
