@@ -367,6 +367,18 @@ def test_a_multi_token_step_over_a_batch_runs_in_one_run_on_a_cpu(build, arch, m
     stepped_as_transformers(model, hf, steps, seeds=(21, 6), after=counted)
 
 
+def test_a_multi_token_step_over_a_batch_of_a_4_bit_package_gives_its_prefill_logits(build):
+    """A 4-bit package's several tokens a row over a batch's cache run in one run on a CPU, in ONNX
+    Runtime's fp32 path over the 4-bit weights as every run of several tokens a row (nbits.py): the
+    logits of the package's own prefill of the whole rows, where a decode step a token (int8
+    activations) gives others."""
+    model = OrtModelForCausalLM.from_pretrained(build("llama", precision="int4").package_dir)
+    ids = torch.randint(4, 500, (3, 21), generator=torch.Generator().manual_seed(9))
+    whole = model(ids).logits[:, 13:]
+    stepped = model(ids[:, 13:], past_key_values=model(ids[:, :13], use_cache=True).past_key_values).logits
+    assert (stepped - whole).abs().max().item() < 1e-4
+
+
 def test_the_cache_goes_by_either_name_as_in_transformers(llama_pair):
     """transformers 5.24 renamed `past_key_values` to `cache`: forward takes either name, and its output
     names the field as the installed transformers' own model does."""
