@@ -51,7 +51,7 @@ def main() -> None:
                     if round:
                         best[way] = min(best[way], seconds)
             shared_prompts.EXTEND_TOKENS = default
-            chosen = "one run" if new * shared_prompts.RUN_TOKENS > default else "a step a token"
+            chosen = "one run" if shared_prompts.several_tokens_pay(new) else "a step a token"
             diff = (logits["one run"] - logits["a step a token"]).abs().max().item()
             print(f"| {name} | {rows} | {past} | {new} | " + " | ".join(f"{1e3 * best[w]:.0f}" for w in WAYS)
                   + f" | {best['a step a token'] / best['one run']:.2f}x | {chosen} | {diff:.1e} |", flush=True)

@@ -89,4 +89,7 @@ def capacity() -> None:
 
 
 if __name__ == "__main__":
-    capacity() if sys.argv[1:] == ["--capacity"] else main()
+    if sys.argv[1:] == ["--capacity"]:
+        capacity()
+    else:
+        main()

@@ -125,12 +125,9 @@ def _several_tokens(decoder: Decoder, tokens: torch.Tensor, cache: KVCache, logi
 
 def _one_run_extender(decoder: Decoder, cache: KVCache, new: int) -> extend.Extender | None:
     """The writing extender for `_several_tokens`, or None where the tokens run a step each: off a CPU,
-    over a cache it cannot write (concatenated pasts, a hybrid's convolution states, positions offset
-    by images, sliding windows, an embedding model's inputs), or where `new` tokens a row are too few to
-    pay for a run of the extend graph against as many decode steps (shared_prompts.py's prices)."""
-    if (decoder.device.type != "cpu" or not cache.shared or cache.states or cache.position_offset is not None
-            or decoder.embedding_session is not None or any(kv.window for kv in decoder.spec.layers)
-            or new * shared_prompts.RUN_TOKENS <= shared_prompts.EXTEND_TOKENS):
+    over a cache it cannot write (`shared_prompts.continues_in_place`), or where `new` tokens a row are
+    too few to pay for a run of the extend graph (`shared_prompts.several_tokens_pay`)."""
+    if not shared_prompts.continues_in_place(decoder, cache) or not shared_prompts.several_tokens_pay(new):
         return None
     return extend.writing_extender(decoder)
 

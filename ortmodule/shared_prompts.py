@@ -75,13 +75,27 @@ def fits_one_run(decoder, rest: int) -> bool:
     return rest <= (decoder.prefill_chunk or rest)
 
 
+def continues_in_place(decoder, cache: KVCache) -> bool:
+    """Whether several new tokens a row may continue `cache`'s rows over their pasts here (a run a row,
+    or one run of the writing extender): on a CPU, over buffers shared by every step (not a cache written
+    by concatenation), without convolution states, positions offset by images, sliding windows or an
+    embedding model before the decoder."""
+    return (decoder.device.type == "cpu" and cache.shared and not cache.states and cache.position_offset is None
+            and decoder.embedding_session is None and not any(kv.window for kv in decoder.spec.layers))
+
+
+def several_tokens_pay(new: int) -> bool:
+    """Whether `new` tokens a row over a batch's cache cost less in one run of the extend graph than in
+    as many decode steps (`EXTEND_TOKENS` against `RUN_TOKENS` a step; decoder.py's `_several_tokens`)."""
+    return new * RUN_TOKENS > EXTEND_TOKENS
+
+
 def way(decoder, rows: Rows, logit_index: torch.Tensor, cache: KVCache) -> tuple[int, extend.Extender | None]:
     """The common beginning's length where running it once pays (0: it does not, or cannot), and the
     extender that then runs every row's rest at once, where that pays more than a run a row and the
     rests are no longer than the decoder's prefill chunk (None: a run a row)."""
     batch, width = rows.ids.shape
-    if (decoder.device.type != "cpu" or batch < 2 or not cache.shared or cache.states
-            or decoder.embedding_session is not None or any(kv.window for kv in decoder.spec.layers)):
+    if batch < 2 or not continues_in_place(decoder, cache):
         return 0, None
     prefix = common_beginning(rows)
     if not prefix or int((logit_index % width).min()) < prefix:  # the logits asked of a row come from its rest
