@@ -124,20 +124,62 @@ def context_groups(requests, rows, starts) -> list[list[int]]:
             and len({(tuple(rows[i]), starts[i]) for i in group}) > 1]
 
 
-def group_batches(groups: list[list[int]], rows, rows_per_batch):
-    """(request, group) pairs in batches of about `rows_per_batch(longest row)` rows, never
-    splitting a group."""
+# A batch of shared groups takes more groups than lm-eval's batch size counts rows while its work (each
+# group's prefix once and each row's rest) stays under this many tokens: on a CPU a run costs some 48 (a
+# prefill) to 96 (an extend run) tokens' work beyond its tokens (shared_prompts.RUN_TOKENS, EXTEND_TOKENS),
+# so a batch of two short questions spent most of its time on its two runs. `python
+# benchmarks/shared_batches.py` (SmolLM2-135M fp32, batch size 8, 2-vCPU Xeon): the demo's multiple-choice
+# task 1.34x, ARC-shaped 1.25x, HellaSwag-shaped unchanged (its batches already hold more); up to 2,048
+# tokens gained nothing more (docs/measurements.md, session 73).
+SMALL_WORK = 512
+
+
+def group_batches(groups: list[list[int]], works: list[int | None], rows, rows_per_batch):
+    """(request, group) pairs in batches of whole groups: as many groups as hold `rows_per_batch(longest)`
+    rows of the batch's longest row, and more while the batch's work (`works`, per group: its prefix once
+    and each distinct row's rest, `shared_tokens`) stays under `SMALL_WORK` tokens, within what that many
+    full rows would run and no more groups than that many rows (the prefixes' prefill runs a row each). A
+    question's context with its short choices is a few tokens of work: counted by its rows alone, lm-eval's
+    batch of 8 held two such questions, and each pair paid two runs (docs/lm-eval.md). A group whose work is
+    None (a piece of a few-shot prefix group: `batch_work`) is counted by its rows only."""
     batch: list[tuple[int, int]] = []
-    width = 0
+    longest, work, count = 0, 0, 0
     for g, group in enumerate(groups):
-        longest = max(width, *(len(rows[i]) for i in group))
-        if batch and len(batch) + len(group) > rows_per_batch(longest):
+        widest = max(longest, *(len(rows[i]) for i in group))
+        most = rows_per_batch(widest)
+        fits = len(batch) + len(group) <= most or (
+            work is not None and works[g] is not None and count < most
+            and work + works[g] <= min(SMALL_WORK, most * widest))
+        if batch and not fits:
             yield batch
-            batch, longest = [], max(len(rows[i]) for i in group)
+            batch, widest, work, count = [], max(len(rows[i]) for i in group), 0, 0
         batch += [(i, g) for i in group]
-        width = longest
+        longest, count = widest, count + 1
+        work = None if work is None or works[g] is None else work + works[g]
     if batch:
         yield batch
+
+
+def batch_work(requests, rows, starts, row_of, group) -> int | None:
+    """A group's work for `group_batches`: its shared tokens where its requests share one context (a
+    question's choices), else None: a piece of a prefix group (a subject's few-shot examples) keeps the
+    batch it was cut for, since two pieces of one subject in a batch would each run its examples, which
+    `KeptPrefixes` runs once for all its batches."""
+    if len({tuple(requests[i][1]) for i in group}) > 1:
+        return None
+    return shared_tokens(rows, starts, row_of, group)
+
+
+def batch_rows(requests, rows, starts, row_of, group, rows_per_batch) -> int:
+    """The distinct rows of the batches `group_batches` would put `group` in, were the other groups like
+    it: what a run's fixed cost is shared by (`worth_sharing`'s price)."""
+    firsts = leads(row_of, group)
+    width = max(len(rows[i]) for i in firsts)
+    most, work = rows_per_batch(width), batch_work(requests, rows, starts, row_of, group)
+    together = max(1, most // len(firsts))
+    if work is not None:
+        together = max(together, min(most, min(SMALL_WORK, most * width) // max(work, 1)))
+    return len(firsts) * together
 
 
 def distinct_rows(rows, starts) -> list[int]:
@@ -211,7 +253,8 @@ def shared_batches(model, requests, rows, starts, row_of, groups, rows_per_batch
     for group in groups:
         for i in group:
             reading.setdefault(row_of[i], []).append(i)
-    for batch in group_batches([leads(row_of, group) for group in groups], rows, rows_per_batch):
+    works = [batch_work(requests, rows, starts, row_of, group) for group in groups]
+    for batch in group_batches([leads(row_of, group) for group in groups], works, rows, rows_per_batch):
         chunk = [i for lead, _ in batch for i in reading[row_of[lead]]]
         rows_of = [r for r, (lead, _) in enumerate(batch) for _ in reading[row_of[lead]]]
         pending.append((chunk, grouped_loglikelihood_totals(
@@ -571,7 +614,7 @@ class OrtModuleLM(HFLM):
         def worth(group: list[int]) -> bool:
             firsts = leads(row_of, group)
             return worth_sharing([rows[i] for i in firsts], [starts[i] for i in firsts], costs,
-                                 self._rows_per_batch(max(len(rows[i]) for i in firsts)), packed)
+                                 batch_rows(requests, rows, starts, row_of, group, self._rows_per_batch), packed)
 
         return sharing_groups(requests, rows, starts, row_of, self._rows_per_batch, worth)
 

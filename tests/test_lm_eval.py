@@ -992,6 +992,59 @@ def preamble_requests(preamble: int, question: tuple[int, int], seed: int = 2):
     return requests
 
 
+def short_questions(questions: int = 12):
+    """Requests shaped as ARC's: a context of 6-12 tokens and four choices of 1-3 tokens each."""
+    import random
+
+    rng = random.Random(2)
+    requests = []
+    for _ in range(questions):
+        context = [rng.randrange(3, 500) for _ in range(rng.randrange(6, 13))]
+        requests += [(("", ""), context, [rng.randrange(3, 500) for _ in range(rng.randrange(1, 4))]) for _ in range(4)]
+    return requests
+
+
+def test_shared_batches_hold_short_questions_by_their_work():
+    """`group_batches`: a batch takes groups while their rows fit the batch size, and more while their
+    work stays under `SMALL_WORK` and what the batch size's rows of the batch's longest row hold, never
+    more groups than that many rows; a group without a work (a few-shot piece) by its rows only; a
+    group over the budget alone; every request once, in order."""
+    from ortmodule.lm_eval import SMALL_WORK, group_batches
+
+    rows = [[1] * 12] * 40 + [[1] * 200] * 8
+    groups = [[4 * g + k for k in range(4)] for g in range(10)] + [[40, 41], [42, 43, 44, 45, 46, 47]]
+    works = [18] * 10 + [None, 190]
+    batches = list(group_batches(groups, works, rows, lambda width: 8))
+    assert [i for batch in batches for i, _ in batch] == list(range(48))
+    assert all(g == next(h for h, group in enumerate(groups) if i in group) for batch in batches for i, g in batch)
+    kept = [sorted({g for _, g in batch}) for batch in batches]
+    # 8 rows of 12 tokens hold 96 tokens of work: five questions of 18 (by rows alone: two)
+    assert kept == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
+    assert SMALL_WORK < 8 * 200  # the last batch: two groups by their rows (2 + 6 rows), not by their work
+    many = list(group_batches([[g] for g in range(40)], [18] * 40, [[1] * 100] * 40, lambda width: 8))
+    assert [len(batch) for batch in many] == [8] * 5  # 8 groups at most: the prefixes' prefill runs a row each
+    alone = list(group_batches([[0, 1], [2, 3]], [900, 10], [[1] * 60] * 4, lambda width: 2))
+    assert [len(batch) for batch in alone] == [2, 2]
+
+
+def test_short_questions_share_batches_and_score_as_hf(build, monkeypatch):
+    """ARC-shaped questions with sharing on, batch size 8: several questions' contexts in one prefill
+    (counted by rows, a batch of 8 held two questions, a prefill each), every answer equal to hf's."""
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    requests = short_questions()
+    reference = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu",
+                     batch_size=8)._loglikelihood_tokens(requests, disable_tqdm=True)
+    lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=8, share_contexts="true")
+    lm.model.decoder.extender()  # made (and checked by a prefill of its own) before the prefills are counted
+    sizes = prefill_sizes(monkeypatch)
+    assert_same_answers(lm._loglikelihood_tokens(requests, disable_tqdm=True), reference)
+    assert sum(rows for rows, _ in sizes) == 12 and len(sizes) <= 3  # by rows alone: 6 prefills of 2 contexts
+
+
 def test_a_long_preamble_is_shared_across_questions_a_short_one_is_not():
     """`sharing_groups`: after a 40-token preamble, questions of 3-6 tokens run as one group (the
     preamble once, each choice's question and answer after it: fewer tokens than each question's
