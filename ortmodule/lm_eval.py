@@ -124,37 +124,39 @@ def context_groups(requests, rows, starts) -> list[list[int]]:
             and len({(tuple(rows[i]), starts[i]) for i in group}) > 1]
 
 
-# A batch of shared groups takes more groups than lm-eval's batch size counts rows while its work (each
-# group's prefix once and each row's rest) stays under this many tokens: on a CPU a run costs some 48 (a
-# prefill) to 96 (an extend run) tokens' work beyond its tokens (shared_prompts.RUN_TOKENS, EXTEND_TOKENS),
-# so a batch of two short questions spent most of its time on its two runs. `python
-# benchmarks/shared_batches.py` (SmolLM2-135M fp32, batch size 8, 2-vCPU Xeon): the demo's multiple-choice
-# task 1.34x, ARC-shaped 1.25x, HellaSwag-shaped unchanged (its batches already hold more); up to 2,048
-# tokens gained nothing more (docs/measurements.md, session 73).
+# A batch takes more shared contexts (`group_batches`) or padded rows (`fixed_batch_end`) than lm-eval's
+# batch size counts while its work stays under this many tokens: on a CPU a run costs some 48 (a prefill)
+# to 96 (an extend run) tokens' work beyond its tokens (shared_prompts.RUN_TOKENS, EXTEND_TOKENS), so a
+# batch of two short questions spent most of its time on its two runs, and at lm-eval's default batch
+# size of 1 every question paid them. `python benchmarks/shared_batches.py` has the figures (SmolLM2-135M
+# fp32, 2-vCPU Xeon; docs/measurements.md, session 73); batches of more work gained nothing there.
 SMALL_WORK = 512
 
 
-def group_batches(groups: list[list[int]], works: list[int | None], rows, rows_per_batch):
+def small_work(batch_size) -> int:
+    """The work under which a batch takes more than a fixed `batch_size` counts (`SMALL_WORK`); none
+    under `auto`, whose token budget (the user's, or the device's default) already sizes the batches."""
+    return SMALL_WORK if isinstance(batch_size, int) else 0
+
+
+def group_batches(groups: list[list[int]], works: list[int | None], rows, rows_per_batch, small: int):
     """(request, group) pairs in batches of whole groups: as many groups as hold `rows_per_batch(longest)`
     rows of the batch's longest row, and more while the batch's work (`works`, per group: its prefix once
-    and each distinct row's rest, `shared_tokens`) stays under `SMALL_WORK` tokens, within what that many
-    full rows would run and no more groups than that many rows (the prefixes' prefill runs a row each). A
-    question's context with its short choices is a few tokens of work: counted by its rows alone, lm-eval's
-    batch of 8 held two such questions, and each pair paid two runs (docs/lm-eval.md). A group whose work is
-    None (a piece of a few-shot prefix group: `batch_work`) is counted by its rows only."""
+    and each distinct row's rest, `shared_tokens`) stays under `small` tokens (`small_work`). A question's context
+    with its short choices is a few tokens of work: counted by its rows alone, lm-eval's batch of 8 held
+    two such questions, and each pair paid two runs (docs/lm-eval.md). A group whose work is None (a
+    piece of a few-shot prefix group: `batch_work`) is counted by its rows only."""
     batch: list[tuple[int, int]] = []
-    longest, work, count = 0, 0, 0
+    longest, work = 0, 0
     for g, group in enumerate(groups):
         widest = max(longest, *(len(rows[i]) for i in group))
-        most = rows_per_batch(widest)
-        fits = len(batch) + len(group) <= most or (
-            work is not None and works[g] is not None and count < most
-            and work + works[g] <= min(SMALL_WORK, most * widest))
+        fits = len(batch) + len(group) <= rows_per_batch(widest) or (
+            work is not None and works[g] is not None and work + works[g] <= small)
         if batch and not fits:
             yield batch
-            batch, widest, work, count = [], max(len(rows[i]) for i in group), 0, 0
+            batch, widest, work = [], max(len(rows[i]) for i in group), 0
         batch += [(i, g) for i in group]
-        longest, count = widest, count + 1
+        longest = widest
         work = None if work is None or works[g] is None else work + works[g]
     if batch:
         yield batch
@@ -170,7 +172,7 @@ def batch_work(requests, rows, starts, row_of, group) -> int | None:
     return shared_tokens(rows, starts, row_of, group)
 
 
-def batch_rows(requests, rows, starts, row_of, group, rows_per_batch) -> int:
+def batch_rows(requests, rows, starts, row_of, group, rows_per_batch, small: int) -> int:
     """The distinct rows of the batches `group_batches` would put `group` in, were the other groups like
     it: what a run's fixed cost is shared by (`worth_sharing`'s price)."""
     firsts = leads(row_of, group)
@@ -178,8 +180,18 @@ def batch_rows(requests, rows, starts, row_of, group, rows_per_batch) -> int:
     most, work = rows_per_batch(width), batch_work(requests, rows, starts, row_of, group)
     together = max(1, most // len(firsts))
     if work is not None:
-        together = max(together, min(most, min(SMALL_WORK, most * width) // max(work, 1)))
+        together = max(together, small // max(work, 1))
     return len(firsts) * together
+
+
+def fixed_batch_end(k: int, size: int, widths: list[int]) -> int:
+    """Where a padded batch of `size` rows (a fixed `batch_size`) that starts at row `k` ends, the rows'
+    `widths` sorted longest first: `size` rows, and more while its padded tokens stay under `SMALL_WORK`
+    (eight rows of a dozen tokens are a small part of what a run costs)."""
+    end = min(k + size, len(widths))
+    while end < len(widths) and (end + 1 - k) * widths[k] <= SMALL_WORK:
+        end += 1
+    return end
 
 
 def distinct_rows(rows, starts) -> list[int]:
@@ -244,7 +256,7 @@ def shared_tokens(rows, starts, row_of, group) -> int:
     return prefix + sum(len(rows[i]) - prefix for i in firsts)
 
 
-def shared_batches(model, requests, rows, starts, row_of, groups, rows_per_batch, progress):
+def shared_batches(model, requests, rows, starts, row_of, groups, rows_per_batch, small, progress):
     """`groups` (requests whose rows share a prefix) in batches of whole groups (`group_batches`),
     each through `grouped_loglikelihood_totals`; requests on the same row (`row_of`: one-token
     choices after one context) read it once. Per batch: its requests and their answers on the device."""
@@ -254,7 +266,7 @@ def shared_batches(model, requests, rows, starts, row_of, groups, rows_per_batch
         for i in group:
             reading.setdefault(row_of[i], []).append(i)
     works = [batch_work(requests, rows, starts, row_of, group) for group in groups]
-    for batch in group_batches([leads(row_of, group) for group in groups], works, rows, rows_per_batch):
+    for batch in group_batches([leads(row_of, group) for group in groups], works, rows, rows_per_batch, small):
         chunk = [i for lead, _ in batch for i in reading[row_of[lead]]]
         rows_of = [r for r, (lead, _) in enumerate(batch) for _ in reading[row_of[lead]]]
         pending.append((chunk, grouped_loglikelihood_totals(
@@ -577,7 +589,8 @@ class OrtModuleLM(HFLM):
         rows, starts = _rows_and_starts(requests, self.max_length)
         row_of = distinct_rows(rows, starts)
         shared = self._shared_context_groups(requests, rows, starts, row_of) if share else []
-        pending = shared_batches(self._model, requests, rows, starts, row_of, shared, self._rows_per_batch, progress)
+        pending = shared_batches(self._model, requests, rows, starts, row_of, shared, self._rows_per_batch,
+                                 small_work(self.batch_size), progress)
         done = {i for group in shared for i in group}
         rest = [i for i in range(len(requests)) if i not in done]
         return pending + self._batched(requests, rows, starts, rest, progress, override_bs)
@@ -609,12 +622,12 @@ class OrtModuleLM(HFLM):
             return []
         if self._share is True:
             return sharing_groups(requests, rows, starts, row_of, self._rows_per_batch)
-        costs, packed = self._model.measured_costs(), packs(self._model)
+        costs, packed, small = self._model.measured_costs(), packs(self._model), small_work(self.batch_size)
 
         def worth(group: list[int]) -> bool:
             firsts = leads(row_of, group)
-            return worth_sharing([rows[i] for i in firsts], [starts[i] for i in firsts], costs,
-                                 batch_rows(requests, rows, starts, row_of, group, self._rows_per_batch), packed)
+            together = batch_rows(requests, rows, starts, row_of, group, self._rows_per_batch, small)
+            return worth_sharing([rows[i] for i in firsts], [starts[i] for i in firsts], costs, together, packed)
 
         return sharing_groups(requests, rows, starts, row_of, self._rows_per_batch, worth)
 
@@ -641,7 +654,7 @@ class OrtModuleLM(HFLM):
         pending, k = [], 0
         while k < len(keys):
             # Under auto, each batch is cut with the budget in force (halved after a failure).
-            end = k + size if size is not None else k + len(next(length_batches(
+            end = fixed_batch_end(k, size, lengths) if size is not None else k + len(next(length_batches(
                 lengths[k:], 0, self.token_budget, scored[k:], most_scored)))
             pending += self._run_rows(requests, keys[k:end], same, auto)
             progress.update(sum(len(same[key]) for key in keys[k:end]))

@@ -1004,27 +1004,34 @@ def short_questions(questions: int = 12):
     return requests
 
 
-def test_shared_batches_hold_short_questions_by_their_work():
+def test_batches_hold_short_questions_and_rows_by_their_work():
     """`group_batches`: a batch takes groups while their rows fit the batch size, and more while their
-    work stays under `SMALL_WORK` and what the batch size's rows of the batch's longest row hold, never
-    more groups than that many rows; a group without a work (a few-shot piece) by its rows only; a
-    group over the budget alone; every request once, in order."""
-    from ortmodule.lm_eval import SMALL_WORK, group_batches
+    work stays under `SMALL_WORK`; a group without a work (a few-shot piece) by its rows only; a group
+    over the budget alone; every request once, in order. `fixed_batch_end`: padded rows, the same way."""
+    from ortmodule.lm_eval import SMALL_WORK, fixed_batch_end, group_batches
 
     rows = [[1] * 12] * 40 + [[1] * 200] * 8
     groups = [[4 * g + k for k in range(4)] for g in range(10)] + [[40, 41], [42, 43, 44, 45, 46, 47]]
-    works = [18] * 10 + [None, 190]
-    batches = list(group_batches(groups, works, rows, lambda width: 8))
+    works = [100] * 10 + [None, 190]
+    batches = list(group_batches(groups, works, rows, lambda width: 8, SMALL_WORK))
     assert [i for batch in batches for i, _ in batch] == list(range(48))
     assert all(g == next(h for h, group in enumerate(groups) if i in group) for batch in batches for i, g in batch)
     kept = [sorted({g for _, g in batch}) for batch in batches]
-    # 8 rows of 12 tokens hold 96 tokens of work: five questions of 18 (by rows alone: two)
-    assert kept == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
-    assert SMALL_WORK < 8 * 200  # the last batch: two groups by their rows (2 + 6 rows), not by their work
-    many = list(group_batches([[g] for g in range(40)], [18] * 40, [[1] * 100] * 40, lambda width: 8))
-    assert [len(batch) for batch in many] == [8] * 5  # 8 groups at most: the prefixes' prefill runs a row each
-    alone = list(group_batches([[0, 1], [2, 3]], [900, 10], [[1] * 60] * 4, lambda width: 2))
-    assert [len(batch) for batch in alone] == [2, 2]
+    per_batch = SMALL_WORK // 100  # by their rows alone: two questions a batch
+    assert kept[:2] == [list(range(per_batch)), list(range(per_batch, 2 * per_batch))]
+    assert kept[-1] == [10, 11]  # by their rows (2 + 6), not by their work
+    def sizes(groups, works, width, most, small=SMALL_WORK):
+        return [len(batch) for batch in group_batches(groups, works, [[1] * width] * 4, lambda _: most, small)]
+
+    assert sizes([[0, 1], [2, 3]], [900, 10], 60, 2) == [2, 2]  # a group over the budget alone
+    assert sizes([[0], [1], [2]], [10] * 3, 9, 1) == [3]  # at batch size 1 too
+    assert sizes([[0], [1], [2]], [10] * 3, 9, 1, small=0) == [1] * 3  # under `auto`: by the token budget only
+    widths = [100, 60, 60, 30] + [12] * 60
+    ends = [0]
+    while ends[-1] < len(widths):
+        ends.append(fixed_batch_end(ends[-1], 2, widths))
+    assert ends == [0, 5, 47, 64]  # five rows padded to 100 (500 tokens), 42 of 12 (504), the last 17
+    assert all((end - start) * widths[start] <= SMALL_WORK or end - start <= 2 for start, end in zip(ends, ends[1:]))
 
 
 def test_short_questions_share_batches_and_score_as_hf(build, monkeypatch):
