@@ -184,12 +184,12 @@ def batch_rows(requests, rows, starts, row_of, group, rows_per_batch, small: int
     return len(firsts) * together
 
 
-def fixed_batch_end(k: int, size: int, widths: list[int]) -> int:
-    """Where a padded batch of `size` rows (a fixed `batch_size`) that starts at row `k` ends, the rows'
-    `widths` sorted longest first: `size` rows, and more while its padded tokens stay under `SMALL_WORK`
-    (eight rows of a dozen tokens are a small part of what a run costs)."""
+def fixed_batch_end(k: int, size: int, widths: list[int], small: int) -> int:
+    """Where a padded batch of `size` rows that starts at row `k` ends, the rows' `widths` sorted longest
+    first: `size` rows, and more while its padded tokens stay under `small` (`small_work`: eight rows of
+    a dozen tokens are a small part of what a run costs)."""
     end = min(k + size, len(widths))
-    while end < len(widths) and (end + 1 - k) * widths[k] <= SMALL_WORK:
+    while end < len(widths) and (end + 1 - k) * widths[k] <= small:
         end += 1
     return end
 
@@ -654,8 +654,8 @@ class OrtModuleLM(HFLM):
         pending, k = [], 0
         while k < len(keys):
             # Under auto, each batch is cut with the budget in force (halved after a failure).
-            end = fixed_batch_end(k, size, lengths) if size is not None else k + len(next(length_batches(
-                lengths[k:], 0, self.token_budget, scored[k:], most_scored)))
+            end = (fixed_batch_end(k, size, lengths, small_work(self.batch_size)) if size is not None
+                   else k + len(next(length_batches(lengths[k:], 0, self.token_budget, scored[k:], most_scored))))
             pending += self._run_rows(requests, keys[k:end], same, auto)
             progress.update(sum(len(same[key]) for key in keys[k:end]))
             k = end

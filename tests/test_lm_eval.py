@@ -1029,7 +1029,7 @@ def test_batches_hold_short_questions_and_rows_by_their_work():
     widths = [100, 60, 60, 30] + [12] * 60
     ends = [0]
     while ends[-1] < len(widths):
-        ends.append(fixed_batch_end(ends[-1], 2, widths))
+        ends.append(fixed_batch_end(ends[-1], 2, widths, SMALL_WORK))
     assert ends == [0, 5, 47, 64]  # five rows padded to 100 (500 tokens), 42 of 12 (504), the last 17
     assert all((end - start) * widths[start] <= SMALL_WORK or end - start <= 2 for start, end in zip(ends, ends[1:]))
 
