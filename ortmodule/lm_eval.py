@@ -11,6 +11,7 @@ log-softmax and gather run on the device, with one small copy to the host per ca
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
 import inspect
 import logging
@@ -22,6 +23,7 @@ import torch
 import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.models.utils_hf import get_dtype
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
@@ -424,9 +426,83 @@ def generate_stopping_rows(lm: HFLM, context: torch.Tensor, max_length: int, sto
                                  pad_token_id=lm.tokenizer.pad_token_id, use_cache=True, **generation_kwargs)
 
 
-# HFLM's own loop, one evaluation at a time; on a CPU a few-shot task's examples, which every prompt of its
-# batches begins with, run once for them all (shared_prompts.keeping_beginnings).
-_generate_until = _one_evaluation_at_a_time(shared_prompts.keeping_beginnings(HFLM.generate_until))
+# Tokens (a row's prompt and new tokens) that a fixed batch size's `generate_until` batches grow to.
+GENERATION_WORK = 8192
+
+
+def generation_batches(keys: list, order_keys: list, tokens: list[int], size: int | None, budget: int,
+                       most: int) -> list[list[int]]:
+    """`generate_until`'s batches of request indices, in HFLM's order: requests grouped by their
+    generation arguments (`keys`, groups in the order they first come), sorted within a group by
+    `order_keys` (HFLM's: longest prompt first). A batch holds as many requests as `budget` tokens
+    hold at its first row's `tokens` (its prompt and new tokens: the rows after it need no more), at
+    most `most`, and at least a fixed `size` (None: `auto`)."""
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    batches = []
+    for group in groups.values():
+        group = sorted(group, key=order_keys.__getitem__)
+        k = 0
+        while k < len(group):
+            rows = max(size or 1, min(most, budget // max(tokens[group[k]], 1)))
+            batches.append(group[k : k + rows])
+            k += rows
+    return batches
+
+
+def in_generation_batches(method):
+    """`method` (HFLM's `generate_until`) run once per batch of `generation_batches`, with its
+    batch size set to the batch's: lm-eval's `batch_size` counts rows, and a decode step's cost on a
+    CPU and on a GPU is mostly a pass over the weights, whatever the rows, so one request at a time
+    (lm-eval's default batch size of 1, and HFLM's `auto`, which sizes generation batches for rows
+    of the model's whole context) left most of every step unused. Under a fixed size a batch takes
+    more requests while their prompts and new tokens stay within `GENERATION_WORK` (or the
+    `token_budget`, if smaller), under `auto` within the token budget; at most HFLM's
+    `max_batch_size` unless the fixed size is larger. On a CPU each row's numbers do not depend on
+    the rows beside it, so the answers are those of one request at a time."""
+
+    @functools.wraps(method)
+    def run(lm: OrtModuleLM, requests, disable_tqdm: bool = False):
+        if (not isinstance(lm._model, OrtModelForCausalLM) or not requests
+                or not all(isinstance(req.args[1], dict) for req in requests)):
+            return method(lm, requests, disable_tqdm)  # HFLM's own path (and its errors)
+        size, contexts = lm.batch_size_per_gpu, [req.args[0] for req in requests]
+        if not getattr(lm, "enable_thinking", False):
+            lm._encoded = lm._encode_batched(list(dict.fromkeys(contexts)))
+        try:
+            news = [normalize_gen_kwargs(copy.deepcopy(req.args[1]), lm.max_gen_toks)["max_gen_toks"]
+                    for req in requests]
+            widths = [len(lm.tok_encode(context)) for context in contexts]
+            tokens = [min(width, max(lm.max_length - new, 1)) + new for width, new in zip(widths, news)]
+            budget = lm.token_budget if size == "auto" else min(lm.token_budget, GENERATION_WORK)
+            batches = generation_batches([repr(sorted(req.args[1].items())) for req in requests],
+                                         [(-width, context) for width, context in zip(widths, contexts)], tokens,
+                                         size if isinstance(size, int) else None, budget,
+                                         lm.max_batch_size or len(requests))
+            logger.info("generate_until: %d requests in %d batches of up to %d (%d tokens a batch)",
+                        len(requests), len(batches), max(map(len, batches)), budget)
+            progress = tqdm(total=len(requests), disable=disable_tqdm or lm.rank != 0,
+                            desc="Running generate_until requests")
+            answers: list = [None] * len(requests)
+            for batch in batches:
+                lm.batch_size_per_gpu = len(batch)
+                for i, answer in zip(batch, method(lm, [requests[i] for i in batch], True), strict=True):
+                    answers[i] = answer
+                progress.update(len(batch))
+            progress.close()
+            return answers
+        finally:
+            lm.batch_size_per_gpu, lm._encoded = size, {}
+
+    return run
+
+
+# HFLM's own loop, one evaluation at a time, in batches by their work (in_generation_batches); on a CPU a
+# few-shot task's examples, which every prompt of its batches begins with, run once for them all
+# (shared_prompts.keeping_beginnings).
+_generate_until = _one_evaluation_at_a_time(
+    shared_prompts.keeping_beginnings(in_generation_batches(HFLM.generate_until)))
 
 
 @register_model("ortmodule")
@@ -437,8 +513,8 @@ class OrtModuleLM(HFLM):
     float32, graph.py; True: in its own precision), `provider_options` (a dict, from Python),
     `share_contexts` (auto, true, false: run a context shared by several requests once; auto where
     `sharing.worth_sharing` says it saves work, never on CUDA), `token_budget` (padded tokens per
-    prefill under `batch_size=auto`), `prefill_chunk` (long rows in chunks of this many tokens; auto:
-    256 on a CPU, off on CUDA; 0: off), `quantized_prefill` (auto, package, fp32: nbits.py),
+    prefill under `batch_size=auto`; a generation batch's prompts and new tokens), `prefill_chunk`
+    (rows in chunks of N tokens; auto: 256 on a CPU, off on CUDA), `quantized_prefill` (auto, package, fp32),
     `prefill_attention` (auto, package, onnx: extend.py's prefill graph), `pad_to_multiple_of` (batch
     widths rounded up: few shapes). `pretrained` may be an `OrtModelForCausalLM` (pass `tokenizer=`)."""
 

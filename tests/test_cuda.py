@@ -434,7 +434,9 @@ def test_generate_until_stops_each_row_on_cuda(build):
     from ortmodule.lm_eval import OrtModuleLM
 
     fixture = build("llama")
-    ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cuda", batch_size=4)
+    # hf's batches (max_batch_size): CUDA's kernels differ with a batch's rows, and generation batches
+    # would otherwise take all 8 requests (lm_eval.generation_batches)
+    ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cuda", batch_size=4, max_batch_size=4)
     theirs = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", batch_size=4, device="cuda")
     requests, free = stop_requests(theirs, seed=4)
     expected = theirs.generate_until(requests, disable_tqdm=True)

@@ -9,7 +9,7 @@ import math
 import lm_eval
 import pytest
 import torch
-from helpers import ARCHES, load_pair
+from helpers import ARCHES, load_pair, stop_requests
 
 import ortmodule.lm_eval  # noqa: F401  (registers the backend)
 from ortmodule import scoring, tasks
@@ -961,7 +961,7 @@ def test_a_few_shot_generation_tasks_examples_run_once_for_all_its_batches(build
     from ortmodule.lm_eval import OrtModuleLM
 
     fixture = build("llama")
-    ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=3)
+    ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=3, max_batch_size=3)
     theirs = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", batch_size=3, device="cpu")
     rng = random.Random(11)
 
@@ -975,6 +975,61 @@ def test_a_few_shot_generation_tasks_examples_run_once_for_all_its_batches(build
     assert ours.generate_until(requests, disable_tqdm=True) == theirs.generate_until(requests, disable_tqdm=True)
     beginnings = [width for rows, width in sizes if rows == 1]
     assert len(beginnings) == 1 and beginnings[0] > 100  # the examples, once for the three batches
+
+
+def test_generation_batches_by_their_work():
+    """`generate_until`'s batches (`generation_batches`): HFLM's order (requests grouped by their
+    settings in the order they come, the longest first), as many to a batch as the budget holds at its
+    first row's tokens, never fewer than a fixed size nor more than the most."""
+    from ortmodule.lm_eval import generation_batches
+
+    keys = ["a", "b", "a", "a", "b", "a", "a"]
+    widths = [30, 5, 90, 10, 50, 30, 60]
+    order = [(-w, f"text {i}") for i, w in enumerate(widths)]
+    tokens = [w + (10 if k == "a" else 50) for w, k in zip(widths, keys)]
+    # group a, longest first: 2 (100), 6 (70), 0 and 5 (40; ties by text), 3 (20); group b: 4 (100), 1 (55)
+    assert generation_batches(keys, order, tokens, None, 200, 64) == [[2, 6], [0, 5, 3], [4, 1]]
+    assert generation_batches(keys, order, tokens, 1, 200, 64) == [[2, 6], [0, 5, 3], [4, 1]]
+    assert generation_batches(keys, order, tokens, None, 10_000, 2) == [[2, 6], [0, 5], [3], [4, 1]]
+    assert generation_batches(keys, order, tokens, 3, 50, 64) == [[2, 6, 0], [5, 3], [4, 1]]  # at least 3
+    assert generation_batches(keys, order, tokens, None, 50, 64) == [[2], [6], [0], [5], [3], [4], [1]]
+    assert generation_batches([], [], [], 1, 100, 64) == []
+
+
+def test_generate_until_runs_many_requests_a_batch_at_batch_size_one_and_auto(build, monkeypatch):
+    """lm-eval's default batch size of 1 and `auto` (whose HFLM search sizes a generation batch for
+    rows of the model's whole context: one row) run a task's requests in batches by their tokens,
+    with the `hf` backend's answers at batch size 1 (on a CPU a row's numbers do not depend on the
+    rows beside it); a token budget bounds the batches under `auto`, and `max_batch_size` both."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    theirs = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", batch_size=1, device="cpu")
+    requests, _ = stop_requests(theirs, seed=4)
+    requests += [Instance("generate_until", None, (req.args[0] + " b", {"until": ["\n"], "max_gen_toks": 6}), 8 + i)
+                 for i, req in enumerate(requests[:4])]
+    expected = theirs.generate_until(requests, disable_tqdm=True)
+    longest = max(len(theirs.tok_encode(req.args[0])) for req in requests[:8]) + 32
+
+    def batches(**args):
+        ours = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", **args)
+        rows, generate = [], ours._model_generate
+
+        def counted(context, **kwargs):
+            rows.append(context.shape[0])
+            return generate(context=context, **kwargs)
+
+        monkeypatch.setattr(ours, "_model_generate", counted)
+        assert ours.generate_until(requests, disable_tqdm=True) == expected
+        return rows
+
+    assert batches(batch_size=1) == [8, 4]  # the two settings apart, as HFLM batches them
+    assert batches(batch_size="auto") == [8, 4]
+    assert batches(batch_size="auto", token_budget=2 * longest) == [2, 2, 2, 2, 4]
+    assert batches(batch_size=1, max_batch_size=3) == [3, 3, 2, 3, 1]
 
 
 def preamble_requests(preamble: int, question: tuple[int, int], seed: int = 2):
