@@ -6,12 +6,15 @@ of SmolLM2's 8,192 tokens). Workloads: the README demo's generation task (40 rea
 examples, at most 12 new tokens) and GSM8K-shaped prompts (the same 6 examples, 884 tokens or so in
 all, then a question; at most 128 new tokens: benchmarks/kept_beginnings.py's). The two ways run in
 turns within one process after a warm-up; per setting the median seconds of `generate_until` and
-whether every answer is the same text as one request at a time gives.
+whether every answer is the same text as one request at a time gives. Beside them on the demo's
+task, lm-eval's `hf` backend on the same weights (the demo's checkpoint, fp32) at batch sizes 1 and 8,
+its answers compared with ortmodule's.
 
-    python benchmarks/generation_batches.py [--package DIR] [--questions 16] [--rounds 3]
+    python benchmarks/generation_batches.py [--package DIR] [--hf DIR] [--questions 16] [--rounds 3]
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -29,6 +32,7 @@ from ortmodule import lm_eval as backend  # noqa: E402
 from ortmodule import shared_prompts  # noqa: E402
 
 DEMO = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ortmodule/demo/SmolLM2-135M-Instruct-fp32"
+DEMO_HF = DEMO.with_name("SmolLM2-135M-Instruct-hf")
 TASK_DIR = Path(backend.__file__).parent / "tasks"
 # The backend's method before 2026-12-02: HFLM's loop, its batches of `batch_size` rows.
 WAYS = {"HFLM's batches": backend._one_evaluation_at_a_time(shared_prompts.keeping_beginnings(HFLM.generate_until)),
@@ -57,21 +61,26 @@ def gsm8k_requests(package: str, questions: int) -> list[Instance]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--package", default=str(DEMO))
+    parser.add_argument("--hf", default=str(DEMO_HF), help="the checkpoint for lm-eval's hf backend")
     parser.add_argument("--questions", type=int, default=16, help="GSM8K-shaped prompts")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     lms = {size: backend.OrtModuleLM(pretrained=args.package, device="cpu", batch_size=size) for size in (1, 8, "auto")}
+    hf = {size: HFLM(pretrained=args.hf, dtype="float32", device="cpu", batch_size=size) for size in (1, 8)}
     for workload, requests in (("demo generation", demo_requests()),
                                ("GSM8K-shaped", gsm8k_requests(args.package, args.questions))):
+        runs = {(size, name): functools.partial(method, lm)
+                for size, lm in lms.items() for name, method in WAYS.items()}
+        if workload == "demo generation":  # hf one request at a time takes minutes on the GSM8K-shaped prompts
+            runs.update({(size, "hf"): lm.generate_until for size, lm in hf.items()})
         times, answers = {}, {}
-        for lm in lms.values():
-            lm.generate_until(requests[:4], disable_tqdm=True)  # warm-up
+        for run in runs.values():
+            run(requests[:4], disable_tqdm=True)  # warm-up
         for _ in range(args.rounds):
-            for size, lm in lms.items():
-                for name, method in WAYS.items():
-                    start = time.perf_counter()
-                    answers[size, name] = method(lm, requests, disable_tqdm=True)
-                    times.setdefault((size, name), []).append(time.perf_counter() - start)
+            for key, run in runs.items():
+                start = time.perf_counter()
+                answers[key] = run(requests, disable_tqdm=True)
+                times.setdefault(key, []).append(time.perf_counter() - start)
         one = answers[1, "HFLM's batches"]
         print(f"{workload}: {len(requests)} requests, median of {args.rounds} rounds")
         for size in lms:
@@ -79,6 +88,9 @@ def main() -> None:
             same = all(answers[size, name] == one for name in WAYS)
             print(f"  batch_size {size}: HFLM's batches {before:.2f} s, by their work {after:.2f} s "
                   f"({before / after:.2f}x); every answer as one at a time: {same}")
+        for size in hf if workload == "demo generation" else ():
+            print(f"  hf, batch_size {size}: {statistics.median(times[size, 'hf']):.2f} s; "
+                  f"the same answers as ortmodule's one at a time: {answers[size, 'hf'] == one}")
 
 
 if __name__ == "__main__":
