@@ -459,8 +459,9 @@ def in_generation_batches(method):
     of the model's whole context) left most of every step unused. Under a fixed size a batch takes
     more requests while their prompts and new tokens stay within `GENERATION_WORK` (or the
     `token_budget`, if smaller), under `auto` within the token budget; at most HFLM's
-    `max_batch_size` unless the fixed size is larger. On a CPU each row's numbers do not depend on
-    the rows beside it, so the answers are those of one request at a time."""
+    `max_batch_size` unless the fixed size is larger. On a CPU an fp32 package's rows do not depend
+    on the rows beside them, so the answers are those of one request at a time (a 4-bit package's
+    can: ONNX Runtime's MatMulNBits kernels, as within HFLM's batches)."""
 
     @functools.wraps(method)
     def run(lm: OrtModuleLM, requests, disable_tqdm: bool = False):
