@@ -515,7 +515,7 @@ class OrtModuleLM(HFLM):
     `share_contexts` (auto, true, false: run a context shared by several requests once; auto where
     `sharing.worth_sharing` says it saves work, never on CUDA), `token_budget` (padded tokens per
     prefill under `batch_size=auto`; a generation batch's prompts and new tokens), `prefill_chunk`
-    (rows in chunks of N tokens; auto: 256 on a CPU, off on CUDA), `quantized_prefill` (auto, package, fp32),
+    (rows in chunks of N tokens; auto: 256 on a CPU, off on CUDA; 0: off), `quantized_prefill` (auto, package, fp32),
     `prefill_attention` (auto, package, onnx: extend.py's prefill graph), `pad_to_multiple_of` (batch
     widths rounded up: few shapes). `pretrained` may be an `OrtModelForCausalLM` (pass `tokenizer=`)."""
 
