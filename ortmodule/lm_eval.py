@@ -681,9 +681,9 @@ class OrtModuleLM(HFLM):
         return self._token_budget
 
     def _detect_batch_size(self, requests=None, pos: int = 0) -> int:
-        """HFLM's batch-size search under `auto` (rolling windows, generation), from the token
-        budget: as many rows of the longest length as it holds (HFLM's own search would run five
-        prefills of `max_batch_size` full-length rows, every position's logits, to find out)."""
+        """HFLM's batch-size search under `auto` for any HFLM path that still asks (generation's batches
+        are cut by `in_generation_batches`), from the token budget: as many rows of the longest length as
+        it holds (HFLM's own search would run five prefills of 64 full-length rows with every logit)."""
         if not isinstance(self._model, OrtModelForCausalLM):
             return super()._detect_batch_size(requests, pos)
         length = self.max_length
