@@ -73,7 +73,7 @@ def _sharing_at_load(share: bool | str, model) -> bool | str:
     return share
 
 
-def _positive_int(value, name: str) -> int | None:
+def positive_int(value, name: str) -> int | None:
     """A positive int model arg (lm-eval passes model_args as strings), or None when not given."""
     if value is None:
         return None
@@ -412,17 +412,23 @@ def generate_stopping_rows(lm: HFLM, context: torch.Tensor, max_length: int, sto
     token (the stop sequences then apply to the text after it, which the rows have not written yet)."""
     if getattr(lm, "think_end_token", None) is not None:
         return HFLM._model_generate(lm, context, max_length, stop, **generation_kwargs)
+    return generate_with_stops(lm, {"input_ids": context}, max_length, stop, **generation_kwargs)
+
+
+def generate_with_stops(lm: HFLM, inputs: dict, max_length: int, stop: list[str], **generation_kwargs):
+    """`lm.model.generate(**inputs)` as lm-eval's `_model_generate` calls it (its temperature and
+    sampling defaults), each row stopped on its own (`StopSequences`)."""
     generation_kwargs["temperature"] = generation_kwargs.get("temperature", 0.0)
     do_sample = generation_kwargs.get("do_sample")
     if (temperature := generation_kwargs.get("temperature")) == 0.0 and do_sample is None:
         generation_kwargs["do_sample"] = do_sample = False
     if do_sample is False and temperature == 0.0:
         generation_kwargs.pop("temperature", None)
-    rows, width = context.shape
+    rows, width = inputs["input_ids"].shape
     criteria = transformers.StoppingCriteriaList([StopSequences(lm, stop, width, rows)])
     with torch.autocast(device_type=lm.device.type, dtype=lm.mixed_precision_dtype,
                         enabled=lm.mixed_precision_dtype is not None):
-        return lm.model.generate(input_ids=context, max_length=max_length, stopping_criteria=criteria,
+        return lm.model.generate(**inputs, max_length=max_length, stopping_criteria=criteria,
                                  pad_token_id=lm.tokenizer.pad_token_id, use_cache=True, **generation_kwargs)
 
 
@@ -451,17 +457,41 @@ def generation_batches(keys: list, order_keys: list, tokens: list[int], size: in
     return batches
 
 
+def generate_in_batches(lm: HFLM, method, requests, tokens: list[int], order_keys: list, size: int | None,
+                        disable_tqdm: bool, desc: str) -> list:
+    """`method` (a backend's own `generate_until`) run once per batch of `generation_batches`, with
+    the backend's batch size set to the batch's (and restored after): `tokens` per request (its
+    prompt and new tokens), `order_keys` its place in the backend's order (the longest prompt first),
+    `size` a fixed batch size (None: `auto`). A fixed size's batch grows while its rows stay within
+    `GENERATION_WORK` tokens (or the `token_budget`, if smaller), `auto`'s within the token budget;
+    at most `max_batch_size` unless the fixed size is larger. One progress bar over the batches."""
+    budget = lm.token_budget if size is None else min(lm.token_budget, GENERATION_WORK)
+    batches = generation_batches([repr(sorted(req.args[1].items())) for req in requests], order_keys, tokens,
+                                 size, budget, lm.max_batch_size or len(requests))
+    logger.info("generate_until: %d requests in %d batches of up to %d (%d tokens a batch)",
+                len(requests), len(batches), max(map(len, batches)), budget)
+    answers: list = [None] * len(requests)
+    before = lm.batch_size_per_gpu
+    with tqdm(total=len(requests), disable=disable_tqdm or lm.rank != 0, desc=desc) as progress:
+        try:
+            for batch in batches:
+                lm.batch_size_per_gpu = len(batch)
+                for i, answer in zip(batch, method(lm, [requests[i] for i in batch], True), strict=True):
+                    answers[i] = answer
+                progress.update(len(batch))
+        finally:
+            lm.batch_size_per_gpu = before
+    return answers
+
+
 def in_generation_batches(method):
-    """`method` (HFLM's `generate_until`) run once per batch of `generation_batches`, with its
-    batch size set to the batch's: lm-eval's `batch_size` counts rows, and a decode step's cost on a
-    CPU and on a GPU is mostly a pass over the weights, whatever the rows, so one request at a time
-    (lm-eval's default batch size of 1, and HFLM's `auto`, which sizes generation batches for rows
-    of the model's whole context) left most of every step unused. Under a fixed size a batch takes
-    more requests while their prompts and new tokens stay within `GENERATION_WORK` (or the
-    `token_budget`, if smaller), under `auto` within the token budget; at most HFLM's
-    `max_batch_size` unless the fixed size is larger. On a CPU an fp32 package's rows do not depend
-    on the rows beside them, so the answers are those of one request at a time (a 4-bit package's
-    can: ONNX Runtime's MatMulNBits kernels, as within HFLM's batches)."""
+    """`method` (HFLM's `generate_until`) run in batches by their work (`generate_in_batches`):
+    lm-eval's `batch_size` counts rows, and a decode step's cost on a CPU and on a GPU is mostly a
+    pass over the weights, whatever the rows, so one request at a time (lm-eval's default batch size
+    of 1, and HFLM's `auto`, which sizes generation batches for rows of the model's whole context)
+    left most of every step unused. On a CPU an fp32 package's rows do not depend on the rows beside
+    them, so the answers are those of one request at a time (a 4-bit package's can: ONNX Runtime's
+    MatMulNBits kernels, as within HFLM's batches)."""
 
     @functools.wraps(method)
     def run(lm: OrtModuleLM, requests, disable_tqdm: bool = False):
@@ -472,31 +502,22 @@ def in_generation_batches(method):
         if not getattr(lm, "enable_thinking", False):
             lm._encoded = lm._encode_batched(list(dict.fromkeys(contexts)))
         try:
-            news = [normalize_gen_kwargs(copy.deepcopy(req.args[1]), lm.max_gen_toks)["max_gen_toks"]
-                    for req in requests]
             widths = [len(lm.tok_encode(context)) for context in contexts]
-            tokens = [min(width, max(lm.max_length - new, 1)) + new for width, new in zip(widths, news)]
-            budget = lm.token_budget if size == "auto" else min(lm.token_budget, GENERATION_WORK)
-            batches = generation_batches([repr(sorted(req.args[1].items())) for req in requests],
-                                         [(-width, context) for width, context in zip(widths, contexts)], tokens,
-                                         size if isinstance(size, int) else None, budget,
-                                         lm.max_batch_size or len(requests))
-            logger.info("generate_until: %d requests in %d batches of up to %d (%d tokens a batch)",
-                        len(requests), len(batches), max(map(len, batches)), budget)
-            progress = tqdm(total=len(requests), disable=disable_tqdm or lm.rank != 0,
-                            desc="Running generate_until requests")
-            answers: list = [None] * len(requests)
-            for batch in batches:
-                lm.batch_size_per_gpu = len(batch)
-                for i, answer in zip(batch, method(lm, [requests[i] for i in batch], True), strict=True):
-                    answers[i] = answer
-                progress.update(len(batch))
-            progress.close()
-            return answers
+            tokens = [min(width, max(lm.max_length - new, 1)) + new
+                      for width, new in zip(widths, new_tokens(requests, lm.max_gen_toks))]
+            return generate_in_batches(lm, method, requests, tokens,
+                                       [(-width, context) for width, context in zip(widths, contexts)],
+                                       size if isinstance(size, int) else None, disable_tqdm,
+                                       "Running generate_until requests")
         finally:
-            lm.batch_size_per_gpu, lm._encoded = size, {}
+            lm._encoded = {}
 
     return run
+
+
+def new_tokens(requests, default: int) -> list[int]:
+    """Each `generate_until` request's `max_gen_toks` (its generation arguments', else `default`)."""
+    return [normalize_gen_kwargs(copy.deepcopy(req.args[1]), default)["max_gen_toks"] for req in requests]
 
 
 # HFLM's own loop, one evaluation at a time, in batches by their work (in_generation_batches); on a CPU a
@@ -527,8 +548,8 @@ class OrtModuleLM(HFLM):
                  quantized_prefill: str | None = None, prefill_attention: str | None = None,
                  pad_to_multiple_of: int | str | None = None, **kwargs):
         self._running = threading.RLock()
-        self._token_budget = _positive_int(token_budget, "token_budget")
-        self._pad_multiple = _positive_int(pad_to_multiple_of, "pad_to_multiple_of") or 1
+        self._token_budget = positive_int(token_budget, "token_budget")
+        self._pad_multiple = positive_int(pad_to_multiple_of, "pad_to_multiple_of") or 1
         self._encoded: dict[str, list[int]] = {}  # the texts of the loglikelihood call in progress, encoded
         self._greedy = True  # whether the answers count greedy tokens (not for rolling windows)
         self._share = _sharing_choice(share_contexts)
@@ -798,11 +819,11 @@ def refuse_hflm_options(kwargs: dict) -> None:
                          "pass float32)")
     for name in ("max_length", "max_batch_size"):  # checked here, not at the first request they do not fit
         if kwargs.get(name) is not None:
-            kwargs[name] = _positive_int(kwargs[name], name)
+            kwargs[name] = positive_int(kwargs[name], name)
     batch = kwargs.get("batch_size")
     if batch is not None and not str(batch).startswith("auto"):  # hf runs 0 or less as one batch of everything
         try:
-            kwargs["batch_size"] = _positive_int(batch, "batch_size")
+            kwargs["batch_size"] = positive_int(batch, "batch_size")
         except ValueError:
             raise ValueError(f"batch_size must be a positive integer, auto or auto:N, got {batch!r}") from None
     if kwargs.get("parallelize"):

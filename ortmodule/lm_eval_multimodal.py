@@ -5,7 +5,9 @@ runs with images; its text-only requests go through HFLM's paths as with `hf-mul
 
 lm-eval's class is used as it is, with the model loaded from the package and the processor from
 where the checkpoint's is (`processor=`: a GenAI package carries onnxruntime-genai's image
-settings, not transformers' processor).
+settings, not transformers' processor), but for two things `--model ortmodule` does as well: image
+prompts generate in batches by their work (tokens, images' included, not `batch_size` rows; `auto`
+fills the token budget), and each row stops at its own stop sequences.
 """
 
 from __future__ import annotations
@@ -16,12 +18,22 @@ import torch
 import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.hf_vlms import HFMultimodalLM
+from lm_eval.models.utils import resize_image
 
 from . import hub
 from .hf import build_config
-from .lm_eval import check_dtype, refuse_hflm_options, refuse_unknown_args
+from .lm_eval import (
+    check_dtype,
+    generate_in_batches,
+    generate_with_stops,
+    new_tokens,
+    positive_int,
+    refuse_hflm_options,
+    refuse_unknown_args,
+)
 from .modeling import OrtModelForCausalLM
 from .package import read_package
+from .scoring import default_token_budget
 
 
 @register_model("ortmodule-multimodal")
@@ -36,8 +48,8 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
 
     AUTO_MODEL_CLASS = transformers.AutoModelForImageTextToText
 
-    def __init__(self, pretrained, processor=None,
-                 device: str | None = None, provider_options: dict | None = None, **kwargs):
+    def __init__(self, pretrained, processor=None, device: str | None = None,
+                 provider_options: dict | None = None, token_budget: int | str | None = None, **kwargs):
         if kwargs.get("tokenizer") is not None:
             raise ValueError("ortmodule-multimodal takes the checkpoint's processor as processor=, not tokenizer=")
         pretrained = str(pretrained) if isinstance(pretrained, Path) else pretrained
@@ -52,6 +64,12 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         self._provider_options = provider_options
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device is None else device
         refuse_hflm_options(kwargs)
+        self._token_budget = positive_int(token_budget, "token_budget")
+        # hf-multimodal refuses `auto`; here it sizes the image prompts' generation batches by the token
+        # budget (generate_until), and the text-only requests (HFLM's paths) run one at a time.
+        self._auto = str(kwargs.get("batch_size", 1)).startswith("auto")
+        if self._auto:
+            kwargs["batch_size"] = 1
         if isinstance(pretrained, OrtModelForCausalLM):
             self._package, self._config = pretrained.package, pretrained.config
             self._set_image_token(self._config)
@@ -88,3 +106,41 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
     @property
     def max_length(self) -> int:
         return self._max_length or self._package.context_length
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens (prompts, images' included, and new tokens) of an image generation batch under
+        `batch_size=auto` (model arg `token_budget`; by default `scoring.default_token_budget` of the device)."""
+        if self._token_budget is None:
+            self._token_budget = default_token_budget(self._model.device)
+        return self._token_budget
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """hf-multimodal's, run in batches by their work (lm_eval.generate_in_batches): a batch takes
+        prompts while their tokens (each image's as the processor expands it) and new tokens fit, not
+        `batch_size` rows; under `auto` the token budget. Each prompt is encoded once more than
+        hf-multimodal encodes it, to count its tokens."""
+        if not requests or len(requests[0].args) < 3 or not isinstance(self._model, OrtModelForCausalLM):
+            return super().generate_until(requests, disable_tqdm)
+        widths = [self._prompt_tokens(req.args[0], req.args[2]) for req in requests]
+        tokens = [min(width, max(self.max_length - new, 1)) + new
+                  for width, new in zip(widths, new_tokens(requests, self.max_gen_toks))]
+        return generate_in_batches(self, HFMultimodalLM.generate_until, requests, tokens,
+                                   [(-width, req.args[0]) for width, req in zip(widths, requests)],
+                                   None if self._auto else self.batch_size_per_gpu, disable_tqdm,
+                                   "Running generate_until requests with text+image input")
+
+    def _model_multimodal_generate(self, inputs, max_length, stop, **generation_kwargs):
+        """hf-multimodal's, each row stopped at its own stop sequences (lm_eval.StopSequences: lm-eval's
+        criteria run a batch until one sequence is in every row; on a CPU a stopped row leaves the decode
+        steps); lm-eval's own for a thinking model."""
+        if getattr(self, "think_end_token", None) is not None or not isinstance(self._model, OrtModelForCausalLM):
+            return super()._model_multimodal_generate(inputs, max_length, stop, **generation_kwargs)
+        return generate_with_stops(self, inputs, max_length, stop, **generation_kwargs)
+
+    def _prompt_tokens(self, context: str, aux: dict) -> int:
+        """A prompt's tokens as hf-multimodal's `generate_until` encodes it (its images resized, then
+        expanded by the processor)."""
+        visuals = [resize_image(image, self.image_width, self.image_height, self.image_max_side)
+                   for image in aux["visual"]]
+        return int(self.tok_batch_multimodal_encode([context], [visuals])["input_ids"].shape[1])

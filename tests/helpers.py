@@ -449,10 +449,7 @@ output_type: generate_until
 doc_to_image: !function {name}_utils.doc_to_image
 doc_to_text: "<image> Say {{{{word}}}}:"
 doc_to_target: "{{{{word}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 6
-  do_sample: false
+generation_kwargs: {generation}
 metric_list:
   - metric: exact_match
 metadata:
@@ -531,12 +528,16 @@ def check_image_task(folder, name, sizes, processor, hf, package_dir, **options)
     assert responses["ortmodule"] == responses["hf"]
 
 
-def image_task_responses(folder, name, sizes, processor, hf, package_dir, **options) -> dict:
+def image_task_responses(folder, name, sizes, processor, hf, package_dir, hf_batch_size=3, batch_size=3,
+                         generation=None, **options) -> dict:
     """An offline lm-eval task of MMMU's form (`doc_to_image`, `generate_until`) named `name` in
     `folder`, its documents' images of `sizes` (first height, first width, step between documents,
-    and one word per document), run by lm-eval's `hf-multimodal` on `hf` and by ortmodule-multimodal
-    on the package, both batched by 3 with `processor` and the model arguments `options`:
-    {"hf": responses, "ortmodule": responses}."""
+    and one word per document), run by lm-eval's `hf-multimodal` on `hf` (`hf_batch_size`) and by
+    ortmodule-multimodal on the package (`batch_size`, the model arguments `options`), both with
+    `processor` and the task's `generation` arguments (greedy, to a new line, 6 new tokens unless
+    given): {"hf": responses, "ortmodule": responses}."""
+    import json
+
     import lm_eval
     from lm_eval.models.hf_vlms import HFMultimodalLM
 
@@ -544,7 +545,8 @@ def image_task_responses(folder, name, sizes, processor, hf, package_dir, **opti
     from ortmodule.tasks import task_manager
 
     height, width, step, words = sizes
-    (folder / f"{name}.yaml").write_text(_IMAGE_TASK.format(name=name))
+    generation = {"until": ["\n"], "max_gen_toks": 6, "do_sample": False, **(generation or {})}
+    (folder / f"{name}.yaml").write_text(_IMAGE_TASK.format(name=name, generation=json.dumps(generation)))
     (folder / f"{name}_utils.py").write_text(_IMAGE_TASK_UTILS.format(height=height, width=width, step=step,
                                                                         words=words))
 
@@ -553,8 +555,9 @@ def image_task_responses(folder, name, sizes, processor, hf, package_dir, **opti
             self.processor, self.tokenizer = processor, processor.tokenizer
 
     responses = {}
-    for kind, lm in (("hf", Reference(pretrained=hf, batch_size=3, device="cpu", **options)),
-                     ("ortmodule", OrtModuleMultimodalLM(package_dir, processor=processor, batch_size=3,
+    hf_options = {key: value for key, value in options.items() if key not in ("token_budget", "max_batch_size")}
+    for kind, lm in (("hf", Reference(pretrained=hf, batch_size=hf_batch_size, device="cpu", **hf_options)),
+                     ("ortmodule", OrtModuleMultimodalLM(package_dir, processor=processor, batch_size=batch_size,
                                                          device="cpu", **options))):
         result = lm_eval.simple_evaluate(model=lm, tasks=[name], log_samples=True,
                                          task_manager=task_manager([name], folder))

@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import check_half_precision_images, check_image_task, load_pair, padded_rows, tokenizer_with
+from helpers import (
+    check_half_precision_images,
+    check_image_task,
+    image_task_responses,
+    load_pair,
+    padded_rows,
+    tokenizer_with,
+)
 from PIL import Image
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -351,6 +358,70 @@ def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, tmp_path):
     _, hf = load_pair(fixture)
     check_image_task(tmp_path, "ortmodule_images_test", (12, 20, 4, "abcdefg"),
                      ImageTextProcessor(fixture.hf_dir), hf, fixture.package_dir)
+
+
+def test_lm_eval_multimodal_batches_image_prompts_by_their_work(build, tmp_path, monkeypatch):
+    """ortmodule-multimodal's image generation runs as many prompts a batch as their tokens (each
+    image's expanded) and new tokens fit, not `batch_size` rows: at lm-eval's default of 1 and under
+    `auto` (which hf-multimodal refuses) several a batch, within `token_budget` and `max_batch_size`;
+    every response that of hf-multimodal one request at a time."""
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    fixture = build("qwen2_5_vl")
+    _, hf = load_pair(fixture)
+    processor = ImageTextProcessor(fixture.hf_dir)
+    batches = []  # the rows of each of ortmodule's generations
+    own = OrtModuleMultimodalLM._model_multimodal_generate
+
+    def counted(self, inputs, *args, **kwargs):
+        batches.append(len(inputs["input_ids"]))
+        return own(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(OrtModuleMultimodalLM, "_model_multimodal_generate", counted)
+    words = "abcdefg"
+    # the prompts' tokens, images' included (each image 4 to 12 tokens here), and 6 new tokens a row
+    for batch_size, options, expected in ((1, {}, [7]), ("auto", {}, [7]), ("auto:2", {"max_batch_size": 3}, [3, 3, 1]),
+                                          (1, {"token_budget": 50}, None), (4, {"token_budget": 50}, [4, 3])):
+        batches.clear()
+        responses = image_task_responses(tmp_path, "ortmodule_images_batches", (12, 20, 4, words),
+                                         processor, hf, fixture.package_dir, hf_batch_size=1,
+                                         batch_size=batch_size, **options)
+        assert responses["ortmodule"] == responses["hf"] and any(responses["hf"])
+        assert sum(batches) == len(words)
+        if expected is not None:
+            assert batches == expected, (batch_size, options)
+        else:  # rows of some 30 tokens: one or two a batch, never all
+            assert 1 < len(batches) < len(words) and max(batches) >= 2, batches
+
+
+def test_lm_eval_multimodal_stops_each_image_row_on_its_own(build, tmp_path, monkeypatch):
+    """Image prompts of one batch whose answers end at different steps: ortmodule-multimodal stops
+    each row at its own stop sequence (lm_eval.StopSequences, where lm-eval's criteria run the batch
+    until every row has one), so on a CPU the decode steps run fewer rows once some have stopped;
+    every response that of hf-multimodal one request at a time."""
+    from ortmodule.decoder import Decoder
+    from ortmodule.steps import FixedSteps
+
+    fixture = build("qwen2_5_vl")
+    _, hf = load_pair(fixture)
+    processor, sizes = ImageTextProcessor(fixture.hf_dir), (12, 20, 4, "abcdefg")
+    free = image_task_responses(tmp_path, "ortmodule_images_free", sizes, processor, hf, fixture.package_dir,
+                                hf_batch_size=1, generation={"until": [], "max_gen_toks": 24})["hf"]
+    # a character that some answers write early and others never: those rows stop well before the rest
+    early = [c for c in sorted(set("".join(free)))
+             if sum(0 <= text.find(c) < 8 for text in free) >= 2 and any(c not in text for text in free)]
+    assert early, free
+    rows = []
+    step, fixed = Decoder.step, FixedSteps.step
+    monkeypatch.setattr(Decoder, "step", lambda self, tokens, *args, **kwargs: (
+        rows.append(tokens.shape[0]), step(self, tokens, *args, **kwargs))[1])
+    monkeypatch.setattr(FixedSteps, "step", lambda self, tokens: (rows.append(tokens.shape[0]), fixed(self, tokens))[1])
+    responses = image_task_responses(tmp_path, "ortmodule_images_stops", sizes, processor, hf, fixture.package_dir,
+                                     hf_batch_size=1, batch_size=1,
+                                     generation={"until": [early[0]], "max_gen_toks": 24})
+    assert responses["ortmodule"] == responses["hf"]
+    assert [text.split(early[0])[0] for text in free] == responses["hf"]
+    assert max(rows) == len(sizes[3]) and min(rows) < max(rows), rows
 
 
 def test_lm_eval_multimodal_backend_needs_a_processor_and_an_image_package(build):
