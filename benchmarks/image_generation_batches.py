@@ -89,7 +89,7 @@ def main() -> None:
             times.setdefault(key, []).append(time.perf_counter() - start)
     one = answers[1, "earlier"]
     print(f"{args.documents} image prompts, {args.new} new tokens at most; median of {args.rounds} rounds "
-          "(simple_evaluate's wall time)")
+          f"(simple_evaluate's wall time); the earlier loop's answers at batch size 1 (random weights): {one}")
     for key in lms:
         print(f"  batch_size {key[0]}, {key[1]}: {statistics.median(times[key]):.2f} s; answers as the earlier "
               f"loop at batch size 1: {sum(a == b for a, b in zip(answers[key], one))} of {len(one)}")
