@@ -1,7 +1,8 @@
 """`lm_eval --model ortmodule-multimodal`: lm-eval's `hf-multimodal` backend (HFMultimodalLM) over a
 GenAI package that takes images (images.py: Qwen2.5-VL's form; images_plain.py: Gemma 4's), for
 tasks with images (MMMU's form: `doc_to_image`, `generate_until`, which is what lm-eval's class
-runs with images; its text-only requests go through HFLM's paths as with `hf-multimodal`).
+runs with images; its text-only requests go to `--model ortmodule`'s backend over the same model,
+where `hf-multimodal` runs them through HFLM's paths).
 
 lm-eval's class is used as it is, with the model loaded from the package and the processor from
 where the checkpoint's is (`processor=`: a GenAI package carries onnxruntime-genai's image
@@ -23,6 +24,7 @@ from lm_eval.models.utils import resize_image
 from . import hub
 from .hf import build_config
 from .lm_eval import (
+    OrtModuleLM,
     check_dtype,
     generate_in_batches,
     generate_with_stops,
@@ -34,6 +36,11 @@ from .lm_eval import (
 from .modeling import OrtModelForCausalLM
 from .package import read_package
 from .scoring import default_token_budget
+
+# hf-multimodal's own model args (images' placement and size); the rest are HFLM's, which the text-only
+# requests' backend takes too.
+_IMAGE_ARGS = frozenset({"image_token_id", "image_string", "interleave", "max_images", "convert_img_format",
+                         "min_pixels", "max_pixels", "image_width", "image_height", "image_max_side"})
 
 
 @register_model("ortmodule-multimodal")
@@ -65,8 +72,11 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device is None else device
         refuse_hflm_options(kwargs)
         self._token_budget = positive_int(token_budget, "token_budget")
-        # hf-multimodal refuses `auto`; here it sizes the image prompts' generation batches by the token
-        # budget (generate_until), and the text-only requests (HFLM's paths) run one at a time.
+        # Text-only requests go to `--model ortmodule`'s backend over the same model (`_text_backend`).
+        self._text_args = {name: value for name, value in kwargs.items() if name not in _IMAGE_ARGS}
+        self._text_args["token_budget"] = token_budget
+        self._text_lm: OrtModuleLM | None = None
+        # hf-multimodal refuses `auto`; here it sizes the image prompts' generation batches by the token budget.
         self._auto = str(kwargs.get("batch_size", 1)).startswith("auto")
         if self._auto:
             kwargs["batch_size"] = 1
@@ -115,12 +125,38 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
             self._token_budget = default_token_budget(self._model.device)
         return self._token_budget
 
+    def _text_backend(self) -> OrtModuleLM | None:
+        """`--model ortmodule`'s backend over this model and tokenizer, with this backend's HFLM arguments,
+        for the text-only requests (None where the model is not a package's)."""
+        if not isinstance(self._model, OrtModelForCausalLM):
+            return None
+        if self._text_lm is None:
+            self._text_lm = OrtModuleLM(pretrained=self._model, tokenizer=self.tokenizer,
+                                        device=str(self._model.device), **self._text_args)
+        self._text_lm.cache_hook = self.cache_hook
+        return self._text_lm
+
+    def _text_only(self, requests) -> OrtModuleLM | None:
+        """The text backend, for requests without images (hf-multimodal runs those through HFLM's paths)."""
+        return self._text_backend() if requests and len(requests[0].args) < 3 else None
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        text = self._text_only(requests)
+        return text.loglikelihood(requests, disable_tqdm) if text else super().loglikelihood(requests, disable_tqdm)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        text = self._text_only(requests)
+        return text.loglikelihood_rolling(requests, disable_tqdm) if text else super().loglikelihood_rolling(requests)
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """hf-multimodal's, run in batches by their work (lm_eval.generate_in_batches): a batch takes
-        prompts while their tokens (each image's as the processor expands it) and new tokens fit, not
-        `batch_size` rows; under `auto` the token budget. Each prompt is encoded once more than
-        hf-multimodal encodes it, to count its tokens."""
-        if not requests or len(requests[0].args) < 3 or not isinstance(self._model, OrtModelForCausalLM):
+        """Text-only requests as `--model ortmodule` runs them; prompts with images as hf-multimodal runs
+        them, in batches by their work (lm_eval.generate_in_batches): a batch takes prompts while their
+        tokens (each image's as the processor expands it) and new tokens fit, not `batch_size` rows;
+        under `auto` the token budget. Each prompt is encoded once more than hf-multimodal encodes it,
+        to count its tokens."""
+        if text := self._text_only(requests):
+            return text.generate_until(requests, disable_tqdm)
+        if not requests or not isinstance(self._model, OrtModelForCausalLM):
             return super().generate_until(requests, disable_tqdm)
         widths = [self._prompt_tokens(req.args[0], req.args[2]) for req in requests]
         tokens = [min(width, max(self.max_length - new, 1)) + new

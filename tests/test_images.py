@@ -424,6 +424,50 @@ def test_lm_eval_multimodal_stops_each_image_row_on_its_own(build, tmp_path, mon
     assert max(rows) == len(sizes[3]) and min(rows) < max(rows), rows
 
 
+def test_lm_eval_multimodal_runs_text_requests_as_the_text_backend(build, monkeypatch):
+    """Requests without images (a text task beside the image tasks) go through `--model ortmodule`'s
+    backend over the same model (its scoring of only the continuations' positions, its generation
+    batches), with hf-multimodal's answers: loglikelihood within 1e-4 and the same greedy flags,
+    rolling documents, generations the same text; `auto` included, which hf-multimodal refuses."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.hf_vlms import HFMultimodalLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    fixture = build("qwen2_5_vl")
+    _, hf = load_pair(fixture)
+    processor = ImageTextProcessor(fixture.hf_dir)
+
+    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
+        def _create_tokenizer(self, *args, **kwargs):
+            self.processor, self.tokenizer = processor, processor.tokenizer
+
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds",
+             "sing"]
+    contexts = [" ".join(words[i : i + 3 + i % 5]) for i in range(8)]
+    pairs = [Instance("loglikelihood", None, (context, " " + words[-1 - i]), i) for i, context in enumerate(contexts)]
+    documents = [Instance("loglikelihood_rolling", None, (" ".join(words * (2 + i)),), i) for i in range(2)]
+    prompts = [Instance("generate_until", None, (context, {"until": ["\n"], "max_gen_toks": 5}), i)
+               for i, context in enumerate(contexts)]
+    reference = Reference(pretrained=hf, batch_size=1, device="cpu")
+    expected = (reference.loglikelihood(pairs), reference.loglikelihood_rolling(documents),
+                reference.generate_until(prompts))
+    scored = []
+    own = OrtModuleLM._totals_on_device
+    monkeypatch.setattr(OrtModuleLM, "_totals_on_device", lambda self, requests, *args, **kwargs: (
+        scored.append(len(requests)), own(self, requests, *args, **kwargs))[1])
+    for batch_size in (1, "auto"):
+        scored.clear()
+        lm = OrtModuleMultimodalLM(fixture.package_dir, processor=processor, batch_size=batch_size, device="cpu")
+        answers = lm.loglikelihood(pairs)
+        assert [flag for _, flag in answers] == [flag for _, flag in expected[0]]
+        assert max(abs(a - b) for (a, _), (b, _) in zip(answers, expected[0])) < 1e-4
+        assert max(abs(a - b) for a, b in zip(lm.loglikelihood_rolling(documents), expected[1])) < 1e-3
+        assert lm.generate_until(prompts) == expected[2] and any(expected[2])
+        assert scored[0] == len(pairs), scored  # ortmodule's scoring of the tokenized requests ran them
+
+
 def test_lm_eval_multimodal_backend_needs_a_processor_and_an_image_package(build):
     from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
 
