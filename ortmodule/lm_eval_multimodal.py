@@ -136,28 +136,50 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         self._text_lm.cache_hook = self.cache_hook
         return self._text_lm
 
-    def _text_only(self, requests) -> OrtModuleLM | None:
-        """The text backend, for requests without images (hf-multimodal runs those through HFLM's paths)."""
-        return self._text_backend() if requests and len(requests[0].args) < 3 else None
-
     def loglikelihood(self, requests, disable_tqdm: bool = False):
-        text = self._text_only(requests)
-        return text.loglikelihood(requests, disable_tqdm) if text else super().loglikelihood(requests, disable_tqdm)
+        return self._by_kind(requests, "loglikelihood", disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        text = self._text_only(requests)
-        return text.loglikelihood_rolling(requests, disable_tqdm) if text else super().loglikelihood_rolling(requests)
+        return self._by_kind(requests, "loglikelihood_rolling", disable_tqdm)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Text-only requests as `--model ortmodule` runs them; prompts with images as hf-multimodal runs
-        them, in batches by their work (lm_eval.generate_in_batches): a batch takes prompts while their
-        tokens (each image's as the processor expands it) and new tokens fit, not `batch_size` rows;
-        under `auto` the token budget. Each prompt is encoded once more than hf-multimodal encodes it,
-        to count its tokens."""
-        if text := self._text_only(requests):
-            return text.generate_until(requests, disable_tqdm)
-        if not requests or not isinstance(self._model, OrtModelForCausalLM):
-            return super().generate_until(requests, disable_tqdm)
+        """Requests without images as `--model ortmodule` runs them; prompts with images as
+        hf-multimodal runs them, in batches by their work (`_generate_with_images`)."""
+        return self._by_kind(requests, "generate_until", disable_tqdm)
+
+    def _by_kind(self, requests, method: str, disable_tqdm: bool) -> list:
+        """`method` on the requests without images through the text backend (hf-multimodal's where the
+        model is not a package's) and on those with images as hf-multimodal runs them (generation in
+        batches by their work; lm-eval 0.4.13 refuses the others), the answers in the requests' order:
+        lm-eval hands one call every task's requests of a type, and hf-multimodal takes the first
+        request's kind for all of them (an image task and a text task in one run fail there)."""
+        kinds = [len(req.args) >= 3 for req in requests]
+        answers: list = [None] * len(requests)
+        for images in (False, True):
+            indices = [i for i, kind in enumerate(kinds) if kind is images]
+            if not indices:
+                continue
+            part = [requests[i] for i in indices]
+            text = None if images else self._text_backend()  # made at the first text request
+            if images and method == "generate_until":
+                done = self._generate_with_images(part, disable_tqdm)
+            elif text is not None:
+                done = getattr(text, method)(part, disable_tqdm)
+            elif method == "loglikelihood_rolling":
+                done = HFMultimodalLM.loglikelihood_rolling(self, part)
+            else:
+                done = getattr(HFMultimodalLM, method)(self, part, disable_tqdm)
+            for i, answer in zip(indices, done, strict=True):
+                answers[i] = answer
+        return answers
+
+    def _generate_with_images(self, requests, disable_tqdm: bool) -> list[str]:
+        """hf-multimodal's `generate_until` in batches by their work (lm_eval.generate_in_batches): a batch
+        takes prompts while their tokens (each image's as the processor expands it) and new tokens fit,
+        not `batch_size` rows; under `auto` the token budget. Each prompt is encoded once more than
+        hf-multimodal encodes it, to count its tokens."""
+        if not isinstance(self._model, OrtModelForCausalLM):
+            return HFMultimodalLM.generate_until(self, requests, disable_tqdm)
         widths = [self._prompt_tokens(req.args[0], req.args[2]) for req in requests]
         tokens = [min(width, max(self.max_length - new, 1)) + new
                   for width, new in zip(widths, new_tokens(requests, self.max_gen_toks))]

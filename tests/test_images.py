@@ -468,6 +468,60 @@ def test_lm_eval_multimodal_runs_text_requests_as_the_text_backend(build, monkey
         assert scored[0] == len(pairs), scored  # ortmodule's scoring of the tokenized requests ran them
 
 
+_TEXT_TASK = """task: {name}
+custom_dataset: !function {name}_utils.docs
+test_split: test
+output_type: generate_until
+doc_to_text: "Say {{{{word}}}}:"
+doc_to_target: "{{{{word}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+metric_list:
+  - metric: exact_match
+metadata:
+  version: 0
+"""
+
+
+def test_lm_eval_multimodal_runs_an_image_task_and_a_text_task_in_one_run(build, tmp_path):
+    """lm-eval hands the backend every task's generation requests in one call: an image task and a
+    text task together (which hf-multimodal cannot run: it takes the first request's kind for all)
+    give each task's responses as hf-multimodal gives them run alone."""
+    import lm_eval
+    from lm_eval.models.hf_vlms import HFMultimodalLM
+
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+    from ortmodule.tasks import task_manager
+
+    fixture = build("qwen2_5_vl")
+    _, hf = load_pair(fixture)
+    processor = ImageTextProcessor(fixture.hf_dir)
+    expected = image_task_responses(tmp_path, "ortmodule_images_mixed", (12, 20, 4, "abcde"), processor, hf,
+                                    fixture.package_dir)["hf"]
+    (tmp_path / "ortmodule_text_mixed.yaml").write_text(_TEXT_TASK.format(name="ortmodule_text_mixed"))
+    (tmp_path / "ortmodule_text_mixed_utils.py").write_text(
+        'import datasets\n\n\ndef docs(**kwargs):\n'
+        '    return {"test": datasets.Dataset.from_list([dict(word=w) for w in "vwxyz"])}\n')
+
+    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
+        def _create_tokenizer(self, *args, **kwargs):
+            self.processor, self.tokenizer = processor, processor.tokenizer
+
+    def responses(lm, names):
+        result = lm_eval.simple_evaluate(model=lm, tasks=names, log_samples=True,
+                                         task_manager=task_manager(names, tmp_path))
+        return {name: [sample["resps"][0][0] for sample in sorted(result["samples"][name],
+                                                                   key=lambda sample: sample["doc_id"])]
+                for name in names}
+
+    expected_text = responses(Reference(pretrained=hf, batch_size=2, device="cpu"), ["ortmodule_text_mixed"])
+    given = responses(OrtModuleMultimodalLM(fixture.package_dir, processor=processor, batch_size=2, device="cpu"),
+                      ["ortmodule_images_mixed", "ortmodule_text_mixed"])
+    assert given == {"ortmodule_images_mixed": expected, **expected_text}
+    assert any(expected) and any(expected_text["ortmodule_text_mixed"])
+
+
 def test_lm_eval_multimodal_backend_needs_a_processor_and_an_image_package(build):
     from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
 
