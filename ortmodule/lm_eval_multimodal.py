@@ -48,9 +48,10 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
     """`lm_eval --model ortmodule-multimodal --model_args pretrained=PACKAGE_DIR,processor=CHECKPOINT`
     (the Hugging Face folder or hub name whose processor made the package's images: its
     `preprocessor_config.json` and tokenizer; where the package folder holds them, `processor` may be
-    left out). Also `device` (cpu, cuda, cuda:N), `provider_options` (a dict, from Python), and
+    left out). Also `device` (cpu, cuda, cuda:N), `provider_options` (a dict, from Python),
+    `token_budget` (tokens of a generation batch under `batch_size=auto`, images' included), and
     lm-eval's own `hf-multimodal` arguments (`max_images`, `min_pixels`, `max_pixels`, `batch_size`,
-    ...; on a Gemma 3 package `image_string` defaults to the processor's begin-of-image, which
+    `auto` included, ...; on a Gemma 3 package `image_string` defaults to the processor's begin-of-image, which
     Gemma3Processor expands). `pretrained` may be an `OrtModelForCausalLM` (then `processor` is needed)."""
 
     AUTO_MODEL_CLASS = transformers.AutoModelForImageTextToText
