@@ -13,13 +13,15 @@ fills the token budget), and each row stops at its own stop sequences.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import transformers
 from lm_eval.api.registry import register_model
-from lm_eval.models.hf_vlms import HFMultimodalLM
-from lm_eval.models.utils import resize_image
+from lm_eval.models.hf_vlms import DEFAULT_IMAGE_PLACEHOLDER, HFMultimodalLM
+from lm_eval.models.utils import flatten_image_list, replace_placeholders, resize_image
 
 from . import hub
 from .hf import build_config
@@ -181,7 +183,7 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         hf-multimodal encodes it, to count its tokens."""
         if not isinstance(self._model, OrtModelForCausalLM):
             return HFMultimodalLM.generate_until(self, requests, disable_tqdm)
-        widths = [self._prompt_tokens(req.args[0], req.args[2]) for req in requests]
+        widths = self._prompt_widths(requests)
         tokens = [min(width, max(self.max_length - new, 1)) + new
                   for width, new in zip(widths, new_tokens(requests, self.max_gen_toks))]
         return generate_in_batches(self, HFMultimodalLM.generate_until, requests, tokens,
@@ -197,9 +199,26 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
             return super()._model_multimodal_generate(inputs, max_length, stop, **generation_kwargs)
         return generate_with_stops(self, inputs, max_length, stop, **generation_kwargs)
 
+    def _prompt_widths(self, requests) -> list[int]:
+        """Each image prompt's tokens as hf-multimodal's `generate_until` encodes it (its images resized
+        and expanded by the processor), the processor run on several prompts at once (its image work
+        leaves Python's lock: on a GPU's host cores this pass would otherwise add a second serial pass
+        over every image to hf-multimodal's own)."""
+        workers = max(1, min(len(requests), os.cpu_count() or 1, 8))
+        with ThreadPoolExecutor(workers, thread_name_prefix="ortmodule-images") as pool:
+            return list(pool.map(lambda req: self._prompt_tokens(req.args[0], req.args[2]), requests))
+
     def _prompt_tokens(self, context: str, aux: dict) -> int:
-        """A prompt's tokens as hf-multimodal's `generate_until` encodes it (its images resized, then
-        expanded by the processor)."""
-        visuals = [resize_image(image, self.image_width, self.image_height, self.image_max_side)
-                   for image in aux["visual"]]
-        return int(self.tok_batch_multimodal_encode([context], [visuals])["input_ids"].shape[1])
+        """One prompt's tokens: what `tok_batch_multimodal_encode` does for one prompt, without its
+        padding side set and restored on the shared tokenizer (which threads would race on) or its
+        tensors moved to the device."""
+        images = [resize_image(image, self.image_width, self.image_height, self.image_max_side)
+                  for image in aux["visual"]][: self.max_images]
+        if self.rgb:
+            images = [image.convert("RGB") for image in images]
+        if not self.chat_applied:
+            context = replace_placeholders(context, DEFAULT_IMAGE_PLACEHOLDER, self.image_token, self.max_images)
+        batch = flatten_image_list([images]) if getattr(self.config, "model_type", "") == "llava" else [images]
+        encoding = self.processor(images=batch, text=[context], truncation=self.truncation, padding="longest",
+                                  return_tensors="pt")
+        return int(encoding["input_ids"].shape[1])

@@ -378,6 +378,12 @@ def test_lm_eval_multimodal_batches_image_prompts_by_their_work(build, tmp_path,
         return own(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(OrtModuleMultimodalLM, "_model_multimodal_generate", counted)
+    lm = OrtModuleMultimodalLM(fixture.package_dir, processor=processor, device="cpu")
+    for seed, size in enumerate([(12, 20), (40, 8), (64, 64), (8, 8)]):  # the count is the encoding's width
+        image = Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype("uint8"))
+        for context in ("<image> Say a:", "<image> and <image> then more words"):
+            assert lm._prompt_tokens(context, {"visual": [image, image]}) == \
+                lm.tok_batch_multimodal_encode([context], [[image, image]])["input_ids"].shape[1]
     words = "abcdefg"
     # the prompts' tokens, images' included (each image 4 to 12 tokens here), and 6 new tokens a row
     for batch_size, options, expected in ((1, {}, [7]), ("auto", {}, [7]), ("auto:2", {"max_batch_size": 3}, [3, 3, 1]),
