@@ -204,9 +204,13 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         and expanded by the processor), the processor run on several prompts at once (its image work
         leaves Python's lock: on a GPU's host cores this pass would otherwise add a second serial pass
         over every image to hf-multimodal's own)."""
-        workers = max(1, min(len(requests), os.cpu_count() or 1, 8))
+        count = lambda req: self._prompt_tokens(req.args[0], req.args[2])  # noqa: E731
+        # The first alone: a fast tokenizer's call sets its padding and truncation state where it differs
+        # (a write that would race between threads); the rest find it set and only read it.
+        first = [count(req) for req in requests[:1]]
+        workers = max(1, min(len(requests) - 1, os.cpu_count() or 1, 8))
         with ThreadPoolExecutor(workers, thread_name_prefix="ortmodule-images") as pool:
-            return list(pool.map(lambda req: self._prompt_tokens(req.args[0], req.args[2]), requests))
+            return first + list(pool.map(count, requests[1:]))
 
     def _prompt_tokens(self, context: str, aux: dict) -> int:
         """One prompt's tokens: what `tok_batch_multimodal_encode` does for one prompt, without its

@@ -365,6 +365,8 @@ def test_lm_eval_multimodal_batches_image_prompts_by_their_work(build, tmp_path,
     image's expanded) and new tokens fit, not `batch_size` rows: at lm-eval's default of 1 and under
     `auto` (which hf-multimodal refuses) several a batch, within `token_budget` and `max_batch_size`;
     every response that of hf-multimodal one request at a time."""
+    from lm_eval.api.instance import Instance
+
     from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
 
     fixture = build("qwen2_5_vl")
@@ -379,11 +381,15 @@ def test_lm_eval_multimodal_batches_image_prompts_by_their_work(build, tmp_path,
 
     monkeypatch.setattr(OrtModuleMultimodalLM, "_model_multimodal_generate", counted)
     lm = OrtModuleMultimodalLM(fixture.package_dir, processor=processor, device="cpu")
+    words = "abcdefghi"
     for seed, size in enumerate([(12, 20), (40, 8), (64, 64), (8, 8)]):  # the count is the encoding's width
         image = Image.fromarray((np.random.RandomState(seed).rand(*size, 3) * 255).astype("uint8"))
         for context in ("<image> Say a:", "<image> and <image> then more words"):
             assert lm._prompt_tokens(context, {"visual": [image, image]}) == \
                 lm.tok_batch_multimodal_encode([context], [[image, image]])["input_ids"].shape[1]
+    many = [Instance("generate_until", None, ("<image> " + " ".join(words[: 1 + i % 9]), {}, {"visual": [picture]}), i)
+            for i, picture in enumerate(Image.new("RGB", (8 + 4 * (i % 7), 8 + 4 * (i % 5))) for i in range(40))]
+    assert lm._prompt_widths(many) == [lm._prompt_tokens(req.args[0], req.args[2]) for req in many]  # on threads
     words = "abcdefg"
     # the prompts' tokens, images' included (each image 4 to 12 tokens here), and 6 new tokens a row
     for batch_size, options, expected in ((1, {}, [7]), ("auto", {}, [7]), ("auto:2", {"max_batch_size": 3}, [3, 3, 1]),
