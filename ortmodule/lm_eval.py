@@ -373,7 +373,9 @@ class StopSequences(transformers.StoppingCriteria):
     no longer change: lm-eval's `generate_until` cuts the row's text (`tok_decode`) at each stop
     sequence in turn, so a row whose text holds a sequence with as many characters after it as two of
     the longest sequences (and a few for a character still being written) has its answer; the row then
-    gets pad tokens and, on a CPU, leaves the decode steps (generation.py). And once every row's last
+    gets pad tokens and, on a CPU, leaves the decode steps (generation.py). A row whose last tokens show
+    a sequence its text does not hold (a special token's text, which `tok_decode` leaves out) stops
+    at once, with the answer it has when it runs alone under lm-eval's criteria. And once every row's last
     tokens (as many as the longest sequence takes, plus two: lm-eval's own test) have shown a sequence,
     all stop: lm-eval's criteria stop them then or earlier where one sequence is in every row, so a
     batch never runs longer than under them. That moment may come earlier than lm-eval's and cut a row
@@ -400,7 +402,10 @@ class StopSequences(transformers.StoppingCriteria):
             self.seen.add(row)
             text = self.lm.tok_decode(tokens)
             first = min((at for at in map(text.find, self.sequences) if at >= 0), default=-1)
-            self.stopped[row] = first >= 0 and len(text) - first >= self.margin
+            # A tail that shows a sequence which the answer's text does not hold (a special token's text,
+            # which `tok_decode` leaves out, or an empty sequence): lm-eval's criteria stop the row here
+            # when it runs alone, so it stops, with the answer it has alone.
+            self.stopped[row] = first < 0 or len(text) - first >= self.margin
         if self.tested and all(done or row in self.seen for row, done in enumerate(self.stopped)):
             self.stopped = [True] * len(self.stopped)  # every row has written one: as lm-eval's criteria or earlier
         return torch.tensor(self.stopped, device=input_ids.device)

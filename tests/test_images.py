@@ -6,6 +6,8 @@ what the images cannot be is refused by name."""
 import base64
 import io
 import json
+import os
+import random
 import re
 
 import numpy as np
@@ -532,6 +534,54 @@ def test_lm_eval_multimodal_runs_an_image_task_and_a_text_task_in_one_run(build,
                       ["ortmodule_images_mixed", "ortmodule_text_mixed"])
     assert given == {"ortmodule_images_mixed": expected, **expected_text}
     assert any(expected) and any(expected_text["ortmodule_text_mixed"])
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("IMAGE_FUZZ_SEEDS", 4))))
+def test_lm_eval_multimodal_generation_fuzz(build, seed):
+    """Random mixes of image prompts (one or two images of random sizes) and text prompts, random
+    stop sequences and lengths in a few generation settings, random batch sizes, token budgets and
+    `max_batch_size`, through ortmodule-multimodal's `generate_until` in one call: every answer
+    hf-multimodal's one request at a time (each kind in a call of its own, as it needs).
+    `IMAGE_FUZZ_SEEDS=200` runs 200 cases."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.hf_vlms import HFMultimodalLM
+
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    rng = random.Random(7000 + seed)
+    fixture = build("qwen2_5_vl")
+    _, hf = load_pair(fixture)
+    processor = ImageTextProcessor(fixture.hf_dir)
+
+    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
+        def _create_tokenizer(self, *args, **kwargs):
+            self.processor, self.tokenizer = processor, processor.tokenizer
+
+    settings = [{"until": rng.sample(["\n", "a", "e", " ", "s", "t"], rng.randint(1, 2)),
+                 "max_gen_toks": rng.randint(1, 12), "do_sample": False} for _ in range(rng.randint(1, 3))]
+    requests = []
+    for i in range(rng.randint(2, 10)):
+        words = " ".join(rng.choice(["red", "cat", "a", "sees", "the", "blue"]) for _ in range(rng.randint(1, 8)))
+        setting = dict(rng.choice(settings))
+        if rng.random() < 0.7:
+            count = rng.randint(1, 2)
+            images = [Image.fromarray((np.random.RandomState(rng.randint(0, 99)).rand(
+                rng.randint(8, 64), rng.randint(8, 64), 3) * 255).astype("uint8")) for _ in range(count)]
+            requests.append(Instance("generate_until", None, (("<image> " * count) + words, setting,
+                                                              {"visual": images}), i))
+        else:
+            requests.append(Instance("generate_until", None, (words, setting), i))
+    options = {"batch_size": rng.choice([1, 2, 5, "auto"])}
+    options.update({name: value for name, value in (("token_budget", rng.choice([None, 30, 80, 400])),
+                                                    ("max_batch_size", rng.choice([None, 2, 3]))) if value})
+    given = OrtModuleMultimodalLM(fixture.package_dir, processor=processor, device="cpu", **options
+                                  ).generate_until(requests)
+    reference = Reference(pretrained=hf, batch_size=1, device="cpu")
+    expected = {}
+    for images in (False, True):
+        part = [req for req in requests if (len(req.args) == 3) is images]
+        expected.update(zip((req.idx for req in part), reference.generate_until(part) if part else []))
+    assert given == [expected[req.idx] for req in requests], f"seed {7000 + seed}: {options}, settings {settings}"
 
 
 def test_lm_eval_multimodal_backend_needs_a_processor_and_an_image_package(build):
