@@ -528,6 +528,17 @@ def check_image_task(folder, name, sizes, processor, hf, package_dir, **options)
     assert responses["ortmodule"] == responses["hf"]
 
 
+def hf_multimodal(hf, processor, **options):
+    """lm-eval's `hf-multimodal` backend on the transformers model `hf` on the CPU, given the processor object."""
+    from lm_eval.models.hf_vlms import HFMultimodalLM
+
+    class Reference(HFMultimodalLM):
+        def _create_tokenizer(self, *args, **kwargs):
+            self.processor, self.tokenizer = processor, processor.tokenizer
+
+    return Reference(pretrained=hf, device="cpu", **options)
+
+
 def image_task_responses(folder, name, sizes, processor, hf, package_dir, hf_batch_size=3, batch_size=3,
                          generation=None, **options) -> dict:
     """An offline lm-eval task of MMMU's form (`doc_to_image`, `generate_until`) named `name` in
@@ -539,7 +550,6 @@ def image_task_responses(folder, name, sizes, processor, hf, package_dir, hf_bat
     import json
 
     import lm_eval
-    from lm_eval.models.hf_vlms import HFMultimodalLM
 
     from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
     from ortmodule.tasks import task_manager
@@ -550,13 +560,9 @@ def image_task_responses(folder, name, sizes, processor, hf, package_dir, hf_bat
     (folder / f"{name}_utils.py").write_text(_IMAGE_TASK_UTILS.format(height=height, width=width, step=step,
                                                                         words=words))
 
-    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
-        def _create_tokenizer(self, *args, **kwargs):
-            self.processor, self.tokenizer = processor, processor.tokenizer
-
     responses = {}
     hf_options = {key: value for key, value in options.items() if key not in ("token_budget", "max_batch_size")}
-    for kind, lm in (("hf", Reference(pretrained=hf, batch_size=hf_batch_size, device="cpu", **hf_options)),
+    for kind, lm in (("hf", hf_multimodal(hf, processor, batch_size=hf_batch_size, **hf_options)),
                      ("ortmodule", OrtModuleMultimodalLM(package_dir, processor=processor, batch_size=batch_size,
                                                          device="cpu", **options))):
         result = lm_eval.simple_evaluate(model=lm, tasks=[name], log_samples=True,

@@ -17,6 +17,7 @@ import transformers
 from helpers import (
     check_half_precision_images,
     check_image_task,
+    hf_multimodal,
     image_task_responses,
     load_pair,
     padded_rows,
@@ -444,7 +445,6 @@ def test_lm_eval_multimodal_runs_text_requests_as_the_text_backend(build, monkey
     batches), with hf-multimodal's answers: loglikelihood within 1e-4 and the same greedy flags,
     rolling documents, generations the same text; `auto` included, which hf-multimodal refuses."""
     from lm_eval.api.instance import Instance
-    from lm_eval.models.hf_vlms import HFMultimodalLM
 
     from ortmodule.lm_eval import OrtModuleLM
     from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
@@ -453,10 +453,6 @@ def test_lm_eval_multimodal_runs_text_requests_as_the_text_backend(build, monkey
     _, hf = load_pair(fixture)
     processor = ImageTextProcessor(fixture.hf_dir)
 
-    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
-        def _create_tokenizer(self, *args, **kwargs):
-            self.processor, self.tokenizer = processor, processor.tokenizer
-
     words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "small", "birds",
              "sing"]
     contexts = [" ".join(words[i : i + 3 + i % 5]) for i in range(8)]
@@ -464,7 +460,7 @@ def test_lm_eval_multimodal_runs_text_requests_as_the_text_backend(build, monkey
     documents = [Instance("loglikelihood_rolling", None, (" ".join(words * (2 + i)),), i) for i in range(2)]
     prompts = [Instance("generate_until", None, (context, {"until": ["\n"], "max_gen_toks": 5}), i)
                for i, context in enumerate(contexts)]
-    reference = Reference(pretrained=hf, batch_size=1, device="cpu")
+    reference = hf_multimodal(hf, processor, batch_size=1)
     expected = (reference.loglikelihood(pairs), reference.loglikelihood_rolling(documents),
                 reference.generate_until(prompts))
     scored = []
@@ -503,7 +499,6 @@ def test_lm_eval_multimodal_runs_an_image_task_and_a_text_task_in_one_run(build,
     text task together (which hf-multimodal cannot run: it takes the first request's kind for all)
     give each task's responses as hf-multimodal gives them run alone."""
     import lm_eval
-    from lm_eval.models.hf_vlms import HFMultimodalLM
 
     from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
     from ortmodule.tasks import task_manager
@@ -518,10 +513,6 @@ def test_lm_eval_multimodal_runs_an_image_task_and_a_text_task_in_one_run(build,
         'import datasets\n\n\ndef docs(**kwargs):\n'
         '    return {"test": datasets.Dataset.from_list([dict(word=w) for w in "vwxyz"])}\n')
 
-    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
-        def _create_tokenizer(self, *args, **kwargs):
-            self.processor, self.tokenizer = processor, processor.tokenizer
-
     def responses(lm, names):
         result = lm_eval.simple_evaluate(model=lm, tasks=names, log_samples=True,
                                          task_manager=task_manager(names, tmp_path))
@@ -529,7 +520,7 @@ def test_lm_eval_multimodal_runs_an_image_task_and_a_text_task_in_one_run(build,
                                                                    key=lambda sample: sample["doc_id"])]
                 for name in names}
 
-    expected_text = responses(Reference(pretrained=hf, batch_size=2, device="cpu"), ["ortmodule_text_mixed"])
+    expected_text = responses(hf_multimodal(hf, processor, batch_size=2), ["ortmodule_text_mixed"])
     given = responses(OrtModuleMultimodalLM(fixture.package_dir, processor=processor, batch_size=2, device="cpu"),
                       ["ortmodule_images_mixed", "ortmodule_text_mixed"])
     assert given == {"ortmodule_images_mixed": expected, **expected_text}
@@ -544,7 +535,6 @@ def test_lm_eval_multimodal_generation_fuzz(build, seed):
     hf-multimodal's one request at a time (each kind in a call of its own, as it needs).
     `IMAGE_FUZZ_SEEDS=200` runs 200 cases."""
     from lm_eval.api.instance import Instance
-    from lm_eval.models.hf_vlms import HFMultimodalLM
 
     from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
 
@@ -552,10 +542,6 @@ def test_lm_eval_multimodal_generation_fuzz(build, seed):
     fixture = build("qwen2_5_vl")
     _, hf = load_pair(fixture)
     processor = ImageTextProcessor(fixture.hf_dir)
-
-    class Reference(HFMultimodalLM):  # lm-eval's hf-multimodal, given the processor object
-        def _create_tokenizer(self, *args, **kwargs):
-            self.processor, self.tokenizer = processor, processor.tokenizer
 
     # The media placeholders are never generated here: fed back without media, ortmodule embeds them as the
     # graph's zero feature row where transformers takes the table's (docs/usage.md), which this does not test.
@@ -579,7 +565,7 @@ def test_lm_eval_multimodal_generation_fuzz(build, seed):
                                                     ("max_batch_size", rng.choice([None, 2, 3]))) if value})
     given = OrtModuleMultimodalLM(fixture.package_dir, processor=processor, device="cpu", **options
                                   ).generate_until(requests)
-    reference = Reference(pretrained=hf, batch_size=1, device="cpu")
+    reference = hf_multimodal(hf, processor, batch_size=1)
     expected = {}
     for images in (False, True):
         part = [req for req in requests if (len(req.args) == 3) is images]
