@@ -128,11 +128,9 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
             self._token_budget = default_token_budget(self._model.device)
         return self._token_budget
 
-    def _text_backend(self) -> OrtModuleLM | None:
+    def _text_backend(self) -> OrtModuleLM:
         """`--model ortmodule`'s backend over this model and tokenizer, with this backend's HFLM arguments,
-        for the text-only requests (None where the model is not a package's)."""
-        if not isinstance(self._model, OrtModelForCausalLM):
-            return None
+        for the text-only requests (made at the first of them)."""
         if self._text_lm is None:
             self._text_lm = OrtModuleLM(pretrained=self._model, tokenizer=self.tokenizer,
                                         device=str(self._model.device), **self._text_args)
@@ -151,9 +149,9 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         return self._by_kind(requests, "generate_until", disable_tqdm)
 
     def _by_kind(self, requests, method: str, disable_tqdm: bool) -> list:
-        """`method` on the requests without images through the text backend (hf-multimodal's where the
-        model is not a package's) and on those with images as hf-multimodal runs them (generation in
-        batches by their work; lm-eval 0.4.13 refuses the others), the answers in the requests' order:
+        """`method` on the requests without images through the text backend and on those with images as
+        hf-multimodal runs them (generation in batches by their work; lm-eval 0.4.13 refuses the
+        others), the answers in the requests' order:
         lm-eval hands one call every task's requests of a type, and hf-multimodal takes the first
         request's kind for all of them (an image task and a text task in one run fail there)."""
         kinds = [len(req.args) >= 3 for req in requests]
@@ -163,15 +161,14 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
             if not indices:
                 continue
             part = [requests[i] for i in indices]
-            text = None if images else self._text_backend()  # made at the first text request
-            if images and method == "generate_until":
+            if not images:
+                done = getattr(self._text_backend(), method)(part, disable_tqdm)
+            elif method == "generate_until":
                 done = self._generate_with_images(part, disable_tqdm)
-            elif text is not None:
-                done = getattr(text, method)(part, disable_tqdm)
             elif method == "loglikelihood_rolling":
-                done = HFMultimodalLM.loglikelihood_rolling(self, part)
+                done = HFMultimodalLM.loglikelihood_rolling(self, part)  # lm-eval's refusal
             else:
-                done = getattr(HFMultimodalLM, method)(self, part, disable_tqdm)
+                done = HFMultimodalLM.loglikelihood(self, part, disable_tqdm)  # lm-eval's refusal
             for i, answer in zip(indices, done, strict=True):
                 answers[i] = answer
         return answers
@@ -181,8 +178,6 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         takes prompts while their tokens (each image's as the processor expands it) and new tokens fit,
         not `batch_size` rows; under `auto` the token budget. Each prompt is encoded once more than
         hf-multimodal encodes it, to count its tokens."""
-        if not isinstance(self._model, OrtModelForCausalLM):
-            return HFMultimodalLM.generate_until(self, requests, disable_tqdm)
         widths = self._prompt_widths(requests)
         tokens = [min(width, max(self.max_length - new, 1)) + new
                   for width, new in zip(widths, new_tokens(requests, self.max_gen_toks))]
@@ -195,7 +190,7 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         """hf-multimodal's, each row stopped at its own stop sequences (lm_eval.StopSequences: lm-eval's
         criteria run a batch until one sequence is in every row; on a CPU a stopped row leaves the decode
         steps); lm-eval's own for a thinking model."""
-        if getattr(self, "think_end_token", None) is not None or not isinstance(self._model, OrtModelForCausalLM):
+        if getattr(self, "think_end_token", None) is not None:
             return super()._model_multimodal_generate(inputs, max_length, stop, **generation_kwargs)
         return generate_with_stops(self, inputs, max_length, stop, **generation_kwargs)
 
