@@ -464,17 +464,29 @@ def generation_batches(keys: list, order_keys: list, tokens: list[int], size: in
 
 def generate_in_batches(lm: HFLM, method, requests, tokens: list[int], order_keys: list, size: int | None,
                         disable_tqdm: bool, desc: str) -> list:
-    """`method` (a backend's own `generate_until`) run once per batch of `generation_batches`, with
-    the backend's batch size set to the batch's (and restored after): `tokens` per request (its
-    prompt and new tokens), `order_keys` its place in the backend's order (the longest prompt first),
-    `size` a fixed batch size (None: `auto`). A fixed size's batch grows while its rows stay within
-    `GENERATION_WORK` tokens (or the `token_budget`, if smaller), `auto`'s within the token budget;
-    at most `max_batch_size` unless the fixed size is larger. One progress bar over the batches."""
+    """`method` (a backend's own `generate_until`) run once per batch of `plan_generation` (`tokens`
+    per request, its prompt and new tokens; `order_keys` its place in the backend's order, the longest
+    prompt first; `size` a fixed batch size, None: `auto`), by `run_in_batches`."""
+    return run_in_batches(lm, method, requests, plan_generation(lm, requests, tokens, order_keys, size),
+                          disable_tqdm, desc)
+
+
+def plan_generation(lm: HFLM, requests, tokens: list[int], order_keys: list, size: int | None) -> list[list[int]]:
+    """The batches of `generation_batches` for the backend's settings: a fixed size's batch grows while
+    its rows stay within `GENERATION_WORK` tokens (or the `token_budget`, if smaller), `auto`'s within
+    the token budget; at most `max_batch_size` unless the fixed size is larger."""
     budget = lm.token_budget if size is None else min(lm.token_budget, GENERATION_WORK)
     batches = generation_batches([repr(sorted(req.args[1].items())) for req in requests], order_keys, tokens,
                                  size, budget, lm.max_batch_size or len(requests))
     logger.info("generate_until: %d requests in %d batches of up to %d (%d tokens a batch)",
-                len(requests), len(batches), max(map(len, batches)), budget)
+                len(requests), len(batches), max(map(len, batches), default=0), budget)
+    return batches
+
+
+def run_in_batches(lm: HFLM, method, requests, batches: list[list[int]], disable_tqdm: bool, desc: str) -> list:
+    """`method(lm, a batch's requests, True)` for each batch of request indices, in order, with the
+    backend's batch size set to the batch's (and restored after): the answers in the requests' order.
+    One progress bar over the batches."""
     answers: list = [None] * len(requests)
     before = lm.batch_size_per_gpu
     with tqdm(total=len(requests), disable=disable_tqdm or lm.rank != 0, desc=desc) as progress:

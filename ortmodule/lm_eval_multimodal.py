@@ -13,7 +13,9 @@ fills the token budget), and each row stops at its own stop sequences.
 
 from __future__ import annotations
 
+import copy
 import os
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,19 +23,20 @@ import torch
 import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.hf_vlms import DEFAULT_IMAGE_PLACEHOLDER, HFMultimodalLM
-from lm_eval.models.utils import flatten_image_list, replace_placeholders, resize_image
+from lm_eval.models.utils import flatten_image_list, handle_stop_sequences, replace_placeholders, resize_image
 
 from . import hub
 from .hf import build_config
 from .lm_eval import (
     OrtModuleLM,
     check_dtype,
-    generate_in_batches,
     generate_with_stops,
     new_tokens,
+    plan_generation,
     positive_int,
     refuse_hflm_options,
     refuse_unknown_args,
+    run_in_batches,
 )
 from .modeling import OrtModelForCausalLM
 from .package import read_package
@@ -174,17 +177,48 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
         return answers
 
     def _generate_with_images(self, requests, disable_tqdm: bool) -> list[str]:
-        """hf-multimodal's `generate_until` in batches by their work (lm_eval.generate_in_batches): a batch
+        """hf-multimodal's `generate_until` in batches by their work (lm_eval.plan_generation): a batch
         takes prompts while their tokens (each image's as the processor expands it) and new tokens fit,
-        not `batch_size` rows; under `auto` the token budget. Each prompt is encoded once more than
-        hf-multimodal encodes it, to count its tokens."""
+        not `batch_size` rows; under `auto` the token budget. The processor encodes the batches on worker
+        threads ahead of the batch that generates (`ImagesAhead`), and a batch ends without hf-multimodal's
+        `gc.collect()` and `torch.cuda.empty_cache()` (`_image_batch`). Each prompt is encoded once more
+        than hf-multimodal encodes it, to count its tokens."""
         widths = self._prompt_widths(requests)
         tokens = [min(width, max(self.max_length - new, 1)) + new
                   for width, new in zip(widths, new_tokens(requests, self.max_gen_toks))]
-        return generate_in_batches(self, HFMultimodalLM.generate_until, requests, tokens,
-                                   [(-width, req.args[0]) for width, req in zip(widths, requests)],
-                                   None if self._auto else self.batch_size_per_gpu, disable_tqdm,
-                                   "Running generate_until requests with text+image input")
+        order = [(-width, req.args[0]) for width, req in zip(widths, requests)]
+        batches = plan_generation(self, requests, tokens, order, None if self._auto else self.batch_size_per_gpu)
+        with ImagesAhead(self, [[requests[i] for i in batch] for batch in batches]) as ahead:
+            return run_in_batches(self, lambda lm, part, _: lm._image_batch(part, ahead.take()), requests, batches,
+                                  disable_tqdm, "Running generate_until requests with text+image input")
+
+    def _image_batch(self, requests, encoding) -> list[str]:
+        """One batch of hf-multimodal's `generate_until` loop (its stop sequences, `max_gen_toks`, left
+        truncation, decoding and cache hook) on the batch's processor `encoding` (`_processed`), without
+        the loop's `gc.collect()` and `torch.cuda.empty_cache()` after each batch (some 0.3 s of the
+        host's time a batch beside lm-eval's and transformers' objects, with the device idle)."""
+        arguments = requests[0].args[1]  # one generation setting a batch (lm_eval.generation_batches)
+        kwargs = copy.deepcopy(arguments)
+        until = handle_stop_sequences(kwargs.pop("until", None),
+                                      eos=self.tok_decode(self.eot_token_id, skip_special_tokens=False))
+        max_gen_toks = kwargs.pop("max_gen_toks", self.max_gen_toks)
+        encoding = encoding.to(self.device, self.model.dtype)
+        keep = self.max_length - max_gen_toks
+        if keep:  # hf-multimodal's left truncation
+            encoding["input_ids"] = encoding["input_ids"][:, -keep:]
+            encoding["attention_mask"] = encoding["attention_mask"][:, -keep:]
+        width = encoding["input_ids"].shape[1]
+        kwargs.setdefault("max_length", width + max_gen_toks)
+        answers = []
+        for tokens, request in zip(self._model_multimodal_generate(encoding, stop=until, **kwargs).tolist(),
+                                   requests, strict=True):
+            answer = self.tok_decode(tokens[width:])
+            for term in until:
+                if term:
+                    answer = answer.split(term)[0]
+            self.cache_hook.add_partial("generate_until", (request.args[0], arguments), answer)
+            answers.append(answer)
+        return answers
 
     def _model_multimodal_generate(self, inputs, max_length, stop, **generation_kwargs):
         """hf-multimodal's, each row stopped at its own stop sequences (lm_eval.StopSequences: lm-eval's
@@ -208,16 +242,74 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
             return first + list(pool.map(count, requests[1:]))
 
     def _prompt_tokens(self, context: str, aux: dict) -> int:
-        """One prompt's tokens: what `tok_batch_multimodal_encode` does for one prompt, without its
-        padding side set and restored on the shared tokenizer (which threads would race on) or its
-        tensors moved to the device."""
-        images = [resize_image(image, self.image_width, self.image_height, self.image_max_side)
-                  for image in aux["visual"]][: self.max_images]
+        """One prompt's tokens, as `_processed` encodes it with the backend's own processor (one row: the
+        tokenizer's padding side plays no part)."""
+        return int(self._processed(self.processor, [context], [aux["visual"]])["input_ids"].shape[1])
+
+    def _processed(self, processor, contexts: list[str], visuals: list[list]):
+        """Prompts and their images as hf-multimodal's `generate_until` and `tok_batch_multimodal_encode`
+        make them for `processor` (images resized, at most `max_images`, placeholders replaced, padded to
+        the longest on the tokenizer's padding side), on the host: without the padding side set and
+        restored on the shared tokenizer, which threads would race on, or the tensors moved to the device."""
+        images = [[resize_image(image, self.image_width, self.image_height, self.image_max_side)
+                   for image in row][: self.max_images] for row in visuals]
         if self.rgb:
-            images = [image.convert("RGB") for image in images]
+            images = [[image.convert("RGB") for image in row] for row in images]
         if not self.chat_applied:
-            context = replace_placeholders(context, DEFAULT_IMAGE_PLACEHOLDER, self.image_token, self.max_images)
-        batch = flatten_image_list([images]) if getattr(self.config, "model_type", "") == "llava" else [images]
-        encoding = self.processor(images=batch, text=[context], truncation=self.truncation, padding="longest",
-                                  return_tensors="pt")
-        return int(encoding["input_ids"].shape[1])
+            contexts = [replace_placeholders(context, DEFAULT_IMAGE_PLACEHOLDER, self.image_token, self.max_images)
+                        for context in contexts]
+        if getattr(self.config, "model_type", "") == "llava":
+            images = flatten_image_list(images)
+        return processor(images=images, text=list(contexts), truncation=self.truncation, padding="longest",
+                         return_tensors="pt")
+
+    def _encoders(self, count: int) -> list:
+        """`count` copies of the processor for worker threads, each its tokenizer padding on the left as
+        hf-multimodal pads (kept between calls)."""
+        made = self.__dict__.setdefault("_processor_copies", [])
+        while len(made) < count:
+            made.append(copy.deepcopy(self.processor))
+            made[-1].tokenizer.padding_side = "left"
+        return made[:count]
+
+
+class ImagesAhead:
+    """Image generation batches encoded by the processor on worker threads while the batches before
+    them generate: up to `workers` batches ahead (by default one a two cores of the host, at most 4), each
+    worker with its own copy of the processor (a fast tokenizer's call writes its padding state, and
+    the model's thread decodes and encodes stop sequences with the backend's tokenizer meanwhile).
+    `take()` gives the next batch's encoding in order, waiting for it where it is not done."""
+
+    def __init__(self, lm: OrtModuleMultimodalLM, batches: list[list], workers: int | None = None):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.workers = workers or max(1, min(4, cores // 2))
+        self.lm, self.batches, self.next, self.futures = lm, batches, 0, {}
+        self.processors: queue.SimpleQueue = queue.SimpleQueue()
+        for processor in lm._encoders(self.workers):
+            self.processors.put(processor)
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ortmodule-images")
+        for index in range(min(self.workers, len(batches))):
+            self._submit(index)
+
+    def _submit(self, index: int) -> None:
+        self.futures[index] = self.pool.submit(self._encode, self.batches[index])
+
+    def _encode(self, requests):
+        processor = self.processors.get()
+        try:
+            return self.lm._processed(processor, [req.args[0] for req in requests],
+                                      [req.args[2]["visual"] for req in requests])
+        finally:
+            self.processors.put(processor)
+
+    def take(self):
+        index, self.next = self.next, self.next + 1
+        if index + self.workers < len(self.batches):
+            self._submit(index + self.workers)
+        return self.futures.pop(index).result()
+
+    def __enter__(self) -> ImagesAhead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

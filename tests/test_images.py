@@ -9,6 +9,8 @@ import json
 import os
 import random
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -407,6 +409,65 @@ def test_lm_eval_multimodal_batches_image_prompts_by_their_work(build, tmp_path,
             assert batches == expected, (batch_size, options)
         else:  # rows of some 30 tokens: one or two a batch, never all
             assert 1 < len(batches) < len(words) and max(batches) >= 2, batches
+
+
+def test_lm_eval_multimodal_encodes_image_batches_ahead(build, monkeypatch):
+    """ortmodule-multimodal's image batches are encoded on a worker thread, each worker with its own
+    copy of the processor, while the batch before them generates (the next batch's encoding has begun
+    before the first batch's generation ends), without hf-multimodal's `gc.collect()` after each batch;
+    every response that of hf-multimodal one request at a time; an encoding that fails raises from
+    `generate_until`, and the workers end."""
+    import gc
+
+    from lm_eval.api.instance import Instance
+
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    fixture = build("qwen2_5_vl")
+    _, hf = load_pair(fixture)
+
+    class Recording(ImageTextProcessor):
+        calls = []  # (thread, processor, prompts) of every call, the copies' included (a class attribute)
+
+        def __call__(self, images=None, text=None, **kwargs):
+            Recording.calls.append((threading.current_thread(), self, tuple(text)))
+            if any("broken" in line for line in text) and self is not processor:  # a batch's encoding only
+                raise ValueError("a broken prompt")
+            return super().__call__(images=images, text=text, **kwargs)
+
+    processor = Recording(fixture.hf_dir)
+    pictures = [Image.fromarray((np.random.RandomState(i).rand(12 + 4 * i, 20, 3) * 255).astype("uint8"))
+                for i in range(6)]
+    requests = [Instance("generate_until", None, (f"<image> {'abcdef'[: i + 1]}", {"until": ["\n"], "max_gen_toks": 5},
+                                                  {"visual": [picture]}), i) for i, picture in enumerate(pictures)]
+    expected = hf_multimodal(hf, ImageTextProcessor(fixture.hf_dir), batch_size=1).generate_until(requests, True)
+    lm = OrtModuleMultimodalLM(fixture.package_dir, processor=processor, device="cpu", batch_size=1, max_batch_size=2)
+    ahead = lambda: [call for call in Recording.calls if call[1] is not processor]  # noqa: E731  the batches' encodings
+    seen, own = [], OrtModuleMultimodalLM._model_multimodal_generate
+
+    def generate(self, inputs, *args, **kwargs):
+        if not seen:  # the first batch waits (at most 60 s) for the second's encoding to begin
+            deadline = time.monotonic() + 60
+            while len(ahead()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        seen.append((len(inputs["input_ids"]), len(ahead())))
+        return own(self, inputs, *args, **kwargs)
+
+    collected = []
+    monkeypatch.setattr(OrtModuleMultimodalLM, "_model_multimodal_generate", generate)
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(args) or 0)
+    assert lm.generate_until(requests, disable_tqdm=True) == expected and any(expected)
+    assert [rows for rows, _ in seen] == [2, 2, 2]
+    assert [encoded for _, encoded in seen][0] >= 2, "the second batch was not encoded while the first generated"
+    assert [len(prompts) for _, _, prompts in ahead()] == [2, 2, 2] and not collected
+    assert all(thread is not threading.main_thread() and copy is not processor for thread, copy, _ in ahead())
+    assert processor.tokenizer.padding_side == "right"  # the backend's own tokenizer, untouched
+    Recording.calls.clear()
+    broken = requests[:4] + [Instance("generate_until", None, ("<image> broken", *requests[0].args[1:]), 4)]
+    with pytest.raises(ValueError, match="a broken prompt"):
+        lm.generate_until(broken, disable_tqdm=True)
+    assert any("broken" in line for _, _, prompts in ahead() for line in prompts)  # raised on a worker
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("ortmodule-images")]
 
 
 def test_lm_eval_multimodal_stops_each_image_row_on_its_own(build, tmp_path, monkeypatch):
