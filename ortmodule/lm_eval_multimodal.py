@@ -8,7 +8,8 @@ lm-eval's class is used as it is, with the model loaded from the package and the
 where the checkpoint's is (`processor=`: a GenAI package carries onnxruntime-genai's image
 settings, not transformers' processor), but for two things `--model ortmodule` does as well: image
 prompts generate in batches by their work (tokens, images' included, not `batch_size` rows; `auto`
-fills the token budget), and each row stops at its own stop sequences.
+fills the token budget), and each row stops at its own stop sequences; and the processor encodes the
+image batches on worker threads ahead of the batch that generates (`ImagesAhead`).
 """
 
 from __future__ import annotations
