@@ -15,6 +15,7 @@ image batches on worker threads ahead of the batch that generates (`ImagesAhead`
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import queue
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,8 @@ from .lm_eval import (
 from .modeling import OrtModelForCausalLM
 from .package import read_package
 from .scoring import default_token_budget
+
+logger = logging.getLogger(__name__)
 
 # hf-multimodal's own model args (images' placement and size); the rest are HFLM's, which the text-only
 # requests' backend takes too.
@@ -266,29 +269,48 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
 
     def _encoders(self, count: int) -> list:
         """`count` copies of the processor for worker threads, each its tokenizer padding on the left as
-        hf-multimodal pads (kept between calls)."""
+        hf-multimodal pads (kept between calls); none, with a warning, where the processor cannot be
+        copied (`ImagesAhead` then encodes each batch when it comes, as hf-multimodal does)."""
         made = self.__dict__.setdefault("_processor_copies", [])
-        while len(made) < count:
-            made.append(copy.deepcopy(self.processor))
+        while made is not None and len(made) < count:
+            try:
+                made.append(copy.deepcopy(self.processor))
+            except Exception as e:  # noqa: BLE001  any processor object a user passes
+                logger.warning("ortmodule-multimodal: the processor cannot be copied for worker threads (%s: %s); "
+                               "image batches are encoded when they come", type(e).__name__, e)
+                self._processor_copies = made = None  # not tried again
+                return []
             made[-1].tokenizer.padding_side = "left"
-        return made[:count]
+        return [] if made is None else made[:count]
+
+    def _processed_here(self, requests):
+        """A batch's encoding with the backend's own processor, on the calling thread, padded on the left
+        as hf-multimodal's `tok_batch_multimodal_encode` pads it (its tokenizer's padding side set, then
+        restored)."""
+        before, self.tokenizer.padding_side = self.tokenizer.padding_side, "left"
+        try:
+            return self._processed(self.processor, [req.args[0] for req in requests],
+                                   [req.args[2]["visual"] for req in requests])
+        finally:
+            self.tokenizer.padding_side = before
 
 
 class ImagesAhead:
     """Image generation batches encoded by the processor on worker threads while the batches before
-    them generate: up to `workers` batches ahead (by default one a two cores of the host, at most 4), each
+    them generate: up to `workers` batches ahead (by default one for each two of the host's cores, at most 4), each
     worker with its own copy of the processor (a fast tokenizer's call writes its padding state, and
     the model's thread decodes and encodes stop sequences with the backend's tokenizer meanwhile).
     `take()` gives the next batch's encoding in order, waiting for it where it is not done."""
 
     def __init__(self, lm: OrtModuleMultimodalLM, batches: list[list], workers: int | None = None):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.workers = workers or max(1, min(4, cores // 2))
+        copies = lm._encoders(workers or max(1, min(4, cores // 2)))
+        self.workers = len(copies)  # 0: a processor that cannot be copied, each batch encoded when it comes
         self.lm, self.batches, self.next, self.futures = lm, batches, 0, {}
         self.processors: queue.SimpleQueue = queue.SimpleQueue()
-        for processor in lm._encoders(self.workers):
+        for processor in copies:
             self.processors.put(processor)
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ortmodule-images")
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ortmodule-images") if copies else None
         for index in range(min(self.workers, len(batches))):
             self._submit(index)
 
@@ -305,6 +327,8 @@ class ImagesAhead:
 
     def take(self):
         index, self.next = self.next, self.next + 1
+        if self.pool is None:
+            return self.lm._processed_here(self.batches[index])
         if index + self.workers < len(self.batches):
             self._submit(index + self.workers)
         return self.futures.pop(index).result()
@@ -313,4 +337,5 @@ class ImagesAhead:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)

@@ -470,6 +470,41 @@ def test_lm_eval_multimodal_encodes_image_batches_ahead(build, monkeypatch):
     assert not [thread for thread in threading.enumerate() if thread.name.startswith("ortmodule-images")]
 
 
+def test_lm_eval_multimodal_encodes_image_batches_in_turn_with_a_processor_it_cannot_copy(build, caplog):
+    """A processor object that cannot be copied for worker threads: a warning that says so, and each
+    image batch encoded when it comes with the backend's processor, its tokenizer's padding side set
+    for the call and restored; every response that of hf-multimodal one request at a time."""
+    from lm_eval.api.instance import Instance
+
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    fixture = build("qwen2_5_vl")
+    _, hf = load_pair(fixture)
+
+    class Uncopyable(ImageTextProcessor):
+        threads = []
+
+        def __deepcopy__(self, memo):
+            raise TypeError("cannot copy this processor")
+
+        def __call__(self, *args, **kwargs):
+            Uncopyable.threads.append(threading.current_thread())
+            return super().__call__(*args, **kwargs)
+
+    processor = Uncopyable(fixture.hf_dir)
+    pictures = [Image.new("RGB", (12 + 4 * i, 20)) for i in range(4)]
+    requests = [Instance("generate_until", None, (f"<image> {'abcd'[: i + 1]}", {"until": ["\n"], "max_gen_toks": 5},
+                                                  {"visual": [picture]}), i) for i, picture in enumerate(pictures)]
+    expected = hf_multimodal(hf, ImageTextProcessor(fixture.hf_dir), batch_size=1).generate_until(requests, True)
+    lm = OrtModuleMultimodalLM(fixture.package_dir, processor=processor, device="cpu", max_batch_size=2)
+    Uncopyable.threads.clear()
+    with caplog.at_level("WARNING", logger="ortmodule"):
+        assert lm.generate_until(requests, disable_tqdm=True) == expected and any(expected)
+    assert "cannot be copied for worker threads (TypeError: cannot copy this processor)" in caplog.text
+    assert Uncopyable.threads[-2:] == [threading.main_thread()] * 2  # the two batches, after the count pass
+    assert processor.tokenizer.padding_side == "right"
+
+
 def test_lm_eval_multimodal_stops_each_image_row_on_its_own(build, tmp_path, monkeypatch):
     """Image prompts of one batch whose answers end at different steps: ortmodule-multimodal stops
     each row at its own stop sequence (lm_eval.StopSequences, where lm-eval's criteria run the batch
