@@ -34,7 +34,7 @@ def main() -> None:
     from lm_eval.__main__ import cli_evaluate
 
     from . import lm_eval_multimodal  # noqa: F401  importing it registers --model ortmodule-multimodal
-    from .lm_eval import leave_process_group  # importing it registers --model ortmodule
+    from .lm_eval import ModelArgsError, leave_process_group  # importing it registers --model ortmodule
     from .package import NotSupportedError, PackageError
 
     log = logging.getLogger("ortmodule")
@@ -44,7 +44,7 @@ def main() -> None:
     resolve_tasks_as_ortmodule()
     try:
         cli_evaluate()
-    except (PackageError, NotSupportedError) as e:  # ortmodule's own, each naming the problem: no traceback
+    except (PackageError, NotSupportedError, ModelArgsError) as e:  # ortmodule's own, each naming the problem
         raise SystemExit(f"ortmodule-eval: error: {e}") from None
     finally:
         leave_process_group()  # data parallel: gloo's threads must not outlive the interpreter

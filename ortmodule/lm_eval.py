@@ -25,7 +25,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.models.utils_hf import get_dtype
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
 from . import hf, hub, shared_prompts
@@ -47,6 +47,11 @@ from .sharing import KeptPrefixes, common_prefix, packs, prefix_groups, worth_sh
 logger = logging.getLogger(__name__)
 
 
+class ModelArgsError(ValueError, TypeError):
+    """A model arg the backend cannot take, named (a ValueError, and a TypeError where Python's would
+    be one: an unknown or repeated argument); `ortmodule-eval` prints it without a traceback."""
+
+
 def _sharing_choice(value) -> bool | str:
     """`share_contexts`: "auto" (where `sharing.worth_sharing` says it saves time, from this
     model's measured costs), or always / never; lm-eval passes model_args as strings."""
@@ -54,7 +59,7 @@ def _sharing_choice(value) -> bool | str:
         return value
     key = str(value).strip().lower()
     if key not in ("auto", "true", "false"):
-        raise ValueError(f"share_contexts must be auto, true or false, got {value!r}")
+        raise ModelArgsError(f"share_contexts must be auto, true or false, got {value!r}")
     return "auto" if key == "auto" else key == "true"
 
 
@@ -82,7 +87,7 @@ def positive_int(value, name: str) -> int | None:
     except ValueError:
         number = 0
     if isinstance(value, bool) or number < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ModelArgsError(f"{name} must be a positive integer, got {value!r}")
     return number
 
 
@@ -91,7 +96,7 @@ def _chunk_arg(value) -> int | None:
     if value is None or str(value).strip().lower() == "auto":
         return None
     if isinstance(value, bool) or not str(value).strip().isdigit():
-        raise ValueError(f"prefill_chunk must be auto, 0 (off) or a positive number of tokens, got {value!r}")
+        raise ModelArgsError(f"prefill_chunk must be auto, 0 (off) or a positive number of tokens, got {value!r}")
     return int(str(value).strip())
 
 
@@ -544,9 +549,35 @@ _generate_until = _one_evaluation_at_a_time(
     shared_prompts.keeping_beginnings(in_generation_batches(HFLM.generate_until)))
 
 
+def arguments_once(args: dict, additional: dict | None) -> dict:
+    """lm-eval's `create_from_arg_string`'s merge of `--model_args` and its own options (`--batch_size`,
+    whose default of 1 it always passes, `--max_batch_size`, `--device`): a name in both is a
+    ModelArgsError saying which, where Python's TypeError ("multiple values for keyword argument")
+    would come from deep inside lm-eval."""
+    given = {name: value for name, value in (additional or {}).items() if value is not None}
+    twice = sorted(args.keys() & given.keys())
+    if twice:
+        raise ModelArgsError(f"{', '.join(twice)} given twice: in the model args and as lm-eval's own option "
+                             f"({', '.join('--' + name for name in twice)}, which lm-eval's command line passes "
+                             "even when left out); give each once, as the option")
+    return {**args, **given}
+
+
+class ArgumentsOnce:
+    """lm-eval's ways of making a backend from its model args and its own options, each argument given
+    once (`arguments_once`)."""
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        return cls(**arguments_once(simple_parse_args_string(arg_string), additional_config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        return cls(**arguments_once(dict(arg_dict), additional_config))
+
 @register_model("ortmodule")
-class OrtModuleLM(HFLM):
-    """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR,device=cpu` (or cuda, cuda:N).
+class OrtModuleLM(ArgumentsOnce, HFLM):
+    """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR --device cpu` (or cuda, cuda:N).
 
     Extra model_args: `rewrite_lm_head` (default float32: a half-precision package's LM head in
     float32, graph.py; True: in its own precision), `provider_options` (a dict, from Python),
@@ -824,15 +855,15 @@ def refuse_hflm_options(kwargs: dict) -> None:
     backend, and `max_length`, `max_batch_size` and a batch size not `auto` as positive ints."""
     for name, what in _FIXED_AT_EXPORT.items():
         if kwargs.get(name) not in (None, False, ""):
-            raise ValueError(f"{name}={kwargs[name]!r} asks for {what}, which applies to a PyTorch model: an ONNX "
+            raise ModelArgsError(f"{name}={kwargs[name]!r} asks for {what}, which applies to a PyTorch model: an ONNX "
                              "package's weights and precision are fixed when it is exported (merge or quantize the "
                              "checkpoint, then `ortmodule export` it; a GGUF file exports as it is)")
     backend = kwargs.setdefault("backend", "causal")
     if backend not in ("causal", "default"):
-        raise ValueError(f"backend={backend!r}: a GenAI package is a causal (decoder-only) model")
+        raise ModelArgsError(f"backend={backend!r}: a GenAI package is a causal (decoder-only) model")
     softmax = kwargs.get("softmax_dtype")
     if softmax is not None and get_dtype(softmax) != torch.float32:
-        raise ValueError(f"softmax_dtype={softmax!r}: ortmodule computes log-softmax in float32 (leave it out, or "
+        raise ModelArgsError(f"softmax_dtype={softmax!r}: ortmodule computes log-softmax in float32 (leave it out, or "
                          "pass float32)")
     for name in ("max_length", "max_batch_size"):  # checked here, not at the first request they do not fit
         if kwargs.get(name) is not None:
@@ -842,7 +873,7 @@ def refuse_hflm_options(kwargs: dict) -> None:
         try:
             kwargs["batch_size"] = positive_int(batch, "batch_size")
         except ValueError:
-            raise ValueError(f"batch_size must be a positive integer, auto or auto:N, got {batch!r}") from None
+            raise ModelArgsError(f"batch_size must be a positive integer, auto or auto:N, got {batch!r}") from None
     if kwargs.get("parallelize"):
         logger.warning("ortmodule: parallelize=True is ignored: a package runs on the one device given (for several, "
                        "run lm-eval's data parallel: accelerate launch ... -m ortmodule.cli, docs/lm-eval.md)")
@@ -863,12 +894,16 @@ def refuse_unknown_args(backend, kwargs: dict) -> None:
     if unknown:
         own = [name for name in inspect.signature(type(backend).__init__).parameters
                if name not in ("self", "pretrained", "kwargs")]
-        raise TypeError(f"unknown model_args for the {type(backend).__name__} backend: {', '.join(unknown)} (it "
+        raise ModelArgsError(f"unknown model_args for the {type(backend).__name__} backend: {', '.join(unknown)} (it "
                         f"takes lm-eval's hf arguments, its own: {', '.join(own)}, and the transformers loading "
                         "arguments a package can honour: docs/lm-eval.md)")
     check_dtype(hf.loading_options(backend._device, extras)[2], backend._package)
 
 
 def check_dtype(dtype, package) -> None:
-    """HFLM's `dtype` model arg: "auto" (or None) or the package's own precision, else a ValueError."""
-    hf.check_dtype(dtype if dtype is None or dtype == "auto" else get_dtype(dtype), package, dtype)
+    """HFLM's `dtype` model arg: "auto" (or None) or the package's own precision, else a ModelArgsError."""
+    try:
+        hf.check_dtype(dtype if dtype is None or dtype == "auto" else get_dtype(dtype), package, dtype)
+    except ValueError as e:
+        raise ModelArgsError(str(e)) from None
+

@@ -30,6 +30,8 @@ from lm_eval.models.utils import flatten_image_list, handle_stop_sequences, repl
 from . import hub
 from .hf import build_config
 from .lm_eval import (
+    ArgumentsOnce,
+    ModelArgsError,
     OrtModuleLM,
     check_dtype,
     generate_with_stops,
@@ -53,7 +55,7 @@ _IMAGE_ARGS = frozenset({"image_token_id", "image_string", "interleave", "max_im
 
 
 @register_model("ortmodule-multimodal")
-class OrtModuleMultimodalLM(HFMultimodalLM):
+class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
     """`lm_eval --model ortmodule-multimodal --model_args pretrained=PACKAGE_DIR,processor=CHECKPOINT`
     (the Hugging Face folder or hub name whose processor made the package's images: its
     `preprocessor_config.json` and tokenizer; where the package folder holds them, `processor` may be
@@ -68,11 +70,11 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
     def __init__(self, pretrained, processor=None, device: str | None = None,
                  provider_options: dict | None = None, token_budget: int | str | None = None, **kwargs):
         if kwargs.get("tokenizer") is not None:
-            raise ValueError("ortmodule-multimodal takes the checkpoint's processor as processor=, not tokenizer=")
+            raise ModelArgsError("ortmodule-multimodal takes the checkpoint's processor as processor=, not tokenizer=")
         pretrained = str(pretrained) if isinstance(pretrained, Path) else pretrained
         if processor is None:
             if not isinstance(pretrained, str) or not (Path(pretrained) / "preprocessor_config.json").is_file():
-                raise ValueError(
+                raise ModelArgsError(
                     "ortmodule-multimodal needs processor=<the Hugging Face checkpoint folder or hub name the package "
                     "was exported from>: a GenAI package holds onnxruntime-genai's image settings, not the "
                     "processor lm-eval runs (preprocessor_config.json)")
@@ -103,7 +105,7 @@ class OrtModuleMultimodalLM(HFMultimodalLM):
     def _set_image_token(self, config) -> None:
         token = self._package.genai_config["model"].get("image_token_id")
         if not isinstance(token, int):
-            raise ValueError(f"{self._package.root}: genai_config.json names no model.image_token_id: the package "
+            raise ModelArgsError(f"{self._package.root}: genai_config.json names no model.image_token_id: the package "
                              "takes no images (lm-eval's --model ortmodule runs its text)")
         config.image_token_id = token
 

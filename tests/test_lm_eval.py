@@ -756,6 +756,41 @@ def test_ortmodule_eval_names_a_bad_package_without_a_traceback(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_ortmodule_eval_names_a_bad_model_arg_without_a_traceback(llama):
+    """A model arg the backend refuses (a precision the package was not exported in, a misspelt name, a
+    value out of range) and one given twice (in --model_args and as lm-eval's own option, whose default
+    lm-eval's command line passes: `--model hf` fails there with Python's "multiple values for keyword
+    argument") end `ortmodule-eval` with the backend's message, not a traceback; from Python the error
+    is a ValueError (a TypeError too where Python's would be one)."""
+    import os
+    import subprocess
+    import sys
+
+    from ortmodule.lm_eval import ModelArgsError, OrtModuleLM
+
+    expected = {",dtype=float16": "dtype='float16': ",
+                ",batch_size=8": "batch_size given twice: in the model args and as lm-eval's own option (--batch_size,"}
+    for model_args, message in expected.items():
+        done = subprocess.run([sys.executable, "-m", "ortmodule.cli", "--model", "ortmodule", "--model_args",
+                               f"pretrained={llama.package_dir}{model_args}", "--tasks", "ortmodule_arithmetic_mc"],
+                              capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert done.stderr.strip().splitlines()[-1].startswith(f"ortmodule-eval: error: {message}"), done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
+    for model_args, message in ((",share_context=false", "unknown model_args for the OrtModuleLM backend"),
+                                (",max_length=0", "max_length must be a positive integer, got 0")):
+        with pytest.raises(ModelArgsError, match=message):  # what the command line prints (above)
+            OrtModuleLM.create_from_arg_string(f"pretrained={llama.package_dir}{model_args}", {"device": "cpu"})
+    extra = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}  # what lm-eval's command line passes
+    with pytest.raises(ModelArgsError, match="batch_size given twice") as raised:
+        OrtModuleLM.create_from_arg_string(f"pretrained={llama.package_dir},batch_size=4", extra)
+    assert isinstance(raised.value, ValueError) and isinstance(raised.value, TypeError)
+    with pytest.raises(TypeError, match="device given twice"):
+        OrtModuleLM.create_from_arg_obj({"pretrained": str(llama.package_dir), "device": "cpu"}, extra)
+    lm = OrtModuleLM.create_from_arg_string(f"pretrained={llama.package_dir},max_length=64", {**extra, "device": None})
+    assert lm.batch_size == 1 and lm.max_length == 64 and lm.device.type == "cpu"
+
+
 # CPU processes: a GPU, if the machine has one, stays out of it (lm-eval would give rank 1 a second GPU).
 CPU_ONLY = {"ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": ""}
 
