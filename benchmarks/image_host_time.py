@@ -14,7 +14,7 @@ earlier way, where its time went: the count pass (each prompt's tokens, before t
 batches' encoding, and the model's runs (`_model_multimodal_generate`); the rest is lm-eval's loop,
 its `gc.collect()` included.
 
-    python benchmarks/image_host_time.py [--documents 16] [--side 1024] [--rounds 3]
+    python benchmarks/image_host_time.py [--documents 16] [--side 1024] [--rounds 3] [--device cuda]
 """
 
 import argparse
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=1024)
     parser.add_argument("--new", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the model's; the processor runs on the host)")
     args = parser.parse_args()
     fixture = fixtures.build(SPEC)
     processor = ImageTextProcessor(fixture.hf_dir)
@@ -59,8 +60,8 @@ def main() -> None:
     requests = [Instance("generate_until", None, (f"<image> Question {i}: say", {"until": ["\n"], "max_gen_toks":
                                                   args.new}, {"visual": [picture]}), i)
                 for i, picture in enumerate(pictures)]
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cpu")
-    lms = {way: cls(model, processor=processor, batch_size="auto", device="cpu")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device)
+    lms = {way: cls(model, processor=processor, batch_size="auto", device=args.device)
            for way, cls in (("encoded in the loop", EncodedInTheLoop), ("encoded ahead", OrtModuleMultimodalLM))}
     spent = Counter()  # the earlier way's parts
 
