@@ -21,10 +21,10 @@ import argparse
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import transformers
 from lm_eval.api.instance import Instance
 from PIL import Image
@@ -32,6 +32,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # ortmodule_dev, and the tests' processor
 
+from evaluation import Clock  # noqa: E402
 from image_generation_batches import EncodedInTheLoop  # noqa: E402
 from test_images import ImageTextProcessor  # noqa: E402
 
@@ -63,25 +64,13 @@ def main() -> None:
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=args.device)
     lms = {way: cls(model, processor=processor, batch_size="auto", device=args.device)
            for way, cls in (("encoded in the loop", EncodedInTheLoop), ("encoded ahead", OrtModuleMultimodalLM))}
-    spent = Counter()  # the earlier way's parts
-
-    def clocked(lm, name):
-        method = getattr(lm, name)
-
-        def call(*a, **kw):
-            start = time.perf_counter()
-            try:
-                return method(*a, **kw)
-            finally:
-                spent[name] += time.perf_counter() - start
-        setattr(lm, name, call)
-
     earlier = lms["encoded in the loop"]
-    for name in ("_prompt_widths", "tok_batch_multimodal_encode", "_model_multimodal_generate"):
-        clocked(earlier, name)
+    parts = {name: Clock(pytest.MonkeyPatch(), earlier, name)  # the earlier way's parts
+             for name in ("_prompt_widths", "tok_batch_multimodal_encode", "_model_multimodal_generate")}
     for lm in lms.values():
         lm.generate_until(requests[:2], disable_tqdm=True)  # warm-up
-    spent.clear()
+    for clock in parts.values():
+        clock.seconds = 0.0
     times, answers = {}, {}
     for _ in range(args.rounds):
         for way, lm in lms.items():
@@ -95,9 +84,9 @@ def main() -> None:
         median = statistics.median(times[way])
         print(f"  {way}: {median:.2f} s, {1e3 * median / args.documents:.0f} ms a prompt "
               f"(rounds: {', '.join(f'{t:.2f}' for t in times[way])})")
-    parts = {name: 1e3 * seconds / args.rounds / args.documents for name, seconds in spent.items()}
-    print(f"  encoded in the loop, ms a prompt: counting {parts['_prompt_widths']:.0f}, encoding "
-          f"{parts['tok_batch_multimodal_encode']:.0f}, the model's runs {parts['_model_multimodal_generate']:.0f}")
+    ms = {name: 1e3 * clock.seconds / args.rounds / args.documents for name, clock in parts.items()}
+    print(f"  encoded in the loop, ms a prompt: counting {ms['_prompt_widths']:.0f}, encoding "
+          f"{ms['tok_batch_multimodal_encode']:.0f}, the model's runs {ms['_model_multimodal_generate']:.0f}")
     print("  the same answers:", answers["encoded in the loop"] == answers["encoded ahead"])
 
 
