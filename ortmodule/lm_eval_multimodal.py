@@ -299,14 +299,17 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
 
 class ImagesAhead:
     """Image generation batches encoded by the processor on worker threads while the batches before
-    them generate: up to `workers` batches ahead (by default one for each two of the host's cores, at most 4), each
-    worker with its own copy of the processor (a fast tokenizer's call writes its padding state, and
-    the model's thread decodes and encodes stop sequences with the backend's tokenizer meanwhile).
+    them generate: up to `workers` batches ahead (by default one on a CPU; on a GPU one for each two of
+    the host's cores, at most 4), each worker with its own copy of the processor (a fast tokenizer's
+    call writes its padding state, and the model's thread decodes and encodes stop sequences with the
+    backend's tokenizer meanwhile).
     `take()` gives the next batch's encoding in order, waiting for it where it is not done."""
 
     def __init__(self, lm: OrtModuleMultimodalLM, batches: list[list], workers: int | None = None):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        copies = lm._encoders(workers or max(1, min(4, cores // 2)))
+        if workers is None:  # on a CPU the model's runs take the cores, and one worker keeps ahead of them
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            workers = 1 if lm.device.type == "cpu" else max(1, min(4, cores // 2))
+        copies = lm._encoders(workers)
         self.workers = len(copies)  # 0: a processor that cannot be copied, each batch encoded when it comes
         self.lm, self.batches, self.next, self.futures = lm, batches, 0, {}
         self.processors: queue.SimpleQueue = queue.SimpleQueue()
