@@ -575,6 +575,7 @@ class ArgumentsOnce:
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
         return cls(**arguments_once(dict(arg_dict), additional_config))
 
+
 @register_model("ortmodule")
 class OrtModuleLM(ArgumentsOnce, HFLM):
     """`lm_eval --model ortmodule --model_args pretrained=PACKAGE_DIR --device cpu` (or cuda, cuda:N).
@@ -855,16 +856,16 @@ def refuse_hflm_options(kwargs: dict) -> None:
     backend, and `max_length`, `max_batch_size` and a batch size not `auto` as positive ints."""
     for name, what in _FIXED_AT_EXPORT.items():
         if kwargs.get(name) not in (None, False, ""):
-            raise ModelArgsError(f"{name}={kwargs[name]!r} asks for {what}, which applies to a PyTorch model: an ONNX "
-                             "package's weights and precision are fixed when it is exported (merge or quantize the "
-                             "checkpoint, then `ortmodule export` it; a GGUF file exports as it is)")
+            raise ModelArgsError(f"{name}={kwargs[name]!r} asks for {what}, which applies to a PyTorch model: an "
+                                 "ONNX package's weights and precision are fixed when it is exported (merge or "
+                                 "quantize the checkpoint, then `ortmodule export` it; a GGUF file exports as it is)")
     backend = kwargs.setdefault("backend", "causal")
     if backend not in ("causal", "default"):
         raise ModelArgsError(f"backend={backend!r}: a GenAI package is a causal (decoder-only) model")
     softmax = kwargs.get("softmax_dtype")
     if softmax is not None and get_dtype(softmax) != torch.float32:
-        raise ModelArgsError(f"softmax_dtype={softmax!r}: ortmodule computes log-softmax in float32 (leave it out, or "
-                         "pass float32)")
+        raise ModelArgsError(f"softmax_dtype={softmax!r}: ortmodule computes log-softmax in float32 (leave it out, "
+                             "or pass float32)")
     for name in ("max_length", "max_batch_size"):  # checked here, not at the first request they do not fit
         if kwargs.get(name) is not None:
             kwargs[name] = positive_int(kwargs[name], name)
@@ -894,9 +895,9 @@ def refuse_unknown_args(backend, kwargs: dict) -> None:
     if unknown:
         own = [name for name in inspect.signature(type(backend).__init__).parameters
                if name not in ("self", "pretrained", "kwargs")]
-        raise ModelArgsError(f"unknown model_args for the {type(backend).__name__} backend: {', '.join(unknown)} (it "
-                        f"takes lm-eval's hf arguments, its own: {', '.join(own)}, and the transformers loading "
-                        "arguments a package can honour: docs/lm-eval.md)")
+        raise ModelArgsError(f"unknown model_args for the {type(backend).__name__} backend: {', '.join(unknown)} "
+                             f"(it takes lm-eval's hf arguments, its own: {', '.join(own)}, and the transformers "
+                             "loading arguments a package can honour: docs/lm-eval.md)")
     check_dtype(hf.loading_options(backend._device, extras)[2], backend._package)
 
 
@@ -906,4 +907,3 @@ def check_dtype(dtype, package) -> None:
         hf.check_dtype(dtype if dtype is None or dtype == "auto" else get_dtype(dtype), package, dtype)
     except ValueError as e:
         raise ModelArgsError(str(e)) from None
-

@@ -105,8 +105,8 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
     def _set_image_token(self, config) -> None:
         token = self._package.genai_config["model"].get("image_token_id")
         if not isinstance(token, int):
-            raise ModelArgsError(f"{self._package.root}: genai_config.json names no model.image_token_id: the package "
-                             "takes no images (lm-eval's --model ortmodule runs its text)")
+            raise ModelArgsError(f"{self._package.root}: genai_config.json names no model.image_token_id: the "
+                                 "package takes no images (lm-eval's --model ortmodule runs its text)")
         config.image_token_id = token
 
     def _get_config(self, pretrained: str, revision: str | None = None, subfolder: str | None = None, **kwargs) -> None:
