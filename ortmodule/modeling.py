@@ -16,7 +16,10 @@ import onnxruntime as ort
 import torch
 from transformers import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from . import (
     attentions,
@@ -39,8 +42,10 @@ from .package import NotSupportedError, Package, read_package
 __all__ = ["OrtModelForCausalLM", "NotSupportedError", "build_config", "build_generation_config", "load_tokenizer"]
 
 
-# transformers' pipelines compare a model's class name with this table and log an error for others.
+# transformers' pipelines compare a model's class name with these tables and log an error for others
+# (text-generation; image-text-to-text, which a package that takes images runs).
 MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("ortmodule", "OrtModelForCausalLM")
+MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.setdefault("ortmodule", "OrtModelForCausalLM")
 
 
 class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):

@@ -246,6 +246,27 @@ def gemma3_processor(package_dir, folder, **image_options):
     return transformers.Gemma3Processor(image_processor, tokenizer, image_seq_length=TOKENS)
 
 
+def test_image_text_to_text_pipeline_answers_as_transformers(build, tmp_path, caplog):
+    """transformers' `pipeline("image-text-to-text")` on the Gemma 3 package with transformers' own
+    Gemma3Processor: chat messages with images and a batch of them answer as the pipeline over the
+    transformers model, greedy, and the pipeline logs no error for the model's class."""
+    fixture = build("gemma3_vl", num_layers=4)
+    model, hf = load_pair(fixture)
+    processor = gemma3_processor(fixture.package_dir, tmp_path / "tokenizer")
+    processor.chat_template = TEMPLATE
+    pictures = [Image.fromarray((np.random.RandomState(i).rand(30 + 10 * i, 60 - 10 * i, 3) * 255).astype("uint8"))
+                for i in range(3)]
+    chats = [[{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": question}]}]
+             for picture, question in zip(pictures, ["What is it?", "Say the color.", "Describe it"])]
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        ours = transformers.pipeline("image-text-to-text", model=model, processor=processor)
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+    theirs = transformers.pipeline("image-text-to-text", model=hf, processor=processor)
+    for asked in (chats[0], chats):
+        answers = [ours(text=asked, max_new_tokens=8, do_sample=False),
+                   theirs(text=asked, max_new_tokens=8, do_sample=False)]
+        assert answers[0] == answers[1] and answers[0]
+
 def test_the_server_takes_images_in_chat_messages(build, tmp_path):
     """`ortmodule serve --processor FOLDER` on the Gemma 3 package: chat messages with image_url parts
     answer as transformers' greedy generate on what Gemma3Processor makes of the template's text and
