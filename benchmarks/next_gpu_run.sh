@@ -43,5 +43,8 @@ step cuda-tests 200 python3 -m pytest -v -rs -p no:cacheprovider tests/test_cuda
 # (7) if the budget has time left: how many patches one run of the vision model should take on CUDA
 # (ortmodule/images.py's PATCHES_PER_RUN, 1,024 there as a guess), on Qwen2.5-VL's tower in bf16
 step vision-runs 120 python3 benchmarks/vision_runs.py --device cuda
+# (8) if time is still left (session 76): lm-eval's image batches encoded ahead of the model against encoded
+# in the loop, with the model on the GPU and the processor on the host's cores
+step image-host-time 90 python3 benchmarks/image_host_time.py --device cuda --rounds 2
 echo "done at $((SECONDS - start)) s" >> "$WORK/plan.log"
 pack
