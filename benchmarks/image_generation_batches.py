@@ -37,7 +37,7 @@ import transformers  # noqa: E402
 from test_images import ImageTextProcessor  # noqa: E402
 
 from ortmodule import OrtModelForCausalLM  # noqa: E402
-from ortmodule.lm_eval import generate_in_batches, new_tokens  # noqa: E402
+from ortmodule.lm_eval import plan_generation, run_in_batches  # noqa: E402
 from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM  # noqa: E402
 from ortmodule.tasks import task_manager  # noqa: E402
 from ortmodule_dev import fixtures  # noqa: E402
@@ -63,12 +63,9 @@ class EncodedInTheLoop(OrtModuleMultimodalLM):
     and `torch.cuda.empty_cache()`."""
 
     def _generate_with_images(self, requests, disable_tqdm: bool) -> list[str]:
-        widths = self._prompt_widths(requests)
-        tokens = [min(width, max(self.max_length - new, 1)) + new
-                  for width, new in zip(widths, new_tokens(requests, self.max_gen_toks))]
-        return generate_in_batches(self, HFMultimodalLM.generate_until, requests, tokens,
-                                   [(-width, req.args[0]) for width, req in zip(widths, requests)],
-                                   None if self._auto else self.batch_size_per_gpu, disable_tqdm, "batches")
+        batches = plan_generation(self, requests, self._prompt_widths(requests),
+                                  None if self._auto else self.batch_size_per_gpu)
+        return run_in_batches(self, HFMultimodalLM.generate_until, requests, batches, disable_tqdm, "batches")
 
 
 def main() -> None:

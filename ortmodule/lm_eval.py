@@ -467,21 +467,17 @@ def generation_batches(keys: list, order_keys: list, tokens: list[int], size: in
     return batches
 
 
-def generate_in_batches(lm: HFLM, method, requests, tokens: list[int], order_keys: list, size: int | None,
-                        disable_tqdm: bool, desc: str) -> list:
-    """`method` (a backend's own `generate_until`) run once per batch of `plan_generation` (`tokens`
-    per request, its prompt and new tokens; `order_keys` its place in the backend's order, the longest
-    prompt first; `size` a fixed batch size, None: `auto`), by `run_in_batches`."""
-    return run_in_batches(lm, method, requests, plan_generation(lm, requests, tokens, order_keys, size),
-                          disable_tqdm, desc)
-
-
-def plan_generation(lm: HFLM, requests, tokens: list[int], order_keys: list, size: int | None) -> list[list[int]]:
-    """The batches of `generation_batches` for the backend's settings: a fixed size's batch grows while
-    its rows stay within `GENERATION_WORK` tokens (or the `token_budget`, if smaller), `auto`'s within
-    the token budget; at most `max_batch_size` unless the fixed size is larger."""
+def plan_generation(lm: HFLM, requests, widths: list[int], size: int | None) -> list[list[int]]:
+    """`generate_until`'s batches (`generation_batches`) for prompts of `widths` tokens: each request's
+    tokens its prompt (at most what `max_length` leaves its new tokens) and its `max_gen_toks`, the
+    longest prompt first; `size` a fixed batch size (None: `auto`). A fixed size's batch grows while its
+    rows stay within `GENERATION_WORK` tokens (or the `token_budget`, if smaller), `auto`'s within the
+    token budget; at most `max_batch_size` unless the fixed size is larger."""
+    tokens = [min(width, max(lm.max_length - new, 1)) + new
+              for width, new in zip(widths, new_tokens(requests, lm.max_gen_toks))]
+    order = [(-width, req.args[0]) for width, req in zip(widths, requests)]
     budget = lm.token_budget if size is None else min(lm.token_budget, GENERATION_WORK)
-    batches = generation_batches([repr(sorted(req.args[1].items())) for req in requests], order_keys, tokens,
+    batches = generation_batches([repr(sorted(req.args[1].items())) for req in requests], order, tokens,
                                  size, budget, lm.max_batch_size or len(requests))
     logger.info("generate_until: %d requests in %d batches of up to %d (%d tokens a batch)",
                 len(requests), len(batches), max(map(len, batches), default=0), budget)
@@ -507,7 +503,7 @@ def run_in_batches(lm: HFLM, method, requests, batches: list[list[int]], disable
 
 
 def in_generation_batches(method):
-    """`method` (HFLM's `generate_until`) run in batches by their work (`generate_in_batches`):
+    """`method` (HFLM's `generate_until`) run in batches by their work (`plan_generation`):
     lm-eval's `batch_size` counts rows, and a decode step's cost on a CPU and on a GPU is mostly a
     pass over the weights, whatever the rows, so one request at a time (lm-eval's default batch size
     of 1, and HFLM's `auto`, which sizes generation batches for rows of the model's whole context)
@@ -525,12 +521,8 @@ def in_generation_batches(method):
             lm._encoded = lm._encode_batched(list(dict.fromkeys(contexts)))
         try:
             widths = [len(lm.tok_encode(context)) for context in contexts]
-            tokens = [min(width, max(lm.max_length - new, 1)) + new
-                      for width, new in zip(widths, new_tokens(requests, lm.max_gen_toks))]
-            return generate_in_batches(lm, method, requests, tokens,
-                                       [(-width, context) for width, context in zip(widths, contexts)],
-                                       size if isinstance(size, int) else None, disable_tqdm,
-                                       "Running generate_until requests")
+            batches = plan_generation(lm, requests, widths, size if isinstance(size, int) else None)
+            return run_in_batches(lm, method, requests, batches, disable_tqdm, "Running generate_until requests")
         finally:
             lm._encoded = {}
 

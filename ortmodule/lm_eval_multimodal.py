@@ -35,7 +35,6 @@ from .lm_eval import (
     OrtModuleLM,
     check_dtype,
     generate_with_stops,
-    new_tokens,
     plan_generation,
     positive_int,
     refuse_hflm_options,
@@ -88,6 +87,7 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
         self._text_args = {name: value for name, value in kwargs.items() if name not in _IMAGE_ARGS}
         self._text_args["token_budget"] = token_budget
         self._text_lm: OrtModuleLM | None = None
+        self._processor_copies: list | None = []  # for the image batches' workers (None: it cannot be copied)
         # hf-multimodal refuses `auto`; here it sizes the image prompts' generation batches by the token budget.
         self._auto = str(kwargs.get("batch_size", 1)).startswith("auto")
         if self._auto:
@@ -189,11 +189,8 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
         threads ahead of the batch that generates (`ImagesAhead`), and a batch ends without hf-multimodal's
         `gc.collect()` and `torch.cuda.empty_cache()` (`_image_batch`). Each prompt is encoded once more
         than hf-multimodal encodes it, to count its tokens."""
-        widths = self._prompt_widths(requests)
-        tokens = [min(width, max(self.max_length - new, 1)) + new
-                  for width, new in zip(widths, new_tokens(requests, self.max_gen_toks))]
-        order = [(-width, req.args[0]) for width, req in zip(widths, requests)]
-        batches = plan_generation(self, requests, tokens, order, None if self._auto else self.batch_size_per_gpu)
+        batches = plan_generation(self, requests, self._prompt_widths(requests),
+                                  None if self._auto else self.batch_size_per_gpu)
         with ImagesAhead(self, [[requests[i] for i in batch] for batch in batches]) as ahead:
             return run_in_batches(self, lambda lm, part, _: lm._image_batch(part, ahead.take()), requests, batches,
                                   disable_tqdm, "Running generate_until requests with text+image input")
@@ -273,7 +270,7 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
         """`count` copies of the processor for worker threads, each its tokenizer padding on the left as
         hf-multimodal pads (kept between calls); none, with a warning, where the processor cannot be
         copied (`ImagesAhead` then encodes each batch when it comes, as hf-multimodal does)."""
-        made = self.__dict__.setdefault("_processor_copies", [])
+        made = self._processor_copies
         while made is not None and len(made) < count:
             try:
                 made.append(copy.deepcopy(self.processor))
@@ -281,7 +278,7 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
                 logger.warning("ortmodule-multimodal: the processor cannot be copied for worker threads (%s: %s); "
                                "image batches are encoded when they come", type(e).__name__, e)
                 self._processor_copies = made = None  # not tried again
-                return []
+                break
             made[-1].tokenizer.padding_side = "left"
         return [] if made is None else made[:count]
 
