@@ -81,8 +81,9 @@ per-shape mechanisms a cost belongs to.
 
 `--extra-option` exports a variant of the package with that model-builder option (repeatable, e.g.
 fuse_mlp_gate_up=true, fuse_qkv=false), so that graph options can be measured one at a time;
-`of peak` counts 2 x the decoder's weights x the real tokens, plus 2 x the LM head's weights x the
-positions scored, over the data sheet's dense bf16 peak.
+`of peak` counts 2 x the decoder's body weights x the real tokens (`conftest.weight_counts`: neither the
+embedding nor the LM head), plus 2 x the LM head's weights x the positions scored, over the data sheet's
+dense bf16 peak (before session 77 the LM head was counted at every token too: 1.26-1.35x too high).
 """
 
 import argparse
@@ -94,7 +95,7 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import GPU_DATASHEET, SIZES
+from conftest import GPU_DATASHEET, SIZES, weight_counts
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
@@ -304,9 +305,9 @@ def main():
     print(f"{name}; package {fixture.package_dir.name}, builder options {dict(spec.extra_options) or 'default'}; "
           f"runs without a cache in {'the prefill graph' if model.decoder.causal else 'the package graph'}")
     if args.shared:
-        return profile_sharing(model, args, peak)
+        return profile_sharing(model, fixture, args, peak)
     if args.score:
-        return profile_score(model, args, peak)
+        return profile_score(model, fixture, args, peak)
     if args.decode:
         return profile_decode(model, fixture, args)
     if args.shapes:
@@ -372,8 +373,8 @@ def profile_both(model, ours, fixture, args, peak, batch) -> None:
 
     # Matmul FLOPs: the decoder's weights at every real token, the LM head at every position scored.
     scored = sum(len(t) for t in targets)
-    flops = 2 * model.num_parameters(exclude_embeddings=True) * tokens + \
-        2 * model.config.hidden_size * model.config.vocab_size * scored
+    body, head = weight_counts(fixture)
+    flops = 2 * body * tokens + 2 * head * scored
     for label, fn in {"ortmodule": ours, "transformers": theirs}.items():
         if args.only and label != args.only:
             continue
@@ -389,7 +390,7 @@ def profile_both(model, ours, fixture, args, peak, batch) -> None:
         print(table)
 
 
-def profile_sharing(model, args, peak) -> None:
+def profile_sharing(model, fixture, args, peak) -> None:
     rows, groups, starts, targets = hellaswag_shaped(args.batch, args.length, torch.Generator().manual_seed(0),
                                                      min(32000, model.config.vocab_size))
     ids, mask = pad_right(rows)
@@ -400,14 +401,14 @@ def profile_sharing(model, args, peak) -> None:
     contexts = {g: starts[i] + 1 for i, g in enumerate(groups)}
     computed = {"padded rows (sharing off)": int(mask.sum()),
                 "shared contexts": sum(contexts.values()) + sum(len(r) - s - 1 for r, s in zip(rows, starts))}
-    profile_ways(model, runs, computed, peak, lambda seconds: f"{len(rows)} rows")
+    profile_ways(model, fixture, runs, computed, peak, lambda seconds: f"{len(rows)} rows")
 
 
-def profile_ways(model, runs: dict, computed: dict, peak, what) -> None:
+def profile_ways(model, fixture, runs: dict, computed: dict, peak, what) -> None:
     """Time and profile each of `runs` (label -> call; the last one the shared path, whose steps are
     timed too): wall time for `what(seconds)`, the share of the peak of `computed[label]` tokens, the
     summed device time and the kernels."""
-    weights = model.num_parameters(exclude_embeddings=True)
+    weights = weight_counts(fixture)[0]  # the body's: the LM head runs at a few positions
     for label, fn in runs.items():
         seconds = timed(fn)
         kernel_ms, table = kernel_table(fn)
@@ -486,7 +487,7 @@ def profile_decode(model, fixture, args) -> None:
         print(line)
 
 
-def profile_score(model, args, peak) -> None:
+def profile_score(model, fixture, args, peak) -> None:
     """The score server's call (`scoring.label_logprobs`) over `args.score` requests of SGLang's shape
     (a `--query-tokens` query and `--items` items of `--item-tokens` tokens, 2 labels) at the server's
     token budget, each prompt whole (padded rows) and each query run once: wall time, summed device
@@ -508,7 +509,7 @@ def profile_score(model, args, peak) -> None:
     items = args.score * args.items
     computed = {"whole prompts (reuse off)": items * (args.query_tokens + args.item_tokens),
                 "query once (reuse on)": args.score * args.query_tokens + items * args.item_tokens}
-    profile_ways(model, runs, computed, peak, lambda seconds: f"{items} items, {items / seconds:.0f} items/s")
+    profile_ways(model, fixture, runs, computed, peak, lambda seconds: f"{items} items, {items / seconds:.0f} items/s")
 
 
 def shape_stream(batches: int, rows: int, length: int, gen: torch.Generator, top: int, multiple: int = 1):

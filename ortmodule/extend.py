@@ -703,7 +703,7 @@ def rewrite_session(decoder, graph_bytes, room: float) -> runtime.Session | str:
         return f"layers of different head sizes {sorted(heads)}"
     device = decoder.device
     if device.type == "cuda":  # a second session of the decoder's graph holds its weights again
-        weights = decoder.spec.num_parameters * decoder.kv_dtype.itemsize  # an upper bound for quantized weights
+        weights = decoder.spec.weight_bytes
         free, _ = torch.cuda.mem_get_info(device)
         if weights > free * room:
             return (f"a second session of the decoder's weights (~{weights >> 20} MB) would take over "

@@ -19,6 +19,7 @@ from . import embeddings, generation, images, images_plain, runtime
 from .cache import KVCache
 from .hf import CACHE_NAME
 from .package import NotSupportedError, model_files
+from .parameters import count_parameters
 
 # What transformers models have and these do not, with what to do instead.
 _NO_PYTORCH_MODULES = (
@@ -68,6 +69,7 @@ class HuggingFaceSurface(GenerationMixin):
     # to count `num_items_in_batch` over the shifted labels, as forward's loss divides by it.
     loss_type = "ForCausalLM"
     supports_gradient_checkpointing = is_gradient_checkpointing = False
+    _parameter_counts: tuple[int, int] | None = None  # num_parameters' (all, embeddings), read at first call
 
     @property
     def loss_function(self):
@@ -218,12 +220,16 @@ class HuggingFaceSurface(GenerationMixin):
         return True
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        """The number of weights in the decoder graph (the elements of its initializers; packed for
-        quantized weights). None is trainable; `exclude_embeddings` leaves out the token embedding."""
+        """The weights of the package's graphs (a multimodal package's vision and embedding models too), as
+        transformers counts the model's parameters (`parameters.count_parameters`: rotary tables left out,
+        quantized weights at their elements, a tied LM head once). None is trainable; `exclude_embeddings`
+        leaves out the embedding tables, as transformers leaves out its `nn.Embedding` weights."""
         if only_trainable:
             return 0
-        spec = self.package.decoder
-        return spec.num_parameters - (spec.embedding_parameters if exclude_embeddings else 0)
+        if self._parameter_counts is None:  # read from the graphs once
+            self._parameter_counts = count_parameters(self.package)
+        total, embeddings = self._parameter_counts
+        return total - embeddings if exclude_embeddings else total
 
     def extra_repr(self) -> str:
         return f"path={self.name_or_path}, device={self.device}, dtype={self.dtype}"

@@ -88,8 +88,7 @@ class DecoderGraph:
     position_type: int | None
     kv_type: int
     logits_type: int
-    num_parameters: int
-    embedding_parameters: int  # of num_parameters, the token embedding's (0 when an embedding model makes it)
+    weight_bytes: int  # its initializers' bytes as stored (parameters.count_parameters counts as transformers)
     position_rank: int = 2  # 3 for mRoPE decoders (Qwen-VL): position_ids [3, batch, sequence]
     shares_kv_buffer: bool = True  # GroupQueryAttention writes the present into the past's buffer
     # The model builder's MultiHeadAttention export (fp16 for a CPU) builds its causal mask over the
@@ -195,10 +194,8 @@ def _external_data(graph: onnx.GraphProto) -> dict[str, int]:
     return needed
 
 
-def model_files(package: Package) -> list[Path]:
-    """The files a package's sessions load: every graph genai_config names (the decoder, an embedding
-    or vision model, ...) and the weight files those graphs read; not other files of the folder
-    (another variant's graphs, copies)."""
+def graph_files(package: Package) -> list[Path]:
+    """Every graph genai_config names (the decoder, an embedding or vision model, ...), in its order."""
     graphs, sections = [], [package.genai_config.get("model", {})]
     while sections:
         section = sections.pop()
@@ -209,6 +206,13 @@ def model_files(package: Package) -> list[Path]:
                 sections += [stage for stage in value if isinstance(stage, dict)]
             elif key == "filename" and isinstance(value, str) and (package.root / value).is_file():
                 graphs.append(package.root / value)
+    return list(dict.fromkeys(graphs))
+
+
+def model_files(package: Package) -> list[Path]:
+    """The files a package's sessions load: every graph genai_config names (`graph_files`) and the weight
+    files those graphs read; not other files of the folder (another variant's graphs, copies)."""
+    graphs = graph_files(package)
     files = set(graphs)
     for path in graphs:
         locations = _external_data(onnx.load(str(path), load_external_data=False).graph)
@@ -232,15 +236,16 @@ def _elem_type(value_info: onnx.ValueInfoProto) -> int:
     return value_info.type.tensor_type.elem_type
 
 
-def _count_parameters(graph: onnx.GraphProto) -> int:
-    return sum(math.prod(t.dims) for t in graph.initializer)
+# Bits an element of each initializer type takes (others: 32).
+_ELEMENT_BITS = {onnx.TensorProto.DOUBLE: 64, onnx.TensorProto.INT64: 64, onnx.TensorProto.FLOAT16: 16,
+                 onnx.TensorProto.BFLOAT16: 16, onnx.TensorProto.INT16: 16, onnx.TensorProto.UINT16: 16,
+                 onnx.TensorProto.INT8: 8, onnx.TensorProto.UINT8: 8, onnx.TensorProto.BOOL: 8,
+                 onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}
 
 
-def _embedding_parameters(graph: onnx.GraphProto, input_ids: str | None) -> int:
-    """The weights of the Gather (or quantized Gather) that looks the token ids up."""
-    sizes = {t.name: math.prod(t.dims) for t in graph.initializer}
-    lookup = next((n for n in graph.node if n.op_type.startswith("Gather") and input_ids in n.input[1:2]), None)
-    return 0 if lookup is None or input_ids is None else sum(sizes.get(name, 0) for name in lookup.input)
+def _weight_bytes(graph: onnx.GraphProto) -> int:
+    """The bytes of a graph's initializers as stored (quantized weights packed)."""
+    return sum(math.prod(t.dims) * _ELEMENT_BITS.get(t.data_type, 32) for t in graph.initializer) // 8
 
 
 class _Shape(NamedTuple):
@@ -411,8 +416,7 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         position_type=_elem_type(graph.inputs[position_ids]) if position_ids else None,
         kv_type=kv_type,
         logits_type=_elem_type(graph.outputs[logits]),
-        num_parameters=_count_parameters(proto),
-        embedding_parameters=_embedding_parameters(proto, input_ids),
+        weight_bytes=_weight_bytes(proto),
         position_rank=position_rank,
         shares_kv_buffer=any(node.op_type == "GroupQueryAttention" for node in proto.node),
         steps_one_token=_attends_with_multihead(proto),

@@ -6,9 +6,11 @@ the processor's token_type_ids mark them (ortmodule/blocks.py), causally without
 checked. What the images cannot be is refused by name."""
 
 import logging
+import math
 import shutil
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import transformers
@@ -65,6 +67,21 @@ def inputs():
 def reference(hf, **given):
     with torch.no_grad():
         return hf(**given)
+
+
+def test_num_parameters_count_the_vision_tower_and_a_tied_embedding_once(pair):
+    """A multimodal package's `num_parameters()`: its three graphs' weights, the LM head (in the decoder)
+    tied to the token embedding (in the embedding model) counted once, as transformers counts it. The
+    vision graph is compared with its own initializers, not transformers' vision tower: torch's exporter
+    folds the fixture's zero biases and merges its norm weights of ones, and leaves out SigLIP's pooling
+    head, which Gemma 3 never runs. The embedding tables (the tokens', the patches' positions) are what
+    `exclude_embeddings` leaves out, in both."""
+    model, hf = pair
+    text = sum(p.numel() for name, p in hf.named_parameters() if ".language_model." in f".{name}")
+    vision = onnx.load(str(model.package.root / "vision.onnx"), load_external_data=False).graph
+    assert model.num_parameters() == text + sum(math.prod(t.dims) for t in vision.initializer)
+    tables = hf.num_parameters() - hf.num_parameters(exclude_embeddings=True)
+    assert model.num_parameters() - model.num_parameters(exclude_embeddings=True) == tables
 
 
 @pytest.mark.parametrize("left", [True, False])

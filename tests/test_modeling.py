@@ -345,11 +345,22 @@ def test_hf_surface(llama):
     assert model.eval() is model and model.to("cpu") is model and model.cpu() is model
     assert model.can_generate()
     assert model.tie_weights() is None
-    # The graph's initializers: transformers' weights plus the rotary cos/sin tables.
-    rotary = 2 * model.config.max_position_embeddings * model.config.head_dim // 2
-    assert model.num_parameters() == hf.num_parameters() + rotary
+    assert model.num_parameters() == hf.num_parameters()  # test_num_parameters_are_transformers_count
     with pytest.raises(TypeError, match="exported as torch.float32"):
         model.to(torch.float16)
+
+
+@pytest.mark.parametrize("arch, fields", [("llama", {}), ("qwen3", {}), ("gemma3", {}), ("phi3", {}),
+                                          ("lfm2", {"num_layers": 4}), ("llama", {"precision": "int4"})],
+                         ids=["llama", "qwen3", "gemma3", "phi3", "lfm2", "llama-int4"])
+def test_num_parameters_are_transformers_count(build, arch, fields):
+    """`num_parameters()` and `num_parameters(exclude_embeddings=True)` (lm-eval's results record the
+    first as `model_num_parameters`) are transformers' on the same weights: the graph's rotary tables
+    left out, a tied embedding counted once (Gemma 3's), a 4-bit package's weights at their elements."""
+    model, hf = load_pair(build(arch, **fields))
+    assert model.num_parameters() == hf.num_parameters()
+    assert model.num_parameters(exclude_embeddings=True) == hf.num_parameters(exclude_embeddings=True)
+    assert model.num_parameters(only_trainable=True) == 0
 
 
 def test_the_first_parameter_tells_the_device_and_dtype(build):
