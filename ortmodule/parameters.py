@@ -24,6 +24,7 @@ count is that of the weights the package runs.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from pathlib import Path
@@ -31,6 +32,8 @@ from pathlib import Path
 import onnx
 
 from .package import Package, graph_files
+
+logger = logging.getLogger("ortmodule")
 
 _FLOAT_BITS = {onnx.TensorProto.FLOAT: 32, onnx.TensorProto.FLOAT16: 16, onnx.TensorProto.BFLOAT16: 16,
                onnx.TensorProto.DOUBLE: 64}
@@ -47,7 +50,13 @@ def count_parameters(package: Package) -> tuple[int, int]:
     `num_parameters()` and the part `exclude_embeddings=True` leaves out."""
     weights: list[_Weight] = []
     for path in graph_files(package):
-        for weight in _graph_weights(path, onnx.load(str(path), load_external_data=False).graph):
+        try:
+            graph = onnx.load(str(path), load_external_data=False).graph
+        except Exception as e:  # noqa: BLE001  protobuf's DecodeError and others: a count is not worth a crash
+            logger.warning("num_parameters: %s is not a readable ONNX graph (%s); its weights are not counted",
+                           path, type(e).__name__)
+            continue
+        for weight in _graph_weights(path, graph):
             twin = next((w for w in weights if w.path != path and weight.same_as(w)), None)
             if twin is None:
                 weights.append(weight)

@@ -81,6 +81,17 @@ def test_rolling_perplexity_matches_hf(both):
         assert math.isclose(a, b, rel_tol=1e-5)
 
 
+def test_results_record_hfs_parameter_count(both):
+    """lm-eval's results record `model_num_parameters` (the backend's `get_model_info`): ortmodule's
+    count of the package's weights is the `hf` backend's on the same weights. The builder's Gemma 4
+    exports keep a few constants as initializers (49 elements of 119,456 here), hence the tolerance."""
+    ours, theirs = (result["config"]["model_num_parameters"] for result in both)
+    if "gemma4" in both[0]["config"]["model_args"]:
+        assert ours == pytest.approx(theirs, rel=1e-3)
+    else:
+        assert ours == theirs
+
+
 def test_long_rows_in_chunks_match_hf(build):
     """Every row in chunks of 8 tokens (the CPU's default chunk scaled down to the fixtures' rows):
     multiple choice, generations and rolling loglikelihoods as lm-eval's hf backend's."""
