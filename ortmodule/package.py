@@ -195,7 +195,7 @@ def _external_data(graph: onnx.GraphProto) -> dict[str, int]:
 
 
 def graph_files(package: Package) -> list[Path]:
-    """Every graph genai_config names (the decoder, an embedding or vision model, ...), in its order."""
+    """Every graph genai_config names (the decoder, an embedding or vision model, ...), each once."""
     graphs, sections = [], [package.genai_config.get("model", {})]
     while sections:
         section = sections.pop()

@@ -83,11 +83,13 @@ def test_rolling_perplexity_matches_hf(both):
 
 def test_results_record_hfs_parameter_count(both):
     """lm-eval's results record `model_num_parameters` (the backend's `get_model_info`): ortmodule's
-    count of the package's weights is the `hf` backend's on the same weights. The builder's Gemma 4
-    exports keep a few constants as initializers (49 elements of 119,456 here), hence the tolerance."""
+    count of the package's weights is the `hf` backend's on the same weights, where the package holds
+    those weights. Two fixtures' packages do not quite: the Gemma 4 exports keep a few constants as
+    initializers (49 elements of 119,456; mobius-onnx's 125 of 148,936), and the builder leaves out
+    the Qwen2 fixture's all-zero query, key and value biases (256 of 139,840)."""
     ours, theirs = (result["config"]["model_num_parameters"] for result in both)
-    if "gemma4" in both[0]["config"]["model_args"]:
-        assert ours == pytest.approx(theirs, rel=1e-3)
+    if any(arch in both[0]["config"]["model_args"] for arch in ("gemma4", "qwen2-")):
+        assert ours == pytest.approx(theirs, rel=2e-3)
     else:
         assert ours == theirs
 
