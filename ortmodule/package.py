@@ -215,7 +215,10 @@ def model_files(package: Package) -> list[Path]:
     graphs = graph_files(package)
     files = set(graphs)
     for path in graphs:
-        locations = _external_data(onnx.load(str(path), load_external_data=False).graph)
+        try:
+            locations = _external_data(onnx.load(str(path), load_external_data=False).graph)
+        except Exception:  # noqa: BLE001  a graph no session of this use reads (a text run's vision model)
+            continue  # the file itself is still listed
         files.update(path.parent / location for location in locations if (path.parent / location).is_file())
     return sorted(files)
 

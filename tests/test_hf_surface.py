@@ -2,6 +2,7 @@
 as a `transformers.Cache` (crop, reorder, batch select, repeat), beam search, GenerationMixin's
 helpers, forward's keywords, and clear errors for what an ONNX package does not have."""
 
+import logging
 import shutil
 
 import pytest
@@ -191,6 +192,21 @@ def test_the_memory_footprint_counts_only_what_the_package_loads(build, tmp_path
     mobius = build("gemma4_mobius").package_dir
     graphs = sum(f.stat().st_size for f in mobius.rglob("*") if f.name.endswith((".onnx", ".data")))
     assert graphs > 0 and OrtModelForCausalLM.from_pretrained(mobius).get_memory_footprint() == graphs
+
+
+def test_a_graph_text_never_loads_is_not_read_for_the_footprint_or_the_parameter_count(build, caplog):
+    """The gemma4_embeds fixture's vision model is a text file (a test fails if anything loads it for
+    text): `get_memory_footprint()` counts its bytes without reading it as a graph, and
+    `num_parameters()` counts the other graphs, saying that it left that one out (transformers' count,
+    but for the builder's few constants: test_lm_eval.py's `test_results_record_hfs_parameter_count`)."""
+    fixture = build("gemma4_embeds")
+    model, hf = load_pair(fixture)
+    files = [fixture.package_dir / name for name in ("model.onnx", "model.onnx.data", "embedding.onnx", "vision.onnx")]
+    assert model.get_memory_footprint() == sum(f.stat().st_size for f in files)
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        counted = model.num_parameters()
+    assert "vision.onnx is not a readable ONNX graph" in caplog.text
+    assert counted == pytest.approx(hf.num_parameters(), rel=1e-3)
 
 
 WIDE = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}  # Phi-2's rotary
