@@ -8,6 +8,7 @@ found without `--include_path` (`resolve_tasks_as_ortmodule`).
 (ortmodule/serving/).
 `ortmodule cache list|clear`: what ortmodule keeps in its cache folder, and clearing it (ortmodule/cache_folder.py).
 `ortmodule env`: the versions, devices and providers, for a bug report (ortmodule/environment.py).
+`ortmodule info PATH`: what a package is, read from its files (ortmodule/describe.py).
 """
 
 import argparse
@@ -134,11 +135,15 @@ def ortmodule(argv: list[str] | None = None) -> None:
     _cache_flags(commands)
     commands.add_parser("env", help="the versions, devices and execution providers ortmodule runs with (for a bug "
                                     "report), and the installs known to break it (exit status 1 where there is one)")
+    _info_flags(commands)
     args = parser.parse_args(argv)
     if args.command == "env":
         from .environment import print_report
 
         raise SystemExit(print_report())
+    if args.command == "info":
+        _info(parser, args)
+        return
     if args.command == "export":
         _export(parser, args)
         return
@@ -153,6 +158,25 @@ def ortmodule(argv: list[str] | None = None) -> None:
         serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
               prefill_attention=args.prefill_attention, subfolder=args.subfolder, revision=args.revision, **options)
     except ValueError as e:  # what stops it before it serves: the package, a setting, --processor
+        parser.error(str(e))
+
+
+def _info_flags(commands) -> None:
+    info = commands.add_parser("info", help="what a package is, read from its files: the model's shape, what it was "
+                                            "exported for, its weights and graphs, its generation defaults")
+    info.add_argument("path", help="the package folder, or a Hub repository id holding one")
+    info.add_argument("--subfolder", default=None, help="the package's folder within the repository")
+    info.add_argument("--revision", default=None, help="the repository's branch, tag or commit (default: main)")
+    info.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+
+
+def _info(parser: argparse.ArgumentParser, args) -> None:
+    from .describe import print_description
+    from .package import PackageError
+
+    try:
+        print_description(args.path, args.subfolder, args.revision, as_json=args.json)
+    except PackageError as e:  # one line, exit status 2, as for the other commands' bad arguments
         parser.error(str(e))
 
 

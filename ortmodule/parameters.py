@@ -53,7 +53,7 @@ def count_parameters(package: Package) -> tuple[int, int]:
         try:
             graph = onnx.load(str(path), load_external_data=False).graph
         except Exception as e:  # noqa: BLE001  protobuf's DecodeError and others: a count is not worth a crash
-            logger.warning("num_parameters: %s is not a readable ONNX graph (%s); its weights are not counted",
+            logger.warning("counting the parameters: %s is not a readable ONNX graph (%s); its weights are not counted",
                            path, type(e).__name__)
             continue
         for weight in _graph_weights(path, graph):

@@ -48,3 +48,38 @@ def test_env_names_the_installs_that_break_ortmodule():
     assert "no CUDAExecutionProvider" in found[1]
     sound = {"onnxruntime-gpu": "1.23.0", "onnxruntime-genai-cuda": "0.10.0"}
     assert environment.problems(sound, ["CUDAExecutionProvider", "CPUExecutionProvider"], torch_cuda=True) == []
+
+
+def test_info_describes_a_package_as_transformers_sees_its_checkpoint(build):
+    """`ortmodule info --json` on the int4 Llama fixture: the shape, the weights' kind and count, the
+    bytes `get_memory_footprint()` gives, all read from the files without a session, against
+    transformers' config and parameter count on the same checkpoint; a folder that is no package
+    is a one-line error with exit status 2, no traceback."""
+    import json
+
+    import transformers
+
+    from ortmodule import OrtModelForCausalLM
+
+    fixture = build("llama", precision="int4")
+    run = subprocess.run([sys.executable, "-m", "ortmodule", "info", str(fixture.package_dir), "--json"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    info = json.loads(run.stdout)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(fixture.hf_dir)
+    config = hf.config
+    assert (info["layers"], info["hidden size"], info["attention heads"], info["KV heads"], info["vocabulary"]) == (
+        config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+        config.vocab_size)
+    assert info["head size"] == config.hidden_size // config.num_attention_heads
+    assert info["parameters"] == hf.num_parameters()
+    assert info["parameters without embeddings"] == hf.num_parameters(exclude_embeddings=True)
+    assert info["weights"].startswith("quantized (MatMulNBits") and "4-bit" in info["weights"]
+    assert info["exported for"] == "cpu" and info["graphs"] == ["model.onnx"] and info["token input"] == "input ids"
+    assert info["bytes on disk"] == OrtModelForCausalLM.from_pretrained(fixture.package_dir).get_memory_footprint()
+    lines = subprocess.run([sys.executable, "-m", "ortmodule", "info", str(fixture.package_dir)],
+                           capture_output=True, text=True).stdout.splitlines()
+    assert f"- parameters: {hf.num_parameters():,}" in lines
+    bad = subprocess.run([sys.executable, "-m", "ortmodule", "info", str(fixture.hf_dir)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "genai_config.json" in bad.stderr and "Traceback" not in bad.stderr
