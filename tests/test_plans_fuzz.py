@@ -7,8 +7,9 @@ over prompts that begin alike and lm-eval's `generate_until`, with the CPU's chu
 extend layouts drawn too (the serving engine's own fuzz: tests/test_engine_fuzz.py). Whatever the
 plan, every answer must be transformers' on the same weights, request by request (`truth`:
 HFLM's definition of an answer).
-`FUZZ_SEEDS=2000` runs 6,000 cases (about 8 minutes on 2 cores); such a run found the extend
-run's padding positions past the context (tests/test_score_api.py, `..._inside_the_context`).
+`FUZZ_SEEDS=400` runs 5,200 cases (4,000 of them the lanes' fast checks; about 3 minutes on 2 cores,
+session 77), and the count grows with it; a run at 2,000 found the extend run's padding positions past
+the context (tests/test_score_api.py, `..._inside_the_context`).
 Session 42's 500 (a shared prefix of no tokens, under costs where an extend token was cheap) is the
 kind of fault this looks for."""
 
