@@ -205,8 +205,8 @@ _SETTING_HELP = {
 
 def _serve_flags(commands) -> None:
     """The `serve` command's flags."""
-    serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, OpenAI's /v1/completions "
-                                              "and /v1/chat/completions (FastAPI + uvicorn)")
+    serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, vLLM's /generative_scoring, "
+                                              "OpenAI's /v1/completions and /v1/chat/completions (FastAPI + uvicorn)")
     serve.add_argument("path", help="the GenAI package folder (genai_config.json, model.onnx, tokenizer), or a "
                                     "Hugging Face Hub repository id (org/name) holding one")
     serve.add_argument("--subfolder", default=None, help="the package's folder inside the repository (default: its "

@@ -377,3 +377,69 @@ def test_enable_fp32_lm_head_serves_the_float32_head(build, tmp_path):
         return ((scores - torch.tensor(other)).abs() / scores).max().item()
 
     assert relative(expected["float32"]) < 1e-5 and relative(expected[True]) > 1e-4
+
+
+def vllm_reference(hf, tokenizer, query, items, labels, apply_softmax, item_first, context=None):
+    """vLLM's generative scoring by its own rules: the query tokenized with special tokens, each item
+    without, joined as ids, cut to context - 1 tokens; the first label's probability after it."""
+    query_ids = tokenizer(query).input_ids if isinstance(query, str) else query
+    scores = []
+    for item in items:
+        item_ids = tokenizer(item, add_special_tokens=False).input_ids if isinstance(item, str) else item
+        ids = item_ids + query_ids if item_first else query_ids + item_ids
+        ids = ids[: context - 1] if context else ids
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)[labels]
+        scores.append((torch.softmax(logprobs, -1) if apply_softmax else logprobs.exp())[0].item())
+    return scores
+
+
+@pytest.mark.parametrize("apply_softmax", [False, True])
+@pytest.mark.parametrize("item_first", [False, True])
+def test_vllms_generative_scoring_matches_transformers(setup, apply_softmax, item_first):
+    """vLLM's `POST /generative_scoring` (vLLM 0.33): text, token ids, and a text query with token-id
+    items, each item's `score` the first label's probability as vLLM computes it, its answer's shape
+    and usage (one generated token an item, as vLLM counts); the request id from `X-Request-Id`."""
+    live, hf, tokenizer = setup
+    labels = labels_for(tokenizer)
+    for query, items in ((QUERY, ITEMS), ([10, 11, 12, 13, 14, 15], [[20], [21, 22, 23]]), (QUERY, [[20], [21, 22]])):
+        body = dict(query=query, items=items, label_token_ids=labels, apply_softmax=apply_softmax,
+                    item_first=item_first, model="tiny-llama", priority=3, cache_salt="x" * 43, temperature=0.0)
+        response = live.client.post("/generative_scoring", json=body, headers={"X-Request-Id": "abc"})
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["id"] == "generative-scoring-abc" and answer["object"] == "list"
+        assert answer["model"] == "tiny-llama" and isinstance(answer["created"], int)
+        assert [d["index"] for d in answer["data"]] == list(range(len(items)))
+        assert all(d["object"] == "score" for d in answer["data"])
+        expected = vllm_reference(hf, tokenizer, query, items, labels, apply_softmax, item_first)
+        assert max(abs(d["score"] - e) for d, e in zip(answer["data"], expected)) < 1e-5
+        query_ids = tokenizer(query).input_ids if isinstance(query, str) else query
+        prompt_tokens = sum(len(query_ids) + len(tokenizer(i, add_special_tokens=False).input_ids
+                                                 if isinstance(i, str) else i) for i in items)
+        assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": len(items),
+                                   "total_tokens": prompt_tokens + len(items)}
+
+
+def test_vllms_generative_scoring_cuts_a_long_prompt_and_refuses_bad_requests_in_openais_shape(setup):
+    """A prompt past the context is cut to its first context - 1 tokens, as vLLM cuts it; what vLLM
+    refuses is a 400 (a model it does not serve a 404) in OpenAI's error shape, and the next request
+    succeeds."""
+    live, hf, tokenizer = setup
+    query, items = list(range(4, 200)), [list(range(5, 105)), [7]]  # 296 tokens: past the 256 context
+    answer = live.client.post("/generative_scoring", json=dict(query=query, items=items, label_token_ids=[5, 6]))
+    assert answer.status_code == 200, answer.text
+    expected = vllm_reference(hf, tokenizer, query, items, [5, 6], True, False, context=256)
+    assert max(abs(d["score"] - e) for d, e in zip(answer.json()["data"], expected)) < 1e-5
+    assert answer.json()["usage"]["prompt_tokens"] == 255 + len(query) + 1
+    for change, status, message in ((dict(items=[]), 400, "at least one item"),
+                                    (dict(label_token_ids=[]), 400, "label_token_ids is empty"),
+                                    (dict(label_token_ids=[5, 512]), 400, "outside the vocabulary"),
+                                    (dict(items=[[5], "text"]), 400, "items"),
+                                    (dict(model="another"), 404, "does not exist")):
+        body = dict(query=QUERY, items=ITEMS, label_token_ids=[5, 6]) | change
+        response = live.client.post("/generative_scoring", json=body)
+        assert response.status_code == status, response.text
+        assert message in response.json()["error"]["message"]
+    good = live.client.post("/generative_scoring", json=dict(query=QUERY, items=ITEMS, label_token_ids=[5, 6]))
+    assert good.status_code == 200 and len(good.json()["data"]) == len(ITEMS)

@@ -1,4 +1,4 @@
-"""The wire schemas: SGLang's score request and OpenAI's completions and chat requests.
+"""The wire schemas: SGLang's and vLLM's score requests and OpenAI's completions and chat requests.
 
 Types are strict: `"5"`, `5.0` or `true` is not a token id, `"0"` or `true` not a temperature,
 `"yes"` not a boolean. Text holds no lone surrogate (it could be neither tokenized nor written
@@ -41,6 +41,27 @@ class ScoreRequest(BaseModel):
     apply_softmax: StrictBool = False
     item_first: StrictBool = False
     model: Text | None = None
+
+
+class GenerativeScoringRequest(BaseModel):
+    """vLLM's `/generative_scoring`: the probability of the first label token after query + item (or
+    item + query), the query and each item tokenized apart (the query with the tokenizer's special tokens
+    unless `add_special_tokens` is false, the items without). vLLM's scheduling fields (`priority`,
+    `cache_salt`, `request_id`) change no score and are taken; fields it does not know are ignored, as
+    vLLM ignores them."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    query: Text | list[TokenId]
+    items: list[Text] | list[list[TokenId]]
+    label_token_ids: list[TokenId]
+    apply_softmax: StrictBool = True
+    item_first: StrictBool = False
+    add_special_tokens: StrictBool = True
+    model: Text | None = None
+    cache_salt: Text | None = None
+    priority: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] = 0
+    request_id: Text | None = None
 
 
 class _Options(BaseModel):

@@ -1,13 +1,17 @@
 """SGLang's `POST /v1/score`: the probability of each label token after query + item (or item +
-query), for every item; scored in batches with the other score requests (jobs.ScoreJob)."""
+query), for every item; and vLLM's `POST /generative_scoring`: the first label's. Both scored in
+batches with the other score requests (jobs.ScoreJob)."""
 
 from __future__ import annotations
+
+import time
+import uuid
 
 from fastapi import FastAPI, Request
 
 from .. import scoring
 from .jobs import ScoreJob
-from .schemas import ScoreRequest
+from .schemas import GenerativeScoringRequest, ScoreRequest
 from .served import Served, run
 from .settings import REUSE_PREFIX
 
@@ -43,7 +47,60 @@ def respond(served: Served, body: ScoreRequest, job: ScoreJob, scores) -> dict:
             "usage": {"prompt_tokens": job.tokens, "completion_tokens": 0, "total_tokens": job.tokens}}
 
 
+def make_generative_job(served: Served, body: GenerativeScoringRequest, loop) -> ScoreJob:
+    """vLLM's request checked (sizes before anything is tokenized) and tokenized as vLLM does: the query
+    and each item apart, joined as token ids; a prompt past the context cut to its first context - 1
+    tokens (vLLM keeps room for the token it would generate)."""
+    settings = served.settings
+    served.check_model(body.model)
+    if not body.items:
+        raise ValueError("items must contain at least one item")
+    if len(body.items) > settings.max_items:
+        raise ValueError(f"items has {len(body.items)} entries; this server takes at most {settings.max_items} per "
+                         "request")
+    if len(body.label_token_ids) > settings.max_labels:
+        raise ValueError(f"label_token_ids has {len(body.label_token_ids)} entries; this server takes at most "
+                         f"{settings.max_labels}")
+    labels = scoring.checked_labels(body.label_token_ids, served.vocab)
+    # Each text alone: one that cannot fit the context however it tokenizes is refused before tokenizing
+    # (a prompt of two that fit is cut to the context, as vLLM cuts it).
+    for where, text in [("query", body.query)] + [(f"items[{i}]", item) for i, item in enumerate(body.items)]:
+        if isinstance(text, str):
+            served.check_texts([(where, text)])
+    tokenizer = served.tokenizer
+    if tokenizer is None and (isinstance(body.query, str) or isinstance(body.items[0], str)):
+        raise ValueError("text query and items need a tokenizer; this server has none: send token ids")
+    query = (tokenizer(body.query, add_special_tokens=body.add_special_tokens)["input_ids"]
+             if isinstance(body.query, str) else body.query)
+    items = list(body.items)
+    if items and isinstance(items[0], str):  # all text, or all token ids (the schema)
+        items = tokenizer(items, add_special_tokens=False)["input_ids"]
+    prompts = [list(item) + list(query) if body.item_first else list(query) + list(item) for item in items]
+    prompts = [prompt[: served.context - 1] for prompt in prompts]
+    empty = next((i for i, prompt in enumerate(prompts) if not prompt), None)
+    if empty is not None:
+        raise ValueError(f"item {empty}: the prompt has no tokens")
+    scoring.check_prompts(prompts, served.vocab, served.context)
+    return ScoreJob(prompts, labels, body.apply_softmax, loop, settings.token_budget,
+                    REUSE_PREFIX[settings.reuse_prefix])
+
+
+def respond_generative(served: Served, job: ScoreJob, scores, request_id: str) -> dict:
+    """vLLM's answer: each item's first label probability; usage counts the one token vLLM generates an item."""
+    items = len(scores)
+    return {"id": f"generative-scoring-{request_id}", "object": "list", "created": int(time.time()),
+            "model": served.name, "data": [{"index": i, "object": "score", "score": row[0]}
+                                           for i, row in enumerate(scores)],
+            "usage": {"prompt_tokens": job.tokens, "total_tokens": job.tokens + items, "completion_tokens": items}}
+
+
 def add_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request):
         return await run(served, make_job, body, request, respond)
+
+    @app.post("/generative_scoring")
+    async def generative_scoring(body: GenerativeScoringRequest, request: Request):
+        request_id = request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+        return await run(served, make_generative_job, body, request,
+                         lambda served, body, job, scores: respond_generative(served, job, scores, request_id))
