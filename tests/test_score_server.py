@@ -443,3 +443,6 @@ def test_vllms_generative_scoring_cuts_a_long_prompt_and_refuses_bad_requests_in
         assert message in response.json()["error"]["message"]
     good = live.client.post("/generative_scoring", json=dict(query=QUERY, items=ITEMS, label_token_ids=[5, 6]))
     assert good.status_code == 200 and len(good.json()["data"]) == len(ITEMS)
+    # a label given twice counts once in the softmax over the labels, as in vLLM's dict of them
+    twice = live.client.post("/generative_scoring", json=dict(query=QUERY, items=ITEMS, label_token_ids=[5, 6, 5]))
+    assert [d["score"] for d in twice.json()["data"]] == [d["score"] for d in good.json()["data"]]

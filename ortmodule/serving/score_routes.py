@@ -61,7 +61,8 @@ def make_generative_job(served: Served, body: GenerativeScoringRequest, loop) ->
     if len(body.label_token_ids) > settings.max_labels:
         raise ValueError(f"label_token_ids has {len(body.label_token_ids)} entries; this server takes at most "
                          f"{settings.max_labels}")
-    labels = scoring.checked_labels(body.label_token_ids, served.vocab)
+    # A label given twice counts once in vLLM's softmax over the labels (it keeps them in a dict by id).
+    labels = list(dict.fromkeys(scoring.checked_labels(body.label_token_ids, served.vocab)))
     # Each text alone: one that cannot fit the context however it tokenizes is refused before tokenizing
     # (a prompt of two that fit is cut to the context, as vLLM cuts it).
     for where, text in [("query", body.query)] + [(f"items[{i}]", item) for i, item in enumerate(body.items)]:
