@@ -68,6 +68,37 @@ def test_echo_with_logprobs_is_lm_evals_request_and_matches_transformers(setup):
         assert choice["text"] == tokenizer.decode(ids) + tokenizer.decode([greedy], skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("max_tokens, echo", [(1, False), (4, False), (0, True)])
+def test_vllms_prompt_logprobs_match_transformers(setup, max_tokens, echo):
+    """vLLM's `prompt_logprobs` on `/v1/completions` (its answer's shape as vLLM 0.33 writes it): None for
+    the first token, then per position the prompt token's log-probability and its rank among the whole
+    vocabulary, and the k most likely with ranks 1 to k, each with its decoded text; beside a greedy
+    generation (read from the prompt's prefill, or a decode batch's), or an echo without new tokens."""
+    live, _, hf, tokenizer, _ = setup
+    prompts, k = [[5, 17, 99, 3, 250, 41], [7, 8, 9]], 3
+    response = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompts, "max_tokens": max_tokens,
+                                                         "temperature": 0, "prompt_logprobs": k, "echo": echo})
+    assert response.status_code == 200, response.text
+    for ids, choice in zip(prompts, response.json()["choices"]):
+        with torch.no_grad():
+            reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+        positions = choice["prompt_logprobs"]
+        assert len(positions) == len(ids) and positions[0] is None
+        for i in range(1, len(ids)):
+            row, entries = reference[i - 1], positions[i]
+            token = entries[str(ids[i])]
+            assert abs(token["logprob"] - row[ids[i]].item()) < 1e-4
+            assert token["rank"] == int((row > row[ids[i]]).sum()) + 1
+            assert token["decoded_token"] == tokenizer.decode([ids[i]])
+            assert list(entries)[0] == str(ids[i])  # the prompt's token first, as vLLM puts it
+            best = row.topk(k)
+            for place, (value, other) in enumerate(zip(best.values.tolist(), best.indices.tolist()), 1):
+                assert entries[str(other)]["rank"] == place and abs(entries[str(other)]["logprob"] - value) < 1e-4
+            assert len(entries) == k + (str(ids[i]) not in {str(t) for t in best.indices.tolist()})
+        if max_tokens == 4:
+            assert choice["text"] == expected_text(tokenizer, hf_greedy(hf, ids, 4))[0]
+
+
 def test_echo_without_new_tokens_and_stop_strings(setup):
     live, _, hf, tokenizer, _ = setup
     ids = tokenizer("Once upon a time").input_ids
@@ -538,9 +569,13 @@ BAD = [
       for field, value in (("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0.0), ("min_tokens", -1),
                            ("min_tokens", 17), ("ignore_eos", "yes"), ("stop_token_ids", [512]),
                            ("include_stop_str_in_output", 1),
-                           ("skip_special_tokens", "no"), ("use_beam_search", True), ("prompt_logprobs", 1),
+                           ("skip_special_tokens", "no"), ("use_beam_search", True), ("prompt_logprobs", -1),
+                           ("prompt_logprobs", 21),
                            ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("regex", "a+"),
                            ("structured_outputs", {"choice": ["a"]}))],
+    ("/v1/completions", {"model": NAME, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1},
+     400, "prompt_logprobs"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "min_tokens": 2, "stop": ["a"]}, 400, "min_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": ["5"]}, 400, "stop_token_ids.0"),
     # The template's own refusal (a 500 before): its message, as a client error.

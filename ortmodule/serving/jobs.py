@@ -142,6 +142,7 @@ class PromptScores:
     token_logprobs: list[float]
     top: list[list[tuple[int, float]]]
     next_top: list[tuple[int, float]]  # the distribution after the prompt, most likely first
+    ranks: list[int]  # of token i+1 among the vocabulary (1: the most likely), vLLM's `prompt_logprobs` rank
 
 
 class PromptJob(OneShot):
@@ -185,13 +186,15 @@ def _score_batch(model, prompts: list[Ids], top: int) -> list[PromptScores]:
     normalizers, _ = scoring.log_normalizers(logits)  # log-probability = logit - normalizer, in float32
     targets = to_device(torch.cat([torch.tensor(p[1:] + [0]) for p in prompts]), model.device)
     values, indices = logits.topk(min(top, logits.shape[1]), dim=-1)
-    values = (torch.cat([logits.gather(1, targets[:, None]), values], 1).float() - normalizers[:, None]).cpu().tolist()
+    chosen = logits.gather(1, targets[:, None])
+    ranks = ((logits > chosen).sum(1) + 1).cpu().tolist()  # ties share the better rank, as vLLM counts
+    values = (torch.cat([chosen, values], 1).float() - normalizers[:, None]).cpu().tolist()
     indices = indices.cpu().tolist()
     out, start = [], 0
     for n in lengths:
         span = range(start, start + n)
         pairs = [list(zip(indices[k], values[k][1:])) for k in span]
-        out.append(PromptScores([values[k][0] for k in span][:-1], pairs[:-1], pairs[-1]))
+        out.append(PromptScores([values[k][0] for k in span][:-1], pairs[:-1], pairs[-1], ranks[start : start + n - 1]))
         start += n
     return out
 

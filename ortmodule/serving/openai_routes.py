@@ -148,6 +148,7 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     if body.stream and body.echo and max_tokens == 0:
         raise ServingError("a stream with echo needs max_tokens of at least 1 (with 0 there is only the prompt: "
                            "ask without stream)", "max_tokens")
+    _check_prompt_logprobs(body)
     texts = [(f"prompt[{i}]", text) for i, text in enumerate(entries) if isinstance(text, str)]
     served.check_texts(texts)
     if texts:
@@ -161,14 +162,28 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     per_token = 1 + (body.logprobs or 0)
     echoed = sum(len(p) for p in prompts) * per_token if body.echo and body.logprobs is not None else 0
     generated = len(prompts) * max_tokens * per_token if body.logprobs is not None else 0
-    served.check_values((echoed + generated) * body.n, "the log-probabilities asked for", "logprobs")
+    vllms = sum(len(p) for p in prompts) * (2 + body.prompt_logprobs) if body.prompt_logprobs is not None else 0
+    served.check_values((echoed + generated + vllms) * body.n, "the log-probabilities asked for", "logprobs")
     sampling = sampling_of(served, body, max_tokens, body.logprobs, stop)
     prompts = [prompt for prompt in prompts for _ in range(body.n)]  # choice i * n + k: prompt i's k-th
-    if body.echo and not body.stream and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy
-                                                              and not sampling.processed)):
-        return PromptJob(prompts, body.logprobs or 0, max_tokens == 1, stop, loop)
-    top = body.logprobs if body.echo and body.logprobs is not None else None
+    scored = body.echo and body.logprobs is not None or body.prompt_logprobs is not None
+    top = max(body.logprobs or 0, body.prompt_logprobs or 0) if scored else None  # the prompts' alternatives
+    if (body.echo or scored) and not body.stream and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy
+                                                                           and not sampling.processed)):
+        return PromptJob(prompts, top or 0, max_tokens == 1, stop, loop)
     return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top, copies=body.n)
+
+
+def _check_prompt_logprobs(body: CompletionRequest) -> None:
+    """vLLM's `prompt_logprobs`: 0 to MAX_LOGPROBS alternatives (vLLM's default limit too; -1, the whole
+    vocabulary, is past it), not in a stream."""
+    if body.prompt_logprobs is None:
+        return
+    if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+        raise ServingError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.prompt_logprobs}",
+                           "prompt_logprobs")
+    if body.stream:
+        raise ServingError("prompt_logprobs are not available in a stream: ask without stream", "prompt_logprobs")
 
 
 def completion_body(served: Served, body: CompletionRequest, job, result) -> dict:
@@ -179,8 +194,11 @@ def completion_body(served: Served, body: CompletionRequest, job, result) -> dic
         logprobs = None
         if body.logprobs is not None:
             logprobs = _completion_logprobs(tokenizer, prompt, scores, row, body.echo, body.logprobs)
-        choices.append({"index": i, "text": text, "logprobs": logprobs,
-                        "finish_reason": row.text.finish_reason if row else "length"})
+        choice = {"index": i, "text": text, "logprobs": logprobs,
+                  "finish_reason": row.text.finish_reason if row else "length"}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(tokenizer, prompt, scores, body.prompt_logprobs)
+        choices.append(choice)
         generated += len(row.tokens) if row else 0
     return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": served.name,
             "choices": choices, "usage": _usage(job.tokens // body.n, generated)}
@@ -215,6 +233,21 @@ def _completion_logprobs(tokenizer, prompt, scores: PromptScores | None, row: Ro
         values += row.logprobs
         alternatives += [t[:top] for t in row.top]
     return _completion_entries(tokenizer, ids, values, alternatives)
+
+
+def _vllm_prompt_logprobs(tokenizer, prompt: list[int], scores: PromptScores, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a choice: None for the first token, then for each next one a dict from
+    token id to `{"logprob", "rank", "decoded_token"}`: the prompt's token first (its rank among the
+    vocabulary), then the `top` most likely (ranks 1 to `top`; the prompt's token once if among them)."""
+    seen = sorted(set(prompt) | {t for pairs in scores.top for t, _ in pairs[:top]})
+    name = dict(zip(seen, token_strings(tokenizer, seen))) if tokenizer is not None else {}
+    out: list[dict | None] = [None]
+    for token, value, rank, pairs in zip(prompt[1:], scores.token_logprobs, scores.ranks, scores.top, strict=True):
+        position = {str(token): {"logprob": value, "rank": rank, "decoded_token": name.get(token)}}
+        for place, (other, logprob) in enumerate(pairs[:top], 1):
+            position[str(other)] = {"logprob": logprob, "rank": place, "decoded_token": name.get(other)}
+        out.append(position)
+    return out
 
 
 def _completion_entries(tokenizer, ids: list[int], values: list, alternatives: list, offset: int = 0) -> dict:

@@ -99,6 +99,7 @@ class CompletionRequest(_Options):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's log-probability, rank and alternatives
     best_of: StrictInt | None = None
     suffix: Text | None = None
 
