@@ -759,6 +759,10 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
         for url, reason in refusals.items():
             answer = chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
             assert answer.status_code == 400 and reason in answer.json()["error"]["message"], answer.text
+        # vLLM's prompt_logprobs of a prompt with images: refused (they would be the text's alone)
+        answer = server.client.post("/v1/chat/completions", json={"model": "vl", "messages": chats[0],
+                                                                   "max_tokens": 2, "prompt_logprobs": 1})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt_logprobs", answer.text
         # A template that places no image: refused, not run as text.
         tokenizer.chat_template = VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
         answer = chat(chats[0])

@@ -99,6 +99,26 @@ def test_vllms_prompt_logprobs_match_transformers(setup, max_tokens, echo):
             assert choice["text"] == expected_text(tokenizer, hf_greedy(hf, ids, 4))[0]
 
 
+def test_vllms_prompt_logprobs_of_a_chat_match_transformers(setup):
+    """vLLM's `prompt_logprobs` on `/v1/chat/completions`: beside the choices, the rendered prompt's
+    (chat template, generation prompt) log-probabilities and ranks as on completions."""
+    live, _, hf, tokenizer, _ = setup
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    response = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 3,
+                                                              "temperature": 0, "prompt_logprobs": 2, "n": 2})
+    assert response.status_code == 200, response.text
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = ids["input_ids"]
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    positions = response.json()["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None
+    for i in range(1, len(ids)):
+        token = positions[i][str(ids[i])]
+        assert abs(token["logprob"] - reference[i - 1, ids[i]].item()) < 1e-4
+        assert token["rank"] == int((reference[i - 1] > reference[i - 1, ids[i]]).sum()) + 1
+
+
 def test_echo_without_new_tokens_and_stop_strings(setup):
     live, _, hf, tokenizer, _ = setup
     ids = tokenizer("Once upon a time").input_ids
@@ -574,8 +594,8 @@ BAD = [
                            ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("regex", "a+"),
                            ("structured_outputs", {"choice": ["a"]}))],
     ("/v1/completions", {"model": NAME, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
-    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1},
-     400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1,
+                              "stream": True}, 400, "prompt_logprobs"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "min_tokens": 2, "stop": ["a"]}, 400, "min_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": ["5"]}, 400, "stop_token_ids.0"),
     # The template's own refusal (a 500 before): its message, as a client error.

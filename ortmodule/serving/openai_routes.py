@@ -37,7 +37,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 # vLLM's and SGLang's extra fields that would change the output and that this server does not carry
 # out, with their neutral values (what leaving them out means): a client sending another value
 # would get an answer as if it had been applied.
-UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "prompt_logprobs": (None,), "logits_processors": (None,),
+UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,),
                       "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
                       "guided_choice": (None,), "guided_grammar": (None,), "regex": (None,), "json_schema": (None,),
                       "ebnf": (None,)}
@@ -174,12 +174,12 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top, copies=body.n)
 
 
-def _check_prompt_logprobs(body: CompletionRequest) -> None:
+def _check_prompt_logprobs(body: CompletionRequest | ChatRequest) -> None:
     """vLLM's `prompt_logprobs`: 0 to MAX_LOGPROBS alternatives (vLLM's default limit too; -1, the whole
     vocabulary, is past it), not in a stream."""
     if body.prompt_logprobs is None:
         return
-    if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+    if body.prompt_logprobs > MAX_LOGPROBS:
         raise ServingError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.prompt_logprobs}",
                            "prompt_logprobs")
     if body.stream:
@@ -287,9 +287,16 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     top = (body.top_logprobs or 0) if body.logprobs else None
     if top is not None:
         served.check_values(max_tokens * (1 + top) * body.n, "the log-probabilities asked for", "top_logprobs")
+    _check_prompt_logprobs(body)
+    if body.prompt_logprobs is not None and media:
+        raise ServingError("prompt_logprobs of a prompt with images is not supported: ask without images",
+                           "prompt_logprobs")
+    if body.prompt_logprobs is not None:
+        served.check_values(len(prompt) * (2 + body.prompt_logprobs), "the prompt's log-probabilities asked for",
+                            "prompt_logprobs")
     sampling = sampling_of(served, body, max_tokens, top, stop)
     return Generation([prompt] * body.n, sampling, loop, served.tokenizer, served.engine.eos, body.stream,
-                      media=media, copies=body.n)
+                      body.prompt_logprobs, media=media, copies=body.n)
 
 
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
@@ -297,8 +304,13 @@ def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row
                 "logprobs": {"content": _chat_logprobs(served.tokenizer, list(zip(row.tokens, row.logprobs, row.top)))}
                 if body.logprobs else None,
                 "finish_reason": row.text.finish_reason} for row in rows]
-    return {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": served.name,
-            "choices": choices, "usage": _usage(job.tokens // body.n, sum(len(row.tokens) for row in rows))}
+    answer = {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+              "model": served.name, "choices": choices,
+              "usage": _usage(job.tokens // body.n, sum(len(row.tokens) for row in rows))}
+    if body.prompt_logprobs is not None:  # vLLM's, beside the choices: the one prompt's
+        answer["prompt_logprobs"] = _vllm_prompt_logprobs(served.tokenizer, job.prompts[0], job.prompt_scores[0],
+                                                          body.prompt_logprobs)
+    return answer
 
 
 def _chat_logprobs(tokenizer, scored: list[tuple[int, float, list]]) -> list[dict]:

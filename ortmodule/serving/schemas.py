@@ -99,7 +99,8 @@ class CompletionRequest(_Options):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
-    prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's log-probability, rank and alternatives
+    # vLLM's: each prompt token's log-probability, rank and alternatives
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
     best_of: StrictInt | None = None
     suffix: Text | None = None
 
@@ -131,6 +132,7 @@ class ChatRequest(_Options):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM's, as on completions
     # OpenAI's, refused unless neutral: this server calls no tools and does not constrain its output.
     tools: list[Any] | None = None
     tool_choice: Text | dict[str, Any] | None = None
