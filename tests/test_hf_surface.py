@@ -233,12 +233,48 @@ def test_input_and_output_embeddings_are_transformers(build, arch):
     assert [name for name, _ in model.named_parameters()] == ["device_anchor"]  # the tables are not registered
 
 
-def test_block_quantized_embeddings_and_head_are_refused_by_name():
-    model = OrtModelForCausalLM.from_pretrained(fixtures.build(fixtures.SMOLLM2_INT4).package_dir)
-    with pytest.raises(NotSupportedError, match="token embeddings are block-quantized .GatherBlockQuantized."):
-        model.get_input_embeddings()
-    with pytest.raises(NotSupportedError, match="get_output_embeddings.*is a MatMulNBits, not a MatMul by a float"):
-        model.get_output_embeddings()
+def dequantized_head(package_dir) -> torch.Tensor:
+    """The `[vocab, hidden]` weight of a package's MatMulNBits LM head by the op's documented format, read
+    here with onnx_ir: `bits`-bit values packed low nibble first, per row blocks of `block_size` with a
+    scale and a zero point (2 ** (bits - 1) where the graph gives none)."""
+    import onnx_ir as ir
+
+    head = [n for n in ir.load(package_dir / "model.onnx").graph if n.op_type == "MatMulNBits"][-1]
+    take = lambda value, dtype: torch.frombuffer(bytearray(value.const_value.tobytes()), dtype=dtype)  # noqa: E731
+    bits, block = head.attributes["bits"].as_int(), head.attributes["block_size"].as_int()
+    hidden, vocab = head.attributes["K"].as_int(), head.attributes["N"].as_int()
+
+    def unpacked(data: torch.Tensor) -> torch.Tensor:
+        return (torch.stack([data & 15, data >> 4], -1) if bits == 4 else data).view(vocab, -1).float()
+
+    scales = take(head.inputs[2], torch.float32).view(vocab, -1)
+    zero = unpacked(take(head.inputs[3], torch.uint8))[:, : scales.shape[1]] if len(head.inputs) > 3 \
+        and head.inputs[3] is not None else torch.full_like(scales, 2 ** (bits - 1))
+    values = unpacked(take(head.inputs[1], torch.uint8))[:, :hidden]
+    return (values - zero.repeat_interleave(block, 1)[:, :hidden]) * scales.repeat_interleave(block, 1)[:, :hidden]
+
+
+@pytest.mark.parametrize("spec", [fixtures.SMOLLM2_INT4, fixtures.FixtureSpec("llama", precision="int8"),
+                                  fixtures.FixtureSpec("llama", precision="int4",
+                                                       extra_options=(("is_symmetric", "false"),))],
+                         ids=["smollm2-int4-tied", "llama-int8", "llama-int4-zero-points"])
+def test_block_quantized_embeddings_and_head_are_the_weights_they_dequantize_to(spec):
+    """A 4-bit or 8-bit LM head (`MatMulNBits`) is given as its weight dequantizes, against the op's
+    format read apart; the real SmolLM2's int4 package reads its tied token table through the head's
+    4-bit weight (`GatherBlockQuantized`): `get_input_embeddings()` is that table, its rows the
+    embeddings the graph itself feeds its first layer, and `inputs_embeds` of them give the ids' logits."""
+    fixture = fixtures.build(spec)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    head = model.get_output_embeddings()
+    assert torch.equal(head.weight, dequantized_head(fixture.package_dir))
+    ids = torch.tensor([[3, 7, 100, 499, 20, 21], [0, 1, 2, 300, 4, 5]])
+    out = model(ids, output_hidden_states=True)
+    table = model.get_input_embeddings()
+    with torch.inference_mode():
+        assert torch.equal(table(ids), out.hidden_states[0])
+        assert torch.equal(model(inputs_embeds=table(ids)).logits, out.logits)
+    if spec.arch == "smollm2":
+        assert torch.equal(table.weight, head.weight)  # tied: one 4-bit weight behind both
 
 
 def test_the_head_on_the_last_hidden_state_gives_the_logits(build):
