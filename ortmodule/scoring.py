@@ -7,6 +7,7 @@ and the gather happen on `model.device`, and one small tensor per batch comes ba
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -238,31 +239,59 @@ def score(
     tokenizer,
     query: str | Ids,
     items: Sequence[str] | Sequence[Ids],
-    label_token_ids: Sequence[int],
+    label_token_ids: Sequence[int] | Sequence[Sequence[int]],
     apply_softmax: bool = False,
     item_first: bool = False,
     token_budget: int = 8192,
     reuse_prefix: bool | None = None,
+    temperature: float = 1.0,
 ) -> list[list[float]]:
     """SGLang's Generative Score API: per item, the probability of each label token right after
     the prompt `query + item` (`item + query` with `item_first`), in label order.
 
     Text is joined first and then tokenized (with the tokenizer's special tokens); token ids are
-    concatenated. Without `apply_softmax` a score is the full-vocabulary probability; with it,
-    a softmax over the labels' log-probabilities only. Prefill only: the prompts run right-padded
-    in batches of at most `token_budget` tokens, the LM head only at each prompt's last token,
-    log-softmax and gather on the device, one copy to the host at the end.
+    concatenated. `label_token_ids` is one list for every item, or (as SGLang 0.5.23 takes it) a list per
+    item. Without `apply_softmax` a score is the full-vocabulary probability; with it, a softmax over the
+    item's labels of their log-probabilities divided by `temperature` (SGLang's; other than 1 only with
+    `apply_softmax`). Prefill only: the prompts run right-padded in batches of at most `token_budget`
+    tokens, the LM head only at each prompt's last token, log-softmax and gather on the device, one copy
+    to the host at the end.
 
     `reuse_prefix` runs the prompts' shared first tokens once and the rest over a copy of its
     KV cache; None decides by the work saved (`worth_sharing`: by the model's measured costs, timed once
     the model's calls have held 16,384 tokens, and by token counts before; `prefix_reuse`).
     """
     prompts = prompts_of(tokenizer, query, items, item_first)
-    labels = checked_labels(label_token_ids, model.package.vocab_size)
+    per_item = bool(label_token_ids) and not isinstance(label_token_ids[0], int) \
+        and isinstance(label_token_ids[0], Sequence)
+    lists = [checked_labels(labels, model.package.vocab_size) for labels in
+             (label_token_ids if per_item else [label_token_ids])]
+    if per_item and len(lists) != len(prompts):
+        raise ValueError(f"label_token_ids has {len(lists)} lists for {len(prompts)} items: give one list per item, "
+                         "or one list for all")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature <= 0:
+        raise ValueError(f"temperature must be finite and greater than zero, got {temperature!r}")
+    if temperature != 1 and not apply_softmax:
+        raise ValueError("temperature requires apply_softmax=True (it scales the softmax over the labels)")
     check_prompts(prompts, model.package.vocab_size, model.package.context_length)
-    logprobs = label_logprobs(model, [prompts], labels, token_budget, reuse_prefix)
-    scores = torch.softmax(logprobs, dim=-1) if apply_softmax else logprobs.exp()
-    return scores.cpu().tolist()  # the one device-to-host copy
+    union = sorted({t for labels in lists for t in labels})
+    column = {t: i for i, t in enumerate(union)}
+    logprobs = label_logprobs(model, [prompts], union, token_budget, reuse_prefix).cpu()  # the one copy
+    rows = lists if per_item else lists * len(prompts)
+    return [label_probabilities(logprobs[i, [column[t] for t in row]].tolist(), apply_softmax, temperature)
+            for i, row in enumerate(rows)]
+
+
+def label_probabilities(logprobs: list[float], apply_softmax: bool, temperature: float = 1.0) -> list[float]:
+    """A prompt's label probabilities from their log-probabilities: SGLang's and vLLM's rule, a softmax over
+    the labels of the log-probabilities over `temperature` (centered first), or each one's own."""
+    if not apply_softmax:
+        return [math.exp(value) for value in logprobs]
+    top = max(logprobs)
+    weights = [math.exp((value - top) / temperature) for value in logprobs]
+    total = sum(weights)
+    return [weight / total for weight in weights]
 
 
 def check_prompts(prompts: list[Ids], vocab: int, limit: int) -> None:

@@ -59,6 +59,23 @@ def test_one_text_item_may_be_given_as_a_string(llama):
     assert (torch.tensor(got, dtype=torch.float64) - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("apply_softmax, temperature", [(False, 1.0), (True, 1.0), (True, 0.25)])
+def test_a_label_list_per_item_and_a_temperature_match_transformers(llama, apply_softmax, temperature):
+    """As SGLang 0.5.23 takes them: a list of labels per item (of different lengths), and `temperature`
+    dividing the label log-probabilities before the softmax over them."""
+    model, hf = load_pair(llama)
+    tokenizer = load_tokenizer(llama.package_dir)
+    labels = [[5, 300], [7, 8, 9], [10], [11, 12]]
+    got = ortmodule.score(model, tokenizer, QUERY, ITEMS, labels, apply_softmax=apply_softmax,
+                          temperature=temperature)
+    for item, own, scores in zip(ITEMS, labels, got, strict=True):
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(tokenizer(QUERY + item, return_tensors="pt").input_ids).logits[0, -1]
+                                         .double(), -1)[own]
+        expected = torch.softmax(logprobs / temperature, -1) if apply_softmax else logprobs.exp()
+        assert len(scores) == len(own) and max(abs(a - b) for a, b in zip(scores, expected.tolist())) < 1e-5
+
+
 def test_shared_prefix_reuse_is_chosen_only_where_it_saves_work():
     long_query = list(range(100, 160))
     def last(prompts):  # score reads each prompt's last position
@@ -407,6 +424,9 @@ def test_the_scores_leave_the_device_once(llama, monkeypatch):
         (dict(items=[[5] * 300]), ValueError, "item 0: the prompt has 303 tokens, over the model's context length 256"),
         (dict(query=[], items=[[]]), ValueError, "item 0: the prompt has no tokens"),
         (dict(token_budget=0), ValueError, "token_budget must be a positive int"),
+        (dict(label_token_ids=[[1], [2], [3]]), ValueError, "label_token_ids has 3 lists for 2 items"),
+        (dict(temperature=0.5), ValueError, "temperature requires apply_softmax=True"),
+        (dict(temperature=-1.0, apply_softmax=True), ValueError, "temperature must be finite and greater than zero"),
     ],
 )
 def test_bad_requests_get_errors_that_name_the_problem(llama, kwargs, error, message):

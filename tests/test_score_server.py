@@ -60,6 +60,28 @@ def test_text_and_token_requests_match_transformers(setup, apply_softmax, item_f
                                    "total_tokens": prompt_tokens}
 
 
+def test_sglangs_per_item_labels_temperature_and_token_logprobs_match_transformers(setup):
+    """SGLang 0.5.23's score fields: a label list per item (of different lengths), `temperature` dividing
+    the label log-probabilities before the softmax over them, `return_token_logprobs` (the labels' own
+    log-probabilities per item), and its other fields at their neutral values, against transformers."""
+    live, hf, tokenizer = setup
+    labels = [[5, 300], [7, 8, 9], [10], [11, 12]]
+    body = dict(query=QUERY, items=ITEMS, label_token_ids=labels, apply_softmax=True, temperature=0.5,
+                return_token_logprobs=True, return_pooled_hidden_states=False, embed_override_token_id=None,
+                score_extraction_token=None)
+    response = live.client.post("/v1/score", json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    for item, own, scores, logprobs in zip(ITEMS, labels, answer["scores"], answer["token_logprobs"]):
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(tokenizer(QUERY + item, return_tensors="pt").input_ids).logits[0, -1]
+                                         .double(), -1)[own]
+        assert max(abs(a - b) for a, b in zip(logprobs, expected.tolist())) < 1e-4
+        assert max(abs(a - b) for a, b in zip(scores, torch.softmax(expected / 0.5, -1).tolist())) < 1e-5
+    plain = live.client.post("/v1/score", json=dict(query=QUERY, items=ITEMS, label_token_ids=labels)).json()
+    assert [len(row) for row in plain["scores"]] == [2, 3, 1, 2] and "token_logprobs" not in plain
+
+
 BAD_REQUESTS = [
     (dict(label_token_ids=None), "label_token_ids"),
     (dict(label_token_ids=[]), "label_token_ids is empty"),
@@ -73,6 +95,14 @@ BAD_REQUESTS = [
     (dict(label_token_ids="abc"), "label_token_ids"),
     (dict(apply_softmax="maybe"), "apply_softmax"),
     (dict(model="another-model"), "model 'another-model' is not served here"),
+    (dict(temperature=2.0), "temperature requires apply_softmax=true"),
+    (dict(temperature=0, apply_softmax=True), "temperature must be finite and greater than zero"),
+    (dict(temperature="hot", apply_softmax=True), "temperature"),
+    (dict(label_token_ids=[[5], [6]]), "label_token_ids has 2 lists for 4 items"),
+    (dict(label_token_ids=[5, 6, 5]), "must not hold a token twice"),
+    (dict(return_pooled_hidden_states=True), "return_pooled_hidden_states is not supported"),
+    (dict(score_extraction_token="<x>"), "score_extraction_token is not supported"),
+    (dict(query_embed_overrides=[[0.5]]), "query_embed_overrides is not supported"),
 ]
 
 

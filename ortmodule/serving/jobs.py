@@ -93,42 +93,53 @@ class OneShot(Job):
 
 
 class ScoreJob(OneShot):
-    """SGLang's `/v1/score`: label probabilities after each prompt."""
+    """SGLang's `/v1/score` and vLLM's `/generative_scoring`: label probabilities after each prompt.
+    `labels`: one list of label ids for every prompt, or a list per prompt (SGLang's per-item candidates);
+    with `apply_softmax` the probabilities are a softmax over the prompt's labels of their log-probabilities
+    divided by `temperature`, else each label's own. After `finish`, `label_logprobs` holds each prompt's
+    labels' log-probabilities (SGLang's `return_token_logprobs`)."""
 
     kind = "score"
 
-    def __init__(self, prompts: list[Ids], labels: Ids, apply_softmax: bool, loop, token_budget: int,
-                 reuse_prefix: bool | None = None):
+    def __init__(self, prompts: list[Ids], labels: Ids | list[Ids], apply_softmax: bool, loop, token_budget: int,
+                 reuse_prefix: bool | None = None, temperature: float = 1.0):
         super().__init__(prompts, loop)
-        self.labels, self.apply_softmax, self.token_budget = labels, apply_softmax, token_budget
+        self.labels = [list(row) for row in labels] if labels and isinstance(labels[0], list) \
+            else [list(labels)] * len(prompts)
+        self.apply_softmax, self.token_budget, self.temperature = apply_softmax, token_budget, temperature
         self.reuse_prefix = reuse_prefix  # the server's setting: None decides per request from measured costs
+        self.label_logprobs: list[list[float]] | None = None
 
     @classmethod
     def start_together(cls, model, jobs: list[ScoreJob]) -> Callable[[], list[list[list[float]]]]:
-        """Every job's scores from one call of `scoring.label_logprobs` (each distinct label once),
-        queued with their one copy to the host; `finish` waits for that copy."""
-        labels = sorted({t for job in jobs for t in job.labels})
+        """Every job's scores from one call of `scoring.label_logprobs` (each distinct label once), each
+        prompt's labels' log-probabilities picked on the device and queued with their one copy to the host;
+        `finish` waits for that copy and turns them into probabilities (a few per prompt, on the host)."""
+        labels = sorted({t for job in jobs for row in job.labels for t in row})
         column = {t: i for i, t in enumerate(labels)}
         requests, budget = [job.prompts for job in jobs], jobs[0].token_budget
         reused = scoring.prefix_reuse(model, requests, budget, jobs[0].reuse_prefix)
         for job, once in zip(jobs, reused):
             job.reused_prefix = once
         logprobs = scoring.label_logprobs(model, requests, labels, budget, reused)
-        parts, row = [], 0
-        for job in jobs:  # (a list as an index would be copied up with a wait for the device)
-            mine = logprobs[row : row + len(job.prompts)].index_select(
-                1, to_device([column[t] for t in job.labels], logprobs.device))
-            parts.append((torch.softmax(mine, -1) if job.apply_softmax else mine.exp()).flatten())
-            row += len(job.prompts)
-        copied = start_copy_to_host(torch.cat(parts))
+        rows, columns, start = [], [], 0
+        for job in jobs:
+            for i, row in enumerate(job.labels):
+                rows += [start + i] * len(row)
+                columns += [column[t] for t in row]
+            start += len(job.prompts)
+        # (lists as indices would be copied up with a wait for the device)
+        copied = start_copy_to_host(logprobs[to_device(rows, logprobs.device), to_device(columns, logprobs.device)])
 
         def finish() -> list[list[list[float]]]:
-            flat = copied().tolist()
-            out, start = [], 0
+            flat, out, at = copied().tolist(), [], 0
             for job in jobs:
-                width = len(job.labels)
-                out.append([flat[start + i * width : start + (i + 1) * width] for i in range(len(job.prompts))])
-                start += width * len(job.prompts)
+                job.label_logprobs = []
+                for row in job.labels:
+                    job.label_logprobs.append(flat[at : at + len(row)])
+                    at += len(row)
+                out.append([scoring.label_probabilities(values, job.apply_softmax, job.temperature)
+                            for values in job.label_logprobs])
             return out
 
         return finish

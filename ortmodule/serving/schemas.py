@@ -31,16 +31,26 @@ Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
 
 
 class ScoreRequest(BaseModel):
-    """SGLang's `/v1/score`: the probability of each label token after query + item (or item + query)."""
+    """SGLang's `/v1/score` (as of SGLang 0.5.23): the probability of each label token after query + item
+    (or item + query); `label_token_ids` one list for every item or a list per item; `temperature` over
+    the labels' softmax; `return_token_logprobs`. Its fields for embedding overrides, pooled hidden
+    states and setwise readouts are taken at their neutral values only (score_routes.NEUTRAL)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     query: Text | list[TokenId]
     items: Text | list[Text] | list[list[TokenId]]
-    label_token_ids: list[TokenId]
+    label_token_ids: list[TokenId] | list[list[TokenId]]
     apply_softmax: StrictBool = False
+    temperature: StrictFloat | StrictInt = 1.0
+    return_token_logprobs: StrictBool = False
     item_first: StrictBool = False
     model: Text | None = None
+    return_pooled_hidden_states: StrictBool = False
+    embed_override_token_id: StrictInt | None = None
+    query_embed_overrides: list[Any] | None = None
+    item_embed_overrides: list[Any] | None = None
+    score_extraction_token: Text | None = None
 
 
 class GenerativeScoringRequest(BaseModel):

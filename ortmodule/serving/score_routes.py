@@ -4,6 +4,7 @@ batches with the other score requests (jobs.ScoreJob)."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -15,20 +16,36 @@ from .schemas import GenerativeScoringRequest, ScoreRequest
 from .served import Served, run
 from .settings import REUSE_PREFIX
 
+# SGLang's score fields this server does not carry out, with their neutral values: another value is a 400.
+NEUTRAL = {"return_pooled_hidden_states": False, "embed_override_token_id": None, "query_embed_overrides": None,
+           "item_embed_overrides": None, "score_extraction_token": None}
+
 
 def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
     """The request checked (sizes before anything is tokenized) and tokenized."""
     settings = served.settings
     if body.model not in (None, "", served.name):  # SGLang answers 400 here, OpenAI's routes 404
         raise ValueError(f"model {body.model!r} is not served here; this server serves {served.name!r}")
+    for name, neutral in NEUTRAL.items():
+        if getattr(body, name) != neutral:
+            raise ValueError(f"{name} is not supported by this server; leave it out")
+    if not math.isfinite(body.temperature) or body.temperature <= 0:
+        raise ValueError(f"temperature must be finite and greater than zero, got {body.temperature}")
+    if body.temperature != 1 and not body.apply_softmax:
+        raise ValueError("temperature requires apply_softmax=true (it scales the softmax over the labels)")
     items = [body.items] if isinstance(body.items, str) else body.items
     if len(items) > settings.max_items:
         raise ValueError(f"items has {len(items)} entries; this server takes at most {settings.max_items} per request")
-    if len(body.label_token_ids) > settings.max_labels:
-        raise ValueError(f"label_token_ids has {len(body.label_token_ids)} entries; this server takes at most "
+    per_item = bool(body.label_token_ids) and isinstance(body.label_token_ids[0], list)
+    lists = body.label_token_ids if per_item else [body.label_token_ids]
+    if per_item and len(lists) != len(items):
+        raise ValueError(f"label_token_ids has {len(lists)} lists for {len(items)} items: give one list per item, or "
+                         "one list for all")
+    if any(len(labels) > settings.max_labels for labels in lists):
+        raise ValueError(f"label_token_ids has a list of {max(map(len, lists))} ids; this server takes at most "
                          f"{settings.max_labels}")
-    served.check_values(len(items) * len(body.label_token_ids), "the scores (items x label_token_ids)",
-                        "label_token_ids")
+    served.check_values(sum(map(len, lists)) if per_item else len(items) * len(lists[0]),
+                        "the scores (items x label_token_ids)", "label_token_ids")
     texts = [("query", body.query)] + [(f"items[{i}]", item) for i, item in enumerate(items)]
     # Each prompt is query + item: every text must fit alone, and the query with the longest item.
     longest = max((len(item) for item in items if isinstance(item, str)), default=0)
@@ -36,15 +53,20 @@ def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
     served.check_texts(query + [(where, text) for where, text in texts[1:]
                                 if isinstance(text, str) and len(text) == longest][:1])
     prompts = scoring.prompts_of(served.tokenizer, body.query, body.items, body.item_first)
-    labels = scoring.checked_labels(body.label_token_ids, served.vocab)
+    labels = [scoring.checked_labels(labels, served.vocab) for labels in lists]
+    if any(len(set(row)) != len(row) for row in labels):
+        raise ValueError("label_token_ids must not hold a token twice (in one item's list)")
     scoring.check_prompts(prompts, served.vocab, served.context)
-    return ScoreJob(prompts, labels, body.apply_softmax, loop, settings.token_budget,
-                    REUSE_PREFIX[settings.reuse_prefix])
+    return ScoreJob(prompts, labels if per_item else labels[0], body.apply_softmax, loop, settings.token_budget,
+                    REUSE_PREFIX[settings.reuse_prefix], float(body.temperature))
 
 
 def respond(served: Served, body: ScoreRequest, job: ScoreJob, scores) -> dict:
-    return {"scores": scores, "model": served.name, "object": "scoring",
-            "usage": {"prompt_tokens": job.tokens, "completion_tokens": 0, "total_tokens": job.tokens}}
+    answer = {"scores": scores, "model": served.name, "object": "scoring",
+              "usage": {"prompt_tokens": job.tokens, "completion_tokens": 0, "total_tokens": job.tokens}}
+    if body.return_token_logprobs:
+        answer["token_logprobs"] = job.label_logprobs
+    return answer
 
 
 def make_generative_job(served: Served, body: GenerativeScoringRequest, loop) -> ScoreJob:
