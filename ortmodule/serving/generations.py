@@ -192,7 +192,7 @@ class Generations:
             self._guarded(job.rows, lambda rows: self._score_prompts(job))
 
     def _score_prompts(self, job: Generation) -> None:
-        job.prompt_scores = prompt_scores(self.model, job.prompts, job.prompt_top)
+        job.prompt_scores = prompt_scores(self.model, job.prompts, job.prompt_top, job.prompt_ranks)
         self.pending.extend(job.rows)
 
     def drop_abandoned(self) -> None:

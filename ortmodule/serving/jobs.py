@@ -153,7 +153,7 @@ class PromptScores:
     token_logprobs: list[float]
     top: list[list[tuple[int, float]]]
     next_top: list[tuple[int, float]]  # the distribution after the prompt, most likely first
-    ranks: list[int]  # of token i+1 among the vocabulary (1: the most likely), vLLM's `prompt_logprobs` rank
+    ranks: list[int]  # of token i+1 among the vocabulary (1: the most likely; 0: not asked for), vLLM's
 
 
 class PromptJob(OneShot):
@@ -162,14 +162,15 @@ class PromptJob(OneShot):
 
     kind = "prompt_logprobs"
 
-    def __init__(self, prompts: list[Ids], top: int, next_token: bool, stop: tuple[str, ...], loop):
+    def __init__(self, prompts: list[Ids], top: int, next_token: bool, stop: tuple[str, ...], loop,
+                 ranked: bool = False):
         super().__init__(prompts, loop)
-        self.top, self.next_token, self.stop = top, next_token, stop
+        self.top, self.next_token, self.stop, self.ranked = top, next_token, stop, ranked
 
     @staticmethod
     def run_together(model, jobs: list[PromptJob]) -> list[list[PromptScores]]:
         prompts = [p for job in jobs for p in job.prompts]
-        scores = prompt_scores(model, prompts, max(job.top for job in jobs))
+        scores = prompt_scores(model, prompts, max(job.top for job in jobs), any(job.ranked for job in jobs))
         out, k = [], 0
         for job in jobs:
             out.append(scores[k : k + len(job.prompts)])
@@ -177,18 +178,19 @@ class PromptJob(OneShot):
         return out
 
 
-def prompt_scores(model, prompts: list[Ids], top: int) -> list[PromptScores]:
+def prompt_scores(model, prompts: list[Ids], top: int, ranked: bool = False) -> list[PromptScores]:
     """Log-probabilities of every prompt token and of the next token, in batches of at most
-    LOGIT_BYTES of logits, longest prompts first."""
+    LOGIT_BYTES of logits, longest prompts first; with `ranked`, each token's rank too (vLLM's
+    `prompt_logprobs`: a pass more over the logits, so only where asked)."""
     budget = max(1, LOGIT_BYTES // (4 * model.package.vocab_size))
     out: list[PromptScores | None] = [None] * len(prompts)
     for batch in scoring.length_batches([len(p) for p in prompts], 0, budget):
-        for j, scores in zip(batch, _score_batch(model, [prompts[j] for j in batch], max(top, 1))):
+        for j, scores in zip(batch, _score_batch(model, [prompts[j] for j in batch], max(top, 1), ranked)):
             out[j] = scores
     return out
 
 
-def _score_batch(model, prompts: list[Ids], top: int) -> list[PromptScores]:
+def _score_batch(model, prompts: list[Ids], top: int, ranked: bool) -> list[PromptScores]:
     ids, mask = pad_right(prompts)
     lengths = [len(p) for p in prompts]
     rows = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
@@ -198,7 +200,8 @@ def _score_batch(model, prompts: list[Ids], top: int) -> list[PromptScores]:
     targets = to_device(torch.cat([torch.tensor(p[1:] + [0]) for p in prompts]), model.device)
     values, indices = logits.topk(min(top, logits.shape[1]), dim=-1)
     chosen = logits.gather(1, targets[:, None])
-    ranks = ((logits > chosen).sum(1) + 1).cpu().tolist()  # ties share the better rank, as vLLM counts
+    # ties share the better rank, as vLLM counts
+    ranks = ((logits > chosen).sum(1) + 1).cpu().tolist() if ranked else [0] * len(targets)
     values = (torch.cat([chosen, values], 1).float() - normalizers[:, None]).cpu().tolist()
     indices = indices.cpu().tolist()
     out, start = [], 0
@@ -258,9 +261,10 @@ class Generation(Job):
     kind = "generation"
 
     def __init__(self, prompts: list[Ids], sampling: Sampling, loop, tokenizer, eos: set[int],
-                 stream: bool = False, prompt_top: int | None = None, media=None, copies: int = 1):
+                 stream: bool = False, prompt_top: int | None = None, media=None, copies: int = 1,
+                 prompt_ranks: bool = False):
         super().__init__(prompts, loop)
-        self.sampling, self.prompt_top = sampling, prompt_top
+        self.sampling, self.prompt_top, self.prompt_ranks = sampling, prompt_top, prompt_ranks
         self.stream: asyncio.Queue | None = asyncio.Queue() if stream else None
         self.prompt_scores: list[PromptScores] | None = None  # echo: filled before the rows start
         self.eos = eos

@@ -170,8 +170,9 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     top = max(body.logprobs or 0, body.prompt_logprobs or 0) if scored else None  # the prompts' alternatives
     if (body.echo or scored) and not body.stream and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy
                                                                            and not sampling.processed)):
-        return PromptJob(prompts, top or 0, max_tokens == 1, stop, loop)
-    return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top, copies=body.n)
+        return PromptJob(prompts, top or 0, max_tokens == 1, stop, loop, body.prompt_logprobs is not None)
+    return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top, copies=body.n,
+                      prompt_ranks=body.prompt_logprobs is not None)
 
 
 def _check_prompt_logprobs(body: CompletionRequest | ChatRequest) -> None:
@@ -296,7 +297,7 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
                             "prompt_logprobs")
     sampling = sampling_of(served, body, max_tokens, top, stop)
     return Generation([prompt] * body.n, sampling, loop, served.tokenizer, served.engine.eos, body.stream,
-                      body.prompt_logprobs, media=media, copies=body.n)
+                      body.prompt_logprobs, media=media, copies=body.n, prompt_ranks=body.prompt_logprobs is not None)
 
 
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
