@@ -1,4 +1,4 @@
-"""`ortmodule serve`: SGLang's score API and OpenAI's completions over one OrtModelForCausalLM.
+"""`ortmodule serve`: SGLang's and vLLM's score APIs and OpenAI's completions over one OrtModelForCausalLM.
 
 Layers, imported one way: app (auth, limits, errors, HTTP server) -> routes (score_routes,
 openai_routes; wire schemas in schemas.py) -> engine (one model thread, one scheduler over the
