@@ -4,8 +4,8 @@
 no plugins, so the registration has to happen in the same process), and ortmodule's shipped tasks
 found without `--include_path` (`resolve_tasks_as_ortmodule`).
 `ortmodule export SRC OUT`: a GenAI package from a Hugging Face folder or a GGUF file (ortmodule/exporter.py).
-`ortmodule serve PATH`: SGLang's `/v1/score`, vLLM's `/generative_scoring`, OpenAI's `/v1/completions` and `/v1/chat/completions`
-(ortmodule/serving/).
+`ortmodule serve PATH`: SGLang's `/v1/score`, vLLM's `/generative_scoring`, OpenAI's `/v1/completions` and
+`/v1/chat/completions` (ortmodule/serving/).
 `ortmodule cache list|clear`: what ortmodule keeps in its cache folder, and clearing it (ortmodule/cache_folder.py).
 `ortmodule env`: the versions, devices and providers, for a bug report (ortmodule/environment.py).
 `ortmodule info PATH`: what a package is, read from its files (ortmodule/describe.py).
