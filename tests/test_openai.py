@@ -119,6 +119,36 @@ def test_vllms_prompt_logprobs_of_a_chat_match_transformers(setup):
         assert token["rank"] == int((reference[i - 1] > reference[i - 1, ids[i]]).sum()) + 1
 
 
+def test_vllms_return_token_ids_are_the_prompts_and_the_generated_tokens(setup):
+    """vLLM's `return_token_ids`: on completions each choice's `prompt_token_ids` and `token_ids` (the
+    tokens its usage counts; with `echo` the text then leaves the prompt out, as vLLM's does); on chat
+    the rendered prompt's ids beside the choices and each choice's own; refused in a stream."""
+    live, _, hf, tokenizer, _ = setup
+    prompt = "The quick brown fox"
+    ids = tokenizer(prompt).input_ids
+    tokens = hf_greedy(hf, ids, 6)
+    eos = tokenizer.eos_token_id
+    generated = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    for echo in (False, True):
+        response = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 6,
+                                                             "temperature": 0, "return_token_ids": True, "echo": echo})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["prompt_token_ids"] == ids and choice["token_ids"] == generated
+        assert choice["text"] == expected_text(tokenizer, tokens)[0]
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    chat = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 4,
+                                                          "temperature": 0, "return_token_ids": True}).json()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    assert chat["prompt_token_ids"] == rendered
+    answer = hf_greedy(hf, rendered, 4)
+    assert chat["choices"][0]["token_ids"] == (answer[: answer.index(eos) + 1] if eos in answer else answer)
+    streamed = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "stream": True,
+                                                         "return_token_ids": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"
+
+
 def test_echo_without_new_tokens_and_stop_strings(setup):
     live, _, hf, tokenizer, _ = setup
     ids = tokenizer("Once upon a time").input_ids

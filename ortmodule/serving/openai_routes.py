@@ -177,7 +177,10 @@ def completion_job(served: Served, body: CompletionRequest, loop):
 
 def _check_prompt_logprobs(body: CompletionRequest | ChatRequest) -> None:
     """vLLM's `prompt_logprobs`: 0 to MAX_LOGPROBS alternatives (vLLM's default limit too; -1, the whole
-    vocabulary, is past it), not in a stream."""
+    vocabulary, is past it), not in a stream; vLLM's `return_token_ids` not in a stream either (a stream's
+    chunks carry text only here)."""
+    if body.return_token_ids and body.stream:
+        raise ServingError("return_token_ids is not supported in a stream: ask without stream", "return_token_ids")
     if body.prompt_logprobs is None:
         return
     if body.prompt_logprobs > MAX_LOGPROBS:
@@ -191,7 +194,9 @@ def completion_body(served: Served, body: CompletionRequest, job, result) -> dic
     tokenizer, choices, generated = served.tokenizer, [], 0
     for i, prompt in enumerate(job.prompts):
         scores, row = _prompt_part(served, job, result, i)
-        text = (tokenizer.decode(prompt) if body.echo else "") + (row.text.text if row else "")
+        # vLLM leaves the echoed prompt's text out where it gives the prompt's ids
+        shown = tokenizer.decode(prompt) if body.echo and not body.return_token_ids else ""
+        text = shown + (row.text.text if row else "")
         logprobs = None
         if body.logprobs is not None:
             logprobs = _completion_logprobs(tokenizer, prompt, scores, row, body.echo, body.logprobs)
@@ -199,6 +204,8 @@ def completion_body(served: Served, body: CompletionRequest, job, result) -> dic
                   "finish_reason": row.text.finish_reason if row else "length"}
         if body.prompt_logprobs is not None:
             choice["prompt_logprobs"] = _vllm_prompt_logprobs(tokenizer, prompt, scores, body.prompt_logprobs)
+        if body.return_token_ids:
+            choice["prompt_token_ids"], choice["token_ids"] = list(prompt), list(row.tokens) if row else []
         choices.append(choice)
         generated += len(row.tokens) if row else 0
     return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": served.name,
@@ -311,6 +318,10 @@ def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row
     if body.prompt_logprobs is not None:  # vLLM's, beside the choices: the one prompt's
         answer["prompt_logprobs"] = _vllm_prompt_logprobs(served.tokenizer, job.prompts[0], job.prompt_scores[0],
                                                           body.prompt_logprobs)
+    if body.return_token_ids:  # vLLM's: the prompt's ids beside the choices, each choice's own in it
+        answer["prompt_token_ids"] = list(job.prompts[0])
+        for choice, row in zip(choices, rows, strict=True):
+            choice["token_ids"] = list(row.tokens)
     return answer
 
 

@@ -111,6 +111,7 @@ class CompletionRequest(_Options):
     logprobs: StrictInt | None = None
     # vLLM's: each prompt token's log-probability, rank and alternatives
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
+    return_token_ids: StrictBool | None = None  # vLLM's: the prompt's and each choice's token ids
     best_of: StrictInt | None = None
     suffix: Text | None = None
 
@@ -143,6 +144,7 @@ class ChatRequest(_Options):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM's, as on completions
+    return_token_ids: StrictBool | None = None  # vLLM's, as on completions
     # OpenAI's, refused unless neutral: this server calls no tools and does not constrain its output.
     tools: list[Any] | None = None
     tool_choice: Text | dict[str, Any] | None = None
