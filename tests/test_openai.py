@@ -149,6 +149,34 @@ def test_vllms_return_token_ids_are_the_prompts_and_the_generated_tokens(setup):
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"
 
 
+def test_vllms_add_special_tokens_false_tokenizes_a_text_prompt_without_them(setup):
+    """vLLM's `add_special_tokens` on completions (default true): false tokenizes the text prompt as
+    the tokenizer does without its special tokens (a tokenizer that adds a BOS here), and the completion
+    is that prompt's."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    _, model, hf, tokenizer, _ = setup
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    live = LiveServer(create_app(model, tokenizer, name=NAME))
+    try:
+        prompt = "The quick brown fox"
+        for add in (True, False):
+            ids = tokenizer(prompt, add_special_tokens=add).input_ids
+            assert (ids[0] == tokenizer.bos_token_id) == add
+            response = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 5,
+                                                                 "temperature": 0, "add_special_tokens": add,
+                                                                 "return_token_ids": True})
+            choice = response.json()["choices"][0]
+            assert choice["prompt_token_ids"] == ids
+            assert choice["text"] == expected_text(tokenizer, hf_greedy(hf, ids, 5))[0]
+    finally:
+        live.stop()
+
+
 def test_echo_without_new_tokens_and_stop_strings(setup):
     live, _, hf, tokenizer, _ = setup
     ids = tokenizer("Once upon a time").input_ids
@@ -620,12 +648,15 @@ BAD = [
                            ("min_tokens", 17), ("ignore_eos", "yes"), ("stop_token_ids", [512]),
                            ("include_stop_str_in_output", 1),
                            ("skip_special_tokens", "no"), ("use_beam_search", True), ("prompt_logprobs", -1),
-                           ("prompt_logprobs", 21),
+                           ("prompt_logprobs", 21), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [5, 6]),
+                           ("bad_words", ["fox"]), ("logprob_token_ids", [5]), ("return_tokens_as_token_ids", True),
                            ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("regex", "a+"),
                            ("structured_outputs", {"choice": ["a"]}))],
     ("/v1/completions", {"model": NAME, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1,
                               "stream": True}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                              "add_special_tokens": True}, 400, "add_special_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "min_tokens": 2, "stop": ["a"]}, 400, "min_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": ["5"]}, 400, "stop_token_ids.0"),
     # The template's own refusal (a 500 before): its message, as a client error.

@@ -37,7 +37,9 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 # vLLM's and SGLang's extra fields that would change the output and that this server does not carry
 # out, with their neutral values (what leaving them out means): a client sending another value
 # would get an answer as if it had been applied.
-UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,),
+UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,), "truncate_prompt_tokens": (None,),
+                      "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_embeds": (None,),
+                      "logprob_token_ids": (None,), "return_tokens_as_token_ids": (None, False),
                       "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
                       "guided_choice": (None,), "guided_grammar": (None,), "regex": (None,), "json_schema": (None,),
                       "ebnf": (None,)}
@@ -154,7 +156,8 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     if texts:
         if served.tokenizer is None:
             raise ServingError("text prompts need a tokenizer; this server has none: send token ids", "prompt")
-        prompts = [list(ids) for ids in served.tokenizer([t for _, t in texts])["input_ids"]]
+        prompts = [list(ids) for ids in served.tokenizer([t for _, t in texts],
+                                                         add_special_tokens=body.add_special_tokens)["input_ids"]]
     else:
         prompts = [list(ids) for ids in entries]
     served.check_prompts(prompts)
@@ -296,6 +299,9 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     if top is not None:
         served.check_values(max_tokens * (1 + top) * body.n, "the log-probabilities asked for", "top_logprobs")
     _check_prompt_logprobs(body)
+    if body.add_special_tokens:
+        raise ServingError("add_special_tokens with messages is not supported: the chat template places the special "
+                           "tokens", "add_special_tokens")
     if body.prompt_logprobs is not None and media:
         raise ServingError("prompt_logprobs of a prompt with images is not supported: ask without images",
                            "prompt_logprobs")

@@ -112,6 +112,7 @@ class CompletionRequest(_Options):
     # vLLM's: each prompt token's log-probability, rank and alternatives
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None
     return_token_ids: StrictBool | None = None  # vLLM's: the prompt's and each choice's token ids
+    add_special_tokens: StrictBool = True  # vLLM's: false tokenizes a text prompt without BOS and the like
     best_of: StrictInt | None = None
     suffix: Text | None = None
 
@@ -145,6 +146,7 @@ class ChatRequest(_Options):
     top_logprobs: StrictInt | None = None
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM's, as on completions
     return_token_ids: StrictBool | None = None  # vLLM's, as on completions
+    add_special_tokens: StrictBool = False  # vLLM's default for messages; true is refused (the template places them)
     # OpenAI's, refused unless neutral: this server calls no tools and does not constrain its output.
     tools: list[Any] | None = None
     tool_choice: Text | dict[str, Any] | None = None
