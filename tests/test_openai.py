@@ -657,6 +657,9 @@ BAD = [
                               "stream": True}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
                               "add_special_tokens": True}, 400, "add_special_tokens"),
+    *[("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], field: value}, 400,
+       field) for field, value in (("chat_template", "{{ messages }}"), ("documents", [{"text": "x"}]),
+                                   ("reasoning_effort", "high"), ("echo", True), ("mm_processor_kwargs", {"a": 1}))],
     ("/v1/completions", {"model": NAME, "prompt": "x", "min_tokens": 2, "stop": ["a"]}, 400, "min_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": ["5"]}, 400, "stop_token_ids.0"),
     # The template's own refusal (a 500 before): its message, as a client error.
