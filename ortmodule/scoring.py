@@ -277,10 +277,10 @@ def score(
     check_prompts(prompts, model.package.vocab_size, model.package.context_length)
     union = sorted({t for labels in lists for t in labels})
     column = {t: i for i, t in enumerate(union)}
-    logprobs = label_logprobs(model, [prompts], union, token_budget, reuse_prefix).cpu()  # the one copy
+    table = label_logprobs(model, [prompts], union, token_budget, reuse_prefix).cpu().tolist()  # the one copy
     rows = lists if per_item else lists * len(prompts)
-    return [label_probabilities(logprobs[i, [column[t] for t in row]].tolist(), apply_softmax, temperature)
-            for i, row in enumerate(rows)]
+    return [label_probabilities([values[column[t]] for t in row], apply_softmax, temperature)
+            for values, row in zip(table, rows, strict=True)]
 
 
 def label_probabilities(logprobs: list[float], apply_softmax: bool, temperature: float = 1.0) -> list[float]:

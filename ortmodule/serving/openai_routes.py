@@ -154,7 +154,7 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     if body.stream and body.echo and max_tokens == 0:
         raise ServingError("a stream with echo needs max_tokens of at least 1 (with 0 there is only the prompt: "
                            "ask without stream)", "max_tokens")
-    _check_prompt_logprobs(body)
+    _check_vllm_extras(body)
     texts = [(f"prompt[{i}]", text) for i, text in enumerate(entries) if isinstance(text, str)]
     served.check_texts(texts)
     if texts:
@@ -182,9 +182,9 @@ def completion_job(served: Served, body: CompletionRequest, loop):
                       prompt_ranks=body.prompt_logprobs is not None)
 
 
-def _check_prompt_logprobs(body: CompletionRequest | ChatRequest) -> None:
+def _check_vllm_extras(body: CompletionRequest | ChatRequest) -> None:
     """vLLM's `prompt_logprobs`: 0 to MAX_LOGPROBS alternatives (vLLM's default limit too; -1, the whole
-    vocabulary, is past it), not in a stream; vLLM's `return_token_ids` not in a stream either (a stream's
+    vocabulary, is past it), not in a stream; its `return_token_ids` not in a stream either (a stream's
     chunks carry text only here)."""
     if body.return_token_ids and body.stream:
         raise ServingError("return_token_ids is not supported in a stream: ask without stream", "return_token_ids")
@@ -302,7 +302,7 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     top = (body.top_logprobs or 0) if body.logprobs else None
     if top is not None:
         served.check_values(max_tokens * (1 + top) * body.n, "the log-probabilities asked for", "top_logprobs")
-    _check_prompt_logprobs(body)
+    _check_vllm_extras(body)
     if body.add_special_tokens:
         raise ServingError("add_special_tokens with messages is not supported: the chat template places the special "
                            "tokens", "add_special_tokens")

@@ -21,6 +21,17 @@ NEUTRAL = {"return_pooled_hidden_states": False, "embed_override_token_id": None
            "item_embed_overrides": None, "score_extraction_token": None}
 
 
+def _check_counts(served: Served, items: int, label_lists: list[list[int]]) -> None:
+    """The server's limits on a score request's items and label ids (each list's), before anything is tokenized."""
+    settings = served.settings
+    if items > settings.max_items:
+        raise ValueError(f"items has {items} entries; this server takes at most {settings.max_items} per request")
+    longest = max(map(len, label_lists), default=0)
+    if longest > settings.max_labels:
+        raise ValueError(f"label_token_ids has a list of {longest} ids; this server takes at most "
+                         f"{settings.max_labels}")
+
+
 def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
     """The request checked (sizes before anything is tokenized) and tokenized."""
     settings = served.settings
@@ -34,16 +45,12 @@ def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
     if body.temperature != 1 and not body.apply_softmax:
         raise ValueError("temperature requires apply_softmax=true (it scales the softmax over the labels)")
     items = [body.items] if isinstance(body.items, str) else body.items
-    if len(items) > settings.max_items:
-        raise ValueError(f"items has {len(items)} entries; this server takes at most {settings.max_items} per request")
     per_item = bool(body.label_token_ids) and isinstance(body.label_token_ids[0], list)
     lists = body.label_token_ids if per_item else [body.label_token_ids]
     if per_item and len(lists) != len(items):
         raise ValueError(f"label_token_ids has {len(lists)} lists for {len(items)} items: give one list per item, or "
                          "one list for all")
-    if any(len(labels) > settings.max_labels for labels in lists):
-        raise ValueError(f"label_token_ids has a list of {max(map(len, lists))} ids; this server takes at most "
-                         f"{settings.max_labels}")
+    _check_counts(served, len(items), lists)
     served.check_values(sum(map(len, lists)) if per_item else len(items) * len(lists[0]),
                         "the scores (items x label_token_ids)", "label_token_ids")
     texts = [("query", body.query)] + [(f"items[{i}]", item) for i, item in enumerate(items)]
@@ -77,12 +84,7 @@ def make_generative_job(served: Served, body: GenerativeScoringRequest, loop) ->
     served.check_model(body.model)
     if not body.items:
         raise ValueError("items must contain at least one item")
-    if len(body.items) > settings.max_items:
-        raise ValueError(f"items has {len(body.items)} entries; this server takes at most {settings.max_items} per "
-                         "request")
-    if len(body.label_token_ids) > settings.max_labels:
-        raise ValueError(f"label_token_ids has {len(body.label_token_ids)} entries; this server takes at most "
-                         f"{settings.max_labels}")
+    _check_counts(served, len(body.items), [body.label_token_ids])
     # A label given twice counts once in vLLM's softmax over the labels (it keeps them in a dict by id).
     labels = list(dict.fromkeys(scoring.checked_labels(body.label_token_ids, served.vocab)))
     # Each text alone: one that cannot fit the context however it tokenizes is refused before tokenizing
