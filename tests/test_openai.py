@@ -586,6 +586,22 @@ def test_chat_completions_and_their_stream(setup):
     assert chunks[-1]["usage"] == body["usage"]
 
 
+@pytest.mark.parametrize("fields", [{"tools": []}, {"tools": [], "tool_choice": "auto"},
+                                    {"tools": [], "tool_choice": "required"}, {"tool_choice": "none"},
+                                    {"functions": [], "function_call": "auto"}, {"response_format": {"type": "text"}}])
+def test_neutral_tool_fields_are_the_request_without_them(setup, fields):
+    """OpenAI's (and vLLM 0.34's) reading of an empty `tools`: an omitted one, where "auto" and
+    "required" have nothing to call and fall back to "none"; the answer is the plain request's."""
+    live, _, hf, tokenizer, _ = setup
+    messages = [{"role": "user", "content": "Say something."}]
+    (text, _), prompt_tokens = chat_reference(hf, tokenizer, messages, 8)
+    body = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 8,
+                                                          "temperature": 0, **fields})
+    assert body.status_code == 200, body.text
+    assert body.json()["choices"][0]["message"]["content"] == text
+    assert body.json()["usage"]["prompt_tokens"] == prompt_tokens
+
+
 BAD = [
     ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "n": 0}, 400, "n"),
@@ -636,6 +652,8 @@ BAD = [
                                    ("chat_template_kwargs", {"tokenize": False}),
                                    ("chat_template_kwargs", {"add_generation_prompt": False}),
                                    ("continue_final_message", True))],  # the last message is the user's
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "assistant", "content": "hi"}],
                               "continue_final_message": True, "add_generation_prompt": True}, 400,
      "continue_final_message"),

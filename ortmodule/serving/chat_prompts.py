@@ -30,13 +30,17 @@ TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_te
 
 def refuse_unsupported(body) -> None:
     """OpenAI's tool calling and structured output, which this server does not carry out: a client
-    asking for them would get plain text as if they had been applied."""
+    asking for them would get plain text as if they had been applied. Neutral values pass: no tools
+    (or `[]`), `tool_choice` "none" (or "auto"/"required" beside `tools: []`), `response_format` text."""
     for name in ("tools", "functions"):
         if getattr(body, name, None):
             raise ServingError(f"{name} is not supported: this server calls no tools (the model's output comes back "
                                "as text); leave it out", name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name, None) not in (None, "none"):
+    # An empty `tools` is an omitted one, and with nothing to call "auto" and "required" fall back to
+    # "none" (OpenAI's rule, vLLM's from 0.34); a named tool is still refused.
+    for name, listed in (("tool_choice", "tools"), ("function_call", "functions")):
+        nothing_to_call = ("none", "auto", "required") if getattr(body, listed, None) == [] else ("none",)
+        if getattr(body, name, None) not in (None, *nothing_to_call):
             raise ServingError(f"{name} is not supported (this server calls no tools): leave it out or send 'none'",
                                name)
     kind = (getattr(body, "response_format", None) or {"type": "text"}).get("type")
