@@ -260,7 +260,11 @@ def score(
     `reuse_prefix` runs the prompts' shared first tokens once and the rest over a copy of its
     KV cache; None decides by the work saved (`worth_sharing`: by the model's measured costs, timed once
     the model's calls have held 16,384 tokens, and by token counts before; `prefix_reuse`).
+    No items give no scores (as SGLang answers them), once `temperature` is checked.
     """
+    if isinstance(items, Sequence) and not isinstance(items, (str, bytes)) and len(items) == 0:
+        _check_temperature(temperature, apply_softmax)
+        return []
     prompts = prompts_of(tokenizer, query, items, item_first)
     per_item = bool(label_token_ids) and not isinstance(label_token_ids[0], int) \
         and isinstance(label_token_ids[0], Sequence)
@@ -269,11 +273,7 @@ def score(
     if per_item and len(lists) != len(prompts):
         raise ValueError(f"label_token_ids has {len(lists)} lists for {len(prompts)} items: give one list per item, "
                          "or one list for all")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature <= 0:
-        raise ValueError(f"temperature must be finite and greater than zero, got {temperature!r}")
-    if temperature != 1 and not apply_softmax:
-        raise ValueError("temperature requires apply_softmax=True (it scales the softmax over the labels)")
+    _check_temperature(temperature, apply_softmax)
     check_prompts(prompts, model.package.vocab_size, model.package.context_length)
     union = sorted({t for labels in lists for t in labels})
     column = {t: i for i, t in enumerate(union)}
@@ -281,6 +281,14 @@ def score(
     rows = lists if per_item else lists * len(prompts)
     return [label_probabilities([values[column[t]] for t in row], apply_softmax, temperature)
             for values, row in zip(table, rows, strict=True)]
+
+
+def _check_temperature(temperature, apply_softmax: bool) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature <= 0:
+        raise ValueError(f"temperature must be finite and greater than zero, got {temperature!r}")
+    if temperature != 1 and not apply_softmax:
+        raise ValueError("temperature requires apply_softmax=True (it scales the softmax over the labels)")
 
 
 def label_probabilities(logprobs: list[float], apply_softmax: bool, temperature: float = 1.0) -> list[float]:

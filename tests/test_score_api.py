@@ -412,7 +412,7 @@ def test_the_scores_leave_the_device_once(llama, monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(items=[]), ValueError, "items is empty"),
+        (dict(items=[], temperature=0), ValueError, "temperature must be finite"),
         (dict(items={"a": 1}), TypeError, "items must be a list"),
         (dict(label_token_ids=[]), ValueError, "label_token_ids is empty"),
         (dict(label_token_ids=[3, 512]), ValueError, "label token id 512 is outside the vocabulary"),
@@ -435,6 +435,14 @@ def test_bad_requests_get_errors_that_name_the_problem(llama, kwargs, error, mes
     args.update(kwargs)
     with pytest.raises(error, match=message):
         ortmodule.score(model, None, **args)
+
+
+def test_no_items_get_no_scores_without_running_the_model(llama, monkeypatch):
+    """As SGLang's `Engine.score` answers an empty list of items."""
+    model, _ = load_pair(llama)
+    monkeypatch.setattr(model.decoder, "prefill", None)  # any run would fail
+    assert ortmodule.score(model, None, [4, 5, 6], [], [1, 2]) == []
+    assert ortmodule.score(model, None, "a text query", [], [1, 2], apply_softmax=True, temperature=0.5) == []
 
 
 def prefill_rows(model, monkeypatch) -> list[int]:

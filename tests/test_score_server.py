@@ -82,11 +82,27 @@ def test_sglangs_per_item_labels_temperature_and_token_logprobs_match_transforme
     assert [len(row) for row in plain["scores"]] == [2, 3, 1, 2] and "token_logprobs" not in plain
 
 
+def test_no_items_get_no_scores_as_sglang_answers_them(setup):
+    """SGLang 0.5.23 answers `items: []` with `scores: []` (and `token_logprobs: []` when asked), after its
+    checks of the request itself; the server's next request is scored as usual."""
+    live, hf, tokenizer = setup
+    for extra in ({}, {"return_token_logprobs": True, "apply_softmax": True, "temperature": 0.5}):
+        response = live.client.post("/v1/score", json=dict(query=QUERY, items=[], label_token_ids=[5, 6], **extra))
+        assert response.status_code == 200, response.text
+        assert response.json() == {"scores": [], "model": response.json()["model"], "object": "scoring",
+                                   "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+                                   **({"token_logprobs": []} if extra else {})}
+    good = live.client.post("/v1/score", json=dict(query=QUERY, items=ITEMS[:1], label_token_ids=[5, 6])).json()
+    expected = reference(hf, tokenizer, QUERY, ITEMS[:1], [5, 6], False, False)
+    assert (torch.tensor(good["scores"], dtype=torch.float64) - expected).abs().max().item() < 1e-5
+
+
 BAD_REQUESTS = [
     (dict(label_token_ids=None), "label_token_ids"),
     (dict(label_token_ids=[]), "label_token_ids is empty"),
     (dict(label_token_ids=[1, 512]), "label token id 512 is outside the vocabulary"),
-    (dict(items=[]), "items is empty"),
+    (dict(items=[], model="another-model"), "model 'another-model' is not served here"),
+    (dict(items=[], temperature=2.0), "temperature requires apply_softmax=true"),
     (dict(items=[[5, 6], [7]]), "item 0 is list"),
     (dict(query=[5, 6], items=["text"]), "item 0 is text"),
     (dict(query=[5, 70000], items=[[6]]), "token id 70000 is outside the vocabulary"),

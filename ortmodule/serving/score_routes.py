@@ -11,6 +11,7 @@ import uuid
 from fastapi import FastAPI, Request
 
 from .. import scoring
+from .errors import AsciiJSON, ServingError
 from .jobs import ScoreJob
 from .schemas import GenerativeScoringRequest, ScoreRequest
 from .served import Served, run
@@ -32,9 +33,8 @@ def _check_counts(served: Served, items: int, label_lists: list[list[int]]) -> N
                          f"{settings.max_labels}")
 
 
-def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
-    """The request checked (sizes before anything is tokenized) and tokenized."""
-    settings = served.settings
+def _check_request(served: Served, body: ScoreRequest) -> None:
+    """What SGLang checks of a request before its items: the model, the fields not carried out, the temperature."""
     if body.model not in (None, "", served.name):  # SGLang answers 400 here, OpenAI's routes 404
         raise ValueError(f"model {body.model!r} is not served here; this server serves {served.name!r}")
     for name, neutral in NEUTRAL.items():
@@ -44,6 +44,12 @@ def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
         raise ValueError(f"temperature must be finite and greater than zero, got {body.temperature}")
     if body.temperature != 1 and not body.apply_softmax:
         raise ValueError("temperature requires apply_softmax=true (it scales the softmax over the labels)")
+
+
+def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
+    """The request checked (sizes before anything is tokenized) and tokenized."""
+    settings = served.settings
+    _check_request(served, body)
     items = [body.items] if isinstance(body.items, str) else body.items
     per_item = bool(body.label_token_ids) and isinstance(body.label_token_ids[0], list)
     lists = body.label_token_ids if per_item else [body.label_token_ids]
@@ -68,11 +74,12 @@ def make_job(served: Served, body: ScoreRequest, loop) -> ScoreJob:
                     REUSE_PREFIX[settings.reuse_prefix], float(body.temperature))
 
 
-def respond(served: Served, body: ScoreRequest, job: ScoreJob, scores) -> dict:
+def respond(served: Served, body: ScoreRequest, job: ScoreJob | None, scores) -> dict:
+    tokens = job.tokens if job is not None else 0
     answer = {"scores": scores, "model": served.name, "object": "scoring",
-              "usage": {"prompt_tokens": job.tokens, "completion_tokens": 0, "total_tokens": job.tokens}}
+              "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}}
     if body.return_token_logprobs:
-        answer["token_logprobs"] = job.label_logprobs
+        answer["token_logprobs"] = job.label_logprobs if job is not None else []
     return answer
 
 
@@ -122,6 +129,12 @@ def respond_generative(served: Served, job: ScoreJob, scores, request_id: str) -
 def add_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request):
+        if body.items == []:  # SGLang answers no items with no scores, once the request itself is checked
+            try:
+                _check_request(served, body)
+            except ValueError as e:
+                raise ServingError(str(e)) from None
+            return AsciiJSON(respond(served, body, None, []))
         return await run(served, make_job, body, request, respond)
 
     @app.post("/generative_scoring")
