@@ -1,7 +1,9 @@
 """A seeded fuzz test of the serving engine's scheduling: random settings (decode batch size,
 prefill chunks, join steps, prompt feeding, the prefix cache, the score token budget, query reuse)
 and a random mix of concurrent requests (greedy completions whose prompts share prefixes, repeat
-exactly or not at all, with log-probabilities and echo sometimes; score requests), sent by several
+exactly or not at all, with log-probabilities and echo sometimes, vLLM's prompt log-probabilities;
+SGLang's score requests, with a label list per item, a temperature, the labels' log-probabilities;
+vLLM's generative scoring), sent by several
 clients at random moments. Whatever runs together, every answer must be transformers' on the request
 alone: the greedy text and finish reason, the scores within 1e-4; a seeded sample must be what
 `model.generate` samples from that prompt alone with that seed. `ENGINE_FUZZ_SEEDS=N` runs more."""
@@ -15,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from helpers import LiveServer, expected_text, hf_greedy, load_pair, score_reference
+from helpers import LiveServer, expected_text, hf_greedy, load_pair
 
 from ortmodule import load_tokenizer
 from ortmodule.serving import create_app
@@ -54,15 +56,61 @@ def draw_requests(rng: random.Random, vocab: int) -> list[tuple[str, dict]]:
                 body.update(logprobs=2, echo=rng.random() < 0.5)
             elif rng.random() < 0.3:
                 body.update(stream=True)
+            if not body.get("stream") and rng.random() < 0.2:  # vLLM's, every prompt position ranked
+                body.update(prompt_logprobs=rng.choice([0, 2]))
             if rng.random() < 0.3:
                 body.update(stop=[rng.choice(["e", "an", " t", "s", "\u00e9"])])
             requests.append(("completion", body))
         else:
             query = (rng.choice(prefixes) if rng.random() < 0.5 else []) + tokens(rng.randint(1, 10))
             items = [tokens(rng.randint(1, 8)) for _ in range(rng.randint(1, 4))]
-            requests.append(("score", {"query": query, "items": items, "apply_softmax": rng.random() < 0.5,
-                                       "label_token_ids": sorted(rng.sample(range(vocab), rng.randint(1, 3)))}))
+            labels = lambda: rng.sample(range(vocab), rng.randint(1, 3))  # noqa: E731
+            body = {"query": query, "items": items, "apply_softmax": rng.random() < 0.5,
+                    "item_first": rng.random() < 0.2}
+            if rng.random() < 0.25:  # vLLM's: the first label's probability
+                requests.append(("generative", {**body, "label_token_ids": labels()}))
+                continue
+            per_item = rng.random() < 0.3  # SGLang 0.5.23's list per item, of their own lengths
+            body["label_token_ids"] = [labels() for _ in items] if per_item else labels()
+            if body["apply_softmax"] and rng.random() < 0.3:
+                body["temperature"] = rng.choice([0.5, 2.0])
+            if rng.random() < 0.3:
+                body["return_token_logprobs"] = True
+            requests.append(("score", body))
     return requests
+
+
+def label_logprobs(hf, body: dict) -> list[torch.Tensor]:
+    """Each item's labels' log-probabilities after its prompt, from transformers (float64)."""
+    lists = body["label_token_ids"]
+    lists = lists if isinstance(lists[0], list) else [lists] * len(body["items"])
+    out = []
+    for item, labels in zip(body["items"], lists, strict=True):
+        ids = item + body["query"] if body["item_first"] else body["query"] + item
+        with torch.no_grad():
+            out.append(torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)[labels])
+    return out
+
+
+def check_prompt_logprobs(hf, prompt: list[int], positions: list, top: int, where: str) -> None:
+    """vLLM's `prompt_logprobs` against transformers: each prompt token's log-probability and rank (a
+    rank within float32's reach of ties), the `top` most likely after it."""
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+    assert len(positions) == len(prompt) and positions[0] is None, where
+    for i in range(1, len(prompt)):
+        row, entries = reference[i - 1], positions[i]
+        token = entries[str(prompt[i])]
+        assert abs(token["logprob"] - row[prompt[i]].item()) < 1e-4, where
+        near = 1e-4
+        # the tokens surely above it, plus one, up to those within reach of it (itself included)
+        assert int((row > row[prompt[i]] + near).sum()) < token["rank"] <= int((row > row[prompt[i]] - near).sum())
+        others = {int(t): e for t, e in entries.items() if e["rank"] <= top and int(t) != prompt[i]}
+        assert len(entries) - 1 <= top and all(abs(e["logprob"] - row[t].item()) < 1e-4 for t, e in others.items())
+        assert len({*others, prompt[i]}) >= top, where  # the top ones are there, the prompt token among them or not
+        if top:
+            least = row.topk(top).values[-1].item()
+            assert all(row[t].item() > least - 1e-4 for t in others), where
 
 
 
@@ -97,7 +145,7 @@ def test_engine_fuzz(build, seed):
             kind, body = requests[i]
             if body.get("stream"):
                 return streamed(server.url, {"model": NAME, **body})
-            path = "/v1/completions" if kind == "completion" else "/v1/score"
+            path = {"completion": "/v1/completions", "score": "/v1/score", "generative": "/generative_scoring"}[kind]
             response = server.client.post(path, json={"model": NAME, **body}, timeout=120)
             assert response.status_code == 200, response.text
             return response.json()
@@ -122,8 +170,20 @@ def test_engine_fuzz(build, seed):
             if body.get("echo"):
                 text = tokenizer.decode(body["prompt"], skip_special_tokens=True) + text
             assert (choice["text"], choice["finish_reason"]) == (text, reason), f"request {i}: {body}; {case}"
+            if "prompt_logprobs" in body:
+                check_prompt_logprobs(hf, body["prompt"], choice["prompt_logprobs"], body["prompt_logprobs"],
+                                      f"request {i}: {body}; {case}")
+            continue
+        logprobs = label_logprobs(hf, body)
+        temperature = body.get("temperature", 1.0)
+        expected = [torch.softmax(row / temperature, -1) if body["apply_softmax"] else row.exp() for row in logprobs]
+        if kind == "generative":
+            expected = [row[:1] for row in expected]
+            got = [[entry["score"]] for entry in answer["data"]]
         else:
-            expected = score_reference(hf, None, body["query"], body["items"], body["label_token_ids"],
-                                       body["apply_softmax"], False)
-            worst = (torch.tensor(answer["scores"], dtype=torch.float64) - expected).abs().max().item()
-            assert worst < 1e-4, f"request {i}: off by {worst}; {body}; {case}"
+            got = answer["scores"]
+            if body.get("return_token_logprobs"):
+                got, expected = got + answer["token_logprobs"], expected + logprobs
+        assert len(got) == len(expected), f"request {i}: {body}; {case}"
+        worst = max((torch.tensor(g, dtype=torch.float64) - e).abs().max().item() for g, e in zip(got, expected))
+        assert worst < 1e-4, f"request {i}: off by {worst}; {body}; {case}"
