@@ -1,7 +1,8 @@
 """A seeded fuzz test of the serving engine's scheduling: random settings (decode batch size,
 prefill chunks, join steps, prompt feeding, the prefix cache, the score token budget, query reuse)
 and a random mix of concurrent requests (greedy completions whose prompts share prefixes, repeat
-exactly or not at all, with log-probabilities and echo sometimes, vLLM's prompt log-probabilities;
+exactly or not at all, with log-probabilities and echo sometimes, vLLM's prompt log-probabilities and
+token ids, streamed or not;
 SGLang's score requests, with a label list per item, a temperature, the labels' log-probabilities;
 vLLM's generative scoring), sent by several
 clients at random moments. Whatever runs together, every answer must be transformers' on the request
@@ -58,6 +59,8 @@ def draw_requests(rng: random.Random, vocab: int) -> list[tuple[str, dict]]:
                 body.update(stream=True)
             if not body.get("stream") and rng.random() < 0.2:  # vLLM's, every prompt position ranked
                 body.update(prompt_logprobs=rng.choice([0, 2]))
+            if rng.random() < 0.3:  # vLLM's, streamed chunk by chunk or whole
+                body.update(return_token_ids=True)
             if rng.random() < 0.3:
                 body.update(stop=[rng.choice(["e", "an", " t", "s", "\u00e9"])])
             requests.append(("completion", body))
@@ -117,7 +120,7 @@ def check_prompt_logprobs(hf, prompt: list[int], positions: list, top: int, wher
 
 def streamed(url: str, body: dict) -> dict:
     """A streamed completion's events joined into the answer's shape (text, finish reason)."""
-    text, reason = "", None
+    text, reason, tokens, prompts = "", None, [], []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as events:
         assert events.status_code == 200
         for line in events.iter_lines():
@@ -125,7 +128,13 @@ def streamed(url: str, body: dict) -> dict:
                 choice = json.loads(line[6:])["choices"][0]
                 text += choice["text"]
                 reason = choice["finish_reason"] or reason
-    return {"choices": [{"text": text, "finish_reason": reason}]}
+                tokens += choice.get("token_ids", [])
+                prompts += [choice["prompt_token_ids"]] if "prompt_token_ids" in choice else []
+    answer = {"text": text, "finish_reason": reason}
+    if body.get("return_token_ids"):
+        assert len(prompts) == 1
+        answer.update(token_ids=tokens, prompt_token_ids=prompts[0])
+    return {"choices": [answer]}
 
 
 @pytest.mark.parametrize("seed", range(int(os.environ.get("ENGINE_FUZZ_SEEDS", 8))))
@@ -167,9 +176,17 @@ def test_engine_fuzz(build, seed):
                 tokens = hf_greedy(hf, body["prompt"], body["max_tokens"])
             text, reason = expected_text(tokenizer, tokens, body.get("stop", ()))
             choice = answer["choices"][0]
-            if body.get("echo"):
+            if body.get("echo") and not body.get("return_token_ids"):  # vLLM leaves the prompt's text out then
                 text = tokenizer.decode(body["prompt"], skip_special_tokens=True) + text
             assert (choice["text"], choice["finish_reason"]) == (text, reason), f"request {i}: {body}; {case}"
+            if body.get("return_token_ids"):
+                assert choice["prompt_token_ids"] == body["prompt"], f"request {i}: {body}; {case}"
+                eos = tokenizer.eos_token_id
+                kept = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+                if "stop" in body:  # cut where the stop string completed: a beginning of the tokens
+                    assert kept[: len(choice["token_ids"])] == choice["token_ids"], f"request {i}: {body}; {case}"
+                else:
+                    assert choice["token_ids"] == kept, f"request {i}: {body}; {case}"
             if "prompt_logprobs" in body:
                 check_prompt_logprobs(hf, body["prompt"], choice["prompt_logprobs"], body["prompt_logprobs"],
                                       f"request {i}: {body}; {case}")

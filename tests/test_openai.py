@@ -122,7 +122,7 @@ def test_vllms_prompt_logprobs_of_a_chat_match_transformers(setup):
 def test_vllms_return_token_ids_are_the_prompts_and_the_generated_tokens(setup):
     """vLLM's `return_token_ids`: on completions each choice's `prompt_token_ids` and `token_ids` (the
     tokens its usage counts; with `echo` the text then leaves the prompt out, as vLLM's does); on chat
-    the rendered prompt's ids beside the choices and each choice's own; refused in a stream."""
+    the rendered prompt's ids beside the choices and each choice's own."""
     live, _, hf, tokenizer, _ = setup
     prompt = "The quick brown fox"
     ids = tokenizer(prompt).input_ids
@@ -144,9 +144,35 @@ def test_vllms_return_token_ids_are_the_prompts_and_the_generated_tokens(setup):
     assert chat["prompt_token_ids"] == rendered
     answer = hf_greedy(hf, rendered, 4)
     assert chat["choices"][0]["token_ids"] == (answer[: answer.index(eos) + 1] if eos in answer else answer)
-    streamed = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "stream": True,
-                                                         "return_token_ids": True})
-    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllms_return_token_ids_in_a_stream_are_the_answers_own(setup, path):
+    """vLLM's `return_token_ids` in a stream: each choice's first chunk carries its prompt's ids (a
+    completion's in the choice, a chat's beside the choices, as vLLM puts them), each chunk its own
+    tokens' ids (those whose text a stop string holds back with a later chunk); put together, the
+    unstreamed answer's ids, for two choices, a stop string and a completion's echo (whose text then
+    leaves the prompt out, as vLLM's does)."""
+    live, _, _, tokenizer, _ = setup
+    if path == "/v1/completions":
+        cases = [{"prompt": "Once upon a time there", "echo": echo} for echo in (False, True)]
+    else:
+        cases = [{"messages": [{"role": "user", "content": "Once upon a time there"}]}]
+    for fields in cases:
+        request = {"model": NAME, "max_tokens": 12, "temperature": 0.8, "seed": 5, "n": 2, "stop": ["e "],
+                   "return_token_ids": True, **fields}
+        whole = live.client.post(path, json=request).json()
+        chunks = streamed(live, path, request)
+        for choice in whole["choices"]:
+            own = [c for c in chunks if c["choices"][0]["index"] == choice["index"]]
+            prompts = [c["choices"][0].get("prompt_token_ids", c.get("prompt_token_ids")) for c in own]
+            expected_prompt = choice.get("prompt_token_ids", whole.get("prompt_token_ids"))
+            assert prompts[0] == expected_prompt and prompts[1:] == [None] * (len(prompts) - 1)
+            assert sum((c["choices"][0].get("token_ids", []) for c in own), []) == choice["token_ids"]
+            text = "".join(c["choices"][0]["text"] if "text" in c["choices"][0] else
+                           c["choices"][0]["delta"].get("content", "") for c in own)
+            assert text == (choice["text"] if "text" in choice else choice["message"]["content"])
+        assert len(whole["choices"]) == 2 and whole["choices"][0]["token_ids"] != whole["choices"][1]["token_ids"]
 
 
 def test_vllms_add_special_tokens_false_tokenizes_a_text_prompt_without_them(setup):

@@ -275,14 +275,13 @@ class Generation(Job):
         self.unfinished = len(self.rows)
 
     def emit(self, row: Row, text: str) -> None:
-        """Stream `text` (when there is some) of `row`, with the log-probabilities of its tokens not
-        yet streamed where the request asks for them: `(index, text, [(token, logprob, top), ...] or None)`."""
+        """Stream `text` (when there is some) of `row`, with its tokens not yet streamed and their
+        log-probabilities where the request asks for them: `(index, text, tokens, [(token, logprob, top), ...]
+        or None)`."""
         if self.stream is None or not text:
             return
-        scored = None
-        if self.sampling.logprobs is not None:
-            scored = row.unsent()
-        self.loop.call_soon_threadsafe(self.stream.put_nowait, (row.index, text, scored))
+        tokens, scored = row.unsent()
+        self.loop.call_soon_threadsafe(self.stream.put_nowait, (row.index, text, tokens, scored))
 
     def row_done(self) -> None:
         """A row finished; the last one resolves the job."""
@@ -315,7 +314,7 @@ class Row:
     prefix: tuple | None = None  # the cached prefix found for its prompt: (entry or None, tokens shared)
     media: object = None  # the prompt's images (serving/images.py's Media): it is prefilled alone, whole
     copy: int = 0  # which of the request's `n` choices of its prompt: a seeded row draws with seed + copy
-    sent: int = 0  # tokens whose log-probabilities a stream has carried
+    sent: int = 0  # tokens a stream has carried
     processors: list | None = None  # transformers' processors of its sampling, made at its first choice
 
     @property
@@ -389,11 +388,15 @@ class Row:
         if not self.finished and len(self.tokens) >= self.sampling.max_tokens:
             self.job.emit(self, self.text.end())
 
-    def unsent(self) -> list[tuple[int, float, list]]:
-        """(token, log-probability, top alternatives) of the tokens a stream has not carried yet."""
-        scored = list(zip(self.tokens[self.sent :], self.logprobs[self.sent :], self.top[self.sent :]))
-        self.sent += len(scored)
-        return scored
+    def unsent(self) -> tuple[Ids, list[tuple[int, float, list]] | None]:
+        """The tokens a stream has not carried yet, and their (token, log-probability, top alternatives)
+        where the request asks for log-probabilities (None where not)."""
+        tokens = self.tokens[self.sent :]
+        scored = None
+        if self.sampling.logprobs is not None:
+            scored = list(zip(tokens, self.logprobs[self.sent :], self.top[self.sent :], strict=True))
+        self.sent = len(self.tokens)
+        return tokens, scored
 
     def stop(self) -> None:
         """Leave without finishing (the client went away): the job is already answered."""

@@ -184,10 +184,7 @@ def completion_job(served: Served, body: CompletionRequest, loop):
 
 def _check_vllm_extras(body: CompletionRequest | ChatRequest) -> None:
     """vLLM's `prompt_logprobs`: 0 to MAX_LOGPROBS alternatives (vLLM's default limit too; -1, the whole
-    vocabulary, is past it), not in a stream; its `return_token_ids` not in a stream either (a stream's
-    chunks carry text only here)."""
-    if body.return_token_ids and body.stream:
-        raise ServingError("return_token_ids is not supported in a stream: ask without stream", "return_token_ids")
+    vocabulary, is past it), not in a stream."""
     if body.prompt_logprobs is None:
         return
     if body.prompt_logprobs > MAX_LOGPROBS:
@@ -349,17 +346,39 @@ def _chat_logprobs(tokenizer, scored: list[tuple[int, float, list]]) -> list[dic
 # ---- streams ------------------------------------------------------------------------------------
 
 def _chunk(served: Served, kind: str, ident: str, index: int, delta: str | None = None, finish: str | None = None,
-           role: bool = False, logprobs: dict | None = None) -> str:
-    """One server-sent event of a chat completion (`chat.completion.chunk`) or a completion."""
+           role: bool = False, logprobs: dict | None = None, ids: _StreamedIds | None = None,
+           tokens: list[int] = ()) -> str:
+    """One server-sent event of a chat completion (`chat.completion.chunk`) or a completion; with `ids`
+    (vLLM's `return_token_ids`), the chunk's `tokens` and, in a choice's first chunk, its prompt's."""
     body = {"id": ident, "object": kind, "created": int(time.time()), "model": served.name}
     if kind == "chat.completion.chunk":
         message = {"role": "assistant"} if role else {}
         if delta:
             message["content"] = delta
-        body["choices"] = [{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish}]
+        choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
     else:
-        body["choices"] = [{"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}]
+        choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
+    body["choices"] = [choice]
+    if ids is not None:
+        prompt = ids.first(index)  # vLLM's chat chunk carries it beside the choices, its completion's in the choice
+        if prompt is not None:
+            (body if kind == "chat.completion.chunk" else choice)["prompt_token_ids"] = prompt
+        if not role:
+            choice["token_ids"] = list(tokens)
     return _sse(body)
+
+
+class _StreamedIds:
+    """vLLM's `return_token_ids` in a stream: each choice's prompt ids in its first chunk (once)."""
+
+    def __init__(self, prompts: list[list[int]]):
+        self.prompts, self.sent = prompts, set()
+
+    def first(self, index: int) -> list[int] | None:
+        if index in self.sent:
+            return None
+        self.sent.add(index)
+        return list(self.prompts[index])
 
 
 class _StreamedLogprobs:
@@ -385,24 +404,27 @@ def _sse(data) -> str:
     return f"data: {data if isinstance(data, str) else dumps(data)}\n\n"
 
 
-async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int, echo: bool = False):
+async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int, echo: bool = False,
+                  token_ids: bool = False):
     """The server-sent events of a streamed completion (`n` choices of each prompt), with the
     log-probabilities of each chunk's tokens where asked for (those of tokens whose text is held back,
-    with a later chunk's; the rest with the last); with `echo`, each choice's prompt text first, as
-    vLLM streams it; if the client goes away, its rows stop."""
+    with a later chunk's; the rest with the last), and with `token_ids` the chunk's token ids the same
+    way (vLLM's `return_token_ids`); with `echo`, each choice's prompt text first, as vLLM streams it
+    (left out with `token_ids`, as vLLM leaves it); if the client goes away, its rows stop."""
     ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
     logprobs = _StreamedLogprobs(served.tokenizer, kind, job.sampling.logprobs)
+    ids = _StreamedIds(job.prompts) if token_ids else None
     try:
         if kind == "chat.completion.chunk":
             for index in range(n):
-                yield _chunk(served, kind, ident, index, role=True)
+                yield _chunk(served, kind, ident, index, role=True, ids=ids)
         if echo:  # choice i * n + k is prompt i's k-th: each prompt decoded once
-            texts = [served.tokenizer.decode(prompt) for prompt in job.prompts[::n]]
+            texts = [served.tokenizer.decode(prompt) if not token_ids else "" for prompt in job.prompts[::n]]
             for index in range(len(job.prompts)):
-                yield _chunk(served, kind, ident, index, texts[index // n])
+                yield _chunk(served, kind, ident, index, texts[index // n], ids=ids)
         while (event := await job.stream.get()) is not None:
-            index, text, scored = event
-            yield _chunk(served, kind, ident, index, text, logprobs=logprobs.of(index, scored))
+            index, text, tokens, scored = event
+            yield _chunk(served, kind, ident, index, text, logprobs=logprobs.of(index, scored), ids=ids, tokens=tokens)
         try:
             rows = await job.future
         except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
@@ -410,9 +432,9 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
             yield _sse(error.openai_body())
             return
         for row in rows:
-            rest = row.unsent() if job.sampling.logprobs is not None else None
+            tokens, rest = row.unsent()
             yield _chunk(served, kind, ident, row.index, finish=row.text.finish_reason,
-                         logprobs=logprobs.of(row.index, rest))
+                         logprobs=logprobs.of(row.index, rest), ids=ids, tokens=tokens)
         if usage:
             yield _sse({"id": ident, "object": kind, "model": served.name, "choices": [],
                         "usage": _usage(job.tokens // n, sum(len(row.tokens) for row in rows))})
@@ -443,8 +465,8 @@ def add_routes(app: FastAPI, served: Served) -> None:
         if body.stream:
             job = await start(served, make_job, body)
             include = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_events(served, job, kind, include, body.n, bool(getattr(body, "echo", False))),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_events(served, job, kind, include, body.n, bool(getattr(body, "echo", False)),
+                                             bool(body.return_token_ids)), media_type="text/event-stream")
         return await run(served, make_job, body, request, respond)
 
     @app.post("/v1/completions")
