@@ -37,6 +37,8 @@ _UNSUPPORTED_ATTRIBUTES = {
     "get_decoder": _NO_PYTORCH_MODULES,
     "gradient_checkpointing_enable": _INFERENCE_ONLY,
     "enable_input_require_grads": _INFERENCE_ONLY,
+    "push_to_hub": "save the package with save_pretrained(folder), then upload the folder with huggingface_hub's "
+                   "upload_folder",
 }
 
 

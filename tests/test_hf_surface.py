@@ -160,6 +160,8 @@ def test_what_an_onnx_package_lacks_is_a_clear_error(build):
         with pytest.raises(NotSupportedError, match=f"has no {name}: an ONNX package runs inference only"):
             getattr(model, name)()
     assert not model.supports_gradient_checkpointing and not model.is_gradient_checkpointing
+    with pytest.raises(NotSupportedError, match="has no push_to_hub: save the package with save_pretrained"):
+        model.push_to_hub("me/model")
     with pytest.raises(NotSupportedError, match="assistant_early_exit .* pass assistant_model="):
         model.generate(torch.tensor([[5, 6]]), max_new_tokens=2, assistant_early_exit=1, pad_token_id=0)
     with pytest.raises(NotImplementedError, match="exported package"):
