@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import sys
 
 
 class _ThroughLmEval(logging.Handler):
@@ -108,6 +109,9 @@ def _with_task_manager(factory, call, *args):
 def ortmodule(argv: list[str] | None = None) -> None:
     from . import __version__
 
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["run"]:  # the program's arguments are not ortmodule's
+        _run((sys.argv[1:] if argv is None else argv)[1:])
+        return
     parser = argparse.ArgumentParser(prog="ortmodule", description="ortmodule command line")
     parser.add_argument("--version", action="version", version=f"ortmodule {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +140,7 @@ def ortmodule(argv: list[str] | None = None) -> None:
     commands.add_parser("env", help="the versions, devices and execution providers ortmodule runs with (for a bug "
                                     "report), and the installs known to break it (exit status 1 where there is one)")
     _info_flags(commands)
+    _run_flags(commands)
     args = parser.parse_args(argv)
     if args.command == "env":
         from .environment import print_report
@@ -159,6 +164,21 @@ def ortmodule(argv: list[str] | None = None) -> None:
               prefill_attention=args.prefill_attention, subfolder=args.subfolder, revision=args.revision, **options)
     except ValueError as e:  # what stops it before it serves: the package, a setting, --processor
         parser.error(str(e))
+
+
+def _run_flags(commands) -> None:
+    """`ortmodule run`, parsed by `_run` before argparse sees it (its program's arguments are the program's)."""
+    run = commands.add_parser(
+        "run", help="run a program (an installed Python command such as lm_eval or lighteval, a Python file, or "
+                    "-m MODULE) with transformers' auto classes loading GenAI packages: "
+                    "AutoModelForCausalLM.from_pretrained(package) gives an OrtModelForCausalLM")
+    run.add_argument("program", help="the command, file or -m MODULE, then its own arguments")
+
+
+def _run(argv: list[str]) -> None:
+    from .auto import run_program
+
+    run_program(argv)
 
 
 def _info_flags(commands) -> None:
@@ -305,7 +325,6 @@ def _cache_kind(text: str) -> str:
 
 
 def _cache(args) -> None:
-    import sys
     import time
 
     from . import cache_folder as folder

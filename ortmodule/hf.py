@@ -91,10 +91,11 @@ def build_generation_config(package: Package) -> GenerationConfig:
 # without effect on a package (its attention kernels and loading are ONNX Runtime's), for fetching a
 # Hub repository (hub.py), and what a package cannot honour (its weights were fixed at export).
 WITHOUT_EFFECT = {"trust_remote_code", "attn_implementation", "low_cpu_mem_usage", "use_safetensors",
-                  "resume_download", "output_loading_info", "offload_folder", "offload_state_dict"}
+                  "resume_download", "output_loading_info", "offload_folder", "offload_state_dict", "max_memory",
+                  "offload_buffers", "use_kernels", "key_mapping", "experts_implementation", "tqdm_class"}
 FETCHING = {"token", "local_files_only", "proxies", "force_download"}
 FIXED_AT_EXPORT = {"quantization_config", "load_in_8bit", "load_in_4bit", "gguf_file", "tp_plan", "adapter_kwargs",
-                   "adapter_name"}
+                   "adapter_name", "variant"}
 # Config fields that transformers' `from_pretrained` sets on the model's config from its keywords.
 CONFIG_FIELDS = {"output_attentions", "output_hidden_states"}
 

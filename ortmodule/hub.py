@@ -47,6 +47,24 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
     return snapshot / sub if sub else snapshot
 
 
+def holds_package(path: str | Path, subfolder: str | None = None, revision: str | None = None, **fetching) -> bool:
+    """Whether `path` (a folder, or a Hub repository id) holds a GenAI package at `subfolder` (its root without
+    one; a repository, or folder, of packages in subfolders and no checkpoint at its root counts too, so that
+    loading it names them). Never raises: a repository that cannot be listed is taken for no package."""
+    local = Path(path)
+    sub = (subfolder or "").strip("/")
+    if local.exists() or not isinstance(path, str) or not _REPO_ID.match(path):
+        root = local / sub if sub else local
+        return (root / CONFIG).is_file() or (not sub and root.is_dir() and not (root / "config.json").is_file()
+                                             and any(root.glob(f"*/{CONFIG}")))
+    try:
+        names = _files(path, revision, fetching)
+    except PackageError:
+        return False
+    folders = _package_folders(names)
+    return (sub or ".") in folders or (not sub and bool(folders) and "config.json" not in names)
+
+
 # A transformers checkpoint's files (no other formats' weights: .bin, .pt, .onnx, .gguf).
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 
@@ -109,7 +127,8 @@ def _files(repo: str, revision: str | None, fetching: dict) -> list[str]:
         except Exception as e:  # noqa: BLE001  offline, or no network: what the cache holds
             online = e
     try:
-        snapshot = Path(huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True))
+        snapshot = Path(huggingface_hub.snapshot_download(repo, revision=revision, local_files_only=True,
+                                                          cache_dir=fetching.get("cache_dir")))
     except Exception as e:  # noqa: BLE001
         raise PackageError(f"package folder not found: {repo}, and as a Hugging Face Hub repository it could not "
                            f"be listed ({_why(online or e)})") from None

@@ -95,6 +95,30 @@ def test_what_a_repository_id_cannot_give_is_named(offline):
         OrtModelForCausalLM.from_pretrained("no/such/folder")  # not a repository id: a missing folder
 
 
+def test_the_auto_classes_load_a_repositorys_package_and_leave_its_checkpoint(offline):
+    """With `ortmodule.auto_classes()`, `AutoModelForCausalLM.from_pretrained(org/name, subfolder=...)` of a
+    repository holding a package gives its model, one of several packages is named; a repository of a
+    checkpoint, or of another exporter's ONNX files beside a config.json, is transformers' to load."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, hf = load_pair(offline)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = hf(ids).logits
+    with ortmodule.auto_classes():
+        for name, subfolder in (("ortmodule-test/one-package", None), ("ortmodule-test/two-packages", "cpu/fp32")):
+            model = AutoModelForCausalLM.from_pretrained(name, subfolder=subfolder, revision="main")
+            assert isinstance(model, OrtModelForCausalLM)
+            assert torch.allclose(model(ids).logits, expected, atol=1e-4, rtol=1e-4)
+            assert AutoConfig.from_pretrained(name, subfolder=subfolder).to_dict() == model.config.to_dict()
+        with pytest.raises(PackageError, match="holds 2 GenAI packages; pass subfolder= one of: cpu/fp32, cpu/int4"):
+            AutoModelForCausalLM.from_pretrained("ortmodule-test/two-packages")
+        checkpoint = AutoModelForCausalLM.from_pretrained("ortmodule-test/no-package", dtype=torch.float32)
+        assert type(checkpoint) is type(hf)
+        with pytest.raises(OSError, match="does not appear to have"):  # transformers' own: no weights beside config
+            AutoModelForCausalLM.from_pretrained("ortmodule-test/other-onnx")
+
+
 def test_lm_eval_takes_a_repository_and_its_subfolder(offline):
     """`--model_args pretrained=org/name,subfolder=...`: the same answers as the package's folder."""
     pairs = [("The capital of France is", " Paris"), ("Two plus two is", " four"), ("Water boils at", " 100 C")]

@@ -117,7 +117,11 @@ def lighteval_model(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
 
     def make(model):
-        config = TransformersModelConfig(model_name=str(pair[3].package_dir), batch_size=4, device="cpu")
+        # named from the package's parent folder: lighteval keeps its sample cache at cache_dir / model_name,
+        # which an absolute name would put inside the package's own folder
+        monkeypatch.chdir(pair[3].package_dir.parent)
+        config = TransformersModelConfig(model_name=pair[3].package_dir.name, batch_size=4, device="cpu",
+                                         cache_dir=str(tmp_path))
         wrapped = TransformersModel.from_model(model, config)
         wrapped._cache = None  # lighteval's sample cache is keyed by model name: both models share it
         return wrapped
