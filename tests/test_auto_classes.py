@@ -121,7 +121,16 @@ def test_lm_evals_own_hf_backend_runs_on_a_package_by_name(build):
                 assert abs(a - b) < 1e-3, task
 
 
-def test_lighteval_loads_a_package_by_name(build, tmp_path, monkeypatch):
+@pytest.fixture
+def grad_mode_kept():
+    """lighteval turns torch's gradients off for the whole process (at import and in its model's
+    constructor): the tests after this one get the mode they had."""
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
+
+
+def test_lighteval_loads_a_package_by_name(build, tmp_path, monkeypatch, grad_mode_kept):
     from lighteval.models.transformers.transformers_model import TransformersModel, TransformersModelConfig
     from lighteval.tasks.requests import Doc
 
