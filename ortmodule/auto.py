@@ -93,7 +93,7 @@ def package_folder(name, kwargs: dict) -> Path | None:
     fetching = {key: kwargs[key] for key in (*hf.FETCHING, "cache_dir") if kwargs.get(key) is not None}
     if not hub.holds_package(name, subfolder, kwargs.get("revision"), **fetching):
         return None
-    return hub.resolve(name if isinstance(name, str) else str(name), subfolder, kwargs.get("revision"), **fetching)
+    return hub.resolve(name, subfolder, kwargs.get("revision"), **fetching)
 
 
 @contextlib.contextmanager

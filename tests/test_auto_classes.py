@@ -74,6 +74,18 @@ def test_transformers_loading_keywords_mean_what_they_mean_to_ortmodule(build):
             AutoModelForCausalLM.from_pretrained(package, "extra")
 
 
+def test_a_pipeline_by_name_runs_on_the_package(build):
+    """`pipeline("text-generation", model=name)` loads through the auto classes: the package's model, and
+    transformers' greedy text on the checkpoint with the same weights."""
+    fixture = build("llama")
+    with ortmodule.auto_classes():
+        ours = transformers.pipeline("text-generation", model=str(fixture.package_dir))
+    theirs = transformers.pipeline("text-generation", model=str(fixture.hf_dir))
+    assert isinstance(ours.model, OrtModelForCausalLM)
+    for prompt in ("Hello there", "The capital of France is"):
+        assert ours(prompt, max_new_tokens=12, do_sample=False) == theirs(prompt, max_new_tokens=12, do_sample=False)
+
+
 def test_an_image_text_to_text_load_gives_the_multimodal_package(build):
     fixture = build("qwen2_5_vl")
     with ortmodule.auto_classes():

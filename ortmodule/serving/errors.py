@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 # Routes whose errors take OpenAI's shape (vLLM's tokenizer and generative scoring routes answer in it too).
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info",
-                "/generative_scoring")
+                "/generative_scoring", "/generate")
 
 
 class ServingError(Exception):

@@ -197,7 +197,7 @@ def _check_vllm_extras(body: CompletionRequest | ChatRequest) -> None:
 def completion_body(served: Served, body: CompletionRequest, job, result) -> dict:
     tokenizer, choices, generated = served.tokenizer, [], 0
     for i, prompt in enumerate(job.prompts):
-        scores, row = _prompt_part(served, job, result, i)
+        scores, row = prompt_part(served, job, result, i)
         # vLLM leaves the echoed prompt's text out where it gives the prompt's ids
         shown = tokenizer.decode(prompt) if body.echo and not body.return_token_ids else ""
         text = shown + (row.text.text if row else "")
@@ -216,7 +216,7 @@ def completion_body(served: Served, body: CompletionRequest, job, result) -> dic
             "choices": choices, "usage": _usage(job.tokens // body.n, generated)}
 
 
-def _prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | None, Row | None]:
+def prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | None, Row | None]:
     """Prompt i's log-probabilities (echo) and its generated row, whichever the job made."""
     if isinstance(job, Generation):
         return (job.prompt_scores[i] if job.prompt_scores else None), result[i]

@@ -182,3 +182,70 @@ class DetokenizeRequest(BaseModel):
 
     model: Text | None = None
     tokens: list[TokenId]
+
+
+class SGLangSamplingParams(BaseModel):
+    """SGLang's `sampling_params` of `/generate` (as of SGLang 0.5.23), with its defaults; its constrained
+    decoding (`regex`, `json_schema`, `ebnf`, `structural_tag`) and `custom_params` are refused unless
+    neutral (generate_routes.py); a field it does not know is a 400, as SGLang's `SamplingParams(**...)`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    max_new_tokens: Annotated[StrictInt, Field(ge=0)] = 128
+    temperature: Annotated[StrictFloat | StrictInt, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[StrictFloat | StrictInt, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=-1)] = -1
+    min_p: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[StrictFloat | StrictInt, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    presence_penalty: Annotated[StrictFloat | StrictInt, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    repetition_penalty: Annotated[StrictFloat | StrictInt, Field(gt=0, le=100, allow_inf_nan=False)] = 1.0
+    min_new_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
+    n: Annotated[StrictInt, Field(ge=1)] = 1
+    sampling_seed: Seed | None = None
+    logit_bias: dict[str, Any] | None = None
+    stream_interval: StrictInt | None = None
+    regex: Text | None = None
+    json_schema: Text | None = None
+    ebnf: Text | None = None
+    structural_tag: Text | None = None
+    custom_params: dict[str, Any] | None = None
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native `POST /generate` (as of SGLang 0.5.23): `text` or `input_ids`, one prompt or a
+    batch; `sampling_params`; the log-probabilities of the output (`return_logprob`, `top_logprobs_num`)
+    and of the prompt from `logprob_start_len`. Its fields for media, embeddings, LoRA, sessions,
+    hidden states and disaggregation are taken at their neutral values only (generate_routes.NEUTRAL)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    text: Text | list[Text] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
+    return_logprob: StrictBool | list[StrictBool] | None = None
+    logprob_start_len: Annotated[StrictInt, Field(ge=-1)] | list[Annotated[StrictInt, Field(ge=-1)]] | None = None
+    top_logprobs_num: Annotated[StrictInt, Field(ge=0)] | list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    return_text_in_logprobs: StrictBool = False
+    stream: StrictBool = False
+    rid: Text | list[Text] | None = None
+    # scheduling and bookkeeping, without effect on the output here
+    log_metrics: StrictBool = True
+    priority: StrictInt | None = None
+    data_parallel_rank: StrictInt | None = None
+    # taken at their neutral values only
+    input_embeds: list[Any] | None = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    token_ids_logprob: list[Any] | None = None
+    return_hidden_states: Any = False
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    session_params: dict[str, Any] | None = None
+    modalities: list[Any] | None = None

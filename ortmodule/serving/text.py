@@ -28,6 +28,7 @@ class TextStream:
         self.waiting = ""  # whole characters of ids[read:] before an incomplete one (not yet shown)
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.finish_reason: str | None = None
+        self.matched: int | str | None = None  # what ended the row "stop": the token id, or the stop string
         self.counted = 0  # tokens counted for usage: through the end-of-sequence or stop-completing one
 
     def add(self, token: int) -> str:
@@ -36,7 +37,7 @@ class TextStream:
             return ""
         self.counted += 1
         if token in self.eos:
-            self.finish_reason = "stop"
+            self.finish_reason, self.matched = "stop", token
             self._flush()
             return self._release(len(self.text))
         self.ids.append(token)
@@ -47,14 +48,14 @@ class TextStream:
             # it, with the characters already whole before an incomplete one that waits.
             start = max(0, before - self.hold)
             tail = self.text + self.waiting
-            found = [(at, len(s)) for at, s in ((tail.find(s, start), s) for s in self.stop) if at >= 0]
+            found = [(at, len(s), s) for at, s in ((tail.find(s, start), s) for s in self.stop) if at >= 0]
             if found:
-                at, length = min(found)
+                at, length, self.matched = min(found)
                 self.text = tail[: at + length if self.include_stop else at]
                 self.finish_reason = "stop"
                 return self._release(len(self.text))
         if token in self.stop_ids:
-            self.finish_reason = "stop"
+            self.finish_reason, self.matched = "stop", token
             self._flush()
             return self._release(len(self.text))
         safe = len(self.text) - self.hold if self.stop else len(self.text)

@@ -1,0 +1,227 @@
+"""SGLang's native `POST /generate` (as of SGLang 0.5.23): a prompt's text or token ids (one, or a
+batch), `sampling_params`, and the log-probabilities of the output and, from `logprob_start_len`, of
+the prompt, answered in SGLang's shape (`text`, `output_ids`, `meta_info`) or streamed as SGLang
+streams it (each event the output so far). lm-eval's `sglang-generate` backend speaks it.
+
+The request becomes a completion (openai_routes.completion_job): the same engine, batching, sampling
+and checks, the same answers as `/v1/completions` with the same settings."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from .errors import ServingError, dumps, failed
+from .jobs import Generation, Row
+from .openai_routes import completion_job, prompt_part
+from .schemas import CompletionRequest, GenerateRequest, SGLangSamplingParams
+from .served import Served, abandon, run, start
+from .text import token_strings
+
+# SGLang's fields this server does not carry out: any value but a neutral one (absent, null, false, empty) is a 400.
+NEUTRAL = ("input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob", "return_hidden_states",
+           "lora_path", "custom_logit_processor", "session_params", "modalities")
+SAMPLING_NEUTRAL = {"regex": None, "json_schema": None, "ebnf": None, "structural_tag": None, "custom_params": None,
+                    "spaces_between_special_tokens": True}
+
+
+def _per_prompt(value, count: int, name: str, default):
+    """A field given once for every prompt or as a list of one value per prompt (SGLang's batch form):
+    the one value, or a 400 where the prompts' values differ (send those as separate requests)."""
+    if not isinstance(value, list):
+        return default if value is None else value
+    if len(value) != count:
+        raise ServingError(f"{name} has {len(value)} entries for {count} prompts: give one for all, or one each", name)
+    if any(v != value[0] for v in value):
+        raise ServingError(f"{name} differs between the prompts of one request; send those prompts as separate "
+                           "requests", name)
+    return value[0] if value else default
+
+
+def _prompts(served: Served, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids (text tokenized with the tokenizer's special tokens, as SGLang tokenizes
+    it, after the size check every text gets), and whether the request is a batch."""
+    if (body.text is None) == (body.input_ids is None):
+        raise ServingError("send the prompt as text or as input_ids, one of them", "text")
+    if body.input_ids is not None:
+        batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        return (body.input_ids if batch else [body.input_ids]), batch
+    texts = body.text if isinstance(body.text, list) else [body.text]
+    served.check_texts([(f"text[{i}]", text) for i, text in enumerate(texts)])
+    if served.tokenizer is None:
+        raise ServingError("text prompts need a tokenizer; this server has none: send input_ids", "text")
+    if not texts:
+        raise ServingError("text is empty", "text")
+    return [list(ids) for ids in served.tokenizer(texts)["input_ids"]], isinstance(body.text, list)
+
+
+def generate_job(served: Served, body: GenerateRequest, loop):
+    """The request checked and made a completion job; `job.sglang` keeps how it is answered."""
+    for name in NEUTRAL:
+        if getattr(body, name) not in (None, False, [], {}):
+            raise ServingError(f"{name} is not supported by this server; leave it out", name)
+    prompts, batch = _prompts(served, body)
+    count = len(prompts)
+    params: SGLangSamplingParams = _per_prompt(body.sampling_params, count, "sampling_params", SGLangSamplingParams())
+    for name, neutral in SAMPLING_NEUTRAL.items():
+        if getattr(params, name) != neutral:
+            raise ServingError(f"sampling_params.{name} is not supported by this server (its output is not "
+                               "constrained); leave it out", f"sampling_params.{name}")
+    if params.top_k == 0:
+        raise ServingError("top_k must be -1 (disable), or at least 1", "sampling_params.top_k")
+    logprobs = bool(_per_prompt(body.return_logprob, count, "return_logprob", False))
+    start_at = _per_prompt(body.logprob_start_len, count, "logprob_start_len", -1) if logprobs else -1
+    top = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num", 0)
+    if body.stream and logprobs:
+        raise ServingError("return_logprob in a stream is not supported: ask without stream", "return_logprob")
+    if body.stream and params.max_new_tokens == 0:
+        raise ServingError("a stream needs max_new_tokens of at least 1", "sampling_params.max_new_tokens")
+    completion = CompletionRequest.model_validate(dict(
+        model=served.name, prompt=prompts, max_tokens=params.max_new_tokens, temperature=float(params.temperature),
+        top_p=float(params.top_p), seed=params.sampling_seed, stop=params.stop, n=params.n, stream=body.stream,
+        presence_penalty=float(params.presence_penalty), frequency_penalty=float(params.frequency_penalty),
+        logit_bias=params.logit_bias, top_k=params.top_k, min_p=float(params.min_p),
+        repetition_penalty=float(params.repetition_penalty), min_tokens=params.min_new_tokens,
+        ignore_eos=params.ignore_eos, stop_token_ids=params.stop_token_ids,
+        include_stop_str_in_output=params.no_stop_trim, skip_special_tokens=params.skip_special_tokens,
+        # the prompt's log-probabilities come with an echo (its text is not shown: `respond` writes the answer)
+        echo=start_at >= 0 or params.max_new_tokens == 0, logprobs=top if logprobs else None))
+    completion = _clipped(served, completion)
+    job = completion_job(served, completion, loop)
+    rids = body.rid if isinstance(body.rid, list) else None
+    if rids is not None and len(rids) != count:
+        raise ServingError(f"rid has {len(rids)} entries for {count} prompts", "rid")
+    job.sglang = dict(batch=batch or params.n > 1, logprobs=logprobs, start=start_at, top=top, n=params.n,
+                      texts=body.return_text_in_logprobs, rid=body.rid, begun=time.perf_counter())
+    return job
+
+
+def _clipped(served: Served, completion: CompletionRequest) -> CompletionRequest:
+    """SGLang's `max_new_tokens` cut to what the context leaves after the longest prompt (less one, as
+    SGLang keeps it), where it would not fit."""
+    room = max(0, served.context - max(map(len, completion.prompt), default=0) - 1)
+    if completion.max_tokens > room:
+        return completion.model_copy(update={"max_tokens": room, "echo": completion.echo or room == 0})
+    return completion
+
+
+def respond(served: Served, body: GenerateRequest, job, result):
+    """SGLang's answer: one object for one prompt, a list for a batch (or `n` > 1)."""
+    answers = [_answer(served, job, result, i) for i in range(len(job.prompts))]
+    return answers if job.sglang["batch"] else answers[0]
+
+
+def _answer(served: Served, job, result, i: int) -> dict:
+    how = job.sglang
+    scores, row = prompt_part(served, job, result, i)
+    tokens = list(row.tokens) if row else []
+    prompt = job.prompts[i]
+    meta = {"id": _rid(how["rid"], i // how["n"], i % how["n"], how["n"]), "finish_reason": _finish(row),
+            "prompt_tokens": len(prompt), "completion_tokens": len(tokens), "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - how["begun"]}
+    if how["logprobs"]:
+        meta.update(_logprobs(served, how, prompt, scores, row))
+    return {"text": row.text.text if row else "", "output_ids": tokens, "meta_info": meta}
+
+
+def _rid(rid, prompt: int, copy: int, n: int) -> str:
+    """SGLang's request id of prompt `prompt`'s choice `copy`: the request's `rid` (one per prompt, or one
+    string that prefixes each of a batch's), else a new one."""
+    if isinstance(rid, list):
+        base = rid[prompt]
+    elif rid is not None:
+        base = rid if prompt == 0 and n == 1 else f"{rid}_{prompt}"
+    else:
+        base = uuid.uuid4().hex
+    return base if n == 1 else f"{base}_{copy}"
+
+
+def _finish(row: Row | None) -> dict:
+    """SGLang's `finish_reason`: `{"type": "stop", "matched": token id or stop string}` or
+    `{"type": "length", "length": tokens}`."""
+    if row is None or row.text.finish_reason != "stop":
+        return {"type": "length", "length": len(row.tokens) if row else 0}
+    return {"type": "stop", "matched": row.text.matched}
+
+
+def _logprobs(served: Served, how: dict, prompt: list[int], scores, row: Row | None) -> dict:
+    """SGLang's log-probability fields: `(logprob, token id, text or None)` per token; the prompt's from
+    `logprob_start_len` (its first entry's log-probability null, as SGLang's), each output token's; with
+    `top_logprobs_num`, the most likely at each position (null at the prompt's first)."""
+    start, top = how["start"], how["top"]
+    names = _namer(served, how["texts"])
+    entry = lambda token, value: [value, token, names(token)]  # noqa: E731
+    out: dict = {"input_token_logprobs": [], "output_token_logprobs": []}
+    if start >= 0:
+        values = [None] + (scores.token_logprobs if scores else [])
+        out["input_token_logprobs"] = [entry(t, None if k == start else values[k])
+                                       for k, t in enumerate(prompt) if k >= start]
+    if row is not None:
+        out["output_token_logprobs"] = [entry(t, v) for t, v in zip(row.tokens, row.logprobs, strict=True)]
+    out["output_token_logprobs_length"] = len(out["output_token_logprobs"])
+    if top > 0:
+        ranked = [None] + (scores.top if scores else [])
+        out["input_top_logprobs"] = [None if k == start else [entry(t, v) for t, v in ranked[k][:top]]
+                                     for k in range(len(prompt)) if start >= 0 and k >= start]
+        out["output_top_logprobs"] = [[entry(t, v) for t, v in pairs[:top]] for pairs in (row.top if row else [])]
+    return out
+
+
+def _namer(served: Served, texts: bool):
+    if not texts or served.tokenizer is None:
+        return lambda token: None
+    cache: dict[int, str] = {}
+
+    def name(token: int) -> str:
+        if token not in cache:
+            cache[token] = token_strings(served.tokenizer, [token])[0]
+        return cache[token]
+    return name
+
+
+async def _events(served: Served, body: GenerateRequest, job: Generation):
+    """SGLang's stream: after each piece of text, the output so far (`text`, `output_ids`, `meta_info`;
+    `index` in a batch); the last event of each prompt with its finish reason; then `[DONE]`."""
+    how, texts, ids = job.sglang, {}, {}
+    try:
+        while (event := await job.stream.get()) is not None:
+            index, text, tokens, _ = event
+            texts[index] = texts.get(index, "") + text
+            ids[index] = ids.get(index, []) + list(tokens)
+            yield _event(how, job, index, texts[index], ids[index], None)
+        try:
+            rows = await job.future
+        except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
+            error = e if isinstance(e, ServingError) else failed("the generation", e)
+            yield f"data: {dumps({'error': {'message': str(error), 'code': error.status}})}\n\n"
+            return
+        for row in rows:
+            yield _event(how, job, row.index, row.text.text, list(row.tokens), row)
+        yield "data: [DONE]\n\n"
+    finally:
+        if not job.future.done():  # the client went away mid-stream: free its rows
+            abandon(served, job)
+
+
+def _event(how: dict, job: Generation, index: int, text: str, tokens: list[int], row: Row | None) -> str:
+    meta = {"id": _rid(how["rid"], index // how["n"], index % how["n"], how["n"]),
+            "finish_reason": _finish(row) if row is not None else None, "prompt_tokens": len(job.prompts[index]),
+            "completion_tokens": len(tokens), "cached_tokens": 0}
+    if row is not None:
+        meta["e2e_latency"] = time.perf_counter() - how["begun"]
+    answer = {"text": text, "output_ids": tokens, "meta_info": meta}
+    if how["batch"]:
+        answer["index"] = index
+    return f"data: {dumps(answer)}\n\n"
+
+
+def add_routes(app: FastAPI, served: Served) -> None:
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        if body.stream:
+            job = await start(served, generate_job, body)
+            return StreamingResponse(_events(served, body, job), media_type="text/event-stream")
+        return await run(served, generate_job, body, request, respond)
