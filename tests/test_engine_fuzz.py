@@ -2,7 +2,7 @@
 prefill chunks, join steps, prompt feeding, the prefix cache, the score token budget, query reuse)
 and a random mix of concurrent requests (greedy completions whose prompts share prefixes, repeat
 exactly or not at all, with log-probabilities and echo sometimes, vLLM's prompt log-probabilities and
-token ids, streamed or not;
+token ids, streamed or not; some of them as SGLang's /generate;
 SGLang's score requests, with a label list per item, a temperature, the labels' log-probabilities;
 vLLM's generative scoring), sent by several
 clients at random moments. Whatever runs together, every answer must be transformers' on the request
@@ -61,6 +61,8 @@ def draw_requests(rng: random.Random, vocab: int) -> list[tuple[str, dict]]:
                 body.update(prompt_logprobs=rng.choice([0, 2]))
             if rng.random() < 0.3:  # vLLM's, streamed chunk by chunk or whole
                 body.update(return_token_ids=True)
+            if rng.random() < 0.2 and not body.get("echo") and "prompt_logprobs" not in body:
+                body.update(sglang=True)  # sent through SGLang's /generate
             if rng.random() < 0.3:
                 body.update(stop=[rng.choice(["e", "an", " t", "s", "\u00e9"])])
             requests.append(("completion", body))
@@ -137,6 +139,32 @@ def streamed(url: str, body: dict) -> dict:
     return {"choices": [answer]}
 
 
+def sglang_generate(server, body: dict) -> dict:
+    """A completion's request sent as SGLang's `/generate` (streamed or not), its answer in the
+    completion's shape: SGLang's output ids and, with `logprobs`, its output token log-probabilities."""
+    params = {"max_new_tokens": body["max_tokens"], "temperature": float(body["temperature"])}
+    if body["temperature"]:
+        params.update(top_p=body["top_p"], sampling_seed=body["seed"])
+    if "stop" in body:
+        params["stop"] = body["stop"]
+    request = {"input_ids": body["prompt"], "sampling_params": params, "stream": bool(body.get("stream"))}
+    if "logprobs" in body and not body.get("stream"):
+        request.update(return_logprob=True, top_logprobs_num=body["logprobs"])
+    if request["stream"]:
+        with httpx.stream("POST", server.url + "/generate", json=request, timeout=120) as events:
+            assert events.status_code == 200
+            lines = [line[6:] for line in events.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        answer = json.loads(lines[-2])  # the output so far, in the last event: all of it
+    else:
+        response = server.client.post("/generate", json=request, timeout=120)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+    choice = {"text": answer["text"], "finish_reason": answer["meta_info"]["finish_reason"]["type"],
+              "token_ids": answer["output_ids"], "prompt_token_ids": body["prompt"]}
+    return {"choices": [choice]}
+
+
 @pytest.mark.parametrize("seed", range(int(os.environ.get("ENGINE_FUZZ_SEEDS", 8))))
 def test_engine_fuzz(build, seed):
     rng = random.Random(seed)
@@ -152,6 +180,8 @@ def test_engine_fuzz(build, seed):
         def send(i: int):
             time.sleep(delays[i])
             kind, body = requests[i]
+            if body.get("sglang"):
+                return sglang_generate(server, body)
             if body.get("stream"):
                 return streamed(server.url, {"model": NAME, **body})
             path = {"completion": "/v1/completions", "score": "/v1/score", "generative": "/generative_scoring"}[kind]
@@ -176,10 +206,11 @@ def test_engine_fuzz(build, seed):
                 tokens = hf_greedy(hf, body["prompt"], body["max_tokens"])
             text, reason = expected_text(tokenizer, tokens, body.get("stop", ()))
             choice = answer["choices"][0]
-            if body.get("echo") and not body.get("return_token_ids"):  # vLLM leaves the prompt's text out then
+            # vLLM leaves the prompt's text out with the token ids; SGLang's answer holds none
+            if body.get("echo") and not body.get("return_token_ids") and not body.get("sglang"):
                 text = tokenizer.decode(body["prompt"], skip_special_tokens=True) + text
             assert (choice["text"], choice["finish_reason"]) == (text, reason), f"request {i}: {body}; {case}"
-            if body.get("return_token_ids"):
+            if body.get("return_token_ids") or body.get("sglang"):
                 assert choice["prompt_token_ids"] == body["prompt"], f"request {i}: {body}; {case}"
                 eos = tokenizer.eos_token_id
                 kept = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
