@@ -59,7 +59,7 @@ def _prompts(served: Served, body: GenerateRequest) -> tuple[list[list[int]], bo
 
 
 def generate_job(served: Served, body: GenerateRequest, loop):
-    """The request checked and made a completion job; `job.sglang` keeps how it is answered."""
+    """The request checked and made a completion job; `job.answering` keeps how it is answered."""
     for name in NEUTRAL:
         if getattr(body, name) not in (None, False, [], {}):
             raise ServingError(f"{name} is not supported by this server; leave it out", name)
@@ -94,7 +94,7 @@ def generate_job(served: Served, body: GenerateRequest, loop):
     rids = body.rid if isinstance(body.rid, list) else None
     if rids is not None and len(rids) != count:
         raise ServingError(f"rid has {len(rids)} entries for {count} prompts", "rid")
-    job.sglang = dict(batch=batch or params.n > 1, logprobs=logprobs, start=start_at, top=top, n=params.n,
+    job.answering = dict(batch=batch or params.n > 1, logprobs=logprobs, start=start_at, top=top, n=params.n,
                       texts=body.return_text_in_logprobs, rid=body.rid, begun=time.perf_counter())
     return job
 
@@ -111,11 +111,11 @@ def _clipped(served: Served, completion: CompletionRequest) -> CompletionRequest
 def respond(served: Served, body: GenerateRequest, job, result):
     """SGLang's answer: one object for one prompt, a list for a batch (or `n` > 1)."""
     answers = [_answer(served, job, result, i) for i in range(len(job.prompts))]
-    return answers if job.sglang["batch"] else answers[0]
+    return answers if job.answering["batch"] else answers[0]
 
 
 def _answer(served: Served, job, result, i: int) -> dict:
-    how = job.sglang
+    how = job.answering
     scores, row = prompt_part(served, job, result, i)
     tokens = list(row.tokens) if row else []
     prompt = job.prompts[i]
@@ -185,7 +185,7 @@ def _namer(served: Served, texts: bool):
 async def _events(served: Served, body: GenerateRequest, job: Generation):
     """SGLang's stream: after each piece of text, the output so far (`text`, `output_ids`, `meta_info`;
     `index` in a batch); the last event of each prompt with its finish reason; then `[DONE]`."""
-    how, texts, ids = job.sglang, {}, {}
+    how, texts, ids = job.answering, {}, {}
     try:
         while (event := await job.stream.get()) is not None:
             index, text, tokens, _ = event

@@ -51,6 +51,7 @@ class Job:
         self.cancelled = threading.Event()  # the client went away: drop the job, stop its rows
         self.waiting = True  # counted against the queue's limit until it starts running
         self.arrived = 0  # the engine's decode step count when it was filed
+        self.answering: dict = {}  # what the route keeps to write its answer (generate_routes: SGLang's shape)
 
     def resolve(self, result) -> None:
         """Hand the result to the waiting route (from any thread)."""
