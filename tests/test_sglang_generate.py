@@ -112,6 +112,17 @@ def test_sampling_with_a_seed_and_n_choices_equal_the_completions_route(setup):
     assert answers[0]["output_ids"] != answers[1]["output_ids"]
 
 
+def test_a_temperature_past_openais_two_samples_as_generate_does(setup):
+    """SGLang takes any temperature >= 0 (OpenAI's routes stop at 2): a seeded sample at 3 is what
+    `model.generate` samples from that prompt with that seed."""
+    live, model, *_ = setup
+    answer = live.client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 6, "temperature": 3.0, "sampling_seed": 5, "ignore_eos": True}}).json()
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=True, temperature=3.0, top_k=0,
+                         top_p=1.0, eos_token_id=None, generator=torch.Generator().manual_seed(5))
+    assert answer["output_ids"] == out[0, 3:].tolist()
+
+
 def test_a_stream_carries_the_output_so_far_then_done(setup):
     live, _, hf, tokenizer, _ = setup
     ids = tokenizer("Once upon a time there").input_ids
@@ -164,7 +175,14 @@ def test_lm_evals_sglang_generate_backend_scores_as_transformers(setup):
     ({"text": ["x", "y"], "sampling_params": [{"temperature": 0}, {"temperature": 1}]}, "sampling_params",
      "differs between the prompts"),
     ({"text": "x", "stream": True, "return_logprob": True}, "return_logprob", "in a stream is not supported"),
-    ({"input_ids": [5, 600]}, "prompt", "outside the vocabulary"),
+    ({"input_ids": [5, 600]}, "input_ids", "outside the vocabulary"),
+    ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len",
+     "higher than the number of input tokens 2"),
+    ({"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num", "between 0 and 20"),
+    ({"input_ids": [5, 6], "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}},
+     "sampling_params.min_new_tokens", "min_new_tokens (5) is more than max_new_tokens (2)"),
+    ({"input_ids": [5, 6], "sampling_params": {"logit_bias": {"5": 200}}}, "sampling_params.logit_bias",
+     "not a number from -100 to 100"),
 ])
 def test_bad_requests_are_named(setup, body, param, message):
     live, *_ = setup

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
-from .openai_routes import completion_job, prompt_part
+from .openai_routes import MAX_LOGPROBS, completion_job, prompt_part
 from .schemas import CompletionRequest, GenerateRequest, SGLangSamplingParams
 from .served import Served, abandon, run, start
 from .text import token_strings
@@ -79,7 +79,13 @@ def generate_job(served: Served, body: GenerateRequest, loop):
         raise ServingError("return_logprob in a stream is not supported: ask without stream", "return_logprob")
     if body.stream and params.max_new_tokens == 0:
         raise ServingError("a stream needs max_new_tokens of at least 1", "sampling_params.max_new_tokens")
-    completion = CompletionRequest.model_validate(dict(
+    if logprobs and start_at > min(map(len, prompts)):
+        raise ServingError(f"logprob_start_len={start_at} is higher than the number of input tokens "
+                           f"{min(map(len, prompts))}; use a smaller logprob_start_len", "logprob_start_len")
+    if top > MAX_LOGPROBS:
+        raise ServingError(f"top_logprobs_num must be between 0 and {MAX_LOGPROBS}, got {top}", "top_logprobs_num")
+    # Built from SGLang's checked fields (whose ranges are SGLang's: a temperature above OpenAI's 2, say)
+    completion = CompletionRequest.model_construct(**dict(
         model=served.name, prompt=prompts, max_tokens=params.max_new_tokens, temperature=float(params.temperature),
         top_p=float(params.top_p), seed=params.sampling_seed, stop=params.stop, n=params.n, stream=body.stream,
         presence_penalty=float(params.presence_penalty), frequency_penalty=float(params.frequency_penalty),
@@ -90,13 +96,39 @@ def generate_job(served: Served, body: GenerateRequest, loop):
         # the prompt's log-probabilities come with an echo (its text is not shown: `respond` writes the answer)
         echo=start_at >= 0 or params.max_new_tokens == 0, logprobs=top if logprobs else None))
     completion = _clipped(served, completion)
-    job = completion_job(served, completion, loop)
+    try:
+        job = completion_job(served, completion, loop)
+    except ServingError as e:  # named as SGLang's fields are
+        raise _in_sglangs_terms(e, "text" if body.text is not None else "input_ids") from None
     rids = body.rid if isinstance(body.rid, list) else None
     if rids is not None and len(rids) != count:
         raise ServingError(f"rid has {len(rids)} entries for {count} prompts", "rid")
     job.answering = dict(batch=batch or params.n > 1, logprobs=logprobs, start=start_at, top=top, n=params.n,
                       texts=body.return_text_in_logprobs, rid=body.rid, begun=time.perf_counter())
     return job
+
+
+# The completion's fields, as SGLang names them (in an error's field and message).
+SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed",
+                "include_stop_str_in_output": "no_stop_trim"}
+SAMPLING = ("max_tokens", "min_tokens", "seed", "stop", "stop_token_ids", "logit_bias", "n", "temperature", "top_p",
+            "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "include_stop_str_in_output", "skip_special_tokens", "ignore_eos")
+
+
+def _in_sglangs_terms(error: ServingError, prompt_field: str) -> ServingError:
+    """A completion's refusal named by SGLang's fields: `sampling_params.min_new_tokens` for
+    `min_tokens`, `top_logprobs_num` for `logprobs`, the prompt's field for `prompt`."""
+    message, param = str(error), error.param
+    for ours, theirs in SGLANG_NAMES.items():
+        message = message.replace(ours, theirs)
+    if param in SAMPLING:
+        param = f"sampling_params.{SGLANG_NAMES.get(param, param)}"
+    elif param == "logprobs":
+        param, message = "top_logprobs_num", message.replace("logprobs", "top_logprobs_num")
+    elif param == "prompt":
+        param = prompt_field
+    return ServingError(message, param, error.status, error.code)
 
 
 def _clipped(served: Served, completion: CompletionRequest) -> CompletionRequest:

@@ -192,7 +192,7 @@ class SGLangSamplingParams(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     max_new_tokens: Annotated[StrictInt, Field(ge=0)] = 128
-    temperature: Annotated[StrictFloat | StrictInt, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    temperature: Annotated[StrictFloat | StrictInt, Field(ge=0, allow_inf_nan=False)] = 1.0
     top_p: Annotated[StrictFloat | StrictInt, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=-1)] = -1
     min_p: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
