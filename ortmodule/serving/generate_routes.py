@@ -65,6 +65,8 @@ def generate_job(served: Served, body: GenerateRequest, loop):
             raise ServingError(f"{name} is not supported by this server; leave it out", name)
     prompts, batch = _prompts(served, body)
     count = len(prompts)
+    if isinstance(body.rid, list) and len(body.rid) != count:
+        raise ServingError(f"rid has {len(body.rid)} entries for {count} prompts", "rid")
     params: SGLangSamplingParams = _per_prompt(body.sampling_params, count, "sampling_params", SGLangSamplingParams())
     for name, neutral in SAMPLING_NEUTRAL.items():
         if getattr(params, name) != neutral:
@@ -100,9 +102,6 @@ def generate_job(served: Served, body: GenerateRequest, loop):
         job = completion_job(served, completion, loop)
     except ServingError as e:  # named as SGLang's fields are
         raise _in_sglangs_terms(e, "text" if body.text is not None else "input_ids") from None
-    rids = body.rid if isinstance(body.rid, list) else None
-    if rids is not None and len(rids) != count:
-        raise ServingError(f"rid has {len(rids)} entries for {count} prompts", "rid")
     job.answering = dict(batch=batch or params.n > 1, logprobs=logprobs, start=start_at, top=top, n=params.n,
                       texts=body.return_text_in_logprobs, rid=body.rid, begun=time.perf_counter())
     return job
