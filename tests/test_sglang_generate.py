@@ -139,6 +139,21 @@ def test_a_stream_carries_the_output_so_far_then_done(setup):
     assert chunks[-1]["output_ids"] == cut_at_eos(tokenizer, tokens)
     assert chunks[-1]["meta_info"]["finish_reason"] is not None and len(chunks) > 2
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    # with the output's log-probabilities: each event those of its output so far, the last the whole answer's
+    request = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+               "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    whole = live.client.post("/generate", json=request).json()
+    with live.client.stream("POST", "/generate", json={**request, "stream": True}) as events:
+        chunks = [json.loads(line[6:]) for line in events.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        assert len(meta["output_token_logprobs"]) == meta["output_token_logprobs_length"] <= len(chunk["output_ids"])
+        assert meta["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"][: len(
+            meta["output_token_logprobs"])]
+    last = chunks[-1]["meta_info"]
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs"):
+        assert last[key] == whole["meta_info"][key], key
 
 
 def test_lm_evals_sglang_generate_backend_scores_as_transformers(setup):
@@ -174,7 +189,8 @@ def test_lm_evals_sglang_generate_backend_scores_as_transformers(setup):
     ({"text": "x", "image_data": "http://x/y.png"}, "image_data", "image_data is not supported"),
     ({"text": ["x", "y"], "sampling_params": [{"temperature": 0}, {"temperature": 1}]}, "sampling_params",
      "differs between the prompts"),
-    ({"text": "x", "stream": True, "return_logprob": True}, "return_logprob", "in a stream is not supported"),
+    ({"text": "x", "stream": True, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len",
+     "in a stream are not supported"),
     ({"input_ids": [5, 600]}, "input_ids", "outside the vocabulary"),
     ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len",
      "higher than the number of input tokens 2"),

@@ -77,8 +77,9 @@ def generate_job(served: Served, body: GenerateRequest, loop):
     logprobs = bool(_per_prompt(body.return_logprob, count, "return_logprob", False))
     start_at = _per_prompt(body.logprob_start_len, count, "logprob_start_len", -1) if logprobs else -1
     top = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num", 0)
-    if body.stream and logprobs:
-        raise ServingError("return_logprob in a stream is not supported: ask without stream", "return_logprob")
+    if body.stream and start_at >= 0:
+        raise ServingError("the prompt's log-probabilities (logprob_start_len) in a stream are not supported: ask "
+                           "without stream, or for the output's alone", "logprob_start_len")
     if body.stream and params.max_new_tokens == 0:
         raise ServingError("a stream needs max_new_tokens of at least 1", "sampling_params.max_new_tokens")
     if logprobs and start_at > min(map(len, prompts)):
@@ -154,8 +155,15 @@ def _answer(served: Served, job, result, i: int) -> dict:
             "prompt_tokens": len(prompt), "completion_tokens": len(tokens), "cached_tokens": 0,
             "e2e_latency": time.perf_counter() - how["begun"]}
     if how["logprobs"]:
-        meta.update(_logprobs(served, how, prompt, scores, row))
+        meta.update(_logprobs(served, how, prompt, scores, _scored(row)))
     return {"text": row.text.text if row else "", "output_ids": tokens, "meta_info": meta}
+
+
+def _scored(row: Row | None) -> list[tuple[int, float, list]]:
+    """A row's (token, log-probability, top alternatives), as the stream's events carry them."""
+    if row is None or not row.logprobs:  # none asked for
+        return []
+    return list(zip(row.tokens, row.logprobs, row.top, strict=True))
 
 
 def _rid(rid, prompt: int, copy: int, n: int) -> str:
@@ -178,7 +186,7 @@ def _finish(row: Row | None) -> dict:
     return {"type": "stop", "matched": row.text.matched}
 
 
-def _logprobs(served: Served, how: dict, prompt: list[int], scores, row: Row | None) -> dict:
+def _logprobs(served: Served, how: dict, prompt: list[int], scores, outputs: list[tuple[int, float, list]]) -> dict:
     """SGLang's log-probability fields: `(logprob, token id, text or None)` per token; the prompt's from
     `logprob_start_len` (its first entry's log-probability null, as SGLang's), each output token's; with
     `top_logprobs_num`, the most likely at each position (null at the prompt's first)."""
@@ -190,14 +198,13 @@ def _logprobs(served: Served, how: dict, prompt: list[int], scores, row: Row | N
         values = [None] + (scores.token_logprobs if scores else [])
         out["input_token_logprobs"] = [entry(t, None if k == start else values[k])
                                        for k, t in enumerate(prompt) if k >= start]
-    if row is not None:
-        out["output_token_logprobs"] = [entry(t, v) for t, v in zip(row.tokens, row.logprobs, strict=True)]
-    out["output_token_logprobs_length"] = len(out["output_token_logprobs"])
+    out["output_token_logprobs"] = [entry(t, v) for t, v, _ in outputs]
+    out["output_token_logprobs_length"] = len(outputs)
     if top > 0:
         ranked = [None] + (scores.top if scores else [])
         out["input_top_logprobs"] = [None if k == start else [entry(t, v) for t, v in ranked[k][:top]]
                                      for k in range(len(prompt)) if start >= 0 and k >= start]
-        out["output_top_logprobs"] = [[entry(t, v) for t, v in pairs[:top]] for pairs in (row.top if row else [])]
+        out["output_top_logprobs"] = [[entry(t, v) for t, v in pairs[:top]] for _, _, pairs in outputs]
     return out
 
 
@@ -216,13 +223,14 @@ def _namer(served: Served, texts: bool):
 async def _events(served: Served, body: GenerateRequest, job: Generation):
     """SGLang's stream: after each piece of text, the output so far (`text`, `output_ids`, `meta_info`;
     `index` in a batch); the last event of each prompt with its finish reason; then `[DONE]`."""
-    how, texts, ids = job.answering, {}, {}
+    how, texts, ids, scored = job.answering, {}, {}, {}
     try:
         while (event := await job.stream.get()) is not None:
-            index, text, tokens, _ = event
+            index, text, tokens, chunk = event
             texts[index] = texts.get(index, "") + text
-            ids[index] = ids.get(index, []) + list(tokens)
-            yield _event(how, job, index, texts[index], ids[index], None)
+            ids.setdefault(index, []).extend(tokens)
+            scored.setdefault(index, []).extend(chunk or ())
+            yield _event(served, how, job, index, texts[index], ids[index], None, scored[index])
         try:
             rows = await job.future
         except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
@@ -230,19 +238,23 @@ async def _events(served: Served, body: GenerateRequest, job: Generation):
             yield f"data: {dumps({'error': {'message': str(error), 'code': error.status}})}\n\n"
             return
         for row in rows:
-            yield _event(how, job, row.index, row.text.text, list(row.tokens), row)
+            yield _event(served, how, job, row.index, row.text.text, list(row.tokens), row, _scored(row))
         yield "data: [DONE]\n\n"
     finally:
         if not job.future.done():  # the client went away mid-stream: free its rows
             abandon(served, job)
 
 
-def _event(how: dict, job: Generation, index: int, text: str, tokens: list[int], row: Row | None) -> str:
+def _event(served: Served, how: dict, job: Generation, index: int, text: str, tokens: list[int], row: Row | None,
+           scored: list[tuple[int, float, list]]) -> str:
+    """One event of the stream: prompt `index`'s output so far (`row`: its last, finished)."""
     meta = {"id": _rid(how["rid"], index // how["n"], index % how["n"], how["n"]),
             "finish_reason": _finish(row) if row is not None else None, "prompt_tokens": len(job.prompts[index]),
             "completion_tokens": len(tokens), "cached_tokens": 0}
     if row is not None:
         meta["e2e_latency"] = time.perf_counter() - how["begun"]
+    if how["logprobs"]:  # the output's so far (a stream takes no prompt's: `generate_job`)
+        meta.update(_logprobs(served, how, job.prompts[index], None, scored))
     answer = {"text": text, "output_ids": tokens, "meta_info": meta}
     if how["batch"]:
         answer["index"] = index
