@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import inspect
 import runpy
 import sys
 import threading
@@ -160,6 +161,10 @@ def run_program(argv: list[str]) -> None:
     `lighteval`, a Python file, or `-m MODULE`) run in this process, with ARGS as its command line and
     the auto classes patched; its exit status is the command's."""
     usage = "ortmodule run: error: name the program to run: an installed command, a Python file, or -m MODULE"
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: ortmodule run PROGRAM [ARGS ...] | ortmodule run -m MODULE [ARGS ...]\n\n"
+              + inspect.cleandoc(run_program.__doc__))
+        raise SystemExit(0)
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(usage)
     path = Path(argv[0])

@@ -214,6 +214,8 @@ def _first_eight(result, metric: str) -> float:
 
 
 def test_ortmodule_run_names_what_it_cannot_start():
+    done = run("--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: ortmodule run PROGRAM")
     done = run()
     assert done.returncode != 0 and "name the program to run" in done.stderr
     done = run("no-such-command-here")
