@@ -20,7 +20,10 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import inspect
+import os
 import runpy
+import shutil
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -37,6 +40,9 @@ MODEL_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
 _FINDING = ("revision", "subfolder", "cache_dir", *sorted(hf.FETCHING))
 # What transformers' auto classes pass along among themselves, without effect on a package.
 _INTERNAL = ("_from_auto", "_from_pipeline", "_commit_hash", "code_revision")
+
+# `ortmodule run`'s hook for the Python processes a program starts (a folder holding a sitecustomize.py).
+AUTOLOAD = Path(__file__).parent / "autoload"
 
 _lock = threading.Lock()
 _state = {"depth": 0, "originals": {}}
@@ -159,8 +165,10 @@ def _config_loader(original):
 def run_program(argv: list[str]) -> None:
     """`ortmodule run PROGRAM [ARGS...]`: PROGRAM (an installed Python command such as `lm_eval` or
     `lighteval`, a Python file, or `-m MODULE`) run in this process, with ARGS as its command line and
-    the auto classes patched; its exit status is the command's."""
-    usage = "ortmodule run: error: name the program to run: an installed command, a Python file, or -m MODULE"
+    the auto classes patched; any other program (`accelerate`'s launcher, `torchrun`, a shell script) is
+    started as it is. Either way the Python processes it starts patch them too, once they import
+    transformers (autoload/sitecustomize.py, first on their PYTHONPATH). The exit status is the program's."""
+    usage = "ortmodule run: error: name the program to run: a command, a Python file, or -m MODULE"
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: ortmodule run PROGRAM [ARGS ...] | ortmodule run -m MODULE [ARGS ...]\n\n"
               + inspect.cleandoc(run_program.__doc__))
@@ -168,24 +176,31 @@ def run_program(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(usage)
     path = Path(argv[0])
+    found = [ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name == argv[0]]
     if argv[0] == "-m":
-        start, kind = argv[1], "module"
-    elif path.suffix == ".py" or path.is_file():
-        start, kind = str(path), "file"
+        kind = "module"
+    elif path.suffix == ".py":
+        if not path.is_file():
+            raise SystemExit(f"ortmodule run: error: no file {argv[0]}")
+        kind = "file"
+    elif found and "/" not in argv[0]:
+        kind = "command"
+    elif shutil.which(argv[0]) is None:
+        raise SystemExit(f"ortmodule run: error: {argv[0]!r} is no command of this environment, nor a Python file")
     else:
-        found = [ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name == argv[0]]
-        if not found:
-            raise SystemExit(f"ortmodule run: error: {argv[0]!r} is no installed Python command of this environment, "
-                             "nor a Python file (a program that is not Python cannot load ortmodule)")
-        start, kind = found[0], "command"
+        kind = "other"
+    os.environ["ORTMODULE_AUTO_CLASSES"] = "1"  # for the processes it starts
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(AUTOLOAD), *filter(None, [os.environ.get("PYTHONPATH")])])
+    if kind == "other":
+        raise SystemExit(subprocess.call(argv))
     enable_auto_classes()
     if kind == "module":
         sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(start, run_name="__main__", alter_sys=True)
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     elif kind == "file":
         sys.argv = list(argv)
         sys.path.insert(0, str(path.resolve().parent))
-        runpy.run_path(start, run_name="__main__")
+        runpy.run_path(str(path), run_name="__main__")
     else:
         sys.argv = list(argv)
-        sys.exit(start.load()())
+        sys.exit(found[0].load()())

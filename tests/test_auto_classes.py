@@ -213,10 +213,43 @@ def _first_eight(result, metric: str) -> float:
     return sum(s[name] for s in samples) / len(samples)
 
 
+def test_ortmodule_run_reaches_the_processes_a_program_starts(build, tmp_path):
+    """Python processes that a program run by `ortmodule run` starts (a shell's, a Python script's
+    subprocess) load packages by name too, once they import transformers; a sitecustomize of the user's on
+    PYTHONPATH still runs; without `ortmodule run` the same child gets transformers' own error."""
+    import os
+
+    fixture = build("llama")
+    reference = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        token = reference(torch.tensor([[5, 6, 7, 8, 9]])).logits[0, -1].argmax().item()
+    expected = ["OrtModelForCausalLM", str(token)]
+    child = tmp_path / "child.py"
+    child.write_text(SCRIPT)
+    arguments = [str(child), str(fixture.package_dir)]
+    (tmp_path / "parent.py").write_text(
+        f"import subprocess, sys\nsys.exit(subprocess.call([sys.executable, *{arguments!r}]))\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "sitecustomize.py").write_text("print('mine ran')\n")
+    env = {**os.environ, "PYTHONPATH": str(mine)}
+    shell = run("bash", "-c", f"{sys.executable} {child} {fixture.package_dir}", env=env)
+    assert shell.returncode == 0, shell.stderr[-2000:]
+    assert shell.stdout.split() == ["mine", "ran"] * 2 + expected  # at ortmodule's own start, then the child's
+    parent = run(str(tmp_path / "parent.py"))
+    assert parent.returncode == 0 and parent.stdout.split() == expected, parent.stderr[-2000:]
+    alone = subprocess.run([sys.executable, str(child), str(fixture.package_dir)], capture_output=True, text=True)
+    assert alone.returncode != 0 and "Unrecognized model" in alone.stderr
+    done = run("bash", "-c", "exit 3")
+    assert done.returncode == 3
+
+
 def test_ortmodule_run_names_what_it_cannot_start():
     done = run("--help")
     assert done.returncode == 0 and done.stdout.startswith("usage: ortmodule run PROGRAM")
     done = run()
     assert done.returncode != 0 and "name the program to run" in done.stderr
     done = run("no-such-command-here")
-    assert done.returncode != 0 and "'no-such-command-here' is no installed Python command" in done.stderr
+    assert done.returncode != 0 and "'no-such-command-here' is no command of this environment" in done.stderr
+    done = run("missing.py")
+    assert done.returncode != 0 and "no file missing.py" in done.stderr
