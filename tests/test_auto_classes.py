@@ -215,8 +215,9 @@ def _first_eight(result, metric: str) -> float:
 
 def test_ortmodule_run_reaches_the_processes_a_program_starts(build, tmp_path):
     """Python processes that a program run by `ortmodule run` starts (a shell's, a Python script's
-    subprocess) load packages by name too, once they import transformers; a sitecustomize of the user's on
-    PYTHONPATH still runs; without `ortmodule run` the same child gets transformers' own error."""
+    subprocess, `accelerate launch`'s worker) load packages by name too, once they import transformers;
+    a sitecustomize of the user's on PYTHONPATH still runs; without `ortmodule run` the same child gets
+    transformers' own error."""
     import os
 
     fixture = build("llama")
@@ -238,6 +239,9 @@ def test_ortmodule_run_reaches_the_processes_a_program_starts(build, tmp_path):
     assert shell.stdout.split() == ["mine", "ran"] * 2 + expected  # at ortmodule's own start, then the child's
     parent = run(str(tmp_path / "parent.py"))
     assert parent.returncode == 0 and parent.stdout.split() == expected, parent.stderr[-2000:]
+    launched = run("accelerate", "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision",
+                   "no", "--dynamo_backend", "no", str(child), str(fixture.package_dir))  # accelerate's worker
+    assert launched.returncode == 0 and launched.stdout.split()[-2:] == expected, launched.stderr[-2000:]
     alone = subprocess.run([sys.executable, str(child), str(fixture.package_dir)], capture_output=True, text=True)
     assert alone.returncode != 0 and "Unrecognized model" in alone.stderr
     done = run("bash", "-c", "exit 3")
