@@ -11,8 +11,9 @@ transformers' loading keywords mean what they mean to `OrtModelForCausalLM.from_
 it: not ortmodule's cache folder) and the fetching options find the package, `config` carries its
 `output_attentions` / `output_hidden_states`, and `generation_config` replaces the package's.
 
-The classes are patched in this process only (not in processes it starts, such as `accelerate launch`'s),
-and loads that ortmodule itself makes inside a patched call go to transformers' own methods.
+`auto_classes()` patches this process; `ortmodule run` reaches the Python processes a program starts too
+(`accelerate launch`'s workers: autoload/sitecustomize.py, first on their PYTHONPATH). Loads that
+ortmodule itself makes inside a patched call go to transformers' own methods.
 """
 
 from __future__ import annotations
