@@ -192,6 +192,8 @@ def test_lm_evals_sglang_generate_backend_scores_as_transformers(setup):
     ({"text": "x", "stream": True, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len",
      "in a stream are not supported"),
     ({"input_ids": [5, 600]}, "input_ids", "outside the vocabulary"),
+    ({"input_ids": [[5, 6], [7, 8]], "sampling_params": {"n": 600}}, "sampling_params.n",
+     "takes at most 1024 choices a request"),
     ({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len",
      "higher than the number of input tokens 2"),
     ({"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num", "between 0 and 20"),
