@@ -109,8 +109,9 @@ def _with_task_manager(factory, call, *args):
 def ortmodule(argv: list[str] | None = None) -> None:
     from . import __version__
 
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["run"]:  # the program's arguments are not ortmodule's
-        _run((sys.argv[1:] if argv is None else argv)[1:])
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["run"]:  # the program's arguments are not ortmodule's to parse
+        _run(given[1:])
         return
     parser = argparse.ArgumentParser(prog="ortmodule", description="ortmodule command line")
     parser.add_argument("--version", action="version", version=f"ortmodule {__version__}")

@@ -31,7 +31,7 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
     `fetching`: huggingface_hub's `token`, `local_files_only`, `proxies`, `force_download`."""
     local = Path(path)
     sub = (subfolder or "").strip("/")
-    if local.exists() or not isinstance(path, str) or not _REPO_ID.match(path):
+    if not _names_repository(path):
         return local / sub if sub else local
     if subfolder is None:
         sub = _only_package(path, revision, fetching)
@@ -53,7 +53,7 @@ def holds_package(path: str | Path, subfolder: str | None = None, revision: str 
     loading it names them). Never raises: a repository that cannot be listed is taken for no package."""
     local = Path(path)
     sub = (subfolder or "").strip("/")
-    if local.exists() or not isinstance(path, str) or not _REPO_ID.match(path):
+    if not _names_repository(path):
         root = local / sub if sub else local
         return (root / CONFIG).is_file() or (not sub and root.is_dir() and not (root / "config.json").is_file()
                                              and any(root.glob(f"*/{CONFIG}")))
@@ -75,7 +75,7 @@ def checkpoint(source: str | Path, revision: str | None = None, gguf_file: str |
     with `gguf_file` the local path of that GGUF file of the repository (or folder). A repository of
     GGUF files without `gguf_file` is a PackageError listing them."""
     local = Path(source)
-    if local.exists() or not isinstance(source, str) or not _REPO_ID.match(source):
+    if not _names_repository(source):
         return local / gguf_file if gguf_file else local
     if gguf_file is None:
         try:
@@ -95,6 +95,12 @@ def checkpoint(source: str | Path, revision: str | None = None, gguf_file: str |
     if gguf_file and not (snapshot / gguf_file).is_file():
         raise PackageError(f"{source} has no file {gguf_file}")
     return snapshot / gguf_file if gguf_file else snapshot
+
+
+def _names_repository(path) -> bool:
+    """A path that exists is a local folder, whatever it looks like; otherwise an `org/name` string is a
+    Hub repository id."""
+    return isinstance(path, str) and not Path(path).exists() and bool(_REPO_ID.match(path))
 
 
 def _only_package(repo: str, revision: str | None, fetching: dict) -> str:

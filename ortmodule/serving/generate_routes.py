@@ -38,7 +38,7 @@ def _per_prompt(value, count: int, name: str, default):
     if any(v != value[0] for v in value):
         raise ServingError(f"{name} differs between the prompts of one request; send those prompts as separate "
                            "requests", name)
-    return value[0] if value else default
+    return value[0]
 
 
 def _prompts(served: Served, body: GenerateRequest) -> tuple[list[list[int]], bool]:
@@ -191,36 +191,27 @@ def _logprobs(served: Served, how: dict, prompt: list[int], scores, outputs: lis
     `logprob_start_len` (its first entry's log-probability null, as SGLang's), each output token's; with
     `top_logprobs_num`, the most likely at each position (null at the prompt's first)."""
     start, top = how["start"], how["top"]
-    names = _namer(served, how["texts"])
-    entry = lambda token, value: [value, token, names(token)]  # noqa: E731
-    out: dict = {"input_token_logprobs": [], "output_token_logprobs": []}
-    if start >= 0:
-        values = [None] + (scores.token_logprobs if scores else [])
-        out["input_token_logprobs"] = [entry(t, None if k == start else values[k])
-                                       for k, t in enumerate(prompt) if k >= start]
-    out["output_token_logprobs"] = [entry(t, v) for t, v, _ in outputs]
-    out["output_token_logprobs_length"] = len(outputs)
+    positions = range(start, len(prompt)) if start >= 0 else range(0)  # the prompt's, from the start asked
+    values = [None] + (scores.token_logprobs if scores else [])
+    ranked = [[]] + (scores.top if scores else [])
+    tops = {k: ranked[k][:top] for k in positions if k > start} if top > 0 else {}
+    name = {}
+    if how["texts"] and served.tokenizer is not None:  # every token's text from one decode
+        seen = sorted({prompt[k] for k in positions} | {t for t, _, _ in outputs}
+                      | {t for pairs in tops.values() for t, _ in pairs}
+                      | ({t for _, _, pairs in outputs for t, _ in pairs[:top]} if top > 0 else set()))
+        name = dict(zip(seen, token_strings(served.tokenizer, seen)))
+    entry = lambda token, value: [value, token, name.get(token)]  # noqa: E731
+    out: dict = {"input_token_logprobs": [entry(prompt[k], None if k == start else values[k]) for k in positions],
+                 "output_token_logprobs": [entry(t, v) for t, v, _ in outputs],
+                 "output_token_logprobs_length": len(outputs)}
     if top > 0:
-        ranked = [None] + (scores.top if scores else [])
-        out["input_top_logprobs"] = [None if k == start else [entry(t, v) for t, v in ranked[k][:top]]
-                                     for k in range(len(prompt)) if start >= 0 and k >= start]
+        out["input_top_logprobs"] = [[entry(t, v) for t, v in tops[k]] if k in tops else None for k in positions]
         out["output_top_logprobs"] = [[entry(t, v) for t, v in pairs[:top]] for _, _, pairs in outputs]
     return out
 
 
-def _namer(served: Served, texts: bool):
-    if not texts or served.tokenizer is None:
-        return lambda token: None
-    cache: dict[int, str] = {}
-
-    def name(token: int) -> str:
-        if token not in cache:
-            cache[token] = token_strings(served.tokenizer, [token])[0]
-        return cache[token]
-    return name
-
-
-async def _events(served: Served, body: GenerateRequest, job: Generation):
+async def _events(served: Served, job: Generation):
     """SGLang's stream: after each piece of text, the output so far (`text`, `output_ids`, `meta_info`;
     `index` in a batch); the last event of each prompt with its finish reason; then `[DONE]`."""
     how, texts, ids, scored = job.answering, {}, {}, {}
@@ -266,5 +257,5 @@ def add_routes(app: FastAPI, served: Served) -> None:
     async def generate(body: GenerateRequest, request: Request):
         if body.stream:
             job = await start(served, generate_job, body)
-            return StreamingResponse(_events(served, body, job), media_type="text/event-stream")
+            return StreamingResponse(_events(served, job), media_type="text/event-stream")
         return await run(served, generate_job, body, request, respond)
