@@ -92,16 +92,15 @@ def auto_classes():
         disable_auto_classes()
 
 
-def package_folder(name, kwargs: dict) -> Path | None:
+def package_folder(name, kwargs: dict, config_only: bool = False) -> Path | None:
     """The local folder of the package that `name` with transformers' finding keywords `kwargs` names
-    (fetched from the Hub where it is a repository's), or None where it names no package."""
+    (fetched from the Hub where it is a repository's: with `config_only`, its JSON files alone where it
+    has a config.json), or None where it names no package."""
     if not isinstance(name, (str, Path)):
         return None
-    subfolder = kwargs.get("subfolder") or None
     fetching = {key: kwargs[key] for key in (*hf.FETCHING, "cache_dir") if kwargs.get(key) is not None}
-    if not hub.holds_package(name, subfolder, kwargs.get("revision"), **fetching):
-        return None
-    return hub.resolve(name, subfolder, kwargs.get("revision"), **fetching)
+    return hub.locate(name, kwargs.get("subfolder") or None, kwargs.get("revision"), config_only=config_only,
+                      **fetching)
 
 
 @contextlib.contextmanager
@@ -147,10 +146,13 @@ def _config_loader(original):
         if getattr(_inside, "active", False):
             return original(cls, pretrained_model_name_or_path, **kwargs)
         with _unpatched():
-            folder = package_folder(pretrained_model_name_or_path, kwargs)
+            # As transformers reads a config: config.json alone where the package keeps its checkpoint's
+            folder = package_folder(pretrained_model_name_or_path, kwargs, config_only=True)
             if folder is None:
                 return original(cls, pretrained_model_name_or_path, **kwargs)
-            config = hf.build_config(read_package(folder))
+            config = hf.checkpoint_config(folder)
+            if config is None:
+                config = hf.build_config(read_package(folder))
             unused = {}
             for key, value in kwargs.items():  # config fields, as transformers sets them from its keywords
                 if key in (*_FINDING, *_INTERNAL, "trust_remote_code", "return_unused_kwargs", "gguf_file"):

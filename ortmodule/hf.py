@@ -34,12 +34,9 @@ def load_tokenizer(path: str | Path, subfolder: str | None = None, revision: str
 
 def build_config(package: Package) -> PretrainedConfig:
     """The package's config.json when present, else a config built from what genai_config.json says."""
-    config_file = package.root / "config.json"
-    if config_file.is_file():
-        try:
-            return AutoConfig.from_pretrained(package.root, local_files_only=True)
-        except (ValueError, KeyError):  # a model type this transformers does not know
-            return PretrainedConfig.from_dict(json.loads(config_file.read_text()))
+    config = checkpoint_config(package.root)
+    if config is not None:
+        return config
     fields = dict(  # noqa: C408  transformers' config field names as keywords
         vocab_size=package.vocab_size,
         hidden_size=package.hidden_size,
@@ -58,6 +55,17 @@ def build_config(package: Package) -> PretrainedConfig:
         config = PretrainedConfig(**fields)
     config.name_or_path = str(package.root)
     return config
+
+
+def checkpoint_config(root: Path) -> PretrainedConfig | None:
+    """The config.json a package folder keeps of its checkpoint, read alone (None where it has none)."""
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        return AutoConfig.from_pretrained(root, local_files_only=True)
+    except (ValueError, KeyError):  # a model type this transformers does not know
+        return PretrainedConfig.from_dict(json.loads(config_file.read_text()))
 
 
 # genai_config.json's search fields that come from the checkpoint's generation config (four by the model

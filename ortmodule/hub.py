@@ -33,17 +33,46 @@ def resolve(path: str | Path, subfolder: str | None = None, revision: str | None
     sub = (subfolder or "").strip("/")
     if not _names_repository(path):
         return local / sub if sub else local
-    if subfolder is None:
-        sub = _only_package(path, revision, fetching)
-    patterns = [f"{sub}/*"] if sub else None
+    return _fetch(path, subfolder, revision, None, fetching)
+
+
+def locate(path: str | Path, subfolder: str | None = None, revision: str | None = None, *, config_only: bool = False,
+           **fetching) -> Path | None:
+    """`holds_package` and `resolve` in one, a repository listed once: the local folder of the package
+    at `path` and `subfolder`, or None where it holds none. `config_only` (a config is all that is
+    wanted): of a repository's package that has a config.json, its JSON files alone are fetched, not
+    its graphs and weights."""
+    if not _names_repository(path):
+        return resolve(path, subfolder) if holds_package(path, subfolder) else None
     try:
-        snapshot = Path(huggingface_hub.snapshot_download(path, revision=revision, allow_patterns=patterns, **fetching))
+        names = _files(path, revision, fetching)
+    except PackageError:
+        return None
+    if not _holds(names, (subfolder or "").strip("/")):
+        return None
+    return _fetch(path, subfolder, revision, names, fetching, config_only)
+
+
+def _fetch(repo: str, subfolder: str | None, revision: str | None, names: list[str] | None, fetching: dict,
+           config_only: bool = False) -> Path:
+    """The package's folder in the repository's snapshot, its files fetched (`names`: the repository's,
+    where already listed)."""
+    sub = (subfolder or "").strip("/")
+    if subfolder is None:
+        sub = _only_package(repo, revision, fetching, names)
+    prefix = f"{sub}/" if sub else ""
+    if config_only and names is not None and f"{prefix}config.json" in names:
+        patterns = [f"{prefix}*.json"]
+    else:
+        patterns = [f"{sub}/*"] if sub else None
+    try:
+        snapshot = Path(huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=patterns, **fetching))
     except Exception as e:  # noqa: BLE001  huggingface_hub's errors: not found, offline and not cached, network
-        raise PackageError(f"package folder not found: {path}, and as a Hugging Face Hub repository it could not be "
+        raise PackageError(f"package folder not found: {repo}, and as a Hugging Face Hub repository it could not be "
                            f"fetched ({_why(e)})") from None
     if sub and not (snapshot / sub).is_dir():
-        folders = _package_folders(_files(path, revision, fetching))
-        raise PackageError(f"{path} has no folder '{sub}'; its GenAI packages: {', '.join(folders) or 'none'}")
+        folders = _package_folders(names if names is not None else _files(repo, revision, fetching))
+        raise PackageError(f"{repo} has no folder '{sub}'; its GenAI packages: {', '.join(folders) or 'none'}")
     return snapshot / sub if sub else snapshot
 
 
@@ -61,6 +90,11 @@ def holds_package(path: str | Path, subfolder: str | None = None, revision: str 
         names = _files(path, revision, fetching)
     except PackageError:
         return False
+    return _holds(names, sub)
+
+
+def _holds(names: list[str], sub: str) -> bool:
+    """Whether a repository of files `names` holds a package at `sub` (at its root: '')."""
     folders = _package_folders(names)
     return (sub or ".") in folders or (not sub and bool(folders) and "config.json" not in names)
 
@@ -103,10 +137,10 @@ def _names_repository(path) -> bool:
     return isinstance(path, str) and not Path(path).exists() and bool(_REPO_ID.match(path))
 
 
-def _only_package(repo: str, revision: str | None, fetching: dict) -> str:
+def _only_package(repo: str, revision: str | None, fetching: dict, names: list[str] | None = None) -> str:
     """The subfolder of the repository's one package ('' at its root); a PackageError naming them where
-    it holds several, or none."""
-    names = _files(repo, revision, fetching)
+    it holds several, or none. `names`: the repository's files, where already listed."""
+    names = names if names is not None else _files(repo, revision, fetching)
     folders = _package_folders(names)
     if "." in folders:
         return ""

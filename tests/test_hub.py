@@ -15,7 +15,7 @@ from helpers import load_pair
 from lm_eval.api.instance import Instance
 
 import ortmodule
-from ortmodule import OrtModelForCausalLM, PackageError
+from ortmodule import OrtModelForCausalLM, PackageError, hub
 from ortmodule.lm_eval import OrtModuleLM
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -51,6 +51,10 @@ def hub_cache(build, tmp_path_factory):
         (ggufs / name).write_bytes(b"not a GGUF file: " + name.encode())
     cached_repo(cache, "ortmodule-test/model-GGUF", {"": ggufs})
     other, graphs = tmp_path_factory.mktemp("onnx-community"), tmp_path_factory.mktemp("onnx")
+    with_config = tmp_path_factory.mktemp("with-config")  # a package that keeps its checkpoint's config.json
+    for entry in [*fixture.package_dir.iterdir(), fixture.hf_dir / "config.json"]:
+        shutil.copy(entry, with_config / entry.name)
+    cached_repo(cache, "ortmodule-test/with-config", {"": with_config})
     shutil.copy(fixture.hf_dir / "config.json", other / "config.json")  # transformers.js's layout
     (graphs / "model.onnx").write_bytes(b"an ONNX graph")
     cached_repo(cache, "ortmodule-test/other-onnx", {"": other, "onnx": graphs})
@@ -117,6 +121,43 @@ def test_the_auto_classes_load_a_repositorys_package_and_leave_its_checkpoint(of
         assert type(checkpoint) is type(hf)
         with pytest.raises(OSError, match="does not appear to have"):  # transformers' own: no weights beside config
             AutoModelForCausalLM.from_pretrained("ortmodule-test/other-onnx")
+
+
+def test_a_repositorys_config_is_fetched_alone_and_the_repository_listed_once(offline, monkeypatch):
+    """Under the auto classes, `AutoConfig.from_pretrained(org/name)` of a package that keeps its
+    checkpoint's config.json fetches the package's JSON files alone (as transformers fetches config.json
+    alone), not its graphs and weights; a package without one is fetched whole, its config built from
+    it. Every load lists the repository once."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fetched, listed = [], []
+    download, files = huggingface_hub.snapshot_download, hub._files
+
+    def recording_download(repo, **kwargs):
+        if not kwargs.get("local_files_only"):  # the offline listing's own reads of the cache aside
+            fetched.append((repo, kwargs.get("allow_patterns")))
+        return download(repo, **kwargs)
+
+    def recording_files(repo, revision, fetching):
+        listed.append(repo)
+        return files(repo, revision, fetching)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording_download)
+    monkeypatch.setattr(hub, "_files", recording_files)
+    reference = AutoConfig.from_pretrained(offline.hf_dir).to_dict()  # transformers on the checkpoint
+    with ortmodule.auto_classes():
+        config = AutoConfig.from_pretrained("ortmodule-test/with-config")
+        assert (fetched, listed) == ([("ortmodule-test/with-config", ["*.json"])], ["ortmodule-test/with-config"])
+        model = AutoModelForCausalLM.from_pretrained("ortmodule-test/with-config")
+        assert fetched[1:] == [("ortmodule-test/with-config", None)] and len(listed) == 2
+        fetched.clear(), listed.clear()
+        built = AutoConfig.from_pretrained("ortmodule-test/two-packages", subfolder="cpu/fp32")  # no config.json
+        assert (fetched, listed) == ([("ortmodule-test/two-packages", ["cpu/fp32/*"])], ["ortmodule-test/two-packages"])
+    ignored = {"name_or_path", "_name_or_path", "transformers_version", "dtype", "torch_dtype"}
+    assert {k: v for k, v in config.to_dict().items() if k not in ignored} == \
+        {k: v for k, v in reference.items() if k not in ignored}
+    assert config.to_dict() == model.config.to_dict()
+    assert built.num_hidden_layers == reference["num_hidden_layers"] and built.vocab_size == reference["vocab_size"]
 
 
 def test_lm_eval_takes_a_repository_and_its_subfolder(offline):

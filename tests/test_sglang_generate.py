@@ -180,6 +180,36 @@ def test_lm_evals_sglang_generate_backend_scores_as_transformers(setup):
         assert text == expected_text(tokenizer, hf_greedy(hf, tokenizer(context).input_ids, 8), ("\n",))[0]
 
 
+def test_each_prompt_of_a_batch_gets_its_own_room(setup):
+    """SGLang cuts each request's `max_new_tokens` to what the context leaves after its own prompt (less
+    one): in a batch, a prompt near the context gets fewer tokens and a short one all it asked for (not
+    the long one's). A prompt that leaves no room beside others that have some is refused by name;
+    alone it gets none."""
+    live, model, hf, tokenizer, _ = setup
+    context = model.package.context_length
+    long = [5 + (7 * i) % 400 for i in range(context - 6)]  # room for 5 new tokens
+    short = tokenizer("The capital of France is").input_ids
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    answers = live.client.post("/generate", json={"input_ids": [long, short], "sampling_params": params}).json()
+    assert [a["output_ids"] for a in answers] == [hf_greedy(hf, long, 5), hf_greedy(hf, short, 10)]
+    assert [a["meta_info"]["finish_reason"] for a in answers] == [{"type": "length", "length": 5},
+                                                                  {"type": "length", "length": 10}]
+    streamed = live.client.post("/generate", json={"input_ids": [long, short], "sampling_params": params,
+                                                   "stream": True})
+    last = {}
+    for line in streamed.text.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            last[event["index"]] = event["output_ids"]
+    assert last == {0: answers[0]["output_ids"], 1: answers[1]["output_ids"]}
+    full = long + [9] * 5  # context - 1 tokens: no room
+    refused = live.client.post("/generate", json={"input_ids": [full, short], "sampling_params": params})
+    assert refused.status_code == 400 and "prompt 0 has" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "sampling_params.max_new_tokens"
+    alone = live.client.post("/generate", json={"input_ids": full, "sampling_params": params}).json()
+    assert alone["output_ids"] == [] and alone["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"sampling_params": {"max_new_tokens": 4}}, "text", "send the prompt as text or as input_ids"),
     ({"text": "x", "input_ids": [5]}, "text", "one of them"),

@@ -8,6 +8,7 @@ and checks, the same answers as `/v1/completions` with the same settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -103,6 +104,7 @@ def generate_job(served: Served, body: GenerateRequest, loop):
         job = completion_job(served, completion, loop)
     except ServingError as e:  # named as SGLang's fields are
         raise _in_sglangs_terms(e, "text" if body.text is not None else "input_ids") from None
+    _own_limits(served, job, params.max_new_tokens)
     job.answering = dict(batch=batch or params.n > 1, logprobs=logprobs, start=start_at, top=top, n=params.n,
                       texts=body.return_text_in_logprobs, rid=body.rid, begun=time.perf_counter())
     return job
@@ -131,13 +133,42 @@ def _in_sglangs_terms(error: ServingError, prompt_field: str) -> ServingError:
     return ServingError(message, param, error.status, error.code)
 
 
+def _room(served: Served, prompt: list[int]) -> int:
+    """The new tokens SGLang lets a prompt have: what the context leaves after it, less one."""
+    return max(0, served.context - len(prompt) - 1)
+
+
 def _clipped(served: Served, completion: CompletionRequest) -> CompletionRequest:
-    """SGLang's `max_new_tokens` cut to what the context leaves after the longest prompt (less one, as
-    SGLang keeps it), where it would not fit."""
-    room = max(0, served.context - max(map(len, completion.prompt), default=0) - 1)
+    """SGLang's `max_new_tokens` cut to the longest prompt's room, where it would not fit (the job's
+    limit, which the completion's checks take; each shorter prompt's own is set by `_own_limits`). A
+    batch in which one prompt fills the context and another has room is refused: SGLang would give the
+    one no token and the others theirs, which one job cannot."""
+    rooms = [_room(served, prompt) for prompt in completion.prompt]
+    room = min(rooms, default=0)
     if completion.max_tokens > room:
+        if room == 0 and completion.max_tokens > 0 and max(rooms) > 0:
+            full = rooms.index(0)
+            raise ServingError(f"prompt {full} has {len(completion.prompt[full])} tokens and leaves no room for new "
+                               f"tokens in the model's context of {served.context}; send it as a request of its own",
+                               "sampling_params.max_new_tokens")
         return completion.model_copy(update={"max_tokens": room, "echo": completion.echo or room == 0})
     return completion
+
+
+def _own_limits(served: Served, job, wanted: int) -> None:
+    """Each prompt's `max_new_tokens` cut to its own room, as SGLang cuts each request's: the job's
+    limit is the longest prompt's (`_clipped`), which a shorter prompt's rows go past."""
+    if not isinstance(job, Generation) or job.sampling.max_tokens >= wanted:
+        return
+    for row in job.rows:
+        limit = min(wanted, _room(served, row.prompt))
+        if limit > row.sampling.max_tokens:
+            row.sampling = dataclasses.replace(row.sampling, max_tokens=limit)
+    if job.sampling.logprobs is not None:  # the completion's check counted the job's limit: again, with the rows'
+        per_token = 1 + job.sampling.logprobs
+        echoed = sum(len(row.prompt) for row in job.rows) if job.prompt_top is not None else 0
+        served.check_values((sum(row.sampling.max_tokens for row in job.rows) + echoed) * per_token,
+                            "the log-probabilities asked for", "top_logprobs_num")
 
 
 def respond(served: Served, body: GenerateRequest, job, result):
