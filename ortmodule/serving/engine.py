@@ -33,7 +33,7 @@ import torch
 from ..inputs import eos_token_ids
 from .errors import ServingError, busy
 from .generations import Generations
-from .jobs import Job, OneShot
+from .jobs import FlushCache, Job, OneShot
 from .settings import Settings
 
 log = logging.getLogger("ortmodule.serving")
@@ -251,7 +251,12 @@ class Engine:
             return
         for job in jobs:
             job.arrived = self.steps
-            if isinstance(job, OneShot):
+            if isinstance(job, FlushCache):
+                idle = not (self.oneshots or self.started or self.generations.busy)
+                if idle:
+                    self.generations.prefixes.clear()
+                job.resolve(idle)
+            elif isinstance(job, OneShot):
                 self.oneshots.append(job)
             else:
                 self.generations.add(job)

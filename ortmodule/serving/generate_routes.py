@@ -24,9 +24,18 @@ from .text import token_strings
 
 # SGLang's fields this server does not carry out: any value but a neutral one (absent, null, false, empty) is a 400.
 NEUTRAL = ("input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob", "return_hidden_states",
-           "lora_path", "custom_logit_processor", "session_params", "modalities")
+           "lora_path", "custom_logit_processor", "session_params", "modalities", "mm_hashes", "mm_content_hashes",
+           "use_audio_in_video", "video_config", "watermark", "return_sampling_mask", "sampling_logprobs_mode",
+           "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+           "return_routed_experts", "routed_experts_start_len", "return_indexer_topk", "lora_id",
+           "positional_embed_overrides", "background", "require_reasoning", "max_thinking_tokens", "return_bytes",
+           "return_entropy", "return_prompt_token_ids", "need_wait_for_mm_inputs", "num_items_assigned",
+           "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+           "video_max_dynamic_patch", "images_config", "mm_processor_kwargs", "multi_item_delimiter_indices",
+           "token_indices_to_pool")
 SAMPLING_NEUTRAL = {"regex": None, "json_schema": None, "ebnf": None, "structural_tag": None, "custom_params": None,
-                    "spaces_between_special_tokens": True}
+                    "spaces_between_special_tokens": True, "stop_regex": None, "beam_width": None, "watermark": None,
+                    "ebnf_full_assistant": False}
 
 
 def _per_prompt(value, count: int, name: str, default):

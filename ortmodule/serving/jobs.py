@@ -75,6 +75,17 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_result(result)
 
 
+class FlushCache(Job):
+    """SGLang's `/flush_cache`: the prefix cache emptied on the model's thread, where it is used, if
+    nothing runs or waits there (SGLang's rule); resolves with whether it was emptied (engine.py)."""
+
+    kind = "flush_cache"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__([], loop)
+        self.waiting = False  # not a request counted against the queue's limit
+
+
 class OneShot(Job):
     """Work done in one model call per batch. `start_together(model, jobs)` queues the work of
     several jobs of one class and returns `finish`, which returns each job's result: on CUDA the

@@ -215,6 +215,10 @@ class SGLangSamplingParams(BaseModel):
     ebnf: Text | None = None
     structural_tag: Text | None = None
     custom_params: dict[str, Any] | None = None
+    stop_regex: Any = None
+    beam_width: Any = None
+    watermark: Any = None
+    ebnf_full_assistant: Any = False
 
 
 class GenerateRequest(BaseModel):
@@ -234,10 +238,28 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: StrictBool = False
     stream: StrictBool = False
     rid: Text | list[Text] | None = None
-    # scheduling and bookkeeping, without effect on the output here
+    # scheduling, routing, caching and bookkeeping, without effect on the output here
     log_metrics: StrictBool = True
     priority: StrictInt | None = None
     data_parallel_rank: StrictInt | None = None
+    routed_dp_rank: StrictInt | None = None
+    disagg_prefill_dp_rank: StrictInt | None = None
+    session_id: Text | None = None
+    routing_key: Text | None = None
+    conversation_id: Text | None = None
+    extra_key: Any = None
+    cache_salt: Any = None
+    kv_hints: Any = None
+    no_logs: StrictBool = False
+    custom_labels: dict[str, Any] | None = None
+    external_trace_header: dict[str, Any] | None = None
+    received_time: StrictFloat | StrictInt | None = None
+    http_worker_ipc: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
     # taken at their neutral values only
     input_embeds: list[Any] | None = None
     image_data: Any = None
@@ -249,3 +271,35 @@ class GenerateRequest(BaseModel):
     custom_logit_processor: Any = None
     session_params: dict[str, Any] | None = None
     modalities: list[Any] | None = None
+    mm_hashes: Any = None
+    mm_content_hashes: Any = None
+    use_audio_in_video: Any = False
+    video_config: Any = None
+    watermark: Any = None
+    return_sampling_mask: Any = None
+    sampling_logprobs_mode: Any = None
+    return_flat_raw_top_logprobs: Any = False
+    return_flat_raw_output_top_logprobs: Any = False
+    return_flat_raw_top_logprobs_b64: Any = False
+    return_routed_experts: Any = False
+    routed_experts_start_len: Any = 0
+    return_indexer_topk: Any = False
+    lora_id: Any = None
+    positional_embed_overrides: Any = None
+    background: Any = False
+    require_reasoning: Any = False
+    max_thinking_tokens: Any = None
+    return_bytes: Any = False
+    return_entropy: Any = False
+    return_prompt_token_ids: Any = False
+    need_wait_for_mm_inputs: Any = None
+    num_items_assigned: Any = None
+    encoder_urls: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    image_max_dynamic_patch: Any = None
+    video_max_dynamic_patch: Any = None
+    images_config: Any = None
+    mm_processor_kwargs: Any = None
+    multi_item_delimiter_indices: Any = None
+    token_indices_to_pool: Any = None
