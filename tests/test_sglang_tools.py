@@ -44,9 +44,10 @@ def test_the_frontend_languages_gen_and_select(openai_live):
     (the mean of the non-null log-probabilities) computed from the answer is transformers'."""
     live, _, hf, tokenizer, _ = openai_live
     text = "The capital of France is"
-    params = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 8, "stop": [],
-              "stop_token_ids": [], "temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-              "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": False, "regex": None}
+    params = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 8,
+              "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [], "temperature": 0,
+              "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+              "ignore_eos": False, "regex": None, "json_schema": None}
     body = live.client.post("/generate", json={"text": text, "sampling_params": params}).json()
     assert body["text"] == expected_text(tokenizer, hf_greedy(hf, tokenizer(text).input_ids, 8))[0]
     cached = live.client.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 0}}).json()

@@ -79,7 +79,7 @@ def generate_job(served: Served, body: GenerateRequest, loop):
         raise ServingError(f"rid has {len(body.rid)} entries for {count} prompts", "rid")
     params: SGLangSamplingParams = _per_prompt(body.sampling_params, count, "sampling_params", SGLangSamplingParams())
     for name, neutral in SAMPLING_NEUTRAL.items():
-        if getattr(params, name) != neutral:
+        if getattr(params, name) not in (neutral, None, [], {}):  # the frontend language sends `stop_regex: []`
             raise ServingError(f"sampling_params.{name} is not supported by this server (its output is not "
                                "constrained); leave it out", f"sampling_params.{name}")
     if params.top_k == 0:
