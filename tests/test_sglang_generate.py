@@ -217,6 +217,7 @@ def test_each_prompt_of_a_batch_gets_its_own_room(setup):
     ({"text": "x", "sampling_params": {"top_k": 0}}, "sampling_params.top_k", "top_k must be -1"),
     ({"text": "x", "sampling_params": {"max_new_token": 4}}, None, "max_new_token"),
     ({"text": "x", "image_data": "http://x/y.png"}, "image_data", "image_data is not supported"),
+    ({"text": "x", "cache_salt": "tenant-a"}, "cache_salt", "cache_salt is not supported"),
     ({"text": ["x", "y"], "sampling_params": [{"temperature": 0}, {"temperature": 1}]}, "sampling_params",
      "differs between the prompts"),
     ({"text": "x", "stream": True, "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len",

@@ -32,7 +32,7 @@ NEUTRAL = ("input_embeds", "image_data", "video_data", "audio_data", "token_ids_
            "return_entropy", "return_prompt_token_ids", "need_wait_for_mm_inputs", "num_items_assigned",
            "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
            "video_max_dynamic_patch", "images_config", "mm_processor_kwargs", "multi_item_delimiter_indices",
-           "token_indices_to_pool")
+           "token_indices_to_pool", "cache_salt", "extra_key")
 SAMPLING_NEUTRAL = {"regex": None, "json_schema": None, "ebnf": None, "structural_tag": None, "custom_params": None,
                     "spaces_between_special_tokens": True, "stop_regex": None, "beam_width": None, "watermark": None,
                     "ebnf_full_assistant": False}

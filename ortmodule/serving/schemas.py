@@ -247,8 +247,6 @@ class GenerateRequest(BaseModel):
     session_id: Text | None = None
     routing_key: Text | None = None
     conversation_id: Text | None = None
-    extra_key: Any = None
-    cache_salt: Any = None
     kv_hints: Any = None
     no_logs: StrictBool = False
     custom_labels: dict[str, Any] | None = None
@@ -303,3 +301,5 @@ class GenerateRequest(BaseModel):
     mm_processor_kwargs: Any = None
     multi_item_delimiter_indices: Any = None
     token_indices_to_pool: Any = None
+    cache_salt: Any = None  # a prefix-cache namespace: refused, this server's prefix cache has one
+    extra_key: Any = None
