@@ -90,7 +90,8 @@ def test_model_info_server_info_ready_and_health(openai_live):
 def test_flush_cache_empties_the_prefix_cache_when_idle(openai_live):
     """`/flush_cache` (GET or POST) empties the prefix cache; the prompt sent again runs whole, with
     the same answer. While a generation runs it is refused (SGLang's rule), and with `timeout` it
-    waits for the engine to be idle."""
+    waits for the engine to be idle. `meta_info.cached_tokens` counts the prompt's tokens taken from the
+    cache, as SGLang's does."""
     _, model, hf, tokenizer, _ = openai_live
     live = LiveServer(create_app(model, tokenizer, name=OPENAI_NAME, window_ms=0))
     try:
@@ -104,12 +105,18 @@ def test_flush_cache_empties_the_prefix_cache_when_idle(openai_live):
         def cache():
             return live.client.get("/metrics").json()["prefix_cache"]
 
-        assert generate()["output_ids"] == expected and cache()["entries"] == 1
-        assert generate()["output_ids"] == expected and cache()["hits"] == 1
+        first = generate()
+        assert first["output_ids"] == expected and cache()["entries"] == 1
+        assert first["meta_info"]["cached_tokens"] == 0
+        again = generate()  # starts past the cached prompt (all of it but its last token)
+        assert again["output_ids"] == expected and cache()["hits"] == 1
+        assert again["meta_info"]["cached_tokens"] == cache()["reused_tokens"] == len(prompt) - 1
         flushed = live.client.post("/flush_cache")
         assert flushed.status_code == 200 and flushed.text == "Cache flushed.\n"
         assert cache()["entries"] == 0 and live.client.get("/flush_cache").status_code == 200
-        assert generate()["output_ids"] == expected and cache()["hits"] == 1  # ran whole, not reused
+        after = generate()
+        assert after["output_ids"] == expected and after["meta_info"]["cached_tokens"] == 0
+        assert cache()["hits"] == 1  # ran whole, not reused
 
         started, release, _ = hold_worker(live.app.state.served)
         running = threading.Thread(target=generate, args=(60, prompt[::-1]))  # not cached: it is prefilled

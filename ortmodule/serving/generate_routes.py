@@ -192,8 +192,8 @@ def _answer(served: Served, job, result, i: int) -> dict:
     tokens = list(row.tokens) if row else []
     prompt = job.prompts[i]
     meta = {"id": _rid(how["rid"], i // how["n"], i % how["n"], how["n"]), "finish_reason": _finish(row),
-            "prompt_tokens": len(prompt), "completion_tokens": len(tokens), "cached_tokens": 0,
-            "e2e_latency": time.perf_counter() - how["begun"]}
+            "prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+            "cached_tokens": row.cached_prefix if row else 0, "e2e_latency": time.perf_counter() - how["begun"]}
     if how["logprobs"]:
         meta.update(_logprobs(served, how, prompt, scores, _scored(row)))
     return {"text": row.text.text if row else "", "output_ids": tokens, "meta_info": meta}
@@ -281,7 +281,7 @@ def _event(served: Served, how: dict, job: Generation, index: int, text: str, to
     """One event of the stream: prompt `index`'s output so far (`row`: its last, finished)."""
     meta = {"id": _rid(how["rid"], index // how["n"], index % how["n"], how["n"]),
             "finish_reason": _finish(row) if row is not None else None, "prompt_tokens": len(job.prompts[index]),
-            "completion_tokens": len(tokens), "cached_tokens": 0}
+            "completion_tokens": len(tokens), "cached_tokens": job.rows[index].cached_prefix}
     if row is not None:
         meta["e2e_latency"] = time.perf_counter() - how["begun"]
     if how["logprobs"]:  # the output's so far (a stream takes no prompt's: `generate_job`)

@@ -236,7 +236,7 @@ class Generations:
                 cache = self.model.decoder.new_cache(1, len(long.prompt) + 1)
                 entry, shared = self._hit(long)
                 if self._worth_starting_past(long):
-                    self._used_prefix(shared)
+                    self._used_prefix(long, shared)
                     long.prefilled = shared
                     put_row(cache, 0, entry.keys, entry.values, shared, entry.states)
                     cache.longest = cache.seen = shared
@@ -278,7 +278,8 @@ class Generations:
         shared = self._hit(row)[1]
         return shared >= BLOCK and 2 * shared >= len(row.prompt)
 
-    def _used_prefix(self, shared: int) -> None:
+    def _used_prefix(self, row: Row, shared: int) -> None:
+        row.cached_prefix = shared  # SGLang's `cached_tokens`
         if shared:
             self.prefixes.hits += 1
             self.prefixes.reused += shared
@@ -296,7 +297,7 @@ class Generations:
             if row.media is None and len(row.prompt) - shared <= self.feed_tokens:
                 self.pending.remove(row)
                 self._starting(row)
-                self._used_prefix(shared)
+                self._used_prefix(row, shared)
                 self.batch.join_prefix(row, entry, shared)
 
     def _starting(self, row: Row) -> None:

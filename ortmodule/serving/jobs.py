@@ -324,6 +324,7 @@ class Row:
     prefilled: int = 0  # prompt tokens in its cache (run in chunks, one per decode step, or cached)
     generator: torch.Generator | None = None
     prefix: tuple | None = None  # the cached prefix found for its prompt: (entry or None, tokens shared)
+    cached_prefix: int = 0  # of its prompt's tokens, those taken from the prefix cache (not run)
     media: object = None  # the prompt's images (serving/images.py's Media): it is prefilled alone, whole
     copy: int = 0  # which of the request's `n` choices of its prompt: a seeded row draws with seed + copy
     sent: int = 0  # tokens a stream has carried
