@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 from importlib import metadata
 
@@ -16,6 +17,22 @@ CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnn
 # The distributions whose versions change what runs, in the order reported.
 DISTRIBUTIONS = ("ortmodule", "torch", "onnxruntime-gpu", "onnxruntime", "onnxruntime-genai-cuda", "onnxruntime-genai",
                  "transformers", "tokenizers", "lm_eval", "accelerate", "onnx", "onnx-ir", "fastapi", "uvicorn")
+# The oldest transformers ortmodule runs on (pyproject.toml's floor): its generate, cache and multimodal
+# inputs are transformers' own internals, whose forms changed within 5.x (the suite, session 80: 5.18
+# to 5.22 fail multimodal generate; 4.57 and 5.0 fail generate itself).
+TRANSFORMERS_FLOOR = (5, 23)
+
+
+def too_old_transformers(version: str | None = None) -> str | None:
+    """What is wrong where the installed transformers (or `version`) is older than TRANSFORMERS_FLOOR,
+    with its fix; None where it is new enough."""
+    version = metadata.version("transformers") if version is None else version
+    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if numbers >= TRANSFORMERS_FLOOR:
+        return None
+    floor = ".".join(map(str, TRANSFORMERS_FLOOR))
+    return (f"transformers {version} is older than ortmodule needs (>= {floor}: its generate, cache and "
+            f"multimodal inputs changed within 5.x). Fix: pip install -U 'transformers>={floor}'")
 
 
 def versions() -> dict[str, str | None]:
@@ -58,7 +75,8 @@ def problems(installed: dict[str, str | None] | None = None, providers: list[str
     """What in this environment is known to break ortmodule, each with its fix: the CPU and GPU builds
     of ONNX Runtime (or of onnxruntime-genai) installed together, which write the same files (the one
     installed last wins, or a mix of both's files fails at import); a CUDA device torch sees that
-    this ONNX Runtime build cannot run on. Arguments left None are read from this environment."""
+    this ONNX Runtime build cannot run on; a transformers older than TRANSFORMERS_FLOOR. Arguments left
+    None are read from this environment."""
     installed = versions() if installed is None else installed
     if providers is None:
         import onnxruntime as ort
@@ -69,6 +87,8 @@ def problems(installed: dict[str, str | None] | None = None, providers: list[str
 
         torch_cuda = torch.cuda.is_available()
     found = []
+    if installed.get("transformers") and (old := too_old_transformers(installed["transformers"])):
+        found.append(old)
     for gpu, cpu in (("onnxruntime-gpu", "onnxruntime"), ("onnxruntime-genai-cuda", "onnxruntime-genai")):
         if installed.get(gpu) and installed.get(cpu):
             found.append(f"{cpu} {installed[cpu]} and {gpu} {installed[gpu]} are both installed: they write the same "

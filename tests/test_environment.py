@@ -1,8 +1,10 @@
 """`ortmodule env` and `ortmodule --version`: what a bug report needs, read from this environment."""
 
+import re
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import onnxruntime as ort
 import pytest
@@ -83,3 +85,24 @@ def test_info_describes_a_package_as_transformers_sees_its_checkpoint(build):
     bad = subprocess.run([sys.executable, "-m", "ortmodule", "info", str(fixture.hf_dir)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "genai_config.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_transformers_older_than_the_floor_is_named_at_import():
+    """transformers before 5.23 (the suite fails there: generate on 4.57 and 5.0, multimodal generate on
+    5.18 to 5.22) is refused when ortmodule is imported, and by `ortmodule env`, with the fix; the floor
+    is the one pyproject.toml declares, so pip and the check agree."""
+    floor = re.search(r'"transformers>=([\d.]+)"', (Path(__file__).parents[1] / "pyproject.toml").read_text())[1]
+    assert tuple(int(part) for part in floor.split(".")) == environment.TRANSFORMERS_FLOOR
+    for old in ("4.57.6", "5.0.0", "5.22.2"):
+        message = environment.too_old_transformers(old)
+        assert f"transformers {old} is older than ortmodule needs (>= {floor}" in message
+        assert f"pip install -U 'transformers>={floor}'" in message
+    for new in (floor, f"{floor}.1", "5.24.0", "6.0.0.dev0", metadata.version("transformers")):
+        assert environment.too_old_transformers(new) is None
+    found = environment.problems({"transformers": "5.0.0", "onnxruntime-gpu": "1.23.0"}, ["CPUExecutionProvider"],
+                                 torch_cuda=False)
+    assert len(found) == 1 and found[0].startswith("transformers 5.0.0 is older")
+    fake = ("import importlib.metadata as m; real = m.version; "
+            "m.version = lambda name: '5.0.0' if name == 'transformers' else real(name); import ortmodule")
+    run = subprocess.run([sys.executable, "-c", fake], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "ImportError: transformers 5.0.0 is older than ortmodule needs" in run.stderr
