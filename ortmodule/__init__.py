@@ -1,9 +1,9 @@
 """ortmodule: Hugging Face-style causal LMs over ONNX GenAI packages, zero-copy through DLPack."""
 
-from .environment import too_old_transformers
+from .environment import too_old_dependencies
 
-if (_too_old := too_old_transformers()) is not None:  # said here, not as a failure deep in generate
-    raise ImportError(_too_old)
+if _too_old := too_old_dependencies():  # said here, not as a failure deep in generate or a graph rewrite
+    raise ImportError("; ".join(_too_old))
 from .auto import auto_classes, disable_auto_classes, enable_auto_classes
 from .exporter import ExportError, export
 from .hf import load_tokenizer

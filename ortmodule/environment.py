@@ -17,22 +17,40 @@ CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnn
 # The distributions whose versions change what runs, in the order reported.
 DISTRIBUTIONS = ("ortmodule", "torch", "onnxruntime-gpu", "onnxruntime", "onnxruntime-genai-cuda", "onnxruntime-genai",
                  "transformers", "tokenizers", "lm_eval", "accelerate", "onnx", "onnx-ir", "fastapi", "uvicorn")
-# The oldest transformers ortmodule runs on (pyproject.toml's floor): its generate, cache and multimodal
-# inputs are transformers' own internals, whose forms changed within 5.x (the suite, session 80: 5.18
-# to 5.22 fail multimodal generate; 4.57 and 5.0 fail generate itself).
-TRANSFORMERS_FLOOR = (5, 23)
+# The oldest release of each dependency ortmodule runs on, with what breaks below it: pyproject.toml
+# declares the same floors (a test compares them). The suite was run on each (docs/reliability.md
+# "Older dependencies"), except torch's, transformers' own.
+FLOORS = {
+    "transformers": ((5, 23), "its generate, cache and multimodal inputs changed within 5.x"),
+    "torch": ((2, 6), "transformers 5 turns PyTorch off below 2.6"),
+    "onnx-ir": ((0, 1, 12), "the graph rewrites use Value.replace_all_uses_with"),
+    # Before 1.31 the fp32 path of 4-bit prefills (nbits.FORCE_FP32) is silently the int8 one, and the
+    # model builder's packages (GroupQueryAttention's 12 inputs, LFM2's state_window) fail to load.
+    "onnxruntime-gpu": ((1, 31), "4-bit prefills' fp32 path, the model builder's newest operators"),
+}
 
 
-def too_old_transformers(version: str | None = None) -> str | None:
-    """What is wrong where the installed transformers (or `version`) is older than TRANSFORMERS_FLOOR,
-    with its fix; None where it is new enough."""
-    version = metadata.version("transformers") if version is None else version
-    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    if numbers >= TRANSFORMERS_FLOOR:
+def too_old(name: str, version: str | None = None) -> str | None:
+    """What is wrong where the installed `name` (or `version`) is older than its FLOORS entry, with the
+    fix; None where it is new enough or not installed."""
+    if version is None:
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+    floor, why = FLOORS[name]
+    if tuple(int(part) for part in re.findall(r"\d+", version)[:len(floor)]) >= floor:
         return None
-    floor = ".".join(map(str, TRANSFORMERS_FLOOR))
-    return (f"transformers {version} is older than ortmodule needs (>= {floor}: its generate, cache and "
-            f"multimodal inputs changed within 5.x). Fix: pip install -U 'transformers>={floor}'")
+    floor = ".".join(map(str, floor))
+    return f"{name} {version} is older than ortmodule needs (>= {floor}: {why}). Fix: pip install -U '{name}>={floor}'"
+
+
+def too_old_dependencies(installed: dict[str, str | None] | None = None) -> list[str]:
+    """too_old's message for each of FLOORS' distributions installed older than its floor (`installed`:
+    name -> version, None where absent; read from this environment where None)."""
+    if installed is None:
+        return [message for name in FLOORS if (message := too_old(name))]
+    return [message for name in FLOORS if installed.get(name) and (message := too_old(name, installed[name]))]
 
 
 def versions() -> dict[str, str | None]:
@@ -75,7 +93,7 @@ def problems(installed: dict[str, str | None] | None = None, providers: list[str
     """What in this environment is known to break ortmodule, each with its fix: the CPU and GPU builds
     of ONNX Runtime (or of onnxruntime-genai) installed together, which write the same files (the one
     installed last wins, or a mix of both's files fails at import); a CUDA device torch sees that
-    this ONNX Runtime build cannot run on; a transformers older than TRANSFORMERS_FLOOR. Arguments left
+    this ONNX Runtime build cannot run on; a dependency older than its FLOORS entry. Arguments left
     None are read from this environment."""
     installed = versions() if installed is None else installed
     if providers is None:
@@ -86,9 +104,7 @@ def problems(installed: dict[str, str | None] | None = None, providers: list[str
         import torch
 
         torch_cuda = torch.cuda.is_available()
-    found = []
-    if installed.get("transformers") and (old := too_old_transformers(installed["transformers"])):
-        found.append(old)
+    found = too_old_dependencies(installed)
     for gpu, cpu in (("onnxruntime-gpu", "onnxruntime"), ("onnxruntime-genai-cuda", "onnxruntime-genai")):
         if installed.get(gpu) and installed.get(cpu):
             found.append(f"{cpu} {installed[cpu]} and {gpu} {installed[gpu]} are both installed: they write the same "

@@ -40,15 +40,15 @@ def test_env_reports_this_environment():
 def test_env_names_the_installs_that_break_ortmodule():
     """Both builds of ONNX Runtime (or of onnxruntime-genai) installed, each named with the fix; a CUDA
     device torch sees that ONNX Runtime has no provider for; none where the environment is sound."""
-    both = {"onnxruntime-gpu": "1.23.0", "onnxruntime": "1.23.0", "onnxruntime-genai-cuda": "0.10.0"}
+    both = {"onnxruntime-gpu": "1.31.1", "onnxruntime": "1.31.1", "onnxruntime-genai-cuda": "0.18.0"}
     cpu_only = ["CPUExecutionProvider"]
     found = environment.problems(both, cpu_only, torch_cuda=False)
-    assert len(found) == 1 and "onnxruntime 1.23.0 and onnxruntime-gpu 1.23.0 are both installed" in found[0]
+    assert len(found) == 1 and "onnxruntime 1.31.1 and onnxruntime-gpu 1.31.1 are both installed" in found[0]
     assert "pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime-gpu" in found[0]
     found = environment.problems({**both, "onnxruntime-genai": "0.10.0", "onnxruntime": None}, cpu_only, True)
     assert [problem.split(" ")[0] for problem in found] == ["onnxruntime-genai", "torch"]
     assert "no CUDAExecutionProvider" in found[1]
-    sound = {"onnxruntime-gpu": "1.23.0", "onnxruntime-genai-cuda": "0.10.0"}
+    sound = {"onnxruntime-gpu": "1.31.1", "onnxruntime-genai-cuda": "0.18.0"}
     assert environment.problems(sound, ["CUDAExecutionProvider", "CPUExecutionProvider"], torch_cuda=True) == []
 
 
@@ -87,22 +87,38 @@ def test_info_describes_a_package_as_transformers_sees_its_checkpoint(build):
     assert bad.returncode == 2 and "genai_config.json" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_a_transformers_older_than_the_floor_is_named_at_import():
+def test_a_dependency_older_than_its_floor_is_named_at_import():
     """transformers before 5.23 (the suite fails there: generate on 4.57 and 5.0, multimodal generate on
-    5.18 to 5.22) is refused when ortmodule is imported, and by `ortmodule env`, with the fix; the floor
-    is the one pyproject.toml declares, so pip and the check agree."""
-    floor = re.search(r'"transformers>=([\d.]+)"', (Path(__file__).parents[1] / "pyproject.toml").read_text())[1]
-    assert tuple(int(part) for part in floor.split(".")) == environment.TRANSFORMERS_FLOOR
-    for old in ("4.57.6", "5.0.0", "5.22.2"):
-        message = environment.too_old_transformers(old)
-        assert f"transformers {old} is older than ortmodule needs (>= {floor}" in message
-        assert f"pip install -U 'transformers>={floor}'" in message
-    for new in (floor, f"{floor}.1", "5.24.0", "6.0.0.dev0", metadata.version("transformers")):
-        assert environment.too_old_transformers(new) is None
-    found = environment.problems({"transformers": "5.0.0", "onnxruntime-gpu": "1.23.0"}, ["CPUExecutionProvider"],
-                                 torch_cuda=False)
-    assert len(found) == 1 and found[0].startswith("transformers 5.0.0 is older")
-    fake = ("import importlib.metadata as m; real = m.version; "
-            "m.version = lambda name: '5.0.0' if name == 'transformers' else real(name); import ortmodule")
+    5.18 to 5.22), onnx-ir before 0.1.12 (the graph rewrites fail), onnxruntime-gpu before 1.31 (4-bit
+    prefills' fp32 path is silently int8) and torch before 2.6 (transformers turns PyTorch off)
+    are refused when ortmodule is imported, and by `ortmodule env`, with the fix; each floor is the one
+    pyproject.toml declares, so pip and the check agree."""
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    start = pyproject.index("\ndependencies = [")
+    dependencies = pyproject[start:pyproject.index("\n]\n", start)]  # the [project] dependencies alone
+    declared = dict(re.findall(r'^\s+"([a-z-]+)>=([\d.]+)"', dependencies, re.MULTILINE))
+    assert set(environment.FLOORS) <= set(declared)
+    for name, (floor, _) in environment.FLOORS.items():
+        assert tuple(int(part) for part in declared[name].split(".")) == floor, name
+    cases = {"transformers": (("4.57.6", "5.0.0", "5.22.2"), ("5.23.0", "5.23.1", "5.24.0", "6.0.0.dev0")),
+             "onnx-ir": (("0.1.10", "0.1.11"), ("0.1.12", "0.2.1", "1.1.0")),
+             "torch": (("2.4.1", "2.5.1+cu124"), ("2.6.0", "2.13.0+cpu", "3.0.0")),
+             "onnxruntime-gpu": (("1.20.2", "1.30.0"), ("1.31.0", "1.31.1", "1.32.0.dev20261201"))}
+    assert set(cases) == set(environment.FLOORS)
+    for name, (olds, news) in cases.items():
+        floor = declared[name]
+        for old in olds:
+            message = environment.too_old(name, old)
+            assert f"{name} {old} is older than ortmodule needs (>= {floor}:" in message
+            assert f"pip install -U '{name}>={floor}'" in message
+        for new in (*news, metadata.version(name)):
+            assert environment.too_old(name, new) is None, (name, new)
+    found = environment.problems({"transformers": "5.0.0", "onnx-ir": "0.1.10", "torch": None,
+                                  "onnxruntime-gpu": "1.31.1"}, ["CPUExecutionProvider"], torch_cuda=False)
+    assert len(found) == 2 and found[0].startswith("transformers 5.0.0 is older")
+    assert found[1].startswith("onnx-ir 0.1.10 is older")
+    fake = ("import importlib.metadata as m; real = m.version; old = {'transformers': '5.0.0', 'onnx-ir': '0.1.10'}; "
+            "m.version = lambda name: old.get(name) or real(name); import ortmodule")
     run = subprocess.run([sys.executable, "-c", fake], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "ImportError: transformers 5.0.0 is older than ortmodule needs" in run.stderr
+    assert "; onnx-ir 0.1.10 is older than ortmodule needs (>= 0.1.12" in run.stderr
