@@ -30,14 +30,9 @@ FLOORS = {
 }
 
 
-def too_old(name: str, version: str | None = None) -> str | None:
-    """What is wrong where the installed `name` (or `version`) is older than its FLOORS entry, with the
-    fix; None where it is new enough or not installed."""
-    if version is None:
-        try:
-            version = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
+def too_old(name: str, version: str) -> str | None:
+    """What is wrong where `name` at `version` is older than its FLOORS entry, with the fix; None where
+    it is new enough."""
     floor, why = FLOORS[name]
     if tuple(int(part) for part in re.findall(r"\d+", version)[:len(floor)]) >= floor:
         return None
@@ -47,9 +42,8 @@ def too_old(name: str, version: str | None = None) -> str | None:
 
 def too_old_dependencies(installed: dict[str, str | None] | None = None) -> list[str]:
     """too_old's message for each of FLOORS' distributions installed older than its floor (`installed`:
-    name -> version, None where absent; read from this environment where None)."""
-    if installed is None:
-        return [message for name in FLOORS if (message := too_old(name))]
+    name -> version, None where absent, as `versions()` gives it; this environment's where None)."""
+    installed = versions() if installed is None else installed
     return [message for name in FLOORS if installed.get(name) and (message := too_old(name, installed[name]))]
 
 

@@ -98,6 +98,7 @@ def test_a_dependency_older_than_its_floor_is_named_at_import():
     dependencies = pyproject[start:pyproject.index("\n]\n", start)]  # the [project] dependencies alone
     declared = dict(re.findall(r'^\s+"([a-z-]+)>=([\d.]+)"', dependencies, re.MULTILINE))
     assert set(environment.FLOORS) <= set(declared)
+    assert set(environment.FLOORS) <= set(environment.DISTRIBUTIONS)  # what versions() reads
     for name, (floor, _) in environment.FLOORS.items():
         assert tuple(int(part) for part in declared[name].split(".")) == floor, name
     cases = {"transformers": (("4.57.6", "5.0.0", "5.22.2"), ("5.23.0", "5.23.1", "5.24.0", "6.0.0.dev0")),
