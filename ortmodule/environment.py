@@ -18,8 +18,8 @@ CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnn
 DISTRIBUTIONS = ("ortmodule", "torch", "onnxruntime-gpu", "onnxruntime", "onnxruntime-genai-cuda", "onnxruntime-genai",
                  "transformers", "tokenizers", "lm_eval", "accelerate", "onnx", "onnx-ir", "fastapi", "uvicorn")
 # The oldest release of each dependency ortmodule runs on, with what breaks below it: pyproject.toml
-# declares the same floors (a test compares them). The suite was run on each (docs/reliability.md
-# "Older dependencies"), except torch's, transformers' own.
+# declares the same floors (a test compares them). The suite was run at and below each
+# (docs/reliability.md "Older dependencies"); torch's is transformers' own.
 FLOORS = {
     "transformers": ((5, 23), "its generate, cache and multimodal inputs changed within 5.x"),
     "torch": ((2, 6), "transformers 5 turns PyTorch off below 2.6"),
