@@ -16,7 +16,8 @@ from .mapped import cpu_info
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 # The distributions whose versions change what runs, in the order reported.
 DISTRIBUTIONS = ("ortmodule", "torch", "onnxruntime-gpu", "onnxruntime", "onnxruntime-genai-cuda", "onnxruntime-genai",
-                 "transformers", "tokenizers", "lm_eval", "accelerate", "onnx", "onnx-ir", "fastapi", "uvicorn")
+                 "transformers", "tokenizers", "lm_eval", "accelerate", "onnx", "onnx-ir", "fastapi", "uvicorn",
+                 "jinja2", "gguf")
 # The oldest release of each dependency ortmodule runs on, with what breaks below it: pyproject.toml
 # declares the same floors (a test compares them). The suite was run at and below each
 # (docs/reliability.md "Older dependencies"); torch's is transformers' own.
@@ -28,23 +29,42 @@ FLOORS = {
     # model builder's packages (GroupQueryAttention's 12 inputs, LFM2's state_window) fail to load.
     "onnxruntime-gpu": ((1, 31), "4-bit prefills' fp32 path, the model builder's newest operators"),
 }
+# The optional dependencies' floors that pyproject's extras declare, where a release above pip's lowest
+# is needed (each extra that names one declares the same floor; a test compares them; docs/reliability.md
+# "Older dependencies" says how each was found). Not checked at import, since ortmodule runs without them:
+# where each is used (`ortmodule export` of a GGUF file, `ortmodule serve` of a package with a chat
+# template) and by `ortmodule env`.
+EXTRA_FLOORS = {
+    "gguf": ((0, 13), "older releases cannot read a GGUF file under numpy 2, which removed ndarray.newbyteorder"),
+    "accelerate": ((1, 1), "below it transformers loads no model with a device_map, as lm-eval's hf backend does"),
+    "jinja2": ((3, 1, 6), "transformers' apply_chat_template needs it: chat requests, lm-eval's chat templates"),
+}
 
 
 def too_old(name: str, version: str) -> str | None:
     """What is wrong where `name` at `version` is older than its FLOORS entry, with the fix; None where
     it is new enough."""
-    floor, why = FLOORS[name]
+    floor, why = {**FLOORS, **EXTRA_FLOORS}[name]
     if tuple(int(part) for part in re.findall(r"\d+", version)[:len(floor)]) >= floor:
         return None
     floor = ".".join(map(str, floor))
     return f"{name} {version} is older than ortmodule needs (>= {floor}: {why}). Fix: pip install -U '{name}>={floor}'"
 
 
-def too_old_dependencies(installed: dict[str, str | None] | None = None) -> list[str]:
-    """too_old's message for each of FLOORS' distributions installed older than its floor (`installed`:
+def too_old_dependencies(installed: dict[str, str | None] | None = None, floors: dict = FLOORS) -> list[str]:
+    """too_old's message for each of `floors`' distributions installed older than its floor (`installed`:
     name -> version, None where absent, as `versions()` gives it; this environment's where None)."""
     installed = versions() if installed is None else installed
-    return [message for name in FLOORS if installed.get(name) and (message := too_old(name, installed[name]))]
+    return [message for name in floors if installed.get(name) and (message := too_old(name, installed[name]))]
+
+
+def installed_too_old(name: str) -> str | None:
+    """too_old's message where `name` (a FLOORS or EXTRA_FLOORS distribution) is installed older than its
+    floor; None where it is new enough or not installed (the caller's ImportError says that)."""
+    try:
+        return too_old(name, metadata.version(name))
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def versions() -> dict[str, str | None]:
@@ -87,8 +107,8 @@ def problems(installed: dict[str, str | None] | None = None, providers: list[str
     """What in this environment is known to break ortmodule, each with its fix: the CPU and GPU builds
     of ONNX Runtime (or of onnxruntime-genai) installed together, which write the same files (the one
     installed last wins, or a mix of both's files fails at import); a CUDA device torch sees that
-    this ONNX Runtime build cannot run on; a dependency older than its FLOORS entry. Arguments left
-    None are read from this environment."""
+    this ONNX Runtime build cannot run on; a dependency older than its FLOORS or EXTRA_FLOORS entry.
+    Arguments left None are read from this environment."""
     installed = versions() if installed is None else installed
     if providers is None:
         import onnxruntime as ort
@@ -98,7 +118,7 @@ def problems(installed: dict[str, str | None] | None = None, providers: list[str
         import torch
 
         torch_cuda = torch.cuda.is_available()
-    found = too_old_dependencies(installed)
+    found = too_old_dependencies(installed) + too_old_dependencies(installed, EXTRA_FLOORS)
     for gpu, cpu in (("onnxruntime-gpu", "onnxruntime"), ("onnxruntime-genai-cuda", "onnxruntime-genai")):
         if installed.get(gpu) and installed.get(cpu):
             found.append(f"{cpu} {installed[cpu]} and {gpu} {installed[gpu]} are both installed: they write the same "

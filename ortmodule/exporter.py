@@ -22,6 +22,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from .environment import installed_too_old
+
 PRECISIONS = ("fp32", "fp16", "bf16", "int4", "int8")
 DEVICES = ("cpu", "cuda")
 # Bytes per parameter of the exported weights (int4, int8: 4 or 8 bits, plus scales and the fp32/fp16 embedding).
@@ -196,10 +198,7 @@ def _gguf_file(source: Path) -> Path | None:
 def gguf_to_checkpoint(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF file with transformers and save it as an fp32 Hugging Face checkpoint
     (weights and tokenizer) in `out`."""
-    try:
-        import gguf as _  # noqa: F401  (transformers reads GGUF files through it)
-    except ImportError:
-        raise ExportError("reading a GGUF file needs the gguf package: pip install gguf") from None
+    _gguf_package()  # transformers reads GGUF files through it
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -280,14 +279,23 @@ def checkpoint_parameters(checkpoint: Path) -> int:
     return total
 
 
+def _gguf_package():
+    """The gguf package, or an ExportError naming what to install where it is missing or older than
+    environment.EXTRA_FLOORS' (whose reader fails under numpy 2 deep inside)."""
+    try:
+        import gguf
+    except ImportError:
+        raise ExportError("reading a GGUF file needs the gguf package: pip install 'gguf>=0.13'") from None
+    if message := installed_too_old("gguf"):
+        raise ExportError(message)
+    return gguf
+
+
 def _gguf_parameters(gguf: Path) -> int:
     """Weights in a GGUF file, from its tensor table."""
+    reader = _gguf_package().GGUFReader
     try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ExportError("reading a GGUF file needs the gguf package: pip install gguf") from None
-    try:
-        return sum(int(t.n_elements) for t in GGUFReader(gguf).tensors)
+        return sum(int(t.n_elements) for t in reader(gguf).tensors)
     except Exception as e:  # the reader raises ValueError, struct errors... on a bad file
         raise ExportError(f"{gguf}: not a readable GGUF file ({e})") from e
 

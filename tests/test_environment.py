@@ -1,5 +1,6 @@
 """`ortmodule env` and `ortmodule --version`: what a bug report needs, read from this environment."""
 
+import functools
 import re
 import subprocess
 import sys
@@ -9,9 +10,10 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import CHAT_TEMPLATE
 
 import ortmodule
-from ortmodule import cli, environment
+from ortmodule import cli, environment, hf
 
 
 def test_version_is_the_installed_distributions(capsys):
@@ -118,8 +120,67 @@ def test_a_dependency_older_than_its_floor_is_named_at_import():
                                   "onnxruntime-gpu": "1.31.1"}, ["CPUExecutionProvider"], torch_cuda=False)
     assert len(found) == 2 and found[0].startswith("transformers 5.0.0 is older")
     assert found[1].startswith("onnx-ir 0.1.10 is older")
-    fake = ("import importlib.metadata as m; real = m.version; old = {'transformers': '5.0.0', 'onnx-ir': '0.1.10'}; "
+    fake = ("import importlib.metadata as m; real = m.version; "
+            "old = {'transformers': '5.0.0', 'onnx-ir': '0.1.10', 'gguf': '0.10.0'}; "
             "m.version = lambda name: old.get(name) or real(name); import ortmodule")
     run = subprocess.run([sys.executable, "-c", fake], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "ImportError: transformers 5.0.0 is older than ortmodule needs" in run.stderr
     assert "; onnx-ir 0.1.10 is older than ortmodule needs (>= 0.1.12" in run.stderr
+    assert "gguf" not in run.stderr  # an extra's floor is checked where the extra is used, not at import
+
+
+def _faked_versions(monkeypatch, old: dict[str, str]) -> None:
+    """importlib.metadata.version answering `old`'s versions for those names, the installed one for the rest."""
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: old.get(name) or real(name))
+
+
+def test_an_extra_older_than_its_floor_is_named_where_it_is_used(llama, tmp_path, monkeypatch, caplog):
+    """The extras' floors (gguf 0.13: older readers fail under numpy 2; accelerate 1.1: transformers' device_map,
+    lm-eval's hf backend; jinja2 3.1.6: transformers' chat templates) are each extra's floor in pyproject.toml;
+    `ortmodule env` names one installed older with its fix, and so does the place that needs it: `ortmodule
+    export` of a GGUF file (before it reads the file) and `ortmodule serve` of a package with a chat template
+    (a warning: its scores still run). `import ortmodule` does not refuse them (test above: gguf faked old)."""
+    from ortmodule.exporter import ExportError, export
+    from ortmodule.serving import app
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    start = pyproject.index("[project.optional-dependencies]")
+    extras = pyproject[start:pyproject.index("\n[", start + 1)]
+    for name, (floor, _) in environment.EXTRA_FLOORS.items():
+        declared = set(re.findall(rf'"{name}>=([\d.]+)"', extras, re.IGNORECASE))
+        assert declared == {".".join(map(str, floor))}, (name, declared)  # every extra that names it, alike
+    cases = {"gguf": (("0.10.0", "0.11.0"), ("0.13.0", "0.19.0")),
+             "accelerate": (("1.0.0", "1.0.1"), ("1.1.0", "1.16.0")),
+             "jinja2": (("3.1.0", "3.1.5"), ("3.1.6", "3.2.0"))}
+    assert set(cases) == set(environment.EXTRA_FLOORS)
+    for name, (olds, news) in cases.items():
+        for old in olds:
+            assert f"{name} {old} is older than ortmodule needs" in environment.too_old(name, old)
+        for new in (*news, metadata.version(name)):
+            assert environment.too_old(name, new) is None, (name, new)
+    sound = {"onnxruntime-gpu": "1.31.1", "transformers": "5.24.0"}
+    found = environment.problems({**sound, "gguf": "0.11.0", "jinja2": "3.1.6", "accelerate": "1.0.1"},
+                                 ["CPUExecutionProvider"], torch_cuda=False)
+    assert [problem.split(" ")[:2] for problem in found] == [["gguf", "0.11.0"], ["accelerate", "1.0.1"]]
+    assert "pip install -U 'accelerate>=1.1'" in found[1]
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not gguf")
+    with pytest.raises(ExportError, match="not a readable GGUF file"):  # the installed gguf reads it
+        export(bad, tmp_path / "out")
+    _faked_versions(monkeypatch, {"gguf": "0.11.0", "jinja2": "3.1.0"})
+    with pytest.raises(ExportError, match=re.escape("gguf 0.11.0 is older than ortmodule needs (>= 0.13: older "
+                                                    "releases cannot read a GGUF file under numpy 2")):
+        export(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    load = functools.partial(app._loaded, str(llama.package_dir), "127.0.0.1", "cpu", False, None, None, None)
+    with caplog.at_level("WARNING", logger=app.log.name):
+        load({"reuse_prefix": "on"})  # the fixture's tokenizer has no chat template: nothing to warn of
+        assert "jinja2" not in caplog.text
+        plain = hf.load_tokenizer
+        monkeypatch.setattr(hf, "load_tokenizer", lambda path: setattr(tokenizer := plain(path), "chat_template",
+                                                                      CHAT_TEMPLATE) or tokenizer)
+        load({"reuse_prefix": "on"})
+    assert "chat requests will fail (scores and completions will not): jinja2 3.1.0 is older than ortmodule needs" \
+        in caplog.text and "pip install -U 'jinja2>=3.1.6'" in caplog.text

@@ -250,6 +250,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
 def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options):
     """`serve`'s app over the package, loaded with its costs timed where they decide, and its settings."""
     from .. import hub
+    from ..environment import installed_too_old
     from ..hf import load_tokenizer
     from ..modeling import OrtModelForCausalLM
 
@@ -261,7 +262,10 @@ def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revi
                                                 rewrite_lm_head="float32" if fp32_lm_head else True)
     if settings.reuse_prefix == "auto":  # the costs decide it: timed (or read from the disk) now, not in a request
         model.measured_costs()
-    app = create_app(model, load_tokenizer(local), settings)
+    tokenizer = load_tokenizer(local)
+    if getattr(tokenizer, "chat_template", None) and (old := installed_too_old("jinja2")):
+        log.warning("chat requests will fail (scores and completions will not): %s", old)
+    app = create_app(model, tokenizer, settings)
     if host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("serving on %s without an API key: anyone who reaches it may use it (--api-key, or %s)",
                     host, "ORTMODULE_API_KEY")
