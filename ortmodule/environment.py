@@ -29,6 +29,9 @@ FLOORS = {
     # model builder's packages (GroupQueryAttention's 12 inputs, LFM2's state_window) fail to load.
     "onnxruntime-gpu": ((1, 31), "4-bit prefills' fp32 path, the model builder's newest operators"),
 }
+# Distributions that install the same module as a FLOORS one, with its floor where installed instead of it:
+# the CPU build of ONNX Runtime (`--no-deps` beside ortmodule, where onnxruntime-gpu has no wheel: macOS).
+SAME_MODULE = {"onnxruntime": "onnxruntime-gpu"}
 # The optional dependencies' floors that pyproject's extras declare, where a release above pip's lowest
 # is needed (each extra that names one declares the same floor; a test compares them; docs/reliability.md
 # "Older dependencies" says how each was found). Not checked at import, since ortmodule runs without them:
@@ -42,9 +45,9 @@ EXTRA_FLOORS = {
 
 
 def too_old(name: str, version: str) -> str | None:
-    """What is wrong where `name` at `version` is older than its FLOORS entry, with the fix; None where
-    it is new enough."""
-    floor, why = {**FLOORS, **EXTRA_FLOORS}[name]
+    """What is wrong where `name` at `version` is older than its FLOORS (SAME_MODULE's) or EXTRA_FLOORS
+    entry, with the fix; None where it is new enough."""
+    floor, why = {**FLOORS, **EXTRA_FLOORS}[SAME_MODULE.get(name, name)]
     if tuple(int(part) for part in re.findall(r"\d+", version)[:len(floor)]) >= floor:
         return None
     floor = ".".join(map(str, floor))
@@ -55,11 +58,12 @@ def too_old_dependencies(installed: dict[str, str | None] | None = None, floors:
     """too_old's message for each of `floors`' distributions installed older than its floor (`installed`:
     name -> version, None where absent, as `versions()` gives it; this environment's where None)."""
     installed = versions() if installed is None else installed
-    return [message for name in floors if installed.get(name) and (message := too_old(name, installed[name]))]
+    names = [*floors, *(name for name, same in SAME_MODULE.items() if same in floors)]
+    return [message for name in names if installed.get(name) and (message := too_old(name, installed[name]))]
 
 
 def installed_too_old(name: str) -> str | None:
-    """too_old's message where `name` (a FLOORS or EXTRA_FLOORS distribution) is installed older than its
+    """too_old's message where `name` (a FLOORS, SAME_MODULE or EXTRA_FLOORS distribution) is installed older than its
     floor; None where it is new enough or not installed (the caller's ImportError says that)."""
     try:
         return too_old(name, metadata.version(name))

@@ -92,9 +92,9 @@ def test_info_describes_a_package_as_transformers_sees_its_checkpoint(build):
 def test_a_dependency_older_than_its_floor_is_named_at_import():
     """transformers before 5.23 (the suite fails there: generate on 4.57 and 5.0, multimodal generate on
     5.18 to 5.22), onnx-ir before 0.1.12 (the graph rewrites fail), onnxruntime-gpu before 1.31 (4-bit
-    prefills' fp32 path is silently int8) and torch before 2.6 (transformers turns PyTorch off)
-    are refused when ortmodule is imported, and by `ortmodule env`, with the fix; each floor is the one
-    pyproject.toml declares, so pip and the check agree."""
+    prefills' fp32 path is silently int8; so is the CPU build's, `onnxruntime`, installed instead) and torch
+    before 2.6 (transformers turns PyTorch off) are refused when ortmodule is imported, and by `ortmodule
+    env`, with the fix; each floor is the one pyproject.toml declares, so pip and the check agree."""
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     start = pyproject.index("\ndependencies = [")
     dependencies = pyproject[start:pyproject.index("\n]\n", start)]  # the [project] dependencies alone
@@ -120,6 +120,12 @@ def test_a_dependency_older_than_its_floor_is_named_at_import():
                                   "onnxruntime-gpu": "1.31.1"}, ["CPUExecutionProvider"], torch_cuda=False)
     assert len(found) == 2 and found[0].startswith("transformers 5.0.0 is older")
     assert found[1].startswith("onnx-ir 0.1.10 is older")
+    # ONNX Runtime's CPU build installed instead of the GPU one (no onnxruntime-gpu wheel: macOS) has its floor
+    found = environment.problems({"onnxruntime": "1.25.0", "transformers": "5.24.0"}, ["CPUExecutionProvider"],
+                                 torch_cuda=False)
+    assert len(found) == 1 and found[0].startswith("onnxruntime 1.25.0 is older than ortmodule needs (>= 1.31:")
+    assert found[0].endswith("Fix: pip install -U 'onnxruntime>=1.31'")
+    assert environment.problems({"onnxruntime": "1.31.1"}, ["CPUExecutionProvider"], torch_cuda=False) == []
     fake = ("import importlib.metadata as m; real = m.version; "
             "old = {'transformers': '5.0.0', 'onnx-ir': '0.1.10', 'gguf': '0.10.0'}; "
             "m.version = lambda name: old.get(name) or real(name); import ortmodule")
