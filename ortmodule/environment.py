@@ -35,12 +35,14 @@ SAME_MODULE = {"onnxruntime": "onnxruntime-gpu"}
 # The optional dependencies' floors that pyproject's extras declare, where a release above pip's lowest
 # is needed (each extra that names one declares the same floor; a test compares them; docs/reliability.md
 # "Older dependencies" says how each was found). Not checked at import, since ortmodule runs without them:
-# where each is used (`ortmodule export` of a GGUF file, `ortmodule serve` of a package with a chat
-# template) and by `ortmodule env`.
+# where each is used (`ortmodule export` of a GGUF file, `ortmodule serve`) and by `ortmodule env`.
 EXTRA_FLOORS = {
     "gguf": ((0, 13), "older releases cannot read a GGUF file under numpy 2, which removed ndarray.newbyteorder"),
     "accelerate": ((1, 1), "below it transformers loads no model with a device_map, as lm-eval's hf backend does"),
     "jinja2": ((3, 1, 6), "transformers' apply_chat_template needs it: chat requests, lm-eval's chat templates"),
+    # 0.29 to 0.32.0 announce ASGI 2.4 without raising on a send to a closed connection, so a newer
+    # starlette (0.48 tried) stops listening for the client to leave: a stream outlives its reader
+    "uvicorn": ((0, 32, 1), "below it a stream's client leaving goes unheard under newer starlette, its rows run on"),
 }
 
 

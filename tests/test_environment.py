@@ -143,10 +143,11 @@ def _faked_versions(monkeypatch, old: dict[str, str]) -> None:
 
 def test_an_extra_older_than_its_floor_is_named_where_it_is_used(llama, tmp_path, monkeypatch, caplog):
     """The extras' floors (gguf 0.13: older readers fail under numpy 2; accelerate 1.1: transformers' device_map,
-    lm-eval's hf backend; jinja2 3.1.6: transformers' chat templates) are each extra's floor in pyproject.toml;
-    `ortmodule env` names one installed older with its fix, and so does the place that needs it: `ortmodule
-    export` of a GGUF file (before it reads the file) and `ortmodule serve` of a package with a chat template
-    (a warning: its scores still run). `import ortmodule` does not refuse them (test above: gguf faked old)."""
+    lm-eval's hf backend; jinja2 3.1.6: transformers' chat templates; uvicorn 0.32.1: a stream's client leaving
+    is heard) are each extra's floor in pyproject.toml; `ortmodule env` names one installed older with its fix,
+    and so does the place that needs it: `ortmodule export` of a GGUF file (before it reads the file) and
+    `ortmodule serve` (warnings: jinja2 where the package has a chat template; its scores still run).
+    `import ortmodule` does not refuse them (test above: gguf faked old)."""
     from ortmodule.exporter import ExportError, export
     from ortmodule.serving import app
 
@@ -158,7 +159,8 @@ def test_an_extra_older_than_its_floor_is_named_where_it_is_used(llama, tmp_path
         assert declared == {".".join(map(str, floor))}, (name, declared)  # every extra that names it, alike
     cases = {"gguf": (("0.10.0", "0.11.0"), ("0.13.0", "0.19.0")),
              "accelerate": (("1.0.0", "1.0.1"), ("1.1.0", "1.16.0")),
-             "jinja2": (("3.1.0", "3.1.5"), ("3.1.6", "3.2.0"))}
+             "jinja2": (("3.1.0", "3.1.5"), ("3.1.6", "3.2.0")),
+             "uvicorn": (("0.29.0", "0.32.0"), ("0.32.1", "0.55.0"))}
     assert set(cases) == set(environment.EXTRA_FLOORS)
     for name, (olds, news) in cases.items():
         for old in olds:
@@ -175,7 +177,7 @@ def test_an_extra_older_than_its_floor_is_named_where_it_is_used(llama, tmp_path
     bad.write_bytes(b"not gguf")
     with pytest.raises(ExportError, match="not a readable GGUF file"):  # the installed gguf reads it
         export(bad, tmp_path / "out")
-    _faked_versions(monkeypatch, {"gguf": "0.11.0", "jinja2": "3.1.0"})
+    _faked_versions(monkeypatch, {"gguf": "0.11.0", "jinja2": "3.1.0", "uvicorn": "0.32.0"})
     with pytest.raises(ExportError, match=re.escape("gguf 0.11.0 is older than ortmodule needs (>= 0.13: older "
                                                     "releases cannot read a GGUF file under numpy 2")):
         export(bad, tmp_path / "out")
@@ -190,3 +192,4 @@ def test_an_extra_older_than_its_floor_is_named_where_it_is_used(llama, tmp_path
         load({"reuse_prefix": "on"})
     assert "chat requests will fail (scores and completions will not): jinja2 3.1.0 is older than ortmodule needs" \
         in caplog.text and "pip install -U 'jinja2>=3.1.6'" in caplog.text
+    assert "a stream whose client leaves will run to its end: uvicorn 0.32.0 is older" in caplog.text

@@ -265,6 +265,8 @@ def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revi
     tokenizer = load_tokenizer(local)
     if getattr(tokenizer, "chat_template", None) and (old := installed_too_old("jinja2")):
         log.warning("chat requests will fail (scores and completions will not): %s", old)
+    if old := installed_too_old("uvicorn"):
+        log.warning("a stream whose client leaves will run to its end: %s", old)
     app = create_app(model, tokenizer, settings)
     if host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("serving on %s without an API key: anyone who reaches it may use it (--api-key, or %s)",
