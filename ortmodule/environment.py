@@ -67,21 +67,21 @@ def too_old_dependencies(installed: dict[str, str | None] | None = None, floors:
 def installed_too_old(name: str) -> str | None:
     """too_old's message where `name` (a FLOORS, SAME_MODULE or EXTRA_FLOORS distribution) is installed older than its
     floor; None where it is new enough or not installed (the caller's ImportError says that)."""
+    version = installed_version(name)
+    return None if version is None else too_old(name, version)
+
+
+def installed_version(name: str) -> str | None:
+    """The installed version of distribution `name`; None where it is not installed."""
     try:
-        return too_old(name, metadata.version(name))
+        return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
 
 
 def versions() -> dict[str, str | None]:
     """Each of DISTRIBUTIONS' installed version, None where it is not installed."""
-    found = {}
-    for name in DISTRIBUTIONS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    return {name: installed_version(name) for name in DISTRIBUTIONS}
 
 
 def cpu() -> str:

@@ -154,6 +154,7 @@ def test_an_extra_older_than_its_floor_is_named_where_it_is_used(llama, tmp_path
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     start = pyproject.index("[project.optional-dependencies]")
     extras = pyproject[start:pyproject.index("\n[", start + 1)]
+    assert set(environment.EXTRA_FLOORS) <= set(environment.DISTRIBUTIONS)  # what versions(), so env, reads
     for name, (floor, _) in environment.EXTRA_FLOORS.items():
         declared = set(re.findall(rf'"{name}>=([\d.]+)"', extras, re.IGNORECASE))
         assert declared == {".".join(map(str, floor))}, (name, declared)  # every extra that names it, alike
