@@ -6,7 +6,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OLIVE_DISABLE_TELEMETRY", "1")  # Olive's usage telemetry: no network here
 
 import pytest
-from helpers import CHAT_TEMPLATE, MODEL_ARCHES, OPENAI_NAME, LiveServer, load_pair
+from helpers import (
+    CHAT_TEMPLATE,
+    MODEL_ARCHES,
+    OPENAI_NAME,
+    LiveServer,
+    drop_restored_methods,
+    load_pair,
+    shared_objects,
+)
 
 from ortmodule_dev import fixtures
 
@@ -21,6 +29,16 @@ def pytest_configure(config):
         from ortmodule import runtime
 
         runtime.CUDA_GRAPHS_BY_DEFAULT = True
+
+
+@pytest.fixture(autouse=True)
+def _shared_objects_as_found():
+    """After each test (after its monkeypatch's undo: an autouse fixture is set up first, so torn down
+    last), the shared models hold no method of their own class on the instance, whatever pytest's
+    version left there (helpers.drop_restored_methods)."""
+    yield
+    for obj in shared_objects():
+        drop_restored_methods(obj)
 
 
 # What an architecture's fixture needs beyond FixtureSpec's defaults: LFM2's layer pattern (conv, conv,

@@ -2,6 +2,7 @@
 padded batches, the live server and its worker hold, and the references several files compare
 against. Tests import from here (fixtures live in conftest.py); no test module imports another."""
 
+import inspect
 import random
 import socket
 import sys
@@ -37,6 +38,27 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 _models = {}
+
+
+def drop_restored_methods(obj) -> list[str]:
+    """Take off `obj` the instance attributes that are its own class's methods bound to it (what
+    `obj.name` gives anyway): pytest before 9.2 undoes `monkeypatch.setattr(obj, "method", ...)` on an
+    instance by setting the method it read back *on the instance* (pytest #10644), where it hides every
+    later test's patch of the class (`monkeypatch.setattr(Decoder, "step", ...)`) on the objects the
+    tests share (load_pair's models). The names taken off."""
+    own = getattr(obj, "__dict__", {})
+    kind = type(obj)
+    dropped = [name for name, value in own.items() if inspect.ismethod(value) and value.__self__ is obj
+               and inspect.getattr_static(kind, name, None) is value.__func__]
+    for name in dropped:
+        del own[name]
+    return dropped
+
+
+def shared_objects():
+    """The objects tests share between them: load_pair's models and their decoders."""
+    for ort_model, hf_model in _models.values():
+        yield from (ort_model, ort_model.decoder, hf_model)
 
 
 def reference_class(fixture):

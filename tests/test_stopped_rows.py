@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from helpers import left_padded_batch, load_pair, stop_requests
+from helpers import drop_restored_methods, left_padded_batch, load_pair, stop_requests
 from lm_eval.models.huggingface import HFLM, postprocess_generated_text
 from lm_eval.models.utils_hf import stop_sequences_criteria
 
@@ -96,6 +96,30 @@ def test_rows_stay_where_no_end_of_sequence_pads_them(llama_pair, llama, step_ro
         expected = hf.generate(ids, attention_mask=mask, **options)
     assert torch.equal(model.generate(ids, attention_mask=mask, **options), expected)
     assert set(step_rows) == {4}
+
+
+def test_a_method_left_on_a_shared_decoder_is_taken_off(llama_pair):
+    """What pytest before 9.2 leaves after another test's `monkeypatch.setattr(decoder, "step", ...)`, the
+    bound method set back on the shared decoder, hid `step_rows`' patch of the class (every step after
+    rows stopped went uncounted): conftest's autouse fixture takes such leftovers off after each test,
+    and only them (an object's own replacement stays)."""
+    model, _ = llama_pair
+    decoder, step, counted = model.decoder, Decoder.step, []
+
+    def counted_steps():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Decoder, "step", lambda self, *args: counted.append(1) or step(self, *args))
+            decoder.step(torch.tensor([[5]]), decoder.new_cache(1, 4))
+        return len(counted)
+
+    decoder.step = decoder.step  # as pytest 8's undo
+    decoder.prefill = print  # a replacement of the instance's own: not a leftover
+    try:
+        assert counted_steps() == 0  # hidden from the class's patch
+        assert drop_restored_methods(decoder) == ["step"] and drop_restored_methods(model) == []
+        assert counted_steps() == 1 and decoder.prefill is print
+    finally:
+        vars(decoder).pop("step", None), vars(decoder).pop("prefill")
 
 
 @pytest.fixture(scope="module")
