@@ -224,6 +224,9 @@ class KVCache(Cache):
         # The caller's attention mask so far ([B, seen]), for checking a step's mask; None inside
         # generate and scoring, which build their own steps.
         self.caller_mask: torch.Tensor | None = None
+        # The caller's token ids of those columns ([B, seen]) where forward and generate know them (None: not
+        # known), for generate continuing this cache (`keep_known`).
+        self.tokens: torch.Tensor | None = None
         self.position_offset: torch.Tensor | None = None  # next position - tokens held (mRoPE after images)
         self.version = 0  # bumped whenever the buffers are replaced: a binding of older ones is stale
 
@@ -390,6 +393,8 @@ class KVCache(Cache):
             self.valid = self.valid.index_select(0, rows)
         if self.caller_mask is not None:
             self.caller_mask = self.caller_mask.index_select(0, rows)
+        if self.tokens is not None:
+            self.tokens = self.tokens.index_select(0, rows)
         if self.position_offset is not None:
             self.position_offset = self.position_offset.index_select(0, rows)
         self.version += 1
@@ -399,7 +404,7 @@ class KVCache(Cache):
         """Empty every row (the buffers stay allocated)."""
         self.lengths.zero_()
         self.longest = self.seen = 0
-        self.caller_mask = self.position_offset = self.pending = None
+        self.caller_mask = self.position_offset = self.pending = self.tokens = None
         self.states.zero()
         self.states.restart()
         if not self.shared:
@@ -430,6 +435,8 @@ def _crop_columns(cache: KVCache, keep: int) -> None:
     else:
         lost = torch.full_like(cache.lengths, removed)
     lost = torch.minimum(lost, cache.lengths)
+    if cache.tokens is not None:
+        cache.tokens = cache.tokens[:, :keep]
     if not cache.shared:
         # Drop each row's last `lost` valid columns, then the columns no row uses any more.
         rank = cache.valid.flip(1).cumsum(1).flip(1)  # valid columns at or after each column
@@ -466,6 +473,7 @@ def _crop_states(cache: KVCache, keep: int) -> None:
     except ReferenceError:
         raise ValueError(_cannot_crop(cache.seen, keep, "the model that ran it is gone")) from None
     mask = None if cache.caller_mask is None else cache.caller_mask[:, :keep]
+    known = None if cache.tokens is None else cache.tokens[:, :keep]  # the runs again do not keep them
     _crop_columns(cache, point.seen)
     cache.states.rewind(point)
     steps = []
@@ -476,7 +484,24 @@ def _crop_states(cache: KVCache, keep: int) -> None:
             steps.append(tokens[:, :columns])
     if steps:
         rerun(decoders[-1], cache, "step", torch.cat(steps, 1), sum(t.shape[1] for t in steps))
-    cache.caller_mask = mask
+    cache.caller_mask, cache.tokens = mask, known
+
+
+def keep_known(cache: KVCache, input_ids: torch.Tensor) -> None:
+    """Before generate continues `cache` with `input_ids` (every column, the cached ones first): where
+    the cache knows its tokens (`KVCache.tokens`) and the ids do not extend them, cropped back to the
+    columns they share (all but the last id at most), so that the rest run again rather than stale
+    keys. transformers' assistant across tokenizers (`assistant_tokenizer`) after a rejected draft is
+    such a caller: since transformers 5.25 it leaves its assistant's cache as long as the new ids or
+    longer (its own model then appends the ids again after them, and drafts from that)."""
+    known = cache.tokens
+    if known is None or known.shape != (input_ids.shape[0], cache.seen) or input_ids.dim() != 2:
+        return
+    width = min(cache.seen, input_ids.shape[1] - 1)
+    same = (known[:, :width] == input_ids[:, :width].to(known.device)).all(0)
+    keep = int(same.to(torch.int64).cumprod(0).sum())  # the columns every row shares, from the first
+    if keep < cache.seen:
+        cache.crop(keep - cache.seen)
 
 
 def take_back(cache: KVCache) -> torch.Tensor:

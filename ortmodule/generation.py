@@ -322,6 +322,7 @@ class _Sampling:
         cache.caller_mask = torch.cat([mask, mask.new_ones(mask.shape[0], cache.seen - self.width)], 1)
         if cache.seen > length - 1:
             cache.crop(length - 1)
+        cache.tokens = sequences[:, : cache.seen].clone()  # the caller may write into its sequences
         return GenerateDecoderOnlyOutput(
             sequences=sequences,
             scores=tuple(self.scores) if self.keep_scores else None,

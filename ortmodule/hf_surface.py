@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin
 
 from . import embeddings, generation, images, images_plain, runtime
-from .cache import KVCache
+from .cache import KVCache, keep_known
 from .hf import CACHE_NAME
 from .package import NotSupportedError, model_files
 from .parameters import count_parameters
@@ -292,6 +292,8 @@ class HuggingFaceSurface(GenerationMixin):
                                         images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                                      media, **model_kwargs)
+        if isinstance(cache, KVCache):
+            keep_known(cache, input_ids)
         if model_kwargs.pop("generator", None) is not None:
             raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds, "
                              "output_hidden_states or output_attentions in generate()")

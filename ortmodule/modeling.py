@@ -239,6 +239,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         if cache is not None:
             given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             cache.caller_mask = given.to(self.device, torch.int64)
+            cache.tokens = None if embeds is not None else input_ids.to(self.device, torch.int64, copy=True)
         return logits, cache, states, weights
 
     def _forward_step(self, input_ids, attention_mask, cache, keep, position_ids, cache_position, runs, embeds=None):
@@ -259,6 +260,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         logits = self.decoder.public(logits)
         if cache.caller_mask is not None:
             cache.caller_mask = torch.cat([cache.caller_mask, cache.caller_mask.new_ones(batch, new)], 1)
+        if cache.tokens is not None:
+            cache.tokens = None if embeds is not None else torch.cat([cache.tokens, ids], 1)
         return logits.view(batch, -1, logits.shape[-1]), states, weights
 
     @runtime.out_of_memory_is_runtime_error

@@ -9,6 +9,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ortmodule import OrtModelForCausalLM, PackageError, load_tokenizer, runtime
+from ortmodule.hf import CACHE_NAME
 
 FP32_TOL = 1e-4
 
@@ -542,7 +543,7 @@ def test_a_dropped_model_frees_its_sessions_at_once(llama):
         model.generate(ids, max_new_tokens=3, do_sample=False)
         model.measured_costs()
         ortmodule.score(model, None, [5, 6, 7, 8], [[9, 10], [11]], [1, 2], reuse_prefix=True)
-        step = model(ids[:, :1], cache=model(ids, use_cache=True).cache)
+        step = model(ids[:, :1], past_key_values=model(ids, use_cache=True)[CACHE_NAME])
         decoder = model.decoder
         assert decoder.causal is not None and decoder.extender() is not None and decoder.fixed
         made = {"model": model, "decoder": decoder, "session": decoder.session, "extender": decoder.extender(),
