@@ -85,7 +85,7 @@ def save_reference(name: str, weights: str, requests: str, answers: list, made_w
     path = path_of(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"weights_sha256": weights, "requests_sha256": requests,
-              "made": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "made": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
               **made_with, "answers": [[float(a[0]), bool(a[1])] for a in answers]}
     path.write_text(json.dumps(record) + "\n")
     return record

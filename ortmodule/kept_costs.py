@@ -59,7 +59,7 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
         if found is not None:
             record = {"costs": found._asdict(), "check_seconds": costs.check_seconds(decoder),
                       "seconds": round(time.perf_counter() - start, 1), "machine": machine(decoder.device),
-                      "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+                      "measured": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
             _write(entry, record)
     return found
 

@@ -3,9 +3,8 @@ reaches into another's private names, no function or class grows past what a rea
 and the product imports only what it declares."""
 
 import ast
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ortmodule"
@@ -132,3 +131,29 @@ def test_the_product_imports_only_its_declared_dependencies():
                        ast.ImportFrom)) and dep in ast.unparse(n) for t in MODULES.values() for n in ast.walk(t)
     )}
     assert not unused, f"declared but never imported by ortmodule: {unused}"
+
+
+def test_requires_python_is_the_oldest_python_the_dependencies_install_on():
+    """pyproject's requires-python is the highest Python floor of the core dependencies as installed: lower, and pip
+    on the older Python fails on a dependency with no release for it instead of naming the Python (it said >= 3.10
+    until session 84, where transformers from 5.21 and onnxruntime-gpu 1.31 install on 3.11 and newer only: pip on
+    3.10 answered that no onnxruntime-gpu>=1.31 exists); higher, and ortmodule refuses a Python it runs on. Should a
+    dependency's newest release need a newer Python, check whether its floor release still installs on the older
+    one (docs/reliability.md "Python versions") before raising ortmodule's."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    ours = SpecifierSet(project["requires-python"])
+    floors = {}
+    for requirement in project["dependencies"]:
+        name = Requirement(requirement).name
+        needs = SpecifierSet(metadata.metadata(name)["Requires-Python"] or "")
+        floors[f"{name} {metadata.version(name)}"] = max(
+            (Version(spec.version) for spec in needs if spec.operator == ">="), default=Version("0"))
+    [floor] = [Version(spec.version) for spec in ours if spec.operator == ">="]
+    assert floor == max(floors.values()), (str(ours), floors)
+    assert Version(".".join(map(str, __import__("sys").version_info[:3]))) in ours

@@ -149,7 +149,7 @@ class Guard:
                     return await self._refuse(send, path, _too_large(limit))
                 chunks.append(chunk)
                 more = message.get("more_body", False)
-        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+        except TimeoutError:  # asyncio.wait_for raises the builtin (asyncio.TimeoutError is it from Python 3.11)
             return await self._refuse(send, path, ServingError(
                 f"the request body did not arrive within {self.settings.body_timeout:g} s", status=408))
         replayed = False
