@@ -3,10 +3,13 @@ reaches into another's private names, no function or class grows past what a rea
 and the product imports only what it declares."""
 
 import ast
+import platform
+import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 PACKAGE = ROOT / "ortmodule"
 # Every module of the package, by its dotted name inside it ("modeling", "serving.engine"); a
 # subpackage's __init__ only gathers names, so it is not a module of its own here.
@@ -97,7 +100,6 @@ def test_functions_and_classes_stay_short():
 
 
 def test_the_product_imports_only_its_declared_dependencies():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     import_names = {"onnxruntime-gpu": "onnxruntime", "onnx-ir": "onnx_ir", "lm-eval": "lm_eval",
                     "onnxruntime-genai-cuda": "onnxruntime_genai", "olive-ai": "olive", "pillow": "PIL"}
 
@@ -108,11 +110,11 @@ def test_the_product_imports_only_its_declared_dependencies():
             out.add(import_names.get(distribution, distribution.replace("-", "_")))
         return out
 
-    core = names(project["dependencies"])
-    extras = {extra: names(reqs) for extra, reqs in project["optional-dependencies"].items()}
+    core = names(PROJECT["dependencies"])
+    extras = {extra: names(reqs) for extra, reqs in PROJECT["optional-dependencies"].items()}
     # What the declared packages bring themselves (transformers: tqdm; fastapi: pydantic, starlette).
     brought = {"tqdm", "pydantic", "starlette"}
-    stdlib = __import__("sys").stdlib_module_names
+    stdlib = sys.stdlib_module_names
     problems = []
     for name, tree in MODULES.items():
         # (`ortmodule` by name: autoload/sitecustomize.py, a top-level module in the processes it runs in)
@@ -146,14 +148,13 @@ def test_requires_python_is_the_oldest_python_the_dependencies_install_on():
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    ours = SpecifierSet(project["requires-python"])
+    ours = SpecifierSet(PROJECT["requires-python"])
     floors = {}
-    for requirement in project["dependencies"]:
+    for requirement in PROJECT["dependencies"]:
         name = Requirement(requirement).name
         needs = SpecifierSet(metadata.metadata(name)["Requires-Python"] or "")
         floors[f"{name} {metadata.version(name)}"] = max(
             (Version(spec.version) for spec in needs if spec.operator == ">="), default=Version("0"))
     [floor] = [Version(spec.version) for spec in ours if spec.operator == ">="]
     assert floor == max(floors.values()), (str(ours), floors)
-    assert Version(".".join(map(str, __import__("sys").version_info[:3]))) in ours
+    assert platform.python_version() in ours
