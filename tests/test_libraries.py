@@ -2,7 +2,9 @@
 transformers with the same weights (the real SmolLM2-135M-Instruct fp32 package): the same strings,
 numbers within 1e-4. Versions pinned in the `libraries` extra (pyproject.toml)."""
 
+import importlib.util
 import logging
+import sys
 from typing import Literal
 
 import pytest
@@ -93,6 +95,10 @@ def test_minicons_sequence_and_token_scores(pair):
         assert [s for _, s in mine] == pytest.approx([s for _, s in other], abs=1e-4)
 
 
+# outlines 1.x declares Python < 3.14 (its Requires-Python), so the extra installs it on older Pythons only;
+# anywhere else a missing outlines fails the test.
+@pytest.mark.skipif(sys.version_info >= (3, 14) and importlib.util.find_spec("outlines") is None,
+                    reason="outlines 1.3.3 installs on Python < 3.14 only (its Requires-Python)")
 def test_outlines_choices_regex_batch_and_beams(pair):
     import outlines
     from outlines.types import Regex
