@@ -341,7 +341,20 @@ def shimmed(*args, **kwargs):
     return config
 transformers.AutoConfig.from_pretrained = shimmed
 """
-BUILDER_SCRIPT = CONFIG_SHIM + """
+# Python 3.14's argparse formats every help string as it is added, and the builder 0.18's `--extra_options`
+# help holds a bare "%" (e.g. "N % 64"): its command line failed with "badly formed help string" before
+# reading an argument. A bare "%" in a help string is doubled, which argparse prints as one ("%%" and
+# "%(default)s" are left as they are).
+ARGPARSE_SHIM = """
+import argparse, re
+add_argument = argparse.ArgumentParser.add_argument
+def escaped(self, *args, **kwargs):
+    if isinstance(kwargs.get("help"), str):
+        kwargs["help"] = re.sub(r"%([(%])?", lambda m: m.group() if m.group(1) else "%%", kwargs["help"])
+    return add_argument(self, *args, **kwargs)
+argparse.ArgumentParser.add_argument = escaped
+"""
+BUILDER_SCRIPT = CONFIG_SHIM + ARGPARSE_SHIM + """
 import runpy, sys
 sys.argv[0] = "builder"
 runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)

@@ -211,6 +211,19 @@ def test_cuda_exports_unpack_qkv_unless_told_otherwise(llama, tmp_path, monkeypa
     assert ("(options: fuse_qkv=" in progress) == (device == "cuda")
 
 
+def test_the_builders_command_line_reads_its_help_on_every_python():
+    """The builder 0.18's `--extra_options` help holds a bare "%", which Python 3.14's argparse refuses as the
+    argument is added (every export failed there) and every Python's argparse when it prints the help: run
+    as `ortmodule export` runs it, the builder prints its whole help, "%" signs, defaults and all."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", export_module.BUILDER_SCRIPT, "--help"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--extra_options" in run.stdout and "N % 64" in run.stdout and "%%" not in run.stdout
+
+
 def test_unknown_architecture(llama, tmp_path):
     folder = copy_checkpoint(llama, tmp_path)
     config = json.loads((folder / "config.json").read_text())
