@@ -3,6 +3,8 @@ a clear error for every bad source, before the builder runs."""
 
 import json
 import shutil
+import subprocess
+import sys
 from collections import namedtuple
 
 import pytest
@@ -215,9 +217,6 @@ def test_the_builders_command_line_reads_its_help_on_every_python():
     """The builder 0.18's `--extra_options` help holds a bare "%", which Python 3.14's argparse refuses as the
     argument is added (every export failed there) and every Python's argparse when it prints the help: run
     as `ortmodule export` runs it, the builder prints its whole help, "%" signs, defaults and all."""
-    import subprocess
-    import sys
-
     command = [sys.executable, "-c", export_module.BUILDER_SCRIPT, "--help"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
