@@ -53,7 +53,7 @@ def test_guidance_gen_select_and_stop(pair):
 
 def test_guidance_reuses_a_shared_prefix_with_crop(pair, monkeypatch):
     """Prompts sharing a prefix make guidance 0.3.1 call `cache.crop(n)` with the length to keep,
-    transformers 4's meaning. transformers 5.23's and 5.24's DynamicCache refuse a positive n; ortmodule's
+    transformers 4's meaning. transformers 5.23's to 5.25's DynamicCache refuse a positive n; ortmodule's
     KVCache keeps the first n columns. The reference: transformers with 4's `crop` put back."""
     from guidance import gen, models
     from transformers.cache_utils import DynamicLayer
