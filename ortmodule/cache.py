@@ -177,6 +177,17 @@ class ConvStates:
         return view
 
 
+def _checked_rows(rows, batch: int, device: torch.device) -> torch.Tensor:
+    """Row indices for `KVCache`'s selections (`reorder_cache`, `batch_select_indices`, ...) as an int64
+    tensor on `device`: a ValueError where they are not a non-empty 1-D run of rows of a `batch`-row cache."""
+    rows = torch.as_tensor(rows).to(device, torch.int64)
+    if rows.dim() != 1 or rows.numel() == 0:
+        raise ValueError(f"row indices must be a non-empty 1-D tensor, got shape {tuple(rows.shape)}")
+    if bool(((rows < 0) | (rows >= batch)).any()):
+        raise ValueError(f"row indices must lie in [0, {batch})")
+    return rows
+
+
 class KVCache(Cache):
     """The KV cache of one batch, returned as `past_key_values`: a `transformers.Cache`.
 
@@ -380,11 +391,7 @@ class KVCache(Cache):
     @_inference_mode
     def _select_rows(self, rows: torch.Tensor) -> None:
         settle(self)
-        rows = torch.as_tensor(rows).to(self.lengths.device, torch.int64)
-        if rows.dim() != 1 or rows.numel() == 0:
-            raise ValueError(f"row indices must be a non-empty 1-D tensor, got shape {tuple(rows.shape)}")
-        if bool(((rows < 0) | (rows >= self.batch_size)).any()):
-            raise ValueError(f"row indices must lie in [0, {self.batch_size})")
+        rows = _checked_rows(rows, self.batch_size, self.lengths.device)
         self.keys = [key.index_select(0, rows) for key in self.keys]
         self.values = [value.index_select(0, rows) for value in self.values]
         self.states = self.states.select(rows)

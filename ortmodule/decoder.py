@@ -245,37 +245,13 @@ class Decoder:
         self.prefill_chunk = chunked.chunk_for(self, device, self.chosen_chunk)
         if device.type == "cuda" and self.kv_dtype == torch.float32:
             _warn_fp32_on_cuda(self.package)
-        embedding = self.package.embedding
-        self.embedding_session = None
-        if embedding is not None:  # text only: the vision and speech models are never loaded
-            self.embedding_session = _open(
-                self.package, embedding.path, device, None, self.session_options, self.provider_options, **run_settings
-            )
-            self.no_media = [
-                (name, torch.zeros(shape, dtype=runtime.torch_dtype(kind), device=device))
-                for name, kind, shape in embedding.empty_inputs
-            ]
-        self._check_runs()
+        self.embedding_session, self.no_media = _open_embedding(self, device, run_settings)
+        _check_runs(self)
         if extend.uses_prefill_graph(self.prefill_attention, device):
             self.causal = extend.make_prefill(self)
             if self.causal is not None:
                 logger.info("ortmodule: runs without a cache take the prefill graph (prefill_attention=%s) on %s",
                             self.prefill_attention, device)
-
-    def _check_runs(self) -> None:
-        """Run one token, so that a genai_config.json that disagrees with the graph (head size,
-        heads, names) is a PackageError at load rather than an ONNX Runtime failure at every call."""
-        one = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
-        try:
-            self.prefill(Rows(one, None, torch.ones(1, dtype=torch.int64, device=self.device), 1))
-        except Exception as e:  # ONNX Runtime's own exception types
-            if "out of memory." in str(e):  # not the config's fault
-                raise
-            heads = sorted({(kv.num_kv_heads, kv.head_size) for kv in self.spec.layers})
-            raise PackageError(f"{self.package.root / 'genai_config.json'}: ONNX Runtime cannot run "
-                               f"{self.spec.path.name} with this configuration (KV heads and head sizes {heads}, "
-                               f"vocab_size {self.vocab_size}): {_mismatch(self.package, self.device, _OTHER_EXPORT)} "
-                               f"It said: {' '.join(str(e).split())[:400]}") from None
 
     # ---- runs ---------------------------------------------------------------------------------
 
@@ -492,6 +468,22 @@ def bind_cache(binding: ort.IOBinding, cache: KVCache, new: int) -> None:
 _OTHER_EXPORT = "a config from another export, or a package kind not supported (docs/usage.md)?"
 
 
+def _check_runs(decoder: Decoder) -> None:
+    """Run one token, so that a genai_config.json that disagrees with the graph (head size,
+    heads, names) is a PackageError at load rather than an ONNX Runtime failure at every call."""
+    one = torch.zeros(1, 1, dtype=torch.int64, device=decoder.device)
+    try:
+        decoder.prefill(Rows(one, None, torch.ones(1, dtype=torch.int64, device=decoder.device), 1))
+    except Exception as e:  # ONNX Runtime's own exception types
+        if "out of memory." in str(e):  # not the config's fault
+            raise
+        heads = sorted({(kv.num_kv_heads, kv.head_size) for kv in decoder.spec.layers})
+        cause, said = _mismatch(decoder.package, decoder.device, _OTHER_EXPORT), " ".join(str(e).split())[:400]
+        raise PackageError(f"{decoder.package.root / 'genai_config.json'}: ONNX Runtime cannot run "
+                           f"{decoder.spec.path.name} with this configuration (KV heads and head sizes {heads}, "
+                           f"vocab_size {decoder.vocab_size}): {cause} It said: {said}") from None
+
+
 def _mismatch(package, device: torch.device, otherwise: str) -> str:
     """What most likely keeps ONNX Runtime from loading or running a package on `device`: an export
     for another execution provider (whose graph may hold what only that provider's kernels take: bf16
@@ -514,6 +506,18 @@ def _graphs(decoder: Decoder, device: torch.device) -> tuple[bytes | None, bytes
     unpack = projections.applies(device.type, decoder.session_options)
     rewritten = graph.lm_head_graph(spec.path, spec.logits, decoder.rewrite_lm_head, decoder.cache_dir, unpack)
     return rewritten, graph.repaired_graph(spec.path) if rewritten is None else None
+
+
+def _open_embedding(decoder: Decoder, device: torch.device, run_settings: dict) -> tuple[runtime.Session | None, list]:
+    """A multimodal package's embedding model and the empty media inputs its text-only runs bind (the
+    vision and speech models are never loaded); (None, []) for a text package."""
+    embedding = decoder.package.embedding
+    if embedding is None:
+        return None, []
+    session = _open(decoder.package, embedding.path, device, None, decoder.session_options, decoder.provider_options,
+                    **run_settings)
+    return session, [(name, torch.zeros(shape, dtype=runtime.torch_dtype(kind), device=device))
+                     for name, kind, shape in embedding.empty_inputs]
 
 
 def _open_main(decoder: Decoder, source, device: torch.device, folder, options: dict | None, half: bool,

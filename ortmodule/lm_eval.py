@@ -296,6 +296,23 @@ def read_back(keys, pending: list[tuple[list[int], torch.Tensor]], cache_hook) -
     return results
 
 
+def shared_context_groups(lm: OrtModuleLM, requests, rows, starts, row_of) -> list[list[int]]:
+    """Requests with the same context, or rows that begin with the same long prefix
+    (`sharing_groups`): the groups worth running their prefix once, as `lm`'s `share_contexts` says."""
+    if lm._share is False:
+        return []
+    if lm._share is True:
+        return sharing_groups(requests, rows, starts, row_of, lm._rows_per_batch)
+    costs, packed, small = lm._model.measured_costs(), packs(lm._model), small_work(lm.batch_size)
+
+    def worth(group: list[int]) -> bool:
+        firsts = leads(row_of, group)
+        together = batch_rows(requests, rows, starts, row_of, group, lm._rows_per_batch, small)
+        return worth_sharing([rows[i] for i in firsts], [starts[i] for i in firsts], costs, together, packed)
+
+    return sharing_groups(requests, rows, starts, row_of, lm._rows_per_batch, worth)
+
+
 def rolling_totals(lm: OrtModuleLM, requests, disable_tqdm: bool = False) -> list[float]:
     """`HFLM.loglikelihood_rolling`'s answers (lm-eval's disjoint windows of `max_length` tokens,
     the prefix token before the first), with every window of every document scored in one call:
@@ -727,7 +744,7 @@ class OrtModuleLM(ArgumentsOnce, HFLM):
         here waits for the device: the host builds the next batch (tokenizes the next wave) meanwhile."""
         rows, starts = _rows_and_starts(requests, self.max_length)
         row_of = distinct_rows(rows, starts)
-        shared = self._shared_context_groups(requests, rows, starts, row_of) if share else []
+        shared = shared_context_groups(self, requests, rows, starts, row_of) if share else []
         pending = shared_batches(self._model, requests, rows, starts, row_of, shared, self._rows_per_batch,
                                  small_work(self.batch_size), progress)
         done = {i for group in shared for i in group}
@@ -753,22 +770,6 @@ class OrtModuleLM(ArgumentsOnce, HFLM):
             _, context, continuation = requests[pos]
             length = len((context + continuation)[-(self.max_length + 1):][:-1])
         return max(1, min(self.max_batch_size, self.token_budget // max(length, 1)))
-
-    def _shared_context_groups(self, requests, rows, starts, row_of) -> list[list[int]]:
-        """Requests with the same context, or rows that begin with the same long prefix
-        (`sharing_groups`): the groups worth running their prefix once."""
-        if self._share is False:
-            return []
-        if self._share is True:
-            return sharing_groups(requests, rows, starts, row_of, self._rows_per_batch)
-        costs, packed, small = self._model.measured_costs(), packs(self._model), small_work(self.batch_size)
-
-        def worth(group: list[int]) -> bool:
-            firsts = leads(row_of, group)
-            together = batch_rows(requests, rows, starts, row_of, group, self._rows_per_batch, small)
-            return worth_sharing([rows[i] for i in firsts], [starts[i] for i in firsts], costs, together, packed)
-
-        return sharing_groups(requests, rows, starts, row_of, self._rows_per_batch, worth)
 
     def _rows_per_batch(self, width: int) -> int:
         """Rows of `width` tokens a batch holds: `batch_size`, or under `auto` the token budget's."""

@@ -202,12 +202,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             logits, past, states, weights = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
                                                                  cache_position, runs, embeds, media, asked)
         loss = None if labels is None else _shifted_loss(logits, labels, keep, attention_mask, kwargs, self.training)
-        if not use_cache:
-            past = None
-        if return_dict is False:
-            return tuple(x for x in (loss, logits, past, states, weights) if x is not None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states, attentions=weights,
-                                      **{CACHE_NAME: past})
+        return _output(loss, logits, past if use_cache else None, states, weights, return_dict)
 
     def _rows(self, input_ids, attention_mask, position_ids=None, cache_position=None) -> inputs.Rows:
         package = self.package
@@ -372,6 +367,15 @@ def _given_cache(past_key_values, cache, use_cache: bool | None) -> tuple[Cache 
     if isinstance(given, Cache) and not isinstance(given, KVCache) and given.get_seq_length() == 0:
         return None, True
     return given, (given is not None) if use_cache is None else bool(use_cache)
+
+
+def _output(loss, logits: torch.Tensor, past, states, weights, return_dict: bool | None):
+    """forward's output as transformers returns it: a `CausalLMOutputWithPast`, or with `return_dict=False`
+    the tuple of the fields that are set, in its order."""
+    if return_dict is False:
+        return tuple(x for x in (loss, logits, past, states, weights) if x is not None)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states, attentions=weights,
+                                  **{CACHE_NAME: past})
 
 
 def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwargs: dict,

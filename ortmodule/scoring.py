@@ -63,21 +63,8 @@ def loglikelihood_totals(
     choices after the same context) share one row, and a position asked for twice reaches the LM
     head once. `greedy=False`: the second answer is not wanted (lm-eval's rolling loglikelihoods),
     so where every position is asked for once no greedy token is computed and it reads 0."""
-    batch = input_ids.shape[0]
-    requests = batch if rows_of is None else len(rows_of)
-    if len(starts) != requests or len(targets) != requests:
-        what = "row" if rows_of is None else "entry of rows_of"
-        raise ValueError(f"starts and targets need one entry per {what}: {requests}, got {len(starts)} and "
-                         f"{len(targets)}")
-    if rows_of is not None and any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < batch
-                                   for r in rows_of):
-        raise ValueError(f"rows_of must hold row indices in [0, {batch})")
-    counts = [len(t) for t in targets]
-    if not counts:
-        raise ValueError("no requests to score")
-    if min(counts) == 0:
-        raise ValueError(f"{'row' if rows_of is None else 'request'} {counts.index(0)} has no target tokens")
-    vocab = model.package.vocab_size
+    counts = _checked_counts(input_ids.shape[0], starts, targets, rows_of)
+    requests, vocab = len(counts), model.package.vocab_size
     flat_targets = [t for row in targets for t in row]
     bad = outside_vocabulary(flat_targets, vocab)
     if bad is not None:
@@ -105,6 +92,25 @@ def loglikelihood_totals(
 
         model.logits_at(input_ids, attention_mask, rows, cols, upcast=False, pieces=add)
     return totals.tensor()
+
+
+def _checked_counts(batch: int, starts, targets, rows_of) -> list[int]:
+    """The number of targets of each of `loglikelihood_totals`' requests, once the requests are checked
+    against a batch of `batch` rows: a ValueError naming what does not fit."""
+    requests = batch if rows_of is None else len(rows_of)
+    if len(starts) != requests or len(targets) != requests:
+        what = "row" if rows_of is None else "entry of rows_of"
+        raise ValueError(f"starts and targets need one entry per {what}: {requests}, got {len(starts)} and "
+                         f"{len(targets)}")
+    if rows_of is not None and any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < batch
+                                   for r in rows_of):
+        raise ValueError(f"rows_of must hold row indices in [0, {batch})")
+    counts = [len(t) for t in targets]
+    if not counts:
+        raise ValueError("no requests to score")
+    if min(counts) == 0:
+        raise ValueError(f"{'row' if rows_of is None else 'request'} {counts.index(0)} has no target tokens")
+    return counts
 
 
 class _Totals:
