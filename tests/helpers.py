@@ -506,6 +506,33 @@ def check_copies_take_their_images(model, inputs, options) -> None:
     assert torch.allclose(copies.logits[0], greedy.logits[0].repeat_interleave(2, 0), atol=1e-5, rtol=1e-5)
 
 
+def check_hidden_states_with_images(model, hf, inputs, layers: int):
+    """`output_hidden_states=True` over a prompt batch with images into a cache: as many states as
+    transformers gives (`layers` + 1) and each of them equal at the real positions. Returns
+    ortmodule's output and transformers'."""
+    real = inputs["attention_mask"].bool()
+    out = model(**inputs, use_cache=True, output_hidden_states=True)
+    with torch.no_grad():
+        expected = hf(**inputs, output_hidden_states=True)
+    assert len(out.hidden_states) == len(expected.hidden_states) == layers + 1
+    for ours, theirs in zip(out.hidden_states, expected.hidden_states):
+        assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
+    return out, expected
+
+
+GREEDY_AND_SAMPLED = (dict(do_sample=False), dict(do_sample=True, top_k=20))
+
+
+def check_generate_modes(model, hf, inputs, options, modes=GREEDY_AND_SAMPLED) -> None:
+    """`generate` in each of `modes` gives transformers' tokens, both seeded alike (sampling draws
+    the same numbers in the same order)."""
+    for mode in modes:
+        torch.manual_seed(7)
+        expected = hf.generate(**inputs, **options, **mode)
+        torch.manual_seed(7)
+        assert torch.equal(model.generate(**inputs, **options, **mode), expected), mode
+
+
 def check_image_step_and_loss(model, hf, inputs, cache, marks=lambda ids: {}) -> None:
     """After a prompt batch with images (`inputs`, three rows) into `cache`: a token more on each row
     gives transformers' logits over the whole sequence (`marks(ids)`: the processor's token-type

@@ -17,7 +17,9 @@ import pytest
 import torch
 import transformers
 from helpers import (
+    check_generate_modes,
     check_half_precision_images,
+    check_hidden_states_with_images,
     check_image_task,
     hf_multimodal,
     image_task_responses,
@@ -122,12 +124,7 @@ def test_hidden_states_with_images_equal_transformers(pair, inputs):
     names): every layer's input and the final norm's output at every real position, then a step's,
     as transformers gives them."""
     model, hf = pair
-    real = inputs["attention_mask"].bool()
-    out = model(**inputs, output_hidden_states=True, use_cache=True)
-    expected = reference(hf, **inputs, output_hidden_states=True)
-    assert len(out.hidden_states) == len(expected.hidden_states) == 3
-    for ours, theirs in zip(out.hidden_states, expected.hidden_states):
-        assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
+    out, _ = check_hidden_states_with_images(model, hf, inputs, layers=2)
     tokens = torch.tensor([[7], [8], [9]])
     mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
     step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values, output_hidden_states=True)
@@ -231,11 +228,7 @@ def test_generate_with_images_equals_transformers(pair, inputs, monkeypatch):
     original = images.prefill
     monkeypatch.setattr(images, "prefill", lambda *a: prefills.append(1) or original(*a))
     options = dict(max_new_tokens=10, pad_token_id=2)
-    for mode in (dict(do_sample=False), dict(do_sample=True, top_k=20)):
-        torch.manual_seed(7)
-        expected = hf.generate(**inputs, **options, **mode)
-        torch.manual_seed(7)
-        assert torch.equal(model.generate(**inputs, **options, **mode), expected)
+    check_generate_modes(model, hf, inputs, options)
     assert len(prefills) == 2  # the device loop took both
     # Beams repeat each row with its own images (the processor's tensors are not one row each).
     beams = dict(options, do_sample=False, num_beams=3, num_return_sequences=2)

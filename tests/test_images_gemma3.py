@@ -14,7 +14,14 @@ import onnx
 import pytest
 import torch
 import transformers
-from helpers import check_copies_take_their_images, check_image_step_and_loss, load_pair, padded_rows
+from helpers import (
+    GREEDY_AND_SAMPLED,
+    check_copies_take_their_images,
+    check_generate_modes,
+    check_image_step_and_loss,
+    load_pair,
+    padded_rows,
+)
 from PIL import Image
 
 from ortmodule import OrtModelForCausalLM
@@ -163,12 +170,8 @@ def test_generate_with_images_equals_transformers(deep, inputs):
     take their row's images (checked on the first step's logits)."""
     model, hf = deep
     options = dict(max_new_tokens=8, pad_token_id=2)
-    for mode in (dict(do_sample=False), dict(do_sample=True, top_k=20),
-                 dict(do_sample=False, num_beams=3, num_return_sequences=2)):
-        torch.manual_seed(7)
-        expected = hf.generate(**inputs, **options, **mode)
-        torch.manual_seed(7)
-        assert torch.equal(model.generate(**inputs, **options, **mode), expected)
+    check_generate_modes(model, hf, inputs, options,
+                         (*GREEDY_AND_SAMPLED, dict(do_sample=False, num_beams=3, num_return_sequences=2)))
     check_copies_take_their_images(model, inputs, options)
 
 

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import check_copies_take_their_images, check_image_step_and_loss, check_image_task, load_pair, padded_rows
+from helpers import (
+    check_copies_take_their_images,
+    check_generate_modes,
+    check_hidden_states_with_images,
+    check_image_step_and_loss,
+    check_image_task,
+    load_pair,
+    padded_rows,
+)
 from PIL import Image
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
@@ -86,12 +94,7 @@ def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, input
     """A prompt with images into a cache, then a step; hidden states (the graph's norms found by their
     weights' names) at every real position; the loss."""
     model, hf = pair
-    real = inputs["attention_mask"].bool()
-    out = model(**inputs, output_hidden_states=True, use_cache=True)
-    expected = reference(hf, **inputs, output_hidden_states=True)
-    assert len(out.hidden_states) == len(expected.hidden_states) == 3
-    for ours, theirs in zip(out.hidden_states, expected.hidden_states):
-        assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
+    out, _ = check_hidden_states_with_images(model, hf, inputs, layers=2)
     check_image_step_and_loss(model, hf, inputs, out.past_key_values,
                               lambda ids: {"mm_token_type_ids": (ids == IMAGE).long()})
 
@@ -103,11 +106,7 @@ def test_generate_with_images_equals_transformers(pair, inputs):
     a row of two images against the same row alone."""
     model, hf = pair
     options = dict(max_new_tokens=8, pad_token_id=2)
-    for mode in (dict(do_sample=False), dict(do_sample=True, top_k=20)):
-        torch.manual_seed(7)
-        expected = hf.generate(**inputs, **options, **mode)
-        torch.manual_seed(7)
-        assert torch.equal(model.generate(**inputs, **options, **mode), expected)
+    check_generate_modes(model, hf, inputs, options)
     beams = dict(options, do_sample=False, num_beams=3, num_return_sequences=2)
     pixels, positions, tokens = processed((40, 60), (50, 20), seed=4)
     ids, mask = padded_rows([prompt(tokens[:1], 6, 5), prompt(tokens[1:], 3, 6)])

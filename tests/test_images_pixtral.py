@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import check_copies_take_their_images, check_image_step_and_loss, load_pair, padded_rows, tokenizer_with
+from helpers import (
+    check_copies_take_their_images,
+    check_generate_modes,
+    check_hidden_states_with_images,
+    check_image_step_and_loss,
+    load_pair,
+    padded_rows,
+    tokenizer_with,
+)
 from PIL import Image
 
 from ortmodule import NotSupportedError
@@ -81,12 +89,7 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
 
 def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, inputs):
     model, hf = pair
-    real = inputs["attention_mask"].bool()
-    out = model(**inputs, use_cache=True, output_hidden_states=True)
-    expected = reference(hf, **inputs, output_hidden_states=True)
-    assert len(out.hidden_states) == len(expected.hidden_states) == 3
-    for ours, theirs in zip(out.hidden_states, expected.hidden_states):
-        assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
+    out, _ = check_hidden_states_with_images(model, hf, inputs, layers=2)
     check_image_step_and_loss(model, hf, inputs, out.past_key_values)
 
 
@@ -96,11 +99,7 @@ def test_generate_with_images_equals_transformers(pair, inputs):
     row breaks split an image's)."""
     model, hf = pair
     options = dict(max_new_tokens=8, pad_token_id=2)
-    for mode in (dict(do_sample=False), dict(do_sample=True, top_k=20)):
-        torch.manual_seed(7)
-        expected = hf.generate(**inputs, **options, **mode)
-        torch.manual_seed(7)
-        assert torch.equal(model.generate(**inputs, **options, **mode), expected)
+    check_generate_modes(model, hf, inputs, options)
     pixels, sizes = processed((40, 64), (32, 32), seed=4)  # beams: rows of one image each
     ids, mask = padded_rows([prompt(sizes.tolist()[:1], 7, 1), prompt(sizes.tolist()[1:], 4, 3)])
     one_each = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_sizes=sizes)
