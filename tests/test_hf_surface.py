@@ -188,6 +188,12 @@ def test_what_an_onnx_package_lacks_is_a_clear_error(build):
     assert not model.supports_gradient_checkpointing and not model.is_gradient_checkpointing
     with pytest.raises(NotSupportedError, match="has no push_to_hub: save the package with save_pretrained"):
         model.push_to_hub("me/model")
+    for name in ("load_adapter", "add_adapter", "set_adapter", "active_adapters"):  # transformers' PEFT integration
+        assert not hasattr(model, name)
+        with pytest.raises(NotSupportedError, match=f"has no {name}: .* merge the adapter into the checkpoint"):
+            getattr(model, name)("adapter")
+    with pytest.raises(NotSupportedError, match="has no set_input_embeddings: .* export it again"):
+        model.set_input_embeddings(torch.nn.Embedding(4, 2))
     with pytest.raises(NotSupportedError, match="assistant_early_exit .* pass assistant_model="):
         model.generate(torch.tensor([[5, 6]]), max_new_tokens=2, assistant_early_exit=1, pad_token_id=0)
     with pytest.raises(NotImplementedError, match="exported package"):
