@@ -71,6 +71,16 @@ def training_loss(loss: torch.Tensor) -> torch.Tensor:
     return _InferenceOnly.apply(loss, torch.ones((), requires_grad=True))
 
 
+def note_autocast(device: torch.device, dtype: torch.dtype) -> None:
+    """A warning where `torch.autocast` asks another precision than the package's (once per process and
+    precision: Python's default filter): the graph computes in the precision it was exported in."""
+    if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) != dtype:
+        asked = str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
+        warnings.warn(f"torch.autocast({device.type}, {asked}) does not change an ONNX package's precision: this "
+                      f"one computes in {str(dtype).removeprefix('torch.')}, as it was exported; export the model in "
+                      f"{asked} for that precision", stacklevel=2)
+
+
 class HuggingFaceSurface(GenerationMixin):
     """What transformers' generation code and libraries call on a model beyond forward: transformers'
     `GenerationMixin` (generate, compute_transition_scores, ...) with its sampling loop on the device,
@@ -134,6 +144,7 @@ class HuggingFaceSurface(GenerationMixin):
         greedy, sampling, beam search), with greedy decoding and sampling run on the device; plus
         `generator`, a `torch.Generator` for reproducible sampling. Returns what transformers
         returns: the prompts as given followed by the new tokens (or a `GenerateOutput`)."""
+        note_autocast(self.device, self.dtype)
         return generation.generate(self, inputs, generation_config, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> HuggingFaceSurface:

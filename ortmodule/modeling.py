@@ -36,7 +36,7 @@ from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
 from .hf import CACHE_NAME, build_config, build_generation_config, check_dtype, load_tokenizer, loading_options
-from .hf_surface import HuggingFaceSurface, training_loss
+from .hf_surface import HuggingFaceSurface, note_autocast, training_loss
 from .package import NotSupportedError, Package, read_package
 
 __all__ = ["OrtModelForCausalLM", "NotSupportedError", "build_config", "build_generation_config", "load_tokenizer"]
@@ -184,6 +184,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         transformers computes for these rows (the graph derives positions from the mask), else refused.
         """
         _refuse_unsupported(input_ids, inputs_embeds, kwargs)
+        note_autocast(self.device, self.dtype)
         keep = cont_len if cont_len is not None else logits_to_keep
         past, use_cache = _given_cache(past_key_values, cache, use_cache)
         asked = _asked(self.config, output_hidden_states, output_attentions)  # hidden states, attention weights

@@ -175,6 +175,26 @@ def test_forward_keywords_transformers_passes(build):
         model(torch.tensor([[9], [9]]), position_ids=torch.tensor([[0], [0]]), past_key_values=step.past_key_values)
 
 
+def test_autocast_is_named_and_changes_nothing(build):
+    """Under torch.autocast(bf16), transformers computes in bf16; an fp32 package computes as exported, the
+    same logits as without autocast, and a warning says so (none without autocast)."""
+    import warnings
+
+    model, _ = load_pair(build("llama"))
+    ids, mask = left_padded([4, 7], seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = model(ids, attention_mask=mask).logits
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"autocast\(cpu, bfloat16\) does not change .* computes in float32"), bf16:
+        under = model(ids, attention_mask=mask).logits
+    assert under.dtype == torch.float32 and torch.equal(under, plain)
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=2)
+    with pytest.warns(UserWarning, match=r"autocast\(cpu, bfloat16\) does not change"), bf16:  # no forward runs
+        tokens = model.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
+
+
 def test_what_an_onnx_package_lacks_is_a_clear_error(build):
     model, _ = load_pair(build("llama"))
     assert isinstance(model, GenerationMixin) and model.can_generate()
