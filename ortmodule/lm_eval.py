@@ -322,7 +322,7 @@ def rolling_totals(lm: OrtModuleLM, requests, disable_tqdm: bool = False) -> lis
     windows, counts = [], []
     for request in requests:
         mine = [(None, *make_disjoint_window(window)) for window in get_rolling_token_windows(
-            token_list=lm.tok_encode(request.args[0]), prefix_token=lm.prefix_token_id,
+            token_list=lm.tok_encode(rolling_text(request)), prefix_token=lm.prefix_token_id,
             max_seq_len=lm.max_length, context_len=1)]
         windows += mine
         counts.append(len(mine))
@@ -336,9 +336,21 @@ def rolling_totals(lm: OrtModuleLM, requests, disable_tqdm: bool = False) -> lis
     scores = iter(read_back([None] * len(windows), pending, lm.cache_hook))
     totals = []
     for request, count in zip(requests, counts):
-        totals.append(sum(next(scores)[0] for _ in range(count)))
+        totals.append(rolling_answer(request, sum(next(scores)[0] for _ in range(count))))
         lm.cache_hook.add_partial("loglikelihood_rolling", request.args, totals[-1])
     return totals
+
+
+def rolling_text(request) -> str:
+    """A `loglikelihood_rolling` request's document: its one argument (lm-eval 0.4), or the second of
+    ("", text) (lm-eval 0.5's requests, as its `next0.5` branch and 0.5.0.dev1 make them)."""
+    return request.args[-1]
+
+
+def rolling_answer(request, total: float) -> float | tuple[float, bool]:
+    """A rolling request's answer in its lm-eval's form: the total (0.4), or (total, False) for 0.5's
+    two-argument requests, whose metrics read every answer as loglikelihood's pair."""
+    return (total, False) if len(request.args) == 2 else total
 
 
 def _prefix_text(lm) -> str | None:
@@ -707,7 +719,7 @@ class OrtModuleLM(ArgumentsOnce, HFLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         """HFLM's, with the documents encoded first, batched on every core (HFLM: one by one, on one
         core), and on an ortmodule model every window of every document in one call (`rolling_totals`)."""
-        self._encoded = self._encode_batched([req.args[0] for req in requests])
+        self._encoded = self._encode_batched([rolling_text(req) for req in requests])
         try:
             if not isinstance(self._model, OrtModelForCausalLM):
                 return HFLM.loglikelihood_rolling(self, requests, disable_tqdm)

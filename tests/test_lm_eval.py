@@ -337,6 +337,28 @@ def test_rolling_documents_are_encoded_in_one_batched_call(build, monkeypatch):
     assert got == pytest.approx(reference, rel=1e-5)
 
 
+def test_rolling_requests_in_lm_eval_0_5s_form_are_answered_in_it(build):
+    """lm-eval 0.5's rolling requests (its `next0.5` branch; 0.5.0.dev1 on PyPI) carry ("", document) and
+    take (total, False) answers, as its loglikelihood's do; 0.4's carry (document,) and take the total.
+    The same documents in both forms: hf's totals, each in its form (reading the empty first argument as
+    the document scored nothing and answered 0)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    texts = [" ".join(["two plus three is five"] * n) for n in (3, 40)]
+    old = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)]
+    new = [Instance("loglikelihood_rolling", {}, ("", text), i) for i, text in enumerate(texts)]
+    reference = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", device="cpu",
+                     batch_size=4).loglikelihood_rolling(old, disable_tqdm=True)
+    lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=4)
+    totals = lm.loglikelihood_rolling(old, disable_tqdm=True)
+    assert totals == pytest.approx(reference, rel=1e-5) and all(isinstance(t, float) for t in totals)
+    assert lm.loglikelihood_rolling(new, disable_tqdm=True) == [(total, False) for total in totals]
+
+
 def test_rolling_windows_run_in_batches_by_length_and_come_back_once(build, monkeypatch):
     """Every window of every document in one call: two long documents (two windows of the 256-token
     context each) and two short ones (one window each), 2 rows a batch. HFLM batches the windows in
