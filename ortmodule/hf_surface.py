@@ -30,6 +30,7 @@ _NO_PYTORCH_MODULES = (
     "or ortmodule.loglikelihood"
 )
 _INFERENCE_ONLY = "an ONNX package runs inference only: its graph holds the weights, and nothing of it trains"
+_FIXED_WEIGHTS = "the package's weights were fixed when it was exported"
 _UNSUPPORTED_ATTRIBUTES = {
     "base_model": _NO_PYTORCH_MODULES,
     "model": _NO_PYTORCH_MODULES,
@@ -39,16 +40,14 @@ _UNSUPPORTED_ATTRIBUTES = {
     "enable_input_require_grads": _INFERENCE_ONLY,
     "push_to_hub": "save the package with save_pretrained(folder), then upload the folder with huggingface_hub's "
                    "upload_folder",
+    # transformers' PEFT integration and its weight setters
+    **dict.fromkeys(("load_adapter", "add_adapter", "set_adapter", "enable_adapters", "disable_adapters",
+                     "delete_adapter", "active_adapters", "get_adapter_state_dict", "enable_peft_hotswap"),
+                    f"{_FIXED_WEIGHTS}: merge the adapter into the checkpoint (peft's merge_and_unload), then "
+                    "export that"),
+    **dict.fromkeys(("set_input_embeddings", "set_output_embeddings", "set_decoder", "dequantize"),
+                    f"{_FIXED_WEIGHTS}: change the checkpoint, then export it again"),
 }
-# transformers' PEFT integration and its weight setters: a package's weights were fixed at its export.
-_FIXED_WEIGHTS = "the package's weights were fixed when it was exported"
-_UNSUPPORTED_ATTRIBUTES.update(dict.fromkeys(
-    ("load_adapter", "add_adapter", "set_adapter", "enable_adapters", "disable_adapters", "delete_adapter",
-     "active_adapters", "get_adapter_state_dict", "enable_peft_hotswap"),
-    f"{_FIXED_WEIGHTS}: merge the adapter into the checkpoint (peft's merge_and_unload), then export that"))
-_UNSUPPORTED_ATTRIBUTES.update(dict.fromkeys(
-    ("set_input_embeddings", "set_output_embeddings", "set_decoder", "dequantize"),
-    f"{_FIXED_WEIGHTS}: change the checkpoint, then export it again"))
 
 
 class _InferenceOnly(torch.autograd.Function):

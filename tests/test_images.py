@@ -124,7 +124,7 @@ def test_hidden_states_with_images_equal_transformers(pair, inputs):
     names): every layer's input and the final norm's output at every real position, then a step's,
     as transformers gives them."""
     model, hf = pair
-    out, _ = check_hidden_states_with_images(model, hf, inputs, layers=2)
+    out = check_hidden_states_with_images(model, hf, inputs, layers=2)
     tokens = torch.tensor([[7], [8], [9]])
     mask = torch.cat([inputs["attention_mask"], torch.ones(3, 1, dtype=torch.int64)], 1)
     step = model(tokens, attention_mask=mask, past_key_values=out.past_key_values, output_hidden_states=True)

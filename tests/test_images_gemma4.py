@@ -94,7 +94,7 @@ def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, input
     """A prompt with images into a cache, then a step; hidden states (the graph's norms found by their
     weights' names) at every real position; the loss."""
     model, hf = pair
-    out, _ = check_hidden_states_with_images(model, hf, inputs, layers=2)
+    out = check_hidden_states_with_images(model, hf, inputs, layers=2)
     check_image_step_and_loss(model, hf, inputs, out.past_key_values,
                               lambda ids: {"mm_token_type_ids": (ids == IMAGE).long()})
 

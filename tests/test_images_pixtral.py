@@ -89,7 +89,7 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
 
 def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, inputs):
     model, hf = pair
-    out, _ = check_hidden_states_with_images(model, hf, inputs, layers=2)
+    out = check_hidden_states_with_images(model, hf, inputs, layers=2)
     check_image_step_and_loss(model, hf, inputs, out.past_key_values)
 
 
