@@ -337,7 +337,8 @@ class Decoder:
     def run_bound(self, session, binding, ids, logit_index, mask, positions, lengths=None) -> torch.Tensor:
         """Bind the tokens (embeddings `[B, T, H]` are the caller's to bind), mask and positions (None:
         not inputs of `session`) and the logits, and run `session`: logits `[n, V]` at the flat indices
-        `logit_index`, else `[B, T, V]`. `lengths`: each row's real tokens (None: all), for hybrids."""
+        `logit_index`, else `[B, T, V]`; None from a session without the logits output (variants.LAST).
+        `lengths`: each row's real tokens (None: all), for hybrids."""
         spec = self.spec
         batch, length = ids.shape[:2]
         bind_state_lengths(self, session, binding, lengths, ids)
@@ -348,12 +349,15 @@ class Decoder:
         if spec.position_ids and positions is not None:
             runtime.bind_input(binding, spec.position_ids, self.position_input(positions))
         vocab = self.vocab_size
+        shape = (batch, length, vocab)
         if self.keeps_positions:
             kept = logit_index if logit_index is not None else torch.arange(batch * length, device=self.device)
             runtime.bind_input(binding, graph.LOGITS_INDICES, kept)
-            logits = torch.empty(kept.numel(), vocab, dtype=self.head_dtype, device=self.device)
-        else:
-            logits = torch.empty(batch, length, vocab, dtype=self.head_dtype, device=self.device)
+            shape = (kept.numel(), vocab)
+        if spec.logits not in session.output_names:  # a variant without the LM head (variants.LAST)
+            session.run(binding)
+            return None
+        logits = torch.empty(shape, dtype=self.head_dtype, device=self.device)
         runtime.bind_output(binding, spec.logits, logits)
         session.run(binding)
         if logit_index is None:

@@ -16,6 +16,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin
 
 from . import embeddings, generation, images, images_plain, runtime
+from .backbone import Backbone
 from .cache import KVCache, keep_known
 from .hf import CACHE_NAME
 from .package import NotSupportedError, model_files
@@ -23,19 +24,16 @@ from .parameters import count_parameters
 
 # What transformers models have and these do not, with what to do instead.
 _NO_PYTORCH_MODULES = (
-    "the ONNX graph holds the weights, and ortmodule exposes no PyTorch modules but the embedding table and "
-    "the LM head (get_input_embeddings(), get_output_embeddings()) and no hidden states but forward's "
-    "(output_hidden_states=True); for per-token "
+    "the ONNX graph holds the weights, and ortmodule exposes no PyTorch modules but the embedding table, "
+    "the LM head (get_input_embeddings(), get_output_embeddings()) and the backbone that gives the last hidden "
+    "state (model.model, model.base_model); for per-token "
     "log-probabilities use model(input_ids, ...).logits (with cont_len / logits_to_keep for the positions you need) "
     "or ortmodule.loglikelihood"
 )
 _INFERENCE_ONLY = "an ONNX package runs inference only: its graph holds the weights, and nothing of it trains"
 _FIXED_WEIGHTS = "the package's weights were fixed when it was exported"
 _UNSUPPORTED_ATTRIBUTES = {
-    "base_model": _NO_PYTORCH_MODULES,
-    "model": _NO_PYTORCH_MODULES,
     "lm_head": _NO_PYTORCH_MODULES,
-    "get_decoder": _NO_PYTORCH_MODULES,
     "gradient_checkpointing_enable": _INFERENCE_ONLY,
     "enable_input_require_grads": _INFERENCE_ONLY,
     "push_to_hub": "save the package with save_pretrained(folder), then upload the folder with huggingface_hub's "
@@ -165,6 +163,18 @@ class HuggingFaceSurface(GenerationMixin):
         if name in _UNSUPPORTED_ATTRIBUTES:
             raise NotSupportedError(f"OrtModelForCausalLM has no {name}: {_UNSUPPORTED_ATTRIBUTES[name]}")
         return super().__getattr__(name)
+
+    @property
+    def model(self) -> Backbone:
+        """The decoder without its LM head, called as transformers' backbone (`LlamaModel`, ...):
+        `model.model(input_ids, attention_mask).last_hidden_state` (backbone.py). Not a submodule."""
+        return Backbone(self)
+
+    base_model = model  # transformers' `base_model` is the module named `base_model_prefix`, "model"
+
+    def get_decoder(self) -> Backbone:
+        """transformers' `get_decoder()`: the backbone (`model.model`)."""
+        return Backbone(self)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         """The package's token embeddings as transformers gives them: a frozen `torch.nn.Embedding` on

@@ -78,8 +78,9 @@ def hidden_values(g: ir.Graph, layers: int) -> list[ir.Value]:
     return [*values, final.outputs[0]]
 
 
-def add_hidden_outputs(g: ir.Graph, layers: int, hidden_size: int) -> None:
-    """Give the graph outputs `HIDDEN + i` `[rows * positions, hidden_size]`, i = 0 ... layers."""
+def add_hidden_outputs(g: ir.Graph, layers: int, hidden_size: int, last_only: bool = False) -> None:
+    """Give the graph outputs `HIDDEN + i` `[rows * positions, hidden_size]`, i = 0 ... layers (`last_only`:
+    i = layers, the final norm's output, only)."""
     shape = ir.Value(name="/ortmodule/hidden_shape", const_value=ir.tensor([-1, hidden_size], dtype=ir.DataType.INT64))
     g.initializers.add(shape)
     values = hidden_values(g, layers)
@@ -87,9 +88,21 @@ def add_hidden_outputs(g: ir.Graph, layers: int, hidden_size: int) -> None:
     # embeddings' input has one), the residual stream's type throughout.
     known = next((value.dtype for value in values if value.dtype is not None), None)
     for i, value in enumerate(values):
+        if last_only and i < layers:
+            continue
         flat = ir.node("Reshape", [value, shape], name=f"/ortmodule/hidden_{i}")
         flat.outputs[0].name = f"{HIDDEN}{i}"
         flat.outputs[0].dtype = value.dtype or known
         flat.outputs[0].shape = ir.Shape(["hidden_rows", hidden_size])
         g.append(flat)
         g.outputs.append(flat.outputs[0])
+
+
+def drop_output(g: ir.Graph, name: str) -> None:
+    """Take output `name` out of the graph, and every node that only it needed (the LM head, where
+    the logits are the output): consumers before their producers, so that each is unused when reached."""
+    g.outputs[:] = [value for value in g.outputs if value.name != name]
+    kept = set(g.outputs)
+    for node in reversed(list(g)):
+        if all(not value.uses() and value not in kept for value in node.outputs):
+            g.remove(node, safe=True)

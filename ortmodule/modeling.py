@@ -231,7 +231,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
                                                    variants.rolled(rows, embeds), caller_mask=attention_mask)
         else:
             logits, states, weights = self.decoder.prefill(rows, index, cache), None, None
-        logits = self.decoder.public(logits).view(batch, -1, self.package.vocab_size)
+        if logits is not None:  # None from the backbone's run (variants.LAST)
+            logits = self.decoder.public(logits).view(batch, -1, self.package.vocab_size)
         if cache is not None:
             given = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
             cache.caller_mask = given.to(self.device, torch.int64)
@@ -317,7 +318,8 @@ def _variant(decoder: Decoder, hidden_states: bool, weights: bool, embeds: bool,
         return variants.for_decoder(decoder, hidden_states, embeds or media is not None, extra_feeds=media is not None,
                                     attention_weights=weights)
     except RewriteSkipped as reason:
-        asked = " with ".join(name for name, on in (("output_hidden_states=True", hidden_states),
+        hidden = "model.model's last hidden state" if hidden_states == variants.LAST else "output_hidden_states=True"
+        asked = " with ".join(name for name, on in ((hidden, hidden_states),
                                                      ("output_attentions=True", weights),
                                                      ("inputs_embeds", embeds), ("pixel_values", media is not None))
                               if on)
@@ -331,7 +333,7 @@ def _asked(config, hidden_states: bool | None, weights: bool | None) -> tuple[bo
         hidden_states = getattr(config, "output_hidden_states", False)
     if weights is None:
         weights = getattr(config, "output_attentions", False)
-    return bool(hidden_states), bool(weights)
+    return (hidden_states if hidden_states == variants.LAST else bool(hidden_states)), bool(weights)
 
 
 # transformers' loss keywords that forward takes (with labels; transformers' Trainer passes them).

@@ -171,6 +171,10 @@ class Session:
     def input_names(self) -> frozenset[str]:
         return frozenset(value.name for value in self.ort_session.get_inputs())
 
+    @functools.cached_property
+    def output_names(self) -> frozenset[str]:
+        return frozenset(value.name for value in self.ort_session.get_outputs())
+
     def _run_options(self, graph_id: int) -> ort.RunOptions | None:
         """The run options of a run: with CUDA graphs on, every run names its graph (-1: none, as
         ONNX Runtime would otherwise capture it under id 0 and replay that for every shape)."""

@@ -31,6 +31,9 @@ from .inputs import Rows
 logger = logging.getLogger("ortmodule")
 
 VARIANT_VERSION = "1"
+# `hidden_states=LAST`: the final norm's output only, and no LM head (the logits output and what only it
+# needed taken out of the graph): the backbone's run (backbone.py)
+LAST = "last"
 
 
 class Variant:
@@ -42,8 +45,10 @@ class Variant:
         self.decoder, self.session = weakref.proxy(decoder), session
         self.embeds_input = embeds_input  # where `inputs_embeds` are bound (None: runs take token ids)
         layers = decoder.package.num_hidden_layers
-        self.dtypes = [runtime.output_dtype(session, f"{hidden.HIDDEN}{i}") for i in range(layers + 1)] \
+        # the hidden-state outputs, in transformers' order: every layer's, or (LAST) the final norm's
+        self.names = [f"{hidden.HIDDEN}{i}" for i in (range(layers + 1) if hidden_states != LAST else [layers])] \
             if hidden_states else []
+        self.dtypes = [runtime.output_dtype(session, name) for name in self.names]
         # (name, heads, dtype) of each attention layer's weights, in transformers' order
         self.weights = [(name, heads, runtime.output_dtype(session, name)) for name, heads in
                         attentions.weight_outputs(session, decoder.package.num_attention_heads)] \
@@ -65,8 +70,8 @@ class Variant:
             runtime.bind_input(binding, name, value.contiguous())
         (batch, queries), size = ids.shape[:2], decoder.package.hidden_size
         out = [torch.empty(batch * queries, size, dtype=dtype, device=decoder.device) for dtype in self.dtypes]
-        for i, tensor in enumerate(out):
-            runtime.bind_output(binding, f"{hidden.HIDDEN}{i}", tensor)
+        for name, tensor in zip(self.names, out):
+            runtime.bind_output(binding, name, tensor)
         weights = [torch.empty(batch, heads, queries, keys, dtype=dtype, device=decoder.device)
                    for _, heads, dtype in self.weights]
         for (name, _, _), tensor in zip(self.weights, weights):
@@ -97,10 +102,7 @@ class Variant:
             ran = torch.arange(width, device=rows.lengths.device)[None, :] < rows.lengths[:, None]
             given = ran if caller_mask is None else caller_mask.to(ran.device) != 0
             weights = tuple(attentions.to_caller(w, ran, given, ran, given) for w in weights)
-        logits = logits.view(-1, logits.shape[-1])
-        if kept is None and logit_index is not None:
-            logits = logits.index_select(0, logit_index)
-        return logits, states or None, tuple(weights) or None
+        return _kept(logits, kept, logit_index), states or None, tuple(weights) or None
 
     def step(self, tokens: torch.Tensor, cache: KVCache, logit_index: torch.Tensor | None,
              caller_mask: torch.Tensor | None = None):
@@ -140,10 +142,16 @@ class Variant:
         if weights:
             every = torch.ones(batch, new, dtype=torch.bool, device=ran.device)
             weights = tuple(attentions.to_caller(w, every, every, ran, caller_mask) for w in weights)
-        logits = logits.view(-1, logits.shape[-1])
-        if kept is None and logit_index is not None:
-            logits = logits.index_select(0, logit_index)
-        return logits, states or None, tuple(weights) or None
+        return _kept(logits, kept, logit_index), states or None, tuple(weights) or None
+
+
+def _kept(logits: torch.Tensor | None, kept: torch.Tensor | None, logit_index: torch.Tensor | None):
+    """A run's logits `[n, V]` at `logit_index` where the run computed every position (`kept` None);
+    None from a graph without the LM head (LAST)."""
+    if logits is None:
+        return None
+    logits = logits.view(-1, logits.shape[-1])
+    return logits.index_select(0, logit_index) if kept is None and logit_index is not None else logits
 
 
 _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {(kind): (its session, Variant)}
@@ -165,7 +173,10 @@ def graph_bytes(decoder: Decoder, hidden_states: bool, take_embeds: bool, base: 
         if take_embeds:
             embeddings.take_embeddings(model.graph, decoder.spec.input_ids, package.model_type, package.hidden_size)
         if hidden_states:
-            hidden.add_hidden_outputs(model.graph, package.num_hidden_layers, package.hidden_size)
+            hidden.add_hidden_outputs(model.graph, package.num_hidden_layers, package.hidden_size,
+                                      last_only=hidden_states == LAST)
+        if hidden_states == LAST:
+            hidden.drop_output(model.graph, decoder.spec.logits)
         if attention_weights:
             attentions.add_attention_outputs(model.graph, package.num_attention_heads,
                                              runtime.ONNX_TYPE[decoder.kv_dtype])

@@ -508,7 +508,8 @@ def check_copies_take_their_images(model, inputs, options) -> None:
 
 def check_hidden_states_with_images(model, hf, inputs, layers: int):
     """`output_hidden_states=True` over a prompt batch with images into a cache: as many states as
-    transformers gives (`layers` + 1) and each of them equal at the real positions. Returns
+    transformers gives (`layers` + 1) and each of them equal at the real positions, the backbone's last
+    one too. Returns
     ortmodule's output (its cache continues the prompt)."""
     real = inputs["attention_mask"].bool()
     out = model(**inputs, use_cache=True, output_hidden_states=True)
@@ -517,6 +518,9 @@ def check_hidden_states_with_images(model, hf, inputs, layers: int):
     assert len(out.hidden_states) == len(expected.hidden_states) == layers + 1
     for ours, theirs in zip(out.hidden_states, expected.hidden_states):
         assert torch.allclose(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
+    # the backbone (`model.base_model`, as trl's distillation calls a teacher's) over the images too
+    last = model.base_model(**inputs, use_cache=False).last_hidden_state
+    assert torch.allclose(last[real], expected.hidden_states[-1][real], atol=1e-4, rtol=1e-4)
     return out
 
 

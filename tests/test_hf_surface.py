@@ -12,7 +12,7 @@ from helpers import CachePair as Pair
 from helpers import left_padded_batch as left_padded
 from transformers import DynamicCache, GenerationMixin
 
-from ortmodule import NotSupportedError, OrtModelForCausalLM
+from ortmodule import NotSupportedError, OrtModelForCausalLM, variants
 from ortmodule.cache import KVCache
 from ortmodule.hf import CACHE_NAME
 from ortmodule_dev import fixtures
@@ -195,13 +195,48 @@ def test_autocast_is_named_and_changes_nothing(build):
     assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_backbone_gives_transformers_last_hidden_state_without_the_lm_head(build, arch):
+    """`model.model`, `model.base_model` and `model.get_decoder()`, called as transformers' backbone, give its
+    `last_hidden_state` (a left-padded batch, compared at the real positions); the run's graph has no logits
+    output (no LM head computed); asked for more, the hidden states of every layer and a cache."""
+    model, reference = load_pair(build(arch))
+    ids, mask = left_padded([5, 12, 9], seed=3)
+    real = mask.bool()
+    with torch.no_grad():
+        expected = reference.model(ids, attention_mask=mask, output_hidden_states=True)
+    for backbone in (model.model, model.base_model, model.get_decoder()):
+        out = backbone(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)  # as trl calls it
+        assert out.last_hidden_state.shape == expected.last_hidden_state.shape
+        assert torch.allclose(out.last_hidden_state[real], expected.last_hidden_state[real], atol=1e-4)
+        assert out.hidden_states is None and out.past_key_values is None
+    headless = variants.for_decoder(model.decoder, variants.LAST, False).session
+    assert model.decoder.spec.logits not in headless.output_names
+    plain = model(ids, attention_mask=mask, output_hidden_states=True)
+    logits = model.get_output_embeddings()(model.model(ids, attention_mask=mask).last_hidden_state)
+    assert torch.allclose(logits[real], plain.logits[real], atol=1e-5)
+    asked = model.model(ids, attention_mask=mask, output_hidden_states=True, use_cache=True, return_dict=False)
+    last, cache, states = asked
+    assert isinstance(cache, KVCache) and len(states) == len(expected.hidden_states)
+    for ours, theirs in zip(states, expected.hidden_states):
+        assert torch.allclose(ours[real], theirs[real], atol=1e-4)
+    assert torch.equal(last, states[-1])
+    assert list(model.model.parameters()) == [] and len(list(model.parameters())) == 1  # not a submodule
+    assert torch.equal(model.model.embed_tokens.weight, model.get_input_embeddings().weight)
+    with pytest.raises(TypeError, match="the backbone takes no labels"):
+        model.model(ids, labels=ids)
+
+
 def test_what_an_onnx_package_lacks_is_a_clear_error(build):
     model, _ = load_pair(build("llama"))
     assert isinstance(model, GenerationMixin) and model.can_generate()
-    for name in ("base_model", "lm_head", "get_decoder"):
-        assert not hasattr(model, name)
-        with pytest.raises(NotSupportedError, match=f"has no {name}: the ONNX graph holds the weights"):
-            getattr(model, name)
+    assert not hasattr(model, "lm_head")
+    with pytest.raises(NotSupportedError, match="has no lm_head: the ONNX graph holds the weights"):
+        getattr(model, "lm_head")  # noqa: B009
+    for name in ("layers", "norm"):  # the backbone's modules
+        assert not hasattr(model.model, name)
+        with pytest.raises(NotSupportedError, match=f"backbone of an ONNX package has no {name}"):
+            getattr(model.model, name)
     for name in ("gradient_checkpointing_enable", "enable_input_require_grads"):
         with pytest.raises(NotSupportedError, match=f"has no {name}: an ONNX package runs inference only"):
             getattr(model, name)()
@@ -450,6 +485,8 @@ def test_a_deep_copy_runs_sessions_of_its_own_and_pickling_is_refused(build):
         ids, do_sample=False, pad_token_id=0, max_new_tokens=2))
     with pytest.raises(TypeError, match="cannot be pickled: .* save_pretrained"):
         pickle.dumps(model)
+    with pytest.raises(NotSupportedError, match="model.model's last hidden state: it needs the LM-head rewrite"):
+        model.model(ids)  # without the rewrite, no graph to take the LM head out of
 
 
 def test_trainer_evaluate_and_predict_equal_transformers(build, tmp_path):

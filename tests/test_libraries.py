@@ -164,12 +164,65 @@ def test_text_generation_pipeline_logs_no_error(pair, caplog):
     assert ours(chat, max_new_tokens=12, do_sample=False) == theirs(chat, max_new_tokens=12, do_sample=False)
 
 
-def test_trl_fused_lm_head_gets_a_clear_error(pair):
-    from trl.trainer.utils import add_fused_lm_head
+# trl's trainers on the tiny fixtures (they train the policy in PyTorch): with ortmodule's model as the reference or
+# the teacher, and with transformers' on the same weights, every logged loss the same. `bf16=False`: trl's default
+# trains under torch.autocast(bfloat16), where a transformers reference computes in bfloat16 too and ortmodule's in
+# the package's precision (docs/usage.md).
+PREFERENCES = {"prompt": ["The capital of France is", "Two plus two is", "Water boils at", "The sky is"],
+               "chosen": [" Paris.", " four.", " one hundred degrees.", " blue."],
+               "rejected": [" Rome.", " five.", " zero degrees.", " green."]}
 
-    model, _, tokenizer, fixture = pair
-    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)  # add_fused_lm_head patches the object
-    add_fused_lm_head(model)
-    batch = tokenizer(SENTENCES[:2], return_tensors="pt", padding=True)
-    with pytest.raises(NotImplementedError, match="no base_model: .* ortmodule.loglikelihood"):
-        model(**batch, labels=batch.input_ids, fused_lm_head=True)
+
+def trl_losses(build, tmp_path, trainer, config, data: dict, frozen: str, seed: int = 0, **options) -> list[list]:
+    """The losses `trainer` logs over 3 steps of a transformers llama fixture (seed 0), given `frozen` (the
+    reference or teacher argument's name) as ortmodule's model and as transformers' over the llama fixture
+    of `seed`: [ortmodule's, transformers']."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    policy, other = build("llama"), build("llama", seed=seed)
+    runs = []
+    for kind in ("ortmodule", "transformers"):
+        torch.manual_seed(0)
+        frozen_model = OrtModelForCausalLM.from_pretrained(other.package_dir) if kind == "ortmodule" else \
+            AutoModelForCausalLM.from_pretrained(other.hf_dir, dtype=torch.float32)
+        args = config(output_dir=str(tmp_path / kind), max_steps=3, logging_steps=1, report_to=[], use_cpu=True,
+                      save_strategy="no", seed=0, bf16=False, **options)
+        run = trainer(model=AutoModelForCausalLM.from_pretrained(policy.hf_dir, dtype=torch.float32),
+                      args=args, train_dataset=Dataset.from_dict(data),
+                      processing_class=AutoTokenizer.from_pretrained(policy.hf_dir), **{frozen: frozen_model})
+        with torch.enable_grad():  # lighteval turns gradients off for the whole process when imported
+            run.train()
+        runs.append([entry["loss"] for entry in run.state.log_history if "loss" in entry])
+    assert len(runs[0]) == 3
+    return runs
+
+
+def test_trl_dpo_with_an_ortmodule_reference_model(build, tmp_path):
+    """DPO's reference log-probabilities through trl's fused LM head over ortmodule's backbone (`model.model`)."""
+    from trl import DPOConfig, DPOTrainer
+
+    ours, theirs = trl_losses(build, tmp_path, DPOTrainer, DPOConfig, PREFERENCES, "ref_model",
+                              per_device_train_batch_size=2, learning_rate=1e-3)
+    assert ours == pytest.approx(theirs, abs=1e-5)
+    assert ours[0] == pytest.approx(0.6931, abs=1e-3) and ours[-1] < ours[0]  # log 2 before the policy moves
+
+
+def test_trl_kto_with_an_ortmodule_reference_model(build, tmp_path):
+    from trl import KTOConfig, KTOTrainer
+
+    data = {"prompt": PREFERENCES["prompt"], "completion": [" Paris.", " five.", " one hundred degrees.", " green."],
+            "label": [True, False, True, False]}
+    ours, theirs = trl_losses(build, tmp_path, KTOTrainer, KTOConfig, data, "ref_model",
+                              per_device_train_batch_size=4, learning_rate=1e-3)
+    assert ours == pytest.approx(theirs, abs=1e-5)
+
+
+def test_trl_distillation_from_an_ortmodule_teacher(build, tmp_path):
+    """The teacher's hidden states from ortmodule's backbone, projected by its `get_output_embeddings()`."""
+    from trl import DistillationConfig, DistillationTrainer
+
+    data = {"prompt": PREFERENCES["prompt"], "completion": PREFERENCES["chosen"]}
+    ours, theirs = trl_losses(build, tmp_path, DistillationTrainer, DistillationConfig, data, "teacher_model",
+                              seed=1, per_device_train_batch_size=2, max_completion_length=6)
+    assert ours == pytest.approx(theirs, abs=1e-5) and min(ours) > 0.1  # another model's distribution

@@ -1,0 +1,91 @@
+"""`model.model`, `model.base_model` and `model.get_decoder()`: the package's decoder without its LM
+head, called as transformers' backbone module (`LlamaModel`, ...) is: `last_hidden_state`
+`[B, T, hidden]`, the final norm's output at every position of the caller's layout.
+
+Code that projects the hidden states itself calls it: trl's fused LM head (its DPO and KTO trainers'
+reference models, `add_fused_lm_head`), trl's distillation teacher, embeddings pooled from the last
+hidden state. With nothing else asked for, the run is a variant of the graph that returns the final
+norm's output and has no LM head (`variants.LAST`): no logits are computed. With
+`output_hidden_states`, `output_attentions`, a cache to continue or images, the model's own forward
+runs (every layer's hidden states, the LM head at every position) and the last of its hidden states
+is the answer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from . import variants
+from .hf import CACHE_NAME
+from .package import NotSupportedError
+
+_MEDIA = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw",
+          "second_per_grid_ts", "image_position_ids", "image_sizes", "token_type_ids")
+
+
+class Backbone(torch.nn.Module):
+    """The decoder without its LM head, over the sessions of `model` (an `OrtModelForCausalLM`): not a
+    submodule of it, so `model.parameters()` and `model.modules()` are unchanged, and it holds no
+    parameters of its own. Made at each access of `model.model`; it keeps `model` alive."""
+
+    def __init__(self, model):
+        super().__init__()
+        object.__setattr__(self, "causal_lm", model)  # not registered: the model is not a child of its backbone
+
+    @property
+    def config(self):
+        return self.causal_lm.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.causal_lm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.causal_lm.dtype
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        """transformers' backbone's embedding table: `get_input_embeddings()`."""
+        return self.causal_lm.get_input_embeddings()
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.causal_lm.get_input_embeddings()
+
+    def __getattr__(self, name: str):
+        if name in ("layers", "norm", "rotary_emb"):
+            raise NotSupportedError(f"the backbone of an ONNX package has no {name}: the ONNX graph holds the weights; "
+                                    "it gives hidden states (last_hidden_state, output_hidden_states=True)")
+        return super().__getattr__(name)
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values=None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                output_attentions: bool | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, cache_position: torch.Tensor | None = None, **kwargs):
+        """transformers' backbone output: `BaseModelOutputWithPast(last_hidden_state, past_key_values,
+        hidden_states, attentions)` (the last three where asked for), or with `return_dict=False` the
+        tuple of the fields that are set. Arguments as `OrtModelForCausalLM.forward` takes them."""
+        model = self.causal_lm
+        if kwargs.get("labels") is not None:
+            raise TypeError("the backbone takes no labels: it has no LM head (model(input_ids, labels=...) gives "
+                            "the loss)")
+        for name in ("logits_to_keep", "cont_len"):  # the head's positions: transformers' backbone takes and ignores it
+            kwargs.pop(name, None)
+        every = tuple(bool(getattr(model.config, name, False)) if given is None else bool(given) for name, given in
+                      (("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions)))
+        plain = not any(every) and past_key_values is None and kwargs.get("cache") is None and \
+            all(kwargs.get(name) is None for name in _MEDIA)
+        # the class's forward: trl replaces the model's own with one that calls its backbone
+        out = type(model).forward(model, input_ids, attention_mask, past_key_values=past_key_values,
+                                  use_cache=use_cache, position_ids=position_ids, cache_position=cache_position,
+                                  inputs_embeds=inputs_embeds,
+                                  output_attentions=every[1],
+                                  output_hidden_states=variants.LAST if plain else True, **kwargs)
+        states = out.hidden_states
+        fields = {"last_hidden_state": states[-1], CACHE_NAME: getattr(out, CACHE_NAME),
+                  "hidden_states": states if every[0] else None, "attentions": out.attentions}
+        if return_dict is False:
+            return tuple(value for value in fields.values() if value is not None)
+        return BaseModelOutputWithPast(**fields)
