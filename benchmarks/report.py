@@ -24,8 +24,10 @@ from pathlib import Path
 # What each workload measures; the figures come from the run.
 NOTES = {
     "forward": "One forward pass (prefill) over a batch of random ids: logits for every position (`all`) "
-    "or only the last 4 (`cont_len`: `cont_len=4` for ortmodule, `logits_to_keep=4` for transformers). "
-    "`logits_bytes_per_request` is the logits one row returns; `peak_rss_mb` the process's peak "
+    "or only the last 4 (`cont_len`: `cont_len=4` for ortmodule, `logits_to_keep=4` for transformers), or no "
+    "logits: the backbone's last hidden state (`backbone`, runs since 2026-12-04: `model.model(ids).last_hidden_state` "
+    "for both, ortmodule's from the graph without its LM head). "
+    "`logits_bytes_per_request` is the logits one row returns (the backbone's: its hidden states); `peak_rss_mb` the process's peak "
     "resident memory during one call. `ortmodule-prefill-onnx` (runs that have it): the same package loaded with "
     "`prefill_attention=\"onnx\"` (the prefill graph: ONNX's `Attention` instead of GroupQueryAttention, no KV "
     "written), `max_diff_vs_package_graph` its largest logit difference from the `ortmodule` row's on the same ids. "

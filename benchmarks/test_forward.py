@@ -1,7 +1,8 @@
 """Forward latency (prefill): every position's logits vs only the last `keep`, ortmodule beside
 transformers on the same weights. CPU size: the real SmolLM2-135M-Instruct at batch 8 x 128, and
 random-weight packages with the exact configs of Qwen3-0.6B (151,936-token vocabulary) and
-Gemma-3-270M (262,144) at batch 2 x 128. `ortmodule-prefill-onnx`: the same package loaded with
+Gemma-3-270M (262,144) at batch 2 x 128; `backbone`: the last hidden state without the LM head
+(`model.model(ids).last_hidden_state`, ortmodule/backbone.py). `ortmodule-prefill-onnx`: the same package loaded with
 `prefill_attention="onnx"` (the prefill graph: ONNX's `Attention` instead of GroupQueryAttention,
 no KV written; ortmodule/extend.py), whose logits are checked against the package graph's at load.
 `ortmodule-packed-qkv` (CUDA): the package's packed query/key/value projection as it is, where
@@ -66,16 +67,21 @@ def run_case(benchmark, fn, setup, keep):
     info["shape"] = f"{batch}x{length}"
     info["peak_rss_mb"] = round(measure_peak(fn), 1)
     info["device"] = device_name(ids.device.type)
-    info["logits_bytes_per_request"] = out.numel() * out.element_size() // batch
-    info["flops"] = flop_count(fixture, batch * length, batch * (length if keep == "all" else k))
+    info["logits_bytes_per_request"] = out.numel() * out.element_size() // batch  # the backbone's: its hidden states
+    head_rows = {"all": length, "backbone": 0}.get(keep, k)
+    info["flops"] = flop_count(fixture, batch * length, batch * head_rows)
     benchmark.pedantic(fn, rounds=3, iterations=1, warmup_rounds=0)
     return out
 
 
 @pytest.mark.benchmark(group="forward")
-@pytest.mark.parametrize("keep", ["all", "cont_len"])
+@pytest.mark.parametrize("keep", ["all", "cont_len", "backbone"])
 def test_ortmodule_forward(benchmark, setup, keep):
     _, model, _, ids, k, _ = setup
+    if keep == "backbone":  # the last hidden state, no LM head (ortmodule/backbone.py)
+        out = run_case(benchmark, lambda: model.model(ids).last_hidden_state, setup, keep)
+        assert out.shape == (*ids.shape, model.config.hidden_size)
+        return
     kwargs = {} if keep == "all" else {"cont_len": k}
     out = run_case(benchmark, lambda: model(ids, **kwargs).logits, setup, keep)
     assert out.shape[1] == (ids.shape[1] if keep == "all" else k)
@@ -110,13 +116,15 @@ def test_ortmodule_variant_forward(benchmark, setup, request, backend, keep):
 
 
 @pytest.mark.benchmark(group="forward")
-@pytest.mark.parametrize("keep", ["all", "cont_len"])
+@pytest.mark.parametrize("keep", ["all", "cont_len", "backbone"])
 def test_transformers_forward(benchmark, setup, keep):
     _, _, model, ids, k, _ = setup
     kwargs = {} if keep == "all" else {"logits_to_keep": k}
 
     def forward():
         with torch.inference_mode():
+            if keep == "backbone":
+                return model.model(ids).last_hidden_state
             return model(ids, **kwargs).logits
 
     run_case(benchmark, forward, setup, keep)
