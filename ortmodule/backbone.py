@@ -89,3 +89,19 @@ class Backbone(torch.nn.Module):
         if return_dict is False:
             return tuple(value for value in fields.values() if value is not None)
         return BaseModelOutputWithPast(**fields)
+
+
+class WithBackbone:
+    """transformers' ways to a model's backbone, on `OrtModelForCausalLM` (through hf_surface.py)."""
+
+    @property
+    def model(self) -> Backbone:
+        """The decoder without its LM head, called as transformers' backbone (`LlamaModel`, ...):
+        `model.model(input_ids, attention_mask).last_hidden_state`. Not a submodule."""
+        return Backbone(self)
+
+    base_model = model  # transformers' `base_model` is the module named `base_model_prefix`, "model"
+
+    def get_decoder(self) -> Backbone:
+        """transformers' `get_decoder()`: the backbone (`model.model`)."""
+        return Backbone(self)

@@ -8,6 +8,7 @@ images included; `_expand_inputs_for_generation` with each row's images and vide
 from __future__ import annotations
 
 import copy
+import hashlib
 import shutil
 import warnings
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin
 
 from . import embeddings, generation, images, images_plain, runtime
-from .backbone import Backbone
+from .backbone import WithBackbone
 from .cache import KVCache, keep_known
 from .hf import CACHE_NAME
 from .package import NotSupportedError, model_files
@@ -78,7 +79,23 @@ def note_autocast(device: torch.device, dtype: torch.dtype) -> None:
                       f"{asked} for that precision", stacklevel=2)
 
 
-class HuggingFaceSurface(GenerationMixin):
+FINGERPRINT = "package_fingerprint"
+
+
+def package_fingerprint(decoder) -> torch.Tensor:
+    """32 bytes (uint8) that differ between packages and between loading options that change the numbers:
+    a hash of every file under the package's folder (its path there, size and modification time) and the
+    decoder's options; the same for the same files and options."""
+    digest = hashlib.sha256(repr((decoder.rewrite_lm_head, decoder.quantized_prefill,
+                                  decoder.prefill_attention)).encode())
+    root = decoder.package.root
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        status = path.stat()
+        digest.update(f"{path.relative_to(root)}|{status.st_size}|{status.st_mtime_ns}\n".encode())
+    return torch.tensor(list(digest.digest()), dtype=torch.uint8)
+
+
+class HuggingFaceSurface(WithBackbone, GenerationMixin):
     """What transformers' generation code and libraries call on a model beyond forward: transformers'
     `GenerationMixin` (generate, compute_transition_scores, ...) with its sampling loop on the device,
     and clear errors for the PyTorch modules an ONNX package does not have."""
@@ -164,17 +181,16 @@ class HuggingFaceSurface(GenerationMixin):
             raise NotSupportedError(f"OrtModelForCausalLM has no {name}: {_UNSUPPORTED_ATTRIBUTES[name]}")
         return super().__getattr__(name)
 
-    @property
-    def model(self) -> Backbone:
-        """The decoder without its LM head, called as transformers' backbone (`LlamaModel`, ...):
-        `model.model(input_ids, attention_mask).last_hidden_state` (backbone.py). Not a submodule."""
-        return Backbone(self)
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """torch's (`device_anchor`) and `package_fingerprint`, so that code that hashes a model's state (trl's
+        key for its cache of precomputed reference log-probabilities) tells packages and their options apart."""
+        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        out[prefix + FINGERPRINT] = package_fingerprint(self.decoder)
+        return out
 
-    base_model = model  # transformers' `base_model` is the module named `base_model_prefix`, "model"
-
-    def get_decoder(self) -> Backbone:
-        """transformers' `get_decoder()`: the backbone (`model.model`)."""
-        return Backbone(self)
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        state_dict.pop(prefix + FINGERPRINT, None)  # nothing to load: the package's files are what runs
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         """The package's token embeddings as transformers gives them: a frozen `torch.nn.Embedding` on

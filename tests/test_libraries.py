@@ -2,6 +2,7 @@
 transformers with the same weights (the real SmolLM2-135M-Instruct fp32 package): the same strings,
 numbers within 1e-4. Versions pinned in the `libraries` extra (pyproject.toml)."""
 
+import functools
 import importlib.util
 import logging
 import sys
@@ -173,29 +174,44 @@ PREFERENCES = {"prompt": ["The capital of France is", "Two plus two is", "Water 
                "rejected": [" Rome.", " five.", " zero degrees.", " green."]}
 
 
-def trl_losses(build, tmp_path, trainer, config, data: dict, frozen: str, seed: int = 0, **options) -> list[list]:
-    """The losses `trainer` logs over 3 steps of a transformers llama fixture (seed 0), given `frozen` (the
-    reference or teacher argument's name) as ortmodule's model and as transformers' over the llama fixture
-    of `seed`: [ortmodule's, transformers']."""
-    from datasets import Dataset
+def trl_run(build, tmp_path, trainer, config, dataset, frozen: dict, **options) -> list:
+    """The losses `trainer` logs over 3 steps of a transformers llama fixture (seed 0) trained on `dataset`
+    with `frozen` (its reference or teacher argument)."""
+    policy = build("llama")
+    torch.manual_seed(0)
+    args = config(output_dir=str(tmp_path), max_steps=3, logging_steps=1, report_to=[], use_cpu=True,
+                  save_strategy="no", seed=0, bf16=False, **options)
+    run = trainer(model=AutoModelForCausalLM.from_pretrained(policy.hf_dir, dtype=torch.float32), args=args,
+                  train_dataset=dataset, processing_class=tokenizer_of(policy.hf_dir), **frozen)
+    with torch.enable_grad():  # lighteval turns gradients off for the whole process when imported
+        run.train()
+    losses = [entry["loss"] for entry in run.state.log_history if "loss" in entry]
+    assert len(losses) == 3
+    return losses
+
+
+@functools.cache
+def tokenizer_of(folder):
+    """One tokenizer per checkpoint for every run, as a script makes one: trl's tokenized dataset, and so the
+    key of its cache of reference log-probabilities, is then the same in each."""
     from transformers import AutoTokenizer
 
-    policy, other = build("llama"), build("llama", seed=seed)
-    runs = []
-    for kind in ("ortmodule", "transformers"):
-        torch.manual_seed(0)
-        frozen_model = OrtModelForCausalLM.from_pretrained(other.package_dir) if kind == "ortmodule" else \
-            AutoModelForCausalLM.from_pretrained(other.hf_dir, dtype=torch.float32)
-        args = config(output_dir=str(tmp_path / kind), max_steps=3, logging_steps=1, report_to=[], use_cpu=True,
-                      save_strategy="no", seed=0, bf16=False, **options)
-        run = trainer(model=AutoModelForCausalLM.from_pretrained(policy.hf_dir, dtype=torch.float32),
-                      args=args, train_dataset=Dataset.from_dict(data),
-                      processing_class=AutoTokenizer.from_pretrained(policy.hf_dir), **{frozen: frozen_model})
-        with torch.enable_grad():  # lighteval turns gradients off for the whole process when imported
-            run.train()
-        runs.append([entry["loss"] for entry in run.state.log_history if "loss" in entry])
-    assert len(runs[0]) == 3
-    return runs
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def frozen_model(fixture, kind: str):
+    return OrtModelForCausalLM.from_pretrained(fixture.package_dir) if kind == "ortmodule" else \
+        AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32)
+
+
+def trl_losses(build, tmp_path, trainer, config, data: dict, frozen: str, seed: int = 0, **options) -> list[list]:
+    """`trl_run`'s losses given `frozen` (the reference or teacher argument's name) as ortmodule's model and as
+    transformers' over the llama fixture of `seed`: [ortmodule's, transformers']."""
+    from datasets import Dataset
+
+    return [trl_run(build, tmp_path / kind, trainer, config, Dataset.from_dict(data),
+                    {frozen: frozen_model(build("llama", seed=seed), kind)}, **options)
+            for kind in ("ortmodule", "transformers")]
 
 
 def test_trl_dpo_with_an_ortmodule_reference_model(build, tmp_path):
@@ -226,3 +242,21 @@ def test_trl_distillation_from_an_ortmodule_teacher(build, tmp_path):
     ours, theirs = trl_losses(build, tmp_path, DistillationTrainer, DistillationConfig, data, "teacher_model",
                               seed=1, per_device_train_batch_size=2, max_completion_length=6)
     assert ours == pytest.approx(theirs, abs=1e-5) and min(ours) > 0.1  # another model's distribution
+
+
+def test_trl_precomputed_reference_log_probs_are_each_packages_own(build, tmp_path):
+    """trl keeps reference log-probabilities computed ahead (`precompute_ref_log_probs`) in a cache keyed by the
+    dataset and a hash of the reference's `state_dict()`, which holds each package's `package_fingerprint`: a
+    second package's run on the same dataset computes its own (the losses of transformers' reference on its
+    weights), where one hash for every package would have reused the first's."""
+    from datasets import Dataset, load_from_disk
+    from trl import DPOConfig, DPOTrainer
+
+    Dataset.from_dict(PREFERENCES).save_to_disk(tmp_path / "data")
+    dataset = load_from_disk(tmp_path / "data")  # files, as load_dataset gives them: trl's cache goes beside them
+    options = dict(per_device_train_batch_size=2, learning_rate=1e-3, precompute_ref_log_probs=True)
+    runs = {(kind, seed): trl_run(build, tmp_path / "out", DPOTrainer, DPOConfig, dataset,  # one script run again
+                                  {"ref_model": frozen_model(build("llama", seed=seed), kind)}, **options)
+            for kind, seed in (("ortmodule", 0), ("ortmodule", 1), ("transformers", 1))}
+    assert runs["ortmodule", 1] == pytest.approx(runs["transformers", 1], abs=1e-5)
+    assert runs["ortmodule", 0][0] == pytest.approx(0.6931, abs=1e-3) != runs["ortmodule", 1][0]

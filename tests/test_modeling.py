@@ -374,7 +374,8 @@ def test_the_first_parameter_tells_the_device_and_dtype(build):
     assert (first.device, first.dtype) == (model.device, model.dtype) == (torch.device("cpu"), torch.float16)
     assert [name for name, _ in model.named_parameters()] == ["device_anchor"] and next(model.parameters()) is first
     assert [name for name, _ in torch.nn.ModuleDict({"lm": model}).named_parameters()] == ["lm.device_anchor"]
-    assert list(model.state_dict()) == ["device_anchor"] and model.num_parameters() > 1000
+    assert list(model.state_dict()) == ["device_anchor", "package_fingerprint"] and model.num_parameters() > 1000
+    assert model.load_state_dict(model.state_dict()) is not None  # torch's strict load takes its own state back
 
 
 def test_config_json_in_package_is_used(llama, tmp_path):
