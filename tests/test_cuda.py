@@ -168,6 +168,11 @@ def test_hidden_states_on_cuda_match_transformers(build):
     for ours, theirs in zip(step.hidden_states, ref_step.hidden_states):
         assert (ours.cpu() - theirs).abs().max().item() < FP32_TOL
 
+    # the backbone (model.model: the graph without its LM head) on the device, as transformers' backbone
+    last = model.model(ids.cuda(), attention_mask=mask.cuda()).last_hidden_state
+    assert last.device == torch.device("cuda", 0)
+    assert real_positions_diff(last, ref.hidden_states[-1], mask) < FP32_TOL
+
 
 @pytest.mark.filterwarnings("ignore:.*fp32 package")
 def test_attentions_on_cuda_are_refused_naming_why(build):
