@@ -318,7 +318,7 @@ def _variant(decoder: Decoder, hidden_states: bool, weights: bool, embeds: bool,
         return variants.for_decoder(decoder, hidden_states, embeds or media is not None, extra_feeds=media is not None,
                                     attention_weights=weights)
     except RewriteSkipped as reason:
-        hidden = "model.model's last hidden state" if hidden_states == variants.LAST else "output_hidden_states=True"
+        hidden = "model.model's last hidden state" if hidden_states is variants.LAST else "output_hidden_states=True"
         asked = " with ".join(name for name, on in ((hidden, hidden_states),
                                                      ("output_attentions=True", weights),
                                                      ("inputs_embeds", embeds), ("pixel_values", media is not None))
@@ -333,7 +333,8 @@ def _asked(config, hidden_states: bool | None, weights: bool | None) -> tuple[bo
         hidden_states = getattr(config, "output_hidden_states", False)
     if weights is None:
         weights = getattr(config, "output_attentions", False)
-    return (hidden_states if hidden_states == variants.LAST else bool(hidden_states)), bool(weights)
+    last = isinstance(hidden_states, str) and hidden_states == variants.LAST  # the backbone's (backbone.py)
+    return (variants.LAST if last else bool(hidden_states)), bool(weights)
 
 
 # transformers' loss keywords that forward takes (with labels; transformers' Trainer passes them).

@@ -195,7 +195,7 @@ def test_autocast_is_named_and_changes_nothing(build):
     assert torch.equal(tokens, model.generate(ids, attention_mask=mask, **options))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", [*MODEL_ARCHES, "lfm2"])
 def test_the_backbone_gives_transformers_last_hidden_state_without_the_lm_head(build, arch):
     """`model.model`, `model.base_model` and `model.get_decoder()`, called as transformers' backbone, give its
     `last_hidden_state` (a left-padded batch, compared at the real positions); the run's graph has no logits
