@@ -36,6 +36,9 @@ _FIXED_WEIGHTS = "the package's weights were fixed when it was exported"
 _UNSUPPORTED_ATTRIBUTES = {
     "lm_head": _NO_PYTORCH_MODULES,
     "gradient_checkpointing_enable": _INFERENCE_ONLY,
+    # trl's trainers tag the model they train first
+    "add_model_tags": f"{_INFERENCE_ONLY}; train a transformers model and pass the package as the frozen one "
+                      "(trl's ref_model= or teacher_model=)",
     "enable_input_require_grads": _INFERENCE_ONLY,
     "push_to_hub": "save the package with save_pretrained(folder), then upload the folder with huggingface_hub's "
                    "upload_folder",

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, pipeline
 
-from ortmodule import OrtModelForCausalLM, load_tokenizer
+from ortmodule import NotSupportedError, OrtModelForCausalLM, load_tokenizer
 from ortmodule_dev import fixtures
 
 SENTENCES = [
@@ -260,3 +260,16 @@ def test_trl_precomputed_reference_log_probs_are_each_packages_own(build, tmp_pa
             for kind, seed in (("ortmodule", 0), ("ortmodule", 1), ("transformers", 1))}
     assert runs["ortmodule", 1] == pytest.approx(runs["transformers", 1], abs=1e-5)
     assert runs["ortmodule", 0][0] == pytest.approx(0.6931, abs=1e-3) != runs["ortmodule", 1][0]
+
+
+def test_trl_training_the_package_itself_is_refused_naming_what_to_do(build, tmp_path):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    fixture = build("llama")
+    args = DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False)
+    refused = "add_model_tags: an ONNX package runs inference only.* train a transformers model .* ref_model="
+    with pytest.raises(NotSupportedError, match=refused):
+        DPOTrainer(model=OrtModelForCausalLM.from_pretrained(fixture.package_dir), args=args,
+                   ref_model=frozen_model(fixture, "transformers"), train_dataset=Dataset.from_dict(PREFERENCES),
+                   processing_class=tokenizer_of(fixture.hf_dir))
