@@ -221,6 +221,10 @@ def test_the_backbone_gives_transformers_last_hidden_state_without_the_lm_head(b
     for ours, theirs in zip(states, expected.hidden_states):
         assert torch.allclose(ours[real], theirs[real], atol=1e-4)
     assert torch.equal(last, states[-1])
+    cached = model.model(ids, attention_mask=mask, use_cache=True).past_key_values  # the headless run's cache
+    longer, token = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), torch.full((len(ids), 1), 7)
+    step = model(token, attention_mask=longer, past_key_values=cached).logits
+    assert torch.allclose(step, model(torch.cat([ids, token], 1), attention_mask=longer).logits[:, -1:], atol=1e-4)
     assert list(model.model.parameters()) == [] and len(list(model.parameters())) == 1  # not a submodule
     assert torch.equal(model.model.embed_tokens.weight, model.get_input_embeddings().weight)
     with pytest.raises(TypeError, match="the backbone takes no labels"):
