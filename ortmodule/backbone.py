@@ -59,6 +59,16 @@ class Backbone(torch.nn.Module):
                                     "it gives hidden states (last_hidden_state, output_hidden_states=True)")
         return super().__getattr__(name)
 
+    def register_forward_hook(self, *args, **kwargs):
+        """Refused, as every hook registration on the backbone: transformers' models run their backbone inside
+        forward, so a hook there sees every forward and generate; ortmodule's run the ONNX graph whole and
+        never this module, so such a hook would silently never be called."""
+        raise NotSupportedError("hooks on model.model: ortmodule's forward and generate run the ONNX graph whole, not "
+                                "the backbone as a module, so the hook would never see them; use "
+                                "model.model(...).last_hidden_state, or forward's output_hidden_states=True")
+
+    register_forward_pre_hook = register_full_backward_hook = register_full_backward_pre_hook = register_forward_hook
+
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,

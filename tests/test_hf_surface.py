@@ -229,6 +229,9 @@ def test_the_backbone_gives_transformers_last_hidden_state_without_the_lm_head(b
     assert torch.equal(model.model.embed_tokens.weight, model.get_input_embeddings().weight)
     with pytest.raises(TypeError, match="the backbone takes no labels"):
         model.model(ids, labels=ids)
+    for register in ("register_forward_hook", "register_forward_pre_hook"):  # they would never fire in forward
+        with pytest.raises(NotSupportedError, match="hooks on model.model: .* run the ONNX graph whole"):
+            getattr(model.model, register)(lambda *args: None)
 
 
 def test_what_an_onnx_package_lacks_is_a_clear_error(build):
