@@ -33,17 +33,10 @@ class Backbone(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "causal_lm", model)  # not registered: the model is not a child of its backbone
 
-    @property
-    def config(self):
-        return self.causal_lm.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.causal_lm.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.causal_lm.dtype
+    # the model's, as transformers' backbone shares its model's config and sits on its device in its dtype
+    config = property(lambda self: self.causal_lm.config)
+    device = property(lambda self: self.causal_lm.device)
+    dtype = property(lambda self: self.causal_lm.dtype)
 
     @property
     def embed_tokens(self) -> torch.nn.Embedding:

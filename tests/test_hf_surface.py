@@ -227,6 +227,8 @@ def test_the_backbone_gives_transformers_last_hidden_state_without_the_lm_head(b
     assert torch.allclose(step, model(torch.cat([ids, token], 1), attention_mask=longer).logits[:, -1:], atol=1e-4)
     assert list(model.model.parameters()) == [] and len(list(model.parameters())) == 1  # not a submodule
     assert torch.equal(model.model.embed_tokens.weight, model.get_input_embeddings().weight)
+    backbone = model.model
+    assert backbone.config is model.config and (backbone.device, backbone.dtype) == (model.device, model.dtype)
     with pytest.raises(TypeError, match="the backbone takes no labels"):
         model.model(ids, labels=ids)
     for register in ("register_forward_hook", "register_forward_pre_hook"):  # they would never fire in forward
