@@ -133,7 +133,8 @@ def lighteval_model(pair, tmp_path, monkeypatch):
         wrapped._cache = None  # lighteval's sample cache is keyed by model name: both models share it
         return wrapped
 
-    return make
+    yield make
+    torch.set_grad_enabled(True)  # lighteval turns gradients off for the whole process, on import and at load
 
 
 def test_lighteval_loglikelihood_and_greedy_generation(pair, lighteval_model):
@@ -183,8 +184,7 @@ def trl_run(build, tmp_path, trainer, config, dataset, frozen: dict, **options) 
                   save_strategy="no", seed=0, bf16=False, **options)
     run = trainer(model=AutoModelForCausalLM.from_pretrained(policy.hf_dir, dtype=torch.float32), args=args,
                   train_dataset=dataset, processing_class=tokenizer_of(policy.hf_dir), **frozen)
-    with torch.enable_grad():  # lighteval turns gradients off for the whole process when imported
-        run.train()
+    run.train()
     losses = [entry["loss"] for entry in run.state.log_history if "loss" in entry]
     assert len(losses) == 3
     return losses
