@@ -13,15 +13,16 @@ is the answer.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from . import variants
+from . import images, variants
 from .hf import CACHE_NAME
 from .package import NotSupportedError
 
-_MEDIA = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw",
-          "second_per_grid_ts", "image_position_ids", "image_sizes", "token_type_ids")
+_MEDIA = [field.name for field in dataclasses.fields(images.Media)]  # forward's image and video keywords
 
 
 class Backbone(torch.nn.Module):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from .graph import RewriteSkipped
 
@@ -98,11 +99,8 @@ def add_hidden_outputs(g: ir.Graph, layers: int, hidden_size: int, last_only: bo
         g.outputs.append(flat.outputs[0])
 
 
-def drop_output(g: ir.Graph, name: str) -> None:
-    """Take output `name` out of the graph, and every node that only it needed (the LM head, where
-    the logits are the output): consumers before their producers, so that each is unused when reached."""
-    g.outputs[:] = [value for value in g.outputs if value.name != name]
-    kept = set(g.outputs)
-    for node in reversed(list(g)):
-        if all(not value.uses() and value not in kept for value in node.outputs):
-            g.remove(node, safe=True)
+def drop_output(model: ir.Model, name: str) -> None:
+    """Take output `name` out of the graph, and every node and initializer only it needed (onnx-ir's dead
+    code elimination): the LM head and its weight, where the logits are the output."""
+    model.graph.outputs[:] = [value for value in model.graph.outputs if value.name != name]
+    RemoveUnusedNodesPass()(model)

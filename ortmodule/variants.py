@@ -176,7 +176,7 @@ def graph_bytes(decoder: Decoder, hidden_states: bool, take_embeds: bool, base: 
             hidden.add_hidden_outputs(model.graph, package.num_hidden_layers, package.hidden_size,
                                       last_only=hidden_states == LAST)
         if hidden_states == LAST:
-            hidden.drop_output(model.graph, decoder.spec.logits)
+            hidden.drop_output(model, decoder.spec.logits)
         if attention_weights:
             attentions.add_attention_outputs(model.graph, package.num_attention_heads,
                                              runtime.ONNX_TYPE[decoder.kv_dtype])
