@@ -7,7 +7,8 @@ import os
 import platform
 import re
 import sys
-from importlib import metadata
+from importlib import metadata, util
+from pathlib import Path
 
 from .cache_folder import cache_home
 from .mapped import cpu_info
@@ -71,12 +72,30 @@ def installed_too_old(name: str) -> str | None:
     return None if version is None else too_old(name, version)
 
 
+# The module each of the distributions that install the same module installs (the CPU and GPU builds).
+MODULE_OF = {"onnxruntime": "onnxruntime", "onnxruntime-gpu": "onnxruntime",
+             "onnxruntime-genai": "onnxruntime_genai", "onnxruntime-genai-cuda": "onnxruntime_genai"}
+
+
 def installed_version(name: str) -> str | None:
-    """The installed version of distribution `name`; None where it is not installed."""
+    """The installed version of distribution `name`; None where it is not installed, or where it installs
+    a MODULE_OF module that another install earlier on the import path shadows (an older CPU build in
+    the system's site-packages under a GPU build on PYTHONPATH is never imported, so never checked)."""
     try:
-        return metadata.version(name)
+        version = metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+    return None if _shadowed(name) else version
+
+
+def _shadowed(name: str) -> bool:
+    """Whether distribution `name`'s MODULE_OF module is not the one `import` finds (another install of
+    it comes earlier on sys.path)."""
+    module = MODULE_OF.get(name)
+    spec = util.find_spec(module) if module else None
+    if spec is None or spec.origin is None:
+        return False
+    return Path(metadata.distribution(name).locate_file(module)).resolve() != Path(spec.origin).resolve().parent
 
 
 def versions() -> dict[str, str | None]:

@@ -137,6 +137,30 @@ def test_a_dependency_older_than_its_floor_is_named_at_import():
     assert "gguf" not in error  # an extra's floor is checked where the extra is used, not at import
 
 
+def test_a_shadowed_older_onnxruntime_is_not_the_one_checked(tmp_path):
+    """An older CPU build of ONNX Runtime (`onnxruntime` 1.30.0) installed later on sys.path than the GPU build
+    (as on a machine whose system site-packages has one, the GPU build installed to a folder on PYTHONPATH)
+    is never imported: ortmodule imports, and `env` neither names it too old nor installed beside the GPU
+    build. The same install first on sys.path is the one imported, and is refused by name."""
+    site = tmp_path / "site"
+    (site / "onnxruntime").mkdir(parents=True)
+    (site / "onnxruntime" / "__init__.py").write_text('__version__ = "1.30.0"\n')
+    (site / "onnxruntime-1.30.0.dist-info").mkdir()
+    (site / "onnxruntime-1.30.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: onnxruntime\n"
+                                                                    "Version: 1.30.0\n")
+    check = ("import sys; {}; from importlib import metadata; assert metadata.version('onnxruntime') == '1.30.0'; "
+             "import ortmodule, onnxruntime; from ortmodule import environment; "
+             "print(onnxruntime.__version__, environment.versions()['onnxruntime'], environment.problems())")
+    later = subprocess.run([sys.executable, "-c", check.format(f"sys.path.append({str(site)!r})")],
+                           capture_output=True, text=True, timeout=300)
+    assert later.returncode == 0, later.stderr
+    assert later.stdout.split() == [ort.__version__, "None", "[]"]
+    first = subprocess.run([sys.executable, "-c", check.format(f"sys.path.insert(0, {str(site)!r})")],
+                           capture_output=True, text=True, timeout=300)
+    [error] = [line for line in first.stderr.splitlines() if line.startswith("ImportError: ")]
+    assert first.returncode == 1 and error.startswith("ImportError: onnxruntime 1.30.0 is older than ortmodule needs")
+
+
 def _faked_versions(monkeypatch, old: dict[str, str]) -> None:
     """importlib.metadata.version answering `old`'s versions for those names, the installed one for the rest."""
     real = metadata.version
