@@ -5,7 +5,7 @@
 # Each step runs under its own deadline inside BUDGET seconds (default 570), so that what finished
 # comes back when a later step runs long; everything comes back in $OUT/run.tgz (gpu_run_lib.sh).
 # tests/test_benchmark_pages.py checks that every selection here still collects.
-WORK=/tmp/next-gpu-run
+WORK=${WORK:-/tmp/next-gpu-run}
 source "$(dirname "$0")/gpu_run_lib.sh"
 
 # (0) the Qwen3-0.6B-shaped bf16 package, exported before the steps that time it (about 25 s once

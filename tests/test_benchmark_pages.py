@@ -344,6 +344,29 @@ def test_the_gpu_runs_fit_one_sessions_device_time(name):
     assert START_AND_STAGING_SECONDS + sum(budgets) + 10 * len(budgets) <= SESSION_DEVICE_SECONDS, budgets
 
 
+def test_a_gpu_run_stops_at_its_preflight_where_a_piece_is_missing(tmp_path):
+    """benchmarks/next_gpu_run.sh first checks what every step needs (ortmodule's import, the staged
+    packages, a CUDA device) and, where something is missing, stops in seconds with it named, no step
+    run, its logs still packed into $OUT/run.tgz (session 90's H200 spent its run failing every step in
+    turn on one missing wheel). Here, without a GPU or SmolLM2's installed package, it stops so."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(REPORT.parent / "next_gpu_run.sh")], capture_output=True, text=True, env=env,
+                         cwd=REPORT.parents[1], timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stdout.startswith("preflight failed, no step run:"), run.stdout
+    assert "not importable here: " in run.stdout or "torch sees no CUDA device" in run.stdout, run.stdout
+    plan = (tmp_path / "work" / "plan.log").read_text()
+    assert "up to" not in plan and "preflight failed" in plan
+    with tarfile.open(tmp_path / "out" / "run.tgz") as packed:
+        assert {"./plan.log", "./preflight.log"} <= set(packed.getnames())
+
+
 def test_the_targets_run_refuses_a_part_it_does_not_have(tmp_path):
     """benchmarks/targets_gpu_run.sh runs part 1 or 2; anything else is an error before any step."""
     import subprocess
