@@ -114,6 +114,15 @@ def cpu() -> str:
     return f"{model}, {os.cpu_count()} logical CPUs" + (f" ({features})" if features else "")
 
 
+def _not_imported(name: str) -> str:
+    """What `env` says of a distribution `versions()` leaves out: shadowed (with its version), or not installed."""
+    try:
+        return f"{metadata.version(name)}, shadowed: another install of {MODULE_OF[name]} comes first on sys.path" \
+            if _shadowed(name) else "not installed"
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def report() -> list[tuple[str, str]]:
     """(name, value) lines: the platform, Python, CPU, the versions, torch's CUDA devices, ONNX Runtime's
     execution providers and ortmodule's cache folder."""
@@ -122,7 +131,7 @@ def report() -> list[tuple[str, str]]:
 
     lines = [("platform", platform.platform()), ("python", sys.version.split()[0]),
              ("cpu", cpu())]
-    lines += [(name, version or "not installed") for name, version in versions().items()]
+    lines += [(name, version or _not_imported(name)) for name, version in versions().items()]
     gpus = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
     lines.append(("torch CUDA", f"{torch.version.cuda}: {', '.join(gpus)}" if gpus else
                   f"{torch.version.cuda or 'a CPU build'}, no device seen"))

@@ -150,11 +150,15 @@ def test_a_shadowed_older_onnxruntime_is_not_the_one_checked(tmp_path):
                                                                     "Version: 1.30.0\n")
     check = ("import sys; {}; from importlib import metadata; assert metadata.version('onnxruntime') == '1.30.0'; "
              "import ortmodule, onnxruntime; from ortmodule import environment; "
-             "print(onnxruntime.__version__, environment.versions()['onnxruntime'], environment.problems())")
+             "print(onnxruntime.__version__, environment.versions()['onnxruntime'], environment.problems()); "
+             "print(dict(environment.report())['onnxruntime'])")
     later = subprocess.run([sys.executable, "-c", check.format(f"sys.path.append({str(site)!r})")],
                            capture_output=True, text=True, timeout=300)
     assert later.returncode == 0, later.stderr
-    assert later.stdout.split() == [ort.__version__, "None", "[]"]
+    checked, reported = later.stdout.splitlines()
+    assert checked.split() == [ort.__version__, "None", "[]"]
+    # `env` still shows it, for a bug report, as what it is
+    assert reported == "1.30.0, shadowed: another install of onnxruntime comes first on sys.path"
     first = subprocess.run([sys.executable, "-c", check.format(f"sys.path.insert(0, {str(site)!r})")],
                            capture_output=True, text=True, timeout=300)
     [error] = [line for line in first.stderr.splitlines() if line.startswith("ImportError: ")]
