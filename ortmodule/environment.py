@@ -99,7 +99,8 @@ def _shadowed(name: str) -> bool:
         files = Path(metadata.distribution(name).locate_file(module)).resolve()
     except metadata.PackageNotFoundError:  # version() answered from elsewhere (a test's fake): nothing to compare
         return False
-    return files != Path(spec.origin).resolve().parent
+    # an editable or .pth install has no folder where its metadata is: that one is checked, never taken for shadowed
+    return files.is_dir() and files != Path(spec.origin).resolve().parent
 
 
 def versions() -> dict[str, str | None]:
