@@ -82,6 +82,48 @@ def note_autocast(device: torch.device, dtype: torch.dtype) -> None:
                       f"{asked} for that precision", stacklevel=2)
 
 
+def _on_the_anchor(func, args, kwargs):
+    """`func` as torch runs it on a plain tensor; where an in-place op on `device_anchor` fails (a weight
+    copied, added or averaged into the empty tensor), a NotSupportedError naming why instead of torch's
+    size mismatch. `.data` gives the anchor's data as an `_AnchorData`, so that writes through it are
+    refused the same way."""
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as e:
+            name = getattr(func, "__name__", "")
+            if name.endswith("_") and not name.startswith("_"):  # in place (`+=` comes as `add_`)
+                raise NotSupportedError(
+                    f"{name}() into OrtModelForCausalLM's device_anchor: {_FIXED_WEIGHTS}, and its one torch parameter "
+                    "is an empty tensor that tells the device and dtype. A policy's weights copied or averaged into "
+                    "the model (trl's sync_ref_model, an EMA of weights) have nothing to write to: keep such updates "
+                    "off with a package, or export the updated checkpoint as a new package") from e
+            raise
+    if func == torch.Tensor.data.__get__:
+        return out.as_subclass(_AnchorData)
+    return out
+
+
+class DeviceAnchor(torch.nn.Parameter):
+    """The type of `device_anchor`: torch's Parameter, which ops see as a plain tensor, whose failing
+    in-place writes are refused naming why (`_on_the_anchor`)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _on_the_anchor(func, args, kwargs or {})
+
+    def __repr__(self) -> str:
+        return f"Parameter containing:\n{self.detach()!r}"
+
+
+class _AnchorData(torch.Tensor):
+    """`device_anchor.data`: a plain tensor to ops, whose failing in-place writes are refused naming why."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _on_the_anchor(func, args, kwargs or {})
+
+
 FINGERPRINT = "package_fingerprint"
 
 
@@ -135,9 +177,9 @@ class HuggingFaceSurface(WithBackbone, GenerationMixin):
         """`device_anchor`, the model's one parameter: empty and frozen, on its device in its dtype. The
         weights are the ONNX graph's; code that reads a model's device or dtype from its first parameter
         (`next(model.parameters()).device`, through a wrapping module too) finds them there. It holds no
-        element (`num_parameters()` counts the graph's weights)."""
-        self.device_anchor = torch.nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device),
-                                                requires_grad=False)
+        element (`num_parameters()` counts the graph's weights); a weight written into it is refused naming
+        why (`DeviceAnchor`)."""
+        self.device_anchor = DeviceAnchor(torch.empty(0, dtype=self.dtype, device=self.device), requires_grad=False)
 
     def to(self, *args, **kwargs) -> HuggingFaceSurface:
         """Move the sessions to another device. The dtype is fixed by the exported package."""

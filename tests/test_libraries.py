@@ -273,3 +273,17 @@ def test_trl_training_the_package_itself_is_refused_naming_what_to_do(build, tmp
         DPOTrainer(model=OrtModelForCausalLM.from_pretrained(fixture.package_dir), args=args,
                    ref_model=frozen_model(fixture, "transformers"), train_dataset=Dataset.from_dict(PREFERENCES),
                    processing_class=tokenizer_of(fixture.hf_dir))
+
+
+def test_trl_sync_ref_model_with_a_package_reference_is_refused_naming_why(build, tmp_path):
+    """trl's `sync_ref_model` averages the policy's weights into the reference's parameters after a step: with a
+    package as the reference there is nothing to write to, and the first sync says so (a NotSupportedError
+    naming sync_ref_model) instead of torch's size mismatch inside trl's callback."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    fixture = build("llama")
+    with pytest.raises(NotSupportedError, match="into OrtModelForCausalLM's device_anchor: .*trl's sync_ref_model"):
+        trl_run(build, tmp_path, DPOTrainer, DPOConfig, Dataset.from_dict(PREFERENCES),
+                {"ref_model": frozen_model(fixture, "ortmodule")}, per_device_train_batch_size=2,
+                sync_ref_model=True, ref_model_sync_steps=1)

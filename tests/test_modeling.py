@@ -1,5 +1,7 @@
 """OrtModelForCausalLM against transformers on the same weights."""
 
+import copy
+
 import onnx
 import onnxruntime as ort
 import pytest
@@ -8,7 +10,7 @@ from helpers import ScalarReads, cuda, load_pair, right_padded_batch
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ortmodule import OrtModelForCausalLM, PackageError, load_tokenizer, runtime
+from ortmodule import NotSupportedError, OrtModelForCausalLM, PackageError, load_tokenizer, runtime
 from ortmodule.hf import CACHE_NAME
 
 FP32_TOL = 1e-4
@@ -376,6 +378,28 @@ def test_the_first_parameter_tells_the_device_and_dtype(build):
     assert [name for name, _ in torch.nn.ModuleDict({"lm": model}).named_parameters()] == ["lm.device_anchor"]
     assert list(model.state_dict()) == ["device_anchor", "package_fingerprint"] and model.num_parameters() > 1000
     assert model.load_state_dict(model.state_dict()) is not None  # torch's strict load takes its own state back
+
+
+def test_a_weight_written_into_the_first_parameter_is_refused_naming_why(build):
+    """Code that copies or averages another model's weights into this one's parameters (trl's sync_ref_model, an
+    EMA) finds only the empty anchor: a NotSupportedError naming why, through `.data` too, where torch would say
+    that sizes do not match. What works on an empty tensor still does, and copies keep the anchor's type."""
+    model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir)
+    anchor, weight = next(model.parameters()), torch.ones(4, 8)
+    writes = [("copy_", lambda t: t.copy_(weight)), ("add_", lambda t: t.mul_(0.5).add_(weight, alpha=0.5)),
+              ("lerp_", lambda t: t.lerp_(weight, 0.1)), ("add_", lambda t: t.__iadd__(weight))]  # `+=`
+    for name, write in writes:
+        for target in (anchor.data, anchor):
+            with torch.no_grad(), pytest.raises(NotSupportedError, match=f"{name}.. into .*device_anchor: .*sync_ref"):
+                write(target)
+    with pytest.raises(RuntimeError, match="size") as raised:  # not a write: torch's own error
+        anchor + weight
+    assert not isinstance(raised.value, NotSupportedError)
+    with torch.no_grad():
+        anchor.data.mul_(0.5).zero_()
+        anchor.copy_(torch.empty(0))
+    assert anchor.shape == (0,) and not anchor.requires_grad and (anchor * 2).shape == (0,)
+    assert type(copy.deepcopy(model).device_anchor) is type(anchor) and repr(anchor).startswith("Parameter containing")
 
 
 def test_config_json_in_package_is_used(llama, tmp_path):
