@@ -140,7 +140,42 @@ def package_fingerprint(decoder) -> torch.Tensor:
     return torch.tensor(list(digest.digest()), dtype=torch.uint8)
 
 
-class HuggingFaceSurface(WithBackbone, GenerationMixin):
+class Conversions:
+    """torch's conversions of a module, each through the model's `to`, which moves the sessions to another
+    device and refuses another dtype than the package's (torch's own would change only `device_anchor`, so
+    that `next(model.parameters())` no longer told what the model computes in)."""
+
+    def half(self):
+        return self.to(torch.float16)
+
+    def float(self):
+        return self.to(torch.float32)
+
+    def bfloat16(self):
+        return self.to(torch.bfloat16)
+
+    def double(self):
+        return self.to(torch.float64)
+
+    def type(self, dst_type: torch.dtype):
+        if not isinstance(dst_type, torch.dtype):
+            raise TypeError(f"OrtModelForCausalLM.type({dst_type!r}): give a torch.dtype (this package's is "
+                            f"{self.dtype}); to(device) moves the model")
+        return self.to(dst_type)
+
+    def cuda(self, device: int | None = None):
+        return self.to("cuda" if device is None else f"cuda:{device}")
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """The package loaded on `device` (torch's moves parameters without their values; a package's weights
+        are its graph's, loaded again there)."""
+        return self.to(device)
+
+
+class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
     """What transformers' generation code and libraries call on a model beyond forward: transformers'
     `GenerationMixin` (generate, compute_transition_scores, ...) with its sampling loop on the device,
     and clear errors for the PyTorch modules an ONNX package does not have."""
@@ -277,24 +312,6 @@ class HuggingFaceSurface(WithBackbone, GenerationMixin):
             except ValueError as reason:
                 raise NotSupportedError(f"OrtModelForCausalLM.{name}(): {reason}") from None
         return made[1]
-
-    def half(self) -> HuggingFaceSurface:
-        return self.to(torch.float16)
-
-    def float(self) -> HuggingFaceSurface:
-        return self.to(torch.float32)
-
-    def bfloat16(self) -> HuggingFaceSurface:
-        return self.to(torch.bfloat16)
-
-    def double(self) -> HuggingFaceSurface:
-        return self.to(torch.float64)
-
-    def cuda(self, device: int | None = None) -> HuggingFaceSurface:
-        return self.to("cuda" if device is None else f"cuda:{device}")
-
-    def cpu(self) -> HuggingFaceSurface:
-        return self.to("cpu")
 
     def resize_token_embeddings(self, *args, **kwargs):
         raise NotSupportedError(

@@ -257,11 +257,18 @@ def test_bad_forward_and_step_inputs(model):
     assert step.logits.shape == (1, 1, 512)  # the right mask still steps after the refusals
 
 
-@pytest.mark.parametrize("convert", ["half", "bfloat16", "double"])
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "double", "type"])
 def test_converting_the_precision_is_refused(model, convert):
+    """Every conversion torch has for a module, `type(dtype)` too (torch's own changed only the empty
+    parameter's dtype, which then no longer told what the model computes in)."""
+    call = (lambda: model.type(torch.float16)) if convert == "type" else getattr(model, convert)
     with pytest.raises(TypeError, match="cannot convert an ONNX package"):
-        getattr(model, convert)()
-    assert model.float() is model  # the package's own precision is fine
+        call()
+    assert next(model.parameters()).dtype == model.dtype == torch.float32
+    assert model.float() is model and model.type(torch.float32) is model  # the package's own precision is fine
+    with pytest.raises(TypeError, match=r"type\('torch.HalfTensor'\): give a torch.dtype"):
+        model.type("torch.HalfTensor")
+    assert model.to_empty(device="cpu") is model and next(model.parameters()).device == model.device
 
 
 def test_a_huge_id_in_a_score_query_names_the_item(model):
