@@ -183,9 +183,9 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         the output's field). `position_ids` and `cache_position` are taken when they are what
         transformers computes for these rows (the graph derives positions from the mask), else refused.
         """
+        keep = cont_len if cont_len is not None else _logits_to_keep(logits_to_keep, kwargs)
         _refuse_unsupported(input_ids, inputs_embeds, kwargs)
         note_autocast(self.device, self.dtype)
-        keep = cont_len if cont_len is not None else logits_to_keep
         past, use_cache = _given_cache(past_key_values, cache, use_cache)
         asked = _asked(self.config, output_hidden_states, output_attentions)  # hidden states, attention weights
         embeds = None if inputs_embeds is None else \
@@ -335,6 +335,15 @@ def _asked(config, hidden_states: bool | None, weights: bool | None) -> tuple[bo
         weights = getattr(config, "output_attentions", False)
     last = isinstance(hidden_states, str) and hidden_states == variants.LAST  # the backbone's (backbone.py)
     return (variants.LAST if last else bool(hidden_states)), bool(weights)
+
+
+def _logits_to_keep(logits_to_keep, kwargs: dict):
+    """`logits_to_keep`, or `num_logits_to_keep` (taken out of `kwargs`): its name in transformers 4.45 to
+    4.49, which code written for those still passes (transformers 5's models take it and ignore it)."""
+    renamed = kwargs.pop("num_logits_to_keep", None)
+    if renamed is not None and logits_to_keep is not None:
+        raise TypeError("pass logits_to_keep or num_logits_to_keep (its former name), not both")
+    return logits_to_keep if renamed is None else renamed
 
 
 # transformers' loss keywords that forward takes (with labels; transformers' Trainer passes them).

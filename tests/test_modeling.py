@@ -79,6 +79,19 @@ def test_logits_to_keep_tensor_selects_positions(llama):
     assert torch.equal(picked, full[:, [0, 3, 8]])
 
 
+def test_num_logits_to_keep_is_logits_to_keep_under_its_former_name(llama):
+    """transformers 4.45-4.49 named it num_logits_to_keep; code written for them still passes it."""
+    model, _ = load_pair(llama)
+    ids, mask = right_padded_batch([12, 9], seed=6)
+    full = model(ids, attention_mask=mask).logits
+    assert torch.equal(model(ids, attention_mask=mask, num_logits_to_keep=1).logits, full[:, -1:])
+    assert model(ids, attention_mask=mask, num_logits_to_keep=None).logits.shape == full.shape
+    with pytest.raises(TypeError, match="logits_to_keep or num_logits_to_keep .*not both"):
+        model(ids, attention_mask=mask, logits_to_keep=2, num_logits_to_keep=1)
+    with pytest.raises(TypeError, match="does not support num_logits"):  # any other name is still refused
+        model(ids, attention_mask=mask, num_logits=1)
+
+
 def test_rewrite_off_gives_the_same_logits(llama):
     model, hf = load_pair(llama)
     plain = OrtModelForCausalLM.from_pretrained(llama.package_dir, rewrite_lm_head=False)
