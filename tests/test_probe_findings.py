@@ -234,6 +234,20 @@ def test_bad_generate_options(model, kwargs, error, message):
     assert message in str(raised.value)
 
 
+@pytest.mark.parametrize("prompt, error, message", [
+    ([[5, 6, 7]], TypeError, "input_ids must be a torch.Tensor [batch, sequence] of token ids, got list"),
+    (torch.tensor([5, 6, 7]), ValueError, "must be 2-D [batch, sequence], got shape (3,): ids[None] adds the batch"),
+    (torch.tensor([[[5, 6]]]), ValueError, "must be 2-D [batch, sequence], got shape (1, 1, 2)"),
+])
+def test_a_prompt_of_the_wrong_form_is_named_before_generate_runs(model, prompt, error, message):
+    """transformers' generate fails deep inside on these (a list has no `shape`; a 1-D tensor's IndexError)."""
+    for call in (lambda: model.generate(prompt, max_new_tokens=2), lambda: model.generate(input_ids=prompt,
+                                                                                         max_new_tokens=2)):
+        with pytest.raises(error) as raised:
+            call()
+        assert message in str(raised.value)
+
+
 def test_bad_forward_and_step_inputs(model):
     with pytest.raises(ValueError, match="logits_to_keep is an empty tensor"):
         model(IDS, logits_to_keep=torch.tensor([], dtype=torch.int64))
