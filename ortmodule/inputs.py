@@ -21,6 +21,7 @@ class Rows(NamedTuple):
     shift: torch.Tensor | None  # how far each row was rolled left to get there (None: not at all)
     lengths: torch.Tensor  # [B] real tokens per row
     longest: int  # max(lengths), on the host
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None  # check_batch's `positions`, checked (rows, cols)
 
 
 def flat_index(width: int, rows: torch.Tensor, cols: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,13 +175,15 @@ def raise_bad_id(ids: torch.Tensor, vocab: int) -> None:
 
 
 def check_batch(input_ids, attention_mask, vocab: int, context_length: int, device: torch.device,
-                position_ids=None, cache_position=None) -> Rows:
+                position_ids=None, cache_position=None, positions=None) -> Rows:
     """Validate a prompt batch where the caller's ids are (on the host for host tensors: no
     device-to-host copy at all; else on the device with one read of a few flags) and return it in
     the right-padded layout on `device`: rows whose ones form one contiguous run are rolled to
     start at column 0. `position_ids` / `cache_position`, when given, must be what transformers
-    computes from the mask."""
+    computes from the mask. `positions` (rows, cols), the caller's layout's positions whose logits
+    are asked for: each must be one of its row's real tokens, never padding."""
     _check_ids(input_ids, context_length)
+    positions = None if positions is None else checked_positions(*positions, input_ids.shape)
     ids = input_ids.to(torch.int64)
     if attention_mask is None:
         mask = torch.ones_like(ids)
@@ -202,6 +205,7 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
         "left_padded": (lead > 0).any(),
         "longest": counts.max(),
         "positions": _positions_differ(position_ids, cache_position, real.cumsum(1) - 1, real, 0),
+        "padding_asked": _in_padding(positions, lead, counts),
     }
     flags = dict(zip(checks, torch.stack(list(checks.values())).tolist()))  # the one host sync of the checks
     if flags["not_binary"]:
@@ -217,14 +221,52 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
         )
     if flags["positions"]:
         _refuse_positions()
+    if flags["padding_asked"]:
+        _refuse_padding(positions, lead, counts)
 
     def up(tensor):  # host tensors are copied up without waiting for the device
         return to_device(tensor, device)
 
     if not flags["left_padded"]:
-        return Rows(up(ids), None, up(counts), flags["longest"])
+        return Rows(up(ids), None, up(counts), flags["longest"], positions)
     order = (steps[None, :] + lead[:, None]) % ids.shape[1]  # roll every row to start at column 0
-    return Rows(up(ids.gather(1, order)), up(lead), up(counts), flags["longest"])
+    return Rows(up(ids.gather(1, order)), up(lead), up(counts), flags["longest"], positions)
+
+
+def checked_positions(rows, cols, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions `(rows[i], cols[i])` of a batch of `shape`, checked where they are: host positions
+    (scoring's) cost the device no wait."""
+    batch, length = shape
+    rows, cols = torch.as_tensor(rows), torch.as_tensor(cols)
+    for name, value in (("rows", rows), ("cols", cols)):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer positions, got dtype {value.dtype}")
+    if rows.shape != cols.shape or rows.dim() != 1:
+        raise ValueError(f"rows and cols must be 1-D of one length, got {tuple(rows.shape)} and {tuple(cols.shape)}")
+    if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
+        raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
+    return rows, cols
+
+
+def _padding_asked(positions, lead: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position, whether it lies outside its row's real tokens (columns lead to lead + count); its rows, cols."""
+    rows, cols = (to_device(p, lead.device) for p in positions)
+    return (cols < lead[rows]) | (cols >= (lead + counts)[rows]), rows, cols
+
+
+def _in_padding(positions, lead: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if positions is None:
+        return torch.zeros((), dtype=torch.bool, device=lead.device)
+    return _padding_asked(positions, lead, counts)[0].any()
+
+
+def _refuse_padding(positions, lead: torch.Tensor, counts: torch.Tensor) -> None:
+    outside, rows, cols = _padding_asked(positions, lead, counts)
+    first = int(outside.nonzero()[0].item())
+    row, col = int(rows[first]), int(cols[first])
+    raise ValueError(f"position ({row}, {col}) is padding (attention_mask[{row}, {col}] is 0): logits are asked for "
+                     "at a row's own tokens only (a loglikelihood's start plus its number of targets stays within its "
+                     "row)")
 
 
 def check_step(input_ids, attention_mask, cache, vocab: int, context_length: int, device: torch.device,

@@ -205,10 +205,10 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         loss = None if labels is None else _shifted_loss(logits, labels, keep, attention_mask, kwargs, self.training)
         return _output(loss, logits, past if use_cache else None, states, weights, return_dict)
 
-    def _rows(self, input_ids, attention_mask, position_ids=None, cache_position=None) -> inputs.Rows:
+    def _rows(self, input_ids, attention_mask, position_ids=None, cache_position=None, positions=None) -> inputs.Rows:
         package = self.package
         return inputs.check_batch(input_ids, attention_mask, package.vocab_size, package.context_length, self.device,
-                                  position_ids, cache_position)
+                                  position_ids, cache_position, positions)
 
     def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs,
                         embeds=None, media=None, asked=(False, False)):
@@ -265,14 +265,15 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
     def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
                   cols: torch.Tensor, upcast: bool = True, pieces: chunked.Pieces | None = None) -> torch.Tensor | None:
         """Logits `[n, V]` at the n positions `(rows[i], cols[i])` of the padded input, in the
-        caller's layout; only those reach the LM head with the graph rewrite. `upcast=False`: in the
+        caller's layout, each one of its row's own tokens (a padded one is a ValueError naming it);
+        only those reach the LM head with the graph rewrite. `upcast=False`: in the
         LM head's own precision where the package casts half-precision logits to float32. With
         `pieces`, the logits are handed to `pieces(places, logits)` as they are computed (`places`:
         which of the n, None for all in order; a CPU's long rows come chunk by chunk, no `[n, V]`
         buffer made) and the result is None."""
-        checked = self._rows(input_ids, attention_mask)
+        checked = self._rows(input_ids, attention_mask, positions=(rows, cols))
         length = checked.ids.shape[1]
-        rows, cols = (inputs.to_device(v.to(torch.int64), self.device) for v in _positions(rows, cols, checked))
+        rows, cols = (inputs.to_device(v.to(torch.int64), self.device) for v in checked.positions)
         index = inputs.flat_index(length, rows, cols, checked.shift)
         public = self.decoder.public if upcast else (lambda logits: logits)
         if pieces is not None:
@@ -288,20 +289,6 @@ def _configured(model: OrtModelForCausalLM, fields: dict) -> OrtModelForCausalLM
     for name, value in fields.items():
         setattr(model.config, name, value)
     return model
-
-
-def _positions(rows, cols, checked: inputs.Rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logits_at`'s positions, checked where they are: host positions (scoring's) cost the device no wait."""
-    batch, length = checked.ids.shape
-    rows, cols = torch.as_tensor(rows), torch.as_tensor(cols)
-    for name, value in (("rows", rows), ("cols", cols)):
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integer positions, got dtype {value.dtype}")
-    if rows.shape != cols.shape or rows.dim() != 1:
-        raise ValueError(f"rows and cols must be 1-D of one length, got {tuple(rows.shape)} and {tuple(cols.shape)}")
-    if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
-        raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
-    return rows, cols
 
 
 def _variant(decoder: Decoder, hidden_states: bool, weights: bool, embeds: bool, media: images.Media | None = None):

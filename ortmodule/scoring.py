@@ -31,7 +31,8 @@ def loglikelihood(
     """Per row: the sum of log p(target) and whether every target is the greedy token.
 
     Row i's targets are predicted by the logits at positions `starts[i], starts[i] + 1, ...` of the
-    padded input (for a row holding context + continuation[:-1], `starts[i] = len(context) - 1`).
+    padded input (for a row holding context + continuation[:-1], `starts[i] = len(context) - 1`),
+    each one of the row's own tokens: a padded one is a ValueError naming it.
     """
     return answers(loglikelihood_totals(model, input_ids, attention_mask, starts, targets))
 

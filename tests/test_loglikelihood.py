@@ -327,6 +327,29 @@ def test_loglikelihood_errors(llama):
         ortmodule.loglikelihood(model, ids, None, [3], [[5, 6]])
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_logits_asked_for_at_padding_are_refused_naming_the_position(llama, side):
+    """A padded position's logits mean nothing: a loglikelihood whose targets run past its row's own
+    tokens, or `logits_at` a padded column, is a ValueError naming the position, where it gave a number.
+    Every position of a row's own tokens still answers, in either padding layout."""
+    model = load_pair(llama)[0]
+    ids, mask = right_padded_batch([10, 7], seed=8)
+    if side == "left":
+        mask = mask.flip(1)
+    first = 0 if side == "right" else 3  # row 1's first real column
+    last = first + 6
+    padded = first - 1 if side == "left" else last + 1  # the padding column next to row 1's own tokens
+    start = last if side == "right" else padded  # its targets run past its end, or begin before its start
+    with pytest.raises(ValueError, match=rf"position \(1, {padded}\) is padding .*start plus its number of targets"):
+        ortmodule.loglikelihood(model, ids, mask, [2, start], [[5], [6, 7]])
+    named = rf"position \(1, {padded}\) is padding \(attention_mask\[1, {padded}\] is 0\)"
+    with pytest.raises(ValueError, match=named):
+        model.logits_at(ids, mask, [0, 1], [9, padded])
+    full = model(ids, attention_mask=mask).logits
+    own = model.logits_at(ids, mask, [1, 1, 0], [first, last, 9])
+    assert torch.allclose(own, full[[1, 1, 0], [first, last, 9]], atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", MODEL_ARCHES)
 def test_grouped_loglikelihood_equals_the_padded_batch(build, arch):
     """Three contexts (24, 17 and 9 tokens; longer than Gemma's 8-token windows), each with
