@@ -15,6 +15,8 @@ generate reads, and arguments that are neither generation options nor inputs it 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from transformers import GenerationConfig, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -159,8 +161,10 @@ def _check_prompt_shape(ids) -> None:
     if ids is None:
         return
     if not isinstance(ids, torch.Tensor):
+        hint = "a tokenizer's output goes in as keywords: generate(**encoding)" if isinstance(ids, Mapping) else \
+            "torch.tensor(ids) makes one; a tokenizer's return_tensors='pt' too"
         raise TypeError(f"generate()'s input_ids must be a torch.Tensor [batch, sequence] of token ids, got "
-                        f"{type(ids).__name__} (torch.tensor(ids) makes one; a tokenizer's return_tensors='pt' too)")
+                        f"{type(ids).__name__} ({hint})")
     if ids.dim() != 2:
         hint = ": ids[None] adds the batch dimension" if ids.dim() == 1 else ""
         raise ValueError(f"generate()'s input_ids must be 2-D [batch, sequence], got shape {tuple(ids.shape)}{hint}")

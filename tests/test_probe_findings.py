@@ -238,6 +238,7 @@ def test_bad_generate_options(model, kwargs, error, message):
     ([[5, 6, 7]], TypeError, "input_ids must be a torch.Tensor [batch, sequence] of token ids, got list"),
     (torch.tensor([5, 6, 7]), ValueError, "must be 2-D [batch, sequence], got shape (3,): ids[None] adds the batch"),
     (torch.tensor([[[5, 6]]]), ValueError, "must be 2-D [batch, sequence], got shape (1, 1, 2)"),
+    ({"input_ids": torch.tensor([[5, 6]])}, TypeError, "got dict (a tokenizer's output goes in as keywords"),
 ])
 def test_a_prompt_of_the_wrong_form_is_named_before_generate_runs(model, prompt, error, message):
     """transformers' generate fails deep inside on these (a list has no `shape`; a 1-D tensor's IndexError)."""
