@@ -273,6 +273,8 @@ def score(
         _check_temperature(temperature, apply_softmax)
         return []
     prompts = prompts_of(tokenizer, query, items, item_first)
+    if isinstance(label_token_ids, torch.Tensor):  # 1-D: one list for every item; 2-D: a list per item
+        label_token_ids = label_token_ids.tolist()
     per_item = bool(label_token_ids) and not isinstance(label_token_ids[0], int) \
         and isinstance(label_token_ids[0], Sequence)
     lists = [checked_labels(labels, model.package.vocab_size) for labels in

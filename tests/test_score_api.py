@@ -437,6 +437,18 @@ def test_bad_requests_get_errors_that_name_the_problem(llama, kwargs, error, mes
         ortmodule.score(model, None, **args)
 
 
+def test_label_token_ids_as_a_tensor_are_its_lists(llama):
+    """A tensor of label ids, as code that builds them with a tokenizer holds them: 1-D, one list for every
+    item; 2-D, a list per item; the scores of the same ids as lists."""
+    model, _ = load_pair(llama)
+    args = dict(query=[4, 5, 6], items=[[7], [8, 9]])
+    for labels in ([1, 2], [[1, 2], [3, 4]]):
+        assert ortmodule.score(model, None, **args, label_token_ids=torch.tensor(labels)) == \
+            ortmodule.score(model, None, **args, label_token_ids=labels)
+    with pytest.raises(ValueError, match="label token id 512 is outside the vocabulary"):
+        ortmodule.score(model, None, **args, label_token_ids=torch.tensor([3, 512]))
+
+
 def test_no_items_get_no_scores_without_running_the_model(llama, monkeypatch):
     """As SGLang's `Engine.score` answers an empty list of items."""
     model, _ = load_pair(llama)
