@@ -378,6 +378,17 @@ def _output(loss, logits: torch.Tensor, past, states, weights, return_dict: bool
                                   **{CACHE_NAME: past})
 
 
+def _check_targets(targets: torch.Tensor, vocab: int) -> None:
+    """The loss's targets (labels shifted, padding's -100), each a token id of the vocabulary or -100: a
+    ValueError naming the first other one, where cross_entropy would raise an IndexError on a CPU and stop
+    the process's CUDA context with a device-side assert on a GPU (one small read of a flag there)."""
+    outside = ((targets < 0) & (targets != -100)) | (targets >= vocab)
+    if bool(outside.any()):
+        row, col = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(f"labels[{row}, {col + 1}] is {int(targets[row, col])}, outside the vocabulary [0, {vocab}) "
+                         "(-100 marks a position the loss ignores)")
+
+
 def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwargs: dict,
                   training: bool = False) -> torch.Tensor:
     """transformers' causal-LM loss: each position predicts the next label, -100 ignored. A label
@@ -392,10 +403,13 @@ def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwarg
     if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(logits.shape[:2]):
         shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(f"labels must be a tensor of input_ids' shape {tuple(logits.shape[:2])}, got {shape}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must hold integer token ids (-100 to ignore a position), got dtype {labels.dtype}")
     targets = labels.to(logits.device, torch.int64)[:, 1:]
     if attention_mask is not None:
         padded = attention_mask[:, -logits.shape[1]:].to(logits.device)[:, :-1] == 0
         targets = targets.masked_fill(padded, -100)
+    _check_targets(targets, logits.shape[-1])
     items = loss_kwargs.get("num_items_in_batch")
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
                                              reduction="mean" if items is None else "sum")

@@ -151,6 +151,29 @@ def test_labels_of_a_padded_batch_give_the_loss_of_its_rows_unpadded(llama, side
         model(ids, attention_mask=mask, labels=labels[:, 1:])
 
 
+def test_labels_that_are_no_token_ids_are_named(llama):
+    """Labels outside the vocabulary (other than -100) are a ValueError naming the first, where torch's
+    cross_entropy raised an IndexError on a CPU and stops the CUDA context with a device-side assert on a
+    GPU; float or bool labels a TypeError (transformers' own refuses them inside cross_entropy). A label
+    never predicted (the first column, a padded position's) is not read, as transformers does not."""
+    model, _ = load_pair(llama)
+    ids, mask = right_padded_batch([8, 6], seed=11)
+    labels = ids.masked_fill(mask == 0, -100)
+    for value in (512, -5):
+        bad = labels.clone()
+        bad[1, 3] = value
+        with pytest.raises(ValueError, match=rf"labels\[1, 3\] is {value}, outside the vocabulary \[0, 512\)"):
+            model(ids, attention_mask=mask, labels=bad)
+    for dtype in (torch.float32, torch.bool):
+        with pytest.raises(TypeError, match=f"labels must hold integer token ids .*got dtype {dtype}"):
+            model(ids, attention_mask=mask, labels=labels.to(dtype))
+    unread = labels.clone()
+    unread[:, 0] = -1
+    unread[1, 7] = -7  # row 1's padding (its mask is 0 from column 6)
+    assert torch.equal(model(ids, attention_mask=mask, labels=unread).loss, model(ids, attention_mask=mask,
+                                                                                  labels=labels).loss)
+
+
 def test_fp16_package_matches_within_half_precision(build):
     fixture = build("llama", precision="fp16")
     model, hf = load_pair(fixture)
