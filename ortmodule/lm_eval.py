@@ -632,6 +632,7 @@ class OrtModuleLM(ArgumentsOnce, HFLM):
         super().__init__(pretrained=pretrained, device=device, **kwargs)
         # Tokenizing runs beside the device's work on CUDA, whose host cores idle meanwhile; a CPU's
         # cores run the model, so there every text is encoded before the first batch (one wave).
+        check_max_length(self._max_length, self._model)  # before the sharing choice times the model's runs
         self._first_wave = 256 if torch.device(self.device).type == "cuda" else None
         self._share = _sharing_at_load(self._share, self._model)
         # HFLM splits requests across `accelerate launch` processes only when it counts several
@@ -853,6 +854,15 @@ def _rows_and_starts(requests, max_length: int) -> tuple[list[list[int]], list[i
 _FIXED_AT_EXPORT = {"peft": "a PEFT adapter", "delta": "delta weights", "autogptq": "GPTQ weights",
                     "gptqmodel": "GPTQ weights", "gguf_file": "a GGUF file", "quantization_config": "quantization",
                     "tp_plan": "tensor parallelism", "mixed_precision_dtype": "an autocast to another precision"}
+
+
+def check_max_length(max_length: int | None, model) -> None:
+    """The `max_length` model arg against the package's context length, which no run can pass: a longer one
+    would cut no context and fail at the first request longer than the package takes, perhaps hours in."""
+    limit = model.package.context_length if isinstance(model, OrtModelForCausalLM) else None
+    if max_length and limit and max_length > limit:
+        raise ModelArgsError(f"max_length={max_length} is over the package's context length {limit} (genai_config's "
+                             f"search.max_length, what its KV cache holds): leave it out for {limit}, or give less")
 
 
 def refuse_hflm_options(kwargs: dict) -> None:

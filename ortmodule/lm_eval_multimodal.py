@@ -34,6 +34,7 @@ from .lm_eval import (
     ModelArgsError,
     OrtModuleLM,
     check_dtype,
+    check_max_length,
     generate_with_stops,
     plan_generation,
     positive_int,
@@ -96,6 +97,7 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
             self._package, self._config = pretrained.package, pretrained.config
             self._set_image_token(self._config)
         super().__init__(pretrained, device=device, **kwargs)
+        check_max_length(self._max_length, self._model)
         kind = str(self._package.genai_config["model"].get("type", ""))
         if not kwargs.get("image_string") and kind.startswith("gemma3"):
             # Gemma 3's processor expands its begin-of-image, not the image token lm-eval would write for

@@ -672,6 +672,10 @@ def test_lm_eval_multimodal_backend_needs_a_processor_and_an_image_package(build
     with pytest.raises(TypeError, match="model_args for the OrtModuleMultimodalLM backend: max_pixel .*processor"):
         OrtModuleMultimodalLM(str(build("qwen2_5_vl").package_dir),
                               processor=ImageTextProcessor(build("qwen2_5_vl").hf_dir), max_pixel=1000)
+    context = build("qwen2_5_vl").spec.context_length
+    with pytest.raises(ValueError, match=f"max_length={context + 1} is over the package's context length {context}"):
+        OrtModuleMultimodalLM(str(build("qwen2_5_vl").package_dir),
+                              processor=ImageTextProcessor(build("qwen2_5_vl").hf_dir), max_length=context + 1)
 
 
 # A chat template of Qwen2.5-VL's form: an image part is a vision start, one image pad, a vision end.

@@ -812,8 +812,11 @@ def test_ortmodule_eval_names_a_bad_model_arg_without_a_traceback(llama):
         assert done.returncode == 1, done.stderr[-2000:]
         assert done.stderr.strip().splitlines()[-1].startswith(f"ortmodule-eval: error: {message}"), done.stderr[-2000:]
         assert "Traceback" not in done.stderr
+    context = llama.spec.context_length  # a longer max_length would fail at the first request over it, hours in
     for model_args, message in ((",share_context=false", "unknown model_args for the OrtModuleLM backend"),
-                                (",max_length=0", "max_length must be a positive integer, got 0")):
+                                (",max_length=0", "max_length must be a positive integer, got 0"),
+                                (f",max_length={context + 1}", f"max_length={context + 1} is over the package's "
+                                                               f"context length {context}")):
         with pytest.raises(ModelArgsError, match=message):  # what the command line prints (above)
             OrtModuleLM.create_from_arg_string(f"pretrained={llama.package_dir}{model_args}", {"device": "cpu"})
     extra = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}  # what lm-eval's command line passes
