@@ -15,8 +15,6 @@ generate reads, and arguments that are neither generation options nor inputs it 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from transformers import GenerationConfig, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -124,7 +122,8 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
         inputs_ids = kwargs.pop("input_ids", None)
     if inputs_ids is None and kwargs.get("inputs_embeds") is None:
         raise ValueError("generate() needs input_ids (the prompts as token ids) or inputs_embeds")
-    _check_prompt_shape(inputs_ids)
+    if inputs_ids is not None:  # transformers' generate fails deep inside on a list, a dict, a 1-D tensor
+        inputs.check_ids_form(inputs_ids)
     vocab = model.decoder.vocab_size
     # The options given are checked before transformers' merge validates them (and fails on a
     # string count with a raw TypeError); the merged config is checked after.
@@ -153,21 +152,6 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
         if isinstance(kwargs.get(name), torch.Tensor):
             kwargs[name] = kwargs[name].to(model.device, non_blocking=True)
     return GenerationMixin.generate(model, inputs_ids, generation_config, **kwargs)
-
-
-def _check_prompt_shape(ids) -> None:
-    """The prompts as transformers' `generate` takes them, a `[batch, sequence]` tensor (it fails deep inside on
-    a list, and on a 1-D tensor with an IndexError)."""
-    if ids is None:
-        return
-    if not isinstance(ids, torch.Tensor):
-        hint = "a tokenizer's output goes in as keywords: generate(**encoding)" if isinstance(ids, Mapping) else \
-            "torch.tensor(ids) makes one; a tokenizer's return_tensors='pt' too"
-        raise TypeError(f"generate()'s input_ids must be a torch.Tensor [batch, sequence] of token ids, got "
-                        f"{type(ids).__name__} ({hint})")
-    if ids.dim() != 2:
-        hint = ": ids[None] adds the batch dimension" if ids.dim() == 1 else ""
-        raise ValueError(f"generate()'s input_ids must be 2-D [batch, sequence], got shape {tuple(ids.shape)}{hint}")
 
 
 def _check_length(model, input_ids, config: GenerationConfig) -> None:

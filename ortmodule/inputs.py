@@ -8,7 +8,7 @@ other. Every check raises a TypeError or ValueError naming the argument and the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -123,13 +123,23 @@ def pad_right(rows: list[list[int]], pad: int = 0, width: int = 0) -> tuple[torc
     return ids, mask
 
 
-def _check_ids(input_ids, context_length: int) -> None:
+def check_ids_form(input_ids) -> None:
+    """`input_ids` as forward and generate take them, a 2-D integer tensor `[batch, sequence]` (what a
+    tokenizer's return_tensors='pt' gives); what else is given is named, with the way to the form."""
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        hint = "a tokenizer's output goes in as keywords: model(**encoding), generate(**encoding)" \
+            if isinstance(input_ids, Mapping) else "torch.tensor(ids) makes one; a tokenizer's return_tensors='pt' too"
+        raise TypeError(f"input_ids must be a torch.Tensor [batch, sequence] of token ids, got "
+                        f"{type(input_ids).__name__} ({hint})")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be 2-D [batch, sequence], got shape {tuple(input_ids.shape)}")
+        hint = ": ids[None] adds the batch dimension" if input_ids.dim() == 1 else ""
+        raise ValueError(f"input_ids must be 2-D [batch, sequence], got shape {tuple(input_ids.shape)}{hint}")
+
+
+def _check_ids(input_ids, context_length: int) -> None:
+    check_ids_form(input_ids)
     batch, length = input_ids.shape
     if batch == 0 or length == 0:
         raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
@@ -205,7 +215,7 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
         "left_padded": (lead > 0).any(),
         "longest": counts.max(),
         "positions": _positions_differ(position_ids, cache_position, real.cumsum(1) - 1, real, 0),
-        "padding_asked": _in_padding(positions, lead, counts),
+        "padding_asked": _outside_rows(positions, lead, counts).any(),
     }
     flags = dict(zip(checks, torch.stack(list(checks.values())).tolist()))  # the one host sync of the checks
     if flags["not_binary"]:
@@ -222,7 +232,7 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
     if flags["positions"]:
         _refuse_positions()
     if flags["padding_asked"]:
-        _refuse_padding(positions, lead, counts)
+        _refuse_padding(positions, _outside_rows(positions, lead, counts))
 
     def up(tensor):  # host tensors are copied up without waiting for the device
         return to_device(tensor, device)
@@ -248,22 +258,18 @@ def checked_positions(rows, cols, shape) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, cols
 
 
-def _padding_asked(positions, lead: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position, whether it lies outside its row's real tokens (columns lead to lead + count); its rows, cols."""
-    rows, cols = (to_device(p, lead.device) for p in positions)
-    return (cols < lead[rows]) | (cols >= (lead + counts)[rows]), rows, cols
-
-
-def _in_padding(positions, lead: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _outside_rows(positions, lead: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per position (none: an empty tensor), whether it lies outside its row's real tokens (columns lead to
+    lead + count), on the device of the mask's checks."""
     if positions is None:
-        return torch.zeros((), dtype=torch.bool, device=lead.device)
-    return _padding_asked(positions, lead, counts)[0].any()
+        return torch.zeros(0, dtype=torch.bool, device=lead.device)
+    rows, cols = (to_device(p, lead.device) for p in positions)
+    return (cols < lead[rows]) | (cols >= (lead + counts)[rows])
 
 
-def _refuse_padding(positions, lead: torch.Tensor, counts: torch.Tensor) -> None:
-    outside, rows, cols = _padding_asked(positions, lead, counts)
+def _refuse_padding(positions, outside: torch.Tensor) -> None:
     first = int(outside.nonzero()[0].item())
-    row, col = int(rows[first]), int(cols[first])
+    row, col = int(positions[0][first]), int(positions[1][first])
     raise ValueError(f"position ({row}, {col}) is padding (attention_mask[{row}, {col}] is 0): logits are asked for "
                      "at a row's own tokens only (a loglikelihood's start plus its number of targets stays within its "
                      "row)")

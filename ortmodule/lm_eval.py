@@ -630,9 +630,9 @@ class OrtModuleLM(ArgumentsOnce, HFLM):
         pretrained = str(pretrained) if isinstance(pretrained, Path) else pretrained
         refuse_hflm_options(kwargs)
         super().__init__(pretrained=pretrained, device=device, **kwargs)
+        check_max_length(self._max_length, self._model)  # before the sharing choice times the model's runs
         # Tokenizing runs beside the device's work on CUDA, whose host cores idle meanwhile; a CPU's
         # cores run the model, so there every text is encoded before the first batch (one wave).
-        check_max_length(self._max_length, self._model)  # before the sharing choice times the model's runs
         self._first_wave = 256 if torch.device(self.device).type == "cuda" else None
         self._share = _sharing_at_load(self._share, self._model)
         # HFLM splits requests across `accelerate launch` processes only when it counts several
