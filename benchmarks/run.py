@@ -56,7 +56,9 @@ def main() -> None:
         print("interrupted: the rows that finished are kept", flush=True)
         returncode = process.wait()
     print(f"suite finished in {time.perf_counter() - start:.0f} s (exit {returncode})", flush=True)
-    if not json_path.is_file():
+    if not json_path.is_file() or not json_path.stat().st_size:  # stopped before pytest-benchmark wrote a row
+        print(f"no row finished, so no page written (and {json_path} is not a result)", flush=True)
+        json_path.unlink(missing_ok=True)
         sys.exit(returncode or 1)
     if page is None:  # smoke: shapes too small to time, no page
         sys.exit(returncode)

@@ -112,6 +112,24 @@ def test_a_stopped_suite_keeps_the_rows_that_finished(tmp_path):
     assert rows and all(row["stats"]["median"] > 0 for row in rows), seen + rest
 
 
+def test_a_suite_stopped_before_its_first_row_says_so(tmp_path):
+    """A run that ends before any row finished (a deadline during the first row's setup, or a `-k` that
+    selects nothing) leaves pytest-benchmark's empty JSON: run.py says that no row finished, writes no
+    page and leaves no empty file behind, instead of failing inside the JSON parser."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run.json"
+    done = subprocess.run(
+        [sys.executable, str(REPORT.parent / "run.py"), "--size", "cpu", "--json", str(out), "--out",
+         str(tmp_path / "page.md"), "-k", "no_workload_has_this_name"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "no row finished, so no page written" in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert not out.exists() and not (tmp_path / "page.md").exists()
+
+
 @pytest.mark.slow
 def test_graph_options_script_times_each_variant(tmp_path):
     """benchmarks/graph_options.py on the smoke model: a row per builder option, the graph change it

@@ -75,7 +75,8 @@ class OwnHostReads(TorchDispatchMode):
         aten = torch.ops.aten
         reads = (
             (func is aten._local_scalar_dense.default and sources[0].is_cuda)
-            or (func is aten._to_copy.default and sources[0].is_cuda and out.device.type == "cpu")
+            # under torch.inference_mode() (as scoring runs) `.cpu()` reaches the mode as `aten.to.*`, not `_to_copy`
+            or (func.overloadpacket in (aten._to_copy, aten.to) and sources[0].is_cuda and out.device.type == "cpu")
             or (func is aten.copy_.default and sources[0].device.type == "cpu" and sources[1].is_cuda)
         )
         self.count += int(reads)
@@ -137,6 +138,10 @@ def test_counters_see_copies():
     assert own_host_reads(lambda: x.sum().item()) == 1
     assert own_host_reads(lambda: x.tolist()) == 1
     assert own_host_reads(lambda: x + 1) == 0
+    with torch.inference_mode():  # where `.cpu()` is dispatched as aten.to.dtype_layout
+        assert own_host_reads(lambda: x.cpu()) == 1
+        assert own_host_reads(lambda: x.to("cpu", non_blocking=True)) == 1
+        assert own_host_reads(lambda: x.to(torch.float16)) == 0
 
 
 @pytest.mark.filterwarnings("ignore:.*fp32 package")
