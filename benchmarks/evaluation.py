@@ -48,9 +48,9 @@ _WHERE = {
                             "a shared context's continuations packed several to a row of the extend run "
                             "(sharing.choose_lanes) are measured where a CPU shares contexts by default and "
                             "continuations differ in length"),
-    "ortmodule-cuda-graph": (lambda w, d, p: d != "cpu" and w == "mmlu",
-                             "CUDA graphs are CUDA's: does scoring run as fast with them on (mmlu), to make them the "
-                             "default"),
+    "ortmodule-no-cuda-graph": (lambda w, d, p: d != "cpu" and w == "mmlu",
+                                "CUDA graphs are CUDA's (on by default for half-precision packages since 2026-12-04): "
+                                "does scoring run as fast with them on as off (mmlu)"),
     "ortmodule-lm-eval-stops": (lambda w, d, p: w == "gsm8k",
                                 "lm-eval's own stopping criteria are a generation's choice (gsm8k)"),
 }
@@ -93,9 +93,9 @@ def load(backend, fixture, batch_size, device):
     if backend == "ortmodule-prefill-onnx":  # padded rows in the prefill graph (ONNX's Attention, no KV written)
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
                                       prefill_attention="onnx")
-    if backend == "ortmodule-cuda-graph":  # the session that generate's CUDA graphs need, scoring
+    if backend == "ortmodule-no-cuda-graph":  # the session without generate's CUDA graphs (on by default), scoring
         return get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size,
-                                      provider_options={"enable_cuda_graph": "1"})
+                                      provider_options={"enable_cuda_graph": "0"})
     if backend == "ortmodule-tokenize-first":  # every text encoded before the first batch, as on a CPU
         lm = get_model("ortmodule")(pretrained=str(fixture.package_dir), device=device, batch_size=batch_size)
         lm._first_wave = None

@@ -31,7 +31,7 @@ WORKLOADS = {"mmlu": "ortmodule_bench_mmlu", "fewshot": "ortmodule_bench_fewshot
              "rolling": "ortmodule_bench_rolling", "gsm8k": "ortmodule_bench_gsm8k"}
 # transformers first: on an fp32 or int4 package its fp32 answers are every other row's yardstick.
 SCALE_BACKENDS = ["hf", "transformers-bf16", "ortmodule", "ortmodule-share-off", "ortmodule-share-on",
-                  "ortmodule-chunks-off", "ortmodule-tokenize-first", "ortmodule-bf16-head", "ortmodule-cuda-graph",
+                  "ortmodule-chunks-off", "ortmodule-tokenize-first", "ortmodule-bf16-head", "ortmodule-no-cuda-graph",
                   "ortmodule-pad64", "ortmodule-prefill-onnx", "ortmodule-compiled-normalizers", "ortmodule-lanes-off",
                   "ortmodule-lm-eval-stops"]
 SCALE_ANSWERS = {}  # (model, workload, backend) -> per-request answers

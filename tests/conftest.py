@@ -20,15 +20,16 @@ from ortmodule_dev import fixtures
 
 
 def pytest_addoption(parser):
-    parser.addoption("--cuda-graphs-by-default", action="store_true",
-                     help="ortmodule.runtime.CUDA_GRAPHS_BY_DEFAULT on: the CUDA tests with the candidate default")
+    parser.addoption("--no-cuda-graphs-by-default", action="store_true",
+                     help="ortmodule.runtime.CUDA_GRAPHS_BY_DEFAULT off: the CUDA tests without the default's CUDA "
+                          "graphs (to tell a failure of theirs from the code's)")
 
 
 def pytest_configure(config):
-    if config.getoption("--cuda-graphs-by-default"):
+    if config.getoption("--no-cuda-graphs-by-default"):
         from ortmodule import runtime
 
-        runtime.CUDA_GRAPHS_BY_DEFAULT = True
+        runtime.CUDA_GRAPHS_BY_DEFAULT = False
 
 
 @pytest.fixture(autouse=True)

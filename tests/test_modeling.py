@@ -501,10 +501,12 @@ def test_cuda_provider_options_pin_the_attention_kernels():
 
 
 def test_cuda_graphs_by_default_only_where_they_can_run(monkeypatch, llama):
-    """`runtime.CUDA_GRAPHS_BY_DEFAULT` (off until the GPU runs the CUDA tests with it): on CUDA a
+    """`runtime.CUDA_GRAPHS_BY_DEFAULT` (on since the GPU ran the CUDA tests with it): on CUDA a
     half-precision package's provider options get `enable_cuda_graph`, unless the caller set it either
     way; never an fp32 package's (its attention runs on the CPU, which CUDA graphs refuse) nor the
     CPU's, and a CPU model loads with it on as without. tests/test_cuda.py checks what it does there."""
+    assert runtime.CUDA_GRAPHS_BY_DEFAULT
+    monkeypatch.setattr(runtime, "CUDA_GRAPHS_BY_DEFAULT", False)
     assert runtime.default_cuda_graphs({"x": "1"}, "cuda", True) == {"x": "1"}  # off: as given
     monkeypatch.setattr(runtime, "CUDA_GRAPHS_BY_DEFAULT", True)
     assert runtime.default_cuda_graphs(None, "cuda", True) == {"enable_cuda_graph": "1"}
