@@ -40,9 +40,11 @@ if [ "$PART" = 1 ]; then
   suite server 180 "server_load and qwen3"
   # generate: batch 1 >= 1.2x onnxruntime-genai, batch 32 >= 3x transformers (CUDA-graph rows beside)
   suite generate 120 "generate and qwen3 and not fewshot and not whole_prompts and not transformers_bf16"
-  # where batch 1's decode step goes without CUDA graphs (ortmodule about 6 ms a step, onnxruntime-genai 3.7 in
-  # session 57): the host's time inside and outside ONNX Runtime's runs, the kernels a step launches, both
-  step decode-profile 45 bash -c "cd benchmarks && python3 profile_gpu.py --decode 64 --batch 1 --length 256"
+  # the checks of session 92's new default (CUDA graphs for a half-precision package's decode steps) not yet
+  # run on a GPU: threads on such a package, the score's host-read count as now counted, the default's own
+  # tests (about 40 s; session 92 profiled the decode step, which this step replaces)
+  step cuda-tests 60 python3 -m pytest -v -rs -p no:cacheprovider tests/test_cuda.py -k \
+    "threads_on or counters_see or score_makes_one_copy or cuda_graphs_by_default or cuda_graph_decode_steps"
 else
   # HellaSwag-shaped >= 2x hf; rolling >= 2x hf in tokens/s (their fp32 references made here the first time)
   suite hellaswag 100 "at_scale and qwen3 and hellaswag and $PLAIN"

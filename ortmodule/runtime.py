@@ -7,10 +7,12 @@ memory ONNX Runtime writes into.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -153,6 +155,49 @@ def default_cuda_graphs(provider_options: dict | None, device_type: str, half_pa
     return {**(provider_options or {}), "enable_cuda_graph": "1"}
 
 
+class CaptureGuard:
+    """ONNX Runtime captures a CUDA graph in CUDA's global capture mode, in which a CUDA call that may
+    synchronize or allocate, made by any other thread meanwhile, fails and breaks the capture (a run's
+    arena growing, a copy to the host). So a run that may capture (`exclusive`) waits for ortmodule's
+    other CUDA runs in flight to return and runs alone; the others wait while it does, and new ones
+    let a waiting capture go first. Held around the host's part of a run only (on CUDA a run returns
+    once its kernels are queued)."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._running = 0  # shared runs inside ONNX Runtime now
+        self._capturing = False
+        self._waiting = 0  # captures waiting for the shared runs to return
+
+    @contextlib.contextmanager
+    def run(self, exclusive: bool):
+        with self._changed:
+            if exclusive:
+                self._waiting += 1
+                self._changed.wait_for(lambda: not self._capturing and not self._running)
+                self._waiting -= 1
+                self._capturing = True
+            else:
+                self._changed.wait_for(lambda: not self._capturing and not self._waiting)
+                self._running += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                if exclusive:
+                    self._capturing = False
+                else:
+                    self._running -= 1
+                self._changed.notify_all()
+
+
+CAPTURES = CaptureGuard()  # the process's: a capture breaks on another thread's CUDA calls, whatever the session
+# The runs of one graph id that may capture it on a thread: ONNX Runtime's CUDA provider keeps its graphs
+# per thread and captures after two plain runs of an id (one in some versions), so the first three are
+# taken for possible captures.
+RUNS_BEFORE_REPLAY = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Session:
     """An ONNX Runtime session and how ortmodule runs it: on CUDA, the torch stream it runs on and
@@ -164,6 +209,10 @@ class Session:
     cuda_graphs: bool = False  # the CUDA provider's enable_cuda_graph is on
     synchronizes: bool = False  # ONNX Runtime waits for the device at the end of each run
     graph_options: dict = dataclasses.field(default_factory=dict)  # graph id -> its run options
+    # With CUDA graphs, one run at a time: ONNX Runtime does not support `Run` from several threads at once on
+    # such a session (its CUDA provider's documentation); `runs_seen` counts each thread's runs per graph id.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    runs_seen: threading.local = dataclasses.field(default_factory=threading.local)
 
     def io_binding(self) -> ort.IOBinding:
         return self.ort_session.io_binding()
@@ -201,12 +250,30 @@ class Session:
         if current is not None and current != stream:
             stream.wait_stream(current)
         try:
-            # A run that would be captured is not run twice (a capture that failed is not replayed).
-            device = stream.device if stream is not None and not self.cuda_graphs else None
-            retrying_on_torch_cache(device, self.ort_session.run_with_iobinding, binding, self._run_options(graph_id))
+            with self._guarded(graph_id):
+                # A run that would be captured is not run twice (a capture that failed is not replayed).
+                device = stream.device if stream is not None and not self.cuda_graphs else None
+                retrying_on_torch_cache(device, self.ort_session.run_with_iobinding, binding,
+                                        self._run_options(graph_id))
         finally:
             if current is not None and current != stream:
                 current.wait_stream(stream)
+
+    @contextlib.contextmanager
+    def _guarded(self, graph_id: int):
+        """On CUDA, the run inside `CAPTURES` (alone where it may capture a graph); with CUDA graphs, also
+        one run of this session at a time."""
+        if self.stream is None:
+            yield
+            return
+        capturing = False
+        with self.lock if self.cuda_graphs else contextlib.nullcontext():
+            if self.cuda_graphs and graph_id >= 0:
+                seen = self.runs_seen.__dict__.setdefault("counts", {})
+                capturing = seen.get(graph_id, 0) < RUNS_BEFORE_REPLAY
+                seen[graph_id] = seen.get(graph_id, 0) + 1
+            with CAPTURES.run(capturing):
+                yield
 
 
 def make_session(

@@ -148,7 +148,8 @@ class FixedSteps:
         try:
             if self.released is not None:
                 self.released.synchronize()
-            self.decoder.session.ort_session.release_captured_graph(self.graph_id)
+            with self.decoder.session.lock:  # not beside a run of the session (runtime.Session.lock)
+                self.decoder.session.ort_session.release_captured_graph(self.graph_id)
         finally:
             self.lock.release()
 

@@ -751,6 +751,36 @@ def test_cuda_graphs_by_default(build, monkeypatch):
     assert not fp32.decoder.session.cuda_graphs
 
 
+def test_threads_on_a_package_with_cuda_graphs(build):
+    """With CUDA graphs on (the default for a bf16 package), generations, forwards and scores from four
+    threads at once give what the same calls give one after another, bit for bit: ONNX Runtime does not
+    support concurrent runs of a session with CUDA graphs, so ortmodule runs them one at a time
+    (`runtime.Session.lock`), and a run that may capture a graph runs alone (`runtime.CAPTURES`: the
+    capture breaks on another thread's CUDA calls)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fixture = build("qwen3", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    assert model.decoder.session.cuda_graphs
+    gen, work = torch.Generator().manual_seed(5), []
+    for i in range(24):
+        batch, width = 1 + i % 3, 8 + (29 * i) % 90
+        ids = torch.randint(4, 512, (batch, width), generator=gen).cuda()
+        if i % 3 == 0:  # decode steps: each new shape captured on the thread that first steps it
+            work.append(lambda ids=ids, new=6 + i % 5: model.generate(ids, max_new_tokens=new, eos_token_id=None,
+                                                                       pad_token_id=0, do_sample=False))
+        elif i % 3 == 1:
+            work.append(lambda ids=ids: model(ids).logits)
+        else:
+            query, items = ids[0].tolist(), [[int(t)] for t in ids[0, :4]]
+            work.append(lambda q=query, it=items: torch.tensor(scoring.score(model, None, q, it, [5, 6, 7])))
+    expected = [fn() for fn in work]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda fn: fn(), work * 2))
+    wrong = [i for i, (a, b) in enumerate(zip(got, expected * 2)) if not torch.equal(a, b)]
+    assert not wrong, f"{len(wrong)} of {len(got)} concurrent results differ from the sequential ones"
+
+
 def test_tail_at_the_kept_positions_on_cuda(build, monkeypatch, tmp_path):
     """On CUDA the tail after the last attention runs at the kept positions only (tail.py): the
     logits at `cont_len` positions are those of the graph that gathers just before the head, to

@@ -154,3 +154,82 @@ def test_a_cache_run_from_two_threads_at_once_is_refused_not_raced(llama, monkey
     first.join(10)
     assert torch.equal(results["first"], expected)
     assert cache.longest == 13  # the refused step left the cache as the first step made it
+
+
+def overlaps(intervals_a, intervals_b) -> int:
+    """How many pairs of (start, end) intervals, one from each list, overlap in time."""
+    return sum(1 for a0, a1 in intervals_a for b0, b1 in intervals_b if a0 < b1 and b0 < a1)
+
+
+def test_a_run_that_may_capture_a_cuda_graph_runs_alone():
+    """ONNX Runtime captures CUDA graphs in CUDA's global mode, which another thread's allocation or
+    synchronisation breaks: `runtime.CAPTURES` lets a run that may capture go alone among ortmodule's
+    CUDA runs, while the others still run side by side (timed intervals from 4 + 1 threads)."""
+    import threading
+    import time
+
+    from ortmodule import runtime
+
+    guard, shared, alone, lock = runtime.CaptureGuard(), [], [], threading.Lock()
+
+    def run(exclusive: bool, into: list):
+        for _ in range(15):
+            with guard.run(exclusive):
+                start = time.perf_counter()
+                time.sleep(0.003)
+                end = time.perf_counter()
+            with lock:
+                into.append((start, end))
+
+    threads = [threading.Thread(target=run, args=(False, shared)) for _ in range(4)]
+    threads.append(threading.Thread(target=run, args=(True, alone)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(shared) == 60 and len(alone) == 15
+    assert overlaps(alone, shared) == 0
+    assert overlaps(shared, shared) > len(shared)  # beyond each interval with itself: the shared runs overlapped
+
+
+def test_a_session_with_cuda_graphs_runs_one_run_at_a_time():
+    """ONNX Runtime does not support `Run` on a session with CUDA graphs from several threads at once:
+    such a session's runs go one at a time (its `lock`), other sessions' side by side; each thread's
+    first runs of a graph id (where ONNX Runtime may capture it) run alone (`runtime.CAPTURES`), later
+    ones (replays) not. A CUDA session stands in here: what `Session.run` holds around ONNX Runtime's
+    run is the same on any device (tests/test_cuda.py runs the threads on a GPU)."""
+    import threading
+    import time
+
+    from ortmodule import runtime
+
+    def intervals(session, graph_id: int) -> tuple[list, list]:
+        spans, capturing, lock = [], [], threading.Lock()
+
+        def work():
+            for _ in range(6):
+                with session._guarded(graph_id):
+                    start = time.perf_counter()
+                    alone = runtime.CAPTURES._capturing
+                    time.sleep(0.003)
+                    end = time.perf_counter()
+                with lock:
+                    spans.append((start, end))
+                    capturing.append(alone)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        return spans, capturing
+
+    cuda = object()  # a stream: the session counts as a CUDA session
+    graphs = runtime.Session(None, stream=cuda, cuda_graphs=True)
+    spans, capturing = intervals(graphs, -1)
+    assert len(spans) == 24 and overlaps(spans, spans) == len(spans)  # each with itself only
+    spans, capturing = intervals(graphs, 7)
+    assert capturing.count(True) == 4 * runtime.RUNS_BEFORE_REPLAY  # each thread's first runs of graph 7
+    plain = runtime.Session(None, stream=cuda)
+    spans, capturing = intervals(plain, -1)
+    assert overlaps(spans, spans) > len(spans) and not any(capturing)
