@@ -196,6 +196,7 @@ class Decoder:
         # Per KVCache run by this decoder: its binding, the buffers' version bound, the run's lock.
         self.runs, self.runs_lock = weakref.WeakKeyDictionary(), threading.Lock()
         self.fixed, self.graph_ids = collections.OrderedDict(), itertools.count(1)  # FixedSteps; graph ids (0 is ORT's)
+        self.graphs_failed = False  # a decode step's CUDA graph failed: steps run uncaptured from then on (steps.py)
         self.load(device)
 
     @property

@@ -10,6 +10,7 @@ recent ones (`Decoder.fixed`), so that the next generation of the same shape fin
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 
@@ -18,6 +19,8 @@ import torch
 from . import graph, runtime, states
 from .cache import KVCache
 from .decoder import Decoder, bind_cache, noted
+
+logger = logging.getLogger("ortmodule")
 
 
 def lend(decoder: Decoder, batch: int, needed: int) -> FixedSteps | None:
@@ -74,7 +77,7 @@ class FixedSteps:
         self.capacity = self.cache.capacity
         self.bytes = sum(b.numel() * b.element_size() for b in self.cache.keys + self.cache.values)
         self.kept = False  # whether the decoder keeps these steps after their call
-        self.graph_id = next(decoder.graph_ids)
+        self.graph_id = -1 if decoder.graphs_failed else next(decoder.graph_ids)  # -1: never captured
         self.tokens = torch.zeros(batch, 1, dtype=decoder.id_dtype, device=device)
         spec = decoder.spec
         self.mask = torch.zeros(batch, self.capacity, dtype=decoder.mask_dtype, device=device) \
@@ -126,9 +129,27 @@ class FixedSteps:
             self.positions.copy_(cache.lengths[:, None])
         if self.decoder.rebind:
             self._bind_inputs()
-        self.decoder.session.run(self.binding, self.graph_id)
+        self._run()
         cache.advance(1, 1, noted(self.decoder, cache, "step", tokens.view(-1, 1)))
         return self.logits.view(len(self.logits), -1)
+
+    def _run(self) -> None:
+        """The step's run; with CUDA graphs, captured or replayed under the steps' graph id. Where that
+        run fails (a graph ONNX Runtime could not capture: CUDA graphs are on by default, and a
+        package's kernels may not all allow a capture), the step runs again uncaptured (its writes are the
+        same), and where that passes, the model's decode steps run uncaptured from then on, said in a warning."""
+        session, graph_id = self.decoder.session, -1 if self.decoder.graphs_failed else self.graph_id
+        try:
+            session.run(self.binding, graph_id)
+        except Exception as e:
+            if not session.cuda_graphs or graph_id < 0 or "out of memory" in str(e).lower():
+                raise
+            session.run(self.binding, -1)  # where this fails too, its error is the step's own, raised
+            first_line = (str(e).splitlines() or [""])[0]
+            logger.warning("ortmodule: a decode step of %s failed with CUDA graphs on (%s: %s); its decode steps run "
+                           "without them from now on (provider_options={'enable_cuda_graph': '0'} at load says so "
+                           "from the start)", self.decoder.package.root, type(e).__name__, first_line)
+            self.decoder.graphs_failed = True
 
     def copy_cache(self) -> KVCache:
         """A cache of the rows so far in buffers of its own."""
@@ -143,7 +164,7 @@ class FixedSteps:
     def forget(self) -> None:
         """Let ONNX Runtime free the graph captured for these steps, once no thread holds them and
         the device has run them (one held now keeps its graph until the session goes)."""
-        if not self.decoder.session.cuda_graphs or not self.lock.acquire(blocking=False):
+        if not self.decoder.session.cuda_graphs or self.graph_id < 0 or not self.lock.acquire(blocking=False):
             return
         try:
             if self.released is not None:

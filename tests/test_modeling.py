@@ -550,6 +550,42 @@ def test_a_graph_refused_with_default_cuda_graphs_loads_without_them(monkeypatch
         OrtModelForCausalLM.from_pretrained(llama.package_dir, provider_options={"enable_cuda_graph": "1"})
 
 
+def test_a_decode_step_whose_cuda_graph_fails_runs_again_without(llama, caplog):
+    """CUDA graphs are a half-precision package's default on CUDA, and a package's kernels may not all
+    allow a capture: a decode step whose run under its graph id fails runs again uncaptured, the model's
+    steps run uncaptured from then on (a warning says so), and generate gives transformers' tokens. (On a
+    CPU, a session that claims CUDA graphs and refuses every run under a graph id stands in.)"""
+    import dataclasses
+
+    class Refusing:  # the session's ONNX Runtime session, failing the runs that would capture
+        def __init__(self, inner):
+            self.inner, self.refused = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def run_with_iobinding(self, binding, options=None):
+            if options is not None and int(options.get_run_config_entry("gpu_graph_id")) >= 0:
+                self.refused += 1
+                raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing")
+            return self.inner.run_with_iobinding(binding, options)
+
+    model = OrtModelForCausalLM.from_pretrained(llama.package_dir)
+    refusing = Refusing(model.decoder.session.ort_session)
+    model.decoder.session = dataclasses.replace(model.decoder.session, ort_session=refusing, cuda_graphs=True)
+    hf = load_pair(llama)[1]
+    ids = torch.tensor([[15, 19, 22, 27], [5, 6, 7, 8]])
+    settings = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with caplog.at_level("WARNING", logger="ortmodule"):
+        assert torch.equal(model.generate(ids, **settings), hf.generate(ids, **settings))
+    assert refusing.refused == 1 and model.decoder.graphs_failed
+    assert "failed with CUDA graphs on" in caplog.text and "operation not permitted" in caplog.text
+    wider = torch.tensor([[15, 19, 22, 27, 31]])  # other steps (another shape): uncaptured from the start
+    more = dict(settings, attention_mask=torch.ones_like(wider))
+    assert torch.equal(model.generate(wider, **more), hf.generate(wider, **more))
+    assert refusing.refused == 1
+
+
 def test_cuda_device_without_index_and_a_cuda_session_that_falls_to_the_cpu(monkeypatch):
     """`torch.device("cuda")` (no index) names torch's current device to the CUDA provider (it was
     passed as "None", which the provider refuses); and a CUDA session that ONNX Runtime made without
