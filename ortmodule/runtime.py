@@ -251,13 +251,19 @@ class Session:
             stream.wait_stream(current)
         try:
             with self._guarded(graph_id):
-                # A run that would be captured is not run twice (a capture that failed is not replayed).
-                device = stream.device if stream is not None and not self.cuda_graphs else None
-                retrying_on_torch_cache(device, self.ort_session.run_with_iobinding, binding,
+                retrying_on_torch_cache(self.retried_on(graph_id), self.ort_session.run_with_iobinding, binding,
                                         self._run_options(graph_id))
         finally:
             if current is not None and current != stream:
                 current.wait_stream(stream)
+
+    def retried_on(self, graph_id: int) -> torch.device | None:
+        """The device whose torch cache an out-of-memory run may empty to run again (`retrying_on_torch_cache`):
+        the CUDA device, but for a run under a CUDA graph's id, which is not run twice (a capture that failed is
+        not replayed); an uncaptured run of a session with CUDA graphs (a prefill, a forward) is."""
+        if self.stream is None or (self.cuda_graphs and graph_id >= 0):
+            return None
+        return self.stream.device
 
     @contextlib.contextmanager
     def _guarded(self, graph_id: int):

@@ -550,6 +550,19 @@ def test_a_graph_refused_with_default_cuda_graphs_loads_without_them(monkeypatch
         OrtModelForCausalLM.from_pretrained(llama.package_dir, provider_options={"enable_cuda_graph": "1"})
 
 
+def test_an_uncaptured_run_of_a_session_with_cuda_graphs_may_run_again_after_out_of_memory():
+    """An out-of-memory run on CUDA empties torch's cache and runs again (`runtime.retrying_on_torch_cache`);
+    with CUDA graphs on by default, the prefills and forwards of such a session (graph id -1) keep that,
+    and only a run under a graph's id, which may be a capture, is not run twice."""
+    from types import SimpleNamespace
+
+    cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    graphs = runtime.Session(None, stream=cuda, cuda_graphs=True)
+    assert graphs.retried_on(-1) == torch.device("cuda", 0) and graphs.retried_on(3) is None
+    assert runtime.Session(None, stream=cuda).retried_on(3) == torch.device("cuda", 0)
+    assert runtime.Session(None).retried_on(-1) is None  # a CPU session
+
+
 def test_a_decode_step_whose_cuda_graph_fails_runs_again_without(llama, caplog):
     """CUDA graphs are a half-precision package's default on CUDA, and a package's kernels may not all
     allow a capture: a decode step whose run under its graph id fails runs again uncaptured, the model's

@@ -233,3 +233,4 @@ def test_a_session_with_cuda_graphs_runs_one_run_at_a_time():
     plain = runtime.Session(None, stream=cuda)
     spans, capturing = intervals(plain, -1)
     assert overlaps(spans, spans) > len(spans) and not any(capturing)
+
