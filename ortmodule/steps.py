@@ -166,11 +166,14 @@ class FixedSteps:
         the device has run them (one held now keeps its graph until the session goes)."""
         if not self.decoder.session.cuda_graphs or self.graph_id < 0 or not self.lock.acquire(blocking=False):
             return
+        session = self.decoder.session
         try:
-            if self.released is not None:
-                self.released.synchronize()
-            with self.decoder.session.lock:  # not beside a run of the session (runtime.Session.lock)
-                self.decoder.session.ort_session.release_captured_graph(self.graph_id)
+            # Not beside a run of the session (`runtime.Session.lock`), nor beside another thread's capture,
+            # which the wait for the device would break (`runtime.CAPTURES`; the locks in `Session.run`'s order).
+            with session.lock, runtime.CAPTURES.run(False):
+                if self.released is not None:
+                    self.released.synchronize()
+                session.ort_session.release_captured_graph(self.graph_id)
         finally:
             self.lock.release()
 
