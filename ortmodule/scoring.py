@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import runtime
-from .inputs import argmax, outside_vocabulary, pad_right, to_device, vocabulary_message
+from .inputs import argmax, int64_tensor, outside_vocabulary, pad_right, to_device, vocabulary_message
 from .modeling import OrtModelForCausalLM
 from .sharing import KeptPrefixes, common_prefix, packs, shared_prefix_logits, worth_sharing
 
@@ -66,15 +66,13 @@ def loglikelihood_totals(
     so where every position is asked for once no greedy token is computed and it reads 0."""
     counts = _checked_counts(input_ids.shape[0], starts, targets, rows_of)
     requests, vocab = len(counts), model.package.vocab_size
-    flat_targets = [t for row in targets for t in row]
-    bad = outside_vocabulary(flat_targets, vocab)
-    if bad is not None:
-        raise ValueError(vocabulary_message(bad, vocab, "target token id"))
+    flat_targets = _target_ids(targets, vocab)
     device = model.device
     owner = torch.repeat_interleave(torch.arange(requests), torch.tensor(counts))
     at = None
-    if rows_of is None:  # a row per request: every position is asked for once
-        rows, cols = owner, torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+    if rows_of is None or len(set(rows_of)) == len(rows_of):  # no row read twice: every position asked for once
+        rows = owner if rows_of is None else torch.as_tensor(rows_of, dtype=torch.int64)[owner]
+        cols = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
     else:
         positions: dict[tuple[int, int], int] = {}  # (row, column) -> its place among the logits computed
         at = [positions.setdefault((row, col), len(positions))
@@ -93,6 +91,28 @@ def loglikelihood_totals(
 
         model.logits_at(input_ids, attention_mask, rows, cols, upcast=False, pieces=add)
     return totals.tensor()
+
+
+def _target_ids(targets: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """Every request's target ids in one host tensor, checked as one: integers inside the vocabulary
+    (one conversion and one vectorised check: a rolling batch holds some 32,000 targets)."""
+    ids = [t for row in targets for t in row]
+    try:
+        flat = int64_tensor(ids)
+    except OverflowError:  # an id past int64
+        raise ValueError(vocabulary_message(max(ids, key=abs), vocab, "target token id")) from None
+    except TypeError:  # a float, or no number at all
+        try:
+            flat = torch.tensor(ids)
+        except (RuntimeError, TypeError, ValueError):
+            raise TypeError(f"target token ids must be integers, got {sorted({type(t).__name__ for t in ids})}") \
+                from None
+    if flat.is_floating_point() or flat.is_complex() or flat.dtype == torch.bool:
+        raise TypeError(f"target token ids must be integers, got {flat.dtype}")
+    bad = outside_vocabulary(flat, vocab)
+    if bad.any():
+        raise ValueError(vocabulary_message(int(flat[bad][0]), vocab, "target token id"))
+    return flat.to(torch.int64)
 
 
 def _checked_counts(batch: int, starts, targets, rows_of) -> list[int]:

@@ -249,6 +249,22 @@ def test_log_normalizers_equal_float64_log_sum_exp(monkeypatch, way, dtype):
     assert ((lse.double() - reference).abs() / reference.abs().clamp(min=1))[finite].max().item() < 1e-6
 
 
+def test_requests_that_read_distinct_rows_answer_as_the_rows_in_their_order(build):
+    """`rows_of` naming every row once, in any order (lm-eval's rolling windows, batched by length):
+    each request's answers are those of its row given as the request's own row, rows moved to the
+    requests' order, greedy flags included; and where no greedy check is asked for, the same totals."""
+    model = load_pair(build("llama"))[0]
+    rows = [[5, 9, 2, 7, 3, 8], [4, 4, 1, 30, 31], [6, 2, 9, 9, 5, 1, 3]]
+    ids, mask = pad_right(rows)
+    rows_of, starts, targets = [2, 0, 1], [1, 2, 0], [[2, 9, 9, 5], [7, 3, 8], [4, 1, 30, 31]]
+    mine = pad_right([rows[r] for r in rows_of])
+    for greedy in (True, False):
+        got = scoring.loglikelihood_totals(model, ids, mask, starts, targets, rows_of=rows_of, greedy=greedy)
+        want = scoring.loglikelihood_totals(model, *mine, starts, targets, greedy=greedy)
+        assert torch.equal(got, want), greedy
+    assert got[0].lt(0).all()
+
+
 def test_compiled_normalizers_give_the_same_answers(build, monkeypatch):
     """With `scoring.COMPILED_NORMALIZERS` on, lm-eval's scoring paths (requests with a greedy check,
     several reading one row; rolling windows without one) answer what they answer without it."""
@@ -321,6 +337,12 @@ def test_loglikelihood_errors(llama):
     ids = torch.tensor([[5, 6, 7, 8]])
     with pytest.raises(ValueError, match="target token id 9999"):
         ortmodule.loglikelihood(model, ids, None, [1], [[9999]])
+    with pytest.raises(ValueError, match="target token id -2 is outside"):
+        ortmodule.loglikelihood(model, ids[[0, 0]], None, [1, 1], [[6, 7], [7, -2]])
+    with pytest.raises(ValueError, match=f"target token id {2**70}"):
+        ortmodule.loglikelihood(model, ids, None, [1], [[6, 2**70]])
+    with pytest.raises(TypeError, match="target token ids must be integers"):
+        ortmodule.loglikelihood(model, ids, None, [1], [[6, 7.0]])
     with pytest.raises(ValueError, match="row 0 has no target tokens"):
         ortmodule.loglikelihood(model, ids, None, [1], [[]])
     with pytest.raises(ValueError, match="positions must lie inside"):
