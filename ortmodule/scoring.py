@@ -99,20 +99,15 @@ def _target_ids(targets: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
     ids = [t for row in targets for t in row]
     try:
         flat = int64_tensor(ids)
+    except TypeError:  # a float, or no number at all
+        kinds = sorted({type(t).__name__ for t in ids} - {"int"})
+        raise TypeError(f"target token ids must be integers, got {kinds}") from None
     except OverflowError:  # an id past int64
         raise ValueError(vocabulary_message(max(ids, key=abs), vocab, "target token id")) from None
-    except TypeError:  # a float, or no number at all
-        try:
-            flat = torch.tensor(ids)
-        except (RuntimeError, TypeError, ValueError):
-            raise TypeError(f"target token ids must be integers, got {sorted({type(t).__name__ for t in ids})}") \
-                from None
-    if flat.is_floating_point() or flat.is_complex() or flat.dtype == torch.bool:
-        raise TypeError(f"target token ids must be integers, got {flat.dtype}")
     bad = outside_vocabulary(flat, vocab)
     if bad.any():
         raise ValueError(vocabulary_message(int(flat[bad][0]), vocab, "target token id"))
-    return flat.to(torch.int64)
+    return flat
 
 
 def _checked_counts(batch: int, starts, targets, rows_of) -> list[int]:
