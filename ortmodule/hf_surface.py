@@ -231,7 +231,7 @@ class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
                 self._anchor()
         return self
 
-    @runtime.out_of_memory_is_runtime_error
+    @runtime.entry_point
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
                  **kwargs):
         """transformers' `generate` (every option, logits processor, stopping criterion and mode:

@@ -147,7 +147,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
 
-    @runtime.out_of_memory_is_runtime_error
+    @runtime.entry_point
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -261,7 +261,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             cache.tokens = None if embeds is not None else torch.cat([cache.tokens, ids], 1)
         return logits.view(batch, -1, logits.shape[-1]), states, weights
 
-    @runtime.out_of_memory_is_runtime_error
+    @runtime.entry_point
     def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
                   cols: torch.Tensor, upcast: bool = True, pieces: chunked.Pieces | None = None) -> torch.Tensor | None:
         """Logits `[n, V]` at the n positions `(rows[i], cols[i])` of the padded input, in the

@@ -158,36 +158,43 @@ def default_cuda_graphs(provider_options: dict | None, device_type: str, half_pa
 class CaptureGuard:
     """ONNX Runtime captures a CUDA graph in CUDA's global capture mode, in which a CUDA call that may
     synchronize or allocate, made by any other thread meanwhile, fails and breaks the capture (a run's
-    arena growing, a copy to the host). So a run that may capture (`exclusive`) waits for ortmodule's
-    other CUDA runs in flight to return and runs alone; the others wait while it does, and new ones
-    let a waiting capture go first. Held around the host's part of a run only (on CUDA a run returns
-    once its kernels are queued)."""
+    arena growing, a copy to the host, torch pinning a batch's ids). So a run that may capture
+    (`exclusive`) waits until every other thread inside ortmodule (a run, or a whole call of an entry
+    point: `entry_point`) has left it or waits for a capture of its own, and runs alone; new entries wait
+    while a capture waits or runs. A thread's entries nest, and a thread that waits to capture counts as
+    out: two threads inside calls that both reach a capture take turns instead of waiting for each other.
+    Held around the host's part of a run only (on CUDA a run returns once its kernels are queued)."""
 
     def __init__(self):
         self._changed = threading.Condition()
-        self._running = 0  # shared runs inside ONNX Runtime now
+        self._inside: dict[int, int] = {}  # thread -> its nested entries now
+        self._waiting: set[int] = set()  # threads waiting to capture (out, though inside)
         self._capturing = False
-        self._waiting = 0  # captures waiting for the shared runs to return
+
+    def _alone(self, me: int) -> bool:
+        return not self._capturing and all(t == me or t in self._waiting for t in self._inside)
 
     @contextlib.contextmanager
     def run(self, exclusive: bool):
+        me = threading.get_ident()
         with self._changed:
             if exclusive:
-                self._waiting += 1
-                self._changed.wait_for(lambda: not self._capturing and not self._running)
-                self._waiting -= 1
+                self._waiting.add(me)
+                self._changed.wait_for(lambda: self._alone(me))
+                self._waiting.discard(me)
                 self._capturing = True
-            else:
+            elif me not in self._inside:  # a thread already inside goes on: a capture waits for it
                 self._changed.wait_for(lambda: not self._capturing and not self._waiting)
-                self._running += 1
+            self._inside[me] = self._inside.get(me, 0) + 1
         try:
             yield
         finally:
             with self._changed:
                 if exclusive:
                     self._capturing = False
-                else:
-                    self._running -= 1
+                self._inside[me] -= 1
+                if not self._inside[me]:
+                    del self._inside[me]
                 self._changed.notify_all()
 
 
@@ -273,13 +280,13 @@ class Session:
             yield
             return
         capturing = False
-        with self.lock if self.cuda_graphs else contextlib.nullcontext():
-            if self.cuda_graphs and graph_id >= 0:
-                seen = self.runs_seen.__dict__.setdefault("counts", {})
-                capturing = seen.get(graph_id, 0) < RUNS_BEFORE_REPLAY
-                seen[graph_id] = seen.get(graph_id, 0) + 1
-            with CAPTURES.run(capturing):
-                yield
+        if self.cuda_graphs and graph_id >= 0:  # the thread's own count: no lock needed
+            seen = self.runs_seen.__dict__.setdefault("counts", {})
+            capturing = seen.get(graph_id, 0) < RUNS_BEFORE_REPLAY
+            seen[graph_id] = seen.get(graph_id, 0) + 1
+        # CAPTURES before the session's lock: a capture waits for the threads inside ortmodule with no lock held
+        with CAPTURES.run(capturing), self.lock if self.cuda_graphs else contextlib.nullcontext():
+            yield
 
 
 def make_session(
@@ -456,16 +463,20 @@ def retrying_on_torch_cache(device: torch.device | None, action, *args):
             torch.cuda.empty_cache()
 
 
-def out_of_memory_is_runtime_error(function):
-    """Decorate an entry point so that any allocation failure inside it, torch's included (on the
-    CPU: "DefaultCPUAllocator: can't allocate memory"; Python's MemoryError), is the RuntimeError
-    with "out of memory." that batch-size searches retry on. ONNX Runtime's failures are turned
-    so by `run` already."""
+def entry_point(function):
+    """Decorate an entry point (forward, generate, scoring's calls). Inside it, the thread counts as inside
+    ortmodule for `CAPTURES`: another thread's capture of a CUDA graph waits for the call to end, and
+    the call waits for a capture underway, so that its own CUDA calls between runs (pinning and copying
+    a batch, torch's allocations, the copy of the answers) never break a capture. And any allocation
+    failure inside it, torch's included (on the CPU: "DefaultCPUAllocator: can't allocate memory";
+    Python's MemoryError), is the RuntimeError with "out of memory." that batch-size searches retry on.
+    ONNX Runtime's failures are turned so by `run` already."""
 
     @functools.wraps(function)
     def call(*args, **kwargs):
         try:
-            return function(*args, **kwargs)
+            with CAPTURES.run(False):
+                return function(*args, **kwargs)
         except MemoryError as e:
             raise RuntimeError(f"ran out of memory. ({type(e).__name__}: {e})") from e
         except RuntimeError as e:

@@ -44,7 +44,7 @@ def answers(totals: torch.Tensor) -> list[tuple[float, bool]]:
     return [(s, m == 0) for s, m in zip(summary[0].tolist(), summary[1].tolist())]
 
 
-@runtime.out_of_memory_is_runtime_error
+@runtime.entry_point
 @torch.inference_mode()
 def loglikelihood_totals(
     model: OrtModelForCausalLM,
@@ -217,6 +217,7 @@ def compiled_normalizers(logits: torch.Tensor, greedy: bool = True) -> tuple[tor
     return _compiled[greedy](logits)
 
 
+@runtime.entry_point
 @torch.inference_mode()
 def grouped_loglikelihood_totals(
     model: OrtModelForCausalLM, rows: list[Ids], groups: list[int], starts: list[int], targets: list[Ids],
@@ -254,7 +255,7 @@ def grouped_loglikelihood_totals(
 Ids = list[int]
 
 
-@runtime.out_of_memory_is_runtime_error
+@runtime.entry_point
 @torch.inference_mode()
 def score(
     model: OrtModelForCausalLM,
@@ -380,6 +381,7 @@ def _has_prefix(prompts: list[Ids]) -> bool:
     return len(prompts) > 1 and common_prefix(prompts) > 0
 
 
+@runtime.entry_point
 def label_logprobs(
     model: OrtModelForCausalLM, requests: list[list[Ids]], labels: Ids, token_budget: int,
     reuse_prefix: bool | None | Sequence[bool],

@@ -170,7 +170,7 @@ class FixedSteps:
         try:
             # Not beside a run of the session (`runtime.Session.lock`), nor beside another thread's capture,
             # which the wait for the device would break (`runtime.CAPTURES`; the locks in `Session.run`'s order).
-            with session.lock, runtime.CAPTURES.run(False):
+            with runtime.CAPTURES.run(False), session.lock:
                 if self.released is not None:
                     self.released.synchronize()
                 session.ort_session.release_captured_graph(self.graph_id)

@@ -192,6 +192,64 @@ def test_a_run_that_may_capture_a_cuda_graph_runs_alone():
     assert overlaps(shared, shared) > len(shared)  # beyond each interval with itself: the shared runs overlapped
 
 
+def test_a_capture_waits_for_the_calls_of_other_threads():
+    """A thread inside an entry point makes CUDA calls between its runs too (pinning a batch, torch's
+    allocations, a copy to the host), each of which would break another thread's capture: a capture
+    waits until the other threads' whole calls end (`runtime.entry_point` holds `CAPTURES` around
+    them; nested holds pass), and two threads inside calls that both reach a capture take turns rather
+    than wait for each other."""
+    import threading
+    import time
+
+    from ortmodule import runtime
+
+    guard, busy, captures, lock = runtime.CaptureGuard(), {}, {}, threading.Lock()
+
+    def work(name: str, seconds: float, into: dict):
+        start = time.perf_counter()
+        time.sleep(seconds)
+        with lock:
+            into.setdefault(name, []).append((start, time.perf_counter()))
+
+    def call(name: str, capture: bool):
+        with guard.run(False):  # the entry point
+            for _ in range(3):
+                with guard.run(False):  # a run inside it
+                    work(name, 0.01, busy)
+                work(name, 0.01, busy)  # the call's own CUDA work between runs
+            if capture:
+                with guard.run(True):
+                    work(name, 0.01, captures)
+            work(name, 0.01, busy)
+
+    threads = [threading.Thread(target=call, args=(name, name != "plain"), daemon=True)
+               for name in ("a", "b", "plain")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads), "two captures inside calls waited for each other"
+    assert sorted(captures) == ["a", "b"]
+    for name in ("a", "b"):
+        others = [span for other in ("a", "b", "plain") if other != name
+                  for span in busy[other] + captures.get(other, [])]
+        assert overlaps(captures[name], others) == 0, f"{name}'s capture ran beside another thread's work"
+    assert not guard._inside and not guard._waiting
+
+
+def test_an_entry_point_holds_the_capture_guard():
+    """`runtime.entry_point` counts its thread as inside ortmodule for `CAPTURES` during the call."""
+    import threading
+
+    from ortmodule import runtime
+
+    @runtime.entry_point
+    def inside() -> bool:
+        return threading.get_ident() in runtime.CAPTURES._inside
+
+    assert inside() and threading.get_ident() not in runtime.CAPTURES._inside
+
+
 def test_a_session_with_cuda_graphs_runs_one_run_at_a_time():
     """ONNX Runtime does not support `Run` on a session with CUDA graphs from several threads at once:
     such a session's runs go one at a time (its `lock`), other sessions' side by side; each thread's

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .. import runtime
 from ..inputs import eos_token_ids
 from .errors import ServingError, busy
 from .generations import Generations
@@ -240,7 +241,8 @@ class Engine:
 
     def _timed(self, phase: str, work) -> None:
         start = time.perf_counter()
-        work()
+        with runtime.CAPTURES.run(False):  # a phase's CUDA calls between runs never beside another thread's capture
+            work()
         self.stats.seconds[phase] = self.stats.seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def _take(self, block: bool) -> None:
