@@ -26,10 +26,11 @@ source "$(dirname "$0")/gpu_run_lib.sh"
 # lm-eval's hf and ortmodule as it loads by default, without the suite's variants
 PLAIN="(hf or ortmodule) and not (share or chunks or tokenize or cuda-graph or pad64 or bf16-head or prefill-onnx or transformers-bf16 or compiled-normalizers)"
 
+PACKAGE="cd benchmarks && python3 -c 'from conftest import QWEN3_0_6B; from ortmodule_dev import fixtures; print(fixtures.build(QWEN3_0_6B).package_dir)'"
 if [ "$PART" = 1 ]; then
   # the package exported before the steps that time it (about 25 s once imports are warm; session 57's
   # fresh machine ran out of 60 s in its first, cold imports)
-  step package 90 bash -c "cd benchmarks && python3 -c 'from conftest import QWEN3_0_6B; from ortmodule_dev import fixtures; print(fixtures.build(QWEN3_0_6B).package_dir)'"
+  step package 90 bash -c "$PACKAGE"
   # prefill >= 45% of the dense bf16 peak on 32 x 512 tokens (with the prefill-graph and packed-QKV rows:
   # what was tried); about 75 s
   suite forward 90 "forward and qwen3 and not backbone"
@@ -46,6 +47,9 @@ if [ "$PART" = 1 ]; then
   step cuda-tests 60 python3 -m pytest -v -rs -p no:cacheprovider tests/test_cuda.py -k \
     "threads_on or counters_see or score_makes_one_copy or cuda_graphs_by_default or cuda_graph_decode_steps"
 else
+  # on a machine that part 1 did not warm (session 93's went back between the parts: its export ran past 80 s)
+  compgen -G "${ORTMODULE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ortmodule}/fixtures/qwen3-h1024-l28-v151936-bf16-*/package" > /dev/null \
+    || step package 110 bash -c "$PACKAGE"
   # HellaSwag-shaped >= 2x hf; rolling >= 2x hf in tokens/s (their fp32 references made here the first time)
   suite hellaswag 100 "at_scale and qwen3 and hellaswag and $PLAIN"
   suite rolling 90 "at_scale and qwen3 and rolling and $PLAIN"
