@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from . import images, variants
+from . import images, runtime, variants
 from .hf import CACHE_NAME
 from .package import NotSupportedError
 
@@ -63,6 +63,7 @@ class Backbone(torch.nn.Module):
 
     register_forward_pre_hook = register_full_backward_hook = register_full_backward_pre_hook = register_forward_hook
 
+    @runtime.entry_point
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
