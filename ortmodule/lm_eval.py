@@ -28,7 +28,7 @@ from lm_eval.models.utils_hf import get_dtype
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
-from . import hf, hub, shared_prompts
+from . import hf, hub, runtime, shared_prompts
 from .encoding import encode_as_tok_encode, encode_pairs_as_tok_encode, hflm_request, request_waves
 from .hf import build_config
 from .inputs import pad_right
@@ -283,6 +283,7 @@ def shared_batches(model, requests, rows, starts, row_of, groups, rows_per_batch
     return pending
 
 
+@runtime.entry_point  # its copy to the host waits for the device: never beside another thread's capture
 def read_back(keys, pending: list[tuple[list[int], torch.Tensor]], cache_hook) -> list[tuple[float, bool]]:
     """Every request's (loglikelihood, is_greedy) from the answers left on the device, in one copy;
     `keys[i]` (request i's texts, or None) goes to lm-eval's cache hook."""
