@@ -163,7 +163,7 @@ class CaptureGuard:
     point: `entry_point`) has left it or waits for a capture of its own, and runs alone; new entries wait
     while a capture waits or runs. A thread's entries nest, and a thread that waits to capture counts as
     out: two threads inside calls that both reach a capture take turns instead of waiting for each other.
-    Held around the host's part of a run only (on CUDA a run returns once its kernels are queued)."""
+    Held on the host only: a capture waits for other threads' host work, not for their queued kernels."""
 
     def __init__(self):
         self._changed = threading.Condition()
