@@ -61,6 +61,29 @@ GEMMA3_VL_CPU = fixtures.FixtureSpec("gemma3_vl", hidden_size=1152, num_layers=2
                                              ("num_hidden_layers", 27), ("num_attention_heads", 16),
                                              ("image_size", 896), ("patch_size", 14), ("mm_tokens_per_image", 256)))
 
+# Mistral Small 3.1's vision tower (Pixtral: 24 layers 1,024 wide, 14-pixel patches, SiLU MLPs, 0.4 B
+# weights; the Ministral 3 models have the same) and its 2 x 2 patch merger, with a 0.6 B Mistral text
+# config (Ministral-3-3B's heads and vocabulary, fewer and narrower layers: its 3 B text model in fp32
+# would not fit beside transformers' copy in 24 GB), tied head; exported by mobius-onnx in fp32.
+MISTRAL3_VL_CPU = fixtures.FixtureSpec("mistral3", hidden_size=1536, num_layers=16, num_heads=12, num_kv_heads=4,
+                                       head_dim=128, intermediate_size=4608, vocab_size=131072, context_length=32768,
+                                       initializer_range=0.02, tie_word_embeddings=True, tokenizer="smollm2",
+                                       vision=(("hidden_size", 1024), ("intermediate_size", 4096),
+                                               ("num_hidden_layers", 24), ("num_attention_heads", 16),
+                                               ("head_dim", 64), ("image_size", 1540), ("patch_size", 14)))
+
+# transformers' default Gemma 4 vision tower (16 layers 768 wide, 16-pixel patches pooled 3 x 3, images of
+# up to 280 tokens) with a 0.9 B Gemma 4 text config (Gemma 4 E2B's width, heads, window and vocabulary,
+# 12 layers, 2 of them full attention; per-layer inputs 8 wide where E2B's are 256), exported by
+# mobius-onnx in fp32.
+GEMMA4_VL_CPU = fixtures.FixtureSpec("gemma4_mobius", hidden_size=1536, num_layers=12, num_heads=8, num_kv_heads=1,
+                                     head_dim=256, intermediate_size=6144, vocab_size=262144, context_length=32768,
+                                     initializer_range=0.02, tokenizer="smollm2", sliding_window=512,
+                                     vision=(("hidden_size", 768), ("intermediate_size", 3072),
+                                             ("num_hidden_layers", 16), ("num_attention_heads", 12),
+                                             ("num_key_value_heads", 12), ("head_dim", 64), ("patch_size", 16),
+                                             ("position_embedding_size", 10240)))
+
 # What each model key means on the page.
 MODELS = {
     "smollm2-fp32": "SmolLM2-135M-Instruct, fp32 package (real trained weights)",
@@ -74,6 +97,10 @@ MODELS = {
     "qwen2-vl-2b": "Qwen2-VL-2B's config, random weights, SmolLM2's tokenizer, fp32 package exported by mobius-onnx",
     "gemma3-4b-vision": "Gemma-3-4B's vision tower and projector with Gemma-3-1B's text config, random weights, "
                         "SmolLM2's tokenizer, fp32 package exported by `ortmodule export --images`",
+    "mistral3-vision": "Mistral-Small-3.1's vision tower (Pixtral) with a 0.6 B Mistral text config, random weights, "
+                       "SmolLM2's tokenizer, fp32 package exported by mobius-onnx",
+    "gemma4-vision": "Gemma 4's default vision tower with a 0.9 B Gemma 4 text config, random weights, "
+                     "SmolLM2's tokenizer, fp32 package exported by mobius-onnx",
     "tiny-vl": "tiny Qwen2-VL (smoke test, synthetic)",
 }
 
@@ -108,6 +135,14 @@ SIZES = {
         # Gemma 3: two prompts of one 896 x 896 image (4,096 patches, 256 image tokens, attended both ways
         # within the image: ortmodule/blocks.py) between 40 text tokens.
         images_gemma3=dict(key="gemma3-4b-vision", spec=GEMMA3_VL_CPU, batch=2, image_side=896, text_tokens=40,
+                           keep=8, new_tokens=16, rounds=2),
+        # Mistral 3: two prompts of one 448 x 448 image (1,024 patches; 16 rows of 16 image tokens after the
+        # 2 x 2 merger, each row ended by a row break) between 40 text tokens.
+        images_pixtral=dict(key="mistral3-vision", spec=MISTRAL3_VL_CPU, batch=2, image_side=448, text_tokens=40,
+                            keep=8, new_tokens=16, rounds=2),
+        # Gemma 4: two prompts of one 768 x 768 image (2,304 patches pooled to 256 image tokens) between 40
+        # text tokens.
+        images_gemma4=dict(key="gemma4-vision", spec=GEMMA4_VL_CPU, batch=2, image_side=768, text_tokens=40,
                            keep=8, new_tokens=16, rounds=2),
     ),
     "gpu": dict(
@@ -152,6 +187,10 @@ SIZES = {
         images=dict(key="tiny-vl", spec=fixtures.FixtureSpec("qwen2_vl"), batch=2, image_side=16, text_tokens=10,
                     keep=2, new_tokens=3, rounds=1),
         images_gemma3=dict(key="tiny-gemma3-vl", spec=fixtures.FixtureSpec("gemma3_vl"), batch=2, image_side=32,
+                           text_tokens=10, keep=2, new_tokens=3, rounds=1),
+        images_pixtral=dict(key="tiny-mistral3-vl", spec=fixtures.FixtureSpec("mistral3"), batch=2, image_side=32,
+                            text_tokens=10, keep=2, new_tokens=3, rounds=1),
+        images_gemma4=dict(key="tiny-gemma4-vl", spec=fixtures.FixtureSpec("gemma4_mobius"), batch=2, image_side=32,
                            text_tokens=10, keep=2, new_tokens=3, rounds=1),
     ),
 }

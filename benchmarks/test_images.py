@@ -7,7 +7,13 @@ Qwen2-VL size has, and its 1.5 B text model), the fp32 package mobius-onnx expor
 transformers' Qwen2-VL image processor at its defaults; `images_gemma3`, Gemma-3-4B's vision tower
 and projector (SigLIP so400m, 896 x 896 images, 256 tokens each, attended both ways within an image)
 with Gemma-3-1B's text config, the fp32 package `ortmodule export --images` writes, the images through
-transformers' Gemma 3 image processor. The images are random pixels. Smoke: the tiny fixtures."""
+transformers' Gemma 3 image processor; `images_pixtral`, Mistral Small 3.1's Pixtral vision tower and patch
+merger (448 x 448 images at their own size, 1,024 patches, 256 image tokens in 16 rows) with a 0.6 B
+Mistral text config, the fp32 package mobius-onnx exports, the images through transformers' Pixtral
+image processor as Mistral 3's processor runs it; `images_gemma4`, transformers' default Gemma 4 vision
+tower (768 x 768 images, 2,304 patches pooled to 256 tokens) with a 0.9 B Gemma 4 text config, the fp32
+package mobius-onnx exports, the images through transformers' Gemma 4 image processor at its defaults.
+The images are random pixels. Smoke: the tiny fixtures."""
 
 import numpy as np
 import pytest
@@ -21,7 +27,7 @@ from ortmodule import OrtModelForCausalLM
 from ortmodule_dev import fixtures
 
 
-@pytest.fixture(scope="module", params=["images", "images_gemma3"])
+@pytest.fixture(scope="module", params=["images", "images_gemma3", "images_pixtral", "images_gemma4"])
 def setup(size, request):
     options = size.get(request.param)
     if options is None:
@@ -30,7 +36,8 @@ def setup(size, request):
     device = size["device"]
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
     hf = transformers.AutoModelForImageTextToText.from_pretrained(fixture.hf_dir, dtype=torch.float32).to(device).eval()
-    made = gemma3_prompts if fixture.spec.arch == fixtures.GEMMA3_VL else qwen_prompts
+    made = {fixtures.GEMMA3_VL: gemma3_prompts, "mistral3": pixtral_prompts,
+            "gemma4_mobius": gemma4_prompts}.get(fixture.spec.arch, qwen_prompts)
     return fixture, model, hf, made(fixture, hf.config, options, device), options
 
 
@@ -81,6 +88,44 @@ def gemma3_prompts(fixture, config, options: dict, device: str) -> tuple[dict, i
     return given, len(pixels) * (vision.image_size // vision.patch_size) ** 2
 
 
+def pixtral_prompts(fixture, config, options: dict, device: str) -> tuple[dict, int]:
+    """The same through Pixtral's image processor as Mistral 3's processor runs it (sides in multiples of
+    the patch times the merger's 2), laid out as that processor does: a row of image tokens per row of
+    the merged grid, each row ended by a row break, the last by an image end (the fixture's top ids
+    but one and two); and the images' patches."""
+    vision = config.vision_config
+    stride = vision.patch_size * config.spatial_merge_size
+    processor = transformers.PixtralImageProcessorPil(patch_size=stride, size={"longest_edge": options["image_side"]})
+    made = processor(random_images(options), return_tensors="pt")
+    height, width = (int(side) for side in made["image_sizes"][0])
+    brk, end = fixture.spec.vocab_size - 2, fixture.spec.vocab_size - 3
+    tokens = ([config.image_token_index] * (width // stride) + [brk]) * (height // stride)
+    ids = around(fixture, options, tokens[:-1] + [end])
+    given = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                 pixel_values=made["pixel_values"].to(device), image_sizes=made["image_sizes"].to(device))
+    return given, len(made["image_sizes"]) * (height // vision.patch_size) * (width // vision.patch_size)
+
+
+def gemma4_prompts(fixture, config, options: dict, device: str) -> tuple[dict, int]:
+    """The same through Gemma 4's image processor (each image resized to at most `max_soft_tokens` of 3 x 3
+    pooled patches; the tiny fixture's patch and budget where the tower is the fixture's), laid out as
+    Gemma 4's processor does (begin-of-image, the image's tokens, end-of-image; mm_token_type_ids marking
+    the image tokens); and the images' patches."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    patch = config.vision_config.patch_size
+    budget = {} if patch == 16 else dict(patch_size=patch, max_soft_tokens=70)  # the tiny tower's (tests)
+    made = Gemma4ImageProcessorPil(**budget)(random_images(options), return_tensors="pt")
+    counts = made["num_soft_tokens_per_image"].unique()
+    assert len(counts) == 1  # square images of one side
+    ids = around(fixture, options, [config.boi_token_id, *[config.image_token_id] * int(counts[0]),
+                                    config.eoi_token_id])
+    given = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                 mm_token_type_ids=(ids == config.image_token_id).long().to(device),
+                 pixel_values=made["pixel_values"].to(device), image_position_ids=made["image_position_ids"].to(device))
+    return given, int((made["image_position_ids"][..., 0] >= 0).sum())
+
+
 def weight_counts(fixture) -> tuple[int, int, int]:
     """(vision weights: the tower and its projector, text body weights, LM head weights) from the checkpoint."""
     vision = body = 0
@@ -88,7 +133,9 @@ def weight_counts(fixture) -> tuple[int, int, int]:
         with safe_open(shard, "pt") as f:
             for key in f.keys():  # noqa: SIM118  a safetensors file, not a dict
                 count = int(np.prod(f.get_slice(key).get_shape()))
-                if any(part in key for part in ("visual", "vision_tower", "multi_modal_projector")):
+                if "position_embedding" in key:
+                    continue  # a table looked up, not a matmul's weights (Gemma 4's: 15.7 M)
+                if any(part in key for part in ("visual", "vision_tower", "multi_modal_projector", "embed_vision")):
                     vision += count
                 elif "embed_tokens" not in key and "lm_head" not in key:
                     body += count

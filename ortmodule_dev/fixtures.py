@@ -145,7 +145,7 @@ class FixtureSpec:
     tie_word_embeddings: bool | None = None  # None: untied
     # "smollm2": SmolLM2's real tokenizer (49,152 tokens, from the GGUF file); None: one trained on CORPUS.
     tokenizer: str | None = None
-    # Qwen-VL forms and Gemma 3's: the vision config's fields over the fixture's one-block tower (a real
+    # Qwen-VL forms, Gemma 3's and Mistral 3's: the vision config's fields over the fixture's one-block tower (a real
     # model's tower), and the text model's mRoPE sections (None: [2, 3, 3], for the fixture's 16-wide heads).
     vision: tuple[tuple[str, object], ...] | None = None
     mrope_section: tuple[int, int, int] | None = None
@@ -329,17 +329,22 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
 
 def _gemma4_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     """A multimodal Gemma 4 checkpoint: sliding layers (head size h, an 8-token window) alternate
-    with full-attention layers (head size 2h), as in Gemma 4 (256 and 512)."""
+    with full-attention layers (head size 2h), as in Gemma 4 (256 and 512). `spec.head_dim`: h (else
+    hidden / heads); `spec.sliding_window`: a real model's window, with five sliding layers to one full
+    one; `spec.vision` (mobius-onnx's form): the tower's fields over its one-layer one."""
     import torch
     import transformers
 
     family = GEMMA4[spec.arch]
-    head = spec.hidden_size // spec.num_heads
+    head = spec.head_dim or spec.hidden_size // spec.num_heads
+    period = 2 if spec.sliding_window is None else 6
     text = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=head, global_head_dim=2 * head, sliding_window=8, max_position_embeddings=spec.context_length,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)],
+        head_dim=head, global_head_dim=2 * head, sliding_window=spec.sliding_window or 8,
+        max_position_embeddings=spec.context_length,
+        layer_types=["sliding_attention" if i % period != period - 1 else "full_attention"
+                     for i in range(spec.num_layers)],
         initializer_range=spec.initializer_range, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
@@ -348,8 +353,9 @@ def _gemma4_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
         text.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=spec.vocab_size)
         if spec.kv_shared_layers:
             text.update(num_kv_shared_layers=spec.kv_shared_layers)
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+        vision = dict(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64),
+                      **dict(spec.vision or ()))
     media = {name: spec.vocab_size - 1 - i for i, name in enumerate(MEDIA_TOKENS)}
     config = getattr(transformers, f"{family}Config")(text_config=text, vision_config=vision, audio_config=None,
                                                       **media)
@@ -419,19 +425,21 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
 def _mistral3_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     """A Mistral 3 checkpoint: a one-layer Pixtral vision tower (patch 4, SiLU as Pixtral's, images up to
     64 pixels a side), a 2 x 2 patch merger, and a Mistral text model; the image token, row break and
-    image end at the top reserved ids."""
+    image end at the top reserved ids. `spec.vision`: the tower's fields over those (a real model's
+    tower); `spec.head_dim`: the text model's head size (else hidden / heads)."""
     import torch
     import transformers
 
-    head = spec.hidden_size // spec.num_heads
+    head = spec.head_dim or spec.hidden_size // spec.num_heads
     text = dict(model_type="mistral", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
                 intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
                 num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=head,
                 max_position_embeddings=spec.context_length, initializer_range=spec.initializer_range,
                 tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id)
-    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=64, patch_size=4, head_dim=16, hidden_act="silu")
+    vision = dict(dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, image_size=64, patch_size=4, head_dim=16, hidden_act="silu"),
+                  **dict(spec.vision or ()))
     config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=spec.vocab_size - 1,
                                          spatial_merge_size=2, tie_word_embeddings=True)
     torch.manual_seed(spec.seed)
