@@ -144,11 +144,20 @@ NOTES = {
     "({images_batch} a batch; each image {images_side} x {images_side} random pixels through transformers' Qwen2-VL "
     "image processor, whose tensors both backends take as they are; Gemma 3 since 2026-11-29: {gemma3_batch} a "
     "batch, {gemma3_side} x {gemma3_side} images through its Gemma 3 image processor, laid out as Gemma3Processor "
-    "does, the image tokens marked by `token_type_ids` and so attended both ways within the image). `score`: one "
+    "does, the image tokens marked by `token_type_ids` and so attended both ways within the image; Mistral 3 "
+    "(Pixtral's tower) since 2026-12-04: {pixtral_batch} a batch, {pixtral_side} x {pixtral_side} images at their "
+    "own size through transformers' Pixtral image processor, laid out as Mistral 3's processor does, a row break "
+    "after each row of image tokens, `image_sizes` beside the pixels; Gemma 4 since 2026-12-04: {gemma4_batch} a "
+    "batch, {gemma4_side} x {gemma4_side} images through its Gemma 4 image processor at its defaults, its patch "
+    "positions beside the pixels and `mm_token_type_ids` marking the image tokens). `score`: one "
     "forward, the last {images_keep} positions' logits (`cont_len` for ortmodule, `logits_to_keep` for "
     "transformers), the vision model included; `generate`: greedy, {images_new} new tokens a row. transformers is "
     "`AutoModelForImageTextToText` in fp32 on the same weights. `max_diff_vs_transformers` (score): the largest "
-    "logit difference; `same_tokens_as_transformers` (generate). `of peak` counts the vision tower's weights x "
+    "logit difference; where it is over 1e-3, both backends' float32 logits against transformers in float64 on the "
+    "same weights (`max_diff_vs_float64` and `mean_diff_vs_float64`, ortmodule's; `transformers_...`, "
+    "transformers' float32's): Gemma 4's random-weight text model amplifies float32's rounding in either backend, "
+    "and ortmodule's mean distance must stay within three times transformers'; `same_tokens_as_transformers` "
+    "(generate). `of peak` counts the vision tower's weights x "
     "patches beside the text model's weights x tokens; `peak_rss_mb` is the process's, which holds both models.",
     "host time": "benchmarks/test_host_time.py: `mmlu` rows, the MMLU-shaped lm-eval workload ({host_questions} "
     "questions, batch {host_batch}, sharing off) on a model of negligible compute with a real tokenizer, so that "
@@ -224,6 +233,7 @@ def note_values(size: str) -> dict:
     shapes = SIZES[size]
     scale, batch = shapes["lm_eval_at_scale"], suite.at_scale_batch
     server, images, gemma3 = shapes["server"], shapes.get("images", {}), shapes.get("images_gemma3", {})
+    pixtral, gemma4 = shapes.get("images_pixtral", {}), shapes.get("images_gemma4", {})
     (lo, hi), limit = shapes["generate"]["prompt_lengths"], shapes["lm_eval"]["limit"]
     slow = [model_label(key) for key in shapes["decoders"] if key in SLOW_PEERS_ON]
     return dict(prompt_lo=lo, prompt_hi=hi, new_tokens=shapes["generate"]["new_tokens"],
@@ -242,6 +252,8 @@ def note_values(size: str) -> dict:
                 images_batch=images.get("batch"), images_side=images.get("image_side"),
                 images_keep=images.get("keep"), images_new=images.get("new_tokens"),
                 gemma3_batch=gemma3.get("batch"), gemma3_side=gemma3.get("image_side"),
+                pixtral_batch=pixtral.get("batch"), pixtral_side=pixtral.get("image_side"),
+                gemma4_batch=gemma4.get("batch"), gemma4_side=gemma4.get("image_side"),
                 **shapes["score"])
 # Real-model workloads first: what users run.
 GROUP_ORDER = {"lm-eval loglikelihood": 0, "lm-eval at scale": 0.5, "generate": 1, "score": 2, "minicons scoring": 3,
@@ -517,8 +529,8 @@ FOOTER = """## How to reproduce, and the GPU table
   peer), test_scale.py (MMLU-, HellaSwag- and wikitext-shaped lm-eval at scale), test_generate.py,
   test_score.py (`ortmodule.score`), test_minicons.py, test_forward.py, test_serving.py (the
   `/v1/score` server under load at fixed rates), test_host_time.py (the host's time per request) and
-  test_images.py (prompts with an image: Qwen2-VL-2B's config, random weights, mobius-onnx's fp32
-  package; CPU only so far);
+  test_images.py (prompts with an image: Qwen2-VL-2B's config, Gemma 3's, Mistral 3's and Gemma 4's
+  vision towers, random weights, fp32 packages; CPU only so far);
   `-k` picks one, e.g. `python benchmarks/run.py --size gpu -k "at_scale and mmlu" --json
   benchmarks/results/gpu-mmlu.json`.
 - CI runs every workload once with tiny shapes (`pytest benchmarks --benchmark-disable
