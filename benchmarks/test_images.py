@@ -55,6 +55,12 @@ def around(fixture, options: dict, image: list[int]) -> torch.Tensor:
     return torch.tensor([[*t[:8].tolist(), *image, *t[8:].tolist()] for t in text])
 
 
+def on(device: str, ids: torch.Tensor, **tensors: torch.Tensor) -> dict:
+    """The model's keyword inputs on `device`: the ids, an all-ones attention mask, and `tensors`."""
+    return {name: tensor.to(device) for name, tensor in
+            dict(input_ids=ids, attention_mask=torch.ones_like(ids), **tensors).items()}
+
+
 def qwen_prompts(fixture, config, options: dict, device: str) -> tuple[dict, int]:
     """A batch of prompts, each some text, one image (random pixels, `image_side` square, through the
     Qwen2-VL image processor, its patch size from the model's config) and more text, as the
@@ -68,9 +74,8 @@ def qwen_prompts(fixture, config, options: dict, device: str) -> tuple[dict, int
     assert len(counts) == 1  # square images of one side
     ids = around(fixture, options, [config.vision_start_token_id, *[config.image_token_id] * int(counts[0]),
                                     config.vision_end_token_id])
-    given = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                 mm_token_type_ids=(ids == config.image_token_id).long().to(device),
-                 pixel_values=made["pixel_values"].to(device), image_grid_thw=made["image_grid_thw"].to(device))
+    given = on(device, ids, mm_token_type_ids=(ids == config.image_token_id).long(),
+               pixel_values=made["pixel_values"], image_grid_thw=made["image_grid_thw"])
     return given, int(made["image_grid_thw"].prod(1).sum())
 
 
@@ -83,8 +88,7 @@ def gemma3_prompts(fixture, config, options: dict, device: str) -> tuple[dict, i
     pixels = processor(random_images(options), return_tensors="pt")["pixel_values"]
     ids = around(fixture, options, [config.boi_token_index, *[config.image_token_id] * config.mm_tokens_per_image,
                                     config.eoi_token_index])
-    given = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                 token_type_ids=(ids == config.image_token_id).long().to(device), pixel_values=pixels.to(device))
+    given = on(device, ids, token_type_ids=(ids == config.image_token_id).long(), pixel_values=pixels)
     return given, len(pixels) * (vision.image_size // vision.patch_size) ** 2
 
 
@@ -101,8 +105,7 @@ def pixtral_prompts(fixture, config, options: dict, device: str) -> tuple[dict, 
     brk, end = fixture.spec.vocab_size - 2, fixture.spec.vocab_size - 3
     tokens = ([config.image_token_index] * (width // stride) + [brk]) * (height // stride)
     ids = around(fixture, options, tokens[:-1] + [end])
-    given = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                 pixel_values=made["pixel_values"].to(device), image_sizes=made["image_sizes"].to(device))
+    given = on(device, ids, pixel_values=made["pixel_values"], image_sizes=made["image_sizes"])
     return given, len(made["image_sizes"]) * (height // vision.patch_size) * (width // vision.patch_size)
 
 
@@ -120,9 +123,8 @@ def gemma4_prompts(fixture, config, options: dict, device: str) -> tuple[dict, i
     assert len(counts) == 1  # square images of one side
     ids = around(fixture, options, [config.boi_token_id, *[config.image_token_id] * int(counts[0]),
                                     config.eoi_token_id])
-    given = dict(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                 mm_token_type_ids=(ids == config.image_token_id).long().to(device),
-                 pixel_values=made["pixel_values"].to(device), image_position_ids=made["image_position_ids"].to(device))
+    given = on(device, ids, mm_token_type_ids=(ids == config.image_token_id).long(),
+               pixel_values=made["pixel_values"], image_position_ids=made["image_position_ids"])
     return given, int((made["image_position_ids"][..., 0] >= 0).sum())
 
 
