@@ -320,18 +320,28 @@ def provenance(runs: list[dict]) -> str:
 def machine_key(run: dict) -> str:
     """The machine a run measured: its GPU's name (the limits measured with it), else its CPU, told
     apart by clock, last-level cache and AMX where the name is not enough (a cloud VM's "Intel(R)
-    Xeon(R) Processor" names several generations, whose ratios between backends differ)."""
+    Xeon(R) Processor" names several generations, whose ratios between backends differ). The clock is
+    rounded to 10 MHz: a VM's advertised clock varies in its last digits between boots of one kind."""
     machine = run["machine_info"]
     gpu = (machine.get("limits") or {}).get("name")
     if gpu:
         return gpu
     cpu = machine.get("cpu", {})
-    details = [cpu.get("hz_advertised_friendly"),
+    details = [_clock(cpu),
                f"{cpu['l3_cache_size'] >> 20} MiB L3" if cpu.get("l3_cache_size", 0) >= 2**20 else None,
                "AMX" if any(flag.startswith("amx") for flag in cpu.get("flags", [])) else None]
     details = [d for d in details if d]
     name = cpu.get("brand_raw") or machine.get("processor", "")
     return f"{name} ({', '.join(details)})" if details else name
+
+
+def _clock(cpu: dict) -> str | None:
+    """The CPU's advertised clock in GHz to two places, from py-cpuinfo's count or its friendly text."""
+    hz = (cpu.get("hz_advertised") or [0])[0]
+    if not hz and cpu.get("hz_advertised_friendly"):
+        value, unit = cpu["hz_advertised_friendly"].split()
+        hz = float(value) * {"GHz": 1e9, "MHz": 1e6}.get(unit, 1)
+    return f"{hz / 1e9:.2f} GHz" if hz else None
 
 
 # Notes on the rows of one model label: what a reader must know to compare them.

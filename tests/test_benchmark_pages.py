@@ -70,7 +70,8 @@ def test_a_workload_run_again_replaces_its_rows_and_speeds_compare_within_a_run(
 
 @pytest.mark.slow
 def test_cpus_of_one_name_are_told_apart():
-    """Two CPUs a VM names alike (clock, cache or AMX differ) get a part each; two runs on one get one."""
+    """Two CPUs a VM names alike (clock, cache or AMX differ) get a part each; two runs on one get one, also
+    where the advertised clock differs in its last digits."""
     def run(when, hz, l3, flags):
         cpu = {"brand_raw": "Intel(R) Xeon(R) Processor", "count": 2, "hz_advertised_friendly": hz,
                "l3_cache_size": l3, "flags": flags}
@@ -80,11 +81,12 @@ def test_cpus_of_one_name_are_told_apart():
 
     older = run("2026-11-26T00:00:00", "2.3000 GHz", 260 << 20, ["avx512f"])
     newer = run("2026-11-27T00:00:00", "2.6000 GHz", 480 << 20, ["avx512f", "amx_tile"])
-    assert report.machine_key(newer) == "Intel(R) Xeon(R) Processor (2.6000 GHz, 480 MiB L3, AMX)"
-    page = report.render([older, newer, dict(newer, datetime="2026-11-27T01:00:00")], "cpu")
+    again = run("2026-11-27T01:00:00", "2.5998 GHz", 480 << 20, ["avx512f", "amx_tile"])
+    assert report.machine_key(newer) == "Intel(R) Xeon(R) Processor (2.60 GHz, 480 MiB L3, AMX)"
+    page = report.render([older, newer, again], "cpu")
     parts = [line for line in page.splitlines() if line.startswith("## On ")]
-    assert parts == ["## On Intel(R) Xeon(R) Processor (2.6000 GHz, 480 MiB L3, AMX)",
-                     "## On Intel(R) Xeon(R) Processor (2.3000 GHz, 260 MiB L3)"]
+    assert parts == ["## On Intel(R) Xeon(R) Processor (2.60 GHz, 480 MiB L3, AMX)",
+                     "## On Intel(R) Xeon(R) Processor (2.30 GHz, 260 MiB L3)"]
 
 
 def test_a_stopped_suite_keeps_the_rows_that_finished(tmp_path):
