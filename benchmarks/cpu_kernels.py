@@ -29,6 +29,21 @@ written out in ONNX ops).
     python benchmarks/cpu_kernels.py --forward 8x128
     python benchmarks/cpu_kernels.py --attention
     python benchmarks/cpu_kernels.py --matmul
+
+`--spec NAME` profiles another package than SmolLM2's: a spec of benchmarks/conftest.py or of
+ortmodule_dev.fixtures (e.g. `GEMMA4_VL_CPU`, the image workload's Gemma 4; a multimodal package's
+decoder is profiled, its prompts text only). `--steps ROWS`: a decode step's time, ortmodule's
+against transformers' fp32 on the spec's weights: greedy generate of 1 and of 17 tokens from ROWS
+prompts of `--length` tokens, best of 2, the difference over 16 steps. `--read-rate KxN`: how fast a
+two-row fp32 matmul (a decode step's shape at batch 2) reads a K x N weight, ONNX Runtime's MatMul
+against torch's `F.linear`, over enough copies of the weight that none stays in the cache, beside a
+plain copy's rate. `--images WORKLOAD`: an image workload's `score` (benchmarks/test_images.py's
+prompts at the CPU size), each of the package's sessions by node.
+
+    python benchmarks/cpu_kernels.py --spec GEMMA4_VL_CPU --decode 2
+    python benchmarks/cpu_kernels.py --spec GEMMA4_VL_CPU --steps 2 --length 298
+    python benchmarks/cpu_kernels.py --images images_gemma4
+    python benchmarks/cpu_kernels.py --read-rate 1536x6144 --read-rate 6144x1536 --read-rate 1536x262144
 """
 
 import argparse
@@ -77,15 +92,92 @@ def best_ms(fn, repeats: int = 5, calls: int = 20) -> float:
     return best * 1e3
 
 
+SPEC = fixtures.SMOLLM2  # --spec
+
+
+def spec_named(name: str) -> fixtures.FixtureSpec:
+    import conftest  # benchmarks/conftest.py: the suite's specs
+
+    spec = getattr(conftest, name, None) or getattr(fixtures, name, None)
+    if not isinstance(spec, fixtures.FixtureSpec):
+        raise SystemExit(f"--spec {name}: no FixtureSpec of that name in benchmarks/conftest.py or "
+                         "ortmodule_dev.fixtures")
+    return spec
+
+
 def profiled(prefix: str):
-    return OrtModelForCausalLM.from_pretrained(fixtures.build(fixtures.SMOLLM2).package_dir,
-                                               session_options=options(prefix))
+    return OrtModelForCausalLM.from_pretrained(fixtures.build(SPEC).package_dir, session_options=options(prefix))
+
+
+def step_times(rows: int, length: int) -> None:
+    """A decode step's time: ortmodule's and transformers' greedy generate of 1 and of 17 tokens."""
+    import transformers
+
+    fixture = fixtures.build(SPEC)
+    ids = torch.randint(100, 40000, (rows, length), generator=torch.Generator().manual_seed(0))
+    config = transformers.AutoConfig.from_pretrained(fixture.hf_dir)
+    auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") else \
+        transformers.AutoModelForCausalLM
+    for name, load in (("ortmodule", lambda: OrtModelForCausalLM.from_pretrained(fixture.package_dir)),
+                       ("transformers", lambda: auto.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval())):
+        model = load()
+        seconds = {}
+        for new in (1, 17):
+            best = float("inf")
+            for _ in range(2):
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                   do_sample=False, pad_token_id=0)
+                best = min(best, time.perf_counter() - start)
+            seconds[new] = best
+        del model
+        print(f"{name}: {rows} x {length} tokens, prefill and 1 token {seconds[1] * 1e3:.0f} ms, 17 tokens "
+              f"{seconds[17] * 1e3:.0f} ms: {(seconds[17] - seconds[1]) / 16 * 1e3:.1f} ms a step")
+
+
+def read_rate(shape: str, rows: int = 2) -> None:
+    """GB/s at which a `rows`-row fp32 matmul reads its weights, ONNX Runtime's and torch's."""
+    from onnx import numpy_helper
+
+    k, n = (int(side) for side in shape.split("x"))
+    copies = max(1, math.ceil(400e6 / (4 * k * n)))  # past any last-level cache
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal((k, n), dtype=np.float32) for _ in range(copies)]
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(copies)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(copies)],
+                              [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)])
+    so = options()
+    so.intra_op_num_threads = 2
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
+    session = ort.InferenceSession(model.SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    torch.set_num_threads(2)
+    transposed, activation = [torch.from_numpy(w.T.copy()) for w in weights], torch.from_numpy(x)
+
+    def torch_linear():
+        for w in transposed:
+            torch.nn.functional.linear(activation, w)
+
+    gb = 4 * k * n * copies / 1e9
+    ours, theirs = (best_ms(fn, repeats=3, calls=5) for fn in (lambda: session.run(None, {"x": x}), torch_linear))
+    source = torch.empty(int(100e6))  # 400 MB
+    target = torch.empty_like(source)
+    copy = best_ms(lambda: target.copy_(source), repeats=3, calls=5)
+    print(f"{rows} x {k} x {n} ({copies} weights, {gb:.2f} GB): ONNX Runtime {gb / ours * 1e3:.1f} GB/s, torch "
+          f"{gb / theirs * 1e3:.1f} GB/s; a copy {0.8 / copy * 1e3:.1f} GB/s (read + write)")
 
 
 def node_table(model, last: int, what: str) -> None:
     """The model's last `last` runs under the profiler: their time by node, the layers summed, with
     the FLOP rate of each matmul."""
-    events = json.loads(Path(model.decoder.session.ort_session.end_profiling()).read_text())
+    events_table(json.loads(Path(model.decoder.session.ort_session.end_profiling()).read_text()), last, what)
+
+
+def events_table(events: list, last: int, what: str) -> None:
+    """`node_table` from one session's profile."""
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session"
                   and e["name"] == "model_run")[-last:]
     by_node, flops = collections.Counter(), collections.Counter()
@@ -95,6 +187,7 @@ def node_table(model, last: int, what: str) -> None:
         if not any(start <= e["ts"] <= end for start, end in runs):
             continue
         node = re.sub(r"layers\.\d+", "layers.N", e["name"][: -len("_kernel_time")])
+        node = re.sub(r"_node_\d+", "", node)  # mobius-onnx numbers each layer's nodes apart
         by_node[node] += e["dur"]
         given, made = ([*(shape or [{}])[0].values()] for shape in (e["args"].get("input_type_shape"),
                                                                      e["args"].get("output_type_shape")))
@@ -126,6 +219,35 @@ def forward_profile(shape: str) -> None:
         for _ in range(6):
             model(ids, cont_len=4)
     node_table(model, 5, f"forward {batch} x {length}, cont_len=4, 5 runs after one")
+
+
+def images_profile(workload: str) -> None:
+    """The image workload's `score` (benchmarks/test_images.py's prompts, the CPU size) twice under the
+    profiler: the second call's runs of each of the package's sessions (vision, embedding, decoder)."""
+    import gc
+
+    import conftest
+    import test_images
+    import transformers
+
+    settings = conftest.SIZES["cpu"][workload]
+    fixture = fixtures.build(settings["spec"])
+    folder = Path(tempfile.mkdtemp())
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, session_options=options(str(folder / "ort")))
+    given, _ = test_images.prompts(fixture, transformers.AutoConfig.from_pretrained(fixture.hf_dir), settings, "cpu")
+    with torch.inference_mode():
+        for call in range(2):
+            start = time.perf_counter()
+            model(**given, cont_len=settings["keep"])
+            print(f"score, call {call + 1}: {time.perf_counter() - start:.2f} s")
+    del model
+    gc.collect()  # each session writes its profile as it closes
+    for path in sorted(folder.glob("*.json")):
+        events = json.loads(path.read_text())
+        runs = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
+        if runs:
+            # the second call's runs: as many as the first call made (a session may run once at load)
+            events_table(events, len(runs) // 2, f"{path.name}, the second call")
 
 
 def _model(nodes, inputs, opset: int = 21, outputs=("out",)):
@@ -300,9 +422,26 @@ def main():
     parser.add_argument("--forward", metavar="BATCHxLENGTH", help="profile forward passes (cont_len=4)")
     parser.add_argument("--attention", action="store_true", help="one layer's attention, kernel against kernel")
     parser.add_argument("--matmul", action="store_true", help="one matmul in every precision ONNX Runtime's CPU takes")
+    parser.add_argument("--images", metavar="WORKLOAD", help="profile an image workload's score (images_gemma4, ...)")
+    parser.add_argument("--spec", help="profile this spec's package (benchmarks/conftest.py's or fixtures')")
+    parser.add_argument("--steps", type=int, metavar="ROWS", help="a decode step's time, ortmodule and transformers")
+    parser.add_argument("--length", type=int, default=40, help="with --steps: the prompts' tokens")
+    parser.add_argument("--read-rate", action="append", default=[], metavar="KxN",
+                        help="a two-row fp32 matmul's read rate of a K x N weight, ONNX Runtime's and torch's")
     args = parser.parse_args()
-    if not (args.decode or args.forward or args.attention or args.matmul):
-        parser.error("say --decode ROWS, --forward BATCHxLENGTH, --attention or --matmul")
+    if not (args.decode or args.forward or args.attention or args.matmul or args.steps or args.read_rate
+            or args.images):
+        parser.error("say --decode ROWS, --forward BATCHxLENGTH, --attention, --matmul, --steps ROWS, "
+                     "--read-rate KxN or --images WORKLOAD")
+    if args.spec:
+        global SPEC
+        SPEC = spec_named(args.spec)
+    if args.steps:
+        step_times(args.steps, args.length)
+    for shape in args.read_rate:
+        read_rate(shape)
+    if args.images:
+        images_profile(args.images)
     if args.decode:
         decode_profile(args.decode)
     if args.forward:

@@ -36,9 +36,14 @@ def setup(size, request):
     device = size["device"]
     model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device=device)
     hf = transformers.AutoModelForImageTextToText.from_pretrained(fixture.hf_dir, dtype=torch.float32).to(device).eval()
+    return fixture, model, hf, prompts(fixture, hf.config, options, device), options
+
+
+def prompts(fixture, config, options: dict, device: str) -> tuple[dict, int]:
+    """The workload's prompts, made as its family's processor makes them (the makers below)."""
     made = {fixtures.GEMMA3_VL: gemma3_prompts, "mistral3": pixtral_prompts,
             "gemma4_mobius": gemma4_prompts}.get(fixture.spec.arch, qwen_prompts)
-    return fixture, model, hf, made(fixture, hf.config, options, device), options
+    return made(fixture, config, options, device)
 
 
 def random_images(options: dict) -> list:
