@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -65,6 +66,7 @@ def loglikelihood_totals(
     head once. `greedy=False`: the second answer is not wanted (lm-eval's rolling loglikelihoods),
     so where every position is asked for once no greedy token is computed and it reads 0."""
     counts = _checked_counts(input_ids.shape[0], starts, targets, rows_of)
+    starts = _checked_starts(starts, counts, input_ids.shape[-1], "row" if rows_of is None else "request")
     requests, vocab = len(counts), model.package.vocab_size
     flat_targets = _target_ids(targets, vocab)
     device = model.device
@@ -127,6 +129,26 @@ def _checked_counts(batch: int, starts, targets, rows_of) -> list[int]:
     if min(counts) == 0:
         raise ValueError(f"{'row' if rows_of is None else 'request'} {counts.index(0)} has no target tokens")
     return counts
+
+
+def _checked_starts(starts, counts: list[int], width: int, what: str) -> list[int]:
+    """`loglikelihood_totals`' starts as ints, each checked against the input's `width` columns with its
+    request's number of targets: a TypeError or ValueError naming the request (rather than one about the
+    positions made from them, or Python's own about adding to a None)."""
+    checked = []
+    for i, (start, count) in enumerate(zip(starts, counts)):
+        if isinstance(start, bool) or (isinstance(start, torch.Tensor) and start.dtype == torch.bool):
+            raise TypeError(f"starts[{i}] must be an int column, got the bool {start!r}")
+        try:
+            column = operator.index(start)
+        except TypeError:
+            raise TypeError(f"starts[{i}] must be an int column, got {type(start).__name__} {start!r}") from None
+        if column < 0 or column + count > width:
+            columns = f"column {column}" if count == 1 else f"columns {column} to {column + count - 1}"
+            raise ValueError(f"{what} {i}: starts[{i}] = {column} with {count} target token(s) asks for the logits at "
+                             f"{columns}, outside the input's {width} columns")
+        checked.append(column)
+    return checked
 
 
 class _Totals:

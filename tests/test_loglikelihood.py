@@ -1,5 +1,7 @@
 """The LM-head rewrite and the loglikelihood primitive against independent references."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -345,8 +347,23 @@ def test_loglikelihood_errors(llama):
         ortmodule.loglikelihood(model, ids, None, [1], [[6, 7.0]])
     with pytest.raises(ValueError, match="row 0 has no target tokens"):
         ortmodule.loglikelihood(model, ids, None, [1], [[]])
-    with pytest.raises(ValueError, match="positions must lie inside"):
+    with pytest.raises(ValueError, match=r"row 0: starts\[0\] = 3 with 2 target token\(s\) asks for the logits at "
+                                         r"columns 3 to 4, outside the input's 4 columns"):
         ortmodule.loglikelihood(model, ids, None, [3], [[5, 6]])
+    with pytest.raises(ValueError, match=r"row 1: starts\[1\] = -1 with 1 target token\(s\) asks for the logits at "
+                                         r"column -1,"):
+        ortmodule.loglikelihood(model, ids[[0, 0]], None, [1, -1], [[6], [5]])
+    with pytest.raises(ValueError, match=r"request 1: starts\[1\] = 4 "):  # requests reading rows (rows_of)
+        scoring.loglikelihood_totals(model, ids, None, [0, 4], [[6], [5]], rows_of=[0, 0])
+    # Starts that are not int columns, named, where Python or torch would say something else or take a bool as 1.
+    for start, shown in ((1.0, "float 1.0"), (None, "NoneType None"), ("1", "str '1'"), (True, "the bool True"),
+                         (torch.tensor(True), "the bool tensor(True)")):
+        with pytest.raises(TypeError, match=rf"starts\[0\] must be an int column, got {re.escape(shown)}"):
+            ortmodule.loglikelihood(model, ids, None, [start], [[6]])
+    # Integer columns of any kind are taken: numpy's, torch's, a tensor of starts.
+    expected = ortmodule.loglikelihood(model, ids, None, [1], [[6, 7]])
+    assert ortmodule.loglikelihood(model, ids, None, [np.int64(1)], [[6, 7]]) == expected
+    assert ortmodule.loglikelihood(model, ids, None, torch.tensor([1]), [[6, 7]]) == expected
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
