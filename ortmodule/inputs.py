@@ -263,8 +263,11 @@ def checked_positions(rows, cols, shape) -> tuple[torch.Tensor, torch.Tensor]:
             raise TypeError(f"{name} must hold integer positions, got dtype {value.dtype}")
     if rows.shape != cols.shape or rows.dim() != 1:
         raise ValueError(f"rows and cols must be 1-D of one length, got {tuple(rows.shape)} and {tuple(cols.shape)}")
-    if ((rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)).any():
-        raise ValueError(f"positions must lie inside the input of shape {(batch, length)}")
+    outside = (rows < 0) | (rows >= batch) | (cols < 0) | (cols >= length)
+    if outside.any():
+        first = int(outside.nonzero()[0, 0])
+        raise ValueError(f"positions must lie inside the input of shape {(batch, length)}: position {first} is "
+                         f"(row {int(rows[first])}, col {int(cols[first])})")
     return rows, cols
 
 

@@ -67,6 +67,16 @@ def test_bad_cont_len(model):
         model(ids, cont_len=1.5)
 
 
+def test_logits_at_positions_outside_the_input_are_named(model):
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with pytest.raises(ValueError, match=r"inside the input of shape \(2, 3\): position 2 is \(row 1, col 3\)"):
+        model.logits_at(ids, None, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 3]))
+    with pytest.raises(ValueError, match=r"position 0 is \(row 2, col 0\)"):
+        model.logits_at(ids, None, [2], [0])
+    with pytest.raises(TypeError, match="cols must hold integer positions"):
+        model.logits_at(ids, None, [0], [1.0])
+
+
 def test_unsupported_arguments_are_named(model):
     with pytest.raises(ValueError, match="pass input_ids or inputs_embeds, not both"):
         model(torch.tensor([[5, 6]]), inputs_embeds=torch.zeros(1, 2, 64))
