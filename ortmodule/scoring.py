@@ -307,6 +307,7 @@ def score(
     the model's calls have held 16,384 tokens, and by token counts before; `prefix_reuse`).
     No items give no scores (as SGLang answers them), once `temperature` is checked.
     """
+    _check_switches(apply_softmax=apply_softmax, item_first=item_first, reuse_prefix=reuse_prefix)
     if isinstance(items, Sequence) and not isinstance(items, (str, bytes)) and len(items) == 0:
         _check_temperature(temperature, apply_softmax)
         return []
@@ -328,6 +329,16 @@ def score(
     rows = lists if per_item else lists * len(prompts)
     return [label_probabilities([values[column[t]] for t in row], apply_softmax, temperature)
             for values, row in zip(table, rows, strict=True)]
+
+
+def _check_switches(**switches) -> None:
+    """score's on/off arguments: a bool (`reuse_prefix` None too). Text such as "false" would otherwise count as
+    on, and `reuse_prefix` as one choice per character (label_logprobs' per-request form)."""
+    for name, value in switches.items():
+        if isinstance(value, (str, bytes)) or (name == "reuse_prefix" and value is not None
+                                               and not isinstance(value, bool)):
+            allowed = "True, False or None" if name == "reuse_prefix" else "a bool"
+            raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
 
 
 def _check_temperature(temperature, apply_softmax: bool) -> None:

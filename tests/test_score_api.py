@@ -427,6 +427,11 @@ def test_the_scores_leave_the_device_once(llama, monkeypatch):
         (dict(label_token_ids=[[1], [2], [3]]), ValueError, "label_token_ids has 3 lists for 2 items"),
         (dict(temperature=0.5), ValueError, "temperature requires apply_softmax=True"),
         (dict(temperature=-1.0, apply_softmax=True), ValueError, "temperature must be finite and greater than zero"),
+        # Switches given as text (a config file's "false" was taken as on; "yes" as three per-request choices).
+        (dict(reuse_prefix="yes"), TypeError, "reuse_prefix must be True, False or None, got str 'yes'"),
+        (dict(reuse_prefix=[True, False]), TypeError, "reuse_prefix must be True, False or None, got list"),
+        (dict(apply_softmax="false"), TypeError, "apply_softmax must be a bool, got str 'false'"),
+        (dict(item_first="false", items=[]), TypeError, "item_first must be a bool"),
     ],
 )
 def test_bad_requests_get_errors_that_name_the_problem(llama, kwargs, error, message):
