@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -181,6 +182,8 @@ class Decoder:
         self.quantized_prefill = nbits.checked_choice(quantized_prefill)
         self.prefill_attention = extend.checked_attention(prefill_attention)
         self.chosen_chunk = chunked.checked_chunk(prefill_chunk)  # None: chunked.default_chunk by device
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise TypeError(f"cache_dir must be a folder's path (a str or a Path), got {type(cache_dir).__name__}")
         self.spec = spec = package.decoder
         self.session_options, self.provider_options, self.cache_dir = session_options, provider_options, cache_dir
         self.rewrite_lm_head, self.graph_bytes, self.plain_bytes = rewrite_lm_head, None, None  # graphs: `load`'s

@@ -93,7 +93,10 @@ def parse_device(device: str | torch.device | int | None) -> torch.device:
     """'cpu', 'cuda', 'cuda:N' or an index -> a torch.device with an explicit index for CUDA."""
     if isinstance(device, int) and not isinstance(device, bool):  # an index is a CUDA device, as in transformers
         device = torch.device("cuda", device)
-    device = torch.device("cpu" if device is None else device)
+    try:
+        device = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError):  # torch's own lists every device type it knows
+        raise ValueError(f"unsupported device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"device {device} asked for, but torch sees no CUDA device")

@@ -242,3 +242,10 @@ def test_loading_options_of_the_wrong_kind_are_named(llama):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="device cuda:0 asked for, but torch sees no CUDA device"):
             OrtModelForCausalLM.from_pretrained(llama.package_dir, device=0)
+    # A device torch cannot parse, and a cache folder that is not a path: named (torch listed its every device type;
+    # Python said "expected str, bytes or os.PathLike object, not int" from inside the graph rewrite).
+    for device in ("gpu", "cuda:x", 1.5):
+        with pytest.raises(ValueError, match=rf"unsupported device {re.escape(repr(device))}: use 'cpu', 'cuda'"):
+            OrtModelForCausalLM.from_pretrained(llama.package_dir, device=device)
+    with pytest.raises(TypeError, match="cache_dir must be a folder's path .*, got int"):
+        OrtModelForCausalLM.from_pretrained(llama.package_dir, cache_dir=123)
