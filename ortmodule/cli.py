@@ -164,7 +164,7 @@ def ortmodule(argv: list[str] | None = None) -> None:
         serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
               prefill_attention=args.prefill_attention, subfolder=args.subfolder, revision=args.revision, **options)
     except ValueError as e:  # what stops it before it serves: the package, a setting, --processor
-        parser.error(str(e))
+        parser.exit(2, f"ortmodule serve: error: {e}\n")  # one line, as `ortmodule export`'s
 
 
 def _run_flags(commands) -> None:
@@ -198,7 +198,7 @@ def _info(parser: argparse.ArgumentParser, args) -> None:
     try:
         print_description(args.path, args.subfolder, args.revision, as_json=args.json)
     except PackageError as e:  # one line, exit status 2, as for the other commands' bad arguments
-        parser.error(str(e))
+        parser.exit(2, f"ortmodule info: error: {e}\n")
 
 
 # The serving settings' flags (defaults: ortmodule/serving/settings.py).

@@ -87,6 +87,14 @@ def test_info_describes_a_package_as_transformers_sees_its_checkpoint(build):
     bad = subprocess.run([sys.executable, "-m", "ortmodule", "info", str(fixture.hf_dir)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "genai_config.json" in bad.stderr and "Traceback" not in bad.stderr
+    # One line naming the command (the top-level usage was printed before it, and "ortmodule: error:").
+    assert bad.stderr.splitlines()[0].startswith(f"ortmodule info: error: {fixture.hf_dir}: no genai_config.json")
+    assert len(bad.stderr.splitlines()) == 1
+    served = subprocess.run([sys.executable, "-m", "ortmodule", "serve", str(fixture.hf_dir / "absent")],
+                            capture_output=True, text=True)
+    assert served.returncode == 2
+    absent = fixture.hf_dir / "absent"
+    assert served.stderr.splitlines() == [f"ortmodule serve: error: package folder not found: {absent}"]
 
 
 def test_a_dependency_older_than_its_floor_is_named_at_import():
