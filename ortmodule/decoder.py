@@ -263,6 +263,12 @@ class Decoder:
         """An empty cache of `batch` rows with room for `capacity` positions, on this device."""
         return KVCache(self.spec, batch, capacity, self.device)
 
+    def renew_extender(self) -> None:
+        """Make the extend session again at its next use. ONNX Runtime's CPU arena keeps what a session's
+        largest run took until the session goes: after the costs' probes over 2,048 cached positions a row
+        (costs.py), about 0.9 GB more for SmolLM2-135M fp32 than its scoring ever holds."""
+        self.extender = extend.lazy_extender(self)
+
     def prefill(self, rows: Rows, logit_index: torch.Tensor | None = None, cache: KVCache | None = None,
                 pieces: chunked.Pieces | None = None) -> torch.Tensor | None:
         """Run right-padded `rows`: logits `[n, V]` at the flat indices `logit_index`, else `[B, T, V]`.

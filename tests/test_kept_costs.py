@@ -56,6 +56,26 @@ def test_costs_are_measured_once_and_kept_for_later_loads(llama, store, monkeypa
     assert other.measured_costs() is not None and len(calls) == 3 and len(list(folder.glob("*.json"))) == 2
 
 
+def test_the_extend_session_the_probes_grew_is_made_again(llama, store):
+    """The costs' extend probes run over 2,048 cached positions a row, and ONNX Runtime's CPU arena keeps what
+    a session's largest run took until the session goes (1 GB of RSS for SmolLM2-135M fp32, held for the
+    rest of the process): after timing, the extend session that ran them is let go, made again at its next
+    use, and runs as before."""
+    import gc
+    import weakref
+
+    model = load(llama)
+    tokens = [[7, 8, 9, 10], [11, 12]]
+    before = ortmodule.score(model, None, list(range(20, 60)), tokens, [1, 2], reuse_prefix=True)
+    probed = weakref.ref(model.decoder.extender().session.ort_session)
+    model.measured_costs()
+    gc.collect()
+    assert probed() is None  # its session (and arena) gone
+    assert model.decoder.extender() is not None
+    after = ortmodule.score(model, None, list(range(20, 60)), tokens, [1, 2], reuse_prefix=True)
+    assert torch.allclose(torch.tensor(after), torch.tensor(before), rtol=1e-5, atol=0)
+
+
 def test_the_costs_are_measured_again_where_the_check_prefill_took_another_time(llama, store, monkeypatch, caplog):
     folder, calls = store
     clock = [0.10]
