@@ -628,6 +628,19 @@ def test_neutral_tool_fields_are_the_request_without_them(setup, fields):
     assert body.json()["usage"]["prompt_tokens"] == prompt_tokens
 
 
+def test_neutral_extras_of_completions_are_the_request_without_them(setup):
+    """vLLM's and SGLang's output-changing completion fields at what leaving them out means (as their clients
+    send them) are taken: the answer is the plain request's."""
+    live = setup[0]
+    request = {"model": NAME, "prompt": "The fox", "max_tokens": 6, "temperature": 0}
+    plain = live.client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+    neutral = {"response_format": {"type": "text"}, "stop_regex": [], "no_stop_trim": False, "lora_path": None,
+               "return_hidden_states": False, "structural_tag": None}
+    answer = live.client.post("/v1/completions", json={**request, **neutral})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == plain
+
+
 BAD = [
     ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "n": 0}, 400, "n"),
@@ -695,7 +708,11 @@ BAD = [
                            ("prompt_logprobs", 21), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [5, 6]),
                            ("bad_words", ["fox"]), ("logprob_token_ids", [5]), ("return_tokens_as_token_ids", True),
                            ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("regex", "a+"),
-                           ("structured_outputs", {"choice": ["a"]}))],
+                           ("structured_outputs", {"choice": ["a"]}),
+                           # output-changing fields of vLLM's and SGLang's completions that were taken silently
+                           ("response_format", {"type": "json_object"}), ("structural_tag", "{}"),
+                           ("stop_regex", ["a+"]), ("lora_path", "adapter"), ("return_hidden_states", True),
+                           ("custom_logit_processor", "x"), ("no_stop_trim", True))],
     ("/v1/completions", {"model": NAME, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1,
                               "stream": True}, 400, "prompt_logprobs"),

@@ -46,7 +46,13 @@ UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (No
                       "echo": (None, False), "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
                       "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
                       "guided_choice": (None,), "guided_grammar": (None,), "regex": (None,), "json_schema": (None,),
-                      "ebnf": (None,)}
+                      "ebnf": (None,),
+                      # vLLM's structured output on completions (chat declares it: chat_prompts), SGLang's and
+                      # vLLM's structural tags, SGLang's stop regexes, LoRA adapter, hidden states, logit processor
+                      # and its name for include_stop_str_in_output (which this server takes)
+                      "response_format": (None, {"type": "text"}), "structural_tag": (None,), "stop_regex": (None, []),
+                      "lora_path": (None,), "return_hidden_states": (None, False), "custom_logit_processor": (None,),
+                      "no_stop_trim": (None, False)}
 
 
 def check_common(served: Served, body) -> tuple[str, ...]:
