@@ -76,6 +76,22 @@ def test_the_extend_session_the_probes_grew_is_made_again(llama, store):
     assert torch.allclose(torch.tensor(after), torch.tensor(before), rtol=1e-5, atol=0)
 
 
+def test_the_server_makes_the_extend_session_again_at_load(llama, store, monkeypatch):
+    """`ortmodule serve` times the costs at load; the extend session the timing let go is made again then,
+    not in the first request that needs it."""
+    import uvicorn
+
+    from ortmodule import cli, extend
+
+    events, made = [], extend.make_extender
+    monkeypatch.setattr(extend, "make_extender", lambda *args, **kwargs: events.append("made") or made(*args, **kwargs))
+    timed = costs.measure
+    monkeypatch.setattr(costs, "measure", lambda *args: events.append("timed") or timed(*args))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: events.append("serving"))
+    cli.ortmodule(["serve", str(llama.package_dir), "--port", "0"])
+    assert events[-3:] == ["timed", "made", "serving"] and events.count("made") == 2, events
+
+
 def test_the_costs_are_measured_again_where_the_check_prefill_took_another_time(llama, store, monkeypatch, caplog):
     folder, calls = store
     clock = [0.10]
