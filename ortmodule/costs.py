@@ -95,7 +95,7 @@ def measure(decoder: Decoder, progress: Callable[[str], None] | None = None) -> 
     finally:
         if decoder.device.type == "cpu" and decoder.extender() is not None:
             # The extend probes' largest runs grew its session's arena past anything scoring asks (a
-            # process kept 1 GB more RSS for SmolLM2-135M); made again at its next use (0.3 s there).
+            # process kept 1 GB more RSS for SmolLM2-135M); made again (0.3 s there).
             decoder.renew_extender()
 
 

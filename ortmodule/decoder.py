@@ -264,10 +264,12 @@ class Decoder:
         return KVCache(self.spec, batch, capacity, self.device)
 
     def renew_extender(self) -> None:
-        """Make the extend session again at its next use. ONNX Runtime's CPU arena keeps what a session's
-        largest run took until the session goes: after the costs' probes over 2,048 cached positions a row
-        (costs.py), about 0.9 GB more for SmolLM2-135M fp32 than its scoring ever holds."""
+        """Make the extend session again (the old one goes once no thread runs it). ONNX Runtime's CPU arena
+        keeps what a session's largest run took until the session goes: after the costs' probes over 2,048
+        cached positions a row (costs.py), about 0.9 GB more for SmolLM2-135M fp32 than its scoring ever holds.
+        Made at once, so that the time it takes falls in the timing's, not in the next call's."""
         self.extender = extend.lazy_extender(self)
+        self.extender()
 
     def prefill(self, rows: Rows, logit_index: torch.Tensor | None = None, cache: KVCache | None = None,
                 pieces: chunked.Pieces | None = None) -> torch.Tensor | None:

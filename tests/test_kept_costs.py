@@ -59,8 +59,8 @@ def test_costs_are_measured_once_and_kept_for_later_loads(llama, store, monkeypa
 def test_the_extend_session_the_probes_grew_is_made_again(llama, store):
     """The costs' extend probes run over 2,048 cached positions a row, and ONNX Runtime's CPU arena keeps what
     a session's largest run took until the session goes (1 GB of RSS for SmolLM2-135M fp32, held for the
-    rest of the process): after timing, the extend session that ran them is let go, made again at its next
-    use, and runs as before."""
+    rest of the process): after timing, the extend session that ran them is let go, made again, and runs as
+    before."""
     import gc
     import weakref
 
@@ -77,8 +77,8 @@ def test_the_extend_session_the_probes_grew_is_made_again(llama, store):
 
 
 def test_the_server_makes_the_extend_session_again_at_load(llama, store, monkeypatch):
-    """`ortmodule serve` times the costs at load; the extend session the timing let go is made again then,
-    not in the first request that needs it."""
+    """`ortmodule serve` (as lm-eval's backend) times the costs at load; the extend session the timing let go
+    is made again then, not in the first request that needs it."""
     import uvicorn
 
     from ortmodule import cli, extend

@@ -262,7 +262,6 @@ def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revi
                                                 rewrite_lm_head="float32" if fp32_lm_head else True)
     if settings.reuse_prefix == "auto":  # the costs decide it: timed (or read from the disk) now, not in a request
         model.measured_costs()
-        model.decoder.extender()  # a timing lets its probes' extend session go (costs.py): made again now, too
     tokenizer = load_tokenizer(local)
     if getattr(tokenizer, "chat_template", None) and (old := installed_too_old("jinja2")):
         log.warning("chat requests will fail (scores and completions will not): %s", old)
