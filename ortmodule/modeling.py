@@ -337,8 +337,16 @@ def _logits_to_keep(logits_to_keep, kwargs: dict):
 LOSS_KWARGS = {"num_items_in_batch"}
 
 
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch 2.6's first releases may lack it
+
+
 def _refuse_unsupported(input_ids, inputs_embeds, rest: dict) -> None:
-    """forward's arguments that an ONNX package cannot honour, each refused by name."""
+    """forward's arguments that an ONNX package cannot honour, each refused by name; and a trace or export of
+    it (torch.jit.trace, torch.export, torch.onnx.export), which would fail inside torch on ONNX Runtime's run."""
+    if torch.jit.is_tracing() or _exporting():
+        raise NotSupportedError("OrtModelForCausalLM cannot be traced or exported: its forward runs ONNX Runtime, "
+                                "and the package's model.onnx already is the exported graph (to export again, "
+                                "export the transformers model: `ortmodule export`)")
     unsupported = {k for k, v in rest.items() if v is not None and v is not False} - LOSS_KWARGS
     if unsupported:
         raise TypeError(f"OrtModelForCausalLM.forward does not support {', '.join(sorted(unsupported))}")

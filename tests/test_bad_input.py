@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import load_pair
 
-from ortmodule import OrtModelForCausalLM, PackageError, load_tokenizer, read_package
+from ortmodule import NotSupportedError, OrtModelForCausalLM, PackageError, load_tokenizer, read_package
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +249,17 @@ def test_loading_options_of_the_wrong_kind_are_named(llama):
             OrtModelForCausalLM.from_pretrained(llama.package_dir, device=device)
     with pytest.raises(TypeError, match="cache_dir must be a folder's path .*, got int"):
         OrtModelForCausalLM.from_pretrained(llama.package_dir, cache_dir=123)
+
+
+def test_a_trace_or_export_of_the_module_says_what_it_is(model):
+    """torch.jit.trace and torch.export (torch.onnx.export's first step) run forward on tracers or fake tensors,
+    which ONNX Runtime cannot take (torch's own errors before: a dict output, a fake tensor's data); refused
+    naming why, while torch.compile runs it (dynamo leaves ONNX Runtime's call outside its graphs)."""
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(NotSupportedError, match="cannot be traced or exported: its forward runs ONNX Runtime"):
+        torch.jit.trace(model, ids)
+    with pytest.raises(NotSupportedError, match="already is the exported graph"):
+        torch.export.export(model, (ids,))
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    assert torch.equal(compiled(ids).logits, model(ids).logits)
