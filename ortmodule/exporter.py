@@ -11,6 +11,10 @@ names them. The package appears at `out` only once complete (written beside it, 
 
 from __future__ import annotations
 
+import ast
+import difflib
+import functools
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections import deque
 from pathlib import Path
@@ -68,6 +73,7 @@ def export(
     checkpoint's vision tower too, the decoder taking embeddings (export_images.py; fp32, int4 or int8
     for the CPU). Returns `out`. Progress goes to stderr unless `progress=False`.
     """
+    check_extra_options(extra_options)
     source, out = _checked_source(source, precision, device, revision, gguf_file), Path(out)
     gguf = _gguf_file(source)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
@@ -174,6 +180,69 @@ def _checked_source(source: str | Path, precision: str, device: str, revision: s
         return hub.checkpoint(source, revision, gguf_file)
     except PackageError as e:
         raise ExportError(str(e)) from None
+
+
+def check_extra_options(extra_options: dict | None) -> None:
+    """Each of `extra_options` is an option the installed model builder documents or reads: the builder
+    ignores any other without a word, so that a misspelt option (or 0.18's `int4_`-prefixed names, which
+    its help calls deprecated aliases that still work, but which it no longer reads) exported the
+    defaults. Where the builder's options cannot be read from its source, nothing is checked."""
+    known = builder_options()
+    if not known:
+        return
+    for key, value in dict(extra_options or {}).items():
+        if not isinstance(key, str):
+            raise ExportError(f"extra option names are strings, got {key!r}")
+        if key in known:
+            continue
+        version = _builder_version()
+        base = key.removeprefix("int4_")
+        if base != key and base in known:
+            raise ExportError(f"extra option '{key}': the installed model builder (onnxruntime-genai {version}) "
+                              f"ignores the int4_-prefixed names its help calls deprecated aliases (the package "
+                              f"would keep the default); pass {base}={value}")
+        close = difflib.get_close_matches(key, known, n=3)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ExportError(f"extra option '{key}' is not one the installed model builder (onnxruntime-genai {version}) "
+                          f"documents or reads: it would be ignored{hint} (the builder's options: python -m "
+                          f"onnxruntime_genai.models.builder --help, under --extra_options)")
+
+
+@functools.lru_cache(maxsize=1)
+def builder_options() -> frozenset[str]:
+    """The `--extra_options` keys of the installed model builder: those its help lists (the first level
+    of `KEY = ...` lines) and those its code reads (`extra_options["KEY"]`, `.get("KEY"`, `"KEY" in
+    extra_options`), read from its source without importing it; empty where it cannot be found."""
+    spec = importlib.util.find_spec("onnxruntime_genai")
+    folder = Path(spec.origin).parent / "models" if spec and spec.origin else None
+    if folder is None or not (folder / "builder.py").is_file():
+        return frozenset()
+    keys = set()
+    for call in ast.walk(ast.parse((folder / "builder.py").read_text(encoding="utf-8"))):
+        if (isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "add_argument" and call.args
+                and getattr(call.args[0], "value", None) == "--extra_options"):
+            texts = [n.value for k in call.keywords if k.arg == "help" for n in ast.walk(k.value)
+                     if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+            keys.update(re.findall(r"^ {4}([a-z][a-z0-9_]*) = ", textwrap.dedent("".join(texts)), re.M))
+    if not keys:
+        return frozenset()
+    reads = re.compile(r"""extra_options(?:\.get\(|\[)["']([a-z][a-z0-9_]*)["']"""
+                       r"""|["']([a-z][a-z0-9_]*)["'] (?:not )?in extra_options""")
+    for source in folder.rglob("*.py"):
+        for found in reads.findall(source.read_text(encoding="utf-8", errors="replace")):
+            keys.update(k for k in found if k)
+    return frozenset(keys)
+
+
+def _builder_version() -> str:
+    from importlib import metadata
+
+    for name in ("onnxruntime-genai-cuda", "onnxruntime-genai"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "of unknown version"
 
 
 def _gguf_file(source: Path) -> Path | None:

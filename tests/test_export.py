@@ -2,11 +2,13 @@
 a clear error for every bad source, before the builder runs."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from collections import namedtuple
 
+import onnx
 import pytest
 import torch
 from helpers import load_pair
@@ -273,6 +275,46 @@ def test_bad_options_and_existing_output(llama, tmp_path):
     with pytest.raises(ExportError, match="already exists and is not empty"):
         export(llama.hf_dir, tmp_path / "out", progress=False)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("option, message", [
+    ("int4_block_size=128", "extra option 'int4_block_size': the installed model builder .* ignores the "
+                            "int4_-prefixed names .*; pass block_size=128"),
+    ("blok_size=16", "extra option 'blok_size' is not one the installed model builder .* documents or reads: it "
+                     "would be ignored; did you mean block_size"),
+    ("frobnicate=1", "extra option 'frobnicate' is not one the installed model builder"),
+])
+def test_options_the_builder_would_ignore_are_refused(llama, tmp_path, capsys, option, message):
+    """The builder exports its defaults past an option it does not read, without a word; `export` refuses
+    one before anything is written, naming the option the builder reads where one is close."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.ortmodule(["export", str(llama.hf_dir), str(tmp_path / "out"), "--precision", "int4",
+                       "--extra-option", option])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_options_ortmodule_passes_are_ones_the_builder_reads(llama, tmp_path):
+    """Every builder option ortmodule, its fixtures and its docs pass is in the set `export` accepts (read
+    from the installed builder's help and code), and the builder does ignore the `int4_`-prefixed name
+    that set leaves out (an int4 export with it keeps blocks of 32; with `block_size` it takes 128): if a
+    newer builder reads it again, this says to accept it."""
+    from ortmodule_dev import fixtures
+
+    used = {"algo_config", "block_size", "accuracy_level", "is_symmetric", "exclude_embeds", "include_hidden_states",
+            "fuse_qkv", "fuse_mlp_gate_up", "fuse_qk_norm_gqa", "prune_lm_head", "exclude_lm_head",
+            *export_module.CUDA_OPTIONS}
+    assert used <= export_module.builder_options()
+    assert "int4_block_size" not in export_module.builder_options()
+    sizes = {}
+    for option in ("int4_block_size", "block_size"):
+        out = tmp_path / option
+        fixtures.export(llama.hf_dir, out, "int4", ((option, "128"),))
+        graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+        sizes[option] = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+                         if a.name == "block_size"}
+    assert sizes == {"int4_block_size": {32}, "block_size": {128}}
 
 
 def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
