@@ -338,13 +338,18 @@ def _warn_once(folder: Path, error: OSError) -> None:
                        error)
 
 
+def checked_rewrite(rewrite):
+    """A caller's `rewrite_lm_head`: True, False or "float32", else a ValueError naming it."""
+    if rewrite not in (True, False, "float32"):
+        raise ValueError(f"rewrite_lm_head must be True, False or 'float32', got {rewrite!r}")
+    return rewrite
+
+
 def lm_head_graph(decoder_path: Path, logits_name: str, rewrite, cache_dir: Path | None = None,
                   unpack_qkv: bool = False) -> bytes | None:
     """`keep_positions_graph` as `rewrite_lm_head` asks: True, "float32" (a float32 head where it
     applies), or False (None: the package's graph as it is)."""
-    if rewrite not in (True, False, "float32"):
-        raise ValueError(f"rewrite_lm_head must be True, False or 'float32', got {rewrite!r}")
-    if not rewrite:
+    if not checked_rewrite(rewrite):
         return None
     return keep_positions_graph(decoder_path, logits_name, cache_dir, rewrite == "float32", unpack_qkv)
 

@@ -28,7 +28,7 @@ from lm_eval.models.utils_hf import get_dtype
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
-from . import hf, hub, runtime, shared_prompts
+from . import extend, graph, hf, hub, nbits, runtime, shared_prompts
 from .encoding import encode_as_tok_encode, encode_pairs_as_tok_encode, hflm_request, request_waves
 from .hf import build_config
 from .inputs import pad_right
@@ -50,6 +50,18 @@ logger = logging.getLogger(__name__)
 class ModelArgsError(ValueError, TypeError):
     """A model arg the backend cannot take, named (a ValueError, and a TypeError where Python's would
     be one: an unknown or repeated argument); `ortmodule-eval` prints it without a traceback."""
+
+
+def checked_loading_options(options: dict) -> None:
+    """`OrtModelForCausalLM`'s loading options among the model args, checked as it checks them, before the
+    package loads: a bad one is a ModelArgsError, which `ortmodule-eval` prints in one line."""
+    try:
+        graph.checked_rewrite(options["rewrite_lm_head"])
+        nbits.checked_choice(options["quantized_prefill"])
+        extend.checked_attention(options["prefill_attention"])
+        runtime.checked_options(None, options["provider_options"], torch.device("cuda"))  # kinds; a CPU's warning later
+    except (ValueError, TypeError) as e:
+        raise ModelArgsError(str(e)) from None
 
 
 def _sharing_choice(value) -> bool | str:
@@ -628,6 +640,7 @@ class OrtModuleLM(ArgumentsOnce, HFLM):
         self._ort_options = dict(rewrite_lm_head=rewrite_lm_head, provider_options=provider_options,
                                  prefill_chunk=_chunk_arg(prefill_chunk), quantized_prefill=quantized_prefill,
                                  prefill_attention=prefill_attention)
+        checked_loading_options(self._ort_options)
         pretrained = str(pretrained) if isinstance(pretrained, Path) else pretrained
         refuse_hflm_options(kwargs)
         super().__init__(pretrained=pretrained, device=device, **kwargs)

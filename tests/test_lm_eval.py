@@ -804,7 +804,8 @@ def test_ortmodule_eval_names_a_bad_model_arg_without_a_traceback(llama):
     from ortmodule.lm_eval import ModelArgsError, OrtModuleLM
 
     expected = {",dtype=float16": "dtype='float16': ",
-                ",batch_size=8": "batch_size given twice: in the model args and as lm-eval's own option (--batch_size,"}
+                ",batch_size=8": "batch_size given twice: in the model args and as lm-eval's own option (--batch_size,",
+                ",rewrite_lm_head=bf16": "rewrite_lm_head must be True, False or 'float32', got 'bf16'"}
     for model_args, message in expected.items():
         done = subprocess.run([sys.executable, "-m", "ortmodule.cli", "--model", "ortmodule", "--model_args",
                                f"pretrained={llama.package_dir}{model_args}", "--tasks", "ortmodule_arithmetic_mc"],
@@ -816,7 +817,11 @@ def test_ortmodule_eval_names_a_bad_model_arg_without_a_traceback(llama):
     for model_args, message in ((",share_context=false", "unknown model_args for the OrtModuleLM backend"),
                                 (",max_length=0", "max_length must be a positive integer, got 0"),
                                 (f",max_length={context + 1}", f"max_length={context + 1} is over the package's "
-                                                               f"context length {context}")):
+                                                               f"context length {context}"),
+                                (",rewrite_lm_head=bf16", "rewrite_lm_head must be True, False or 'float32'"),
+                                (",prefill_attention=sdpa", "prefill_attention must be one of auto, package, onnx"),
+                                (",quantized_prefill=int4", "quantized_prefill must be one of auto, package, fp32"),
+                                (",provider_options=xyz", "provider_options must be a dict")):
         with pytest.raises(ModelArgsError, match=message):  # what the command line prints (above)
             OrtModuleLM.create_from_arg_string(f"pretrained={llama.package_dir}{model_args}", {"device": "cpu"})
     extra = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}  # what lm-eval's command line passes
