@@ -56,10 +56,11 @@ def checked_loading_options(options: dict) -> None:
     """`OrtModelForCausalLM`'s loading options among the model args, checked as it checks them, before the
     package loads: a bad one is a ModelArgsError, which `ortmodule-eval` prints in one line."""
     try:
-        graph.checked_rewrite(options["rewrite_lm_head"])
-        nbits.checked_choice(options["quantized_prefill"])
-        extend.checked_attention(options["prefill_attention"])
-        runtime.checked_options(None, options["provider_options"], torch.device("cuda"))  # kinds; a CPU's warning later
+        graph.checked_rewrite(options.get("rewrite_lm_head", True))
+        nbits.checked_choice(options.get("quantized_prefill"))
+        extend.checked_attention(options.get("prefill_attention"))
+        # the kind only; on a CPU the warning that provider options do nothing comes as the model loads
+        runtime.checked_options(None, options.get("provider_options"), torch.device("cuda"))
     except (ValueError, TypeError) as e:
         raise ModelArgsError(str(e)) from None
 

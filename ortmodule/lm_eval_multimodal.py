@@ -35,6 +35,7 @@ from .lm_eval import (
     OrtModuleLM,
     check_dtype,
     check_max_length,
+    checked_loading_options,
     generate_with_stops,
     plan_generation,
     positive_int,
@@ -80,6 +81,7 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
                     "processor lm-eval runs (preprocessor_config.json)")
             processor = pretrained
         self._processor_source = str(processor) if isinstance(processor, Path) else processor
+        checked_loading_options({"provider_options": provider_options})
         self._provider_options = provider_options
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device is None else device
         refuse_hflm_options(kwargs)

@@ -676,6 +676,11 @@ def test_lm_eval_multimodal_backend_needs_a_processor_and_an_image_package(build
     with pytest.raises(ValueError, match=f"max_length={context + 1} is over the package's context length {context}"):
         OrtModuleMultimodalLM(str(build("qwen2_5_vl").package_dir),
                               processor=ImageTextProcessor(build("qwen2_5_vl").hf_dir), max_length=context + 1)
+    from ortmodule.lm_eval import ModelArgsError
+
+    with pytest.raises(ModelArgsError, match="provider_options must be a dict"):  # one line from ortmodule-eval
+        OrtModuleMultimodalLM(str(build("qwen2_5_vl").package_dir),
+                              processor=ImageTextProcessor(build("qwen2_5_vl").hf_dir), provider_options="xyz")
 
 
 # A chat template of Qwen2.5-VL's form: an image part is a vision start, one image pad, a vision end.
