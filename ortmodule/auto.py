@@ -165,6 +165,23 @@ def _config_loader(original):
     return from_pretrained
 
 
+def _check_module(name: str) -> None:
+    """`-m name` names a module that can run, as `python -m` checks it, else one line (no runpy traceback)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+        runnable = spec is None or spec.submodule_search_locations is None or importlib.util.find_spec(
+            f"{name}.__main__") is not None
+    except (ImportError, ValueError):  # a parent package missing, or a name Python cannot import
+        spec = None
+    if spec is None:
+        raise SystemExit(f"ortmodule run: error: no module named {name}")
+    if not runnable:
+        raise SystemExit(f"ortmodule run: error: {name} is a package without a __main__ module: it cannot be run "
+                         "with -m")
+
+
 def run_program(argv: list[str]) -> None:
     """`ortmodule run PROGRAM [ARGS...]`: PROGRAM (an installed Python command such as `lm_eval` or
     `lighteval`, a Python file, or `-m MODULE`) run in this process, with ARGS as its command line and
@@ -198,6 +215,7 @@ def run_program(argv: list[str]) -> None:
         raise SystemExit(subprocess.call(argv))
     enable_auto_classes()
     if kind == "module":
+        _check_module(argv[1])
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     elif kind == "file":

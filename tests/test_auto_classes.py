@@ -257,3 +257,9 @@ def test_ortmodule_run_names_what_it_cannot_start():
     assert done.returncode != 0 and "'no-such-command-here' is no command of this environment" in done.stderr
     done = run("missing.py")
     assert done.returncode != 0 and "no file missing.py" in done.stderr
+    for module, message in (("no_such_module", "no module named no_such_module"),
+                            ("no_such_package.tool", "no module named no_such_package.tool"),
+                            ("ortmodule.serving", "ortmodule.serving is a package without a __main__ module")):
+        done = run("-m", module)  # as `python -m` says it, not runpy's traceback
+        assert done.returncode != 0 and done.stderr.startswith(f"ortmodule run: error: {message}"), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
