@@ -120,14 +120,21 @@ def for_decoder(decoder: Decoder) -> Vision | images_plain.PlainVision:
         return made[1]
 
 
+TEXT_ONLY = "the package has no vision model (genai_config.json's model.vision) and embedding model: it takes text only"
+
+
+def takes_images(package) -> bool:
+    """Whether the package names a vision model and an embedding model (what a prompt's images need)."""
+    return isinstance(package.genai_config["model"].get("vision"), dict) and package.embedding is not None
+
+
 def _open(decoder: Decoder) -> Vision:
     package = decoder.package
     model = package.genai_config["model"]
     config = package.root / "genai_config.json"
     section, embedding = model.get("vision"), package.embedding
-    if not isinstance(section, dict) or embedding is None:
-        raise ImagesUnsupported("the package has no vision model (genai_config.json's model.vision) and embedding "
-                                "model: it takes text only")
+    if not takes_images(package):
+        raise ImagesUnsupported(TEXT_ONLY)
     names_in, names_out = section.get("inputs", {}), section.get("outputs", {})
     pixels, grid = names_in.get("pixel_values", "pixel_values"), names_in.get("image_grid_thw", "image_grid_thw")
     features = names_out.get("image_features", "image_features")

@@ -778,11 +778,26 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
         create_app(model, tokenizer, processor=str(tmp_path))
 
 
-def test_serve_with_a_processor_on_a_text_package_stops_naming_why(build, tmp_path, capsys):
+@pytest.mark.parametrize("package, processor, message", [
+    ("llama", "saved", "error: --processor: the package has no vision model"),
+    ("qwen2_5_vl", "empty", "error: --processor {folder}: no image processor there"),
+])
+def test_serve_with_a_bad_processor_stops_naming_why_before_the_model_loads(build, tmp_path, capsys, monkeypatch,
+                                                                             package, processor, message):
+    """`--processor` on a package without images, or naming a folder without an image processor, stops
+    `ortmodule serve` before the package loads (and its runs are timed: minutes for a big model)."""
     from ortmodule import cli
 
-    transformers.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(tmp_path)
+    folder = tmp_path / processor
+    folder.mkdir()
+    if processor == "saved":
+        transformers.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(folder)
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before --processor was checked")
+
+    monkeypatch.setattr(OrtModelForCausalLM, "from_pretrained", loaded)
     with pytest.raises(SystemExit) as stopped:
-        cli.ortmodule(["serve", str(build("llama").package_dir), "--processor", str(tmp_path), "--port", "1"])
+        cli.ortmodule(["serve", str(build(package).package_dir), "--processor", str(folder), "--port", "0"])
     assert stopped.value.code == 2
-    assert "error: --processor: the package has no vision model" in capsys.readouterr().err
+    assert message.format(folder=folder) in capsys.readouterr().err

@@ -253,11 +253,15 @@ def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revi
     from ..environment import installed_too_old
     from ..hf import load_tokenizer
     from ..modeling import OrtModelForCausalLM
+    from ..package import read_package
+    from .images import check_processor
 
     local = hub.resolve(path, subfolder, revision)
     if options.get("name") is None and not Path(path).exists():  # a Hub repository: its id, not the snapshot's hash
         options["name"] = "/".join(part.strip("/") for part in (path, subfolder or "") if part)
     settings = Settings.with_environment(**options)
+    if settings.processor is not None:
+        check_processor(read_package(local), settings.processor)
     model = OrtModelForCausalLM.from_pretrained(local, device=device, prefill_attention=prefill_attention,
                                                 rewrite_lm_head="float32" if fp32_lm_head else True)
     if settings.reuse_prefix == "auto":  # the costs decide it: timed (or read from the disk) now, not in a request

@@ -40,6 +40,19 @@ class Media:
     inputs: dict[str, torch.Tensor]
 
 
+def check_processor(package, processor: str) -> None:
+    """What `ChatImages` needs that the package's files and the processor's folder tell, checked before the
+    model loads (and its runs are timed: minutes for a big one): a ValueError naming the problem."""
+    if not images.takes_images(package):
+        raise ValueError(f"--processor: {images.TEXT_ONLY}")
+    from transformers import AutoImageProcessor
+
+    try:
+        AutoImageProcessor.from_pretrained(processor, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--processor {processor}: no image processor there ({e})") from None
+
+
 class ChatImages:
     """The image processor and the placeholder of a served package that takes images."""
 
