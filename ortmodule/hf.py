@@ -104,14 +104,17 @@ WITHOUT_EFFECT = {"trust_remote_code", "attn_implementation", "low_cpu_mem_usage
 FETCHING = {"token", "local_files_only", "proxies", "force_download"}
 FIXED_AT_EXPORT = {"quantization_config", "load_in_8bit", "load_in_4bit", "gguf_file", "tp_plan", "adapter_kwargs",
                    "adapter_name", "variant"}
-# Config fields that transformers' `from_pretrained` sets on the model's config from its keywords.
-CONFIG_FIELDS = {"output_attentions", "output_hidden_states"}
+# Config fields that transformers' `from_pretrained` sets on the model's config from its keywords (it sets any
+# field the config has; the others, the model's shape and settings, the package's graph fixed at export):
+# booleans, and the special token ids (an id, None, or for `eos_token_id` a list of ids).
+CONFIG_FIELDS = {"output_attentions", "output_hidden_states", "use_cache"}
+TOKEN_FIELDS = {"pad_token_id", "bos_token_id", "eos_token_id"}
 
 
 def unexpected_loading_options(kwargs: dict) -> list[str]:
     """The names among `kwargs` that are none of transformers' loading arguments a package takes or refuses
     by name (`loading_options`), sorted."""
-    return sorted(set(kwargs) - WITHOUT_EFFECT - FETCHING - FIXED_AT_EXPORT - CONFIG_FIELDS -
+    return sorted(set(kwargs) - WITHOUT_EFFECT - FETCHING - FIXED_AT_EXPORT - CONFIG_FIELDS - TOKEN_FIELDS -
                   {"dtype", "torch_dtype", "device_map"})
 
 
@@ -122,7 +125,10 @@ def loading_options(device, kwargs: dict) -> tuple[object, dict, object, dict]:
     a TypeError naming any other argument, a ValueError for one a package cannot honour."""
     unknown = unexpected_loading_options(kwargs)
     if unknown:
-        raise TypeError(f"OrtModelForCausalLM.from_pretrained() got unexpected keyword arguments: {unknown}")
+        raise TypeError(f"OrtModelForCausalLM.from_pretrained() got unexpected keyword arguments: {unknown} (of the "
+                        f"config fields transformers sets from its keywords a package takes "
+                        f"{', '.join(sorted(CONFIG_FIELDS | TOKEN_FIELDS))}: the others, the model's shape and "
+                        "settings, were fixed when it was exported)")
     fixed = sorted(name for name in FIXED_AT_EXPORT if kwargs.get(name) not in (None, False))
     if fixed:
         raise ValueError(f"{', '.join(fixed)}: a GenAI package's weights and precision were fixed when it was exported "
@@ -140,12 +146,25 @@ def loading_options(device, kwargs: dict) -> tuple[object, dict, object, dict]:
         placed = "cuda" if torch.cuda.is_available() else "cpu"
     if placed is not None and device is not None and torch.device(placed) != torch.device(device):
         raise ValueError(f"device={device!r} and device_map={kwargs['device_map']!r} name different devices")
-    fields = {k: v for k, v in kwargs.items() if k in CONFIG_FIELDS}
+    fields = {k: v for k, v in kwargs.items() if k in CONFIG_FIELDS | TOKEN_FIELDS}
     for name, value in fields.items():
-        if not isinstance(value, bool):
+        if name in CONFIG_FIELDS and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+        ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) and value else [value]
+        if name in TOKEN_FIELDS and value is not None and not all(type(i) is int and i >= 0 for i in ids):
+            raise TypeError(f"{name} must be a token id{' (or a list of them)' if name == 'eos_token_id' else ''} "
+                            f"or None, got {value!r}")
     return (placed if placed is not None else device), {k: v for k, v in kwargs.items() if k in FETCHING}, dtype, \
         fields
+
+
+def check_token_fields(fields: dict, package: Package) -> None:
+    """The special token ids among `loading_options`' config fields within the package's vocabulary."""
+    for name in sorted(TOKEN_FIELDS & set(fields)):
+        value = fields[name]
+        ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+        if any(i >= package.vocab_size for i in ids):
+            raise ValueError(f"{name}={value!r} is outside the vocabulary [0, {package.vocab_size})")
 
 
 def check_dtype(dtype, package: Package, asked=None) -> None:

@@ -35,7 +35,15 @@ from . import (
 from .cache import KVCache
 from .decoder import Decoder
 from .graph import RewriteSkipped
-from .hf import CACHE_NAME, build_config, build_generation_config, check_dtype, load_tokenizer, loading_options
+from .hf import (
+    CACHE_NAME,
+    build_config,
+    build_generation_config,
+    check_dtype,
+    check_token_fields,
+    load_tokenizer,
+    loading_options,
+)
 from .hf_surface import HuggingFaceSurface, note_autocast, training_loss
 from .package import NotSupportedError, Package, read_package
 
@@ -112,11 +120,12 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         graph whose attention is ONNX's `Attention` op and which writes no KV (extend.py). transformers'
         loading arguments are taken where they mean something here (`dtype`/`torch_dtype`: "auto" or the
         package's precision; `device_map`: one device; `token`, `local_files_only`; `output_attentions`,
-        `output_hidden_states`: set on the config), or have no effect (`trust_remote_code`,
-        `attn_implementation`, ...), or are refused by name (hf.loading_options)."""
+        `output_hidden_states`, `use_cache`, the special token ids: set on the config), or have no effect
+        (`trust_remote_code`, `attn_implementation`, ...), or are refused by name (hf.loading_options)."""
         device, fetching, dtype, fields = loading_options(device, transformers_kwargs)
         package = read_package(hub.resolve(path, subfolder, revision, **fetching))
         check_dtype(dtype, package)  # before any session is made
+        check_token_fields(fields, package)
         return _configured(cls(package, device, session_options, provider_options, rewrite_lm_head, cache_dir,
                                prefill_chunk, quantized_prefill, prefill_attention), fields)
 

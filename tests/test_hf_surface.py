@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 from helpers import MODEL_ARCHES, load_pair
 from helpers import CachePair as Pair
 from helpers import left_padded_batch as left_padded
@@ -601,3 +602,19 @@ def test_from_pretrained_takes_transformers_loading_arguments(build, monkeypatch
     assert OrtModelForCausalLM.from_pretrained(package)(ids).attentions is None  # its own config
     with pytest.raises(TypeError, match="output_attentions must be True or False, got 'yes'"):
         OrtModelForCausalLM.from_pretrained(package, output_attentions="yes")
+    # transformers sets any field of the config from its keywords; a package takes those that leave its numbers
+    # alone (use_cache, the special token ids: code that loads with use_cache=False or its own pad id), as
+    # transformers' model on the same checkpoint shows them
+    fields = dict(use_cache=False, pad_token_id=3, eos_token_id=[2, 3], bos_token_id=None)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(build("llama").hf_dir, **fields)
+    model = OrtModelForCausalLM.from_pretrained(package, **fields)
+    assert {name: getattr(model.config, name) for name in fields} == \
+        {name: getattr(reference.config, name) for name in fields} == fields
+    assert torch.equal(model(ids).logits, plain)
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"pad_token_id={vocab} is outside the vocabulary \[0, {vocab}\)"):
+        OrtModelForCausalLM.from_pretrained(package, pad_token_id=vocab)
+    with pytest.raises(TypeError, match="eos_token_id must be a token id .or a list of them. or None, got 'x'"):
+        OrtModelForCausalLM.from_pretrained(package, eos_token_id="x")
+    with pytest.raises(TypeError, match=r"\['sliding_window'\] .* the model's shape and settings, were fixed when"):
+        OrtModelForCausalLM.from_pretrained(package, sliding_window=4)
