@@ -33,10 +33,17 @@ def load_tokenizer(path: str | Path, subfolder: str | None = None, revision: str
 
 
 def build_config(package: Package) -> PretrainedConfig:
-    """The package's config.json when present, else a config built from what genai_config.json says."""
-    config = checkpoint_config(package.root)
-    if config is not None:
-        return config
+    """The package's config.json when present, else a config built from what genai_config.json says; its
+    `dtype` (and its text config's) the package's precision, as transformers sets a loaded model's."""
+    config = checkpoint_config(package.root) or _genai_config(package)
+    dtype = runtime.torch_dtype(package.decoder.kv_type)
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        part.dtype = dtype
+    return config
+
+
+def _genai_config(package: Package) -> PretrainedConfig:
+    """A transformers config of the package's model type from what genai_config.json says."""
     fields = dict(  # noqa: C408  transformers' config field names as keywords
         vocab_size=package.vocab_size,
         hidden_size=package.hidden_size,

@@ -618,3 +618,19 @@ def test_from_pretrained_takes_transformers_loading_arguments(build, monkeypatch
         OrtModelForCausalLM.from_pretrained(package, eos_token_id="x")
     with pytest.raises(TypeError, match=r"\['sliding_window'\] .* the model's shape and settings, were fixed when"):
         OrtModelForCausalLM.from_pretrained(package, sliding_window=4)
+
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("fp16", torch.float16)])
+def test_the_configs_dtype_is_the_packages_as_transformers_sets_a_loaded_models(build, tmp_path, precision, dtype):
+    """transformers sets a loaded model's `config.dtype` (and its text config's) to the precision it loaded
+    in; a package's config says the package's, whether built from genai_config.json or read from the
+    checkpoint's config.json kept in the package (a float32 checkpoint's here)."""
+    fixture = build("llama", precision=precision)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=dtype)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    assert model.config.dtype == model.config.get_text_config().dtype == reference.config.dtype == model.dtype == dtype
+    folder = shutil.copytree(fixture.package_dir, tmp_path / "package")
+    shutil.copy(fixture.hf_dir / "config.json", folder)
+    assert transformers.AutoConfig.from_pretrained(folder).dtype == torch.float32  # what the checkpoint says
+    assert OrtModelForCausalLM.from_pretrained(folder).config.dtype == dtype
