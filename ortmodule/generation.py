@@ -35,7 +35,8 @@ _CALL_ARGUMENTS = {"logits_processor", "stopping_criteria", "prefix_allowed_toke
                    "custom_generate", "tokenizer", "assistant_tokenizer", "trust_remote_code"}
 
 _CHECKED = ("max_new_tokens", "max_length", "min_new_tokens", "min_length", "top_k", "no_repeat_ngram_size", "top_p",
-            "min_p", "temperature", "repetition_penalty", "pad_token_id", "eos_token_id")
+            "min_p", "temperature", "repetition_penalty", "pad_token_id", "eos_token_id", "num_beams",
+            "num_return_sequences", "length_penalty")
 
 
 def _bad(name: str, value, wanted: str) -> ValueError:
@@ -51,7 +52,7 @@ def check_config(config, vocab: int) -> None:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
     for name, low in (("max_new_tokens", 1), ("max_length", 1), ("min_new_tokens", 0), ("min_length", 0),
-                      ("top_k", 0), ("no_repeat_ngram_size", 0)):
+                      ("top_k", 0), ("no_repeat_ngram_size", 0), ("num_beams", 1), ("num_return_sequences", 1)):
         value = getattr(config, name, None)
         if value is not None and (not integer(value) or value < low):
             raise _bad(name, value, f"an integer >= {low}")
@@ -65,6 +66,9 @@ def check_config(config, vocab: int) -> None:
             bracket = "(" if open_low else "["
             wanted = f"a number in {bracket}{low}, {high}]" if high != float("inf") else f"a number > {low}"
             raise _bad(name, value, wanted)
+    penalty = getattr(config, "length_penalty", None)
+    if penalty is not None and (not number(penalty) or penalty != penalty):
+        raise _bad("length_penalty", penalty, "a number")
     pad = getattr(config, "pad_token_id", None)
     if pad is not None and (not integer(pad) or inputs.outside_vocabulary([pad], vocab) is not None):
         raise _bad("pad_token_id", pad, f"a token id in [0, {vocab})")
@@ -124,6 +128,10 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
         raise ValueError("generate() needs input_ids (the prompts as token ids) or inputs_embeds")
     if inputs_ids is not None:  # transformers' generate fails deep inside on a list, a dict, a 1-D tensor
         inputs.check_ids_form(inputs_ids)
+    prompt, mask = inputs_ids if inputs_ids is not None else kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
+    if mask is not None and isinstance(prompt, torch.Tensor) and prompt.dim() >= 2:
+        # here: transformers' generate drops a mask of ones before the loop sees it (its shape unchecked)
+        inputs.check_mask_type(mask, prompt.shape[:2])
     vocab = model.decoder.vocab_size
     # The options given are checked before transformers' merge validates them (and fails on a
     # string count with a raw TypeError); the merged config is checked after.

@@ -157,7 +157,7 @@ def _check_ids(input_ids, context_length: int) -> None:
         raise ValueError(f"input length {length} exceeds the model's context length {context_length}")
 
 
-def _check_mask_type(attention_mask, shape: tuple) -> None:
+def check_mask_type(attention_mask, shape: tuple) -> None:
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
     if tuple(attention_mask.shape) != tuple(shape):
@@ -208,7 +208,7 @@ def check_batch(input_ids, attention_mask, vocab: int, context_length: int, devi
     if attention_mask is None:
         mask = torch.ones_like(ids)
     else:
-        _check_mask_type(attention_mask, input_ids.shape)
+        check_mask_type(attention_mask, input_ids.shape)
         mask = to_device(attention_mask, ids.device)
     not_binary = ((mask != 0) & (mask != 1)).any()
     mask = mask.to(torch.int64)

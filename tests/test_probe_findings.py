@@ -226,6 +226,15 @@ def model(llama):
         (dict(max_new_tokens=3, eos_token_id=-1), ValueError, "eos_token_id must be a token id"),
         (dict(max_new_tokens=3, eos_token_id=[1, 512]), ValueError, "eos_token_id must be a token id"),
         (dict(max_new_tokens=3, pad_token_id=10**6), ValueError, "pad_token_id must be a token id in [0, 512)"),
+        # transformers' generate fails on these with a ZeroDivisionError, or a TypeError in its beam scorer
+        (dict(max_new_tokens=3, num_beams=0), ValueError, "num_beams must be an integer >= 1, got 0"),
+        (dict(max_new_tokens=3, do_sample=True, num_return_sequences=0), ValueError,
+         "num_return_sequences must be an integer >= 1, got 0"),
+        (dict(max_new_tokens=3, num_beams=2, length_penalty="x"), ValueError,
+         "length_penalty must be a number, got 'x'"),
+        # an all-ones mask of another shape: transformers drops it before the loop (its positions from it)
+        (dict(max_new_tokens=3, attention_mask=torch.ones(1, 2, dtype=torch.long)), ValueError,
+         "attention_mask shape (1, 2) does not match input_ids shape"),
     ],
 )
 def test_bad_generate_options(model, kwargs, error, message):
