@@ -614,7 +614,8 @@ def test_chat_completions_and_their_stream(setup):
 
 @pytest.mark.parametrize("fields", [{"tools": []}, {"tools": [], "tool_choice": "auto"},
                                     {"tools": [], "tool_choice": "required"}, {"tool_choice": "none"},
-                                    {"functions": [], "function_call": "auto"}, {"response_format": {"type": "text"}}])
+                                    {"functions": [], "function_call": "auto"}, {"response_format": {"type": "text"}},
+                                    {"modalities": ["text"], "audio": None, "verbosity": None}])
 def test_neutral_tool_fields_are_the_request_without_them(setup, fields):
     """OpenAI's (and vLLM 0.34's) reading of an empty `tools`: an omitted one, where "auto" and
     "required" have nothing to call and fall back to "none"; the answer is the plain request's."""
@@ -720,7 +721,10 @@ BAD = [
                               "add_special_tokens": True}, 400, "add_special_tokens"),
     *[("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], field: value}, 400,
        field) for field, value in (("chat_template", "{{ messages }}"), ("documents", [{"text": "x"}]),
-                                   ("reasoning_effort", "high"), ("echo", True), ("mm_processor_kwargs", {"a": 1}))],
+                                   ("reasoning_effort", "high"), ("echo", True), ("mm_processor_kwargs", {"a": 1}),
+                                   # OpenAI's audio output, web search and answer length (were taken silently)
+                                   ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
+                                   ("web_search_options", {}), ("verbosity", "low"))],
     ("/v1/completions", {"model": NAME, "prompt": "x", "min_tokens": 2, "stop": ["a"]}, 400, "min_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": ["5"]}, 400, "stop_token_ids.0"),
     # The template's own refusal (a 500 before): its message, as a client error.

@@ -30,8 +30,9 @@ TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_te
 
 def refuse_unsupported(body) -> None:
     """OpenAI's tool calling and structured output, which this server does not carry out: a client
-    asking for them would get plain text as if they had been applied. Neutral values pass: no tools
-    (or `[]`), `tool_choice` "none" (or "auto"/"required" beside `tools: []`), `response_format` text."""
+    asking for them would get plain text as if they had been applied; the same for OpenAI's audio output,
+    web search and `verbosity`. Neutral values pass: no tools (or `[]`), `tool_choice` "none" (or
+    "auto"/"required" beside `tools: []`), `response_format` text, `modalities` ["text"]."""
     for name in ("tools", "functions"):
         if getattr(body, name, None):
             raise ServingError(f"{name} is not supported: this server calls no tools (the model's output comes back "
@@ -43,6 +44,14 @@ def refuse_unsupported(body) -> None:
         if getattr(body, name, None) not in (None, *nothing_to_call):
             raise ServingError(f"{name} is not supported (this server calls no tools): leave it out or send 'none'",
                                name)
+    # OpenAI's output other than text (audio), its web search and its answer length (`verbosity`)
+    modalities = getattr(body, "modalities", None)
+    if modalities not in (None, ["text"]):
+        raise ServingError(f"modalities {modalities!r} is not supported: this server answers in text; leave it out or "
+                           "send ['text']", "modalities")
+    for name in ("audio", "web_search_options", "verbosity"):
+        if getattr(body, name, None) is not None:
+            raise ServingError(f"{name} is not supported by this server; leave it out", name)
     kind = (getattr(body, "response_format", None) or {"type": "text"}).get("type")
     if kind != "text":
         raise ServingError(f"response_format {kind!r} is not supported: this server does not constrain its output; "
