@@ -12,9 +12,12 @@ found without `--include_path` (`resolve_tasks_as_ortmodule`).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
+import io
 import logging
+import os
 import sys
 
 
@@ -143,18 +146,11 @@ def ortmodule(argv: list[str] | None = None) -> None:
     _info_flags(commands)
     _run_flags(commands)
     args = parser.parse_args(argv)
-    if args.command == "env":
-        from .environment import print_report
-
-        raise SystemExit(print_report())
-    if args.command == "info":
-        _info(parser, args)
+    if args.command in ("env", "info", "cache"):
+        _printing(parser, args)
         return
     if args.command == "export":
         _export(parser, args)
-        return
-    if args.command == "cache":
-        _cache(args)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from .serving import Settings, serve
@@ -165,6 +161,27 @@ def ortmodule(argv: list[str] | None = None) -> None:
               prefill_attention=args.prefill_attention, subfolder=args.subfolder, revision=args.revision, **options)
     except ValueError as e:  # what stops it before it serves: the package, a setting, --processor
         parser.exit(2, f"ortmodule serve: error: {e}\n")  # one line, as `ortmodule export`'s
+
+
+def _printing(parser: argparse.ArgumentParser, args) -> None:
+    """The commands that print a report (env, info, cache); one whose reader left (`ortmodule info --json
+    PACKAGE | head`) ends quietly, as other command-line tools do, not with a BrokenPipeError's traceback."""
+    try:
+        if args.command == "env":
+            from .environment import print_report
+
+            raise SystemExit(print_report())
+        if args.command == "info":
+            _info(parser, args)
+        else:
+            _cache(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's own advice: stdout to devnull, so that the flush at exit does not fail again (where stdout
+        # is a file: not a caller's capture)
+        with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
 
 
 def _run_flags(commands) -> None:

@@ -325,7 +325,8 @@ def _read_config(root: Path) -> tuple[Path, dict]:
                         for found in root.glob(depth + CONFIG_FILE))
         if inside:  # a download of several packages (one per device and precision), as on the Hub
             raise PackageError(f"{root}: no {CONFIG_FILE} in the folder, but packages in its subfolders: "
-                               f"{', '.join(inside)} (load one of them, or pass subfolder=)")
+                               f"{', '.join(inside)} (load one of them, or pass subfolder=: --subfolder on the "
+                               "command line)")
         names = [str(path.relative_to(root)) for depth in ("*", "*/*") for path in root.glob(depth)]
         raise PackageError(f"{root}: no {CONFIG_FILE} in the folder{not_a_package(names, str(root))}")
     try:

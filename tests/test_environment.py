@@ -97,6 +97,19 @@ def test_info_describes_a_package_as_transformers_sees_its_checkpoint(build):
     assert served.stderr.splitlines() == [f"ortmodule serve: error: package folder not found: {absent}"]
 
 
+@pytest.mark.parametrize("command", [["info", "--json", "PACKAGE"], ["env"], ["cache", "list"]])
+def test_a_report_whose_reader_left_ends_quietly(build, command):
+    """`ortmodule info --json PACKAGE | head` and the like: the reader closes the pipe before the report is
+    written; the command ends with status 1 and nothing on stderr, not a BrokenPipeError's traceback."""
+    package = str(build("llama").package_dir)
+    arguments = [package if a == "PACKAGE" else a for a in command]
+    process = subprocess.Popen([sys.executable, "-m", "ortmodule", *arguments], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # before the interpreter has started: every write fails
+    error = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 1 and "Traceback" not in error and "BrokenPipe" not in error, error
+
+
 def test_a_dependency_older_than_its_floor_is_named_at_import():
     """transformers before 5.23 (the suite fails there: generate on 4.57 and 5.0, multimodal generate on
     5.18 to 5.22), onnx-ir before 0.1.12 (the graph rewrites fail), onnxruntime-gpu before 1.31 (4-bit
