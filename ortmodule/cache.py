@@ -180,7 +180,10 @@ class ConvStates:
 def _checked_rows(rows, batch: int, device: torch.device) -> torch.Tensor:
     """Row indices for `KVCache`'s selections (`reorder_cache`, `batch_select_indices`, ...) as an int64
     tensor on `device`: a ValueError where they are not a non-empty 1-D run of rows of a `batch`-row cache."""
-    rows = torch.as_tensor(rows).to(device, torch.int64)
+    rows = torch.as_tensor(rows)
+    if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+        raise TypeError(f"row indices must be integers, got {rows.dtype}")  # 0.7 is not truncated
+    rows = rows.to(device, torch.int64)
     if rows.dim() != 1 or rows.numel() == 0:
         raise ValueError(f"row indices must be a non-empty 1-D tensor, got shape {tuple(rows.shape)}")
     if bool(((rows < 0) | (rows >= batch)).any()):
@@ -386,6 +389,8 @@ class KVCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row `repeats` times in place (row i becomes rows i*repeats ... i*repeats+repeats-1)."""
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise ValueError(f"batch_repeat_interleave takes a positive int, got {repeats!r}")
         self._select_rows(torch.arange(self.batch_size, device=self.lengths.device).repeat_interleave(repeats))
 
     @_inference_mode

@@ -70,6 +70,14 @@ def test_cache_views_and_refusals(build):
         cache.update(torch.zeros(1), torch.zeros(1), 0)
     with pytest.raises(ValueError, match=r"row indices must lie in \[0, 2\)"):
         cache.reorder_cache(torch.tensor([0, 2]))
+    # torch would take float rows through as_tensor and truncate them, and fail inside on a zero or
+    # negative repeat (a row-index message before, for 0) or a float one
+    with pytest.raises(TypeError, match="row indices must be integers, got torch.float32"):
+        cache.reorder_cache(torch.tensor([0.7, 1.0]))
+    for repeats in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"batch_repeat_interleave takes a positive int, got {repeats!r}"):
+            cache.batch_repeat_interleave(repeats)
+    assert cache.batch_size == 2  # nothing changed by the refusals
 
 
 def test_an_empty_transformers_cache_starts_one_and_a_full_one_is_refused(build):
