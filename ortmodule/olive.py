@@ -224,7 +224,8 @@ def patch_model_builder() -> bool:
     def create_model(model_name, input_path, output_dir, precision, execution_provider, cache_dir, **options):
         if "_effective_builder_config" not in options:
             options = builder.parse_extra_options(model_name, input_path, output_dir, precision, execution_provider,
-                                                  cache_dir, [f"{k}={_option_text(v)}" for k, v in options.items()])
+                                                  cache_dir, [f"{k}={_option_text(k, v)}"
+                                                              for k, v in current_names(options).items()])
         return original(model_name, input_path, output_dir, precision, execution_provider, cache_dir, **options)
 
     create_model.ortmodule_patch = True
@@ -234,8 +235,37 @@ def patch_model_builder() -> bool:
     return True
 
 
-def _option_text(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+def current_names(options: dict) -> dict:
+    """Olive's ModelBuilder options under the names the installed builder reads: Olive 0.13 passes its
+    `int4_block_size`, `int4_accuracy_level`, `int4_is_symmetric`, `int4_op_types_to_quantize`,
+    `int4_nodes_to_exclude` and `int4_algo_config` as they are, which genai 0.18's help calls deprecated
+    aliases but which it ignores without a word (an int4 package kept blocks of 32, whatever the pass
+    said). Each is given its current name (`block_size`, ...), unless the options also hold that name."""
+    from .exporter import builder_options
+
+    known, renamed = builder_options(), {}
+    for key, value in options.items():
+        base = key.removeprefix("int4_")
+        if base != key and key not in known and base in known:
+            if base in options:
+                logger.warning("ortmodule: Olive's %s=%r left out: the options also hold %s=%r, which the builder "
+                               "reads", key, value, base, options[base])
+                continue
+            logger.info("ortmodule: Olive's %s=%r passed to the model builder as %s (genai 0.18 ignores the "
+                        "int4_-prefixed name)", key, value, base)
+            key = base
+        renamed[key] = value
+    return renamed
+
+
+def _option_text(key: str, value) -> str:
+    """An option's value as the builder's `KEY=VALUE` text: booleans in lower case, an enum's value, the
+    lists of op types joined by "/" and of node names by ",", as the builder splits them."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ("/" if key == "op_types_to_quantize" else ",").join(map(str, value))
+    return str(getattr(value, "value", value))
 
 
 patch_model_builder()

@@ -151,3 +151,37 @@ def test_cuda_accelerator_runs_on_the_gpu_and_agrees_with_the_cpu(build):
     model = ONNXModelHandler(model_path=str(package / "model.onnx"))
     ours, reference = evaluate_directly(model, "gpu", "CUDAExecutionProvider"), reference_metrics(package)
     assert all(ours[key] == pytest.approx(value, rel=1e-3) for key, value in reference.items())
+
+
+def test_model_builder_pass_int4_options_reach_the_builder(build, tmp_path):
+    """Olive 0.13's ModelBuilder pass passes its int4 settings as `int4_block_size`, `int4_accuracy_level`, ...,
+    names onnxruntime-genai 0.18 no longer reads (an int4 package kept blocks of 32 and accuracy level 4);
+    ortmodule's adaptation of the pass gives them the builder's current names, so the package holds what
+    the workflow asked for, as the builder exports it given those names itself."""
+    import onnx
+
+    from ortmodule_dev import fixtures
+
+    fixture = build("llama")
+    out = tmp_path / "output"
+    settings = {"int4_block_size": 128, "int4_accuracy_level": 1, "int4_op_types_to_quantize": ["MatMul"],
+                "int4_algo_config": "rtn"}
+    config = {
+        "input_model": {"type": "HfModel", "model_path": str(fixture.hf_dir)},
+        "systems": {"local_system": {"type": "LocalSystem", "accelerators": [
+            {"device": "cpu", "execution_providers": ["CPUExecutionProvider"]}]}},
+        "passes": {"builder": {"type": "ModelBuilder", "precision": "int4", **settings}},
+        "host": "local_system", "target": "local_system", "output_dir": str(out), "cache_dir": str(tmp_path / "cache"),
+    }
+    (tmp_path / "workflow.json").write_text(json.dumps(config))
+    olive_run(str(tmp_path / "workflow.json"))
+    fixtures.export(fixture.hf_dir, tmp_path / "reference", "int4",
+                    tuple((key.removeprefix("int4_"), "MatMul" if isinstance(value, list) else str(value))
+                          for key, value in settings.items()))
+
+    def quantized(folder: Path) -> set:
+        graph = onnx.load(str(next(folder.rglob("model.onnx"))), load_external_data=False).graph
+        return {tuple(sorted((a.name, a.i) for a in node.attribute if a.name in ("block_size", "accuracy_level")))
+                for node in graph.node if node.op_type == "MatMulNBits"}
+
+    assert quantized(out) == quantized(tmp_path / "reference") == {(("accuracy_level", 1), ("block_size", 128))}
