@@ -25,6 +25,7 @@ import tempfile
 import textwrap
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 
 from .environment import installed_too_old
@@ -187,6 +188,9 @@ def check_extra_options(extra_options: dict | None) -> None:
     ignores any other without a word, so that a misspelt option (or 0.18's `int4_`-prefixed names, which
     its help calls deprecated aliases that still work, but which it no longer reads) exported the
     defaults. Where the builder's options cannot be read from its source, nothing is checked."""
+    if extra_options is not None and not isinstance(extra_options, Mapping):
+        raise ExportError(f"extra_options must be a dict of the builder's options (e.g. {{'algo_config': "
+                          f"'k_quant_mixed'}}), got {type(extra_options).__name__}")
     known = builder_options()
     if not known:
         return

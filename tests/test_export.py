@@ -293,6 +293,8 @@ def test_options_the_builder_would_ignore_are_refused(llama, tmp_path, capsys, o
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
     assert not list(tmp_path.iterdir())
+    with pytest.raises(ExportError, match="extra_options must be a dict of the builder's options .*, got list"):
+        export(llama.hf_dir, tmp_path / "out", extra_options=["block_size=16"])  # Python's dict() error before
 
 
 def test_the_options_ortmodule_passes_are_ones_the_builder_reads(llama, tmp_path):
