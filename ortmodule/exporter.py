@@ -106,7 +106,7 @@ def export(
         shutil.rmtree(work, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     _say(progress, f"wrote {out} ({size / 1e6:.0f} MB) in {time.perf_counter() - start:.0f} s")
-    if precision == "int4" and not {"algo_config", "int4_algo_config"} & set(extra_options or {}):
+    if precision == "int4" and "algo_config" not in (extra_options or {}):  # int4_algo_config is refused above
         _say(progress, "int4 by round-to-nearest (the builder's default) moves a model's answers furthest from its "
                        "own; --extra-option algo_config=k_quant_mixed, or --precision int8, keep closer to them "
                        "(docs/usage.md, \"4 or 8 bits\")")
