@@ -28,7 +28,10 @@ CONFIG = "genai_config.json"
 
 def resolve(path: str | Path, subfolder: str | None = None, revision: str | None = None, **fetching) -> Path:
     """The local package folder for `path` (a folder, or a Hub repository id) and `subfolder` in it;
-    `fetching`: huggingface_hub's `token`, `local_files_only`, `proxies`, `force_download`."""
+    `fetching`: huggingface_hub's `token`, `local_files_only`, `proxies`, `force_download`. An empty
+    path (an unset variable's) is an error, not the working directory."""
+    if isinstance(path, str) and not path.strip():
+        raise PackageError(f"the package path is empty ({path!r}): name a package folder or a Hub repository id")
     local = Path(path)
     sub = (subfolder or "").strip("/")
     if not _names_repository(path):

@@ -95,6 +95,19 @@ def test_missing_folder(tmp_path):
         OrtModelForCausalLM.from_pretrained(tmp_path / "nowhere")
 
 
+def test_an_empty_path_is_not_the_working_directory(llama, monkeypatch):
+    """`from_pretrained(os.environ.get("PACKAGE", ""))` with the variable unset: an error, even where the
+    working directory is a package (it loaded that one before)."""
+    from ortmodule import load_tokenizer
+
+    monkeypatch.chdir(llama.package_dir)
+    for path in ("", "  "):
+        with pytest.raises(PackageError, match="the package path is empty"):
+            OrtModelForCausalLM.from_pretrained(path)
+        with pytest.raises(PackageError, match="the package path is empty"):
+            load_tokenizer(path)
+
+
 def test_folder_without_genai_config_names_it(tmp_path):
     with pytest.raises(PackageError, match=rf"{tmp_path}: no genai_config.json in the folder; is this"):
         OrtModelForCausalLM.from_pretrained(tmp_path)
