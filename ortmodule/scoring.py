@@ -106,6 +106,8 @@ def _target_ids(targets: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
         raise TypeError(f"target token ids must be integers, got {kinds}") from None
     except OverflowError:  # an id past int64
         raise ValueError(vocabulary_message(max(ids, key=abs), vocab, "target token id")) from None
+    if bool in set(map(type, ids)):  # an int to `array` (True as id 1): 20 ns a target
+        raise TypeError("target token ids must be integers, got ['bool']")
     bad = outside_vocabulary(flat, vocab)
     if bad.any():
         raise ValueError(vocabulary_message(int(flat[bad][0]), vocab, "target token id"))

@@ -345,6 +345,8 @@ def test_loglikelihood_errors(llama):
         ortmodule.loglikelihood(model, ids, None, [1], [[6, 2**70]])
     with pytest.raises(TypeError, match="target token ids must be integers"):
         ortmodule.loglikelihood(model, ids, None, [1], [[6, 7.0]])
+    with pytest.raises(TypeError, match=r"target token ids must be integers, got \['bool'\]"):  # was token 1
+        ortmodule.loglikelihood(model, ids, None, [1], [[6, True]])
     with pytest.raises(ValueError, match="row 0 has no target tokens"):
         ortmodule.loglikelihood(model, ids, None, [1], [[]])
     with pytest.raises(ValueError, match=r"row 0: starts\[0\] = 3 with 2 target token\(s\) asks for the logits at "
