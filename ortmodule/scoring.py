@@ -316,6 +316,9 @@ def score(
     prompts = prompts_of(tokenizer, query, items, item_first)
     if isinstance(label_token_ids, torch.Tensor):  # 1-D: one list for every item; 2-D: a list per item
         label_token_ids = label_token_ids.tolist()
+    if isinstance(label_token_ids, (str, bytes)) or not isinstance(label_token_ids, Sequence):  # `[id]`, not `id`
+        raise TypeError(f"label_token_ids must be a list of token ids (or a list per item), got "
+                        f"{type(label_token_ids).__name__}")
     per_item = bool(label_token_ids) and not isinstance(label_token_ids[0], int) \
         and isinstance(label_token_ids[0], Sequence)
     lists = [checked_labels(labels, model.package.vocab_size) for labels in

@@ -418,6 +418,7 @@ def test_the_scores_leave_the_device_once(llama, monkeypatch):
         (dict(label_token_ids=[3, 512]), ValueError, "label token id 512 is outside the vocabulary"),
         (dict(label_token_ids=[-1]), ValueError, "label token id -1"),
         (dict(label_token_ids=[1.5]), TypeError, "integer token ids"),
+        (dict(label_token_ids=3), TypeError, "label_token_ids must be a list of token ids .* got int"),
         (dict(items=[[5, 6], "text"]), TypeError, "item 1 is text"),
         (dict(query="text", items=[[5, 6]]), TypeError, "item 0 is list"),
         (dict(items=[[5, 999]]), ValueError, "token id 999"),
