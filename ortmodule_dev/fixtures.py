@@ -21,7 +21,13 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ortmodule.exporter import CONFIG_SHIM, builder_command, checkpoint_parameters, gguf_to_checkpoint
+from ortmodule.exporter import (
+    CONFIG_SHIM,
+    builder_command,
+    check_extra_options,
+    checkpoint_parameters,
+    gguf_to_checkpoint,
+)
 from ortmodule_dev import preloaded
 
 FIXTURE_VERSION = "1"
@@ -373,9 +379,13 @@ main()
 """
 
 
-def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=(), execution_provider: str = "cpu") -> None:
+def export(hf_dir: Path, out: Path, precision: str = "fp32", extra_options=(), execution_provider: str = "cpu",
+           checked: bool = True) -> None:
     """Export a checkpoint with onnxruntime-genai's model builder (for the CPU by default), forked from a
-    process that imported it once (preloaded.py)."""
+    process that imported it once (preloaded.py). The options are `ortmodule export`'s checked ones (a
+    misspelt one in a benchmark's `--extra-option` would measure the default package), unless not `checked`."""
+    if checked:
+        check_extra_options(dict(extra_options))
     preloaded.run(builder_command(hf_dir, out, precision, execution_provider, dict(extra_options)),
                   "the model builder")
 
