@@ -133,7 +133,8 @@ def ortmodule(argv: list[str] | None = None) -> None:
     export.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="the execution provider it is built for")
     export.add_argument("--extra-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed to the builder's --extra_options (repeatable), e.g. algo_config=k_quant_mixed")
+                        help="passed to the builder's --extra_options (repeatable), e.g. algo_config=k_quant_mixed; "
+                             "a key the installed builder does not read is refused")
     export.add_argument("--images", action="store_true",
                         help="a Gemma 3 checkpoint's vision tower too (fp32, int4 or int8 for the CPU), so that the "
                              "package takes images (docs/usage.md)")
