@@ -255,6 +255,10 @@ def current_names(options: dict) -> dict:
                         "int4_-prefixed name)", key, value, base)
             key = base
         renamed[key] = value
+    ignored = sorted(key for key in renamed if known and key not in known)
+    if ignored:
+        logger.warning("ortmodule: the model builder reads none of the options %s: it will ignore them (its options: "
+                       "python -m onnxruntime_genai.models.builder --help, under --extra_options)", ignored)
     return renamed
 
 

@@ -185,3 +185,17 @@ def test_model_builder_pass_int4_options_reach_the_builder(build, tmp_path):
                 for node in graph.node if node.op_type == "MatMulNBits"}
 
     assert quantized(out) == quantized(tmp_path / "reference") == {(("accuracy_level", 1), ("block_size", 128))}
+
+
+def test_model_builder_options_the_builder_would_ignore_are_named(caplog):
+    """An `extra_options` entry of the current name wins over Olive's int4_ setting (a warning names the one
+    left out), and an option the builder reads under no name is kept but named in a warning: the builder
+    would export its default without a word."""
+    from ortmodule.olive import current_names
+
+    with caplog.at_level("WARNING", logger="ortmodule.olive"):
+        given = current_names({"int4_block_size": 128, "block_size": 64, "int4_accuracy_level": 1, "blok_size": 3})
+    assert given == {"block_size": 64, "accuracy_level": 1, "blok_size": 3}
+    warned = caplog.text
+    assert "int4_block_size=128 left out: the options also hold block_size=64" in warned
+    assert "reads none of the options ['blok_size']" in warned
