@@ -192,7 +192,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         the output's field). `position_ids` and `cache_position` are taken when they are what
         transformers computes for these rows (the graph derives positions from the mask), else refused.
         """
-        keep = cont_len if cont_len is not None else _logits_to_keep(logits_to_keep, kwargs)
+        keep = _logits_to_keep(logits_to_keep, kwargs, cont_len)
         _refuse_unsupported(input_ids, inputs_embeds, kwargs)
         note_autocast(self.device, self.dtype)
         past, use_cache = _given_cache(past_key_values, cache, use_cache)
@@ -333,13 +333,16 @@ def _asked(config, hidden_states: bool | None, weights: bool | None) -> tuple[bo
     return (variants.LAST if last else bool(hidden_states)), bool(weights)
 
 
-def _logits_to_keep(logits_to_keep, kwargs: dict):
-    """`logits_to_keep`, or `num_logits_to_keep` (taken out of `kwargs`): its name in transformers 4.45 to
-    4.49, which code written for those still passes (transformers 5's models take it and ignore it)."""
-    renamed = kwargs.pop("num_logits_to_keep", None)
-    if renamed is not None and logits_to_keep is not None:
-        raise TypeError("pass logits_to_keep or num_logits_to_keep (its former name), not both")
-    return logits_to_keep if renamed is None else renamed
+def _logits_to_keep(logits_to_keep, kwargs: dict, cont_len=None):
+    """`cont_len`, `logits_to_keep` (its transformers name), or `num_logits_to_keep` (taken out of `kwargs`):
+    its name in transformers 4.45 to 4.49, which code written for those still passes (transformers 5's models
+    take it and ignore it); two of them given is a TypeError (one was silently taken)."""
+    given = {name: value for name, value in (("cont_len", cont_len), ("logits_to_keep", logits_to_keep),
+                                             ("num_logits_to_keep", kwargs.pop("num_logits_to_keep", None)))
+             if value is not None}
+    if len(given) > 1:
+        raise TypeError(f"pass one of {' and '.join(given)} (names of the same argument), not both")
+    return next(iter(given.values()), None)
 
 
 # transformers' loss keywords that forward takes (with labels; transformers' Trainer passes them).

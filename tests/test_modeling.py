@@ -86,8 +86,12 @@ def test_num_logits_to_keep_is_logits_to_keep_under_its_former_name(llama):
     full = model(ids, attention_mask=mask).logits
     assert torch.equal(model(ids, attention_mask=mask, num_logits_to_keep=1).logits, full[:, -1:])
     assert model(ids, attention_mask=mask, num_logits_to_keep=None).logits.shape == full.shape
-    with pytest.raises(TypeError, match="logits_to_keep or num_logits_to_keep .*not both"):
+    with pytest.raises(TypeError, match="pass one of logits_to_keep and num_logits_to_keep .*not both"):
         model(ids, attention_mask=mask, logits_to_keep=2, num_logits_to_keep=1)
+    # cont_len is ortmodule's name of the same argument: with another of them, one was silently taken
+    with pytest.raises(TypeError, match="pass one of cont_len and logits_to_keep .*not both"):
+        model(ids, attention_mask=mask, cont_len=1, logits_to_keep=2)
+    assert torch.equal(model(ids, attention_mask=mask, cont_len=1, num_logits_to_keep=None).logits, full[:, -1:])
     with pytest.raises(TypeError, match="does not support num_logits"):  # any other name is still refused
         model(ids, attention_mask=mask, num_logits=1)
 
