@@ -58,9 +58,9 @@ def kept_positions(keep, length: int, device: torch.device) -> torch.Tensor | No
         if keep.numel() == 0:
             raise ValueError("logits_to_keep is an empty tensor: name at least one position")
         keep = keep.to(device, torch.int64)
-        if ((keep < 0) | (keep >= length)).any():
-            raise ValueError(f"logits_to_keep positions must lie in [0, {length})")
-        return keep
+        if ((keep < -length) | (keep >= length)).any():
+            raise ValueError(f"logits_to_keep positions must lie in [-{length}, {length})")
+        return keep % length  # a negative position counts from the end, as transformers' tensor index does
     if isinstance(keep, bool) or not isinstance(keep, int):
         raise TypeError(f"cont_len must be an int, got {type(keep).__name__}")
     if keep < 0:

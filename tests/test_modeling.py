@@ -77,6 +77,15 @@ def test_logits_to_keep_tensor_selects_positions(llama):
     full = model(ids, attention_mask=mask).logits
     picked = model(ids, attention_mask=mask, logits_to_keep=torch.tensor([0, 3, 8])).logits
     assert torch.equal(picked, full[:, [0, 3, 8]])
+    # transformers indexes the sequence with the tensor: a negative position counts from the end
+    _, reference = load_pair(llama)
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask, logits_to_keep=torch.tensor([-1, 0, -3])).logits
+    picked = model(ids, attention_mask=mask, logits_to_keep=torch.tensor([-1, 0, -3])).logits
+    assert torch.equal(picked, full[:, [11, 0, 9]])
+    assert (picked[0] - expected[0]).abs().max() < 1e-4  # row 0's are its tokens' (row 1's 9 and 11 are padding)
+    with pytest.raises(ValueError, match=r"logits_to_keep positions must lie in \[-12, 12\)"):
+        model(ids, attention_mask=mask, logits_to_keep=torch.tensor([-13]))
 
 
 def test_num_logits_to_keep_is_logits_to_keep_under_its_former_name(llama):
