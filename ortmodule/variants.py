@@ -27,6 +27,7 @@ from .cache import KVCache
 from .decoder import Decoder, run_prefill
 from .graph import RewriteSkipped
 from .inputs import Rows
+from .package import NotSupportedError
 
 logger = logging.getLogger("ortmodule")
 
@@ -242,6 +243,12 @@ def checked_embeds(embeds, hidden_size: int, device: torch.device) -> torch.Tens
     if embeds.dim() != 3 or embeds.shape[2] != hidden_size or 0 in embeds.shape:
         raise ValueError(f"inputs_embeds must be [batch, sequence, {hidden_size}] (the model's hidden size), got "
                          f"{tuple(embeds.shape)}")
+    if embeds.requires_grad:  # ONNX Runtime takes no tensor that requires grad (DLPack's BufferError)
+        if torch.is_grad_enabled():
+            raise NotSupportedError("inputs_embeds require grad (a soft prompt or steering vector being trained?): an "
+                                    "ONNX package runs inference only, its graph computes no gradients; pass "
+                                    "inputs_embeds.detach(), or call it under torch.no_grad()")
+        embeds = embeds.detach()
     return embeds.to(device)
 
 

@@ -79,6 +79,27 @@ def test_the_ids_embeddings_give_the_ids_logits(build, precision):
     assert torch.equal(kept, model(ids, attention_mask=mask, logits_to_keep=2).logits)
 
 
+def test_embeddings_that_require_grad(build):
+    """A soft prompt or steering vector being trained (a tensor that requires grad): with gradients on, a
+    NotSupportedError naming why (ONNX Runtime refused it with DLPack's BufferError); under no_grad the
+    embeddings' values run, as transformers runs them, with the same logits and tokens."""
+    from ortmodule import NotSupportedError
+
+    model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir)
+    ids, mask = left_padded_batch([6, 3], vocab=500, seed=5)
+    direction = torch.nn.Parameter(torch.full((model.config.hidden_size,), 0.01))
+    with torch.no_grad():
+        plain = model(inputs_embeds=model.get_input_embeddings()(ids) + direction.detach(), attention_mask=mask).logits
+    steered = model.get_input_embeddings()(ids) + direction
+    with pytest.raises(NotSupportedError, match="inputs_embeds require grad .*pass inputs_embeds.detach"):
+        model(inputs_embeds=steered, attention_mask=mask)
+    with torch.no_grad():
+        assert torch.equal(model(inputs_embeds=steered, attention_mask=mask).logits, plain)
+    tokens = model.generate(inputs_embeds=steered, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert torch.equal(tokens, model.generate(inputs_embeds=steered.detach(), attention_mask=mask, max_new_tokens=3,
+                                              do_sample=False))
+
+
 @pytest.mark.parametrize("mode", [dict(do_sample=False), dict(do_sample=True, top_k=20), dict(num_beams=2)])
 @pytest.mark.parametrize("arch", ["llama", "lfm2"])
 def test_generate_from_inputs_embeds_equals_transformers(build, arch, mode):
