@@ -174,6 +174,10 @@ def _checked_source(source: str | Path, precision: str, device: str, revision: s
         raise ExportError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
     if device not in DEVICES:
         raise ExportError(f"device '{device}' is not one of {', '.join(DEVICES)}")
+    if precision == "bf16" and device == "cpu":  # the builder writes one; ONNX Runtime 1.31 then cannot load it
+        raise ExportError("bf16 is for --device cuda: ONNX Runtime has CPU kernels for few bf16 operators, and the "
+                          "builder's bf16 graph for the CPU does not load; for the CPU export fp32, or int8 / int4 "
+                          "(4 or 8-bit weights)")
     from . import hub
     from .package import PackageError
 

@@ -207,11 +207,12 @@ def test_cuda_exports_unpack_qkv_unless_told_otherwise(llama, tmp_path, monkeypa
         raise ExportError("stopped before the builder")
 
     monkeypatch.setattr(export_module, "run_builder", builder)
+    precision = "bf16" if device == "cuda" else "fp32"  # bf16 is for CUDA (refused for the CPU)
     with pytest.raises(ExportError, match="stopped before the builder"):
-        export(llama.hf_dir, tmp_path / "out", precision="bf16", device=device, extra_options=given)
+        export(llama.hf_dir, tmp_path / "out", precision=precision, device=device, extra_options=given)
     assert seen == [expected]
     progress = capsys.readouterr().err
-    assert f"to bf16 for {device} with onnxruntime-genai's model builder" in progress
+    assert f"to {precision} for {device} with onnxruntime-genai's model builder" in progress
     assert ("(options: fuse_qkv=" in progress) == (device == "cuda")
 
 
@@ -295,6 +296,22 @@ def test_options_the_builder_would_ignore_are_refused(llama, tmp_path, capsys, o
     assert not list(tmp_path.iterdir())
     with pytest.raises(ExportError, match="extra_options must be a dict of the builder's options .*, got list"):
         export(llama.hf_dir, tmp_path / "out", extra_options=["block_size=16"])  # Python's dict() error before
+
+
+def test_bf16_for_the_cpu_is_refused_as_onnx_runtime_cannot_load_it(llama, tmp_path):
+    """`--precision bf16 --device cpu`: the builder writes such a package, which the installed ONNX Runtime
+    cannot load for the CPU (no kernel for its bf16 Where, among others); `export` refuses it before the
+    builder runs, saying what to export instead. If a newer ONNX Runtime loads it, this test says to lift
+    the refusal."""
+    from ortmodule import PackageError
+    from ortmodule_dev import fixtures
+
+    with pytest.raises(ExportError, match="bf16 is for --device cuda: .* for the CPU export fp32, or int8 / int4"):
+        export(llama.hf_dir, tmp_path / "out", precision="bf16", device="cpu")
+    assert not (tmp_path / "out").exists()
+    fixtures.export(llama.hf_dir, tmp_path / "builder", "bf16")  # the builder itself, for the CPU
+    with pytest.raises(PackageError, match="It is a bf16 package.*load it with device='cuda'"):
+        OrtModelForCausalLM.from_pretrained(tmp_path / "builder")
 
 
 def test_the_options_ortmodule_passes_are_ones_the_builder_reads(llama, tmp_path):
