@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
-from .environment import installed_too_old
+from .environment import installed_too_old, installed_version
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int4", "int8")
 DEVICES = ("cpu", "cuda")
@@ -243,14 +243,8 @@ def builder_options() -> frozenset[str]:
 
 
 def _builder_version() -> str:
-    from importlib import metadata
-
-    for name in ("onnxruntime-genai-cuda", "onnxruntime-genai"):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return "of unknown version"
+    found = map(installed_version, ("onnxruntime-genai-cuda", "onnxruntime-genai"))
+    return next(filter(None, found), "of unknown version")
 
 
 def _gguf_file(source: Path) -> Path | None:

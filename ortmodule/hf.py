@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import hub, runtime
+from . import hub, inputs, runtime
 from .package import Package, PackageError
 
 # The name transformers gives the KV cache in model outputs and in generate's model inputs: `cache`
@@ -36,9 +36,7 @@ def build_config(package: Package) -> PretrainedConfig:
     """The package's config.json when present, else a config built from what genai_config.json says; its
     `dtype` (and its text config's) the package's precision, as transformers sets a loaded model's."""
     config = checkpoint_config(package.root) or _genai_config(package)
-    dtype = runtime.torch_dtype(package.decoder.kv_type)
-    for part in {id(c): c for c in (config, config.get_text_config())}.values():
-        part.dtype = dtype
+    config.dtype = config.get_text_config().dtype = runtime.torch_dtype(package.decoder.kv_type)
     return config
 
 
@@ -157,20 +155,20 @@ def loading_options(device, kwargs: dict) -> tuple[object, dict, object, dict]:
     for name, value in fields.items():
         if name in CONFIG_FIELDS and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
-        ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) and value else [value]
-        if name in TOKEN_FIELDS and value is not None and not all(type(i) is int and i >= 0 for i in ids):
-            raise TypeError(f"{name} must be a token id{' (or a list of them)' if name == 'eos_token_id' else ''} "
-                            f"or None, got {value!r}")
     return (placed if placed is not None else device), {k: v for k, v in kwargs.items() if k in FETCHING}, dtype, \
         fields
 
 
 def check_token_fields(fields: dict, package: Package) -> None:
-    """The special token ids among `loading_options`' config fields within the package's vocabulary."""
+    """The special token ids among `loading_options`' config fields: ids (a list of them for `eos_token_id`)
+    or None, within the package's vocabulary."""
     for name in sorted(TOKEN_FIELDS & set(fields)):
         value = fields[name]
-        ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
-        if any(i >= package.vocab_size for i in ids):
+        ids = inputs.eos_token_ids(value) if name == "eos_token_id" else [] if value is None else [value]
+        if any(type(i) is not int for i in ids):
+            raise TypeError(f"{name} must be a token id{' (or a list of them)' if name == 'eos_token_id' else ''} "
+                            f"or None, got {value!r}")
+        if inputs.outside_vocabulary(ids, package.vocab_size) is not None:
             raise ValueError(f"{name}={value!r} is outside the vocabulary [0, {package.vocab_size})")
 
 

@@ -35,6 +35,10 @@ def loglikelihood(
     padded input (for a row holding context + continuation[:-1], `starts[i] = len(context) - 1`),
     each one of the row's own tokens: a padded one is a ValueError naming it.
     """
+    # a caller's own lists (lm-eval's backend passes the tokenizer's ints to loglikelihood_totals): `array`
+    # would take True as token 1
+    if any(type(t) is bool for row in targets for t in row):
+        raise TypeError("target token ids must be integers, got ['bool']")
     return answers(loglikelihood_totals(model, input_ids, attention_mask, starts, targets))
 
 
@@ -106,8 +110,6 @@ def _target_ids(targets: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
         raise TypeError(f"target token ids must be integers, got {kinds}") from None
     except OverflowError:  # an id past int64
         raise ValueError(vocabulary_message(max(ids, key=abs), vocab, "target token id")) from None
-    if bool in set(map(type, ids)):  # an int to `array` (True as id 1): 20 ns a target
-        raise TypeError("target token ids must be integers, got ['bool']")
     bad = outside_vocabulary(flat, vocab)
     if bad.any():
         raise ValueError(vocabulary_message(int(flat[bad][0]), vocab, "target token id"))
