@@ -570,4 +570,17 @@ def prompt_media(decoder: Decoder, past, embeds, media: Media) -> Media | None:
     if videos and vision.video_token is None:
         raise NotSupportedError(f"pixel_values_videos: {vision.no_videos}")
     unmarked = isinstance(kinds, torch.Tensor) and not marked
+    media = _without_grad(media)
     return dataclasses.replace(media, token_type_ids=None) if unmarked else media  # a text tokenizer's zeros
+
+
+def _without_grad(media: Media) -> Media:
+    """`media` with its pixels detached where they require grad under `torch.no_grad()` (ONNX Runtime
+    takes no tensor that requires grad: DLPack's BufferError); with gradients on, a NotSupportedError."""
+    grads = {name: value for name in ("pixel_values", "pixel_values_videos")
+             if isinstance(value := getattr(media, name), torch.Tensor) and value.requires_grad}
+    if grads and torch.is_grad_enabled():
+        raise NotSupportedError(f"{', '.join(grads)} require grad (an image being optimized?): an ONNX package runs "
+                                f"inference only, its graphs compute no gradients; pass them detached (.detach()), "
+                                f"or call it under torch.no_grad()")
+    return dataclasses.replace(media, **{name: value.detach() for name, value in grads.items()}) if grads else media

@@ -232,8 +232,8 @@ _KEYWORDS = {GEMMA4: ("image_position_ids",), PIXTRAL: ("image_sizes",), GEMMA3:
 def check_pixels(values, name: str, layout: str) -> None:
     """A ValueError unless `values` is a float tensor of `layout`'s rank (its dimensions, comma-separated)."""
     if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.dim() != layout.count(",") + 1:
-        raise ValueError(f"{name} must be a float tensor [{layout}] (what the model's processor gives), got "
-                         f"{getattr(values, 'shape', type(values).__name__)}")
+        got = f"{values.dtype} {tuple(values.shape)}" if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(f"{name} must be a float tensor [{layout}] (what the model's processor gives), got {got}")
 
 
 def _gemma4_images(media, vision: PlainVision) -> list[tuple[int, dict]]:

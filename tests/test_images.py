@@ -265,6 +265,8 @@ def test_what_images_cannot_be_is_refused(pair, inputs, build):
         model(**dict(given, pixel_values=given["pixel_values"][:, :95]))
     with pytest.raises(ValueError, match="without pixel_values"):
         model(**dict(given, pixel_values=None))
+    with pytest.raises(ValueError, match=r"pixel_values must be a float tensor .*, got torch.uint8 \(108, 96\)"):
+        model(**dict(given, pixel_values=given["pixel_values"].to(torch.uint8)))  # the shape was named, not the dtype
     with pytest.raises(ValueError, match="mark other tokens than input_ids' media token ids"):
         model(**dict(given, mm_token_type_ids=torch.zeros_like(given["input_ids"])))
     # Videos need the checkpoint's config.json in the package (tests/test_videos.py).
@@ -283,6 +285,21 @@ def test_what_images_cannot_be_is_refused(pair, inputs, build):
         text_model(torch.tensor([prompt(grids.tolist())]), pixel_values=pixels, image_grid_thw=grids)
     with pytest.raises(ValueError, match="image_position_ids was given; this package's vision model \\(Qwen-VL's"):
         model(**dict(given, image_position_ids=torch.zeros(3, 4, 2, dtype=torch.int64)))
+
+
+def test_pixels_that_require_grad_run_detached_under_no_grad_and_are_refused_with_gradients_on(pair, inputs):
+    """Pixels made by a differentiable step (or an image being optimized): ONNX Runtime takes no tensor
+    that requires grad (DLPack's BufferError inside the run). With gradients on that is a
+    NotSupportedError naming why; under no_grad, and in generate, their values run."""
+    model, _ = pair
+    given = dict(inputs, pixel_values=inputs["pixel_values"].clone().requires_grad_())
+    with pytest.raises(NotSupportedError, match="pixel_values require grad .* torch.no_grad"):
+        model(**given)
+    expected = model(**inputs).logits
+    with torch.no_grad():
+        assert torch.equal(model(**given).logits, expected)
+    assert torch.equal(model.generate(**given, max_new_tokens=3, do_sample=False),
+                       model.generate(**inputs, max_new_tokens=3, do_sample=False))
 
 
 def test_image_placeholders_in_text_embed_as_the_graphs_zero_row(pair):
