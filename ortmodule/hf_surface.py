@@ -127,6 +127,18 @@ class _AnchorData(torch.Tensor):
 FINGERPRINT = "package_fingerprint"
 
 
+def _refuse_weights(state_dict, prefix: str) -> None:
+    """A NotSupportedError for weights in a state dict given to `load_state_dict` (a fine-tuned
+    checkpoint's, say): the package's graph holds the weights, and torch would report them as unexpected
+    keys, or with `strict=False` skip them and leave the package's numbers."""
+    weights = [key[len(prefix):] for key in state_dict if key.startswith(prefix) and key != prefix + "device_anchor"]
+    if weights:
+        shown = ", ".join(weights[:3]) + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
+        raise NotSupportedError(f"load_state_dict: {shown} are weights, which an OrtModelForCausalLM does not take: its "
+                                f"package's ONNX graph holds them, fixed at export. Export the checkpoint with these "
+                                f"weights (ortmodule export) and load that package")
+
+
 def package_fingerprint(decoder) -> torch.Tensor:
     """32 bytes (uint8) that differ between packages and between loading options that change the numbers:
     a hash of every file under the package's folder (its path there, size and modification time) and the
@@ -270,6 +282,7 @@ class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         state_dict.pop(prefix + FINGERPRINT, None)  # nothing to load: the package's files are what runs
+        _refuse_weights(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:

@@ -429,6 +429,26 @@ def test_the_first_parameter_tells_the_device_and_dtype(build):
     assert model.load_state_dict(model.state_dict()) is not None  # torch's strict load takes its own state back
 
 
+def test_a_state_dict_of_weights_is_refused_naming_why(build):
+    """`load_state_dict` of a checkpoint's weights (transformers' state dict on the same architecture, a
+    fine-tuned one, say) cannot change a package's numbers: a NotSupportedError saying to export, where torch
+    named unexpected keys, and with `strict=False` skipped them and left the package's logits unchanged.
+    Inside a wrapping module only its own keys count; its own state still loads back."""
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    weights = hf.state_dict()
+    for strict in (True, False):
+        with pytest.raises(NotSupportedError, match=r"load_state_dict: model.embed_tokens.weight, .* and \d+ more "
+                                                    r"are weights.*ortmodule export"):
+            model.load_state_dict(weights, strict=strict)
+    wrapper = torch.nn.ModuleDict({"lm": model, "head": torch.nn.Linear(2, 2)})
+    state = wrapper.state_dict()
+    assert sorted(state) == ["head.bias", "head.weight", "lm.device_anchor", "lm.package_fingerprint"]
+    wrapper.load_state_dict(state)
+    with pytest.raises(NotSupportedError, match="lm_head.weight are weights"):
+        wrapper.load_state_dict({**state, "lm.lm_head.weight": weights["lm_head.weight"]})
+
+
 def test_a_weight_written_into_the_first_parameter_is_refused_naming_why(build):
     """Code that copies or averages another model's weights into this one's parameters (trl's sync_ref_model, an
     EMA) finds only the empty anchor: a NotSupportedError naming why, through `.data` too, where torch would say
