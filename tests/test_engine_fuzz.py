@@ -22,6 +22,7 @@ from helpers import LiveServer, expected_text, hf_greedy, load_pair
 
 from ortmodule import load_tokenizer
 from ortmodule.serving import create_app
+from ortmodule.serving.generations import DecodeBatch
 
 NAME = "fuzz"
 # A Llama most often; a Qwen3, Gemma 3 (sliding-window layers) and LFM2 (convolution states)
@@ -166,12 +167,17 @@ def sglang_generate(server, body: dict) -> dict:
 
 
 @pytest.mark.parametrize("seed", range(int(os.environ.get("ENGINE_FUZZ_SEEDS", 8))))
-def test_engine_fuzz(build, seed):
+def test_engine_fuzz(build, seed, monkeypatch):
     rng = random.Random(seed)
     fixture = build(rng.choice(ARCHES))
     model, hf = load_pair(fixture)
     tokenizer = load_tokenizer(fixture.package_dir)
     settings = draw_settings(rng)
+    # The decode batch's first cache (slots, positions): small ones grow and shrink while rows run.
+    first = rng.choice([(4, 256), (1, 8), (2, 16)])
+    monkeypatch.setattr(DecodeBatch, "FIRST_SLOTS", first[0])
+    monkeypatch.setattr(DecodeBatch, "FIRST_POSITIONS", first[1])
+    settings_drawn = dict(settings, first_cache=first)
     requests = draw_requests(rng, min(len(tokenizer), model.config.vocab_size))
     clients = rng.randint(1, 6)
     delays = [rng.uniform(0, 0.02) for _ in requests]
@@ -191,10 +197,16 @@ def test_engine_fuzz(build, seed):
 
         with ThreadPoolExecutor(clients) as pool:
             answers = list(pool.map(send, range(len(requests))))
-        assert server.client.get("/metrics").json()["running_rows"] == 0
+        metrics = server.client.get("/metrics").json()
+        assert metrics["running_rows"] == 0
+        # with no rows left, the decode batch's cache has its first slots again, and under 4x its positions
+        least = max([first[1]] + [kv.window or 0 for kv in model.decoder.spec.layers])
+        if model.decoder.spec.shares_kv_buffer:
+            held = metrics["decode_cache"]
+            assert held["slots"] == min(first[0], settings["max_rows"]) and held["positions"] < 4 * least, held
     finally:
         server.stop()
-    case = f"seed {seed}: {fixture.spec.arch}, {settings}, {clients} clients"
+    case = f"seed {seed}: {fixture.spec.arch}, {settings_drawn}, {clients} clients"
     for i, ((kind, body), answer) in enumerate(zip(requests, answers, strict=True)):
         if kind == "completion":
             if body["temperature"]:  # as `model.generate` samples the prompt alone with that seed (docs/serving.md)

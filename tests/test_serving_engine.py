@@ -68,6 +68,49 @@ def test_concurrent_generations_of_mixed_lengths_equal_transformers(live, pair):
     assert metrics["largest_decode_batch"] == 4 and metrics["running_rows"] == 0
 
 
+def test_the_decode_cache_follows_the_rows_running(pair, monkeypatch):
+    """The decode batch's KV cache grows with the rows joining and their lengths, and shrinks as they
+    leave: at every step its slots are its first ones or under four times the rows running, its positions
+    under four times what the longest needs; idle again, its first slots. Before, it held `max_rows`
+    slots from the start, at the longest length ever reached. Its first positions made small (8) here,
+    so that the fixture's 256-position context grows and shrinks it several times; the answers still
+    equal transformers'."""
+    from ortmodule.serving.generations import DecodeBatch
+    _, model, hf, tokenizer = pair
+    monkeypatch.setattr(DecodeBatch, "FIRST_POSITIONS", 8)
+    seen, step = [], DecodeBatch.step
+
+    def recorded(batch):
+        out = step(batch)
+        seen.append((batch.pool.batch_size, batch.pool.capacity, len(batch.rows),
+                     max(row.cached for row in batch.rows)))
+        return out
+
+    monkeypatch.setattr(DecodeBatch, "step", recorded)
+    server = LiveServer(create_app(model, tokenizer, name=NAME, prefill_chunk=16, max_rows=32))
+    try:
+        idle = server.client.get("/metrics").json()["decode_cache"]
+        rng = random.Random(1)
+        prompts = [[rng.randrange(4, 512) for _ in range(n)] for n in (3, 120, 17, 64, 5, 90, 33, 9, 2, 48)]
+        lengths = [60, 20, 7, 25, 3, 12, 30, 100, 5, 9]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda i: complete(server.client, prompts[i], max_tokens=lengths[i]),
+                                    range(len(prompts))))
+        after = server.client.get("/metrics").json()["decode_cache"]
+    finally:
+        server.stop()
+    for prompt, new, answer in zip(prompts, lengths, answers):
+        text, reason = expected_text(tokenizer, hf_greedy(hf, prompt, new))
+        assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == (text, reason)
+    per_position = idle["bytes"] // (idle["slots"] * idle["positions"])
+    assert (idle["slots"], idle["positions"]) == (4, 8) and after["slots"] == 4 and after["positions"] < 32
+    assert after["bytes"] == after["slots"] * after["positions"] * per_position
+    assert max(slots for slots, *_ in seen) > 4 and max(positions for _, positions, *_ in seen) >= 128  # it grew
+    for slots, positions, rows, longest in seen:
+        assert slots == 4 or slots < 4 * rows, seen
+        assert positions == 8 or positions < 4 * (longest + 1), seen
+
+
 def test_a_short_request_joins_a_running_stream(live, pair, monkeypatch):
     """Every model call slowed by 10 ms: a 200-token stream takes over 2 s. A short completion sent
     once the stream runs is answered (equal to itself alone) while the stream is still going."""

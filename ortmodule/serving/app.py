@@ -71,7 +71,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     async def metrics():
         prefixes = engine.generations.prefixes
         return {**engine.stats.__dict__, "waiting": engine.waiting.count,
-                "running_rows": len(engine.generations.batch.rows),
+                "running_rows": len(engine.generations.batch.rows), "decode_cache": engine.generations.batch.sizes(),
                 "prefix_cache": {"hits": prefixes.hits, "reused_tokens": prefixes.reused,
                                  "entries": len(prefixes.entries), "bytes": prefixes.nbytes}}
 

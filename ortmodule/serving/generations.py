@@ -47,17 +47,24 @@ def put_row(cache, slot: int, keys: list[torch.Tensor], values: list[torch.Tenso
 
 
 class DecodeBatch:
-    """The running rows: one KV cache of `max_rows` slots, the first `len(rows)` in use. A row
-    joins by a copy of its prefilled KV into the next slot; a row that leaves is replaced by the
-    last one (a copy of one row), so the rows in use stay the cache's first rows and one step runs
-    exactly them. Packages whose attention concatenates (not GroupQueryAttention) run one row."""
+    """The running rows: one KV cache of slots, the first `len(rows)` in use. A row joins by a copy
+    of its prefilled KV into the next slot; a row that leaves is replaced by the last one (a copy of
+    one row), so the rows in use stay the cache's first rows and one step runs exactly them. The
+    cache's slots (up to `max_rows`) and positions grow by doubling as rows join and lengthen, and
+    shrink (`fit`) once the rows in use need a quarter of them or less: its memory follows the
+    rows running, not `max_rows` times the longest row ever run. Packages whose attention
+    concatenates (not GroupQueryAttention) run one row."""
+
+    FIRST_SLOTS, FIRST_POSITIONS = 4, 256
 
     def __init__(self, decoder, max_rows: int):
         self.decoder = decoder
         self.shared = decoder.spec.shares_kv_buffer
         self.max_rows = max_rows if self.shared else 1
         self.rows: list[Row] = []
-        self.pool = decoder.new_cache(self.max_rows, 256) if self.shared else None
+        self.first_slots = min(self.max_rows, self.FIRST_SLOTS)
+        self.pool = decoder.new_cache(self.first_slots, self.FIRST_POSITIONS) if self.shared else None
+        self.least = self.pool.capacity if self.shared else 0  # positions of the first cache (sliding windows: more)
         self.view = None  # the pool's first rows, remade when the rows or the buffers change
         self.context = decoder.package.context_length
 
@@ -85,6 +92,8 @@ class DecodeBatch:
         if not self.shared:
             self.pool = cache
         else:
+            if slot == self.pool.batch_size:
+                self._remake(min(2 * slot, self.max_rows), self.pool.capacity)
             self.pool.reserve(length + 1, self.context)
             put_row(self.pool, slot, keys, values, length, states, offset)
         self.rows.append(row)
@@ -103,6 +112,39 @@ class DecodeBatch:
                     0 if offsets is None else offsets[last].clone())
         self.rows[slot] = self.rows[last]
         self.rows.pop()
+        self.view = None
+
+    def fit(self) -> None:
+        """After rows left: a smaller cache where the rows in use fill a quarter of its slots or
+        less, or their longest a quarter of its positions or less (then twice the longest's); with
+        no rows, the first cache's slots and under four times its positions (a quarter's margin,
+        so that rows of about the same length do not make a cache each)."""
+        if not self.shared:
+            return
+        slots, positions, rows = self.pool.batch_size, self.pool.capacity, len(self.rows)
+        needed = max((row.cached for row in self.rows), default=0) + 1
+        fewer = slots > self.first_slots and 4 * rows <= slots
+        shorter = positions >= 4 * max(self.least, needed)
+        if fewer or shorter:
+            self._remake(max(self.first_slots, 1 << max(rows - 1, 0).bit_length()) if fewer else slots,
+                         max(self.least, 2 * needed) if shorter else positions)
+
+    def sizes(self) -> dict:
+        """The decode batch's KV cache: its slots, positions and bytes (for /metrics)."""
+        pool = self.pool
+        if pool is None:
+            return {"slots": 0, "positions": 0, "bytes": 0}
+        held = sum(buffer.nbytes for buffers in (pool.keys, pool.values) for buffer in buffers)
+        return {"slots": pool.batch_size, "positions": pool.capacity, "bytes": held}
+
+    def _remake(self, slots: int, positions: int) -> None:
+        """The pool again with `slots` rows of `positions`, holding the rows in use."""
+        old, offsets = self.pool, self.pool.position_offset
+        self.pool = self.decoder.new_cache(slots, positions)
+        for slot, row in enumerate(self.rows):
+            keys, values = [k[slot] for k in old.keys], [v[slot] for v in old.values]
+            put_row(self.pool, slot, keys, values, row.cached, [state[slot] for state in old.states.current],
+                    0 if offsets is None else offsets[slot])
         self.view = None
 
     def prefill(self, rows: list[Row]) -> tuple[torch.Tensor, object]:
@@ -207,6 +249,7 @@ class Generations:
             if rows[slot].job.cancelled.is_set():
                 rows[slot].stop()
                 self.batch.leave(slot)
+        self.batch.fit()
 
     def fail_all(self, error: Exception) -> None:
         """Every generation filed fails with `error`."""
@@ -350,6 +393,7 @@ class Generations:
         for slot in reversed(range(len(batch.rows))):
             if batch.rows[slot].finished:
                 batch.leave(slot)
+        batch.fit()
         for row in done:
             self._finish(row)
 
