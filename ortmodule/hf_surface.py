@@ -134,9 +134,9 @@ def _refuse_weights(state_dict, prefix: str) -> None:
     weights = [key[len(prefix):] for key in state_dict if key.startswith(prefix) and key != prefix + "device_anchor"]
     if weights:
         shown = ", ".join(weights[:3]) + (f" and {len(weights) - 3} more" if len(weights) > 3 else "")
-        raise NotSupportedError(f"load_state_dict: {shown} are weights, which an OrtModelForCausalLM does not take: its "
-                                f"package's ONNX graph holds them, fixed at export. Export the checkpoint with these "
-                                f"weights (ortmodule export) and load that package")
+        raise NotSupportedError(f"load_state_dict: {shown} are weights, which an OrtModelForCausalLM does not take: "
+                                f"its package's ONNX graph holds them, fixed at export. Export the checkpoint with "
+                                f"these weights (ortmodule export) and load that package")
 
 
 def package_fingerprint(decoder) -> torch.Tensor:
