@@ -370,7 +370,13 @@ def _own_options(prepack: bool, fp32_path: bool) -> ort.SessionOptions:
 def _with_folder(options: ort.SessionOptions, model: Path | bytes, folder: Path | None) -> ort.SessionOptions:
     """For graph bytes, ONNX Runtime reads the weights' folder from a config entry of the options."""
     if folder is not None:
-        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.fspath(Path(folder).resolve()))
+        value = os.fspath(Path(folder).resolve())
+        try:
+            held = options.get_session_config_entry(EXTERNAL_DATA_FOLDER)
+        except RuntimeError:  # not set
+            held = None
+        if held != value:  # set again, ONNX Runtime warns that it overwrites it (a caller's options, several sessions)
+            options.add_session_config_entry(EXTERNAL_DATA_FOLDER, value)
     return options
 
 

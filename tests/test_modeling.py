@@ -10,7 +10,7 @@ from helpers import ScalarReads, cuda, load_pair, right_padded_batch
 from transformers import PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ortmodule import NotSupportedError, OrtModelForCausalLM, PackageError, load_tokenizer, runtime
+from ortmodule import NotSupportedError, OrtModelForCausalLM, PackageError, load_tokenizer, loglikelihood, runtime
 from ortmodule.hf import CACHE_NAME
 
 FP32_TOL = 1e-4
@@ -698,6 +698,22 @@ def test_a_dropped_model_frees_its_sessions_at_once(llama):
         assert [name for name, ref in alive.items() if ref() is not None] == []
     finally:
         gc.enable()
+
+
+def test_a_callers_session_options_load_and_run_without_onnx_runtimes_warnings(llama, capfd):
+    """A caller's `session_options` serve every session a model makes (the package graph rewritten,
+    the extend graph's): the weights' folder entry they need is set once, where setting it again on the
+    same object printed ONNX Runtime's "Config with key ... already exists ... will be overwritten"
+    warning on every session after the first. The logits are the default options'."""
+    own = ort.SessionOptions()
+    model = OrtModelForCausalLM.from_pretrained(llama.package_dir, session_options=own)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    logits = model(ids).logits
+    model.decoder.extender()  # a second session over the same options
+    loglikelihood(model, torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11, 12]]), torch.ones(2, 6, dtype=torch.int64),
+                  starts=[3, 3], targets=[[9, 10], [11, 12]])
+    assert "already exists" not in capfd.readouterr().err
+    assert torch.equal(logits, OrtModelForCausalLM.from_pretrained(llama.package_dir)(ids).logits)
 
 
 def test_sessions_spin_only_within_a_run(llama):
