@@ -346,7 +346,7 @@ def _logits_to_keep(logits_to_keep, kwargs: dict, cont_len=None):
 
 
 # transformers' loss keywords that forward takes (with labels; transformers' Trainer passes them).
-LOSS_KWARGS = {"num_items_in_batch"}
+LOSS_KWARGS = {"num_items_in_batch", "ignore_index", "shift_labels"}
 
 
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch 2.6's first releases may lack it
@@ -398,15 +398,30 @@ def _output(loss, logits: torch.Tensor, past, states, weights, return_dict: bool
                                   **{CACHE_NAME: past})
 
 
-def _check_targets(targets: torch.Tensor, vocab: int) -> None:
-    """The loss's targets (labels shifted, padding's -100), each a token id of the vocabulary or -100: a
-    ValueError naming the first other one, where cross_entropy would raise an IndexError on a CPU and stop
-    the process's CUDA context with a device-side assert on a GPU (one small read of a flag there)."""
-    outside = ((targets < 0) & (targets != -100)) | (targets >= vocab)
+def _check_targets(targets: torch.Tensor, vocab: int, ignore: int, name: str, shift: int) -> None:
+    """The loss's targets (labels shifted, padding's `ignore`), each a token id of the vocabulary or `ignore`:
+    a ValueError naming the first other one (in `name`, `shift` columns on), where cross_entropy would raise
+    an IndexError on a CPU and stop the process's CUDA context with a device-side assert on a GPU (one small
+    read of a flag there)."""
+    outside = ((targets < 0) | (targets >= vocab)) & (targets != ignore)
     if bool(outside.any()):
         row, col = (int(i) for i in outside.nonzero()[0])
-        raise ValueError(f"labels[{row}, {col + 1}] is {int(targets[row, col])}, outside the vocabulary [0, {vocab}) "
-                         "(-100 marks a position the loss ignores)")
+        raise ValueError(f"{name}[{row}, {col + shift}] is {int(targets[row, col])}, outside the vocabulary "
+                         f"[0, {vocab}) ({ignore} marks a position the loss ignores)")
+
+
+def _loss_targets(logits: torch.Tensor, labels: torch.Tensor, loss_kwargs: dict, ignore: int):
+    """The logits that predict and their targets: `labels` shifted one position left, or transformers'
+    `shift_labels` as given (already shifted: one per position, the last one's included)."""
+    shifted = loss_kwargs.get("shift_labels")
+    if shifted is None:
+        return logits[:, :-1], labels.to(logits.device, torch.int64)[:, 1:], "labels", 1
+    if not isinstance(shifted, torch.Tensor) or tuple(shifted.shape) != tuple(logits.shape[:2]) or \
+            shifted.is_floating_point() or shifted.dtype == torch.bool:
+        got = f"{shifted.dtype} {tuple(shifted.shape)}" if isinstance(shifted, torch.Tensor) else type(shifted).__name__
+        raise ValueError(f"shift_labels must be an integer tensor of input_ids' shape {tuple(logits.shape[:2])} "
+                         f"(each position's next token, {ignore} to ignore it), got {got}")
+    return logits, shifted.to(logits.device, torch.int64), "shift_labels", 0
 
 
 def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwargs: dict,
@@ -416,7 +431,8 @@ def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwarg
     there are meaningless (transformers' depend on how its attention treats a query that sees no
     key), so the loss is that of the rows without their padding. With `num_items_in_batch` (transformers'
     Trainer passes it, counted over the gradient accumulation's batches) the sum over the targets divided
-    by it, as transformers' loss does, else their mean. `training` (the model in train mode) with gradients
+    by it, as transformers' loss does, else their mean; transformers' `ignore_index` and `shift_labels`
+    (sequence parallelism's labels, already shifted) too. `training` (the model in train mode) with gradients
     on: `training_loss`, whose backward() says why nothing trains."""
     if keep is not None and not (isinstance(keep, int) and keep == 0):
         raise ValueError("labels need the logits of every position: drop cont_len/logits_to_keep")
@@ -425,13 +441,16 @@ def _shifted_loss(logits: torch.Tensor, labels, keep, attention_mask, loss_kwarg
         raise ValueError(f"labels must be a tensor of input_ids' shape {tuple(logits.shape[:2])}, got {shape}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must hold integer token ids (-100 to ignore a position), got dtype {labels.dtype}")
-    targets = labels.to(logits.device, torch.int64)[:, 1:]
+    ignore = loss_kwargs.get("ignore_index", -100)
+    if not isinstance(ignore, int) or isinstance(ignore, bool):
+        raise TypeError(f"ignore_index must be an int (the label the loss skips; default -100), got {ignore!r}")
+    scored, targets, name, shift = _loss_targets(logits, labels, loss_kwargs, ignore)
     if attention_mask is not None:
-        padded = attention_mask[:, -logits.shape[1]:].to(logits.device)[:, :-1] == 0
-        targets = targets.masked_fill(padded, -100)
-    _check_targets(targets, logits.shape[-1])
+        padded = attention_mask[:, -logits.shape[1]:].to(logits.device)[:, : targets.shape[1]] == 0
+        targets = targets.masked_fill(padded, ignore)
+    _check_targets(targets, logits.shape[-1], ignore, name, shift)
     items = loss_kwargs.get("num_items_in_batch")
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+    loss = torch.nn.functional.cross_entropy(scored.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore,
                                              reduction="mean" if items is None else "sum")
     loss = loss if items is None else loss / (items.to(loss.device) if torch.is_tensor(items) else items)
     return training_loss(loss) if training and torch.is_grad_enabled() else loss

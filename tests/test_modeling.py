@@ -187,6 +187,34 @@ def test_labels_that_are_no_token_ids_are_named(llama):
                                                                                   labels=labels).loss)
 
 
+def test_transformers_loss_keywords_ignore_index_and_shift_labels(llama):
+    """transformers' loss keywords beside `labels`: `ignore_index` (the label skipped, -100 by default) and
+    `shift_labels` (labels already shifted, one per position, as sequence parallelism passes them), alone
+    and with `num_items_in_batch`: transformers' loss on the same batch (they were a TypeError). What they
+    cannot be is named."""
+    model, hf = load_pair(llama)
+    ids, mask = right_padded_batch([10, 7], seed=5)
+    labels = ids.masked_fill(mask == 0, -100)
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    shifted[0, 2] = -100
+    cases = [dict(labels=labels.masked_fill(labels == -100, 600), ignore_index=600),
+             dict(labels=labels, shift_labels=shifted), dict(labels=labels, shift_labels=shifted, num_items_in_batch=9)]
+    with torch.no_grad():
+        for given in cases:
+            ours, theirs = (m(ids, attention_mask=mask, **given).loss.item() for m in (model, hf))
+            assert abs(ours - theirs) < 1e-5, given
+    assert abs(model(ids, attention_mask=mask, **cases[1]).loss.item() -
+               model(ids, attention_mask=mask, labels=labels).loss.item()) > 1e-3  # shift_labels was read
+    with pytest.raises(ValueError, match=r"shift_labels must be an integer tensor of input_ids' shape \(2, 10\)"):
+        model(ids, labels=labels, shift_labels=shifted[:, 1:])
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        model(ids, labels=labels, ignore_index="-100")
+    bad = shifted.clone()
+    bad[1, 2] = 512
+    with pytest.raises(ValueError, match=r"shift_labels\[1, 2\] is 512, outside the vocabulary"):
+        model(ids, attention_mask=mask, labels=labels, shift_labels=bad)
+
+
 def test_fp16_package_matches_within_half_precision(build):
     fixture = build("llama", precision="fp16")
     model, hf = load_pair(fixture)
