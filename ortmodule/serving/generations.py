@@ -50,10 +50,12 @@ class DecodeBatch:
     """The running rows: one KV cache of slots, the first `len(rows)` in use. A row joins by a copy
     of its prefilled KV into the next slot; a row that leaves is replaced by the last one (a copy of
     one row), so the rows in use stay the cache's first rows and one step runs exactly them. The
-    cache's slots (up to `max_rows`) and positions grow by doubling as rows join and lengthen, and
-    shrink (`fit`) once the rows in use need a quarter of them or less: its memory follows the
-    rows running, not `max_rows` times the longest row ever run. Packages whose attention
-    concatenates (not GroupQueryAttention) run one row."""
+    cache's slots (up to `max_rows`) and positions grow by doubling as rows join and lengthen; its
+    positions shrink once the longest row in use needs a quarter of them or less, and its slots
+    once the rows in use fill a quarter of them or less where the cache is made again anyway (its
+    positions growing or shrinking) or no row runs: its memory follows the rows running, not
+    `max_rows` times the longest row ever run, and rows coming and going copy nothing more.
+    Packages whose attention concatenates (not GroupQueryAttention) run one row."""
 
     FIRST_SLOTS, FIRST_POSITIONS = 4, 256
 
@@ -94,7 +96,7 @@ class DecodeBatch:
         else:
             if slot == self.pool.batch_size:
                 self._remake(min(2 * slot, self.max_rows), self.pool.capacity)
-            self.pool.reserve(length + 1, self.context)
+            self._room(length + 1, slot + 1)
             put_row(self.pool, slot, keys, values, length, states, offset)
         self.rows.append(row)
         self.view = None
@@ -115,19 +117,33 @@ class DecodeBatch:
         self.view = None
 
     def fit(self) -> None:
-        """After rows left: a smaller cache where the rows in use fill a quarter of its slots or
-        less, or their longest a quarter of its positions or less (then twice the longest's); with
-        no rows, the first cache's slots and under four times its positions (a quarter's margin,
-        so that rows of about the same length do not make a cache each)."""
+        """After rows left: a smaller cache where the longest row in use needs a quarter of its
+        positions or less (then twice the longest's), or no row runs; its slots then the fewest that
+        hold the rows in use where those fill a quarter of them or less (a quarter's margin, so that
+        rows of about the same length or number do not make a cache each)."""
         if not self.shared:
             return
         slots, positions, rows = self.pool.batch_size, self.pool.capacity, len(self.rows)
         needed = max((row.cached for row in self.rows), default=0) + 1
-        fewer = slots > self.first_slots and 4 * rows <= slots
         shorter = positions >= 4 * max(self.least, needed)
-        if fewer or shorter:
-            self._remake(max(self.first_slots, 1 << max(rows - 1, 0).bit_length()) if fewer else slots,
-                         max(self.least, 2 * needed) if shorter else positions)
+        if shorter or (not rows and slots > self.first_slots):
+            self._remake(self._slots(rows), max(self.least, 2 * needed) if shorter else positions)
+
+    def _room(self, needed: int, rows: int) -> None:
+        """Positions for `needed` tokens a row (doubling, up to the context) for `rows` rows in use: the
+        cache made again with fewer slots where they fill a quarter of it or less, else grown in place."""
+        if needed <= self.pool.capacity:
+            return
+        if self._slots(rows) < self.pool.batch_size:
+            self._remake(self._slots(rows), min(max(needed, 2 * self.pool.capacity), self.context))
+        else:
+            self.pool.reserve(needed, self.context)
+
+    def _slots(self, rows: int) -> int:
+        """The cache's slots for `rows` rows in use: the same where they fill over a quarter of them,
+        else the fewest (a power of two, at least the first cache's) that hold them."""
+        slots = self.pool.batch_size
+        return slots if 4 * rows > slots else max(self.first_slots, 1 << max(rows - 1, 0).bit_length())
 
     def sizes(self) -> dict:
         """The decode batch's KV cache: its slots, positions and bytes (for /metrics)."""
@@ -190,7 +206,7 @@ class DecodeBatch:
         rows = self.rows
         if self.shared:
             longest = max(row.cached for row in rows)  # the step adds one
-            self.pool.reserve(longest + 1, self.context)
+            self._room(longest + 1, len(rows))
             if self.view is None or self.view.version != self.pool.version:
                 self.view = rows_view(self.pool, 0, len(rows), longest)
             cache = self.view
