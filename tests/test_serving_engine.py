@@ -109,8 +109,7 @@ def test_the_decode_cache_follows_the_rows_running(pair, monkeypatch):
     assert after["bytes"] == after["slots"] * after["positions"] * per_position
     assert max(slots for slots, *_ in seen) >= 8  # the rows at once grew it
     assert seen[-1][:3] == (4, 256, 1), seen[-1]  # the long row alone, its positions grown: four slots again
-    for slots, positions, rows, longest in seen:
-        assert positions < 4 * max(8, longest + 1), seen
+    assert all(positions < 4 * max(8, longest + 1) for _, positions, _, longest in seen), seen
 
 
 def test_a_short_request_joins_a_running_stream(live, pair, monkeypatch):
