@@ -112,6 +112,45 @@ def test_the_decode_cache_follows_the_rows_running(pair, monkeypatch):
     assert all(positions < 4 * max(8, longest + 1) for _, positions, _, longest in seen), seen
 
 
+def test_prompt_logprobs_of_a_long_prompt_hold_no_whole_logits(pair):
+    """Prompt log-probabilities (echo with logprobs, vLLM's prompt_logprobs) reduce the logits as they
+    come: on a CPU a long prompt's chunk by chunk, so no `[positions, V]` tensor is made (a 6,000-token
+    prompt's took SmolLM2-135M's process 3.7 GB). Each token's log-probability, rank and the most likely
+    tokens equal transformers'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ortmodule import OrtModelForCausalLM
+    from ortmodule.serving import jobs
+    fixture, _, hf, _ = pair
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, prefill_chunk=16)
+    vocab = model.config.vocab_size
+    prompt = [random.Random(4).randrange(4, vocab) for _ in range(200)]
+
+    class LargestLogits(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for made in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(made, torch.Tensor) and made.dim() == 2 and made.shape[1] == vocab:
+                    self.rows = max(self.rows, made.shape[0])
+            return out
+
+    with LargestLogits() as seen:
+        scores = jobs.prompt_scores(model, [prompt], 3, ranked=True)[0]
+    assert 0 < seen.rows <= 16
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+    for i, token in enumerate(prompt[1:]):
+        row = reference[i]
+        assert abs(scores.token_logprobs[i] - row[token].item()) < 1e-4
+        assert int((row > row[token] + 1e-4).sum()) < scores.ranks[i] <= int((row > row[token] - 1e-4).sum()) + 1
+        assert all(abs(row[t].item() - value) < 1e-4 for t, value in scores.top[i])
+        assert [t for t, _ in scores.top[i]][:1] == [int(row.argmax())] or \
+            row.topk(2).values.diff().abs().item() < 1e-4  # the most likely first, unless a near tie
+    assert abs(scores.next_top[0][1] - reference[-1].max().item()) < 1e-4
+
+
 def test_a_short_request_joins_a_running_stream(live, pair, monkeypatch):
     """Every model call slowed by 10 ms: a 200-token stream takes over 2 s. A short completion sent
     once the stream runs is answered (equal to itself alone) while the stream is still going."""

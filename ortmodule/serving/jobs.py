@@ -203,19 +203,30 @@ def prompt_scores(model, prompts: list[Ids], top: int, ranked: bool = False) -> 
 
 
 def _score_batch(model, prompts: list[Ids], top: int, ranked: bool) -> list[PromptScores]:
+    """`prompt_scores` of one batch. The logits are reduced as they come (`logits_at`'s pieces: on a CPU a
+    long prompt's chunk by chunk), so that no `[positions, V]` buffer is held whole (a 6,000-token prompt's
+    took the process 3.7 GB above its model for SmolLM2's 49,152-token vocabulary)."""
     ids, mask = pad_right(prompts)
     lengths = [len(p) for p in prompts]
     rows = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
     cols = torch.cat([torch.arange(n) for n in lengths])
-    logits = model.logits_at(ids, mask, rows, cols, upcast=False)  # checked on the host, copied up without a wait
-    normalizers, _ = scoring.log_normalizers(logits)  # log-probability = logit - normalizer, in float32
     targets = to_device(torch.cat([torch.tensor(p[1:] + [0]) for p in prompts]), model.device)
-    values, indices = logits.topk(min(top, logits.shape[1]), dim=-1)
-    chosen = logits.gather(1, targets[:, None])
-    # ties share the better rank, as vLLM counts
-    ranks = ((logits > chosen).sum(1) + 1).cpu().tolist() if ranked else [0] * len(targets)
-    values = (torch.cat([chosen, values], 1).float() - normalizers[:, None]).cpu().tolist()
-    indices = indices.cpu().tolist()
+    top = min(top, model.decoder.vocab_size)
+    values = torch.empty(len(targets), 1 + top, dtype=torch.float32, device=model.device)
+    indices = torch.empty(len(targets), top, dtype=torch.int64, device=model.device)
+    ranks = torch.zeros(len(targets), dtype=torch.int64, device=model.device)
+
+    def reduce(places: torch.Tensor | None, logits: torch.Tensor) -> None:
+        at = slice(None) if places is None else places
+        normalizers, _ = scoring.log_normalizers(logits)  # log-probability = logit - normalizer, in float32
+        best, indices[at] = logits.topk(top, dim=-1)
+        chosen = logits.gather(1, targets[at][:, None])
+        if ranked:  # ties share the better rank, as vLLM counts
+            ranks[at] = (logits > chosen).sum(1) + 1
+        values[at] = torch.cat([chosen, best], 1).float() - normalizers[:, None]
+
+    model.logits_at(ids, mask, rows, cols, upcast=False, pieces=reduce)  # checked on the host, no wait
+    values, indices, ranks = values.cpu().tolist(), indices.cpu().tolist(), ranks.cpu().tolist()
     out, start = [], 0
     for n in lengths:
         span = range(start, start + n)
