@@ -15,6 +15,9 @@ generate reads, and arguments that are neither generation options nor inputs it 
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import torch
 from transformers import GenerationConfig, GenerationMixin, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -78,18 +81,38 @@ def check_config(config, vocab: int) -> None:
             raise _bad("eos_token_id", eos, f"a token id (or a list of them) in [0, {vocab})")
 
 
+class _RightPaddingWarning(logging.Filter):
+    """Drops transformers' "right-padding was detected" warning within ortmodule's `generate` on this
+    thread: there right-padded prompts decode right (ortmodule's loop goes on from each row's own end), or,
+    in transformers' loop, are refused with a ValueError saying to pad on the left; the warning's "for
+    correct generation results" would tell a user that correct results are wrong."""
+
+    inside = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (getattr(self.inside, "depth", 0) and "right-padding was detected" in record.getMessage())
+
+
+logging.getLogger("transformers.generation.utils").addFilter(_RightPaddingWarning())
+
+
 def generate(model, inputs_ids=None, generation_config=None, **kwargs):
     """`OrtModelForCausalLM.generate` for `model`: ortmodule's checks, then transformers' `generate`, in
     inference mode. Called outside it, what it returns is ordinary tensors, as transformers' `generate`
     returns (run under `no_grad`): code may update them in place, as transformers' universal assisted
     decoding does to its assistant's sequences; the returned cache is the exception (its methods enter
     inference mode themselves)."""
-    if torch.is_inference_mode_enabled():
-        return _generate(model, inputs_ids, generation_config, **kwargs)
-    with torch.inference_mode():
-        held = [_generate(model, inputs_ids, generation_config, **kwargs)]
-    ordinary(held, 0)
-    return held[0]
+    inside = _RightPaddingWarning.inside
+    inside.depth = getattr(inside, "depth", 0) + 1
+    try:
+        if torch.is_inference_mode_enabled():
+            return _generate(model, inputs_ids, generation_config, **kwargs)
+        with torch.inference_mode():
+            held = [_generate(model, inputs_ids, generation_config, **kwargs)]
+        ordinary(held, 0)
+        return held[0]
+    finally:
+        inside.depth -= 1
 
 
 def ordinary(held: list, k: int) -> None:

@@ -372,7 +372,7 @@ def _refuse_positions(right_padded: bool = False) -> None:
     if right_padded:
         raise ValueError(
             "these steps continue a right-padded prompt batch, and the positions given for the new tokens (by "
-            "transformers' generation loop, which warns 'right-padding was detected') are not the rows' own: pad "
+            "transformers' generation loop, which numbers them after the padding) are not the rows' own: pad "
             "prompts on the left for generation (tokenizer.padding_side = 'left')"
         )
     raise NotImplementedError(

@@ -1,5 +1,7 @@
 """generate() and the KV cache against transformers' generate on the same weights."""
 
+import logging
+
 import onnxruntime as ort
 import pytest
 import torch
@@ -62,6 +64,30 @@ def test_end_of_sequence_pads_the_row_like_transformers(llama_pair):
     tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=2)
     assert torch.equal(tokens, expected)
     assert (tokens[0, 11 + 5 :] == 2).all()  # padded after its end, while row 1 goes on
+
+
+def test_right_padded_prompts_decode_each_row_from_its_own_end_without_transformers_warning(llama_pair, monkeypatch):
+    """Right-padded prompts (a tokenizer's default side) in ortmodule's loop: each row's new tokens are
+    those of the row alone (greedy; seeded sampling runs). transformers' "right-padding was detected! For
+    correct generation results, please set padding_side='left'" warning, which its own model gives for
+    this batch, is not given: the results are correct (and transformers' loop refuses such a batch)."""
+    model, hf = llama_pair
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    emitter = logging.getLogger("transformers.generation.utils")  # its own filters run before its handlers
+    monkeypatch.setattr(emitter, "handlers", [*emitter.handlers, handler])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 2, 2, 2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, pad_token_id=2)
+    for row, length in enumerate((6, 3)):
+        alone = model.generate(ids[row : row + 1, :length], max_new_tokens=5, min_new_tokens=5, pad_token_id=2)
+        assert torch.equal(batch[row, 6:], alone[0, length:])
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=True, pad_token_id=2,
+                   generator=torch.Generator().manual_seed(3))
+    assert not any("right-padding was detected" in message for message in warned), warned
+    hf_generate(hf, ids, mask, max_new_tokens=1, do_sample=False)
+    assert any("right-padding was detected" in message for message in warned)  # transformers' own model warns
 
 
 def test_stops_when_every_row_has_ended(llama_pair):
