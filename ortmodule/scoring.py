@@ -560,10 +560,12 @@ def _batched_logprobs(model, prompts: list[Ids], labels: Ids, budget: int) -> to
 
 def _shared_logprobs(model, requests: list[tuple[int, list[Ids]]], labels: Ids, budget: int, out: torch.Tensor):
     """Label log-probabilities at each prompt's last token into `out` (rows from each request's
-    first index), each request's shared prefix run once per batch: a request's prompts in pieces of
-    at most `budget` padded tokens, pieces of several requests together in one prefill of their
-    prefixes and one run of the rest (`shared_prefix_logits`, a group per piece)."""
+    first index), each request's shared prefix run once: a request's prompts in pieces of at most
+    `budget` padded tokens, pieces of several requests together in one prefill of their prefixes and
+    one run of the rest (`shared_prefix_logits`, a group per piece), a run whose prefixes the run
+    before prefilled starting from their KV (`KeptPrefixes`)."""
     label_ids = to_device(labels, model.device)
+    kept = KeptPrefixes()  # a query's KV for all its runs: a long query's prefill once, not once a run
     pieces = []  # (rows of `out`, prompts, longest prompt)
     for first, prompts in requests:
         prefix = common_prefix(prompts)
@@ -574,7 +576,7 @@ def _shared_logprobs(model, requests: list[tuple[int, list[Ids]]], labels: Ids, 
         rows = [prompt for piece in run for prompt in piece[1]]
         groups = [g for g, piece in enumerate(run) for _ in piece[1]]
         where = [row for piece in run for row in piece[0]]  # a pair is a row here: one position each
-        for pairs, logits in shared_prefix_logits(model, rows, groups, [[len(r) - 1] for r in rows]):
+        for pairs, logits in shared_prefix_logits(model, rows, groups, [[len(r) - 1] for r in rows], kept):
             out[to_device([where[p] for p in pairs], model.device)] = _gather(logits, label_ids)
 
 
