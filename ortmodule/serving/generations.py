@@ -154,13 +154,19 @@ class DecodeBatch:
         return {"slots": pool.batch_size, "positions": pool.capacity, "bytes": held}
 
     def _remake(self, slots: int, positions: int) -> None:
-        """The pool again with `slots` rows of `positions`, holding the rows in use."""
-        old, offsets = self.pool, self.pool.position_offset
-        self.pool = self.decoder.new_cache(slots, positions)
-        for slot, row in enumerate(self.rows):
-            keys, values = [k[slot] for k in old.keys], [v[slot] for v in old.values]
-            put_row(self.pool, slot, keys, values, row.cached, [state[slot] for state in old.states.current],
-                    0 if offsets is None else offsets[slot])
+        """The pool again with `slots` rows of `positions`, holding the rows in use (the first rows: one
+        copy per buffer of them up to the longest)."""
+        old, rows = self.pool, len(self.rows)
+        self.pool = new = self.decoder.new_cache(slots, positions)
+        longest = max((row.cached for row in self.rows), default=0)
+        for mine, theirs in zip((*new.keys, *new.values), (*old.keys, *old.values)):
+            mine[:rows, :, :longest] = theirs[:rows, :, :longest]
+        for mine, theirs in zip(new.states.current, old.states.current):  # a hybrid's convolution states
+            mine[:rows] = theirs[:rows]
+        new.lengths[:rows] = old.lengths[:rows]
+        if old.position_offset is not None:
+            new.position_offset = old.position_offset.new_zeros(slots)
+            new.position_offset[:rows] = old.position_offset[:rows]
         self.view = None
 
     def prefill(self, rows: list[Row]) -> tuple[torch.Tensor, object]:

@@ -214,7 +214,7 @@ def _score_batch(model, prompts: list[Ids], top: int, ranked: bool) -> list[Prom
     top = min(top, model.decoder.vocab_size)
     values = torch.empty(len(targets), 1 + top, dtype=torch.float32, device=model.device)
     indices = torch.empty(len(targets), top, dtype=torch.int64, device=model.device)
-    ranks = torch.zeros(len(targets), dtype=torch.int64, device=model.device)
+    ranks = torch.zeros(len(targets), dtype=torch.int64, device=model.device) if ranked else None
 
     def reduce(places: torch.Tensor | None, logits: torch.Tensor) -> None:
         at = slice(None) if places is None else places
@@ -226,7 +226,8 @@ def _score_batch(model, prompts: list[Ids], top: int, ranked: bool) -> list[Prom
         values[at] = torch.cat([chosen, best], 1).float() - normalizers[:, None]
 
     model.logits_at(ids, mask, rows, cols, upcast=False, pieces=reduce)  # checked on the host, no wait
-    values, indices, ranks = values.cpu().tolist(), indices.cpu().tolist(), ranks.cpu().tolist()
+    values, indices = values.cpu().tolist(), indices.cpu().tolist()
+    ranks = ranks.cpu().tolist() if ranked else [0] * len(targets)  # no copy where none were asked for
     out, start = [], 0
     for n in lengths:
         span = range(start, start + n)
