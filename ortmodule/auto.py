@@ -4,7 +4,7 @@ package unchanged: while `auto_classes()` is on (a `with` block, or `enable_auto
 `AutoModelForImageTextToText.from_pretrained(name)` give an `OrtModelForCausalLM` where `name` (a folder,
 or a Hub repository id, with `subfolder`) holds a GenAI package, and `AutoConfig.from_pretrained(name)`
 that model's config; any other name loads as transformers loads it. `ortmodule run PROGRAM ...` runs a
-program (lm-eval's `lm_eval`, lighteval, a script) with them on (cli.py).
+program (lm-eval's `lm_eval`, lighteval, a script) with them on (programs.py).
 
 transformers' loading keywords mean what they mean to `OrtModelForCausalLM.from_pretrained` (hf.py's
 `loading_options`); besides, `revision`, `subfolder`, `cache_dir` (the Hub's cache, as transformers takes
@@ -19,13 +19,6 @@ ortmodule itself makes inside a patched call go to transformers' own methods.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
-import inspect
-import os
-import runpy
-import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -41,9 +34,6 @@ MODEL_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
 _FINDING = ("revision", "subfolder", "cache_dir", *sorted(hf.FETCHING))
 # What transformers' auto classes pass along among themselves, without effect on a package.
 _INTERNAL = ("_from_auto", "_from_pipeline", "_commit_hash", "code_revision")
-
-# `ortmodule run`'s hook for the Python processes a program starts (a folder holding a sitecustomize.py).
-AUTOLOAD = Path(__file__).parent / "autoload"
 
 _lock = threading.Lock()
 _state = {"depth": 0, "originals": {}}
@@ -163,65 +153,3 @@ def _config_loader(original):
                     unused[key] = value
             return (config, unused) if kwargs.get("return_unused_kwargs") else config
     return from_pretrained
-
-
-def _check_module(name: str) -> None:
-    """`-m name` names a module that can run, as `python -m` checks it, else one line (no runpy traceback)."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(name)
-        runnable = spec is None or spec.submodule_search_locations is None or importlib.util.find_spec(
-            f"{name}.__main__") is not None
-    except (ImportError, ValueError):  # a parent package missing, or a name Python cannot import
-        spec = None
-    if spec is None:
-        raise SystemExit(f"ortmodule run: error: no module named {name}")
-    if not runnable:
-        raise SystemExit(f"ortmodule run: error: {name} is a package without a __main__ module: it cannot be run "
-                         "with -m")
-
-
-def run_program(argv: list[str]) -> None:
-    """`ortmodule run PROGRAM [ARGS...]`: PROGRAM (an installed Python command such as `lm_eval` or
-    `lighteval`, a Python file, or `-m MODULE`) run in this process, with ARGS as its command line and
-    the auto classes patched; any other program (`accelerate`'s launcher, `torchrun`, a shell script) is
-    started as it is. Either way the Python processes it starts patch them too, once they import
-    transformers (autoload/sitecustomize.py, first on their PYTHONPATH). The exit status is the program's."""
-    usage = "ortmodule run: error: name the program to run: a command, a Python file, or -m MODULE"
-    if argv[:1] in (["-h"], ["--help"]):
-        print("usage: ortmodule run PROGRAM [ARGS ...] | ortmodule run -m MODULE [ARGS ...]\n\n"
-              + inspect.cleandoc(run_program.__doc__))
-        raise SystemExit(0)
-    if not argv or (argv[0] == "-m" and len(argv) < 2):
-        raise SystemExit(usage)
-    path = Path(argv[0])
-    found = [ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name == argv[0]]
-    if argv[0] == "-m":
-        kind = "module"
-    elif path.suffix == ".py":
-        if not path.is_file():
-            raise SystemExit(f"ortmodule run: error: no file {argv[0]}")
-        kind = "file"
-    elif found and "/" not in argv[0]:
-        kind = "command"
-    elif shutil.which(argv[0]) is None:
-        raise SystemExit(f"ortmodule run: error: {argv[0]!r} is no command of this environment, nor a Python file")
-    else:
-        kind = "other"
-    os.environ["ORTMODULE_AUTO_CLASSES"] = "1"  # for the processes it starts
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(AUTOLOAD), *filter(None, [os.environ.get("PYTHONPATH")])])
-    if kind == "other":
-        raise SystemExit(subprocess.call(argv))
-    enable_auto_classes()
-    if kind == "module":
-        _check_module(argv[1])
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    elif kind == "file":
-        sys.argv = list(argv)
-        sys.path.insert(0, str(path.resolve().parent))
-        runpy.run_path(str(path), run_name="__main__")
-    else:
-        sys.argv = list(argv)
-        sys.exit(found[0].load()())

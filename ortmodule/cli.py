@@ -195,7 +195,7 @@ def _run_flags(commands) -> None:
 
 
 def _run(argv: list[str]) -> None:
-    from .auto import run_program
+    from .programs import run_program
 
     run_program(argv)
 
@@ -347,9 +347,8 @@ def _cache(args) -> None:
     import time
 
     from . import cache_folder as folder
-    from .graph import cache_home
 
-    print(f"ortmodule's cache folder: {cache_home()}")
+    print(f"ortmodule's cache folder: {folder.cache_home()}")
     if args.action in (None, "list"):
         for kind, what in folder.KINDS.items():
             found = folder.entries([kind])

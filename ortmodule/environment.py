@@ -11,7 +11,6 @@ from importlib import metadata, util
 from pathlib import Path
 
 from .cache_folder import cache_home
-from .mapped import cpu_info
 
 # The CPU features ONNX Runtime's and torch's kernels pick their paths by (int8 and bf16 matmuls, AMX).
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -110,6 +109,8 @@ def versions() -> dict[str, str | None]:
 
 def cpu() -> str:
     """The CPU's model name, logical CPUs and which of CPU_FEATURES it has (where Linux tells them)."""
+    from .mapped import cpu_info  # onnx and ONNX Runtime: imported where a report is made, not with the package
+
     model, flags = cpu_info()
     features = ", ".join(feature for feature in CPU_FEATURES if feature in flags.split())
     return f"{model}, {os.cpu_count()} logical CPUs" + (f" ({features})" if features else "")

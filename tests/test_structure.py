@@ -3,10 +3,15 @@ reaches into another's private names, no function or class grows past what a rea
 and the product imports only what it declares."""
 
 import ast
+import json
+import os
 import platform
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -158,3 +163,47 @@ def test_requires_python_is_the_oldest_python_the_dependencies_install_on():
     [floor] = [Version(spec.version) for spec in ours if spec.operator == ">="]
     assert floor == max(floors.values()), (str(ours), floors)
     assert platform.python_version() in ours
+
+
+HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "lm_eval", "fastapi")
+# What each command does before anything heavy is needed: help, an argument's error, the cache's listing.
+LIGHT_COMMANDS = (["--help"], ["--version"], ["serve", "--help"], ["serve"], ["export", "--help"], ["info", "--help"],
+                  ["cache", "list"], ["run", "--help"], ["run"], ["run", "no-such-command-here"],
+                  ["run", "missing.py"], ["run", "-m", "no_such_module"])
+
+
+def test_the_package_and_its_command_lines_answers_import_nothing_heavy(tmp_path):
+    """`import ortmodule` checks the dependencies and imports nothing else until a name is used, and the
+    command line's help, argument errors and cache listing answer without torch, transformers, ONNX Runtime
+    or lm-eval (each of which `ortmodule --help` used to wait for: 5 s, 8 s for `ortmodule run --help`, on 2
+    CPU cores); the public names and submodules are there when used, as before."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import contextlib, io, json, sys\n"
+        "import ortmodule\n"
+        "from ortmodule.cli import ortmodule as command\n"
+        "out, err, code = io.StringIO(), io.StringIO(), None\n"
+        "with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+        "    try:\n"
+        "        command(json.loads(sys.argv[1]))\n"
+        "    except SystemExit as e:\n"
+        "        code = e.code\n"
+        f"print(json.dumps([code, err.getvalue(), sorted(m for m in {HEAVY!r} if m in sys.modules)]))\n")
+    for argv in LIGHT_COMMANDS:
+        done = subprocess.run([sys.executable, str(probe), json.dumps(argv)], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "ORTMODULE_CACHE": str(tmp_path / "c")})
+        assert done.returncode == 0, done.stderr
+        code, err, heavy = json.loads(done.stdout.strip().splitlines()[-1])
+        assert heavy == [], (argv, heavy)
+        assert (code in (0, None)) == (argv in (["--help"], ["--version"], ["serve", "--help"], ["export", "--help"],
+                                                 ["info", "--help"], ["cache", "list"], ["run", "--help"])), (argv, err)
+    import ortmodule
+
+    assert ortmodule.OrtModelForCausalLM.__module__ == "ortmodule.modeling"
+    assert ortmodule.scoring.score is ortmodule.score
+    assert set(ortmodule.__all__) <= set(dir(ortmodule))
+    namespace: dict = {}
+    exec("from ortmodule import *", namespace)
+    assert {name for name in namespace if not name.startswith("__")} == set(ortmodule.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        _ = ortmodule.no_such_name
