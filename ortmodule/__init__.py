@@ -34,7 +34,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
         globals()[name] = value  # later uses do not come here
         return value
-    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    if name.isidentifier() and not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

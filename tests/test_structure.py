@@ -207,3 +207,4 @@ def test_the_package_and_its_command_lines_answers_import_nothing_heavy(tmp_path
     assert {name for name in namespace if not name.startswith("__")} == set(ortmodule.__all__)
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         _ = ortmodule.no_such_name
+    assert not hasattr(ortmodule, "no_such.module")  # never an ImportError from hasattr
