@@ -40,6 +40,8 @@ SAVE = {"session.save_external_prepacked_constant_initializers": "1",
         "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
         "session.optimized_model_external_initializers_file_name": "graph.onnx.data"}
 ENTRY_VERSION = "1"
+# Free disk left after an entry is written: an entry never fills the disk to its last gigabyte.
+HEADROOM = 1 << 30
 
 
 def wanted() -> bool:
@@ -73,10 +75,10 @@ def source(model: Path | bytes, weights_folder: Path | None, options: ort.Sessio
                         ", ".join(sorted(quantized)))
             return None
         entry.parent.mkdir(parents=True, exist_ok=True)
-        needed, free = 2 * _bytes_beside(model, folder) + (1 << 30), shutil.disk_usage(entry.parent).free
+        needed, free = 2 * _bytes_beside(model, folder) + HEADROOM, shutil.disk_usage(entry.parent).free
         if free < needed:
-            logger.info("ortmodule: not mapping packed weights: %d MB free in %s, %d MB wanted", free >> 20,
-                        entry.parent, needed >> 20)
+            logger.warning("ortmodule: not mapping packed weights: %d MB free in %s, %d MB wanted (twice the weights "
+                           "and 1 GB); packing them in memory", free >> 20, entry.parent, needed >> 20)
             return None
         logger.info("ortmodule: writing %s's packed weights to %s (once; about twice the weights)", folder, entry)
         _write_entry(model, options, entry)

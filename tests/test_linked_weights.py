@@ -13,7 +13,7 @@ import torch
 from helpers import load_pair
 
 import ortmodule
-from ortmodule import OrtModelForCausalLM, PackageError
+from ortmodule import OrtModelForCausalLM, PackageError, mapped
 from ortmodule.linked_weights import relocated
 
 
@@ -60,11 +60,13 @@ def test_a_package_in_the_hub_cache_runs_as_transformers(linked):
 
 def test_mapped_packed_weights_from_the_hub_cache(linked, monkeypatch, tmp_path):
     fixture, snapshot = linked
-    monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "1")
     monkeypatch.setenv("ORTMODULE_CACHE", str(tmp_path))
+    monkeypatch.setattr(mapped, "HEADROOM", 0)  # a few MB of entry: no free gigabyte asked beyond it
     ids = torch.tensor([[5, 6, 7, 8]])
     expected = OrtModelForCausalLM.from_pretrained(fixture.package_dir)(ids).logits
+    monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "1")
     assert torch.allclose(OrtModelForCausalLM.from_pretrained(snapshot)(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    assert len(list((tmp_path / "packed").glob("*/complete"))) == 1  # mapped, not loaded as usual
 
 
 def test_graph_bytes_of_a_plain_package_are_left_unparsed(linked):
