@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shutil
 import sys
 from importlib import metadata, util
 from pathlib import Path
@@ -127,7 +128,8 @@ def _not_imported(name: str) -> str:
 
 def report() -> list[tuple[str, str]]:
     """(name, value) lines: the platform, Python, CPU, the versions, torch's CUDA devices, ONNX Runtime's
-    execution providers and ortmodule's cache folder."""
+    execution providers, ortmodule's cache folder with its disk's free space, and whether packed weights are
+    mapped from it (mapped.py)."""
     import onnxruntime as ort
     import torch
 
@@ -138,8 +140,21 @@ def report() -> list[tuple[str, str]]:
     lines.append(("torch CUDA", f"{torch.version.cuda}: {', '.join(gpus)}" if gpus else
                   f"{torch.version.cuda or 'a CPU build'}, no device seen"))
     lines.append(("onnxruntime providers", ", ".join(ort.get_available_providers())))
-    lines.append(("cache folder", str(cache_home())))
+    lines.append(("cache folder", f"{cache_home()} ({free_disk(cache_home())})"))
+    from . import mapped  # with onnx: imported where a report is made
+
+    lines.append(("packed weights mapped from disk", f"{'on' if mapped.wanted() else 'off'} ({mapped.SWITCH}="
+                                                     f"{os.environ.get(mapped.SWITCH, 'unset')})"))
     return lines
+
+
+def free_disk(folder: Path) -> str:
+    """The free space on the disk that holds `folder` (or would hold it: its nearest existing parent)."""
+    existing = next((path for path in (folder, *folder.parents) if path.exists()), None)
+    try:
+        return f"{shutil.disk_usage(existing).free / 1e9:.1f} GB free" if existing else "no such folder"
+    except OSError as e:
+        return f"free space unknown: {e.strerror or e}"
 
 
 def problems(installed: dict[str, str | None] | None = None, providers: list[str] | None = None,

@@ -39,6 +39,21 @@ def test_env_reports_this_environment():
     assert not any(line.startswith("problem") for line in run.stdout.splitlines())
 
 
+def test_env_says_the_cache_folders_free_disk_and_the_mapping_switch(tmp_path, monkeypatch):
+    """The cache folder with its disk's free space (a folder not made yet: the disk it would be made on,
+    as `df` reports it), and whether packed weights are mapped from it, as the environment asks."""
+    folder = tmp_path / "not" / "made"
+    monkeypatch.setenv("ORTMODULE_CACHE", str(folder))
+    monkeypatch.setenv("ORTMODULE_MAP_PACKED_WEIGHTS", "yes")
+    lines = dict(environment.report())
+    df = subprocess.run(["df", "-B1", "--output=avail", str(tmp_path)], capture_output=True, text=True, check=True)
+    free = float(re.fullmatch(rf"{re.escape(str(folder))} \((\d+\.\d) GB free\)", lines["cache folder"])[1])
+    assert abs(free - int(df.stdout.split()[-1]) / 1e9) < 0.5  # the same disk (other writers move it a little)
+    assert lines["packed weights mapped from disk"] == "on (ORTMODULE_MAP_PACKED_WEIGHTS=yes)"
+    monkeypatch.delenv("ORTMODULE_MAP_PACKED_WEIGHTS")
+    assert dict(environment.report())["packed weights mapped from disk"] == "off (ORTMODULE_MAP_PACKED_WEIGHTS=unset)"
+
+
 def test_env_names_the_installs_that_break_ortmodule():
     """Both builds of ONNX Runtime (or of onnxruntime-genai) installed, each named with the fix; a CUDA
     device torch sees that ONNX Runtime has no provider for; none where the environment is sound."""
