@@ -150,11 +150,31 @@ def report() -> list[tuple[str, str]]:
 
 def free_disk(folder: Path) -> str:
     """The free space on the disk that holds `folder` (or would hold it: its nearest existing parent)."""
+    free = free_bytes(folder)
+    return f"{free / 1e9:.1f} GB free" if isinstance(free, int) else free
+
+
+def free_bytes(folder: Path) -> int | str:
+    """Free bytes on the disk of `folder` or its nearest existing parent; why not, where they cannot be read."""
     existing = next((path for path in (folder, *folder.parents) if path.exists()), None)
     try:
-        return f"{shutil.disk_usage(existing).free / 1e9:.1f} GB free" if existing else "no such folder"
+        return shutil.disk_usage(existing).free if existing else "no such folder"
     except OSError as e:
         return f"free space unknown: {e.strerror or e}"
+
+
+def mapping_problems(folder: Path | None = None) -> list[str]:
+    """The packed weights' mapping switched on (mapped.py) where no entry can be written, whatever the
+    model: the cache folder's disk has less free than the margin an entry leaves."""
+    from . import mapped
+
+    folder = folder or cache_home()
+    free = free_bytes(folder)
+    if not mapped.wanted() or not isinstance(free, int) or free >= mapped.HEADROOM:
+        return []
+    return [f"{mapped.SWITCH} is on, but {folder}'s disk has {free / 1e9:.1f} GB free: no packed weights are written "
+            f"(an entry takes twice the weights and leaves {mapped.HEADROOM / 1e9:g} GB free), so each load packs "
+            f"them in memory. Fix: free disk space there, or set ORTMODULE_CACHE to a folder on a larger disk"]
 
 
 def problems(installed: dict[str, str | None] | None = None, providers: list[str] | None = None,
@@ -192,7 +212,7 @@ def print_report(out=None) -> int:
     out = out or sys.stdout
     for name, value in report():
         print(f"- {name}: {value}", file=out)
-    found = problems()
+    found = problems() + mapping_problems()
     for problem in found:
         print(f"problem: {problem}", file=out)
     return 1 if found else 0

@@ -41,7 +41,7 @@ SAVE = {"session.save_external_prepacked_constant_initializers": "1",
         "session.optimized_model_external_initializers_file_name": "graph.onnx.data"}
 ENTRY_VERSION = "1"
 # Free disk left after an entry is written: an entry never fills the disk to its last gigabyte.
-HEADROOM = 1 << 30
+HEADROOM = 10**9
 
 
 def wanted() -> bool:
@@ -78,7 +78,8 @@ def source(model: Path | bytes, weights_folder: Path | None, options: ort.Sessio
         needed, free = 2 * _bytes_beside(model, folder) + HEADROOM, shutil.disk_usage(entry.parent).free
         if free < needed:
             logger.warning("ortmodule: not mapping packed weights: %d MB free in %s, %d MB wanted (twice the weights "
-                           "and 1 GB); packing them in memory", free >> 20, entry.parent, needed >> 20)
+                           "and %g GB); packing them in memory", free // 10**6, entry.parent, needed // 10**6,
+                           HEADROOM / 1e9)
             return None
         logger.info("ortmodule: writing %s's packed weights to %s (once; about twice the weights)", folder, entry)
         _write_entry(model, options, entry)

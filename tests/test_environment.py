@@ -2,6 +2,7 @@
 
 import functools
 import re
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -50,8 +51,14 @@ def test_env_says_the_cache_folders_free_disk_and_the_mapping_switch(tmp_path, m
     free = float(re.fullmatch(rf"{re.escape(str(folder))} \((\d+\.\d) GB free\)", lines["cache folder"])[1])
     assert abs(free - int(df.stdout.split()[-1]) / 1e9) < 0.5  # the same disk (other writers move it a little)
     assert lines["packed weights mapped from disk"] == "on (ORTMODULE_MAP_PACKED_WEIGHTS=yes)"
+    assert environment.mapping_problems() == []  # this disk has room
+    monkeypatch.setattr(environment.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40,
+                                                                                                 300 * 10**6))
+    (found,) = environment.mapping_problems()
+    assert f"{folder}'s disk has 0.3 GB free: no packed weights are written" in found and "Fix:" in found
     monkeypatch.delenv("ORTMODULE_MAP_PACKED_WEIGHTS")
     assert dict(environment.report())["packed weights mapped from disk"] == "off (ORTMODULE_MAP_PACKED_WEIGHTS=unset)"
+    assert environment.mapping_problems() == []  # switched off: nothing to write
 
 
 def test_env_names_the_installs_that_break_ortmodule():

@@ -120,7 +120,8 @@ def test_too_little_disk_loads_as_usual(build, cache, monkeypatch, caplog):
     folder, written = cache
     fixture = build("llama")
     monkeypatch.setattr(mapped, "HEADROOM", HEADROOM)  # the product's margin: 600 MB free is too little
-    monkeypatch.setattr(mapped.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 600 << 20))
+    monkeypatch.setattr(mapped.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 600 * 10**6))
     with caplog.at_level(logging.WARNING, logger="ortmodule"):  # a warning: the mapping was asked for
         assert logits(fixture.package_dir).shape[0] == len(IDS)
     assert not written and "not mapping packed weights: 600 MB free" in caplog.text
