@@ -34,11 +34,22 @@ def _check_module(name: str) -> None:
                          "with -m")
 
 
+def _start(argv: list[str]) -> None:
+    """A program that is not Python, started in this process's place where the system can (POSIX's exec:
+    its PID is this one, so a scheduler's SIGTERM or a Ctrl-C reaches it alone, and its exit status is
+    the one seen), after what this process printed (a sitecustomize's lines) is flushed, before its own."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "posix":
+        os.execvp(argv[0], argv)
+    raise SystemExit(subprocess.call(argv))
+
+
 def run_program(argv: list[str]) -> None:
     """`ortmodule run PROGRAM [ARGS...]`: PROGRAM (an installed Python command such as `lm_eval` or
     `lighteval`, a Python file, or `-m MODULE`) run in this process, with ARGS as its command line and
-    the auto classes patched; any other program (`accelerate`'s launcher, `torchrun`, a shell script) is
-    started as it is. Either way the Python processes it starts patch them too, once they import
+    the auto classes patched; any other program (`accelerate`'s launcher, `torchrun`, a shell script)
+    takes this process's place (its PID: signals reach it alone). Either way the Python processes it starts patch them too, once they import
     transformers (autoload/sitecustomize.py, first on their PYTHONPATH). The exit status is the program's."""
     usage = "ortmodule run: error: name the program to run: a command, a Python file, or -m MODULE"
     if argv[:1] in (["-h"], ["--help"]):
@@ -66,7 +77,7 @@ def run_program(argv: list[str]) -> None:
     if kind == "module":
         _check_module(argv[1])
     if kind == "other":
-        raise SystemExit(subprocess.call(argv))
+        _start(argv)
     from .auto import enable_auto_classes
 
     enable_auto_classes()

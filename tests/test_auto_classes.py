@@ -5,8 +5,10 @@ same weights; lm-eval's own `hf` backend and lighteval's transformers model load
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import lm_eval
 import pytest
@@ -233,7 +235,7 @@ def test_ortmodule_run_reaches_the_processes_a_program_starts(build, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "sitecustomize.py").write_text("print('mine ran')\n")
-    env = {**os.environ, "PYTHONPATH": str(mine)}
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "PYTHONPATH": str(mine)}  # buffered
     shell = run("bash", "-c", f"{sys.executable} {child} {fixture.package_dir}", env=env)
     assert shell.returncode == 0, shell.stderr[-2000:]
     assert shell.stdout.split() == ["mine", "ran"] * 2 + expected  # at ortmodule's own start, then the child's
@@ -246,6 +248,33 @@ def test_ortmodule_run_reaches_the_processes_a_program_starts(build, tmp_path):
     assert alone.returncode != 0 and "Unrecognized model" in alone.stderr
     done = run("bash", "-c", "exit 3")
     assert done.returncode == 3
+
+
+def test_a_program_that_is_not_python_runs_in_ortmodule_runs_place():
+    """`ortmodule run PROGRAM` of a program that is not Python is that program's process (its PID): a
+    SIGTERM sent to the PID a scheduler started ends the program, never leaving it running alone."""
+    import signal
+    import time
+
+    marker = f"{time.time_ns() % 10**9}.5"  # the sleep's own argument (never reached), to find the process by
+    started = subprocess.Popen([sys.executable, "-m", "ortmodule", "run", "sleep", marker], stdout=subprocess.PIPE)
+    try:
+        for _ in range(300):
+            if Path(f"/proc/{started.pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", marker.encode()]:
+                break  # ortmodule's process is now the sleep
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"ortmodule run's process {started.pid} never became the program")
+        started.send_signal(signal.SIGTERM)
+        assert started.wait(timeout=30) == -signal.SIGTERM
+        time.sleep(0.2)
+        left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout.split()
+        assert not left, f"the program outlived ortmodule run's SIGTERM: {left}"
+    finally:
+        subprocess.run(["pkill", "-f", f"sleep {marker}"])
+        started.kill()
+    done = run("bash", "-c", "echo $PPID")  # bash's parent: this test's process, no ortmodule between
+    assert done.returncode == 0 and done.stdout.split() == [str(os.getpid())]
 
 
 def test_ortmodule_run_names_what_it_cannot_start():
