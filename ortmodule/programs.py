@@ -49,8 +49,9 @@ def run_program(argv: list[str]) -> None:
     """`ortmodule run PROGRAM [ARGS...]`: PROGRAM (an installed Python command such as `lm_eval` or
     `lighteval`, a Python file, or `-m MODULE`) run in this process, with ARGS as its command line and
     the auto classes patched; any other program (`accelerate`'s launcher, `torchrun`, a shell script)
-    takes this process's place (its PID: signals reach it alone). Either way the Python processes it starts patch them too, once they import
-    transformers (autoload/sitecustomize.py, first on their PYTHONPATH). The exit status is the program's."""
+    takes this process's place (its PID: signals reach it alone). Either way the Python processes it
+    starts patch them too, once they import transformers (autoload/sitecustomize.py, first on their
+    PYTHONPATH). The exit status is the program's."""
     usage = "ortmodule run: error: name the program to run: a command, a Python file, or -m MODULE"
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: ortmodule run PROGRAM [ARGS ...] | ortmodule run -m MODULE [ARGS ...]\n\n"
