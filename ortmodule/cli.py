@@ -167,22 +167,25 @@ def ortmodule(argv: list[str] | None = None) -> None:
 def _printing(parser: argparse.ArgumentParser, args) -> None:
     """The commands that print a report (env, info, cache); one whose reader left (`ortmodule info --json
     PACKAGE | head`) ends quietly, as other command-line tools do, not with a BrokenPipeError's traceback."""
+    status = 0
     try:
         if args.command == "env":
             from .environment import print_report
 
-            raise SystemExit(print_report())
-        if args.command == "info":
+            status = print_report()
+        elif args.command == "info":
             _info(parser, args)
         else:
             _cache(args)
-        sys.stdout.flush()
+        sys.stdout.flush()  # here, where a reader's leaving is caught, not at exit (stdout is buffered in a pipe)
     except BrokenPipeError:
         # Python's own advice: stdout to devnull, so that the flush at exit does not fail again (where stdout
         # is a file: not a caller's capture)
         with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None
+    if status:
+        raise SystemExit(status)
 
 
 def _run_flags(commands) -> None:

@@ -1,6 +1,7 @@
 """`ortmodule env` and `ortmodule --version`: what a bug report needs, read from this environment."""
 
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -125,8 +126,9 @@ def test_a_report_whose_reader_left_ends_quietly(build, command):
     written; the command ends with status 1 and nothing on stderr, not a BrokenPipeError's traceback."""
     package = str(build("llama").package_dir)
     arguments = [package if a == "PACKAGE" else a for a in command]
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout as a shell's pipe has it
     process = subprocess.Popen([sys.executable, "-m", "ortmodule", *arguments], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+                               stderr=subprocess.PIPE, env=buffered)
     process.stdout.close()  # before the interpreter has started: every write fails
     error = process.stderr.read().decode()
     assert process.wait(timeout=120) == 1 and "Traceback" not in error and "BrokenPipe" not in error, error
