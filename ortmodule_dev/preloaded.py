@@ -127,7 +127,9 @@ def _started() -> subprocess.Popen | None:
         return _zygotes[0]
     _zygotes.clear()
     try:
-        zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE, *PRELOAD], stdin=subprocess.PIPE,
+        # -u: its children's stdout and stderr are the zygote's, unbuffered as an exporter's own process
+        # has them (EXPORT_ENV), so that a failure's output keeps its lines' order
+        zygote = subprocess.Popen([sys.executable, "-u", "-c", ZYGOTE, *PRELOAD], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                   start_new_session=True)  # its children in its process group
     except OSError:
