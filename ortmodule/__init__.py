@@ -25,4 +25,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
 
-__getattr__, __dir__ = public_names(__name__, _PUBLIC, submodules=True)
+__getattr__, __dir__ = public_names(__name__, _PUBLIC)

@@ -13,4 +13,4 @@ from ..lazy import public_names
 _PUBLIC = {"create_app": "app", "serve": "app", "ServingError": "errors", "Settings": "settings"}
 
 __all__ = sorted(_PUBLIC)
-__getattr__, __dir__ = public_names(__name__, _PUBLIC, submodules=True)
+__getattr__, __dir__ = public_names(__name__, _PUBLIC)
