@@ -3,6 +3,7 @@ padded batches, the live server and its worker hold, and the references several 
 against. Tests import from here (fixtures live in conftest.py); no test module imports another."""
 
 import inspect
+import os
 import random
 import socket
 import sys
@@ -24,6 +25,15 @@ from transformers import (
 
 from ortmodule import OrtModelForCausalLM
 from ortmodule.cache import KVCache
+
+
+def fuzz_seeds(variable: str, default: int, scale: float = 1) -> range:
+    """The seeds of a fuzz test: `default` of them, or as many as the environment variable `variable`
+    says, times `scale`; counted from `FUZZ_SEED_START` (0 unless set), so that a long run can draw
+    cases that no earlier run drew (docs/reliability.md)."""
+    start = int(os.environ.get("FUZZ_SEED_START", 0))
+    return range(start, start + int(int(os.environ.get(variable, default)) * scale))
+
 
 # Architectures every parity test runs on (Gemma 3 alternates sliding-window and full layers;
 # the Gemma 4 packages mix KV head sizes per layer, and two of them are multimodal: an embedding

@@ -1,11 +1,10 @@
 """`output_attentions=True` against transformers' `attentions` (its eager attention) on the same weights."""
 
-import os
 import random
 
 import pytest
 import torch
-from helpers import check_config_default, left_padded_batch, load_pair, reference_class, steps_beside
+from helpers import check_config_default, fuzz_seeds, left_padded_batch, load_pair, reference_class, steps_beside
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM
 
@@ -156,7 +155,7 @@ def test_packages_without_weights_are_refused_by_name(build):
 FUZZ = ["llama", "gemma3", "gemma2", "gpt_oss", "qwen2_5_vl", "gemma4"]
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("ATTENTION_FUZZ_SEEDS", 6))))
+@pytest.mark.parametrize("seed", fuzz_seeds("ATTENTION_FUZZ_SEEDS", 6))
 def test_attentions_fuzz(build, seed):
     """Random architectures, row lengths (past the fixtures' 8-token windows or not), padding sides and
     steps of 1-3 tokens over the cache (with or without the step's mask): every step's weights as

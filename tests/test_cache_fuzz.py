@@ -4,13 +4,12 @@ generation strategies and libraries string them, applied to ortmodule's cache an
 `DynamicCache` side by side; after every operation the next step's logits must agree
 (tests/helpers.py's `CachePair`), and the lengths too. `CACHE_FUZZ_SEEDS=N` runs more."""
 
-import os
 import random
 import re
 
 import pytest
 import torch
-from helpers import CachePair, left_padded_batch, load_pair
+from helpers import CachePair, fuzz_seeds, left_padded_batch, load_pair
 
 # Builder packages (one buffer per layer written in place; Gemma 3's sliding-window layers; LFM2's
 # convolution states) and mobius-onnx's Gemma 4 (attention that concatenates past and new entries).
@@ -31,7 +30,7 @@ HYBRID = {"lfm2"}
 REFUSED = r"cannot crop a cache with convolution states .*(inside a padded prompt batch|cannot be run again)"
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("CACHE_FUZZ_SEEDS", 8))))
+@pytest.mark.parametrize("seed", fuzz_seeds("CACHE_FUZZ_SEEDS", 8))
 def test_cache_operations_fuzz(build, seed):
     rng = random.Random(seed)
     arch = rng.choice(ARCHES)

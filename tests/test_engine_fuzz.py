@@ -10,7 +10,6 @@ alone: the greedy text and finish reason, the scores within 1e-4; a seeded sampl
 `model.generate` samples from that prompt alone with that seed. `ENGINE_FUZZ_SEEDS=N` runs more."""
 
 import json
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from helpers import LiveServer, expected_text, hf_greedy, load_pair
+from helpers import LiveServer, expected_text, fuzz_seeds, hf_greedy, load_pair
 
 from ortmodule import load_tokenizer
 from ortmodule.serving import create_app
@@ -166,7 +165,7 @@ def sglang_generate(server, body: dict) -> dict:
     return {"choices": [choice]}
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("ENGINE_FUZZ_SEEDS", 8))))
+@pytest.mark.parametrize("seed", fuzz_seeds("ENGINE_FUZZ_SEEDS", 8))
 def test_engine_fuzz(build, seed, monkeypatch):
     rng = random.Random(seed)
     fixture = build(rng.choice(ARCHES))

@@ -13,16 +13,15 @@ package embeds them, not as transformers does without media (docs/usage.md), so 
 suppress them. `GENERATE_FUZZ_SEEDS=3000` runs 3,000 cases of each test (about 3 minutes on 2 cores).
 """
 
-import os
 import random
 import warnings
 
 import pytest
 import torch
-from helpers import load_pair
+from helpers import fuzz_seeds, load_pair
 
 ARCHES = ["llama", "llama", "qwen3", "gemma3", "gemma2", "lfm2", "phi3", "gpt_oss", "granite", "gemma4"]
-SEEDS = int(os.environ.get("GENERATE_FUZZ_SEEDS", 48))
+SEEDS = fuzz_seeds("GENERATE_FUZZ_SEEDS", 48)
 HYBRID = {"lfm2"}  # convolution states (crops run tokens again from the states kept: cache.py)
 TEXT = 500  # ids below every fixture's media placeholders
 
@@ -85,7 +84,7 @@ def assert_close(name: str, ours, theirs, what: str):
             assert (a[finite] - b[finite]).abs().max().item() < 1e-3, f"{name} differ; {what}"
 
 
-@pytest.mark.parametrize("seed", range(SEEDS))
+@pytest.mark.parametrize("seed", SEEDS)
 def test_generate_options_fuzz(build, seed):
     rng = random.Random(5000 + seed)
     arch = rng.choice(ARCHES)
@@ -168,7 +167,7 @@ def stepped(model, rng: random.Random, ids, mask):
     return logits
 
 
-@pytest.mark.parametrize("seed", range(SEEDS))
+@pytest.mark.parametrize("seed", SEEDS)
 def test_cache_continuation_fuzz(build, seed):
     rng = random.Random(6000 + seed)
     arch = rng.choice(ARCHES)

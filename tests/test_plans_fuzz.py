@@ -14,12 +14,11 @@ Session 42's 500 (a shared prefix of no tokens, under costs where an extend toke
 kind of fault this looks for."""
 
 import math
-import os
 import random
 
 import pytest
 import torch
-from helpers import load_pair
+from helpers import fuzz_seeds, load_pair
 
 from ortmodule import OrtModelForCausalLM, costs, extend, load_tokenizer, scoring, sharing
 
@@ -85,7 +84,7 @@ def truth(hf, request, max_length: int) -> tuple[float, bool]:
     return scores.gather(1, wanted[:, None]).sum().item(), bool((scores.argmax(-1) == wanted).all())
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48))))
+@pytest.mark.parametrize("seed", fuzz_seeds("FUZZ_SEEDS", 48))
 def test_loglikelihood_plans_fuzz(build, monkeypatch, seed):
     from ortmodule.lm_eval import OrtModuleLM
 
@@ -139,7 +138,7 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "seven", "quiet", "rive
          "and", "bright", "fields", "of", "grain", "under", "heavy", "clouds", "that", "nobody", "counted", "again"]
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) * 10))
+@pytest.mark.parametrize("seed", fuzz_seeds("FUZZ_SEEDS", 48, 10))
 def test_lanes_fuzz(seed):
     """`sharing.choose_lanes` over random remainders (empty ones too) of random prefixes: every
     remainder has a place of its own in a lane of its prefix, none overlapping another or past the
@@ -173,7 +172,7 @@ def test_lanes_fuzz(seed):
         assert price(count, width) <= price(rows, longest) * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) // 4))
+@pytest.mark.parametrize("seed", fuzz_seeds("FUZZ_SEEDS", 48, 1 / 4))
 def test_rolling_plans_fuzz(build, monkeypatch, seed):
     """`loglikelihood_rolling`: every window of every document (lm-eval's disjoint windows of
     `max_length` tokens) batched by length in one call; each document's total must be the sum of
@@ -216,7 +215,7 @@ def score_requests(rng: random.Random) -> list[list[list[int]]]:
     return requests
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48))))
+@pytest.mark.parametrize("seed", fuzz_seeds("FUZZ_SEEDS", 48))
 def test_score_plans_fuzz(build, monkeypatch, seed):
     rng = random.Random(1000 + seed)
     _, hf, model, drawn_model, drawn = drawn_case(build, monkeypatch, rng)
@@ -236,7 +235,7 @@ def test_score_plans_fuzz(build, monkeypatch, seed):
         f"requests of {[[len(p) for p in r] for r in requests]} tokens"
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) // 4))
+@pytest.mark.parametrize("seed", fuzz_seeds("FUZZ_SEEDS", 48, 1 / 4))
 def test_generate_plans_fuzz(build, monkeypatch, seed):
     """Greedy `generate` over left-padded batches whose prompts begin alike (few-shot examples:
     on a CPU the common beginning runs once, shared_prompts.py) or not, long prompts in chunks or
@@ -260,7 +259,7 @@ def test_generate_plans_fuzz(build, monkeypatch, seed):
         f"prompts of {[len(p) for p in prompts]} tokens, {options}"
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) // 4))
+@pytest.mark.parametrize("seed", fuzz_seeds("FUZZ_SEEDS", 48, 1 / 4))
 def test_generate_until_fuzz(build, monkeypatch, seed):
     """lm-eval's `generate_until` (HFLM's own loop: left-padded batches, stop sequences, `max_gen_toks`)
     over ortmodule as drawn, at batch sizes 1, 3 and 8 (ortmodule's batches by their work), against
@@ -295,7 +294,7 @@ def test_generate_until_fuzz(build, monkeypatch, seed):
 
 
 @pytest.mark.parametrize("precision, per_token", [("fp16", 2e-3), ("int4", 0.05)])
-@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", 48)) // 8))
+@pytest.mark.parametrize("seed", fuzz_seeds("FUZZ_SEEDS", 48, 1 / 8))
 def test_quantized_plans_agree_with_the_plain_path(build, monkeypatch, seed, precision, per_token):
     """Half-precision and 4-bit packages differ from transformers fp32 by their own rounding, so here
     every plan is held to the same package's plain path (each request alone: batch 1, no sharing,
