@@ -142,9 +142,11 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     if reused is not None:  # the prefixes' KV from an earlier call
         plan, picks, lengths = reused
         source, last, width = kept.source, kept.last, kept.source.span
+        prefix_lengths = lengths  # each prefix's part of its kept one
         picked, lengths = to_device(picks, device), to_device(lengths, device)
     else:
         ids, mask = pad_right(plan.prefixes)
+        prefix_lengths = [len(prefix) for prefix in plan.prefixes]
         lengths = to_device(mask.sum(1), device)
         width = ids.shape[1]
         source = decoder.new_cache(len(plan.prefixes), width)
@@ -163,14 +165,49 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
         yield from _extend_run(decoder, extender, plan, (source, picked, lengths), width,
                                model.measured_costs(measure=False))
         return
-    owner = to_device(plan.owner, device)
-    cache = decoder.new_cache(len(rows), width + len(plan.steps))
-    cache.start_from(source, picked[owner], lengths[owner], width)
-    tokens = to_device(pad_right(plan.tokens)[0], device)
-    for step, (asking, pairs) in enumerate(plan.steps):
-        logits = decoder.step(tokens[:, step : step + 1], cache, to_device(asking or [0], device))
-        if asking:
-            yield pairs, logits
+    yield from _decode_steps(decoder, plan, (source, picked, lengths), prefix_lengths)
+
+
+def _decode_steps(decoder, plan: SharingPlan, prefixes: tuple, prefix_lengths: list[int]):
+    """`shared_prefix_logits` without an extend graph: every row's rest one decode step at a time over a
+    copy of its prefix's KV (`prefixes`: the cache that holds them, per prefix its row there and its
+    length; `prefix_lengths`: those lengths on the host). A step runs every row of its batch, so a row
+    whose rest is shorter than the batch's longest runs padding after it: the rows go in passes
+    (`decode_passes`) in which no row's positions, its padding's included, pass the context."""
+    source, picked, lengths = prefixes
+    device = decoder.device
+    starts = [prefix_lengths[k] for k in plan.owner]
+    for part in decode_passes(starts, [len(t) for t in plan.tokens], decoder.package.context_length):
+        at = {row: i for i, row in enumerate(part)}
+        owner = to_device([plan.owner[row] for row in part], device)
+        longest, count = max(starts[row] for row in part), max(len(plan.tokens[row]) for row in part)
+        cache = decoder.new_cache(len(part), max(source.span, longest + count))
+        cache.start_from(source, picked[owner], lengths[owner], longest)
+        tokens = to_device(pad_right([plan.tokens[row] for row in part])[0], device)
+        for step, (asking, pairs) in enumerate(plan.steps[:count]):
+            mine = [(at[row], pair) for row, pair in zip(asking, pairs) if row in at]
+            logits = decoder.step(tokens[:, step : step + 1], cache, to_device([i for i, _ in mine] or [0], device))
+            if mine:
+                yield [pair for _, pair in mine], logits
+
+
+def decode_passes(starts: list[int], counts: list[int], context: int) -> list[list[int]]:
+    """The rows with tokens after their prefix (`counts`; `starts`: their prefixes' lengths) in passes of
+    decode steps, each in row order: one pass where the longest prefix and the longest rest fit the
+    `context` together, else rows by their prefixes' lengths, longest first, as many to a pass as fit
+    (a row fits alone where its own prefix and rest do)."""
+    rows = [row for row, count in enumerate(counts) if count]
+    if not rows:
+        return []
+    if max(starts[row] for row in rows) + max(counts[row] for row in rows) <= context:
+        return [rows]
+    passes: list[list[int]] = []
+    for row in sorted(rows, key=lambda row: -starts[row]):
+        if passes and starts[passes[-1][0]] + max(counts[r] for r in [*passes[-1], row]) <= context:
+            passes[-1].append(row)
+        else:
+            passes.append([row])
+    return [sorted(part) for part in passes]
 
 
 def _extend_run(decoder, extender, plan: SharingPlan, prefixes: tuple, width: int, costs: Costs | None):

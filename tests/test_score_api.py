@@ -575,3 +575,67 @@ def test_a_long_query_among_shorter_ones_runs_its_padding_inside_the_context(bui
         expected = torch.stack([torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].double(), -1)[labels]
                                 for prompts in requests for p in prompts])
     assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3"])
+def test_rows_stepped_past_their_prefixes_stay_inside_the_context(build, monkeypatch, arch):
+    """Without an extend graph (gpt-oss's attention sinks; Gemma 3's sliding windows in the cache layout)
+    the rows continue from their prefixes one decode step at a time, every row of the batch at each
+    step: a row past a 250-token query (of the fixture's 256 positions) stepped on through the padding
+    of another request's 245-token items, and ONNX Runtime stopped ("cos_cache dimension 0 shall not
+    be less than total_sequence_length"). The rows now go in passes that fit the context: every score
+    is transformers'."""
+    from ortmodule import OrtModelForCausalLM, extend
+
+    monkeypatch.setitem(extend.EXTEND_LAYOUT, "cpu", "cache")  # Gemma 3's windows: no extend graph
+    fixture = build(arch)
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    assert model.decoder.extender() is None
+    _, hf = load_pair(fixture)
+    gen = torch.Generator().manual_seed(12)
+    tokens = lambda n: torch.randint(4, 500, (n,), generator=gen).tolist()  # noqa: E731
+    long_query, short_query = tokens(250), tokens(5)
+    requests = [[long_query + tokens(2), long_query + tokens(3)],
+                [short_query + tokens(240), short_query + tokens(245)]]
+    labels = [3, 4]
+    got = scoring.label_logprobs(model, requests, labels, 4096, True).double().cpu()
+    with torch.no_grad():
+        expected = torch.stack([torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].double(), -1)[labels]
+                                for prompts in requests for p in prompts])
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def test_a_kept_query_continued_by_decode_steps_stays_inside_the_context(build):
+    """A query kept for a call's later runs (`sharing.KeptPrefixes`) counted the earlier run's whole width
+    as every row's length: items after a 240-token query (of 256 positions), each run continuing from
+    the query's 240 tokens by decode steps (gpt-oss: no extend graph), stepped from position 250 and
+    ran past the context (ONNX Runtime stopped). The scores equal transformers'."""
+    fixture = build("gpt_oss")
+    model, hf = load_pair(fixture)
+    gen = torch.Generator().manual_seed(13)
+    query = torch.randint(4, 500, (240,), generator=gen).tolist()
+    items = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (10, 6, 5, 10, 3)]
+    labels = [7, 8]
+    got = ortmodule.score(model, None, query, items, labels, token_budget=20, reuse_prefix=True)
+    expected = reference(hf, None, query, items, labels, False, False)
+    assert (torch.tensor(got, dtype=torch.float64) - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_decode_passes_keep_every_row_inside_the_context(seed):
+    """`sharing.decode_passes`: every row with tokens after its prefix in one pass, in row order; a pass's
+    longest prefix and longest rest fit the context together wherever each row fits alone; one pass
+    where the whole batch fits."""
+    import random
+
+    rng = random.Random(seed)
+    context = rng.choice([16, 64, 256])
+    starts = [rng.randint(1, context - 1) for _ in range(rng.randint(1, 12))]
+    counts = [rng.choice([0, rng.randint(0, context - start)]) for start in starts]
+    passes = sharing.decode_passes(starts, counts, context)
+    assert sorted(row for part in passes for row in part) == [row for row, n in enumerate(counts) if n]
+    for part in passes:
+        assert part == sorted(part) and max(starts[r] for r in part) + max(counts[r] for r in part) <= context
+    rows = [row for row, n in enumerate(counts) if n]
+    if rows and max(starts[r] for r in rows) + max(counts[r] for r in rows) <= context:
+        assert len(passes) == 1
