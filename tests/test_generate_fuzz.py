@@ -8,13 +8,16 @@ steps), scores and logits returned, or no cache; or a cache stepped on: `generat
 cache it returned with more text, a batch stepped by `forward` several tokens at a time, prompt
 lookup and assisted decoding. The tokens must be transformers' and the scores and logits within
 1e-3; a sampled token may differ only where a top-k or top-p filter met a tie within float rounding
-(`assert_a_filters_tie`). Token ids stay below 500: Gemma 4's media placeholder ids (505-511 in its fixture) run as the
-package embeds them, not as transformers does without media (docs/usage.md), so its generations
-suppress them. `GENERATE_FUZZ_SEEDS=3000` runs 3,000 cases of each test (about 3 minutes on 2 cores).
+(`assert_a_filters_tie`), and a sampled beam only where two candidates did (`assert_beam_samples_tie`).
+Token ids stay below 500: Gemma 4's media placeholder ids (505-511 in its fixture) run as the package
+embeds them, not as transformers does without media (docs/usage.md), so its generations suppress them.
+`GENERATE_FUZZ_SEEDS=3000` runs 3,000 cases of each test (about 3 minutes on 2 cores).
 """
 
+import itertools
 import random
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -101,7 +104,10 @@ def test_generate_options_fuzz(build, seed):
         theirs = hf.generate(ids, attention_mask=mask, **options)
     if not torch.equal(ours if isinstance(ours, torch.Tensor) else ours.sequences,
                        theirs if isinstance(theirs, torch.Tensor) else theirs.sequences):
-        assert_a_filters_tie(model, hf, ids, mask, options, seed, what)
+        if options.get("num_beams"):
+            assert_beam_samples_tie(model, hf, ids, mask, options, seed, what)
+        else:
+            assert_a_filters_tie(model, hf, ids, mask, options, seed, what)
         return
     if isinstance(theirs, torch.Tensor):
         return
@@ -141,6 +147,45 @@ def assert_a_filters_tie(model, hf, ids, mask, options: dict, seed: int, what: s
     row = (ours.sequences[:, ids.shape[1] + step] != theirs.sequences[:, ids.shape[1] + step]).nonzero()[0].item()
     kept = torch.isfinite(ours.scores[step][row]), torch.isfinite(theirs.scores[step][row])
     assert not torch.equal(*kept), f"tokens differ at new token {step} of row {row} with the same kept set; {what}"
+
+
+def sampling_draws(generate, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`generate()` under `seed`, and every `torch.multinomial` it called: (probabilities, draws) each."""
+    draws, real = [], torch.multinomial
+
+    def recorded(probs, num_samples, *args, **kwargs):
+        drawn = real(probs, num_samples, *args, **kwargs)
+        draws.append((probs.detach().clone(), drawn.clone()))
+        return drawn
+
+    with mock.patch.object(torch, "multinomial", recorded):
+        torch.manual_seed(seed)
+        generate()
+    return draws
+
+
+def assert_beam_samples_tie(model, hf, ids, mask, options: dict, seed: int, what: str):
+    """Beam sampling draws candidates for every row's beams, then keeps the highest scored: where two of
+    them are within float rounding of each other, ours and transformers' may keep different beams
+    (seed 207532: Granite, two drawn candidates 2e-7 apart in transformers' probabilities, equal in
+    ours), and their beams and tokens part from that step on. Run again with every draw recorded: the
+    draws equal and their probabilities within 1e-5 up to the step where they part; there, a draw
+    that differs from the same probabilities (a near-tie of the draw itself), or at the step before,
+    two drawn candidates of a row within 1e-5 of each other."""
+    assert options["do_sample"], what
+    with torch.no_grad():
+        ours = sampling_draws(lambda: model.generate(ids, attention_mask=mask, **options), seed)
+        theirs = sampling_draws(lambda: hf.generate(ids, attention_mask=mask, **options), seed)
+    parted = next((step for step, ((p, d), (q, e)) in enumerate(zip(ours, theirs))
+                   if not torch.equal(d, e) or (p - q).abs().max().item() > 1e-5), None)
+    assert parted is not None, f"the tokens differ, every draw equal; {what}"
+    if (ours[parted][0] - theirs[parted][0]).abs().max().item() <= 1e-5:
+        return  # the same probabilities, another draw
+    assert parted > 0, f"the first draw's probabilities differ; {what}"
+    probs, drawn = ours[parted - 1]
+    assert any(torch.isclose(probs[row, a], probs[row, b], rtol=1e-5, atol=0)
+               for row in range(drawn.shape[0]) for a, b in itertools.combinations(drawn[row].tolist(), 2)), \
+        f"beams part after draw {parted - 1} without two drawn candidates within rounding; {what}"
 
 
 def continued(model, rng: random.Random, ids, mask, options: dict):
