@@ -53,7 +53,7 @@ def loglikelihood_requests(rng: random.Random) -> list:
     choices (one token, several, a prefix of another, the same twice), and lone requests."""
     requests = []
     for _ in range(rng.randint(1, 3)):
-        examples = tokens(rng, rng.choice([0, 1, 8, 30, 60, 200]))
+        examples = tokens(rng, rng.choice([0, 1, 8, 30, 60, 200, 240]))  # 240: rows at and past the context
         for _ in range(rng.choice([1, 2, 3, 4, 12])):  # 12: a subject's questions in several batches
             context = examples + tokens(rng, rng.randint(0 if examples else 1, 20))
             choices = [tokens(rng, rng.choice([1, 1, 2, 5, 12])) for _ in range(rng.randint(1, 5))]
@@ -210,7 +210,7 @@ def score_requests(rng: random.Random) -> list[list[list[int]]]:
         items = [tokens(rng, rng.randint(1, 12)) for _ in range(rng.choice([1, 2, 4, 7]))]
         if len(items) > 1 and rng.random() < 0.3:
             items[-1] = items[0][: rng.randint(1, len(items[0]))]
-        query = tokens(rng, rng.choice([1, 6, 30, 90, 240]))
+        query = tokens(rng, rng.choice([1, 6, 30, 90, 240, 244]))  # 244 + 12: the context (256) full
         requests.append([item + query if rng.random() < 0.2 else query + item for item in items])
     return requests
 
