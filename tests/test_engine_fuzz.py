@@ -38,9 +38,10 @@ def draw_settings(rng: random.Random) -> dict:
                 token_budget=rng.choice([16, 64, 8192]), reuse_prefix=rng.choice(["auto", "on", "off"]))
 
 
-def draw_requests(rng: random.Random, vocab: int) -> list[tuple[str, dict]]:
+def draw_requests(rng: random.Random, vocab: int, context: int) -> list[tuple[str, dict]]:
     tokens = lambda n: [rng.randrange(4, vocab) for _ in range(n)]  # noqa: E731
-    prefixes = [tokens(n) for n in (20, 40, 70)]
+    # 220: prompts at the context's end (a completion's tokens fill it to one position short of SGLang's cut)
+    prefixes = [tokens(n) for n in (20, 40, 70, min(220, context - 36))]
     requests, sent = [], []
     for _ in range(rng.randint(6, 16)):
         if rng.random() < 0.65:
@@ -49,7 +50,8 @@ def draw_requests(rng: random.Random, vocab: int) -> list[tuple[str, dict]]:
             else:
                 prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + tokens(rng.randint(1, 30))
             sent.append(prompt)
-            body = {"prompt": prompt, "max_tokens": rng.randint(1, 20), "temperature": 0}
+            room = context - 1 - len(prompt)
+            body = {"prompt": prompt, "max_tokens": min(rng.randint(1, 20), room), "temperature": 0}
             if rng.random() < 0.25:  # a seeded sample: each row draws from its own generator
                 body.update(temperature=round(rng.uniform(0.3, 1.5), 2), top_p=rng.choice([1.0, 0.9, 0.5]),
                             seed=rng.randrange(2**31))
@@ -177,7 +179,7 @@ def test_engine_fuzz(build, seed, monkeypatch):
     monkeypatch.setattr(DecodeBatch, "FIRST_SLOTS", first[0])
     monkeypatch.setattr(DecodeBatch, "FIRST_POSITIONS", first[1])
     settings_drawn = dict(settings, first_cache=first)
-    requests = draw_requests(rng, min(len(tokenizer), model.config.vocab_size))
+    requests = draw_requests(rng, min(len(tokenizer), model.config.vocab_size), model.package.context_length)
     clients = rng.randint(1, 6)
     delays = [rng.uniform(0, 0.02) for _ in requests]
     server = LiveServer(create_app(model, tokenizer, name=NAME, **settings))
