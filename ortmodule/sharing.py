@@ -140,14 +140,13 @@ def shared_prefix_logits(model: OrtModelForCausalLM, rows: list[Ids], groups: li
     decoder, device = model.decoder, model.device
     reused = kept.match(rows, groups, needed, plan) if kept is not None else None
     if reused is not None:  # the prefixes' KV from an earlier call
-        plan, picks, lengths = reused
+        plan, picks, prefix_lengths = reused  # each prefix's part of its kept one
         source, last, width = kept.source, kept.last, kept.source.span
-        prefix_lengths = lengths  # each prefix's part of its kept one
-        picked, lengths = to_device(picks, device), to_device(lengths, device)
+        picked, lengths = to_device(picks, device), to_device(prefix_lengths, device)
     else:
-        ids, mask = pad_right(plan.prefixes)
+        ids, _ = pad_right(plan.prefixes)
         prefix_lengths = [len(prefix) for prefix in plan.prefixes]
-        lengths = to_device(mask.sum(1), device)
+        lengths = to_device(prefix_lengths, device)
         width = ids.shape[1]
         source = decoder.new_cache(len(plan.prefixes), width)
         picked = torch.arange(len(plan.prefixes), device=device)
