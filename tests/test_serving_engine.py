@@ -4,6 +4,7 @@ transformers; incremental detokenization against whole decodes; and the hostile-
 each refused or bounded (limits, types, special tokens in chat content, a package rewritten under
 a running server)."""
 
+import json
 import random
 import shutil
 import threading
@@ -184,6 +185,125 @@ def test_a_short_request_joins_a_running_stream(live, pair, monkeypatch):
     assert took < 1.0, f"{took:.2f} s: more than its prefill and four steps"
     thread.join(60)
     assert [line for line in streamed if line][-1] == "data: [DONE]"
+
+
+def endless_prompt(hf, tokenizer, new: int) -> list[int]:
+    """A prompt whose greedy continuation runs `new` tokens without an end-of-sequence."""
+    return next(ids for ids in ([7 + k, 40 + k, 99, 3 * k + 11] for k in range(40))
+                if tokenizer.eos_token_id not in hf_greedy(hf, ids, new))
+
+
+def stream_lines(url: str, body: dict, lines: list) -> threading.Thread:
+    def read():
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as events:
+            lines.extend(line for line in events.iter_lines() if line)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return thread
+
+
+def test_a_failed_decode_step_fails_its_batch_and_the_server_goes_on(live, pair, monkeypatch):
+    """A decode step that raises (the device, say) fails every request in the batch: a completion with
+    a 500 naming the error, a stream with an error event and no `[DONE]`; the batch's cache is
+    dropped, and the next requests are answered as transformers answers them."""
+    from ortmodule.serving.generations import DecodeBatch
+
+    hf, tokenizer = pair[2], pair[3]
+    prompt = endless_prompt(hf, tokenizer, 40)
+    step, failed = DecodeBatch.step, []
+
+    def failing(batch):
+        if len(batch.rows) == 2 and not failed:  # both requests in the batch
+            failed.append(len(batch.rows))
+            raise RuntimeError("injected: the device stopped")
+        time.sleep(0.005)
+        return step(batch)
+
+    monkeypatch.setattr(DecodeBatch, "step", failing)
+    before = live.client.get("/metrics").json()["failed"]
+    lines = []
+    thread = stream_lines(live.url, {"model": NAME, "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                     "stream": True}, lines)
+    answer = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompt[:3], "max_tokens": 40,
+                                                       "temperature": 0, "ignore_eos": True})
+    thread.join(60)
+    assert failed == [2] and answer.status_code == 500, answer.text
+    assert answer.json()["error"] == {"message": "the model's work failed: RuntimeError: injected: the device stopped",
+                                      "type": "server_error", "param": None, "code": None}
+    error = json.loads(lines[-1][6:])["error"] if lines[-1].startswith("data: {") else {}
+    assert error == {"message": "the completion failed: RuntimeError: injected: the device stopped",
+                     "type": "server_error", "param": None, "code": None}
+    assert "data: [DONE]" not in lines
+    metrics = live.client.get("/metrics").json()
+    assert metrics["failed"] == before + 2 and metrics["running_rows"] == 0
+    text, reason = expected_text(tokenizer, hf_greedy(hf, prompt, 12))
+    after = complete(live.client, prompt, max_tokens=12)["choices"][0]
+    assert (after["text"], after["finish_reason"]) == (text, reason)
+
+
+def test_a_failed_prefill_fails_its_request_alone(live, pair, monkeypatch):
+    """A prefill that raises (a long prompt's chunk: one too long to join the batch by decode steps)
+    fails the request it was starting, a 500 naming the error; the rows already decoding go on to
+    transformers' answer."""
+    from ortmodule.serving.generations import Generations
+
+    hf, tokenizer = pair[2], pair[3]
+    prompt, poisoned = endless_prompt(hf, tokenizer, 60), list(range(11, 51))
+    chunk = Generations._next_chunk
+
+    def failing(generations, rows):
+        if rows[0].prompt == poisoned:
+            raise RuntimeError("injected: the prefill stopped")
+        chunk(generations, rows)
+
+    monkeypatch.setattr(Generations, "_next_chunk", failing)
+    run = runtime.Session.run
+    monkeypatch.setattr(runtime.Session, "run", lambda s, b: (time.sleep(0.01), run(s, b)))
+    lines = []
+    thread = stream_lines(live.url, {"model": NAME, "prompt": prompt, "max_tokens": 60, "temperature": 0,
+                                     "stream": True}, lines)
+    deadline = time.monotonic() + 30
+    while len(lines) < 4:
+        assert time.monotonic() < deadline, "the stream did not start"
+        time.sleep(0.01)
+    answer = live.client.post("/v1/completions", json={"model": NAME, "prompt": poisoned, "max_tokens": 4})
+    running = not lines or lines[-1] != "data: [DONE]"
+    thread.join(60)
+    assert running and answer.status_code == 500, answer.text
+    assert answer.json()["error"]["message"] == "the model's work failed: RuntimeError: injected: the prefill stopped"
+    streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    assert lines[-1] == "data: [DONE]" and streamed == expected_text(tokenizer, hf_greedy(hf, prompt, 60))[0]
+
+
+def test_a_client_leaving_stops_its_work(live, pair, monkeypatch):
+    """Model calls slowed to 20 ms. A client that gives up on a 200-token prompt while its 16-token
+    chunks prefill stops them (not all 13 run); an SGLang `/generate` stream left after two events frees
+    its row (the server counts both as abandoned); the next request is answered as transformers answers it."""
+    hf, tokenizer = pair[2], pair[3]
+    run = runtime.Session.run
+    monkeypatch.setattr(runtime.Session, "run", lambda s, b: (time.sleep(0.02), run(s, b)))
+    before = live.client.get("/metrics").json()
+    prompt = [5 + (7 * i) % 400 for i in range(200)]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 4}, timeout=0.1)
+    body = {"input_ids": endless_prompt(hf, tokenizer, 200), "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0}}
+    with httpx.Client(base_url=live.url, timeout=30) as client, client.stream("POST", "/generate", json=body) as events:
+        seen = 0
+        for line in events.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 2:
+                break
+    deadline = time.monotonic() + 10
+    while (metrics := live.client.get("/metrics").json())["abandoned"] != before["abandoned"] + 2 \
+            or metrics["running_rows"]:
+        assert time.monotonic() < deadline, f"the clients' departures were not acted on: {metrics}"
+        time.sleep(0.05)
+    assert metrics["prefills"] - before["prefills"] < 13
+    text, reason = expected_text(tokenizer, hf_greedy(hf, prompt, 4))
+    after = complete(live.client, prompt, max_tokens=4)["choices"][0]
+    assert (after["text"], after["finish_reason"]) == (text, reason)
 
 
 @pytest.mark.parametrize("tokenizer_name", ["llama", "gemma3", "phi3", "qwen3"])

@@ -61,6 +61,28 @@ def test_concurrent_calls_equal_sequential_ones(build, arch):
     assert not wrong, f"{len(wrong)} of {len(work)} concurrent results differ from the sequential ones"
 
 
+def test_a_generation_whose_decode_steps_another_thread_holds_runs_without_them(build, monkeypatch):
+    """Two generations of one shape at once: the second finds the fixed-address steps (steps.py) held by
+    the first and steps over a cache of its own, binding its inputs anew, with transformers' tokens."""
+    from ortmodule import generation, steps
+
+    model, ref = load_pair(build("llama"))
+    ids = torch.randint(4, model.package.vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
+    args = dict(attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    expected = ref.generate(ids, **args)
+    lent, lend = [], steps.lend
+    monkeypatch.setattr(generation.fixed_steps, "lend", lambda *a: lent.append(lend(*a)) or lent[-1])
+    held = lend(model.decoder, 2, 30 + 40)  # what the first thread's generation holds
+    assert held is not None
+    try:
+        alongside = model.generate(ids, **args)
+    finally:
+        held.release()
+    assert lent == [None] and torch.equal(alongside, expected)
+    alone = model.generate(ids, **args)
+    assert lent[-1] is not None and torch.equal(alone, expected)
+
+
 def test_threads_asking_for_hidden_states_at_once_share_one_session(build):
     """The hidden-states session is made once when several threads ask for it together."""
     from ortmodule import variants
