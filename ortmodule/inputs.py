@@ -353,7 +353,8 @@ def _positions_differ(position_ids, cache_position, expected: torch.Tensor, real
     if position_ids is None:
         return differs
     if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point():
-        raise TypeError(f"position_ids must be an integer tensor, got {type(position_ids).__name__}")
+        got = f"dtype {position_ids.dtype}" if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise TypeError(f"position_ids must be an integer tensor, got {got}")
     positions = position_ids.to(expected.device)
     if positions.dim() == 3:  # mRoPE sections [3, B, S]: for text all three are the token's position
         positions, rest = positions[0], positions[1:]

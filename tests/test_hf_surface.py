@@ -184,6 +184,39 @@ def test_forward_keywords_transformers_passes(build):
         model(torch.tensor([[9], [9]]), position_ids=torch.tensor([[0], [0]]), past_key_values=step.past_key_values)
 
 
+def test_a_steps_positions_in_every_form_transformers_takes(build):
+    """A step over the cache takes position_ids `[B, s]`, `[1, s]` (one row for all), `[s]` and mRoPE's
+    `[3, B, s]` (text: three equal sections), and `cache_position`, each giving transformers' logits;
+    other forms are named."""
+    model, hf = load_pair(build("llama"))
+    ids, new = torch.arange(5, 17).view(2, 6), torch.tensor([[20], [21]])
+    with torch.inference_mode():
+        expected = hf(new, past_key_values=hf(ids, use_cache=True).past_key_values).logits
+
+    def step(**options):
+        return model(new, past_key_values=model(ids, use_cache=True).past_key_values, **options).logits
+
+    positions = torch.tensor([[6], [6]])
+    for options in ({"position_ids": positions}, {"position_ids": positions[:1]}, {"position_ids": torch.tensor([6])},
+                    {"position_ids": positions[None].expand(3, 2, 1)}, {"cache_position": torch.tensor([6])}):
+        assert (step(**options) - expected).abs().max().item() < 1e-4, options
+    for options, error, message in [
+        ({"position_ids": positions.float()}, TypeError, "position_ids must be an integer tensor, got dtype "
+                                                        "torch.float32"),
+        ({"position_ids": [[6], [6]]}, TypeError, "position_ids must be an integer tensor, got list"),
+        ({"position_ids": torch.tensor([[6, 7], [6, 7]])}, ValueError, r"position_ids of shape \(2, 2\) do not match "
+                                                                       r"the input \(2, 1\)"),
+        ({"position_ids": torch.stack([positions, positions, positions + 1])}, NotImplementedError,
+         "other than each row's own positions"),
+        ({"cache_position": torch.tensor([[6]])}, ValueError, "cache_position must be a 1-D tensor of 1 columns"),
+        ({"cache_position": torch.tensor([7])}, NotImplementedError, "other than each row's own positions"),
+    ]:
+        with pytest.raises(error, match=message):
+            step(**options)
+    with pytest.raises(TypeError, match="input_ids must hold integer token ids, got dtype torch.bool"):
+        model(new.bool(), past_key_values=model(ids, use_cache=True).past_key_values)
+
+
 def test_autocast_is_named_and_changes_nothing(build):
     """Under torch.autocast(bf16), transformers computes in bf16; an fp32 package computes as exported, the
     same logits as without autocast, and a warning says so (none without autocast)."""

@@ -1055,6 +1055,34 @@ def test_a_few_shot_generation_tasks_examples_run_once_for_all_its_batches(build
     assert len(beginnings) == 1 and beginnings[0] > 100  # the examples, once for the three batches
 
 
+def test_thinking_generations_are_cut_as_hflm_cuts_them(build):
+    """`enable_thinking=True` with a `think_end_token` (text, or a token id): each answer is what follows
+    the token, as HFLM gives it; a loglikelihood request gets HFLM's refusal."""
+    import random
+
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    plain = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=3)
+    rng = random.Random(5)
+    requests = [Instance("generate_until", None, (" ".join(plain.tokenizer.decode([rng.randrange(3, 500)])
+                                                           for _ in range(12 + i)),
+                                                  {"until": ["\n\n"], "max_gen_toks": 12}), i) for i in range(5)]
+    answers = plain.generate_until(requests, disable_tqdm=True)
+    token = plain.tokenizer(answers[0]).input_ids[2]  # a token the first answer holds past its start
+    for end in (token, plain.tokenizer.decode([token])):
+        options = dict(enable_thinking=True, think_end_token=end, batch_size=3, device="cpu")
+        ours = OrtModuleLM(pretrained=str(fixture.package_dir), **options)
+        theirs = HFLM(pretrained=str(fixture.hf_dir), dtype="float32", **options)
+        got = ours.generate_until(requests, disable_tqdm=True)
+        assert got == theirs.generate_until(requests, disable_tqdm=True) and got[0] != answers[0]
+    with pytest.raises(ValueError, match="enable_thinking=True is not compatible with loglikelihood"):
+        ours.loglikelihood([Instance("loglikelihood", None, ("a b", " c"), 0)], disable_tqdm=True)
+
+
 def test_generation_batches_by_their_work():
     """`generate_until`'s batches (`generation_batches`): HFLM's order (requests grouped by their
     settings in the order they come, the longest first), as many to a batch as the budget holds at its
