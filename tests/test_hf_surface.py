@@ -217,6 +217,27 @@ def test_a_steps_positions_in_every_form_transformers_takes(build):
         model(new.bool(), past_key_values=model(ids, use_cache=True).past_key_values)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
+def test_a_device_the_machine_or_ortmodule_lacks_is_named(build):
+    """`device`, accelerate's `device_map` and `.to()`: a CUDA device on a machine without one, and a
+    device type ONNX Runtime's providers here do not cover, refused naming the device before anything
+    loads; the CPU however named."""
+    package = build("llama").package_dir
+    for options in ({"device": "cuda"}, {"device": 0}, {"device_map": {"": 0}}, {"device_map": "cuda:1"}):
+        with pytest.raises(RuntimeError, match=r"device cuda(:\d)? asked for, but torch sees no CUDA device"):
+            OrtModelForCausalLM.from_pretrained(package, **options)
+    for name in ("mps", "meta", "xpu"):
+        with pytest.raises(ValueError, match=f"unsupported device '{name}': use 'cpu', 'cuda' or 'cuda:N'"):
+            OrtModelForCausalLM.from_pretrained(package, device=name)
+    for options in ({"device": "cpu:0"}, {"device_map": "auto"}, {"device_map": {"": "cpu"}}):
+        assert OrtModelForCausalLM.from_pretrained(package, **options).device == torch.device("cpu")
+    model = OrtModelForCausalLM.from_pretrained(package)
+    with pytest.raises(ValueError, match="unsupported device 'mps'"):
+        model.to("mps")
+    with pytest.raises(RuntimeError, match="device cuda asked for"):
+        model.cuda()
+
+
 def test_autocast_is_named_and_changes_nothing(build):
     """Under torch.autocast(bf16), transformers computes in bf16; an fp32 package computes as exported, the
     same logits as without autocast, and a warning says so (none without autocast)."""
