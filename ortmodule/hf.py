@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -56,8 +57,8 @@ def _genai_config(package: Package) -> PretrainedConfig:
     )
     try:
         config = AutoConfig.for_model(package.model_type, **fields)
-    except (ValueError, KeyError, TypeError):
-        config = PretrainedConfig(**fields)
+    except (ValueError, KeyError, TypeError, StrictDataclassError):  # a type it does not know, or its checks
+        config = PretrainedConfig(**fields)  # (the graph's own check at load names a shape it cannot run)
     config.name_or_path = str(package.root)
     return config
 

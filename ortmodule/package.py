@@ -164,6 +164,33 @@ def _positive_int(section: dict, key: str, where: str, file: Path, default=None)
     return value
 
 
+def _token_id(model: dict, key: str, file: Path, several: bool = True) -> int | list[int] | None:
+    """`model[key]`, a special token's id: an integer, None (or absent), or where `several`, a list of
+    integers (a model with several end-of-sequence tokens)."""
+    value = model.get(key)
+
+    def is_id(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if value is None or is_id(value) or several and isinstance(value, list) and all(map(is_id, value)):
+        return value
+    kind = "a token id or a list of token ids" if several else "a token id"
+    raise PackageError(f"{file}: 'model.{key}' must be {kind}, got {json.dumps(value)[:80]}")
+
+
+def _check_hidden_size(graph: onnx.GraphProto, input_ids: str | None, hidden: int, path: Path,
+                       config_path: Path) -> None:
+    """The hidden size genai_config.json says is the width of the token embedding table the decoder
+    looks `input_ids` up in (where it keeps a plain one), which hidden states and `inputs_embeds` take."""
+    tables = {t.name: list(t.dims) for t in graph.initializer if len(t.dims) == 2}
+    for node in graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type == "Gather" and axis == 0 and len(node.input) == 2 and node.input[1] == input_ids \
+                and node.input[0] in tables and tables[node.input[0]][1] != hidden:
+            raise PackageError(f"{config_path}: model.decoder.hidden_size is {hidden} but the token embedding table of "
+                               f"{path.name} is {tables[node.input[0]]} (a config from another export?)")
+
+
 def _load_graph(path: Path) -> onnx.GraphProto:
     """A graph's structure (weights left on disk), after checking that its external weight files
     exist and are long enough for every tensor they hold."""
@@ -296,9 +323,9 @@ def read_package(path: str | Path) -> Package:
         num_key_value_heads=shape.num_kv_heads,
         head_size=shape.head_size,
         num_hidden_layers=shape.num_layers,
-        bos_token_id=model.get("bos_token_id"),
-        eos_token_id=model.get("eos_token_id"),
-        pad_token_id=model.get("pad_token_id"),
+        bos_token_id=_token_id(model, "bos_token_id", config_path),
+        eos_token_id=_token_id(model, "eos_token_id", config_path),
+        pad_token_id=_token_id(model, "pad_token_id", config_path, several=False),
         search=search,
     )
 
@@ -394,6 +421,7 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
     if position_rank not in (2, 3):
         raise PackageError(f"{path}: position_ids has rank {position_rank}; expected 2 or 3 (mRoPE)")
     logits, vocab_size = _read_logits(model, graph)
+    _check_hidden_size(proto, input_ids, shape.hidden_size, path, config_path)
     _check_attention(proto, shape.num_heads, shape.num_kv_heads, path, config_path)
     states = _read_states(dec, graph)
     layers = _read_layers(dec, shape, graph, {state.layer for state in states}, str(model.get("type", "")))

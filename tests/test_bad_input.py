@@ -170,6 +170,37 @@ def test_missing_key_is_named(llama, tmp_path):
         read_package(package)
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"hidden_size": 100}, r"model.decoder.hidden_size is 100 but the token embedding table of model.onnx is "
+                           r"\[512, 64\]"),
+    ({"head_size": 7}, r"ONNX Runtime cannot run model.onnx with this configuration \(KV heads and head sizes "
+                       r"\[\(2, 7\)\]"),
+    ({"eos_token_id": "x"}, r"'model.eos_token_id' must be a token id or a list of token ids, got \"x\""),
+    ({"pad_token_id": [0, 1]}, r"'model.pad_token_id' must be a token id, got \[0, 1\]"),
+    ({"bos_token_id": True}, r"'model.bos_token_id' must be a token id or a list of token ids, got true"),
+])
+def test_a_config_that_contradicts_its_graph_is_named(llama, tmp_path, edit, message):
+    """genai_config.json's shape fields checked against the graph, and its special tokens' types, at load:
+    not a failure inside ONNX Runtime's Reshape at `output_hidden_states`, an `inputs_embeds` width the
+    embedding table does not give, or transformers' config validation naming no file (head_size 7: odd
+    for its rotary check)."""
+    package, config = copy_package(llama, tmp_path)
+    for key, value in edit.items():
+        (config["model"] if key.endswith("token_id") else config["model"]["decoder"])[key] = value
+    write_config(package, config)
+    with pytest.raises(PackageError, match=re.escape(str(package / "genai_config.json")) + ": " + message):
+        OrtModelForCausalLM.from_pretrained(package)
+
+
+def test_special_tokens_may_be_lists_or_absent(llama, tmp_path):
+    package, config = copy_package(llama, tmp_path)
+    config["model"]["eos_token_id"] = [2, 3]
+    del config["model"]["pad_token_id"]
+    write_config(package, config)
+    read = read_package(package)
+    assert read.eos_token_id == [2, 3] and read.pad_token_id is None
+
+
 def test_kv_template_matching_no_input(llama, tmp_path):
     package, config = copy_package(llama, tmp_path)
     config["model"]["decoder"]["inputs"]["past_key_names"] = "past.%d.k"
