@@ -169,6 +169,55 @@ def test_stop_strings_equal_transformers(llama_pair, llama):
     assert tokens.shape[1] < width + NEW_TOKENS
 
 
+class RecordingStreamer:
+    """transformers' streamer interface: the prompt once, each new token, then the end."""
+
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(value.tolist())
+
+    def end(self):
+        self.calls.append("end")
+
+
+def test_streamers_and_stopping_criteria_are_served_as_by_transformers(llama_pair, llama):
+    """A `streamer` gets transformers' calls (the prompt, each token, the end), a `TextIteratorStreamer`
+    read from another thread the generated text; a caller's `StoppingCriteria` and `max_time` stop
+    where transformers' do; beams with a streamer refused in transformers' words."""
+    import threading
+
+    from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+    model, hf = llama_pair
+    ids = torch.tensor([[5, 6, 7, 8]])
+    options = dict(max_new_tokens=6, do_sample=False)
+    calls = []
+    for m in (model, hf):
+        streamer = RecordingStreamer()
+        calls.append((m.generate(ids, streamer=streamer, **options).tolist(), streamer.calls))
+    assert calls[0] == calls[1] and calls[0][1][-1] == "end" and len(calls[0][1]) == 8
+    tokenizer = load_tokenizer(llama.package_dir)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    thread = threading.Thread(target=model.generate, kwargs=dict(inputs=ids, streamer=streamer, **options))
+    thread.start()
+    assert "".join(streamer) == tokenizer.decode(calls[0][0][0][4:])
+    thread.join()
+
+    class SeventhToken(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 7)
+
+    criteria = StoppingCriteriaList([SeventhToken()])
+    stopped = [m.generate(ids, stopping_criteria=criteria, **options) for m in (model, hf)]
+    assert stopped[0].shape[1] == 7 and torch.equal(*stopped)
+    timed = [m.generate(ids, max_time=0.0, **options) for m in (model, hf)]
+    assert torch.equal(*timed)
+    with pytest.raises(ValueError, match="`streamer` cannot be used with beam search"):
+        model.generate(ids, num_beams=2, streamer=RecordingStreamer(), **options)
+
+
 def test_max_length_and_generation_config(llama_pair):
     model, hf = llama_pair
     ids, mask = left_padded_prompts([5, 8], seed=6)
