@@ -238,6 +238,12 @@ def test_a_device_the_machine_or_ortmodule_lacks_is_named(build):
         model.cuda()
 
 
+def test_printing_the_model_names_its_package_device_and_dtype(build):
+    package = build("llama").package_dir
+    model = OrtModelForCausalLM.from_pretrained(package)
+    assert repr(model) == f"OrtModelForCausalLM(path={package}, device=cpu, dtype=torch.float32)"
+
+
 def test_autocast_is_named_and_changes_nothing(build):
     """Under torch.autocast(bf16), transformers computes in bf16; an fp32 package computes as exported, the
     same logits as without autocast, and a warning says so (none without autocast)."""
