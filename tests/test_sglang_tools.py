@@ -87,6 +87,55 @@ def test_model_info_server_info_ready_and_health(openai_live):
     assert live.client.get("/health_generate").status_code == 200
 
 
+def test_health_generate_is_503_while_generation_fails_or_waits_on_a_full_queue(openai_live, monkeypatch):
+    """`/health_generate` generates one token: 503 where that fails (the engine goes on: 200 once it
+    works again), 503 where the queue is full (one request held in the worker, one waiting with
+    `max_queue=1`), 200 once the queue drains; timed out it is 503 too (HEALTH_TIMEOUT, shortened here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from ortmodule.serving import sglang_routes
+    from ortmodule.serving.generations import Generations
+
+    _, model, _, tokenizer, _ = openai_live
+    app = create_app(model, tokenizer, name=OPENAI_NAME, window_ms=0, max_queue=1)
+    live = LiveServer(app)
+    try:
+        assert live.client.get("/health_generate").status_code == 200
+        with monkeypatch.context() as patch:
+            patch.setattr(Generations, "_prefill_short", lambda *a: 1 / 0)
+            assert live.client.get("/health_generate").status_code == 503
+        assert live.client.get("/health_generate").status_code == 200
+        started, release, _ = hold_worker(app.state.served)
+        body = {"model": OPENAI_NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
+            assert started.wait(30)
+            second = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 10
+            while live.client.get("/metrics").json()["waiting"] < 1:
+                assert time.monotonic() < deadline, "the second request never reached the queue"
+                time.sleep(0.02)
+            assert live.client.get("/health_generate").status_code == 503  # busy
+            release.set()
+            assert first.result().status_code == 200 and second.result().status_code == 200
+        assert live.client.get("/health_generate").status_code == 200
+        started, release, _ = hold_worker(app.state.served)
+        monkeypatch.setattr(sglang_routes, "HEALTH_TIMEOUT", 0.2)
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
+            assert started.wait(30)
+            assert live.client.get("/health_generate").status_code == 503  # its token held past the wait
+            release.set()
+            assert first.result().status_code == 200
+        assert live.client.get("/health_generate").status_code == 200
+    finally:
+        if "release" in locals():
+            release.set()
+        live.stop()
+
+
 def test_flush_cache_empties_the_prefix_cache_when_idle(openai_live):
     """`/flush_cache` (GET or POST) empties the prefix cache; the prompt sent again runs whole, with
     the same answer. While a generation runs it is refused (SGLang's rule), and with `timeout` it
