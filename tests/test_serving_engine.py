@@ -5,6 +5,7 @@ each refused or bounded (limits, types, special tokens in chat content, a packag
 a running server)."""
 
 import json
+import logging
 import random
 import shutil
 import threading
@@ -304,6 +305,43 @@ def test_a_client_leaving_stops_its_work(live, pair, monkeypatch):
     text, reason = expected_text(tokenizer, hf_greedy(hf, prompt, 4))
     after = complete(live.client, prompt, max_tokens=4)["choices"][0]
     assert (after["text"], after["finish_reason"]) == (text, reason)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_a_client_leaving_a_stream_with_events_queued_is_heard_at_once(live, pair, monkeypatch, caplog, path):
+    """Model calls slowed to 5 ms, the event loop held 200 ms at a stream's first event (a busy server):
+    the engine queues many more meanwhile. The client reads one and leaves; the stream notices at its
+    next write, not after writing the whole queue to the lost connection (asyncio logs "socket.send()
+    raised exception." from the fifth such write on)."""
+    from ortmodule.serving import generate_routes, openai_routes
+
+    hf, tokenizer = pair[2], pair[3]
+    module, name = (openai_routes, "_chunk") if path == "/v1/completions" else (generate_routes, "_event")
+    event, held = getattr(module, name), []
+
+    def slow_first(*args, **kwargs):
+        if not held:
+            held.append(time.sleep(0.2))
+        return event(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, slow_first)
+    run = runtime.Session.run
+    monkeypatch.setattr(runtime.Session, "run", lambda s, b: (time.sleep(0.005), run(s, b)))
+    prompt = endless_prompt(hf, tokenizer, 100)
+    body = ({"model": NAME, "prompt": prompt, "max_tokens": 100, "temperature": 0, "stream": True}
+            if path == "/v1/completions" else
+            {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 100, "temperature": 0}})
+    before = live.client.get("/metrics").json()["abandoned"]
+    caplog.set_level(logging.WARNING, logger="asyncio")
+    for _ in range(3):
+        held.clear()
+        with httpx.Client(base_url=live.url, timeout=30) as client, client.stream("POST", path, json=body) as stream:
+            next(line for line in stream.iter_lines() if line.startswith("data: {"))
+    deadline = time.monotonic() + 10
+    while live.client.get("/metrics").json()["abandoned"] != before + 3:
+        assert time.monotonic() < deadline, "the departures were not recorded"
+        time.sleep(0.02)
+    assert held and not [r for r in caplog.records if "socket.send() raised exception" in r.getMessage()]
 
 
 @pytest.mark.parametrize("tokenizer_name", ["llama", "gemma3", "phi3", "qwen3"])
