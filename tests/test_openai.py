@@ -727,6 +727,9 @@ BAD = [
                                    ("web_search_options", {}), ("verbosity", "low"))],
     ("/v1/completions", {"model": NAME, "prompt": "x", "min_tokens": 2, "stop": ["a"]}, 400, "min_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": ["5"]}, 400, "stop_token_ids.0"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "eA==", "format": "wav"}}]}]}, 400, "messages[0].content"),
+    ("/detokenize", {"model": NAME, "tokens": [5] * 300}, 400, "tokens"),  # more than the context's 256
     # The template's own refusal (a 500 before): its message, as a client error.
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),
 ]
@@ -743,6 +746,25 @@ def test_bad_requests_get_openai_errors_naming_the_field(setup, path, body, stat
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
     if status == 404:
         assert error["code"] == "model_not_found"
+
+
+def test_a_tokenizer_without_a_chat_template_refuses_messages_by_name(setup):
+    """A base model's tokenizer has no chat template: chat completions and `/tokenize` of messages are a
+    400 saying to send a prompt; a prompt is tokenized as ever."""
+    _, model, _, tokenizer, fixture = setup
+    plain = load_tokenizer(fixture.package_dir)
+    assert not getattr(plain, "chat_template", None)
+    live = LiveServer(create_app(model, plain, name=NAME, tokenizer_info=True))
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        for path in ("/v1/chat/completions", "/tokenize"):
+            answer = live.client.post(path, json={"model": NAME, "messages": messages})
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+            assert "has no chat template: send a prompt instead of messages" in answer.json()["error"]["message"]
+        tokens = live.client.post("/tokenize", json={"model": NAME, "prompt": "hi there"}).json()["tokens"]
+        assert tokens == tokenizer("hi there").input_ids
+    finally:
+        live.stop()
 
 
 def test_models_and_malformed_json(setup):

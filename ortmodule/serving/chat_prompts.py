@@ -89,7 +89,8 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = ()) 
         raise ServingError("messages is empty", "messages")
     tokenizer = served.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ServingError("this model's tokenizer has no chat template: use /v1/completions", "messages")
+        raise ServingError("this model's tokenizer has no chat template: send a prompt instead of messages "
+                           "(/v1/completions; /tokenize takes one too)", "messages")
     messages, texts, pictures = [], [], []
     for i, message in enumerate(body.messages):
         if message.role not in ROLES:
