@@ -167,7 +167,9 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
         others), the answers in the requests' order:
         lm-eval hands one call every task's requests of a type, and hf-multimodal takes the first
         request's kind for all of them (an image task and a text task in one run fail there)."""
-        kinds = [len(req.args) >= 3 for req in requests]
+        # lm-eval appends a request's images as one more argument: a third (a context and a continuation, or
+        # generation arguments), or for a rolling document its second.
+        kinds = [len(req.args) >= (2 if method == "loglikelihood_rolling" else 3) for req in requests]
         answers: list = [None] * len(requests)
         for images in (False, True):
             indices = [i for i, kind in enumerate(kinds) if kind is images]
@@ -178,8 +180,10 @@ class OrtModuleMultimodalLM(ArgumentsOnce, HFMultimodalLM):
                 done = getattr(self._text_backend(), method)(part, disable_tqdm)
             elif method == "generate_until":
                 done = self._generate_with_images(part, disable_tqdm)
-            elif method == "loglikelihood_rolling":
-                done = HFMultimodalLM.loglikelihood_rolling(self, part)  # lm-eval's refusal
+            elif method == "loglikelihood_rolling":  # hf-multimodal's refusal (it looks for a third argument)
+                raise NotImplementedError("ortmodule-multimodal, as hf-multimodal, does not score rolling documents "
+                                          "with images (the log-likelihood a model assigns to an image is not "
+                                          "measured); documents without images run as `--model ortmodule` runs them")
             else:
                 done = HFMultimodalLM.loglikelihood(self, part, disable_tqdm)  # lm-eval's refusal
             for i, answer in zip(indices, done, strict=True):

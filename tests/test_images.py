@@ -584,6 +584,35 @@ def test_lm_eval_multimodal_runs_text_requests_as_the_text_backend(build, monkey
         assert scored[0] == len(pairs), scored  # ortmodule's scoring of the tokenized requests ran them
 
 
+def test_lm_eval_multimodal_refuses_what_hf_multimodal_cannot_score_by_name(build):
+    """Scoring with images, which hf-multimodal does not do: a loglikelihood request gets lm-eval's refusal,
+    a rolling document with an image (lm-eval appends the image as its second argument, where hf-multimodal
+    looks for a third and its text path then failed on the image's dict) a NotImplementedError saying so;
+    `tokenizer=` is refused for `processor=`. Built over a loaded model object, it generates as over the
+    package's folder."""
+    from lm_eval.api.instance import Instance
+    from PIL import Image
+
+    from ortmodule import OrtModelForCausalLM
+    from ortmodule.lm_eval import ModelArgsError
+    from ortmodule.lm_eval_multimodal import OrtModuleMultimodalLM
+
+    fixture = build("qwen2_5_vl")
+    processor = ImageTextProcessor(fixture.hf_dir)
+    with pytest.raises(ModelArgsError, match="takes the checkpoint's processor as processor=, not tokenizer="):
+        OrtModuleMultimodalLM(fixture.package_dir, processor=processor, tokenizer="x")
+    lm = OrtModuleMultimodalLM(fixture.package_dir, processor=processor, device="cpu")
+    image = {"visual": [Image.new("RGB", (32, 32), (200, 10, 10))]}
+    with pytest.raises(NotImplementedError, match="'loglikelihood' requests for model type `hf-multimodal`"):
+        lm.loglikelihood([Instance("loglikelihood", None, ("<image> a", " b", image), 0)])
+    with pytest.raises(NotImplementedError, match="does not score rolling documents with images"):
+        lm.loglikelihood_rolling([Instance("loglikelihood_rolling", None, ("a b c", image), 0)])
+    prompts = [Instance("generate_until", None, ("hello there", {"until": ["\n"], "max_gen_toks": 4}), 0)]
+    over_object = OrtModuleMultimodalLM(OrtModelForCausalLM.from_pretrained(fixture.package_dir),
+                                        processor=processor, device="cpu")
+    assert over_object.generate_until(prompts) == lm.generate_until(prompts)
+
+
 _TEXT_TASK = """task: {name}
 custom_dataset: !function {name}_utils.docs
 test_split: test
