@@ -375,6 +375,21 @@ def hold_worker(served):
     return started, release, scored
 
 
+def one_held_one_waiting(live: LiveServer, pool, started, body: dict, path: str = "/v1/completions") -> tuple:
+    """With the worker held (`hold_worker`'s `started`): one request of `body` in the worker and one
+    waiting in the queue (a server of `max_queue=1` is then full); the futures of their responses."""
+    import httpx
+
+    first = pool.submit(httpx.post, live.url + path, json=body, timeout=60)
+    assert started.wait(30)
+    second = pool.submit(httpx.post, live.url + path, json=body, timeout=60)
+    deadline = time.monotonic() + 10
+    while live.client.get("/metrics").json()["waiting"] < 1:
+        assert time.monotonic() < deadline, "the second request never reached the queue"
+        time.sleep(0.02)
+    return first, second
+
+
 class ScalarReads(TorchDispatchMode):
     """Counts torch's reads of one value out of a tensor (`bool()`, `int()`, `.item()`): on CUDA
     each waits for the device's queued work, which the scoring paths never do before their answers."""

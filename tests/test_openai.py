@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from helpers import OPENAI_NAME, LiveServer, expected_text, hf_greedy, hold_worker, load_pair
+from helpers import OPENAI_NAME, LiveServer, expected_text, hf_greedy, hold_worker, load_pair, one_held_one_waiting
 
 from ortmodule import load_tokenizer, runtime
 from ortmodule.serving import create_app
@@ -814,13 +814,7 @@ def test_a_full_queue_answers_503_in_openai_shape(build):
     body = {"model": NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
     try:
         with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
-            assert started.wait(30)
-            second = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
-            deadline = time.monotonic() + 10
-            while live.client.get("/metrics").json()["waiting"] < 1:
-                assert time.monotonic() < deadline, "the second request never reached the queue"
-                time.sleep(0.02)
+            first, second = one_held_one_waiting(live, pool, started, body)
             busy = live.client.post("/v1/completions", json=body)
             assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_error"
             assert "busy" in busy.json()["error"]["message"]

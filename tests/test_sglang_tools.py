@@ -8,7 +8,7 @@ import threading
 import time
 
 import torch
-from helpers import OPENAI_NAME, LiveServer, expected_text, hf_greedy, hold_worker
+from helpers import OPENAI_NAME, LiveServer, expected_text, hf_greedy, hold_worker, one_held_one_waiting
 
 from ortmodule.serving import create_app
 
@@ -110,13 +110,7 @@ def test_health_generate_is_503_while_generation_fails_or_waits_on_a_full_queue(
         started, release, _ = hold_worker(app.state.served)
         body = {"model": OPENAI_NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
         with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
-            assert started.wait(30)
-            second = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
-            deadline = time.monotonic() + 10
-            while live.client.get("/metrics").json()["waiting"] < 1:
-                assert time.monotonic() < deadline, "the second request never reached the queue"
-                time.sleep(0.02)
+            first, second = one_held_one_waiting(live, pool, started, body)
             assert live.client.get("/health_generate").status_code == 503  # busy
             release.set()
             assert first.result().status_code == 200 and second.result().status_code == 200
