@@ -194,9 +194,9 @@ def endless_prompt(hf, tokenizer, new: int) -> list[int]:
                 if tokenizer.eos_token_id not in hf_greedy(hf, ids, new))
 
 
-def stream_lines(url: str, body: dict, lines: list) -> threading.Thread:
+def stream_lines(url: str, body: dict, lines: list, path: str = "/v1/completions") -> threading.Thread:
     def read():
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as events:
+        with httpx.stream("POST", url + path, json=body, timeout=60) as events:
             lines.extend(line for line in events.iter_lines() if line)
 
     thread = threading.Thread(target=read)
@@ -206,8 +206,8 @@ def stream_lines(url: str, body: dict, lines: list) -> threading.Thread:
 
 def test_a_failed_decode_step_fails_its_batch_and_the_server_goes_on(live, pair, monkeypatch):
     """A decode step that raises (the device, say) fails every request in the batch: a completion with
-    a 500 naming the error, a stream with an error event and no `[DONE]`; the batch's cache is
-    dropped, and the next requests are answered as transformers answers them."""
+    a 500 naming the error, an OpenAI stream and an SGLang `/generate` stream with an error event and no
+    `[DONE]`; the batch's cache is dropped, and the next requests are answered as transformers answers them."""
     from ortmodule.serving.generations import DecodeBatch
 
     hf, tokenizer = pair[2], pair[3]
@@ -215,7 +215,7 @@ def test_a_failed_decode_step_fails_its_batch_and_the_server_goes_on(live, pair,
     step, failed = DecodeBatch.step, []
 
     def failing(batch):
-        if len(batch.rows) == 2 and not failed:  # both requests in the batch
+        if len(batch.rows) == 3 and not failed:  # the three requests in the batch
             failed.append(len(batch.rows))
             raise RuntimeError("injected: the device stopped")
         time.sleep(0.005)
@@ -223,13 +223,18 @@ def test_a_failed_decode_step_fails_its_batch_and_the_server_goes_on(live, pair,
 
     monkeypatch.setattr(DecodeBatch, "step", failing)
     before = live.client.get("/metrics").json()["failed"]
-    lines = []
-    thread = stream_lines(live.url, {"model": NAME, "prompt": prompt, "max_tokens": 40, "temperature": 0,
-                                     "stream": True}, lines)
+    lines, sglang = [], []
+    threads = [stream_lines(live.url, {"model": NAME, "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                       "stream": True}, lines),
+               stream_lines(live.url, {"input_ids": prompt[1:], "stream": True, "sampling_params": {
+                   "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, sglang, "/generate")]
     answer = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompt[:3], "max_tokens": 40,
                                                        "temperature": 0, "ignore_eos": True})
-    thread.join(60)
-    assert failed == [2] and answer.status_code == 500, answer.text
+    for thread in threads:
+        thread.join(60)
+    assert failed == [3] and answer.status_code == 500, answer.text
+    assert sglang[-1] == 'data: {"error":{"message":"the generation failed: RuntimeError: injected: the device ' \
+                         'stopped","code":500}}' and "data: [DONE]" not in sglang
     assert answer.json()["error"] == {"message": "the model's work failed: RuntimeError: injected: the device stopped",
                                       "type": "server_error", "param": None, "code": None}
     error = json.loads(lines[-1][6:])["error"] if lines[-1].startswith("data: {") else {}
@@ -237,7 +242,7 @@ def test_a_failed_decode_step_fails_its_batch_and_the_server_goes_on(live, pair,
                      "type": "server_error", "param": None, "code": None}
     assert "data: [DONE]" not in lines
     metrics = live.client.get("/metrics").json()
-    assert metrics["failed"] == before + 2 and metrics["running_rows"] == 0
+    assert metrics["failed"] == before + 3 and metrics["running_rows"] == 0
     text, reason = expected_text(tokenizer, hf_greedy(hf, prompt, 12))
     after = complete(live.client, prompt, max_tokens=12)["choices"][0]
     assert (after["text"], after["finish_reason"]) == (text, reason)
