@@ -77,6 +77,8 @@ def export(
     check_extra_options(extra_options)
     source, out = _checked_source(source, precision, device, revision, gguf_file), Path(out)
     gguf = _gguf_file(source)
+    if images and gguf is not None:  # said before the minutes of dequantizing it
+        raise ExportError("images: a GGUF file holds the text model only; export the Hugging Face checkpoint")
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ExportError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +94,7 @@ def export(
             checkpoint = source
         architecture = check_checkpoint(checkpoint, source)
         if images:
-            _check_images(architecture, precision, device, gguf)
+            _check_images(architecture, precision, device)
         check_disk(out.parent, checkpoint_parameters(checkpoint), precision)
         _write(checkpoint, architecture, work / "package", precision, device, extra_options, progress, images)
         if out.exists():
@@ -153,12 +155,11 @@ def carry_generation_defaults(checkpoint: Path, package: Path) -> None:
         path.write_text(json.dumps(genai, indent=4))
 
 
-def _check_images(architecture: str, precision: str, device: str, gguf: Path | None) -> None:
-    """`images=True` is for a Gemma 3 checkpoint's folder, exported with float32 embeddings."""
+def _check_images(architecture: str, precision: str, device: str) -> None:
+    """`images=True` is for a Gemma 3 checkpoint's folder (not a GGUF file: `export` says so first),
+    exported with float32 embeddings."""
     from .export_images import ARCHITECTURES
 
-    if gguf is not None:
-        raise ExportError("images: a GGUF file holds the text model only; export the Hugging Face checkpoint")
     if architecture not in ARCHITECTURES:
         raise ExportError(f"images: the vision tower of {', '.join(ARCHITECTURES)} checkpoints is exported; this one "
                           f"is {architecture} (its text model exports without images)")

@@ -258,12 +258,31 @@ def test_no_disk_space(llama, tmp_path, monkeypatch):
         (lambda tmp: tmp.joinpath("empty").mkdir() or tmp / "empty", "no config.json .* and no .gguf file"),
         (lambda tmp: tmp.joinpath("bad.gguf").write_bytes(b"not gguf") and tmp / "bad.gguf",
          "not a readable GGUF file"),
+        (lambda tmp: tmp.joinpath("cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00") and tmp / "cut.gguf",
+         "not a readable GGUF file"),
+        (lambda tmp: [tmp.joinpath(name).write_bytes(b"") for name in ("a.gguf", "b.gguf")] and tmp,
+         r"holds several GGUF files \(a.gguf, b.gguf\): pass one of them"),
+        (lambda tmp: tmp.joinpath("config.json").write_text("{not json") and tmp, "cannot read config.json"),
+        (lambda tmp: tmp.joinpath("config.json").write_text('{"model_type": "llama"}') and tmp,
+         "no 'architectures' list; which model class is this"),
     ],
-    ids=["missing", "not-gguf", "empty-folder", "garbage-gguf"],
+    ids=["missing", "not-gguf", "empty-folder", "garbage-gguf", "cut-gguf", "two-ggufs", "bad-config",
+         "no-architectures"],
 )
 def test_bad_sources(tmp_path, make, message):
     with pytest.raises(ExportError, match=message):
         export(make(tmp_path), tmp_path / "out", progress=False)
+
+
+def test_images_from_a_gguf_file_are_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A GGUF file holds the text model only: `images` is refused before the minutes of dequantizing it."""
+    from ortmodule import exporter
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(exporter, "gguf_to_checkpoint", lambda *a: pytest.fail("the GGUF file was read"))
+    with pytest.raises(ExportError, match="images: a GGUF file holds the text model only"):
+        export(gguf, tmp_path / "out", progress=False, images=True)
 
 
 def test_bad_options_and_existing_output(llama, tmp_path):
