@@ -178,17 +178,22 @@ def _token_id(model: dict, key: str, file: Path, several: bool = True) -> int | 
     raise PackageError(f"{file}: 'model.{key}' must be {kind}, got {json.dumps(value)[:80]}")
 
 
-def _check_hidden_size(graph: onnx.GraphProto, input_ids: str | None, hidden: int, path: Path,
-                       config_path: Path) -> None:
+def _matrices(graph: onnx.GraphProto) -> dict[str, list[int]]:
+    """The shapes of the graph's 2-D weights, by name (embedding tables, rotary tables)."""
+    return {t.name: list(t.dims) for t in graph.initializer if len(t.dims) == 2}
+
+
+def _check_hidden_size(graph: onnx.GraphProto, matrices: dict[str, list[int]], input_ids: str | None, hidden: int,
+                       path: Path, config_path: Path) -> None:
     """The hidden size genai_config.json says is the width of the token embedding table the decoder
     looks `input_ids` up in (where it keeps a plain one), which hidden states and `inputs_embeds` take."""
-    tables = {t.name: list(t.dims) for t in graph.initializer if len(t.dims) == 2}
     for node in graph.node:
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        if node.op_type == "Gather" and axis == 0 and len(node.input) == 2 and node.input[1] == input_ids \
-                and node.input[0] in tables and tables[node.input[0]][1] != hidden:
+        if node.op_type != "Gather" or list(node.input[1:]) != [input_ids] or node.input[0] not in matrices:
+            continue
+        table = matrices[node.input[0]]
+        if table[1] != hidden and next((a.i for a in node.attribute if a.name == "axis"), 0) == 0:
             raise PackageError(f"{config_path}: model.decoder.hidden_size is {hidden} but the token embedding table of "
-                               f"{path.name} is {tables[node.input[0]]} (a config from another export?)")
+                               f"{path.name} is {table} (a config from another export?)")
 
 
 def _load_graph(path: Path) -> onnx.GraphProto:
@@ -421,7 +426,8 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
     if position_rank not in (2, 3):
         raise PackageError(f"{path}: position_ids has rank {position_rank}; expected 2 or 3 (mRoPE)")
     logits, vocab_size = _read_logits(model, graph)
-    _check_hidden_size(proto, input_ids, shape.hidden_size, path, config_path)
+    matrices = _matrices(proto)
+    _check_hidden_size(proto, matrices, input_ids, shape.hidden_size, path, config_path)
     _check_attention(proto, shape.num_heads, shape.num_kv_heads, path, config_path)
     states = _read_states(dec, graph)
     layers = _read_layers(dec, shape, graph, {state.layer for state in states}, str(model.get("type", "")))
@@ -454,7 +460,7 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         steps_one_token=_attends_with_multihead(proto),
         states=states,
     )
-    return decoder, embedding, vocab_size, _position_table_rows(proto)
+    return decoder, embedding, vocab_size, _position_table_rows(proto, matrices)
 
 
 # Where attention ops read rotary cos and sin tables ([positions, rotary width / 2], one row a position).
@@ -465,21 +471,20 @@ _ROTARY_TABLE_INPUTS = {
 }
 
 
-def _position_table_rows(graph: onnx.GraphProto) -> int | None:
+def _position_table_rows(graph: onnx.GraphProto, matrices: dict[str, list[int]]) -> int | None:
     """The positions the decoder's rotary tables hold, where the graph keeps them as weights: the
     tables GroupQueryAttention or RotaryEmbedding reads, or (mobius-onnx's decoders) the cos and sin
     caches a Gather looks positions up in. mobius-onnx writes a context length of at least 4096
     whatever the model's `max_position_embeddings` (the rows it builds), so its packages of
     shorter-context models say more than they can take. None where the graph keeps no such table (the
     builder's long-context Phi-3 chooses one with an If)."""
-    rows = {t.name: t.dims[0] for t in graph.initializer if len(t.dims) == 2}
     tables = set()
     for node in graph.node:
         slots = _ROTARY_TABLE_INPUTS.get((node.op_type, node.domain), ())
         tables.update(node.input[i] for i in slots if i < len(node.input))
         if node.op_type == "Gather" and node.input and re.search(r"(cos|sin)_cache", node.input[0]):
             tables.add(node.input[0])
-    found = [rows[name] for name in tables if name in rows]
+    found = [matrices[name][0] for name in tables if name in matrices]
     return min(found) if found else None
 
 

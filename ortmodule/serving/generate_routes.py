@@ -8,7 +8,6 @@ and checks, the same answers as `/v1/completions` with the same settings."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
@@ -257,13 +256,12 @@ async def _events(served: Served, job: Generation):
     `index` in a batch); the last event of each prompt with its finish reason; then `[DONE]`."""
     how, texts, ids, scored = job.answering, {}, {}, {}
     try:
-        while (event := await job.stream.get()) is not None:
+        while (event := await job.next_event()) is not None:
             index, text, tokens, chunk = event
             texts[index] = texts.get(index, "") + text
             ids.setdefault(index, []).extend(tokens)
             scored.setdefault(index, []).extend(chunk or ())
             yield _event(served, how, job, index, texts[index], ids[index], None, scored[index])
-            await asyncio.sleep(0)  # a client's departure seen between queued events (openai_routes._events)
         try:
             rows = await job.future
         except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
@@ -272,7 +270,6 @@ async def _events(served: Served, job: Generation):
             return
         for row in rows:
             yield _event(served, how, job, row.index, row.text.text, list(row.tokens), row, _scored(row))
-            await asyncio.sleep(0)
         yield "data: [DONE]\n\n"
     finally:
         if not job.future.done():  # the client went away mid-stream: free its rows

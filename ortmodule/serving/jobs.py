@@ -298,6 +298,14 @@ class Generation(Job):
                          media=media, copy=i % copies) for i, p in enumerate(prompts)]
         self.unfinished = len(self.rows)
 
+    async def next_event(self):
+        """The stream's next event (None at its end), after a turn of the event loop: events waiting in
+        the queue would otherwise be written back to back, so a client that left would be heard of only
+        after them all (its rows running on, and asyncio logging "socket.send() raised exception." from
+        the fifth write to the lost connection)."""
+        await asyncio.sleep(0)
+        return await self.stream.get()
+
     def emit(self, row: Row, text: str) -> None:
         """Stream `text` (when there is some) of `row`, with its tokens not yet streamed and their
         log-probabilities where the request asks for them: `(index, text, tokens, [(token, logprob, top), ...]

@@ -12,7 +12,6 @@ servers do.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
@@ -429,13 +428,9 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
             texts = [served.tokenizer.decode(prompt) if not token_ids else "" for prompt in job.prompts[::n]]
             for index in range(len(job.prompts)):
                 yield _chunk(served, kind, ident, index, texts[index // n], ids=ids)
-        while (event := await job.stream.get()) is not None:
+        while (event := await job.next_event()) is not None:
             index, text, tokens, scored = event
             yield _chunk(served, kind, ident, index, text, logprobs=logprobs.of(index, scored), ids=ids, tokens=tokens)
-            # The event loop runs between two events: where several wait in the queue they would be written
-            # back to back, so a client that left would be heard of only after them all (its rows running on,
-            # and asyncio logging "socket.send() raised exception." from the fifth write to the lost connection).
-            await asyncio.sleep(0)
         try:
             rows = await job.future
         except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
@@ -446,7 +441,6 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
             tokens, rest = row.unsent()
             yield _chunk(served, kind, ident, row.index, finish=row.text.finish_reason,
                          logprobs=logprobs.of(row.index, rest), ids=ids, tokens=tokens)
-            await asyncio.sleep(0)
         if usage:
             yield _sse({"id": ident, "object": kind, "model": served.name, "choices": [],
                         "usage": _usage(job.tokens // n, sum(len(row.tokens) for row in rows))})
