@@ -153,13 +153,17 @@ def test_prompt_logprobs_of_a_long_prompt_hold_no_whole_logits(pair):
     assert abs(scores.next_top[0][1] - reference[-1].max().item()) < 1e-4
 
 
+def endless_prompt(hf, tokenizer, new: int) -> list[int]:
+    """A prompt whose greedy continuation runs `new` tokens without an end-of-sequence."""
+    return next(ids for ids in ([7 + k, 40 + k, 99, 3 * k + 11] for k in range(40))
+                if tokenizer.eos_token_id not in hf_greedy(hf, ids, new))
+
+
 def test_a_short_request_joins_a_running_stream(live, pair, monkeypatch):
     """Every model call slowed by 10 ms: a 200-token stream takes over 2 s. A short completion sent
     once the stream runs is answered (equal to itself alone) while the stream is still going."""
     hf, tokenizer = pair[2], pair[3]
-    # A prompt whose greedy continuation runs the full 200 tokens (no end-of-sequence).
-    prompt = next(ids for ids in ([7 + k, 40 + k, 99, 3 * k + 11] for k in range(40))
-                  if tokenizer.eos_token_id not in hf_greedy(hf, ids, 200))
+    prompt = endless_prompt(hf, tokenizer, 200)
     short = {"prompt": "The quick brown fox", "max_tokens": 4}
     alone = complete(live.client, **short)["choices"][0]["text"]
     run = runtime.Session.run
@@ -186,12 +190,6 @@ def test_a_short_request_joins_a_running_stream(live, pair, monkeypatch):
     assert took < 1.0, f"{took:.2f} s: more than its prefill and four steps"
     thread.join(60)
     assert [line for line in streamed if line][-1] == "data: [DONE]"
-
-
-def endless_prompt(hf, tokenizer, new: int) -> list[int]:
-    """A prompt whose greedy continuation runs `new` tokens without an end-of-sequence."""
-    return next(ids for ids in ([7 + k, 40 + k, 99, 3 * k + 11] for k in range(40))
-                if tokenizer.eos_token_id not in hf_greedy(hf, ids, new))
 
 
 def stream_lines(url: str, body: dict, lines: list, path: str = "/v1/completions") -> threading.Thread:
