@@ -516,6 +516,17 @@ def keep_known(cache: KVCache, input_ids: torch.Tensor) -> None:
         cache.crop(keep - cache.seen)
 
 
+def refill(emptied: KVCache, new: KVCache) -> KVCache:
+    """`emptied` (a cache `reset()` or cropped of every column, given with a prompt) made to hold `new`'s
+    entries and buffers (the prompt's cache), so that the object the caller holds is filled in place, as
+    transformers' caches are. The version passes both, so no binding of either's older buffers is taken
+    for current."""
+    version = max(emptied.version, new.version) + 1
+    emptied.__dict__.update(new.__dict__)
+    emptied.version = version
+    return emptied
+
+
 def take_back(cache: KVCache) -> torch.Tensor:
     """The cache's `pending` tokens, taken back out of it (every row shortened by them, the last
     columns of a step's run; the caller's mask kept whole): to run them again, before any new ones.

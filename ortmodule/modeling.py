@@ -32,7 +32,7 @@ from . import (
     runtime,
     variants,
 )
-from .cache import KVCache
+from .cache import KVCache, refill
 from .decoder import Decoder
 from .graph import RewriteSkipped
 from .hf import (
@@ -196,6 +196,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         _refuse_unsupported(input_ids, inputs_embeds, kwargs)
         note_autocast(self.device, self.dtype)
         past, use_cache = _given_cache(past_key_values, cache, use_cache)
+        emptied, past = (past, None) if isinstance(past, KVCache) and past.seen == 0 else (None, past)
         asked = _asked(self.config, output_hidden_states, output_attentions)  # hidden states, attention weights
         embeds = None if inputs_embeds is None else \
             variants.checked_embeds(inputs_embeds, self.package.hidden_size, self.device)
@@ -211,6 +212,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         else:
             logits, past, states, weights = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
                                                                  cache_position, runs, embeds, media, asked)
+            if emptied is not None and past is not None:  # a reset or wholly cropped cache: a prompt, filling it
+                past = refill(emptied, past)
         loss = None if labels is None else _shifted_loss(logits, labels, keep, attention_mask, kwargs, self.training)
         return _output(loss, logits, past if use_cache else None, states, weights, return_dict)
 

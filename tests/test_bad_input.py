@@ -67,6 +67,32 @@ def test_bad_cont_len(model):
         model(ids, cont_len=1.5)
 
 
+def test_a_step_that_does_not_continue_its_cache_is_named(model):
+    """Tokens given with a cache (a decode step by hand) are checked against it before ONNX Runtime runs:
+    their shape and type, the rows, the context left, the mask's type and its new columns."""
+    ids, mask = torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+
+    def step(new, step_mask=None):
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        return model(new, attention_mask=step_mask, past_key_values=cache)
+
+    with pytest.raises(ValueError, match=r"2-D integer tensor \[batch, new tokens\]"):
+        step(torch.tensor([12, 13]))
+    with pytest.raises(TypeError, match="integer token ids, got dtype torch.bool"):
+        step(torch.ones(2, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"input_ids of shape \(3, 1\) does not continue a cache of 2 rows"):
+        step(torch.ones(3, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"input_ids of shape \(2, 0\) does not continue"):
+        step(torch.ones(2, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="4 cached \\+ 253 new tokens exceeds the model's context length 256"):
+        step(torch.ones(2, 253, dtype=torch.long))
+    assert step(torch.ones(2, 252, dtype=torch.long)).logits.shape == (2, 252, 512)  # the context's last position
+    with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor, got list"):
+        step(torch.ones(2, 1, dtype=torch.long), [[1] * 5] * 2)
+    with pytest.raises(ValueError, match="attention_mask must be 1 at every new token"):
+        step(torch.ones(2, 1, dtype=torch.long), torch.cat([mask, torch.tensor([[1], [0]])], 1))
+
+
 def test_logits_at_positions_outside_the_input_are_named(model):
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     with pytest.raises(ValueError, match=r"inside the input of shape \(2, 3\): position 2 is \(row 1, col 3\)"):

@@ -59,6 +59,36 @@ def test_crop_to_a_length_as_transformers_4_did(build):
     assert pair.caches[0].get_seq_length() == 0
 
 
+@pytest.mark.parametrize("arch", [*CACHES, "lfm2"])
+def test_an_emptied_cache_takes_a_new_prompt_in_place(build, arch):
+    """A cache emptied by `reset()` or a crop of every column, given with a new (padded) prompt, is that
+    prompt's cache, filled in place as transformers fills its own (the steps after it equal transformers');
+    generate given one answers as from the prompt alone. It was taken as a step: padding refused."""
+    model, hf = load_pair(build(arch))
+    pair = Pair((model, hf), *left_padded([5, 9], seed=1))
+    ids, mask = left_padded([4, 6, 3], seed=5)
+    for empty in ("reset", "crop"):
+        with torch.inference_mode():  # transformers' cache holds inference tensors
+            for cache in pair.caches:
+                cache.reset() if empty == "reset" else cache.crop(-cache.get_seq_length())
+        positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)
+        with torch.inference_mode():
+            outs = [m(ids, attention_mask=mask, position_ids=positions, past_key_values=c, use_cache=True)
+                    for m, c in zip(pair.models, pair.caches)]
+        assert outs[0][CACHE_NAME] is pair.caches[0]
+        assert (outs[0].logits - outs[1].logits)[mask.bool()].abs().max().item() < 1e-4
+        pair.mask = mask
+        pair.agree(torch.tensor([20, 21, 22]))
+        pair.agree(torch.tensor([30, 31, 32]))
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=2)
+    cache = pair.caches[0]
+    cache.reset()
+    ours = model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
+    with torch.inference_mode():
+        assert torch.equal(ours, hf.generate(ids, attention_mask=mask, **options))
+    assert cache.get_seq_length() == ours.shape[1] - 1  # filled in place, as transformers' generate fills its own
+
+
 def test_cache_views_and_refusals(build):
     model, _ = load_pair(build("llama"))
     ids, mask = left_padded([3, 6], seed=3)
@@ -139,12 +169,13 @@ def test_generate_continues_from_a_returned_cache(build):
     assert torch.equal(ours, expected)
 
 
-@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+@pytest.mark.parametrize("arch", ["llama", "lfm2", "qwen2_5_vl", "gemma4_mobius"])
 def test_generate_continuing_ids_that_leave_the_cache_runs_them_again(build, arch):
     """generate given a cache that holds columns the ids do not continue (a rejected draft's, or as many
     as the ids: what transformers 5.25's assistant across tokenizers passes): the cache is cropped back
     to the columns the ids share with it and the rest run again, so the tokens are transformers' from
-    the ids alone, after a cache from generate and from forward's prompt and step (dense and hybrid)."""
+    the ids alone, after a cache from generate and from forward's prompt and step (dense, hybrid, and the
+    cache of packages without GroupQueryAttention, whose buffers grow by each run)."""
     model, hf = load_pair(build(arch))
     ids, mask = left_padded([5], seed=7)
     options = dict(max_new_tokens=6, do_sample=False, pad_token_id=2)
