@@ -355,6 +355,15 @@ def test_loglikelihood_errors(llama):
     with pytest.raises(ValueError, match=r"row 1: starts\[1\] = -1 with 1 target token\(s\) asks for the logits at "
                                          r"column -1,"):
         ortmodule.loglikelihood(model, ids[[0, 0]], None, [1, -1], [[6], [5]])
+    with pytest.raises(ValueError, match="starts and targets need one entry per row: 2, got 1 and 2"):
+        ortmodule.loglikelihood(model, ids[[0, 0]], None, [1], [[6], [7]])
+    with pytest.raises(ValueError, match="no requests to score"):
+        ortmodule.loglikelihood(model, ids[:0], None, [], [])
+    for rows in ([1], [True], [-1]):  # rows_of indexes the batch's one row; a bool is not an index
+        with pytest.raises(ValueError, match=r"rows_of must hold row indices in \[0, 1\)"):
+            scoring.loglikelihood_totals(model, ids, None, [1], [[6]], rows_of=rows)
+    with pytest.raises(ValueError, match="need one entry per entry of rows_of: 2, got 1 and 1"):
+        scoring.loglikelihood_totals(model, ids, None, [1], [[6]], rows_of=[0, 0])
     with pytest.raises(ValueError, match=r"request 1: starts\[1\] = 4 "):  # requests reading rows (rows_of)
         scoring.loglikelihood_totals(model, ids, None, [0, 4], [[6], [5]], rows_of=[0, 0])
     # Starts that are not int columns, named, where Python or torch would say something else or take a bool as 1.

@@ -726,6 +726,11 @@ BAD = [
                                    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
                                    ("web_search_options", {}), ("verbosity", "low"))],
     ("/v1/completions", {"model": NAME, "prompt": "x", "min_tokens": 2, "stop": ["a"]}, 400, "min_tokens"),
+    # OpenAI's completions fields that would change the output and are not carried out, and stops past the limits
+    ("/v1/completions", {"model": NAME, "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "suffix": " end"}, 400, "suffix"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop": ["a", ""]}, 400, "stop"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "stop": [str(i) for i in range(9)]}, 400, "stop"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "stop_token_ids": ["5"]}, 400, "stop_token_ids.0"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "eA==", "format": "wav"}}]}]}, 400, "messages[0].content"),

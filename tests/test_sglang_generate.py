@@ -43,14 +43,18 @@ def test_greedy_text_and_ids_equal_transformers(setup):
 
 def test_a_batch_and_stop_strings_answer_each_prompt_as_alone(setup):
     """A list of prompts gets a list of answers; a stop string ends a row (`matched` names it) and is
-    cut from its text unless `no_stop_trim`."""
+    cut from its text unless `no_stop_trim`. Fields given per prompt (SGLang's batch form) take their
+    one value where the prompts' are equal."""
     live, _, hf, tokenizer, _ = setup
     texts = ["Once upon a time there", "The capital of France is"]
     references = [hf_greedy(hf, tokenizer(t).input_ids, 12) for t in texts]
     stop = tokenizer.decode(references[0][3:5])  # a string the first row surely writes
     for trim in (False, True):
-        answers = live.client.post("/generate", json={"text": texts, "rid": ["a", "b"], "sampling_params": {
-            "max_new_tokens": 12, "temperature": 0, "stop": [stop], "no_stop_trim": trim}}).json()
+        params = {"max_new_tokens": 12, "temperature": 0, "stop": [stop], "no_stop_trim": trim}
+        # SGLang's batch form, one entry per prompt, where they are equal: as the one given for all
+        answers = live.client.post("/generate", json={"text": texts, "rid": ["a", "b"], "sampling_params":
+                                                      [params, params] if trim else params,
+                                                      "return_logprob": [False, False]}).json()
         assert [a["meta_info"]["id"] for a in answers] == ["a", "b"]
         for answer, tokens in zip(answers, references, strict=True):
             text, reason = expected_text(tokenizer, tokens, (stop,))
