@@ -42,6 +42,21 @@ _CHECKED = ("max_new_tokens", "max_length", "min_new_tokens", "min_length", "top
             "num_return_sequences", "length_penalty")
 
 
+def _check_defaults(config, vocab: int, the_models: bool) -> None:
+    """`check_config` on the merged config, whose values the call did not give (those were checked) are its
+    generation config's: where that is the model's, the error says so (from the package's search section,
+    unless changed) and how to override it."""
+    try:
+        check_config(config, vocab)
+    except ValueError as e:
+        if not the_models:
+            raise
+        name = str(e).split(" ", 1)[0]
+        raise ValueError(f"{e}: model.generation_config's {name}, from the package's genai_config.json (its search "
+                         f"section and special tokens) unless changed; pass {name}= to generate() to override it") \
+            from None
+
+
 def _bad(name: str, value, wanted: str) -> ValueError:
     return ValueError(f"{name} must be {wanted}, got {value!r}")
 
@@ -170,7 +185,7 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
     if kwargs.get("generator") is not None and not greedy_or_sample:
         raise ValueError("generator= applies to greedy decoding and sampling (num_beams=1); beam search and assisted "
                          "decoding draw from torch's global generator, as in transformers")
-    check_config(config, vocab)
+    _check_defaults(config, vocab, generation_config is None)
     if getattr(config, "assistant_early_exit", None) is not None:
         raise NotSupportedError("assistant_early_exit (self-speculative decoding from the first layers) runs the "
                                 "model's first layers alone, which a package's graph does not expose: pass "

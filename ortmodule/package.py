@@ -164,6 +164,33 @@ def _positive_int(section: dict, key: str, where: str, file: Path, default=None)
     return value
 
 
+# The search fields that become generate()'s defaults (hf.SEARCH_DEFAULTS), of the JSON types onnxruntime-genai's
+# parser takes for them (it refuses the others at load; their ranges are generate()'s to check).
+_SEARCH_TYPES = {"do_sample": "bool", "top_k": "integer", "no_repeat_ngram_size": "integer", "num_beams": "integer",
+                 "num_return_sequences": "integer", "temperature": "number", "top_p": "number",
+                 "repetition_penalty": "number", "length_penalty": "number"}
+
+
+def _search(search: dict, file: Path) -> dict:
+    """The search section with its generation fields checked for their JSON types (integers written as 50.0
+    taken as 50): a `PackageError` naming the field, where onnxruntime-genai refuses the package too and
+    transformers' generate would take "yes" for do_sample or fail later naming no file."""
+    checked = dict(search)
+    for key, kind in _SEARCH_TYPES.items():
+        if key not in search:
+            continue
+        value = search[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        if kind == "bool" and isinstance(value, bool) or kind == "number" and number:
+            continue
+        if kind == "integer" and number and float(value).is_integer():
+            checked[key] = int(value)
+            continue
+        article = "an" if kind == "integer" else "a"
+        raise PackageError(f"{file}: 'search.{key}' must be {article} {kind}, got {json.dumps(value)[:80]}")
+    return checked
+
+
 def _token_id(model: dict, key: str, file: Path, several: bool = True) -> int | list[int] | None:
     """`model[key]`, a special token's id: an integer, None (or absent), or where `several`, a list of
     integers (a model with several end-of-sequence tokens)."""
@@ -307,7 +334,7 @@ def read_package(path: str | Path) -> Package:
     model = _object(genai, "model", "", config_path)
     dec = _object(model, "decoder", "model.", config_path)
     shape = _read_shape(dec, config_path)
-    search = _object(genai, "search", "", config_path, required=False)
+    search = _search(_object(genai, "search", "", config_path, required=False), config_path)
     context_length = _positive_int(model, "context_length", "model.", config_path)
     decoder, embedding, vocab_size, table_rows = _read_decoder(root, model, shape, config_path)
     if table_rows is not None and table_rows < context_length:

@@ -218,6 +218,36 @@ def test_a_config_that_contradicts_its_graph_is_named(llama, tmp_path, edit, mes
         OrtModelForCausalLM.from_pretrained(package)
 
 
+@pytest.mark.parametrize("key, value, wanted", [("top_k", "x", "an integer"), ("top_k", 1.5, "an integer"),
+                                                 ("do_sample", "yes", "a bool"), ("do_sample", 1, "a bool"),
+                                                 ("repetition_penalty", None, "a number"),
+                                                 ("temperature", True, "a number")])
+def test_search_defaults_of_the_wrong_json_type_are_named(llama, tmp_path, key, value, wanted):
+    """The search section's fields that become generate()'s defaults, of a JSON type onnxruntime-genai's parser
+    refuses too: named at load (do_sample "yes" sampled, a string top_k failed in generate naming no file)."""
+    package, config = copy_package(llama, tmp_path)
+    config["search"][key] = value
+    write_config(package, config)
+    with pytest.raises(PackageError, match=re.escape(f"genai_config.json: 'search.{key}' must be {wanted}, got "
+                                                     f"{json.dumps(value)}")):
+        OrtModelForCausalLM.from_pretrained(package)
+
+
+def test_search_defaults_out_of_range_are_named_as_the_packages(llama, tmp_path):
+    """A default out of range (onnxruntime-genai loads it too) fails in generate() saying where it came from
+    and how to override it; an integer written as a float is taken."""
+    package, config = copy_package(llama, tmp_path)
+    config["search"].update(top_p=2.0, do_sample=True, top_k=40.0)
+    write_config(package, config)
+    model = OrtModelForCausalLM.from_pretrained(package)
+    assert model.generation_config.top_k == 40 and isinstance(model.generation_config.top_k, int)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"top_p must be a number in \(0.0, 1.0\], got 2.0: model.generation_config's "
+                                         r"top_p, from the package's genai_config.json .* pass top_p= to generate"):
+        model.generate(ids, max_new_tokens=2)
+    assert model.generate(ids, max_new_tokens=2, top_p=0.5).shape == (1, 5)
+
+
 def test_special_tokens_may_be_lists_or_absent(llama, tmp_path):
     package, config = copy_package(llama, tmp_path)
     config["model"]["eos_token_id"] = [2, 3]
