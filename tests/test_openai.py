@@ -772,6 +772,40 @@ def test_a_tokenizer_without_a_chat_template_refuses_messages_by_name(setup):
         live.stop()
 
 
+
+def test_a_server_made_without_a_tokenizer_scores_token_ids_and_refuses_the_rest(setup):
+    """`create_app(model, None)`: /v1/score takes token ids (transformers' probabilities), /health_generate
+    answers; every route that writes or reads text is a 400 saying so (completions of token ids, /generate's
+    input_ids and /detokenize failed in the engine with a 500 on the missing tokenizer's decode)."""
+    _, model, hf, _, _ = setup
+    live = LiveServer(create_app(model, None, name=NAME, tokenizer_info=True))
+    try:
+        ids = [5, 17, 99]
+        scored = live.client.post("/v1/score", json={"query": ids, "items": [[7], [8]], "label_token_ids": [3, 4]})
+        assert scored.status_code == 200, scored.text
+        with torch.no_grad():
+            for item, scores in zip((7, 8), scored.json()["scores"], strict=True):
+                reference = torch.softmax(hf(torch.tensor([ids + [item]])).logits[0, -1].double(), -1)[[3, 4]]
+                assert torch.allclose(torch.tensor(scores, dtype=torch.float64), reference, atol=1e-5)
+        vllm = live.client.post("/generative_scoring", json={"query": ids, "items": [[7], [8]],
+                                                            "label_token_ids": [3, 4], "apply_softmax": False})
+        assert [d["score"] for d in vllm.json()["data"]] == [s[0] for s in scored.json()["scores"]], vllm.text
+        assert live.client.get("/health_generate").status_code == 200
+        for method, path, body in [("post", "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": 2}),
+                                   ("post", "/v1/chat/completions",
+                                    {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}),
+                                   ("post", "/generate", {"input_ids": ids}),
+                                   ("post", "/tokenize", {"prompt": "hi"}), ("post", "/detokenize", {"tokens": ids}),
+                                   ("get", "/tokenizer_info", None)]:
+            answer = live.client.request(method.upper(), path, json=body)
+            assert answer.status_code == 400, (path, answer.text)
+            assert answer.json()["error"]["message"] == (f"{path} needs a tokenizer, and this server was made without "
+                                                         "one: it scores token ids on /v1/score")
+        text = live.client.post("/v1/score", json={"query": "a", "items": ["b"], "label_token_ids": [3]})
+        assert text.status_code == 400 and "need a tokenizer" in text.text
+    finally:
+        live.stop()
+
 def test_models_and_malformed_json(setup):
     live = setup[0]
     assert live.client.get(f"/v1/models/{NAME}").json()["id"] == NAME

@@ -87,8 +87,9 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = ()) 
     other texts, whose sizes count with the messages'."""
     if not body.messages:
         raise ServingError("messages is empty", "messages")
+    served.need_tokenizer("/v1/chat/completions", "messages")
     tokenizer = served.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None):
         raise ServingError("this model's tokenizer has no chat template: send a prompt instead of messages "
                            "(/v1/completions; /tokenize takes one too)", "messages")
     messages, texts, pictures = [], [], []

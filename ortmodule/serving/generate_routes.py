@@ -54,6 +54,7 @@ def _per_prompt(value, count: int, name: str, default):
 def _prompts(served: Served, body: GenerateRequest) -> tuple[list[list[int]], bool]:
     """The prompts' token ids (text tokenized with the tokenizer's special tokens, as SGLang tokenizes
     it, after the size check every text gets), and whether the request is a batch."""
+    served.need_tokenizer("/generate")
     if (body.text is None) == (body.input_ids is None):
         raise ServingError("send the prompt as text or as input_ids, one of them", "text")
     if body.input_ids is not None:
@@ -61,8 +62,6 @@ def _prompts(served: Served, body: GenerateRequest) -> tuple[list[list[int]], bo
         return (body.input_ids if batch else [body.input_ids]), batch
     texts = body.text if isinstance(body.text, list) else [body.text]
     served.check_texts([(f"text[{i}]", text) for i, text in enumerate(texts)])
-    if served.tokenizer is None:
-        raise ServingError("text prompts need a tokenizer; this server has none: send input_ids", "text")
     if not texts:
         raise ServingError("text is empty", "text")
     return [list(ids) for ids in served.tokenizer(texts)["input_ids"]], isinstance(body.text, list)

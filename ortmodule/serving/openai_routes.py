@@ -143,6 +143,7 @@ def _check_length(served: Served, prompts: list[list[int]], max_tokens: int) -> 
 
 def completion_job(served: Served, body: CompletionRequest, loop):
     stop = check_common(served, body)
+    served.need_tokenizer("/v1/completions")
     prompt = body.prompt
     nested = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
     entries = prompt if nested else [prompt]
@@ -164,8 +165,6 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     texts = [(f"prompt[{i}]", text) for i, text in enumerate(entries) if isinstance(text, str)]
     served.check_texts(texts)
     if texts:
-        if served.tokenizer is None:
-            raise ServingError("text prompts need a tokenizer; this server has none: send token ids", "prompt")
         prompts = [list(ids) for ids in served.tokenizer([t for _, t in texts],
                                                          add_special_tokens=body.add_special_tokens)["input_ids"]]
     else:

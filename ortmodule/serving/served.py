@@ -44,6 +44,13 @@ class Served:
             raise ServingError(f"The model '{model}' does not exist; this server serves '{self.name}'", "model", 404,
                                "model_not_found")
 
+    def need_tokenizer(self, what: str, param: str | None = None) -> None:
+        """A 400 where this server was made without a tokenizer (`create_app(model, None)`) and `what`
+        needs one: it then scores token ids on /v1/score and nothing else."""
+        if self.tokenizer is None:
+            raise ServingError(f"{what} needs a tokenizer, and this server was made without one: it scores token ids "
+                               "on /v1/score", param)
+
     def check_texts(self, texts: list[tuple[str, str]]) -> None:
         """Texts (field, text) that cannot fit the context however they tokenize, each and together,
         refused before anything is tokenized."""

@@ -88,6 +88,8 @@ class TextStream:
         return current[len(shown):]
 
     def _window_text(self, end: int) -> str:
+        if self.tokenizer is None:  # a server made without one: only /health_generate's token, whose text is unread
+            return ""
         return self.tokenizer.decode(self.ids[self.prefix : end], skip_special_tokens=self.skip_special)
 
     def _release(self, upto: int) -> str:

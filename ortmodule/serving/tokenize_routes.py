@@ -23,6 +23,7 @@ def tokenize(served: Served, body: TokenizeRequest, loop=None) -> dict:
     served.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ServingError("send either prompt (a text) or messages (a chat)", "prompt")
+    served.need_tokenizer("/tokenize")
     tokenizer = served.tokenizer
     if body.messages is None:
         served.check_texts([("prompt", body.prompt)])
@@ -40,6 +41,7 @@ def tokenize(served: Served, body: TokenizeRequest, loop=None) -> dict:
 
 def detokenize(served: Served, body: DetokenizeRequest, loop=None) -> dict:
     served.check_model(body.model)
+    served.need_tokenizer("/detokenize")
     if len(body.tokens) > served.context:
         raise ServingError(f"tokens has {len(body.tokens)} ids, more than the model's context of {served.context}",
                            "tokens")
@@ -96,4 +98,5 @@ def add_routes(app: FastAPI, served: Served) -> None:
         if not served.settings.tokenizer_info:
             raise ServingError("/tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint "
                                "(it shows the tokenizer's settings and chat template)", status=404)
+        served.need_tokenizer("/tokenizer_info")
         return tokenizer_info(served.tokenizer)
