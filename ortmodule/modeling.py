@@ -211,9 +211,7 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
                                                          cache_position, runs, embeds)
         else:
             logits, past, states, weights = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
-                                                                 cache_position, runs, embeds, media, asked)
-            if emptied is not None and past is not None:  # a reset or wholly cropped cache: a prompt, filling it
-                past = refill(emptied, past)
+                                                                 cache_position, runs, embeds, media, asked, emptied)
         loss = None if labels is None else _shifted_loss(logits, labels, keep, attention_mask, kwargs, self.training)
         return _output(loss, logits, past if use_cache else None, states, weights, return_dict)
 
@@ -223,7 +221,20 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
                                   position_ids, cache_position, positions)
 
     def _forward_prompt(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs,
-                        embeds=None, media=None, asked=(False, False)):
+                        embeds=None, media=None, asked=(False, False), emptied: KVCache | None = None):
+        """`_prompt_run`; where a cache `reset()` or cropped of every column was given (`emptied`), its cache is
+        that object, filled in place as transformers' caches are (held meanwhile: another thread's run over it
+        is refused, as over any cache)."""
+        if emptied is None:
+            return self._prompt_run(input_ids, attention_mask, keep, use_cache, position_ids, cache_position, runs,
+                                    embeds, media, asked)
+        with self.decoder.holding(emptied):
+            logits, cache, states, weights = self._prompt_run(input_ids, attention_mask, keep, use_cache, position_ids,
+                                                              cache_position, runs, embeds, media, asked)
+            return logits, cache if cache is None else refill(emptied, cache), states, weights
+
+    def _prompt_run(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs,
+                    embeds=None, media=None, asked=(False, False)):
         """Logits `[B, k, V]` at the kept positions (every one when none are named) of a prompt batch
         (of `embeds` where given; with `media`, `images.prompt_media`', its images), its cache, and from
         `runs` (a `variants.Variant`) the hidden states and attention weights (`asked`: which)."""

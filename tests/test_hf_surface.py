@@ -83,6 +83,9 @@ def test_an_emptied_cache_takes_a_new_prompt_in_place(build, arch):
     options = dict(max_new_tokens=5, do_sample=False, pad_token_id=2)
     cache = pair.caches[0]
     cache.reset()
+    with model.decoder.holding(cache), pytest.raises(RuntimeError, match="being run by another thread"):
+        model(ids, attention_mask=mask, past_key_values=cache)  # filled under the cache's hold, as every run
+    assert cache.get_seq_length() == 0
     ours = model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
     with torch.inference_mode():
         assert torch.equal(ours, hf.generate(ids, attention_mask=mask, **options))
