@@ -74,17 +74,35 @@ def drawn_options(rng: random.Random) -> dict:
     return options
 
 
-def assert_close(name: str, ours, theirs, what: str):
+def assert_close(name: str, ours, theirs, what: str, filters: bool = False):
+    """Steps' scores or logits within 1e-3 of transformers', -inf at the same tokens; where a top-k or top-p
+    filter ran (`filters`), a row may keep other tokens at its cut where they tie within float rounding."""
     assert (ours is None) == (theirs is None), f"{name}: {what}"
     if ours is None:
         return
     ours, theirs = (ours, theirs) if isinstance(ours, tuple) else ((ours,), (theirs,))
     assert len(ours) == len(theirs), f"{name}: {len(ours)} against {len(theirs)} steps; {what}"
     for a, b in zip(ours, theirs):
-        finite = torch.isfinite(b)
-        assert torch.equal(torch.isfinite(a), finite), f"{name}: other infinities; {what}"
-        if finite.any():
-            assert (a[finite] - b[finite]).abs().max().item() < 1e-3, f"{name} differ; {what}"
+        finite, kept = torch.isfinite(b), torch.isfinite(a)
+        if not torch.equal(kept, finite):
+            assert filters, f"{name}: other infinities; {what}"
+            assert_a_cut_ties(a, b, f"{name}: {what}")
+        both = kept & finite
+        if both.any():
+            assert (a[both] - b[both]).abs().max().item() < 1e-3, f"{name} differ; {what}"
+
+
+def assert_a_cut_ties(ours: torch.Tensor, theirs: torch.Tensor, what: str):
+    """A step's filtered scores `[rows, V]` that keep other tokens than transformers' in some rows: right only
+    as a tie at the filter's cut (seed 807805: Gemma 3, top-p 0.5, the 18th and 19th tokens' logits 4e-7 apart,
+    ranked the other way, the drawn tokens the same): each such row keeps as many tokens, and those only one
+    side keeps score within 1e-5 of those only the other keeps."""
+    kept, finite = torch.isfinite(ours), torch.isfinite(theirs)
+    for row in (kept != finite).any(-1).nonzero().flatten().tolist():
+        assert kept[row].sum() == finite[row].sum(), f"other infinities, not a tie at the cut; {what}"
+        mine = ours[row][kept[row] & ~finite[row]].sort().values
+        other = theirs[row][finite[row] & ~kept[row]].sort().values
+        assert (mine - other).abs().max().item() < 1e-5, f"other infinities, not a tie at the cut; {what}"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -111,8 +129,9 @@ def test_generate_options_fuzz(build, seed):
         return
     if isinstance(theirs, torch.Tensor):
         return
+    filters = bool(options.get("do_sample")) and bool(options.get("top_k") or options.get("top_p"))
     for name in ("scores", "logits", "sequences_scores"):
-        assert_close(name, getattr(ours, name, None), getattr(theirs, name, None), what)
+        assert_close(name, getattr(ours, name, None), getattr(theirs, name, None), what, filters)
 
 
 def ends_reached(hf, ids, mask, options: dict, rng: random.Random) -> list[int]:
