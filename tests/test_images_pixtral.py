@@ -88,9 +88,15 @@ def test_logits_equal_transformers_with_images(pair, inputs, left):
 
 
 def test_steps_hidden_states_and_loss_with_images_equal_transformers(pair, inputs):
+    """Hidden states, a step and the loss with images as transformers'; and a cache emptied by `reset()`
+    takes the prompt with its images again (it was taken as a step, where images are refused)."""
     model, hf = pair
     out = check_hidden_states_with_images(model, hf, inputs, layers=2)
     check_image_step_and_loss(model, hf, inputs, out.past_key_values)
+    cache = out.past_key_values
+    cache.reset()  # emptied, it takes the prompt with its images again, filled in place
+    model(**inputs, past_key_values=cache)
+    check_image_step_and_loss(model, hf, inputs, cache)
 
 
 def test_generate_with_images_equals_transformers(pair, inputs):
