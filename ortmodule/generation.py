@@ -48,17 +48,24 @@ def _check_defaults(config, vocab: int, the_models: bool) -> None:
     unless changed) and how to override it."""
     try:
         check_config(config, vocab)
-    except ValueError as e:
+    except _OptionError as e:
         if not the_models:
             raise
-        name = str(e).split(" ", 1)[0]
-        raise ValueError(f"{e}: model.generation_config's {name}, from the package's genai_config.json (its search "
-                         f"section and special tokens) unless changed; pass {name}= to generate() to override it") \
-            from None
+        raise ValueError(f"{e}: model.generation_config's {e.option}, from the package's genai_config.json (its "
+                         f"search section and special tokens) unless changed; pass {e.option}= to generate() to "
+                         "override it") from None
+
+
+class _OptionError(ValueError):
+    """A generate() option out of its range or of the wrong type; `option` names it."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
 
 
 def _bad(name: str, value, wanted: str) -> ValueError:
-    return ValueError(f"{name} must be {wanted}, got {value!r}")
+    return _OptionError(name, f"{name} must be {wanted}, got {value!r}")
 
 
 def check_config(config, vocab: int) -> None:

@@ -10,6 +10,7 @@ the caller's layout.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import onnxruntime as ort
@@ -225,13 +226,12 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         """`_prompt_run`; where a cache `reset()` or cropped of every column was given (`emptied`), its cache is
         that object, filled in place as transformers' caches are (held meanwhile: another thread's run over it
         is refused, as over any cache)."""
-        if emptied is None:
-            return self._prompt_run(input_ids, attention_mask, keep, use_cache, position_ids, cache_position, runs,
-                                    embeds, media, asked)
-        with self.decoder.holding(emptied):
+        with contextlib.nullcontext() if emptied is None else self.decoder.holding(emptied):
             logits, cache, states, weights = self._prompt_run(input_ids, attention_mask, keep, use_cache, position_ids,
                                                               cache_position, runs, embeds, media, asked)
-            return logits, cache if cache is None else refill(emptied, cache), states, weights
+            if emptied is not None and cache is not None:
+                cache = refill(emptied, cache)
+        return logits, cache, states, weights
 
     def _prompt_run(self, input_ids, attention_mask, keep, use_cache: bool, position_ids, cache_position, runs,
                     embeds=None, media=None, asked=(False, False)):
