@@ -293,7 +293,11 @@ def test_generate_until_fuzz(build, monkeypatch, seed):
         f"seed {4000 + seed}: batch {batch}, {drawn_model}"
 
 
-@pytest.mark.parametrize("precision, per_token", [("fp16", 2e-3), ("int4", 0.05)])
+# int4's per-token bound: on a CPU its matmuls round the activations to int8 (accuracy_level 4), so a float
+# difference of 1e-6 between plans (a chunk's attention over its cache) can move an activation across a
+# rounding edge. Seed 905151 (chunk 7) met 0.051 a token where the package's own cost against fp32 on the
+# same requests was 0.075 (median) to 0.48 (largest); a wrong plan (positions, rows) costs whole nats.
+@pytest.mark.parametrize("precision, per_token", [("fp16", 2e-3), ("int4", 0.1)])
 @pytest.mark.parametrize("seed", fuzz_seeds("FUZZ_SEEDS", 48, 1 / 8))
 def test_quantized_plans_agree_with_the_plain_path(build, monkeypatch, seed, precision, per_token):
     """Half-precision and 4-bit packages differ from transformers fp32 by their own rounding, so here
