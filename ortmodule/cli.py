@@ -277,6 +277,12 @@ def _serve_flags(commands) -> None:
     serve.add_argument("--enable-tokenizer-info-endpoint", dest="tokenizer_info", action="store_true",
                        help="answer GET /tokenizer_info (the tokenizer's settings and chat template, which lm-eval's "
                             "tokenizer_backend=remote reads), as vLLM's flag of that name; off by default")
+    serve.add_argument("--generation-config", dest="generation_config", default="auto", metavar="auto|vllm|FOLDER",
+                       help="where completions and chat requests that leave out temperature, top_p, top_k, min_p or "
+                            "repetition_penalty take them from, as vLLM's flag of that name: auto, the package's "
+                            "defaults (genai_config.json's search section, what model.generate applies); vllm, "
+                            "OpenAI's (temperature 1, top_p 1, no top-k or penalty); or a folder holding the "
+                            "checkpoint's generation_config.json (default auto)")
     _settings_flags(serve)
 
 

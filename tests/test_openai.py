@@ -2,6 +2,7 @@
 weights, `model.generate`, the `openai` client and lm-eval's `local-completions` backend."""
 
 import json
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,9 +10,18 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from helpers import OPENAI_NAME, LiveServer, expected_text, hf_greedy, hold_worker, load_pair, one_held_one_waiting
+from helpers import (
+    CHAT_TEMPLATE,
+    OPENAI_NAME,
+    LiveServer,
+    expected_text,
+    hf_greedy,
+    hold_worker,
+    load_pair,
+    one_held_one_waiting,
+)
 
-from ortmodule import load_tokenizer, runtime
+from ortmodule import OrtModelForCausalLM, cli, load_tokenizer, runtime
 from ortmodule.serving import create_app
 
 NAME = OPENAI_NAME
@@ -262,6 +272,71 @@ def test_vllms_sampling_extras_equal_generate_with_the_same_options(setup):
     penalized = hf_greedy(hf, ids, 12, repetition_penalty=1.8)
     assert penalized != hf_greedy(hf, ids, 12)
     assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, penalized)[0]
+
+
+def test_requests_that_leave_sampling_out_take_the_packages_defaults_as_vllm(build, tmp_path, capsys, monkeypatch):
+    """vLLM's `--generation-config`: completions and chat requests that leave out `temperature`, `top_p`,
+    `top_k`, `min_p` or `repetition_penalty` take the package's defaults (genai_config.json's search
+    section, what `model.generate` applies) with `auto`, the default; OpenAI's with `vllm`; those of a
+    folder's generation_config.json with its path. A request's own value wins. A folder without a readable
+    generation_config.json, or a default out of range, stops `ortmodule serve` before the package loads."""
+    fixture = build("llama")
+    _, hf = load_pair(fixture)
+    package = tmp_path / "package"
+    shutil.copytree(fixture.package_dir, package)
+    config = json.loads((package / "genai_config.json").read_text())
+    config["search"].update(repetition_penalty=1.8, temperature=0.9, top_k=20, top_p=0.8)
+    (package / "genai_config.json").write_text(json.dumps(config))
+    model, tokenizer = OrtModelForCausalLM.from_pretrained(package), load_tokenizer(package)
+    ids = tokenizer("the the the quick brown fox the").input_ids
+    penalized, plain = hf_greedy(hf, ids, 12, repetition_penalty=1.8), hf_greedy(hf, ids, 12)
+    assert penalized != plain  # the penalty changes the greedy choice
+    assert model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist() == penalized
+    drawn = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=True,
+                           generator=torch.Generator().manual_seed(11))[0, len(ids):].tolist()
+    messages = [{"role": "user", "content": "the the quick the"}]
+    tokenizer.chat_template = CHAT_TEMPLATE
+    chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+
+    def answers(app, **request):
+        live = LiveServer(app)
+        try:
+            text = live.client.post("/v1/completions", json={"model": NAME, "prompt": ids, **request}).json()
+            chat = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, **request})
+            return text["choices"][0]["text"], chat.json()["choices"][0]["message"]["content"]
+        finally:
+            live.stop()
+
+    greedy = {"max_tokens": 12, "temperature": 0}
+    auto = create_app(model, tokenizer, name=NAME)
+    assert answers(auto, **greedy) == (expected_text(tokenizer, penalized)[0],
+                                       expected_text(tokenizer, hf_greedy(hf, chat_ids, 12, repetition_penalty=1.8))[0])
+    assert answers(create_app(model, tokenizer, name=NAME), **greedy, repetition_penalty=1.0)[0] == \
+        expected_text(tokenizer, plain)[0]  # the request's own value
+    sampled = answers(create_app(model, tokenizer, name=NAME), max_tokens=10, seed=11)  # the package's four
+    assert sampled[0] == expected_text(tokenizer, drawn)[0]
+    neutral = answers(create_app(model, tokenizer, name=NAME, generation_config="vllm"), **greedy)
+    assert neutral == (expected_text(tokenizer, plain)[0], expected_text(tokenizer, hf_greedy(hf, chat_ids, 12))[0])
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.8, "do_sample": False}))
+    plain_package = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    folder = answers(create_app(plain_package, tokenizer, name=NAME, generation_config=str(checkpoint)), **greedy)
+    assert folder[0] == expected_text(tokenizer, penalized)[0]
+    assert answers(create_app(plain_package, tokenizer, name=NAME), **greedy)[0] == expected_text(tokenizer, plain)[0]
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before --generation-config was checked")
+
+    monkeypatch.setattr(OrtModelForCausalLM, "from_pretrained", loaded)
+    (tmp_path / "bad" / "generation_config.json").parent.mkdir()
+    (tmp_path / "bad" / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    for flag, message in ((tmp_path / "absent", "a readable generation_config.json"),
+                          (tmp_path / "bad", "default top_p is 1.5")):
+        with pytest.raises(SystemExit) as stopped:
+            cli.ortmodule(["serve", str(package), "--generation-config", str(flag), "--port", "0"])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
 class OpenAIPenalties:

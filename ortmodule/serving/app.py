@@ -24,7 +24,7 @@ from . import generate_routes, openai_routes, score_routes, sglang_routes, token
 from .engine import Engine
 from .errors import AsciiJSON, ServingError
 from .images import ChatImages
-from .served import Served
+from .served import Served, sampling_defaults
 from .settings import Settings
 
 log = logging.getLogger("ortmodule.serving")
@@ -42,6 +42,10 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     engine = Engine(model, settings)
     # The package's folder name, never its path (which would tell clients about the host).
     served = Served(engine, tokenizer, settings.name or Path(model.package.root).name, settings, chat_images)
+    if served.sampling_defaults:  # as vLLM says where its defaults come from
+        source = "the package's defaults" if settings.generation_config == "auto" else settings.generation_config
+        log.info("completions and chat requests that leave them out sample with %s: %s (--generation-config vllm: "
+                 "OpenAI's defaults)", source, ", ".join(f"{k}={v}" for k, v in served.sampling_defaults.items()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -262,6 +266,8 @@ def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revi
     settings = Settings.with_environment(**options)
     if settings.processor is not None:
         check_processor(read_package(local), settings.processor)
+    if settings.generation_config not in ("auto", "vllm"):  # a folder's generation_config.json, read before the load
+        sampling_defaults(None, settings.generation_config)
     model = OrtModelForCausalLM.from_pretrained(local, device=device, prefill_attention=prefill_attention,
                                                 rewrite_lm_head="float32" if fp32_lm_head else True)
     if settings.reuse_prefix == "auto":  # the costs decide it: timed (or read from the disk) now, not in a request

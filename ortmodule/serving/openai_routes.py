@@ -111,15 +111,18 @@ def stop_ids_of(served: Served, body) -> tuple[int, ...]:
 
 
 def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> Sampling:
-    """OpenAI's defaults: temperature 1, top_p 1; a seed matters only when sampling; `logit_bias`,
-    `presence_penalty` and `frequency_penalty` (over the tokens generated so far).
-    vLLM's extras: `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1: off),
-    `min_tokens` (end-of-sequence and stop tokens masked before), `ignore_eos`, `stop_token_ids`,
+    """A field the request leaves out takes the server's default (`served.sampling_defaults`: the
+    package's, as vLLM takes a model's generation config), else OpenAI's: temperature 1, top_p 1; a seed
+    matters only when sampling; `logit_bias`, `presence_penalty` and `frequency_penalty` (over the tokens
+    generated so far). vLLM's extras: `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1:
+    off), `min_tokens` (end-of-sequence and stop tokens masked before), `ignore_eos`, `stop_token_ids`,
     `include_stop_str_in_output`, `skip_special_tokens`."""
-    sampling = Sampling(max_tokens, 1.0 if body.temperature is None else float(body.temperature),
-                        1.0 if body.top_p is None else float(body.top_p), None, stop, logprobs,
-                        max(0, body.top_k or 0), float(body.min_p or 0.0),
-                        1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+    def given(name: str, otherwise):
+        value = getattr(body, name)
+        return served.sampling_defaults.get(name, otherwise) if value is None else value
+
+    sampling = Sampling(max_tokens, float(given("temperature", 1.0)), float(given("top_p", 1.0)), None, stop, logprobs,
+                        max(0, given("top_k", 0)), float(given("min_p", 0.0)), float(given("repetition_penalty", 1.0)),
                         logit_bias_of(served, body), body.min_tokens, body.ignore_eos,
                         float(body.presence_penalty), float(body.frequency_penalty),
                         stop_ids_of(served, body), body.include_stop_str_in_output, body.skip_special_tokens)

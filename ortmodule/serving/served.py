@@ -9,8 +9,11 @@ dropped, or its rows stop at the next step) -> build the answer off the event lo
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from starlette.requests import Request
 
@@ -38,6 +41,7 @@ class Served:
         self.context, self.vocab = package.context_length, package.vocab_size
         # A text longer than this many bytes cannot fit the context, however it tokenizes.
         self.max_text_bytes = self.context * longest_token_bytes(self.tokenizer)
+        self.sampling_defaults = sampling_defaults(self.engine.model, self.settings.generation_config)
 
     def check_model(self, model: str | None) -> None:
         if model not in (None, "", self.name):
@@ -82,6 +86,44 @@ class Served:
         if values > limit:
             raise ServingError(f"{what} would be {values} numbers; this server answers at most {limit} per request",
                                param)
+
+
+# The sampling fields whose defaults vLLM takes from a model's generation config (its `--generation-config`), each
+# with the values it may hold: (lowest, highest, whether the lowest is excluded, whether an integer).
+SAMPLING_FIELDS = {"temperature": (0.0, math.inf, False, False), "top_p": (0.0, 1.0, True, False),
+                   "top_k": (-1, math.inf, False, True), "min_p": (0.0, 1.0, False, False),
+                   "repetition_penalty": (0.0, math.inf, True, False)}
+
+
+def sampling_defaults(model, source: str) -> dict:
+    """The values the OpenAI routes give the sampling fields a request leaves out (`SAMPLING_FIELDS`), as vLLM's
+    `--generation-config` takes them: "auto", those the package sets (`model.generation_config`, read from
+    genai_config.json's search section: the fields that differ from transformers' defaults, as vLLM reads a
+    checkpoint's generation_config.json); "vllm", none (OpenAI's defaults); else a folder holding a
+    generation_config.json (the checkpoint's), the fields it sets. A ValueError names a value out of range."""
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        given, where = {name: getattr(model.generation_config, name, None) for name in SAMPLING_FIELDS}, "the package's"
+    else:
+        path = Path(source) / "generation_config.json"
+        try:
+            given = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"generation_config must be auto, vllm or a folder holding a readable "
+                             f"generation_config.json; {source!r}: {e}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"{path} holds no JSON object")
+        where = str(path)
+    defaults = {name: given[name] for name in SAMPLING_FIELDS if given.get(name) is not None}
+    for name, value in defaults.items():
+        low, high, open_low, integer = SAMPLING_FIELDS[name]
+        kind_ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if (isinstance(value, bool) or not kind_ok or not math.isfinite(value) or not low <= value <= high
+                or (open_low and value == low)):
+            raise ValueError(f"{where} default {name} is {value!r}, which the OpenAI routes cannot sample with; "
+                             "--generation-config vllm leaves the package's defaults out")
+    return defaults
 
 
 async def start(served: Served, make_job, body) -> Job:

@@ -45,6 +45,12 @@ class Settings:
 
     `processor`: a folder holding the checkpoint's image processor (`preprocessor_config.json`), for
     a package that takes images: chat messages may then hold `image_url` parts (serving/images.py).
+
+    `generation_config`: where the OpenAI routes take the sampling fields a request leaves out
+    (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`), as vLLM's `--generation-config`:
+    "auto", the package's defaults (`model.generation_config`, from genai_config.json's search section);
+    "vllm", OpenAI's (temperature 1, top_p 1, no top-k, min-p or penalty); or a folder holding a
+    `generation_config.json` (the checkpoint's), its values (served.py's `sampling_defaults`).
     """
 
     name: str | None = None
@@ -69,6 +75,7 @@ class Settings:
     api_key: str | None = None
     processor: str | None = None
     tokenizer_info: bool = False
+    generation_config: str = "auto"
 
     def __post_init__(self):
         for field in fields(self):
@@ -81,7 +88,7 @@ class Settings:
             elif field.name == "reuse_prefix":
                 if not isinstance(value, str) or value not in REUSE_PREFIX:
                     raise ValueError(f"reuse_prefix must be one of {', '.join(REUSE_PREFIX)}, got {value!r}")
-            elif field.name in ("name", "api_key", "processor"):
+            elif field.name in ("name", "api_key", "processor", "generation_config"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"{field.name} must be a non-empty string, got {value!r}")
             elif field.type == "float":
