@@ -122,7 +122,7 @@ def sampling_defaults(model, source: str) -> dict:
         if (isinstance(value, bool) or not kind_ok or not math.isfinite(value) or not low <= value <= high
                 or (open_low and value == low)):
             raise ValueError(f"{where} default {name} is {value!r}, which the OpenAI routes cannot sample with; "
-                             "--generation-config vllm leaves the package's defaults out")
+                             "--generation-config vllm takes OpenAI's defaults instead")
     return defaults
 
 
