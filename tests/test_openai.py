@@ -23,6 +23,7 @@ from helpers import (
 
 from ortmodule import OrtModelForCausalLM, cli, load_tokenizer, runtime
 from ortmodule.serving import create_app
+from ortmodule.serving.jobs import PromptJob
 
 NAME = OPENAI_NAME
 
@@ -299,6 +300,8 @@ def test_requests_that_leave_sampling_out_take_the_packages_defaults_as_vllm(bui
     chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
 
+    original = PromptJob.__init__
+
     def answers(app, **request):
         live = LiveServer(app)
         try:
@@ -316,6 +319,28 @@ def test_requests_that_leave_sampling_out_take_the_packages_defaults_as_vllm(bui
         expected_text(tokenizer, plain)[0]  # the request's own value
     sampled = answers(create_app(model, tokenizer, name=NAME), max_tokens=10, seed=11)  # the package's four
     assert sampled[0] == expected_text(tokenizer, drawn)[0]
+    # lm-eval's loglikelihood request (echo, one greedy token): still one prefill, its token penalized, the
+    # log-probabilities the model's own (vLLM's raw ones)
+    parted = next(k for k, (a, b) in enumerate(zip(penalized, plain)) if a != b)
+    prompts = [ids, ids + penalized[:parted]]  # the second's next token one the penalty turns
+    live, made = LiveServer(create_app(model, tokenizer, name=NAME)), []
+    monkeypatch.setattr(PromptJob, "__init__", lambda job, *a, **k: made.append(job) or original(job, *a, **k))
+    try:
+        echo = {"model": NAME, "prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+        choices = live.client.post("/v1/completions", json=echo).json()["choices"]
+        raw = live.client.post("/v1/completions", json={**echo, "repetition_penalty": 1.0}).json()["choices"]
+    finally:
+        live.stop()
+    assert len(made) == 2
+    for choice, other, prompt in zip(choices, raw, prompts):
+        first = hf_greedy(hf, prompt, 1, repetition_penalty=1.8)[0]
+        assert choice["logprobs"]["tokens"][-1] == tokenizer.decode([first])
+        assert choice["logprobs"]["token_logprobs"][:-1] == other["logprobs"]["token_logprobs"][:-1]
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)[first].item()
+        assert abs(choice["logprobs"]["token_logprobs"][-1] - expected) < 1e-4
+    assert choices[1]["logprobs"]["tokens"][-1] != raw[1]["logprobs"]["tokens"][-1]  # the penalty mattered
+    monkeypatch.undo()
     neutral = answers(create_app(model, tokenizer, name=NAME, generation_config="vllm"), **greedy)
     assert neutral == (expected_text(tokenizer, plain)[0], expected_text(tokenizer, hf_greedy(hf, chat_ids, 12))[0])
     checkpoint = tmp_path / "checkpoint"
@@ -337,6 +362,29 @@ def test_requests_that_leave_sampling_out_take_the_packages_defaults_as_vllm(bui
         with pytest.raises(SystemExit) as stopped:
             cli.ortmodule(["serve", str(package), "--generation-config", str(flag), "--port", "0"])
         assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_one_processed_token_after_an_echo_is_the_generations(setup, monkeypatch):
+    """An echo with one greedy token whose choice is processed (a logit bias, `min_tokens` masking the end of
+    sequence, `ignore_eos`, a stop token) runs as one prefill (`PromptJob`, the prompt's last logits kept for
+    the choice) and answers as the decode path does for the same request without echo: the token, its raw
+    log-probability and alternatives, the finish reason."""
+    live, _, _, tokenizer, _ = setup
+    ids, eos = tokenizer("The quick brown fox").input_ids, tokenizer.eos_token_id
+    made, original = [], PromptJob.__init__
+    monkeypatch.setattr(PromptJob, "__init__", lambda job, *a, **k: made.append(job) or original(job, *a, **k))
+    base = {"model": NAME, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 2}
+    for extra in ({"logit_bias": {"77": 100}}, {"logit_bias": {str(eos): 100}}, {"logit_bias": {str(eos): 100},
+                  "min_tokens": 1}, {"logit_bias": {str(eos): 100}, "ignore_eos": True},
+                  {"logit_bias": {"77": 100}, "stop_token_ids": [77]}, {"repetition_penalty": 1.5}):
+        echoed = live.client.post("/v1/completions", json={**base, **extra, "echo": True}).json()["choices"][0]
+        decoded = live.client.post("/v1/completions", json={**base, **extra}).json()["choices"][0]
+        assert echoed["finish_reason"] == decoded["finish_reason"], extra
+        assert echoed["text"] == tokenizer.decode(ids) + decoded["text"], extra
+        for key in ("tokens", "top_logprobs"):
+            assert echoed["logprobs"][key][-1] == decoded["logprobs"][key][0], extra
+        assert abs(echoed["logprobs"]["token_logprobs"][-1] - decoded["logprobs"]["token_logprobs"][0]) < 1e-5
+    assert len(made) == 6
 
 
 class OpenAIPenalties:

@@ -166,23 +166,30 @@ class PromptScores:
     top: list[list[tuple[int, float]]]
     next_top: list[tuple[int, float]]  # the distribution after the prompt, most likely first
     ranks: list[int]  # of token i+1 among the vocabulary (1: the most likely; 0: not asked for), vLLM's
+    last: torch.Tensor | None = None  # the logits after the prompt `[V]`, where its next token is processed
 
 
 class PromptJob(OneShot):
     """Log-probabilities of prompts (echo), and at most one greedy token read from the same prefill:
-    lm-eval's loglikelihood request over the OpenAI API."""
+    lm-eval's loglikelihood request over the OpenAI API. `sampling`: where that token's logits are
+    processed (a repetition penalty over the prompt, a logit bias, `min_tokens`) or its end or text is
+    (`ignore_eos`, stop tokens, special tokens shown), its settings (the prompts' last logits are then kept
+    for `Row.process`), else None; `eos`: the model's end-of-sequence ids."""
 
     kind = "prompt_logprobs"
 
     def __init__(self, prompts: list[Ids], top: int, next_token: bool, stop: tuple[str, ...], loop,
-                 ranked: bool = False):
+                 ranked: bool = False, sampling: Sampling | None = None, eos: frozenset[int] = frozenset()):
         super().__init__(prompts, loop)
         self.top, self.next_token, self.stop, self.ranked = top, next_token, stop, ranked
+        self.sampling, self.eos = sampling, eos
 
     @staticmethod
     def run_together(model, jobs: list[PromptJob]) -> list[list[PromptScores]]:
         prompts = [p for job in jobs for p in job.prompts]
-        scores = prompt_scores(model, prompts, max(job.top for job in jobs), any(job.ranked for job in jobs))
+        last = [job.next_token and job.sampling is not None for job in jobs for _ in job.prompts]
+        scores = prompt_scores(model, prompts, max(job.top for job in jobs), any(job.ranked for job in jobs),
+                               last if any(last) else None)
         out, k = [], 0
         for job in jobs:
             out.append(scores[k : k + len(job.prompts)])
@@ -190,22 +197,26 @@ class PromptJob(OneShot):
         return out
 
 
-def prompt_scores(model, prompts: list[Ids], top: int, ranked: bool = False) -> list[PromptScores]:
+def prompt_scores(model, prompts: list[Ids], top: int, ranked: bool = False,
+                  last: list[bool] | None = None) -> list[PromptScores]:
     """Log-probabilities of every prompt token and of the next token, in batches of at most
     LOGIT_BYTES of logits, longest prompts first; with `ranked`, each token's rank too (vLLM's
-    `prompt_logprobs`: a pass more over the logits, so only where asked)."""
+    `prompt_logprobs`: a pass more over the logits, so only where asked); `last[j]`: prompt j's logits
+    after it kept whole too (`PromptScores.last`)."""
     budget = max(1, LOGIT_BYTES // (4 * model.package.vocab_size))
     out: list[PromptScores | None] = [None] * len(prompts)
     for batch in scoring.length_batches([len(p) for p in prompts], 0, budget):
-        for j, scores in zip(batch, _score_batch(model, [prompts[j] for j in batch], max(top, 1), ranked)):
+        kept = [last[j] for j in batch] if last is not None else None
+        for j, scores in zip(batch, _score_batch(model, [prompts[j] for j in batch], max(top, 1), ranked, kept)):
             out[j] = scores
     return out
 
 
-def _score_batch(model, prompts: list[Ids], top: int, ranked: bool) -> list[PromptScores]:
+def _score_batch(model, prompts: list[Ids], top: int, ranked: bool, last: list[bool] | None) -> list[PromptScores]:
     """`prompt_scores` of one batch. The logits are reduced as they come (`logits_at`'s pieces: on a CPU a
     long prompt's chunk by chunk), so that no `[positions, V]` buffer is held whole (a 6,000-token prompt's
-    took the process 3.7 GB above its model for SmolLM2's 49,152-token vocabulary)."""
+    took the process 3.7 GB above its model for SmolLM2's 49,152-token vocabulary); the last position's
+    rows of the prompts `last` marks are copied whole (at most a row a prompt)."""
     ids, mask = pad_right(prompts)
     lengths = [len(p) for p in prompts]
     rows = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
@@ -215,9 +226,13 @@ def _score_batch(model, prompts: list[Ids], top: int, ranked: bool) -> list[Prom
     values = torch.empty(len(targets), 1 + top, dtype=torch.float32, device=model.device)
     indices = torch.empty(len(targets), top, dtype=torch.int64, device=model.device)
     ranks = torch.zeros(len(targets), dtype=torch.int64, device=model.device) if ranked else None
+    slots, kept = _last_slots(lengths, last, len(targets), model)
 
     def reduce(places: torch.Tensor | None, logits: torch.Tensor) -> None:
         at = slice(None) if places is None else places
+        if slots is not None:
+            slot = slots[at]
+            kept[slot[slot >= 0]] = logits[slot >= 0].float()
         normalizers, _ = scoring.log_normalizers(logits)  # log-probability = logit - normalizer, in float32
         best, indices[at] = logits.topk(top, dim=-1)
         chosen = logits.gather(1, targets[at][:, None])
@@ -228,13 +243,28 @@ def _score_batch(model, prompts: list[Ids], top: int, ranked: bool) -> list[Prom
     model.logits_at(ids, mask, rows, cols, upcast=False, pieces=reduce)  # checked on the host, no wait
     values, indices = values.cpu().tolist(), indices.cpu().tolist()
     ranks = ranks.cpu().tolist() if ranked else [0] * len(targets)  # no copy where none were asked for
-    out, start = [], 0
-    for n in lengths:
+    out, start, slot = [], 0, 0
+    for j, n in enumerate(lengths):
         span = range(start, start + n)
         pairs = [list(zip(indices[k], values[k][1:])) for k in span]
         out.append(PromptScores([values[k][0] for k in span][:-1], pairs[:-1], pairs[-1], ranks[start : start + n - 1]))
+        if last is not None and last[j]:
+            out[-1].last, slot = kept[slot], slot + 1
         start += n
     return out
+
+
+def _last_slots(lengths: list[int], last: list[bool] | None, positions: int, model):
+    """Where `_score_batch` keeps whole rows: per position of the batch's flat order, the row of `kept` its
+    logits go to (-1: none), and `kept` itself; (None, None) where no prompt's are kept."""
+    if last is None or not any(last):
+        return None, None
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    chosen = ends[torch.tensor(last)]
+    slots = torch.full((positions,), -1, dtype=torch.int64)
+    slots[chosen] = torch.arange(len(chosen))
+    kept = torch.empty(len(chosen), model.decoder.vocab_size, dtype=torch.float32, device=model.device)
+    return to_device(slots, model.device), kept
 
 
 @dataclass(frozen=True)

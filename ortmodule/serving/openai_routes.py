@@ -16,6 +16,7 @@ import dataclasses
 import time
 import uuid
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
@@ -183,9 +184,9 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     prompts = [prompt for prompt in prompts for _ in range(body.n)]  # choice i * n + k: prompt i's k-th
     scored = body.echo and body.logprobs is not None or body.prompt_logprobs is not None
     top = max(body.logprobs or 0, body.prompt_logprobs or 0) if scored else None  # the prompts' alternatives
-    if (body.echo or scored) and not body.stream and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy
-                                                                           and not sampling.processed)):
-        return PromptJob(prompts, top or 0, max_tokens == 1, stop, loop, body.prompt_logprobs is not None)
+    if (body.echo or scored) and not body.stream and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy)):
+        return PromptJob(prompts, top or 0, max_tokens == 1, stop, loop, body.prompt_logprobs is not None,
+                         sampling if sampling.processed else None, served.engine.eos)
     return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top, copies=body.n,
                       prompt_ranks=body.prompt_logprobs is not None)
 
@@ -231,8 +232,15 @@ def prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | Non
     scores = result[i]
     if not job.next_token:
         return scores, None
+    sampling = job.sampling or Sampling(1)
+    ends = frozenset() if sampling.ignore_eos else served.engine.eos
+    text = TextStream(served.tokenizer, ends, job.stop, frozenset(sampling.stop_ids), sampling.include_stop,
+                      sampling.skip_special)
+    row = Row(job, i, job.prompts[i], sampling, text)
     token, logprob = scores.next_top[0]  # one greedy token, read from the prompt's prefill
-    row = Row(None, i, job.prompts[i], Sampling(1), TextStream(served.tokenizer, served.engine.eos, job.stop))
+    if scores.last is not None:  # processed first (a repetition penalty, say); its log-probability the raw one
+        token = int(row.process(scores.last[None]).argmax(-1))
+        logprob = float(scores.last[token] - torch.logsumexp(scores.last, -1))
     row.tokens, row.logprobs, row.top = [token], [logprob], [scores.next_top[: job.top]]
     row.text.add(token)
     row.text.end()
