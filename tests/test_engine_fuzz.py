@@ -2,7 +2,7 @@
 prefill chunks, join steps, prompt feeding, the prefix cache, the score token budget, query reuse)
 and a random mix of concurrent requests (greedy completions whose prompts share prefixes, repeat
 exactly or not at all, with log-probabilities and echo sometimes, vLLM's prompt log-probabilities and
-token ids, streamed or not; some of them as SGLang's /generate;
+token ids, a repetition penalty, streamed or not; some of them as SGLang's /generate;
 SGLang's score requests, with a label list per item, a temperature, the labels' log-probabilities;
 vLLM's generative scoring), sent by several
 clients at random moments. Whatever runs together, every answer must be transformers' on the request
@@ -67,6 +67,8 @@ def draw_requests(rng: random.Random, vocab: int, context: int) -> list[tuple[st
                 body.update(sglang=True)  # sent through SGLang's /generate
             if rng.random() < 0.3:
                 body.update(stop=[rng.choice(["e", "an", " t", "s", "\u00e9"])])
+            if rng.random() < 0.2:  # vLLM's, greedy rows too (an echo's one token chosen from its prefill)
+                body.update(repetition_penalty=rng.choice([1.3, 0.8]))
             requests.append(("completion", body))
         else:
             query = (rng.choice(prefixes) if rng.random() < 0.5 else []) + tokens(rng.randint(1, 10))
@@ -149,6 +151,8 @@ def sglang_generate(server, body: dict) -> dict:
         params.update(top_p=body["top_p"], sampling_seed=body["seed"])
     if "stop" in body:
         params["stop"] = body["stop"]
+    if "repetition_penalty" in body:
+        params["repetition_penalty"] = body["repetition_penalty"]
     request = {"input_ids": body["prompt"], "sampling_params": params, "stream": bool(body.get("stream"))}
     if "logprobs" in body and not body.get("stream"):
         request.update(return_logprob=True, top_logprobs_num=body["logprobs"])
@@ -210,13 +214,14 @@ def test_engine_fuzz(build, seed, monkeypatch):
     case = f"seed {seed}: {fixture.spec.arch}, {settings_drawn}, {clients} clients"
     for i, ((kind, body), answer) in enumerate(zip(requests, answers, strict=True)):
         if kind == "completion":
+            penalty = {"repetition_penalty": body["repetition_penalty"]} if "repetition_penalty" in body else {}
             if body["temperature"]:  # as `model.generate` samples the prompt alone with that seed (docs/serving.md)
                 out = model.generate(torch.tensor([body["prompt"]]), max_new_tokens=body["max_tokens"], do_sample=True,
-                                     temperature=body["temperature"], top_p=body["top_p"], top_k=0,
+                                     temperature=body["temperature"], top_p=body["top_p"], top_k=0, **penalty,
                                      generator=torch.Generator().manual_seed(body["seed"]))
                 tokens = out[0, len(body["prompt"]):].tolist()
             else:
-                tokens = hf_greedy(hf, body["prompt"], body["max_tokens"])
+                tokens = hf_greedy(hf, body["prompt"], body["max_tokens"], **penalty)
             text, reason = expected_text(tokenizer, tokens, body.get("stop", ()))
             choice = answer["choices"][0]
             # vLLM leaves the prompt's text out with the token ids; SGLang's answer holds none

@@ -179,7 +179,7 @@ class PromptJob(OneShot):
     kind = "prompt_logprobs"
 
     def __init__(self, prompts: list[Ids], top: int, next_token: bool, stop: tuple[str, ...], loop,
-                 ranked: bool = False, sampling: Sampling | None = None, eos: frozenset[int] = frozenset()):
+                 ranked: bool = False, sampling: Sampling | None = None, eos: set[int] | frozenset[int] = frozenset()):
         super().__init__(prompts, loop)
         self.top, self.next_token, self.stop, self.ranked = top, next_token, stop, ranked
         self.sampling, self.eos = sampling, eos
