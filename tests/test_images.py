@@ -824,6 +824,34 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
         create_app(model, tokenizer, processor=str(tmp_path))
 
 
+def test_a_server_on_a_package_whose_top_k_is_one_says_so(build, caplog):
+    """mobius-onnx's packages say `top_k` 1 (greedy tokens by sampling from one) whatever the checkpoint
+    says; `ortmodule serve` takes the package's defaults (`--generation-config auto`), so a sampled request
+    that leaves `top_k` out gets the greedy text: the server warns as it starts, and `vllm` samples."""
+    from helpers import LiveServer
+
+    from ortmodule.serving import create_app
+
+    fixture = build("qwen2_5_vl")
+    model, tokenizer = OrtModelForCausalLM.from_pretrained(fixture.package_dir), vl_tokenizer(fixture.package_dir)
+    body = {"model": "vl", "prompt": [31, 32, 33, 34], "max_tokens": 12}
+    texts = {}
+    for source in ("auto", "vllm"):
+        with caplog.at_level("WARNING", logger="ortmodule.serving"):
+            caplog.clear()
+            live = LiveServer(create_app(model, tokenizer, name="vl", generation_config=source))
+        try:
+            warned = [r.getMessage() for r in caplog.records if "default top_k is 1" in r.getMessage()]
+            assert bool(warned) == (source == "auto")
+            greedy = live.client.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+            texts[source] = [live.client.post("/v1/completions", json={**body, "temperature": 1.5, "seed": seed}).json()
+                             ["choices"][0]["text"] for seed in range(4)]
+        finally:
+            live.stop()
+    assert texts["auto"] == [greedy] * 4  # the package's top_k 1
+    assert any(text != greedy for text in texts["vllm"])
+
+
 @pytest.mark.parametrize("package, processor, message", [
     ("llama", "saved", "error: --processor: the package has no vision model"),
     ("qwen2_5_vl", "empty", "error: --processor {folder}: no image processor there"),

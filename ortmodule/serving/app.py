@@ -46,6 +46,10 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
         source = "the package's defaults" if settings.generation_config == "auto" else settings.generation_config
         log.info("completions and chat requests that leave them out sample with %s: %s (--generation-config vllm: "
                  "OpenAI's defaults)", source, ", ".join(f"{k}={v}" for k, v in served.sampling_defaults.items()))
+    if settings.generation_config == "auto" and served.sampling_defaults.get("top_k") == 1:
+        log.warning("the package's default top_k is 1: sampled requests that leave top_k out get the most likely token "
+                    "(mobius-onnx writes top_k 1 into its packages whatever the checkpoint says); --generation-config "
+                    "FOLDER takes the checkpoint's generation_config.json, --generation-config vllm OpenAI's defaults")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
