@@ -232,7 +232,8 @@ def _score_batch(model, prompts: list[Ids], top: int, ranked: bool, last: list[b
         at = slice(None) if places is None else places
         if slots is not None:
             slot = slots[at]
-            kept[slot[slot >= 0]] = logits[slot >= 0].float()
+            wanted = slot >= 0
+            kept[slot[wanted]] = logits[wanted].float()
         normalizers, _ = scoring.log_normalizers(logits)  # log-probability = logit - normalizer, in float32
         best, indices[at] = logits.topk(top, dim=-1)
         chosen = logits.gather(1, targets[at][:, None])
@@ -306,6 +307,12 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    def text_stream(self, tokenizer, eos: set[int] | frozenset[int]) -> TextStream:
+        """A row's text under these settings: its ends (the model's `eos` unless `ignore_eos`, the stop
+        strings and tokens) and what it shows (the stop string, special tokens)."""
+        ends = set() if self.ignore_eos else eos
+        return TextStream(tokenizer, ends, self.stop, frozenset(self.stop_ids), self.include_stop, self.skip_special)
+
 
 class Generation(Job):
     """Completions of every prompt with `sampling`, each prompt a `Row` of the decode batch (a
@@ -322,10 +329,8 @@ class Generation(Job):
         self.stream: asyncio.Queue | None = asyncio.Queue() if stream else None
         self.prompt_scores: list[PromptScores] | None = None  # echo: filled before the rows start
         self.eos = eos
-        ends = set() if sampling.ignore_eos else eos
-        self.rows = [Row(self, i, p, sampling, TextStream(tokenizer, ends, sampling.stop, frozenset(sampling.stop_ids),
-                                                          sampling.include_stop, sampling.skip_special),
-                         media=media, copy=i % copies) for i, p in enumerate(prompts)]
+        self.rows = [Row(self, i, p, sampling, sampling.text_stream(tokenizer, eos), media=media, copy=i % copies)
+                     for i, p in enumerate(prompts)]
         self.unfinished = len(self.rows)
 
     async def next_event(self):

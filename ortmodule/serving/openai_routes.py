@@ -26,7 +26,7 @@ from .errors import ServingError, dumps, failed
 from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
 from .schemas import ChatRequest, CompletionRequest
 from .served import Served, abandon, run, start
-from .text import TextStream, token_strings
+from .text import token_strings
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 8
@@ -232,11 +232,8 @@ def prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | Non
     scores = result[i]
     if not job.next_token:
         return scores, None
-    sampling = job.sampling or Sampling(1)
-    ends = frozenset() if sampling.ignore_eos else served.engine.eos
-    text = TextStream(served.tokenizer, ends, job.stop, frozenset(sampling.stop_ids), sampling.include_stop,
-                      sampling.skip_special)
-    row = Row(job, i, job.prompts[i], sampling, text)
+    sampling = job.sampling or Sampling(1, stop=job.stop)
+    row = Row(job, i, job.prompts[i], sampling, sampling.text_stream(served.tokenizer, job.eos))
     token, logprob = scores.next_top[0]  # one greedy token, read from the prompt's prefill
     if scores.last is not None:  # processed first (a repetition penalty, say); its log-probability the raw one
         token = int(row.process(scores.last[None]).argmax(-1))
