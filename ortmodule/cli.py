@@ -282,7 +282,8 @@ def _serve_flags(commands) -> None:
                             "repetition_penalty take them from, as vLLM's flag of that name: auto, the package's "
                             "defaults (genai_config.json's search section, what model.generate applies); vllm, "
                             "OpenAI's (temperature 1, top_p 1, no top-k or penalty); or a folder holding the "
-                            "checkpoint's generation_config.json (default auto)")
+                            "checkpoint's generation_config.json (default auto). A max_new_tokens there bounds chat "
+                            "requests that leave max_tokens out")
     _settings_flags(serve)
 
 

@@ -345,10 +345,21 @@ def test_requests_that_leave_sampling_out_take_the_packages_defaults_as_vllm(bui
     assert neutral == (expected_text(tokenizer, plain)[0], expected_text(tokenizer, hf_greedy(hf, chat_ids, 12))[0])
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
-    (checkpoint / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.8, "do_sample": False}))
+    (checkpoint / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.8, "do_sample": False,
+                                                                    "max_new_tokens": 5}))
     plain_package = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
     folder = answers(create_app(plain_package, tokenizer, name=NAME, generation_config=str(checkpoint)), **greedy)
     assert folder[0] == expected_text(tokenizer, penalized)[0]
+    # its max_new_tokens: the length of a chat request that leaves max_tokens out (vLLM's default max_tokens)
+    live = LiveServer(create_app(plain_package, tokenizer, name=NAME, generation_config=str(checkpoint)))
+    try:
+        unbounded = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages,
+                                                                   "temperature": 0}).json()
+    finally:
+        live.stop()
+    assert unbounded["usage"]["completion_tokens"] == 5 and unbounded["choices"][0]["finish_reason"] == "length"
+    assert unbounded["choices"][0]["message"]["content"] == \
+        expected_text(tokenizer, hf_greedy(hf, chat_ids, 5, repetition_penalty=1.8))[0]
     assert answers(create_app(plain_package, tokenizer, name=NAME), **greedy)[0] == expected_text(tokenizer, plain)[0]
 
     def loaded(*args, **kwargs):
@@ -357,8 +368,11 @@ def test_requests_that_leave_sampling_out_take_the_packages_defaults_as_vllm(bui
     monkeypatch.setattr(OrtModelForCausalLM, "from_pretrained", loaded)
     (tmp_path / "bad" / "generation_config.json").parent.mkdir()
     (tmp_path / "bad" / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    (tmp_path / "none" / "generation_config.json").parent.mkdir()
+    (tmp_path / "none" / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
     for flag, message in ((tmp_path / "absent", "a readable generation_config.json"),
-                          (tmp_path / "bad", "default top_p is 1.5")):
+                          (tmp_path / "bad", "default top_p is 1.5"),
+                          (tmp_path / "none", "default max_new_tokens is 0")):
         with pytest.raises(SystemExit) as stopped:
             cli.ortmodule(["serve", str(package), "--generation-config", str(flag), "--port", "0"])
         assert stopped.value.code == 2 and message in capsys.readouterr().err

@@ -301,7 +301,8 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
             raise ServingError(f"{name} must be at least 1, got {value}", name)
     prompt, media = chat_prompt(served, body, [("stop", s) for s in stop])
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = served.context - len(prompt) if limit is None else limit
+    room = served.context - len(prompt)  # left out: what the context leaves, within the default's max_new_tokens
+    max_tokens = min(room, served.sampling_defaults.get("max_new_tokens", room)) if limit is None else limit
     if max_tokens < 1:
         raise ServingError(f"the prompt's {len(prompt)} tokens fill the model's context of {served.context}",
                            "messages")

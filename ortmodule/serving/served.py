@@ -90,9 +90,10 @@ class Served:
 
 # The sampling fields whose defaults vLLM takes from a model's generation config (its `--generation-config`), each
 # with the values it may hold: (lowest, highest, whether the lowest is excluded, whether an integer).
+# `max_new_tokens` (vLLM's default `max_tokens`) bounds a chat request that leaves its length out.
 SAMPLING_FIELDS = {"temperature": (0.0, math.inf, False, False), "top_p": (0.0, 1.0, True, False),
                    "top_k": (-1, math.inf, False, True), "min_p": (0.0, 1.0, False, False),
-                   "repetition_penalty": (0.0, math.inf, True, False)}
+                   "repetition_penalty": (0.0, math.inf, True, False), "max_new_tokens": (1, math.inf, False, True)}
 
 
 def sampling_defaults(model, source: str) -> dict:

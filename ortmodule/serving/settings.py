@@ -50,7 +50,8 @@ class Settings:
     (`temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`), as vLLM's `--generation-config`:
     "auto", the package's defaults (`model.generation_config`, from genai_config.json's search section);
     "vllm", OpenAI's (temperature 1, top_p 1, no top-k, min-p or penalty); or a folder holding a
-    `generation_config.json` (the checkpoint's), its values (served.py's `sampling_defaults`).
+    `generation_config.json` (the checkpoint's), its values (served.py's `sampling_defaults`); a `max_new_tokens`
+    among them bounds a chat request that leaves its length out.
     """
 
     name: str | None = None
