@@ -177,6 +177,8 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
     if mask is not None and isinstance(prompt, torch.Tensor) and prompt.dim() >= 2:
         # here: transformers' generate drops a mask of ones before the loop sees it (its shape unchecked)
         inputs.check_mask_type(mask, prompt.shape[:2])
+    if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2:  # ortmodule's loop numbers the rows from the mask
+        inputs.check_prompt_positions(kwargs.get("position_ids"), tuple(prompt.shape[:2]), mask)
     vocab = model.decoder.vocab_size
     # The options given are checked before transformers' merge validates them (and fails on a
     # string count with a raw TypeError); the merged config is checked after.

@@ -369,6 +369,18 @@ def _positions_differ(position_ids, cache_position, expected: torch.Tensor, real
     return differs | ((wrong & real).any() if real is not None else wrong.any())
 
 
+def check_prompt_positions(position_ids, shape: tuple, attention_mask) -> None:
+    """generate()'s `position_ids` for prompts of `shape` ([batch, sequence]): taken where they are what
+    transformers computes (each row's tokens 0, 1, ... over its mask), as forward takes them; a shape that
+    does not match is a ValueError, other positions a NotImplementedError (the graph numbers each row's
+    tokens from its mask, and generate would otherwise run at positions the caller did not ask for)."""
+    if position_ids is None:
+        return
+    real = attention_mask != 0 if attention_mask is not None else torch.ones(shape, dtype=torch.bool)
+    if _positions_differ(position_ids, None, real.cumsum(1) - 1, real, 0):
+        _refuse_positions()
+
+
 def _refuse_positions(right_padded: bool = False) -> None:
     if right_padded:
         raise ValueError(

@@ -218,6 +218,27 @@ def test_forward_keywords_transformers_passes(build):
         model(torch.tensor([[9], [9]]), position_ids=torch.tensor([[0], [0]]), past_key_values=step.past_key_values)
 
 
+def test_generate_takes_the_prompts_own_positions_and_refuses_others(build):
+    """`generate(..., position_ids=)`: transformers runs the prompt at the positions given; ortmodule's loop
+    numbers each row from its mask, so it takes the positions transformers computes (the same tokens and
+    scores) and refuses others by name, as forward does, where it ran the prompt at its own positions."""
+    model, hf = load_pair(build("llama"))
+    ids, mask = left_padded([4, 7], seed=8)
+    options = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    own = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # what transformers' generate computes
+    ours = model.generate(ids, attention_mask=mask, position_ids=own, **options)
+    expected = hf.generate(ids, attention_mask=mask, position_ids=own, **options)
+    assert torch.equal(ours.sequences, expected.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ours.logits, expected.logits)) < 1e-4
+    elsewhere = torch.zeros_like(ids)  # every prompt token at position 0: transformers' answer changes
+    moved = hf.generate(ids, attention_mask=mask, position_ids=elsewhere, **options)
+    assert max((a - b).abs().max().item() for a, b in zip(moved.logits, expected.logits)) > 1e-2
+    with pytest.raises(NotImplementedError, match="position_ids or cache_position other than each row's own"):
+        model.generate(ids, attention_mask=mask, position_ids=elsewhere, **options)
+    with pytest.raises(ValueError, match=r"position_ids of shape \(9,\) do not match the input \(2, 7\)"):
+        model.generate(ids, attention_mask=mask, position_ids=torch.arange(9), **options)
+
+
 def test_a_steps_positions_in_every_form_transformers_takes(build):
     """A step over the cache takes position_ids `[B, s]`, `[1, s]` (one row for all), `[s]` and mRoPE's
     `[3, B, s]` (text: three equal sections), and `cache_position`, each giving transformers' logits;
