@@ -32,6 +32,15 @@ def test_too_long_names_both_lengths(model):
         model(torch.full((1, 300), 5))
 
 
+@pytest.mark.parametrize("shape", [(1, 0), (3, 0), (0, 4)])
+def test_no_tokens_are_named_in_forward_and_generate(model, shape):
+    """Prompts without tokens: transformers' own generate fails on a batch of them with an IndexError."""
+    with pytest.raises(ValueError, match=rf"input_ids is empty: shape \({shape[0]}, {shape[1]}\)"):
+        model(torch.zeros(shape, dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"input_ids is empty: shape \({shape[0]}, {shape[1]}\)"):
+        model.generate(torch.zeros(shape, dtype=torch.long), max_new_tokens=2)
+
+
 def test_float_ids_are_a_type_error(model):
     with pytest.raises(TypeError, match="integer token ids"):
         model(torch.ones(1, 4))
