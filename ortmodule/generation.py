@@ -39,7 +39,7 @@ _CALL_ARGUMENTS = {"logits_processor", "stopping_criteria", "prefix_allowed_toke
 
 _CHECKED = ("max_new_tokens", "max_length", "min_new_tokens", "min_length", "top_k", "no_repeat_ngram_size", "top_p",
             "min_p", "temperature", "repetition_penalty", "pad_token_id", "eos_token_id", "num_beams",
-            "num_return_sequences", "length_penalty")
+            "num_return_sequences", "length_penalty", "forced_eos_token_id", "forced_bos_token_id")
 
 
 def _check_defaults(config, vocab: int, the_models: bool) -> None:
@@ -97,10 +97,11 @@ def check_config(config, vocab: int) -> None:
     pad = getattr(config, "pad_token_id", None)
     if pad is not None and (not integer(pad) or inputs.outside_vocabulary([pad], vocab) is not None):
         raise _bad("pad_token_id", pad, f"a token id in [0, {vocab})")
-    eos = getattr(config, "eos_token_id", None)
-    for value in inputs.eos_token_ids(eos):
-        if not integer(value) or inputs.outside_vocabulary([value], vocab) is not None:
-            raise _bad("eos_token_id", eos, f"a token id (or a list of them) in [0, {vocab})")
+    for name in ("eos_token_id", "forced_eos_token_id", "forced_bos_token_id"):  # transformers indexes the logits
+        given = getattr(config, name, None)
+        for value in inputs.eos_token_ids(given):
+            if not integer(value) or inputs.outside_vocabulary([value], vocab) is not None:
+                raise _bad(name, given, f"a token id (or a list of them) in [0, {vocab})")
 
 
 class _RightPaddingWarning(logging.Filter):

@@ -226,6 +226,9 @@ def model(llama):
         (dict(max_new_tokens=3, eos_token_id=-1), ValueError, "eos_token_id must be a token id"),
         (dict(max_new_tokens=3, eos_token_id=[1, 512]), ValueError, "eos_token_id must be a token id"),
         (dict(max_new_tokens=3, pad_token_id=10**6), ValueError, "pad_token_id must be a token id in [0, 512)"),
+        # transformers' processors index the logits with these: an IndexError, or -1 the vocabulary's last token
+        (dict(max_new_tokens=3, forced_eos_token_id=512), ValueError, "forced_eos_token_id must be a token id"),
+        (dict(max_new_tokens=3, forced_bos_token_id=-1), ValueError, "forced_bos_token_id must be a token id"),
         # transformers' generate fails on these with a ZeroDivisionError, or a TypeError in its beam scorer
         (dict(max_new_tokens=3, num_beams=0), ValueError, "num_beams must be an integer >= 1, got 0"),
         (dict(max_new_tokens=3, do_sample=True, num_return_sequences=0), ValueError,
