@@ -651,6 +651,35 @@ def test_a_row_that_is_another_requests_row_at_other_positions_is_scored_at_its_
         assert abs(lp - expected) < 1e-5
 
 
+def test_rolling_windows_of_the_same_tokens_split_elsewhere_are_each_scored_at_their_own(build):
+    """A document that repeats itself ("word " 250 times: 1,000 tokens, windows of the fixture's 256) has a
+    last window whose tokens are another window's, split at another point (25 of context and 232 scored,
+    against 1 and 256): the same row, scored at other positions. lm-eval 0.4.13's hf reads the last one at
+    the other's positions (-1551.2 where the window's own is -1548.7); ortmodule's total is the sum of each
+    window's log-probabilities as transformers gives them on the window alone."""
+    from lm_eval import utils
+    from lm_eval.api.instance import Instance
+
+    from ortmodule.lm_eval import OrtModuleLM
+
+    fixture = build("llama")
+    _, hf = load_pair(fixture)
+    lm = OrtModuleLM(pretrained=str(fixture.package_dir), device="cpu", batch_size=4)
+    document = "word " * 250
+    windows = [utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(
+        token_list=lm.tok_encode(document), prefix_token=lm.prefix_token_id, max_seq_len=lm.max_length, context_len=1)]
+    (context, scored), (last_context, last_scored) = windows[1], windows[-1]
+    assert len(last_context) > len(context) and (context + scored)[:-1] == (last_context + last_scored)[:-1]
+    expected = 0.0
+    for context, continuation in windows:
+        row = (context + continuation)[-(lm.max_length + 1):][:-1]
+        with torch.no_grad():
+            scores = torch.log_softmax(hf(torch.tensor([row])).logits[0].double(), -1)
+        expected += sum(scores[len(row) - len(continuation) + k, token].item() for k, token in enumerate(continuation))
+    total = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (document,), 0)], disable_tqdm=True)[0]
+    assert abs(total - expected) < 1e-2  # float32 sums of 1,000 log-probabilities; hf's is 2.5 off
+
+
 def test_pad_to_multiple_of_rounds_every_width_up_with_the_same_answers(build, hf_answers, monkeypatch):
     """`pad_to_multiple_of=16`: every padded batch is a multiple of 16 tokens wide, except where
     rounding up would pass the context length, the answers are still hf's (the padding is masked),
