@@ -246,6 +246,16 @@ def test_bad_generate_options(model, kwargs, error, message):
     assert message in str(raised.value)
 
 
+@pytest.mark.parametrize("options", [dict(top_p=0.0), dict(top_k=-1), dict(min_p=2.0, temperature=0.0),
+                                     dict(num_beams=2, top_p=1.5)])
+def test_calls_that_do_not_sample_ignore_the_sampling_filters_as_transformers(llama, options):
+    """Greedy decoding and beam search take no top-k, top-p, min-p or temperature: transformers runs them
+    whatever those hold (top_p 0 and temperature 0 are common ways to ask for greedy text), and so does
+    ortmodule, with transformers' tokens; a sampled call checks them (test_bad_generate_options)."""
+    model, hf = load_pair(llama)
+    assert torch.equal(model.generate(IDS, max_new_tokens=4, **options), hf.generate(IDS, max_new_tokens=4, **options))
+
+
 @pytest.mark.parametrize("prompt, error, message", [
     ([[5, 6, 7]], TypeError, "input_ids must be a torch.Tensor [batch, sequence] of token ids, got list"),
     (torch.tensor([5, 6, 7]), ValueError, "must be 2-D [batch, sequence], got shape (3,): ids[None] adds the batch"),
