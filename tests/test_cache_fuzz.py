@@ -82,3 +82,67 @@ def test_cache_operations_fuzz(build, seed):
         assert worst < 1e-4, f"seed {seed}, {arch}, prompts of {lengths} tokens: off by {worst} after {done}"
         assert pair.caches[0].get_seq_length() == pair.caches[1].get_seq_length() == pair.mask.shape[1], \
             f"seed {seed}, {arch}: lengths after {done}"
+
+
+def _drawn_step_inputs(rng: random.Random, mask: torch.Tensor, width: int) -> tuple[dict, bool]:
+    """A step's keywords as a caller may pass them over a prompt's cache of `mask`'s columns, and whether they
+    describe the step (the mask of every column, in any dtype; each row's own positions; the cache's columns),
+    or not (a mask one column short, new columns masked, positions or columns shifted by one)."""
+    rows, columns = mask.shape
+    whole = torch.cat([mask, torch.ones(rows, width, dtype=mask.dtype)], 1)
+    given, right = {}, True
+    draw = rng.random()
+    if draw < 0.45:
+        given["attention_mask"] = whole
+    elif draw < 0.5:
+        given["attention_mask"] = whole.bool()
+    elif draw < 0.55:
+        given["attention_mask"], right = whole[:, 1:], False
+    elif draw < 0.6:
+        given["attention_mask"], right = torch.cat([mask, torch.zeros(rows, width, dtype=mask.dtype)], 1), False
+    own = (whole.cumsum(1) - 1)[:, -width:]
+    draw = rng.random()
+    if draw < 0.2:
+        given["position_ids"] = own
+    elif draw < 0.3:
+        given["position_ids"], right = own + 1, False
+    draw = rng.random()
+    if draw < 0.2:
+        given["cache_position"] = torch.arange(columns, columns + width)
+    elif draw < 0.25:
+        given["cache_position"], right = torch.arange(columns + 1, columns + width + 1), False
+    if rng.random() < 0.1:
+        given["logits_to_keep"] = 1
+    return given, right
+
+
+@pytest.mark.parametrize("seed", fuzz_seeds("CACHE_FUZZ_SEEDS", 8))
+def test_a_steps_inputs_fuzz(build, seed):
+    """A step of one to three tokens over a prompt's cache (left- or right-padded rows, the prompt's mask
+    given or not where it is all ones), with the step's mask, `position_ids`, `cache_position` and
+    `logits_to_keep` drawn as a caller may pass them: those that describe the step give each row's logits
+    as transformers gives them on that row alone (its real tokens, then the step's: the truth whatever the
+    padding, which transformers' own batch steps miss where a padded prompt was run without positions);
+    those that do not are refused, by a ValueError or NotImplementedError naming them, never answered."""
+    rng = random.Random(seed)
+    model, hf = load_pair(build(rng.choice(ARCHES + ["phi3", "gemma2"])))
+    lengths = [rng.randint(1, 8) for _ in range(rng.randint(1, 3))]
+    ids, mask = left_padded_batch(lengths, vocab=TEXT_IDS, seed=seed)
+    if rng.random() < 0.3:  # right-padded rows
+        shifts = [int((row == 0).sum()) for row in mask]
+        ids = torch.stack([torch.roll(row, -k) for row, k in zip(ids, shifts)])
+        mask = torch.stack([torch.roll(row, -k) for row, k in zip(mask, shifts)])
+    prompt = {"attention_mask": mask} if (mask == 0).any() or rng.random() < 0.5 else {}
+    past = model(ids, use_cache=True, **prompt).past_key_values
+    width = rng.randint(1, 3)
+    step = torch.randint(3, TEXT_IDS, (len(lengths), width), generator=torch.Generator().manual_seed(seed))
+    given, right = _drawn_step_inputs(rng, mask, width)
+    if not right:
+        with pytest.raises((ValueError, NotImplementedError)):
+            model(step, past_key_values=past, **given)
+        return
+    logits = model(step, past_key_values=past, **given).logits
+    with torch.no_grad():
+        for row, real in enumerate(mask.bool()):
+            alone = hf(torch.cat([ids[row][real], step[row]])[None]).logits[0, -logits.shape[1]:]
+            assert (logits[row] - alone).abs().max().item() < 1e-3, (row, given.keys())
