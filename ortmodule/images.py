@@ -304,7 +304,7 @@ def _checked_grids(pixel_values, grid_thw, vision: Vision, pixels_name: str, gri
     if not isinstance(grid_thw, torch.Tensor) or grid_thw.is_floating_point() or \
             grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
         raise ValueError(f"{grid_name} must be an integer tensor [{'videos' if 'video' in grid_name else 'images'}, "
-                         f"3], got {getattr(grid_thw, 'shape', type(grid_thw).__name__)}")
+                         f"3], got {images_plain.given(grid_thw)}")
     grids = grid_thw.to("cpu", torch.int64)
     if bool((grids < 1).any()) or bool((grids[:, 1:] % vision.merge).any()):
         raise ValueError(f"{grid_name} {grids.tolist()}: every entry must be positive, and heights and widths "

@@ -229,11 +229,16 @@ def _in_blocks(decoder: Decoder, rows, embeds: torch.Tensor, marks: torch.Tensor
 _KEYWORDS = {GEMMA4: ("image_position_ids",), PIXTRAL: ("image_sizes",), GEMMA3: ("token_type_ids",)}
 
 
+def given(value) -> str:
+    """What a media input is, for an error that names it: a tensor's dtype and shape, else its type."""
+    return f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 def check_pixels(values, name: str, layout: str) -> None:
     """A ValueError unless `values` is a float tensor of `layout`'s rank (its dimensions, comma-separated)."""
     if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.dim() != layout.count(",") + 1:
-        got = f"{values.dtype} {tuple(values.shape)}" if isinstance(values, torch.Tensor) else type(values).__name__
-        raise ValueError(f"{name} must be a float tensor [{layout}] (what the model's processor gives), got {got}")
+        raise ValueError(f"{name} must be a float tensor [{layout}] (what the model's processor gives), "
+                         f"got {given(values)}")
 
 
 def _gemma4_images(media, vision: PlainVision) -> list[tuple[int, dict]]:
@@ -249,7 +254,7 @@ def _gemma4_images(media, vision: PlainVision) -> list[tuple[int, dict]]:
     if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or \
             tuple(positions.shape) != (*pixel_values.shape[:2], 2):
         raise ValueError(f"image_position_ids must be an integer tensor [images, patches, 2] matching pixel_values "
-                         f"{tuple(pixel_values.shape)}, got {getattr(positions, 'shape', type(positions).__name__)}")
+                         f"{tuple(pixel_values.shape)}, got {given(positions)}")
     kept = (positions != -1).all(-1)
     counts = kept.sum(1).tolist()
     square = vision.stride**2
@@ -275,7 +280,7 @@ def _pixtral_images(media, vision: PlainVision) -> list[tuple[int, dict]]:
     if not isinstance(sizes, torch.Tensor) or sizes.is_floating_point() or \
             tuple(sizes.shape) != (pixel_values.shape[0], 2):
         raise ValueError(f"image_sizes must be an integer tensor [images, 2] (each image's height and width) for "
-                         f"{pixel_values.shape[0]} images, got {getattr(sizes, 'shape', type(sizes).__name__)}")
+                         f"{pixel_values.shape[0]} images, got {given(sizes)}")
     sides = sizes.to("cpu", torch.int64).tolist()
     step, top = vision.stride, vision.largest
     for height, width in sides:

@@ -267,6 +267,9 @@ def test_what_images_cannot_be_is_refused(pair, inputs, build):
         model(**dict(given, pixel_values=None))
     with pytest.raises(ValueError, match=r"pixel_values must be a float tensor .*, got torch.uint8 \(108, 96\)"):
         model(**dict(given, pixel_values=given["pixel_values"].to(torch.uint8)))  # the shape was named, not the dtype
+    with pytest.raises(ValueError, match=r"image_grid_thw must be an integer tensor \[images, 3\], got torch.float32 "
+                                         r"\(3, 3\)"):
+        model(**dict(given, image_grid_thw=given["image_grid_thw"].float()))  # its right shape alone was named
     with pytest.raises(ValueError, match="mark other tokens than input_ids' media token ids"):
         model(**dict(given, mm_token_type_ids=torch.zeros_like(given["input_ids"])))
     # Videos need the checkpoint's config.json in the package (tests/test_videos.py).
