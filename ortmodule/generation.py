@@ -78,17 +78,17 @@ def check_config(config, vocab: int) -> None:
 
     # The sampling filters (top_k, top_p, min_p, temperature) are checked where the call samples: greedy
     # decoding and beam search ignore them, as in transformers (temperature 0 and top_p 0 are common there).
-    sampling = {"top_k", "top_p", "min_p", "temperature"} if config.do_sample else set()
+    ignored = set() if config.do_sample else {"top_k", "top_p", "min_p", "temperature"}
     for name, low in (("max_new_tokens", 1), ("max_length", 1), ("min_new_tokens", 0), ("min_length", 0),
                       ("top_k", 0), ("no_repeat_ngram_size", 0), ("num_beams", 1), ("num_return_sequences", 1)):
         value = getattr(config, name, None)
-        if value is not None and (name in sampling or name != "top_k") and (not integer(value) or value < low):
+        if value is not None and name not in ignored and (not integer(value) or value < low):
             raise _bad(name, value, f"an integer >= {low}")
     for name, low, high, open_low in (("top_p", 0.0, 1.0, True), ("min_p", 0.0, 1.0, False),
                                       ("temperature", 0.0, float("inf"), True),
                                       ("repetition_penalty", 0.0, float("inf"), True)):
         value = getattr(config, name, None)
-        if value is None or (name != "repetition_penalty" and name not in sampling):
+        if value is None or name in ignored:
             continue
         if not number(value) or value != value or value > high or value < low or (open_low and value == low):
             bracket = "(" if open_low else "["

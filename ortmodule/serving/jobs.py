@@ -171,23 +171,22 @@ class PromptScores:
 
 class PromptJob(OneShot):
     """Log-probabilities of prompts (echo), and at most one greedy token read from the same prefill:
-    lm-eval's loglikelihood request over the OpenAI API. `sampling`: where that token's logits are
-    processed (a repetition penalty over the prompt, a logit bias, `min_tokens`) or its end or text is
-    (`ignore_eos`, stop tokens, special tokens shown), its settings (the prompts' last logits are then kept
-    for `Row.process`), else None; `eos`: the model's end-of-sequence ids."""
+    lm-eval's loglikelihood request over the OpenAI API. `sampling`: the request's settings; where that
+    token's logits are processed (a repetition penalty over the prompt, a logit bias, `min_tokens`) or its
+    end or text is (`ignore_eos`, stop tokens, special tokens shown: `Sampling.processed`), the prompts'
+    last logits are kept for `Row.process`; `eos`: the model's end-of-sequence ids."""
 
     kind = "prompt_logprobs"
 
-    def __init__(self, prompts: list[Ids], top: int, next_token: bool, stop: tuple[str, ...], loop,
-                 ranked: bool = False, sampling: Sampling | None = None, eos: set[int] | frozenset[int] = frozenset()):
+    def __init__(self, prompts: list[Ids], top: int, next_token: bool, sampling: Sampling, loop,
+                 eos: set[int] | frozenset[int], ranked: bool = False):
         super().__init__(prompts, loop)
-        self.top, self.next_token, self.stop, self.ranked = top, next_token, stop, ranked
-        self.sampling, self.eos = sampling, eos
+        self.top, self.next_token, self.sampling, self.eos, self.ranked = top, next_token, sampling, eos, ranked
 
     @staticmethod
     def run_together(model, jobs: list[PromptJob]) -> list[list[PromptScores]]:
         prompts = [p for job in jobs for p in job.prompts]
-        last = [job.next_token and job.sampling is not None for job in jobs for _ in job.prompts]
+        last = [job.next_token and job.sampling.processed for job in jobs for _ in job.prompts]
         scores = prompt_scores(model, prompts, max(job.top for job in jobs), any(job.ranked for job in jobs),
                                last if any(last) else None)
         out, k = [], 0

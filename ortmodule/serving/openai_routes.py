@@ -185,8 +185,8 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     scored = body.echo and body.logprobs is not None or body.prompt_logprobs is not None
     top = max(body.logprobs or 0, body.prompt_logprobs or 0) if scored else None  # the prompts' alternatives
     if (body.echo or scored) and not body.stream and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy)):
-        return PromptJob(prompts, top or 0, max_tokens == 1, stop, loop, body.prompt_logprobs is not None,
-                         sampling if sampling.processed else None, served.engine.eos)
+        return PromptJob(prompts, top or 0, max_tokens == 1, sampling, loop, served.engine.eos,
+                         body.prompt_logprobs is not None)
     return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top, copies=body.n,
                       prompt_ranks=body.prompt_logprobs is not None)
 
@@ -232,8 +232,7 @@ def prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | Non
     scores = result[i]
     if not job.next_token:
         return scores, None
-    sampling = job.sampling or Sampling(1, stop=job.stop)
-    row = Row(job, i, job.prompts[i], sampling, sampling.text_stream(served.tokenizer, job.eos))
+    row = Row(job, i, job.prompts[i], job.sampling, job.sampling.text_stream(served.tokenizer, job.eos))
     token, logprob = scores.next_top[0]  # one greedy token, read from the prompt's prefill
     if scores.last is not None:  # processed first (a repetition penalty, say); its log-probability the raw one
         token = int(row.process(scores.last[None]).argmax(-1))
