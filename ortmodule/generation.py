@@ -177,8 +177,8 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
         raise ValueError("generate() needs input_ids (the prompts as token ids) or inputs_embeds")
     if inputs_ids is not None:  # transformers' generate fails deep inside on a list, a dict, a 1-D tensor
         inputs.check_ids_form(inputs_ids)
-        if inputs_ids.numel() == 0 and kwargs.get("inputs_embeds") is None:  # and on no prompt (an IndexError)
-            raise ValueError(f"input_ids is empty: shape {tuple(inputs_ids.shape)}")
+        if kwargs.get("inputs_embeds") is None:  # and on no prompt (an IndexError)
+            inputs.check_ids_present(inputs_ids)
     prompt, mask = inputs_ids if inputs_ids is not None else kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
     if mask is not None and isinstance(prompt, torch.Tensor) and prompt.dim() >= 2:
         # here: transformers' generate drops a mask of ones before the loop sees it (its shape unchecked)

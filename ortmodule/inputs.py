@@ -148,11 +148,16 @@ def check_ids_form(input_ids) -> None:
         raise ValueError(f"input_ids must be 2-D [batch, sequence], got shape {tuple(input_ids.shape)}{hint}")
 
 
+def check_ids_present(input_ids) -> None:
+    """Ids of the 2-D form (`check_ids_form`) that hold at least one token: a row and a column."""
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+
+
 def _check_ids(input_ids, context_length: int) -> None:
     check_ids_form(input_ids)
-    batch, length = input_ids.shape
-    if batch == 0 or length == 0:
-        raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+    check_ids_present(input_ids)
+    length = input_ids.shape[1]
     if length > context_length:
         raise ValueError(f"input length {length} exceeds the model's context length {context_length}")
 
