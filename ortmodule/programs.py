@@ -14,9 +14,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 # `ortmodule run`'s hook for the Python processes a program starts (a folder holding a sitecustomize.py).
 AUTOLOAD = Path(__file__).parent / "autoload"
+
+
+def _refuse(message: str) -> NoReturn:
+    """One line on stderr and exit status 2, as the other commands' argument errors (argparse's)."""
+    print(f"ortmodule run: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _check_module(name: str) -> None:
@@ -28,10 +35,9 @@ def _check_module(name: str) -> None:
     except (ImportError, ValueError):  # a parent package missing, or a name Python cannot import
         spec = None
     if spec is None:
-        raise SystemExit(f"ortmodule run: error: no module named {name}")
+        _refuse(f"no module named {name}")
     if not runnable:
-        raise SystemExit(f"ortmodule run: error: {name} is a package without a __main__ module: it cannot be run "
-                         "with -m")
+        _refuse(f"{name} is a package without a __main__ module: it cannot be run with -m")
 
 
 def _start(argv: list[str]) -> None:
@@ -52,25 +58,24 @@ def run_program(argv: list[str]) -> None:
     takes this process's place (its PID: signals reach it alone). Either way the Python processes it
     starts patch them too, once they import transformers (autoload/sitecustomize.py, first on their
     PYTHONPATH). The exit status is the program's."""
-    usage = "ortmodule run: error: name the program to run: a command, a Python file, or -m MODULE"
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: ortmodule run PROGRAM [ARGS ...] | ortmodule run -m MODULE [ARGS ...]\n\n"
               + inspect.cleandoc(run_program.__doc__))
         raise SystemExit(0)
     if not argv or (argv[0] == "-m" and len(argv) < 2):
-        raise SystemExit(usage)
+        _refuse("name the program to run: a command, a Python file, or -m MODULE")
     path = Path(argv[0])
     found = [ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name == argv[0]]
     if argv[0] == "-m":
         kind = "module"
     elif path.suffix == ".py":
         if not path.is_file():
-            raise SystemExit(f"ortmodule run: error: no file {argv[0]}")
+            _refuse(f"no file {argv[0]}")
         kind = "file"
     elif found and "/" not in argv[0]:
         kind = "command"
     elif shutil.which(argv[0]) is None:
-        raise SystemExit(f"ortmodule run: error: {argv[0]!r} is no command of this environment, nor a Python file")
+        _refuse(f"{argv[0]!r} is no command of this environment, nor a Python file")
     else:
         kind = "other"
     os.environ["ORTMODULE_AUTO_CLASSES"] = "1"  # for the processes it starts

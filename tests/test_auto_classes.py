@@ -278,17 +278,18 @@ def test_a_program_that_is_not_python_runs_in_ortmodule_runs_place():
 
 
 def test_ortmodule_run_names_what_it_cannot_start():
+    """One line and exit status 2, as the other commands' argument errors."""
     done = run("--help")
     assert done.returncode == 0 and done.stdout.startswith("usage: ortmodule run PROGRAM")
     done = run()
-    assert done.returncode != 0 and "name the program to run" in done.stderr
+    assert done.returncode == 2 and "name the program to run" in done.stderr
     done = run("no-such-command-here")
-    assert done.returncode != 0 and "'no-such-command-here' is no command of this environment" in done.stderr
+    assert done.returncode == 2 and "'no-such-command-here' is no command of this environment" in done.stderr
     done = run("missing.py")
-    assert done.returncode != 0 and "no file missing.py" in done.stderr
+    assert done.returncode == 2 and "no file missing.py" in done.stderr
     for module, message in (("no_such_module", "no module named no_such_module"),
                             ("no_such_package.tool", "no module named no_such_package.tool"),
                             ("ortmodule.serving", "ortmodule.serving is a package without a __main__ module")):
         done = run("-m", module)  # as `python -m` says it, not runpy's traceback
-        assert done.returncode != 0 and done.stderr.startswith(f"ortmodule run: error: {message}"), done.stderr
+        assert done.returncode == 2 and done.stderr.startswith(f"ortmodule run: error: {message}"), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
