@@ -206,6 +206,8 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
                                 "model's first layers alone, which a package's graph does not expose: pass "
                                 "assistant_model= (a smaller package) or prompt_lookup_num_tokens= instead")
     _check_length(model, inputs_ids, config)
+    if kwargs.get("attention_mask") is None:
+        _check_derived_mask(inputs_ids, config)
     # transformers builds its criteria's tensors on the prompt's device: bring the inputs to the model's.
     if isinstance(inputs_ids, torch.Tensor):
         inputs_ids = inputs_ids.to(model.device, non_blocking=True)
@@ -224,6 +226,35 @@ def _check_length(model, input_ids, config: GenerationConfig) -> None:
         raise ValueError(
             f"nothing to generate: max_length {config.max_length} is not above the prompt length {width}; "
             "set max_new_tokens"
+        )
+
+
+def _check_derived_mask(input_ids, config: GenerationConfig) -> None:
+    """Without an attention_mask, transformers' generate masks out every pad token of the prompts (where the
+    pad token is not an end-of-sequence token) and runs on; a pad token between a row's tokens makes a gap,
+    which ortmodule refuses: named here as what it is, not as a gap in a mask the caller never passed."""
+    pad, eos = config.pad_token_id, config.eos_token_id
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not isinstance(pad, int):
+        return
+    if pad in (eos if isinstance(eos, list) else [eos]):
+        return  # transformers then takes every token
+    kept = input_ids != pad
+    if kept.all():  # one host read, only where no mask was given
+        return
+    given = f"generate() got no attention_mask, so it masks out every pad token ({pad}) of input_ids (as transformers)"
+    empty = ~kept.any(1)
+    if empty.any():
+        raise ValueError(f"{given}: row {int(empty.nonzero()[0])} holds nothing else; pass "
+                         "attention_mask, or pad_token_id= a token the prompts lack")
+    width = kept.shape[1]
+    first, last = kept.int().argmax(1), width - 1 - kept.flip(1).int().argmax(1)
+    gaps = kept.sum(1) < last - first + 1
+    if gaps.any():
+        row = int(gaps.nonzero()[0])
+        column = int(first[row]) + int((~kept[row, first[row]:]).int().argmax())
+        raise ValueError(
+            f"{given}: row {row} holds it at position {column}, between its tokens; pass attention_mask "
+            "(torch.ones_like(input_ids) where no row is padded), or pad_token_id= a token the prompts lack"
         )
 
 

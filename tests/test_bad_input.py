@@ -41,6 +41,27 @@ def test_no_tokens_are_named_in_forward_and_generate(model, shape):
         model.generate(torch.zeros(shape, dtype=torch.long), max_new_tokens=2)
 
 
+def test_a_pad_token_inside_a_prompt_without_a_mask_is_named(llama):
+    """Without an attention_mask, transformers' generate masks out every pad token and runs on with a gap in a
+    row (other tokens than with the mask of ones); ortmodule refuses a gap, and names where it came from. Pad
+    tokens that pad (left, or right as transformers takes them) run as transformers runs them."""
+    model, hf = load_pair(llama)
+    pad = model.generation_config.pad_token_id
+    args = dict(max_new_tokens=3, do_sample=False)
+    for ids, where in (([[4, pad, 5]], r"row 0 holds it at position 1, between its tokens"),
+                       ([[4, 5, 6], [8, pad, 9]], r"row 1 holds it at position 1"),
+                       ([[4, 5, 6], [pad, pad, pad]], r"row 1 holds nothing else")):
+        with pytest.raises(ValueError, match=rf"got no attention_mask, so it masks out every pad token \({pad}\)"
+                                             rf" of input_ids \(as transformers\): {where}"):
+            model.generate(torch.tensor(ids), **args)
+    inside = torch.tensor([[4, pad, 5]])
+    assert torch.equal(model.generate(inside, attention_mask=torch.ones_like(inside), **args),
+                       hf.generate(inside, attention_mask=torch.ones_like(inside), **args))
+    assert torch.equal(model.generate(inside, pad_token_id=0, **args), hf.generate(inside, pad_token_id=0, **args))
+    for padded in ([[pad, pad, 5], [4, 5, 6]], [[4, 5, pad]]):
+        assert torch.equal(model.generate(torch.tensor(padded), **args), hf.generate(torch.tensor(padded), **args))
+
+
 def test_float_ids_are_a_type_error(model):
     with pytest.raises(TypeError, match="integer token ids"):
         model(torch.ones(1, 4))
