@@ -206,8 +206,6 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
                                 "model's first layers alone, which a package's graph does not expose: pass "
                                 "assistant_model= (a smaller package) or prompt_lookup_num_tokens= instead")
     _check_length(model, inputs_ids, config)
-    if kwargs.get("attention_mask") is None:
-        _check_derived_mask(inputs_ids, config)
     # transformers builds its criteria's tensors on the prompt's device: bring the inputs to the model's.
     if isinstance(inputs_ids, torch.Tensor):
         inputs_ids = inputs_ids.to(model.device, non_blocking=True)
@@ -229,25 +227,20 @@ def _check_length(model, input_ids, config: GenerationConfig) -> None:
         )
 
 
-def _check_derived_mask(input_ids, config: GenerationConfig) -> None:
-    """Without an attention_mask, transformers' generate masks out every pad token of the prompts (where the
-    pad token is not an end-of-sequence token) and runs on; a pad token between a row's tokens makes a gap,
-    which ortmodule refuses: named here as what it is, not as a gap in a mask the caller never passed."""
-    pad, eos = config.pad_token_id, config.eos_token_id
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or not isinstance(pad, int):
+def check_inferred_mask(mask: torch.Tensor, pad: int) -> None:
+    """The mask transformers' generate infers where it gets none (every pad token of the prompts masked out,
+    unless the pad token ends sequences), for a fresh prompt: a pad token between a row's tokens makes a gap,
+    and a row of pad tokens holds nothing, which ortmodule refuses (transformers runs on with them), named
+    here as what they are, not as a mask the caller never passed. One host read, only where no mask was given."""
+    if mask.dim() != 2 or bool(mask.all()):
         return
-    if pad in (eos if isinstance(eos, list) else [eos]):
-        return  # transformers then takes every token
-    kept = input_ids != pad
-    if kept.all():  # one host read, only where no mask was given
-        return
+    kept = mask.bool()
     given = f"generate() got no attention_mask, so it masks out every pad token ({pad}) of input_ids (as transformers)"
     empty = ~kept.any(1)
     if empty.any():
         raise ValueError(f"{given}: row {int(empty.nonzero()[0])} holds nothing else; pass "
                          "attention_mask, or pad_token_id= a token the prompts lack")
-    width = kept.shape[1]
-    first, last = kept.int().argmax(1), width - 1 - kept.flip(1).int().argmax(1)
+    first, last = kept.int().argmax(1), kept.shape[1] - 1 - kept.flip(1).int().argmax(1)
     gaps = kept.sum(1) < last - first + 1
     if gaps.any():
         row = int(gaps.nonzero()[0])

@@ -368,7 +368,8 @@ class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
         GenerationMixin._validate_model_kwargs(self, model_kwargs)
 
     def _prepare_attention_mask_for_generation(self, inputs_tensor, generation_config, model_kwargs):
-        """transformers' mask inferred from pad tokens where generate gets none. Continuing a cache (an
+        """transformers' mask inferred from pad tokens where generate gets none; for a fresh prompt, one with a gap
+        or an empty row is refused naming the pad token (`generation.check_inferred_mask`). Continuing a cache (an
         assistant's drafts each round, a continued generate), only each row's leading pad tokens are
         padding: a pad token inside the text counts as a token, as the cache already holds it. transformers
         masks such a token (its assistant's drafted pad token, say), which a step over this cache cannot."""
@@ -376,6 +377,7 @@ class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
                                                                      model_kwargs)
         cache = model_kwargs.get(CACHE_NAME)
         if cache is None or mask.dim() != 2 or cache.get_seq_length() == 0:
+            generation.check_inferred_mask(mask, generation_config.pad_token_id)
             return mask
         leading = mask.cummax(1).values  # 0 only before each row's first real token
         if not torch.equal(leading, mask):
