@@ -61,6 +61,47 @@ def test_concurrent_calls_equal_sequential_ones(build, arch):
     assert not wrong, f"{len(wrong)} of {len(work)} concurrent results differ from the sequential ones"
 
 
+def lazy_calls(seed: int) -> list:
+    """Calls whose sessions or graphs a model makes at their first use (attention weights, runs from
+    embeddings, the backbone without the head, beams and prompt lookup over the extend graph, a loss)."""
+    gen, out = torch.Generator().manual_seed(seed), []
+    for i in range(24):
+        ids = torch.randint(4, 500, (1 + i % 3, 20 + 7 * i % 60), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[0, : i % 3] = 0
+        out.append([
+            lambda m, ids=ids, mask=mask: torch.cat([a.flatten() for a in m(ids, attention_mask=mask,
+                                                                              output_attentions=True).attentions]),
+            lambda m, ids=ids, mask=mask: m(inputs_embeds=m.get_input_embeddings()(ids), attention_mask=mask).logits,
+            lambda m, ids=ids, mask=mask: m.model(ids, attention_mask=mask).last_hidden_state,
+            lambda m, ids=ids, mask=mask: m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                                     num_beams=2),
+            lambda m, ids=ids[-1:]: m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                                               do_sample=False, prompt_lookup_num_tokens=3),  # one row, as it takes
+            lambda m, ids=ids, mask=mask: m(ids, attention_mask=mask, labels=ids).loss.reshape(1),
+        ][i % 6])
+    return out
+
+
+def test_a_fresh_models_first_calls_on_many_threads_equal_sequential_ones(build):
+    """On a model just loaded, the sessions and graphs made at first use (hidden states, attention weights,
+    embeddings, the extend graph and its writing twin, the measured costs) are made by whichever of 6 threads
+    asks first while the others run: every result equals the same call's on another fresh model, one call
+    after another."""
+    import random
+
+    path = build("llama").package_dir
+    work = calls(500) + lazy_calls(3)
+    random.Random(3).shuffle(work)
+    alone = ortmodule.OrtModelForCausalLM.from_pretrained(path)
+    expected = [fn(alone) for fn in work]
+    fresh = ortmodule.OrtModelForCausalLM.from_pretrained(path)
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda fn: fn(fresh), work))
+    wrong = [i for i, (a, b) in enumerate(zip(got, expected)) if a.shape != b.shape or not torch.allclose(a, b)]
+    assert not wrong, f"{len(wrong)} of {len(work)} results on a fresh model's threads differ from the sequential ones"
+
+
 def test_a_generation_whose_decode_steps_another_thread_holds_runs_without_them(build, monkeypatch):
     """Two generations of one shape at once: the second finds the fixed-address steps (steps.py) held by
     the first and steps over a cache of its own, binding its inputs anew, with transformers' tokens."""
