@@ -191,6 +191,9 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
     given = {name: kwargs.get(name) for name in _CHECKED}
     do_sample = kwargs.get("do_sample", (generation_config or model.generation_config).do_sample)
     check_config(type("Given", (), {**given, "do_sample": do_sample})(), vocab)
+    # transformers' own test, before its merge fills in the defaults: no max_length set anywhere
+    default_length = kwargs.get("max_length") is None and model.generation_config.max_length is None and (
+        generation_config is None or generation_config.max_length is None)
     config, rest = model._prepare_generation_config(generation_config, **kwargs)  # transformers' merge
     unknown = sorted(set(rest) - MODEL_INPUTS - _CALL_ARGUMENTS - {"output_attentions", "output_hidden_states"})
     if unknown:
@@ -205,7 +208,7 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
         raise NotSupportedError("assistant_early_exit (self-speculative decoding from the first layers) runs the "
                                 "model's first layers alone, which a package's graph does not expose: pass "
                                 "assistant_model= (a smaller package) or prompt_lookup_num_tokens= instead")
-    _check_length(model, inputs_ids, config)
+    _check_length(model, inputs_ids, config, default_length)
     # transformers builds its criteria's tensors on the prompt's device: bring the inputs to the model's.
     if isinstance(inputs_ids, torch.Tensor):
         inputs_ids = inputs_ids.to(model.device, non_blocking=True)
@@ -215,16 +218,23 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
     return GenerationMixin.generate(model, inputs_ids, generation_config, **kwargs)
 
 
-def _check_length(model, input_ids, config: GenerationConfig) -> None:
+def _check_length(model, input_ids, config: GenerationConfig, default_length: bool) -> None:
+    """Something left to generate, as transformers counts it: `max_new_tokens`; else a `max_length` given
+    (the prompt included); else, none set anywhere, its default as new tokens (20) within the model's
+    positions (`max_position_embeddings`, the package's context)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return  # inputs.check_batch names the problem
     width = input_ids.shape[1]
-    max_new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 20) - width
-    if max_new < 1:
-        raise ValueError(
-            f"nothing to generate: max_length {config.max_length} is not above the prompt length {width}; "
-            "set max_new_tokens"
-        )
+    if config.max_new_tokens is not None:
+        return  # checked to be >= 1 with the options
+    if not default_length:
+        if config.max_length - width < 1:
+            raise ValueError(f"nothing to generate: max_length {config.max_length} is not above the prompt length "
+                             f"{width}; set max_new_tokens")
+        return
+    limit = getattr(model.config, "max_position_embeddings", None) or width + (config.max_length or 20)
+    if limit - width < 1:
+        raise ValueError(f"nothing to generate: the prompt's {width} tokens fill the model's {limit} positions")
 
 
 def check_inferred_mask(mask: torch.Tensor, pad: int) -> None:

@@ -27,6 +27,26 @@ def llama_pair(llama):
     return load_pair(llama)
 
 
+def test_a_call_without_a_length_generates_transformers_default(llama_pair):
+    """No max_new_tokens or max_length anywhere: transformers 5 generates its default 20 new tokens, within the
+    model's positions (a prompt of 240 of 256 gets 16), where ortmodule refused every prompt of 20 tokens or more
+    as over a max_length of 20 in all. A max_length given counts the prompt in; a full context is refused."""
+    model, hf = llama_pair
+    for width in (5, 30, 240):
+        ids = torch.randint(3, 500, (2, width), generator=torch.Generator().manual_seed(width))
+        mask = torch.ones_like(ids)
+        expected = hf_generate(hf, ids, mask, do_sample=False, eos_token_id=None)
+        assert expected.shape[1] == min(width + 20, 256)
+        assert torch.equal(model.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=2),
+                           expected)
+    ids = torch.randint(3, 500, (1, 30))
+    assert model.generate(ids, max_length=40, do_sample=False).shape == (1, 40)
+    with pytest.raises(ValueError, match="nothing to generate: max_length 20 is not above the prompt length 30"):
+        model.generate(ids, max_length=20)
+    with pytest.raises(ValueError, match="nothing to generate: the prompt's 256 tokens fill the model's 256 positions"):
+        model.generate(torch.randint(3, 500, (1, 256)))
+
+
 @pytest.mark.parametrize("arch", MODEL_ARCHES)
 def test_greedy_equals_transformers(build, arch):
     model, hf = load_pair(build(arch))
