@@ -208,7 +208,8 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
         raise NotSupportedError("assistant_early_exit (self-speculative decoding from the first layers) runs the "
                                 "model's first layers alone, which a package's graph does not expose: pass "
                                 "assistant_model= (a smaller package) or prompt_lookup_num_tokens= instead")
-    _check_length(model, inputs_ids, config, default_length)
+    _check_length(model, inputs_ids if inputs_ids is not None else kwargs.get("inputs_embeds"),
+                  kwargs.get("attention_mask"), config, default_length)
     # transformers builds its criteria's tensors on the prompt's device: bring the inputs to the model's.
     if isinstance(inputs_ids, torch.Tensor):
         inputs_ids = inputs_ids.to(model.device, non_blocking=True)
@@ -218,23 +219,31 @@ def _generate(model, inputs_ids=None, generation_config=None, **kwargs):
     return GenerationMixin.generate(model, inputs_ids, generation_config, **kwargs)
 
 
-def _check_length(model, input_ids, config: GenerationConfig, default_length: bool) -> None:
-    """Something left to generate, as transformers counts it: `max_new_tokens`; else a `max_length` given
-    (the prompt included); else, none set anywhere, its default as new tokens (20) within the model's
-    positions (`max_position_embeddings`, the package's context)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+def _check_length(model, prompt, mask, config: GenerationConfig, default_length: bool) -> None:
+    """Something left to generate, within the context, as transformers counts the new tokens (ids, or
+    `inputs_embeds` alone): `max_new_tokens`; else a `max_length` given (the prompt included); else, none set
+    anywhere, its default of 20 new tokens, which transformers keeps within `max_position_embeddings` for ids.
+    Checked before any run, for every mode (beams and the other loops of transformers' would stop at the
+    step past the context)."""
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
         return  # inputs.check_batch names the problem
-    width = input_ids.shape[1]
+    width, context = prompt.shape[1], model.decoder.package.context_length
     if config.max_new_tokens is not None:
-        return  # checked to be >= 1 with the options
-    if not default_length:
-        if config.max_length - width < 1:
+        new = config.max_new_tokens
+    elif not default_length:
+        new = config.max_length - width
+        if new < 1:
             raise ValueError(f"nothing to generate: max_length {config.max_length} is not above the prompt length "
                              f"{width}; set max_new_tokens")
-        return
-    limit = getattr(model.config, "max_position_embeddings", None) or width + (config.max_length or 20)
-    if limit - width < 1:
-        raise ValueError(f"nothing to generate: the prompt's {width} tokens fill the model's {limit} positions")
+    elif prompt.is_floating_point():  # inputs_embeds alone: transformers' 20 new tokens, unbounded
+        new = config.max_length or 20
+    else:
+        new = min(width + (config.max_length or 20), context) - width
+        if new < 1:
+            raise ValueError(f"nothing to generate: the prompt's {width} tokens fill the model's {context} positions")
+    longest = int(mask.sum(1).max()) if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() else width
+    if longest + new > context:
+        raise ValueError(f"prompt of {longest} tokens + {new} new tokens exceeds the model's context length {context}")
 
 
 def check_inferred_mask(mask: torch.Tensor, pad: int) -> None:

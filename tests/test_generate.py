@@ -47,6 +47,34 @@ def test_a_call_without_a_length_generates_transformers_default(llama_pair):
         model.generate(torch.randint(3, 500, (1, 256)))
 
 
+@pytest.mark.parametrize("options", [dict(max_new_tokens=20), dict(max_new_tokens=20, num_beams=2),
+                                     dict(max_new_tokens=20, prompt_lookup_num_tokens=3), dict(max_length=270),
+                                     dict(max_new_tokens=20, output_hidden_states=True, return_dict_in_generate=True),
+                                     dict(embeds=True)])
+def test_a_generation_past_the_context_is_refused_before_it_runs(llama_pair, monkeypatch, options):
+    """Every mode, transformers' loops too (beams, prompt lookup, hidden states, `inputs_embeds` alone with
+    transformers' default of 20 new tokens), is refused before its first run where the longest row and
+    the new tokens exceed the context; before, those loops failed at the step past it, after the work up to
+    there. A left-padded row counts its own tokens."""
+    from ortmodule import decoder as decoders
+
+    model, _ = llama_pair
+    ids = torch.randint(3, 500, (2, 250), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    options = dict(options)
+    if options.pop("embeds", False):
+        options["inputs_embeds"], ids = model.get_input_embeddings()(ids).detach(), None
+    runs = []
+    monkeypatch.setattr(decoders.Decoder, "prefill", lambda *a, **k: runs.append(a))
+    with pytest.raises(ValueError, match="prompt of 250 tokens [+] 20 new tokens exceeds the model's context length"):
+        model.generate(ids, attention_mask=mask, do_sample=False, **options)
+    assert runs == []
+    monkeypatch.undo()
+    mask[:, :20] = 0  # rows of 230 tokens: room for 20 more
+    assert model.generate(ids if ids is not None else torch.randint(3, 500, (2, 250)), attention_mask=mask,
+                          max_new_tokens=20, do_sample=False, eos_token_id=None).shape == (2, 270)
+
+
 @pytest.mark.parametrize("arch", MODEL_ARCHES)
 def test_greedy_equals_transformers(build, arch):
     model, hf = load_pair(build(arch))
