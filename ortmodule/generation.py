@@ -241,7 +241,9 @@ def _check_length(model, prompt, mask, config: GenerationConfig, default_length:
         new = min(width + (config.max_length or 20), context) - width
         if new < 1:
             raise ValueError(f"nothing to generate: the prompt's {width} tokens fill the model's {context} positions")
-    longest = int(mask.sum(1).max()) if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() else width
+    # a mask's real tokens (its values are checked with the batch: any other than 0 counts here)
+    longest = int(mask.ne(0).sum(1).max()) if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() \
+        else width
     if longest + new > context:
         raise ValueError(f"prompt of {longest} tokens + {new} new tokens exceeds the model's context length {context}")
 
