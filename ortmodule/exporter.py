@@ -130,7 +130,21 @@ def _write(checkpoint: Path, architecture: str, package: Path, precision: str, d
         _say(progress, "exporting the vision tower and the embeddings (torch.onnx)")
         add_images(checkpoint, package)
     carry_generation_defaults(checkpoint, package)
+    keep_checkpoint_config(checkpoint, package)
     _check_package(package, checkpoint)
+
+
+def keep_checkpoint_config(checkpoint: Path, package: Path) -> None:
+    """The checkpoint's config.json copied into a text package, where `model.config` reads it (hf.build_config)
+    as transformers reads the checkpoint's: without it, the fields genai_config.json does not say (the MLP's
+    width, the rotary base, tied embeddings, the norms' epsilon, the architecture) are the config class's
+    defaults. A multimodal checkpoint's (a `text_config` inside) is left out of its text-only export, which
+    it does not describe; `--images` writes its own."""
+    if (package / "config.json").is_file():
+        return
+    config = json.loads((checkpoint / "config.json").read_text())
+    if isinstance(config, dict) and "text_config" not in config:
+        shutil.copyfile(checkpoint / "config.json", package / "config.json")
 
 
 def carry_generation_defaults(checkpoint: Path, package: Path) -> None:

@@ -31,6 +31,11 @@ def test_cli_exports_a_hugging_face_folder(llama, tmp_path, capsys):
     with torch.no_grad():
         expected = reference(ids).logits
     assert (model(ids).logits - expected).abs().max().item() < 1e-4
+    # the checkpoint's config kept in the package: model.config is transformers' (the MLP's width, the rotary
+    # base, tied embeddings, ... not the config class's defaults), the path and the package's dtype aside
+    ours, theirs = model.config.to_dict(), reference.config.to_dict()
+    differ = {k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)}
+    assert differ <= {"_name_or_path", "dtype"} and ours["dtype"] == "float32", differ
 
 
 def multimodal_checkpoint(kind: str, tokenizer):
@@ -84,6 +89,7 @@ def test_a_multimodal_checkpoint_exports_its_text_model(tmp_path, kind):
     tokenizer.save_pretrained(tmp_path / "hf")
     export(tmp_path / "hf", tmp_path / "package", progress=False)
     assert json.loads((tmp_path / "package" / "genai_config.json").read_text())["model"]["type"].endswith("_text")
+    assert not (tmp_path / "package" / "config.json").exists()  # the checkpoint's describes more than this package
     model = OrtModelForCausalLM.from_pretrained(tmp_path / "package")
     reference = model_class.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     ids = torch.randint(4, 500, (2, 14), generator=torch.Generator().manual_seed(2))
