@@ -241,9 +241,14 @@ def _check_length(model, prompt, mask, config: GenerationConfig, default_length:
         new = min(width + (config.max_length or 20), context) - width
         if new < 1:
             raise ValueError(f"nothing to generate: the prompt's {width} tokens fill the model's {context} positions")
-    # a mask's real tokens (its values are checked with the batch: any other than 0 counts here)
-    longest = int(mask.ne(0).sum(1).max()) if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() \
-        else width
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
+        real = mask.ne(0)  # its values are checked with the batch: any other than 0 counts here
+    else:  # none given: transformers masks out the pad tokens (check_inferred_mask), unless they end sequences
+        pad, eos = config.pad_token_id, config.eos_token_id
+        infers = isinstance(pad, int) and not prompt.is_floating_point() and pad not in (
+            eos if isinstance(eos, list) else [eos])
+        real = prompt.ne(pad) if infers else None
+    longest = int(real.sum(1).max()) if real is not None else width
     if longest + new > context:
         raise ValueError(f"prompt of {longest} tokens + {new} new tokens exceeds the model's context length {context}")
 

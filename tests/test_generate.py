@@ -73,6 +73,9 @@ def test_a_generation_past_the_context_is_refused_before_it_runs(llama_pair, mon
     mask[:, :20] = 0  # rows of 230 tokens: room for 20 more
     assert model.generate(ids if ids is not None else torch.randint(3, 500, (2, 250)), attention_mask=mask,
                           max_new_tokens=20, do_sample=False, eos_token_id=None).shape == (2, 270)
+    padded = torch.randint(3, 500, (2, 250), generator=torch.Generator().manual_seed(2))
+    padded[:, :20] = model.generation_config.pad_token_id  # no mask: transformers masks out the pad tokens
+    assert model.generate(padded, max_new_tokens=20, do_sample=False, eos_token_id=None).shape == (2, 270)
 
 
 @pytest.mark.parametrize("arch", MODEL_ARCHES)
