@@ -1,0 +1,233 @@
+"""The Python examples of the README and docs/ run as written, on the real SmolLM2-135M-Instruct package
+(the demo's model): each ```python block is run here, its placeholders ("path/to/genai_package", the
+checkpoint's path, the server's address) replaced by real ones and the names a fragment takes from the
+text before it (`model`, `batch`, `input_ids`, ...) given, or it is listed with the reason it is not run
+(a Hub download, a GPU). A new example fails `test_every_example_is_run_or_named_not_run` until it is
+one or the other. What an example states in its comments (shapes, the scores it prints) is checked
+against what it computed."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import LiveServer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PACKAGE, CHECKPOINT = '"path/to/genai_package"', '"path/to/checkpoint"'
+
+# (page, a piece of text that picks the block out) -> why it is not run here.
+NOT_RUN = {
+    ("docs/lm-eval.md", 'tasks=["hellaswag"]'): "hellaswag's data comes from the Hub (tests/test_lm_eval.py runs "
+                                                "OrtModuleLM on a loaded model, and simple_evaluate by name)",
+    ("docs/usage.md", "microsoft/Phi-3-mini-4k-instruct-onnx"): "a Hub download (tests/test_hub.py: a local Hub "
+                                                                "cache)",
+    ("docs/usage.md", "Qwen/Qwen2.5-VL-3B-Instruct"): "the checkpoint's processor is a Hub download "
+                                                      "(tests/test_images.py: the fixtures' processors)",
+    ("docs/usage.md", "google/gemma-4-E2B-it"): "a Hub download (tests/test_images_gemma4.py)",
+    ("docs/usage.md", "mistralai/Ministral-3-3B-Instruct-2512"): "a Hub download (tests/test_images_pixtral.py)",
+    ("docs/usage.md", "google/gemma-3-4b-it"): "a Hub download (tests/test_images_gemma3.py)",
+    ("docs/usage.md", "videos=[frames]"): "a video model's processor and package (tests/test_videos.py)",
+}
+
+
+def python_blocks() -> list[tuple[str, int, str]]:
+    """Every ```python block of the pages: (page relative to the repository, its first line, its code)."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+            found.append((str(page.relative_to(ROOT)), text[:match.start()].count("\n") + 2, match.group(1)))
+    return found
+
+
+def block(page: str, marker: str) -> str:
+    """The one block of `page` holding `marker`."""
+    codes = [code for where, _, code in python_blocks() if where == page and marker in code]
+    assert len(codes) == 1, f"{page}: {len(codes)} python blocks hold {marker!r}"
+    return codes[0]
+
+
+def run(code: str, namespace: dict, name: str, **replace: str) -> dict:
+    for old, new in replace.items():
+        assert old in code, f"{name}: the example no longer holds {old!r}"
+        code = code.replace(old, new)
+    exec(compile(code, name, "exec"), namespace)  # noqa: S102  the repository's own documentation
+    return namespace
+
+
+def run_alone(code: str, check: str, **replace: str) -> str:
+    """`code` with `replace` done, then `check`, in a fresh Python: an example whose imports register
+    something (lm-eval's model, Olive's evaluator) is run where no other test has imported it first."""
+    for old, new in replace.items():
+        assert old in code, f"the example no longer holds {old!r}"
+        code = code.replace(old, new)
+    done = subprocess.run([sys.executable, "-c", code + "\n" + check], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from ortmodule import OrtModelForCausalLM, load_tokenizer
+    from ortmodule_dev import fixtures
+
+    fixture = fixtures.build(fixtures.SMOLLM2)
+    return fixture, OrtModelForCausalLM.from_pretrained(fixture.package_dir), load_tokenizer(fixture.package_dir)
+
+
+@pytest.fixture
+def fragment(smollm2):
+    """The names the usage guide's fragments take from its text: a model and tokenizer, a left-padded `batch`
+    (as generate wants it), `input_ids` / `mask` of two rows of at least 8 tokens padded on `side`, and what
+    the inspecting section steers with."""
+    fixture, model, tokenizer = smollm2
+
+    def names(side: str) -> dict:
+        texts = ["The capital of France is Paris, and the capital of Italy is",
+                 "Water boils at one hundred degrees Celsius at sea level."]
+        plain = tokenizer(texts, return_tensors="pt", padding=True, padding_side=side)
+        assert plain.attention_mask.sum(1).min() >= 8
+        mask = plain.attention_mask
+        return {"torch": torch, "ortmodule": __import__("ortmodule"), "model": model, "tokenizer": tokenizer,
+                "path": str(fixture.package_dir), "input_ids": plain.input_ids, "mask": mask, "attention_mask": mask,
+                "batch": tokenizer(texts, return_tensors="pt", padding=True, padding_side="left"), "k": 3,
+                "rows": torch.tensor([0, 1, 1]), "cols": torch.tensor([2, 5, 7]),
+                "direction": torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0)),
+                "next_ids": torch.tensor([[11], [12]]),
+                "longer_mask": torch.cat([mask, torch.ones_like(mask[:, :1])], 1)}
+    return names
+
+
+def test_every_example_is_run_or_named_not_run():
+    """Each python block is one that a test below runs (`RUN`) or one `NOT_RUN` names, and each entry of
+    those still picks one block out."""
+    entries = [*RUN, *NOT_RUN]
+    for page, first_line, code in python_blocks():
+        picked = [entry for entry in entries if entry[0] == page and entry[1] in code]
+        assert len(picked) == 1, f"{page}:{first_line}: picked by {picked} (add it to RUN or NOT_RUN)"
+    for page, marker in entries:
+        block(page, marker)
+
+
+def test_readme_example(smollm2):
+    """The README's example; its logits are transformers' on the checkpoint the package was exported from."""
+    from transformers import AutoModelForCausalLM
+
+    fixture, _, _ = smollm2
+    ns = run(block("README.md", "ortmodule.score("), {}, "README.md", **{PACKAGE: repr(str(fixture.package_dir))})
+    logits, tail, batch = ns["logits"], ns["tail"], ns["batch"]
+    assert logits.shape == (*batch.input_ids.shape, ns["model"].config.vocab_size)  # [B, T, V]
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32)(**batch).logits
+    real = batch.attention_mask.bool()
+    torch.testing.assert_close(logits[real], reference[real], atol=1e-4, rtol=1e-4)
+    assert tail.shape == (len(batch.input_ids), 3, logits.shape[-1])  # [B, 3, V]
+    torch.testing.assert_close(tail, logits[:, -3:], atol=1e-4, rtol=1e-4)
+    assert len(ns["scores"]) == 2 and all(abs(sum(item) - 1) < 1e-5 for item in ns["scores"])
+
+
+def test_scoring_example_prints_what_it_says(smollm2):
+    """The scoring guide's example, and the scores its comment says SmolLM2-135M-Instruct gives."""
+    fixture, _, _ = smollm2
+    code = block("docs/scoring.md", "ortmodule.score(")
+    stated = ast.literal_eval(re.search(r"the demo's package: (\[\[.*\]\])\)", code).group(1))
+    ns = run(code, {}, "docs/scoring.md", **{PACKAGE: repr(str(fixture.package_dir))})
+    torch.testing.assert_close(torch.tensor(ns["scores"]), torch.tensor(stated), atol=2e-3, rtol=0)
+
+
+def test_loading_example(smollm2):
+    fixture, _, _ = smollm2
+    device = '"cuda:0"' if torch.cuda.is_available() else '"cpu"'
+    ns = run(block("docs/usage.md", "session_options=None,"), {}, "docs/usage.md",
+             **{PACKAGE: repr(str(fixture.package_dir)), '"cuda:0"': device})
+    assert ns["model"].device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    options = run(block("docs/usage.md", "enable_cpu_mem_arena = False"), {"path": str(fixture.package_dir),
+                  "onnxruntime": __import__("onnxruntime"), "ortmodule": __import__("ortmodule")}, "docs/usage.md")
+    assert options["model"](torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 49152)
+
+
+def test_auto_classes_example(smollm2):
+    fixture, _, _ = smollm2
+    from ortmodule import OrtModelForCausalLM
+
+    ns = run(block("docs/usage.md", "ortmodule.auto_classes()"), {}, "docs/usage.md",
+             **{PACKAGE: repr(str(fixture.package_dir)), CHECKPOINT: repr(str(fixture.hf_dir))})
+    assert isinstance(ns["model"], OrtModelForCausalLM) and not isinstance(ns["reference"], OrtModelForCausalLM)
+    assert isinstance(ns["generator"].model, OrtModelForCausalLM)
+
+
+@pytest.mark.parametrize("marker", ["cont_len=k)", "max_new_tokens=32)", "past_key_values=cache, use_cache=True",
+                                    "ortmodule.loglikelihood(", "output_hidden_states=True",
+                                    "model.model(input_ids"])
+def test_usage_fragments(fragment, marker):
+    """The usage guide's fragments; the one that generates from its rows' embeddings on left-padded rows (as
+    generate wants them), the others on right-padded ones (the scoring section's `starts` count from a row's
+    first token)."""
+    names = fragment("left" if marker == "output_hidden_states=True" else "right")
+    ns = run(block("docs/usage.md", marker), names, f"docs/usage.md ({marker})")
+    model, vocab = ns["model"], ns["model"].config.vocab_size
+    if marker == "cont_len=k)":
+        assert torch.isfinite(ns["out"].loss)
+    elif marker == "max_new_tokens=32)":
+        assert ns["tokens"].shape[0] == 2
+    elif marker.startswith("past_key_values"):
+        assert ns["out"].logits.shape == (2, 1, vocab)  # logits [B, 1, V]
+    elif marker == "ortmodule.loglikelihood(":
+        assert len(ns["results"]) == 2 and ns["logits"].shape == (3, vocab)  # [n, V]
+    elif marker == "output_hidden_states=True":
+        assert len(ns["out"].attentions) == model.config.num_hidden_layers
+        assert ns["new_tokens"].shape == (2, 20)  # generate from embeddings returns the new tokens only
+    else:
+        assert ns["last"].shape == (*names["input_ids"].shape, model.config.hidden_size)
+
+
+def test_lm_eval_shipped_tasks_example(llama):
+    """On the tiny Llama fixture (the tasks' 20 questions to generate for take SmolLM2 15 s on 2 vCPUs), in a
+    process of its own: `model="ortmodule"` is known to lm-eval only once `ortmodule.lm_eval` is imported."""
+    out = run_alone(block("docs/lm-eval.md", "tasks.task_manager(names)"),
+                    "print(sorted(results['results']) == sorted(names))",
+                    **{PACKAGE.replace('"', ""): str(llama.package_dir)})
+    assert out.splitlines()[-1] == "True"
+
+
+def test_serving_example(smollm2, capsys):
+    """The OpenAI client's example against `ortmodule serve`'s app on the package, named as the example names it."""
+    _, model, tokenizer = smollm2
+    from ortmodule.serving import create_app
+
+    live = LiveServer(create_app(model, tokenizer, name="smollm2", window_ms=5))
+    try:
+        run(block("docs/serving.md", "from openai import OpenAI"), {}, "docs/serving.md",
+            **{"http://127.0.0.1:30000/v1": f"{live.url}/v1"})
+    finally:
+        live.stop()
+    assert capsys.readouterr().out.strip()  # the streamed reply
+
+
+def test_fixtures_and_olive_examples():
+    ns = run(block("docs/fixtures.md", "fixtures.build("), {}, "docs/fixtures.md")
+    assert (ns["fixture"].package_dir / "genai_config.json").is_file()
+    assert (ns["fixture"].hf_dir / "config.json").is_file()
+    run(block("docs/olive.md", "import ortmodule.olive"), {}, "docs/olive.md")  # its registration: test_olive.py
+    from olive.evaluator.olive_evaluator import OliveEvaluatorConfig
+
+    evaluator = OliveEvaluatorConfig(type="OrtModuleEvaluator", tasks=["t"]).create_evaluator()
+    assert type(evaluator).__name__ == "OrtModuleEvaluator"
+
+
+# The blocks the tests above run, by the marker that picks each out.
+RUN = [("README.md", "ortmodule.score("), ("docs/scoring.md", "ortmodule.score("),
+       ("docs/usage.md", "session_options=None,"), ("docs/usage.md", "enable_cpu_mem_arena = False"),
+       ("docs/usage.md", "ortmodule.auto_classes()"),
+       *[("docs/usage.md", marker) for marker in test_usage_fragments.pytestmark[0].args[1]],
+       ("docs/lm-eval.md", "tasks.task_manager(names)"), ("docs/serving.md", "from openai import OpenAI"),
+       ("docs/fixtures.md", "fixtures.build("), ("docs/olive.md", "import ortmodule.olive")]
