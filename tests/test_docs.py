@@ -8,10 +8,14 @@ against what it computed."""
 
 from __future__ import annotations
 
+import argparse
 import ast
+import itertools
+import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -222,6 +226,168 @@ def test_fixtures_and_olive_examples():
 
     evaluator = OliveEvaluatorConfig(type="OrtModuleEvaluator", tasks=["t"]).create_evaluator()
     assert type(evaluator).__name__ == "OrtModuleEvaluator"
+
+
+def shell_blocks(page: str) -> list[str]:
+    """The ```bash blocks of `page`, each with its continued lines joined."""
+    text = (ROOT / page).read_text()
+    return [m.group(1).replace("\\\n", " ") for m in re.finditer(r"^```bash\n(.*?)^```", text, re.S | re.M)]
+
+
+def command_lines() -> list[tuple[str, list[str]]]:
+    """The ortmodule, ortmodule-eval and lm_eval command lines of the pages' shell blocks, split as a shell
+    would (a `$(...)` stands for a folder): (page, argv)."""
+    found = []
+    for page in PAGES:
+        where = str(page.relative_to(ROOT))
+        for code in shell_blocks(where):
+            for line in code.splitlines():
+                line = re.sub(r"\$\((?:[^()]|\([^()]*\))*\)", "SOME_FOLDER", line.split(" # ")[0].rstrip(" &"))
+                if line.split(" ")[0] in ("ortmodule", "ortmodule-eval", "lm_eval"):
+                    found.append((where, shlex.split(line)))
+    return found
+
+
+class Parsed(Exception):
+    pass
+
+
+def parsed(argv: list[str], monkeypatch) -> argparse.Namespace:
+    """`argv` through its command's own argument parser (ortmodule's, or lm-eval's for ortmodule-eval and
+    lm_eval), not run: argparse's exit (status 2, an unknown flag or a bad value) fails the test."""
+    from ortmodule import cli
+
+    if argv[0] == "ortmodule":
+        original = argparse.ArgumentParser.parse_args
+
+        def stop(self, args=None, namespace=None):
+            raise Parsed(original(self, args, namespace))
+
+        with monkeypatch.context() as patch, pytest.raises(Parsed) as done:
+            patch.setattr(argparse.ArgumentParser, "parse_args", stop)
+            cli.ortmodule(argv[1:])
+        return done.value.args[0]
+    from lm_eval._cli import HarnessCLI
+
+    monkeypatch.setattr(sys, "argv", list(argv))
+    return HarnessCLI().parse_args()
+
+
+def test_command_lines_parse(monkeypatch):
+    """Every command line the pages show takes the flags it is shown with (`ortmodule run`'s program
+    arguments are the program's own)."""
+    lines = command_lines()
+    assert {argv[0] for _, argv in lines} == {"ortmodule", "ortmodule-eval", "lm_eval"}
+    for page, argv in lines:
+        if argv[:2] == ["ortmodule", "run"]:
+            continue
+        args = parsed(argv, monkeypatch)
+        assert getattr(args, "command", None) or getattr(args, "model", None), (page, argv)
+
+
+def curl_requests(code: str) -> list[tuple[str, dict, str]]:
+    """The curl requests of a shell block: (the path, the JSON body, the comment lines that follow it)."""
+    found = []
+    pattern = r"curl -sN? (?:http://)?(?:127\.0\.0\.1|localhost):30000(\S+) (?:-H '[^']*'\s*)*-d '([^']*)'"
+    for match in re.finditer(pattern, code, re.S):
+        rest = code[match.end():].splitlines()[1:]
+        comment = "\n".join(line.lstrip("# ") for line in itertools.takewhile(lambda s: s.startswith("#"), rest))
+        found.append((match.group(1), json.loads(match.group(2)), comment))
+    return found
+
+
+VOLATILE = {"id", "created", "e2e_latency", "system_fingerprint"}
+
+
+def stated_values(comment: str) -> list[tuple[str, object]]:
+    """The `"key": value` pairs of a documented answer whose value is whole JSON (not cut with "…")."""
+    decoder, found = json.JSONDecoder(), []
+    for match in re.finditer(r'"(\w+)":\s*', comment):
+        try:
+            value, _ = decoder.raw_decode(comment, match.end())
+        except ValueError:
+            continue
+        if match.group(1) not in VOLATILE and not (isinstance(value, str) and "…" in value):
+            found.append((match.group(1), value))
+    return found
+
+
+def values_of(answer, key: str) -> list:
+    """Every value of `key` anywhere in a JSON answer."""
+    if isinstance(answer, dict):
+        return [v for k, v in answer.items() if k == key] + [x for v in answer.values() for x in values_of(v, key)]
+    if isinstance(answer, list):
+        return [x for v in answer for x in values_of(v, key)]
+    return []
+
+
+def agrees(stated, actual) -> bool:
+    """A documented value against the server's: floats within 1e-3 (another CPU's rounding), dicts on the
+    keys stated, the rest equal."""
+    if isinstance(stated, dict):
+        return isinstance(actual, dict) and all(k in VOLATILE or (k in actual and agrees(v, actual[k]))
+                                                for k, v in stated.items())
+    if isinstance(stated, list):
+        return isinstance(actual, list) and len(stated) == len(actual) and all(map(agrees, stated, actual))
+    if isinstance(stated, float) and isinstance(actual, (int, float)) and not isinstance(actual, bool):
+        return abs(stated - actual) <= 1e-3 * max(1.0, abs(stated))
+    return stated == actual
+
+
+def check_curl_examples(live, code: str, skip_models=()) -> int:
+    """Each curl request of `code` sent to `live`, its answer against the documented one: the status (a
+    documented error's code, else 200) and every whole value the comment shows. Returns how many ran."""
+    ran = 0
+    for path, body, comment in curl_requests(code):
+        if body.get("model") in skip_models:
+            continue
+        status = re.search(r'\(HTTP (\d{3})\)|"code":\s*(\d{3})', comment)
+        response = live.client.post(path, json=body)
+        assert response.status_code == (int(next(filter(None, status.groups()))) if status else 200), response.text
+        if body.get("stream"):
+            chunks = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+            assert chunks[-1] == "[DONE]"
+            answer = [json.loads(chunk) for chunk in chunks[:-1]]
+        else:
+            answer = response.json()
+        for key, value in stated_values(comment):
+            assert any(agrees(value, actual) for actual in values_of(answer, key)), \
+                f"{path} {body}: the docs show {key}={value!r}, the server gave {values_of(answer, key)!r}"
+        ran += 1
+    return ran
+
+
+def test_serving_curl_examples(smollm2):
+    """The serving guide's curl requests on the demo's model served as `--name smollm2`, with the answers it
+    shows (greedy text and ids, log-probabilities, the chat reply, the error of an unknown model); the
+    image request needs a vision package (tests/test_images.py serves one)."""
+    _, model, tokenizer = smollm2
+    from ortmodule.serving import create_app
+
+    live = LiveServer(create_app(model, tokenizer, name="smollm2", window_ms=5))
+    try:
+        ran = sum(check_curl_examples(live, code, skip_models={"qwen-vl"}) for code in shell_blocks("docs/serving.md"))
+    finally:
+        live.stop()
+    assert ran == 7
+
+
+def test_scoring_curl_example(tmp_path):
+    """The scoring guide's example end to end: the arithmetic model in examples/ exported by the command shown,
+    served as `--name arithmetic`, its scores and its error as shown."""
+    from ortmodule import OrtModelForCausalLM, cli, load_tokenizer
+    from ortmodule.serving import create_app
+
+    code = next(code for code in shell_blocks("docs/scoring.md") if "examples/arithmetic_model" in code)
+    export = next(line for line in code.splitlines() if line.startswith("ortmodule export"))
+    package = tmp_path / "arithmetic-package"
+    cli.ortmodule([*shlex.split(export)[1:-1], str(package), "--quiet"])
+    model = OrtModelForCausalLM.from_pretrained(package)
+    live = LiveServer(create_app(model, load_tokenizer(package), name="arithmetic", window_ms=5))
+    try:
+        assert check_curl_examples(live, code) == 2
+    finally:
+        live.stop()
 
 
 # The blocks the tests above run, by the marker that picks each out.
