@@ -133,16 +133,29 @@ def _token_gather(graph: ir.Graph, input_ids: str, where: str) -> ir.Node:
     return gathers[0]
 
 
-def _scaling(gather: ir.Node, model_type: str) -> tuple[ir.Node | None, float | None]:
-    """The `Mul` by a constant after the table that transformers' module applies itself (Gemma's), and its factor."""
+def _factor(gather: ir.Node) -> tuple[ir.Node | None, float | None]:
+    """The `Mul` by a constant right after the table (Gemma's square root of the width, Granite's
+    `embedding_multiplier`), and its factor; (None, None) where there is none."""
     users = list(gather.outputs[0].uses())
     mul = users[0].node if len(users) == 1 and users[0].node.op_type == "Mul" else None
-    if mul is None or not model_type.startswith(_SCALED_INSIDE):
+    if mul is None:
         return None, None
     other = constant_tensor(mul.inputs[1] if mul.inputs[0] is gather.outputs[0] else mul.inputs[0])
     if other is None or other.size != 1 or other.dtype not in _TORCH:
         return None, None
     return mul, float(_torch(other).item())
+
+
+def _scaling(gather: ir.Node, model_type: str) -> tuple[ir.Node | None, float | None]:
+    """The `Mul` by a constant after the table that transformers' module applies itself (Gemma's), and its factor."""
+    return _factor(gather) if model_type.startswith(_SCALED_INSIDE) else (None, None)
+
+
+def token_table(graph: ir.Graph, input_ids: str) -> tuple[ir.Node, float | None]:
+    """The one `Gather` that reads the token ids from the table, and the constant its rows are multiplied by
+    right after it (None where they are not). Raises ValueError where the graph reads the ids otherwise."""
+    gather = _token_gather(graph, input_ids, "the decoder graph")
+    return gather, _factor(gather)[1]
 
 
 def take_embeddings(g: ir.Graph, input_ids: str, model_type: str, hidden_size: int) -> None:

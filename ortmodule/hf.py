@@ -3,6 +3,7 @@ read from the package's own files (a Hub repository's package is fetched first: 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import hub, inputs, runtime
+from . import graph_config, hub, inputs, runtime
 from .package import Package, PackageError
 
 # The name transformers gives the KV cache in model outputs and in generate's model inputs: `cache`
@@ -42,7 +43,8 @@ def build_config(package: Package) -> PretrainedConfig:
 
 
 def _genai_config(package: Package) -> PretrainedConfig:
-    """A transformers config of the package's model type from what genai_config.json says."""
+    """A transformers config of the package's model type from what genai_config.json says, with the fields
+    its graph states (graph_config.py) and its causal LM class as `architectures`."""
     fields = dict(  # noqa: C408  transformers' config field names as keywords
         vocab_size=package.vocab_size,
         hidden_size=package.hidden_size,
@@ -55,10 +57,16 @@ def _genai_config(package: Package) -> PretrainedConfig:
         eos_token_id=package.eos_token_id,
         pad_token_id=package.pad_token_id,
     )
+    model_type, architecture = graph_config.transformers_type(package.model_type)
     try:
-        config = AutoConfig.for_model(package.model_type, **fields)
+        config = AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError, TypeError, StrictDataclassError):  # a type it does not know, or its checks
         config = PretrainedConfig(**fields)  # (the graph's own check at load names a shape it cannot run)
+    else:
+        for name, value in graph_config.graph_fields(package, lambda name: hasattr(config, name)).items():
+            with contextlib.suppress(ValueError, TypeError, StrictDataclassError):  # what the class's checks refuse
+                setattr(config, name, value)
+        config.architectures = [architecture] if architecture else None
     config.name_or_path = str(package.root)
     return config
 

@@ -1,0 +1,121 @@
+"""`model.config` of a package without its checkpoint's config.json (the model builder writes none): the fields
+its graph states (graph_config.py) against transformers' config of the checkpoint it was exported from, and
+trl's fused LM head, which reads Granite's `logits_scaling` from the config, on such a package."""
+
+import struct
+
+import pytest
+import torch
+from helpers import load_pair
+
+from ortmodule import OrtModelForCausalLM
+from ortmodule.graph_config import transformers_type
+
+# The fields graph_config.py reads, where the config class has them.
+FIELDS = ["model_type", "architectures", "intermediate_size", "rms_norm_eps", "layer_norm_eps", "norm_eps",
+          "tie_word_embeddings", "sliding_window", "layer_types", "logits_scaling", "final_logit_softcapping",
+          "attn_logit_softcapping", "query_pre_attn_scalar", "attention_multiplier", "embedding_multiplier",
+          "residual_multiplier", "num_experts_per_tok", "num_local_experts", "num_experts", "moe_intermediate_size",
+          "num_dense_layers"]
+# The fixtures' fields beyond the defaults (tests/test_architectures.py's: Nemotron's partial rotary needs wider heads).
+SPECS = {"nemotron": dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)}
+# Where the package differs from its checkpoint's config, by what the package computes: the builder's
+# Nemotron norms take 1e-6 whatever the checkpoint's `norm_eps`; a 4-bit head beside a float table does not
+# tell whether the checkpoint tied them (the class's default stays); the fixture checkpoints have no
+# `architectures` where they were written without one.
+DIFFERS = {"nemotron": {"norm_eps"}}
+
+
+def as_float32(value):
+    if isinstance(value, float):
+        return struct.unpack("f", struct.pack("f", value))[0]
+    return value
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "mistral",
+                                  "granite", "lfm2", "lfm2_moe", "gpt_oss", "ernie4_5", "hunyuan", "olmo",
+                                  "nemotron"])
+def test_a_packages_config_states_its_checkpoints_fields(build, arch):
+    """Each field of `FIELDS` that transformers' config of the checkpoint has, in the package's config as the
+    checkpoint's (norm epsilons as the float32 the graph holds); before graph_config.py most were the config
+    class's defaults (Granite's `logits_scaling` 1.0 for 8.0, Gemma 3's every layer sliding, LFM2's every
+    layer attention, the MLP widths of the class's largest model) and gpt-oss's config had no model type."""
+    from transformers import AutoConfig
+
+    fixture = build(arch, **SPECS.get(arch, {}))
+    assert not (fixture.package_dir / "config.json").exists()  # the builder's package, as it wrote it
+    ours = OrtModelForCausalLM.from_pretrained(fixture.package_dir).config.get_text_config()
+    theirs = AutoConfig.from_pretrained(fixture.hf_dir).get_text_config()
+    checked = [name for name in FIELDS if hasattr(theirs, name) and name not in DIFFERS.get(arch, ())]
+    if getattr(theirs, "architectures", None) is None:
+        checked.remove("architectures")
+    if getattr(theirs, "block_auto_adjust_ff_dim", False):  # LFM2: the width its module makes from the field
+        from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+        checked.remove("intermediate_size")
+        assert Lfm2MLP(ours).w1.out_features == Lfm2MLP(theirs).w1.out_features
+    for name in checked:
+        assert as_float32(getattr(ours, name)) == as_float32(getattr(theirs, name)), name
+    assert len(checked) >= 4
+
+
+def test_the_builders_model_types_are_transformers():
+    """genai_config's `model.type` is the architecture's class name before "For", lower-cased."""
+    assert transformers_type("gptoss") == ("gpt_oss", "GptOssForCausalLM")
+    assert transformers_type("hunyuandensev1") == ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM")
+    assert transformers_type("gemma3_text") == ("gemma3_text", "Gemma3ForCausalLM")
+    assert transformers_type("no_such_model") == ("no_such_model", None)
+
+
+def test_a_4bit_heads_tie_is_left_to_the_class(build):
+    """A 4-bit LM head beside a float embedding table: whether the checkpoint tied them is not in the graph."""
+    fixture = build("llama", precision="int4")
+    config = OrtModelForCausalLM.from_pretrained(fixture.package_dir).config
+    assert config.tie_word_embeddings is type(config)().tie_word_embeddings
+    assert config.intermediate_size == fixture.spec.intermediate_size  # MatMulNBits' K
+
+
+@pytest.mark.parametrize("arch", ["granite", "gemma2", "llama"])
+def test_trls_fused_lm_head_on_a_package_equals_transformers(build, arch):
+    """trl's fused LM head (DPO's and KTO's reference model, distillation's teacher) projects the backbone's last
+    hidden state with `get_output_embeddings()` and scales or caps it as the config says: on Granite's package
+    the config's `logits_scaling` had been 1.0 for the checkpoint's 8.0, and every log-probability was
+    wrong (by up to 2.7 on this fixture)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model, hf = load_pair(build(arch))
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    got = []
+    for each in (model, hf):
+        add_fused_lm_head(each)
+        with torch.no_grad():
+            got.append(each(input_ids=ids, labels=labels, fused_lm_head=True).log_probs)
+    torch.testing.assert_close(got[0], got[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_head_written_apart_from_its_table_is_told_by_their_rows(build, tmp_path, tied):
+    """The builder writes a tied checkpoint's table and head apart unless told to share them: the config says
+    tied where the table's rows are the head's columns (a few across the vocabulary), untied where one differs."""
+    import shutil
+
+    import onnx_ir as ir
+
+    fixture = build("llama", tie_word_embeddings=True)
+    package = tmp_path / "package"
+    shutil.copytree(fixture.package_dir, package)
+    model = ir.load(package / "model.onnx")
+    gather = next(n for n in model.graph if n.op_type == "Gather" and n.name == "/model/embed_tokens/Gather")
+    transpose = gather.inputs[0].producer()
+    assert transpose is not None and transpose.op_type == "Transpose"  # shared, as the fixture's export wrote it
+    rows = transpose.inputs[0].const_value.numpy().T.copy()
+    if not tied:
+        rows[len(rows) // 2, 0] += 1.0
+    table = ir.Value(name="model.embed_tokens.weight", const_value=ir.tensor(rows))
+    model.graph.initializers.add(table)
+    gather.replace_input_with(0, table)
+    model.graph.remove(transpose, safe=True)
+    ir.save(model, package / "model.onnx", external_data="model.onnx.data")
+    assert OrtModelForCausalLM.from_pretrained(package).config.tie_word_embeddings is tied
