@@ -2,7 +2,8 @@
 takes about 30 s for SmolLM2-135M and 130 s for a 0.6B model in fp32 on 2 CPU cores, which every
 lm-eval run and `ortmodule serve` paid at load. The costs depend on the package's graph, the
 machine and ortmodule's settings, not on the process, so they are kept per (graph, machine,
-settings, code) in ortmodule's cache folder, and each later load checks them with one small timed
+settings, code) in ortmodule's cache folder (a copy of the package in another folder reads them
+too: the key holds the graph's content), and each later load checks them with one small timed
 prefill (under a second on a CPU): where it runs 1.5x faster or slower than when the costs were
 measured (a busy machine then or now, another clock), they are measured again.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import glob
 import hashlib
 import json
 import logging
@@ -41,15 +43,20 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
     device): the first measures, the others then read its costs, and none times its runs beside another's."""
     where = Path(decoder.cache_dir or graph.cache_home() / "costs")
     package = decoder.spec.path.parent
-    entry = where / f"{package.name}-{decoder.spec.path.stem}-{settings_key(decoder)}.json"
+    key = settings_key(decoder)
+    entry = where / f"{package.name}-{decoder.spec.path.stem}-{key}.json"
 
     # Processes that load packages at once (lm-eval's data-parallel ranks, say) time one device one after
     # the other: a timing taken beside another is slowed by it, and the costs of one package are timed once.
     lock = cache_folder.timing_lock(where, device_name(decoder.device))
     with cache_folder.exclusive(lock, f"the costs of {package.name} are read or timed here") as waited_since:
-        stored = None if refresh else _read(entry)
-        if stored is not None and _still_true(decoder, entry, stored, waited_since):
-            cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
+        found_at = entry if refresh or entry.exists() else _copy_of(where, decoder.spec.path.stem, key) or entry
+        stored = None if refresh else _read(found_at)
+        if stored is not None and _still_true(decoder, found_at, stored, waited_since):
+            if found_at == entry:
+                cache_folder.touch(entry)  # its last use, for `ortmodule cache clear --older-than`
+            else:  # another folder's copy of the same graph: kept under this package's name too
+                _write(entry, stored)
             return costs.Costs(**stored["costs"])
         logger.info("ortmodule: timing the runs of %s on %s, from which context sharing is decided (seconds to "
                     "minutes on a CPU; kept in %s for later loads)", package, decoder.device, where)
@@ -62,6 +69,19 @@ def measured(decoder, refresh: bool = False) -> costs.Costs | None:
                       "measured": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
             _write(entry, record)
     return found
+
+
+def _copy_of(where: Path, stem: str, key: str) -> Path | None:
+    """The newest record of the same graph and settings (the key holds the graph's content, not its path)
+    kept under another package folder's name: a package copied (`save_pretrained`, Olive's output folder,
+    a Hub revision's snapshot) is not timed again."""
+    def modified(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:  # removed meanwhile (`ortmodule cache clear` in another process)
+            return -1.0
+
+    return max(where.glob(f"*-{glob.escape(stem)}-{key}.json"), key=modified, default=None)
 
 
 def _still_true(decoder, entry: Path, stored: dict, waited_since: float | None) -> bool:

@@ -334,3 +334,23 @@ def test_threads_that_ask_at_once_take_turns(llama, store, monkeypatch):
     for thread in threads:
         thread.join()
     assert len(calls) == 1 and found[0] == found[1] and found[0] is not None
+
+
+def test_a_copy_of_the_package_reads_the_costs_of_the_original(llama, store, monkeypatch, tmp_path):
+    """The same graph in another folder (`save_pretrained`, Olive's output folder, a Hub revision's snapshot):
+    its costs are the original's, not timed again (a copy's costs had been timed anew, 30 s to minutes on a
+    CPU), and kept under the copy's name too; another graph is still timed."""
+    import shutil
+
+    folder, calls = store
+    monkeypatch.setattr(costs, "check_seconds", lambda decoder: 0.05)
+    first = load(llama).measured_costs()
+    copy = tmp_path / "copied-package"
+    shutil.copytree(llama.package_dir, copy)
+    again = ortmodule.OrtModelForCausalLM.from_pretrained(copy).measured_costs()
+    assert again == first and len(calls) == 1
+    assert sorted(p.name.split("-model-")[0] for p in folder.glob("*.json")) == ["copied-package", "package"]
+    (folder / next(p.name for p in folder.glob("package-*.json"))).unlink()  # the copy's own entry now
+    assert ortmodule.OrtModelForCausalLM.from_pretrained(copy).measured_costs() == first and len(calls) == 1
+    load(llama, prefill_chunk=0).measured_costs()  # other settings: timed
+    assert len(calls) == 2
