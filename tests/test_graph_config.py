@@ -6,7 +6,6 @@ import struct
 
 import pytest
 import torch
-from helpers import load_pair
 
 from ortmodule import OrtModelForCausalLM
 from ortmodule.graph_config import transformers_type
@@ -81,9 +80,12 @@ def test_trls_fused_lm_head_on_a_package_equals_transformers(build, arch):
     hidden state with `get_output_embeddings()` and scales or caps it as the config says: on Granite's package
     the config's `logits_scaling` had been 1.0 for the checkpoint's 8.0, and every log-probability was
     wrong (by up to 2.7 on this fixture)."""
+    from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    model, hf = load_pair(build(arch))
+    fixture = build(arch)  # models of their own, not load_pair's shared ones: trl patches their forward
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(5))
     labels = ids.clone()
     labels[0, :3] = -100
