@@ -630,7 +630,10 @@ def test_trainer_evaluate_and_predict_equal_transformers(build, tmp_path):
     from transformers import AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     fixture = build("llama")
-    model, hf = load_pair(fixture)
+    # Models of their own, not load_pair's shared ones: Trainer sets their config's `use_cache` to False, which
+    # a later test comparing the shared reference's config with a package's found changed.
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(fixture.hf_dir)
     texts = ["the cat sat on the mat", "a dog ran in the park today", "hello world", "one two three four five six"]
     data = [tokenizer(text) for text in texts]
