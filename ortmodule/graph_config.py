@@ -95,9 +95,9 @@ def _logits_fields(graph: ir.Graph, logits: str) -> dict:
         return {}
     steps = [(n.op_type, _scalar(n)) for n in reversed(chain) if n.op_type not in ("Cast", "Identity")]
     fields = {"logits_scaling": 1.0, "final_logit_softcapping": None}
-    if len(steps) == 1 and steps[0][1]:
+    if len(steps) == 1 and steps[0][0] in ("Mul", "Div") and steps[0][1]:
         (op, factor), = steps
-        fields["logits_scaling"] = factor if op == "Div" else _shortest(1 / factor) if op == "Mul" else 1.0
+        fields["logits_scaling"] = factor if op == "Div" else _shortest(1 / factor)
     elif [op for op, _ in steps] == ["Div", "Tanh", "Mul"] and steps[0][1] == steps[2][1]:
         fields["final_logit_softcapping"] = steps[0][1]
     elif steps:

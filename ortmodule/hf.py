@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import graph_config, hub, inputs, runtime
 from .package import Package, PackageError
+
+logger = logging.getLogger("ortmodule")
 
 # The name transformers gives the KV cache in model outputs and in generate's model inputs: `cache`
 # from transformers 5.24, `past_key_values` before. forward and generate take either name.
@@ -63,7 +66,13 @@ def _genai_config(package: Package) -> PretrainedConfig:
     except (ValueError, KeyError, TypeError, StrictDataclassError):  # a type it does not know, or its checks
         config = PretrainedConfig(**fields)  # (the graph's own check at load names a shape it cannot run)
     else:
-        for name, value in graph_config.graph_fields(package, lambda name: hasattr(config, name)).items():
+        try:
+            stated = graph_config.graph_fields(package, lambda name: hasattr(config, name))
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as e:  # a graph of a form
+            logger.warning("ortmodule: %s: the config fields its graph states were not read (%s: %s); they are the "
+                           "config class's defaults", package.root, type(e).__name__, e)  # not foreseen there
+            stated = {}
+        for name, value in stated.items():
             with contextlib.suppress(ValueError, TypeError, StrictDataclassError):  # what the class's checks refuse
                 setattr(config, name, value)
         config.architectures = [architecture] if architecture else None

@@ -121,3 +121,19 @@ def test_a_tied_head_written_apart_from_its_table_is_told_by_their_rows(build, t
     model.graph.remove(transpose, safe=True)
     ir.save(model, package / "model.onnx", external_data="model.onnx.data")
     assert OrtModelForCausalLM.from_pretrained(package).config.tie_word_embeddings is tied
+
+
+def test_a_graph_whose_fields_cannot_be_read_keeps_the_class_defaults(build, monkeypatch, caplog):
+    """A graph of a form graph_config.py did not foresee: the package loads, with a warning naming why, and the
+    config class's defaults where its fields would be."""
+    import logging
+
+    from ortmodule import graph_config
+
+    def fails(package, has):
+        raise KeyError("epsilon")
+
+    monkeypatch.setattr(graph_config, "graph_fields", fails)
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        config = OrtModelForCausalLM.from_pretrained(build("granite").package_dir).config
+    assert config.logits_scaling == 1.0 and "were not read (KeyError: 'epsilon')" in caplog.text
