@@ -220,8 +220,13 @@ class Decoder:
     def again(self) -> Decoder:
         """A decoder of the same package with the same options on the same device, with sessions of its
         own (ONNX Runtime's sessions cannot be copied): what a deep copy of the model runs."""
-        return Decoder(self.package, self.device, self.session_options, self.provider_options, self.rewrite_lm_head,
-                       self.cache_dir, self.chosen_chunk, self.quantized_prefill, self.prefill_attention)
+        return Decoder(self.package, self.device, self.session_options, **self.options())
+
+    def options(self) -> dict:
+        """The loading options a decoder is made with, but the session options (`again`; a pickled model's)."""
+        return dict(provider_options=self.provider_options, rewrite_lm_head=self.rewrite_lm_head,  # noqa: C408
+                    cache_dir=self.cache_dir, prefill_chunk=self.chosen_chunk, quantized_prefill=self.quantized_prefill,
+                    prefill_attention=self.prefill_attention)
 
     def load(self, device: torch.device, **run_settings) -> None:
         """Create the sessions on `device` and check that the package's config fits its graph.

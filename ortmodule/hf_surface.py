@@ -152,6 +152,45 @@ def package_fingerprint(decoder) -> torch.Tensor:
     return torch.tensor(list(digest.digest()), dtype=torch.uint8)
 
 
+_RELOAD = "_ortmodule_reload"
+
+
+def pickled_state(model) -> dict:
+    """What pickle keeps of a model: everything `copy.deepcopy` copies (config, generation config, attributes
+    set on the model), and in place of ONNX Runtime's sessions, which cannot be pickled, the package's folder,
+    the device, the loading options and the package's fingerprint. So a model passed to another process
+    (multiprocessing, `datasets.map(num_proc=...)`, torch.multiprocessing's spawn) loads its package there, as
+    a deep copy loads it here; the tables `get_input_embeddings` / `get_output_embeddings` made are made again
+    there, and the measured costs read from the cache folder."""
+    decoder = model.decoder
+    if decoder.session_options is not None:
+        raise TypeError("a model loaded with session_options cannot be pickled (ONNX Runtime's SessionOptions "
+                        "cannot be): load it in the other process with from_pretrained")
+    state = {name: value for name, value in model.__dict__.items()
+             if name not in ("decoder", "package", "_costs") and not name.startswith("_made_")}
+    state["_parameters"] = {k: v for k, v in model._parameters.items() if k != "device_anchor"}  # made again
+    state[_RELOAD] = {"path": str(model.package.root), "device": str(decoder.device), "options": decoder.options(),
+                      "fingerprint": package_fingerprint(decoder).tolist()}
+    return state
+
+
+def restore(model, state: dict) -> None:
+    """A pickled model's state back (`pickled_state`): its package loaded again from its folder, which must hold
+    the same files (a `PackageError` naming the folder where it is gone or its files changed since)."""
+    from .decoder import Decoder  # (decoder.py's imports reach this module's users)
+    from .package import PackageError, read_package
+
+    state = dict(state)
+    reload = state.pop(_RELOAD)
+    package = read_package(reload["path"])
+    decoder = Decoder(package, torch.device(reload["device"]), None, **reload["options"])
+    if package_fingerprint(decoder).tolist() != reload["fingerprint"]:
+        raise PackageError(f"{package.root}: the package's files changed since the model was pickled, so it would "
+                           "not compute what the pickled model computed; pickle the model again")
+    model.__dict__.update(state, package=package, decoder=decoder, _costs={})
+    model._anchor()
+
+
 class Conversions:
     """torch's conversions of a module, each through the model's `to`, which moves the sessions to another
     device and refuses another dtype than the package's (torch's own would change only `device_anchor`, so
@@ -263,10 +302,12 @@ class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
             copied.__dict__[name] = copy.deepcopy(value, memo)
         return copied
 
-    def __getstate__(self):
-        raise TypeError("an OrtModelForCausalLM cannot be pickled: it runs ONNX Runtime sessions. "
-                        "save_pretrained(folder) writes its package and from_pretrained(folder) loads it; "
-                        "copy.deepcopy(model) loads a second model in this process")
+    def __getstate__(self) -> dict:
+        """Pickled by reference to its package (`pickled_state`): unpickled, the package is loaded again."""
+        return pickled_state(self)
+
+    def __setstate__(self, state: dict) -> None:
+        restore(self, state)
 
     def __getattr__(self, name: str):
         if name in _UNSUPPORTED_ATTRIBUTES:

@@ -599,12 +599,10 @@ def test_universal_assisted_decoding_with_an_ortmodule_assistant():
                 assistant_model=theirs, **options), greedy)
 
 
-def test_a_deep_copy_runs_sessions_of_its_own_and_pickling_is_refused(build):
+def test_a_deep_copy_runs_sessions_of_its_own(build):
     """copy.deepcopy loads the package again with the same options (ONNX Runtime's sessions cannot be
-    copied): the same logits and tokens, sessions and settings of its own; pickle is a TypeError that
-    says what to do instead."""
+    copied): the same logits and tokens, sessions and settings of its own."""
     import copy
-    import pickle
 
     model = OrtModelForCausalLM.from_pretrained(build("llama").package_dir, prefill_chunk=0, rewrite_lm_head=False)
     model.generation_config.max_new_tokens = 4
@@ -617,10 +615,48 @@ def test_a_deep_copy_runs_sessions_of_its_own_and_pickling_is_refused(build):
     assert model.generate(ids, do_sample=False, pad_token_id=0).shape[1] == 8
     assert torch.equal(copied.generate(ids, do_sample=False, pad_token_id=0), model.generate(
         ids, do_sample=False, pad_token_id=0, max_new_tokens=2))
-    with pytest.raises(TypeError, match="cannot be pickled: .* save_pretrained"):
-        pickle.dumps(model)
     with pytest.raises(NotSupportedError, match="model.model's last hidden state: it needs the LM-head rewrite"):
         model.model(ids)  # without the rewrite, no graph to take the LM head out of
+
+
+def _logits_in_a_worker(model, ids):
+    return model(ids).logits, model.decoder.chosen_chunk, model.generation_config.max_new_tokens, model.note
+
+
+def test_a_pickled_model_loads_its_package_again_where_it_is_unpickled(build, tmp_path):
+    """pickle keeps the package's folder, device, loading options and fingerprint in place of the sessions (a
+    few KB, no weights), and what a deep copy copies: a model passed to another process (multiprocessing's
+    spawn here) computes there what it computes here. A package whose files changed since is refused at
+    unpickling; a model loaded with session_options (which ONNX Runtime cannot pickle) at pickling."""
+    import multiprocessing
+    import pickle
+    import shutil
+
+    import onnxruntime as ort
+
+    from ortmodule import PackageError
+
+    package = tmp_path / "package"
+    shutil.copytree(build("llama").package_dir, package)
+    model = OrtModelForCausalLM.from_pretrained(package, prefill_chunk=0)
+    model.generation_config.max_new_tokens, model.note = 3, "set on the model"
+    model.get_output_embeddings()  # a table made on the model: made again, not pickled
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(2))
+    pickled = pickle.dumps(model)
+    assert len(pickled) < 20_000
+    again = pickle.loads(pickled)
+    assert again.decoder is not model.decoder and again.package is again.decoder.package
+    assert torch.equal(again(ids).logits, model(ids).logits) and [n for n, _ in again.named_parameters()] == [
+        "device_anchor"]
+    assert torch.equal(again.generate(ids, do_sample=False), model.generate(ids, do_sample=False))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        logits, chunk, new, note = pool.apply(_logits_in_a_worker, (model, ids))
+    assert torch.equal(logits, model(ids).logits) and (chunk, new, note) == (0, 3, "set on the model")
+    (package / "genai_config.json").write_text((package / "genai_config.json").read_text() + "\n")
+    with pytest.raises(PackageError, match="files changed since the model was pickled"):
+        pickle.loads(pickled)
+    with pytest.raises(TypeError, match="session_options cannot be pickled"):
+        pickle.dumps(OrtModelForCausalLM.from_pretrained(package, session_options=ort.SessionOptions()))
 
 
 def test_trainer_evaluate_and_predict_equal_transformers(build, tmp_path):
