@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx_ir as ir
 
 
@@ -15,6 +17,21 @@ def constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
     if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
         return producer.attributes["value"].value
     return None
+
+
+def readable(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
+    """`tensor`, to read its values: an external tensor whose file is a link out of its graph's folder (a
+    package in the Hugging Face Hub's cache, whose files link to its blobs) as the same bytes at the file
+    linked to, which onnx-ir reads (it refuses a link out of the folder: "may indicate a path traversal
+    attack via a symbolic link"). Other tensors as they are."""
+    if not isinstance(tensor, ir.ExternalTensor):
+        return tensor
+    path = Path(tensor.base_dir) / tensor.location
+    target = path.resolve()
+    if target == path.absolute():
+        return tensor
+    return ir.ExternalTensor(target.name, tensor.offset, tensor.length, tensor.dtype, shape=tensor.shape,
+                             name=tensor.name, base_dir=target.parent)
 
 
 def is_constant(value: ir.Value) -> bool:

@@ -23,7 +23,7 @@ import onnxruntime as ort
 import torch
 
 from . import runtime
-from .constants import constant_tensor
+from .constants import constant_tensor, readable
 from .graph import RewriteSkipped, find_lm_head
 from .package import Package
 
@@ -47,7 +47,7 @@ class ScaledEmbedding(torch.nn.Embedding):
 
 def _torch(tensor: ir.TensorProtocol) -> torch.Tensor:
     """A float initializer's values as a torch tensor of its shape (a copy, on the host)."""
-    return torch.frombuffer(bytearray(tensor.tobytes()), dtype=_TORCH[tensor.dtype]).view(tuple(tensor.shape))
+    return torch.frombuffer(bytearray(readable(tensor).tobytes()), dtype=_TORCH[tensor.dtype]).view(tuple(tensor.shape))
 
 
 def _dequantized(node: ir.Node, weights: dict[int, str], given: tuple[int, str, torch.Tensor],
@@ -64,7 +64,7 @@ def _dequantized(node: ir.Node, weights: dict[int, str], given: tuple[int, str, 
                                  else value)
         if tensor is None or value.shape is None or not value.shape.is_static():
             raise ValueError(f"'{node.name}' reads '{value.name}', which is not a weight of a known shape")
-        constants.append(onnx.helper.make_tensor(name, int(tensor.dtype), list(value.shape), tensor.tobytes(),
+        constants.append(onnx.helper.make_tensor(name, int(tensor.dtype), list(value.shape), readable(tensor).tobytes(),
                                                  raw=True))
         names[index] = name
     names[given[0]] = given[1]

@@ -24,7 +24,7 @@ import onnx_ir as ir
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from .constants import constant_tensor
+from .constants import constant_tensor, readable
 from .embeddings import token_table
 from .graph import RewriteSkipped, find_lm_head
 from .package import Package
@@ -82,7 +82,7 @@ def _scalar(node: ir.Node) -> float | None:
     for value in node.inputs:
         tensor = constant_tensor(value)
         if tensor is not None and tensor.size == 1:
-            return _shortest(float(tensor.numpy().reshape(-1)[0]))
+            return _shortest(float(readable(tensor).numpy().reshape(-1)[0]))
     return None
 
 
@@ -180,7 +180,7 @@ def _same_rows(table: ir.Value, head: ir.Node) -> bool | None:
     if rows is None or weight is None or rows.dtype != weight.dtype or len(rows.shape) != 2 or \
             tuple(rows.shape) != tuple(reversed(weight.shape)):
         return None
-    rows, weight, vocab = rows.numpy(), weight.numpy(), rows.shape[0]
+    rows, weight, vocab = readable(rows).numpy(), readable(weight).numpy(), rows.shape[0]
     return all(bool((rows[i] == weight[:, i]).all()) for i in sorted({0, 1, vocab // 3, vocab // 2, vocab - 1}))
 
 

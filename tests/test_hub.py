@@ -83,6 +83,23 @@ def test_a_repository_id_loads_its_package(offline):
     assert tokenizer("hello world").input_ids == ortmodule.load_tokenizer(offline.package_dir)("hello world").input_ids
 
 
+def test_a_repositorys_package_gives_its_tables_and_config_fields_through_the_caches_links(offline, caplog):
+    """The hub cache's files are links to its blobs, which onnx-ir refuses to read through ("may indicate a path
+    traversal attack via a symbolic link"): `get_input_embeddings` and `get_output_embeddings` were a
+    NotSupportedError there (trl's fused head, steering by embeddings), and the config fields read from the
+    graph were the class's defaults. Now the same tables and config as the package's own folder."""
+    import logging
+
+    local = OrtModelForCausalLM.from_pretrained(offline.package_dir)
+    with caplog.at_level(logging.WARNING, logger="ortmodule"):
+        model = OrtModelForCausalLM.from_pretrained("ortmodule-test/one-package")
+    assert (model.package.root / "model.onnx.data").is_symlink() and "were not read" not in caplog.text
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        assert torch.equal(getattr(model, name)().weight, getattr(local, name)().weight)
+    ours, theirs = model.config.to_dict(), local.config.to_dict()
+    assert {k for k in ours if ours[k] != theirs.get(k)} == {"_name_or_path"}
+
+
 def test_what_a_repository_id_cannot_give_is_named(offline):
     with pytest.raises(PackageError, match="holds 2 GenAI packages; pass subfolder= one of: cpu/fp32, cpu/int4"):
         OrtModelForCausalLM.from_pretrained("ortmodule-test/two-packages")
