@@ -169,8 +169,8 @@ def pickled_state(model) -> dict:
     state = {name: value for name, value in model.__dict__.items()
              if name not in ("decoder", "package", "_costs") and not name.startswith("_made_")}
     state["_parameters"] = {k: v for k, v in model._parameters.items() if k != "device_anchor"}  # made again
-    state[_RELOAD] = {"path": str(model.package.root), "device": str(decoder.device), "options": decoder.options(),
-                      "fingerprint": package_fingerprint(decoder).tolist()}
+    state[_RELOAD] = {"path": str(model.package.root.absolute()), "device": str(decoder.device),  # another cwd there
+                      "options": decoder.options(), "fingerprint": package_fingerprint(decoder).tolist()}
     return state
 
 

@@ -623,7 +623,7 @@ def _logits_in_a_worker(model, ids):
     return model(ids).logits, model.decoder.chosen_chunk, model.generation_config.max_new_tokens, model.note
 
 
-def test_a_pickled_model_loads_its_package_again_where_it_is_unpickled(build, tmp_path):
+def test_a_pickled_model_loads_its_package_again_where_it_is_unpickled(build, tmp_path, monkeypatch):
     """pickle keeps the package's folder, device, loading options and fingerprint in place of the sessions (a
     few KB, no weights), and what a deep copy copies: a model passed to another process (multiprocessing's
     spawn here) computes there what it computes here. A package whose files changed since is refused at
@@ -657,6 +657,11 @@ def test_a_pickled_model_loads_its_package_again_where_it_is_unpickled(build, tm
         pickle.loads(pickled)
     with pytest.raises(TypeError, match="session_options cannot be pickled"):
         pickle.dumps(OrtModelForCausalLM.from_pretrained(package, session_options=ort.SessionOptions()))
+    with monkeypatch.context() as patch:  # loaded by a relative path, unpickled where the working folder is another
+        patch.chdir(tmp_path)
+        relative = pickle.dumps(OrtModelForCausalLM.from_pretrained("package"))
+        patch.chdir(package)
+        assert pickle.loads(relative).package.root == package
 
 
 def test_trainer_evaluate_and_predict_equal_transformers(build, tmp_path):
