@@ -49,7 +49,11 @@ def transformers_type(genai_type: str) -> tuple[str, str | None]:
 def graph_fields(package: Package, has) -> dict:
     """The fields the package states, of those the config class has (`has(name)`)."""
     graph = ir.load(package.decoder.path).graph  # the weights stay on disk: only the few read are loaded
-    fields = {**_logits_fields(graph, package.decoder.logits), **_attention_fields(graph), **_layer_fields(package)}
+    try:
+        head = find_lm_head(graph, package.decoder.logits)  # (the head, the ops after it)
+    except RewriteSkipped:
+        head = None
+    fields = {**_logits_fields(head), **_attention_fields(graph), **_layer_fields(package)}
     norm = next((n for n in graph if n.op_type in _NORMS and "epsilon" in n.attributes), None)
     if norm is not None:
         fields.update(dict.fromkeys(_EPSILON_FIELDS, _shortest(norm.attributes["epsilon"].as_float())))
@@ -57,7 +61,7 @@ def graph_fields(package: Package, has) -> dict:
     if width is not None:  # LFM2's field is a width its module adjusts (by 2/3, rounded) unless told not to
         fields.update(intermediate_size=width, block_auto_adjust_ff_dim=False)
     if package.decoder.input_ids is not None:  # else the embedding table is in the embedding model's graph
-        fields.update(_embedding_fields(graph, package.decoder.input_ids, package.decoder.logits))
+        fields.update(_embedding_fields(graph, package.decoder.input_ids, head))
     fields.update(_expert_fields(graph, package.hidden_size))
     residual = next((n for n in graph if n.op_type == "Mul" and "/residual_mul/" in n.name), None)
     if residual is not None and (factor := _scalar(residual)) is not None:
@@ -86,13 +90,12 @@ def _scalar(node: ir.Node) -> float | None:
     return None
 
 
-def _logits_fields(graph: ir.Graph, logits: str) -> dict:
+def _logits_fields(head: tuple[ir.Node, list[ir.Node]] | None) -> dict:
     """Granite's scaling (the logits divided by `logits_scaling`) and Gemma 2's soft-capping
-    (cap * tanh(logits / cap)), from the ops between the LM head and the logits."""
-    try:
-        _, chain = find_lm_head(graph, logits)
-    except RewriteSkipped:
+    (cap * tanh(logits / cap)), from the ops between the LM head and the logits (`find_lm_head`'s)."""
+    if head is None:
         return {}
+    _, chain = head
     steps = [(n.op_type, _scalar(n)) for n in reversed(chain) if n.op_type not in ("Cast", "Identity")]
     fields = {"logits_scaling": 1.0, "final_logit_softcapping": None}
     if len(steps) == 1 and steps[0][0] in ("Mul", "Div") and steps[0][1]:
@@ -153,14 +156,16 @@ def _expert_fields(graph: ir.Graph, hidden_size: int) -> dict:
     return fields
 
 
-def _embedding_fields(graph: ir.Graph, input_ids: str, logits: str) -> dict:
+def _embedding_fields(graph: ir.Graph, input_ids: str, found: tuple[ir.Node, list[ir.Node]] | None) -> dict:
     """Whether the embedding table is the LM head's weight (itself, or its transpose: the builder's tied
     export), and the factor after it (Granite's `embedding_multiplier`; Gemma's is its module's own)."""
+    if found is None:
+        return {}
     try:
         gather, factor = token_table(graph, input_ids)
-        head, _ = find_lm_head(graph, logits)
-    except (ValueError, RewriteSkipped):
+    except ValueError:
         return {}
+    head, _ = found
     table = gather.inputs[0]
     producer = table.producer()
     if producer is not None and producer.op_type == "Transpose":
