@@ -12,15 +12,21 @@ Read from the graph: the ops between the LM head and the logits (`logits_scaling
 embedding table is the LM head's weight (`tie_word_embeddings`), the factors after the embedding table and on
 the residual (Granite's `embedding_multiplier` and `residual_multiplier`); from the package's layers the
 sliding window and each layer's kind (`layer_types`); transformers' model type and causal LM class from
-genai_config's `model.type`; a mixture of experts' sizes from its `MoE` op. Each field is set only where
-the config class has it. Not read: the rotary embedding's parameters (a scaled rotary's base cannot be told
-from its tables) and the activation: those keep the class's defaults."""
+genai_config's `model.type`; a mixture of experts' sizes from its `MoE` op; the rotary embedding's base and
+the share of each head it turns (`rope_parameters`), from its cos and sin tables, where they are the plain
+rotary's (each pair of columns turns by `base ** (-2i / dim)` a position: a scaled rotary's tables, Llama
+3's, YaRN's, linear, are another curve, whose parameters they do not tell apart: those keep the class's
+defaults). Each field is set only where the config class has it. Not read: the activation."""
 
 from __future__ import annotations
 
+import copy
+import logging
+import math
 import struct
 
 import onnx_ir as ir
+import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -29,6 +35,7 @@ from .embeddings import token_table
 from .graph import RewriteSkipped, find_lm_head
 from .package import Package
 
+logger = logging.getLogger("ortmodule")
 _ATTENTION = ("GroupQueryAttention", "MultiHeadAttention", "Attention")
 _NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
           "SkipLayerNormalization")
@@ -46,8 +53,8 @@ def transformers_type(genai_type: str) -> tuple[str, str | None]:
     return genai_type, None
 
 
-def graph_fields(package: Package, has) -> dict:
-    """The fields the package states, of those the config class has (`has(name)`)."""
+def graph_fields(package: Package, config) -> dict:
+    """The fields the package states, of those `config` (the config class's defaults) has."""
     graph = ir.load(package.decoder.path).graph  # the weights stay on disk: only the few read are loaded
     try:
         head = find_lm_head(graph, package.decoder.logits)  # (the head, the ops after it)
@@ -68,8 +75,15 @@ def graph_fields(package: Package, has) -> dict:
         fields["residual_multiplier"] = factor
     width = fields.pop("expert_width", None)  # the experts' width: its own field, or the MLP's where that is it
     if width is not None:
-        fields["moe_intermediate_size" if has("moe_intermediate_size") else "intermediate_size"] = width
-    return {name: value for name, value in fields.items() if has(name)}
+        fields["moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"] = width
+    rotaries = _rotaries(graph, package.head_size)
+    rope = _rope_parameters(getattr(config, "rope_parameters", None), rotaries, fields.get("layer_types"))
+    if rope is not None:
+        fields["rope_parameters"] = rope
+    if None in rotaries.values():
+        logger.info("ortmodule: %s: its rotary tables are not a plain rotary's (a scaled one: Llama 3's, YaRN's, "
+                    "linear); model.config.rope_parameters keeps the config class's defaults there", package.root)
+    return {name: value for name, value in fields.items() if hasattr(config, name)}
 
 
 def _shortest(value: float) -> float:
@@ -201,3 +215,86 @@ def _layer_fields(package: Package) -> dict:
     layer_types = ["conv" if i in convolutions else next(kinds) for i in range(package.num_hidden_layers)]
     return {"layer_types": layer_types, "sliding_window": sizes.pop() if len(sizes) == 1 else None,
             "full_attn_idxs": None}  # LFM2's older form of `layer_types`, which its config reads when that is None
+
+
+def _rotaries(graph: ir.Graph, head_size: int) -> dict[int, tuple[float, float] | None]:
+    """Each layer's rotary (its base, the share of the head it turns), from the cos and sin tables its
+    attention op or rotary op reads; None for a layer whose tables are not a plain rotary's."""
+    bases, layers = {}, {}
+    for node in graph:
+        at = (7, 8) if node.op_type == "GroupQueryAttention" else (2, 3) if node.op_type == "RotaryEmbedding" else None
+        layer = node.name.split("/")[2].removeprefix("layers.") if node.name.startswith("/model/layers.") else ""
+        if node.domain != "com.microsoft" or at is None or len(node.inputs) <= at[1] or not layer.isdigit():
+            continue
+        cos, sin = (constant_tensor(node.inputs[i]) for i in at)
+        if cos is None or sin is None:
+            continue
+        key = (node.inputs[at[0]].name, node.inputs[at[1]].name)
+        if key not in bases:
+            exact = cos.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+            tolerance = 1e-5 if exact else 1e-2
+            base = _plain_rotary(*(_table(t) for t in (cos, sin)), tolerance)
+            bases[key] = None if base is None else _rounded(base, tolerance / 10)
+        base = bases[key]
+        layers[int(layer)] = None if base is None else (base, 2 * cos.shape[-1] / head_size)
+    return layers
+
+
+def _table(tensor: ir.TensorProtocol, positions: int = 512) -> torch.Tensor:
+    """A rotary table's first positions, in float64."""
+    return torch.from_numpy(readable(tensor).numpy()[:positions].astype("float64"))
+
+
+def _plain_rotary(cos: torch.Tensor, sin: torch.Tensor, tolerance: float) -> float | None:
+    """The base of a plain rotary's tables `[positions, dim / 2]` (column i turns by `base ** (-2i / dim)` a
+    position, at unit length), else None; `tolerance`: the tables' rounding (relative). Each column's turn a
+    position is fitted over the first positions (their angles unwrapped), so that half-precision tables
+    tell it too."""
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] < 2 or cos.shape[1] < 2:
+        return None
+    if (cos**2 + sin**2 - 1).abs().max() > 10 * tolerance:  # scaled by an attention factor (YaRN's)
+        return None
+    steps = torch.atan2(sin, cos).diff(dim=0)  # each position's turn, unwrapped (a plain turn is at most 1)
+    angles = torch.cat([torch.zeros_like(steps[:1]), (steps - 2 * math.pi * torch.round(steps / (2 * math.pi)))
+                        .cumsum(0)]) + torch.atan2(sin[:1], cos[:1])
+    positions = torch.arange(len(angles), dtype=torch.float64)[:, None]
+    turns = (positions * angles).sum(0) / (positions**2).sum()
+    if (angles - positions * turns).abs().max() > 0.05 or abs(turns[0] - 1) > 1e-3 or (turns <= 0).any():
+        return None
+    columns = torch.arange(len(turns), dtype=torch.float64)
+    logs = turns.log()
+    slope = (columns * logs).sum() / (columns**2).sum()  # log turn = -(2i / dim) log base
+    if (logs - slope * columns).abs().max() > 1e-2:
+        return None  # another curve: Llama 3's, YaRN's, a linear scaling's
+    return math.exp(-float(slope) * len(turns))
+
+
+def _rounded(value: float, tolerance: float) -> float:
+    """`value` with the fewest digits within `tolerance` of it (relative)."""
+    return next((float(round(value, -e)) for e in range(int(math.log10(value)), -1, -1)
+                 if abs(round(value, -e) - value) <= tolerance * value), value)
+
+
+def _rope_parameters(default, layers: dict[int, tuple[float, float] | None], layer_types) -> dict | None:
+    """The config's `rope_parameters` (the class's `default`, one dict or one per layer kind) with the base and
+    share the package's layers turn by, where every layer of a dict's turns alike by a plain rotary and the
+    dict is the plain rotary's (`rope_type` "default"); None where nothing is told."""
+    if not isinstance(default, dict) or not layers:
+        return None
+    by_kind = bool(default) and all(isinstance(params, dict) for params in default.values())
+    if by_kind and layer_types is None:
+        return None
+    rope = copy.deepcopy(default)
+    groups = rope.items() if by_kind else [(None, rope)]
+    told = False
+    for kind, params in groups:
+        found = {found for layer, found in layers.items() if kind is None or
+                 (layer < len(layer_types) and layer_types[layer] == kind)}
+        if len(found) != 1 or None in found or params.get("rope_type", "default") != "default":
+            continue
+        (base, share), = found
+        params["rope_theta"] = float(base)
+        if abs(share - 1) > 1e-6 or "partial_rotary_factor" in params:
+            params["partial_rotary_factor"] = share
+        told = True
+    return rope if told else None

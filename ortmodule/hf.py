@@ -67,7 +67,7 @@ def _genai_config(package: Package) -> PretrainedConfig:
         config = PretrainedConfig(**fields)  # (the graph's own check at load names a shape it cannot run)
     else:
         try:
-            stated = graph_config.graph_fields(package, lambda name: hasattr(config, name))
+            stated = graph_config.graph_fields(package, config)
         except (ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as e:  # a graph of a form
             logger.warning("ortmodule: %s: the config fields its graph states were not read (%s: %s); they are the "
                            "config class's defaults", package.root, type(e).__name__, e)  # not foreseen there

@@ -149,6 +149,8 @@ class FixtureSpec:
     # (None: the fixture's 8-token window on every other layer, so short inputs exercise it).
     sliding_window: int | None = None
     tie_word_embeddings: bool | None = None  # None: untied
+    # The text config's `rope_parameters` as pairs (a value of pairs: a dict, Gemma 3's by kind); None: the class's.
+    rope: tuple[tuple[str, object], ...] | None = None
     # "smollm2": SmolLM2's real tokenizer (49,152 tokens, from the GGUF file); None: one trained on CORPUS.
     tokenizer: str | None = None
     # Qwen-VL forms, Gemma 3's and Mistral 3's: the vision config's fields over the fixture's one-block tower (a real
@@ -311,6 +313,8 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
             fields["query_pre_attn_scalar"] = spec.head_dim
     if "original_max_position_embeddings" in fields:
         fields["original_max_position_embeddings"] = spec.context_length
+    if spec.rope is not None:
+        fields["rope_parameters"] = {k: dict(v) if isinstance(v, tuple) else v for k, v in spec.rope}
     config = getattr(transformers, config_class)(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,

@@ -15,7 +15,7 @@ FIELDS = ["model_type", "architectures", "intermediate_size", "rms_norm_eps", "l
           "tie_word_embeddings", "sliding_window", "layer_types", "logits_scaling", "final_logit_softcapping",
           "attn_logit_softcapping", "query_pre_attn_scalar", "attention_multiplier", "embedding_multiplier",
           "residual_multiplier", "num_experts_per_tok", "num_local_experts", "num_experts", "moe_intermediate_size",
-          "num_dense_layers"]
+          "num_dense_layers", "rope_parameters"]
 # The fixtures' fields beyond the defaults (tests/test_architectures.py's: Nemotron's partial rotary needs wider heads).
 SPECS = {"nemotron": dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)}
 # Where the package differs from its checkpoint's config, by what the package computes: the builder's
@@ -137,3 +137,81 @@ def test_a_graph_whose_fields_cannot_be_read_keeps_the_class_defaults(build, mon
     with caplog.at_level(logging.WARNING, logger="ortmodule"):
         config = OrtModelForCausalLM.from_pretrained(build("granite").package_dir).config
     assert config.logits_scaling == 1.0 and "were not read (KeyError: 'epsilon')" in caplog.text
+
+
+def rotary_tables(parameters: dict, head: int, dtype: torch.dtype, positions: int = 512):
+    """The cos and sin tables the model builder writes for a rotary: transformers' own frequencies (and
+    attention factor) for `parameters`, as its modules compute them."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=4 * head, num_attention_heads=4, head_dim=head, max_position_embeddings=4096,
+                         rope_parameters=parameters)
+    kind = parameters["rope_type"]
+    if kind == "default":  # (its default function reads the share of the head from the config alone)
+        dim = int(head * parameters.get("partial_rotary_factor", 1.0))
+        frequencies, factor = 1.0 / parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim), 1.0
+    else:
+        frequencies, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    angles = torch.outer(torch.arange(positions).float(), frequencies)
+    return ((angles.cos() * factor).to(dtype).double(), (angles.sin() * factor).to(dtype).double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_plain_rotarys_base_is_read_from_its_tables_in_every_precision(dtype):
+    """A plain rotary's base from its tables, whatever the base and the head: exactly from float32 tables (as the
+    builder writes them for float32 packages), within 0.1% from half-precision ones."""
+    from ortmodule.graph_config import _plain_rotary, _rounded
+
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for base in (10000.0, 12345.0, 75000.0, 500000.0, 1e6, 5e6, 1e9):
+        for head in (16, 64, 128, 256):
+            found = _plain_rotary(*rotary_tables({"rope_type": "default", "rope_theta": base}, head, dtype), tolerance)
+            assert found is not None, (base, head)
+            if dtype == torch.float32:
+                assert _rounded(found, tolerance / 10) == base, (base, head)
+            else:
+                assert abs(found - base) <= 1e-3 * base, (base, head, found)
+
+
+@pytest.mark.parametrize("parameters", [
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 1024},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.5] * 32, "long_factor": [2.0] * 32,
+     "original_max_position_embeddings": 1024},
+], ids=lambda parameters: parameters["rope_type"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scaled_rotarys_tables_are_not_taken_for_a_plain_one(parameters, dtype):
+    """Llama 3's, linear, YaRN's and LongRoPE's tables are another curve (or scaled): no base is read from them,
+    where a plain rotary's would be a wrong one."""
+    from ortmodule.graph_config import _plain_rotary
+
+    assert _plain_rotary(*rotary_tables(parameters, 64, dtype), 1e-5 if dtype == torch.float32 else 1e-2) is None
+
+
+def test_the_rotary_of_a_package_is_its_checkpoints(build, caplog):
+    """A package's `rope_parameters`: the real SmolLM2's base (100,000; Llama's class default is 10,000), a
+    fixture's of another base and Gemma 3's, one base for its sliding layers and one for the others, as their
+    checkpoints; a Llama 3 rotary's tables (scaled) leave the class's default, and say so in ortmodule's log."""
+    import logging
+
+    from transformers import AutoConfig
+
+    from ortmodule_dev import fixtures
+
+    plain = build("llama", rope=(("rope_type", "default"), ("rope_theta", 500000.0)))
+    by_kind = build("gemma3", rope=(("sliding_attention", (("rope_type", "default"), ("rope_theta", 20000.0))),
+                                    ("full_attention", (("rope_type", "default"), ("rope_theta", 300000.0)))))
+    for fixture in (fixtures.build(fixtures.SMOLLM2), plain, by_kind):
+        ours = OrtModelForCausalLM.from_pretrained(fixture.package_dir).config
+        assert ours.rope_parameters == AutoConfig.from_pretrained(fixture.hf_dir).rope_parameters
+        assert ours.rope_parameters != type(ours)().rope_parameters
+    scaled = build("llama", rope=(("rope_type", "llama3"), ("rope_theta", 500000.0), ("factor", 8.0),
+                                  ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                                  ("original_max_position_embeddings", 64)))
+    with caplog.at_level(logging.INFO, logger="ortmodule"):
+        ours = OrtModelForCausalLM.from_pretrained(scaled.package_dir).config
+    assert ours.rope_parameters == type(ours)().rope_parameters
+    assert "rotary" in caplog.text and "rope_parameters" in caplog.text
