@@ -798,6 +798,14 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
                 if line.startswith("data: ") and line != "data: [DONE]":
                     text += json.loads(line[6:])["choices"][0]["delta"].get("content", "")
         assert text == answers[1].json()["choices"][0]["message"]["content"]
+        # OpenAI's Responses API: the same chat as input items with input_image parts, the same answer.
+        parts = [{"type": "input_image", "image_url": part["image_url"]["url"]} if part["type"] == "image_url"
+                 else {"type": "input_text", "text": part["text"]} for part in chats[1][1]["content"]]
+        answer = server.client.post("/v1/responses", json={
+            "model": "vl", "instructions": chats[1][0]["content"], "input": [{"role": "user", "content": parts}],
+            "temperature": 0, "max_output_tokens": 8})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["output"][0]["content"][0]["text"] == answers[1].json()["choices"][0]["message"]["content"]
         refusals = {
             "http://example.com/cat.png": "only data: URLs",
             "data:image/png,rawbytes": "must be base64",

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from .. import scoring
-from . import generate_routes, openai_routes, score_routes, sglang_routes, tokenize_routes
+from . import generate_routes, openai_routes, responses_routes, score_routes, sglang_routes, tokenize_routes
 from .engine import Engine
 from .errors import AsciiJSON, ServingError
 from .images import ChatImages
@@ -64,6 +64,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     _handle_errors(app, engine)
     score_routes.add_routes(app, served)
     openai_routes.add_routes(app, served)
+    responses_routes.add_routes(app, served)
     tokenize_routes.add_routes(app, served)
     generate_routes.add_routes(app, served)
     sglang_routes.add_routes(app, served)

@@ -329,7 +329,7 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
 
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
     choices = [{"index": row.index, "message": {"role": "assistant", "content": row.text.text},
-                "logprobs": {"content": _chat_logprobs(served.tokenizer, list(zip(row.tokens, row.logprobs, row.top)))}
+                "logprobs": {"content": chat_logprobs(served.tokenizer, list(zip(row.tokens, row.logprobs, row.top)))}
                 if body.logprobs else None,
                 "finish_reason": row.text.finish_reason} for row in rows]
     answer = {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
@@ -345,7 +345,7 @@ def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row
     return answer
 
 
-def _chat_logprobs(tokenizer, scored: list[tuple[int, float, list]]) -> list[dict]:
+def chat_logprobs(tokenizer, scored: list[tuple[int, float, list]]) -> list[dict]:
     """OpenAI's chat `logprobs.content` of these (token, log-probability, top alternatives)."""
     seen = sorted({t for t, _, _ in scored} | {t for _, _, pairs in scored for t, _ in pairs})
     name = dict(zip(seen, token_strings(tokenizer, seen)))
@@ -406,7 +406,7 @@ class _StreamedLogprobs:
         if scored is None or self.top is None:
             return None
         if self.kind == "chat.completion.chunk":
-            return {"content": _chat_logprobs(self.tokenizer, [(t, v, pairs[: self.top]) for t, v, pairs in scored])}
+            return {"content": chat_logprobs(self.tokenizer, [(t, v, pairs[: self.top]) for t, v, pairs in scored])}
         entries = _completion_entries(self.tokenizer, [t for t, _, _ in scored], [v for _, v, _ in scored],
                                       [pairs[: self.top] for _, _, pairs in scored], self.offsets.get(index, 0))
         self.offsets[index] = self.offsets.get(index, 0) + sum(len(text) for text in entries["tokens"])

@@ -159,6 +159,65 @@ class ChatRequest(_Options):
     continue_final_message: StrictBool = False
 
 
+class ResponsePart(BaseModel):
+    """A part of a Responses input message's content: `input_text` / `output_text` (`text`), `input_image`
+    (`image_url`, a URL or a data URL; a `file_id` is refused: this server keeps no files)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Text
+    text: Text | None = None
+    image_url: Text | None = None
+    file_id: Text | None = None
+    detail: Text | None = None
+
+
+class ResponseItem(BaseModel):
+    """An item of a Responses `input` list: a message (`type` "message" or left out), its `content` text or
+    parts. Other items (a tool's call and output, reasoning, a reference to a stored item) are refused."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Text | None = None
+    role: Text | None = None
+    content: Text | list[ResponsePart] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's `POST /v1/responses`, served statelessly (as vLLM serves it without its store): `input`
+    (a text: one user message; or message items), `instructions` (a system message first),
+    `max_output_tokens`, `temperature`, `top_p`, `top_logprobs` with `include` naming
+    "message.output_text.logprobs", `stream`, `metadata` (echoed). What needs stored state, tools or
+    constrained output is refused unless neutral (responses_routes.py); other fields are ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Text
+    input: Text | list[ResponseItem]
+    instructions: Text | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    include: list[Text] | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None
+    metadata: dict[str, Text] | None = None
+    user: Text | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # refused unless neutral: stored state, tools, constrained or reasoning output, a truncated prompt
+    previous_response_id: Text | None = None
+    conversation: Any = None
+    prompt: Any = None
+    background: StrictBool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
+    max_tool_calls: StrictInt | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Text | None = None
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's `POST /tokenize`: a prompt, or chat messages rendered as `/v1/chat/completions` renders them."""
 
