@@ -131,6 +131,36 @@ def mixed_calls(model, tokenizer) -> list[load.Call]:
     return calls
 
 
+def test_lm_evals_gguf_backend_gets_transformers_loglikelihoods_and_generations(openai_live):
+    """lm-eval's `gguf` backend (llama.cpp's server's client) sends no `model`, as vLLM takes it: the
+    continuation's log-probability (the joint text's tokens after the context, as it reads them from an echo
+    with 10 alternatives), whether each was the greedy one, and its greedy generations cut at `until`, as
+    transformers gives them on the same weights."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.gguf import GGUFLM
+
+    live, _, hf, tokenizer, _ = openai_live
+    lm = GGUFLM(base_url=live.url)
+    pairs = [("The quick brown", " fox jumps"), ("Hello", " world"), ("a b c", " d")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    for (context, continuation), (total, greedy) in zip(pairs, got, strict=True):
+        encoded = tokenizer(context + continuation, return_offsets_mapping=True)
+        ids = torch.tensor([encoded.input_ids])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(ids).logits[0, :-1].double(), -1)
+        first = next(i for i, (start, _) in enumerate(encoded.offset_mapping) if start >= len(context))
+        positions = range(first, ids.shape[1])
+        expected = sum(logprobs[i - 1, ids[0, i]].item() for i in positions)
+        assert abs(total - expected) < 1e-4, (context, total, expected)
+        assert greedy == all(logprobs[i - 1].argmax().item() == ids[0, i].item() for i in positions)
+    prompt = "The quick brown fox"
+    out = hf.generate(torch.tensor([tokenizer(prompt).input_ids]), max_new_tokens=16, do_sample=False, pad_token_id=2)
+    text = expected_text(tokenizer, out[0, len(tokenizer(prompt).input_ids):].tolist())[0]
+    until = text[len(text) // 2:][:3]
+    generated, = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [until]}), 0)])
+    assert generated == text[:text.index(until)].strip()
+
+
 @pytest.mark.slow
 def test_32_clients_mixing_score_completions_and_chat(openai_live):
     live, model, _, tokenizer, _ = openai_live

@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
-from .openai_routes import chat_logprobs, chat_job
+from .openai_routes import chat_job, chat_logprobs
 from .schemas import ChatMessage, ChatRequest, ContentPart, ImageURL, ResponsesRequest
 from .served import Served, abandon, run, start
 

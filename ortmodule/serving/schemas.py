@@ -81,7 +81,7 @@ class _Options(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: Text
+    model: Text | None = None  # vLLM's: left out, the served model (lm-eval's gguf backend sends none)
     max_tokens: StrictInt | None = None
     temperature: Annotated[StrictFloat, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
@@ -192,7 +192,7 @@ class ResponsesRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    model: Text
+    model: Text | None = None  # vLLM's: left out, the served model (lm-eval's gguf backend sends none)
     input: Text | list[ResponseItem]
     instructions: Text | None = None
     max_output_tokens: StrictInt | None = None
