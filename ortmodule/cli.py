@@ -4,8 +4,8 @@
 no plugins, so the registration has to happen in the same process), and ortmodule's shipped tasks
 found without `--include_path` (`resolve_tasks_as_ortmodule`).
 `ortmodule export SRC OUT`: a GenAI package from a Hugging Face folder or a GGUF file (ortmodule/exporter.py).
-`ortmodule serve PATH`: SGLang's `/v1/score`, vLLM's `/generative_scoring`, OpenAI's `/v1/completions` and
-`/v1/chat/completions` (ortmodule/serving/).
+`ortmodule serve PATH`: SGLang's `/v1/score`, vLLM's `/generative_scoring`, OpenAI's `/v1/completions`,
+`/v1/chat/completions` and `/v1/responses` (ortmodule/serving/).
 `ortmodule cache list|clear`: what ortmodule keeps in its cache folder, and clearing it (ortmodule/cache_folder.py).
 `ortmodule env`: the versions, devices and providers, for a bug report (ortmodule/environment.py).
 `ortmodule info PATH`: what a package is, read from its files (ortmodule/describe.py).
@@ -159,7 +159,8 @@ def ortmodule(argv: list[str] | None = None) -> None:
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
     try:
         serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
-              prefill_attention=args.prefill_attention, subfolder=args.subfolder, revision=args.revision, **options)
+              prefill_attention=args.prefill_attention, subfolder=args.subfolder, revision=args.revision,
+              chat_template=args.chat_template, **options)
     except ValueError as e:  # what stops it before it serves: the package, a setting, --processor
         parser.exit(2, f"ortmodule serve: error: {e}\n")  # one line, as `ortmodule export`'s
 
@@ -248,7 +249,8 @@ _SETTING_HELP = {
 def _serve_flags(commands) -> None:
     """The `serve` command's flags."""
     serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, vLLM's /generative_scoring, "
-                                              "OpenAI's /v1/completions and /v1/chat/completions (FastAPI + uvicorn)")
+                                              "OpenAI's /v1/completions, /v1/chat/completions and /v1/responses "
+                                              "(FastAPI + uvicorn)")
     serve.add_argument("path", help="the GenAI package folder (genai_config.json, model.onnx, tokenizer), or a "
                                     "Hugging Face Hub repository id (org/name) holding one")
     serve.add_argument("--subfolder", default=None, help="the package's folder inside the repository (default: its "
@@ -257,8 +259,12 @@ def _serve_flags(commands) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    serve.add_argument("--name", default=None, help="the model name reported and accepted (default: the package "
-                                                    "folder's name; its path is never shown)")
+    serve.add_argument("--name", "--served-model-name", dest="name", default=None,
+                       help="the model name reported and accepted (vLLM's --served-model-name; default: the package "
+                            "folder's name; its path is never shown)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="the chat template for chat and responses requests, in place of the package's (as vLLM's "
+                            "flag of that name: a file, or the template itself); its syntax checked at start")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes and "
                                                        "/metrics (default: the ORTMODULE_API_KEY environment variable)")
     serve.add_argument("--enable-fp32-lm-head", action="store_true",

@@ -999,3 +999,49 @@ def test_a_full_queue_answers_503_in_openai_shape(build):
     finally:
         release.set()
         live.stop()
+
+
+def test_chat_template_flag_replaces_the_packages_and_is_checked_before_the_load(build, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """vLLM's `--chat-template` (a file, or the template itself) on a package without a chat template: chat
+    requests then answer as transformers' greedy generate on what the template renders; a template that
+    does not parse, or a path to nothing, stops the server before the package loads, naming the fault.
+    `--served-model-name` is vLLM's spelling of `--name`."""
+    import ortmodule.serving
+    from ortmodule.serving import app as serving_app
+
+    fixture = build("llama")
+    _, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    assert not tokenizer.chat_template  # without the flag, a chat request is refused
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    ids = tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    expected = expected_text(tokenizer, hf_greedy(hf, list(ids), 6))[0]
+    (tmp_path / "template.jinja").write_text(CHAT_TEMPLATE)
+    for given in (str(tmp_path / "template.jinja"), CHAT_TEMPLATE):
+        app, _ = serving_app._loaded(str(fixture.package_dir), "127.0.0.1", "cpu", False, None, None, None,
+                                     {"name": "t"}, given)
+        live = LiveServer(app)
+        try:
+            answer = live.client.post("/v1/chat/completions", json={"model": "t", "messages": messages,
+                                                                    "max_tokens": 6, "temperature": 0}).json()
+        finally:
+            live.stop()
+        assert answer["choices"][0]["message"]["content"] == expected
+    captured = {}
+    monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: captured.update(options))
+    cli.ortmodule(["serve", str(fixture.package_dir), "--served-model-name", "x", "--chat-template",
+                   str(tmp_path / "template.jinja")])
+    assert (captured["name"], captured["chat_template"]) == ("x", str(tmp_path / "template.jinja"))
+    monkeypatch.undo()
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before --chat-template was checked")
+
+    monkeypatch.setattr(OrtModelForCausalLM, "from_pretrained", loaded)
+    for flag, message in (("{% for m in messages %}{{ m }}", "line 1: Unexpected end of template"),
+                          (str(tmp_path / "absent.jinja"), "no such file, and not a template")):
+        with pytest.raises(SystemExit) as stopped:
+            cli.ortmodule(["serve", str(fixture.package_dir), "--chat-template", flag, "--port", "0"])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err

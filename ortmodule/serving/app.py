@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from .. import scoring
 from . import generate_routes, openai_routes, responses_routes, score_routes, sglang_routes, tokenize_routes
+from .chat_prompts import chat_template_of
 from .engine import Engine
 from .errors import AsciiJSON, ServingError
 from .images import ChatImages
@@ -240,23 +241,25 @@ def open_files_for(connections: int) -> int:
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", fp32_lm_head: bool = False,
           prefill_attention: str | None = None, subfolder: str | None = None, revision: str | None = None,
-          **options) -> None:
+          chat_template: str | None = None, **options) -> None:
     """Load the package at `path` (a folder, or a Hugging Face Hub repository id with the package's
     `subfolder` and a `revision`: hub.py) and serve it until interrupted (SIGINT, SIGTERM: what was
     accepted is answered first). `fp32_lm_head`: a bf16 package's LM head in float32 (SGLang's and
     vLLM's `--enable-fp32-lm-head`; `rewrite_lm_head="float32"`). `prefill_attention`: as
-    `OrtModelForCausalLM.from_pretrained`'s (the runs without a cache: scores, prompt log-probabilities)."""
+    `OrtModelForCausalLM.from_pretrained`'s (the runs without a cache: scores, prompt log-probabilities).
+    `chat_template`: vLLM's `--chat-template`, a file or the template itself, in place of the package's."""
     import uvicorn
 
     with bound_socket(host, port) as listening:  # before the package loads and is timed: minutes for a big one
-        app, settings = _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options)
+        app, settings = _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options,
+                                chat_template)
         config = uvicorn.Config(app, host=host, port=port, log_level="info", http=_timed_h11(settings.header_timeout),
                                 limit_concurrency=open_files_for(settings.max_connections),
                                 timeout_keep_alive=settings.keep_alive)
         uvicorn.Server(config).run(sockets=[listening])
 
 
-def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options):
+def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options, chat_template=None):
     """`serve`'s app over the package, loaded with its costs timed where they decide, and its settings."""
     from .. import hub
     from ..environment import installed_too_old
@@ -273,11 +276,14 @@ def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revi
         check_processor(read_package(local), settings.processor)
     if settings.generation_config not in ("auto", "vllm"):  # a folder's generation_config.json, read before the load
         sampling_defaults(None, settings.generation_config)
+    template = chat_template_of(chat_template) if chat_template is not None else None
     model = OrtModelForCausalLM.from_pretrained(local, device=device, prefill_attention=prefill_attention,
                                                 rewrite_lm_head="float32" if fp32_lm_head else True)
     if settings.reuse_prefix == "auto":  # the costs decide it: timed (or read from the disk) now, not in a request
         model.measured_costs()
     tokenizer = load_tokenizer(local)
+    if template is not None:
+        tokenizer.chat_template = template
     if getattr(tokenizer, "chat_template", None) and (old := installed_too_old("jinja2")):
         log.warning("chat requests will fail (scores and completions will not): %s", old)
     if old := installed_too_old("uvicorn"):

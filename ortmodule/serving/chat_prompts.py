@@ -12,6 +12,7 @@ control tokens there (SGLang offers the split as an opt-in filter of the templat
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import jinja2
 
@@ -184,3 +185,29 @@ def _templated_ids(tokenizer, messages: list[dict], options: dict) -> list[int]:
         ids += tokenizer(before, add_special_tokens=False)["input_ids"]
         ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return ids + tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_template_of(value: str) -> str:
+    """vLLM's `--chat-template`: a file's text, or the template itself given in one line; its syntax checked
+    as transformers compiles it, so that a broken template stops the server before the package loads rather
+    than failing every chat request."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {value}: cannot read it as UTF-8 text ({e})") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a template (it holds no {{{{ }}}} or "
+                         "{% %})")
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {value if path.is_file() else 'given'}: line {e.lineno}: {e.message}") \
+            from None
+    return text
