@@ -16,7 +16,8 @@ genai_config's `model.type`; a mixture of experts' sizes from its `MoE` op; the 
 the share of each head it turns (`rope_parameters`), from its cos and sin tables, where they are the plain
 rotary's (each pair of columns turns by `base ** (-2i / dim)` a position: a scaled rotary's tables, Llama
 3's, YaRN's, linear, are another curve, whose parameters they do not tell apart: those keep the class's
-defaults). Each field is set only where the config class has it. Not read: the activation."""
+defaults); the MLP's activation (`hidden_act`, Gemma's `hidden_activation`) from the first layer's ops. Each
+field is set only where the config class has it."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def graph_fields(package: Package, config) -> dict:
     width = fields.pop("expert_width", None)  # the experts' width: its own field, or the MLP's where that is it
     if width is not None:
         fields["moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"] = width
+    fields.update(_activation_fields(graph, config))
     rotaries = _rotaries(graph, package.head_size)
     rope = _rope_parameters(getattr(config, "rope_parameters", None), rotaries, fields.get("layer_types"))
     if rope is not None:
@@ -298,3 +300,34 @@ def _rope_parameters(default, layers: dict[int, tuple[float, float] | None], lay
             params["partial_rotary_factor"] = share
         told = True
     return rope if told else None
+
+
+# The tanh approximation of GELU goes by several names in transformers, all the same function.
+_TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh")
+
+
+def _activation_fields(graph: ir.Graph, config) -> dict:
+    """The first layer's MLP activation, by its ops: x * sigmoid(x) (`silu`), GELU exact or by tanh, ReLU,
+    squared ReLU (Nemotron's `relu2`); a tanh GELU keeps the class's name where the class's default is one."""
+    ops = [(n.op_type, n) for n in graph if n.name.startswith("/model/layers.0/mlp/")
+           and ("/act_fn/" in n.name or "/Relu2/" in n.name)]  # (Nemotron's square: .../mlp/square/Relu2/pow)
+    kinds = [op for op, _ in ops]
+    name = None
+    if kinds == ["Sigmoid", "Mul"]:
+        name = "silu"
+    elif kinds in (["Gelu"], ["FastGelu"]):
+        node = ops[0][1]
+        tanh = node.op_type == "FastGelu" or ("approximate" in node.attributes
+                                              and node.attributes["approximate"].as_string() == "tanh")
+        name = "gelu_pytorch_tanh" if tanh else "gelu"
+    elif kinds == ["Relu"]:
+        name = "relu"
+    elif kinds == ["Relu", "Pow"] and _scalar(ops[1][1]) == 2:
+        name = "relu2"
+    if name is None:
+        return {}
+    fields = {}
+    for field in ("hidden_act", "hidden_activation"):
+        default = getattr(config, field, None)
+        fields[field] = default if name == "gelu_pytorch_tanh" and default in _TANH_GELUS else name
+    return fields

@@ -151,6 +151,7 @@ class FixtureSpec:
     tie_word_embeddings: bool | None = None  # None: untied
     # The text config's `rope_parameters` as pairs (a value of pairs: a dict, Gemma 3's by kind); None: the class's.
     rope: tuple[tuple[str, object], ...] | None = None
+    hidden_act: str | None = None  # the text config's activation (None: the architecture's)
     # "smollm2": SmolLM2's real tokenizer (49,152 tokens, from the GGUF file); None: one trained on CORPUS.
     tokenizer: str | None = None
     # Qwen-VL forms, Gemma 3's and Mistral 3's: the vision config's fields over the fixture's one-block tower (a real
@@ -315,6 +316,8 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
         fields["original_max_position_embeddings"] = spec.context_length
     if spec.rope is not None:
         fields["rope_parameters"] = {k: dict(v) if isinstance(v, tuple) else v for k, v in spec.rope}
+    if spec.hidden_act is not None:
+        fields["hidden_act"] = spec.hidden_act
     config = getattr(transformers, config_class)(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,

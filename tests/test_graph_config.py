@@ -15,7 +15,7 @@ FIELDS = ["model_type", "architectures", "intermediate_size", "rms_norm_eps", "l
           "tie_word_embeddings", "sliding_window", "layer_types", "logits_scaling", "final_logit_softcapping",
           "attn_logit_softcapping", "query_pre_attn_scalar", "attention_multiplier", "embedding_multiplier",
           "residual_multiplier", "num_experts_per_tok", "num_local_experts", "num_experts", "moe_intermediate_size",
-          "num_dense_layers", "rope_parameters"]
+          "num_dense_layers", "rope_parameters", "hidden_act", "hidden_activation"]
 # The fixtures' fields beyond the defaults (tests/test_architectures.py's: Nemotron's partial rotary needs wider heads).
 SPECS = {"nemotron": dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)}
 # Where the package differs from its checkpoint's config, by what the package computes: the builder's
@@ -215,3 +215,13 @@ def test_the_rotary_of_a_package_is_its_checkpoints(build, caplog):
         ours = OrtModelForCausalLM.from_pretrained(scaled.package_dir).config
     assert ours.rope_parameters == type(ours)().rope_parameters
     assert "rotary" in caplog.text and "rope_parameters" in caplog.text
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "gelu_pytorch_tanh"])
+def test_the_activation_of_a_package_is_its_checkpoints(build, activation):
+    """A Llama checkpoint of another activation than Llama's SiLU: the package's config names the checkpoint's."""
+    from transformers import AutoConfig
+
+    fixture = build("llama", hidden_act=activation)
+    ours = OrtModelForCausalLM.from_pretrained(fixture.package_dir).config
+    assert ours.hidden_act == AutoConfig.from_pretrained(fixture.hf_dir).hidden_act == activation
