@@ -18,7 +18,7 @@ CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnn
 # The distributions whose versions change what runs, in the order reported.
 DISTRIBUTIONS = ("ortmodule", "torch", "onnxruntime-gpu", "onnxruntime", "onnxruntime-genai-cuda", "onnxruntime-genai",
                  "transformers", "tokenizers", "lm_eval", "accelerate", "onnx", "onnx-ir", "fastapi", "uvicorn",
-                 "jinja2", "gguf")
+                 "jinja2", "gguf", "llguidance")
 # The oldest release of each dependency ortmodule runs on, with what breaks below it: pyproject.toml
 # declares the same floors (a test compares them). The suite was run at and below each
 # (docs/reliability.md "Older dependencies"); torch's is transformers' own.

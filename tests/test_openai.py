@@ -820,12 +820,13 @@ BAD = [
                               "max_completion_tokens": 5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "x" * 60_000}] * 4}]}, 400, "messages"),  # parts together cannot fit
-    # Tool calling and structured output, which the server does not carry out (were taken silently).
+    # Tool calling, which the server does not carry out (was taken silently); structured output of a form it does
+    # not take (its forms: tests/test_structured_output.py).
     *[("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], field: value}, 400,
        field) for field, value in (("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
                                    ("tool_choice", "auto"), ("tool_choice", {"type": "function"}),
                                    ("functions", [{"name": "f"}]), ("function_call", "auto"),
-                                   ("response_format", {"type": "json_object"}),
+                                   ("response_format", {"type": "structural_tag"}),
                                    ("chat_template_kwargs", {"tokenize": False}),
                                    ("chat_template_kwargs", {"add_generation_prompt": False}),
                                    ("continue_final_message", True))],  # the last message is the user's
@@ -845,10 +846,10 @@ BAD = [
                            ("skip_special_tokens", "no"), ("use_beam_search", True), ("prompt_logprobs", -1),
                            ("prompt_logprobs", 21), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [5, 6]),
                            ("bad_words", ["fox"]), ("logprob_token_ids", [5]), ("return_tokens_as_token_ids", True),
-                           ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("regex", "a+"),
-                           ("structured_outputs", {"choice": ["a"]}),
+                           ("guided_json", [1]), ("guided_choice", []), ("regex", "a("),
+                           ("structured_outputs", {"choice": ["a"], "regex": "a"}),
                            # output-changing fields of vLLM's and SGLang's completions that were taken silently
-                           ("response_format", {"type": "json_object"}), ("structural_tag", "{}"),
+                           ("response_format", {"type": "grammar"}), ("structural_tag", "{}"),
                            ("stop_regex", ["a+"]), ("lora_path", "adapter"), ("return_hidden_states", True),
                            ("custom_logit_processor", "x"), ("no_stop_trim", True))],
     ("/v1/completions", {"model": NAME, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),

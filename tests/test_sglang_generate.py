@@ -217,7 +217,8 @@ def test_each_prompt_of_a_batch_gets_its_own_room(setup):
 @pytest.mark.parametrize("body, param, message", [
     ({"sampling_params": {"max_new_tokens": 4}}, "text", "send the prompt as text or as input_ids"),
     ({"text": "x", "input_ids": [5]}, "text", "one of them"),
-    ({"text": "x", "sampling_params": {"regex": "a+"}}, "sampling_params.regex", "not constrained"),
+    ({"text": "x", "sampling_params": {"regex": "a+("}}, "sampling_params.regex", "regex parse error"),
+    ({"text": "x", "sampling_params": {"ebnf": 'root ::= "a"'}}, "sampling_params.ebnf", "not constrained"),
     ({"text": "x", "sampling_params": {"top_k": 0}}, "sampling_params.top_k", "top_k must be -1"),
     ({"text": "x", "sampling_params": {"max_new_token": 4}}, None, "max_new_token"),
     ({"text": "x", "image_data": "http://x/y.png"}, "image_data", "image_data is not supported"),

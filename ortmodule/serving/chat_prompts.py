@@ -33,7 +33,7 @@ def refuse_unsupported(body) -> None:
     """OpenAI's tool calling and structured output, which this server does not carry out: a client
     asking for them would get plain text as if they had been applied; the same for OpenAI's audio output,
     web search and `verbosity`. Neutral values pass: no tools (or `[]`), `tool_choice` "none" (or
-    "auto"/"required" beside `tools: []`), `response_format` text, `modalities` ["text"]."""
+    "auto"/"required" beside `tools: []`), `modalities` ["text"]. (`response_format`: constraints.py.)"""
     for name in ("tools", "functions"):
         if getattr(body, name, None):
             raise ServingError(f"{name} is not supported: this server calls no tools (the model's output comes back "
@@ -53,10 +53,6 @@ def refuse_unsupported(body) -> None:
     for name in ("audio", "web_search_options", "verbosity"):
         if getattr(body, name, None) is not None:
             raise ServingError(f"{name} is not supported by this server; leave it out", name)
-    kind = (getattr(body, "response_format", None) or {"type": "text"}).get("type")
-    if kind != "text":
-        raise ServingError(f"response_format {kind!r} is not supported: this server does not constrain its output; "
-                           "leave it out or send type 'text'", "response_format")
 
 
 def _template_options(body, messages: list[dict]) -> dict:

@@ -28,6 +28,8 @@ from transformers import (
 
 from .. import scoring
 from ..inputs import argmax, pad_right, start_copy_to_host, to_device
+from . import constraints
+from .constraints import Constraint
 from .text import TextStream
 
 Ids = list[int]
@@ -288,12 +290,13 @@ class Sampling:
     stop_ids: tuple[int, ...] = ()  # vLLM's stop_token_ids: tokens that end the row, shown as text is
     include_stop: bool = False  # vLLM's include_stop_str_in_output
     skip_special: bool = True  # vLLM's skip_special_tokens
+    constraint: Constraint | None = None  # structured output: the grammar its tokens keep to (constraints.py)
 
     @property
     def alters_logits(self) -> bool:
         """Whether the row's logits change before it chooses (a bias, a penalty, a mask: `Row.process`)."""
         return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0
-                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.constraint is not None)
 
     @property
     def processed(self) -> bool:
@@ -383,6 +386,7 @@ class Row:
     copy: int = 0  # which of the request's `n` choices of its prompt: a seeded row draws with seed + copy
     sent: int = 0  # tokens a stream has carried
     processors: list | None = None  # transformers' processors of its sampling, made at its first choice
+    matcher: object = None  # its grammar's matcher (structured output), made at its first choice
 
     @property
     def feeding(self) -> bool:
@@ -428,6 +432,10 @@ class Row:
             # and by presence once (transformers has no processor of these).
             counts = torch.bincount(torch.tensor(self.tokens, device=logits.device), minlength=logits.shape[-1])
             logits = logits - (sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0))[None]
+        if sampling.constraint is not None:  # last: the grammar's mask, over what the rest made of the logits
+            if self.matcher is None:
+                self.matcher = sampling.constraint.new_matcher()
+            logits = constraints.mask(self.matcher, logits)
         return logits
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
@@ -452,6 +460,10 @@ class Row:
             self.logprobs.append(logprob)
             self.top.append(top)
         self.job.emit(self, self.text.add(token))
+        if self.matcher is not None and not self.finished:  # the grammar complete (or failed): the row ends
+            self.matcher.consume_token(token)
+            if self.matcher.is_stopped() or self.matcher.is_error():
+                self.job.emit(self, self.text.complete())
         if not self.finished and len(self.tokens) >= self.sampling.max_tokens:
             self.job.emit(self, self.text.end())
 

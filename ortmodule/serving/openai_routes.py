@@ -22,6 +22,7 @@ from fastapi.responses import StreamingResponse
 
 from ..inputs import outside_vocabulary, vocabulary_message
 from .chat_prompts import chat_prompt, refuse_unsupported
+from .constraints import constraint_of
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
 from .schemas import ChatRequest, CompletionRequest
@@ -45,13 +46,11 @@ UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (No
                       # documents and reasoning effort, echo of the last message, the image processor's options
                       "chat_template": (None,), "documents": (None,), "reasoning_effort": (None,),
                       "echo": (None, False), "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
-                      "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
-                      "guided_choice": (None,), "guided_grammar": (None,), "regex": (None,), "json_schema": (None,),
                       "ebnf": (None,),
-                      # vLLM's structured output on completions (chat declares it: chat_prompts), SGLang's and
-                      # vLLM's structural tags, SGLang's stop regexes, LoRA adapter, hidden states, logit processor
-                      # and its name for include_stop_str_in_output (which this server takes)
-                      "response_format": (None, {"type": "text"}), "structural_tag": (None,), "stop_regex": (None, []),
+                      # SGLang's and vLLM's structural tags (structured output's other forms: constraints.py),
+                      # SGLang's stop regexes, LoRA adapter, hidden states, logit processor and its name for
+                      # include_stop_str_in_output (which this server takes)
+                      "structural_tag": (None,), "stop_regex": (None, []),
                       "lora_path": (None,), "return_hidden_states": (None, False), "custom_logit_processor": (None,),
                       "no_stop_trim": (None, False)}
 
@@ -126,7 +125,8 @@ def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, sto
                         max(0, given("top_k", 0)), float(given("min_p", 0.0)), float(given("repetition_penalty", 1.0)),
                         logit_bias_of(served, body), body.min_tokens, body.ignore_eos,
                         float(body.presence_penalty), float(body.frequency_penalty),
-                        stop_ids_of(served, body), body.include_stop_str_in_output, body.skip_special_tokens)
+                        stop_ids_of(served, body), body.include_stop_str_in_output, body.skip_special_tokens,
+                        constraint_of(served, body))
     if body.min_tokens > max_tokens:
         raise ServingError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
     if body.min_tokens and stop:

@@ -65,7 +65,14 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
                        temperature=body.temperature, top_p=body.top_p, logprobs=logprobs,
                        top_logprobs=(body.top_logprobs or 0) if logprobs else None, stream=body.stream,
                        tools=body.tools, tool_choice=body.tool_choice,
-                       response_format=(body.text or {}).get("format"))
+                       response_format=_response_format((body.text or {}).get("format")))
+
+
+def _response_format(form):
+    """The Responses API's `text.format` as chat's `response_format`: its JSON schema's fields are flat there."""
+    if isinstance(form, dict) and form.get("type") == "json_schema" and "json_schema" not in form:
+        return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
+    return form
 
 
 def _message(item, where: str) -> ChatMessage:

@@ -244,9 +244,10 @@ class DetokenizeRequest(BaseModel):
 
 
 class SGLangSamplingParams(BaseModel):
-    """SGLang's `sampling_params` of `/generate` (as of SGLang 0.5.23), with its defaults; its constrained
-    decoding (`regex`, `json_schema`, `ebnf`, `structural_tag`) and `custom_params` are refused unless
-    neutral (generate_routes.py); a field it does not know is a 400, as SGLang's `SamplingParams(**...)`."""
+    """SGLang's `sampling_params` of `/generate` (as of SGLang 0.5.23), with its defaults; of its constrained
+    decoding `regex` and `json_schema` are carried out (serving/constraints.py), `ebnf` and `structural_tag` (and
+    `custom_params`) refused unless neutral (generate_routes.py); a field it does not know is a 400, as SGLang's
+    `SamplingParams(**...)`."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 

@@ -61,12 +61,16 @@ class TextStream:
         safe = len(self.text) - self.hold if self.stop else len(self.text)
         return self._release(safe)
 
-    def end(self) -> str:
-        """The row ended by length: everything not yet sent (an incomplete character included)."""
+    def end(self, reason: str = "length") -> str:
+        """The row ended by length (or by `reason`): everything not yet sent (an incomplete character included)."""
         if self.finish_reason is None:
-            self.finish_reason = "length"
+            self.finish_reason = reason
             self._flush()
         return self._release(len(self.text))
+
+    def complete(self) -> str:
+        """The row ended where its grammar is complete (structured output): a "stop", as at an end token."""
+        return self.end("stop")
 
     def _flush(self) -> None:
         """The row ends (by length or end-of-sequence): the tokens held back for an incomplete

@@ -1,0 +1,148 @@
+"""Structured output: a row's tokens kept within a grammar, as vLLM's and SGLang's structured outputs keep
+them, with llguidance (the `serve` extra installs it): at each step the tokens the grammar cannot take next
+are masked before the choice (greedy or sampled), and the row ends where the grammar is complete.
+
+The forms a completions, chat or responses request takes (one a request):
+- OpenAI's `response_format`: `{"type": "json_object"}` (any JSON object), `{"type": "json_schema",
+  "json_schema": {"schema": {...}}}` (the Responses API's `text.format`, flattened, is turned into this);
+  `{"type": "text"}` is none.
+- vLLM's `structured_outputs`: one of `json` (a schema, or its JSON text), `regex`, `choice` (a list of
+  strings: the output is one of them), `grammar` (a Lark grammar, llguidance's dialect), `json_object`
+  true; and its older fields `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+- SGLang's `regex` and `json_schema` (the schema's JSON text).
+A form that does not compile (a bad regex, schema or grammar) is a 400 naming its field, with
+llguidance's reason; so is a form this server does not carry out (a structural tag, an EBNF grammar).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ServingError
+
+# The fields that ask for structured output, and the values that ask for none.
+FORMS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+         "regex", "json_schema")
+NONE = (None, {}, {"type": "text"})
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's grammar (llguidance's form), compiled once when the request is checked; each row matches
+    its tokens with a copy of the compiled matcher."""
+
+    grammar: str
+    matcher: object = field(compare=False, hash=False, repr=False)
+
+    def new_matcher(self):
+        return self.matcher.deep_copy()
+
+
+def constraint_of(served, body) -> Constraint | None:
+    """The structured output a request asks for (module docstring), compiled against the served tokenizer;
+    None where it asks for none."""
+    extra = getattr(body, "model_extra", None) or {}
+    values = [(name, getattr(body, name, None) if name in type(body).model_fields else extra.get(name))
+              for name in FORMS]
+    given = [(name, value) for name, value in values
+             if not any(value == none and type(value) is type(none) for none in NONE)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ServingError(f"{given[0][0]} and {given[1][0]} both ask for structured output: send one", given[1][0])
+    name, value = given[0]
+    grammar = _grammar(name, value)
+    try:
+        from llguidance import LLMatcher
+    except ImportError:
+        raise ServingError(f"{name}: structured output needs the llguidance package, which this server's "
+                           "environment lacks (pip install 'ortmodule[serve]')", name, 501) from None
+    matcher = LLMatcher(grammar_tokenizer(served), grammar, log_level=0)
+    if matcher.is_error():
+        raise ServingError(f"{name}: {matcher.get_error()}", name)
+    return Constraint(grammar, matcher)
+
+
+def _grammar(name: str, value) -> str:
+    """llguidance's grammar for a form (module docstring), or the 400 that names what is wrong with it."""
+    from llguidance import LLMatcher
+
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            return _schema(name, {"type": "object"})
+        if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+            return _schema(name, value["json_schema"].get("schema", {"type": "object"}))
+        raise ServingError(f"response_format {value!r} is not supported: send type 'text', 'json_object' or "
+                           "'json_schema' with a json_schema object", name)
+    if name == "structured_outputs":
+        if not isinstance(value, dict):
+            raise ServingError("structured_outputs must be an object", name)
+        asked = {k: v for k, v in value.items() if v not in (None, False)}
+        kinds = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                 "grammar": "guided_grammar", "json_object": None}
+        if len(asked) != 1 or next(iter(asked)) not in kinds:
+            raise ServingError(f"structured_outputs takes one of {', '.join(kinds)}; got {sorted(asked) or 'none'}",
+                               name)
+        (kind, inner), = asked.items()
+        return _schema(name, {"type": "object"}) if kind == "json_object" else _grammar(kinds[kind], inner)
+    if name in ("guided_json", "json_schema"):
+        return _schema(name, value)
+    if name in ("guided_regex", "regex") and isinstance(value, str):
+        return LLMatcher.grammar_from_regex(value)
+    if name == "guided_choice" and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return LLMatcher.grammar_from_regex("|".join(f"({_literal(v)})" for v in value))
+    if name == "guided_grammar" and isinstance(value, str):
+        return LLMatcher.grammar_from_lark(value)
+    raise ServingError(f"{name} must be " + {"guided_choice": "a non-empty list of strings"}.get(name, "a string"),
+                       name)
+
+
+def _schema(name: str, schema) -> str:
+    from llguidance import LLMatcher
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ServingError(f"{name}: the schema is not JSON ({e})", name) from None
+    if not isinstance(schema, dict):
+        raise ServingError(f"{name}: a JSON schema is an object, got {type(schema).__name__}", name)
+    try:
+        return LLMatcher.grammar_from_json_schema(schema)
+    except ValueError as e:
+        raise ServingError(f"{name}: {e}", name) from None
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex that matches it alone: every character but letters and digits escaped by its code."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def grammar_tokenizer(served):
+    """llguidance's view of the served tokenizer (about a second to build for a 50,000-token vocabulary):
+    built at the first request that asks for structured output, then kept."""
+    with _LOCK:
+        built = getattr(served, "_grammar_tokenizer", None)
+        if built is None:
+            import llguidance.hf
+
+            built = llguidance.hf.from_tokenizer(served.tokenizer, n_vocab=served.vocab)
+            served._grammar_tokenizer = built
+        return built
+
+
+def mask(matcher, logits: torch.Tensor) -> torch.Tensor:
+    """`[1, V]` logits with the tokens the grammar cannot take next at -inf (unchanged where it takes none:
+    a matcher in error, whose row then ends)."""
+    bias = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)
+    allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    allowed[: min(len(bias), len(allowed))] = bias[: len(allowed)] > 0
+    if not allowed.any():
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device)[None], float("-inf"))

@@ -1,0 +1,161 @@
+"""Structured output on the server (serving/constraints.py): each form a request takes, against transformers'
+greedy `generate` on the same weights under the same grammar (a logits processor written here on llguidance's
+own matcher), through the chat, completions and responses routes, streamed and sampled; and the refusals."""
+
+import json
+import re
+
+import httpx
+import pytest
+import torch
+from helpers import OPENAI_NAME as NAME
+from helpers import expected_text
+
+llguidance = pytest.importorskip("llguidance")
+from llguidance import LLMatcher  # noqa: E402
+from transformers import LogitsProcessor, StoppingCriteria  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"pick": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+          "required": ["pick", "n"], "additionalProperties": False}
+REGEX = "[0-9]{3}-[a-z]{2}"
+
+
+class Grammar(LogitsProcessor):
+    """transformers' `generate` kept to a grammar: the tokens llguidance's matcher cannot take next masked
+    (`GrammarStop` ends the generation where it is complete)."""
+
+    def __init__(self, tokenizer, grammar: str, prompt: int):
+        import llguidance.hf
+
+        self.matcher = LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=512), grammar)
+        self.prompt, self.seen = prompt, 0
+
+    def catch_up(self, input_ids):
+        for token in input_ids[0, self.prompt + self.seen:].tolist():
+            self.matcher.consume_token(token)
+            self.seen += 1
+
+    def __call__(self, input_ids, scores):
+        self.catch_up(input_ids)
+        allowed = torch.tensor(list(self.matcher.compute_logit_bias())) > 0
+        return scores.masked_fill(~allowed[None], float("-inf"))
+
+
+class GrammarStop(StoppingCriteria):
+    def __init__(self, grammar: Grammar):
+        self.grammar = grammar
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.grammar.catch_up(input_ids)
+        return torch.tensor([self.grammar.matcher.is_stopped()])
+
+
+def reference(hf, tokenizer, ids: list[int], grammar: str, new: int) -> str:
+    """transformers' greedy text after `ids` under `grammar` (the end token left out)."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    kept = Grammar(tokenizer, grammar, len(ids))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=2,
+                          logits_processor=LogitsProcessorList([kept]),
+                          stopping_criteria=StoppingCriteriaList([GrammarStop(kept)]))
+    tokens = out[0, len(ids):].tolist()
+    return expected_text(tokenizer, [t for t in tokens if t != 1])[0]
+
+
+FORMS = [
+    ("regex", {"structured_outputs": {"regex": REGEX}}, LLMatcher.grammar_from_regex(REGEX)),
+    ("guided_regex", {"guided_regex": REGEX}, LLMatcher.grammar_from_regex(REGEX)),
+    ("sglang_regex", {"regex": REGEX}, LLMatcher.grammar_from_regex(REGEX)),
+    ("choice", {"structured_outputs": {"choice": ["red fox", "blue?"]}}, LLMatcher.grammar_from_regex(
+        r"(red\x{20}fox)|(blue\x{3f})")),
+    ("guided_choice", {"guided_choice": ["yes", "no"]}, LLMatcher.grammar_from_regex("(yes)|(no)")),
+    ("grammar", {"structured_outputs": {"grammar": 'start: "A" x\nx: "B" | "C" x'}},
+     LLMatcher.grammar_from_lark('start: "A" x\nx: "B" | "C" x')),
+    ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}},
+     LLMatcher.grammar_from_json_schema(SCHEMA)),
+    ("guided_json", {"guided_json": json.dumps(SCHEMA)}, LLMatcher.grammar_from_json_schema(SCHEMA)),
+    ("json_object", {"response_format": {"type": "json_object"}},
+     LLMatcher.grammar_from_json_schema({"type": "object"})),
+]
+
+
+@pytest.mark.parametrize(("name", "fields", "grammar"), FORMS, ids=[f[0] for f in FORMS])
+def test_each_form_gives_transformers_greedy_text_under_the_grammar(openai_live, name, fields, grammar):
+    """Chat and completions: the text is transformers' greedy generation under the same grammar, ended where
+    the grammar is complete ("stop") or by the length."""
+    live, _, hf, tokenizer, _ = openai_live
+    messages = [{"role": "user", "content": "Answer, please."}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    expected = reference(hf, tokenizer, ids, grammar, 40)
+    chat = httpx.post(f"{live.url}/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 40,
+                                                              "temperature": 0, **fields}).json()
+    assert chat["choices"][0]["message"]["content"] == expected, chat
+    if name in ("regex", "choice", "grammar"):
+        assert chat["choices"][0]["finish_reason"] == "stop"
+    prompt = "The quick brown fox"
+    expected = reference(hf, tokenizer, tokenizer(prompt).input_ids, grammar, 40)
+    done = httpx.post(f"{live.url}/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 40,
+                                                         "temperature": 0, **fields}).json()
+    assert done["choices"][0]["text"] == expected, done
+
+
+def test_streams_samples_and_responses_keep_to_the_grammar(openai_live):
+    """A stream's deltas make the same text; sampled choices (`n` 4, a seed) each match the regex; the
+    Responses API's `text.format` (its schema's fields flat) gives chat's answer."""
+    live, _, hf, tokenizer, _ = openai_live
+    messages = [{"role": "user", "content": "Answer, please."}]
+    body = {"model": NAME, "messages": messages, "max_tokens": 40, "temperature": 0,
+            "structured_outputs": {"regex": REGEX}}
+    whole = httpx.post(f"{live.url}/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    text = ""
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={**body, "stream": True}) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+    assert text == whole and re.fullmatch(REGEX, whole)
+    sampled = httpx.post(f"{live.url}/v1/chat/completions", json={**body, "temperature": 1.0, "seed": 7, "n": 4})
+    assert all(re.fullmatch(REGEX, c["message"]["content"]) for c in sampled.json()["choices"])
+    chat = httpx.post(f"{live.url}/v1/chat/completions", json={
+        "model": NAME, "messages": messages, "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}).json()
+    answer = httpx.post(f"{live.url}/v1/responses", json={
+        "model": NAME, "input": "Answer, please.", "max_output_tokens": 40, "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "p", "schema": SCHEMA, "strict": True}}}).json()
+    assert answer["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"guided_regex": "["}, "guided_regex", "unclosed character class"),
+    ({"guided_json": "{not json"}, "guided_json", "not JSON"),
+    ({"guided_json": [1]}, "guided_json", "a JSON schema is an object"),
+    ({"guided_choice": []}, "guided_choice", "a non-empty list of strings"),
+    ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs", "takes one of"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "takes one of"),
+    ({"guided_json": SCHEMA, "regex": "a"}, "regex", "both ask for structured output"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "is not supported"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs", "start"),
+    ({"ebnf": 'root ::= "a"'}, "ebnf", "not supported"),
+])
+def test_forms_that_cannot_be_carried_out_are_refused_naming_their_field(openai_live, fields, param, words):
+    live = openai_live[0]
+    answer = httpx.post(f"{live.url}/v1/chat/completions", json={
+        "model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **fields})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_sglangs_generate_keeps_to_its_regex_and_json_schema(openai_live):
+    """SGLang's `/generate` with `sampling_params.regex` or `json_schema` (the schema's text): the completions
+    route's answer under the same grammar, transformers' greedy text; a bad one named by SGLang's field."""
+    live, _, hf, tokenizer, _ = openai_live
+    prompt = "The quick brown fox"
+    ids = tokenizer(prompt).input_ids
+    for name, value, grammar in (("regex", REGEX, LLMatcher.grammar_from_regex(REGEX)),
+                                 ("json_schema", json.dumps(SCHEMA), LLMatcher.grammar_from_json_schema(SCHEMA))):
+        answer = httpx.post(f"{live.url}/generate", json={
+            "text": prompt, "sampling_params": {"max_new_tokens": 40, "temperature": 0, name: value}}).json()
+        assert answer["text"] == reference(hf, tokenizer, ids, grammar, 40), answer
+    bad = httpx.post(f"{live.url}/generate", json={"text": prompt, "sampling_params": {"regex": "("}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.regex", bad.text
