@@ -136,6 +136,7 @@ def test_streams_samples_and_responses_keep_to_the_grammar(openai_live):
     ({"response_format": {"type": "structural_tag"}}, "response_format", "is not supported"),
     ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs", "start"),
     ({"ebnf": 'root ::= "a"'}, "ebnf", "not supported"),
+    ({"guided_choice": ["a"], "min_tokens": 3}, "min_tokens", "min_tokens with structured output"),
 ])
 def test_forms_that_cannot_be_carried_out_are_refused_naming_their_field(openai_live, fields, param, words):
     live = openai_live[0]

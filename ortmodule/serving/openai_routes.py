@@ -131,6 +131,8 @@ def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, sto
         raise ServingError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
     if body.min_tokens and stop:
         raise ServingError("min_tokens with stop strings is not supported: send one or the other", "min_tokens")
+    if body.min_tokens and sampling.constraint is not None:  # a grammar complete before it would leave no token
+        raise ServingError("min_tokens with structured output is not supported: send one or the other", "min_tokens")
     if not sampling.greedy and body.seed is not None:
         sampling = dataclasses.replace(sampling, seed=body.seed)
     return sampling
