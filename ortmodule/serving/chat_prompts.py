@@ -30,7 +30,7 @@ TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_te
 
 
 def refuse_unsupported(body) -> None:
-    """OpenAI's tool calling and structured output, which this server does not carry out: a client
+    """OpenAI's tool calling, which this server does not carry out: a client
     asking for them would get plain text as if they had been applied; the same for OpenAI's audio output,
     web search and `verbosity`. Neutral values pass: no tools (or `[]`), `tool_choice` "none" (or
     "auto"/"required" beside `tools: []`), `modalities` ["text"]. (`response_format`: constraints.py.)"""

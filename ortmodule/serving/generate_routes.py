@@ -80,7 +80,8 @@ def generate_job(served: Served, body: GenerateRequest, loop):
     for name, neutral in SAMPLING_NEUTRAL.items():
         if getattr(params, name) not in (neutral, None, [], {}):  # the frontend language sends `stop_regex: []`
             raise ServingError(f"sampling_params.{name} is not supported by this server (its output is not "
-                               "constrained); leave it out", f"sampling_params.{name}")
+                               "constrained that way: regex and json_schema are); leave it out",
+                               f"sampling_params.{name}")
     if params.top_k == 0:
         raise ServingError("top_k must be -1 (disable), or at least 1", "sampling_params.top_k")
     logprobs = bool(_per_prompt(body.return_logprob, count, "return_logprob", False))

@@ -4,8 +4,8 @@
 A completion is a `Generation` job: each prompt a row of the engine's decode batch. lm-eval's
 loglikelihood request (token ids, echo, logprobs, at most one greedy token) is a `PromptJob`:
 prompts' log-probabilities from one batched prefill, the greedy token read from it. A chat
-request's prompt is chat_prompts.py's. Fields that would change the answer and that this server
-does not carry out (`best_of`, `suffix`, tools, structured output, vLLM's and SGLang's
+request's prompt is chat_prompts.py's; structured output, constraints.py's. Fields that would change the
+answer and that this server does not carry out (`best_of`, `suffix`, tools, vLLM's and SGLang's
 `UNSUPPORTED_EXTRAS`) are refused unless neutral; unknown fields are ignored, as OpenAI-compatible
 servers do.
 """
