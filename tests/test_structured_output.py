@@ -160,3 +160,35 @@ def test_sglangs_generate_keeps_to_its_regex_and_json_schema(openai_live):
         assert answer["text"] == reference(hf, tokenizer, ids, grammar, 40), answer
     bad = httpx.post(f"{live.url}/generate", json={"text": prompt, "sampling_params": {"regex": "("}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.regex", bad.text
+
+
+def test_rows_with_and_without_grammars_run_together_each_as_alone(build):
+    """Concurrent completions, some kept to a grammar and some not, in one decode batch (two rows at a time,
+    joining as others end): each answer is transformers' greedy text under its own grammar, or none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import LiveServer, hf_greedy, load_pair
+
+    from ortmodule import load_tokenizer
+    from ortmodule.serving import create_app
+
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    forms = [(fields, grammar) for _, fields, grammar in FORMS[::2]] + [({}, None)] * 3
+    prompts = [f"The quick brown fox {i}" for i in range(len(forms))]
+    live = LiveServer(create_app(model, tokenizer, name=NAME, max_rows=2, window_ms=20))
+    try:
+        def send(prompt: str, fields: dict) -> dict:
+            return httpx.post(f"{live.url}/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 24,
+                                                                  "temperature": 0, **fields}, timeout=120).json()
+
+        with ThreadPoolExecutor(len(forms)) as pool:
+            answers = list(pool.map(send, prompts, [fields for fields, _ in forms]))
+    finally:
+        live.stop()
+    for prompt, (fields, grammar), answer in zip(prompts, forms, answers, strict=True):
+        ids = tokenizer(prompt).input_ids
+        expected = reference(hf, tokenizer, ids, grammar, 24) if grammar else \
+            expected_text(tokenizer, hf_greedy(hf, ids, 24))[0]
+        assert answer["choices"][0]["text"] == expected, (fields, answer)
