@@ -312,6 +312,43 @@ def hf_greedy(hf, ids: list[int], new: int, **options) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def grammar_greedy(hf, tokenizer, ids: list[int], grammar: str, new: int) -> tuple[list[int], bool]:
+    """transformers' greedy tokens after `ids` kept to an llguidance `grammar` (a logits processor written here on
+    llguidance's own matcher: the tokens it cannot take next masked; generation stopped where it is complete, or
+    at the end token), and whether the grammar was complete."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+    matcher = LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=hf.config.vocab_size), grammar)
+    seen = []
+
+    def catch_up(input_ids):
+        for token in input_ids[0, len(ids) + len(seen):].tolist():
+            matcher.consume_token(token)
+            seen.append(token)
+
+    class Mask(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            catch_up(input_ids)
+            allowed = torch.tensor(list(matcher.compute_logit_bias())) > 0
+            return scores.masked_fill(~allowed[None], float("-inf"))
+
+    class Complete(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            catch_up(input_ids)
+            return torch.tensor([matcher.is_stopped()])
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=new, do_sample=False, pad_token_id=0,
+                          logits_processor=LogitsProcessorList([Mask()]),
+                          stopping_criteria=StoppingCriteriaList([Complete()]))
+    tokens = out[0, len(ids):].tolist()
+    catch_up(out)
+    return tokens, matcher.is_stopped()
+
+
 def expected_text(tokenizer, tokens: list[int], stop=()) -> tuple[str, str]:
     """What a completion of these greedy tokens reads: cut at end-of-sequence, then before a stop."""
     eos = tokenizer.eos_token_id

@@ -7,60 +7,20 @@ import re
 
 import httpx
 import pytest
-import torch
 from helpers import OPENAI_NAME as NAME
-from helpers import expected_text
+from helpers import expected_text, grammar_greedy
 
 llguidance = pytest.importorskip("llguidance")
 from llguidance import LLMatcher  # noqa: E402
-from transformers import LogitsProcessor, StoppingCriteria  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"pick": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
           "required": ["pick", "n"], "additionalProperties": False}
 REGEX = "[0-9]{3}-[a-z]{2}"
 
 
-class Grammar(LogitsProcessor):
-    """transformers' `generate` kept to a grammar: the tokens llguidance's matcher cannot take next masked
-    (`GrammarStop` ends the generation where it is complete)."""
-
-    def __init__(self, tokenizer, grammar: str, prompt: int):
-        import llguidance.hf
-
-        self.matcher = LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=512), grammar)
-        self.prompt, self.seen = prompt, 0
-
-    def catch_up(self, input_ids):
-        for token in input_ids[0, self.prompt + self.seen:].tolist():
-            self.matcher.consume_token(token)
-            self.seen += 1
-
-    def __call__(self, input_ids, scores):
-        self.catch_up(input_ids)
-        allowed = torch.tensor(list(self.matcher.compute_logit_bias())) > 0
-        return scores.masked_fill(~allowed[None], float("-inf"))
-
-
-class GrammarStop(StoppingCriteria):
-    def __init__(self, grammar: Grammar):
-        self.grammar = grammar
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.grammar.catch_up(input_ids)
-        return torch.tensor([self.grammar.matcher.is_stopped()])
-
-
 def reference(hf, tokenizer, ids: list[int], grammar: str, new: int) -> str:
     """transformers' greedy text after `ids` under `grammar` (the end token left out)."""
-    from transformers import LogitsProcessorList, StoppingCriteriaList
-
-    kept = Grammar(tokenizer, grammar, len(ids))
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=2,
-                          logits_processor=LogitsProcessorList([kept]),
-                          stopping_criteria=StoppingCriteriaList([GrammarStop(kept)]))
-    tokens = out[0, len(ids):].tolist()
-    return expected_text(tokenizer, [t for t in tokens if t != 1])[0]
+    return expected_text(tokenizer, grammar_greedy(hf, tokenizer, ids, grammar, new)[0])[0]
 
 
 FORMS = [
