@@ -2,7 +2,8 @@
 prefill chunks, join steps, prompt feeding, the prefix cache, the score token budget, query reuse)
 and a random mix of concurrent requests (greedy completions whose prompts share prefixes, repeat
 exactly or not at all, with log-probabilities and echo sometimes, vLLM's prompt log-probabilities and
-token ids, a repetition penalty, streamed or not; some of them as SGLang's /generate;
+token ids, a repetition penalty, a grammar (structured output), streamed or not; some of them as SGLang's
+/generate;
 SGLang's score requests, with a label list per item, a temperature, the labels' log-probabilities;
 vLLM's generative scoring), sent by several
 clients at random moments. Whatever runs together, every answer must be transformers' on the request
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from helpers import LiveServer, expected_text, fuzz_seeds, hf_greedy, load_pair
+from helpers import LiveServer, expected_text, fuzz_seeds, grammar_greedy, hf_greedy, load_pair
 
 from ortmodule import load_tokenizer
 from ortmodule.serving import create_app
@@ -29,6 +30,9 @@ NAME = "fuzz"
 # fixtures: their random weights generate media placeholder ids, after which transformers' logits
 # differ by design (docs/usage.md, "How multimodal packages run for text").
 ARCHES = ["llama", "llama", "llama", "qwen3", "gemma3", "lfm2"]
+# Structured output's grammars (regexes) a greedy completion may keep to: ended by the grammar, by the length, or
+# open-ended where the model may end it.
+GRAMMARS = ["[a-z ]{1,12}", "(yes|no|maybe)", "[0-9]+", "[A-Za-z]+( [a-z]+)*[.]"]
 
 
 def draw_settings(rng: random.Random) -> dict:
@@ -69,6 +73,10 @@ def draw_requests(rng: random.Random, vocab: int, context: int) -> list[tuple[st
                 body.update(stop=[rng.choice(["e", "an", " t", "s", "\u00e9"])])
             if rng.random() < 0.2:  # vLLM's, greedy rows too (an echo's one token chosen from its prefill)
                 body.update(repetition_penalty=rng.choice([1.3, 0.8]))
+            plain = not set(body) & {"stop", "repetition_penalty", "echo", "prompt_logprobs", "return_token_ids",
+                                     "sglang"}
+            if plain and not body["temperature"] and rng.random() < 0.5:  # structured output: a greedy row's grammar
+                body.update(guided_regex=rng.choice(GRAMMARS))
             requests.append(("completion", body))
         else:
             query = (rng.choice(prefixes) if rng.random() < 0.5 else []) + tokens(rng.randint(1, 10))
@@ -215,6 +223,16 @@ def test_engine_fuzz(build, seed, monkeypatch):
     for i, ((kind, body), answer) in enumerate(zip(requests, answers, strict=True)):
         if kind == "completion":
             penalty = {"repetition_penalty": body["repetition_penalty"]} if "repetition_penalty" in body else {}
+            if "guided_regex" in body:  # transformers' greedy generate under the same grammar, alone
+                from llguidance import LLMatcher
+
+                grammar = LLMatcher.grammar_from_regex(body["guided_regex"])
+                tokens, complete = grammar_greedy(hf, tokenizer, body["prompt"], grammar, body["max_tokens"])
+                text, reason = expected_text(tokenizer, tokens)
+                choice = answer["choices"][0]
+                reason = "stop" if complete else reason
+                assert (choice["text"], choice["finish_reason"]) == (text, reason), f"request {i}: {body}; {case}"
+                continue
             if body["temperature"]:  # as `model.generate` samples the prompt alone with that seed (docs/serving.md)
                 out = model.generate(torch.tensor([body["prompt"]]), max_new_tokens=body["max_tokens"], do_sample=True,
                                      temperature=body["temperature"], top_p=body["top_p"], top_k=0, **penalty,
