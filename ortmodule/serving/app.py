@@ -20,7 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from .. import scoring
-from . import generate_routes, openai_routes, responses_routes, score_routes, sglang_routes, tokenize_routes
+from . import (
+    generate_routes,
+    messages_routes,
+    openai_routes,
+    responses_routes,
+    score_routes,
+    sglang_routes,
+    tokenize_routes,
+)
 from .chat_prompts import chat_template_of
 from .engine import Engine
 from .errors import AsciiJSON, ServingError
@@ -66,6 +74,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     score_routes.add_routes(app, served)
     openai_routes.add_routes(app, served)
     responses_routes.add_routes(app, served)
+    messages_routes.add_routes(app, served)
     tokenize_routes.add_routes(app, served)
     generate_routes.add_routes(app, served)
     sglang_routes.add_routes(app, served)
@@ -138,9 +147,10 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
-        if self.key is not None and path != "/health" and not self._authorized(headers.get(b"authorization", b"")):
+        if self.key is not None and path != "/health" and not self._authorized(headers):
             return await self._refuse(send, path, ServingError("a valid API key is needed: send "
-                                                               "'Authorization: Bearer KEY'", status=401))
+                                                               "'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                                                               status=401))
         limit = self.settings.max_body_bytes
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -173,9 +183,12 @@ class Guard:
 
         await self.app(scope, replay, send)
 
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+    def _authorized(self, headers: dict) -> bool:
+        """OpenAI's `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY` (its SDK's)."""
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return True
+        return b"x-api-key" in headers and hmac.compare_digest(headers[b"x-api-key"].strip(), self.key)
 
     async def _refuse(self, send, path: str, error: ServingError):
         if error.status != 401:

@@ -1,8 +1,9 @@
 """The server's one error type, and its shape in each API.
 
 A refusal anywhere (a check, the queue, the model's work) is a `ServingError` with the HTTP status
-and the field at fault; the app writes it as OpenAI's `{"error": {...}}` on the OpenAI routes and
-as SGLang's `{"object": "error", "message", "code"}` elsewhere. Bodies are written with every
+and the field at fault; the app writes it as OpenAI's `{"error": {...}}` on the OpenAI routes, as
+Anthropic's `{"type": "error", "error": {...}}` on `/v1/messages`, and as SGLang's `{"object": "error",
+"message", "code"}` elsewhere. Bodies are written with every
 non-ASCII character escaped, so that no text a client sent (a lone surrogate included) can break
 the JSON of the answer.
 """
@@ -35,7 +36,15 @@ class ServingError(Exception):
     def sglang_body(self) -> dict:
         return {"object": "error", "message": str(self), "code": self.status}
 
+    def anthropic_body(self) -> dict:
+        """Anthropic's error shape (`/v1/messages`), its type by the status as Anthropic's API names them."""
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error"}.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": str(self)}}
+
     def body(self, path: str) -> dict:
+        if path.startswith("/v1/messages"):
+            return self.anthropic_body()
         return self.openai_body() if path.startswith(OPENAI_PATHS) else self.sglang_body()
 
     def response(self, path: str) -> JSONResponse:

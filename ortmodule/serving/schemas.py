@@ -218,6 +218,50 @@ class ResponsesRequest(BaseModel):
     truncation: Text | None = None
 
 
+class AnthropicBlock(BaseModel):
+    """A content block of Anthropic's Messages API: `text` (`text`), `image` (`source`: `{"type": "base64",
+    "media_type", "data"}` or `{"type": "url", "url"}`); others (tool use and results, documents, thinking) are
+    refused by messages_routes.py."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Text
+    text: Text | None = None
+    source: dict[str, Any] | None = None
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Text
+    content: Text | list[AnthropicBlock]
+
+
+class MessagesRequest(BaseModel):
+    """Anthropic's `POST /v1/messages` (as vLLM serves it): `messages`, `system`, `max_tokens` (required, as
+    Anthropic's API has it), `temperature`, `top_p`, `top_k` (which Anthropic's newer SDKs send in `extra_body`),
+    `stop_sequences`, `stream`, `metadata`, `output_config.format`; tools, extended thinking and an effort refused
+    unless neutral (messages_routes.py); other fields ignored. `count_tokens` takes the same without
+    `max_tokens`."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Text | None = None
+    messages: list[AnthropicMessage]
+    system: Text | list[AnthropicBlock] | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop_sequences: list[Text] | None = None
+    stream: StrictBool = False
+    metadata: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `format` (a JSON schema): structured output
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's `POST /tokenize`: a prompt, or chat messages rendered as `/v1/chat/completions` renders them."""
 
