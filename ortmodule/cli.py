@@ -5,7 +5,7 @@ no plugins, so the registration has to happen in the same process), and ortmodul
 found without `--include_path` (`resolve_tasks_as_ortmodule`).
 `ortmodule export SRC OUT`: a GenAI package from a Hugging Face folder or a GGUF file (ortmodule/exporter.py).
 `ortmodule serve PATH`: SGLang's `/v1/score`, vLLM's `/generative_scoring`, OpenAI's `/v1/completions`,
-`/v1/chat/completions` and `/v1/responses` (ortmodule/serving/).
+`/v1/chat/completions` and `/v1/responses`, Anthropic's `/v1/messages` (ortmodule/serving/).
 `ortmodule cache list|clear`: what ortmodule keeps in its cache folder, and clearing it (ortmodule/cache_folder.py).
 `ortmodule env`: the versions, devices and providers, for a bug report (ortmodule/environment.py).
 `ortmodule info PATH`: what a package is, read from its files (ortmodule/describe.py).
@@ -263,10 +263,11 @@ def _serve_flags(commands) -> None:
                        help="the model name reported and accepted (vLLM's --served-model-name; default: the package "
                             "folder's name; its path is never shown)")
     serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
-                       help="the chat template for chat and responses requests, in place of the package's (as vLLM's "
-                            "flag of that name: a file, or the template itself); its syntax checked at start")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes and "
-                                                       "/metrics (default: the ORTMODULE_API_KEY environment variable)")
+                       help="the chat template for chat, responses and messages requests, in place of the package's "
+                            "(as vLLM's flag of that name: a file, or the template itself); its syntax checked first")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1 routes and "
+                            "/metrics (default: the ORTMODULE_API_KEY environment variable)")
     serve.add_argument("--enable-fp32-lm-head", action="store_true",
                        help="compute a bf16 package's LM head in float32: logits not rounded to bf16, as SGLang's and "
                             "vLLM's flag of that name (docs/graph-rewrite.md)")
