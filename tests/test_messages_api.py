@@ -123,3 +123,26 @@ def test_anthropics_sdk_authenticates_with_its_own_header(build):
         assert client_of(live, "sesame").messages.create(**prompt, extra_body=GREEDY).usage.output_tokens == 2
     finally:
         live.stop()
+
+
+def test_lm_evals_anthropic_chat_backend_equals_its_chat_completions_backend(openai_live, monkeypatch):
+    """lm-eval's `anthropic-chat` backend (a generation task's requests as Anthropic messages, with the
+    `x-api-key` and `anthropic-version` headers) through the server answers as its `local-chat-completions`
+    backend does through `/v1/chat/completions` with the same stop strings (anthropic-chat leaves out the
+    task's whitespace-only stop "\\n", so the chat run is given the rest as its `until`)."""
+    import lm_eval
+
+    from ortmodule import tasks
+
+    live = openai_live[0]
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "not-needed")
+    names = ["ortmodule_arithmetic_gen"]
+    common = dict(tasks=names, task_manager=tasks.task_manager(names), log_samples=True, limit=12,
+                  apply_chat_template=True, verbosity="ERROR")
+    messages = lm_eval.simple_evaluate(model="anthropic-chat", model_args=f"base_url={live.url}/v1/messages,"
+                                       f"model={NAME},max_gen_toks=8", **common)
+    chat = lm_eval.simple_evaluate(model="local-chat-completions", model_args=f"base_url={live.url}/v1/chat/"
+                                   f"completions,model={NAME},max_gen_toks=8", gen_kwargs="until=.", **common)
+    got, expected = (sorted(run["samples"][names[0]], key=lambda s: s["doc_id"]) for run in (messages, chat))
+    assert len(got) == 12 and [s["resps"] for s in got] == [s["resps"] for s in expected]
+    assert messages["results"][names[0]]["exact_match,none"] == chat["results"][names[0]]["exact_match,none"]
