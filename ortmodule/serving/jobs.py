@@ -11,6 +11,7 @@ through the job's own future and queue, thread-safely.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -462,6 +463,9 @@ class Row:
         self.job.emit(self, self.text.add(token))
         if self.matcher is not None and not self.finished:  # the grammar complete (or failed): the row ends
             self.matcher.consume_token(token)
+            if self.matcher.is_error():
+                logging.getLogger("ortmodule.serving").warning("structured output: the grammar's matcher failed "
+                                                               "(the row ends there): %s", self.matcher.get_error())
             if self.matcher.is_stopped() or self.matcher.is_error():
                 self.job.emit(self, self.text.complete())
         if not self.finished and len(self.tokens) >= self.sampling.max_tokens:

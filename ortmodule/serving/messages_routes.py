@@ -34,8 +34,7 @@ def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
     """The chat request this request is, or a `ServingError` naming what cannot be carried out."""
     if body.tools:
         raise ServingError("tools is not supported: this server calls no tools; leave it out", "tools")
-    if (body.tool_choice or {}).get("type", "none") not in ("none", "auto") or \
-            (body.tool_choice or {}).get("type") == "auto" and body.tools:
+    if (body.tool_choice or {}).get("type", "none") not in ("none", "auto"):  # (with no tools, "auto" calls none)
         raise ServingError("tool_choice is not supported (this server calls no tools): leave it out", "tool_choice")
     if (body.thinking or {}).get("type", "disabled") != "disabled":
         raise ServingError("thinking is not supported: this server sets no thinking budget; leave it out", "thinking")
