@@ -128,13 +128,11 @@ def grammar_tokenizer(served):
     """llguidance's view of the served tokenizer (about a second to build for a 50,000-token vocabulary):
     built at the first request that asks for structured output, then kept."""
     with _LOCK:
-        built = getattr(served, "_grammar_tokenizer", None)
-        if built is None:
+        if served.grammar_view is None:
             import llguidance.hf
 
-            built = llguidance.hf.from_tokenizer(served.tokenizer, n_vocab=served.vocab)
-            served._grammar_tokenizer = built
-        return built
+            served.grammar_view = llguidance.hf.from_tokenizer(served.tokenizer, n_vocab=served.vocab)
+        return served.grammar_view
 
 
 def mask(matcher, logits: torch.Tensor) -> torch.Tensor:

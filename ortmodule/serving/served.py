@@ -32,6 +32,9 @@ class Served:
     name: str
     settings: Settings
     images: object = None  # serving/images.py's ChatImages, where the package takes images (`--processor`)
+    # llguidance's view of the tokenizer, for structured output: built at the first request asking for it
+    # (constraints.grammar_tokenizer).
+    grammar_view: object = field(default=None, init=False, repr=False)
     # Tokenizing and answer-building happen here, off the event loop and off the model's thread.
     tokenizing: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="ortmodule-tokenize"))
