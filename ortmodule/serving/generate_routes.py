@@ -13,13 +13,12 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
 from .openai_routes import MAX_LOGPROBS, completion_job, prompt_part
 from .schemas import CompletionRequest, GenerateRequest, SGLangSamplingParams
-from .served import Served, abandon, run, start
+from .served import Served, abandon, run_or_stream
 from .text import token_strings
 
 # SGLang's fields this server does not carry out: any value but a neutral one (absent, null, false, empty) is a 400.
@@ -297,7 +296,4 @@ def _event(served: Served, how: dict, job: Generation, index: int, text: str, to
 def add_routes(app: FastAPI, served: Served) -> None:
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
-        if body.stream:
-            job = await start(served, generate_job, body)
-            return StreamingResponse(_events(served, job), media_type="text/event-stream")
-        return await run(served, generate_job, body, request, respond)
+        return await run_or_stream(served, generate_job, body, request, respond, lambda job: _events(served, job))

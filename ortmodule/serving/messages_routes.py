@@ -18,14 +18,13 @@ from __future__ import annotations
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from .chat_prompts import chat_prompt
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
 from .openai_routes import chat_job
 from .schemas import ChatMessage, ChatRequest, ContentPart, ImageURL, MessagesRequest
-from .served import Served, abandon, answer_off_loop, run, start
+from .served import Served, abandon, answer_off_loop, run_or_stream
 
 RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
@@ -169,10 +168,7 @@ def count_tokens(served: Served, body: MessagesRequest, _loop=None) -> dict:
 def add_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        if body.stream:
-            job = await start(served, messages_job, body)
-            return StreamingResponse(events(served, job), media_type="text/event-stream")
-        return await run(served, messages_job, body, request, answered)
+        return await run_or_stream(served, messages_job, body, request, answered, lambda job: events(served, job))
 
     @app.post("/v1/messages/count_tokens")
     async def counted(body: MessagesRequest):

@@ -21,13 +21,12 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
 from .openai_routes import chat_job, chat_logprobs
 from .schemas import ChatMessage, ChatRequest, ContentPart, ImageURL, ResponsesRequest
-from .served import Served, abandon, run, start
+from .served import Served, abandon, run_or_stream
 
 LOGPROBS = "message.output_text.logprobs"
 # The request's fields that only a neutral value passes: (name, what passes, why not).
@@ -233,8 +232,6 @@ async def events(served: Served, body: ResponsesRequest, job: Generation):
 def add_routes(app: FastAPI, served: Served) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        if body.stream:
-            job = await start(served, responses_job, body)
-            return StreamingResponse(events(served, body, job), media_type="text/event-stream")
-        return await run(served, responses_job, body, request, answered)
+        return await run_or_stream(served, responses_job, body, request, answered,
+                                   lambda job: events(served, body, job))
 

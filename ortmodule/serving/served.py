@@ -162,6 +162,17 @@ async def run(served: Served, make_job, body, request: Request, respond) -> Asci
     return await loop.run_in_executor(served.tokenizing, lambda: AsciiJSON(respond(served, body, job, result)))
 
 
+async def run_or_stream(served: Served, make_job, body, request: Request, respond, stream):
+    """A generation's answer: with `body.stream`, server-sent events (`stream(job)`, an async generator of
+    them) as the job runs; else `run`'s JSON answer, built by `respond`."""
+    from fastapi.responses import StreamingResponse
+
+    if body.stream:
+        job = await start(served, make_job, body)
+        return StreamingResponse(stream(job), media_type="text/event-stream")
+    return await run(served, make_job, body, request, respond)
+
+
 async def answer_off_loop(served: Served, work, body) -> AsciiJSON:
     """A request the tokenizer alone answers (vLLM's `/tokenize`, `/detokenize`): admitted as every
     request is (503 when too many wait), `work(served, body)` run on a tokenizing thread (a refusal
