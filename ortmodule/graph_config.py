@@ -290,11 +290,11 @@ def _rope_parameters(default, layers: dict[int, tuple[float, float] | None], lay
     groups = rope.items() if by_kind else [(None, rope)]
     told = False
     for kind, params in groups:
-        found = {found for layer, found in layers.items() if kind is None or
-                 (layer < len(layer_types) and layer_types[layer] == kind)}
-        if len(found) != 1 or None in found or params.get("rope_type", "default") != "default":
+        turned = {rotary for layer, rotary in layers.items() if kind is None or
+                  (layer < len(layer_types) and layer_types[layer] == kind)}
+        if len(turned) != 1 or None in turned or params.get("rope_type", "default") != "default":
             continue
-        (base, share), = found
+        (base, share), = turned
         params["rope_theta"] = float(base)
         if abs(share - 1) > 1e-6 or "partial_rotary_factor" in params:
             params["partial_rotary_factor"] = share

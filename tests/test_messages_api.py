@@ -88,6 +88,9 @@ def test_a_stream_and_a_structured_reply(openai_live):
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "4"}]}]},
      "invalid_request_error", "'tool_result' block"),
     ({"messages": [{"role": "system", "content": "x"}]}, "invalid_request_error", "goes in `system`"),
+    ({"system": "Be brief.", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}]}]},
+     "invalid_request_error", "messages[1].content: this server takes no images"),  # counted past the system
     ({"max_tokens": None}, "invalid_request_error", "max_tokens is required"),
     ({"max_tokens": 10**6}, "invalid_request_error", "max_tokens 1000000"),
     ({"model": "claude-x"}, "not_found_error", "does not exist"),

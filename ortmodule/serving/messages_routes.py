@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from .chat_prompts import chat_prompt
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
-from .openai_routes import chat_job
+from .openai_routes import chat_job_as
 from .schemas import ChatMessage, ChatRequest, ContentPart, ImageURL, MessagesRequest
 from .served import Served, abandon, answer_off_loop, run_or_stream
 
@@ -96,15 +96,8 @@ def _part(block, where: str) -> ContentPart:
 
 def messages_job(served: Served, body: MessagesRequest, loop) -> Generation:
     """`chat_job` of the chat request this is, its refusals naming this API's fields."""
-    try:
-        return chat_job(served, chat_request(body), loop)
-    except ServingError as e:
-        if e.param not in RENAMED:
-            raise
-        message = str(e)
-        for old, new in RENAMED.items():
-            message = message.replace(old, new)
-        raise ServingError(message, RENAMED[e.param], e.status, e.code) from None
+    return chat_job_as(served, chat_request(body), loop, RENAMED, "messages",
+                       None if body.system is None else "system")
 
 
 def stop_of(row: Row) -> tuple[str, str | None]:

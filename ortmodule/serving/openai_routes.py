@@ -13,6 +13,7 @@ servers do.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import uuid
 
@@ -327,6 +328,33 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     sampling = sampling_of(served, body, max_tokens, top, stop)
     return Generation([prompt] * body.n, sampling, loop, served.tokenizer, served.engine.eos, body.stream,
                       body.prompt_logprobs, media=media, copies=body.n, prompt_ranks=body.prompt_logprobs is not None)
+
+
+def chat_job_as(served: Served, chat: ChatRequest, loop, names: dict[str, str], items: str,
+                lead: str | None) -> Generation:
+    """`chat_job` of a chat request made from another API's request (the Responses API's, Anthropic's), its
+    refusals naming that API's fields: chat's field names as `names` maps them, `messages[i]` as `items[i]`,
+    counted past a first system message made of the field `lead` where the request has one (then `lead`
+    for that message)."""
+    try:
+        return chat_job(served, chat, loop)
+    except ServingError as e:
+        if e.param is None or not (e.param in names or e.param.startswith("messages")):
+            raise
+        shift = int(lead is not None)
+
+        def item(found: re.Match) -> str:
+            index = int(found.group(1)) - shift
+            return f"{items}[{index}]" if index >= 0 else lead
+
+        def renamed(text: str) -> str:
+            text = re.sub(r"\bmessages\[(\d+)\]", item, text)
+            text = re.sub(r"^messages\b", items, text)  # the field itself, where a refusal starts with it
+            for old, new in names.items():
+                text = re.sub(rf"\b{old}\b", new, text)
+            return text
+
+        raise ServingError(renamed(str(e)), renamed(e.param), e.status, e.code) from None
 
 
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:

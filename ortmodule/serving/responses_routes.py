@@ -16,7 +16,6 @@ other than text, `reasoning`, `truncation` "auto"; `store` is taken and answered
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 
@@ -24,7 +23,7 @@ from fastapi import FastAPI, Request
 
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
-from .openai_routes import chat_job, chat_logprobs
+from .openai_routes import chat_job_as, chat_logprobs
 from .schemas import ChatMessage, ChatRequest, ContentPart, ImageURL, ResponsesRequest
 from .served import Served, abandon, run_or_stream
 
@@ -39,8 +38,7 @@ NEUTRAL = (("previous_response_id", (None,), "this server keeps no responses: se
             "this server does not set a reasoning effort"),
            ("truncation", (None, "disabled"), "this server does not cut a prompt to fit: a prompt too long is refused"))
 # The chat request's field names in its errors, as this API names them.
-RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "messages": "input",
-           "response_format": "text"}
+RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text"}
 
 
 def chat_request(body: ResponsesRequest) -> ChatRequest:
@@ -100,29 +98,8 @@ def _message(item, where: str) -> ChatMessage:
 
 def responses_job(served: Served, body: ResponsesRequest, loop) -> Generation:
     """`chat_job` of the chat request this is, its refusals naming this API's fields."""
-    try:
-        return chat_job(served, chat_request(body), loop)
-    except ServingError as e:
-        if e.param is None or not (e.param in RENAMED or e.param.startswith("messages")):
-            raise
-        raise ServingError(_renamed(str(e), body), _renamed(e.param, body), e.status, e.code) from None
-
-
-def _renamed(text: str, body: ResponsesRequest) -> str:
-    """A chat refusal's field names as this API's: `messages[i]` as the input item it came from (the
-    instructions' system message comes first), `max_tokens` as `max_output_tokens` and the like."""
-    shift = 0 if body.instructions is None else 1
-
-    def item(found: re.Match) -> str:
-        index = int(found.group(1)) - shift
-        return f"input[{index}]" if index >= 0 else "instructions"
-
-    text = re.sub(r"\bmessages\[(\d+)\]", item, text)
-    text = re.sub(r"^messages\b", "input", text)  # the field itself, where a refusal starts with it
-    for old, new in RENAMED.items():
-        if old != "messages":
-            text = re.sub(rf"\b{old}\b", new, text)
-    return text
+    return chat_job_as(served, chat_request(body), loop, RENAMED, "input",
+                       None if body.instructions is None else "instructions")
 
 
 def response_object(served: Served, body: ResponsesRequest, job: Generation, names: tuple[str, str, int],
