@@ -19,7 +19,6 @@ import uuid
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from ..inputs import outside_vocabulary, vocabulary_message
 from .chat_prompts import chat_prompt, refuse_unsupported
@@ -27,7 +26,7 @@ from .constraints import constraint_of
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
 from .schemas import ChatRequest, CompletionRequest
-from .served import Served, abandon, run, start
+from .served import Served, abandon, run_or_stream
 from .text import token_strings
 
 MAX_LOGPROBS = 20
@@ -505,12 +504,9 @@ def model_card(served: Served) -> dict:
 
 def add_routes(app: FastAPI, served: Served) -> None:
     async def answer(make_job, body, request: Request, respond, kind: str):
-        if body.stream:
-            job = await start(served, make_job, body)
-            include = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_events(served, job, kind, include, body.n, bool(getattr(body, "echo", False)),
-                                             bool(body.return_token_ids)), media_type="text/event-stream")
-        return await run(served, make_job, body, request, respond)
+        include = bool((body.stream_options or {}).get("include_usage"))
+        return await run_or_stream(served, make_job, body, request, respond, lambda job: _events(
+            served, job, kind, include, body.n, bool(getattr(body, "echo", False)), bool(body.return_token_ids)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
