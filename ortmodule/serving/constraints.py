@@ -56,12 +56,12 @@ def constraint_of(served, body) -> Constraint | None:
     if len(given) > 1:
         raise ServingError(f"{given[0][0]} and {given[1][0]} both ask for structured output: send one", given[1][0])
     name, value = given[0]
-    grammar = _grammar(name, value)
     try:
         from llguidance import LLMatcher
     except ImportError:
         raise ServingError(f"{name}: structured output needs the llguidance package, which this server's "
                            "environment lacks (pip install 'ortmodule[serve]')", name, 501) from None
+    grammar = _grammar(name, value)
     matcher = LLMatcher(grammar_tokenizer(served), grammar, log_level=0)
     if matcher.is_error():
         raise ServingError(f"{name}: {matcher.get_error()}", name)
