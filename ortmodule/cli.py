@@ -291,6 +291,13 @@ def _serve_flags(commands) -> None:
                             "OpenAI's (temperature 1, top_p 1, no top-k or penalty); or a folder holding the "
                             "checkpoint's generation_config.json (default auto). A max_new_tokens there bounds chat "
                             "requests that leave max_tokens out")
+    serve.add_argument("--enable-auto-tool-choice", dest="enable_auto_tool_choice", action="store_true",
+                       help="let chat requests with tools leave the choice to the model (tool_choice auto, the default "
+                            "beside tools), its calls read by --tool-call-parser, as vLLM's flag of that name "
+                            "(docs/serving.md, Tool calling)")
+    serve.add_argument("--tool-call-parser", dest="tool_call_parser", default=None, choices=["hermes", "llama3_json"],
+                       help="how the model writes its calls: hermes (Hermes, Qwen2.5, Qwen3, SmolLM3: <tool_call>...)"
+                            " or llama3_json (Llama 3.1-3.3's JSON calls), as vLLM's parsers of those names")
     _settings_flags(serve)
 
 

@@ -675,7 +675,8 @@ def test_tokenize_detokenize_and_tokenizer_info_as_vllm(setup):
     for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
                               ("/tokenize", {}, "prompt"),
                               ("/tokenize", {"messages": messages, "add_special_tokens": True}, "add_special_tokens"),
-                              ("/tokenize", {"messages": messages, "tools": [{"type": "function"}]}, "tools"),
+                              ("/tokenize", {"messages": messages, "tools": [{"type": "function"}]},
+                               "tools[0].function"),
                               ("/tokenize", {"prompt": "x" * 200_000}, "prompt"),
                               ("/detokenize", {"tokens": [5, model.package.vocab_size]}, "tokens"),
                               ("/detokenize", {"tokens": [5, "6"]}, "tokens.1"),
@@ -820,11 +821,12 @@ BAD = [
                               "max_completion_tokens": 5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "x" * 60_000}] * 4}]}, 400, "messages"),  # parts together cannot fit
-    # Tool calling, which the server does not carry out (was taken silently); structured output of a form it does
-    # not take (its forms: tests/test_structured_output.py).
+    # Tool choices without tools, OpenAI's deprecated functions (tool calling: tests/test_tool_calling.py); structured
+    # output of a form it does not take (its forms: tests/test_structured_output.py).
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tool_choice"),  # auto: no parser
     *[("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], field: value}, 400,
-       field) for field, value in (("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-                                   ("tool_choice", "auto"), ("tool_choice", {"type": "function"}),
+       field) for field, value in (("tool_choice", "auto"), ("tool_choice", {"type": "function"}),
                                    ("functions", [{"name": "f"}]), ("function_call", "auto"),
                                    ("response_format", {"type": "structural_tag"}),
                                    ("chat_template_kwargs", {"tokenize": False}),

@@ -11,6 +11,7 @@ control tokens there (SGLang offers the split as an opt-in filter of the templat
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
@@ -30,21 +31,9 @@ TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_te
 
 
 def refuse_unsupported(body) -> None:
-    """OpenAI's tool calling, which this server does not carry out: a client
-    asking for them would get plain text as if they had been applied; the same for OpenAI's audio output,
-    web search and `verbosity`. Neutral values pass: no tools (or `[]`), `tool_choice` "none" (or
-    "auto"/"required" beside `tools: []`), `modalities` ["text"]. (`response_format`: constraints.py.)"""
-    for name in ("tools", "functions"):
-        if getattr(body, name, None):
-            raise ServingError(f"{name} is not supported: this server calls no tools (the model's output comes back "
-                               "as text); leave it out", name)
-    # An empty `tools` is an omitted one, and with nothing to call "auto" and "required" fall back to
-    # "none" (OpenAI's rule, vLLM's from 0.34); a named tool is still refused.
-    for name, listed in (("tool_choice", "tools"), ("function_call", "functions")):
-        nothing_to_call = ("none", "auto", "required") if getattr(body, listed, None) == [] else ("none",)
-        if getattr(body, name, None) not in (None, *nothing_to_call):
-            raise ServingError(f"{name} is not supported (this server calls no tools): leave it out or send 'none'",
-                               name)
+    """What a chat request may ask for that this server does not carry out: OpenAI's audio output, web search
+    and `verbosity` (a client asking for them would get plain text as if they had been applied). Neutral
+    values pass: `modalities` ["text"]. (`response_format`: constraints.py; tools: tools.py.)"""
     # OpenAI's output other than text (audio), its web search and its answer length (`verbosity`)
     modalities = getattr(body, "modalities", None)
     if modalities not in (None, ["text"]):
@@ -77,11 +66,12 @@ def _template_options(body, messages: list[dict]) -> dict:
     return {**extra, "add_generation_prompt": adding, "continue_final_message": continuing}
 
 
-def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = ()) -> tuple[list[int], object]:
+def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
+                tools: tuple[dict, ...] = ()) -> tuple[list[int], object]:
     """A chat request's prompt: its messages (`body.messages`) checked and rendered through the chat
-    template with the request's template options (`_template_options`), the images' tokens placed
-    where the package takes images; and the images (None without). `texts_beside`: the request's
-    other texts, whose sizes count with the messages'."""
+    template with the request's template options (`_template_options`) and `tools` (tools.py's, checked),
+    the images' tokens placed where the package takes images; and the images (None without).
+    `texts_beside`: the request's other texts, whose sizes count with the messages'."""
     if not body.messages:
         raise ServingError("messages is empty", "messages")
     served.need_tokenizer("/v1/chat/completions", "messages")
@@ -98,8 +88,12 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = ()) 
             content = _content_parts(served, content, f"messages[{i}].content", texts, pictures)
         else:
             texts.append((f"messages[{i}].content", content))
-        messages.append({"role": "system" if message.role == "developer" else message.role, "content": content})
+        messages.append({"role": "system" if message.role == "developer" else message.role, "content": content,
+                         **_tool_parts(message, f"messages[{i}]", texts)})
     options = _template_options(body, messages)
+    if tools:
+        options["tools"] = list(tools)
+        texts.append(("tools", json.dumps(list(tools))))
     served.check_texts(texts + list(texts_beside) +
                        [(f"chat_template_kwargs.{k}", v) for k, v in options.items() if isinstance(v, str)])
     prompt = chat_ids(tokenizer, messages, **options)
@@ -108,6 +102,33 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = ()) 
         prompt, media = served.images.expand(prompt, pictures)
     served.check_prompts([prompt])
     return prompt, media
+
+
+def _tool_parts(message, where: str, texts: list) -> dict:
+    """A message's parts of tool calling as transformers' chat templates take them: an assistant's
+    `tool_calls` (each `{"id", "type": "function", "function": {"name", "arguments"}}`, the arguments' JSON
+    text read into an object, as vLLM passes them), a tool message's `tool_call_id` and `name`."""
+    parts = {}
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise ServingError(f"{where}.tool_calls: only an assistant's message holds calls", f"{where}.tool_calls")
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            field = f"{where}.tool_calls[{j}]"
+            if call.type != "function":
+                raise ServingError(f"{field}.type must be 'function', got {call.type!r}", f"{field}.type")
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError as e:
+                raise ServingError(f"{field}.function.arguments is not JSON ({e})", f"{field}.function.arguments") \
+                    from None
+            texts.append((f"{field}.function", call.function.name + call.function.arguments))
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        parts["tool_calls"] = calls
+    if message.role == "tool":
+        parts.update({k: v for k, v in (("tool_call_id", message.tool_call_id), ("name", message.name)) if v})
+    return parts
 
 
 def _content_parts(served: Served, parts: list, where: str, texts: list, pictures: list) -> str | list[dict]:

@@ -8,7 +8,9 @@ The forms a completions, chat or responses request takes (one a request):
   `{"type": "text"}` is none.
 - vLLM's `structured_outputs`: one of `json` (a schema, or its JSON text), `regex`, `choice` (a list of
   strings: the output is one of them), `grammar` (a Lark grammar, llguidance's dialect), `json_object`
-  true; and its older fields `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+  true; and its older fields `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. Its option
+  `disable_any_whitespace` (true: JSON without whitespace between its tokens; by default any, as in vLLM)
+  applies to the JSON forms, and to a chat request's `tool_choice` (tools.py), where it may come alone.
 - SGLang's `regex` and `json_schema` (the schema's JSON text).
 A form that does not compile (a bad regex, schema or grammar) is a 400 naming its field, with
 llguidance's reason; so is a form this server does not carry out (a structural tag, an EBNF grammar).
@@ -28,6 +30,8 @@ from .errors import ServingError
 FORMS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
          "regex", "json_schema")
 NONE = (None, {}, {"type": "text"})
+# vLLM's options of structured_outputs, beside a form (or alone, for tool_choice's schema): no whitespace in JSON.
+OPTIONS = {"disable_any_whitespace"}
 _LOCK = threading.Lock()
 
 
@@ -43,14 +47,27 @@ class Constraint:
         return self.matcher.deep_copy()
 
 
-def constraint_of(served, body) -> Constraint | None:
-    """The structured output a request asks for (module docstring), compiled against the served tokenizer;
+def constraint_of(served, body, tool_schema: dict | None = None) -> Constraint | None:
+    """The structured output a request asks for (module docstring), or `tool_schema` (the JSON schema a
+    chat request's `tool_choice` keeps its output to: tools.py), compiled against the served tokenizer;
     None where it asks for none."""
     extra = getattr(body, "model_extra", None) or {}
     values = [(name, getattr(body, name, None) if name in type(body).model_fields else extra.get(name))
               for name in FORMS]
+    compact = False
+    for i, (name, value) in enumerate(values):
+        if name == "structured_outputs" and isinstance(value, dict) and OPTIONS & value.keys():
+            compact = value.get("disable_any_whitespace", False)
+            if not isinstance(compact, bool):
+                raise ServingError("structured_outputs.disable_any_whitespace must be true or false", name)
+            values[i] = (name, {k: v for k, v in value.items() if k not in OPTIONS})
     given = [(name, value) for name, value in values
              if not any(value == none and type(value) is type(none) for none in NONE)]
+    if tool_schema is not None:
+        if given:
+            raise ServingError(f"tool_choice {body.tool_choice!r} and {given[0][0]} both keep the output to a "
+                               "grammar: send one", given[0][0])
+        given = [("tool_choice", tool_schema)]
     if not given:
         return None
     if len(given) > 1:
@@ -61,23 +78,23 @@ def constraint_of(served, body) -> Constraint | None:
     except ImportError:
         raise ServingError(f"{name}: structured output needs the llguidance package, which this server's "
                            "environment lacks (pip install 'ortmodule[serve]')", name, 501) from None
-    grammar = _grammar(name, value)
+    grammar = _grammar(name, value, compact)
     matcher = LLMatcher(grammar_tokenizer(served), grammar, log_level=0)
     if matcher.is_error():
         raise ServingError(f"{name}: {matcher.get_error()}", name)
     return Constraint(grammar, matcher)
 
 
-def _grammar(name: str, value) -> str:
+def _grammar(name: str, value, compact: bool = False) -> str:
     """llguidance's grammar for a form (module docstring), or the 400 that names what is wrong with it."""
     from llguidance import LLMatcher
 
     if name == "response_format":
         kind = value.get("type") if isinstance(value, dict) else None
         if kind == "json_object":
-            return _schema(name, {"type": "object"})
+            return _schema(name, {"type": "object"}, compact)
         if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
-            return _schema(name, value["json_schema"].get("schema", {"type": "object"}))
+            return _schema(name, value["json_schema"].get("schema", {"type": "object"}), compact)
         raise ServingError(f"response_format {value!r} is not supported: send type 'text', 'json_object' or "
                            "'json_schema' with a json_schema object", name)
     if name == "structured_outputs":
@@ -90,9 +107,10 @@ def _grammar(name: str, value) -> str:
             raise ServingError(f"structured_outputs takes one of {', '.join(kinds)}; got {sorted(asked) or 'none'}",
                                name)
         (kind, inner), = asked.items()
-        return _schema(name, {"type": "object"}) if kind == "json_object" else _grammar(kinds[kind], inner)
-    if name in ("guided_json", "json_schema"):
-        return _schema(name, value)
+        return _schema(name, {"type": "object"}, compact) if kind == "json_object" else _grammar(kinds[kind], inner,
+                                                                                                 compact)
+    if name in ("guided_json", "json_schema", "tool_choice"):
+        return _schema(name, value, compact)
     if name in ("guided_regex", "regex") and isinstance(value, str):
         return LLMatcher.grammar_from_regex(value)
     if name == "guided_choice" and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
@@ -103,7 +121,9 @@ def _grammar(name: str, value) -> str:
                        name)
 
 
-def _schema(name: str, schema) -> str:
+def _schema(name: str, schema, compact: bool = False) -> str:
+    """llguidance's grammar of a JSON schema (given as an object or its JSON text); `compact`: no whitespace
+    between the JSON's tokens (vLLM's `disable_any_whitespace`), else any, as vLLM allows by default."""
     from llguidance import LLMatcher
 
     if isinstance(schema, str):
@@ -114,7 +134,7 @@ def _schema(name: str, schema) -> str:
     if not isinstance(schema, dict):
         raise ServingError(f"{name}: a JSON schema is an object, got {type(schema).__name__}", name)
     try:
-        return LLMatcher.grammar_from_json_schema(schema)
+        return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": not compact})
     except ValueError as e:
         raise ServingError(f"{name}: {e}", name) from None
 

@@ -28,6 +28,7 @@ from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
 from .schemas import ChatRequest, CompletionRequest
 from .served import Served, abandon, run_or_stream
 from .text import token_strings
+from .tools import ToolStream, markers_are_special, tool_message, tool_plan
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 8
@@ -110,13 +111,15 @@ def stop_ids_of(served: Served, body) -> tuple[int, ...]:
     return ids
 
 
-def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...]) -> Sampling:
+def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...],
+                tool_schema: dict | None = None) -> Sampling:
     """A field the request leaves out takes the server's default (`served.sampling_defaults`: the
     package's, as vLLM takes a model's generation config), else OpenAI's: temperature 1, top_p 1; a seed
     matters only when sampling; `logit_bias`, `presence_penalty` and `frequency_penalty` (over the tokens
     generated so far). vLLM's extras: `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1:
     off), `min_tokens` (end-of-sequence and stop tokens masked before), `ignore_eos`, `stop_token_ids`,
-    `include_stop_str_in_output`, `skip_special_tokens`."""
+    `include_stop_str_in_output`, `skip_special_tokens`. `tool_schema`: what a chat request's `tool_choice` keeps
+    the output to (tools.py)."""
     def given(name: str, otherwise):
         value = getattr(body, name)
         return served.sampling_defaults.get(name, otherwise) if value is None else value
@@ -126,7 +129,7 @@ def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, sto
                         logit_bias_of(served, body), body.min_tokens, body.ignore_eos,
                         float(body.presence_penalty), float(body.frequency_penalty),
                         stop_ids_of(served, body), body.include_stop_str_in_output, body.skip_special_tokens,
-                        constraint_of(served, body))
+                        constraint_of(served, body, tool_schema))
     if body.min_tokens > max_tokens:
         raise ServingError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
     if body.min_tokens and stop:
@@ -300,7 +303,8 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
         value = getattr(body, name)
         if value is not None and value < 1:
             raise ServingError(f"{name} must be at least 1, got {value}", name)
-    prompt, media = chat_prompt(served, body, [("stop", s) for s in stop])
+    plan = tool_plan(served, body)
+    prompt, media = chat_prompt(served, body, [("stop", s) for s in stop], plan.tools)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     room = served.context - len(prompt)  # left out: what the context leaves, within the default's max_new_tokens
     max_tokens = min(room, served.sampling_defaults.get("max_new_tokens", room)) if limit is None else limit
@@ -324,9 +328,12 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     if body.prompt_logprobs is not None:
         served.check_values(len(prompt) * (2 + body.prompt_logprobs), "the prompt's log-probabilities asked for",
                             "prompt_logprobs")
-    sampling = sampling_of(served, body, max_tokens, top, stop)
+    sampling = sampling_of(served, body, max_tokens, top, stop, plan.schema)
+    if markers_are_special(plan, served.tokenizer):
+        sampling = dataclasses.replace(sampling, skip_special=False)
     return Generation([prompt] * body.n, sampling, loop, served.tokenizer, served.engine.eos, body.stream,
-                      body.prompt_logprobs, media=media, copies=body.n, prompt_ranks=body.prompt_logprobs is not None)
+                      body.prompt_logprobs, media=media, copies=body.n, prompt_ranks=body.prompt_logprobs is not None,
+                      tools=plan)
 
 
 def chat_job_as(served: Served, chat: ChatRequest, loop, names: dict[str, str], items: str,
@@ -357,10 +364,11 @@ def chat_job_as(served: Served, chat: ChatRequest, loop, names: dict[str, str], 
 
 
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
-    choices = [{"index": row.index, "message": {"role": "assistant", "content": row.text.text},
+    answers = [tool_message(job.tools, row.text.text, row.text.finish_reason) for row in rows]
+    choices = [{"index": row.index, "message": message,
                 "logprobs": {"content": chat_logprobs(served.tokenizer, list(zip(row.tokens, row.logprobs, row.top)))}
                 if body.logprobs else None,
-                "finish_reason": row.text.finish_reason} for row in rows]
+                "finish_reason": finish} for row, (message, finish) in zip(rows, answers, strict=True)]
     answer = {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
               "model": served.name, "choices": choices,
               "usage": _usage(job.tokens // body.n, sum(len(row.tokens) for row in rows))}
@@ -387,15 +395,18 @@ def chat_logprobs(tokenizer, scored: list[tuple[int, float, list]]) -> list[dict
 
 # ---- streams ------------------------------------------------------------------------------------
 
-def _chunk(served: Served, kind: str, ident: str, index: int, delta: str | None = None, finish: str | None = None,
-           role: bool = False, logprobs: dict | None = None, ids: _StreamedIds | None = None,
-           tokens: list[int] = ()) -> str:
+def _chunk(served: Served, kind: str, ident: str, index: int, delta: str | dict | None = None,
+           finish: str | None = None, role: bool = False, logprobs: dict | None = None,
+           ids: _StreamedIds | None = None, tokens: list[int] = ()) -> str:
     """One server-sent event of a chat completion (`chat.completion.chunk`) or a completion; with `ids`
-    (vLLM's `return_token_ids`), the chunk's `tokens` and, in a choice's first chunk, its prompt's."""
+    (vLLM's `return_token_ids`), the chunk's `tokens` and, in a choice's first chunk, its prompt's. A chat
+    chunk's `delta`: its text, or the delta's fields (tools.py's `ToolStream`)."""
     body = {"id": ident, "object": kind, "created": int(time.time()), "model": served.name}
     if kind == "chat.completion.chunk":
         message = {"role": "assistant"} if role else {}
-        if delta:
+        if isinstance(delta, dict):
+            message.update(delta)
+        elif delta:
             message["content"] = delta
         choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish}
     else:
@@ -456,6 +467,7 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
     ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
     logprobs = _StreamedLogprobs(served.tokenizer, kind, job.sampling.logprobs)
     ids = _StreamedIds(job.prompts) if token_ids else None
+    calls = [ToolStream(job.tools) for _ in job.prompts] if job.tools.calls else None
     try:
         if kind == "chat.completion.chunk":
             for index in range(n):
@@ -466,7 +478,8 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
                 yield _chunk(served, kind, ident, index, texts[index // n], ids=ids)
         while (event := await job.next_event()) is not None:
             index, text, tokens, scored = event
-            yield _chunk(served, kind, ident, index, text, logprobs=logprobs.of(index, scored), ids=ids, tokens=tokens)
+            delta = calls[index].piece(text) if calls else text
+            yield _chunk(served, kind, ident, index, delta, logprobs=logprobs.of(index, scored), ids=ids, tokens=tokens)
         try:
             rows = await job.future
         except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
@@ -475,8 +488,13 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
             return
         for row in rows:
             tokens, rest = row.unsent()
-            yield _chunk(served, kind, ident, row.index, finish=row.text.finish_reason,
-                         logprobs=logprobs.of(row.index, rest), ids=ids, tokens=tokens)
+            finish = row.text.finish_reason
+            if calls:  # what a choice's calls held back, then its finish reason as tools.py reads it
+                deltas, finish = calls[row.index].end(row.text.text, finish)
+                for delta in deltas:
+                    yield _chunk(served, kind, ident, row.index, delta)
+            yield _chunk(served, kind, ident, row.index, finish=finish, logprobs=logprobs.of(row.index, rest),
+                         ids=ids, tokens=tokens)
         if usage:
             yield _sse({"id": ident, "object": kind, "model": served.name, "choices": [],
                         "usage": _usage(job.tokens // n, sum(len(row.tokens) for row in rows))})

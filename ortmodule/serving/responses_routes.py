@@ -33,7 +33,8 @@ NEUTRAL = (("previous_response_id", (None,), "this server keeps no responses: se
            ("conversation", (None,), "this server keeps no conversations: send the conversation in `input`"),
            ("prompt", (None,), "this server keeps no prompt templates"),
            ("background", (None, False), "this server answers in the request"),
-           ("max_tool_calls", (None,), "this server calls no tools"),
+           ("tools", (None, []), "this route calls no tools (/v1/chat/completions does)"),
+           ("max_tool_calls", (None,), "this route calls no tools (/v1/chat/completions does)"),
            ("reasoning", (None, {}, {"effort": None}, {"effort": None, "summary": None}),
             "this server does not set a reasoning effort"),
            ("truncation", (None, "disabled"), "this server does not cut a prompt to fit: a prompt too long is refused"))
@@ -61,7 +62,7 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     return ChatRequest(model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
                        temperature=body.temperature, top_p=body.top_p, logprobs=logprobs,
                        top_logprobs=(body.top_logprobs or 0) if logprobs else None, stream=body.stream,
-                       tools=body.tools, tool_choice=body.tool_choice,
+                       tool_choice="none" if body.tool_choice in ("auto", "required") else body.tool_choice,
                        response_format=_response_format((body.text or {}).get("format")))
 
 

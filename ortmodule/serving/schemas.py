@@ -132,11 +132,31 @@ class ContentPart(BaseModel):
     image_url: ImageURL | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: Text
+    arguments: Text  # JSON text, as OpenAI writes a call's arguments
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's `tool_calls` entry)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: Text | None = None
+    type: Text = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Text
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool message's: the call it answers
+    name: Text | None = None
 
 
 class ChatRequest(_Options):
@@ -147,9 +167,10 @@ class ChatRequest(_Options):
     prompt_logprobs: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM's, as on completions
     return_token_ids: StrictBool | None = None  # vLLM's, as on completions
     add_special_tokens: StrictBool = False  # vLLM's default for messages; true is refused (the template places them)
-    # OpenAI's, refused unless neutral: this server calls no tools and does not constrain its output.
+    # OpenAI's tool calling (serving/tools.py); its older `functions` form refused unless neutral.
     tools: list[Any] | None = None
     tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: Text | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None

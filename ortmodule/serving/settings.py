@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from .tools import PARSERS
+
 API_KEY_VARIABLE = "ORTMODULE_API_KEY"
 # `Settings.reuse_prefix` -> `scoring.label_logprobs`'s `reuse_prefix` (None: decided from measured costs).
 REUSE_PREFIX = {"auto": None, "on": True, "off": False}
@@ -52,6 +54,11 @@ class Settings:
     "vllm", OpenAI's (temperature 1, top_p 1, no top-k, min-p or penalty); or a folder holding a
     `generation_config.json` (the checkpoint's), its values (served.py's `sampling_defaults`); a `max_new_tokens`
     among them bounds a chat request that leaves its length out.
+
+    `enable_auto_tool_choice` and `tool_call_parser` (vLLM's `--enable-auto-tool-choice` and `--tool-call-parser`):
+    chat requests with tools may leave the choice to the model ("auto", the default beside tools), its calls read
+    by the parser named (one of serving/tools.py's `PARSERS`). Without them only a named function, "required" or
+    "none" is taken (serving/tools.py).
     """
 
     name: str | None = None
@@ -77,6 +84,8 @@ class Settings:
     processor: str | None = None
     tokenizer_info: bool = False
     generation_config: str = "auto"
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         for field in fields(self):
@@ -89,6 +98,9 @@ class Settings:
             elif field.name == "reuse_prefix":
                 if not isinstance(value, str) or value not in REUSE_PREFIX:
                     raise ValueError(f"reuse_prefix must be one of {', '.join(REUSE_PREFIX)}, got {value!r}")
+            elif field.name == "tool_call_parser":
+                if value is not None and value not in PARSERS:
+                    raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {value!r}")
             elif field.name in ("name", "api_key", "processor", "generation_config"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"{field.name} must be a non-empty string, got {value!r}")
@@ -101,6 +113,10 @@ class Settings:
                 low = 0 if field.name in ("join_steps", "feed_tokens", "prefix_cache_mb") else 1
                 if isinstance(value, bool) or not isinstance(value, int) or value < low:
                     raise ValueError(f"{field.name} must be an integer >= {low}, got {value!r}")
+
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser): the parser that "
+                             f"reads the model's calls, one of {', '.join(PARSERS)}")
 
     @classmethod
     def with_environment(cls, **given) -> Settings:

@@ -14,6 +14,7 @@ from .chat_prompts import chat_prompt, refuse_unsupported
 from .errors import ServingError
 from .schemas import DetokenizeRequest, TokenizeRequest
 from .served import Served, answer_off_loop
+from .tools import checked_tools
 
 # init_kwargs a tokenizer keeps that name files or folders of the host, never shown to clients.
 HOST_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only")
@@ -34,7 +35,7 @@ def tokenize(served: Served, body: TokenizeRequest, loop=None) -> dict:
         if body.add_special_tokens:
             raise ServingError("add_special_tokens with messages is not supported: the chat template places the "
                                "special tokens", "add_special_tokens")
-        ids, _ = chat_prompt(served, body)
+        ids, _ = chat_prompt(served, body, tools=checked_tools(body.tools))  # tools rendered as chat renders them
     strings = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": served.context, "tokens": ids, "token_strs": strings}
 

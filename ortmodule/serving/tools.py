@@ -1,0 +1,292 @@
+"""Tool calling on `/v1/chat/completions`, as vLLM carries it out.
+
+A request's `tools` (`{"type": "function", "function": {"name", "description", "parameters"}}`) go to the
+chat template (`apply_chat_template(tools=...)`, which renders them where the template has a place for them),
+and its `tool_choice` says what the answer may be:
+- a named function (`{"type": "function", "function": {"name": ...}}`): the output is kept to that
+  function's `parameters` schema (structured output, constraints.py) and answered as one call of it;
+- "required": the output is kept to a JSON list of one or more `{"name", "parameters"}` objects, one of the
+  tools each (at most one with `parallel_tool_calls` false), and answered as those calls;
+- "auto" (the default beside tools): the model writes text or calls in its own format, read by the parser
+  the server was started with (`--enable-auto-tool-choice --tool-call-parser NAME`, as vLLM's flags);
+- "none": text, the tools still shown to the template (as vLLM shows them by default).
+An assistant message's `tool_calls` (their `arguments` as JSON objects) and a tool message's `tool_call_id`
+go to the template as transformers' chat templates take them.
+
+The parsers (vLLM's of the same names): `hermes` (Hermes, Qwen2.5, Qwen3, SmolLM3: `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>`, text before the first call its content) and `llama3_json` (Llama 3.1-3.3's
+JSON calls: output that starts with `<|python_tag|>` or `{`, calls `{"name", "parameters"}` separated by
+"; "). Output that does not parse is the answer's text, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from .errors import ServingError
+
+PARSERS = ("hermes", "llama3_json")
+CHOICES = ("none", "auto", "required")
+_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools make of its answer (module docstring): `mode` one of "none", "named",
+    "required", "auto"; `name` the named function; `parser` auto's; `parallel` whether more than one call
+    is kept; `tools` the request's tools as the template takes them; `schema` the JSON schema the output is
+    kept to (named, required), else None."""
+
+    mode: str
+    tools: tuple[dict, ...] = ()
+    name: str | None = None
+    parser: str | None = None
+    parallel: bool = True
+    schema: dict | None = None
+
+    @property
+    def calls(self) -> bool:
+        """Whether the answer is read for calls (every mode but "none")."""
+        return self.mode != "none"
+
+
+NO_TOOLS = ToolPlan("none")
+
+
+def tool_plan(served, body) -> ToolPlan:
+    """The request's tools and choice checked and planned (module docstring); each mistake a 400 naming its
+    field, as vLLM's checks word them where they have one."""
+    neutral = {"functions": (None, []),  # OpenAI's older form, which vLLM does not take either
+               "function_call": (None, "none", "auto") if body.functions == [] else (None, "none")}
+    for name, values in neutral.items():
+        if getattr(body, name, None) not in values:
+            raise ServingError(f"{name} is OpenAI's deprecated form of tools and is not supported: send tools and "
+                               "tool_choice", name)
+    tools = checked_tools(body.tools)
+    choice = body.tool_choice
+    if choice is not None and body.tools is None and choice != "none":
+        raise ServingError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    parallel = body.parallel_tool_calls is not False
+    if not tools:  # nothing to call: "auto" and "required" are "none" (OpenAI's rule, vLLM's from 0.34)
+        if isinstance(choice, dict):
+            raise ServingError(f"tool_choice names {_named(choice)!r}, which is not among tools (none given)",
+                               "tool_choice")
+        return NO_TOOLS
+    if choice is None or choice == "auto":
+        settings = served.settings
+        if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
+            raise ServingError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                               f"set{_parser_hint(served.tokenizer)}; or send tool_choice 'required', 'none' or a "
+                               "named function", "tool_choice")
+        return ToolPlan("auto", tools, parser=settings.tool_call_parser, parallel=parallel)
+    if choice == "none":
+        return ToolPlan("none", tools)
+    if choice == "required":
+        return ToolPlan("required", tools, parallel=parallel, schema=_calls_schema(tools, parallel))
+    if isinstance(choice, dict):
+        name = _named(choice)
+        found = [t["function"] for t in tools if t["function"]["name"] == name]
+        if not found:
+            raise ServingError(f"Tool name {name!r} has not been passed in `tools`.", "tool_choice")
+        return ToolPlan("named", tools, name=name, parallel=parallel,
+                        schema=found[0].get("parameters") or EMPTY_PARAMETERS)
+    raise ServingError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+                       f"{{'name': ...}}}}, got {choice!r}", "tool_choice")
+
+
+def _named(choice: dict) -> str:
+    function = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ServingError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    return function["name"]
+
+
+def checked_tools(tools) -> tuple[dict, ...]:
+    """The request's tools, each `{"type": "function", "function": {"name": a non-empty string, "description":
+    a string, "parameters": a JSON schema object, "strict": a boolean}}` (parts left out may be)."""
+    checked = []
+    for i, tool in enumerate(tools or ()):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ServingError(f"{where}: a tool is {{'type': 'function', 'function': {{...}}}} (this server calls "
+                               "functions only)", where)
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ServingError(f"{where}.function must be an object with a non-empty name", f"{where}.function")
+        for key, kind, what in (("description", str, "a string"), ("parameters", dict, "a JSON schema object"),
+                                ("strict", bool, "true or false")):
+            if function.get(key) is not None and not isinstance(function[key], kind):
+                raise ServingError(f"{where}.function.{key} must be {what}", f"{where}.function.{key}")
+        checked.append({"type": "function", "function": function})
+    return tuple(checked)
+
+
+def _calls_schema(tools: tuple[dict, ...], parallel: bool) -> dict:
+    """"required"'s output: a JSON list of `{"name": one tool's name, "parameters": its parameters}`, the tools'
+    `$defs` gathered at the top (where their references point), as vLLM builds it."""
+    options, defs = [], {}
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        parameters = dict(function.get("parameters") or EMPTY_PARAMETERS)
+        for key, value in parameters.pop("$defs", {}).items():
+            if key in defs and defs[key] != value:
+                raise ServingError(f"tools[{i}]: its parameters' $defs {key!r} differs from another tool's of that "
+                                   "name", f"tools[{i}].function.parameters")
+            defs[key] = value
+        options.append({"type": "object", "properties": {"name": {"type": "string", "enum": [function["name"]]},
+                                                         "parameters": parameters},
+                        "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _parser_hint(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else json.dumps(template)
+    if _HERMES_START in template:
+        return " (this model's chat template writes hermes calls: --tool-call-parser hermes)"
+    if _PYTHON_TAG in template:
+        return " (this model's chat template writes Llama 3's JSON calls: --tool-call-parser llama3_json)"
+    return ""
+
+
+def markers_are_special(plan: ToolPlan, tokenizer) -> bool:
+    """Whether the parser's markers are special tokens of this tokenizer (Hermes' `<tool_call>`), which the
+    text must then keep for the parser to see them (vLLM turns `skip_special_tokens` off the same way)."""
+    if plan.mode != "auto":
+        return False
+    marker = _HERMES_START if plan.parser == "hermes" else _PYTHON_TAG
+    return marker in set(getattr(tokenizer, "all_special_tokens", ()))
+
+
+# ---- answers --------------------------------------------------------------------------------------
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
+
+
+def _call(name: str, arguments: str, ident: str | None = None) -> dict:
+    return {"id": ident or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    """The answer's content and its calls (name, arguments as JSON text) read from the output `text`; calls
+    None where the output holds none (or does not parse), the content then the whole text."""
+    if plan.mode == "named":
+        return None, [(plan.name, text)]
+    try:
+        if plan.mode == "required":
+            found = json.loads(text)
+            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in found]
+            content = None
+        elif plan.parser == "hermes":
+            content, calls = _hermes(text)
+        else:
+            content, calls = _llama3_json(text)
+    except (ValueError, KeyError, TypeError):
+        return text, None
+    if calls is None:
+        return text, None
+    return content, calls if plan.parallel else calls[:1]
+
+
+def _hermes(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    if _HERMES_START not in text:
+        return text, None
+    found = re.findall(rf"{_HERMES_START}(.*?){_HERMES_END}|{_HERMES_START}(.*)", text, re.DOTALL)
+    calls = [json.loads(closed or open_) for closed, open_ in found]
+    content = text[: text.find(_HERMES_START)]
+    return content or None, [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+
+
+def _llama3_json(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    if not (text.startswith(_PYTHON_TAG) or text.startswith("{")):
+        return text, None
+    decoder, calls = json.JSONDecoder(), []
+    at = len(_PYTHON_TAG) if text.startswith(_PYTHON_TAG) else 0
+    while at < len(text):
+        call, end = decoder.raw_decode(text[at:])
+        calls.append((call["name"], json.dumps(call["arguments"] if "arguments" in call else call["parameters"],
+                                               ensure_ascii=False)))
+        at += end + len("; ")
+    return None, calls
+
+
+def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
+    """A choice's `message` and `finish_reason` as vLLM answers them: calls under `tool_calls` (content None,
+    or auto's text before them), finish "tool_calls" where required's or auto's calls were read ("stop" for a
+    named function, which OpenAI also answers); the text as content where there are none."""
+    if not plan.calls:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = read_calls(plan, text)
+    if calls is None:
+        return {"role": "assistant", "content": content}, finish
+    message = {"role": "assistant", "content": content, "tool_calls": [_call(n, a) for n, a in calls]}
+    return message, finish if plan.mode == "named" or finish == "length" else "tool_calls"
+
+
+class ToolStream:
+    """One streamed choice's deltas under a plan: a named function's arguments as they come (its call's id,
+    type and name in the first); auto's text streamed until it may start a call (the rest held, to be read
+    at the end); required's held whole. `end` gives what was held: the rest of the content, each call whole."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan, self.text, self.sent, self.named_id = plan, "", 0, None
+
+    def piece(self, text: str) -> dict:
+        """The delta's fields for this piece of output (maybe none: held)."""
+        self.text += text
+        if self.plan.mode == "named":
+            if self.named_id is None:
+                self.named_id = new_call_id()
+                return {"tool_calls": [{"index": 0, **_call(self.plan.name, text, self.named_id)}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+        if self.plan.mode == "required":
+            return {}
+        safe = self._safe_length()
+        if safe <= self.sent:
+            return {}
+        content, self.sent = self.text[self.sent: safe], safe
+        return {"content": content}
+
+    def _safe_length(self) -> int:
+        """How much of the text so far cannot be part of a call (auto: before any marker, or a marker's start)."""
+        if self.plan.mode == "none":
+            return len(self.text)
+        if self.plan.parser == "llama3_json":
+            text = self.text
+            if text.startswith("{") or text.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(text):
+                return 0
+            return len(text)
+        at = self.text.find(_HERMES_START)
+        if at >= 0:
+            return at
+        for keep in range(min(len(_HERMES_START) - 1, len(self.text)), 0, -1):
+            if _HERMES_START.startswith(self.text[-keep:]):
+                return len(self.text) - keep
+        return len(self.text)
+
+    def end(self, text: str, finish: str) -> tuple[list[dict], str]:
+        """The deltas still to send once the output is whole (`text`), and the choice's finish reason."""
+        if self.plan.mode == "named":
+            rest = text[len(self.text):]
+            first = self.named_id is None
+            return [self.piece(rest)] if rest or first else [], finish
+        self.text = text
+        message, reason = tool_message(self.plan, text, finish)
+        deltas = []
+        rest = (message["content"] or "")[self.sent:]
+        if rest:
+            deltas.append({"content": rest})
+        for k, call in enumerate(message.get("tool_calls", ())):
+            deltas.append({"tool_calls": [{"index": k, **call}]})
+        return deltas, reason

@@ -1,0 +1,280 @@
+"""Tool calling on `/v1/chat/completions` (serving/tools.py): the prompt is transformers' `apply_chat_template`
+with the same tools and messages; a named function's and "required"'s calls are transformers' greedy
+`generate` under the same JSON schema (a logits processor written in tests/helpers.py on llguidance's own
+matcher); "auto"'s calls read by the hermes parser from what the model wrote; the answers validated by the
+`openai` client's own types and stream helper; and the refusals."""
+
+import json
+
+import httpx
+import pytest
+import torch
+from helpers import OPENAI_NAME as NAME
+from helpers import LiveServer, expected_text, grammar_greedy, load_pair
+
+llguidance = pytest.importorskip("llguidance")
+from llguidance import LLMatcher  # noqa: E402
+
+# A chat template of Hermes' and Qwen's form for the fixture's tokenizer (short: the fixture's context is 256
+# tokens): the tools named in a system turn, an assistant's calls in <tool_call> tags, a tool's answer in its
+# own turn.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<s>system\ntools:{% for t in tools %} {{ t.function.name }}{% endfor %}</s>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<s>assistant\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}</s>\n"
+    "{%- elif m.role == 'tool' %}<s>tool\n<tool_response>{{ m.tool_call_id }}: {{ m.content }}</tool_response></s>\n"
+    "{%- else %}<s>{{ m.role }}\n{{ m.content }}</s>\n{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# vLLM's option of JSON without whitespace between its tokens: the random fixture, free to, writes whitespace on.
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
+def compact(schema: dict) -> str:
+    return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+
+
+@pytest.fixture(scope="module")
+def tools_live(build):
+    """The server on the llama fixture with the tool template, auto tool choice read by the hermes parser."""
+    from ortmodule import load_tokenizer
+    from ortmodule.serving import create_app
+
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    live = LiveServer(create_app(model, tokenizer, name=NAME, window_ms=20, enable_auto_tool_choice=True,
+                                 tool_call_parser="hermes"))
+    yield live, hf, tokenizer
+    live.stop()
+
+
+def client(live):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{live.url}/v1", api_key="not-needed", max_retries=0)
+
+
+def prompt_ids(tokenizer, messages, tools=TOOLS) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
+
+
+def greedy_text(hf, tokenizer, ids, grammar, new=60) -> tuple[str, bool]:
+    tokens, complete = grammar_greedy(hf, tokenizer, ids, grammar, new)
+    return expected_text(tokenizer, tokens)[0], complete
+
+
+def chat(live, **fields) -> dict:
+    answer = httpx.post(f"{live.url}/v1/chat/completions", json={"model": NAME, "messages": ASK, "max_tokens": 60,
+                                                                "temperature": 0, "tools": TOOLS, **fields})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def streamed(live, **fields) -> tuple[str, dict, str]:
+    """A streamed answer's content, its calls gathered by index from their deltas, and its finish reason."""
+    content, calls, finish = "", {}, None
+    body = {"model": NAME, "messages": ASK, "max_tokens": 60, "temperature": 0, "tools": TOOLS, "stream": True,
+            **fields}
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body) as events:
+        for line in events.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for part in choice["delta"].get("tool_calls") or ():
+                call = calls.setdefault(part["index"], {"id": None, "name": "", "arguments": ""})
+                call["id"] = part.get("id") or call["id"]
+                call["name"] += part.get("function", {}).get("name") or ""
+                call["arguments"] += part.get("function", {}).get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return content, calls, finish
+
+
+def test_a_named_function_is_transformers_greedy_call_under_its_schema(tools_live):
+    """tool_choice naming a function: its arguments are transformers' greedy text under the function's
+    parameters schema, after the prompt transformers renders with the tools; one call of it, content None,
+    finish "stop"; the `openai` client's types take it, and a stream's deltas make the same call."""
+    from openai.types.chat import ChatCompletion
+
+    live, hf, tokenizer = tools_live
+    ids = prompt_ids(tokenizer, ASK)
+    expected, complete = greedy_text(hf, tokenizer, ids, compact(WEATHER))
+    assert complete
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    answer = chat(live, tool_choice=named, return_token_ids=True, **COMPACT)
+    assert answer["prompt_token_ids"] == ids
+    ChatCompletion.model_validate(answer, strict=True)
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"] == {"name": "get_weather", "arguments": expected}
+    assert set(json.loads(expected)) == {"city", "unit"}
+    content, calls, finish = streamed(live, tool_choice=named, **COMPACT)
+    assert (content, finish) == ("", "stop")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", expected)]
+    sdk = client(live).chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice=named,
+                                               max_tokens=60, temperature=0, extra_body=COMPACT)
+    assert sdk.choices[0].message.tool_calls[0].function.arguments == expected
+
+
+def test_required_is_a_list_of_calls_under_the_tools_schemas(tools_live):
+    """tool_choice "required": transformers' greedy text under a schema of a list of {name, parameters} of the
+    tools (as vLLM builds it), answered as those calls with finish "tool_calls"; with parallel_tool_calls false
+    the list holds one call; a stream ends with the same calls."""
+    live, hf, tokenizer = tools_live
+    ids = prompt_ids(tokenizer, ASK)
+
+    def schema(most=None):
+        options = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                     "parameters": t["function"]["parameters"]},
+                    "required": ["name", "parameters"]} for t in TOOLS]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": options},
+                **({"maxItems": most} if most else {})}
+
+    for parallel, most in ((True, None), (False, 1)):
+        expected, complete = greedy_text(hf, tokenizer, ids, compact(schema(most)), 120)
+        answer = chat(live, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120, **COMPACT)
+        choice = answer["choices"][0]
+        if not complete:  # the length ended it: the text, unread
+            assert choice["message"]["content"] == expected and choice["finish_reason"] == "length"
+            continue
+        wanted = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(expected)]
+        got = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+        assert got == wanted and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert len(got) == 1 or parallel
+        content, calls, finish = streamed(live, tool_choice="required", parallel_tool_calls=parallel,
+                                          max_tokens=120, **COMPACT)
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == wanted and finish == "tool_calls"
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "(Paris|Rome)", "unit": "(c|f)"}}\n</tool_call>'
+
+
+def test_auto_reads_the_models_hermes_calls_and_keeps_its_text(tools_live):
+    """tool_choice "auto" (the default beside tools) under `--tool-call-parser hermes`: what the model writes
+    (held here to a call by a regex, so that the random fixture writes one) is transformers' greedy text; the
+    text before <tool_call> is the content, the call's name and arguments are read from it, finish
+    "tool_calls"; streamed, the content comes as text and the call at the end. Output without a call is
+    plain content."""
+    live, hf, tokenizer = tools_live
+    ids = prompt_ids(tokenizer, ASK)
+    pattern = r"(Sure|Yes)\. " + CALL.replace("{", r"\{").replace("}", r"\}")
+    expected, complete = greedy_text(hf, tokenizer, ids, LLMatcher.grammar_from_regex(pattern), 170)
+    assert complete
+    before, _, call = expected.partition("<tool_call>")
+    inner = json.loads(call.removesuffix("</tool_call>"))
+    answer = chat(live, structured_outputs={"regex": pattern}, max_tokens=170)
+    choice = answer["choices"][0]
+    assert choice["message"]["content"] == before and choice["finish_reason"] == "tool_calls"
+    (made,) = choice["message"]["tool_calls"]
+    assert made["function"] == {"name": inner["name"], "arguments": json.dumps(inner["arguments"])}
+    content, calls, finish = streamed(live, structured_outputs={"regex": pattern}, max_tokens=170)
+    assert content == before and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(inner["name"], json.dumps(inner["arguments"]))]
+    plain = greedy_text(hf, tokenizer, ids, LLMatcher.grammar_from_regex("[a-z ]{1,30}"), 40)[0]
+    answer = chat(live, structured_outputs={"regex": "[a-z ]{1,30}"}, max_tokens=40)
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": plain}
+    assert streamed(live, structured_outputs={"regex": "[a-z ]{1,30}"}, max_tokens=40)[:2] == (plain, {})
+
+
+def test_a_conversation_with_calls_and_results_renders_as_transformers_renders_it(tools_live):
+    """An assistant's earlier calls (arguments sent as JSON text, given to the template as an object) and the
+    tools' answers (`tool_call_id`) give transformers' prompt ids, on the chat route and on /tokenize; the
+    SDK's own message object round-trips."""
+    live, hf, tokenizer = tools_live
+    arguments = {"city": "Rome", "unit": "c"}
+    sent = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+    rendered = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+    ids = prompt_ids(tokenizer, rendered)
+    assert "21 degrees" in tokenizer.decode(ids) and '"city": "Rome"' in tokenizer.decode(ids)
+    answer = chat(live, messages=sent, tool_choice="none", return_token_ids=True, max_tokens=4)
+    assert answer["prompt_token_ids"] == ids
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert answer["choices"][0]["message"]["content"] == expected_text(tokenizer, out[0, len(ids):].tolist())[0]
+    counted = httpx.post(f"{live.url}/tokenize", json={"model": NAME, "messages": sent, "tools": TOOLS}).json()
+    assert counted["tokens"] == ids
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"tool_choice": "required", "tools": None}, "tool_choice", "`tools` must be set"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "has not been passed"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice", "a named tool_choice is"),
+    ({"tool_choice": "always"}, "tool_choice", "must be 'none', 'auto', 'required'"),
+    ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0].function", "non-empty name"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0]", "functions only"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters",
+     "JSON schema object"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "both keep the output"),
+    ({"functions": [{"name": "f"}]}, "functions", "deprecated"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls",
+     "only an assistant's"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "not JSON"),
+])
+def test_tools_that_cannot_be_carried_out_are_refused_naming_their_field(tools_live, fields, param, words):
+    live = tools_live[0]
+    body = {"model": NAME, "messages": ASK, "max_tokens": 4, "tools": TOOLS, **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    answer = httpx.post(f"{live.url}/v1/chat/completions", json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_auto_needs_the_servers_parser_and_the_settings_are_checked(openai_live):
+    """A server started without --enable-auto-tool-choice refuses "auto" (the default beside tools) naming the
+    flags, as vLLM does, and takes a named function; the settings refuse an unknown parser and auto without one."""
+    from ortmodule.serving import Settings
+
+    live = openai_live[0]
+    for choice in ({}, {"tool_choice": "auto"}):
+        answer = httpx.post(f"{live.url}/v1/chat/completions", json={
+            "model": NAME, "messages": ASK, "max_tokens": 4, "tools": TOOLS, **choice})
+        assert answer.status_code == 400 and "--enable-auto-tool-choice" in answer.json()["error"]["message"]
+    named = httpx.post(f"{live.url}/v1/chat/completions", json={
+        "model": NAME, "messages": ASK, "max_tokens": 60, "temperature": 0, "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}}, **COMPACT}).json()
+    assert json.loads(named["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])["zone"] in (
+        "utc", "cet")
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json"):
+        Settings(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
+        Settings(enable_auto_tool_choice=True)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', None, [("f", '{"a": 1}')]),
+    ('{"name": "f", "arguments": {"a": "é"}}; {"name": "g", "parameters": {}}', None,
+     [("f", '{"a": "é"}'), ("g", "{}")]),
+    ("The answer is 4.", "The answer is 4.", None),
+    ('{"name": "f", "parameters": {"a": ', '{"name": "f", "parameters": {"a": ', None),
+])
+def test_the_llama3_json_parser_reads_llamas_calls(text, content, calls):
+    """Llama 3.1's JSON calls (its `<|python_tag|>` or a bare object, "; " between calls) as vLLM's parser of
+    that name reads them; text, or a call cut short, stays text."""
+    from ortmodule.serving.tools import ToolPlan, read_calls
+
+    assert read_calls(ToolPlan("auto", parser="llama3_json"), text) == (content, calls)
