@@ -79,14 +79,19 @@ def test_a_stream_and_a_structured_reply(openai_live):
 
 
 @pytest.mark.parametrize(("fields", "kind", "words"), [
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "invalid_request_error", "calls no tools"),
-    ({"tool_choice": {"type": "any"}}, "invalid_request_error", "tool_choice"),
+    # tool calling (tests/test_tool_calling.py): "auto" on a server started without a parser, a choice without
+    # tools, Anthropic's server tools, a result in the assistant's turn
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "invalid_request_error",
+     "--enable-auto-tool-choice"),
+    ({"tool_choice": {"type": "any"}}, "invalid_request_error", "`tools` must be set"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "invalid_request_error",
+     "'web_search_20250305' is not supported"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "4"}]}]},
+     "invalid_request_error", "'tool_result' block is not supported here"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "invalid_request_error", "thinking budget"),
     ({"output_config": {"effort": "high"}}, "invalid_request_error", "output_config.effort"),
     ({"output_config": {"format": {"type": "json_schema", "schema": [1]}}}, "invalid_request_error",
      "output_config.format"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "4"}]}]},
-     "invalid_request_error", "'tool_result' block"),
     ({"messages": [{"role": "system", "content": "x"}]}, "invalid_request_error", "goes in `system`"),
     ({"system": "Be brief.", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}]}]},

@@ -149,6 +149,7 @@ def test_required_is_a_list_of_calls_under_the_tools_schemas(tools_live):
         expected, complete = greedy_text(hf, tokenizer, ids, compact(schema(most)), 120)
         answer = chat(live, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120, **COMPACT)
         choice = answer["choices"][0]
+        assert complete or parallel  # (one call, at most, fits)
         if not complete:  # the length ended it: the text, unread
             assert choice["message"]["content"] == expected and choice["finish_reason"] == "length"
             continue
@@ -278,3 +279,85 @@ def test_the_llama3_json_parser_reads_llamas_calls(text, content, calls):
     from ortmodule.serving.tools import ToolPlan, read_calls
 
     assert read_calls(ToolPlan("auto", parser="llama3_json"), text) == (content, calls)
+
+
+# ---- Anthropic's Messages API: the same calls in its shape ------------------------------------------------------
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"],
+                    **({"description": t["function"]["description"]} if "description" in t["function"] else {})}
+                   for t in TOOLS]
+
+
+def anthropic_client(live):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=live.url, api_key="not-needed", max_retries=0)
+
+
+def test_anthropics_tool_use_is_the_same_call_in_its_shape(tools_live):
+    """Anthropic's `tool_choice` {"type": "tool"} and {"type": "any"}: the chat route's calls (transformers'
+    greedy text under the same schemas) as `tool_use` blocks, their `input` the arguments' object, stop reason
+    "tool_use"; the SDK's `Message` takes the answer and its stream helper ends with the same message;
+    count_tokens counts transformers' prompt of the tools."""
+    from anthropic.types import Message
+
+    live, hf, tokenizer = tools_live
+    client = anthropic_client(live)
+    ids = prompt_ids(tokenizer, ASK)
+    expected = greedy_text(hf, tokenizer, ids, compact(WEATHER))[0]
+    request = dict(model=NAME, max_tokens=60, messages=ASK, tools=ANTHROPIC_TOOLS,
+                   tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0.0, **COMPACT})
+    answer = client.messages.create(**request)
+    assert answer.stop_reason == "tool_use" and len(answer.content) == 1
+    use = answer.content[0]
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", json.loads(expected))
+    assert use.id.startswith("toolu_")
+    raw = httpx.post(f"{live.url}/v1/messages", json={**{k: v for k, v in request.items() if k != "extra_body"},
+                                                      **request["extra_body"]}).json()
+    Message.model_validate(raw, strict=True)
+    with client.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", json.loads(expected))]
+    assert final.stop_reason == "tool_use"
+    assert client.messages.count_tokens(model=NAME, messages=ASK, tools=ANTHROPIC_TOOLS).input_tokens == len(ids)
+    required = chat(live, tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                    **COMPACT)["choices"][0]["message"]
+    anyone = client.messages.create(**{**request, "max_tokens": 120,
+                                       "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    assert len(required["tool_calls"]) == 1 and [(b.name, b.input) for b in anyone.content] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in required["tool_calls"]]
+
+
+def test_anthropics_auto_calls_and_a_conversation_with_results(tools_live):
+    """"auto" under the hermes parser: the text before the call a text block, then the call's `tool_use`
+    block, streamed the same; an assistant's `tool_use` blocks and the user's `tool_result` blocks render as
+    transformers renders the chat messages they are (an assistant's calls, then a tool message)."""
+    live, hf, tokenizer = tools_live
+    client = anthropic_client(live)
+    pattern = r"(Sure|Yes)\. " + CALL.replace("{", r"\{").replace("}", r"\}")
+    ids = prompt_ids(tokenizer, ASK)
+    expected = greedy_text(hf, tokenizer, ids, LLMatcher.grammar_from_regex(pattern), 170)[0]
+    before, _, call = expected.partition("<tool_call>")
+    inner = json.loads(call.removesuffix("</tool_call>"))
+    request = dict(model=NAME, max_tokens=170, messages=ASK, tools=ANTHROPIC_TOOLS,
+                   extra_body={"temperature": 0.0, "structured_outputs": {"regex": pattern}})
+    answer = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    for message in (answer, final):
+        assert [(b.type, getattr(b, "text", None)) for b in message.content] == [("text", before), ("tool_use", None)]
+        assert (message.content[1].name, message.content[1].input) == (inner["name"], inner["arguments"])
+        assert message.stop_reason == "tool_use"
+    arguments = {"city": "Rome", "unit": "c"}
+    conversation = ASK + [
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": arguments}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 degrees"},
+                                     {"type": "text", "text": "And tomorrow?"}]}]
+    rendered = ASK + [
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "21 degrees"},
+        {"role": "user", "content": "And tomorrow?"}]
+    counted = client.messages.count_tokens(model=NAME, messages=conversation, tools=ANTHROPIC_TOOLS).input_tokens
+    assert counted == len(prompt_ids(tokenizer, rendered))

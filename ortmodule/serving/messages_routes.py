@@ -9,12 +9,16 @@ output (`output_config.format`'s JSON schema, and the fields chat takes: constra
 end token, or a grammar complete), "stop_sequence" (with the `stop_sequence` matched) or "max_tokens". A
 stream is Anthropic's events: `message_start`, `content_block_start`, `ping`, a `content_block_delta`
 (`text_delta`) each piece, then `content_block_stop`, `message_delta` (the stop reason and the output's
-tokens) and `message_stop`. Tools (`tools`, `tool_choice` other than none, tool-use and tool-result blocks),
-extended thinking and an effort are refused by name; errors take Anthropic's shape (errors.py).
+tokens) and `message_stop`. Tools (`tools` with `input_schema`s, `tool_choice` auto, any, tool or none, an
+assistant's `tool_use` blocks and a user's `tool_result` blocks) are chat's tool calling (tools.py): calls come
+back as `tool_use` blocks (after the text before them, if any) with `stop_reason` "tool_use", streamed as
+`input_json_delta`s. Anthropic's server tools, extended thinking and an effort are refused by name; errors take
+Anthropic's shape (errors.py).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from fastapi import FastAPI, Request
@@ -23,18 +27,16 @@ from .chat_prompts import chat_prompt
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
 from .openai_routes import chat_job_as
-from .schemas import ChatMessage, ChatRequest, ContentPart, ImageURL, MessagesRequest
+from .schemas import ChatMessage, ChatRequest, ContentPart, FunctionCall, ImageURL, MessagesRequest, ToolCall
 from .served import Served, abandon, answer_off_loop, run_or_stream
+from .tools import ToolStream, checked_tools, tool_message
 
 RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
 def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
     """The chat request this request is, or a `ServingError` naming what cannot be carried out."""
-    if body.tools:
-        raise ServingError("tools is not supported: this server calls no tools; leave it out", "tools")
-    if (body.tool_choice or {}).get("type", "none") not in ("none", "auto"):  # (with no tools, "auto" calls none)
-        raise ServingError("tool_choice is not supported (this server calls no tools): leave it out", "tool_choice")
+    tools, choice, parallel = _tools(body)
     if (body.thinking or {}).get("type", "disabled") != "disabled":
         raise ServingError("thinking is not supported: this server sets no thinking budget; leave it out", "thinking")
     output = body.output_config or {}
@@ -52,9 +54,7 @@ def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
         if message.role not in ("user", "assistant"):
             raise ServingError(f"messages[{i}].role {message.role!r}: Anthropic's messages are the user's and the "
                                "assistant's (the system's goes in `system`)", f"messages[{i}].role")
-        content = message.content if isinstance(message.content, str) else [
-            _part(block, f"messages[{i}].content[{j}]") for j, block in enumerate(message.content)]
-        messages.append(ChatMessage(role=message.role, content=content))
+        messages += _chat_messages(message, f"messages[{i}]")
     extra = {name: value for name, value in (body.model_extra or {}).items() if name in CHAT_EXTRAS}
     form = output.get("format")
     if form is not None:  # Anthropic's structured output: a JSON schema
@@ -64,7 +64,65 @@ def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
         extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}
     return ChatRequest(model=body.model, messages=messages, max_completion_tokens=body.max_tokens,
                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                       stop=body.stop_sequences, stream=body.stream, **extra)
+                       stop=body.stop_sequences, stream=body.stream, tools=tools, tool_choice=choice,
+                       parallel_tool_calls=parallel, **extra)
+
+
+def _tools(body: MessagesRequest) -> tuple[list[dict] | None, str | dict | None, bool | None]:
+    """Anthropic's `tools` (`name`, `description`, `input_schema`) and `tool_choice` (`auto`, `any`, `tool` with
+    its `name`, `none`; `disable_parallel_tool_use`) as chat's tools, `tool_choice` and `parallel_tool_calls`
+    (tools.py). Anthropic's server tools (a `type` such as web search's) are refused: they run on Anthropic's
+    side."""
+    tools = None
+    for i, tool in enumerate(body.tools or ()):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise ServingError(f"{where}: a tool of type {kind!r} is not supported: this server takes client tools "
+                               "(name, description, input_schema)", where)
+        if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+            raise ServingError(f"{where} needs a name and an input_schema object", where)
+        function = {"name": tool["name"], "parameters": tool["input_schema"],
+                    **({"description": tool["description"]} if tool.get("description") is not None else {})}
+        tools = (tools or []) + [{"type": "function", "function": function}]
+    choice = body.tool_choice or {}
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") is True else None
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise ServingError("tool_choice of type 'tool' needs the tool's name", "tool_choice")
+        return tools, {"type": "function", "function": {"name": choice["name"]}}, parallel
+    chosen = {None: None, "auto": "auto", "any": "required", "none": "none"}
+    if kind not in chosen:
+        raise ServingError(f"tool_choice type {kind!r} is not one of auto, any, tool, none", "tool_choice")
+    if not tools and kind in ("auto", "none"):  # nothing to call
+        return tools, None, parallel
+    return tools, chosen[kind], parallel
+
+
+def _chat_messages(message, where: str) -> list[ChatMessage]:
+    """One of Anthropic's messages as chat's: its text and images one message, with an assistant's `tool_use`
+    blocks as its calls; a user's `tool_result` blocks each a tool message first, as vLLM splits them."""
+    if isinstance(message.content, str):
+        return [ChatMessage(role=message.role, content=message.content)]
+    parts, calls, results = [], [], []
+    for j, block in enumerate(message.content):
+        at = f"{where}.content[{j}]"
+        if block.type == "tool_use" and message.role == "assistant":
+            if not (block.id and block.name):
+                raise ServingError(f"{at}: a tool_use block needs an id and a name", at)
+            calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name,
+                                                                     arguments=json.dumps(block.input or {}))))
+        elif block.type == "tool_result" and message.role == "user":
+            if not block.tool_use_id:
+                raise ServingError(f"{at}: a tool_result block needs its tool_use_id", at)
+            text = "" if block.content is None else _text_of(block.content, f"{at}.content")
+            results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=text))
+        else:
+            parts.append(_part(block, at))
+    if not (parts or calls):
+        return results
+    return results + [ChatMessage(role=message.role, content=parts or None, tool_calls=calls or None)]
 
 
 # Fields beyond Anthropic's that its clients send through to vLLM and this server carries out as chat does.
@@ -90,8 +148,8 @@ def _part(block, where: str) -> ContentPart:
         return ContentPart(type="image_url", image_url=ImageURL(url=url))
     if block.type == "image" and source.get("type") == "url" and isinstance(source.get("url"), str):
         return ContentPart(type="image_url", image_url=ImageURL(url=source["url"]))
-    raise ServingError(f"{where}: a {block.type!r} block is not supported: send text, or an image with a base64 "
-                       "source", "messages")
+    raise ServingError(f"{where}: a {block.type!r} block is not supported here: send text, or an image with a base64 "
+                       "source (an assistant's tool_use, a user's tool_result)", "messages")
 
 
 def messages_job(served: Served, body: MessagesRequest, loop) -> Generation:
@@ -109,10 +167,31 @@ def stop_of(row: Row) -> tuple[str, str | None]:
     return "end_turn", None
 
 
+def _tool_use(call: dict, arguments) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call["id"].rsplit("-", 1)[-1], "name": call["function"]["name"],
+            "input": arguments}
+
+
+def content_of(job: Generation, row: Row) -> tuple[list[dict], str, str | None]:
+    """A finished row's content blocks, `stop_reason` and `stop_sequence`: one text block, or with calls read
+    (tools.py) the text before them (where there is some) and a `tool_use` block each, stop reason "tool_use"
+    (a call cut short by the length stays text, "max_tokens")."""
+    reason, sequence = stop_of(row)
+    message, _ = tool_message(job.tools, row.text.text, row.text.finish_reason)
+    calls = message.get("tool_calls") or ()
+    try:
+        uses = [_tool_use(call, json.loads(call["function"]["arguments"])) for call in calls]
+    except ValueError:
+        return [{"type": "text", "text": row.text.text}], reason, sequence
+    text = [{"type": "text", "text": message["content"] or ""}] if message["content"] or not uses else []
+    if uses and reason != "max_tokens":
+        reason, sequence = "tool_use", None
+    return text + uses, reason, sequence
+
+
 def _message(served: Served, ident: str, job: Generation, row: Row | None) -> dict:
-    reason, sequence = stop_of(row) if row is not None else (None, None)
-    return {"id": ident, "type": "message", "role": "assistant", "model": served.name,
-            "content": [] if row is None else [{"type": "text", "text": row.text.text}],
+    blocks, reason, sequence = content_of(job, row) if row is not None else ([], None, None)
+    return {"id": ident, "type": "message", "role": "assistant", "model": served.name, "content": blocks,
             "stop_reason": reason, "stop_sequence": sequence,
             "usage": {"input_tokens": job.tokens, "output_tokens": 0 if row is None else len(row.tokens)}}
 
@@ -126,15 +205,53 @@ def _event(kind: str, **fields) -> str:
     return f"event: {kind}\ndata: {dumps({'type': kind, **fields})}\n\n"
 
 
+class _Blocks:
+    """A stream's content blocks: chat's deltas (tools.py's `ToolStream`) as Anthropic's block events, a block
+    started where its kind changes (text, or a call's `tool_use` with its input's JSON in `input_json_delta`s)."""
+
+    def __init__(self):
+        self.index, self.open, self.calls = -1, None, 0
+
+    def start(self, block: dict) -> list[str]:
+        events = self.close()
+        self.index, self.open = self.index + 1, block["type"]
+        return events + [_event("content_block_start", index=self.index, content_block=block)]
+
+    def close(self) -> list[str]:
+        was, self.open = self.open, None
+        return [_event("content_block_stop", index=self.index)] if was else []
+
+    def of(self, delta: dict | str) -> list[str]:
+        events = []
+        text = delta if isinstance(delta, str) else delta.get("content")
+        if text:
+            if self.open != "text":
+                events += self.start({"type": "text", "text": ""})
+            events.append(_event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": text}))
+        for part in {} if isinstance(delta, str) else delta.get("tool_calls") or ():
+            if "id" in part:
+                self.calls += 1
+                events += self.start(_tool_use(part, {}))
+            arguments = part.get("function", {}).get("arguments")
+            if arguments:
+                events.append(_event("content_block_delta", index=self.index,
+                                     delta={"type": "input_json_delta", "partial_json": arguments}))
+        return events
+
+
 async def events(served: Served, job: Generation):
     """The stream of one message (module docstring); a failure of the model's work is an `error` event, after
     which the stream ends; if the client goes away, its row stops."""
+    blocks, calls = _Blocks(), ToolStream(job.tools) if job.tools.calls else None
     try:
         yield _event("message_start", message=_message(served, f"msg_{uuid.uuid4().hex}", job, None))
-        yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        if calls is None:  # a text block from the start, as Anthropic's API streams one
+            for event in blocks.start({"type": "text", "text": ""}):
+                yield event
         yield _event("ping")
         while (piece := await job.next_event()) is not None:
-            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece[1]})
+            for event in blocks.of(calls.piece(piece[1]) if calls else piece[1]):
+                yield event
         try:
             row, = await job.future
         except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
@@ -142,7 +259,16 @@ async def events(served: Served, job: Generation):
             yield _event("error", error=error.anthropic_body()["error"])
             return
         reason, sequence = stop_of(row)
-        yield _event("content_block_stop", index=0)
+        for delta in calls.end(row.text.text, row.text.finish_reason)[0] if calls else ():
+            for event in blocks.of(delta):
+                yield event
+        if blocks.index < 0:  # no output at all: the empty text block the answer has
+            for event in blocks.start({"type": "text", "text": ""}):
+                yield event
+        for event in blocks.close():
+            yield event
+        if blocks.calls and reason != "max_tokens":
+            reason, sequence = "tool_use", None
         yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                      usage={"output_tokens": len(row.tokens)})
         yield _event("message_stop")
@@ -154,7 +280,8 @@ async def events(served: Served, job: Generation):
 def count_tokens(served: Served, body: MessagesRequest, _loop=None) -> dict:
     """Anthropic's `count_tokens`: the prompt's tokens as the chat template renders the request."""
     served.check_model(body.model)
-    prompt, _ = chat_prompt(served, chat_request(body, counting=True))
+    chat = chat_request(body, counting=True)
+    prompt, _ = chat_prompt(served, chat, tools=checked_tools(chat.tools))
     return {"input_tokens": len(prompt)}
 
 

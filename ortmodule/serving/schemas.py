@@ -241,14 +241,21 @@ class ResponsesRequest(BaseModel):
 
 class AnthropicBlock(BaseModel):
     """A content block of Anthropic's Messages API: `text` (`text`), `image` (`source`: `{"type": "base64",
-    "media_type", "data"}` or `{"type": "url", "url"}`); others (tool use and results, documents, thinking) are
-    refused by messages_routes.py."""
+    "media_type", "data"}` or `{"type": "url", "url"}`), `tool_use` (an assistant's call: `id`, `name`, `input`),
+    `tool_result` (the user's answer to one: `tool_use_id`, `content` a text or text blocks, `is_error`); others
+    (documents, thinking) are refused by messages_routes.py."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Text
     text: Text | None = None
     source: dict[str, Any] | None = None
+    id: Text | None = None
+    name: Text | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: Text | None = None
+    content: Text | list[AnthropicBlock] | None = None
+    is_error: StrictBool | None = None
 
 
 class AnthropicMessage(BaseModel):
@@ -261,8 +268,8 @@ class AnthropicMessage(BaseModel):
 class MessagesRequest(BaseModel):
     """Anthropic's `POST /v1/messages` (as vLLM serves it): `messages`, `system`, `max_tokens` (required, as
     Anthropic's API has it), `temperature`, `top_p`, `top_k` (which Anthropic's newer SDKs send in `extra_body`),
-    `stop_sequences`, `stream`, `metadata`, `output_config.format`; tools, extended thinking and an effort refused
-    unless neutral (messages_routes.py); other fields ignored. `count_tokens` takes the same without
+    `stop_sequences`, `stream`, `metadata`, `output_config.format`, `tools` and `tool_choice`; extended thinking and
+    an effort refused unless neutral (messages_routes.py); other fields ignored. `count_tokens` takes the same without
     `max_tokens`."""
 
     model_config = ConfigDict(extra="allow", strict=True)
