@@ -361,3 +361,56 @@ def test_anthropics_auto_calls_and_a_conversation_with_results(tools_live):
         {"role": "user", "content": "And tomorrow?"}]
     counted = client.messages.count_tokens(model=NAME, messages=conversation, tools=ANTHROPIC_TOOLS).input_tokens
     assert counted == len(prompt_ids(tokenizer, rendered))
+
+
+# ---- OpenAI's Responses API: the same calls as function_call items ---------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_the_responses_apis_function_calls_are_chats_calls_as_items(tools_live):
+    """A named function and "auto" on `/v1/responses`: chat's calls (transformers' greedy text under the same
+    grammars) as `function_call` items after the text before them; the `openai` client's `Response` takes the
+    answer and its stream helper's final response holds the same items; an earlier call and its output in
+    `input` render as transformers renders the chat messages they are."""
+    from openai.types.responses import Response
+
+    live, hf, tokenizer = tools_live
+    sdk = client(live)
+    ids = prompt_ids(tokenizer, ASK)
+    expected = greedy_text(hf, tokenizer, ids, compact(WEATHER))[0]
+    named = dict(model=NAME, input=ASK, tools=RESPONSES_TOOLS, tool_choice={"type": "function", "name": "get_weather"},
+                 max_output_tokens=60, temperature=0.0, extra_body=COMPACT)
+    answer = sdk.responses.create(**named)
+    Response.model_validate(answer.model_dump(), strict=True)
+    (item,) = answer.output
+    assert (item.type, item.name, item.arguments, item.status) == ("function_call", "get_weather", expected,
+                                                                    "completed")
+    assert item.call_id.startswith("call_") and answer.status == "completed"
+    with sdk.responses.stream(**named) as stream:
+        final = stream.get_final_response()
+    assert [(i.type, i.name, i.arguments) for i in final.output] == [("function_call", "get_weather", expected)]
+    pattern = r"(Sure|Yes)\. " + CALL.replace("{", r"\{").replace("}", r"\}")
+    expected = greedy_text(hf, tokenizer, ids, LLMatcher.grammar_from_regex(pattern), 170)[0]
+    before, _, call = expected.partition("<tool_call>")
+    inner = json.loads(call.removesuffix("</tool_call>"))
+    auto = dict(model=NAME, input=ASK, tools=RESPONSES_TOOLS, max_output_tokens=170, temperature=0.0,
+                extra_body={"structured_outputs": {"regex": pattern}})
+    answer = sdk.responses.create(**auto)
+    with sdk.responses.stream(**auto) as stream:
+        final = stream.get_final_response()
+    for got in (answer, final):
+        message, made = got.output
+        assert (message.type, message.content[0].text) == ("message", before)
+        assert (made.type, made.name, json.loads(made.arguments)) == ("function_call", inner["name"],
+                                                                      inner["arguments"])
+    arguments = {"city": "Rome", "unit": "c"}
+    conversation = ASK + [{"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                           "arguments": json.dumps(arguments)},
+                          {"type": "function_call_output", "call_id": "call_1", "output": "21 degrees"}]
+    rendered = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+    answer = sdk.responses.create(model=NAME, input=conversation, tools=RESPONSES_TOOLS, tool_choice="none",
+                                  max_output_tokens=4, temperature=0.0)
+    assert answer.usage.input_tokens == len(prompt_ids(tokenizer, rendered))

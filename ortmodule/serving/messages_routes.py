@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from .chat_prompts import chat_prompt
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
-from .openai_routes import chat_job_as
+from .openai_routes import CHAT_EXTRAS, chat_job_as
 from .schemas import ChatMessage, ChatRequest, ContentPart, FunctionCall, ImageURL, MessagesRequest, ToolCall
 from .served import Served, abandon, answer_off_loop, run_or_stream
 from .tools import ToolStream, checked_tools, tool_message
@@ -55,7 +55,8 @@ def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
             raise ServingError(f"messages[{i}].role {message.role!r}: Anthropic's messages are the user's and the "
                                "assistant's (the system's goes in `system`)", f"messages[{i}].role")
         messages += _chat_messages(message, f"messages[{i}]")
-    extra = {name: value for name, value in (body.model_extra or {}).items() if name in CHAT_EXTRAS}
+    extra = {name: value for name, value in (body.model_extra or {}).items()
+             if name in CHAT_EXTRAS + ("response_format",)}
     form = output.get("format")
     if form is not None:  # Anthropic's structured output: a JSON schema
         if not (isinstance(form, dict) and form.get("type") == "json_schema" and isinstance(form.get("schema"), dict)):
@@ -124,10 +125,6 @@ def _chat_messages(message, where: str) -> list[ChatMessage]:
         return results
     return results + [ChatMessage(role=message.role, content=parts or None, tool_calls=calls or None)]
 
-
-# Fields beyond Anthropic's that its clients send through to vLLM and this server carries out as chat does.
-CHAT_EXTRAS = ("seed", "min_p", "repetition_penalty", "response_format", "structured_outputs", "guided_json",
-               "guided_regex", "guided_choice", "guided_grammar", "chat_template_kwargs")
 
 
 def _text_of(system, where: str) -> str:

@@ -336,6 +336,12 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
                       tools=plan)
 
 
+# Fields beyond the Responses API's and Anthropic's that their clients send through to vLLM (`extra_body`), which
+# those routes carry out as chat does.
+CHAT_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "structured_outputs", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "chat_template_kwargs")
+
+
 def chat_job_as(served: Served, chat: ChatRequest, loop, names: dict[str, str], items: str,
                 lead: str | None) -> Generation:
     """`chat_job` of a chat request made from another API's request (the Responses API's, Anthropic's), its

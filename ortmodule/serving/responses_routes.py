@@ -9,9 +9,13 @@ comes back as a `response` object: one assistant message of one `output_text`, `
 "incomplete" with `incomplete_details.reason` "max_output_tokens" where the length ended it. With
 `stream`, the API's events: `response.created`, `response.in_progress`, the message and its text part
 added, `response.output_text.delta` each piece, their `done` events, then `response.completed` (or
-`response.incomplete`). What needs state or something this server does not carry out is refused unless
-neutral: `previous_response_id`, `conversation`, a stored `prompt`, `background`, tools, a `text.format`
-other than text, `reasoning`, `truncation` "auto"; `store` is taken and answered false (nothing is kept).
+`response.incomplete`). Function tools (`tools` of type "function", `tool_choice`, `parallel_tool_calls`;
+`function_call` and `function_call_output` input items) are chat's tool calling (tools.py): calls come back
+as `function_call` items after the message of the text before them (if any), streamed as
+`response.function_call_arguments.delta`s. vLLM's sampling and structured-output extras (`CHAT_EXTRAS`) are
+taken as chat takes them. What needs state or something this server does not carry out is refused unless
+neutral: `previous_response_id`, `conversation`, a stored `prompt`, `background`, hosted tools,
+`max_tool_calls`, `reasoning`, `truncation` "auto"; `store` is taken and answered false (nothing is kept).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from fastapi import FastAPI, Request
 
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
-from .openai_routes import chat_job_as, chat_logprobs
-from .schemas import ChatMessage, ChatRequest, ContentPart, ImageURL, ResponsesRequest
+from .openai_routes import CHAT_EXTRAS, chat_job_as, chat_logprobs
+from .schemas import ChatMessage, ChatRequest, ContentPart, FunctionCall, ImageURL, ResponsesRequest, ToolCall
 from .served import Served, abandon, run_or_stream
+from .tools import ToolStream, tool_message
 
 LOGPROBS = "message.output_text.logprobs"
 # The request's fields that only a neutral value passes: (name, what passes, why not).
@@ -33,8 +38,7 @@ NEUTRAL = (("previous_response_id", (None,), "this server keeps no responses: se
            ("conversation", (None,), "this server keeps no conversations: send the conversation in `input`"),
            ("prompt", (None,), "this server keeps no prompt templates"),
            ("background", (None, False), "this server answers in the request"),
-           ("tools", (None, []), "this route calls no tools (/v1/chat/completions does)"),
-           ("max_tool_calls", (None,), "this route calls no tools (/v1/chat/completions does)"),
+           ("max_tool_calls", (None,), "it counts built-in tools' calls, and this server has none"),
            ("reasoning", (None, {}, {"effort": None}, {"effort": None, "summary": None}),
             "this server does not set a reasoning effort"),
            ("truncation", (None, "disabled"), "this server does not cut a prompt to fit: a prompt too long is refused"))
@@ -57,13 +61,62 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions is not None else []
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     for i, item in enumerate(items):
-        messages.append(_message(item, f"input[{i}]") if not isinstance(item, dict) else ChatMessage(**item))
+        if isinstance(item, dict):
+            messages.append(ChatMessage(**item))
+        elif item.type in ("function_call", "function_call_output"):
+            _add_call(messages, item, f"input[{i}]")
+        else:
+            messages.append(_message(item, f"input[{i}]"))
     logprobs = LOGPROBS in (body.include or ())
+    tools, choice = _tools(body)
+    extra = {name: value for name, value in (body.model_extra or {}).items() if name in CHAT_EXTRAS}
     return ChatRequest(model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
                        temperature=body.temperature, top_p=body.top_p, logprobs=logprobs,
                        top_logprobs=(body.top_logprobs or 0) if logprobs else None, stream=body.stream,
-                       tool_choice="none" if body.tool_choice in ("auto", "required") else body.tool_choice,
-                       response_format=_response_format((body.text or {}).get("format")))
+                       tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
+                       response_format=_response_format((body.text or {}).get("format")), **extra)
+
+
+def _tools(body: ResponsesRequest) -> tuple[list[dict] | None, str | dict | None]:
+    """This API's function tools (`name`, `description`, `parameters`, `strict` flat in the tool) and
+    `tool_choice` (a named function `{"type": "function", "name"}` flat too) as chat's (tools.py). Its hosted
+    tools (web search, file search, MCP, ...) are refused: this server runs none."""
+    tools = None
+    for i, tool in enumerate(body.tools or ()):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise ServingError(f"tools[{i}]: a tool of type {kind!r} is not supported: this server calls functions "
+                               "(type 'function') only", f"tools[{i}]")
+        function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters", "strict")}
+        tools = (tools or []) + [{"type": "function", "function": function}]
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ServingError(f"tool_choice {choice!r} is not supported: send 'auto', 'none', 'required' or "
+                               "{'type': 'function', 'name': ...}", "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif not tools and choice in ("auto", "required"):  # nothing to call
+        choice = None
+    return tools, choice
+
+
+def _add_call(messages: list[ChatMessage], item, where: str) -> None:
+    """A `function_call` item as a call of the assistant's message (the last message, where it is the
+    assistant's, else a new one); a `function_call_output` as a tool message answering its `call_id`."""
+    if not item.call_id:
+        raise ServingError(f"{where}: a {item.type} item needs its call_id", "input")
+    if item.type == "function_call_output":
+        output = item.output if isinstance(item.output, str) or item.output is None else "".join(
+            part.text or "" for part in item.output if part.type in ("input_text", "output_text"))
+        messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=output or ""))
+        return
+    if item.name is None or item.arguments is None:
+        raise ServingError(f"{where}: a function_call item needs its name and arguments", "input")
+    call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+    if messages and messages[-1].role == "assistant":
+        messages[-1] = messages[-1].model_copy(update={"tool_calls": (messages[-1].tool_calls or []) + [call]})
+    else:
+        messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
 
 
 def _response_format(form):
@@ -77,8 +130,8 @@ def _message(item, where: str) -> ChatMessage:
     """A message item as a chat message: `developer` as `system` (chat templates know the one), its parts as
     chat's (text, `image_url`)."""
     if item.type not in (None, "message"):
-        raise ServingError(f"{where}: an item of type {item.type!r} is not supported: this server takes messages "
-                           "(it calls no tools and keeps no items)", "input")
+        raise ServingError(f"{where}: an item of type {item.type!r} is not supported: this server takes messages, "
+                           "function_call and function_call_output items (it keeps no items)", "input")
     if item.role is None:
         raise ServingError(f"{where}: a message needs a role", "input")
     role = "system" if item.role == "developer" else item.role
@@ -104,9 +157,9 @@ def responses_job(served: Served, body: ResponsesRequest, loop) -> Generation:
 
 
 def response_object(served: Served, body: ResponsesRequest, job: Generation, names: tuple[str, str, int],
-                    rows: list[Row] | None) -> dict:
+                    rows: list[Row] | None, output: list[dict] | None = None) -> dict:
     """The `response` object (`names`: its id, its message's, its time), in progress (`rows` None, no output
-    yet) or answered by its one row."""
+    yet) or answered by its one row (its `output` items as a stream gave them, else `_output`'s)."""
     ident, message_id, created = names
     sampling = job.sampling
     answer = {"id": ident, "object": "response", "created_at": created, "status": "in_progress",
@@ -114,16 +167,16 @@ def response_object(served: Served, body: ResponsesRequest, job: Generation, nam
               "max_output_tokens": body.max_output_tokens, "model": served.name, "output": [],
               "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
               "previous_response_id": None, "reasoning": None, "store": False, "temperature": sampling.temperature,
-              "text": {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto", "tools": [],
-              "top_logprobs": body.top_logprobs or 0, "top_p": sampling.top_p, "truncation": "disabled",
-              "usage": None, "user": body.user, "metadata": body.metadata or {}}
+              "text": {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
+              "tools": body.tools or [], "top_logprobs": body.top_logprobs or 0, "top_p": sampling.top_p,
+              "truncation": "disabled", "usage": None, "user": body.user, "metadata": body.metadata or {}}
     if rows is None:
         return answer
     row, = rows
     cut = row.text.finish_reason == "length"
     answer.update(status="incomplete" if cut else "completed",
                   incomplete_details={"reason": "max_output_tokens"} if cut else None,
-                  output=[_message_item(served, body, message_id, row, "incomplete" if cut else "completed")],
+                  output=output if output is not None else _output(served, body, job, message_id, row),
                   usage={"input_tokens": job.tokens, "output_tokens": len(row.tokens),
                          "total_tokens": job.tokens + len(row.tokens),
                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -131,9 +184,34 @@ def response_object(served: Served, body: ResponsesRequest, job: Generation, nam
     return answer
 
 
-def _message_item(served: Served, body: ResponsesRequest, message_id: str, row: Row | None, status: str) -> dict:
-    content = [] if row is None else [_text_part(row.text.text, _logprobs(served, body, row))]
+def _output(served: Served, body: ResponsesRequest, job: Generation, message_id: str, row: Row) -> list[dict]:
+    """A finished row's output items: the assistant's message, or with calls read (tools.py) the text before
+    them as a message (where there is some; its tokens' log-probabilities left out, as they are the calls'
+    too) and a `function_call` item each."""
+    status = _status(row)
+    message, _ = tool_message(job.tools, row.text.text, row.text.finish_reason)
+    calls = message.get("tool_calls") or ()
+    items = []
+    if message["content"] or not calls:
+        logprobs = [] if calls else _logprobs(served, body, row)
+        items.append(_message_item(message_id, status, message["content"] or "", logprobs))
+    return items + [_call_item(call, status) for call in calls]
+
+
+def _status(row: Row) -> str:
+    return "incomplete" if row.text.finish_reason == "length" else "completed"
+
+
+def _message_item(message_id: str, status: str, text: str | None, logprobs: list = ()) -> dict:
+    content = [] if text is None else [_text_part(text, list(logprobs))]
     return {"type": "message", "id": message_id, "status": status, "role": "assistant", "content": content}
+
+
+def _call_item(call: dict, status: str, arguments: str | None = None) -> dict:
+    """A `function_call` output item of chat's call (tools.py's), its ids of this API's forms."""
+    tail = call["id"].rsplit("-", 1)[-1]
+    return {"type": "function_call", "id": f"fc_{tail}", "call_id": f"call_{tail}", "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"] if arguments is None else arguments, "status": status}
 
 
 def _text_part(text: str, logprobs: list) -> dict:
@@ -172,35 +250,95 @@ class _Events:
         return f"event: {kind}\ndata: {dumps(data)}\n\n"
 
 
+class _Output:
+    """A stream's output items as they come (chat's deltas: tools.py's `ToolStream`): the message's text
+    (`response.output_text.delta`s) and each call (`response.function_call_arguments.delta`s), an item
+    added where one starts and done where the next starts or the output ends; `items` the items done."""
+
+    def __init__(self, event: _Events, message_id: str):
+        self.event, self.message_id, self.items, self.open, self.text = event, message_id, [], None, ""
+
+    def place(self) -> dict:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def open_message(self) -> list[str]:
+        events = self.close("completed")
+        self.items.append(_message_item(self.message_id, "in_progress", None))
+        self.open, self.text = "message", ""
+        return events + [self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                    item=self.items[-1]),
+                         self.event("response.content_part.added", part=_text_part("", []), content_index=0,
+                                    **self.place())]
+
+    def delta(self, delta: dict, logprobs: list) -> list[str]:
+        events = []
+        if delta.get("content"):
+            events += self.open_message() if self.open != "message" else []
+            self.text += delta["content"]
+            events.append(self.event("response.output_text.delta", delta=delta["content"], logprobs=logprobs,
+                                     content_index=0, **self.place()))
+        for part in delta.get("tool_calls") or ():
+            if "id" in part:
+                events += self.close("completed")
+                self.items.append(_call_item(part, "in_progress", ""))
+                self.open = "call"
+                events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                         item=self.items[-1]))
+            piece = part.get("function", {}).get("arguments")
+            if piece:
+                self.items[-1]["arguments"] += piece
+                events.append(self.event("response.function_call_arguments.delta", delta=piece, **self.place()))
+        return events
+
+    def close(self, status: str, logprobs: list = ()) -> list[str]:
+        """The open item's done events (`logprobs`: the message's whole text's)."""
+        was, self.open = self.open, None
+        if was is None:
+            return []
+        if was == "message":
+            item = self.items[-1] = _message_item(self.message_id, status, self.text, logprobs)
+            part = item["content"][0]
+            return [self.event("response.output_text.done", text=part["text"], logprobs=part["logprobs"],
+                               content_index=0, **self.place()),
+                    self.event("response.content_part.done", part=part, content_index=0, **self.place()),
+                    self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)]
+        item = self.items[-1]
+        item["status"] = status
+        return [self.event("response.function_call_arguments.done", arguments=item["arguments"], **self.place()),
+                self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)]
+
+
 async def events(served: Served, body: ResponsesRequest, job: Generation):
     """The stream of one response (module docstring); a failure of the model's work is an `error` event, after
     which the stream ends; if the client goes away, its row stops."""
     names, event = _names(), _Events()
-    message_id = names[1]
-    place = {"item_id": message_id, "output_index": 0, "content_index": 0}
+    output, calls = _Output(event, names[1]), ToolStream(job.tools) if job.tools.calls else None
     try:
         state = response_object(served, body, job, names, None)
         yield event("response.created", response=state)
         yield event("response.in_progress", response=state)
-        yield event("response.output_item.added", output_index=0,
-                    item=_message_item(served, body, message_id, None, "in_progress"))
-        yield event("response.content_part.added", part=_text_part("", []), **place)
+        for line in output.open_message() if calls is None else ():  # a message from the start, without tools
+            yield line
         while (piece := await job.next_event()) is not None:
             _, text, _, scored = piece
-            yield event("response.output_text.delta", delta=text, logprobs=_logprobs(served, body, None, scored or []),
-                        **place)
+            delta = calls.piece(text) if calls else {"content": text}
+            for line in output.delta(delta, [] if calls else _logprobs(served, body, None, scored or [])):
+                yield line
         try:
             rows = await job.future
         except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
             error = e if isinstance(e, ServingError) else failed("the response", e)
             yield event("error", code=error.code, message=str(error), param=error.param)
             return
-        done = response_object(served, body, job, names, rows)
-        item, = done["output"]
-        part, = item["content"]
-        yield event("response.output_text.done", text=part["text"], logprobs=part["logprobs"], **place)
-        yield event("response.content_part.done", part=part, **place)
-        yield event("response.output_item.done", output_index=0, item=item)
+        row, = rows
+        for delta in calls.end(row.text.text, row.text.finish_reason)[0] if calls else ():
+            for line in output.delta(delta, []):
+                yield line
+        lines = output.open_message() if not output.items else []  # no output at all: an empty message
+        lines += output.close(_status(row), _logprobs(served, body, row) if calls is None else [])
+        for line in lines:
+            yield line
+        done = response_object(served, body, job, names, rows, output.items)
         yield event(f"response.{done['status']}", response=done)
     finally:
         if not job.future.done():  # the client went away mid-stream: free its row

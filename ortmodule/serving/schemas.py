@@ -195,13 +195,19 @@ class ResponsePart(BaseModel):
 
 class ResponseItem(BaseModel):
     """An item of a Responses `input` list: a message (`type` "message" or left out), its `content` text or
-    parts. Other items (a tool's call and output, reasoning, a reference to a stored item) are refused."""
+    parts; a `function_call` the model made (`call_id`, `name`, `arguments`) and its `function_call_output`
+    (`call_id`, `output` a text or text parts). Other items (reasoning, a reference to a stored item) are
+    refused."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Text | None = None
     role: Text | None = None
     content: Text | list[ResponsePart] | None = None
+    call_id: Text | None = None
+    name: Text | None = None
+    arguments: Text | None = None
+    output: Text | list[ResponsePart] | None = None
 
 
 class ResponsesRequest(BaseModel):
