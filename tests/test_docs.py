@@ -369,7 +369,7 @@ def test_serving_curl_examples(smollm2):
         ran = sum(check_curl_examples(live, code, skip_models={"qwen-vl"}) for code in shell_blocks("docs/serving.md"))
     finally:
         live.stop()
-    assert ran == 10
+    assert ran == 11
 
 
 def test_scoring_curl_example(tmp_path):

@@ -141,7 +141,7 @@ def test_required_is_a_list_of_calls_under_the_tools_schemas(tools_live):
     def schema(most=None):
         options = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                                      "parameters": t["function"]["parameters"]},
-                    "required": ["name", "parameters"]} for t in TOOLS]
+                    "required": ["name", "parameters"], "additionalProperties": False} for t in TOOLS]
         return {"type": "array", "minItems": 1, "items": {"anyOf": options},
                 **({"maxItems": most} if most else {})}
 

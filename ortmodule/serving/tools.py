@@ -128,7 +128,8 @@ def checked_tools(tools) -> tuple[dict, ...]:
 
 def _calls_schema(tools: tuple[dict, ...], parallel: bool) -> dict:
     """"required"'s output: a JSON list of `{"name": one tool's name, "parameters": its parameters}`, the tools'
-    `$defs` gathered at the top (where their references point), as vLLM builds it."""
+    `$defs` gathered at the top (where their references point), as vLLM builds it; no other key beside the two
+    (vLLM's schema lets a model add some, which no call carries)."""
     options, defs = [], {}
     for i, tool in enumerate(tools):
         function = tool["function"]
@@ -140,7 +141,7 @@ def _calls_schema(tools: tuple[dict, ...], parallel: bool) -> dict:
             defs[key] = value
         options.append({"type": "object", "properties": {"name": {"type": "string", "enum": [function["name"]]},
                                                          "parameters": parameters},
-                        "required": ["name", "parameters"]})
+                        "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
     if not parallel:
         schema["maxItems"] = 1
