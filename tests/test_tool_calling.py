@@ -414,3 +414,36 @@ def test_the_responses_apis_function_calls_are_chats_calls_as_items(tools_live):
     answer = sdk.responses.create(model=NAME, input=conversation, tools=RESPONSES_TOOLS, tool_choice="none",
                                   max_output_tokens=4, temperature=0.0)
     assert answer.usage.input_tokens == len(prompt_ids(tokenizer, rendered))
+
+
+def test_the_openai_clients_pydantic_tools_parse(tools_live):
+    """The `openai` client's `pydantic_function_tool` (a strict schema with `$defs` and a `$ref`) through its
+    `chat.completions.parse`: a named call and "required"'s calls (the tools' `$defs` gathered where the
+    references point) come back parsed into the pydantic model by the client."""
+    import enum
+
+    import openai
+    from pydantic import BaseModel
+
+    class City(enum.StrEnum):
+        paris = "Paris"
+        rome = "Rome"
+
+    class GetWeather(BaseModel):
+        city: City
+
+    class GetTime(BaseModel):
+        city: City
+        utc: bool
+
+    live = tools_live[0]
+    tools = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(GetTime)]
+    assert "$defs" in tools[0]["function"]["parameters"]
+    for choice in ({"type": "function", "function": {"name": "GetWeather"}}, "required"):
+        answer = client(live).chat.completions.parse(model=NAME, messages=ASK, tools=tools, tool_choice=choice,
+                                                     parallel_tool_calls=False, max_tokens=60, temperature=0,
+                                                     extra_body=COMPACT)
+        (call,) = answer.choices[0].message.tool_calls
+        kind = {"GetWeather": GetWeather, "GetTime": GetTime}[call.function.name]
+        assert isinstance(call.function.parsed_arguments, kind)
+        assert json.loads(call.function.arguments) == call.function.parsed_arguments.model_dump(mode="json")
