@@ -447,3 +447,22 @@ def test_the_openai_clients_pydantic_tools_parse(tools_live):
         kind = {"GetWeather": GetWeather, "GetTime": GetTime}[call.function.name]
         assert isinstance(call.function.parsed_arguments, kind)
         assert json.loads(call.function.arguments) == call.function.parsed_arguments.model_dump(mode="json")
+
+
+def test_the_command_line_takes_vllms_tool_flags(llama, capsys, monkeypatch):
+    """`ortmodule serve --enable-auto-tool-choice --tool-call-parser hermes` reaches the settings; the first
+    without the second stops the server before the package loads, as vLLM's does; an unknown parser is
+    argparse's error."""
+    import ortmodule.serving
+    from ortmodule import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.ortmodule(["serve", str(llama.package_dir), "--port", "0", "--enable-auto-tool-choice"])
+    assert stopped.value.code == 2 and "enable_auto_tool_choice needs tool_call_parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.ortmodule(["serve", str(llama.package_dir), "--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral'" in capsys.readouterr().err
+    given = {}
+    monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: given.update(options))
+    cli.ortmodule(["serve", str(llama.package_dir), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert (given["enable_auto_tool_choice"], given["tool_call_parser"]) == (True, "hermes")
