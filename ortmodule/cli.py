@@ -298,6 +298,9 @@ def _serve_flags(commands) -> None:
     serve.add_argument("--tool-call-parser", dest="tool_call_parser", default=None, choices=["hermes", "llama3_json"],
                        help="how the model writes its calls: hermes (Hermes, Qwen2.5, Qwen3, SmolLM3: <tool_call>...)"
                             " or llama3_json (Llama 3.1-3.3's JSON calls), as vLLM's parsers of those names")
+    serve.add_argument("--reasoning-parser", dest="reasoning_parser", default=None, choices=["qwen3", "deepseek_r1"],
+                       help="answer a thinking model's <think>...</think> text apart from its content (chat's "
+                            "message.reasoning), as vLLM's flag of that name: qwen3 or deepseek_r1")
     _settings_flags(serve)
 
 

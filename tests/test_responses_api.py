@@ -146,7 +146,7 @@ def test_a_cut_stream_ends_incomplete_and_its_logprobs_are_chats(openai_live):
     ({"include": ["reasoning.encrypted_content"]}, "include", "includes 'message.output_text.logprobs' only"),
     ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
     ({"max_output_tokens": 10**6}, "max_output_tokens", "max_output_tokens"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning'"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "'item_reference'"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "needs its call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}, "input", "file_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_data": "x"}]}]}, "input", "'input_file'"),

@@ -31,6 +31,7 @@ from .. import scoring
 from ..inputs import argmax, pad_right, start_copy_to_host, to_device
 from . import constraints
 from .constraints import Constraint
+from .reasoning import Reasoning
 from .text import TextStream
 from .tools import NO_TOOLS, ToolPlan
 
@@ -322,15 +323,16 @@ class Generation(Job):
     """Completions of every prompt with `sampling`, each prompt a `Row` of the decode batch (a
     request's `n` choices: each prompt `copies` times in a row, each copy a row of its own).
     `stream`: an asyncio.Queue that gets `(prompt index, text)` as text becomes final, then None.
-    `tools`: a chat request's tool calling (tools.py's plan), read when its answer is written."""
+    `tools`: a chat request's tool calling (tools.py's plan), read when its answer is written; `reasoning` how its
+    output's reasoning is read (reasoning.py; None: it is all content)."""
 
     kind = "generation"
 
     def __init__(self, prompts: list[Ids], sampling: Sampling, loop, tokenizer, eos: set[int],
                  stream: bool = False, prompt_top: int | None = None, media=None, copies: int = 1,
-                 prompt_ranks: bool = False, tools: ToolPlan = NO_TOOLS):
+                 prompt_ranks: bool = False, tools: ToolPlan = NO_TOOLS, reasoning: Reasoning | None = None):
         super().__init__(prompts, loop)
-        self.tools = tools
+        self.tools, self.reasoning = tools, reasoning
         self.sampling, self.prompt_top, self.prompt_ranks = sampling, prompt_top, prompt_ranks
         self.stream: asyncio.Queue | None = asyncio.Queue() if stream else None
         self.prompt_scores: list[PromptScores] | None = None  # echo: filled before the rows start

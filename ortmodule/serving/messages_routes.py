@@ -12,8 +12,9 @@ stream is Anthropic's events: `message_start`, `content_block_start`, `ping`, a 
 tokens) and `message_stop`. Tools (`tools` with `input_schema`s, `tool_choice` auto, any, tool or none, an
 assistant's `tool_use` blocks and a user's `tool_result` blocks) are chat's tool calling (tools.py): calls come
 back as `tool_use` blocks (after the text before them, if any) with `stop_reason` "tool_use", streamed as
-`input_json_delta`s. Anthropic's server tools, extended thinking and an effort are refused by name; errors take
-Anthropic's shape (errors.py).
+`input_json_delta`s. With a reasoning parser (`--reasoning-parser`: reasoning.py) a thinking model's reasoning is
+a `thinking` block first (`thinking_delta`s in a stream). Anthropic's server tools, a thinking budget and an
+effort are refused by name; errors take Anthropic's shape (errors.py).
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ import uuid
 
 from fastapi import FastAPI, Request
 
+from .answers import ChatStream, chat_answer
 from .chat_prompts import chat_prompt
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
 from .openai_routes import CHAT_EXTRAS, chat_job_as
+from .reasoning import split_reasoning
 from .schemas import ChatMessage, ChatRequest, ContentPart, FunctionCall, ImageURL, MessagesRequest, ToolCall
 from .served import Served, abandon, answer_off_loop, run_or_stream
-from .tools import ToolStream, checked_tools, tool_message
+from .tools import checked_tools
 
 RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
@@ -170,20 +173,25 @@ def _tool_use(call: dict, arguments) -> dict:
 
 
 def content_of(job: Generation, row: Row) -> tuple[list[dict], str, str | None]:
-    """A finished row's content blocks, `stop_reason` and `stop_sequence`: one text block, or with calls read
-    (tools.py) the text before them (where there is some) and a `tool_use` block each, stop reason "tool_use"
-    (a call cut short by the length stays text, "max_tokens")."""
+    """A finished row's content blocks, `stop_reason` and `stop_sequence` (answers.py's reading): a `thinking`
+    block of its reasoning where the server reads some; one text block, or with calls the text before them
+    (where there is some) and a `tool_use` block each, stop reason "tool_use" (a call cut short by the length
+    stays text, "max_tokens")."""
     reason, sequence = stop_of(row)
-    message, _ = tool_message(job.tools, row.text.text, row.text.finish_reason)
+    message, _, reasoning = chat_answer(job, row)
+    thinking = [{"type": "thinking", "thinking": reasoning, "signature": ""}] \
+        if reasoning is not None and job.reasoning.shown else []
     calls = message.get("tool_calls") or ()
     try:
         uses = [_tool_use(call, json.loads(call["function"]["arguments"])) for call in calls]
     except ValueError:
-        return [{"type": "text", "text": row.text.text}], reason, sequence
-    text = [{"type": "text", "text": message["content"] or ""}] if message["content"] or not uses else []
+        return thinking + [{"type": "text", "text": split_reasoning(job.reasoning, row.text.text)[1] or ""}], \
+            reason, sequence
+    text = [{"type": "text", "text": message["content"] or ""}] \
+        if message["content"] or not (uses or thinking) else []
     if uses and reason != "max_tokens":
         reason, sequence = "tool_use", None
-    return text + uses, reason, sequence
+    return thinking + text + uses, reason, sequence
 
 
 def _message(served: Served, ident: str, job: Generation, row: Row | None) -> dict:
@@ -203,8 +211,9 @@ def _event(kind: str, **fields) -> str:
 
 
 class _Blocks:
-    """A stream's content blocks: chat's deltas (tools.py's `ToolStream`) as Anthropic's block events, a block
-    started where its kind changes (text, or a call's `tool_use` with its input's JSON in `input_json_delta`s)."""
+    """A stream's content blocks: chat's deltas (answers.py's `ChatStream`) as Anthropic's block events, a block
+    started where its kind changes (thinking, text, or a call's `tool_use` with its input's JSON in
+    `input_json_delta`s)."""
 
     def __init__(self):
         self.index, self.open, self.calls = -1, None, 0
@@ -220,6 +229,12 @@ class _Blocks:
 
     def of(self, delta: dict | str) -> list[str]:
         events = []
+        thought = None if isinstance(delta, str) else delta.get("reasoning")
+        if thought:
+            if self.open != "thinking":
+                events += self.start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(_event("content_block_delta", index=self.index,
+                                 delta={"type": "thinking_delta", "thinking": thought}))
         text = delta if isinstance(delta, str) else delta.get("content")
         if text:
             if self.open != "text":
@@ -239,10 +254,10 @@ class _Blocks:
 async def events(served: Served, job: Generation):
     """The stream of one message (module docstring); a failure of the model's work is an `error` event, after
     which the stream ends; if the client goes away, its row stops."""
-    blocks, calls = _Blocks(), ToolStream(job.tools) if job.tools.calls else None
+    blocks, calls = _Blocks(), ChatStream(job) if job.tools.calls or job.reasoning else None
     try:
         yield _event("message_start", message=_message(served, f"msg_{uuid.uuid4().hex}", job, None))
-        if calls is None:  # a text block from the start, as Anthropic's API streams one
+        if calls is None:  # a text block from the start, as Anthropic's API streams one, if nothing is read
             for event in blocks.start({"type": "text", "text": ""}):
                 yield event
         yield _event("ping")
@@ -256,7 +271,7 @@ async def events(served: Served, job: Generation):
             yield _event("error", error=error.anthropic_body()["error"])
             return
         reason, sequence = stop_of(row)
-        for delta in calls.end(row.text.text, row.text.finish_reason)[0] if calls else ():
+        for delta in calls.end(row)[0] if calls else ():
             for event in blocks.of(delta):
                 yield event
         if blocks.index < 0:  # no output at all: the empty text block the answer has

@@ -21,14 +21,16 @@ import torch
 from fastapi import FastAPI, Request
 
 from ..inputs import outside_vocabulary, vocabulary_message
+from .answers import ChatStream, chat_answer
 from .chat_prompts import chat_prompt, refuse_unsupported
 from .constraints import constraint_of
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
+from .reasoning import reasoning_of, thinking_is_special
 from .schemas import ChatRequest, CompletionRequest
 from .served import Served, abandon, run_or_stream
 from .text import token_strings
-from .tools import ToolStream, markers_are_special, tool_message, tool_plan
+from .tools import markers_are_special, tool_plan
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 8
@@ -329,11 +331,12 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
         served.check_values(len(prompt) * (2 + body.prompt_logprobs), "the prompt's log-probabilities asked for",
                             "prompt_logprobs")
     sampling = sampling_of(served, body, max_tokens, top, stop, plan.schema)
-    if markers_are_special(plan, served.tokenizer):
-        sampling = dataclasses.replace(sampling, skip_special=False)
+    parser = served.settings.reasoning_parser
+    if markers_are_special(plan, served.tokenizer) or thinking_is_special(parser, served.tokenizer):
+        sampling = dataclasses.replace(sampling, skip_special=False)  # the parsers' markers kept in the text
     return Generation([prompt] * body.n, sampling, loop, served.tokenizer, served.engine.eos, body.stream,
                       body.prompt_logprobs, media=media, copies=body.n, prompt_ranks=body.prompt_logprobs is not None,
-                      tools=plan)
+                      tools=plan, reasoning=reasoning_of(parser, served.tokenizer, prompt, body.include_reasoning))
 
 
 # Fields beyond the Responses API's and Anthropic's that their clients send through to vLLM (`extra_body`), which
@@ -370,7 +373,12 @@ def chat_job_as(served: Served, chat: ChatRequest, loop, names: dict[str, str], 
 
 
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
-    answers = [tool_message(job.tools, row.text.text, row.text.finish_reason) for row in rows]
+    answers = []
+    for row in rows:
+        message, finish, reasoning = chat_answer(job, row)
+        if reasoning is not None and job.reasoning.shown:  # vLLM's name, and SGLang's and DeepSeek's
+            message.update(reasoning=reasoning, reasoning_content=reasoning)
+        answers.append((message, finish))
     choices = [{"index": row.index, "message": message,
                 "logprobs": {"content": chat_logprobs(served.tokenizer, list(zip(row.tokens, row.logprobs, row.top)))}
                 if body.logprobs else None,
@@ -473,7 +481,7 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
     ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
     logprobs = _StreamedLogprobs(served.tokenizer, kind, job.sampling.logprobs)
     ids = _StreamedIds(job.prompts) if token_ids else None
-    calls = [ToolStream(job.tools) for _ in job.prompts] if job.tools.calls else None
+    choices = [ChatStream(job) for _ in job.prompts] if kind == "chat.completion.chunk" else None
     try:
         if kind == "chat.completion.chunk":
             for index in range(n):
@@ -484,7 +492,7 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
                 yield _chunk(served, kind, ident, index, texts[index // n], ids=ids)
         while (event := await job.next_event()) is not None:
             index, text, tokens, scored = event
-            delta = calls[index].piece(text) if calls else text
+            delta = choices[index].piece(text) if choices else text
             yield _chunk(served, kind, ident, index, delta, logprobs=logprobs.of(index, scored), ids=ids, tokens=tokens)
         try:
             rows = await job.future
@@ -495,8 +503,8 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
         for row in rows:
             tokens, rest = row.unsent()
             finish = row.text.finish_reason
-            if calls:  # what a choice's calls held back, then its finish reason as tools.py reads it
-                deltas, finish = calls[row.index].end(row.text.text, finish)
+            if choices:  # what a choice's reasoning and calls held back, then its finish reason as tools.py reads it
+                deltas, finish = choices[row.index].end(row)
                 for delta in deltas:
                     yield _chunk(served, kind, ident, row.index, delta)
             yield _chunk(served, kind, ident, row.index, finish=finish, logprobs=logprobs.of(row.index, rest),

@@ -13,7 +13,10 @@ added, `response.output_text.delta` each piece, their `done` events, then `respo
 `function_call` and `function_call_output` input items) are chat's tool calling (tools.py): calls come back
 as `function_call` items after the message of the text before them (if any), streamed as
 `response.function_call_arguments.delta`s. vLLM's sampling and structured-output extras (`CHAT_EXTRAS`) are
-taken as chat takes them. What needs state or something this server does not carry out is refused unless
+taken as chat takes them. With a reasoning parser (`--reasoning-parser`: reasoning.py) a thinking model's
+reasoning is a `reasoning` item first (`reasoning_text` content, streamed as `response.reasoning_text.delta`s);
+earlier turns' reasoning items handed back in `input` are taken and left out of the prompt, as chat templates
+leave earlier thinking out. What needs state or something this server does not carry out is refused unless
 neutral: `previous_response_id`, `conversation`, a stored `prompt`, `background`, hosted tools,
 `max_tool_calls`, `reasoning`, `truncation` "auto"; `store` is taken and answered false (nothing is kept).
 """
@@ -25,12 +28,12 @@ import uuid
 
 from fastapi import FastAPI, Request
 
+from .answers import ChatStream, chat_answer
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
 from .openai_routes import CHAT_EXTRAS, chat_job_as, chat_logprobs
 from .schemas import ChatMessage, ChatRequest, ContentPart, FunctionCall, ImageURL, ResponsesRequest, ToolCall
 from .served import Served, abandon, run_or_stream
-from .tools import ToolStream, tool_message
 
 LOGPROBS = "message.output_text.logprobs"
 # The request's fields that only a neutral value passes: (name, what passes, why not).
@@ -65,6 +68,8 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
             messages.append(ChatMessage(**item))
         elif item.type in ("function_call", "function_call_output"):
             _add_call(messages, item, f"input[{i}]")
+        elif item.type == "reasoning":  # an earlier turn's reasoning, handed back: chat templates leave it out
+            continue
         else:
             messages.append(_message(item, f"input[{i}]"))
     logprobs = LOGPROBS in (body.include or ())
@@ -185,17 +190,24 @@ def response_object(served: Served, body: ResponsesRequest, job: Generation, nam
 
 
 def _output(served: Served, body: ResponsesRequest, job: Generation, message_id: str, row: Row) -> list[dict]:
-    """A finished row's output items: the assistant's message, or with calls read (tools.py) the text before
-    them as a message (where there is some; its tokens' log-probabilities left out, as they are the calls'
-    too) and a `function_call` item each."""
+    """A finished row's output items (answers.py's reading): its reasoning as a `reasoning` item where the
+    server reads some; the assistant's message, or with calls the text before them as a message (where there
+    is some) and a `function_call` item each. The message's log-probabilities are the whole output's, so they
+    are left out where it is not the whole output."""
     status = _status(row)
-    message, _ = tool_message(job.tools, row.text.text, row.text.finish_reason)
+    message, _, reasoning = chat_answer(job, row)
     calls = message.get("tool_calls") or ()
-    items = []
+    shown = reasoning is not None and job.reasoning.shown
+    items = [_reasoning_item(f"rs_{message_id[4:]}", status, reasoning)] if shown else []
     if message["content"] or not calls:
-        logprobs = [] if calls else _logprobs(served, body, row)
+        logprobs = [] if calls or reasoning is not None else _logprobs(served, body, row)
         items.append(_message_item(message_id, status, message["content"] or "", logprobs))
     return items + [_call_item(call, status) for call in calls]
+
+
+def _reasoning_item(ident: str, status: str, text: str | None) -> dict:
+    return {"type": "reasoning", "id": ident, "summary": [],
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}], "status": status}
 
 
 def _status(row: Row) -> str:
@@ -251,15 +263,27 @@ class _Events:
 
 
 class _Output:
-    """A stream's output items as they come (chat's deltas: tools.py's `ToolStream`): the message's text
-    (`response.output_text.delta`s) and each call (`response.function_call_arguments.delta`s), an item
-    added where one starts and done where the next starts or the output ends; `items` the items done."""
+    """A stream's output items as they come (chat's deltas: answers.py's `ChatStream`): the reasoning
+    (`response.reasoning_text.delta`s), the message's text (`response.output_text.delta`s) and each call
+    (`response.function_call_arguments.delta`s), an item added where one starts and done where the next starts
+    or the output ends; `items` the items done."""
 
     def __init__(self, event: _Events, message_id: str):
         self.event, self.message_id, self.items, self.open, self.text = event, message_id, [], None, ""
 
     def place(self) -> dict:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def thinking(self, piece: str) -> list[str]:
+        events = []
+        if self.open != "reasoning":
+            events += self.close("completed")
+            self.items.append(_reasoning_item(f"rs_{self.message_id[4:]}", "in_progress", None))
+            self.open, self.text = "reasoning", ""
+            events.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                     item=self.items[-1]))
+        self.text += piece
+        return events + [self.event("response.reasoning_text.delta", delta=piece, content_index=0, **self.place())]
 
     def open_message(self) -> list[str]:
         events = self.close("completed")
@@ -271,7 +295,7 @@ class _Output:
                                     **self.place())]
 
     def delta(self, delta: dict, logprobs: list) -> list[str]:
-        events = []
+        events = self.thinking(delta["reasoning"]) if delta.get("reasoning") else []
         if delta.get("content"):
             events += self.open_message() if self.open != "message" else []
             self.text += delta["content"]
@@ -295,6 +319,10 @@ class _Output:
         was, self.open = self.open, None
         if was is None:
             return []
+        if was == "reasoning":
+            item = self.items[-1] = _reasoning_item(self.items[-1]["id"], status, self.text)
+            return [self.event("response.reasoning_text.done", text=self.text, content_index=0, **self.place()),
+                    self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)]
         if was == "message":
             item = self.items[-1] = _message_item(self.message_id, status, self.text, logprobs)
             part = item["content"][0]
@@ -312,12 +340,13 @@ async def events(served: Served, body: ResponsesRequest, job: Generation):
     """The stream of one response (module docstring); a failure of the model's work is an `error` event, after
     which the stream ends; if the client goes away, its row stops."""
     names, event = _names(), _Events()
-    output, calls = _Output(event, names[1]), ToolStream(job.tools) if job.tools.calls else None
+    output = _Output(event, names[1])
+    calls = ChatStream(job) if job.tools.calls or job.reasoning else None  # read as the output comes
     try:
         state = response_object(served, body, job, names, None)
         yield event("response.created", response=state)
         yield event("response.in_progress", response=state)
-        for line in output.open_message() if calls is None else ():  # a message from the start, without tools
+        for line in output.open_message() if calls is None else ():  # a message from the start, if nothing is read
             yield line
         while (piece := await job.next_event()) is not None:
             _, text, _, scored = piece
@@ -331,7 +360,7 @@ async def events(served: Served, body: ResponsesRequest, job: Generation):
             yield event("error", code=error.code, message=str(error), param=error.param)
             return
         row, = rows
-        for delta in calls.end(row.text.text, row.text.finish_reason)[0] if calls else ():
+        for delta in calls.end(row)[0] if calls else ():
             for line in output.delta(delta, []):
                 yield line
         lines = output.open_message() if not output.items else []  # no output at all: an empty message

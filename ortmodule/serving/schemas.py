@@ -178,6 +178,7 @@ class ChatRequest(_Options):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
+    include_reasoning: StrictBool = True  # vLLM's: false leaves the reasoning out (serving/reasoning.py)
 
 
 class ResponsePart(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from .reasoning import PARSERS as REASONING_PARSERS
 from .tools import PARSERS
 
 API_KEY_VARIABLE = "ORTMODULE_API_KEY"
@@ -59,6 +60,10 @@ class Settings:
     chat requests with tools may leave the choice to the model ("auto", the default beside tools), its calls read
     by the parser named (one of serving/tools.py's `PARSERS`). Without them only a named function, "required" or
     "none" is taken (serving/tools.py).
+
+    `reasoning_parser` (vLLM's `--reasoning-parser`): a thinking model's `<think>...</think>` text answered apart
+    from its content on the chat, responses and messages routes, by the parser named (one of
+    serving/reasoning.py's `PARSERS`); None: the output is all content.
     """
 
     name: str | None = None
@@ -86,6 +91,7 @@ class Settings:
     generation_config: str = "auto"
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         for field in fields(self):
@@ -98,9 +104,10 @@ class Settings:
             elif field.name == "reuse_prefix":
                 if not isinstance(value, str) or value not in REUSE_PREFIX:
                     raise ValueError(f"reuse_prefix must be one of {', '.join(REUSE_PREFIX)}, got {value!r}")
-            elif field.name == "tool_call_parser":
-                if value is not None and value not in PARSERS:
-                    raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {value!r}")
+            elif field.name in ("tool_call_parser", "reasoning_parser"):
+                known = PARSERS if field.name == "tool_call_parser" else REASONING_PARSERS
+                if value is not None and value not in known:
+                    raise ValueError(f"{field.name} must be one of {', '.join(known)}, got {value!r}")
             elif field.name in ("name", "api_key", "processor", "generation_config"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"{field.name} must be a non-empty string, got {value!r}")

@@ -1,0 +1,98 @@
+"""Reasoning output on the chat routes, as vLLM's `--reasoning-parser` separates it: a thinking model's
+`<think>...</think>` text comes back apart from its answer, chat's `message.reasoning` (vLLM's name; SGLang's
+and DeepSeek's `reasoning_content` beside it, the same text), the answer alone in `content`, which tool calls
+are then read from (tools.py).
+
+The parsers (vLLM's of the same names):
+- `qwen3` (Qwen3, Qwen3.5): the model thinks where its output opens with `<think>` or its prompt ends with one
+  (Qwen3.5's template opens it there); its text up to `</think>` is then the reasoning, the rest the content
+  (all reasoning where `</think>` never comes: thinking cut short by the length). Other output is all content
+  (`enable_thinking: false`, whose template closes an empty thinking in the prompt).
+- `deepseek_r1` (DeepSeek-R1 and its distills, QwQ-32B: their templates open `<think>` in the prompt): the text
+  up to `</think>` is the reasoning; output without it is all reasoning.
+A request's `include_reasoning: false` (vLLM's) leaves the reasoning out of the answer, and its content the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PARSERS = ("qwen3", "deepseek_r1")
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """How a chat request's output is read: the server's `parser`; whether the prompt `opened` the thinking
+    (the chat template's `<think>` at its end); whether the answer is `shown` the reasoning (`include_reasoning`)."""
+
+    parser: str
+    opened: bool = False
+    shown: bool = True
+
+    def thinks(self, text: str) -> bool:
+        """Whether output beginning with `text` (enough of it to tell) is the model's thinking first."""
+        return self.parser == "deepseek_r1" or self.opened or text.startswith(START)
+
+
+def reasoning_of(parser: str | None, tokenizer, prompt: list[int], shown: bool) -> Reasoning | None:
+    """The reading of a chat request's output under the server's reasoning `parser` (None: none)."""
+    if parser is None:
+        return None
+    return Reasoning(parser, tokenizer.decode(prompt[-8:]).rstrip().endswith(START), shown)
+
+
+def split_reasoning(reading: Reasoning | None, text: str) -> tuple[str | None, str | None]:
+    """The output's reasoning and its content (each None where there is none), as the parser reads them."""
+    if reading is None or not reading.thinks(text):
+        return None, text
+    rest = text[len(START):] if text.startswith(START) else text
+    if END in rest:
+        reasoning, _, content = rest.partition(END)
+        return reasoning, content or None
+    return rest, None
+
+
+def thinking_is_special(parser: str | None, tokenizer) -> bool:
+    """Whether `</think>` is a special token of this tokenizer, whose text the output must then keep for the
+    parser to see it."""
+    return parser is not None and END in set(getattr(tokenizer, "all_special_tokens", ()))
+
+
+class ReasoningStream:
+    """A streamed choice's output split as it comes: reasoning until `</think>` (a piece that may begin it
+    held), the content after; `piece` gives (reasoning, content) to send for each piece of output."""
+
+    def __init__(self, reading: Reasoning):
+        self.reading, self.text, self.sent, self.thinking = reading, "", 0, None
+
+    def piece(self, text: str) -> tuple[str, str]:
+        self.text += text
+        if self.thinking is None:  # output that may still open with <think>: held until it is known
+            if len(self.text) < len(START) and START.startswith(self.text):
+                return "", ""
+            self.thinking = self.reading.thinks(self.text)
+            self.sent = len(START) if self.text.startswith(START) else 0
+        if not self.thinking:
+            content, self.sent = self.text[self.sent:], len(self.text)
+            return "", content
+        at = self.text.find(END, self.sent)
+        if at >= 0:
+            reasoning, content = self.text[self.sent: at], self.text[at + len(END):]
+            self.thinking, self.sent = False, len(self.text)
+            return reasoning, content
+        safe = len(self.text)
+        for keep in range(min(len(END) - 1, len(self.text) - self.sent), 0, -1):
+            if END.startswith(self.text[-keep:]):
+                safe -= keep
+                break
+        reasoning, self.sent = self.text[self.sent: safe], max(self.sent, safe)
+        return reasoning, ""
+
+    def end(self) -> tuple[str, str]:
+        """What was held at the end of the output: a `<think>` or `</think>` begun and never finished."""
+        if self.thinking is None:  # the whole output a beginning of <think>, and no more
+            self.thinking = self.reading.thinks(self.text)
+            self.sent = len(START) if self.text.startswith(START) else 0
+        rest, self.sent = self.text[self.sent:], len(self.text)
+        return (rest, "") if self.thinking else ("", rest)

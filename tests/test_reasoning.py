@@ -1,0 +1,192 @@
+"""Reasoning output (serving/reasoning.py, `--reasoning-parser`): a thinking model's `<think>...</think>` text
+answered apart from its content on the chat, responses and messages routes, whole and streamed, beside tool
+calls; the output itself transformers' greedy text (held here by a regex to a thinking model's form, so that
+the random fixture writes one), split where `</think>` is."""
+
+import json
+
+import httpx
+import pytest
+from helpers import OPENAI_NAME as NAME
+from helpers import LiveServer, expected_text, grammar_greedy, load_pair
+from test_tool_calling import CALL, TOOL_TEMPLATE, TOOLS
+
+llguidance = pytest.importorskip("llguidance")
+from llguidance import LLMatcher  # noqa: E402
+
+ASK = [{"role": "user", "content": "Which is larger, 9.11 or 9.8?"}]
+THINKING = r"<think>[a-z ]{4,16}</think>\n\n[A-Z][a-z ]{2,12}\."
+PLAIN = r"[A-Z][a-z ]{2,12}\."
+
+
+@pytest.fixture(scope="module")
+def thinking_live(build):
+    """The server on the llama fixture with the tool template, the qwen3 reasoning parser and hermes calls."""
+    from ortmodule import load_tokenizer
+    from ortmodule.serving import create_app
+
+    fixture = build("llama")
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    live = LiveServer(create_app(model, tokenizer, name=NAME, window_ms=20, reasoning_parser="qwen3",
+                                 enable_auto_tool_choice=True, tool_call_parser="hermes"))
+    yield live, model, hf, tokenizer
+    live.stop()
+
+
+def greedy(hf, tokenizer, pattern: str, messages=ASK, tools=None, new: int = 120) -> str:
+    ids = list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False))
+    tokens, complete = grammar_greedy(hf, tokenizer, ids, LLMatcher.grammar_from_regex(pattern), new)
+    assert complete
+    return expected_text(tokenizer, tokens)[0]
+
+
+def post(live, path: str, **fields) -> dict:
+    answer = httpx.post(f"{live.url}{path}", json={"model": NAME, "temperature": 0, **fields})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def chat_stream(live, **fields) -> tuple[str, str, list]:
+    """A chat stream's reasoning and content, each put together from its deltas, and its calls' deltas."""
+    reasoning, content, calls = "", "", []
+    body = {"model": NAME, "temperature": 0, "stream": True, **fields}
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                assert delta.get("reasoning") == delta.get("reasoning_content")
+                reasoning += delta.get("reasoning") or ""
+                content += delta.get("content") or ""
+                calls += delta.get("tool_calls") or []
+    return reasoning, content, calls
+
+
+def test_chat_answers_the_reasoning_apart_from_the_content(thinking_live):
+    """The text between <think> and </think> is `reasoning` (and `reasoning_content`), the rest the `content`,
+    whole and in a stream's deltas; `include_reasoning: false` leaves it out; output that does not open with
+    <think> is all content (qwen3's reading)."""
+    live, _, hf, tokenizer = thinking_live
+    text = greedy(hf, tokenizer, THINKING)
+    thought, _, answer = text.removeprefix("<think>").partition("</think>")
+    fields = {"messages": ASK, "max_tokens": 120, "structured_outputs": {"regex": THINKING}}
+    message = post(live, "/v1/chat/completions", **fields)["choices"][0]["message"]
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == (thought, thought, answer)
+    assert chat_stream(live, **fields)[:2] == (thought, answer)
+    hidden = post(live, "/v1/chat/completions", **fields, include_reasoning=False)["choices"][0]["message"]
+    assert hidden == {"role": "assistant", "content": answer}
+    assert chat_stream(live, **fields, include_reasoning=False)[:2] == ("", answer)
+    plain = greedy(hf, tokenizer, PLAIN)
+    fields["structured_outputs"] = {"regex": PLAIN}
+    assert post(live, "/v1/chat/completions", **fields)["choices"][0]["message"] == {"role": "assistant",
+                                                                                     "content": plain}
+    assert chat_stream(live, **fields)[:2] == ("", plain)
+
+
+def test_calls_are_read_from_the_content_after_the_reasoning(thinking_live):
+    """Thinking, then a hermes call: the reasoning apart, the call read from the content, finish "tool_calls";
+    streamed, the reasoning as it comes and the call at the end."""
+    live, _, hf, tokenizer = thinking_live
+    pattern = r"<think>[a-z ]{4,12}</think>\n\n" + CALL.replace("{", r"\{").replace("}", r"\}")
+    text = greedy(hf, tokenizer, pattern, tools=TOOLS, new=190)
+    thought, _, rest = text.removeprefix("<think>").partition("</think>")
+    inner = json.loads(rest.strip().removeprefix("<tool_call>").removesuffix("</tool_call>"))
+    fields = {"messages": ASK, "tools": TOOLS, "max_tokens": 190, "structured_outputs": {"regex": pattern}}
+    choice = post(live, "/v1/chat/completions", **fields)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == thought
+    assert choice["message"]["content"] == "\n\n"  # the text between the thinking and the call, as hermes reads it
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": inner["name"], "arguments": json.dumps(inner["arguments"])}
+    reasoning, content, calls = chat_stream(live, **fields)
+    assert (reasoning, content) == (thought, "\n\n")
+    assert [c["function"]["name"] for c in calls] == [inner["name"]]
+
+
+def test_responses_and_messages_answer_the_reasoning_in_their_own_shapes(thinking_live):
+    """The Responses API: a `reasoning` item (its `reasoning_text`) before the message, in the `openai` client's
+    types, streamed as the same items; Anthropic's: a `thinking` block before the text, streamed the same."""
+    from openai import OpenAI
+    from openai.types.responses import Response
+
+    anthropic = pytest.importorskip("anthropic")
+    live, _, hf, tokenizer = thinking_live
+    text = greedy(hf, tokenizer, THINKING)
+    thought, _, answer = text.removeprefix("<think>").partition("</think>")
+    sdk = OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0)
+    request = dict(model=NAME, input=ASK, max_output_tokens=120, temperature=0.0,
+                   extra_body={"structured_outputs": {"regex": THINKING}})
+    whole = sdk.responses.create(**request)
+    Response.model_validate(whole.model_dump(), strict=True)
+    with sdk.responses.stream(**request) as stream:
+        streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        reasoning, message = response.output
+        assert (reasoning.type, reasoning.content[0].text) == ("reasoning", thought)
+        assert (message.type, message.content[0].text, response.output_text) == ("message", answer, answer)
+    handed_back = post(live, "/v1/responses", input=ASK + [whole.output[0].model_dump(), whole.output[1].model_dump(),
+                                                           {"role": "user", "content": "Sure?"}],
+                       max_output_tokens=2)
+    assert handed_back["status"] == "incomplete"  # taken (the reasoning item left out of the prompt)
+    client = anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0)
+    request = dict(model=NAME, max_tokens=120, messages=ASK,
+                   extra_body={"temperature": 0.0, "structured_outputs": {"regex": THINKING}})
+    message = client.messages.create(**request)
+    with client.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    for got in (message, final):
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in got.content] == [
+            ("thinking", thought), ("text", answer)]
+
+
+@pytest.mark.parametrize(("parser", "opened", "text", "reasoning", "content"), [
+    ("qwen3", False, "<think>a b</think>\n\nYes.", "a b", "\n\nYes."),
+    ("qwen3", True, "a b</think>Yes.", "a b", "Yes."),  # a template that opened <think> in the prompt (Qwen3.5's)
+    ("qwen3", False, "a b</think>Yes.", None, "a b</think>Yes."),  # one that did not: no thinking
+    ("qwen3", False, "<think>cut short", "cut short", None),
+    ("qwen3", False, "No thinking.", None, "No thinking."),
+    ("qwen3", False, "<thi", None, "<thi"),
+    ("qwen3", True, "<think>a</think>", "a", None),
+    ("deepseek_r1", False, "all thinking", "all thinking", None),
+    ("deepseek_r1", False, "<think>x</think>y", "x", "y"),
+    ("deepseek_r1", False, "x</think></think>y", "x", "</think>y"),
+    (None, False, "<think>x</think>y", None, "<think>x</think>y"),
+])
+def test_the_parsers_read_as_vllms_and_a_stream_reads_the_same_at_every_cut(parser, opened, text, reasoning,
+                                                                            content):
+    """Each parser's reading of whole outputs; a stream given the output in pieces cut anywhere (every one or two
+    cuts) sends reasoning and content that put together are the whole reading."""
+    from ortmodule.serving.reasoning import Reasoning, ReasoningStream, split_reasoning
+
+    reading = Reasoning(parser, opened) if parser else None
+    assert split_reasoning(reading, text) == (reasoning, content)
+    if parser is None:
+        return
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            stream, got = ReasoningStream(reading), ["", ""]
+            for piece in (text[:i], text[i:j], text[j:]):
+                for k, part in enumerate(stream.piece(piece)):
+                    got[k] += part
+            for k, part in enumerate(stream.end()):
+                got[k] += part
+            assert (got[0] or None, got[1] or None) == (reasoning or None, content), (i, j)
+
+
+def test_deepseek_r1s_output_without_its_end_is_all_reasoning(thinking_live):
+    """deepseek_r1's template opens <think> in the prompt: output without </think> is all reasoning, content
+    None; the settings refuse a parser they do not know."""
+    from fastapi.testclient import TestClient
+
+    from ortmodule.serving import Settings, create_app
+
+    _, model, hf, tokenizer = thinking_live
+    plain = greedy(hf, tokenizer, PLAIN)
+    with TestClient(create_app(model, tokenizer, name=NAME, reasoning_parser="deepseek_r1")) as client:
+        message = client.post("/v1/chat/completions", json={
+            "model": NAME, "messages": ASK, "max_tokens": 40, "temperature": 0,
+            "structured_outputs": {"regex": PLAIN}}).json()["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == (plain, None)
+    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+        Settings(reasoning_parser="granite")
