@@ -214,6 +214,10 @@ def test_a_conversation_with_calls_and_results_renders_as_transformers_renders_i
     assert answer["choices"][0]["message"]["content"] == expected_text(tokenizer, out[0, len(ids):].tolist())[0]
     counted = httpx.post(f"{live.url}/tokenize", json={"model": NAME, "messages": sent, "tools": TOOLS}).json()
     assert counted["tokens"] == ids
+    sent[1]["tool_calls"][0]["function"]["arguments"] = ""  # none given: an empty object, as vLLM reads it
+    rendered[1]["tool_calls"][0]["function"]["arguments"] = {}
+    counted = httpx.post(f"{live.url}/tokenize", json={"model": NAME, "messages": sent, "tools": TOOLS}).json()
+    assert counted["tokens"] == prompt_ids(tokenizer, rendered)
 
 
 @pytest.mark.parametrize(("fields", "param", "words"), [

@@ -107,7 +107,8 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
 def _tool_parts(message, where: str, texts: list) -> dict:
     """A message's parts of tool calling as transformers' chat templates take them: an assistant's
     `tool_calls` (each `{"id", "type": "function", "function": {"name", "arguments"}}`, the arguments' JSON
-    text read into an object, as vLLM passes them), a tool message's `tool_call_id` and `name`."""
+    text read into an object, an empty one `{}`, as vLLM passes them), a tool message's `tool_call_id` and
+    `name`."""
     parts = {}
     if message.tool_calls:
         if message.role != "assistant":
@@ -117,8 +118,8 @@ def _tool_parts(message, where: str, texts: list) -> dict:
             field = f"{where}.tool_calls[{j}]"
             if call.type != "function":
                 raise ServingError(f"{field}.type must be 'function', got {call.type!r}", f"{field}.type")
-            try:
-                arguments = json.loads(call.function.arguments)
+            try:  # none given (an empty text, as some clients send for a function without parameters): {}
+                arguments = json.loads(call.function.arguments) if call.function.arguments else {}
             except ValueError as e:
                 raise ServingError(f"{field}.function.arguments is not JSON ({e})", f"{field}.function.arguments") \
                     from None

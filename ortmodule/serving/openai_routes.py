@@ -414,7 +414,7 @@ def _chunk(served: Served, kind: str, ident: str, index: int, delta: str | dict 
            ids: _StreamedIds | None = None, tokens: list[int] = ()) -> str:
     """One server-sent event of a chat completion (`chat.completion.chunk`) or a completion; with `ids`
     (vLLM's `return_token_ids`), the chunk's `tokens` and, in a choice's first chunk, its prompt's. A chat
-    chunk's `delta`: its text, or the delta's fields (tools.py's `ToolStream`)."""
+    chunk's `delta`: its text, or the delta's fields (answers.py's `ChatStream`)."""
     body = {"id": ident, "object": kind, "created": int(time.time()), "model": served.name}
     if kind == "chat.completion.chunk":
         message = {"role": "assistant"} if role else {}
