@@ -279,10 +279,54 @@ def test_auto_needs_the_servers_parser_and_the_settings_are_checked(openai_live)
 ])
 def test_the_llama3_json_parser_reads_llamas_calls(text, content, calls):
     """Llama 3.1's JSON calls (its `<|python_tag|>` or a bare object, "; " between calls) as vLLM's parser of
-    that name reads them; text, or a call cut short, stays text."""
-    from ortmodule.serving.tools import ToolPlan, read_calls
+    that name reads them; text, or a call cut short, stays text; streamed the same at any cut."""
+    streams_as_read(auto_plan("llama3_json"), text, content, calls)
 
-    assert read_calls(ToolPlan("auto", parser="llama3_json"), text) == (content, calls)
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', "Sure. ", [("f", '{"a": 1}')]),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"b": "x"}}',
+     None, [("f", "{}"), ("g", '{"b": "x"}')]),  # the second never closed, as vLLM reads it too
+    ("a < b, <tool", "a < b, <tool", None),
+    ('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', None),  # no arguments
+])
+def test_the_hermes_parser_reads_hermes_calls(text, content, calls):
+    """Hermes' (and Qwen's) `<tool_call>` calls as vLLM's parser reads them; a stream cut anywhere sends the
+    same content (a marker's beginning held until it is known) and the same calls."""
+    streams_as_read(auto_plan("hermes"), text, content, calls)
+
+
+def auto_plan(parser):
+    from ortmodule.serving.tools import ToolPlan
+
+    return ToolPlan("auto", parser=parser)
+
+
+def streams_as_read(plan, text, content, calls):
+    """`read_calls`'s reading of `text`; and a stream given it in two pieces, cut anywhere, sends the same content
+    and, at the end, the same calls."""
+    from ortmodule.serving.tools import ToolStream, read_calls
+
+    assert read_calls(plan, text) == (content, calls)
+    for cut in range(len(text) + 1):
+        stream = ToolStream(plan)
+        sent = [stream.piece(text[:cut]), stream.piece(text[cut:]), *stream.end(text, "stop")[0]]
+        assert "".join(d.get("content", "") for d in sent) == (content or ""), cut
+        assert [(d["tool_calls"][0]["function"]["name"], d["tool_calls"][0]["function"]["arguments"])
+                for d in sent if "tool_calls" in d] == (calls or []), cut
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('functools[{"name": "f", "arguments": {"a": [1, 2]}}, {"name": "g", "parameters": {}}]', None,
+     [("f", '{"a": [1, 2]}'), ("g", "{}")]),
+    ('Let me check. functools[{"name": "f", "arguments": {}}]', "Let me check. ", [("f", "{}")]),
+    ("No call.", "No call.", None),
+    ('functools[{"name": "f", "arguments": {', 'functools[{"name": "f", "arguments": {', None),
+])
+def test_the_phi4_mini_json_parser_reads_phi4_minis_calls(text, content, calls):
+    """Phi-4-mini's `functools[...]` calls as vLLM's parser of that name reads them (a list in the arguments
+    too); the text before them its content; a call cut short stays text."""
+    streams_as_read(auto_plan("phi4_mini_json"), text, content, calls)
 
 
 # ---- Anthropic's Messages API: the same calls in its shape ------------------------------------------------------

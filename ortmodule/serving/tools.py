@@ -14,9 +14,10 @@ An assistant message's `tool_calls` (their `arguments` as JSON objects) and a to
 go to the template as transformers' chat templates take them.
 
 The parsers (vLLM's of the same names): `hermes` (Hermes, Qwen2.5, Qwen3, SmolLM3: `<tool_call>{"name": ...,
-"arguments": {...}}</tool_call>`, text before the first call its content) and `llama3_json` (Llama 3.1-3.3's
+"arguments": {...}}</tool_call>`, text before the first call its content), `llama3_json` (Llama 3.1-3.3's
 JSON calls: output that starts with `<|python_tag|>` or `{`, calls `{"name", "parameters"}` separated by
-"; "). Output that does not parse is the answer's text, as in vLLM.
+"; ") and `phi4_mini_json` (Phi-4-mini's `functools[{"name", "arguments"}, ...]`, text before it its content).
+Output that does not parse is the answer's text, as in vLLM.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from dataclasses import dataclass
 
 from .errors import ServingError
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "phi4_mini_json")
 CHOICES = ("none", "auto", "required")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+_PHI4 = "functools["
+# Where a parser's calls begin, for the parsers whose calls may follow text.
+_STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4}
 _PYTHON_TAG = "<|python_tag|>"
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -157,6 +161,8 @@ def _parser_hint(tokenizer) -> str:
         return " (this model's chat template writes hermes calls: --tool-call-parser hermes)"
     if _PYTHON_TAG in template:
         return " (this model's chat template writes Llama 3's JSON calls: --tool-call-parser llama3_json)"
+    if "functools" in template:
+        return " (this model's chat template writes Phi-4-mini's calls: --tool-call-parser phi4_mini_json)"
     return ""
 
 
@@ -165,7 +171,7 @@ def markers_are_special(plan: ToolPlan, tokenizer) -> bool:
     text must then keep for the parser to see them (vLLM turns `skip_special_tokens` off the same way)."""
     if plan.mode != "auto":
         return False
-    marker = _HERMES_START if plan.parser == "hermes" else _PYTHON_TAG
+    marker = _STARTS.get(plan.parser, _PYTHON_TAG)
     return marker in set(getattr(tokenizer, "all_special_tokens", ()))
 
 
@@ -192,7 +198,7 @@ def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, s
         elif plan.parser == "hermes":
             content, calls = _hermes(text)
         else:
-            content, calls = _llama3_json(text)
+            content, calls = _llama3_json(text) if plan.parser == "llama3_json" else _phi4_mini_json(text)
     except (ValueError, KeyError, TypeError):
         return text, None
     if calls is None:
@@ -207,6 +213,15 @@ def _hermes(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     calls = [json.loads(closed or open_) for closed, open_ in found]
     content = text[: text.find(_HERMES_START)]
     return content or None, [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+
+
+def _phi4_mini_json(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    at = text.find(_PHI4)
+    if at < 0:
+        return text, None
+    calls, _ = json.JSONDecoder().raw_decode(text, at + len(_PHI4) - 1)
+    return text[:at] or None, [(c["name"], json.dumps(c["arguments"] if "arguments" in c else c["parameters"],
+                                                      ensure_ascii=False)) for c in calls]
 
 
 def _llama3_json(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
@@ -268,11 +283,12 @@ class ToolStream:
             if text.startswith("{") or text.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(text):
                 return 0
             return len(text)
-        at = self.text.find(_HERMES_START)
+        start = _STARTS[self.plan.parser]
+        at = self.text.find(start)
         if at >= 0:
             return at
-        for keep in range(min(len(_HERMES_START) - 1, len(self.text)), 0, -1):
-            if _HERMES_START.startswith(self.text[-keep:]):
+        for keep in range(min(len(start) - 1, len(self.text)), 0, -1):
+            if start.startswith(self.text[-keep:]):
                 return len(self.text) - keep
         return len(self.text)
 
