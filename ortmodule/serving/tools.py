@@ -73,6 +73,9 @@ def tool_plan(served, body) -> ToolPlan:
                                "tool_choice", name)
     tools = checked_tools(body.tools)
     choice = body.tool_choice
+    if isinstance(choice, str) and choice not in CHOICES:
+        raise ServingError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+                           f"{{'name': ...}}}}, got {choice!r}", "tool_choice")
     if choice is not None and body.tools is None and choice != "none":
         raise ServingError("When using `tool_choice`, `tools` must be set.", "tool_choice")
     parallel = body.parallel_tool_calls is not False
@@ -92,15 +95,11 @@ def tool_plan(served, body) -> ToolPlan:
         return ToolPlan("none", tools)
     if choice == "required":
         return ToolPlan("required", tools, parallel=parallel, schema=_calls_schema(tools, parallel))
-    if isinstance(choice, dict):
-        name = _named(choice)
-        found = [t["function"] for t in tools if t["function"]["name"] == name]
-        if not found:
-            raise ServingError(f"Tool name {name!r} has not been passed in `tools`.", "tool_choice")
-        return ToolPlan("named", tools, name=name, parallel=parallel,
-                        schema=found[0].get("parameters") or EMPTY_PARAMETERS)
-    raise ServingError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
-                       f"{{'name': ...}}}}, got {choice!r}", "tool_choice")
+    name = _named(choice)  # what is left: an object (the schema takes a string or an object)
+    found = [t["function"] for t in tools if t["function"]["name"] == name]
+    if not found:
+        raise ServingError(f"Tool name {name!r} has not been passed in `tools`.", "tool_choice")
+    return ToolPlan("named", tools, name=name, parallel=parallel, schema=found[0].get("parameters") or EMPTY_PARAMETERS)
 
 
 def _named(choice: dict) -> str:
