@@ -389,6 +389,18 @@ class LiveServer:
         self.thread.join(10)
 
 
+def served_live(fixture, chat_template: str, **settings):
+    """`ortmodule serve`'s app over a fixture package, live, its tokenizer given `chat_template`:
+    (server, model, transformers model, tokenizer)."""
+    from ortmodule import load_tokenizer
+    from ortmodule.serving import create_app
+
+    model, hf = load_pair(fixture)
+    tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = chat_template
+    return LiveServer(create_app(model, tokenizer, name=OPENAI_NAME, window_ms=20, **settings)), model, hf, tokenizer
+
+
 def hold_worker(served):
     """Make the server's model thread block on the work it runs (a batch of score or prompt jobs, a
     prefill of new generations) until `release` is set, once the jobs have left the queue; returns

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 from helpers import OPENAI_NAME as NAME
-from helpers import LiveServer, expected_text, grammar_greedy, load_pair
+from helpers import expected_text, grammar_greedy, served_live
 from test_tool_calling import CALL, TOOL_TEMPLATE, TOOLS
 
 llguidance = pytest.importorskip("llguidance")
@@ -22,15 +22,8 @@ PLAIN = r"[A-Z][a-z ]{2,12}\."
 @pytest.fixture(scope="module")
 def thinking_live(build):
     """The server on the llama fixture with the tool template, the qwen3 reasoning parser and hermes calls."""
-    from ortmodule import load_tokenizer
-    from ortmodule.serving import create_app
-
-    fixture = build("llama")
-    model, hf = load_pair(fixture)
-    tokenizer = load_tokenizer(fixture.package_dir)
-    tokenizer.chat_template = TOOL_TEMPLATE
-    live = LiveServer(create_app(model, tokenizer, name=NAME, window_ms=20, reasoning_parser="qwen3",
-                                 enable_auto_tool_choice=True, tool_call_parser="hermes"))
+    live, model, hf, tokenizer = served_live(build("llama"), TOOL_TEMPLATE, reasoning_parser="qwen3",
+                                             enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield live, model, hf, tokenizer
     live.stop()
 

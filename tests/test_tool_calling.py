@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 from helpers import OPENAI_NAME as NAME
-from helpers import LiveServer, expected_text, grammar_greedy, load_pair
+from helpers import expected_text, grammar_greedy, served_live
 
 llguidance = pytest.importorskip("llguidance")
 from llguidance import LLMatcher  # noqa: E402
@@ -47,15 +47,8 @@ def compact(schema: dict) -> str:
 @pytest.fixture(scope="module")
 def tools_live(build):
     """The server on the llama fixture with the tool template, auto tool choice read by the hermes parser."""
-    from ortmodule import load_tokenizer
-    from ortmodule.serving import create_app
-
-    fixture = build("llama")
-    model, hf = load_pair(fixture)
-    tokenizer = load_tokenizer(fixture.package_dir)
-    tokenizer.chat_template = TOOL_TEMPLATE
-    live = LiveServer(create_app(model, tokenizer, name=NAME, window_ms=20, enable_auto_tool_choice=True,
-                                 tool_call_parser="hermes"))
+    live, _, hf, tokenizer = served_live(build("llama"), TOOL_TEMPLATE, enable_auto_tool_choice=True,
+                                         tool_call_parser="hermes")
     yield live, hf, tokenizer
     live.stop()
 
