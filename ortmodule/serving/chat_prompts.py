@@ -89,7 +89,7 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
         else:
             texts.append((f"messages[{i}].content", content))
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": content,
-                         **_tool_parts(message, f"messages[{i}]", texts)})
+                         **_other_parts(message, f"messages[{i}]", texts)})
     options = _template_options(body, messages)
     if tools:
         options["tools"] = list(tools)
@@ -104,8 +104,9 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
     return prompt, media
 
 
-def _tool_parts(message, where: str, texts: list) -> dict:
-    """A message's parts of tool calling as transformers' chat templates take them: an assistant's
+def _other_parts(message, where: str, texts: list) -> dict:
+    """A message's parts beside its content as transformers' chat templates take them: an assistant's earlier
+    reasoning (`reasoning_content`, or vLLM's `reasoning`: both names given to the template) and its
     `tool_calls` (each `{"id", "type": "function", "function": {"name", "arguments"}}`, the arguments' JSON
     text read into an object, an empty one `{}`, as vLLM passes them), a tool message's `tool_call_id` and
     `name`."""
@@ -129,6 +130,10 @@ def _tool_parts(message, where: str, texts: list) -> dict:
         parts["tool_calls"] = calls
     if message.role == "tool":
         parts.update({k: v for k, v in (("tool_call_id", message.tool_call_id), ("name", message.name)) if v})
+    thought = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if thought is not None and message.role == "assistant":  # as Qwen3's template reads it (both names given)
+        texts.append((f"{where}.reasoning_content", thought))
+        parts.update(reasoning_content=thought, reasoning=thought)
     return parts
 
 

@@ -106,13 +106,16 @@ def _tools(body: MessagesRequest) -> tuple[list[dict] | None, str | dict | None,
 
 def _chat_messages(message, where: str) -> list[ChatMessage]:
     """One of Anthropic's messages as chat's: its text and images one message, with an assistant's `tool_use`
-    blocks as its calls; a user's `tool_result` blocks each a tool message first, as vLLM splits them."""
+    blocks as its calls and its `thinking` blocks as its `reasoning_content` (a template such as Qwen3's places
+    it); a user's `tool_result` blocks each a tool message first, as vLLM splits them."""
     if isinstance(message.content, str):
         return [ChatMessage(role=message.role, content=message.content)]
-    parts, calls, results = [], [], []
+    parts, calls, results, thoughts = [], [], [], []
     for j, block in enumerate(message.content):
         at = f"{where}.content[{j}]"
-        if block.type == "tool_use" and message.role == "assistant":
+        if block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
+            thoughts += [block.thinking] if block.type == "thinking" and block.thinking else []  # redacted: unread
+        elif block.type == "tool_use" and message.role == "assistant":
             if not (block.id and block.name):
                 raise ServingError(f"{at}: a tool_use block needs an id and a name", at)
             calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name,
@@ -124,9 +127,10 @@ def _chat_messages(message, where: str) -> list[ChatMessage]:
             results.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=text))
         else:
             parts.append(_part(block, at))
-    if not (parts or calls):
+    if not (parts or calls or thoughts):
         return results
-    return results + [ChatMessage(role=message.role, content=parts or None, tool_calls=calls or None)]
+    return results + [ChatMessage(role=message.role, content=parts or None, tool_calls=calls or None,
+                                  reasoning_content="\n".join(thoughts) if thoughts else None)]
 
 
 

@@ -15,10 +15,11 @@ as `function_call` items after the message of the text before them (if any), str
 `response.function_call_arguments.delta`s. vLLM's sampling and structured-output extras (`CHAT_EXTRAS`) are
 taken as chat takes them. With a reasoning parser (`--reasoning-parser`: reasoning.py) a thinking model's
 reasoning is a `reasoning` item first (`reasoning_text` content, streamed as `response.reasoning_text.delta`s);
-earlier turns' reasoning items handed back in `input` are taken and left out of the prompt, as chat templates
-leave earlier thinking out. What needs state or something this server does not carry out is refused unless
-neutral: `previous_response_id`, `conversation`, a stored `prompt`, `background`, hosted tools,
-`max_tool_calls`, `reasoning`, `truncation` "auto"; `store` is taken and answered false (nothing is kept).
+reasoning items handed back in `input` are given to the assistant's message after them as its
+`reasoning_content`, which templates such as Qwen3's place (after the last user message) or leave out. What
+needs state or something this server does not carry out is refused unless neutral: `previous_response_id`,
+`conversation`, a stored `prompt`, `background`, hosted tools, `max_tool_calls`, `reasoning`, `truncation`
+"auto"; `store` is taken and answered false (nothing is kept).
 """
 
 from __future__ import annotations
@@ -63,15 +64,22 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
         raise ServingError(f"max_output_tokens must be at least 1, got {body.max_output_tokens}", "max_output_tokens")
     messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions is not None else []
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    thought = None  # a reasoning item's text, for the assistant's message after it
     for i, item in enumerate(items):
         if isinstance(item, dict):
             messages.append(ChatMessage(**item))
-        elif item.type in ("function_call", "function_call_output"):
-            _add_call(messages, item, f"input[{i}]")
-        elif item.type == "reasoning":  # an earlier turn's reasoning, handed back: chat templates leave it out
             continue
+        if item.type == "reasoning":
+            parts = item.content if isinstance(item.content, list) else ()
+            thought = "".join(part.text or "" for part in parts if part.type == "reasoning_text") or None
+            continue
+        if item.type in ("function_call", "function_call_output"):
+            _add_call(messages, item, f"input[{i}]")
         else:
             messages.append(_message(item, f"input[{i}]"))
+        if thought is not None and messages[-1].role == "assistant":  # the template places it (Qwen3's does)
+            messages[-1] = messages[-1].model_copy(update={"reasoning_content": thought})
+            thought = None
     logprobs = LOGPROBS in (body.include or ())
     tools, choice = _tools(body)
     extra = {name: value for name, value in (body.model_extra or {}).items() if name in CHAT_EXTRAS}

@@ -157,6 +157,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: Text | None = None  # a tool message's: the call it answers
     name: Text | None = None
+    reasoning_content: Text | None = None  # an assistant's earlier reasoning (SGLang's and DeepSeek's name)
+    reasoning: Text | None = None  # the same, by vLLM's name
 
 
 class ChatRequest(_Options):
@@ -263,6 +265,7 @@ class AnthropicBlock(BaseModel):
     tool_use_id: Text | None = None
     content: Text | list[AnthropicBlock] | None = None
     is_error: StrictBool | None = None
+    thinking: Text | None = None
 
 
 class AnthropicMessage(BaseModel):
