@@ -507,3 +507,99 @@ def test_the_command_line_takes_vllms_tool_flags(llama, capsys, monkeypatch):
     monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: given.update(options))
     cli.ortmodule(["serve", str(llama.package_dir), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert (given["enable_auto_tool_choice"], given["tool_call_parser"]) == (True, "hermes")
+
+
+# ---- real chat templates (trl ships them) on the real SmolLM2's tokenizer and weights ---------------------------
+
+def trl_template(name: str) -> str:
+    """A real model's chat template, as trl ships it (trl is a dev dependency: tests/test_libraries.py)."""
+    from importlib import resources
+
+    pytest.importorskip("trl")
+    return (resources.files("trl") / "chat_templates" / f"{name}.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from ortmodule import OrtModelForCausalLM, load_tokenizer
+    from ortmodule_dev import fixtures
+
+    fixture = fixtures.build(fixtures.SMOLLM2)
+    return fixture, OrtModelForCausalLM.from_pretrained(fixture.package_dir), load_tokenizer(fixture.package_dir)
+
+
+@pytest.mark.parametrize("template", ["qwen3", "qwen2_5", "llama3_1"])
+def test_real_templates_render_a_tool_conversation_as_transformers(smollm2, template):
+    """Qwen3's, Qwen2.5's and Llama 3.1's own templates (tools in the system turn, calls, tool results, Qwen3's
+    earlier reasoning): the chat route's prompt (`/tokenize`), the Responses API's (its items: a reasoning item,
+    a function_call and its output) and Anthropic's (`count_tokens`: thinking, tool_use and tool_result blocks)
+    are transformers' `apply_chat_template` of the same conversation, token for token."""
+    from fastapi.testclient import TestClient
+
+    from ortmodule import load_tokenizer
+    from ortmodule.serving import create_app
+
+    fixture, model, _ = smollm2
+    tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = trl_template(template)
+    arguments = {"city": "Rome", "unit": "c"}
+    rendered = ASK + [{"role": "assistant", "content": "", "reasoning_content": "The user wants Rome's weather.",
+                       "tool_calls": [{"id": "call_1", "type": "function",
+                                       "function": {"name": "get_weather", "arguments": arguments}}]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+    ids = list(tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False))
+    text = tokenizer.decode(ids)
+    assert "get_weather" in text and "21 degrees" in text and '"Rome"' in text
+    if template == "qwen3":  # the reasoning after the last user message is placed
+        assert "The user wants Rome's weather." in text
+    chat = [*ASK, {**rendered[1], "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]},
+        rendered[2]]
+    items = [*ASK, {"type": "reasoning", "id": "rs_1", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "The user wants Rome's weather."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps(arguments)},
+             {"type": "function_call_output", "call_id": "call_1", "output": "21 degrees"}]
+    blocks = [*ASK, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "The user wants Rome's weather.", "signature": ""},
+        {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": arguments}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "21 degrees"}]}]
+    with TestClient(create_app(model, tokenizer, name=NAME)) as client:
+        assert client.post("/tokenize", json={"messages": chat, "tools": TOOLS}).json()["tokens"] == ids
+        answer = client.post("/v1/responses", json={"input": items, "tools": RESPONSES_TOOLS, "tool_choice": "none",
+                                                    "max_output_tokens": 1}).json()
+        assert answer["usage"]["input_tokens"] == len(ids)
+        counted = client.post("/v1/messages/count_tokens", json={"messages": blocks, "tools": ANTHROPIC_TOOLS})
+        assert counted.json()["input_tokens"] == len(ids)
+
+
+def test_smollm2_under_qwen3s_template_thinks_and_calls(smollm2):
+    """The real SmolLM2 served with Qwen3's template, `--reasoning-parser qwen3` and `--tool-call-parser hermes`:
+    its greedy output (held by a regex to Qwen3's thinking-then-call form) is transformers' on the same weights
+    under the same grammar; the answer is the thinking as `reasoning`, the call read from the rest."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoModelForCausalLM
+
+    from ortmodule import load_tokenizer
+    from ortmodule.serving import create_app
+
+    fixture, model, _ = smollm2
+    tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = trl_template("qwen3")
+    pattern = (r"<think>\n[A-Za-z ,.']{1,60}\n</think>\n\n<tool_call>\n\{\"name\": \"get_weather\", \"arguments\": "
+               r"\{\"city\": \"(Paris|Rome)\", \"unit\": \"(c|f)\"\}\}\n</tool_call>")
+    ids = list(tokenizer.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False))
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    expected, complete = greedy_text(hf, tokenizer, ids, LLMatcher.grammar_from_regex(pattern), 120)
+    assert complete
+    thought = expected.split("</think>")[0].removeprefix("<think>")
+    call = json.loads(expected.split("<tool_call>")[1].removesuffix("</tool_call>"))
+    with TestClient(create_app(model, tokenizer, name=NAME, reasoning_parser="qwen3", enable_auto_tool_choice=True,
+                               tool_call_parser="hermes")) as client:
+        choice = client.post("/v1/chat/completions", json={
+            "messages": ASK, "tools": TOOLS, "max_tokens": 120, "temperature": 0,
+            "structured_outputs": {"regex": pattern}}).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == thought
+    (made,) = choice["message"]["tool_calls"]
+    assert made["function"] == {"name": "get_weather", "arguments": json.dumps(call["arguments"])}
