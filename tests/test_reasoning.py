@@ -71,6 +71,8 @@ def test_chat_answers_the_reasoning_apart_from_the_content(thinking_live):
     hidden = post(live, "/v1/chat/completions", **fields, include_reasoning=False)["choices"][0]["message"]
     assert hidden == {"role": "assistant", "content": answer}
     assert chat_stream(live, **fields, include_reasoning=False)[:2] == ("", answer)
+    info = httpx.get(f"{live.url}/model_info").json()  # SGLang's route says which parsers read the output
+    assert (info["reasoning_parser"], info["tool_call_parser"]) == ("qwen3", "hermes")
     plain = greedy(hf, tokenizer, PLAIN)
     fields["structured_outputs"] = {"regex": PLAIN}
     assert post(live, "/v1/chat/completions", **fields)["choices"][0]["message"] == {"role": "assistant",

@@ -32,7 +32,8 @@ def model_info(served: Served) -> dict:
     config = model.config
     return {"model_path": served.name, "served_model_name": served.name, "tokenizer_path": served.name,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-            "load_format": "onnx-genai", "reasoning_parser": None, "tool_call_parser": None,
+            "load_format": "onnx-genai", "reasoning_parser": served.settings.reasoning_parser,
+            "tool_call_parser": served.settings.tool_call_parser,  # vLLM's names (serving/tools.py, reasoning.py)
             "disaggregation_mode": "null", "has_image_understanding": served.images is not None,
             "has_audio_understanding": False, "model_type": getattr(config, "model_type", None),
             "architectures": getattr(config, "architectures", None)}
