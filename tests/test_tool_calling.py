@@ -603,3 +603,30 @@ def test_smollm2_under_qwen3s_template_thinks_and_calls(smollm2):
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == thought
     (made,) = choice["message"]["tool_calls"]
     assert made["function"] == {"name": "get_weather", "arguments": json.dumps(call["arguments"])}
+
+
+def test_a_call_the_length_cuts_short(tools_live):
+    """A named function's output cut by `max_tokens`: chat's call holds the arguments as far as they came
+    (transformers' greedy tokens under the schema), `finish_reason` "length"; the Responses API's
+    `function_call` item the same, the response "incomplete"; Anthropic's answer that text as a `text` block
+    ("max_tokens"), a `tool_use` needing a whole `input`; "required"'s unfinished list is text."""
+    live, hf, tokenizer = tools_live
+    ids = prompt_ids(tokenizer, ASK)
+    tokens, complete = grammar_greedy(hf, tokenizer, ids, compact(WEATHER), 4)
+    cut = expected_text(tokenizer, tokens)[0]
+    assert not complete
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = chat(live, tool_choice=named, max_tokens=4, **COMPACT)["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == cut
+    answer = httpx.post(f"{live.url}/v1/responses", json={
+        "model": NAME, "input": ASK, "tools": RESPONSES_TOOLS, "max_output_tokens": 4, "temperature": 0,
+        "tool_choice": {"type": "function", "name": "get_weather"}, **COMPACT}).json()
+    assert answer["status"] == "incomplete" and answer["output"][0]["arguments"] == cut
+    message = httpx.post(f"{live.url}/v1/messages", json={
+        "model": NAME, "messages": ASK, "tools": ANTHROPIC_TOOLS, "max_tokens": 4, "temperature": 0,
+        "tool_choice": {"type": "tool", "name": "get_weather"}, **COMPACT}).json()
+    assert (message["content"], message["stop_reason"]) == ([{"type": "text", "text": cut}], "max_tokens")
+    required = chat(live, tool_choice="required", max_tokens=4, **COMPACT)["choices"][0]
+    assert required["finish_reason"] == "length" and "tool_calls" not in required["message"]
+    assert required["message"]["content"].startswith("[")
