@@ -121,6 +121,7 @@ def test_health_generate_is_503_while_generation_fails_or_waits_on_a_full_queue(
             first = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=60)
             assert started.wait(30)
             assert live.client.get("/health_generate").status_code == 503  # its token held past the wait
+            assert app.state.served.engine.waiting.count == 0  # and its queue place given back (max_queue is 1)
             release.set()
             assert first.result().status_code == 200
         # with the route's own timeout again: 0.2 s was too short for one token on a loaded 2-vCPU machine

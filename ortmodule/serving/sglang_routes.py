@@ -75,6 +75,7 @@ async def health_generate(served: Served) -> bool:
         await asyncio.wait_for(asyncio.shield(job.future), HEALTH_TIMEOUT)
     except Exception:  # noqa: BLE001  timed out, or the model's work failed: unhealthy either way
         job.cancelled.set()
+        engine.release(job)  # a check that timed out waiting holds no place in the queue until the worker drops it
         return False
     return True
 
