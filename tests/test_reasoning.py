@@ -185,3 +185,20 @@ def test_deepseek_r1s_output_without_its_end_is_all_reasoning(thinking_live):
     assert (message["reasoning"], message["content"]) == (plain, None)
     with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
         Settings(reasoning_parser="granite")
+
+
+def test_the_responses_apis_logprobs_are_left_out_where_the_output_is_read(thinking_live):
+    """A server that reads its output for reasoning leaves the Responses message's log-probabilities out
+    whether or not this output thinks, whole and streamed alike (a stream cannot know in advance)."""
+    from openai import OpenAI
+
+    live = thinking_live[0]
+    sdk = OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0)
+    for pattern in (THINKING, PLAIN):
+        request = dict(model=NAME, input=ASK, max_output_tokens=120, temperature=0.0, top_logprobs=2,
+                       include=["message.output_text.logprobs"], extra_body={"structured_outputs": {"regex": pattern}})
+        whole = sdk.responses.create(**request)
+        with sdk.responses.stream(**request) as stream:
+            streamed = stream.get_final_response()
+        for response in (whole, streamed):
+            assert response.output[-1].content[0].logprobs == []

@@ -201,14 +201,15 @@ def _output(served: Served, body: ResponsesRequest, job: Generation, message_id:
     """A finished row's output items (answers.py's reading): its reasoning as a `reasoning` item where the
     server reads some; the assistant's message, or with calls the text before them as a message (where there
     is some) and a `function_call` item each. The message's log-probabilities are the whole output's, so they
-    are left out where it is not the whole output."""
+    are left out where the output is read for reasoning or calls (as a stream, which cannot know in advance
+    whether the output will hold some, leaves them out)."""
     status = _status(row)
     message, _, reasoning = chat_answer(job, row)
     calls = message.get("tool_calls") or ()
     shown = reasoning is not None and job.reasoning.shown
     items = [_reasoning_item(f"rs_{message_id[4:]}", status, reasoning)] if shown else []
     if message["content"] or not calls:
-        logprobs = [] if calls or reasoning is not None else _logprobs(served, body, row)
+        logprobs = [] if job.tools.calls or job.reasoning is not None else _logprobs(served, body, row)
         items.append(_message_item(message_id, status, message["content"] or "", logprobs))
     return items + [_call_item(call, status) for call in calls]
 
