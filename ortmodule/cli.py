@@ -248,6 +248,8 @@ _SETTING_HELP = {
 
 def _serve_flags(commands) -> None:
     """The `serve` command's flags."""
+    from .serving.settings import REASONING_PARSERS, TOOL_CALL_PARSERS
+
     serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, vLLM's /generative_scoring, "
                                               "OpenAI's /v1/completions, /v1/chat/completions and /v1/responses "
                                               "(FastAPI + uvicorn)")
@@ -295,12 +297,11 @@ def _serve_flags(commands) -> None:
                        help="let chat requests with tools leave the choice to the model (tool_choice auto, the default "
                             "beside tools), its calls read by --tool-call-parser, as vLLM's flag of that name "
                             "(docs/serving.md, Tool calling)")
-    serve.add_argument("--tool-call-parser", dest="tool_call_parser", default=None,
-                       choices=["hermes", "llama3_json", "phi4_mini_json"],
+    serve.add_argument("--tool-call-parser", dest="tool_call_parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how the model writes its calls: hermes (Hermes, Qwen2.5, Qwen3, SmolLM3: <tool_call>...)"
                             ", llama3_json (Llama 3.1-3.3's JSON calls) or phi4_mini_json (Phi-4-mini's "
                             "functools[...]), as vLLM's parsers of those names")
-    serve.add_argument("--reasoning-parser", dest="reasoning_parser", default=None, choices=["qwen3", "deepseek_r1"],
+    serve.add_argument("--reasoning-parser", dest="reasoning_parser", default=None, choices=REASONING_PARSERS,
                        help="answer a thinking model's <think>...</think> text apart from its content (chat's "
                             "message.reasoning), as vLLM's flag of that name: qwen3 or deepseek_r1")
     _settings_flags(serve)

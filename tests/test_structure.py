@@ -165,7 +165,7 @@ def test_requires_python_is_the_oldest_python_the_dependencies_install_on():
     assert platform.python_version() in ours
 
 
-HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "lm_eval", "fastapi")
+HEAVY = ("torch", "transformers", "onnx", "onnxruntime", "lm_eval", "fastapi", "starlette")
 # What each command does before anything heavy is needed: help, an argument's error, the cache's listing.
 LIGHT_COMMANDS = (["--help"], ["--version"], ["serve", "--help"], ["serve"], ["export", "--help"], ["info", "--help"],
                   ["cache", "list"], ["run", "--help"], ["run"], ["run", "no-such-command-here"],

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS = ("qwen3", "deepseek_r1")
+from .settings import REASONING_PARSERS
+
+PARSERS = REASONING_PARSERS
 START, END = "<think>", "</think>"
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from .reasoning import PARSERS as REASONING_PARSERS
-from .tools import PARSERS
-
 API_KEY_VARIABLE = "ORTMODULE_API_KEY"
+# The parsers `tool_call_parser` and `reasoning_parser` name (vLLM's names: serving/tools.py, serving/reasoning.py);
+# here, as this module imports nothing of the server's (`ortmodule serve --help` reads it without FastAPI).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "phi4_mini_json")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 # `Settings.reuse_prefix` -> `scoring.label_logprobs`'s `reuse_prefix` (None: decided from measured costs).
 REUSE_PREFIX = {"auto": None, "on": True, "off": False}
 
@@ -105,7 +106,7 @@ class Settings:
                 if not isinstance(value, str) or value not in REUSE_PREFIX:
                     raise ValueError(f"reuse_prefix must be one of {', '.join(REUSE_PREFIX)}, got {value!r}")
             elif field.name in ("tool_call_parser", "reasoning_parser"):
-                known = PARSERS if field.name == "tool_call_parser" else REASONING_PARSERS
+                known = TOOL_CALL_PARSERS if field.name == "tool_call_parser" else REASONING_PARSERS
                 if value is not None and value not in known:
                     raise ValueError(f"{field.name} must be one of {', '.join(known)}, got {value!r}")
             elif field.name in ("name", "api_key", "processor", "generation_config"):
@@ -123,7 +124,7 @@ class Settings:
 
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser): the parser that "
-                             f"reads the model's calls, one of {', '.join(PARSERS)}")
+                             f"reads the model's calls, one of {', '.join(TOOL_CALL_PARSERS)}")
 
     @classmethod
     def with_environment(cls, **given) -> Settings:

@@ -28,8 +28,9 @@ import uuid
 from dataclasses import dataclass
 
 from .errors import ServingError
+from .settings import TOOL_CALL_PARSERS
 
-PARSERS = ("hermes", "llama3_json", "phi4_mini_json")
+PARSERS = TOOL_CALL_PARSERS
 CHOICES = ("none", "auto", "required")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _PHI4 = "functools["
