@@ -9,10 +9,9 @@ import pytest
 from helpers import (
     CHAT_TEMPLATE,
     MODEL_ARCHES,
-    OPENAI_NAME,
-    LiveServer,
     drop_restored_methods,
     load_pair,
+    served_live,
     shared_objects,
 )
 
@@ -70,13 +69,7 @@ def openai_live(build):
     """`ortmodule serve`'s app on the llama fixture, live on 127.0.0.1, with a chat template and
     `/tokenizer_info` on:
     (server, model, transformers model, tokenizer, fixture)."""
-    from ortmodule import load_tokenizer
-    from ortmodule.serving import create_app
-
     fixture = build("llama")
-    model, hf = load_pair(fixture)
-    tokenizer = load_tokenizer(fixture.package_dir)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    live = LiveServer(create_app(model, tokenizer, name=OPENAI_NAME, window_ms=20, tokenizer_info=True))
+    live, model, hf, tokenizer = served_live(fixture, CHAT_TEMPLATE, tokenizer_info=True)
     yield live, model, hf, tokenizer, fixture
     live.stop()

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .settings import REASONING_PARSERS
+from .text import safe_before
 
 PARSERS = REASONING_PARSERS
 START, END = "<think>", "</think>"
@@ -78,17 +79,12 @@ class ReasoningStream:
         if not self.thinking:
             content, self.sent = self.text[self.sent:], len(self.text)
             return "", content
-        at = self.text.find(END, self.sent)
-        if at >= 0:
-            reasoning, content = self.text[self.sent: at], self.text[at + len(END):]
+        safe = safe_before(self.text, END, self.sent)
+        if self.text.startswith(END, safe):
+            reasoning, content = self.text[self.sent: safe], self.text[safe + len(END):]
             self.thinking, self.sent = False, len(self.text)
             return reasoning, content
-        safe = len(self.text)
-        for keep in range(min(len(END) - 1, len(self.text) - self.sent), 0, -1):
-            if END.startswith(self.text[-keep:]):
-                safe -= keep
-                break
-        reasoning, self.sent = self.text[self.sent: safe], max(self.sent, safe)
+        reasoning, self.sent = self.text[self.sent: safe], safe
         return reasoning, ""
 
     def end(self) -> tuple[str, str]:

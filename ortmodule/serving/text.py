@@ -11,6 +11,18 @@ text that could still become the start of a stop string waits before it is strea
 from __future__ import annotations
 
 
+def safe_before(text: str, marker: str, start: int = 0) -> int:
+    """How much of `text` is sure to come before `marker` (looked for from `start`): up to where the marker
+    begins, or where a tail that may still become it begins (a stream holds that tail back)."""
+    at = text.find(marker, start)
+    if at >= 0:
+        return at
+    for keep in range(min(len(marker) - 1, len(text) - start), 0, -1):
+        if marker.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
 class TextStream:
     """One row's text. `add(token)` returns the text that became final (safe to send)."""
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from .errors import ServingError
 from .settings import TOOL_CALL_PARSERS
+from .text import safe_before
 
 PARSERS = TOOL_CALL_PARSERS
 CHOICES = ("none", "auto", "required")
@@ -283,14 +284,7 @@ class ToolStream:
             if text.startswith("{") or text.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(text):
                 return 0
             return len(text)
-        start = _STARTS[self.plan.parser]
-        at = self.text.find(start)
-        if at >= 0:
-            return at
-        for keep in range(min(len(start) - 1, len(self.text)), 0, -1):
-            if start.startswith(self.text[-keep:]):
-                return len(self.text) - keep
-        return len(self.text)
+        return safe_before(self.text, _STARTS[self.plan.parser])
 
     def end(self, text: str, finish: str) -> tuple[list[dict], str]:
         """The deltas still to send once the output is whole (`text`), and the choice's finish reason."""
