@@ -248,8 +248,6 @@ _SETTING_HELP = {
 
 def _serve_flags(commands) -> None:
     """The `serve` command's flags."""
-    from .serving.settings import REASONING_PARSERS, TOOL_CALL_PARSERS
-
     serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, vLLM's /generative_scoring, "
                                               "OpenAI's /v1/completions, /v1/chat/completions and /v1/responses "
                                               "(FastAPI + uvicorn)")
@@ -293,6 +291,14 @@ def _serve_flags(commands) -> None:
                             "OpenAI's (temperature 1, top_p 1, no top-k or penalty); or a folder holding the "
                             "checkpoint's generation_config.json (default auto). A max_new_tokens there bounds chat "
                             "requests that leave max_tokens out")
+    _parser_flags(serve)
+    _settings_flags(serve)
+
+
+def _parser_flags(serve: argparse.ArgumentParser) -> None:
+    """vLLM's flags of the output's parsers: tool calls, reasoning, and structured output beside the reasoning."""
+    from .serving.settings import REASONING_PARSERS, TOOL_CALL_PARSERS
+
     serve.add_argument("--enable-auto-tool-choice", dest="enable_auto_tool_choice", action="store_true",
                        help="let chat requests with tools leave the choice to the model (tool_choice auto, the default "
                             "beside tools), its calls read by --tool-call-parser, as vLLM's flag of that name "
@@ -303,8 +309,12 @@ def _serve_flags(commands) -> None:
                             "functools[...]), as vLLM's parsers of those names")
     serve.add_argument("--reasoning-parser", dest="reasoning_parser", default=None, choices=REASONING_PARSERS,
                        help="answer a thinking model's <think>...</think> text apart from its content (chat's "
-                            "message.reasoning), as vLLM's flag of that name: qwen3 or deepseek_r1")
-    _settings_flags(serve)
+                            "message.reasoning), as vLLM's flag of that name: qwen3 or deepseek_r1. Structured "
+                            "output then holds the answer after the thinking, which stays free")
+    serve.add_argument("--structured-outputs-config.enable_in_reasoning", dest="enable_in_reasoning", nargs="?",
+                       const=True, default=False, type=_true_or_false, metavar="true|false",
+                       help="with --reasoning-parser, keep the thinking to a request's structured output too (the "
+                            "grammar over the whole output), as vLLM's option of that name (default false)")
 
 
 def _settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -318,6 +328,14 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
         shown = default if default is not None else "by device: 32768 on CUDA, 8192 on a CPU"
         parser.add_argument("--" + name.replace("_", "-"), type=_at_least(low, kind), default=default,
                             help=f"{help_text} (default {shown})")
+
+
+def _true_or_false(text: str) -> bool:
+    """An argparse type: true or false, as vLLM's flags write them (True, false, 1, 0)."""
+    value = {"true": True, "1": True, "false": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"not true or false: {text!r}")
+    return value
 
 
 def _at_least(low, kind):

@@ -312,25 +312,35 @@ def hf_greedy(hf, ids: list[int], new: int, **options) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def grammar_greedy(hf, tokenizer, ids: list[int], grammar: str, new: int) -> tuple[list[int], bool]:
+def grammar_greedy(hf, tokenizer, ids: list[int], grammar: str, new: int, after: str | None = None,
+                   bias: dict[int, float] | None = None) -> tuple[list[int], bool]:
     """transformers' greedy tokens after `ids` kept to an llguidance `grammar` (a logits processor written here on
     llguidance's own matcher: the tokens it cannot take next masked; generation stopped where it is complete, or
-    at the end token), and whether the grammar was complete."""
+    at the end token), and whether the grammar was complete. `after`: the output is free until its text holds
+    this marker, the grammar holding what follows it (vLLM's structured output after a thinking model's
+    reasoning); `bias`: added to these tokens' logits first (OpenAI's `logit_bias`)."""
     import llguidance.hf
     from llguidance import LLMatcher
     from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
     matcher = LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=hf.config.vocab_size), grammar)
-    seen = []
+    seen, held = [], []  # the tokens the matcher took; those before the marker ended, which it never sees
 
     def catch_up(input_ids):
-        for token in input_ids[0, len(ids) + len(seen):].tolist():
-            matcher.consume_token(token)
-            seen.append(token)
+        for token in input_ids[0, len(ids) + len(seen) + len(held):].tolist():
+            if after is not None and after not in tokenizer.decode(held):
+                held.append(token)
+            else:
+                matcher.consume_token(token)
+                seen.append(token)
 
     class Mask(LogitsProcessor):
         def __call__(self, input_ids, scores):
             catch_up(input_ids)
+            for token, value in (bias or {}).items():
+                scores[:, token] += value
+            if after is not None and after not in tokenizer.decode(held):
+                return scores
             allowed = torch.tensor(list(matcher.compute_logit_bias())) > 0
             return scores.masked_fill(~allowed[None], float("-inf"))
 
@@ -389,15 +399,19 @@ class LiveServer:
         self.thread.join(10)
 
 
-def served_live(fixture, chat_template: str, **settings):
-    """`ortmodule serve`'s app over a fixture package, live, its tokenizer given `chat_template`:
-    (server, model, transformers model, tokenizer)."""
+def served_live(fixture, chat_template: str, added: tuple[str, ...] = (), special: bool = False, **settings):
+    """`ortmodule serve`'s app over a fixture package, live, its tokenizer given `chat_template` and the tokens
+    `added` (ids from the tokenizer's size: the fixture's model vocabulary must hold them; `special`: as special
+    tokens): (server, model, transformers model, tokenizer)."""
     from ortmodule import load_tokenizer
     from ortmodule.serving import create_app
 
     model, hf = load_pair(fixture)
     tokenizer = load_tokenizer(fixture.package_dir)
     tokenizer.chat_template = chat_template
+    if added:
+        tokenizer.add_tokens(list(added), special_tokens=special)
+        assert len(tokenizer) <= hf.config.vocab_size
     return LiveServer(create_app(model, tokenizer, name=OPENAI_NAME, window_ms=20, **settings)), model, hf, tokenizer
 
 

@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+import torch
 from helpers import OPENAI_NAME as NAME
 from helpers import expected_text, grammar_greedy, served_live
 from test_tool_calling import CALL, TOOL_TEMPLATE, TOOLS
@@ -21,9 +22,12 @@ PLAIN = r"[A-Z][a-z ]{2,12}\."
 
 @pytest.fixture(scope="module")
 def thinking_live(build):
-    """The server on the llama fixture with the tool template, the qwen3 reasoning parser and hermes calls."""
+    """The server on the llama fixture with the tool template, the qwen3 reasoning parser and hermes calls; a
+    request's grammar over the whole output (`enable_in_reasoning`), which holds the random model to a thinking
+    model's form here."""
     live, model, hf, tokenizer = served_live(build("llama"), TOOL_TEMPLATE, reasoning_parser="qwen3",
-                                             enable_auto_tool_choice=True, tool_call_parser="hermes")
+                                             enable_in_reasoning=True, enable_auto_tool_choice=True,
+                                             tool_call_parser="hermes")
     yield live, model, hf, tokenizer
     live.stop()
 
@@ -178,7 +182,8 @@ def test_deepseek_r1s_output_without_its_end_is_all_reasoning(thinking_live):
 
     _, model, hf, tokenizer = thinking_live
     plain = greedy(hf, tokenizer, PLAIN)
-    with TestClient(create_app(model, tokenizer, name=NAME, reasoning_parser="deepseek_r1")) as client:
+    with TestClient(create_app(model, tokenizer, name=NAME, reasoning_parser="deepseek_r1",
+                               enable_in_reasoning=True)) as client:
         message = client.post("/v1/chat/completions", json={
             "model": NAME, "messages": ASK, "max_tokens": 40, "temperature": 0,
             "structured_outputs": {"regex": PLAIN}}).json()["choices"][0]["message"]
@@ -202,3 +207,122 @@ def test_the_responses_apis_logprobs_are_left_out_where_the_output_is_read(think
             streamed = stream.get_final_response()
         for response in (whole, streamed):
             assert response.output[-1].content[0].logprobs == []
+
+
+# ---- structured output after the thinking (vLLM's default: the grammar starts where the reasoning ends) ---------
+
+# A template that opens the thinking in the prompt where asked (`chat_template_kwargs: {"open": true}`, as
+# Qwen3.5's and DeepSeek-R1's do), served with <think> and </think> added as single tokens (as Qwen3's
+# tokenizer has them) to a fixture whose model vocabulary holds them.
+GATED_TEMPLATE = ("{% for m in messages %}<s>{{ m.role }}\n{{ m.content }}</s>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<s>assistant\n{% if open %}<think>\n{% endif %}{% endif %}")
+ANSWER = {"type": "object", "properties": {"warm": {"type": "boolean"}}, "required": ["warm"],
+          "additionalProperties": False}
+
+
+@pytest.fixture(scope="module", params=[("qwen3", False), ("deepseek_r1", True)], ids=["qwen3", "r1-special"])
+def gated_live(build, request):
+    """The server with a reasoning parser (qwen3: the markers text tokens, as Qwen3's; deepseek_r1: special ones)
+    and the grammar after the thinking (the default)."""
+    parser, special = request.param
+    live, _, hf, tokenizer = served_live(build("llama", vocab_size=514), GATED_TEMPLATE, ("<think>", "</think>"),
+                                         special, reasoning_parser=parser)
+    yield live, parser, hf, tokenizer
+    live.stop()
+
+
+def thinking_then(hf, tokenizer, ids: list[int], grammar: str, new: int = 40) -> tuple[float, str, str]:
+    """transformers' greedy output that thinks freely until </think> and keeps to `grammar` after it (vLLM's
+    structured output beside a reasoning parser), with a bias on </think> that ends the random model's thinking
+    after a few tokens: (the bias, the thinking, the answer)."""
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    for tenth in range(4, 30):
+        tokens, complete = grammar_greedy(hf, tokenizer, ids, grammar, new, after="</think>", bias={end: tenth / 10})
+        if complete and end in tokens[2:] and end not in tokens[:2]:
+            thought, _, answer = tokenizer.decode(tokens).partition("</think>")
+            return tenth / 10, thought.removeprefix("<think>"), answer
+    raise AssertionError("no bias ends the fixture's thinking after a few tokens")
+
+
+def test_structured_output_holds_the_answer_after_the_thinking(gated_live):
+    """With a reasoning parser, a response format (and a named tool's arguments) holds the content after
+    </think>, the thinking free before it, as vLLM's structured output waits for the reasoning's end: the
+    reasoning and the answer equal transformers' greedy output under that rule, whole and streamed (before, the
+    grammar held the first token, so a thinking model could not think)."""
+    live, parser, hf, tokenizer = gated_live
+    opened = parser == "qwen3"  # deepseek_r1 reads the output as thinking from its start whatever the prompt
+    ids = list(tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                             open=opened))
+    bias, thought, answer = thinking_then(hf, tokenizer, ids, LLMatcher.grammar_from_json_schema(
+        ANSWER, defaults={"whitespace_flexible": False}))
+    fields = {"messages": ASK, "max_tokens": 40, "chat_template_kwargs": {"open": opened},
+              "logit_bias": {str(tokenizer.convert_tokens_to_ids("</think>")): bias},
+              "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+              "structured_outputs": {"disable_any_whitespace": True}}
+    choice = post(live, "/v1/chat/completions", **fields)["choices"][0]
+    assert (choice["message"]["reasoning"], choice["message"]["content"], choice["finish_reason"]) == (
+        thought, answer, "stop")
+    json.loads(answer)
+    assert chat_stream(live, **fields)[:2] == (thought, answer)
+    del fields["response_format"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    weather = TOOLS[0]["function"]["parameters"]
+    bias, thought, arguments = thinking_then(hf, tokenizer, list(tokenizer.apply_chat_template(
+        ASK, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False, open=opened)),
+        LLMatcher.grammar_from_json_schema(weather, defaults={"whitespace_flexible": False}))
+    fields["logit_bias"] = {str(tokenizer.convert_tokens_to_ids("</think>")): bias}
+    choice = post(live, "/v1/chat/completions", **fields, tools=TOOLS, tool_choice=named)["choices"][0]
+    assert choice["message"]["reasoning"] == thought
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": arguments}
+
+
+def test_output_that_does_not_think_keeps_to_the_grammar_from_its_first_token(gated_live):
+    """qwen3's output thinks only where it opens with <think>: one that does not (here <think> biased away) is
+    held from its first token, as without a reasoning parser; the grammar's first step takes <think> too."""
+    import llguidance.hf
+
+    from ortmodule.serving.constraints import thinking_first
+
+    live, parser, hf, tokenizer = gated_live
+    if parser != "qwen3":
+        pytest.skip("deepseek_r1 reads all output as thinking first")
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    grammar = LLMatcher.grammar_from_json_schema(ANSWER, defaults={"whitespace_flexible": False})
+    ids = list(tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, return_dict=False))
+    tokens, complete = grammar_greedy(hf, tokenizer, ids, grammar, 20, bias={start: -100.0})
+    assert complete
+    fields = {"messages": ASK, "max_tokens": 20, "logit_bias": {str(start): -100},
+              "response_format": {"type": "json_object"} | {"type": "json_schema",
+                                                             "json_schema": {"name": "a", "schema": ANSWER}},
+              "structured_outputs": {"disable_any_whitespace": True}}
+    message = post(live, "/v1/chat/completions", **fields)["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": tokenizer.decode(tokens)}
+    view = llguidance.hf.from_tokenizer(tokenizer, n_vocab=hf.config.vocab_size)
+    matcher = LLMatcher(view, thinking_first(grammar, False, {"<think>", "</think>"}))
+    first = set(torch.nonzero(torch.tensor(list(matcher.compute_logit_bias())) > 0).flatten().tolist())
+    assert start in first and tokenizer.convert_tokens_to_ids("{") in first and end not in first
+    assert matcher.consume_tokens([start, *tokenizer.encode("any } text", add_special_tokens=False), end])
+    assert matcher.consume_tokens(tokenizer.encode('{"warm":true}', add_special_tokens=False))
+    assert matcher.is_stopped() and not matcher.is_error()
+    # markers that are text (no such tokens): the thinking ends at the first </think> written in any pieces
+    text = LLMatcher(view, thinking_first(grammar, False))
+    pieces = ("<", "think>a</thi", "</", "think>", '{"warm":false}')  # none a whole marker: no marker token
+    assert text.consume_tokens([t for p in pieces for t in tokenizer.encode(p, add_special_tokens=False)])
+    assert text.is_stopped() and not text.is_error()
+
+
+def test_the_command_line_takes_vllms_enable_in_reasoning(llama, monkeypatch, capsys):
+    """`--structured-outputs-config.enable_in_reasoning` (vLLM's spelling; alone or with true/false) reaches the
+    settings; another value is argparse's error."""
+    import ortmodule.serving
+    from ortmodule import cli
+
+    given = {}
+    monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: given.update(options))
+    flag = "--structured-outputs-config.enable_in_reasoning"
+    for extra, expected in (([], False), ([flag], True), ([f"{flag}=false"], False), ([flag, "True"], True)):
+        cli.ortmodule(["serve", str(llama.package_dir), "--reasoning-parser", "qwen3", *extra])
+        assert given["enable_in_reasoning"] is expected, extra
+    with pytest.raises(SystemExit):
+        cli.ortmodule(["serve", str(llama.package_dir), f"{flag}=maybe"])
+    assert "not true or false: 'maybe'" in capsys.readouterr().err

@@ -575,7 +575,8 @@ def test_real_templates_render_a_tool_conversation_as_transformers(smollm2, temp
 
 def test_smollm2_under_qwen3s_template_thinks_and_calls(smollm2):
     """The real SmolLM2 served with Qwen3's template, `--reasoning-parser qwen3` and `--tool-call-parser hermes`:
-    its greedy output (held by a regex to Qwen3's thinking-then-call form) is transformers' on the same weights
+    its greedy output (held by a regex to Qwen3's thinking-then-call form, the grammar over the thinking too:
+    `enable_in_reasoning`) is transformers' on the same weights
     under the same grammar; the answer is the thinking as `reasoning`, the call read from the rest."""
     from fastapi.testclient import TestClient
     from transformers import AutoModelForCausalLM
@@ -595,8 +596,8 @@ def test_smollm2_under_qwen3s_template_thinks_and_calls(smollm2):
     assert complete
     thought = expected.split("</think>")[0].removeprefix("<think>")
     call = json.loads(expected.split("<tool_call>")[1].removesuffix("</tool_call>"))
-    with TestClient(create_app(model, tokenizer, name=NAME, reasoning_parser="qwen3", enable_auto_tool_choice=True,
-                               tool_call_parser="hermes")) as client:
+    with TestClient(create_app(model, tokenizer, name=NAME, reasoning_parser="qwen3", enable_in_reasoning=True,
+                               enable_auto_tool_choice=True, tool_call_parser="hermes")) as client:
         choice = client.post("/v1/chat/completions", json={
             "messages": ASK, "tools": TOOLS, "max_tokens": 120, "temperature": 0,
             "structured_outputs": {"regex": pattern}}).json()["choices"][0]

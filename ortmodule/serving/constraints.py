@@ -14,6 +14,8 @@ The forms a completions, chat or responses request takes (one a request):
 - SGLang's `regex` and `json_schema` (the schema's JSON text).
 A form that does not compile (a bad regex, schema or grammar) is a 400 naming its field, with
 llguidance's reason; so is a form this server does not carry out (a structural tag, an EBNF grammar).
+On a server with a reasoning parser (reasoning.py) a chat request's grammar holds the answer after the model's
+thinking, which stays free (`thinking_first`), as vLLM starts the grammar where the reasoning ends.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ServingError
+from .reasoning import END, START, Reasoning
 
 # The fields that ask for structured output, and the values that ask for none.
 FORMS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -47,10 +50,11 @@ class Constraint:
         return self.matcher.deep_copy()
 
 
-def constraint_of(served, body, tool_schema: dict | None = None) -> Constraint | None:
+def constraint_of(served, body, tool_schema: dict | None = None, reasoning: Reasoning | None = None) \
+        -> Constraint | None:
     """The structured output a request asks for (module docstring), or `tool_schema` (the JSON schema a
-    chat request's `tool_choice` keeps its output to: tools.py), compiled against the served tokenizer;
-    None where it asks for none."""
+    chat request's `tool_choice` keeps its output to: tools.py), compiled against the served tokenizer, after
+    the thinking `reasoning` reads (where the server has a reasoning parser); None where it asks for none."""
     extra = getattr(body, "model_extra", None) or {}
     values = [(name, getattr(body, name, None) if name in type(body).model_fields else extra.get(name))
               for name in FORMS]
@@ -79,7 +83,10 @@ def constraint_of(served, body, tool_schema: dict | None = None) -> Constraint |
         raise ServingError(f"{name}: structured output needs the llguidance package, which this server's "
                            "environment lacks (pip install 'ortmodule[serve]')", name, 501) from None
     grammar = _grammar(name, value, compact)
-    matcher = LLMatcher(grammar_tokenizer(served), grammar, log_level=0)
+    view = grammar_tokenizer(served)
+    if reasoning is not None:
+        grammar = thinking_first(grammar, reasoning.from_start, marker_tokens(served, view))
+    matcher = LLMatcher(view, grammar, log_level=0)
     if matcher.is_error():
         raise ServingError(f"{name}: {matcher.get_error()}", name)
     return Constraint(grammar, matcher)
@@ -137,6 +144,34 @@ def _schema(name: str, schema, compact: bool = False) -> str:
         return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": not compact})
     except ValueError as e:
         raise ServingError(f"{name}: {e}", name) from None
+
+
+def thinking_first(grammar: str, from_start: bool, tokens: set[str] = frozenset()) -> str:
+    """llguidance's grammar of a thinking model's output: its thinking, any bytes to `</think>`, then `grammar`'s
+    answer (nested: llguidance's `TopLevelGrammar` of its grammars, or a Lark text). The thinking comes from the
+    first token where `from_start` (a `<think>` the model writes first taken), else only where the output opens
+    with `<think>`. `tokens`: the markers that are one token of the tokenizer which llguidance counts special
+    (an added token: Qwen3's `<think>`), written in Lark as tokens; the others as text (`</think>`'s first
+    occurrence ending the thinking). The thinking takes any bytes but a special token's (0xFF, which begins them
+    in llguidance), invalid UTF-8 too, as free as without a grammar."""
+    try:
+        nested = json.loads(grammar)["grammars"]
+    except (ValueError, TypeError, KeyError):
+        nested = [{"lark_grammar": grammar}]
+    opening = START if START in tokens else json.dumps(START)
+    thinking = f"THINKING {END}" if END in tokens else "thinking"
+    thinking = f"{opening}? {thinking}" if from_start else f"({opening} {thinking})?"
+    rules = ("THINKING: /(?s-u:[\\x00-\\xfe]*)/" if END in tokens
+             else f"thinking[suffix={json.dumps(END)}]: /(?s-u:[\\x00-\\xfe]*)/")
+    lark = f'%llguidance {{"allow_invalid_utf8": true}}\nstart: {thinking} @answer\n{rules}\n'
+    return json.dumps({"grammars": [{"lark_grammar": lark}, {**nested[0], "name": "answer"}, *nested[1:]]})
+
+
+def marker_tokens(served, view) -> set[str]:
+    """The thinking markers that are one token of the served tokenizer which llguidance's `view` of it counts
+    special (`thinking_first`'s `tokens`)."""
+    added = served.tokenizer.get_added_vocab() if hasattr(served.tokenizer, "get_added_vocab") else {}
+    return {m for m in (START, END) if m in added and added[m] < served.vocab and view.is_special_token(added[m])}
 
 
 def _literal(text: str) -> str:

@@ -26,7 +26,7 @@ from .chat_prompts import chat_prompt, refuse_unsupported
 from .constraints import constraint_of
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
-from .reasoning import reasoning_of, thinking_is_special
+from .reasoning import Reasoning, reasoning_of, thinking_is_special
 from .schemas import ChatRequest, CompletionRequest
 from .served import Served, abandon, run_or_stream
 from .text import token_strings
@@ -114,14 +114,15 @@ def stop_ids_of(served: Served, body) -> tuple[int, ...]:
 
 
 def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...],
-                tool_schema: dict | None = None) -> Sampling:
+                tool_schema: dict | None = None, reasoning: Reasoning | None = None) -> Sampling:
     """A field the request leaves out takes the server's default (`served.sampling_defaults`: the
     package's, as vLLM takes a model's generation config), else OpenAI's: temperature 1, top_p 1; a seed
     matters only when sampling; `logit_bias`, `presence_penalty` and `frequency_penalty` (over the tokens
     generated so far). vLLM's extras: `top_k` (-1 or 0: off), `min_p` (0: off), `repetition_penalty` (1:
     off), `min_tokens` (end-of-sequence and stop tokens masked before), `ignore_eos`, `stop_token_ids`,
     `include_stop_str_in_output`, `skip_special_tokens`. `tool_schema`: what a chat request's `tool_choice` keeps
-    the output to (tools.py)."""
+    the output to (tools.py); `reasoning`: how a chat request's output is read for thinking, which a grammar
+    then follows (reasoning.py)."""
     def given(name: str, otherwise):
         value = getattr(body, name)
         return served.sampling_defaults.get(name, otherwise) if value is None else value
@@ -131,7 +132,7 @@ def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, sto
                         logit_bias_of(served, body), body.min_tokens, body.ignore_eos,
                         float(body.presence_penalty), float(body.frequency_penalty),
                         stop_ids_of(served, body), body.include_stop_str_in_output, body.skip_special_tokens,
-                        constraint_of(served, body, tool_schema))
+                        constraint_of(served, body, tool_schema, reasoning))
     if body.min_tokens > max_tokens:
         raise ServingError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
     if body.min_tokens and stop:
@@ -330,13 +331,15 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     if body.prompt_logprobs is not None:
         served.check_values(len(prompt) * (2 + body.prompt_logprobs), "the prompt's log-probabilities asked for",
                             "prompt_logprobs")
-    sampling = sampling_of(served, body, max_tokens, top, stop, plan.schema)
     parser = served.settings.reasoning_parser
+    reading = reasoning_of(parser, served.tokenizer, prompt, body.include_reasoning)
+    sampling = sampling_of(served, body, max_tokens, top, stop, plan.schema,
+                           None if served.settings.enable_in_reasoning else reading)
     if markers_are_special(plan, served.tokenizer) or thinking_is_special(parser, served.tokenizer):
         sampling = dataclasses.replace(sampling, skip_special=False)  # the parsers' markers kept in the text
     return Generation([prompt] * body.n, sampling, loop, served.tokenizer, served.engine.eos, body.stream,
                       body.prompt_logprobs, media=media, copies=body.n, prompt_ranks=body.prompt_logprobs is not None,
-                      tools=plan, reasoning=reasoning_of(parser, served.tokenizer, prompt, body.include_reasoning))
+                      tools=plan, reasoning=reading)
 
 
 # Fields beyond the Responses API's and Anthropic's that their clients send through to vLLM (`extra_body`), which

@@ -11,6 +11,8 @@ The parsers (vLLM's of the same names):
 - `deepseek_r1` (DeepSeek-R1 and its distills, QwQ-32B: their templates open `<think>` in the prompt): the text
   up to `</think>` is the reasoning; output without it is all reasoning.
 A request's `include_reasoning: false` (vLLM's) leaves the reasoning out of the answer, and its content the same.
+Structured output (a grammar, a forced tool call: constraints.py) holds the content after the thinking, which
+stays free, as vLLM starts a grammar where the reasoning ends.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .settings import REASONING_PARSERS
-from .text import safe_before
+from .text import safe_before, special_tokens
 
 PARSERS = REASONING_PARSERS
 START, END = "<think>", "</think>"
@@ -33,9 +35,14 @@ class Reasoning:
     opened: bool = False
     shown: bool = True
 
+    @property
+    def from_start(self) -> bool:
+        """Whether the output is thinking from its first token (else only where it opens with `<think>`)."""
+        return self.parser == "deepseek_r1" or self.opened
+
     def thinks(self, text: str) -> bool:
         """Whether output beginning with `text` (enough of it to tell) is the model's thinking first."""
-        return self.parser == "deepseek_r1" or self.opened or text.startswith(START)
+        return self.from_start or text.startswith(START)
 
 
 def reasoning_of(parser: str | None, tokenizer, prompt: list[int], shown: bool) -> Reasoning | None:
@@ -59,7 +66,7 @@ def split_reasoning(reading: Reasoning | None, text: str) -> tuple[str | None, s
 def thinking_is_special(parser: str | None, tokenizer) -> bool:
     """Whether `</think>` is a special token of this tokenizer, whose text the output must then keep for the
     parser to see it."""
-    return parser is not None and END in set(getattr(tokenizer, "all_special_tokens", ()))
+    return parser is not None and END in special_tokens(tokenizer)
 
 
 class ReasoningStream:

@@ -64,7 +64,10 @@ class Settings:
 
     `reasoning_parser` (vLLM's `--reasoning-parser`): a thinking model's `<think>...</think>` text answered apart
     from its content on the chat, responses and messages routes, by the parser named (one of
-    serving/reasoning.py's `PARSERS`); None: the output is all content.
+    serving/reasoning.py's `PARSERS`); None: the output is all content. A chat request's structured output (a
+    grammar, a forced tool call) then holds the answer after the thinking, which stays free, unless
+    `enable_in_reasoning` (vLLM's `--structured-outputs-config.enable_in_reasoning`): the grammar over the whole
+    output, thinking included.
     """
 
     name: str | None = None
@@ -93,6 +96,7 @@ class Settings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
 
     def __post_init__(self):
         for field in fields(self):

@@ -11,6 +11,15 @@ text that could still become the start of a stop string waits before it is strea
 from __future__ import annotations
 
 
+def special_tokens(tokenizer) -> set[str]:
+    """The tokenizer's special tokens: those it names (`all_special_tokens`) and the added tokens marked special,
+    which decoding with `skip_special_tokens` drops too though a tokenizer may not name them (Llama 3's
+    `<|python_tag|>`, a `</think>` added as special)."""
+    named = {t for t in getattr(tokenizer, "all_special_tokens", ()) if t}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return named | {t.content for t in added.values() if getattr(t, "special", False) and t.content}
+
+
 def safe_before(text: str, marker: str, start: int = 0) -> int:
     """How much of `text` is sure to come before `marker` (looked for from `start`): up to where the marker
     begins, or where a tail that may still become it begins (a stream holds that tail back)."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .errors import ServingError
 from .settings import TOOL_CALL_PARSERS
-from .text import safe_before
+from .text import safe_before, special_tokens
 
 PARSERS = TOOL_CALL_PARSERS
 CHOICES = ("none", "auto", "required")
@@ -173,7 +173,7 @@ def markers_are_special(plan: ToolPlan, tokenizer) -> bool:
     if plan.mode != "auto":
         return False
     marker = _STARTS.get(plan.parser, _PYTHON_TAG)
-    return marker in set(getattr(tokenizer, "all_special_tokens", ()))
+    return marker in special_tokens(tokenizer)
 
 
 # ---- answers --------------------------------------------------------------------------------------
