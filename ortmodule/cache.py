@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import weakref
 
 import torch
 from transformers import Cache
@@ -514,6 +515,27 @@ def keep_known(cache: KVCache, input_ids: torch.Tensor) -> None:
     keep = int(same.to(torch.int64).cumprod(0).sum())  # the columns every row shares, from the first
     if keep < cache.seen:
         cache.crop(keep - cache.seen)
+
+
+# What each empty transformers cache given to forward or generate (a `DynamicCache()`) stands for: the KVCache made
+# for it, and the decoder that made it. transformers fills its own caches in place, so callers pass the same object
+# again (a manual decoding loop, one cache for every turn of a chat); that object cannot hold ONNX Runtime's
+# buffers, so the next call with it continues the KVCache this map names. Weak: the entry goes with the object.
+_CARRIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def carry(given: Cache, cache: KVCache, decoder) -> None:
+    """Let `given` (an empty transformers cache the caller passed) stand for `cache` in the next call."""
+    _CARRIED[given] = (weakref.ref(decoder), cache)
+
+
+def carried(given, decoder) -> KVCache | None:
+    """The KVCache an empty transformers cache stands for (`carry`), where this decoder made it; else None."""
+    try:
+        entry = _CARRIED.get(given)
+    except TypeError:  # an object that cannot be a weak key stands for nothing
+        return None
+    return entry[1] if entry is not None and entry[0]() is decoder else None
 
 
 def refill(emptied: KVCache, new: KVCache) -> KVCache:

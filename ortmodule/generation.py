@@ -25,6 +25,7 @@ from transformers.utils import ModelOutput
 
 from . import images, inputs, shared_prompts
 from . import steps as fixed_steps
+from .cache import carry
 from .hf import CACHE_NAME
 from .package import NotSupportedError
 
@@ -290,19 +291,24 @@ DROP_STOPPED_ROWS = 0.25
 
 
 def sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None, media=None,
-           **model_kwargs):
+           carry_to=None, **model_kwargs):
     """transformers' `_sample` (greedy decoding and sampling) for `model` (an OrtModelForCausalLM),
-    with the loop on the device; `media`: the prompts' images and videos (an `images.Media`), or None."""
+    with the loop on the device; `media`: the prompts' images and videos (an `images.Media`), or None;
+    `carry_to`: the empty transformers cache the caller passed, which then stands for this generation's
+    cache (`cache.carry`: the caller's next call with it continues it)."""
     sampling = _Sampling(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                         model_kwargs)
+                         model_kwargs, keeps_cache=carry_to is not None)
     sampling.media = media
-    return sampling.run()
+    out = sampling.run()
+    if carry_to is not None:
+        carry(carry_to, sampling.kept, model.decoder)
+    return out
 
 
 class _Sampling:
     """One greedy or sampled decoding: its output buffer and the loop over `Decoder.step`."""
 
-    def __init__(self, model, input_ids, processors, criteria, config, streamer, model_kwargs):
+    def __init__(self, model, input_ids, processors, criteria, config, streamer, model_kwargs, keeps_cache=False):
         decoder = self.decoder = model.decoder
         device = decoder.device
         self.processors, self.config, self.streamer = processors, config, streamer
@@ -325,6 +331,9 @@ class _Sampling:
         self.pad = config._pad_token_tensor
         # As transformers: rows that ended get the pad token when an end-of-sequence criterion runs.
         self.pads_ended = self.pad is not None and any(hasattr(c, "eos_token_id") for c in self.criteria)
+        # The cache outlives the generation where it is returned or carried on (`sample`'s `carry_to`).
+        self.keeps_cache = bool(config.return_dict_in_generate) or keeps_cache
+        self.kept = None  # that cache, once the generation is done
         self.keep_scores = bool(config.return_dict_in_generate and config.output_scores)
         self.keep_logits = bool(config.return_dict_in_generate and config.output_logits)
         # The output in the caller's layout: the prompt as given, then one column per step.
@@ -335,7 +344,7 @@ class _Sampling:
         # On a CPU (where the stop flags are read every step anyway), stopped rows leave the steps
         # (`_Running`) where their tokens are pad tokens and nothing of their steps is returned.
         self.drops_rows = (decoder.device.type == "cpu" and self.pads_ended and size > 1
-                           and not config.return_dict_in_generate)
+                           and not self.keeps_cache)
         self.media = None  # the prompts' images and videos (sample)
 
     def run(self):
@@ -358,9 +367,9 @@ class _Sampling:
                 steps.start()
             # A hybrid's convolution states kept after each step only where the cache is returned
             # (to be cropped: transformers' assisted decoding crops its assistant's).
-            cache.states.keeping = bool(self.config.return_dict_in_generate)
+            cache.states.keeping = self.keeps_cache
             length = self._loop(logits, _Running(decoder, cache, steps, needed))
-            if steps is not None and self.config.return_dict_in_generate:
+            if steps is not None and self.keeps_cache:
                 cache = steps.copy_cache()  # the caller's to keep: the fixed one serves the next generation
         finally:
             if steps is not None:
@@ -378,7 +387,7 @@ class _Sampling:
         stopped_at = torch.zeros((), dtype=torch.int64, device=decoder.device)
         # A returned cache of a hybrid decoder is not cropped back from steps run past the end: the loop
         # reads the stop flag every step (such a crop would go back through the kept states, cache.py).
-        every_step = self.streamer is not None or (self.config.return_dict_in_generate and decoder.spec.states)
+        every_step = self.streamer is not None or (self.keeps_cache and decoder.spec.states)
         check_every = 1 if decoder.device.type == "cpu" or every_step else STOP_CHECK_EVERY
         length = width
         while True:
@@ -426,16 +435,18 @@ class _Sampling:
             self.streamer.end()
         del self.scores[length - self.width :], self.raw[length - self.width :]
         sequences = self.sequences[:, :length]
+        if self.keeps_cache:
+            # The cache holds every token but the last, as transformers' does (steps run past the end on
+            # a GPU are cropped); continuing from it needs the caller's mask so far.
+            mask = self.mask if self.mask is not None else torch.ones_like(sequences[:, : self.width])
+            mask = mask.to(sequences.device, torch.int64)
+            cache.caller_mask = torch.cat([mask, mask.new_ones(mask.shape[0], cache.seen - self.width)], 1)
+            if cache.seen > length - 1:
+                cache.crop(length - 1)
+            cache.tokens = sequences[:, : cache.seen].clone()  # the caller may write into its sequences
+            self.kept = cache
         if not self.config.return_dict_in_generate:
             return sequences
-        # The cache holds every token but the last, as transformers' does (steps run past the end on
-        # a GPU are cropped); continuing from it needs the caller's mask so far.
-        mask = self.mask if self.mask is not None else torch.ones_like(sequences[:, : self.width])
-        mask = mask.to(sequences.device, torch.int64)
-        cache.caller_mask = torch.cat([mask, mask.new_ones(mask.shape[0], cache.seen - self.width)], 1)
-        if cache.seen > length - 1:
-            cache.crop(length - 1)
-        cache.tokens = sequences[:, : cache.seen].clone()  # the caller may write into its sequences
         return GenerateDecoderOnlyOutput(
             sequences=sequences,
             scores=tuple(self.scores) if self.keep_scores else None,

@@ -18,7 +18,7 @@ from transformers import GenerationConfig, GenerationMixin
 
 from . import embeddings, generation, images, images_plain, runtime
 from .backbone import WithBackbone
-from .cache import KVCache, keep_known
+from .cache import KVCache, carried, keep_known
 from .hf import CACHE_NAME
 from .package import NotSupportedError, model_files
 from .parameters import count_parameters
@@ -404,6 +404,15 @@ class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
     def get_experts_implementation(self) -> dict:
         return {}  # the graph's kernels are fixed at export: nothing for transformers' decode loop to switch
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """transformers' own, after an empty transformers cache the caller passed again (its multi-turn pattern) is
+        replaced by the KVCache it stands for (`cache.carried`), continued as a KVCache passed (`keep_known`)."""
+        given = model_kwargs.get(CACHE_NAME)
+        kept = None if isinstance(given, KVCache) or given is None else carried(given, self.decoder)
+        if kept is not None and given.get_seq_length() == 0:
+            model_kwargs[CACHE_NAME] = kept
+        return GenerationMixin._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
+
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         model_kwargs.pop("generator", None)  # ortmodule's own argument, taken by its sampling loop
         GenerationMixin._validate_model_kwargs(self, model_kwargs)
@@ -447,21 +456,26 @@ class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
         images too); continuing from a cache the caller passed, from `inputs_embeds` or returning
         hidden states or attention weights, transformers' own loop over forward."""
         cache = model_kwargs.get(CACHE_NAME)
-        fresh = cache is None or (not isinstance(cache, KVCache) and cache.get_seq_length() == 0)
+        blank = cache is not None and not isinstance(cache, KVCache) and cache.get_seq_length() == 0
         inspect = generation_config.output_hidden_states or generation_config.output_attentions
-        if fresh and not inspect and model_kwargs.get("inputs_embeds") is None:
-            model_kwargs.pop(CACHE_NAME, None)  # the empty DynamicCache transformers made
+        if (cache is None or blank) and not inspect and model_kwargs.get("inputs_embeds") is None:
+            model_kwargs.pop(CACHE_NAME, None)  # an empty DynamicCache: the caller's is carried on, not transformers'
+            carry_to = cache if blank and getattr(cache, "_is_user_defined", False) else None
             media = images.prompt_media(self.decoder, None, None,
                                         images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                                     media, **model_kwargs)
+                                     media, carry_to, **model_kwargs)
         if isinstance(cache, KVCache):
             keep_known(cache, input_ids)
         if model_kwargs.pop("generator", None) is not None:
             raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds, "
                              "output_hidden_states or output_attentions in generate()")
-        return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                       synced_gpus, streamer, **model_kwargs)
+        out = GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                      synced_gpus, streamer, **model_kwargs)
+        if isinstance(cache, KVCache):  # the tokens it holds, for the next call's keep_known
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            cache.tokens = sequences[:, : cache.seen].clone() if sequences.shape[1] >= cache.seen else None
+        return out
 
 
 def _expand_media(decoder, ids: torch.Tensor, expand_size: int, given: dict, model_kwargs: dict) -> None:

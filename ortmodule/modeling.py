@@ -33,7 +33,7 @@ from . import (
     runtime,
     variants,
 )
-from .cache import KVCache, refill
+from .cache import KVCache, carried, carry, refill
 from .decoder import Decoder
 from .graph import RewriteSkipped
 from .hf import (
@@ -196,7 +196,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
         keep = _logits_to_keep(logits_to_keep, kwargs, cont_len)
         _refuse_unsupported(input_ids, inputs_embeds, kwargs)
         note_autocast(self.device, self.dtype)
-        past, use_cache = _given_cache(past_key_values, cache, use_cache)
+        past, use_cache, blank = _given_cache(past_key_values, cache, use_cache, self.decoder,
+                                              input_ids if inputs_embeds is None else inputs_embeds, attention_mask)
         emptied, past = (past, None) if isinstance(past, KVCache) and past.seen == 0 else (None, past)
         asked = _asked(self.config, output_hidden_states, output_attentions)  # hidden states, attention weights
         embeds = None if inputs_embeds is None else \
@@ -214,7 +215,8 @@ class OrtModelForCausalLM(HuggingFaceSurface, torch.nn.Module):
             logits, past, states, weights = self._forward_prompt(ids, attention_mask, keep, use_cache, position_ids,
                                                                  cache_position, runs, embeds, media, asked, emptied)
         loss = None if labels is None else _shifted_loss(logits, labels, keep, attention_mask, kwargs, self.training)
-        return _output(loss, logits, past if use_cache else None, states, weights, return_dict)
+        return _output(loss, logits, _kept(past, blank, self.decoder) if use_cache else None, states, weights,
+                       return_dict)
 
     def _rows(self, input_ids, attention_mask, position_ids=None, cache_position=None, positions=None) -> inputs.Rows:
         package = self.package
@@ -391,16 +393,30 @@ def _check_own_cache(cache) -> None:
         )
 
 
-def _given_cache(past_key_values, cache, use_cache: bool | None) -> tuple[Cache | None, bool]:
-    """forward's cache, given under either name (`cache` is transformers 5.24's), and whether the output
-    carries one: a cache given is returned unless use_cache=False; an empty transformers cache
-    (DynamicCache()) means start a KVCache."""
+def _given_cache(past_key_values, cache, use_cache: bool | None, decoder, given, attention_mask) \
+        -> tuple[Cache | None, bool, Cache | None]:
+    """forward's cache, given under either name (`cache` is transformers 5.24's), whether the output
+    carries one, and the empty transformers cache given (a `DynamicCache()`; else None). A cache given is
+    returned unless use_cache=False; an empty transformers cache means start a KVCache, or, given again,
+    continue the one it stands for (`cache.carried`) as transformers' own would hold the earlier calls'
+    columns, unless the input is a new prompt: a mask as long as the input (`given`, the ids or embeddings)
+    alone (the caller emptied its cache: transformers' `reset` or `crop`, which ortmodule cannot see)."""
     if cache is not None and past_key_values is not None:
         raise ValueError("pass the cache as past_key_values or as cache, not both")
-    given = cache if cache is not None else past_key_values
-    if isinstance(given, Cache) and not isinstance(given, KVCache) and given.get_seq_length() == 0:
-        return None, True
-    return given, (given is not None) if use_cache is None else bool(use_cache)
+    given_cache = cache if cache is not None else past_key_values
+    if isinstance(given_cache, Cache) and not isinstance(given_cache, KVCache) and given_cache.get_seq_length() == 0:
+        kept = carried(given_cache, decoder)
+        new = attention_mask is not None and attention_mask.dim() == 2 and given is not None and \
+            attention_mask.shape[1] == given.shape[1]
+        return (None if kept is None or kept.seen == 0 or given is None or new else kept), True, given_cache
+    return given_cache, (given_cache is not None) if use_cache is None else bool(use_cache), None
+
+
+def _kept(past, blank, decoder):
+    """forward's cache, for which the empty transformers cache the caller gave (`blank`) then stands."""
+    if blank is not None and isinstance(past, KVCache):
+        carry(blank, past, decoder)  # the next call given the same object continues this cache
+    return past
 
 
 def _output(loss, logits: torch.Tensor, past, states, weights, return_dict: bool | None):

@@ -14,7 +14,7 @@ from helpers import left_padded_batch as left_padded
 from transformers import DynamicCache, GenerationMixin
 
 from ortmodule import NotSupportedError, OrtModelForCausalLM, variants
-from ortmodule.cache import KVCache
+from ortmodule.cache import KVCache, carried
 from ortmodule.hf import CACHE_NAME
 from ortmodule_dev import fixtures
 
@@ -121,6 +121,72 @@ def test_an_empty_transformers_cache_starts_one_and_a_full_one_is_refused(build)
     full = hf(ids, attention_mask=mask, use_cache=True).past_key_values
     with pytest.raises(TypeError, match="got DynamicCache holding 5 positions"):
         model(ids[:, :1], past_key_values=full)
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_one_dynamic_cache_through_a_manual_decoding_loop(build, arch):
+    """transformers' documented manual loop: one `DynamicCache()` passed to every forward (with the growing mask
+    and `cache_position`), only the new token given after the first. The object stays empty, but stands for the
+    KVCache ortmodule made for it (the same one each step), so the tokens and logits are transformers' on its own
+    DynamicCache; a prompt given later with a mask of its own length is a new prompt (transformers' caller would
+    have emptied its cache)."""
+    model, hf = load_pair(build(arch))
+
+    def loop(m, past, steps=5):
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        fields = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "cache_position": torch.arange(5)}
+        made, logits = [], []
+        for _ in range(steps):
+            out = m(**fields, past_key_values=past, use_cache=True)
+            logits.append(out.logits[:, -1].float())
+            made.append(out.logits[:, -1:].argmax(-1))
+            mask = torch.cat([fields["attention_mask"], torch.ones(1, 1, dtype=torch.long)], 1)
+            position = fields["cache_position"][-1:] + 1
+            fields = {"input_ids": made[-1], "attention_mask": mask, "cache_position": position}
+        return torch.cat(made, 1), torch.stack(logits)
+
+    past = DynamicCache()
+    with torch.inference_mode():
+        expected, expected_logits = loop(hf, DynamicCache(config=hf.config))
+        ours, our_logits = loop(model, past)
+        assert torch.equal(ours, expected)
+        assert (our_logits - expected_logits).abs().max().item() < 1e-4
+        assert past.get_seq_length() == 0  # transformers' object: ortmodule's entries cannot live in it
+        assert carried(past, model.decoder).get_seq_length() == 5 + 5 - 1
+        ids = torch.tensor([[9, 8, 7]])
+        again = model(ids, attention_mask=torch.ones_like(ids), past_key_values=past).logits
+        assert (again - hf(ids).logits).abs().max().item() < 1e-4
+
+
+def test_one_dynamic_cache_through_every_turn_of_generate(build):
+    """transformers' multi-turn pattern: one `DynamicCache()` passed to every turn's `generate`, each turn's ids
+    the conversation so far. Each turn equals transformers' on its own DynamicCache and continues the KVCache the
+    object stands for (one object, holding the conversation: only the new columns run); a turn whose ids leave
+    it (an edited history) is cropped back and equals transformers from the ids alone; another model given the
+    object starts its own."""
+    model, hf = load_pair(build("llama"))
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=2)
+    past, theirs = DynamicCache(), DynamicCache(config=hf.config)
+    ids, kept = torch.tensor([[5, 6, 7, 8, 9]]), None
+    for turn in range(3):
+        with torch.inference_mode():
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=theirs, **options)
+        ours = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=past, **options)
+        assert torch.equal(ours, expected), turn
+        cache = carried(past, model.decoder)
+        assert cache.get_seq_length() == ours.shape[1] - 1 and (kept is None or cache is kept)
+        kept, ids = cache, torch.cat([ours, torch.tensor([[10 + turn, 11]])], 1)
+    edited = torch.cat([ids[:, :7], torch.tensor([[30, 31]])], 1)
+    with torch.inference_mode():
+        expected = hf.generate(edited, attention_mask=torch.ones_like(edited), **options)
+    assert torch.equal(model.generate(edited, attention_mask=torch.ones_like(edited), past_key_values=past, **options),
+                       expected)
+    other, other_hf = load_pair(build("lfm2"))
+    with torch.inference_mode():
+        expected = other_hf.generate(edited, attention_mask=torch.ones_like(edited), **options)
+    assert torch.equal(other.generate(edited, attention_mask=torch.ones_like(edited), past_key_values=past, **options),
+                       expected)
+    assert carried(past, other.decoder) is not None and carried(past, model.decoder) is None
 
 
 @pytest.mark.parametrize("arch", BEAMS)
