@@ -322,6 +322,35 @@ def test_the_phi4_mini_json_parser_reads_phi4_minis_calls(text, content, calls):
     streams_as_read(auto_plan("phi4_mini_json"), text, content, calls)
 
 
+XML_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"}, "at": {"type": "number"},
+    "tags": {"type": "array"}, "note": {"type": ["string", "null"]}, "zone": {"anyOf": [{"type": "null"},
+                                                                                      {"type": "integer"}]}}}}}]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ("Let me look.\n<tool_call>\n<function=f>\n<parameter=city>\nSan José\n</parameter>\n<parameter=days>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", "Let me look.\n", [("f", '{"city": "San José", "days": 3}')]),
+    ("<tool_call>\n<function=f>\n<parameter=hot>\nTrue\n</parameter>\n<parameter=at>\n2.0\n</parameter>\n"
+     "<parameter=tags>\n['a', 1]\n</parameter>\n<parameter=note>\nNone\n</parameter>\n<parameter=zone>\nnull"
+     "\n</parameter>\n<parameter=city>\nnull\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+     "<function=g>\n<parameter=x>\n7\n</parameter>\n</function>\n</tool_call>", None,
+     [("f", '{"hot": true, "at": 2, "tags": ["a", 1], "note": null, "zone": null, "city": "null"}'),
+      ("g", '{"x": "7"}')]),  # a parameter the tool does not name, or a tool not given: the text
+    ("<tool_call>\n<function=f>\n<parameter=days>\nmany\n</parameter>\n<parameter=city>\nOslo",
+     None, [("f", '{"days": "many", "city": "Oslo"}')]),  # not an integer: the text; cut short: read as vLLM reads
+    ("<tool_call>\nno function here\n</tool_call>", "<tool_call>\nno function here\n</tool_call>", None),
+    ("a < b, <tool_c", "a < b, <tool_c", None),
+])
+def test_the_qwen3_coder_parser_reads_qwen35s_xml_calls(text, content, calls):
+    """Qwen3.5's and Qwen3-Coder's XML calls as vLLM's `qwen3_coder` parser reads them: each parameter's text
+    typed by the tool's schema (integer, number, boolean, array, null where admitted), the text where it does not
+    convert; the text before the first call its content; streamed the same at any cut."""
+    from ortmodule.serving.tools import ToolPlan, checked_tools
+
+    streams_as_read(ToolPlan("auto", checked_tools(XML_TOOLS), parser="qwen3_coder"), text, content, calls)
+
+
 # ---- Anthropic's Messages API: the same calls in its shape ------------------------------------------------------
 
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"],
@@ -528,7 +557,7 @@ def smollm2():
     return fixture, OrtModelForCausalLM.from_pretrained(fixture.package_dir), load_tokenizer(fixture.package_dir)
 
 
-@pytest.mark.parametrize("template", ["qwen3", "qwen2_5", "llama3_1"])
+@pytest.mark.parametrize("template", ["qwen3", "qwen2_5", "llama3_1", "qwen3_5_think"])
 def test_real_templates_render_a_tool_conversation_as_transformers(smollm2, template):
     """Qwen3's, Qwen2.5's and Llama 3.1's own templates (tools in the system turn, calls, tool results, Qwen3's
     earlier reasoning): the chat route's prompt (`/tokenize`), the Responses API's (its items: a reasoning item,
@@ -604,6 +633,48 @@ def test_smollm2_under_qwen3s_template_thinks_and_calls(smollm2):
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == thought
     (made,) = choice["message"]["tool_calls"]
     assert made["function"] == {"name": "get_weather", "arguments": json.dumps(call["arguments"])}
+
+
+def test_smollm2_under_qwen35s_template_thinks_and_calls_in_xml(smollm2):
+    """The real SmolLM2 served with Qwen3.5's template (which opens the thinking in the prompt), `--reasoning-parser
+    qwen3` and `--tool-call-parser qwen3_coder`: its greedy output (held by a regex to Qwen3.5's thinking, then an
+    XML call) is transformers' on the same weights under the same grammar; the answer is the thinking as
+    `reasoning` and the call read from the rest, whole and streamed."""
+    import re
+
+    from fastapi.testclient import TestClient
+    from transformers import AutoModelForCausalLM
+
+    from ortmodule import load_tokenizer
+    from ortmodule.serving import create_app
+
+    fixture, model, _ = smollm2
+    tokenizer = load_tokenizer(fixture.package_dir)
+    tokenizer.chat_template = trl_template("qwen3_5_think")
+    pattern = (r"[A-Za-z ,.']{1,60}\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+               r"(Paris|Rome)\n</parameter>\n<parameter=unit>\n(c|f)\n</parameter>\n</function>\n</tool_call>")
+    ids = prompt_ids(tokenizer, ASK)
+    assert tokenizer.decode(ids).endswith("<think>\n")
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    expected, complete = greedy_text(hf, tokenizer, ids, LLMatcher.grammar_from_regex(pattern), 120)
+    assert complete
+    found = re.fullmatch(pattern, expected)
+    arguments = json.dumps({"city": found.group(1), "unit": found.group(2)})
+    body = {"messages": ASK, "tools": TOOLS, "max_tokens": 120, "temperature": 0,
+            "structured_outputs": {"regex": pattern}}
+    with TestClient(create_app(model, tokenizer, name=NAME, reasoning_parser="qwen3", enable_in_reasoning=True,
+                               enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")) as client:
+        choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        events = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning"] == expected.split("</think>")[0]
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "get_weather",
+                                                                          "arguments": arguments}]
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in events.splitlines()
+              if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == expected.split("</think>")[0]
+    assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [{"name": "get_weather",
+                                                                                  "arguments": arguments}]
 
 
 def test_a_call_the_length_cuts_short(tools_live):

@@ -16,12 +16,15 @@ go to the template as transformers' chat templates take them.
 The parsers (vLLM's of the same names): `hermes` (Hermes, Qwen2.5, Qwen3, SmolLM3: `<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>`, text before the first call its content), `llama3_json` (Llama 3.1-3.3's
 JSON calls: output that starts with `<|python_tag|>` or `{`, calls `{"name", "parameters"}` separated by
-"; ") and `phi4_mini_json` (Phi-4-mini's `functools[{"name", "arguments"}, ...]`, text before it its content).
+"; "), `phi4_mini_json` (Phi-4-mini's `functools[{"name", "arguments"}, ...]`, text before it its content) and
+`qwen3_coder` (Qwen3.5, Qwen3-Coder: `<tool_call><function=NAME><parameter=P>value</parameter>...</function>
+</tool_call>`, each value typed by the tool's schema, text before the first call its content).
 Output that does not parse is the answer's text, as in vLLM.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -36,7 +39,7 @@ CHOICES = ("none", "auto", "required")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _PHI4 = "functools["
 # Where a parser's calls begin, for the parsers whose calls may follow text.
-_STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4}
+_STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START}
 _PYTHON_TAG = "<|python_tag|>"
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -158,6 +161,8 @@ def _calls_schema(tools: tuple[dict, ...], parallel: bool) -> dict:
 def _parser_hint(tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     template = template if isinstance(template, str) else json.dumps(template)
+    if "<function=" in template:
+        return " (this model's chat template writes Qwen3.5's XML calls: --tool-call-parser qwen3_coder)"
     if _HERMES_START in template:
         return " (this model's chat template writes hermes calls: --tool-call-parser hermes)"
     if _PYTHON_TAG in template:
@@ -198,6 +203,8 @@ def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, s
             content = None
         elif plan.parser == "hermes":
             content, calls = _hermes(text)
+        elif plan.parser == "qwen3_coder":
+            content, calls = _qwen3_coder(text, plan.tools)
         else:
             content, calls = _llama3_json(text) if plan.parser == "llama3_json" else _phi4_mini_json(text)
     except (ValueError, KeyError, TypeError):
@@ -214,6 +221,64 @@ def _hermes(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     calls = [json.loads(closed or open_) for closed, open_ in found]
     content = text[: text.find(_HERMES_START)]
     return content or None, [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+
+
+def _qwen3_coder(text: str, tools: tuple[dict, ...]) -> tuple[str | None, list[tuple[str, str]] | None]:
+    """Qwen3.5's and Qwen3-Coder's XML calls, as vLLM's `qwen3_coder` parser reads them: each `<tool_call>`'s
+    `<function=NAME>` and its `<parameter=P>` values (one newline trimmed each side), typed by the schema."""
+    if _HERMES_START not in text:
+        return text, None
+    calls = []
+    for closed, open_ in re.findall(rf"{_HERMES_START}(.*?){_HERMES_END}|{_HERMES_START}(.*)", text, re.DOTALL):
+        function = re.search(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", closed or open_, re.DOTALL)
+        if function is None:
+            raise ValueError("a tool call without a function")
+        name = function.group(1).strip()
+        found = [t["function"].get("parameters") or {} for t in tools if t["function"]["name"] == name]
+        properties = found[0].get("properties", {}) if found and isinstance(found[0], dict) else {}
+        arguments = {}
+        for key, value in re.findall(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
+                                     function.group(2), re.DOTALL):
+            value = value[1:] if value.startswith("\n") else value
+            arguments[key.strip()] = _typed(value[:-1] if value.endswith("\n") else value,
+                                            properties.get(key.strip()))
+        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+    return text[: text.find(_HERMES_START)] or None, calls
+
+
+def _typed(value: str, schema) -> object:
+    """A parameter's text as its schema's type says, as vLLM converts it: a string as written (null where the
+    schema admits null and the text is null or None, as for every other type); an integer or a number where
+    the text is one, a boolean (true where the text is "true"), JSON or else a Python literal for the rest;
+    the text itself where it does not convert, and for a parameter the tool does not name."""
+    if not isinstance(schema, dict):
+        return value
+    kinds = schema.get("type", [o.get("type") for o in schema.get("anyOf", []) if isinstance(o, dict)] or "string")
+    kinds = [str(k).strip().lower() for k in (kinds if isinstance(kinds, list) else [kinds])]
+    kind = next((k for k in kinds if k != "null"), "string")
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return None if "null" in kinds and value.lower() in ("null", "none") else value
+    if value.lower() in ("null", "none"):
+        return None
+    try:
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(value)
+        if kind.startswith(("num", "float")):
+            number = float(value)
+            return int(number) if number == int(number) else number
+    except (ValueError, OverflowError):
+        return value
+    if kind in ("boolean", "bool", "binary"):
+        return value.lower() == "true"
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        try:
+            return json.loads(value)
+        except ValueError:
+            pass
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
 
 
 def _phi4_mini_json(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
