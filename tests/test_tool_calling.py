@@ -351,6 +351,69 @@ def test_the_qwen3_coder_parser_reads_qwen35s_xml_calls(text, content, calls):
     streams_as_read(ToolPlan("auto", checked_tools(XML_TOOLS), parser="qwen3_coder"), text, content, calls)
 
 
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('[get_weather(city="Paris", unit="c"), get_time(zone=\'utc\', days=[1, -2], x={"a": None, "b": True})]', None,
+     [("get_weather", '{"city": "Paris", "unit": "c"}'), ("get_time", '{"zone": "utc", "days": [1, -2], '
+                                                                     '"x": {"a": null, "b": true}}')]),
+    ('<|python_start|>[f(a="é")]<|python_end|>', None, [("f", '{"a": "é"}')]),  # Llama 4's
+    ("[1, 2] are numbers.", "[1, 2] are numbers.", None),
+    ("[f(1)]", "[f(1)]", None),  # a positional argument: not a call vLLM reads
+    ("[f(a=open('x'))]", "[f(a=open('x'))]", None),  # not a literal
+    ("[f(a=", "[f(a=", None),
+    ("The answer is [f(a=1)].", "The answer is [f(a=1)].", None),
+])
+def test_the_pythonic_parser_reads_llamas_python_calls(text, content, calls):
+    """Llama 3.2's and Llama 4's Python calls as vLLM's `pythonic` parser reads them: the whole output a list of
+    calls with keyword arguments of literal values; anything else text; streamed the same at any cut."""
+    streams_as_read(auto_plan("pythonic"), text, content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('Checking. <|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>It is sunny.', "Checking. It is sunny.",
+     [("get_weather", '{"city": "Paris"}')]),
+    ('<|tool_call_start|>[f(a=1), g(b=[2])]<|tool_call_end|>[f(a=1), g(b=[2])]<|tool_call_end|>', None,
+     [("f", '{"a": 1}'), ("g", '{"b": [2]}')]),  # LFM2's echo of its calls after the end, left out
+    ("<|tool_call_start|>[f(a='x')]", None, [("f", '{"a": "x"}')]),  # the end never came
+    ("<|tool_call_start|>not calls<|tool_call_end|>", "<|tool_call_start|>not calls<|tool_call_end|>", None),
+    ("No call. <|tool_call", "No call. <|tool_call", None),
+])
+def test_the_lfm2_parser_reads_lfm2s_calls(text, content, calls):
+    """LFM2's and LFM2.5's calls as vLLM's `lfm2` parser reads them: a Python list of calls between its markers,
+    the text around them the content; streamed the same at any cut."""
+    streams_as_read(auto_plan("lfm2"), text, content, calls)
+
+
+@pytest.mark.parametrize(("arch", "parser", "call"), [
+    ("lfm2", "lfm2", r'<\|tool_call_start\|>\[get_weather\(city="(Paris|Rome)", unit="(c|f)"\)\]<\|tool_call_end\|>'),
+    ("llama", "pythonic", r'\[get_weather\(city="(Paris|Rome)", unit="(c|f)"\)\]'),
+    ("llama", "qwen3_coder", r"<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Rome)\n</parameter>\n"
+                             r"<parameter=unit>\n(c|f)\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_auto_reads_each_parsers_calls_from_the_models_output(build, arch, parser, call):
+    """tool_choice "auto" under `--tool-call-parser lfm2`, `pythonic` and `qwen3_coder`: the model's output (held
+    by a regex to the parser's form, on the lfm2 fixture for LFM2's) is transformers' greedy text; the call read
+    from it, the text before it the content, finish "tool_calls", whole and streamed."""
+    import re
+
+    live, _, hf, tokenizer = served_live(build(arch), TOOL_TEMPLATE, enable_auto_tool_choice=True,
+                                         tool_call_parser=parser)
+    try:
+        before = "" if parser == "pythonic" else "Sure. "  # pythonic's calls are the whole output
+        pattern = re.escape(before) + call
+        expected, complete = greedy_text(hf, tokenizer, prompt_ids(tokenizer, ASK),
+                                         LLMatcher.grammar_from_regex(pattern), 120)
+        assert complete
+        found = re.fullmatch(pattern, expected)
+        made = [("get_weather", json.dumps({"city": found.group(1), "unit": found.group(2)}))]
+        choice = chat(live, structured_outputs={"regex": pattern}, max_tokens=120)["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (before or None, "tool_calls")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == made
+        content, calls, finish = streamed(live, structured_outputs={"regex": pattern}, max_tokens=120)
+        assert (content, [(c["name"], c["arguments"]) for c in calls.values()], finish) == (before, made, "tool_calls")
+    finally:
+        live.stop()
+
+
 # ---- Anthropic's Messages API: the same calls in its shape ------------------------------------------------------
 
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"],
@@ -557,7 +620,7 @@ def smollm2():
     return fixture, OrtModelForCausalLM.from_pretrained(fixture.package_dir), load_tokenizer(fixture.package_dir)
 
 
-@pytest.mark.parametrize("template", ["qwen3", "qwen2_5", "llama3_1", "qwen3_5_think"])
+@pytest.mark.parametrize("template", ["qwen3", "qwen2_5", "llama3_1", "qwen3_5_think", "lfm2_2_5", "llama3_2"])
 def test_real_templates_render_a_tool_conversation_as_transformers(smollm2, template):
     """Qwen3's, Qwen2.5's and Llama 3.1's own templates (tools in the system turn, calls, tool results, Qwen3's
     earlier reasoning): the chat route's prompt (`/tokenize`), the Responses API's (its items: a reasoning item,

@@ -18,7 +18,10 @@ The parsers (vLLM's of the same names): `hermes` (Hermes, Qwen2.5, Qwen3, SmolLM
 JSON calls: output that starts with `<|python_tag|>` or `{`, calls `{"name", "parameters"}` separated by
 "; "), `phi4_mini_json` (Phi-4-mini's `functools[{"name", "arguments"}, ...]`, text before it its content) and
 `qwen3_coder` (Qwen3.5, Qwen3-Coder: `<tool_call><function=NAME><parameter=P>value</parameter>...</function>
-</tool_call>`, each value typed by the tool's schema, text before the first call its content).
+</tool_call>`, each value typed by the tool's schema, text before the first call its content), `pythonic` (Llama
+3.2's and Llama 4's Python calls: output that is `[f(a=1), g(b="x")]`, Llama 4's `<|python_start|>` around it
+taken) and `lfm2` (LFM2's and LFM2.5's: the same list between `<|tool_call_start|>` and `<|tool_call_end|>`, the
+text around it its content).
 Output that does not parse is the answer's text, as in vLLM.
 """
 
@@ -39,8 +42,12 @@ CHOICES = ("none", "auto", "required")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _PHI4 = "functools["
 # Where a parser's calls begin, for the parsers whose calls may follow text.
-_STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START}
+_LFM2_START, _LFM2_END = "<|tool_call_start|>", "<|tool_call_end|>"
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+_STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START, "lfm2": _LFM2_START}
 _PYTHON_TAG = "<|python_tag|>"
+# Where a parser's calls begin for the parsers whose calls are the whole output.
+_OPENINGS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "[")}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -165,6 +172,8 @@ def _parser_hint(tokenizer) -> str:
         return " (this model's chat template writes Qwen3.5's XML calls: --tool-call-parser qwen3_coder)"
     if _HERMES_START in template:
         return " (this model's chat template writes hermes calls: --tool-call-parser hermes)"
+    if _LFM2_START in template:
+        return " (this model's chat template writes LFM2's calls: --tool-call-parser lfm2)"
     if _PYTHON_TAG in template:
         return " (this model's chat template writes Llama 3's JSON calls: --tool-call-parser llama3_json)"
     if "functools" in template:
@@ -177,7 +186,7 @@ def markers_are_special(plan: ToolPlan, tokenizer) -> bool:
     text must then keep for the parser to see them (vLLM turns `skip_special_tokens` off the same way)."""
     if plan.mode != "auto":
         return False
-    marker = _STARTS.get(plan.parser, _PYTHON_TAG)
+    marker = _STARTS.get(plan.parser, _OPENINGS.get(plan.parser, (_PYTHON_TAG,))[0])
     return marker in special_tokens(tokenizer)
 
 
@@ -201,13 +210,11 @@ def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, s
             found = json.loads(text)
             calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in found]
             content = None
-        elif plan.parser == "hermes":
-            content, calls = _hermes(text)
-        elif plan.parser == "qwen3_coder":
+        elif plan.parser == "qwen3_coder":  # the one that types the arguments by the tools' schemas
             content, calls = _qwen3_coder(text, plan.tools)
         else:
-            content, calls = _llama3_json(text) if plan.parser == "llama3_json" else _phi4_mini_json(text)
-    except (ValueError, KeyError, TypeError):
+            content, calls = _READERS[plan.parser](text)
+    except (ValueError, KeyError, TypeError, SyntaxError, RecursionError, MemoryError):
         return text, None
     if calls is None:
         return text, None
@@ -244,6 +251,46 @@ def _qwen3_coder(text: str, tools: tuple[dict, ...]) -> tuple[str | None, list[t
                                             properties.get(key.strip()))
         calls.append((name, json.dumps(arguments, ensure_ascii=False)))
     return text[: text.find(_HERMES_START)] or None, calls
+
+
+def _pythonic(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    """Llama 3.2's and Llama 4's calls, as vLLM's `pythonic` parser reads them: the whole output a Python list of
+    calls with keyword arguments of literal values (Llama 4's `<|python_start|>`...`<|python_end|>` around it)."""
+    inner = text.removeprefix(_PYTHON_START).removesuffix(_PYTHON_END) if text.startswith(_PYTHON_START) else text
+    if not re.fullmatch(r"\[.*\]", inner, re.DOTALL):
+        return text, None
+    return None, _python_calls(inner)
+
+
+def _lfm2(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    """LFM2's calls, as vLLM's `lfm2` parser reads them: a Python list of calls between `<|tool_call_start|>` and
+    `<|tool_call_end|>` (to the end where it never comes); the text before and after it the content (after the
+    last `<|tool_call_end|>`: LFM2 may write the calls again after the first)."""
+    at = text.find(_LFM2_START)
+    if at < 0:
+        return text, None
+    inner, _, after = text[at + len(_LFM2_START):].partition(_LFM2_END)
+    if not re.fullmatch(r"\[.*\]", inner.strip(), re.DOTALL):
+        return text, None
+    content = text[:at] + after[after.rfind(_LFM2_END) + len(_LFM2_END):] if _LFM2_END in after else \
+        text[:at] + after
+    return content or None, _python_calls(inner.strip())
+
+
+def _python_calls(text: str) -> list[tuple[str, str]]:
+    """A Python list of calls `[f(a=1), g(b="x")]`: each call's name and its keyword arguments (literal values)
+    as JSON; a ValueError (or SyntaxError, TypeError) where it is not one."""
+    listed = ast.parse(text, mode="eval").body
+    if not isinstance(listed, ast.List) or not listed.elts:
+        raise ValueError("not a list of calls")
+    calls = []
+    for call in listed.elts:
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args or \
+                any(k.arg is None for k in call.keywords):
+            raise ValueError("a call is a function's name with keyword arguments")
+        arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
 
 
 def _typed(value: str, schema) -> object:
@@ -303,6 +350,10 @@ def _llama3_json(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     return None, calls
 
 
+_READERS = {"hermes": _hermes, "llama3_json": _llama3_json, "phi4_mini_json": _phi4_mini_json,
+            "pythonic": _pythonic, "lfm2": _lfm2}
+
+
 def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
     """A choice's `message` and `finish_reason` as vLLM answers them: calls under `tool_calls` (content None,
     or auto's text before them), finish "tool_calls" where required's or auto's calls were read ("stop" for a
@@ -344,9 +395,10 @@ class ToolStream:
         """How much of the text so far cannot be part of a call (auto: before any marker, or a marker's start)."""
         if self.plan.mode == "none":
             return len(self.text)
-        if self.plan.parser == "llama3_json":
+        if self.plan.parser in _OPENINGS:  # the whole output is calls or text: held where it may be calls
+            tag, opening = _OPENINGS[self.plan.parser]
             text = self.text
-            if text.startswith("{") or text.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(text):
+            if text.startswith(opening) or text.startswith(tag) or tag.startswith(text):
                 return 0
             return len(text)
         return safe_before(self.text, _STARTS[self.plan.parser])
