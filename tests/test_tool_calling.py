@@ -258,7 +258,7 @@ def test_auto_needs_the_servers_parser_and_the_settings_are_checked(openai_live)
     assert json.loads(named["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])["zone"] in (
         "utc", "cet")
     with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json"):
-        Settings(tool_call_parser="mistral")
+        Settings(tool_call_parser="granite")
     with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
         Settings(enable_auto_tool_choice=True)
 
@@ -388,11 +388,13 @@ def test_the_lfm2_parser_reads_lfm2s_calls(text, content, calls):
     ("llama", "pythonic", r'\[get_weather\(city="(Paris|Rome)", unit="(c|f)"\)\]'),
     ("llama", "qwen3_coder", r"<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Rome)\n</parameter>\n"
                              r"<parameter=unit>\n(c|f)\n</parameter>\n</function>\n</tool_call>"),
+    ("llama", "mistral", r'\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Rome)", "unit": "(c|f)"\}'),
 ])
 def test_auto_reads_each_parsers_calls_from_the_models_output(build, arch, parser, call):
-    """tool_choice "auto" under `--tool-call-parser lfm2`, `pythonic` and `qwen3_coder`: the model's output (held
-    by a regex to the parser's form, on the lfm2 fixture for LFM2's) is transformers' greedy text; the call read
-    from it, the text before it the content, finish "tool_calls", whole and streamed."""
+    """tool_choice "auto" under `--tool-call-parser lfm2`, `pythonic`, `qwen3_coder` and `mistral`: the model's
+    output (held by a regex to the parser's form, on the lfm2 fixture for LFM2's) is transformers' greedy text; the
+    call read from it, the text before it the content, finish "tool_calls", whole and streamed. Under mistral
+    every call's id (a named function's too) is nine letters and digits, as Mistral's templates require."""
     import re
 
     live, _, hf, tokenizer = served_live(build(arch), TOOL_TEMPLATE, enable_auto_tool_choice=True,
@@ -410,8 +412,28 @@ def test_auto_reads_each_parsers_calls_from_the_models_output(build, arch, parse
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == made
         content, calls, finish = streamed(live, structured_outputs={"regex": pattern}, max_tokens=120)
         assert (content, [(c["name"], c["arguments"]) for c in calls.values()], finish) == (before, made, "tool_calls")
+        named = chat(live, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=30,
+                     **COMPACT)["choices"][0]["message"]["tool_calls"][0]
+        for ident in [c["id"] for c in choice["message"]["tool_calls"]] + [named["id"]]:
+            assert (len(ident) == 9 and ident.isalnum()) if parser == "mistral" else ident.startswith("chatcmpl-tool-")
     finally:
         live.stop()
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('Let me check.[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g"}]', "Let me check.",
+     [("f", '{"a": 1}'), ("g", "{}")]),  # before v11: one JSON list
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "utc"}', None,
+     [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "utc"}')]),  # v11 on: name[ARGS]{...} each
+    ('[TOOL_CALLS]f{"a": [1, 2]}', None, [("f", '{"a": [1, 2]}')]),  # [ARGS] skipped as a special token
+    ("No tools needed.", "No tools needed.", None),
+    ('[TOOL_CALLS] [{"name": "f", "argu', '[TOOL_CALLS] [{"name": "f", "argu', None),
+    ("It costs [TOOL", "It costs [TOOL", None),
+])
+def test_the_mistral_parser_reads_mistrals_calls(text, content, calls):
+    """Mistral's `[TOOL_CALLS]` calls as vLLM's `mistral` parser reads them, in both of its tokenizers' forms;
+    the text before them the content; streamed the same at any cut."""
+    streams_as_read(auto_plan("mistral"), text, content, calls)
 
 
 # ---- Anthropic's Messages API: the same calls in its shape ------------------------------------------------------
@@ -593,8 +615,8 @@ def test_the_command_line_takes_vllms_tool_flags(llama, capsys, monkeypatch):
         cli.ortmodule(["serve", str(llama.package_dir), "--port", "0", "--enable-auto-tool-choice"])
     assert stopped.value.code == 2 and "enable_auto_tool_choice needs tool_call_parser" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.ortmodule(["serve", str(llama.package_dir), "--tool-call-parser", "mistral"])
-    assert "invalid choice: 'mistral'" in capsys.readouterr().err
+        cli.ortmodule(["serve", str(llama.package_dir), "--tool-call-parser", "granite"])
+    assert "invalid choice: 'granite'" in capsys.readouterr().err
     given = {}
     monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: given.update(options))
     cli.ortmodule(["serve", str(llama.package_dir), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])

@@ -21,15 +21,20 @@ JSON calls: output that starts with `<|python_tag|>` or `{`, calls `{"name", "pa
 </tool_call>`, each value typed by the tool's schema, text before the first call its content), `pythonic` (Llama
 3.2's and Llama 4's Python calls: output that is `[f(a=1), g(b="x")]`, Llama 4's `<|python_start|>` around it
 taken) and `lfm2` (LFM2's and LFM2.5's: the same list between `<|tool_call_start|>` and `<|tool_call_end|>`, the
-text around it its content).
+text around it its content) and `mistral` (Mistral's `[TOOL_CALLS]`: a JSON list of `{"name", "arguments"}` after
+it, or, from its v11 tokenizers, `name[ARGS]{...}` after each; the text before the first its content; every call's
+id nine letters and digits, which Mistral's chat templates require of the calls given back).
 Output that does not parse is the answer's text, as in vLLM.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass
 
@@ -44,7 +49,9 @@ _PHI4 = "functools["
 # Where a parser's calls begin, for the parsers whose calls may follow text.
 _LFM2_START, _LFM2_END = "<|tool_call_start|>", "<|tool_call_end|>"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
-_STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START, "lfm2": _LFM2_START}
+_MISTRAL = "[TOOL_CALLS]"
+_STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START, "lfm2": _LFM2_START,
+           "mistral": _MISTRAL}
 _PYTHON_TAG = "<|python_tag|>"
 # Where a parser's calls begin for the parsers whose calls are the whole output.
 _OPENINGS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "[")}
@@ -56,7 +63,7 @@ class ToolPlan:
     """What a chat request's tools make of its answer (module docstring): `mode` one of "none", "named",
     "required", "auto"; `name` the named function; `parser` auto's; `parallel` whether more than one call
     is kept; `tools` the request's tools as the template takes them; `schema` the JSON schema the output is
-    kept to (named, required), else None."""
+    kept to (named, required), else None; `short_ids` Mistral's ids for the calls."""
 
     mode: str
     tools: tuple[dict, ...] = ()
@@ -64,6 +71,7 @@ class ToolPlan:
     parser: str | None = None
     parallel: bool = True
     schema: dict | None = None
+    short_ids: bool = False  # the calls' ids nine letters and digits (the server's parser is mistral)
 
     @property
     def calls(self) -> bool:
@@ -84,6 +92,12 @@ def tool_plan(served, body) -> ToolPlan:
             raise ServingError(f"{name} is OpenAI's deprecated form of tools and is not supported: send tools and "
                                "tool_choice", name)
     tools = checked_tools(body.tools)
+    plan = _plan(served, body, tools)
+    return dataclasses.replace(plan, short_ids=True) if served.settings.tool_call_parser == "mistral" and \
+        plan.calls else plan
+
+
+def _plan(served, body, tools: tuple[dict, ...]) -> ToolPlan:
     choice = body.tool_choice
     if isinstance(choice, str) and choice not in CHOICES:
         raise ServingError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
@@ -174,6 +188,8 @@ def _parser_hint(tokenizer) -> str:
         return " (this model's chat template writes hermes calls: --tool-call-parser hermes)"
     if _LFM2_START in template:
         return " (this model's chat template writes LFM2's calls: --tool-call-parser lfm2)"
+    if _MISTRAL in template:
+        return " (this model's chat template writes Mistral's calls: --tool-call-parser mistral)"
     if _PYTHON_TAG in template:
         return " (this model's chat template writes Llama 3's JSON calls: --tool-call-parser llama3_json)"
     if "functools" in template:
@@ -192,12 +208,15 @@ def markers_are_special(plan: ToolPlan, tokenizer) -> bool:
 
 # ---- answers --------------------------------------------------------------------------------------
 
-def new_call_id() -> str:
+def new_call_id(short: bool = False) -> str:
+    """A call's id: vLLM's, or Mistral's nine letters and digits (`short`)."""
+    if short:
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
     return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
 
 
-def _call(name: str, arguments: str, ident: str | None = None) -> dict:
-    return {"id": ident or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def _call(name: str, arguments: str, ident: str) -> dict:
+    return {"id": ident, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
@@ -350,8 +369,27 @@ def _llama3_json(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     return None, calls
 
 
+def _mistral(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    """Mistral's calls, as vLLM's `mistral` parser reads them: after `[TOOL_CALLS]`, a JSON list of `{"name",
+    "arguments"}` (its tokenizers before v11), or `name[ARGS]{...}` after each `[TOOL_CALLS]` (v11 on: the
+    arguments the text from `{`, as written)."""
+    if _MISTRAL not in text:
+        return text, None
+    content, *raw = text.split(_MISTRAL)
+    if raw[0].lstrip().startswith("["):  # before v11: one list
+        if len(raw) != 1:
+            raise ValueError("more than one [TOOL_CALLS] before a list of calls")
+        found, _ = json.JSONDecoder().raw_decode(raw[0].strip())
+        calls = [(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in found]
+    else:
+        calls = [(r[: r.find("{")].replace("[ARGS]", "").strip(), r[r.find("{"):].rstrip()) for r in raw if "{" in r]
+    if not calls:
+        raise ValueError("no call after [TOOL_CALLS]")
+    return content or None, calls
+
+
 _READERS = {"hermes": _hermes, "llama3_json": _llama3_json, "phi4_mini_json": _phi4_mini_json,
-            "pythonic": _pythonic, "lfm2": _lfm2}
+            "pythonic": _pythonic, "lfm2": _lfm2, "mistral": _mistral}
 
 
 def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
@@ -363,7 +401,8 @@ def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
     content, calls = read_calls(plan, text)
     if calls is None:
         return {"role": "assistant", "content": content}, finish
-    message = {"role": "assistant", "content": content, "tool_calls": [_call(n, a) for n, a in calls]}
+    message = {"role": "assistant", "content": content,
+               "tool_calls": [_call(n, a, new_call_id(plan.short_ids)) for n, a in calls]}
     return message, finish if plan.mode == "named" or finish == "length" else "tool_calls"
 
 
@@ -380,7 +419,7 @@ class ToolStream:
         self.text += text
         if self.plan.mode == "named":
             if self.named_id is None:
-                self.named_id = new_call_id()
+                self.named_id = new_call_id(self.plan.short_ids)
                 return {"tool_calls": [{"index": 0, **_call(self.plan.name, text, self.named_id)}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
         if self.plan.mode == "required":
