@@ -23,6 +23,14 @@ def reference(hf, tokenizer, ids: list[int], grammar: str, new: int) -> str:
     return expected_text(tokenizer, grammar_greedy(hf, tokenizer, ids, grammar, new)[0])[0]
 
 
+SQL = """root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""
+SQL_REGEX = r"SELECT (col_1 |col_2 ) from (table_1 |table_2 ) where (col_1 |col_2 )= (1 |2 )"
 FORMS = [
     ("regex", {"structured_outputs": {"regex": REGEX}}, LLMatcher.grammar_from_regex(REGEX)),
     ("guided_regex", {"guided_regex": REGEX}, LLMatcher.grammar_from_regex(REGEX)),
@@ -37,6 +45,9 @@ FORMS = [
     ("guided_json", {"guided_json": json.dumps(SCHEMA)}, LLMatcher.grammar_from_json_schema(SCHEMA)),
     ("json_object", {"response_format": {"type": "json_object"}},
      LLMatcher.grammar_from_json_schema({"type": "object"})),
+    # vLLM's documented EBNF example (llama.cpp's GBNF), and SGLang's `ebnf`: the same language as this regex
+    ("ebnf_grammar", {"structured_outputs": {"grammar": SQL}}, LLMatcher.grammar_from_regex(SQL_REGEX)),
+    ("sglang_ebnf", {"ebnf": SQL}, LLMatcher.grammar_from_regex(SQL_REGEX)),
 ]
 
 
@@ -51,7 +62,7 @@ def test_each_form_gives_transformers_greedy_text_under_the_grammar(openai_live,
     chat = httpx.post(f"{live.url}/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 40,
                                                               "temperature": 0, **fields}).json()
     assert chat["choices"][0]["message"]["content"] == expected, chat
-    if name in ("regex", "choice", "grammar"):
+    if name in ("regex", "choice", "grammar", "ebnf_grammar", "sglang_ebnf"):
         assert chat["choices"][0]["finish_reason"] == "stop"
     prompt = "The quick brown fox"
     expected = reference(hf, tokenizer, tokenizer(prompt).input_ids, grammar, 40)
@@ -95,7 +106,8 @@ def test_streams_samples_and_responses_keep_to_the_grammar(openai_live):
     ({"guided_json": SCHEMA, "regex": "a"}, "regex", "both ask for structured output"),
     ({"response_format": {"type": "structural_tag"}}, "response_format", "is not supported"),
     ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs", "start"),
-    ({"ebnf": 'root ::= "a"'}, "ebnf", "not supported"),
+    ({"ebnf": 'root ::= other'}, "ebnf", "Rule 'other' not found"),
+    ({"structured_outputs": {"grammar": 'root ::= ("a"'}}, "structured_outputs", "not a grammar in Lark or EBNF"),
     ({"guided_choice": ["a"], "min_tokens": 3}, "min_tokens", "min_tokens with structured output"),
 ])
 def test_forms_that_cannot_be_carried_out_are_refused_naming_their_field(openai_live, fields, param, words):
@@ -108,13 +120,14 @@ def test_forms_that_cannot_be_carried_out_are_refused_naming_their_field(openai_
 
 
 def test_sglangs_generate_keeps_to_its_regex_and_json_schema(openai_live):
-    """SGLang's `/generate` with `sampling_params.regex` or `json_schema` (the schema's text): the completions
+    """SGLang's `/generate` with `sampling_params.regex`, `json_schema` (the schema's text) or `ebnf`: the completions
     route's answer under the same grammar, transformers' greedy text; a bad one named by SGLang's field."""
     live, _, hf, tokenizer, _ = openai_live
     prompt = "The quick brown fox"
     ids = tokenizer(prompt).input_ids
     for name, value, grammar in (("regex", REGEX, LLMatcher.grammar_from_regex(REGEX)),
-                                 ("json_schema", json.dumps(SCHEMA), LLMatcher.grammar_from_json_schema(SCHEMA))):
+                                 ("json_schema", json.dumps(SCHEMA), LLMatcher.grammar_from_json_schema(SCHEMA)),
+                                 ("ebnf", SQL, LLMatcher.grammar_from_regex(SQL_REGEX))):
         answer = httpx.post(f"{live.url}/generate", json={
             "text": prompt, "sampling_params": {"max_new_tokens": 40, "temperature": 0, name: value}}).json()
         assert answer["text"] == reference(hf, tokenizer, ids, grammar, 40), answer

@@ -7,13 +7,14 @@ The forms a completions, chat or responses request takes (one a request):
   "json_schema": {"schema": {...}}}` (the Responses API's `text.format`, flattened, is turned into this);
   `{"type": "text"}` is none.
 - vLLM's `structured_outputs`: one of `json` (a schema, or its JSON text), `regex`, `choice` (a list of
-  strings: the output is one of them), `grammar` (a Lark grammar, llguidance's dialect), `json_object`
+  strings: the output is one of them), `grammar` (a Lark grammar, llguidance's dialect, or an EBNF one in
+  llama.cpp's GBNF form, `root ::= ...`, as vLLM's examples write them: turned into Lark), `json_object`
   true; and its older fields `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. Its option
   `disable_any_whitespace` (true: JSON without whitespace between its tokens; by default any, as in vLLM)
   applies to the JSON forms, and to a chat request's `tool_choice` (tools.py), where it may come alone.
-- SGLang's `regex` and `json_schema` (the schema's JSON text).
+- SGLang's `regex`, `json_schema` (the schema's JSON text) and `ebnf` (an EBNF grammar, as `grammar` takes it).
 A form that does not compile (a bad regex, schema or grammar) is a 400 naming its field, with
-llguidance's reason; so is a form this server does not carry out (a structural tag, an EBNF grammar).
+llguidance's reason; so is a form this server does not carry out (a structural tag).
 On a server with a reasoning parser (reasoning.py) a chat request's grammar holds the answer after the model's
 thinking, which stays free (`thinking_first`), as vLLM starts the grammar where the reasoning ends.
 """
@@ -31,7 +32,7 @@ from .reasoning import END, START, Reasoning
 
 # The fields that ask for structured output, and the values that ask for none.
 FORMS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-         "regex", "json_schema")
+         "regex", "json_schema", "ebnf")
 NONE = (None, {}, {"type": "text"})
 # vLLM's options of structured_outputs, beside a form (or alone, for tool_choice's schema): no whitespace in JSON.
 OPTIONS = {"disable_any_whitespace"}
@@ -114,18 +115,35 @@ def _grammar(name: str, value, compact: bool = False) -> str:
             raise ServingError(f"structured_outputs takes one of {', '.join(kinds)}; got {sorted(asked) or 'none'}",
                                name)
         (kind, inner), = asked.items()
-        return _schema(name, {"type": "object"}, compact) if kind == "json_object" else _grammar(kinds[kind], inner,
-                                                                                                 compact)
+        if kind == "json_object":
+            return _schema(name, {"type": "object"}, compact)
+        try:
+            return _grammar(kinds[kind], inner, compact)
+        except ServingError as e:  # named as the request wrote it
+            raise ServingError(str(e).replace(kinds[kind], f"{name}.{kind}", 1), name, e.status, e.code) from None
     if name in ("guided_json", "json_schema", "tool_choice"):
         return _schema(name, value, compact)
     if name in ("guided_regex", "regex") and isinstance(value, str):
         return LLMatcher.grammar_from_regex(value)
     if name == "guided_choice" and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return LLMatcher.grammar_from_regex("|".join(f"({_literal(v)})" for v in value))
-    if name == "guided_grammar" and isinstance(value, str):
-        return LLMatcher.grammar_from_lark(value)
+    if name in ("guided_grammar", "ebnf") and isinstance(value, str):
+        return LLMatcher.grammar_from_lark(_lark(name, value))
     raise ServingError(f"{name} must be " + {"guided_choice": "a non-empty list of strings"}.get(name, "a string"),
                        name)
+
+
+def _lark(name: str, grammar: str) -> str:
+    """A grammar in Lark (llguidance's dialect), as given, or turned into it from llama.cpp's GBNF (`root ::=
+    ...`, the EBNF that vLLM's examples and SGLang's `ebnf` write), by llguidance's converter."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if "::=" not in grammar or is_lark_syntax(grammar):
+        return grammar
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as e:  # noqa: BLE001 (the converter raises a bare Exception for a rule it cannot find)
+        raise ServingError(f"{name}: not a grammar in Lark or EBNF (GBNF) form: {e}", name) from None
 
 
 def _schema(name: str, schema, compact: bool = False) -> str:

@@ -49,7 +49,6 @@ UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (No
                       # documents and reasoning effort, echo of the last message, the image processor's options
                       "chat_template": (None,), "documents": (None,), "reasoning_effort": (None,),
                       "echo": (None, False), "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
-                      "ebnf": (None,),
                       # SGLang's and vLLM's structural tags (structured output's other forms: constraints.py),
                       # SGLang's stop regexes, LoRA adapter, hidden states, logit processor and its name for
                       # include_stop_str_in_output (which this server takes)

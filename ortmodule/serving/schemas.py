@@ -327,7 +327,7 @@ class DetokenizeRequest(BaseModel):
 
 class SGLangSamplingParams(BaseModel):
     """SGLang's `sampling_params` of `/generate` (as of SGLang 0.5.23), with its defaults; of its constrained
-    decoding `regex` and `json_schema` are carried out (serving/constraints.py), `ebnf` and `structural_tag` (and
+    decoding `regex`, `json_schema` and `ebnf` are carried out (serving/constraints.py), `structural_tag` (and
     `custom_params`) refused unless neutral (generate_routes.py); a field it does not know is a 400, as SGLang's
     `SamplingParams(**...)`."""
 
