@@ -311,6 +311,87 @@ def test_output_that_does_not_think_keeps_to_the_grammar_from_its_first_token(ga
     assert text.is_stopped() and not text.is_error()
 
 
+def budget_greedy(hf, tokenizer, ids: list[int], budget: int, new: int, bias: dict | None = None) -> str:
+    """transformers' greedy text after `ids` (thinking from its first token) with vLLM's thinking budget: after
+    `budget` tokens of thinking with no </think>, </think>'s tokens forced one a step (a processor written here)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+
+    class Budget(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            for token, value in (bias or {}).items():
+                scores[:, token] += value
+            out = input_ids[0, len(ids):].tolist()
+            ended = any(out[i: i + len(end)] == end for i in range(len(out)))
+            if ended or len(out) < budget:
+                return scores
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, end[len(out) - budget]] = 0.0
+            return forced
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=new, do_sample=False, pad_token_id=0,
+                          logits_processor=LogitsProcessorList([Budget()]))
+    return tokenizer.decode(out[0, len(ids):].tolist())
+
+
+@pytest.mark.parametrize("budget", [0, 3])
+def test_a_thinking_budget_ends_the_thinking_with_a_forced_end(gated_live, budget):
+    """vLLM's `thinking_token_budget` (and Anthropic's `thinking.budget_tokens`): after that many tokens of
+    thinking, </think> is forced and the model answers after it; the reasoning and the answer equal
+    transformers' greedy output under the same rule, whole and streamed; thinking that ends itself first
+    (here </think> biased to come early) is left as it is."""
+    from anthropic import Anthropic
+
+    live, parser, hf, tokenizer = gated_live
+    opened = parser == "qwen3"
+    ids = list(tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                             open=opened))
+    thought, _, answer = budget_greedy(hf, tokenizer, ids, budget, 12).partition("</think>")
+    fields = {"messages": ASK, "max_tokens": 12, "chat_template_kwargs": {"open": opened},
+              "thinking_token_budget": budget}
+    message = post(live, "/v1/chat/completions", **fields)["choices"][0]["message"]
+    assert (message["reasoning"] or "", message["content"] or "") == (thought, answer)
+    assert chat_stream(live, **fields)[:2] == (thought, answer)
+    client = Anthropic(base_url=live.url, api_key="x", max_retries=0)
+    got = client.messages.create(model=NAME, max_tokens=12, messages=ASK, thinking={
+        "type": "enabled", "budget_tokens": budget}, extra_body={"temperature": 0.0,
+                                                                "chat_template_kwargs": {"open": opened}})
+    blocks = {b.type: getattr(b, "thinking", None) or getattr(b, "text", None) for b in got.content}
+    assert (blocks.get("thinking") or "", blocks.get("text") or "") == (thought, answer)
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    bias = next(b / 10 for b in range(4, 60) if "</think>" in budget_greedy(hf, tokenizer, ids, 30, 12,
+                                                                             bias={end: b / 10})[1:])
+    early = budget_greedy(hf, tokenizer, ids, 30, 12, bias={end: bias})
+    message = post(live, "/v1/chat/completions", **{**fields, "thinking_token_budget": 30,
+                                                     "logit_bias": {str(end): bias}})["choices"][0]["message"]
+    assert (message["reasoning"] or "") + "</think>" + (message["content"] or "") == early
+
+
+def test_a_thinking_budget_forces_an_end_of_several_tokens_and_needs_a_parser(build, thinking_live):
+    """Where </think> is several tokens (the fixture's own tokenizer), they are forced one a step; a budget on a
+    server without a reasoning parser is a 400 naming the flag, as in vLLM."""
+    live, _, hf, tokenizer = served_live(build("llama"), TOOL_TEMPLATE, reasoning_parser="deepseek_r1")
+    try:
+        assert len(tokenizer.encode("</think>", add_special_tokens=False)) > 1
+        ids = list(tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, return_dict=False))
+        thought, _, answer = budget_greedy(hf, tokenizer, ids, 4, 16).partition("</think>")
+        message = post(live, "/v1/chat/completions", messages=ASK, max_tokens=16,
+                       thinking_token_budget=4)["choices"][0]["message"]
+        assert (message["reasoning"], message["content"] or "") == (thought, answer) and thought
+    finally:
+        live.stop()
+    plain, *_ = served_live(build("llama"), TOOL_TEMPLATE)
+    try:
+        refused = httpx.post(f"{plain.url}/v1/chat/completions", json={
+            "model": NAME, "messages": ASK, "max_tokens": 4, "thinking_token_budget": 2})
+        assert refused.status_code == 400 and "--reasoning-parser" in refused.json()["error"]["message"]
+    finally:
+        plain.stop()
+
+
 def test_the_command_line_takes_vllms_enable_in_reasoning(llama, monkeypatch, capsys):
     """`--structured-outputs-config.enable_in_reasoning` (vLLM's spelling; alone or with true/false) reaches the
     settings; another value is argparse's error."""

@@ -31,7 +31,7 @@ from .. import scoring
 from ..inputs import argmax, pad_right, start_copy_to_host, to_device
 from . import constraints
 from .constraints import Constraint
-from .reasoning import Reasoning
+from .reasoning import Reasoning, ThinkingBudget, ThinkingCount
 from .text import TextStream
 from .tools import NO_TOOLS, ToolPlan
 
@@ -294,12 +294,14 @@ class Sampling:
     include_stop: bool = False  # vLLM's include_stop_str_in_output
     skip_special: bool = True  # vLLM's skip_special_tokens
     constraint: Constraint | None = None  # structured output: the grammar its tokens keep to (constraints.py)
+    thinking: ThinkingBudget | None = None  # vLLM's thinking_token_budget (reasoning.py)
 
     @property
     def alters_logits(self) -> bool:
         """Whether the row's logits change before it chooses (a bias, a penalty, a mask: `Row.process`)."""
         return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0
-                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.constraint is not None)
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.constraint is not None
+                or self.thinking is not None)
 
     @property
     def processed(self) -> bool:
@@ -393,6 +395,7 @@ class Row:
     sent: int = 0  # tokens a stream has carried
     processors: list | None = None  # transformers' processors of its sampling, made at its first choice
     matcher: object = None  # its grammar's matcher (structured output), made at its first choice
+    thought: ThinkingCount | None = None  # its place against a thinking budget, made at its first choice
 
     @property
     def feeding(self) -> bool:
@@ -442,6 +445,11 @@ class Row:
             if self.matcher is None:
                 self.matcher = sampling.constraint.new_matcher()
             logits = constraints.mask(self.matcher, logits)
+        if sampling.thinking is not None:  # the budget spent: the end of the thinking, forced
+            self.thought = self.thought or sampling.thinking.counter()
+            forced = self.thought.forced_token()
+            if forced is not None:
+                logits = torch.full_like(logits, float("-inf")).index_fill_(-1, to_device([forced], logits.device), 0.0)
         return logits
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
@@ -466,6 +474,8 @@ class Row:
             self.logprobs.append(logprob)
             self.top.append(top)
         self.job.emit(self, self.text.add(token))
+        if self.thought is not None:
+            self.thought.accept(token)
         if self.matcher is not None and not self.finished:  # the grammar complete (or failed): the row ends
             self.matcher.consume_token(token)
             if self.matcher.is_error():

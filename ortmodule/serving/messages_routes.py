@@ -13,7 +13,8 @@ tokens) and `message_stop`. Tools (`tools` with `input_schema`s, `tool_choice` a
 assistant's `tool_use` blocks and a user's `tool_result` blocks) are chat's tool calling (tools.py): calls come
 back as `tool_use` blocks (after the text before them, if any) with `stop_reason` "tool_use", streamed as
 `input_json_delta`s. With a reasoning parser (`--reasoning-parser`: reasoning.py) a thinking model's reasoning is
-a `thinking` block first (`thinking_delta`s in a stream). Anthropic's server tools, a thinking budget and an
+a `thinking` block first (`thinking_delta`s in a stream); extended thinking's `budget_tokens` is vLLM's
+`thinking_token_budget`. Anthropic's server tools and an
 effort are refused by name; errors take Anthropic's shape (errors.py).
 """
 
@@ -40,8 +41,7 @@ RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
     """The chat request this request is, or a `ServingError` naming what cannot be carried out."""
     tools, choice, parallel = _tools(body)
-    if (body.thinking or {}).get("type", "disabled") != "disabled":
-        raise ServingError("thinking is not supported: this server sets no thinking budget; leave it out", "thinking")
+    budget = _thinking_budget(body)
     output = body.output_config or {}
     if output.get("effort") is not None:
         raise ServingError("output_config.effort is not supported: this server sets no effort; leave it out",
@@ -66,10 +66,30 @@ def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
             raise ServingError("output_config.format must be {'type': 'json_schema', 'schema': {...}}",
                                "output_config.format")
         extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}
+    if budget is not None:
+        extra["thinking_token_budget"] = budget
     return ChatRequest(model=body.model, messages=messages, max_completion_tokens=body.max_tokens,
                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                        stop=body.stop_sequences, stream=body.stream, tools=tools, tool_choice=choice,
                        parallel_tool_calls=parallel, **extra)
+
+
+def _thinking_budget(body: MessagesRequest) -> int | None:
+    """Anthropic's extended thinking, `{"type": "enabled", "budget_tokens": N}`: vLLM's `thinking_token_budget`
+    (fewer than `max_tokens`, as Anthropic's API asks; its minimum of 1,024 is its models' own and not kept);
+    `{"type": "disabled"}`, or none, is none."""
+    thinking = body.thinking or {}
+    kind = thinking.get("type", "disabled") if isinstance(thinking, dict) else None
+    if kind == "disabled":
+        return None
+    budget = thinking.get("budget_tokens") if kind == "enabled" else None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ServingError("thinking must be {'type': 'enabled', 'budget_tokens': a number of tokens} or "
+                           "{'type': 'disabled'}", "thinking")
+    if body.max_tokens is not None and budget >= body.max_tokens:
+        raise ServingError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({body.max_tokens})",
+                           "thinking.budget_tokens")
+    return budget
 
 
 def _tools(body: MessagesRequest) -> tuple[list[dict] | None, str | dict | None, bool | None]:

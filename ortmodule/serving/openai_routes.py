@@ -26,7 +26,7 @@ from .chat_prompts import chat_prompt, refuse_unsupported
 from .constraints import constraint_of
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
-from .reasoning import Reasoning, reasoning_of, thinking_is_special
+from .reasoning import Reasoning, ThinkingBudget, reasoning_of, thinking_budget, thinking_is_special
 from .schemas import ChatRequest, CompletionRequest
 from .served import Served, abandon, run_or_stream
 from .text import token_strings
@@ -334,6 +334,8 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
     reading = reasoning_of(parser, served.tokenizer, prompt, body.include_reasoning)
     sampling = sampling_of(served, body, max_tokens, top, stop, plan.schema,
                            None if served.settings.enable_in_reasoning else reading)
+    if body.thinking_token_budget is not None:
+        sampling = dataclasses.replace(sampling, thinking=_budget(served, body, reading, sampling))
     if markers_are_special(plan, served.tokenizer) or thinking_is_special(parser, served.tokenizer):
         sampling = dataclasses.replace(sampling, skip_special=False)  # the parsers' markers kept in the text
     return Generation([prompt] * body.n, sampling, loop, served.tokenizer, served.engine.eos, body.stream,
@@ -341,10 +343,23 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
                       tools=plan, reasoning=reading)
 
 
+def _budget(served: Served, body: ChatRequest, reading: Reasoning | None, sampling: Sampling) -> ThinkingBudget:
+    """vLLM's `thinking_token_budget` (reasoning.py), which needs the server's reasoning parser (what it reads as
+    thinking is what the budget counts) and a grammar, where there is one, that lets the thinking end."""
+    if reading is None:
+        raise ServingError("thinking_token_budget needs the server's reasoning parser (--reasoning-parser), which "
+                           "says what the thinking is", "thinking_token_budget")
+    if sampling.constraint is not None and served.settings.enable_in_reasoning:
+        raise ServingError("thinking_token_budget beside structured output is not supported on a server whose "
+                           "grammar holds the thinking too (--structured-outputs-config.enable_in_reasoning): the "
+                           "forced </think> could break the grammar", "thinking_token_budget")
+    return thinking_budget(reading, served.tokenizer, body.thinking_token_budget)
+
+
 # Fields beyond the Responses API's and Anthropic's that their clients send through to vLLM (`extra_body`), which
 # those routes carry out as chat does.
 CHAT_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "structured_outputs", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar", "chat_template_kwargs")
+               "guided_choice", "guided_grammar", "chat_template_kwargs", "thinking_token_budget")
 
 
 def chat_job_as(served: Served, chat: ChatRequest, loop, names: dict[str, str], items: str,

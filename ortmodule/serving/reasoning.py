@@ -12,12 +12,13 @@ The parsers (vLLM's of the same names):
   up to `</think>` is the reasoning; output without it is all reasoning.
 A request's `include_reasoning: false` (vLLM's) leaves the reasoning out of the answer, and its content the same.
 Structured output (a grammar, a forced tool call: constraints.py) holds the content after the thinking, which
-stays free, as vLLM starts a grammar where the reasoning ends.
+stays free, as vLLM starts a grammar where the reasoning ends. A request's `thinking_token_budget` (vLLM's; Anthropic's
+`thinking.budget_tokens`) ends the thinking after that many tokens: `</think>` forced (`ThinkingBudget`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .settings import REASONING_PARSERS
 from .text import safe_before, special_tokens
@@ -101,3 +102,64 @@ class ReasoningStream:
             self.sent = len(START) if self.text.startswith(START) else 0
         rest, self.sent = self.text[self.sent:], len(self.text)
         return (rest, "") if self.thinking else ("", rest)
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """vLLM's `thinking_token_budget`: at most `budget` tokens of thinking, then `</think>` forced (its tokens `end`,
+    one a step), after which the model goes on with its answer. The thinking starts at the output's first token
+    where `from_start` (the reading's), else where the output opens with `<think>` (its tokens `start`); it ends
+    early where the model writes `end` itself."""
+
+    budget: int
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    from_start: bool
+
+    def counter(self) -> ThinkingCount:
+        return ThinkingCount(self, "thinking" if self.from_start else "opening")
+
+
+def thinking_budget(reading: Reasoning, tokenizer, budget: int) -> ThinkingBudget:
+    """The budget of a request whose output `reading` reads, with the tokenizer's tokens of the markers."""
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return ThinkingBudget(budget, ids(START), ids(END), reading.from_start)
+
+
+@dataclass
+class ThinkingCount:
+    """One row's place against its `ThinkingBudget`: `phase` "opening" (the output may still open with `<think>`),
+    "thinking" (`count` tokens of it so far), "ending" (`forced` of the end's tokens given) or "done"."""
+
+    budget: ThinkingBudget
+    phase: str
+    count: int = 0
+    forced: int = 0
+    recent: list[int] = field(default_factory=list)  # the last tokens, to see the opening or the end written
+
+    def forced_token(self) -> int | None:
+        """The token the row's next step must give (the end's next one, once the budget is spent), else None."""
+        if self.phase == "thinking" and self.count >= self.budget.budget:
+            self.phase = "ending"
+        return self.budget.end[self.forced] if self.phase == "ending" else None
+
+    def accept(self, token: int) -> None:
+        """Count the token the row gave."""
+        budget = self.budget
+        if self.phase == "opening":
+            self.recent.append(token)
+            if tuple(self.recent) == budget.start:
+                self.phase, self.recent = "thinking", []
+            elif tuple(self.recent) != budget.start[: len(self.recent)]:
+                self.phase = "done"
+        elif self.phase == "thinking":
+            self.count += 1
+            self.recent = (self.recent + [token])[-len(budget.end):]
+            if tuple(self.recent) == budget.end:
+                self.phase = "done"
+        elif self.phase == "ending":
+            self.forced += 1
+            if self.forced == len(budget.end):
+                self.phase = "done"

@@ -181,6 +181,7 @@ class ChatRequest(_Options):
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
     include_reasoning: StrictBool = True  # vLLM's: false leaves the reasoning out (serving/reasoning.py)
+    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None  # vLLM's (serving/reasoning.py)
 
 
 class ResponsePart(BaseModel):
