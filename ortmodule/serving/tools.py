@@ -16,11 +16,11 @@ go to the template as transformers' chat templates take them.
 The parsers (vLLM's of the same names): `hermes` (Hermes, Qwen2.5, Qwen3, SmolLM3: `<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>`, text before the first call its content), `llama3_json` (Llama 3.1-3.3's
 JSON calls: output that starts with `<|python_tag|>` or `{`, calls `{"name", "parameters"}` separated by
-"; "), `phi4_mini_json` (Phi-4-mini's `functools[{"name", "arguments"}, ...]`, text before it its content) and
+"; "), `phi4_mini_json` (Phi-4-mini's `functools[{"name", "arguments"}, ...]`, text before it its content),
 `qwen3_coder` (Qwen3.5, Qwen3-Coder: `<tool_call><function=NAME><parameter=P>value</parameter>...</function>
 </tool_call>`, each value typed by the tool's schema, text before the first call its content), `pythonic` (Llama
 3.2's and Llama 4's Python calls: output that is `[f(a=1), g(b="x")]`, Llama 4's `<|python_start|>` around it
-taken) and `lfm2` (LFM2's and LFM2.5's: the same list between `<|tool_call_start|>` and `<|tool_call_end|>`, the
+taken), `lfm2` (LFM2's and LFM2.5's: the same list between `<|tool_call_start|>` and `<|tool_call_end|>`, the
 text around it its content) and `mistral` (Mistral's `[TOOL_CALLS]`: a JSON list of `{"name", "arguments"}` after
 it, or, from its v11 tokenizers, `name[ARGS]{...}` after each; the text before the first its content; every call's
 id nine letters and digits, which Mistral's chat templates require of the calls given back).
