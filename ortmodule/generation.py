@@ -291,15 +291,17 @@ DROP_STOPPED_ROWS = 0.25
 
 
 def sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None, media=None,
-           carry_to=None, **model_kwargs):
+           carry_to=None, given=None, **model_kwargs):
     """transformers' `_sample` (greedy decoding and sampling) for `model` (an OrtModelForCausalLM),
     with the loop on the device; `media`: the prompts' images and videos (an `images.Media`), or None;
     `carry_to`: the empty transformers cache the caller passed, which then stands for this generation's
-    cache (`cache.carry`: the caller's next call with it continues it)."""
+    cache (`cache.carry`: the caller's next call with it continues it); `given`: a KVCache holding the ids'
+    first columns (already cropped to those it shares with them: `keep_known`), which the generation continues
+    in place (its other columns run as one step over it)."""
     sampling = _Sampling(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                         model_kwargs, keeps_cache=carry_to is not None)
+                         model_kwargs, keeps_cache=carry_to is not None or given is not None)
     sampling.media = media
-    out = sampling.run()
+    out = sampling.run() if given is None else sampling.resume(model, given)
     if carry_to is not None:
         carry(carry_to, sampling.kept, model.decoder)
     return out
@@ -374,6 +376,18 @@ class _Sampling:
         finally:
             if steps is not None:
                 steps.release()
+        return self._finish(length, cache)
+
+    def resume(self, model, cache):
+        """`run` continuing `cache`, the caller's: the ids' columns past it run as one step through the model's
+        forward (their mask and positions as a continued forward takes them), then the loop's steps over it."""
+        seen = cache.seen
+        out = model(self.sequences[:, seen: self.width], attention_mask=self.mask, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        cache = out[CACHE_NAME]  # the same object (an emptied one filled in place)
+        cache.states.keeping = True
+        needed = max(self.width, self.rows.longest + self.max_new)
+        length = self._loop(out.logits[:, -1], _Running(self.decoder, cache, None, needed))
         return self._finish(length, cache)
 
     def _loop(self, logits: torch.Tensor, running: _Running) -> int:

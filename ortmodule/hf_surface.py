@@ -453,29 +453,48 @@ class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
         """transformers' greedy/sampling loop, run on the device by generation.sample (a prompt's
-        images too); continuing from a cache the caller passed, from `inputs_embeds` or returning
-        hidden states or attention weights, transformers' own loop over forward."""
+        images too, and a KVCache the caller passed, continued); from `inputs_embeds`, returning hidden
+        states or attention weights, or images over a cache, transformers' own loop over forward."""
         cache = model_kwargs.get(CACHE_NAME)
-        blank = cache is not None and not isinstance(cache, KVCache) and cache.get_seq_length() == 0
-        inspect = generation_config.output_hidden_states or generation_config.output_attentions
-        if (cache is None or blank) and not inspect and model_kwargs.get("inputs_embeds") is None:
-            model_kwargs.pop(CACHE_NAME, None)  # an empty DynamicCache: the caller's is carried on, not transformers'
-            carry_to = cache if blank and getattr(cache, "_is_user_defined", False) else None
-            media = images.prompt_media(self.decoder, None, None,
-                                        images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
+        on_device = _device_loop(self, input_ids, cache, generation_config, model_kwargs)
+        if on_device is not None:
             return generation.sample(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                                     media, carry_to, **model_kwargs)
-        if isinstance(cache, KVCache):
-            keep_known(cache, input_ids)
+                                     **on_device, **model_kwargs)
         if model_kwargs.pop("generator", None) is not None:
-            raise ValueError("generator= cannot be combined with past_key_values, inputs_embeds, "
-                             "output_hidden_states or output_attentions in generate()")
+            raise ValueError("generator= cannot be combined with inputs_embeds, output_hidden_states, "
+                             "output_attentions or images over a cache in generate()")
         out = GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                       synced_gpus, streamer, **model_kwargs)
         if isinstance(cache, KVCache):  # the tokens it holds, for the next call's keep_known
             sequences = out if isinstance(out, torch.Tensor) else out.sequences
             cache.tokens = sequences[:, : cache.seen].clone() if sequences.shape[1] >= cache.seen else None
         return out
+
+
+def _device_loop(model, input_ids, cache, generation_config, model_kwargs: dict) -> dict | None:
+    """generation.sample's arguments where ortmodule's loop on the device runs a generate (the cache and the
+    images taken out of `model_kwargs`), else None (transformers' loop): from a prompt (no cache, or an empty
+    transformers cache, the caller's then carried on: `cache.carry`), with its images; continuing a KVCache,
+    cropped first to the columns the ids share with it (`keep_known`), without images. Not with `inputs_embeds`
+    or where hidden states or attention weights are returned."""
+    if generation_config.output_hidden_states or generation_config.output_attentions or \
+            model_kwargs.get("inputs_embeds") is not None:
+        if isinstance(cache, KVCache):
+            keep_known(cache, input_ids)
+        return None
+    if isinstance(cache, KVCache):
+        keep_known(cache, input_ids)
+        if any(model_kwargs.get(name) is not None for name in images.NAMES):
+            return None
+        model_kwargs.pop(CACHE_NAME)
+        return {"given": cache}
+    blank = cache is not None and cache.get_seq_length() == 0
+    if cache is not None and not blank:
+        return None  # a transformers cache holding entries: forward refuses it, naming it
+    model_kwargs.pop(CACHE_NAME, None)  # an empty DynamicCache: the caller's is carried on, not transformers'
+    media = images.prompt_media(model.decoder, None, None,
+                                images.Media(**{name: model_kwargs.pop(name, None) for name in images.NAMES}))
+    return {"media": media, "carry_to": cache if blank and getattr(cache, "_is_user_defined", False) else None}
 
 
 def _expand_media(decoder, ids: torch.Tensor, expand_size: int, given: dict, model_kwargs: dict) -> None:

@@ -184,6 +184,37 @@ def test_sampling_and_processors_equal_transformers(llama_pair, options):
     assert torch.equal(tokens, expected)
 
 
+@pytest.mark.parametrize("options", [dict(do_sample=False), dict(do_sample=True, top_k=20, repetition_penalty=1.3)],
+                         ids=["greedy", "sampled"])
+def test_continuing_a_cache_runs_the_devices_loop_as_transformers_from_the_ids(llama_pair, options):
+    """generate given the KVCache a first generate returned and the ids it made plus new ones (a left-padded
+    batch): ortmodule's own loop continues the cache (the new columns one step over it), with transformers'
+    tokens from the ids alone, draw for draw with the same seed (its processors see every id); `generator=`
+    is taken there, reproducibly."""
+    model, hf = llama_pair
+    ids, mask = left_padded_prompts([4, 9], seed=4)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=2,
+                           return_dict_in_generate=True)
+    more = torch.cat([first.sequences, torch.tensor([[30, 31], [32, 33]])], 1)
+    more_mask = torch.cat([mask, torch.ones(2, more.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    torch.manual_seed(12)
+    expected = hf_generate(hf, more, more_mask, max_new_tokens=NEW_TOKENS, **options)
+    torch.manual_seed(12)
+    cache = first.past_key_values
+    tokens = model.generate(more, attention_mask=more_mask, past_key_values=cache, max_new_tokens=NEW_TOKENS,
+                            pad_token_id=2, **options)
+    assert torch.equal(tokens, expected)
+    assert cache.get_seq_length() == tokens.shape[1] - 1  # continued in place, as transformers' cache would be
+    if options["do_sample"]:
+        def draw(seed):
+            again = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=2,
+                                   return_dict_in_generate=True).past_key_values
+            return model.generate(more, attention_mask=more_mask, past_key_values=again, max_new_tokens=NEW_TOKENS,
+                                  pad_token_id=2, generator=torch.Generator().manual_seed(seed), **options)
+
+        assert torch.equal(draw(3), draw(3)) and not torch.equal(draw(3), draw(4))
+
+
 def test_generator_seed_reproduces_a_sample(llama_pair):
     model, _ = llama_pair
     ids, mask = left_padded_prompts([4, 9], seed=4)
