@@ -219,7 +219,7 @@ def test_each_prompt_of_a_batch_gets_its_own_room(setup):
     ({"text": "x", "input_ids": [5]}, "text", "one of them"),
     ({"text": "x", "sampling_params": {"regex": "a+("}}, "sampling_params.regex", "regex parse error"),
     ({"text": "x", "sampling_params": {"ebnf": "root ::= missing"}}, "sampling_params.ebnf", "'missing' not found"),
-    ({"text": "x", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag", "not constrained"),
+    ({"text": "x", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag", "non-empty list"),
     ({"text": "x", "sampling_params": {"top_k": 0}}, "sampling_params.top_k", "top_k must be -1"),
     ({"text": "x", "sampling_params": {"max_new_token": 4}}, None, "max_new_token"),
     ({"text": "x", "image_data": "http://x/y.png"}, "image_data", "image_data is not supported"),

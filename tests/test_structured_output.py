@@ -102,9 +102,14 @@ def test_streams_samples_and_responses_keep_to_the_grammar(openai_live):
     ({"guided_json": [1]}, "guided_json", "a JSON schema is an object"),
     ({"guided_choice": []}, "guided_choice", "a non-empty list of strings"),
     ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs", "takes one of"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "takes one of"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag: the structural tag is"),
+    ({"structured_outputs": {"structural_tag": '{"format": {"type": "triggered_tags"}}'}}, "structured_outputs",
+     "'format' form is not supported"),
+    ({"structural_tag": json.dumps({"structures": [{"begin": "<a>", "schema": {}, "end": ""}], "triggers": ["<b"]})},
+     "structural_tag", "starts with none of the triggers"),
     ({"guided_json": SCHEMA, "regex": "a"}, "regex", "both ask for structured output"),
-    ({"response_format": {"type": "structural_tag"}}, "response_format", "is not supported"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "needs a non-empty list of structures"),
+    ({"response_format": {"type": "grammar"}}, "response_format", "is not supported"),
     ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs", "start"),
     ({"ebnf": 'root ::= other'}, "ebnf", "Rule 'other' not found"),
     ({"structured_outputs": {"grammar": 'root ::= ("a"'}}, "structured_outputs", "not a grammar in Lark or EBNF"),
@@ -117,6 +122,32 @@ def test_forms_that_cannot_be_carried_out_are_refused_naming_their_field(openai_
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_structural_tag_holds_what_follows_its_trigger(openai_live):
+    """A structural tag (vLLM's `response_format` and `structured_outputs.structural_tag`, SGLang's
+    `structural_tag` on completions and `/generate`): free text until a trigger, which here is a word the random
+    model writes of itself, then the structure's JSON and its end; transformers' greedy text under the same
+    grammar, written here in llguidance's Lark (what the tag means), on every route."""
+    live, _, hf, tokenizer, _ = openai_live
+    prompt = "The quick brown fox"
+    ids = tokenizer(prompt).input_ids
+    free = reference(hf, tokenizer, ids, LLMatcher.grammar_from_regex(r"(.|\n)*"), 12)
+    trigger = re.search(r"[a-z]{3,}", free).group()  # a word the model writes anyway
+    tag = {"structures": [{"begin": trigger, "schema": {"enum": ["red", "blue"]}, "end": "."}], "triggers": [trigger]}
+    lark = (f'%llguidance {{}}\nstart: (tag_0)* tag_end\ntag_end: TAG_TEXT\nTAG_TEXT: /(.|\\n)*/\n'
+            f'tag_0_trig[lazy]: TAG_TEXT {json.dumps(trigger)}\n'
+            f'tag_0: tag_0_trig %json {{"enum": ["red", "blue"]}} "."\n')
+    expected = reference(hf, tokenizer, ids, LLMatcher.grammar_from_lark(lark), 30)
+    assert f'{trigger}"red".' in expected or f'{trigger}"blue".' in expected  # the tag came, and was held
+    for fields in ({"response_format": {"type": "structural_tag", **tag}},
+                   {"structured_outputs": {"structural_tag": json.dumps(tag)}}, {"structural_tag": json.dumps(tag)}):
+        done = httpx.post(f"{live.url}/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 30,
+                                                              "temperature": 0, **fields}).json()
+        assert done["choices"][0]["text"] == expected, (fields, done)
+    answer = httpx.post(f"{live.url}/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 30, "temperature": 0, "structural_tag": json.dumps(tag)}}).json()
+    assert answer["text"] == expected, answer
 
 
 def test_sglangs_generate_keeps_to_its_regex_and_json_schema(openai_live):

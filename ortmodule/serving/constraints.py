@@ -13,8 +13,12 @@ The forms a completions, chat or responses request takes (one a request):
   `disable_any_whitespace` (true: JSON without whitespace between its tokens; by default any, as in vLLM)
   applies to the JSON forms, and to a chat request's `tool_choice` (tools.py), where it may come alone.
 - SGLang's `regex`, `json_schema` (the schema's JSON text) and `ebnf` (an EBNF grammar, as `grammar` takes it).
+- A structural tag (`response_format` `{"type": "structural_tag", "structures": [{"begin", "schema", "end"}],
+  "triggers": [...]}`, vLLM's `structured_outputs.structural_tag` and SGLang's `structural_tag`, its JSON text):
+  free text, where each structure's `begin` (after one of the triggers it starts with) is followed by JSON of
+  its schema and its `end`, by llguidance's `StructTag`; xgrammar's newer `format` form is refused.
 A form that does not compile (a bad regex, schema or grammar) is a 400 naming its field, with
-llguidance's reason; so is a form this server does not carry out (a structural tag).
+llguidance's reason; so is a form this server does not carry out.
 On a server with a reasoning parser (reasoning.py) a chat request's grammar holds the answer after the model's
 thinking, which stays free (`thinking_first`), as vLLM starts the grammar where the reasoning ends.
 """
@@ -32,7 +36,7 @@ from .reasoning import END, START, Reasoning
 
 # The fields that ask for structured output, and the values that ask for none.
 FORMS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-         "regex", "json_schema", "ebnf")
+         "regex", "json_schema", "ebnf", "structural_tag")
 NONE = (None, {}, {"type": "text"})
 # vLLM's options of structured_outputs, beside a form (or alone, for tool_choice's schema): no whitespace in JSON.
 OPTIONS = {"disable_any_whitespace"}
@@ -83,18 +87,19 @@ def constraint_of(served, body, tool_schema: dict | None = None, reasoning: Reas
     except ImportError:
         raise ServingError(f"{name}: structured output needs the llguidance package, which this server's "
                            "environment lacks (pip install 'ortmodule[serve]')", name, 501) from None
-    grammar = _grammar(name, value, compact)
     view = grammar_tokenizer(served)
+    grammar = _grammar(name, value, compact, _added_special(served, view))
     if reasoning is not None:
-        grammar = thinking_first(grammar, reasoning.from_start, marker_tokens(served, view))
+        grammar = thinking_first(grammar, reasoning.from_start, {START, END} & _added_special(served, view))
     matcher = LLMatcher(view, grammar, log_level=0)
     if matcher.is_error():
         raise ServingError(f"{name}: {matcher.get_error()}", name)
     return Constraint(grammar, matcher)
 
 
-def _grammar(name: str, value, compact: bool = False) -> str:
-    """llguidance's grammar for a form (module docstring), or the 400 that names what is wrong with it."""
+def _grammar(name: str, value, compact: bool = False, specials: frozenset[str] = frozenset()) -> str:
+    """llguidance's grammar for a form (module docstring), or the 400 that names what is wrong with it;
+    `specials`: the tokenizer's added tokens, which llguidance reads as special tokens (structural tags)."""
     from llguidance import LLMatcher
 
     if name == "response_format":
@@ -103,14 +108,16 @@ def _grammar(name: str, value, compact: bool = False) -> str:
             return _schema(name, {"type": "object"}, compact)
         if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
             return _schema(name, value["json_schema"].get("schema", {"type": "object"}), compact)
-        raise ServingError(f"response_format {value!r} is not supported: send type 'text', 'json_object' or "
-                           "'json_schema' with a json_schema object", name)
+        if kind == "structural_tag":
+            return _structural_tag(name, value, specials)
+        raise ServingError(f"response_format {value!r} is not supported: send type 'text', 'json_object', "
+                           "'json_schema' with a json_schema object, or 'structural_tag'", name)
     if name == "structured_outputs":
         if not isinstance(value, dict):
             raise ServingError("structured_outputs must be an object", name)
         asked = {k: v for k, v in value.items() if v not in (None, False)}
         kinds = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
-                 "grammar": "guided_grammar", "json_object": None}
+                 "grammar": "guided_grammar", "structural_tag": "structural_tag", "json_object": None}
         if len(asked) != 1 or next(iter(asked)) not in kinds:
             raise ServingError(f"structured_outputs takes one of {', '.join(kinds)}; got {sorted(asked) or 'none'}",
                                name)
@@ -118,7 +125,7 @@ def _grammar(name: str, value, compact: bool = False) -> str:
         if kind == "json_object":
             return _schema(name, {"type": "object"}, compact)
         try:
-            return _grammar(kinds[kind], inner, compact)
+            return _grammar(kinds[kind], inner, compact, specials)
         except ServingError as e:  # named as the request wrote it
             raise ServingError(str(e).replace(kinds[kind], f"{name}.{kind}", 1), name, e.status, e.code) from None
     if name in ("guided_json", "json_schema", "tool_choice"):
@@ -129,8 +136,49 @@ def _grammar(name: str, value, compact: bool = False) -> str:
         return LLMatcher.grammar_from_regex("|".join(f"({_literal(v)})" for v in value))
     if name in ("guided_grammar", "ebnf") and isinstance(value, str):
         return LLMatcher.grammar_from_lark(_lark(name, value))
+    if name == "structural_tag":
+        return _structural_tag(name, value, specials)
     raise ServingError(f"{name} must be " + {"guided_choice": "a non-empty list of strings"}.get(name, "a string"),
                        name)
+
+
+def _structural_tag(name: str, value, specials: frozenset[str]) -> str:
+    """A structural tag (module docstring; the object or its JSON text) as llguidance's `StructTag` grammar. Its
+    triggers of the form `<...>` are tokens where each such one is an added token of the tokenizer (`specials`:
+    Qwen's `<tool_call>`, Llama's `<|python_tag|>`), else text."""
+    from llguidance import LLMatcher, StructTag
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ServingError(f"{name}: the structural tag is not JSON ({e})", name) from None
+    if not isinstance(value, dict) or "format" in value:
+        raise ServingError(f"{name}: a structural tag is {{'structures': [{{'begin', 'schema', 'end'}}, ...], "
+                           "'triggers': [...]}} (xgrammar's 'format' form is not supported)", name)
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) and t for t in triggers)):
+        raise ServingError(f"{name}: a structural tag needs a non-empty list of structures and of triggers "
+                           "(non-empty strings)", name)
+    tags = []
+    for i, structure in enumerate(structures):
+        begin, end = (structure.get(k) if isinstance(structure, dict) else None for k in ("begin", "end"))
+        if not (isinstance(begin, str) and isinstance(end, str) and isinstance(structure.get("schema"), dict)):
+            raise ServingError(f"{name}: structures[{i}] needs a string begin and end and a JSON schema object", name)
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ServingError(f"{name}: structures[{i}].begin {begin!r} starts with none of the triggers", name)
+        tags.append(StructTag(trigger=trigger, begin=begin, grammar=structure["schema"], end=end))
+    tokens = [t for t in triggers if t.startswith("<") and t.endswith(">")]
+    grammar = StructTag.to_grammar(tags, assume_special=bool(tokens) and all(t in specials for t in tokens))
+    return grammar if grammar.lstrip().startswith("{") else LLMatcher.grammar_from_lark(grammar)
+
+
+def _added_special(served, view) -> frozenset[str]:
+    """The served tokenizer's added tokens that llguidance's `view` reads as special tokens (every added one)."""
+    added = served.tokenizer.get_added_vocab() if hasattr(served.tokenizer, "get_added_vocab") else {}
+    return frozenset(t for t, i in added.items() if i < served.vocab and view.is_special_token(i))
 
 
 def _lark(name: str, grammar: str) -> str:
@@ -185,11 +233,7 @@ def thinking_first(grammar: str, from_start: bool, tokens: set[str] = frozenset(
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**nested[0], "name": "answer"}, *nested[1:]]})
 
 
-def marker_tokens(served, view) -> set[str]:
-    """The thinking markers that are one token of the served tokenizer which llguidance's `view` of it counts
-    special (`thinking_first`'s `tokens`)."""
-    added = served.tokenizer.get_added_vocab() if hasattr(served.tokenizer, "get_added_vocab") else {}
-    return {m for m in (START, END) if m in added and added[m] < served.vocab and view.is_special_token(added[m])}
+
 
 
 def _literal(text: str) -> str:

@@ -32,7 +32,7 @@ NEUTRAL = ("input_embeds", "image_data", "video_data", "audio_data", "token_ids_
            "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
            "video_max_dynamic_patch", "images_config", "mm_processor_kwargs", "multi_item_delimiter_indices",
            "token_indices_to_pool", "cache_salt", "extra_key")
-SAMPLING_NEUTRAL = {"structural_tag": None, "custom_params": None,
+SAMPLING_NEUTRAL = {"custom_params": None,
                     "spaces_between_special_tokens": True, "stop_regex": None, "beam_width": None, "watermark": None,
                     "ebnf_full_assistant": False}
 
@@ -108,7 +108,8 @@ def generate_job(served: Served, body: GenerateRequest, loop):
         # the prompt's log-probabilities come with an echo (its text is not shown: `respond` writes the answer)
         echo=start_at >= 0 or params.max_new_tokens == 0, logprobs=top if logprobs else None,
         # structured output (constraints.py reads SGLang's names among a completion's extra fields)
-        **{name: value for name in ("regex", "json_schema", "ebnf") if (value := getattr(params, name)) is not None}))
+        **{name: value for name in ("regex", "json_schema", "ebnf", "structural_tag")
+           if (value := getattr(params, name)) is not None}))
     completion = _clipped(served, completion)
     try:
         job = completion_job(served, completion, loop)
@@ -125,7 +126,8 @@ SGLANG_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", 
                 "include_stop_str_in_output": "no_stop_trim"}
 SAMPLING = ("max_tokens", "min_tokens", "seed", "stop", "stop_token_ids", "logit_bias", "n", "temperature", "top_p",
             "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-            "include_stop_str_in_output", "skip_special_tokens", "ignore_eos", "regex", "json_schema", "ebnf")
+            "include_stop_str_in_output", "skip_special_tokens", "ignore_eos", "regex", "json_schema", "ebnf",
+            "structural_tag")
 
 
 def _in_sglangs_terms(error: ServingError, prompt_field: str) -> ServingError:

@@ -49,10 +49,9 @@ UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (No
                       # documents and reasoning effort, echo of the last message, the image processor's options
                       "chat_template": (None,), "documents": (None,), "reasoning_effort": (None,),
                       "echo": (None, False), "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
-                      # SGLang's and vLLM's structural tags (structured output's other forms: constraints.py),
                       # SGLang's stop regexes, LoRA adapter, hidden states, logit processor and its name for
                       # include_stop_str_in_output (which this server takes)
-                      "structural_tag": (None,), "stop_regex": (None, []),
+                      "stop_regex": (None, []),
                       "lora_path": (None,), "return_hidden_states": (None, False), "custom_logit_processor": (None,),
                       "no_stop_trim": (None, False)}
 

@@ -328,8 +328,8 @@ class DetokenizeRequest(BaseModel):
 
 class SGLangSamplingParams(BaseModel):
     """SGLang's `sampling_params` of `/generate` (as of SGLang 0.5.23), with its defaults; of its constrained
-    decoding `regex`, `json_schema` and `ebnf` are carried out (serving/constraints.py), `structural_tag` (and
-    `custom_params`) refused unless neutral (generate_routes.py); a field it does not know is a 400, as SGLang's
+    decoding `regex`, `json_schema`, `ebnf` and `structural_tag` are carried out (serving/constraints.py),
+    `custom_params` refused unless neutral (generate_routes.py); a field it does not know is a 400, as SGLang's
     `SamplingParams(**...)`."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
