@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import json
 import logging
 import os
 import sys
@@ -157,6 +158,9 @@ def ortmodule(argv: list[str] | None = None) -> None:
     from .serving import Settings, serve
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
+    for name, value in (args.structured_outputs_config or {}).items():  # the JSON form; its backend is ours
+        if name != "backend":
+            options[name] = value
     try:
         serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
               prefill_attention=args.prefill_attention, subfolder=args.subfolder, revision=args.revision,
@@ -317,6 +321,14 @@ def _parser_flags(serve: argparse.ArgumentParser) -> None:
                        const=True, default=False, type=_true_or_false, metavar="true|false",
                        help="with --reasoning-parser, keep the thinking to a request's structured output too (the "
                             "grammar over the whole output), as vLLM's option of that name (default false)")
+    serve.add_argument("--structured-outputs-config.disable_any_whitespace", dest="disable_any_whitespace",
+                       nargs="?", const=True, default=False, type=_true_or_false, metavar="true|false",
+                       help="keep structured output's JSON to no whitespace between its tokens unless a request says "
+                            "otherwise, as vLLM's option of that name (default false)")
+    serve.add_argument("--structured-outputs-config", dest="structured_outputs_config", type=_outputs_config,
+                       default=None, metavar="JSON",
+                       help="vLLM's structured-output options as one JSON object: enable_in_reasoning, "
+                            "disable_any_whitespace, backend (auto or guidance: llguidance is this server's)")
 
 
 def _settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -330,6 +342,27 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
         shown = default if default is not None else "by device: 32768 on CUDA, 8192 on a CPU"
         parser.add_argument("--" + name.replace("_", "-"), type=_at_least(low, kind), default=default,
                             help=f"{help_text} (default {shown})")
+
+
+def _outputs_config(text: str) -> dict:
+    """An argparse type: vLLM's `--structured-outputs-config` JSON, the options this server takes."""
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("a JSON object of options")
+    known = {"enable_in_reasoning", "disable_any_whitespace", "backend"}
+    if config.keys() - known:
+        raise argparse.ArgumentTypeError(f"options this server does not take: {sorted(config.keys() - known)} "
+                                         f"(it takes {sorted(known)})")
+    if config.get("backend", "auto") not in ("auto", "guidance"):
+        raise argparse.ArgumentTypeError(f"backend {config['backend']!r}: this server's is llguidance (auto or "
+                                         "guidance)")
+    for name in ("enable_in_reasoning", "disable_any_whitespace"):
+        if not isinstance(config.get(name, False), bool):
+            raise argparse.ArgumentTypeError(f"{name} must be true or false")
+    return config
 
 
 def _true_or_false(text: str) -> bool:

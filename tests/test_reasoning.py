@@ -393,8 +393,9 @@ def test_a_thinking_budget_forces_an_end_of_several_tokens_and_needs_a_parser(bu
 
 
 def test_the_command_line_takes_vllms_enable_in_reasoning(llama, monkeypatch, capsys):
-    """`--structured-outputs-config.enable_in_reasoning` (vLLM's spelling; alone or with true/false) reaches the
-    settings; another value is argparse's error."""
+    """`--structured-outputs-config.enable_in_reasoning` and `.disable_any_whitespace` (vLLM's spellings; alone or
+    with true/false), and the JSON form of `--structured-outputs-config`, reach the settings; another value, an
+    option or backend this server does not take, is argparse's error."""
     import ortmodule.serving
     from ortmodule import cli
 
@@ -407,3 +408,13 @@ def test_the_command_line_takes_vllms_enable_in_reasoning(llama, monkeypatch, ca
     with pytest.raises(SystemExit):
         cli.ortmodule(["serve", str(llama.package_dir), f"{flag}=maybe"])
     assert "not true or false: 'maybe'" in capsys.readouterr().err
+    cli.ortmodule(["serve", str(llama.package_dir), "--structured-outputs-config.disable_any_whitespace"])
+    assert (given["disable_any_whitespace"], given["enable_in_reasoning"]) == (True, False)
+    cli.ortmodule(["serve", str(llama.package_dir), "--structured-outputs-config",
+                   '{"backend": "guidance", "enable_in_reasoning": true, "disable_any_whitespace": true}'])
+    assert (given["disable_any_whitespace"], given["enable_in_reasoning"]) == (True, True)
+    for config, words in (('{"backend": "xgrammar"}', "this server's is llguidance"),
+                          ('{"reasoning_parser": "qwen3"}', "options this server does not take"), ("[1]", "object")):
+        with pytest.raises(SystemExit):
+            cli.ortmodule(["serve", str(llama.package_dir), "--structured-outputs-config", config])
+        assert words in capsys.readouterr().err

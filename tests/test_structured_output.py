@@ -124,6 +124,29 @@ def test_forms_that_cannot_be_carried_out_are_refused_naming_their_field(openai_
     assert error["param"] == param and words in error["message"], error
 
 
+def test_the_servers_default_keeps_json_compact_unless_a_request_says_otherwise(openai_live):
+    """vLLM's `--structured-outputs-config.disable_any_whitespace` (a server's `disable_any_whitespace`): a JSON
+    form holds no whitespace between its tokens, transformers' greedy text under the compact grammar; a request's
+    `structured_outputs.disable_any_whitespace: false` asks for the flexible one again."""
+    from fastapi.testclient import TestClient
+
+    from ortmodule.serving import create_app
+
+    _, model, hf, tokenizer, _ = openai_live
+    prompt = "The quick brown fox"
+    ids = tokenizer(prompt).input_ids
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}
+    compact = reference(hf, tokenizer, ids, LLMatcher.grammar_from_json_schema(
+        SCHEMA, defaults={"whitespace_flexible": False}), 40)
+    flexible = reference(hf, tokenizer, ids, LLMatcher.grammar_from_json_schema(SCHEMA), 40)
+    assert compact != flexible  # the random model writes whitespace where it may
+    with TestClient(create_app(model, tokenizer, name=NAME, disable_any_whitespace=True)) as client:
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == compact
+        again = client.post("/v1/completions", json={**body, "structured_outputs": {"disable_any_whitespace": False}})
+        assert again.json()["choices"][0]["text"] == flexible
+
+
 def test_a_structural_tag_holds_what_follows_its_trigger(openai_live):
     """A structural tag (vLLM's `response_format` and `structured_outputs.structural_tag`, SGLang's
     `structural_tag` on completions and `/generate`): free text until a trigger, which here is a word the random

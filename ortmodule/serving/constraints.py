@@ -63,10 +63,10 @@ def constraint_of(served, body, tool_schema: dict | None = None, reasoning: Reas
     extra = getattr(body, "model_extra", None) or {}
     values = [(name, getattr(body, name, None) if name in type(body).model_fields else extra.get(name))
               for name in FORMS]
-    compact = False
+    compact = served.settings.disable_any_whitespace  # the server's default (vLLM's option of that name)
     for i, (name, value) in enumerate(values):
         if name == "structured_outputs" and isinstance(value, dict) and OPTIONS & value.keys():
-            compact = value.get("disable_any_whitespace", False)
+            compact = value.get("disable_any_whitespace", compact)
             if not isinstance(compact, bool):
                 raise ServingError("structured_outputs.disable_any_whitespace must be true or false", name)
             values[i] = (name, {k: v for k, v in value.items() if k not in OPTIONS})

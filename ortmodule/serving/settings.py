@@ -68,7 +68,8 @@ class Settings:
     serving/reasoning.py's `PARSERS`); None: the output is all content. A chat request's structured output (a
     grammar, a forced tool call) then holds the answer after the thinking, which stays free, unless
     `enable_in_reasoning` (vLLM's `--structured-outputs-config.enable_in_reasoning`): the grammar over the whole
-    output, thinking included.
+    output, thinking included. `disable_any_whitespace` (vLLM's `--structured-outputs-config.disable_any_whitespace`):
+    JSON kept to no whitespace between its tokens unless a request's `structured_outputs` says otherwise.
     """
 
     name: str | None = None
@@ -98,6 +99,7 @@ class Settings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     enable_in_reasoning: bool = False
+    disable_any_whitespace: bool = False
 
     def __post_init__(self):
         for field in fields(self):
