@@ -126,7 +126,8 @@ def test_generate_options_fuzz(build, seed):
     if not torch.equal(ours if isinstance(ours, torch.Tensor) else ours.sequences,
                        theirs if isinstance(theirs, torch.Tensor) else theirs.sequences):
         if options.get("num_beams"):
-            assert_beam_samples_tie(model, hf, ids, mask, options, seed, what)
+            tie = assert_beam_samples_tie if options["do_sample"] else assert_beam_scores_tie
+            tie(model, hf, ids, mask, options, seed, what)
         else:
             assert_a_filters_tie(model, hf, ids, mask, options, seed, what)
         return
@@ -169,6 +170,20 @@ def assert_a_filters_tie(model, hf, ids, mask, options: dict, seed: int, what: s
     row = (ours.sequences[:, ids.shape[1] + step] != theirs.sequences[:, ids.shape[1] + step]).nonzero()[0].item()
     kept = torch.isfinite(ours.scores[step][row]), torch.isfinite(theirs.scores[step][row])
     assert not torch.equal(*kept), f"tokens differ at new token {step} of row {row} with the same kept set; {what}"
+
+
+def assert_beam_scores_tie(model, hf, ids, mask, options: dict, seed: int, what: str):
+    """Beam search (greedy) keeps other beams than transformers' only where two candidates score within float
+    rounding of each other (seed 1007033: Llama, a row's third beam -8.166255 in ours and another of -8.166254 in
+    transformers', kept in the other order): run again with the scores, every returned sequence's score within
+    1e-5 of transformers' at its place."""
+    assert not options["do_sample"], what
+    shown = {**options, "output_scores": True, "return_dict_in_generate": True}
+    ours = model.generate(ids, attention_mask=mask, **shown)
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, **shown)
+    gap = (ours.sequences_scores - theirs.sequences_scores).abs().max().item()
+    assert gap < 1e-5, f"other beams, not a tie ({gap:.2g} apart); {what}"
 
 
 def sampling_draws(generate, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
