@@ -477,13 +477,12 @@ def _device_loop(model, input_ids, cache, generation_config, model_kwargs: dict)
     transformers cache, the caller's then carried on: `cache.carry`), with its images; continuing a KVCache,
     cropped first to the columns the ids share with it (`keep_known`), without images. Not with `inputs_embeds`
     or where hidden states or attention weights are returned."""
-    if generation_config.output_hidden_states or generation_config.output_attentions or \
-            model_kwargs.get("inputs_embeds") is not None:
-        if isinstance(cache, KVCache):
-            keep_known(cache, input_ids)
-        return None
     if isinstance(cache, KVCache):
         keep_known(cache, input_ids)
+    if generation_config.output_hidden_states or generation_config.output_attentions or \
+            model_kwargs.get("inputs_embeds") is not None:
+        return None
+    if isinstance(cache, KVCache):
         if any(model_kwargs.get(name) is not None for name in images.NAMES):
             return None
         model_kwargs.pop(CACHE_NAME)

@@ -182,7 +182,7 @@ def chat_ids(tokenizer, messages: list[dict], **options) -> list[int]:
 
 
 def _templated_ids(tokenizer, messages: list[dict], options: dict) -> list[int]:
-    specials = sorted(special_tokens(tokenizer))
+    specials = special_tokens(tokenizer)
     if not any(s in text for m in messages for text in _texts(m) for s in specials):
         ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **options)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)

@@ -88,9 +88,10 @@ def constraint_of(served, body, tool_schema: dict | None = None, reasoning: Reas
         raise ServingError(f"{name}: structured output needs the llguidance package, which this server's "
                            "environment lacks (pip install 'ortmodule[serve]')", name, 501) from None
     view = grammar_tokenizer(served)
-    grammar = _grammar(name, value, compact, _added_special(served, view))
+    specials = _added_special(served, view)
+    grammar = _grammar(name, value, compact, specials)
     if reasoning is not None:
-        grammar = thinking_first(grammar, reasoning.from_start, {START, END} & _added_special(served, view))
+        grammar = thinking_first(grammar, reasoning.from_start, {START, END} & specials)
     matcher = LLMatcher(view, grammar, log_level=0)
     if matcher.is_error():
         raise ServingError(f"{name}: {matcher.get_error()}", name)
@@ -231,9 +232,6 @@ def thinking_first(grammar: str, from_start: bool, tokens: set[str] = frozenset(
              else f"thinking[suffix={json.dumps(END)}]: /(?s-u:[\\x00-\\xfe]*)/")
     lark = f'%llguidance {{"allow_invalid_utf8": true}}\nstart: {thinking} @answer\n{rules}\n'
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**nested[0], "name": "answer"}, *nested[1:]]})
-
-
-
 
 
 def _literal(text: str) -> str:

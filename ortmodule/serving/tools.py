@@ -240,11 +240,17 @@ def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, s
     return content, calls if plan.parallel else calls[:1]
 
 
+def _tool_call_bodies(text: str) -> list[str]:
+    """What each `<tool_call>` holds, to its `</tool_call>` or, where that never comes, the end (as vLLM reads
+    the hermes and qwen3_coder calls)."""
+    found = re.findall(rf"{_HERMES_START}(.*?){_HERMES_END}|{_HERMES_START}(.*)", text, re.DOTALL)
+    return [closed or open_ for closed, open_ in found]
+
+
 def _hermes(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     if _HERMES_START not in text:
         return text, None
-    found = re.findall(rf"{_HERMES_START}(.*?){_HERMES_END}|{_HERMES_START}(.*)", text, re.DOTALL)
-    calls = [json.loads(closed or open_) for closed, open_ in found]
+    calls = [json.loads(body) for body in _tool_call_bodies(text)]
     content = text[: text.find(_HERMES_START)]
     return content or None, [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
 
@@ -255,8 +261,8 @@ def _qwen3_coder(text: str, tools: tuple[dict, ...]) -> tuple[str | None, list[t
     if _HERMES_START not in text:
         return text, None
     calls = []
-    for closed, open_ in re.findall(rf"{_HERMES_START}(.*?){_HERMES_END}|{_HERMES_START}(.*)", text, re.DOTALL):
-        function = re.search(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", closed or open_, re.DOTALL)
+    for body in _tool_call_bodies(text):
+        function = re.search(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", body, re.DOTALL)
         if function is None:
             raise ValueError("a tool call without a function")
         name = function.group(1).strip()
@@ -276,7 +282,7 @@ def _pythonic(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     """Llama 3.2's and Llama 4's calls, as vLLM's `pythonic` parser reads them: the whole output a Python list of
     calls with keyword arguments of literal values (Llama 4's `<|python_start|>`...`<|python_end|>` around it)."""
     inner = text.removeprefix(_PYTHON_START).removesuffix(_PYTHON_END) if text.startswith(_PYTHON_START) else text
-    if not re.fullmatch(r"\[.*\]", inner, re.DOTALL):
+    if not re.fullmatch(r"\[.*\]", inner, re.DOTALL):  # the whole output a list, as a stream holds it
         return text, None
     return None, _python_calls(inner)
 
@@ -289,17 +295,15 @@ def _lfm2(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     if at < 0:
         return text, None
     inner, _, after = text[at + len(_LFM2_START):].partition(_LFM2_END)
-    if not re.fullmatch(r"\[.*\]", inner.strip(), re.DOTALL):
-        return text, None
     content = text[:at] + after[after.rfind(_LFM2_END) + len(_LFM2_END):] if _LFM2_END in after else \
         text[:at] + after
-    return content or None, _python_calls(inner.strip())
+    return content or None, _python_calls(inner)
 
 
 def _python_calls(text: str) -> list[tuple[str, str]]:
     """A Python list of calls `[f(a=1), g(b="x")]`: each call's name and its keyword arguments (literal values)
     as JSON; a ValueError (or SyntaxError, TypeError) where it is not one."""
-    listed = ast.parse(text, mode="eval").body
+    listed = ast.parse(text.strip(), mode="eval").body
     if not isinstance(listed, ast.List) or not listed.elts:
         raise ValueError("not a list of calls")
     calls = []
