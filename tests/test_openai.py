@@ -839,6 +839,11 @@ BAD = [
      "continue_final_message"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
                               "chat_template_kwargs": {"note": "x" * 200_000}}, 400, "chat_template_kwargs"),
+    # vLLM's documents: objects, their text counted with the messages'
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "documents": ["x"]},
+     400, "documents.0"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                              "documents": [{"text": "x" * 200_000}]}, 400, "documents"),
     # vLLM's sampling extras out of range, and its extras that would change the output and are not
     # carried out (were taken silently).
     *[("/v1/completions", {"model": NAME, "prompt": "x", field: value}, 400, field)
@@ -860,8 +865,8 @@ BAD = [
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
                               "add_special_tokens": True}, 400, "add_special_tokens"),
     *[("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], field: value}, 400,
-       field) for field, value in (("chat_template", "{{ messages }}"), ("documents", [{"text": "x"}]),
-                                   ("reasoning_effort", "high"), ("echo", True), ("mm_processor_kwargs", {"a": 1}),
+       field) for field, value in (("chat_template", "{{ messages }}"), ("reasoning_effort", "extreme"),
+                                   ("echo", True), ("mm_processor_kwargs", {"a": 1}),
                                    # OpenAI's audio output, web search and answer length (were taken silently)
                                    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
                                    ("web_search_options", {}), ("verbosity", "low"))],

@@ -141,7 +141,7 @@ def test_a_cut_stream_ends_incomplete_and_its_logprobs_are_chats(openai_live):
     ({"max_tool_calls": 3}, "max_tool_calls", "built-in tools"),
     ({"text": {"format": {"type": "grammar", "name": "x"}}}, "text", "is not supported"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": []}}}, "text", "a JSON schema is an object"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning effort"),
+    ({"reasoning": {"effort": "high", "summary": "detailed"}}, "reasoning.summary", "summed up"),
     ({"truncation": "auto"}, "truncation", "does not cut a prompt"),
     ({"include": ["reasoning.encrypted_content"]}, "include", "includes 'message.output_text.logprobs' only"),
     ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),

@@ -12,6 +12,7 @@ control tokens there (SGLang offers the split as an opt-in filter of the templat
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from .served import Served
 from .text import special_tokens
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
+# vLLM's reasoning efforts (OpenAI's, and DeepSeek V4's "max"), which the chat template reads as `reasoning_effort`.
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 # apply_chat_template's own arguments, which `chat_template_kwargs` may not set (the request's fields
@@ -64,7 +67,32 @@ def _template_options(body, messages: list[dict]) -> dict:
         raise ServingError("continue_final_message continues the last message, which must be the assistant's; "
                            f"it is the {messages[-1]['role']}'s", "continue_final_message")
     adding = not continuing if body.add_generation_prompt is None else body.add_generation_prompt
-    return {**extra, "add_generation_prompt": adding, "continue_final_message": continuing}
+    return {**extra, **_effort_and_documents(body, extra), "add_generation_prompt": adding,
+            "continue_final_message": continuing}
+
+
+def reasoning_effort(effort, field: str) -> str | None:
+    """A request's reasoning effort, one of `EFFORTS` (or None), or a `ServingError` naming `field`."""
+    if effort is not None and effort not in EFFORTS:
+        raise ServingError(f"{field} must be one of {', '.join(EFFORTS)}; got {effort!r}", field)
+    return effort
+
+
+def _effort_and_documents(body, extra: dict) -> dict:
+    """vLLM's chat fields that the template renders: `reasoning_effort` as the template's `reasoning_effort`, and
+    `enable_thinking` (Qwen3's, Gemma 4's) true unless the effort is "none", where `chat_template_kwargs` does not
+    set it; `documents` (a list of objects, as transformers' `apply_chat_template` takes them) as its
+    `documents`. A template that reads neither renders as without them."""
+    options = {}
+    effort = reasoning_effort(getattr(body, "reasoning_effort", None), "reasoning_effort")
+    if effort is not None:
+        options["reasoning_effort"] = effort
+        if "enable_thinking" not in extra:
+            options["enable_thinking"] = effort != "none"
+    documents = getattr(body, "documents", None)
+    if documents is not None:
+        options["documents"] = documents
+    return options
 
 
 def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
@@ -92,6 +120,8 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": content,
                          **_other_parts(message, f"messages[{i}]", texts)})
     options = _template_options(body, messages)
+    if "documents" in options:
+        texts.append(("documents", json.dumps(options["documents"])))
     if tools:
         options["tools"] = list(tools)
         texts.append(("tools", json.dumps(list(tools))))
@@ -170,10 +200,10 @@ def _texts(message: dict) -> list[str]:
 def chat_ids(tokenizer, messages: list[dict], **options) -> list[int]:
     """The messages through the chat template, ending with the assistant's turn (`options`, passed to
     `apply_chat_template`, may say otherwise: `_template_options`). Content holding a special token's
-    text is tokenized apart from the template, special tokens split, so that it stays text; other
-    content is tokenized with the template, exactly as `apply_chat_template`. A message's content is
-    text, or (with images) a list of text and image parts. A template's refusal (Gemma's of a system
-    role, say) is a `ServingError` with its message."""
+    text (a message's, or a document's) is tokenized apart from the template, special tokens split, so
+    that it stays text; other content is tokenized with the template, exactly as `apply_chat_template`.
+    A message's content is text, or (with images) a list of text and image parts. A template's refusal
+    (Gemma's of a system role, say) is a `ServingError` with its message."""
     options = {"add_generation_prompt": True, **options}
     try:
         return _templated_ids(tokenizer, messages, options)
@@ -181,34 +211,40 @@ def chat_ids(tokenizer, messages: list[dict], **options) -> list[int]:
         raise ServingError(f"the model's chat template refused the messages: {e}", "messages") from None
 
 
+STAND_IN = re.compile("(\x00content[0-9a-f]{32}[0-9]+\x00)")
+
+
 def _templated_ids(tokenizer, messages: list[dict], options: dict) -> list[int]:
     specials = special_tokens(tokenizer)
-    if not any(s in text for m in messages for text in _texts(m) for s in specials):
+    documents = options.get("documents") or ()
+    texts = [t for m in messages for t in _texts(m)] + [v for d in documents for v in d.values() if isinstance(v, str)]
+    if not any(s in text for text in texts for s in specials):
         ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **options)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    pieces: list[tuple[str, str]] = []  # (mark, the text it stands for), in order
+    pieces: dict[str, str] = {}  # a mark: the text it stands for
 
     def mark(text: str) -> str:
-        pieces.append((f"\x00content{uuid.uuid4().hex}{len(pieces)}\x00", text))
-        return pieces[-1][0]
+        pieces[f"\x00content{uuid.uuid4().hex}{len(pieces)}\x00"] = text
+        return next(reversed(pieces))
 
     marked = [{**m, "content": mark(m["content"]) if isinstance(m["content"], str) else
                [{**part, "text": mark(part["text"])} if part["type"] == "text" else part for part in m["content"]]}
               for m in messages]
+    if documents:
+        options = {**options, "documents": [{k: mark(v) if isinstance(v, str) else v for k, v in d.items()}
+                                            for d in documents]}
     text = tokenizer.apply_chat_template(marked, tokenize=False, **options)
-    plain = tokenizer.apply_chat_template(messages, tokenize=False, **options)
-    filled = text
-    for stand_in, content in pieces:
-        filled = filled.replace(stand_in, content)
-    if filled != plain:  # the template rewrites content (trims it, say): it cannot be kept apart
+    plain = tokenizer.apply_chat_template(messages, tokenize=False, **{**options, "documents": documents or None})
+    if STAND_IN.sub(lambda m: pieces[m.group(1)], text) != plain:  # the template rewrites content (trims it, say)
         raise ServingError("a message holds a special token's text, which this model's chat template cannot keep "
                            "apart from its own tokens", "messages")
     ids: list[int] = []
-    for stand_in, content in pieces:
-        before, _, text = text.partition(stand_in)
-        ids += tokenizer(before, add_special_tokens=False)["input_ids"]
-        ids += tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return ids + tokenizer(text, add_special_tokens=False)["input_ids"]
+    for i, part in enumerate(STAND_IN.split(text)):  # the template's own text, then a content's, in turn
+        if i % 2:
+            ids += tokenizer(pieces[part], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif part:
+            ids += tokenizer(part, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def chat_template_of(value: str) -> str:

@@ -14,8 +14,9 @@ assistant's `tool_use` blocks and a user's `tool_result` blocks) are chat's tool
 back as `tool_use` blocks (after the text before them, if any) with `stop_reason` "tool_use", streamed as
 `input_json_delta`s. With a reasoning parser (`--reasoning-parser`: reasoning.py) a thinking model's reasoning is
 a `thinking` block first (`thinking_delta`s in a stream); extended thinking's `budget_tokens` is vLLM's
-`thinking_token_budget`. Anthropic's server tools and an
-effort are refused by name; errors take Anthropic's shape (errors.py).
+`thinking_token_budget`; `thinking` enabled, adaptive or disabled turns the template's `enable_thinking` on or
+off, and `output_config.effort` is chat's `reasoning_effort` (chat_prompts.py). Anthropic's server tools are
+refused by name; errors take Anthropic's shape (errors.py).
 """
 
 from __future__ import annotations
@@ -35,16 +36,19 @@ from .schemas import ChatMessage, ChatRequest, ContentPart, FunctionCall, ImageU
 from .served import Served, abandon, answer_off_loop, run_or_stream
 from .tools import checked_tools
 
-RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+RENAMED = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "reasoning_effort": "output_config.effort"}
+# Anthropic's efforts (`output_config.effort`), chat's `reasoning_effort` by name.
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
 def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
     """The chat request this request is, or a `ServingError` naming what cannot be carried out."""
     tools, choice, parallel = _tools(body)
-    budget = _thinking_budget(body)
+    budget, thinking = _thinking(body)
     output = body.output_config or {}
-    if output.get("effort") is not None:
-        raise ServingError("output_config.effort is not supported: this server sets no effort; leave it out",
+    effort = output.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise ServingError(f"output_config.effort must be one of {', '.join(EFFORTS)}; got {effort!r}",
                            "output_config.effort")
     if not counting and body.max_tokens is None:
         raise ServingError("max_tokens is required (Anthropic's API has no default)", "max_tokens")
@@ -68,28 +72,36 @@ def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
         extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}
     if budget is not None:
         extra["thinking_token_budget"] = budget
+    options = extra.get("chat_template_kwargs") or {}
+    if thinking is not None and isinstance(options, dict):  # the template's switch, unless the request sets it
+        extra["chat_template_kwargs"] = {"enable_thinking": thinking, **options}
     return ChatRequest(model=body.model, messages=messages, max_completion_tokens=body.max_tokens,
+                       reasoning_effort=effort,
                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                        stop=body.stop_sequences, stream=body.stream, tools=tools, tool_choice=choice,
                        parallel_tool_calls=parallel, **extra)
 
 
-def _thinking_budget(body: MessagesRequest) -> int | None:
-    """Anthropic's extended thinking, `{"type": "enabled", "budget_tokens": N}`: vLLM's `thinking_token_budget`
-    (fewer than `max_tokens`, as Anthropic's API asks; its minimum of 1,024 is its models' own and not kept);
-    `{"type": "disabled"}`, or none, is none."""
-    thinking = body.thinking or {}
-    kind = thinking.get("type", "disabled") if isinstance(thinking, dict) else None
-    if kind == "disabled":
-        return None
+def _thinking(body: MessagesRequest) -> tuple[int | None, bool | None]:
+    """Anthropic's `thinking`: the thinking budget (vLLM's `thinking_token_budget`) and whether the model thinks
+    (the template's `enable_thinking`: Qwen3's, Gemma 4's; None where `thinking` is left out). Extended thinking,
+    `{"type": "enabled", "budget_tokens": N}` (fewer than `max_tokens`, as Anthropic's API asks; its minimum of
+    1,024 is its models' own and not kept); `{"type": "adaptive"}`, thinking without a budget; `{"type":
+    "disabled"}`, none."""
+    if body.thinking is None:
+        return None, None
+    thinking = body.thinking
+    kind = thinking.get("type")
+    if kind in ("disabled", "adaptive"):
+        return None, kind == "adaptive"
     budget = thinking.get("budget_tokens") if kind == "enabled" else None
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ServingError("thinking must be {'type': 'enabled', 'budget_tokens': a number of tokens} or "
-                           "{'type': 'disabled'}", "thinking")
+        raise ServingError("thinking must be {'type': 'enabled', 'budget_tokens': a number of tokens}, "
+                           "{'type': 'adaptive'} or {'type': 'disabled'}", "thinking")
     if body.max_tokens is not None and budget >= body.max_tokens:
         raise ServingError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({body.max_tokens})",
                            "thinking.budget_tokens")
-    return budget
+    return budget, True
 
 
 def _tools(body: MessagesRequest) -> tuple[list[dict] | None, str | dict | None, bool | None]:

@@ -45,9 +45,9 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,), "truncate_prompt_tokens": (None,),
                       "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_embeds": (None,),
                       "logprob_token_ids": (None,), "return_tokens_as_token_ids": (None, False),
-                      # chat's: a request's own template (vLLM too refuses it by default), the template's
-                      # documents and reasoning effort, echo of the last message, the image processor's options
-                      "chat_template": (None,), "documents": (None,), "reasoning_effort": (None,),
+                      # chat's: a request's own template (vLLM too refuses it by default), echo of the last
+                      # message, the image processor's options
+                      "chat_template": (None,),
                       "echo": (None, False), "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
                       # SGLang's stop regexes, LoRA adapter, hidden states, logit processor and its name for
                       # include_stop_str_in_output (which this server takes)

@@ -16,10 +16,11 @@ as `function_call` items after the message of the text before them (if any), str
 taken as chat takes them. With a reasoning parser (`--reasoning-parser`: reasoning.py) a thinking model's
 reasoning is a `reasoning` item first (`reasoning_text` content, streamed as `response.reasoning_text.delta`s);
 reasoning items handed back in `input` are given to the assistant's message after them as its
-`reasoning_content`, which templates such as Qwen3's place (after the last user message) or leave out. What
-needs state or something this server does not carry out is refused unless neutral: `previous_response_id`,
-`conversation`, a stored `prompt`, `background`, hosted tools, `max_tool_calls`, `reasoning`, `truncation`
-"auto"; `store` is taken and answered false (nothing is kept).
+`reasoning_content`, which templates such as Qwen3's place (after the last user message) or leave out.
+`reasoning.effort` is chat's `reasoning_effort` (the template's). What needs state or something this server does
+not carry out is refused unless neutral: `previous_response_id`, `conversation`, a stored `prompt`, `background`,
+hosted tools, `max_tool_calls`, a reasoning summary, `truncation` "auto"; `store` is taken and answered false
+(nothing is kept).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import uuid
 from fastapi import FastAPI, Request
 
 from .answers import ChatStream, chat_answer
+from .chat_prompts import reasoning_effort
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
 from .openai_routes import CHAT_EXTRAS, chat_job_as, chat_logprobs
@@ -43,8 +45,6 @@ NEUTRAL = (("previous_response_id", (None,), "this server keeps no responses: se
            ("prompt", (None,), "this server keeps no prompt templates"),
            ("background", (None, False), "this server answers in the request"),
            ("max_tool_calls", (None,), "it counts built-in tools' calls, and this server has none"),
-           ("reasoning", (None, {}, {"effort": None}, {"effort": None, "summary": None}),
-            "this server does not set a reasoning effort"),
            ("truncation", (None, "disabled"), "this server does not cut a prompt to fit: a prompt too long is refused"))
 # The chat request's field names in its errors, as this API names them.
 RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text"}
@@ -84,10 +84,23 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     tools, choice = _tools(body)
     extra = {name: value for name, value in (body.model_extra or {}).items() if name in CHAT_EXTRAS}
     return ChatRequest(model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
-                       temperature=body.temperature, top_p=body.top_p, logprobs=logprobs,
+                       reasoning_effort=_effort(body.reasoning), temperature=body.temperature, top_p=body.top_p,
+                       logprobs=logprobs,
                        top_logprobs=(body.top_logprobs or 0) if logprobs else None, stream=body.stream,
                        tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
                        response_format=_response_format((body.text or {}).get("format")), **extra)
+
+
+def _effort(reasoning: dict | None) -> str | None:
+    """`reasoning`'s `effort`: chat's `reasoning_effort` (the template's; chat_prompts.py). A summary is refused:
+    with `--reasoning-parser` the reasoning comes back whole, as a `reasoning` item's text."""
+    reasoning = reasoning or {}
+    for name in set(reasoning) - {"effort"}:
+        if reasoning[name] is not None:
+            raise ServingError(f"reasoning.{name} is not supported: this server gives a model's reasoning whole (a "
+                               "reasoning item, with --reasoning-parser), not summed up; leave it out",
+                               f"reasoning.{name}")
+    return reasoning_effort(reasoning.get("effort"), "reasoning.effort")
 
 
 def _tools(body: ResponsesRequest) -> tuple[list[dict] | None, str | dict | None]:
