@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import OPENAI_NAME as NAME
 from helpers import expected_text, grammar_greedy, served_live
-from test_tool_calling import CALL, TOOL_TEMPLATE, TOOLS
+from test_tool_calling import CALL, TOOL_TEMPLATE, TOOLS, gathered
 
 llguidance = pytest.importorskip("llguidance")
 from llguidance import LLMatcher  # noqa: E402
@@ -100,7 +100,7 @@ def test_calls_are_read_from_the_content_after_the_reasoning(thinking_live):
     assert call["function"] == {"name": inner["name"], "arguments": json.dumps(inner["arguments"])}
     reasoning, content, calls = chat_stream(live, **fields)
     assert (reasoning, content) == (thought, "\n\n")
-    assert [c["function"]["name"] for c in calls] == [inner["name"]]
+    assert gathered([{"tool_calls": calls}]) == [(inner["name"], json.dumps(inner["arguments"]))]
 
 
 def test_responses_and_messages_answer_the_reasoning_in_their_own_shapes(thinking_live):

@@ -5,6 +5,7 @@ matcher); "auto"'s calls read by the hermes parser from what the model wrote; th
 `openai` client's own types and stream helper; and the refusals."""
 
 import json
+import re
 
 import httpx
 import pytest
@@ -88,10 +89,11 @@ def streamed(live, **fields) -> tuple[str, dict, str]:
             choice = json.loads(line[6:])["choices"][0]
             content += choice["delta"].get("content") or ""
             for part in choice["delta"].get("tool_calls") or ():
-                call = calls.setdefault(part["index"], {"id": None, "name": "", "arguments": ""})
+                call = calls.setdefault(part["index"], {"id": None, "name": "", "arguments": "", "pieces": 0})
                 call["id"] = part.get("id") or call["id"]
                 call["name"] += part.get("function", {}).get("name") or ""
                 call["arguments"] += part.get("function", {}).get("arguments") or ""
+                call["pieces"] += bool(part.get("function", {}).get("arguments"))
             finish = choice["finish_reason"] or finish
     return content, calls, finish
 
@@ -143,16 +145,21 @@ def test_required_is_a_list_of_calls_under_the_tools_schemas(tools_live):
         answer = chat(live, tool_choice="required", parallel_tool_calls=parallel, max_tokens=120, **COMPACT)
         choice = answer["choices"][0]
         assert complete or parallel  # (one call, at most, fits)
-        if not complete:  # the length ended it: the text, unread
-            assert choice["message"]["content"] == expected and choice["finish_reason"] == "length"
-            continue
-        wanted = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(expected)]
         got = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
-        assert got == wanted and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-        assert len(got) == 1 or parallel
+        at = 0  # as the model wrote them (the grammar compact): each call's text in the list, in turn
+        for name, arguments in got:
+            at = expected.index(f'{{"name":"{name}","parameters":{arguments}', at) + 1
+        if complete:
+            assert [(name, json.loads(arguments)) for name, arguments in got] == [
+                (c["name"], c["parameters"]) for c in json.loads(expected)]
+        else:  # the length ended it: the calls as far as they were written, each whose arguments began
+            assert len(got) == len(re.findall('"parameters":.', expected)) >= 1
+        assert choice["finish_reason"] == ("tool_calls" if complete else "length")
+        assert choice["message"]["content"] is None and (len(got) == 1 or parallel)
         content, calls, finish = streamed(live, tool_choice="required", parallel_tool_calls=parallel,
                                           max_tokens=120, **COMPACT)
-        assert [(c["name"], c["arguments"]) for c in calls.values()] == wanted and finish == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == got and finish == choice["finish_reason"]
+        assert all(c["pieces"] > 1 for c in calls.values())  # the arguments streamed as they came
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "(Paris|Rome)", "unit": "(c|f)"}}\n</tool_call>'
@@ -162,7 +169,7 @@ def test_auto_reads_the_models_hermes_calls_and_keeps_its_text(tools_live):
     """tool_choice "auto" (the default beside tools) under `--tool-call-parser hermes`: what the model writes
     (held here to a call by a regex, so that the random fixture writes one) is transformers' greedy text; the
     text before <tool_call> is the content, the call's name and arguments are read from it, finish
-    "tool_calls"; streamed, the content comes as text and the call at the end. Output without a call is
+    "tool_calls"; streamed, the content comes as text and the call's arguments in pieces. Output without a call is
     plain content."""
     live, hf, tokenizer = tools_live
     ids = prompt_ids(tokenizer, ASK)
@@ -179,6 +186,7 @@ def test_auto_reads_the_models_hermes_calls_and_keeps_its_text(tools_live):
     content, calls, finish = streamed(live, structured_outputs={"regex": pattern}, max_tokens=170)
     assert content == before and finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [(inner["name"], json.dumps(inner["arguments"]))]
+    assert calls[0]["pieces"] > 1  # the arguments streamed as they came
     plain = greedy_text(hf, tokenizer, ids, LLMatcher.grammar_from_regex("[a-z ]{1,30}"), 40)[0]
     answer = chat(live, structured_outputs={"regex": "[a-z ]{1,30}"}, max_tokens=40)
     assert answer["choices"][0]["message"] == {"role": "assistant", "content": plain}
@@ -305,8 +313,19 @@ def streams_as_read(plan, text, content, calls):
         stream = ToolStream(plan)
         sent = [stream.piece(text[:cut]), stream.piece(text[cut:]), *stream.end(text, "stop")[0]]
         assert "".join(d.get("content", "") for d in sent) == (content or ""), cut
-        assert [(d["tool_calls"][0]["function"]["name"], d["tool_calls"][0]["function"]["arguments"])
-                for d in sent if "tool_calls" in d] == (calls or []), cut
+        assert gathered(sent) == (calls or []), cut
+
+
+def gathered(deltas: list[dict]) -> list[tuple[str, str]]:
+    """Streamed calls put together as a client puts them: by index, the name from the first delta of each (with
+    its id), the arguments from all of them; the indexes in order, each call begun once."""
+    calls = []
+    for part in (p for d in deltas for p in d.get("tool_calls", ())):
+        if "id" in part:
+            assert part["index"] == len(calls) and part["type"] == "function"
+            calls.append([part["function"]["name"], ""])
+        calls[part["index"]][1] += part["function"]["arguments"]
+    return [tuple(c) for c in calls]
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), [
@@ -480,6 +499,10 @@ def test_anthropics_tool_use_is_the_same_call_in_its_shape(tools_live):
                                        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
     assert len(required["tool_calls"]) == 1 and [(b.name, b.input) for b in anyone.content] == [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in required["tool_calls"]]
+    with client.messages.stream(**{**request, "max_tokens": 120,
+                                   "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}) as stream:
+        final = stream.get_final_message()  # its input streamed in pieces (json_calls.py)
+    assert [(b.type, b.name, b.input) for b in final.content] == [(b.type, b.name, b.input) for b in anyone.content]
 
 
 def test_anthropics_auto_calls_and_a_conversation_with_results(tools_live):
@@ -545,6 +568,12 @@ def test_the_responses_apis_function_calls_are_chats_calls_as_items(tools_live):
     with sdk.responses.stream(**named) as stream:
         final = stream.get_final_response()
     assert [(i.type, i.name, i.arguments) for i in final.output] == [("function_call", "get_weather", expected)]
+    required = {**named, "tool_choice": "required", "max_output_tokens": 120, "parallel_tool_calls": False}
+    whole = sdk.responses.create(**required)
+    with sdk.responses.stream(**required) as stream:
+        final = stream.get_final_response()  # the calls' arguments streamed in pieces (json_calls.py)
+    assert [(i.type, i.name, i.arguments) for i in final.output] == [
+        (i.type, i.name, i.arguments) for i in whole.output] and whole.output
     pattern = r"(Sure|Yes)\. " + CALL.replace("{", r"\{").replace("}", r"\}")
     expected = greedy_text(hf, tokenizer, ids, LLMatcher.grammar_from_regex(pattern), 170)[0]
     before, _, call = expected.partition("<tool_call>")
@@ -766,7 +795,8 @@ def test_a_call_the_length_cuts_short(tools_live):
     """A named function's output cut by `max_tokens`: chat's call holds the arguments as far as they came
     (transformers' greedy tokens under the schema), `finish_reason` "length"; the Responses API's
     `function_call` item the same, the response "incomplete"; Anthropic's answer that text as a `text` block
-    ("max_tokens"), a `tool_use` needing a whole `input`; "required"'s unfinished list is text."""
+    ("max_tokens"), a `tool_use` needing a whole `input`; "required"'s list cut before any call's arguments
+    begin is text."""
     live, hf, tokenizer = tools_live
     ids = prompt_ids(tokenizer, ASK)
     tokens, complete = grammar_greedy(hf, tokenizer, ids, compact(WEATHER), 4)

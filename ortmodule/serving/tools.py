@@ -39,6 +39,7 @@ import uuid
 from dataclasses import dataclass
 
 from .errors import ServingError
+from .json_calls import CallScanner, FoundCall
 from .settings import TOOL_CALL_PARSERS
 from .text import safe_before, special_tokens
 
@@ -226,9 +227,7 @@ def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, s
         return None, [(plan.name, text)]
     try:
         if plan.mode == "required":
-            found = json.loads(text)
-            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in found]
-            content = None
+            content, calls = None, _json_calls(text, "parameters", listed=True)
         elif plan.parser == "qwen3_coder":  # the one that types the arguments by the tools' schemas
             content, calls = _qwen3_coder(text, plan.tools)
         else:
@@ -247,12 +246,23 @@ def _tool_call_bodies(text: str) -> list[str]:
     return [closed or open_ for closed, open_ in found]
 
 
+def _json_calls(text: str, key: str, listed: bool) -> list[tuple[str, str]]:
+    """JSON calls' names and arguments (json_calls.py: `key`'s value, as the model wrote it); a `ValueError`
+    where the text is not JSON, or not calls of that form."""
+    json.loads(text)
+    scanner = CallScanner(key, listed)
+    scanner.feed(text)
+    if scanner.broken or not scanner.calls or any(c.name is None or not c.closed for c in scanner.calls):
+        raise ValueError("not calls")
+    return [(c.name, scanner.arguments(c)) for c in scanner.calls]
+
+
 def _hermes(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     if _HERMES_START not in text:
         return text, None
-    calls = [json.loads(body) for body in _tool_call_bodies(text)]
+    calls = [call for body in _tool_call_bodies(text) for call in _json_calls(body, "arguments", listed=False)]
     content = text[: text.find(_HERMES_START)]
-    return content or None, [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+    return content or None, calls
 
 
 def _qwen3_coder(text: str, tools: tuple[dict, ...]) -> tuple[str | None, list[tuple[str, str]] | None]:
@@ -399,10 +409,16 @@ _READERS = {"hermes": _hermes, "llama3_json": _llama3_json, "phi4_mini_json": _p
 def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
     """A choice's `message` and `finish_reason` as vLLM answers them: calls under `tool_calls` (content None,
     or auto's text before them), finish "tool_calls" where required's or auto's calls were read ("stop" for a
-    named function, which OpenAI also answers); the text as content where there are none."""
+    named function, which OpenAI also answers); the text as content where there are none. Calls the length
+    cut short (a named function's, required's and hermes') come as far as they were written, as they stream."""
     if not plan.calls:
         return {"role": "assistant", "content": text}, finish
     content, calls = read_calls(plan, text)
+    if calls is None and finish == "length":
+        found = [(c.name, scanner.arguments(c)) for scanner, c in scanned(plan, text, []) if _begun(c)]
+        if found:
+            content = text[: text.find(_HERMES_START)] or None if plan.mode == "auto" else None
+            calls = found if plan.parallel else found[:1]
     if calls is None:
         return {"role": "assistant", "content": content}, finish
     message = {"role": "assistant", "content": content,
@@ -410,13 +426,42 @@ def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
     return message, finish if plan.mode == "named" or finish == "length" else "tool_calls"
 
 
+_BODIES = re.compile(rf"{_HERMES_START}(.*?){_HERMES_END}|{_HERMES_START}(.*)", re.DOTALL)
+
+
+def scanned(plan: ToolPlan, text: str, scanners: list[CallScanner]) -> list[tuple[CallScanner, FoundCall]]:
+    """The JSON calls in the output so far, in order, where they are read as they are written ("required"'s
+    list; hermes' `<tool_call>`s, split as `_tool_call_bodies` splits them); `scanners` those of the text before
+    (fed the rest, and added to). Other plans: none."""
+    if plan.mode == "required":
+        if not scanners:
+            scanners.append(CallScanner("parameters", listed=True))
+        scanners[0].feed(text[len(scanners[0].text):])
+    elif plan.mode == "auto" and plan.parser == "hermes":
+        for j, body in enumerate(_BODIES.finditer(text)):
+            if j == len(scanners):
+                scanners.append(CallScanner("arguments", listed=False))
+            held = body.group(1) if body.group(1) is not None else body.group(2)
+            scanners[j].feed(held[len(scanners[j].text):])
+    return [(scanner, call) for scanner in scanners for call in scanner.calls]
+
+
+def _begun(call: FoundCall) -> bool:
+    """Whether a call is streamed (or, cut short, answered): its name whole and its arguments begun."""
+    return call.name is not None and call.start is not None
+
+
 class ToolStream:
     """One streamed choice's deltas under a plan: a named function's arguments as they come (its call's id,
-    type and name in the first); auto's text streamed until it may start a call (the rest held, to be read
-    at the end); required's held whole. `end` gives what was held: the rest of the content, each call whole."""
+    type and name in the first); "required"'s and auto's hermes calls each once its name is whole and its
+    arguments have begun, then its arguments in pieces as they are written; auto's text streamed until it may
+    start a call (the rest held); other parsers' calls held, read at the end. `end` gives what was held: the
+    rest of the content, the rest of each call."""
 
     def __init__(self, plan: ToolPlan):
         self.plan, self.text, self.sent, self.named_id = plan, "", 0, None
+        self.scanners: list[CallScanner] = []
+        self.streamed: list[list[str]] = []  # each call streamed: its id and the arguments sent
 
     def piece(self, text: str) -> dict:
         """The delta's fields for this piece of output (maybe none: held)."""
@@ -426,13 +471,29 @@ class ToolStream:
                 self.named_id = new_call_id(self.plan.short_ids)
                 return {"tool_calls": [{"index": 0, **_call(self.plan.name, text, self.named_id)}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
-        if self.plan.mode == "required":
-            return {}
-        safe = self._safe_length()
-        if safe <= self.sent:
-            return {}
-        content, self.sent = self.text[self.sent: safe], safe
-        return {"content": content}
+        delta = {}
+        safe = self._safe_length() if self.plan.mode == "auto" else 0
+        if safe > self.sent:
+            delta["content"], self.sent = self.text[self.sent: safe], safe
+        calls = self._call_deltas()
+        return {**delta, "tool_calls": calls} if calls else delta
+
+    def _call_deltas(self) -> list[dict]:
+        """The calls' deltas since the last piece: a call's id, type, name and arguments so far once its name is
+        whole, then what its arguments grew by."""
+        deltas = []
+        found = scanned(self.plan, self.text, self.scanners)
+        for k, (scanner, call) in enumerate(found if self.plan.parallel else found[:1]):
+            if not _begun(call):
+                break
+            arguments = scanner.arguments(call)
+            if k == len(self.streamed):
+                self.streamed.append([new_call_id(self.plan.short_ids), arguments])
+                deltas.append({"index": k, **_call(call.name, arguments, self.streamed[k][0])})
+            elif len(arguments) > len(self.streamed[k][1]):
+                deltas.append({"index": k, "function": {"arguments": arguments[len(self.streamed[k][1]):]}})
+                self.streamed[k][1] = arguments
+        return deltas
 
     def _safe_length(self) -> int:
         """How much of the text so far cannot be part of a call (auto: before any marker, or a marker's start)."""
@@ -459,5 +520,9 @@ class ToolStream:
         if rest:
             deltas.append({"content": rest})
         for k, call in enumerate(message.get("tool_calls", ())):
-            deltas.append({"tool_calls": [{"index": k, **call}]})
+            if k < len(self.streamed):  # its arguments' rest (the whole answer's are the same text)
+                more = call["function"]["arguments"][len(self.streamed[k][1]):]
+                deltas += [{"tool_calls": [{"index": k, "function": {"arguments": more}}]}] if more else []
+            else:
+                deltas.append({"tool_calls": [{"index": k, **call}]})
         return deltas, reason

@@ -1,0 +1,59 @@
+"""JSON calls read as they are written (serving/json_calls.py), which the server's streams of "required"'s and
+hermes' calls are made of: for outputs with strings that hold brackets and escapes, numbers, literals, nested
+lists, space anywhere, the arguments' key before the name, fed a piece at a time and cut everywhere, each
+call's arguments so far only grow, and put together they are the whole text's, which parse as `json.loads`
+reads the call."""
+
+import json
+
+import pytest
+
+from ortmodule.serving.json_calls import CallScanner
+
+ARGUMENTS = ['{"s": "a}\\\\\\"{[, ]", "n": -1.5e3, "t": true, "l": [1, {"x": null}], "u": "\\u00e9"}',
+             '{}', '[]', '"a text"', '12', 'null', '{ "deep" : { "deeper" : [ [ ] , { } ] } }']
+
+
+def whole(text: str, key: str, listed: bool) -> list[tuple[str, str]]:
+    scanner = CallScanner(key, listed)
+    scanner.feed(text)
+    assert not scanner.broken
+    return [(c.name, scanner.arguments(c)) for c in scanner.calls if c.closed]
+
+
+@pytest.mark.parametrize("arguments", ARGUMENTS)
+@pytest.mark.parametrize("form", ["compact", "spaced", "arguments-first"])
+def test_a_call_is_read_as_json_reads_it_at_every_cut(arguments, form):
+    text = {"compact": f'{{"name":"get_x","arguments":{arguments}}}',
+            "spaced": f'\n {{ "name" : "get_x" ,\n "arguments" :  {arguments}  \n}} ',
+            "arguments-first": f'{{"arguments": {arguments}, "name": "get_x"}}'}[form]
+    reference = json.loads(text)
+    (name, found), = whole(text, "arguments", listed=False)
+    assert (name, json.loads(found)) == (reference["name"], reference["arguments"]) and found in text
+    for cut in range(len(text) + 1):
+        scanner = CallScanner("arguments", listed=False)
+        scanner.feed(text[:cut])
+        so_far = [scanner.arguments(c) for c in scanner.calls]
+        scanner.feed(text[cut:])
+        assert all(found.startswith(piece) for piece in so_far), cut
+        assert [scanner.arguments(c) for c in scanner.calls] == [found] and not scanner.broken
+
+
+def test_a_list_of_calls_is_read_in_turn():
+    calls = [("get_x", ARGUMENTS[0]), ("get_y", "{}"), ("get_x", '{"a": [1, 2, {"b": "]}"}]}')]
+    text = " [ " + " , ".join(f'{{"name": "{n}", "parameters": {a}}}' for n, a in calls) + " ] "
+    assert whole(text, "parameters", listed=True) == calls
+    assert [(c["name"], c["parameters"]) for c in json.loads(text)] == [(n, json.loads(a)) for n, a in calls]
+    scanner = CallScanner("parameters", listed=True)
+    for i in range(0, len(text), 3):  # as a stream's pieces come
+        scanner.feed(text[i:i + 3])
+    assert [(c.name, scanner.arguments(c), c.closed) for c in scanner.calls] == [(n, a, True) for n, a in calls]
+
+
+@pytest.mark.parametrize("text", ['hello', '{"name": "f" "arguments": {}}', '{"name": "f", 3: {}}',
+                                  '[{"name": "f", "parameters": {}} {"name": "g"}]', '{"name": "f"} }',
+                                  '{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}'])
+def test_text_that_leaves_the_form_stops_the_reading(text):
+    scanner = CallScanner("parameters" if text.startswith("[") else "arguments", listed=text.startswith("["))
+    scanner.feed(text)
+    assert scanner.broken
