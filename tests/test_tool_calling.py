@@ -304,8 +304,8 @@ def auto_plan(parser):
 
 
 def streams_as_read(plan, text, content, calls):
-    """`read_calls`'s reading of `text`; and a stream given it in two pieces, cut anywhere, sends the same content
-    and, at the end, the same calls."""
+    """`read_calls`'s reading of `text`; and a stream given it in two pieces, cut anywhere, or a character at a
+    time, sends the same content and the same calls (put together as a client puts them)."""
     from ortmodule.serving.tools import ToolStream, read_calls
 
     assert read_calls(plan, text) == (content, calls)
@@ -314,6 +314,10 @@ def streams_as_read(plan, text, content, calls):
         sent = [stream.piece(text[:cut]), stream.piece(text[cut:]), *stream.end(text, "stop")[0]]
         assert "".join(d.get("content", "") for d in sent) == (content or ""), cut
         assert gathered(sent) == (calls or []), cut
+    stream = ToolStream(plan)  # a character at a time
+    sent = [stream.piece(c) for c in text] + stream.end(text, "stop")[0]
+    assert "".join(d.get("content", "") for d in sent) == (content or "")
+    assert gathered(sent) == (calls or [])
 
 
 def gathered(deltas: list[dict]) -> list[tuple[str, str]]:
@@ -753,9 +757,7 @@ def test_smollm2_under_qwen35s_template_thinks_and_calls_in_xml(smollm2):
     """The real SmolLM2 served with Qwen3.5's template (which opens the thinking in the prompt), `--reasoning-parser
     qwen3` and `--tool-call-parser qwen3_coder`: its greedy output (held by a regex to Qwen3.5's thinking, then an
     XML call) is transformers' on the same weights under the same grammar; the answer is the thinking as
-    `reasoning` and the call read from the rest, whole and streamed."""
-    import re
-
+    `reasoning` and the call read from the rest, whole and streamed (a parameter at a time)."""
     from fastapi.testclient import TestClient
     from transformers import AutoModelForCausalLM
 
@@ -787,8 +789,8 @@ def test_smollm2_under_qwen35s_template_thinks_and_calls_in_xml(smollm2):
     deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in events.splitlines()
               if line.startswith("data: {") and json.loads(line[6:])["choices"]]
     assert "".join(d.get("reasoning") or "" for d in deltas) == expected.split("</think>")[0]
-    assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [{"name": "get_weather",
-                                                                                  "arguments": arguments}]
+    assert gathered(deltas) == [("get_weather", arguments)]
+    assert len([c for d in deltas for c in d.get("tool_calls", [])]) == 4  # "{", each parameter, "}"
 
 
 def test_a_call_the_length_cuts_short(tools_live):

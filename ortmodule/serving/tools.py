@@ -39,7 +39,7 @@ import uuid
 from dataclasses import dataclass
 
 from .errors import ServingError
-from .json_calls import CallScanner, FoundCall
+from .json_calls import CallScanner
 from .settings import TOOL_CALL_PARSERS
 from .text import safe_before, special_tokens
 
@@ -272,20 +272,42 @@ def _qwen3_coder(text: str, tools: tuple[dict, ...]) -> tuple[str | None, list[t
         return text, None
     calls = []
     for body in _tool_call_bodies(text):
-        function = re.search(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", body, re.DOTALL)
-        if function is None:
+        name, pairs, _ = _coder_call(body, tools, whole=True)
+        if name is None:
             raise ValueError("a tool call without a function")
-        name = function.group(1).strip()
-        found = [t["function"].get("parameters") or {} for t in tools if t["function"]["name"] == name]
-        properties = found[0].get("properties", {}) if found and isinstance(found[0], dict) else {}
-        arguments = {}
-        for key, value in re.findall(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
-                                     function.group(2), re.DOTALL):
-            value = value[1:] if value.startswith("\n") else value
-            arguments[key.strip()] = _typed(value[:-1] if value.endswith("\n") else value,
-                                            properties.get(key.strip()))
-        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        calls.append((name, _arguments_text(pairs)))
     return text[: text.find(_HERMES_START)] or None, calls
+
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(</function>|$)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+def _coder_call(body: str, tools: tuple[dict, ...], whole: bool) -> tuple[str | None, list[tuple[str, object]], bool]:
+    """A qwen3_coder call as far as it is written: its name (None until `<function=NAME>` is), its parameters
+    whose values are whole (each ended by `</parameter>`, the next `<parameter=` or the function's end; all of
+    them where the call is `whole`), typed by the tool's schema, and whether the function has ended."""
+    function = _FUNCTION.search(body)
+    if function is None:
+        return None, [], False
+    name = function.group(1).strip()
+    found = [t["function"].get("parameters") or {} for t in tools if t["function"]["name"] == name]
+    properties = found[0].get("properties", {}) if found and isinstance(found[0], dict) else {}
+    ended, inner, pairs = whole or bool(function.group(3)), function.group(2), []
+    for parameter in _PARAMETER.finditer(inner):
+        if not (ended or parameter.group(3) or parameter.end() < len(inner)):
+            break
+        key, value = parameter.group(1).strip(), parameter.group(2)
+        value = value[1:] if value.startswith("\n") else value
+        pairs.append((key, _typed(value[:-1] if value.endswith("\n") else value, properties.get(key))))
+    return name, pairs, ended
+
+
+def _arguments_text(pairs: list[tuple[str, object]]) -> str:
+    """Parameters as a JSON object's text, in their order (as `json.dumps` writes a dict: ", " and ": "), so
+    that a stream can give it a parameter at a time."""
+    return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}"
+                           for k, v in pairs) + "}"
 
 
 def _pythonic(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
@@ -415,7 +437,7 @@ def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
         return {"role": "assistant", "content": text}, finish
     content, calls = read_calls(plan, text)
     if calls is None and finish == "length":
-        found = [(c.name, scanner.arguments(c)) for scanner, c in scanned(plan, text, []) if _begun(c)]
+        found = [(name, arguments) for name, arguments in calls_so_far(plan, text, []) if name is not None]
         if found:
             content = text[: text.find(_HERMES_START)] or None if plan.mode == "auto" else None
             calls = found if plan.parallel else found[:1]
@@ -429,33 +451,38 @@ def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
 _BODIES = re.compile(rf"{_HERMES_START}(.*?){_HERMES_END}|{_HERMES_START}(.*)", re.DOTALL)
 
 
-def scanned(plan: ToolPlan, text: str, scanners: list[CallScanner]) -> list[tuple[CallScanner, FoundCall]]:
-    """The JSON calls in the output so far, in order, where they are read as they are written ("required"'s
-    list; hermes' `<tool_call>`s, split as `_tool_call_bodies` splits them); `scanners` those of the text before
-    (fed the rest, and added to). Other plans: none."""
+def calls_so_far(plan: ToolPlan, text: str, scanners: list[CallScanner]) -> list[tuple[str | None, str]]:
+    """The calls in the output so far that are read as they are written, in order: each one's name (None until
+    it is whole and its arguments have begun) and its arguments as far as they are written. JSON calls
+    ("required"'s list; hermes' `<tool_call>`s, split as `_tool_call_bodies` splits them): `scanners` those of
+    the text before (fed the rest, and added to). qwen3_coder's: a parameter at a time (`_arguments_text` less
+    its closing brace until the function ends). Other plans: none."""
     if plan.mode == "required":
         if not scanners:
             scanners.append(CallScanner("parameters", listed=True))
         scanners[0].feed(text[len(scanners[0].text):])
-    elif plan.mode == "auto" and plan.parser == "hermes":
-        for j, body in enumerate(_BODIES.finditer(text)):
-            if j == len(scanners):
-                scanners.append(CallScanner("arguments", listed=False))
-            held = body.group(1) if body.group(1) is not None else body.group(2)
-            scanners[j].feed(held[len(scanners[j].text):])
-    return [(scanner, call) for scanner in scanners for call in scanner.calls]
-
-
-def _begun(call: FoundCall) -> bool:
-    """Whether a call is streamed (or, cut short, answered): its name whole and its arguments begun."""
-    return call.name is not None and call.start is not None
+    elif plan.mode != "auto" or plan.parser not in ("hermes", "qwen3_coder"):
+        return []
+    found = []
+    for j, body in enumerate(_BODIES.finditer(text)):
+        held = body.group(1) if body.group(1) is not None else body.group(2)
+        if plan.parser == "qwen3_coder":
+            name, pairs, ended = _coder_call(held, plan.tools, whole=body.group(1) is not None)
+            found.append((name, _arguments_text(pairs)[: None if ended else -1]))
+            continue
+        if j == len(scanners):
+            scanners.append(CallScanner("arguments", listed=False))
+        scanners[j].feed(held[len(scanners[j].text):])
+    return found + [(c.name if c.name is not None and c.start is not None else None, scanner.arguments(c))
+                    for scanner in scanners for c in scanner.calls]
 
 
 class ToolStream:
     """One streamed choice's deltas under a plan: a named function's arguments as they come (its call's id,
-    type and name in the first); "required"'s and auto's hermes calls each once its name is whole and its
-    arguments have begun, then its arguments in pieces as they are written; auto's text streamed until it may
-    start a call (the rest held); other parsers' calls held, read at the end. `end` gives what was held: the
+    type and name in the first); "required"'s and auto's hermes and qwen3_coder calls each once its name is whole
+    (and a JSON call's arguments have begun), then its arguments in pieces as they are written (qwen3_coder's a
+    parameter at a time); auto's text streamed until it may start a call (the rest held); other parsers' calls
+    held, read at the end. `end` gives what was held: the
     rest of the content, the rest of each call."""
 
     def __init__(self, plan: ToolPlan):
@@ -482,14 +509,13 @@ class ToolStream:
         """The calls' deltas since the last piece: a call's id, type, name and arguments so far once its name is
         whole, then what its arguments grew by."""
         deltas = []
-        found = scanned(self.plan, self.text, self.scanners)
-        for k, (scanner, call) in enumerate(found if self.plan.parallel else found[:1]):
-            if not _begun(call):
+        found = calls_so_far(self.plan, self.text, self.scanners)
+        for k, (name, arguments) in enumerate(found if self.plan.parallel else found[:1]):
+            if name is None:
                 break
-            arguments = scanner.arguments(call)
             if k == len(self.streamed):
                 self.streamed.append([new_call_id(self.plan.short_ids), arguments])
-                deltas.append({"index": k, **_call(call.name, arguments, self.streamed[k][0])})
+                deltas.append({"index": k, **_call(name, arguments, self.streamed[k][0])})
             elif len(arguments) > len(self.streamed[k][1]):
                 deltas.append({"index": k, "function": {"arguments": arguments[len(self.streamed[k][1]):]}})
                 self.streamed[k][1] = arguments
