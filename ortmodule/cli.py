@@ -311,11 +311,13 @@ def _parser_flags(serve: argparse.ArgumentParser) -> None:
                        help="how the model writes its calls: hermes (Hermes, Qwen2.5, Qwen3, SmolLM3: <tool_call>...)"
                             ", llama3_json (Llama 3.1-3.3's JSON calls), phi4_mini_json (Phi-4-mini's "
                             "functools[...]), qwen3_coder (Qwen3.5, Qwen3-Coder: <tool_call><function=...>), "
-                            "pythonic (Llama 3.2, Llama 4: [f(a=1)]), lfm2 (LFM2, LFM2.5) or mistral "
-                            "([TOOL_CALLS]), as vLLM's parsers of those names")
+                            "pythonic (Llama 3.2, Llama 4: [f(a=1)]), lfm2 (LFM2, LFM2.5), mistral "
+                            "([TOOL_CALLS]) or gemma4 (Gemma 4: <|tool_call>call:...), as vLLM's parsers of those "
+                            "names")
     serve.add_argument("--reasoning-parser", dest="reasoning_parser", default=None, choices=REASONING_PARSERS,
                        help="answer a thinking model's <think>...</think> text apart from its content (chat's "
-                            "message.reasoning), as vLLM's flag of that name: qwen3 or deepseek_r1. Structured "
+                            "message.reasoning), as vLLM's flag of that name: qwen3, deepseek_r1 or gemma4 (Gemma "
+                            "4's <|channel>thought...<channel|>). Structured "
                             "output then holds the answer after the thinking, which stays free")
     serve.add_argument("--structured-outputs-config.enable_in_reasoning", dest="enable_in_reasoning", nargs="?",
                        const=True, default=False, type=_true_or_false, metavar="true|false",

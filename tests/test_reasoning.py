@@ -151,6 +151,11 @@ def test_responses_and_messages_answer_the_reasoning_in_their_own_shapes(thinkin
     ("deepseek_r1", False, "<think>x</think>y", "x", "y"),
     ("deepseek_r1", False, "x</think></think>y", "x", "</think>y"),
     (None, False, "<think>x</think>y", None, "<think>x</think>y"),
+    ("gemma4", False, "<|channel>thought\na b<channel|>Yes.", "a b", "Yes."),  # its channel's label left out
+    ("gemma4", False, "<|channel>other<channel|>Yes.", "other", "Yes."),  # no label: the text kept
+    ("gemma4", False, "<|channel>thou", "thou", None),
+    ("gemma4", False, "<think>x</think>y", None, "<think>x</think>y"),
+    ("gemma4", False, "Plain.", None, "Plain."),
 ])
 def test_the_parsers_read_as_vllms_and_a_stream_reads_the_same_at_every_cut(parser, opened, text, reasoning,
                                                                             content):
@@ -282,6 +287,7 @@ def test_output_that_does_not_think_keeps_to_the_grammar_from_its_first_token(ga
     import llguidance.hf
 
     from ortmodule.serving.constraints import thinking_first
+    from ortmodule.serving.reasoning import Reasoning
 
     live, parser, hf, tokenizer = gated_live
     if parser != "qwen3":
@@ -298,14 +304,14 @@ def test_output_that_does_not_think_keeps_to_the_grammar_from_its_first_token(ga
     message = post(live, "/v1/chat/completions", **fields)["choices"][0]["message"]
     assert message == {"role": "assistant", "content": tokenizer.decode(tokens)}
     view = llguidance.hf.from_tokenizer(tokenizer, n_vocab=hf.config.vocab_size)
-    matcher = LLMatcher(view, thinking_first(grammar, False, {"<think>", "</think>"}))
+    matcher = LLMatcher(view, thinking_first(grammar, Reasoning("qwen3"), {"<think>", "</think>"}))
     first = set(torch.nonzero(torch.tensor(list(matcher.compute_logit_bias())) > 0).flatten().tolist())
     assert start in first and tokenizer.convert_tokens_to_ids("{") in first and end not in first
     assert matcher.consume_tokens([start, *tokenizer.encode("any } text", add_special_tokens=False), end])
     assert matcher.consume_tokens(tokenizer.encode('{"warm":true}', add_special_tokens=False))
     assert matcher.is_stopped() and not matcher.is_error()
     # markers that are text (no such tokens): the thinking ends at the first </think> written in any pieces
-    text = LLMatcher(view, thinking_first(grammar, False))
+    text = LLMatcher(view, thinking_first(grammar, Reasoning("qwen3")))
     pieces = ("<", "think>a</thi", "</", "think>", '{"warm":false}')  # none a whole marker: no marker token
     assert text.consume_tokens([t for p in pieces for t in tokenizer.encode(p, add_special_tokens=False)])
     assert text.is_stopped() and not text.is_error()
@@ -418,3 +424,46 @@ def test_the_command_line_takes_vllms_enable_in_reasoning(llama, monkeypatch, ca
         with pytest.raises(SystemExit):
             cli.ortmodule(["serve", str(llama.package_dir), "--structured-outputs-config", config])
         assert words in capsys.readouterr().err
+
+
+def test_gemma4_thinks_in_its_channel_and_calls_in_its_own_form(build):
+    """Gemma 4's own template (trl ships it) with `--reasoning-parser gemma4` and `--tool-call-parser gemma4`,
+    thinking asked for by `reasoning_effort` (the template's `enable_thinking`): the greedy output (held by a
+    regex to Gemma 4's thinking channel, then a call) is transformers' on the same weights under the same
+    grammar; the answer is the channel's text (its `thought` label left out) as `reasoning` and the call read
+    from the rest, its arguments as JSON, whole and streamed."""
+    import re
+
+    from test_tool_calling import gathered, trl_template
+
+    pattern = (r'<\|channel>thought\n[a-z ]{4,16}<channel\|><\|tool_call>call:get_weather\{city:<\|"\|>(Paris|Rome)'
+               r'<\|"\|>,unit:<\|"\|>(c|f)<\|"\|>\}<tool_call\|>')
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}}}}]
+    # Gemma 4's template and its markers as text are long in the fixture's small vocabulary: a longer context
+    live, _, hf, tokenizer = served_live(build("llama", context_length=512), trl_template("gemma4"),
+                                         reasoning_parser="gemma4",
+                                         enable_in_reasoning=True, enable_auto_tool_choice=True,
+                                         tool_call_parser="gemma4")
+    try:
+        ids = list(tokenizer.apply_chat_template(ASK, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False, enable_thinking=True, reasoning_effort="high"))
+        assert "<|think|>" in tokenizer.decode(ids)
+        tokens, complete = grammar_greedy(hf, tokenizer, ids, LLMatcher.grammar_from_regex(pattern), 100)
+        assert complete
+        text = expected_text(tokenizer, tokens)[0]
+        found = re.fullmatch(pattern, text)
+        thought = text.removeprefix("<|channel>thought\n").split("<channel|>")[0]
+        arguments = json.dumps({"city": found.group(1), "unit": found.group(2)})
+        fields = {"messages": ASK, "tools": tools, "max_tokens": 100, "reasoning_effort": "high",
+                  "structured_outputs": {"regex": pattern}}
+        choice = post(live, "/v1/chat/completions", **fields)["choices"][0]
+        assert (choice["message"]["reasoning"], choice["message"]["content"], choice["finish_reason"]) == (
+            thought, None, "tool_calls")
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "get_weather",
+                                                                              "arguments": arguments}]
+        reasoning, content, calls = chat_stream(live, **fields)
+        assert (reasoning, content) == (thought, "")
+        assert gathered([{"tool_calls": calls}]) == [("get_weather", arguments)]
+    finally:
+        live.stop()

@@ -412,12 +412,14 @@ def test_the_lfm2_parser_reads_lfm2s_calls(text, content, calls):
     ("llama", "qwen3_coder", r"<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Rome)\n</parameter>\n"
                              r"<parameter=unit>\n(c|f)\n</parameter>\n</function>\n</tool_call>"),
     ("llama", "mistral", r'\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Rome)", "unit": "(c|f)"\}'),
+    ("llama", "gemma4", r'<\|tool_call>call:get_weather\{city:<\|"\|>(Paris|Rome)<\|"\|>,unit:<\|"\|>(c|f)<\|"\|>\}'
+                        r"<tool_call\|>"),
 ])
 def test_auto_reads_each_parsers_calls_from_the_models_output(build, arch, parser, call):
-    """tool_choice "auto" under `--tool-call-parser lfm2`, `pythonic`, `qwen3_coder` and `mistral`: the model's
-    output (held by a regex to the parser's form, on the lfm2 fixture for LFM2's) is transformers' greedy text; the
-    call read from it, the text before it the content, finish "tool_calls", whole and streamed. Under mistral
-    every call's id (a named function's too) is nine letters and digits, as Mistral's templates require."""
+    """tool_choice "auto" under `--tool-call-parser lfm2`, `pythonic`, `qwen3_coder`, `mistral` and `gemma4`: the
+    model's output (held by a regex to the parser's form, on the lfm2 fixture for LFM2's) is transformers' greedy
+    text; the call read from it, the text before it the content, finish "tool_calls", whole and streamed. Under
+    mistral every call's id (a named function's too) is nine letters and digits, as Mistral's templates require."""
     import re
 
     live, _, hf, tokenizer = served_live(build(arch), TOOL_TEMPLATE, enable_auto_tool_choice=True,
@@ -457,6 +459,28 @@ def test_the_mistral_parser_reads_mistrals_calls(text, content, calls):
     """Mistral's `[TOOL_CALLS]` calls as vLLM's `mistral` parser reads them, in both of its tokenizers' forms;
     the text before them the content; streamed the same at any cut."""
     streams_as_read(auto_plan("mistral"), text, content, calls)
+
+
+Q = '<|"|>'  # Gemma 4's string delimiter (a token of its own)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    (f"Let me check.<|tool_call>call:get_weather{{city:{Q}Paris, France{Q},unit:{Q}c{Q}}}<tool_call|>",
+     "Let me check.", [("get_weather", '{"city": "Paris, France", "unit": "c"}')]),
+    (f"<|tool_call>call:f{{n:42,x:1.5,t:true,b:false,o:{{k:{Q}v}}{Q}}},l:[1,{Q}a{Q}],e:{{}}}}<tool_call|>"
+     "<|tool_call>call:get-time.now{}<tool_call|>", None,
+     [("f", '{"n": 42, "x": 1.5, "t": true, "b": false, "o": {"k": "v}"}, "l": [1, "a"], "e": {}}'),
+      ("get-time.now", "{}")]),
+    ("<|tool_call>call:f{v:None,w:1e5}<tool_call|>", None, [("f", '{"v": "None", "w": "1e5"}')]),  # as text
+    (f"<|tool_call>call:f{{a:{Q}x{Q}}}", f"<|tool_call>call:f{{a:{Q}x{Q}}}", None),  # never closed
+    ("No call <|tool", "No call <|tool", None),
+])
+def test_the_gemma4_parser_reads_gemma4s_calls(text, content, calls):
+    """Gemma 4's `<|tool_call>call:NAME{key:value}<tool_call|>` calls as vLLM's `gemma4` parser reads them:
+    bare keys, `<|"|>` strings (a brace inside one is text), numbers (a point: a float), booleans, objects,
+    lists, other bare values as text; the text before the first call the content; streamed the same at any
+    cut."""
+    streams_as_read(auto_plan("gemma4"), text, content, calls)
 
 
 # ---- Anthropic's Messages API: the same calls in its shape ------------------------------------------------------

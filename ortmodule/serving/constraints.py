@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ServingError
-from .reasoning import END, START, Reasoning
+from .reasoning import Reasoning
 
 # The fields that ask for structured output, and the values that ask for none.
 FORMS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -91,7 +91,7 @@ def constraint_of(served, body, tool_schema: dict | None = None, reasoning: Reas
     specials = _added_special(served, view)
     grammar = _grammar(name, value, compact, specials)
     if reasoning is not None:
-        grammar = thinking_first(grammar, reasoning.from_start, {START, END} & specials)
+        grammar = thinking_first(grammar, reasoning, {reasoning.start, reasoning.end} & specials)
     matcher = LLMatcher(view, grammar, log_level=0)
     if matcher.is_error():
         raise ServingError(f"{name}: {matcher.get_error()}", name)
@@ -213,11 +213,12 @@ def _schema(name: str, schema, compact: bool = False) -> str:
         raise ServingError(f"{name}: {e}", name) from None
 
 
-def thinking_first(grammar: str, from_start: bool, tokens: set[str] = frozenset()) -> str:
-    """llguidance's grammar of a thinking model's output: its thinking, any bytes to `</think>`, then `grammar`'s
-    answer (nested: llguidance's `TopLevelGrammar` of its grammars, or a Lark text). The thinking comes from the
-    first token where `from_start` (a `<think>` the model writes first taken), else only where the output opens
-    with `<think>`. `tokens`: the markers that are one token of the tokenizer which llguidance counts special
+def thinking_first(grammar: str, reading: Reasoning, tokens: set[str] = frozenset()) -> str:
+    """llguidance's grammar of a thinking model's output: its thinking, any bytes to `</think>` (the `reading`'s
+    markers: Gemma 4's `<|channel>` and `<channel|>`), then `grammar`'s answer (nested: llguidance's
+    `TopLevelGrammar` of its grammars, or a Lark text). The thinking comes from the first token where the
+    reading's `from_start` (a `<think>` the model writes first taken), else only where the output opens with
+    `<think>`. `tokens`: the markers that are one token of the tokenizer which llguidance counts special
     (an added token: Qwen3's `<think>`), written in Lark as tokens; the others as text (`</think>`'s first
     occurrence ending the thinking). The thinking takes any bytes but a special token's (0xFF, which begins them
     in llguidance), invalid UTF-8 too, as free as without a grammar."""
@@ -225,11 +226,12 @@ def thinking_first(grammar: str, from_start: bool, tokens: set[str] = frozenset(
         nested = json.loads(grammar)["grammars"]
     except (ValueError, TypeError, KeyError):
         nested = [{"lark_grammar": grammar}]
-    opening = START if START in tokens else json.dumps(START)
-    thinking = f"THINKING {END}" if END in tokens else "thinking"
-    thinking = f"{opening}? {thinking}" if from_start else f"({opening} {thinking})?"
-    rules = ("THINKING: /(?s-u:[\\x00-\\xfe]*)/" if END in tokens
-             else f"thinking[suffix={json.dumps(END)}]: /(?s-u:[\\x00-\\xfe]*)/")
+    start, end = reading.start, reading.end
+    opening = start if start in tokens else json.dumps(start)
+    thinking = f"THINKING {end}" if end in tokens else "thinking"
+    thinking = f"{opening}? {thinking}" if reading.from_start else f"({opening} {thinking})?"
+    rules = ("THINKING: /(?s-u:[\\x00-\\xfe]*)/" if end in tokens
+             else f"thinking[suffix={json.dumps(end)}]: /(?s-u:[\\x00-\\xfe]*)/")
     lark = f'%llguidance {{"allow_invalid_utf8": true}}\nstart: {thinking} @answer\n{rules}\n'
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**nested[0], "name": "answer"}, *nested[1:]]})
 

@@ -10,6 +10,8 @@ The parsers (vLLM's of the same names):
   (`enable_thinking: false`, whose template closes an empty thinking in the prompt).
 - `deepseek_r1` (DeepSeek-R1 and its distills, QwQ-32B: their templates open `<think>` in the prompt): the text
   up to `</think>` is the reasoning; output without it is all reasoning.
+- `gemma4` (Gemma 4, whose template asks for thinking with `enable_thinking`): output that opens with
+  `<|channel>` thinks, its channel's `thought` label left out, to `<channel|>`; other output is all content.
 A request's `include_reasoning: false` (vLLM's) leaves the reasoning out of the answer, and its content the same.
 Structured output (a grammar, a forced tool call: constraints.py) holds the content after the thinking, which
 stays free, as vLLM starts a grammar where the reasoning ends. A request's `thinking_token_budget` (vLLM's; Anthropic's
@@ -25,6 +27,9 @@ from .text import safe_before, special_tokens
 
 PARSERS = REASONING_PARSERS
 START, END = "<think>", "</think>"
+# Each parser's markers of the thinking: its opening, its end, and a label the opening is followed by.
+MARKERS = {"qwen3": (START, END, ""), "deepseek_r1": (START, END, ""),
+           "gemma4": ("<|channel>", "<channel|>", "thought\n")}
 
 
 @dataclass(frozen=True)
@@ -37,37 +42,59 @@ class Reasoning:
     shown: bool = True
 
     @property
+    def start(self) -> str:
+        """The thinking's opening (`<think>`; Gemma 4's `<|channel>`)."""
+        return MARKERS[self.parser][0]
+
+    @property
+    def end(self) -> str:
+        """The thinking's end (`</think>`; Gemma 4's `<channel|>`)."""
+        return MARKERS[self.parser][1]
+
+    @property
     def from_start(self) -> bool:
-        """Whether the output is thinking from its first token (else only where it opens with `<think>`)."""
+        """Whether the output is thinking from its first token (else only where it opens with `start`)."""
         return self.parser == "deepseek_r1" or self.opened
 
     def thinks(self, text: str) -> bool:
         """Whether output beginning with `text` (enough of it to tell) is the model's thinking first."""
-        return self.from_start or text.startswith(START)
+        return self.from_start or text.startswith(self.start)
+
+    def opening(self, text: str) -> int:
+        """How much of the output's beginning `text` is the thinking's opening (and its label), not reasoning."""
+        start, label = MARKERS[self.parser][0], MARKERS[self.parser][2]
+        if not text.startswith(start):
+            return 0
+        return len(start) + (len(label) if text.startswith(label, len(start)) else 0)
+
+    def undecided(self, text: str) -> bool:
+        """Whether the output so far (`text`) may still become the thinking's opening (and its label)."""
+        opening = self.start + MARKERS[self.parser][2]
+        return len(text) < len(opening) and opening.startswith(text)
 
 
 def reasoning_of(parser: str | None, tokenizer, prompt: list[int], shown: bool) -> Reasoning | None:
     """The reading of a chat request's output under the server's reasoning `parser` (None: none)."""
     if parser is None:
         return None
-    return Reasoning(parser, tokenizer.decode(prompt[-8:]).rstrip().endswith(START), shown)
+    return Reasoning(parser, tokenizer.decode(prompt[-8:]).rstrip().endswith(MARKERS[parser][0]), shown)
 
 
 def split_reasoning(reading: Reasoning | None, text: str) -> tuple[str | None, str | None]:
     """The output's reasoning and its content (each None where there is none), as the parser reads them."""
     if reading is None or not reading.thinks(text):
         return None, text
-    rest = text[len(START):] if text.startswith(START) else text
-    if END in rest:
-        reasoning, _, content = rest.partition(END)
+    rest = text[reading.opening(text):]
+    if reading.end in rest:
+        reasoning, _, content = rest.partition(reading.end)
         return reasoning, content or None
     return rest, None
 
 
 def thinking_is_special(parser: str | None, tokenizer) -> bool:
-    """Whether `</think>` is a special token of this tokenizer, whose text the output must then keep for the
-    parser to see it."""
-    return parser is not None and END in special_tokens(tokenizer)
+    """Whether the thinking's end (`</think>`) is a special token of this tokenizer, whose text the output must
+    then keep for the parser to see it."""
+    return parser is not None and MARKERS[parser][1] in special_tokens(tokenizer)
 
 
 class ReasoningStream:
@@ -80,16 +107,17 @@ class ReasoningStream:
     def piece(self, text: str) -> tuple[str, str]:
         self.text += text
         if self.thinking is None:  # output that may still open with <think>: held until it is known
-            if len(self.text) < len(START) and START.startswith(self.text):
+            if self.reading.undecided(self.text):
                 return "", ""
             self.thinking = self.reading.thinks(self.text)
-            self.sent = len(START) if self.text.startswith(START) else 0
+            self.sent = self.reading.opening(self.text)
         if not self.thinking:
             content, self.sent = self.text[self.sent:], len(self.text)
             return "", content
-        safe = safe_before(self.text, END, self.sent)
-        if self.text.startswith(END, safe):
-            reasoning, content = self.text[self.sent: safe], self.text[safe + len(END):]
+        end = self.reading.end
+        safe = safe_before(self.text, end, self.sent)
+        if self.text.startswith(end, safe):
+            reasoning, content = self.text[self.sent: safe], self.text[safe + len(end):]
             self.thinking, self.sent = False, len(self.text)
             return reasoning, content
         reasoning, self.sent = self.text[self.sent: safe], safe
@@ -99,7 +127,7 @@ class ReasoningStream:
         """What was held at the end of the output: a `<think>` or `</think>` begun and never finished."""
         if self.thinking is None:  # the whole output a beginning of <think>, and no more
             self.thinking = self.reading.thinks(self.text)
-            self.sent = len(START) if self.text.startswith(START) else 0
+            self.sent = self.reading.opening(self.text)
         rest, self.sent = self.text[self.sent:], len(self.text)
         return (rest, "") if self.thinking else ("", rest)
 
@@ -125,7 +153,7 @@ def thinking_budget(reading: Reasoning, tokenizer, budget: int) -> ThinkingBudge
     def ids(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
-    return ThinkingBudget(budget, ids(START), ids(END), reading.from_start)
+    return ThinkingBudget(budget, ids(reading.start), ids(reading.end), reading.from_start)
 
 
 @dataclass

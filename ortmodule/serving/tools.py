@@ -38,6 +38,7 @@ import string
 import uuid
 from dataclasses import dataclass
 
+from . import gemma4_calls
 from .errors import ServingError
 from .json_calls import CallScanner
 from .settings import TOOL_CALL_PARSERS
@@ -52,7 +53,7 @@ _LFM2_START, _LFM2_END = "<|tool_call_start|>", "<|tool_call_end|>"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
 _MISTRAL = "[TOOL_CALLS]"
 _STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START, "lfm2": _LFM2_START,
-           "mistral": _MISTRAL}
+           "mistral": _MISTRAL, "gemma4": gemma4_calls.START}
 _PYTHON_TAG = "<|python_tag|>"
 # Where a parser's calls begin for the parsers whose calls are the whole output.
 _OPENINGS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "[")}
@@ -189,6 +190,8 @@ def _parser_hint(tokenizer) -> str:
         return " (this model's chat template writes hermes calls: --tool-call-parser hermes)"
     if _LFM2_START in template:
         return " (this model's chat template writes LFM2's calls: --tool-call-parser lfm2)"
+    if "<|tool_call>call:" in template:
+        return " (this model's chat template writes Gemma 4's calls: --tool-call-parser gemma4)"
     if _MISTRAL in template:
         return " (this model's chat template writes Mistral's calls: --tool-call-parser mistral)"
     if _PYTHON_TAG in template:
@@ -424,8 +427,19 @@ def _mistral(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     return content or None, calls
 
 
+def _gemma4(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    """Gemma 4's calls (gemma4_calls.py), as vLLM's `gemma4` parser reads them: each whole
+    `<|tool_call>call:NAME{...}<tool_call|>`; the text before the first the content (as streamed: vLLM trims it
+    in a whole answer only)."""
+    found = gemma4_calls.CALL.findall(text)
+    if not found:
+        return text, None
+    calls = [(name, json.dumps(gemma4_calls.arguments(body), ensure_ascii=False)) for name, body in found]
+    return text[: text.find(gemma4_calls.START)] or None, calls
+
+
 _READERS = {"hermes": _hermes, "llama3_json": _llama3_json, "phi4_mini_json": _phi4_mini_json,
-            "pythonic": _pythonic, "lfm2": _lfm2, "mistral": _mistral}
+            "pythonic": _pythonic, "lfm2": _lfm2, "mistral": _mistral, "gemma4": _gemma4}
 
 
 def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:

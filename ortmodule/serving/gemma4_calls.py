@@ -1,0 +1,84 @@
+"""Gemma 4's tool calls, as vLLM's `gemma4` parser reads them (tools.py's `--tool-call-parser gemma4`).
+
+Gemma 4 writes a call as `<|tool_call>call:NAME{key:value,...}<tool_call|>`, its own serialization rather than
+JSON: keys bare, a string between two `<|"|>`, objects in braces, lists in brackets, and bare values (`true`,
+`false`, numbers: with a point a float, else an integer) else kept as text. `arguments` reads one call's
+`key:value,...` into the object it stands for; it never fails (text out of that form is read as far as it
+goes, as vLLM's parser reads it).
+"""
+
+from __future__ import annotations
+
+import re
+
+START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+CALL = re.compile(r"<\|tool_call>call:([\w\-.]+)\{(.*?)\}<tool_call\|>", re.DOTALL)
+_SPACE = " \n\t"
+
+
+def arguments(text: str) -> dict:
+    """A call's `key:value,...` (what its braces hold) as an object."""
+    return _Reader(text).members(None)
+
+
+class _Reader:
+    def __init__(self, text: str):
+        self.text, self.at = text, 0
+
+    def _skip(self, also: str = "") -> None:
+        while self.at < len(self.text) and self.text[self.at] in _SPACE + also:
+            self.at += 1
+
+    def members(self, closing: str | None) -> dict:
+        """`key:value` pairs up to `closing` (None: the end), which is taken."""
+        found = {}
+        while True:
+            self._skip(",")
+            if self.at >= len(self.text) or self.text[self.at] == closing:
+                self.at += 1
+                return found
+            colon = self.text.find(":", self.at)
+            if colon < 0:
+                self.at = len(self.text)
+                return found
+            key, self.at = self.text[self.at: colon].strip(), colon + 1
+            self._skip()
+            found[key] = self.value("," + (closing or ""))
+
+    def items(self) -> list:
+        """A list's values up to its `]`, which is taken."""
+        found = []
+        while True:
+            self._skip(",")
+            if self.at >= len(self.text) or self.text[self.at] == "]":
+                self.at += 1
+                return found
+            found.append(self.value(",]"))
+
+    def value(self, stops: str) -> object:
+        text = self.text
+        if text.startswith(QUOTE, self.at):
+            start = self.at + len(QUOTE)
+            end = text.find(QUOTE, start)
+            end = len(text) if end < 0 else end
+            self.at = end + len(QUOTE)
+            return text[start:end]
+        if text.startswith("{", self.at):
+            self.at += 1
+            return self.members("}")
+        if text.startswith("[", self.at):
+            self.at += 1
+            return self.items()
+        start = self.at
+        while self.at < len(text) and text[self.at] not in stops + "}]":
+            self.at += 1
+        return _bare(text[start: self.at].strip())
+
+
+def _bare(value: str) -> object:
+    if value in ("true", "false"):
+        return value == "true"
+    try:
+        return float(value) if "." in value else int(value)
+    except ValueError:
+        return value
