@@ -104,8 +104,9 @@ def test_calls_are_read_from_the_content_after_the_reasoning(thinking_live):
 
 
 def test_responses_and_messages_answer_the_reasoning_in_their_own_shapes(thinking_live):
-    """The Responses API: a `reasoning` item (its `reasoning_text`) before the message, in the `openai` client's
-    types, streamed as the same items; Anthropic's: a `thinking` block before the text, streamed the same."""
+    """The Responses API: a `reasoning` item (its `reasoning_text`; a summary asked for, none written) before the
+    message, in the `openai` client's types, streamed as the same items; Anthropic's: a `thinking` block before
+    the text, streamed the same."""
     from openai import OpenAI
     from openai.types.responses import Response
 
@@ -114,15 +115,15 @@ def test_responses_and_messages_answer_the_reasoning_in_their_own_shapes(thinkin
     text = greedy(hf, tokenizer, THINKING)
     thought, _, answer = text.removeprefix("<think>").partition("</think>")
     sdk = OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0)
-    request = dict(model=NAME, input=ASK, max_output_tokens=120, temperature=0.0,
-                   extra_body={"structured_outputs": {"regex": THINKING}})
+    request = dict(model=NAME, input=ASK, max_output_tokens=120, temperature=0.0, reasoning={"summary": "auto"},
+                   extra_body={"structured_outputs": {"regex": THINKING}})  # a summary asked for, as Codex asks
     whole = sdk.responses.create(**request)
     Response.model_validate(whole.model_dump(), strict=True)
     with sdk.responses.stream(**request) as stream:
         streamed = stream.get_final_response()
     for response in (whole, streamed):
         reasoning, message = response.output
-        assert (reasoning.type, reasoning.content[0].text) == ("reasoning", thought)
+        assert (reasoning.type, reasoning.content[0].text, reasoning.summary) == ("reasoning", thought, [])
         assert (message.type, message.content[0].text, response.output_text) == ("message", answer, answer)
     handed_back = post(live, "/v1/responses", input=ASK + [whole.output[0].model_dump(), whole.output[1].model_dump(),
                                                            {"role": "user", "content": "Sure?"}],

@@ -91,6 +91,7 @@ def test_a_documents_special_token_stays_text(live):
 @pytest.mark.parametrize(("reasoning", "variables"), [
     ({"effort": "medium"}, {"reasoning_effort": "medium", "enable_thinking": True}),
     ({"effort": "none", "summary": None}, {"reasoning_effort": "none", "enable_thinking": False}),
+    ({"effort": "low", "summary": "auto"}, {"reasoning_effort": "low", "enable_thinking": True}),  # as Codex sends
     ({}, {}),
 ])
 def test_the_responses_apis_reasoning_effort_is_chats(live, reasoning, variables):
@@ -132,7 +133,7 @@ def test_anthropics_effort_and_thinking_switch_the_templates_thinking(live, fiel
     ("/v1/chat/completions", {"messages": ASK, "chat_template_kwargs": {"documents": DOCUMENTS}},
      "chat_template_kwargs"),
     ("/v1/responses", {"input": ASK, "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
-    ("/v1/responses", {"input": ASK, "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
+    ("/v1/responses", {"input": ASK, "reasoning": {"effort": "low", "summary": "short"}}, "reasoning.summary"),
     ("/v1/messages", {"messages": ASK, "max_tokens": 4, "output_config": {"effort": "none"}}, "output_config.effort"),
     ("/v1/messages", {"messages": ASK, "max_tokens": 4, "thinking": {"type": "sometimes"}}, "thinking"),
 ])

@@ -19,8 +19,8 @@ reasoning items handed back in `input` are given to the assistant's message afte
 `reasoning_content`, which templates such as Qwen3's place (after the last user message) or leave out.
 `reasoning.effort` is chat's `reasoning_effort` (the template's). What needs state or something this server does
 not carry out is refused unless neutral: `previous_response_id`, `conversation`, a stored `prompt`, `background`,
-hosted tools, `max_tool_calls`, a reasoning summary, `truncation` "auto"; `store` is taken and answered false
-(nothing is kept).
+hosted tools, `max_tool_calls`, `truncation` "auto"; `store` is taken and answered false (nothing is kept), and
+a reasoning `summary` as vLLM takes it (none is written: the reasoning item holds the reasoning whole).
 """
 
 from __future__ import annotations
@@ -91,14 +91,20 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
                        response_format=_response_format((body.text or {}).get("format")), **extra)
 
 
+SUMMARIES = (None, "auto", "concise", "detailed")
+
+
 def _effort(reasoning: dict | None) -> str | None:
-    """`reasoning`'s `effort`: chat's `reasoning_effort` (the template's; chat_prompts.py). A summary is refused:
-    with `--reasoning-parser` the reasoning comes back whole, as a `reasoning` item's text."""
+    """`reasoning`'s `effort`: chat's `reasoning_effort` (the template's; chat_prompts.py). A `summary` is taken as
+    vLLM takes it: the reasoning item's `summary` stays empty, its `content` the reasoning whole (with
+    `--reasoning-parser`), which clients asking for a summary (Codex's) read as none was written."""
     reasoning = reasoning or {}
     for name in set(reasoning) - {"effort"}:
-        if reasoning[name] is not None:
-            raise ServingError(f"reasoning.{name} is not supported: this server gives a model's reasoning whole (a "
-                               "reasoning item, with --reasoning-parser), not summed up; leave it out",
+        if name not in ("summary", "generate_summary"):
+            raise ServingError(f"reasoning.{name} is not supported: this server takes reasoning.effort and "
+                               "reasoning.summary", f"reasoning.{name}")
+        if reasoning[name] not in SUMMARIES:
+            raise ServingError(f"reasoning.{name} must be one of auto, concise, detailed; got {reasoning[name]!r}",
                                f"reasoning.{name}")
     return reasoning_effort(reasoning.get("effort"), "reasoning.effort")
 
