@@ -308,13 +308,20 @@ def test_output_that_does_not_think_keeps_to_the_grammar_from_its_first_token(ga
     matcher = LLMatcher(view, thinking_first(grammar, Reasoning("qwen3"), {"<think>", "</think>"}))
     first = set(torch.nonzero(torch.tensor(list(matcher.compute_logit_bias())) > 0).flatten().tolist())
     assert start in first and tokenizer.convert_tokens_to_ids("{") in first and end not in first
-    assert matcher.consume_tokens([start, *tokenizer.encode("any } text", add_special_tokens=False), end])
+    assert matcher.consume_tokens([start, *tokenizer.encode("any } text", add_special_tokens=False)])
+    assert matcher.is_accepting()  # the output may end inside the thinking, as vLLM's grammar lets it
+    assert matcher.consume_tokens([end]) and not matcher.is_accepting()  # then the answer is asked for
     assert matcher.consume_tokens(tokenizer.encode('{"warm":true}', add_special_tokens=False))
     assert matcher.is_stopped() and not matcher.is_error()
     # markers that are text (no such tokens): the thinking ends at the first </think> written in any pieces
     text = LLMatcher(view, thinking_first(grammar, Reasoning("qwen3")))
     pieces = ("<", "think>a</thi", "</", "think>", '{"warm":false}')  # none a whole marker: no marker token
-    assert text.consume_tokens([t for p in pieces for t in tokenizer.encode(p, add_special_tokens=False)])
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in pieces]
+    assert text.consume_tokens(ids[0] + ids[1]) and text.is_accepting()  # inside the thinking: it may end
+    assert text.consume_tokens(ids[2] + ids[3]) and not text.is_accepting()
+    assert not text.consume_tokens(tokenizer.encode("free", add_special_tokens=False)[:1])  # the answer's grammar
+    text = LLMatcher(view, thinking_first(grammar, Reasoning("qwen3")))
+    assert text.consume_tokens([t for piece in ids for t in piece])
     assert text.is_stopped() and not text.is_error()
 
 

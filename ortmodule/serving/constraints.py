@@ -216,10 +216,11 @@ def _schema(name: str, schema, compact: bool = False) -> str:
 def thinking_first(grammar: str, reading: Reasoning, tokens: set[str] = frozenset()) -> str:
     """llguidance's grammar of a thinking model's output: its thinking, any bytes to `</think>` (the `reading`'s
     markers: Gemma 4's `<|channel>` and `<channel|>`), then `grammar`'s answer (nested: llguidance's
-    `TopLevelGrammar` of its grammars, or a Lark text). The thinking comes from the first token where the
-    reading's `from_start` (a `<think>` the model writes first taken), else only where the output opens with
-    `<think>`. `tokens`: the markers that are one token of the tokenizer which llguidance counts special
-    (an added token: Qwen3's `<think>`), written in Lark as tokens; the others as text (`</think>`'s first
+    `TopLevelGrammar` of its grammars, or a Lark text); or the thinking alone, where the model ends its output
+    inside it (as vLLM's grammar, which starts where the reasoning ends, lets it). The thinking comes from the
+    first token where the reading's `from_start` (a `<think>` the model writes first taken), else only where the
+    output opens with `<think>`. `tokens`: the markers that are one token of the tokenizer which llguidance counts
+    special (an added token: Qwen3's `<think>`), written in Lark as tokens; the others as text (`</think>`'s first
     occurrence ending the thinking). The thinking takes any bytes but a special token's (0xFF, which begins them
     in llguidance), invalid UTF-8 too, as free as without a grammar."""
     try:
@@ -228,11 +229,15 @@ def thinking_first(grammar: str, reading: Reasoning, tokens: set[str] = frozense
         nested = [{"lark_grammar": grammar}]
     start, end = reading.start, reading.end
     opening = start if start in tokens else json.dumps(start)
-    thinking = f"THINKING {end}" if end in tokens else "thinking"
-    thinking = f"{opening}? {thinking}" if reading.from_start else f"({opening} {thinking})?"
-    rules = ("THINKING: /(?s-u:[\\x00-\\xfe]*)/" if end in tokens
-             else f"thinking[suffix={json.dumps(end)}]: /(?s-u:[\\x00-\\xfe]*)/")
-    lark = f'%llguidance {{"allow_invalid_utf8": true}}\nstart: {thinking} @answer\n{rules}\n'
+    free = "/(?s-u:[\\x00-\\xfe]*)/"
+    if end in tokens:  # the thinking's bytes cannot hold the end's token
+        body, rules = f"THINKING ({end} @answer)?", f"THINKING: {free}"
+    else:  # the thinking to the end's first text, or without it to the output's end
+        body = "(thinking @answer | UNFINISHED)"
+        rules = (f"thinking[suffix={json.dumps(end)}]: {free}\n"
+                 f"UNFINISHED: {free} & ~/(?s-u:[\\x00-\\xfe]*{_literal(end)}[\\x00-\\xfe]*)/")
+    start_rule = f"{opening}? {body}" if reading.from_start else f"{opening} {body} | @answer"
+    lark = f'%llguidance {{"allow_invalid_utf8": true}}\nstart: {start_rule}\n{rules}\n'
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**nested[0], "name": "answer"}, *nested[1:]]})
 
 
