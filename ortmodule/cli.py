@@ -316,8 +316,8 @@ def _parser_flags(serve: argparse.ArgumentParser) -> None:
                             "names")
     serve.add_argument("--reasoning-parser", dest="reasoning_parser", default=None, choices=REASONING_PARSERS,
                        help="answer a thinking model's <think>...</think> text apart from its content (chat's "
-                            "message.reasoning), as vLLM's flag of that name: qwen3, deepseek_r1 or gemma4 (Gemma "
-                            "4's <|channel>thought...<channel|>). Structured "
+                            "message.reasoning), as vLLM's flag of that name: qwen3, deepseek_r1, gemma4 (Gemma "
+                            "4's <|channel>thought...<channel|>) or mistral ([THINK]...[/THINK]). Structured "
                             "output then holds the answer after the thinking, which stays free")
     serve.add_argument("--structured-outputs-config.enable_in_reasoning", dest="enable_in_reasoning", nargs="?",
                        const=True, default=False, type=_true_or_false, metavar="true|false",

@@ -157,6 +157,9 @@ def test_responses_and_messages_answer_the_reasoning_in_their_own_shapes(thinkin
     ("gemma4", False, "<|channel>thou", "thou", None),
     ("gemma4", False, "<think>x</think>y", None, "<think>x</think>y"),
     ("gemma4", False, "Plain.", None, "Plain."),
+    ("mistral", False, "[THINK]a b[/THINK]Yes.", "a b", "Yes."),
+    ("mistral", False, "[THINK]cut", "cut", None),
+    ("mistral", False, "No [THINK]", None, "No [THINK]"),
 ])
 def test_the_parsers_read_as_vllms_and_a_stream_reads_the_same_at_every_cut(parser, opened, text, reasoning,
                                                                             content):
@@ -475,3 +478,30 @@ def test_gemma4_thinks_in_its_channel_and_calls_in_its_own_form(build):
         assert gathered([{"tool_calls": calls}]) == [("get_weather", arguments)]
     finally:
         live.stop()
+
+
+@pytest.mark.parametrize(("parser", "start", "end"), [("mistral", "[THINK]", "[/THINK]"),
+                                                      ("gemma4", "<|channel>", "<channel|>")])
+def test_each_parsers_markers_gate_the_grammar(llama, parser, start, end):
+    """The grammar after the thinking under each parser's markers (here text): free text to its end marker
+    (the output may end inside it), then the answer's grammar; output that does not open with the marker keeps
+    to the grammar from its first token."""
+    import llguidance.hf
+
+    from ortmodule import load_tokenizer
+    from ortmodule.serving.constraints import thinking_first
+    from ortmodule.serving.reasoning import Reasoning
+
+    tokenizer = load_tokenizer(llama.package_dir)
+    view = llguidance.hf.from_tokenizer(tokenizer, n_vocab=512)
+    grammar = LLMatcher.grammar_from_json_schema(ANSWER, defaults={"whitespace_flexible": False})
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    matcher = LLMatcher(view, thinking_first(grammar, Reasoning(parser)))
+    assert matcher.consume_tokens(encode(f"{start}thought\nany {{ text")) and matcher.is_accepting()
+    assert matcher.consume_tokens(encode(end)) and not matcher.is_accepting()
+    assert matcher.consume_tokens(encode('{"warm":true}')) and matcher.is_stopped() and not matcher.is_error()
+    plain = LLMatcher(view, thinking_first(grammar, Reasoning(parser)))
+    assert not plain.consume_tokens(encode("free")[:1])

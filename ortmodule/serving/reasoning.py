@@ -12,6 +12,8 @@ The parsers (vLLM's of the same names):
   up to `</think>` is the reasoning; output without it is all reasoning.
 - `gemma4` (Gemma 4, whose template asks for thinking with `enable_thinking`): output that opens with
   `<|channel>` thinks, its channel's `thought` label left out, to `<channel|>`; other output is all content.
+- `mistral` (Magistral, and Mistral's models that think): output that opens with `[THINK]` thinks, to `[/THINK]`;
+  other output is all content.
 A request's `include_reasoning: false` (vLLM's) leaves the reasoning out of the answer, and its content the same.
 Structured output (a grammar, a forced tool call: constraints.py) holds the content after the thinking, which
 stays free, as vLLM starts a grammar where the reasoning ends. A request's `thinking_token_budget` (vLLM's; Anthropic's
@@ -29,7 +31,7 @@ PARSERS = REASONING_PARSERS
 START, END = "<think>", "</think>"
 # Each parser's markers of the thinking: its opening, its end, and a label the opening is followed by.
 MARKERS = {"qwen3": (START, END, ""), "deepseek_r1": (START, END, ""),
-           "gemma4": ("<|channel>", "<channel|>", "thought\n")}
+           "gemma4": ("<|channel>", "<channel|>", "thought\n"), "mistral": ("[THINK]", "[/THINK]", "")}
 
 
 @dataclass(frozen=True)
