@@ -57,3 +57,51 @@ def test_text_that_leaves_the_form_stops_the_reading(text):
     scanner = CallScanner("parameters" if text.startswith("[") else "arguments", listed=text.startswith("["))
     scanner.feed(text)
     assert scanner.broken
+
+
+def random_value(rng, depth=0):
+    kind = rng.randrange(7 if depth < 3 else 4)
+    if kind == 0:
+        return rng.choice([True, False, None])
+    if kind == 1:
+        return rng.choice([0, -7, 3.25, 1e-3, 12345678901234])
+    if kind in (2, 3):  # strings with the characters a scanner could stumble on
+        return "".join(rng.choice(['a', ' ', '"', '\\', '{', '}', '[', ']', ',', ':', '\n', 'é', '\u2028', '😀'])
+                       for _ in range(rng.randrange(6)))
+    if kind in (4, 5):
+        return {"k" + str(i) + rng.choice(["", " ", '"']): random_value(rng, depth + 1)
+                for i in range(rng.randrange(4))}
+    return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+
+
+def written(rng, value) -> str:
+    """`value` as a model may write it: JSON with any space between its tokens, escapes or not."""
+    space = rng.choice(["", " ", "\n  ", "\t"])
+    return json.dumps(value, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]),
+                      separators=(rng.choice([",", ", ", " ,"]) + space, rng.choice([":", ": ", " : "])))
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_random_calls_stream_as_their_whole_reading(seed):
+    """Random lists of calls, their arguments any JSON value written with any spacing and escapes, fed in random
+    pieces: each call's arguments so far only grow, and in the end they are the text the model wrote for them,
+    which parses to the value (the server's "required" stream and whole answer both read this)."""
+    import random
+
+    rng = random.Random(seed)
+    calls = [(f"tool_{rng.randrange(3)}", random_value(rng)) for _ in range(rng.randrange(1, 4))]
+    parts = [f'{{"name": "{name}", "parameters": {written(rng, value)}}}' for name, value in calls]
+    text = rng.choice(["", " ", "\n"]) + "[" + rng.choice([",", ", ", ",\n"]).join(parts) + "]"
+    scanner, so_far, at = CallScanner("parameters", listed=True), {}, 0
+    while at < len(text):
+        step = rng.randrange(1, 8)
+        scanner.feed(text[at: at + step])
+        at += step
+        for k, call in enumerate(scanner.calls):
+            now = scanner.arguments(call)
+            assert now.startswith(so_far.get(k, "")), (seed, k)
+            so_far[k] = now
+    assert not scanner.broken and all(c.closed for c in scanner.calls)
+    found = [(c.name, scanner.arguments(c)) for c in scanner.calls]
+    assert [(name, json.loads(arguments)) for name, arguments in found] == calls
+    assert all(arguments in text for _, arguments in found)
