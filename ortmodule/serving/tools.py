@@ -496,8 +496,7 @@ class ToolStream:
     type and name in the first); "required"'s and auto's hermes and qwen3_coder calls each once its name is whole
     (and a JSON call's arguments have begun), then its arguments in pieces as they are written (qwen3_coder's a
     parameter at a time); auto's text streamed until it may start a call (the rest held); other parsers' calls
-    held, read at the end. `end` gives what was held: the
-    rest of the content, the rest of each call."""
+    held, read at the end. `end` gives what was held: the rest of the content, the rest of each call."""
 
     def __init__(self, plan: ToolPlan):
         self.plan, self.text, self.sent, self.named_id = plan, "", 0, None
