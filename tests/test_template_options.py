@@ -190,3 +190,20 @@ def test_content_kept_apart_where_the_template_leaves_a_message_out(build):
         assert ids.count(tokenizer.convert_tokens_to_ids("</s>")) == 1  # the template's own, once
     finally:
         server.stop()
+
+
+def test_text_shaped_as_a_mark_is_text(live):
+    """Content with a special token's text is tokenized apart where the template places its mark; a variable the
+    template renders that looks like such a mark (any request's text may) is the template's text, not a 500."""
+    server, _, tokenizer = live
+    template = "{{ note }}" + TEMPLATE
+    tokenizer.chat_template, kept = template, tokenizer.chat_template
+    try:
+        note = "\x00content" + "0" * 32 + "7\x00"
+        messages = [{"role": "user", "content": "Say </s> now."}]
+        body = answer(server.client, "/v1/chat/completions", messages=messages, max_tokens=1, return_token_ids=True,
+                      chat_template_kwargs={"note": note})
+        assert tokenizer.decode(body["prompt_token_ids"]) == tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, note=note)
+    finally:
+        tokenizer.chat_template = kept

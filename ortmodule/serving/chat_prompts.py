@@ -235,12 +235,14 @@ def _templated_ids(tokenizer, messages: list[dict], options: dict) -> list[int]:
                                             for d in documents]}
     text = tokenizer.apply_chat_template(marked, tokenize=False, **options)
     plain = tokenizer.apply_chat_template(messages, tokenize=False, **{**options, "documents": documents or None})
-    if STAND_IN.sub(lambda m: pieces[m.group(1)], text) != plain:  # the template rewrites content (trims it, say)
+    if STAND_IN.sub(lambda m: pieces.get(m.group(1), m.group(1)), text) != plain:  # the template rewrote content
         raise ServingError("a message holds a special token's text, which this model's chat template cannot keep "
                            "apart from its own tokens", "messages")
+    # the template's own text, then a content's, in turn (text shaped as a mark but not one of these is the
+    # template's: a request's own text it renders, a variable's say)
     ids: list[int] = []
-    for i, part in enumerate(STAND_IN.split(text)):  # the template's own text, then a content's, in turn
-        if i % 2:
+    for part in STAND_IN.split(text):
+        if part in pieces:
             ids += tokenizer(pieces[part], add_special_tokens=False, split_special_tokens=True)["input_ids"]
         elif part:
             ids += tokenizer(part, add_special_tokens=False)["input_ids"]

@@ -88,7 +88,7 @@ def _thinking(body: MessagesRequest) -> tuple[int | None, bool | None]:
     `{"type": "enabled", "budget_tokens": N}` (fewer than `max_tokens`, as Anthropic's API asks; its minimum of
     1,024 is its models' own and not kept); `{"type": "adaptive"}`, thinking without a budget; `{"type":
     "disabled"}`, none."""
-    if body.thinking is None:
+    if not body.thinking:
         return None, None
     thinking = body.thinking
     kind = thinking.get("type")
