@@ -451,7 +451,8 @@ def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
         return {"role": "assistant", "content": text}, finish
     content, calls = read_calls(plan, text)
     if calls is None and finish == "length":
-        found = [(name, arguments) for name, arguments in calls_so_far(plan, text, []) if name is not None]
+        found = [(name, source[start:reach]) for name, source, start, reach in calls_so_far(plan, text, CallReading())
+                 if name is not None]
         if found:
             content = text[: text.find(_HERMES_START)] or None if plan.mode == "auto" else None
             calls = found if plan.parallel else found[:1]
@@ -462,33 +463,72 @@ def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
     return message, finish if plan.mode == "named" or finish == "length" else "tool_calls"
 
 
-_BODIES = re.compile(rf"{_HERMES_START}(.*?){_HERMES_END}|{_HERMES_START}(.*)", re.DOTALL)
+class CallReading:
+    """What a stream has read of its calls so far (`calls_so_far`), so that each piece is read once: the JSON
+    scanners (one for "required"'s list, one a hermes `<tool_call>`), where the first `<tool_call>` not yet closed
+    begins and how many closed before it, and each qwen3_coder call's last reading with where its tags stood (a
+    parameter, the name and the function's end only come at a tag)."""
+
+    def __init__(self):
+        self.scanners: list[CallScanner] = []
+        self.at, self.closed = 0, 0
+        self.coder: dict[int, tuple[bool, tuple]] = {}  # a call's last reading: whether whole, what it read
+        self.seen: dict[int, int] = {}  # how far each qwen3_coder call's text was looked at
+
+    def bodies(self, text: str):
+        """Each `<tool_call>`'s text from the first not yet closed (as `_tool_call_bodies` splits them: to its
+        `</tool_call>`, or the end): (its number, where it begins, where it ends, whether closed)."""
+        at, j = self.at, self.closed
+        while (start := text.find(_HERMES_START, at)) >= 0:
+            begin = start + len(_HERMES_START)
+            end = text.find(_HERMES_END, begin)
+            yield j, begin, len(text) if end < 0 else end, end >= 0
+            if end < 0:
+                return
+            at, j = end + len(_HERMES_END), j + 1
+            self.at, self.closed = at, j  # read whole once this reading is done: not again
+
+    def coder_call(self, j: int, text: str, begin: int, end: int, tools: tuple[dict, ...], whole: bool) -> None:
+        """qwen3_coder's call `j` read again where a tag that ends a parameter, the name or the function has come
+        in what the text added since its last reading (a value's own text does not)."""
+        seen = self.seen.get(j, begin)
+        fresh = text[max(begin, seen - len(_CODER_TAGS[0])): end]
+        last = self.coder.get(j)
+        if last is None or last[0] != whole or any(tag in fresh for tag in _CODER_TAGS) or \
+                (last[1][0] is None and ">" in fresh):
+            self.coder[j] = (whole, _coder_call(text[begin:end], tools, whole))
+        self.seen[j] = end
 
 
-def calls_so_far(plan: ToolPlan, text: str, scanners: list[CallScanner]) -> list[tuple[str | None, str]]:
+_CODER_TAGS = ("</parameter>", "<parameter=", "</function>")  # the longest first
+
+
+def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[str | None, str, int, int]]:
     """The calls in the output so far that are read as they are written, in order: each one's name (None until
-    it is whole and its arguments have begun) and its arguments as far as they are written. JSON calls
-    ("required"'s list; hermes' `<tool_call>`s, split as `_tool_call_bodies` splits them): `scanners` those of
-    the text before (fed the rest, and added to). qwen3_coder's: a parameter at a time (`_arguments_text` less
-    its closing brace until the function ends). Other plans: none."""
+    it is whole and its arguments have begun) and its arguments as far as they are written, as a text and the
+    span of it they are (so that a stream takes only what they grew by). JSON calls
+    ("required"'s list; hermes' `<tool_call>`s), fed to `reading`'s scanners what the text added; qwen3_coder's
+    a parameter at a time (`_arguments_text` less its closing brace until the function ends). Other plans: none."""
+    scanners = reading.scanners
     if plan.mode == "required":
         if not scanners:
             scanners.append(CallScanner("parameters", listed=True))
         scanners[0].feed(text[len(scanners[0].text):])
     elif plan.mode != "auto" or plan.parser not in ("hermes", "qwen3_coder"):
         return []
-    found = []
-    for j, body in enumerate(_BODIES.finditer(text)):
-        held = body.group(1) if body.group(1) is not None else body.group(2)
+    for j, begin, end, closed in reading.bodies(text):
         if plan.parser == "qwen3_coder":
-            name, pairs, ended = _coder_call(held, plan.tools, whole=body.group(1) is not None)
-            found.append((name, _arguments_text(pairs)[: None if ended else -1]))
+            reading.coder_call(j, text, begin, end, plan.tools, closed)
             continue
         if j == len(scanners):
             scanners.append(CallScanner("arguments", listed=False))
-        scanners[j].feed(held[len(scanners[j].text):])
-    return found + [(c.name if c.name is not None and c.start is not None else None, scanner.arguments(c))
-                    for scanner in scanners for c in scanner.calls]
+        scanners[j].feed(text[begin + len(scanners[j].text): end])
+    if plan.parser == "qwen3_coder" and plan.mode == "auto":
+        found = [(name, _arguments_text(pairs)[: None if ended else -1])
+                 for _, (name, pairs, ended) in (reading.coder[j] for j in sorted(reading.coder))]
+        return [(name, arguments, 0, len(arguments)) for name, arguments in found]
+    return [(c.name if c.name is not None and c.start is not None else None, scanner.text, c.start or 0,
+             c.reach or 0) for scanner in scanners for c in scanner.calls]
 
 
 class ToolStream:
@@ -500,8 +540,8 @@ class ToolStream:
 
     def __init__(self, plan: ToolPlan):
         self.plan, self.text, self.sent, self.named_id = plan, "", 0, None
-        self.scanners: list[CallScanner] = []
-        self.streamed: list[list[str]] = []  # each call streamed: its id and the arguments sent
+        self.reading = CallReading()
+        self.streamed: list[list] = []  # each call streamed: its id and how much of its arguments was sent
 
     def piece(self, text: str) -> dict:
         """The delta's fields for this piece of output (maybe none: held)."""
@@ -522,16 +562,16 @@ class ToolStream:
         """The calls' deltas since the last piece: a call's id, type, name and arguments so far once its name is
         whole, then what its arguments grew by."""
         deltas = []
-        found = calls_so_far(self.plan, self.text, self.scanners)
-        for k, (name, arguments) in enumerate(found if self.plan.parallel else found[:1]):
+        found = calls_so_far(self.plan, self.text, self.reading)
+        for k, (name, source, start, reach) in enumerate(found if self.plan.parallel else found[:1]):
             if name is None:
                 break
             if k == len(self.streamed):
-                self.streamed.append([new_call_id(self.plan.short_ids), arguments])
-                deltas.append({"index": k, **_call(name, arguments, self.streamed[k][0])})
-            elif len(arguments) > len(self.streamed[k][1]):
-                deltas.append({"index": k, "function": {"arguments": arguments[len(self.streamed[k][1]):]}})
-                self.streamed[k][1] = arguments
+                self.streamed.append([new_call_id(self.plan.short_ids), reach - start])
+                deltas.append({"index": k, **_call(name, source[start:reach], self.streamed[k][0])})
+            elif reach - start > self.streamed[k][1]:
+                deltas.append({"index": k, "function": {"arguments": source[start + self.streamed[k][1]: reach]}})
+                self.streamed[k][1] = reach - start
         return deltas
 
     def _safe_length(self) -> int:
@@ -560,7 +600,7 @@ class ToolStream:
             deltas.append({"content": rest})
         for k, call in enumerate(message.get("tool_calls", ())):
             if k < len(self.streamed):  # its arguments' rest (the whole answer's are the same text)
-                more = call["function"]["arguments"][len(self.streamed[k][1]):]
+                more = call["function"]["arguments"][self.streamed[k][1]:]
                 deltas += [{"tool_calls": [{"index": k, "function": {"arguments": more}}]}] if more else []
             else:
                 deltas.append({"tool_calls": [{"index": k, **call}]})
