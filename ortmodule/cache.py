@@ -65,6 +65,11 @@ class Checkpoint:
     kept: bool = True
     ran: tuple | None = None
 
+    def __deepcopy__(self, memo: dict) -> Checkpoint:
+        """A copy with states of its own; the run that followed shared (a recipe: a weak proxy of the decoder,
+        which a copy cannot take, a function, its input), so that `copy.deepcopy(cache)` copies a hybrid's."""
+        return Checkpoint(self.seen, copy.deepcopy(self.states, memo), self.kept, self.ran)
+
 
 def _cannot_crop(seen: int, keep: int, why: str) -> str:
     return (f"cannot crop a cache with convolution states (a hybrid model's) from {seen} columns to {keep}: "

@@ -189,6 +189,37 @@ def test_one_dynamic_cache_through_every_turn_of_generate(build):
     assert carried(past, other.decoder) is not None and carried(past, model.decoder) is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_a_prompts_cache_deep_copied_for_each_continuation(build, arch):
+    """transformers' documented prompt reuse ("Re-use Cache to continue generation"): the shared prompt's cache
+    made once (a forward given `DynamicCache()`), then for each continuation `generate` given a deep copy of it
+    and the prompt and continuation's ids. The output's cache (a KVCache) copies with its columns and its tokens,
+    so each answer equals transformers' same pattern, runs only the continuation's columns, and the prompt's cache
+    is left as it was for the next one (a hybrid's too: it could not be copied); a copy cropped back runs again."""
+    import copy
+
+    model, hf = load_pair(build(arch))
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=2)
+    with torch.inference_mode():
+        ours = model(prompt, past_key_values=DynamicCache(), use_cache=True).past_key_values
+        theirs = hf(prompt, past_key_values=DynamicCache(config=hf.config), use_cache=True).past_key_values
+    for suffix in ([11, 12], [13, 14, 15]):
+        ids = torch.cat([prompt, torch.tensor([suffix])], 1)
+        copied = copy.deepcopy(ours)
+        assert isinstance(copied, KVCache) and copied.get_seq_length() == prompt.shape[1]
+        with torch.inference_mode():
+            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copy.deepcopy(theirs),
+                                   **options)
+        assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copied,
+                                          **options), expected), suffix
+        assert copied.get_seq_length() == expected.shape[1] - 1  # the copy continued
+        copied.crop(prompt.shape[1])  # back to the prompt (a hybrid's states run again, into the copy)
+        assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copied,
+                                          **options), expected), suffix
+        assert ours.get_seq_length() == prompt.shape[1]  # the prompt's own cache as it was
+
+
 @pytest.mark.parametrize("arch", BEAMS)
 def test_beam_search_equals_transformers(build, arch):
     model, hf = load_pair(build(arch))
