@@ -112,7 +112,8 @@ def test_the_responses_apis_reasoning_effort_is_chats(live, reasoning, variables
      {"reasoning_effort": "low", "enable_thinking": False}),
     ({"thinking": {"type": "adaptive"}, "chat_template_kwargs": {"enable_thinking": False}},
      {"enable_thinking": False}),
-], ids=["effort", "disabled", "adaptive", "disabled-with-effort", "switch-kept"])
+    ({"thinking": {}}, {}),  # as left out
+], ids=["effort", "disabled", "adaptive", "disabled-with-effort", "switch-kept", "empty"])
 def test_anthropics_effort_and_thinking_switch_the_templates_thinking(live, fields, variables):
     """Anthropic's `output_config.effort` is chat's `reasoning_effort`; `thinking` adaptive (or enabled) and
     disabled turn the template's `enable_thinking` on and off unless `chat_template_kwargs` sets it: the counted
