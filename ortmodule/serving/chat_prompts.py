@@ -71,10 +71,10 @@ def _template_options(body, messages: list[dict]) -> dict:
             "continue_final_message": continuing}
 
 
-def reasoning_effort(effort, field: str) -> str | None:
-    """A request's reasoning effort, one of `EFFORTS` (or None), or a `ServingError` naming `field`."""
-    if effort is not None and effort not in EFFORTS:
-        raise ServingError(f"{field} must be one of {', '.join(EFFORTS)}; got {effort!r}", field)
+def reasoning_effort(effort, field: str, efforts: tuple[str, ...] = EFFORTS) -> str | None:
+    """A request's reasoning effort, one of `efforts` (or None), or a `ServingError` naming `field`."""
+    if effort is not None and effort not in efforts:
+        raise ServingError(f"{field} must be one of {', '.join(efforts)}; got {effort!r}", field)
     return effort
 
 

@@ -27,7 +27,7 @@ import uuid
 from fastapi import FastAPI, Request
 
 from .answers import ChatStream, chat_answer
-from .chat_prompts import chat_prompt
+from .chat_prompts import chat_prompt, reasoning_effort
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
 from .openai_routes import CHAT_EXTRAS, chat_job_as
@@ -46,10 +46,7 @@ def chat_request(body: MessagesRequest, counting: bool = False) -> ChatRequest:
     tools, choice, parallel = _tools(body)
     budget, thinking = _thinking(body)
     output = body.output_config or {}
-    effort = output.get("effort")
-    if effort is not None and effort not in EFFORTS:
-        raise ServingError(f"output_config.effort must be one of {', '.join(EFFORTS)}; got {effort!r}",
-                           "output_config.effort")
+    effort = reasoning_effort(output.get("effort"), "output_config.effort", EFFORTS)
     if not counting and body.max_tokens is None:
         raise ServingError("max_tokens is required (Anthropic's API has no default)", "max_tokens")
     if body.max_tokens is not None and body.max_tokens < 1:

@@ -245,8 +245,19 @@ def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, s
 def _tool_call_bodies(text: str) -> list[str]:
     """What each `<tool_call>` holds, to its `</tool_call>` or, where that never comes, the end (as vLLM reads
     the hermes and qwen3_coder calls)."""
-    found = re.findall(rf"{_HERMES_START}(.*?){_HERMES_END}|{_HERMES_START}(.*)", text, re.DOTALL)
-    return [closed or open_ for closed, open_ in found]
+    return [text[begin:end] for begin, end, _ in _call_spans(text, 0)]
+
+
+def _call_spans(text: str, at: int):
+    """Each `<tool_call>` from `at`: where its text begins, where it ends (its `</tool_call>`, or the text's end:
+    the last), and whether it is closed."""
+    while (start := text.find(_HERMES_START, at)) >= 0:
+        begin = start + len(_HERMES_START)
+        end = text.find(_HERMES_END, begin)
+        yield begin, len(text) if end < 0 else end, end >= 0
+        if end < 0:
+            return
+        at = end + len(_HERMES_END)
 
 
 def _json_calls(text: str, key: str, listed: bool) -> list[tuple[str, str]]:
@@ -472,21 +483,17 @@ class CallReading:
     def __init__(self):
         self.scanners: list[CallScanner] = []
         self.at, self.closed = 0, 0
-        self.coder: dict[int, tuple[bool, tuple]] = {}  # a call's last reading: whether whole, what it read
+        # a qwen3_coder call's last reading: whether whole, its name, its arguments' text so far
+        self.coder: dict[int, tuple[bool, str | None, str]] = {}
         self.seen: dict[int, int] = {}  # how far each qwen3_coder call's text was looked at
 
     def bodies(self, text: str):
-        """Each `<tool_call>`'s text from the first not yet closed (as `_tool_call_bodies` splits them: to its
-        `</tool_call>`, or the end): (its number, where it begins, where it ends, whether closed)."""
-        at, j = self.at, self.closed
-        while (start := text.find(_HERMES_START, at)) >= 0:
-            begin = start + len(_HERMES_START)
-            end = text.find(_HERMES_END, begin)
-            yield j, begin, len(text) if end < 0 else end, end >= 0
-            if end < 0:
-                return
-            at, j = end + len(_HERMES_END), j + 1
-            self.at, self.closed = at, j  # read whole once this reading is done: not again
+        """Each `<tool_call>` from the first not yet closed (`_call_spans`): (its number, where its text begins,
+        where it ends, whether closed)."""
+        for j, (begin, end, closed) in enumerate(_call_spans(text, self.at), self.closed):
+            yield j, begin, end, closed
+            if closed:  # read whole once this reading is done: not again
+                self.at, self.closed = end + len(_HERMES_END), j + 1
 
     def coder_call(self, j: int, text: str, begin: int, end: int, tools: tuple[dict, ...], whole: bool) -> None:
         """qwen3_coder's call `j` read again where a tag that ends a parameter, the name or the function has come
@@ -495,8 +502,9 @@ class CallReading:
         fresh = text[max(begin, seen - len(_CODER_TAGS[0])): end]
         last = self.coder.get(j)
         if last is None or last[0] != whole or any(tag in fresh for tag in _CODER_TAGS) or \
-                (last[1][0] is None and ">" in fresh):
-            self.coder[j] = (whole, _coder_call(text[begin:end], tools, whole))
+                (last[1] is None and ">" in fresh):
+            name, pairs, ended = _coder_call(text[begin:end], tools, whole)
+            self.coder[j] = (whole, name, _arguments_text(pairs)[: None if ended else -1])
         self.seen[j] = end
 
 
@@ -524,9 +532,8 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
             scanners.append(CallScanner("arguments", listed=False))
         scanners[j].feed(text[begin + len(scanners[j].text): end])
     if plan.parser == "qwen3_coder" and plan.mode == "auto":
-        found = [(name, _arguments_text(pairs)[: None if ended else -1])
-                 for _, (name, pairs, ended) in (reading.coder[j] for j in sorted(reading.coder))]
-        return [(name, arguments, 0, len(arguments)) for name, arguments in found]
+        return [(name, arguments, 0, len(arguments))
+                for _, name, arguments in (reading.coder[j] for j in sorted(reading.coder))]
     return [(c.name if c.name is not None and c.start is not None else None, scanner.text, c.start or 0,
              c.reach or 0) for scanner in scanners for c in scanner.calls]
 
