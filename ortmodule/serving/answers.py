@@ -6,7 +6,7 @@ theirs."""
 from __future__ import annotations
 
 from .jobs import Generation, Row
-from .reasoning import ReasoningStream, split_reasoning
+from .reasoning import reasoning_stream, split_reasoning
 from .tools import ToolStream, tool_message
 
 
@@ -26,7 +26,7 @@ class ChatStream:
 
     def __init__(self, job: Generation):
         self.job = job
-        self.thinking = ReasoningStream(job.reasoning) if job.reasoning else None
+        self.thinking = reasoning_stream(job.reasoning) if job.reasoning else None
         self.calls = ToolStream(job.tools) if job.tools.calls else None
 
     def piece(self, text: str) -> dict:

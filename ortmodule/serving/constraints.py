@@ -26,6 +26,7 @@ thinking, which stays free (`thinking_first`), as vLLM starts the grammar where 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -91,7 +92,7 @@ def constraint_of(served, body, tool_schema: dict | None = None, reasoning: Reas
     specials = _added_special(served, view)
     grammar = _grammar(name, value, compact, specials)
     if reasoning is not None:
-        grammar = thinking_first(grammar, reasoning, {reasoning.start, reasoning.end} & specials)
+        grammar = thinking_first(grammar, reasoning, specials)
     matcher = LLMatcher(view, grammar, log_level=0)
     if matcher.is_error():
         raise ServingError(f"{name}: {matcher.get_error()}", name)
@@ -219,19 +220,20 @@ def thinking_first(grammar: str, reading: Reasoning, tokens: set[str] = frozense
     `TopLevelGrammar` of its grammars, or a Lark text); or the thinking alone, where the model ends its output
     inside it (as vLLM's grammar, which starts where the reasoning ends, lets it). The thinking comes from the
     first token where the reading's `from_start` (a `<think>` the model writes first taken), else only where the
-    output opens with `<think>`. `tokens`: the markers that are one token of the tokenizer which llguidance counts
-    special (an added token: Qwen3's `<think>`), written in Lark as tokens; the others as text (`</think>`'s first
-    occurrence ending the thinking). The thinking takes any bytes but a special token's (0xFF, which begins them
-    in llguidance), invalid UTF-8 too, as free as without a grammar."""
+    output opens with `<think>`. `tokens`: the tokenizer's tokens which llguidance counts special (added tokens:
+    Qwen3's `<think>`, harmony's `<|channel|>`), written in Lark as tokens where a marker holds them, the rest of
+    it as text; an end that is text alone ends the thinking at its first occurrence. The thinking takes any bytes
+    but a special token's (0xFF, which begins them in llguidance), invalid UTF-8 too, as free as without a
+    grammar."""
     try:
         nested = json.loads(grammar)["grammars"]
     except (ValueError, TypeError, KeyError):
         nested = [{"lark_grammar": grammar}]
     start, end = reading.start, reading.end
-    opening = start if start in tokens else json.dumps(start)
+    opening = _marker(start, tokens)
     free = "/(?s-u:[\\x00-\\xfe]*)/"
-    if end in tokens:  # the thinking's bytes cannot hold the end's token
-        body, rules = f"THINKING ({end} @answer)?", f"THINKING: {free}"
+    if any(end.startswith(t) for t in tokens):  # the thinking's bytes cannot hold the end's first token
+        body, rules = f"THINKING ({_marker(end, tokens)} @answer)?", f"THINKING: {free}"
     else:  # the thinking to the end's first text, or without it to the output's end
         body = "(thinking @answer | UNFINISHED)"
         rules = (f"thinking[suffix={json.dumps(end)}]: {free}\n"
@@ -239,6 +241,16 @@ def thinking_first(grammar: str, reading: Reasoning, tokens: set[str] = frozense
     start_rule = f"{opening}? {body}" if reading.from_start else f"{opening} {body} | @answer"
     lark = f'%llguidance {{"allow_invalid_utf8": true}}\nstart: {start_rule}\n{rules}\n'
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**nested[0], "name": "answer"}, *nested[1:]]})
+
+
+def _marker(text: str, tokens: set[str]) -> str:
+    """A marker in Lark: the special tokens it holds (of `tokens`) as tokens, the text between as strings (harmony's
+    `<|channel|>analysis<|message|>`: a token, a word, a token)."""
+    held = sorted((t for t in tokens if t in text), key=len, reverse=True)
+    if not held:
+        return json.dumps(text)
+    pieces = re.split("(" + "|".join(map(re.escape, held)) + ")", text)
+    return " ".join(p if p in held else json.dumps(p) for p in pieces if p)
 
 
 def _literal(text: str) -> str:

@@ -330,7 +330,8 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
         served.check_values(len(prompt) * (2 + body.prompt_logprobs), "the prompt's log-probabilities asked for",
                             "prompt_logprobs")
     parser = served.settings.reasoning_parser
-    reading = reasoning_of(parser, served.tokenizer, prompt, body.include_reasoning)
+    reading = reasoning_of(parser, served.tokenizer, prompt, body.include_reasoning,
+                           calls=plan.mode == "auto" and plan.parser == "openai")
     sampling = sampling_of(served, body, max_tokens, top, stop, plan.schema,
                            None if served.settings.enable_in_reasoning else reading)
     if body.thinking_token_budget is not None:

@@ -14,6 +14,8 @@ The parsers (vLLM's of the same names):
   `<|channel>` thinks, its channel's `thought` label left out, to `<channel|>`; other output is all content.
 - `mistral` (Magistral, and Mistral's models that think): output that opens with `[THINK]` thinks, to `[/THINK]`;
   other output is all content.
+- `openai_gptoss` (gpt-oss: OpenAI's harmony format, harmony.py): the `analysis` channel's messages are the
+  reasoning, the `final` channel's (and preambles) the content; its calls read with `--tool-call-parser openai`.
 A request's `include_reasoning: false` (vLLM's) leaves the reasoning out of the answer, and its content the same.
 Structured output (a grammar, a forced tool call: constraints.py) holds the content after the thinking, which
 stays free, as vLLM starts a grammar where the reasoning ends. A request's `thinking_token_budget` (vLLM's; Anthropic's
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import harmony
 from .settings import REASONING_PARSERS
 from .text import safe_before, special_tokens
 
@@ -31,17 +34,20 @@ PARSERS = REASONING_PARSERS
 START, END = "<think>", "</think>"
 # Each parser's markers of the thinking: its opening, its end, and a label the opening is followed by.
 MARKERS = {"qwen3": (START, END, ""), "deepseek_r1": (START, END, ""),
-           "gemma4": ("<|channel>", "<channel|>", "thought\n"), "mistral": ("[THINK]", "[/THINK]", "")}
+           "gemma4": ("<|channel>", "<channel|>", "thought\n"), "mistral": ("[THINK]", "[/THINK]", ""),
+           harmony.PARSER: (*harmony.THINKING, "")}
 
 
 @dataclass(frozen=True)
 class Reasoning:
     """How a chat request's output is read: the server's `parser`; whether the prompt `opened` the thinking
-    (the chat template's `<think>` at its end); whether the answer is `shown` the reasoning (`include_reasoning`)."""
+    (the chat template's `<think>` at its end); whether the answer is `shown` the reasoning (`include_reasoning`);
+    whether harmony's `calls` stay in the content for the `openai` tool parser (harmony.py)."""
 
     parser: str
     opened: bool = False
     shown: bool = True
+    calls: bool = False
 
     @property
     def start(self) -> str:
@@ -75,15 +81,19 @@ class Reasoning:
         return len(text) < len(opening) and opening.startswith(text)
 
 
-def reasoning_of(parser: str | None, tokenizer, prompt: list[int], shown: bool) -> Reasoning | None:
-    """The reading of a chat request's output under the server's reasoning `parser` (None: none)."""
+def reasoning_of(parser: str | None, tokenizer, prompt: list[int], shown: bool, calls: bool = False) \
+        -> Reasoning | None:
+    """The reading of a chat request's output under the server's reasoning `parser` (None: none); `calls`: the
+    request's calls are read by harmony's `openai` tool parser."""
     if parser is None:
         return None
-    return Reasoning(parser, tokenizer.decode(prompt[-8:]).rstrip().endswith(MARKERS[parser][0]), shown)
+    return Reasoning(parser, tokenizer.decode(prompt[-8:]).rstrip().endswith(MARKERS[parser][0]), shown, calls)
 
 
 def split_reasoning(reading: Reasoning | None, text: str) -> tuple[str | None, str | None]:
     """The output's reasoning and its content (each None where there is none), as the parser reads them."""
+    if reading is not None and reading.parser == harmony.PARSER:
+        return harmony.split(text, reading.calls, reading.opened)
     if reading is None or not reading.thinks(text):
         return None, text
     rest = text[reading.opening(text):]
@@ -94,9 +104,18 @@ def split_reasoning(reading: Reasoning | None, text: str) -> tuple[str | None, s
 
 
 def thinking_is_special(parser: str | None, tokenizer) -> bool:
-    """Whether the thinking's end (`</think>`) is a special token of this tokenizer, whose text the output must
-    then keep for the parser to see it."""
-    return parser is not None and MARKERS[parser][1] in special_tokens(tokenizer)
+    """Whether the thinking's end (`</think>`; harmony's `<|message|>`) is a special token of this tokenizer, whose
+    text the output must then keep for the parser to see it."""
+    end = harmony.MESSAGE if parser == harmony.PARSER else MARKERS.get(parser, (None, None))[1]
+    return parser is not None and end in special_tokens(tokenizer)
+
+
+def reasoning_stream(reading: Reasoning):
+    """A streamed choice's reader of its output under `reading` (`piece` and `end`, each giving the reasoning and
+    the content to send): harmony's, or the thinking's markers'."""
+    if reading.parser == harmony.PARSER:
+        return harmony.HarmonyStream(reading.calls, reading.opened)
+    return ReasoningStream(reading)
 
 
 class ReasoningStream:

@@ -10,8 +10,8 @@ API_KEY_VARIABLE = "ORTMODULE_API_KEY"
 # The parsers `tool_call_parser` and `reasoning_parser` name (vLLM's names: serving/tools.py, serving/reasoning.py);
 # here, as this module imports nothing of the server's (`ortmodule serve --help` reads it without FastAPI).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "phi4_mini_json", "qwen3_coder", "pythonic", "lfm2",
-                     "mistral", "gemma4")
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4", "mistral")
+                     "mistral", "gemma4", "openai")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4", "mistral", "openai_gptoss")
 # `Settings.reuse_prefix` -> `scoring.label_logprobs`'s `reuse_prefix` (None: decided from measured costs).
 REUSE_PREFIX = {"auto": None, "on": True, "off": False}
 
@@ -132,6 +132,9 @@ class Settings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser): the parser that "
                              f"reads the model's calls, one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError("tool_call_parser openai reads gpt-oss's harmony messages, which need reasoning_parser "
+                             "openai_gptoss (--reasoning-parser openai_gptoss)")
 
     @classmethod
     def with_environment(cls, **given) -> Settings:

@@ -23,7 +23,9 @@ JSON calls: output that starts with `<|python_tag|>` or `{`, calls `{"name", "pa
 taken), `lfm2` (LFM2's and LFM2.5's: the same list between `<|tool_call_start|>` and `<|tool_call_end|>`, the
 text around it its content) and `mistral` (Mistral's `[TOOL_CALLS]`: a JSON list of `{"name", "arguments"}` after
 it, or, from its v11 tokenizers, `name[ARGS]{...}` after each; the text before the first its content; every call's
-id nine letters and digits, which Mistral's chat templates require of the calls given back).
+id nine letters and digits, which Mistral's chat templates require of the calls given back), `gemma4` (Gemma 4's
+`<|tool_call>call:NAME{...}<tool_call|>`: gemma4_calls.py) and `openai` (gpt-oss's harmony messages to
+`functions.NAME`, beside `--reasoning-parser openai_gptoss`: harmony.py).
 Output that does not parse is the answer's text, as in vLLM.
 """
 
@@ -38,7 +40,7 @@ import string
 import uuid
 from dataclasses import dataclass
 
-from . import gemma4_calls
+from . import gemma4_calls, harmony
 from .errors import ServingError
 from .json_calls import CallScanner
 from .settings import TOOL_CALL_PARSERS
@@ -53,7 +55,7 @@ _LFM2_START, _LFM2_END = "<|tool_call_start|>", "<|tool_call_end|>"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
 _MISTRAL = "[TOOL_CALLS]"
 _STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START, "lfm2": _LFM2_START,
-           "mistral": _MISTRAL, "gemma4": gemma4_calls.START}
+           "mistral": _MISTRAL, "gemma4": gemma4_calls.START, harmony.TOOL_PARSER: harmony.CHANNEL}
 _PYTHON_TAG = "<|python_tag|>"
 # Where a parser's calls begin for the parsers whose calls are the whole output.
 _OPENINGS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "[")}
@@ -184,6 +186,9 @@ def _calls_schema(tools: tuple[dict, ...], parallel: bool) -> dict:
 def _parser_hint(tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     template = template if isinstance(template, str) else json.dumps(template)
+    if "<|channel|>" in template:
+        return " (this model's chat template writes gpt-oss's harmony calls: --reasoning-parser openai_gptoss " \
+            "--tool-call-parser openai)"
     if "<function=" in template:
         return " (this model's chat template writes Qwen3.5's XML calls: --tool-call-parser qwen3_coder)"
     if _HERMES_START in template:
@@ -450,7 +455,8 @@ def _gemma4(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
 
 
 _READERS = {"hermes": _hermes, "llama3_json": _llama3_json, "phi4_mini_json": _phi4_mini_json,
-            "pythonic": _pythonic, "lfm2": _lfm2, "mistral": _mistral, "gemma4": _gemma4}
+            "pythonic": _pythonic, "lfm2": _lfm2, "mistral": _mistral, "gemma4": _gemma4,
+            harmony.TOOL_PARSER: harmony.read_calls}
 
 
 def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:

@@ -1,0 +1,172 @@
+"""gpt-oss's output (OpenAI's harmony format) on the chat routes, as vLLM reads it with `--reasoning-parser
+openai_gptoss` and `--tool-call-parser openai`.
+
+The chat template's generation prompt ends with `<|start|>assistant`; the model then writes messages, each a
+header to `<|message|>` (`<|channel|>analysis`, `<|channel|>final`, `<|channel|>commentary to=functions.NAME
+<|constrain|>json`, or the recipient first: ` to=functions.NAME<|channel|>commentary json`), its text, and
+`<|end|>` (the next one opening with `<|start|>assistant`), `<|call|>` or `<|return|>` (which end the output).
+- the `analysis` channel's messages are the reasoning (joined by a line break where there are several);
+- the `final` channel's and `commentary` without a recipient (a preamble shown to the user) are the content;
+- a message to `functions.NAME` is a call of the tool NAME, its text the arguments (JSON read and written again
+  where its content type is JSON or unnamed, as vLLM's `openai` parser does; else the text as written), read with
+  `--tool-call-parser openai`; messages to other recipients (built-in tools this server does not run) are left
+  out, as are calls without that parser.
+Output that does not open with a header (a model that does not write harmony) is all content.
+
+The reading is one pass over the text (`HarmonyStream`), a stream's pieces or a whole output alike, so that a
+stream's deltas put together are the whole answer. Calls travel in the content as their harmony text
+(`<|channel|>commentary to=functions.NAME <|constrain|>TYPE<|message|>ARGUMENTS<|call|>`), which `read_calls`
+reads (tools.py's `openai` parser)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass
+
+from .text import safe_before
+
+PARSER, TOOL_PARSER = "openai_gptoss", "openai"
+MESSAGE, CHANNEL, START = "<|message|>", "<|channel|>", "<|start|>"
+CALL_END = "<|call|>"
+ENDS = ("<|end|>", CALL_END, "<|return|>", START)  # what ends a message's text (a new <|start|>: one never ended)
+# How the output may open: a header (the prompt's `<|start|>assistant` before it, or a new <|start|>)
+OPENINGS = (CHANNEL, START, " to=", "to=", "<|constrain|>", MESSAGE)
+# The thinking's opening and end where the output thinks, then answers (a thinking budget, a grammar after it)
+THINKING = (f"{CHANNEL}analysis{MESSAGE}", f"<|end|>{START}assistant{CHANNEL}final{MESSAGE}")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
+_RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
+_CONSTRAIN = re.compile(r"<\|constrain\|>\s*([^\s<]+)")
+_CALL = re.compile(r"<\|channel\|>commentary to=([^\s<]+) <\|constrain\|>([^\s<]*)<\|message\|>(.*?)(?:<\|call\|>|$)",
+                   re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A message's header: its channel, recipient and content type (each None where it names none)."""
+
+    channel: str | None
+    recipient: str | None
+    content_type: str | None
+
+
+def read_header(text: str) -> Header:
+    """The header `text` (what stands before `<|message|>`, a `<|start|>` and its role included)."""
+    if text.startswith(START):
+        text = text[len(START):]
+        text = text[len(re.match(r"[^\s<]*", text).group()):]  # the author's role
+    channel, recipient = _CHANNEL.search(text), _RECIPIENT.search(text)
+    kind = _CONSTRAIN.search(text)
+    if kind is None and channel is not None:  # the template's form: `<|channel|>commentary json`
+        rest = text[channel.end():].split()
+        kind = next((w for w in rest if not w.startswith("to=") and "<|" not in w), None)
+    else:
+        kind = kind and kind.group(1)
+    return Header(channel and channel.group(1), recipient and recipient.group(1), kind)
+
+
+class HarmonyStream:
+    """One output read as it comes: `piece(text)` gives the (reasoning, content) to send for it, `end()` what was
+    held at the output's end. `calls`: calls to `functions.*` kept in the content as their harmony text (the
+    `openai` tool parser's); `opened`: the prompt opened the analysis message (its text comes first)."""
+
+    def __init__(self, calls: bool = False, opened: bool = False):
+        self.calls, self.text, self.at = calls, "", 0
+        self.mode = "body" if opened else "opening"  # "opening", "header", "body" or "plain" (not harmony)
+        self.kind = "reasoning"  # the message's: "reasoning", "content", "call" or "hidden"
+        self.begun = {"reasoning": int(opened), "content": 0}  # messages of each begun so far
+
+    def piece(self, text: str) -> tuple[str, str]:
+        self.text += text
+        out = {"reasoning": [], "content": []}
+        while self._step(out):
+            pass
+        return "".join(out["reasoning"]), "".join(out["content"])
+
+    def end(self) -> tuple[str, str]:
+        out = {"reasoning": [], "content": []}
+        if self.mode == "opening":  # the whole output a beginning of a header, and no more: text
+            self.mode, self.kind = "plain", "content"
+        if self.mode in ("plain", "body"):
+            self._write(out, self.text[self.at:])
+        self.at = len(self.text)
+        return "".join(out["reasoning"]), "".join(out["content"])
+
+    def _step(self, out: dict) -> bool:
+        """Read on from `at`; whether there may be more to read now."""
+        text, at = self.text, self.at
+        if self.mode == "opening":
+            rest = text[at:]
+            if any(o.startswith(rest) for o in OPENINGS) and not any(rest.startswith(o) for o in OPENINGS):
+                return False
+            if not any(rest.startswith(o) for o in OPENINGS):
+                self.mode, self.kind = "plain", "content"
+            else:
+                self.mode = "header"
+            return True
+        if self.mode == "plain":
+            self._write(out, text[at:])
+            self.at = len(text)
+            return False
+        if self.mode == "header":
+            found = text.find(MESSAGE, at)
+            if found < 0:
+                return False
+            self._begin(out, read_header(text[at:found]))
+            self.at, self.mode = found + len(MESSAGE), "body"
+            return True
+        ends = [(j, e) for e in ENDS if (j := text.find(e, at)) >= 0]
+        if not ends:
+            safe = min(safe_before(text, e, at) for e in ENDS)
+            self._write(out, text[at:safe])
+            self.at = safe
+            return False
+        j, marker = min(ends)
+        self._write(out, text[at:j] + (CALL_END if self.kind == "call" else ""))
+        self.at, self.mode = (j if marker == START else j + len(marker)), "header"
+        return True
+
+    def _begin(self, out: dict, header: Header) -> None:
+        if header.recipient is not None:
+            self.kind = "call" if self.calls and header.recipient.startswith("functions.") else "hidden"
+        elif header.channel == "analysis":
+            self.kind = "reasoning"
+        else:
+            self.kind = "content" if header.channel in (None, "final", "commentary") else "hidden"
+        if self.kind in self.begun:
+            if self.begun[self.kind]:
+                out[self.kind].append("\n")
+            self.begun[self.kind] += 1
+        elif self.kind == "call":
+            out["content"].append(f"{CHANNEL}commentary to={header.recipient} <|constrain|>"
+                                  f"{header.content_type or 'json'}{MESSAGE}")
+
+    def _write(self, out: dict, text: str) -> None:
+        if text and self.kind != "hidden":
+            out["content" if self.kind == "call" else self.kind].append(text)
+
+
+def split(text: str, calls: bool = False, opened: bool = False) -> tuple[str | None, str | None]:
+    """A whole output's reasoning and content (each None where there is none)."""
+    stream = HarmonyStream(calls, opened)
+    reasoning, content = stream.piece(text)
+    more = stream.end()
+    return reasoning + more[0] or None, content + more[1] or None
+
+
+def read_calls(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    """The `openai` tool parser's reading of the content `split` gave: the text around the calls, and each call's
+    name and arguments (None where there is none)."""
+    calls, content, at = [], [], 0
+    for found in _CALL.finditer(text):
+        content.append(text[at: found.start()])
+        at = found.end()
+        name, kind, arguments = found.group(1), found.group(2), found.group(3)
+        if name.startswith("functions."):
+            if not kind or "json" in kind:
+                with contextlib.suppress(ValueError):  # else as written, as vLLM gives it
+                    arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
+            calls.append((name[len("functions."):], arguments))
+    content.append(text[at:])
+    return "".join(content) or None, calls or None

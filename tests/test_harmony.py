@@ -1,0 +1,216 @@
+"""gpt-oss's output (OpenAI's harmony format) on the server: `--reasoning-parser openai_gptoss` and
+`--tool-call-parser openai` (serving/harmony.py), read as vLLM reads them: the analysis channel the reasoning,
+the final channel and preambles the content, messages to `functions.NAME` the calls."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import httpx
+import pytest
+from helpers import OPENAI_NAME as NAME
+from helpers import grammar_greedy, served_live
+
+from ortmodule.serving import harmony
+from ortmodule.serving.settings import Settings
+
+llguidance = pytest.importorskip("llguidance")
+from llguidance import LLMatcher  # noqa: E402
+
+SPECIAL = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
+A = "<|start|>assistant"
+# (output, reasoning, content without the tool parser, content and calls with it), as vLLM's harmony reading
+# gives them (its parse_chat_output and OpenAIToolParser)
+CASES = [
+    ("<|channel|>analysis<|message|>Think.<|end|>" + A + "<|channel|>final<|message|>Hi!", "Think.", "Hi!",
+     ("Hi!", None)),
+    ("<|channel|>analysis<|message|>a<|end|>" + A + "<|channel|>analysis<|message|>b<|end|>" + A
+     + "<|channel|>commentary<|message|>Checking.<|end|>" + A
+     + '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
+     "a\nb", "Checking.", ("Checking.", [("get_weather", '{"city": "Paris"}')])),
+    # the recipient before the channel, the content type after it (the chat template's form)
+    (' to=functions.f<|channel|>commentary json<|message|>{"x": [1, 2]}', None, None, (None, [("f", '{"x": [1, 2]}')])),
+    # a content type that is not JSON: the arguments as written; JSON that does not parse: as written too
+    ("<|channel|>commentary to=functions.f <|constrain|>text<|message|>{raw", None, None, (None, [("f", "{raw")])),
+    ("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{bad", None, None, (None, [("f", "{bad")])),
+    # a built-in tool's message (no function): left out
+    ("<|channel|>analysis to=python<|message|>print(1)<|call|>", None, None, (None, None)),
+    ("<|channel|>analysis<|message|>cut sho", "cut sho", None, (None, None)),  # the length ended the thinking
+    ("<|channel|>analysis<|message|>x<|end|>" + A + "<|channel|>fin", "x", None, (None, None)),  # a header unfinished
+    ("<|channel|>final<|message|>Two<|end|>" + A + "<|channel|>final<|message|>parts", None, "Two\nparts",
+     ("Two\nparts", None)),
+    ("Not harmony <|channel|>.", None, "Not harmony <|channel|>.", ("Not harmony <|channel|>.", None)),
+    ("<|chan", None, "<|chan", ("<|chan", None)),  # a beginning of a header, and no more: text
+]
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content", "called"), CASES)
+def test_harmony_output_reads_as_vllm_reads_it(text, reasoning, content, called):
+    """Each output's reasoning and content, without and with the calls kept for the `openai` tool parser, whose
+    reading gives the content and calls; a stream of it cut at every point, and a character at a time, gives the
+    same text as the whole."""
+    assert harmony.split(text) == (reasoning, content)
+    kept = harmony.split(text, calls=True)
+    assert kept[0] == reasoning and harmony.read_calls(kept[1] or "") == called
+    for calls in (False, True):
+        whole = harmony.split(text, calls)
+        cuts = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+        for pieces in cuts:
+            stream, got = harmony.HarmonyStream(calls), ["", ""]
+            for piece in pieces:
+                got = [g + p for g, p in zip(got, stream.piece(piece))]
+            got = [g + p for g, p in zip(got, stream.end())]
+            assert (got[0] or None, got[1] or None) == whole, pieces
+
+
+def test_random_harmony_messages_read_back(request):
+    """Random sequences of messages (analysis, final, preambles, calls in either header form, built-in tools)
+    written in harmony and read back, whole and in random pieces: the reasoning and the content are the messages'
+    texts joined, and the calls those to functions in order."""
+    rng = random.Random(request.node.name)
+    words = ["a", "b c", "<x>", "{", "}", '"q"', "\n", "é", "to", "|"]
+    for _ in range(300):
+        out, thoughts, shown, calls = [], [], [], []
+        for k in range(rng.randint(1, 5)):
+            body = "".join(rng.choice(words) for _ in range(rng.randint(0, 6)))
+            kind = rng.choice(["analysis", "final", "commentary", "call", "builtin"])
+            head = "<|channel|>" if k == 0 and rng.random() < 0.5 else A + "<|channel|>"
+            if kind == "call":
+                arguments = json.dumps({"v": body}, ensure_ascii=False)
+                name = rng.choice(["f", "get_weather"])
+                head = (head + f"commentary to=functions.{name} <|constrain|>json" if rng.random() < 0.5 else
+                        head.replace("<|channel|>", "") + f" to=functions.{name}<|channel|>commentary json")
+                out.append(head + "<|message|>" + arguments + "<|call|>")
+                calls.append((name, arguments))
+                break  # <|call|> ends the output
+            out.append(head + ("analysis to=python" if kind == "builtin" else kind) + "<|message|>" + body + "<|end|>")
+            (thoughts if kind == "analysis" else shown if kind != "builtin" else []).append(body)
+        text = "".join(out)
+        reasoning, content = harmony.split(text, calls=True)
+        assert (reasoning or None) == ("\n".join(thoughts) or None)
+        assert harmony.read_calls(content or "") == ("\n".join(shown) or None, calls or None)
+        stream, got, at = harmony.HarmonyStream(True), ["", ""], 0
+        while at < len(text):
+            step = rng.randint(1, 8)
+            got = [g + p for g, p in zip(got, stream.piece(text[at: at + step]))]
+            at += step
+        got = [g + p for g, p in zip(got, stream.end())]
+        assert (got[0] or None, got[1] or None) == (reasoning, content)
+
+
+def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser():
+    with pytest.raises(ValueError, match="openai_gptoss"):
+        Settings(enable_auto_tool_choice=True, tool_call_parser="openai")
+    Settings(enable_auto_tool_choice=True, tool_call_parser="openai", reasoning_parser="openai_gptoss")
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def gptoss_live(build):
+    """gpt-oss's own chat template (trl ships it) over the llama fixture with harmony's markers as special tokens,
+    the server reading harmony (`--reasoning-parser openai_gptoss --tool-call-parser openai`), a request's grammar
+    over the whole output (`enable_in_reasoning`), which holds the random model to harmony's form here."""
+    from test_tool_calling import trl_template
+
+    live, _, hf, tokenizer = served_live(build("llama", vocab_size=512 + len(SPECIAL), context_length=512),
+                                         trl_template("gptoss"), SPECIAL, True, reasoning_parser="openai_gptoss",
+                                         enable_in_reasoning=True, enable_auto_tool_choice=True,
+                                         tool_call_parser="openai")
+    yield live, hf, tokenizer
+    live.stop()
+
+
+def _chat(live, stream: bool, **fields):
+    body = {"model": NAME, "temperature": 0, "messages": ASK, "max_tokens": 120, **fields}
+    if not stream:
+        answer = httpx.post(f"{live.url}/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        message = choice["message"]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+        return message.get("reasoning"), message["content"], calls, choice["finish_reason"]
+    reasoning, content, calls, finish = "", "", {}, None
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={**body, "stream": True}) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                delta, finish = choice["delta"], choice["finish_reason"] or finish
+                reasoning += delta.get("reasoning") or ""
+                content += delta.get("content") or ""
+                for call in delta.get("tool_calls") or []:
+                    name, arguments = calls.get(call["index"], ("", ""))
+                    function = call.get("function", {})
+                    calls[call["index"]] = (name + (function.get("name") or ""),
+                                            arguments + (function.get("arguments") or ""))
+    return reasoning or None, content or None, [calls[k] for k in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_gptoss_thinks_in_analysis_and_calls_functions(gptoss_live, stream):
+    """The greedy output (held by a grammar to harmony: an analysis message, a preamble, then a call of
+    get_weather) is transformers' on the same weights under the same grammar: its analysis text is the
+    `reasoning`, the preamble the content, the call's arguments JSON, finish "tool_calls"; and without tools, an
+    answer in the final channel is the content; whole and streamed."""
+    live, hf, tokenizer = gptoss_live
+    call = ('<|channel|> "analysis" <|message|> /[a-z ]{4,12}/ <|end|> <|start|> "assistant" <|channel|> '
+            '"commentary" <|message|> /[A-Z][a-z]{2,8}\\./ <|end|> <|start|> "assistant" <|channel|> '
+            '"commentary to=functions.get_weather " <|constrain|> "json" <|message|> "{\\"city\\":\\"" '
+            '/(Paris|Rome)/ "\\"}" <|call|>')
+    final = ('<|channel|> "analysis" <|message|> /[a-z ]{4,12}/ <|end|> <|start|> "assistant" <|channel|> '
+             '"final" <|message|> /[A-Z][a-z ]{2,12}\\./ <|return|>')
+    for grammar, tools in ((call, TOOLS), (final, None)):
+        lark = f"start: {grammar}"
+        ids = list(tokenizer.apply_chat_template(ASK, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+        assert tokenizer.decode(ids).endswith("<|start|>assistant")
+        tokens, complete = grammar_greedy(hf, tokenizer, ids, lark, 120)
+        assert complete
+        text = tokenizer.decode(tokens)  # the markers kept
+        thought = re.search(r"analysis<\|message\|>(.*?)<\|end\|>", text).group(1)
+        answer = re.findall(r"(?:commentary|final)<\|message\|>(.*?)<\|(?:end|return)\|>", text)
+        fields = {"tools": tools} if tools else {}
+        got = _chat(live, stream, structured_outputs={"grammar": lark}, **fields)
+        if tools:
+            city = re.search(r'"city":"(\w+)"', text).group(1)
+            assert got == (thought, answer[0], [("get_weather", json.dumps({"city": city}))], "tool_calls")
+        else:
+            assert got == (thought, answer[0], [], "stop")
+
+
+def test_structured_output_waits_for_the_final_channel(build):
+    """The grammar beside the harmony reasoning parser (its markers special tokens): the analysis message free,
+    then, after `<|end|><|start|>assistant<|channel|>final<|message|>`, the answer's grammar; output that does not
+    open with the analysis channel keeps to the grammar from its first token."""
+    import llguidance.hf
+
+    from ortmodule import load_tokenizer
+    from ortmodule.serving.constraints import thinking_first
+    from ortmodule.serving.reasoning import Reasoning
+
+    tokenizer = load_tokenizer(build("llama", vocab_size=512 + len(SPECIAL), context_length=512).package_dir)
+    tokenizer.add_tokens(list(SPECIAL), special_tokens=True)
+    view = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    schema = {"type": "object", "properties": {"warm": {"type": "boolean"}}, "required": ["warm"],
+              "additionalProperties": False}
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    reading = Reasoning("openai_gptoss")
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    matcher = LLMatcher(view, thinking_first(grammar, reading, set(SPECIAL)))
+    assert matcher.consume_tokens(encode("<|channel|>analysis<|message|>any { text")) and matcher.is_accepting()
+    assert matcher.consume_tokens(encode("<|end|><|start|>assistant<|channel|>final<|message|>"))
+    assert not matcher.is_accepting()
+    assert matcher.consume_tokens(encode('{"warm":true}')) and matcher.is_stopped() and not matcher.is_error()
+    plain = LLMatcher(view, thinking_first(grammar, reading, set(SPECIAL)))
+    assert plain.consume_tokens(encode('{"warm":false}')) and plain.is_stopped()
+    wrong = LLMatcher(view, thinking_first(grammar, reading, set(SPECIAL)))
+    assert not wrong.consume_tokens(encode("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>"
+                                           "commentary"))
