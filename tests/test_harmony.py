@@ -106,8 +106,9 @@ def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser():
     Settings(enable_auto_tool_choice=True, tool_call_parser="openai", reasoning_parser="openai_gptoss")
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": CITY}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -214,3 +215,28 @@ def test_structured_output_waits_for_the_final_channel(build):
     wrong = LLMatcher(view, thinking_first(grammar, reading, set(SPECIAL)))
     assert not wrong.consume_tokens(encode("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>"
                                            "commentary"))
+
+
+def test_a_thinking_budget_ends_the_analysis_with_the_final_channel(build):
+    """vLLM's `thinking_token_budget` beside the harmony parser: after that many tokens of analysis (here opened by
+    the prompt), `<|end|><|start|>assistant<|channel|>final<|message|>` is forced a token a step and the model
+    answers in the final channel: the reasoning and the content equal transformers' greedy output under the same
+    rule, whole and streamed."""
+    from test_reasoning import budget_greedy
+    from test_tool_calling import trl_template
+
+    template = trl_template("gptoss").replace("<|start|>assistant\n{%- endif -%}",
+                                              "<|start|>assistant<|channel|>analysis<|message|>\n{%- endif -%}")
+    assert template != trl_template("gptoss")
+    live, _, hf, tokenizer = served_live(build("llama", vocab_size=512 + len(SPECIAL), context_length=512),
+                                         template, SPECIAL, True, reasoning_parser="openai_gptoss")
+    try:
+        ids = list(tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, return_dict=False))
+        end = harmony.THINKING[1]
+        text = budget_greedy(hf, tokenizer, ids, 3, 30, end=end)
+        thought, _, answer = text.partition(end)
+        assert thought and answer and "<|" not in answer, text  # the random model's answer, its markers none
+        for stream in (False, True):
+            assert _chat(live, stream, max_tokens=30, thinking_token_budget=3) == (thought, answer, [], "length")
+    finally:
+        live.stop()

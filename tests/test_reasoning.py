@@ -328,12 +328,13 @@ def test_output_that_does_not_think_keeps_to_the_grammar_from_its_first_token(ga
     assert text.is_stopped() and not text.is_error()
 
 
-def budget_greedy(hf, tokenizer, ids: list[int], budget: int, new: int, bias: dict | None = None) -> str:
+def budget_greedy(hf, tokenizer, ids: list[int], budget: int, new: int, bias: dict | None = None,
+                  end: str = "</think>") -> str:
     """transformers' greedy text after `ids` (thinking from its first token) with vLLM's thinking budget: after
-    `budget` tokens of thinking with no </think>, </think>'s tokens forced one a step (a processor written here)."""
+    `budget` tokens of thinking with no `end` (</think>), its tokens forced one a step (a processor written here)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    end = tokenizer.encode("</think>", add_special_tokens=False)
+    end = tokenizer.encode(end, add_special_tokens=False)
 
     class Budget(LogitsProcessor):
         def __call__(self, input_ids, scores):
