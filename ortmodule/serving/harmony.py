@@ -72,7 +72,7 @@ class HarmonyStream:
     `openai` tool parser's); `opened`: the prompt opened the analysis message (its text comes first)."""
 
     def __init__(self, calls: bool = False, opened: bool = False):
-        self.calls, self.text, self.at = calls, "", 0
+        self.calls, self.text, self.at, self.looked = calls, "", 0, 0
         self.mode = "body" if opened else "opening"  # "opening", "header", "body" or "plain" (not harmony)
         self.kind = "reasoning"  # the message's: "reasoning", "content", "call" or "hidden"
         self.begun = {"reasoning": int(opened), "content": 0}  # messages of each begun so far
@@ -82,6 +82,8 @@ class HarmonyStream:
         out = {"reasoning": [], "content": []}
         while self._step(out):
             pass
+        if self.at > 4096:  # what was read goes (a long output's text is not copied again at each piece)
+            self.text, self.looked, self.at = self.text[self.at:], max(0, self.looked - self.at), 0
         return "".join(out["reasoning"]), "".join(out["content"])
 
     def end(self) -> tuple[str, str]:
@@ -110,8 +112,9 @@ class HarmonyStream:
             self.at = len(text)
             return False
         if self.mode == "header":
-            found = text.find(MESSAGE, at)
-            if found < 0:
+            found = text.find(MESSAGE, max(at, self.looked))
+            if found < 0:  # looked for again only in what comes next (a header that never ends costs no more)
+                self.looked = len(text) - len(MESSAGE) + 1
                 return False
             self._begin(out, read_header(text[at:found]))
             self.at, self.mode = found + len(MESSAGE), "body"
