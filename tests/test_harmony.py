@@ -29,10 +29,10 @@ CASES = [
     ("<|channel|>analysis<|message|>a<|end|>" + A + "<|channel|>analysis<|message|>b<|end|>" + A
      + "<|channel|>commentary<|message|>Checking.<|end|>" + A
      + '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
-     "a\nb", "Checking.", ("Checking.", [("get_weather", '{"city": "Paris"}')])),
+     "a\nb", "Checking.", ("Checking.", [("get_weather", '{"city":"Paris"}')])),
     # the recipient before the channel, the content type after it (the chat template's form)
     (' to=functions.f<|channel|>commentary json<|message|>{"x": [1, 2]}', None, None, (None, [("f", '{"x": [1, 2]}')])),
-    # a content type that is not JSON: the arguments as written; JSON that does not parse: as written too
+    # the arguments as written, whatever the content type, JSON or not
     ("<|channel|>commentary to=functions.f <|constrain|>text<|message|>{raw", None, None, (None, [("f", "{raw")])),
     ("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{bad", None, None, (None, [("f", "{bad")])),
     # a built-in tool's message (no function): left out
@@ -136,7 +136,7 @@ def _chat(live, stream: bool, **fields):
         message = choice["message"]
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
         return message.get("reasoning"), message["content"], calls, choice["finish_reason"]
-    reasoning, content, calls, finish = "", "", {}, None
+    reasoning, content, calls, finish, pieces = "", "", {}, None, 0
     with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={**body, "stream": True}) as events:
         for line in events.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -147,8 +147,10 @@ def _chat(live, stream: bool, **fields):
                 for call in delta.get("tool_calls") or []:
                     name, arguments = calls.get(call["index"], ("", ""))
                     function = call.get("function", {})
+                    pieces += bool(function.get("arguments"))
                     calls[call["index"]] = (name + (function.get("name") or ""),
                                             arguments + (function.get("arguments") or ""))
+    assert pieces != 1, "a call's arguments streamed whole"
     return reasoning or None, content or None, [calls[k] for k in sorted(calls)], finish
 
 
@@ -156,8 +158,9 @@ def _chat(live, stream: bool, **fields):
 def test_gptoss_thinks_in_analysis_and_calls_functions(gptoss_live, stream):
     """The greedy output (held by a grammar to harmony: an analysis message, a preamble, then a call of
     get_weather) is transformers' on the same weights under the same grammar: its analysis text is the
-    `reasoning`, the preamble the content, the call's arguments JSON, finish "tool_calls"; and without tools, an
-    answer in the final channel is the content; whole and streamed."""
+    `reasoning`, the preamble the content, the call's arguments the JSON the model wrote, finish "tool_calls"
+    (streamed: the arguments in more than one piece); and without tools, an answer in the final channel is the
+    content; whole and streamed."""
     live, hf, tokenizer = gptoss_live
     call = ('<|channel|> "analysis" <|message|> /[a-z ]{4,12}/ <|end|> <|start|> "assistant" <|channel|> '
             '"commentary" <|message|> /[A-Z][a-z]{2,8}\\./ <|end|> <|start|> "assistant" <|channel|> '
@@ -178,8 +181,9 @@ def test_gptoss_thinks_in_analysis_and_calls_functions(gptoss_live, stream):
         fields = {"tools": tools} if tools else {}
         got = _chat(live, stream, structured_outputs={"grammar": lark}, **fields)
         if tools:
-            city = re.search(r'"city":"(\w+)"', text).group(1)
-            assert got == (thought, answer[0], [("get_weather", json.dumps({"city": city}))], "tool_calls")
+            arguments = re.search(r"json<\|message\|>(.*?)<\|call\|>", text).group(1)
+            assert json.loads(arguments)["city"] in ("Paris", "Rome")
+            assert got == (thought, answer[0], [("get_weather", arguments)], "tool_calls")
         else:
             assert got == (thought, answer[0], [], "stop")
 
@@ -240,3 +244,19 @@ def test_a_thinking_budget_ends_the_analysis_with_the_final_channel(build):
             assert _chat(live, stream, max_tokens=30, thinking_token_budget=3) == (thought, answer, [], "length")
     finally:
         live.stop()
+
+
+@pytest.mark.parametrize("text", [CASES[1][0], CASES[2][0], CASES[3][0], CASES[4][0],
+                                  CASES[1][0].replace("<|call|>", "")])
+def test_the_calls_stream_as_the_whole_answer_reads_them(text):
+    """The content kept for the `openai` tool parser, given to the tool stream cut anywhere and a character at a
+    time: the same content and calls, put together, as the whole answer's (the calls in more than one piece)."""
+    from test_tool_calling import auto_plan, streams_as_read
+
+    from ortmodule.serving.tools import ToolStream
+
+    content = harmony.split(text, calls=True)[1] or ""
+    streams_as_read(auto_plan("openai"), content, *harmony.read_calls(content))
+    stream = ToolStream(auto_plan("openai"))
+    sent = [stream.piece(c) for c in content]  # before the end: the arguments as they are written
+    assert sum(1 for d in sent for call in d.get("tool_calls", ()) if call["function"]["arguments"]) > 1

@@ -20,8 +20,6 @@ reads (tools.py's `openai` parser)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import re
 from dataclasses import dataclass
 
@@ -38,8 +36,8 @@ THINKING = (f"{CHANNEL}analysis{MESSAGE}", f"<|end|>{START}assistant{CHANNEL}fin
 _CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
 _CONSTRAIN = re.compile(r"<\|constrain\|>\s*([^\s<]+)")
-_CALL = re.compile(r"<\|channel\|>commentary to=([^\s<]+) <\|constrain\|>([^\s<]*)<\|message\|>(.*?)(?:<\|call\|>|$)",
-                   re.DOTALL)
+_LONGEST = 256  # a call's header is shorter (OpenAI's function names: at most 64 characters)
+_HEAD = re.compile(r"<\|channel\|>commentary to=(functions\.[^\s<]+) <\|constrain\|>[^\s<]*<\|message\|>")
 
 
 @dataclass(frozen=True)
@@ -160,16 +158,55 @@ def split(text: str, calls: bool = False, opened: bool = False) -> tuple[str | N
 
 def read_calls(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     """The `openai` tool parser's reading of the content `split` gave: the text around the calls, and each call's
-    name and arguments (None where there is none)."""
-    calls, content, at = [], [], 0
-    for found in _CALL.finditer(text):
-        content.append(text[at: found.start()])
-        at = found.end()
-        name, kind, arguments = found.group(1), found.group(2), found.group(3)
-        if name.startswith("functions."):
-            if not kind or "json" in kind:
-                with contextlib.suppress(ValueError):  # else as written, as vLLM gives it
-                    arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
-            calls.append((name[len("functions."):], arguments))
+    name and arguments, the text the model wrote (None where there is none)."""
+    reading = CallsRead()
+    calls = reading.read(text, whole=True)
+    content, at = [], 0
+    for (_, head, _, end), _ in zip(reading.calls, calls):
+        content.append(text[at:head])
+        at = len(text) if end is None else end + len(CALL_END)
     content.append(text[at:])
-    return "".join(content) or None, calls or None
+    return "".join(content) or None, [(name, text[begin:reach]) for name, _, begin, reach in calls] or None
+
+
+class CallsRead:
+    """The calls in the content `HarmonyStream` gives with `calls` (their harmony text), read as it grows: each
+    call's name once its header is whole, and its arguments as far as they are written, each character looked at
+    once (tools.py's `ToolStream` streams them)."""
+
+    def __init__(self):
+        self.calls: list[list] = []  # each call's name, where its header begins, its text begins and ends (None)
+        self.at = 0  # where the next header is looked for
+
+    def read(self, text: str, whole: bool = False) -> list[tuple[str, str, int, int]]:
+        """Each call so far: (name, `text`, where its arguments begin, how far they reach); `whole`: the text is
+        the whole content (an unfinished `<|call|>` at its end is the arguments' text)."""
+        while self._next(text):
+            pass
+        found = []
+        for name, _, begin, end in self.calls:
+            reach = end if end is not None else len(text) if whole else safe_before(text, CALL_END, self.at)
+            found.append((name, text, begin, reach))
+        return found
+
+    def _next(self, text: str) -> bool:
+        if self.calls and self.calls[-1][3] is None:  # the open call's end, looked for in what came since
+            end = text.find(CALL_END, self.at)
+            if end < 0:
+                self.at = max(self.at, len(text) - len(CALL_END) + 1)
+                return False
+            self.calls[-1][3], self.at = end, end + len(CALL_END)
+        head = text.find(CHANNEL, self.at)
+        if head < 0:
+            self.at = max(self.at, len(text) - len(CHANNEL) + 1)
+            return False
+        found = _HEAD.match(text, head)
+        if found is None and len(text) - head < _LONGEST and MESSAGE not in text[head:]:
+            self.at = head  # a header that may still be written whole (`HarmonyStream` gives one in one piece)
+            return False
+        if found is None:  # the content's own text
+            self.at = head + len(CHANNEL)
+            return True
+        self.calls.append([found.group(1)[len("functions."):], head, found.end(), None])
+        self.at = found.end()
+        return True

@@ -492,6 +492,7 @@ class CallReading:
         # a qwen3_coder call's last reading: whether whole, its name, its arguments' text so far
         self.coder: dict[int, tuple[bool, str | None, str]] = {}
         self.seen: dict[int, int] = {}  # how far each qwen3_coder call's text was looked at
+        self.harmony = harmony.CallsRead()  # the openai parser's calls (gpt-oss's harmony messages)
 
     def bodies(self, text: str):
         """Each `<tool_call>` from the first not yet closed (`_call_spans`): (its number, where its text begins,
@@ -522,12 +523,15 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
     it is whole and its arguments have begun) and its arguments as far as they are written, as a text and the
     span of it they are (so that a stream takes only what they grew by). JSON calls
     ("required"'s list; hermes' `<tool_call>`s), fed to `reading`'s scanners what the text added; qwen3_coder's
-    a parameter at a time (`_arguments_text` less its closing brace until the function ends). Other plans: none."""
+    a parameter at a time (`_arguments_text` less its closing brace until the function ends); openai's (harmony's
+    messages to functions) as written (harmony.py's `CallsRead`). Other plans: none."""
     scanners = reading.scanners
     if plan.mode == "required":
         if not scanners:
             scanners.append(CallScanner("parameters", listed=True))
         scanners[0].feed(text[len(scanners[0].text):])
+    elif plan.mode == "auto" and plan.parser == harmony.TOOL_PARSER:
+        return reading.harmony.read(text)
     elif plan.mode != "auto" or plan.parser not in ("hermes", "qwen3_coder"):
         return []
     for j, begin, end, closed in reading.bodies(text):
@@ -546,10 +550,10 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
 
 class ToolStream:
     """One streamed choice's deltas under a plan: a named function's arguments as they come (its call's id,
-    type and name in the first); "required"'s and auto's hermes and qwen3_coder calls each once its name is whole
-    (and a JSON call's arguments have begun), then its arguments in pieces as they are written (qwen3_coder's a
-    parameter at a time); auto's text streamed until it may start a call (the rest held); other parsers' calls
-    held, read at the end. `end` gives what was held: the rest of the content, the rest of each call."""
+    type and name in the first); "required"'s and auto's hermes, qwen3_coder and openai calls each once its name
+    is whole (and a JSON call's arguments have begun), then its arguments in pieces as they are written
+    (qwen3_coder's a parameter at a time); auto's text streamed until it may start a call (the rest held); other
+    parsers' calls held, read at the end. `end` gives what was held: the rest of the content, the rest of each call."""
 
     def __init__(self, plan: ToolPlan):
         self.plan, self.text, self.sent, self.named_id = plan, "", 0, None
