@@ -1,7 +1,8 @@
 """The server's host time to stream a long tool call (serving/tools.py `ToolStream`): a call whose arguments
 hold a file's text (a model writing code through a tool), given a few characters a piece as a stream's tokens
-come, under "required" and the hermes and qwen3_coder parsers; prints the seconds each takes over the whole
-output and per piece. No model runs: this is the event loop's own work per streamed token.
+come, under "required" and the hermes, qwen3_coder and openai parsers (openai: gpt-oss's harmony output read
+first, its analysis apart, as the server reads it); prints the seconds each takes over the whole output and per
+piece. No model runs: this is the event loop's own work per streamed token.
 
     python benchmarks/tool_stream.py [--lines 3000] [--piece 4]
 """
@@ -10,6 +11,7 @@ import argparse
 import json
 import time
 
+from ortmodule.serving.harmony import HarmonyStream
 from ortmodule.serving.tools import ToolPlan, ToolStream
 
 
@@ -21,7 +23,10 @@ def outputs(lines: int) -> dict[str, tuple[ToolPlan, str]]:
     return {"required": (ToolPlan("required"), f'[{{"name": "write", "parameters": {arguments}}}]'),
             "hermes": (ToolPlan("auto", parser="hermes"),
                        f'Writing it. <tool_call>\n{{"name": "write", "arguments": {arguments}}}\n</tool_call>'),
-            "qwen3_coder": (ToolPlan("auto", parser="qwen3_coder"), xml)}
+            "qwen3_coder": (ToolPlan("auto", parser="qwen3_coder"), xml),
+            "openai": (ToolPlan("auto", parser="openai"),
+                       "<|channel|>analysis<|message|>The user wants a page.<|end|><|start|>assistant<|channel|>"
+                       f"commentary to=functions.write <|constrain|>json<|message|>{arguments}<|call|>")}
 
 
 def main() -> None:
@@ -31,9 +36,13 @@ def main() -> None:
     args = parser.parse_args()
     for name, (plan, text) in outputs(args.lines).items():
         pieces = [text[i: i + args.piece] for i in range(0, len(text), args.piece)]
-        stream = ToolStream(plan)
+        stream, harmony = ToolStream(plan), HarmonyStream(calls=True) if plan.parser == "openai" else None
         start = time.perf_counter()
-        deltas = [stream.piece(piece) for piece in pieces] + stream.end(text, "stop")[0]
+        if harmony is None:
+            deltas = [stream.piece(piece) for piece in pieces] + stream.end(text, "stop")[0]
+        else:  # the calls read from the content harmony's reading gives, piece by piece
+            deltas = [stream.piece(harmony.piece(piece)[1]) for piece in pieces]
+            deltas += stream.end(stream.text + harmony.end()[1], "stop")[0]
         seconds = time.perf_counter() - start
         sent = sum(1 for d in deltas if d.get("tool_calls"))
         print(f"{name:12s} {len(text):7d} characters, {len(pieces):6d} pieces: {seconds:.3f} s, "
