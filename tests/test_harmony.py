@@ -260,3 +260,37 @@ def test_the_calls_stream_as_the_whole_answer_reads_them(text):
     stream = ToolStream(auto_plan("openai"))
     sent = [stream.piece(c) for c in content]  # before the end: the arguments as they are written
     assert sum(1 for d in sent for call in d.get("tool_calls", ()) if call["function"]["arguments"]) > 1
+
+
+def test_gptoss_on_the_responses_api(gptoss_live):
+    """The Responses API over the harmony reading (Codex's API for gpt-oss): a `reasoning` item with the analysis
+    text, the preamble's message, then a `function_call` item with the arguments the model wrote, in the `openai`
+    client's types, its stream helper's final response the same; transformers' greedy output under the grammar is
+    the reference."""
+    from openai import OpenAI
+    from openai.types.responses import Response
+
+    live, hf, tokenizer = gptoss_live
+    lark = ('start: <|channel|> "analysis" <|message|> /[a-z ]{4,12}/ <|end|> <|start|> "assistant" <|channel|> '
+            '"commentary" <|message|> /[A-Z][a-z]{2,8}\\./ <|end|> <|start|> "assistant" <|channel|> '
+            '"commentary to=functions.get_weather " <|constrain|> "json" <|message|> "{\\"city\\":\\"" /(Paris|Rome)/ '
+            '"\\"}" <|call|>')
+    ids = list(tokenizer.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False))
+    text = tokenizer.decode(grammar_greedy(hf, tokenizer, ids, lark, 120)[0])
+    thought = re.search(r"analysis<\|message\|>(.*?)<\|end\|>", text).group(1)
+    preamble = re.search(r"commentary<\|message\|>(.*?)<\|end\|>", text).group(1)
+    arguments = re.search(r"json<\|message\|>(.*?)<\|call\|>", text).group(1)
+    sdk = OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0)
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    request = dict(model=NAME, input=ASK, tools=tools, max_output_tokens=120, temperature=0.0,
+                   extra_body={"structured_outputs": {"grammar": lark}})
+    whole = sdk.responses.create(**request)
+    Response.model_validate(whole.model_dump(), strict=True)
+    with sdk.responses.stream(**request) as stream:
+        streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        reasoning, message, call = response.output
+        assert (reasoning.type, reasoning.content[0].text) == ("reasoning", thought)
+        assert (message.type, message.content[0].text) == ("message", preamble)
+        assert (call.type, call.name, call.arguments) == ("function_call", "get_weather", arguments)
