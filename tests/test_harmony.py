@@ -14,7 +14,6 @@ from helpers import OPENAI_NAME as NAME
 from helpers import grammar_greedy, served_live
 
 from ortmodule.serving import harmony
-from ortmodule.serving.settings import Settings
 
 llguidance = pytest.importorskip("llguidance")
 from llguidance import LLMatcher  # noqa: E402
@@ -100,10 +99,29 @@ def test_random_harmony_messages_read_back(request):
         assert (got[0] or None, got[1] or None) == (reasoning, content)
 
 
-def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser():
-    with pytest.raises(ValueError, match="openai_gptoss"):
-        Settings(enable_auto_tool_choice=True, tool_call_parser="openai")
-    Settings(enable_auto_tool_choice=True, tool_call_parser="openai", reasoning_parser="openai_gptoss")
+def test_a_gptoss_package_is_read_as_harmony_by_default(build, llama):
+    """A gpt-oss package is served with the harmony reading (vLLM always reads gpt-oss's harmony), and with it
+    the `openai` tool parser; another model's package takes the `openai` tool parser only beside the harmony
+    reasoning parser (a ValueError naming it, `ortmodule serve`'s one-line error)."""
+    from ortmodule import OrtModelForCausalLM, load_tokenizer
+    from ortmodule.serving import create_app
+
+    gptoss = build("gpt_oss")
+    model = OrtModelForCausalLM.from_pretrained(gptoss.package_dir)
+    app = create_app(model, load_tokenizer(gptoss.package_dir), enable_auto_tool_choice=True,
+                     tool_call_parser="openai")
+    try:
+        assert app.state.served.settings.reasoning_parser == "openai_gptoss"
+    finally:
+        app.state.served.engine.stop()
+    model = OrtModelForCausalLM.from_pretrained(llama.package_dir)
+    with pytest.raises(ValueError, match="--reasoning-parser openai_gptoss"):
+        create_app(model, load_tokenizer(llama.package_dir), enable_auto_tool_choice=True, tool_call_parser="openai")
+    app = create_app(model, load_tokenizer(llama.package_dir))
+    try:
+        assert app.state.served.settings.reasoning_parser is None
+    finally:
+        app.state.served.engine.stop()
 
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}

@@ -47,6 +47,13 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     settings = settings or Settings.with_environment(**options)
     if settings.token_budget is None:
         settings = dataclasses.replace(settings, token_budget=scoring.default_token_budget(model.device))
+    if settings.reasoning_parser is None and getattr(getattr(model, "config", None), "model_type", None) == "gpt_oss":
+        # gpt-oss writes harmony, which vLLM always reads (its analysis channel apart from the answer)
+        settings = dataclasses.replace(settings, reasoning_parser="openai_gptoss")
+        log.info("gpt-oss: its harmony output is read as --reasoning-parser openai_gptoss reads it, as vLLM reads it")
+    if settings.tool_call_parser == "openai" and settings.reasoning_parser != "openai_gptoss":
+        raise ValueError("tool_call_parser openai reads gpt-oss's harmony messages, which need reasoning_parser "
+                         "openai_gptoss (--reasoning-parser openai_gptoss; a gpt-oss package has it by default)")
     chat_images = ChatImages(model, settings.processor, tokenizer) if settings.processor is not None else None
     engine = Engine(model, settings)
     # The package's folder name, never its path (which would tell clients about the host).

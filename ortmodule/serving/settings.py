@@ -132,9 +132,6 @@ class Settings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser): the parser that "
                              f"reads the model's calls, one of {', '.join(TOOL_CALL_PARSERS)}")
-        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
-            raise ValueError("tool_call_parser openai reads gpt-oss's harmony messages, which need reasoning_parser "
-                             "openai_gptoss (--reasoning-parser openai_gptoss)")
 
     @classmethod
     def with_environment(cls, **given) -> Settings:
