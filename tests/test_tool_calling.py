@@ -276,12 +276,21 @@ def test_auto_needs_the_servers_parser_and_the_settings_are_checked(openai_live)
     ('{"name": "f", "arguments": {"a": "é"}}; {"name": "g", "parameters": {}}', None,
      [("f", '{"a": "é"}'), ("g", "{}")]),
     ("The answer is 4.", "The answer is 4.", None),
-    ('{"name": "f", "parameters": {"a": ', '{"name": "f", "parameters": {"a": ', None),
+    ('{"name": "f", "parameters": {"a": 1}} ;\n{"name": "g", "arguments": {"b": [2]}}\n', None,
+     [("f", '{"a": 1}'), ("g", '{"b": [2]}')]),
 ])
 def test_the_llama3_json_parser_reads_llamas_calls(text, content, calls):
-    """Llama 3.1's JSON calls (its `<|python_tag|>` or a bare object, "; " between calls) as vLLM's parser of
-    that name reads them; text, or a call cut short, stays text; streamed the same at any cut."""
+    """Llama 3.1's JSON calls (its `<|python_tag|>` or a bare object, ";" between calls) as vLLM's parser of
+    that name reads them, each one's arguments as written; text stays text; streamed the same at any cut (the
+    arguments in pieces as written); a call the length cut short comes as far as written, whole and streamed;
+    calls not separated by ";", or cut short otherwise, are text in a whole answer."""
+    from ortmodule.serving.tools import read_calls
+
     streams_as_read(auto_plan("llama3_json"), text, content, calls)
+    cut = '{"name": "f", "parameters": {"a": '
+    streams_as_read(auto_plan("llama3_json"), cut, None, [("f", '{"a":')], finish="length")
+    for text in (cut, '{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}'):
+        assert read_calls(auto_plan("llama3_json"), text) == (text, None)
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), [
@@ -303,19 +312,25 @@ def auto_plan(parser):
     return ToolPlan("auto", parser=parser)
 
 
-def streams_as_read(plan, text, content, calls):
-    """`read_calls`'s reading of `text`; and a stream given it in two pieces, cut anywhere, or a character at a
-    time, sends the same content and the same calls (put together as a client puts them)."""
-    from ortmodule.serving.tools import ToolStream, read_calls
+def streams_as_read(plan, text, content, calls, finish="stop"):
+    """`read_calls`'s reading of `text` (the whole answer's, where the length cut it: `finish` "length"); and a
+    stream given it in two pieces, cut anywhere, or a character at a time, sends the same content and the same
+    calls (put together as a client puts them)."""
+    from ortmodule.serving.tools import ToolStream, read_calls, tool_message
 
-    assert read_calls(plan, text) == (content, calls)
+    if finish == "stop":
+        assert read_calls(plan, text) == (content, calls)
+    else:
+        message = tool_message(plan, text, finish)[0]
+        assert (message["content"], [(c["function"]["name"], c["function"]["arguments"])
+                                     for c in message.get("tool_calls", ())] or None) == (content, calls)
     for cut in range(len(text) + 1):
         stream = ToolStream(plan)
-        sent = [stream.piece(text[:cut]), stream.piece(text[cut:]), *stream.end(text, "stop")[0]]
+        sent = [stream.piece(text[:cut]), stream.piece(text[cut:]), *stream.end(text, finish)[0]]
         assert "".join(d.get("content", "") for d in sent) == (content or ""), cut
         assert gathered(sent) == (calls or []), cut
     stream = ToolStream(plan)  # a character at a time
-    sent = [stream.piece(c) for c in text] + stream.end(text, "stop")[0]
+    sent = [stream.piece(c) for c in text] + stream.end(text, finish)[0]
     assert "".join(d.get("content", "") for d in sent) == (content or "")
     assert gathered(sent) == (calls or [])
 
@@ -337,12 +352,19 @@ def gathered(deltas: list[dict]) -> list[tuple[str, str]]:
      [("f", '{"a": [1, 2]}'), ("g", "{}")]),
     ('Let me check. functools[{"name": "f", "arguments": {}}]', "Let me check. ", [("f", "{}")]),
     ("No call.", "No call.", None),
-    ('functools[{"name": "f", "arguments": {', 'functools[{"name": "f", "arguments": {', None),
+    ('Sure functools[ {"arguments": {"x": "]"} ,"name": "f"} ]', "Sure ", [("f", '{"x": "]"}')]),
 ])
 def test_the_phi4_mini_json_parser_reads_phi4_minis_calls(text, content, calls):
     """Phi-4-mini's `functools[...]` calls as vLLM's parser of that name reads them (a list in the arguments
-    too); the text before them its content; a call cut short stays text."""
+    too), each one's arguments as written; the text before them its content; streamed the same at any cut (the
+    arguments in pieces as written); a call the length cut short comes as far as written, whole and streamed,
+    and is text in a whole answer the length did not cut."""
+    from ortmodule.serving.tools import read_calls
+
     streams_as_read(auto_plan("phi4_mini_json"), text, content, calls)
+    cut = 'Sure. functools[{"name": "f", "arguments": {'
+    streams_as_read(auto_plan("phi4_mini_json"), cut, "Sure. ", [("f", "{")], finish="length")
+    assert read_calls(auto_plan("phi4_mini_json"), cut) == (cut, None)
 
 
 XML_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
@@ -459,6 +481,27 @@ def test_the_mistral_parser_reads_mistrals_calls(text, content, calls):
     """Mistral's `[TOOL_CALLS]` calls as vLLM's `mistral` parser reads them, in both of its tokenizers' forms;
     the text before them the content; streamed the same at any cut."""
     streams_as_read(auto_plan("mistral"), text, content, calls)
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": 1, "b": "two"}}; {"name": "g", '
+                    '"parameters": {"c": [3, 4]}}'),
+    ("phi4_mini_json", 'functools[{"name": "f", "arguments": {"a": 1, "b": "two"}}]'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1, "b": "two"}}]'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1, "b": "two"}  [TOOL_CALLS]g[ARGS]{"c": [3, 4]}\n'),
+])
+def test_llama3_phi4_and_mistral_calls_stream_in_pieces(parser, text):
+    """A character at a time, each call comes once its name is whole and its arguments have begun, then its
+    arguments in pieces as written (they came whole at the end before): every call more than one piece before
+    the end, put together the whole answer's."""
+    from ortmodule.serving.tools import ToolStream, read_calls
+
+    stream = ToolStream(auto_plan(parser))
+    sent = [stream.piece(c) for c in text]
+    for k, (_, arguments) in enumerate(read_calls(auto_plan(parser), text)[1]):
+        pieces = [p["function"]["arguments"] for d in sent for p in d.get("tool_calls", ()) if p["index"] == k]
+        assert len([p for p in pieces if p]) > 1 and arguments.startswith("".join(pieces)), (k, pieces)
+    assert gathered(sent + stream.end(text, "stop")[0]) == read_calls(auto_plan(parser), text)[1]
 
 
 Q = '<|"|>'  # Gemma 4's string delimiter (a token of its own)

@@ -39,6 +39,18 @@ from .settings import Settings
 log = logging.getLogger("ortmodule.serving")
 
 
+def _harmony(settings: Settings, model) -> Settings:
+    """gpt-oss writes OpenAI's harmony, which vLLM always reads (its analysis channel apart from the answer): its
+    package's reasoning parser is `openai_gptoss` unless one is named; the `openai` tool parser needs it."""
+    if settings.reasoning_parser is None and getattr(getattr(model, "config", None), "model_type", None) == "gpt_oss":
+        settings = dataclasses.replace(settings, reasoning_parser="openai_gptoss")
+        log.info("gpt-oss: its harmony output is read as --reasoning-parser openai_gptoss reads it, as vLLM reads it")
+    if settings.tool_call_parser == "openai" and settings.reasoning_parser != "openai_gptoss":
+        raise ValueError("tool_call_parser openai reads gpt-oss's harmony messages, which need reasoning_parser "
+                         "openai_gptoss (--reasoning-parser openai_gptoss; a gpt-oss package has it by default)")
+    return settings
+
+
 def create_app(model, tokenizer, settings: Settings | None = None, **options) -> FastAPI:
     """The FastAPI app: SGLang's `POST /v1/score`, OpenAI's `/v1/completions`,
     `/v1/chat/completions` and `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`,
@@ -47,13 +59,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     settings = settings or Settings.with_environment(**options)
     if settings.token_budget is None:
         settings = dataclasses.replace(settings, token_budget=scoring.default_token_budget(model.device))
-    if settings.reasoning_parser is None and getattr(getattr(model, "config", None), "model_type", None) == "gpt_oss":
-        # gpt-oss writes harmony, which vLLM always reads (its analysis channel apart from the answer)
-        settings = dataclasses.replace(settings, reasoning_parser="openai_gptoss")
-        log.info("gpt-oss: its harmony output is read as --reasoning-parser openai_gptoss reads it, as vLLM reads it")
-    if settings.tool_call_parser == "openai" and settings.reasoning_parser != "openai_gptoss":
-        raise ValueError("tool_call_parser openai reads gpt-oss's harmony messages, which need reasoning_parser "
-                         "openai_gptoss (--reasoning-parser openai_gptoss; a gpt-oss package has it by default)")
+    settings = _harmony(settings, model)
     chat_images = ChatImages(model, settings.processor, tokenizer) if settings.processor is not None else None
     engine = Engine(model, settings)
     # The package's folder name, never its path (which would tell clients about the host).

@@ -1,7 +1,8 @@
 """JSON tool calls read as they are written, for streaming their arguments in pieces (tools.py's `ToolStream`).
 
 A call is a JSON object `{"name": ..., KEY: {...}}` (KEY "parameters" in "required"'s list, "arguments" in
-hermes' `<tool_call>`): `CallScanner` takes the output a piece at a time, each character once, and tells for
+hermes' `<tool_call>`, either in Llama 3's and Phi-4-mini's), alone, in a list, or in a row with a separator between
+(Llama 3's "; "): `CallScanner` takes the output a piece at a time, each character once, and tells for
 each call its name, once its string is whole, and where its arguments' text begins and how far it reaches
 (to its last character that is not space, so that what is given of it only grows). The arguments are the
 text the model wrote, so that the pieces streamed put together are the whole answer's arguments.
@@ -24,20 +25,24 @@ class FoundCall:
     start: int | None = None
     reach: int | None = None
     closed: bool = False
+    key: str | None = None  # the key its arguments are under (the first of the scanner's keys it writes)
 
 
 class CallScanner:
     """Calls written as JSON objects (module docstring): one object (`listed` false) or a list of them; `key` the
-    arguments' key. `feed` takes the text as it grows; `calls` holds what is found so far. `broken` is set, and
-    reading stops, where the text leaves that form (the whole text is then read as it is at the end)."""
+    arguments' key (or keys: the first a call writes is its arguments); `separator`: the objects in a row with it
+    between them, no brackets (Llama 3's ";"). `feed` takes the text as it grows; `calls` holds what is found so
+    far. `broken` is set, and reading stops, where the text leaves that form (the whole text is then read as it is
+    at the end)."""
 
-    def __init__(self, key: str, listed: bool):
-        self.key, self.level = key, 2 if listed else 1
+    def __init__(self, key: str | tuple[str, ...], listed: bool, separator: str | None = None):
+        self.keys, self.level = (key,) if isinstance(key, str) else key, 2 if listed or separator else 1
+        self.separator = separator
         self.text, self.calls, self.broken = "", [], False
-        self._at, self._depth, self._string, self._escape, self._string_at = 0, 0, False, False, 0
+        self._at, self._depth, self._string, self._escape, self._string_at = 0, int(bool(separator)), False, False, 0
         # in a call's object: "key", "colon", "value", "scalar" (a number or literal), "after" (',' or '}');
         # between a list's calls: "item" ('{'), "sep" (',' or ']'), "done"
-        self._expect, self._key = "key", None  # the key whose value is read
+        self._expect, self._key = "item" if separator else "key", None  # the key whose value is read
 
     def feed(self, text: str) -> None:
         self.text += text
@@ -51,7 +56,7 @@ class CallScanner:
 
     def _step(self, i: int, c: str) -> None:
         call = self.calls[-1] if self.calls else None
-        reading = call is not None and self._key == self.key and call.start is not None and not call.closed
+        reading = call is not None and call.start is not None and not call.closed and self._key == call.key
         if self._string:
             if reading:
                 call.reach = i + 1
@@ -82,7 +87,8 @@ class CallScanner:
             self._punctuation(c)
 
     def _between_calls(self, c: str) -> None:
-        """Outside the calls: a list's brackets and commas (listed), else the one call's opening."""
+        """Outside the calls: a list's brackets and commas (listed) or the separators of a row, else the one call's
+        opening."""
         item = self._depth == self.level - 1 and (self.level == 2 and self._expect == "item" or not self.calls)
         if c == "{" and item:
             self._depth += 1
@@ -90,16 +96,17 @@ class CallScanner:
             self._expect, self._key = "key", None
         elif self.level == 2 and c == "[" and self._depth == 0 and not self.calls:
             self._depth, self._expect = 1, "item"
-        elif self.level == 2 and self._depth == 1 and c == "," and self._expect == "sep":
+        elif self.level == 2 and self._depth == 1 and c == (self.separator or ",") and self._expect == "sep":
             self._expect = "item"
-        elif self.level == 2 and self._depth == 1 and c == "]" and (self._expect == "sep" or not self.calls):
+        elif self.level == 2 and self._depth == 1 and c == "]" and not self.separator and \
+                (self._expect == "sep" or not self.calls):
             self._depth, self._expect = 0, "done"
         else:
             self.broken = True
 
     def _value_begins(self, i: int, c: str, call: FoundCall) -> None:
-        if self._key == self.key:
-            call.start, call.reach = i, i + 1
+        if self._key in self.keys and call.key is None:
+            call.start, call.reach, call.key = i, i + 1, self._key
         if c == '"':
             self._string, self._string_at = True, i
         elif c in "{[":
@@ -149,5 +156,5 @@ class CallScanner:
 
     def _value_read(self, call: FoundCall) -> None:
         self._expect = "after"
-        if self._key == self.key:
+        if self._key == call.key:
             call.closed = True

@@ -40,7 +40,7 @@ import string
 import uuid
 from dataclasses import dataclass
 
-from . import gemma4_calls, harmony
+from . import gemma4_calls, harmony, listed_calls
 from .errors import ServingError
 from .json_calls import CallScanner
 from .settings import TOOL_CALL_PARSERS
@@ -49,14 +49,14 @@ from .text import safe_before, special_tokens
 PARSERS = TOOL_CALL_PARSERS
 CHOICES = ("none", "auto", "required")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
-_PHI4 = "functools["
+_PHI4 = listed_calls.PHI4
 # Where a parser's calls begin, for the parsers whose calls may follow text.
 _LFM2_START, _LFM2_END = "<|tool_call_start|>", "<|tool_call_end|>"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
-_MISTRAL = "[TOOL_CALLS]"
+_MISTRAL = listed_calls.MISTRAL
 _STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START, "lfm2": _LFM2_START,
            "mistral": _MISTRAL, "gemma4": gemma4_calls.START, harmony.TOOL_PARSER: harmony.CHANNEL}
-_PYTHON_TAG = "<|python_tag|>"
+_PYTHON_TAG = listed_calls.PYTHON_TAG
 # Where a parser's calls begin for the parsers whose calls are the whole output.
 _OPENINGS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "[")}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -402,47 +402,6 @@ def _typed(value: str, schema) -> object:
         return value
 
 
-def _phi4_mini_json(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
-    at = text.find(_PHI4)
-    if at < 0:
-        return text, None
-    calls, _ = json.JSONDecoder().raw_decode(text, at + len(_PHI4) - 1)
-    return text[:at] or None, [(c["name"], json.dumps(c["arguments"] if "arguments" in c else c["parameters"],
-                                                      ensure_ascii=False)) for c in calls]
-
-
-def _llama3_json(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
-    if not (text.startswith(_PYTHON_TAG) or text.startswith("{")):
-        return text, None
-    decoder, calls = json.JSONDecoder(), []
-    at = len(_PYTHON_TAG) if text.startswith(_PYTHON_TAG) else 0
-    while at < len(text):
-        call, end = decoder.raw_decode(text[at:])
-        calls.append((call["name"], json.dumps(call["arguments"] if "arguments" in call else call["parameters"],
-                                               ensure_ascii=False)))
-        at += end + len("; ")
-    return None, calls
-
-
-def _mistral(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
-    """Mistral's calls, as vLLM's `mistral` parser reads them: after `[TOOL_CALLS]`, a JSON list of `{"name",
-    "arguments"}` (its tokenizers before v11), or `name[ARGS]{...}` after each `[TOOL_CALLS]` (v11 on: the
-    arguments the text from `{`, as written)."""
-    if _MISTRAL not in text:
-        return text, None
-    content, *raw = text.split(_MISTRAL)
-    if raw[0].lstrip().startswith("["):  # before v11: one list
-        if len(raw) != 1:
-            raise ValueError("more than one [TOOL_CALLS] before a list of calls")
-        found, _ = json.JSONDecoder().raw_decode(raw[0].strip())
-        calls = [(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in found]
-    else:
-        calls = [(r[: r.find("{")].replace("[ARGS]", "").strip(), r[r.find("{"):].rstrip()) for r in raw if "{" in r]
-    if not calls:
-        raise ValueError("no call after [TOOL_CALLS]")
-    return content or None, calls
-
-
 def _gemma4(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     """Gemma 4's calls (gemma4_calls.py), as vLLM's `gemma4` parser reads them: each whole
     `<|tool_call>call:NAME{...}<tool_call|>`; the text before the first the content (as streamed: vLLM trims it
@@ -454,8 +413,8 @@ def _gemma4(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     return text[: text.find(gemma4_calls.START)] or None, calls
 
 
-_READERS = {"hermes": _hermes, "llama3_json": _llama3_json, "phi4_mini_json": _phi4_mini_json,
-            "pythonic": _pythonic, "lfm2": _lfm2, "mistral": _mistral, "gemma4": _gemma4,
+_READERS = {"hermes": _hermes, "llama3_json": listed_calls.llama3_json, "phi4_mini_json": listed_calls.phi4_mini_json,
+            "pythonic": _pythonic, "lfm2": _lfm2, "mistral": listed_calls.mistral, "gemma4": _gemma4,
             harmony.TOOL_PARSER: harmony.read_calls}
 
 
@@ -471,7 +430,8 @@ def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
         found = [(name, source[start:reach]) for name, source, start, reach in calls_so_far(plan, text, CallReading())
                  if name is not None]
         if found:
-            content = text[: text.find(_HERMES_START)] or None if plan.mode == "auto" else None
+            marker = _STARTS.get(plan.parser, "") if plan.mode == "auto" else ""
+            content = text[: text.find(marker)] or None if marker and marker in text else None
             calls = found if plan.parallel else found[:1]
     if calls is None:
         return {"role": "assistant", "content": content}, finish
@@ -493,6 +453,7 @@ class CallReading:
         self.coder: dict[int, tuple[bool, str | None, str]] = {}
         self.seen: dict[int, int] = {}  # how far each qwen3_coder call's text was looked at
         self.harmony = harmony.CallsRead()  # the openai parser's calls (gpt-oss's harmony messages)
+        self.listed: listed_calls.ListedReading | None = None  # llama3_json's, phi4_mini_json's, mistral's
 
     def bodies(self, text: str):
         """Each `<tool_call>` from the first not yet closed (`_call_spans`): (its number, where its text begins,
@@ -516,6 +477,7 @@ class CallReading:
 
 
 _CODER_TAGS = ("</parameter>", "<parameter=", "</function>")  # the longest first
+_LISTED = ("llama3_json", "phi4_mini_json", "mistral")  # listed_calls.py's parsers
 
 
 def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[str | None, str, int, int]]:
@@ -532,6 +494,9 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
         scanners[0].feed(text[len(scanners[0].text):])
     elif plan.mode == "auto" and plan.parser == harmony.TOOL_PARSER:
         return reading.harmony.read(text)
+    elif plan.mode == "auto" and plan.parser in _LISTED:
+        reading.listed = reading.listed or listed_calls.ListedReading(plan.parser)
+        return reading.listed.read(text)
     elif plan.mode != "auto" or plan.parser not in ("hermes", "qwen3_coder"):
         return []
     for j, begin, end, closed in reading.bodies(text):
