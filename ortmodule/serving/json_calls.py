@@ -31,23 +31,33 @@ class FoundCall:
 class CallScanner:
     """Calls written as JSON objects (module docstring): one object (`listed` false) or a list of them; `key` the
     arguments' key (or keys: the first a call writes is its arguments); `separator`: the objects in a row with it
-    between them, no brackets (Llama 3's ";"). `feed` takes the text as it grows; `calls` holds what is found so
-    far. `broken` is set, and reading stops, where the text leaves that form (the whole text is then read as it is
-    at the end)."""
+    between them, no brackets (Llama 3's ";"); `origin`: where they begin in the text. `feed` takes the text a
+    piece at a time (`read`: the text so far, taken whole); `calls` holds what is found so far, its positions in
+    the text. `broken` is set, and reading stops, where the text leaves that form (the whole text is then read as
+    it is at the end)."""
 
-    def __init__(self, key: str | tuple[str, ...], listed: bool, separator: str | None = None):
+    def __init__(self, key: str | tuple[str, ...], listed: bool, separator: str | None = None, origin: int = 0):
         self.keys, self.level = (key,) if isinstance(key, str) else key, 2 if listed or separator else 1
         self.separator = separator
         self.text, self.calls, self.broken = "", [], False
-        self._at, self._depth, self._string, self._escape, self._string_at = 0, int(bool(separator)), False, False, 0
+        # where the calls begin in the text (`read`: a stream's whole output, the positions found in it)
+        self._at, self._depth, self._string, self._escape, self._string_at = origin, int(bool(separator)), False, \
+            False, 0
         # in a call's object: "key", "colon", "value", "scalar" (a number or literal), "after" (',' or '}');
         # between a list's calls: "item" ('{'), "sep" (',' or ']'), "done"
         self._expect, self._key = "item" if separator else "key", None  # the key whose value is read
 
     def feed(self, text: str) -> None:
-        self.text += text
-        while self._at < len(self.text) and not self.broken:
-            self._step(self._at, self.text[self._at])
+        """Take the text's next piece."""
+        self.read(self.text + text)
+
+    def read(self, text: str, upto: int | None = None) -> None:
+        """Take the text so far, to `upto` (its end): the text read before grown (a stream's whole output, taken
+        as it is rather than copied piece by piece)."""
+        self.text = text
+        end = len(text) if upto is None else upto
+        while self._at < end and not self.broken:
+            self._step(self._at, text[self._at])
             self._at += 1
 
     def arguments(self, call: FoundCall) -> str:

@@ -105,12 +105,14 @@ class ListedReading:
     def read(self, text: str) -> list[tuple[str | None, str, int, int]]:
         """Each call so far: its name (None until whole and its arguments have begun), the text its arguments are
         in, where they begin and how far they reach."""
+        if self.marks:
+            return self._v11(text)
         if self.scanner is None and not self._begin(text):
             return []
         if self.scanner is None:
             return self._v11(text)
         scanner = self.scanner
-        scanner.feed(text[self.origin + len(scanner.text):])
+        scanner.read(text)
         return [(c.name if c.name is not None and c.start is not None else None, scanner.text, c.start or 0,
                  c.reach or 0) for c in scanner.calls]
 
@@ -119,7 +121,7 @@ class ListedReading:
         if self.parser == "llama3_json":
             self.origin = _llama3_origin(text)
             if self.origin is not None:
-                self.scanner = CallScanner(_EITHER, listed=True, separator=";")
+                self.scanner = CallScanner(_EITHER, listed=True, separator=";", origin=self.origin)
             return self.origin is not None
         marker = PHI4 if self.parser == "phi4_mini_json" else MISTRAL
         at = text.find(marker)
@@ -128,7 +130,8 @@ class ListedReading:
         begin = _skip_space(text, at + len(marker))
         if self.parser == "phi4_mini_json" or text.startswith("[", begin):
             self.origin = at + len(marker) - 1 if self.parser == "phi4_mini_json" else begin
-            self.scanner = CallScanner(_EITHER if self.parser == "phi4_mini_json" else ("arguments",), listed=True)
+            self.scanner = CallScanner(_EITHER if self.parser == "phi4_mini_json" else ("arguments",), listed=True,
+                                       origin=self.origin)
             return True
         if begin == len(text):  # not yet known which form
             return False
@@ -146,7 +149,7 @@ class ListedReading:
         found = []
         for mark in self.marks:
             begin, brace, end = mark
-            end = end if end is not None else safe_before(text, MISTRAL, begin)
+            end = end if end is not None else safe_before(text, MISTRAL, max(begin, self.looked))
             if brace is None:
                 brace = text.find("{", begin, end)
                 mark[1] = brace = None if brace < 0 else brace

@@ -16,7 +16,7 @@ go to the template as transformers' chat templates take them.
 The parsers (vLLM's of the same names): `hermes` (Hermes, Qwen2.5, Qwen3, SmolLM3: `<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>`, text before the first call its content), `llama3_json` (Llama 3.1-3.3's
 JSON calls: output that starts with `<|python_tag|>` or `{`, calls `{"name", "parameters"}` separated by
-"; "), `phi4_mini_json` (Phi-4-mini's `functools[{"name", "arguments"}, ...]`, text before it its content),
+";"), `phi4_mini_json` (Phi-4-mini's `functools[{"name", "arguments"}, ...]`, text before it its content),
 `qwen3_coder` (Qwen3.5, Qwen3-Coder: `<tool_call><function=NAME><parameter=P>value</parameter>...</function>
 </tool_call>`, each value typed by the tool's schema, text before the first call its content), `pythonic` (Llama
 3.2's and Llama 4's Python calls: output that is `[f(a=1), g(b="x")]`, Llama 4's `<|python_start|>` around it
@@ -442,13 +442,13 @@ def tool_message(plan: ToolPlan, text: str, finish: str) -> tuple[dict, str]:
 
 class CallReading:
     """What a stream has read of its calls so far (`calls_so_far`), so that each piece is read once: the JSON
-    scanners (one for "required"'s list, one a hermes `<tool_call>`), where the first `<tool_call>` not yet closed
-    begins and how many closed before it, and each qwen3_coder call's last reading with where its tags stood (a
-    parameter, the name and the function's end only come at a tag)."""
+    scanners (one for "required"'s list, one a hermes `<tool_call>`), how many `<tool_call>`s closed, where the
+    open one's text begins and how far the text was looked at for their markers, and each qwen3_coder call's last
+    reading with where its tags stood (a parameter, the name and the function's end only come at a tag)."""
 
     def __init__(self):
         self.scanners: list[CallScanner] = []
-        self.at, self.closed = 0, 0
+        self.closed, self.begin, self.looked = 0, None, 0  # calls closed; the open one's text; where to look
         # a qwen3_coder call's last reading: whether whole, its name, its arguments' text so far
         self.coder: dict[int, tuple[bool, str | None, str]] = {}
         self.seen: dict[int, int] = {}  # how far each qwen3_coder call's text was looked at
@@ -456,12 +456,22 @@ class CallReading:
         self.listed: listed_calls.ListedReading | None = None  # llama3_json's, phi4_mini_json's, mistral's
 
     def bodies(self, text: str):
-        """Each `<tool_call>` from the first not yet closed (`_call_spans`): (its number, where its text begins,
-        where it ends, whether closed)."""
-        for j, (begin, end, closed) in enumerate(_call_spans(text, self.at), self.closed):
-            yield j, begin, end, closed
-            if closed:  # read whole once this reading is done: not again
-                self.at, self.closed = end + len(_HERMES_END), j + 1
+        """Each `<tool_call>` from the first not yet closed, as `_call_spans` reads them: (its number, where its
+        text begins, where it ends, whether closed); each character looked at once for the markers."""
+        while True:
+            if self.begin is None:  # no call open: the next <tool_call>, looked for in what came since
+                start = text.find(_HERMES_START, self.looked)
+                if start < 0:
+                    self.looked = max(self.looked, len(text) - len(_HERMES_START) + 1)
+                    return
+                self.begin = self.looked = start + len(_HERMES_START)
+            end = text.find(_HERMES_END, self.looked)
+            if end < 0:
+                self.looked = max(self.begin, len(text) - len(_HERMES_END) + 1)
+                yield self.closed, self.begin, len(text), False
+                return
+            yield self.closed, self.begin, end, True  # read whole once: not again
+            self.closed, self.begin, self.looked = self.closed + 1, None, end + len(_HERMES_END)
 
     def coder_call(self, j: int, text: str, begin: int, end: int, tools: tuple[dict, ...], whole: bool) -> None:
         """qwen3_coder's call `j` read again where a tag that ends a parameter, the name or the function has come
@@ -491,8 +501,10 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
     if plan.mode == "required":
         if not scanners:
             scanners.append(CallScanner("parameters", listed=True))
-        scanners[0].feed(text[len(scanners[0].text):])
-    elif plan.mode == "auto" and plan.parser == harmony.TOOL_PARSER:
+        scanners[0].read(text)
+        return [(c.name if c.name is not None and c.start is not None else None, scanners[0].text, c.start or 0,
+                 c.reach or 0) for c in scanners[0].calls]
+    if plan.mode == "auto" and plan.parser == harmony.TOOL_PARSER:
         return reading.harmony.read(text)
     elif plan.mode == "auto" and plan.parser in _LISTED:
         reading.listed = reading.listed or listed_calls.ListedReading(plan.parser)
@@ -504,8 +516,8 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
             reading.coder_call(j, text, begin, end, plan.tools, closed)
             continue
         if j == len(scanners):
-            scanners.append(CallScanner("arguments", listed=False))
-        scanners[j].feed(text[begin + len(scanners[j].text): end])
+            scanners.append(CallScanner("arguments", listed=False, origin=begin))
+        scanners[j].read(text, end)
     if plan.parser == "qwen3_coder" and plan.mode == "auto":
         return [(name, arguments, 0, len(arguments))
                 for _, name, arguments in (reading.coder[j] for j in sorted(reading.coder))]
