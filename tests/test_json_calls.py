@@ -105,3 +105,45 @@ def test_random_calls_stream_as_their_whole_reading(seed):
     found = [(c.name, scanner.arguments(c)) for c in scanner.calls]
     assert [(name, json.loads(arguments)) for name, arguments in found] == calls
     assert all(arguments in text for _, arguments in found)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_llama3_phi4_and_mistral_calls_stream_as_their_whole_answer(seed):
+    """Random calls written in Llama 3's row (";" between), Phi-4-mini's `functools[...]`, Mistral's list and its
+    v11 `name[ARGS]{...}` form, with any spacing and escapes, given to the server's tool stream in random pieces:
+    the calls put together are the whole answer's, whose arguments parse to the values written (objects: what a
+    model writes), and the content the same."""
+    import random
+
+    from test_tool_calling import auto_plan, gathered
+
+    from ortmodule.serving.tools import ToolStream, read_calls
+
+    rng = random.Random(seed)
+    calls = [(f"tool_{rng.randrange(3)}", {"a": random_value(rng), "b" * rng.randrange(1, 3): random_value(rng)})
+             for _ in range(rng.randrange(1, 4))]
+    key = rng.choice(["arguments", "parameters"])
+    objects = [f'{{"name": "{name}", "{key}": {written(rng, value)}}}' for name, value in calls]
+    lead = rng.choice(["", "Sure. ", "a { b\n"])
+    parser = rng.choice(["llama3_json", "phi4_mini_json", "mistral", "mistral11"])
+    if parser == "llama3_json":
+        text, lead = rng.choice(["", "<|python_tag|>"]) + rng.choice([";", " ;\n", "; "]).join(objects), ""
+    elif parser == "phi4_mini_json":
+        text = lead + "functools[" + ", ".join(objects) + "]"
+    elif parser == "mistral":
+        text = lead + "[TOOL_CALLS]" + rng.choice(["", " "]) + "[" + ",".join(o.replace(key, "arguments")
+                                                                             for o in objects) + "]"
+    else:
+        text = lead + "".join(f"[TOOL_CALLS]{name}[ARGS]{written(rng, value)}" + rng.choice(["", "\n"])
+                              for name, value in calls)
+    plan = auto_plan("mistral" if parser == "mistral11" else parser)
+    content, found = read_calls(plan, text)
+    assert [(name, json.loads(arguments)) for name, arguments in found] == calls, (seed, text)
+    assert content == (lead or None)
+    stream, sent, at = ToolStream(plan), [], 0
+    while at < len(text):
+        step = rng.randrange(1, 8)
+        sent.append(stream.piece(text[at: at + step]))
+        at += step
+    sent += stream.end(text, "stop")[0]
+    assert gathered(sent) == found and "".join(d.get("content", "") for d in sent) == lead, (seed, text)
