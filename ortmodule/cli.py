@@ -312,9 +312,9 @@ def _parser_flags(serve: argparse.ArgumentParser) -> None:
                             ", llama3_json (Llama 3.1-3.3's JSON calls), phi4_mini_json (Phi-4-mini's "
                             "functools[...]), qwen3_coder (Qwen3.5, Qwen3-Coder: <tool_call><function=...>), "
                             "pythonic (Llama 3.2, Llama 4: [f(a=1)]), lfm2 (LFM2, LFM2.5), mistral "
-                            "([TOOL_CALLS]), gemma4 (Gemma 4: <|tool_call>call:...) or openai (gpt-oss's harmony "
-                            "messages to functions.NAME, with --reasoning-parser openai_gptoss), as vLLM's parsers of "
-                            "those names")
+                            "([TOOL_CALLS]), gemma4 (Gemma 4: <|tool_call>call:...), granite (Granite 3: "
+                            "<|tool_call|>[...]) or openai (gpt-oss's harmony messages to functions.NAME, with "
+                            "--reasoning-parser openai_gptoss), as vLLM's parsers of those names")
     serve.add_argument("--reasoning-parser", dest="reasoning_parser", default=None, choices=REASONING_PARSERS,
                        help="answer a thinking model's <think>...</think> text apart from its content (chat's "
                             "message.reasoning), as vLLM's flag of that name: qwen3, deepseek_r1, gemma4 (Gemma "

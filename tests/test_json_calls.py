@@ -108,11 +108,11 @@ def test_random_calls_stream_as_their_whole_reading(seed):
 
 
 @pytest.mark.parametrize("seed", range(200))
-def test_random_llama3_phi4_and_mistral_calls_stream_as_their_whole_answer(seed):
+def test_random_llama3_phi4_mistral_and_granite_calls_stream_as_their_whole_answer(seed):
     """Random calls written in Llama 3's row (";" between), Phi-4-mini's `functools[...]`, Mistral's list and its
-    v11 `name[ARGS]{...}` form, with any spacing and escapes, given to the server's tool stream in random pieces:
-    the calls put together are the whole answer's, whose arguments parse to the values written (objects: what a
-    model writes), and the content the same."""
+    v11 `name[ARGS]{...}` form, Granite's list, with any spacing and escapes, given to the server's tool stream in
+    random pieces: the calls put together are the whole answer's, whose arguments parse to the values written
+    (objects: what a model writes), and the content the same."""
     import random
 
     from test_tool_calling import auto_plan, gathered
@@ -125,8 +125,12 @@ def test_random_llama3_phi4_and_mistral_calls_stream_as_their_whole_answer(seed)
     key = rng.choice(["arguments", "parameters"])
     objects = [f'{{"name": "{name}", "{key}": {written(rng, value)}}}' for name, value in calls]
     lead = rng.choice(["", "Sure. ", "a { b\n"])
-    parser = rng.choice(["llama3_json", "phi4_mini_json", "mistral", "mistral11"])
-    if parser == "llama3_json":
+    parser = rng.choice(["llama3_json", "phi4_mini_json", "mistral", "mistral11", "granite"])
+    if parser == "granite":
+        text = rng.choice(["", " ", "<|tool_call|>", "<tool_call>", "<|tool_call|><tool_call> "]) + "[" + \
+            ", ".join(o.replace(key, "arguments") for o in objects) + "]" + rng.choice(["", "\n"])
+        lead = ""
+    elif parser == "llama3_json":
         text, lead = rng.choice(["", "<|python_tag|>"]) + rng.choice([";", " ;\n", "; "]).join(objects), ""
     elif parser == "phi4_mini_json":
         text = lead + "functools[" + ", ".join(objects) + "]"

@@ -436,9 +436,12 @@ def test_the_lfm2_parser_reads_lfm2s_calls(text, content, calls):
     ("llama", "mistral", r'\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Rome)", "unit": "(c|f)"\}'),
     ("llama", "gemma4", r'<\|tool_call>call:get_weather\{city:<\|"\|>(Paris|Rome)<\|"\|>,unit:<\|"\|>(c|f)<\|"\|>\}'
                         r"<tool_call\|>"),
+    ("llama", "granite", r'<\|tool_call\|>\[\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
+                         r'"unit": "(c|f)"\}\}\]'),
 ])
 def test_auto_reads_each_parsers_calls_from_the_models_output(build, arch, parser, call):
-    """tool_choice "auto" under `--tool-call-parser lfm2`, `pythonic`, `qwen3_coder`, `mistral` and `gemma4`: the
+    """tool_choice "auto" under `--tool-call-parser lfm2`, `pythonic`, `qwen3_coder`, `mistral`, `gemma4` and
+    `granite`: the
     model's output (held by a regex to the parser's form, on the lfm2 fixture for LFM2's) is transformers' greedy
     text; the call read from it, the text before it the content, finish "tool_calls", whole and streamed. Under
     mistral every call's id (a named function's too) is nine letters and digits, as Mistral's templates require."""
@@ -447,7 +450,7 @@ def test_auto_reads_each_parsers_calls_from_the_models_output(build, arch, parse
     live, _, hf, tokenizer = served_live(build(arch), TOOL_TEMPLATE, enable_auto_tool_choice=True,
                                          tool_call_parser=parser)
     try:
-        before = "" if parser == "pythonic" else "Sure. "  # pythonic's calls are the whole output
+        before = "" if parser in ("pythonic", "granite") else "Sure. "  # their calls are the whole output
         pattern = re.escape(before) + call
         expected, complete = greedy_text(hf, tokenizer, prompt_ids(tokenizer, ASK),
                                          LLMatcher.grammar_from_regex(pattern), 120)
@@ -483,7 +486,30 @@ def test_the_mistral_parser_reads_mistrals_calls(text, content, calls):
     streams_as_read(auto_plan("mistral"), text, content, calls)
 
 
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('<|tool_call|>[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', None,
+     [("f", '{"a": 1}'), ("g", "{}")]),  # Granite 3.0's token
+    (' <tool_call> [{"name": "f", "arguments": {"x": "é"}}]\n', None, [("f", '{"x": "é"}')]),  # 3.1's text
+    ('[{"name": "f", "arguments": {"a": 1}}]', None, [("f", '{"a": 1}')]),
+    ("The answer is [1, 2].", "The answer is [1, 2].", None),
+    ('<|tool_call|>[{"name": "f"}]', '<|tool_call|>[{"name": "f"}]', None),  # no arguments: text, as vLLM
+    ("[1, 2]", "[1, 2]", None),
+    ("<|tool_", "<|tool_", None),
+])
+def test_the_granite_parser_reads_granites_calls(text, content, calls):
+    """Granite 3's calls as vLLM's `granite` parser reads them: a JSON list of `{"name", "arguments"}` after
+    `<|tool_call|>` (3.0) or `<tool_call>` (3.1) or alone, space around it taken, each call's arguments as written;
+    other output is text (a call without arguments; in a whole answer, a list with text after it); streamed the
+    same at any cut."""
+    from ortmodule.serving.tools import read_calls
+
+    streams_as_read(auto_plan("granite"), text, content, calls)
+    after = '[{"name": "f", "arguments": {}}] and more'
+    assert read_calls(auto_plan("granite"), after) == (after, None)
+
+
 @pytest.mark.parametrize(("parser", "text"), [
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {"a": 1, "b": "two"}}]'),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": 1, "b": "two"}}; {"name": "g", '
                     '"parameters": {"c": [3, 4]}}'),
     ("phi4_mini_json", 'functools[{"name": "f", "arguments": {"a": 1, "b": "two"}}]'),

@@ -5,7 +5,9 @@ parsers, as vLLM's parsers of those names read them), whole or as they are writt
   "arguments") in a row, ";" between them;
 - `phi4_mini_json`: `functools[{"name", "arguments"}, ...]` (or "parameters"), the text before it the content;
 - `mistral`: after `[TOOL_CALLS]`, a JSON list of `{"name", "arguments"}` (its tokenizers before v11), or, from
-  v11 on, `name[ARGS]{...}` after each `[TOOL_CALLS]`; the text before the first the content.
+  v11 on, `name[ARGS]{...}` after each `[TOOL_CALLS]`; the text before the first the content;
+- `granite` (Granite 3.0's `<|tool_call|>`, Granite 3.1's `<tool_call>`): output that is a JSON list of
+  `{"name", "arguments"}` after them (space around taken), else text.
 Each call's arguments are the text the model wrote (json_calls.py's `CallScanner`: the first of the keys a call
 writes), so that a stream's pieces put together are the whole answer's; a Mistral call without arguments has `{}`.
 `ListedReading` reads a stream's output as it grows, each character once.
@@ -19,6 +21,8 @@ from .json_calls import CallScanner
 from .text import safe_before
 
 PYTHON_TAG, PHI4, MISTRAL = "<|python_tag|>", "functools[", "[TOOL_CALLS]"
+GRANITE = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's token, then 3.1's text, each taken where it opens
+NOT_YET = -1  # `granite_origin`: the output may still become calls or text
 _EITHER = ("arguments", "parameters")
 _SPACE = " \t\n\r"
 
@@ -76,6 +80,29 @@ def _skip_space(text: str, at: int) -> int:
     return at
 
 
+def granite_origin(text: str) -> int | None:
+    """Where Granite's list of calls begins (its `[`), None where the output is text, `NOT_YET` where it may still
+    become either (space, or a beginning of its markers, so far)."""
+    at = _skip_space(text, 0)
+    for marker in GRANITE:
+        if text.startswith(marker, at):
+            at += len(marker)
+        elif len(text) - at < len(marker) and marker.startswith(text[at:]):
+            return NOT_YET
+    at = _skip_space(text, at)
+    if at == len(text):
+        return NOT_YET
+    return at if text[at] == "[" else None
+
+
+def granite(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    origin = granite_origin(text)
+    if origin is None or origin == NOT_YET:
+        return text, None
+    json.loads(text[origin:])  # the list alone, as vLLM reads it
+    return None, _scanned(text[origin:], ("arguments",))
+
+
 def mistral(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     if MISTRAL not in text:
         return text, None
@@ -98,7 +125,7 @@ class ListedReading:
     once, then a `CallScanner` fed what the text added (Mistral's v11 calls: each `[TOOL_CALLS]` found once)."""
 
     def __init__(self, parser: str):
-        self.parser, self.origin, self.scanner = parser, None, None
+        self.parser, self.origin, self.scanner = parser, NOT_YET, None
         self.marks: list[list] = []  # Mistral v11: each call's text begins, its `{`, its end (None: open)
         self.looked = 0  # where the next [TOOL_CALLS] is looked for (v11)
 
@@ -123,6 +150,13 @@ class ListedReading:
             if self.origin is not None:
                 self.scanner = CallScanner(_EITHER, listed=True, separator=";", origin=self.origin)
             return self.origin is not None
+        if self.parser == "granite":
+            if self.origin is None:  # the output is text: never calls
+                return False
+            self.origin = granite_origin(text)
+            if self.origin is not None and self.origin != NOT_YET:
+                self.scanner = CallScanner(("arguments",), listed=True, origin=self.origin)
+            return self.scanner is not None
         marker = PHI4 if self.parser == "phi4_mini_json" else MISTRAL
         at = text.find(marker)
         if at < 0:

@@ -24,8 +24,9 @@ taken), `lfm2` (LFM2's and LFM2.5's: the same list between `<|tool_call_start|>`
 text around it its content) and `mistral` (Mistral's `[TOOL_CALLS]`: a JSON list of `{"name", "arguments"}` after
 it, or, from its v11 tokenizers, `name[ARGS]{...}` after each; the text before the first its content; every call's
 id nine letters and digits, which Mistral's chat templates require of the calls given back), `gemma4` (Gemma 4's
-`<|tool_call>call:NAME{...}<tool_call|>`: gemma4_calls.py) and `openai` (gpt-oss's harmony messages to
-`functions.NAME`, beside `--reasoning-parser openai_gptoss`: harmony.py).
+`<|tool_call>call:NAME{...}<tool_call|>`: gemma4_calls.py), `granite` (Granite 3's JSON list after `<|tool_call|>`
+or `<tool_call>`: listed_calls.py) and `openai` (gpt-oss's harmony messages to `functions.NAME`, beside
+`--reasoning-parser openai_gptoss`: harmony.py).
 Output that does not parse is the answer's text, as in vLLM.
 """
 
@@ -58,7 +59,8 @@ _STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HER
            "mistral": _MISTRAL, "gemma4": gemma4_calls.START, harmony.TOOL_PARSER: harmony.CHANNEL}
 _PYTHON_TAG = listed_calls.PYTHON_TAG
 # Where a parser's calls begin for the parsers whose calls are the whole output.
-_OPENINGS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "[")}
+_OPENINGS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "["),
+             "granite": (listed_calls.GRANITE[0], "[")}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -189,6 +191,8 @@ def _parser_hint(tokenizer) -> str:
     if "<|channel|>" in template:
         return " (this model's chat template writes gpt-oss's harmony calls: --reasoning-parser openai_gptoss " \
             "--tool-call-parser openai)"
+    if listed_calls.GRANITE[0] in template:
+        return " (this model's chat template writes Granite's calls: --tool-call-parser granite)"
     if "<function=" in template:
         return " (this model's chat template writes Qwen3.5's XML calls: --tool-call-parser qwen3_coder)"
     if _HERMES_START in template:
@@ -415,6 +419,7 @@ def _gemma4(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
 
 _READERS = {"hermes": _hermes, "llama3_json": listed_calls.llama3_json, "phi4_mini_json": listed_calls.phi4_mini_json,
             "pythonic": _pythonic, "lfm2": _lfm2, "mistral": listed_calls.mistral, "gemma4": _gemma4,
+            "granite": listed_calls.granite,
             harmony.TOOL_PARSER: harmony.read_calls}
 
 
@@ -487,7 +492,7 @@ class CallReading:
 
 
 _CODER_TAGS = ("</parameter>", "<parameter=", "</function>")  # the longest first
-_LISTED = ("llama3_json", "phi4_mini_json", "mistral")  # listed_calls.py's parsers
+_LISTED = ("llama3_json", "phi4_mini_json", "mistral", "granite")  # listed_calls.py's parsers
 
 
 def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[str | None, str, int, int]]:
@@ -572,6 +577,8 @@ class ToolStream:
         """How much of the text so far cannot be part of a call (auto: before any marker, or a marker's start)."""
         if self.plan.mode == "none":
             return len(self.text)
+        if self.plan.parser == "granite":  # the whole output is calls or text: held where it may be calls
+            return len(self.text) if listed_calls.granite_origin(self.text) is None else 0
         if self.plan.parser in _OPENINGS:  # the whole output is calls or text: held where it may be calls
             tag, opening = _OPENINGS[self.plan.parser]
             text = self.text
