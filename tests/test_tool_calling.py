@@ -543,6 +543,8 @@ Q = '<|"|>'  # Gemma 4's string delimiter (a token of its own)
     ("<|tool_call>call:f{v:None,w:1e5}<tool_call|>", None, [("f", '{"v": "None", "w": "1e5"}')]),  # as text
     (f"<|tool_call>call:f{{a:{Q}x{Q}}}", f"<|tool_call>call:f{{a:{Q}x{Q}}}", None),  # never closed
     ("No call <|tool", "No call <|tool", None),
+    ("Hi <|tool_call>oops<tool_call|> <|tool_call>call:f{a:1}<tool_call|>", "Hi ",
+     [("f", '{"a": 1}')]),  # a marker that is not a call: passed over; the content before the first, as vLLM's
 ])
 def test_the_gemma4_parser_reads_gemma4s_calls(text, content, calls):
     """Gemma 4's `<|tool_call>call:NAME{key:value}<tool_call|>` calls as vLLM's `gemma4` parser reads them:
@@ -550,6 +552,21 @@ def test_the_gemma4_parser_reads_gemma4s_calls(text, content, calls):
     lists, other bare values as text; the text before the first call the content; streamed the same at any
     cut."""
     streams_as_read(auto_plan("gemma4"), text, content, calls)
+
+
+def test_gemma4s_calls_stream_each_as_it_closes():
+    """A stream sends each Gemma 4 call as soon as its `<tool_call|>` comes, not at the output's end (they came
+    whole at the end before)."""
+    from ortmodule.serving.tools import ToolStream
+
+    first = f"<|tool_call>call:f{{a:{Q}x{Q}}}<tool_call|>"
+    text = first + "<|tool_call>call:g{b:2}<tool_call|>"
+    stream = ToolStream(auto_plan("gemma4"))
+    sent = [stream.piece(c) for c in first]
+    assert gathered(sent) == [("f", '{"a": "x"}')]
+    sent += [stream.piece(c) for c in text[len(first):]]
+    assert gathered(sent) == [("f", '{"a": "x"}'), ("g", '{"b": 2}')]
+    assert gathered(sent + stream.end(text, "stop")[0]) == gathered(sent)
 
 
 # ---- Anthropic's Messages API: the same calls in its shape ------------------------------------------------------

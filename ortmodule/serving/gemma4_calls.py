@@ -4,16 +4,44 @@ Gemma 4 writes a call as `<|tool_call>call:NAME{key:value,...}<tool_call|>`, its
 JSON: keys bare, a string between two `<|"|>`, objects in braces, lists in brackets, and bare values (`true`,
 `false`, numbers: with a point a float, else an integer) else kept as text. `arguments` reads one call's
 `key:value,...` into the object it stands for; it never fails (text out of that form is read as far as it
-goes, as vLLM's parser reads it).
+goes, as vLLM's parser reads it). `Reading` finds a stream's calls as each one closes, as `CALL.findall` finds them
+in the whole text.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 CALL = re.compile(r"<\|tool_call>call:([\w\-.]+)\{(.*?)\}<tool_call\|>", re.DOTALL)
 _SPACE = " \n\t"
+
+
+class Reading:
+    """A stream's calls, each read once its `}<tool_call|>` has come (`read`: the text so far), as `CALL.findall`
+    reads them in the whole output; each character looked at once for the markers."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []  # each call's name and arguments as JSON
+        self.at = self.looked = 0  # where the next call is looked for; how far its end was
+
+    def read(self, text: str) -> list[tuple[str, str, int, int]]:
+        """Each call so far: its name, its arguments as JSON, and their span (the whole text of them)."""
+        while (start := text.find(START, self.at)) >= 0:
+            end = text.find("}" + END, max(start, self.looked))
+            if end < 0:  # the call is still being written
+                self.at, self.looked = start, max(start, len(text) - len(END))
+                break
+            found = CALL.match(text, start)
+            if found is None:  # not a call: the text goes on after its marker's first character, as findall's
+                self.at = start + 1
+                continue
+            self.calls.append((found.group(1), json.dumps(arguments(found.group(2)), ensure_ascii=False)))
+            self.at = self.looked = found.end()
+        else:
+            self.at = max(self.at, len(text) - len(START) + 1)
+        return [(name, found, 0, len(found)) for name, found in self.calls]
 
 
 def arguments(text: str) -> dict:

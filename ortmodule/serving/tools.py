@@ -459,6 +459,7 @@ class CallReading:
         self.seen: dict[int, int] = {}  # how far each qwen3_coder call's text was looked at
         self.harmony = harmony.CallsRead()  # the openai parser's calls (gpt-oss's harmony messages)
         self.listed: listed_calls.ListedReading | None = None  # llama3_json's, phi4_mini_json's, mistral's
+        self.gemma4 = gemma4_calls.Reading()  # Gemma 4's calls, each once it closes
 
     def bodies(self, text: str):
         """Each `<tool_call>` from the first not yet closed, as `_call_spans` reads them: (its number, where its
@@ -501,7 +502,9 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
     span of it they are (so that a stream takes only what they grew by). JSON calls
     ("required"'s list; hermes' `<tool_call>`s), fed to `reading`'s scanners what the text added; qwen3_coder's
     a parameter at a time (`_arguments_text` less its closing brace until the function ends); openai's (harmony's
-    messages to functions) as written (harmony.py's `CallsRead`). Other plans: none."""
+    messages to functions) as written (harmony.py's `CallsRead`); llama3_json's, phi4_mini_json's, mistral's and
+    granite's as written (listed_calls.py); gemma4's each whole once it closes. Other plans (pythonic, lfm2):
+    none."""
     scanners = reading.scanners
     if plan.mode == "required":
         if not scanners:
@@ -511,10 +514,12 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
                  c.reach or 0) for c in scanners[0].calls]
     if plan.mode == "auto" and plan.parser == harmony.TOOL_PARSER:
         return reading.harmony.read(text)
-    elif plan.mode == "auto" and plan.parser in _LISTED:
+    if plan.mode == "auto" and plan.parser == "gemma4":
+        return reading.gemma4.read(text)
+    if plan.mode == "auto" and plan.parser in _LISTED:
         reading.listed = reading.listed or listed_calls.ListedReading(plan.parser)
         return reading.listed.read(text)
-    elif plan.mode != "auto" or plan.parser not in ("hermes", "qwen3_coder"):
+    if plan.mode != "auto" or plan.parser not in ("hermes", "qwen3_coder"):
         return []
     for j, begin, end, closed in reading.bodies(text):
         if plan.parser == "qwen3_coder":
