@@ -127,7 +127,7 @@ class ListedReading:
     def __init__(self, parser: str):
         self.parser, self.origin, self.scanner = parser, NOT_YET, None
         self.marks: list[list] = []  # Mistral v11: each call's text begins, its `{`, its end (None: open)
-        self.looked = 0  # where the next [TOOL_CALLS] is looked for (v11)
+        self.looked = 0  # where the calls' marker (Mistral's v11: the next [TOOL_CALLS]) is looked for
 
     def read(self, text: str) -> list[tuple[str | None, str, int, int]]:
         """Each call so far: its name (None until whole and its arguments have begun), the text its arguments are
@@ -158,9 +158,11 @@ class ListedReading:
                 self.scanner = CallScanner(("arguments",), listed=True, origin=self.origin)
             return self.scanner is not None
         marker = PHI4 if self.parser == "phi4_mini_json" else MISTRAL
-        at = text.find(marker)
-        if at < 0:
+        at = text.find(marker, self.looked)
+        if at < 0:  # looked for again only in what comes next
+            self.looked = max(self.looked, len(text) - len(marker) + 1)
             return False
+        self.looked = at
         begin = _skip_space(text, at + len(marker))
         if self.parser == "phi4_mini_json" or text.startswith("[", begin):
             self.origin = at + len(marker) - 1 if self.parser == "phi4_mini_json" else begin
