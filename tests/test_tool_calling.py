@@ -266,7 +266,7 @@ def test_auto_needs_the_servers_parser_and_the_settings_are_checked(openai_live)
     assert json.loads(named["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])["zone"] in (
         "utc", "cet")
     with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json"):
-        Settings(tool_call_parser="granite")
+        Settings(tool_call_parser="kimi_k2")
     with pytest.raises(ValueError, match="enable_auto_tool_choice needs tool_call_parser"):
         Settings(enable_auto_tool_choice=True)
 
@@ -758,8 +758,8 @@ def test_the_command_line_takes_vllms_tool_flags(llama, capsys, monkeypatch):
         cli.ortmodule(["serve", str(llama.package_dir), "--port", "0", "--enable-auto-tool-choice"])
     assert stopped.value.code == 2 and "enable_auto_tool_choice needs tool_call_parser" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.ortmodule(["serve", str(llama.package_dir), "--tool-call-parser", "granite"])
-    assert "invalid choice: 'granite'" in capsys.readouterr().err
+        cli.ortmodule(["serve", str(llama.package_dir), "--tool-call-parser", "kimi_k2"])
+    assert "invalid choice: 'kimi_k2'" in capsys.readouterr().err
     given = {}
     monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: given.update(options))
     cli.ortmodule(["serve", str(llama.package_dir), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])

@@ -590,7 +590,7 @@ class ToolStream:
             if text.startswith(opening) or text.startswith(tag) or tag.startswith(text):
                 return 0
             return len(text)
-        return safe_before(self.text, _STARTS[self.plan.parser])
+        return safe_before(self.text, _STARTS[self.plan.parser], self.sent)  # none begins in what was sent
 
     def end(self, text: str, finish: str) -> tuple[list[dict], str]:
         """The deltas still to send once the output is whole (`text`), and the choice's finish reason."""
