@@ -98,12 +98,12 @@ class HarmonyStream:
         text, at = self.text, self.at
         if self.mode == "opening":
             rest = text[at:]
-            if any(o.startswith(rest) for o in OPENINGS) and not any(rest.startswith(o) for o in OPENINGS):
-                return False
-            if not any(rest.startswith(o) for o in OPENINGS):
-                self.mode, self.kind = "plain", "content"
-            else:
+            if any(rest.startswith(o) for o in OPENINGS):
                 self.mode = "header"
+            elif any(o.startswith(rest) for o in OPENINGS):  # may still become a header
+                return False
+            else:
+                self.mode, self.kind = "plain", "content"
             return True
         if self.mode == "plain":
             self._write(out, text[at:])

@@ -2,7 +2,7 @@
 
 A call is a JSON object `{"name": ..., KEY: {...}}` (KEY "parameters" in "required"'s list, "arguments" in
 hermes' `<tool_call>`, either in Llama 3's and Phi-4-mini's), alone, in a list, or in a row with a separator between
-(Llama 3's "; "): `CallScanner` takes the output a piece at a time, each character once, and tells for
+(Llama 3's ";"): `CallScanner` takes the output a piece at a time, each character once, and tells for
 each call its name, once its string is whole, and where its arguments' text begins and how far it reaches
 (to its last character that is not space, so that what is given of it only grows). The arguments are the
 text the model wrote, so that the pieces streamed put together are the whole answer's arguments.

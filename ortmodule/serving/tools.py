@@ -253,20 +253,8 @@ def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, s
 
 def _tool_call_bodies(text: str) -> list[str]:
     """What each `<tool_call>` holds, to its `</tool_call>` or, where that never comes, the end (as vLLM reads
-    the hermes and qwen3_coder calls)."""
-    return [text[begin:end] for begin, end, _ in _call_spans(text, 0)]
-
-
-def _call_spans(text: str, at: int):
-    """Each `<tool_call>` from `at`: where its text begins, where it ends (its `</tool_call>`, or the text's end:
-    the last), and whether it is closed."""
-    while (start := text.find(_HERMES_START, at)) >= 0:
-        begin = start + len(_HERMES_START)
-        end = text.find(_HERMES_END, begin)
-        yield begin, len(text) if end < 0 else end, end >= 0
-        if end < 0:
-            return
-        at = end + len(_HERMES_END)
+    the hermes and qwen3_coder calls): the stream's reading (`CallReading.bodies`) of the whole text."""
+    return [text[begin:end] for _, begin, end, _ in CallReading().bodies(text)]
 
 
 def _json_calls(text: str, key: str, listed: bool) -> list[tuple[str, str]]:
@@ -462,8 +450,9 @@ class CallReading:
         self.gemma4 = gemma4_calls.Reading()  # Gemma 4's calls, each once it closes
 
     def bodies(self, text: str):
-        """Each `<tool_call>` from the first not yet closed, as `_call_spans` reads them: (its number, where its
-        text begins, where it ends, whether closed); each character looked at once for the markers."""
+        """Each `<tool_call>` from the first not yet closed: (its number, where its text begins, where it ends: its
+        `</tool_call>`, or the text's end for the last, whether closed); each character looked at once for the
+        markers."""
         while True:
             if self.begin is None:  # no call open: the next <tool_call>, looked for in what came since
                 start = text.find(_HERMES_START, self.looked)
