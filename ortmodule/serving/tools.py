@@ -41,7 +41,7 @@ import string
 import uuid
 from dataclasses import dataclass
 
-from . import gemma4_calls, harmony, listed_calls
+from . import gemma4_calls, harmony, listed_calls, python_calls
 from .errors import ServingError
 from .json_calls import CallScanner
 from .settings import TOOL_CALL_PARSERS
@@ -52,8 +52,7 @@ CHOICES = ("none", "auto", "required")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _PHI4 = listed_calls.PHI4
 # Where a parser's calls begin, for the parsers whose calls may follow text.
-_LFM2_START, _LFM2_END = "<|tool_call_start|>", "<|tool_call_end|>"
-_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+_LFM2_START, _PYTHON_START = python_calls.LFM2_START, python_calls.PYTHON_START
 _MISTRAL = listed_calls.MISTRAL
 _STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START, "lfm2": _LFM2_START,
            "mistral": _MISTRAL, "gemma4": gemma4_calls.START, harmony.TOOL_PARSER: harmony.CHANNEL}
@@ -321,44 +320,6 @@ def _arguments_text(pairs: list[tuple[str, object]]) -> str:
                            for k, v in pairs) + "}"
 
 
-def _pythonic(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
-    """Llama 3.2's and Llama 4's calls, as vLLM's `pythonic` parser reads them: the whole output a Python list of
-    calls with keyword arguments of literal values (Llama 4's `<|python_start|>`...`<|python_end|>` around it)."""
-    inner = text.removeprefix(_PYTHON_START).removesuffix(_PYTHON_END) if text.startswith(_PYTHON_START) else text
-    if not re.fullmatch(r"\[.*\]", inner, re.DOTALL):  # the whole output a list, as a stream holds it
-        return text, None
-    return None, _python_calls(inner)
-
-
-def _lfm2(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
-    """LFM2's calls, as vLLM's `lfm2` parser reads them: a Python list of calls between `<|tool_call_start|>` and
-    `<|tool_call_end|>` (to the end where it never comes); the text before and after it the content (after the
-    last `<|tool_call_end|>`: LFM2 may write the calls again after the first)."""
-    at = text.find(_LFM2_START)
-    if at < 0:
-        return text, None
-    inner, _, after = text[at + len(_LFM2_START):].partition(_LFM2_END)
-    content = text[:at] + after[after.rfind(_LFM2_END) + len(_LFM2_END):] if _LFM2_END in after else \
-        text[:at] + after
-    return content or None, _python_calls(inner)
-
-
-def _python_calls(text: str) -> list[tuple[str, str]]:
-    """A Python list of calls `[f(a=1), g(b="x")]`: each call's name and its keyword arguments (literal values)
-    as JSON; a ValueError (or SyntaxError, TypeError) where it is not one."""
-    listed = ast.parse(text.strip(), mode="eval").body
-    if not isinstance(listed, ast.List) or not listed.elts:
-        raise ValueError("not a list of calls")
-    calls = []
-    for call in listed.elts:
-        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args or \
-                any(k.arg is None for k in call.keywords):
-            raise ValueError("a call is a function's name with keyword arguments")
-        arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-        calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
-    return calls
-
-
 def _typed(value: str, schema) -> object:
     """A parameter's text as its schema's type says, as vLLM converts it: a string as written (null where the
     schema admits null and the text is null or None, as for every other type); an integer or a number where
@@ -406,8 +367,8 @@ def _gemma4(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
 
 
 _READERS = {"hermes": _hermes, "llama3_json": listed_calls.llama3_json, "phi4_mini_json": listed_calls.phi4_mini_json,
-            "pythonic": _pythonic, "lfm2": _lfm2, "mistral": listed_calls.mistral, "gemma4": _gemma4,
-            "granite": listed_calls.granite,
+            "pythonic": python_calls.pythonic, "lfm2": python_calls.lfm2, "mistral": listed_calls.mistral,
+            "gemma4": _gemma4, "granite": listed_calls.granite,
             harmony.TOOL_PARSER: harmony.read_calls}
 
 
@@ -448,6 +409,7 @@ class CallReading:
         self.harmony = harmony.CallsRead()  # the openai parser's calls (gpt-oss's harmony messages)
         self.listed: listed_calls.ListedReading | None = None  # llama3_json's, phi4_mini_json's, mistral's
         self.gemma4 = gemma4_calls.Reading()  # Gemma 4's calls, each once it closes
+        self.python: python_calls.PythonReading | None = None  # pythonic's and lfm2's
 
     def bodies(self, text: str):
         """Each `<tool_call>` from the first not yet closed: (its number, where its text begins, where it ends: its
@@ -492,8 +454,8 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
     ("required"'s list; hermes' `<tool_call>`s), fed to `reading`'s scanners what the text added; qwen3_coder's
     a parameter at a time (`_arguments_text` less its closing brace until the function ends); openai's (harmony's
     messages to functions) as written (harmony.py's `CallsRead`); llama3_json's, phi4_mini_json's, mistral's and
-    granite's as written (listed_calls.py); gemma4's each whole once it closes. Other plans (pythonic, lfm2):
-    none."""
+    granite's as written (listed_calls.py); pythonic's and lfm2's a keyword's value at a time, a string value as
+    written (python_calls.py); gemma4's each whole once it closes."""
     scanners = reading.scanners
     if plan.mode == "required":
         if not scanners:
@@ -508,6 +470,9 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
     if plan.mode == "auto" and plan.parser in _LISTED:
         reading.listed = reading.listed or listed_calls.ListedReading(plan.parser)
         return reading.listed.read(text)
+    if plan.mode == "auto" and plan.parser in ("pythonic", "lfm2"):
+        reading.python = reading.python or python_calls.PythonReading(plan.parser)
+        return reading.python.read(text)
     if plan.mode != "auto" or plan.parser not in ("hermes", "qwen3_coder"):
         return []
     for j, begin, end, closed in reading.bodies(text):
@@ -526,10 +491,11 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
 
 class ToolStream:
     """One streamed choice's deltas under a plan: a named function's arguments as they come (its call's id,
-    type and name in the first); "required"'s and auto's hermes, qwen3_coder and openai calls each once its name
-    is whole (and a JSON call's arguments have begun), then its arguments in pieces as they are written
-    (qwen3_coder's a parameter at a time); auto's text streamed until it may start a call (the rest held); other
-    parsers' calls held, read at the end. `end` gives what was held: the rest of the content, the rest of each call."""
+    type and name in the first); "required"'s and auto's calls (`calls_so_far`) each once its name is whole and
+    its arguments have begun, then its arguments in pieces as they are written (qwen3_coder's a parameter at a
+    time, pythonic's and lfm2's a value at a time, a string as written; gemma4's each whole once it closes);
+    auto's text streamed until it may start a call (the rest held). `end` gives what was held: the rest of the
+    content, the rest of each call."""
 
     def __init__(self, plan: ToolPlan):
         self.plan, self.text, self.sent, self.named_id = plan, "", 0, None
