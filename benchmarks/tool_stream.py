@@ -1,9 +1,9 @@
 """The server's host time to stream a long tool call (serving/tools.py `ToolStream`): a call whose arguments
 hold a file's text (a model writing code through a tool), given a few characters a piece as a stream's tokens
-come, under "required" and the hermes, qwen3_coder, phi4_mini_json, mistral (its v11 form) and openai parsers
-(openai: gpt-oss's harmony output read first, its analysis apart, as the server reads it); prints the seconds
-each takes over the whole output and per piece. No model runs: this is the event loop's own work per streamed
-token.
+come, under "required" and the hermes, qwen3_coder, phi4_mini_json, mistral (its v11 form), pythonic, lfm2 and
+openai parsers (openai: gpt-oss's harmony output read first, its analysis apart, as the server reads it); prints
+the seconds each takes over the whole output and per piece. No model runs: this is the event loop's own work per
+streamed token.
 
     python benchmarks/tool_stream.py [--lines 3000] [--piece 4]
 """
@@ -28,6 +28,9 @@ def outputs(lines: int) -> dict[str, tuple[ToolPlan, str]]:
             "phi4_mini_json": (ToolPlan("auto", parser="phi4_mini_json"),
                                f'functools[{{"name": "write", "arguments": {arguments}}}]'),
             "mistral": (ToolPlan("auto", parser="mistral"), f"[TOOL_CALLS]write[ARGS]{arguments}"),
+            "pythonic": (ToolPlan("auto", parser="pythonic"), f"[write(path='page.html', content={code!r})]"),
+            "lfm2": (ToolPlan("auto", parser="lfm2"),
+                     f'<|tool_call_start|>[write(path="page.html", content="""{code}""")]<|tool_call_end|>'),
             "openai": (ToolPlan("auto", parser="openai"),
                        "<|channel|>analysis<|message|>The user wants a page.<|end|><|start|>assistant<|channel|>"
                        f"commentary to=functions.write <|constrain|>json<|message|>{arguments}<|call|>")}

@@ -14,6 +14,7 @@ answer's arguments.
 from __future__ import annotations
 
 import ast
+import bisect
 import json
 import keyword
 import re
@@ -93,33 +94,68 @@ def _after_space(text: str, at: int, limit: int) -> int | None:
     return None
 
 
-def _string_so_far(prefix: str, quote: str, content: str) -> str | None:
-    """The value of a string literal whose characters so far are `content`, less an escape that may still grow;
-    None where it is not a string yet."""
-    last = content.rfind("\\")
+def _string_cut(text: str, start: int, end: int, quote: str) -> int:
+    """How far a string's characters from `start` (where an escape begins or ends) to `end` decode on their own as
+    they will within the whole string: before a backslash that may begin an escape still growing (octal digits,
+    a line continued), a carriage return that may be half of a line break, quotes that may close the string."""
+    last = text.rfind("\\", max(start, end - _LONGEST_ESCAPE), end)
     if last >= 0:
-        run = last
-        while run > 0 and content[run - 1] == "\\":
-            run -= 1
-        tail = content[last:]
-        if len(content) - last < _LONGEST_ESCAPE or (tail.startswith("\\N{") and "}" not in tail):
-            content = content[:run]
-    try:
-        return ast.literal_eval(prefix + quote + content + quote)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return None
+        while last > start and text[last - 1] == "\\":
+            last -= 1
+        end = last
+    while end > start and text[end - 1] in ("\r", quote):
+        end -= 1
+    return end
+
+
+class _Text:
+    """A text that only grows, kept in the pieces it grew by, whose tail is read without joining it whole."""
+
+    def __init__(self, first: str):
+        self.parts, self.ends = [first], [len(first)]  # each piece and where it ends
+
+    def add(self, more: str) -> None:
+        if more:
+            self.parts.append(more)
+            self.ends.append(self.ends[-1] + len(more))
+
+    def __len__(self) -> int:
+        return self.ends[-1]
+
+    def __getitem__(self, span: slice) -> str:
+        start, stop, _ = span.indices(len(self))
+        k = bisect.bisect_right(self.ends, start)
+        found, at = [], self.ends[k - 1] if k else 0
+        while k < len(self.parts) and at < stop:
+            found.append(self.parts[k][max(0, start - at): stop - at])
+            at = self.ends[k]
+            k += 1
+        return "".join(found)
 
 
 class _Call:
-    """One call as far as it is read: its name, its arguments' `"key": value` pairs whole, a string value's pair
-    as far as written, whether its `)` came."""
+    """One call as far as it is read: its name, its arguments' JSON as far as it is sent (its `{`, each keyword's
+    `"key": value` once whole, or a string value's as its characters come; its `}` once its `)` came), the keywords
+    taken, where the pair being written begins (None: none)."""
 
     def __init__(self, name: str):
-        self.name, self.pairs, self.keys, self.partial, self.closed = name, [], set(), "", False
+        self.name, self.text, self.keys, self.pair, self.closed = name, _Text("{"), set(), None, False
 
-    @property
-    def arguments(self) -> str:
-        return "{" + ", ".join(self.pairs + ([self.partial] if self.partial else [])) + ("}" if self.closed else "")
+    def begin_pair(self, key: str, value: str) -> None:
+        """The pair of `key` begun, its value's JSON so far `value`."""
+        self.pair = len(self.text)
+        self.text.add((", " if self.keys else "") + json.dumps(key, ensure_ascii=False) + ": " + value)
+
+    def end_pair(self, key: str, value: str) -> bool:
+        """The pair of `key` whole, its value's JSON `value`; False where it does not continue what was sent."""
+        pair = (", " if self.keys else "") + json.dumps(key, ensure_ascii=False) + ": " + value
+        sent = self.text[self.pair:] if self.pair is not None else ""
+        if not pair.startswith(sent):
+            return False
+        self.text.add(pair[len(sent):])
+        self.keys.add(key)
+        self.pair = None
+        return True
 
 
 class PythonReading:
@@ -154,9 +190,8 @@ class PythonReading:
             if not getattr(self, "_" + self.state)(text, limit):
                 break
         if self.state == "value" and self.streamed is not None:
-            self._stream_string(text)
-        return [(c.name if c.pairs or c.partial or c.closed else None, c.arguments, 0, len(c.arguments))
-                for c in self.calls]
+            self._stream_string(text, self.at)
+        return [(c.name if len(c.text) > 1 else None, c.text, 0, len(c.text)) for c in self.calls]
 
     def _origin(self, text: str) -> int | None:
         """Where the list may begin: NOT_YET while unknown, None where the output is not calls."""
@@ -206,6 +241,7 @@ class PythonReading:
             return False
         call = self.calls[-1]
         if text[at] == ")":
+            call.text.add("}")
             call.closed, self.at, self.state = True, at + 1, "after"
             return True
         found = _NAME.match(text, at, limit)
@@ -282,6 +318,7 @@ class PythonReading:
         before = text[self.begin: at].strip(_SPACE)
         if not self.depth and before in _STREAMED_PREFIXES:
             self.streamed, self.prefix = start, before
+            self.calls[-1].begin_pair(self.key, '"')
         return start
 
     def _in_string(self, text: str, at: int, limit: int) -> int | None:
@@ -317,18 +354,22 @@ class PythonReading:
         self.quote = None
         return at + 1
 
-    def _stream_string(self, text: str, end: int | None = None) -> None:
-        """The value's first string as far as written (to `end`, its close, or where the scan stands) as the
-        call's last pair, less its closing quote; kept only where it grows what was sent."""
+    def _stream_string(self, text: str, end: int) -> None:
+        """The value's first string's characters since the last piece (to `end`: its close, or where the scan
+        stands) added to the call's text as JSON, as far as they decode as they will in the whole string."""
         quote, triple = self.quote
-        value = _string_so_far(self.prefix, quote * (3 if triple else 1),
-                               text[self.streamed: self.at if end is None else end])
-        if not isinstance(value, str):
+        quotes = quote * (3 if triple else 1)
+        cut = _string_cut(text, self.streamed, end, quote)
+        if cut <= self.streamed:
             return
-        call = self.calls[-1]
-        pair = json.dumps(self.key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)[:-1]
-        if pair.startswith(call.partial):
-            call.partial = pair
+        value = text[self.streamed: cut]
+        if "\\" in value or "\r" in value:  # else the characters are the value's, raw or not
+            try:
+                value = ast.literal_eval(self.prefix + quotes + value + quotes)
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                return  # an escape that does not decode yet (a `\\N{...}` still open): with the next piece
+        self.calls[-1].text.add(json.dumps(value, ensure_ascii=False)[1:-1])
+        self.streamed = cut
 
     def _argument(self, segment: str, closes: bool) -> None:
         """A keyword's whole value (`segment`, its text) taken as the whole answer takes it, the call's `)` after it
@@ -337,14 +378,13 @@ class PythonReading:
         try:
             if _after_space(segment, 0, len(segment)) is None:
                 raise ValueError("no value")
-            value = ast.literal_eval("(" + segment + "\n)")  # as within the call's brackets
-            pair = json.dumps(self.key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+            value = json.dumps(ast.literal_eval("(" + segment + "\n)"), ensure_ascii=False)  # as within the call
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             self.state = "broken"
             return
-        if not pair.startswith(call.partial):
+        if not call.end_pair(self.key, value):
             self.state = "broken"
             return
-        call.pairs.append(pair)
-        call.keys.add(self.key)
-        call.partial, call.closed, self.state = "", closes, "after" if closes else "key"
+        if closes:
+            call.text.add("}")
+        call.closed, self.state = closes, "after" if closes else "key"

@@ -26,9 +26,11 @@ def safe_before(text: str, marker: str, start: int = 0) -> int:
     at = text.find(marker, start)
     if at >= 0:
         return at
-    for keep in range(min(len(marker) - 1, len(text) - start), 0, -1):
-        if marker.startswith(text[-keep:]):
-            return len(text) - keep
+    at = text.find(marker[0], max(start, len(text) - len(marker) + 1))  # the first tail that may become it
+    while at >= 0:
+        if marker.startswith(text[at:]):
+            return at
+        at = text.find(marker[0], at + 1)
     return len(text)
 
 
