@@ -104,6 +104,8 @@ def test_python_calls_stream_in_pieces(parser, text):
     ("[f(x.y=1)]", "[f(x.y=1)]", None),
     ("[f(a=1 # c, d)\n)]", None, [("f", '{"a": 1}')]),  # a comment in the arguments
     ("[]", "[]", None),
+    ('[f(s="""a\\101\\x42\\N{LATIN SMALL LETTER E WITH ACUTE}\r\n\\\r\nz\\0\\7""", t=\'\\12\\1234\')]', None,
+     [("f", '{"s": "aABé\\nz\\u0000\\u0007", "t": "\\nS4"}')]),  # escapes that grow, line breaks
 ])
 def test_forms_python_reads_or_refuses(text, content, calls):
     """The whole answer reads what Python reads as a list of calls with keyword literals (a trailing comma,
