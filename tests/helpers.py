@@ -681,13 +681,14 @@ def hf_multimodal(hf, processor, **options):
 
 
 def image_task_responses(folder, name, sizes, processor, hf, package_dir, hf_batch_size=3, batch_size=3,
-                         generation=None, **options) -> dict:
+                         generation=None, hf_responses=None, **options) -> dict:
     """An offline lm-eval task of MMMU's form (`doc_to_image`, `generate_until`) named `name` in
     `folder`, its documents' images of `sizes` (first height, first width, step between documents,
     and one word per document), run by lm-eval's `hf-multimodal` on `hf` (`hf_batch_size`) and by
     ortmodule-multimodal on the package (`batch_size`, the model arguments `options`), both with
     `processor` and the task's `generation` arguments (greedy, to a new line, 6 new tokens unless
-    given): {"hf": responses, "ortmodule": responses}."""
+    given): {"hf": responses, "ortmodule": responses}. `hf_responses`: hf-multimodal's of an earlier call on the
+    same task and model, taken instead of running it again."""
     import json
 
     import lm_eval
@@ -701,11 +702,12 @@ def image_task_responses(folder, name, sizes, processor, hf, package_dir, hf_bat
     (folder / f"{name}_utils.py").write_text(_IMAGE_TASK_UTILS.format(height=height, width=width, step=step,
                                                                         words=words))
 
-    responses = {}
+    responses = {} if hf_responses is None else {"hf": hf_responses}
     hf_options = {key: value for key, value in options.items() if key not in ("token_budget", "max_batch_size")}
-    for kind, lm in (("hf", hf_multimodal(hf, processor, batch_size=hf_batch_size, **hf_options)),
-                     ("ortmodule", OrtModuleMultimodalLM(package_dir, processor=processor, batch_size=batch_size,
-                                                         device="cpu", **options))):
+    backends = (("hf", lambda: hf_multimodal(hf, processor, batch_size=hf_batch_size, **hf_options)),
+                ("ortmodule", lambda: OrtModuleMultimodalLM(package_dir, processor=processor, batch_size=batch_size,
+                                                            device="cpu", **options)))
+    for kind, lm in ((kind, make()) for kind, make in backends if kind not in responses):
         result = lm_eval.simple_evaluate(model=lm, tasks=[name], log_samples=True,
                                          task_manager=task_manager([name], folder))
         samples = sorted(result["samples"][name], key=lambda sample: sample["doc_id"])

@@ -408,14 +408,15 @@ def test_lm_eval_multimodal_batches_image_prompts_by_their_work(build, tmp_path,
     many = [Instance("generate_until", None, ("<image> " + " ".join(words[: 1 + i % 9]), {}, {"visual": [picture]}), i)
             for i, picture in enumerate(Image.new("RGB", (8 + 4 * (i % 7), 8 + 4 * (i % 5))) for i in range(40))]
     assert lm._prompt_widths(many) == [lm._prompt_tokens(req.args[0], req.args[2]) for req in many]  # on threads
-    words = "abcdefg"
+    words, reference = "abcdefg", None  # hf-multimodal's responses, one request at a time: run once
     # the prompts' tokens, images' included (each image 4 to 12 tokens here), and 6 new tokens a row
     for batch_size, options, expected in ((1, {}, [7]), ("auto", {}, [7]), ("auto:2", {"max_batch_size": 3}, [3, 3, 1]),
                                           (1, {"token_budget": 50}, None), (4, {"token_budget": 50}, [4, 3])):
         batches.clear()
         responses = image_task_responses(tmp_path, "ortmodule_images_batches", (12, 20, 4, words),
                                          processor, hf, fixture.package_dir, hf_batch_size=1,
-                                         batch_size=batch_size, **options)
+                                         batch_size=batch_size, hf_responses=reference, **options)
+        reference = responses["hf"]
         assert responses["ortmodule"] == responses["hf"] and any(responses["hf"])
         assert sum(batches) == len(words)
         if expected is not None:
