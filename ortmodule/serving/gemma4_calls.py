@@ -71,19 +71,25 @@ class _Reader:
                 return found
             key, self.at = self.text[self.at: colon].strip(), colon + 1
             self._skip()
-            found[key] = self.value("," + (closing or ""))
+            found[key] = self.value(",}]")
 
     def items(self) -> list:
-        """A list's values up to its `]`, which is taken."""
+        """A list's values up to its `]`, which is taken; a bare value is the text up to the next `,` or `]` (a `}`
+        in it too), and one the text ends in while the list is open is left out, as vLLM's parser reads a list."""
         found = []
         while True:
             self._skip(",")
             if self.at >= len(self.text) or self.text[self.at] == "]":
                 self.at += 1
                 return found
-            found.append(self.value(",]"))
+            bare = not self.text.startswith((QUOTE, "{", "["), self.at)
+            item = self.value(",]")
+            if not bare or self.at < len(self.text):
+                found.append(item)
 
     def value(self, stops: str) -> object:
+        """A value from where the reading stands: a string, an object, a list, else the bare text up to one of
+        `stops` (at least a character, so that every call moves on)."""
         text = self.text
         if text.startswith(QUOTE, self.at):
             start = self.at + len(QUOTE)
@@ -98,7 +104,7 @@ class _Reader:
             self.at += 1
             return self.items()
         start = self.at
-        while self.at < len(text) and text[self.at] not in stops + "}]":
+        while self.at < len(text) and text[self.at] not in stops:
             self.at += 1
         return _bare(text[start: self.at].strip())
 

@@ -1,0 +1,106 @@
+"""The server's tool-call readers on outputs a model got wrong: random calls in each parser's form ("required"'s
+list, hermes, llama3_json, phi4_mini_json, mistral's two forms, granite, qwen3_coder, gemma4) with a few
+characters or markers inserted, removed or replaced, given to the tool stream in random pieces and read whole. The
+reading never raises and always ends (a Gemma 4 list holding a `}` looped forever, growing a list, until it was
+fixed), and where the whole answer still reads calls, the stream's calls and content are the whole answer's."""
+
+import json
+import random
+import threading
+
+import pytest
+from test_json_calls import random_value, written
+from test_tool_calling import XML_TOOLS, auto_plan, gathered
+
+from ortmodule.serving.tools import ToolPlan, ToolStream, checked_tools, read_calls
+
+Q = '<|"|>'  # Gemma 4's string delimiter
+MUTATIONS = list('()[]{},:="\\#\n\r .-_aZ0é<>/') + [
+    "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", ";", "functools[", "<|python_tag|>", "<|tool_call|>",
+    '"name"', '"arguments"', '{"name": "f", "arguments": {}}', "<function=f>", "</function>", "<parameter=city>",
+    "</parameter>", Q, "<|tool_call>", "<tool_call|>", "call:"]
+
+
+def gemma4_written(value) -> str:
+    if isinstance(value, str):
+        return Q + value + Q
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{gemma4_written(v)}" for key, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(gemma4_written(v) for v in value) + "]"
+    return repr(value)
+
+
+def output(rng) -> tuple[str, ToolPlan]:
+    """Random calls as one parser's model writes them, and the plan that reads them."""
+    calls = [(f"tool_{rng.randrange(3)}", {"a": random_value(rng), "b" * rng.randrange(1, 3): random_value(rng)})
+             for _ in range(rng.randrange(1, 3))]
+    objects = [f'{{"name": "{name}", "arguments": {written(rng, value)}}}' for name, value in calls]
+    lead = rng.choice(["", "Sure. "])
+    form = rng.choice(["required", "hermes", "llama3_json", "phi4_mini_json", "mistral", "mistral11", "granite",
+                       "qwen3_coder", "gemma4"])
+    if form == "required":
+        return "[" + ", ".join(o.replace('"arguments"', '"parameters"') for o in objects) + "]", ToolPlan("required")
+    if form == "qwen3_coder":
+        text = lead + "".join("<tool_call>\n<function=f>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n"
+                              f"{rng.randrange(9)}\n</parameter>\n<parameter=tags>\n[1, \"a\"]\n</parameter>\n"
+                              "</function>\n</tool_call>" for _ in calls)
+        return text, ToolPlan("auto", checked_tools(XML_TOOLS), parser="qwen3_coder")
+    text = {"hermes": lead + "".join(f"<tool_call>\n{o}\n</tool_call>" for o in objects),
+            "llama3_json": rng.choice(["", "<|python_tag|>"]) + "; ".join(objects),
+            "phi4_mini_json": lead + "functools[" + ", ".join(objects) + "]",
+            "mistral": lead + "[TOOL_CALLS][" + ",".join(objects) + "]",
+            "mistral11": lead + "".join(f"[TOOL_CALLS]{name}[ARGS]{written(rng, value)}" for name, value in calls),
+            "granite": rng.choice(["", "<|tool_call|>", "<tool_call>"]) + "[" + ", ".join(objects) + "]",
+            "gemma4": lead + "".join(f"<|tool_call>call:{name}{gemma4_written(value)}<tool_call|>"
+                                     for name, value in calls)}[form]
+    return text, auto_plan("mistral" if form == "mistral11" else form)
+
+
+def read_both(plan, text, rng) -> tuple:
+    """The whole answer's content and calls, and the stream's deltas for `text` in random pieces."""
+    content, found = read_calls(plan, text)
+    stream, sent, at = ToolStream(plan), [], 0
+    while at < len(text):
+        step = rng.randrange(1, 8)
+        sent.append(stream.piece(text[at: at + step]))
+        at += step
+    return content, found, sent + stream.end(text, "stop")[0]
+
+
+@pytest.mark.parametrize("seed", range(600))
+def test_mutated_calls_stream_as_their_whole_answer_or_are_text(seed):
+    rng = random.Random(seed)
+    text, plan = output(rng)
+    for _ in range(rng.randrange(1, 4)):
+        at, kind, mutation = rng.randrange(len(text) + 1), rng.randrange(3), rng.choice(MUTATIONS)
+        text = text[:at] + (mutation if kind != 1 else "") + text[at + (0 if kind == 0 else rng.randrange(1, 4)):]
+    result = []
+    worker = threading.Thread(target=lambda: result.append(read_both(plan, text, rng)), daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert result, f"the reading of {text!r} under {plan.parser or plan.mode} did not end"
+    content, found, sent = result[0]
+    if found is not None:
+        assert gathered(sent) == found and "".join(d.get("content", "") for d in sent) == (content or ""), text
+
+
+@pytest.mark.parametrize(("body", "arguments"), [
+    ("a:[1,x}],b:2", {"a": [1, "x}"], "b": 2}),  # a `}` in a list's bare value is the value's, as vLLM's
+    ("a:[x}", {"a": []}),  # a list the text ends in: its last bare value left out, as vLLM's
+    ("a:[x", {"a": []}),
+    (f"a:[{Q}s", {"a": ["s"]}),  # a string the text ends in: kept, as vLLM's
+    ("a:[{b:1]", {"a": [{"b": 1}]}),
+])
+def test_a_gemma4_list_with_a_brace_ends(body, arguments):
+    """A Gemma 4 call whose list holds a `}` (its reading stopped there without moving on and looped forever,
+    the whole answer and the stream alike) reads as vLLM's parser reads it."""
+    from ortmodule.serving.gemma4_calls import arguments as read
+
+    done = []
+    worker = threading.Thread(target=lambda: done.append(read(body)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert done == [arguments]
