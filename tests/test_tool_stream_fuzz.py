@@ -1,8 +1,10 @@
-"""The server's tool-call readers on outputs a model got wrong: random calls in each parser's form ("required"'s
-list, hermes, llama3_json, phi4_mini_json, mistral's two forms, granite, qwen3_coder, gemma4) with a few
-characters or markers inserted, removed or replaced, given to the tool stream in random pieces and read whole. The
-reading never raises and always ends (a Gemma 4 list holding a `}` looped forever, growing a list, until it was
-fixed), and where the whole answer still reads calls, the stream's calls and content are the whole answer's."""
+"""The server's tool-call and reasoning readers on outputs a model got wrong: random calls in each tool parser's
+form ("required"'s list, hermes, llama3_json, phi4_mini_json, mistral's two forms, granite, qwen3_coder, gemma4),
+random thinking under each reasoning parser and gpt-oss's harmony messages, with a few characters or markers
+inserted, removed or replaced, given to the stream in random pieces and read whole. The reading never raises and
+always ends (a Gemma 4 list holding a `}` looped forever, growing a list, until it was fixed); where the whole
+answer still reads calls, the stream's calls and content are the whole answer's, and the stream's reasoning and
+content always are."""
 
 import json
 import random
@@ -104,3 +106,61 @@ def test_a_gemma4_list_with_a_brace_ends(body, arguments):
     worker.start()
     worker.join(timeout=10)
     assert done == [arguments]
+
+
+REASONING_MUTATIONS = list('<>|{}"\n é') + [
+    "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|start|>", "<|start|>assistant", "<|constrain|>",
+    " to=functions.f", "commentary", "analysis", "final", "<think>", "</think>", "<|channel>", "<channel|>", "[THINK]",
+    "[/THINK]", "thought\n"]
+WORDS = ["a", "b c", "<x>", "{", "}", '"q"', "\n", "é", "to", "|"]
+
+
+def harmony_written(rng) -> str:
+    out = []
+    for k in range(rng.randint(1, 5)):
+        body = "".join(rng.choice(WORDS) for _ in range(rng.randint(0, 6)))
+        kind = rng.choice(["analysis", "final", "commentary", "call", "builtin"])
+        head = "<|channel|>" if k == 0 and rng.random() < 0.5 else "<|start|>assistant<|channel|>"
+        if kind == "call":
+            out.append(f"{head}commentary to=functions.f <|constrain|>json<|message|>{json.dumps({'v': body})}<|call|>")
+            break
+        out.append(head + ("analysis to=python" if kind == "builtin" else kind) + "<|message|>" + body + "<|end|>")
+    return "".join(out)
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_mutated_reasoning_streams_as_its_whole_reading(seed):
+    from ortmodule.serving.harmony import PARSER, HarmonyStream
+    from ortmodule.serving.reasoning import MARKERS, Reasoning, ReasoningStream, split_reasoning
+
+    rng = random.Random(seed)
+    parser, opened, calls = rng.choice(["openai_gptoss", "qwen3", "deepseek_r1", "gemma4", "mistral"]), \
+        rng.random() < 0.3, rng.random() < 0.5
+    if parser == PARSER:
+        text = harmony_written(rng)
+    else:
+        start, end, label = MARKERS[parser]
+        text = rng.choice(["", start + label]) + "".join(rng.choice(WORDS) for _ in range(rng.randint(0, 8))) + \
+            rng.choice([end, ""]) + "".join(rng.choice(WORDS) for _ in range(rng.randint(0, 8)))
+    for _ in range(rng.randrange(1, 4)):
+        at, kind, mutation = rng.randrange(len(text) + 1), rng.randrange(3), rng.choice(REASONING_MUTATIONS)
+        text = text[:at] + (mutation if kind != 1 else "") + text[at + (0 if kind == 0 else rng.randrange(1, 4)):]
+    reading = Reasoning(parser, opened, True, calls and parser == PARSER)
+    result = []
+
+    def both():
+        stream = HarmonyStream(reading.calls, opened) if parser == PARSER else ReasoningStream(reading)
+        got, at = ["", ""], 0
+        while at < len(text):
+            step = rng.randint(1, 8)
+            got = [g + p for g, p in zip(got, stream.piece(text[at: at + step]))]
+            at += step
+        got = [g + p for g, p in zip(got, stream.end())]
+        result.append((split_reasoning(reading, text), (got[0] or None, got[1] or None)))
+
+    worker = threading.Thread(target=both, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert result, f"the reading of {text!r} under {parser} did not end"
+    (reasoning, content), streamed = result[0]
+    assert (reasoning or None, content or None) == streamed, text
