@@ -155,3 +155,12 @@ def test_mutated_python_calls_stream_as_their_whole_answer_or_are_text(seed):
     sent += stream.end(text, "stop")[0]
     if found is not None:
         assert gathered(sent) == found and "".join(d.get("content", "") for d in sent) == (content or ""), text
+
+
+def test_calls_the_length_cut_short_come_as_far_as_written():
+    """Where the length cuts the output short, the calls whose arguments had begun come as far as they were
+    written (a string value's characters so far), whole and streamed, as the other parsers' do; a call whose first
+    value had not begun as a string is left out."""
+    streams_as_read(auto_plan("pythonic"), '[f(a=1, b="ab', None, [("f", '{"a": 1, "b": "ab')], finish="length")
+    streams_as_read(auto_plan("lfm2"), "Hi <|tool_call_start|>[f(a=1), g(b=[1, 2", "Hi ", [("f", '{"a": 1}')],
+                    finish="length")
