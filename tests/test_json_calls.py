@@ -52,8 +52,12 @@ def test_a_list_of_calls_is_read_in_turn():
 
 @pytest.mark.parametrize("text", ['hello', '{"name": "f" "arguments": {}}', '{"name": "f", 3: {}}',
                                   '[{"name": "f", "parameters": {}} {"name": "g"}]', '{"name": "f"} }',
-                                  '{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}'])
+                                  '{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}',
+                                  '{"name": "f", "name": "g", "arguments": {}}',
+                                  '{"name": "f", "arguments": {}, "arguments": {"a": 1}}'])
 def test_text_that_leaves_the_form_stops_the_reading(text):
+    """Text out of the form, and a call that writes its name or its arguments twice (`json.loads` reads the last of
+    them, where a stream would have sent the first)."""
     scanner = CallScanner("parameters" if text.startswith("[") else "arguments", listed=text.startswith("["))
     scanner.feed(text)
     assert scanner.broken
@@ -115,9 +119,9 @@ def test_random_llama3_phi4_mistral_and_granite_calls_stream_as_their_whole_answ
     (objects: what a model writes), and the content the same."""
     import random
 
-    from test_tool_calling import auto_plan, gathered
+    from test_tool_calling import auto_plan, gathered, streamed_in_pieces
 
-    from ortmodule.serving.tools import ToolStream, read_calls
+    from ortmodule.serving.tools import read_calls
 
     rng = random.Random(seed)
     calls = [(f"tool_{rng.randrange(3)}", {"a": random_value(rng), "b" * rng.randrange(1, 3): random_value(rng)})
@@ -144,10 +148,5 @@ def test_random_llama3_phi4_mistral_and_granite_calls_stream_as_their_whole_answ
     content, found = read_calls(plan, text)
     assert [(name, json.loads(arguments)) for name, arguments in found] == calls, (seed, text)
     assert content == (lead or None)
-    stream, sent, at = ToolStream(plan), [], 0
-    while at < len(text):
-        step = rng.randrange(1, 8)
-        sent.append(stream.piece(text[at: at + step]))
-        at += step
-    sent += stream.end(text, "stop")[0]
+    sent = streamed_in_pieces(plan, text, rng)
     assert gathered(sent) == found and "".join(d.get("content", "") for d in sent) == lead, (seed, text)

@@ -335,6 +335,18 @@ def streams_as_read(plan, text, content, calls, finish="stop"):
     assert gathered(sent) == (calls or [])
 
 
+def streamed_in_pieces(plan, text: str, rng) -> list[dict]:
+    """The tool stream's deltas for `text` given to it in random pieces of 1 to 7 characters, its end's included."""
+    from ortmodule.serving.tools import ToolStream
+
+    stream, sent, at = ToolStream(plan), [], 0
+    while at < len(text):
+        step = rng.randrange(1, 8)
+        sent.append(stream.piece(text[at: at + step]))
+        at += step
+    return sent + stream.end(text, "stop")[0]
+
+
 def gathered(deltas: list[dict]) -> list[tuple[str, str]]:
     """Streamed calls put together as a client puts them: by index, the name from the first delta of each (with
     its id), the arguments from all of them; the indexes in order, each call begun once."""

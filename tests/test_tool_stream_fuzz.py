@@ -1,10 +1,13 @@
 """The server's tool-call and reasoning readers on outputs a model got wrong: random calls in each tool parser's
-form ("required"'s list, hermes, llama3_json, phi4_mini_json, mistral's two forms, granite, qwen3_coder, gemma4),
+form ("required"'s list, hermes, llama3_json, phi4_mini_json, mistral's two forms, granite, qwen3_coder, gemma4,
+pythonic, lfm2),
 random thinking under each reasoning parser and gpt-oss's harmony messages, with a few characters or markers
 inserted, removed or replaced, given to the stream in random pieces and read whole. The reading never raises and
 always ends (a Gemma 4 list holding a `}` looped forever, growing a list, until it was fixed); where the whole
-answer still reads calls, the stream's calls and content are the whole answer's, and the stream's reasoning and
-content always are."""
+answer still reads calls, the stream's calls and content are the whole answer's (a call that wrote its name twice
+was read whole with the last name and the first arguments, streamed with the first name: such a call is now text,
+as one with its arguments twice), and the stream's reasoning and content always are. 20,000 seeds of each run once
+by hand: all passed (5,887 of the mutated calls still calls)."""
 
 import json
 import random
@@ -12,15 +15,17 @@ import threading
 
 import pytest
 from test_json_calls import random_value, written
-from test_tool_calling import XML_TOOLS, auto_plan, gathered
+from test_python_calls import python_text
+from test_tool_calling import XML_TOOLS, auto_plan, gathered, streamed_in_pieces
 
-from ortmodule.serving.tools import ToolPlan, ToolStream, checked_tools, read_calls
+from ortmodule.serving.tools import ToolPlan, checked_tools, read_calls
 
 Q = '<|"|>'  # Gemma 4's string delimiter
 MUTATIONS = list('()[]{},:="\\#\n\r .-_aZ0é<>/') + [
     "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", ";", "functools[", "<|python_tag|>", "<|tool_call|>",
     '"name"', '"arguments"', '{"name": "f", "arguments": {}}', "<function=f>", "</function>", "<parameter=city>",
-    "</parameter>", Q, "<|tool_call>", "<tool_call|>", "call:"]
+    "</parameter>", Q, "<|tool_call>", "<tool_call|>", "call:", "'", '"' * 3, "'" * 3, "<|tool_call_end|>",
+    "<|python_end|>", "b'", "r'", "f(", "x="]
 
 
 def gemma4_written(value) -> str:
@@ -42,7 +47,10 @@ def output(rng) -> tuple[str, ToolPlan]:
     objects = [f'{{"name": "{name}", "arguments": {written(rng, value)}}}' for name, value in calls]
     lead = rng.choice(["", "Sure. "])
     form = rng.choice(["required", "hermes", "llama3_json", "phi4_mini_json", "mistral", "mistral11", "granite",
-                       "qwen3_coder", "gemma4"])
+                       "qwen3_coder", "gemma4", "python"])
+    if form == "python":  # pythonic's or lfm2's (test_python_calls.py)
+        text, _, parser = python_text(rng, calls)
+        return text, auto_plan(parser)
     if form == "required":
         return "[" + ", ".join(o.replace('"arguments"', '"parameters"') for o in objects) + "]", ToolPlan("required")
     if form == "qwen3_coder":
@@ -63,13 +71,7 @@ def output(rng) -> tuple[str, ToolPlan]:
 
 def read_both(plan, text, rng) -> tuple:
     """The whole answer's content and calls, and the stream's deltas for `text` in random pieces."""
-    content, found = read_calls(plan, text)
-    stream, sent, at = ToolStream(plan), [], 0
-    while at < len(text):
-        step = rng.randrange(1, 8)
-        sent.append(stream.piece(text[at: at + step]))
-        at += step
-    return content, found, sent + stream.end(text, "stop")[0]
+    return *read_calls(plan, text), streamed_in_pieces(plan, text, rng)
 
 
 @pytest.mark.parametrize("seed", range(600))

@@ -26,6 +26,7 @@ class FoundCall:
     reach: int | None = None
     closed: bool = False
     key: str | None = None  # the key its arguments are under (the first of the scanner's keys it writes)
+    named: bool = False  # whether its "name" key came (a second one breaks the reading)
 
 
 class CallScanner:
@@ -34,7 +35,8 @@ class CallScanner:
     between them, no brackets (Llama 3's ";"); `origin`: where they begin in the text. `feed` takes the text a
     piece at a time (`read`: the text so far, taken whole); `calls` holds what is found so far, its positions in
     the text. `broken` is set, and reading stops, where the text leaves that form (the whole text is then read as
-    it is at the end)."""
+    it is at the end), or a call writes its name or its arguments twice (which `json.loads` would read as the last
+    of them, the stream having sent the first)."""
 
     def __init__(self, key: str | tuple[str, ...], listed: bool, separator: str | None = None, origin: int = 0):
         self.keys, self.level = (key,) if isinstance(key, str) else key, 2 if listed or separator else 1
@@ -158,7 +160,10 @@ class CallScanner:
             self.broken = True
             return
         if self._expect == "key":
+            if value == "name" and call.named or value == call.key:  # json.loads would take the last: not a call
+                self.broken = True
             self._key, self._expect = value, "colon"
+            call.named = call.named or value == "name"
             return
         if self._key == "name" and isinstance(value, str):
             call.name = value
