@@ -139,7 +139,7 @@ class _Call:
     taken, where the pair being written begins (None: none)."""
 
     def __init__(self, name: str):
-        self.name, self.text, self.keys, self.pair, self.closed = name, _Text("{"), set(), None, False
+        self.name, self.text, self.keys, self.pair = name, _Text("{"), set(), None
 
     def begin_pair(self, key: str, value: str) -> None:
         """The pair of `key` begun, its value's JSON so far `value`."""
@@ -178,10 +178,8 @@ class PythonReading:
         where they begin (0) and how far they reach."""
         if self.origin == NOT_YET:
             self.origin = self._origin(text)
-            if self.origin is None or self.origin == NOT_YET:
-                return []
-            self.at = self.origin
-        if self.origin is None:
+            self.at = self.origin if self.origin not in (None, NOT_YET) else 0
+        if self.origin is None or self.origin == NOT_YET:
             return []
         limit = len(text)
         if self.parser == "lfm2":  # the list ends at the first end marker, as the whole answer reads it
@@ -242,7 +240,7 @@ class PythonReading:
         call = self.calls[-1]
         if text[at] == ")":
             call.text.add("}")
-            call.closed, self.at, self.state = True, at + 1, "after"
+            self.at, self.state = at + 1, "after"
             return True
         found = _NAME.match(text, at, limit)
         equals = None if found is None or found.end() == limit else _after_space(text, found.end(), limit)
@@ -387,4 +385,4 @@ class PythonReading:
             return
         if closes:
             call.text.add("}")
-        call.closed, self.state = closes, "after" if closes else "key"
+        self.state = "after" if closes else "key"
