@@ -271,6 +271,26 @@ def test_auto_needs_the_servers_parser_and_the_settings_are_checked(openai_live)
         Settings(enable_auto_tool_choice=True)
 
 
+@pytest.mark.parametrize(("template", "parser"), [
+    ("{{ '<start_function_call>call:' }}", "functiongemma"), ("{{ '<|tool_call>call:' }}", "gemma4"),
+    ("<tool_call>{{ x }}</tool_call>", "hermes"), ("<|tool_call_start|>", "lfm2"), ("[TOOL_CALLS]", "mistral"),
+    ("<|python_tag|>", "llama3_json"), ("functools[", "phi4_mini_json"), ("<function=", "qwen3_coder"),
+])
+def test_auto_without_a_parser_names_the_one_the_template_writes(template, parser):
+    """The 400 for "auto" on a server without a parser names the parser whose calls the model's template writes."""
+    from types import SimpleNamespace
+
+    from ortmodule.serving.errors import ServingError
+    from ortmodule.serving.settings import Settings
+    from ortmodule.serving.tools import tool_plan
+
+    served = SimpleNamespace(settings=Settings(), tokenizer=SimpleNamespace(chat_template=template))
+    body = SimpleNamespace(tools=TOOLS, tool_choice="auto", parallel_tool_calls=None, functions=None,
+                           function_call=None)
+    with pytest.raises(ServingError, match=f"--tool-call-parser {parser}\\)"):
+        tool_plan(served, body)
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), [
     ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', None, [("f", '{"a": 1}')]),
     ('{"name": "f", "arguments": {"a": "é"}}; {"name": "g", "parameters": {}}', None,
@@ -448,12 +468,14 @@ def test_the_lfm2_parser_reads_lfm2s_calls(text, content, calls):
     ("llama", "mistral", r'\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Rome)", "unit": "(c|f)"\}'),
     ("llama", "gemma4", r'<\|tool_call>call:get_weather\{city:<\|"\|>(Paris|Rome)<\|"\|>,unit:<\|"\|>(c|f)<\|"\|>\}'
                         r"<tool_call\|>"),
+    ("llama", "functiongemma", r"<start_function_call>call:get_weather\{city:<escape>(Paris|Rome)<escape>,"
+                               r"unit:<escape>(c|f)<escape>\}<end_function_call>"),
     ("llama", "granite", r'<\|tool_call\|>\[\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
                          r'"unit": "(c|f)"\}\}\]'),
 ])
 def test_auto_reads_each_parsers_calls_from_the_models_output(build, arch, parser, call):
-    """tool_choice "auto" under `--tool-call-parser lfm2`, `pythonic`, `qwen3_coder`, `mistral`, `gemma4` and
-    `granite`: the
+    """tool_choice "auto" under `--tool-call-parser lfm2`, `pythonic`, `qwen3_coder`, `mistral`, `gemma4`,
+    `functiongemma` and `granite`: the
     model's output (held by a regex to the parser's form, on the lfm2 fixture for LFM2's) is transformers' greedy
     text; the call read from it, the text before it the content, finish "tool_calls", whole and streamed. Under
     mistral every call's id (a named function's too) is nine letters and digits, as Mistral's templates require."""
@@ -564,6 +586,84 @@ def test_the_gemma4_parser_reads_gemma4s_calls(text, content, calls):
     lists, other bare values as text; the text before the first call the content; streamed the same at any
     cut."""
     streams_as_read(auto_plan("gemma4"), text, content, calls)
+
+
+E = "<escape>"  # FunctionGemma's string delimiter (a token of its own)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    (f"Moving them.<start_function_call>call:move_files{{destination:{E}Docs, {{old}}{E},extensions:[{E}pdf{E}],"
+     f"min_size_mb:100,recursive:true}}<end_function_call>", "Moving them.",
+     [("move_files", '{"destination": "Docs, {old}", "extensions": ["pdf"], "min_size_mb": 100, "recursive": true}')]),
+    (f"<start_function_call>call:a{{}}<end_function_call><start_function_call>call:get-time{{zone:{E}utc{E}}}"
+     "<end_function_call>", None, [("a", "{}"), ("get-time", '{"zone": "utc"}')]),
+    (f"<start_function_call>call:f{{a:{E}x{E},n:2.5", None, [("f", '{"a": "x", "n": 2.5}')]),  # never closed
+    (f"<start_function_call>call:f{{a:{E}x{E}}}<end_function_call><start_function_call>call:g{{b:1}}", None,
+     [("f", '{"a": "x"}'), ("g", '{"b": 1}')]),  # the last never closed: read to the end, as vLLM's
+    (f"<start_function_call>call:f{{a:{E}5{E}}}<end_function_call>", None, [("f", '{"a": "5"}')]),  # a string
+    ("No call <start_function", "No call <start_function", None),
+    ("<start_function_call>oops<end_function_call>", "<start_function_call>oops<end_function_call>", None),
+])
+def test_the_functiongemma_parser_reads_functiongemmas_calls(text, content, calls):
+    """FunctionGemma's `<start_function_call>call:NAME{key:value}<end_function_call>` calls as vLLM's
+    `functiongemma` parser finds them (a call never closed read to the text's end), their arguments read as Gemma
+    4's are, strings between `<escape>`s (numbers and lists too, which vLLM's parser drops; a string stays a
+    string, which vLLM's reads as JSON where it parses); the text before the first call the content; streamed
+    the same at any cut."""
+    streams_as_read(auto_plan("functiongemma"), text, content, calls)
+
+
+def gemma_value(rng, quote: str, depth: int = 0):
+    """A random argument value of the kinds Gemma 4's serialization writes (no null: it has none of its own)."""
+    kind = rng.randrange(6 if depth < 3 else 3)
+    if kind == 0:
+        return rng.choice([True, False, 0, -7, 42, 12345678901234, 3.25, -0.5, 2.0])
+    if kind in (1, 2):
+        while quote in (text := "".join(rng.choice(list('a "\\{}[],:\n<|>é') + ["😀", "'"])
+                                        for _ in range(rng.randrange(7)))):
+            pass
+        return text
+    if kind in (3, 4):
+        return {f"k{i}": gemma_value(rng, quote, depth + 1) for i in range(rng.randrange(4))}
+    return [gemma_value(rng, quote, depth + 1) for _ in range(rng.randrange(4))]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_gemma_calls_read_as_transformers_response_parser_reads_them(seed):
+    """Random Gemma 4 and FunctionGemma calls (any values of the serialization: strings holding braces, commas,
+    colons, quotes, line breaks; numbers; booleans; nested objects and lists), the text before them random: the
+    whole answer's calls and content are what transformers' response parser gives (`parse_response` under
+    transformers' own response template for Gemma 4, and the same with FunctionGemma's markers), the arguments
+    the same JSON text (the content as written, which transformers' strips); the stream in random pieces gives the
+    whole answer's calls."""
+    import random
+
+    from test_tool_stream_fuzz import gemma4_written
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+    from transformers.utils.chat_parsing.response_parser import parse_response
+
+    from ortmodule.serving.tools import read_calls
+
+    rng = random.Random(seed)
+    template = json.loads(json.dumps(_RESPONSE_TEMPLATE_FALLBACKS[("gemma4",)]))
+    parser, start, end, quote, anchor = rng.choice([("gemma4", "<|tool_call>", "<tool_call|>", Q, "<|turn>model\n"),
+                                                    ("functiongemma", "<start_function_call>", "<end_function_call>",
+                                                     E, "<start_of_turn>model\n")])
+    if parser == "functiongemma":
+        calls = template["fields"]["tool_calls"]
+        calls["open_pattern"], calls["close"] = re.escape(start) + r"call:(?P<name>\w+)", end
+        calls["content_args"]["string_delims"] = [[quote, quote]]
+        template["start_anchor"], template["fields"]["content"]["close"] = anchor, ["<end_of_turn>"]
+    written = [(f"tool_{rng.randrange(3)}", {f"k{i}": gemma_value(rng, quote) for i in range(rng.randrange(4))})
+               for _ in range(rng.randrange(1, 4))]
+    lead = rng.choice(["", "Sure, let me check.", "{a:1} "])
+    text = lead + "".join(f"{start}call:{name}{gemma4_written(value, quote)}{end}" for name, value in written)
+    expected = parse_response(text, template, prefix=anchor)
+    want = [(c["function"]["name"], json.dumps(c["function"]["arguments"], ensure_ascii=False))
+            for c in expected["tool_calls"]]
+    content, calls = read_calls(auto_plan(parser), text)
+    assert calls == want and (content or "").strip() == expected.get("content", "")  # transformers' strips it
+    assert gathered(streamed_in_pieces(auto_plan(parser), text, rng)) == want
 
 
 def test_gemma4s_calls_stream_each_as_it_closes():

@@ -1,6 +1,6 @@
 """The server's tool-call and reasoning readers on outputs a model got wrong: random calls in each tool parser's
 form ("required"'s list, hermes, llama3_json, phi4_mini_json, mistral's two forms, granite, qwen3_coder, gemma4,
-pythonic, lfm2),
+functiongemma, pythonic, lfm2),
 random thinking under each reasoning parser and gpt-oss's harmony messages, with a few characters or markers
 inserted, removed or replaced, given to the stream in random pieces and read whole. The reading never raises and
 always ends (a Gemma 4 list holding a `}` looped forever, growing a list, until it was fixed); where the whole
@@ -25,18 +25,19 @@ MUTATIONS = list('()[]{},:="\\#\n\r .-_aZ0é<>/') + [
     "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", ";", "functools[", "<|python_tag|>", "<|tool_call|>",
     '"name"', '"arguments"', '{"name": "f", "arguments": {}}', "<function=f>", "</function>", "<parameter=city>",
     "</parameter>", Q, "<|tool_call>", "<tool_call|>", "call:", "'", '"' * 3, "'" * 3, "<|tool_call_end|>",
-    "<|python_end|>", "b'", "r'", "f(", "x="]
+    "<|python_end|>", "b'", "r'", "f(", "x=", "<escape>", "<start_function_call>", "<end_function_call>"]
 
 
-def gemma4_written(value) -> str:
+def gemma4_written(value, quote: str = Q) -> str:
+    """A value as Gemma 4 writes it (FunctionGemma with its `quote`, `<escape>`)."""
     if isinstance(value, str):
-        return Q + value + Q
+        return quote + value + quote
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, dict):
-        return "{" + ",".join(f"{key}:{gemma4_written(v)}" for key, v in value.items()) + "}"
+        return "{" + ",".join(f"{key}:{gemma4_written(v, quote)}" for key, v in value.items()) + "}"
     if isinstance(value, list):
-        return "[" + ",".join(gemma4_written(v) for v in value) + "]"
+        return "[" + ",".join(gemma4_written(v, quote) for v in value) + "]"
     return repr(value)
 
 
@@ -47,7 +48,7 @@ def output(rng) -> tuple[str, ToolPlan]:
     objects = [f'{{"name": "{name}", "arguments": {written(rng, value)}}}' for name, value in calls]
     lead = rng.choice(["", "Sure. "])
     form = rng.choice(["required", "hermes", "llama3_json", "phi4_mini_json", "mistral", "mistral11", "granite",
-                       "qwen3_coder", "gemma4", "python"])
+                       "qwen3_coder", "gemma4", "functiongemma", "python"])
     if form == "python":  # pythonic's or lfm2's (test_python_calls.py)
         text, _, parser = python_text(rng, calls)
         return text, auto_plan(parser)
@@ -65,7 +66,9 @@ def output(rng) -> tuple[str, ToolPlan]:
             "mistral11": lead + "".join(f"[TOOL_CALLS]{name}[ARGS]{written(rng, value)}" for name, value in calls),
             "granite": rng.choice(["", "<|tool_call|>", "<tool_call>"]) + "[" + ", ".join(objects) + "]",
             "gemma4": lead + "".join(f"<|tool_call>call:{name}{gemma4_written(value)}<tool_call|>"
-                                     for name, value in calls)}[form]
+                                     for name, value in calls),
+            "functiongemma": lead + "".join(f"<start_function_call>call:{name}{gemma4_written(value, '<escape>')}"
+                                            "<end_function_call>" for name, value in calls)}[form]
     return text, auto_plan("mistral" if form == "mistral11" else form)
 
 

@@ -24,9 +24,10 @@ taken), `lfm2` (LFM2's and LFM2.5's: the same list between `<|tool_call_start|>`
 text around it its content) and `mistral` (Mistral's `[TOOL_CALLS]`: a JSON list of `{"name", "arguments"}` after
 it, or, from its v11 tokenizers, `name[ARGS]{...}` after each; the text before the first its content; every call's
 id nine letters and digits, which Mistral's chat templates require of the calls given back), `gemma4` (Gemma 4's
-`<|tool_call>call:NAME{...}<tool_call|>`: gemma4_calls.py), `granite` (Granite 3's JSON list after `<|tool_call|>`
-or `<tool_call>`: listed_calls.py) and `openai` (gpt-oss's harmony messages to `functions.NAME`, beside
-`--reasoning-parser openai_gptoss`: harmony.py).
+`<|tool_call>call:NAME{...}<tool_call|>`: gemma4_calls.py), `functiongemma` (FunctionGemma's
+`<start_function_call>call:NAME{...}<end_function_call>`, Gemma 4's form with `<escape>` around strings),
+`granite` (Granite 3's JSON list after `<|tool_call|>` or `<tool_call>`: listed_calls.py) and `openai` (gpt-oss's
+harmony messages to `functions.NAME`, beside `--reasoning-parser openai_gptoss`: harmony.py).
 Output that does not parse is the answer's text, as in vLLM.
 """
 
@@ -55,7 +56,8 @@ _PHI4 = listed_calls.PHI4
 _LFM2_START, _PYTHON_START = python_calls.LFM2_START, python_calls.PYTHON_START
 _MISTRAL = listed_calls.MISTRAL
 _STARTS = {"hermes": _HERMES_START, "phi4_mini_json": _PHI4, "qwen3_coder": _HERMES_START, "lfm2": _LFM2_START,
-           "mistral": _MISTRAL, "gemma4": gemma4_calls.START, harmony.TOOL_PARSER: harmony.CHANNEL}
+           "mistral": _MISTRAL, **{name: form.start for name, form in gemma4_calls.FORMS.items()},
+           harmony.TOOL_PARSER: harmony.CHANNEL}
 _PYTHON_TAG = listed_calls.PYTHON_TAG
 # Where a parser's calls begin for the parsers whose calls are the whole output.
 _OPENINGS = {"llama3_json": (_PYTHON_TAG, "{"), "pythonic": (_PYTHON_START, "["),
@@ -200,6 +202,8 @@ def _parser_hint(tokenizer) -> str:
         return " (this model's chat template writes LFM2's calls: --tool-call-parser lfm2)"
     if "<|tool_call>call:" in template:
         return " (this model's chat template writes Gemma 4's calls: --tool-call-parser gemma4)"
+    if gemma4_calls.FUNCTIONGEMMA.start in template:
+        return " (this model's chat template writes FunctionGemma's calls: --tool-call-parser functiongemma)"
     if _MISTRAL in template:
         return " (this model's chat template writes Mistral's calls: --tool-call-parser mistral)"
     if _PYTHON_TAG in template:
@@ -355,20 +359,21 @@ def _typed(value: str, schema) -> object:
         return value
 
 
-def _gemma4(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
-    """Gemma 4's calls (gemma4_calls.py), as vLLM's `gemma4` parser reads them: each whole
-    `<|tool_call>call:NAME{...}<tool_call|>`; the text before the first the content (as streamed: vLLM trims it
-    in a whole answer only)."""
-    found = gemma4_calls.CALL.findall(text)
-    if not found:
-        return text, None
-    calls = [(name, json.dumps(gemma4_calls.arguments(body), ensure_ascii=False)) for name, body in found]
-    return text[: text.find(gemma4_calls.START)] or None, calls
+def _gemma_calls(form: gemma4_calls.Form):
+    """The reader of Gemma 4's or FunctionGemma's calls (gemma4_calls.py), as vLLM's `gemma4` and `functiongemma`
+    parsers read them: each `<|tool_call>call:NAME{...}<tool_call|>` (`<start_function_call>call:NAME{...}
+    <end_function_call>`, the last one read to the end where it never closes); the text before the first the
+    content (as streamed: vLLM trims it in a whole answer only)."""
+    def read(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+        calls = form.calls(text)
+        return (text[: text.find(form.start)] or None, calls) if calls else (text, None)
+
+    return read
 
 
 _READERS = {"hermes": _hermes, "llama3_json": listed_calls.llama3_json, "phi4_mini_json": listed_calls.phi4_mini_json,
             "pythonic": python_calls.pythonic, "lfm2": python_calls.lfm2, "mistral": listed_calls.mistral,
-            "gemma4": _gemma4, "granite": listed_calls.granite,
+            **{name: _gemma_calls(form) for name, form in gemma4_calls.FORMS.items()}, "granite": listed_calls.granite,
             harmony.TOOL_PARSER: harmony.read_calls}
 
 
@@ -408,7 +413,7 @@ class CallReading:
         self.seen: dict[int, int] = {}  # how far each qwen3_coder call's text was looked at
         self.harmony = harmony.CallsRead()  # the openai parser's calls (gpt-oss's harmony messages)
         self.listed: listed_calls.ListedReading | None = None  # llama3_json's, phi4_mini_json's, mistral's
-        self.gemma4 = gemma4_calls.Reading()  # Gemma 4's calls, each once it closes
+        self.gemma: gemma4_calls.Reading | None = None  # Gemma 4's or FunctionGemma's calls, each once it closes
         self.python: python_calls.PythonReading | None = None  # pythonic's and lfm2's
 
     def bodies(self, text: str):
@@ -455,7 +460,7 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
     a parameter at a time (`_arguments_text` less its closing brace until the function ends); openai's (harmony's
     messages to functions) as written (harmony.py's `CallsRead`); llama3_json's, phi4_mini_json's, mistral's and
     granite's as written (listed_calls.py); pythonic's and lfm2's a keyword's value at a time, a string value as
-    written (python_calls.py); gemma4's each whole once it closes."""
+    written (python_calls.py); gemma4's and functiongemma's each whole once it closes."""
     scanners = reading.scanners
     if plan.mode == "required":
         if not scanners:
@@ -465,8 +470,9 @@ def calls_so_far(plan: ToolPlan, text: str, reading: CallReading) -> list[tuple[
                  c.reach or 0) for c in scanners[0].calls]
     if plan.mode == "auto" and plan.parser == harmony.TOOL_PARSER:
         return reading.harmony.read(text)
-    if plan.mode == "auto" and plan.parser == "gemma4":
-        return reading.gemma4.read(text)
+    if plan.mode == "auto" and plan.parser in gemma4_calls.FORMS:
+        reading.gemma = reading.gemma or gemma4_calls.Reading(gemma4_calls.FORMS[plan.parser])
+        return reading.gemma.read(text)
     if plan.mode == "auto" and plan.parser in _LISTED:
         reading.listed = reading.listed or listed_calls.ListedReading(plan.parser)
         return reading.listed.read(text)
@@ -493,7 +499,8 @@ class ToolStream:
     """One streamed choice's deltas under a plan: a named function's arguments as they come (its call's id,
     type and name in the first); "required"'s and auto's calls (`calls_so_far`) each once its name is whole and
     its arguments have begun, then its arguments in pieces as they are written (qwen3_coder's a parameter at a
-    time, pythonic's and lfm2's a value at a time, a string as written; gemma4's each whole once it closes);
+    time, pythonic's and lfm2's a value at a time, a string as written; gemma4's and functiongemma's each whole
+    once it closes);
     auto's text streamed until it may start a call (the rest held). `end` gives what was held: the rest of the
     content, the rest of each call."""
 
