@@ -160,6 +160,13 @@ def test_responses_and_messages_answer_the_reasoning_in_their_own_shapes(thinkin
     ("mistral", False, "[THINK]a b[/THINK]Yes.", "a b", "Yes."),
     ("mistral", False, "[THINK]cut", "cut", None),
     ("mistral", False, "No [THINK]", None, "No [THINK]"),
+    ("granite", False, "Here is my thought process:\na b\n\nHere is my response:\nYes.", "\na b\n\n", "\nYes."),
+    ("granite", False, "Here's my thought process: x Here's my response: y", " x ", " y"),
+    ("granite", False, "Here is my thought process: Here is my respite. Here's my response:", " Here is my respite. ",
+     None),
+    ("granite", False, "Here is my thought process: cut short", " cut short", None),
+    ("granite", False, "Here is my response: plain", None, "Here is my response: plain"),  # no thinking opened
+    ("granite", False, "Here is my", None, "Here is my"),
 ])
 def test_the_parsers_read_as_vllms_and_a_stream_reads_the_same_at_every_cut(parser, opened, text, reasoning,
                                                                             content):
@@ -182,6 +189,67 @@ def test_the_parsers_read_as_vllms_and_a_stream_reads_the_same_at_every_cut(pars
             assert (got[0] or None, got[1] or None) == (reasoning or None, content), (i, j)
 
 
+GRANITE_WORDS = ["Here is my thought process:", "Here's my thought process:", "Here is my response:",
+                 "Here's my response:", "Here", "Here is", "Here's", " my", " response", ":", " thought process",
+                 "\n", " a", " b c", "é"]
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_granites_thinking_reads_as_vllms_granite_parser_reads_it(seed):
+    """Random Granite outputs (its two forms of each marker, and pieces of them, among words): where the output
+    opens with the thinking's words and holds the response's, the reading is vLLM's `granite` parser's whole
+    answer (its regex: the reasoning up to the first "Here is my response:" or "Here's my response:", the content
+    after it); output that does not open with them is all content; a stream in random pieces reads the same."""
+    import random
+    import re
+
+    from ortmodule.serving.reasoning import Reasoning, ReasoningStream, split_reasoning
+
+    rng = random.Random(seed)
+    text = rng.choice(["", "Here is my thought process:", "Here's my thought process:", " "]) + \
+        "".join(rng.choice(GRANITE_WORDS) for _ in range(rng.randrange(12)))
+    reading = Reasoning("granite")
+    found = re.findall(r"(?:Here's|Here is) my thought process:(.*?)(?:Here's|Here is) my response:(.*)", text,
+                       re.DOTALL)  # vLLM's whole reading
+    if found and text.startswith(("Here is my thought process:", "Here's my thought process:")):
+        assert split_reasoning(reading, text) == (found[0][0], found[0][1] or None)
+    elif not text.startswith(("Here is my thought process:", "Here's my thought process:")):
+        assert split_reasoning(reading, text) == (None, text)
+    stream, got, at = ReasoningStream(reading), ["", ""], 0
+    while at < len(text):
+        step = rng.randint(1, 6)
+        got = [g + p for g, p in zip(got, stream.piece(text[at: at + step]))]
+        at += step
+    got = [g + p for g, p in zip(got, stream.end())]
+    reasoning, content = split_reasoning(reading, text)
+    assert (got[0] or None, got[1] or None) == (reasoning or None, content or None), text
+
+
+def test_granite_thinks_in_its_words_on_the_chat_route(build):
+    """`--reasoning-parser granite`: Granite 3.2's thinking ("Here is my thought process:" to "Here's my
+    response:", held here by a regex) is the reasoning, the rest the content, whole and streamed, of transformers'
+    greedy text; a thinking budget is refused by name (its end is words, not tokens to force)."""
+    live, _, hf, tokenizer = served_live(build("llama"), TOOL_TEMPLATE, reasoning_parser="granite",
+                                         enable_in_reasoning=True)
+    try:
+        pattern = r"Here is my thought process:\n[a-z ]{4,16}\n\nHere's my response:\n[A-Z][a-z ]{2,12}\."
+        text = greedy(hf, tokenizer, pattern)
+        thought, _, answer = text.removeprefix("Here is my thought process:").partition("Here's my response:")
+        fields = {"messages": ASK, "max_tokens": 120, "structured_outputs": {"regex": pattern}}
+        message = post(live, "/v1/chat/completions", **fields)["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == (thought, answer) and thought.strip()
+        assert chat_stream(live, **fields)[:2] == (thought, answer)
+        plain = greedy(hf, tokenizer, PLAIN)
+        fields["structured_outputs"] = {"regex": PLAIN}
+        assert post(live, "/v1/chat/completions", **fields)["choices"][0]["message"] == {"role": "assistant",
+                                                                                         "content": plain}
+        refused = httpx.post(f"{live.url}/v1/chat/completions", json={
+            "model": NAME, "messages": ASK, "max_tokens": 4, "thinking_token_budget": 2})
+        assert refused.status_code == 400 and "granite" in refused.json()["error"]["message"]
+    finally:
+        live.stop()
+
+
 def test_deepseek_r1s_output_without_its_end_is_all_reasoning(thinking_live):
     """deepseek_r1's template opens <think> in the prompt: output without </think> is all reasoning, content
     None; the settings refuse a parser they do not know."""
@@ -198,7 +266,7 @@ def test_deepseek_r1s_output_without_its_end_is_all_reasoning(thinking_live):
             "structured_outputs": {"regex": PLAIN}}).json()["choices"][0]["message"]
     assert (message["reasoning"], message["content"]) == (plain, None)
     with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
-        Settings(reasoning_parser="granite")
+        Settings(reasoning_parser="exaone4")
 
 
 def test_the_responses_apis_logprobs_are_left_out_where_the_output_is_read(thinking_live):
@@ -481,8 +549,10 @@ def test_gemma4_thinks_in_its_channel_and_calls_in_its_own_form(build):
         live.stop()
 
 
-@pytest.mark.parametrize(("parser", "start", "end"), [("mistral", "[THINK]", "[/THINK]"),
-                                                      ("gemma4", "<|channel>", "<channel|>")])
+@pytest.mark.parametrize(("parser", "start", "end"), [
+    ("mistral", "[THINK]", "[/THINK]"), ("gemma4", "<|channel>", "<channel|>"),
+    ("granite", "Here's my thought process:", "Here is my response:"),
+    ("granite", "Here is my thought process:", "Here's my response:")])
 def test_each_parsers_markers_gate_the_grammar(llama, parser, start, end):
     """The grammar after the thinking under each parser's markers (here text): free text to its end marker
     (the output may end inside it), then the answer's grammar; output that does not open with the marker keeps

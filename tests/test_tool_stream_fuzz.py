@@ -1,13 +1,13 @@
 """The server's tool-call and reasoning readers on outputs a model got wrong: random calls in each tool parser's
 form ("required"'s list, hermes, llama3_json, phi4_mini_json, mistral's two forms, granite, qwen3_coder, gemma4,
-functiongemma, pythonic, lfm2),
-random thinking under each reasoning parser and gpt-oss's harmony messages, with a few characters or markers
-inserted, removed or replaced, given to the stream in random pieces and read whole. The reading never raises and
-always ends (a Gemma 4 list holding a `}` looped forever, growing a list, until it was fixed); where the whole
-answer still reads calls, the stream's calls and content are the whole answer's (a call that wrote its name twice
-was read whole with the last name and the first arguments, streamed with the first name: such a call is now text,
-as one with its arguments twice), and the stream's reasoning and content always are. 20,000 seeds of each run once
-by hand: all passed (5,887 of the mutated calls still calls)."""
+functiongemma, pythonic, lfm2), random thinking under each reasoning parser (Granite's words too) and gpt-oss's
+harmony messages, with a few characters or markers inserted, removed or replaced, given to the stream in random
+pieces and read whole. The reading never raises and always ends (a Gemma 4 list holding a `}` looped forever,
+growing a list, until it was fixed); where the whole answer still reads calls, the stream's calls and content are
+the whole answer's (a call that wrote its name twice was read whole with the last name and the first arguments,
+streamed with the first name: such a call is now text, as one with its arguments twice), and the stream's reasoning
+and content always are. 20,000 seeds of each run once by hand: all passed (5,887 of the mutated calls still calls);
+50,000 more of the calls and 30,000 of the reasoning after FunctionGemma's and Granite's were added: all passed."""
 
 import json
 import random
@@ -116,7 +116,7 @@ def test_a_gemma4_list_with_a_brace_ends(body, arguments):
 REASONING_MUTATIONS = list('<>|{}"\n é') + [
     "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|start|>", "<|start|>assistant", "<|constrain|>",
     " to=functions.f", "commentary", "analysis", "final", "<think>", "</think>", "<|channel>", "<channel|>", "[THINK]",
-    "[/THINK]", "thought\n"]
+    "[/THINK]", "thought\n", "Here is my thought process:", "Here's my response:", "Here", "Here's", " my", ":"]
 WORDS = ["a", "b c", "<x>", "{", "}", '"q"', "\n", "é", "to", "|"]
 
 
@@ -139,12 +139,13 @@ def test_mutated_reasoning_streams_as_its_whole_reading(seed):
     from ortmodule.serving.reasoning import MARKERS, Reasoning, ReasoningStream, split_reasoning
 
     rng = random.Random(seed)
-    parser, opened, calls = rng.choice(["openai_gptoss", "qwen3", "deepseek_r1", "gemma4", "mistral"]), \
+    parser, opened, calls = rng.choice(["openai_gptoss", "qwen3", "deepseek_r1", "gemma4", "mistral", "granite"]), \
         rng.random() < 0.3, rng.random() < 0.5
     if parser == PARSER:
         text = harmony_written(rng)
     else:
-        start, end, label = MARKERS[parser]
+        starts, ends, label = MARKERS[parser]
+        start, end = rng.choice(starts), rng.choice(ends)
         text = rng.choice(["", start + label]) + "".join(rng.choice(WORDS) for _ in range(rng.randint(0, 8))) + \
             rng.choice([end, ""]) + "".join(rng.choice(WORDS) for _ in range(rng.randint(0, 8)))
     for _ in range(rng.randrange(1, 4)):

@@ -216,28 +216,30 @@ def _schema(name: str, schema, compact: bool = False) -> str:
 
 def thinking_first(grammar: str, reading: Reasoning, tokens: set[str] = frozenset()) -> str:
     """llguidance's grammar of a thinking model's output: its thinking, any bytes to `</think>` (the `reading`'s
-    markers: Gemma 4's `<|channel>` and `<channel|>`), then `grammar`'s answer (nested: llguidance's
-    `TopLevelGrammar` of its grammars, or a Lark text); or the thinking alone, where the model ends its output
-    inside it (as vLLM's grammar, which starts where the reasoning ends, lets it). The thinking comes from the
-    first token where the reading's `from_start` (a `<think>` the model writes first taken), else only where the
+    markers: Gemma 4's `<|channel>` and `<channel|>`; either of Granite's words), then `grammar`'s answer (nested:
+    llguidance's `TopLevelGrammar` of its grammars, or a Lark text); or the thinking alone, where the model ends its
+    output inside it (as vLLM's grammar, which starts where the reasoning ends, lets it). The thinking comes from
+    the first token where the reading's `from_start` (a `<think>` the model writes first taken), else only where the
     output opens with `<think>`. `tokens`: the tokenizer's tokens which llguidance counts special (added tokens:
-    Qwen3's `<think>`, harmony's `<|channel|>`), written in Lark as tokens where a marker holds them, the rest of
-    it as text; an end that is text alone ends the thinking at its first occurrence. The thinking takes any bytes
-    but a special token's (0xFF, which begins them in llguidance), invalid UTF-8 too, as free as without a
-    grammar."""
+    Qwen3's `<think>`, harmony's `<|channel|>`), written in Lark as tokens where a marker holds them, the rest of it
+    as text; an end that is text alone ends the thinking at its first occurrence. The thinking takes any bytes but a
+    special token's (0xFF, which begins them in llguidance), invalid UTF-8 too, as free as without a grammar."""
     try:
         nested = json.loads(grammar)["grammars"]
     except (ValueError, TypeError, KeyError):
         nested = [{"lark_grammar": grammar}]
-    start, end = reading.start, reading.end
-    opening = _marker(start, tokens)
+    ends = reading.ends
+    opening = " | ".join(_marker(start, tokens) for start in reading.starts)
+    opening = f"({opening})" if len(reading.starts) > 1 else opening
     free = "/(?s-u:[\\x00-\\xfe]*)/"
-    if any(end.startswith(t) for t in tokens):  # the thinking's bytes cannot hold the end's first token
-        body, rules = f"THINKING ({_marker(end, tokens)} @answer)?", f"THINKING: {free}"
-    else:  # the thinking to the end's first text, or without it to the output's end
+    if len(ends) == 1 and any(ends[0].startswith(t) for t in tokens):  # the thinking's bytes cannot hold its first
+        body, rules = f"THINKING ({_marker(ends[0], tokens)} @answer)?", f"THINKING: {free}"
+    else:  # the thinking to the first text of an end, or without one to the output's end
+        either = "(?:" + "|".join(_literal(end) for end in ends) + ")"
+        suffix = json.dumps(ends[0]) if len(ends) == 1 else f"/{either}/"
         body = "(thinking @answer | UNFINISHED)"
-        rules = (f"thinking[suffix={json.dumps(end)}]: {free}\n"
-                 f"UNFINISHED: {free} & ~/(?s-u:[\\x00-\\xfe]*{_literal(end)}[\\x00-\\xfe]*)/")
+        rules = (f"thinking[suffix={suffix}]: {free}\n"
+                 f"UNFINISHED: {free} & ~/(?s-u:[\\x00-\\xfe]*{either}[\\x00-\\xfe]*)/")
     start_rule = f"{opening}? {body}" if reading.from_start else f"{opening} {body} | @answer"
     lark = f'%llguidance {{"allow_invalid_utf8": true}}\nstart: {start_rule}\n{rules}\n'
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**nested[0], "name": "answer"}, *nested[1:]]})

@@ -349,6 +349,10 @@ def _budget(served: Served, body: ChatRequest, reading: Reasoning | None, sampli
     if reading is None:
         raise ServingError("thinking_token_budget needs the server's reasoning parser (--reasoning-parser), which "
                            "says what the thinking is", "thinking_token_budget")
+    if reading.parser == "granite":
+        raise ServingError("thinking_token_budget is not supported under --reasoning-parser granite: Granite's "
+                           "thinking ends at words it may write either way ('Here is my response:', 'Here's my "
+                           "response:'), not at tokens a budget can count to and force", "thinking_token_budget")
     if sampling.constraint is not None and served.settings.enable_in_reasoning:
         raise ServingError("thinking_token_budget beside structured output is not supported on a server whose "
                            "grammar holds the thinking too (--structured-outputs-config.enable_in_reasoning): the "

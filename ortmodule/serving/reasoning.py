@@ -14,6 +14,9 @@ The parsers (vLLM's of the same names):
   `<|channel>` thinks, its channel's `thought` label left out, to `<channel|>`; other output is all content.
 - `mistral` (Magistral, and Mistral's models that think): output that opens with `[THINK]` thinks, to `[/THINK]`;
   other output is all content.
+- `granite` (Granite 3.2, whose template asks for thinking with `thinking`): output that opens with "Here is my
+  thought process:" (or "Here's") thinks, to "Here is my response:" (or "Here's"); words, not tokens, so each
+  marker has two forms; other output is all content.
 - `openai_gptoss` (gpt-oss: OpenAI's harmony format, harmony.py): the `analysis` channel's messages are the
   reasoning, the `final` channel's (and preambles) the content; its calls read with `--tool-call-parser openai`.
 A request's `include_reasoning: false` (vLLM's) leaves the reasoning out of the answer, and its content the same.
@@ -32,10 +35,13 @@ from .text import safe_before, special_tokens
 
 PARSERS = REASONING_PARSERS
 START, END = "<think>", "</think>"
-# Each parser's markers of the thinking: its opening, its end, and a label the opening is followed by.
-MARKERS = {"qwen3": (START, END, ""), "deepseek_r1": (START, END, ""),
-           "gemma4": ("<|channel>", "<channel|>", "thought\n"), "mistral": ("[THINK]", "[/THINK]", ""),
-           harmony.PARSER: (*harmony.THINKING, "")}
+# Each parser's markers of the thinking: its openings, its ends (the first of each the one written where one is
+# forced), and a label the opening is followed by.
+MARKERS = {"qwen3": ((START,), (END,), ""), "deepseek_r1": ((START,), (END,), ""),
+           "gemma4": (("<|channel>",), ("<channel|>",), "thought\n"), "mistral": (("[THINK]",), ("[/THINK]",), ""),
+           "granite": (("Here is my thought process:", "Here's my thought process:"),
+                       ("Here is my response:", "Here's my response:"), ""),
+           harmony.PARSER: ((harmony.THINKING[0],), (harmony.THINKING[1],), "")}
 
 
 @dataclass(frozen=True)
@@ -50,14 +56,23 @@ class Reasoning:
     calls: bool = False
 
     @property
-    def start(self) -> str:
-        """The thinking's opening (`<think>`; Gemma 4's `<|channel>`)."""
+    def starts(self) -> tuple[str, ...]:
+        """The thinking's openings (`<think>`; Gemma 4's `<|channel>`; Granite's two)."""
         return MARKERS[self.parser][0]
 
     @property
-    def end(self) -> str:
-        """The thinking's end (`</think>`; Gemma 4's `<channel|>`)."""
+    def ends(self) -> tuple[str, ...]:
+        """The thinking's ends (`</think>`; Gemma 4's `<channel|>`; Granite's two)."""
         return MARKERS[self.parser][1]
+
+    @property
+    def start(self) -> str:
+        return self.starts[0]
+
+    @property
+    def end(self) -> str:
+        """The end written where one is forced (a thinking budget's)."""
+        return self.ends[0]
 
     @property
     def from_start(self) -> bool:
@@ -66,19 +81,26 @@ class Reasoning:
 
     def thinks(self, text: str) -> bool:
         """Whether output beginning with `text` (enough of it to tell) is the model's thinking first."""
-        return self.from_start or text.startswith(self.start)
+        return self.from_start or text.startswith(self.starts)
 
     def opening(self, text: str) -> int:
         """How much of the output's beginning `text` is the thinking's opening (and its label), not reasoning."""
-        start, label = MARKERS[self.parser][0], MARKERS[self.parser][2]
-        if not text.startswith(start):
+        label = MARKERS[self.parser][2]
+        start = next((s for s in self.starts if text.startswith(s)), None)
+        if start is None:
             return 0
         return len(start) + (len(label) if text.startswith(label, len(start)) else 0)
 
     def undecided(self, text: str) -> bool:
         """Whether the output so far (`text`) may still become the thinking's opening (and its label)."""
-        opening = self.start + MARKERS[self.parser][2]
-        return len(text) < len(opening) and opening.startswith(text)
+        label = MARKERS[self.parser][2]
+        return any(len(text) < len(s + label) and (s + label).startswith(text) for s in self.starts)
+
+    def end_in(self, text: str, start: int = 0) -> tuple[int, int]:
+        """Where the thinking's first end in `text` (from `start`) begins and how long it is; else where a tail that
+        may still become one begins (a stream holds it back: `safe_before`), and 0."""
+        safe = min(safe_before(text, end, start) for end in self.ends)
+        return safe, next((len(end) for end in self.ends if text.startswith(end, safe)), 0)
 
 
 def reasoning_of(parser: str | None, tokenizer, prompt: list[int], shown: bool, calls: bool = False) \
@@ -97,16 +119,16 @@ def split_reasoning(reading: Reasoning | None, text: str) -> tuple[str | None, s
     if reading is None or not reading.thinks(text):
         return None, text
     rest = text[reading.opening(text):]
-    if reading.end in rest:
-        reasoning, _, content = rest.partition(reading.end)
-        return reasoning, content or None
+    at, length = reading.end_in(rest)
+    if length:
+        return rest[:at], rest[at + length:] or None
     return rest, None
 
 
 def thinking_is_special(parser: str | None, tokenizer) -> bool:
     """Whether the thinking's end (`</think>`; harmony's `<|message|>`) is a special token of this tokenizer, whose
     text the output must then keep for the parser to see it."""
-    end = harmony.MESSAGE if parser == harmony.PARSER else MARKERS.get(parser, (None, None))[1]
+    end = harmony.MESSAGE if parser == harmony.PARSER else MARKERS.get(parser, (None, (None,)))[1][0]
     return parser is not None and end in special_tokens(tokenizer)
 
 
@@ -135,10 +157,9 @@ class ReasoningStream:
         if not self.thinking:
             content, self.sent = self.text[self.sent:], len(self.text)
             return "", content
-        end = self.reading.end
-        safe = safe_before(self.text, end, self.sent)
-        if self.text.startswith(end, safe):
-            reasoning, content = self.text[self.sent: safe], self.text[safe + len(end):]
+        safe, length = self.reading.end_in(self.text, self.sent)
+        if length:
+            reasoning, content = self.text[self.sent: safe], self.text[safe + length:]
             self.thinking, self.sent = False, len(self.text)
             return reasoning, content
         reasoning, self.sent = self.text[self.sent: safe], safe

@@ -11,7 +11,7 @@ API_KEY_VARIABLE = "ORTMODULE_API_KEY"
 # here, as this module imports nothing of the server's (`ortmodule serve --help` reads it without FastAPI).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "phi4_mini_json", "qwen3_coder", "pythonic", "lfm2",
                      "mistral", "gemma4", "functiongemma", "granite", "openai")
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4", "mistral", "openai_gptoss")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4", "mistral", "granite", "openai_gptoss")
 # `Settings.reuse_prefix` -> `scoring.label_logprobs`'s `reuse_prefix` (None: decided from measured costs).
 REUSE_PREFIX = {"auto": None, "on": True, "off": False}
 
