@@ -418,7 +418,7 @@ class OpenAIPenalties:
 
 def test_stop_token_ids_stop_strings_kept_and_special_tokens_shown_as_vllm_takes_them(setup):
     """vLLM's `stop_token_ids` (the row ends at one, its text shown as any token's), the stop string
-    kept in the answer (`include_stop_str_in_output`), and special tokens' text shown
+    kept in the answer (`include_stop_str_in_output`, SGLang's `no_stop_trim`), and special tokens' text shown
     (`skip_special_tokens` false), each against the text of transformers' greedy tokens; streamed too."""
     live, _, hf, tokenizer, _ = setup
     ids = tokenizer("Once upon a time there").input_ids
@@ -433,6 +433,13 @@ def test_stop_token_ids_stop_strings_kept_and_special_tokens_shown_as_vllm_takes
     kept = live.client.post("/v1/completions", json={**request, "stop": [stop],
                                                      "include_stop_str_in_output": True}).json()["choices"][0]
     assert kept["text"] == full[: full.index(stop, 0) + 1] and kept["text"].endswith(stop)
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0}
+    plain = live.client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    chat["stop"] = [next(c for c in plain[3:] if c.strip())]
+    for route, body in (("/v1/completions", {**request, "stop": [stop]}), ("/v1/chat/completions", chat)):
+        sglangs = live.client.post(route, json={**body, "no_stop_trim": True}).json()  # SGLang's name of it
+        vllms = live.client.post(route, json={**body, "include_stop_str_in_output": True}).json()
+        assert sglangs["choices"] == vllms["choices"]
     eos = tokenizer.eos_token_id
     shown = live.client.post("/v1/completions", json={**request, "max_tokens": 3, "ignore_eos": True,
                                                       "logit_bias": {str(eos): 100}, "skip_special_tokens": False})
@@ -639,6 +646,98 @@ def test_logit_bias_equals_generates_sequence_bias(setup):
                 {str(i): 1 for i in range(1025)}):
         refused = live.client.post("/v1/completions", json={"model": NAME, "prompt": "x", "logit_bias": bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", (bad, refused.text)
+
+
+def masked_greedy(hf, ids: list[int], new: int, processors) -> list[int]:
+    """transformers' greedy continuation with logits processors that see the tokens generated only (as vLLM's
+    bad words match them), the whole sequence run each step."""
+    out: list[int] = []
+    for _ in range(new):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + out])).logits[:, -1].float()
+        for processor in processors:
+            logits = processor(torch.tensor([out], dtype=torch.long), logits)
+        out.append(int(logits.argmax(-1)))
+    return out
+
+
+def vllm_bad_word_ids(tokenizer, word: str) -> list[list[int]]:
+    """A bad word's token ids as vLLM's SamplingParams makes them: the word alone, and after a space where that
+    gives another first token and as many tokens."""
+    bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+    return [bare] + ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+
+
+def test_allowed_token_ids_and_bad_words_as_vllm_masks_them(setup):
+    """vLLM's `allowed_token_ids`: a greedy completion and chat equal transformers' with every other token
+    suppressed (`suppress_tokens`), and sampled tokens stay among them; `bad_words`: transformers'
+    `NoBadWordsLogitsProcessor` over the tokens generated (vLLM matches a word's first tokens there, not in the
+    prompt: a word begun by the prompt's last token does not bar the first token), each word tokenized as vLLM
+    tokenizes it; both on the Responses API's extras too."""
+    from transformers import NoBadWordsLogitsProcessor
+
+    live, _, hf, tokenizer, _ = setup
+    vocab = hf.config.vocab_size
+    ids = tokenizer("The quick brown fox").input_ids
+    plain = hf_greedy(hf, ids, 8)
+    allowed = sorted({*plain[3:], 77, 78, 91})
+    expected = hf_greedy(hf, ids, 8, suppress_tokens=[t for t in range(vocab) if t not in allowed])
+    assert expected != plain
+    answer = live.client.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 8, "temperature": 0,
+                                                       "allowed_token_ids": allowed}).json()
+    assert answer["choices"][0]["text"] == expected_text(tokenizer, expected)[0]
+    sampled = live.client.post("/v1/completions", json={
+        "model": NAME, "prompt": ids, "max_tokens": 8, "n": 4, "allowed_token_ids": allowed,
+        "return_token_ids": True}).json()
+    assert all(set(choice["token_ids"]) <= set(allowed) for choice in sampled["choices"])
+    messages = [{"role": "user", "content": "Say something."}]
+    chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    chat_allowed = sorted({*hf_greedy(hf, chat_ids, 6)[2:], 77})
+    chat = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 6,
+                                                          "temperature": 0, "allowed_token_ids": chat_allowed}).json()
+    chat_expected = hf_greedy(hf, chat_ids, 6, suppress_tokens=[t for t in range(vocab) if t not in chat_allowed])
+    assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, chat_expected)[0]
+    ids = tokenizer("The weather today is").input_ids
+    plain = hf_greedy(hf, ids, 8)
+    words = [tokenizer.decode(plain[2:4]), tokenizer.decode(plain[5:6]),
+             tokenizer.decode([ids[-1], plain[0]])]  # the last: begun by the prompt's last token
+    barred = [w for word in words for w in vllm_bad_word_ids(tokenizer, word)]
+    assert [ids[-1], plain[0]] in barred
+    expected = masked_greedy(hf, ids, 8, [NoBadWordsLogitsProcessor(barred, eos_token_id=None)])
+    assert expected != plain and expected[0] == plain[0]
+    answer = live.client.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 8, "temperature": 0,
+                                                       "bad_words": words}).json()
+    assert answer["choices"][0]["text"] == expected_text(tokenizer, expected)[0]
+    response = live.client.post("/v1/responses", json={"model": NAME, "input": "Say something.", "temperature": 0,
+                                                       "max_output_tokens": 6, "allowed_token_ids": chat_allowed})
+    assert response.json()["output"][0]["content"][0]["text"] == expected_text(tokenizer, chat_expected)[0]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(setup):
+    """vLLM's `truncate_prompt_tokens`: a completion and a chat of a prompt's last k tokens equal transformers'
+    greedy continuation of those tokens, the usage counting k; -1 keeps the context's length."""
+    live, _, hf, tokenizer, _ = setup
+    ids = (tokenizer("The quick brown fox jumps over the lazy dog. " * 40).input_ids)[:300]
+    assert len(ids) == 300
+    for keep, kept in ((12, 12), (200, 200), (-1, 256)):
+        body = {"model": NAME, "prompt": ids, "max_tokens": 6 if kept < 256 else 1, "temperature": 0,
+                "truncate_prompt_tokens": keep}
+        if kept == 256:
+            refused = live.client.post("/v1/completions", json=body)  # the context is full: no room for a token
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+            continue
+        answer = live.client.post("/v1/completions", json=body).json()
+        assert answer["choices"][0]["text"] == expected_text(tokenizer, hf_greedy(hf, ids[-kept:], 6))[0]
+        assert answer["usage"]["prompt_tokens"] == kept
+    messages = [{"role": "user", "content": "Tell me a story about a fox and a dog in the woods."}]
+    chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    chat = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 6,
+                                                          "temperature": 0, "truncate_prompt_tokens": 9}).json()
+    assert chat["choices"][0]["message"]["content"] == expected_text(tokenizer, hf_greedy(hf, chat_ids[-9:], 6))[0]
+    assert chat["usage"]["prompt_tokens"] == 9 < len(chat_ids)
 
 
 def test_tokenize_detokenize_and_tokenizer_info_as_vllm(setup):
@@ -851,14 +950,17 @@ BAD = [
                            ("min_tokens", 17), ("ignore_eos", "yes"), ("stop_token_ids", [512]),
                            ("include_stop_str_in_output", 1),
                            ("skip_special_tokens", "no"), ("use_beam_search", True), ("prompt_logprobs", -1),
-                           ("prompt_logprobs", 21), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [5, 6]),
-                           ("bad_words", ["fox"]), ("logprob_token_ids", [5]), ("return_tokens_as_token_ids", True),
+                           ("prompt_logprobs", 21), ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
+                           ("truncate_prompt_tokens", 257), ("allowed_token_ids", []), ("allowed_token_ids", [512]),
+                           ("bad_words", "fox"), ("bad_words", [""]),
+                           ("logprob_token_ids", [5]), ("return_tokens_as_token_ids", True),
                            ("guided_json", [1]), ("guided_choice", []), ("regex", "a("),
                            ("structured_outputs", {"choice": ["a"], "regex": "a"}),
                            # output-changing fields of vLLM's and SGLang's completions that were taken silently
                            ("response_format", {"type": "grammar"}), ("structural_tag", "{}"),
                            ("stop_regex", ["a+"]), ("lora_path", "adapter"), ("return_hidden_states", True),
-                           ("custom_logit_processor", "x"), ("no_stop_trim", True))],
+                           ("custom_logit_processor", "x"), ("no_stop_trim", 1))],
+    ("/v1/completions", {"model": NAME, "prompt": "x", "allowed_token_ids": [5, -1]}, 400, "allowed_token_ids.1"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1,
                               "stream": True}, 400, "prompt_logprobs"),

@@ -295,13 +295,15 @@ class Sampling:
     skip_special: bool = True  # vLLM's skip_special_tokens
     constraint: Constraint | None = None  # structured output: the grammar its tokens keep to (constraints.py)
     thinking: ThinkingBudget | None = None  # vLLM's thinking_token_budget (reasoning.py)
+    allowed: tuple[int, ...] = ()  # vLLM's allowed_token_ids: the only tokens it may choose (empty: all)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words, as token ids: never completed
 
     @property
     def alters_logits(self) -> bool:
         """Whether the row's logits change before it chooses (a bias, a penalty, a mask: `Row.process`)."""
         return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0
                 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.constraint is not None
-                or self.thinking is not None)
+                or self.thinking is not None or bool(self.allowed) or bool(self.bad_words))
 
     @property
     def processed(self) -> bool:
@@ -396,6 +398,7 @@ class Row:
     processors: list | None = None  # transformers' processors of its sampling, made at its first choice
     matcher: object = None  # its grammar's matcher (structured output), made at its first choice
     thought: ThinkingCount | None = None  # its place against a thinking budget, made at its first choice
+    barred: torch.Tensor | None = None  # the tokens outside its allowed_token_ids (True), made at its first choice
 
     @property
     def feeding(self) -> bool:
@@ -423,6 +426,7 @@ class Row:
         `min_new_tokens` as `model.generate` applies them (transformers' own processors, in its
         order), greedy or sampled."""
         sampling = self.sampling
+        logits = self._masked(logits)
         if self.processors is None:  # made once: the bias processor prepares its tensors at its first call
             ends = sorted(set(self.job.eos) | set(sampling.stop_ids))
             self.processors = [
@@ -450,6 +454,22 @@ class Row:
             forced = self.thought.forced_token()
             if forced is not None:
                 logits = torch.full_like(logits, float("-inf")).index_fill_(-1, to_device([forced], logits.device), 0.0)
+        return logits
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """vLLM's masks, first as in vLLM: every token outside `allowed_token_ids` at -inf; and each bad word's last
+        token where the tokens generated so far (not the prompt's, as vLLM matches them) end with the rest of it."""
+        sampling = self.sampling
+        if sampling.allowed:
+            if self.barred is None:
+                self.barred = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                self.barred[to_device(list(sampling.allowed), logits.device)] = False
+            logits = logits.masked_fill(self.barred, float("-inf"))
+        tokens = self.tokens
+        banned = [word[-1] for word in sampling.bad_words
+                  if len(word) == 1 or (len(word) <= len(tokens) + 1 and tuple(tokens[1 - len(word):]) == word[:-1])]
+        if banned:
+            logits = logits.index_fill(-1, to_device(banned, logits.device), float("-inf"))
         return logits
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:

@@ -42,18 +42,15 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 # vLLM's and SGLang's extra fields that would change the output and that this server does not carry
 # out, with their neutral values (what leaving them out means): a client sending another value
 # would get an answer as if it had been applied.
-UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,), "truncate_prompt_tokens": (None,),
-                      "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_embeds": (None,),
+UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,), "prompt_embeds": (None,),
                       "logprob_token_ids": (None,), "return_tokens_as_token_ids": (None, False),
                       # chat's: a request's own template (vLLM too refuses it by default), echo of the last
                       # message, the image processor's options
                       "chat_template": (None,),
                       "echo": (None, False), "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
-                      # SGLang's stop regexes, LoRA adapter, hidden states, logit processor and its name for
-                      # include_stop_str_in_output (which this server takes)
+                      # SGLang's stop regexes, LoRA adapter, hidden states and logit processor
                       "stop_regex": (None, []),
-                      "lora_path": (None,), "return_hidden_states": (None, False), "custom_logit_processor": (None,),
-                      "no_stop_trim": (None, False)}
+                      "lora_path": (None,), "return_hidden_states": (None, False), "custom_logit_processor": (None,)}
 
 
 def check_common(served: Served, body) -> tuple[str, ...]:
@@ -99,6 +96,54 @@ def logit_bias_of(served: Served, body) -> tuple[tuple[int, float], ...]:
     return tuple(biases)
 
 
+def allowed_of(served: Served, body) -> tuple[int, ...]:
+    """vLLM's `allowed_token_ids`: one or more token ids of the vocabulary, at most `--max-labels` of them."""
+    if body.allowed_token_ids is None:
+        return ()
+    ids = tuple(dict.fromkeys(body.allowed_token_ids))
+    if not ids:
+        raise ServingError("allowed_token_ids is empty: give at least one token id, or leave it out",
+                           "allowed_token_ids")
+    if len(ids) > served.settings.max_labels:
+        raise ServingError(f"allowed_token_ids has {len(ids)} ids; this server takes at most "
+                           f"{served.settings.max_labels}", "allowed_token_ids")
+    bad = outside_vocabulary(list(ids), served.vocab)
+    if bad is not None:
+        raise ServingError(f"allowed_token_ids: {vocabulary_message(bad, served.vocab)}", "allowed_token_ids")
+    return ids
+
+
+def bad_words_of(served: Served, body) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words`, each as vLLM tokenizes it: the word (its leading space taken off) alone, and after a space
+    where that gives another first token and as many tokens (a word at the text's start and within it)."""
+    found = []
+    for word in body.bad_words or ():
+        bare = tuple(served.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(served.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise ServingError(f"bad_words: {word!r} has no tokens", "bad_words")
+        found += [bare] + ([spaced] if spaced and spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+    if sum(map(len, found)) > served.settings.max_labels:
+        raise ServingError(f"bad_words come to {sum(map(len, found))} token ids; this server takes at most "
+                           f"{served.settings.max_labels}", "bad_words")
+    bad = outside_vocabulary([t for word in found for t in word], served.vocab)
+    if bad is not None:
+        raise ServingError(f"bad_words: {vocabulary_message(bad, served.vocab)}", "bad_words")
+    return tuple(found)
+
+
+def truncated(served: Served, body, prompts: list[list[int]]) -> list[list[int]]:
+    """vLLM's `truncate_prompt_tokens`: each prompt's last k tokens (-1: the model's context length)."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompts
+    if keep == 0 or keep > served.context:
+        raise ServingError(f"truncate_prompt_tokens must be -1 (the context length) or from 1 to the model's context "
+                           f"length {served.context}, got {keep}", "truncate_prompt_tokens")
+    keep = served.context if keep < 0 else keep
+    return [ids[-keep:] for ids in prompts]
+
+
 def stop_ids_of(served: Served, body) -> tuple[int, ...]:
     """vLLM's `stop_token_ids`: token ids of the vocabulary, at most `--max-labels` of them."""
     ids = tuple(dict.fromkeys(body.stop_token_ids or ()))
@@ -129,8 +174,10 @@ def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, sto
                         max(0, given("top_k", 0)), float(given("min_p", 0.0)), float(given("repetition_penalty", 1.0)),
                         logit_bias_of(served, body), body.min_tokens, body.ignore_eos,
                         float(body.presence_penalty), float(body.frequency_penalty),
-                        stop_ids_of(served, body), body.include_stop_str_in_output, body.skip_special_tokens,
-                        constraint_of(served, body, tool_schema, reasoning))
+                        stop_ids_of(served, body), body.include_stop_str_in_output or body.no_stop_trim,
+                        body.skip_special_tokens,
+                        constraint_of(served, body, tool_schema, reasoning), allowed=allowed_of(served, body),
+                        bad_words=bad_words_of(served, body))
     if body.min_tokens > max_tokens:
         raise ServingError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
     if body.min_tokens and stop:
@@ -180,6 +227,7 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     else:
         prompts = [list(ids) for ids in entries]
     served.check_prompts(prompts)
+    prompts = truncated(served, body, prompts)
     _check_length(served, prompts, max_tokens)
     per_token = 1 + (body.logprobs or 0)
     echoed = sum(len(p) for p in prompts) * per_token if body.echo and body.logprobs is not None else 0
@@ -306,6 +354,10 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
             raise ServingError(f"{name} must be at least 1, got {value}", name)
     plan = tool_plan(served, body)
     prompt, media = chat_prompt(served, body, [("stop", s) for s in stop], plan.tools)
+    if media and body.truncate_prompt_tokens is not None:
+        raise ServingError("truncate_prompt_tokens with images is not supported: it could cut an image's tokens",
+                           "truncate_prompt_tokens")
+    prompt = truncated(served, body, [prompt])[0]
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     room = served.context - len(prompt)  # left out: what the context leaves, within the default's max_new_tokens
     max_tokens = min(room, served.sampling_defaults.get("max_new_tokens", room)) if limit is None else limit
@@ -362,8 +414,9 @@ def _budget(served: Served, body: ChatRequest, reading: Reasoning | None, sampli
 
 # Fields beyond the Responses API's and Anthropic's that their clients send through to vLLM (`extra_body`), which
 # those routes carry out as chat does.
-CHAT_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "structured_outputs", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar", "chat_template_kwargs", "thinking_token_budget")
+CHAT_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "allowed_token_ids", "bad_words",
+               "truncate_prompt_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "chat_template_kwargs", "thinking_token_budget")
 
 
 def chat_job_as(served: Served, chat: ChatRequest, loop, names: dict[str, str], items: str,

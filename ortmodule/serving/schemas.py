@@ -102,7 +102,11 @@ class _Options(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: StrictBool = False
+    no_stop_trim: StrictBool = False  # SGLang's name of include_stop_str_in_output
     skip_special_tokens: StrictBool = True
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's: the only tokens the output may hold
+    bad_words: list[Text] | None = None  # vLLM's: words the output never completes
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None  # vLLM's: the prompt's last k tokens
 
 
 class CompletionRequest(_Options):
