@@ -91,6 +91,12 @@ ARCHITECTURES = {
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {"layer_types": "conv", "moe_intermediate_size": 32,
                                                           "num_experts": 4, "num_experts_per_tok": 2,
                                                           "num_dense_layers": 1}),
+    # Text decoders exported by mobius-onnx (MOBIUS_TEXT), each for what it adds: SmolLM3's layers without
+    # rotary positions (NoPE: its second layer here), Apertus' xIELU activation and query/key norms, OLMo 2's
+    # norms after attention and MLP and its query/key norms over all heads
+    "smollm3_mobius": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]}),
+    "apertus_mobius": ("ApertusConfig", "ApertusForCausalLM", {"head_dim": 16}),
+    "olmo2_mobius": ("Olmo2Config", "Olmo2ForCausalLM", {}),
 }
 
 # Gemma 4 packages, each from a multimodal Gemma 4 checkpoint (the text model inside is what runs):
@@ -108,6 +114,8 @@ GEMMA4 = {"gemma4": "Gemma4Unified", "gemma4_embeds": "Gemma4Unified", "gemma4_m
 # Mistral 3 (Pixtral's vision tower: whole images of any size, 2-D rotary positions; a Mistral text
 # model) exported by mobius-onnx, with tied embeddings (mobius-onnx 0.1 finds no untied head's weight).
 MOBIUS = {"gemma4_mobius", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "mistral3"}
+# Text-only checkpoints exported by mobius-onnx (decoder-only packages of standard Attention ops).
+MOBIUS_TEXT = {"smollm3_mobius", "apertus_mobius", "olmo2_mobius"}
 # Qwen2.5-VL's text decoder from the builder (`exclude_embeds=true`: inputs_embeds, 3-D position_ids,
 # GroupQueryAttention, MRotaryEmbedding) beside mobius-onnx's vision and embedding models: a package
 # whose decoder shares a batch's KV buffer and takes images.
@@ -571,7 +579,7 @@ def build(spec: FixtureSpec, root: Path | None = None) -> Fixture:
         work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=root))
         try:
             make_checkpoint(spec, work / "hf")
-            if spec.arch in MOBIUS:
+            if spec.arch in MOBIUS or spec.arch in MOBIUS_TEXT:
                 export_mobius(work / "hf", work / "package", spec.precision)
             elif spec.arch in MIXED:
                 export(work / "hf", work / "package", spec.precision, (("exclude_embeds", "true"), *spec.extra_options))
