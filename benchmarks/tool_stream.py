@@ -1,9 +1,9 @@
-"""The server's host time to stream a long tool call (serving/tools.py `ToolStream`): a call whose arguments
-hold a file's text (a model writing code through a tool), given a few characters a piece as a stream's tokens
-come, under "required" and the hermes, qwen3_coder, phi4_mini_json, mistral (its v11 form), pythonic, lfm2 and
-openai parsers (openai: gpt-oss's harmony output read first, its analysis apart, as the server reads it); prints
-the seconds each takes over the whole output and per piece. No model runs: this is the event loop's own work per
-streamed token.
+"""The server's host time to stream a long tool call (serving/tools.py `ToolStream`): a call whose arguments hold a
+file's text (a model writing code through a tool), given a few characters a piece as a stream's tokens come, under
+"required" and the hermes, qwen3_coder, phi4_mini_json, mistral (its v11 form), pythonic, lfm2, gemma4,
+functiongemma and openai parsers (openai: gpt-oss's harmony output read first, its analysis apart, as the server
+reads it); prints the seconds each takes over the whole output and per piece. No model runs: this is the event
+loop's own work per streamed token.
 
     python benchmarks/tool_stream.py [--lines 3000] [--piece 4]
 """
@@ -31,6 +31,10 @@ def outputs(lines: int) -> dict[str, tuple[ToolPlan, str]]:
             "pythonic": (ToolPlan("auto", parser="pythonic"), f"[write(path='page.html', content={code!r})]"),
             "lfm2": (ToolPlan("auto", parser="lfm2"),
                      f'<|tool_call_start|>[write(path="page.html", content="""{code}""")]<|tool_call_end|>'),
+            "gemma4": (ToolPlan("auto", parser="gemma4"),
+                       f'<|tool_call>call:write{{path:<|"|>page.html<|"|>,content:<|"|>{code}<|"|>}}<tool_call|>'),
+            "functiongemma": (ToolPlan("auto", parser="functiongemma"), "<start_function_call>call:write{path:"
+                              f"<escape>page.html<escape>,content:<escape>{code}<escape>}}<end_function_call>"),
             "openai": (ToolPlan("auto", parser="openai"),
                        "<|channel|>analysis<|message|>The user wants a page.<|end|><|start|>assistant<|channel|>"
                        f"commentary to=functions.write <|constrain|>json<|message|>{arguments}<|call|>")}
@@ -52,7 +56,7 @@ def main() -> None:
             deltas += stream.end(stream.text + harmony.end()[1], "stop")[0]
         seconds = time.perf_counter() - start
         sent = sum(1 for d in deltas if d.get("tool_calls"))
-        print(f"{name:12s} {len(text):7d} characters, {len(pieces):6d} pieces: {seconds:.3f} s, "
+        print(f"{name:14s} {len(text):7d} characters, {len(pieces):6d} pieces: {seconds:.3f} s, "
               f"{seconds / len(pieces) * 1e6:.1f} us a piece, {sent} deltas with the call")
 
 
