@@ -715,6 +715,35 @@ def test_allowed_token_ids_and_bad_words_as_vllm_masks_them(setup):
     assert response.json()["output"][0]["content"][0]["text"] == expected_text(tokenizer, chat_expected)[0]
 
 
+def test_masks_that_leave_no_token_end_the_row_or_are_refused(setup):
+    """Where `allowed_token_ids` are all one-token bad words, the request is a 400 naming the field; where they leave
+    no token only after some output (a bad word of two tokens completed by the only other allowed one) or beside a
+    grammar that takes none of them, the row ends there ("stop"), greedy and sampled: never a token outside the
+    masks (the argmax of all -inf, token 0) or sampling's failure on them (a 500)."""
+    live, _, _, tokenizer, _ = setup
+
+    def alone(ids):
+        return tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
+
+    a, b = next((a, b) for a in range(40, 300) for b in range(40, 300)
+                if a != b and alone([a]) and alone([b, b]) and not tokenizer.decode([a, b, b]).isdigit())
+    vllm = vllm_bad_word_ids(tokenizer, tokenizer.decode([b, b]))
+    assert [b, b] in vllm and all(word[0] != b for word in vllm if word != [b, b])
+    request = {"model": NAME, "prompt": "The quick", "max_tokens": 6, "return_token_ids": True}
+    refused = live.client.post("/v1/completions", json={**request, "allowed_token_ids": [a],
+                                                       "bad_words": [tokenizer.decode([a])]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids"
+    for temperature in (0, 1):
+        answer = live.client.post("/v1/completions", json={
+            **request, "temperature": temperature, "allowed_token_ids": [a, b],
+            "bad_words": [tokenizer.decode([a]), tokenizer.decode([b, b])]}).json()["choices"][0]
+        assert (answer["token_ids"], answer["finish_reason"]) == ([b], "stop")
+        grammar = live.client.post("/v1/completions", json={
+            **request, "temperature": temperature, "allowed_token_ids": [a, b],
+            "structured_outputs": {"regex": "[0-9]+"}}).json()["choices"][0]
+        assert (grammar["token_ids"], grammar["text"], grammar["finish_reason"]) == ([], "", "stop")
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(setup):
     """vLLM's `truncate_prompt_tokens`: a completion and a chat of a prompt's last k tokens equal transformers'
     greedy continuation of those tokens, the usage counting k; -1 keeps the context's length."""

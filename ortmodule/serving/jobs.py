@@ -399,6 +399,7 @@ class Row:
     matcher: object = None  # its grammar's matcher (structured output), made at its first choice
     thought: ThinkingCount | None = None  # its place against a thinking budget, made at its first choice
     barred: torch.Tensor | None = None  # the tokens outside its allowed_token_ids (True), made at its first choice
+    exhausted: bool = False  # its masks (allowed tokens, bad words, a grammar) left no token: it ends, taking none
 
     @property
     def feeding(self) -> bool:
@@ -454,6 +455,10 @@ class Row:
             forced = self.thought.forced_token()
             if forced is not None:
                 logits = torch.full_like(logits, float("-inf")).index_fill_(-1, to_device([forced], logits.device), 0.0)
+        if (sampling.allowed or sampling.bad_words or sampling.constraint is not None) \
+                and not bool(torch.isfinite(logits).any()):  # the masks leave no token: the row ends (`accept`)
+            self.exhausted = True
+            logits = torch.zeros_like(logits)
         return logits
 
     def _masked(self, logits: torch.Tensor) -> torch.Tensor:
@@ -488,7 +493,11 @@ class Row:
 
     def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         """Take the token chosen; stream the text it completes; finish on end of sequence, a stop
-        string or the length (the caller then calls the job's `row_done`)."""
+        string or the length (the caller then calls the job's `row_done`). A row whose masks left no token to
+        choose (`process`) takes none and ends there, a "stop" as where a grammar is complete."""
+        if self.exhausted:
+            self.job.emit(self, self.text.complete())
+            return
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)

@@ -178,6 +178,9 @@ def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, sto
                         body.skip_special_tokens,
                         constraint_of(served, body, tool_schema, reasoning), allowed=allowed_of(served, body),
                         bad_words=bad_words_of(served, body))
+    if sampling.allowed and set(sampling.allowed) <= {word[0] for word in sampling.bad_words if len(word) == 1}:
+        raise ServingError("every one of allowed_token_ids is a bad word's only token: no token is left to choose",
+                           "allowed_token_ids")
     if body.min_tokens > max_tokens:
         raise ServingError(f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens")
     if body.min_tokens and stop:
@@ -291,6 +294,9 @@ def prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | Non
     if scores.last is not None:  # processed first (a repetition penalty, say); its log-probability the raw one
         token = int(row.process(scores.last[None]).argmax(-1))
         logprob = float(scores.last[token] - torch.logsumexp(scores.last, -1))
+        if row.exhausted:  # its masks left no token: it ends without one
+            row.text.complete()
+            return scores, row
     row.tokens, row.logprobs, row.top = [token], [logprob], [scores.next_top[: job.top]]
     row.text.add(token)
     row.text.end()
