@@ -2,8 +2,8 @@
 prefill chunks, join steps, prompt feeding, the prefix cache, the score token budget, query reuse)
 and a random mix of concurrent requests (greedy completions whose prompts share prefixes, repeat
 exactly or not at all, with log-probabilities and echo sometimes, vLLM's prompt log-probabilities and
-token ids, a repetition penalty, a grammar (structured output), streamed or not; some of them as SGLang's
-/generate;
+token ids, a repetition penalty, allowed tokens, a grammar (structured output), streamed or not; some of them as
+SGLang's /generate;
 SGLang's score requests, with a label list per item, a temperature, the labels' log-probabilities;
 vLLM's generative scoring), sent by several
 clients at random moments. Whatever runs together, every answer must be transformers' on the request
@@ -73,8 +73,10 @@ def draw_requests(rng: random.Random, vocab: int, context: int) -> list[tuple[st
                 body.update(stop=[rng.choice(["e", "an", " t", "s", "\u00e9"])])
             if rng.random() < 0.2:  # vLLM's, greedy rows too (an echo's one token chosen from its prefill)
                 body.update(repetition_penalty=rng.choice([1.3, 0.8]))
+            if rng.random() < 0.15 and not body.get("sglang"):  # vLLM's: every other token masked
+                body.update(allowed_token_ids=sorted(rng.sample(range(vocab), rng.randint(2, 60))))
             plain = not set(body) & {"stop", "repetition_penalty", "echo", "prompt_logprobs", "return_token_ids",
-                                     "sglang"}
+                                     "sglang", "allowed_token_ids"}
             if plain and not body["temperature"] and rng.random() < 0.5:  # structured output: a greedy row's grammar
                 body.update(guided_regex=rng.choice(GRAMMARS))
             requests.append(("completion", body))
@@ -223,6 +225,8 @@ def test_engine_fuzz(build, seed, monkeypatch):
     for i, ((kind, body), answer) in enumerate(zip(requests, answers, strict=True)):
         if kind == "completion":
             penalty = {"repetition_penalty": body["repetition_penalty"]} if "repetition_penalty" in body else {}
+            if "allowed_token_ids" in body:  # as transformers' suppress_tokens of every other token
+                penalty["suppress_tokens"] = sorted(set(range(hf.config.vocab_size)) - set(body["allowed_token_ids"]))
             if "guided_regex" in body:  # transformers' greedy generate under the same grammar, alone
                 from llguidance import LLMatcher
 

@@ -67,6 +67,7 @@ class Reasoning:
 
     @property
     def start(self) -> str:
+        """The opening a thinking budget looks for (the first of `starts`)."""
         return self.starts[0]
 
     @property
