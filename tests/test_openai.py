@@ -744,6 +744,61 @@ def test_masks_that_leave_no_token_end_the_row_or_are_refused(setup):
         assert (grammar["token_ids"], grammar["text"], grammar["finish_reason"]) == ([], "", "stop")
 
 
+def test_logprob_token_ids_give_those_tokens_log_probabilities(setup):
+    """vLLM's `logprob_token_ids`: at each generated token the alternatives are the chosen token's and those asked
+    for (not the top ones), their log-probabilities transformers' at that position; on completions (whole,
+    streamed, after an echoed prompt, whose positions keep the top `logprobs`) and on chat; refused without
+    logprobs, with nothing generated, and outside the vocabulary."""
+    live, _, hf, tokenizer, _ = setup
+    ids = tokenizer("The quick brown fox").input_ids
+    tokens = hf_greedy(hf, ids, 5)
+    with torch.no_grad():
+        logprobs = hf(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:].float().log_softmax(-1)
+    asked = list(dict.fromkeys([77, 130, 301, tokens[1], tokens[3]]))  # two of them chosen where they are
+    names = [tokenizer.decode([t]) for t in range(hf.config.vocab_size)]
+    assert len({names[t] for t in asked + tokens}) == len(set(asked + tokens))  # no two of them one string
+
+    def expected(position: int) -> dict:
+        chosen = tokens[position]
+        return {names[t]: logprobs[position, t].item() for t in [chosen] + [t for t in asked if t != chosen]}
+
+    def close(got: dict, want: dict) -> bool:
+        return list(got) == list(want) and all(abs(got[k] - want[k]) < 1e-4 for k in want)
+
+    request = {"model": NAME, "prompt": ids, "max_tokens": 5, "temperature": 0, "logprobs": 1,
+               "logprob_token_ids": asked}
+    answer = live.client.post("/v1/completions", json=request).json()["choices"][0]
+    assert answer["text"] == expected_text(tokenizer, tokens)[0]
+    assert all(close(got, expected(k)) for k, got in enumerate(answer["logprobs"]["top_logprobs"]))
+    with live.client.stream("POST", "/v1/completions", json={**request, "stream": True}) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    streamed = [top for c in chunks for choice in c["choices"] if choice.get("logprobs")
+                for top in choice["logprobs"]["top_logprobs"]]
+    assert len(streamed) == 5 and all(close(got, expected(k)) for k, got in enumerate(streamed))
+    echoed = live.client.post("/v1/completions", json={**request, "echo": True, "max_tokens": 2}).json()["choices"][0]
+    tops = echoed["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(len(top) == 1 for top in tops[1: len(ids)])  # the prompt's: its top 1
+    assert all(close(got, expected(k)) for k, got in enumerate(tops[len(ids):]))
+    messages = [{"role": "user", "content": "Say something."}]
+    chat_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    chat_tokens = hf_greedy(hf, chat_ids, 4)
+    with torch.no_grad():
+        chat_logprobs = hf(torch.tensor([chat_ids + chat_tokens])).logits[0, len(chat_ids) - 1:].float().log_softmax(-1)
+    chat = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 4,
+                                                          "temperature": 0, "logprobs": True,
+                                                          "logprob_token_ids": asked}).json()["choices"][0]
+    for k, entry in enumerate(chat["logprobs"]["content"]):
+        order = [chat_tokens[k]] + [t for t in asked if t != chat_tokens[k]]
+        assert [e["token"] for e in entry["top_logprobs"]] == [names[t] for t in order]
+        assert all(abs(e["logprob"] - chat_logprobs[k, t].item()) < 1e-4 for e, t in zip(entry["top_logprobs"], order))
+    for extra, param in (({"logprobs": None}, "logprob_token_ids"), ({"max_tokens": 0, "echo": True},
+                                                                     "logprob_token_ids"),
+                         ({"logprob_token_ids": [hf.config.vocab_size]}, "logprob_token_ids")):
+        refused = live.client.post("/v1/completions", json={**request, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (extra, refused.text)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(setup):
     """vLLM's `truncate_prompt_tokens`: a completion and a chat of a prompt's last k tokens equal transformers'
     greedy continuation of those tokens, the usage counting k; -1 keeps the context's length."""
@@ -982,7 +1037,7 @@ BAD = [
                            ("prompt_logprobs", 21), ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
                            ("truncate_prompt_tokens", 257), ("allowed_token_ids", []), ("allowed_token_ids", [512]),
                            ("bad_words", "fox"), ("bad_words", [""]),
-                           ("logprob_token_ids", [5]), ("return_tokens_as_token_ids", True),
+                           ("return_tokens_as_token_ids", True),
                            ("guided_json", [1]), ("guided_choice", []), ("regex", "a("),
                            ("structured_outputs", {"choice": ["a"], "regex": "a"}),
                            # output-changing fields of vLLM's and SGLang's completions that were taken silently

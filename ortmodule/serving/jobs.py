@@ -297,6 +297,7 @@ class Sampling:
     thinking: ThinkingBudget | None = None  # vLLM's thinking_token_budget (reasoning.py)
     allowed: tuple[int, ...] = ()  # vLLM's allowed_token_ids: the only tokens it may choose (empty: all)
     bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's bad_words, as token ids: never completed
+    logprob_ids: tuple[int, ...] = ()  # vLLM's logprob_token_ids: the alternatives given at each token (not the top)
 
     @property
     def alters_logits(self) -> bool:
@@ -315,6 +316,12 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def alternatives(self) -> int | None:
+        """How many alternatives each generated token's log-probabilities carry: the top `logprobs`, or the chosen
+        token and the `logprob_ids` (vLLM's), or None where none are asked for."""
+        return len(self.logprob_ids) + 1 if self.logprob_ids and self.logprobs is not None else self.logprobs
 
     def text_stream(self, tokenizer, eos: set[int] | frozenset[int]) -> TextStream:
         """A row's text under these settings: its ends (the model's `eos` unless `ignore_eos`, the stop
@@ -550,5 +557,11 @@ def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, floa
         top_values, top_ids = (t.tolist() for t in logprobs.topk(k, -1))
         for j, i in enumerate(wanted):
             picked[i] = values[j]
-            tops[i] = list(zip(top_ids[j], top_values[j]))[: rows[i].sampling.logprobs]
+            asked = rows[i].sampling.logprob_ids
+            if asked:  # vLLM's logprob_token_ids: the chosen token's, then each of those asked for (once)
+                token = int(chosen[i])
+                ids = [token] + [t for t in dict.fromkeys(asked) if t != token]
+                tops[i] = list(zip(ids, logprobs[j, to_device(ids, logits.device)].tolist()))
+            else:
+                tops[i] = list(zip(top_ids[j], top_values[j]))[: rows[i].sampling.logprobs]
     return [(token, picked.get(i), tops.get(i)) for i, token in enumerate(chosen.tolist())]

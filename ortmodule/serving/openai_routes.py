@@ -43,7 +43,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 # out, with their neutral values (what leaving them out means): a client sending another value
 # would get an answer as if it had been applied.
 UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,), "prompt_embeds": (None,),
-                      "logprob_token_ids": (None,), "return_tokens_as_token_ids": (None, False),
+                      "return_tokens_as_token_ids": (None, False),
                       # chat's: a request's own template (vLLM too refuses it by default), echo of the last
                       # message, the image processor's options
                       "chat_template": (None,),
@@ -132,6 +132,24 @@ def bad_words_of(served: Served, body) -> tuple[tuple[int, ...], ...]:
     return tuple(found)
 
 
+def logprob_ids_of(served: Served, body, logprobs: int | None) -> tuple[int, ...]:
+    """vLLM's `logprob_token_ids`: the token ids whose log-probabilities each generated token carries instead of the
+    top ones (beside the chosen token's; an empty list: the top ones), with `logprobs` asked for."""
+    ids = tuple(dict.fromkeys(body.logprob_token_ids or ()))
+    if not ids:
+        return ()
+    if logprobs is None:
+        raise ServingError("logprob_token_ids gives log-probabilities where they are asked for: send logprobs too "
+                           "(completions: logprobs, a number; chat: logprobs true)", "logprob_token_ids")
+    if len(ids) > served.settings.max_labels:
+        raise ServingError(f"logprob_token_ids has {len(ids)} ids; this server takes at most "
+                           f"{served.settings.max_labels}", "logprob_token_ids")
+    bad = outside_vocabulary(list(ids), served.vocab)
+    if bad is not None:
+        raise ServingError(f"logprob_token_ids: {vocabulary_message(bad, served.vocab)}", "logprob_token_ids")
+    return ids
+
+
 def truncated(served: Served, body, prompts: list[list[int]]) -> list[list[int]]:
     """vLLM's `truncate_prompt_tokens`: each prompt's last k tokens (-1: the model's context length)."""
     keep = body.truncate_prompt_tokens
@@ -177,7 +195,7 @@ def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, sto
                         stop_ids_of(served, body), body.include_stop_str_in_output or body.no_stop_trim,
                         body.skip_special_tokens,
                         constraint_of(served, body, tool_schema, reasoning), allowed=allowed_of(served, body),
-                        bad_words=bad_words_of(served, body))
+                        bad_words=bad_words_of(served, body), logprob_ids=logprob_ids_of(served, body, logprobs))
     if sampling.allowed and set(sampling.allowed) <= {word[0] for word in sampling.bad_words if len(word) == 1}:
         raise ServingError("every one of allowed_token_ids is a bad word's only token: no token is left to choose",
                            "allowed_token_ids")
@@ -232,7 +250,7 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     served.check_prompts(prompts)
     prompts = truncated(served, body, prompts)
     _check_length(served, prompts, max_tokens)
-    per_token = 1 + (body.logprobs or 0)
+    per_token = 1 + max(body.logprobs or 0, len(body.logprob_token_ids or ()) + 1 if body.logprob_token_ids else 0)
     echoed = sum(len(p) for p in prompts) * per_token if body.echo and body.logprobs is not None else 0
     generated = len(prompts) * max_tokens * per_token if body.logprobs is not None else 0
     vllms = sum(len(p) for p in prompts) * (2 + body.prompt_logprobs) if body.prompt_logprobs is not None else 0
@@ -241,7 +259,11 @@ def completion_job(served: Served, body: CompletionRequest, loop):
     prompts = [prompt for prompt in prompts for _ in range(body.n)]  # choice i * n + k: prompt i's k-th
     scored = body.echo and body.logprobs is not None or body.prompt_logprobs is not None
     top = max(body.logprobs or 0, body.prompt_logprobs or 0) if scored else None  # the prompts' alternatives
-    if (body.echo or scored) and not body.stream and (max_tokens == 0 or (max_tokens == 1 and sampling.greedy)):
+    if sampling.logprob_ids and max_tokens == 0:
+        raise ServingError("logprob_token_ids are given at generated tokens, and max_tokens 0 generates none (the "
+                           "prompt's are prompt_logprobs')", "logprob_token_ids")
+    if (body.echo or scored) and not body.stream and not sampling.logprob_ids and \
+            (max_tokens == 0 or (max_tokens == 1 and sampling.greedy)):
         return PromptJob(prompts, top or 0, max_tokens == 1, sampling, loop, served.engine.eos,
                          body.prompt_logprobs is not None)
     return Generation(prompts, sampling, loop, served.tokenizer, served.engine.eos, body.stream, top, copies=body.n,
@@ -269,7 +291,8 @@ def completion_body(served: Served, body: CompletionRequest, job, result) -> dic
         text = shown + (row.text.text if row else "")
         logprobs = None
         if body.logprobs is not None:
-            logprobs = _completion_logprobs(tokenizer, prompt, scores, row, body.echo, body.logprobs)
+            logprobs = _completion_logprobs(tokenizer, prompt, scores, row, body.echo, body.logprobs,
+                                            job.sampling.alternatives)
         choice = {"index": i, "text": text, "logprobs": logprobs,
                   "finish_reason": row.text.finish_reason if row else "length"}
         if body.prompt_logprobs is not None:
@@ -304,9 +327,10 @@ def prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | Non
 
 
 def _completion_logprobs(tokenizer, prompt, scores: PromptScores | None, row: Row | None, echo: bool,
-                         top: int) -> dict:
+                         top: int, generated: int) -> dict:
     """OpenAI's `logprobs` object: the prompt's tokens first when echoing (the first one's
-    log-probability null), then the generated tokens; `top` alternatives at each."""
+    log-probability null, `top` alternatives at each), then the generated tokens (`generated` alternatives: the
+    top ones, or the chosen token's and vLLM's `logprob_token_ids`)."""
     ids, values, alternatives = [], [], []
     if echo:
         ids += prompt
@@ -315,7 +339,7 @@ def _completion_logprobs(tokenizer, prompt, scores: PromptScores | None, row: Ro
     if row is not None:
         ids += row.tokens
         values += row.logprobs
-        alternatives += [t[:top] for t in row.top]
+        alternatives += [t[:generated] for t in row.top]
     return _completion_entries(tokenizer, ids, values, alternatives)
 
 
@@ -376,7 +400,9 @@ def chat_job(served: Served, body: ChatRequest, loop) -> Generation:
                            "n")
     top = (body.top_logprobs or 0) if body.logprobs else None
     if top is not None:
-        served.check_values(max_tokens * (1 + top) * body.n, "the log-probabilities asked for", "top_logprobs")
+        wide = len(body.logprob_token_ids) + 1 if body.logprob_token_ids else 0  # vLLM's logprob_token_ids
+        served.check_values(max_tokens * (1 + max(top, wide)) * body.n, "the log-probabilities asked for",
+                            "top_logprobs")
     _check_vllm_extras(body)
     if body.add_special_tokens:
         raise ServingError("add_special_tokens with messages is not supported: the chat template places the special "
@@ -421,8 +447,8 @@ def _budget(served: Served, body: ChatRequest, reading: Reasoning | None, sampli
 # Fields beyond the Responses API's and Anthropic's that their clients send through to vLLM (`extra_body`), which
 # those routes carry out as chat does.
 CHAT_EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "allowed_token_ids", "bad_words",
-               "truncate_prompt_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar", "chat_template_kwargs", "thinking_token_budget")
+               "truncate_prompt_tokens", "logprob_token_ids", "structured_outputs", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "chat_template_kwargs", "thinking_token_budget")
 
 
 def chat_job_as(served: Served, chat: ChatRequest, loop, names: dict[str, str], items: str,
@@ -559,7 +585,7 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
     way (vLLM's `return_token_ids`); with `echo`, each choice's prompt text first, as vLLM streams it
     (left out with `token_ids`, as vLLM leaves it); if the client goes away, its rows stop."""
     ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
-    logprobs = _StreamedLogprobs(served.tokenizer, kind, job.sampling.logprobs)
+    logprobs = _StreamedLogprobs(served.tokenizer, kind, job.sampling.alternatives)
     ids = _StreamedIds(job.prompts) if token_ids else None
     choices = [ChatStream(job) for _ in job.prompts] if kind == "chat.completion.chunk" else None
     try:

@@ -107,6 +107,7 @@ class _Options(BaseModel):
     allowed_token_ids: list[TokenId] | None = None  # vLLM's: the only tokens the output may hold
     bad_words: list[Text] | None = None  # vLLM's: words the output never completes
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None  # vLLM's: the prompt's last k tokens
+    logprob_token_ids: list[TokenId] | None = None  # vLLM's: the alternatives each generated token's logprobs give
 
 
 class CompletionRequest(_Options):
