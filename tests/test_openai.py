@@ -799,6 +799,36 @@ def test_logprob_token_ids_give_those_tokens_log_probabilities(setup):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (extra, refused.text)
 
 
+def test_return_tokens_as_token_ids_names_the_log_probabilities_tokens_by_id(setup):
+    """vLLM's `return_tokens_as_token_ids`: the log-probabilities' tokens (completions' `tokens` and `top_logprobs`
+    keys, whole and streamed; chat's `token` and its `bytes`) written `token_id:N`, the ids the model chose and the
+    same values as without it."""
+    live, _, _, tokenizer, _ = setup
+    request = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0, "logprobs": 2,
+               "return_token_ids": True}
+    plain = live.client.post("/v1/completions", json=request).json()["choices"][0]
+    named = live.client.post("/v1/completions", json={**request, "return_tokens_as_token_ids": True}).json()
+    named = named["choices"][0]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in plain["token_ids"]]
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    for mine, theirs in zip(named["logprobs"]["top_logprobs"], plain["logprobs"]["top_logprobs"], strict=True):
+        assert all(k.startswith("token_id:") for k in mine)
+        assert {tokenizer.decode([int(k[len("token_id:"):])]): v for k, v in mine.items()} == theirs
+    with live.client.stream("POST", "/v1/completions", json={**request, "stream": True,
+                                                             "return_tokens_as_token_ids": True}) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    streamed = [t for c in chunks for choice in c["choices"] if choice.get("logprobs")
+                for t in choice["logprobs"]["tokens"]]
+    assert streamed == named["logprobs"]["tokens"]
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = live.client.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    entries = choice["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(e["bytes"] == list(e["token"].encode()) and e["top_logprobs"][0]["token"].startswith("token_id:")
+               for e in entries)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(setup):
     """vLLM's `truncate_prompt_tokens`: a completion and a chat of a prompt's last k tokens equal transformers'
     greedy continuation of those tokens, the usage counting k; -1 keeps the context's length."""
@@ -1037,7 +1067,7 @@ BAD = [
                            ("prompt_logprobs", 21), ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
                            ("truncate_prompt_tokens", 257), ("allowed_token_ids", []), ("allowed_token_ids", [512]),
                            ("bad_words", "fox"), ("bad_words", [""]),
-                           ("return_tokens_as_token_ids", True),
+                           ("return_tokens_as_token_ids", 1),
                            ("guided_json", [1]), ("guided_choice", []), ("regex", "a("),
                            ("structured_outputs", {"choice": ["a"], "regex": "a"}),
                            # output-changing fields of vLLM's and SGLang's completions that were taken silently

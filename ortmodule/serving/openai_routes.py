@@ -29,7 +29,7 @@ from .jobs import Generation, PromptJob, PromptScores, Row, Sampling
 from .reasoning import Reasoning, ThinkingBudget, reasoning_of, thinking_budget, thinking_is_special
 from .schemas import ChatRequest, CompletionRequest
 from .served import Served, abandon, run_or_stream
-from .text import token_strings
+from .text import logprob_names, token_strings
 from .tools import markers_are_special, tool_plan
 
 MAX_LOGPROBS = 20
@@ -43,7 +43,6 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 # out, with their neutral values (what leaving them out means): a client sending another value
 # would get an answer as if it had been applied.
 UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,), "prompt_embeds": (None,),
-                      "return_tokens_as_token_ids": (None, False),
                       # chat's: a request's own template (vLLM too refuses it by default), echo of the last
                       # message, the image processor's options
                       "chat_template": (None,),
@@ -291,7 +290,8 @@ def completion_body(served: Served, body: CompletionRequest, job, result) -> dic
         text = shown + (row.text.text if row else "")
         logprobs = None
         if body.logprobs is not None:
-            logprobs = _completion_logprobs(tokenizer, prompt, scores, row, body.echo, body.logprobs,
+            names = logprob_names(tokenizer, body.return_tokens_as_token_ids)
+            logprobs = _completion_logprobs(names, prompt, scores, row, body.echo, body.logprobs,
                                             job.sampling.alternatives)
         choice = {"index": i, "text": text, "logprobs": logprobs,
                   "finish_reason": row.text.finish_reason if row else "length"}
@@ -486,7 +486,8 @@ def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row
             message.update(reasoning=reasoning, reasoning_content=reasoning)
         answers.append((message, finish))
     choices = [{"index": row.index, "message": message,
-                "logprobs": {"content": chat_logprobs(served.tokenizer, list(zip(row.tokens, row.logprobs, row.top)))}
+                "logprobs": {"content": chat_logprobs(logprob_names(served.tokenizer, body.return_tokens_as_token_ids),
+                                                      list(zip(row.tokens, row.logprobs, row.top)))}
                 if body.logprobs else None,
                 "finish_reason": finish} for row, (message, finish) in zip(rows, answers, strict=True)]
     answer = {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
@@ -578,14 +579,14 @@ def _sse(data) -> str:
 
 
 async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int, echo: bool = False,
-                  token_ids: bool = False):
+                  token_ids: bool = False, names_as_ids: bool = False):
     """The server-sent events of a streamed completion (`n` choices of each prompt), with the
     log-probabilities of each chunk's tokens where asked for (those of tokens whose text is held back,
     with a later chunk's; the rest with the last), and with `token_ids` the chunk's token ids the same
     way (vLLM's `return_token_ids`); with `echo`, each choice's prompt text first, as vLLM streams it
     (left out with `token_ids`, as vLLM leaves it); if the client goes away, its rows stop."""
     ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
-    logprobs = _StreamedLogprobs(served.tokenizer, kind, job.sampling.alternatives)
+    logprobs = _StreamedLogprobs(logprob_names(served.tokenizer, names_as_ids), kind, job.sampling.alternatives)
     ids = _StreamedIds(job.prompts) if token_ids else None
     choices = [ChatStream(job) for _ in job.prompts] if kind == "chat.completion.chunk" else None
     try:
@@ -644,7 +645,8 @@ def add_routes(app: FastAPI, served: Served) -> None:
     async def answer(make_job, body, request: Request, respond, kind: str):
         include = bool((body.stream_options or {}).get("include_usage"))
         return await run_or_stream(served, make_job, body, request, respond, lambda job: _events(
-            served, job, kind, include, body.n, bool(getattr(body, "echo", False)), bool(body.return_token_ids)))
+            served, job, kind, include, body.n, bool(getattr(body, "echo", False)), bool(body.return_token_ids),
+            body.return_tokens_as_token_ids))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -108,6 +108,7 @@ class _Options(BaseModel):
     bad_words: list[Text] | None = None  # vLLM's: words the output never completes
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None  # vLLM's: the prompt's last k tokens
     logprob_token_ids: list[TokenId] | None = None  # vLLM's: the alternatives each generated token's logprobs give
+    return_tokens_as_token_ids: StrictBool = False  # vLLM's: log-probabilities' tokens written `token_id:N`
 
 
 class CompletionRequest(_Options):

@@ -130,6 +130,20 @@ def token_strings(tokenizer, ids: list[int]) -> list[str]:
     return tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False)
 
 
+class TokenIdStrings:
+    """Token strings as vLLM's `return_tokens_as_token_ids` writes them in log-probabilities: `token_id:N` (every
+    token told apart, those whose text is not whole characters too); `token_strings` takes it for a tokenizer."""
+
+    @staticmethod
+    def batch_decode(rows: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [f"token_id:{row[0]}" for row in rows]
+
+
+def logprob_names(tokenizer, as_ids: bool):
+    """What names the tokens of a request's log-probabilities: its tokenizer, or their ids (`as_ids`)."""
+    return TokenIdStrings() if as_ids else tokenizer
+
+
 def longest_token_bytes(tokenizer) -> int:
     """The most UTF-8 bytes of text one token of the vocabulary can stand for (an upper bound:
     byte-level vocabularies write a byte as a character of up to 2 bytes)."""
