@@ -939,6 +939,28 @@ def test_chat_template_options_as_vllm_takes_them(setup):
                                                   "are not supported")
 
 
+def test_chats_echo_begins_the_answer_with_the_last_message_as_vllm_does(setup):
+    """vLLM's `echo` on chat: the assistant's message continued (`continue_final_message`) comes back whole, its
+    text then transformers' greedy continuation, whole and streamed (its first content delta); after a user's
+    message the answer is the same as without echo, unless the template adds no turn (`add_generation_prompt`
+    false), where vLLM takes the answer's role to be that message's and its text comes first too."""
+    live, _, hf, tokenizer, _ = setup
+    asked = [{"role": "user", "content": "Say something."}]
+    started = asked + [{"role": "assistant", "content": "Here is something"}]
+    for messages, fields, lead in ((started, {"continue_final_message": True}, "Here is something"),
+                                   (asked, {}, ""), (asked, {"add_generation_prompt": False}, "Say something.")):
+        options = {"add_generation_prompt": not fields.get("continue_final_message") and
+                   fields.get("add_generation_prompt", True), **fields}
+        (text, _), _ = chat_reference(hf, tokenizer, messages, 8, **options)
+        request = {"model": NAME, "messages": messages, "max_tokens": 8, "temperature": 0, "echo": True, **fields}
+        body = live.client.post("/v1/chat/completions", json=request).json()
+        assert body["choices"][0]["message"]["content"] == lead + text, (fields, body)
+        with live.client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as stream:
+            chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+        contents = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]]
+        assert "".join(contents) == lead + text and (not lead or lead in contents), fields
+
+
 def test_chat_completions_and_their_stream(setup):
     live, _, hf, tokenizer, _ = setup
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
@@ -1082,7 +1104,7 @@ BAD = [
                               "add_special_tokens": True}, 400, "add_special_tokens"),
     *[("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], field: value}, 400,
        field) for field, value in (("chat_template", "{{ messages }}"), ("reasoning_effort", "extreme"),
-                                   ("echo", True), ("mm_processor_kwargs", {"a": 1}),
+                                   ("echo", 1), ("mm_processor_kwargs", {"a": 1}),
                                    # OpenAI's audio output, web search and answer length (were taken silently)
                                    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
                                    ("web_search_options", {}), ("verbosity", "low"))],

@@ -43,10 +43,10 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 # out, with their neutral values (what leaving them out means): a client sending another value
 # would get an answer as if it had been applied.
 UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,), "prompt_embeds": (None,),
-                      # chat's: a request's own template (vLLM too refuses it by default), echo of the last
-                      # message, the image processor's options
+                      # chat's: a request's own template (vLLM too refuses it by default), the image processor's
+                      # options
                       "chat_template": (None,),
-                      "echo": (None, False), "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
+                      "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
                       # SGLang's stop regexes, LoRA adapter, hidden states and logit processor
                       "stop_regex": (None, []),
                       "lora_path": (None,), "return_hidden_states": (None, False), "custom_logit_processor": (None,)}
@@ -478,10 +478,25 @@ def chat_job_as(served: Served, chat: ChatRequest, loop, names: dict[str, str], 
         raise ServingError(renamed(str(e)), renamed(e.param), e.status, e.code) from None
 
 
+def chat_echo(body: ChatRequest) -> str:
+    """vLLM's `echo` on chat: the last message's text where its role is the answer's (the assistant's; the last
+    message's own where the template adds no turn: `continue_final_message`, `add_generation_prompt` false), which
+    the answer's content then begins with; its text parts joined by line breaks, as vLLM joins them."""
+    last = body.messages[-1] if body.echo and body.messages else None
+    adding = not body.continue_final_message if body.add_generation_prompt is None else body.add_generation_prompt
+    if last is None or last.content is None or last.role != ("assistant" if adding else last.role):
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content if part.type == "text" and part.text is not None)
+
+
 def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
-    answers = []
+    answers, lead = [], chat_echo(body)
     for row in rows:
         message, finish, reasoning = chat_answer(job, row)
+        if lead:
+            message["content"] = lead + (message["content"] or "")
         if reasoning is not None and job.reasoning.shown:  # vLLM's name, and SGLang's and DeepSeek's
             message.update(reasoning=reasoning, reasoning_content=reasoning)
         answers.append((message, finish))
@@ -579,7 +594,7 @@ def _sse(data) -> str:
 
 
 async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int, echo: bool = False,
-                  token_ids: bool = False, names_as_ids: bool = False):
+                  token_ids: bool = False, names_as_ids: bool = False, lead: str = ""):
     """The server-sent events of a streamed completion (`n` choices of each prompt), with the
     log-probabilities of each chunk's tokens where asked for (those of tokens whose text is held back,
     with a later chunk's; the rest with the last), and with `token_ids` the chunk's token ids the same
@@ -593,6 +608,8 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
         if kind == "chat.completion.chunk":
             for index in range(n):
                 yield _chunk(served, kind, ident, index, role=True, ids=ids)
+            for index in range(n if lead else 0):  # vLLM's chat echo: the last message's text first
+                yield _chunk(served, kind, ident, index, {"content": lead})
         if echo:  # choice i * n + k is prompt i's k-th: each prompt decoded once
             texts = [served.tokenizer.decode(prompt) if not token_ids else "" for prompt in job.prompts[::n]]
             for index in range(len(job.prompts)):
@@ -644,9 +661,10 @@ def model_card(served: Served) -> dict:
 def add_routes(app: FastAPI, served: Served) -> None:
     async def answer(make_job, body, request: Request, respond, kind: str):
         include = bool((body.stream_options or {}).get("include_usage"))
+        chat = kind == "chat.completion.chunk"
         return await run_or_stream(served, make_job, body, request, respond, lambda job: _events(
-            served, job, kind, include, body.n, bool(getattr(body, "echo", False)), bool(body.return_token_ids),
-            body.return_tokens_as_token_ids))
+            served, job, kind, include, body.n, body.echo and not chat, bool(body.return_token_ids),
+            body.return_tokens_as_token_ids, chat_echo(body) if chat else ""))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -186,6 +186,7 @@ class ChatRequest(_Options):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
+    echo: StrictBool = False  # vLLM's: the answer's content begins with the last message's, where its role is the same
     reasoning_effort: Text | None = None  # OpenAI's, as vLLM renders it (serving/chat_prompts.py)
     documents: list[dict[str, Any]] | None = None  # vLLM's: the template's documents
     include_reasoning: StrictBool = True  # vLLM's: false leaves the reasoning out (serving/reasoning.py)
