@@ -95,21 +95,27 @@ def logit_bias_of(served: Served, body) -> tuple[tuple[int, float], ...]:
     return tuple(biases)
 
 
-def allowed_of(served: Served, body) -> tuple[int, ...]:
-    """vLLM's `allowed_token_ids`: one or more token ids of the vocabulary, at most `--max-labels` of them."""
-    if body.allowed_token_ids is None:
-        return ()
-    ids = tuple(dict.fromkeys(body.allowed_token_ids))
-    if not ids:
-        raise ServingError("allowed_token_ids is empty: give at least one token id, or leave it out",
-                           "allowed_token_ids")
+def listed_ids(served: Served, given, field: str) -> tuple[int, ...]:
+    """A request's list of token ids (`field`: vLLM's `stop_token_ids`, `allowed_token_ids`, `logprob_token_ids`),
+    each once: at most `--max-labels` of them, each of the vocabulary."""
+    ids = tuple(dict.fromkeys(given or ()))
     if len(ids) > served.settings.max_labels:
-        raise ServingError(f"allowed_token_ids has {len(ids)} ids; this server takes at most "
-                           f"{served.settings.max_labels}", "allowed_token_ids")
+        raise ServingError(f"{field} has {len(ids)} ids; this server takes at most {served.settings.max_labels}",
+                           field)
     bad = outside_vocabulary(list(ids), served.vocab)
     if bad is not None:
-        raise ServingError(f"allowed_token_ids: {vocabulary_message(bad, served.vocab)}", "allowed_token_ids")
+        raise ServingError(f"{field}: {vocabulary_message(bad, served.vocab)}", field)
     return ids
+
+
+def allowed_of(served: Served, body) -> tuple[int, ...]:
+    """vLLM's `allowed_token_ids`: one or more token ids of the vocabulary (`listed_ids`)."""
+    if body.allowed_token_ids is None:
+        return ()
+    if not body.allowed_token_ids:
+        raise ServingError("allowed_token_ids is empty: give at least one token id, or leave it out",
+                           "allowed_token_ids")
+    return listed_ids(served, body.allowed_token_ids, "allowed_token_ids")
 
 
 def bad_words_of(served: Served, body) -> tuple[tuple[int, ...], ...]:
@@ -134,19 +140,12 @@ def bad_words_of(served: Served, body) -> tuple[tuple[int, ...], ...]:
 def logprob_ids_of(served: Served, body, logprobs: int | None) -> tuple[int, ...]:
     """vLLM's `logprob_token_ids`: the token ids whose log-probabilities each generated token carries instead of the
     top ones (beside the chosen token's; an empty list: the top ones), with `logprobs` asked for."""
-    ids = tuple(dict.fromkeys(body.logprob_token_ids or ()))
-    if not ids:
+    if not body.logprob_token_ids:
         return ()
     if logprobs is None:
         raise ServingError("logprob_token_ids gives log-probabilities where they are asked for: send logprobs too "
                            "(completions: logprobs, a number; chat: logprobs true)", "logprob_token_ids")
-    if len(ids) > served.settings.max_labels:
-        raise ServingError(f"logprob_token_ids has {len(ids)} ids; this server takes at most "
-                           f"{served.settings.max_labels}", "logprob_token_ids")
-    bad = outside_vocabulary(list(ids), served.vocab)
-    if bad is not None:
-        raise ServingError(f"logprob_token_ids: {vocabulary_message(bad, served.vocab)}", "logprob_token_ids")
-    return ids
+    return listed_ids(served, body.logprob_token_ids, "logprob_token_ids")
 
 
 def truncated(served: Served, body, prompts: list[list[int]]) -> list[list[int]]:
@@ -163,14 +162,7 @@ def truncated(served: Served, body, prompts: list[list[int]]) -> list[list[int]]
 
 def stop_ids_of(served: Served, body) -> tuple[int, ...]:
     """vLLM's `stop_token_ids`: token ids of the vocabulary, at most `--max-labels` of them."""
-    ids = tuple(dict.fromkeys(body.stop_token_ids or ()))
-    if len(ids) > served.settings.max_labels:
-        raise ServingError(f"stop_token_ids has {len(ids)} ids; this server takes at most {served.settings.max_labels}",
-                           "stop_token_ids")
-    bad = outside_vocabulary(list(ids), served.vocab)
-    if bad is not None:
-        raise ServingError(f"stop_token_ids: {vocabulary_message(bad, served.vocab)}", "stop_token_ids")
-    return ids
+    return listed_ids(served, body.stop_token_ids, "stop_token_ids")
 
 
 def sampling_of(served: Served, body, max_tokens: int, logprobs: int | None, stop: tuple[str, ...],
