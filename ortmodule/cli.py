@@ -312,13 +312,15 @@ def _parser_flags(serve: argparse.ArgumentParser) -> None:
                             ", llama3_json (Llama 3.1-3.3's JSON calls), phi4_mini_json (Phi-4-mini's "
                             "functools[...]), qwen3_coder (Qwen3.5, Qwen3-Coder: <tool_call><function=...>), "
                             "pythonic (Llama 3.2, Llama 4: [f(a=1)]), lfm2 (LFM2, LFM2.5), mistral "
-                            "([TOOL_CALLS]), gemma4 (Gemma 4: <|tool_call>call:...), granite (Granite 3: "
+                            "([TOOL_CALLS]), gemma4 (Gemma 4: <|tool_call>call:...), functiongemma (FunctionGemma: "
+                            "<start_function_call>call:...), granite (Granite 3: "
                             "<|tool_call|>[...]) or openai (gpt-oss's harmony messages to functions.NAME, with "
                             "--reasoning-parser openai_gptoss), as vLLM's parsers of those names")
     serve.add_argument("--reasoning-parser", dest="reasoning_parser", default=None, choices=REASONING_PARSERS,
                        help="answer a thinking model's <think>...</think> text apart from its content (chat's "
                             "message.reasoning), as vLLM's flag of that name: qwen3, deepseek_r1, gemma4 (Gemma "
-                            "4's <|channel>thought...<channel|>), mistral ([THINK]...[/THINK]) or openai_gptoss "
+                            "4's <|channel>thought...<channel|>), mistral ([THINK]...[/THINK]), granite (Granite "
+                            "3.2's 'Here is my thought process:' ... 'Here is my response:') or openai_gptoss "
                             "(gpt-oss's harmony: the analysis channel the reasoning, the final channel the content). "
                             "Structured output then holds the answer after the thinking, which stays free")
     serve.add_argument("--structured-outputs-config.enable_in_reasoning", dest="enable_in_reasoning", nargs="?",
