@@ -343,5 +343,23 @@ def test_cache_continuation_fuzz(build, seed):
     ours, theirs = run(model), run(hf)
     if kind == "stepped":
         assert_close("logits", tuple(ours), tuple(theirs), what)
-    else:
-        assert torch.equal(ours, theirs), what
+    elif not torch.equal(ours, theirs):
+        assert_greedy_tie(hf, ours, theirs, ids.shape[1] - mask.sum(1), what)
+
+
+def assert_greedy_tie(hf, ours: torch.Tensor, theirs: torch.Tensor, pads: torch.Tensor, what: str):
+    """Greedy sequences that differ, as a tie within float rounding: at each row's first difference the two tokens'
+    logits in transformers' forward over the common prefix (run whole, without the padding) are within 1e-5 (seed
+    1024391: Phi-3's prompt lookup, two tokens 2.4e-7 apart, each library's batched steps rounding the other way;
+    1025860: Qwen3's assisted decoding, the same)."""
+    assert ours.shape == theirs.shape, what
+    for row in range(ours.shape[0]):
+        differ = (ours[row] != theirs[row]).nonzero()
+        if len(differ) == 0:
+            continue
+        at = int(differ[0])
+        with torch.no_grad():
+            logits = hf(ours[row:row + 1, int(pads[row]):at]).logits[0, -1].float()
+        gap = (logits[ours[row, at]] - logits[theirs[row, at]]).abs().item()
+        assert gap < 1e-5 * max(1.0, logits.abs().max().item()), \
+            f"row {row} differs at {at}, not a tie ({gap:.2g}); {what}"
