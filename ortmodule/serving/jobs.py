@@ -462,8 +462,9 @@ class Row:
             forced = self.thought.forced_token()
             if forced is not None:
                 logits = torch.full_like(logits, float("-inf")).index_fill_(-1, to_device([forced], logits.device), 0.0)
-        if (sampling.allowed or sampling.bad_words or sampling.constraint is not None) \
-                and not bool(torch.isfinite(logits).any()):  # the masks leave no token: the row ends (`accept`)
+        # vLLM's masks may leave no token (with a grammar's too; a grammar alone leaves its logits as they are where it
+        # takes none): the row ends (`accept`). Looked at only for rows with those masks: it waits for the device.
+        if (sampling.allowed or sampling.bad_words) and not bool(torch.isfinite(logits).any()):
             self.exhausted = True
             logits = torch.zeros_like(logits)
         return logits
@@ -548,7 +549,7 @@ def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, floa
             own = row.process(logits[i : i + 1]) if row.sampling.alters_logits else logits[i : i + 1]
             chosen[i] = own[0].argmax() if row.sampling.greedy else row.sample(own)
     wanted = [i for i, row in enumerate(rows) if row.sampling.logprobs is not None]
-    picked, tops = {}, {}
+    picked, tops, tokens = {}, {}, chosen.tolist()
     if wanted:
         index = to_device(wanted, logits.device)
         logprobs = torch.log_softmax(logits.index_select(0, index), -1)
@@ -559,9 +560,8 @@ def choose_tokens(rows: list[Row], logits: torch.Tensor) -> list[tuple[int, floa
             picked[i] = values[j]
             asked = rows[i].sampling.logprob_ids
             if asked:  # vLLM's logprob_token_ids: the chosen token's, then each of those asked for (once)
-                token = int(chosen[i])
-                ids = [token] + [t for t in dict.fromkeys(asked) if t != token]
+                ids = [tokens[i]] + [t for t in dict.fromkeys(asked) if t != tokens[i]]
                 tops[i] = list(zip(ids, logprobs[j, to_device(ids, logits.device)].tolist()))
             else:
                 tops[i] = list(zip(top_ids[j], top_values[j]))[: rows[i].sampling.logprobs]
-    return [(token, picked.get(i), tops.get(i)) for i, token in enumerate(chosen.tolist())]
+    return [(token, picked.get(i), tops.get(i)) for i, token in enumerate(tokens)]
