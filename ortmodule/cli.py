@@ -288,6 +288,9 @@ def _serve_flags(commands) -> None:
     serve.add_argument("--enable-tokenizer-info-endpoint", dest="tokenizer_info", action="store_true",
                        help="answer GET /tokenizer_info (the tokenizer's settings and chat template, which lm-eval's "
                             "tokenizer_backend=remote reads), as vLLM's flag of that name; off by default")
+    serve.add_argument("--trust-request-chat-template", dest="trust_request_chat_template", action="store_true",
+                       help="let chat and tokenize requests send their own chat_template, as vLLM's flag of that "
+                            "name; off by default: a template runs on the server, so for trusted clients only")
     serve.add_argument("--generation-config", dest="generation_config", default="auto", metavar="auto|vllm|FOLDER",
                        help="where completions and chat requests that leave out temperature, top_p, top_k, min_p or "
                             "repetition_penalty take them from, as vLLM's flag of that name: auto, the package's "

@@ -1156,6 +1156,58 @@ def test_a_tokenizer_without_a_chat_template_refuses_messages_by_name(setup):
 
 
 
+REQUEST_TEMPLATE = ("{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+
+
+def test_a_requests_own_chat_template_when_the_server_trusts_it(setup):
+    """vLLM's request `chat_template`, on a server started with `--trust-request-chat-template`: chat completions
+    render it in place of the server's (transformers' `apply_chat_template(chat_template=...)` and its greedy
+    tokens), `/tokenize` too; a base model's tokenizer, which has no template, then takes messages; a tokenizer's
+    named templates are taken by name; a word that is neither a template nor a name, and a template that does not
+    compile, are a 400 naming `chat_template`. A server that does not trust them refuses the field by name on both
+    routes (`/tokenize` ignored it before, counting the server's template's tokens)."""
+    live, model, hf, tokenizer, fixture = setup
+    messages = [{"role": "user", "content": "Say something."}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        refused = live.client.post(path, json={"model": NAME, "messages": messages, "chat_template": REQUEST_TEMPLATE})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    plain = load_tokenizer(fixture.package_dir)
+    assert not getattr(plain, "chat_template", None)
+    trusting = LiveServer(create_app(model, plain, name=NAME, trust_request_chat_template=True))
+    try:
+        (text, _), prompt_tokens = chat_reference(hf, tokenizer, messages, 10, chat_template=REQUEST_TEMPLATE)
+        assert prompt_tokens != chat_reference(hf, tokenizer, messages, 1)[1]  # not the package's template
+        body = trusting.client.post("/v1/chat/completions", json={
+            "model": NAME, "messages": messages, "max_tokens": 10, "temperature": 0,
+            "chat_template": REQUEST_TEMPLATE}).json()
+        assert body["choices"][0]["message"]["content"] == text and body["usage"]["prompt_tokens"] == prompt_tokens
+        tokens = trusting.client.post("/tokenize", json={"model": NAME, "messages": messages,
+                                                         "chat_template": REQUEST_TEMPLATE}).json()["tokens"]
+        assert tokens == tokenizer.apply_chat_template(messages, chat_template=REQUEST_TEMPLATE, tokenize=True,
+                                                       return_dict=False, add_generation_prompt=True)
+        without = trusting.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages})
+        assert without.status_code == 400 and "has no chat template" in without.json()["error"]["message"]
+        plain.chat_template = {"default": tokenizer.chat_template, "plain": REQUEST_TEMPLATE}
+        named = trusting.client.post("/tokenize", json={"model": NAME, "messages": messages, "chat_template": "plain"})
+        assert named.json()["tokens"] == tokens
+        default = trusting.client.post("/tokenize", json={"model": NAME, "messages": messages}).json()["tokens"]
+        assert default == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                        add_generation_prompt=True) != tokens
+        for template, words in (("plainer", "nor one of the tokenizer's named templates (default, plain)"),
+                                ("{% for m in messages %}{{ m.content }}", "chat_template: line 1: ")):
+            bad = trusting.client.post("/v1/chat/completions", json={"model": NAME, "messages": messages,
+                                                                     "chat_template": template})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template", bad.text
+            assert words in bad.json()["error"]["message"]
+        kwargs = trusting.client.post("/v1/chat/completions", json={
+            "model": NAME, "messages": messages, "chat_template_kwargs": {"chat_template": REQUEST_TEMPLATE}})
+        assert kwargs.status_code == 400 and "send it as a field of the request" in kwargs.json()["error"]["message"]
+    finally:
+        trusting.stop()
+
+
 def test_a_server_made_without_a_tokenizer_scores_token_ids_and_refuses_the_rest(setup):
     """`create_app(model, None)`: /v1/score takes token ids (transformers' probabilities), /health_generate
     answers; every route that writes or reads text is a 400 saying so (completions of token ids, /generate's
@@ -1280,6 +1332,9 @@ def test_chat_template_flag_replaces_the_packages_and_is_checked_before_the_load
     cli.ortmodule(["serve", str(fixture.package_dir), "--served-model-name", "x", "--chat-template",
                    str(tmp_path / "template.jinja")])
     assert (captured["name"], captured["chat_template"]) == ("x", str(tmp_path / "template.jinja"))
+    assert captured["trust_request_chat_template"] is False
+    cli.ortmodule(["serve", str(fixture.package_dir), "--trust-request-chat-template"])
+    assert captured["trust_request_chat_template"] is True
     monkeypatch.undo()
 
     def loaded(*args, **kwargs):

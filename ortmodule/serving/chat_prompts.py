@@ -58,7 +58,8 @@ def _template_options(body, messages: list[dict]) -> dict:
         if key in TEMPLATE_ARGUMENTS:
             raise ServingError(f"chat_template_kwargs may not set {key!r}, an argument of the template's rendering "
                                "itself" + (" (send it as a field of the request)" if key in (
-                                   "add_generation_prompt", "continue_final_message") else ""), "chat_template_kwargs")
+                                   "add_generation_prompt", "continue_final_message", "chat_template") else ""),
+                               "chat_template_kwargs")
     continuing = body.continue_final_message
     if continuing and body.add_generation_prompt:
         raise ServingError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
@@ -105,7 +106,8 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
         raise ServingError("messages is empty", "messages")
     served.need_tokenizer("/v1/chat/completions", "messages")
     tokenizer = served.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    template = request_template(served, body)
+    if template is None and not getattr(tokenizer, "chat_template", None):
         raise ServingError("this model's tokenizer has no chat template: send a prompt instead of messages "
                            "(/v1/completions; /tokenize takes one too)", "messages")
     messages, texts, pictures = [], [], []
@@ -120,6 +122,8 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": content,
                          **_other_parts(message, f"messages[{i}]", texts)})
     options = _template_options(body, messages)
+    if template is not None:
+        options["chat_template"] = template
     if "documents" in options:
         texts.append(("documents", json.dumps(options["documents"])))
     if tools:
@@ -253,8 +257,6 @@ def chat_template_of(value: str) -> str:
     """vLLM's `--chat-template`: a file's text, or the template itself given in one line; its syntax checked
     as transformers compiles it, so that a broken template stops the server before the package loads rather
     than failing every chat request."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     path = Path(value).expanduser()
     if path.is_file():
         try:
@@ -266,10 +268,45 @@ def chat_template_of(value: str) -> str:
     else:
         raise ValueError(f"--chat-template {value!r}: no such file, and not a template (it holds no {{{{ }}}} or "
                          "{% %})")
+    error = _syntax_error(text)
+    if error:
+        raise ValueError(f"--chat-template {value if path.is_file() else 'given'}: {error}")
+    return text
+
+
+def _syntax_error(text: str) -> str | None:
+    """A template's syntax error as transformers' compiling would meet it ("line N: ..."), or None."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     try:
         ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                       extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template {value if path.is_file() else 'given'}: line {e.lineno}: {e.message}") \
-            from None
-    return text
+        return f"line {e.lineno}: {e.message}"
+    return None
+
+
+def request_template(served: Served, body) -> str | None:
+    """vLLM's `chat_template` of a chat or tokenize request, in place of the server's: refused unless the server
+    trusts its clients' templates (`trust_request_chat_template`, vLLM's `--trust-request-chat-template`: a
+    template runs on the server, in Jinja's sandbox, for as long as it loops); then a template (its syntax checked
+    as transformers compiles it) or the name of one of the tokenizer's named templates (say "tool_use"), as
+    `apply_chat_template(chat_template=...)` takes it. None: the server's template."""
+    template = getattr(body, "chat_template", None)
+    if template is None:
+        return None
+    if not served.settings.trust_request_chat_template:
+        raise ServingError("a chat template is passed with the request, but this server does not take request "
+                           "templates: start it with --trust-request-chat-template (as vLLM), or leave chat_template "
+                           "out", "chat_template")
+    named = getattr(served.tokenizer, "chat_template", None)
+    if isinstance(named, dict) and template in named:
+        return template
+    if "{{" not in template and "{%" not in template:
+        names = f" ({', '.join(sorted(named))})" if isinstance(named, dict) else ""
+        raise ServingError(f"chat_template {template[:40]!r} is neither a template (it holds no {{{{ }}}} or {{% %}}) "
+                           f"nor one of the tokenizer's named templates{names}", "chat_template")
+    error = _syntax_error(template)
+    if error:
+        raise ServingError(f"chat_template: {error}", "chat_template")
+    return template

@@ -184,6 +184,7 @@ class ChatRequest(_Options):
     response_format: dict[str, Any] | None = None
     # vLLM's and SGLang's: what the chat template renders.
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Text | None = None  # vLLM's: the request's own template, if the server trusts it
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
     echo: StrictBool = False  # vLLM's: the answer's content begins with the last message's, where its role is the same
@@ -323,6 +324,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Text | None = None
     tools: list[Any] | None = None
 
 

@@ -48,6 +48,10 @@ class Settings:
     `tokenizer_info`: whether `GET /tokenizer_info` answers (vLLM's `--enable-tokenizer-info-endpoint`:
     off by default, as it shows the tokenizer's settings and chat template).
 
+    `trust_request_chat_template` (vLLM's `--trust-request-chat-template`): chat and tokenize requests may send their
+    own `chat_template` (a template the server renders, or the name of one of the tokenizer's); off by default, as
+    a template runs on the server (in Jinja's sandbox, but for as long as it loops): for trusted clients only.
+
     `processor`: a folder holding the checkpoint's image processor (`preprocessor_config.json`), for
     a package that takes images: chat messages may then hold `image_url` parts (serving/images.py).
 
@@ -94,6 +98,7 @@ class Settings:
     api_key: str | None = None
     processor: str | None = None
     tokenizer_info: bool = False
+    trust_request_chat_template: bool = False
     generation_config: str = "auto"
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
