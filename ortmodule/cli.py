@@ -291,6 +291,10 @@ def _serve_flags(commands) -> None:
     serve.add_argument("--trust-request-chat-template", dest="trust_request_chat_template", action="store_true",
                        help="let chat and tokenize requests send their own chat_template, as vLLM's flag of that "
                             "name; off by default: a template runs on the server, so for trusted clients only")
+    serve.add_argument("--trust-request-mm-kwargs", dest="trust_request_mm_kwargs", action="store_true",
+                       help="let chat requests with images send mm_processor_kwargs (Qwen-VL's min_pixels and "
+                            "max_pixels, Gemma 3's pan-and-scan options), as vLLM's flag of that name; off by "
+                            "default")
     serve.add_argument("--generation-config", dest="generation_config", default="auto", metavar="auto|vllm|FOLDER",
                        help="where completions and chat requests that leave out temperature, top_p, top_k, min_p or "
                             "repetition_penalty take them from, as vLLM's flag of that name: auto, the package's "

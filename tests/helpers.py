@@ -766,12 +766,12 @@ class ImageChats:
             answers.append(pool.submit(self.completion, server))
             return [answer.result() for answer in answers]
 
-    def check(self, server, tokenizer, hf, process) -> list:
-        """Send the chats (with log-probabilities) beside a completion: each answer's tokens, their
-        log-probabilities (within 1e-4) and its prompt's length as transformers' greedy `generate` (`hf`)
-        on `process(text, images)`, the processor's output for the template's text and the chat's
+    def check(self, server, tokenizer, hf, process, **options) -> list:
+        """Send the chats (with log-probabilities and the request's `options`) beside a completion: each answer's
+        tokens, their log-probabilities (within 1e-4) and its prompt's length as transformers' greedy `generate`
+        (`hf`) on `process(text, images)`, the processor's output for the template's text and the chat's
         images; the completion as alone. The processor outputs, for the caller's own checks."""
-        answers, made = self.send(server, logprobs=True), []
+        answers, made = self.send(server, logprobs=True, **options), []
         for messages, images, answer in zip(self.chats, self.pictures, answers):
             assert answer.status_code == 200, answer.text
             made.append(process(tokenizer.decode(self.template_ids(tokenizer, messages)), images))

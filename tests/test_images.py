@@ -836,6 +836,54 @@ def test_the_server_takes_images_in_chat_messages(build, arch, tmp_path):
         create_app(model, tokenizer, processor=str(tmp_path))
 
 
+def test_a_request_bounds_its_images_pixels_where_the_server_takes_its_options(build, tmp_path):
+    """vLLM's `mm_processor_kwargs` on a server started with `--trust-request-mm-kwargs` (Qwen-VL's `min_pixels`
+    and `max_pixels`, how large an image is resized and so how many tokens it becomes): the answers, tokens and
+    log-probabilities, equal transformers' greedy generate on what the image processor makes with the same
+    options, and their prompts are longer than without them; the server's processor settings hold for the
+    next request. Its other options (`merge_size`, which the vision model is made for) and a text server are
+    400s naming `mm_processor_kwargs`."""
+    from helpers import ImageChats, LiveServer
+
+    from ortmodule.serving import create_app
+
+    fixture = build("qwen2_5_vl")
+    model, hf = load_pair(fixture)
+    tokenizer = vl_tokenizer(fixture.package_dir)
+    transformers.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(tmp_path / "processor")
+    options = {"min_pixels": 40 * 40, "max_pixels": 48 * 48}
+
+    def process(text, images, **given):
+        made = transformers.Qwen2VLImageProcessorPil(**PROCESSOR)(images=images, return_tensors="pt", **given)
+        counts = iter((made["image_grid_thw"].prod(1) // 4).tolist())
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([[t for token in ids for t in ([token] * next(counts) if token == IMAGE else [token])]])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": (ids == IMAGE).long(),
+                **made}
+
+    server = LiveServer(create_app(model, tokenizer, name="vl", processor=str(tmp_path / "processor"),
+                                   trust_request_mm_kwargs=True))
+    try:
+        chats = ImageChats([(28, 20), (16, 40)])
+        larger = chats.check(server, tokenizer, hf, lambda text, images: process(text, images, **options),
+                             mm_processor_kwargs=options)
+        plain = chats.check(server, tokenizer, hf, process)
+        assert all(a["input_ids"].shape[1] > b["input_ids"].shape[1] for a, b in zip(larger, plain))
+        for given, words in (({"merge_size": 1}, "mm_processor_kwargs.merge_size is not an option a request may set"),
+                             ({"max_pixels": "many"}, "max_pixels")):
+            answer = chats.chat(server, chats.chats[0], mm_processor_kwargs=given)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "mm_processor_kwargs"
+            assert words in answer.json()["error"]["message"], answer.text
+    finally:
+        server.stop()
+    text = LiveServer(create_app(OrtModelForCausalLM.from_pretrained(build("llama").package_dir), tokenizer,
+                                 name="vl", trust_request_mm_kwargs=True))
+    try:
+        answer = ImageChats.chat(text, [{"role": "user", "content": "hi"}], mm_processor_kwargs=options)
+        assert answer.status_code == 400 and "this server takes no images" in answer.json()["error"]["message"]
+    finally:
+        text.stop()
+
 def test_a_server_on_a_package_whose_top_k_is_one_says_so(build, caplog):
     """mobius-onnx's packages say `top_k` 1 (greedy tokens by sampling from one) whatever the checkpoint
     says; `ortmodule serve` takes the package's defaults (`--generation-config auto`), so a sampled request

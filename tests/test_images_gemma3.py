@@ -349,6 +349,52 @@ def test_the_server_lays_out_pan_and_scan_crops_as_the_processor(build, tmp_path
     assert images_each[0] > 1 and images_each[1] == images_each[0] + 1  # the wide picture with its crops; the square
 
 
+def test_a_request_asks_for_pan_and_scan_crops_where_the_server_takes_its_options(build, tmp_path):
+    """vLLM's `mm_processor_kwargs` on a server started with `--trust-request-mm-kwargs`: the folder's image
+    processor does not crop, a request asks it to (`do_pan_and_scan` and its settings), and the answers equal
+    transformers' greedy generate on what Gemma3Processor makes with those options; the next request without
+    them is not cropped. A server that does not take them, an option of the vision model's own (`patch_size`...
+    here `size`), and a value of the wrong type are 400s naming `mm_processor_kwargs`."""
+    from helpers import ImageChats, LiveServer
+
+    from ortmodule.serving import create_app
+
+    fixture = build("gemma3_vl", num_layers=4)
+    model, hf = load_pair(fixture)
+    folder = tmp_path / "processor"
+    processor = gemma3_processor(fixture.package_dir, tmp_path / "tokenizer")
+    processor.save_pretrained(folder)
+    shutil.copy(fixture.hf_dir / "config.json", folder / "config.json")
+    crops = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=3,
+                 pan_and_scan_min_ratio_to_activate=1.2)
+    chats = ImageChats([(100, 30), (30, 30)])
+    refusing = LiveServer(create_app(model, processor.tokenizer, name="vl", processor=str(folder)))
+    try:
+        answer = chats.chat(refusing, chats.chats[0], mm_processor_kwargs=crops)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "mm_processor_kwargs"
+        assert "--trust-request-mm-kwargs" in answer.json()["error"]["message"]
+        assert chats.chat(refusing, chats.chats[0], mm_processor_kwargs={}).status_code == 200  # none
+    finally:
+        refusing.stop()
+    server = LiveServer(create_app(model, processor.tokenizer, name="vl", processor=str(folder),
+                                   trust_request_mm_kwargs=True))
+    try:
+        made = chats.check(server, processor.tokenizer, hf, lambda text, images: processor(
+            text=[text], images=[images], return_tensors="pt", **crops), mm_processor_kwargs=crops)
+        plain = chats.check(server, processor.tokenizer, hf, lambda text, images: processor(
+            text=[text], images=[images], return_tensors="pt"))
+        for options, words in (({"size": {"height": 8, "width": 8}}, "mm_processor_kwargs.size is not an option"),
+                               ({"pan_and_scan_max_num_crops": "3"}, "pan_and_scan_max_num_crops")):
+            answer = chats.chat(server, chats.chats[0], mm_processor_kwargs=options)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "mm_processor_kwargs"
+            assert words in answer.json()["error"]["message"], answer.text
+    finally:
+        server.stop()
+    images_each = [int(one["token_type_ids"].sum()) // TOKENS for one in made]
+    assert images_each[0] > 1 and images_each[1] == images_each[0] + 1  # the wide picture with its crops; the square
+    assert [int(one["token_type_ids"].sum()) // TOKENS for one in plain] == [1, 2]
+
+
 def test_lm_eval_multimodal_backend_answers_as_hf_multimodal(build, deep, tmp_path):
     """`--model ortmodule-multimodal` on an image task (MMMU's form), batched and left-padded, against
     lm-eval's own `hf-multimodal` on the transformers model with transformers' Gemma3Processor: every

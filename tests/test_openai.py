@@ -1104,7 +1104,7 @@ BAD = [
                               "add_special_tokens": True}, 400, "add_special_tokens"),
     *[("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], field: value}, 400,
        field) for field, value in (("chat_template", "{{ messages }}"), ("reasoning_effort", "extreme"),
-                                   ("echo", 1), ("mm_processor_kwargs", {"a": 1}),
+                                   ("echo", 1), ("mm_processor_kwargs", {"a": 1}), ("media_io_kwargs", {"image": {}}),
                                    # OpenAI's audio output, web search and answer length (were taken silently)
                                    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
                                    ("web_search_options", {}), ("verbosity", "low"))],

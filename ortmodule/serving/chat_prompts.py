@@ -107,6 +107,7 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
     served.need_tokenizer("/v1/chat/completions", "messages")
     tokenizer = served.tokenizer
     template = request_template(served, body)
+    media_options = _media_options(served, body)
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ServingError("this model's tokenizer has no chat template: send a prompt instead of messages "
                            "(/v1/completions; /tokenize takes one too)", "messages")
@@ -134,9 +135,28 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
     prompt = chat_ids(tokenizer, messages, **options)
     media = None
     if pictures:
-        prompt, media = served.images.expand(prompt, pictures)
+        prompt, media = served.images.expand(prompt, pictures, media_options)
     served.check_prompts([prompt])
     return prompt, media
+
+
+def _media_options(served: Served, body) -> dict:
+    """vLLM's `mm_processor_kwargs` of a chat request: options of the image processor for this request's images
+    (serving/images.py's `REQUEST_OPTIONS`: how many tokens an image becomes). Refused unless the server takes them
+    (`trust_request_mm_kwargs`, vLLM's `--trust-request-mm-kwargs`), and on a server without images; an empty
+    object is none."""
+    options = getattr(body, "mm_processor_kwargs", None)
+    if not options:
+        return {}
+    if not served.settings.trust_request_mm_kwargs:
+        raise ServingError("mm_processor_kwargs is passed with the request, but this server does not take them: "
+                           "start it with --trust-request-mm-kwargs (as vLLM), or leave it out",
+                           "mm_processor_kwargs")
+    if served.images is None:
+        raise ServingError("mm_processor_kwargs: this server takes no images (a package that takes them, served with "
+                           "--processor, does)", "mm_processor_kwargs")
+    served.images.check_options(options)
+    return options
 
 
 def _other_parts(message, where: str, texts: list) -> dict:

@@ -30,6 +30,13 @@ from .errors import ServingError
 
 QWEN = "Qwen-VL"  # images.py's form (images_plain's forms are named there)
 MAX_PIXELS = 50_000_000  # an image larger than this (width x height) is refused before it is decoded
+# vLLM's `mm_processor_kwargs` a request may send, per form: the image processor's options of how many tokens an
+# image becomes (Qwen's pixel bounds, Gemma 3's pan-and-scan crops), which the model takes whatever they are. Its
+# other options (patch and merge sizes, normalization, the output's layout) would feed the vision model what it
+# was not made for, and are refused by name.
+REQUEST_OPTIONS = {QWEN: ("min_pixels", "max_pixels"),
+                   images_plain.GEMMA3: ("do_pan_and_scan", "pan_and_scan_min_crop_size",
+                                         "pan_and_scan_max_num_crops", "pan_and_scan_min_ratio_to_activate")}
 
 
 @dataclass(frozen=True)
@@ -109,34 +116,51 @@ class ChatImages:
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
             raise ServingError(f"{where}: not an image Pillow reads ({e})", where) from None
 
+    def check_options(self, options: dict) -> None:
+        """A request's `mm_processor_kwargs`: options of the image processor this form lets a request set
+        (`REQUEST_OPTIONS`), else a ServingError naming the option."""
+        taken = REQUEST_OPTIONS.get(self.form, ())
+        for name in options:
+            if name not in taken:
+                what = f"takes {', '.join(taken)}" if taken else "takes none"
+                raise ServingError(f"mm_processor_kwargs.{name} is not an option a request may set: this model's "
+                                   f"image processor ({self.form}'s form) {what}; its other options are the "
+                                   "--processor folder's", "mm_processor_kwargs")
+
     def _processed(self, pictures: list, **options) -> dict:
-        """The image processor's tensors for `pictures`; what it cannot take is a 400 naming it."""
+        """The image processor's tensors for `pictures`; what it cannot take (the images, or a request's options:
+        transformers checks their types) is a 400 naming it."""
+        from huggingface_hub.errors import StrictDataclassError
+
         try:
             return self.processor(images=pictures, return_tensors="pt", **options)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, StrictDataclassError) as e:
             sizes = ", ".join(f"{picture.width} x {picture.height}" for picture in pictures)
-            raise ServingError(f"the image processor could not take the images ({sizes} pixels): {e}",
-                               "messages") from None
+            raise ServingError(f"the image processor could not take the images ({sizes} pixels)"
+                               f"{' with mm_processor_kwargs ' + str(options) if options else ''}: {e}",
+                               "mm_processor_kwargs" if options else "messages") from None
 
-    def expand(self, ids: list[int], pictures: list) -> tuple[list[int], Media]:
-        """`ids` with each image placeholder expanded to its image's tokens, and the images."""
+    def expand(self, ids: list[int], pictures: list, options: dict | None = None) -> tuple[list[int], Media]:
+        """`ids` with each image placeholder expanded to its image's tokens, and the images (`options`: a request's
+        image processor options, checked by `check_options`)."""
+        options = options or {}
         placed = ids.count(self.placeholder)
         if placed != len(pictures):
             raise ServingError(f"the chat template placed {placed} image placeholders (token {self.placeholder}) for "
                                f"{len(pictures)} images; this model's template must render each image part as one",
                                "messages")
         if self.form == QWEN:  # each image pad its image's tokens
-            made = self._processed(pictures)
+            made = self._processed(pictures, **options)
             counts = (made["image_grid_thw"].prod(1) // self.stride**2).tolist()
             runs = iter([[self.token] * count for count in counts])
             inputs = {name: made[name] for name in ("pixel_values", "image_grid_thw")}
         elif self.form == images_plain.GEMMA4:  # each image token its soft tokens between a begin and an end
-            made = self._processed(pictures)
+            made = self._processed(pictures, **options)
             begin, end = self.ends
             runs = iter([[begin, *[self.token] * count, end] for count in made["num_soft_tokens_per_image"].tolist()])
             inputs = {name: made[name] for name in ("pixel_values", "image_position_ids")}
         elif self.form == images_plain.GEMMA3:  # each begin-of-image its image between newlines, as Gemma3Processor
-            made = self._processed(pictures)
+            made = self._processed(pictures, **options)
             crops = made["num_crops"].tolist() if "num_crops" in made else [0] * len(pictures)
             runs = iter([self._gemma3_run(count) for count in crops])
             inputs = {"pixel_values": made["pixel_values"]}  # each image, then its crops

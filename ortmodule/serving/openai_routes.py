@@ -43,8 +43,8 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 # out, with their neutral values (what leaving them out means): a client sending another value
 # would get an answer as if it had been applied.
 UNSUPPORTED_EXTRAS = {"use_beam_search": (None, False), "logits_processors": (None,), "prompt_embeds": (None,),
-                      # chat's: the image processor's options
-                      "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
+                      # chat's: options of loading media (this server fetches none: images come as data URLs)
+                      "media_io_kwargs": (None,),
                       # SGLang's stop regexes, LoRA adapter, hidden states and logit processor
                       "stop_regex": (None, []),
                       "lora_path": (None,), "return_hidden_states": (None, False), "custom_logit_processor": (None,)}

@@ -185,6 +185,7 @@ class ChatRequest(_Options):
     # vLLM's and SGLang's: what the chat template renders.
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Text | None = None  # vLLM's: the request's own template, if the server trusts it
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: image processor options, if the server takes them
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
     echo: StrictBool = False  # vLLM's: the answer's content begins with the last message's, where its role is the same

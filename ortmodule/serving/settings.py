@@ -52,6 +52,10 @@ class Settings:
     own `chat_template` (a template the server renders, or the name of one of the tokenizer's); off by default, as
     a template runs on the server (in Jinja's sandbox, but for as long as it loops): for trusted clients only.
 
+    `trust_request_mm_kwargs` (vLLM's `--trust-request-mm-kwargs`): chat requests with images may send
+    `mm_processor_kwargs`, the image processor's options of how many tokens an image becomes (serving/images.py's
+    `REQUEST_OPTIONS`); off by default, as more pixels or crops cost the server more work.
+
     `processor`: a folder holding the checkpoint's image processor (`preprocessor_config.json`), for
     a package that takes images: chat messages may then hold `image_url` parts (serving/images.py).
 
@@ -99,6 +103,7 @@ class Settings:
     processor: str | None = None
     tokenizer_info: bool = False
     trust_request_chat_template: bool = False
+    trust_request_mm_kwargs: bool = False
     generation_config: str = "auto"
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
