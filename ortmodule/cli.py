@@ -295,6 +295,14 @@ def _serve_flags(commands) -> None:
                        help="let chat requests with images send mm_processor_kwargs (Qwen-VL's min_pixels and "
                             "max_pixels, Gemma 3's pan-and-scan options), as vLLM's flag of that name; off by "
                             "default")
+    serve.add_argument("--default-chat-template-kwargs", dest="default_chat_template_kwargs", type=_json_object,
+                       default=None, metavar="JSON",
+                       help="the chat template's variables every chat request renders with unless it sets them "
+                            "itself, as vLLM's flag of that name: say '{\"enable_thinking\": false}' for Qwen3")
+    serve.add_argument("--mm-processor-kwargs", dest="mm_processor_kwargs", type=_json_object, default=None,
+                       metavar="JSON",
+                       help="with --processor, the image processor's options every image is made with, as vLLM's "
+                            "flag of that name: Qwen-VL's min_pixels and max_pixels, Gemma 3's pan-and-scan options")
     serve.add_argument("--generation-config", dest="generation_config", default="auto", metavar="auto|vllm|FOLDER",
                        help="where completions and chat requests that leave out temperature, top_p, top_k, min_p or "
                             "repetition_penalty take them from, as vLLM's flag of that name: auto, the package's "
@@ -373,6 +381,17 @@ def _outputs_config(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"backend {config['backend']!r}: this server's is llguidance (auto or "
                                          "guidance)")
     return config  # the values checked as the settings check theirs
+
+
+def _json_object(text: str) -> dict:
+    """An argparse type: a JSON object, as vLLM's flags of JSON take it."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object ({{...}}), got {text!r}")
+    return value
 
 
 def _true_or_false(text: str) -> bool:

@@ -869,13 +869,26 @@ def test_a_request_bounds_its_images_pixels_where_the_server_takes_its_options(b
                              mm_processor_kwargs=options)
         plain = chats.check(server, tokenizer, hf, process)
         assert all(a["input_ids"].shape[1] > b["input_ids"].shape[1] for a, b in zip(larger, plain))
-        for given, words in (({"merge_size": 1}, "mm_processor_kwargs.merge_size is not an option a request may set"),
+        for given, words in (({"merge_size": 1}, "mm_processor_kwargs.merge_size: this model's image processor"),
                              ({"max_pixels": "many"}, "max_pixels")):
             answer = chats.chat(server, chats.chats[0], mm_processor_kwargs=given)
             assert answer.status_code == 400 and answer.json()["error"]["param"] == "mm_processor_kwargs"
             assert words in answer.json()["error"]["message"], answer.text
     finally:
         server.stop()
+    # vLLM's --mm-processor-kwargs: the server's own, for every request's images
+    server = LiveServer(create_app(model, tokenizer, name="vl", processor=str(tmp_path / "processor"),
+                                   mm_processor_kwargs=options))
+    try:
+        chats.check(server, tokenizer, hf, lambda text, images: process(text, images, **options))
+    finally:
+        server.stop()
+    for given, words in (({"merge_size": 1}, "--mm-processor-kwargs: mm_processor_kwargs.merge_size"),
+                         ({"max_pixels": "many"}, "--mm-processor-kwargs: the image processor could not take")):
+        with pytest.raises(ValueError, match=words):
+            create_app(model, tokenizer, processor=str(tmp_path / "processor"), mm_processor_kwargs=given)
+    with pytest.raises(ValueError, match="they need processor"):
+        create_app(model, tokenizer, mm_processor_kwargs=options)
     text = LiveServer(create_app(OrtModelForCausalLM.from_pretrained(build("llama").package_dir), tokenizer,
                                  name="vl", trust_request_mm_kwargs=True))
     try:

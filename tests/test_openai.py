@@ -939,6 +939,42 @@ def test_chat_template_options_as_vllm_takes_them(setup):
                                                   "are not supported")
 
 
+def test_the_servers_default_template_variables_yield_to_the_requests(setup, monkeypatch):
+    """vLLM's `--default-chat-template-kwargs` (say `{"enable_thinking": false}`): chat requests and `/tokenize`
+    render with them (transformers' `apply_chat_template` with the same variables, and its greedy tokens), a
+    request's own `chat_template_kwargs` and its `reasoning_effort` override them; one that sets an argument of
+    the rendering itself, or is not an object, stops the server at start, and the flag takes JSON."""
+    _, model, hf, tokenizer, _ = setup
+    asked = [{"role": "user", "content": "Say something."}]
+    live = LiveServer(create_app(model, tokenizer, name=NAME, default_chat_template_kwargs={"enable_thinking": False}))
+    try:
+        prompts = set()
+        for fields, options in (({}, {"enable_thinking": False}),
+                                ({"chat_template_kwargs": {"enable_thinking": True}}, {"enable_thinking": True}),
+                                ({"reasoning_effort": "high"}, {"enable_thinking": True, "reasoning_effort": "high"})):
+            (text, _), prompt_tokens = chat_reference(hf, tokenizer, asked, 8, **options)
+            body = live.client.post("/v1/chat/completions", json={"model": NAME, "messages": asked, "max_tokens": 8,
+                                                                  "temperature": 0, **fields}).json()
+            assert body["choices"][0]["message"]["content"] == text and body["usage"]["prompt_tokens"] == prompt_tokens
+            prompts.add(prompt_tokens)
+        assert len(prompts) == 2  # the default changed what was rendered
+        tokens = live.client.post("/tokenize", json={"model": NAME, "messages": asked}).json()["tokens"]
+        assert tokens == tokenizer.apply_chat_template(asked, tokenize=True, return_dict=False,
+                                                       add_generation_prompt=True, enable_thinking=False)
+    finally:
+        live.stop()
+    for given, words in (({"tokenize": False}, "may not set 'tokenize'"), (["x"], "must be a JSON object")):
+        with pytest.raises(ValueError, match=words):
+            create_app(model, tokenizer, default_chat_template_kwargs=given)
+    import ortmodule.serving
+
+    captured, folder = {}, str(setup[4].package_dir)
+    monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: captured.update(options))
+    cli.ortmodule(["serve", folder, "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert captured["default_chat_template_kwargs"] == {"enable_thinking": False}
+    with pytest.raises(SystemExit):
+        cli.ortmodule(["serve", folder, "--default-chat-template-kwargs", "enable_thinking=false"])
+
 def test_chats_echo_begins_the_answer_with_the_last_message_as_vllm_does(setup):
     """vLLM's `echo` on chat: the assistant's message continued (`continue_final_message`) comes back whole, its
     text then transformers' greedy continuation, whole and streamed (its first content delta); after a user's

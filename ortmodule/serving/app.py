@@ -60,7 +60,8 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     if settings.token_budget is None:
         settings = dataclasses.replace(settings, token_budget=scoring.default_token_budget(model.device))
     settings = _harmony(settings, model)
-    chat_images = ChatImages(model, settings.processor, tokenizer) if settings.processor is not None else None
+    chat_images = ChatImages(model, settings.processor, tokenizer, settings.mm_processor_kwargs) \
+        if settings.processor is not None else None
     engine = Engine(model, settings)
     # The package's folder name, never its path (which would tell clients about the host).
     served = Served(engine, tokenizer, settings.name or Path(model.package.root).name, settings, chat_images)

@@ -20,18 +20,13 @@ import jinja2
 
 from .errors import ServingError
 from .served import Served
+from .settings import TEMPLATE_ARGUMENTS
 from .text import special_tokens
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # vLLM's reasoning efforts (OpenAI's, and DeepSeek V4's "max"), which the chat template reads as `reasoning_effort`.
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
-
-# apply_chat_template's own arguments, which `chat_template_kwargs` may not set (the request's fields
-# say whether the template adds the assistant's turn or continues the last message).
-TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs")
 
 
 def refuse_unsupported(body) -> None:
@@ -48,11 +43,12 @@ def refuse_unsupported(body) -> None:
             raise ServingError(f"{name} is not supported by this server; leave it out", name)
 
 
-def _template_options(body, messages: list[dict]) -> dict:
+def _template_options(body, messages: list[dict], defaults: dict | None = None) -> dict:
     """What the chat template is rendered with, as vLLM and SGLang take it: the assistant's turn added
     (`add_generation_prompt`, the default), or the last message, an assistant's, continued without
     its end (`continue_final_message`, which turns the former off unless both are sent), and the
-    template's own variables (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+    template's own variables (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`), over the server's
+    `defaults` (`--default-chat-template-kwargs`), which the request's fields and its own variables override."""
     extra = body.chat_template_kwargs or {}
     for key in extra:
         if key in TEMPLATE_ARGUMENTS:
@@ -68,7 +64,7 @@ def _template_options(body, messages: list[dict]) -> dict:
         raise ServingError("continue_final_message continues the last message, which must be the assistant's; "
                            f"it is the {messages[-1]['role']}'s", "continue_final_message")
     adding = not continuing if body.add_generation_prompt is None else body.add_generation_prompt
-    return {**extra, **_effort_and_documents(body, extra), "add_generation_prompt": adding,
+    return {**(defaults or {}), **extra, **_effort_and_documents(body, extra), "add_generation_prompt": adding,
             "continue_final_message": continuing}
 
 
@@ -122,7 +118,7 @@ def chat_prompt(served: Served, body, texts_beside: list[tuple[str, str]] = (),
             texts.append((f"messages[{i}].content", content))
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": content,
                          **_other_parts(message, f"messages[{i}]", texts)})
-    options = _template_options(body, messages)
+    options = _template_options(body, messages, served.settings.default_chat_template_kwargs)
     if template is not None:
         options["chat_template"] = template
     if "documents" in options:

@@ -63,7 +63,7 @@ def check_processor(package, processor: str) -> None:
 class ChatImages:
     """The image processor and the placeholder of a served package that takes images."""
 
-    def __init__(self, model, processor: str, tokenizer):
+    def __init__(self, model, processor: str, tokenizer, defaults: dict | None = None):
         try:
             from PIL import Image  # noqa: F401  (checked here, used at each request)
             from transformers import AutoImageProcessor
@@ -92,6 +92,21 @@ class ChatImages:
             _check_gemma3(self.stride, processor)
             self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
             self.tokenizer, self.cropped = tokenizer, {}  # pan-and-scan's runs, per number of crops
+        self.defaults = self._checked_defaults(defaults or {})
+
+    def _checked_defaults(self, defaults: dict) -> dict:
+        """The server's `mm_processor_kwargs` (vLLM's `--mm-processor-kwargs`), checked as a request's are and run
+        once on a small picture, so that a wrong one stops the server at start: a ValueError naming it."""
+        if not defaults:
+            return {}
+        from PIL import Image
+
+        try:
+            self.check_options(defaults)
+            self._processed([Image.new("RGB", (32, 32))], **defaults)
+        except ServingError as e:
+            raise ValueError(f"--mm-processor-kwargs: {e}") from None
+        return defaults
 
     def decode(self, url: str, where: str):
         """The RGB image of a `data:` URL; a ServingError naming `where` for anything else."""
@@ -123,9 +138,9 @@ class ChatImages:
         for name in options:
             if name not in taken:
                 what = f"takes {', '.join(taken)}" if taken else "takes none"
-                raise ServingError(f"mm_processor_kwargs.{name} is not an option a request may set: this model's "
-                                   f"image processor ({self.form}'s form) {what}; its other options are the "
-                                   "--processor folder's", "mm_processor_kwargs")
+                raise ServingError(f"mm_processor_kwargs.{name}: this model's image processor ({self.form}'s form) "
+                                   f"{what} here (what makes an image more or fewer tokens); its other options are "
+                                   "the --processor folder's", "mm_processor_kwargs")
 
     def _processed(self, pictures: list, **options) -> dict:
         """The image processor's tensors for `pictures`; what it cannot take (the images, or a request's options:
@@ -143,7 +158,7 @@ class ChatImages:
     def expand(self, ids: list[int], pictures: list, options: dict | None = None) -> tuple[list[int], Media]:
         """`ids` with each image placeholder expanded to its image's tokens, and the images (`options`: a request's
         image processor options, checked by `check_options`)."""
-        options = options or {}
+        options = {**self.defaults, **(options or {})}
         placed = ids.count(self.placeholder)
         if placed != len(pictures):
             raise ServingError(f"the chat template placed {placed} image placeholders (token {self.placeholder}) for "

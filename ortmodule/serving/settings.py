@@ -12,6 +12,11 @@ API_KEY_VARIABLE = "ORTMODULE_API_KEY"
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "phi4_mini_json", "qwen3_coder", "pythonic", "lfm2",
                      "mistral", "gemma4", "functiongemma", "granite", "openai")
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4", "mistral", "granite", "openai_gptoss")
+# apply_chat_template's own arguments, which `chat_template_kwargs` (a request's, or the server's defaults) may not
+# set (the request's fields say whether the template adds the assistant's turn or continues the last message).
+TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs")
 # `Settings.reuse_prefix` -> `scoring.label_logprobs`'s `reuse_prefix` (None: decided from measured costs).
 REUSE_PREFIX = {"auto": None, "on": True, "off": False}
 
@@ -55,6 +60,12 @@ class Settings:
     `trust_request_mm_kwargs` (vLLM's `--trust-request-mm-kwargs`): chat requests with images may send
     `mm_processor_kwargs`, the image processor's options of how many tokens an image becomes (serving/images.py's
     `REQUEST_OPTIONS`); off by default, as more pixels or crops cost the server more work.
+
+    `default_chat_template_kwargs` (vLLM's `--default-chat-template-kwargs`): the chat template's variables every
+    chat request renders with (say `{"enable_thinking": false}`) unless the request's fields (`reasoning_effort`)
+    or its own `chat_template_kwargs` set them. `mm_processor_kwargs` (vLLM's `--mm-processor-kwargs`): the image
+    processor's options every request's images are made with, of those a request may send (serving/images.py's
+    `REQUEST_OPTIONS`; needs `processor`), under a request's own.
 
     `processor`: a folder holding the checkpoint's image processor (`preprocessor_config.json`), for
     a package that takes images: chat messages may then hold `image_url` parts (serving/images.py).
@@ -104,6 +115,8 @@ class Settings:
     tokenizer_info: bool = False
     trust_request_chat_template: bool = False
     trust_request_mm_kwargs: bool = False
+    default_chat_template_kwargs: dict | None = None
+    mm_processor_kwargs: dict | None = None
     generation_config: str = "auto"
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -129,6 +142,9 @@ class Settings:
             elif field.name in ("name", "api_key", "processor", "generation_config"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"{field.name} must be a non-empty string, got {value!r}")
+            elif field.type == "dict | None":
+                if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+                    raise ValueError(f"{field.name} must be a JSON object, got {value!r}")
             elif field.type == "float":
                 low = 0 if field.name == "window_ms" else 1e-3
                 high = 10_000 if field.name == "window_ms" else 86_400
@@ -139,6 +155,13 @@ class Settings:
                 if isinstance(value, bool) or not isinstance(value, int) or value < low:
                     raise ValueError(f"{field.name} must be an integer >= {low}, got {value!r}")
 
+        for key in self.default_chat_template_kwargs or {}:
+            if key in TEMPLATE_ARGUMENTS:
+                raise ValueError(f"default_chat_template_kwargs may not set {key!r}, an argument of the template's "
+                                 "rendering itself")
+        if self.mm_processor_kwargs and self.processor is None:
+            raise ValueError("mm_processor_kwargs are the image processor's options: they need processor (--processor "
+                             "FOLDER)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser): the parser that "
                              f"reads the model's calls, one of {', '.join(TOOL_CALL_PARSERS)}")
