@@ -295,6 +295,9 @@ def _serve_flags(commands) -> None:
                        help="let chat requests with images send mm_processor_kwargs (Qwen-VL's min_pixels and "
                             "max_pixels, Gemma 3's pan-and-scan options), as vLLM's flag of that name; off by "
                             "default")
+    serve.add_argument("--enable-prompt-tokens-details", dest="enable_prompt_tokens_details", action="store_true",
+                       help="give completions' and chat's usage prompt_tokens_details.cached_tokens (the prompt's "
+                            "tokens taken from the prefix cache), as vLLM's flag of that name")
     serve.add_argument("--default-chat-template-kwargs", dest="default_chat_template_kwargs", type=_json_object,
                        default=None, metavar="JSON",
                        help="the chat template's variables every chat request renders with unless it sets them "

@@ -14,6 +14,7 @@ from helpers import OPENAI_NAME as NAME
 from helpers import grammar_greedy, served_live
 
 from ortmodule.serving import harmony
+from ortmodule.serving.reasoning import Reasoning, reasoning_tokens
 
 llguidance = pytest.importorskip("llguidance")
 from llguidance import LLMatcher  # noqa: E402
@@ -48,9 +49,12 @@ CASES = [
 @pytest.mark.parametrize(("text", "reasoning", "content", "called"), CASES)
 def test_harmony_output_reads_as_vllm_reads_it(text, reasoning, content, called):
     """Each output's reasoning and content, without and with the calls kept for the `openai` tool parser, whose
-    reading gives the content and calls; a stream of it cut at every point, and a character at a time, gives the
+    reading gives the content and calls; the reasoning's tokens (the Responses API's count) its analysis messages'
+    text, none of their headers or ends; a stream of it cut at every point, and a character at a time, gives the
     same text as the whole."""
     assert harmony.split(text) == (reasoning, content)
+    ends = list(range(1, len(text) + 1))  # a token a character: the reasoning's tokens are its messages' characters
+    assert reasoning_tokens(Reasoning(harmony.PARSER), text, ends) == len((reasoning or "").replace("\n", ""))
     kept = harmony.split(text, calls=True)
     assert kept[0] == reasoning and harmony.read_calls(kept[1] or "") == called
     for calls in (False, True):

@@ -975,6 +975,40 @@ def test_the_servers_default_template_variables_yield_to_the_requests(setup, mon
     with pytest.raises(SystemExit):
         cli.ortmodule(["serve", folder, "--default-chat-template-kwargs", "enable_thinking=false"])
 
+def test_prompt_tokens_details_count_the_prompts_tokens_the_prefix_cache_gave(setup):
+    """vLLM's `--enable-prompt-tokens-details`: usage's `prompt_tokens_details.cached_tokens`, the prompt's tokens
+    taken from the prefix cache. A prompt's first run takes none; sent again, all but its last token, which runs
+    to give the next token's logits (a prompt's `n` choices count it once); a chat the same, whole and streamed.
+    Without the flag usage has no such field, as vLLM's."""
+    live, model, _, tokenizer, _ = setup
+    prompt = tokenizer("A prompt long enough to fill two of the prefix cache's blocks of sixteen tokens, and then "
+                       "some more words at its end").input_ids
+    assert len(prompt) > 32
+    plain = live.client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2}).json()
+    assert "prompt_tokens_details" not in plain["usage"]
+    detailed = LiveServer(create_app(model, tokenizer, name=NAME, enable_prompt_tokens_details=True))
+    try:
+        cached = []
+        for _ in range(2):
+            body = detailed.client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2,
+                                                                 "n": 2, "temperature": 0.5, "seed": 1}).json()
+            assert body["usage"]["prompt_tokens"] == len(prompt)
+            cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert cached == [0, len(prompt) - 1]
+        chat = {"model": NAME, "messages": [{"role": "user", "content": "Tell me about the weather in Paris today, "
+                                                                        "and the day after, in a few words."}],
+                "max_tokens": 2}
+        first = detailed.client.post("/v1/chat/completions", json=chat).json()["usage"]
+        again = detailed.client.post("/v1/chat/completions", json=chat).json()["usage"]
+        with detailed.client.stream("POST", "/v1/chat/completions", json={
+                **chat, "stream": True, "stream_options": {"include_usage": True}}) as events:
+            last = [json.loads(line[6:]) for line in events.iter_lines() if line.startswith("data: {")][-1]
+        assert first["prompt_tokens_details"]["cached_tokens"] == 0
+        for usage in (again, last["usage"]):
+            assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    finally:
+        detailed.stop()
+
 def test_chats_echo_begins_the_answer_with_the_last_message_as_vllm_does(setup):
     """vLLM's `echo` on chat: the assistant's message continued (`continue_final_message`) comes back whole, its
     text then transformers' greedy continuation, whole and streamed (its first content delta); after a user's

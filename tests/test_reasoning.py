@@ -121,10 +121,18 @@ def test_responses_and_messages_answer_the_reasoning_in_their_own_shapes(thinkin
     Response.model_validate(whole.model_dump(), strict=True)
     with sdk.responses.stream(**request) as stream:
         streamed = stream.get_final_response()
+    ids = list(tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, return_dict=False))
+    tokens, _ = grammar_greedy(hf, tokenizer, ids, LLMatcher.grammar_from_regex(THINKING), 120)
+    ends = [len(tokenizer.decode(tokens[:i + 1])) for i in range(len(tokens))]  # each token's end in the text
+    inside = sum(1 for end in ends if len("<think>") < end <= len("<think>") + len(thought))
+    assert 0 < inside < len(tokens) - 3
     for response in (whole, streamed):
         reasoning, message = response.output
         assert (reasoning.type, reasoning.content[0].text, reasoning.summary) == ("reasoning", thought, [])
         assert (message.type, message.content[0].text, response.output_text) == ("message", answer, answer)
+        # the tokens between the thinking's markers, as vLLM counts them; the prompt cached but for its last token
+        assert response.usage.output_tokens_details.reasoning_tokens == inside
+    assert streamed.usage.input_tokens_details.cached_tokens == streamed.usage.input_tokens - 1
     handed_back = post(live, "/v1/responses", input=ASK + [whole.output[0].model_dump(), whole.output[1].model_dump(),
                                                            {"role": "user", "content": "Sure?"}],
                        max_output_tokens=2)
@@ -172,10 +180,12 @@ def test_the_parsers_read_as_vllms_and_a_stream_reads_the_same_at_every_cut(pars
                                                                             content):
     """Each parser's reading of whole outputs; a stream given the output in pieces cut anywhere (every one or two
     cuts) sends reasoning and content that put together are the whole reading."""
-    from ortmodule.serving.reasoning import Reasoning, ReasoningStream, split_reasoning
+    from ortmodule.serving.reasoning import Reasoning, ReasoningStream, reasoning_tokens, split_reasoning
 
     reading = Reasoning(parser, opened) if parser else None
     assert split_reasoning(reading, text) == (reasoning, content)
+    # the Responses API's count of reasoning tokens, a token a character here: the reasoning's, no marker's
+    assert reasoning_tokens(reading, text, list(range(1, len(text) + 1))) == len(reasoning or "")
     if parser is None:
         return
     for i in range(len(text) + 1):

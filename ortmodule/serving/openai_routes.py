@@ -272,9 +272,10 @@ def _check_vllm_extras(body: CompletionRequest | ChatRequest) -> None:
 
 
 def completion_body(served: Served, body: CompletionRequest, job, result) -> dict:
-    tokenizer, choices, generated = served.tokenizer, [], 0
+    tokenizer, choices, generated, rows = served.tokenizer, [], 0, []
     for i, prompt in enumerate(job.prompts):
         scores, row = prompt_part(served, job, result, i)
+        rows.append(row)
         # vLLM leaves the echoed prompt's text out where it gives the prompt's ids
         shown = tokenizer.decode(prompt) if body.echo and not body.return_token_ids else ""
         text = shown + (row.text.text if row else "")
@@ -292,7 +293,7 @@ def completion_body(served: Served, body: CompletionRequest, job, result) -> dic
         choices.append(choice)
         generated += len(row.tokens) if row else 0
     return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": served.name,
-            "choices": choices, "usage": _usage(job.tokens // body.n, generated)}
+            "choices": choices, "usage": _usage(served, job.tokens // body.n, generated, rows)}
 
 
 def prompt_part(served: Served, job, result, i: int) -> tuple[PromptScores | None, Row | None]:
@@ -497,7 +498,7 @@ def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row
                 "finish_reason": finish} for row, (message, finish) in zip(rows, answers, strict=True)]
     answer = {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
               "model": served.name, "choices": choices,
-              "usage": _usage(job.tokens // body.n, sum(len(row.tokens) for row in rows))}
+              "usage": _usage(served, job.tokens // body.n, sum(len(row.tokens) for row in rows), rows)}
     if body.prompt_logprobs is not None:  # vLLM's, beside the choices: the one prompt's
         answer["prompt_logprobs"] = _vllm_prompt_logprobs(served.tokenizer, job.prompts[0], job.prompt_scores[0],
                                                           body.prompt_logprobs)
@@ -625,7 +626,7 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
                          ids=ids, tokens=tokens)
         if usage:
             yield _sse({"id": ident, "object": kind, "model": served.name, "choices": [],
-                        "usage": _usage(job.tokens // n, sum(len(row.tokens) for row in rows))})
+                        "usage": _usage(served, job.tokens // n, sum(len(row.tokens) for row in rows), rows)})
         yield _sse("[DONE]")
     finally:
         if not job.future.done():  # the client went away mid-stream: free its rows
@@ -638,9 +639,16 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(served: Served, prompt_tokens: int, completion_tokens: int, rows: list) -> dict:
+    """OpenAI's usage; with `enable_prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`), its
+    `prompt_tokens_details.cached_tokens`: the prompts' tokens taken from the prefix cache, not run (each prompt
+    once, as `n` choices share it)."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if served.settings.enable_prompt_tokens_details:
+        cached = sum(row.cached_prefix for row in rows if row is not None and row.copy == 0)
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def model_card(served: Served) -> dict:

@@ -126,6 +126,36 @@ def split_reasoning(reading: Reasoning | None, text: str) -> tuple[str | None, s
     return rest, None
 
 
+def reasoning_tokens(reading: Reasoning | None, text: str, ends: list[int]) -> int:
+    """How many of an output's tokens are its reasoning (the Responses API's `output_tokens_details.
+    reasoning_tokens`): those whose text ends inside the reasoning the parser reads out of `text`, each token's end
+    in it given by `ends` (serving/text.py's `TextStream.ends`): the thinking's opening and end markers not counted,
+    as vLLM counts the tokens between them. 0 without a parser or thinking."""
+    reasoning, _ = split_reasoning(reading, text)
+    if not reasoning:
+        return 0
+    if reading.parser == harmony.PARSER:
+        spans = _analysis_spans(text, reading.opened)
+    else:
+        begin = reading.opening(text)
+        spans = [(begin, begin + len(reasoning))]
+    return sum(1 for end in ends if any(begin < end <= last for begin, last in spans))
+
+
+def _analysis_spans(text: str, opened: bool) -> list[tuple[int, int]]:
+    """Where each of harmony's analysis messages is in `text` (from its text's start to what ends it); `opened`:
+    the prompt opened the first."""
+    spans, at, opening = [], 0, harmony.THINKING[0]
+    while True:
+        begin = 0 if opened and not spans else text.find(opening, at)
+        if begin < 0:
+            return spans
+        begin += 0 if opened and not spans else len(opening)
+        last = min((i for i in (text.find(end, begin) for end in harmony.ENDS) if i >= 0), default=len(text))
+        spans.append((begin, last))
+        at = last
+
+
 def thinking_is_special(parser: str | None, tokenizer) -> bool:
     """Whether the thinking's end (`</think>`; harmony's `<|message|>`) is a special token of this tokenizer, whose
     text the output must then keep for the parser to see it."""

@@ -35,6 +35,7 @@ from .chat_prompts import reasoning_effort
 from .errors import ServingError, dumps, failed
 from .jobs import Generation, Row
 from .openai_routes import CHAT_EXTRAS, chat_job_as, chat_logprobs
+from .reasoning import reasoning_tokens
 from .schemas import ChatMessage, ChatRequest, ContentPart, FunctionCall, ImageURL, ResponsesRequest, ToolCall
 from .served import Served, abandon, run_or_stream
 
@@ -211,8 +212,9 @@ def response_object(served: Served, body: ResponsesRequest, job: Generation, nam
                   output=output if output is not None else _output(served, body, job, message_id, row),
                   usage={"input_tokens": job.tokens, "output_tokens": len(row.tokens),
                          "total_tokens": job.tokens + len(row.tokens),
-                         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                         "output_tokens_details": {"reasoning_tokens": 0}})
+                         "input_tokens_details": {"cached_tokens": row.cached_prefix, "cache_write_tokens": 0},
+                         "output_tokens_details": {"reasoning_tokens": reasoning_tokens(job.reasoning, row.text.text,
+                                                                                        row.text.ends)}})
     return answer
 
 

@@ -61,6 +61,10 @@ class Settings:
     `mm_processor_kwargs`, the image processor's options of how many tokens an image becomes (serving/images.py's
     `REQUEST_OPTIONS`); off by default, as more pixels or crops cost the server more work.
 
+    `enable_prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`): completions' and chat's usage carries
+    `prompt_tokens_details.cached_tokens`, the prompt's tokens taken from the prefix cache (the Responses API's
+    usage always does, as OpenAI's).
+
     `default_chat_template_kwargs` (vLLM's `--default-chat-template-kwargs`): the chat template's variables every
     chat request renders with (say `{"enable_thinking": false}`) unless the request's fields (`reasoning_effort`)
     or its own `chat_template_kwargs` set them. `mm_processor_kwargs` (vLLM's `--mm-processor-kwargs`): the image
@@ -115,6 +119,7 @@ class Settings:
     tokenizer_info: bool = False
     trust_request_chat_template: bool = False
     trust_request_mm_kwargs: bool = False
+    enable_prompt_tokens_details: bool = False
     default_chat_template_kwargs: dict | None = None
     mm_processor_kwargs: dict | None = None
     generation_config: str = "auto"

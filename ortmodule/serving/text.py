@@ -53,6 +53,7 @@ class TextStream:
         self.finish_reason: str | None = None
         self.matched: int | str | None = None  # what ended the row "stop": the token id, or the stop string
         self.counted = 0  # tokens counted for usage: through the end-of-sequence or stop-completing one
+        self.ends: list[int] = []  # each shown token's end in `text` (how much of it was final after the token)
 
     def add(self, token: int) -> str:
         """Take the next token; the text that can be sent now."""
@@ -66,6 +67,7 @@ class TextStream:
         self.ids.append(token)
         before = len(self.text)
         self.text += self._decode_new()
+        self.ends.append(len(self.text))
         if self.stop:
             # Only a stop string ending in the new text can be new: look in the tail that could hold
             # it, with the characters already whole before an incomplete one that waits.
