@@ -288,6 +288,20 @@ def _serve_flags(commands) -> None:
     serve.add_argument("--enable-tokenizer-info-endpoint", dest="tokenizer_info", action="store_true",
                        help="answer GET /tokenizer_info (the tokenizer's settings and chat template, which lm-eval's "
                             "tokenizer_backend=remote reads), as vLLM's flag of that name; off by default")
+    serve.add_argument("--generation-config", dest="generation_config", default="auto", metavar="auto|vllm|FOLDER",
+                       help="where completions and chat requests that leave out temperature, top_p, top_k, min_p or "
+                            "repetition_penalty take them from, as vLLM's flag of that name: auto, the package's "
+                            "defaults (genai_config.json's search section, what model.generate applies); vllm, "
+                            "OpenAI's (temperature 1, top_p 1, no top-k or penalty); or a folder holding the "
+                            "checkpoint's generation_config.json (default auto). A max_new_tokens there bounds chat "
+                            "requests that leave max_tokens out")
+    _frontend_flags(serve)
+    _parser_flags(serve)
+    _settings_flags(serve)
+
+
+def _frontend_flags(serve: argparse.ArgumentParser) -> None:
+    """vLLM's flags of what requests may send and what the server renders and reports."""
     serve.add_argument("--trust-request-chat-template", dest="trust_request_chat_template", action="store_true",
                        help="let chat and tokenize requests send their own chat_template, as vLLM's flag of that "
                             "name; off by default: a template runs on the server, so for trusted clients only")
@@ -306,15 +320,6 @@ def _serve_flags(commands) -> None:
                        metavar="JSON",
                        help="with --processor, the image processor's options every image is made with, as vLLM's "
                             "flag of that name: Qwen-VL's min_pixels and max_pixels, Gemma 3's pan-and-scan options")
-    serve.add_argument("--generation-config", dest="generation_config", default="auto", metavar="auto|vllm|FOLDER",
-                       help="where completions and chat requests that leave out temperature, top_p, top_k, min_p or "
-                            "repetition_penalty take them from, as vLLM's flag of that name: auto, the package's "
-                            "defaults (genai_config.json's search section, what model.generate applies); vllm, "
-                            "OpenAI's (temperature 1, top_p 1, no top-k or penalty); or a folder holding the "
-                            "checkpoint's generation_config.json (default auto). A max_new_tokens there bounds chat "
-                            "requests that leave max_tokens out")
-    _parser_flags(serve)
-    _settings_flags(serve)
 
 
 def _parser_flags(serve: argparse.ArgumentParser) -> None:

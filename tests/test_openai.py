@@ -1009,6 +1009,40 @@ def test_prompt_tokens_details_count_the_prompts_tokens_the_prefix_cache_gave(se
     finally:
         detailed.stop()
 
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(setup):
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk carries its choice's
+    usage so far, its prompt's tokens and the tokens its chunks carried (the chat's first, its role, none), each
+    choice ending at its tokens, which together are the last chunk's usage and the whole answer's; without
+    `include_usage` no chunk has one, as vLLM's; another option is a 400 naming `stream_options`."""
+    live, _, _, tokenizer, _ = setup
+    prompt = tokenizer("The quick brown fox").input_ids
+    for path, request in (("/v1/completions", {"prompt": prompt, "n": 2, "temperature": 0.8, "seed": 3}),
+                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say something."}],
+                                                    "temperature": 0})):
+        request = {"model": NAME, "max_tokens": 8, **request}
+        whole = live.client.post(path, json=request).json()
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        with live.client.stream("POST", path, json={**request, "stream": True, "stream_options": options}) as events:
+            chunks = [json.loads(line[6:]) for line in events.iter_lines() if line.startswith("data: {")]
+        so_far = {}
+        for chunk in chunks[:-1]:
+            (choice,), usage = chunk["choices"], chunk["usage"]
+            assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]  # a prompt's n choices count it once
+            assert usage["completion_tokens"] >= so_far.get(choice["index"], 0)
+            so_far[choice["index"]] = usage["completion_tokens"]
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+        assert sum(so_far.values()) == whole["usage"]["completion_tokens"] and len(so_far) == request.get("n", 1)
+        if path.endswith("chat/completions"):
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert chunks[0]["usage"]["completion_tokens"] == 0
+        with live.client.stream("POST", path, json={**request, "stream": True,
+                                                    "stream_options": {"continuous_usage_stats": True}}) as events:
+            assert not [line for line in events.iter_lines() if '"usage"' in line]
+    bad = live.client.post("/v1/completions", json={"model": NAME, "prompt": "x", "stream": True,
+                                                    "stream_options": {"include_usage": True, "per_token": True}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options"
+
 def test_chats_echo_begins_the_answer_with_the_last_message_as_vllm_does(setup):
     """vLLM's `echo` on chat: the assistant's message continued (`continue_final_message`) comes back whole, its
     text then transformers' greedy continuation, whole and streamed (its first content delta); after a user's

@@ -524,7 +524,7 @@ def chat_logprobs(tokenizer, scored: list[tuple[int, float, list]]) -> list[dict
 
 def _chunk(served: Served, kind: str, ident: str, index: int, delta: str | dict | None = None,
            finish: str | None = None, role: bool = False, logprobs: dict | None = None,
-           ids: _StreamedIds | None = None, tokens: list[int] = ()) -> str:
+           ids: _StreamedIds | None = None, tokens: list[int] = (), usage: dict | None = None) -> str:
     """One server-sent event of a chat completion (`chat.completion.chunk`) or a completion; with `ids`
     (vLLM's `return_token_ids`), the chunk's `tokens` and, in a choice's first chunk, its prompt's. A chat
     chunk's `delta`: its text, or the delta's fields (answers.py's `ChatStream`)."""
@@ -545,7 +545,22 @@ def _chunk(served: Served, kind: str, ident: str, index: int, delta: str | dict 
             (body if kind == "chat.completion.chunk" else choice)["prompt_token_ids"] = prompt
         if not role:
             choice["token_ids"] = list(tokens)
+    if usage is not None:  # vLLM's `continuous_usage_stats`: the choice's usage so far
+        body["usage"] = usage
     return _sse(body)
+
+
+class _UsageSoFar:
+    """vLLM's `continuous_usage_stats` in a stream: each choice's prompt tokens and the tokens it has carried."""
+
+    def __init__(self, prompts: list[list[int]]):
+        self.prompts, self.carried = prompts, [0] * len(prompts)
+
+    def of(self, index: int, tokens: list[int] = ()) -> dict:
+        self.carried[index] += len(tokens)
+        prompt = len(self.prompts[index])
+        return {"prompt_tokens": prompt, "completion_tokens": self.carried[index],
+                "total_tokens": prompt + self.carried[index]}
 
 
 class _StreamedIds:
@@ -585,30 +600,33 @@ def _sse(data) -> str:
 
 
 async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int, echo: bool = False,
-                  token_ids: bool = False, names_as_ids: bool = False, lead: str = ""):
+                  token_ids: bool = False, names_as_ids: bool = False, lead: str = "", continuous: bool = False):
     """The server-sent events of a streamed completion (`n` choices of each prompt), with the
     log-probabilities of each chunk's tokens where asked for (those of tokens whose text is held back,
     with a later chunk's; the rest with the last), and with `token_ids` the chunk's token ids the same
     way (vLLM's `return_token_ids`); with `echo`, each choice's prompt text first, as vLLM streams it
-    (left out with `token_ids`, as vLLM leaves it); if the client goes away, its rows stop."""
+    (left out with `token_ids`, as vLLM leaves it); with `continuous` (vLLM's `continuous_usage_stats`),
+    each chunk its choice's usage so far; if the client goes away, its rows stop."""
     ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
     logprobs = _StreamedLogprobs(logprob_names(served.tokenizer, names_as_ids), kind, job.sampling.alternatives)
     ids = _StreamedIds(job.prompts) if token_ids else None
     choices = [ChatStream(job) for _ in job.prompts] if kind == "chat.completion.chunk" else None
+    so_far = _UsageSoFar(job.prompts) if continuous else None
     try:
         if kind == "chat.completion.chunk":
             for index in range(n):
-                yield _chunk(served, kind, ident, index, role=True, ids=ids)
+                yield _chunk(served, kind, ident, index, role=True, ids=ids, usage=so_far and so_far.of(index))
             for index in range(n if lead else 0):  # vLLM's chat echo: the last message's text first
-                yield _chunk(served, kind, ident, index, {"content": lead})
+                yield _chunk(served, kind, ident, index, {"content": lead}, usage=so_far and so_far.of(index))
         if echo:  # choice i * n + k is prompt i's k-th: each prompt decoded once
             texts = [served.tokenizer.decode(prompt) if not token_ids else "" for prompt in job.prompts[::n]]
             for index in range(len(job.prompts)):
-                yield _chunk(served, kind, ident, index, texts[index // n], ids=ids)
+                yield _chunk(served, kind, ident, index, texts[index // n], ids=ids, usage=so_far and so_far.of(index))
         while (event := await job.next_event()) is not None:
             index, text, tokens, scored = event
             delta = choices[index].piece(text) if choices else text
-            yield _chunk(served, kind, ident, index, delta, logprobs=logprobs.of(index, scored), ids=ids, tokens=tokens)
+            yield _chunk(served, kind, ident, index, delta, logprobs=logprobs.of(index, scored), ids=ids, tokens=tokens,
+                         usage=so_far and so_far.of(index, tokens))
         try:
             rows = await job.future
         except Exception as e:  # noqa: BLE001  the model's work failed: the stream says so and ends
@@ -621,9 +639,9 @@ async def _events(served: Served, job: Generation, kind: str, usage: bool, n: in
             if choices:  # what a choice's reasoning and calls held back, then its finish reason as tools.py reads it
                 deltas, finish = choices[row.index].end(row)
                 for delta in deltas:
-                    yield _chunk(served, kind, ident, row.index, delta)
+                    yield _chunk(served, kind, ident, row.index, delta, usage=so_far and so_far.of(row.index))
             yield _chunk(served, kind, ident, row.index, finish=finish, logprobs=logprobs.of(row.index, rest),
-                         ids=ids, tokens=tokens)
+                         ids=ids, tokens=tokens, usage=so_far and so_far.of(row.index, tokens))
         if usage:
             yield _sse({"id": ident, "object": kind, "model": served.name, "choices": [],
                         "usage": _usage(served, job.tokens // n, sum(len(row.tokens) for row in rows), rows)})
@@ -651,6 +669,20 @@ def _usage(served: Served, prompt_tokens: int, completion_tokens: int, rows: lis
     return usage
 
 
+def stream_options(body) -> tuple[bool, bool]:
+    """OpenAI's `stream_options`: `include_usage` (a last chunk with the usage), and vLLM's `continuous_usage_stats`
+    (with it, every chunk its choice's usage so far); another option is a 400 naming it."""
+    options = body.stream_options or {}
+    for name, value in options.items():
+        if name not in ("include_usage", "continuous_usage_stats"):
+            raise ServingError(f"stream_options.{name} is not an option this server takes (it takes include_usage "
+                               "and continuous_usage_stats)", "stream_options")
+        if not isinstance(value, bool) and value is not None:
+            raise ServingError(f"stream_options.{name} must be true or false", "stream_options")
+    include = bool(options.get("include_usage"))
+    return include, include and bool(options.get("continuous_usage_stats"))
+
+
 def model_card(served: Served) -> dict:
     return {"id": served.name, "object": "model", "created": 0, "owned_by": "ortmodule",
             "max_model_len": served.context, "vocab_size": served.vocab}
@@ -658,11 +690,11 @@ def model_card(served: Served) -> dict:
 
 def add_routes(app: FastAPI, served: Served) -> None:
     async def answer(make_job, body, request: Request, respond, kind: str):
-        include = bool((body.stream_options or {}).get("include_usage"))
+        include, continuous = stream_options(body)
         chat = kind == "chat.completion.chunk"
         return await run_or_stream(served, make_job, body, request, respond, lambda job: _events(
             served, job, kind, include, body.n, body.echo and not chat, bool(body.return_token_ids),
-            body.return_tokens_as_token_ids, chat_echo(body) if chat else ""))
+            body.return_tokens_as_token_ids, chat_echo(body) if chat else "", continuous))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
