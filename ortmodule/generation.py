@@ -407,17 +407,19 @@ class _Sampling:
         while True:
             tokens = self._next_tokens(logits, length, unfinished)
             length += 1
-            if length == width + self.max_new:
-                break
+            last = length == width + self.max_new
             if len(self.criteria):
-                # As transformers: criteria see the scores kept so far (a tuple, or None when not kept).
+                # As transformers: criteria see the scores kept so far (a tuple, or None when not kept), the last
+                # token's too (a criterion may keep what it sees).
                 kept = tuple(self.scores) if self.keep_scores else None
                 unfinished &= ~self.criteria(self.sequences[:, :length], kept)
                 stopped_at = torch.where((stopped_at == 0) & ~unfinished.any(), length, stopped_at)
-                if (length - width) % check_every == 0 and stopped_at.item():
+                if last or (length - width) % check_every == 0 and stopped_at.item():
                     break  # the loop's one read from the device
                 if self.drops_rows:
                     running.drop_stopped(unfinished)
+            elif last:
+                break
             logits = running.step(tokens)
         if len(self.criteria):
             length = stopped_at.item() or length

@@ -18,6 +18,7 @@ from transformers import GenerationConfig, GenerationMixin
 
 from . import embeddings, generation, images, images_plain, runtime
 from .backbone import WithBackbone
+from .batch_generation import BatchGeneration
 from .cache import KVCache, carried, keep_known
 from .hf import CACHE_NAME
 from .package import NotSupportedError, model_files
@@ -226,7 +227,7 @@ class Conversions:
         return self.to(device)
 
 
-class HuggingFaceSurface(WithBackbone, Conversions, GenerationMixin):
+class HuggingFaceSurface(WithBackbone, Conversions, BatchGeneration, GenerationMixin):
     """What transformers' generation code and libraries call on a model beyond forward: transformers'
     `GenerationMixin` (generate, compute_transition_scores, ...) with its sampling loop on the device,
     and clear errors for the PyTorch modules an ONNX package does not have."""

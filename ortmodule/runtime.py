@@ -494,3 +494,11 @@ def entry_point(function):
             raise
 
     return call
+
+
+def default_token_budget(device) -> int:
+    """Padded tokens per prefill when the caller leaves the batch to ortmodule (scoring, lm-eval's `auto` batches,
+    the server, `generate_batch`): enough to keep a GPU's matrix units busy (a 0.6B model's 32k-token prefill is
+    tens of milliseconds on an H100) and, on a CPU, a few seconds of work (a CPU reaches its throughput at a few
+    rows already)."""
+    return 32768 if device.type == "cuda" else 8192

@@ -19,6 +19,9 @@ from .inputs import argmax, int64_tensor, outside_vocabulary, pad_right, to_devi
 from .modeling import OrtModelForCausalLM
 from .sharing import KeptPrefixes, common_prefix, packs, shared_prefix_logits, worth_sharing
 
+# Padded tokens per prefill by device (runtime.py's; lm-eval's backends and the server read it here too).
+default_token_budget = runtime.default_token_budget
+
 logger = logging.getLogger("ortmodule")
 
 
@@ -525,13 +528,6 @@ def length_batches(lengths: Sequence[int], width: int, budget: int, scored: Sequ
         positions += more
     if batch:
         yield batch
-
-
-def default_token_budget(device: torch.device) -> int:
-    """Padded tokens per prefill when the caller leaves the batch to ortmodule: enough to keep a
-    GPU's matrix units busy (a 0.6B model's 32k-token prefill is tens of milliseconds on an H100)
-    and, on a CPU, a few seconds of work (a CPU reaches its throughput at a few rows already)."""
-    return 32768 if device.type == "cuda" else 8192
 
 
 def logit_positions(model: OrtModelForCausalLM, logit_bytes: int = 1 << 30) -> int:

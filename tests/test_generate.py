@@ -294,6 +294,19 @@ def test_streamers_and_stopping_criteria_are_served_as_by_transformers(llama_pai
     criteria = StoppingCriteriaList([SeventhToken()])
     stopped = [m.generate(ids, stopping_criteria=criteria, **options) for m in (model, hf)]
     assert stopped[0].shape[1] == 7 and torch.equal(*stopped)
+
+    class Seen(StoppingCriteria):  # what a criterion sees, the last token's sequence included, as transformers calls it
+        def __init__(self):
+            self.lengths = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.lengths.append(input_ids.shape[1])
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    seen = [Seen(), Seen()]
+    for m, criterion in zip((model, hf), seen):
+        m.generate(ids, stopping_criteria=StoppingCriteriaList([criterion]), **options)
+    assert seen[0].lengths == seen[1].lengths == list(range(5, 11))
     timed = [m.generate(ids, max_time=0.0, **options) for m in (model, hf)]
     assert torch.equal(*timed)
     with pytest.raises(ValueError, match="`streamer` cannot be used with beam search"):

@@ -123,12 +123,12 @@ def lighteval_model(pair, tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_HOME", str(tmp_path))
 
-    def make(model):
+    def make(model, **options):
         # named from the package's parent folder: lighteval keeps its sample cache at cache_dir / model_name,
         # which an absolute name would put inside the package's own folder
         monkeypatch.chdir(pair[3].package_dir.parent)
         config = TransformersModelConfig(model_name=pair[3].package_dir.name, batch_size=4, device="cpu",
-                                         cache_dir=str(tmp_path))
+                                         cache_dir=str(tmp_path), **options)
         wrapped = TransformersModel.from_model(model, config)
         wrapped._cache = None  # lighteval's sample cache is keyed by model name: both models share it
         return wrapped
@@ -154,6 +154,30 @@ def test_lighteval_loglikelihood_and_greedy_generation(pair, lighteval_model):
     for mine, other in zip(ours, theirs):
         assert mine == pytest.approx(other, abs=1e-4)
     assert our_text == their_text
+
+
+def test_lighteval_continuous_batching_generation(pair, lighteval_model, monkeypatch):
+    """lighteval's `continuous_batching` generation, which calls transformers' `generate_batch` on the model:
+    the same texts on the package as on transformers' model (its paged-attention `generate_batch`), greedy, with
+    the same generation config on both."""
+    from lighteval.tasks.requests import Doc
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    tokenizer = pair[2]
+    asks = [Doc(query=query, choices=[""], gold_index=0, task_name="t", generation_size=12, stop_sequences=["\n"])
+            for query in ("Name a color.", "The capital of France is", "Count to five: one,")]
+    texts = []
+    for model in pair[:2]:
+        config = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+        monkeypatch.setattr(model, "generation_config", config)
+        lm = lighteval_model(model, continuous_batching=True)
+        if model is pair[1]:  # transformers' manager sized for these prompts, not by the machine's memory
+            sized = ContinuousBatchingConfig(num_blocks=32, page_size=32, max_batch_tokens=256)
+            monkeypatch.setattr(model, "generate_batch", functools.partial(model.generate_batch,
+                                                                           continuous_batching_config=sized))
+        texts.append([r.text for r in lm.greedy_until(asks)])
+    assert texts[0] == texts[1] and all(text[0] for text in texts[0])
 
 
 def test_text_generation_pipeline_logs_no_error(pair, caplog):
