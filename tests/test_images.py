@@ -870,7 +870,9 @@ def test_a_request_bounds_its_images_pixels_where_the_server_takes_its_options(b
         plain = chats.check(server, tokenizer, hf, process)
         assert all(a["input_ids"].shape[1] > b["input_ids"].shape[1] for a, b in zip(larger, plain))
         for given, words in (({"merge_size": 1}, "mm_processor_kwargs.merge_size: this model's image processor"),
-                             ({"max_pixels": "many"}, "max_pixels")):
+                             ({"max_pixels": "many"}, "max_pixels must be an integer from 1 to 50,000,000"),
+                             ({"min_pixels": 2**63}, "min_pixels must be an integer"),  # an OverflowError in it
+                             ({"max_pixels": 0}, "max_pixels must be an integer")):
             answer = chats.chat(server, chats.chats[0], mm_processor_kwargs=given)
             assert answer.status_code == 400 and answer.json()["error"]["param"] == "mm_processor_kwargs"
             assert words in answer.json()["error"]["message"], answer.text
@@ -884,7 +886,7 @@ def test_a_request_bounds_its_images_pixels_where_the_server_takes_its_options(b
     finally:
         server.stop()
     for given, words in (({"merge_size": 1}, "--mm-processor-kwargs: mm_processor_kwargs.merge_size"),
-                         ({"max_pixels": "many"}, "--mm-processor-kwargs: the image processor could not take")):
+                         ({"max_pixels": "many"}, "--mm-processor-kwargs: mm_processor_kwargs.max_pixels must be")):
         with pytest.raises(ValueError, match=words):
             create_app(model, tokenizer, processor=str(tmp_path / "processor"), mm_processor_kwargs=given)
     with pytest.raises(ValueError, match="they need processor"):

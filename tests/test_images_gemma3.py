@@ -385,7 +385,9 @@ def test_a_request_asks_for_pan_and_scan_crops_where_the_server_takes_its_option
             text=[text], images=[images], return_tensors="pt"))
         for options, words in (({"size": {"height": 8, "width": 8}},
                                 "mm_processor_kwargs.size: this model's image processor"),
-                               ({"pan_and_scan_max_num_crops": "3"}, "pan_and_scan_max_num_crops")):
+                               ({"pan_and_scan_max_num_crops": "3"}, "pan_and_scan_max_num_crops must be"),
+                               ({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 0},
+                                "pan_and_scan_min_crop_size must be an integer from 1")):
             answer = chats.chat(server, chats.chats[0], mm_processor_kwargs=options)
             assert answer.status_code == 400 and answer.json()["error"]["param"] == "mm_processor_kwargs"
             assert words in answer.json()["error"]["message"], answer.text

@@ -34,9 +34,12 @@ MAX_PIXELS = 50_000_000  # an image larger than this (width x height) is refused
 # image becomes (Qwen's pixel bounds, Gemma 3's pan-and-scan crops), which the model takes whatever they are. Its
 # other options (patch and merge sizes, normalization, the output's layout) would feed the vision model what it
 # was not made for, and are refused by name.
-REQUEST_OPTIONS = {QWEN: ("min_pixels", "max_pixels"),
-                   images_plain.GEMMA3: ("do_pan_and_scan", "pan_and_scan_min_crop_size",
-                                         "pan_and_scan_max_num_crops", "pan_and_scan_min_ratio_to_activate")}
+# Each option's type and range: (type, lowest, highest); pixels within what the server decodes, crops a few.
+REQUEST_OPTIONS = {QWEN: {"min_pixels": (int, 1, MAX_PIXELS), "max_pixels": (int, 1, MAX_PIXELS)},
+                   images_plain.GEMMA3: {"do_pan_and_scan": (bool, None, None),
+                                         "pan_and_scan_min_crop_size": (int, 1, 100_000),
+                                         "pan_and_scan_max_num_crops": (int, 1, 64),
+                                         "pan_and_scan_min_ratio_to_activate": (float, 0.0, 1000.0)}}
 
 
 @dataclass(frozen=True)
@@ -134,13 +137,18 @@ class ChatImages:
     def check_options(self, options: dict) -> None:
         """A request's `mm_processor_kwargs`: options of the image processor this form lets a request set
         (`REQUEST_OPTIONS`), else a ServingError naming the option."""
-        taken = REQUEST_OPTIONS.get(self.form, ())
-        for name in options:
+        taken = REQUEST_OPTIONS.get(self.form, {})
+        for name, value in options.items():
             if name not in taken:
                 what = f"takes {', '.join(taken)}" if taken else "takes none"
                 raise ServingError(f"mm_processor_kwargs.{name}: this model's image processor ({self.form}'s form) "
                                    f"{what} here (what makes an image more or fewer tokens); its other options are "
                                    "the --processor folder's", "mm_processor_kwargs")
+            kind, low, high = taken[name]
+            if not _option_fits(value, kind, low, high):
+                wanted = "true or false" if kind is bool else \
+                    f"{'an integer' if kind is int else 'a number'} from {low} to {high:,}"
+                raise ServingError(f"mm_processor_kwargs.{name} must be {wanted}, got {value!r}", "mm_processor_kwargs")
 
     def _processed(self, pictures: list, **options) -> dict:
         """The image processor's tensors for `pictures`; what it cannot take (the images, or a request's options:
@@ -149,7 +157,7 @@ class ChatImages:
 
         try:
             return self.processor(images=pictures, return_tensors="pt", **options)
-        except (ValueError, TypeError, StrictDataclassError) as e:
+        except (ValueError, TypeError, ArithmeticError, StrictDataclassError) as e:
             sizes = ", ".join(f"{picture.width} x {picture.height}" for picture in pictures)
             raise ServingError(f"the image processor could not take the images ({sizes} pixels)"
                                f"{' with mm_processor_kwargs ' + str(options) if options else ''}: {e}",
@@ -207,6 +215,16 @@ class ChatImages:
                     + " ".join([image] * crops))
             self.cropped[crops] = self.tokenizer.encode(text, add_special_tokens=False)
         return self.cropped[crops]
+
+
+def _option_fits(value, kind: type, low, high) -> bool:
+    """Whether a request's image processor option is of its `kind` (bool, int, or a float where an int too
+    passes) and from `low` to `high`."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        return False
+    return low <= value <= high
 
 
 def _image_ends(processor: str, begin: str, end: str) -> tuple[int, int]:
