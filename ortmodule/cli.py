@@ -375,12 +375,7 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
 
 def _outputs_config(text: str) -> dict:
     """An argparse type: vLLM's `--structured-outputs-config` JSON, the options this server takes."""
-    try:
-        config = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise argparse.ArgumentTypeError("a JSON object of options")
+    config = _json_object(text)
     known = {"enable_in_reasoning", "disable_any_whitespace", "backend"}
     if config.keys() - known:
         raise argparse.ArgumentTypeError(f"options this server does not take: {sorted(config.keys() - known)} "

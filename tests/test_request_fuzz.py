@@ -15,15 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import LiveServer, expected_text, fuzz_seeds, hf_greedy, load_pair
+from helpers import OPENAI_NAME as NAME
+from helpers import expected_text, fuzz_seeds, hf_greedy, served_live
 
-from ortmodule import load_tokenizer
-from ortmodule.serving import create_app, schemas
+from ortmodule.serving import schemas
 
 pytest.importorskip("llguidance")
 from test_tool_calling import TOOL_TEMPLATE, TOOLS  # noqa: E402
 
-NAME = "fuzz"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALLED = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
     {"id": "call_1", "type": "function", "function": {"name": "get_weather",
@@ -248,13 +247,9 @@ def _error_problem(response) -> str | None:
 
 @pytest.fixture(scope="module")
 def served(build):
-    fixture = build("llama")
-    model, hf = load_pair(fixture)
-    tokenizer = load_tokenizer(fixture.package_dir)
-    tokenizer.chat_template = TOOL_TEMPLATE
-    live = LiveServer(create_app(model, tokenizer, name=NAME, window_ms=5, enable_auto_tool_choice=True,
-                                 tool_call_parser="hermes", reasoning_parser="qwen3",
-                                 trust_request_chat_template=True, tokenizer_info=True))
+    live, _, hf, tokenizer = served_live(build("llama"), TOOL_TEMPLATE, enable_auto_tool_choice=True,
+                                         tool_call_parser="hermes", reasoning_parser="qwen3",
+                                         trust_request_chat_template=True, tokenizer_info=True)
     yield live, hf, tokenizer
     live.stop()
 
