@@ -106,7 +106,7 @@ class ChatImages:
 
         try:
             self.check_options(defaults)
-            self._processed([Image.new("RGB", (32, 32))], **defaults)
+            self._processed([Image.new("RGB", (32, 32))], True, **defaults)
         except ServingError as e:
             raise ValueError(f"--mm-processor-kwargs: {e}") from None
         return defaults
@@ -150,7 +150,7 @@ class ChatImages:
                     f"{'an integer' if kind is int else 'a number'} from {low} to {high:,}"
                 raise ServingError(f"mm_processor_kwargs.{name} must be {wanted}, got {value!r}", "mm_processor_kwargs")
 
-    def _processed(self, pictures: list, **options) -> dict:
+    def _processed(self, pictures: list, asked: bool = False, **options) -> dict:
         """The image processor's tensors for `pictures`; what it cannot take (the images, or a request's options:
         transformers checks their types) is a 400 naming it."""
         from huggingface_hub.errors import StrictDataclassError
@@ -160,30 +160,30 @@ class ChatImages:
         except (ValueError, TypeError, ArithmeticError, StrictDataclassError) as e:
             sizes = ", ".join(f"{picture.width} x {picture.height}" for picture in pictures)
             raise ServingError(f"the image processor could not take the images ({sizes} pixels)"
-                               f"{' with mm_processor_kwargs ' + str(options) if options else ''}: {e}",
-                               "mm_processor_kwargs" if options else "messages") from None
+                               f"{' with the options ' + str(options) if options else ''}: {e}",
+                               "mm_processor_kwargs" if asked else "messages") from None
 
     def expand(self, ids: list[int], pictures: list, options: dict | None = None) -> tuple[list[int], Media]:
         """`ids` with each image placeholder expanded to its image's tokens, and the images (`options`: a request's
         image processor options, checked by `check_options`)."""
-        options = {**self.defaults, **(options or {})}
+        asked, options = bool(options), {**self.defaults, **(options or {})}  # the request's own, over the server's
         placed = ids.count(self.placeholder)
         if placed != len(pictures):
             raise ServingError(f"the chat template placed {placed} image placeholders (token {self.placeholder}) for "
                                f"{len(pictures)} images; this model's template must render each image part as one",
                                "messages")
         if self.form == QWEN:  # each image pad its image's tokens
-            made = self._processed(pictures, **options)
+            made = self._processed(pictures, asked, **options)
             counts = (made["image_grid_thw"].prod(1) // self.stride**2).tolist()
             runs = iter([[self.token] * count for count in counts])
             inputs = {name: made[name] for name in ("pixel_values", "image_grid_thw")}
         elif self.form == images_plain.GEMMA4:  # each image token its soft tokens between a begin and an end
-            made = self._processed(pictures, **options)
+            made = self._processed(pictures, asked, **options)
             begin, end = self.ends
             runs = iter([[begin, *[self.token] * count, end] for count in made["num_soft_tokens_per_image"].tolist()])
             inputs = {name: made[name] for name in ("pixel_values", "image_position_ids")}
         elif self.form == images_plain.GEMMA3:  # each begin-of-image its image between newlines, as Gemma3Processor
-            made = self._processed(pictures, **options)
+            made = self._processed(pictures, asked, **options)
             crops = made["num_crops"].tolist() if "num_crops" in made else [0] * len(pictures)
             runs = iter([self._gemma3_run(count) for count in crops])
             inputs = {"pixel_values": made["pixel_values"]}  # each image, then its crops
