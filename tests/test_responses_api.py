@@ -63,6 +63,34 @@ def test_a_response_is_transformers_greedy_text_in_the_apis_types(openai_live):
     assert answer.output[0].role == "assistant" and answer.store is False
 
 
+def test_vllms_responses_extras_are_carried_out(openai_live):
+    """vLLM's Responses request takes chat's sampling extras and more, carried out here as on chat: `stop` (the
+    text cut before it, or after it with `include_stop_str_in_output`; the response completed) and `logit_bias`
+    against transformers' greedy text (its `sequence_bias` the same); left out they were ignored. Its extras this
+    server does not carry out are refused by name (`media_io_kwargs`, `vllm_xargs`, `cache_salt`)."""
+    live, _, hf, tokenizer, _ = openai_live
+    asked = [{"role": "user", "content": "Tell me a story."}]
+    tokens, text, _, _ = reference(hf, tokenizer, asked, 12)
+    stop = text[3:5]
+    for include in (False, True):
+        answer = httpx.post(f"{live.url}/v1/responses", json={
+            "model": NAME, "input": asked, "max_output_tokens": 12, "temperature": 0, "stop": [stop],
+            "include_stop_str_in_output": include}).json()
+        cut = text[:text.index(stop) + (len(stop) if include else 0)]
+        assert answer["output"][0]["content"][0]["text"] == cut and answer["status"] == "completed", answer
+    ids = list(tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=True, return_dict=False))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=None,
+                          sequence_bias={(tokens[0],): -100.0})[0, len(ids):].tolist()
+    answer = httpx.post(f"{live.url}/v1/responses", json={
+        "model": NAME, "input": asked, "max_output_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "logit_bias": {str(tokens[0]): -100}}).json()
+    assert answer["output"][0]["content"][0]["text"] == expected_text(tokenizer, out)[0] != text
+    for name, value in (("media_io_kwargs", {"image": {}}), ("vllm_xargs", {"a": 1}), ("cache_salt", "s")):
+        refused = httpx.post(f"{live.url}/v1/responses", json={"model": NAME, "input": "Hi", name: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == name, refused.text
+
+
 def test_a_response_ended_by_its_end_token_is_completed_streamed_or_not(build):
     """With an end token the model generates (its generation config's), the answer is "completed", and its
     stream is the API's events in order: the deltas make the text, `response.completed` closes it, and the
@@ -155,6 +183,8 @@ def test_a_cut_stream_ends_incomplete_and_its_logprobs_are_chats(openai_live):
     ({"instructions": "Be brief.", "input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
      "input[1].role", "input[1].role 'robot' is not a chat role"),
     ({"temperature": "0"}, "temperature", ""),
+    ({"stop": 5}, "stop", ""),  # vLLM's extras, checked as chat checks them
+    ({"presence_penalty": 3.0}, "presence_penalty", ""),
     ({"top_logprobs": 21}, "top_logprobs", ""),
 ])
 def test_what_cannot_be_carried_out_is_refused_naming_its_field(openai_live, fields, param, words):

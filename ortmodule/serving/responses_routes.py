@@ -47,6 +47,15 @@ NEUTRAL = (("previous_response_id", (None,), "this server keeps no responses: se
            ("background", (None, False), "this server answers in the request"),
            ("max_tool_calls", (None,), "it counts built-in tools' calls, and this server has none"),
            ("truncation", (None, "disabled"), "this server does not cut a prompt to fit: a prompt too long is refused"))
+# vLLM's extras of its Responses request that chat takes under the same names: chat's (`CHAT_EXTRAS`), and the
+# sampling, stop and output fields vLLM's Responses request adds (left out, they would be ignored).
+RESPONSES_EXTRAS = CHAT_EXTRAS + ("stop", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos",
+                                  "include_reasoning", "skip_special_tokens", "include_stop_str_in_output",
+                                  "mm_processor_kwargs")
+# vLLM's Responses extras this server does not carry out, refused unless neutral: (name, what passes, why not).
+REFUSED_EXTRAS = (("media_io_kwargs", (None,), "this server loads no media: images come as data URLs"),
+                  ("vllm_xargs", (None, {}), "this server has no custom extensions"),
+                  ("cache_salt", (None,), "this server keeps one prefix cache for all requests"))
 # The chat request's field names in its errors, as this API names them.
 RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text"}
 
@@ -83,7 +92,11 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
             thought = None
     logprobs = LOGPROBS in (body.include or ())
     tools, choice = _tools(body)
-    extra = {name: value for name, value in (body.model_extra or {}).items() if name in CHAT_EXTRAS}
+    extra = {name: value for name, value in (body.model_extra or {}).items() if name in RESPONSES_EXTRAS}
+    for name, neutral, why in REFUSED_EXTRAS:
+        value = (body.model_extra or {}).get(name)
+        if not any(value == n and type(value) is type(n) for n in neutral):
+            raise ServingError(f"{name} is not supported: {why}; leave it out", name)
     return ChatRequest(model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
                        reasoning_effort=_effort(body.reasoning), temperature=body.temperature, top_p=body.top_p,
                        logprobs=logprobs,
