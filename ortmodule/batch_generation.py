@@ -123,19 +123,26 @@ def _generate_rows(model, inputs, rows: list[int], config, copies: int, generato
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, generator=generator,
                          stopping_criteria=StoppingCriteriaList([_Clock()]) if timestamps else None)
     ended = time.perf_counter()
-    ends = set(_all(config.eos_token_id))
+    ends, new = set(_all(config.eos_token_id)), out.sequences[:, width:]
+    chosen = _chosen_logprobs(out.scores, new) if logprobs else None
     made = {}
-    for row, sequence in enumerate(out.sequences[:, width:].tolist()):
+    for row, sequence in enumerate(new.tolist()):
         index, copy_ = rows[row // copies], row % copies
         taken = next((k + 1 for k, token in enumerate(sequence) if token in ends), len(sequence))
-        scores = [torch.log_softmax(out.scores[k][row].float(), -1)[sequence[k]].item() for k in range(taken)] \
-            if logprobs else []
+        scores = chosen[row][:taken] if logprobs else []
         key = f"req_{index}" if copy_ == copies - 1 else f"req_{index}__child#{copy_}"
         made[key] = GenerationOutput(request_id=key, prompt_ids=list(inputs[index]),
                                      generated_tokens=sequence[:taken], logprobs=scores,
                                      status=RequestStatus.FINISHED, created_time=begun, lifespan=(begun, ended),
                                      timestamps=steps[:taken] if timestamps else None)
     return made
+
+
+def _chosen_logprobs(scores: tuple, tokens: torch.Tensor) -> list[list[float]]:
+    """Each row's chosen tokens' log-probabilities under the processed `scores` (one `[rows, vocab]` a step), on the
+    scores' device, read back once."""
+    steps = [torch.log_softmax(step.float(), -1).gather(1, tokens[:, k:k + 1]) for k, step in enumerate(scores)]
+    return torch.cat(steps, 1).tolist()
 
 
 def _request_order(prompts: int, copies: int) -> list[str]:
