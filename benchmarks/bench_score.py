@@ -102,7 +102,7 @@ class LocalServer(ServeProcess):
         super().__init__(package, "--device", device, *extra, launcher=launcher)
 
     def metrics(self) -> dict:
-        return httpx.get(self.url + "/metrics").json()
+        return httpx.get(self.url + "/metrics?format=json").json()
 
     def loop_cpu_seconds(self) -> float | None:
         """CPU seconds the server's main thread (its event loop: HTTP, JSON, validation) has used so

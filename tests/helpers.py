@@ -447,7 +447,7 @@ def one_held_one_waiting(live: LiveServer, pool, started, body: dict, path: str 
     assert started.wait(30)
     second = pool.submit(httpx.post, live.url + path, json=body, timeout=60)
     deadline = time.monotonic() + 10
-    while live.client.get("/metrics").json()["waiting"] < 1:
+    while live.client.get("/metrics?format=json").json()["waiting"] < 1:
         assert time.monotonic() < deadline, "the second request never reached the queue"
         time.sleep(0.02)
     return first, second

@@ -212,7 +212,7 @@ def test_engine_fuzz(build, seed, monkeypatch):
 
         with ThreadPoolExecutor(clients) as pool:
             answers = list(pool.map(send, range(len(requests))))
-        metrics = server.client.get("/metrics").json()
+        metrics = server.client.get("/metrics?format=json").json()
         assert metrics["running_rows"] == 0
         # with no rows left, the decode batch's cache has its first slots again, and under 4x its positions
         least = max([first[1]] + [kv.window or 0 for kv in model.decoder.spec.layers])

@@ -437,7 +437,7 @@ def test_the_servers_continuous_batch_carries_states(pair):
             check(long_prompt, 60, running.result())
         for prompt, answer in zip(prompts, answers):
             check(prompt, 7, answer)
-        assert live.client.get("/metrics").json()["prefix_cache"]["hits"] == 0
+        assert live.client.get("/metrics?format=json").json()["prefix_cache"]["hits"] == 0
     finally:
         live.stop()
 
@@ -500,7 +500,7 @@ def test_the_server_continues_a_conversation_past_its_cached_prompt(pair):
         return tokens
 
     def reuse():
-        cache = live.client.get("/metrics").json()["prefix_cache"]
+        cache = live.client.get("/metrics?format=json").json()["prefix_cache"]
         return cache["hits"], cache["reused_tokens"]
 
     try:
@@ -519,7 +519,7 @@ def test_the_server_continues_a_conversation_past_its_cached_prompt(pair):
         before = reuse()
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(complete, long_prompt, 60)
-            while live.client.get("/metrics").json()["running_rows"] == 0:
+            while live.client.get("/metrics?format=json").json()["running_rows"] == 0:
                 time.sleep(0.01)
             got = complete(follow, 6)
             check(running.result(), long_prompt, 60)

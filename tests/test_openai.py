@@ -1360,7 +1360,7 @@ def test_a_client_leaving_mid_stream_frees_its_slot(setup, monkeypatch):
     live, _, _, _, _ = setup
     run = runtime.Session.run
     monkeypatch.setattr(runtime.Session, "run", lambda s, b: (time.sleep(0.02), run(s, b)))
-    before = live.client.get("/metrics").json()["abandoned"]
+    before = live.client.get("/metrics?format=json").json()["abandoned"]
     request = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}
     with httpx.Client(base_url=live.url, timeout=30) as client, client.stream("POST", "/v1/completions",
                                                                                 json=request) as stream:
@@ -1374,7 +1374,7 @@ def test_a_client_leaving_mid_stream_frees_its_slot(setup, monkeypatch):
                                                        "temperature": 0})
     assert answer.status_code == 200 and time.monotonic() - start < 2.0
     deadline = time.monotonic() + 5
-    while live.client.get("/metrics").json()["abandoned"] != before + 1:
+    while live.client.get("/metrics?format=json").json()["abandoned"] != before + 1:
         assert time.monotonic() < deadline, "the stream's departure was not recorded"
         time.sleep(0.05)
 

@@ -66,14 +66,14 @@ def test_prompts_sharing_a_prefix_start_past_it(server, pair):
     prompts.append(first)  # the same prompt again: all but its last token from the cache
     long_prompt = [rng.randrange(4, 512) for _ in range(9)]
     body = {"model": NAME, "prompt": long_prompt, "max_tokens": 120, "temperature": 0}
-    before = server.client.get("/metrics").json()
+    before = server.client.get("/metrics?format=json").json()
     with ThreadPoolExecutor(len(prompts) + 1) as pool:
         running = pool.submit(lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=120).json())
         answers = list(pool.map(lambda p: complete(server.client, p, 10), prompts))
         check(hf, tokenizer, long_prompt, 120, running.result()["choices"][0])
     for prompt, answer in zip(prompts, answers):
         check(hf, tokenizer, prompt, 10, answer)
-    after = server.client.get("/metrics").json()
+    after = server.client.get("/metrics?format=json").json()
     hits = after["prefix_cache"]["hits"] - before["prefix_cache"]["hits"]
     reused = after["prefix_cache"]["reused_tokens"] - before["prefix_cache"]["reused_tokens"]
     assert hits >= len(prompts) - 1 and reused >= 40 * (len(prompts) - 1), after["prefix_cache"]
@@ -89,9 +89,9 @@ def test_an_idle_engine_starts_a_prompt_past_its_cached_prefix(server, pair):
     first = shared + [rng.randrange(4, 512) for _ in range(30)]
     second = shared + [rng.randrange(4, 512) for _ in range(20)]
     check(hf, tokenizer, first, 8, complete(server.client, first, 8))
-    before = server.client.get("/metrics").json()["prefix_cache"]
+    before = server.client.get("/metrics?format=json").json()["prefix_cache"]
     check(hf, tokenizer, second, 8, complete(server.client, second, 8))
-    after = server.client.get("/metrics").json()["prefix_cache"]
+    after = server.client.get("/metrics?format=json").json()["prefix_cache"]
     assert after["hits"] == before["hits"] + 1 and after["reused_tokens"] == before["reused_tokens"] + 120
 
 
@@ -102,7 +102,7 @@ def test_without_the_cache_nothing_is_kept(pair):
         prompt = list(range(5, 60))
         for _ in range(2):
             check(hf, tokenizer, prompt, 5, complete(live.client, prompt, 5))
-        metrics = live.client.get("/metrics").json()
+        metrics = live.client.get("/metrics?format=json").json()
         assert metrics["prefix_cache"] == {"hits": 0, "reused_tokens": 0, "entries": 0, "bytes": 0}
         assert metrics["fed_tokens"] == 0
     finally:

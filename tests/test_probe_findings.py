@@ -345,12 +345,12 @@ def test_server_types_are_strict(live, change, field):
 @pytest.mark.parametrize("content", [b'{"query": "\xff\xfe", "items": ["a"], "label_token_ids": [1]}',
                                      b"[" * 100_000 + b"]" * 100_000], ids=["invalid-utf8", "deeply-nested"])
 def test_unparseable_bodies_get_the_error_object_and_are_counted(live, content):
-    before = live.client.get("/metrics").json()["rejected_bad"]
+    before = live.client.get("/metrics?format=json").json()["rejected_bad"]
     response = live.client.post("/v1/score", content=content, headers={"content-type": "application/json"})
     assert response.status_code == 400
     body = response.json()
     assert body["object"] == "error" and body["code"] == 400 and "message" in body
-    assert live.client.get("/metrics").json()["rejected_bad"] == before + 1
+    assert live.client.get("/metrics?format=json").json()["rejected_bad"] == before + 1
     assert live.client.post("/v1/score", json=GOOD).status_code == 200
 
 
@@ -368,13 +368,13 @@ def test_requests_of_clients_that_left_are_not_scored(llama):
             with pytest.raises(httpx.TimeoutException):
                 httpx.post(live.url + "/v1/score", json=GOOD, timeout=0.3)
         deadline = time.monotonic() + 30
-        while live.client.get("/metrics").json()["abandoned"] < 5:
-            assert time.monotonic() < deadline, live.client.get("/metrics").json()
+        while live.client.get("/metrics?format=json").json()["abandoned"] < 5:
+            assert time.monotonic() < deadline, live.client.get("/metrics?format=json").json()
             time.sleep(0.05)
         release.set()
         first.join(30)
         assert live.client.post("/v1/score", json=GOOD).status_code == 200
-        metrics = live.client.get("/metrics").json()
+        metrics = live.client.get("/metrics?format=json").json()
         assert metrics["abandoned"] == 5 and metrics["requests"]["score"] == 2  # only the two whose clients waited
         assert sum(scored) == 2
     finally:

@@ -290,7 +290,7 @@ def test_served_chats_past_the_cached_system_prompt_match_transformers(smollm2):
             running = pool.submit(live.client.post, "/v1/completions", json=story)
             answers.update(zip(questions[1:], pool.map(chat, questions[1:])))
             assert running.result().status_code == 200
-        metrics = live.client.get("/metrics").json()
+        metrics = live.client.get("/metrics?format=json").json()
     finally:
         live.stop()
     assert metrics["prefix_cache"]["hits"] >= len(questions) - 1 and metrics["fed_tokens"] > 0, metrics

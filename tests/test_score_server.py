@@ -143,7 +143,7 @@ def test_malformed_json_gets_400(setup):
 
 def test_concurrent_clients_are_scored_together(setup):
     live, hf, tokenizer = setup
-    groups_before = dict(live.client.get("/metrics").json()["batch_sizes"].get("score", {}))
+    groups_before = dict(live.client.get("/metrics?format=json").json()["batch_sizes"].get("score", {}))
     queries = [QUERY, "a different question entirely", QUERY, "short"] * 2
     labels = [[5, 6], [7], [5, 6, 8], [9, 10]] * 2
 
@@ -157,7 +157,7 @@ def test_concurrent_clients_are_scored_together(setup):
         assert response.status_code == 200, response.text
         expected = reference(hf, tokenizer, queries[i], ITEMS[: 1 + i % 4], labels[i], i % 2 == 1, False)
         assert (torch.tensor(response.json()["scores"], dtype=torch.float64) - expected).abs().max().item() < 1e-5
-    groups = live.client.get("/metrics").json()["batch_sizes"]["score"]
+    groups = live.client.get("/metrics?format=json").json()["batch_sizes"]["score"]
     new_groups = {int(k): v - groups_before.get(k, 0) for k, v in groups.items() if v - groups_before.get(k, 0)}
     assert sum(k * v for k, v in new_groups.items()) == len(queries)
     assert max(new_groups) > 1, f"every request was scored alone: {new_groups}"
@@ -169,11 +169,11 @@ def test_metrics_count_the_requests_whose_query_ran_once(setup, monkeypatch, wor
     scoring.label_logprobs decided (here forced either way); a request of one item never shares."""
     live, _, _ = setup
     monkeypatch.setattr(ortmodule.scoring, "worth_sharing", lambda *args, **kwargs: worth)
-    before = live.client.get("/metrics").json()["reused_prefixes"]
+    before = live.client.get("/metrics?format=json").json()["reused_prefixes"]
     for items in (ITEMS, ITEMS[:1], ITEMS[:2]):
         body = dict(query=QUERY, items=items, label_token_ids=[5, 6])
         assert live.client.post("/v1/score", json=body).status_code == 200
-    assert live.client.get("/metrics").json()["reused_prefixes"] - before == (2 if worth else 0)
+    assert live.client.get("/metrics?format=json").json()["reused_prefixes"] - before == (2 if worth else 0)
 
 
 @pytest.mark.parametrize("reuse", ["on", "off"])
@@ -194,7 +194,7 @@ def test_the_reuse_prefix_setting_decides_whatever_the_costs_say(build, monkeypa
             assert response.status_code == 200, response.text
             expected = reference(hf, tokenizer, QUERY, items, [5, 6], True, False)
             assert (torch.tensor(response.json()["scores"], dtype=torch.float64) - expected).abs().max().item() < 1e-5
-        assert live.client.get("/metrics").json()["reused_prefixes"] == (2 if reuse == "on" else 0)
+        assert live.client.get("/metrics?format=json").json()["reused_prefixes"] == (2 if reuse == "on" else 0)
     finally:
         live.stop()
 
@@ -213,7 +213,7 @@ def test_a_full_queue_answers_503_and_the_server_recovers(build):
             assert started.wait(30)  # the worker holds request 1
             second = pool.submit(live.client.post, "/v1/score", json=body)
             deadline = time.monotonic() + 30
-            while live.client.get("/metrics").json()["waiting"] < 1:  # request 2 waits in the queue
+            while live.client.get("/metrics?format=json").json()["waiting"] < 1:  # request 2 waits in the queue
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             third = live.client.post("/v1/score", json=body)
@@ -221,7 +221,7 @@ def test_a_full_queue_answers_503_and_the_server_recovers(build):
             release.set()
             assert first.result().status_code == 200 and second.result().status_code == 200
         assert live.client.post("/v1/score", json=body).status_code == 200
-        assert live.client.get("/metrics").json()["rejected_busy"] == 1
+        assert live.client.get("/metrics?format=json").json()["rejected_busy"] == 1
     finally:
         release.set()
         live.stop()
@@ -317,7 +317,7 @@ def test_waiting_requests_do_not_poll_their_connections(build):
             assert started.wait(30)  # the worker holds request 1; the next eight wait in the queue
             waiting = [pool.submit(httpx.post, live.url + "/v1/score", json=body, timeout=60) for _ in range(8)]
             deadline = time.monotonic() + 30
-            while live.client.get("/metrics").json()["waiting"] < 8:
+            while live.client.get("/metrics?format=json").json()["waiting"] < 8:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             time.sleep(0.1)  # each waiting request has settled into its wait

@@ -45,13 +45,13 @@ def live(llama):
 
 
 def refused_untokenized(live, server, status, message, **request):
-    before = server.tokenizer.texts, live.client.get("/metrics").json()["rejected_bad"]
+    before = server.tokenizer.texts, live.client.get("/metrics?format=json").json()["rejected_bad"]
     response = live.client.post("/v1/score", **request)
     assert response.status_code == status, response.text
     body = response.json()
     assert body["object"] == "error" and body["code"] == status and message in body["message"]
     assert server.tokenizer.texts == before[0]  # refused before tokenizing
-    assert live.client.get("/metrics").json()["rejected_bad"] == before[1] + 1
+    assert live.client.get("/metrics?format=json").json()["rejected_bad"] == before[1] + 1
     assert live.client.post("/v1/score", json=GOOD).status_code == 200
 
 

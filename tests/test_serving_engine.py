@@ -66,7 +66,7 @@ def test_concurrent_generations_of_mixed_lengths_equal_transformers(live, pair):
     for prompt, new, answer in zip(prompts, lengths, answers):
         text, reason = expected_text(tokenizer, hf_greedy(hf, prompt, new))
         assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == (text, reason)
-    metrics = live.client.get("/metrics").json()
+    metrics = live.client.get("/metrics?format=json").json()
     assert metrics["largest_decode_batch"] == 4 and metrics["running_rows"] == 0
 
 
@@ -96,11 +96,11 @@ def test_the_decode_cache_follows_the_rows_running(pair, monkeypatch):
     prompts[0] = next(ids for ids in ([7 + k, 40 + k, 3 * k + 11] for k in range(60))
                       if tokenizer.eos_token_id not in hf_greedy(hf, ids, 200))  # runs its 200 tokens
     try:
-        idle = server.client.get("/metrics").json()["decode_cache"]
+        idle = server.client.get("/metrics?format=json").json()["decode_cache"]
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(lambda i: complete(server.client, prompts[i], max_tokens=lengths[i]),
                                     range(len(prompts))))
-        after = server.client.get("/metrics").json()["decode_cache"]
+        after = server.client.get("/metrics?format=json").json()["decode_cache"]
     finally:
         server.stop()
     for prompt, new, answer in zip(prompts, lengths, answers):
@@ -220,7 +220,7 @@ def test_a_failed_decode_step_fails_its_batch_and_the_server_goes_on(live, pair,
         return step(batch)
 
     monkeypatch.setattr(DecodeBatch, "step", failing)
-    before = live.client.get("/metrics").json()["failed"]
+    before = live.client.get("/metrics?format=json").json()["failed"]
     lines, sglang = [], []
     threads = [stream_lines(live.url, {"model": NAME, "prompt": prompt, "max_tokens": 40, "temperature": 0,
                                        "stream": True}, lines),
@@ -239,7 +239,7 @@ def test_a_failed_decode_step_fails_its_batch_and_the_server_goes_on(live, pair,
     assert error == {"message": "the completion failed: RuntimeError: injected: the device stopped",
                      "type": "server_error", "param": None, "code": None}
     assert "data: [DONE]" not in lines
-    metrics = live.client.get("/metrics").json()
+    metrics = live.client.get("/metrics?format=json").json()
     assert metrics["failed"] == before + 3 and metrics["running_rows"] == 0
     text, reason = expected_text(tokenizer, hf_greedy(hf, prompt, 12))
     after = complete(live.client, prompt, max_tokens=12)["choices"][0]
@@ -287,7 +287,7 @@ def test_a_client_leaving_stops_its_work(live, pair, monkeypatch):
     hf, tokenizer = pair[2], pair[3]
     run = runtime.Session.run
     monkeypatch.setattr(runtime.Session, "run", lambda s, b: (time.sleep(0.02), run(s, b)))
-    before = live.client.get("/metrics").json()
+    before = live.client.get("/metrics?format=json").json()
     prompt = [5 + (7 * i) % 400 for i in range(200)]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 4}, timeout=0.1)
@@ -300,7 +300,7 @@ def test_a_client_leaving_stops_its_work(live, pair, monkeypatch):
             if seen == 2:
                 break
     deadline = time.monotonic() + 10
-    while (metrics := live.client.get("/metrics").json())["abandoned"] != before["abandoned"] + 2 \
+    while (metrics := live.client.get("/metrics?format=json").json())["abandoned"] != before["abandoned"] + 2 \
             or metrics["running_rows"]:
         assert time.monotonic() < deadline, f"the clients' departures were not acted on: {metrics}"
         time.sleep(0.05)
@@ -334,14 +334,14 @@ def test_a_client_leaving_a_stream_with_events_queued_is_heard_at_once(live, pai
     body = ({"model": NAME, "prompt": prompt, "max_tokens": 100, "temperature": 0, "stream": True}
             if path == "/v1/completions" else
             {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 100, "temperature": 0}})
-    before = live.client.get("/metrics").json()["abandoned"]
+    before = live.client.get("/metrics?format=json").json()["abandoned"]
     caplog.set_level(logging.WARNING, logger="asyncio")
     for _ in range(3):
         held.clear()
         with httpx.Client(base_url=live.url, timeout=30) as client, client.stream("POST", path, json=body) as stream:
             next(line for line in stream.iter_lines() if line.startswith("data: {"))
     deadline = time.monotonic() + 10
-    while live.client.get("/metrics").json()["abandoned"] != before + 3:
+    while live.client.get("/metrics?format=json").json()["abandoned"] != before + 3:
         assert time.monotonic() < deadline, "the departures were not recorded"
         time.sleep(0.02)
     assert held and not [r for r in caplog.records if "socket.send() raised exception" in r.getMessage()]

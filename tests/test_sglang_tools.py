@@ -148,7 +148,7 @@ def test_flush_cache_empties_the_prefix_cache_when_idle(openai_live):
                 "max_new_tokens": new, "temperature": 0, "ignore_eos": True}}).json()
 
         def cache():
-            return live.client.get("/metrics").json()["prefix_cache"]
+            return live.client.get("/metrics?format=json").json()["prefix_cache"]
 
         first = generate()
         assert first["output_ids"] == expected and cache()["entries"] == 1

@@ -168,6 +168,7 @@ class Engine:
         self.started: list[tuple[type, list[OneShot], Callable[[], list]]] = []
         self.overlaps = model.device.type == "cuda"
         self.generations = Generations(model, settings, self.stats, self.release)
+        self.telemetry = self.generations.telemetry  # Prometheus' series (telemetry.py)
         self.thread: threading.Thread | None = None
         self.stopping = False
 
@@ -323,5 +324,7 @@ class Engine:
             sizes[len(jobs)] = sizes.get(len(jobs), 0) + 1
             self.stats.items += sum(len(job.prompts) for job in jobs)
             self.stats.reused_prefixes += sum(job.reused_prefix for job in jobs)
+            now = time.monotonic()
             for job, result in zip(jobs, results):
+                self.telemetry.answered(job, now)
                 job.resolve(result)

@@ -11,6 +11,7 @@ what the request gives alone, since rows do not interact in a step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import torch
@@ -21,6 +22,7 @@ from ..inputs import Rows, pad_right, to_device
 from .jobs import Generation, Row, choose_tokens, prompt_scores
 from .prefixes import BLOCK, Prefixes
 from .settings import Settings
+from .telemetry import Telemetry
 
 log = logging.getLogger("ortmodule.serving")
 
@@ -243,6 +245,7 @@ class Generations:
         shared = model.decoder.spec.shares_kv_buffer  # prefixes and feeding need the slot pool
         self.prefixes = Prefixes(settings.prefix_cache_mb * 2**20 if shared else 0)
         self.hybrid = bool(model.decoder.spec.states)  # convolution states: a prompt's end only (states.py)
+        self.telemetry = Telemetry(model.package.context_length, self.prefixes.budget > 0)
 
     @property
     def busy(self) -> bool:
@@ -261,6 +264,10 @@ class Generations:
 
     def drop_abandoned(self) -> None:
         """Rows whose client went away leave the queue, the chunked prefill and the batch."""
+        rows = list(self.pending) + list(self.batch.rows) + ([self.partial[0]] if self.partial else [])
+        now = time.monotonic()
+        for job in {id(row.job): row.job for row in rows if row.job.cancelled.is_set()}.values():
+            self.telemetry.job_ended(job, "abort", now)
         for row in [row for row in self.pending if row.job.cancelled.is_set()]:
             self.pending.remove(row)
             self.release(row.job)
@@ -277,6 +284,7 @@ class Generations:
         """Every generation filed fails with `error`."""
         rows = list(self.pending) + list(self.batch.rows) + ([self.partial[0]] if self.partial else [])
         for job in {id(row.job): row.job for row in rows}.values():
+            self.telemetry.job_ended(job, "error", time.monotonic())
             self.release(job)
             job.abort(error)
         self.pending.clear()
@@ -367,6 +375,7 @@ class Generations:
 
     def _starting(self, row: Row) -> None:
         job = row.job
+        row.started_at = time.monotonic()
         self.release(job)
         if not row.sampling.greedy and row.sampling.seed is not None:
             row.generator = torch.Generator(self.model.device).manual_seed(row.sampling.seed + row.copy)
@@ -436,8 +445,13 @@ class Generations:
     def _accept(self, rows: list[Row], logits: torch.Tensor, done: list[Row] | None = None) -> list[Row]:
         """Each row takes its next token chosen from its logits `[rows, V]`; a finished row's job is told
         at once, or where `done` is given, the row is added to it for the caller to tell."""
-        for row, (token, logprob, top) in zip(rows, choose_tokens(rows, logits)):
+        chosen = choose_tokens(rows, logits)
+        now = time.monotonic()
+        for row, (token, logprob, top) in zip(rows, chosen):
+            taken = len(row.tokens)
             row.accept(token, logprob, top)
+            if len(row.tokens) > taken:
+                self.telemetry.token(row, now)
             if not row.finished:
                 continue
             if done is None:
@@ -448,9 +462,12 @@ class Generations:
 
     def _finish(self, row: Row) -> None:
         """Tell a finished row's job (its last row: counted before its answer goes out)."""
+        now = time.monotonic()
+        self.telemetry.row_ended(row, row.text.finish_reason, now)
         if row.job.unfinished == 1:
             self.stats.count(row.job.kind, 1)
             self.stats.items += len(row.job.prompts)
+            self.telemetry.answered(row.job, now)
         row.job.row_done()
 
     def _guarded(self, rows: list[Row], work) -> None:
@@ -463,7 +480,8 @@ class Generations:
             jobs = list({id(row.job): row.job for row in rows + (self.batch.rows if broken else [])}.values())
             log.exception("generation failed for %d requests", len(jobs))
             self.stats.failed += len(jobs)
-            for job in jobs:
-                job.abort(e)  # its other rows leave at the next pass
-            if broken:
+            if broken:  # before the answers go out: a client that has its 500 finds its row gone in /metrics
                 self.batch = DecodeBatch(self.model.decoder, self.max_rows)
+            for job in jobs:
+                self.telemetry.job_ended(job, "error", time.monotonic())
+                job.abort(e)  # its other rows leave at the next pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class Job:
         self.cancelled = threading.Event()  # the client went away: drop the job, stop its rows
         self.waiting = True  # counted against the queue's limit until it starts running
         self.arrived = 0  # the engine's decode step count when it was filed
+        self.received = time.monotonic()  # when it was made (its prompts tokenized): vLLM's arrival time
         self.answering: dict = {}  # what the route keeps to write its answer (generate_routes: SGLang's shape)
 
     def resolve(self, result) -> None:
@@ -347,7 +349,7 @@ class Generation(Job):
         self.sampling, self.prompt_top, self.prompt_ranks = sampling, prompt_top, prompt_ranks
         self.stream: asyncio.Queue | None = asyncio.Queue() if stream else None
         self.prompt_scores: list[PromptScores] | None = None  # echo: filled before the rows start
-        self.eos = eos
+        self.eos, self.copies = eos, copies
         self.rows = [Row(self, i, p, sampling, sampling.text_stream(tokenizer, eos), media=media, copy=i % copies)
                      for i, p in enumerate(prompts)]
         self.unfinished = len(self.rows)
@@ -407,6 +409,12 @@ class Row:
     thought: ThinkingCount | None = None  # its place against a thinking budget, made at its first choice
     barred: torch.Tensor | None = None  # the tokens outside its allowed_token_ids (True), made at its first choice
     exhausted: bool = False  # its masks (allowed tokens, bad words, a grammar) left no token: it ends, taking none
+    # time.monotonic() when it left the queue, took its first and its latest token (0: not yet); whether
+    # telemetry counted its end
+    started_at: float = 0.0
+    first_at: float = 0.0
+    last_at: float = 0.0
+    ended: bool = False
 
     @property
     def feeding(self) -> bool:
