@@ -15,10 +15,8 @@ import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from prometheus_client.exposition import generate_latest
-from prometheus_client.registry import CollectorRegistry
 from starlette.exceptions import HTTPException
 
 from .. import scoring
@@ -29,6 +27,7 @@ from . import (
     responses_routes,
     score_routes,
     sglang_routes,
+    telemetry,
     tokenize_routes,
 )
 from .chat_prompts import chat_template_of
@@ -37,7 +36,6 @@ from .errors import AsciiJSON, ServingError
 from .images import ChatImages
 from .served import Served, sampling_defaults
 from .settings import Settings
-from .telemetry import EngineCollector
 
 log = logging.getLogger("ortmodule.serving")
 
@@ -103,48 +101,9 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
             return AsciiJSON({"status": "error", "message": message}, status_code=503)
         return {"status": "ok"}
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, served.name))
-
-    @app.get("/metrics")
-    async def metrics(request: Request, format: str | None = None):  # noqa: A002  (the query's name)
-        """Prometheus' text format, as vLLM's and SGLang's; the engine's counts as JSON with `?format=json` or
-        `Accept: application/json`."""
-        accept = request.headers.get("accept", "")
-        if format not in (None, "json", "prometheus"):
-            raise ServingError(f"format must be json or prometheus, got {format!r}", "format")
-        if format == "json" or format is None and _prefers_json(accept):
-            prefixes = engine.generations.prefixes
-            return {**engine.stats.__dict__, "waiting": engine.waiting.count,
-                    "running_rows": len(engine.generations.batch.rows),
-                    "decode_cache": engine.generations.batch.sizes(),
-                    "prefix_cache": {"hits": prefixes.hits, "reused_tokens": prefixes.reused,
-                                     "entries": len(prefixes.entries), "bytes": prefixes.nbytes}}
-        # Prometheus' text format 0.0.4 to every scraper: prometheus_client's OpenMetrics output renames the samples
-        # of a name with a colon (vllm:...) but not its HELP and TYPE lines (prometheus/client_python#1177), which
-        # strict parsers reject; Prometheus reads the format the answer names.
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+    telemetry.add_routes(app, engine, served.name)
 
     return app
-
-
-def _prefers_json(accept: str) -> bool:
-    """Whether an Accept header asks for JSON before Prometheus' formats (a scraper names text/plain or
-    OpenMetrics; curl's `*/*` gets Prometheus' text, as vLLM's /metrics gives it)."""
-    ranked = []
-    for i, part in enumerate(accept.split(",")):
-        kind, *params = (p.strip() for p in part.split(";"))
-        q = next((p[2:] for p in params if p.startswith("q=")), "1")
-        try:
-            ranked.append((-float(q), i, kind.lower()))
-        except ValueError:
-            continue
-    for _, _, kind in sorted(ranked):
-        if kind == "application/json":
-            return True
-        if kind in ("text/plain", "application/openmetrics-text", "*/*", "text/*"):
-            return False
-    return False
 
 
 def _handle_errors(app: FastAPI, engine: Engine) -> None:

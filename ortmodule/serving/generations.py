@@ -243,8 +243,8 @@ class Generations:
         self.partial = None  # (row, its own cache) of a prompt being prefilled in chunks
         self.batch = DecodeBatch(model.decoder, self.max_rows)
         shared = model.decoder.spec.shares_kv_buffer  # prefixes and feeding need the slot pool
-        self.prefixes = Prefixes(settings.prefix_cache_mb * 2**20 if shared else 0)
-        self.hybrid = bool(model.decoder.spec.states)  # convolution states: a prompt's end only (states.py)
+        # convolution states (a hybrid's): a prompt's end only (states.py)
+        self.prefixes = Prefixes(settings.prefix_cache_mb * 2**20 if shared else 0, bool(model.decoder.spec.states))
         self.telemetry = Telemetry(model.package.context_length, self.prefixes.budget > 0)
 
     @property
@@ -264,10 +264,7 @@ class Generations:
 
     def drop_abandoned(self) -> None:
         """Rows whose client went away leave the queue, the chunked prefill and the batch."""
-        rows = list(self.pending) + list(self.batch.rows) + ([self.partial[0]] if self.partial else [])
-        now = time.monotonic()
-        for job in {id(row.job): row.job for row in rows if row.job.cancelled.is_set()}.values():
-            self.telemetry.job_ended(job, "abort", now)
+        self.telemetry.jobs_ended([row.job for row in self._rows() if row.job.cancelled.is_set()], "abort")
         for row in [row for row in self.pending if row.job.cancelled.is_set()]:
             self.pending.remove(row)
             self.release(row.job)
@@ -282,14 +279,18 @@ class Generations:
 
     def fail_all(self, error: Exception) -> None:
         """Every generation filed fails with `error`."""
-        rows = list(self.pending) + list(self.batch.rows) + ([self.partial[0]] if self.partial else [])
-        for job in {id(row.job): row.job for row in rows}.values():
-            self.telemetry.job_ended(job, "error", time.monotonic())
+        jobs = list({id(row.job): row.job for row in self._rows()}.values())
+        self.telemetry.jobs_ended(jobs, "error")
+        for job in jobs:
             self.release(job)
             job.abort(error)
         self.pending.clear()
         self.partial = None
         self.batch = DecodeBatch(self.model.decoder, self.max_rows)
+
+    def _rows(self) -> list[Row]:
+        """Every row filed: waiting, being prefilled in chunks, decoding."""
+        return list(self.pending) + list(self.batch.rows) + ([self.partial[0]] if self.partial else [])
 
     def prefill(self) -> None:
         """Start waiting rows: the next chunk of a long prompt, and short prompts together, each up
@@ -307,9 +308,9 @@ class Generations:
                 self.pending.remove(long)
                 self._starting(long)
                 cache = self.model.decoder.new_cache(1, len(long.prompt) + 1)
-                entry, shared = self._hit(long)
+                entry, shared = self.prefixes.hit(long)
                 if self._worth_starting_past(long):
-                    self._used_prefix(long, shared)
+                    self.prefixes.use(long, shared)
                     long.prefilled = shared
                     put_row(cache, 0, entry.keys, entry.values, shared, entry.states)
                     cache.longest = cache.seen = shared
@@ -331,31 +332,12 @@ class Generations:
                 self._starting(row)
             self._guarded(short, self._prefill_short)
 
-    def _hit(self, row: Row) -> tuple:
-        """The cached prefix of the row's prompt (looked up once): (entry, tokens to reuse, at
-        most all but the last)."""
-        if row.prefix is None:
-            # A prompt with images is not its ids (the same placeholders stand for any image): no prefix.
-            found = self.prefixes.budget and row.media is None
-            entry, shared = self.prefixes.find(row.prompt) if found else (None, 0)
-            shared = min(shared, len(row.prompt) - 1)
-            if self.hybrid and (entry is None or entry.states is None or shared != len(entry.tokens)):
-                entry, shared = None, 0  # its states are the entry's end's: a prompt extending all of it only
-            row.prefix = (entry, shared)
-        return row.prefix
-
     def _worth_starting_past(self, row: Row) -> bool:
         """Whether a prompt starts past its cached prefix in a run of its own (the rest in chunks):
         when the prefix is at least a block and at least half of the prompt. A shorter one runs
         whole, batched with other prompts."""
-        shared = self._hit(row)[1]
+        shared = self.prefixes.hit(row)[1]
         return shared >= BLOCK and 2 * shared >= len(row.prompt)
-
-    def _used_prefix(self, row: Row, shared: int) -> None:
-        row.cached_prefix = shared  # SGLang's `cached_tokens`
-        if shared:
-            self.prefixes.hits += 1
-            self.prefixes.reused += shared
 
     def feed(self) -> None:
         """Waiting prompts with at most `feed_tokens` left to run past their cached prefix join the
@@ -366,11 +348,11 @@ class Generations:
         for row in list(self.pending):
             if not self.batch.free:
                 return
-            entry, shared = self._hit(row)
+            entry, shared = self.prefixes.hit(row)
             if row.media is None and len(row.prompt) - shared <= self.feed_tokens:
                 self.pending.remove(row)
                 self._starting(row)
-                self._used_prefix(row, shared)
+                self.prefixes.use(row, shared)
                 self.batch.join_prefix(row, entry, shared)
 
     def _starting(self, row: Row) -> None:
@@ -448,9 +430,8 @@ class Generations:
         chosen = choose_tokens(rows, logits)
         now = time.monotonic()
         for row, (token, logprob, top) in zip(rows, chosen):
-            taken = len(row.tokens)
             row.accept(token, logprob, top)
-            if len(row.tokens) > taken:
+            if not row.exhausted:  # it took the token
                 self.telemetry.token(row, now)
             if not row.finished:
                 continue
@@ -482,6 +463,6 @@ class Generations:
             self.stats.failed += len(jobs)
             if broken:  # before the answers go out: a client that has its 500 finds its row gone in /metrics
                 self.batch = DecodeBatch(self.model.decoder, self.max_rows)
+            self.telemetry.jobs_ended(jobs, "error")
             for job in jobs:
-                self.telemetry.job_ended(job, "error", time.monotonic())
                 job.abort(e)  # its other rows leave at the next pass

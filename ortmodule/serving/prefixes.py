@@ -42,13 +42,32 @@ def _chain(tokens: list[int]):
 class Prefixes:
     """Recent prompts' KV within `budget` bytes (0: off). Used from the model's thread only."""
 
-    def __init__(self, budget: int):
-        self.budget = budget
+    def __init__(self, budget: int, hybrid: bool = False):
+        self.budget, self.hybrid = budget, hybrid  # hybrid: entries hold convolution states, of their end only
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # by id, least recently used first
         self.blocks: dict[int, Entry] = {}  # block-chain key -> the latest entry holding it
         self.nbytes = 0
         self.hits = 0  # prompts started past a cached prefix
         self.reused = 0  # prompt tokens not run thanks to them
+
+    def hit(self, row) -> tuple:
+        """The cached prefix of a row's prompt (looked up once): (entry, tokens to reuse, at most all but the
+        last)."""
+        if row.prefix is None:
+            # A prompt with images is not its ids (the same placeholders stand for any image): no prefix.
+            entry, shared = self.find(row.prompt) if self.budget and row.media is None else (None, 0)
+            shared = min(shared, len(row.prompt) - 1)
+            if self.hybrid and (entry is None or entry.states is None or shared != len(entry.tokens)):
+                entry, shared = None, 0  # its states are the entry's end's: a prompt extending all of it only
+            row.prefix = (entry, shared)
+        return row.prefix
+
+    def use(self, row, shared: int) -> None:
+        """A row starts past `shared` tokens of its prompt taken from an entry (0: none)."""
+        row.cached_prefix = shared  # SGLang's `cached_tokens`
+        if shared:
+            self.hits += 1
+            self.reused += shared
 
     def find(self, prompt: list[int]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` (by whole blocks, then exactly), and

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 
+from fastapi import FastAPI, Request, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from .errors import ServingError
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -30,6 +35,51 @@ JOB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 
 # a row's end, as vLLM's `finished_reason` label names it
 FINISHED = {"stop": "stop", "length": "length", "abandoned": "abort", "abort": "abort", "error": "error"}
 LABELS = ["model_name", "engine"]
+
+
+def add_routes(app: FastAPI, engine, model_name: str) -> None:
+    """`GET /metrics`: Prometheus' text format, as vLLM's and SGLang's; the engine's counts as JSON with
+    `?format=json` or `Accept: application/json` first."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, model_name))
+
+    @app.get("/metrics")
+    async def metrics(request: Request, format: str | None = None):  # noqa: A002  (the query's name)
+        if format not in (None, "json", "prometheus"):
+            raise ServingError(f"format must be json or prometheus, got {format!r}", "format")
+        if format == "json" or format is None and _prefers_json(request.headers.get("accept", "")):
+            return engine_counts(engine)
+        # Prometheus' text format 0.0.4 to every scraper: prometheus_client's OpenMetrics output renames the samples
+        # of a name with a colon (vllm:...) but not its HELP and TYPE lines (prometheus/client_python#1177), which
+        # strict parsers reject; Prometheus reads the format the answer names.
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def engine_counts(engine) -> dict:
+    """The engine's counts and state, as `/metrics?format=json` gives them."""
+    prefixes, batch = engine.generations.prefixes, engine.generations.batch
+    return {**engine.stats.__dict__, "waiting": engine.waiting.count, "running_rows": len(batch.rows),
+            "decode_cache": batch.sizes(), "prefix_cache": {"hits": prefixes.hits, "reused_tokens": prefixes.reused,
+                                                            "entries": len(prefixes.entries), "bytes": prefixes.nbytes}}
+
+
+def _prefers_json(accept: str) -> bool:
+    """Whether an Accept header asks for JSON before Prometheus' formats (a scraper names text/plain or
+    OpenMetrics; curl's `*/*` gets Prometheus' text, as vLLM's /metrics gives it)."""
+    ranked = []
+    for i, part in enumerate(accept.split(",")):
+        kind, *params = (p.strip() for p in part.split(";"))
+        q = next((p[2:] for p in params if p.startswith("q=")), "1")
+        try:
+            ranked.append((-float(q), i, kind.lower()))
+        except ValueError:
+            continue
+    for _, _, kind in sorted(ranked):
+        if kind == "application/json":
+            return True
+        if kind in ("text/plain", "application/openmetrics-text", "*/*", "text/*"):
+            return False
+    return False
 
 
 def buckets_1_2_5(most: int) -> tuple[int, ...]:
@@ -123,10 +173,12 @@ class Telemetry:
         if row.copy == 0:  # once per prompt: its `n`
             self.choices.observe(row.job.copies)
 
-    def job_ended(self, job, reason: str, now: float) -> None:
-        """Every row of `job` not ended yet ends with `reason` ("abort", "error")."""
-        for row in job.rows:
-            self.row_ended(row, reason, now)
+    def jobs_ended(self, jobs, reason: str) -> None:
+        """Every row of `jobs` not ended yet ends now with `reason` ("abort", "error")."""
+        now = time.monotonic()
+        for job in jobs:
+            for row in job.rows:
+                self.row_ended(row, reason, now)
 
     def answered(self, job, now: float) -> None:
         """`job` was answered at `now`: its latency under its kind."""
