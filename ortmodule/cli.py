@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 
 
@@ -297,6 +298,7 @@ def _serve_flags(commands) -> None:
                             "requests that leave max_tokens out")
     _frontend_flags(serve)
     _parser_flags(serve)
+    _http_flags(serve)
     _settings_flags(serve)
 
 
@@ -320,6 +322,47 @@ def _frontend_flags(serve: argparse.ArgumentParser) -> None:
                        metavar="JSON",
                        help="with --processor, the image processor's options every image is made with, as vLLM's "
                             "flag of that name: Qwen-VL's min_pixels and max_pixels, Gemma 3's pan-and-scan options")
+
+
+def _http_flags(serve: argparse.ArgumentParser) -> None:
+    """vLLM's flags of the context requests get and of the browsers that may call the server (CORS)."""
+    serve.add_argument("--max-model-len", dest="max_model_len", type=_token_count, default=None, metavar="N",
+                       help="the context requests are checked against, at most the package's, as vLLM's flag of that "
+                            "name (1k: 1,000 tokens, 1K: 1,024; -1 or auto: the package's, the default)")
+    serve.add_argument("--allowed-origins", dest="allowed_origins", type=_json_strings, default=None, metavar="JSON",
+                       help="the web origins whose pages may call the server from a browser (CORS), as vLLM's flag "
+                            "of that name: '[\"http://localhost:3000\"]', or '[\"*\"]' for any; by default none "
+                            "(vLLM's default is any origin)")
+    serve.add_argument("--allowed-methods", dest="allowed_methods", type=_json_strings, default=("*",),
+                       metavar="JSON", help="with --allowed-origins, the methods allowed (default [\"*\"])")
+    serve.add_argument("--allowed-headers", dest="allowed_headers", type=_json_strings, default=("*",),
+                       metavar="JSON", help="with --allowed-origins, the request headers allowed (default [\"*\"])")
+    serve.add_argument("--allow-credentials", dest="allow_credentials", action="store_true",
+                       help="with --allowed-origins, let browsers send cookies and HTTP authentication")
+
+
+def _token_count(text: str) -> int | None:
+    """An argparse type: vLLM's `--max-model-len`, a number of tokens (`4096`, `1k` 1,000, `1K` 1,024, `25.6k`);
+    None for -1 or auto (the package's context)."""
+    if text.strip().lower() in ("-1", "auto"):
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgKMG]?)\s*", text)
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    value = float(match.group(1)) * scale[match.group(2)] if match else 0
+    if not match or value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"a whole number of tokens >= 1 (4096, 1k, 1K), -1 or auto; got {text!r}")
+    return int(value)
+
+
+def _json_strings(text: str) -> list[str]:
+    """An argparse type: a JSON list of strings, as vLLM's CORS flags take them."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings ([\"...\"]), got {text!r}")
+    return value
 
 
 def _parser_flags(serve: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 
 from .. import scoring
@@ -85,6 +86,10 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
                   lifespan=lifespan)
     app.state.served = served
     app.add_middleware(Guard, settings=settings, stats=engine.stats)
+    if settings.allowed_origins is not None:  # outside the key's check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                           allow_credentials=settings.allow_credentials)
     _handle_errors(app, engine)
     score_routes.add_routes(app, served)
     openai_routes.add_routes(app, served)

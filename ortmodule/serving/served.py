@@ -41,7 +41,11 @@ class Served:
 
     def __post_init__(self):
         package = self.engine.model.package
-        self.context, self.vocab = package.context_length, package.vocab_size
+        limit = self.settings.max_model_len
+        if limit is not None and limit > package.context_length:
+            raise ValueError(f"max_model_len {limit} is longer than the package's context of {package.context_length} "
+                             "tokens (the graph's positions stop there)")
+        self.context, self.vocab = limit or package.context_length, package.vocab_size
         # A text longer than this many bytes cannot fit the context, however it tokenizes.
         self.max_text_bytes = self.context * longest_token_bytes(self.tokenizer)
         self.sampling_defaults = sampling_defaults(self.engine.model, self.settings.generation_config)

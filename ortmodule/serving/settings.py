@@ -93,6 +93,14 @@ class Settings:
     `enable_in_reasoning` (vLLM's `--structured-outputs-config.enable_in_reasoning`): the grammar over the whole
     output, thinking included. `disable_any_whitespace` (vLLM's `--structured-outputs-config.disable_any_whitespace`):
     JSON kept to no whitespace between its tokens unless a request's `structured_outputs` says otherwise.
+
+    `max_model_len` (vLLM's `--max-model-len`): the context requests are checked against, at most the package's
+    (None: the package's).
+
+    `allowed_origins` (vLLM's `--allowed-origins`): the web origins whose pages may call the server from a browser
+    (CORS; `["*"]`: any); None, the default, answers no cross-origin request (vLLM's default is any origin: here a
+    page from any site could read the server's answers, so it is asked for). `allowed_methods`, `allowed_headers`
+    and `allow_credentials` (vLLM's `--allowed-methods`, `--allowed-headers`, `--allow-credentials`) go with it.
     """
 
     name: str | None = None
@@ -128,11 +136,20 @@ class Settings:
     reasoning_parser: str | None = None
     enable_in_reasoning: bool = False
     disable_any_whitespace: bool = False
+    max_model_len: int | None = None
+    allowed_origins: tuple | None = None
+    allowed_methods: tuple = ("*",)
+    allowed_headers: tuple = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self):
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name == "token_budget" and value is None:
+            if field.name in ("token_budget", "max_model_len", "allowed_origins") and value is None:
+                continue
+            if field.name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+                if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+                    raise ValueError(f"{field.name} must be a list of strings, got {value!r}")
                 continue
             if field.type == "bool":
                 if not isinstance(value, bool):
