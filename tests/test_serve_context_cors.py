@@ -74,7 +74,7 @@ def test_cors_answers_the_allowed_origins_pages_only(build, key):
     """Without `allowed_origins` no answer carries CORS headers (a browser keeps a page of another origin from
     reading it) and a preflight is not answered; with it, a page of the allowed origin gets its preflight
     answered (without the API key, which a browser's preflight never carries) and its answers, a 401 included,
-    carry the origin; another origin gets none."""
+    carry the origin; another origin gets none. `/server_info` never shows the key."""
     fixture = build("llama")
     preflight = {"Origin": UI, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}
@@ -101,5 +101,8 @@ def test_cors_answers_the_allowed_origins_pages_only(build, key):
             if key:
                 unkeyed = client.post("/v1/completions", json=body, headers={"Origin": UI})
                 assert unkeyed.status_code == 401 and unkeyed.headers["access-control-allow-origin"] == UI
+                # SGLang's /server_info shows the settings, never the key itself (a page allowed in reads it)
+                info = client.get("/server_info", headers=auth)
+                assert info.json()["api_key"] == "<set>" and key not in info.text
         finally:
             live.stop()

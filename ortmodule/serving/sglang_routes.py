@@ -45,6 +45,8 @@ def server_info(served: Served) -> dict:
     engine = served.engine
     settings = {key: value for key, value in dataclasses.asdict(served.settings).items()
                 if isinstance(value, (int, float, str, bool)) or value is None}
+    if settings["api_key"] is not None:  # a secret is never shown, even to a client that holds it
+        settings["api_key"] = "<set>"
     return {**model_info(served), **settings, "context_length": served.context, "device": str(engine.model.device),
             "version": __version__, "engine": "ortmodule",
             "internal_states": [{"running_rows": len(engine.generations.batch.rows),
