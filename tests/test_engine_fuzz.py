@@ -181,6 +181,26 @@ def sglang_generate(server, body: dict) -> dict:
     return {"choices": [choice]}
 
 
+def check_prometheus(server, metrics: dict, completions: list[dict]) -> None:
+    """vLLM's series in /metrics against the engine's own counts: every generation row (a completion, one prompt,
+    n 1, not answered from its prefill alone) ended once, as stop or length (none aborted or failed), as many
+    of each as the answers say at most, each an end-to-end latency; none running or waiting."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(sample.name, sample.labels.get("finished_reason")): sample.value for family in
+               text_string_to_metric_families(server.client.get("/metrics").text) for sample in family.samples
+               if "le" not in sample.labels and "kind" not in sample.labels}
+    rows = metrics["requests"].get("generation", 0)
+    ended = {reason: samples[("vllm:request_success_total", reason)] for reason in ("stop", "length", "abort", "error")}
+    said = {reason: sum(c["finish_reason"] == reason for a in completions for c in a["choices"])
+            for reason in ("stop", "length")}
+    assert sum(ended.values()) == rows and ended["abort"] == ended["error"] == 0, (ended, rows)
+    assert ended["stop"] <= said["stop"] and ended["length"] <= said["length"], (ended, said)
+    assert samples[("vllm:e2e_request_latency_seconds_count", None)] == rows
+    assert samples[("vllm:time_to_first_token_seconds_count", None)] <= rows
+    assert samples[("vllm:num_requests_running", None)] == samples[("vllm:num_requests_waiting", None)] == 0
+
+
 @pytest.mark.parametrize("seed", fuzz_seeds("ENGINE_FUZZ_SEEDS", 8))
 def test_engine_fuzz(build, seed, monkeypatch):
     rng = random.Random(seed)
@@ -214,6 +234,7 @@ def test_engine_fuzz(build, seed, monkeypatch):
             answers = list(pool.map(send, range(len(requests))))
         metrics = server.client.get("/metrics?format=json").json()
         assert metrics["running_rows"] == 0
+        check_prometheus(server, metrics, [a for (kind, _), a in zip(requests, answers) if kind == "completion"])
         # with no rows left, the decode batch's cache has its first slots again, and under 4x its positions
         least = max([first[1]] + [kv.window or 0 for kv in model.decoder.spec.layers])
         if model.decoder.spec.shares_kv_buffer:
