@@ -129,6 +129,7 @@ def test_vllm_series_count_what_the_answers_say(server):
     assert 0 < first_token <= e2e and abs(queue + inference - e2e) < 1e-6
     assert e2e <= sum(wall * n for wall, n in zip(walls, choices))  # each row within its request's time at the client
     assert value(after, "vllm:num_requests_running") == value(after, "vllm:num_requests_waiting") == 0
+    assert value(after, "vllm:kv_cache_usage_perc") == 0
     # ortmodule's own: every kind of request, the score request among them
     json_counts = client.get("/metrics?format=json").json()
     for kind, count in json_counts["requests"].items():
@@ -168,9 +169,10 @@ def test_the_format_follows_the_scrapers_accept_header(server):
 
 
 def test_a_client_leaving_counts_an_abort_and_a_failed_step_an_error(server, monkeypatch):
-    """A stream read for two events and left (decode steps slowed to 20 ms) is one `abort` when its row leaves
-    the batch; a completion whose decode step raises is one `error`; neither a success of another reason."""
-    live, _ = server
+    """A stream read for two events and left (decode steps slowed to 20 ms) is running meanwhile, its KV the
+    cache's use, and one `abort` when its row leaves the batch; a completion whose decode step raises is one
+    `error`; neither a success of another reason."""
+    live, tokenizer = server
     before = scrape(live)
     step = DecodeBatch.step
     monkeypatch.setattr(DecodeBatch, "step", lambda batch: (time.sleep(0.02), step(batch))[1])
@@ -184,6 +186,11 @@ def test_a_client_leaving_counts_an_abort_and_a_failed_step_an_error(server, mon
             seen += line.startswith("data: ")
             if seen == 2:
                 break
+        # running: its row, whose KV holds its prompt and the tokens so far (of 32 rows x 256 positions)
+        running = scrape(live)
+        held = value(running, "vllm:kv_cache_usage_perc") * 32 * 256
+        prompt = len(tokenizer("Once upon a time")["input_ids"])
+        assert value(running, "vllm:num_requests_running") == 1 and prompt <= round(held) < prompt + 200, held
     deadline = time.monotonic() + 10
     while live.client.get("/metrics?format=json").json()["abandoned"] != abandoned + 1 or \
             value(scrape(live), "vllm:num_requests_running"):

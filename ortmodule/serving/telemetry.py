@@ -129,7 +129,7 @@ class Telemetry:
     reads runs on the model's thread; a row is counted once, at its first end."""
 
     def __init__(self, context: int, prefix_caching: bool):
-        self.prefix_caching = prefix_caching
+        self.context, self.prefix_caching = context, prefix_caching
         self.prompt_tokens = self.generation_tokens = self.prefix_queries = self.prefix_hits = 0
         self.finished = dict.fromkeys(("stop", "length", "abort", "error"), 0)
         tokens = buckets_1_2_5(context)
@@ -201,6 +201,9 @@ class EngineCollector(Collector):
                      len(generations.batch.rows) + (generations.partial is not None))
         yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", values,
                      engine.waiting.count)
+        held = sum(row.cached for row in list(generations.batch.rows))
+        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (every row of the decode "
+                     "batch holding a whole context).", values, held / (generations.max_rows * telemetry.context))
         yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", values, telemetry.prompt_tokens)
         yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", values,
                        telemetry.generation_tokens)
