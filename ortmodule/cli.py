@@ -339,6 +339,9 @@ def _http_flags(serve: argparse.ArgumentParser) -> None:
                        metavar="JSON", help="with --allowed-origins, the request headers allowed (default [\"*\"])")
     serve.add_argument("--allow-credentials", dest="allow_credentials", action="store_true",
                        help="with --allowed-origins, let browsers send cookies and HTTP authentication")
+    serve.add_argument("--enable-request-id-headers", dest="request_id_headers", action="store_true",
+                       help="answer every request with an X-Request-Id header, the request's own or a new one (then "
+                            "the completion's id too), as vLLM's flag of that name")
 
 
 def _token_count(text: str) -> int | None:

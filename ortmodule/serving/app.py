@@ -12,6 +12,7 @@ import hmac
 import logging
 import resource
 import socket
+import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -85,11 +86,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     app = FastAPI(title="ortmodule", description="SGLang's score and OpenAI's completions over an ONNX GenAI package",
                   lifespan=lifespan)
     app.state.served = served
-    app.add_middleware(Guard, settings=settings, stats=engine.stats)
-    if settings.allowed_origins is not None:  # outside the key's check: a browser's preflight carries no key
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                           allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
-                           allow_credentials=settings.allow_credentials)
+    _add_middleware(app, settings, engine.stats)
     _handle_errors(app, engine)
     score_routes.add_routes(app, served)
     openai_routes.add_routes(app, served)
@@ -109,6 +106,42 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     telemetry.add_routes(app, engine, served.name)
 
     return app
+
+
+def _add_middleware(app: FastAPI, settings: Settings, stats) -> None:
+    """The API key and body limits; outside them (each added wraps those before) the request ids, so a refusal
+    carries one too, and CORS, as a browser's preflight carries no key."""
+    app.add_middleware(Guard, settings=settings, stats=stats)
+    if settings.request_id_headers:
+        app.add_middleware(RequestIds)
+    if settings.allowed_origins is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                           allow_credentials=settings.allow_credentials)
+
+
+class RequestIds:
+    """ASGI middleware: vLLM's `--enable-request-id-headers`. Every answer carries `X-Request-Id`: the request's,
+    or a new one, added to the request's headers first, so that a completion's id ends with it too."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = list(scope.get("headers") or [])
+        ident = next((value for name, value in headers if name == b"x-request-id"), None)
+        if ident is None:
+            ident = uuid.uuid4().hex.encode()
+            scope = {**scope, "headers": [*headers, (b"x-request-id", ident)]}
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", ident)]}
+            await send(message)
+
+        await self.app(scope, receive, sending)
 
 
 def _handle_errors(app: FastAPI, engine: Engine) -> None:

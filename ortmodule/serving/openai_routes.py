@@ -599,15 +599,15 @@ def _sse(data) -> str:
     return f"data: {data if isinstance(data, str) else dumps(data)}\n\n"
 
 
-async def _events(served: Served, job: Generation, kind: str, usage: bool, n: int, echo: bool = False,
-                  token_ids: bool = False, names_as_ids: bool = False, lead: str = "", continuous: bool = False):
-    """The server-sent events of a streamed completion (`n` choices of each prompt), with the
+async def _events(served: Served, job: Generation, kind: str, ident: str, usage: bool, n: int,
+                  echo: bool = False, token_ids: bool = False, names_as_ids: bool = False, lead: str = "",
+                  continuous: bool = False):
+    """The server-sent events of a streamed completion (`n` choices of each prompt, each chunk's id `ident`), with the
     log-probabilities of each chunk's tokens where asked for (those of tokens whose text is held back,
     with a later chunk's; the rest with the last), and with `token_ids` the chunk's token ids the same
     way (vLLM's `return_token_ids`); with `echo`, each choice's prompt text first, as vLLM streams it
     (left out with `token_ids`, as vLLM leaves it); with `continuous` (vLLM's `continuous_usage_stats`),
     each chunk its choice's usage so far; if the client goes away, its rows stop."""
-    ident = _new_id("chatcmpl" if kind == "chat.completion.chunk" else "cmpl")
     logprobs = _StreamedLogprobs(logprob_names(served.tokenizer, names_as_ids), kind, job.sampling.alternatives)
     ids = _StreamedIds(job.prompts) if token_ids else None
     choices = [ChatStream(job) for _ in job.prompts] if kind == "chat.completion.chunk" else None
@@ -657,6 +657,13 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def request_ident(prefix: str, request: Request, body) -> str:
+    """An answer's id as vLLM makes it: `prefix-` and the request's X-Request-Id header, else its `request_id`
+    field, else a random one."""
+    given = request.headers.get("x-request-id") or body.request_id
+    return f"{prefix}-{given}" if given else _new_id(prefix)
+
+
 def _usage(served: Served, prompt_tokens: int, completion_tokens: int, rows: list) -> dict:
     """OpenAI's usage; with `enable_prompt_tokens_details` (vLLM's `--enable-prompt-tokens-details`), its
     `prompt_tokens_details.cached_tokens`: the prompts' tokens taken from the prefix cache, not run (each prompt
@@ -692,8 +699,13 @@ def add_routes(app: FastAPI, served: Served) -> None:
     async def answer(make_job, body, request: Request, respond, kind: str):
         include, continuous = stream_options(body)
         chat = kind == "chat.completion.chunk"
-        return await run_or_stream(served, make_job, body, request, respond, lambda job: _events(
-            served, job, kind, include, body.n, body.echo and not chat, bool(body.return_token_ids),
+        ident = request_ident("chatcmpl" if chat else "cmpl", request, body)
+
+        def answered(served, body, job, result):
+            return {**respond(served, body, job, result), "id": ident}  # the key stays first
+
+        return await run_or_stream(served, make_job, body, request, answered, lambda job: _events(
+            served, job, kind, ident, include, body.n, body.echo and not chat, bool(body.return_token_ids),
             body.return_tokens_as_token_ids, chat_echo(body) if chat else "", continuous))
 
     @app.post("/v1/completions")

@@ -109,6 +109,7 @@ class _Options(BaseModel):
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None  # vLLM's: the prompt's last k tokens
     logprob_token_ids: list[TokenId] | None = None  # vLLM's: the alternatives each generated token's logprobs give
     return_tokens_as_token_ids: StrictBool = False  # vLLM's: log-probabilities' tokens written `token_id:N`
+    request_id: Text | None = None  # vLLM's: the answer's id after its prefix, where no X-Request-Id header names one
 
 
 class CompletionRequest(_Options):

@@ -101,6 +101,9 @@ class Settings:
     (CORS; `["*"]`: any); None, the default, answers no cross-origin request (vLLM's default is any origin: here a
     page from any site could read the server's answers, so it is asked for). `allowed_methods`, `allowed_headers`
     and `allow_credentials` (vLLM's `--allowed-methods`, `--allowed-headers`, `--allow-credentials`) go with it.
+
+    `request_id_headers` (vLLM's `--enable-request-id-headers`): every answer carries an `X-Request-Id` header, the
+    request's own or a new one (which the routes then see as the request's).
     """
 
     name: str | None = None
@@ -141,6 +144,7 @@ class Settings:
     allowed_methods: tuple = ("*",)
     allowed_headers: tuple = ("*",)
     allow_credentials: bool = False
+    request_id_headers: bool = False
 
     def __post_init__(self):
         for field in fields(self):

@@ -1,5 +1,9 @@
-"""vLLM's `--max-model-len` (the context requests are checked against) and its CORS flags (`--allowed-origins`
-and the rest: which browser pages may call the server)."""
+"""vLLM's `--max-model-len` (the context requests are checked against), its CORS flags (`--allowed-origins`
+and the rest: which browser pages may call the server) and its request ids (`X-Request-Id`,
+`--enable-request-id-headers`)."""
+
+import json
+import re
 
 import pytest
 from helpers import CHAT_TEMPLATE, OPENAI_NAME, served_live
@@ -58,10 +62,12 @@ def test_the_command_line_takes_vllms_forms_of_the_flags(build, monkeypatch, cap
     cli.ortmodule(["serve", str(fixture.package_dir)])
     assert (captured["max_model_len"], captured["allowed_origins"], captured["allow_credentials"]) == \
         (None, None, False)
+    assert captured["request_id_headers"] is False
     cli.ortmodule(["serve", str(fixture.package_dir), "--allowed-origins", f'["{UI}"]', "--allowed-methods",
-                   '["GET", "POST"]', "--allow-credentials"])
+                   '["GET", "POST"]', "--allow-credentials", "--enable-request-id-headers"])
     assert (captured["allowed_origins"], captured["allowed_methods"], captured["allowed_headers"],
-            captured["allow_credentials"]) == ([UI], ["GET", "POST"], ("*",), True)
+            captured["allow_credentials"], captured["request_id_headers"]) == \
+        ([UI], ["GET", "POST"], ("*",), True, True)
     for flag, value in (("--max-model-len", "0"), ("--max-model-len", "2.5"), ("--allowed-origins", UI),
                         ("--allowed-origins", '{"a": 1}')):
         with pytest.raises(SystemExit) as stopped:
@@ -106,3 +112,50 @@ def test_cors_answers_the_allowed_origins_pages_only(build, key):
                 assert info.json()["api_key"] == "<set>" and key not in info.text
         finally:
             live.stop()
+
+
+def test_answer_ids_follow_the_request_id_as_vllms(build):
+    """A completion's id is `cmpl-` and the request's X-Request-Id header (chat's `chatcmpl-`), else its
+    `request_id` field, else a random one, streamed chunks too; without `--enable-request-id-headers` no answer
+    carries the header; a `request_id` that is not a string is a 400 naming it."""
+    live, *_ = served_live(build("llama"), CHAT_TEMPLATE)
+    body = {"model": OPENAI_NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    chat = {"model": OPENAI_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    try:
+        client = live.client
+        answer = client.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})
+        assert answer.json()["id"] == "cmpl-trace-7" and "x-request-id" not in answer.headers
+        assert client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "trace-8"}).json()["id"] == \
+            "chatcmpl-trace-8"
+        assert client.post("/v1/completions", json={**body, "request_id": "mine"}).json()["id"] == "cmpl-mine"
+        assert client.post("/v1/completions", json={**body, "request_id": "mine"},
+                           headers={"X-Request-Id": "header"}).json()["id"] == "cmpl-header"
+        assert re.fullmatch(r"cmpl-[0-9a-f]{24}", client.post("/v1/completions", json=body).json()["id"])
+        with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True},
+                           headers={"X-Request-Id": "s-1"}) as stream:
+            ids = {json.loads(line[6:])["id"] for line in stream.iter_lines() if line.startswith("data: {")}
+        assert ids == {"chatcmpl-s-1"}
+        refused = client.post("/v1/completions", json={**body, "request_id": 5})
+        assert refused.status_code == 400 and "request_id" in refused.text
+    finally:
+        live.stop()
+
+
+def test_request_id_headers_answer_every_request_with_its_id(build):
+    """With `request_id_headers` every answer carries X-Request-Id: the request's own, or a new one that the
+    completion's id then ends with; a refusal (401 without the key) and /health carry one too."""
+    live, *_ = served_live(build("llama"), CHAT_TEMPLATE, request_id_headers=True, api_key="k")
+    body = {"model": OPENAI_NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    key = {"Authorization": "Bearer k"}
+    try:
+        client = live.client
+        answer = client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc", **key})
+        assert answer.headers["x-request-id"] == "abc" and answer.json()["id"] == "cmpl-abc"
+        answer = client.post("/v1/completions", json=body, headers=key)
+        made = answer.headers["x-request-id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", made) and answer.json()["id"] == f"cmpl-{made}"
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 401 and re.fullmatch(r"[0-9a-f]{32}", refused.headers["x-request-id"])
+        assert client.get("/health", headers={"X-Request-Id": "h"}).headers["x-request-id"] == "h"
+    finally:
+        live.stop()
