@@ -325,7 +325,10 @@ def _frontend_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def _http_flags(serve: argparse.ArgumentParser) -> None:
-    """vLLM's flags of the context requests get and of the browsers that may call the server (CORS)."""
+    """vLLM's flags of the context requests get, the browsers that may call the server (CORS), request ids and the
+    HTTP server's logs."""
+    from .serving.settings import UVICORN_LOG_LEVELS
+
     serve.add_argument("--max-model-len", dest="max_model_len", type=_token_count, default=None, metavar="N",
                        help="the context requests are checked against, at most the package's, as vLLM's flag of that "
                             "name (1k: 1,000 tokens, 1K: 1,024; -1 or auto: the package's, the default)")
@@ -339,6 +342,11 @@ def _http_flags(serve: argparse.ArgumentParser) -> None:
                        metavar="JSON", help="with --allowed-origins, the request headers allowed (default [\"*\"])")
     serve.add_argument("--allow-credentials", dest="allow_credentials", action="store_true",
                        help="with --allowed-origins, let browsers send cookies and HTTP authentication")
+    serve.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false",
+                       help="no log line per request (uvicorn's access log), as vLLM's flag of that name")
+    serve.add_argument("--uvicorn-log-level", dest="uvicorn_log_level", default="info",
+                       choices=UVICORN_LOG_LEVELS,
+                       help="the HTTP server's log level, as vLLM's flag of that name (default info)")
     serve.add_argument("--enable-request-id-headers", dest="request_id_headers", action="store_true",
                        help="answer every request with an X-Request-Id header, the request's own or a new one (then "
                             "the completion's id too), as vLLM's flag of that name")

@@ -159,3 +159,24 @@ def test_request_id_headers_answer_every_request_with_its_id(build):
         assert client.get("/health", headers={"X-Request-Id": "h"}).headers["x-request-id"] == "h"
     finally:
         live.stop()
+
+
+def test_uvicorns_log_flags_reach_its_config(build, monkeypatch):
+    """vLLM's `--disable-uvicorn-access-log` and `--uvicorn-log-level` set uvicorn's config (default: a line per
+    request, level info); another level stops the command naming the choices."""
+    import uvicorn
+
+    from ortmodule.serving import app as serving_app
+
+    fixture = build("llama")
+    configs = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: configs.append(server.config))
+    serving_app.serve(str(fixture.package_dir), port=0)
+    serving_app.serve(str(fixture.package_dir), port=0, access_log=False, uvicorn_log_level="warning")
+    assert [(c.access_log, c.log_level) for c in configs] == [(True, "info"), (False, "warning")]
+    captured = {}
+    monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: captured.update(options))
+    cli.ortmodule(["serve", str(fixture.package_dir), "--disable-uvicorn-access-log", "--uvicorn-log-level", "error"])
+    assert (captured["access_log"], captured["uvicorn_log_level"]) == (False, "error")
+    with pytest.raises(ValueError, match="uvicorn_log_level must be one of critical, error, warning, info"):
+        serving_app.serve(str(fixture.package_dir), port=0, uvicorn_log_level="loud")

@@ -313,7 +313,8 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     with bound_socket(host, port) as listening:  # before the package loads and is timed: minutes for a big one
         app, settings = _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options,
                                 chat_template)
-        config = uvicorn.Config(app, host=host, port=port, log_level="info", http=_timed_h11(settings.header_timeout),
+        config = uvicorn.Config(app, host=host, port=port, log_level=settings.uvicorn_log_level,
+                                access_log=settings.access_log, http=_timed_h11(settings.header_timeout),
                                 limit_concurrency=open_files_for(settings.max_connections),
                                 timeout_keep_alive=settings.keep_alive)
         uvicorn.Server(config).run(sockets=[listening])

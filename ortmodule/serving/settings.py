@@ -17,6 +17,7 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4", "mistral", "granite", "op
 TEMPLATE_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                       "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # `Settings.reuse_prefix` -> `scoring.label_logprobs`'s `reuse_prefix` (None: decided from measured costs).
 REUSE_PREFIX = {"auto": None, "on": True, "off": False}
 
@@ -104,6 +105,9 @@ class Settings:
 
     `request_id_headers` (vLLM's `--enable-request-id-headers`): every answer carries an `X-Request-Id` header, the
     request's own or a new one (which the routes then see as the request's).
+
+    `access_log` (off: vLLM's `--disable-uvicorn-access-log`): uvicorn's line per request; `uvicorn_log_level`
+    (vLLM's `--uvicorn-log-level`): the HTTP server's log level, one of `UVICORN_LOG_LEVELS`.
     """
 
     name: str | None = None
@@ -145,6 +149,8 @@ class Settings:
     allowed_headers: tuple = ("*",)
     allow_credentials: bool = False
     request_id_headers: bool = False
+    access_log: bool = True
+    uvicorn_log_level: str = "info"
 
     def __post_init__(self):
         for field in fields(self):
@@ -158,6 +164,9 @@ class Settings:
             if field.type == "bool":
                 if not isinstance(value, bool):
                     raise ValueError(f"{field.name} must be true or false, got {value!r}")
+            elif field.name == "uvicorn_log_level":
+                if value not in UVICORN_LOG_LEVELS:
+                    raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got {value!r}")
             elif field.name == "reuse_prefix":
                 if not isinstance(value, str) or value not in REUSE_PREFIX:
                     raise ValueError(f"reuse_prefix must be one of {', '.join(REUSE_PREFIX)}, got {value!r}")
