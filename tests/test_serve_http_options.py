@@ -180,3 +180,22 @@ def test_uvicorns_log_flags_reach_its_config(build, monkeypatch):
     assert (captured["access_log"], captured["uvicorn_log_level"]) == (False, "error")
     with pytest.raises(ValueError, match="uvicorn_log_level must be one of critical, error, warning, info"):
         serving_app.serve(str(fixture.package_dir), port=0, uvicorn_log_level="loud")
+
+
+def test_vllms_ping_and_version(build):
+    """vLLM's `/ping` (SageMaker's health check, GET or POST) answers as `/health`, without the API key as
+    `/health`; `/version` the installed ortmodule's version, with the key."""
+    from importlib import metadata
+
+    live, *_ = served_live(build("llama"), CHAT_TEMPLATE, api_key="k")
+    try:
+        client = live.client
+        health = client.get("/health")
+        for method in ("GET", "POST"):
+            ping = client.request(method, "/ping")
+            assert (ping.status_code, ping.json()) == (health.status_code, health.json()) == (200, {"status": "ok"})
+        assert client.get("/version").status_code == 401
+        assert client.get("/version", headers={"Authorization": "Bearer k"}).json() == \
+            {"version": metadata.version("ortmodule")}
+    finally:
+        live.stop()

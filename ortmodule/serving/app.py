@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 
-from .. import scoring
+from .. import __version__, scoring
 from . import (
     generate_routes,
     messages_routes,
@@ -40,6 +40,8 @@ from .served import Served, sampling_defaults
 from .settings import Settings
 
 log = logging.getLogger("ortmodule.serving")
+# Health checks answer without the API key (a load balancer's or SageMaker's probe carries none).
+UNKEYED = ("/health", "/ping")
 
 
 def _harmony(settings: Settings, model) -> Settings:
@@ -96,16 +98,28 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     generate_routes.add_routes(app, served)
     sglang_routes.add_routes(app, served)
 
-    @app.get("/health")
+    _health_routes(app, engine)
+    telemetry.add_routes(app, engine, served.name)
+
+    return app
+
+
+def _health_routes(app: FastAPI, engine: Engine) -> None:
+    """`/health` (503 once the package's files changed), vLLM's `/ping` (SageMaker's health check: the same, GET
+    or POST) and `/version`."""
+
     async def health():
         if engine.files.changed is not None:
             message = f"the model's files changed on disk: {engine.files.changed}"
             return AsciiJSON({"status": "error", "message": message}, status_code=503)
         return {"status": "ok"}
 
-    telemetry.add_routes(app, engine, served.name)
+    app.get("/health")(health)
+    app.api_route("/ping", methods=["GET", "POST"])(health)
 
-    return app
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
 
 def _add_middleware(app: FastAPI, settings: Settings, stats) -> None:
@@ -194,7 +208,7 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
-        if self.key is not None and path != "/health" and not self._authorized(headers):
+        if self.key is not None and path not in UNKEYED and not self._authorized(headers):
             return await self._refuse(send, path, ServingError("a valid API key is needed: send "
                                                                "'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
                                                                status=401))
