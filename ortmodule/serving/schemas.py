@@ -30,6 +30,8 @@ TokenId = Annotated[StrictInt, Field(ge=0, lt=2**63)]
 Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+
 class ScoreRequest(BaseModel):
     """SGLang's `/v1/score` (as of SGLang 0.5.23): the probability of each label token after query + item
     (or item + query); `label_token_ids` one list for every item or a list per item; `temperature` over
@@ -348,7 +350,9 @@ class SGLangSamplingParams(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     max_new_tokens: Annotated[StrictInt, Field(ge=0)] = 128
-    temperature: Annotated[StrictFloat | StrictInt, Field(ge=0, allow_inf_nan=False)] = 1.0
+    # past float32's largest the logits would be divided by infinity: 0 where they were finite, NaN where a grammar,
+    # min_new_tokens or a token mask had set -inf (a 500 from sampling, before this bound)
+    temperature: Annotated[StrictFloat | StrictInt, Field(ge=0, le=FLOAT32_MAX, allow_inf_nan=False)] = 1.0
     top_p: Annotated[StrictFloat | StrictInt, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=-1)] = -1
     min_p: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
