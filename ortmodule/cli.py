@@ -232,7 +232,7 @@ def _info(parser: argparse.ArgumentParser, args) -> None:
 _SETTING_HELP = {
     "token_budget": "prompt tokens of score and prompt-logprob requests per model call",
     "prefill_chunk": "prompt tokens of new generations run between two decode steps (longer prompts in chunks)",
-    "max_rows": "generations decoded together (the continuous batch)",
+    "max_rows": "generations decoded together (the continuous batch; vLLM's --max-num-seqs)",
     "join_steps": "decode steps new work may wait to start together with more (fewer model calls)",
     "feed_tokens": "a prompt with at most this many tokens to run past its cached prefix joins the running "
                    "batch at once, a token per step (0: off)",
@@ -249,6 +249,9 @@ _SETTING_HELP = {
     "body_timeout": "seconds to receive a request's body (408 beyond)",
     "keep_alive": "seconds an idle connection stays open between requests (longer than clients' pools keep one)",
 }
+
+# vLLM's names of the same settings
+_SETTING_ALIASES = {"max_rows": ("--max-num-seqs",)}
 
 
 def _serve_flags(commands) -> None:
@@ -347,6 +350,15 @@ def _http_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--uvicorn-log-level", dest="uvicorn_log_level", default="info",
                        choices=UVICORN_LOG_LEVELS,
                        help="the HTTP server's log level, as vLLM's flag of that name (default info)")
+    serve.add_argument("--ssl-keyfile", dest="ssl_keyfile", default=None, metavar="FILE",
+                       help="serve HTTPS with this private key (PEM), as vLLM's flag of that name")
+    serve.add_argument("--ssl-certfile", dest="ssl_certfile", default=None, metavar="FILE",
+                       help="serve HTTPS with this certificate (PEM), as vLLM's flag of that name")
+    serve.add_argument("--ssl-ca-certs", dest="ssl_ca_certs", default=None, metavar="FILE",
+                       help="with HTTPS, the authorities whose client certificates are taken, as vLLM's flag")
+    serve.add_argument("--ssl-cert-reqs", dest="ssl_cert_reqs", type=int, default=0, choices=[0, 1, 2],
+                       help="with HTTPS, whether clients need a certificate: 0 no, 1 optional, 2 required, as "
+                            "vLLM's flag (default 0)")
     serve.add_argument("--enable-request-id-headers", dest="request_id_headers", action="store_true",
                        help="answer every request with an X-Request-Id header, the request's own or a new one (then "
                             "the completion's id too), as vLLM's flag of that name")
@@ -423,8 +435,8 @@ def _settings_flags(parser: argparse.ArgumentParser) -> None:
         low = 0 if name in ("window_ms", "join_steps", "feed_tokens", "prefix_cache_mb") else 1
         kind = type(default) if default is not None else int  # None: token_budget, set by device
         shown = default if default is not None else "by device: 32768 on CUDA, 8192 on a CPU"
-        parser.add_argument("--" + name.replace("_", "-"), type=_at_least(low, kind), default=default,
-                            help=f"{help_text} (default {shown})")
+        parser.add_argument("--" + name.replace("_", "-"), *_SETTING_ALIASES.get(name, ()), dest=name,
+                            type=_at_least(low, kind), default=default, help=f"{help_text} (default {shown})")
 
 
 def _outputs_config(text: str) -> dict:

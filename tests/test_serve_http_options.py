@@ -56,6 +56,8 @@ def test_the_command_line_takes_vllms_forms_of_the_flags(build, monkeypatch, cap
     fixture = build("llama")
     captured = {}
     monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: captured.update(options))
+    cli.ortmodule(["serve", str(fixture.package_dir), "--max-num-seqs", "8"])  # vLLM's name of --max-rows
+    assert captured["max_rows"] == 8
     for given, expected in (("1k", 1000), ("1K", 1024), ("100", 100), ("auto", None), ("-1", None)):
         cli.ortmodule(["serve", str(fixture.package_dir), "--max-model-len", given])
         assert captured["max_model_len"] == expected, given
@@ -199,3 +201,67 @@ def test_vllms_ping_and_version(build):
             {"version": metadata.version("ortmodule")}
     finally:
         live.stop()
+
+
+def test_https_with_vllms_ssl_flags(build, tmp_path, monkeypatch):
+    """`ssl_certfile` and `ssl_keyfile` (vLLM's `--ssl-certfile`, `--ssl-keyfile`) serve HTTPS: a client that trusts
+    the certificate gets its answers, one speaking plain HTTP none; files that do not load, or a key without its
+    certificate, stop the server before the package loads, naming them."""
+    import shutil
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from ortmodule import OrtModelForCausalLM
+    from ortmodule.serving import app as serving_app
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("the openssl command makes the test's certificate")
+    key, cert = str(tmp_path / "key.pem"), str(tmp_path / "cert.pem")
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days",
+                    "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True)
+    fixture = build("llama")
+    servers = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets=None: servers.append(server))
+    serving_app.serve(str(fixture.package_dir), port=0, ssl_keyfile=key, ssl_certfile=cert)
+    monkeypatch.undo()
+    config = servers[0].config
+    assert (config.ssl_certfile, config.ssl_keyfile) == (cert, key)
+    server, listening = uvicorn.Server(config), socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        port = listening.getsockname()[1]
+        with httpx.Client(verify=cert, timeout=30) as client:
+            answer = client.post(f"https://127.0.0.1:{port}/v1/completions",
+                                 json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"], answer.text
+        with pytest.raises(httpx.HTTPError), httpx.Client(timeout=10) as client:
+            client.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the package was loaded before the TLS files were checked")
+
+    monkeypatch.setattr(OrtModelForCausalLM, "from_pretrained", loaded)
+    for options, message in (({"ssl_certfile": str(tmp_path / "absent.pem"), "ssl_keyfile": key},
+                              "the TLS files do not load"),
+                             ({"ssl_certfile": key, "ssl_keyfile": key}, "the TLS files do not load"),
+                             ({"ssl_keyfile": key}, "ssl_keyfile needs ssl_certfile"),
+                             ({"ssl_cert_reqs": 2}, "need ssl_certfile and ssl_keyfile"),
+                             ({"max_model_len": 300}, "max_model_len 300 is longer than the package's context of 256")):
+        with pytest.raises(ValueError, match=message):
+            serving_app.serve(str(fixture.package_dir), port=0, **options)

@@ -36,7 +36,7 @@ from .chat_prompts import chat_template_of
 from .engine import Engine
 from .errors import AsciiJSON, ServingError
 from .images import ChatImages
-from .served import Served, sampling_defaults
+from .served import Served, check_max_model_len, sampling_defaults
 from .settings import Settings
 
 log = logging.getLogger("ortmodule.serving")
@@ -330,7 +330,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
         config = uvicorn.Config(app, host=host, port=port, log_level=settings.uvicorn_log_level,
                                 access_log=settings.access_log, http=_timed_h11(settings.header_timeout),
                                 limit_concurrency=open_files_for(settings.max_connections),
-                                timeout_keep_alive=settings.keep_alive)
+                                timeout_keep_alive=settings.keep_alive, **settings.tls)
         uvicorn.Server(config).run(sockets=[listening])
 
 
@@ -347,6 +347,7 @@ def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revi
     if options.get("name") is None and not Path(path).exists():  # a Hub repository: its id, not the snapshot's hash
         options["name"] = "/".join(part.strip("/") for part in (path, subfolder or "") if part)
     settings = Settings.with_environment(**options)
+    check_max_model_len(settings.max_model_len, read_package(local).context_length)  # before the load
     if settings.processor is not None:
         check_processor(read_package(local), settings.processor)
     if settings.generation_config not in ("auto", "vllm"):  # a folder's generation_config.json, read before the load

@@ -25,6 +25,13 @@ from .settings import Settings
 from .text import longest_token_bytes
 
 
+def check_max_model_len(limit: int | None, context: int) -> None:
+    """ValueError where `max_model_len` is longer than the package's context."""
+    if limit is not None and limit > context:
+        raise ValueError(f"max_model_len {limit} is longer than the package's context of {context} tokens (the "
+                         "graph's positions stop there)")
+
+
 @dataclass
 class Served:
     engine: Engine
@@ -41,11 +48,8 @@ class Served:
 
     def __post_init__(self):
         package = self.engine.model.package
-        limit = self.settings.max_model_len
-        if limit is not None and limit > package.context_length:
-            raise ValueError(f"max_model_len {limit} is longer than the package's context of {package.context_length} "
-                             "tokens (the graph's positions stop there)")
-        self.context, self.vocab = limit or package.context_length, package.vocab_size
+        check_max_model_len(self.settings.max_model_len, package.context_length)
+        self.context, self.vocab = self.settings.max_model_len or package.context_length, package.vocab_size
         # A text longer than this many bytes cannot fit the context, however it tokenizes.
         self.max_text_bytes = self.context * longest_token_bytes(self.tokenizer)
         self.sampling_defaults = sampling_defaults(self.engine.model, self.settings.generation_config)

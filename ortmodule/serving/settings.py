@@ -4,6 +4,7 @@ them from here)."""
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass, fields
 
 API_KEY_VARIABLE = "ORTMODULE_API_KEY"
@@ -108,6 +109,10 @@ class Settings:
 
     `access_log` (off: vLLM's `--disable-uvicorn-access-log`): uvicorn's line per request; `uvicorn_log_level`
     (vLLM's `--uvicorn-log-level`): the HTTP server's log level, one of `UVICORN_LOG_LEVELS`.
+
+    `ssl_keyfile`, `ssl_certfile` (vLLM's `--ssl-keyfile`, `--ssl-certfile`): serve HTTPS with this key and
+    certificate (PEM files, checked to load together at start); `ssl_ca_certs` and `ssl_cert_reqs` (0 none, 1
+    optional, 2 required: Python's `ssl.CERT_*`) ask clients for certificates signed by those authorities.
     """
 
     name: str | None = None
@@ -151,6 +156,10 @@ class Settings:
     request_id_headers: bool = False
     access_log: bool = True
     uvicorn_log_level: str = "info"
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
 
     def __post_init__(self):
         for field in fields(self):
@@ -174,7 +183,12 @@ class Settings:
                 known = TOOL_CALL_PARSERS if field.name == "tool_call_parser" else REASONING_PARSERS
                 if value is not None and value not in known:
                     raise ValueError(f"{field.name} must be one of {', '.join(known)}, got {value!r}")
-            elif field.name in ("name", "api_key", "processor", "generation_config"):
+            elif field.name == "ssl_cert_reqs":
+                if value not in (0, 1, 2) or isinstance(value, bool):
+                    raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2 (ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED), "
+                                     f"got {value!r}")
+            elif field.name in ("name", "api_key", "processor", "generation_config", "ssl_keyfile", "ssl_certfile",
+                                "ssl_ca_certs"):
                 if value is not None and (not isinstance(value, str) or not value):
                     raise ValueError(f"{field.name} must be a non-empty string, got {value!r}")
             elif field.type == "dict | None":
@@ -197,9 +211,18 @@ class Settings:
         if self.mm_processor_kwargs and self.processor is None:
             raise ValueError("mm_processor_kwargs are the image processor's options: they need processor (--processor "
                              "FOLDER)")
+        _check_tls(self)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser): the parser that "
                              f"reads the model's calls, one of {', '.join(TOOL_CALL_PARSERS)}")
+
+    @property
+    def tls(self) -> dict:
+        """uvicorn's TLS options (none without a certificate)."""
+        if self.ssl_certfile is None:
+            return {}
+        return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile, "ssl_ca_certs": self.ssl_ca_certs,
+                "ssl_cert_reqs": self.ssl_cert_reqs}
 
     @classmethod
     def with_environment(cls, **given) -> Settings:
@@ -207,3 +230,21 @@ class Settings:
         if given.get("api_key") is None and os.environ.get(API_KEY_VARIABLE):
             given["api_key"] = os.environ[API_KEY_VARIABLE]
         return cls(**given)
+
+
+def _check_tls(settings: Settings) -> None:
+    """The TLS files load together (ValueError naming the fault), before the package does."""
+    if settings.ssl_keyfile is None and settings.ssl_certfile is None:
+        if settings.ssl_ca_certs is not None or settings.ssl_cert_reqs:
+            raise ValueError("ssl_ca_certs and ssl_cert_reqs need ssl_certfile and ssl_keyfile (HTTPS)")
+        return
+    if settings.ssl_certfile is None:
+        raise ValueError("ssl_keyfile needs ssl_certfile (the certificate of that key)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+        if settings.ssl_ca_certs is not None:
+            context.load_verify_locations(settings.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"the TLS files do not load (ssl_certfile {settings.ssl_certfile}, ssl_keyfile "
+                         f"{settings.ssl_keyfile}, ssl_ca_certs {settings.ssl_ca_certs}): {e}") from None
