@@ -247,6 +247,8 @@ def test_https_with_vllms_ssl_flags(build, tmp_path, monkeypatch):
             answer = client.post(f"https://127.0.0.1:{port}/v1/completions",
                                  json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
             assert answer.status_code == 200 and answer.json()["choices"][0]["text"], answer.text
+            info = client.get(f"https://127.0.0.1:{port}/server_info").json()  # where the host keeps its key: not said
+            assert info["ssl_keyfile"] == info["ssl_certfile"] == "<set>" and str(tmp_path) not in json.dumps(info)
         with pytest.raises(httpx.HTTPError), httpx.Client(timeout=10) as client:
             client.get(f"http://127.0.0.1:{port}/health")
     finally:

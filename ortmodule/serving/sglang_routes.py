@@ -45,8 +45,9 @@ def server_info(served: Served) -> dict:
     engine = served.engine
     settings = {key: value for key, value in dataclasses.asdict(served.settings).items()
                 if isinstance(value, (int, float, str, bool)) or value is None}
-    if settings["api_key"] is not None:  # a secret is never shown, even to a client that holds it
-        settings["api_key"] = "<set>"
+    for name in ("api_key", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):  # a secret, or where the host keeps one
+        if settings[name] is not None:
+            settings[name] = "<set>"
     return {**model_info(served), **settings, "context_length": served.context, "device": str(engine.model.device),
             "version": __version__, "engine": "ortmodule",
             "internal_states": [{"running_rows": len(engine.generations.batch.rows),
