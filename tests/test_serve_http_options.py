@@ -264,6 +264,7 @@ def test_https_with_vllms_ssl_flags(build, tmp_path, monkeypatch):
                              ({"ssl_certfile": key, "ssl_keyfile": key}, "the TLS files do not load"),
                              ({"ssl_keyfile": key}, "ssl_keyfile needs ssl_certfile"),
                              ({"ssl_cert_reqs": 2}, "need ssl_certfile and ssl_keyfile"),
+                             ({"ssl_certfile": cert, "ssl_keyfile": key, "ssl_cert_reqs": 2}, "needs ssl_ca_certs"),
                              ({"max_model_len": 300}, "max_model_len 300 is longer than the package's context of 256")):
         with pytest.raises(ValueError, match=message):
             serving_app.serve(str(fixture.package_dir), port=0, **options)

@@ -240,6 +240,9 @@ def _check_tls(settings: Settings) -> None:
         return
     if settings.ssl_certfile is None:
         raise ValueError("ssl_keyfile needs ssl_certfile (the certificate of that key)")
+    if settings.ssl_cert_reqs and settings.ssl_ca_certs is None:  # else no client certificate could be verified
+        raise ValueError(f"ssl_cert_reqs {settings.ssl_cert_reqs} (client certificates) needs ssl_ca_certs, the "
+                         "authorities that sign them")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
