@@ -263,23 +263,28 @@ class Generations:
         self.pending.extend(job.rows)
 
     def drop_abandoned(self) -> None:
-        """Rows whose client went away leave the queue, the chunked prefill and the batch."""
-        self.telemetry.jobs_ended([row.job for row in self._rows() if row.job.cancelled.is_set()], "abort")
+        """Rows whose client went away leave the queue, the chunked prefill and the batch (each an abort, unless
+        it ended already: a failed job's rows)."""
+        now, ended = time.monotonic(), self.telemetry.row_ended
         for row in [row for row in self.pending if row.job.cancelled.is_set()]:
             self.pending.remove(row)
+            ended(row, "abort", now)
             self.release(row.job)
         if self.partial is not None and self.partial[0].job.cancelled.is_set():
+            ended(self.partial[0], "abort", now)
             self.partial = None
         rows = self.batch.rows
         for slot in reversed(range(len(rows))):
             if rows[slot].job.cancelled.is_set():
+                ended(rows[slot], "abort", now)
                 rows[slot].stop()
                 self.batch.leave(slot)
         self.batch.fit()
 
     def fail_all(self, error: Exception) -> None:
         """Every generation filed fails with `error`."""
-        jobs = list({id(row.job): row.job for row in self._rows()}.values())
+        rows = list(self.pending) + list(self.batch.rows) + ([self.partial[0]] if self.partial else [])
+        jobs = list({id(row.job): row.job for row in rows}.values())
         self.telemetry.jobs_ended(jobs, "error")
         for job in jobs:
             self.release(job)
@@ -287,10 +292,6 @@ class Generations:
         self.pending.clear()
         self.partial = None
         self.batch = DecodeBatch(self.model.decoder, self.max_rows)
-
-    def _rows(self) -> list[Row]:
-        """Every row filed: waiting, being prefilled in chunks, decoding."""
-        return list(self.pending) + list(self.batch.rows) + ([self.partial[0]] if self.partial else [])
 
     def prefill(self) -> None:
         """Start waiting rows: the next chunk of a long prompt, and short prompts together, each up

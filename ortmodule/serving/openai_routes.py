@@ -13,6 +13,7 @@ servers do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 import uuid
@@ -271,7 +272,7 @@ def _check_vllm_extras(body: CompletionRequest | ChatRequest) -> None:
         raise ServingError("prompt_logprobs are not available in a stream: ask without stream", "prompt_logprobs")
 
 
-def completion_body(served: Served, body: CompletionRequest, job, result) -> dict:
+def completion_body(served: Served, body: CompletionRequest, job, result, ident: str) -> dict:
     tokenizer, choices, generated, rows = served.tokenizer, [], 0, []
     for i, prompt in enumerate(job.prompts):
         scores, row = prompt_part(served, job, result, i)
@@ -292,7 +293,7 @@ def completion_body(served: Served, body: CompletionRequest, job, result) -> dic
             choice["prompt_token_ids"], choice["token_ids"] = list(prompt), list(row.tokens) if row else []
         choices.append(choice)
         generated += len(row.tokens) if row else 0
-    return {"id": _new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": served.name,
+    return {"id": ident, "object": "text_completion", "created": int(time.time()), "model": served.name,
             "choices": choices, "usage": _usage(served, job.tokens // body.n, generated, rows)}
 
 
@@ -482,7 +483,7 @@ def chat_echo(body: ChatRequest) -> str:
     return "\n".join(part.text for part in last.content if part.type == "text" and part.text is not None)
 
 
-def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row]) -> dict:
+def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row], ident: str) -> dict:
     answers, lead = [], chat_echo(body)
     for row in rows:
         message, finish, reasoning = chat_answer(job, row)
@@ -496,7 +497,7 @@ def chat_body(served: Served, body: ChatRequest, job: Generation, rows: list[Row
                                                       list(zip(row.tokens, row.logprobs, row.top)))}
                 if body.logprobs else None,
                 "finish_reason": finish} for row, (message, finish) in zip(rows, answers, strict=True)]
-    answer = {"id": _new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+    answer = {"id": ident, "object": "chat.completion", "created": int(time.time()),
               "model": served.name, "choices": choices,
               "usage": _usage(served, job.tokens // body.n, sum(len(row.tokens) for row in rows), rows)}
     if body.prompt_logprobs is not None:  # vLLM's, beside the choices: the one prompt's
@@ -700,11 +701,8 @@ def add_routes(app: FastAPI, served: Served) -> None:
         include, continuous = stream_options(body)
         chat = kind == "chat.completion.chunk"
         ident = request_ident("chatcmpl" if chat else "cmpl", request, body)
-
-        def answered(served, body, job, result):
-            return {**respond(served, body, job, result), "id": ident}  # the key stays first
-
-        return await run_or_stream(served, make_job, body, request, answered, lambda job: _events(
+        return await run_or_stream(served, make_job, body, request, functools.partial(respond, ident=ident),
+                                   lambda job: _events(
             served, job, kind, ident, include, body.n, body.echo and not chat, bool(body.return_token_ids),
             body.return_tokens_as_token_ids, chat_echo(body) if chat else "", continuous))
 

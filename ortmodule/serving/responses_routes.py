@@ -60,12 +60,18 @@ REFUSED_EXTRAS = (("media_io_kwargs", (None,), "this server loads no media: imag
 RENAMED = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text"}
 
 
-def chat_request(body: ResponsesRequest) -> ChatRequest:
-    """The chat request this request is, or a `ServingError` naming the field that cannot be carried out."""
-    for name, neutral, why in NEUTRAL:
-        value = getattr(body, name)
+def _refuse_unless_neutral(read, fields) -> None:
+    """A `ServingError` naming the first of `fields` ((name, the values that pass, why not)) whose value, as
+    `read(name)` gives it, is not one of those that pass (of their type too: `0` is not `False`)."""
+    for name, neutral, why in fields:
+        value = read(name)
         if not any(value == n and type(value) is type(n) for n in neutral):
             raise ServingError(f"{name} is not supported: {why}; leave it out", name)
+
+
+def chat_request(body: ResponsesRequest) -> ChatRequest:
+    """The chat request this request is, or a `ServingError` naming the field that cannot be carried out."""
+    _refuse_unless_neutral(lambda name: getattr(body, name), NEUTRAL)
     extra = set(body.include or ()) - {LOGPROBS}
     if extra:
         raise ServingError(f"include {sorted(extra)} is not supported: this server includes {LOGPROBS!r} only",
@@ -93,10 +99,7 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     logprobs = LOGPROBS in (body.include or ())
     tools, choice = _tools(body)
     extra = {name: value for name, value in (body.model_extra or {}).items() if name in RESPONSES_EXTRAS}
-    for name, neutral, why in REFUSED_EXTRAS:
-        value = (body.model_extra or {}).get(name)
-        if not any(value == n and type(value) is type(n) for n in neutral):
-            raise ServingError(f"{name} is not supported: {why}; leave it out", name)
+    _refuse_unless_neutral((body.model_extra or {}).get, REFUSED_EXTRAS)
     return ChatRequest(model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
                        reasoning_effort=_effort(body.reasoning), temperature=body.temperature, top_p=body.top_p,
                        logprobs=logprobs,
