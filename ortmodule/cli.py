@@ -143,6 +143,7 @@ def ortmodule(argv: list[str] | None = None) -> None:
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     export.add_argument("--quiet", action="store_true", help="no progress output")
     _serve_flags(commands)
+    _run_batch_flags(commands)
     _cache_flags(commands)
     commands.add_parser("env", help="the versions, devices and execution providers ortmodule runs with (for a bug "
                                     "report), and the installs known to break it (exit status 1 where there is one)")
@@ -155,19 +156,33 @@ def ortmodule(argv: list[str] | None = None) -> None:
     if args.command == "export":
         _export(parser, args)
         return
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from .serving import Settings, serve
+    _serve(parser, args)
 
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)}
+
+def _serve(parser: argparse.ArgumentParser, args) -> None:
+    """`serve` and `run-batch`: the package loaded with the settings the flags give."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .serving import Settings
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings) if hasattr(args, f.name)}
     for name, value in (args.structured_outputs_config or {}).items():  # the JSON form; its backend is ours
         if name != "backend":
             options[name] = value
+    loading = dict(device=args.device, fp32_lm_head=args.enable_fp32_lm_head, prefill_attention=args.prefill_attention,
+                   subfolder=args.subfolder, revision=args.revision, chat_template=args.chat_template)
     try:
-        serve(args.path, host=args.host, port=args.port, device=args.device, fp32_lm_head=args.enable_fp32_lm_head,
-              prefill_attention=args.prefill_attention, subfolder=args.subfolder, revision=args.revision,
-              chat_template=args.chat_template, **options)
-    except ValueError as e:  # what stops it before it serves: the package, a setting, --processor
-        parser.exit(2, f"ortmodule serve: error: {e}\n")  # one line, as `ortmodule export`'s
+        if args.command == "run-batch":
+            from .serving.batch_file import run_batch_file
+
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request: the progress bar says it
+            run_batch_file(args.input_file, args.output_file, args.path, output_tmp_dir=args.output_tmp_dir,
+                           progress=args.progress, **loading, **options)
+        else:
+            from .serving import serve
+
+            serve(args.path, host=args.host, port=args.port, **loading, **options)
+    except ValueError as e:  # what stops it before it serves: the package, a setting, --processor, the batch's file
+        parser.exit(2, f"ortmodule {args.command}: error: {e}\n")  # one line, as `ortmodule export`'s
 
 
 def _printing(parser: argparse.ArgumentParser, args) -> None:
@@ -259,13 +274,42 @@ def _serve_flags(commands) -> None:
     serve = commands.add_parser("serve", help="serve a GenAI package: SGLang's /v1/score, vLLM's /generative_scoring, "
                                               "OpenAI's /v1/completions, /v1/chat/completions and /v1/responses "
                                               "(FastAPI + uvicorn)")
+    _answer_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1 routes and "
+                            "/metrics (default: the ORTMODULE_API_KEY environment variable)")
+    serve.add_argument("--enable-tokenizer-info-endpoint", dest="tokenizer_info", action="store_true",
+                       help="answer GET /tokenizer_info (the tokenizer's settings and chat template, which lm-eval's "
+                            "tokenizer_backend=remote reads), as vLLM's flag of that name; off by default")
+    _http_flags(serve)
+
+
+def _run_batch_flags(commands) -> None:
+    """The `run-batch` command's flags: serve's that shape the answers, the files'."""
+    batch = commands.add_parser("run-batch", help="run a file of requests in OpenAI's batch format (JSONL: custom_id, "
+                                                  "method, url, body; as vllm run-batch) through the server's routes, "
+                                                  "no port opened; the answers in the input's order")
+    batch.add_argument("-i", "--input-file", required=True, metavar="FILE|URL",
+                       help="the requests: a JSONL file, - for standard input, or an http(s) URL to GET")
+    batch.add_argument("-o", "--output-file", required=True, metavar="FILE|URL",
+                       help="the answers: a JSONL file (written as FILE.part, renamed when complete), - for standard "
+                            "output, or an http(s) URL to PUT them to when done")
+    batch.add_argument("--output-tmp-dir", default=None, metavar="DIR",
+                       help="with a URL output, the folder the answers are written in before the upload")
+    batch.add_argument("--disable-progress-bar", dest="progress", action="store_false",
+                       help="no progress bar on standard error")
+    _answer_flags(batch)
+
+
+def _answer_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags of the package and of how requests are read and answered (serve's and run-batch's)."""
     serve.add_argument("path", help="the GenAI package folder (genai_config.json, model.onnx, tokenizer), or a "
                                     "Hugging Face Hub repository id (org/name) holding one")
     serve.add_argument("--subfolder", default=None, help="the package's folder inside the repository (default: its "
                                                          "one package)")
     serve.add_argument("--revision", default=None, help="the repository's branch, tag or commit (default: main)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     serve.add_argument("--name", "--served-model-name", dest="name", default=None,
                        help="the model name reported and accepted (vLLM's --served-model-name; default: the package "
@@ -273,9 +317,6 @@ def _serve_flags(commands) -> None:
     serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                        help="the chat template for chat, responses and messages requests, in place of the package's "
                             "(as vLLM's flag of that name: a file, or the template itself); its syntax checked first")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1 routes and "
-                            "/metrics (default: the ORTMODULE_API_KEY environment variable)")
     serve.add_argument("--enable-fp32-lm-head", action="store_true",
                        help="compute a bf16 package's LM head in float32: logits not rounded to bf16, as SGLang's and "
                             "vLLM's flag of that name (docs/graph-rewrite.md)")
@@ -289,9 +330,6 @@ def _serve_flags(commands) -> None:
     serve.add_argument("--processor", default=None, metavar="FOLDER",
                        help="the checkpoint's image processor (its preprocessor_config.json), for a package that takes "
                             "images: chat messages may then hold image_url parts (data: URLs)")
-    serve.add_argument("--enable-tokenizer-info-endpoint", dest="tokenizer_info", action="store_true",
-                       help="answer GET /tokenizer_info (the tokenizer's settings and chat template, which lm-eval's "
-                            "tokenizer_backend=remote reads), as vLLM's flag of that name; off by default")
     serve.add_argument("--generation-config", dest="generation_config", default="auto", metavar="auto|vllm|FOLDER",
                        help="where completions and chat requests that leave out temperature, top_p, top_k, min_p or "
                             "repetition_penalty take them from, as vLLM's flag of that name: auto, the package's "
@@ -299,9 +337,11 @@ def _serve_flags(commands) -> None:
                             "OpenAI's (temperature 1, top_p 1, no top-k or penalty); or a folder holding the "
                             "checkpoint's generation_config.json (default auto). A max_new_tokens there bounds chat "
                             "requests that leave max_tokens out")
+    serve.add_argument("--max-model-len", dest="max_model_len", type=_token_count, default=None, metavar="N",
+                       help="the context requests are checked against, at most the package's, as vLLM's flag of that "
+                            "name (1k: 1,000 tokens, 1K: 1,024; -1 or auto: the package's, the default)")
     _frontend_flags(serve)
     _parser_flags(serve)
-    _http_flags(serve)
     _settings_flags(serve)
 
 
@@ -328,13 +368,9 @@ def _frontend_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def _http_flags(serve: argparse.ArgumentParser) -> None:
-    """vLLM's flags of the context requests get, the browsers that may call the server (CORS), request ids and the
-    HTTP server's logs."""
+    """vLLM's flags of the browsers that may call the server (CORS), HTTPS, request ids and the HTTP server's logs."""
     from .serving.settings import UVICORN_LOG_LEVELS
 
-    serve.add_argument("--max-model-len", dest="max_model_len", type=_token_count, default=None, metavar="N",
-                       help="the context requests are checked against, at most the package's, as vLLM's flag of that "
-                            "name (1k: 1,000 tokens, 1K: 1,024; -1 or auto: the package's, the default)")
     serve.add_argument("--allowed-origins", dest="allowed_origins", type=_json_strings, default=None, metavar="JSON",
                        help="the web origins whose pages may call the server from a browser (CORS), as vLLM's flag "
                             "of that name: '[\"http://localhost:3000\"]', or '[\"*\"]' for any; by default none "

@@ -372,6 +372,30 @@ def test_serving_curl_examples(smollm2):
     assert ran == 11
 
 
+def test_serving_batch_example(smollm2, tmp_path):
+    """The serving guide's batch file run as `ortmodule run-batch ... --name smollm2` runs it, on the demo's model:
+    every whole value its answers' lines show (the reply, the greedy text, the usage, the statuses)."""
+    from ortmodule.serving import create_app
+    from ortmodule.serving.batch_file import Output, parse_requests, run_requests
+
+    _, model, tokenizer = smollm2
+    text = (ROOT / "docs/serving.md").read_text()
+    lines = re.search(r"^```jsonl\n(.*?)^```", text, re.S | re.M).group(1)
+    code = next(code for code in shell_blocks("docs/serving.md") if "ortmodule run-batch" in code)
+    shown = code[code.index("cat answers.jsonl"):].splitlines()[1:]
+    comment = "\n".join(line.lstrip("# ") for line in shown if line.startswith("#"))
+    output = Output(str(tmp_path / "answers.jsonl"))
+    run_requests(create_app(model, tokenizer, name="smollm2", window_ms=5), parse_requests(lines), output, 4,
+                 progress=False)
+    output.finish()
+    answers = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    stated = stated_values(comment)
+    assert {key for key, _ in stated} >= {"custom_id", "status_code", "content", "text", "usage", "error"}
+    for key, value in stated:
+        assert any(agrees(value, actual) for actual in values_of(answers, key)), \
+            f"the docs show {key}={value!r}, the batch gave {values_of(answers, key)!r}"
+
+
 def test_scoring_curl_example(tmp_path):
     """The scoring guide's example end to end: the arithmetic model in examples/ exported by the command shown,
     served as `--name arithmetic`, its scores and its error as shown."""

@@ -258,7 +258,7 @@ def test_an_extra_older_than_its_floor_is_named_where_it_is_used(llama, tmp_path
                                                     "releases cannot read a GGUF file under numpy 2")):
         export(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    load = functools.partial(app._loaded, str(llama.package_dir), "127.0.0.1", "cpu", False, None, None, None)
+    load = functools.partial(app.load_app, str(llama.package_dir), "127.0.0.1", "cpu", False, None, None, None)
     with caplog.at_level("WARNING", logger=app.log.name):
         load({"reuse_prefix": "on"})  # the fixture's tokenizer has no chat template: nothing to warn of
         assert "jinja2" not in caplog.text

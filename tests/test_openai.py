@@ -1422,7 +1422,7 @@ def test_chat_template_flag_replaces_the_packages_and_is_checked_before_the_load
     expected = expected_text(tokenizer, hf_greedy(hf, list(ids), 6))[0]
     (tmp_path / "template.jinja").write_text(CHAT_TEMPLATE)
     for given in (str(tmp_path / "template.jinja"), CHAT_TEMPLATE):
-        app, _ = serving_app._loaded(str(fixture.package_dir), "127.0.0.1", "cpu", False, None, None, None,
+        app, _ = serving_app.load_app(str(fixture.package_dir), "127.0.0.1", "cpu", False, None, None, None,
                                      {"name": "t"}, given)
         live = LiveServer(app)
         try:

@@ -325,7 +325,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
     import uvicorn
 
     with bound_socket(host, port) as listening:  # before the package loads and is timed: minutes for a big one
-        app, settings = _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options,
+        app, settings = load_app(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options,
                                 chat_template)
         config = uvicorn.Config(app, host=host, port=port, log_level=settings.uvicorn_log_level,
                                 access_log=settings.access_log, http=_timed_h11(settings.header_timeout),
@@ -334,7 +334,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 30000, device: str = "
         uvicorn.Server(config).run(sockets=[listening])
 
 
-def _loaded(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options, chat_template=None):
+def load_app(path, host, device, fp32_lm_head, prefill_attention, subfolder, revision, options, chat_template=None):
     """`serve`'s app over the package, loaded with its costs timed where they decide, and its settings."""
     from .. import hub
     from ..environment import installed_too_old

@@ -1,0 +1,324 @@
+"""`ortmodule run-batch`: a file of requests in OpenAI's batch format (the Batch API's JSONL, as `vllm run-batch`
+reads it) run through the server's own routes in this process, with no port opened, and the answers written in
+the input's order.
+
+Each input line is `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}`; each
+output line `{"id": ..., "custom_id": ..., "response": {"status_code": ..., "request_id": ..., "body": ...},
+"error": ...}`, vLLM's shape: a refused request has the status, a null body and the server's error answer as
+`error`. The lines are checked before the package loads (a bad line, every one named, stops the run); the
+requests then run through the app (httpx's ASGI transport) as concurrent clients, so the engine batches them as it
+batches a server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("ortmodule.serving")
+
+# The routes a line may name: the app's POST routes that answer a request (not /ping, /flush_cache).
+BATCH_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                "/v1/messages/count_tokens", "/v1/score", "/generative_scoring", "/generate", "/tokenize",
+                "/detokenize")
+LINE_KEYS = ("custom_id", "method", "url", "body")
+SHOWN_PROBLEMS = 10  # bad lines named in the error; the rest counted
+UPLOAD_TRIES, UPLOAD_WAIT_S = 5, 5.0  # as vLLM's run-batch retries its PUT
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    line: int  # 1-based, in the input
+    custom_id: str
+    url: str
+    body: dict
+
+
+def is_url(name: str) -> bool:
+    return name.startswith(("http://", "https://"))
+
+
+def read_input(name: str) -> str:
+    """The input file's text: a path, `-` (standard input) or an http(s) URL (GET)."""
+    if name == "-":
+        return sys.stdin.read()
+    if is_url(name):
+        import httpx
+
+        try:
+            answer = httpx.get(name, follow_redirects=True, timeout=60)
+            answer.raise_for_status()
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot read the input file {name}: {_first_line(e)}") from None
+        return answer.text
+    try:
+        return Path(name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the input file {name}: {e}") from None
+
+
+def parse_requests(text: str) -> list[BatchRequest]:
+    """The input's requests, blank lines skipped; ValueError naming each bad line (the first ten)."""
+    requests, problems = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            requests.append(_request(number, line))
+        except ValueError as e:
+            problems.append(f"line {number}: {e}")
+    if problems:
+        more = len(problems) - SHOWN_PROBLEMS
+        shown = "\n  ".join(problems[:SHOWN_PROBLEMS]) + (f"\n  and {more} more" if more > 0 else "")
+        raise ValueError(f"{len(problems)} bad lines in the input (each a JSON object of custom_id, method POST, url "
+                         f"and body):\n  {shown}")
+    if not requests:
+        raise ValueError("the input holds no requests")
+    _warn_twice_named(requests)
+    return requests
+
+
+def _request(number: int, line: str) -> BatchRequest:
+    try:
+        value = json.loads(line, parse_constant=_not_json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e.msg} at column {e.colno}") from None
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object is needed, got {type(value).__name__}")
+    missing = [key for key in LINE_KEYS if key not in value]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing")
+    if not isinstance(value["custom_id"], str):
+        raise ValueError(f"custom_id must be a string, got {json.dumps(value['custom_id'])[:40]}")
+    if not isinstance(value["method"], str) or value["method"].upper() != "POST":
+        raise ValueError(f"method must be POST, got {json.dumps(value['method'])[:40]}")
+    if value["url"] not in BATCH_ROUTES:
+        raise ValueError(f"url {json.dumps(value['url'])[:80]} is not one this runs; it runs "
+                         f"{', '.join(BATCH_ROUTES)}")
+    if not isinstance(value["body"], dict):
+        raise ValueError(f"body must be a JSON object, got {type(value['body']).__name__}")
+    if extra := sorted(set(value) - set(LINE_KEYS)):
+        log.warning("line %d: %s ignored (a line holds %s)", number, ", ".join(extra), ", ".join(LINE_KEYS))
+    return BatchRequest(number, value["custom_id"], value["url"], value["body"])
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON (Python's json module writes it; JSON has no such number)")
+
+
+def _warn_twice_named(requests: list[BatchRequest]) -> None:
+    """OpenAI's Batch API refuses a custom_id used twice; vLLM runs them: so does this, and says so."""
+    seen: dict[str, int] = {}
+    twice = [(r.line, seen[r.custom_id]) for r in requests if seen.setdefault(r.custom_id, r.line) != r.line]
+    if twice:
+        log.warning("%d requests reuse an earlier line's custom_id (line %d reuses line %d's): the answers are in the "
+                    "input's order, so match them by position", len(twice), *twice[0])
+
+
+class Output:
+    """Where the answers go: a path (written to PATH.part, renamed when every answer is in), `-` (standard output)
+    or an http(s) URL (a file in `tmp_dir`, or the system's, PUT when done). Opened before the package loads, so
+    that an output that cannot be written stops the run first."""
+
+    def __init__(self, name: str, tmp_dir: str | None = None):
+        self.name, self.written = name, 0
+        if name == "-":
+            self.path, self.file = None, sys.stdout
+            return
+        if is_url(name):
+            import tempfile
+
+            handle, path = tempfile.mkstemp(prefix="ortmodule-batch-", suffix=".jsonl", dir=tmp_dir)
+            os.close(handle)
+            self.path = Path(path)
+        else:
+            self.path = Path(name + ".part")
+        try:
+            self.file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115  (closed in finish/abandon)
+        except OSError as e:
+            raise ValueError(f"cannot write the output file {name}: {e}") from None
+
+    def write(self, line: str) -> None:
+        self.file.write(line + "\n")
+        self.written += 1
+
+    def finish(self) -> None:
+        """Every answer is in: the file closed and renamed, or uploaded (and then removed)."""
+        if self.path is None:
+            self.file.flush()
+            return
+        self.file.close()
+        if is_url(self.name):
+            _upload(self.name, self.path)
+            self.path.unlink()
+        else:
+            os.replace(self.path, self.name)
+
+    def abandon(self) -> None:
+        """The run stopped early: what was answered stays in the file it was written to."""
+        if self.path is not None:
+            self.file.close()
+            log.warning("stopped: the first %d answers are in %s", self.written, self.path)
+
+
+def _upload(url: str, path: Path) -> None:
+    import httpx
+
+    for attempt in range(1, UPLOAD_TRIES + 1):
+        try:
+            with open(path, "rb") as data:
+                httpx.put(url, content=data, timeout=1000).raise_for_status()
+            return
+        except httpx.HTTPError as e:
+            if attempt == UPLOAD_TRIES:
+                raise ValueError(f"cannot upload the answers to {url} ({attempt} tries): {_first_line(e)}; they are in "
+                                 f"{path}") from None
+            log.warning("uploading the answers to %s failed (%s); retrying in %g s", url, _first_line(e), UPLOAD_WAIT_S)
+            time.sleep(UPLOAD_WAIT_S)
+
+
+def _first_line(error: Exception) -> str:
+    """httpx's message without the line of advice it adds under a status error."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+@dataclass
+class Summary:
+    """What a run did: answers by HTTP status, the tokens its answers' usage counts, its wall time."""
+
+    statuses: Counter = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+
+    def count(self, status: int, body) -> None:
+        self.statuses[status] += 1
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if isinstance(usage, dict):  # OpenAI's names, or the Responses and Messages APIs'
+            self.prompt_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
+            self.completion_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
+
+    def line(self) -> str:
+        done = sum(self.statuses.values())
+        failed = done - self.statuses[200]
+        by_status = ", ".join(f"{count} x {status}" for status, count in sorted(self.statuses.items()) if status != 200)
+        rate = self.completion_tokens / self.seconds if self.seconds else 0.0
+        return (f"{done} requests in {self.seconds:.1f} s: {self.statuses[200]} answered, {failed} failed"
+                f"{f' ({by_status})' if failed else ''}; {self.prompt_tokens} prompt and {self.completion_tokens} "
+                f"completion tokens ({rate:.1f} completion tokens/s)")
+
+
+def run_requests(app, requests: list[BatchRequest], output: Output, concurrency: int, headers: dict | None = None,
+                 progress: bool = True) -> Summary:
+    """Each request through `app` (at most `concurrency` at once), its answer line written in the input's order;
+    the app's lifespan entered and left around them (the engine stopped after the last)."""
+    return asyncio.run(_run(app, requests, output, concurrency, headers or {}, progress))
+
+
+async def _run(app, requests, output, concurrency, headers, progress) -> Summary:
+    import httpx
+    from tqdm import tqdm
+
+    summary, done, next_line = Summary(), {}, 0
+    gate = asyncio.Semaphore(concurrency)
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=len(requests), unit="req", desc="Running batch", disable=not progress, file=sys.stderr,
+               mininterval=0.5 if interactive else 5,
+               bar_format=None if interactive else "{desc}: {percentage:3.0f}% | {n_fmt}/{total_fmt} "
+                                                   "[{elapsed}<{remaining}, {rate_fmt}]\n")
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    started = time.perf_counter()
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://batch",
+                                                                   headers=headers, timeout=None) as client:
+
+        async def one(index: int, request: BatchRequest) -> None:
+            nonlocal next_line
+            try:
+                status, body, answer = await _answer(client, request)
+            finally:
+                gate.release()
+            summary.count(status, body)
+            done[index] = answer
+            while next_line in done:  # written in the input's order, as soon as those before are in
+                output.write(done.pop(next_line))
+                next_line += 1
+            bar.update()
+
+        running: set[asyncio.Task] = set()
+        try:
+            for index, request in enumerate(requests):  # tasks made as the gate lets them run, not all at once
+                await gate.acquire()
+                task = asyncio.create_task(one(index, request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            await asyncio.gather(*running)
+        finally:
+            for task in running:
+                task.cancel()
+            bar.close()
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+async def _answer(client, request: BatchRequest) -> tuple[int, object, str]:
+    """(HTTP status, the answer's body, the output line)."""
+    ident = f"ortmodule-batch-{uuid.uuid4().hex}"
+    if request.body.get("stream"):
+        status, body = 400, {"error": {"message": "stream is not taken in a batch: each answer is written whole",
+                                       "type": "invalid_request_error", "param": "stream", "code": None}}
+    else:
+        try:
+            reply = await client.post(request.url, json=request.body, headers={"x-request-id": ident})
+        except Exception as e:  # noqa: BLE001  (one request's failure is its line's, not the batch's)
+            reply, status, body = None, 500, {"error": {"message": f"the request failed: {e!r}",
+                                                        "type": "server_error", "param": None, "code": None}}
+        if reply is not None:
+            status = reply.status_code
+            try:
+                body = reply.json()
+            except ValueError:  # an answer that is not JSON (the app's own 500 is text)
+                body = reply.text
+    ok = status == 200
+    line = {"id": f"ortmodule-{uuid.uuid4().hex}", "custom_id": request.custom_id,
+            "response": {"status_code": status, "request_id": ident, "body": body if ok else None},
+            "error": None if ok else body}
+    return status, body, json.dumps(line)
+
+
+def run_batch_file(input_file: str, output_file: str, path: str, output_tmp_dir: str | None = None,
+                   progress: bool = True, device: str = "cpu", fp32_lm_head: bool = False,
+                   prefill_attention: str | None = None, subfolder: str | None = None, revision: str | None = None,
+                   chat_template: str | None = None, **options) -> Summary:
+    """`ortmodule run-batch`: the input's lines checked, the output opened, the package at `path` loaded as
+    `ortmodule serve` loads it (the same arguments; `options`: the settings' fields), every request run through the
+    server's routes and the answers written. Returns what the run did (its answers by status, their tokens)."""
+    from .app import load_app
+
+    local = [name for name in (input_file, output_file) if name != "-" and not is_url(name)]
+    if len(local) == 2 and Path(local[0]).resolve() == Path(local[1]).resolve():
+        raise ValueError(f"the output file is the input file ({input_file}): the answers would replace the requests")
+    requests = parse_requests(read_input(input_file))
+    log.info("%d requests read from %s", len(requests), input_file)
+    output = Output(output_file, output_tmp_dir)
+    try:
+        app, settings = load_app(path, "127.0.0.1", device, fp32_lm_head, prefill_attention, subfolder, revision,
+                                 options, chat_template)
+        headers = {"authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        summary = run_requests(app, requests, output, min(2 * settings.max_rows, settings.max_queue), headers,
+                               progress)
+    except BaseException:
+        output.abandon()
+        raise
+    output.finish()
+    log.info("%s; answers in %s", summary.line(), output_file)
+    return summary

@@ -1,0 +1,247 @@
+"""`ortmodule run-batch` (serving/batch_file.py): a file of requests in OpenAI's batch format, answered through the
+server's routes in this process, against transformers' greedy tokens and scores on the same weights."""
+
+import http.server
+import json
+import logging
+import threading
+
+import pytest
+from helpers import (
+    CHAT_TEMPLATE,
+    OPENAI_NAME,
+    SCORE_ITEMS,
+    SCORE_QUERY,
+    expected_text,
+    hf_greedy,
+    labels_for,
+    load_pair,
+    score_reference,
+)
+
+from ortmodule import load_tokenizer
+from ortmodule.cli import ortmodule
+from ortmodule.serving import create_app
+from ortmodule.serving.batch_file import BATCH_ROUTES, Output, parse_requests, run_requests
+
+TOPICS = ["the sea", "a red kite", "numbers", "winter roads", "old maps", "bread", "rain", "a small dog", "music",
+          "stone walls", "trains", "the moon"]
+
+
+def line(custom_id, url, body, method="POST"):
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+
+def chat(topic, new=8):
+    return {"model": OPENAI_NAME, "messages": [{"role": "user", "content": f"Tell me about {topic}."}],
+            "max_tokens": new, "temperature": 0}
+
+
+def chat_expected(hf, tokenizer, body):
+    ids = list(tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
+                                             return_dict=False))
+    return expected_text(tokenizer, hf_greedy(hf, ids, body["max_tokens"]))
+
+
+@pytest.fixture(scope="module")
+def served(llama):
+    model, hf = load_pair(llama)
+    tokenizer = load_tokenizer(llama.package_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return model, hf, tokenizer
+
+
+def run(served, lines, tmp_path, concurrency=8, **settings):
+    """The lines run through a fresh app over the shared model: (the output's lines, the summary, the engine's
+    counts)."""
+    model, _, tokenizer = served
+    output = Output(str(tmp_path / "out.jsonl"))
+    app = create_app(model, tokenizer, name=OPENAI_NAME, window_ms=20, **settings)
+    summary = run_requests(app, parse_requests("\n".join(lines)), output, concurrency, progress=False)
+    output.finish()
+    answers = [json.loads(text) for text in (tmp_path / "out.jsonl").read_text().splitlines()]
+    return answers, summary, app.state.served.engine.stats
+
+
+def test_a_batch_is_answered_in_order_as_transformers_greedy_tokens_and_scores(served, tmp_path):
+    """Twelve chats run 8 at a time (the engine batches them) and a completion, a score request and a tokenize
+    request: each answer in its line's place, the texts transformers' greedy ones, the scores transformers'; a
+    refused request and a stream in vLLM's error shape; the summary's counts the answers'."""
+    _, hf, tokenizer = served
+    bodies = [chat(topic, new=6 + i % 5) for i, topic in enumerate(TOPICS)]
+    labels = labels_for(tokenizer)
+    lines = [line(f"chat-{i}", "/v1/chat/completions", body) for i, body in enumerate(bodies)]
+    lines[3:3] = [line("score", "/v1/score", {"query": SCORE_QUERY, "items": SCORE_ITEMS, "label_token_ids": labels,
+                                              "apply_softmax": True}),
+                  line("refused", "/v1/completions", {"prompt": "x", "max_tokens": -1}),
+                  line("stream", "/v1/chat/completions", {**bodies[0], "stream": True}),
+                  line("tokens", "/tokenize", {"prompt": "hello there"}),
+                  line("text", "/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 7,
+                                                   "temperature": 0})]
+    answers, summary, stats = run(served, lines, tmp_path)
+    assert stats.largest_decode_batch > 1  # run together, as a server's concurrent clients
+    assert [a["custom_id"] for a in answers] == [json.loads(x)["custom_id"] for x in lines]
+    by_id = {a["custom_id"]: a for a in answers}
+    for i, body in enumerate(bodies):
+        answer = by_id[f"chat-{i}"]
+        assert answer["error"] is None and answer["response"]["status_code"] == 200
+        choice = answer["response"]["body"]["choices"][0]
+        text, reason = chat_expected(hf, tokenizer, body)
+        assert (choice["message"]["content"], choice["finish_reason"]) == (text, reason), (i, choice)
+        # the request id is the answer's own (vLLM's chatcmpl- before it)
+        assert answer["response"]["body"]["id"] == "chatcmpl-" + answer["response"]["request_id"]
+    ids = tokenizer("The quick brown fox")["input_ids"]
+    assert by_id["text"]["response"]["body"]["choices"][0]["text"] == \
+        expected_text(tokenizer, hf_greedy(hf, ids, 7))[0]
+    reference = score_reference(hf, tokenizer, SCORE_QUERY, SCORE_ITEMS, labels, True, False)
+    for got, want in zip(by_id["score"]["response"]["body"]["scores"], reference, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert by_id["tokens"]["response"]["body"]["tokens"] == tokenizer("hello there")["input_ids"]
+    for name, param in (("refused", "max_tokens"), ("stream", "stream")):
+        answer = by_id[name]
+        assert answer["response"]["status_code"] == 400 and answer["response"]["body"] is None
+        assert answer["error"]["error"]["param"] == param, answer
+    assert summary.statuses == {200: len(lines) - 2, 400: 2}
+    bodies = [a["response"]["body"] for a in answers if a["error"] is None]
+    usages = [body["usage"] for body in bodies if "usage" in body]
+    assert summary.completion_tokens == sum(u["completion_tokens"] for u in usages) > 0
+    assert summary.prompt_tokens == sum(u["prompt_tokens"] for u in usages)
+
+
+def test_the_routes_a_line_may_name_are_the_apps_post_routes(served):
+    model, _, tokenizer = served
+    app = create_app(model, tokenizer, name=OPENAI_NAME)
+    posts = {route.path for route in app.routes if "POST" in getattr(route, "methods", ())}
+    assert set(BATCH_ROUTES) == posts - {"/ping", "/flush_cache"}
+
+
+def test_bad_lines_are_each_named_before_the_package_loads(tmp_path, capsys):
+    """Every bad line named (line numbers as the file's, blank lines counted), the package never looked at (it does
+    not exist here), no output written."""
+    lines = [line("a", "/v1/completions", {"prompt": "x"}), "", "{not json", json.dumps([1, 2]),
+             json.dumps({"custom_id": 7, "method": "POST", "url": "/v1/completions", "body": {}}),
+             line("b", "/v1/completions", {}, method="GET"),
+             line("c", "/v1/embeddings", {"input": "x"}),
+             json.dumps({"custom_id": "d", "method": "POST", "url": "/v1/completions"}),
+             '{"custom_id": "e", "method": "POST", "url": "/v1/completions", "body": {"temperature": NaN}}',
+             line("f", "/v1/completions", [1])]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as stopped:
+        ortmodule(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                   str(tmp_path / "no-such-package")])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert "8 bad lines in the input" in error
+    for expected in ("line 3: not JSON", "line 4: a JSON object is needed, got list",
+                     "line 5: custom_id must be a string, got 7", 'line 6: method must be POST, got "GET"',
+                     'line 7: url "/v1/embeddings" is not one this runs', "line 8: body missing",
+                     "line 9: not JSON: NaN is not JSON", "line 10: body must be a JSON object, got list"):
+        assert expected in error, (expected, error)
+    assert "line 1:" not in error and "line 2:" not in error
+    assert "line 3: not JSON: Expecting property name enclosed in double quotes at column 2" in error
+    assert not list(tmp_path.glob("out.jsonl*"))
+
+
+def test_an_output_that_cannot_be_written_or_is_the_input_stops_the_run_first(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text(line("a", "/v1/completions", {"prompt": "x"}) + "\n")
+    for output, message in ((tmp_path / "missing" / "out.jsonl", "cannot write the output file"),
+                            (tmp_path / "in.jsonl", "the output file is the input file")):
+        with pytest.raises(SystemExit):
+            ortmodule(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(output),
+                       str(tmp_path / "no-such-package")])
+        assert message in capsys.readouterr().err
+    assert json.loads((tmp_path / "in.jsonl").read_text())["custom_id"] == "a"
+
+
+def test_a_custom_id_used_twice_is_run_and_warned_of(caplog):
+    with caplog.at_level(logging.WARNING, logger="ortmodule.serving"):
+        requests = parse_requests("\n".join([line("a", "/tokenize", {"prompt": "x"}),
+                                             line("b", "/tokenize", {"prompt": "y"}),
+                                             line("a", "/tokenize", {"prompt": "z"})]))
+    assert [r.custom_id for r in requests] == ["a", "b", "a"]
+    assert "line 3 reuses line 1's" in caplog.text
+
+
+class Files(http.server.BaseHTTPRequestHandler):
+    """GET the input, PUT the output (vLLM's run-batch's URLs), the PUT failing as often as `failures` says."""
+    store: dict = {}
+    failures = [0]
+
+    def do_GET(self):  # noqa: N802
+        data = self.store.get(self.path)
+        self.send_response(200 if data is not None else 404)
+        self.end_headers()
+        self.wfile.write(data or b"")
+
+    def do_PUT(self):  # noqa: N802
+        data = self.rfile.read(int(self.headers["content-length"]))
+        if self.failures[0] > 0:
+            self.failures[0] -= 1
+            self.send_response(503)
+        else:
+            self.store[self.path] = data
+            self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_command_reads_and_writes_urls_and_takes_the_api_key(llama, tmp_path, monkeypatch, caplog):
+    """The whole command on the package: the input from a URL, the answers PUT to one (after a failed try), with
+    ORTMODULE_API_KEY set (the in-process requests carry it); the texts transformers' greedy ones."""
+    monkeypatch.setenv("ORTMODULE_API_KEY", "secret")
+    monkeypatch.setattr("ortmodule.serving.batch_file.UPLOAD_WAIT_S", 0.01)
+    _, hf = load_pair(llama)
+    tokenizer = load_tokenizer(llama.package_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    (tmp_path / "template.jinja").write_text(CHAT_TEMPLATE)
+    bodies = [chat(topic) for topic in TOPICS[:3]]
+    Files.store = {"/in.jsonl": "\n".join(line(str(i), "/v1/chat/completions", b)
+                                          for i, b in enumerate(bodies)).encode()}
+    Files.failures[0] = 1
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        ortmodule(["run-batch", "-i", f"{url}/in.jsonl", "-o", f"{url}/out.jsonl", str(llama.package_dir),
+                   "--chat-template", str(tmp_path / "template.jinja"), "--served-model-name", OPENAI_NAME,
+                   "--output-tmp-dir", str(tmp_path), "--disable-progress-bar"])
+    finally:
+        server.shutdown()
+    answers = [json.loads(x) for x in Files.store["/out.jsonl"].decode().splitlines()]
+    assert [a["custom_id"] for a in answers] == ["0", "1", "2"]
+    for answer, body in zip(answers, bodies, strict=True):
+        assert answer["response"]["status_code"] == 200, answer
+        assert answer["response"]["body"]["choices"][0]["message"]["content"] == \
+            chat_expected(hf, tokenizer, body)[0]
+    assert Files.failures[0] == 0 and not list(tmp_path.glob("ortmodule-batch-*"))  # uploaded on the second try
+    assert "failed (Server error '503 Service Unavailable' for url" in caplog.text and "retrying" in caplog.text
+
+
+def test_a_run_stopped_midway_keeps_its_answers_in_the_part_file(served, tmp_path, monkeypatch):
+    """Interrupted (Ctrl-C) after some answers: those are in OUT.part, in order; OUT itself is never written."""
+    import ortmodule.serving.batch_file as batch_file
+
+    model, _, tokenizer = served
+    real = batch_file._answer
+    seen = []
+
+    async def answer_then_stop(client, request):
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        seen.append(request.custom_id)
+        return await real(client, request)
+
+    monkeypatch.setattr(batch_file, "_answer", answer_then_stop)
+    output = Output(str(tmp_path / "out.jsonl"))
+    lines = [line(str(i), "/tokenize", {"prompt": f"text {i}"}) for i in range(6)]
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            run_requests(create_app(model, tokenizer, name=OPENAI_NAME), parse_requests("\n".join(lines)), output,
+                         concurrency=1, progress=False)
+        except BaseException:
+            output.abandon()
+            raise
+    kept = [json.loads(x)["custom_id"] for x in (tmp_path / "out.jsonl.part").read_text().splitlines()]
+    assert kept == ["0", "1", "2"] and not (tmp_path / "out.jsonl").exists()
