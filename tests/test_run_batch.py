@@ -245,3 +245,27 @@ def test_a_run_stopped_midway_keeps_its_answers_in_the_part_file(served, tmp_pat
             raise
     kept = [json.loads(x)["custom_id"] for x in (tmp_path / "out.jsonl.part").read_text().splitlines()]
     assert kept == ["0", "1", "2"] and not (tmp_path / "out.jsonl").exists()
+
+
+def test_requests_naming_another_model_are_caught(llama, tmp_path, capsys, caplog):
+    """Every request naming another model than the served one (the name not set): a usage error before any runs,
+    naming the flag, no output left; some of them: a warning, and those lines answered 404 in their places."""
+    args = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), str(llama.package_dir),
+            "--disable-progress-bar"]
+    (tmp_path / "in.jsonl").write_text("\n".join(line(str(i), "/tokenize", {"model": "gpt-4", "prompt": "x"})
+                                                 for i in range(3)))
+    with pytest.raises(SystemExit) as stopped:
+        ortmodule(args)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert "3 of 3 requests name another model than the one served, 'package' (3 name 'gpt-4')" in error
+    assert "--served-model-name gpt-4 serves the package under that name" in error
+    assert not list(tmp_path.glob("out.jsonl*"))
+    (tmp_path / "in.jsonl").write_text("\n".join([line("a", "/tokenize", {"model": "gpt-4", "prompt": "x"}),
+                                                  line("b", "/tokenize", {"model": "package", "prompt": "x"}),
+                                                  line("c", "/tokenize", {"prompt": "x"})]))
+    ortmodule(args)
+    assert "1 of 3 requests name another model" in caplog.text
+    answers = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [a["response"]["status_code"] for a in answers] == [404, 200, 200]
+    assert answers[0]["error"]["error"]["code"] == "model_not_found"

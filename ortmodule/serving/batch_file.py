@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 import uuid
@@ -144,7 +145,8 @@ class Output:
         else:
             self.path = Path(name + ".part")
         try:
-            self.file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115  (closed in finish/abandon)
+            # line-buffered: each answer is on the disk once written, whatever stops the run
+            self.file = open(self.path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115  (closed in finish/abandon)
         except OSError as e:
             raise ValueError(f"cannot write the output file {name}: {e}") from None
 
@@ -166,9 +168,13 @@ class Output:
 
     def abandon(self) -> None:
         """The run stopped early: what was answered stays in the file it was written to."""
-        if self.path is not None:
-            self.file.close()
+        if self.path is None:
+            return
+        self.file.close()
+        if self.written:
             log.warning("stopped: the first %d answers are in %s", self.written, self.path)
+        else:
+            self.path.unlink(missing_ok=True)
 
 
 def _upload(url: str, path: Path) -> None:
@@ -313,6 +319,7 @@ def run_batch_file(input_file: str, output_file: str, path: str, output_tmp_dir:
     try:
         app, settings = load_app(path, "127.0.0.1", device, fp32_lm_head, prefill_attention, subfolder, revision,
                                  options, chat_template)
+        _check_names(requests, app.state.served.name)
         headers = {"authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         summary = run_requests(app, requests, output, min(2 * settings.max_rows, settings.max_queue), headers,
                                progress)
@@ -322,3 +329,19 @@ def run_batch_file(input_file: str, output_file: str, path: str, output_tmp_dir:
     output.finish()
     log.info("%s; answers in %s", summary.line(), output_file)
     return summary
+
+
+def _check_names(requests: list[BatchRequest], served: str) -> None:
+    """A body's `model` must be the served name (else its route answers 404): where every request names another
+    model, a ValueError before any runs (the served name is likely not set); where some do, a warning."""
+    others = Counter(r.body["model"] for r in requests if r.body.get("model") not in (None, "", served))
+    if not others:
+        return
+    name, count = others.most_common(1)[0]
+    flag = f"--served-model-name {shlex.quote(str(name))}"
+    message = (f"{sum(others.values())} of {len(requests)} requests name another model than the one served, "
+               f"{served!r} ({count} name {name!r}): their answers are 404s; {flag} serves the package under that "
+               "name")
+    if sum(others.values()) == len(requests):
+        raise ValueError(message)
+    log.warning(message)
