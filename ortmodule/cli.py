@@ -395,6 +395,9 @@ def _http_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--ssl-cert-reqs", dest="ssl_cert_reqs", type=int, default=0, choices=[0, 1, 2],
                        help="with HTTPS, whether clients need a certificate: 0 no, 1 optional, 2 required, as "
                             "vLLM's flag (default 0)")
+    serve.add_argument("--root-path", dest="root_path", default=None, metavar="PATH",
+                       help="the path a proxy serves the server under (e.g. /llm): routes answer with it and without "
+                            "it, as vLLM's flag of that name (FastAPI's root_path)")
     serve.add_argument("--enable-request-id-headers", dest="request_id_headers", action="store_true",
                        help="answer every request with an X-Request-Id header, the request's own or a new one (then "
                             "the completion's id too), as vLLM's flag of that name")

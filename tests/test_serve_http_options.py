@@ -268,3 +268,36 @@ def test_https_with_vllms_ssl_flags(build, tmp_path, monkeypatch):
                              ({"max_model_len": 300}, "max_model_len 300 is longer than the package's context of 256")):
         with pytest.raises(ValueError, match=message):
             serving_app.serve(str(fixture.package_dir), port=0, **options)
+
+
+def test_root_path_serves_routes_under_the_proxys_prefix_and_without_it(build, monkeypatch):
+    """vLLM's `--root-path /llm`: a completion sent as `/llm/v1/completions` (a proxy that keeps the prefix) and as
+    `/v1/completions` (one that strips it) answers transformers' greedy text; a refusal under the prefix keeps
+    OpenAI's error shape; the health check under it needs no key, other routes do; a malformed path is refused."""
+    from helpers import expected_text, hf_greedy
+
+    fixture = build("llama")
+    live, _, hf, tokenizer = served_live(fixture, CHAT_TEMPLATE, root_path="/llm", api_key="secret")
+    try:
+        key = {"Authorization": "Bearer secret"}
+        prompt = "The quick brown fox"
+        text, _ = expected_text(tokenizer, hf_greedy(hf, tokenizer(prompt)["input_ids"], 6))
+        for path in ("/llm/v1/completions", "/v1/completions"):
+            answer = live.client.post(path, headers=key, json={"model": OPENAI_NAME, "prompt": prompt,
+                                                               "max_tokens": 6, "temperature": 0})
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == text, (path, answer.text)
+        refused = live.client.post("/llm/v1/completions", headers=key, json={"prompt": prompt, "max_tokens": -1})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens", refused.text
+        assert live.client.get("/llm/health").status_code == 200
+        assert live.client.get("/llm/v1/models").status_code == 401
+        unkeyed = live.client.post("/llm/v1/completions", json={"prompt": prompt})
+        assert unkeyed.status_code == 401 and unkeyed.json()["error"]["type"] == "invalid_request_error"
+    finally:
+        live.stop()
+    captured = {}
+    monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: captured.update(options))
+    cli.ortmodule(["serve", str(fixture.package_dir), "--root-path", "/llm/v2"])
+    assert captured["root_path"] == "/llm/v2"
+    for bad in ("llm", "/llm/", "/llm?x=1", "/", ""):
+        with pytest.raises(ValueError, match="root_path must be a URL path"):
+            ortmodule.serving.Settings(root_path=bad)

@@ -87,6 +87,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
 
     app = FastAPI(title="ortmodule", description="SGLang's score and OpenAI's completions over an ONNX GenAI package",
                   lifespan=lifespan)
+    app.root_path = settings.root_path or ""  # as vLLM sets it: FastAPI puts it in each request's scope
     app.state.served = served
     _add_middleware(app, settings, engine.stats)
     _handle_errors(app, engine)
@@ -165,7 +166,7 @@ def _handle_errors(app: FastAPI, engine: Engine) -> None:
     async def refused(request: Request, exc: ServingError):
         if exc.status == 400 or exc.status == 404:
             engine.stats.rejected_bad += 1
-        return exc.response(request.url.path)
+        return exc.response(route_path(request.scope))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -175,7 +176,7 @@ def _handle_errors(app: FastAPI, engine: Engine) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in detail:
             detail = "invalid request: the body is not valid JSON (UTF-8 text, at most a few hundred levels deep)"
-        return ServingError(detail, status=exc.status_code).response(request.url.path)
+        return ServingError(detail, status=exc.status_code).response(route_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def bad_schema(request: Request, exc: RequestValidationError):
@@ -183,7 +184,16 @@ def _handle_errors(app: FastAPI, engine: Engine) -> None:
         fields = [".".join(str(p) for p in e["loc"] if _field_part(p)) or "body" for e in exc.errors()]
         problems = "; ".join(f"{where}: {e['msg']}" for where, e in zip(fields, exc.errors()))
         error = ServingError(f"invalid request: {problems}", fields[0] if fields else None)
-        return error.response(request.url.path)
+        return error.response(route_path(request.scope))
+
+
+def route_path(scope) -> str:
+    """The path a route is found by: the request's, less `--root-path` where it begins with it (a proxy that keeps
+    the prefix), as Starlette's router matches it."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
 
 
 def _field_part(part) -> bool:
@@ -206,7 +216,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        path = route_path(scope)
         headers = dict(scope.get("headers") or [])
         if self.key is not None and path not in UNKEYED and not self._authorized(headers):
             return await self._refuse(send, path, ServingError("a valid API key is needed: send "

@@ -4,6 +4,7 @@ them from here)."""
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from dataclasses import dataclass, fields
 
@@ -113,6 +114,9 @@ class Settings:
     `ssl_keyfile`, `ssl_certfile` (vLLM's `--ssl-keyfile`, `--ssl-certfile`): serve HTTPS with this key and
     certificate (PEM files, checked to load together at start); `ssl_ca_certs` and `ssl_cert_reqs` (0 none, 1
     optional, 2 required: Python's `ssl.CERT_*`) ask clients for certificates signed by those authorities.
+
+    `root_path` (vLLM's `--root-path`): the path a proxy serves the server under (say `/llm`, where the proxy sends
+    `/llm/v1/completions` on, with the prefix or without it): routes answer under it and without it.
     """
 
     name: str | None = None
@@ -160,11 +164,12 @@ class Settings:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    root_path: str | None = None
 
     def __post_init__(self):
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name in ("token_budget", "max_model_len", "allowed_origins") and value is None:
+            if field.name in ("token_budget", "max_model_len", "allowed_origins", "root_path") and value is None:
                 continue
             if field.name in ("allowed_origins", "allowed_methods", "allowed_headers"):
                 if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
@@ -183,6 +188,10 @@ class Settings:
                 known = TOOL_CALL_PARSERS if field.name == "tool_call_parser" else REASONING_PARSERS
                 if value is not None and value not in known:
                     raise ValueError(f"{field.name} must be one of {', '.join(known)}, got {value!r}")
+            elif field.name == "root_path":
+                if not isinstance(value, str) or not re.fullmatch(r"(/[^/?#\s]+)+", value):
+                    raise ValueError(f"root_path must be a URL path such as /llm (a leading /, no trailing / or "
+                                     f"query), got {value!r}")
             elif field.name == "ssl_cert_reqs":
                 if value not in (0, 1, 2) or isinstance(value, bool):
                     raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2 (ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED), "
