@@ -183,6 +183,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> None:
             serve(args.path, host=args.host, port=args.port, **loading, **options)
     except ValueError as e:  # what stops it before it serves: the package, a setting, --processor, the batch's file
         parser.exit(2, f"ortmodule {args.command}: error: {e}\n")  # one line, as `ortmodule export`'s
+    except KeyboardInterrupt:  # run-batch stopped (serve's uvicorn takes Ctrl-C itself): its log said what was kept
+        parser.exit(130, f"ortmodule {args.command}: stopped\n")
 
 
 def _printing(parser: argparse.ArgumentParser, args) -> None:

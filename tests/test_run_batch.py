@@ -153,13 +153,17 @@ def test_an_output_that_cannot_be_written_or_is_the_input_stops_the_run_first(tm
     assert json.loads((tmp_path / "in.jsonl").read_text())["custom_id"] == "a"
 
 
-def test_a_custom_id_used_twice_is_run_and_warned_of(caplog):
+def test_a_custom_id_used_twice_and_other_keys_are_warned_of_once(caplog):
+    """A custom_id used twice is run (as vLLM runs it); keys besides the four are ignored: one warning each."""
+    extra = json.dumps({"custom_id": "c", "method": "POST", "url": "/tokenize", "body": {"prompt": "w"}, "note": 1})
     with caplog.at_level(logging.WARNING, logger="ortmodule.serving"):
         requests = parse_requests("\n".join([line("a", "/tokenize", {"prompt": "x"}),
                                              line("b", "/tokenize", {"prompt": "y"}),
-                                             line("a", "/tokenize", {"prompt": "z"})]))
-    assert [r.custom_id for r in requests] == ["a", "b", "a"]
-    assert "line 3 reuses line 1's" in caplog.text
+                                             line("a", "/tokenize", {"prompt": "z"}), extra, extra]))
+    assert [r.custom_id for r in requests] == ["a", "b", "a", "c", "c"]
+    assert "2 requests reuse an earlier line's custom_id (line 3 reuses line 1's)" in caplog.text
+    assert "2 lines hold keys besides custom_id, method, url, body, ignored (line 4: note)" in caplog.text
+    assert len(caplog.records) == 2
 
 
 class Files(http.server.BaseHTTPRequestHandler):

@@ -41,6 +41,7 @@ class BatchRequest:
     custom_id: str
     url: str
     body: dict
+    ignored: tuple = ()  # the line's other keys
 
 
 def is_url(name: str) -> bool:
@@ -84,6 +85,9 @@ def parse_requests(text: str) -> list[BatchRequest]:
     if not requests:
         raise ValueError("the input holds no requests")
     _warn_twice_named(requests)
+    if extra := [r for r in requests if r.ignored]:
+        log.warning("%d lines hold keys besides %s, ignored (line %d: %s)", len(extra), ", ".join(LINE_KEYS),
+                    extra[0].line, ", ".join(extra[0].ignored))
     return requests
 
 
@@ -108,9 +112,8 @@ def _request(number: int, line: str) -> BatchRequest:
                          f"{', '.join(BATCH_ROUTES)}")
     if not isinstance(value["body"], dict):
         raise ValueError(f"body must be a JSON object, got {type(value['body']).__name__}")
-    if extra := sorted(set(value) - set(LINE_KEYS)):
-        log.warning("line %d: %s ignored (a line holds %s)", number, ", ".join(extra), ", ".join(LINE_KEYS))
-    return BatchRequest(number, value["custom_id"], value["url"], value["body"])
+    ignored = tuple(sorted(set(value) - set(LINE_KEYS)))
+    return BatchRequest(number, value["custom_id"], value["url"], value["body"], ignored)
 
 
 def _not_json(name: str):
