@@ -267,9 +267,10 @@ def test_requests_naming_another_model_are_caught(llama, tmp_path, capsys, caplo
     assert not list(tmp_path.glob("out.jsonl*"))
     (tmp_path / "in.jsonl").write_text("\n".join([line("a", "/tokenize", {"model": "gpt-4", "prompt": "x"}),
                                                   line("b", "/tokenize", {"model": "package", "prompt": "x"}),
-                                                  line("c", "/tokenize", {"prompt": "x"})]))
+                                                  line("c", "/tokenize", {"prompt": "x"}),
+                                                  line("d", "/tokenize", {"model": ["a list"], "prompt": "x"})]))
     ortmodule(args)
-    assert "1 of 3 requests name another model" in caplog.text
+    assert "1 of 4 requests name another model" in caplog.text
     answers = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [a["response"]["status_code"] for a in answers] == [404, 200, 200]
+    assert [a["response"]["status_code"] for a in answers] == [404, 200, 200, 400]
     assert answers[0]["error"]["error"]["code"] == "model_not_found"

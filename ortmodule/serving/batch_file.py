@@ -337,7 +337,8 @@ def run_batch_file(input_file: str, output_file: str, path: str, output_tmp_dir:
 def _check_names(requests: list[BatchRequest], served: str) -> None:
     """A body's `model` must be the served name (else its route answers 404): where every request names another
     model, a ValueError before any runs (the served name is likely not set); where some do, a warning."""
-    others = Counter(r.body["model"] for r in requests if r.body.get("model") not in (None, "", served))
+    named = (r.body.get("model") for r in requests)  # a model that is not a string is its route's 400
+    others = Counter(name for name in named if isinstance(name, str) and name not in ("", served))
     if not others:
         return
     name, count = others.most_common(1)[0]
