@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
-
-import ortmodule
+from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
 from ortmodule_dev import fixtures  # noqa: E402
@@ -60,10 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    fixture = fixtures.build(fixtures.SMOLLM2)
-    model = ortmodule.OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cpu")
-    tokenizer = ortmodule.load_tokenizer(fixture.package_dir)
-    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    model, tokenizer, hf = fixtures.real_models()
     ways = [("ortmodule, one DynamicCache", model, True, None),
             ("ortmodule, a new cache each turn", model, False, None),
             ("transformers, one DynamicCache", hf, True, hf.config),

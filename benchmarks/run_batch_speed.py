@@ -14,9 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
-import ortmodule
 from ortmodule.serving import create_app
 from ortmodule.serving.batch_file import Output, parse_requests, run_requests
 
@@ -67,10 +65,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    fixture = fixtures.build(fixtures.SMOLLM2)
-    model = ortmodule.OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cpu")
-    tokenizer = ortmodule.load_tokenizer(fixture.package_dir)
-    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    model, tokenizer, hf = fixtures.real_models()
     chats = messages(args.requests)
     rows = 32  # the server's default --max-rows: the batch run-batch decodes together
     tokens = args.requests * args.new

@@ -287,6 +287,20 @@ def spec_tokenizer(spec: FixtureSpec):
     return tokenizer
 
 
+def real_models(spec: FixtureSpec = SMOLLM2):
+    """What a CPU benchmark on the real model compares: its package loaded by ortmodule on the CPU, its tokenizer,
+    and transformers' fp32 model on the same weights (eval mode)."""
+    import torch
+    import transformers
+
+    import ortmodule
+
+    fixture = build(spec)
+    model = ortmodule.OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    return model, ortmodule.load_tokenizer(fixture.package_dir), hf
+
+
 def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
     """A random-weight transformers checkpoint with its tokenizer, saved to `out` (for the real
     model, SmolLM2, its dequantized weights)."""
