@@ -1,6 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`) against the `openai` client nobody here wrote, its own
 pydantic types (validated strictly), and transformers' greedy generation on the same weights."""
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -202,3 +204,21 @@ def test_what_cannot_be_carried_out_is_refused_naming_its_field(openai_live, fie
     answer = httpx.post(f"{live.url}/v1/responses", json={"model": NAME, "input": "Hi", "max_output_tokens": 3,
                                                           "temperature": 0, **neutral})
     assert answer.status_code == 200 and answer.json()["store"] is False
+
+
+def test_the_request_id_field_is_the_responses_id_as_vllms(openai_live):
+    """vLLM's `request_id` field names the response (its id, whole and in the stream's events); without it a
+    `resp_` id; a request_id that is not a string is refused naming it."""
+    live, _, hf, tokenizer, _ = openai_live
+    _, text, _, _ = reference(hf, tokenizer, [{"role": "user", "content": "Tell me a story."}], 6)
+    body = {"model": NAME, "input": "Tell me a story.", "max_output_tokens": 6, "temperature": 0}
+    named = httpx.post(f"{live.url}/v1/responses", json={**body, "request_id": "trace-42"}).json()
+    assert (named["id"], named["output"][0]["content"][0]["text"]) == ("trace-42", text)
+    assert httpx.post(f"{live.url}/v1/responses", json=body).json()["id"].startswith("resp_")
+    with httpx.stream("POST", f"{live.url}/v1/responses", json={**body, "stream": True, "request_id": "trace-43"},
+                      timeout=60) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+    assert {e["response"]["id"] for e in events if "response" in e} == {"trace-43"}
+    for bad in (42, "", "x" * 257):
+        refused = httpx.post(f"{live.url}/v1/responses", json={**body, "request_id": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "request_id", refused.text

@@ -100,6 +100,9 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     tools, choice = _tools(body)
     extra = {name: value for name, value in (body.model_extra or {}).items() if name in RESPONSES_EXTRAS}
     _refuse_unless_neutral((body.model_extra or {}).get, REFUSED_EXTRAS)
+    ident = (body.model_extra or {}).get("request_id")
+    if ident is not None and not (isinstance(ident, str) and 0 < len(ident) <= 256):
+        raise ServingError(f"request_id must be a string of 1 to 256 characters, got {ident!r:.60}", "request_id")
     return ChatRequest(model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
                        reasoning_effort=_effort(body.reasoning), temperature=body.temperature, top_p=body.top_p,
                        logprobs=logprobs,
@@ -288,12 +291,14 @@ def _logprobs(served: Served, body: ResponsesRequest, row: Row, scored: list | N
 
 
 def answered(served: Served, body: ResponsesRequest, job: Generation, rows: list[Row]) -> dict:
-    return response_object(served, body, job, _names(), rows)
+    return response_object(served, body, job, _names(body), rows)
 
 
-def _names() -> tuple[str, str, int]:
-    """A response's id, its message's id and its creation time."""
-    return f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
+def _names(body: ResponsesRequest) -> tuple[str, str, int]:
+    """A response's id (vLLM's `request_id` field where the request sends one, as vLLM answers it), its message's
+    id and its creation time."""
+    ident = (body.model_extra or {}).get("request_id") or f"resp_{uuid.uuid4().hex}"
+    return ident, f"msg_{uuid.uuid4().hex}", int(time.time())
 
 
 class _Events:
@@ -385,7 +390,7 @@ class _Output:
 async def events(served: Served, body: ResponsesRequest, job: Generation):
     """The stream of one response (module docstring); a failure of the model's work is an `error` event, after
     which the stream ends; if the client goes away, its row stops."""
-    names, event = _names(), _Events()
+    names, event = _names(body), _Events()
     output = _Output(event, names[1])
     calls = ChatStream(job) if job.tools.calls or job.reasoning else None  # read as the output comes
     try:
