@@ -170,13 +170,15 @@ def _serve(parser: argparse.ArgumentParser, args) -> None:
             options[name] = value
     loading = dict(device=args.device, fp32_lm_head=args.enable_fp32_lm_head, prefill_attention=args.prefill_attention,
                    subfolder=args.subfolder, revision=args.revision, chat_template=args.chat_template)
+    if args.command == "run-batch" and (args.path is None) == (args.model is None):
+        parser.error("run-batch takes the package as PATH or as --model PACKAGE (vllm run-batch's), one of them")
     try:
         if args.command == "run-batch":
             from .serving.batch_file import run_batch_file
 
             logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request: the progress bar says it
-            run_batch_file(args.input_file, args.output_file, args.path, output_tmp_dir=args.output_tmp_dir,
-                           progress=args.progress, **loading, **options)
+            run_batch_file(args.input_file, args.output_file, args.path or args.model,
+                           output_tmp_dir=args.output_tmp_dir, progress=args.progress, **loading, **options)
         else:
             from .serving import serve
 
@@ -302,13 +304,16 @@ def _run_batch_flags(commands) -> None:
                        help="with a URL output, the folder the answers are written in before the upload")
     batch.add_argument("--disable-progress-bar", dest="progress", action="store_false",
                        help="no progress bar on standard error")
-    _answer_flags(batch)
+    batch.add_argument("--model", dest="model", default=None, metavar="PACKAGE",
+                       help="the package, as vllm run-batch names it (in place of the PATH argument)")
+    _answer_flags(batch, path_optional=True)
 
 
-def _answer_flags(serve: argparse.ArgumentParser) -> None:
+def _answer_flags(serve: argparse.ArgumentParser, path_optional: bool = False) -> None:
     """The flags of the package and of how requests are read and answered (serve's and run-batch's)."""
-    serve.add_argument("path", help="the GenAI package folder (genai_config.json, model.onnx, tokenizer), or a "
-                                    "Hugging Face Hub repository id (org/name) holding one")
+    serve.add_argument("path", nargs="?" if path_optional else None,
+                       help="the GenAI package folder (genai_config.json, model.onnx, tokenizer), or a Hugging Face "
+                            "Hub repository id (org/name) holding one")
     serve.add_argument("--subfolder", default=None, help="the package's folder inside the repository (default: its "
                                                          "one package)")
     serve.add_argument("--revision", default=None, help="the repository's branch, tag or commit (default: main)")

@@ -142,6 +142,18 @@ def test_bad_lines_are_each_named_before_the_package_loads(tmp_path, capsys):
     assert not list(tmp_path.glob("out.jsonl*"))
 
 
+def test_the_package_is_named_by_path_or_by_vllms_model_flag_once(tmp_path, capsys):
+    """`ortmodule run-batch -i IN -o OUT PACKAGE`, or `--model PACKAGE` as vllm run-batch takes it; both or
+    neither is a usage error."""
+    (tmp_path / "in.jsonl").write_text("{bad\n")
+    files = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    for extra, message in ((["--model", "pkg"], "1 bad lines in the input"), (["pkg"], "1 bad lines in the input"),
+                           (["pkg", "--model", "pkg"], "one of them"), ([], "one of them")):
+        with pytest.raises(SystemExit) as stopped:
+            ortmodule(files + extra)
+        assert stopped.value.code == 2 and message in capsys.readouterr().err, extra
+
+
 def test_an_output_that_cannot_be_written_or_is_the_input_stops_the_run_first(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text(line("a", "/v1/completions", {"prompt": "x"}) + "\n")
     for output, message in ((tmp_path / "missing" / "out.jsonl", "cannot write the output file"),
