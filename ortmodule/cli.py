@@ -177,7 +177,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> None:
             from .serving.batch_file import run_batch_file
 
             logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request: the progress bar says it
-            run_batch_file(args.input_file, args.output_file, args.path or args.model,
+            metrics = (args.url, args.port) if args.enable_metrics else None
+            run_batch_file(args.input_file, args.output_file, args.path or args.model, metrics=metrics,
                            output_tmp_dir=args.output_tmp_dir, progress=args.progress, **loading, **options)
         else:
             from .serving import serve
@@ -304,6 +305,13 @@ def _run_batch_flags(commands) -> None:
                        help="with a URL output, the folder the answers are written in before the upload")
     batch.add_argument("--disable-progress-bar", dest="progress", action="store_false",
                        help="no progress bar on standard error")
+    batch.add_argument("--enable-metrics", action="store_true",
+                       help="serve the engine's Prometheus metrics (vLLM's series) at http://URL:PORT/metrics while "
+                            "the batch runs, as vllm run-batch's flag of that name")
+    batch.add_argument("--url", default="127.0.0.1", metavar="ADDRESS",
+                       help="with --enable-metrics, the address to listen on (default 127.0.0.1; 0.0.0.0: every "
+                            "interface, vLLM's default)")
+    batch.add_argument("--port", type=int, default=8000, help="with --enable-metrics, the port (default 8000)")
     batch.add_argument("--model", dest="model", default=None, metavar="PACKAGE",
                        help="the package, as vllm run-batch names it (in place of the PATH argument)")
     _answer_flags(batch, path_optional=True)

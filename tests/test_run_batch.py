@@ -286,3 +286,53 @@ def test_requests_naming_another_model_are_caught(llama, tmp_path, capsys, caplo
     answers = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [a["response"]["status_code"] for a in answers] == [404, 200, 200, 400]
     assert answers[0]["error"]["error"]["code"] == "model_not_found"
+
+
+def test_the_engines_metrics_are_served_while_the_batch_runs(llama, tmp_path, monkeypatch, capsys):
+    """`--enable-metrics --port P` (vllm run-batch's): during the run, GET /metrics answers vLLM's series in
+    Prometheus' text format, read by prometheus_client's parser: the generation tokens and the finished rows equal
+    the answers' usage and finish reasons; the port is closed once the run ends; a port in use stops the run before
+    the package loads."""
+    import socket
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import ortmodule.serving.batch_file as batch_file
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    real, scraped = batch_file.run_requests, {}
+
+    def run_then_scrape(*args, **kwargs):
+        summary = real(*args, **kwargs)
+        scraped["text"] = httpx.get(f"http://127.0.0.1:{port}/metrics").text  # the run over, the server still up
+        return summary
+
+    monkeypatch.setattr(batch_file, "run_requests", run_then_scrape)
+    (tmp_path / "in.jsonl").write_text("\n".join(line(str(i), "/v1/completions", {"prompt": f"{topic} is",
+                                                                                  "max_tokens": 4 + i,
+                                                                                  "temperature": 0})
+                                                 for i, topic in enumerate(TOPICS[:4])))
+    ortmodule(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+               str(llama.package_dir), "--enable-metrics", "--port", str(port), "--disable-progress-bar"])
+    answers = [json.loads(x)["response"]["body"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(scraped["text"]) for s in family.samples}
+    generated = sum(a["usage"]["completion_tokens"] for a in answers)
+    assert samples[("vllm:generation_tokens_total", (("engine", "0"), ("model_name", "package")))] == generated
+    reasons = [a["choices"][0]["finish_reason"] for a in answers]
+    for reason in set(reasons):
+        key = ("vllm:request_success_total", (("engine", "0"), ("finished_reason", reason), ("model_name", "package")))
+        assert samples[key] == reasons.count(reason)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit) as stopped:
+            ortmodule(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "again.jsonl"),
+                       str(tmp_path / "no-such-package"), "--enable-metrics", "--port", str(taken.getsockname()[1])])
+    assert stopped.value.code == 2 and not list(tmp_path.glob("again.jsonl*"))
+    assert "cannot serve metrics on 127.0.0.1 port" in capsys.readouterr().err

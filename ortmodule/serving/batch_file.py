@@ -18,6 +18,7 @@ import logging
 import os
 import shlex
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -201,6 +202,57 @@ def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
+class MetricsServer:
+    """vLLM's `run-batch --enable-metrics`: the engine's Prometheus series (telemetry.py's, vLLM's names) at
+    `http://ADDR:PORT/metrics` while the batch runs, in the text format `ortmodule serve`'s `/metrics` answers.
+    The port is taken when made (before the package loads: a port in use stops the run first)."""
+
+    def __init__(self, addr: str, port: int):
+        import http.server
+
+        self.registry = None
+        metrics = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802  (http.server's name)
+                from prometheus_client.exposition import generate_latest
+
+                from .telemetry import TEXT_FORMAT
+
+                ready = self.path.split("?")[0] == "/metrics" and metrics.registry is not None
+                body = generate_latest(metrics.registry) if ready else b"not found: GET /metrics\n"
+                self.send_response(200 if ready else 404)
+                self.send_header("Content-Type", TEXT_FORMAT if ready else "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # no line per scrape
+                pass
+
+        try:
+            self.server = http.server.ThreadingHTTPServer((addr, port), Handler)
+        except (OSError, OverflowError) as e:
+            raise ValueError(f"cannot serve metrics on {addr} port {port}: {getattr(e, 'strerror', None) or e}") \
+                from None
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="ortmodule-batch-metrics", daemon=True)
+        self.thread.start()
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def show(self, engine, model_name: str) -> None:
+        from .telemetry import registry_of
+
+        self.registry = registry_of(engine, model_name)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @dataclass
 class Summary:
     """What a run did: answers by HTTP status, the tokens its answers' usage counts, its wall time."""
@@ -307,10 +359,11 @@ async def _answer(client, request: BatchRequest) -> tuple[int, object, str]:
 def run_batch_file(input_file: str, output_file: str, path: str, output_tmp_dir: str | None = None,
                    progress: bool = True, device: str = "cpu", fp32_lm_head: bool = False,
                    prefill_attention: str | None = None, subfolder: str | None = None, revision: str | None = None,
-                   chat_template: str | None = None, **options) -> Summary:
+                   chat_template: str | None = None, metrics: tuple[str, int] | None = None, **options) -> Summary:
     """`ortmodule run-batch`: the input's lines checked, the output opened, the package at `path` loaded as
     `ortmodule serve` loads it (the same arguments; `options`: the settings' fields), every request run through the
-    server's routes and the answers written. Returns what the run did (its answers by status, their tokens)."""
+    server's routes and the answers written. `metrics`: (address, port) where the engine's series are served
+    meanwhile (`MetricsServer`). Returns what the run did (its answers by status, their tokens)."""
     from .app import load_app
 
     local = [name for name in (input_file, output_file) if name != "-" and not is_url(name)]
@@ -318,17 +371,25 @@ def run_batch_file(input_file: str, output_file: str, path: str, output_tmp_dir:
         raise ValueError(f"the output file is the input file ({input_file}): the answers would replace the requests")
     requests = parse_requests(read_input(input_file))
     log.info("%d requests read from %s", len(requests), input_file)
-    output = Output(output_file, output_tmp_dir)
+    output, server = Output(output_file, output_tmp_dir), None
     try:
+        if metrics is not None:  # the port taken before the package loads
+            server = MetricsServer(*metrics)
         app, settings = load_app(path, "127.0.0.1", device, fp32_lm_head, prefill_attention, subfolder, revision,
                                  options, chat_template)
         _check_names(requests, app.state.served.name)
+        if server is not None:
+            server.show(app.state.served.engine, app.state.served.name)
+            log.info("metrics at http://%s:%d/metrics while the batch runs", metrics[0], server.port)
         headers = {"authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         summary = run_requests(app, requests, output, min(2 * settings.max_rows, settings.max_queue), headers,
                                progress)
     except BaseException:
         output.abandon()
         raise
+    finally:
+        if server is not None:
+            server.close()
     output.finish()
     log.info("%s; answers in %s", summary.line(), output_file)
     return summary

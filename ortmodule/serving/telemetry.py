@@ -35,13 +35,13 @@ JOB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 
 # a row's end, as vLLM's `finished_reason` label names it
 FINISHED = {"stop": "stop", "length": "length", "abandoned": "abort", "abort": "abort", "error": "error"}
 LABELS = ["model_name", "engine"]
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def add_routes(app: FastAPI, engine, model_name: str) -> None:
     """`GET /metrics`: Prometheus' text format, as vLLM's and SGLang's; the engine's counts as JSON with
     `?format=json` or `Accept: application/json` first."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, model_name))
+    registry = registry_of(engine, model_name)
 
     @app.get("/metrics")
     async def metrics(request: Request, format: str | None = None):  # noqa: A002  (the query's name)
@@ -52,7 +52,14 @@ def add_routes(app: FastAPI, engine, model_name: str) -> None:
         # Prometheus' text format 0.0.4 to every scraper: prometheus_client's OpenMetrics output renames the samples
         # of a name with a colon (vllm:...) but not its HELP and TYPE lines (prometheus/client_python#1177), which
         # strict parsers reject; Prometheus reads the format the answer names.
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(generate_latest(registry), media_type=TEXT_FORMAT)
+
+
+def registry_of(engine, model_name: str) -> CollectorRegistry:
+    """A registry of the engine's series, for `generate_latest`."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, model_name))
+    return registry
 
 
 def engine_counts(engine) -> dict:
