@@ -179,7 +179,8 @@ def _serve(parser: argparse.ArgumentParser, args) -> None:
             logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request: the progress bar says it
             metrics = (args.url, args.port) if args.enable_metrics else None
             run_batch_file(args.input_file, args.output_file, args.path or args.model, metrics=metrics,
-                           output_tmp_dir=args.output_tmp_dir, progress=args.progress, **loading, **options)
+                           resume=args.resume, output_tmp_dir=args.output_tmp_dir, progress=args.progress, **loading,
+                           **options)
         else:
             from .serving import serve
 
@@ -305,6 +306,9 @@ def _run_batch_flags(commands) -> None:
                        help="with a URL output, the folder the answers are written in before the upload")
     batch.add_argument("--disable-progress-bar", dest="progress", action="store_false",
                        help="no progress bar on standard error")
+    batch.add_argument("--resume", action="store_true",
+                       help="continue a stopped run of the same input: the answers in OUT.part are kept and the "
+                            "requests after them run")
     batch.add_argument("--enable-metrics", action="store_true",
                        help="serve the engine's Prometheus metrics (vLLM's series) at http://URL:PORT/metrics while "
                             "the batch runs, as vllm run-batch's flag of that name")

@@ -336,3 +336,41 @@ def test_the_engines_metrics_are_served_while_the_batch_runs(llama, tmp_path, mo
                        str(tmp_path / "no-such-package"), "--enable-metrics", "--port", str(taken.getsockname()[1])])
     assert stopped.value.code == 2 and not list(tmp_path.glob("again.jsonl*"))
     assert "cannot serve metrics on 127.0.0.1 port" in capsys.readouterr().err
+
+
+def test_resume_continues_a_stopped_runs_part_file(llama, tmp_path, caplog, capsys):
+    """`--resume`: a stopped run's OUT.part (its last line cut short, as a kill while writing leaves it) is kept,
+    only the requests after its answers run, and OUT is the whole run's answers in order, each transformers' greedy
+    text; resumed again once complete, nothing runs; a .part of another input is refused; without --resume a .part
+    is replaced, with a warning."""
+    caplog.set_level(logging.INFO, logger="ortmodule.serving")
+    _, hf = load_pair(llama)
+    tokenizer = load_tokenizer(llama.package_dir)
+    bodies = [{"prompt": f"{topic} is", "max_tokens": 5, "temperature": 0} for topic in TOPICS[:5]]
+    lines = [line(f"r{i}", "/v1/completions", body) for i, body in enumerate(bodies)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines))
+    (tmp_path / "first.jsonl").write_text("\n".join(lines[:2]))
+    out = tmp_path / "out.jsonl"
+    command = ["run-batch", "-o", str(out), str(llama.package_dir), "--disable-progress-bar"]
+    ortmodule(command + ["-i", str(tmp_path / "first.jsonl")])
+    kept = out.read_text()
+    out.unlink()
+    (tmp_path / "out.jsonl.part").write_text(kept + '{"id": "ortmodule-1", "custom_id": "r2", "resp')
+    ortmodule(command + ["-i", str(tmp_path / "in.jsonl"), "--resume"])
+    assert "resuming: 2 of 5 requests are answered" in caplog.text
+    assert "3 requests in" in caplog.text and "5 requests in" not in caplog.text  # only those after the kept ran
+    answers = [json.loads(x) for x in out.read_text().splitlines()]
+    assert out.read_text().startswith(kept) and not (tmp_path / "out.jsonl.part").exists()
+    assert [a["custom_id"] for a in answers] == [f"r{i}" for i in range(5)]
+    for answer, body in zip(answers, bodies, strict=True):
+        tokens = hf_greedy(hf, tokenizer(body["prompt"])["input_ids"], 5)
+        assert answer["response"]["body"]["choices"][0]["text"] == expected_text(tokenizer, tokens)[0]
+    ortmodule(command + ["-i", str(tmp_path / "in.jsonl"), "--resume"])
+    assert "is complete: nothing to resume" in caplog.text
+    (tmp_path / "out.jsonl.part").write_text(kept.replace('"r1"', '"other"'))
+    with pytest.raises(SystemExit):
+        ortmodule(command + ["-i", str(tmp_path / "in.jsonl"), "--resume"])
+    assert "answers other requests than this input's first 2: its answer 2 is 'other'" in capsys.readouterr().err
+    ortmodule(command + ["-i", str(tmp_path / "first.jsonl")])
+    assert "an earlier run's answers, is replaced (--resume continues it)" in caplog.text
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["r0", "r1"]

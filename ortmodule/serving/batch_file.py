@@ -133,10 +133,13 @@ def _warn_twice_named(requests: list[BatchRequest]) -> None:
 class Output:
     """Where the answers go: a path (written to PATH.part, renamed when every answer is in), `-` (standard output)
     or an http(s) URL (a file in `tmp_dir`, or the system's, PUT when done). Opened before the package loads, so
-    that an output that cannot be written stops the run first."""
+    that an output that cannot be written stops the run first. `resume`: a path's PATH.part from a stopped run is
+    kept and added to (`kept`: the custom_ids it answers, in order); else it is replaced."""
 
-    def __init__(self, name: str, tmp_dir: str | None = None):
-        self.name, self.written = name, 0
+    def __init__(self, name: str, tmp_dir: str | None = None, resume: bool = False):
+        self.name, self.written, self.kept = name, 0, []
+        if resume and (name == "-" or is_url(name)):
+            raise ValueError("resume continues a local output file's .part file: not standard output or a URL")
         if name == "-":
             self.path, self.file = None, sys.stdout
             return
@@ -148,11 +151,16 @@ class Output:
             self.path = Path(path)
         else:
             self.path = Path(name + ".part")
+            if resume:
+                self.kept = _kept_answers(self.path)
+            elif self.path.exists():
+                log.warning("%s, an earlier run's answers, is replaced (--resume continues it)", self.path)
         try:
             # line-buffered: each answer is on the disk once written, whatever stops the run
-            self.file = open(self.path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115  (closed in finish/abandon)
+            self.file = open(self.path, "a" if resume else "w", encoding="utf-8", buffering=1)  # noqa: SIM115
         except OSError as e:
             raise ValueError(f"cannot write the output file {name}: {e}") from None
+        self.written = len(self.kept)
 
     def write(self, line: str) -> None:
         self.file.write(line + "\n")
@@ -179,6 +187,22 @@ class Output:
             log.warning("stopped: the first %d answers are in %s", self.written, self.path)
         else:
             self.path.unlink(missing_ok=True)
+
+
+def _kept_answers(path: Path) -> list[str]:
+    """The custom_ids a stopped run's PATH.part answers, in order; a last line cut short (the run killed while
+    writing it) is cut off the file."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    whole = data[:data.rfind(b"\n") + 1]
+    if len(whole) < len(data):
+        with open(path, "r+b") as file:
+            file.truncate(len(whole))
+    try:
+        return [json.loads(line)["custom_id"] for line in whole.decode("utf-8").splitlines()]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a run's answers ({e!r:.80}): remove it, or run without --resume") from None
 
 
 def _upload(url: str, path: Path) -> None:
@@ -359,11 +383,13 @@ async def _answer(client, request: BatchRequest) -> tuple[int, object, str]:
 def run_batch_file(input_file: str, output_file: str, path: str, output_tmp_dir: str | None = None,
                    progress: bool = True, device: str = "cpu", fp32_lm_head: bool = False,
                    prefill_attention: str | None = None, subfolder: str | None = None, revision: str | None = None,
-                   chat_template: str | None = None, metrics: tuple[str, int] | None = None, **options) -> Summary:
+                   chat_template: str | None = None, metrics: tuple[str, int] | None = None, resume: bool = False,
+                   **options) -> Summary:
     """`ortmodule run-batch`: the input's lines checked, the output opened, the package at `path` loaded as
     `ortmodule serve` loads it (the same arguments; `options`: the settings' fields), every request run through the
     server's routes and the answers written. `metrics`: (address, port) where the engine's series are served
-    meanwhile (`MetricsServer`). Returns what the run did (its answers by status, their tokens)."""
+    meanwhile (`MetricsServer`). `resume`: a stopped run's OUT.part continued, its requests not run again.
+    Returns what the run did (its answers by status, their tokens)."""
     from .app import load_app
 
     local = [name for name in (input_file, output_file) if name != "-" and not is_url(name)]
@@ -371,7 +397,14 @@ def run_batch_file(input_file: str, output_file: str, path: str, output_tmp_dir:
         raise ValueError(f"the output file is the input file ({input_file}): the answers would replace the requests")
     requests = parse_requests(read_input(input_file))
     log.info("%d requests read from %s", len(requests), input_file)
-    output, server = Output(output_file, output_tmp_dir), None
+    if resume and Path(output_file).exists() and not Path(output_file + ".part").exists():
+        log.info("%s is complete: nothing to resume", output_file)
+        return Summary()
+    output, server = Output(output_file, output_tmp_dir, resume), None
+    requests = _after_kept(requests, output)
+    if not requests:
+        output.finish()
+        return Summary()
     try:
         if metrics is not None:  # the port taken before the package loads
             server = MetricsServer(*metrics)
@@ -393,6 +426,22 @@ def run_batch_file(input_file: str, output_file: str, path: str, output_tmp_dir:
     output.finish()
     log.info("%s; answers in %s", summary.line(), output_file)
     return summary
+
+
+def _after_kept(requests: list[BatchRequest], output: Output) -> list[BatchRequest]:
+    """The requests a resumed output does not answer yet: those after the ones its kept answers name, in order."""
+    kept = output.kept
+    if not kept:
+        return requests
+    first = [r.custom_id for r in requests[:len(kept)]]
+    if first != kept:
+        at = next((i for i, (a, b) in enumerate(zip(first, kept)) if a != b), len(first))
+        output.abandon()
+        raise ValueError(f"{output.path} answers other requests than this input's first {len(kept)}: its answer "
+                         f"{at + 1} is {kept[at]!r}, the input's request {at + 1} is "
+                         f"{first[at] if at < len(first) else None!r}; resume runs the same input")
+    log.info("resuming: %d of %d requests are answered in %s", len(kept), len(requests), output.path)
+    return requests[len(kept):]
 
 
 def _check_names(requests: list[BatchRequest], served: str) -> None:
