@@ -196,13 +196,14 @@ def _kept_answers(path: Path) -> list[str]:
         return []
     data = path.read_bytes()
     whole = data[:data.rfind(b"\n") + 1]
+    try:
+        kept = [json.loads(line)["custom_id"] for line in whole.decode("utf-8").splitlines()]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a run's answers ({e!r:.80}): remove it, or run without --resume") from None
     if len(whole) < len(data):
         with open(path, "r+b") as file:
             file.truncate(len(whole))
-    try:
-        return [json.loads(line)["custom_id"] for line in whole.decode("utf-8").splitlines()]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a run's answers ({e!r:.80}): remove it, or run without --resume") from None
+    return kept
 
 
 def _upload(url: str, path: Path) -> None:
@@ -436,7 +437,7 @@ def _after_kept(requests: list[BatchRequest], output: Output) -> list[BatchReque
     first = [r.custom_id for r in requests[:len(kept)]]
     if first != kept:
         at = next((i for i, (a, b) in enumerate(zip(first, kept)) if a != b), len(first))
-        output.abandon()
+        output.file.close()  # the .part left as it was
         raise ValueError(f"{output.path} answers other requests than this input's first {len(kept)}: its answer "
                          f"{at + 1} is {kept[at]!r}, the input's request {at + 1} is "
                          f"{first[at] if at < len(first) else None!r}; resume runs the same input")
