@@ -374,3 +374,16 @@ def test_resume_continues_a_stopped_runs_part_file(llama, tmp_path, caplog, caps
     ortmodule(command + ["-i", str(tmp_path / "first.jsonl")])
     assert "an earlier run's answers, is replaced (--resume continues it)" in caplog.text
     assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["r0", "r1"]
+
+
+def test_lines_end_at_newlines_only_and_a_byte_order_mark_is_skipped(tmp_path):
+    """JSON Lines as other tools write them: a UTF-8 byte order mark first, CRLF endings, and text holding U+2028
+    and U+0085 unescaped (json.dumps with ensure_ascii=False), which str.splitlines would cut a line at."""
+    from ortmodule.serving.batch_file import read_input
+
+    prompts = ["one\u2028two", "three\u0085four", "plain"]
+    text = "\r\n".join(json.dumps({"custom_id": str(i), "method": "POST", "url": "/tokenize", "body": {"prompt": p}},
+                                  ensure_ascii=False) for i, p in enumerate(prompts))
+    (tmp_path / "in.jsonl").write_bytes(("\ufeff" + text + "\r\n").encode("utf-8"))
+    requests = parse_requests(read_input(str(tmp_path / "in.jsonl")))
+    assert [r.body["prompt"] for r in requests] == prompts and [r.line for r in requests] == [1, 2, 3]

@@ -63,7 +63,7 @@ def read_input(name: str) -> str:
             raise ValueError(f"cannot read the input file {name}: {_first_line(e)}") from None
         return answer.text
     try:
-        return Path(name).read_text(encoding="utf-8")
+        return Path(name).read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read the input file {name}: {e}") from None
 
@@ -71,7 +71,10 @@ def read_input(name: str) -> str:
 def parse_requests(text: str) -> list[BatchRequest]:
     """The input's requests, blank lines skipped; ValueError naming each bad line (the first ten)."""
     requests, problems = [], []
-    for number, line in enumerate(text.splitlines(), 1):
+    # JSON Lines end at "\n" only: str.splitlines would also split a string holding U+2028 or U+0085, which JSON
+    # may carry unescaped
+    for number, line in enumerate(text.removeprefix("\ufeff").split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
@@ -197,7 +200,7 @@ def _kept_answers(path: Path) -> list[str]:
     data = path.read_bytes()
     whole = data[:data.rfind(b"\n") + 1]
     try:
-        kept = [json.loads(line)["custom_id"] for line in whole.decode("utf-8").splitlines()]
+        kept = [json.loads(line)["custom_id"] for line in whole.decode("utf-8").split("\n") if line]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a run's answers ({e!r:.80}): remove it, or run without --resume") from None
     if len(whole) < len(data):
