@@ -387,3 +387,17 @@ def test_lines_end_at_newlines_only_and_a_byte_order_mark_is_skipped(tmp_path):
     (tmp_path / "in.jsonl").write_bytes(("\ufeff" + text + "\r\n").encode("utf-8"))
     requests = parse_requests(read_input(str(tmp_path / "in.jsonl")))
     assert [r.body["prompt"] for r in requests] == prompts and [r.line for r in requests] == [1, 2, 3]
+
+
+def test_the_metrics_port_answers_503_while_the_package_loads():
+    import httpx
+
+    from ortmodule.serving.batch_file import MetricsServer
+
+    server = MetricsServer("127.0.0.1", 0)
+    try:
+        loading = httpx.get(f"http://127.0.0.1:{server.port}/metrics")
+        assert (loading.status_code, loading.text) == (503, "the package is loading\n")
+        assert httpx.get(f"http://127.0.0.1:{server.port}/other").status_code == 404
+    finally:
+        server.close()

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shlex
+import socket
 import sys
 import threading
 import time
@@ -257,9 +258,13 @@ class MetricsServer:
 
                 from .telemetry import TEXT_FORMAT
 
-                ready = self.path.split("?")[0] == "/metrics" and metrics.registry is not None
-                body = generate_latest(metrics.registry) if ready else b"not found: GET /metrics\n"
-                self.send_response(200 if ready else 404)
+                asked = self.path.split("?")[0] == "/metrics"
+                ready = asked and metrics.registry is not None
+                if ready:
+                    body = generate_latest(metrics.registry)
+                else:  # the package is loading (503), or another path (404)
+                    body = b"the package is loading\n" if asked else b"not found: GET /metrics\n"
+                self.send_response(200 if ready else 503 if asked else 404)
                 self.send_header("Content-Type", TEXT_FORMAT if ready else "text/plain")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -268,8 +273,10 @@ class MetricsServer:
             def log_message(self, *args):  # no line per scrape
                 pass
 
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET  # an IPv6 address (::1) as the server's own
+        server = type("MetricsHTTPServer", (http.server.ThreadingHTTPServer,), {"address_family": family})
         try:
-            self.server = http.server.ThreadingHTTPServer((addr, port), Handler)
+            self.server = server((addr, port), Handler)
         except (OSError, OverflowError) as e:
             raise ValueError(f"cannot serve metrics on {addr} port {port}: {getattr(e, 'strerror', None) or e}") \
                 from None
