@@ -357,9 +357,10 @@ def load_app(path, host, device, fp32_lm_head, prefill_attention, subfolder, rev
     if options.get("name") is None and not Path(path).exists():  # a Hub repository: its id, not the snapshot's hash
         options["name"] = "/".join(part.strip("/") for part in (path, subfolder or "") if part)
     settings = Settings.with_environment(**options)
-    check_max_model_len(settings.max_model_len, read_package(local).context_length)  # before the load
+    package = read_package(local)  # its files' description, checked against the settings before the load
+    check_max_model_len(settings.max_model_len, package.context_length)
     if settings.processor is not None:
-        check_processor(read_package(local), settings.processor)
+        check_processor(package, settings.processor)
     if settings.generation_config not in ("auto", "vllm"):  # a folder's generation_config.json, read before the load
         sampling_defaults(None, settings.generation_config)
     template = chat_template_of(chat_template) if chat_template is not None else None

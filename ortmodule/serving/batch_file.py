@@ -249,15 +249,15 @@ class MetricsServer:
     def __init__(self, addr: str, port: int):
         import http.server
 
+        from prometheus_client.exposition import generate_latest
+
+        from .telemetry import TEXT_FORMAT
+
         self.registry = None
         metrics = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802  (http.server's name)
-                from prometheus_client.exposition import generate_latest
-
-                from .telemetry import TEXT_FORMAT
-
                 asked = self.path.split("?")[0] == "/metrics"
                 ready = asked and metrics.registry is not None
                 if ready:
