@@ -1,4 +1,6 @@
+import faulthandler
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -24,11 +26,31 @@ def pytest_addoption(parser):
                           "graphs (to tell a failure of theirs from the code's)")
 
 
+# A test still running after this many seconds has hung (the slowest, marked slow, take a few minutes on
+# 2 vCPUs): the run ends there, every thread's stack on stderr, rather than at CI's time limit with no
+# sign of which test it was. ORTMODULE_TEST_HANG_S=0 turns it off; pytest's own faulthandler_timeout,
+# when set, takes its place (it dumps the stacks and lets the test go on).
+HANG_S = float(os.environ.get("ORTMODULE_TEST_HANG_S", "900"))
+
+
 def pytest_configure(config):
     if config.getoption("--no-cuda-graphs-by-default"):
         from ortmodule import runtime
 
         runtime.CUDA_GRAPHS_BY_DEFAULT = False
+    config.hang_stderr = os.dup(sys.stderr.fileno())  # the terminal's: a test's output is captured
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if HANG_S <= 0 or float(item.config.getini("faulthandler_timeout") or 0) > 0:
+        yield
+        return
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=item.config.hang_stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True)

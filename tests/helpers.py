@@ -438,6 +438,23 @@ def hold_worker(served):
     return started, release, scored
 
 
+def hold_decode(served):
+    """Make the server's model thread block in its next decode step (a running batch's) until `release`
+    is set; returns the events (`started`: a step is held, `release`). Later steps run unheld."""
+    started, release = threading.Event(), threading.Event()
+    generations = served.engine.generations
+    decode = generations.decode
+
+    def held_decode():
+        if not started.is_set():
+            started.set()
+            release.wait(30)
+        return decode()
+
+    generations.decode = held_decode
+    return started, release
+
+
 def one_held_one_waiting(live: LiveServer, pool, started, body: dict, path: str = "/v1/completions") -> tuple:
     """With the worker held (`hold_worker`'s `started`): one request of `body` in the worker and one
     waiting in the queue (a server of `max_queue=1` is then full); the futures of their responses."""

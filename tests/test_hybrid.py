@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import LiveServer, expected_text, left_padded_batch, load_pair, right_padded_batch
+from helpers import LiveServer, expected_text, hold_decode, left_padded_batch, load_pair, right_padded_batch
 
 from ortmodule import OrtModelForCausalLM, load_tokenizer
 from ortmodule.cache import CHECKPOINTS
@@ -516,14 +516,21 @@ def test_the_server_continues_a_conversation_past_its_cached_prompt(pair):
         complete(base, 1)
         follow = base + [rng.randrange(4, 512) for _ in range(6)]
         long_prompt = [rng.randrange(4, 512) for _ in range(10)]
-        before = reuse()
+        before, fed = reuse(), live.client.get("/metrics?format=json").json()["fed_tokens"]
+        started, release = hold_decode(live.app.state.served)  # the long answer's first step waits for follow
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(complete, long_prompt, 60)
-            while live.client.get("/metrics?format=json").json()["running_rows"] == 0:
+            assert started.wait(30), running.exception(0) if running.done() else "no decode step began"
+            following = pool.submit(complete, follow, 6)
+            deadline = time.monotonic() + 10
+            while live.client.get("/metrics?format=json").json()["waiting"] < 1:
+                assert time.monotonic() < deadline, "the follow-up never reached the queue"
                 time.sleep(0.01)
-            got = complete(follow, 6)
+            release.set()
             check(running.result(), long_prompt, 60)
+            got = following.result()
         check(got, follow, 6)
         assert reuse() == (before[0] + 1, before[1] + len(base))
+        assert live.client.get("/metrics?format=json").json()["fed_tokens"] == fed + len(follow) - len(base)
     finally:
         live.stop()
