@@ -530,6 +530,25 @@ def length_batches(lengths: Sequence[int], width: int, budget: int, scored: Sequ
         yield batch
 
 
+def last_hidden_states(model: OrtModelForCausalLM, prompts: list[Ids], token_budget: int) -> torch.Tensor:
+    """The final norm's output at each prompt's last token, the LM head's input there: `[prompts, hidden]`
+    float32 on the device, one run per batch of at most `token_budget` padded tokens of the decoder without
+    its LM head (`model.model`, backbone.py: no logits are computed). A decoder's embedding of the prompt
+    as vLLM's and sentence-transformers' last-token pooling take it, before normalization."""
+    device = model.device
+    out = None
+    backbone = model.model
+    for batch in length_batches([len(p) for p in prompts], 0, token_budget):
+        ids, mask = pad_right([prompts[i] for i in batch])
+        states = backbone(to_device(ids, device), attention_mask=to_device(mask, device), use_cache=False,
+                          return_dict=True).last_hidden_state
+        if out is None:
+            out = torch.empty(len(prompts), states.shape[-1], device=device)
+        last = to_device(mask.sum(1) - 1, device)
+        out[to_device(batch, device)] = states[torch.arange(len(batch), device=device), last].float()
+    return out
+
+
 def logit_positions(model: OrtModelForCausalLM, logit_bytes: int = 1 << 30) -> int:
     """How many positions' logits (as the decoder computes them) fit in `logit_bytes`."""
     itemsize = model.decoder.head_dtype.itemsize

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__, scoring
 from . import (
+    embedding_routes,
     generate_routes,
     messages_routes,
     openai_routes,
@@ -96,6 +97,7 @@ def create_app(model, tokenizer, settings: Settings | None = None, **options) ->
     responses_routes.add_routes(app, served)
     messages_routes.add_routes(app, served)
     tokenize_routes.add_routes(app, served)
+    embedding_routes.add_routes(app, served)
     generate_routes.add_routes(app, served)
     sglang_routes.add_routes(app, served)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 log = logging.getLogger("ortmodule.serving")
 
 # The routes a line may name: the app's POST routes that answer a request (not /ping, /flush_cache).
-BATCH_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+BATCH_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages",
                 "/v1/messages/count_tokens", "/v1/score", "/generative_scoring", "/generate", "/tokenize",
                 "/detokenize")
 LINE_KEYS = ("custom_id", "method", "url", "body")

@@ -15,8 +15,8 @@ import json
 from starlette.responses import JSONResponse
 
 # Routes whose errors take OpenAI's shape (vLLM's tokenizer and generative scoring routes answer in it too).
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-                "/tokenizer_info", "/generative_scoring", "/generate")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/embeddings", "/tokenize",
+                "/detokenize", "/tokenizer_info", "/generative_scoring", "/generate")
 
 
 class ServingError(Exception):

@@ -164,6 +164,38 @@ class ScoreJob(OneShot):
         return finish
 
 
+class EmbedJob(OneShot):
+    """OpenAI's and vLLM's `/v1/embeddings`: each prompt's final-norm output at its last token
+    (`scoring.last_hidden_states`), L2-normalized where `normalize`; each job's `[prompts, hidden]`
+    float32 on the host."""
+
+    kind = "embed"
+
+    def __init__(self, prompts: list[Ids], normalize: bool, loop, token_budget: int):
+        super().__init__(prompts, loop)
+        self.normalize, self.token_budget = normalize, token_budget
+
+    @classmethod
+    def start_together(cls, model, jobs: list[EmbedJob]) -> Callable[[], list[torch.Tensor]]:
+        states = scoring.last_hidden_states(model, [p for job in jobs for p in job.prompts], jobs[0].token_budget)
+        scaled = [job.normalize for job in jobs for _ in job.prompts]
+        if all(scaled):
+            states = torch.nn.functional.normalize(states, dim=-1)
+        elif any(scaled):
+            keep = to_device(scaled, states.device)[:, None]
+            states = torch.where(keep, torch.nn.functional.normalize(states, dim=-1), states)
+        copied = start_copy_to_host(states)
+
+        def finish() -> list[torch.Tensor]:
+            host, out, at = copied(), [], 0
+            for job in jobs:
+                out.append(host[at : at + len(job.prompts)])
+                at += len(job.prompts)
+            return out
+
+        return finish
+
+
 @dataclass
 class PromptScores:
     """One prompt's log-probabilities: `token_logprobs[i]` of token i+1 given the tokens before it,

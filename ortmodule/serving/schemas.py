@@ -332,6 +332,35 @@ class TokenizeRequest(BaseModel):
     tools: list[Any] | None = None
 
 
+class EmbeddingRequest(BaseModel):
+    """OpenAI's `POST /v1/embeddings` with vLLM's fields: `input` (a text, texts, token ids or lists of them)
+    or vLLM's chat form, `messages` rendered as `/v1/chat/completions` renders them (without the
+    assistant's turn unless `add_generation_prompt`). Each input's embedding is the final norm's output at
+    its last token, L2-normalized unless `normalize` is false (vLLM's pooling of a decoder model). vLLM's
+    scheduling fields (`priority`, `request_id`) change no number and are taken; unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: Text | None = None
+    input: Text | list[Text] | list[TokenId] | list[list[TokenId]] | None = None
+    messages: list[ChatMessage] | None = None
+    encoding_format: Text = "float"
+    dimensions: StrictInt | None = None
+    user: Text | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for input, false for messages (vLLM's)
+    normalize: StrictBool | None = None
+    embed_dtype: Text = "float32"
+    endianness: Text = "native"
+    priority: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] = 0
+    request_id: Text | None = None
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+
 class DetokenizeRequest(BaseModel):
     """vLLM's `POST /detokenize`: token ids back to text."""
 
