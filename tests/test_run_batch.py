@@ -7,6 +7,7 @@ import logging
 import threading
 
 import pytest
+import torch
 from helpers import (
     CHAT_TEMPLATE,
     OPENAI_NAME,
@@ -64,8 +65,8 @@ def run(served, lines, tmp_path, concurrency=8, **settings):
 
 
 def test_a_batch_is_answered_in_order_as_transformers_greedy_tokens_and_scores(served, tmp_path):
-    """Twelve chats run 8 at a time (the engine batches them) and a completion, a score request and a tokenize
-    request: each answer in its line's place, the texts transformers' greedy ones, the scores transformers'; a
+    """Twelve chats run 8 at a time (the engine batches them) and a completion, a score request, a tokenize
+    request and an embeddings request: each answer in its line's place, the texts transformers' greedy ones, the scores transformers'; a
     refused request and a stream in vLLM's error shape; the summary's counts the answers'."""
     _, hf, tokenizer = served
     bodies = [chat(topic, new=6 + i % 5) for i, topic in enumerate(TOPICS)]
@@ -76,6 +77,7 @@ def test_a_batch_is_answered_in_order_as_transformers_greedy_tokens_and_scores(s
                   line("refused", "/v1/completions", {"prompt": "x", "max_tokens": -1}),
                   line("stream", "/v1/chat/completions", {**bodies[0], "stream": True}),
                   line("tokens", "/tokenize", {"prompt": "hello there"}),
+                  line("embed", "/v1/embeddings", {"input": ["hello there", "The quick brown fox"]}),
                   line("text", "/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 7,
                                                    "temperature": 0})]
     answers, summary, stats = run(served, lines, tmp_path)
@@ -97,6 +99,10 @@ def test_a_batch_is_answered_in_order_as_transformers_greedy_tokens_and_scores(s
     for got, want in zip(by_id["score"]["response"]["body"]["scores"], reference, strict=True):
         assert got == pytest.approx(want, abs=1e-5)
     assert by_id["tokens"]["response"]["body"]["tokens"] == tokenizer("hello there")["input_ids"]
+    for item, text in zip(by_id["embed"]["response"]["body"]["data"], ["hello there", "The quick brown fox"]):
+        with torch.inference_mode():
+            state = hf.model(torch.tensor([tokenizer(text)["input_ids"]])).last_hidden_state[0, -1]
+        assert item["embedding"] == pytest.approx(torch.nn.functional.normalize(state, dim=-1).tolist(), abs=1e-5)
     for name, param in (("refused", "max_tokens"), ("stream", "stream")):
         answer = by_id[name]
         assert answer["response"]["status_code"] == 400 and answer["response"]["body"] is None
@@ -121,7 +127,7 @@ def test_bad_lines_are_each_named_before_the_package_loads(tmp_path, capsys):
     lines = [line("a", "/v1/completions", {"prompt": "x"}), "", "{not json", json.dumps([1, 2]),
              json.dumps({"custom_id": 7, "method": "POST", "url": "/v1/completions", "body": {}}),
              line("b", "/v1/completions", {}, method="GET"),
-             line("c", "/v1/embeddings", {"input": "x"}),
+             line("c", "/v1/rerank", {"query": "x", "documents": ["y"]}),
              json.dumps({"custom_id": "d", "method": "POST", "url": "/v1/completions"}),
              '{"custom_id": "e", "method": "POST", "url": "/v1/completions", "body": {"temperature": NaN}}',
              line("f", "/v1/completions", [1])]
@@ -134,7 +140,7 @@ def test_bad_lines_are_each_named_before_the_package_loads(tmp_path, capsys):
     assert "8 bad lines in the input" in error
     for expected in ("line 3: not JSON", "line 4: a JSON object is needed, got list",
                      "line 5: custom_id must be a string, got 7", 'line 6: method must be POST, got "GET"',
-                     'line 7: url "/v1/embeddings" is not one this runs', "line 8: body missing",
+                     'line 7: url "/v1/rerank" is not one this runs', "line 8: body missing",
                      "line 9: not JSON: NaN is not JSON", "line 10: body must be a JSON object, got list"):
         assert expected in error, (expected, error)
     assert "line 1:" not in error and "line 2:" not in error
