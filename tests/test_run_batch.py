@@ -66,8 +66,9 @@ def run(served, lines, tmp_path, concurrency=8, **settings):
 
 def test_a_batch_is_answered_in_order_as_transformers_greedy_tokens_and_scores(served, tmp_path):
     """Twelve chats run 8 at a time (the engine batches them) and a completion, a score request, a tokenize
-    request and an embeddings request: each answer in its line's place, the texts transformers' greedy ones, the scores transformers'; a
-    refused request and a stream in vLLM's error shape; the summary's counts the answers'."""
+    request and an embeddings request: each answer in its line's place, the texts transformers' greedy ones, the
+    scores and embeddings transformers'; a refused request and a stream in vLLM's error shape; the summary's counts
+    the answers'."""
     _, hf, tokenizer = served
     bodies = [chat(topic, new=6 + i % 5) for i, topic in enumerate(TOPICS)]
     labels = labels_for(tokenizer)
