@@ -3,6 +3,7 @@ final hidden state at each input's last token on the same weights (vLLM's poolin
 `scoring.last_hidden_states`, the model-level primitive under it, on every architecture of the quick set."""
 
 import base64
+import random
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -162,7 +163,7 @@ def test_requests_batched_together_keep_their_own_answers(build):
         live.stop()
 
 
-@pytest.mark.parametrize("arch", MODEL_ARCHES)
+@pytest.mark.parametrize("arch", [*MODEL_ARCHES, "lfm2"])  # lfm2: convolution layers beside attention
 def test_last_hidden_states_equal_transformers(build, arch):
     """`scoring.last_hidden_states` over prompts of several lengths in batches of a 12-token budget (several
     padded batches, one prompt past the budget alone): each row is transformers' final state at that prompt's
@@ -173,3 +174,19 @@ def test_last_hidden_states_equal_transformers(build, arch):
     assert states.dtype == torch.float32 and states.shape == (len(prompts), model.package.hidden_size)
     for row, prompt in zip(states, prompts):
         assert_close(row, reference(hf, prompt, normalize=False), tolerance=1e-4)
+
+
+def test_batches_of_mixed_lengths_hold_little_padding():
+    """`length_batches` with `spread`: every prompt in exactly one batch, each batch within the token budget (or a
+    lone prompt), its shortest prompt at least `spread` x its longest, and each batch as large as those allow."""
+    lengths = [random.Random(7).choice([3, 5, 8, 13, 40, 90, 200]) + k % 4 for k in range(300)]
+    for budget, spread in ((512, 0.75), (4096, 0.5), (100, 0.9)):
+        batches = list(scoring.length_batches(lengths, 0, budget, spread=spread))
+        assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+        for k, batch in enumerate(batches):
+            longest, shortest = max(lengths[i] for i in batch), min(lengths[i] for i in batch)
+            assert len(batch) == 1 or len(batch) * longest <= budget
+            assert shortest >= spread * longest
+            if k + 1 < len(batches):  # cut only where the next prompt breaks a rule
+                following = lengths[batches[k + 1][0]]
+                assert (len(batch) + 1) * longest > budget or following < spread * longest
