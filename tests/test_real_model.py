@@ -301,3 +301,31 @@ def test_served_chats_past_the_cached_system_prompt_match_transformers(smollm2):
             expected = reference.generate(**ids, max_new_tokens=12, do_sample=False)
         text = tokenizer.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
         assert answer == text, question
+
+
+def test_served_embeddings_match_transformers(smollm2):
+    """`/v1/embeddings` on the real model, texts of different lengths in one request and a chat, through the
+    `openai` client (base64, decoded by it): each embedding is transformers' final state at the text's last
+    token, normalized, within 1e-5."""
+    from helpers import LiveServer
+    from openai import OpenAI
+
+    from ortmodule.serving import create_app
+
+    _, model, reference, tokenizer = smollm2
+    live = LiveServer(create_app(model, tokenizer, name="smollm2"))
+    try:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="not-needed", max_retries=0)
+        got = [item.embedding for item in client.embeddings.create(model="smollm2", input=TEXTS + QUESTIONS).data]
+        chat = [{"role": "user", "content": QUESTIONS[0]}]
+        answer = live.client.post("/v1/embeddings", json={"model": "smollm2", "messages": chat}).json()
+    finally:
+        live.stop()
+    prompts = [tokenizer(text)["input_ids"] for text in TEXTS + QUESTIONS]
+    prompts.append(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False))
+    got.append(answer["data"][0]["embedding"])
+    for embedding, ids in zip(got, prompts, strict=True):
+        with torch.no_grad():
+            state = reference.model(torch.tensor([list(ids)])).last_hidden_state[0, -1]
+        expected = torch.nn.functional.normalize(state, dim=-1)
+        assert (torch.tensor(embedding) - expected).abs().max().item() < 1e-5
