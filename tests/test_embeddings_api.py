@@ -159,6 +159,10 @@ def test_requests_batched_together_keep_their_own_answers(build):
                     assert_close(item["embedding"], reference(hf, row, normalize=body["normalize"]))
         # the held request alone, then the queued ones up to the budget's tokens a pass: several in one call
         assert scored[0] == 1 and sum(scored) == 1 + len(bodies) and max(scored[1:]) > 1, scored
+        metrics = live.client.get("/metrics?format=json").json()
+        assert metrics["requests"]["embed"] == 1 + len(bodies) and metrics["batches"]["embed"] == len(scored)
+        assert 'ortmodule:requests_total{engine="0",kind="embed",model_name="tiny-llama"} 7.0' in \
+            live.client.get("/metrics").text
     finally:
         live.stop()
 
