@@ -5,9 +5,9 @@ exactly or not at all, with log-probabilities and echo sometimes, vLLM's prompt 
 token ids, a repetition penalty, allowed tokens, a grammar (structured output), streamed or not; some of them as
 SGLang's /generate;
 SGLang's score requests, with a label list per item, a temperature, the labels' log-probabilities;
-vLLM's generative scoring), sent by several
+vLLM's generative scoring; OpenAI's embeddings), sent by several
 clients at random moments. Whatever runs together, every answer must be transformers' on the request
-alone: the greedy text and finish reason, the scores within 1e-4; a seeded sample must be what
+alone: the greedy text and finish reason, the scores and embeddings within 1e-4; a seeded sample must be what
 `model.generate` samples from that prompt alone with that seed. `ENGINE_FUZZ_SEEDS=N` runs more."""
 
 import json
@@ -80,6 +80,9 @@ def draw_requests(rng: random.Random, vocab: int, context: int) -> list[tuple[st
             if plain and not body["temperature"] and rng.random() < 0.5:  # structured output: a greedy row's grammar
                 body.update(guided_regex=rng.choice(GRAMMARS))
             requests.append(("completion", body))
+        elif rng.random() < 0.2:  # OpenAI's embeddings: each input's last-token final state
+            requests.append(("embed", {"input": [tokens(rng.randint(1, 12)) for _ in range(rng.randint(1, 4))],
+                                       "normalize": rng.random() < 0.7, "encoding_format": "float"}))
         else:
             query = (rng.choice(prefixes) if rng.random() < 0.5 else []) + tokens(rng.randint(1, 10))
             items = [tokens(rng.randint(1, 8)) for _ in range(rng.randint(1, 4))]
@@ -225,7 +228,8 @@ def test_engine_fuzz(build, seed, monkeypatch):
                 return sglang_generate(server, body)
             if body.get("stream"):
                 return streamed(server.url, {"model": NAME, **body})
-            path = {"completion": "/v1/completions", "score": "/v1/score", "generative": "/generative_scoring"}[kind]
+            path = {"completion": "/v1/completions", "score": "/v1/score", "generative": "/generative_scoring",
+                    "embed": "/v1/embeddings"}[kind]
             response = server.client.post(path, json={"model": NAME, **body}, timeout=120)
             assert response.status_code == 200, response.text
             return response.json()
@@ -282,6 +286,14 @@ def test_engine_fuzz(build, seed, monkeypatch):
             if "prompt_logprobs" in body:
                 check_prompt_logprobs(hf, body["prompt"], choice["prompt_logprobs"], body["prompt_logprobs"],
                                       f"request {i}: {body}; {case}")
+            continue
+        if kind == "embed":
+            for ids, item in zip(body["input"], answer["data"], strict=True):
+                with torch.no_grad():
+                    state = hf.model(torch.tensor([ids])).last_hidden_state[0, -1].double()
+                expected = torch.nn.functional.normalize(state, dim=-1) if body["normalize"] else state
+                worst = (torch.tensor(item["embedding"], dtype=torch.float64) - expected).abs().max().item()
+                assert worst < 1e-4 * max(1.0, expected.abs().max().item()), f"request {i}: off by {worst}; {case}"
             continue
         logprobs = label_logprobs(hf, body)
         temperature = body.get("temperature", 1.0)
