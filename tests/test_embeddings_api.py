@@ -194,3 +194,26 @@ def test_batches_of_mixed_lengths_hold_little_padding():
             if k + 1 < len(batches):  # cut only where the next prompt breaks a rule
                 following = lengths[batches[k + 1][0]]
                 assert (len(batch) + 1) * longest > budget or following < spread * longest
+
+
+def test_the_servers_limits_are_kept_before_tokenizing(build):
+    """`--max-items` inputs a request and `max_response_values` numbers an answer (inputs x the hidden size: 64
+    here), each a 400 naming `input`, before any text is tokenized."""
+    live, _, _, tokenizer = served_live(build("llama"), CHAT_TEMPLATE, max_items=3, max_response_values=150)
+    calls = []
+
+    class Counted(type(tokenizer)):  # this server's own tokenizer (served_live loads one for it)
+        def __call__(self, *args, **kwargs):
+            calls.append(args)
+            return super().__call__(*args, **kwargs)
+
+    tokenizer.__class__ = Counted
+    try:
+        for given, words in ((["a", "b", "c", "d"], "at most 3"), (["a", "b", "c"], "192 numbers")):
+            response = post(live, input=given)
+            assert response.status_code == 400 and response.json()["error"]["param"] == "input", response.text
+            assert words in response.json()["error"]["message"]
+        assert calls == []
+        assert post(live, input=["a", "b"]).status_code == 200 and len(calls) == 1
+    finally:
+        live.stop()

@@ -59,6 +59,8 @@ def _input_prompts(served: Served, body: EmbeddingRequest) -> list[list[int]]:
     if len(entries) > served.settings.max_items:
         raise ServingError(f"input has {len(entries)} entries; this server takes at most "
                            f"{served.settings.max_items} a request", "input")
+    served.check_values(len(entries) * served.engine.model.package.hidden_size,
+                        "the embeddings (inputs x the model's hidden size)", "input")
     texts = [(f"input[{i}]" if nested else "input", text) for i, text in enumerate(entries) if isinstance(text, str)]
     if not texts:
         return [list(ids) for ids in entries]
@@ -101,7 +103,6 @@ def make_job(served: Served, body: EmbeddingRequest, loop) -> EmbedJob:
             where = f"{field}[{i}]" if len(prompts) > 1 else field
             raise ServingError(f"{where} has {len(ids)} tokens, more than the model's context of {served.context}: "
                                "shorten it, or send truncate_prompt_tokens to embed its last tokens", field)
-    served.check_values(len(prompts) * width, "the embeddings (inputs x the model's hidden size)", field)
     return EmbedJob(prompts, body.normalize is not False, loop, served.settings.token_budget)
 
 
