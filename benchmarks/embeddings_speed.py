@@ -23,7 +23,6 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -33,14 +32,10 @@ import unittest
 from pathlib import Path
 
 import torch
+from run_batch_speed import answered, real_model_arguments  # this folder's: run-batch's path, the real model
 
 import ortmodule
 from ortmodule import scoring
-from ortmodule.serving import create_app
-from ortmodule.serving.batch_file import Output, parse_requests, run_requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
-from ortmodule_dev import fixtures  # noqa: E402
 
 TASKS = Path(ortmodule.__file__).parent / "tasks"
 
@@ -70,18 +65,10 @@ def texts(count: int) -> list[str]:
 
 
 def served(model, tokenizer, inputs: list[str], per_request: int) -> tuple[float, torch.Tensor]:
-    lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/embeddings",
-                         "body": {"input": inputs[i : i + per_request], "encoding_format": "float"}})
-             for i in range(0, len(inputs), per_request)]
-    with tempfile.TemporaryDirectory() as folder:
-        output = Output(f"{folder}/answers.jsonl")
-        summary = run_requests(create_app(model, tokenizer, name="smollm2"), parse_requests("\n".join(lines)),
-                               output, 64, progress=False)
-        output.finish()
-        answers = [json.loads(line) for line in Path(f"{folder}/answers.jsonl").read_text().splitlines()]
-    assert summary.statuses == {200: len(lines)}, summary.statuses
-    rows = [item["embedding"] for a in answers for item in a["response"]["body"]["data"]]
-    return summary.seconds, torch.tensor(rows)
+    bodies = [{"input": inputs[i : i + per_request], "encoding_format": "float"}
+              for i in range(0, len(inputs), per_request)]
+    seconds, answers = answered(model, tokenizer, "/v1/embeddings", bodies, 64)
+    return seconds, torch.tensor([item["embedding"] for answer in answers for item in answer["data"]])
 
 
 def python_call(model, tokenizer, inputs: list[str]) -> tuple[float, torch.Tensor]:
@@ -112,11 +99,7 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=512)
     parser.add_argument("--per-request", type=int, default=8)
     parser.add_argument("--rows", type=int, default=32, help="transformers' batch size")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer, hf = fixtures.real_models()
+    args, model, tokenizer, hf = real_model_arguments(parser)
     inputs = texts(args.texts)
     tokens = sum(map(len, tokenizer(inputs)["input_ids"]))
     print(f"{len(inputs)} texts, {tokens} tokens ({tokens / len(inputs):.1f} a text)", flush=True)

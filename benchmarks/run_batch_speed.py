@@ -30,18 +30,35 @@ def messages(count: int) -> list[list[dict]]:
     return [[{"role": "user", "content": f"Write a sentence about {a} and {b}."}] for a, b in pairs]
 
 
-def run_batch(model, tokenizer, chats, new: int, concurrency: int) -> tuple[float, list[str]]:
-    lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions",
-                         "body": {"messages": chat, "max_tokens": new, "temperature": 0, "ignore_eos": True}})
-             for i, chat in enumerate(chats)]
+def answered(model, tokenizer, url: str, bodies: list[dict], concurrency: int) -> tuple[float, list[dict]]:
+    """The bodies as a batch file's lines to `url`, run by run-batch's path (a fresh app over `model`, in this
+    process): its seconds and the answers' bodies, in order (every one a 200)."""
+    lines = [json.dumps({"custom_id": str(i), "method": "POST", "url": url, "body": body})
+             for i, body in enumerate(bodies)]
     with tempfile.TemporaryDirectory() as folder:
         output = Output(f"{folder}/answers.jsonl")
         summary = run_requests(create_app(model, tokenizer, name="smollm2"), parse_requests("\n".join(lines)),
                                output, concurrency, progress=False)
         output.finish()
         answers = [json.loads(line) for line in Path(f"{folder}/answers.jsonl").read_text().splitlines()]
-    assert summary.statuses == {200: len(chats)}, summary.statuses
-    return summary.seconds, [a["response"]["body"]["choices"][0]["message"]["content"] for a in answers]
+    assert summary.statuses == {200: len(bodies)}, summary.statuses
+    return summary.seconds, [a["response"]["body"] for a in answers]
+
+
+def run_batch(model, tokenizer, chats, new: int, concurrency: int) -> tuple[float, list[str]]:
+    bodies = [{"messages": chat, "max_tokens": new, "temperature": 0, "ignore_eos": True} for chat in chats]
+    seconds, answers = answered(model, tokenizer, "/v1/chat/completions", bodies, concurrency)
+    return seconds, [answer["choices"][0]["message"]["content"] for answer in answers]
+
+
+def real_model_arguments(parser: argparse.ArgumentParser):
+    """The scripts' shared options (`--repeats`, `--threads`) parsed, torch's threads set, and the real model's
+    package, tokenizer and transformers model (fixtures.real_models): (args, model, tokenizer, hf)."""
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args, *fixtures.real_models()
 
 
 def transformers_batches(hf, tokenizer, chats, new: int, rows: int) -> tuple[float, list[str]]:
@@ -61,11 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new", type=int, default=32, help="new tokens of each chat (ignore_eos)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tokenizer, hf = fixtures.real_models()
+    args, model, tokenizer, hf = real_model_arguments(parser)
     chats = messages(args.requests)
     rows = 32  # the server's default --max-rows: the batch run-batch decodes together
     tokens = args.requests * args.new
