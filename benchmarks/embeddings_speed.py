@@ -2,7 +2,7 @@
 same texts (sentence-transformers' `encode` with last-token pooling: the texts sorted by length, right-padded batches
 of 32 through the backbone, each row's last real token, L2-normalized). Requests of `--per-request` texts go through
 the server's app in this process (run-batch's path: several requests at once, batched by the engine);
-`scoring.last_hidden_states` is the same work called from Python. Prints each way's time, texts/s and tokens/s, and
+`scoring.pooled_hidden_states` is the same work called from Python. Prints each way's time, texts/s and tokens/s, and
 the largest difference from transformers' embeddings.
 
     python benchmarks/embeddings_speed.py [--texts 512] [--per-request 8] [--repeats 2] [--threads 2]
@@ -74,7 +74,7 @@ def served(model, tokenizer, inputs: list[str], per_request: int) -> tuple[float
 def python_call(model, tokenizer, inputs: list[str]) -> tuple[float, torch.Tensor]:
     start = time.perf_counter()
     ids = tokenizer(inputs)["input_ids"]
-    states = scoring.last_hidden_states(model, ids, scoring.default_token_budget(model.device))
+    states = scoring.pooled_hidden_states(model, ids, scoring.default_token_budget(model.device))
     return time.perf_counter() - start, torch.nn.functional.normalize(states, dim=-1)
 
 
@@ -106,7 +106,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         ways = {f"/v1/embeddings, {args.per_request} texts a request": lambda: served(model, tokenizer, inputs,
                                                                                      args.per_request),
-                "scoring.last_hidden_states": lambda: python_call(model, tokenizer, inputs),
+                "scoring.pooled_hidden_states": lambda: python_call(model, tokenizer, inputs),
                 f"transformers, batches of {args.rows}": lambda: transformers_batches(hf, tokenizer, inputs,
                                                                                      args.rows)}
         results = {name: way() for name, way in ways.items()}

@@ -380,6 +380,9 @@ def _frontend_flags(serve: argparse.ArgumentParser) -> None:
                        default=None, metavar="JSON",
                        help="the chat template's variables every chat request renders with unless it sets them "
                             "itself, as vLLM's flag of that name: say '{\"enable_thinking\": false}' for Qwen3")
+    serve.add_argument("--pooler-config", dest="pooler_config", type=_json_object, default=None, metavar="JSON",
+                       help="how /v1/embeddings pools, as vLLM's flag of that name: '{\"pooling_type\": \"MEAN\"}' "
+                            "(LAST, the default; MEAN; CLS) and '{\"normalize\": false}' (normalized by default)")
     serve.add_argument("--mm-processor-kwargs", dest="mm_processor_kwargs", type=_json_object, default=None,
                        metavar="JSON",
                        help="with --processor, the image processor's options every image is made with, as vLLM's "

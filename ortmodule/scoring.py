@@ -531,17 +531,22 @@ def length_batches(lengths: Sequence[int], width: int, budget: int, scored: Sequ
         yield batch
 
 
-# last_hidden_states' batches: each prompt at least this share of its batch's longest. Texts to embed come in
+# pooled_hidden_states' batches: each prompt at least this share of its batch's longest. Texts to embed come in
 # any mix of lengths (a sentence, a page), and a batch padded to its longest row pays for every pad (on the
 # real SmolLM2 and 512 sentences of 5-90 tokens, 8,192-token batches held 2.06x their tokens, at 0.75 1.15x).
 EMBED_SPREAD = 0.75
+POOLINGS = ("LAST", "MEAN", "CLS")
 
 
-def last_hidden_states(model: OrtModelForCausalLM, prompts: list[Ids], token_budget: int) -> torch.Tensor:
-    """The final norm's output at each prompt's last token, the LM head's input there: `[prompts, hidden]`
-    float32 on the device, one run per batch of at most `token_budget` padded tokens of the decoder without
-    its LM head (`model.model`, backbone.py: no logits are computed). A decoder's embedding of the prompt
-    as vLLM's and sentence-transformers' last-token pooling take it, before normalization."""
+def pooled_hidden_states(model: OrtModelForCausalLM, prompts: list[Ids], token_budget: int,
+                         pooling: str = "LAST") -> torch.Tensor:
+    """Each prompt's final norm outputs (the LM head's inputs) pooled, `[prompts, hidden]` float32 on the device:
+    at its last token (`LAST`: what a decoder's next token is read from; vLLM's and sentence-transformers'
+    last-token pooling of decoder embedding models), their mean over its tokens (`MEAN`) or at its first
+    (`CLS`). One run per batch of at most `token_budget` padded tokens of the decoder without its LM head
+    (`model.model`, backbone.py: no logits are computed). Not normalized."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     device = model.device
     out = None
     backbone = model.model
@@ -551,8 +556,13 @@ def last_hidden_states(model: OrtModelForCausalLM, prompts: list[Ids], token_bud
                           return_dict=True).last_hidden_state
         if out is None:
             out = torch.empty(len(prompts), states.shape[-1], device=device)
-        last = to_device(mask.sum(1) - 1, device)
-        out[to_device(batch, device)] = states[torch.arange(len(batch), device=device), last].float()
+        if pooling == "MEAN":
+            weights = to_device(mask / mask.sum(1, keepdim=True), device)
+            pooled = torch.einsum("bt,bth->bh", weights, states.float())
+        else:
+            at = to_device(mask.sum(1) - 1 if pooling == "LAST" else torch.zeros(len(batch), dtype=torch.long), device)
+            pooled = states[torch.arange(len(batch), device=device), at].float()
+        out[to_device(batch, device)] = pooled
     return out
 
 

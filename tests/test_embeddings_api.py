@@ -1,6 +1,7 @@
 """OpenAI's `POST /v1/embeddings` in vLLM's form, against the `openai` client nobody here wrote and transformers'
 final hidden state at each input's last token on the same weights (vLLM's pooling of a decoder model);
-`scoring.last_hidden_states`, the model-level primitive under it, on every architecture of the quick set."""
+`scoring.pooled_hidden_states`, the model-level primitive under it, on every architecture of the quick set; vLLM's
+`--pooler-config`."""
 
 import base64
 import random
@@ -16,10 +17,12 @@ from helpers import CHAT_TEMPLATE, MODEL_ARCHES, OPENAI_NAME, hold_worker, load_
 from ortmodule import scoring
 
 
-def reference(hf, ids: list[int], normalize: bool = True) -> torch.Tensor:
-    """transformers' final norm output at the last token of `ids` alone (no padding), L2-normalized."""
+def reference(hf, ids: list[int], normalize: bool = True, pooling: str = "LAST") -> torch.Tensor:
+    """transformers' final norm output at the last token of `ids` alone (no padding; `MEAN`: their mean over the
+    tokens, `CLS`: the first token's), L2-normalized."""
     with torch.inference_mode():
-        state = hf.model(torch.tensor([ids])).last_hidden_state[0, -1].float()
+        states = hf.model(torch.tensor([ids])).last_hidden_state[0].float()
+    state = {"LAST": states[-1], "MEAN": states.mean(0), "CLS": states[0]}[pooling]
     return torch.nn.functional.normalize(state, dim=-1) if normalize else state
 
 
@@ -168,16 +171,47 @@ def test_requests_batched_together_keep_their_own_answers(build):
 
 
 @pytest.mark.parametrize("arch", [*MODEL_ARCHES, "lfm2"])  # lfm2: convolution layers beside attention
-def test_last_hidden_states_equal_transformers(build, arch):
-    """`scoring.last_hidden_states` over prompts of several lengths in batches of a 12-token budget (several
+def test_pooled_hidden_states_equal_transformers(build, arch):
+    """`scoring.pooled_hidden_states` over prompts of several lengths in batches of a 12-token budget (several
     padded batches, one prompt past the budget alone): each row is transformers' final state at that prompt's
-    last token, run alone."""
+    last token run alone, or their mean over its tokens, or its first token's."""
     model, hf = load_pair(build(arch))
     prompts = [[5, 6, 7], [9] * 14, [300, 4], [11, 12, 13, 14, 15], [2]]
-    states = scoring.last_hidden_states(model, prompts, 12)
-    assert states.dtype == torch.float32 and states.shape == (len(prompts), model.package.hidden_size)
-    for row, prompt in zip(states, prompts):
-        assert_close(row, reference(hf, prompt, normalize=False), tolerance=1e-4)
+    for pooling in ("LAST", "MEAN", "CLS"):
+        states = scoring.pooled_hidden_states(model, prompts, 12, pooling)
+        assert states.dtype == torch.float32 and states.shape == (len(prompts), model.package.hidden_size)
+        for row, prompt in zip(states, prompts):
+            assert_close(row, reference(hf, prompt, normalize=False, pooling=pooling), tolerance=1e-4)
+    with pytest.raises(ValueError, match="pooling must be one of LAST, MEAN, CLS"):
+        scoring.pooled_hidden_states(model, prompts, 12, "last")
+
+
+@pytest.mark.parametrize("config, pooling, normalize", [({"pooling_type": "MEAN"}, "MEAN", True),
+                                                        ({"seq_pooling_type": "CLS", "normalize": False}, "CLS", False),
+                                                        ({"use_activation": False}, "LAST", False)])
+def test_the_pooler_config_sets_the_pooling_and_the_default_normalization(build, config, pooling, normalize):
+    """vLLM's `--pooler-config`: the server's pooling and whether embeddings are normalized unless a request says."""
+    live, _, hf, _ = served_live(build("llama"), CHAT_TEMPLATE, pooler_config=config)
+    try:
+        rows = [[5, 9, 77, 301, 12], [8, 3]]
+        answer = post(live, input=rows, encoding_format="float").json()
+        for item, row in zip(answer["data"], rows):
+            assert_close(item["embedding"], reference(hf, row, normalize=normalize, pooling=pooling))
+        asked = post(live, input=rows[0], encoding_format="float", normalize=not normalize).json()
+        assert_close(asked["data"][0]["embedding"], reference(hf, rows[0], normalize=not normalize, pooling=pooling))
+    finally:
+        live.stop()
+
+
+@pytest.mark.parametrize("config, words", [({"pooling_type": "ALL"}, "pooling_type must be one of LAST, MEAN, CLS"),
+                                           ({"dimensions": 32}, "'dimensions' is not supported"),
+                                           ({"normalize": "yes"}, "normalize must be one of"),
+                                           ({"pooling_type": "MEAN", "seq_pooling_type": "CLS"}, "two values")])
+def test_a_pooler_config_it_cannot_carry_out_is_refused_at_start(llama, config, words):
+    from ortmodule.serving.settings import Settings
+
+    with pytest.raises(ValueError, match=words):
+        Settings(pooler_config=config)
 
 
 def test_batches_of_mixed_lengths_hold_little_padding():

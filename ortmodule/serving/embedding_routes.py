@@ -1,11 +1,12 @@
 """OpenAI's `POST /v1/embeddings`, in vLLM's form: an embedding of each input, the final norm's output
 at its last token (the LM head's input there), L2-normalized unless `normalize` is false, as vLLM pools
 a decoder model it serves for embeddings (and as sentence-transformers' last-token pooling of Qwen3's
-embedding models does). Inputs are texts or token ids, or vLLM's chat form (`messages`, rendered as the
-chat route renders them, without the assistant's turn unless `add_generation_prompt`). Run in batches
-with the other embedding requests (jobs.EmbedJob) by the decoder without its LM head: no logits.
-Answers as `float` lists or `base64` (vLLM's `embed_dtype` float32, float16 or bfloat16, in its
-`endianness`), the way OpenAI's client decodes them."""
+embedding models does); or their mean, or the first token's (vLLM's `--pooler-config`, settings.pooling).
+Inputs are texts or token ids, or vLLM's chat form (`messages`, rendered as the chat route renders them,
+without the assistant's turn unless `add_generation_prompt`). Run in batches with the other embedding
+requests (jobs.EmbedJob) by the decoder without its LM head: no logits. Answers as `float` lists or
+`base64` (vLLM's `embed_dtype` float32, float16 or bfloat16, in its `endianness`), the way OpenAI's client
+decodes them."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .jobs import EmbedJob
 from .openai_routes import request_ident, truncated
 from .schemas import EmbeddingRequest
 from .served import Served, run
+from .settings import pooling
 
 # vLLM's `embed_dtype`s that this server writes (not its fp8 ones), as torch's dtypes (None: float32, as computed).
 EMBED_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -103,7 +105,9 @@ def make_job(served: Served, body: EmbeddingRequest, loop) -> EmbedJob:
             where = f"{field}[{i}]" if len(prompts) > 1 else field
             raise ServingError(f"{where} has {len(ids)} tokens, more than the model's context of {served.context}: "
                                "shorten it, or send truncate_prompt_tokens to embed its last tokens", field)
-    return EmbedJob(prompts, body.normalize is not False, loop, served.settings.token_budget)
+    kind, normalized = pooling(served.settings.pooler_config)
+    return EmbedJob(prompts, normalized if body.normalize is None else body.normalize, loop,
+                    served.settings.token_budget, kind)
 
 
 def encoded(row: torch.Tensor, body: EmbeddingRequest) -> list[float] | str:

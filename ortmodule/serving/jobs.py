@@ -165,19 +165,20 @@ class ScoreJob(OneShot):
 
 
 class EmbedJob(OneShot):
-    """OpenAI's and vLLM's `/v1/embeddings`: each prompt's final-norm output at its last token
-    (`scoring.last_hidden_states`), L2-normalized where `normalize`; each job's `[prompts, hidden]`
+    """OpenAI's and vLLM's `/v1/embeddings`: each prompt's final-norm outputs pooled (`scoring.pooled_hidden_states`,
+    `pooling`: the server's, one for all its jobs), L2-normalized where `normalize`; each job's `[prompts, hidden]`
     float32 on the host."""
 
     kind = "embed"
 
-    def __init__(self, prompts: list[Ids], normalize: bool, loop, token_budget: int):
+    def __init__(self, prompts: list[Ids], normalize: bool, loop, token_budget: int, pooling: str = "LAST"):
         super().__init__(prompts, loop)
-        self.normalize, self.token_budget = normalize, token_budget
+        self.normalize, self.token_budget, self.pooling = normalize, token_budget, pooling
 
     @classmethod
     def start_together(cls, model, jobs: list[EmbedJob]) -> Callable[[], list[torch.Tensor]]:
-        states = scoring.last_hidden_states(model, [p for job in jobs for p in job.prompts], jobs[0].token_budget)
+        states = scoring.pooled_hidden_states(model, [p for job in jobs for p in job.prompts], jobs[0].token_budget,
+                                              jobs[0].pooling)
         scaled = [job.normalize for job in jobs for _ in job.prompts]
         if all(scaled):
             states = torch.nn.functional.normalize(states, dim=-1)

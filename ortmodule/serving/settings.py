@@ -115,6 +115,10 @@ class Settings:
     certificate (PEM files, checked to load together at start); `ssl_ca_certs` and `ssl_cert_reqs` (0 none, 1
     optional, 2 required: Python's `ssl.CERT_*`) ask clients for certificates signed by those authorities.
 
+    `pooler_config` (vLLM's `--pooler-config`): how `/v1/embeddings` pools the final norm's outputs, `pooling_type`
+    (or `seq_pooling_type`) `LAST` (the default, vLLM's for a decoder), `MEAN` or `CLS` (the first token), and
+    whether it L2-normalizes them by default, `normalize` (or `use_activation`; true by default).
+
     `root_path` (vLLM's `--root-path`): the path a proxy serves the server under (say `/llm`, where the proxy sends
     `/llm/v1/completions` on, with the prefix or without it): routes answer under it and without it.
     """
@@ -165,6 +169,7 @@ class Settings:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     root_path: str | None = None
+    pooler_config: dict | None = None
 
     def __post_init__(self):
         for field in fields(self):
@@ -221,6 +226,7 @@ class Settings:
             raise ValueError("mm_processor_kwargs are the image processor's options: they need processor (--processor "
                              "FOLDER)")
         _check_tls(self)
+        pooling(self.pooler_config)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser): the parser that "
                              f"reads the model's calls, one of {', '.join(TOOL_CALL_PARSERS)}")
@@ -239,6 +245,29 @@ class Settings:
         if given.get("api_key") is None and os.environ.get(API_KEY_VARIABLE):
             given["api_key"] = os.environ[API_KEY_VARIABLE]
         return cls(**given)
+
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's sequence pooling types
+_POOLER_KEYS = {"pooling_type": POOLING_TYPES, "seq_pooling_type": POOLING_TYPES, "normalize": (True, False),
+                "use_activation": (True, False)}
+
+
+def pooling(config: dict | None) -> tuple[str, bool]:
+    """vLLM's `--pooler-config` read: (the pooling type, whether embeddings are normalized by default); a
+    ValueError naming a key this server does not carry out or a value it does not take."""
+    config = config or {}
+    for key, value in config.items():
+        if key not in _POOLER_KEYS:
+            raise ValueError(f"pooler_config {key!r} is not supported by this server; it takes "
+                             f"{', '.join(_POOLER_KEYS)}")
+        if not any(value == v and type(value) is type(v) for v in _POOLER_KEYS[key]):
+            raise ValueError(f"pooler_config {key} must be one of {', '.join(map(str, _POOLER_KEYS[key]))}, got "
+                             f"{value!r}")
+    kinds = {config[key] for key in ("pooling_type", "seq_pooling_type") if key in config}
+    flags = {config[key] for key in ("normalize", "use_activation") if key in config}
+    if len(kinds) > 1 or len(flags) > 1:
+        raise ValueError(f"pooler_config gives two values of one setting: {config}")
+    return next(iter(kinds), "LAST"), next(iter(flags), True)
 
 
 def _check_tls(settings: Settings) -> None:
