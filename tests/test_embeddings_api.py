@@ -251,3 +251,19 @@ def test_the_servers_limits_are_kept_before_tokenizing(build):
         assert post(live, input=["a", "b"]).status_code == 200 and len(calls) == 1
     finally:
         live.stop()
+
+
+def test_the_pooler_config_flag_reaches_the_settings(llama, monkeypatch, capsys):
+    """`ortmodule serve --pooler-config JSON` (vLLM's flag) becomes the settings' `pooler_config`; a key it cannot
+    carry out stops the command before the package loads, naming the key."""
+    import ortmodule.serving
+    from ortmodule import cli
+
+    given = {}
+    monkeypatch.setattr(ortmodule.serving, "serve", lambda path, **options: given.update(options))
+    cli.ortmodule(["serve", str(llama.package_dir), "--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'])
+    assert given["pooler_config"] == {"pooling_type": "MEAN", "normalize": False}
+    monkeypatch.undo()  # the real serve: the settings are checked before the package is looked at
+    with pytest.raises(SystemExit) as stopped:
+        cli.ortmodule(["serve", "/no/such/package", "--pooler-config", '{"max_embed_len": 9}'])
+    assert stopped.value.code == 2 and "'max_embed_len' is not supported" in capsys.readouterr().err
