@@ -1,5 +1,6 @@
 """A seeded fuzz test of the serving engine's scheduling: random settings (decode batch size,
-prefill chunks, join steps, prompt feeding, the prefix cache, the score token budget, query reuse)
+prefill chunks, join steps, prompt feeding, the prefix cache, the score token budget, query reuse,
+the embeddings' pooling)
 and a random mix of concurrent requests (greedy completions whose prompts share prefixes, repeat
 exactly or not at all, with log-probabilities and echo sometimes, vLLM's prompt log-probabilities and
 token ids, a repetition penalty, allowed tokens, a grammar (structured output), streamed or not; some of them as
@@ -39,7 +40,8 @@ def draw_settings(rng: random.Random) -> dict:
     return dict(max_rows=rng.choice([1, 2, 4, 8]), prefill_chunk=rng.choice([4, 16, 512]),
                 join_steps=rng.choice([0, 1, 4]), feed_tokens=rng.choice([0, 4, 16]),
                 prefix_cache_mb=rng.choice([0, 1, 512]), window_ms=rng.choice([0.0, 5.0]),
-                token_budget=rng.choice([16, 64, 8192]), reuse_prefix=rng.choice(["auto", "on", "off"]))
+                token_budget=rng.choice([16, 64, 8192]), reuse_prefix=rng.choice(["auto", "on", "off"]),
+                pooler_config={"pooling_type": rng.choice(["LAST", "LAST", "MEAN", "CLS"])})
 
 
 def draw_requests(rng: random.Random, vocab: int, context: int) -> list[tuple[str, dict]]:
@@ -290,7 +292,9 @@ def test_engine_fuzz(build, seed, monkeypatch):
         if kind == "embed":
             for ids, item in zip(body["input"], answer["data"], strict=True):
                 with torch.no_grad():
-                    state = hf.model(torch.tensor([ids])).last_hidden_state[0, -1].double()
+                    states = hf.model(torch.tensor([ids])).last_hidden_state[0].double()
+                pooling = settings["pooler_config"]["pooling_type"]
+                state = {"LAST": states[-1], "MEAN": states.mean(0), "CLS": states[0]}[pooling]
                 expected = torch.nn.functional.normalize(state, dim=-1) if body["normalize"] else state
                 worst = (torch.tensor(item["embedding"], dtype=torch.float64) - expected).abs().max().item()
                 assert worst < 1e-4 * max(1.0, expected.abs().max().item()), f"request {i}: off by {worst}; {case}"
