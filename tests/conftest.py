@@ -38,12 +38,15 @@ def pytest_configure(config):
         from ortmodule import runtime
 
         runtime.CUDA_GRAPHS_BY_DEFAULT = False
-    config.hang_stderr = os.dup(sys.stderr.fileno())  # the terminal's: a test's output is captured
+    try:  # the terminal's stderr (a test's output is captured); a runner without a file there has none
+        config.hang_stderr = os.dup(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):
+        config.hang_stderr = None
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if HANG_S <= 0 or float(item.config.getini("faulthandler_timeout") or 0) > 0:
+    if HANG_S <= 0 or item.config.hang_stderr is None or float(item.config.getini("faulthandler_timeout") or 0) > 0:
         yield
         return
     faulthandler.dump_traceback_later(HANG_S, exit=True, file=item.config.hang_stderr)

@@ -188,6 +188,31 @@ def test_hidden_states_on_cuda_match_transformers(build):
 
 
 @pytest.mark.filterwarnings("ignore:.*fp32 package")
+def test_embeddings_on_cuda_match_transformers(build):
+    """`/v1/embeddings`' work on CUDA (serving/jobs.EmbedJob over scoring.pooled_hidden_states): each pooling, in
+    batches of a small budget, normalized on the device and copied back, as transformers' final states."""
+    from ortmodule.serving.jobs import EmbedJob
+
+    fixture = build("llama")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda:0")
+    hf = reference_class(fixture).from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    prompts = [[5, 6, 7], [9] * 14, [300, 4], [11, 12, 13, 14, 15]]
+    loop = asyncio.new_event_loop()
+    try:
+        for pooling in ("LAST", "MEAN", "CLS"):
+            jobs = [EmbedJob(prompts[:2], True, loop, 12, pooling), EmbedJob(prompts[2:], False, loop, 12, pooling)]
+            rows = [row for got in EmbedJob.start_together(model, jobs)() for row in got]
+            for k, (row, prompt) in enumerate(zip(rows, prompts)):
+                with torch.no_grad():
+                    states = hf.model(torch.tensor([prompt])).last_hidden_state[0]
+                state = {"LAST": states[-1], "MEAN": states.mean(0), "CLS": states[0]}[pooling]
+                expected = torch.nn.functional.normalize(state, dim=-1) if k < 2 else state
+                assert row.device.type == "cpu" and (row - expected).abs().max().item() < FP32_TOL
+    finally:
+        loop.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*fp32 package")
 def test_attentions_on_cuda_are_refused_naming_why(build):
     """ONNX Runtime's CUDA GroupQueryAttention returns no weights: `output_attentions=True` on CUDA is a
     NotSupportedError that says to load on the CPU, and the model answers after it."""
