@@ -13,7 +13,7 @@ Rows are kept right-padded: row b's tokens fill positions `[0, lengths[b])`, and
 tokens writes row b's at `lengths[b]` (the attention mask tells GroupQueryAttention each row's
 length). Entries a padded prefill leaves behind lie past each row's length and are overwritten.
 
-A hybrid decoder's convolution layers keep no KV but a state each (`states`: `ConvStates`, states.py),
+A hybrid decoder's convolution and linear-attention layers keep no KV but states (`states`: `LayerStates`, states.py),
 which every run replaces; rows are selected, repeated and reset with the KV. A state holds the inputs
 before one position only, so the cache keeps a copy of the states after each of its last runs
 (`Checkpoint`s): a crop goes back to the last one at or before the kept columns and runs the tokens
@@ -47,14 +47,14 @@ def _inference_mode(method):
     return wrapper
 
 
-# Runs after which a hybrid cache keeps its convolution states (ConvStates.log); a crop further back
+# Runs after which a hybrid cache keeps its layer states (LayerStates.log); a crop further back
 # runs again from the newest kept ones (from the prompt at worst), where the runs' tokens are known.
 CHECKPOINTS = 32
 
 
 @dataclasses.dataclass
 class Checkpoint:
-    """A hybrid cache's convolution states after `seen` columns of the caller's input (`states`: None
+    """A hybrid cache's layer states after `seen` columns of the caller's input (`states`: None
     before the first run, zeros; `kept` False once dropped, CHECKPOINTS runs later), and the run that
     followed (`ran`: `(decoder, rerun, tokens)`, a weak proxy of the decoder, the function that
     runs it again and that run's input, `("prompt", rows)` or `("step", tokens)`: decoder.py's
@@ -72,13 +72,13 @@ class Checkpoint:
 
 
 def _cannot_crop(seen: int, keep: int, why: str) -> str:
-    return (f"cannot crop a cache with convolution states (a hybrid model's) from {seen} columns to {keep}: "
+    return (f"cannot crop a cache with layer states (a hybrid model's) from {seen} columns to {keep}: "
             f"a state holds the inputs before the last token only, and {why}; run the shorter sequence again")
 
 
-class ConvStates:
-    """A hybrid decoder's convolution states of one batch (states.py): per convolution layer
-    (`specs`), `current` `[batch, channels, width]`. A run writes its present states into `written`,
+class LayerStates:
+    """A hybrid decoder's layer states of one batch (states.py): per stateful layer
+    (`specs`), `current` `[batch, *shape]` (package.LayerState). A run writes its present states into `written`,
     copied into `current` when the run is recorded: a copy, not a swap, so that the buffers'
     addresses stay fixed (steps.py). `log`: a `Checkpoint` per run since the prompt (None in a view
     of some rows, which keeps none). Empty (false) for other decoders."""
@@ -125,21 +125,21 @@ class ConvStates:
         for state in self.current:
             state.zero_()
 
-    def start_from(self, source: ConvStates, rows: torch.Tensor, whole: bool) -> None:
+    def start_from(self, source: LayerStates, rows: torch.Tensor, whole: bool) -> None:
         """Row i takes row `rows[i]` of `source`, which must hold the whole of that row (`whole`)."""
         if self and not whole:
-            raise ValueError("a cache with convolution states starts only from whole rows of another: a state holds "
+            raise ValueError("a cache with layer states starts only from whole rows of another: a state holds "
                              "the inputs before its row's last token, not before an earlier one")
         for mine, theirs in zip(self.current, source.current):
             mine.copy_(theirs.index_select(0, rows))
 
-    def select(self, rows: torch.Tensor) -> ConvStates:
+    def select(self, rows: torch.Tensor) -> LayerStates:
         """The states of `rows` (selected, repeated or reordered), with the checkpoints' states so
         selected (no run is run again from them: its tokens were the old rows')."""
         log = None if self.log is None else \
             [Checkpoint(c.seen, None if c.states is None else [s.index_select(0, rows) for s in c.states], c.kept)
              for c in self.log]
-        return ConvStates(self.specs, [state.index_select(0, rows) for state in self.current], log)
+        return LayerStates(self.specs, [state.index_select(0, rows) for state in self.current], log)
 
     def rewind_plan(self, seen: int, keep: int) -> tuple[Checkpoint, list[tuple]]:
         """How a crop from `seen` columns to `keep` goes back: the newest kept checkpoint at or before
@@ -175,7 +175,7 @@ class ConvStates:
         if not keep_ran:
             point.ran = None
 
-    def rows_view(self, start: int, stop: int) -> ConvStates:
+    def rows_view(self, start: int, stop: int) -> LayerStates:
         view = copy.copy(self)
         view.current = [s[start:stop] for s in self.current]
         view.written = [s[start:stop] for s in self.written]
@@ -232,10 +232,10 @@ class KVCache(Cache):
             shape = (batch, kv.num_kv_heads, capacity, kv.head_size)
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
-        self.states = ConvStates(spec.states, [torch.zeros(batch, s.channels, s.width, dtype=dtype, device=device)
+        self.states = LayerStates(spec.states, [torch.zeros(batch, *s.shape, dtype=dtype, device=device)
                                                for s in spec.states])
         self.presents: tuple[list, list] | None = None  # being written by a concatenating run
-        # A hybrid's last tokens `[B, m]` whose KV the cache holds but whose convolution states it does
+        # A hybrid's last tokens `[B, m]` whose KV the cache holds but whose layer states it does
         # not yet (a crop inside a run: `_crop_states`): the next step runs them first (decoder.py).
         self.pending: torch.Tensor | None = None
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)  # tokens held per row
@@ -470,8 +470,8 @@ def _crop_columns(cache: KVCache, keep: int) -> None:
 
 
 def _crop_states(cache: KVCache, keep: int) -> None:
-    """A hybrid's crop: back to the newest convolution states kept at or before `keep`
-    (`ConvStates.rewind_plan`), then the tokens from there to `keep` run again, the prompt's and
+    """A hybrid's crop: back to the newest layer states kept at or before `keep`
+    (`LayerStates.rewind_plan`), then the tokens from there to `keep` run again, the prompt's and
     the steps' (these in one run). Where those are the first tokens of one step run (assisted
     decoding's accepted candidates), they are left `pending` instead, their KV kept: the next step
     runs them before its own tokens, in the same run (decoder.py), or `settle` does."""
@@ -572,7 +572,7 @@ def take_back(cache: KVCache) -> torch.Tensor:
 
 
 def settle(cache: KVCache) -> None:
-    """Run a hybrid cache's `pending` tokens again (their convolution states), if it has any: before
+    """Run a hybrid cache's `pending` tokens again (their layer states), if it has any: before
     anything that reads its states other than a step (which runs them with its own)."""
     if cache.pending is None:
         return

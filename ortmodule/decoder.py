@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import threading
 import warnings
@@ -429,7 +430,7 @@ def run_prefill(decoder: Decoder, session, rows: Rows, ids: torch.Tensor, logit_
     cache.pending = None  # a prompt starts the rows over
     with decoder.holding(cache) as runs:
         binding = decoder.cache_binding(runs, cache, width, session)
-        cache.states.zero()  # a reused cache holds an earlier batch's convolution states
+        cache.states.zero()  # a reused cache holds an earlier batch's layer states
         extra = bind(binding) if bind is not None else None
         logits = decoder.run_bound(session, binding, ids, logit_index, mask, positions, rows.lengths)
         cache.start(rows.lengths, rows.longest, width, ran)
@@ -459,7 +460,7 @@ def no_media(empty: torch.Tensor, width: int) -> torch.Tensor:
 def bind_state_lengths(decoder: Decoder, session, binding: ort.IOBinding, lengths: torch.Tensor | None,
                        ids: torch.Tensor) -> None:
     """A hybrid decoder's run of `ids` in `session`: each row's real tokens (None: every row's all),
-    where its convolution states are taken (states.py; the extend and prefill graphs keep none)."""
+    where its layer states are taken (states.py; the extend and prefill graphs keep none)."""
     if decoder.spec.states and states.STATE_LENGTHS in session.input_names:
         lengths = lengths if lengths is not None else torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
         runtime.bind_input(binding, states.STATE_LENGTHS, lengths.to(decoder.device, torch.int64).contiguous())
@@ -585,15 +586,15 @@ class _ScratchKV(threading.local):
         """An empty past for every layer of `decoder`; the present goes into this thread's buffer."""
         layers, dtype, device = decoder.spec.layers, decoder.kv_dtype, decoder.device
         sizes = [batch * kv.num_kv_heads * length * kv.head_size for kv in layers]
-        shapes = [(batch, state.channels, state.width) for state in decoder.spec.states]
-        needed = 2 * sum(sizes) + sum(a * b * c for a, b, c in shapes)
+        shapes = [(batch, *state.shape) for state in decoder.spec.states]
+        needed = 2 * sum(sizes) + sum(math.prod(shape) for shape in shapes)
         scratch = self.buffer
         if scratch is None or scratch.numel() < needed or scratch.device != device or scratch.dtype != dtype:
             scratch = self.buffer = torch.empty(needed, dtype=dtype, device=device)
         offset = 0
         for state, shape in zip(decoder.spec.states, shapes):  # zeros before the first token; the present is dropped
             runtime.bind_input(binding, state.past, torch.zeros(shape, dtype=dtype, device=device))
-            size = shape[0] * shape[1] * shape[2]
+            size = math.prod(shape)
             runtime.bind_output(binding, state.present, scratch[offset : offset + size].view(shape))
             offset += size
         for kv, size in zip(layers, sizes):

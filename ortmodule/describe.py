@@ -27,6 +27,7 @@ def describe(path: str | Path, subfolder: str | None = None, revision: str | Non
     decoder = package.decoder
     total, embeddings = count_parameters(package)
     windows = collections.Counter(kv.window for kv in decoder.layers if kv.window)
+    linear = {state.layer for state in decoder.states if state.kind == "recurrent"}
     return {
         "package": str(package.root),
         "model type": package.model_type,
@@ -42,7 +43,8 @@ def describe(path: str | Path, subfolder: str | None = None, revision: str | Non
         "KV heads": package.num_key_value_heads,
         "head size": package.head_size,
         "sliding windows": {f"{size} tokens": count for size, count in windows.items()} or None,
-        "convolution layers": len(decoder.states) or None,
+        "convolution layers": len({s.layer for s in decoder.states} - linear) or None,
+        "linear-attention layers": len(linear) or None,
         "vocabulary": package.vocab_size,
         "context length": package.context_length,
         "graphs": [str(p.relative_to(package.root)) for p in graph_files(package)],

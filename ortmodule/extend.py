@@ -204,7 +204,8 @@ def _rewrite(proto: onnx.ModelProto, head_size: int, expand_kv_heads: bool, layo
         presents.update(v.name for v in node.outputs[1:3] if v is not None)
         _replace(graph, node, index, feeds, head_size, expand_kv_heads)
     graph.inputs.extend(feeds.windows[window] for window in sorted(feeds.windows))
-    presents |= states.state_outputs(graph)  # a hybrid decoder's convolutions read their past states only
+    presents |= states.state_outputs(graph)  # a hybrid decoder's stateful layers read their past states only
+    states.release_padding_holds(graph)
     if layout != "blocks":  # the blocks graph's presents are its attention nodes' (_keep_presents)
         graph.outputs[:] = [o for o in graph.outputs if o.name not in presents]
     model.opset_imports[""] = max(model.opset_imports.get("", 1), _OPSET_CACHE if layout == "cache" else _OPSET)
@@ -500,7 +501,7 @@ def takes_segments(decoder, layout: str) -> bool:
     `starts`), read from the package alone (sharing.py prices its plans so without making the graph):
     the mask layout, where the mask and the positions say all a token sees; not with sliding windows
     (their masks have no segments), nor the cache layout (each segment's KV would be written where
-    the next one's goes), nor a hybrid's convolution states (they would run on from one segment into
+    the next one's goes), nor a hybrid's layer states (they would run on from one segment into
     the next)."""
     return layout == "mask" and not any(kv.window for kv in decoder.spec.layers) and not decoder.spec.states
 
@@ -747,7 +748,7 @@ class CausalPrefill:
         if self.positions:
             runtime.bind_input(binding, POSITIONS, positions.contiguous())
         for state in decoder.spec.states:  # a hybrid decoder's convolutions start from zeros
-            zeros = torch.zeros(batch, state.channels, state.width, dtype=decoder.kv_dtype, device=decoder.device)
+            zeros = torch.zeros(batch, *state.shape, dtype=decoder.kv_dtype, device=decoder.device)
             runtime.bind_input(binding, state.past, zeros)
         mask = torch.ones_like(ids, dtype=decoder.mask_dtype) if self.mask else None
         return decoder.run_bound(self.session, binding, ids, logit_index, mask,

@@ -367,7 +367,7 @@ class _Sampling:
                 logits = shared_prompts.prefill(decoder, rows, last, cache)  # a common beginning run once (CPU)
             if steps is not None:
                 steps.start()
-            # A hybrid's convolution states kept after each step only where the cache is returned
+            # A hybrid's layer states kept after each step only where the cache is returned
             # (to be cropped: transformers' assisted decoding crops its assistant's).
             cache.states.keeping = self.keeps_cache
             length = self._loop(logits, _Running(decoder, cache, steps, needed))

@@ -37,7 +37,7 @@ import onnx_ir as ir
 from . import cache_folder, states
 from .cache_folder import cache_home
 from .constants import is_constant
-from .package import PackageError
+from .package import PackageError, plain_rotary_positions
 from .projections import unpack_projections
 from .tail import gather_tail
 
@@ -142,21 +142,37 @@ def forget_wrong_shapes(proto: onnx.ModelProto) -> bool:
 
 
 def _load_repaired(decoder_path: Path) -> tuple[onnx.ModelProto, bool]:
-    """The decoder graph without its weights, less the shapes `forget_wrong_shapes` drops, with a
-    hybrid decoder's convolution states taken at each row's length (states.py), and whether it
-    changed."""
+    """The decoder graph without its weights, less the shapes `forget_wrong_shapes` drops, with 2-D
+    position ids where its rotary nodes take no others (`plain_positions`), a hybrid decoder's layer
+    states taken at each row's length (states.py), and whether it changed."""
     proto = onnx.load(str(decoder_path), load_external_data=False)
     repaired = forget_wrong_shapes(proto)
     repaired = unbounded_window_caches(proto) or repaired
-    if any((node.domain, node.op_type) == states.CONV_OP for node in proto.graph.node):
+    repaired = plain_positions(proto) or repaired
+    if states.has_states((node.domain, node.op_type) for node in proto.graph.node):
         model = ir.serde.deserialize_model(proto)
         try:
             states.select_states_at_lengths(model.graph)
         except states.StatesSkipped as reason:
-            raise PackageError(f"{decoder_path}: ortmodule cannot run this decoder's convolution states: {reason}") \
+            raise PackageError(f"{decoder_path}: ortmodule cannot run this decoder's layer states: {reason}") \
                 from None
         return ir.serde.serialize_model(model), True
     return proto, repaired
+
+
+def plain_positions(proto: onnx.ModelProto) -> bool:
+    """Declare 3-D position ids 2-D where only rotary nodes that take 2-D ids read them
+    (`package.plain_rotary_positions`: the builder's Qwen3.5 export); whether any were."""
+    for value in proto.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) == 3 and plain_rotary_positions(proto.graph, value.name):
+            kept = [onnx.TensorShapeProto.Dimension(), onnx.TensorShapeProto.Dimension()]
+            kept[0].CopyFrom(dims[1])
+            kept[1].CopyFrom(dims[2])
+            del dims[:]
+            dims.extend(kept)
+            return True
+    return False
 
 
 def unbounded_window_caches(proto: onnx.ModelProto) -> bool:

@@ -206,15 +206,17 @@ def _same_rows(table: ir.Value, head: ir.Node) -> bool | None:
 
 
 def _layer_fields(package: Package) -> dict:
-    """The sliding window and each layer's kind (attention over a window or the whole past, or LFM2's
-    convolution), where the package's layers account for every layer."""
+    """The sliding window and each layer's kind (attention over a window or the whole past, LFM2's
+    convolution, Qwen3.5's linear attention), where the package's layers account for every layer."""
     windows = [layer.window for layer in package.decoder.layers]
     convolutions = {state.layer for state in package.decoder.states}
+    linear = {state.layer for state in package.decoder.states if state.kind == "recurrent"}
     if len(windows) + len(convolutions) != package.num_hidden_layers:
         return {}  # layers that share another's KV (Gemma 4's last ones): not told here
     sizes = {window for window in windows if window}
     kinds = iter("sliding_attention" if window else "full_attention" for window in windows)
-    layer_types = ["conv" if i in convolutions else next(kinds) for i in range(package.num_hidden_layers)]
+    layer_types = ["linear_attention" if i in linear else "conv" if i in convolutions else next(kinds)
+                   for i in range(package.num_hidden_layers)]
     return {"layer_types": layer_types, "sliding_window": sizes.pop() if len(sizes) == 1 else None,
             "full_attn_idxs": None}  # LFM2's older form of `layer_types`, which its config reads when that is None
 

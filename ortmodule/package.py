@@ -46,15 +46,17 @@ class LayerKV:
 
 
 @dataclass(frozen=True)
-class ConvState:
-    """Names and shape of one convolution layer's state (hybrid decoders such as LFM2's): the last
-    `width` inputs of its causal convolution, `[batch, channels, width]`, carried from run to run."""
+class LayerState:
+    """Names and shape of one layer's state in a hybrid decoder (states.py), carried from run to run
+    beside the attention layers' KV: a causal convolution's last inputs, `[batch, channels, width]`
+    (LFM2's convolution layers, Qwen3.5's linear attention), or a linear attention's recurrent state,
+    `[batch, heads, key size, value size]` (Qwen3.5's)."""
 
     past: str
     present: str
-    channels: int
-    width: int
+    shape: tuple[int, ...]  # after the batch dimension
     layer: int
+    kind: str = "conv"  # or "recurrent"
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class DecoderGraph:
     # new tokens alone: a run of several new tokens over a past fails inside ONNX Runtime ("invalid
     # expand shape"), so such a package takes one new token at a time over a cache (`Decoder.step`).
     steps_one_token: bool = False
-    states: tuple[ConvState, ...] = ()  # convolution layers' states (states.py), beside the KV of `layers`
+    states: tuple[LayerState, ...] = ()  # hybrid layers' states (states.py), beside the KV of `layers`
 
 
 @dataclass(frozen=True)
@@ -450,6 +452,8 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
     attention_mask = graph.input_named("attention_mask", required=False)
     position_ids = graph.input_named("position_ids", required=False)
     position_rank = len(_dims(graph.inputs[position_ids])) if position_ids else 2
+    if position_rank == 3 and plain_rotary_positions(proto, position_ids):
+        position_rank = 2  # graph.py's repair gives the rotary nodes the 2-D ids they take
     if position_rank not in (2, 3):
         raise PackageError(f"{path}: position_ids has rank {position_rank}; expected 2 or 3 (mRoPE)")
     logits, vocab_size = _read_logits(model, graph)
@@ -461,7 +465,7 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
     _check_windows(proto, layers, path, config_path)
     kv_type = _elem_type(graph.inputs[layers[0].past_key]) if layers else onnx.TensorProto.FLOAT
     if any(_elem_type(graph.inputs[state.past]) != kv_type for state in states):
-        raise PackageError(f"{path}: its convolution states are not of its KV cache's element type, which ortmodule's "
+        raise PackageError(f"{path}: its layers' states are not of its KV cache's element type, which ortmodule's "
                            "cache assumes (an export ortmodule does not know)")
     known = {input_ids, attention_mask, position_ids} | {name for kv in layers for name in (kv.past_key, kv.past_value)}
     known |= {state.past for state in states}
@@ -488,6 +492,16 @@ def _read_decoder(root: Path, model: dict, shape: _Shape,
         states=states,
     )
     return decoder, embedding, vocab_size, _position_table_rows(proto, matrices)
+
+
+def plain_rotary_positions(graph: onnx.GraphProto, name: str) -> bool:
+    """Whether the 3-D (mRoPE) position ids input `name` feeds only `com.microsoft` RotaryEmbedding nodes,
+    which take 1-D or 2-D ids: the builder's Qwen3.5 export declares `[3, batch, sequence]` but rotates by
+    plain RoPE (its rotary tables have no sections), so its text positions are the 2-D ids `[batch,
+    sequence]` (all three rows are equal for text). graph.py's repair makes the input 2-D."""
+    users = [(node, i) for node in graph.node for i, value in enumerate(node.input) if value == name]
+    return bool(users) and all((node.domain, node.op_type, i) == ("com.microsoft", "RotaryEmbedding", 1)
+                               for node, i in users)
 
 
 # Where attention ops read rotary cos and sin tables ([positions, rotary width / 2], one row a position).
@@ -538,8 +552,6 @@ def _check_windows(graph: onnx.GraphProto, layers: tuple[LayerKV, ...], path: Pa
 # What the model builder's decoders may keep between runs besides attention's keys and values
 # (genai_config's decoder inputs), which ortmodule's cache does not hold.
 _OTHER_STATES = {
-    "past_recurrent_names": "a recurrent state for its linear-attention or state-space layers (a hybrid model, "
-                            "such as Qwen3.5's or Granite 4's)",
     "past_key_scale_names": "a quantized KV cache (keys and values with their scales)",
     "block_table": "a paged KV cache (the builder's paged-attention export)",
 }
@@ -556,8 +568,8 @@ def _check_state_kinds(dec: dict, config_path: Path) -> None:
             layers = "".join(f"; layer_types: {kind} at layers {where}" for kind, where in at.items())
             raise PackageError(
                 f"{config_path}: model.decoder.inputs.{key}: the decoder keeps {what}{layers}. ortmodule does not "
-                "run such packages (its cache holds attention keys and values only); onnxruntime-genai's Generator "
-                "runs them"
+                "run such packages (its cache holds attention keys and values, and convolution and linear-attention "
+                "states); onnxruntime-genai's Generator runs them"
             )
 
 
@@ -603,36 +615,46 @@ _KV_NAMES = [("inputs", "past_key_names"), ("inputs", "past_value_names"),
              ("outputs", "present_key_names"), ("outputs", "present_value_names")]
 
 
-def _read_states(dec: dict, graph: _Graph) -> tuple[ConvState, ...]:
-    """The convolution layers' states (genai_config's `past_conv_names` / `present_conv_names`
-    templates, for the layers whose name is an input of the graph): `[batch, channels, width]`."""
-    if "past_conv_names" not in graph.names_in:
-        return ()
+# A hybrid decoder's states (genai_config's templates): (past, present, kind, rank after the batch, what they are)
+_STATE_NAMES = (("past_conv_names", "present_conv_names", "conv", 2, "convolution state", "[batch, channels, width]"),
+                ("past_recurrent_names", "present_recurrent_names", "recurrent", 3, "recurrent state",
+                 "[batch, heads, key size, value size]"))
+
+
+def _read_states(dec: dict, graph: _Graph) -> tuple[LayerState, ...]:
+    """The hybrid layers' states (genai_config's `past_conv_names` / `present_conv_names` and
+    `past_recurrent_names` / `present_recurrent_names` templates, for the layers whose name is an input
+    of the graph), each of a fixed shape after the batch; layer by layer, convolutions first."""
     where = graph.config_path
-    past = _get(graph.names_in, "past_conv_names", "model.decoder.inputs.", where)
-    present = _get(graph.names_out, "present_conv_names", "model.decoder.outputs.", where)
     states = []
-    for i in range(_positive_int(dec, "num_hidden_layers", "model.decoder.", where)):
-        if past % i not in graph.inputs:
+    for past_key, present_key, kind, rank, what, form in _STATE_NAMES:
+        if past_key not in graph.names_in:
             continue
-        if present % i not in graph.outputs:
-            raise PackageError(f"{where}: model.decoder.outputs.present_conv_names '{present}' gives '{present % i}' "
-                               f"for layer {i}, which is not an output of {graph.path.name}")
-        dims = _dims(graph.inputs[past % i])
-        if len(dims) != 3 or not all(isinstance(d, int) and d > 0 for d in dims[1:]):
-            raise PackageError(f"{graph.path}: convolution state '{past % i}' has shape {dims}; expected "
-                               "[batch, channels, width] with fixed channels and width")
-        states.append(ConvState(past % i, present % i, dims[1], dims[2], i))
-    if not states:
-        raise PackageError(f"{where}: model.decoder.inputs.past_conv_names '{past}' names no input of "
-                           f"{graph.path.name} for any layer")
-    return tuple(states)
+        past = _get(graph.names_in, past_key, "model.decoder.inputs.", where)
+        present = _get(graph.names_out, present_key, "model.decoder.outputs.", where)
+        found = []
+        for i in range(_positive_int(dec, "num_hidden_layers", "model.decoder.", where)):
+            if past % i not in graph.inputs:
+                continue
+            if present % i not in graph.outputs:
+                raise PackageError(f"{where}: model.decoder.outputs.{present_key} '{present}' gives '{present % i}' "
+                                   f"for layer {i}, which is not an output of {graph.path.name}")
+            dims = _dims(graph.inputs[past % i])
+            if len(dims) != rank + 1 or not all(isinstance(d, int) and d > 0 for d in dims[1:]):
+                raise PackageError(f"{graph.path}: {what} '{past % i}' has shape {dims}; expected {form} with "
+                                   "fixed sizes after the batch")
+            found.append(LayerState(past % i, present % i, tuple(dims[1:]), i, kind))
+        if not found:
+            raise PackageError(f"{where}: model.decoder.inputs.{past_key} '{past}' names no input of "
+                               f"{graph.path.name} for any layer")
+        states += found
+    return tuple(sorted(states, key=lambda state: (state.layer, state.kind != "conv")))
 
 
 def _read_layers(dec: dict, shape: _Shape, graph: _Graph, other: set = frozenset(),
                  model_type: str = "") -> tuple[LayerKV, ...]:
     """Each layer's KV input and output names (from genai_config's templates) and shape; the layers in
-    `other` (a hybrid decoder's convolution layers) keep no KV, nor do Gemma 4's last layers that
+    `other` (a hybrid decoder's stateful layers) keep no KV, nor do Gemma 4's last layers that
     reuse an earlier layer's (`num_kv_shared_layers`: the graph has no KV for them, `_kv_layers`)."""
     sliding = dec.get("sliding_window") or {}
     sliding_layers = set(sliding.get("layers", range(shape.num_layers))) if sliding else set()

@@ -15,7 +15,7 @@ own for each row costs on a CPU what some `RUN_TOKENS` more tokens in a prefill 
 all rows (their rests padded to the longest) some `EXTEND_TOKENS`; `way` takes the cheapest of the
 three (`costs`). On CUDA a prefill is
 cheap against the decoding that follows and the rows' runs would go one after the other: off there.
-Off too for hybrid decoders (convolution states), sliding-window layers, multimodal packages and
+Off too for hybrid decoders (layer states), sliding-window layers, multimodal packages and
 caches that concatenate.
 
 Within `keeping(KeptBeginning())` (lm-eval's `generate_until`: the batches of a few-shot task, whose
@@ -78,7 +78,7 @@ def fits_one_run(decoder, rest: int) -> bool:
 def continues_in_place(decoder, cache: KVCache) -> bool:
     """Whether several new tokens a row may continue `cache`'s rows over their pasts here (a run a row,
     or one run of the writing extender): on a CPU, over buffers shared by every step (not a cache written
-    by concatenation), without convolution states, positions offset by images, sliding windows or an
+    by concatenation), without layer states, positions offset by images, sliding windows or an
     embedding model before the decoder."""
     return (decoder.device.type == "cpu" and cache.shared and not cache.states and cache.position_offset is None
             and decoder.embedding_session is None and not any(kv.window for kv in decoder.spec.layers))

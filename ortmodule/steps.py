@@ -87,7 +87,7 @@ class FixedSteps:
             shape = (3, batch, 1) if spec.position_rank == 3 else (batch, 1)
             self.positions = torch.zeros(shape, dtype=decoder.position_dtype, device=device)
         self.head_rows = torch.arange(batch, device=device) if decoder.keeps_positions else None
-        # a hybrid decoder's convolution states: every row takes its one token (states.py)
+        # a hybrid decoder's layer states: every row takes its one token (states.py)
         self.state_lengths = torch.ones(batch, dtype=torch.int64, device=device) if spec.states else None
         # The LM head's rows as the graph writes them: one per row, or one per token without the rewrite.
         shape = (batch, decoder.vocab_size) if decoder.keeps_positions else (batch, 1, decoder.vocab_size)

@@ -91,6 +91,12 @@ ARCHITECTURES = {
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", {"layer_types": "conv", "moe_intermediate_size": 32,
                                                           "num_experts": 4, "num_experts_per_tok": 2,
                                                           "num_dense_layers": 1}),
+    # Qwen3.5: a hybrid of gated-delta-rule linear attention (a convolution state and a recurrent state
+    # each, beside no KV) and full-attention layers, three to one as Qwen3.5 mixes them; the builder exports
+    # the text model of the multimodal checkpoint (`_qwen3_5_checkpoint`), with partial rotary positions
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
+                {"head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                 "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4, "linear_conv_scale": 10.0}),
     # Text decoders exported by mobius-onnx (MOBIUS_TEXT), each for what it adds: SmolLM3's layers without
     # rotary positions (NoPE: its second layer here), Apertus' xIELU activation and query/key norms, OLMo 2's
     # norms after attention and MLP and its query/key norms over all heads
@@ -312,6 +318,10 @@ def make_checkpoint(spec: FixtureSpec, out: Path) -> None:
         return
 
     tokenizer = spec_tokenizer(spec)
+    if spec.arch == "qwen3_5":
+        _qwen3_5_checkpoint(spec, out, tokenizer)
+        tokenizer.save_pretrained(out)
+        return
     if spec.arch in MULTIMODAL:
         maker = _gemma4_checkpoint if spec.arch in GEMMA4 else \
             _mistral3_checkpoint if spec.arch == "mistral3" else \
@@ -459,6 +469,40 @@ def _qwen2_5_vl_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     config = config_class(text_config=text, vision_config=vision, **top, **tokens)
     torch.manual_seed(spec.seed)
     model_class(config).save_pretrained(out)
+
+
+def _qwen3_5_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
+    """A Qwen3.5 checkpoint (the builder exports `Qwen3_5ForConditionalGeneration`'s text model; its
+    vision tower, one block, is left out): every fourth layer full attention, the others linear."""
+    import torch
+    import transformers
+
+    config_class, architecture, fields = ARCHITECTURES[spec.arch]
+    fields = dict(fields)
+    scale = fields.pop("linear_conv_scale")  # not a config field: below
+    text = dict(
+        fields, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.context_length, initializer_range=spec.initializer_range,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(spec.num_layers)],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    if spec.head_dim is not None:
+        text["head_dim"] = spec.head_dim
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=spec.hidden_size)
+    config = getattr(transformers, config_class)(text_config=text, vision_config=vision,
+                                                 tie_word_embeddings=bool(spec.tie_word_embeddings))
+    config.architectures = [architecture]
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, architecture)(config)
+    # The builder's L2 normalization of the linear attention's queries and keys has no epsilon, where
+    # transformers' adds 1e-6 to the squared norm: random weights this small give norms near it (logits
+    # 3e-4 apart), so the convolution that makes them is scaled up until the epsilon is negligible.
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.conv1d.weight.mul_(scale)
+    model.save_pretrained(out)
 
 
 def _mistral3_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:

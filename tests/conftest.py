@@ -67,8 +67,9 @@ def _shared_objects_as_found():
 
 
 # What an architecture's fixture needs beyond FixtureSpec's defaults: LFM2's layer pattern (conv, conv,
-# attention, conv: fixtures.ARCHITECTURES) takes four layers to hold both kinds, a convolution last.
-ARCH_FIELDS = {"lfm2": {"num_layers": 4}, "lfm2_moe": {"num_layers": 4}}
+# attention, conv: fixtures.ARCHITECTURES) takes four layers to hold both kinds, a convolution last; Qwen3.5's
+# (linear, linear, linear, full attention) four too.
+ARCH_FIELDS = {"lfm2": {"num_layers": 4}, "lfm2_moe": {"num_layers": 4}, "qwen3_5": {"num_layers": 4}}
 
 
 @pytest.fixture(scope="session")

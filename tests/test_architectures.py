@@ -116,10 +116,9 @@ def test_scoring_graphs_give_the_package_graphs_answers(pair):
 
 
 def test_a_state_ortmodule_does_not_keep_is_refused_by_name(build, tmp_path):
-    """A decoder whose genai_config names a state ortmodule's cache does not hold (here a recurrent
-    state, as Qwen3.5's linear attention and Granite 4's state-space layers keep: the LFM2 package's
-    config with the key added) is a PackageError that names the state and the layers, not a missing
-    input deep inside ONNX Runtime."""
+    """A decoder whose genai_config names a state ortmodule's cache does not hold (here a quantized KV
+    cache's scales: the LFM2 package's config with the key added) is a PackageError that names the state
+    and the layers, not a missing input deep inside ONNX Runtime."""
     import json
     import shutil
 
@@ -128,8 +127,8 @@ def test_a_state_ortmodule_does_not_keep_is_refused_by_name(build, tmp_path):
     package = tmp_path / "package"
     shutil.copytree(build("lfm2").package_dir, package)
     config = json.loads((package / "genai_config.json").read_text())
-    config["model"]["decoder"]["inputs"]["past_recurrent_names"] = "past.%d.recurrent"
+    config["model"]["decoder"]["inputs"]["past_key_scale_names"] = "past_key_values.%d.key_scale"
     (package / "genai_config.json").write_text(json.dumps(config))
-    with pytest.raises(PackageError, match=r"past_recurrent_names: the decoder keeps a recurrent state .*"
+    with pytest.raises(PackageError, match=r"past_key_scale_names: the decoder keeps a quantized KV cache .*"
                                            r"layer_types: conv at layers 0, 1, 3\. ortmodule does not run"):
         OrtModelForCausalLM.from_pretrained(package)

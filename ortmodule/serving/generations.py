@@ -31,7 +31,7 @@ def put_row(cache, slot: int, keys: list[torch.Tensor], values: list[torch.Tenso
             states: list[torch.Tensor] | None = None, offset=0) -> None:
     """Row `slot` of a shared-buffer `cache` takes the first `length` entries of per-layer KV
     `[kv_heads, >= length, head_size]` (another row's, or a cached prefix's), a hybrid decoder's
-    convolution states after them (`[channels, width]` each; None: before any token, zeros), and its
+    layer states after them (each of its `LayerState.shape`; None: before any token, zeros), and its
     next position's offset from its length (mRoPE after images: `KVCache.position_offset`)."""
     for mine, theirs in ((cache.keys, keys), (cache.values, values)):
         for buffer, source in zip(mine, theirs):
@@ -163,7 +163,7 @@ class DecodeBatch:
         longest = max((row.cached for row in self.rows), default=0)
         for mine, theirs in zip((*new.keys, *new.values), (*old.keys, *old.values)):
             mine[:rows, :, :longest] = theirs[:rows, :, :longest]
-        for mine, theirs in zip(new.states.current, old.states.current):  # a hybrid's convolution states
+        for mine, theirs in zip(new.states.current, old.states.current):  # a hybrid's layer states
             mine[:rows] = theirs[:rows]
         new.lengths[:rows] = old.lengths[:rows]
         if old.position_offset is not None:
@@ -243,7 +243,7 @@ class Generations:
         self.partial = None  # (row, its own cache) of a prompt being prefilled in chunks
         self.batch = DecodeBatch(model.decoder, self.max_rows)
         shared = model.decoder.spec.shares_kv_buffer  # prefixes and feeding need the slot pool
-        # convolution states (a hybrid's): a prompt's end only (states.py)
+        # layer states (a hybrid's): a prompt's end only (states.py)
         self.prefixes = Prefixes(settings.prefix_cache_mb * 2**20 if shared else 0, bool(model.decoder.spec.states))
         self.telemetry = Telemetry(model.package.context_length, self.prefixes.budget > 0)
 

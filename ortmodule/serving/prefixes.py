@@ -7,7 +7,7 @@ blocks before it, and maps to the latest prompt holding that block sequence. A l
 chain as far as it goes, then measures the exact common prefix with the prompt found (so a hash
 collision costs a shorter match, never a wrong one). Entries are kept within a byte budget, the
 least recently used dropped first; a prompt that extends an entry replaces it. A hybrid decoder's
-entries also hold its convolution states after the prompt (ortmodule/states.py), which serve a
+entries also hold its layer states after the prompt (ortmodule/states.py), which serve a
 prompt that extends the whole entry only (Generations._hit).
 """
 
@@ -28,7 +28,7 @@ class Entry:
     values: list[torch.Tensor]
     nbytes: int
     chain: set[int] = field(default_factory=set)  # the keys of its full blocks
-    states: list[torch.Tensor] | None = None  # a hybrid decoder's, per convolution layer [channels, width]
+    states: list[torch.Tensor] | None = None  # a hybrid decoder's, per stateful layer (its LayerState.shape)
 
 
 def _chain(tokens: list[int]):
@@ -43,7 +43,7 @@ class Prefixes:
     """Recent prompts' KV within `budget` bytes (0: off). Used from the model's thread only."""
 
     def __init__(self, budget: int, hybrid: bool = False):
-        self.budget, self.hybrid = budget, hybrid  # hybrid: entries hold convolution states, of their end only
+        self.budget, self.hybrid = budget, hybrid  # hybrid: entries hold layer states, of their end only
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # by id, least recently used first
         self.blocks: dict[int, Entry] = {}  # block-chain key -> the latest entry holding it
         self.nbytes = 0
