@@ -50,6 +50,9 @@ def _inference_mode(method):
 # Runs after which a hybrid cache keeps its layer states (LayerStates.log); a crop further back
 # runs again from the newest kept ones (from the prompt at worst), where the runs' tokens are known.
 CHECKPOINTS = 32
+# ... fewer where a batch's states are large (a linear attention's recurrent states: Qwen3.5-0.8B's are
+# about 9 MB a row in bf16): at most this many bytes of copies, and always the newest run's.
+CHECKPOINT_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass
@@ -104,10 +107,16 @@ class LayerStates:
         elif self and self.log is not None:
             self.log[-1].ran = ran
             self.log.append(Checkpoint(seen, [state.clone() for state in self.current]))
-            if len(self.log) > CHECKPOINTS:
-                dropped = self.log[-CHECKPOINTS - 1]
+            kept = self.kept_runs()
+            if len(self.log) > kept:
+                dropped = self.log[-kept - 1]
                 dropped.kept = dropped.seen == 0 and dropped.states is None
                 dropped.states = None
+
+    def kept_runs(self) -> int:
+        """How many runs' states the log keeps: CHECKPOINTS, or fewer past CHECKPOINT_BYTES of copies."""
+        size = sum(state.numel() * state.element_size() for state in self.current)
+        return max(1, min(CHECKPOINTS, CHECKPOINT_BYTES // max(1, size)))
 
     def restart(self, seen: int = 0, *, zeros: bool = True) -> None:
         """Start the log over: the states before a prompt (`zeros`) or as they are now, at `seen`."""

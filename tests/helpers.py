@@ -532,36 +532,39 @@ class BlockingUploads:
 
 
 class CachePair:
-    """ortmodule and transformers stepped side by side, each with its own cache and the caller's mask."""
+    """ortmodule and transformers stepped side by side, each with its own cache and the caller's mask; or,
+    without `reference_cache`, ortmodule's alone (the caller runs transformers afresh: `caches[1]` None)."""
 
-    def __init__(self, models, ids, mask):
+    def __init__(self, models, ids, mask, reference_cache: bool = True):
         self.models, self.mask = models, mask
         positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)  # what transformers' generate passes
         # transformers' sliding and linear-attention (hybrid) layers keep what a crop needs only once
         # recording: from before the prompt, or a hybrid's crop into the prompt is silently wrong there.
         recording = DynamicCache(config=models[1].config)
         recording.activate_past_recording()
+        runs = zip(models, ({}, {"past_key_values": recording})) if reference_cache else [(models[0], {})]
         with torch.inference_mode():
-            outs = [m(ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
-                    for m, extra in zip(models, ({}, {"past_key_values": recording}))]
-        self.caches = [out.past_key_values for out in outs]
+            outs = [m(ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra) for m, extra in runs]
+        self.caches = [out.past_key_values for out in outs] + ([] if reference_cache else [None])
         assert isinstance(self.caches[0], KVCache) and isinstance(self.caches[0], Cache)
-        assert isinstance(self.caches[1], DynamicCache)
+        assert self.caches[1] is None or isinstance(self.caches[1], DynamicCache)
 
     def step(self, tokens):
         """Append one token per row (`[B]`, or `[B, s]`: s tokens in one forward call) to both; the
-        logits of each at the last."""
+        logits of each at the last (None for a reference without its cache)."""
         tokens = tokens[:, None] if tokens.dim() == 1 else tokens
         new = tokens.shape[1]
         self.mask = torch.cat([self.mask, torch.ones(self.mask.shape[0], new, dtype=self.mask.dtype)], 1)
         positions = self.mask.cumsum(1)[:, -new:] - 1
         with torch.inference_mode():
-            return [m(tokens, attention_mask=self.mask, position_ids=positions, past_key_values=c,
-                      use_cache=True).logits[:, -1] for m, c in zip(self.models, self.caches)]
+            return [None if c is None else m(tokens, attention_mask=self.mask, position_ids=positions,
+                                              past_key_values=c, use_cache=True).logits[:, -1]
+                    for m, c in zip(self.models, self.caches)]
 
     def each(self, method, *args):
         for cache in self.caches:
-            getattr(cache, method)(*args)
+            if cache is not None:
+                getattr(cache, method)(*args)
 
     def agree(self, tokens):
         ours, theirs = self.step(tokens)

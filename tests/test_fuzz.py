@@ -115,9 +115,10 @@ def broken_forward(rng, ids, mask, kind):
     return ids, kwargs
 
 
-@pytest.fixture(scope="module", params=["llama", "lfm2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "lfm2", "qwen3_5", "gemma3"])
 def fixture(request, build):
-    """The Llama fixture, LFM2's (a hybrid: convolution states beside the KV, states.py) and Gemma 3's
+    """The Llama fixture, LFM2's and Qwen3.5's (hybrids: convolution and recurrent states beside the KV,
+    states.py) and Gemma 3's
     (sliding-window layers, an 8-token window: most fuzzed rows run past it)."""
     return build(request.param)
 

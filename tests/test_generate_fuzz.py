@@ -23,9 +23,13 @@ import pytest
 import torch
 from helpers import fuzz_seeds, load_pair
 
-ARCHES = ["llama", "llama", "qwen3", "gemma3", "gemma2", "lfm2", "phi3", "gpt_oss", "granite", "gemma4"]
+ARCHES = ["llama", "llama", "qwen3", "gemma3", "gemma2", "lfm2", "phi3", "gpt_oss", "granite", "gemma4", "qwen3_5"]
 SEEDS = fuzz_seeds("GENERATE_FUZZ_SEEDS", 48)
-HYBRID = {"lfm2"}  # convolution states (crops run tokens again from the states kept: cache.py)
+HYBRID = {"lfm2", "qwen3_5"}  # layer states (crops run tokens again from the states kept: cache.py)
+# transformers 5.25's Qwen3.5 goes wrong in its own prompt lookup and assisted decoding (its linear attention's
+# states after a crop: seed 1051285, the lookup's tokens leave its plain greedy ones, which ortmodule's equal), so
+# there the reference is its plain greedy generation
+PLAIN_REFERENCE = {"qwen3_5"}
 TEXT = 500  # ids below every fixture's media placeholders
 
 
@@ -337,6 +341,8 @@ def test_cache_continuation_fuzz(build, seed):
             if kind == "stepped":
                 return stepped(m, rng, ids, mask)
             extra = dict(prompt_lookup_num_tokens=rng.randint(1, 5)) if kind == "lookup" else dict(assistant_model=m)
+            if m is hf and arch in PLAIN_REFERENCE:
+                extra = {}  # its greedy tokens are the same
             # the pad token (2) may be drafted: transformers' assistant masks it, ortmodule's counts it (a warning)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "generate got no attention_mask, continues a cache", UserWarning)

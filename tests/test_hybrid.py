@@ -318,10 +318,40 @@ def test_a_crop_that_cannot_run_again_is_refused(pair):
         assert one.get_seq_length() == 6
 
 
+def test_large_states_keep_fewer_checkpoints(pair, monkeypatch):
+    """Where a batch's states are large (a linear attention's recurrent states), the cache keeps the
+    states of fewer runs than CHECKPOINTS, at most CHECKPOINT_BYTES of copies (here two runs' worth):
+    the log then holds two copies, and a crop further back runs the prompt and the steps again, its
+    logits still transformers'."""
+    from ortmodule import cache as cache_module
+    from ortmodule import decoder
+
+    model, hf, _ = pair
+    ids, mask = right_padded_batch([6], seed=47)
+    draft = torch.randint(4, 512, (1, 6), generator=torch.Generator().manual_seed(48))
+    then = torch.randint(4, 512, (1, 3), generator=torch.Generator().manual_seed(49))
+    reran, original = [], decoder.rerun
+    monkeypatch.setattr(decoder, "rerun", lambda *args: reran.append(args[2]) or original(*args))
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        size = sum(state.numel() * state.element_size() for state in cache.states.current)
+        monkeypatch.setattr(cache_module, "CHECKPOINT_BYTES", 2 * size)
+        assert cache.states.kept_runs() == 2
+        _, seen = _steps(model, cache, mask, draft, one_by_one=True)
+        assert sum(point.states is not None for point in cache.states.log) == 2
+        cache.crop(-4)  # back to the second step: its states were dropped
+        assert reran == ["prompt", "step"]
+        kept = torch.cat([ids, draft], 1)[:, :-4]
+        got, _ = _steps(model, cache, seen[:, :-4], then)
+        expected = _whole(hf, kept, seen[:, :-4], then)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
 def test_assisted_decoding_equals_transformers(pair, build, monkeypatch, mode):
     """Prompt lookup and assisted decoding (transformers' loops: the candidates run over the cache in
-    one run, then the cache cropped to the accepted ones) give transformers' tokens. The prompt
+    one run, then the cache cropped to the accepted ones) give transformers' tokens (for Qwen3.5 its plain
+    greedy ones: its own assisted loops go wrong after a crop, tests/test_generate_fuzz.py). The prompt
     repeats its beginning after that beginning's own continuation, so that lookup drafts tokens the
     model then mostly rejects; the assistant is another LFM2 (other weights), whose drafts the model
     mostly rejects, and whose own cache is cropped back over several of its runs. The first crop
@@ -343,11 +373,13 @@ def test_assisted_decoding_equals_transformers(pair, build, monkeypatch, mode):
     for m, helper in ((model, helpers[0] if mode == "assistant" else None),
                       (hf, helpers[1] if mode == "assistant" else None)):
         extra = dict(prompt_lookup_num_tokens=3) if mode == "prompt_lookup" else dict(assistant_model=helper)
+        if m is hf and pair[2].spec.arch == "qwen3_5":
+            extra = {}  # transformers 5.25's Qwen3.5 goes wrong in its own assisted loops: its greedy tokens
         with torch.no_grad():
             got.append(m.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=2, **extra))
     assert torch.equal(got[0], got[1])
-    # which crops come depends on the drafts the model takes: the prompt's for LFM2's fixture
-    assert ("prompt" in reran or pair[2].spec.arch != "lfm2") and "pending" in reran
+    # which crops come depends on the drafts the model takes: both kinds with LFM2's fixture
+    assert ("prompt" in reran and "pending" in reran) if pair[2].spec.arch == "lfm2" else reran
 
 
 def test_lm_eval_requests_equal_the_hf_backend(pair):
