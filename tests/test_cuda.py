@@ -1115,3 +1115,15 @@ def test_hybrid_conv_states_on_cuda(build):
     out = model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=8, do_sample=False, pad_token_id=2,
                          eos_token_id=stop, return_dict_in_generate=True)
     assert out.past_key_values.seen == out.sequences.shape[1] - 1
+
+
+def test_linear_attention_states_on_cuda(build):
+    """Qwen3.5's bf16 export for CUDA (ONNX Runtime's CUDA `LinearAttention` and `CausalConvWithState`,
+    ortmodule's rewrite holding each row's states at its padding): a right-padded prefill continued by
+    three steps gives the logits of each row's whole sequence (to bf16's rounding), within bf16's
+    rounding of transformers fp32; a left-padded batch's greedy tokens are each row's own."""
+    fixture = build("qwen3_5", precision="bf16", execution_provider="cuda")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, device="cuda")
+    assert {state.kind for state in model.decoder.spec.states} == {"conv", "recurrent"}
+    hf = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
+    check_cache_steps_and_batched_generate(model, hf, [17, 6, 11], 3, (52, 53, 54, [9, 4]), 8, 2)

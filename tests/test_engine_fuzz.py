@@ -27,9 +27,9 @@ from ortmodule.serving.generations import DecodeBatch
 
 NAME = "fuzz"
 # A Llama most often; a Qwen3, Gemma 3 (sliding-window layers), LFM2 (convolution states) and Qwen3.5
-# (linear attention: convolution and recurrent states) sometimes: the prefix cache and feeding keep what each kind of cache needs. Not the multimodal
-# fixtures: their random weights generate media placeholder ids, after which transformers' logits
-# differ by design (docs/usage.md, "How multimodal packages run for text").
+# (linear attention: convolution and recurrent states) sometimes: the prefix cache and feeding keep what
+# each kind of cache needs. Not the multimodal fixtures: their random weights generate media placeholder
+# ids, after which transformers' logits differ by design (docs/usage.md, "How multimodal packages run for text").
 ARCHES = ["llama", "llama", "llama", "qwen3", "gemma3", "lfm2", "qwen3_5"]
 # Structured output's grammars (regexes) a greedy completion may keep to: ended by the grammar, by the length, or
 # open-ended where the model may end it.
