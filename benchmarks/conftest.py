@@ -42,6 +42,14 @@ GEMMA3_270M_CPU = fixtures.FixtureSpec("gemma3", hidden_size=640, num_layers=18,
 LFM2_350M_CPU = fixtures.FixtureSpec("lfm2", hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8,
                                      intermediate_size=6656, vocab_size=65536, context_length=4096,
                                      initializer_range=0.02, tie_word_embeddings=True)
+# Qwen3.5 at about 0.8B weights' sizes: hidden 1024, 24 layers (three gated-delta linear attention layers to one
+# full), 16 linear heads of 128, 8 attention heads of 256 over 2 KV heads, MLP 3584, a 248,320-token vocabulary,
+# tied head; random weights (the fixtures' convolution scale and norm epsilon: fixtures.ARCHITECTURES)
+QWEN3_5_08B_CPU = fixtures.FixtureSpec("qwen3_5", hidden_size=1024, num_layers=24, num_heads=8, num_kv_heads=2,
+                                       intermediate_size=3584, vocab_size=248320, context_length=4096,
+                                       initializer_range=0.02, tie_word_embeddings=True, head_dim=256,
+                                       text_fields=(("linear_key_head_dim", 128), ("linear_value_head_dim", 128),
+                                                    ("linear_num_key_heads", 16), ("linear_num_value_heads", 16)))
 TINY = fixtures.FixtureSpec("llama", vocab_size=4096, context_length=256)
 # Qwen2-VL-2B's config (its 32-block, 675 M-weight vision tower and 1.5 B text model, tied head) with
 # random weights and SmolLM2's tokenizer, exported by mobius-onnx in fp32.

@@ -1,5 +1,7 @@
-"""A hybrid package on a CPU (LFM2-350M's sizes, random weights, fp32; the suite's `LFM2_350M_CPU`):
-ortmodule against transformers on the same weights, timed in turns (median of `--rounds`).
+"""A hybrid package on a CPU (LFM2-350M's sizes, random weights, fp32; the suite's `LFM2_350M_CPU`; or with
+`--model qwen3_5` Qwen3.5 at about 0.8B's sizes, `QWEN3_5_08B_CPU`): ortmodule against transformers on the same
+weights, timed in turns (median of `--rounds`). transformers runs Qwen3.5's gated delta rule by its PyTorch
+fallback (flash-linear-attention, which it prefers, needs a GPU).
 
 - scoring: rows of 256 tokens, logits at the last 4 positions (`cont_len` / `logits_to_keep`);
 - generate: greedy, prompts of 32 tokens, 32 new tokens, batch 1 and 8;
@@ -18,6 +20,7 @@ fixtures' (two convolution layers to one attention layer: 11 and 5 of 16; LFM2-3
 and no trained weights exist offline to score real text with.
 
     python benchmarks/hybrid.py
+    python benchmarks/hybrid.py --model qwen3_5
     python benchmarks/hybrid.py --shared
     python benchmarks/hybrid.py --crops
 """
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import LFM2_350M_CPU
+from conftest import LFM2_350M_CPU, QWEN3_5_08B_CPU
 from sliding_windows import shared_ways
 from sliding_windows import timed as timed_ways
 from transformers import AutoModelForCausalLM
@@ -38,6 +41,10 @@ from ortmodule import OrtModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's dev helpers: ortmodule_dev
 from ortmodule_dev import fixtures  # noqa: E402
+
+# --model: (fixture spec, what its sizes are, its stateful layers' kind)
+MODELS = {"lfm2": (LFM2_350M_CPU, "LFM2-350M's sizes", "convolution"),
+          "qwen3_5": (QWEN3_5_08B_CPU, "Qwen3.5 at about 0.8B's sizes", "linear attention")}
 
 
 def timed(label: str, ours, theirs, same, rounds: int) -> None:
@@ -69,16 +76,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shared", action="store_true", help="shared contexts: padded, decode steps, extend")
     parser.add_argument("--crops", action="store_true", help="the states' copies for crops; prompt lookup")
+    parser.add_argument("--model", choices=sorted(MODELS), default="lfm2")
     args = parser.parse_args()
-    fixture = fixtures.build(LFM2_350M_CPU)
+    fixture = fixtures.build(MODELS[args.model][0])
     ours = OrtModelForCausalLM.from_pretrained(fixture.package_dir)
     if args.shared:
         with torch.no_grad():
             timed_ways(shared_ways(ours), args.rounds)
         return
     theirs = AutoModelForCausalLM.from_pretrained(fixture.hf_dir, dtype=torch.float32).eval()
-    print(f"LFM2-350M's sizes, random weights, fp32, {torch.get_num_threads()} threads; "
-          f"{len(ours.decoder.spec.states)} convolution layers, {len(ours.decoder.spec.layers)} attention layers")
+    stateful = len({state.layer for state in ours.decoder.spec.states})
+    print(f"{MODELS[args.model][1]}, random weights, fp32, {torch.get_num_threads()} threads; "
+          f"{stateful} {MODELS[args.model][2]} layers, {len(ours.decoder.spec.layers)} attention layers")
     generator = torch.Generator().manual_seed(0)
     if args.crops:
         with torch.no_grad():

@@ -50,8 +50,8 @@ def _inference_mode(method):
 # Runs after which a hybrid cache keeps its layer states (LayerStates.log); a crop further back
 # runs again from the newest kept ones (from the prompt at worst), where the runs' tokens are known.
 CHECKPOINTS = 32
-# ... fewer where a batch's states are large (a linear attention's recurrent states: Qwen3.5-0.8B's are
-# about 9 MB a row in bf16): at most this many bytes of copies, and always the newest run's.
+# ... fewer where a batch's states are large (a linear attention's recurrent states: transformers' default Qwen3.5
+# text config's, about 25 MB a row in bf16): at most this many bytes of copies, and always the newest run's.
 CHECKPOINT_BYTES = 256 * 2**20
 
 

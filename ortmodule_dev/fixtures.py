@@ -176,6 +176,9 @@ class FixtureSpec:
     # Gemma 4 only: the last layers reuse an earlier layer's keys and values (Gemma 4 E2B's and E4B's
     # num_kv_shared_layers); None: every layer keeps its own.
     kv_shared_layers: int | None = None
+    # Qwen3.5 only: the text config's fields over the architecture's table entry (a real model's linear
+    # attention heads, say); None: the table's.
+    text_fields: tuple[tuple[str, object], ...] | None = None
 
     @property
     def name(self) -> str:
@@ -490,6 +493,7 @@ def _qwen3_5_checkpoint(spec: FixtureSpec, out: Path, tokenizer) -> None:
     )
     if spec.head_dim is not None:
         text["head_dim"] = spec.head_dim
+    text.update(spec.text_fields or (), tie_word_embeddings=bool(spec.tie_word_embeddings))  # the text model's own
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=spec.hidden_size)
     config = getattr(transformers, config_class)(text_config=text, vision_config=vision,
                                                  tie_word_embeddings=bool(spec.tie_word_embeddings))

@@ -170,7 +170,7 @@ def test_requests_batched_together_keep_their_own_answers(build):
         live.stop()
 
 
-@pytest.mark.parametrize("arch", [*MODEL_ARCHES, "lfm2"])  # lfm2: convolution layers beside attention
+@pytest.mark.parametrize("arch", [*MODEL_ARCHES, "lfm2", "qwen3_5"])  # hybrids: layer states beside attention
 def test_pooled_hidden_states_equal_transformers(build, arch):
     """`scoring.pooled_hidden_states` over prompts of several lengths in batches of a 12-token budget (several
     padded batches, one prompt past the budget alone): each row is transformers' final state at that prompt's

@@ -33,7 +33,7 @@ def as_float32(value):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "mistral",
                                   "granite", "lfm2", "lfm2_moe", "gpt_oss", "ernie4_5", "hunyuan", "olmo",
-                                  "nemotron"])
+                                  "nemotron", "qwen3_5"])
 def test_a_packages_config_states_its_checkpoints_fields(build, arch):
     """Each field of `FIELDS` that transformers' config of the checkpoint has, in the package's config as the
     checkpoint's (norm epsilons as the float32 the graph holds); before graph_config.py most were the config

@@ -37,6 +37,17 @@ def test_the_package_keeps_a_state_per_convolution_layer(pair):
         assert spec.position_rank == 2  # the graph's 3-D ids feed plain rotary nodes (graph.plain_positions)
 
 
+def test_describe_counts_the_stateful_layers(pair):
+    """`ortmodule describe` tells a hybrid's stateful layers by kind (a Qwen3.5 layer's convolution and
+    recurrent states count as one linear-attention layer)."""
+    from ortmodule.describe import describe
+
+    _, _, fixture = pair
+    said = describe(fixture.package_dir)
+    linear = fixture.spec.arch == "qwen3_5"
+    assert (said["convolution layers"], said["linear-attention layers"]) == ((None, 3) if linear else (3, None))
+
+
 def edited_copy(fixture, tmp_path, edit):
     """A copy of `fixture`'s package whose decoder graph `edit(graph)` changed (the weights shared)."""
     import shutil
@@ -79,6 +90,33 @@ def test_a_windowed_state_is_refused_at_load(pair, tmp_path):
 
     package = edited_copy(pair[2], tmp_path, windowed)
     with pytest.raises(PackageError, match="state_window=4"):
+        OrtModelForCausalLM.from_pretrained(package, cache_dir=tmp_path / "graphs")
+
+
+@pytest.mark.parametrize("change", ["gated_delta_net", "windowed", "no gates"])
+def test_a_linear_attention_of_another_form_is_refused_at_load(build, tmp_path, change):
+    """Qwen3.5's linear attention in a form the rewrite does not know is a PackageError naming the node and
+    what is wrong, at load: the builder's CUDA-only `GatedDeltaNet` (`linear_attn_op=gated_delta_net`,
+    its gates applied inside the kernel), a windowed recurrent state (`state_window`), a LinearAttention
+    without its decay and beta gates (another update rule)."""
+    import onnx
+
+    from ortmodule import PackageError
+
+    def edit(graph):
+        node = next(node for node in graph.node if node.op_type == "LinearAttention")
+        if change == "gated_delta_net":
+            node.op_type = "GatedDeltaNet"
+        elif change == "windowed":
+            node.attribute.append(onnx.helper.make_attribute("state_window", 4))
+        else:
+            del node.input[4:]
+
+    package = edited_copy(build("qwen3_5"), tmp_path, edit)
+    said = {"gated_delta_net": "GatedDeltaNet .* is not supported; export with the default linear_attn_op",
+            "windowed": "state_window=4", "no gates": "without its decay and beta gates"}[change]
+    with pytest.raises(PackageError, match=f"cannot run this decoder's layer states: .*LinearAttention.*{said}"
+                       if change != "gated_delta_net" else said):
         OrtModelForCausalLM.from_pretrained(package, cache_dir=tmp_path / "graphs")
 
 
