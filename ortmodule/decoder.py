@@ -523,11 +523,12 @@ def _graphs(decoder: Decoder, device: torch.device) -> tuple[bytes | None, bytes
     """The decoder's graph for `device`: the rewrite's bytes (graph.py), and without the rewrite (off,
     or skipped for this graph) the package's graph where it needs repairs. Packed projections that a
     `Split` node splits are unpacked on CUDA (projections.py), where ortmodule's own session options
-    fold the weights' slices at load (a caller's may not optimize the graph at all)."""
+    fold the weights' slices at load (a caller's may not optimize the graph at all); on a CPU, contrib ops
+    whose CPU kernels are slow are written as standard ones (cpu_forms.py)."""
     spec = decoder.spec
-    unpack = projections.applies(device.type, decoder.session_options)
-    rewritten = graph.lm_head_graph(spec.path, spec.logits, decoder.rewrite_lm_head, decoder.cache_dir, unpack)
-    return rewritten, graph.repaired_graph(spec.path) if rewritten is None else None
+    unpack, cpu = projections.applies(device.type, decoder.session_options), device.type == "cpu"
+    rewritten = graph.lm_head_graph(spec.path, spec.logits, decoder.rewrite_lm_head, decoder.cache_dir, unpack, cpu)
+    return rewritten, graph.repaired_graph(spec.path, cpu) if rewritten is None else None
 
 
 def _open_embedding(decoder: Decoder, device: torch.device, run_settings: dict) -> tuple[runtime.Session | None, list]:

@@ -34,7 +34,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from . import cache_folder, states
+from . import cache_folder, cpu_forms, states
 from .cache_folder import cache_home
 from .constants import is_constant
 from .package import PackageError, plain_rotary_positions
@@ -47,8 +47,8 @@ LOGITS_INDICES = "ortmodule_logits_indices"
 REWRITE_VERSION = "8"
 # The files whose code shapes a rewritten graph (this one's, the extend, prefill and variants.py's graphs): their
 # bytes are a part of every cache key (`code_digest`), so that no entry made by other code is reused.
-_REWRITE_SOURCES = ("graph.py", "projections.py", "tail.py", "constants.py", "extend.py", "states.py", "hidden.py",
-                    "embeddings.py", "variants.py", "attentions.py")
+_REWRITE_SOURCES = ("graph.py", "projections.py", "tail.py", "constants.py", "extend.py", "states.py", "cpu_forms.py",
+                    "hidden.py", "embeddings.py", "variants.py", "attentions.py")
 
 # Ops allowed between the LM head and the logits output (casts, soft-capping: Div, Tanh, Mul).
 _ELEMENTWISE = {"Cast", "Div", "Mul", "Tanh", "Add", "Sub", "Identity"}
@@ -141,23 +141,27 @@ def forget_wrong_shapes(proto: onnx.ModelProto) -> bool:
     return True
 
 
-def _load_repaired(decoder_path: Path) -> tuple[onnx.ModelProto, bool]:
+def _load_repaired(decoder_path: Path, cpu: bool = False) -> tuple[onnx.ModelProto, bool]:
     """The decoder graph without its weights, less the shapes `forget_wrong_shapes` drops, with 2-D
     position ids where its rotary nodes take no others (`plain_positions`), a hybrid decoder's layer
-    states taken at each row's length (states.py), and whether it changed."""
+    states taken at each row's length (states.py), for a CPU session the contrib ops cpu_forms.py
+    writes as standard ones, and whether it changed."""
     proto = onnx.load(str(decoder_path), load_external_data=False)
     repaired = forget_wrong_shapes(proto)
     repaired = unbounded_window_caches(proto) or repaired
     repaired = plain_positions(proto) or repaired
-    if states.has_states((node.domain, node.op_type) for node in proto.graph.node):
-        model = ir.serde.deserialize_model(proto)
-        try:
-            states.select_states_at_lengths(model.graph)
-        except states.StatesSkipped as reason:
-            raise PackageError(f"{decoder_path}: ortmodule cannot run this decoder's layer states: {reason}") \
-                from None
-        return ir.serde.serialize_model(model), True
-    return proto, repaired
+    kinds = {(node.domain, node.op_type) for node in proto.graph.node}
+    stateful, decompose = states.has_states(kinds), cpu and cpu_forms.GATED_NORM in kinds
+    if not (stateful or decompose):
+        return proto, repaired
+    model = ir.serde.deserialize_model(proto)
+    try:
+        states.select_states_at_lengths(model.graph)
+    except states.StatesSkipped as reason:
+        raise PackageError(f"{decoder_path}: ortmodule cannot run this decoder's layer states: {reason}") from None
+    if decompose:
+        cpu_forms.decompose(model.graph)
+    return ir.serde.serialize_model(model), True
 
 
 def plain_positions(proto: onnx.ModelProto) -> bool:
@@ -192,10 +196,10 @@ def unbounded_window_caches(proto: onnx.ModelProto) -> bool:
     return changed
 
 
-def repaired_graph(decoder_path: Path) -> bytes | None:
-    """The package's decoder graph without the shapes `forget_wrong_shapes` drops (the weights stay
-    in the package's files), or None where it records none of them (load the file itself)."""
-    proto, repaired = _load_repaired(decoder_path)
+def repaired_graph(decoder_path: Path, cpu: bool = False) -> bytes | None:
+    """The package's decoder graph as `_load_repaired` makes it (for a CPU session where `cpu`; the weights
+    stay in the package's files), or None where it needs no repair (load the file itself)."""
+    proto, repaired = _load_repaired(decoder_path, cpu)
     return proto.SerializeToString() if repaired else None
 
 
@@ -305,12 +309,13 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _cache_key(path: Path, logits_name: str, float32_head: bool = False, unpack_qkv: bool = False) -> str:
+def _cache_key(path: Path, logits_name: str, float32_head: bool = False, unpack_qkv: bool = False,
+               cpu: bool = False) -> str:
     """The source graph's content (not its path: a replaced file gets its own entry; `file_digest`),
     the logits name, the rewrite's options, its version and its code."""
     digest = hashlib.sha256(file_digest(path).encode())
     digest.update(f"|{logits_name}|{REWRITE_VERSION}|{code_digest()}|{ir.__version__}"
-                  f"{'|float32_head' * float32_head}{'|unpack_qkv' * unpack_qkv}".encode())
+                  f"{'|float32_head' * float32_head}{'|unpack_qkv' * unpack_qkv}{'|cpu' * cpu}".encode())
     return digest.hexdigest()[:32]
 
 
@@ -362,24 +367,24 @@ def checked_rewrite(rewrite):
 
 
 def lm_head_graph(decoder_path: Path, logits_name: str, rewrite, cache_dir: Path | None = None,
-                  unpack_qkv: bool = False) -> bytes | None:
+                  unpack_qkv: bool = False, cpu: bool = False) -> bytes | None:
     """`keep_positions_graph` as `rewrite_lm_head` asks: True, "float32" (a float32 head where it
     applies), or False (None: the package's graph as it is)."""
     if not checked_rewrite(rewrite):
         return None
-    return keep_positions_graph(decoder_path, logits_name, cache_dir, rewrite == "float32", unpack_qkv)
+    return keep_positions_graph(decoder_path, logits_name, cache_dir, rewrite == "float32", unpack_qkv, cpu)
 
 
 def keep_positions_graph(decoder_path: Path, logits_name: str, cache_dir: Path | None = None,
-                         float32_head: bool = False, unpack_qkv: bool = False) -> bytes | None:
-    """Bytes of the rewritten decoder graph (weights stay in the package's files), or None with a
-    logged reason when the graph does not match. Built once per source graph content, then read
-    from the cache; an entry that fails its check is rebuilt with a warning."""
+                         float32_head: bool = False, unpack_qkv: bool = False, cpu: bool = False) -> bytes | None:
+    """Bytes of the rewritten decoder graph (weights stay in the package's files; for a CPU session where
+    `cpu`, `_load_repaired`), or None with a logged reason when the graph does not match. Built once per
+    source graph content, then read from the cache; an entry that fails its check is rebuilt with a warning."""
     def build() -> bytes:
-        return rewrite_keep_positions(_load_repaired(decoder_path)[0], logits_name, float32_head,
+        return rewrite_keep_positions(_load_repaired(decoder_path, cpu)[0], logits_name, float32_head,
                                       unpack_qkv).SerializeToString()
 
-    key = _cache_key(decoder_path, logits_name, float32_head, unpack_qkv)
+    key = _cache_key(decoder_path, logits_name, float32_head, unpack_qkv, cpu)
     try:
         return cached(cache_dir, f"{decoder_path.stem}-{key}", build)
     except RewriteSkipped as reason:

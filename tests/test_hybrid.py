@@ -120,6 +120,36 @@ def test_a_linear_attention_of_another_form_is_refused_at_load(build, tmp_path, 
         OrtModelForCausalLM.from_pretrained(package, cache_dir=tmp_path / "graphs")
 
 
+def test_a_cpu_session_writes_the_gated_norm_as_standard_ops(build, tmp_path):
+    """On a CPU, Qwen3.5's `GatedRMSNorm` (whose CPU kernel is slow) runs as standard ops (cpu_forms.py):
+    the graph a CPU decoder runs has none left, another device's keeps them, and ONNX Runtime's run of
+    either graph gives the same logits and states for a right-padded batch."""
+    import numpy as np
+
+    from ortmodule import graph, runtime
+
+    fixture = build("qwen3_5")
+    model = OrtModelForCausalLM.from_pretrained(fixture.package_dir, cache_dir=tmp_path / "graphs")
+    assert b"GatedRMSNorm" not in model.decoder.graph_bytes
+    path = fixture.package_dir / "model.onnx"
+    outputs = []
+    for cpu in (True, False):
+        data = graph.repaired_graph(path, cpu)
+        assert (b"GatedRMSNorm" in data) is not cpu
+        session = runtime.make_session(data, torch.device("cpu"), fixture.package_dir).ort_session
+        ids, mask = right_padded_batch([9, 4], seed=51)
+        feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": mask.cumsum(1).numpy() - 1,
+                 "ortmodule_state_lengths": mask.sum(1).numpy()}
+        for value in session.get_inputs():
+            if value.name not in feeds:
+                shape = [2 if d == "batch_size" else 0 if isinstance(d, str) else d for d in value.shape]
+                feeds[value.name] = np.zeros([16 if d == "kv_cache_dim" else s for d, s in zip(value.shape, shape)],
+                                             np.float32)
+        outputs.append(session.run(None, feeds))
+    for ours, theirs in zip(*outputs, strict=True):
+        assert np.abs(ours - theirs).max() < 1e-5
+
+
 def test_a_cache_continues_rows_of_different_lengths(pair):
     """A right-padded prefill into a cache, then three tokens a row, one run each: every row's logits
     equal transformers' on the row's whole sequence (each row's states taken at its own last token,
