@@ -130,8 +130,8 @@ def release_padding_holds(graph: ir.Graph) -> None:
 
 
 def _real_positions(graph: ir.Graph, first: ir.Node, lengths: ir.Value) -> ir.Value:
-    """`[B, S, 1]`: 1 at each row's real positions of the run (`position < length`), 0 at its padding, in
-    the type of `first`'s decay (the run's width read from it), made just before `first`."""
+    """`[B, S, 1]`: true at each row's real positions of the run (`position < length`), false at its padding
+    (the run's width read from `first`'s decay), made just before `first`."""
     name = "/ortmodule/states/real"
     decay = first.inputs[4]
     zero, one = _constant(graph, f"{name}/zero", 0), _constant(graph, f"{name}/one", 1)
@@ -143,16 +143,16 @@ def _real_positions(graph: ir.Graph, first: ir.Node, lengths: ir.Value) -> ir.Va
     real = ir.node("Less", [positions.outputs[0], ends.outputs[0]], name=f"{name}/Less")  # [B, S]
     spread = ir.node("Unsqueeze", [real.outputs[0], _constant(graph, f"{name}/last", [2])],
                      name=f"{name}/Spread")  # [B, S, 1]
-    typed = ir.node("CastLike", [spread.outputs[0], decay], name=f"{name}/CastLike")
-    graph.insert_before(first, [shape, width, positions, ends, real, spread, typed])
-    return typed.outputs[0]
+    graph.insert_before(first, [shape, width, positions, ends, real, spread])
+    return spread.outputs[0]
 
 
 def _hold_at_padding(graph: ir.Graph, node: ir.Node, real: ir.Value) -> None:
     """Zero `node`'s decay and beta (inputs 4 and 5) at padded positions: its state passes them unchanged."""
     for index, part in ((4, "decay"), (5, "beta")):
-        held = ir.node("Mul", [node.inputs[index], real], name=f"{node.name}/ortmodule_state/{part}")
-        graph.insert_before(node, [held])
+        typed = ir.node("CastLike", [real, node.inputs[index]], name=f"{node.name}/ortmodule_state/{part}_real")
+        held = ir.node("Mul", [node.inputs[index], typed.outputs[0]], name=f"{node.name}/ortmodule_state/{part}")
+        graph.insert_before(node, [typed, held])
         node.replace_input_with(index, held.outputs[0])
 
 
