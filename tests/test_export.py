@@ -102,6 +102,30 @@ def test_a_multimodal_checkpoint_exports_its_text_model(tmp_path, kind):
         assert torch.equal(model.generate(ids, **kwargs), reference.generate(input_ids=ids, **kwargs))
 
 
+def test_a_qwen3_5_checkpoint_exports_its_text_model(tmp_path):
+    """`ortmodule export` on a Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration`: linear attention layers
+    keeping convolution and recurrent states, the builder's 3-D position ids): a text package whose logits on
+    a left-padded batch and greedy tokens are transformers' (the fixtures' Qwen3.5 checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    from ortmodule_dev import fixtures
+
+    fixtures.make_checkpoint(fixtures.FixtureSpec("qwen3_5", num_layers=4), tmp_path / "hf")
+    export(tmp_path / "hf", tmp_path / "package", progress=False)
+    assert json.loads((tmp_path / "package" / "genai_config.json").read_text())["model"]["type"] == "qwen3_5_text"
+    model = OrtModelForCausalLM.from_pretrained(tmp_path / "package")
+    assert {state.kind for state in model.decoder.spec.states} == {"conv", "recurrent"}
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(4, 500, (2, 14), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+        assert (model(ids, attention_mask=mask).logits - expected)[mask.bool()].abs().max().item() < 1e-4
+        kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=2)
+        assert torch.equal(model.generate(ids, **kwargs), reference.generate(input_ids=ids, **kwargs))
+
+
 def test_cli_exports_a_gemma3_checkpoint_with_its_images(tmp_path, capsys):
     """`ortmodule export --images` on a Gemma 3 checkpoint: the decoder taking embeddings beside the
     vision tower and the embeddings exported, and the package takes a prompt's images as transformers'
