@@ -125,8 +125,12 @@ def test_generate_options_fuzz(build, seed):
     torch.manual_seed(seed)
     ours = model.generate(ids, attention_mask=mask, **options)
     torch.manual_seed(seed)
+    # transformers 5.25's hybrid cache goes wrong in beam search: seed 1050780 (LFM2, 3 beams, one prompt's beams
+    # ended), a beam's logits 2.9 off at one step in its cached run, where its run without a cache gives
+    # ortmodule's (within 3e-6); the reference then runs without one
+    reference = {**options, "use_cache": False} if arch in HYBRID and options.get("num_beams") else options
     with torch.no_grad():
-        theirs = hf.generate(ids, attention_mask=mask, **options)
+        theirs = hf.generate(ids, attention_mask=mask, **reference)
     sequences = [out if isinstance(out, torch.Tensor) else out.sequences for out in (ours, theirs)]
     if not torch.equal(*sequences):
         if options.get("num_beams"):
