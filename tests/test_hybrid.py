@@ -1,5 +1,6 @@
 """Hybrid decoders: LFM2's packages, whose convolution layers keep a state each beside the attention
-layers' KV (ortmodule/states.py), against transformers on the same weights through everything that
+layers' KV, and Qwen3.5's, whose linear attention layers keep a convolution and a recurrent state each
+(ortmodule/states.py), against transformers on the same weights through everything that
 carries a cache: a cache continued from rows of different lengths, generate (greedy, beams,
 sampling's shapes), long rows in chunks, shared contexts (the extend graph), lm-eval's requests,
 the score API, and the server's continuous batch, where rows join and leave."""
