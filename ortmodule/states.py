@@ -80,9 +80,9 @@ def select_states_at_lengths(graph: ir.Graph) -> bool:
             _take_at_lengths(graph, node, ends.outputs[0], outputs)
     linear = [node for node in nodes if (node.domain, node.op_type) == LINEAR_OP]
     if linear:
-        real = _real_positions(graph, linear[0], lengths)
+        real, typed = _real_positions(graph, linear[0], lengths), {}
         for node in linear:
-            _hold_at_padding(graph, node, real)
+            _hold_at_padding(graph, node, real, typed, linear[0])
     return True
 
 
@@ -147,13 +147,29 @@ def _real_positions(graph: ir.Graph, first: ir.Node, lengths: ir.Value) -> ir.Va
     return spread.outputs[0]
 
 
-def _hold_at_padding(graph: ir.Graph, node: ir.Node, real: ir.Value) -> None:
+def _hold_at_padding(graph: ir.Graph, node: ir.Node, real: ir.Value, typed: dict, first: ir.Node) -> None:
     """Zero `node`'s decay and beta (inputs 4 and 5) at padded positions: its state passes them unchanged."""
     for index, part in ((4, "decay"), (5, "beta")):
-        typed = ir.node("CastLike", [real, node.inputs[index]], name=f"{node.name}/ortmodule_state/{part}_real")
-        held = ir.node("Mul", [node.inputs[index], typed.outputs[0]], name=f"{node.name}/ortmodule_state/{part}")
-        graph.insert_before(node, [typed, held])
+        gate = node.inputs[index]
+        held = ir.node("Mul", [gate, _real_as(graph, real, gate, node, typed, first)],
+                       name=f"{node.name}/ortmodule_state/{part}")
+        graph.insert_before(node, [held])
         node.replace_input_with(index, held.outputs[0])
+
+
+def _real_as(graph: ir.Graph, real: ir.Value, gate: ir.Value, node: ir.Node, typed: dict, first: ir.Node) -> ir.Value:
+    """`real` in `gate`'s element type: one Cast per type for every layer (`typed`, made before `first`, the
+    first linear attention), or, where the graph records no type, a CastLike before `node`."""
+    dtype = gate.type.dtype if gate.type is not None else None
+    if dtype is None:
+        cast = ir.node("CastLike", [real, gate], name=f"{node.name}/ortmodule_state/real_{gate.name}")
+        graph.insert_before(node, [cast])
+        return cast.outputs[0]
+    if dtype not in typed:
+        cast = ir.node("Cast", [real], attributes={"to": dtype}, name=f"/ortmodule/states/real_{dtype.name}")
+        graph.insert_before(first, [cast])
+        typed[dtype] = cast.outputs[0]
+    return typed[dtype]
 
 
 def _constant(graph: ir.Graph, name: str, values: list[int] | int) -> ir.Value:
